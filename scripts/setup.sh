@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent setup: a local virtual environment in .venv with titan_ext installed (editable),
+# its test and solver extras, and the torch 2.13.0 CPU wheel unless a CUDA torch is already present.
+# Re-running is cheap: nothing is reinstalled unless pyproject.toml changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+PY="${PYTHON:-python3}"
+venv="$root/.venv"
+if [ ! -x "$venv/bin/python" ]; then
+    if "$PY" -c 'import torch,sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
+        echo "[setup] found a CUDA torch in $PY: the venv will see it (--system-site-packages)"
+        "$PY" -m venv --system-site-packages "$venv"
+    else
+        "$PY" -m venv "$venv"
+    fi
+fi
+vpy="$venv/bin/python"
+stamp="$venv/.titan_ext_stamp"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+"$vpy" -m pip install -q --upgrade pip
+if ! "$vpy" -c 'import torch' 2>/dev/null; then
+    # The CPU wheel (on disk on our machines); a plain `torch` requirement would pull a CUDA build.
+    "$vpy" -m pip install -q torch==2.13.0
+fi
+# torchtitan 0.2.2 imports triton at import time, also on CPU machines.
+"$vpy" -m pip install -q triton
+"$vpy" -m pip install -q -e ".[test,solver]"
+echo "$want" > "$stamp"
+echo "[setup] environment ready in $venv"
