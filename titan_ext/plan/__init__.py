@@ -1,0 +1,26 @@
+"""titan_ext.plan — pure planning: profiles, warm-up planning, schedule generation, validation,
+simulation and exporters. Importing this package imports no torch (see ir.py)."""
+
+from .profile import LinkProfile, PipelineProfile
+from .warmup import (
+    absorbs_delay,
+    adapted_warmup_counts,
+    initial_warmup_counts,
+    initial_warmup_counts_for,
+    link_tolerance_ms,
+    required_slackness,
+    slackness,
+    zb_h1_warmup_counts,
+    zb_warmup_counts,
+)
+from .pipemorph import Plan, generate_order, plan_pipemorph
+from .simulate import ActionEvent, DeadlockError, Timeline, simulate
+from .validate import PlanValidationError, validate_plan
+from .ir import as_ops, to_torch_plan
+
+__all__ = [
+    "ActionEvent", "DeadlockError", "LinkProfile", "PipelineProfile", "Plan", "PlanValidationError",
+    "Timeline", "absorbs_delay", "adapted_warmup_counts", "as_ops", "generate_order",
+    "initial_warmup_counts", "initial_warmup_counts_for", "link_tolerance_ms", "plan_pipemorph",
+    "required_slackness", "simulate", "slackness", "to_torch_plan", "validate_plan", "zb_h1_warmup_counts", "zb_warmup_counts",
+]

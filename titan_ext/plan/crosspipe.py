@@ -1,0 +1,640 @@
+"""CrossPipe greedy schedule generation (CrossPipe §4.2, Alg.1) — CrossUD, CrossUDSub, CrossWave.
+
+The generator is a list scheduler driven by its own event-driven timing model (CrossPipe §3.5 and
+§4.2.3), the same model as ``titan_ext.plan.simulate`` in delegated mode:
+
+* a rank executes one operation at a time;
+* a cross-rank dependency becomes available ``α + size·β`` after the producing operation ends, and a
+  link direction carries one message at a time (range-based occupancy, §4.2.3: the message takes the
+  earliest free window of length ``size·β`` at or after it is ready; latency α is pipelined, i.e. it
+  does not occupy the link);
+* a same-rank dependency (the V turn of CrossWave, I after F on the last stage, W after I) is
+  available as soon as the producer ends.
+
+Scheduling loop (§4.2.2):
+
+* **Stage selection** – the rank with the earliest *schedulable time*, i.e. ``max(end of its last
+  operation, earliest availability of an operation it may run now)`` (memory permitting).
+* **Operation selection** – among the operations available at that time: warm-up phase (no backward
+  has reached the rank yet) → F first; steady phase → F and I (the paper's D) full blocks interleaved;
+  tear-down phase (all F of the rank done) → I before W.  W runs when F/I are not available or the
+  memory limit forbids an F (§4.2.2 last sentence).  Ties go to the lower microbatch, then to the
+  later stage (closer to the loss).
+* **Sub-blocks** (§4.2.1): every W is split into ``n_sub`` sub-blocks and scheduled one sub-block at a
+  time, so an I or F that arrives while a W is running waits at most one sub-block.  F and I are
+  scheduled as full blocks ("interleaves F and D full blocks", §4.2.2), so splitting them would not
+  change any decision.  CrossUD is ``n_sub = 1``.
+
+Output: whole actions in torch's IR.  torch's runtime cannot execute part of an action, so the
+sub-block timeline is turned into whole actions ordered by the completion time of their last sub-block
+(a W interrupted by an I is placed after that I).  The makespan of that whole-action plan is then
+recomputed with :func:`replay` (same model), and, like CrossPipe's schedule selection (§6.2), the
+generator keeps the best of a small portfolio of candidates (``n_sub`` values and the steady-phase
+priority) by that replayed makespan.
+
+Memory (§4.2, inputs M_F, M_D, M_W, M_L): net memory change per operation in *activation units* — by
+default F = +1, I = −1, W = 0, i.e. the limit is on in-flight activations (F done − I done) per rank,
+the quantity ``simulate`` reports as ``peak_inflight``.  An F is only scheduled if the rank stays
+within its limit; on a rank holding several stages (CrossWave), an F of an earlier stage also keeps
+one unit per later stage on that rank free, so the V turn can always proceed (no memory deadlock).
+
+This module is pure Python: no torch or ortools at import time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+__all__ = [
+    "CrossPipeProblem",
+    "GreedyResult",
+    "CrossPipePlan",
+    "greedy_schedule",
+    "replay",
+    "plan_crosspipe_problem",
+    "peak_memory",
+    "to_actions",
+    "wave_stage_to_rank",
+    "CROSSPIPE_VARIANTS",
+]
+
+CROSSPIPE_VARIANTS = ("ud", "udsub", "wave")
+
+F, I, W = "F", "I", "W"
+
+
+def wave_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
+    """V-shape placement used by CrossWave and torch's ZBV: stages s and 2S−1−s on rank s."""
+    return tuple(list(range(num_ranks)) + list(range(num_ranks - 1, -1, -1)))
+
+
+@dataclass(frozen=True)
+class CrossPipeProblem:
+    """Everything the CrossPipe generators and the optimal solver need (CrossPipe §3.2, §4.2 inputs).
+
+    Stages are model chunks in data-flow order (``num_stages`` = len(stage_to_rank)); ranks are
+    devices.  Link ``i`` joins rank ``i`` and rank ``i + 1``; both directions have the same latency
+    ``link_latency_ms[i]`` (α) and per-message transfer time ``link_transfer_ms[i]`` (size·β), and
+    each direction carries one message at a time.
+    """
+
+    num_ranks: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    f_ms: tuple[float, ...]
+    """forward time per stage (T_F)."""
+    b_ms: tuple[float, ...]
+    """backward-input time per stage (T_D in CrossPipe, torch's I)."""
+    w_ms: tuple[float, ...]
+    """backward-weight time per stage (T_W)."""
+    link_latency_ms: tuple[float, ...] = ()
+    """one-way latency α per link (len num_ranks − 1); empty = all zero."""
+    link_transfer_ms: tuple[float, ...] = ()
+    """bandwidth time size·β of one message per link (len num_ranks − 1); empty = all zero."""
+    memory_limit: tuple[float, ...] | None = None
+    """per-rank memory limit M_L in activation units (None = unlimited)."""
+    memory_deltas: tuple[float, float, float] = (1.0, -1.0, 0.0)
+    """net memory change (M_F, M_D, M_W) of one F / I / W, in activation units."""
+
+    def __post_init__(self) -> None:
+        R, N = self.num_ranks, self.num_microbatches
+        if not isinstance(R, int) or R < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {R!r}")
+        if not isinstance(N, int) or N < 1:
+            raise ValueError(f"num_microbatches must be a positive int, got {N!r}")
+        S = len(self.stage_to_rank)
+        if S < 1:
+            raise ValueError("stage_to_rank must name at least one stage")
+        if sorted(set(self.stage_to_rank)) != list(range(R)):
+            raise ValueError(f"stage_to_rank must use every rank 0..{R - 1}: {self.stage_to_rank}")
+        for s in range(S - 1):
+            a, b = self.stage_to_rank[s], self.stage_to_rank[s + 1]
+            if abs(a - b) > 1:
+                raise ValueError(f"stage_to_rank: stages {s} and {s + 1} sit on ranks {a} and {b}, which share no link")
+        for name in ("f_ms", "b_ms", "w_ms"):
+            vals = getattr(self, name)
+            if len(vals) != S:
+                raise ValueError(f"{name} must have one value per stage ({S}), got {len(vals)}")
+            for v in vals:
+                if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                    raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+        for name in ("link_latency_ms", "link_transfer_ms"):
+            vals = getattr(self, name)
+            if vals and len(vals) != R - 1:
+                raise ValueError(f"{name} must have one value per link ({R - 1}), got {len(vals)}")
+            for v in vals:
+                if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                    raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+        mf, mi, mw = self.memory_deltas
+        if not (mf > 0 and mi <= 0 and mw <= 0 and abs(mf + mi + mw) < 1e-9):
+            raise ValueError(f"memory_deltas must be (M_F > 0, M_D <= 0, M_W <= 0) summing to 0, got {self.memory_deltas}")
+        if self.memory_limit is not None:
+            if len(self.memory_limit) != R:
+                raise ValueError(f"memory_limit must have one value per rank ({R}), got {len(self.memory_limit)}")
+            for r, lim in enumerate(self.memory_limit):
+                need = mf * sum(1 for x in self.stage_to_rank if x == r)
+                if not (lim >= need - 1e-9):
+                    raise ValueError(
+                        f"memory_limit[{r}] = {lim} is below one microbatch per stage on that rank ({need})"
+                    )
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    def latency(self, link: int) -> float:
+        return self.link_latency_ms[link] if self.link_latency_ms else 0.0
+
+    def transfer(self, link: int) -> float:
+        return self.link_transfer_ms[link] if self.link_transfer_ms else 0.0
+
+    def hop(self, src_stage: int, dst_stage: int) -> tuple[int, int] | None:
+        """(link, direction) crossed by data from src_stage to dst_stage; None if same rank.
+
+        direction 0 = towards higher rank, 1 = towards lower rank.
+        """
+        a, b = self.stage_to_rank[src_stage], self.stage_to_rank[dst_stage]
+        if a == b:
+            return None
+        return (min(a, b), 0 if b > a else 1)
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def with_memory_limit(self, memory_limit: Sequence[float] | None) -> "CrossPipeProblem":
+        return CrossPipeProblem(
+            self.num_ranks, self.num_microbatches, self.stage_to_rank, self.f_ms, self.b_ms, self.w_ms,
+            self.link_latency_ms, self.link_transfer_ms,
+            None if memory_limit is None else tuple(float(x) for x in memory_limit), self.memory_deltas,
+        )
+
+    @classmethod
+    def uniform(
+        cls,
+        num_ranks: int,
+        num_microbatches: int,
+        f_ms: float,
+        b_ms: float,
+        w_ms: float,
+        *,
+        wave: bool = False,
+        latency_ms: Mapping[int, float] | float = 0.0,
+        transfer_ms: Mapping[int, float] | float = 0.0,
+        memory_limit: Sequence[float] | float | None = None,
+    ) -> "CrossPipeProblem":
+        """Uniform per-stage times; ``latency_ms``/``transfer_ms`` either one value for every link
+        or ``{link: ms}``.  With ``wave=True`` there are 2·num_ranks stages (V-shape)."""
+        stage_to_rank = wave_stage_to_rank(num_ranks) if wave else tuple(range(num_ranks))
+        S = len(stage_to_rank)
+
+        def per_link(v):
+            if isinstance(v, Mapping):
+                out = [0.0] * (num_ranks - 1)
+                for k, x in v.items():
+                    if not 0 <= k < num_ranks - 1:
+                        raise ValueError(f"link {k} out of range 0..{num_ranks - 2}")
+                    out[k] = float(x)
+                return tuple(out)
+            return tuple([float(v)] * (num_ranks - 1))
+
+        if memory_limit is not None and not isinstance(memory_limit, Sequence):
+            memory_limit = [float(memory_limit)] * num_ranks
+        return cls(
+            num_ranks, num_microbatches, stage_to_rank, (float(f_ms),) * S, (float(b_ms),) * S,
+            (float(w_ms),) * S, per_link(latency_ms), per_link(transfer_ms),
+            None if memory_limit is None else tuple(float(x) for x in memory_limit),
+        )
+
+
+# Operations are plain tuples (stage, kind, microbatch) inside plan/; torch's _Action only at the
+# boundary (see to_actions / titan_ext.plan.ir).
+Op = tuple  # (stage, kind, microbatch)
+
+
+@dataclass
+class GreedyResult:
+    """Result of one greedy run (or of a replay): per-rank whole-action orders and their timing."""
+
+    orders: dict[int, list[Op]]
+    """rank → whole actions (stage, 'F'|'I'|'W', microbatch) in execution order."""
+    start_ms: dict[Op, float]
+    end_ms: dict[Op, float]
+    makespan_ms: float
+    """from the first F on stage 0 to the end of the last action anywhere (CrossPipe App.A)."""
+    subblocks: list[tuple[int, Op, int, float, float]] = field(default_factory=list)
+    """greedy only: (rank, op, sub-block index, start, end) as scheduled by Alg.1."""
+    n_sub: int = 1
+    steady: str = "interleave"
+
+
+class _Links:
+    """Range-based link occupancy (CrossPipe §4.2.3): per (link, direction) sorted busy windows."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self) -> None:
+        self.starts: dict[tuple[int, int], list[float]] = {}
+        self.ends: dict[tuple[int, int], list[float]] = {}
+
+    def reserve(self, key: tuple[int, int], ready: float, length: float) -> float:
+        """Earliest window of ``length`` at or after ``ready`` on ``key``; reserve it; return its end."""
+        if length <= 0:
+            return ready
+        starts = self.starts.setdefault(key, [])
+        ends = self.ends.setdefault(key, [])
+        if not starts or ready >= ends[-1]:  # common case: after everything booked so far
+            starts.append(ready)
+            ends.append(ready + length)
+            return ready + length
+        # first window that ends after `ready`
+        i = bisect.bisect_right(ends, ready)
+        t = ready
+        while i < len(starts):
+            if t + length <= starts[i]:
+                break
+            t = max(t, ends[i])
+            i += 1
+        starts.insert(i, t)
+        ends.insert(i, t + length)
+        return t + length
+
+
+def _message_arrival(problem: CrossPipeProblem, links: _Links, src_stage: int, dst_stage: int, ready: float) -> float:
+    hop = problem.hop(src_stage, dst_stage)
+    if hop is None:
+        return ready
+    link, _direction = hop
+    return links.reserve(hop, ready, problem.transfer(link)) + problem.latency(link)
+
+
+def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "interleave") -> GreedyResult:
+    """One run of CrossPipe's greedy generator (§4.2, Alg.1) with ``n_sub`` sub-blocks per W.
+
+    ``steady`` is the steady-phase rule: ``"interleave"`` (§4.2.2: alternate F and D full blocks) or
+    ``"backward_first"`` (I before F whenever both are available).
+    Raises ValueError if the memory limit admits no schedule (deadlock).
+    """
+    if not isinstance(n_sub, int) or n_sub < 1:
+        raise ValueError(f"n_sub must be a positive int, got {n_sub!r}")
+    if steady not in ("interleave", "backward_first"):
+        raise ValueError(f"steady must be 'interleave' or 'backward_first', got {steady!r}")
+    R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
+    s2r = problem.stage_to_rank
+    last = S - 1
+    mf, mi, mw = problem.memory_deltas
+    limit = problem.memory_limit
+    rank_stages = [problem.stages_of_rank(r) for r in range(R)]
+    # memory an F of stage s must leave free for the later stages of its rank (V turn)
+    reserve = [mf * sum(1 for s2 in rank_stages[s2r[s]] if s2 > s) for s in range(S)]
+    total_f = [N * len(rank_stages[r]) for r in range(R)]
+
+    # queues: per (stage, kind) list of [mb, avail] in microbatch order; head index per queue
+    queue: dict[tuple[int, str], list[list[float]]] = {(s, k): [] for s in range(S) for k in (F, I, W)}
+    head: dict[tuple[int, str], int] = {key: 0 for key in queue}
+    queue[(0, F)] = [[m, 0.0] for m in range(N)]
+    w_left: dict[tuple[int, int], int] = {}  # (stage, mb) → W sub-blocks left
+
+    free = [0.0] * R
+    mem = [0.0] * R
+    f_done = [0] * R
+    seen_backward = [False] * R
+    last_full = [None] * R
+    links = _Links()
+    start: dict[Op, float] = {}
+    end: dict[Op, float] = {}
+    subblocks: list[tuple[int, Op, int, float, float]] = []
+    remaining = 3 * N * S
+    stage_rank_keys = [[(s, k) for s in sorted(rank_stages[r], reverse=True) for k in (F, I, W)] for r in range(R)]
+
+    def candidates(r: int):
+        """(avail, kind, mb, stage) of the heads this rank may run now (memory permitting)."""
+        out = []
+        for key in stage_rank_keys[r]:
+            q = queue[key]
+            h = head[key]
+            if h >= len(q):
+                continue
+            s, k = key
+            if k == F and limit is not None and mem[r] + mf + reserve[s] > limit[r] + 1e-9:
+                continue
+            m, avail = q[h]
+            out.append((avail, k, int(m), s))
+        return out
+
+    def sched_time(r: int) -> float:
+        c = candidates(r)
+        if not c:
+            return math.inf
+        return max(free[r], min(x[0] for x in c))
+
+    heap = [(sched_time(r), r) for r in range(R)]
+    heap = [x for x in heap if x[0] < math.inf]
+    heapq.heapify(heap)
+    version = [0] * R
+    heap = [(t, r, 0) for t, r in heap]
+    heapq.heapify(heap)
+
+    def push(r: int) -> None:
+        version[r] += 1
+        t = sched_time(r)
+        if t < math.inf:
+            heapq.heappush(heap, (t, r, version[r]))
+
+    def arrive(key: tuple[int, str], m: int, avail: float) -> None:
+        q = queue[key]
+        # keep microbatch order (arrivals of one (stage, kind) come in mb order in practice; insert
+        # sorted anyway so the head is always the lowest microbatch)
+        if not q or q[-1][0] < m:
+            q.append([m, avail])
+        else:
+            i = len(q)
+            while i > head[key] and q[i - 1][0] > m:
+                i -= 1
+            q.insert(i, [m, avail])
+
+    while remaining:
+        if not heap:
+            raise ValueError(
+                "CrossPipe greedy: no rank can proceed — the memory limit admits no schedule "
+                f"(memory_limit={problem.memory_limit})"
+            )
+        t_key, r, ver = heapq.heappop(heap)
+        if ver != version[r]:
+            continue
+        cands = candidates(r)
+        t = max(free[r], min(c[0] for c in cands))
+        avail_now = [c for c in cands if c[0] <= t + 1e-12]
+        kinds = {c[1] for c in avail_now}
+        if not seen_backward[r] and I in kinds:
+            seen_backward[r] = True  # warm-up ends when the first backward can run here
+        # ---- operation selection (§4.2.2)
+        if f_done[r] == total_f[r]:
+            order = (I, W, F)  # tear-down
+        elif not seen_backward[r]:
+            order = (F, I, W)  # warm-up
+        elif steady == "backward_first" or last_full[r] == F:
+            order = (I, F, W)
+        else:
+            order = (F, I, W)
+        kind = next(k for k in order if k in kinds)
+        # tie: lowest microbatch, then later stage (closer to the loss)
+        _, _, m, s = min((c for c in avail_now if c[1] == kind), key=lambda c: (c[2], -c[3]))
+        key = (s, kind)
+        op = (s, kind, m)
+        if kind == W:
+            nleft = w_left.get((s, m), n_sub)
+            dur = problem.w_ms[s] / n_sub
+            t0, t1 = t, t + dur
+            subblocks.append((r, op, n_sub - nleft, t0, t1))
+            if nleft == n_sub:
+                start[op] = t0
+            nleft -= 1
+            free[r] = t1
+            if nleft:
+                w_left[(s, m)] = nleft
+                queue[key][head[key]][1] = t1  # rest of this W stays at the head
+            else:
+                w_left.pop((s, m), None)
+                head[key] += 1
+                end[op] = t1
+                mem[r] += mw
+                remaining -= 1
+            push(r)
+            continue
+        dur = problem.f_ms[s] if kind == F else problem.b_ms[s]
+        t0, t1 = t, t + dur
+        subblocks.append((r, op, 0, t0, t1))
+        start[op], end[op] = t0, t1
+        free[r] = t1
+        head[key] += 1
+        remaining -= 1
+        last_full[r] = kind
+        touched = {r}
+        if kind == F:
+            mem[r] += mf
+            f_done[r] += 1
+            if s < last:
+                nxt = (s + 1, F)
+                avail = _message_arrival(problem, links, s, s + 1, t1)
+            else:
+                nxt = (s, I)
+                avail = t1
+            arrive(nxt, m, avail)
+            touched.add(s2r[nxt[0]])
+        else:  # I
+            mem[r] += mi
+            arrive((s, W), m, t1)
+            if s > 0:
+                avail = _message_arrival(problem, links, s, s - 1, t1)
+                arrive((s - 1, I), m, avail)
+                touched.add(s2r[s - 1])
+        for x in touched:
+            push(x)
+
+    # whole actions ordered by the completion of their last sub-block (ties: start)
+    orders: dict[int, list[Op]] = {}
+    for r in range(R):
+        ops = [op for op in end if s2r[op[0]] == r]
+        ops.sort(key=lambda op: (end[op], start[op]))
+        orders[r] = ops
+    makespan = max(end.values()) - start[(0, F, 0)]
+    return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady)
+
+
+def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> GreedyResult:
+    """Time fixed per-rank whole-action orders with the same model (CrossPipe §3.5): each action
+    starts when its rank is free and its input has arrived; messages use range-based link occupancy.
+
+    Raises ValueError if the orders deadlock or miss/duplicate an action.
+    """
+    R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
+    s2r = problem.stage_to_rank
+    expected = 3 * N * S
+    seen = set()
+    for r, ops in orders.items():
+        for op in ops:
+            if op in seen:
+                raise ValueError(f"action {op} appears twice")
+            if s2r[op[0]] != r:
+                raise ValueError(f"action {op} is on rank {r}, but its stage sits on rank {s2r[op[0]]}")
+            seen.add(op)
+    if len(seen) != expected:
+        raise ValueError(f"plan has {len(seen)} actions, expected {expected}")
+    avail: dict[Op, float] = {(0, F, m): 0.0 for m in range(N)}
+    pos = [0] * R
+    free = [0.0] * R
+    links = _Links()
+    start: dict[Op, float] = {}
+    end: dict[Op, float] = {}
+    # process in global time order so that link reservations happen chronologically
+    heap: list[tuple[float, int]] = []
+
+    def ready_time(r: int) -> float | None:
+        if pos[r] >= len(orders[r]):
+            return None
+        op = orders[r][pos[r]]
+        a = avail.get(op)
+        if a is None:
+            return None
+        return max(free[r], a)
+
+    for r in range(R):
+        t = ready_time(r)
+        if t is not None:
+            heapq.heappush(heap, (t, r))
+    done = 0
+    while heap:
+        t, r = heapq.heappop(heap)
+        cur = ready_time(r)
+        if cur is None or cur != t:
+            if cur is not None:
+                heapq.heappush(heap, (cur, r))
+            continue
+        op = orders[r][pos[r]]
+        s, k, m = op
+        dur = problem.f_ms[s] if k == F else problem.b_ms[s] if k == I else problem.w_ms[s]
+        start[op], end[op] = t, t + dur
+        free[r] = t + dur
+        pos[r] += 1
+        done += 1
+        wake = {r}
+        if k == F:
+            if s < S - 1:
+                nxt = (s + 1, F, m)
+                avail[nxt] = _message_arrival(problem, links, s, s + 1, t + dur)
+            else:
+                nxt = (s, I, m)
+                avail[nxt] = t + dur
+            wake.add(s2r[nxt[0]])
+        elif k == I:
+            avail[(s, W, m)] = t + dur
+            if s > 0:
+                avail[(s - 1, I, m)] = _message_arrival(problem, links, s, s - 1, t + dur)
+                wake.add(s2r[s - 1])
+        for x in wake:
+            rt = ready_time(x)
+            if rt is not None:
+                heapq.heappush(heap, (rt, x))
+    if done != expected:
+        stuck = {r: orders[r][pos[r]] for r in range(R) if pos[r] < len(orders[r])}
+        raise ValueError(f"plan deadlocks; next actions per rank: {stuck}")
+    makespan = max(end.values()) - start[(0, F, 0)]
+    return GreedyResult({r: list(v) for r, v in orders.items()}, start, end, makespan)
+
+
+def peak_memory(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> list[float]:
+    """Peak memory per rank (activation units, ``memory_deltas``) over each rank's program order."""
+    mf, mi, mw = problem.memory_deltas
+    delta = {F: mf, I: mi, W: mw}
+    peaks = []
+    for r in range(problem.num_ranks):
+        cur = peak = 0.0
+        for op in orders[r]:
+            cur += delta[op[1]]
+            peak = max(peak, cur)
+        peaks.append(peak)
+    return peaks
+
+
+def to_actions(orders: Mapping[int, Sequence[Op]]) -> dict:
+    """Plain tuples → torch IR ``dict[rank, list[_Action]]`` (torch imported lazily)."""
+    try:
+        from titan_ext.plan import ir as _ir  # the planning core's single conversion point
+    except ImportError:  # pragma: no cover - before the planning core landed
+        _ir = None
+    if _ir is not None and hasattr(_ir, "to_actions"):
+        return _ir.to_actions({r: list(ops) for r, ops in orders.items()})
+    import importlib
+
+    sch = importlib.import_module("torch.distributed.pipelining.schedules")
+    ct = {F: sch._ComputationType.FORWARD, I: sch._ComputationType.BACKWARD_INPUT, W: sch._ComputationType.BACKWARD_WEIGHT}
+    return {r: [sch._Action(s, ct[k], m) for s, k, m in ops] for r, ops in sorted(orders.items())}
+
+
+# ----------------------------------------------------------------------------- planner API
+@dataclass
+class CrossPipePlan:
+    """A CrossPipe plan: torch-IR actions plus what the generator knows about it."""
+
+    actions: dict
+    """rank → list[_Action] (F / I / W, compute only)."""
+    orders: dict[int, list[Op]]
+    stage_to_rank: tuple[int, ...]
+    variant: str
+    n_sub: int
+    steady: str
+    makespan_ms: float
+    """makespan of the whole-action plan under the generator's model (replayed)."""
+    greedy_makespan_ms: float
+    """makespan of the greedy's own (sub-block) timeline."""
+    memory_limit: tuple[float, ...] | None
+    peak_memory: list[float]
+    plan_ms: float
+    candidates: list[tuple[int, str, float]] = field(default_factory=list)
+    """(n_sub, steady, replayed makespan) of every portfolio member tried."""
+
+
+DEFAULT_N_SUB = (1, 2, 3, 4)
+
+
+def plan_crosspipe_problem(
+    problem: CrossPipeProblem,
+    variant: str = "ud",
+    n_sub: int | Iterable[int] | None = None,
+    steady: str | Iterable[str] | None = None,
+    convert: bool = True,
+) -> CrossPipePlan:
+    """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
+
+    With ``n_sub``/``steady`` left at None a small portfolio is tried and the plan with the best
+    replayed whole-action makespan is kept (CrossPipe §6.2 schedule selection): CrossUD tries both
+    steady rules with n_sub = 1; CrossUDSub and CrossWave also try n_sub ∈ {2, 3, 4}.
+    """
+    t0 = time.perf_counter()
+    if variant not in CROSSPIPE_VARIANTS:
+        raise ValueError(f"variant must be one of {CROSSPIPE_VARIANTS}, got {variant!r}")
+    wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(problem.num_ranks))
+    if variant == "wave" and not wave_shape:
+        raise ValueError("variant 'wave' needs a V-shape problem (two stages per rank)")
+    if variant in ("ud", "udsub") and wave_shape:
+        raise ValueError(f"variant {variant!r} needs one stage per rank")
+    if n_sub is None:
+        subs: tuple[int, ...] = (1,) if variant == "ud" else DEFAULT_N_SUB
+    elif isinstance(n_sub, int):
+        subs = (n_sub,)
+    else:
+        subs = tuple(n_sub)
+    if variant == "ud" and subs != (1,):
+        raise ValueError("CrossUD is the n_sub = 1 variant; use 'udsub' for sub-blocks")
+    steadies = ("interleave", "backward_first") if steady is None else (steady,) if isinstance(steady, str) else tuple(steady)
+    best = None
+    tried = []
+    for ns in subs:
+        for st in steadies:
+            g = greedy_schedule(problem, ns, st)
+            rep = g if ns == 1 else replay(problem, g.orders)
+            tried.append((ns, st, rep.makespan_ms))
+            if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
+                best = (g, ns, rep, st)
+    g, ns, rep, st = best
+    actions = to_actions(g.orders) if convert else {}
+    return CrossPipePlan(
+        actions=actions,
+        orders=g.orders,
+        stage_to_rank=problem.stage_to_rank,
+        variant=variant,
+        n_sub=ns,
+        steady=st,
+        makespan_ms=rep.makespan_ms,
+        greedy_makespan_ms=g.makespan_ms,
+        memory_limit=problem.memory_limit,
+        peak_memory=peak_memory(problem, g.orders),
+        plan_ms=(time.perf_counter() - t0) * 1e3,
+        candidates=tried,
+    )

@@ -1,0 +1,171 @@
+"""Performance model of any compute-only plan (DESIGN.md "Timing model"; PipeMorph §3.2, CrossPipe §3.3).
+
+Each rank runs its actions in program order. An action starts when its rank is free and its inputs
+are there: F needs the previous stage's F of the same microbatch (its message, when that stage lives
+on another rank); I / full B needs its own F and the next stage's I/B gradient; W needs its own I.
+Messages follow ``timing.LinkQueues`` (α + size·β, one message per direction at a time).
+
+``hol=False`` (delegated): sends are asynchronous, compute never waits on a send.
+``hol=True`` (PipeMorph §3.2, head-of-line blocking): communication is launched in program order on
+the compute stream, so a rank whose action sends a message cannot start its next action until that
+message has been delivered.
+
+Durations: F → t_F, I → t_B, W → t_W, full B → t_B + t_W of the stage.
+Bubble rate = 1 − Σ busy / (ranks · T), T from the first start to the last end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .ir import Op, as_ops, stage_to_rank_map
+from .profile import PipelineProfile
+from .timing import LinkQueues, to_ms, to_ns
+
+
+class DeadlockError(ValueError):
+    """The plan cannot run to completion: some rank waits forever."""
+
+
+@dataclass(frozen=True)
+class ActionEvent:
+    rank: int
+    stage: int
+    kind: str
+    microbatch: int
+    start_ms: float
+    end_ms: float
+
+
+@dataclass
+class Timeline:
+    events: list[ActionEvent]
+    makespan_ms: float
+    bubble_rate: float
+    busy_ms: dict[int, float]
+    idle_ms: dict[int, float]
+    peak_inflight: dict[int, int]  # stage → max activations held (F done − I/B done)
+
+    def to_dict(self) -> dict:
+        return {
+            "makespan_ms": self.makespan_ms,
+            "bubble_rate": self.bubble_rate,
+            "idle_ms": {str(r): v for r, v in self.idle_ms.items()},
+            "peak_inflight": {str(s): v for s, v in self.peak_inflight.items()},
+        }
+
+
+def _durations(profile: PipelineProfile) -> dict[str, list[int]]:
+    f = [to_ns(v) for v in profile.f_ms]
+    b = [to_ns(v) for v in profile.b_ms]
+    w = [to_ns(v) for v in profile.w_ms]
+    return {"F": f, "I": b, "W": w, "B": [x + y for x, y in zip(b, w)]}
+
+
+def simulate(
+    plan: Mapping[int, Any],
+    profile: PipelineProfile,
+    *,
+    hol: bool = False,
+    stage_to_rank: Callable[[int], int] | Mapping[int, int] | None = None,
+) -> Timeline:
+    """Simulate ``plan`` (rank → compute actions, torch ``_Action`` or tuples) under ``profile``.
+
+    ``profile.num_stages`` must equal the plan's number of stages; ``profile.links[s]`` is the link
+    between stage s and s+1 (unused when both live on the same rank). Raises ``DeadlockError`` when
+    the plan cannot complete.
+    """
+    ops = as_ops(plan)
+    placement = stage_to_rank_map(ops)
+    if stage_to_rank is not None:
+        lookup = stage_to_rank if callable(stage_to_rank) else stage_to_rank.__getitem__
+        for s, r in placement.items():
+            if lookup(s) != r:
+                raise ValueError(f"stage {s} runs on rank {r} but stage_to_rank says {lookup(s)}")
+    S = profile.num_stages
+    if set(placement) != set(range(S)):
+        raise ValueError(f"plan has stages {sorted(placement)}, profile has {S} stages")
+    dur = _durations(profile)
+    links = LinkQueues(profile.links)
+    last = S - 1
+
+    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) → end ns; kind "I" also for full B
+    arrived: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"G", mb) → message arrival ns
+    ranks = sorted(ops)
+    pos = {r: 0 for r in ranks}
+    free = {r: 0 for r in ranks}
+    busy = {r: 0 for r in ranks}
+    events: list[ActionEvent] = []
+    remaining = sum(len(v) for v in ops.values())
+
+    def ready_time(stage: int, kind: str, mb: int) -> int | None:
+        if kind == "F":
+            if stage == 0:
+                return 0
+            if placement[stage - 1] == placement[stage]:
+                return done.get((stage - 1, "F", mb))
+            return arrived.get((stage, "F", mb))
+        if kind in ("I", "B"):
+            own = done.get((stage, "F", mb))
+            if own is None or stage == last:
+                return own
+            if placement[stage + 1] == placement[stage]:
+                grad = done.get((stage + 1, "I", mb))
+            else:
+                grad = arrived.get((stage, "G", mb))
+            return None if grad is None else max(own, grad)
+        return done.get((stage, "I", mb))  # W
+
+    while remaining:
+        progressed = False
+        for r in ranks:
+            rank_ops = ops[r]
+            while pos[r] < len(rank_ops):
+                stage, kind, mb = rank_ops[pos[r]]
+                ready = ready_time(stage, kind, mb)
+                if ready is None:
+                    break
+                t0 = max(free[r], ready)
+                t1 = t0 + dur[kind][stage]
+                done[(stage, "I" if kind == "B" else kind, mb)] = t1
+                free[r] = t1
+                busy[r] += t1 - t0
+                if kind == "F" and stage < last and placement[stage + 1] != r:
+                    arrive = links.send(stage, (r, placement[stage + 1]), t1)
+                    arrived[(stage + 1, "F", mb)] = arrive
+                    if hol:
+                        free[r] = max(free[r], arrive)
+                elif kind in ("I", "B") and stage > 0 and placement[stage - 1] != r:
+                    arrive = links.send(stage - 1, (r, placement[stage - 1]), t1)
+                    arrived[(stage - 1, "G", mb)] = arrive
+                    if hol:
+                        free[r] = max(free[r], arrive)
+                events.append(ActionEvent(r, stage, kind, mb, to_ms(t0), to_ms(t1)))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: ops[r][pos[r]] for r in ranks if pos[r] < len(ops[r])}
+            raise DeadlockError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
+
+    start = min(e.start_ms for e in events)
+    makespan = max(e.end_ms for e in events) - start
+    busy_ms = {r: to_ms(v) for r, v in busy.items()}
+    idle_ms = {r: makespan - b for r, b in busy_ms.items()}
+    bubble = 1.0 - sum(busy_ms.values()) / (len(ranks) * makespan) if makespan > 0 else 0.0
+    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops))
+
+
+def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
+    """Per stage, the most microbatches whose F is done and whose I (or full B) is not, in program order."""
+    peak: dict[int, int] = {}
+    for rank_ops in ops.values():
+        held: dict[int, int] = {}
+        for stage, kind, _ in rank_ops:
+            if kind == "F":
+                held[stage] = held.get(stage, 0) + 1
+                peak[stage] = max(peak.get(stage, 0), held[stage])
+            elif kind in ("I", "B"):
+                held[stage] = held.get(stage, 0) - 1
+    return dict(sorted(peak.items()))

@@ -1,0 +1,106 @@
+"""Plan validator: a plan that fails here is never returned by a planner nor deployed by the runtime.
+
+Checks, in order (each failure raises ``PlanValidationError`` with the reason):
+1. completeness — every (stage, microbatch) has exactly one F and either one I and one W, or one full B;
+   every stage lives on exactly one rank; no unknown stage or microbatch;
+2. local order — on its rank, I (or B) of a microbatch comes after its F, and W after its I;
+3. memory — per stage, in-flight activations (F done − I/B done) never exceed ``inflight_limit``;
+4. progress — the plan runs to completion under our timing model (no cross-rank deadlock);
+5. torch — torch's own SEND/RECV lowering ``_add_send_recv`` (the pass
+   ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs) followed by torch's dry run
+   ``_simulate_comms_compute`` completes. (torch's dry run does not understand the FSDP
+   UNSHARD/RESHARD/REDUCE_GRAD actions of the other passes, which do not affect ordering.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections import Counter
+from typing import Any, Mapping, Sequence
+
+from .ir import as_ops, stage_to_rank_map, to_torch_plan, torch_schedules
+from .profile import PipelineProfile
+from .simulate import DeadlockError, peak_inflight, simulate
+
+
+class PlanValidationError(ValueError):
+    """The plan is not safe to run."""
+
+
+def validate_plan(
+    plan: Mapping[int, Any],
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    inflight_limit: Sequence[int] | int | None = None,
+    torch_dry_run: bool = True,
+) -> None:
+    """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid."""
+    try:
+        ops = as_ops(plan)
+        placement = stage_to_rank_map(ops)
+    except ValueError as e:
+        raise PlanValidationError(str(e)) from e
+    if set(placement) != set(range(num_stages)):
+        raise PlanValidationError(f"plan covers stages {sorted(placement)}, expected 0..{num_stages - 1}")
+
+    counts = Counter((s, k, m) for rank_ops in ops.values() for s, k, m in rank_ops)
+    for (s, k, m), n in counts.items():
+        if not 0 <= m < num_microbatches:
+            raise PlanValidationError(f"action {s}{k}{m}: microbatch out of range 0..{num_microbatches - 1}")
+        if n != 1:
+            raise PlanValidationError(f"action {s}{k}{m} appears {n} times")
+    for s in range(num_stages):
+        for m in range(num_microbatches):
+            if (s, "F", m) not in counts:
+                raise PlanValidationError(f"stage {s} microbatch {m} has no F")
+            split = (s, "I", m) in counts, (s, "W", m) in counts
+            full = (s, "B", m) in counts
+            if full and any(split):
+                raise PlanValidationError(f"stage {s} microbatch {m} has both a full B and I/W")
+            if not full and split != (True, True):
+                missing = "I" if not split[0] else "W"
+                raise PlanValidationError(f"stage {s} microbatch {m} has no {missing}")
+
+    for rank, rank_ops in ops.items():
+        seen: set[tuple[int, str, int]] = set()
+        for s, k, m in rank_ops:
+            need = {"I": "F", "B": "F", "W": "I"}.get(k)
+            if need and (s, need, m) not in seen:
+                raise PlanValidationError(f"rank {rank}: {s}{k}{m} comes before {s}{need}{m}")
+            seen.add((s, k, m))
+
+    if inflight_limit is not None:
+        peaks = peak_inflight(ops)
+        for s, peak in peaks.items():
+            cap = inflight_limit if isinstance(inflight_limit, int) else inflight_limit[s]
+            if peak > cap:
+                raise PlanValidationError(
+                    f"stage {s} holds {peak} in-flight activations, above its limit of {cap}"
+                )
+
+    unit = PipelineProfile(num_stages, max(num_microbatches, num_stages), 1.0, 1.0, 1.0)
+    if num_microbatches < num_stages:  # profile requires N >= S; the dry run does not care
+        unit = None
+    try:
+        if unit is not None:
+            simulate(ops, unit)
+    except DeadlockError as e:
+        raise PlanValidationError(str(e)) from e
+
+    if torch_dry_run:
+        _torch_dry_run(ops, placement, num_stages, num_microbatches)
+
+
+def _torch_dry_run(ops, placement: dict[int, int], num_stages: int, num_microbatches: int) -> None:
+    sched = torch_schedules()
+    actions = to_torch_plan(ops)
+    stage_to_rank = placement.__getitem__
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            lowered = sched._add_send_recv(actions, stage_to_rank=stage_to_rank, num_stages=num_stages)
+            sched._simulate_comms_compute(lowered, stage_to_rank=stage_to_rank, num_stages=num_stages)
+    except Exception as e:  # torch raises ValueError / AssertionError / RuntimeError
+        raise PlanValidationError(f"torch's lowering / dry run rejects the plan: {e}") from e
