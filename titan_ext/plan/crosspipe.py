@@ -288,75 +288,67 @@ def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "in
     s2r = problem.stage_to_rank
     last = S - 1
     mf, mi, mw = problem.memory_deltas
+    inf = math.inf
     limit = problem.memory_limit
+    lim = [inf] * R if limit is None else [x + 1e-9 for x in limit]
     rank_stages = [problem.stages_of_rank(r) for r in range(R)]
-    # memory an F of stage s must leave free for the later stages of its rank (V turn)
-    reserve = [mf * sum(1 for s2 in rank_stages[s2r[s]] if s2 > s) for s in range(S)]
+    # memory an F of stage s must leave free for the later stages of its rank (V turn): F of stage
+    # s is allowed while mem + need_f[s] <= limit
+    need_f = [mf + mf * sum(1 for s2 in rank_stages[s2r[s]] if s2 > s) for s in range(S)]
     total_f = [N * len(rank_stages[r]) for r in range(R)]
+    dur_k = [problem.f_ms, problem.b_ms, tuple(x / n_sub for x in problem.w_ms)]
+    backward_first = steady == "backward_first"
 
-    # queues: per (stage, kind) list of [mb, avail] in microbatch order; head index per queue
-    queue: dict[tuple[int, str], list[list[float]]] = {(s, k): [] for s in range(S) for k in (F, I, W)}
-    head: dict[tuple[int, str], int] = {key: 0 for key in queue}
-    queue[(0, F)] = [[m, 0.0] for m in range(N)]
-    w_left: dict[tuple[int, int], int] = {}  # (stage, mb) → W sub-blocks left
+    # queue index q = 3*stage + kind (0 F, 1 I, 2 W); entries [mb, avail] in microbatch order
+    queues: list[list[list]] = [[] for _ in range(3 * S)]
+    heads = [0] * (3 * S)
+    queues[0] = [[m, 0.0] for m in range(N)]
+    # per rank: queue indices, later stage first (ties in selection go to the later stage)
+    rank_q = [[3 * s + k for s in sorted(rank_stages[r], reverse=True) for k in (0, 1, 2)] for r in range(R)]
+    w_left: dict[tuple[int, int], int] = {}
 
     free = [0.0] * R
     mem = [0.0] * R
     f_done = [0] * R
     seen_backward = [False] * R
-    last_full = [None] * R
+    last_full = [-1] * R
     links = _Links()
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
     subblocks: list[tuple[int, Op, int, float, float]] = []
     remaining = 3 * N * S
-    stage_rank_keys = [[(s, k) for s in sorted(rank_stages[r], reverse=True) for k in (F, I, W)] for r in range(R)]
-
-    def candidates(r: int):
-        """(avail, kind, mb, stage) of the heads this rank may run now (memory permitting)."""
-        out = []
-        for key in stage_rank_keys[r]:
-            q = queue[key]
-            h = head[key]
-            if h >= len(q):
-                continue
-            s, k = key
-            if k == F and limit is not None and mem[r] + mf + reserve[s] > limit[r] + 1e-9:
-                continue
-            m, avail = q[h]
-            out.append((avail, k, int(m), s))
-        return out
-
-    def sched_time(r: int) -> float:
-        c = candidates(r)
-        if not c:
-            return math.inf
-        return max(free[r], min(x[0] for x in c))
-
-    heap = [(sched_time(r), r) for r in range(R)]
-    heap = [x for x in heap if x[0] < math.inf]
-    heapq.heapify(heap)
     version = [0] * R
-    heap = [(t, r, 0) for t, r in heap]
-    heapq.heapify(heap)
+    heap: list[tuple[float, int, int]] = []
+    KIND = (F, I, W)
 
     def push(r: int) -> None:
         version[r] += 1
-        t = sched_time(r)
-        if t < math.inf:
-            heapq.heappush(heap, (t, r, version[r]))
+        best = inf
+        for q in rank_q[r]:
+            h = heads[q]
+            qq = queues[q]
+            if h < len(qq):
+                if q % 3 == 0 and mem[r] + need_f[q // 3] > lim[r]:
+                    continue
+                a = qq[h][1]
+                if a < best:
+                    best = a
+        if best < inf:
+            fr = free[r]
+            heapq.heappush(heap, (best if best > fr else fr, r, version[r]))
 
-    def arrive(key: tuple[int, str], m: int, avail: float) -> None:
-        q = queue[key]
-        # keep microbatch order (arrivals of one (stage, kind) come in mb order in practice; insert
-        # sorted anyway so the head is always the lowest microbatch)
-        if not q or q[-1][0] < m:
-            q.append([m, avail])
-        else:
-            i = len(q)
-            while i > head[key] and q[i - 1][0] > m:
+    def arrive(q: int, m: int, avail: float) -> None:
+        qq = queues[q]
+        if not qq or qq[-1][0] < m:
+            qq.append([m, avail])
+        else:  # keep microbatch order so the head is the lowest microbatch
+            i = len(qq)
+            while i > heads[q] and qq[i - 1][0] > m:
                 i -= 1
-            q.insert(i, [m, avail])
+            qq.insert(i, [m, avail])
+
+    for r in range(R):
+        push(r)
 
     while remaining:
         if not heap:
@@ -364,85 +356,93 @@ def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "in
                 "CrossPipe greedy: no rank can proceed — the memory limit admits no schedule "
                 f"(memory_limit={problem.memory_limit})"
             )
-        t_key, r, ver = heapq.heappop(heap)
+        t, r, ver = heapq.heappop(heap)
         if ver != version[r]:
             continue
-        cands = candidates(r)
-        t = max(free[r], min(c[0] for c in cands))
-        avail_now = [c for c in cands if c[0] <= t + 1e-12]
-        kinds = {c[1] for c in avail_now}
-        if not seen_backward[r] and I in kinds:
-            seen_backward[r] = True  # warm-up ends when the first backward can run here
+        # operations available at t: best (lowest microbatch, then later stage) per kind
+        best_k: list = [None, None, None]
+        tt = t + 1e-12
+        for q in rank_q[r]:
+            h = heads[q]
+            qq = queues[q]
+            if h < len(qq):
+                m, a = qq[h]
+                if a > tt:
+                    continue
+                k = q % 3
+                if k == 0 and mem[r] + need_f[q // 3] > lim[r]:
+                    continue
+                cur = best_k[k]
+                if cur is None or m < cur[0]:
+                    best_k[k] = (m, q)
         # ---- operation selection (§4.2.2)
+        if not seen_backward[r] and best_k[1] is not None:
+            seen_backward[r] = True  # warm-up ends when the first backward can run here
         if f_done[r] == total_f[r]:
-            order = (I, W, F)  # tear-down
+            order = (1, 2, 0)  # tear-down: D before W
         elif not seen_backward[r]:
-            order = (F, I, W)  # warm-up
-        elif steady == "backward_first" or last_full[r] == F:
-            order = (I, F, W)
+            order = (0, 1, 2)  # warm-up: F first
+        elif backward_first or last_full[r] == 0:
+            order = (1, 0, 2)  # steady: interleave F and D full blocks
         else:
-            order = (F, I, W)
-        kind = next(k for k in order if k in kinds)
-        # tie: lowest microbatch, then later stage (closer to the loss)
-        _, _, m, s = min((c for c in avail_now if c[1] == kind), key=lambda c: (c[2], -c[3]))
-        key = (s, kind)
-        op = (s, kind, m)
-        if kind == W:
+            order = (0, 1, 2)
+        for k in order:
+            if best_k[k] is not None:
+                break
+        m, q = best_k[k]
+        s = q // 3
+        op = (s, KIND[k], m)
+        dur = dur_k[k][s]
+        t1 = t + dur
+        free[r] = t1
+        if k == 2:  # W: one sub-block (§4.2.1)
             nleft = w_left.get((s, m), n_sub)
-            dur = problem.w_ms[s] / n_sub
-            t0, t1 = t, t + dur
-            subblocks.append((r, op, n_sub - nleft, t0, t1))
+            subblocks.append((r, op, n_sub - nleft, t, t1))
             if nleft == n_sub:
-                start[op] = t0
+                start[op] = t
             nleft -= 1
-            free[r] = t1
             if nleft:
                 w_left[(s, m)] = nleft
-                queue[key][head[key]][1] = t1  # rest of this W stays at the head
+                queues[q][heads[q]][1] = t1  # rest of this W stays at the head
             else:
                 w_left.pop((s, m), None)
-                head[key] += 1
+                heads[q] += 1
                 end[op] = t1
                 mem[r] += mw
                 remaining -= 1
             push(r)
             continue
-        dur = problem.f_ms[s] if kind == F else problem.b_ms[s]
-        t0, t1 = t, t + dur
-        subblocks.append((r, op, 0, t0, t1))
-        start[op], end[op] = t0, t1
-        free[r] = t1
-        head[key] += 1
+        subblocks.append((r, op, 0, t, t1))
+        start[op] = t
+        end[op] = t1
+        heads[q] += 1
         remaining -= 1
-        last_full[r] = kind
-        touched = {r}
-        if kind == F:
+        last_full[r] = k
+        if k == 0:
             mem[r] += mf
             f_done[r] += 1
             if s < last:
-                nxt = (s + 1, F)
-                avail = _message_arrival(problem, links, s, s + 1, t1)
+                dst = s + 1
+                arrive(3 * dst, m, _message_arrival(problem, links, s, dst, t1))
             else:
-                nxt = (s, I)
-                avail = t1
-            arrive(nxt, m, avail)
-            touched.add(s2r[nxt[0]])
-        else:  # I
+                dst = s
+                arrive(3 * s + 1, m, t1)
+        else:
             mem[r] += mi
-            arrive((s, W), m, t1)
+            arrive(3 * s + 2, m, t1)
+            dst = s
             if s > 0:
-                avail = _message_arrival(problem, links, s, s - 1, t1)
-                arrive((s - 1, I), m, avail)
-                touched.add(s2r[s - 1])
-        for x in touched:
-            push(x)
+                dst = s - 1
+                arrive(3 * dst + 1, m, _message_arrival(problem, links, s, dst, t1))
+        push(r)
+        r2 = s2r[dst]
+        if r2 != r:
+            push(r2)
 
     # whole actions ordered by the completion of their last sub-block (ties: start)
-    orders: dict[int, list[Op]] = {}
-    for r in range(R):
-        ops = [op for op in end if s2r[op[0]] == r]
-        ops.sort(key=lambda op: (end[op], start[op]))
-        orders[r] = ops
+    orders: dict[int, list[Op]] = {r: [] for r in range(R)}
+    for op in sorted(end, key=lambda o: (end[o], start[o])):
+        orders[s2r[op[0]]].append(op)
     makespan = max(end.values()) - start[(0, F, 0)]
     return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady)
 
@@ -472,55 +472,48 @@ def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> Gre
     links = _Links()
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
-    # process in global time order so that link reservations happen chronologically
-    heap: list[tuple[float, int]] = []
-
-    def ready_time(r: int) -> float | None:
-        if pos[r] >= len(orders[r]):
-            return None
-        op = orders[r][pos[r]]
-        a = avail.get(op)
-        if a is None:
-            return None
-        return max(free[r], a)
-
-    for r in range(R):
-        t = ready_time(r)
-        if t is not None:
-            heapq.heappush(heap, (t, r))
+    # Every message on a link direction is sent by the same rank (the one on its near side), in
+    # that rank's program order, so ready times per direction are non-decreasing whatever order
+    # ranks are advanced in: a work list suffices and the reservations equal a chronological run.
+    work = list(range(R))
+    queued = [True] * R
     done = 0
-    while heap:
-        t, r = heapq.heappop(heap)
-        cur = ready_time(r)
-        if cur is None or cur != t:
-            if cur is not None:
-                heapq.heappush(heap, (cur, r))
-            continue
-        op = orders[r][pos[r]]
-        s, k, m = op
-        dur = problem.f_ms[s] if k == F else problem.b_ms[s] if k == I else problem.w_ms[s]
-        start[op], end[op] = t, t + dur
-        free[r] = t + dur
-        pos[r] += 1
-        done += 1
-        wake = {r}
-        if k == F:
-            if s < S - 1:
-                nxt = (s + 1, F, m)
-                avail[nxt] = _message_arrival(problem, links, s, s + 1, t + dur)
-            else:
-                nxt = (s, I, m)
-                avail[nxt] = t + dur
-            wake.add(s2r[nxt[0]])
-        elif k == I:
-            avail[(s, W, m)] = t + dur
-            if s > 0:
-                avail[(s - 1, I, m)] = _message_arrival(problem, links, s, s - 1, t + dur)
-                wake.add(s2r[s - 1])
+    while work:
+        r = work.pop()
+        queued[r] = False
+        ops = orders[r]
+        wake = set()
+        while pos[r] < len(ops):
+            op = ops[pos[r]]
+            a = avail.get(op)
+            if a is None:
+                break
+            s, k, m = op
+            t = a if a > free[r] else free[r]
+            dur = problem.f_ms[s] if k == F else problem.b_ms[s] if k == I else problem.w_ms[s]
+            t1 = t + dur
+            start[op] = t
+            end[op] = t1
+            free[r] = t1
+            pos[r] += 1
+            done += 1
+            if k == F:
+                if s < S - 1:
+                    nxt = (s + 1, F, m)
+                    avail[nxt] = _message_arrival(problem, links, s, s + 1, t1)
+                else:
+                    nxt = (s, I, m)
+                    avail[nxt] = t1
+                wake.add(s2r[nxt[0]])
+            elif k == I:
+                avail[(s, W, m)] = t1
+                if s > 0:
+                    avail[(s - 1, I, m)] = _message_arrival(problem, links, s, s - 1, t1)
+                    wake.add(s2r[s - 1])
         for x in wake:
-            rt = ready_time(x)
-            if rt is not None:
-                heapq.heappush(heap, (rt, x))
+            if x != r and not queued[x]:
+                queued[x] = True
+                work.append(x)
     if done != expected:
         stuck = {r: orders[r][pos[r]] for r in range(R) if pos[r] < len(orders[r])}
         raise ValueError(f"plan deadlocks; next actions per rank: {stuck}")
