@@ -1,0 +1,20 @@
+"""titan_ext: straggler-resilient pipeline-parallel schedules for TorchTitan.
+
+Importing this package is cheap on purpose (no torch import): ``titan_ext.plan`` is used by
+CLIs and tests that must start in milliseconds.
+
+TorchTitan integration: with ``[experimental] custom_import = "titan_ext"`` TorchTitan's trainer
+imports this package after it has imported torchtitan itself. In that case (torchtitan already in
+``sys.modules``) the import registers our pipeline schedules ("PipeMorph", later "CrossPipe"), our
+tiny local dataset, and -- on machines without an accelerator -- the CPU/gloo shim.
+Anywhere else, call :func:`titan_ext.titan.register` explicitly.
+"""
+
+import sys as _sys
+
+__version__ = "0.1.0"
+
+if "torchtitan" in _sys.modules:  # imported through TorchTitan's custom_import: torch is loaded
+    from titan_ext.titan.registry import register as _register
+
+    _register()

@@ -1,0 +1,171 @@
+"""The ``[titan_ext]`` section of a TorchTitan TOML config.
+
+Enable it with ``[job] custom_config_module = "titan_ext.titan.config"``: TorchTitan's
+``ConfigManager`` merges :class:`JobConfig` below into its own ``JobConfig``, so every field of
+:class:`TitanExt` can be set in the TOML file (``[titan_ext] replan_interval = 5``) or on the command
+line (``--titan_ext.replan_interval 5``).
+
+Every value is checked when the section is constructed (``TitanExt.__post_init__``), i.e. while
+TorchTitan parses the config and before any process group exists. A bad value raises
+:class:`TitanExtConfigError` (a ``ValueError``) whose message names the key, e.g.
+``[titan_ext] delegation = 'sometimes': must be one of 'off', 'auto', 'always'``.
+
+This module imports no torch: it is safe to import anywhere.
+"""
+
+
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+__all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "parse_delay_spec"]
+
+DELEGATION_MODES = ("off", "auto", "always")
+PLANNER_MODES = ("auto", "initial", "adaptive", "zb")
+
+_LINK_SPEC = re.compile(r"^\s*(\d+)\s*:\s*([0-9]*\.?[0-9]+)\s*(ms)?\s*$")
+
+
+class TitanExtConfigError(ValueError):
+    """A ``[titan_ext]`` value is invalid; the message names the key."""
+
+
+@dataclass
+class TitanExt:
+    """Knobs of titan_ext's adaptive pipeline schedules (PipeMorph / CrossPipe) and its metrics."""
+
+    memory_budget_gib: float = 0.0
+    """Activation-memory budget per pipeline rank, in GiB, that bounds how many microbatches a
+    stage may keep in flight (PipeMorph Alg.1). 0 = measure one microbatch's activations at start-up
+    and allow the in-flight count of the 1F1B baseline plus ``extra_inflight``."""
+
+    extra_inflight: int = 2
+    """When ``memory_budget_gib = 0``: microbatches a stage may hold beyond what 1F1B holds
+    (the slack PipeMorph may spend to absorb link delays). >= 0."""
+
+    planner: str = "auto"
+    """Planner mode: "auto" (Alg.1 first, then Alg.2 from live profiles), "initial" (Alg.1 only,
+    never adapt), "adaptive" (Alg.2 from the first profile), "zb" (zero-bubble order, static)."""
+
+    slack_floor: int = 2
+    """Smallest slackness Δ_i the adaptive planner keeps on every link (PipeMorph Alg.2). >= 1."""
+
+    replan_interval: int = 5
+    """Iterations between two re-planning checks (profiles are exchanged once per check). >= 1."""
+
+    profile_window: int = 8
+    """Number of recent iterations whose measurements feed the robust (median) statistics. >= 1."""
+
+    warmup_iterations: int = 2
+    """Iterations excluded from profiling at start (allocator / lazy init noise). >= 0."""
+
+    delay_change_threshold: float = 0.10
+    """Relative change of a link's delay estimate that counts as a real change rather than jitter
+    (Falcon's verification step: >= 10 % mean change). In (0, 10]."""
+
+    change_point_threshold: float = 0.9
+    """Posterior threshold of the Bayesian online change-point detector (Falcon: 0.9). In (0, 1)."""
+
+    hysteresis_iterations: int = 3
+    """A re-plan decision must hold for this many consecutive checks before it is acted on, so that
+    jitter does not flap the plan. >= 1."""
+
+    delegation: str = "off"
+    """Moving PP sends/receives off the compute critical path: "off", "auto" (only on links whose
+    measured delay breaks the plan's tolerance) or "always"."""
+
+    inject_delays: str = ""
+    """Straggler emulation on the real PP messages, static spec: comma-separated "link:ms" pairs,
+    e.g. "2:30" (link 2 = between stages 2 and 3 gets +30 ms one way) or "0:10,3:60". Empty = none.
+    Applies to every schedule (baselines too). Mutually exclusive with ``inject_trace``."""
+
+    inject_trace: str = ""
+    """Straggler emulation from a CSV trace (header: time then one column per link; delays in ms
+    over time). Empty = none. Mutually exclusive with ``inject_delays``."""
+
+    gantt_every: int = 10
+    """Every K steps, log an image of the measured pipeline timeline (Gantt) to W&B and write it
+    under ``<dump_folder>/timelines``. 0 = never."""
+
+    metrics_file: str = "pipeline_metrics.jsonl"
+    """Per-step pipeline metrics (iteration time, bubble rate, link delays, plan version, ...),
+    one JSON object per line, written under ``<dump_folder>`` by the logging rank. Empty = off."""
+
+    def __post_init__(self) -> None:
+        validate_titan_ext(self)
+
+
+def parse_delay_spec(spec: str, key: str = "inject_delays") -> dict[int, float]:
+    """Parse "link:ms[,link:ms...]" into ``{link: ms}``; raise TitanExtConfigError naming ``key``."""
+    out: dict[int, float] = {}
+    if not spec.strip():
+        return out
+    for part in spec.split(","):
+        m = _LINK_SPEC.match(part)
+        if not m:
+            raise TitanExtConfigError(
+                f"[titan_ext] {key} = {spec!r}: entry {part.strip()!r} is not 'link:ms' "
+                f"(e.g. '2:30' or '0:10,3:60')"
+            )
+        link, ms = int(m.group(1)), float(m.group(2))
+        if link in out:
+            raise TitanExtConfigError(f"[titan_ext] {key} = {spec!r}: link {link} is given twice")
+        out[link] = ms
+    return out
+
+
+def _check(cond: bool, key: str, value, why: str) -> None:
+    if not cond:
+        raise TitanExtConfigError(f"[titan_ext] {key} = {value!r}: {why}")
+
+
+def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
+    """Check every field; with ``num_pp_links`` also check that injected links exist."""
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        tname = f.type if isinstance(f.type, str) else f.type.__name__
+        want = {"float": (int, float), "int": int, "str": str}[tname]
+        _check(isinstance(v, want) and not isinstance(v, bool), f.name, v,
+               f"must be of type {tname}")
+    _check(math.isfinite(cfg.memory_budget_gib) and cfg.memory_budget_gib >= 0, "memory_budget_gib",
+           cfg.memory_budget_gib, "must be a finite number >= 0 (0 = measure at start-up)")
+    _check(cfg.extra_inflight >= 0, "extra_inflight", cfg.extra_inflight, "must be >= 0")
+    _check(cfg.planner in PLANNER_MODES, "planner", cfg.planner,
+           "must be one of " + ", ".join(repr(m) for m in PLANNER_MODES))
+    _check(cfg.slack_floor >= 1, "slack_floor", cfg.slack_floor, "must be >= 1")
+    _check(cfg.replan_interval >= 1, "replan_interval", cfg.replan_interval, "must be >= 1")
+    _check(cfg.profile_window >= 1, "profile_window", cfg.profile_window, "must be >= 1")
+    _check(cfg.warmup_iterations >= 0, "warmup_iterations", cfg.warmup_iterations, "must be >= 0")
+    _check(math.isfinite(cfg.delay_change_threshold) and 0 < cfg.delay_change_threshold <= 10,
+           "delay_change_threshold", cfg.delay_change_threshold, "must be in (0, 10]")
+    _check(0 < cfg.change_point_threshold < 1, "change_point_threshold",
+           cfg.change_point_threshold, "must be in (0, 1)")
+    _check(cfg.hysteresis_iterations >= 1, "hysteresis_iterations", cfg.hysteresis_iterations,
+           "must be >= 1")
+    _check(cfg.delegation in DELEGATION_MODES, "delegation", cfg.delegation,
+           "must be one of " + ", ".join(repr(m) for m in DELEGATION_MODES))
+    _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")
+    _check("/" not in cfg.metrics_file and "\\" not in cfg.metrics_file, "metrics_file",
+           cfg.metrics_file, "must be a plain file name (it is written under job.dump_folder)")
+    _check(not (cfg.inject_delays.strip() and cfg.inject_trace.strip()), "inject_delays",
+           cfg.inject_delays, "set either inject_delays or inject_trace, not both")
+    links = parse_delay_spec(cfg.inject_delays)
+    for link, ms in links.items():
+        _check(math.isfinite(ms) and ms <= 60_000, "inject_delays", cfg.inject_delays,
+               f"delay {ms} ms on link {link} is not a finite value <= 60000")
+    if cfg.inject_trace.strip():
+        _check(os.path.isfile(cfg.inject_trace), "inject_trace", cfg.inject_trace,
+               "file does not exist")
+    if num_pp_links is not None:
+        for link in links:
+            _check(link < num_pp_links, "inject_delays", cfg.inject_delays,
+                   f"link {link} does not exist: with {num_pp_links + 1} pipeline stages the links "
+                   f"are 0..{num_pp_links - 1}")
+
+
+@dataclass
+class JobConfig:
+    """Merged by TorchTitan's ConfigManager into its own JobConfig (``job.custom_config_module``)."""
+
+    titan_ext: TitanExt = field(default_factory=TitanExt)

@@ -1,0 +1,136 @@
+"""CPU/gloo shim for TorchTitan 0.2.2's CUDA assumptions.
+
+TorchTitan 0.2.2 decides its device once, at import time, in ``torchtitan.tools.utils``:
+``device_type = _get_available_device_type() or "cuda"`` and ``device_module = torch.cuda``, and several
+modules copy those two names into their own namespace (``from torchtitan.tools.utils import
+device_type, device_module``). On a machine without an accelerator the trainer would therefore call
+``torch.cuda.set_device`` and build a NCCL process group.
+
+:func:`apply` rebinds ``device_type = "cpu"`` and ``device_module`` = :class:`CpuDeviceModule` in every
+TorchTitan module that holds a copy. With ``device_type = "cpu"`` TorchTitan itself picks the gloo
+backend (``Backend.default_device_backend_map["cpu"]``) and a CPU device mesh. The trainer reads
+``utils.device_type`` when it is constructed, so applying the shim from ``custom_import`` (which runs
+at the very start of ``Trainer.__init__``) is early enough.
+
+:class:`CpuDeviceModule` implements the subset of the ``torch.cuda`` API the trainer uses. Memory
+numbers are the process's peak resident set size (``getrusage``), reported as both "active" and
+"reserved" peak; the peak cannot be reset on Linux, so ``reset_peak_memory_stats`` is a no-op.
+"""
+
+import os
+import platform
+import resource
+import sys
+from types import SimpleNamespace
+
+import torch
+
+__all__ = ["apply", "is_applied", "CpuDeviceModule"]
+
+_TORCHTITAN_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.tools.profiling",
+)
+_applied = False
+
+
+def _total_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class _CpuMemory:
+    @staticmethod
+    def _record_memory_history(*args, **kwargs):
+        raise RuntimeError(
+            "[profiling] enable_memory_snapshot needs a CUDA device; it is not available in "
+            "titan_ext's CPU mode"
+        )
+
+    @staticmethod
+    def _snapshot(*args, **kwargs):
+        raise RuntimeError("memory snapshots need a CUDA device (titan_ext CPU mode)")
+
+
+class CpuDeviceModule:
+    """The part of the ``torch.cuda`` API that TorchTitan's trainer calls, for the CPU."""
+
+    memory = _CpuMemory()
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(device) -> None:
+        return None
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+    @staticmethod
+    def get_device_properties(device=None):
+        return SimpleNamespace(total_memory=_total_memory_bytes(), name="CPU")
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        return None  # ru_maxrss cannot be reset
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def memory_stats(device=None) -> dict:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+    def __getattr__(self, name):  # anything else: torch.cpu's version, if it has one
+        return getattr(torch.cpu, name)
+
+
+def apply() -> None:
+    """Point TorchTitan at the CPU (gloo backend). Idempotent; a no-op for unloaded modules."""
+    global _applied
+    import importlib
+
+    device_module = CpuDeviceModule()
+    for name in _TORCHTITAN_MODULES:
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+        if hasattr(mod, "device_type"):
+            mod.device_type = "cpu"
+        if hasattr(mod, "device_module"):
+            mod.device_module = device_module
+    _applied = True
+
+
+def is_applied() -> bool:
+    return _applied

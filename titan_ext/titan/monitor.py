@@ -1,0 +1,206 @@
+"""Measured pipeline timeline and per-step pipeline metrics, for any schedule.
+
+:class:`PipelineMonitor` wraps the compute entry points of the local ``PipelineStage`` objects
+(``forward_one_chunk`` → F, ``backward_one_chunk`` → B (full) or I (input-only),
+``backward_weight_one_chunk`` → W) and the schedule's ``step``. Every call records start/end on
+``time.monotonic_ns()`` -- one clock read per action edge, no collective and no device sync on the
+critical path. (On a GPU the recorded span is the host-side launch span; this monitor serves the
+CPU/gloo runs and the timeline images, the runtime's own profiler uses CUDA events.)
+
+On a logging step, :meth:`PipelineMonitor.gather` does one ``all_gather_object`` over the PP group
+(outside the measured iteration) and every rank obtains the whole iteration's timeline, from which:
+
+* ``iteration_ms`` = T, from the first F on stage 0 to the last action end anywhere;
+* ``bubble_rate`` = 1 - Σ busy / (P · T)  (DESIGN.md's definition; P = number of PP ranks, which
+  is the number of stages S for one-stage-per-rank schedules);
+* ``link_delay_ms[i]`` (measured, for every schedule) = the smallest gap between a producer's end
+  and its consumer's start over all microbatches, forward (F on stage i → F on stage i+1) and
+  backward (B/I on stage i+1 → B/I on stage i) directions, then the smaller of the two. Every such
+  gap is ≥ the one-way delivery time of the message, and equals it (plus the receive overhead)
+  whenever the consumer was already waiting for that message; it is therefore an upper bound that is
+  tight under a straggler (the consumer waits on the slow link), and may overestimate a fast link in
+  a schedule where every consumer is busy when data arrives.
+
+Clocks: all ranks of one host share CLOCK_MONOTONIC, so their timestamps are comparable exactly. When
+the PP group spans hosts, the offset of each rank's clock against PP rank 0 is estimated once at start
+from the exit times of 5 barriers (median); its error is the barrier's exit skew (typically well
+below a millisecond on a LAN, i.e. small against multi-ms actions).
+"""
+
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Action", "IterationTimeline", "PipelineMonitor", "timeline_stats"]
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: str  # F, B, I, W
+    microbatch: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class IterationTimeline:
+    """All ranks' actions of one iteration on one (aligned) clock."""
+
+    step: int
+    num_stages: int
+    actions: list[Action]
+    num_ranks: int = 0  # PP ranks (devices); 0 = one stage per rank
+    step_wall_ms: dict[int, float] = field(default_factory=dict)  # per PP rank: wall of step()
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        t0 = min(a.start_ns for a in self.actions) if self.actions else 0
+        return [
+            {"stage": a.stage, "kind": a.kind, "microbatch": a.microbatch,
+             "start_ms": (a.start_ns - t0) / 1e6, "end_ms": (a.end_ns - t0) / 1e6}
+            for a in self.actions
+        ]
+
+
+def timeline_stats(timeline: IterationTimeline) -> dict[str, Any]:
+    """iteration_ms, bubble_rate, busy_ms per stage and measured link delays (see module doc)."""
+    acts = timeline.actions
+    S = timeline.num_stages
+    P = timeline.num_ranks or S
+    if not acts:
+        return {"iteration_ms": float("nan"), "bubble_rate": float("nan"), "link_delay_ms": {}}
+    firsts = [a.start_ns for a in acts if a.stage == 0 and a.kind == "F"]
+    t_start = min(firsts) if firsts else min(a.start_ns for a in acts)
+    t_end = max(a.end_ns for a in acts)
+    T = max(t_end - t_start, 1)
+    busy = {s: 0 for s in range(S)}
+    for a in acts:
+        busy[a.stage] = busy.get(a.stage, 0) + (a.end_ns - a.start_ns)
+    bubble = 1.0 - sum(busy.values()) / (P * T)
+
+    by_key: dict[tuple[int, str, int], Action] = {(a.stage, a.kind, a.microbatch): a for a in acts}
+    links: dict[int, float] = {}
+    for link in range(S - 1):
+        gaps = []
+        for (stage, kind, mb), a in by_key.items():
+            if stage == link and kind == "F":
+                nxt = by_key.get((link + 1, "F", mb))
+                if nxt is not None:
+                    gaps.append(nxt.start_ns - a.end_ns)
+            if stage == link + 1 and kind in ("B", "I"):
+                prev = by_key.get((link, "B", mb)) or by_key.get((link, "I", mb))
+                if prev is not None:
+                    gaps.append(prev.start_ns - a.end_ns)
+        if gaps:
+            links[link] = max(min(gaps), 0) / 1e6
+    return {
+        "iteration_ms": T / 1e6,
+        "bubble_rate": bubble,
+        "busy_ms": {s: b / 1e6 for s, b in busy.items()},
+        "link_delay_ms": links,
+    }
+
+
+class PipelineMonitor:
+    """Records this rank's compute actions in ``schedule.step()``; gathers them on demand."""
+
+    def __init__(self, schedule: Any, pp_group: dist.ProcessGroup | None = None,
+                 clock: Callable[[], int] = time.monotonic_ns):
+        self.schedule = schedule
+        self.pp_group = pp_group
+        self._clock = clock
+        self.stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+        self.num_stages = self.stages[0].num_stages
+        self._actions: list[Action] = []
+        self._last_actions: list[Action] = []
+        self._step_start = 0
+        self.last_step_wall_ms = float("nan")
+        self.step_wall_history_ms: list[float] = []
+        for stage in self.stages:
+            self._wrap_stage(stage)
+        self._wrap_step()
+        self.clock_offset_ns = self._estimate_clock_offset()
+
+    # -- recording -------------------------------------------------------------------------
+    def _record(self, stage_index: int, kind: str, mb: int, fn, *args, **kwargs):
+        t0 = self._clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._actions.append(Action(stage_index, kind, int(mb), t0, self._clock()))
+
+    def _wrap_stage(self, stage) -> None:
+        idx = stage.stage_index
+        fwd, bwd, bwd_w = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+            return self._record(idx, "F", fwd_chunk_id, fwd, fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            return self._record(idx, "B" if full_backward else "I", bwd_chunk_id, bwd, bwd_chunk_id,
+                                loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+        def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
+            return self._record(idx, "W", bwd_chunk_id, bwd_w, bwd_chunk_id, *args, **kwargs)
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def _wrap_step(self) -> None:
+        step = self.schedule.step
+
+        def wrapped_step(*args, **kwargs):
+            self._actions = []
+            t0 = self._clock()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.last_step_wall_ms = (self._clock() - t0) / 1e6
+                self.step_wall_history_ms.append(self.last_step_wall_ms)
+                self._last_actions = self._actions
+
+        self.schedule.step = wrapped_step
+
+    # -- clocks ----------------------------------------------------------------------------
+    def _estimate_clock_offset(self) -> int:
+        if self.pp_group is None or not dist.is_initialized():
+            return 0
+        hosts: list[Any] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.pp_group)
+        if len(set(hosts)) == 1:
+            return 0  # one host: CLOCK_MONOTONIC is shared by all processes
+        samples = []
+        for _ in range(5):
+            dist.barrier(group=self.pp_group)
+            t = torch.tensor([self._clock()], dtype=torch.int64)
+            ts = [torch.zeros_like(t) for _ in hosts]
+            dist.all_gather(ts, t, group=self.pp_group)
+            samples.append(int(t.item()) - int(ts[0].item()))
+        return int(statistics.median(samples))
+
+    # -- gathering -------------------------------------------------------------------------
+    def local_actions(self) -> list[Action]:
+        """This rank's actions of the last completed ``step()``, on PP rank 0's clock."""
+        off = self.clock_offset_ns
+        return [Action(a.stage, a.kind, a.microbatch, a.start_ns - off, a.end_ns - off)
+                for a in self._last_actions]
+
+    def gather(self, step: int) -> IterationTimeline:
+        """Collective over the PP group (every PP rank must call it at the same step)."""
+        mine = (self.local_actions(), self.last_step_wall_ms)
+        if self.pp_group is None or not dist.is_initialized():
+            parts = [mine]
+        else:
+            parts = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(parts, mine, group=self.pp_group)
+        actions = sorted((a for p in parts for a in p[0]), key=lambda a: (a.start_ns, a.stage))
+        return IterationTimeline(step=step, num_stages=self.num_stages, actions=actions,
+                                 num_ranks=len(parts),
+                                 step_wall_ms={r: p[1] for r, p in enumerate(parts)})

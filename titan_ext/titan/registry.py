@@ -1,0 +1,200 @@
+"""Register titan_ext's pipeline schedules, dataset and CPU shim with stock TorchTitan 0.2.2.
+
+How TorchTitan 0.2.2 resolves ``[parallelism] pipeline_parallel_schedule``: its pipeline builder
+(``torchtitan.distributed.pipeline_parallel``: ``pipeline_llm``, ``build_pipeline_schedule``,
+``pipeline_module_split``) calls torch's ``torch.distributed.pipelining.schedules.get_schedule_class``,
+imported into its own module namespace. That function looks the name up in a dict local to the
+function, so there is no registry to add to. :func:`register` therefore rebinds the *name*
+``get_schedule_class`` in those modules (torch's ``schedules`` and TorchTitan's builders) to
+:func:`get_schedule_class` here, which answers our names (case-insensitive, like torch) and defers
+every other name to torch's original function. No TorchTitan file is edited.
+
+It also wraps ``build_pipeline_schedule`` (looked up as a module global by ``pipeline_llm``) so that
+the schedule is built knowing the job's ``[titan_ext]`` section: our schedule classes receive its
+knobs as constructor keywords, and an injected straggler (``[titan_ext] inject_delays`` or
+``inject_trace``) is installed for whatever schedule is built -- the baselines included.
+
+Everything here is idempotent; :func:`register` is called by ``import titan_ext`` whenever torchtitan
+is already imported (TorchTitan's ``[experimental] custom_import = "titan_ext"``), and by
+``python -m titan_ext.train``.
+"""
+
+import contextlib
+import importlib
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "register",
+    "register_schedule",
+    "registered_schedules",
+    "get_schedule_class",
+    "resolve_schedule_name",
+    "is_titan_ext_schedule",
+]
+
+# name -> (module, attribute). Resolved lazily so that registration never imports the runtime.
+_SCHEDULES: dict[str, tuple[str, str]] = {
+    "PipeMorph": ("titan_ext.runtime", "PipeMorph"),
+    "CrossPipe": ("titan_ext.runtime", "CrossPipe"),
+}
+_CONFIGURED: dict[str, type] = {}
+_lock = threading.Lock()
+_registered = False
+_torch_get_schedule_class: Callable[[str], type] | None = None
+_active = threading.local()  # .job_config while build_pipeline_schedule runs
+
+
+def register_schedule(name: str, module: str, attribute: str) -> None:
+    """Make ``pipeline_parallel_schedule = name`` resolve to ``module.attribute`` (loaded lazily)."""
+    with _lock:
+        _SCHEDULES[name] = (module, attribute)
+        _CONFIGURED.pop(name, None)
+
+
+def registered_schedules() -> list[str]:
+    return list(_SCHEDULES)
+
+
+def resolve_schedule_name(name: str) -> str | None:
+    """Our canonical spelling of ``name`` (case-insensitive), or None if it is not one of ours."""
+    lowered = name.lower()
+    for ours in _SCHEDULES:
+        if ours.lower() == lowered:
+            return ours
+    return None
+
+
+def is_titan_ext_schedule(name: str) -> bool:
+    return resolve_schedule_name(name) is not None
+
+
+def _load_schedule(name: str) -> type:
+    module, attribute = _SCHEDULES[name]
+    mod = importlib.import_module(module)
+    cls = getattr(mod, attribute, None)
+    if cls is None:
+        raise ValueError(
+            f"Schedule {name!r} is registered by titan_ext but {module}.{attribute} does not exist "
+            f"in this checkout (not implemented yet?)."
+        )
+    return cls
+
+
+def _configured_class(name: str) -> type:
+    """Subclass of our schedule class that takes its knobs from the active job's [titan_ext]."""
+    with _lock:
+        if name in _CONFIGURED:
+            return _CONFIGURED[name]
+    base = _load_schedule(name)
+
+    def __init__(self, *args, **kwargs):
+        job_config = getattr(_active, "job_config", None)
+        if job_config is not None:
+            from titan_ext.titan.options import schedule_kwargs
+
+            for key, value in schedule_kwargs(base, job_config).items():
+                kwargs.setdefault(key, value)
+        base.__init__(self, *args, **kwargs)
+
+    cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__,
+                                         "__doc__": base.__doc__})
+    with _lock:
+        _CONFIGURED[name] = cls
+    return cls
+
+
+def get_schedule_class(schedule_name: str) -> type:
+    """torch's ``get_schedule_class`` plus titan_ext's schedules (case-insensitive)."""
+    ours = resolve_schedule_name(schedule_name)
+    if ours is not None:
+        return _configured_class(ours)
+    assert _torch_get_schedule_class is not None
+    try:
+        return _torch_get_schedule_class(schedule_name)
+    except ValueError as e:
+        raise ValueError(f"{e} (titan_ext adds: {registered_schedules()})") from None
+
+
+@contextlib.contextmanager
+def active_job_config(job_config: Any):
+    """Our schedules built inside this context read their knobs from ``job_config.titan_ext``."""
+    previous = getattr(_active, "job_config", None)
+    _active.job_config = job_config
+    try:
+        yield
+    finally:
+        _active.job_config = previous
+
+
+def _wrap_build_pipeline_schedule(original: Callable) -> Callable:
+    if getattr(original, "_titan_ext_wrapped", False):
+        return original
+
+    def build_pipeline_schedule(job_config, stages, loss_fn):
+        from titan_ext.titan.options import install_link_delays
+
+        install_link_delays(job_config)
+        with active_job_config(job_config):
+            return original(job_config, stages, loss_fn)
+
+    build_pipeline_schedule.__doc__ = original.__doc__
+    build_pipeline_schedule._titan_ext_wrapped = True  # type: ignore[attr-defined]
+    build_pipeline_schedule.__wrapped__ = original  # type: ignore[attr-defined]
+    return build_pipeline_schedule
+
+
+_BUILDER_MODULES = (
+    "torchtitan.distributed.pipeline_parallel",
+    "torchtitan.experiments.transformers_modeling_backend.infra.pipeline",
+)
+
+
+def _patch_loaded_builders() -> None:
+    for modname in _BUILDER_MODULES:
+        mod = sys.modules.get(modname)
+        if mod is None:
+            continue
+        if hasattr(mod, "get_schedule_class"):
+            mod.get_schedule_class = get_schedule_class
+        if hasattr(mod, "build_pipeline_schedule"):
+            mod.build_pipeline_schedule = _wrap_build_pipeline_schedule(mod.build_pipeline_schedule)
+
+
+def register(cpu_shim: bool | None = None) -> None:
+    """Register schedules, the local dataset and (on CPU-only machines) the CPU/gloo shim.
+
+    ``cpu_shim``: None = apply when torch sees no accelerator; True/False to force.
+    Safe to call many times.
+    """
+    global _registered, _torch_get_schedule_class
+    import torch.distributed.pipelining.schedules as torch_schedules
+
+    with _lock:
+        if not _registered:
+            _torch_get_schedule_class = torch_schedules.get_schedule_class
+            torch_schedules.get_schedule_class = get_schedule_class
+            vis = sys.modules.get("torch.distributed.pipelining._schedule_visualizer")
+            if vis is not None:
+                vis.get_schedule_class = get_schedule_class
+            _registered = True
+    importlib.import_module("torchtitan.distributed.pipeline_parallel")
+    _patch_loaded_builders()
+
+    from titan_ext.titan import data
+
+    data.register_dataset()
+    if cpu_shim is None:
+        cpu_shim = not has_accelerator()
+    if cpu_shim:
+        importlib.import_module("titan_ext.titan.cpu_shim").apply()
+
+
+def has_accelerator() -> bool:
+    """True if torch sees an accelerator (then TorchTitan's own device handling is used)."""
+    from torch._utils import _get_available_device_type
+
+    return _get_available_device_type() is not None

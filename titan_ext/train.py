@@ -1,0 +1,146 @@
+"""Train with TorchTitan + titan_ext: ``torchrun ... -m titan_ext.train --job.config_file X.toml``.
+
+Same command line as ``torchtitan.train`` (TOML file plus ``--section.key value`` overrides). On top:
+
+* registration of titan_ext's schedules / dataset / CPU shim before anything else;
+* the ``[titan_ext]`` section is always available (``job.custom_config_module`` defaults to
+  ``titan_ext.titan.config``);
+* checks that need more than one section run before any process group is created
+  (:func:`check_job_config`), each error names its key;
+* for titan_ext schedules without an explicit stage split, one stage per PP rank
+  (``module_fqns_per_model_part``), which our schedules need and TorchTitan would otherwise not
+  give a PipelineScheduleMulti (it defaults to two virtual stages per rank);
+* W&B defaults to offline mode when no W&B credentials are configured;
+* :class:`titan_ext.titan.trainer.TitanExtTrainer` adds pipeline metrics and timeline images.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CUSTOM_CONFIG_MODULE = "titan_ext.titan.config"
+
+
+class JobConfigError(ValueError):
+    """A config value that cannot work; raised before any process group exists."""
+
+
+def _with_custom_config_module(args: list[str]) -> list[str]:
+    """Add ``--job.custom_config_module titan_ext.titan.config`` unless the CLI or TOML sets one."""
+    from torchtitan.config import ConfigManager
+
+    toml_values = ConfigManager()._maybe_load_toml(args) or {}
+    on_cli = any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module")
+                 for a in args)
+    in_toml = isinstance(toml_values.get("job"), dict) and toml_values["job"].get(
+        "custom_config_module")
+    if on_cli or in_toml:
+        return args
+    return [*args, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
+
+
+def parse_job_config(args: list[str] | None = None):
+    """Parse like TorchTitan, then :func:`check_job_config`. No process group is touched."""
+    from torchtitan.config import ConfigManager
+
+    from titan_ext.titan import register
+
+    register()
+    args = list(sys.argv[1:] if args is None else args)
+    config = ConfigManager().parse_args(_with_custom_config_module(args))
+    check_job_config(config, world_size=int(os.environ.get("WORLD_SIZE", "0")) or None)
+    return config
+
+
+def _resolve_repo_path(value: str) -> str:
+    """A relative asset path that is missing from the cwd but present in the repo: make absolute."""
+    if not value or os.path.isabs(value) or os.path.exists(value):
+        return value
+    candidate = REPO_ROOT / value
+    return str(candidate) if candidate.exists() else value
+
+
+def check_job_config(config, world_size: int | None = None) -> None:
+    """Cross-section checks; fills defaults titan_ext schedules need. Raises JobConfigError."""
+    from titan_ext.titan.config import validate_titan_ext
+    from titan_ext.titan.options import titan_ext_section
+    from titan_ext.titan.registry import get_schedule_class, is_titan_ext_schedule
+
+    par = config.parallelism
+    pp = par.pipeline_parallel_degree
+    section = titan_ext_section(config)
+    if pp > 1:
+        validate_titan_ext(section, num_pp_links=pp - 1)
+    else:
+        validate_titan_ext(section)
+    config.model.hf_assets_path = _resolve_repo_path(config.model.hf_assets_path)
+    if config.training.dataset_path:
+        config.training.dataset_path = _resolve_repo_path(config.training.dataset_path)
+    if world_size is not None and pp > 1 and world_size % pp != 0:
+        raise JobConfigError(
+            f"[parallelism] pipeline_parallel_degree = {pp} does not divide the world size "
+            f"{world_size} (torchrun --nproc_per_node x --nnodes)"
+        )
+    if pp <= 1:
+        return
+    try:
+        get_schedule_class(par.pipeline_parallel_schedule)
+    except ValueError as e:
+        raise JobConfigError(f"[parallelism] pipeline_parallel_schedule = "
+                             f"{par.pipeline_parallel_schedule!r}: {e}") from None
+    mb = par.pipeline_parallel_microbatch_size
+    if mb <= 0 or config.training.local_batch_size % mb != 0:
+        raise JobConfigError(
+            f"[parallelism] pipeline_parallel_microbatch_size = {mb} must divide "
+            f"[training] local_batch_size = {config.training.local_batch_size}"
+        )
+    if is_titan_ext_schedule(par.pipeline_parallel_schedule):
+        if par.module_fqns_per_model_part is None and par.pipeline_parallel_layers_per_stage is None:
+            from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+            from torchtitan.protocols.train_spec import get_train_spec
+
+            model_args = get_train_spec(config.model.name).model_args[config.model.flavor]
+            par.module_fqns_per_model_part = generate_llm_fqn_per_model_part(
+                pp, model_args.n_layers,
+                par.pipeline_parallel_first_stage_less_layers,
+                par.pipeline_parallel_last_stage_less_layers,
+            )
+        n_parts = len(par.module_fqns_per_model_part or [])
+        if n_parts and n_parts % pp != 0:
+            raise JobConfigError(
+                f"[parallelism] module_fqns_per_model_part has {n_parts} parts, which is not a "
+                f"multiple of pipeline_parallel_degree = {pp}"
+            )
+    if not config.experimental.custom_import:
+        config.experimental.custom_import = "titan_ext"
+
+
+def main(args: list[str] | None = None) -> None:
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    config = parse_job_config(args)
+
+    import torch
+
+    from titan_ext.titan.trainer import TitanExtTrainer, default_wandb_offline
+
+    default_wandb_offline(config)
+    trainer = None
+    try:
+        trainer = TitanExtTrainer(config)
+        trainer.train()
+    except Exception:
+        if trainer:
+            trainer.close()
+        raise
+    else:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        logger.info("Process group destroyed")
+
+
+if __name__ == "__main__":
+    main()
