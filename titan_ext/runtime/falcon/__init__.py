@@ -1,0 +1,27 @@
+"""Falcon (fail-slow detection, localisation and multi-level mitigation) for titan_ext.
+
+Process-group-free algorithms: :mod:`.bocd`, :mod:`.period`, :mod:`.localize`, :mod:`.mitigation`,
+:mod:`.monitor`. torch.distributed parts: :mod:`.hooks`, :mod:`.validation`, :mod:`.redistribute`,
+:mod:`.restart` (imported on demand). See docs/falcon.md.
+"""
+
+from .bocd import BOCDConfig, ChangePoint, OnlineBOCD, SlowIterationDetector
+from .localize import locate_slow_devices, locate_slow_links, ring_validation_passes, suspicious_groups
+from .mitigation import (
+    MitigationPlanner,
+    StrategyCosts,
+    TopologyPlan,
+    min_max_microbatch_split,
+    plan_topology,
+    strategies_for,
+    topology_score,
+)
+from .period import acf, estimate_period, iteration_times_from_calls
+
+__all__ = [
+    "BOCDConfig", "ChangePoint", "OnlineBOCD", "SlowIterationDetector",
+    "acf", "estimate_period", "iteration_times_from_calls",
+    "suspicious_groups", "ring_validation_passes", "locate_slow_links", "locate_slow_devices",
+    "MitigationPlanner", "StrategyCosts", "strategies_for", "min_max_microbatch_split",
+    "TopologyPlan", "plan_topology", "topology_score",
+]

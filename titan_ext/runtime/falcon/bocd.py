@@ -1,0 +1,287 @@
+"""Slow-iteration detection: Bayesian online change-point detection plus verification.
+
+Falcon §4.2 ("Slow iteration detection") and Appendix §9.1: the iteration-time series is fed to
+Bayesian online change-point detection (BOCD, Adams & MacKay 2007, arXiv:0710.3742); a change-point
+is reported when its posterior probability reaches 0.9, then *verified*: if the mean iteration time
+after the change-point differs from the mean before it by less than 10 % it is discarded as jitter.
+
+No PyPI package fits: the BOCD packages on the index (``bocd`` 0.1.2 of 2019, ``bocpd`` 0.0.4 of
+2023, ``bayesian-changepoint-detection`` 0.2.dev1) are unmaintained research code without a bounded
+per-step cost; this module is a self-contained numpy implementation.
+
+Model (documented choices)
+--------------------------
+* Observations are ``y_t = log(iteration_time_t)``: multiplicative slowdowns become level shifts and
+  the detector is independent of the job's absolute iteration time.
+* Underlying predictive model (UPM): Gaussian with unknown mean and variance, Normal-Gamma conjugate
+  prior ``(mu0, kappa0, alpha0, beta0)``; the predictive is Student-t with ``2 alpha`` degrees of
+  freedom (Murphy 2007, "Conjugate Bayesian analysis of the Gaussian distribution", §3.5–3.6).
+  ``mu0`` is the first observation, ``beta0 = alpha0 * prior_scale**2``.
+* Change-point prior: constant hazard ``H = 1 / expected_run_length``.
+* Message passing exactly as Falcon Eq. (3)–(5): ``P(r_t, x_1:t) = Σ_{r_{t-1}} P(x_t | r_t, x^(l))
+  P(r_t | r_{t-1}) P(r_{t-1}, x_1:t-1)``, where a new run (``r_t = 0``) is scored with the prior
+  predictive. The run-length distribution is truncated to ``max_run_length`` entries (the tail mass
+  is folded into the last entry) so one step costs O(max_run_length) numpy work, never growing.
+* "Change-point probability": the posterior mass of runs that began within the last
+  ``window`` observations, ``p_cp(t) = P(r_t < window | x_1:t)``. (With a constant hazard the
+  textbook ``P(r_t = 0 | x_1:t)`` cannot alone separate a single outlier from a level shift; the
+  window makes the probability a statement about a *recent* change-point.) The change-point is placed
+  at ``tau = t - r*`` with ``r*`` the most probable run length among those.
+* A candidate is only judged once ``r* + 1 >= min_segment`` observations follow it, so a one- or
+  two-iteration spike (whose run is abandoned by the posterior as soon as the series returns) is
+  never verified as a fail-slow.
+* Verification (Falcon §4.2): compare the mean of the raw iteration times after ``tau`` with the mean
+  of those between the last *confirmed* change-point and ``tau`` (at most ``max_baseline`` of them);
+  a relative difference below ``min_relative_change`` (10 %) is jitter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["BOCDConfig", "OnlineBOCD", "ChangePoint", "SlowIterationDetector"]
+
+
+@dataclass(frozen=True)
+class BOCDConfig:
+    """Parameters of the detector (defaults: Falcon §4.2 thresholds)."""
+
+    threshold: float = 0.9
+    """Change-point probability at or above which a change-point is reported (Falcon: 0.9)."""
+    min_relative_change: float = 0.10
+    """Verification: |mean_after / mean_before - 1| below this is jitter (Falcon: 10 %)."""
+    expected_run_length: float = 250.0
+    """1 / hazard: prior expectation of iterations between change-points."""
+    window: int = 32
+    """Runs that started within the last ``window`` observations count as a recent change-point."""
+    min_segment: int = 3
+    """Observations after a candidate change-point before it is verified (spike guard)."""
+    max_run_length: int = 256
+    """Truncation of the run-length distribution (bounds per-step cost)."""
+    max_baseline: int = 100
+    """At most this many observations before the change-point form the 'before' mean."""
+    prior_scale: float = 0.05
+    """Prior guess of the iteration-time noise, as a fraction (std of log time)."""
+    kappa0: float = 0.05
+    """Prior pseudo-count on the mean (small: new runs adapt to the new level quickly)."""
+    alpha0: float = 2.0
+    """Prior shape of the precision (``2*alpha0`` degrees of freedom of the prior predictive)."""
+    outlier_prob: float = 0.02
+    """Weight of a broad outlier component in the UPM (robustness to isolated spikes)."""
+    outlier_scale: float = 1.0
+    """Std (in log time) of the outlier component, centred on the run's mean."""
+    max_pending: int = 60
+    """A change-point candidate is re-verified for at most this many iterations while the posterior
+    still places the current run's start there (ramps reach 10 % only after a few iterations)."""
+
+
+class OnlineBOCD:
+    """Adams & MacKay (2007) run-length posterior with a Normal-Gamma UPM (Falcon Appendix §9.1).
+
+    ``update(y)`` consumes one observation and returns the normalised run-length posterior
+    ``P(r_t = r | y_1:t)`` for ``r = 0 .. len-1`` (index ``r`` = run of length ``r`` ending at ``t``,
+    i.e. that began at observation ``t - r``).
+    """
+
+    def __init__(self, config: BOCDConfig = BOCDConfig()):
+        self.config = config
+        self.log_hazard = math.log(1.0 / config.expected_run_length)
+        self.log_1m_hazard = math.log1p(-1.0 / config.expected_run_length)
+        self._mu0: float | None = None
+        self.t = 0
+        # Sufficient statistics per run length (index = run length before the new point).
+        self._log_joint = np.zeros(0)
+        self._n = np.zeros(0)
+        self._mean = np.zeros(0)
+        self._m2 = np.zeros(0)
+        # Precomputed lgamma for dof = 2*alpha0 + n (n = 0..max_run_length).
+        if config.outlier_prob > 0.0:
+            self._log_eps = math.log(config.outlier_prob)
+            self._log_1m_eps = math.log1p(-config.outlier_prob)
+            self._log_out_norm = -0.5 * math.log(2.0 * math.pi * config.outlier_scale ** 2)
+        n_all = np.arange(config.max_run_length + 2, dtype=np.float64)
+        dof = 2.0 * config.alpha0 + n_all
+        self._n_grid = n_all
+        self._lg_ratio = np.array(
+            [math.lgamma((d + 1.0) / 2.0) - math.lgamma(d / 2.0) for d in dof]
+        )
+
+    def _predictive_logpdf(self, y: float, n: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> np.ndarray:
+        c = self.config
+        kappa = c.kappa0 + n
+        mu = (c.kappa0 * self._mu0 + n * mean) / kappa
+        alpha = c.alpha0 + n / 2.0
+        beta0 = c.alpha0 * c.prior_scale ** 2
+        beta = beta0 + 0.5 * m2 + c.kappa0 * n * (mean - self._mu0) ** 2 / (2.0 * kappa)
+        dof = 2.0 * alpha
+        scale2 = beta * (kappa + 1.0) / (alpha * kappa)
+        z = (y - mu) ** 2 / (dof * scale2)
+        lp_t = np.interp(n, self._n_grid, self._lg_ratio) - 0.5 * np.log(np.pi * dof * scale2) - (dof + 1.0) / 2.0 * np.log1p(z)
+        if c.outlier_prob <= 0.0:
+            return lp_t, np.ones_like(lp_t)
+        lp_out = self._log_out_norm - 0.5 * (y - mu) ** 2 / c.outlier_scale ** 2
+        a = lp_t + self._log_1m_eps
+        b = lp_out + self._log_eps
+        lp = np.logaddexp(a, b)
+        return lp, np.exp(a - lp)
+
+    def update(self, y: float) -> np.ndarray:
+        c = self.config
+        if self._mu0 is None:
+            self._mu0 = float(y)
+        if self.t == 0:
+            # First observation: a run of length 0 that began now.
+            prior_lp, _ = self._predictive_logpdf(y, np.zeros(1), np.zeros(1), np.zeros(1))
+            self._log_joint = prior_lp
+            self._n = np.ones(1)
+            self._mean = np.array([float(y)])
+            self._m2 = np.zeros(1)
+            self.t = 1
+            return np.ones(1)
+        # Predictive of y under every existing run (growth) and under a fresh run (change-point).
+        pred_lp, resp = self._predictive_logpdf(y, self._n, self._mean, self._m2)
+        new_run_lp = float(self._predictive_logpdf(y, np.zeros(1), np.zeros(1), np.zeros(1))[0][0])
+        growth = self._log_joint + pred_lp + self.log_1m_hazard
+        cp_mass = np.logaddexp.reduce(self._log_joint + self.log_hazard) + new_run_lp
+        log_joint = np.concatenate(([cp_mass], growth))
+        # Weighted (responsibility) update of the sufficient statistics: an observation the outlier
+        # component explains barely moves the run's mean and variance.
+        n_g = self._n + resp
+        delta = y - self._mean
+        mean_g = self._mean + resp * delta / n_g
+        m2_g = self._m2 + resp * delta * (y - mean_g)
+        n = np.concatenate(([1.0], n_g))
+        mean = np.concatenate(([float(y)], mean_g))
+        m2 = np.concatenate(([0.0], m2_g))
+        if log_joint.size > c.max_run_length:
+            # Fold the tail into the last kept run length (keeps the longest-run statistics).
+            tail = np.logaddexp.reduce(log_joint[c.max_run_length - 1 :])
+            log_joint = log_joint[: c.max_run_length].copy()
+            log_joint[-1] = tail
+            n, mean, m2 = n[: c.max_run_length], mean[: c.max_run_length], m2[: c.max_run_length]
+        log_joint -= np.logaddexp.reduce(log_joint)  # normalise (Falcon Eq. 4); avoids underflow
+        self._log_joint, self._n, self._mean, self._m2 = log_joint, n, mean, m2
+        self.t += 1
+        return np.exp(log_joint)
+
+
+@dataclass
+class ChangePoint:
+    """One verified change-point (Falcon §4.2)."""
+
+    index: int
+    """Iteration index (0-based, into the observed series) of the first slow / recovered iteration."""
+    detected_at: int
+    """Iteration index at which it was confirmed (latency = detected_at - index)."""
+    probability: float
+    """Change-point probability at confirmation (>= threshold)."""
+    mean_before: float
+    mean_after: float
+    kind: str
+    """'onset' (healthy -> slow), 'relief' (slow -> healthy) or 'level' (slow level changed)."""
+
+    @property
+    def relative_change(self) -> float:
+        return self.mean_after / self.mean_before - 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "detected_at": self.detected_at,
+            "probability": self.probability,
+            "mean_before_s": self.mean_before,
+            "mean_after_s": self.mean_after,
+            "relative_change": self.relative_change,
+            "kind": self.kind,
+        }
+
+
+@dataclass
+class SlowIterationDetector:
+    """Streaming fail-slow detector over iteration times: BOCD + 10 % verification (Falcon §4.2).
+
+    ``observe(t_s)`` returns a verified :class:`ChangePoint` or ``None``. State: ``slow`` (a fail-slow
+    is in progress), ``healthy_mean_s`` (mean iteration time before the onset) and ``slow_mean_s``.
+    """
+
+    config: BOCDConfig = field(default_factory=BOCDConfig)
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._bocd = OnlineBOCD(self.config)
+        self.times: list[float] = []
+        self.change_points: list[ChangePoint] = []
+        self.rejected: int = 0
+        self._cumsum: list[float] = [0.0]
+        self._segment_start = 0  # index of the last confirmed change-point (or 0)
+        self._pending: int | None = None  # change-point candidate awaiting verification
+        self._pending_p = 0.0
+        self._pending_since = 0
+        self.slow = False
+        self.healthy_mean_s: float | None = None
+        self.last_probability = 0.0
+
+    def _mean(self, lo: int, hi: int) -> float:
+        return (self._cumsum[hi] - self._cumsum[lo]) / (hi - lo)
+
+    def observe(self, iteration_time_s: float) -> ChangePoint | None:
+        c = self.config
+        if not iteration_time_s > 0:
+            raise ValueError(f"iteration_time_s must be > 0, got {iteration_time_s}")
+        self.times.append(float(iteration_time_s))
+        self._cumsum.append(self._cumsum[-1] + float(iteration_time_s))
+        post = self._bocd.update(math.log(iteration_time_s))
+        t = len(self.times) - 1
+        w = min(c.window, post.size)
+        p_cp = float(post[:w].sum())
+        self.last_probability = p_cp
+        if p_cp >= c.threshold:
+            r_star = int(np.argmax(post[:w]))
+            if r_star + 1 >= c.min_segment:
+                tau = t - r_star
+                if tau > self._segment_start and tau != self._pending:
+                    self._pending, self._pending_p, self._pending_since = tau, p_cp, t
+        if self._pending is None:
+            return None
+        tau = self._pending
+        # Keep re-verifying while the posterior still puts the current run's start near tau.
+        tau_map = t - int(np.argmax(post))
+        if abs(tau_map - tau) > c.window or t - self._pending_since > c.max_pending:
+            self._pending = None
+            self.rejected += 1
+            return None
+        lo = max(self._segment_start, tau - c.max_baseline)
+        if tau - lo < c.min_segment or t + 1 - tau < c.min_segment:
+            return None
+        mean_before = self._mean(lo, tau)
+        mean_after = self._mean(tau, t + 1)
+        if abs(mean_after / mean_before - 1.0) < c.min_relative_change:
+            return None  # jitter so far (Falcon §4.2 verification)
+        if not self.slow:
+            if mean_after < mean_before:
+                kind = "speedup"  # a faster healthy level, not a fail-slow
+            else:
+                kind = "onset"
+                self.slow = True
+                self.healthy_mean_s = mean_before
+        else:
+            if mean_after < self.healthy_mean_s * (1.0 + c.min_relative_change):
+                kind = "relief"
+                self.slow = False
+            else:
+                kind = "level"
+        cp = ChangePoint(tau, t, self._pending_p, mean_before, mean_after, kind)
+        self.change_points.append(cp)
+        self._segment_start = tau
+        self._pending = None
+        return cp
+
+    @property
+    def current_mean_s(self) -> float:
+        seg = self.times[self._segment_start :]
+        return float(np.mean(seg)) if seg else float("nan")

@@ -1,0 +1,73 @@
+"""Localisation of a fail-slow (Falcon §4.3), the process-group-free parts.
+
+* :func:`suspicious_groups` — profiling: a communication group whose data-transfer time exceeds
+  1.1 × the median over groups is suspicious.
+* :func:`ring_validation_passes` — communication validation: a ring of n ranks is split into
+  non-overlapping P2P send/recv pairs that cover every ring link in O(1) passes (Fig. 9): even→odd
+  (0→1, 2→3, …), odd→even (1→2, 3→4, …, n−1→0 for even n), and for odd n one more pass for the
+  remaining link n−1→0.
+* :func:`locate_slow_links` / :func:`locate_slow_devices` — read the validation timings (all
+  transfers have the same size, so a slow link measures a longer time; GEMM probes likewise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "suspicious_groups",
+    "ring_validation_passes",
+    "locate_slow_links",
+    "locate_slow_devices",
+]
+
+
+def suspicious_groups(transfer_times_s: Mapping[Hashable, float], ratio: float = 1.1) -> list:
+    """Groups with transfer time > ``ratio`` × median (Falcon §4.3, ratio 1.1), slowest first."""
+    if not transfer_times_s:
+        return []
+    med = float(np.median(list(transfer_times_s.values())))
+    hits = [g for g, t in transfer_times_s.items() if t > ratio * med]
+    return sorted(hits, key=lambda g: -transfer_times_s[g])
+
+
+def ring_validation_passes(ring: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """P2P passes covering every link of the ring ``ring[0] → ring[1] → … → ring[-1] → ring[0]``.
+
+    Every rank takes part in at most one pair per pass (sends and receives never overlap), so each
+    pass runs in parallel in O(1) time regardless of the ring size (Falcon §4.3, Fig. 9). A ring of 2
+    has one physical link validated in both directions; a ring of 1 has no links.
+    """
+    n = len(ring)
+    if len(set(ring)) != n:
+        raise ValueError(f"ring has repeated ranks: {list(ring)}")
+    if n < 2:
+        return []
+    even_odd = [(ring[i], ring[i + 1]) for i in range(0, n - 1, 2)]
+    odd_even = [(ring[i], ring[(i + 1) % n]) for i in range(1, n if n % 2 == 0 else n - 1, 2)]
+    passes = [even_odd, odd_even]
+    if n % 2 == 1:
+        passes.append([(ring[n - 1], ring[0])])
+    return [p for p in passes if p]
+
+
+def _slow(values: Mapping[Hashable, float], ratio: float, reference_s: float | None) -> list:
+    if not values:
+        return []
+    ref = float(np.median(list(values.values()))) if reference_s is None else float(reference_s)
+    return sorted((k for k, t in values.items() if t > ratio * ref), key=lambda k: -values[k])
+
+
+def locate_slow_links(link_times_s: Mapping[tuple[int, int], float], ratio: float = 1.5,
+                      reference_s: float | None = None) -> list[tuple[int, int]]:
+    """Directed links ``(src, dst)`` slower than ``ratio`` × reference (median of all measured links
+    unless ``reference_s``, e.g. a healthy calibration, is given), slowest first."""
+    return _slow(link_times_s, ratio, reference_s)
+
+
+def locate_slow_devices(gemm_times_s: Mapping[int, float], ratio: float = 1.1,
+                        reference_s: float | None = None) -> list[int]:
+    """Ranks whose GEMM probe time exceeds ``ratio`` × reference (median unless given)."""
+    return _slow(gemm_times_s, ratio, reference_s)
