@@ -56,7 +56,9 @@ __all__ = [
     "CrossPipePlan",
     "greedy_schedule",
     "replay",
+    "plan_crosspipe",
     "plan_crosspipe_problem",
+    "problem_from_profile",
     "peak_memory",
     "to_actions",
     "wave_stage_to_rank",
@@ -78,9 +80,11 @@ class CrossPipeProblem:
     """Everything the CrossPipe generators and the optimal solver need (CrossPipe §3.2, §4.2 inputs).
 
     Stages are model chunks in data-flow order (``num_stages`` = len(stage_to_rank)); ranks are
-    devices.  Link ``i`` joins rank ``i`` and rank ``i + 1``; both directions have the same latency
-    ``link_latency_ms[i]`` (α) and per-message transfer time ``link_transfer_ms[i]`` (size·β), and
-    each direction carries one message at a time.
+    devices.  As in :class:`titan_ext.plan.PipelineProfile`, link ``i`` is the boundary between stage
+    ``i`` and ``i + 1`` (unused when both sit on one rank), with latency ``link_latency_ms[i]`` (α) and
+    per-message transfer time ``link_transfer_ms[i]`` (size·β).  Each direction between two ranks
+    (channel ``(src rank, dst rank)``) carries one message at a time — for CrossWave, boundaries
+    ``r`` and ``2R−2−r`` share the ranks ``r``/``r+1`` and so share their channels.
     """
 
     num_ranks: int
@@ -93,9 +97,9 @@ class CrossPipeProblem:
     w_ms: tuple[float, ...]
     """backward-weight time per stage (T_W)."""
     link_latency_ms: tuple[float, ...] = ()
-    """one-way latency α per link (len num_ranks − 1); empty = all zero."""
+    """one-way latency α per stage boundary (len num_stages − 1); empty = all zero."""
     link_transfer_ms: tuple[float, ...] = ()
-    """bandwidth time size·β of one message per link (len num_ranks − 1); empty = all zero."""
+    """bandwidth time size·β of one message per stage boundary (len num_stages − 1); empty = all zero."""
     memory_limit: tuple[float, ...] | None = None
     """per-rank memory limit M_L in activation units (None = unlimited)."""
     memory_deltas: tuple[float, float, float] = (1.0, -1.0, 0.0)
@@ -125,8 +129,8 @@ class CrossPipeProblem:
                     raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
         for name in ("link_latency_ms", "link_transfer_ms"):
             vals = getattr(self, name)
-            if vals and len(vals) != R - 1:
-                raise ValueError(f"{name} must have one value per link ({R - 1}), got {len(vals)}")
+            if vals and len(vals) != S - 1:
+                raise ValueError(f"{name} must have one value per stage boundary ({S - 1}), got {len(vals)}")
             for v in vals:
                 if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                     raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
@@ -154,15 +158,20 @@ class CrossPipeProblem:
     def transfer(self, link: int) -> float:
         return self.link_transfer_ms[link] if self.link_transfer_ms else 0.0
 
-    def hop(self, src_stage: int, dst_stage: int) -> tuple[int, int] | None:
-        """(link, direction) crossed by data from src_stage to dst_stage; None if same rank.
-
-        direction 0 = towards higher rank, 1 = towards lower rank.
-        """
+    def hop(self, src_stage: int, dst_stage: int) -> tuple[int, tuple[int, int]] | None:
+        """(stage boundary, channel (src rank, dst rank)) crossed by data from src_stage to the
+        adjacent dst_stage; None if both stages sit on the same rank."""
         a, b = self.stage_to_rank[src_stage], self.stage_to_rank[dst_stage]
         if a == b:
             return None
-        return (min(a, b), 0 if b > a else 1)
+        return (min(src_stage, dst_stage), (a, b))
+
+    def rank_link_boundaries(self, rank_link: int) -> tuple[int, ...]:
+        """Stage boundaries whose messages travel between rank ``rank_link`` and ``rank_link + 1``."""
+        s2r = self.stage_to_rank
+        return tuple(
+            s for s in range(self.num_stages - 1) if {s2r[s], s2r[s + 1]} == {rank_link, rank_link + 1}
+        )
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
@@ -189,19 +198,21 @@ class CrossPipeProblem:
         memory_limit: Sequence[float] | float | None = None,
     ) -> "CrossPipeProblem":
         """Uniform per-stage times; ``latency_ms``/``transfer_ms`` either one value for every link
-        or ``{link: ms}``.  With ``wave=True`` there are 2·num_ranks stages (V-shape)."""
+        between ranks or ``{rank link: ms}`` (rank link ``i`` joins rank ``i`` and ``i + 1``).  With
+        ``wave=True`` there are 2·num_ranks stages (V-shape, stages s and 2R−1−s on rank s)."""
         stage_to_rank = wave_stage_to_rank(num_ranks) if wave else tuple(range(num_ranks))
         S = len(stage_to_rank)
 
         def per_link(v):
-            if isinstance(v, Mapping):
-                out = [0.0] * (num_ranks - 1)
-                for k, x in v.items():
-                    if not 0 <= k < num_ranks - 1:
-                        raise ValueError(f"link {k} out of range 0..{num_ranks - 2}")
-                    out[k] = float(x)
-                return tuple(out)
-            return tuple([float(v)] * (num_ranks - 1))
+            out = [0.0] * (S - 1)
+            items = v.items() if isinstance(v, Mapping) else ((k, v) for k in range(num_ranks - 1))
+            for k, x in items:
+                if not 0 <= k < num_ranks - 1:
+                    raise ValueError(f"link {k} out of range 0..{num_ranks - 2}")
+                for s in range(S - 1):
+                    if {stage_to_rank[s], stage_to_rank[s + 1]} == {k, k + 1}:
+                        out[s] = float(x)
+            return tuple(out)
 
         if memory_limit is not None and not isinstance(memory_limit, Sequence):
             memory_limit = [float(memory_limit)] * num_ranks
@@ -269,8 +280,8 @@ def _message_arrival(problem: CrossPipeProblem, links: _Links, src_stage: int, d
     hop = problem.hop(src_stage, dst_stage)
     if hop is None:
         return ready
-    link, _direction = hop
-    return links.reserve(hop, ready, problem.transfer(link)) + problem.latency(link)
+    boundary, channel = hop
+    return links.reserve(channel, ready, problem.transfer(boundary)) + problem.latency(boundary)
 
 
 def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "interleave") -> GreedyResult:
@@ -631,3 +642,78 @@ def plan_crosspipe_problem(
         plan_ms=(time.perf_counter() - t0) * 1e3,
         candidates=tried,
     )
+
+
+# ----------------------------------------------------------------------------- profile boundary
+def problem_from_profile(
+    profile,
+    variant: str = "ud",
+    memory_limit: int | float | Sequence[float] | None = None,
+    memory_deltas: tuple[float, float, float] = (1.0, -1.0, 0.0),
+) -> CrossPipeProblem:
+    """Build the generator's problem from a :class:`titan_ext.plan.PipelineProfile`.
+
+    ``variant`` "ud"/"udsub": one stage per rank.  "wave": the profile describes the 2R model chunks
+    (``num_stages`` even), placed V-shape (stages s and 2R−1−s on rank s, as torch's ZBV).
+    ``memory_limit``: per-rank limit on in-flight activations (one number for all ranks or one per
+    rank); None → the profile's memory budget (``max_inflight()``, summed over a rank's stages) or
+    unlimited when the profile has none.
+    """
+    S = profile.num_stages
+    if variant == "wave":
+        if S % 2:
+            raise ValueError(f"crosspipe-wave needs an even number of stages (two chunks per rank), got {S}")
+        stage_to_rank = wave_stage_to_rank(S // 2)
+    elif variant in ("ud", "udsub"):
+        stage_to_rank = tuple(range(S))
+    else:
+        raise ValueError(f"variant must be one of {CROSSPIPE_VARIANTS}, got {variant!r}")
+    R = max(stage_to_rank) + 1
+    if memory_limit is None:
+        per_stage = profile.max_inflight()
+        if per_stage is not None:
+            memory_limit = [float(sum(per_stage[s] for s in range(S) if stage_to_rank[s] == r)) for r in range(R)]
+    elif isinstance(memory_limit, (int, float)):
+        memory_limit = [float(memory_limit)] * R
+    return CrossPipeProblem(
+        num_ranks=R,
+        num_microbatches=profile.num_microbatches,
+        stage_to_rank=stage_to_rank,
+        f_ms=tuple(profile.f_ms),
+        b_ms=tuple(profile.b_ms),
+        w_ms=tuple(profile.w_ms),
+        link_latency_ms=tuple(link.latency_ms for link in profile.links),
+        link_transfer_ms=tuple(link.transfer_ms for link in profile.links),
+        memory_limit=None if memory_limit is None else tuple(float(x) for x in memory_limit),
+        memory_deltas=memory_deltas,
+    )
+
+
+def plan_crosspipe(
+    profile,
+    variant: str = "ud",
+    *,
+    memory_limit: int | float | Sequence[float] | None = None,
+    n_sub: int | Iterable[int] | None = None,
+    steady: str | Iterable[str] | None = None,
+    validate: bool = True,
+) -> CrossPipePlan:
+    """CrossPipe greedy plan (§4.2) for a :class:`~titan_ext.plan.PipelineProfile`.
+
+    ``variant``: "ud" (CrossUD, whole blocks), "udsub" (CrossUDSub, W split into ``n_sub``
+    sub-blocks) or "wave" (CrossWave, V-shape over the profile's 2R chunks).  ``memory_limit``: per-rank
+    in-flight activation limit (see :func:`problem_from_profile`).  The returned plan has passed
+    :func:`titan_ext.plan.validate_plan` (torch lowering + dry run included) unless ``validate=False``.
+    """
+    t0 = time.perf_counter()
+    problem = problem_from_profile(profile, variant, memory_limit)
+    plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady)
+    if validate:
+        from .validate import validate_plan
+
+        per_stage = None
+        if problem.memory_limit is not None and variant != "wave":
+            per_stage = [int(math.floor(x + 1e-9)) for x in problem.memory_limit]
+        validate_plan(plan.actions, problem.num_stages, problem.num_microbatches, inflight_limit=per_stage)
+    plan.plan_ms = (time.perf_counter() - t0) * 1e3
+    return plan
