@@ -17,8 +17,11 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 vpy="$venv/bin/python"
 stamp="$venv/.titan_ext_stamp"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+# The stamp covers the C++/CUDA data plane too (setup.py, cpp_ext/): editing them rebuilds it.
+want="$(cat pyproject.toml scripts/setup.sh setup.py cpp_ext/*.cpp cpp_ext/*.cu cpp_ext/*.h 2>/dev/null \
+        | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+        && "$vpy" -c "import torch, titan_ext._delegate_C" 2>/dev/null; then
     exit 0
 fi
 "$vpy" -m pip install -q --upgrade pip
@@ -28,6 +31,11 @@ if ! "$vpy" -c 'import torch' 2>/dev/null; then
 fi
 # torchtitan 0.2.2 imports triton at import time, also on CPU machines.
 "$vpy" -m pip install -q triton
-"$vpy" -m pip install -q -e ".[test,solver]"
+# --no-build-isolation: setup.py compiles titan_ext._delegate_C (cpp_ext/) against the torch installed
+# above (CPU parts always; CUDA parts when nvcc and a CUDA torch are present). An isolated build env
+# would download a second, multi-GB CUDA torch.
+"$vpy" -m pip install -q "setuptools>=68"
+"$vpy" -m pip install -q --no-build-isolation -e ".[test,solver]"
+"$vpy" -c "import torch, titan_ext._delegate_C" || { echo "[setup] titan_ext._delegate_C failed to build" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup] environment ready in $venv"
