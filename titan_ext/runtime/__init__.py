@@ -1,0 +1,31 @@
+"""titan_ext.runtime — torch.distributed side: adaptive schedules, profiler, policy, delay injection.
+
+Never imports titan_ext.titan, torchtitan or wandb (layering, docs/ARCHITECTURE.md).
+"""
+
+from .delay_injection import (
+    DelaySpecError,
+    current_injector,
+    inject_link_delays,
+    install_from_env,
+    parse_delay_spec,
+    remove_link_delays,
+)
+from .pipemorph import PipeMorph, plan_hash, warmup_counts_of
+from .policy import Decision, ReplanPolicy
+
+install_from_env()
+
+__all__ = [
+    "Decision",
+    "DelaySpecError",
+    "PipeMorph",
+    "ReplanPolicy",
+    "current_injector",
+    "inject_link_delays",
+    "install_from_env",
+    "parse_delay_spec",
+    "plan_hash",
+    "remove_link_delays",
+    "warmup_counts_of",
+]

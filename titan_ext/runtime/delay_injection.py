@@ -1,0 +1,504 @@
+"""Straggler emulation: per-link one-way latency and bandwidth cap on the real PP messages.
+
+Model (DESIGN.md "Timing model", CrossPipe §4.2.3 α-β with link occupancy, PipeMorph §3/§7 injected
+delays): link ``i`` joins PP ranks ``i`` and ``i+1`` (the wrap-around pair ``(P-1, 0)`` used by looped
+schedules is link ``P-1``).  A message of ``size`` bytes handed to the transport at time ``t`` on link
+``i`` in one direction starts transmission at ``start = max(t, link_free)``, occupies the link (that
+direction) until ``start + size/bandwidth``, and cannot be received before
+
+    ``arrival = start + size / bandwidth + latency``.
+
+Mechanism: *sender-side hold-back*.  The injector replaces
+``torch.distributed.pipelining.schedules._batch_p2p`` — the single function through which every torch
+pipelining schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``_PipelineScheduleRuntime`` subclasses,
+PipeMorph) issues its PP sends and receives.  Receives are posted immediately.  A send on a delayed
+link is handed to a background thread that issues the real ``dist.isend`` at ``arrival`` (loopback
+transfer time is negligible); the caller gets a :class:`DelayedSendWork` right away, so compute is never
+slept: only data arrival is delayed.  ``DelayedSendWork.wait()`` returns once the real send completed,
+i.e. like a real NCCL/Gloo send it completes when the data has crossed the link.  Messages on one link
+and direction stay FIFO (matching order of Gloo p2p is per (src, tag)).
+
+Install with :func:`inject_link_delays` (Python) or the environment variable
+``TITAN_EXT_INJECT_DELAYS`` (read when :mod:`titan_ext.runtime` is imported, and by
+:func:`install_from_env`).  Spec grammar::
+
+    spec   := item ("," item)*          e.g.  "2:30"  or  "0:10,2:30:100MB/s"  or  "*:5"
+    item   := LINK ":" LATENCY_MS [":" BANDWIDTH]
+    LINK   := integer >= 0 | "*"        ("*" = every link)
+    BANDWIDTH := number unit, unit in B/s KB/s MB/s GB/s Kbit/s Mbit/s Gbit/s (decimal prefixes)
+
+or a trace file (``trace:PATH`` or a path ending in ``.csv``): CSV with a header ``time_s`` followed by
+one column per link (``link2`` or ``2``), values = latency in ms from that time on (piecewise constant,
+time measured from installation, or from ``t0`` = a ``time.time()`` epoch passed to
+:func:`inject_link_delays` so all ranks share an origin).  Optional columns ``link2_bw`` give a bandwidth
+cap in bytes/s (empty or ``inf`` = uncapped).
+"""
+
+from __future__ import annotations
+
+import csv
+import heapq
+import itertools
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ENV_VAR = "TITAN_EXT_INJECT_DELAYS"
+
+__all__ = [
+    "ENV_VAR",
+    "DelaySpecError",
+    "LinkDelay",
+    "DelaySchedule",
+    "LinkDelayInjector",
+    "parse_delay_spec",
+    "load_delay_trace",
+    "inject_link_delays",
+    "install_from_env",
+    "current_injector",
+    "remove_link_delays",
+    "link_of_ranks",
+]
+
+
+class DelaySpecError(ValueError):
+    """A malformed delay spec or trace file; the message names the offending part."""
+
+
+@dataclass(frozen=True)
+class LinkDelay:
+    """Injected impairment of one PP link (both directions)."""
+
+    latency_ms: float = 0.0
+    """One-way latency added to every message, milliseconds."""
+    bandwidth_bytes_per_s: float = math.inf
+    """Transmission rate cap in bytes/s (``inf`` = uncapped); a message occupies the link size/bw."""
+
+    def delay_ms(self, nbytes: int) -> float:
+        """One-way delay of an ``nbytes`` message on an idle link."""
+        bw = self.bandwidth_bytes_per_s
+        return self.latency_ms + (0.0 if math.isinf(bw) else 1e3 * nbytes / bw)
+
+    @property
+    def is_zero(self) -> bool:
+        return self.latency_ms == 0.0 and math.isinf(self.bandwidth_bytes_per_s)
+
+
+_BW_UNITS = {
+    "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9,
+    "bps": 1.0 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8,
+}
+_BW_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
+
+
+def _parse_bandwidth(text: str, where: str) -> float:
+    m = _BW_RE.match(text)
+    if not m or m.group(2).lower() not in _BW_UNITS:
+        raise DelaySpecError(
+            f"{where}: bandwidth {text!r} is not '<number><unit>' with unit one of "
+            f"{sorted(_BW_UNITS)} (e.g. '100MB/s')"
+        )
+    value = float(m.group(1)) * _BW_UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise DelaySpecError(f"{where}: bandwidth {text!r} must be > 0")
+    return value
+
+
+def _parse_nonneg_float(text: str, what: str, where: str) -> float:
+    try:
+        value = float(text.strip().removesuffix("ms"))
+    except ValueError:
+        raise DelaySpecError(f"{where}: {what} {text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise DelaySpecError(f"{where}: {what} {text!r} must be a finite number >= 0")
+    return value
+
+
+@dataclass
+class DelaySchedule:
+    """Per-link delays, possibly changing over time (a trace).
+
+    ``steps`` is a list of ``(time_s, {link: LinkDelay})`` sorted by time; the delays of the last step
+    with ``time_s <= now`` apply; links absent from a step have no delay.  ``wildcard`` (link ``*``)
+    applies to every link without an explicit entry.
+    """
+
+    steps: list[tuple[float, dict[int, LinkDelay]]] = field(default_factory=lambda: [(0.0, {})])
+    wildcard: list[LinkDelay | None] = field(default_factory=lambda: [None])
+    source: str = ""
+
+    def at(self, elapsed_s: float, link: int) -> LinkDelay:
+        idx = 0
+        for i, (t, _) in enumerate(self.steps):
+            if t <= elapsed_s:
+                idx = i
+            else:
+                break
+        delays = self.steps[idx][1]
+        if link in delays:
+            return delays[link]
+        wild = self.wildcard[idx] if idx < len(self.wildcard) else None
+        return wild if wild is not None else LinkDelay()
+
+    def max_link(self) -> int:
+        return max((link for _, d in self.steps for link in d), default=-1)
+
+    def describe(self) -> str:
+        return self.source
+
+
+def parse_delay_spec(spec: str) -> DelaySchedule:
+    """Parse a static spec (``"2:30"``, ``"0:10,2:30:1GB/s"``, ``"*:5"``) or ``trace:PATH`` / ``*.csv``.
+
+    An empty spec means no delay.  Raises :class:`DelaySpecError` naming the bad item.
+    """
+    if not isinstance(spec, str):
+        raise DelaySpecError(f"delay spec must be a string, got {type(spec).__name__}")
+    text = spec.strip()
+    if text.startswith("trace:"):
+        return load_delay_trace(text[len("trace:"):])
+    if text.endswith(".csv"):
+        return load_delay_trace(text)
+    delays: dict[int, LinkDelay] = {}
+    wildcard: LinkDelay | None = None
+    if text == "":
+        return DelaySchedule(source="")
+    for raw in text.split(","):
+        item = raw.strip()
+        where = f"delay spec {spec!r}, item {item!r}"
+        if not item:
+            raise DelaySpecError(f"delay spec {spec!r}: empty item (stray comma?)")
+        parts = item.split(":")
+        if len(parts) not in (2, 3):
+            raise DelaySpecError(f"{where}: expected LINK:LATENCY_MS[:BANDWIDTH]")
+        link_txt = parts[0].strip()
+        latency = _parse_nonneg_float(parts[1], "latency", where)
+        bw = _parse_bandwidth(parts[2], where) if len(parts) == 3 else math.inf
+        delay = LinkDelay(latency, bw)
+        if link_txt == "*":
+            if wildcard is not None:
+                raise DelaySpecError(f"{where}: link '*' given twice")
+            wildcard = delay
+            continue
+        if not link_txt.isdigit():
+            raise DelaySpecError(f"{where}: link {link_txt!r} is not a non-negative integer or '*'")
+        link = int(link_txt)
+        if link in delays:
+            raise DelaySpecError(f"{where}: link {link} given twice")
+        delays[link] = delay
+    return DelaySchedule(steps=[(0.0, delays)], wildcard=[wildcard], source=spec)
+
+
+_LINK_COL = re.compile(r"^(?:link)?(\d+)(_bw)?$")
+
+
+def load_delay_trace(path: str) -> DelaySchedule:
+    """Load a delay trace CSV (header ``time_s,link0,link2,...`` [+ ``linkN_bw``]); see module doc."""
+    path = path.strip()
+    if not os.path.isfile(path):
+        raise DelaySpecError(f"delay trace {path!r}: no such file")
+    with open(path, newline="") as fh:
+        rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
+    if not rows:
+        raise DelaySpecError(f"delay trace {path!r}: empty file (needs a header 'time_s,link<i>,...')")
+    header = [h.strip() for h in rows[0]]
+    if header[0] not in ("time_s", "time"):
+        raise DelaySpecError(
+            f"delay trace {path!r}: first header column is {header[0]!r}, expected 'time_s'"
+        )
+    columns: list[tuple[int, bool]] = []
+    for h in header[1:]:
+        m = _LINK_COL.match(h)
+        if not m:
+            raise DelaySpecError(
+                f"delay trace {path!r}: header column {h!r} is not 'link<i>', '<i>' or 'link<i>_bw'"
+            )
+        columns.append((int(m.group(1)), m.group(2) is not None))
+    if len(set(columns)) != len(columns):
+        raise DelaySpecError(f"delay trace {path!r}: duplicate column in header {header}")
+    if not columns:
+        raise DelaySpecError(f"delay trace {path!r}: header names no link column")
+    steps: list[tuple[float, dict[int, LinkDelay]]] = []
+    last_t = -math.inf
+    for lineno, row in enumerate(rows[1:], start=2):
+        where = f"delay trace {path!r}, line {lineno}"
+        if len(row) != len(header):
+            raise DelaySpecError(f"{where}: {len(row)} fields, header has {len(header)}")
+        t = _parse_nonneg_float(row[0], "time_s", where)
+        if t <= last_t:
+            raise DelaySpecError(f"{where}: time_s {t} is not increasing (previous {last_t})")
+        last_t = t
+        lat: dict[int, float] = {}
+        bws: dict[int, float] = {}
+        for (link, is_bw), cell in zip(columns, row[1:]):
+            cell = cell.strip()
+            if is_bw:
+                if cell in ("", "inf"):
+                    continue
+                try:
+                    value = float(cell)
+                except ValueError:
+                    raise DelaySpecError(f"{where}: bandwidth {cell!r} for link {link} is not a number") from None
+                if not value > 0:
+                    raise DelaySpecError(f"{where}: bandwidth {cell!r} for link {link} must be > 0")
+                bws[link] = value
+            else:
+                lat[link] = _parse_nonneg_float(cell, f"latency of link {link}", where) if cell else 0.0
+        step = {
+            link: LinkDelay(lat.get(link, 0.0), bws.get(link, math.inf))
+            for link in set(lat) | set(bws)
+        }
+        steps.append((t, step))
+    if not steps:
+        raise DelaySpecError(f"delay trace {path!r}: header only, no rows")
+    if steps[0][0] > 0:
+        steps.insert(0, (0.0, {}))
+    return DelaySchedule(steps=steps, wildcard=[None] * len(steps), source=f"trace:{path}")
+
+
+def link_of_ranks(a: int, b: int, group_size: int) -> int:
+    """Link id of the PP rank pair (a, b): ``min`` for neighbours, ``P-1`` for the wrap-around pair."""
+    lo, hi = min(a, b), max(a, b)
+    if hi - lo == 1:
+        return lo
+    if lo == 0 and hi == group_size - 1:
+        return group_size - 1
+    raise ValueError(f"PP ranks {a} and {b} are not adjacent (group size {group_size})")
+
+
+class DelayedSendWork:
+    """Work handle of a held-back send; ``wait()`` returns when the real send has completed."""
+
+    def __init__(self, arrival: float):
+        self.arrival = arrival
+        self._issued = threading.Event()
+        self._works: list[Any] = []
+        self._error: BaseException | None = None
+
+    def _set(self, works: list[Any] | None, error: BaseException | None = None) -> None:
+        self._works = works or []
+        self._error = error
+        self._issued.set()
+
+    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility
+        self._issued.wait()
+        if self._error is not None:
+            raise self._error
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._issued.is_set() and all(w.is_completed() for w in self._works)
+
+
+class LinkDelayInjector:
+    """Holds back PP sends per link; see the module docstring for the model and mechanism."""
+
+    def __init__(self, schedule: DelaySchedule, t0: float | None = None):
+        self.schedule = schedule
+        # Origin of trace time: a shared wall-clock epoch if given, else installation time.
+        now_wall, now_mono = time.time(), time.monotonic()
+        self._origin_mono = now_mono - (now_wall - t0) if t0 is not None else now_mono
+        self._lock = threading.Condition()
+        self._heap: list[tuple[float, int, Any]] = []
+        self._seq = itertools.count()
+        self._link_free: dict[tuple[int, int], float] = {}  # (link, direction) -> busy until
+        self._last_arrival: dict[tuple[int, int], float] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.messages_delayed = 0
+        self.messages_passed = 0
+        self._orig_batch_p2p = None
+
+    # -- configuration -------------------------------------------------------------------------
+    def update(self, spec: str | DelaySchedule) -> None:
+        """Replace the delays from now on (same origin); a spec string is parsed first."""
+        sched = parse_delay_spec(spec) if isinstance(spec, str) else spec
+        with self._lock:
+            self.schedule = sched
+
+    def link_delay(self, link: int, now: float | None = None) -> LinkDelay:
+        now = time.monotonic() if now is None else now
+        return self.schedule.at(now - self._origin_mono, link)
+
+    # -- the model -----------------------------------------------------------------------------
+    def arrival_time(self, link: int, direction: int, nbytes: int, now: float) -> float:
+        """Earliest receive time of a message handed over at ``now`` (and book the link)."""
+        delay = self.link_delay(link, now)
+        key = (link, direction)
+        start = max(now, self._link_free.get(key, -math.inf))
+        bw = delay.bandwidth_bytes_per_s
+        tx = 0.0 if math.isinf(bw) else nbytes / bw
+        self._link_free[key] = start + tx
+        arrival = start + tx + delay.latency_ms / 1e3
+        # FIFO per link and direction (Gloo matches p2p messages in posting order).
+        arrival = max(arrival, self._last_arrival.get(key, -math.inf))
+        self._last_arrival[key] = arrival
+        return arrival
+
+    # -- transport -----------------------------------------------------------------------------
+    def batch_p2p(self, p2p_ops: list, desc: str | None = None) -> list:
+        """Drop-in replacement of torch's ``schedules._batch_p2p`` that applies the link delays."""
+        if not p2p_ops:
+            return []
+        works: list = []
+        now = time.monotonic()
+        for op in p2p_ops:
+            if op.op is dist.irecv or getattr(op.op, "__name__", "") == "irecv":
+                works.append(dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer))
+                continue
+            group_size = dist.get_world_size(op.group)
+            me = dist.get_rank(op.group)
+            link = link_of_ranks(me, op.group_peer, group_size)
+            max_link = group_size - 1 if group_size > 2 else 0
+            if self.schedule.max_link() > max_link:
+                raise DelaySpecError(
+                    f"delay spec {self.schedule.describe()!r} names link {self.schedule.max_link()} but "
+                    f"the PP group has {group_size} ranks (links 0..{max_link})"
+                )
+            if abs(op.group_peer - me) == 1:
+                direction = 0 if op.group_peer > me else 1  # 0 = downstream (forward activations)
+            else:
+                direction = 0 if me == group_size - 1 else 1  # wrap-around pair (P-1 -> 0 is downstream)
+            nbytes = op.tensor.numel() * op.tensor.element_size()
+            with self._lock:
+                pending = any(item[2][1] == (link, direction) for item in self._heap)
+                arrival = self.arrival_time(link, direction, nbytes, now)
+                if arrival <= now and not pending:
+                    self.messages_passed += 1
+                    immediate = True
+                else:
+                    immediate = False
+                    work = DelayedSendWork(arrival)
+                    # Snapshot the payload: what arrives is what was handed over at `now`.
+                    payload = op.tensor.detach().clone()
+                    heapq.heappush(
+                        self._heap,
+                        (arrival, next(self._seq), (work, (link, direction), payload, op)),
+                    )
+                    self.messages_delayed += 1
+                    self._ensure_thread()
+                    self._lock.notify_all()
+            if immediate:
+                works.append(dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer))
+            else:
+                works.append(work)
+        return works
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="titan_ext-delay-injector", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._heap:
+                        due = self._heap[0][0]
+                        wait = due - time.monotonic()
+                        if wait <= 0:
+                            _, _, item = heapq.heappop(self._heap)
+                            break
+                        self._lock.wait(timeout=wait)
+                    elif self._stopping:
+                        return
+                    else:
+                        self._lock.wait(timeout=0.5)
+            work, _, payload, op = item
+            try:
+                real = dist.isend(payload, group=op.group, tag=op.tag, group_dst=op.group_peer)
+                work._set([real])
+            except BaseException as exc:  # surfaced to the caller's wait()
+                work._set(None, exc)
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Block until every held-back send has been issued."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if not self._heap:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError("delay injector: held-back sends not issued within timeout")
+            time.sleep(0.001)
+
+    # -- installation --------------------------------------------------------------------------
+    def install(self) -> "LinkDelayInjector":
+        from torch.distributed.pipelining import schedules
+
+        global _CURRENT
+        if _CURRENT is not None and _CURRENT is not self:
+            _CURRENT.remove()
+        self._orig_batch_p2p = schedules._batch_p2p
+        schedules._batch_p2p = self.batch_p2p
+        _CURRENT = self
+        return self
+
+    def remove(self) -> None:
+        """Flush held-back sends and restore torch's ``_batch_p2p``."""
+        from torch.distributed.pipelining import schedules
+
+        global _CURRENT
+        self.flush()
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._orig_batch_p2p is not None and schedules._batch_p2p == self.batch_p2p:
+            schedules._batch_p2p = self._orig_batch_p2p
+        if _CURRENT is self:
+            _CURRENT = None
+
+    def __enter__(self) -> "LinkDelayInjector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+_CURRENT: LinkDelayInjector | None = None
+
+
+def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None) -> LinkDelayInjector:
+    """Install link-delay injection for every torch pipelining schedule in this process.
+
+    ``spec``: see the module docstring (``"2:30"``, ``"0:10,2:30:100MB/s"``, ``"trace:delays.csv"``).
+    ``t0``: optional shared ``time.time()`` origin for traces.  Returns the injector (``.update(spec)``
+    to change delays, ``.remove()`` or use as a context manager to uninstall).  Call it on every rank.
+    """
+    sched = parse_delay_spec(spec) if isinstance(spec, str) else spec
+    return LinkDelayInjector(sched, t0=t0).install()
+
+
+def install_from_env() -> LinkDelayInjector | None:
+    """Install from ``TITAN_EXT_INJECT_DELAYS`` if set and non-empty (idempotent)."""
+    spec = os.environ.get(ENV_VAR, "").strip()
+    if not spec:
+        return None
+    if _CURRENT is not None and _CURRENT.schedule.source == spec:
+        return _CURRENT
+    try:
+        sched = parse_delay_spec(spec)
+    except DelaySpecError as exc:
+        raise DelaySpecError(f"{ENV_VAR}: {exc}") from None
+    t0 = os.environ.get(ENV_VAR + "_T0")
+    return LinkDelayInjector(sched, t0=float(t0) if t0 else None).install()
+
+
+def current_injector() -> LinkDelayInjector | None:
+    """The installed injector, if any (other transports, e.g. delegates, can call its model)."""
+    return _CURRENT
+
+
+def remove_link_delays() -> None:
+    if _CURRENT is not None:
+        _CURRENT.remove()

@@ -1,0 +1,125 @@
+"""Re-planning policy with hysteresis (PipeMorph §4.2 "Dynamic adaptation", §6 "Straggler mitigation").
+
+Every check sees the robust estimate (window medians) of per-stage compute times and per-link delays
+and the deployed plan's warm-up counts, and returns a :class:`Decision`:
+
+* ``adapt`` — some link's measured delay ``c_i`` breaks the deployed plan's Eq.1 tolerance
+  ``tol_i = (Δ_i (t^F_{i+1} + t^B_{i+1}) − t^F_i − t^B_i) / 2`` by more than the up-margin
+  (``c_i > tol_i·(1 + rel_margin) + abs_margin_ms``): re-plan with Alg.2 (``mode="adaptive"``) from
+  the estimate, whose delays are inflated by the same margins (headroom against jitter).
+* ``shrink`` — links recovered: the plan one would choose now (Alg.1's initial plan if it absorbs every
+  measured delay with the margins, else Alg.2 from the estimate) holds less slackness than the deployed
+  one, for ``recover_patience`` consecutive checks and at least ``min_dwell`` iterations after the
+  last deployment: give the memory back.
+* ``hold`` — a violation, but the adaptive plan equals the deployed one (slackness clipped at N − 2S).
+* ``keep`` — nothing to do.
+
+Hysteresis: growing needs the violation to exceed the tolerance by the margin; shrinking needs the
+smaller plan to absorb the delay *with* the margin, sustained for several checks, so a delay jittering
+around one threshold cannot flap the plan.  Falcon's "≥10 % change, else jitter" rule is the default
+``rel_margin``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from titan_ext.plan import PipelineProfile, adapted_warmup_counts, link_tolerance_ms, slackness
+
+
+@dataclass
+class Decision:
+    """What the policy decided at one check."""
+
+    action: str  # keep | adapt | shrink | hold | calibrate | force
+    reason: str
+    mode: str | None = None  # planner mode for a new plan: "initial" | "adaptive"
+    warmup_counts: list[int] | None = None  # explicit counts (force / tests), else the planner decides
+    violated_links: list[int] = field(default_factory=list)
+
+    @property
+    def replans(self) -> bool:
+        return self.action in ("adapt", "shrink", "calibrate", "force")
+
+
+@dataclass
+class ReplanPolicy:
+    """Thresholds of the re-planning decision (see module docstring)."""
+
+    window: int = 3
+    """Iterations in the robust window; estimates are medians over it."""
+    rel_margin: float = 0.10
+    """Relative margin over the Eq.1 tolerance before a link counts as slow (and planning headroom)."""
+    abs_margin_ms: float = 1.0
+    """Absolute margin (ms), covers timer noise on tiny tolerances."""
+    recover_patience: int = 3
+    """Consecutive checks that must agree before slackness shrinks."""
+    min_dwell: int = 2
+    """Iterations a deployed plan runs at least before it may shrink."""
+
+    _recover_streak: int = field(default=0, init=False, repr=False)
+
+    def headroom_delay(self, c_ms: float) -> float:
+        """Delay the planner is asked to absorb for a measured ``c_ms``."""
+        return c_ms * (1.0 + self.rel_margin) + self.abs_margin_ms if c_ms > 0 else 0.0
+
+    def decide(
+        self,
+        estimate: PipelineProfile,
+        deployed_counts: Sequence[int],
+        initial_counts: Sequence[int],
+        iterations_since_deploy: int,
+        slack_floor: int = 2,
+    ) -> Decision:
+        S = estimate.num_stages
+        delays = estimate.delays_ms
+        tol = [link_tolerance_ms(estimate, deployed_counts, i) for i in range(S - 1)]
+        violated = [
+            i for i in range(S - 1)
+            if delays[i] > tol[i] * (1.0 + self.rel_margin) + self.abs_margin_ms
+            and delays[i] > tol[i] + self.abs_margin_ms
+        ]
+        planning = estimate.with_delays({i: self.headroom_delay(c) for i, c in enumerate(delays)})
+        if violated:
+            self._recover_streak = 0
+            desc = ", ".join(f"link {i}: c={delays[i]:.1f} ms > tol={tol[i]:.1f} ms" for i in violated)
+            target = adapted_warmup_counts(planning, slack_floor=slack_floor)
+            if list(target) == list(deployed_counts):
+                return Decision("hold", f"Eq.1 violated ({desc}) but Alg.2 gives the deployed plan "
+                                f"(slackness clipped at N-2S)", violated_links=violated)
+            return Decision("adapt", f"Eq.1 violated ({desc})", mode="adaptive", violated_links=violated)
+
+        # Recovery: what would we deploy now?
+        absorbed_by_initial = all(
+            self.headroom_delay(delays[i]) <= link_tolerance_ms(estimate, initial_counts, i) or delays[i] <= 0
+            for i in range(S - 1)
+        )
+        if absorbed_by_initial:
+            candidate, mode = list(initial_counts), "initial"
+        else:
+            candidate, mode = adapted_warmup_counts(planning, slack_floor=slack_floor), "adaptive"
+        if candidate != list(deployed_counts) and sum(slackness(candidate)) < sum(slackness(deployed_counts)):
+            self._recover_streak += 1
+            if self._recover_streak >= self.recover_patience and iterations_since_deploy >= self.min_dwell:
+                self._recover_streak = 0
+                delays_txt = ", ".join(f"{c:.1f}" for c in delays)
+                return Decision(
+                    "shrink",
+                    f"links recovered (c = [{delays_txt}] ms): slackness {slackness(deployed_counts)} -> "
+                    f"{slackness(candidate)}",
+                    mode=mode,
+                )
+            return Decision("keep", f"recovery candidate {candidate} seen {self._recover_streak}/"
+                            f"{self.recover_patience} checks")
+        self._recover_streak = 0
+        return Decision("keep", "every link within Eq.1 tolerance")
+
+
+def eq1_tolerances(estimate: PipelineProfile, counts: Sequence[int]) -> list[float]:
+    return [link_tolerance_ms(estimate, counts, i) for i in range(estimate.num_stages - 1)]
+
+
+def is_finite(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))

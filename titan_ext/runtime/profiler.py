@@ -1,0 +1,335 @@
+"""Live profiling for adaptive PP schedules (PipeMorph §6 "profiler").
+
+What is measured, on every rank, for every iteration:
+
+* **Per-action compute time** of F / I / W / B.  On CPU a monotonic clock (``time.perf_counter``)
+  around the action; on GPU a pair of CUDA events per action recorded on the current stream and
+  resolved only at the iteration boundary (no host–device sync on the critical path).
+* **Per-message timing** on the PP links: the sender stamps each SEND when it hands the message to the
+  transport; the receiver stamps each RECV when its data has *arrived* — a small watcher thread per
+  peer blocks in ``Work.wait()`` and stamps completion, so the stamp is exact whether or not the compute
+  thread was blocked on that message (the compute thread waits on the watcher's event instead).
+
+Link-delay estimate (documented method, :func:`link_delay_estimates`): messages on one link and
+direction are FIFO, so the k-th send matches the k-th receive.  With clocks that may differ by an
+unknown offset θ between the two ranks, the raw forward samples are ``d_f + θ`` and the backward ones
+``d_b − θ``; the per-iteration link delay is
+
+    ``c_i = (median_k raw_fwd + median_k raw_bwd) / 2``
+
+in which θ cancels exactly; Eq.1 needs only ``2 c_i = d_f + d_b`` (one forward plus one backward
+crossing, PipeMorph §4.1).  Error sources: (1) the watcher's wake-up latency after arrival (a positive
+bias, typically 0.05–1 ms, more on an over-subscribed CPU); (2) the send stamp is taken when the message
+is handed over, so any transport-side queueing counts as link delay (intended: the plan must absorb it);
+(3) direction asymmetry is averaged.  The medians make one late wake-up irrelevant.  Across iterations
+the runtime keeps a window and uses the median again (robust statistics).
+
+Clock offsets (only needed for the cross-rank timeline behind the bubble rate) come from an NTP-style
+ping-pong at start-up (:func:`estimate_clock_offsets`): min-RTT sample, error ≤ RTT/2.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COMPUTE_KINDS = ("F", "I", "W", "B")
+
+
+def now() -> float:
+    """The profiler's host clock (seconds, monotonic, shared by the processes of one host)."""
+    return time.perf_counter()
+
+
+class WatchedRecvWork:
+    """A receive whose arrival time is stamped by a watcher thread; ``wait()`` waits on the watcher."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+        self.arrival: float = math.nan
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+class ArrivalWatcher:
+    """One daemon thread per peer: waits on that peer's receives in posting (= FIFO) order."""
+
+    def __init__(self) -> None:
+        self._queues: dict[int, queue.SimpleQueue] = {}
+        self._threads: dict[int, threading.Thread] = {}
+
+    def watch(self, peer: int, works: list[Any]) -> WatchedRecvWork:
+        handle = WatchedRecvWork(works)
+        q = self._queues.get(peer)
+        if q is None:
+            q = self._queues[peer] = queue.SimpleQueue()
+            t = threading.Thread(target=self._run, args=(q,), name=f"titan_ext-arrival-{peer}", daemon=True)
+            self._threads[peer] = t
+            t.start()
+        q.put(handle)
+        return handle
+
+    @staticmethod
+    def _run(q: queue.SimpleQueue) -> None:
+        while True:
+            handle = q.get()
+            if handle is None:
+                return
+            try:
+                for w in handle.works:
+                    w.wait()
+                handle.arrival = now()
+            except BaseException as exc:  # surfaced by handle.wait()
+                handle.error = exc
+            handle.done.set()
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+
+
+@dataclass
+class ActionRecord:
+    kind: str
+    stage: int
+    microbatch: int
+    start: float = math.nan
+    end: float = math.nan
+    recv_wait_ms: float = 0.0
+
+
+class ComputeTimer:
+    """Times compute actions: perf_counter on CPU, CUDA events on GPU (resolved at the boundary)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        self._events: list[tuple[ActionRecord, Any, Any]] = []
+        self._ref: tuple[float, Any] | None = None
+
+    def begin_iteration(self) -> None:
+        self._events.clear()
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._ref = (now(), ev)
+
+    def start(self, rec: ActionRecord) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        rec.start = now()
+        return None
+
+    def stop(self, rec: ActionRecord, token: Any) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._events.append((rec, token, ev))
+        else:
+            rec.end = now()
+
+    def resolve(self) -> None:
+        """Fill start/end of GPU-timed records (host clock of the reference + event offsets)."""
+        if not self.cuda or not self._events:
+            return
+        self._events[-1][2].synchronize()  # at the iteration boundary, off the critical path
+        ref_host, ref_ev = self._ref  # type: ignore[misc]
+        for rec, s, e in self._events:
+            rec.start = ref_host + ref_ev.elapsed_time(s) / 1e3
+            rec.end = ref_host + ref_ev.elapsed_time(e) / 1e3
+        self._events.clear()
+
+
+@dataclass
+class IterationProfile:
+    """What one rank measured in one iteration (local clock)."""
+
+    actions: list[ActionRecord] = field(default_factory=list)
+    sends_next: list[float] = field(default_factory=list)  # stamps of messages to rank+1
+    sends_prev: list[float] = field(default_factory=list)
+    arrivals_prev: list[float] = field(default_factory=list)  # arrivals from rank-1
+    arrivals_next: list[float] = field(default_factory=list)
+    send_bytes_next: int = 0
+    activation_bytes: float = math.nan
+
+    def compute_ms(self, kind: str) -> float:
+        vals = [1e3 * (a.end - a.start) for a in self.actions if a.kind == kind]
+        return statistics.median(vals) if vals else math.nan
+
+    def busy_ms(self) -> float:
+        return sum(1e3 * (a.end - a.start) for a in self.actions)
+
+
+# --- the fixed-size vector each rank contributes to the one all_gather per check -----------------
+_HDR = 16  # iteration, plan hash (2 x 26 bits), F, I, W, B ms, busy ms, first start, first F, last end,
+#             activation bytes, clock offset to prev, rtt to prev, send bytes, reserved
+
+
+def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microbatches: int,
+                   clock_offset_prev: float, rtt_prev: float) -> torch.Tensor:
+    """Pack a rank's profile into a float64 vector of length 16 + 4·N (NaN-padded)."""
+    n = n_microbatches
+    vec = torch.full((_HDR + 4 * n,), math.nan, dtype=torch.float64)
+    starts = [a.start for a in p.actions]
+    f_starts = [a.start for a in p.actions if a.kind == "F"]
+    ends = [a.end for a in p.actions]
+    hdr = [
+        float(iteration), float(plan_hash & ((1 << 26) - 1)), float((plan_hash >> 26) & ((1 << 26) - 1)),
+        p.compute_ms("F"), p.compute_ms("I"), p.compute_ms("W"), p.compute_ms("B"),
+        p.busy_ms(), min(starts) if starts else math.nan, min(f_starts) if f_starts else math.nan,
+        max(ends) if ends else math.nan, p.activation_bytes, clock_offset_prev, rtt_prev,
+        float(p.send_bytes_next), 0.0,
+    ]
+    vec[:_HDR] = torch.tensor(hdr, dtype=torch.float64)
+    for slot, stamps in enumerate((p.sends_next, p.sends_prev, p.arrivals_prev, p.arrivals_next)):
+        k = min(len(stamps), n)
+        if k:
+            vec[_HDR + slot * n: _HDR + slot * n + k] = torch.tensor(stamps[:k], dtype=torch.float64)
+    return vec
+
+
+@dataclass
+class RankProfile:
+    iteration: int
+    plan_hash: int
+    f_ms: float
+    i_ms: float
+    w_ms: float
+    b_ms: float
+    busy_ms: float
+    first_start: float
+    first_f: float
+    last_end: float
+    activation_bytes: float
+    clock_offset_prev: float
+    rtt_prev: float
+    send_bytes_next: float
+    sends_next: list[float]
+    sends_prev: list[float]
+    arrivals_prev: list[float]
+    arrivals_next: list[float]
+
+
+def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int) -> list[RankProfile]:
+    n = n_microbatches
+    out = []
+    for vec in gathered:
+        v = vec.tolist()
+
+        def stamps(slot: int) -> list[float]:
+            return [x for x in v[_HDR + slot * n: _HDR + (slot + 1) * n] if not math.isnan(x)]
+
+        out.append(RankProfile(
+            iteration=int(v[0]), plan_hash=int(v[1]) | (int(v[2]) << 26), f_ms=v[3], i_ms=v[4], w_ms=v[5],
+            b_ms=v[6], busy_ms=v[7], first_start=v[8], first_f=v[9], last_end=v[10], activation_bytes=v[11],
+            clock_offset_prev=v[12], rtt_prev=v[13], send_bytes_next=v[14],
+            sends_next=stamps(0), sends_prev=stamps(1), arrivals_prev=stamps(2), arrivals_next=stamps(3),
+        ))
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+def link_delay_estimates(ranks: list[RankProfile]) -> list[dict[str, float]]:
+    """Per link i (ranks i, i+1): offset-free one-way delay ``c_i`` and per-direction values (ms).
+
+    ``c_ms`` = (median raw fwd + median raw bwd)/2, clock offset cancels (module docstring);
+    ``fwd_ms``/``bwd_ms`` use the start-up clock-offset estimate (error ≤ RTT/2) and are for reporting.
+    """
+    out = []
+    for i in range(len(ranks) - 1):
+        a, b = ranks[i], ranks[i + 1]
+        k_f = min(len(a.sends_next), len(b.arrivals_prev))
+        k_b = min(len(b.sends_prev), len(a.arrivals_next))
+        raw_f = [b.arrivals_prev[k] - a.sends_next[k] for k in range(k_f)]
+        raw_b = [a.arrivals_next[k] - b.sends_prev[k] for k in range(k_b)]
+        mf, mb = _median(raw_f), _median(raw_b)
+        theta = b.clock_offset_prev if not math.isnan(b.clock_offset_prev) else 0.0  # clock_{i+1} - clock_i
+        if raw_f and raw_b:
+            c = 1e3 * (mf + mb) / 2
+        elif raw_f or raw_b:  # one direction only (forward-only iteration): needs the offset estimate
+            c = 1e3 * ((mf - theta) if raw_f else (mb + theta))
+        else:
+            c = math.nan
+        out.append({
+            "c_ms": max(c, 0.0) if not math.isnan(c) else c,
+            "fwd_ms": 1e3 * (mf - theta) if raw_f else math.nan,
+            "bwd_ms": 1e3 * (mb + theta) if raw_b else math.nan,
+            "messages": float(k_f + k_b),
+        })
+    return out
+
+
+def timeline_bubble_rate(ranks: list[RankProfile]) -> tuple[float, float]:
+    """Bubble rate = 1 − Σ busy / (S · T), T from the first F on stage 0 to the last op anywhere.
+
+    Cross-rank times are put on rank 0's clock with the start-up offsets.  Returns (bubble, T ms).
+    """
+    offsets = [0.0]
+    for r in ranks[1:]:
+        theta = r.clock_offset_prev if not math.isnan(r.clock_offset_prev) else 0.0
+        offsets.append(offsets[-1] + theta)
+    start = ranks[0].first_f
+    end = max(r.last_end - off for r, off in zip(ranks, offsets))
+    span_ms = 1e3 * (end - start)
+    if not span_ms > 0:
+        return math.nan, math.nan
+    busy = sum(r.busy_ms for r in ranks)
+    return 1.0 - busy / (len(ranks) * span_ms), span_ms
+
+
+def estimate_clock_offsets(group: Any, rounds: int = 8) -> tuple[float, float]:
+    """NTP-style ping-pong with the previous PP rank; returns (clock_self − clock_prev [s], min RTT [s]).
+
+    Rank i (client) pings rank i+1 (server) for every link in order, so no two pairs deadlock.
+    Rank 0 returns (nan, nan).
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    buf = torch.zeros(2, dtype=torch.float64)
+    result = (math.nan, math.nan)
+    for link in range(size - 1):
+        if rank == link:  # client
+            peer = dist.get_global_rank(group, link + 1) if group is not None else link + 1
+            best = (math.inf, 0.0)
+            for _ in range(rounds):
+                t0 = now()
+                dist.send(torch.tensor([t0, 0.0], dtype=torch.float64), dst=peer, group=group)
+                dist.recv(buf, src=peer, group=group)
+                t3 = now()
+                t1, t2 = buf.tolist()
+                rtt = (t3 - t0) - (t2 - t1)
+                theta_server_minus_client = ((t1 - t0) + (t2 - t3)) / 2
+                if rtt < best[0]:
+                    best = (rtt, theta_server_minus_client)
+            # tell the server its offset to us (it owns link `link` as "prev")
+            dist.send(torch.tensor([best[1], best[0]], dtype=torch.float64), dst=peer, group=group)
+        elif rank == link + 1:  # server
+            peer = dist.get_global_rank(group, link) if group is not None else link
+            for _ in range(rounds):
+                dist.recv(buf, src=peer, group=group)
+                t1 = now()
+                dist.send(torch.tensor([t1, now()], dtype=torch.float64), dst=peer, group=group)
+            dist.recv(buf, src=peer, group=group)
+            result = (buf[0].item(), buf[1].item())
+    return result
