@@ -16,6 +16,7 @@ from .mitigation import (
     strategies_for,
     topology_score,
 )
+from .monitor import FalconConfig, FalconMonitor
 from .period import acf, estimate_period, iteration_times_from_calls
 
 __all__ = [
@@ -23,5 +24,5 @@ __all__ = [
     "acf", "estimate_period", "iteration_times_from_calls",
     "suspicious_groups", "ring_validation_passes", "locate_slow_links", "locate_slow_devices",
     "MitigationPlanner", "StrategyCosts", "strategies_for", "min_max_microbatch_split",
-    "TopologyPlan", "plan_topology", "topology_score",
+    "TopologyPlan", "plan_topology", "topology_score", "FalconConfig", "FalconMonitor",
 ]

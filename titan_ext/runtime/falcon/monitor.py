@@ -1,0 +1,235 @@
+"""FalconMonitor: the once-per-iteration entry point for the schedule / trainer (Falcon §4–§5).
+
+Process-group free: it consumes numbers (iteration times, per-group transfer times, validation
+timings) and returns *decisions* as a flat dict of ``falcon/...`` metrics that the trainer merges into
+its per-iteration metrics (and so into W&B). Applying a decision (re-plan, re-weight, validate,
+restart) is the caller's job; see docs/falcon.md for the wiring.
+
+Workflow per fail-slow event:
+  tracking (BOCD + verification, §4.2) → onset → profiling (suspicious groups, §4.3) →
+  ``falcon/validate = 1`` → the trainer runs ``validation.validate_rings`` / ``gemm_probe`` and calls
+  :meth:`FalconMonitor.report_validation` → root cause → Alg. 1 planner (§5.2) each slow iteration →
+  ``falcon/apply = "<strategy>"`` with its concrete plan → measured effect ``falcon/effect/<strategy>``
+  → relief closes the event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .bocd import BOCDConfig, SlowIterationDetector
+from .localize import locate_slow_devices, locate_slow_links, suspicious_groups
+from .mitigation import MitigationPlanner, StrategyCosts, min_max_microbatch_split, plan_topology
+from .period import estimate_period
+
+__all__ = ["FalconConfig", "FalconMonitor"]
+
+
+@dataclass
+class FalconConfig:
+    detector: BOCDConfig = field(default_factory=BOCDConfig)
+    """Detection parameters (threshold 0.9, 10 % verification)."""
+    costs: StrategyCosts = field(default_factory=StrategyCosts)
+    """Overhead of every mitigation strategy, seconds (ski-rental switch points)."""
+    suspicious_ratio: float = 1.1
+    """Profiling: group transfer time > ratio × median is suspicious (Falcon §4.3)."""
+    slow_link_ratio: float = 1.5
+    """Validation: a ring link slower than ratio × median of validated links is slow."""
+    slow_device_ratio: float = 1.1
+    """Validation: a GEMM probe slower than ratio × median marks a slow device."""
+    effect_window: int = 5
+    """Iterations before / after an applied strategy whose mean times give its measured effect."""
+    validation_wait_iters: int = 2
+    """If no validation is reported this many iterations after onset, classify from profiling only."""
+    delegation_available: bool = False
+    """PipeMorph CPU delegation can accompany a re-plan (PipeMorph §5)."""
+    num_microbatches: int | None = None
+    """Global micro-batches M for the redistribution plan (Falcon Eq. 1)."""
+    period_threshold: float = 0.95
+    """ACF threshold M for call-record periods (Falcon §4.2)."""
+
+
+class FalconMonitor:
+    """``observe(iteration_time_s, per_group_times) -> dict`` once per iteration.
+
+    ``grid[dp][pp]`` (global ranks) lets validation results be classified (a slow link on a PP hop vs
+    inside a DP group) and topology plans be made; ``pp_groups`` / ``dp_groups`` name the groups of
+    ``per_group_times`` by kind. ``recorder`` (a :class:`~.hooks.CallRecorder`) lets
+    ``observe(None)`` derive iteration times from communication calls alone.
+    """
+
+    def __init__(self, config: FalconConfig | None = None, grid=None, pp_groups=(), dp_groups=(),
+                 recorder=None):
+        self.config = config or FalconConfig()
+        self.grid = [list(r) for r in grid] if grid is not None else None
+        self.pp_groups, self.dp_groups = set(pp_groups), set(dp_groups)
+        self.recorder = recorder
+        self.detector = SlowIterationDetector(self.config.detector)
+        self.planner = MitigationPlanner(self.config.costs, self.config.delegation_available)
+        self.iteration = -1
+        self.recent = deque(maxlen=max(1, self.config.effect_window))
+        self._pending_effects: list[tuple[str, int, float]] = []  # (strategy, applied_at, before)
+        self._awaiting_validation_since: int | None = None
+        self.suspicious: list = []
+        self.slow_links: list[tuple[int, int]] = []
+        self.slow_devices: list[int] = []
+        self.root_cause: str | None = None
+        self.history: list[dict] = []
+        self._period: int | None = None
+        self._calls_consumed = 0
+
+    # ---------------------------------------------------------------- tracking
+    def iteration_times_from_recorder(self) -> list[float]:
+        """New iteration times from the call record (ACF period, Falcon §4.2)."""
+        recs = list(self.recorder.records)
+        if self._period is None:
+            sigs = [r.signature for r in recs]
+            self._period = estimate_period(sigs, self.config.period_threshold)
+            if self._period is None:
+                return []
+            self._calls_consumed = len(recs) - (len(recs) % self._period) - self._period
+        out = []
+        p = self._period
+        while self._calls_consumed + 2 * p <= len(recs):
+            a = recs[self._calls_consumed].t_start
+            b = recs[self._calls_consumed + p].t_start
+            out.append(b - a)
+            self._calls_consumed += p
+        return out
+
+    def observe(self, iteration_time_s: float | None = None, per_group_times: dict | None = None) -> dict:
+        """Feed one iteration; returns its ``falcon/*`` metrics and decisions."""
+        if iteration_time_s is None:
+            if self.recorder is None:
+                raise ValueError("observe(None) needs a CallRecorder")
+            times = self.iteration_times_from_recorder()
+            if not times:
+                return {"falcon/state": "slow" if self.detector.slow else "healthy"}
+            for t in times[:-1]:
+                self._observe_one(t, None)
+            return self._observe_one(times[-1], per_group_times)
+        return self._observe_one(float(iteration_time_s), per_group_times)
+
+    def _observe_one(self, t: float, per_group_times: dict | None) -> dict:
+        c = self.config
+        t0 = time.perf_counter()
+        self.iteration += 1
+        it = self.iteration
+        cp = self.detector.observe(t)
+        out: dict = {"falcon/iteration_time_s": t}
+        if cp is not None:
+            out["falcon/event"] = cp.kind
+            out["falcon/change_point_iteration"] = cp.index
+            out["falcon/change_point_latency_iters"] = cp.detected_at - cp.index
+            out["falcon/change_point_relative_change"] = cp.relative_change
+            if cp.kind == "onset":
+                self._on_onset(per_group_times, out)
+            elif cp.kind == "relief":
+                self.planner.stop()
+                self._awaiting_validation_since = None
+                out["falcon/event_slow_iters"] = self.planner.slow_iters
+                out["falcon/event_impact_s"] = self.planner.impact_s
+        if self.detector.slow:
+            if self._awaiting_validation_since is not None and (
+                it - self._awaiting_validation_since >= c.validation_wait_iters
+            ):
+                self._classify(out)  # no validation arrived: profiling-only root cause
+            if self.planner.active:
+                for s in self.planner.step(t):
+                    self._apply(s, out)
+                out["falcon/slow_iters"] = self.planner.slow_iters
+                out["falcon/impact_s"] = self.planner.impact_s
+                nxt = self.planner.next_strategy
+                out["falcon/next_strategy"] = nxt or ""
+                out["falcon/next_overhead_s"] = c.costs.of(nxt) if nxt else float("nan")
+        self._measure_effects(t, out)
+        self.recent.append(t)
+        out["falcon/state"] = "slow" if self.detector.slow else "healthy"
+        out["falcon/cp_probability"] = self.detector.last_probability
+        out["falcon/detector_us"] = (time.perf_counter() - t0) * 1e6
+        if len(out) > 4 and any(k in out for k in ("falcon/event", "falcon/apply", "falcon/validate")):
+            self.history.append({"iteration": it, **out})
+        return out
+
+    # ---------------------------------------------------------------- localisation
+    def _on_onset(self, per_group_times, out):
+        self.suspicious = suspicious_groups(per_group_times or {}, self.config.suspicious_ratio)
+        self.slow_links, self.slow_devices, self.root_cause = [], [], None
+        out["falcon/suspicious_groups"] = ",".join(str(g) for g in self.suspicious)
+        out["falcon/validate"] = 1
+        self._awaiting_validation_since = self.iteration
+
+    def report_validation(self, link_times_s: dict | None = None, gemm_times_s: dict | None = None,
+                          link_reference_s: float | None = None) -> dict:
+        """Results of ``validate_rings`` / ``gemm_probe`` → slow links / devices → root cause."""
+        c = self.config
+        self.slow_links = locate_slow_links(link_times_s or {}, c.slow_link_ratio, link_reference_s)
+        self.slow_devices = locate_slow_devices(gemm_times_s or {}, c.slow_device_ratio)
+        out: dict = {
+            "falcon/slow_links": ";".join(f"{a}->{b}" for a, b in self.slow_links),
+            "falcon/slow_devices": ",".join(str(d) for d in self.slow_devices),
+        }
+        self._classify(out)
+        self.history.append({"iteration": self.iteration, **out})
+        return out
+
+    def _classify(self, out):
+        cause = "unknown"
+        if self.slow_links and self.grid is not None:
+            pos = {r: (d, s) for d, row in enumerate(self.grid) for s, r in enumerate(row)}
+            a, b = self.slow_links[0]
+            (da, sa), (db, sb) = pos[a], pos[b]
+            cause = "pp_link" if da == db and abs(sa - sb) == 1 else "dp_link"
+        elif self.slow_devices:
+            cause = "compute"
+        elif self.suspicious:
+            g = self.suspicious[0]
+            cause = "pp_link" if g in self.pp_groups else "dp_link" if g in self.dp_groups else "unknown"
+        self.root_cause = cause
+        self._awaiting_validation_since = None
+        out["falcon/root_cause"] = cause
+        healthy = self.detector.healthy_mean_s or float(np.mean(self.recent))
+        self.planner.start(cause, healthy)
+        out["falcon/strategies"] = ",".join(self.planner.candidates)
+
+    # ---------------------------------------------------------------- mitigation
+    def plan_microbatch_split(self, per_group_microbatch_s) -> list[int]:
+        m = self.config.num_microbatches
+        if m is None:
+            raise ValueError("FalconConfig.num_microbatches is needed for a redistribution plan")
+        return min_max_microbatch_split(m, per_group_microbatch_s)
+
+    def _apply(self, strategy: str, out: dict) -> None:
+        prev = out.get("falcon/apply")
+        out["falcon/apply"] = strategy if not prev else f"{prev},{strategy}"
+        if strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:
+            # Per-DP-replica micro-batch time ∝ its slowest device (GEMM slowdown relative to healthy).
+            slow = set(self.slow_devices)
+            factor = self.detector.current_mean_s / (self.detector.healthy_mean_s or 1.0)
+            per_dp = [factor if slow & set(row) else 1.0 for row in self.grid]
+            if self.config.num_microbatches is not None:
+                out["falcon/plan/microbatch_split"] = json.dumps(self.plan_microbatch_split(per_dp))
+        if strategy == "topology_adjustment" and self.grid is not None:
+            plan = plan_topology(self.grid, self.slow_links, self.slow_devices)
+            out["falcon/plan/topology_grid"] = json.dumps([list(r) for r in plan.grid])
+            out["falcon/plan/topology_moved"] = plan.moved
+        before = float(np.mean(self.recent)) if self.recent else float("nan")
+        self._pending_effects.append((strategy, self.iteration, before))
+
+    def _measure_effects(self, t: float, out: dict) -> None:
+        w = self.config.effect_window
+        keep = []
+        for strategy, at, before in self._pending_effects:
+            if self.iteration - at >= w:
+                after = float(np.mean(list(self.recent)[-(w - 1):] + [t])) if w > 1 else t
+                out[f"falcon/effect/{strategy}"] = 1.0 - after / before
+                out[f"falcon/effect/{strategy}/before_s"] = before
+                out[f"falcon/effect/{strategy}/after_s"] = after
+            else:
+                keep.append((strategy, at, before))
+        self._pending_effects = keep

@@ -1,0 +1,72 @@
+"""Micro-batch redistribution across DP groups with weighted gradient aggregation (Falcon §5.3, S2).
+
+With a global batch of M equal-size micro-batches split ``m_1..m_D`` over D DP groups (from
+:func:`~titan_ext.runtime.falcon.mitigation.min_max_microbatch_split`), DP group i computes the mean
+of its micro-batch losses ``L_i = (1/m_i) Σ_{j∈i} ℓ_j`` and its gradient ``g_i = ∇L_i``. The even-split
+global loss is ``L = (1/M) Σ_j ℓ_j = Σ_i (m_i/M) L_i``, so aggregating with weights ``m_i / M``
+(instead of DP's plain average ``1/D``) reproduces the even split's loss and gradients exactly
+("weighted gradient aggregation", Falcon §5.3 citing [5]).
+
+:func:`microbatch_ranges` assigns contiguous micro-batch indices to DP groups so the union of the
+groups' data is the same global batch; :func:`weighted_all_reduce_gradients` does the aggregation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["dp_weights", "microbatch_ranges", "weighted_all_reduce_gradients", "weighted_all_reduce_loss"]
+
+
+def dp_weights(split: Sequence[int]) -> list[float]:
+    """``m_i / M`` for every DP group."""
+    total = sum(split)
+    if total <= 0 or any(m < 0 for m in split):
+        raise ValueError(f"invalid split {list(split)}")
+    return [m / total for m in split]
+
+
+def microbatch_ranges(split: Sequence[int]) -> list[range]:
+    """Contiguous global micro-batch indices of every DP group: group i gets ``range(s_i, s_i + m_i)``."""
+    out, start = [], 0
+    for m in split:
+        out.append(range(start, start + m))
+        start += m
+    return out
+
+
+@torch.no_grad()
+def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: float, group=None) -> None:
+    """``p.grad ← Σ_i w_i p.grad_i`` over the DP ``group`` (``weight`` = this group's ``m_i / M``).
+
+    Gradients are flattened into one buffer per dtype so the aggregation is one all-reduce.
+    Parameters without a gradient contribute zeros (all ranks must agree on the parameter list).
+    """
+    params = [p for p in params if p.requires_grad]
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype, ps in by_dtype.items():
+        flat = torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps
+        ]) * weight
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for p in ps:
+            n = p.numel()
+            chunk = flat[offset : offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
+            offset += n
+
+
+def weighted_all_reduce_loss(local_mean_loss: torch.Tensor, weight: float, group=None) -> torch.Tensor:
+    """Global loss ``Σ_i w_i L_i`` (a detached tensor, the same on every rank of ``group``)."""
+    t = local_mean_loss.detach().clone() * weight
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
