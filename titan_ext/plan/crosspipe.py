@@ -242,6 +242,7 @@ class GreedyResult:
     """greedy only: (rank, op, sub-block index, start, end) as scheduled by Alg.1."""
     n_sub: int = 1
     steady: str = "interleave"
+    reserve: str = "one"
 
 
 class _Links:
@@ -284,17 +285,38 @@ def _message_arrival(problem: CrossPipeProblem, links: _Links, src_stage: int, d
     return links.reserve(channel, ready, problem.transfer(boundary)) + problem.latency(boundary)
 
 
-def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "interleave") -> GreedyResult:
+def greedy_schedule(
+    problem: CrossPipeProblem,
+    n_sub: int = 1,
+    steady: str = "interleave",
+    reserve: str | int = "one",
+    tie: str = "microbatch",
+) -> GreedyResult:
     """One run of CrossPipe's greedy generator (§4.2, Alg.1) with ``n_sub`` sub-blocks per W.
 
     ``steady`` is the steady-phase rule: ``"interleave"`` (§4.2.2: alternate F and D full blocks) or
     ``"backward_first"`` (I before F whenever both are available).
+    ``reserve`` (ranks with several stages, CrossWave): how much memory an F of an earlier stage
+    leaves free for the later stages of its rank: ``"one"`` unit per later stage (enough to rule out
+    deadlock), an int k: k units per later stage, or ``"pending"``: one unit for every microbatch that
+    has passed this stage but not yet a later stage of the rank, so no microbatch already in flight
+    ever waits for memory at the V turn.
+    ``tie`` (ranks with several stages): which of two available operations of the same kind goes
+    first: ``"microbatch"`` – the lower microbatch, then the later stage; ``"critical_path"`` – for
+    I, the later stage (the one with the longer remaining backward chain), then the lower microbatch.
     Raises ValueError if the memory limit admits no schedule (deadlock).
     """
+    if tie not in ("microbatch", "critical_path"):
+        raise ValueError(f"tie must be 'microbatch' or 'critical_path', got {tie!r}")
+    i_later_first = tie == "critical_path"
     if not isinstance(n_sub, int) or n_sub < 1:
         raise ValueError(f"n_sub must be a positive int, got {n_sub!r}")
     if steady not in ("interleave", "backward_first"):
         raise ValueError(f"steady must be 'interleave' or 'backward_first', got {steady!r}")
+    if reserve == "one":
+        reserve = 1
+    if reserve != "pending" and not (isinstance(reserve, int) and reserve >= 1):
+        raise ValueError(f"reserve must be 'one', 'pending' or an int >= 1, got {reserve!r}")
     R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
     s2r = problem.stage_to_rank
     last = S - 1
@@ -305,7 +327,18 @@ def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "in
     rank_stages = [problem.stages_of_rank(r) for r in range(R)]
     # memory an F of stage s must leave free for the later stages of its rank (V turn): F of stage
     # s is allowed while mem + need_f[s] <= limit
-    need_f = [mf + mf * sum(1 for s2 in rank_stages[s2r[s]] if s2 > s) for s in range(S)]
+    k_units = 1 if reserve == "pending" else reserve
+    need_f = [mf + k_units * mf * sum(1 for s2 in rank_stages[s2r[s]] if s2 > s) for s in range(S)]
+    later = [tuple(s2 for s2 in rank_stages[s2r[s]] if s2 > s) for s in range(S)]
+    pending_rule = reserve == "pending" and any(later)
+    f_stage_done = [0] * S
+
+    def f_blocked(r: int, s: int) -> bool:
+        """memory rule for an F of stage s on rank r"""
+        if pending_rule and later[s]:
+            need = mf * (1 + sum(f_stage_done[s] + 1 - f_stage_done[x] for x in later[s]))
+            return mem[r] + need > lim[r]
+        return mem[r] + need_f[s] > lim[r]
     total_f = [N * len(rank_stages[r]) for r in range(R)]
     dur_k = [problem.f_ms, problem.b_ms, tuple(x / n_sub for x in problem.w_ms)]
     backward_first = steady == "backward_first"
@@ -339,7 +372,7 @@ def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "in
             h = heads[q]
             qq = queues[q]
             if h < len(qq):
-                if q % 3 == 0 and mem[r] + need_f[q // 3] > lim[r]:
+                if q % 3 == 0 and f_blocked(r, q // 3):
                     continue
                 a = qq[h][1]
                 if a < best:
@@ -381,10 +414,10 @@ def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "in
                 if a > tt:
                     continue
                 k = q % 3
-                if k == 0 and mem[r] + need_f[q // 3] > lim[r]:
+                if k == 0 and f_blocked(r, q // 3):
                     continue
                 cur = best_k[k]
-                if cur is None or m < cur[0]:
+                if cur is None or (m < cur[0] and not (k == 1 and i_later_first)):
                     best_k[k] = (m, q)
         # ---- operation selection (§4.2.2)
         if not seen_backward[r] and best_k[1] is not None:
@@ -432,6 +465,7 @@ def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "in
         if k == 0:
             mem[r] += mf
             f_done[r] += 1
+            f_stage_done[s] += 1
             if s < last:
                 dst = s + 1
                 arrive(3 * dst, m, _message_arrival(problem, links, s, dst, t1))
@@ -455,7 +489,7 @@ def greedy_schedule(problem: CrossPipeProblem, n_sub: int = 1, steady: str = "in
     for op in sorted(end, key=lambda o: (end[o], start[o])):
         orders[s2r[op[0]]].append(op)
     makespan = max(end.values()) - start[(0, F, 0)]
-    return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady)
+    return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady, reserve)
 
 
 def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> GreedyResult:
@@ -573,6 +607,7 @@ class CrossPipePlan:
     variant: str
     n_sub: int
     steady: str
+    reserve: str | int
     makespan_ms: float
     """makespan of the whole-action plan under the generator's model (replayed)."""
     greedy_makespan_ms: float
@@ -580,11 +615,10 @@ class CrossPipePlan:
     memory_limit: tuple[float, ...] | None
     peak_memory: list[float]
     plan_ms: float
-    candidates: list[tuple[int, str, float]] = field(default_factory=list)
-    """(n_sub, steady, replayed makespan) of every portfolio member tried."""
+    candidates: list[tuple[int, str, str | int, float]] = field(default_factory=list)
+    """(n_sub, steady, reserve, replayed makespan) of every portfolio member tried."""
 
 
-DEFAULT_N_SUB = (1, 2, 3, 4)
 
 
 def plan_crosspipe_problem(
@@ -592,13 +626,19 @@ def plan_crosspipe_problem(
     variant: str = "ud",
     n_sub: int | Iterable[int] | None = None,
     steady: str | Iterable[str] | None = None,
+    reserve: str | int | Iterable[str | int] | None = None,
     convert: bool = True,
 ) -> CrossPipePlan:
     """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
 
-    With ``n_sub``/``steady`` left at None a small portfolio is tried and the plan with the best
-    replayed whole-action makespan is kept (CrossPipe §6.2 schedule selection): CrossUD tries both
-    steady rules with n_sub = 1; CrossUDSub and CrossWave also try n_sub ∈ {2, 3, 4}.
+    Parameters left at None form a small portfolio; every member is generated and replayed, and the
+    plan with the best whole-action makespan is kept (CrossPipe §6.2: "a schedule with the best
+    simulation performance is selected"):
+
+    * CrossUD: n_sub = 1, steady ∈ {interleave, backward_first} (2 runs);
+    * CrossUDSub: n_sub ∈ {1, 2, 4} × both steady rules (6 runs; n_sub = 1 included so that the
+      sub-block variant is never worse than CrossUD);
+    * CrossWave: n_sub ∈ {1, 2} × both steady rules × reserve ∈ {1, 2, 4, "pending"} (16 runs).
     """
     t0 = time.perf_counter()
     if variant not in CROSSPIPE_VARIANTS:
@@ -608,25 +648,30 @@ def plan_crosspipe_problem(
         raise ValueError("variant 'wave' needs a V-shape problem (two stages per rank)")
     if variant in ("ud", "udsub") and wave_shape:
         raise ValueError(f"variant {variant!r} needs one stage per rank")
-    if n_sub is None:
-        subs: tuple[int, ...] = (1,) if variant == "ud" else DEFAULT_N_SUB
-    elif isinstance(n_sub, int):
-        subs = (n_sub,)
-    else:
-        subs = tuple(n_sub)
+
+    def as_tuple(v, default):
+        if v is None:
+            return default
+        if isinstance(v, (str, int)):
+            return (v,)
+        return tuple(v)
+
+    subs = as_tuple(n_sub, {"ud": (1,), "udsub": (1, 2, 4), "wave": (1, 2)}[variant])
     if variant == "ud" and subs != (1,):
         raise ValueError("CrossUD is the n_sub = 1 variant; use 'udsub' for sub-blocks")
-    steadies = ("interleave", "backward_first") if steady is None else (steady,) if isinstance(steady, str) else tuple(steady)
+    steadies = as_tuple(steady, ("interleave", "backward_first"))
+    reserves = as_tuple(reserve, (1, 2, 4, "pending") if variant == "wave" else (1,))
     best = None
     tried = []
     for ns in subs:
-        for st in steadies:
-            g = greedy_schedule(problem, ns, st)
-            rep = g if ns == 1 else replay(problem, g.orders)
-            tried.append((ns, st, rep.makespan_ms))
-            if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
-                best = (g, ns, rep, st)
-    g, ns, rep, st = best
+        for rs in reserves:
+            for st in steadies:
+                g = greedy_schedule(problem, ns, st, rs)
+                rep = g if ns == 1 else replay(problem, g.orders)
+                tried.append((ns, st, rs, rep.makespan_ms))
+                if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
+                    best = (g, ns, rep, st, rs)
+    g, ns, rep, st, rs = best
     actions = to_actions(g.orders) if convert else {}
     return CrossPipePlan(
         actions=actions,
@@ -635,6 +680,7 @@ def plan_crosspipe_problem(
         variant=variant,
         n_sub=ns,
         steady=st,
+        reserve=rs,
         makespan_ms=rep.makespan_ms,
         greedy_makespan_ms=g.makespan_ms,
         memory_limit=problem.memory_limit,
@@ -696,6 +742,7 @@ def plan_crosspipe(
     memory_limit: int | float | Sequence[float] | None = None,
     n_sub: int | Iterable[int] | None = None,
     steady: str | Iterable[str] | None = None,
+    reserve: str | int | Iterable[str | int] | None = None,
     validate: bool = True,
 ) -> CrossPipePlan:
     """CrossPipe greedy plan (§4.2) for a :class:`~titan_ext.plan.PipelineProfile`.
@@ -707,7 +754,7 @@ def plan_crosspipe(
     """
     t0 = time.perf_counter()
     problem = problem_from_profile(profile, variant, memory_limit)
-    plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady)
+    plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady, reserve=reserve)
     if validate:
         from .validate import validate_plan
 
