@@ -120,7 +120,14 @@ def main(args: list[str] | None = None) -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
-    config = parse_job_config(args)
+    from titan_ext.titan.config import TitanExtConfigError
+
+    try:
+        config = parse_job_config(args)
+    except (TitanExtConfigError, JobConfigError) as e:
+        # before any process group exists: one clear line, no traceback
+        print(f"titan_ext: configuration error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
     import torch
 

@@ -10,13 +10,13 @@ TorchTitan parses the config and before any process group exists. A bad value ra
 :class:`TitanExtConfigError` (a ``ValueError``) whose message names the key, e.g.
 ``[titan_ext] delegation = 'sometimes': must be one of 'off', 'auto', 'always'``.
 
-This module imports no torch: it is safe to import anywhere.
+This module imports no torch at import time; only validating a non-empty ``inject_delays`` /
+``inject_trace`` loads the runtime's delay parser (and with it torch).
 """
 
 
 import math
 import os
-import re
 from dataclasses import dataclass, field, fields
 
 __all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "parse_delay_spec"]
@@ -24,7 +24,6 @@ __all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext",
 DELEGATION_MODES = ("off", "auto", "always")
 PLANNER_MODES = ("auto", "initial", "adaptive", "zb")
 
-_LINK_SPEC = re.compile(r"^\s*(\d+)\s*:\s*([0-9]*\.?[0-9]+)\s*(ms)?\s*$")
 
 
 class TitanExtConfigError(ValueError):
@@ -76,13 +75,15 @@ class TitanExt:
     measured delay breaks the plan's tolerance) or "always"."""
 
     inject_delays: str = ""
-    """Straggler emulation on the real PP messages, static spec: comma-separated "link:ms" pairs,
-    e.g. "2:30" (link 2 = between stages 2 and 3 gets +30 ms one way) or "0:10,3:60". Empty = none.
-    Applies to every schedule (baselines too). Mutually exclusive with ``inject_trace``."""
+    """Straggler emulation on the real PP messages (``titan_ext.runtime.inject_link_delays``), static
+    spec: comma-separated "link:ms[:bandwidth]" items, e.g. "2:30" (link 2, between stages 2 and 3,
+    gets +30 ms one way), "0:10,2:30:100MB/s", "*:5" (every link). Empty = none. Applies to every
+    schedule (baselines too). Mutually exclusive with ``inject_trace``."""
 
     inject_trace: str = ""
-    """Straggler emulation from a CSV trace (header: time then one column per link; delays in ms
-    over time). Empty = none. Mutually exclusive with ``inject_delays``."""
+    """Straggler emulation from a CSV trace file: header ``time_s,link0,link2,...`` (optionally
+    ``link2_bw`` in bytes/s), rows = per-link latency in ms from that time on (seconds since training
+    start, shared by all ranks). Empty = none. Mutually exclusive with ``inject_delays``."""
 
     gantt_every: int = 10
     """Every K steps, log an image of the measured pipeline timeline (Gantt) to W&B and write it
@@ -96,23 +97,21 @@ class TitanExt:
         validate_titan_ext(self)
 
 
-def parse_delay_spec(spec: str, key: str = "inject_delays") -> dict[int, float]:
-    """Parse "link:ms[,link:ms...]" into ``{link: ms}``; raise TitanExtConfigError naming ``key``."""
-    out: dict[int, float] = {}
+def parse_delay_spec(spec: str, key: str = "inject_delays"):
+    """Parse a delay spec with the runtime's parser (:func:`titan_ext.runtime.delay_injection.
+    parse_delay_spec`: "2:30", "0:10,2:30:100MB/s", "*:5", "trace:PATH"); errors name ``key``.
+
+    Imports torch (through the runtime) only when called with a non-empty spec.
+    """
     if not spec.strip():
-        return out
-    for part in spec.split(","):
-        m = _LINK_SPEC.match(part)
-        if not m:
-            raise TitanExtConfigError(
-                f"[titan_ext] {key} = {spec!r}: entry {part.strip()!r} is not 'link:ms' "
-                f"(e.g. '2:30' or '0:10,3:60')"
-            )
-        link, ms = int(m.group(1)), float(m.group(2))
-        if link in out:
-            raise TitanExtConfigError(f"[titan_ext] {key} = {spec!r}: link {link} is given twice")
-        out[link] = ms
-    return out
+        return None
+    from titan_ext.runtime.delay_injection import DelaySpecError
+    from titan_ext.runtime.delay_injection import parse_delay_spec as runtime_parse
+
+    try:
+        return runtime_parse(spec)
+    except DelaySpecError as e:
+        raise TitanExtConfigError(f"[titan_ext] {key} = {spec!r}: {e}") from None
 
 
 def _check(cond: bool, key: str, value, why: str) -> None:
@@ -150,18 +149,22 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            cfg.metrics_file, "must be a plain file name (it is written under job.dump_folder)")
     _check(not (cfg.inject_delays.strip() and cfg.inject_trace.strip()), "inject_delays",
            cfg.inject_delays, "set either inject_delays or inject_trace, not both")
-    links = parse_delay_spec(cfg.inject_delays)
-    for link, ms in links.items():
-        _check(math.isfinite(ms) and ms <= 60_000, "inject_delays", cfg.inject_delays,
-               f"delay {ms} ms on link {link} is not a finite value <= 60000")
-    if cfg.inject_trace.strip():
-        _check(os.path.isfile(cfg.inject_trace), "inject_trace", cfg.inject_trace,
-               "file does not exist")
-    if num_pp_links is not None:
-        for link in links:
-            _check(link < num_pp_links, "inject_delays", cfg.inject_delays,
-                   f"link {link} does not exist: with {num_pp_links + 1} pipeline stages the links "
-                   f"are 0..{num_pp_links - 1}")
+    key, schedule = None, None
+    if cfg.inject_delays.strip():
+        key = "inject_delays"
+        _check(not cfg.inject_delays.strip().startswith("trace:")
+               and not cfg.inject_delays.strip().endswith(".csv"), key, cfg.inject_delays,
+               "a trace file goes into inject_trace")
+        schedule = parse_delay_spec(cfg.inject_delays, key)
+    elif cfg.inject_trace.strip():
+        key = "inject_trace"
+        _check(os.path.isfile(cfg.inject_trace), key, cfg.inject_trace, "no such file")
+        schedule = parse_delay_spec("trace:" + cfg.inject_trace, key)
+    if schedule is not None and num_pp_links is not None:
+        link = schedule.max_link()
+        _check(link < num_pp_links, key, getattr(cfg, key),
+               f"link {link} does not exist: with {num_pp_links + 1} pipeline stages the links "
+               f"are 0..{num_pp_links - 1} (link i joins stages i and i+1)")
 
 
 @dataclass

@@ -67,9 +67,13 @@ def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:
 
 
 def delay_spec(job_config: Any) -> str:
-    """The injected-straggler spec of the job ("" = none): a static spec or a trace file path."""
+    """The injected-straggler spec of the job ("" = none), in the runtime's grammar."""
     section = titan_ext_section(job_config)
-    return section.inject_delays.strip() or section.inject_trace.strip()
+    if section.inject_delays.strip():
+        return section.inject_delays.strip()
+    if section.inject_trace.strip():
+        return "trace:" + section.inject_trace.strip()
+    return ""
 
 
 def install_link_delays(job_config: Any) -> bool:
@@ -84,8 +88,16 @@ def install_link_delays(job_config: Any) -> bool:
     pp = getattr(getattr(job_config, "parallelism", None), "pipeline_parallel_degree", None)
     if pp and pp > 1:
         validate_titan_ext(titan_ext_section(job_config), num_pp_links=pp - 1)
+    import time
+
+    import torch.distributed as dist
+
     from titan_ext.runtime import inject_link_delays
 
-    inject_link_delays(spec)
+    # one time origin for every rank (a trace's time_s axis), taken from rank 0
+    origin = [time.time()]
+    if dist.is_initialized():
+        dist.broadcast_object_list(origin, src=0)
+    inject_link_delays(spec, t0=origin[0])
     log.info("[titan_ext] injected link delays: %s", spec)
     return True
