@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from .ir import Op, as_ops, stage_to_rank_map
-from .profile import PipelineProfile
+from .profile import LinkProfile, PipelineProfile
 from .timing import LinkQueues, to_ms, to_ns
 
 
@@ -56,11 +56,35 @@ class Timeline:
         }
 
 
-def _durations(profile: PipelineProfile) -> dict[str, list[int]]:
-    f = [to_ns(v) for v in profile.f_ms]
-    b = [to_ns(v) for v in profile.b_ms]
-    w = [to_ns(v) for v in profile.w_ms]
-    return {"F": f, "I": b, "W": w, "B": [x + y for x, y in zip(b, w)]}
+def _stage_model(
+    profile: PipelineProfile, placement: Mapping[int, int], num_ranks: int
+) -> tuple[dict[str, list[int]], list[LinkProfile]]:
+    """Per-stage durations (ns) and per-stage-boundary links for the plan's placement.
+
+    A stage-level profile (one entry per plan stage) is used as is. A rank-level profile (one entry
+    per rank) serves multi-chunk plans (Interleaved, ZBV, DualPipeV, CrossWave): each of a rank's
+    ``V`` stages takes 1/V of the rank's times, and a boundary between stages on adjacent ranks
+    r, r+1 uses rank link r (the wrap-around boundary of looped schedules, rank S−1 → 0, has none).
+    """
+    S = len(placement)
+    if profile.num_stages == S:
+        f, b, w, links = profile.f_ms, profile.b_ms, profile.w_ms, list(profile.links)
+    elif profile.num_stages == num_ranks and S % num_ranks == 0:
+        v = S // num_ranks
+        f = [profile.f_ms[placement[s]] / v for s in range(S)]
+        b = [profile.b_ms[placement[s]] / v for s in range(S)]
+        w = [profile.w_ms[placement[s]] / v for s in range(S)]
+        links = []
+        for s in range(S - 1):
+            r0, r1 = placement[s], placement[s + 1]
+            links.append(profile.links[min(r0, r1)] if abs(r0 - r1) == 1 else LinkProfile())
+    else:
+        raise ValueError(
+            f"profile has {profile.num_stages} stages; the plan has {S} stages on {num_ranks} ranks "
+            f"(give one entry per stage, or one per rank)"
+        )
+    fn, bn, wn = ([to_ns(x) for x in v] for v in (f, b, w))
+    return {"F": fn, "I": bn, "W": wn, "B": [x + y for x, y in zip(bn, wn)]}, links
 
 
 def simulate(
@@ -72,9 +96,9 @@ def simulate(
 ) -> Timeline:
     """Simulate ``plan`` (rank → compute actions, torch ``_Action`` or tuples) under ``profile``.
 
-    ``profile.num_stages`` must equal the plan's number of stages; ``profile.links[s]`` is the link
-    between stage s and s+1 (unused when both live on the same rank). Raises ``DeadlockError`` when
-    the plan cannot complete.
+    ``profile`` is stage-level (``profile.links[s]`` joins stage s and s+1, unused when both live on
+    one rank) or rank-level for multi-chunk plans (see ``_stage_model``). Raises ``DeadlockError``
+    when the plan cannot complete.
     """
     ops = as_ops(plan)
     placement = stage_to_rank_map(ops)
@@ -83,11 +107,11 @@ def simulate(
         for s, r in placement.items():
             if lookup(s) != r:
                 raise ValueError(f"stage {s} runs on rank {r} but stage_to_rank says {lookup(s)}")
-    S = profile.num_stages
+    S = len(placement)
     if set(placement) != set(range(S)):
-        raise ValueError(f"plan has stages {sorted(placement)}, profile has {S} stages")
-    dur = _durations(profile)
-    links = LinkQueues(profile.links)
+        raise ValueError(f"plan has stages {sorted(placement)}, expected 0..{S - 1}")
+    dur, stage_links = _stage_model(profile, placement, len(ops))
+    links = LinkQueues(stage_links)
     last = S - 1
 
     done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) → end ns; kind "I" also for full B

@@ -1,0 +1,237 @@
+"""Falcon §4.3 localisation rules and §5 mitigation planning (no process groups)."""
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from titan_ext.runtime.falcon import (
+    FalconConfig,
+    FalconMonitor,
+    MitigationPlanner,
+    StrategyCosts,
+    locate_slow_devices,
+    locate_slow_links,
+    min_max_microbatch_split,
+    plan_topology,
+    ring_validation_passes,
+    suspicious_groups,
+    topology_score,
+)
+
+# ----------------------------------------------------------------------------- ski rental (Alg. 1)
+
+
+def test_ski_rental_switch_points_equal_hand_computed():
+    # healthy 1.0 s; costs: ignore 0, redistribution 2 s, topology 10 s, restart 30 s.
+    # Scripted slow iteration times (binary fractions: exact sums):
+    #   slow iters 1..  : 1.5 s  (+0.5 per iter)  -> ignore at iter 1 (0.5 >= 0),
+    #                                               redistribution at iter 4 (impact 2.0 >= 2)
+    #   after redistribution: 1.25 s (+0.25)      -> topology when 2 + 0.25 k >= 10: k = 32, iter 36
+    #   after topology: 1.125 s (+0.125)          -> restart when 10 + 0.125 k >= 30: k = 160, iter 196
+    costs = StrategyCosts(ignore=0.0, microbatch_redistribution=2.0, topology_adjustment=10.0,
+                          checkpoint_restart=30.0)
+    planner = MitigationPlanner(costs)
+    planner.start("compute", healthy_iteration_s=1.0)
+    assert planner.candidates == ["ignore", "microbatch_redistribution", "topology_adjustment",
+                                  "checkpoint_restart"]
+    t = 1.5
+    switches = []
+    for it in range(1, 250):
+        for s in planner.step(t):
+            switches.append((it, s))
+            if s == "microbatch_redistribution":
+                t = 1.25
+            elif s == "topology_adjustment":
+                t = 1.125
+            elif s == "checkpoint_restart":
+                t = 1.0
+    assert switches == [(1, "ignore"), (4, "microbatch_redistribution"),
+                        (36, "topology_adjustment"), (196, "checkpoint_restart")]
+
+
+def test_ski_rental_strategies_by_root_cause():
+    p = MitigationPlanner(StrategyCosts())
+    p.start("pp_link", 1.0)
+    assert p.candidates == ["ignore", "pipemorph_replan", "topology_adjustment", "checkpoint_restart"]
+    p.start("dp_link", 1.0)
+    assert p.candidates == ["ignore", "topology_adjustment", "checkpoint_restart"]
+    with pytest.raises(ValueError):
+        p.start("cosmic_rays", 1.0)
+
+
+# ----------------------------------------------------------------------------- min-max split (Eq. 1)
+
+
+def _bruteforce_minmax(total, t):
+    best = math.inf
+    d = len(t)
+    for cuts in itertools.combinations(range(1, total), d - 1):
+        bounds = (0,) + cuts + (total,)
+        m = [bounds[i + 1] - bounds[i] for i in range(d)]
+        best = min(best, max(mi * ti for mi, ti in zip(m, t)))
+    return best
+
+
+def test_minmax_split_equals_bruteforce():
+    rng = np.random.default_rng(200)
+    for _ in range(200):
+        d = int(rng.integers(1, 5))
+        total = int(rng.integers(d, 17))
+        t = list(rng.uniform(0.5, 3.0, size=d))
+        m = min_max_microbatch_split(total, t)
+        assert sum(m) == total and min(m) >= 1
+        assert max(mi * ti for mi, ti in zip(m, t)) == pytest.approx(_bruteforce_minmax(total, t), rel=1e-12)
+
+
+def test_minmax_split_hand_case():
+    # 2 DP groups, one at 3x slower: 8 micro-batches -> 6 / 2 (max(6*1, 2*3) = 6).
+    assert min_max_microbatch_split(8, [1.0, 3.0]) == [6, 2]
+    assert min_max_microbatch_split(8, [1.0, 1.0]) == [4, 4]
+    with pytest.raises(ValueError):
+        min_max_microbatch_split(1, [1.0, 1.0])
+
+
+# ----------------------------------------------------------------------------- topology
+
+
+def _on_pp_hop(grid, a, b):
+    pos = {r: (d, s) for d, row in enumerate(grid) for s, r in enumerate(row)}
+    (da, sa), (db, sb) = pos[a], pos[b]
+    return da == db and abs(sa - sb) == 1
+
+
+def test_topology_puts_slow_link_on_pp_hop_in_every_2d_case():
+    cases = 0
+    for num_dp in range(1, 5):
+        for num_pp in range(2, 5):
+            grid = [[d * num_pp + s for s in range(num_pp)] for d in range(num_dp)]
+            for a, b in itertools.permutations(range(num_dp * num_pp), 2):
+                plan = plan_topology(grid, [(a, b)])
+                assert _on_pp_hop(plan.grid, a, b), (num_dp, num_pp, a, b, plan.grid)
+                # DP group = column: the slow link is in no DP group any more
+                cols = [{row[s] for row in plan.grid} for s in range(num_pp)]
+                assert not any({a, b} <= c for c in cols)
+                assert sorted(itertools.chain(*plan.grid)) == list(range(num_dp * num_pp))
+                cases += 1
+    assert cases > 700
+
+
+def test_topology_fig10_swap_moves_dp_link_onto_pp_hop_with_two_moves():
+    # 2 DP x 2 PP, rank = dp*2 + pp; DP groups {0,2}, {1,3}. Slow DP link 1-3 (Falcon Fig. 10).
+    plan = plan_topology([[0, 1], [2, 3]], [(1, 3)])
+    assert _on_pp_hop(plan.grid, 1, 3)
+    assert plan.moved == 2
+
+
+def test_topology_consolidates_stragglers_into_fewest_interior_stages():
+    rng = np.random.default_rng(201)
+    for _ in range(60):
+        num_dp, num_pp = int(rng.integers(1, 5)), int(rng.integers(3, 7))
+        n = num_dp * num_pp
+        grid = [[d * num_pp + s for s in range(num_pp)] for d in range(num_dp)]
+        k = int(rng.integers(1, num_dp * (num_pp - 2) + 1))
+        stragglers = [int(x) for x in rng.choice(n, size=k, replace=False)]
+        plan = plan_topology(grid, stragglers=stragglers)
+        stages = {s for d, row in enumerate(plan.grid) for s, r in enumerate(row) if r in stragglers}
+        assert len(stages) == math.ceil(k / num_dp)
+        assert 0 not in stages and num_pp - 1 not in stages
+
+
+def test_topology_matches_bruteforce_on_small_grids():
+    rng = np.random.default_rng(202)
+    for num_dp, num_pp in [(2, 2), (1, 4), (2, 3), (3, 2)]:
+        n = num_dp * num_pp
+        grid = np.arange(n).reshape(num_dp, num_pp)
+        perms = [np.array(p).reshape(num_dp, num_pp) for p in itertools.permutations(range(n))]
+        for _ in range(4):
+            a, b = (int(x) for x in rng.choice(n, 2, replace=False))
+            st = [int(x) for x in rng.choice(n, int(rng.integers(0, n)), replace=False)]
+            plan = plan_topology(grid, [(a, b)], st)
+            best = min(topology_score(p, [(a, b)], st, grid)[:4] for p in perms)
+            assert plan.score[:4] == best
+
+
+# ----------------------------------------------------------------------------- localisation rules
+
+
+def test_suspicious_groups_rule():
+    times = {"pp0": 1.0, "pp1": 1.05, "dp0": 1.12, "dp1": 2.0, "pp2": 1.0}
+    # median 1.05 -> threshold 1.155: dp1 only; dp0 (1.12) is not > 1.155
+    assert suspicious_groups(times) == ["dp1"]
+    assert suspicious_groups({"a": 1.0, "b": 1.1, "c": 1.0}) == []  # 1.1 == 1.1 x median, not above
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_ring_passes_cover_each_link_once_without_overlap(n):
+    ring = list(range(10, 10 + n))
+    passes = ring_validation_passes(ring)
+    links = [pair for p in passes for pair in p]
+    expected = {(ring[i], ring[(i + 1) % n]) for i in range(n)} if n > 1 else set()
+    assert set(links) == expected and len(links) == len(expected)
+    for p in passes:
+        members = [r for pair in p for r in pair]
+        assert len(members) == len(set(members))  # a rank is in at most one pair per pass
+    assert len(passes) == (0 if n == 1 else 2 if n % 2 == 0 else 3)
+    if n >= 2:
+        assert passes[0][0] == (ring[0], ring[1])  # even -> odd first
+
+
+def test_locate_slow_link_and_device():
+    links = {(0, 1): 0.010, (1, 2): 0.011, (2, 3): 0.052, (3, 0): 0.010}
+    assert locate_slow_links(links) == [(2, 3)]
+    assert locate_slow_devices({0: 1.0, 1: 1.02, 2: 1.8, 3: 0.99}) == [2]
+
+
+# ----------------------------------------------------------------------------- monitor end to end
+
+
+def test_monitor_scripted_compute_failslow_decisions_and_effects():
+    costs = StrategyCosts(ignore=0.0, microbatch_redistribution=2.0, topology_adjustment=10.0,
+                          checkpoint_restart=1e9)
+    mon = FalconMonitor(FalconConfig(costs=costs, num_microbatches=8), grid=[[0, 1], [2, 3]])
+    rng = np.random.default_rng(5)
+    log = []
+    t_slow = 2.0
+    for it in range(200):
+        base = 1.0 if it < 100 else t_slow
+        out = mon.observe(base * (1 + 0.01 * rng.standard_normal()),
+                          per_group_times={"dp_stage0": 1.0, "dp_stage1": 1.0, "pp_row0": 1.0,
+                                           "pp_row1": 3.0 if it >= 100 else 1.0})
+        if out.get("falcon/validate"):
+            out.update(mon.report_validation(gemm_times_s={0: 0.1, 1: 0.1, 2: 0.1, 3: 0.3}))
+        if "microbatch_redistribution" in out.get("falcon/apply", ""):
+            t_slow = 1.4  # the trainer applied the split: iterations got faster
+        log.append(out)
+    ev = [(i, o["falcon/event"]) for i, o in enumerate(log) if "falcon/event" in o]
+    assert ev[0][1] == "onset" and 100 <= ev[0][0] <= 104
+    onset_out = log[ev[0][0]]
+    assert onset_out["falcon/suspicious_groups"] == "pp_row1"
+    assert onset_out["falcon/root_cause"] == "compute"
+    assert onset_out["falcon/slow_devices"] == "3"
+    applied = [(i, o["falcon/apply"]) for i, o in enumerate(log) if "falcon/apply" in o]
+    # validation is reported after the onset's observe(); Alg. 1 starts on the next slow iteration
+    assert applied[0] == (ev[0][0] + 1, "ignore")
+    i_red, _ = next(a for a in applied if a[1] == "microbatch_redistribution")
+    # ski rental: first iteration at which the slowdown accumulated since the change-point
+    # (iteration 100) reaches the 2 s overhead; healthy = mean before the change-point
+    healthy = onset_out["falcon/iteration_time_s"] / (1 + onset_out["falcon/change_point_relative_change"])
+    healthy = float(np.mean([o["falcon/iteration_time_s"] for o in log[:100]]))
+    cp = onset_out["falcon/change_point_iteration"]
+    acc, expect = 0.0, None
+    for i in range(cp, len(log)):
+        acc += log[i]["falcon/iteration_time_s"] - healthy
+        if acc >= 2.0 and i > ev[0][0]:
+            expect = i
+            break
+    assert i_red == expect
+    split = json.loads(log[i_red]["falcon/plan/microbatch_split"])
+    assert sum(split) == 8
+    assert split[1] < split[0]  # the replica holding the slow device gets fewer micro-batches
+    eff = next(o for o in log if "falcon/effect/microbatch_redistribution" in o)
+    assert eff["falcon/effect/microbatch_redistribution"] == pytest.approx(1 - 1.4 / 2.0, abs=0.05)
+    i_topo, _ = next(a for a in applied if a[1] == "topology_adjustment")
+    grid = json.loads(log[i_topo]["falcon/plan/topology_grid"])
+    assert sorted(sum(grid, [])) == [0, 1, 2, 3]

@@ -1,0 +1,70 @@
+"""Profiles reject bad input with a ValueError that names the field."""
+
+import math
+
+import pytest
+
+from titan_ext.plan import LinkProfile, PipelineProfile
+
+
+def make(**kw):
+    args = dict(num_stages=4, num_microbatches=8, f_ms=10, b_ms=10, w_ms=10)
+    args.update(kw)
+    return PipelineProfile(**args)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(num_stages=0), "num_stages"),
+        (dict(num_microbatches=0), "num_microbatches"),
+        (dict(num_microbatches=3), "num_microbatches"),  # N < S
+        (dict(num_stages=2.5), "num_stages"),
+        (dict(f_ms=-1), "f_ms[0]"),
+        (dict(f_ms=0), "f_ms[0]"),
+        (dict(b_ms=[10, 10, math.nan, 10]), "b_ms[2]"),
+        (dict(w_ms=[10, 10, 10, -0.5]), "w_ms[3]"),
+        (dict(w_ms=[10, 10]), "w_ms"),
+        (dict(f_ms=math.inf), "f_ms[0]"),
+        (dict(links=(LinkProfile(),)), "links"),
+        (dict(activation_bytes=1e6), "activation_bytes"),  # without a budget
+        (dict(activation_bytes=1e6, memory_budget_bytes=[4e6, 4e6, 5e5, 4e6]), "memory_budget_bytes[2]"),
+        (dict(activation_bytes=[1e6, 0, 1e6, 1e6], memory_budget_bytes=4e6), "activation_bytes[1]"),
+    ],
+)
+def test_bad_profile_names_the_field(kw, field):
+    with pytest.raises(ValueError) as err:
+        make(**kw)
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(latency_ms=-1), "latency_ms"),
+        (dict(latency_ms=math.nan), "latency_ms"),
+        (dict(bandwidth_bytes_per_s=0), "bandwidth_bytes_per_s"),
+        (dict(message_bytes=-5), "message_bytes"),
+    ],
+)
+def test_bad_link_names_the_field(kw, field):
+    with pytest.raises(ValueError) as err:
+        LinkProfile(**kw)
+    assert field in str(err.value)
+
+
+def test_link_delay_is_latency_plus_size_over_bandwidth():
+    link = LinkProfile(latency_ms=5, bandwidth_bytes_per_s=1e9, message_bytes=20e6)
+    assert link.transfer_ms == pytest.approx(20.0)
+    assert link.delay_ms == pytest.approx(25.0)
+    assert LinkProfile(latency_ms=3).delay_ms == 3.0
+
+
+def test_memory_capacity_per_stage():
+    p = make(activation_bytes=[1e6, 2e6, 1e6, 1e6], memory_budget_bytes=[7.5e6, 7.5e6, 1e6, 3e6])
+    assert p.max_inflight() == (7, 3, 1, 3)
+
+
+def test_uniform_rejects_unknown_link():
+    with pytest.raises(ValueError, match="link 3"):
+        PipelineProfile.uniform(3, 6, 1, 1, 1, delays_ms={3: 10})

@@ -1,0 +1,73 @@
+"""Alg.1 / Alg.2 / Eq.1 against hand-worked cases."""
+
+import pytest
+
+from titan_ext.plan import (
+    PipelineProfile,
+    absorbs_delay,
+    adapted_warmup_counts,
+    initial_warmup_counts,
+    initial_warmup_counts_for,
+    link_tolerance_ms,
+    slackness,
+)
+
+
+@pytest.mark.parametrize(
+    "S, xmax, expected",
+    [
+        (4, 7, [7, 5, 3, 1]),  # Δ_avg = 2, r = 0
+        (4, 8, [8, 5, 3, 1]),  # Δ_avg = 2, r = 1: the first link gets one more
+        (4, 9, [9, 6, 3, 1]),  # r = 2
+        (3, 2, [2, 1, 1]),  # Δ_avg = 0, r = 1
+        (1, 5, [5]),
+        (5, 5, [5, 4, 3, 2, 1]),
+    ],
+)
+def test_alg1_hand_cases(S, xmax, expected):
+    assert initial_warmup_counts(S, xmax) == expected
+
+
+def test_alg1_is_max_min_slackness():
+    """Brute force over all non-increasing x with x_0 = x_max and x_{S-1} >= 1: Alg.1 maximises min Δ."""
+    import itertools
+
+    for S in (3, 4, 5):
+        for xmax in range(S, 12):
+            best = -1
+            for rest in itertools.product(range(1, xmax + 1), repeat=S - 1):
+                xs = [xmax, *rest]
+                if all(a >= b for a, b in zip(xs, xs[1:])):
+                    best = max(best, min(slackness(xs)))
+            assert min(slackness(initial_warmup_counts(S, xmax))) == best
+
+
+def test_alg1_from_memory_budget():
+    p = PipelineProfile.uniform(4, 16, 10, 10, 10, activation_bytes=1e6, memory_budget_bytes=7.9e6)
+    assert initial_warmup_counts_for(p) == [7, 5, 3, 1]
+    assert initial_warmup_counts_for(p, memory_limit=4) == [4, 3, 2, 1]
+
+
+def test_alg2_hand_cases():
+    # uniform t=10: Δ = max(ceil((20 + 2c)/20), floor) = max(ceil(1 + c/10), 2)
+    p = PipelineProfile.uniform(4, 16, 10, 10, 10, delays_ms={2: 30})
+    assert adapted_warmup_counts(p) == [1 + 4 + 2 + 2, 1 + 4 + 2, 1 + 4, 1]  # Δ_2 = ceil(80/20) = 4
+    assert adapted_warmup_counts(p, slack_floor=1) == [7, 6, 5, 1]
+    # clipped at N - 2S = 8 - ... : N=12, S=4 → clip 4
+    p = PipelineProfile.uniform(4, 12, 10, 10, 10, delays_ms={0: 100})
+    assert adapted_warmup_counts(p) == [5 + 4, 5, 3, 1]
+    # non-uniform: Δ_0 = ceil((5 + 7 + 2*4) / (2 + 3)) = ceil(20 / 5) = 4
+    p = PipelineProfile(2, 8, [5, 2], [7, 3], [1, 1], PipelineProfile.uniform(2, 8, 1, 1, 1, {0: 4}).links)
+    assert adapted_warmup_counts(p) == [5, 1]
+
+
+def test_eq1_tolerance():
+    p = PipelineProfile.uniform(4, 12, 10, 10, 10)
+    x = [7, 5, 3, 1]
+    # Theorem 1: tolerance (Δ − 1) t = 10 ms on every link
+    assert [link_tolerance_ms(p, x, i) for i in range(3)] == [10.0, 10.0, 10.0]
+    assert absorbs_delay(p, x, 0, 10.0)
+    assert not absorbs_delay(p, x, 0, 10.5)
+    p2 = p.with_delays({1: 25})
+    assert not absorbs_delay(p2, x, 1)
+    assert absorbs_delay(p2, adapted_warmup_counts(p2), 1)

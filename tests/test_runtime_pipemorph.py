@@ -1,0 +1,259 @@
+"""PipeMorph runtime on gloo/loopback: numerical equivalence with torch's ScheduleGPipe under a plan
+swap every iteration, validated deployment (a bad plan is rejected and training goes on), swaps only at
+iteration boundaries, and rank agreement on plans when local measurements differ."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as Fn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+from titan_ext.plan.builtin import builtin_plan
+from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
+from titan_ext.runtime.testing import mlp_stages, run_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DIM = 8
+BATCH = 16
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+
+
+def _step(sched, rank: int, world: int, step: int) -> list[float]:
+    x, y = _batch(step)
+    losses: list = []
+    if rank == 0:
+        sched.step(x, target=y if world == 1 else None, losses=losses)
+    elif rank == world - 1:
+        sched.step(target=y, losses=losses)
+    else:
+        sched.step()
+    return [float(v) for v in losses]
+
+
+class CyclePolicy:
+    """Forces a different plan at every check: planner-made plans with varying warm-up counts and
+    torch's own built-in plans (full-backward 1F1B and GPipe), in turn."""
+
+    window = 1
+    forces = True
+
+    def __init__(self, world: int, n_mb: int):
+        self.k = 0
+        self.cycle: list[Decision] = [
+            Decision("force", "x=S..1", warmup_counts=[world - i for i in range(world)]),
+            Decision("force", "torch 1F1B", actions=builtin_plan("1F1B", world, n_mb)[0]),
+            Decision("force", "x=2(S-i)-1", warmup_counts=[2 * (world - i) - 1 for i in range(world)]),
+            Decision("force", "torch GPipe", actions=builtin_plan("GPipe", world, n_mb)[0]),
+            Decision("force", "x=N..", warmup_counts=[n_mb - i for i in range(world)]),
+        ]
+
+    def decide(self, estimate, deployed_counts, initial_counts, since, slack_floor=2):
+        d = self.cycle[self.k % len(self.cycle)]
+        self.k += 1
+        return d
+
+
+def _equivalence_worker(rank: int, world: int, n_mb: int, steps: int):
+    mods_ref = mlp_stages(world, DIM)
+    mods = mlp_stages(world, DIM)
+    ref = ScheduleGPipe(PipelineStage(mods_ref[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss)
+    opt_ref = torch.optim.SGD(mods_ref[rank].parameters(), lr=0.05)
+    ref_losses = []
+    for k in range(steps):
+        opt_ref.zero_grad()
+        ref_losses.append(_step(ref, rank, world, k))
+        opt_ref.step()
+
+    sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
+                      policy=CyclePolicy(world, n_mb))
+    opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
+    losses, hashes, versions, executed = [], [], [], []
+    for k in range(steps):
+        hashes.append(sched.deployed.hash)
+        versions.append(sched.plan_version)
+        opt.zero_grad()
+        losses.append(_step(sched, rank, world, k))
+        opt.step()
+        executed.append(sorted((r.kind, r.stage, r.microbatch) for r in sched.last_timeline))
+    return {
+        "ref_losses": ref_losses, "losses": losses,
+        "ref_params": [p.detach().clone() for p in mods_ref[rank].parameters()],
+        "params": [p.detach().clone() for p in mods[rank].parameters()],
+        "hashes": hashes, "versions": versions, "executed": executed,
+        "log": list(sched.decision_log),
+    }
+
+
+def test_equivalence_with_gpipe_under_a_new_plan_every_iteration():
+    world, n_mb, steps = 4, 8, 20
+    results = run_ranks(_equivalence_worker, world, n_mb, steps)
+    for rank, res in enumerate(results):
+        # a different plan ran in every iteration, and all ranks ran the same one
+        assert len(set(res["versions"])) == steps, res["versions"]
+        assert all(a != b for a, b in zip(res["hashes"], res["hashes"][1:]))
+        assert res["hashes"] == results[0]["hashes"]
+        rejected = [e for e in res["log"] if e["decision"] == "reject"]
+        assert not rejected, rejected
+        # no microbatch lost or used twice: every (kind, mb) of this stage exactly once per iteration
+        for it, ex in enumerate(res["executed"]):
+            kinds = {k for k, _, _ in ex}
+            assert kinds in ({"F", "I", "W"}, {"F", "B"}), (it, kinds)
+            for kind in kinds:
+                mbs = sorted(m for k, s, m in ex if k == kind and s == rank)
+                assert mbs == list(range(n_mb)), (rank, it, kind, mbs)
+        for p, q in zip(res["params"], res["ref_params"]):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+        # training actually moved the parameters (the comparison is not trivially true)
+        init = [p.detach() for p in mlp_stages(world, DIM)[rank].parameters()]
+        assert max((p - q).abs().max().item() for p, q in zip(res["params"], init)) > 1e-3
+    last = results[-1]
+    assert len(last["losses"]) == steps and all(len(x) == n_mb for x in last["losses"])
+    for got, want in zip(last["losses"], last["ref_losses"]):
+        assert got == pytest.approx(want, rel=1e-9, abs=0)
+
+
+def _bad_plan(world: int, n_mb: int, what: str) -> dict:
+    plan = {r: list(a) for r, a in builtin_plan("1F1B", world, n_mb)[0].items()}
+    if what == "lost_microbatch":  # stage 1 never runs microbatch n_mb-1
+        plan[1] = [a for a in plan[1] if a.microbatch_index != n_mb - 1]
+    elif what == "backward_first":  # a backward before its forward on the last rank
+        acts = plan[world - 1]
+        first_b = next(i for i, a in enumerate(acts) if a.computation_type == _ComputationType.FULL_BACKWARD)
+        acts.insert(0, acts.pop(first_b))
+    elif what == "duplicate":
+        plan[0] = plan[0] + [_Action(0, _ComputationType.FORWARD, 0)]
+    return plan
+
+
+def _reject_worker(rank: int, world: int, n_mb: int):
+    mods_ref = mlp_stages(world, DIM, seed=3)
+    mods = mlp_stages(world, DIM, seed=3)
+    ref = ScheduleGPipe(PipelineStage(mods_ref[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss)
+    sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
+                      adaptive=False)
+    opt_ref = torch.optim.SGD(mods_ref[rank].parameters(), lr=0.05)
+    opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
+    out = {"accepted": [], "versions": [], "losses": [], "ref_losses": []}
+    good = builtin_plan("1F1B", world, n_mb)[0]
+    for k in range(6):
+        if k in (1, 2, 3):
+            before = sched.deployed.hash
+            ok = sched.deploy(_bad_plan(world, n_mb, ["lost_microbatch", "backward_first", "duplicate"][k - 1]))
+            out["accepted"].append((ok, sched.deployed.hash == before))
+        if k == 4:  # a valid plan pushed *during* an iteration is queued until the boundary
+            def hook(action, ctx, _sched=sched):
+                out["mid_iteration"] = _sched.deploy(good, reason="pushed mid-iteration")
+                out["version_during"] = _sched.plan_version
+                _sched.register_custom_function(_ComputationType.REDUCE_GRAD, _reduce)
+                _reduce(action, ctx)
+            sched.register_custom_function(_ComputationType.REDUCE_GRAD, hook)
+            out["version_before"] = sched.plan_version
+        out["versions"].append(sched.plan_version)
+        opt.zero_grad(); opt_ref.zero_grad()
+        out["losses"].append(_step(sched, rank, world, k))
+        out["ref_losses"].append(_step(ref, rank, world, k))
+        opt.step(); opt_ref.step()
+        if k == 4:
+            out["version_after"] = sched.plan_version
+    out["log"] = list(sched.decision_log)
+    out["params_close"] = all(torch.allclose(p, q, rtol=1e-9, atol=1e-12)
+                              for p, q in zip(mods[rank].parameters(), mods_ref[rank].parameters()))
+    return out
+
+
+def _reduce(action, ctx):
+    sched = ctx.schedule_ref
+    stage = sched._stages[0]
+    stage.perform_reduce_grad(sched._n_microbatches if sched.scale_grads else 1)
+
+
+def test_invalid_plan_is_rejected_and_previous_plan_keeps_training():
+    world, n_mb = 2, 4
+    results = run_ranks(_reject_worker, world, n_mb)
+    for res in results:
+        assert res["accepted"] == [(False, True)] * 3
+        reasons = [e["reason"] for e in res["log"] if e["decision"] == "reject"]
+        assert len(reasons) == 3
+        assert "no F" in reasons[0] or "microbatch" in reasons[0]
+        assert "comes before" in reasons[1]
+        assert "appears 2 times" in reasons[2]
+        # versions unchanged by the rejected plans; the mid-iteration push waited for the boundary
+        assert res["versions"][:5] == [1] * 5
+        assert res["mid_iteration"] is None and res["version_during"] == res["version_before"] == 1
+        assert res["version_after"] == 2
+        assert res["params_close"]
+    last = results[-1]
+    for got, want in zip(last["losses"], last["ref_losses"]):
+        assert got == pytest.approx(want, rel=1e-9, abs=0)
+
+
+class NoisyPipeMorph(PipeMorph):
+    """Each rank perturbs its *local* measurements differently (rank-dependent timing noise)."""
+
+    def _local_profile_vector(self, prof):
+        vec = super()._local_profile_vector(prof)
+        g = torch.Generator().manual_seed(7919 * (self.rank + 1) + self.iteration)
+        vec[3:7] = vec[3:7] * (1 + 0.5 * torch.rand(4, generator=g, dtype=torch.float64))
+        return vec
+
+
+class DissentingPipeMorph(PipeMorph):
+    """Rank 1 plans something else than the others (as if from its own local view): the hash
+    exchange must catch it before anything is deployed."""
+
+    def _plan(self, profile, decision):
+        if self.rank == 1 and decision.action == "adapt":
+            return builtin_plan("GPipe", self.pp_group_size, self._n_microbatches)[0]
+        return super()._plan(profile, decision)
+
+
+def _agreement_worker(rank: int, world: int, n_mb: int, cls_name: str):
+    from titan_ext.runtime import inject_link_delays
+    from titan_ext.runtime.testing import SleepComputeStage
+
+    cls = {"noisy": NoisyPipeMorph, "dissent": DissentingPipeMorph}[cls_name]
+    mod = SleepComputeStage(DIM, 2.0, 2.0, 1.0, seed=rank)
+    sched = cls(PipelineStage(mod, rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
+                policy=ReplanPolicy(window=1))
+    inject_link_delays(f"{world - 2}:25")
+    hashes = []
+    for k in range(5):
+        x, y = _batch(k)
+        x = x.float()
+        y = y.float()
+        if rank == 0:
+            sched.step(x)
+        elif rank == world - 1:
+            sched.step(target=y)
+        else:
+            sched.step()
+        hashes.append(sched.deployed.hash)
+    return {"hashes": hashes, "log": list(sched.decision_log), "metrics": list(sched.metrics_history)}
+
+
+@pytest.mark.parametrize("variant", ["noisy", "dissent"])
+def test_ranks_agree_on_every_deployed_plan(variant):
+    world, n_mb = 3, 8
+    results = run_ranks(_agreement_worker, world, n_mb, variant)
+    assert all(r["hashes"] == results[0]["hashes"] for r in results)
+    deploys = [[(e["iteration"], e["plan_hash"]) for e in r["log"] if e["decision"] == "deploy"] for r in results]
+    assert all(d == deploys[0] for d in deploys)
+    if variant == "noisy":
+        # the slow link was adapted to despite rank-specific noise in the local measurements
+        assert any(e["decision"] == "deploy" and e["kind"] == "adaptive" for e in results[0]["log"])
+    else:
+        # rank 1's different plan was detected by the hash exchange and never deployed anywhere
+        for r in results:
+            rejects = [e for e in r["log"] if e["decision"] == "reject"]
+            assert rejects and "disagree" in rejects[0]["reason"]
+            assert not any(e["decision"] == "deploy" and e["kind"] == "adaptive" for e in r["log"])

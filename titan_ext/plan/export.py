@@ -1,0 +1,95 @@
+"""Exporters: torch CSV (compute-only), Chrome/Perfetto trace JSON, Gantt PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from .ir import as_ops, to_torch_plan, torch_schedules
+from .simulate import Timeline
+
+
+def write_torch_csv(plan: Mapping[int, Any], path: str | Path) -> None:
+    """One row per rank (rank order), one compute action per cell (``2F0``, ``1I3``, ``0W5``).
+
+    This is the compute-only format of ``PipelineScheduleMulti._dump_csv`` that
+    ``_PipelineScheduleRuntime._load_csv`` reads and lowers — so stock TorchTitan's
+    ``pipeline_parallel_schedule_csv`` can run our plans.
+    """
+    actions = to_torch_plan(as_ops(plan))
+    ranks = sorted(actions)
+    if ranks != list(range(len(ranks))):
+        raise ValueError(f"ranks must be 0..R-1, got {ranks}")
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        for rank in ranks:
+            writer.writerow([str(a) for a in actions[rank]])
+
+
+def read_torch_csv(path: str | Path) -> dict[int, list[Any]]:
+    """Read a compute-only torch CSV back into rank → list[_Action] (as torch's ``_load_csv`` parses it)."""
+    action = torch_schedules()._Action
+    plan: dict[int, list[Any]] = {}
+    with open(path, newline="") as f:
+        for rank, row in enumerate(csv.reader(f)):
+            try:
+                plan[rank] = [a for a in (action.from_str(cell) for cell in row) if a is not None]
+            except RuntimeError as e:
+                raise ValueError(f"{path}: row {rank + 1}: {e}") from e
+    if not plan:
+        raise ValueError(f"{path}: empty schedule CSV")
+    as_ops(plan)  # compute-only check, with a clear message
+    return plan
+
+
+def write_chrome_trace(timeline: Timeline, path: str | Path) -> None:
+    """Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing): one track per rank."""
+    events = [
+        {
+            "name": f"{e.kind}{e.microbatch}",
+            "cat": e.kind,
+            "ph": "X",
+            "ts": e.start_ms * 1e3,
+            "dur": (e.end_ms - e.start_ms) * 1e3,
+            "pid": 0,
+            "tid": e.rank,
+            "args": {"stage": e.stage, "microbatch": e.microbatch},
+        }
+        for e in timeline.events
+    ]
+    meta = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in sorted(timeline.busy_ms)
+    ]
+    Path(path).write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+
+
+_COLORS = {"F": "#4C72B0", "I": "#DD8452", "B": "#C44E52", "W": "#55A868"}
+
+
+def write_gantt_png(timeline: Timeline, path: str | Path, title: str | None = None) -> None:
+    """Gantt chart of a timeline: one row per rank, F / I (B) / W coloured, microbatch ids inside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted(timeline.busy_ms)
+    fig, ax = plt.subplots(figsize=(max(8.0, min(40.0, len(timeline.events) / 12)), 0.6 * len(ranks) + 1.5))
+    for e in timeline.events:
+        width = e.end_ms - e.start_ms
+        ax.barh(e.rank, width, left=e.start_ms, height=0.8, color=_COLORS[e.kind], edgecolor="white", linewidth=0.3)
+        if width > timeline.makespan_ms / 150:
+            ax.text(e.start_ms + width / 2, e.rank, str(e.microbatch), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or f"makespan {timeline.makespan_ms:.1f} ms, bubble rate {timeline.bubble_rate:.1%}")
+    kinds = sorted({e.kind for e in timeline.events}, key="FIBW".index)
+    ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in kinds], loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
