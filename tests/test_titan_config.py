@@ -1,0 +1,203 @@
+"""[titan_ext] config section, schedule registration, shipped configs and assets (no process group)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+CONFIGS = sorted((ROOT / "train_configs").glob("*.toml"))
+
+
+def _toml(tmp_path, body: str) -> str:
+    p = tmp_path / "c.toml"
+    p.write_text('[job]\ncustom_config_module = "titan_ext.titan.config"\n' + body)
+    return str(p)
+
+
+def _parse(args):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(args)
+
+
+def test_import_titan_ext_is_light():
+    out = subprocess.run(
+        [PY, "-c", "import sys, titan_ext, titan_ext.titan.config; "
+                   "print(sorted(m for m in ('torch', 'torchtitan', 'wandb') if m in sys.modules))"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_section_defaults_and_values_from_toml(tmp_path):
+    cfg = _parse(["--job.config_file", _toml(tmp_path, '[titan_ext]\nreplan_interval = 7\n'
+                                                       'delegation = "auto"\ninject_delays = "2:30"\n')])
+    assert cfg.titan_ext.replan_interval == 7
+    assert cfg.titan_ext.delegation == "auto"
+    assert cfg.titan_ext.inject_delays == "2:30"
+    assert cfg.titan_ext.slack_floor == 2  # default
+
+
+def test_cli_overrides_toml(tmp_path):
+    cfg = _parse(["--job.config_file", _toml(tmp_path, "[titan_ext]\nreplan_interval = 7\n"),
+                  "--titan_ext.replan_interval", "4"])
+    assert cfg.titan_ext.replan_interval == 4
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("delegation", '"sometimes"', "must be one of 'off', 'auto', 'always'"),
+    ("replan_interval", "0", "must be >= 1"),
+    ("change_point_threshold", "1.5", "must be in (0, 1)"),
+    ("memory_budget_gib", "-1.0", ">= 0"),
+    ("planner", '"magic"', "must be one of"),
+    ("inject_delays", '"2:fast"', "latency 'fast' is not a number"),
+    ("inject_trace", '"/no/such/trace.csv"', "no such file"),
+    ("replan_interval", '"five"', "must be of type int"),
+])
+def test_bad_value_error_names_the_key(tmp_path, key, value, needle):
+    from titan_ext.titan.config import TitanExtConfigError
+
+    with pytest.raises(TitanExtConfigError) as e:
+        _parse(["--job.config_file", _toml(tmp_path, f"[titan_ext]\n{key} = {value}\n")])
+    assert f"[titan_ext] {key} = " in str(e.value)
+    assert needle in str(e.value)
+
+
+def test_bad_trace_content_names_key_and_line(tmp_path):
+    from titan_ext.titan.config import TitanExtConfigError
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("time_s,link2\n0,10\n5,abc\n")
+    with pytest.raises(TitanExtConfigError, match=r"\[titan_ext\] inject_trace = .*line 3"):
+        _parse(["--job.config_file", _toml(tmp_path, f'[titan_ext]\ninject_trace = "{trace}"\n')])
+
+
+def test_injected_link_must_exist_for_the_pp_degree(tmp_path):
+    from titan_ext.titan.config import TitanExtConfigError
+    from titan_ext.train import check_job_config
+
+    cfg = _parse(["--job.config_file", _toml(tmp_path, "[parallelism]\npipeline_parallel_degree = 4\n"
+                                                       "pipeline_parallel_schedule = \"1F1B\"\n"
+                                                       '[titan_ext]\ninject_delays = "3:30"\n')])
+    with pytest.raises(TitanExtConfigError, match=r"inject_delays = '3:30': link 3 does not exist"):
+        check_job_config(cfg, world_size=4)
+
+
+def test_train_entry_fails_fast_before_any_process_group(tmp_path):
+    """No torchrun env at all: creating a process group would fail differently (env:// rendezvous)."""
+    cfg = ROOT / "train_configs" / "debug_cpu.toml"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    t0 = time.monotonic()
+    p = subprocess.run([PY, "-m", "titan_ext.train", "--job.config_file", str(cfg),
+                        "--titan_ext.delegation", "sometimes"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0
+    assert "[titan_ext] delegation = 'sometimes'" in p.stderr
+    assert "process group" not in p.stderr.lower() and "init_process_group" not in p.stderr
+    assert elapsed < 60
+
+
+def test_unknown_schedule_fails_before_process_group(tmp_path):
+    from titan_ext.train import JobConfigError, check_job_config
+
+    cfg = _parse(["--job.config_file", _toml(tmp_path, "[parallelism]\npipeline_parallel_degree = 4\n"
+                                                       'pipeline_parallel_schedule = "Nope"\n')])
+    with pytest.raises(JobConfigError, match=r"pipeline_parallel_schedule = 'Nope'.*PipeMorph"):
+        check_job_config(cfg, world_size=4)
+    with pytest.raises(JobConfigError, match="does not divide the world size 6"):
+        cfg.parallelism.pipeline_parallel_schedule = "1F1B"
+        check_job_config(cfg, world_size=6)
+
+
+def test_registration_in_stock_torchtitan_builder():
+    """`custom_import = "titan_ext"` path: torchtitan already imported, then `import titan_ext`."""
+    code = (
+        "import importlib, sys\n"
+        "import torchtitan.train\n"
+        "import torchtitan.distributed.pipeline_parallel as pp\n"
+        "from torch.distributed.pipelining.schedules import Schedule1F1B, PipelineScheduleMulti\n"
+        "importlib.import_module('titan_ext')\n"
+        "from titan_ext.runtime import PipeMorph\n"
+        "cls = pp.get_schedule_class('PipeMorph')\n"
+        "assert issubclass(cls, PipeMorph) and issubclass(cls, PipelineScheduleMulti), cls.__mro__\n"
+        "assert pp.get_schedule_class('pipemorph') is cls\n"
+        "assert pp.get_schedule_class('1F1B') is Schedule1F1B\n"
+        "assert pp.build_pipeline_schedule._titan_ext_wrapped\n"
+        "from torchtitan.hf_datasets.text_datasets import DATASETS\n"
+        "assert 'titan_ext_tiny' in DATASETS\n"
+        "import torchtitan.tools.utils as u\n"
+        "print(u.device_type)\n"
+    )
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import torch
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert out.stdout.strip().splitlines()[-1] == expected
+
+
+def test_schedule_kwargs_follow_constructor_signature():
+    from titan_ext.titan.config import JobConfig, TitanExt
+    from titan_ext.titan.options import schedule_kwargs
+
+    class Sched:
+        def __init__(self, stages, n_microbatches, loss_fn=None, scale_grads=True, *,
+                     memory_budget_bytes=None, replan_interval=5, delegation="off"):
+            pass
+
+    jc = JobConfig(titan_ext=TitanExt(memory_budget_gib=2.0, replan_interval=9, delegation="auto"))
+    kw = schedule_kwargs(Sched, jc)
+    assert kw == {"memory_budget_bytes": 2 * 1024**3, "replan_interval": 9, "delegation": "auto"}
+    jc = JobConfig(titan_ext=TitanExt())
+    assert "memory_budget_bytes" not in schedule_kwargs(Sched, jc)  # 0 = measure: not passed
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_parse_with_torchtitan_config_manager(path):
+    cfg = _parse(["--job.config_file", str(path)])
+    assert cfg.parallelism.pipeline_parallel_degree >= 4
+    assert cfg.experimental.custom_import == "titan_ext"
+    assert cfg.titan_ext is not None
+    if "70b" in path.name or "8b" in path.name:
+        assert cfg.parallelism.pipeline_parallel_degree == 8
+        assert cfg.parallelism.pipeline_parallel_schedule == "PipeMorph"
+        parts = cfg.parallelism.module_fqns_per_model_part
+        assert parts is not None and len(parts) == 8  # one stage per PP rank
+        flat = [m for part in parts for m in part]
+        n_layers = 80 if "70b" in path.name else 32
+        assert flat == ["tok_embeddings", *[f"layers.{i}" for i in range(n_layers)], "norm", "output"]
+
+
+def test_expected_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"debug_cpu.toml", "llama3_8b_pipemorph.toml", "llama3_70b_pipemorph.toml"} <= names
+
+
+def test_shipped_assets_are_regenerated_identically(tmp_path):
+    from titan_ext.titan.assets_gen import ASSETS_DIR, write_assets
+
+    write_assets(tmp_path)
+    for rel in ("corpus.jsonl", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"):
+        assert (tmp_path / rel).read_bytes() == (ASSETS_DIR / rel).read_bytes(), rel
+
+
+def test_tokenizer_fits_debug_model_and_round_trips():
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.models.llama3 import llama3_args
+
+    from titan_ext.titan.data import TOKENIZER_DIR, load_corpus
+
+    tok = HuggingFaceTokenizer(str(TOKENIZER_DIR))
+    assert tok.get_vocab_size() <= llama3_args["debugmodel"].vocab_size
+    text = load_corpus()[5]["text"]
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.decode(ids[1:-1]) == text
+    assert len(ids) < len(text) / 2  # BPE actually compresses
