@@ -662,15 +662,23 @@ def plan_crosspipe_problem(
     steadies = as_tuple(steady, ("interleave", "backward_first"))
     reserves = as_tuple(reserve, (1, 2, 4, "pending") if variant == "wave" else (1,))
     best = None
+    error: ValueError | None = None
     tried = []
     for ns in subs:
         for rs in reserves:
             for st in steadies:
-                g = greedy_schedule(problem, ns, st, rs)
+                try:
+                    g = greedy_schedule(problem, ns, st, rs)
+                except ValueError as e:  # this member's memory rule admits no schedule
+                    tried.append((ns, st, rs, math.inf))
+                    error = e
+                    continue
                 rep = g if ns == 1 else replay(problem, g.orders)
                 tried.append((ns, st, rs, rep.makespan_ms))
                 if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
                     best = (g, ns, rep, st, rs)
+    if best is None:
+        raise error
     g, ns, rep, st, rs = best
     actions = to_actions(g.orders) if convert else {}
     return CrossPipePlan(
