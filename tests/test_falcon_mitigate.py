@@ -213,11 +213,10 @@ def test_monitor_scripted_compute_failslow_decisions_and_effects():
     assert onset_out["falcon/slow_devices"] == "3"
     applied = [(i, o["falcon/apply"]) for i, o in enumerate(log) if "falcon/apply" in o]
     # validation is reported after the onset's observe(); Alg. 1 starts on the next slow iteration
-    assert applied[0] == (ev[0][0] + 1, "ignore")
-    i_red, _ = next(a for a in applied if a[1] == "microbatch_redistribution")
+    assert applied[0][0] == ev[0][0] + 1 and applied[0][1].split(",")[0] == "ignore"
+    i_red, _ = next(a for a in applied if "microbatch_redistribution" in a[1])
     # ski rental: first iteration at which the slowdown accumulated since the change-point
     # (iteration 100) reaches the 2 s overhead; healthy = mean before the change-point
-    healthy = onset_out["falcon/iteration_time_s"] / (1 + onset_out["falcon/change_point_relative_change"])
     healthy = float(np.mean([o["falcon/iteration_time_s"] for o in log[:100]]))
     cp = onset_out["falcon/change_point_iteration"]
     acc, expect = 0.0, None
@@ -232,6 +231,6 @@ def test_monitor_scripted_compute_failslow_decisions_and_effects():
     assert split[1] < split[0]  # the replica holding the slow device gets fewer micro-batches
     eff = next(o for o in log if "falcon/effect/microbatch_redistribution" in o)
     assert eff["falcon/effect/microbatch_redistribution"] == pytest.approx(1 - 1.4 / 2.0, abs=0.05)
-    i_topo, _ = next(a for a in applied if a[1] == "topology_adjustment")
+    i_topo, _ = next(a for a in applied if "topology_adjustment" in a[1])
     grid = json.loads(log[i_topo]["falcon/plan/topology_grid"])
     assert sorted(sum(grid, [])) == [0, 1, 2, 3]

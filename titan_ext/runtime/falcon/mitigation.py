@@ -106,7 +106,10 @@ class MitigationPlanner:
         self.healthy_s = 0.0
         self.applied: list[tuple[int, str, float]] = []  # (slow_iter, strategy, impact at switch)
 
-    def start(self, root_cause: str, healthy_iteration_s: float) -> None:
+    def start(self, root_cause: str, healthy_iteration_s: float,
+              slow_times_so_far: Sequence[float] = ()) -> None:
+        """Open an event. ``slow_times_so_far``: iteration times since the onset that were observed
+        before the root cause was known (they count as slow iterations and impact; Alg. 1 line 10)."""
         cands = strategies_for(root_cause, self.delegation_available)
         cands.sort(key=self.costs.of)  # Alg. 1 line 6 (stable: ties keep effectiveness order)
         self.candidates, self.next_id = cands, 0
@@ -114,6 +117,9 @@ class MitigationPlanner:
         self.healthy_s = float(healthy_iteration_s)
         self.root_cause = root_cause
         self.applied = []
+        for t in slow_times_so_far:
+            self.slow_iters += 1
+            self.impact_s += max(0.0, float(t) - self.healthy_s)
 
     def step(self, iteration_time_s: float) -> list[str]:
         if not self.active:

@@ -194,7 +194,11 @@ class FalconMonitor:
         self._awaiting_validation_since = None
         out["falcon/root_cause"] = cause
         healthy = self.detector.healthy_mean_s or float(np.mean(self.recent))
-        self.planner.start(cause, healthy)
+        # Slow iterations since the change-point, except the current one (step() adds it).
+        cp = self.detector.change_points[-1] if self.detector.change_points else None
+        upto = len(self.detector.times) - (1 if "falcon/iteration_time_s" in out else 0)
+        so_far = self.detector.times[cp.index : upto] if cp is not None else []
+        self.planner.start(cause, healthy, so_far)
         out["falcon/strategies"] = ",".join(self.planner.candidates)
 
     # ---------------------------------------------------------------- mitigation
@@ -218,7 +222,12 @@ class FalconMonitor:
             plan = plan_topology(self.grid, self.slow_links, self.slow_devices)
             out["falcon/plan/topology_grid"] = json.dumps([list(r) for r in plan.grid])
             out["falcon/plan/topology_moved"] = plan.moved
-        before = float(np.mean(self.recent)) if self.recent else float("nan")
+        # "before": slow iterations of the current segment (since the last change-point), at most
+        # effect_window of them, including this one; "after": the effect_window iterations that follow.
+        times = self.detector.times
+        seg = self.detector.change_points[-1].index if self.detector.change_points else 0
+        lo = max(seg, len(times) - self.config.effect_window)
+        before = float(np.mean(times[lo:])) if times[lo:] else float("nan")
         self._pending_effects.append((strategy, self.iteration, before))
 
     def _measure_effects(self, t: float, out: dict) -> None:
@@ -226,7 +235,7 @@ class FalconMonitor:
         keep = []
         for strategy, at, before in self._pending_effects:
             if self.iteration - at >= w:
-                after = float(np.mean(list(self.recent)[-(w - 1):] + [t])) if w > 1 else t
+                after = float(np.mean(self.detector.times[at + 1 : at + w + 1]))
                 out[f"falcon/effect/{strategy}"] = 1.0 - after / before
                 out[f"falcon/effect/{strategy}/before_s"] = before
                 out[f"falcon/effect/{strategy}/after_s"] = after
