@@ -52,9 +52,10 @@ def test_cli_overrides_toml(tmp_path):
 @pytest.mark.parametrize("key,value,needle", [
     ("delegation", '"sometimes"', "must be one of 'off', 'auto', 'always'"),
     ("replan_interval", "0", "must be >= 1"),
-    ("change_point_threshold", "1.5", "must be in (0, 1)"),
+    ("tolerance_margin", "11.0", "must be in [0, 10]"),
     ("memory_budget_gib", "-1.0", ">= 0"),
-    ("planner", '"magic"', "must be one of"),
+    ("max_inflight", "-2", "must be >= 0"),
+    ("adaptive", '"yes"', "must be of type bool"),
     ("inject_delays", '"2:fast"', "latency 'fast' is not a number"),
     ("inject_trace", '"/no/such/trace.csv"', "no such file"),
     ("replan_interval", '"five"', "must be of type int"),
@@ -147,16 +148,30 @@ def test_schedule_kwargs_follow_constructor_signature():
     from titan_ext.titan.config import JobConfig, TitanExt
     from titan_ext.titan.options import schedule_kwargs
 
+    from titan_ext.runtime import PipeMorph, ReplanPolicy
+
+    jc = JobConfig(titan_ext=TitanExt(memory_budget_gib=2.0, replan_interval=9, adaptive=False,
+                                      profile_window=4, tolerance_margin=0.2, recover_patience=5))
+    kw = schedule_kwargs(PipeMorph, jc)
+    policy = kw.pop("policy")
+    assert kw == {"memory_budget_bytes": 2.0 * 1024**3, "profile_every": 9, "adaptive": False,
+                  "slack_floor": 2}
+    assert isinstance(policy, ReplanPolicy)
+    assert (policy.window, policy.rel_margin, policy.recover_patience) == (4, 0.2, 5)
+    kw = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))
+    assert "memory_budget_bytes" not in kw and "max_inflight" not in kw  # 0 = automatic
+
     class Sched:
         def __init__(self, stages, n_microbatches, loss_fn=None, scale_grads=True, *,
-                     memory_budget_bytes=None, replan_interval=5, delegation="off"):
+                     max_inflight=None, delegation="off"):
             pass
 
-    jc = JobConfig(titan_ext=TitanExt(memory_budget_gib=2.0, replan_interval=9, delegation="auto"))
-    kw = schedule_kwargs(Sched, jc)
-    assert kw == {"memory_budget_bytes": 2 * 1024**3, "replan_interval": 9, "delegation": "auto"}
-    jc = JobConfig(titan_ext=TitanExt())
-    assert "memory_budget_bytes" not in schedule_kwargs(Sched, jc)  # 0 = measure: not passed
+    kw = schedule_kwargs(Sched, JobConfig(titan_ext=TitanExt(max_inflight=6, delegation="auto")))
+    assert kw == {"max_inflight": 6, "delegation": "auto"}
+    with pytest.raises(ValueError, match=r"delegation = 'always': schedule PipeMorph"):
+        if "delegation" in __import__("inspect").signature(PipeMorph.__init__).parameters:
+            pytest.skip("PipeMorph supports delegation in this build")
+        schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt(delegation="always")))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

@@ -95,6 +95,16 @@ def check_job_config(config, world_size: int | None = None) -> None:
             f"[parallelism] pipeline_parallel_microbatch_size = {mb} must divide "
             f"[training] local_batch_size = {config.training.local_batch_size}"
         )
+    if section.delegation != "off":
+        from titan_ext.titan.options import supports_delegation
+
+        cls = get_schedule_class(par.pipeline_parallel_schedule)
+        if not is_titan_ext_schedule(par.pipeline_parallel_schedule) or not supports_delegation(cls):
+            raise JobConfigError(
+                f"[titan_ext] delegation = {section.delegation!r}: schedule "
+                f"{par.pipeline_parallel_schedule!r} does not support delegation in this build "
+                f"(use delegation = \"off\")"
+            )
     if is_titan_ext_schedule(par.pipeline_parallel_schedule):
         if par.module_fqns_per_model_part is None and par.pipeline_parallel_layers_per_stage is None:
             from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part

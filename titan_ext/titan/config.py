@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, fields
 __all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "parse_delay_spec"]
 
 DELEGATION_MODES = ("off", "auto", "always")
-PLANNER_MODES = ("auto", "initial", "adaptive", "zb")
 
 
 
@@ -35,40 +34,45 @@ class TitanExt:
     """Knobs of titan_ext's adaptive pipeline schedules (PipeMorph / CrossPipe) and its metrics."""
 
     memory_budget_gib: float = 0.0
-    """Activation-memory budget per pipeline rank, in GiB, that bounds how many microbatches a
-    stage may keep in flight (PipeMorph Alg.1). 0 = measure one microbatch's activations at start-up
-    and allow the in-flight count of the 1F1B baseline plus ``extra_inflight``."""
+    """Activation-memory budget per pipeline rank, in GiB (PipeMorph Alg.1's M): with one
+    microbatch's activation bytes, measured in the first forward, it fixes how many microbatches
+    stage 0 may hold in flight (x_max = M / M^F). 0 = no budget (``max_inflight`` decides)."""
 
-    extra_inflight: int = 2
-    """When ``memory_budget_gib = 0``: microbatches a stage may hold beyond what 1F1B holds
-    (the slack PipeMorph may spend to absorb link delays). >= 0."""
+    max_inflight: int = 0
+    """x_max directly: microbatches stage 0 may hold in flight; overrides ``memory_budget_gib``.
+    0 = from the budget, or 2S - 1 without one (uniform slackness 2, the ZeroBubble plan)."""
 
-    planner: str = "auto"
-    """Planner mode: "auto" (Alg.1 first, then Alg.2 from live profiles), "initial" (Alg.1 only,
-    never adapt), "adaptive" (Alg.2 from the first profile), "zb" (zero-bubble order, static)."""
+    adaptive: bool = True
+    """Re-plan from live profiling (PipeMorph Alg.2) when a link's measured delay breaks the
+    deployed plan's tolerance (Eq.1), and shrink again when it recovers. False = keep the initial
+    plan (profiling and metrics still run)."""
 
     slack_floor: int = 2
     """Smallest slackness Δ_i the adaptive planner keeps on every link (PipeMorph Alg.2). >= 1."""
 
-    replan_interval: int = 5
-    """Iterations between two re-planning checks (profiles are exchanged once per check). >= 1."""
+    replan_interval: int = 1
+    """Iterations between two re-planning checks; the ranks exchange their profiles (one small
+    all_gather) once per check. >= 1."""
 
-    profile_window: int = 8
-    """Number of recent iterations whose measurements feed the robust (median) statistics. >= 1."""
+    profile_window: int = 3
+    """Recent profile exchanges whose medians form the robust estimates (compute times and link
+    delays) the policy and the planner use. >= 1."""
 
-    warmup_iterations: int = 2
-    """Iterations excluded from profiling at start (allocator / lazy init noise). >= 0."""
+    tolerance_margin: float = 0.10
+    """Detector threshold, relative: a link counts as slow when its measured delay exceeds the
+    deployed plan's Eq.1 tolerance by this fraction (and the planner plans with this headroom).
+    In [0, 10]."""
 
-    delay_change_threshold: float = 0.10
-    """Relative change of a link's delay estimate that counts as a real change rather than jitter
-    (Falcon's verification step: >= 10 % mean change). In (0, 10]."""
+    tolerance_margin_ms: float = 1.0
+    """Detector threshold, absolute (ms): also required on top of the tolerance, so that timer
+    noise on tiny tolerances does not trigger re-plans. >= 0."""
 
-    change_point_threshold: float = 0.9
-    """Posterior threshold of the Bayesian online change-point detector (Falcon: 0.9). In (0, 1)."""
+    recover_patience: int = 3
+    """Hysteresis: consecutive checks that must agree that a link recovered before slackness
+    shrinks (memory is given back), so jitter does not flap the plan. >= 1."""
 
-    hysteresis_iterations: int = 3
-    """A re-plan decision must hold for this many consecutive checks before it is acted on, so that
-    jitter does not flap the plan. >= 1."""
+    min_dwell: int = 2
+    """Hysteresis: iterations a deployed plan runs at least before it may shrink. >= 0."""
 
     delegation: str = "off"
     """Moving PP sends/receives off the compute critical path: "off", "auto" (only on links whose
@@ -124,24 +128,21 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
     for f in fields(cfg):
         v = getattr(cfg, f.name)
         tname = f.type if isinstance(f.type, str) else f.type.__name__
-        want = {"float": (int, float), "int": int, "str": str}[tname]
-        _check(isinstance(v, want) and not isinstance(v, bool), f.name, v,
+        want = {"float": (int, float), "int": int, "str": str, "bool": bool}[tname]
+        _check(isinstance(v, want) and (tname == "bool" or not isinstance(v, bool)), f.name, v,
                f"must be of type {tname}")
     _check(math.isfinite(cfg.memory_budget_gib) and cfg.memory_budget_gib >= 0, "memory_budget_gib",
-           cfg.memory_budget_gib, "must be a finite number >= 0 (0 = measure at start-up)")
-    _check(cfg.extra_inflight >= 0, "extra_inflight", cfg.extra_inflight, "must be >= 0")
-    _check(cfg.planner in PLANNER_MODES, "planner", cfg.planner,
-           "must be one of " + ", ".join(repr(m) for m in PLANNER_MODES))
+           cfg.memory_budget_gib, "must be a finite number >= 0 (0 = no budget)")
+    _check(cfg.max_inflight >= 0, "max_inflight", cfg.max_inflight, "must be >= 0 (0 = automatic)")
     _check(cfg.slack_floor >= 1, "slack_floor", cfg.slack_floor, "must be >= 1")
     _check(cfg.replan_interval >= 1, "replan_interval", cfg.replan_interval, "must be >= 1")
     _check(cfg.profile_window >= 1, "profile_window", cfg.profile_window, "must be >= 1")
-    _check(cfg.warmup_iterations >= 0, "warmup_iterations", cfg.warmup_iterations, "must be >= 0")
-    _check(math.isfinite(cfg.delay_change_threshold) and 0 < cfg.delay_change_threshold <= 10,
-           "delay_change_threshold", cfg.delay_change_threshold, "must be in (0, 10]")
-    _check(0 < cfg.change_point_threshold < 1, "change_point_threshold",
-           cfg.change_point_threshold, "must be in (0, 1)")
-    _check(cfg.hysteresis_iterations >= 1, "hysteresis_iterations", cfg.hysteresis_iterations,
-           "must be >= 1")
+    _check(math.isfinite(cfg.tolerance_margin) and 0 <= cfg.tolerance_margin <= 10,
+           "tolerance_margin", cfg.tolerance_margin, "must be in [0, 10]")
+    _check(math.isfinite(cfg.tolerance_margin_ms) and cfg.tolerance_margin_ms >= 0,
+           "tolerance_margin_ms", cfg.tolerance_margin_ms, "must be a finite number >= 0")
+    _check(cfg.recover_patience >= 1, "recover_patience", cfg.recover_patience, "must be >= 1")
+    _check(cfg.min_dwell >= 0, "min_dwell", cfg.min_dwell, "must be >= 0")
     _check(cfg.delegation in DELEGATION_MODES, "delegation", cfg.delegation,
            "must be one of " + ", ".join(repr(m) for m in DELEGATION_MODES))
     _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")

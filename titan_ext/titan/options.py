@@ -10,24 +10,25 @@ __all__ = ["titan_ext_section", "schedule_kwargs", "install_link_delays", "delay
 
 log = logging.getLogger(__name__)
 
-# [titan_ext] field -> candidate constructor keyword names of the runtime's schedule classes
-# (first match wins). Converters turn the TOML unit into the runtime's.
 _GIB = 1024**3
-_KWARG_MAP: dict[str, tuple[tuple[str, Any], ...]] = {
-    "memory_budget_gib": (
-        ("memory_budget_bytes", lambda v: int(v * _GIB) if v > 0 else None),
-        ("memory_budget_gib", lambda v: v if v > 0 else None),
-    ),
-    "extra_inflight": (("extra_inflight", None),),
-    "planner": (("planner", None), ("mode", None), ("planner_mode", None)),
-    "slack_floor": (("slack_floor", None),),
-    "replan_interval": (("replan_interval", None), ("replan_every", None)),
-    "profile_window": (("profile_window", None), ("window", None)),
-    "warmup_iterations": (("warmup_iterations", None), ("profile_warmup", None)),
-    "delay_change_threshold": (("delay_change_threshold", None), ("min_change", None)),
-    "change_point_threshold": (("change_point_threshold", None), ("cp_threshold", None)),
-    "hysteresis_iterations": (("hysteresis_iterations", None), ("hysteresis", None)),
-    "delegation": (("delegation", None), ("delegation_mode", None)),
+
+# [titan_ext] field -> (constructor keyword of the runtime's schedule classes, converter).
+# A converter returning None means "leave the schedule's default".
+_DIRECT: dict[str, tuple[str, Any]] = {
+    "memory_budget_gib": ("memory_budget_bytes", lambda v: float(v * _GIB) if v > 0 else None),
+    "max_inflight": ("max_inflight", lambda v: int(v) if v > 0 else None),
+    "adaptive": ("adaptive", bool),
+    "slack_floor": ("slack_floor", int),
+    "replan_interval": ("profile_every", int),
+    "delegation": ("delegation", str),
+}
+# [titan_ext] field -> field of the runtime's ReplanPolicy (passed as ``policy=``).
+_POLICY: dict[str, str] = {
+    "profile_window": "window",
+    "tolerance_margin": "rel_margin",
+    "tolerance_margin_ms": "abs_margin_ms",
+    "recover_patience": "recover_patience",
+    "min_dwell": "min_dwell",
 }
 
 
@@ -37,32 +38,38 @@ def titan_ext_section(job_config: Any) -> TitanExt:
     return section if section is not None else TitanExt()
 
 
-def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:
-    """Keywords for ``schedule_cls(...)`` taken from ``[titan_ext]``, by its constructor signature.
-
-    Only keywords the constructor accepts are passed; a knob the class cannot take is logged once.
-    """
-    section = titan_ext_section(job_config)
+def _params(schedule_cls: type) -> dict[str, inspect.Parameter]:
     try:
-        params = inspect.signature(schedule_cls.__init__).parameters
+        return dict(inspect.signature(schedule_cls.__init__).parameters)
     except (TypeError, ValueError):
         return {}
-    accepts_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def supports_delegation(schedule_cls: type) -> bool:
+    return "delegation" in _params(schedule_cls)
+
+
+def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:
+    """Keywords for ``schedule_cls(...)`` from ``[titan_ext]``, by the constructor's signature.
+
+    Only keywords the constructor takes are passed. The detector/hysteresis knobs become a
+    ``titan_ext.runtime.ReplanPolicy`` (``policy=``) when the constructor takes one.
+    """
+    section = titan_ext_section(job_config)
+    params = _params(schedule_cls)
     out: dict[str, Any] = {}
-    unused = []
-    for knob, candidates in _KWARG_MAP.items():
-        for kw, convert in candidates:
-            if kw in params:
-                value = getattr(section, knob)
-                value = convert(value) if convert else value
-                if value is not None:
-                    out[kw] = value
-                break
-        else:
-            if not accepts_var_kw:
-                unused.append(knob)
-    if unused:
-        log.info("[titan_ext] %s does not take: %s", schedule_cls.__name__, ", ".join(unused))
+    for knob, (kw, convert) in _DIRECT.items():
+        if kw in params:
+            value = convert(getattr(section, knob))
+            if value is not None:
+                out[kw] = value
+    if "policy" in params:
+        from titan_ext.runtime import ReplanPolicy
+
+        out["policy"] = ReplanPolicy(**{field: getattr(section, knob) for knob, field in _POLICY.items()})
+    if section.delegation != "off" and "delegation" not in params:
+        raise ValueError(f"[titan_ext] delegation = {section.delegation!r}: schedule "
+                         f"{schedule_cls.__name__} does not support delegation in this build")
     return out
 
 
