@@ -319,6 +319,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         memory-bounded) or ``"adaptive"`` (absorb the measured delays); ``decision.warmup_counts``, when
         set, asks for exactly those warm-up counts.
         """
+        if decision.actions is not None:
+            return decision.actions
         if decision.warmup_counts is not None:
             x = list(decision.warmup_counts)
             order = generate_order(profile, x, inflight_limit=x)
@@ -479,6 +481,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             self.last_profile = prof
             self.last_timeline = list(prof.actions)
             self._iteration_boundary(prof, 1e3 * (t_end - t_start))
+        self._apply_pending()  # plans pushed during the iteration: swapped in at this boundary
 
     def _perform(self, action, stage_index_to_stage, prof, send_ops, losses_by_mb, arg_mbs, kwarg_mbs,
                  target_mbs, losses, return_outputs, loss_kwargs) -> None:
@@ -632,6 +635,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         bubble, span_ms = math.nan, math.nan
         links: list[dict] = []
         exchanged = self.iteration % self.profile_every == 0
+        exchange_ms = 0.0
+        swap_ms = 0.0
         if exchanged:
             vec = self._local_profile_vector(prof)
             if dist.is_initialized() and self.pp_group_size > 1:
@@ -639,6 +644,7 @@ class PipeMorph(_PipelineScheduleRuntime):
                 dist.all_gather(gathered, vec, group=self._group)
             else:
                 gathered = [vec]
+            exchange_ms = 1e3 * (now() - t0)
             ranks = decode_profiles(gathered, self._n_microbatches)
             hashes = {r.plan_hash for r in ranks}
             if len(hashes) != 1:
@@ -664,12 +670,15 @@ class PipeMorph(_PipelineScheduleRuntime):
                     kind = {"calibrate": "initial", "force": "forced"}.get(decision.action, decision.mode or "adaptive")
                     if decision.action == "shrink" and decision.mode == "initial":
                         kind = "initial"
+                    ts = now()
                     ok = self._try_deploy(actions, counts, kind, f"{decision.action}: {decision.reason}")
+                    swap_ms = 1e3 * (now() - ts)
                     if ok and decision.action == "calibrate":
                         self._calibrated = True
             elif decision.action != "keep":
                 self._log(decision=decision.action, reason=decision.reason)
-        replan_ms = 1e3 * (now() - t0)
+        boundary_ms = 1e3 * (now() - t0)
+        replan_ms = (0.0 if math.isnan(plan_ms) else plan_ms) + swap_ms
         self._since_deploy += 1
         est = self._estimate_profile()
         self.last_metrics = {
@@ -689,6 +698,9 @@ class PipeMorph(_PipelineScheduleRuntime):
             "eq1_tolerance_ms": eq1_tolerances(est, self.deployed.warmup_counts) if self.deployed else None,
             "replan_ms": replan_ms,
             "plan_ms": plan_ms,
+            "swap_ms": swap_ms,
+            "exchange_ms": exchange_ms,
+            "boundary_ms": boundary_ms,
             "decision": decision.action if decision else "none",
             "decision_reason": decision.reason if decision else "no profile exchange this iteration",
             "recv_wait_ms": sum(r.recv_wait_ms for r in prof.actions),
@@ -705,7 +717,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         else:
             decision = self.policy.decide(est, counts, self.initial_counts, self._since_deploy,
                                           slack_floor=self.slack_floor)
-        if decision.action == "keep" and not self._calibrated:
+        if decision.action == "keep" and not self._calibrated and self.adaptive:
             if self.memory_budget_bytes is not None and self._max_inflight_arg is None:
                 self._x_max = self._initial_x_max()
                 self.initial_counts = self._alg1_counts(self._x_max)

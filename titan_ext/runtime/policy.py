@@ -37,6 +37,7 @@ class Decision:
     reason: str
     mode: str | None = None  # planner mode for a new plan: "initial" | "adaptive"
     warmup_counts: list[int] | None = None  # explicit counts (force / tests), else the planner decides
+    actions: dict | None = None  # an explicit compute-only plan (force / tests)
     violated_links: list[int] = field(default_factory=list)
 
     @property

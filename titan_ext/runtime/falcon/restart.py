@@ -30,6 +30,7 @@ __all__ = [
     "identity_grid",
     "role_of",
     "build_mesh_groups",
+    "stage_index_to_group_rank",
     "save_stage_checkpoint",
     "load_stage_checkpoint",
     "write_restart_plan",
@@ -84,6 +85,14 @@ def build_mesh_groups(grid, backend: str | None = None) -> MeshGroups:
         if s == my_pp:
             dp_group, dp_ranks = g, ranks
     return MeshGroups(my_dp, my_pp, dp_group, pp_group, dp_ranks, pp_ranks)
+
+
+def stage_index_to_group_rank(pp_ranks) -> dict[int, int]:
+    """Stage → rank *within the PP group* for a pipeline whose stage s runs on global rank
+    ``pp_ranks[s]``. ``dist.new_group`` numbers members in sorted global-rank order, so a permuted row
+    (e.g. ``[3, 1]``) needs this map (assign it to ``PipelineStage.stage_index_to_group_rank``)."""
+    order = sorted(int(r) for r in pp_ranks)
+    return {s: order.index(int(r)) for s, r in enumerate(pp_ranks)}
 
 
 def _stage_path(directory, stage: int) -> Path:

@@ -1,0 +1,24 @@
+"""Delegate data plane (PipeMorph §5): host-staged P2P through delegate processes.
+
+* :mod:`.ring` — pinned shared-memory slot rings and their flags (compiled part in cpp_ext/).
+* :mod:`.pool` — delegate processes per communication kind and the training side's send/recv.
+* :mod:`.transport` — direct / delegate / failover transports with one ``isend``/``irecv`` API,
+  and the delegation mode (off / auto / always).
+* :mod:`.schedule` — delegation wired into the PipeMorph schedule through its ``_issue_p2p`` hook.
+
+User documentation: docs/delegate.md.
+"""
+
+from .pool import Channel, DelegateError, DelegatePool, delegates_needed, pipeline_channels, store_address
+from .ring import our_shm_names, sweep_stale_segments
+
+__all__ = [
+    "Channel",
+    "DelegateError",
+    "DelegatePool",
+    "delegates_needed",
+    "our_shm_names",
+    "pipeline_channels",
+    "store_address",
+    "sweep_stale_segments",
+]

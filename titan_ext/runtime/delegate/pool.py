@@ -1,0 +1,491 @@
+"""Delegate processes and the training-process side of the delegate data plane (PipeMorph §5.2).
+
+A :class:`DelegatePool` belongs to one training rank.  For every *channel* it takes part in (a
+``(src, dst, direction)`` triple, direction ``"F"`` for activations and ``"B"`` for gradients) it runs
+``lanes[direction]`` delegate processes, each with its own shared-memory slot ring ("each with its own
+queue"): send-F / send-B delegates on the sending rank, recv-F / recv-B delegates on the receiving rank.
+Lane ``k`` of a channel is one 2-process Gloo group (send delegate = rank 0, recv delegate = rank 1)
+rendezvoused through the job's TCPStore.
+
+Messages carry a per-channel sequence number chosen by the caller (both ends count the same way, the
+way direct P2P matches the n-th send with the n-th receive); message ``seq`` travels on lane
+``seq % lanes``.  Receivers fetch eagerly; the training process matches by sequence number, so a
+duplicate (a failover retry of a message that also got through the primary path) is dropped and an
+early arrival is kept aside until its receive is posted.
+
+Killed delegate: **clean stop**.  A delegate that dies or fails is never respawned; every operation of
+the pool (and the pool's health check) then raises :class:`DelegateError` naming the lane, the pid and
+the exit status, and the peer's delegate sees its Gloo connection close and fails the same way, so
+training stops on all ranks involved with a clear error instead of hanging or losing a message.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import ring as R
+from ._ext import cuda_available, load_ext
+
+__all__ = ["Channel", "DelegateError", "DelegatePool", "delegates_needed", "pipeline_channels", "store_address"]
+
+
+class DelegateError(RuntimeError):
+    """A delegate process died or failed, or a delegate-path message did not arrive in time."""
+
+
+@dataclass(frozen=True)
+class Channel:
+    src: int
+    dst: int
+    direction: str  # "F" (activations, stage s -> s+1) or "B" (gradients, stage s+1 -> s)
+
+    def kind(self, rank: int) -> str:
+        return f"{'send' if self.src == rank else 'recv'}-{self.direction}"
+
+
+def pipeline_channels(rank: int, stage_to_rank: Sequence[int]) -> list[Channel]:
+    """The channels ``rank`` takes part in for a pipeline whose stage ``s`` runs on ``stage_to_rank[s]``."""
+    out: list[Channel] = []
+    for s in range(len(stage_to_rank) - 1):
+        a, b = stage_to_rank[s], stage_to_rank[s + 1]
+        if a == b:
+            continue
+        for ch in (Channel(a, b, "F"), Channel(b, a, "B")):
+            if rank in (ch.src, ch.dst) and ch not in out:
+                out.append(ch)
+    return out
+
+
+def delegates_needed(production_bytes_per_s: float, delegate_bytes_per_s: float, max_delegates: int = 8) -> int:
+    """Number of delegates of one kind so that consumption keeps pace with production (§5.2: 8 messages/s
+    produced, 2/s per delegate → 4 queues).  At least 1, at most ``max_delegates``."""
+    if max_delegates < 1:
+        raise ValueError("max_delegates must be >= 1")
+    if not (production_bytes_per_s > 0) or math.isnan(production_bytes_per_s):
+        return 1
+    if not (delegate_bytes_per_s > 0) or math.isinf(production_bytes_per_s):
+        return max_delegates
+    return max(1, min(max_delegates, math.ceil(production_bytes_per_s / delegate_bytes_per_s - 1e-9)))
+
+
+def store_address() -> tuple[str, int]:
+    """(host, port) of the job's TCPStore: the default process group's store, else MASTER_ADDR/PORT."""
+    if dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+        for _ in range(8):
+            if isinstance(store, dist.TCPStore):
+                return store.host, store.port
+            store = getattr(store, "underlying_store", None)
+            if store is None:
+                break
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port:
+        return host, int(port)
+    raise RuntimeError("delegates need the job's TCPStore: init the default process group with a TCP store "
+                       "or set MASTER_ADDR/MASTER_PORT (or pass store_host/store_port)")
+
+
+_pool_ids = itertools.count()
+_live_pools: "weakref.WeakSet[DelegatePool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_live_pools):
+        pool.close()
+
+
+class _Lane:
+    def __init__(self, channel: Channel, index: int, role: str, ring: R.SlotRing):
+        self.channel, self.index, self.role, self.ring = channel, index, role, ring
+        self.proc: subprocess.Popen | None = None
+        self.cursor = 0
+        self.keep: list = [None] * ring.num_slots   # tensors an async copy still reads / writes
+        self.tokens = [0] * ring.num_slots
+        self.dev_flags: torch.Tensor | None = None
+
+    def describe(self) -> str:
+        c = self.channel
+        pid = self.proc.pid if self.proc else None
+        return f"{self.role}-{c.direction} delegate lane {self.index} of {c.src}->{c.dst} (pid {pid})"
+
+
+class _Recv:
+    """A posted delegate-path receive; ``wait()`` copies the message into ``tensor``."""
+
+    def __init__(self, pool: "DelegatePool", key, seq: int, tensor: torch.Tensor):
+        self.pool, self.key, self.seq, self.tensor = pool, key, seq, tensor
+        self.done = False
+        self.stream = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.done:
+            self.pool._complete(self, self.pool.timeout_s if timeout is None else timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        if not self.done:
+            self.pool._drain(self.key)
+        return self.done
+
+
+class _Done:
+    """Handle of a send that is already in its slot (CPU copy) or enqueued behind a signal (CUDA)."""
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class DelegatePool:
+    """Delegate processes of one training rank, and its send/receive API.
+
+    Args:
+        rank: this training rank (global rank, as used by the P2P ops).
+        channels: channels this rank takes part in (see :func:`pipeline_channels`).
+        lanes: delegates per kind: an int for all, or ``{"F": n, "B": m}`` (both ends must agree).
+        num_slots / slot_bytes: ring geometry per lane; a message must fit in one slot.  Host memory
+            per lane is about ``num_slots * slot_bytes`` — activations queue here, not on the device.
+        store_host / store_port: the job's TCPStore (default: :func:`store_address`).
+        timeout_s: how long an operation may wait before :class:`DelegateError`.
+        pool_id: rendezvous namespace; defaults to a per-process counter (create pools in the same
+            order on every rank).
+    """
+
+    def __init__(self, rank: int, channels: Iterable[Channel], lanes: int | Mapping[str, int] = 1,
+                 num_slots: int = 8, slot_bytes: int = 16 << 20, store_host: str | None = None,
+                 store_port: int | None = None, timeout_s: float = 120.0, pool_id: str | None = None,
+                 start_timeout_s: float = 180.0):
+        load_ext()
+        R.sweep_stale_segments()
+        self.rank = rank
+        self.channels = list(channels)
+        self.lanes_per = {"F": lanes, "B": lanes} if isinstance(lanes, int) else dict(lanes)
+        self.timeout_s = timeout_s
+        self.num_slots, self.slot_bytes = num_slots, slot_bytes
+        if store_host is None or store_port is None:
+            store_host, store_port = store_address()
+        self.pool_id = pool_id if pool_id is not None else f"p{next(_pool_ids)}"
+        self.cuda = cuda_available()
+        self._closed = False
+        self.lanes: dict[tuple[int, str], list[_Lane]] = {}     # (peer, direction) -> send lanes
+        self.rlanes: dict[tuple[int, str], list[_Lane]] = {}    # (peer, direction) -> recv lanes
+        self._pending: dict[tuple[int, str], dict[int, _Recv]] = {}
+        self._early: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        self._consumed: dict[tuple[int, str], set[int]] = {}
+        self._floor: dict[tuple[int, str], int] = {}
+        self._copy_stream = torch.cuda.Stream() if self.cuda else None
+        # receives are waited on by other threads (PipeMorph's per-peer arrival watchers): the recv-side
+        # tables are guarded by this lock, which is never held while blocking.
+        self._lock = threading.RLock()
+        _live_pools.add(self)
+        all_lanes: list[_Lane] = []
+        try:
+            for ch in self.channels:
+                if rank not in (ch.src, ch.dst) or ch.src == ch.dst:
+                    raise ValueError(f"rank {rank} is not an end of {ch}")
+                role = "send" if ch.src == rank else "recv"
+                n = int(self.lanes_per.get(ch.direction, 1))
+                if n < 1:
+                    raise ValueError("lanes must be >= 1")
+                key = (ch.dst if role == "send" else ch.src, ch.direction)
+                table = self.lanes if role == "send" else self.rlanes
+                table[key] = []
+                for k in range(n):
+                    lane = _Lane(ch, k, role, R.SlotRing.create(num_slots, slot_bytes))
+                    if self.cuda:
+                        lane.ring.region.cuda_register()
+                        lane.dev_flags = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
+                    lane.proc = self._spawn(lane, store_host, store_port)
+                    table[key].append(lane)
+                    all_lanes.append(lane)
+                if role == "recv":
+                    self._pending[key], self._early[key], self._consumed[key] = {}, {}, set()
+            self._all = all_lanes
+            self._wait_started(start_timeout_s)
+        except BaseException:
+            self._all = all_lanes
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------------------------------
+    def _spawn(self, lane: _Lane, host: str, port: int) -> subprocess.Popen:
+        c = lane.channel
+        fd = lane.ring.region.fd
+        cmd = [sys.executable, "-m", "titan_ext.runtime.delegate.worker", "--fd", str(fd),
+               "--slots", str(lane.ring.num_slots), "--slot-bytes", str(lane.ring.slot_bytes),
+               "--role", lane.role, "--store-host", host, "--store-port", str(port),
+               "--prefix", f"titanx/{self.pool_id}/{c.src}-{c.dst}/{c.direction}/{lane.index}/",
+               "--parent", str(os.getpid()), "--timeout-s", str(max(self.timeout_s, 60.0))]
+        if self.cuda:
+            cmd.append("--gpu-flags")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["CUDA_VISIBLE_DEVICES"] = ""  # delegates never touch the GPU
+        return subprocess.Popen(cmd, pass_fds=(fd,), env=env, close_fds=True)
+
+    def _wait_started(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for lane in self._all:
+            while lane.ring.region.load(R.CTRL_DELEGATE_STATE) != 1:
+                self._check_lane(lane)
+                if time.monotonic() > deadline:
+                    raise DelegateError(f"{lane.describe()} did not start within {timeout_s:.0f} s")
+                time.sleep(0.01)
+
+    def _check_lane(self, lane: _Lane) -> None:
+        err = lane.ring.error_text()
+        if err:
+            raise DelegateError(f"{lane.describe()} failed: {err}")
+        if lane.proc is not None and lane.proc.poll() is not None:
+            rc = lane.proc.returncode
+            how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+            raise DelegateError(f"{lane.describe()} {how}; delegates are not respawned — stopping")
+
+    def check_health(self) -> None:
+        """Raise :class:`DelegateError` if any delegate of this pool died or failed."""
+        if self._closed:
+            raise DelegateError("delegate pool is closed")
+        for lane in self._all:
+            self._check_lane(lane)
+
+    def _wait(self, lane: _Lane, i: int, want: int, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        sleep_us = 50 if self.cuda else 1000
+        while True:
+            rc = lane.ring.wait_state(i, want, 0.2, R.CTRL_ERROR, sleep_us)
+            if rc == 0:
+                return
+            self._check_lane(lane)
+            if self._closed:
+                raise DelegateError("delegate pool closed while waiting")
+            if time.monotonic() > deadline:
+                raise DelegateError(f"timed out after {timeout_s:.1f} s waiting for {what} on {lane.describe()}")
+
+    # ------------------------------------------------------------------------------------------
+    # send
+    # ------------------------------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, direction: str, seq: int):
+        """Queue message ``seq`` of channel (this rank → ``dst``, ``direction``).  Returns once the bytes
+        are in a slot (CPU) or the D2H copy + signal are enqueued (CUDA); never waits for the link."""
+        lanes = self.lanes.get((dst, direction))
+        if lanes is None:
+            raise KeyError(f"no send-{direction} delegates to rank {dst} in this pool")
+        lane = lanes[seq % len(lanes)]
+        ring, i = lane.ring, lane.cursor
+        if ring.state(i) != R.FREE:  # ring full: back-pressure (add lanes/slots if this shows up)
+            self._wait(lane, i, R.FREE, self.timeout_s, f"a free send slot (seq {seq})")
+        self._check_lane(lane)
+        ring.set_state(i, R.WRITING, wake=False)
+        nbytes = ring.write_header(i, seq, tensor)
+        if tensor.is_cuda:
+            src = tensor.contiguous()
+            self._copy_stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(self._copy_stream):
+                src.record_stream(self._copy_stream)
+                ring.region.d2h_signal(src, ring.geometry.slot_offset(i) + R.SLOT_PAYLOAD,
+                                       ring.state_offset(i), R.READY)
+            lane.keep[i] = src
+        else:
+            if nbytes:
+                ring.typed_view(i, tensor.dtype, tensor.shape).copy_(tensor)
+            ring.set_state(i, R.READY)
+        lane.cursor = (i + 1) % ring.num_slots
+        return _Done()
+
+    def set_link_delay_ms(self, dst: int, direction: str, ms: float) -> None:
+        """Inject a one-way delay on this rank's outgoing delegate link (tests and benchmarks)."""
+        for lane in self.lanes[(dst, direction)]:
+            lane.ring.region.store64(R.CTRL_DELAY_US, int(round(ms * 1000)))
+
+    # ------------------------------------------------------------------------------------------
+    # receive
+    # ------------------------------------------------------------------------------------------
+    def post_recv(self, tensor: torch.Tensor, src: int, direction: str, seq: int) -> _Recv:
+        """Post the receive of message ``seq`` of channel (``src`` → this rank, ``direction``) into
+        ``tensor``; its ``wait()`` returns once the data is there (CPU) or ordered before the current
+        stream's next kernel (CUDA)."""
+        key = (src, direction)
+        if key not in self.rlanes:
+            raise KeyError(f"no recv-{direction} delegates from rank {src} in this pool")
+        h = _Recv(self, key, seq, tensor)
+        if tensor.is_cuda:
+            h.stream = torch.cuda.current_stream(tensor.device)  # the consumer's stream waits on the signal
+        with self._lock:
+            early = self._early[key].pop(seq, None)
+            if early is not None:
+                self._copy_out(h, early)
+            elif self._is_consumed(key, seq):
+                raise DelegateError(f"message {seq} from rank {src} ({direction}) was already received")
+            else:
+                self._pending[key][seq] = h
+        return h
+
+    def poll(self, src: int, direction: str, seq: int) -> bool:
+        """Has message ``seq`` (posted) arrived on the delegate path?  Never blocks."""
+        key = (src, direction)
+        with self._lock:
+            self._drain(key)
+            h = self._pending[key].get(seq)
+            if h is None:
+                return self._is_consumed(key, seq) or seq in self._early[key]
+            return h.done
+
+    def cancel(self, src: int, direction: str, seq: int) -> None:
+        """Forget a posted receive that was satisfied elsewhere (primary path); a later delegate copy
+        of it is dropped as a duplicate."""
+        key = (src, direction)
+        with self._lock:
+            self._pending[key].pop(seq, None)
+            self._early[key].pop(seq, None)
+            self._mark_consumed(key, seq)
+
+    def _mark_consumed(self, key, seq: int) -> None:
+        consumed = self._consumed[key]
+        consumed.add(seq)
+        if len(consumed) > 4096:  # keep a window: retries are never that far behind
+            floor = max(consumed) - 2048
+            self._consumed[key] = {s for s in consumed if s >= floor}
+            self._floor[key] = max(self._floor.get(key, -1), floor)
+
+    def _is_consumed(self, key, seq: int) -> bool:
+        return seq in self._consumed[key] or seq < self._floor.get(key, -1)
+
+    def _complete(self, h: _Recv, timeout_s: float) -> None:
+        lanes = self.rlanes[h.key]
+        lane = lanes[h.seq % len(lanes)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                self._drain(h.key)
+                if h.done:
+                    return
+                i = lane.cursor
+            # block without the lock until the lane's next slot is READY
+            self._wait(lane, i, R.READY, max(deadline - time.monotonic(), 0.0),
+                       f"message {h.seq} from rank {h.key[0]} ({h.key[1]})")
+
+    def _drain(self, key, block_lane=None) -> None:  # noqa: ARG002
+        """Take every READY message at the head of the channel's lanes (caller holds the lock)."""
+        with self._lock:
+            for lane in self.rlanes[key]:
+                while lane.ring.state(lane.cursor) == R.READY:
+                    self._take(key, lane, lane.cursor)
+
+    def _take(self, key, lane: _Lane, i: int) -> None:
+        ring = lane.ring
+        seq, nbytes, dtype, shape = ring.read_header(i)
+        h = self._pending[key].pop(seq, None)
+        ring.set_state(i, R.BUSY, wake=False)
+        lane.cursor = (i + 1) % ring.num_slots
+        if h is not None:
+            t = h.tensor
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                ring.set_state(i, R.FREE)
+                raise DelegateError(f"message {seq} from rank {key[0]}: got {dtype}{list(shape)}, "
+                                    f"receive posted for {t.dtype}{list(t.shape)}")
+            if t.is_cuda:
+                self._h2d(lane, i, t, h.stream)
+            else:
+                if nbytes:
+                    t.copy_(ring.typed_view(i, dtype, shape))
+                ring.set_state(i, R.FREE)
+            h.done = True
+            self._mark_consumed(key, seq)
+        elif self._is_consumed(key, seq):  # duplicate (failover retry of a message that made it): drop
+            ring.set_state(i, R.FREE)
+        else:  # arrived before its receive was posted: keep it aside, free the slot
+            self._early[key][seq] = ring.typed_view(i, dtype, shape).clone()
+            ring.set_state(i, R.FREE)
+
+    def _copy_out(self, h: _Recv, data: torch.Tensor) -> None:
+        if h.tensor.dtype != data.dtype or tuple(h.tensor.shape) != tuple(data.shape):
+            raise DelegateError(f"message {h.seq}: got {data.dtype}{list(data.shape)}, "
+                                f"receive posted for {h.tensor.dtype}{list(h.tensor.shape)}")
+        h.tensor.copy_(data)
+        h.done = True
+        self._mark_consumed(h.key, h.seq)
+
+    def _h2d(self, lane: _Lane, i: int, dst: torch.Tensor, consumer) -> None:
+        ring = lane.ring
+        ext = load_ext()
+        target = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+        lane.tokens[i] = (lane.tokens[i] + 1) & 0x7FFFFFFF
+        flag = lane.dev_flags[i:i + 1]
+        self._copy_stream.wait_stream(consumer)
+        with torch.cuda.stream(self._copy_stream):
+            target.record_stream(self._copy_stream)
+            ring.region.h2d_signal(ring.geometry.slot_offset(i) + R.SLOT_PAYLOAD, target,
+                                   ring.state_offset(i), R.FREE, flag, lane.tokens[i])
+        with torch.cuda.stream(consumer):
+            ext.stream_wait_flag(flag, lane.tokens[i])  # the consumer stream waits on the device signal
+            if target is not dst:
+                dst.copy_(target)
+
+    # ------------------------------------------------------------------------------------------
+    def stats(self) -> list[dict]:
+        out = []
+        for lane in self._all:
+            c = lane.channel
+            out.append({"kind": f"{lane.role}-{c.direction}", "src": c.src, "dst": c.dst, "lane": lane.index,
+                        "pid": lane.proc.pid if lane.proc else None, **lane.ring.stats()})
+        return out
+
+    def pids(self) -> list[int]:
+        return [lane.proc.pid for lane in getattr(self, "_all", []) if lane.proc is not None]
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop the delegates: send delegates first drain what is queued (up to ``grace_s``), then all
+        are terminated.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        lanes = getattr(self, "_all", [])
+        for lane in lanes:
+            lane.ring.region.store(R.CTRL_STOP, 1)
+            for i in range(lane.ring.num_slots):  # wake delegates sleeping on a slot flag
+                lane.ring.region.store(lane.ring.state_offset(i), lane.ring.state(i))
+        deadline = time.monotonic() + grace_s
+        for lane in lanes:
+            if lane.proc is None or lane.role != "send":
+                continue
+            try:
+                lane.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for lane in lanes:
+            if lane.proc is not None and lane.proc.poll() is None:
+                lane.proc.send_signal(signal.SIGTERM)
+        for lane in lanes:
+            if lane.proc is None:
+                continue
+            try:
+                lane.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                lane.proc.kill()
+                lane.proc.wait()
+        if self._copy_stream is not None:
+            torch.cuda.synchronize()
+        _live_pools.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,241 @@
+"""One ``isend``/``irecv`` API over three paths: direct P2P, delegates, and direct with failover.
+
+:class:`P2PRouter` is what a schedule talks to.  It numbers the messages of every channel
+``(peer, direction)`` (both ends count the same way, like direct P2P matches the n-th send with the
+n-th receive) and routes each message:
+
+* ``delegating`` (delegation mode on, or the channel failed over) → the :class:`DelegatePool`;
+* otherwise → direct ``torch.distributed`` P2P on ``group``; with ``failover`` on, a direct operation
+  that raises, fails on ``wait()`` or (receive) does not complete within ``recv_timeout_s`` is retried
+  on the delegate path, by both ends, without losing or duplicating the message (PipeMorph §5.3):
+  the sender re-sends it through its delegates; the receiver takes it from its delegates (as soon as it
+  shows up there, or after the timeout); a copy that arrives twice is dropped by sequence number.
+  A channel that failed over stays on the delegate path (its direct pair is no longer trusted).
+
+Fault model and limit: a failed link is seen by the sender (error or timeout on the send, as with an
+RNIC failure / NCCL timeout).  If the sender's direct send *succeeded* but the receiver still timed
+out, the receiver waits ``pool.timeout_s`` on the delegate path and then raises :class:`DelegateError`
+(a clear stop, never a silent hang or a wrong tensor).
+
+Delay injection for tests and benchmarks: ``hol_delay_ms[peer]`` holds the caller of a direct send for
+that long before posting it — the head-of-line blocking of PipeMorph §3.2 (a send that cannot start
+blocks the compute after it).  On the delegate path the same delay is applied inside the send delegate
+(:meth:`DelegatePool.set_link_delay_ms`), off the training process's critical path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .pool import DelegateError, DelegatePool
+
+__all__ = ["DelegationMode", "FaultInjector", "P2PRouter"]
+
+MODES = ("off", "auto", "always")
+
+
+def DelegationMode(mode: str) -> str:  # noqa: N802 - validated enum-like string
+    if mode not in MODES:
+        raise ValueError(f"delegation mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+class FaultInjector:
+    """Injects primary-path faults: ``fails(op, peer, direction, seq) -> bool`` with op "send"/"recv".
+
+    ``FaultInjector(broken={(peer, "F")}, from_seq=k)``: every direct send to / receive from ``peer`` in
+    direction ``F`` with sequence number >= k fails (a dead link; the send raises, the receive never
+    completes)."""
+
+    def __init__(self, broken=(), from_seq: int = 0, predicate: Callable[..., bool] | None = None):
+        self.broken = set(broken)
+        self.from_seq = from_seq
+        self.predicate = predicate
+        self.injected = 0
+
+    def fails(self, op: str, peer: int, direction: str, seq: int) -> bool:
+        hit = (peer, direction) in self.broken and seq >= self.from_seq
+        if self.predicate is not None:
+            hit = hit or bool(self.predicate(op, peer, direction, seq))
+        if hit:
+            self.injected += 1
+        return hit
+
+
+class _Done:
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _FailoverSend:
+    """A direct send whose failure on ``wait()`` re-sends the message through the delegates."""
+
+    def __init__(self, router: "P2PRouter", work, tensor, peer, direction, seq):
+        self.router, self.work, self.args = router, work, (tensor, peer, direction, seq)
+        self.done = False
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002
+        if self.done:
+            return True
+        tensor, peer, direction, seq = self.args
+        try:
+            self.work.wait()
+        except Exception as exc:  # noqa: BLE001 - retried on the delegate path
+            self.router._fail_over(peer, direction, f"send {seq}: {exc}")
+            self.router.pool.send(tensor, peer, direction, seq)
+        self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done or self.work.is_completed()
+
+
+class _FailoverRecv:
+    """A direct receive that falls back to the delegate path (message shows up there, error, timeout)."""
+
+    def __init__(self, router: "P2PRouter", work, tensor, peer, direction, seq):
+        self.router, self.work = router, work
+        self.tensor, self.peer, self.direction, self.seq = tensor, peer, direction, seq
+        self.done = False
+        self.path = "direct"
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002
+        if self.done:
+            return True
+        r, pool = self.router, self.router.pool
+        deadline = time.monotonic() + r.recv_timeout_s
+        reason = None
+        sleep = 20e-6
+        while True:
+            if self.work is not None and self.work.is_completed():
+                try:
+                    self.work.wait()
+                    pool.cancel(self.peer, self.direction, self.seq)  # a delegate copy would be a duplicate
+                    self.done = True
+                    return True
+                except Exception as exc:  # noqa: BLE001
+                    reason = f"recv {self.seq}: {exc}"
+                    break
+            if r._arrived(self.peer, self.direction, self.seq):
+                reason = f"recv {self.seq}: the sender re-sent it on the delegate path"
+                break
+            if time.monotonic() > deadline:
+                reason = f"recv {self.seq}: no data on the direct path within {r.recv_timeout_s:.1f} s"
+                break
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 1e-3)
+        r._fail_over(self.peer, self.direction, reason)
+        tmp = torch.empty_like(self.tensor)  # the abandoned direct receive may still write into its buffer
+        pool.post_recv(tmp, self.peer, self.direction, self.seq).wait()
+        self.tensor.copy_(tmp)
+        self.path = "delegate"
+        self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class P2PRouter:
+    """Numbers and routes P2P messages (see the module docstring).
+
+    Args:
+        rank: this rank (global).
+        pool: the delegate pool (needed when delegating or with failover; may be None otherwise).
+        group: process group of the direct path (None: default group); peers are global ranks.
+        delegating: start with delegation on.
+        failover: retry failed direct operations on the delegate path.
+        recv_timeout_s: a direct receive with no data for this long fails over.
+        faults: a :class:`FaultInjector` for tests.
+        hol_delay_ms: ``{peer: ms}`` head-of-line delay of direct sends (tests/benchmarks).
+    """
+
+    def __init__(self, rank: int, pool: DelegatePool | None = None, group=None, delegating: bool = False,
+                 failover: bool = False, recv_timeout_s: float = 30.0, faults: FaultInjector | None = None,
+                 hol_delay_ms: Mapping[int, float] | None = None):
+        if (delegating or failover) and pool is None:
+            raise ValueError("delegation and failover need a DelegatePool")
+        self.rank, self.pool, self.group = rank, pool, group
+        self.delegating = delegating
+        self.failover = failover
+        self.recv_timeout_s = recv_timeout_s
+        self.faults = faults
+        self.hol_delay_ms = dict(hol_delay_ms or {})
+        self.failed: dict[tuple[int, str], str] = {}   # channel -> reason it failed over
+        self.failover_events: list[dict] = []
+        self._send_seq: dict[tuple[int, str], int] = {}
+        self._recv_seq: dict[tuple[int, str], int] = {}
+        self.counts = {"direct": 0, "delegate": 0}
+
+    # --- numbering --------------------------------------------------------------------------------
+    def _next(self, table, key) -> int:
+        seq = table.get(key, 0)
+        table[key] = seq + 1
+        return seq
+
+    def _use_delegates(self, key) -> bool:
+        return self.delegating or key in self.failed
+
+    def _fail_over(self, peer: int, direction: str, reason: str) -> None:
+        key = (peer, direction)
+        if key not in self.failed:
+            self.failed[key] = reason
+            self.failover_events.append({"peer": peer, "direction": direction, "reason": reason,
+                                         "time": time.time()})
+
+    def _arrived(self, peer, direction, seq) -> bool:
+        """Did ``seq`` show up on the delegate path (receive not posted there yet)?"""
+        pool = self.pool
+        key = (peer, direction)
+        with pool._lock:
+            pool._drain(key)
+            return seq in pool._early[key]
+
+    # --- API --------------------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, peer: int, direction: str):
+        key = (peer, direction)
+        seq = self._next(self._send_seq, key)
+        if self._use_delegates(key):
+            self.counts["delegate"] += 1
+            return self.pool.send(tensor, peer, direction, seq)
+        self.counts["direct"] += 1
+        delay = self.hol_delay_ms.get(peer, 0.0)
+        if delay > 0:
+            time.sleep(delay / 1e3)
+        if not self.failover:
+            return dist.isend(tensor, peer, group=self.group)
+        try:
+            if self.faults is not None and self.faults.fails("send", peer, direction, seq):
+                raise RuntimeError(f"injected primary-path fault on send {seq} to rank {peer} ({direction})")
+            work = dist.isend(tensor, peer, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - retried on the delegate path
+            self._fail_over(peer, direction, f"send {seq}: {exc}")
+            self.counts["delegate"] += 1
+            return self.pool.send(tensor, peer, direction, seq)
+        return _FailoverSend(self, work, tensor, peer, direction, seq)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, direction: str):
+        key = (peer, direction)
+        seq = self._next(self._recv_seq, key)
+        if self._use_delegates(key):
+            self.counts["delegate"] += 1
+            return self.pool.post_recv(tensor, peer, direction, seq)
+        self.counts["direct"] += 1
+        if not self.failover:
+            return dist.irecv(tensor, peer, group=self.group)
+        if self.faults is not None and self.faults.fails("recv", peer, direction, seq):
+            work = None  # a dead link: the direct receive never completes
+        else:
+            work = dist.irecv(tensor, peer, group=self.group)
+        return _FailoverRecv(self, work, tensor, peer, direction, seq)
+
+    def stats(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts), "failed_over": dict(self.failed),
+                "delegates": self.pool.stats() if self.pool is not None else []}

@@ -1,0 +1,141 @@
+"""A delegate process: moves one lane's messages between its shared-memory ring and Gloo.
+
+Started by :class:`~titan_ext.runtime.delegate.pool.DelegatePool` as
+``python -m titan_ext.runtime.delegate.worker ...`` with the ring's file descriptor inherited.
+A *send* delegate (Gloo rank 0 of its lane) waits for READY slots in ring order and sends each
+message's header and payload straight from the slot (zero-copy); a *recv* delegate (Gloo rank 1)
+eagerly receives into FREE slots in ring order and marks them READY.
+
+The delegate dies with its training process (PR_SET_PDEATHSIG=SIGKILL, plus a parent-pid check), and
+on any failure writes the error text into the ring's control block and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--slots", type=int, required=True)
+    p.add_argument("--slot-bytes", type=int, required=True)
+    p.add_argument("--role", choices=("send", "recv"), required=True)
+    p.add_argument("--store-host", required=True)
+    p.add_argument("--store-port", type=int, required=True)
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--parent", type=int, required=True)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--gpu-flags", action="store_true", help="slot flags are also written by the GPU (poll)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    from ._ext import load_ext
+
+    ext = load_ext()
+    ext.set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != args.parent:  # the parent died before prctl took effect
+        return 4
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+    import torch
+    import torch.distributed as dist
+
+    from . import ring as R
+
+    lane = R.SlotRing.attach(args.fd, args.slots, args.slot_bytes)
+    os.close(args.fd)
+    region = lane.region
+    try:
+        store = dist.TCPStore(args.store_host, args.store_port, is_master=False,
+                              timeout=timedelta(seconds=args.timeout_s))
+        prefixed = dist.PrefixStore(args.prefix, store)
+        rank = 0 if args.role == "send" else 1
+        pg = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=args.timeout_s))
+        region.store(R.CTRL_DELEGATE_STATE, 1)
+        sleep_us = 50 if args.gpu_flags else 2000
+        if args.role == "send":
+            _send_loop(lane, pg, args.parent, sleep_us)
+        else:
+            _recv_loop(lane, pg, args.parent, sleep_us)
+        region.store(R.CTRL_DELEGATE_STATE, 2)
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - reported through the ring, then exit non-zero
+        lane.set_error(f"{args.role} delegate (pid {os.getpid()}, lane {args.prefix}) failed: "
+                       f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+        return 3
+
+
+def _alive(parent: int) -> bool:
+    return os.getppid() == parent
+
+
+def _send_loop(lane, pg, parent, sleep_us) -> None:
+    from . import ring as R
+
+    r = lane.region
+    i = 0
+    while True:
+        while True:  # wait for the next slot in ring order
+            rc = lane.wait_state(i, R.READY, 0.5, R.CTRL_STOP, sleep_us)
+            if rc == 0:
+                break
+            if rc == 2 and lane.state(i) != R.READY:
+                return  # stop requested and nothing left to send
+            if not _alive(parent):
+                return
+        lane.set_state(i, R.BUSY, wake=False)
+        seq, nbytes, _, _ = lane.read_header(i)
+        delay_us = r.load64(R.CTRL_DELAY_US)
+        if delay_us > 0:  # injected one-way delay of this link (tests / benchmarks)
+            time.sleep(delay_us / 1e6)
+        t0 = time.perf_counter_ns()
+        pg.send([lane.header_bytes[i]], 1, 0).wait()
+        if nbytes:
+            pg.send([lane.payload(i, nbytes)], 1, 1).wait()
+        r.add64(R.CTRL_BUSY_NS, time.perf_counter_ns() - t0)
+        r.add64(R.CTRL_BYTES, nbytes)
+        r.add64(R.CTRL_MESSAGES, 1)
+        lane.set_state(i, R.FREE)
+        i = (i + 1) % lane.num_slots
+
+
+def _recv_loop(lane, pg, parent, sleep_us) -> None:
+    from . import ring as R
+
+    r = lane.region
+    i = 0
+    while True:
+        while True:
+            rc = lane.wait_state(i, R.FREE, 0.5, R.CTRL_STOP, sleep_us)
+            if rc == 0:
+                break
+            if rc == 2 or not _alive(parent):
+                return
+        lane.set_state(i, R.WRITING, wake=False)
+        t0 = time.perf_counter_ns()
+        pg.recv([lane.header_bytes[i]], 0, 0).wait()
+        t1 = time.perf_counter_ns()  # idle time waiting for the peer is not throughput
+        nbytes = int(lane.headers[i][R.H_NBYTES])
+        if nbytes > lane.slot_bytes:
+            raise RuntimeError(f"incoming message of {nbytes} bytes exceeds slot size {lane.slot_bytes}")
+        if nbytes:
+            pg.recv([lane.payload(i, nbytes)], 0, 1).wait()
+        del t0
+        r.add64(R.CTRL_BUSY_NS, time.perf_counter_ns() - t1)
+        r.add64(R.CTRL_BYTES, nbytes)
+        r.add64(R.CTRL_MESSAGES, 1)
+        lane.set_state(i, R.READY)
+        i = (i + 1) % lane.num_slots
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Helpers for multi-process runtime tests and benchmarks: gloo on loopback, small models.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (torch.multiprocessing, spawn),
+initialises a gloo process group on 127.0.0.1 with a free port, calls ``fn(rank, world_size, *args)``
+and returns the per-rank return values (which must be picklable).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                init_method=f"tcp://127.0.0.1:{port}")
+        try:
+            result = ("ok", fn(rank, world_size, *args))
+        finally:
+            try:
+                from .delay_injection import remove_link_delays
+
+                remove_link_delays()
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as fh:
+        pickle.dump(result, fh)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_entry, args=(fn, world_size, free_port(), outdir, args, env or {}),
+                           nprocs=world_size, join=True, start_method="spawn")
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(outdir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} produced no result")
+            with open(path, "rb") as fh:
+                status, value = pickle.load(fh)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------------
+def mlp_stages(num_stages: int, dim: int = 16, layers_per_stage: int = 2, seed: int = 0,
+               dtype: torch.dtype = torch.float64) -> list[nn.Module]:
+    """A deterministic MLP split into ``num_stages`` stage modules (same weights for every caller)."""
+    gen = torch.Generator().manual_seed(seed)
+    stages = []
+    for _ in range(num_stages):
+        mods: list[nn.Module] = []
+        for _ in range(layers_per_stage):
+            lin = nn.Linear(dim, dim, dtype=dtype)
+            with torch.no_grad():
+                lin.weight.copy_(torch.randn(dim, dim, generator=gen, dtype=dtype) / math.sqrt(dim))
+                lin.bias.copy_(torch.randn(dim, generator=gen, dtype=dtype) * 0.1)
+            mods += [lin, nn.Tanh()]
+        stages.append(nn.Sequential(*mods))
+    return stages
+
+
+class _SleepIdentity(torch.autograd.Function):
+    """Identity that sleeps ``fwd_s`` in forward and ``bwd_s`` in backward (emulated device compute)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_s: float, bwd_s: float):  # type: ignore[override]
+        if fwd_s > 0:
+            time.sleep(fwd_s)
+        ctx.bwd_s = bwd_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if ctx.bwd_s > 0:
+            time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+class SleepComputeStage(nn.Module):
+    """A stage whose F / I / W take calibrated sleeps: F sleeps in forward, I on the input-gradient
+    path, W on the weight-gradient path (so torch's split backward puts each sleep in its own action).
+    Real tensors flow (``dim``-wide activations), so the PP messages have their real size."""
+
+    def __init__(self, dim: int, f_ms: float, i_ms: float, w_ms: float, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(dim, dim, generator=gen) / math.sqrt(dim))
+        self.f_s, self.i_s, self.w_s = f_ms / 1e3, i_ms / 1e3, w_ms / 1e3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _SleepIdentity.apply(self.weight, 0.0, self.w_s)
+        h = torch.tanh(x @ w)
+        return _SleepIdentity.apply(h, self.f_s, self.i_s)
+
+
+class TinyTransformerStage(nn.Module):
+    """A slice of a small decoder-only transformer (embedding on stage 0, LM head on the last)."""
+
+    def __init__(self, vocab: int, dim: int, n_layers: int, n_heads: int, first: bool, last: bool, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, dim) if first else None
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, n_heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(dim) if last else None
+        self.head = nn.Linear(dim, vocab) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        seq = x.shape[1]
+        mask = torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
