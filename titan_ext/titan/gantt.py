@@ -1,42 +1,59 @@
-"""PNG image of a measured pipeline iteration (one row per stage, one bar per action)."""
+"""PNG image of a measured pipeline iteration, drawn by the planning layer's Gantt exporter.
+
+The measured :class:`~titan_ext.titan.monitor.IterationTimeline` is converted into the planner's
+``titan_ext.plan.simulate.Timeline`` (the same type the simulator produces), so measured and
+simulated iterations are drawn identically by ``titan_ext.plan.export.write_gantt_png``.
+"""
 
 from pathlib import Path
 
 from titan_ext.titan.monitor import IterationTimeline, timeline_stats
 
-__all__ = ["write_timeline_png"]
+__all__ = ["to_plan_timeline", "write_timeline_png"]
 
-_COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868"}
+
+def to_plan_timeline(timeline: IterationTimeline):
+    """The measured iteration as a ``titan_ext.plan.simulate.Timeline`` (times in ms from t=0)."""
+    from titan_ext.plan.simulate import ActionEvent, Timeline
+
+    P = timeline.num_ranks or timeline.num_stages
+    stats = timeline_stats(timeline)
+    events = [
+        ActionEvent(rank=r["stage"] % P, stage=r["stage"], kind=r["kind"], microbatch=r["microbatch"],
+                    start_ms=r["start_ms"], end_ms=r["end_ms"])
+        for r in timeline.to_rows()
+    ]
+    makespan = max((e.end_ms for e in events), default=0.0)
+    busy = {rank: 0.0 for rank in range(P)}
+    for e in events:
+        busy[e.rank] += e.end_ms - e.start_ms
+    inflight: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for e in sorted(events, key=lambda e: e.start_ms):
+        if e.kind == "F":
+            inflight[e.stage] = inflight.get(e.stage, 0) + 1
+        elif e.kind in ("B", "I"):
+            inflight[e.stage] = inflight.get(e.stage, 0) - 1
+        peak[e.stage] = max(peak.get(e.stage, 0), inflight.get(e.stage, 0))
+    return Timeline(
+        events=events,
+        makespan_ms=makespan,
+        bubble_rate=stats["bubble_rate"],
+        busy_ms=busy,
+        idle_ms={rank: makespan - b for rank, b in busy.items()},
+        peak_inflight=peak,
+    )
 
 
 def write_timeline_png(timeline: IterationTimeline, path: str | Path, title: str = "") -> Path:
-    """Draw ``timeline`` (measured) to ``path``; returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Draw the measured ``timeline`` to ``path`` (one row per PP rank); returns the path."""
+    from titan_ext.plan.export import write_gantt_png
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = timeline.to_rows()
     stats = timeline_stats(timeline)
-    S = timeline.num_stages
-    fig, ax = plt.subplots(figsize=(12, 0.6 * S + 1.4), dpi=100)
-    for r in rows:
-        width = max(r["end_ms"] - r["start_ms"], 1e-3)
-        ax.barh(r["stage"], width, left=r["start_ms"], height=0.8,
-                color=_COLORS.get(r["kind"], "#8172B3"), edgecolor="black", linewidth=0.3)
-        if width > 0.02 * max((x["end_ms"] for x in rows), default=1):
-            ax.text(r["start_ms"] + width / 2, r["stage"], f'{r["kind"]}{r["microbatch"]}',
-                    ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(range(S))
-    ax.set_yticklabels([f"stage {s}" for s in range(S)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms, measured)")
     head = title or f"step {timeline.step}"
-    ax.set_title(f"{head}: iteration {stats['iteration_ms']:.1f} ms, "
-                 f"bubble rate {stats['bubble_rate']:.1%}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    write_gantt_png(to_plan_timeline(timeline), path,
+                    title=f"{head} (measured): iteration {stats['iteration_ms']:.1f} ms, "
+                          f"bubble rate {stats['bubble_rate']:.1%}")
     return path
