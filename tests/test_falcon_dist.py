@@ -192,7 +192,6 @@ def test_ring_validation_pinpoints_slow_link_and_gemm_probe_slow_device():
     even, odd, gemm = res[0]["even"], res[0]["odd"], res[0]["gemm"]
     assert locate_slow_links(even) == [(2, 3)]
     assert even[(2, 3)] > 0.035
-    print(even, odd, gemm)
     assert locate_slow_links(odd) == []  # 2->0 is healthy; the slow link is not in this ring
     assert locate_slow_devices(gemm) == [1]
 

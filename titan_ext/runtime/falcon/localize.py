@@ -53,18 +53,23 @@ def ring_validation_passes(ring: Sequence[int]) -> list[list[tuple[int, int]]]:
     return [p for p in passes if p]
 
 
-def _slow(values: Mapping[Hashable, float], ratio: float, reference_s: float | None) -> list:
+def _slow(values: Mapping[Hashable, float], ratio: float, reference_s: float | None,
+          min_excess_s: float = 0.0) -> list:
     if not values:
         return []
     ref = float(np.median(list(values.values()))) if reference_s is None else float(reference_s)
-    return sorted((k for k, t in values.items() if t > ratio * ref), key=lambda k: -values[k])
+    return sorted((k for k, t in values.items() if t > ratio * ref and t - ref > min_excess_s),
+                  key=lambda k: -values[k])
 
 
 def locate_slow_links(link_times_s: Mapping[tuple[int, int], float], ratio: float = 1.5,
-                      reference_s: float | None = None) -> list[tuple[int, int]]:
+                      reference_s: float | None = None,
+                      min_excess_s: float = 0.002) -> list[tuple[int, int]]:
     """Directed links ``(src, dst)`` slower than ``ratio`` × reference (median of all measured links
-    unless ``reference_s``, e.g. a healthy calibration, is given), slowest first."""
-    return _slow(link_times_s, ratio, reference_s)
+    unless ``reference_s``, e.g. a healthy calibration, is given) *and* by more than
+    ``min_excess_s`` (sub-millisecond differences of small transfers are scheduling noise on a
+    shared host, not a slow link), slowest first."""
+    return _slow(link_times_s, ratio, reference_s, min_excess_s)
 
 
 def locate_slow_devices(gemm_times_s: Mapping[int, float], ratio: float = 1.1,

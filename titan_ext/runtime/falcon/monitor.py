@@ -40,6 +40,8 @@ class FalconConfig:
     """Profiling: group transfer time > ratio × median is suspicious (Falcon §4.3)."""
     slow_link_ratio: float = 1.5
     """Validation: a ring link slower than ratio × median of validated links is slow."""
+    slow_link_min_excess_s: float = 0.002
+    """Validation: ... and slower by more than this (noise floor of a P2P timing)."""
     slow_device_ratio: float = 1.1
     """Validation: a GEMM probe slower than ratio × median marks a slow device."""
     effect_window: int = 5
@@ -168,7 +170,8 @@ class FalconMonitor:
                           link_reference_s: float | None = None) -> dict:
         """Results of ``validate_rings`` / ``gemm_probe`` → slow links / devices → root cause."""
         c = self.config
-        self.slow_links = locate_slow_links(link_times_s or {}, c.slow_link_ratio, link_reference_s)
+        self.slow_links = locate_slow_links(link_times_s or {}, c.slow_link_ratio, link_reference_s,
+                                            c.slow_link_min_excess_s)
         self.slow_devices = locate_slow_devices(gemm_times_s or {}, c.slow_device_ratio)
         out: dict = {
             "falcon/slow_links": ";".join(f"{a}->{b}" for a, b in self.slow_links),
