@@ -81,8 +81,8 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
         lines.append(label.ljust(width0) + "  " + "  ".join(col[i].rjust(w) for col, w in zip(cols, widths)))
     if len(summaries) >= 2 and all(not math.isnan(s["iteration_ms"]) for s in summaries[:2]):
         a, b = summaries[0], summaries[1]
-        lines.append(f"{a['name']} vs {b['name']}: iteration time x{b['iteration_ms'] / a['iteration_ms']:.2f} "
-                     f"faster (medians of steps >= {a['median_steps_from']})")
+        lines.append(f"{a['name']} is {b['iteration_ms'] / a['iteration_ms']:.2f}x as fast as {b['name']} (iteration time, "
+                     f"medians of steps >= {a['median_steps_from']})")
     return "\n".join(lines)
 
 
