@@ -242,7 +242,8 @@ class GreedyResult:
     """greedy only: (rank, op, sub-block index, start, end) as scheduled by Alg.1."""
     n_sub: int = 1
     steady: str = "interleave"
-    reserve: str = "one"
+    reserve: str | int = "one"
+    lookahead: bool = False
 
 
 class _Links:
@@ -291,6 +292,7 @@ def greedy_schedule(
     steady: str = "interleave",
     reserve: str | int = "one",
     tie: str = "microbatch",
+    lookahead: bool = False,
 ) -> GreedyResult:
     """One run of CrossPipe's greedy generator (§4.2, Alg.1) with ``n_sub`` sub-blocks per W.
 
@@ -304,6 +306,9 @@ def greedy_schedule(
     ``tie`` (ranks with several stages): which of two available operations of the same kind goes
     first: ``"microbatch"`` – the lower microbatch, then the later stage; ``"critical_path"`` – for
     I, the later stage (the one with the longer remaining backward chain), then the lower microbatch.
+    ``lookahead``: before starting an F or W, look at the backward (I) already in flight to this rank;
+    if it lands before that F/W would end, wait for it (one-operation lookahead; inserts idle time,
+    which Alg.1 never does).
     Raises ValueError if the memory limit admits no schedule (deadlock).
     """
     if tie not in ("microbatch", "critical_path"):
@@ -435,9 +440,22 @@ def greedy_schedule(
                 break
         m, q = best_k[k]
         s = q // 3
-        op = (s, KIND[k], m)
         dur = dur_k[k][s]
         t1 = t + dur
+        if lookahead and k != 1:
+            # a backward already on its way that would land while this F/W runs goes first: idle
+            # until it arrives instead of delaying the backward chain (PipeMorph's B > F > W order)
+            soonest = inf
+            for q2 in rank_q[r]:
+                if q2 % 3 == 1 and heads[q2] < len(queues[q2]):
+                    a = queues[q2][heads[q2]][1]
+                    if a < soonest:
+                        soonest = a
+            if t < soonest < t1 - 1e-12:
+                version[r] += 1
+                heapq.heappush(heap, (soonest, r, version[r]))
+                continue
+        op = (s, KIND[k], m)
         free[r] = t1
         if k == 2:  # W: one sub-block (§4.2.1)
             nleft = w_left.get((s, m), n_sub)
@@ -489,7 +507,7 @@ def greedy_schedule(
     for op in sorted(end, key=lambda o: (end[o], start[o])):
         orders[s2r[op[0]]].append(op)
     makespan = max(end.values()) - start[(0, F, 0)]
-    return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady, reserve)
+    return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady, reserve, lookahead)
 
 
 def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> GreedyResult:
@@ -608,6 +626,7 @@ class CrossPipePlan:
     n_sub: int
     steady: str
     reserve: str | int
+    lookahead: bool
     makespan_ms: float
     """makespan of the whole-action plan under the generator's model (replayed)."""
     greedy_makespan_ms: float
@@ -615,8 +634,8 @@ class CrossPipePlan:
     memory_limit: tuple[float, ...] | None
     peak_memory: list[float]
     plan_ms: float
-    candidates: list[tuple[int, str, str | int, float]] = field(default_factory=list)
-    """(n_sub, steady, reserve, replayed makespan) of every portfolio member tried."""
+    candidates: list[tuple[int, str, str | int, bool, float]] = field(default_factory=list)
+    """(n_sub, steady, reserve, lookahead, replayed makespan) of every portfolio member tried."""
 
 
 
@@ -627,6 +646,7 @@ def plan_crosspipe_problem(
     n_sub: int | Iterable[int] | None = None,
     steady: str | Iterable[str] | None = None,
     reserve: str | int | Iterable[str | int] | None = None,
+    lookahead: bool | Iterable[bool] | None = None,
     convert: bool = True,
 ) -> CrossPipePlan:
     """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
@@ -656,30 +676,32 @@ def plan_crosspipe_problem(
             return (v,)
         return tuple(v)
 
-    subs = as_tuple(n_sub, {"ud": (1,), "udsub": (1, 2, 4), "wave": (1, 2)}[variant])
+    subs = as_tuple(n_sub, {"ud": (1,), "udsub": (1, 2, 4), "wave": (1,)}[variant])
     if variant == "ud" and subs != (1,):
         raise ValueError("CrossUD is the n_sub = 1 variant; use 'udsub' for sub-blocks")
     steadies = as_tuple(steady, ("interleave", "backward_first"))
     reserves = as_tuple(reserve, (1, 2, 4, "pending") if variant == "wave" else (1,))
+    lookaheads = (lookahead,) if isinstance(lookahead, bool) else as_tuple(lookahead, (False, True))
     best = None
     error: ValueError | None = None
     tried = []
     for ns in subs:
         for rs in reserves:
             for st in steadies:
-                try:
-                    g = greedy_schedule(problem, ns, st, rs)
-                except ValueError as e:  # this member's memory rule admits no schedule
-                    tried.append((ns, st, rs, math.inf))
-                    error = e
-                    continue
-                rep = g if ns == 1 else replay(problem, g.orders)
-                tried.append((ns, st, rs, rep.makespan_ms))
-                if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
-                    best = (g, ns, rep, st, rs)
+                for la in lookaheads:
+                    try:
+                        g = greedy_schedule(problem, ns, st, rs, lookahead=la)
+                    except ValueError as e:  # this member's memory rule admits no schedule
+                        tried.append((ns, st, rs, la, math.inf))
+                        error = e
+                        continue
+                    rep = g if ns == 1 else replay(problem, g.orders)
+                    tried.append((ns, st, rs, la, rep.makespan_ms))
+                    if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
+                        best = (g, ns, rep, st, rs, la)
     if best is None:
         raise error
-    g, ns, rep, st, rs = best
+    g, ns, rep, st, rs, la = best
     actions = to_actions(g.orders) if convert else {}
     return CrossPipePlan(
         actions=actions,
@@ -689,6 +711,7 @@ def plan_crosspipe_problem(
         n_sub=ns,
         steady=st,
         reserve=rs,
+        lookahead=la,
         makespan_ms=rep.makespan_ms,
         greedy_makespan_ms=g.makespan_ms,
         memory_limit=problem.memory_limit,
@@ -751,6 +774,7 @@ def plan_crosspipe(
     n_sub: int | Iterable[int] | None = None,
     steady: str | Iterable[str] | None = None,
     reserve: str | int | Iterable[str | int] | None = None,
+    lookahead: bool | Iterable[bool] | None = None,
     validate: bool = True,
 ) -> CrossPipePlan:
     """CrossPipe greedy plan (§4.2) for a :class:`~titan_ext.plan.PipelineProfile`.
@@ -762,7 +786,7 @@ def plan_crosspipe(
     """
     t0 = time.perf_counter()
     problem = problem_from_profile(profile, variant, memory_limit)
-    plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady, reserve=reserve)
+    plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady, reserve=reserve, lookahead=lookahead)
     if validate:
         from .validate import validate_plan
 

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .ir import Op, to_torch_plan, torch_schedules
+from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
 from .timing import LinkQueues, to_ms, to_ns
 from .warmup import (
@@ -35,15 +35,10 @@ from .warmup import (
 
 @dataclass
 class GeneratedSchedule:
-    """Per-stage operation order plus the timeline the generator predicted for it (ns)."""
+    """Per-stage operation order and the makespan the generator's own timeline predicts for it."""
 
     order: dict[int, list[Op]]
-    start_ns: dict[Op, int]
-    end_ns: dict[Op, int]
-
-    @property
-    def makespan_ms(self) -> float:
-        return to_ms(max(self.end_ns.values()))
+    makespan_ms: float
 
 
 def generate_order(
@@ -87,8 +82,7 @@ def generate_order(
     b_count = [0] * S
     remaining = 3 * N * S
     order: dict[int, list[Op]] = {i: [] for i in range(S)}
-    start: dict[Op, int] = {}
-    end: dict[Op, int] = {}
+    makespan = 0
 
     wake: list[tuple[int, int]] = [(0, i) for i in range(S)]
     while remaining:
@@ -132,14 +126,12 @@ def generate_order(
         else:
             _, m = w_q[i].popleft()
             done = t + tw[i]
-        op = (i, kind, m)
-        order[i].append(op)
-        start[op] = t
-        end[op] = done
+        order[i].append((i, kind, m))
+        makespan = max(makespan, done)
         free_at[i] = done
         remaining -= 1
         heapq.heappush(wake, (done, i))
-    return GeneratedSchedule(order, start, end)
+    return GeneratedSchedule(order, to_ms(makespan))
 
 
 @dataclass
@@ -206,10 +198,11 @@ def plan_pipemorph(
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     limit = list(x) if cap_inflight else [memory_limit or profile.num_microbatches] * S
     limit = [max(v, xi) for v, xi in zip(limit, x)]
-    generated = generate_order(gen_profile, x, limit)
-    actions = to_torch_plan(generated.order)
-    if validate:
-        validate_plan(actions, S, profile.num_microbatches, inflight_limit=limit)
+    with gc_paused():
+        generated = generate_order(gen_profile, x, limit)
+        if validate:
+            validate_plan(generated.order, S, profile.num_microbatches, inflight_limit=limit)
+        actions = to_torch_plan(generated.order)
     plan_ms = (time.perf_counter() - t0) * 1e3
     return Plan(
         actions=actions,

@@ -19,9 +19,8 @@ import io
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
-from .ir import as_ops, stage_to_rank_map, to_torch_plan, torch_schedules
-from .profile import PipelineProfile
-from .simulate import DeadlockError, peak_inflight, simulate
+from .ir import as_ops, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
+from .simulate import peak_inflight
 
 
 class PlanValidationError(ValueError):
@@ -80,17 +79,46 @@ def validate_plan(
                     f"stage {s} holds {peak} in-flight activations, above its limit of {cap}"
                 )
 
-    unit = PipelineProfile(num_stages, max(num_microbatches, num_stages), 1.0, 1.0, 1.0)
-    if num_microbatches < num_stages:  # profile requires N >= S; the dry run does not care
-        unit = None
-    try:
-        if unit is not None:
-            simulate(ops, unit)
-    except DeadlockError as e:
-        raise PlanValidationError(str(e)) from e
+    stuck = _first_deadlock(ops, num_stages)
+    if stuck:
+        raise PlanValidationError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
 
     if torch_dry_run:
-        _torch_dry_run(ops, placement, num_stages, num_microbatches)
+        with gc_paused():
+            _torch_dry_run(ops, placement, num_stages, num_microbatches)
+
+
+def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
+    """Run every rank's list in order with dependencies only (no times); None if all complete, else
+    each blocked rank's next action. F(s,m) needs F(s−1,m); I/B(s,m) needs F(s,m) and I/B(s+1,m);
+    W(s,m) needs I(s,m)."""
+    last = num_stages - 1
+    done: set[tuple[int, str, int]] = set()
+    pos = {r: 0 for r in ops}
+    remaining = sum(len(v) for v in ops.values())
+    while remaining:
+        progressed = False
+        for r, rank_ops in ops.items():
+            p = pos[r]
+            while p < len(rank_ops):
+                s, k, m = rank_ops[p]
+                if k == "F":
+                    ok = s == 0 or (s - 1, "F", m) in done
+                elif k == "W":
+                    ok = (s, "I", m) in done
+                else:
+                    ok = (s, "F", m) in done and (s == last or (s + 1, "I", m) in done)
+                if not ok:
+                    break
+                done.add((s, "I" if k == "B" else k, m))
+                p += 1
+            if p != pos[r]:
+                remaining -= p - pos[r]
+                pos[r] = p
+                progressed = True
+        if not progressed:
+            return {r: ops[r][pos[r]] for r in ops if pos[r] < len(ops[r])}
+    return None
 
 
 def _torch_dry_run(ops, placement: dict[int, int], num_stages: int, num_microbatches: int) -> None:
