@@ -93,7 +93,7 @@ class _Job:
             dist.all_reduce(p.grad, group=self.mesh.dp_group)
             p.grad /= len(self.grid)
         self.opt.step()
-        return float(torch.stack(losses).mean()) if losses else None
+        return float(torch.stack(losses).detach().mean()) if losses else None
 
 
 # --------------------------------------------------------------------------- ACF period on real calls

@@ -83,6 +83,8 @@ class CallRecorder:
 
     def __init__(self, capacity: int = 65536, clock=time.perf_counter):
         self.records: deque[CallRecord] = deque(maxlen=capacity)
+        self.total_recorded = 0
+        """Calls recorded since creation (record i is at ``records[i - (total_recorded - len(records))]``)."""
         self._clock = clock
         self._originals: dict[tuple[object, str], object] = {}
         self._local = threading.local()
@@ -102,6 +104,7 @@ class CallRecorder:
             finally:
                 t1 = recorder._clock()
                 recorder._local.depth = 0
+                recorder.total_recorded += 1
                 recorder.records.append(
                     CallRecord(name, _group_name(args, kwargs), _nbytes(args, kwargs), t0, t1)
                 )
@@ -136,6 +139,7 @@ class CallRecorder:
 
     def clear(self) -> None:
         self.records.clear()
+        self.total_recorded = 0
 
     def signatures(self) -> list[tuple]:
         return [r.signature for r in self.records]

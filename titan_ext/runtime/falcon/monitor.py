@@ -54,6 +54,8 @@ class FalconConfig:
     """Global micro-batches M for the redistribution plan (Falcon Eq. 1)."""
     period_threshold: float = 0.95
     """ACF threshold M for call-record periods (Falcon §4.2)."""
+    period_window: int = 2048
+    """Calls over which the period is (re-)estimated (max lag = half of it)."""
 
 
 class FalconMonitor:
@@ -87,22 +89,39 @@ class FalconMonitor:
 
     # ---------------------------------------------------------------- tracking
     def iteration_times_from_recorder(self) -> list[float]:
-        """New iteration times from the call record (ACF period, Falcon §4.2)."""
-        recs = list(self.recorder.records)
-        if self._period is None:
-            sigs = [r.signature for r in recs]
-            self._period = estimate_period(sigs, self.config.period_threshold)
-            if self._period is None:
-                return []
-            self._calls_consumed = len(recs) - (len(recs) % self._period) - self._period
+        """New iteration times from the call record (ACF period, Falcon §4.2).
+
+        The period is estimated (first lag with ACF >= 0.95) over the unconsumed records once enough
+        calls exist; each further period gives one iteration time (time between a call and its
+        occurrence one period earlier). If the call at the next anchor no longer matches its
+        signature one period earlier (the call pattern changed, e.g. a new schedule), the period is
+        re-estimated from there.
+        """
+        recs = self.recorder.records
+        total = getattr(self.recorder, "total_recorded", len(recs))
+        offset = total - len(recs)  # absolute index of recs[0]
+        if self._calls_consumed < offset:
+            self._calls_consumed = offset
+            self._period = None
         out = []
-        p = self._period
-        while self._calls_consumed + 2 * p <= len(recs):
-            a = recs[self._calls_consumed].t_start
-            b = recs[self._calls_consumed + p].t_start
-            out.append(b - a)
-            self._calls_consumed += p
-        return out
+        while True:
+            if self._period is None:
+                hi = min(total, self._calls_consumed + self.config.period_window)
+                window = [recs[i - offset].signature for i in range(self._calls_consumed, hi)]
+                self._period = estimate_period(window, self.config.period_threshold)
+                if self._period is None:
+                    return out
+            p = self._period
+            while self._calls_consumed + 2 * p <= total:
+                i = self._calls_consumed - offset
+                if recs[i + p].signature != recs[i].signature:
+                    self._calls_consumed += 1  # pattern changed here: resynchronise, re-estimate
+                    self._period = None
+                    break
+                out.append(recs[i + p].t_start - recs[i].t_start)
+                self._calls_consumed += p
+            if self._period is not None:
+                return out
 
     def observe(self, iteration_time_s: float | None = None, per_group_times: dict | None = None) -> dict:
         """Feed one iteration; returns its ``falcon/*`` metrics and decisions."""
