@@ -304,7 +304,7 @@ class DelegatePool:
             lane.keep[i] = src
         else:
             if nbytes:
-                ring.typed_view(i, tensor.dtype, tensor.shape).copy_(tensor)
+                ring.copy_in(i, tensor, nbytes)
             ring.set_state(i, R.READY)
         lane.cursor = (i + 1) % ring.num_slots
         return _Done()
@@ -404,7 +404,7 @@ class DelegatePool:
                 self._h2d(lane, i, t, h.stream)
             else:
                 if nbytes:
-                    t.copy_(ring.typed_view(i, dtype, shape))
+                    ring.copy_out(i, t, nbytes)
                 ring.set_state(i, R.FREE)
             h.done = True
             self._mark_consumed(key, seq)

@@ -21,6 +21,7 @@ inherited file descriptor), so nothing of ours is left in /dev/shm after any cra
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ class SlotRing:
         base_views = [region.tensor(g.slot_offset(i) + SLOT_HEADER, HEADER_BYTES) for i in range(g.num_slots)]
         self.header_bytes = base_views                                   # uint8 views (sent over Gloo)
         self.headers = [v.view(torch.int64) for v in base_views]          # int64 views of the same bytes
+        self._headers_np = [h.numpy() for h in self.headers]
         self._payload = [region.tensor(g.slot_offset(i) + SLOT_PAYLOAD, g.slot_bytes) for i in range(g.num_slots)]
 
     @classmethod
@@ -152,13 +154,30 @@ class SlotRing:
         if tensor.dtype not in DTYPE_CODE:
             raise TypeError(f"dtype {tensor.dtype} not supported by the delegate path")
         h = [seq, nbytes, DTYPE_CODE[tensor.dtype], tensor.dim(), *tensor.shape]
-        self.headers[i][: len(h)] = torch.tensor(h, dtype=torch.int64)
+        self._headers_np[i][: len(h)] = h
         return nbytes
 
     def read_header(self, i: int) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
-        h = self.headers[i][: H_SHAPE + MAX_DIMS].tolist()
+        h = self._headers_np[i][: H_SHAPE + MAX_DIMS].tolist()
         ndim = h[H_NDIM]
         return h[H_SEQ], h[H_NBYTES], DTYPES[h[H_DTYPE]], tuple(h[H_SHAPE:H_SHAPE + ndim])
+
+    def copy_in(self, i: int, tensor: torch.Tensor, nbytes: int) -> None:
+        """Copy a CPU tensor into slot ``i`` (single-threaded memcpy when contiguous: the intra-op pool
+        of a busy host costs far more than the copy itself)."""
+        if tensor.is_contiguous():
+            ctypes.memmove(self.region.address + self.geometry.slot_offset(i) + SLOT_PAYLOAD,
+                           tensor.data_ptr(), nbytes)
+        else:
+            self.typed_view(i, tensor.dtype, tensor.shape).copy_(tensor)
+
+    def copy_out(self, i: int, tensor: torch.Tensor, nbytes: int) -> None:
+        """Copy slot ``i`` into a CPU tensor of the message's dtype and shape."""
+        if tensor.is_contiguous():
+            ctypes.memmove(tensor.data_ptr(), self.region.address + self.geometry.slot_offset(i) + SLOT_PAYLOAD,
+                           nbytes)
+        else:
+            tensor.copy_(self.typed_view(i, tensor.dtype, tensor.shape))
 
     def typed_view(self, i: int, dtype: torch.dtype, shape) -> torch.Tensor:
         n = 1

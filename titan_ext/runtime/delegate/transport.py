@@ -25,7 +25,9 @@ blocks the compute after it).  On the delegate path the same delay is applied in
 
 from __future__ import annotations
 
+import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
@@ -105,6 +107,19 @@ class _FailoverRecv:
         self.tensor, self.peer, self.direction, self.seq = tensor, peer, direction, seq
         self.done = False
         self.path = "direct"
+        self._direct_done = threading.Event()
+        self._direct_error: BaseException | None = None
+        if work is not None:
+            # Gloo's receive work only completes inside wait(): wait in a helper thread so this
+            # handle can watch the delegate path at the same time.
+            threading.Thread(target=self._wait_direct, daemon=True, name="titan_ext-failover-recv").start()
+
+    def _wait_direct(self) -> None:
+        try:
+            self.work.wait(timedelta(seconds=self.router.recv_timeout_s))
+        except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
+            self._direct_error = exc
+        self._direct_done.set()
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002
         if self.done:
@@ -114,15 +129,13 @@ class _FailoverRecv:
         reason = None
         sleep = 20e-6
         while True:
-            if self.work is not None and self.work.is_completed():
-                try:
-                    self.work.wait()
+            if self._direct_done.is_set():
+                if self._direct_error is None:
                     pool.cancel(self.peer, self.direction, self.seq)  # a delegate copy would be a duplicate
                     self.done = True
                     return True
-                except Exception as exc:  # noqa: BLE001
-                    reason = f"recv {self.seq}: {exc}"
-                    break
+                reason = f"recv {self.seq}: {self._direct_error}"
+                break
             if r._arrived(self.peer, self.direction, self.seq):
                 reason = f"recv {self.seq}: the sender re-sent it on the delegate path"
                 break

@@ -59,7 +59,9 @@ def main(argv=None) -> int:
                               timeout=timedelta(seconds=args.timeout_s))
         prefixed = dist.PrefixStore(args.prefix, store)
         rank = 0 if args.role == "send" else 1
-        pg = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=args.timeout_s))
+        # An idle lane may wait for its next message indefinitely: no Gloo timeout on the data path.
+        # A dead peer shows up at once as a closed connection; the training side owns the timeouts.
+        pg = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(days=7))
         region.store(R.CTRL_DELEGATE_STATE, 1)
         sleep_us = 50 if args.gpu_flags else 2000
         if args.role == "send":
