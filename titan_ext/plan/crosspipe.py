@@ -695,7 +695,7 @@ def plan_crosspipe_problem(
                         tried.append((ns, st, rs, la, math.inf))
                         error = e
                         continue
-                    rep = g if ns == 1 else replay(problem, g.orders)
+                    rep = g if ns == 1 and not la else replay(problem, g.orders)
                     tried.append((ns, st, rs, la, rep.makespan_ms))
                     if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
                         best = (g, ns, rep, st, rs, la)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Mapping, Sequence
 
-from .crosspipe import F, I, W, CrossPipeProblem, Op, greedy_schedule, problem_from_profile, replay, to_actions
+from .crosspipe import F, I, W, CrossPipeProblem, Op, plan_crosspipe_problem, problem_from_profile, replay, to_actions
 
 __all__ = ["OptimalResult", "solve_optimal", "solve_optimal_problem", "time_unit_for"]
 
@@ -122,18 +122,14 @@ def solve_optimal_problem(
     hint_orders = None
     hint_ms = None
     if hint:
-        best = None
-        for n_sub in (1, 2):
-            for steady in ("interleave", "backward_first"):
-                try:
-                    g = greedy_schedule(problem, n_sub, steady)
-                except ValueError:
-                    continue
-                rep = g if n_sub == 1 else replay(problem, g.orders)
-                if best is None or rep.makespan_ms < best.makespan_ms:
-                    best = rep
-        if best is not None:
-            hint_orders, hint_ms = best, best.makespan_ms
+        wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(R))
+        try:
+            greedy = plan_crosspipe_problem(problem, "wave" if wave_shape else "udsub", convert=False)
+        except ValueError:
+            greedy = None
+        if greedy is not None:
+            hint_orders = replay(problem, greedy.orders)
+            hint_ms = hint_orders.makespan_ms
     total = sum(dur[k][s] for s in range(S) for k in (F, I, W)) * N
     comm = sum(lat) + sum(tx)
     horizon = total + 2 * N * (comm + 1) + 1
