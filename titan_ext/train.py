@@ -155,6 +155,10 @@ def main(args: list[str] | None = None) -> None:
     else:
         trainer.close()
         if torch.distributed.is_initialized():
+            # leave together: a rank that exits while others still tear down their process group
+            # has been seen to abort in a C++ destructor ("terminate called without an active
+            # exception") on a loaded machine
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")
 
