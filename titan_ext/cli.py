@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .plan import LinkProfile, PipelineProfile, simulate
+from .plan.crosspipe import CROSSPIPE_SCHEDULES
 from .plan.pipemorph import SCHEDULES, plan_pipemorph
 from .plan.warmup import slackness
 
@@ -132,6 +133,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise UsageError("--memory-limit must be >= 1 activation")
     if args.slack_floor < 1:
         raise UsageError("--slack-floor must be >= 1")
+    if args.schedule in CROSSPIPE_SCHEDULES:
+        return _cmd_plan_crosspipe(profile, args)
     plan = plan_pipemorph(
         profile, schedule=args.schedule, slack_floor=args.slack_floor, memory_limit=args.memory_limit
     )
@@ -153,10 +156,44 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
 
 
+def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
+    """CrossPipe greedy / CP-SAT plan (issue 6) → (actions, profile to simulate with, info)."""
+    from .plan.crosspipe import plan_by_name
+
+    if args.time_limit <= 0:
+        raise UsageError("--time-limit must be > 0")
+    if getattr(args, "memory_limit", None) is not None and args.memory_limit < 1:
+        raise UsageError("--memory-limit must be >= 1 activation")
+    try:
+        actions, sim_profile, _, info = plan_by_name(
+            profile, args.schedule, memory_limit=getattr(args, "memory_limit", None), time_limit_s=args.time_limit
+        )
+    except (ImportError, ValueError) as e:
+        raise UsageError(f"{args.schedule}: {e}") from None
+    return actions, sim_profile, info
+
+
+def _cmd_plan_crosspipe(profile: PipelineProfile, args: argparse.Namespace) -> None:
+    actions, sim_profile, info = _crosspipe_actions(profile, args)
+    timeline = simulate(actions, sim_profile)  # always under the given delays
+    if args.out_csv:
+        from .plan.export import write_torch_csv
+
+        write_torch_csv(actions, args.out_csv)
+    _write_views(timeline, args)
+    from .plan.ir import as_ops
+
+    x = _warmup_of(as_ops(actions))
+    _report(timeline, {"schedule": args.schedule, "warmup_counts": x, "slackness": slackness(x), **info}, args)
+
+
 def cmd_simulate(args: argparse.Namespace) -> None:
     profile = _profile_from_args(args)
     t0 = time.perf_counter()
-    if args.csv is not None:
+    if args.schedule is not None:
+        actions, profile, _ = _crosspipe_actions(profile, args)
+        source = args.schedule
+    elif args.csv is not None:
         from .plan.export import read_torch_csv
 
         try:
@@ -222,9 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a schedule (PipeMorph Alg.1/2 + Alg.3/4) and simulate it",
                        description="Plan a schedule and print its simulated makespan under the given delays.")
     _add_common(p)
-    p.add_argument("--schedule", choices=SCHEDULES, default="pipemorph",
+    p.add_argument("--schedule", choices=SCHEDULES + CROSSPIPE_SCHEDULES, default="pipemorph",
                    help="pipemorph: Alg.1 without delays, Alg.2 with them; zb: the ZeroBubble plan of "
-                        "PipeMorph Fig.4 (x_i = 2(S-i)-1) planned as if no link were slow; zb-h1: x_i = S-i")
+                        "PipeMorph Fig.4 (x_i = 2(S-i)-1) planned as if no link were slow; zb-h1: x_i = S-i; "
+                        "crosspipe-ud|udsub|wave: CrossPipe greedy (docs/crosspipe.md; wave cuts every stage "
+                        "into two half chunks, V-shape); optimal: CP-SAT optimum (needs titan-ext[solver])")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="solver time limit (optimal)")
     p.add_argument("--memory-limit", type=int, default=None, metavar="K",
                    help="max in-flight activations per stage (Alg.1's x_max; caps Alg.2)")
     p.add_argument("--slack-floor", type=int, default=2, metavar="D",
@@ -240,8 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--csv", type=Path, help="compute-only torch schedule CSV (one row per rank)")
     src.add_argument("--builtin", help="torch schedule: 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, "
                                        "ZBVZeroBubble, DualPipeV")
+    src.add_argument("--schedule", choices=CROSSPIPE_SCHEDULES,
+                     help="plan a CrossPipe schedule (or the CP-SAT optimum) for these delays, then simulate it")
     _add_common(s)
     s.add_argument("--hol", action="store_true", help="head-of-line blocking: sends block the compute behind them")
+    s.add_argument("--memory-limit", type=int, default=None, metavar="K",
+                   help="with --schedule: max in-flight activations per stage")
+    s.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="with --schedule optimal: solver time limit")
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     s.add_argument("--gantt", type=Path, help="write a Gantt PNG")
     s.set_defaults(func=cmd_simulate)

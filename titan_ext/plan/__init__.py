@@ -17,6 +17,7 @@ from .pipemorph import Plan, generate_order, plan_pipemorph
 from .simulate import ActionEvent, DeadlockError, Timeline, simulate
 from .validate import PlanValidationError, validate_plan
 from .ir import as_ops, to_torch_plan
+from .crosspipe import CrossPipePlan, CrossPipeProblem, plan_crosspipe  # CrossPipe §4.2 (optimum: .optimal)
 
 __all__ = [
     "ActionEvent", "DeadlockError", "LinkProfile", "PipelineProfile", "Plan", "PlanValidationError",

@@ -63,6 +63,9 @@ __all__ = [
     "to_actions",
     "wave_stage_to_rank",
     "CROSSPIPE_VARIANTS",
+    "CROSSPIPE_SCHEDULES",
+    "plan_by_name",
+    "wave_profile",
 ]
 
 CROSSPIPE_VARIANTS = ("ud", "udsub", "wave")
@@ -796,3 +799,60 @@ def plan_crosspipe(
         validate_plan(plan.actions, problem.num_stages, problem.num_microbatches, inflight_limit=per_stage)
     plan.plan_ms = (time.perf_counter() - t0) * 1e3
     return plan
+
+
+# ----------------------------------------------------------------------------- CLI / by-name entry
+CROSSPIPE_SCHEDULES = ("crosspipe-ud", "crosspipe-udsub", "crosspipe-wave", "optimal")
+
+
+def wave_profile(profile):
+    """The V-shape (CrossWave / ZBV) version of a one-stage-per-rank profile: each rank's stage is cut
+    into two chunks of half its F/B/W time (and activation size), chunk s and 2R−1−s on rank s; the
+    link between rank i and i+1 (``profile.links[i]``) carries both stage boundaries that cross it."""
+    from .profile import LinkProfile, PipelineProfile
+
+    R = profile.num_stages
+    s2r = wave_stage_to_rank(R)
+    half = lambda values: tuple(values[s2r[s]] / 2 for s in range(2 * R))  # noqa: E731
+    links = tuple(
+        profile.links[min(s2r[b], s2r[b + 1])] if s2r[b] != s2r[b + 1] else LinkProfile() for b in range(2 * R - 1)
+    )
+    memory = {}
+    if profile.activation_bytes is not None:
+        memory = {"activation_bytes": half(profile.activation_bytes),
+                  "memory_budget_bytes": tuple(profile.memory_budget_bytes[s2r[s]] / 2 for s in range(2 * R))}
+    return PipelineProfile(2 * R, profile.num_microbatches, half(profile.f_ms), half(profile.b_ms),
+                           half(profile.w_ms), links, **memory)
+
+
+def plan_by_name(profile, name: str, memory_limit: int | None = None, time_limit_s: float = 60.0) -> tuple:
+    """Plan ``name`` (one of ``CROSSPIPE_SCHEDULES``) for a one-stage-per-rank ``profile``.
+
+    Returns ``(actions, sim_profile, stage_to_rank, info)``: the validated torch-IR plan, the profile to
+    simulate it with (the V-shape profile of :func:`wave_profile` for crosspipe-wave), its stage→rank
+    map and a JSON-able dict.  ``memory_limit`` K: in-flight activations per stage, in units of one
+    stage's activation (for crosspipe-wave: K per rank, i.e. 2K half-size chunk activations).
+    """
+    if name not in CROSSPIPE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {CROSSPIPE_SCHEDULES}, got {name!r}")
+    if name == "optimal":
+        from .optimal import solve_optimal
+
+        res = solve_optimal(profile, memory_limit=memory_limit, time_limit_s=time_limit_s)
+        if res.actions is None:
+            raise ValueError(f"the solver found no schedule within {time_limit_s} s (status {res.status})")
+        info = {"solver_status": res.status, "proven_optimal": res.proven, "solver_makespan_ms": res.makespan_ms,
+                "bound_ms": res.bound_ms, "plan_ms": round(res.solve_s * 1e3, 3), "time_unit_ms": res.time_unit_ms}
+        return res.actions, profile, tuple(range(profile.num_stages)), info
+    variant = name.split("-", 1)[1]
+    sim_profile = profile
+    limit = memory_limit
+    if variant == "wave":
+        sim_profile = wave_profile(profile)
+        if memory_limit is not None:
+            limit = 2 * memory_limit
+    plan = plan_crosspipe(sim_profile, variant, memory_limit=limit)
+    info = {"n_sub": plan.n_sub, "steady": plan.steady, "reserve": plan.reserve, "lookahead": plan.lookahead,
+            "predicted_makespan_ms": plan.makespan_ms, "plan_ms": round(plan.plan_ms, 3),
+            "peak_memory_per_rank": plan.peak_memory}
+    return plan.actions, sim_profile, plan.stage_to_rank, info
