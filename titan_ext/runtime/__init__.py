@@ -13,6 +13,7 @@ from .delay_injection import (
 )
 from .pipemorph import PipeMorph, plan_hash, warmup_counts_of
 from .policy import Decision, ReplanPolicy
+from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (issue 7, docs/falcon.md)
 
 install_from_env()
 

@@ -78,6 +78,11 @@ class BOCDConfig:
     still places the current run's start there (ramps reach 10 % only after a few iterations)."""
 
 
+def _logsumexp(x: np.ndarray) -> float:
+    m = float(x.max())
+    return m + math.log(float(np.exp(x - m).sum()))
+
+
 class OnlineBOCD:
     """Adams & MacKay (2007) run-length posterior with a Normal-Gamma UPM (Falcon Appendix §9.1).
 
@@ -128,14 +133,26 @@ class OnlineBOCD:
         lp = np.logaddexp(a, b)
         return lp, np.exp(a - lp)
 
+    def _prior_logpdf(self, y: float) -> float:
+        """Prior predictive (new run, n = 0) — scalar version of :meth:`_predictive_logpdf`."""
+        c = self.config
+        dof = 2.0 * c.alpha0
+        scale2 = c.prior_scale ** 2 * (c.kappa0 + 1.0) / c.kappa0
+        d2 = (y - self._mu0) ** 2
+        lp_t = (math.lgamma((dof + 1.0) / 2.0) - math.lgamma(dof / 2.0)
+                - 0.5 * math.log(math.pi * dof * scale2) - (dof + 1.0) / 2.0 * math.log1p(d2 / (dof * scale2)))
+        if c.outlier_prob <= 0.0:
+            return lp_t
+        lp_out = self._log_out_norm - 0.5 * d2 / c.outlier_scale ** 2
+        return float(np.logaddexp(lp_t + self._log_1m_eps, lp_out + self._log_eps))
+
     def update(self, y: float) -> np.ndarray:
         c = self.config
         if self._mu0 is None:
             self._mu0 = float(y)
         if self.t == 0:
-            # First observation: a run of length 0 that began now.
-            prior_lp, _ = self._predictive_logpdf(y, np.zeros(1), np.zeros(1), np.zeros(1))
-            self._log_joint = prior_lp
+            # First observation: a run of length 0 that began now (posterior 1).
+            self._log_joint = np.zeros(1)
             self._n = np.ones(1)
             self._mean = np.array([float(y)])
             self._m2 = np.zeros(1)
@@ -143,9 +160,10 @@ class OnlineBOCD:
             return np.ones(1)
         # Predictive of y under every existing run (growth) and under a fresh run (change-point).
         pred_lp, resp = self._predictive_logpdf(y, self._n, self._mean, self._m2)
-        new_run_lp = float(self._predictive_logpdf(y, np.zeros(1), np.zeros(1), np.zeros(1))[0][0])
+        new_run_lp = self._prior_logpdf(y)
         growth = self._log_joint + pred_lp + self.log_1m_hazard
-        cp_mass = np.logaddexp.reduce(self._log_joint + self.log_hazard) + new_run_lp
+        # self._log_joint is normalised, so sum_r P(r_{t-1}) * H = H (constant hazard).
+        cp_mass = self.log_hazard + new_run_lp
         log_joint = np.concatenate(([cp_mass], growth))
         # Weighted (responsibility) update of the sufficient statistics: an observation the outlier
         # component explains barely moves the run's mean and variance.
@@ -158,11 +176,11 @@ class OnlineBOCD:
         m2 = np.concatenate(([0.0], m2_g))
         if log_joint.size > c.max_run_length:
             # Fold the tail into the last kept run length (keeps the longest-run statistics).
-            tail = np.logaddexp.reduce(log_joint[c.max_run_length - 1 :])
+            tail = _logsumexp(log_joint[c.max_run_length - 1 :])
             log_joint = log_joint[: c.max_run_length].copy()
             log_joint[-1] = tail
             n, mean, m2 = n[: c.max_run_length], mean[: c.max_run_length], m2[: c.max_run_length]
-        log_joint -= np.logaddexp.reduce(log_joint)  # normalise (Falcon Eq. 4); avoids underflow
+        log_joint -= _logsumexp(log_joint)  # normalise (Falcon Eq. 4); avoids underflow
         self._log_joint, self._n, self._mean, self._m2 = log_joint, n, mean, m2
         self.t += 1
         return np.exp(log_joint)
