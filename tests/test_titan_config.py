@@ -216,3 +216,18 @@ def test_tokenizer_fits_debug_model_and_round_trips():
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
     assert tok.decode(ids[1:-1]) == text
     assert len(ids) < len(text) / 2  # BPE actually compresses
+
+
+def test_stock_torchtitan_train_rejects_bad_value_before_process_group(tmp_path):
+    """Stock `python -m torchtitan.train`: the [titan_ext] error comes from config parsing."""
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text((ROOT / "train_configs" / "debug_cpu.toml").read_text()
+                   .replace("replan_interval = 1", "replan_interval = -3"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env["LOCAL_RANK"] = "0"
+    p = subprocess.run([PY, "-m", "torchtitan.train", "--job.config_file", str(cfg)],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert p.returncode != 0
+    assert "[titan_ext] replan_interval = -3: must be >= 1" in p.stderr
+    assert "init_process_group" not in p.stderr
