@@ -12,6 +12,7 @@ from .delay_injection import (
     remove_link_delays,
 )
 from .pipemorph import PipeMorph, plan_hash, warmup_counts_of
+from .crosspipe import CrossPipe  # CrossPipe greedy re-planning on PipeMorph's runtime (issue 6)
 from .policy import Decision, ReplanPolicy
 from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (issue 7, docs/falcon.md)
 
