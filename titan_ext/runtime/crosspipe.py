@@ -12,6 +12,7 @@ CrossPipe never trades memory for speed behind the user's back (§4.2 inputs: M_
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Sequence
 
@@ -82,3 +83,15 @@ class CrossPipe(PipeMorph):
             limit = self.adaptive_memory_limit
         plan = plan_crosspipe(planning, self.variant, memory_limit=limit)
         return {"actions": plan.actions, "warmup_counts": None}
+
+
+def _merged_signature() -> inspect.Signature:
+    """PipeMorph's constructor signature plus CrossPipe's keywords, so that callers that pass options by
+    introspection (titan_ext.titan's [titan_ext] → constructor keywords) see every knob."""
+    base = inspect.signature(PipeMorph.__init__)
+    own = [p for name, p in inspect.signature(CrossPipe.__init__).parameters.items()
+           if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return base.replace(parameters=list(base.parameters.values()) + own)
+
+
+CrossPipe.__init__.__signature__ = _merged_signature()  # type: ignore[attr-defined]
