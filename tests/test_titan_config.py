@@ -188,6 +188,10 @@ def test_shipped_configs_parse_with_torchtitan_config_manager(path):
         flat = [m for part in parts for m in part]
         n_layers = 80 if "70b" in path.name else 32
         assert flat == ["tok_embeddings", *[f"layers.{i}" for i in range(n_layers)], "norm", "output"]
+    from titan_ext.train import check_job_config
+
+    par = cfg.parallelism
+    check_job_config(cfg, world_size=par.pipeline_parallel_degree * par.tensor_parallel_degree * 2)
 
 
 def test_expected_configs_exist():

@@ -112,16 +112,22 @@ def test_wandb_offline_run_holds_pipeline_metrics_and_timeline_images(pipemorph_
 
 
 def test_same_seed_step1_loss_equal_under_1f1b(pipemorph_run, tmp_path):
+    """Also: a torch built-in schedule faces the straggler given by TITAN_EXT_INJECT_DELAYS."""
     log = tmp_path / "train.log"
     p = _torchrun("titan_ext.train", [
-        "--training.steps", "2", "--job.dump_folder", str(tmp_path),
+        "--training.steps", "3", "--job.dump_folder", str(tmp_path),
         "--parallelism.pipeline_parallel_schedule", "1F1B",
-    ], log)
+    ], log, env_extra={"TITAN_EXT_INJECT_DELAYS": "1:40"})
     assert p.returncode == 0, log.read_text()[-4000:]
     base = _metrics(tmp_path)
     assert base[0]["schedule"] == "1F1B" and base[0]["plan_version"] == 0
     ours = _metrics(pipemorph_run)
+    # delays change timing only, never the numbers
     assert base[0]["loss"] == pytest.approx(ours[0]["loss"], rel=1e-6, abs=0)
+    link1 = sorted(r["link_delay_ms"]["1"] for r in base)[1]
+    others = [r["link_delay_ms"][k] for r in base for k in ("0", "2")]
+    assert 40.0 <= link1 < 55.0, link1
+    assert sorted(others)[len(others) // 2] < 10.0, others
 
 
 def test_stock_torchtitan_train_runs_pipemorph_via_custom_import(tmp_path):

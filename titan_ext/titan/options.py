@@ -2,6 +2,7 @@
 
 import inspect
 import logging
+import os
 from typing import Any
 
 from titan_ext.titan.config import TitanExt, validate_titan_ext
@@ -86,11 +87,22 @@ def delay_spec(job_config: Any) -> str:
 def install_link_delays(job_config: Any) -> bool:
     """Install ``[titan_ext] inject_delays`` / ``inject_trace`` on the PP links (any schedule).
 
+    Without either, the environment variable ``TITAN_EXT_INJECT_DELAYS`` is honoured (the config
+    wins when both are given).
+
     Called by the wrapped ``build_pipeline_schedule`` once the process group exists.
     Returns True if delays were installed.
     """
     spec = delay_spec(job_config)
     if not spec:
+        if os.environ.get("TITAN_EXT_INJECT_DELAYS", "").strip():
+            # the runtime's env-var path, for every schedule (torch's built-ins never import it)
+            from titan_ext.runtime import install_from_env
+
+            install_from_env()
+            log.info("[titan_ext] injected link delays from TITAN_EXT_INJECT_DELAYS=%s",
+                     os.environ["TITAN_EXT_INJECT_DELAYS"])
+            return True
         return False
     pp = getattr(getattr(job_config, "parallelism", None), "pipeline_parallel_degree", None)
     if pp and pp > 1:

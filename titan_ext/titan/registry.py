@@ -112,9 +112,13 @@ def get_schedule_class(schedule_name: str) -> type:
     ours = resolve_schedule_name(schedule_name)
     if ours is not None:
         return _configured_class(ours)
-    assert _torch_get_schedule_class is not None
+    torch_lookup = _torch_get_schedule_class
+    if torch_lookup is None:  # register() not called yet: torch's function is still in place
+        import torch.distributed.pipelining.schedules as torch_schedules
+
+        torch_lookup = torch_schedules.get_schedule_class
     try:
-        return _torch_get_schedule_class(schedule_name)
+        return torch_lookup(schedule_name)
     except ValueError as e:
         raise ValueError(f"{e} (titan_ext adds: {registered_schedules()})") from None
 
