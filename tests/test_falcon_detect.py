@@ -51,9 +51,10 @@ def test_step_latency_and_verification_numbers():
     assert onset.probability >= 0.9
     assert 0 <= onset.detected_at - tr.onset <= 4
     # verification numbers are the raw means before / after the change-point
-    assert onset.mean_before == pytest.approx(np.mean(tr.times_s[max(0, tr.onset - 100) : tr.onset]), rel=1e-12)  # max_baseline=100
-    assert onset.mean_after == pytest.approx(
-        np.mean(tr.times_s[tr.onset : onset.detected_at + 1]), rel=1e-12
+    # (default average = median; max_baseline = 100 iterations before the change-point)
+    assert onset.level_before == pytest.approx(np.median(tr.times_s[max(0, tr.onset - 100) : tr.onset]), rel=1e-12)
+    assert onset.level_after == pytest.approx(
+        np.median(tr.times_s[tr.onset : onset.detected_at + 1]), rel=1e-12
     )
 
 

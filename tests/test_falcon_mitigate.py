@@ -217,8 +217,8 @@ def test_monitor_scripted_compute_failslow_decisions_and_effects():
     i_red, _ = next(a for a in applied if "microbatch_redistribution" in a[1])
     # ski rental: first iteration at which the slowdown accumulated since the change-point
     # (iteration 100) reaches the 2 s overhead; healthy = mean before the change-point
-    healthy = float(np.mean([o["falcon/iteration_time_s"] for o in log[:100]]))
     cp = onset_out["falcon/change_point_iteration"]
+    healthy = float(np.median([o["falcon/iteration_time_s"] for o in log[max(0, cp - 100) : cp]]))
     acc, expect = 0.0, None
     for i in range(cp, len(log)):
         acc += log[i]["falcon/iteration_time_s"] - healthy

@@ -1,0 +1,219 @@
+#!/usr/bin/env python
+"""Falcon benchmark: detection latency (iterations after onset) and per-iteration detector cost.
+
+Usage:
+    .venv/bin/python scripts/bench_falcon.py [--per-category 100] [--seed0 50000] [--json out.json]
+
+Prints a markdown table and a JSON document (also written to --json). Everything runs on CPU in one
+process; the hook-overhead part creates a 1-rank gloo group on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from titan_ext.runtime.falcon import FalconMonitor, SlowIterationDetector  # noqa: E402
+from titan_ext.runtime.falcon.traces import CATEGORIES, make_traces  # noqa: E402
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def bench_detection(per_category: int, seed0: int) -> dict:
+    traces = make_traces(per_category, seed0=seed0)
+    per_cat: dict[str, dict] = {c: {"n": 0, "correct": 0, "false_positive": 0, "latency": [],
+                                    "latency_full": []} for c in CATEGORIES}
+    step_us: list[float] = []
+    iter_s: list[float] = []
+    for tr in traces:
+        det = SlowIterationDetector()
+        for x in tr.times_s:
+            t0 = time.perf_counter()
+            det.observe(float(x))
+            step_us.append((time.perf_counter() - t0) * 1e6)
+        iter_s.extend(tr.times_s.tolist())
+        onsets = [c for c in det.change_points if c.kind == "onset"]
+        st = per_cat[tr.category]
+        st["n"] += 1
+        if not tr.failslow:
+            st["correct"] += not onsets
+            st["false_positive"] += bool(onsets)
+            continue
+        if onsets and onsets[0].detected_at >= tr.onset and \
+                tr.onset - 2 <= onsets[0].index <= tr.full_effect + 2 and \
+                onsets[0].detected_at <= tr.full_effect + 10:
+            ok = True
+            if tr.relief is not None:
+                rel = [c for c in det.change_points if c.kind == "relief"]
+                ok = bool(rel) and tr.relief - 2 <= rel[0].index <= tr.relief + 2
+            st["correct"] += ok
+            st["latency"].append(onsets[0].detected_at - tr.onset)
+            st["latency_full"].append(onsets[0].detected_at - tr.full_effect)
+    out = {"traces": len(traces), "seed0": seed0, "per_category": {}}
+    total_correct = 0
+    for c, st in per_cat.items():
+        total_correct += st["correct"]
+        out["per_category"][c] = {
+            "n": st["n"],
+            "accuracy": st["correct"] / st["n"],
+            "false_positives": st["false_positive"],
+            "latency_iters_mean": float(np.mean(st["latency"])) if st["latency"] else None,
+            "latency_iters_p50": _pct(st["latency"], 50) if st["latency"] else None,
+            "latency_iters_p95": _pct(st["latency"], 95) if st["latency"] else None,
+            "latency_iters_max": int(max(st["latency"])) if st["latency"] else None,
+            "latency_after_full_effect_max": int(max(st["latency_full"])) if st["latency_full"] else None,
+        }
+    out["accuracy"] = total_correct / len(traces)
+    out["detector_step_us"] = {"mean": float(np.mean(step_us)), "p50": _pct(step_us, 50),
+                               "p99": _pct(step_us, 99)}
+    out["mean_iteration_s_in_traces"] = float(np.mean(iter_s))
+    return out
+
+
+def bench_latency_vs_step(seeds: int = 50) -> list[dict]:
+    """Latency of a clean step of a given size (2 % jitter), onset at iteration 100."""
+    rows = []
+    for factor in (1.15, 1.2, 1.5, 2.0, 3.0):
+        lat, missed = [], 0
+        for s in range(seeds):
+            rng = np.random.default_rng(90_000 + s)
+            x = 1.0 + 0.02 * rng.standard_normal(200)
+            x[100:] *= factor
+            det = SlowIterationDetector()
+            for v in x:
+                det.observe(float(v))
+            on = [c for c in det.change_points if c.kind == "onset"]
+            if on and on[0].detected_at >= 100:
+                lat.append(on[0].detected_at - 100)
+            else:
+                missed += 1
+        rows.append({"factor": factor, "seeds": seeds, "missed": missed,
+                     "latency_mean": float(np.mean(lat)) if lat else None,
+                     "latency_max": int(max(lat)) if lat else None})
+    return rows
+
+
+def bench_monitor_cost(iterations: int = 3000) -> dict:
+    """Full FalconMonitor.observe() cost (detector + planner bookkeeping) on a trace with a step."""
+    rng = np.random.default_rng(7)
+    x = 1.0 + 0.02 * rng.standard_normal(iterations)
+    x[iterations // 2 :] *= 1.8
+    mon = FalconMonitor(grid=[[0, 1], [2, 3]])
+    groups = {"pp0": 1.0, "pp1": 1.0, "dp0": 1.0, "dp1": 1.0}
+    cost = []
+    for v in x:
+        t0 = time.perf_counter()
+        out = mon.observe(float(v), groups)
+        if out.get("falcon/validate"):
+            mon.report_validation(gemm_times_s={0: 1.0, 1: 1.0, 2: 1.0, 3: 1.8})
+        cost.append((time.perf_counter() - t0) * 1e6)
+    return {"iterations": iterations, "mean_us": float(np.mean(cost)), "p50_us": _pct(cost, 50),
+            "p99_us": _pct(cost, 99)}
+
+
+def bench_hook_overhead(calls: int = 2000) -> dict:
+    """Extra time per torch.distributed call due to the CallRecorder (1-rank gloo, 4 KiB all_reduce)."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from titan_ext.runtime.falcon.hooks import CallRecorder
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    t = torch.zeros(1024)
+
+    def run():
+        best = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(t)
+            best.append((time.perf_counter() - t0) / calls * 1e6)
+        return min(best)
+
+    run()
+    plain = run()
+    with CallRecorder():
+        hooked = run()
+    dist.destroy_process_group()
+    return {"calls": calls, "plain_us_per_call": plain, "hooked_us_per_call": hooked,
+            "overhead_us_per_call": hooked - plain}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--per-category", type=int, default=100)
+    ap.add_argument("--seed0", type=int, default=50000)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-hooks", action="store_true", help="skip the gloo hook-overhead part")
+    args = ap.parse_args()
+
+    res = {"machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}"}
+    res["detection"] = bench_detection(args.per_category, args.seed0)
+    res["latency_vs_step"] = bench_latency_vs_step()
+    res["monitor"] = bench_monitor_cost()
+    if not args.no_hooks:
+        res["hooks"] = bench_hook_overhead()
+    det = res["detection"]
+    step_us = det["detector_step_us"]["mean"]
+    mon_us = res["monitor"]["mean_us"]
+    res["cost_fraction"] = {
+        f"iter_{s}s": {"detector": step_us * 1e-6 / s, "monitor": mon_us * 1e-6 / s}
+        for s in (0.1, 1.0, det["mean_iteration_s_in_traces"])
+    }
+
+    print("## Detection on labelled synthetic traces")
+    print(f"{det['traces']} traces, seeds {args.seed0}..{args.seed0 + det['traces'] - 1}; "
+          f"overall accuracy {det['accuracy']:.4f}\n")
+    print("| category | n | accuracy | false positives | latency mean / p50 / p95 / max (iters after onset) |")
+    print("|---|---|---|---|---|")
+    for c, st in det["per_category"].items():
+        lat = ("-" if st["latency_iters_mean"] is None else
+               f"{st['latency_iters_mean']:.2f} / {st['latency_iters_p50']:.0f} / "
+               f"{st['latency_iters_p95']:.1f} / {st['latency_iters_max']}")
+        print(f"| {c} | {st['n']} | {st['accuracy']:.3f} | {st['false_positives']} | {lat} |")
+    print("\n## Latency vs step size (2 % jitter, onset at iteration 100)\n")
+    print("| step factor | seeds | missed | latency mean | latency max |")
+    print("|---|---|---|---|---|")
+    for r in res["latency_vs_step"]:
+        lm = "-" if r["latency_mean"] is None else f"{r['latency_mean']:.2f}"
+        print(f"| {r['factor']} | {r['seeds']} | {r['missed']} | {lm} | {r['latency_max']} |")
+    print("\n## Per-iteration cost\n")
+    print("| what | mean µs | p50 µs | p99 µs |")
+    print("|---|---|---|---|")
+    d = det["detector_step_us"]
+    print(f"| SlowIterationDetector.observe | {d['mean']:.1f} | {d['p50']:.1f} | {d['p99']:.1f} |")
+    m = res["monitor"]
+    print(f"| FalconMonitor.observe | {m['mean_us']:.1f} | {m['p50_us']:.1f} | {m['p99_us']:.1f} |")
+    if "hooks" in res:
+        h = res["hooks"]
+        print(f"\nCallRecorder overhead: {h['overhead_us_per_call']:.2f} µs per torch.distributed call "
+              f"({h['plain_us_per_call']:.1f} → {h['hooked_us_per_call']:.1f} µs, 1-rank gloo all_reduce 4 KiB)")
+    print("\n| iteration time | detector cost | monitor cost |")
+    print("|---|---|---|")
+    for k, v in res["cost_fraction"].items():
+        print(f"| {k[5:]} | {100 * v['detector']:.4f} % | {100 * v['monitor']:.4f} % |")
+    text = json.dumps(res, indent=2)
+    print("\n```json\n" + text + "\n```")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
