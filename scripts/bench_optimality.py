@@ -73,6 +73,10 @@ def run_case(name, stages, micro, slow, seed, args) -> dict:
                  "f_ms": list(prof.f_ms), "b_ms": list(prof.b_ms), "w_ms": list(prof.w_ms), "plans": {}}
     plans = {
         "pipemorph": lambda: plan_pipemorph(prof, schedule="pipemorph", memory_limit=limit, validate=False).actions,
+        # one run of Alg.1 as published (no portfolio): the paper's generator
+        "crossud-alg1": lambda: plan_crosspipe(prof, "ud", memory_limit=limit, portfolio=False, validate=False).actions,
+        "crossudsub-alg1": lambda: plan_crosspipe(prof, "udsub", memory_limit=limit, portfolio=False, validate=False).actions,
+        # the default planners: portfolio + selection by simulation (§6.2)
         "crossud": lambda: plan_crosspipe(prof, "ud", memory_limit=limit, validate=False).actions,
         "crossudsub": lambda: plan_crosspipe(prof, "udsub", memory_limit=limit, validate=False).actions,
     }
@@ -95,6 +99,62 @@ def run_case(name, stages, micro, slow, seed, args) -> dict:
     return row
 
 
+def delay_table(stages: int = 8, micro: int = 16, tf: float = 10.0) -> list[dict]:
+    """Issue 6 "Must show": delay ratios (T_lat/T_F, T_bw/T_F) ∈ {0, 0.5, 2}², S=8, N=16, F=B=W=T_F (UD) or
+    T_F/2 per chunk (V-shape, the same model cut in 2S chunks); the slow link is the boundary between
+    two DCs of S/2 stages ("dc") or every link ("all").  Each CrossPipe plan gets its static
+    counterpart's activation memory (per-stage peak for UD, per-rank peak for V-shape)."""
+    from titan_ext.plan.builtin import builtin_plan
+    from titan_ext.plan.crosspipe import wave_stage_to_rank
+    from titan_ext.plan.ir import as_ops
+
+    def link(lat, bw):
+        if bw == 0:
+            return LinkProfile(latency_ms=lat * tf)
+        return LinkProfile(latency_ms=lat * tf, bandwidth_bytes_per_s=1e8 / (bw * tf / 1e3), message_bytes=1e8)
+
+    def rank_peaks(plan):
+        out = []
+        for _, ops in sorted(as_ops(plan).items()):
+            cur = peak = 0
+            for _, k, _ in ops:
+                cur += 1 if k == "F" else -1 if k in ("I", "B") else 0
+                peak = max(peak, cur)
+            out.append(peak)
+        return out
+
+    f1b, _ = builtin_plan("1F1B", stages, micro)
+    zbv, zbv_s2r = builtin_plan("ZBVZeroBubble", stages, micro)
+    s2r = wave_stage_to_rank(stages)
+    rows = []
+    for where in ("dc", "all"):
+        rank_links = [stages // 2 - 1] if where == "dc" else list(range(stages - 1))
+        for lat in (0.0, 0.5, 2.0):
+            for bw in (0.0, 0.5, 2.0):
+                L = [LinkProfile()] * (stages - 1)
+                for i in rank_links:
+                    L[i] = link(lat, bw)
+                ud = PipelineProfile(stages, micro, tf, tf, tf, tuple(L))
+                LW = [link(lat, bw) if any({s2r[b], s2r[b + 1]} == {r, r + 1} for r in rank_links) else LinkProfile()
+                      for b in range(2 * stages - 1)]
+                wv = PipelineProfile(2 * stages, micro, tf / 2, tf / 2, tf / 2, tuple(LW))
+                row = {"links": where, "lat_ratio": lat, "bw_ratio": bw}
+                statics = {"1F1B": f1b, "zb": plan_pipemorph(ud, schedule="zb").actions,
+                           "zb-h1": plan_pipemorph(ud, schedule="zb-h1").actions}
+                for name, actions in statics.items():
+                    ref = simulate(actions, ud)
+                    limit = [ref.peak_inflight[s] for s in range(stages)]
+                    cp = plan_crosspipe(ud, "ud", memory_limit=limit)
+                    row[name] = ref.makespan_ms
+                    row[f"crossud@{name}"] = simulate(cp.actions, ud).makespan_ms
+                ref = simulate(zbv, wv, stage_to_rank=zbv_s2r)
+                cw = plan_crosspipe(wv, "wave", memory_limit=rank_peaks(zbv))
+                row["ZBV"] = ref.makespan_ms
+                row["crosswave@ZBV"] = simulate(cw.actions, wv).makespan_ms
+                rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3, help="cases per configuration (seeds 0..n-1)")
@@ -104,7 +164,21 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", type=int, default=1, help="memory limit per stage = MEMORY × S in-flight activations")
     ap.add_argument("--configs", default="ABCD", help="subset of configurations to run, e.g. AB")
     ap.add_argument("--json", type=Path, default=None, help="write all results as JSON here")
+    ap.add_argument("--delay-table", action="store_true",
+                    help="print the issue's delay-ratio comparison (CrossUD vs 1F1B/zb/zb-h1, CrossWave vs ZBV) and exit")
     args = ap.parse_args(argv)
+
+    if args.delay_table:
+        rows = delay_table()
+        print("| links | T_lat/T_F | T_bw/T_F | 1F1B | CrossUD@1F1B | zb | CrossUD@zb | zb-h1 | CrossUD@zb-h1 | ZBV | CrossWave@ZBV |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['links']} | {r['lat_ratio']} | {r['bw_ratio']} | " + " | ".join(
+                f"{r[k]:.0f}" for k in ("1F1B", "crossud@1F1B", "zb", "crossud@zb", "zb-h1", "crossud@zb-h1",
+                                        "ZBV", "crosswave@ZBV")) + " |")
+        if args.json:
+            args.json.write_text(json.dumps({"delay_table": rows}, indent=1))
+        return 0
 
     from titan_ext.plan.ir import torch_schedules
 
@@ -120,11 +194,12 @@ def main(argv=None) -> int:
             print(
                 f"{name} S={stages:<2d} N={micro:<3d} seed={seed} | opt/bound {s['best_ms']:8.1f}/{s['bound_ms']:8.1f}"
                 f" {s['status']:8s} {s['solve_s']:5.1f}s | "
-                + " ".join(f"{k} {v['makespan_ms']:8.1f} ({100 * v['gap']:5.2f}%, {v['gen_ms']:5.1f}ms)" for k, v in row["plans"].items()),
+                + " ".join(f"{k} {v['makespan_ms']:7.1f} ({100 * v['gap']:5.2f}%, {v['gen_min_ms']:5.1f}ms)" for k, v in row["plans"].items()),
                 flush=True,
             )
-    summary = {}
-    for pname in ("pipemorph", "crossud", "crossudsub"):
+    summary: dict = {}
+    names = list(rows[0]["plans"]) if rows else []
+    for pname in names:
         gaps = [r["plans"][pname]["gap"] for r in rows]
         gens = [r["plans"][pname]["gen_ms"] for r in rows]
         mins = [r["plans"][pname]["gen_min_ms"] for r in rows]
@@ -134,7 +209,7 @@ def main(argv=None) -> int:
                          "max_solve_s": max(r["solver"]["solve_s"] for r in rows)}
     print("\n| generator | mean gap | max gap | median gen (all cases) | max gen (median of repeats) | max gen (min of repeats) |")
     print("|---|---|---|---|---|---|")
-    for pname in ("pipemorph", "crossud", "crossudsub"):
+    for pname in names:
         x = summary[pname]
         print(f"| {pname} | {100 * x['mean_gap']:.2f} % | {100 * x['max_gap']:.2f} % | {x['median_gen_ms']:.1f} ms"
               f" | {x['max_gen_ms']:.1f} ms | {x['max_gen_min_ms']:.1f} ms |")

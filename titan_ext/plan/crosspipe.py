@@ -630,6 +630,8 @@ class CrossPipePlan:
     steady: str
     reserve: str | int
     lookahead: bool
+    caps: str
+    """which in-flight caps the winning member used ("limit" = the memory limit alone)."""
     makespan_ms: float
     """makespan of the whole-action plan under the generator's model (replayed)."""
     greedy_makespan_ms: float
@@ -637,8 +639,8 @@ class CrossPipePlan:
     memory_limit: tuple[float, ...] | None
     peak_memory: list[float]
     plan_ms: float
-    candidates: list[tuple[int, str, str | int, bool, float]] = field(default_factory=list)
-    """(n_sub, steady, reserve, lookahead, replayed makespan) of every portfolio member tried."""
+    candidates: list[tuple[str, int, str, str | int, bool, float]] = field(default_factory=list)
+    """(caps, n_sub, steady, reserve, lookahead, replayed makespan) of every portfolio member tried."""
 
 
 
@@ -650,18 +652,23 @@ def plan_crosspipe_problem(
     steady: str | Iterable[str] | None = None,
     reserve: str | int | Iterable[str | int] | None = None,
     lookahead: bool | Iterable[bool] | None = None,
+    caps: Mapping[str, Sequence[float]] | None = None,
+    portfolio: bool = True,
     convert: bool = True,
 ) -> CrossPipePlan:
     """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
 
-    Parameters left at None form a small portfolio; every member is generated and replayed, and the
-    plan with the best whole-action makespan is kept (CrossPipe §6.2: "a schedule with the best
-    simulation performance is selected"):
+    ``portfolio=False``: one run of Alg.1 as the paper states it — steady phase interleaving F and D,
+    no lookahead, the memory limit as the only cap; ``n_sub`` = 1 (CrossUD) or 2 (CrossUDSub), V-turn
+    reserve 1 (CrossWave).
 
-    * CrossUD: n_sub = 1, steady ∈ {interleave, backward_first} (2 runs);
-    * CrossUDSub: n_sub ∈ {1, 2, 4} × both steady rules (6 runs; n_sub = 1 included so that the
-      sub-block variant is never worse than CrossUD);
-    * CrossWave: n_sub ∈ {1, 2} × both steady rules × reserve ∈ {1, 2, 4, "pending"} (16 runs).
+    ``portfolio=True`` (default): parameters left at None form a portfolio; every member is generated
+    and replayed, and the plan with the best whole-action makespan is kept (CrossPipe §6.2: "a schedule
+    with the best simulation performance is selected"): steady ∈ {interleave, backward_first} ×
+    lookahead ∈ {off, on} × the per-rank in-flight caps in ``caps`` (name → per-rank limit, each
+    clipped to the memory limit; the memory limit alone is always one member) × n_sub ∈ {1, 2, 4}
+    (CrossUDSub; n_sub = 1 included so that it is never worse than CrossUD) × V-turn reserve ∈ {1, 2,
+    4, "pending"} (CrossWave).
     """
     t0 = time.perf_counter()
     if variant not in CROSSPIPE_VARIANTS:
@@ -679,32 +686,51 @@ def plan_crosspipe_problem(
             return (v,)
         return tuple(v)
 
-    subs = as_tuple(n_sub, {"ud": (1,), "udsub": (1, 2, 4), "wave": (1,)}[variant])
+    if portfolio:
+        subs = as_tuple(n_sub, {"ud": (1,), "udsub": (1, 2, 4), "wave": (1,)}[variant])
+        steadies = as_tuple(steady, ("interleave", "backward_first"))
+        reserves = as_tuple(reserve, (1, 2, 4, "pending") if variant == "wave" else (1,))
+        lookaheads = (lookahead,) if isinstance(lookahead, bool) else as_tuple(lookahead, (False, True))
+    else:
+        subs = as_tuple(n_sub, {"ud": (1,), "udsub": (2,), "wave": (1,)}[variant])
+        steadies = as_tuple(steady, ("interleave",))
+        reserves = as_tuple(reserve, (1,))
+        lookaheads = (lookahead,) if isinstance(lookahead, bool) else as_tuple(lookahead, (False,))
     if variant == "ud" and subs != (1,):
         raise ValueError("CrossUD is the n_sub = 1 variant; use 'udsub' for sub-blocks")
-    steadies = as_tuple(steady, ("interleave", "backward_first"))
-    reserves = as_tuple(reserve, (1, 2, 4, "pending") if variant == "wave" else (1,))
-    lookaheads = (lookahead,) if isinstance(lookahead, bool) else as_tuple(lookahead, (False, True))
+    problems = {"limit": problem}
+    if portfolio and caps:
+        base = problem.memory_limit or (math.inf,) * problem.num_ranks
+        for name, cap in caps.items():
+            if len(cap) != problem.num_ranks:
+                raise ValueError(f"caps[{name!r}] has {len(cap)} entries, expected one per rank ({problem.num_ranks})")
+            limit = tuple(float(min(b, c)) for b, c in zip(base, cap))
+            if limit != problem.memory_limit:
+                try:
+                    problems[name] = problem.with_memory_limit(limit)
+                except ValueError:  # a cap below one microbatch per stage: not a usable member
+                    pass
     best = None
     error: ValueError | None = None
     tried = []
-    for ns in subs:
-        for rs in reserves:
-            for st in steadies:
-                for la in lookaheads:
-                    try:
-                        g = greedy_schedule(problem, ns, st, rs, lookahead=la)
-                    except ValueError as e:  # this member's memory rule admits no schedule
-                        tried.append((ns, st, rs, la, math.inf))
-                        error = e
-                        continue
-                    rep = g if ns == 1 and not la else replay(problem, g.orders)
-                    tried.append((ns, st, rs, la, rep.makespan_ms))
-                    if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
-                        best = (g, ns, rep, st, rs, la)
+    for cap_name, prob in problems.items():
+        for ns in subs:
+            for rs in reserves:
+                for st in steadies:
+                    for la in lookaheads:
+                        try:
+                            g = greedy_schedule(prob, ns, st, rs, lookahead=la)
+                        except ValueError as e:  # this member's memory rule admits no schedule
+                            tried.append((cap_name, ns, st, rs, la, math.inf))
+                            error = e
+                            continue
+                        rep = g if ns == 1 and not la else replay(problem, g.orders)
+                        tried.append((cap_name, ns, st, rs, la, rep.makespan_ms))
+                        if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
+                            best = (g, ns, rep, st, rs, la, cap_name)
     if best is None:
         raise error
-    g, ns, rep, st, rs, la = best
+    g, ns, rep, st, rs, la, cap_name = best
     actions = to_actions(g.orders) if convert else {}
     return CrossPipePlan(
         actions=actions,
@@ -715,6 +741,7 @@ def plan_crosspipe_problem(
         steady=st,
         reserve=rs,
         lookahead=la,
+        caps=cap_name,
         makespan_ms=rep.makespan_ms,
         greedy_makespan_ms=g.makespan_ms,
         memory_limit=problem.memory_limit,
@@ -769,6 +796,27 @@ def problem_from_profile(
     )
 
 
+def _warmup_caps(profile, problem: CrossPipeProblem) -> dict[str, list[float]]:
+    """Per-stage in-flight caps from PipeMorph's warm-up planning (Alg.1 under the memory limit; Alg.2
+    from the profile's delays with slack floor 2 and 1), used as extra portfolio members of the UD
+    variants: the greedy then decides the order, the caps how far each stage may run ahead."""
+    from .warmup import adapted_warmup_counts, initial_warmup_counts_for
+
+    limit = problem.memory_limit
+    scalar = None if limit is None else int(math.floor(min(limit) + 1e-9))
+    out: dict[str, list[float]] = {}
+    for name, fn in (
+        ("alg1", lambda: initial_warmup_counts_for(profile, scalar)),
+        ("alg2", lambda: adapted_warmup_counts(profile, slack_floor=2, memory_limit=scalar)),
+        ("alg2-floor1", lambda: adapted_warmup_counts(profile, slack_floor=1, memory_limit=scalar)),
+    ):
+        try:
+            out[name] = [float(x) for x in fn()]
+        except ValueError:
+            continue
+    return out
+
+
 def plan_crosspipe(
     profile,
     variant: str = "ud",
@@ -778,6 +826,7 @@ def plan_crosspipe(
     steady: str | Iterable[str] | None = None,
     reserve: str | int | Iterable[str | int] | None = None,
     lookahead: bool | Iterable[bool] | None = None,
+    portfolio: bool = True,
     validate: bool = True,
 ) -> CrossPipePlan:
     """CrossPipe greedy plan (§4.2) for a :class:`~titan_ext.plan.PipelineProfile`.
@@ -789,7 +838,11 @@ def plan_crosspipe(
     """
     t0 = time.perf_counter()
     problem = problem_from_profile(profile, variant, memory_limit)
-    plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady, reserve=reserve, lookahead=lookahead)
+    caps = None
+    if portfolio and variant != "wave":
+        caps = _warmup_caps(profile, problem)
+    plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady, reserve=reserve,
+                                  lookahead=lookahead, caps=caps, portfolio=portfolio)
     if validate:
         from .validate import validate_plan
 
