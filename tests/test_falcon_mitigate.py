@@ -234,3 +234,53 @@ def test_monitor_scripted_compute_failslow_decisions_and_effects():
     i_topo, _ = next(a for a in applied if "topology_adjustment" in a[1])
     grid = json.loads(log[i_topo]["falcon/plan/topology_grid"])
     assert sorted(sum(grid, [])) == [0, 1, 2, 3]
+
+
+def _run_monitor(mon, n, slow_from, slow_t, report):
+    rng = np.random.default_rng(11)
+    log = []
+    for it in range(n):
+        t = (1.0 if it < slow_from else slow_t) * (1 + 0.01 * rng.standard_normal())
+        out = mon.observe(t)
+        if out.get("falcon/validate"):
+            out.update(report(mon))
+        log.append(out)
+    return log
+
+
+def test_monitor_pp_link_leads_to_pipemorph_replan_with_link_and_delay():
+    costs = StrategyCosts(pipemorph_replan=1.0, topology_adjustment=1e6, checkpoint_restart=1e9)
+    grid = [[0, 1, 2, 3], [4, 5, 6, 7]]  # 2 DP x 4 PP
+    mon = FalconMonitor(FalconConfig(costs=costs), grid=grid)
+    links = {(1, 2): 0.031, (2, 1): 0.030, (0, 1): 0.001, (2, 3): 0.001, (3, 0): 0.001, (1, 0): 0.001}
+    log = _run_monitor(mon, 150, 80, 1.3, lambda m: m.report_validation(link_times_s=links, pause_s=0.2))
+    onset = next(o for o in log if o.get("falcon/event") == "onset")
+    assert onset["falcon/root_cause"] == "pp_link"
+    assert onset["falcon/slow_links"] == "1->2;2->1"
+    assert onset["falcon/validation_pause_s"] == 0.2
+    rep = next(o for o in log if "pipemorph_replan" in o.get("falcon/apply", ""))
+    assert rep["falcon/plan/pp_link"] == 1  # ranks 1, 2 = stages 1, 2 of replica 0 -> link 1
+    assert rep["falcon/plan/link_excess_ms"] == pytest.approx(30.0)  # 31 ms - median 1 ms
+    # ski rental: switch at the first iteration after detection where the slowdown accumulated since
+    # the change-point (~0.3 s per slow iteration) reaches the 1 s overhead
+    cp = onset["falcon/change_point_iteration"]
+    assert cp == 80
+    healthy = float(np.median([o["falcon/iteration_time_s"] for o in log[cp - 80 : cp]]))
+    acc = np.cumsum([o["falcon/iteration_time_s"] - healthy for o in log[cp:]])
+    first = cp + int(np.argmax(acc >= 1.0))
+    assert 82 <= first <= 84
+    assert log.index(rep) == max(first, log.index(onset) + 1)
+
+
+def test_monitor_dp_link_leads_to_topology_plan_moving_it_onto_a_pp_hop():
+    costs = StrategyCosts(topology_adjustment=2.0, checkpoint_restart=1e9)
+    grid = [[0, 1], [2, 3]]  # DP groups {0,2} and {1,3}
+    mon = FalconMonitor(FalconConfig(costs=costs), grid=grid)
+    links = {(0, 2): 0.050, (2, 0): 0.049, (1, 3): 0.001, (3, 1): 0.001}
+    log = _run_monitor(mon, 150, 80, 2.0, lambda m: m.report_validation(link_times_s=links))
+    onset = next(o for o in log if o.get("falcon/event") == "onset")
+    assert onset["falcon/root_cause"] == "dp_link"
+    topo = next(o for o in log if "topology_adjustment" in o.get("falcon/apply", ""))
+    new_grid = json.loads(topo["falcon/plan/topology_grid"])
+    pos = {r: (d, s) for d, row in enumerate(new_grid) for s, r in enumerate(row)}
+    assert pos[0][0] == pos[2][0] and abs(pos[0][1] - pos[2][1]) == 1

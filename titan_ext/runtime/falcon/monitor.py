@@ -63,7 +63,8 @@ class FalconMonitor:
 
     ``grid[dp][pp]`` (global ranks) lets validation results be classified (a slow link on a PP hop vs
     inside a DP group) and topology plans be made; ``pp_groups`` / ``dp_groups`` name the groups of
-    ``per_group_times`` by kind. ``recorder`` (a :class:`~.hooks.CallRecorder`) lets
+    ``per_group_times`` by kind (``pp_groups`` may be a dict ``name -> PP link index`` so a re-plan
+    decision can name the link). ``recorder`` (a :class:`~.hooks.CallRecorder`) lets
     ``observe(None)`` derive iteration times from communication calls alone.
     """
 
@@ -71,7 +72,10 @@ class FalconMonitor:
                  recorder=None):
         self.config = config or FalconConfig()
         self.grid = [list(r) for r in grid] if grid is not None else None
+        self.pp_link_of = dict(pp_groups) if isinstance(pp_groups, dict) else {}
         self.pp_groups, self.dp_groups = set(pp_groups), set(dp_groups)
+        self.slow_link_excess_s: dict[tuple[int, int], float] = {}
+        self._group_excess_s: dict = {}
         self.recorder = recorder
         self.detector = SlowIterationDetector(self.config.detector)
         self.planner = MitigationPlanner(self.config.costs, self.config.delegation_available)
@@ -181,14 +185,23 @@ class FalconMonitor:
     def _on_onset(self, per_group_times, out):
         self.suspicious = suspicious_groups(per_group_times or {}, self.config.suspicious_ratio)
         self.slow_links, self.slow_devices, self.root_cause = [], [], None
+        self.slow_link_excess_s = {}
+        med = float(np.median(list(per_group_times.values()))) if per_group_times else 0.0
+        self._group_excess_s = {g: per_group_times[g] - med for g in self.suspicious}
         out["falcon/suspicious_groups"] = ",".join(str(g) for g in self.suspicious)
         out["falcon/validate"] = 1
         self._awaiting_validation_since = self.iteration
 
     def report_validation(self, link_times_s: dict | None = None, gemm_times_s: dict | None = None,
-                          link_reference_s: float | None = None) -> dict:
-        """Results of ``validate_rings`` / ``gemm_probe`` → slow links / devices → root cause."""
+                          link_reference_s: float | None = None, pause_s: float | None = None) -> dict:
+        """Results of ``validate_rings`` / ``gemm_probe`` → slow links / devices → root cause.
+
+        ``pause_s``: how long training was suspended for validation (reported as a metric)."""
         c = self.config
+        if link_times_s:
+            ref = (float(np.median(list(link_times_s.values()))) if link_reference_s is None
+                   else float(link_reference_s))
+            self.slow_link_excess_s = {k: v - ref for k, v in link_times_s.items()}
         self.slow_links = locate_slow_links(link_times_s or {}, c.slow_link_ratio, link_reference_s,
                                             c.slow_link_min_excess_s)
         self.slow_devices = locate_slow_devices(gemm_times_s or {}, c.slow_device_ratio)
@@ -196,6 +209,8 @@ class FalconMonitor:
             "falcon/slow_links": ";".join(f"{a}->{b}" for a, b in self.slow_links),
             "falcon/slow_devices": ",".join(str(d) for d in self.slow_devices),
         }
+        if pause_s is not None:
+            out["falcon/validation_pause_s"] = float(pause_s)
         self._classify(out)
         self.history.append({"iteration": self.iteration, **out})
         return out
@@ -240,6 +255,11 @@ class FalconMonitor:
             per_dp = [factor if slow & set(row) else 1.0 for row in self.grid]
             if self.config.num_microbatches is not None:
                 out["falcon/plan/microbatch_split"] = json.dumps(self.plan_microbatch_split(per_dp))
+        if strategy == "pipemorph_replan":
+            link, excess = self._slow_pp_link()
+            if link is not None:
+                out["falcon/plan/pp_link"] = link
+                out["falcon/plan/link_excess_ms"] = 1e3 * excess
         if strategy == "topology_adjustment" and self.grid is not None:
             plan = plan_topology(self.grid, self.slow_links, self.slow_devices)
             out["falcon/plan/topology_grid"] = json.dumps([list(r) for r in plan.grid])
@@ -251,6 +271,20 @@ class FalconMonitor:
         lo = max(seg, len(times) - self.config.effect_window)
         before = float(np.mean(times[lo:])) if times[lo:] else float("nan")
         self._pending_effects.append((strategy, self.iteration, before))
+
+    def _slow_pp_link(self) -> tuple[int | None, float]:
+        """PP link index (joins stage i and i+1) of the slow link, and its measured excess time
+        (validation message, or profiling group time, above the median)."""
+        if self.slow_links and self.grid is not None:
+            pos = {r: (d, s) for d, row in enumerate(self.grid) for s, r in enumerate(row)}
+            a, b = self.slow_links[0]
+            (da, sa), (db, sb) = pos[a], pos[b]
+            if da == db and abs(sa - sb) == 1:
+                return min(sa, sb), self.slow_link_excess_s.get((a, b), float("nan"))
+        for g in self.suspicious:
+            if g in self.pp_link_of:
+                return int(self.pp_link_of[g]), self._group_excess_s.get(g, float("nan"))
+        return None, float("nan")
 
     def _measure_effects(self, t: float, out: dict) -> None:
         w = self.config.effect_window
