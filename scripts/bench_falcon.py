@@ -35,13 +35,16 @@ def bench_detection(per_category: int, seed0: int) -> dict:
     per_cat: dict[str, dict] = {c: {"n": 0, "correct": 0, "false_positive": 0, "latency": [],
                                     "latency_full": []} for c in CATEGORIES}
     step_us: list[float] = []
+    step_cpu_us: list[float] = []
     iter_s: list[float] = []
     for tr in traces:
         det = SlowIterationDetector()
         for x in tr.times_s:
+            c0 = time.thread_time_ns()
             t0 = time.perf_counter()
             det.observe(float(x))
             step_us.append((time.perf_counter() - t0) * 1e6)
+            step_cpu_us.append((time.thread_time_ns() - c0) * 1e-3)
         iter_s.extend(tr.times_s.tolist())
         onsets = [c for c in det.change_points if c.kind == "onset"]
         st = per_cat[tr.category]
@@ -76,7 +79,7 @@ def bench_detection(per_category: int, seed0: int) -> dict:
         }
     out["accuracy"] = total_correct / len(traces)
     out["detector_step_us"] = {"mean": float(np.mean(step_us)), "p50": _pct(step_us, 50),
-                               "p99": _pct(step_us, 99)}
+                               "p99": _pct(step_us, 99), "cpu_mean": float(np.mean(step_cpu_us))}
     out["mean_iteration_s_in_traces"] = float(np.mean(iter_s))
     return out
 
@@ -111,15 +114,17 @@ def bench_monitor_cost(iterations: int = 3000) -> dict:
     x[iterations // 2 :] *= 1.8
     mon = FalconMonitor(grid=[[0, 1], [2, 3]])
     groups = {"pp0": 1.0, "pp1": 1.0, "dp0": 1.0, "dp1": 1.0}
-    cost = []
+    cost, cpu = [], []
     for v in x:
+        c0 = time.thread_time_ns()
         t0 = time.perf_counter()
         out = mon.observe(float(v), groups)
         if out.get("falcon/validate"):
             mon.report_validation(gemm_times_s={0: 1.0, 1: 1.0, 2: 1.0, 3: 1.8})
         cost.append((time.perf_counter() - t0) * 1e6)
+        cpu.append((time.thread_time_ns() - c0) * 1e-3)
     return {"iterations": iterations, "mean_us": float(np.mean(cost)), "p50_us": _pct(cost, 50),
-            "p99_us": _pct(cost, 99)}
+            "p99_us": _pct(cost, 99), "cpu_mean_us": float(np.mean(cpu))}
 
 
 def bench_hook_overhead(calls: int = 2000) -> dict:
@@ -172,9 +177,12 @@ def main():
     det = res["detection"]
     step_us = det["detector_step_us"]["mean"]
     mon_us = res["monitor"]["mean_us"]
+    step_cpu = det["detector_step_us"]["cpu_mean"]
+    mon_cpu = res["monitor"]["cpu_mean_us"]
     res["cost_fraction"] = {
-        f"iter_{s}s": {"detector": step_us * 1e-6 / s, "monitor": mon_us * 1e-6 / s}
-        for s in (0.1, 1.0, det["mean_iteration_s_in_traces"])
+        f"iter_{s:.3g}s": {"detector": step_us * 1e-6 / s, "monitor": mon_us * 1e-6 / s,
+                          "detector_cpu": step_cpu * 1e-6 / s, "monitor_cpu": mon_cpu * 1e-6 / s}
+        for s in (0.05, 0.1, 1.0, det["mean_iteration_s_in_traces"])
     }
 
     print("## Detection on labelled synthetic traces")
@@ -194,20 +202,21 @@ def main():
         lm = "-" if r["latency_mean"] is None else f"{r['latency_mean']:.2f}"
         print(f"| {r['factor']} | {r['seeds']} | {r['missed']} | {lm} | {r['latency_max']} |")
     print("\n## Per-iteration cost\n")
-    print("| what | mean µs | p50 µs | p99 µs |")
-    print("|---|---|---|---|")
+    print("| what | wall mean µs | wall p50 µs | wall p99 µs | CPU mean µs |")
+    print("|---|---|---|---|---|")
     d = det["detector_step_us"]
-    print(f"| SlowIterationDetector.observe | {d['mean']:.1f} | {d['p50']:.1f} | {d['p99']:.1f} |")
+    print(f"| SlowIterationDetector.observe | {d['mean']:.1f} | {d['p50']:.1f} | {d['p99']:.1f} | {d['cpu_mean']:.1f} |")
     m = res["monitor"]
-    print(f"| FalconMonitor.observe | {m['mean_us']:.1f} | {m['p50_us']:.1f} | {m['p99_us']:.1f} |")
+    print(f"| FalconMonitor.observe | {m['mean_us']:.1f} | {m['p50_us']:.1f} | {m['p99_us']:.1f} | {m['cpu_mean_us']:.1f} |")
     if "hooks" in res:
         h = res["hooks"]
         print(f"\nCallRecorder overhead: {h['overhead_us_per_call']:.2f} µs per torch.distributed call "
               f"({h['plain_us_per_call']:.1f} → {h['hooked_us_per_call']:.1f} µs, 1-rank gloo all_reduce 4 KiB)")
-    print("\n| iteration time | detector cost | monitor cost |")
-    print("|---|---|---|")
+    print("\n| iteration time | detector (wall) | monitor (wall) | detector (CPU) | monitor (CPU) |")
+    print("|---|---|---|---|---|")
     for k, v in res["cost_fraction"].items():
-        print(f"| {k[5:]} | {100 * v['detector']:.4f} % | {100 * v['monitor']:.4f} % |")
+        print(f"| {k[5:]} | {100 * v['detector']:.4f} % | {100 * v['monitor']:.4f} % | "
+              f"{100 * v['detector_cpu']:.4f} % | {100 * v['monitor_cpu']:.4f} % |")
     text = json.dumps(res, indent=2)
     print("\n```json\n" + text + "\n```")
     if args.json:
