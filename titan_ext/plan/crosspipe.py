@@ -803,7 +803,7 @@ def _warmup_caps(profile, problem: CrossPipeProblem) -> dict[str, list[float]]:
     from .warmup import adapted_warmup_counts, initial_warmup_counts_for
 
     limit = problem.memory_limit
-    scalar = None if limit is None else int(math.floor(min(limit) + 1e-9))
+    scalar = None if limit is None else int(math.floor(max(limit) + 1e-9))  # then clipped per rank
     out: dict[str, list[float]] = {}
     for name, fn in (
         ("alg1", lambda: initial_warmup_counts_for(profile, scalar)),
