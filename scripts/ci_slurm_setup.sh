@@ -20,11 +20,15 @@ spool=/var/spool/slurmd
 logdir=/var/log/slurm
 
 if [ "${1:-}" = "--stop" ]; then
-    for p in slurmd slurmctld munged; do
-        if [ -f "/run/titan_ext_ci_$p.pid" ]; then
-            kill "$(cat "/run/titan_ext_ci_$p.pid")" 2>/dev/null || true
-            rm -f "/run/titan_ext_ci_$p.pid"
+    # pid files written by the daemons themselves (slurm.conf below; munged's default)
+    for f in /run/slurmd.pid /run/slurmctld.pid /run/munge/munged.pid; do
+        if [ -s "$f" ]; then
+            kill "$(cat "$f")" 2>/dev/null || true
         fi
+    done
+    for _ in $(seq 50); do
+        pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || pgrep -x munged >/dev/null || break
+        sleep 0.2
     done
     echo "[slurm] stopped"
     exit 0
@@ -52,7 +56,6 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     echo "[slurm] starting munged"
     runuser -u munge -- /usr/sbin/munged
     for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
-    pgrep -u munge -x munged > /run/titan_ext_ci_munged.pid || true
 fi
 munge -n | unmunge >/dev/null
 
@@ -99,12 +102,10 @@ if ! pgrep -x slurmctld >/dev/null; then
     echo "[slurm] starting slurmctld"
     slurmctld -i || { tail -n 20 "$logdir/slurmctld.log" >&2; exit 1; }
     sleep 1
-    pgrep -x slurmctld > /run/titan_ext_ci_slurmctld.pid || true
 fi
 if ! pgrep -x slurmd >/dev/null; then
     echo "[slurm] starting slurmd"
     slurmd || { tail -n 20 "$logdir/slurmd.log" >&2; exit 1; }
-    pgrep -x slurmd > /run/titan_ext_ci_slurmd.pid || true
 fi
 
 for _ in $(seq 60); do
