@@ -247,6 +247,8 @@ class GreedyResult:
     steady: str = "interleave"
     reserve: str | int = "one"
     lookahead: bool = False
+    waits: int = 0
+    """lookahead only: how often the rank idled for an arriving backward (0: same plan as without)."""
 
 
 class _Links:
@@ -370,6 +372,7 @@ def greedy_schedule(
     subblocks: list[tuple[int, Op, int, float, float]] = []
     remaining = 3 * N * S
     version = [0] * R
+    waits = 0
     heap: list[tuple[float, int, int]] = []
     KIND = (F, I, W)
 
@@ -457,6 +460,7 @@ def greedy_schedule(
             if t < soonest < t1 - 1e-12:
                 version[r] += 1
                 heapq.heappush(heap, (soonest, r, version[r]))
+                waits += 1
                 continue
         op = (s, KIND[k], m)
         free[r] = t1
@@ -510,7 +514,7 @@ def greedy_schedule(
     for op in sorted(end, key=lambda o: (end[o], start[o])):
         orders[s2r[op[0]]].append(op)
     makespan = max(end.values()) - start[(0, F, 0)]
-    return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady, reserve, lookahead)
+    return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady, reserve, lookahead, waits)
 
 
 def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> GreedyResult:
@@ -705,7 +709,7 @@ def plan_crosspipe_problem(
             if len(cap) != problem.num_ranks:
                 raise ValueError(f"caps[{name!r}] has {len(cap)} entries, expected one per rank ({problem.num_ranks})")
             limit = tuple(float(min(b, c)) for b, c in zip(base, cap))
-            if limit != problem.memory_limit:
+            if limit != problem.memory_limit and all(limit != p.memory_limit for p in problems.values()):
                 try:
                     problems[name] = problem.with_memory_limit(limit)
                 except ValueError:  # a cap below one microbatch per stage: not a usable member
@@ -717,13 +721,17 @@ def plan_crosspipe_problem(
         for ns in subs:
             for rs in reserves:
                 for st in steadies:
-                    for la in lookaheads:
+                    no_wait = False
+                    for la in sorted(lookaheads, reverse=True):  # lookahead first
+                        if not la and no_wait:
+                            continue  # the lookahead run never waited: this run is the same plan
                         try:
                             g = greedy_schedule(prob, ns, st, rs, lookahead=la)
                         except ValueError as e:  # this member's memory rule admits no schedule
                             tried.append((cap_name, ns, st, rs, la, math.inf))
                             error = e
                             continue
+                        no_wait = la and g.waits == 0
                         rep = g if ns == 1 and not la else replay(problem, g.orders)
                         tried.append((cap_name, ns, st, rs, la, rep.makespan_ms))
                         if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
