@@ -235,3 +235,31 @@ def test_stock_torchtitan_train_rejects_bad_value_before_process_group(tmp_path)
     assert p.returncode != 0
     assert "[titan_ext] replan_interval = -3: must be >= 1" in p.stderr
     assert "init_process_group" not in p.stderr
+
+
+def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp_path):
+    pytest.importorskip("titan_ext.runtime.delegate.schedule")
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.delegate.schedule import DelegatedPipeMorph
+    from titan_ext.titan.options import schedule_kwargs
+    from titan_ext.titan.registry import schedule_class_for
+    from titan_ext.train import JobConfigError, check_job_config
+
+    def cfg(*extra):
+        return _parse(["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), *extra])
+
+    auto = cfg("--titan_ext.delegation", "auto", "--titan_ext.delegation_slow_link_ms", "7.5")
+    cls = schedule_class_for("PipeMorph", auto)
+    assert issubclass(cls, DelegatedPipeMorph)
+    kw = schedule_kwargs(DelegatedPipeMorph, auto)
+    assert kw["delegation"] == "auto" and kw["slow_link_ms"] == 7.5 and kw["failover"] is False
+    assert kw["profile_every"] == 1 and "policy" in kw  # PipeMorph's own knobs pass through **kwargs
+    check_job_config(auto, world_size=4)
+
+    off = cfg()
+    cls = schedule_class_for("PipeMorph", off)
+    assert issubclass(cls, PipeMorph) and not issubclass(cls, DelegatedPipeMorph)
+
+    baseline = cfg("--titan_ext.delegation", "always", "--parallelism.pipeline_parallel_schedule", "1F1B")
+    with pytest.raises(JobConfigError, match=r"\[titan_ext\] delegation = 'always': schedule '1F1B' is not"):
+        check_job_config(baseline, world_size=4)

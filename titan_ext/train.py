@@ -103,16 +103,24 @@ def check_job_config(config, world_size: int | None = None) -> None:
             f"[parallelism] pipeline_parallel_microbatch_size = {mb} must divide "
             f"[training] local_batch_size = {config.training.local_batch_size}"
         )
-    if section.delegation != "off":
+    if section.delegation != "off" or section.delegation_failover:
         from titan_ext.titan.options import supports_delegation
+        from titan_ext.titan.registry import schedule_class_for
 
-        cls = get_schedule_class(par.pipeline_parallel_schedule)
-        if not is_titan_ext_schedule(par.pipeline_parallel_schedule) or not supports_delegation(cls):
+        key = "delegation" if section.delegation != "off" else "delegation_failover"
+        value = getattr(section, key)
+        if not is_titan_ext_schedule(par.pipeline_parallel_schedule):
             raise JobConfigError(
-                f"[titan_ext] delegation = {section.delegation!r}: schedule "
-                f"{par.pipeline_parallel_schedule!r} does not support delegation in this build "
-                f"(use delegation = \"off\")"
-            )
+                f"[titan_ext] {key} = {value!r}: schedule {par.pipeline_parallel_schedule!r} is not "
+                f"a titan_ext schedule; delegation needs one (e.g. \"PipeMorph\")")
+        try:
+            cls = schedule_class_for(par.pipeline_parallel_schedule, config)
+        except (ImportError, ValueError) as e:
+            raise JobConfigError(f"[titan_ext] {key} = {value!r}: {e}") from None
+        if not supports_delegation(cls):
+            raise JobConfigError(
+                f"[titan_ext] {key} = {value!r}: schedule {par.pipeline_parallel_schedule!r} does "
+                f"not support delegation in this build (use delegation = \"off\")")
     if is_titan_ext_schedule(par.pipeline_parallel_schedule):
         if par.module_fqns_per_model_part is None and par.pipeline_parallel_layers_per_stage is None:
             from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part

@@ -75,8 +75,16 @@ class TitanExt:
     """Hysteresis: iterations a deployed plan runs at least before it may shrink. >= 0."""
 
     delegation: str = "off"
-    """Moving PP sends/receives off the compute critical path: "off", "auto" (only on links whose
-    measured delay breaks the plan's tolerance) or "always"."""
+    """Moving PP sends/receives off the compute critical path onto delegate processes (PipeMorph
+    §5): "off", "auto" (direct until a link's estimated delay exceeds
+    ``delegation_slow_link_ms``, then delegated from the next iteration boundary on) or "always".
+    Uses the runtime's DelegatedPipeMorph."""
+
+    delegation_slow_link_ms: float = 5.0
+    """Auto delegation's threshold on a link's estimated one-way delay, ms. >= 0."""
+
+    delegation_failover: bool = False
+    """Retry a failed or timed-out direct PP transfer on the delegate path (PipeMorph §5.3)."""
 
     inject_delays: str = ""
     """Straggler emulation on the real PP messages (``titan_ext.runtime.inject_link_delays``), static
@@ -145,6 +153,8 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
     _check(cfg.min_dwell >= 0, "min_dwell", cfg.min_dwell, "must be >= 0")
     _check(cfg.delegation in DELEGATION_MODES, "delegation", cfg.delegation,
            "must be one of " + ", ".join(repr(m) for m in DELEGATION_MODES))
+    _check(math.isfinite(cfg.delegation_slow_link_ms) and cfg.delegation_slow_link_ms >= 0,
+           "delegation_slow_link_ms", cfg.delegation_slow_link_ms, "must be a finite number >= 0")
     _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")
     _check("/" not in cfg.metrics_file and "\\" not in cfg.metrics_file, "metrics_file",
            cfg.metrics_file, "must be a plain file name (it is written under job.dump_folder)")

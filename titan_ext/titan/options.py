@@ -22,6 +22,8 @@ _DIRECT: dict[str, tuple[str, Any]] = {
     "slack_floor": ("slack_floor", int),
     "replan_interval": ("profile_every", int),
     "delegation": ("delegation", str),
+    "delegation_slow_link_ms": ("slow_link_ms", float),
+    "delegation_failover": ("failover", bool),
 }
 # [titan_ext] field -> field of the runtime's ReplanPolicy (passed as ``policy=``).
 _POLICY: dict[str, str] = {
@@ -40,10 +42,22 @@ def titan_ext_section(job_config: Any) -> TitanExt:
 
 
 def _params(schedule_cls: type) -> dict[str, inspect.Parameter]:
-    try:
-        return dict(inspect.signature(schedule_cls.__init__).parameters)
-    except (TypeError, ValueError):
-        return {}
+    """Keyword parameters of the constructor, following ``**kwargs`` up the class hierarchy."""
+    out: dict[str, inspect.Parameter] = {}
+    for klass in schedule_cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            break
+        for name, p in params.items():
+            if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
+                out.setdefault(name, p)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            break
+    return out
 
 
 def supports_delegation(schedule_cls: type) -> bool:

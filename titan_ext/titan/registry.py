@@ -40,18 +40,27 @@ _SCHEDULES: dict[str, tuple[str, str]] = {
     "PipeMorph": ("titan_ext.runtime", "PipeMorph"),
     "CrossPipe": ("titan_ext.runtime", "CrossPipe"),
 }
-_CONFIGURED: dict[str, type] = {}
+# name -> the class used when the job asks for delegation ([titan_ext] delegation = auto/always)
+_DELEGATING_VARIANTS: dict[str, tuple[str, str]] = {
+    "PipeMorph": ("titan_ext.runtime.delegate.schedule", "DelegatedPipeMorph"),
+}
+_CONFIGURED: dict[tuple[str, bool], type] = {}
 _lock = threading.Lock()
 _registered = False
 _torch_get_schedule_class: Callable[[str], type] | None = None
 _active = threading.local()  # .job_config while build_pipeline_schedule runs
 
 
-def register_schedule(name: str, module: str, attribute: str) -> None:
-    """Make ``pipeline_parallel_schedule = name`` resolve to ``module.attribute`` (loaded lazily)."""
+def register_schedule(name: str, module: str, attribute: str,
+                      delegating: tuple[str, str] | None = None) -> None:
+    """Make ``pipeline_parallel_schedule = name`` resolve to ``module.attribute`` (loaded lazily);
+    ``delegating`` = (module, attribute) of its variant used with ``[titan_ext] delegation``."""
     with _lock:
         _SCHEDULES[name] = (module, attribute)
-        _CONFIGURED.pop(name, None)
+        if delegating is not None:
+            _DELEGATING_VARIANTS[name] = delegating
+        _CONFIGURED.pop((name, False), None)
+        _CONFIGURED.pop((name, True), None)
 
 
 def registered_schedules() -> list[str]:
@@ -71,8 +80,7 @@ def is_titan_ext_schedule(name: str) -> bool:
     return resolve_schedule_name(name) is not None
 
 
-def _load_schedule(name: str) -> type:
-    module, attribute = _SCHEDULES[name]
+def _import_attr(name: str, module: str, attribute: str) -> type:
     mod = importlib.import_module(module)
     cls = getattr(mod, attribute, None)
     if cls is None:
@@ -83,35 +91,54 @@ def _load_schedule(name: str) -> type:
     return cls
 
 
-def _configured_class(name: str) -> type:
+def _load_schedule(name: str, delegated: bool = False) -> type:
+    if delegated:
+        if name not in _DELEGATING_VARIANTS:
+            raise ValueError(f"schedule {name!r} has no delegation variant in titan_ext")
+        return _import_attr(name, *_DELEGATING_VARIANTS[name])
+    return _import_attr(name, *_SCHEDULES[name])
+
+
+def _wants_delegation(job_config: Any) -> bool:
+    section = getattr(job_config, "titan_ext", None) if job_config is not None else None
+    return section is not None and (getattr(section, "delegation", "off") != "off"
+                                    or bool(getattr(section, "delegation_failover", False)))
+
+
+def _configured_class(name: str, delegated: bool = False) -> type:
     """Subclass of our schedule class that takes its knobs from the active job's [titan_ext]."""
+    key = (name, delegated)
     with _lock:
-        if name in _CONFIGURED:
-            return _CONFIGURED[name]
-    base = _load_schedule(name)
+        if key in _CONFIGURED:
+            return _CONFIGURED[key]
+    base = _load_schedule(name, delegated)
 
     def __init__(self, *args, **kwargs):
         job_config = getattr(_active, "job_config", None)
         if job_config is not None:
             from titan_ext.titan.options import schedule_kwargs
 
-            for key, value in schedule_kwargs(base, job_config).items():
-                kwargs.setdefault(key, value)
+            for k, value in schedule_kwargs(base, job_config).items():
+                kwargs.setdefault(k, value)
         base.__init__(self, *args, **kwargs)
 
     cls = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
                                          "__qualname__": base.__qualname__,
                                          "__doc__": base.__doc__})
     with _lock:
-        _CONFIGURED[name] = cls
+        _CONFIGURED[key] = cls
     return cls
 
 
 def get_schedule_class(schedule_name: str) -> type:
-    """torch's ``get_schedule_class`` plus titan_ext's schedules (case-insensitive)."""
+    """torch's ``get_schedule_class`` plus titan_ext's schedules (case-insensitive).
+
+    For a titan_ext schedule built for a job with ``[titan_ext] delegation`` other than "off", the
+    schedule's delegating variant (e.g. ``DelegatedPipeMorph``, a subclass) is returned.
+    """
     ours = resolve_schedule_name(schedule_name)
     if ours is not None:
-        return _configured_class(ours)
+        return _configured_class(ours, _wants_delegation(getattr(_active, "job_config", None)))
     torch_lookup = _torch_get_schedule_class
     if torch_lookup is None:  # register() not called yet: torch's function is still in place
         import torch.distributed.pipelining.schedules as torch_schedules
@@ -121,6 +148,12 @@ def get_schedule_class(schedule_name: str) -> type:
         return torch_lookup(schedule_name)
     except ValueError as e:
         raise ValueError(f"{e} (titan_ext adds: {registered_schedules()})") from None
+
+
+def schedule_class_for(schedule_name: str, job_config: Any) -> type:
+    """The class ``job_config`` will get for ``schedule_name`` (no process group needed)."""
+    with active_job_config(job_config):
+        return get_schedule_class(schedule_name)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ from titan_ext.titan.options import titan_ext_section
 
 __all__ = ["TitanExtTrainer", "runtime_metrics"]
 
-_DELEGATION_CODES = {"off": 0, "idle": 0, "auto": 1, "on": 2, "active": 2, "always": 2}
+# pipeline/delegation: 0 = direct P2P, 1 = auto mode, not delegating (yet), 2 = delegating
+_DELEGATION_CODES = {"off": 0, "auto": 1, "active": 2}
 
 
 def runtime_metrics(schedule: Any) -> dict[str, Any]:
@@ -59,7 +60,7 @@ class TitanExtTrainer(Trainer):
     ``iteration_ms`` and ``bubble_rate`` (measured timeline, see :mod:`titan_ext.titan.monitor`),
     ``step_wall_ms`` (slowest rank's ``schedule.step()``), ``train_step_ms`` (whole step incl.
     optimizer, this rank), ``link_delay_ms/<i>`` (measured), ``plan_version``, ``delegation``
-    (0 off / 1 auto-idle / 2 active) and, for titan_ext schedules, the runtime's own dict under
+    (0 direct / 1 auto, not delegating yet / 2 delegating) and, for titan_ext schedules, the runtime's own dict under
     ``pipeline/runtime/...`` (its link-delay estimates, re-plan time, decision). Every
     ``[titan_ext] gantt_every`` steps a timeline image goes to W&B (``pipeline/timeline``) and to
     ``<dump_folder>/timelines/``. The logging rank also appends one JSON line per logged step to
@@ -111,14 +112,14 @@ class TitanExtTrainer(Trainer):
         timeline = self.pipeline_monitor.gather(step)  # collective on the PP group
         stats = timeline_stats(timeline)
         rt = runtime_metrics(self.pp_schedule)
-        delegation = str(rt.get("delegation", rt.get("delegation_state", "off")))
+        delegation = self._delegation_state(rt)
         metrics: dict[str, float] = {
             "pipeline/iteration_ms": stats["iteration_ms"],
             "pipeline/bubble_rate": stats["bubble_rate"],
             "pipeline/step_wall_ms": max(timeline.step_wall_ms.values()),
             "pipeline/train_step_ms": train_step_ms,
             "pipeline/plan_version": float(rt.get("plan_version", 0)),
-            "pipeline/delegation": float(_DELEGATION_CODES.get(delegation.lower(), 1)),
+            "pipeline/delegation": float(_DELEGATION_CODES[delegation]),
         }
         for link, ms in stats["link_delay_ms"].items():
             metrics[f"pipeline/link_delay_ms/{link}"] = ms
@@ -143,6 +144,17 @@ class TitanExtTrainer(Trainer):
             with open(self._dump / self.titan_ext.metrics_file, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return metrics
+
+    def _delegation_state(self, rt: dict[str, Any]) -> str:
+        if rt.get("delegating"):
+            return "active"
+        return "auto" if self.titan_ext.delegation == "auto" else "off"
+
+    def close(self) -> None:
+        close_delegation = getattr(getattr(self, "pp_schedule", None), "close_delegation", None)
+        if callable(close_delegation):
+            close_delegation()
+        super().close()
 
     def _wandb_loggers(self) -> list[WandBLogger]:
         container = self.metrics_processor.logger
