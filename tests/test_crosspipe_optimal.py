@@ -133,3 +133,20 @@ def test_time_unit():
     assert time_unit_for([1.0, 2.0, 30.0]) == 1.0
     assert time_unit_for([1.5, 0.25]) == pytest.approx(0.01)
     assert time_unit_for([1 / 3]) == pytest.approx(1e-3)  # not representable: finest grid, rounded
+
+
+def test_weight_gradient_memory_share():
+    """Memory deltas (M_F, M_D, M_W) = (1, −0.5, −0.5): half of an activation stays until W. With a limit
+    of 1.5 a stage can hold at most one activation plus one W-half, so both the solver and the greedy
+    must run each W before the second F after it; the optimum cannot beat the (1, −1, 0) optimum at the
+    same limit (a strictly tighter constraint)."""
+    base = dict(num_ranks=2, num_microbatches=3, stage_to_rank=(0, 1), f_ms=(1.0, 1.0), b_ms=(1.0, 1.0),
+                w_ms=(1.0, 1.0), link_latency_ms=(0.5,), link_transfer_ms=(0.0,), memory_limit=(1.5, 1.5))
+    split = CrossPipeProblem(**base, memory_deltas=(1.0, -0.5, -0.5))
+    loose = CrossPipeProblem(**base)
+    a, b = _solve(split), _solve(loose)
+    assert a.makespan_ms >= b.makespan_ms - 1e-9
+    assert max(peak_memory(split, a.orders)) <= 1.5 + 1e-9
+    greedy = plan_crosspipe_problem(split, "udsub")
+    assert max(peak_memory(split, greedy.orders)) <= 1.5 + 1e-9
+    assert a.makespan_ms <= greedy.makespan_ms + 1e-9
