@@ -180,12 +180,14 @@ def _body(rank, world):
         router.recv_timeout_s = 20.0
         ref_losses, ref_params = _train(rank, router)
         clean_failed = dict(router.failed)
-        sent_before = dict(router._send_seq)
         # rank 0's direct F sends break from the 3rd step on, rank 1's direct B sends one step later
+        # (the same dead links configured on both ends; sequence numbers continue from the clean run)
+        f_start = router._send_seq.get((1, "F"), 0) if rank == 0 else router._recv_seq.get((0, "F"), 0)
+        b_start = router._recv_seq.get((1, "B"), 0) if rank == 0 else router._send_seq.get((0, "B"), 0)
         if rank == 0:
-            router.faults = FaultInjector(broken={(1, "F")}, from_seq=sent_before.get((1, "F"), 0) + 2 * 4 + 1)
+            router.faults = FaultInjector(broken={(1, "F"): f_start + 2 * 4 + 1, (1, "B"): b_start + 3 * 4 + 2})
         else:
-            router.faults = FaultInjector(broken={(0, "B")}, from_seq=sent_before.get((0, "B"), 0) + 3 * 4 + 2)
+            router.faults = FaultInjector(broken={(0, "F"): f_start + 2 * 4 + 1, (0, "B"): b_start + 3 * 4 + 2})
         losses, params = _train(rank, router)
         out.update(ref_losses=ref_losses, losses=losses, clean_failed=clean_failed,
                    failed=dict(router.failed), injected=router.faults.injected,

@@ -11,14 +11,26 @@ User documentation: docs/delegate.md.
 
 from .pool import Channel, DelegateError, DelegatePool, delegates_needed, pipeline_channels, store_address
 from .ring import our_shm_names, sweep_stale_segments
+from .transport import FaultInjector, P2PRouter
 
 __all__ = [
     "Channel",
     "DelegateError",
     "DelegatePool",
+    "DelegatedPipeMorph",
+    "FaultInjector",
+    "P2PRouter",
     "delegates_needed",
     "our_shm_names",
     "pipeline_channels",
     "store_address",
     "sweep_stale_segments",
 ]
+
+
+def __getattr__(name):  # the schedule imports PipeMorph: load it on first use only
+    if name == "DelegatedPipeMorph":
+        from .schedule import DelegatedPipeMorph
+
+        return DelegatedPipeMorph
+    raise AttributeError(name)

@@ -12,10 +12,13 @@ n-th receive) and routes each message:
   shows up there, or after the timeout); a copy that arrives twice is dropped by sequence number.
   A channel that failed over stays on the delegate path (its direct pair is no longer trusted).
 
-Fault model and limit: a failed link is seen by the sender (error or timeout on the send, as with an
+Fault model and limits: a failed link is seen by the sender (error or timeout on the send, as with an
 RNIC failure / NCCL timeout).  If the sender's direct send *succeeded* but the receiver still timed
 out, the receiver waits ``pool.timeout_s`` on the delegate path and then raises :class:`DelegateError`
-(a clear stop, never a silent hang or a wrong tensor).
+(a clear stop, never a silent hang or a wrong tensor).  A direct Gloo receive that is abandoned
+(failover while it was posted) later hits the group's timeout, and Gloo then closes that pair of the
+direct group: traffic of the channel keeps flowing through the delegates, but collectives on the same
+group over that pair would fail — on a real dead link they fail anyway.
 
 Delay injection for tests and benchmarks: ``hol_delay_ms[peer]`` holds the caller of a direct send for
 that long before posting it — the head-of-line blocking of PipeMorph §3.2 (a send that cannot start
@@ -49,18 +52,19 @@ def DelegationMode(mode: str) -> str:  # noqa: N802 - validated enum-like string
 class FaultInjector:
     """Injects primary-path faults: ``fails(op, peer, direction, seq) -> bool`` with op "send"/"recv".
 
-    ``FaultInjector(broken={(peer, "F")}, from_seq=k)``: every direct send to / receive from ``peer`` in
-    direction ``F`` with sequence number >= k fails (a dead link; the send raises, the receive never
-    completes)."""
+    ``FaultInjector(broken={(peer, "F"): k})`` (or a set of channels plus ``from_seq=k``): every direct
+    send to / receive from ``peer`` in direction ``F`` with sequence number >= k fails — a dead link: the
+    send raises, the receive is never satisfied.  Inject it on both ends of the link (a real dead link
+    is dead for both; a receive left posted on a Gloo pair that then times out closes that pair)."""
 
     def __init__(self, broken=(), from_seq: int = 0, predicate: Callable[..., bool] | None = None):
-        self.broken = set(broken)
-        self.from_seq = from_seq
+        self.broken = dict(broken) if isinstance(broken, dict) else {c: from_seq for c in broken}
         self.predicate = predicate
         self.injected = 0
 
     def fails(self, op: str, peer: int, direction: str, seq: int) -> bool:
-        hit = (peer, direction) in self.broken and seq >= self.from_seq
+        start = self.broken.get((peer, direction))
+        hit = start is not None and seq >= start
         if self.predicate is not None:
             hit = hit or bool(self.predicate(op, peer, direction, seq))
         if hit:

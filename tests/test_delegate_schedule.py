@@ -1,0 +1,101 @@
+"""Delegation wired into the PipeMorph schedule (gloo, 2 ranks, loopback): always / auto / failover.
+
+Each scenario runs the same fixed plan (adaptive=False) as a direct-P2P PipeMorph run, so the losses
+and parameters must be bit-identical to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as Fn
+from torch.distributed.pipelining import PipelineStage
+
+from titan_ext.runtime.testing import mlp_stages, run_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+DIM, BATCH, N_MB, STEPS = 8, 16, 4, 6
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+
+
+def _train(rank, world, make):
+    mods = mlp_stages(world, DIM)
+    sched = make(PipelineStage(mods[rank], rank, world, torch.device("cpu")))
+    opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
+    losses = []
+    for k in range(STEPS):
+        x, y = _batch(k)
+        out: list = []
+        opt.zero_grad()
+        if rank == 0:
+            sched.step(x, losses=out)
+        else:
+            sched.step(target=y, losses=out)
+        opt.step()
+        losses.append([float(v) for v in out])
+    return sched, losses, [p.detach().clone() for p in mods[rank].parameters()]
+
+
+def _worker(rank, world):
+    from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
+    from titan_ext.runtime.delegate.schedule import DelegatedPipeMorph
+    from titan_ext.runtime.delegate.transport import FaultInjector
+
+    kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
+    out = {}
+    _, ref_losses, ref_params = _train(rank, world, lambda st: PipeMorph(st, N_MB, **kw))
+    out["ref_losses"] = ref_losses
+
+    def check(name, sched, losses, params):
+        out[f"{name}_losses_equal"] = losses == ref_losses
+        out[f"{name}_params_equal"] = all(torch.equal(a, b) for a, b in zip(params, ref_params))
+        out[f"{name}_counts"] = dict(sched.router.counts)
+        out[f"{name}_log"] = list(sched.delegation_log)
+        out[f"{name}_failed"] = sorted(sched.router.failed)
+        sched.close_delegation()
+
+    # always: every PP message through the delegates
+    sched, losses, params = _train(rank, world, lambda st: DelegatedPipeMorph(st, N_MB, delegation="always", **kw))
+    check("always", sched, losses, params)
+
+    # auto: 30 ms injected on link 0 → PipeMorph's link estimate flags it → delegates from a boundary on
+    inj = inject_link_delays("0:30")
+    try:
+        sched, losses, params = _train(rank, world, lambda st: DelegatedPipeMorph(
+            st, N_MB, delegation="auto", slow_link_ms=10.0, **kw))
+    finally:
+        remove_link_delays()
+    del inj
+    check("auto", sched, losses, params)
+
+    # off + failover: rank 0's direct F link dies in the 3rd iteration
+    faults = FaultInjector(broken={(1 - rank, "F"): 2 * N_MB + 1})  # the dead link, seen from both ends
+    sched, losses, params = _train(rank, world, lambda st: DelegatedPipeMorph(
+        st, N_MB, delegation="off", failover=True, recv_timeout_s=20.0, faults=faults, **kw))
+    out["failover_injected"] = faults.injected
+    check("failover", sched, losses, params)
+    return out
+
+
+def test_delegation_modes_in_the_schedule():
+    results = run_ranks(_worker, 2)
+    for rank, r in enumerate(results):
+        for name in ("always", "auto", "failover"):
+            assert r[f"{name}_losses_equal"], (rank, name)
+            assert r[f"{name}_params_equal"], (rank, name)
+        # always: nothing went direct
+        assert r["always_counts"]["direct"] == 0 and r["always_counts"]["delegate"] == 2 * N_MB * STEPS
+        assert r["always_log"][0]["iteration"] == 0
+        # auto: switched on at an iteration boundary after the delay was measured, then delegated
+        log = r["auto_log"]
+        assert len(log) == 1 and log[0]["delegating"] and 1 <= log[0]["iteration"] < STEPS - 1, log
+        assert r["auto_counts"]["direct"] == 2 * N_MB * (log[0]["iteration"] + 1)
+        # failover: the broken channel moved to the delegates on both ends, nothing else did
+        assert r["failover_failed"] == [(1 - rank, "F")]
+    assert results[0]["failover_injected"] > 0 and results[1]["failover_injected"] > 0
+    assert len(results[1]["ref_losses"]) == STEPS and all(len(x) == N_MB for x in results[1]["ref_losses"])
