@@ -139,17 +139,22 @@ def test_acf_period_equals_true_period_on_real_gloo_calls_and_detects_slowdown()
         walls = np.diff(rec["walls"])[5 : 5 + len(derived)]
         assert np.median(np.abs(derived - walls) / walls) < 0.1
         assert abs(derived.sum() - walls.sum()) / walls.sum() < 0.05
-    # Detection from call records alone (no trainer help), on rank 0 whose pipeline peer is healthy:
-    # DP all-reduce with the slow rank 3 (via rank 1 / 2) stretches every rank's iteration.
+    # Detection from call records alone (no trainer help), on every rank: rank 3's slowdown reaches
+    # all ranks through the pipeline and the DP all-reduce.
     from types import SimpleNamespace
 
-    mon = FalconMonitor(recorder=SimpleNamespace(records=data[0]["records"]))
-    out = mon.observe(None)
-    onsets = [c for c in mon.detector.change_points if c.kind == "onset"]
-    assert len(onsets) == 1
-    # calls of iteration i start the i-th period; the first derived time belongs to iteration ~1
-    assert abs(onsets[0].index - slow_from) <= 2, onsets
-    assert out["falcon/state"] == "slow"
+    for r in range(4):
+        mon = FalconMonitor(recorder=SimpleNamespace(records=data[r]["records"]))
+        out = mon.observe(None)
+        assert mon._period == np.diff(data[r]["boundaries"])[-1]
+        assert len(mon.detector.times) == len(data[r]["boundaries"]) - 2  # one per full period
+        # The injected slowdown (iteration 35 on) is a verified upward change-point near 35; on a
+        # shared host CPU contention can cause other (real) slowdowns too, so only this one is
+        # asserted, plus the final state.
+        ups = [c for c in mon.detector.change_points
+               if c.kind in ("onset", "level") and c.relative_change >= 0.1]
+        assert any(abs(c.index - slow_from) <= 2 for c in ups), mon.detector.change_points
+        assert out["falcon/state"] == "slow"
 
 
 # --------------------------------------------------------------------------- validation
