@@ -606,18 +606,11 @@ def peak_memory(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -
 
 
 def to_actions(orders: Mapping[int, Sequence[Op]]) -> dict:
-    """Plain tuples → torch IR ``dict[rank, list[_Action]]`` (torch imported lazily)."""
-    try:
-        from titan_ext.plan import ir as _ir  # the planning core's single conversion point
-    except ImportError:  # pragma: no cover - before the planning core landed
-        _ir = None
-    if _ir is not None and hasattr(_ir, "to_actions"):
-        return _ir.to_actions({r: list(ops) for r, ops in orders.items()})
-    import importlib
+    """Plain tuples → torch IR ``dict[rank, list[_Action]]`` through the planning core's single
+    conversion point (``titan_ext.plan.ir``, which imports torch lazily)."""
+    from .ir import to_torch_plan
 
-    sch = importlib.import_module("torch.distributed.pipelining.schedules")
-    ct = {F: sch._ComputationType.FORWARD, I: sch._ComputationType.BACKWARD_INPUT, W: sch._ComputationType.BACKWARD_WEIGHT}
-    return {r: [sch._Action(s, ct[k], m) for s, k, m in ops] for r, ops in sorted(orders.items())}
+    return to_torch_plan({r: list(ops) for r, ops in sorted(orders.items())})
 
 
 # ----------------------------------------------------------------------------- planner API
