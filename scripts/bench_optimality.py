@@ -177,7 +177,9 @@ def main(argv=None) -> int:
                 f"{r[k]:.0f}" for k in ("1F1B", "crossud@1F1B", "zb", "crossud@zb", "zb-h1", "crossud@zb-h1",
                                         "ZBV", "crosswave@ZBV")) + " |")
         if args.json:
-            args.json.write_text(json.dumps({"delay_table": rows}, indent=1))
+            meta = {"command": " ".join(sys.argv), "python": platform.python_version(),
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+            args.json.write_text(json.dumps({"meta": meta, "delay_table": rows}, indent=1))
         return 0
 
     from titan_ext.plan.ir import torch_schedules
