@@ -29,14 +29,17 @@ Output: whole actions in torch's IR.  torch's runtime cannot execute part of an 
 sub-block timeline is turned into whole actions ordered by the completion time of their last sub-block
 (a W interrupted by an I is placed after that I).  The makespan of that whole-action plan is then
 recomputed with :func:`replay` (same model), and, like CrossPipe's schedule selection (§6.2), the
-generator keeps the best of a small portfolio of candidates (``n_sub`` values and the steady-phase
-priority) by that replayed makespan.
+generator keeps the best of a portfolio of candidates by that replayed makespan (steady-phase rule,
+a one-operation backward lookahead, per-stage in-flight caps from PipeMorph's Alg.1/2, ``n_sub``,
+the V-turn memory reserve — see :func:`plan_crosspipe_problem`; ``portfolio=False`` is one run of
+Alg.1 as published).
 
 Memory (§4.2, inputs M_F, M_D, M_W, M_L): net memory change per operation in *activation units* — by
 default F = +1, I = −1, W = 0, i.e. the limit is on in-flight activations (F done − I done) per rank,
 the quantity ``simulate`` reports as ``peak_inflight``.  An F is only scheduled if the rank stays
 within its limit; on a rank holding several stages (CrossWave), an F of an earlier stage also keeps
-one unit per later stage on that rank free, so the V turn can always proceed (no memory deadlock).
+memory free for the later stages on that rank (``reserve``), so the V turn can always proceed (no
+memory deadlock).
 
 This module is pure Python: no torch or ortools at import time.
 """
