@@ -251,7 +251,7 @@ def _run_monitor(mon, n, slow_from, slow_t, report):
 def test_monitor_pp_link_leads_to_pipemorph_replan_with_link_and_delay():
     costs = StrategyCosts(pipemorph_replan=1.0, topology_adjustment=1e6, checkpoint_restart=1e9)
     grid = [[0, 1, 2, 3], [4, 5, 6, 7]]  # 2 DP x 4 PP
-    mon = FalconMonitor(FalconConfig(costs=costs), grid=grid)
+    mon = FalconMonitor(FalconConfig(costs=costs, delegation_available=True), grid=grid)
     links = {(1, 2): 0.031, (2, 1): 0.030, (0, 1): 0.001, (2, 3): 0.001, (3, 0): 0.001, (1, 0): 0.001}
     log = _run_monitor(mon, 150, 80, 1.3, lambda m: m.report_validation(link_times_s=links, pause_s=0.2))
     onset = next(o for o in log if o.get("falcon/event") == "onset")
@@ -261,6 +261,7 @@ def test_monitor_pp_link_leads_to_pipemorph_replan_with_link_and_delay():
     rep = next(o for o in log if "pipemorph_replan" in o.get("falcon/apply", ""))
     assert rep["falcon/plan/pp_link"] == 1  # ranks 1, 2 = stages 1, 2 of replica 0 -> link 1
     assert rep["falcon/plan/link_excess_ms"] == pytest.approx(30.0)  # 31 ms - median 1 ms
+    assert rep["falcon/plan/delegation"] == 1
     # ski rental: switch at the first iteration after detection where the slowdown accumulated since
     # the change-point (~0.3 s per slow iteration) reaches the 1 s overhead
     cp = onset["falcon/change_point_iteration"]

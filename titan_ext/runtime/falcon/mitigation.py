@@ -63,12 +63,13 @@ class StrategyCosts:
         return float(getattr(self, strategy))
 
 
-def strategies_for(root_cause: str, delegation_available: bool = False) -> list[str]:
+def strategies_for(root_cause: str) -> list[str]:
     """FindStrategies(event.root_cause) of Alg. 1, before sorting by overhead.
 
     Effectiveness follows Falcon Table 3 and PipeMorph §6: a slow PP link is handled by re-planning
-    the pipeline (with delegation when available); a slow DP link by moving it onto a PP hop
-    (topology); a slow device by micro-batch redistribution, then straggler consolidation.
+    the pipeline (the monitor adds CPU delegation to that decision when available); a slow DP link by
+    moving it onto a PP hop (topology), after which the residual PP straggler is PipeMorph's; a slow
+    device by micro-batch redistribution, then straggler consolidation.
     """
     replan = "pipemorph_replan"
     table = {
@@ -95,7 +96,6 @@ class MitigationPlanner:
     """
 
     costs: StrategyCosts = field(default_factory=StrategyCosts)
-    delegation_available: bool = False
 
     def __post_init__(self):
         self.active = False
@@ -110,7 +110,7 @@ class MitigationPlanner:
               slow_times_so_far: Sequence[float] = ()) -> None:
         """Open an event. ``slow_times_so_far``: iteration times since the onset that were observed
         before the root cause was known (they count as slow iterations and impact; Alg. 1 line 10)."""
-        cands = strategies_for(root_cause, self.delegation_available)
+        cands = strategies_for(root_cause)
         cands.sort(key=self.costs.of)  # Alg. 1 line 6 (stable: ties keep effectiveness order)
         self.candidates, self.next_id = cands, 0
         self.active, self.slow_iters, self.impact_s = True, 0, 0.0

@@ -78,7 +78,7 @@ class FalconMonitor:
         self._group_excess_s: dict = {}
         self.recorder = recorder
         self.detector = SlowIterationDetector(self.config.detector)
-        self.planner = MitigationPlanner(self.config.costs, self.config.delegation_available)
+        self.planner = MitigationPlanner(self.config.costs)
         self.iteration = -1
         self.recent = deque(maxlen=max(1, self.config.effect_window))
         self._pending_effects: list[tuple[str, int, float]] = []  # (strategy, applied_at, before)
@@ -230,6 +230,8 @@ class FalconMonitor:
         self.root_cause = cause
         self._awaiting_validation_since = None
         out["falcon/root_cause"] = cause
+        if not self.detector.slow:
+            return  # the event already ended (relief before the validation arrived)
         healthy = self.detector.healthy_mean_s or float(np.mean(self.recent))
         # Slow iterations since the change-point, except the current one (step() adds it).
         cp = self.detector.change_points[-1] if self.detector.change_points else None
@@ -260,6 +262,8 @@ class FalconMonitor:
             if link is not None:
                 out["falcon/plan/pp_link"] = link
                 out["falcon/plan/link_excess_ms"] = 1e3 * excess
+            # PipeMorph §5/§6: CPU delegation accompanies the re-plan where it is available.
+            out["falcon/plan/delegation"] = int(self.config.delegation_available)
         if strategy == "topology_adjustment" and self.grid is not None:
             plan = plan_topology(self.grid, self.slow_links, self.slow_devices)
             out["falcon/plan/topology_grid"] = json.dumps([list(r) for r in plan.grid])
