@@ -78,3 +78,84 @@ def test_summary_table(tmp_path):
     assert sa["loss_first"] == 8.0 and sa["loss_last"] == 1.0
     table = format_table([sa, sb])
     assert "a is 1.50x as fast as b" in table
+
+
+# -- cross-host clock alignment, 2 gloo ranks on loopback ------------------------------------------
+
+class _FakeStage:
+    def __init__(self, index, num_stages):
+        self.stage_index, self.num_stages = index, num_stages
+
+    def forward_one_chunk(self, mb, *args, **kwargs):
+        import time
+        time.sleep(0.02)
+
+    def backward_one_chunk(self, mb, loss=None, full_backward=True, last_backward=False):
+        pass
+
+    def backward_weight_one_chunk(self, mb, last_backward=False):
+        pass
+
+
+class _FakeSchedule:
+    def __init__(self, stage):
+        self._stages = [stage]
+
+    def step(self):
+        for stage in self._stages:
+            stage.forward_one_chunk(0)
+
+
+def _clock_worker(rank, world, port, skew_ns, out):
+    import os
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    from titan_ext.titan import monitor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # pretend every rank is on its own host, with a clock ``skew_ns * rank`` ahead
+        monitor.socket.gethostname = lambda: f"host{rank}"
+        clock = lambda: time.monotonic_ns() + skew_ns * rank  # noqa: E731
+        mon = monitor.PipelineMonitor(_FakeSchedule(_FakeStage(rank, world)), dist.group.WORLD, clock=clock)
+        dist.barrier()
+        mon.schedule.step()
+        tl = mon.gather(step=1)
+        if rank == 0:
+            starts = {a.stage: a.start_ns for a in tl.actions}
+            out.put((mon.clock_offset_ns, starts))
+        else:
+            out.put((mon.clock_offset_ns, None))
+    finally:
+        dist.destroy_process_group()
+    del socket
+
+
+def test_clock_offsets_across_hosts_are_estimated_and_removed():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    skew = 5_000_000_000  # rank 1's clock is 5 s ahead
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_clock_worker, args=(r, 2, port, skew, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    offsets = sorted(r[0] for r in results)
+    assert offsets[0] == 0
+    assert abs(offsets[1] - skew) < 50_000_000  # barrier exit skew on loopback: well below 50 ms
+    starts = next(r[1] for r in results if r[1] is not None)
+    # both ranks started their F right after the same barrier: aligned, not 5 s apart
+    assert abs(starts[1] - starts[0]) < 100_000_000

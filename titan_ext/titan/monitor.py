@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["Action", "IterationTimeline", "PipelineMonitor", "timeline_stats"]
@@ -179,10 +178,10 @@ class PipelineMonitor:
         samples = []
         for _ in range(5):
             dist.barrier(group=self.pp_group)
-            t = torch.tensor([self._clock()], dtype=torch.int64)
-            ts = [torch.zeros_like(t) for _ in hosts]
-            dist.all_gather(ts, t, group=self.pp_group)
-            samples.append(int(t.item()) - int(ts[0].item()))
+            t = self._clock()  # stamped at barrier exit; exchanged afterwards
+            ts: list[Any] = [None] * len(hosts)
+            dist.all_gather_object(ts, t, group=self.pp_group)  # works on gloo and NCCL groups
+            samples.append(t - ts[0])
         return int(statistics.median(samples))
 
     # -- gathering -------------------------------------------------------------------------
