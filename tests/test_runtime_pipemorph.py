@@ -243,7 +243,7 @@ def _agreement_worker(rank: int, world: int, n_mb: int, cls_name: str):
 
 @pytest.mark.parametrize("variant", ["noisy", "dissent"])
 def test_ranks_agree_on_every_deployed_plan(variant):
-    world, n_mb = 3, 8
+    world, n_mb = 3, 16
     results = run_ranks(_agreement_worker, world, n_mb, variant)
     assert all(r["hashes"] == results[0]["hashes"] for r in results)
     deploys = [[(e["iteration"], e["plan_hash"]) for e in r["log"] if e["decision"] == "deploy"] for r in results]

@@ -314,6 +314,7 @@ class LinkDelayInjector:
         self._last_arrival: dict[tuple[int, int], float] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._issuing = 0
         self.messages_delayed = 0
         self.messages_passed = 0
         self._orig_batch_p2p = None
@@ -408,6 +409,7 @@ class LinkDelayInjector:
                         wait = due - time.monotonic()
                         if wait <= 0:
                             _, _, item = heapq.heappop(self._heap)
+                            self._issuing += 1
                             break
                         self._lock.wait(timeout=wait)
                     elif self._stopping:
@@ -420,13 +422,16 @@ class LinkDelayInjector:
                 work._set([real])
             except BaseException as exc:  # surfaced to the caller's wait()
                 work._set(None, exc)
+            finally:
+                with self._lock:
+                    self._issuing -= 1
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Block until every held-back send has been issued."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                if not self._heap:
+                if not self._heap and not self._issuing:
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError("delay injector: held-back sends not issued within timeout")

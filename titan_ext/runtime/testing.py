@@ -33,31 +33,46 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, arg
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    result: Any
+    path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}")
-        try:
-            result = ("ok", fn(rank, world_size, *args))
-        finally:
-            try:
-                from .delay_injection import remove_link_delays
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which stops the other ranks
+        with open(path, "wb") as fh:
+            pickle.dump(("error", traceback.format_exc()), fh)
+        os._exit(1)
+    from .delay_injection import remove_link_delays
 
-                remove_link_delays()
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as fh:
+    remove_link_delays()
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(path, "wb") as fh:
         pickle.dump(result, fh)
+    # Skip interpreter finalisation (daemon threads, C++ destructors of process-group objects): the
+    # result is on disk and the process group is already destroyed.
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    If a rank fails, the others are terminated and the failing rank's traceback is raised.
+    """
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_entry, args=(fn, world_size, free_port(), outdir, args, env or {}),
-                           nprocs=world_size, join=True, start_method="spawn")
+        try:
+            mp.start_processes(_entry, args=(fn, world_size, free_port(), outdir, args, env or {}),
+                               nprocs=world_size, join=True, start_method="spawn")
+        except Exception as exc:  # noqa: BLE001
+            errors = []
+            for rank in range(world_size):
+                path = os.path.join(outdir, f"rank{rank}.pkl")
+                if os.path.exists(path):
+                    with open(path, "rb") as fh:
+                        status, value = pickle.load(fh)
+                    if status != "ok":
+                        errors.append(f"rank {rank} failed:\n{value}")
+            raise RuntimeError("\n".join(errors) or str(exc)) from None
         results = []
         for rank in range(world_size):
             path = os.path.join(outdir, f"rank{rank}.pkl")
@@ -99,7 +114,7 @@ class _SleepIdentity(torch.autograd.Function):
         if fwd_s > 0:
             time.sleep(fwd_s)
         ctx.bwd_s = bwd_s
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

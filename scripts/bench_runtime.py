@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Iteration time of torch's Schedule1F1B, a ZeroBubble baseline and PipeMorph under an injected delay
+on the last PP link, 4 gloo ranks on loopback, all in one invocation (baselines side by side).
+
+Compute modes (named in the output):
+  sleep  — emulated device compute: every stage's F / I / W sleeps a fixed time (default 10 ms each,
+           the uniform t of PipeMorph §3.1); the achieved times are measured by PipeMorph's profiler and
+           printed (calibration check).  Real tensors cross the links.
+  model  — a real small transformer (4 stages) computing on the CPU (2 cores time-shared by 4 ranks).
+
+ZeroBubble baseline: torch's ScheduleInterleavedZeroBubble with one stage per rank ("torch-ZB1P");
+if torch refuses that layout, our ZB plan (PipeMorph Fig.4, x_i = 2(S−i)−1) run statically.
+
+Per cell: median over --steps iterations after --warmup iterations; an iteration's time is the max over
+ranks of (step end − common barrier exit).  Ratios: best baseline / PipeMorph (speed-up), PipeMorph /
+best baseline − 1 (overhead).  Also reports PipeMorph's re-plan + swap time as % of iteration time.
+
+    .venv/bin/python scripts/bench_runtime.py --mode sleep --json bench_runtime_sleep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as Fn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from titan_ext.runtime.testing import run_ranks  # noqa: E402
+
+SCHEDULES = ("1F1B", "ZB", "PipeMorph")
+
+
+def _build(kind: str, mode: str, rank: int, world: int, args) -> tuple:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
+
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.testing import SleepComputeStage, TinyTransformerStage
+
+    if mode == "sleep":
+        mod = SleepComputeStage(args.dim, args.f_ms, args.i_ms, args.w_ms, seed=rank)
+    else:
+        mod = TinyTransformerStage(args.vocab, args.dim, args.layers, 4, rank == 0, rank == world - 1, seed=rank)
+    stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    n = args.microbatches
+    loss = _loss(mode)
+    label = kind
+    if kind == "1F1B":
+        sched = Schedule1F1B(stage, n, loss_fn=loss)
+    elif kind == "ZB":
+        try:
+            sched = ScheduleInterleavedZeroBubble([stage], n, loss_fn=loss)
+            label = "torch-ZB1P"
+        except Exception:  # noqa: BLE001
+            sched = PipeMorph([stage], n, loss_fn=loss, adaptive=False)
+            sched.planner_schedule = "zb"
+            label = "ZB-static"
+    else:
+        sched = PipeMorph([stage], n, loss_fn=loss)
+    return mod, sched, label
+
+
+def _loss(mode: str):
+    if mode == "sleep":
+        return Fn.mse_loss
+    return lambda out, tgt: Fn.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
+
+
+def _inputs(mode: str, step: int, args) -> tuple:
+    g = torch.Generator().manual_seed(step)
+    b = args.microbatches * args.mb_size
+    if mode == "sleep":
+        return torch.randn(b, args.dim, generator=g), torch.randn(b, args.dim, generator=g)
+    x = torch.randint(0, args.vocab, (b, args.seq), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _worker(rank: int, world: int, mode: str, args) -> dict:
+    from titan_ext.runtime import inject_link_delays
+
+    injector = inject_link_delays("")
+    link = world - 2
+    out: dict = {"cells": []}
+    for delay in args.delays:
+        for kind in SCHEDULES:
+            injector.update(f"{link}:{delay}" if delay > 0 else "")
+            mod, sched, label = _build(kind, mode, rank, world, args)
+            opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
+            times, metrics = [], []
+            for k in range(args.warmup + args.steps):
+                x, y = _inputs(mode, k, args)
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                if rank == 0:
+                    sched.step(x)
+                elif rank == world - 1:
+                    sched.step(target=y)
+                else:
+                    sched.step()
+                elapsed = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64)
+                opt.step()
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times.append(elapsed.item())
+                if kind == "PipeMorph" and hasattr(sched, "last_metrics"):
+                    m = sched.last_metrics
+                    metrics.append({k2: m[k2] for k2 in (
+                        "iteration", "decision", "plan_version", "warmup_counts", "replan_ms", "exchange_ms",
+                        "boundary_ms", "bubble_rate", "link_delay_ms", "compute_ms", "iteration_time_ms")})
+            cell = {"delay_ms": delay, "schedule": label, "times_ms": times,
+                    "median_ms": statistics.median(times[args.warmup:])}
+            if metrics:
+                steady = metrics[args.warmup:]
+                replans = [m["replan_ms"] for m in metrics if m["decision"] in ("adapt", "shrink", "calibrate")]
+                cell.update({
+                    "metrics": metrics,
+                    "replan_swap_ms_max": max(replans) if replans else 0.0,
+                    "exchange_ms_median": statistics.median(m["exchange_ms"] for m in steady),
+                    "final_warmup_counts": metrics[-1]["warmup_counts"],
+                    "decisions": [(m["iteration"], m["decision"]) for m in metrics if m["decision"] not in ("keep",)],
+                    "measured_compute_ms": metrics[-1]["compute_ms"],
+                    "measured_link_delay_ms": metrics[-1]["link_delay_ms"],
+                    "bubble_rate_median": statistics.median(m["bubble_rate"] for m in steady),
+                })
+            out["cells"].append(cell)
+            del sched
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["sleep", "model", "both"], default="both")
+    ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 30.0, 60.0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--mb-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--f-ms", type=float, default=10.0)
+    ap.add_argument("--i-ms", type=float, default=10.0)
+    ap.add_argument("--w-ms", type=float, default=10.0)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--json", default="bench_runtime.json")
+    args = ap.parse_args()
+    modes = ["sleep", "model"] if args.mode == "both" else [args.mode]
+    report = {"command": " ".join(sys.argv), "machine": f"{platform.node()} {os.cpu_count()} cpus, torch {torch.__version__}",
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args), "modes": {}}
+    for mode in modes:
+        t0 = time.time()
+        res = run_ranks(_worker, args.world, mode, args)[0]
+        report["modes"][mode] = res
+        name = ("sleep-compute (emulated device: F=%g I=%g W=%g ms sleeps)" % (args.f_ms, args.i_ms, args.w_ms)
+                if mode == "sleep" else
+                "real-model (transformer dim=%d, %d layer/stage, seq=%d, CPU)" % (args.dim, args.layers, args.seq))
+        print(f"\n== mode: {name}; {args.world} gloo ranks, N={args.microbatches}, delay on link "
+              f"{args.world - 2} (last); median of {args.steps} iterations after {args.warmup} warm-up "
+              f"[{time.time() - t0:.0f} s]")
+        print(f"{'delay ms':>8} | " + " | ".join(f"{s:>12}" for s in ("1F1B", "ZB", "PipeMorph"))
+              + " | speed-up vs best | overhead | replan+swap % | final x")
+        for delay in args.delays:
+            cells = {c["schedule"]: c for c in res["cells"] if c["delay_ms"] == delay}
+            pm = cells["PipeMorph"]
+            zb = next(c for s, c in cells.items() if s not in ("1F1B", "PipeMorph"))
+            best = min(cells["1F1B"]["median_ms"], zb["median_ms"])
+            pm["speedup_vs_best_baseline"] = best / pm["median_ms"]
+            pm["overhead_vs_best_baseline"] = pm["median_ms"] / best - 1
+            pm["replan_swap_pct_of_iteration"] = 100 * pm["replan_swap_ms_max"] / pm["median_ms"]
+            print(f"{delay:>8g} | {cells['1F1B']['median_ms']:>12.1f} | {zb['median_ms']:>12.1f} | "
+                  f"{pm['median_ms']:>12.1f} | {pm['speedup_vs_best_baseline']:>15.2f}x | "
+                  f"{100 * pm['overhead_vs_best_baseline']:>+7.1f}% | {pm['replan_swap_pct_of_iteration']:>12.2f} | "
+                  f"{pm['final_warmup_counts']}")
+        print(f"   ZB baseline used: {zb['schedule']}")
+        for delay in args.delays:
+            pm = next(c for c in res["cells"] if c["delay_ms"] == delay and c["schedule"] == "PipeMorph")
+            comp = {k: [round(v, 1) for v in vs] for k, vs in pm["measured_compute_ms"].items()}
+            print(f"   PipeMorph @ {delay:g} ms: decisions {pm['decisions']}, measured compute {comp}, "
+                  f"link delays {{{', '.join(f'{k}: {v:.1f}' for k, v in pm['measured_link_delay_ms'].items())}}}, "
+                  f"bubble {pm['bubble_rate_median']:.2f}, exchange {pm['exchange_ms_median']:.1f} ms")
+    with open(args.json, "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

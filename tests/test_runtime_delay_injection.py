@@ -1,0 +1,197 @@
+"""Link-delay injection: spec/trace parsing with clear errors, the α-β-occupancy model against closed
+forms, and live gloo measurements (one-way latency of an injected link, bandwidth cap, torch's own
+Schedule1F1B facing the same straggler, installation from the environment)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as Fn
+
+from titan_ext.runtime.delay_injection import (
+    ENV_VAR,
+    DelaySpecError,
+    LinkDelayInjector,
+    current_injector,
+    inject_link_delays,
+    install_from_env,
+    link_of_ranks,
+    load_delay_trace,
+    parse_delay_spec,
+)
+from titan_ext.runtime.testing import mlp_stages, run_ranks
+
+
+# ---------------------------------------------------------------- parsing
+def test_static_spec_parses_links_latency_and_bandwidth():
+    s = parse_delay_spec("2:30, 0:10:100MB/s,*:5")
+    assert s.at(0, 2).latency_ms == 30 and math.isinf(s.at(0, 2).bandwidth_bytes_per_s)
+    assert s.at(0, 0).latency_ms == 10 and s.at(0, 0).bandwidth_bytes_per_s == 100e6
+    assert s.at(0, 1).latency_ms == 5  # wildcard
+    assert parse_delay_spec("1:0:8Mbit/s").at(0, 1).bandwidth_bytes_per_s == 1e6
+    assert parse_delay_spec("").at(0, 0).is_zero
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("2:abc", "latency 'abc' is not a number"),
+    ("x:30", "link 'x'"),
+    ("2:-5", "must be a finite number >= 0"),
+    ("2:30:5furlongs", "bandwidth '5furlongs'"),
+    ("2:30,2:10", "link 2 given twice"),
+    ("2:30,,1:5", "empty item"),
+    ("2", "expected LINK:LATENCY_MS"),
+    ("2:30:0MB/s", "must be > 0"),
+])
+def test_malformed_spec_error_names_the_problem(spec, needle):
+    with pytest.raises(DelaySpecError, match="") as err:
+        parse_delay_spec(spec)
+    assert needle in str(err.value), str(err.value)
+
+
+def test_trace_file_piecewise_constant(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text("time_s,link0,link2,link2_bw\n0,0,5,\n0.5,40,0,1e6\n1.5,0,0,inf\n")
+    s = parse_delay_spec(str(path))
+    assert s.at(0.1, 0).latency_ms == 0 and s.at(0.1, 2).latency_ms == 5
+    assert s.at(0.7, 0).latency_ms == 40 and s.at(0.7, 2).bandwidth_bytes_per_s == 1e6
+    assert s.at(2.0, 0).is_zero and s.at(2.0, 2).is_zero
+    assert parse_delay_spec(f"trace:{path}").at(0.7, 0).latency_ms == 40
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("", "empty file"),
+    ("when,link0\n0,1\n", "expected 'time_s'"),
+    ("time_s,speed\n0,1\n", "header column 'speed'"),
+    ("time_s,link0\n0,1\n1,x\n", "line 3: latency of link 0 'x' is not a number"),
+    ("time_s,link0\n1,1\n0.5,2\n", "line 3: time_s 0.5 is not increasing"),
+    ("time_s,link0\n0,1,2\n", "line 2: 3 fields, header has 2"),
+    ("time_s,link0\n", "header only"),
+])
+def test_malformed_trace_error_names_the_problem(tmp_path, content, needle):
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    with pytest.raises(DelaySpecError) as err:
+        load_delay_trace(str(path))
+    assert needle in str(err.value), str(err.value)
+    assert "bad.csv" in str(err.value)
+
+
+def test_missing_trace_file_and_malformed_env(monkeypatch):
+    with pytest.raises(DelaySpecError, match="no such file"):
+        parse_delay_spec("trace:/nonexistent/delays.csv")
+    monkeypatch.setenv(ENV_VAR, "1:fast")
+    with pytest.raises(DelaySpecError, match=f"{ENV_VAR}.*latency 'fast'"):
+        install_from_env()
+
+
+def test_occupancy_model_closed_form():
+    """start = max(t, link_free); arrival = start + size/bw + latency; FIFO per link and direction."""
+    inj = LinkDelayInjector(parse_delay_spec("0:10:1MB/s"))
+    t = 100.0
+    a1 = inj.arrival_time(0, 0, 100_000, t)  # 0.1 s on the wire
+    a2 = inj.arrival_time(0, 0, 100_000, t)  # queued behind the first
+    a3 = inj.arrival_time(0, 1, 100_000, t)  # other direction: independent
+    assert a1 == pytest.approx(t + 0.1 + 0.010)
+    assert a2 == pytest.approx(t + 0.2 + 0.010)
+    assert a3 == pytest.approx(t + 0.1 + 0.010)
+    a4 = inj.arrival_time(0, 0, 0, t + 1.0)  # link idle again
+    assert a4 == pytest.approx(t + 1.010)
+    assert link_of_ranks(2, 3, 4) == 2 and link_of_ranks(3, 0, 4) == 3
+
+
+# ---------------------------------------------------------------- live (gloo)
+def _ping_worker(rank: int, world: int, spec: str, nbytes: int, pings: int):
+    from torch.distributed.pipelining import schedules
+
+    from titan_ext.runtime.profiler import now
+
+    inject_link_delays(spec)
+    numel = max(nbytes // 8, 2)
+    one_way, call_ms = [], []
+    for _ in range(pings):
+        dist.barrier()
+        if rank == 0:
+            payload = torch.zeros(numel, dtype=torch.float64)
+            payload[0] = now()  # perf_counter is CLOCK_MONOTONIC: shared by the processes of one host
+            t = now()
+            works = schedules._batch_p2p([dist.P2POp(dist.isend, payload, 1)])
+            call_ms.append(1e3 * (now() - t))
+            payload[0] = -1.0  # mutating after hand-over must not change what arrives
+            for w in works:
+                w.wait()
+        else:
+            buf = torch.empty(numel, dtype=torch.float64)
+            for w in schedules._batch_p2p([dist.P2POp(dist.irecv, buf, 0)]):
+                w.wait()
+            one_way.append(1e3 * (now() - buf[0].item()))
+    return {"one_way_ms": one_way, "call_ms": call_ms}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_injected_latency_is_measurable_one_way():
+    res = run_ranks(_ping_worker, 2, "0:50", 64, 5)
+    one_way = res[1]["one_way_ms"]
+    assert min(one_way) >= 50.0, one_way
+    assert statistics.median(one_way) < 60.0, one_way
+    # the sender is not slept: handing the message over returns at once
+    assert max(res[0]["call_ms"]) < 10.0, res[0]["call_ms"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bandwidth_cap_delays_by_size():
+    # 200 kB at 2 MB/s = 100 ms on the wire, plus 5 ms latency
+    res = run_ranks(_ping_worker, 2, "0:5:2MB/s", 200_000, 3)
+    one_way = res[1]["one_way_ms"]
+    assert min(one_way) >= 105.0, one_way
+    assert statistics.median(one_way) < 125.0, one_way
+
+
+def _builtin_worker(rank: int, world: int, spec: str | None, steps: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    if spec is None:
+        inj = current_injector()  # installed from the environment at import
+        spec_seen = inj.schedule.source if inj else None
+    else:
+        spec_seen = spec
+        if spec:
+            inject_link_delays(spec)
+    mod = mlp_stages(world, 8, seed=1)[rank]
+    sched = Schedule1F1B(PipelineStage(mod, rank, world, torch.device("cpu")), 4, loss_fn=Fn.mse_loss)
+    times = []
+    for k in range(steps):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64)
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+        times.append(1e3 * (time.perf_counter() - t))
+    return {"times": times, "spec": spec_seen}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torch_builtin_schedule_faces_the_same_straggler(monkeypatch):
+    base = run_ranks(_builtin_worker, 2, "", 3)
+    slow = run_ranks(_builtin_worker, 2, "0:30", 3)
+    # 1F1B on 2 ranks with N=4: every microbatch's F and B cross the link; the critical path holds
+    # at least 4 crossings of 30 ms (F0 out, B0 back, ..., F3 out, B3 back are serialised by 1F1B).
+    t_base = statistics.median(base[0]["times"])
+    t_slow = statistics.median(slow[0]["times"])
+    assert t_slow >= 4 * 30.0, (t_base, t_slow)
+    assert t_slow - t_base >= 100.0, (t_base, t_slow)
+    # the environment variable installs the same injection
+    monkeypatch.setenv(ENV_VAR, "0:30")
+    env = run_ranks(_builtin_worker, 2, None, 3)
+    assert env[0]["spec"] == "0:30"
+    assert statistics.median(env[0]["times"]) >= 4 * 30.0

@@ -1,0 +1,108 @@
+"""Re-planning policy (Eq.1 tolerance, hysteresis) and the profiler's link-delay estimator, against
+closed forms — no process group needed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from titan_ext.plan import PipelineProfile, adapted_warmup_counts, initial_warmup_counts, link_tolerance_ms
+from titan_ext.runtime import ReplanPolicy
+from titan_ext.runtime.profiler import RankProfile, link_delay_estimates, timeline_bubble_rate
+from titan_ext.runtime.pipemorph import warmup_counts_of, plan_hash
+
+S, N, T = 4, 16, 10.0
+
+
+def _profile(delays: dict[int, float]) -> PipelineProfile:
+    return PipelineProfile.uniform(S, N, T, T, T, delays_ms=delays)
+
+
+def test_eq1_tolerance_closed_form_and_adapt_decision():
+    initial = initial_warmup_counts(S, 2 * S - 1)  # Δ = 2 everywhere
+    # Eq.1: c ≤ (Δ (tF + tB) − tF − tB)/2 = (2·20 − 20)/2 = 10 ms
+    assert link_tolerance_ms(_profile({}), initial, 2) == pytest.approx(10.0)
+    pol = ReplanPolicy()
+    assert pol.decide(_profile({2: 10.5}), initial, initial, 5).action == "keep"  # within the margin
+    d = pol.decide(_profile({2: 30.0}), initial, initial, 5)
+    assert d.action == "adapt" and d.violated_links == [2] and d.mode == "adaptive"
+
+
+def test_shrink_needs_sustained_recovery_and_hysteresis_prevents_flapping():
+    initial = initial_warmup_counts(S, 2 * S - 1)
+    pol = ReplanPolicy(recover_patience=3, min_dwell=2)
+    adapted = adapted_warmup_counts(_profile({2: pol.headroom_delay(30.0)}))
+    assert adapted[2] - adapted[3] > 2  # more slack on the slow link
+    # still slow: keep the adapted plan
+    assert pol.decide(_profile({2: 30.0}), adapted, initial, 5).action == "keep"
+    # a single good check is not enough, nor two; the third consecutive one shrinks to Alg.1's plan
+    actions = [pol.decide(_profile({2: 0.5}), adapted, initial, 5).action for _ in range(3)]
+    assert actions == ["keep", "keep", "shrink"]
+    # an interrupted recovery starts counting again
+    pol2 = ReplanPolicy(recover_patience=3)
+    seq = [0.5, 0.5, 30.0, 0.5, 0.5]
+    assert [pol2.decide(_profile({2: c}), adapted, initial, 5).action for c in seq] == ["keep"] * 5
+
+    # jitter straddling the adapt threshold (tol·1.1 + 1 ms = 12 ms, c = 12 ms ± 15 %): one adaptation,
+    # then no oscillation between plans
+    rng = random.Random(0)
+    pol3 = ReplanPolicy()
+    deployed, changes, above = list(initial), [], 0
+    for step in range(60):
+        c = 12.0 * (1 + rng.uniform(-0.15, 0.15))
+        above += c > 12.0
+        d = pol3.decide(_profile({2: c}), deployed, initial, 10)
+        if d.action in ("adapt", "shrink"):
+            changes.append(d.action)
+            planning = _profile({2: pol3.headroom_delay(c)})
+            deployed = adapted_warmup_counts(planning) if d.mode == "adaptive" else list(initial)
+    assert above > 10  # the jitter does cross the threshold many times
+    assert changes == ["adapt"], changes
+
+
+def test_slack_limit_gives_hold_not_replan():
+    S2, N2 = 4, 8  # N − 2S = 0: Alg.2 clips at the floor, nothing bigger exists
+    prof = PipelineProfile.uniform(S2, N2, T, T, T, delays_ms={2: 60.0})
+    x = adapted_warmup_counts(prof)
+    assert ReplanPolicy().decide(prof, x, x, 5).action == "hold"
+
+
+def _rank(sends_next=(), sends_prev=(), arrivals_prev=(), arrivals_next=(), offset=float("nan"),
+          busy=0.0, first_f=float("nan"), last_end=float("nan")) -> RankProfile:
+    return RankProfile(0, 0, 1, 1, 1, float("nan"), busy, first_f, first_f, last_end, 1.0, offset, 0.0, 0.0,
+                       list(sends_next), list(sends_prev), list(arrivals_prev), list(arrivals_next))
+
+
+def test_link_delay_estimator_cancels_clock_offset():
+    """Two ranks whose clocks differ by θ = 3.7 s; true one-way delay 30 ms each way, one late
+    arrival stamp (+20 ms timer noise): the estimate is 30 ms, independent of θ."""
+    theta, d = 3.7, 0.030
+    sends0 = [10.0 + 0.05 * k for k in range(8)]  # rank 0 clock
+    arr1 = [s + d + theta for s in sends0]  # rank 1 clock
+    arr1[3] += 0.020
+    sends1 = [20.0 + 0.05 * k for k in range(8)]  # rank 1 clock
+    arr0 = [s + d - theta for s in sends1]
+    r0 = _rank(sends_next=sends0, arrivals_next=arr0)
+    r1 = _rank(sends_prev=sends1, arrivals_prev=arr1, offset=123.0)  # a wrong offset estimate: unused
+    est = link_delay_estimates([r0, r1])
+    assert est[0]["c_ms"] == pytest.approx(30.0, abs=1e-6)
+
+
+def test_bubble_rate_closed_form():
+    # 2 ranks, clocks offset by 5 s (known), each busy 60 ms over a 100 ms span → bubble 0.4
+    r0 = _rank(busy=60.0, first_f=1.0, last_end=1.1)
+    r1 = _rank(busy=60.0, first_f=6.02, last_end=6.09, offset=5.0)
+    bubble, span = timeline_bubble_rate([r0, r1])
+    assert span == pytest.approx(100.0)
+    assert bubble == pytest.approx(0.4)
+
+
+def test_plan_helpers():
+    from titan_ext.plan import plan_pipemorph
+
+    plan = plan_pipemorph(_profile({}), mode="initial", memory_limit=7)
+    assert warmup_counts_of(plan.actions) == plan.warmup_counts == [7, 5, 3, 1]
+    other = plan_pipemorph(_profile({}), mode="initial", memory_limit=10)
+    assert plan_hash(plan.actions) == plan_hash({r: list(a) for r, a in plan.actions.items()})
+    assert plan_hash(plan.actions) != plan_hash(other.actions)
