@@ -263,3 +263,20 @@ def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp
     baseline = cfg("--titan_ext.delegation", "always", "--parallelism.pipeline_parallel_schedule", "1F1B")
     with pytest.raises(JobConfigError, match=r"\[titan_ext\] delegation = 'always': schedule '1F1B' is not"):
         check_job_config(baseline, world_size=4)
+
+
+def test_pipemorph_gets_one_stage_per_rank(tmp_path):
+    from titan_ext.train import JobConfigError, check_job_config
+
+    body = ('[model]\nname = "llama3"\nflavor = "debugmodel"\n'
+            '[parallelism]\npipeline_parallel_degree = 4\npipeline_parallel_schedule = "PipeMorph"\n')
+    cfg = _parse(["--job.config_file", _toml(tmp_path, body)])
+    assert cfg.parallelism.module_fqns_per_model_part is None
+    check_job_config(cfg, world_size=4)
+    parts = cfg.parallelism.module_fqns_per_model_part
+    assert len(parts) == 4 and parts[0][0] == "tok_embeddings" and parts[-1][-1] == "output"
+    assert sum(len(p) for p in parts) == 6 + 3  # 6 layers + embeddings, norm, output
+    cfg = _parse(["--job.config_file", _toml(tmp_path, body),
+                  "--parallelism.pipeline_parallel_layers_per_stage", "2"])
+    with pytest.raises(JobConfigError, match="pipeline_parallel_layers_per_stage = 2"):
+        check_job_config(cfg, world_size=4)

@@ -121,7 +121,9 @@ def check_job_config(config, world_size: int | None = None) -> None:
             raise JobConfigError(
                 f"[titan_ext] {key} = {value!r}: schedule {par.pipeline_parallel_schedule!r} does "
                 f"not support delegation in this build (use delegation = \"off\")")
-    if is_titan_ext_schedule(par.pipeline_parallel_schedule):
+    from titan_ext.titan.registry import ONE_STAGE_PER_RANK, resolve_schedule_name
+
+    if resolve_schedule_name(par.pipeline_parallel_schedule) in ONE_STAGE_PER_RANK:
         if par.module_fqns_per_model_part is None and par.pipeline_parallel_layers_per_stage is None:
             from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
             from torchtitan.protocols.train_spec import get_train_spec
@@ -133,10 +135,19 @@ def check_job_config(config, world_size: int | None = None) -> None:
                 par.pipeline_parallel_last_stage_less_layers,
             )
         n_parts = len(par.module_fqns_per_model_part or [])
-        if n_parts and n_parts % pp != 0:
+        if n_parts and n_parts != pp:
             raise JobConfigError(
-                f"[parallelism] module_fqns_per_model_part has {n_parts} parts, which is not a "
-                f"multiple of pipeline_parallel_degree = {pp}"
+                f"[parallelism] module_fqns_per_model_part has {n_parts} parts but "
+                f"{par.pipeline_parallel_schedule} runs one stage per PP rank: it needs exactly "
+                f"pipeline_parallel_degree = {pp} parts"
+            )
+        if par.pipeline_parallel_layers_per_stage is not None:
+            raise JobConfigError(
+                f"[parallelism] pipeline_parallel_layers_per_stage = "
+                f"{par.pipeline_parallel_layers_per_stage}: TorchTitan requires >= 2 stages per rank "
+                f"for a multi-stage schedule then, but {par.pipeline_parallel_schedule} runs one stage "
+                f"per PP rank; remove it (titan_ext.train splits the model evenly) or give "
+                f"module_fqns_per_model_part"
             )
     if not config.experimental.custom_import:
         config.experimental.custom_import = "titan_ext"
