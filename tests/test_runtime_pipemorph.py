@@ -5,6 +5,7 @@ iteration boundaries, and rank agreement on plans when local measurements differ
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from titan_ext.plan.builtin import builtin_plan
+from titan_ext.plan import PipelineProfile
 from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
 from titan_ext.runtime.testing import mlp_stages, run_ranks
 
@@ -257,3 +259,68 @@ def test_ranks_agree_on_every_deployed_plan(variant):
             rejects = [e for e in r["log"] if e["decision"] == "reject"]
             assert rejects and "disagree" in rejects[0]["reason"]
             assert not any(e["decision"] == "deploy" and e["kind"] == "adaptive" for e in r["log"])
+
+
+def _adapt_worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float, on: int, off: int, steps: int):
+    from titan_ext.runtime import inject_link_delays
+    from titan_ext.runtime.testing import SleepComputeStage
+
+    injector = inject_link_delays("")
+    mod = SleepComputeStage(DIM, t_ms, t_ms, t_ms, seed=rank)
+    sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss)
+    for k in range(steps):
+        if k == on:
+            injector.update(f"{world - 2}:{delay_ms:g}")
+        if k == off:
+            injector.update("")
+        x, y = _batch(k)
+        if rank == 0:
+            sched.step(x.float())
+        elif rank == world - 1:
+            sched.step(target=y.float())
+        else:
+            sched.step()
+    return {"log": list(sched.decision_log), "metrics": list(sched.metrics_history),
+            "initial": sched.initial_counts}
+
+
+def test_adapts_to_slow_last_link_and_shrinks_after_recovery():
+    """30 ms on the last link from iteration 3: PipeMorph re-plans within 3 iterations with more
+    slackness on that link (enough for Eq.1), iteration time falls; delay removed at iteration 10:
+    slackness shrinks back (Alg.1's plan) after the hysteresis."""
+    from titan_ext.plan import required_slackness
+
+    world, n_mb, t_ms, delay, on, off, steps = 4, 16, 5.0, 30.0, 3, 10, 17
+    link = world - 2
+    results = run_ranks(_adapt_worker, world, n_mb, t_ms, delay, on, off, steps)
+    res = results[0]
+    deploys = [e for e in res["log"] if e["decision"] == "deploy"]
+    assert all([(e["iteration"], e["plan_hash"]) for e in r["log"] if e["decision"] == "deploy"]
+               == [(e["iteration"], e["plan_hash"]) for e in deploys] for r in results)
+    metrics = res["metrics"]
+    adapt = [e for e in deploys if e["iteration"] >= on and e["kind"] == "adaptive"]
+    assert adapt, [(m["iteration"], m["decision"], m["link_delay_ms"]) for m in metrics]
+    first = adapt[0]
+    assert first["iteration"] <= on + 2  # decided at the end of iteration on..on+2, runs from the next
+    initial_slack = res["initial"][link] - res["initial"][link + 1]
+    assert first["slackness"][link] > initial_slack
+    # the new Δ satisfies Eq.1 for the measured delay and compute times at that time
+    m = metrics[first["iteration"]]
+    prof = PipelineProfile(world, n_mb, tuple(m["compute_ms"]["F"]), tuple(m["compute_ms"]["I"]),
+                           tuple(m["compute_ms"]["W"]))
+    need = required_slackness(prof, link, delay_ms=m["link_delay_estimate_ms"][link])
+    assert first["slackness"][link] >= min(need, n_mb - 2 * world)
+    # measured delay on the slow link ~ injected; healthy links stay well below it
+    slow_it = metrics[on + 1]
+    assert 0.9 * delay <= slow_it["link_delay_ms"][link] <= delay + 15.0
+    # iteration time falls once the adapted plan runs
+    t_slow_initial = metrics[on]["iteration_time_ms"]
+    adapted_iters = [m["iteration_time_ms"] for m in metrics[first["iteration"] + 1: off]]
+    assert adapted_iters and statistics.median(adapted_iters) < 0.85 * t_slow_initial, (t_slow_initial, adapted_iters)
+    # recovery: a shrink back to less slackness after the delay is gone
+    shrink = [e for e in deploys if e["iteration"] >= off]
+    assert shrink, [(m["iteration"], m["decision"], m["decision_reason"]) for m in metrics[off:]]
+    assert shrink[0]["slackness"][link] < first["slackness"][link]
+    assert shrink[0]["warmup_counts"] == res["initial"]
+    # no flapping: exactly one adaptation and one shrink
+    assert len([e for e in deploys if e["iteration"] >= on]) == 2, deploys
