@@ -128,6 +128,11 @@ def test_acf_period_equals_true_period_on_real_gloo_calls_and_detects_slowdown()
         _spawn(_period_worker, 4, d, slow_from)
         data = [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(4)]
     for r, rec in enumerate(data):
+        # the hooks saw the pipeline's P2P traffic (outermost call only) and the DP all-reduces
+        ops = {sig[0] for sig in rec["sig"]}
+        assert "all_reduce" in ops and ops & {"isend", "irecv", "batch_isend_irecv"}
+        groups = {sig[1] for sig in rec["sig"] if sig[0] == "all_reduce"}
+        assert len(groups) == 1 and "world" not in groups  # one DP group per rank, not the world
         per_iter = np.diff(rec["boundaries"])
         true_period = int(per_iter[-1])
         assert (per_iter[1:] == true_period).all(), per_iter  # steady state: same calls every step
@@ -165,6 +170,7 @@ def _validation_worker(rank, world, port, outdir):
     from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 
     orig_send, orig_mm = dist.send, torch.mm
+    orig_isend, orig_batch = dist.isend, dist.batch_isend_irecv
     if rank == 2:  # fault injection (test only): link 2 -> 3 is slow by 40 ms per message
         def slow_send(tensor, dst=None, *a, **k):
             if dst == 3:
@@ -177,12 +183,24 @@ def _validation_worker(rank, world, port, outdir):
                 orig_mm(a, b)
             return orig_mm(a, b, *args, **kw)
         torch.mm = slow_mm
+    # CallRecorder: one record per outermost call (batch_isend_irecv -> isend/irecv inside is not
+    # recorded twice), with the tensor bytes
+    from titan_ext.runtime.falcon.hooks import CallRecorder
+
+    peer = rank ^ 1
+    a, b = torch.ones(16), torch.zeros(16)
+    with CallRecorder() as rec:
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a, peer), dist.P2POp(dist.irecv, b, peer)]):
+            w.wait()
+        dist.all_reduce(a)
+    hooked = [(r.op, r.group, r.nbytes) for r in rec.records]
+    assert dist.isend is orig_isend and dist.batch_isend_irecv is orig_batch  # uninstalled
     even = validate_rings([[0, 1, 2, 3]], nbytes=1 << 16, repeats=3)
     odd = validate_rings([[3, 2, 0]], nbytes=1 << 16, repeats=3)  # 3->2, 2->0, 0->3
     gemm = gemm_probe(n=128, repeats=5)
     dist.send, torch.mm = orig_send, orig_mm
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump({"even": even, "odd": odd, "gemm": gemm}, f)
+        pickle.dump({"even": even, "odd": odd, "gemm": gemm, "hooked": hooked}, f)
     dist.destroy_process_group()
 
 
@@ -194,6 +212,7 @@ def test_ring_validation_pinpoints_slow_link_and_gemm_probe_slow_device():
         assert set(r["even"]) == {(0, 1), (1, 2), (2, 3), (3, 0)}
         assert set(r["odd"]) == {(3, 2), (2, 0), (0, 3)}
         assert set(r["gemm"]) == {0, 1, 2, 3}
+        assert r["hooked"] == [("batch_isend_irecv", "world", 128), ("all_reduce", "world", 64)]
     even, odd, gemm = res[0]["even"], res[0]["odd"], res[0]["gemm"]
     assert locate_slow_links(even) == [(2, 3)]
     assert even[(2, 3)] > 0.035

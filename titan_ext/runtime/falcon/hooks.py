@@ -70,7 +70,7 @@ def _group_name(args, kwargs) -> str:
             if isinstance(a, (list, tuple)) and a and isinstance(a[0], dist.P2POp):
                 g = a[0].group
                 break
-    if g is None:
+    if g is None or g is c10d.GroupMember.WORLD:
         return "world"
     try:
         return c10d._get_process_group_name(g)
