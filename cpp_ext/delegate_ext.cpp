@@ -30,7 +30,7 @@
 #include <unistd.h>
 
 #ifdef WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include "delegate_cuda.h"
 #endif
@@ -231,7 +231,7 @@ void d2h_signal(const torch::Tensor& src, Region& r, int64_t data_off, int64_t f
   TORCH_CHECK(src.is_cuda() && src.is_contiguous(), "d2h_signal needs a contiguous CUDA tensor");
   const int64_t n = src.numel() * src.element_size();
   r.check(data_off, n);
-  auto stream = at::cuda::getCurrentCUDAStream(src.device().index());
+  auto stream = c10::cuda::getCurrentCUDAStream(src.device().index());
   check_cuda(titanx_copy_and_signal(r.base + data_off, src.data_ptr(), n, cudaMemcpyDeviceToHost,
                                     device_flag_ptr(r, flag_off), value, nullptr, 0, stream.stream()),
              "d2h_signal");
@@ -246,7 +246,7 @@ void h2d_signal(Region& r, int64_t data_off, const torch::Tensor& dst, int64_t h
   TORCH_CHECK(dev_flag.is_cuda() && dev_flag.scalar_type() == torch::kInt32, "dev_flag: int32 CUDA tensor");
   const int64_t n = dst.numel() * dst.element_size();
   r.check(data_off, n);
-  auto stream = at::cuda::getCurrentCUDAStream(dst.device().index());
+  auto stream = c10::cuda::getCurrentCUDAStream(dst.device().index());
   check_cuda(titanx_copy_and_signal(dst.data_ptr(), r.base + data_off, n, cudaMemcpyHostToDevice,
                                     device_flag_ptr(r, host_flag_off), host_value,
                                     static_cast<uint32_t*>(dev_flag.data_ptr()), dev_value, stream.stream()),
@@ -256,7 +256,7 @@ void h2d_signal(Region& r, int64_t data_off, const torch::Tensor& dst, int64_t h
 // Make the current stream wait (on the device) until dev_flag[0] == value.
 void stream_wait_flag(const torch::Tensor& dev_flag, uint32_t value) {
   TORCH_CHECK(dev_flag.is_cuda() && dev_flag.scalar_type() == torch::kInt32, "dev_flag: int32 CUDA tensor");
-  auto stream = at::cuda::getCurrentCUDAStream(dev_flag.device().index());
+  auto stream = c10::cuda::getCurrentCUDAStream(dev_flag.device().index());
   check_cuda(titanx_stream_wait_flag(static_cast<uint32_t*>(dev_flag.data_ptr()), value, stream.stream()),
              "stream_wait_flag");
 }

@@ -400,12 +400,13 @@ class DelegatePool:
                 ring.set_state(i, R.FREE)
                 raise DelegateError(f"message {seq} from rank {key[0]}: got {dtype}{list(shape)}, "
                                     f"receive posted for {t.dtype}{list(t.shape)}")
-            if t.is_cuda:
-                self._h2d(lane, i, t, h.stream)
-            else:
-                if nbytes:
-                    ring.copy_out(i, t, nbytes)
-                ring.set_state(i, R.FREE)
+            with torch.no_grad():  # receive buffers of pipeline stages are leaves that require grad
+                if t.is_cuda:
+                    self._h2d(lane, i, t, h.stream)
+                else:
+                    if nbytes:
+                        ring.copy_out(i, t, nbytes)
+                    ring.set_state(i, R.FREE)
             h.done = True
             self._mark_consumed(key, seq)
         elif self._is_consumed(key, seq):  # duplicate (failover retry of a message that made it): drop
@@ -418,7 +419,8 @@ class DelegatePool:
         if h.tensor.dtype != data.dtype or tuple(h.tensor.shape) != tuple(data.shape):
             raise DelegateError(f"message {h.seq}: got {data.dtype}{list(data.shape)}, "
                                 f"receive posted for {h.tensor.dtype}{list(h.tensor.shape)}")
-        h.tensor.copy_(data)
+        with torch.no_grad():  # receive buffers of pipeline stages are leaves that require grad
+            h.tensor.copy_(data)
         h.done = True
         self._mark_consumed(h.key, h.seq)
 

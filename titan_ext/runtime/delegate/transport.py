@@ -151,7 +151,8 @@ class _FailoverRecv:
         r._fail_over(self.peer, self.direction, reason)
         tmp = torch.empty_like(self.tensor)  # the abandoned direct receive may still write into its buffer
         pool.post_recv(tmp, self.peer, self.direction, self.seq).wait()
-        self.tensor.copy_(tmp)
+        with torch.no_grad():  # receive buffers of pipeline stages are leaves that require grad
+            self.tensor.copy_(tmp)
         self.path = "delegate"
         self.done = True
         return True
