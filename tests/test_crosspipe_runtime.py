@@ -92,3 +92,21 @@ def test_crosspipe_runtime_trains_like_gpipe_and_replans():
     log = results[0]["log"]
     assert any(e["decision"] == "deploy" and e["kind"] == "forced" for e in log), log
     assert sum(e["kind"] == "forced" for e in log) >= steps - 1, log
+
+
+def test_selectable_in_torchtitan_as_crosspipe():
+    """`pipeline_parallel_schedule = "CrossPipe"` resolves (case-insensitively) to our run-time class, and
+    the [titan_ext] knobs reach its constructor (its signature exposes PipeMorph's keywords)."""
+    from types import SimpleNamespace
+
+    from titan_ext.runtime import CrossPipe as Runtime
+    from titan_ext.runtime import ReplanPolicy
+    from titan_ext.titan.config import TitanExt
+    from titan_ext.titan.options import schedule_kwargs
+    from titan_ext.titan.registry import get_schedule_class
+
+    cls = get_schedule_class("crosspipe")
+    assert issubclass(cls, Runtime)
+    kwargs = schedule_kwargs(Runtime, SimpleNamespace(titan_ext=TitanExt()))
+    assert isinstance(kwargs.get("policy"), ReplanPolicy)
+    assert "adaptive" in kwargs
