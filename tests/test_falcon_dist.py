@@ -195,8 +195,8 @@ def _validation_worker(rank, world, port, outdir):
         dist.all_reduce(a)
     hooked = [(r.op, r.group, r.nbytes) for r in rec.records]
     assert dist.isend is orig_isend and dist.batch_isend_irecv is orig_batch  # uninstalled
-    even = validate_rings([[0, 1, 2, 3]], nbytes=1 << 16, repeats=3)
-    odd = validate_rings([[3, 2, 0]], nbytes=1 << 16, repeats=3)  # 3->2, 2->0, 0->3
+    even = validate_rings([[0, 1, 2, 3]], nbytes=1 << 16, repeats=5)
+    odd = validate_rings([[3, 2, 0]], nbytes=1 << 16, repeats=5)  # 3->2, 2->0, 0->3
     gemm = gemm_probe(n=128, repeats=5)
     dist.send, torch.mm = orig_send, orig_mm
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
@@ -214,9 +214,11 @@ def test_ring_validation_pinpoints_slow_link_and_gemm_probe_slow_device():
         assert set(r["gemm"]) == {0, 1, 2, 3}
         assert r["hooked"] == [("batch_isend_irecv", "world", 128), ("all_reduce", "world", 64)]
     even, odd, gemm = res[0]["even"], res[0]["odd"], res[0]["gemm"]
-    assert locate_slow_links(even) == [(2, 3)]
+    # noise floor 10 ms: this host's 2 cores are shared with other jobs, so a healthy sub-ms transfer
+    # can occasionally read a few ms (descheduling); the injected delay is 40 ms
+    assert locate_slow_links(even, min_excess_s=0.010) == [(2, 3)]
     assert even[(2, 3)] > 0.035
-    assert locate_slow_links(odd) == []  # 2->0 is healthy; the slow link is not in this ring
+    assert locate_slow_links(odd, min_excess_s=0.010) == []  # the slow link is not in this ring
     assert locate_slow_devices(gemm) == [1]
 
 
