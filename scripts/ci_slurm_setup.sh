@@ -66,7 +66,7 @@ mkdir -p "$conf_dir" "$state" "$spool" "$logdir"
 cat > "$conf_dir/slurm.conf" <<EOF
 # written by titan_ext scripts/ci_slurm_setup.sh: single-node CI cluster
 ClusterName=titanextci
-SlurmctldHost=$host
+SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -91,7 +91,7 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=10
 MinJobAge=600
-NodeName=$host CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=ci Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 # Slurm 22.05 has no "disabled" cgroup plugin; without cgroup.conf it autodetects and, with

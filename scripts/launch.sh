@@ -11,6 +11,7 @@
 #   CONFIG_FILE      train_configs/llama3_8b_pipemorph.toml
 #   NNODES           $SLURM_JOB_NUM_NODES
 #   NPROC_PER_NODE   GPUs on the node ($SLURM_GPUS_ON_NODE), else 8
+#   MASTER_ADDR      the first node's hostname (rendezvous host; set it if that name does not resolve)
 #   MASTER_PORT      29500 (rendezvous port on the first node)
 #   PYTHON           .venv/bin/python if present, else python3
 #   LOG_DIR          outputs/logs  (per-job directory LOG_DIR/<job name>-<job id>/ with per-rank logs)
@@ -51,6 +52,7 @@ if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
 else
     head_node="$(hostname)"
 fi
+rdzv_host="${MASTER_ADDR:-$head_node}"
 job_id="${SLURM_JOB_ID:-local$$}"
 job_log_dir="$LOG_DIR/${SLURM_JOB_NAME:-titan_ext}-$job_id"
 mkdir -p "$job_log_dir"
@@ -68,7 +70,7 @@ export WANDB_MODE="${WANDB_MODE:-offline}"
 export PYTHONUNBUFFERED=1
 
 echo "[launch] job $job_id: $NNODES node(s) x $NPROC_PER_NODE ranks, config $CONFIG_FILE"
-echo "[launch] rendezvous c10d at $head_node:$MASTER_PORT, per-rank logs in $job_log_dir"
+echo "[launch] rendezvous c10d at $rdzv_host:$MASTER_PORT, per-rank logs in $job_log_dir"
 echo "[launch] python: $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
 
 torchrun_cmd=(
@@ -76,7 +78,7 @@ torchrun_cmd=(
     --nnodes "$NNODES"
     --nproc_per_node "$NPROC_PER_NODE"
     --rdzv_backend c10d
-    --rdzv_endpoint "$head_node:$MASTER_PORT"
+    --rdzv_endpoint "$rdzv_host:$MASTER_PORT"
     --rdzv_id "$job_id"
     --log-dir "$job_log_dir"
     --tee 3
