@@ -144,6 +144,7 @@ def _e2e_bench(rank, quick, out):
         d, g_ = statistics.median(times["direct"]), statistics.median(times["delegate"])
         out["e2e"] = {"direct_ms": d, "delegate_ms": g_, "overhead": g_ / d - 1.0,
                       "iterations_each": len(times["direct"]), "n_microbatches": n_mb,
+                      "direct_all_ms": times["direct"], "delegate_all_ms": times["delegate"],
                       "activation_MB": batch * dim * 4 / n_mb / 1e6}
 
 
