@@ -108,7 +108,6 @@ class _FakeSchedule:
 
 def _clock_worker(rank, world, port, skew_ns, out):
     import os
-    import socket
     import time
 
     import torch.distributed as dist
@@ -132,7 +131,6 @@ def _clock_worker(rank, world, port, skew_ns, out):
             out.put((mon.clock_offset_ns, None))
     finally:
         dist.destroy_process_group()
-    del socket
 
 
 def test_clock_offsets_across_hosts_are_estimated_and_removed():
