@@ -2,6 +2,7 @@
 pipelining run, ring validation and GEMM probe, weighted gradient aggregation (float64), and
 checkpoint-and-restart with a permuted mesh."""
 
+import json
 import os
 import pickle
 import socket
@@ -361,3 +362,109 @@ def test_2dp_2pp_restart_with_permuted_mesh_resumes_identically():
         if after[r]["losses"][0] is not None:
             np.testing.assert_allclose(after[r]["losses"], ref[prev_holder]["losses"][3:], rtol=1e-6)
     assert moved == plan.moved == 2
+
+
+# --------------------------------------------------------------------------- closed loop
+
+
+class _SlowableStage(torch.nn.Module):
+    """A stage whose forward takes `per_microbatch_s` of (emulated) device time per micro-batch."""
+
+    def __init__(self, inner, per_microbatch_s):
+        super().__init__()
+        self.inner = inner
+        self.per_microbatch_s = per_microbatch_s
+
+    def forward(self, x):
+        time.sleep(self.per_microbatch_s[0])
+        return self.inner(x)
+
+
+def _closed_loop_worker(rank, world, port, outdir, slow_from):
+    """2 DP x 2 PP GPipe job + FalconMonitor on every rank, fed the max iteration time over ranks.
+    Rank 3's device becomes 10x slower at `slow_from`; the loop runs validation when told to and
+    applies micro-batch redistribution (Eq. 1 split + weighted gradient aggregation)."""
+    _init(rank, world, port)
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from titan_ext.runtime.falcon import FalconConfig, FalconMonitor, StrategyCosts
+    from titan_ext.runtime.falcon.redistribute import dp_weights, weighted_all_reduce_gradients
+    from titan_ext.runtime.falcon.restart import (
+        build_mesh_groups,
+        identity_grid,
+        stage_index_to_group_rank,
+    )
+    from titan_ext.runtime.falcon.validation import gemm_probe
+
+    grid = identity_grid(2, 2)
+    mesh = build_mesh_groups(grid)
+    delay = [0.002]
+    model = _SlowableStage(_stage_module(mesh.pp_index), delay)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    total_mb = 8
+    costs = StrategyCosts(microbatch_redistribution=0.05, topology_adjustment=1e6, checkpoint_restart=1e9)
+    mon = FalconMonitor(FalconConfig(costs=costs, num_microbatches=total_mb), grid=grid)
+
+    def make_schedule(n_mb):
+        example = torch.zeros(2, 8) if mesh.pp_index == 0 else torch.zeros(2, 16)
+        stage = PipelineStage(model, mesh.pp_index, 2, torch.device("cpu"), input_args=example,
+                              group=mesh.pp_group)
+        stage.stage_index_to_group_rank = stage_index_to_group_rank(mesh.pp_ranks)
+        return ScheduleGPipe(stage, n_mb, loss_fn=lambda o, t: torch.nn.functional.mse_loss(o, t))
+
+    split = [total_mb // 2, total_mb // 2]
+    sched = make_schedule(split[mesh.dp_index])
+    orig_mm = torch.mm
+    log = []
+    for step in range(45):
+        if step == slow_from and rank == 3:
+            delay[0] = 0.020  # the device slows down 10x ...
+            torch.mm = lambda a, b, _mm=orig_mm: [_mm(a, b) for _ in range(4)][-1]  # ... GEMMs too
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(total_mb * 2, 8, generator=g), torch.randn(total_mb * 2, 1, generator=g)
+        lo = 2 * sum(split[: mesh.dp_index])
+        hi = lo + 2 * split[mesh.dp_index]
+        opt.zero_grad()
+        if mesh.pp_index == 0:
+            sched.step(x[lo:hi])
+        else:
+            sched.step(target=y[lo:hi], losses=[])
+        weighted_all_reduce_gradients(model.parameters(), dp_weights(split)[mesh.dp_index], mesh.dp_group)
+        opt.step()
+        it = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(it, op=dist.ReduceOp.MAX)  # identical input on every rank
+        out = mon.observe(float(it))
+        if out.get("falcon/validate"):
+            out.update(mon.report_validation(gemm_times_s=gemm_probe(n=128, repeats=5)))
+        if "microbatch_redistribution" in out.get("falcon/apply", ""):
+            split = json.loads(out["falcon/plan/microbatch_split"])
+            sched = make_schedule(split[mesh.dp_index])
+        out.pop("falcon/detector_us", None)  # the only rank-dependent entry
+        log.append(out)
+    torch.mm = orig_mm
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(log, f)
+    dist.destroy_process_group()
+
+
+def test_closed_loop_detects_slow_device_redistributes_and_measures_effect():
+    slow_from = 15
+    with tempfile.TemporaryDirectory() as d:
+        _spawn(_closed_loop_worker, 4, d, slow_from)
+        logs = [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(4)]
+    # every rank took the same decisions at the same iterations
+    keys = ("falcon/event", "falcon/apply", "falcon/root_cause", "falcon/plan/microbatch_split")
+    for r in range(1, 4):
+        assert [{k: o.get(k) for k in keys} for o in logs[r]] == [{k: o.get(k) for k in keys} for o in logs[0]]
+    log = logs[0]
+    ups = [(i, o) for i, o in enumerate(log) if o.get("falcon/event") == "onset"]
+    assert ups and any(abs(o["falcon/change_point_iteration"] - slow_from) <= 2 for _, o in ups)
+    onset = next(o for _, o in ups if abs(o["falcon/change_point_iteration"] - slow_from) <= 2)
+    assert onset["falcon/slow_devices"] == "3" and onset["falcon/root_cause"] == "compute"
+    red = next(o for o in log if "microbatch_redistribution" in o.get("falcon/apply", ""))
+    split = json.loads(red["falcon/plan/microbatch_split"])
+    assert sum(split) == 8 and split[1] < split[0]  # replica 1 holds the slow device
+    eff = next(o for o in log if "falcon/effect/microbatch_redistribution" in o)
+    # measured effect: iterations after the redistribution are clearly faster than before it
+    assert eff["falcon/effect/microbatch_redistribution"] > 0.2, eff

@@ -45,7 +45,7 @@ class FalconConfig:
     slow_device_ratio: float = 1.1
     """Validation: a GEMM probe slower than ratio × median marks a slow device."""
     effect_window: int = 5
-    """Iterations before / after an applied strategy whose mean times give its measured effect."""
+    """Iterations before / after an applied strategy whose median times give its measured effect."""
     validation_wait_iters: int = 2
     """If no validation is reported this many iterations after onset, classify from profiling only."""
     delegation_available: bool = False
@@ -270,10 +270,11 @@ class FalconMonitor:
             out["falcon/plan/topology_moved"] = plan.moved
         # "before": slow iterations of the current segment (since the last change-point), at most
         # effect_window of them, including this one; "after": the effect_window iterations that follow.
+        # Medians, so one preempted iteration on a shared host does not decide the measured effect.
         times = self.detector.times
         seg = self.detector.change_points[-1].index if self.detector.change_points else 0
         lo = max(seg, len(times) - self.config.effect_window)
-        before = float(np.mean(times[lo:])) if times[lo:] else float("nan")
+        before = float(np.median(times[lo:])) if times[lo:] else float("nan")
         self._pending_effects.append((strategy, self.iteration, before))
 
     def _slow_pp_link(self) -> tuple[int | None, float]:
@@ -295,7 +296,7 @@ class FalconMonitor:
         keep = []
         for strategy, at, before in self._pending_effects:
             if self.iteration - at >= w:
-                after = float(np.mean(self.detector.times[at + 1 : at + w + 1]))
+                after = float(np.median(self.detector.times[at + 1 : at + w + 1]))
                 out[f"falcon/effect/{strategy}"] = 1.0 - after / before
                 out[f"falcon/effect/{strategy}/before_s"] = before
                 out[f"falcon/effect/{strategy}/after_s"] = after
