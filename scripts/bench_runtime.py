@@ -13,7 +13,8 @@ if torch refuses that layout, our ZB plan (PipeMorph Fig.4, x_i = 2(S−i)−1) 
 
 Per cell: median over --steps iterations after --warmup iterations; an iteration's time is the max over
 ranks of (step end − common barrier exit).  Ratios: best baseline / PipeMorph (speed-up), PipeMorph /
-best baseline − 1 (overhead).  Also reports PipeMorph's re-plan + swap time as % of iteration time.
+best baseline − 1 (overhead).  Also reports PipeMorph's re-plan cost on the critical path (agreement + swap at the boundary) as % of
+iteration time, and the background planning + validation + lowering time.
 
     .venv/bin/python scripts/bench_runtime.py --mode sleep --json bench_runtime_sleep.json
 """
@@ -113,19 +114,22 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                 if kind == "PipeMorph" and hasattr(sched, "last_metrics"):
                     m = sched.last_metrics
                     metrics.append({k2: m[k2] for k2 in (
-                        "iteration", "decision", "plan_version", "warmup_counts", "replan_ms", "exchange_ms",
-                        "boundary_ms", "bubble_rate", "link_delay_ms", "compute_ms", "iteration_time_ms")})
+                        "iteration", "decision", "deployed", "plan_version", "warmup_counts", "replan_ms", "plan_ms",
+                        "exchange_ms", "boundary_ms", "bubble_rate", "link_delay_ms", "compute_ms",
+                        "iteration_time_ms")})
             cell = {"delay_ms": delay, "schedule": label, "times_ms": times,
                     "median_ms": statistics.median(times[args.warmup:])}
             if metrics:
                 steady = metrics[args.warmup:]
-                replans = [m["replan_ms"] for m in metrics if m["decision"] in ("adapt", "shrink", "calibrate")]
+                swaps = [m for m in metrics if m["deployed"]]
                 cell.update({
                     "metrics": metrics,
-                    "replan_swap_ms_max": max(replans) if replans else 0.0,
+                    "replan_swap_ms_max": max((m["replan_ms"] for m in swaps), default=0.0),
+                    "background_plan_ms_max": max((m["plan_ms"] for m in swaps), default=0.0),
                     "exchange_ms_median": statistics.median(m["exchange_ms"] for m in steady),
                     "final_warmup_counts": metrics[-1]["warmup_counts"],
                     "decisions": [(m["iteration"], m["decision"]) for m in metrics if m["decision"] not in ("keep",)],
+                    "swapped_at": [m["iteration"] for m in swaps],
                     "measured_compute_ms": metrics[-1]["compute_ms"],
                     "measured_link_delay_ms": metrics[-1]["link_delay_ms"],
                     "bubble_rate_median": statistics.median(m["bubble_rate"] for m in steady),
@@ -167,7 +171,7 @@ def main() -> None:
               f"{args.world - 2} (last); median of {args.steps} iterations after {args.warmup} warm-up "
               f"[{time.time() - t0:.0f} s]")
         print(f"{'delay ms':>8} | " + " | ".join(f"{s:>12}" for s in ("1F1B", "ZB", "PipeMorph"))
-              + " | speed-up vs best | overhead | replan+swap % | final x")
+              + " | speed-up vs best | overhead | swap % of iter | final x")
         for delay in args.delays:
             cells = {c["schedule"]: c for c in res["cells"] if c["delay_ms"] == delay}
             pm = cells["PipeMorph"]
@@ -184,7 +188,9 @@ def main() -> None:
         for delay in args.delays:
             pm = next(c for c in res["cells"] if c["delay_ms"] == delay and c["schedule"] == "PipeMorph")
             comp = {k: [round(v, 1) for v in vs] for k, vs in pm["measured_compute_ms"].items()}
-            print(f"   PipeMorph @ {delay:g} ms: decisions {pm['decisions']}, measured compute {comp}, "
+            print(f"   PipeMorph @ {delay:g} ms: decisions {pm['decisions']}, swapped at {pm['swapped_at']} "
+                  f"(critical path {pm['replan_swap_ms_max']:.2f} ms, background planning "
+                  f"{pm['background_plan_ms_max']:.1f} ms), measured compute {comp}, "
                   f"link delays {{{', '.join(f'{k}: {v:.1f}' for k, v in pm['measured_link_delay_ms'].items())}}}, "
                   f"bubble {pm['bubble_rate_median']:.2f}, exchange {pm['exchange_ms_median']:.1f} ms")
     with open(args.json, "w") as fh:

@@ -70,7 +70,7 @@ def test_slack_limit_gives_hold_not_replan():
 
 def _rank(sends_next=(), sends_prev=(), arrivals_prev=(), arrivals_next=(), offset=float("nan"),
           busy=0.0, first_f=float("nan"), last_end=float("nan")) -> RankProfile:
-    return RankProfile(0, 0, 1, 1, 1, float("nan"), busy, first_f, first_f, last_end, 1.0, offset, 0.0, 0.0,
+    return RankProfile(0, 0, 1, 1, 1, float("nan"), busy, first_f, first_f, last_end, 1.0, offset, 0.0, 0.0, 0,
                        list(sends_next), list(sends_prev), list(arrivals_prev), list(arrivals_next))
 
 

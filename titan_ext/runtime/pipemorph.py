@@ -40,6 +40,7 @@ import hashlib
 import logging
 import math
 import statistics
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -131,6 +132,21 @@ class DeployedPlan:
     hash: int
     reason: str
     kind: str  # initial | adaptive | forced | external
+
+
+@dataclass
+class _Candidate:
+    """A validated, lowered plan waiting for agreement and the swap."""
+
+    actions: dict[int, list[_Action]]
+    lowered: dict[int, list[_Action]]
+    mapping: dict[int, int]
+    counts: list[int]
+    hash: int
+    kind: str
+    reason: str
+    prepare_ms: float = 0.0
+    plan_ms: float = 0.0
 
 
 @dataclass
@@ -252,6 +268,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.last_profile: IterationProfile | None = None
         self.last_timeline: list[ActionRecord] = []
         self._pending: list[tuple[dict, str, str, list[int] | None]] = []
+        self._planning: tuple[threading.Thread, dict, Decision] | None = None
         self._in_iteration = False
         self._since_deploy = 0
         self._clock = (math.nan, math.nan)
@@ -265,8 +282,9 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.initial_counts = self._alg1_counts(self._x_max)
         profile = self._estimate_profile()
         plan = self._plan(profile, Decision("initial", f"Alg.1 with x_max={self._x_max}", mode="initial"))
-        actions, counts = self._unpack_plan(plan)
-        if not self._try_deploy(actions, counts, "initial", "initial plan (Alg.1)", check_agreement=False):
+        actions, counts, limit = self._unpack_plan(plan)
+        if not self._try_deploy(actions, counts, "initial", "initial plan (Alg.1)", check_agreement=False,
+                                inflight_limit=limit):
             raise RuntimeError(f"PipeMorph: the initial plan failed validation: {self.decision_log[-1]['reason']}")
 
     # ------------------------------------------------------------------------------------------
@@ -324,23 +342,27 @@ class PipeMorph(_PipelineScheduleRuntime):
         if decision.warmup_counts is not None:
             x = list(decision.warmup_counts)
             order = generate_order(profile, x, inflight_limit=x)
-            return {"actions": to_torch_plan(order.order), "warmup_counts": x}
+            return {"actions": to_torch_plan(order.order), "warmup_counts": x, "inflight_limit": x}
         if decision.mode == "initial":
             return plan_pipemorph(profile, schedule=self.planner_schedule, mode="initial",
-                                  slack_floor=self.slack_floor, memory_limit=self._x_max)
+                                  slack_floor=self.slack_floor, memory_limit=self._x_max, validate=False)
         planning = profile
         if isinstance(self.policy, ReplanPolicy):
             planning = profile.with_delays({k: self.policy.headroom_delay(c) for k, c in enumerate(profile.delays_ms)})
+        # validate=False: the deploy path validates every plan, whatever planner made it (once).
         return plan_pipemorph(planning, schedule=self.planner_schedule, mode="adaptive",
-                              slack_floor=self.slack_floor, memory_limit=self.adaptive_memory_limit)
+                              slack_floor=self.slack_floor, memory_limit=self.adaptive_memory_limit,
+                              validate=False)
 
     @staticmethod
-    def _unpack_plan(plan: Any) -> tuple[dict[int, list[_Action]], list[int] | None]:
+    def _unpack_plan(plan: Any) -> tuple[dict[int, list[_Action]], list[int] | None, list[int] | None]:
+        """(actions, warm-up counts or None, per-stage in-flight limit or None) of a planner result."""
         if isinstance(plan, dict) and "actions" in plan:
-            return plan["actions"], plan.get("warmup_counts")
+            return plan["actions"], plan.get("warmup_counts"), plan.get("inflight_limit")
         if hasattr(plan, "actions"):
-            return plan.actions, list(getattr(plan, "warmup_counts", None) or []) or None
-        return plan, None
+            return (plan.actions, list(getattr(plan, "warmup_counts", None) or []) or None,
+                    getattr(plan, "inflight_limit", None))
+        return plan, None, None
 
     # ------------------------------------------------------------------------------------------
     # deployment (iteration boundary only)
@@ -362,60 +384,143 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.decision_log.append(entry)
         return entry
 
-    def _try_deploy(self, actions: dict, counts: list[int] | None, kind: str, reason: str,
-                    check_agreement: bool = True) -> bool:
-        """Validate → agree → lower → swap; on any failure keep the deployed plan and log why."""
-        if self._in_iteration:
-            raise RuntimeError("PipeMorph: a plan may only be swapped at an iteration boundary")
+    def _prepare_candidate(self, actions: Mapping[int, list[Any]], counts: list[int] | None, kind: str,
+                           reason: str, inflight_limit: list[int] | None = None) -> "_Candidate":
+        """Validate and lower a compute-only plan on the side (pure: touches no schedule state).
+
+        Raises ``PlanValidationError`` (or what torch's lowering raises) when the plan is unsafe.
+        """
         S, N = self._num_stages, self._n_microbatches
         t0 = now()
+        torch_actions = to_torch_plan(as_ops(actions))
+        validate_plan(torch_actions, S, N, inflight_limit=inflight_limit)
+        if set(torch_actions) != set(range(self.pp_group_size)):
+            raise PlanValidationError(f"plan covers ranks {sorted(torch_actions)}, expected 0..{self.pp_group_size - 1}")
+        for r, acts in torch_actions.items():
+            if any(a.stage_index != r for a in acts):
+                raise PlanValidationError(f"rank {r} runs a stage other than stage {r} (one stage per rank)")
+        # the lowering _prepare_schedule_with_comms performs, on copies
+        mapping = _torch_schedules._validate_schedule(
+            {r: list(a) for r, a in torch_actions.items()}, self.pp_group_size, S, N)
+        lowered = {}
+        for r in torch_actions:
+            with_fsdp = _torch_schedules._add_unshard_reshard(list(torch_actions[r]))
+            lowered[r] = _torch_schedules._add_reduce_grad(with_fsdp, N)
+        lowered = _torch_schedules._add_send_recv(lowered, stage_to_rank=lambda st: mapping[st], num_stages=S)
+        counts = list(counts) if counts else warmup_counts_of(torch_actions)
+        return _Candidate(torch_actions, lowered, mapping, counts, plan_hash(torch_actions), kind, reason,
+                          prepare_ms=1e3 * (now() - t0))
+
+    def _swap(self, cand: "_Candidate") -> None:
+        """Install a prepared plan (iteration boundary only): an O(1) pointer swap."""
+        if self._in_iteration:
+            raise RuntimeError("PipeMorph: a plan may only be swapped at an iteration boundary")
+        self.pipeline_order = {r: list(a) for r, a in cand.actions.items()}
+        self.pipeline_order_with_comms = cand.lowered
+        self.stage_index_to_group_rank = dict(cand.mapping)
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        self.plan_version += 1
+        self.deployed = DeployedPlan(self.pipeline_order, cand.counts, self.plan_version, cand.hash, cand.reason,
+                                     cand.kind)
+        self._since_deploy = 0
+        self._log(decision="deploy", kind=cand.kind, reason=cand.reason, plan_version=self.plan_version,
+                  plan_hash=hex(cand.hash), warmup_counts=cand.counts, slackness=slackness(cand.counts),
+                  prepare_ms=cand.prepare_ms, plan_ms=cand.plan_ms)
+
+    def _try_deploy(self, actions: dict, counts: list[int] | None, kind: str, reason: str,
+                    check_agreement: bool = True, inflight_limit: list[int] | None = None) -> bool:
+        """Synchronous path: validate → agree (hash all_gather) → lower → swap; any failure keeps the
+        deployed plan and logs why."""
+        if self._in_iteration:
+            raise RuntimeError("PipeMorph: a plan may only be swapped at an iteration boundary")
         try:
-            torch_actions = to_torch_plan(as_ops(actions))
-            validate_plan(torch_actions, S, N)
-            if set(torch_actions) != set(range(self.pp_group_size)):
-                raise PlanValidationError(f"plan covers ranks {sorted(torch_actions)}, expected 0..{self.pp_group_size - 1}")
-            for r, acts in torch_actions.items():
-                if any(a.stage_index != r for a in acts):
-                    raise PlanValidationError(f"rank {r} runs a stage other than stage {r} (one stage per rank)")
-        except (PlanValidationError, ValueError, KeyError, TypeError, AssertionError) as exc:
+            cand = self._prepare_candidate(actions, counts, kind, reason, inflight_limit)
+        except Exception as exc:  # noqa: BLE001 - validation or torch's lowering refused it
             self._log(decision="reject", kind=kind, reason=f"{reason}: validation failed: {exc}",
                       plan_version=self.plan_version)
             logger.warning("PipeMorph: rejected plan (%s): %s", reason, exc)
             return False
-        h = plan_hash(torch_actions)
-        if self.deployed is not None and h == self.deployed.hash:
+        if self.deployed is not None and cand.hash == self.deployed.hash:
             self._log(decision="unchanged", kind=kind, reason=f"{reason}: identical to the deployed plan",
                       plan_version=self.plan_version)
             return True
         if check_agreement and dist.is_initialized() and self.pp_group_size > 1:
             hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.pp_group_size)]
-            dist.all_gather(hashes, torch.tensor([h], dtype=torch.int64), group=self._group)
+            dist.all_gather(hashes, torch.tensor([cand.hash], dtype=torch.int64), group=self._group)
             seen = sorted({int(x.item()) for x in hashes})
             if len(seen) != 1:
                 self._log(decision="reject", kind=kind, reason=f"{reason}: ranks disagree on the plan "
                           f"(hashes {[hex(x) for x in seen]})", plan_version=self.plan_version)
                 logger.error("PipeMorph: ranks computed different plans; keeping the deployed one")
                 return False
-        old = (getattr(self, "pipeline_order_with_comms", None), dict(self.pipeline_order),
-               dict(self.stage_index_to_group_rank))
-        try:
-            self._prepare_schedule_with_comms({r: list(a) for r, a in torch_actions.items()})
-        except Exception as exc:  # torch's lowering refused it: restore
-            self.pipeline_order_with_comms, self.pipeline_order, self.stage_index_to_group_rank = old
-            for stage in self._stages:
-                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-            self._log(decision="reject", kind=kind, reason=f"{reason}: torch lowering failed: {exc}",
-                      plan_version=self.plan_version)
-            return False
-        self.pipeline_order = {r: list(a) for r, a in torch_actions.items()}
-        self.plan_version += 1
-        counts = list(counts) if counts else warmup_counts_of(torch_actions)
-        self.deployed = DeployedPlan(self.pipeline_order, counts, self.plan_version, h, reason, kind)
-        self._since_deploy = 0
-        self._log(decision="deploy", kind=kind, reason=reason, plan_version=self.plan_version,
-                  plan_hash=hex(h), warmup_counts=counts, slackness=slackness(counts),
-                  swap_ms=1e3 * (now() - t0))
+        self._swap(cand)
         return True
+
+    # -- asynchronous re-planning: planned during the next iteration, agreed and swapped after it --
+    def _start_planning(self, decision: Decision) -> None:
+        """Plan, validate and lower in a background thread while the next iteration runs (off the
+        critical path); the result is agreed on in the next profile exchange and swapped after it."""
+        estimate = self._estimate_profile()
+        kind = {"calibrate": "initial", "force": "forced"}.get(decision.action, decision.mode or "adaptive")
+        reason = f"{decision.action}: {decision.reason}"
+        box: dict[str, Any] = {}
+
+        def job() -> None:
+            t0 = now()
+            try:
+                actions, counts, limit = self._unpack_plan(self._plan(estimate, decision))
+                plan_ms = 1e3 * (now() - t0)
+                cand = self._prepare_candidate(actions, counts, kind, reason, limit)
+                cand.plan_ms = plan_ms
+                box["candidate"] = cand
+            except Exception as exc:  # noqa: BLE001 - a planner/validation failure never stops training
+                box["error"] = f"{reason}: planning/validation failed: {exc}"
+            box["total_ms"] = 1e3 * (now() - t0)
+
+        thread = threading.Thread(target=job, name="titan_ext-pipemorph-planner", daemon=True)
+        self._planning = (thread, box, decision)
+        thread.start()
+
+    def _planning_hash(self) -> int:
+        """Hash of the background plan (0: none or failed); joins the planner first."""
+        if self._planning is None:
+            return 0
+        thread, box, _ = self._planning
+        thread.join()
+        cand = box.get("candidate")
+        return cand.hash if cand is not None else 0
+
+    def _resolve_planning(self, candidate_hashes: list[int]) -> tuple[bool, float, float]:
+        """After the exchange: swap the background plan if every rank made the same one.
+
+        Returns (deployed, critical-path ms, background planning ms)."""
+        if self._planning is None:
+            return False, 0.0, 0.0
+        t0 = now()
+        _, box, decision = self._planning
+        self._planning = None
+        cand: _Candidate | None = box.get("candidate")
+        bg_ms = box.get("total_ms", 0.0)
+        if cand is None:
+            self._log(decision="reject", reason=box.get("error", "planner produced nothing"),
+                      plan_version=self.plan_version)
+            return False, 1e3 * (now() - t0), bg_ms
+        if len(set(candidate_hashes)) != 1:
+            self._log(decision="reject", kind=cand.kind, reason=f"{cand.reason}: ranks disagree on the plan "
+                      f"(hashes {sorted(hex(h) for h in set(candidate_hashes))})", plan_version=self.plan_version)
+            logger.error("PipeMorph: ranks computed different plans; keeping the deployed one")
+            return False, 1e3 * (now() - t0), bg_ms
+        if self.deployed is not None and cand.hash == self.deployed.hash:
+            self._log(decision="unchanged", kind=cand.kind, reason=f"{cand.reason}: identical to the deployed plan",
+                      plan_version=self.plan_version)
+            if decision.action == "calibrate":
+                self._calibrated = True
+            return False, 1e3 * (now() - t0), bg_ms
+        self._swap(cand)
+        if decision.action == "calibrate":
+            self._calibrated = True
+        return True, 1e3 * (now() - t0), bg_ms
 
     # ------------------------------------------------------------------------------------------
     # execution (port of torch's _PipelineScheduleRuntime._step_microbatches, instrumented)
@@ -620,7 +725,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         local = IterationProfile(prof.actions, prof.sends_next, prof.sends_prev, arrivals_prev, arrivals_next,
                                  prof.send_bytes_next, prof.activation_bytes)
         return encode_profile(local, self.iteration, self.deployed.hash if self.deployed else 0,
-                              self._n_microbatches, self._clock[0], self._clock[1])
+                              self._n_microbatches, self._clock[0], self._clock[1],
+                              candidate_hash=self._planning_hash())
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -655,30 +761,16 @@ class PipeMorph(_PipelineScheduleRuntime):
                 self._activation_bytes_all = [r.activation_bytes for r in ranks]
             self._window.push([r.f_ms for r in ranks], [r.i_ms for r in ranks], [r.w_ms for r in ranks],
                               [lk["c_ms"] for lk in links])
+            deployed_now, swap_ms, plan_ms = self._resolve_planning([r.candidate_hash for r in ranks])
+            if not deployed_now and math.isclose(plan_ms, 0.0):
+                plan_ms = math.nan
             decision = self._decide()
             if decision.replans:
-                tp = now()
-                try:
-                    plan = self._plan(self._estimate_profile(), decision)
-                    actions, counts = self._unpack_plan(plan)
-                except Exception as exc:  # a planner failure never stops training
-                    self._log(decision="reject", reason=f"{decision.reason}: planner failed: {exc}",
-                              plan_version=self.plan_version)
-                    actions = None
-                plan_ms = 1e3 * (now() - tp)
-                if actions is not None:
-                    kind = {"calibrate": "initial", "force": "forced"}.get(decision.action, decision.mode or "adaptive")
-                    if decision.action == "shrink" and decision.mode == "initial":
-                        kind = "initial"
-                    ts = now()
-                    ok = self._try_deploy(actions, counts, kind, f"{decision.action}: {decision.reason}")
-                    swap_ms = 1e3 * (now() - ts)
-                    if ok and decision.action == "calibrate":
-                        self._calibrated = True
+                self._start_planning(decision)
             elif decision.action != "keep":
                 self._log(decision=decision.action, reason=decision.reason)
         boundary_ms = 1e3 * (now() - t0)
-        replan_ms = (0.0 if math.isnan(plan_ms) else plan_ms) + swap_ms
+        replan_ms = swap_ms  # critical path only: planning ran in the background (plan_ms)
         self._since_deploy += 1
         est = self._estimate_profile()
         self.last_metrics = {
@@ -697,6 +789,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             "slackness": slackness(self.deployed.warmup_counts) if self.deployed else None,
             "eq1_tolerance_ms": eq1_tolerances(est, self.deployed.warmup_counts) if self.deployed else None,
             "replan_ms": replan_ms,
+            "deployed": self.deployed is not None and self._since_deploy == 1,
             "plan_ms": plan_ms,
             "swap_ms": swap_ms,
             "exchange_ms": exchange_ms,
