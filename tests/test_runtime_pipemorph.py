@@ -327,3 +327,32 @@ def test_adapts_to_slow_last_link_and_shrinks_after_recovery():
     assert shrink[0]["warmup_counts"] == res["initial"]
     # no flapping: exactly one adaptation and one shrink
     assert len([e for e in deploys if e["iteration"] >= on]) == 2, deploys
+
+
+def _budget_worker(rank: int, world: int, n_mb: int, budget: float):
+    mods = mlp_stages(world, DIM, seed=5)
+    sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
+                      memory_budget_bytes=budget)
+    counts = [list(sched.deployed.warmup_counts)]
+    for k in range(3):
+        _step(sched, rank, world, k)
+        counts.append(list(sched.deployed.warmup_counts))
+    return {"counts": counts, "act": sched._activation_bytes, "log": list(sched.decision_log)}
+
+
+def test_initial_plan_from_memory_budget_and_measured_activations():
+    """Alg.1 from a byte budget: M^F is measured in the first forward. For this MLP stage (2 × Linear
+    + Tanh, float64, microbatch of BATCH/N rows) autograd saves 3 distinct [rows, DIM] tensors
+    (stage input, tanh outputs; weights excluded), so M^F = 3·rows·DIM·8 bytes and
+    x_max = ⌊M / M^F⌋."""
+    from titan_ext.plan import initial_warmup_counts
+
+    world, n_mb = 2, 16
+    rows = BATCH // n_mb
+    act = 3 * rows * DIM * 8
+    budget = 10.5 * act
+    results = run_ranks(_budget_worker, world, n_mb, budget)
+    for res in results:
+        assert res["act"] == act
+        assert res["counts"][0] == initial_warmup_counts(world, world)  # before measuring: 1F1B's memory
+        assert res["counts"][-1] == initial_warmup_counts(world, 10)  # x_max = ⌊10.5⌋

@@ -697,18 +697,23 @@ class PipeMorph(_PipelineScheduleRuntime):
 
     @staticmethod
     def _measured_forward(stage, mb, arg_mbs, kwarg_mbs, return_outputs) -> tuple[Any, int]:
-        """Forward one microbatch while summing the bytes autograd saves (Alg.1's M^F)."""
+        """Forward one microbatch while summing the bytes autograd saves (Alg.1's M^F).
+
+        Distinct storages are counted once; parameters (and views of them) are not activations."""
+        params = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
         seen: set[tuple[int, int]] = set()
         total = [0]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             try:
-                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                if t.untyped_storage().data_ptr() in params:
+                    return t
+                key = (t.data_ptr(), t.numel() * t.element_size())  # a view counts its own elements
             except Exception:  # noqa: BLE001 - e.g. tensors without storage
-                key = (id(t), 0)
+                key = (id(t), t.numel() * t.element_size())
             if key not in seen:
                 seen.add(key)
-                total[0] += key[1] if key[1] else t.numel() * t.element_size()
+                total[0] += key[1]
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
