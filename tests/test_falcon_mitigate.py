@@ -285,3 +285,37 @@ def test_monitor_dp_link_leads_to_topology_plan_moving_it_onto_a_pp_hop():
     new_grid = json.loads(topo["falcon/plan/topology_grid"])
     pos = {r: (d, s) for d, row in enumerate(new_grid) for s, r in enumerate(row)}
     assert pos[0][0] == pos[2][0] and abs(pos[0][1] - pos[2][1]) == 1
+
+
+def test_monitor_from_call_records_bounded_buffer_and_pattern_change():
+    """observe(None) on a live, bounded call record: iteration times come from the ACF period; a
+    change of the call pattern (e.g. a new schedule) is re-synchronised, old records may be dropped."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from titan_ext.runtime.falcon.hooks import CallRecord
+
+    rec = SimpleNamespace(records=deque(maxlen=200), total_recorded=0)
+    clock = [0.0]
+
+    def emit(pattern, iteration_s):
+        for op, grp in pattern:
+            rec.records.append(CallRecord(op, grp, 64, clock[0], clock[0]))
+            rec.total_recorded += 1
+            clock[0] += iteration_s / len(pattern)
+
+    pat_a = [("irecv", "pp"), ("isend", "pp")] * 3 + [("all_reduce", "dp")]            # period 7
+    pat_b = [("batch_isend_irecv", "pp")] * 4 + [("all_reduce", "dp"), ("barrier", "w")]  # period 6
+    mon = FalconMonitor(FalconConfig(period_window=128), recorder=rec)
+    for it in range(150):
+        pattern = pat_a if it < 60 else pat_b
+        emit(pattern, 1.0 if it < 100 else 1.5)  # a 1.5x slowdown at iteration 100
+        mon.observe(None)
+    assert mon._period == 6
+    times = np.array(mon.detector.times)
+    # every derived iteration time is the true one (1.0 or 1.5 s), except the few periods around
+    # the pattern change
+    good = np.isclose(times, 1.0) | np.isclose(times, 1.5)
+    assert good.sum() >= len(times) - 3 and len(times) >= 140
+    onsets = [c for c in mon.detector.change_points if c.kind == "onset"]
+    assert len(onsets) == 1 and abs(onsets[0].detected_at - (len(times) - 50)) <= 4
