@@ -140,12 +140,28 @@ def _bad_plan(world: int, n_mb: int, what: str) -> dict:
     return plan
 
 
+class BadOncePolicy:
+    """At the first check, asks the (background) planning path to deploy an invalid plan."""
+
+    window = 1
+    forces = True
+
+    def __init__(self, bad):
+        self.bad, self.calls = bad, 0
+
+    def decide(self, estimate, deployed_counts, initial_counts, since, slack_floor=2):
+        self.calls += 1
+        if self.calls == 1:
+            return Decision("force", "invalid plan through the planner path", actions=self.bad)
+        return Decision("keep", "test")
+
+
 def _reject_worker(rank: int, world: int, n_mb: int):
     mods_ref = mlp_stages(world, DIM, seed=3)
     mods = mlp_stages(world, DIM, seed=3)
     ref = ScheduleGPipe(PipelineStage(mods_ref[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss)
     sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
-                      adaptive=False)
+                      adaptive=False, policy=BadOncePolicy(_bad_plan(world, n_mb, "lost_microbatch")))
     opt_ref = torch.optim.SGD(mods_ref[rank].parameters(), lr=0.05)
     opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
     out = {"accepted": [], "versions": [], "losses": [], "ref_losses": []}
@@ -187,11 +203,18 @@ def test_invalid_plan_is_rejected_and_previous_plan_keeps_training():
     results = run_ranks(_reject_worker, world, n_mb)
     for res in results:
         assert res["accepted"] == [(False, True)] * 3
-        reasons = [e["reason"] for e in res["log"] if e["decision"] == "reject"]
-        assert len(reasons) == 3
-        assert "no F" in reasons[0] or "microbatch" in reasons[0]
-        assert "comes before" in reasons[1]
-        assert "appears 2 times" in reasons[2]
+        rejects = [e for e in res["log"] if e["decision"] == "reject"]
+        reasons = [e["reason"] for e in rejects]
+        assert len(reasons) == 4, reasons
+        # background planning path (planned at boundary 0, refused at the end of iteration 1)
+        background = [e for e in rejects if "planning/validation failed" in e["reason"]]
+        assert len(background) == 1 and background[0]["iteration"] == 1
+        assert "stage 1 microbatch 3 has no F" in background[0]["reason"]
+        # synchronous deploy() path, in push order
+        external = [r for r in reasons if r.startswith("external")]
+        assert "stage 1 microbatch 3 has no F" in external[0]
+        assert "comes before" in external[1]
+        assert "appears 2 times" in external[2]
         # versions unchanged by the rejected plans; the mid-iteration push waited for the boundary
         assert res["versions"][:5] == [1] * 5
         assert res["mid_iteration"] is None and res["version_during"] == res["version_before"] == 1
