@@ -49,7 +49,7 @@ def _build(kind: str, mode: str, rank: int, world: int, args) -> tuple:
     if mode == "sleep":
         mod = SleepComputeStage(args.dim, args.f_ms, args.i_ms, args.w_ms, seed=rank)
     else:
-        mod = TinyTransformerStage(args.vocab, args.dim, args.layers, 4, rank == 0, rank == world - 1, seed=rank)
+        mod = TinyTransformerStage(args.vocab, args.model_dim, args.layers, 4, rank == 0, rank == world - 1, seed=rank)
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
     n = args.microbatches
     loss = _loss(mode)
@@ -151,10 +151,11 @@ def main() -> None:
     ap.add_argument("--f-ms", type=float, default=10.0)
     ap.add_argument("--i-ms", type=float, default=10.0)
     ap.add_argument("--w-ms", type=float, default=10.0)
-    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=64, help="sleep mode: activation width")
+    ap.add_argument("--model-dim", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2, help="transformer layers per stage")
     ap.add_argument("--json", default="bench_runtime.json")
     args = ap.parse_args()
     modes = ["sleep", "model"] if args.mode == "both" else [args.mode]
@@ -166,7 +167,8 @@ def main() -> None:
         report["modes"][mode] = res
         name = ("sleep-compute (emulated device: F=%g I=%g W=%g ms sleeps)" % (args.f_ms, args.i_ms, args.w_ms)
                 if mode == "sleep" else
-                "real-model (transformer dim=%d, %d layer/stage, seq=%d, CPU)" % (args.dim, args.layers, args.seq))
+                "real-model (transformer dim=%d, %d layers/stage, seq=%d, %d seq/microbatch, CPU)"
+                % (args.model_dim, args.layers, args.seq, args.mb_size))
         print(f"\n== mode: {name}; {args.world} gloo ranks, N={args.microbatches}, delay on link "
               f"{args.world - 2} (last); median of {args.steps} iterations after {args.warmup} warm-up "
               f"[{time.time() - t0:.0f} s]")

@@ -748,6 +748,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         exchanged = self.iteration % self.profile_every == 0
         exchange_ms = 0.0
         swap_ms = 0.0
+        deployed_now = False
         if exchanged:
             vec = self._local_profile_vector(prof)
             if dist.is_initialized() and self.pp_group_size > 1:
@@ -766,9 +767,10 @@ class PipeMorph(_PipelineScheduleRuntime):
                 self._activation_bytes_all = [r.activation_bytes for r in ranks]
             self._window.push([r.f_ms for r in ranks], [r.i_ms for r in ranks], [r.w_ms for r in ranks],
                               [lk["c_ms"] for lk in links])
-            deployed_now, swap_ms, plan_ms = self._resolve_planning([r.candidate_hash for r in ranks])
-            if not deployed_now and math.isclose(plan_ms, 0.0):
-                plan_ms = math.nan
+            resolving = self._planning is not None
+            deployed_now, swap_ms, bg_ms = self._resolve_planning([r.candidate_hash for r in ranks])
+            if resolving:
+                plan_ms = bg_ms
             decision = self._decide()
             if decision.replans:
                 self._start_planning(decision)
@@ -794,7 +796,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             "slackness": slackness(self.deployed.warmup_counts) if self.deployed else None,
             "eq1_tolerance_ms": eq1_tolerances(est, self.deployed.warmup_counts) if self.deployed else None,
             "replan_ms": replan_ms,
-            "deployed": self.deployed is not None and self._since_deploy == 1,
+            "deployed": deployed_now,
             "plan_ms": plan_ms,
             "swap_ms": swap_ms,
             "exchange_ms": exchange_ms,

@@ -11,7 +11,8 @@ and the deployed plan's warm-up counts, and returns a :class:`Decision`:
   measured delay with the margins, else Alg.2 from the estimate) holds less slackness than the deployed
   one, for ``recover_patience`` consecutive checks and at least ``min_dwell`` iterations after the
   last deployment: give the memory back.
-* ``hold`` — a violation, but the adaptive plan equals the deployed one (slackness clipped at N − 2S).
+* ``hold`` — a violation, but Alg.2 cannot give any violated link more slackness than deployed
+  (clipped at N − 2S): re-planning would only reshuffle the other links on noise.
 * ``keep`` — nothing to do.
 
 Hysteresis: growing needs the violation to exceed the tolerance by the margin; shrinking needs the
@@ -87,9 +88,12 @@ class ReplanPolicy:
             self._recover_streak = 0
             desc = ", ".join(f"link {i}: c={delays[i]:.1f} ms > tol={tol[i]:.1f} ms" for i in violated)
             target = adapted_warmup_counts(planning, slack_floor=slack_floor)
-            if list(target) == list(deployed_counts):
-                return Decision("hold", f"Eq.1 violated ({desc}) but Alg.2 gives the deployed plan "
-                                f"(slackness clipped at N-2S)", violated_links=violated)
+            new_slack, old_slack = slackness(target), slackness(deployed_counts)
+            if not any(new_slack[i] > old_slack[i] for i in violated):
+                # Alg.2 cannot give a violated link more slackness (clipped at N-2S): re-planning would
+                # only reshuffle the other links on measurement noise.
+                return Decision("hold", f"Eq.1 violated ({desc}) but Alg.2 cannot add slackness there "
+                                f"(clipped at N-2S)", violated_links=violated)
             return Decision("adapt", f"Eq.1 violated ({desc})", mode="adaptive", violated_links=violated)
 
         # Recovery: what would we deploy now?
