@@ -139,3 +139,21 @@ def test_stock_torchtitan_train_runs_pipemorph_via_custom_import(tmp_path):
     assert "Using pipeline schedule PipeMorph" in text
     assert "step:  2  loss:" in text
     assert "CPU capacity" in text  # TorchTitan's own device report, through the CPU shim
+
+
+def test_delegation_auto_switches_on_under_a_straggler_and_keeps_the_numbers(pipemorph_run, tmp_path):
+    """[titan_ext] delegation = "auto": the runtime's DelegatedPipeMorph moves PP traffic to its
+    delegate processes once link 2's estimate exceeds the threshold; losses stay bit-for-bit."""
+    log = tmp_path / "train.log"
+    p = _torchrun("titan_ext.train", [
+        "--training.steps", "4", "--job.dump_folder", str(tmp_path),
+        "--titan_ext.inject_delays", "2:30", "--titan_ext.delegation", "auto",
+        "--titan_ext.delegation_slow_link_ms", "10",
+    ], log)
+    assert p.returncode == 0, log.read_text()[-4000:]
+    rows = _metrics(tmp_path)
+    assert [r["delegation"] for r in rows][-1] == "active"
+    assert all(r["runtime"].get("delegating") == (r["delegation"] == "active") for r in rows)
+    ours = _metrics(pipemorph_run)
+    for a, b in zip(rows, ours):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), (a["step"], a["loss"], b["loss"])

@@ -47,7 +47,7 @@ _DELEGATING_VARIANTS: dict[str, tuple[str, str]] = {
 _CONFIGURED: dict[tuple[str, bool], type] = {}
 # schedules that run exactly one stage per PP rank (TorchTitan gives a PipelineScheduleMulti two
 # virtual stages per rank unless the config splits the model itself)
-ONE_STAGE_PER_RANK: set[str] = {"PipeMorph"}
+ONE_STAGE_PER_RANK: set[str] = {"PipeMorph", "CrossPipe"}
 _lock = threading.Lock()
 _registered = False
 _torch_get_schedule_class: Callable[[str], type] | None = None
