@@ -57,6 +57,7 @@ def _worker(rank, world):
         out[f"{name}_counts"] = dict(sched.router.counts)
         out[f"{name}_log"] = list(sched.delegation_log)
         out[f"{name}_failed"] = sorted(sched.router.failed)
+        out[f"{name}_lanes_needed"] = sched.last_metrics.get("delegate_lanes_needed")
         sched.close_delegation()
 
     # always: every PP message through the delegates
@@ -91,6 +92,9 @@ def test_delegation_modes_in_the_schedule():
         # always: nothing went direct
         assert r["always_counts"]["direct"] == 0 and r["always_counts"]["delegate"] == 2 * N_MB * STEPS
         assert r["always_log"][0]["iteration"] == 0
+        # §5.2 sizing reported for this rank's send kind from the measured rates
+        needed = r["always_lanes_needed"]
+        assert set(needed) == ({"send-F"} if rank == 0 else {"send-B"}) and all(1 <= n <= 8 for n in needed.values())
         # auto: switched on at an iteration boundary after the delay was measured (log: iterations
         # completed before the switch); every later message went through the delegates
         log = r["auto_log"]

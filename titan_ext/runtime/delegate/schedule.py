@@ -27,7 +27,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from titan_ext.runtime.pipemorph import PipeMorph
 
-from .pool import DelegatePool, pipeline_channels
+from .pool import DelegatePool, delegates_needed, pipeline_channels
 from .transport import MODES, FaultInjector, P2PRouter
 
 __all__ = ["DelegatedPipeMorph"]
@@ -43,7 +43,8 @@ class DelegatedPipeMorph(PipeMorph):
         failover: retry a failed/timed-out direct P2P on the delegate path (PipeMorph §5.3).
         slow_link_ms: auto mode's threshold on the estimated link delay.
         detector: auto mode's slow-link detector ``(last_metrics) -> bool`` (overrides slow_link_ms).
-        delegate_lanes: delegates per kind (int or {"F": n, "B": m}); see ``delegates_needed``.
+        delegate_lanes: delegates per kind (int or {"F": n, "B": m}), fixed for the pool's life; every
+            boundary reports the §5.2 count for the measured rates in ``last_metrics["delegate_lanes_needed"]``.
         delegate_slots / delegate_slot_bytes: ring geometry per delegate.
         recv_timeout_s: failover's timeout of a direct receive.
         delegate_timeout_s: how long a delegate-path operation may wait before DelegateError.
@@ -133,6 +134,23 @@ class DelegatedPipeMorph(PipeMorph):
         if self.router is not None:
             self.last_metrics["delegating"] = self.router.delegating
             self.last_metrics["failed_over_links"] = sorted(self.router.failed)
+            self.last_metrics["delegate_lanes_needed"] = self._lanes_needed(iteration_ms)
+
+    def _lanes_needed(self, iteration_ms: float) -> dict[str, int]:
+        """§5.2 sizing from this iteration: production rate of each send kind (bytes handed to its
+        delegates / iteration time) over the measured per-delegate throughput of that kind."""
+        sent = dict(self.router.delegate_bytes)
+        prev, self._bytes_prev = getattr(self, "_bytes_prev", {"F": 0, "B": 0}), sent
+        out = {}
+        if not self.router.delegating or not iteration_ms > 0:
+            return out
+        stats = self.pool.stats()
+        for d in ("F", "B"):
+            rates = [s["bytes_per_s"] for s in stats if s["kind"] == f"send-{d}" and s["bytes_per_s"] == s["bytes_per_s"]]
+            produced = (sent[d] - prev.get(d, 0)) / (iteration_ms / 1e3)
+            if rates and produced > 0:
+                out[f"send-{d}"] = delegates_needed(produced, sum(rates) / len(rates))
+        return out
 
     def close_delegation(self) -> None:
         """Stop the delegate processes (also done at interpreter exit)."""

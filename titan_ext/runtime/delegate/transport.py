@@ -191,6 +191,7 @@ class P2PRouter:
         self._send_seq: dict[tuple[int, str], int] = {}
         self._recv_seq: dict[tuple[int, str], int] = {}
         self.counts = {"direct": 0, "delegate": 0}
+        self.delegate_bytes: dict[str, int] = {"F": 0, "B": 0}   # bytes handed to send delegates
 
     # --- numbering --------------------------------------------------------------------------------
     def _next(self, table, key) -> int:
@@ -222,6 +223,7 @@ class P2PRouter:
         seq = self._next(self._send_seq, key)
         if self._use_delegates(key):
             self.counts["delegate"] += 1
+            self.delegate_bytes[direction] += tensor.numel() * tensor.element_size()
             return self.pool.send(tensor, peer, direction, seq)
         self.counts["direct"] += 1
         delay = self.hol_delay_ms.get(peer, 0.0)
