@@ -112,7 +112,7 @@ class ReplanPolicy:
                 delays_txt = ", ".join(f"{c:.1f}" for c in delays)
                 return Decision(
                     "shrink",
-                    f"links recovered (c = [{delays_txt}] ms): slackness {slackness(deployed_counts)} -> "
+                    f"less slackness suffices (c = [{delays_txt}] ms): slackness {slackness(deployed_counts)} -> "
                     f"{slackness(candidate)}",
                     mode=mode,
                 )
