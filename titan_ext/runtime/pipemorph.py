@@ -220,6 +220,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         adaptive_memory_limit: int | None = None,
         initial_times_ms: tuple[float, float, float] = (1.0, 1.0, 1.0),
         decision_log_size: int = 10_000,
+        falcon: Any = False,
     ):
         if isinstance(stages, _PipelineStageBase):
             stages = [stages]
@@ -247,6 +248,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         if memory_budget_bytes is not None and not memory_budget_bytes > 0:
             raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
         self._group = stages[0].group
+        self.falcon = self._make_falcon(falcon, S, N)
         self.adaptive = adaptive
         self.policy = policy if policy is not None else ReplanPolicy()
         self.profile_every = profile_every
@@ -733,6 +735,37 @@ class PipeMorph(_PipelineScheduleRuntime):
                               self._n_microbatches, self._clock[0], self._clock[1],
                               candidate_hash=self._planning_hash())
 
+    def _make_falcon(self, falcon: Any, num_stages: int, n_microbatches: int) -> Any:
+        """``falcon``: False (off), True (a default FalconMonitor) or a ready FalconMonitor.
+
+        Falcon (§4–§5) watches the iteration time the ranks agree on (the exchanged timeline's span)
+        and the per-link delays of the profile exchange (one "group" per PP link), so every rank feeds
+        it identical numbers and reaches identical decisions; its ``falcon/*`` entries (events,
+        root cause, strategy, measured effect) join ``last_metrics``. A slow PP link is mitigated by
+        this schedule's own re-planning; strategies that need the trainer (microbatch redistribution,
+        topology change, restart) are reported for the trainer or the operator to apply.
+        """
+        if falcon is False or falcon is None:
+            return None
+        if falcon is not True:
+            return falcon
+        from .falcon import FalconConfig, FalconMonitor
+
+        config = FalconConfig(num_microbatches=n_microbatches)
+        return FalconMonitor(config, pp_groups={f"pp_link{i}": i for i in range(num_stages - 1)})
+
+    def _falcon_metrics(self, span_ms: float, links: list[dict]) -> dict:
+        if self.falcon is None or not math.isfinite(span_ms):
+            return {}
+        per_link = {f"pp_link{i}": lk["c_ms"] / 1e3 for i, lk in enumerate(links) if math.isfinite(lk["c_ms"])}
+        out = self.falcon.observe(span_ms / 1e3, per_link)
+        if "pipemorph_replan" in out.get("falcon/apply", "").split(",") and not self.adaptive:
+            # Falcon Alg.1 chose the PP-link mitigation: turn this schedule's re-planning on (the
+            # policy then adapts the slackness of the slow link at the next boundary).
+            self.adaptive = True
+            self._log(decision="falcon", reason=f"re-planning switched on for slow link {out.get('falcon/plan/pp_link')}")
+        return out
+
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
         for actions, kind, reason, counts in pending:
@@ -804,6 +837,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             "decision": decision.action if decision else "none",
             "decision_reason": decision.reason if decision else "no profile exchange this iteration",
             "recv_wait_ms": sum(r.recv_wait_ms for r in prof.actions),
+            **(self._falcon_metrics(span_ms, links) if exchanged else {}),
         }
         self.metrics_history.append(self.last_metrics)
         self.iteration += 1

@@ -97,6 +97,12 @@ class TitanExt:
     ``link2_bw`` in bytes/s), rows = per-link latency in ms from that time on (seconds since training
     start, shared by all ranks). Empty = none. Mutually exclusive with ``inject_delays``."""
 
+    falcon: bool = True
+    """Falcon fail-slow detection (BOCD change points on the iteration time, per-link profiling,
+    ski-rental mitigation planning; Falcon §4–§5) inside PipeMorph / CrossPipe. Its events, root
+    cause, chosen strategy and measured effect are logged with the pipeline metrics (``falcon/*``).
+    About 50 µs of CPU per iteration."""
+
     gantt_every: int = 10
     """Every K steps, log an image of the measured pipeline timeline (Gantt) to W&B and write it
     under ``<dump_folder>/timelines``. 0 = never."""

@@ -24,6 +24,7 @@ _DIRECT: dict[str, tuple[str, Any]] = {
     "delegation": ("delegation", str),
     "delegation_slow_link_ms": ("slow_link_ms", float),
     "delegation_failover": ("failover", bool),
+    "falcon": ("falcon", bool),
 }
 # [titan_ext] field -> field of the runtime's ReplanPolicy (passed as ``policy=``).
 _POLICY: dict[str, str] = {

@@ -59,6 +59,8 @@ class DelegatedPipeMorph(PipeMorph):
             raise ValueError(f"delegation must be one of {MODES}, got {delegation!r}")
         super().__init__(*args, **kwargs)
         self.delegation = delegation
+        if self.falcon is not None:  # Falcon's re-plan strategy may now come with delegation (§5)
+            self.falcon.config.delegation_available = delegation != "off"
         self.slow_link_ms = slow_link_ms
         self.detector = detector
         self.delegation_log: list[dict] = []
