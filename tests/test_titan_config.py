@@ -155,7 +155,7 @@ def test_schedule_kwargs_follow_constructor_signature():
     kw = schedule_kwargs(PipeMorph, jc)
     policy = kw.pop("policy")
     assert kw == {"memory_budget_bytes": 2.0 * 1024**3, "profile_every": 9, "adaptive": False,
-                  "slack_floor": 2}
+                  "slack_floor": 2, "falcon": True}
     assert isinstance(policy, ReplanPolicy)
     assert (policy.window, policy.rel_margin, policy.recover_patience) == (4, 0.2, 5)
     kw = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))
