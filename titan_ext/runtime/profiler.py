@@ -15,14 +15,15 @@ direction are FIFO, so the k-th send matches the k-th receive.  With clocks that
 unknown offset θ between the two ranks, the raw forward samples are ``d_f + θ`` and the backward ones
 ``d_b − θ``; the per-iteration link delay is
 
-    ``c_i = (q25_k raw_fwd + q25_k raw_bwd) / 2``     (q25 = lower quartile over the iteration's messages)
+    ``c_i = (min_k raw_fwd + min_k raw_bwd) / 2``     (minimum over the iteration's messages)
 
 in which θ cancels exactly; Eq.1 needs only ``2 c_i = d_f + d_b`` (one forward plus one backward
 crossing, PipeMorph §4.1).  Error sources: (1) the watcher's wake-up latency after arrival (a positive
 bias, typically 0.05–1 ms, more on an over-subscribed CPU); (2) the send stamp is taken when the message
 is handed over, so any transport-side queueing counts as link delay (intended: the plan must absorb it);
-(3) direction asymmetry is averaged.  The lower quartile makes late wake-ups (positive-only noise) irrelevant
-unless they hit most messages of the iteration.  Across iterations
+(3) direction asymmetry is averaged; (4) a receive posted late by a busy receiver delays delivery.
+All four only ever add to a sample, and the planner's c_i is a lone message's delay, so the minimum
+is taken (it would underestimate only a link whose delay jitters within one iteration).  Across iterations
 the runtime keeps a window and uses the median again (robust statistics).
 
 Clock offsets (only needed for the cross-rank timeline behind the bubble rate) come from an NTP-style
@@ -263,16 +264,20 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-#: Per-iteration statistic of the per-message one-way samples of one direction.  Timer noise (the
-#: watcher's wake-up on a loaded CPU) only ever *adds* to a sample, so a low quantile is the robust
-#: choice; the lower quartile still follows bandwidth queueing that affects most messages.
-DELAY_QUANTILE = 0.25
+#: Per-iteration statistic of the per-message one-way samples of one direction.  Everything that
+#: distorts a sample only ever *adds* to it: the watcher's wake-up on a loaded CPU, a receive posted
+#: late by a busy receiver (gloo delivers once the receive is posted), queueing behind earlier
+#: messages. The planner's c_i is the delay of a lone message (α + size·β, queueing is the simulator's
+#: job), which is the smallest sample; the window median over iterations then removes outliers.
+#: (A lower quartile, tried first, read 10–20 ms on idle links of a 4-rank CPU run with busy receivers
+#: and triggered needless re-plans.)
+DELAY_QUANTILE = 0.0
 
 
 def link_delay_estimates(ranks: list[RankProfile]) -> list[dict[str, float]]:
     """Per link i (ranks i, i+1): offset-free one-way delay ``c_i`` and per-direction values (ms).
 
-    ``c_ms`` = (q raw fwd + q raw bwd)/2 with q the lower quartile (``DELAY_QUANTILE``); the clock
+    ``c_ms`` = (q raw fwd + q raw bwd)/2 with q the minimum (``DELAY_QUANTILE``); the clock
     offset cancels (module docstring);
     ``fwd_ms``/``bwd_ms`` use the start-up clock-offset estimate (error ≤ RTT/2) and are for reporting.
     """
