@@ -35,7 +35,7 @@ import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from titan_ext.runtime.testing import run_ranks  # noqa: E402
+from titan_ext.runtime.testing import run_ranks, step_rank  # noqa: E402
 
 SCHEDULES = ("1F1B", "ZB", "PipeMorph")
 
@@ -101,12 +101,7 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                 dist.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
-                if rank == 0:
-                    sched.step(x)
-                elif rank == world - 1:
-                    sched.step(target=y)
-                else:
-                    sched.step()
+                step_rank(sched, rank, world, x, y)
                 elapsed = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64)
                 opt.step()
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

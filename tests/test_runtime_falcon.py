@@ -11,7 +11,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.runtime import PipeMorph
 from titan_ext.runtime.falcon import FalconConfig, FalconMonitor, StrategyCosts
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.runtime.testing import run_ranks, step_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -36,13 +36,7 @@ def _worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float, on: 
         if k == on:
             injector.update(f"{world - 2}:{delay_ms:g}")
         g = torch.Generator().manual_seed(k)
-        x, y = torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, DIM, generator=g)
-        if rank == 0:
-            sched.step(x)
-        elif rank == world - 1:
-            sched.step(target=y)
-        else:
-            sched.step()
+        step_rank(sched, rank, world, torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, DIM, generator=g))
     keep = lambda m: {k: v for k, v in m.items() if k.startswith("falcon/") and k != "falcon/detector_us"}  # noqa: E731
     return {"falcon": [keep(m) for m in sched.metrics_history],
             "log": list(sched.decision_log), "adaptive": sched.adaptive}

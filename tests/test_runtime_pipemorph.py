@@ -16,7 +16,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan import PipelineProfile
 from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
-from titan_ext.runtime.testing import mlp_stages, run_ranks
+from titan_ext.runtime.testing import mlp_stages, run_ranks, step_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,12 +33,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _step(sched, rank: int, world: int, step: int) -> list[float]:
     x, y = _batch(step)
     losses: list = []
-    if rank == 0:
-        sched.step(x, target=y if world == 1 else None, losses=losses)
-    elif rank == world - 1:
-        sched.step(target=y, losses=losses)
-    else:
-        sched.step()
+    step_rank(sched, rank, world, x, y, losses)
     return [float(v.detach()) for v in losses]
 
 
@@ -257,14 +252,7 @@ def _agreement_worker(rank: int, world: int, n_mb: int, cls_name: str):
     hashes = []
     for k in range(5):
         x, y = _batch(k)
-        x = x.float()
-        y = y.float()
-        if rank == 0:
-            sched.step(x)
-        elif rank == world - 1:
-            sched.step(target=y)
-        else:
-            sched.step()
+        step_rank(sched, rank, world, x.float(), y.float())
         hashes.append(sched.deployed.hash)
     return {"hashes": hashes, "log": list(sched.decision_log), "metrics": list(sched.metrics_history)}
 

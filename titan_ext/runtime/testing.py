@@ -89,6 +89,19 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None
 # --------------------------------------------------------------------------------------------------
 # models
 # --------------------------------------------------------------------------------------------------
+def step_rank(schedule: Any, rank: int, world: int, x: Any, y: Any, losses: list | None = None) -> None:
+    """One ``schedule.step`` with this rank's share of the data: inputs on the first stage, targets
+    (and the loss list) on the last, nothing in between (one stage per rank)."""
+    if world == 1:
+        schedule.step(x, target=y, losses=losses)
+    elif rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+
+
 def mlp_stages(num_stages: int, dim: int = 16, layers_per_stage: int = 2, seed: int = 0,
                dtype: torch.dtype = torch.float64) -> list[nn.Module]:
     """A deterministic MLP split into ``num_stages`` stage modules (same weights for every caller)."""
