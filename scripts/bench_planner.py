@@ -5,7 +5,7 @@ For each size, in one process: median wall time of (a) our event-driven generato
 (completeness, order, memory, dependency progress), (c) torch's own lowering + dry run
 (_add_send_recv + _simulate_comms_compute), and the paper's discrete-time Alg.4 at ⌈t_o/δ⌉ = 30
 (implemented here literally as the baseline), with the simulated makespan of both plans.
-Prints a table and writes JSON (default benchmarks/planner.json).
+Prints a table and writes JSON (default docs/benchmarks/planner.json).
 
     .venv/bin/python scripts/bench_planner.py
 """
@@ -107,7 +107,7 @@ def timed(fn, reps):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/planner.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/planner.json"))
     ap.add_argument("--quick", action="store_true", help="smaller repetition counts")
     args = ap.parse_args()
 
