@@ -114,7 +114,7 @@ def _e2e_bench(rank, quick, out):
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime.delegate.schedule import DelegatedPipeMorph
-    from titan_ext.runtime.testing import mlp_stages
+    from titan_ext.runtime.testing import mlp_stages, step_rank
 
     dim, batch, n_mb = 512, 256, 8
     steps, warm = (6, 2) if quick else (12, 3)
@@ -132,10 +132,7 @@ def _e2e_bench(rank, quick, out):
         for s in range(steps):
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                sched.step(x)
-            else:
-                sched.step(target=y)
+            step_rank(sched, rank, 2, x, y)
             its.append(1e3 * (time.perf_counter() - t0))
         times.setdefault(path, []).extend(its[warm:])
         if path == "delegate":

@@ -106,7 +106,6 @@ def _body(rank, world):
     from titan_ext.runtime.delegate import DelegatePool, pipeline_channels
     from titan_ext.runtime.delegate.transport import FaultInjector, P2PRouter
 
-    peer = 1 - rank
     out = {}
     with DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=8, slot_bytes=8 << 20,
                       timeout_s=60) as pool:
@@ -162,7 +161,6 @@ def _body(rank, world):
                     act = torch.full(act_shape, float(k))
                     prev_end = time.perf_counter()
                     router.isend(act, 1, "F")
-                t_all = time.perf_counter()
             else:
                 for k in range(n):
                     a = torch.empty(act_shape)

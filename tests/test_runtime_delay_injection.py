@@ -24,7 +24,7 @@ from titan_ext.runtime.delay_injection import (
     load_delay_trace,
     parse_delay_spec,
 )
-from titan_ext.runtime.testing import mlp_stages, run_ranks
+from titan_ext.runtime.testing import mlp_stages, run_ranks, step_rank
 
 
 # ---------------------------------------------------------------- parsing
@@ -171,10 +171,7 @@ def _builtin_worker(rank: int, world: int, spec: str | None, steps: int):
         x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64)
         dist.barrier()
         t = time.perf_counter()
-        if rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=y)
+        step_rank(sched, rank, world, x, y)
         times.append(1e3 * (time.perf_counter() - t))
     return {"times": times, "spec": spec_seen}
 

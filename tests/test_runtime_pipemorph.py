@@ -4,7 +4,6 @@ iteration boundaries, and rank agreement on plans when local measurements differ
 
 from __future__ import annotations
 
-import math
 import statistics
 
 import pytest

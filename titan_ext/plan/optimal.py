@@ -36,7 +36,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from .crosspipe import F, I, W, CrossPipeProblem, Op, plan_crosspipe_problem, problem_from_profile, replay, to_actions
 

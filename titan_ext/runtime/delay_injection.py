@@ -47,7 +47,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 ENV_VAR = "TITAN_EXT_INJECT_DELAYS"

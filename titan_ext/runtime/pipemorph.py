@@ -41,8 +41,7 @@ import logging
 import math
 import statistics
 import threading
-import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -773,7 +772,6 @@ class PipeMorph(_PipelineScheduleRuntime):
 
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
         t0 = now()
-        S = self._num_stages
         decision: Decision | None = None
         plan_ms = math.nan
         bubble, span_ms = math.nan, math.nan

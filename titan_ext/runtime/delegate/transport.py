@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from .pool import DelegateError, DelegatePool
+from .pool import DelegatePool
 
 __all__ = ["DelegationMode", "FaultInjector", "P2PRouter"]
 

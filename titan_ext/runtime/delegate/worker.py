@@ -123,7 +123,6 @@ def _recv_loop(lane, pg, parent, sleep_us) -> None:
             if rc == 2 or not _alive(parent):
                 return
         lane.set_state(i, R.WRITING, wake=False)
-        t0 = time.perf_counter_ns()
         pg.recv([lane.header_bytes[i]], 0, 0).wait()
         t1 = time.perf_counter_ns()  # idle time waiting for the peer is not throughput
         nbytes = int(lane.headers[i][R.H_NBYTES])
@@ -131,7 +130,6 @@ def _recv_loop(lane, pg, parent, sleep_us) -> None:
             raise RuntimeError(f"incoming message of {nbytes} bytes exceeds slot size {lane.slot_bytes}")
         if nbytes:
             pg.recv([lane.payload(i, nbytes)], 0, 1).wait()
-        del t0
         r.add64(R.CTRL_BUSY_NS, time.perf_counter_ns() - t1)
         r.add64(R.CTRL_BYTES, nbytes)
         r.add64(R.CTRL_MESSAGES, 1)
