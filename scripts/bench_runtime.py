@@ -109,7 +109,8 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                 if kind == "PipeMorph" and hasattr(sched, "last_metrics"):
                     m = sched.last_metrics
                     metrics.append({k2: m[k2] for k2 in (
-                        "iteration", "decision", "deployed", "plan_version", "warmup_counts", "replan_ms", "plan_ms",
+                        "iteration", "decision", "deployed", "plan_version", "warmup_counts", "backward", "replan_ms", "plan_ms",
+                        "plan_cpu_ms",
                         "exchange_ms", "boundary_ms", "bubble_rate", "link_delay_ms", "compute_ms",
                         "iteration_time_ms")})
             cell = {"delay_ms": delay, "schedule": label, "times_ms": times,
@@ -121,6 +122,8 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                     "metrics": metrics,
                     "replan_swap_ms_max": max((m["replan_ms"] for m in swaps), default=0.0),
                     "background_plan_ms_max": max((m["plan_ms"] for m in swaps), default=0.0),
+                    "background_plan_cpu_ms_max": max((m["plan_cpu_ms"] for m in swaps), default=0.0),
+                    "final_backward": metrics[-1]["backward"],
                     "exchange_ms_median": statistics.median(m["exchange_ms"] for m in steady),
                     "final_warmup_counts": metrics[-1]["warmup_counts"],
                     "decisions": [(m["iteration"], m["decision"]) for m in metrics if m["decision"] not in ("keep",)],
@@ -142,7 +145,9 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=16)
     ap.add_argument("--mb-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=12,
+                    help="iterations before measuring (PipeMorph calibrates, adapts and, with backward=auto, "
+                         "compares split and full backward inside them)")
     ap.add_argument("--f-ms", type=float, default=10.0)
     ap.add_argument("--i-ms", type=float, default=10.0)
     ap.add_argument("--w-ms", type=float, default=10.0)
@@ -168,7 +173,7 @@ def main() -> None:
               f"{args.world - 2} (last); median of {args.steps} iterations after {args.warmup} warm-up "
               f"[{time.time() - t0:.0f} s]")
         print(f"{'delay ms':>8} | " + " | ".join(f"{s:>12}" for s in ("1F1B", "ZB", "PipeMorph"))
-              + " | speed-up vs best | overhead | swap % of iter | final x")
+              + " | speed-up vs best | overhead | swap % of iter | planning CPU % of iter | final x | backward")
         for delay in args.delays:
             cells = {c["schedule"]: c for c in res["cells"] if c["delay_ms"] == delay}
             pm = cells["PipeMorph"]
@@ -177,17 +182,18 @@ def main() -> None:
             pm["speedup_vs_best_baseline"] = best / pm["median_ms"]
             pm["overhead_vs_best_baseline"] = pm["median_ms"] / best - 1
             pm["replan_swap_pct_of_iteration"] = 100 * pm["replan_swap_ms_max"] / pm["median_ms"]
+            pm["replan_total_pct_of_iteration"] = 100 * (pm["replan_swap_ms_max"] + pm["background_plan_cpu_ms_max"]) / pm["median_ms"]
             print(f"{delay:>8g} | {cells['1F1B']['median_ms']:>12.1f} | {zb['median_ms']:>12.1f} | "
                   f"{pm['median_ms']:>12.1f} | {pm['speedup_vs_best_baseline']:>15.2f}x | "
                   f"{100 * pm['overhead_vs_best_baseline']:>+7.1f}% | {pm['replan_swap_pct_of_iteration']:>12.2f} | "
-                  f"{pm['final_warmup_counts']}")
+                  f"{pm['replan_total_pct_of_iteration']:>21.2f} | {pm['final_warmup_counts']} | {pm['final_backward']}")
         print(f"   ZB baseline used: {zb['schedule']}")
         for delay in args.delays:
             pm = next(c for c in res["cells"] if c["delay_ms"] == delay and c["schedule"] == "PipeMorph")
             comp = {k: [round(v, 1) for v in vs] for k, vs in pm["measured_compute_ms"].items()}
             print(f"   PipeMorph @ {delay:g} ms: decisions {pm['decisions']}, swapped at {pm['swapped_at']} "
                   f"(critical path {pm['replan_swap_ms_max']:.2f} ms, background planning "
-                  f"{pm['background_plan_ms_max']:.1f} ms), measured compute {comp}, "
+                  f"{pm['background_plan_ms_max']:.1f} ms wall / {pm['background_plan_cpu_ms_max']:.1f} ms CPU), measured compute {comp}, "
                   f"link delays {{{', '.join(f'{k}: {v:.1f}' for k, v in pm['measured_link_delay_ms'].items())}}}, "
                   f"bubble {pm['bubble_rate_median']:.2f}, exchange {pm['exchange_ms_median']:.1f} ms")
     with open(args.json, "w") as fh:

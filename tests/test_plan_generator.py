@@ -5,6 +5,7 @@ import random
 import pytest
 
 from titan_ext.plan import (
+    LinkProfile,
     PipelineProfile,
     generate_order,
     plan_pipemorph,
@@ -127,3 +128,42 @@ def test_validity_fuzz_1000_cases():
         validate_plan(plan.actions, S, N, inflight_limit=plan.inflight_limit)
         if memory_limit is not None:
             assert max(simulate(plan.actions, prof).peak_inflight.values()) <= max(memory_limit, 1)
+
+
+@pytest.mark.parametrize("S,N", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_full_backward_with_1f1b_warmup_is_torchs_1f1b(S, N):
+    """``full_backward`` with x_i = S − i (and in-flight activations capped at x_i, as plan_pipemorph
+    does) and uniform times reproduces torch's own Schedule1F1B order (the independent reference) and
+    1F1B's closed-form makespan (N + S − 1)(t_F + t_B + t_W)."""
+    from titan_ext.plan.builtin import builtin_plan
+    from titan_ext.plan.ir import as_ops
+
+    prof = PipelineProfile.uniform(S, N, 10.0, 6.0, 4.0)
+    x = [S - i for i in range(S)]
+    gen = generate_order(prof, x, inflight_limit=x, full_backward=True)
+    assert gen.order == as_ops(builtin_plan("1F1B", S, N)[0])
+    assert gen.makespan_ms == pytest.approx((N + S - 1) * 20.0)
+    validate_plan(gen.order, S, N)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_full_backward_plans_validate_and_match_the_simulator(seed):
+    """Random profiles (delays included), both planner modes: the full-backward plan has only F and B,
+    validates (torch's dry run included) within its in-flight caps, and the generator's own timeline
+    equals the planning core's simulator on the fused profile."""
+    rng = random.Random(seed)
+    S = rng.choice([2, 3, 4, 6])
+    N = rng.choice([S, 2 * S, 3 * S + 1])
+    t = lambda: [round(rng.uniform(2, 12), 1) for _ in range(S)]  # noqa: E731
+    delays = {rng.randrange(S - 1): rng.choice([0.0, 15.0, 40.0])} if S > 1 else {}
+    links = [LinkProfile() for _ in range(S - 1)]
+    for i, d in delays.items():
+        links[i] = LinkProfile(latency_ms=d)
+    prof = PipelineProfile(S, N, t(), t(), t(), tuple(links))
+    plan = plan_pipemorph(prof, backward="full", mode=rng.choice(["initial", "adaptive"]))
+    kinds = {k for ops in plan.ops.values() for _, k, _ in ops}
+    assert kinds == {"F", "B"}
+    validate_plan(plan.actions, S, N, inflight_limit=plan.inflight_limit)
+    assert simulate(plan.actions, prof).makespan_ms == pytest.approx(plan.predicted_makespan_ms, abs=1e-6)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        plan_pipemorph(prof, backward="fused")

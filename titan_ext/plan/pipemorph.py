@@ -45,8 +45,15 @@ def generate_order(
     profile: PipelineProfile,
     warmup_counts: Sequence[int],
     inflight_limit: Sequence[int] | int | None = None,
+    *,
+    full_backward: bool = False,
 ) -> GeneratedSchedule:
-    """Alg.3/4 event-driven: the per-stage order of F/I/W for every microbatch (one stage per rank)."""
+    """Alg.3/4 event-driven: the per-stage order of F/I/W for every microbatch (one stage per rank).
+
+    ``full_backward=True`` (our extension): the same Alg.3 priorities with the backward not split —
+    each I is replaced by a full B taking ``t_B + t_W`` and no W is scheduled (1F1B-style actions with
+    PipeMorph's warm-up counts, for devices where the I/W split costs more than it saves).
+    """
     S, N = profile.num_stages, profile.num_microbatches
     x = [int(v) for v in warmup_counts]
     if len(x) != S:
@@ -69,6 +76,8 @@ def generate_order(
     tf = [to_ns(v) for v in profile.f_ms]
     tb = [to_ns(v) for v in profile.b_ms]
     tw = [to_ns(v) for v in profile.w_ms]
+    if full_backward:
+        tb = [b + w for b, w in zip(tb, tw)]
     links = LinkQueues(profile.links)
 
     # Arrival queues per stage, (ready_ns, mb), FIFO: each stage consumes a kind in microbatch order.
@@ -80,7 +89,7 @@ def generate_order(
     warm_left = list(x)
     f_count = [0] * S
     b_count = [0] * S
-    remaining = 3 * N * S
+    remaining = (2 if full_backward else 3) * N * S
     order: dict[int, list[Op]] = {i: [] for i in range(S)}
     makespan = 0
 
@@ -118,7 +127,10 @@ def generate_order(
             _, m = b_q[i].popleft()
             done = t + tb[i]
             b_count[i] += 1
-            w_q[i].append((done, m))
+            if full_backward:
+                kind = "B"
+            else:
+                w_q[i].append((done, m))
             if i > 0:
                 arrive = links.send(i - 1, (i, -1), done)
                 b_q[i - 1].append((arrive, m))
@@ -152,6 +164,7 @@ class Plan:
 
 
 SCHEDULES = ("pipemorph", "zb", "zb-h1")
+BACKWARDS = ("split", "full")
 
 
 def plan_pipemorph(
@@ -163,6 +176,7 @@ def plan_pipemorph(
     memory_limit: int | None = None,
     cap_inflight: bool = True,
     validate: bool = True,
+    backward: str = "split",
 ) -> Plan:
     """Plan warm-up counts and generate the full schedule; the returned plan has passed validation.
 
@@ -172,13 +186,20 @@ def plan_pipemorph(
     budget; N when neither); ``mode="adaptive"`` → Alg.2 from the profile's measured times and delays;
     ``mode="auto"`` → adaptive when any link has a delay, else initial.
     ``cap_inflight`` (our memory extension): cap each stage's in-flight activations at its x_i.
+    ``backward="full"`` (our extension): plan with the profile's ``fused()`` times (B + W in one full
+    backward) and emit full-backward B actions instead of I/W — for hardware where the split costs more
+    compute than the W bubble-filling saves (the runtime measures both, see ``titan_ext.runtime``).
     """
     from .validate import validate_plan  # local: validate imports this module's neighbours
 
     if validate:
         torch_schedules()  # import torch's IR before the clock starts: plan_ms measures planning only
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     t0 = time.perf_counter()
     S = profile.num_stages
+    if backward == "full":
+        profile = profile.fused()
     gen_profile = profile
     if schedule in ("zb", "zb-h1"):
         x = zb_warmup_counts(S, profile.num_microbatches) if schedule == "zb" else zb_h1_warmup_counts(S)
@@ -199,7 +220,7 @@ def plan_pipemorph(
     limit = list(x) if cap_inflight else [memory_limit or profile.num_microbatches] * S
     limit = [max(v, xi) for v, xi in zip(limit, x)]
     with gc_paused():
-        generated = generate_order(gen_profile, x, limit)
+        generated = generate_order(gen_profile, x, limit, full_backward=backward == "full")
         if validate:
             validate_plan(generated.order, S, profile.num_microbatches, inflight_limit=limit)
         actions = to_torch_plan(generated.order)

@@ -153,6 +153,11 @@ class PipelineProfile:
             return None
         return tuple(int(m // a) for a, m in zip(self.activation_bytes, self.memory_budget_bytes))
 
+    def fused(self) -> "PipelineProfile":
+        """The same pipeline with the backward not split: ``b_ms`` = B + W of each stage, ``w_ms`` = 0
+        (the profile a full-backward, 1F1B-style plan is planned and checked with)."""
+        return replace(self, b_ms=tuple(b + w for b, w in zip(self.b_ms, self.w_ms)), w_ms=(0.0,) * self.num_stages)
+
     def with_links(self, links: Sequence[LinkProfile]) -> "PipelineProfile":
         return replace(self, links=tuple(links))
 

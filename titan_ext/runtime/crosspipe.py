@@ -34,6 +34,9 @@ class CrossPipe(PipeMorph):
         link_bandwidth_bytes_per_s: bandwidth of each link (one value, or one per link), for the split.
     """
 
+    #: CrossPipe's greedy generator plans split backwards only (I and W are separate operations, §4.1)
+    backward_choices = ("split",)
+
     def __init__(
         self,
         *args: Any,
@@ -46,6 +49,7 @@ class CrossPipe(PipeMorph):
             raise ValueError(f"CrossPipe run-time variant must be 'ud' or 'udsub' (one stage per rank), got {variant!r}")
         if message_bytes is not None and not message_bytes >= 0:
             raise ValueError(f"message_bytes must be >= 0, got {message_bytes}")
+        kwargs.setdefault("backward", "split")
         self.variant = variant
         self.message_bytes = message_bytes
         self.link_bandwidth_bytes_per_s = link_bandwidth_bytes_per_s

@@ -41,6 +41,7 @@ import logging
 import math
 import statistics
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -123,6 +124,11 @@ def warmup_counts_of(actions: Mapping[int, list[Any]]) -> list[int]:
     return [counts[s] for s in sorted(counts)]
 
 
+def backward_of(actions: Mapping[int, list[Any]]) -> str:
+    """``"full"`` when a compute-only plan runs full backwards (B), else ``"split"`` (I and W)."""
+    return "full" if any(k == "B" for ops in as_ops(actions).values() for _, k, _ in ops) else "split"
+
+
 @dataclass
 class DeployedPlan:
     actions: dict[int, list[_Action]]
@@ -131,6 +137,7 @@ class DeployedPlan:
     hash: int
     reason: str
     kind: str  # initial | adaptive | forced | external
+    backward: str = "split"  # split (I + W) | full (B)
 
 
 @dataclass
@@ -144,39 +151,34 @@ class _Candidate:
     hash: int
     kind: str
     reason: str
+    backward: str = "split"
+    trigger: str = ""  # the decision that asked for it; probe/select change only the backward variant
     prepare_ms: float = 0.0
     plan_ms: float = 0.0
+    plan_cpu_ms: float = 0.0
 
 
-@dataclass
 class _Window:
-    """Per-iteration estimates of the last ``size`` checks (medians over them = the robust estimate)."""
+    """Per-iteration estimates of the last ``size`` checks that measured them (medians over them = the
+    robust estimate).  Keys: F, I, W, B (per stage) and C (per link).  A row with no measurement at all
+    (e.g. I and W while a full-backward plan runs) is not pushed, so the last measurements are kept."""
 
-    size: int
-    f_ms: deque = field(default_factory=deque)
-    i_ms: deque = field(default_factory=deque)
-    w_ms: deque = field(default_factory=deque)
-    c_ms: deque = field(default_factory=deque)
+    KEYS = ("F", "I", "W", "B", "C")
 
-    def push(self, f, i, w, c) -> None:
-        for q, v in ((self.f_ms, f), (self.i_ms, i), (self.w_ms, w), (self.c_ms, c)):
-            q.append(v)
-            while len(q) > self.size:
-                q.popleft()
+    def __init__(self, size: int):
+        self.size = size
+        self.rows: dict[str, deque] = {k: deque(maxlen=size) for k in self.KEYS}
 
-    @staticmethod
-    def _med(q: deque, j: int) -> float:
-        vals = [row[j] for row in q if not math.isnan(row[j])]
-        return statistics.median(vals) if vals else math.nan
+    def push(self, key: str, row: list[float]) -> None:
+        if any(not math.isnan(v) for v in row):
+            self.rows[key].append(row)
 
-    def estimate(self, num_stages: int) -> tuple[list[float], list[float], list[float], list[float]]:
-        S = num_stages
-        return (
-            [self._med(self.f_ms, j) for j in range(S)],
-            [self._med(self.i_ms, j) for j in range(S)],
-            [self._med(self.w_ms, j) for j in range(S)],
-            [self._med(self.c_ms, j) for j in range(S - 1)],
-        )
+    def median(self, key: str, n: int) -> list[float]:
+        out = []
+        for j in range(n):
+            vals = [row[j] for row in self.rows[key] if not math.isnan(row[j])]
+            out.append(statistics.median(vals) if vals else math.nan)
+        return out
 
 
 class PipeMorph(_PipelineScheduleRuntime):
@@ -193,10 +195,18 @@ class PipeMorph(_PipelineScheduleRuntime):
         adaptive_memory_limit: cap on warm-up forwards in adaptive plans (None: no cap, as in the paper
             where activations are offloaded to host memory, §4.2).
         initial_times_ms: (F, I, W) assumed before the first measurement.
+        backward: ``"split"`` (I and W actions, PipeMorph's plans), ``"full"`` (full-backward B actions
+            with PipeMorph's warm-up counts) or ``"auto"``: after every new regime (calibration, adapt,
+            shrink) the other variant is planned and run for ``window`` iterations, and the variant
+            whose measured iteration span (median, agreed by all ranks) is lower by more than
+            ``backward_margin`` keeps running.  On hardware where splitting the backward costs extra
+            compute (CPU autograd) the full variant wins when no link is slow; on GPUs the split one.
     """
 
     #: ``schedule=`` argument of :func:`titan_ext.plan.plan_pipemorph` used by the default planner.
     planner_schedule = "pipemorph"
+    #: accepted values of ``backward=`` (a planner that only makes split plans narrows it).
+    backward_choices = ("auto", "split", "full")
 
     def __init__(
         self,
@@ -220,6 +230,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         initial_times_ms: tuple[float, float, float] = (1.0, 1.0, 1.0),
         decision_log_size: int = 10_000,
         falcon: Any = False,
+        backward: str = "auto",
+        backward_margin: float = 0.02,
     ):
         if isinstance(stages, _PipelineStageBase):
             stages = [stages]
@@ -246,6 +258,17 @@ class PipeMorph(_PipelineScheduleRuntime):
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if memory_budget_bytes is not None and not memory_budget_bytes > 0:
             raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
+        if backward not in self.backward_choices:
+            raise ValueError(f"{type(self).__name__}: backward must be one of {self.backward_choices}, got {backward!r}")
+        if not 0 <= backward_margin < 1:
+            raise ValueError(f"backward_margin must be within [0, 1), got {backward_margin}")
+        self.backward = backward
+        self.backward_margin = backward_margin
+        self._spans: dict[str, list[float]] = {"split": [], "full": []}
+        self._variant_decided = False
+        self._probe_running = False
+        self._probe_target: str | None = None
+        self._plan_cpu_ms = math.nan
         self._group = stages[0].group
         self.falcon = self._make_falcon(falcon, S, N)
         self.adaptive = adaptive
@@ -259,7 +282,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._activation_bytes_all: list[float] | None = None
         self._times_ms = tuple(float(t) for t in initial_times_ms)
         window = getattr(self.policy, "window", 3)
-        self._window = _Window(size=max(1, int(window)))
+        self._window = _Window(max(1, int(window)))
         self._calibrated = False
 
         self.iteration = 0
@@ -315,20 +338,38 @@ class PipeMorph(_PipelineScheduleRuntime):
 
         return initial_warmup_counts(self._num_stages, x_max)
 
-    def _estimate_profile(self) -> PipelineProfile:
-        """The robust estimate (window medians) as a plan-layer profile; placeholders before data."""
+    def _variant(self, decision: Decision | None = None) -> str:
+        """The backward variant a new plan gets: the decision's, else that of the deployed planner-made
+        plan (the variant ``auto`` chose), else the configured one (``auto`` starts split)."""
+        if decision is not None and decision.backward is not None:
+            return decision.backward
+        if self.deployed is not None and self.deployed.kind in ("initial", "adaptive"):
+            return self.deployed.backward
+        return "full" if self.backward == "full" else "split"
+
+    def _estimate_profile(self, backward: str = "split") -> PipelineProfile:
+        """The robust estimate (window medians) as a plan-layer profile; placeholders before data.
+
+        ``backward="full"``: the profile a full-backward plan is planned and checked with — measured
+        full-B times as ``b_ms`` and ``w_ms`` = 0 (I + W of the split measurements until B is measured).
+        """
         S, N = self._num_stages, self._n_microbatches
-        f, i, w, c = self._window.estimate(S)
+        win = self._window
         f0, i0, w0 = self._times_ms
 
         def pick(v: float, default: float, floor: float) -> float:
             return max(v, floor) if not math.isnan(v) else default
 
-        f = [pick(v, f0, 1e-3) for v in f]
-        i = [pick(v, i0, 1e-3) for v in i]
-        w = [pick(v, w0, 0.0) for v in w]
-        c = [pick(v, 0.0, 0.0) for v in c]
-        return PipelineProfile(S, N, tuple(f), tuple(i), tuple(w), tuple(LinkProfile(latency_ms=x) for x in c))
+        f = [pick(v, f0, 1e-3) for v in win.median("F", S)]
+        i = [pick(v, i0, 1e-3) for v in win.median("I", S)]
+        w = [pick(v, w0, 0.0) for v in win.median("W", S)]
+        c = [pick(v, 0.0, 0.0) for v in win.median("C", S - 1)]
+        links = tuple(LinkProfile(latency_ms=x) for x in c)
+        profile = PipelineProfile(S, N, tuple(f), tuple(i), tuple(w), links)
+        if backward == "full":
+            b = [pick(v, fallback, 1e-3) for v, fallback in zip(win.median("B", S), profile.fused().b_ms)]
+            profile = PipelineProfile(S, N, tuple(f), tuple(b), (0.0,) * S, links)
+        return profile
 
     def _plan(self, profile: PipelineProfile, decision: Decision) -> Any:
         """Planner hook: a compute-only plan for ``profile`` (PipeMorph Alg.1/2 + Alg.3/4).
@@ -340,18 +381,19 @@ class PipeMorph(_PipelineScheduleRuntime):
         """
         if decision.actions is not None:
             return decision.actions
+        backward = self._variant(decision)
         if decision.warmup_counts is not None:
             x = list(decision.warmup_counts)
-            order = generate_order(profile, x, inflight_limit=x)
+            order = generate_order(profile, x, inflight_limit=x, full_backward=backward == "full")
             return {"actions": to_torch_plan(order.order), "warmup_counts": x, "inflight_limit": x}
         if decision.mode == "initial":
-            return plan_pipemorph(profile, schedule=self.planner_schedule, mode="initial",
+            return plan_pipemorph(profile, schedule=self.planner_schedule, mode="initial", backward=backward,
                                   slack_floor=self.slack_floor, memory_limit=self._x_max, validate=False)
         planning = profile
         if isinstance(self.policy, ReplanPolicy):
             planning = profile.with_delays({k: self.policy.headroom_delay(c) for k, c in enumerate(profile.delays_ms)})
         # validate=False: the deploy path validates every plan, whatever planner made it (once).
-        return plan_pipemorph(planning, schedule=self.planner_schedule, mode="adaptive",
+        return plan_pipemorph(planning, schedule=self.planner_schedule, mode="adaptive", backward=backward,
                               slack_floor=self.slack_floor, memory_limit=self.adaptive_memory_limit,
                               validate=False)
 
@@ -410,7 +452,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         lowered = _torch_schedules._add_send_recv(lowered, stage_to_rank=lambda st: mapping[st], num_stages=S)
         counts = list(counts) if counts else warmup_counts_of(torch_actions)
         return _Candidate(torch_actions, lowered, mapping, counts, plan_hash(torch_actions), kind, reason,
-                          prepare_ms=1e3 * (now() - t0))
+                          backward=backward_of(torch_actions), prepare_ms=1e3 * (now() - t0))
 
     def _swap(self, cand: "_Candidate") -> None:
         """Install a prepared plan (iteration boundary only): an O(1) pointer swap."""
@@ -423,11 +465,17 @@ class PipeMorph(_PipelineScheduleRuntime):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.plan_version += 1
         self.deployed = DeployedPlan(self.pipeline_order, cand.counts, self.plan_version, cand.hash, cand.reason,
-                                     cand.kind)
+                                     cand.kind, cand.backward)
         self._since_deploy = 0
+        self._probe_running = cand.trigger == "probe"
+        if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
+            self._spans = {"split": [], "full": []}
+            self._variant_decided = self.backward != "auto"
+            self._probe_target = None
         self._log(decision="deploy", kind=cand.kind, reason=cand.reason, plan_version=self.plan_version,
                   plan_hash=hex(cand.hash), warmup_counts=cand.counts, slackness=slackness(cand.counts),
-                  prepare_ms=cand.prepare_ms, plan_ms=cand.plan_ms)
+                  backward=cand.backward, prepare_ms=cand.prepare_ms, plan_ms=cand.plan_ms,
+                  plan_cpu_ms=cand.plan_cpu_ms)
 
     def _try_deploy(self, actions: dict, counts: list[int] | None, kind: str, reason: str,
                     check_agreement: bool = True, inflight_limit: list[int] | None = None) -> bool:
@@ -462,22 +510,28 @@ class PipeMorph(_PipelineScheduleRuntime):
     def _start_planning(self, decision: Decision) -> None:
         """Plan, validate and lower in a background thread while the next iteration runs (off the
         critical path); the result is agreed on in the next profile exchange and swapped after it."""
-        estimate = self._estimate_profile()
+        estimate = self._estimate_profile(self._variant(decision))
         kind = {"calibrate": "initial", "force": "forced"}.get(decision.action, decision.mode or "adaptive")
         reason = f"{decision.action}: {decision.reason}"
         box: dict[str, Any] = {}
 
         def job() -> None:
-            t0 = now()
+            t0, c0 = now(), time.thread_time()
             try:
                 actions, counts, limit = self._unpack_plan(self._plan(estimate, decision))
                 plan_ms = 1e3 * (now() - t0)
                 cand = self._prepare_candidate(actions, counts, kind, reason, limit)
                 cand.plan_ms = plan_ms
+                cand.trigger = decision.action
                 box["candidate"] = cand
             except Exception as exc:  # noqa: BLE001 - a planner/validation failure never stops training
                 box["error"] = f"{reason}: planning/validation failed: {exc}"
             box["total_ms"] = 1e3 * (now() - t0)
+            # CPU time of this thread: the planning's real cost (wall time also counts waiting for the
+            # GIL while the training thread runs)
+            box["cpu_ms"] = 1e3 * (time.thread_time() - c0)
+            if "candidate" in box:
+                box["candidate"].plan_cpu_ms = box["cpu_ms"]
 
         thread = threading.Thread(target=job, name="titan_ext-pipemorph-planner", daemon=True)
         self._planning = (thread, box, decision)
@@ -503,6 +557,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._planning = None
         cand: _Candidate | None = box.get("candidate")
         bg_ms = box.get("total_ms", 0.0)
+        self._plan_cpu_ms = box.get("cpu_ms", math.nan)
         if cand is None:
             self._log(decision="reject", reason=box.get("error", "planner produced nothing"),
                       plan_version=self.plan_version)
@@ -780,6 +835,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         exchange_ms = 0.0
         swap_ms = 0.0
         deployed_now = False
+        ran_probe = False
         if exchanged:
             vec = self._local_profile_vector(prof)
             if dist.is_initialized() and self.pp_group_size > 1:
@@ -796,8 +852,13 @@ class PipeMorph(_PipelineScheduleRuntime):
             bubble, span_ms = timeline_bubble_rate(ranks)
             if self._activation_bytes_all is None and all(not math.isnan(r.activation_bytes) for r in ranks):
                 self._activation_bytes_all = [r.activation_bytes for r in ranks]
-            self._window.push([r.f_ms for r in ranks], [r.i_ms for r in ranks], [r.w_ms for r in ranks],
-                              [lk["c_ms"] for lk in links])
+            for key, row in (("F", [r.f_ms for r in ranks]), ("I", [r.i_ms for r in ranks]),
+                             ("W", [r.w_ms for r in ranks]), ("B", [r.b_ms for r in ranks]),
+                             ("C", [lk["c_ms"] for lk in links])):
+                self._window.push(key, row)
+            if math.isfinite(span_ms):
+                self._spans[self.deployed.backward].append(span_ms)
+            ran_probe = self._probe_running
             resolving = self._planning is not None
             deployed_now, swap_ms, bg_ms = self._resolve_planning([r.candidate_hash for r in ranks])
             if resolving:
@@ -811,6 +872,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         replan_ms = swap_ms  # critical path only: planning ran in the background (plan_ms)
         self._since_deploy += 1
         est = self._estimate_profile()
+        b_est = self._estimate_profile("full").b_ms
         self.last_metrics = {
             "iteration": self.iteration,
             "iteration_time_ms": iteration_ms,
@@ -820,7 +882,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             "link_delay_fwd_ms": {i: lk["fwd_ms"] for i, lk in enumerate(links)},
             "link_delay_bwd_ms": {i: lk["bwd_ms"] for i, lk in enumerate(links)},
             "link_delay_estimate_ms": {i: c for i, c in enumerate(est.delays_ms)},
-            "compute_ms": {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms)},
+            "compute_ms": {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(b_est)},
+            "backward": self.deployed.backward if self.deployed else None,
             "plan_version": self.plan_version,
             "plan_hash": hex(self.deployed.hash) if self.deployed else None,
             "warmup_counts": list(self.deployed.warmup_counts) if self.deployed else None,
@@ -829,20 +892,22 @@ class PipeMorph(_PipelineScheduleRuntime):
             "replan_ms": replan_ms,
             "deployed": deployed_now,
             "plan_ms": plan_ms,
+            "plan_cpu_ms": self._plan_cpu_ms if not math.isnan(plan_ms) else math.nan,
             "swap_ms": swap_ms,
             "exchange_ms": exchange_ms,
             "boundary_ms": boundary_ms,
             "decision": decision.action if decision else "none",
             "decision_reason": decision.reason if decision else "no profile exchange this iteration",
             "recv_wait_ms": sum(r.recv_wait_ms for r in prof.actions),
-            **(self._falcon_metrics(span_ms, links) if exchanged else {}),
+            # a probe of the other backward variant is our own doing, not a straggler: Falcon skips it
+            **(self._falcon_metrics(span_ms, links) if exchanged and not ran_probe else {}),
         }
         self.metrics_history.append(self.last_metrics)
         self.iteration += 1
 
     def _decide(self) -> Decision:
         """Run the policy (identical inputs on every rank → identical decision)."""
-        est = self._estimate_profile()
+        est = self._estimate_profile(self.deployed.backward)
         counts = self.deployed.warmup_counts
         if not self.adaptive and not getattr(self.policy, "forces", False):
             decision = Decision("keep", "adaptation disabled")
@@ -857,4 +922,38 @@ class PipeMorph(_PipelineScheduleRuntime):
                 return Decision("calibrate", f"initial plan regenerated with measured times "
                                 f"(Alg.1, x_max={self._x_max})", mode="initial")
             self._calibrated = True
+        if decision.action == "keep" and self.adaptive and self._calibrated:
+            return self._compare_backward() or decision
         return decision
+
+    def _compare_backward(self) -> Decision | None:
+        """``backward="auto"``: once per regime, run the other backward variant for ``window``
+        iterations and keep the variant with the lower median iteration span (the span every rank
+        computes from the same exchanged timeline, so all ranks decide alike)."""
+        if self._variant_decided or self._planning is not None or self.deployed.kind not in ("initial", "adaptive"):
+            return None
+        n = self._window.size
+        spans, running = self._spans, self.deployed.backward
+        mode = "initial" if self.deployed.kind == "initial" else "adaptive"
+        target = self._probe_target
+        if target is None:
+            if len(spans[running]) < n:
+                return None
+            self._probe_target = target = "full" if running == "split" else "split"
+            return Decision("probe", f"backward=auto: measure {target} backward for {n} iterations "
+                            f"({running}: median span {statistics.median(spans[running][-n:]):.1f} ms)",
+                            mode=mode, backward=target)
+        if running != target:  # the probe plan was refused (logged): keep what runs
+            self._variant_decided = True
+            return None
+        if len(spans[target]) < n:
+            return None
+        med = {k: statistics.median(v[-n:]) for k, v in spans.items()}
+        self._variant_decided = True
+        best = "full" if med["full"] < med["split"] * (1 - self.backward_margin) else "split"
+        reason = (f"backward=auto: median span split {med['split']:.1f} ms, full {med['full']:.1f} ms "
+                  f"(margin {100 * self.backward_margin:g} %) -> {best}")
+        if best == running:
+            self._log(decision="select", reason=reason)
+            return None
+        return Decision("select", reason, mode=mode, backward=best)

@@ -34,16 +34,17 @@ from titan_ext.plan import PipelineProfile, adapted_warmup_counts, link_toleranc
 class Decision:
     """What the policy decided at one check."""
 
-    action: str  # keep | adapt | shrink | hold | calibrate | force
+    action: str  # keep | adapt | shrink | hold | calibrate | force | probe | select
     reason: str
     mode: str | None = None  # planner mode for a new plan: "initial" | "adaptive"
+    backward: str | None = None  # "split" | "full" for a new plan (None: the deployed plan's)
     warmup_counts: list[int] | None = None  # explicit counts (force / tests), else the planner decides
     actions: dict | None = None  # an explicit compute-only plan (force / tests)
     violated_links: list[int] = field(default_factory=list)
 
     @property
     def replans(self) -> bool:
-        return self.action in ("adapt", "shrink", "calibrate", "force")
+        return self.action in ("adapt", "shrink", "calibrate", "force", "probe", "select")
 
 
 @dataclass
