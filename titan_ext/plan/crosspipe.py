@@ -47,6 +47,7 @@ This module is pure Python: no torch or ortools at import time.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 import time
@@ -520,9 +521,221 @@ def greedy_schedule(
     return GreedyResult(orders, start, end, makespan, subblocks, n_sub, steady, reserve, lookahead, waits)
 
 
+class _Model:
+    """The timing model of CrossPipe §3.5 compiled to flat arrays, for fast repeated evaluation of
+    fixed per-rank orders (the portfolio's selection by simulation, §6.2, and the local search).
+
+    Operation id ``(3·stage + kind)·N + microbatch`` (kind 0 F, 1 I, 2 W); ``out[id]`` lists what the
+    operation's end makes available: ``(op, channel, size·β, α)`` with channel −1 for a same-rank
+    dependency.  Every message on a channel is sent by one rank in its program order, so a FIFO per
+    channel gives exactly the range-based occupancy of §4.2.3 here (see :func:`replay`).
+    """
+
+    __slots__ = ("N", "S", "R", "n", "dur", "out", "rank", "kind", "delta", "nch", "stage_to_rank", "prod", "chan_of",
+                 "chan_sender", "cons", "tx_chans", "work")
+
+    def __init__(self, problem: CrossPipeProblem) -> None:
+        N, S, R = problem.num_microbatches, problem.num_stages, problem.num_ranks
+        s2r = problem.stage_to_rank
+        self.N, self.S, self.R, self.n = N, S, R, 3 * N * S
+        self.stage_to_rank = s2r
+        chans: dict[tuple[int, int], int] = {}
+
+        def hop(a: int, b: int) -> tuple[int, float, float]:
+            h = problem.hop(a, b)
+            if h is None:
+                return (-1, 0.0, 0.0)
+            boundary, channel = h
+            return (chans.setdefault(channel, len(chans)), problem.transfer(boundary), problem.latency(boundary))
+
+        dur: list[float] = []
+        out: list[tuple] = []
+        for s in range(S):
+            times = (problem.f_ms[s], problem.b_ms[s], problem.w_ms[s])
+            if s < S - 1:
+                ch, tx, lat = hop(s, s + 1)
+                f_out = [((3 * s + 3) * N + m, ch, tx, lat) for m in range(N)]
+            else:
+                f_out = [((3 * s + 1) * N + m, -1, 0.0, 0.0) for m in range(N)]
+            if s > 0:
+                ch, tx, lat = hop(s, s - 1)
+                i_out = [(((3 * s + 2) * N + m, -1, 0.0, 0.0), ((3 * s - 2) * N + m, ch, tx, lat)) for m in range(N)]
+            else:
+                i_out = [(((3 * s + 2) * N + m, -1, 0.0, 0.0),) for m in range(N)]
+            for k in range(3):
+                dur.extend([times[k]] * N)
+            out.extend((x,) for x in f_out)
+            out.extend(i_out)
+            out.extend([()] * N)
+        self.dur, self.out, self.nch = dur, out, len(chans)
+        self.rank = [s2r[i // (3 * N)] for i in range(self.n)]
+        self.kind = [(i // N) % 3 for i in range(self.n)]
+        self.delta = tuple(problem.memory_deltas)
+        n = self.n
+        self.work = 0
+        """operations simulated so far by run/rerun (plus a fixed 4R + 32 per call): the deterministic
+        cost measure of the local search's budget."""
+        self.prod = [n] * n  # each operation's single producer (n: none, stage 0's F)
+        self.chan_of = [-1] * n  # channel an operation's message occupies (-1: none or size·β = 0)
+        self.chan_sender = [0] * self.nch
+        self.cons = [tuple(x[0] for x in out[o]) for o in range(n)]
+        for o in range(n):
+            for d, ch, tx, _ in out[o]:
+                self.prod[d] = o
+                if ch >= 0:
+                    self.chan_sender[ch] = self.rank[o]
+                    if tx:
+                        self.chan_of[o] = ch
+        self.tx_chans = sorted({ch for ch in self.chan_of if ch >= 0})
+
+    def ids(self, orders: Mapping[int, Sequence[Op]]) -> list[list[int]]:
+        N, kid = self.N, {F: 0, I: 1, W: 2}
+        return [[(3 * s + kid[k]) * N + m for s, k, m in orders[r]] for r in range(self.R)]
+
+    def ops(self, ids: Sequence[Sequence[int]]) -> dict[int, list[Op]]:
+        N, K = self.N, (F, I, W)
+        return {r: [(i // (3 * N), K[(i // N) % 3], i % N) for i in o] for r, o in enumerate(ids)}
+
+    def run(self, orders: Sequence[Sequence[int]], detail: bool = False, bound: float = math.inf):
+        """Time per-rank id orders.  Returns (makespan, Σ rank finish times) — inf if they deadlock or
+        if some operation ends after ``bound`` — or with ``detail`` a :class:`_Timed` (the state
+        :meth:`rerun` restarts from)."""
+        N, R = self.N, self.R
+        avail = [-1.0] * self.n
+        avail[:N] = [0.0] * N
+        return self._loop(orders, avail, [0] * R, [0.0] * R, [0.0] * self.nch, 0, detail, bound, None)
+
+    def rerun(self, orders: Sequence[Sequence[int]], base: "_Timed", r: int, lo: int, hi: int,
+              bound: float = math.inf):
+        """Time ``orders``, which differ from the timed ``base`` only on rank ``r`` at positions lo..hi:
+        every operation that started before the earliest of those (in ``base``) keeps its times (it
+        cannot depend on them), so the run restarts from that point.  Same result as :meth:`run`."""
+        st = base.start
+        T = min(st[x] for x in orders[r][lo:hi + 1])
+        R = self.R
+        rank_starts = base.rank_starts
+        pos = [bisect.bisect_left(rank_starts[x], T) for x in range(R)]
+        if pos[r] > lo:
+            pos[r] = lo
+        if not any(pos):
+            return self.run(orders, bound=bound)
+        dur, chan_of, msgres = self.dur, self.chan_of, base.msgres
+        free = [0.0] * R
+        for x in range(R):
+            k = pos[x]
+            if k:
+                o = orders[x][k - 1]
+                free[x] = st[o] + dur[o]
+        chfree = [0.0] * self.nch
+        for ch in self.tx_chans:
+            x = self.chan_sender[ch]
+            o = orders[x]
+            k = pos[x] - 1
+            while k >= 0:
+                if chan_of[o[k]] == ch:
+                    chfree[ch] = msgres[o[k]]
+                    break
+                k -= 1
+        avail = base.avail[:]
+        cons = self.cons
+        for x in range(R):
+            for o in orders[x][pos[x]:]:
+                for d in cons[o]:
+                    avail[d] = -1.0
+        first = st[0] if st[0] < T else None
+        return self._loop(orders, avail, pos, free, chfree, sum(pos), False, bound, first)
+
+    def _loop(self, orders, avail, pos, free, chfree, done, detail, bound, first):
+        dur, out, rank = self.dur, self.out, self.rank
+        R = self.R
+        start = [0.0] * self.n if detail else None
+        msgres = [0.0] * self.n if detail else None
+        work = list(range(R))
+        queued = [True] * R
+        done0 = done
+        self.work += 4 * R + 32
+        while work:
+            r = work.pop()
+            queued[r] = False
+            ops = orders[r]
+            p0 = p = pos[r]
+            fr = free[r]
+            L = len(ops)
+            while p < L:
+                o = ops[p]
+                a = avail[o]
+                if a < 0:
+                    break
+                t = a if a > fr else fr
+                if detail:
+                    start[o] = t
+                elif o == 0:
+                    first = t
+                fr = t + dur[o]
+                if fr > bound:
+                    self.work += done + p - p0 - done0
+                    return math.inf, math.inf
+                for d, ch, tx, lat in out[o]:
+                    if ch < 0:
+                        avail[d] = fr
+                    elif tx:
+                        s0 = chfree[ch]
+                        if fr > s0:
+                            s0 = fr
+                        s0 += tx
+                        chfree[ch] = s0
+                        if detail:
+                            msgres[o] = s0
+                        avail[d] = s0 + lat
+                    else:
+                        avail[d] = fr + lat
+                    x = rank[d]
+                    if x != r and not queued[x]:
+                        queued[x] = True
+                        work.append(x)
+                p += 1
+            done += p - p0
+            pos[r] = p
+            free[r] = fr
+        self.work += done - done0
+        if detail:
+            start.append(-1.0)  # start[n]: the "producer" of stage 0's F (see prod)
+            first = start[0]
+            mk = max(free) - first if done == self.n else math.inf
+            rank_starts = [[start[x] for x in o] for o in orders]
+            return _Timed(mk, sum(free) if mk < math.inf else math.inf, start, avail, pos, msgres, rank_starts)
+        if done != self.n:
+            return math.inf, math.inf
+        return max(free) - first, sum(free)
+
+
+@dataclass
+class _Timed:
+    """Detailed result of :meth:`_Model.run`."""
+
+    makespan: float
+    finish_sum: float
+    start: list
+    """start time per operation id (plus ``start[n] = −1``)."""
+    avail: list
+    """time each operation's input is there."""
+    pos: list
+    """per rank: operations done (all of them unless deadlocked)."""
+    msgres: list
+    """per sending operation: the end of its message's window on its channel."""
+    rank_starts: list
+    """per rank: start times in program order."""
+
+
 def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> GreedyResult:
     """Time fixed per-rank whole-action orders with the same model (CrossPipe §3.5): each action
     starts when its rank is free and its input has arrived; messages use range-based link occupancy.
+
+    Every message on a link direction is sent by the same rank (the one on its near side), in that
+    rank's program order, so ready times per direction are non-decreasing whatever order ranks are
+    advanced in: a work list suffices and a FIFO per direction equals the range-based reservation of
+    a chronological run.  Implemented on :class:`_Model` (flat arrays; also the portfolio's and the
+    local search's evaluator).
 
     Raises ValueError if the orders deadlock or miss/duplicate an action.
     """
@@ -539,59 +752,151 @@ def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> Gre
             seen.add(op)
     if len(seen) != expected:
         raise ValueError(f"plan has {len(seen)} actions, expected {expected}")
-    avail: dict[Op, float] = {(0, F, m): 0.0 for m in range(N)}
-    pos = [0] * R
-    free = [0.0] * R
-    links = _Links()
-    start: dict[Op, float] = {}
-    end: dict[Op, float] = {}
-    # Every message on a link direction is sent by the same rank (the one on its near side), in
-    # that rank's program order, so ready times per direction are non-decreasing whatever order
-    # ranks are advanced in: a work list suffices and the reservations equal a chronological run.
-    work = list(range(R))
-    queued = [True] * R
-    done = 0
-    while work:
-        r = work.pop()
-        queued[r] = False
-        ops = orders[r]
-        wake = set()
-        while pos[r] < len(ops):
-            op = ops[pos[r]]
-            a = avail.get(op)
-            if a is None:
-                break
-            s, k, m = op
-            t = a if a > free[r] else free[r]
-            dur = problem.f_ms[s] if k == F else problem.b_ms[s] if k == I else problem.w_ms[s]
-            t1 = t + dur
-            start[op] = t
-            end[op] = t1
-            free[r] = t1
-            pos[r] += 1
-            done += 1
-            if k == F:
-                if s < S - 1:
-                    nxt = (s + 1, F, m)
-                    avail[nxt] = _message_arrival(problem, links, s, s + 1, t1)
-                else:
-                    nxt = (s, I, m)
-                    avail[nxt] = t1
-                wake.add(s2r[nxt[0]])
-            elif k == I:
-                avail[(s, W, m)] = t1
-                if s > 0:
-                    avail[(s - 1, I, m)] = _message_arrival(problem, links, s, s - 1, t1)
-                    wake.add(s2r[s - 1])
-        for x in wake:
-            if x != r and not queued[x]:
-                queued[x] = True
-                work.append(x)
-    if done != expected:
+    model = _Model(problem)
+    ids = model.ids({r: orders.get(r, ()) for r in range(R)})
+    res = model.run(ids, detail=True)
+    mk, st, pos = res.makespan, res.start, res.pos
+    if mk == math.inf:
         stuck = {r: orders[r][pos[r]] for r in range(R) if pos[r] < len(orders[r])}
         raise ValueError(f"plan deadlocks; next actions per rank: {stuck}")
-    makespan = max(end.values()) - start[(0, F, 0)]
-    return GreedyResult({r: list(v) for r, v in orders.items()}, start, end, makespan)
+    start: dict[Op, float] = {}
+    end: dict[Op, float] = {}
+    dur = model.dur
+    for r in range(R):
+        for op, i in zip(orders[r], ids[r]):
+            start[op] = st[i]
+            end[op] = st[i] + dur[i]
+    return GreedyResult({r: list(v) for r, v in orders.items()}, start, end, mk)
+
+
+def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], avail: list[float], depth: int):
+    """Candidate moves ``(rank, from, to)`` around the critical path of a timed plan.
+
+    The path is walked back from the last-ending operation: an operation that waited for its rank
+    (input there before the rank was free) continues the path through its rank predecessor, one that
+    waited for its input through the producer.  For every operation that waited for its rank, the
+    moves are: run it up to ``depth`` positions earlier (while it could start before the operation it
+    jumps), and run its rank predecessor up to ``depth`` positions later — the neighbourhood of
+    job-shop local search (adjacent swaps on critical blocks and short insertions).  Moves never
+    reorder two operations of the same stage and kind (microbatch order, as the greedy and the solver).
+    """
+    N, dur, rank = model.N, model.dur, model.rank
+    pos = {}
+    for r, o in enumerate(ids):
+        for p, x in enumerate(o):
+            pos[x] = p
+    S = model.S
+    eps = 1e-9
+    # the last-ending operation
+    cur = max(range(model.n), key=lambda i: start[i] + dur[i])
+    moves: list[tuple[int, int, int]] = []
+    seen = set()
+    while True:
+        r = rank[cur]
+        p = pos[cur]
+        o = ids[r]
+        if p > 0:
+            prev = o[p - 1]
+            rank_bound = start[cur] <= start[prev] + dur[prev] + eps and avail[cur] < start[cur] - eps
+        else:
+            rank_bound = False
+        if rank_bound:
+            cls = cur // N
+            q = p - 1
+            while q >= 0 and p - q <= depth:
+                a = o[q]
+                if a // N == cls or avail[cur] >= start[a] + dur[a] - eps:
+                    break
+                if (r, p, q) not in seen:
+                    seen.add((r, p, q))
+                    moves.append((r, p, q))
+                q -= 1
+            pcls = prev // N
+            for q in range(p, min(len(o), p - 1 + depth)):
+                if q > p and o[q] // N == pcls:
+                    break
+                if (r, p - 1, q) not in seen and q != p:
+                    seen.add((r, p - 1, q))
+                    moves.append((r, p - 1, q))
+            cur = prev
+            continue
+        # input-bound (or the first operation): follow the producer
+        s, k, m = cur // (3 * N), (cur // N) % 3, cur % N
+        if k == 0:
+            if s == 0:
+                break
+            cur = (3 * s - 3) * N + m
+        elif k == 1:
+            cur = (3 * s) * N + m if s == S - 1 else (3 * s + 4) * N + m
+        else:
+            cur = (3 * s + 1) * N + m
+    return moves
+
+
+def _move(o: list, p: int, q: int) -> None:
+    o.insert(q, o.pop(p))
+
+
+def _memory_ok(model: _Model, o: Sequence[int], lo: int, hi: int, limit: float) -> bool:
+    """Whether the memory of rank order ``o`` stays within ``limit`` at positions lo..hi (the only ones
+    a move inside that range changes)."""
+    kind, delta = model.kind, model.delta
+    cur = 0.0
+    for j in range(hi + 1):
+        cur += delta[kind[o[j]]]
+        if j >= lo and cur > limit + 1e-9:
+            return False
+    return True
+
+
+def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], budget: float, depth: int = 4,
+                  deadline: float | None = None) -> tuple[list[list[int]], float, int]:
+    """First-improvement local search on whole-action orders (our addition to Alg.1; §6.2's selection by
+    simulation applied to single moves).  Objective: (makespan, Σ rank finish times), lexicographic —
+    the second term lets the search walk across plateaus of equal makespan without cycling.  Moves:
+    :func:`_critical_moves`; a move is kept only if every rank stays within its memory limit and the
+    plan still runs to completion.  Each candidate is timed by :meth:`_Model.rerun` (restart from the
+    first moved operation, abort once the makespan is exceeded).  ``budget`` in operations simulated
+    (``_Model.work``; a move is only tried while a full replay still fits); deterministic unless
+    ``deadline`` (a ``time.perf_counter()`` value) cuts it short.
+    Returns (ids, makespan, evaluations)."""
+    w0 = model.work
+    base = model.run(ids, detail=True)
+    mk, sf = base.makespan, base.finish_sum
+    evals = 1
+    n = model.n
+    while model.work - w0 + n <= budget:
+        improved = False
+        for r, p, q in _critical_moves(model, ids, base.start, base.avail, depth):
+            if model.work - w0 + n > budget or (deadline is not None and time.perf_counter() > deadline):
+                return ids, mk, evals
+            o = ids[r]
+            lo, hi = (p, q) if p < q else (q, p)
+            _move(o, p, q)
+            if not _memory_ok(model, o, lo, hi, limit[r]):
+                _move(o, q, p)
+                continue
+            m2, s2 = model.rerun(ids, base, r, lo, hi, bound=base.start[0] + mk + 1e-9)
+            evals += 1
+            if m2 < mk - 1e-9 or (m2 <= mk + 1e-9 and s2 < sf - 1e-9):
+                base = model.run(ids, detail=True)
+                mk, sf = base.makespan, base.finish_sum
+                improved = True
+                break
+            _move(o, q, p)
+        if not improved:
+            break
+    return ids, mk, evals
+
+
+def improve_orders(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]], budget: float = math.inf,
+                   depth: int = 4) -> tuple[dict[int, list[Op]], float, int]:
+    """Local search (:func:`_local_search`) from fixed per-rank orders within ``problem``'s memory
+    limit.  Returns (orders, replayed makespan, evaluations)."""
+    model = _Model(problem)
+    limit = problem.memory_limit or (math.inf,) * problem.num_ranks
+    ids, mk, ev = _local_search(model, model.ids(orders), limit, budget, depth)
+    return model.ops(ids), mk, ev
 
 
 def peak_memory(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> list[float]:
@@ -641,8 +946,34 @@ class CrossPipePlan:
     plan_ms: float
     candidates: list[tuple[str, int, str, str | int, bool, float]] = field(default_factory=list)
     """(caps, n_sub, steady, reserve, lookahead, replayed makespan) of every portfolio member tried."""
+    improved: bool = False
+    """whether the local search improved the best member (then ``orders`` differ from its greedy plan)."""
 
 
+
+
+DEFAULT_BUDGET = 20_000
+"""Default work budget of :func:`plan_crosspipe_problem`, in operations replayed (one replay of a plan
+= its 3·N·S operations; one greedy run = ``GREEDY_COST`` per scheduling step).  Sized so that the
+S=8, N=32 benchmark cases plan in ≤ 10 ms on a 2-core x86_64 VM (docs/benchmarks/crosspipe.md)."""
+GREEDY_COST = 9
+"""Cost of one Alg.1 scheduling step relative to one replayed operation (measured: ≈ 3 µs vs 0.35 µs)."""
+
+# Portfolio members tried first (cap, n_sub, steady, lookahead): the members that win most often on
+# the benchmark's configurations; the rest of the product follows in enumeration order.
+_UD_PRIORITY = (
+    ("limit", 1, "interleave", False),
+    ("alg2", 4, "backward_first", False),
+    ("alg1", 1, "interleave", False),
+    ("alg2-floor1", 1, "interleave", False),
+    ("limit", 2, "interleave", False),
+    ("alg2", 1, "backward_first", False),
+    ("limit", 2, "interleave", True),
+)
+_MEMBER_SHARE = 0.5
+"""share of the budget the greedy members may use before the local search starts."""
+_MAX_STARTS = 4
+"""local search from at most this many of the best members (in order, while the budget lasts)."""
 
 
 def plan_crosspipe_problem(
@@ -655,22 +986,36 @@ def plan_crosspipe_problem(
     caps: Mapping[str, Sequence[float]] | None = None,
     portfolio: bool = True,
     convert: bool = True,
+    budget: float | None = DEFAULT_BUDGET,
+    time_budget_ms: float | None = None,
+    extra: Mapping[str, Mapping[int, Sequence[Op]]] | None = None,
+    search: bool = True,
 ) -> CrossPipePlan:
     """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
 
     ``portfolio=False``: one run of Alg.1 as the paper states it — steady phase interleaving F and D,
     no lookahead, the memory limit as the only cap; ``n_sub`` = 1 (CrossUD) or 2 (CrossUDSub), V-turn
-    reserve 1 (CrossWave).
+    reserve 1 (CrossWave); no local search.
 
-    ``portfolio=True`` (default): parameters left at None form a portfolio; every member is generated
-    and replayed, and the plan with the best whole-action makespan is kept (CrossPipe §6.2: "a schedule
+    ``portfolio=True`` (default): parameters left at None form a portfolio (CrossPipe §6.2: "a schedule
     with the best simulation performance is selected"): steady ∈ {interleave, backward_first} ×
     lookahead ∈ {off, on} × the per-rank in-flight caps in ``caps`` (name → per-rank limit, each
     clipped to the memory limit; the memory limit alone is always one member) × n_sub ∈ {1, 2, 4}
-    (CrossUDSub; n_sub = 1 included so that it is never worse than CrossUD) × V-turn reserve ∈ {1, 2,
-    4, "pending"} (CrossWave).
+    (CrossUDSub) × V-turn reserve ∈ {1, 2, 4, "pending"} (CrossWave), tried in a fixed priority order
+    (``_UD_PRIORITY`` first).  ``extra`` adds ready-made orders as members (name → rank → ops; e.g.
+    torch's ZBV for CrossWave; a member above the memory limit or one that deadlocks is skipped).
+    Then the best member is improved by :func:`_local_search` (``search=True``): moves of single
+    operations around the critical path, kept when the replayed makespan drops and memory stays
+    within the limit.
+
+    ``budget`` (operations replayed, see ``DEFAULT_BUDGET``) bounds the work: members are generated in
+    priority order while at most half the budget is spent (always at least one), the local search gets
+    the rest.  The result is deterministic for a given budget.  ``budget=None``: every member, then
+    the local search until no move improves.  ``time_budget_ms`` additionally stops both phases at a
+    wall-clock deadline (not deterministic; off by default).
     """
     t0 = time.perf_counter()
+    deadline = None if time_budget_ms is None else t0 + time_budget_ms / 1e3
     if variant not in CROSSPIPE_VARIANTS:
         raise ValueError(f"variant must be one of {CROSSPIPE_VARIANTS}, got {variant!r}")
     wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(problem.num_ranks))
@@ -710,35 +1055,79 @@ def plan_crosspipe_problem(
                     problems[name] = problem.with_memory_limit(limit)
                 except ValueError:  # a cap below one microbatch per stage: not a usable member
                     pass
-    best = None
+    members = [(c, ns, rs, st, la) for c in problems for ns in subs for rs in reserves for st in steadies
+               for la in lookaheads]
+    prio = {m: i for i, m in enumerate(_UD_PRIORITY)}
+    members.sort(key=lambda x: prio.get((x[0], x[1], x[3], x[4]), len(prio)))  # stable: product order after
+    unlimited = budget is None or not portfolio
+    budget = math.inf if budget is None else float(budget)
+    model = _Model(problem)
+    limit = problem.memory_limit or (math.inf,) * problem.num_ranks
+    steps = 3 * problem.num_microbatches * problem.num_stages
+    greedy_units = 0
+
+    def used() -> float:
+        return greedy_units + model.work
+
+    pool = []  # (makespan, order in pool, member description, GreedyResult | None, ids)
     error: ValueError | None = None
     tried = []
-    for cap_name, prob in problems.items():
-        for ns in subs:
-            for rs in reserves:
-                for st in steadies:
-                    no_wait = False
-                    for la in sorted(lookaheads, reverse=True):  # lookahead first
-                        if not la and no_wait:
-                            continue  # the lookahead run never waited: this run is the same plan
-                        try:
-                            g = greedy_schedule(prob, ns, st, rs, lookahead=la)
-                        except ValueError as e:  # this member's memory rule admits no schedule
-                            tried.append((cap_name, ns, st, rs, la, math.inf))
-                            error = e
-                            continue
-                        no_wait = la and g.waits == 0
-                        rep = g if ns == 1 and not la else replay(problem, g.orders)
-                        tried.append((cap_name, ns, st, rs, la, rep.makespan_ms))
-                        if best is None or rep.makespan_ms < best[2].makespan_ms - 1e-9:
-                            best = (g, ns, rep, st, rs, la, cap_name)
-    if best is None:
+    for cap_name, ns, rs, st, la in members:
+        cost = GREEDY_COST * (steps + (ns - 1) * problem.num_microbatches * problem.num_stages) + model.n
+        if pool and not unlimited and (used() + cost > budget * _MEMBER_SHARE or
+                                       (deadline is not None and time.perf_counter() > deadline)):
+            break
+        greedy_units += cost - model.n
+        try:
+            g = greedy_schedule(problems[cap_name], ns, st, rs, lookahead=la)
+        except ValueError as e:  # this member's memory rule admits no schedule
+            tried.append((cap_name, ns, st, rs, la, math.inf))
+            error = e
+            continue
+        ids = model.ids(g.orders)
+        mk = model.run(ids)[0]
+        tried.append((cap_name, ns, st, rs, la, mk))
+        if mk < math.inf:
+            pool.append((mk, len(pool), (cap_name, ns, st, rs, la), g, ids))
+    for name, orders in (extra or {}).items():
+        if any(r not in orders for r in range(problem.num_ranks)):
+            continue
+        if any(pk > lim + 1e-9 for pk, lim in zip(peak_memory(problem, orders), limit)):
+            continue
+        ids = model.ids(orders)
+        mk = model.run(ids)[0]
+        tried.append((name, 0, "", 0, False, mk))
+        if mk < math.inf:
+            pool.append((mk, len(pool), (name, 0, "", 0, False), None, ids))
+    if not pool:
         raise error
-    g, ns, rep, st, rs, la, cap_name = best
-    actions = to_actions(g.orders) if convert else {}
+    pool.sort(key=lambda x: (x[0], x[1]))
+    mk, _, (cap_name, ns, st, rs, la), g, ids = pool[0]
+    greedy_mk = g.makespan_ms if g is not None else mk
+    improved = False
+    if portfolio and search:
+        # local search from the best members in turn while the budget lasts (distinct makespans only)
+        seen_mk = set()
+        for mk0, _, desc, g0, ids0 in pool[:_MAX_STARTS]:
+            key = round(mk0, 6)
+            if key in seen_mk:
+                continue
+            seen_mk.add(key)
+            left = budget - used()
+            if seen_mk and len(seen_mk) > 1 and (left < model.n * 8 or
+                                                 (deadline is not None and time.perf_counter() > deadline)):
+                break
+            ids1, mk1, _ = _local_search(model, [list(o) for o in ids0], limit, left, deadline=deadline)
+            if mk1 < mk - 1e-9:
+                mk, ids, improved = mk1, ids1, True
+                cap_name, ns, st, rs, la = desc
+                g = g0
+                greedy_mk = g0.makespan_ms if g0 is not None else mk0
+    orders = model.ops(ids) if (improved or g is None) else g.orders
+    actions = to_actions(orders) if convert else {}
     return CrossPipePlan(
         actions=actions,
-        orders=g.orders,
+        orders=orders,
         stage_to_rank=problem.stage_to_rank,
         variant=variant,
         n_sub=ns,
@@ -746,12 +1135,13 @@ def plan_crosspipe_problem(
         reserve=rs,
         lookahead=la,
         caps=cap_name,
-        makespan_ms=rep.makespan_ms,
-        greedy_makespan_ms=g.makespan_ms,
+        makespan_ms=mk,
+        greedy_makespan_ms=greedy_mk,
         memory_limit=problem.memory_limit,
-        peak_memory=peak_memory(problem, g.orders),
+        peak_memory=peak_memory(problem, orders),
         plan_ms=(time.perf_counter() - t0) * 1e3,
         candidates=tried,
+        improved=improved,
     )
 
 
@@ -821,6 +1211,25 @@ def _warmup_caps(profile, problem: CrossPipeProblem) -> dict[str, list[float]]:
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def _zbv_orders(num_ranks: int, num_microbatches: int) -> dict[int, tuple[Op, ...]] | None:
+    """torch's ZBV (ScheduleZBVZeroBubble) compute order as plain tuples, V-shape placement; None when
+    torch cannot provide it.  Imported lazily: plan/ stays torch-free at import time."""
+    try:
+        from .builtin import builtin_plan
+        from .ir import as_ops
+
+        plan, s2r = builtin_plan("ZBVZeroBubble", num_ranks, num_microbatches)
+    except Exception:  # noqa: BLE001 - torch missing or this (R, N) unsupported by torch: no member
+        return None
+    if [s2r[s] for s in range(2 * num_ranks)] != list(wave_stage_to_rank(num_ranks)):
+        return None
+    ops = as_ops(plan)
+    if any(k not in (F, I, W) for o in ops.values() for _, k, _ in o):
+        return None
+    return {r: tuple(tuple(x) for x in o) for r, o in ops.items()}
+
+
 def plan_crosspipe(
     profile,
     variant: str = "ud",
@@ -832,21 +1241,33 @@ def plan_crosspipe(
     lookahead: bool | Iterable[bool] | None = None,
     portfolio: bool = True,
     validate: bool = True,
+    budget: float | None = DEFAULT_BUDGET,
+    time_budget_ms: float | None = None,
+    zbv: bool = True,
 ) -> CrossPipePlan:
     """CrossPipe greedy plan (§4.2) for a :class:`~titan_ext.plan.PipelineProfile`.
 
     ``variant``: "ud" (CrossUD, whole blocks), "udsub" (CrossUDSub, W split into ``n_sub``
     sub-blocks) or "wave" (CrossWave, V-shape over the profile's 2R chunks).  ``memory_limit``: per-rank
-    in-flight activation limit (see :func:`problem_from_profile`).  The returned plan has passed
+    in-flight activation limit (see :func:`problem_from_profile`).  ``budget`` / ``time_budget_ms``: see
+    :func:`plan_crosspipe_problem`.  ``zbv`` (CrossWave): torch's ZBV order is one more portfolio member
+    (when it fits the memory limit), so CrossWave is never slower than ZBV at ZBV's memory (the order
+    comes from torch, imported lazily; skipped when torch is unavailable).  The returned plan has passed
     :func:`titan_ext.plan.validate_plan` (torch lowering + dry run included) unless ``validate=False``.
     """
     t0 = time.perf_counter()
     problem = problem_from_profile(profile, variant, memory_limit)
     caps = None
+    extra = None
     if portfolio and variant != "wave":
         caps = _warmup_caps(profile, problem)
+    if portfolio and variant == "wave" and zbv:
+        order = _zbv_orders(problem.num_ranks, problem.num_microbatches)
+        if order is not None:
+            extra = {"zbv": order}
     plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady, reserve=reserve,
-                                  lookahead=lookahead, caps=caps, portfolio=portfolio)
+                                  lookahead=lookahead, caps=caps, portfolio=portfolio, budget=budget,
+                                  time_budget_ms=time_budget_ms, extra=extra)
     if validate:
         from .validate import validate_plan
 
