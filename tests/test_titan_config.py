@@ -59,6 +59,7 @@ def test_cli_overrides_toml(tmp_path):
     ("inject_delays", '"2:fast"', "latency 'fast' is not a number"),
     ("inject_trace", '"/no/such/trace.csv"', "no such file"),
     ("replan_interval", '"five"', "must be of type int"),
+    ("backward", '"fused"', "must be one of '', 'auto', 'split', 'full'"),
 ])
 def test_bad_value_error_names_the_key(tmp_path, key, value, needle):
     from titan_ext.titan.config import TitanExtConfigError
@@ -160,6 +161,8 @@ def test_schedule_kwargs_follow_constructor_signature():
     assert (policy.window, policy.rel_margin, policy.recover_patience) == (4, 0.2, 5)
     kw = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))
     assert "memory_budget_bytes" not in kw and "max_inflight" not in kw  # 0 = automatic
+    assert "backward" not in kw  # "" = the schedule's own default
+    assert schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt(backward="full")))["backward"] == "full"
 
     class Sched:
         def __init__(self, stages, n_microbatches, loss_fn=None, scale_grads=True, *,
@@ -280,3 +283,18 @@ def test_pipemorph_gets_one_stage_per_rank(tmp_path):
                   "--parallelism.pipeline_parallel_layers_per_stage", "2"])
     with pytest.raises(JobConfigError, match="pipeline_parallel_layers_per_stage = 2"):
         check_job_config(cfg, world_size=4)
+
+
+def test_backward_option_is_checked_against_the_schedule_before_any_process_group():
+    from titan_ext.train import JobConfigError, check_job_config
+
+    def cfg(*extra):
+        return _parse(["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), *extra])
+
+    check_job_config(cfg("--titan_ext.backward", "full"), world_size=4)  # PipeMorph takes it
+    with pytest.raises(JobConfigError, match=r"\[titan_ext\] backward = 'full': schedule 'CrossPipe' takes 'split'"):
+        check_job_config(cfg("--titan_ext.backward", "full", "--parallelism.pipeline_parallel_schedule",
+                             "CrossPipe"), world_size=4)
+    with pytest.raises(JobConfigError, match=r"schedule '1F1B' takes no backward option"):
+        check_job_config(cfg("--titan_ext.backward", "auto", "--parallelism.pipeline_parallel_schedule",
+                             "1F1B"), world_size=4)

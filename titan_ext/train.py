@@ -121,6 +121,17 @@ def check_job_config(config, world_size: int | None = None) -> None:
             raise JobConfigError(
                 f"[titan_ext] {key} = {value!r}: schedule {par.pipeline_parallel_schedule!r} does "
                 f"not support delegation in this build (use delegation = \"off\")")
+    if section.backward:
+        from titan_ext.titan.registry import schedule_class_for
+
+        cls = schedule_class_for(par.pipeline_parallel_schedule, config) \
+            if is_titan_ext_schedule(par.pipeline_parallel_schedule) else None
+        choices = getattr(cls, "backward_choices", ())
+        if section.backward not in choices:
+            raise JobConfigError(
+                f"[titan_ext] backward = {section.backward!r}: schedule {par.pipeline_parallel_schedule!r} "
+                f"takes " + (", ".join(repr(c) for c in choices) if choices else "no backward option")
+                + " (leave it empty for the schedule's default)")
     from titan_ext.titan.registry import ONE_STAGE_PER_RANK, resolve_schedule_name
 
     if resolve_schedule_name(par.pipeline_parallel_schedule) in ONE_STAGE_PER_RANK:

@@ -940,9 +940,10 @@ class PipeMorph(_PipelineScheduleRuntime):
             if len(spans[running]) < n:
                 return None
             self._probe_target = target = "full" if running == "split" else "split"
-            return Decision("probe", f"backward=auto: measure {target} backward for {n} iterations "
-                            f"({running}: median span {statistics.median(spans[running][-n:]):.1f} ms)",
-                            mode=mode, backward=target)
+            reason = (f"backward=auto: measure {target} backward for {n} iterations "
+                      f"({running}: median span {statistics.median(spans[running][-n:]):.1f} ms)")
+            self._log(decision="probe", reason=reason, backward=target)
+            return Decision("probe", reason, mode=mode, backward=target)
         if running != target:  # the probe plan was refused (logged): keep what runs
             self._variant_decided = True
             return None
@@ -953,7 +954,5 @@ class PipeMorph(_PipelineScheduleRuntime):
         best = "full" if med["full"] < med["split"] * (1 - self.backward_margin) else "split"
         reason = (f"backward=auto: median span split {med['split']:.1f} ms, full {med['full']:.1f} ms "
                   f"(margin {100 * self.backward_margin:g} %) -> {best}")
-        if best == running:
-            self._log(decision="select", reason=reason)
-            return None
-        return Decision("select", reason, mode=mode, backward=best)
+        self._log(decision="select", reason=reason, backward=best)
+        return None if best == running else Decision("select", reason, mode=mode, backward=best)

@@ -50,6 +50,13 @@ class TitanExt:
     slack_floor: int = 2
     """Smallest slackness Δ_i the adaptive planner keeps on every link (PipeMorph Alg.2). >= 1."""
 
+    backward: str = ""
+    """Backward actions of PipeMorph's plans: "split" (I and W, ZeroBubble-style: W fills bubbles),
+    "full" (one full backward B per microbatch, 1F1B-style, with PipeMorph's warm-up counts) or
+    "auto" (after each re-plan, run the other variant for ``profile_window`` iterations and keep the
+    one with the lower measured iteration time; PipeMorph's default). Empty = the schedule's default
+    (PipeMorph: auto; CrossPipe: split, its only variant)."""
+
     replan_interval: int = 1
     """Iterations between two re-planning checks; the ranks exchange their profiles (one small
     all_gather) once per check. >= 1."""
@@ -149,6 +156,8 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            cfg.memory_budget_gib, "must be a finite number >= 0 (0 = no budget)")
     _check(cfg.max_inflight >= 0, "max_inflight", cfg.max_inflight, "must be >= 0 (0 = automatic)")
     _check(cfg.slack_floor >= 1, "slack_floor", cfg.slack_floor, "must be >= 1")
+    _check(cfg.backward in ("", "auto", "split", "full"), "backward", cfg.backward,
+           "must be one of '', 'auto', 'split', 'full'")
     _check(cfg.replan_interval >= 1, "replan_interval", cfg.replan_interval, "must be >= 1")
     _check(cfg.profile_window >= 1, "profile_window", cfg.profile_window, "must be >= 1")
     _check(math.isfinite(cfg.tolerance_margin) and 0 <= cfg.tolerance_margin <= 10,

@@ -20,6 +20,7 @@ _DIRECT: dict[str, tuple[str, Any]] = {
     "max_inflight": ("max_inflight", lambda v: int(v) if v > 0 else None),
     "adaptive": ("adaptive", bool),
     "slack_floor": ("slack_floor", int),
+    "backward": ("backward", lambda v: v or None),
     "replan_interval": ("profile_every", int),
     "delegation": ("delegation", str),
     "delegation_slow_link_ms": ("slow_link_ms", float),
