@@ -79,6 +79,8 @@ def test_help_everywhere(cmd):
         (["plan", "--stages", "4", "--microbatches", "8", "--times", "10,10,10", "--schedule", "nope"], "--schedule"),
         (["simulate", "--builtin", "Nope", "--stages", "4", "--microbatches", "8", "--times", "1,1,1"], "unknown built-in"),
         (["simulate", "--csv", "/does/not/exist.csv", "--stages", "4", "--microbatches", "8", "--times", "1,1,1"], "exist"),
+        (["plan", "--stages", "4", "--microbatches", "8", "--times", "1,1,1", "--schedule", "crosspipe-ud",
+          "--backward", "full"], "split backwards only"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -115,3 +117,12 @@ def test_profile_file(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({**profile, "f_ms": [5, 6]}))
     bad = run("plan", "--profile", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "f_ms" in bad.stderr
+
+
+def test_full_backward_plan_has_the_1f1b_makespan():
+    """zb-h1 (x_i = S − i) with --backward full is 1F1B: (N + S − 1)(F + B + W) = 11 · 20 ms."""
+    out = run("plan", "--stages", "4", "--microbatches", "8", "--times", "10,6,4", "--schedule", "zb-h1",
+              "--backward", "full", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["makespan_ms"] == pytest.approx(220.0) and doc["backward"] == "full"

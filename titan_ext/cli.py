@@ -133,10 +133,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise UsageError("--memory-limit must be >= 1 activation")
     if args.slack_floor < 1:
         raise UsageError("--slack-floor must be >= 1")
+    if args.backward != "split" and args.schedule in CROSSPIPE_SCHEDULES:
+        raise UsageError(f"--backward {args.backward}: CrossPipe plans split backwards only")
     if args.schedule in CROSSPIPE_SCHEDULES:
         return _cmd_plan_crosspipe(profile, args)
     plan = plan_pipemorph(
-        profile, schedule=args.schedule, slack_floor=args.slack_floor, memory_limit=args.memory_limit
+        profile, schedule=args.schedule, slack_floor=args.slack_floor, memory_limit=args.memory_limit,
+        backward=args.backward,
     )
     timeline = simulate(plan.actions, profile)  # always under the given delays
     if args.out_csv:
@@ -148,6 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         timeline,
         {
             "schedule": args.schedule,
+            "backward": args.backward,
             "warmup_counts": plan.warmup_counts,
             "slackness": plan.slackness,
             "plan_ms": round(plan.plan_ms, 3),
@@ -269,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max in-flight activations per stage (Alg.1's x_max; caps Alg.2)")
     p.add_argument("--slack-floor", type=int, default=2, metavar="D",
                    help="Alg.2's lower bound on every slackness (paper: 2; 1 saves memory)")
+    p.add_argument("--backward", choices=("split", "full"), default="split",
+                   help="split: I and W actions (W fills bubbles); full: one full backward B per microbatch "
+                        "(1F1B-style) with the same warm-up planning")
     p.add_argument("--out-csv", type=Path, help="write the plan as a torch compute-only CSV")
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON of the simulated timeline")
     p.add_argument("--gantt", type=Path, help="write a Gantt PNG of the simulated timeline")
