@@ -606,7 +606,7 @@ class _Model:
         return self._loop(orders, avail, [0] * R, [0.0] * R, [0.0] * self.nch, 0, detail, bound, None)
 
     def rerun(self, orders: Sequence[Sequence[int]], base: "_Timed", r: int, lo: int, hi: int,
-              bound: float = math.inf):
+              bound: float = math.inf, detail: bool = False):
         """Time ``orders``, which differ from the timed ``base`` only on rank ``r`` at positions lo..hi:
         every operation that started before the earliest of those (in ``base``) keeps its times (it
         cannot depend on them), so the run restarts from that point.  Same result as :meth:`run`."""
@@ -618,7 +618,7 @@ class _Model:
         if pos[r] > lo:
             pos[r] = lo
         if not any(pos):
-            return self.run(orders, bound=bound)
+            return self.run(orders, detail=detail, bound=bound)
         dur, chan_of, msgres = self.dur, self.chan_of, base.msgres
         free = [0.0] * R
         for x in range(R):
@@ -638,18 +638,25 @@ class _Model:
                 k -= 1
         avail = base.avail[:]
         cons = self.cons
+        self.work += (self.n - sum(pos)) // 2 + 2 * R  # the reset below
         for x in range(R):
             for o in orders[x][pos[x]:]:
                 for d in cons[o]:
                     avail[d] = -1.0
         first = st[0] if st[0] < T else None
+        if detail:
+            return self._loop(orders, avail, pos, free, chfree, sum(pos), True, bound, first,
+                              base.start[:], base.msgres[:], base.rank_starts)
         return self._loop(orders, avail, pos, free, chfree, sum(pos), False, bound, first)
 
-    def _loop(self, orders, avail, pos, free, chfree, done, detail, bound, first):
+    def _loop(self, orders, avail, pos, free, chfree, done, detail, bound, first, start=None, msgres=None,
+              base_starts=None):
         dur, out, rank = self.dur, self.out, self.rank
         R = self.R
-        start = [0.0] * self.n if detail else None
-        msgres = [0.0] * self.n if detail else None
+        if detail and start is None:
+            start = [0.0] * self.n + [-1.0]  # start[n]: the "producer" of stage 0's F (see prod)
+            msgres = [0.0] * self.n
+        pos0 = pos[:]
         work = list(range(R))
         queued = [True] * R
         done0 = done
@@ -699,10 +706,13 @@ class _Model:
             free[r] = fr
         self.work += done - done0
         if detail:
-            start.append(-1.0)  # start[n]: the "producer" of stage 0's F (see prod)
             first = start[0]
             mk = max(free) - first if done == self.n else math.inf
-            rank_starts = [[start[x] for x in o] for o in orders]
+            if base_starts is None:
+                rank_starts = [[start[x] for x in o] for o in orders]
+            else:
+                self.work += 2 * R
+                rank_starts = [base_starts[x][:k] + [start[y] for y in orders[x][k:]] for x, k in enumerate(pos0)]
             return _Timed(mk, sum(free) if mk < math.inf else math.inf, start, avail, pos, msgres, rank_starts)
         if done != self.n:
             return math.inf, math.inf
@@ -781,20 +791,18 @@ def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], ava
     reorder two operations of the same stage and kind (microbatch order, as the greedy and the solver).
     """
     N, dur, rank = model.N, model.dur, model.rank
-    pos = {}
-    for r, o in enumerate(ids):
-        for p, x in enumerate(o):
-            pos[x] = p
+    model.work += 8 * model.R  # counted in the local search's budget
     S = model.S
     eps = 1e-9
-    # the last-ending operation
-    cur = max(range(model.n), key=lambda i: start[i] + dur[i])
+    # the last-ending operation: the last one of some rank
+    cur = max((o[-1] for o in ids if o), key=lambda i: start[i] + dur[i])
     moves: list[tuple[int, int, int]] = []
     seen = set()
     while True:
         r = rank[cur]
-        p = pos[cur]
         o = ids[r]
+        p = o.index(cur)
+        model.work += 4
         if p > 0:
             prev = o[p - 1]
             rank_bound = start[cur] <= start[prev] + dur[prev] + eps and avail[cur] < start[cur] - eps
@@ -879,7 +887,7 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
             m2, s2 = model.rerun(ids, base, r, lo, hi, bound=base.start[0] + mk + 1e-9)
             evals += 1
             if m2 < mk - 1e-9 or (m2 <= mk + 1e-9 and s2 < sf - 1e-9):
-                base = model.run(ids, detail=True)
+                base = model.rerun(ids, base, r, lo, hi, detail=True)
                 mk, sf = base.makespan, base.finish_sum
                 improved = True
                 break
@@ -952,23 +960,32 @@ class CrossPipePlan:
 
 
 
-DEFAULT_BUDGET = 20_000
+DEFAULT_BUDGET = 25_000
 """Default work budget of :func:`plan_crosspipe_problem`, in operations replayed (one replay of a plan
 = its 3·N·S operations; one greedy run = ``GREEDY_COST`` per scheduling step).  Sized so that the
 S=8, N=32 benchmark cases plan in ≤ 10 ms on a 2-core x86_64 VM (docs/benchmarks/crosspipe.md)."""
 GREEDY_COST = 9
 """Cost of one Alg.1 scheduling step relative to one replayed operation (measured: ≈ 3 µs vs 0.35 µs)."""
 
-# Portfolio members tried first (cap, n_sub, steady, lookahead): the members that win most often on
-# the benchmark's configurations; the rest of the product follows in enumeration order.
+# Portfolio members tried first (cap, n_sub, steady, lookahead), chosen on scripts/bench_optimality.py's
+# cases (greedy + local search): the cheapest good start first (n_sub = 1, PipeMorph's Alg.2 caps with
+# slack floor 1), then the members that add most; the rest of the product follows in enumeration order.
 _UD_PRIORITY = (
-    ("limit", 1, "interleave", False),
-    ("alg2", 4, "backward_first", False),
-    ("alg1", 1, "interleave", False),
-    ("alg2-floor1", 1, "interleave", False),
-    ("limit", 2, "interleave", False),
-    ("alg2", 1, "backward_first", False),
-    ("limit", 2, "interleave", True),
+    ("alg2-floor1", 1, "interleave", 1, False),
+    ("limit", 1, "interleave", 1, False),
+    ("alg2", 4, "backward_first", 1, False),
+    ("alg1", 1, "interleave", 1, False),
+    ("limit", 2, "interleave", 1, True),
+    ("alg2-floor1", 2, "backward_first", 1, False),
+    ("limit", 4, "interleave", 1, True),
+    ("alg2-floor1", 4, "interleave", 1, False),
+)
+# CrossWave (cap, n_sub, steady, V-turn reserve, lookahead): the members that win on the delay table
+# (docs/benchmarks/crosspipe.md §1); torch's ZBV order is always added (plan_crosspipe's ``zbv``).
+_WAVE_PRIORITY = (
+    ("limit", 1, "interleave", "pending", False),
+    ("limit", 1, "interleave", 1, False),
+    ("limit", 1, "backward_first", "pending", False),
 )
 _MEMBER_SHARE = 0.5
 """share of the budget the greedy members may use before the local search starts."""
@@ -1057,8 +1074,8 @@ def plan_crosspipe_problem(
                     pass
     members = [(c, ns, rs, st, la) for c in problems for ns in subs for rs in reserves for st in steadies
                for la in lookaheads]
-    prio = {m: i for i, m in enumerate(_UD_PRIORITY)}
-    members.sort(key=lambda x: prio.get((x[0], x[1], x[3], x[4]), len(prio)))  # stable: product order after
+    prio = {m: i for i, m in enumerate(_WAVE_PRIORITY if variant == "wave" else _UD_PRIORITY)}
+    members.sort(key=lambda x: prio.get((x[0], x[1], x[3], x[2], x[4]), len(prio)))  # stable: product order after
     unlimited = budget is None or not portfolio
     budget = math.inf if budget is None else float(budget)
     model = _Model(problem)
