@@ -121,6 +121,23 @@ def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
     return None
 
 
+def torch_dry_run_lowered(lowered: Mapping[int, list[Any]], stage_to_rank: Any, num_stages: int) -> None:
+    """torch's dry run ``_simulate_comms_compute`` on an already lowered plan (rank → actions with
+    SEND/RECV, e.g. what ``_prepare_schedule_with_comms``'s passes produce — the exact action lists a
+    runtime will execute). The FSDP UNSHARD/RESHARD/REDUCE_GRAD actions, which the dry run does not
+    understand and which do not affect ordering, are left out. Raises ``PlanValidationError``."""
+    sched = torch_schedules()
+    skip = {sched._ComputationType.UNSHARD, sched._ComputationType.RESHARD, sched._ComputationType.REDUCE_GRAD}
+    plan = {r: [a for a in acts if a is not None and a.computation_type not in skip] for r, acts in lowered.items()}
+    lookup = stage_to_rank if callable(stage_to_rank) else stage_to_rank.__getitem__
+    buf = io.StringIO()
+    try:
+        with gc_paused(), contextlib.redirect_stdout(buf):
+            sched._simulate_comms_compute(plan, stage_to_rank=lookup, num_stages=num_stages)
+    except Exception as e:  # torch raises ValueError / AssertionError / RuntimeError
+        raise PlanValidationError(f"torch's dry run rejects the lowered plan: {e}") from e
+
+
 def _torch_dry_run(ops, placement: dict[int, int], num_stages: int, num_microbatches: int) -> None:
     sched = torch_schedules()
     actions = to_torch_plan(ops)

@@ -69,6 +69,7 @@ from titan_ext.plan import (
     validate_plan,
 )
 from titan_ext.plan.ir import as_ops
+from titan_ext.plan.validate import torch_dry_run_lowered
 
 from .policy import Decision, ReplanPolicy, eq1_tolerances
 from .profiler import (
@@ -435,13 +436,16 @@ class PipeMorph(_PipelineScheduleRuntime):
         """
         S, N = self._num_stages, self._n_microbatches
         t0 = now()
-        torch_actions = to_torch_plan(as_ops(actions))
-        validate_plan(torch_actions, S, N, inflight_limit=inflight_limit)
-        if set(torch_actions) != set(range(self.pp_group_size)):
-            raise PlanValidationError(f"plan covers ranks {sorted(torch_actions)}, expected 0..{self.pp_group_size - 1}")
-        for r, acts in torch_actions.items():
-            if any(a.stage_index != r for a in acts):
+        ops = as_ops(actions)
+        # our checks (completeness, order, memory, progress) here; torch's dry run below, on the very
+        # lowered action lists this schedule will execute
+        validate_plan(ops, S, N, inflight_limit=inflight_limit, torch_dry_run=False)
+        if set(ops) != set(range(self.pp_group_size)):
+            raise PlanValidationError(f"plan covers ranks {sorted(ops)}, expected 0..{self.pp_group_size - 1}")
+        for r, rank_ops in ops.items():
+            if any(st != r for st, _, _ in rank_ops):
                 raise PlanValidationError(f"rank {r} runs a stage other than stage {r} (one stage per rank)")
+        torch_actions = to_torch_plan(ops)
         # the lowering _prepare_schedule_with_comms performs, on copies
         mapping = _torch_schedules._validate_schedule(
             {r: list(a) for r, a in torch_actions.items()}, self.pp_group_size, S, N)
@@ -450,9 +454,10 @@ class PipeMorph(_PipelineScheduleRuntime):
             with_fsdp = _torch_schedules._add_unshard_reshard(list(torch_actions[r]))
             lowered[r] = _torch_schedules._add_reduce_grad(with_fsdp, N)
         lowered = _torch_schedules._add_send_recv(lowered, stage_to_rank=lambda st: mapping[st], num_stages=S)
-        counts = list(counts) if counts else warmup_counts_of(torch_actions)
-        return _Candidate(torch_actions, lowered, mapping, counts, plan_hash(torch_actions), kind, reason,
-                          backward=backward_of(torch_actions), prepare_ms=1e3 * (now() - t0))
+        torch_dry_run_lowered(lowered, mapping, S)
+        counts = list(counts) if counts else warmup_counts_of(ops)
+        return _Candidate(torch_actions, lowered, mapping, counts, plan_hash(ops), kind, reason,
+                          backward=backward_of(ops), prepare_ms=1e3 * (now() - t0))
 
     def _swap(self, cand: "_Candidate") -> None:
         """Install a prepared plan (iteration boundary only): an O(1) pointer swap."""
@@ -914,6 +919,13 @@ class PipeMorph(_PipelineScheduleRuntime):
         else:
             decision = self.policy.decide(est, counts, self.initial_counts, self._since_deploy,
                                           slack_floor=self.slack_floor)
+        if self._probe_target is not None and not self._variant_decided:
+            # a backward probe is running: shrinking can wait for its verdict; an adapt cannot, and
+            # keeps the variant the regime started with (the probe may be the slower one)
+            if decision.action == "shrink":
+                decision = Decision("keep", f"shrink deferred until the backward probe ends ({decision.reason})")
+            elif decision.replans and decision.backward is None:
+                decision.backward = "split" if self._probe_target == "full" else "full"
         if decision.action == "keep" and not self._calibrated and self.adaptive:
             if self.memory_budget_bytes is not None and self._max_inflight_arg is None:
                 self._x_max = self._initial_x_max()
