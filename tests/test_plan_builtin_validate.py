@@ -126,3 +126,24 @@ def test_torch_dry_run_is_consulted(monkeypatch):
     monkeypatch.setattr(sched, "_simulate_comms_compute", refuse)
     with pytest.raises(PlanValidationError, match="torch"):
         validate_plan(good_plan(), 2, 2)
+
+
+def test_torch_dry_run_on_a_lowered_plan():
+    """The lowered-plan dry run (what the runtime executes) accepts torch's own lowering of a valid plan,
+    with the FSDP passes included, and rejects it once rank 0 waits for a gradient before its first
+    forward (the gradient can never come)."""
+    from titan_ext.plan import ir
+    from titan_ext.plan.builtin import builtin_plan
+    from titan_ext.plan.validate import torch_dry_run_lowered
+
+    sched = ir.torch_schedules()
+    actions, mapping = builtin_plan("1F1B", 2, 4)
+    lowered = {r: sched._add_reduce_grad(sched._add_unshard_reshard(list(a)), 4) for r, a in actions.items()}
+    lowered = sched._add_send_recv(lowered, stage_to_rank=mapping.__getitem__, num_stages=2)
+    torch_dry_run_lowered(lowered, mapping, 2)
+    rank0 = lowered[0]
+    recv_b = [i for i, a in enumerate(rank0) if a.computation_type == sched._ComputationType.RECV_B]
+    first_f = next(i for i, a in enumerate(rank0) if a.computation_type == sched._ComputationType.FORWARD)
+    rank0.insert(first_f, rank0.pop(recv_b[0]))  # rank 0 waits for a gradient before its first forward
+    with pytest.raises(PlanValidationError, match="lowered plan"):
+        torch_dry_run_lowered(lowered, mapping, 2)
