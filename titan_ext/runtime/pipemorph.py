@@ -934,7 +934,7 @@ class PipeMorph(_PipelineScheduleRuntime):
                 return Decision("calibrate", f"initial plan regenerated with measured times "
                                 f"(Alg.1, x_max={self._x_max})", mode="initial")
             self._calibrated = True
-        if decision.action == "keep" and self.adaptive and self._calibrated:
+        if decision.action in ("keep", "hold") and self.adaptive and self._calibrated:
             return self._compare_backward() or decision
         return decision
 
