@@ -988,8 +988,13 @@ _WAVE_PRIORITY = (
     ("limit", 1, "backward_first", "pending", False),
 )
 _MEMBER_SHARE = 0.5
+_MIN_MEMBERS = {"wave": len(_WAVE_PRIORITY)}
+"""members always generated, whatever the budget, and not charged to it (CrossWave: its three
+delay-table winners; the default UD budget is unchanged)."""
 """share of the budget the greedy members may use before the local search starts."""
 _MAX_STARTS = 4
+_DEPTH = 4
+"""how far (positions) a local-search move may shift an operation."""
 """local search from at most this many of the best members (in order, while the budget lasts)."""
 
 
@@ -1091,10 +1096,13 @@ def plan_crosspipe_problem(
     tried = []
     for cap_name, ns, rs, st, la in members:
         cost = GREEDY_COST * (steps + (ns - 1) * problem.num_microbatches * problem.num_stages) + model.n
-        if pool and not unlimited and (used() + cost > budget * _MEMBER_SHARE or
+        if len(tried) >= max(1, _MIN_MEMBERS.get(variant, 0)) and not unlimited and (used() + cost > budget * _MEMBER_SHARE or
                                        (deadline is not None and time.perf_counter() > deadline)):
             break
-        greedy_units += cost - model.n
+        if len(tried) >= _MIN_MEMBERS.get(variant, 0):  # the always-generated members are not charged
+            greedy_units += cost - model.n
+        else:
+            greedy_units -= model.n
         try:
             g = greedy_schedule(problems[cap_name], ns, st, rs, lookahead=la)
         except ValueError as e:  # this member's memory rule admits no schedule
@@ -1134,7 +1142,7 @@ def plan_crosspipe_problem(
             if seen_mk and len(seen_mk) > 1 and (left < model.n * 8 or
                                                  (deadline is not None and time.perf_counter() > deadline)):
                 break
-            ids1, mk1, _ = _local_search(model, [list(o) for o in ids0], limit, left, deadline=deadline)
+            ids1, mk1, _ = _local_search(model, [list(o) for o in ids0], limit, left, depth=_DEPTH, deadline=deadline)
             if mk1 < mk - 1e-9:
                 mk, ids, improved = mk1, ids1, True
                 cap_name, ns, st, rs, la = desc
