@@ -17,14 +17,43 @@ Model (CrossPipe §4.1, in integer time units of ``time_unit_ms``):
 * **microbatch order within stage and type** (the paper's search-space reduction) – optional, on by
   default;
 * **objective** – the makespan of CrossPipe App.A: from the first F on stage 0 (fixed at t = 0, which
-  loses nothing: every operation depends on it) to the last end on any rank.
+  loses nothing: every operation depends on it) to the last end anywhere.
 
-The result's ``makespan_ms`` is the best solution found, ``bound_ms`` CP-SAT's proven lower bound
-(equal when ``proven``).  The solution's per-rank order is returned as a torch-IR plan.  Any plan
-timed by :func:`titan_ext.plan.simulate` in delegated mode is a feasible solution of this model (the
-simulator sends messages FIFO, the model may also reorder them), so ``bound_ms`` ≤ the simulated
-makespan of every plan that respects the memory limit (and, with ``microbatch_order``, keeps each
-(stage, type) in microbatch order, as all our generators do).
+Strengthened model (``redundant=True``, default; needs the microbatch order).  None of these changes
+the optimum; each is either implied by the constraints above or justified below, and the tests compare
+the optimum with the plain model (``redundant=False``), hand-derived optima and brute force:
+
+* *Why microbatch order loses nothing* (exchange argument).  Microbatches are identical jobs: each is
+  the chain F(0) → … → F(S−1) → I(S−1) → … → I(0) with W(s) after I(s), every link of the chain at a
+  fixed chain position.  Take any feasible schedule and keep, at every chain position, the multiset
+  of start times ("slots") and, on every channel, the slots of that position's messages; reassign
+  the slots of each position to microbatches in order of readiness (k-th earliest ready → k-th
+  slot).  A bijection ready ≤ slot existed, so the sorted matching is feasible too; by induction the
+  ready times at the next position are again the same multiset, now in microbatch order.  Resource
+  occupation (rank and channel slots) is unchanged, memory only counts F started / I ended per stage
+  (not which microbatch), the makespan is unchanged — and every (stage, type) and every boundary's
+  messages now run in microbatch order.  Hence also **messages of one boundary in microbatch order**
+  (c(b, m+1) ≥ c(b, m) + size·β).
+* **memory as precedences**: on a rank holding one stage with deltas (M_F, −M_F, 0) and limit L·M_F,
+  with F and I in microbatch order the I's ended at the start of F(s, j) are a prefix, so the limit
+  holds iff F(s, m + L) starts after I(s, m) ends — an exact replacement of the cumulative.  Other
+  ranks (CrossWave, W holding memory) keep the cumulative, with each interval's size bounded below by
+  one microbatch's dependency chain (F(s) start → I(s) end or W(s) end).
+* **domains from heads and tails**: longest paths through all these precedences give every start
+  a window [head, H − tail] (H = makespan of the hint); max(head + tail) and, per rank and per
+  channel, Jackson's preemptive one-machine bound with those heads and tails give the makespan's lower
+  bound (the root bound; on these benchmarks it often is the optimum).
+* **hint**: the best CrossPipe greedy plan (CrossUD, CrossUDSub portfolios), its last W's moved to
+  the end where that shortens it, replayed on the integer grid and given complete (operations,
+  messages FIFO per channel, makespan), then *tail-polished*: CP-SAT re-optimises the operations
+  starting after 80 %, 60 %, 40 %, 20 % of its makespan with the rest fixed (small models; the greedy
+  loses its time in the cool-down, where the last microbatch's backward chain is critical).
+
+Search (``deterministic=True``, default): with several workers CP-SAT runs ``interleave_search``
+and stops at ``max_deterministic_time`` (default 0.6 × ``time_limit_s`` work units), so a run does
+the same search whatever the machine load (the wall-clock ``time_limit_s`` stays as a safety net);
+``random_seed`` is fixed (0).  ``deterministic=False`` uses CP-SAT's parallel portfolio instead: often
+faster but its path, and so an unproven result, varies from run to run.
 
 OR-Tools is an optional extra (``pip install titan-ext[solver]``); it is imported inside
 :func:`solve_optimal` only, so ``import titan_ext.plan`` stays light.
@@ -85,6 +114,101 @@ def time_unit_for(values: Sequence[float], finest_ms: float = 1e-3) -> float:
     return finest_ms
 
 
+def _quantized_problem(problem: CrossPipeProblem, dur, lat, tx) -> CrossPipeProblem:
+    """``problem`` with every duration replaced by its integer number of time units (as floats), so
+    that :func:`replay` times a plan exactly on the solver's integer grid."""
+    S = problem.num_stages
+    return CrossPipeProblem(
+        problem.num_ranks, problem.num_microbatches, problem.stage_to_rank,
+        tuple(float(x) for x in dur[F]), tuple(float(x) for x in dur[I]), tuple(float(x) for x in dur[W]),
+        tuple(float(lat[b]) for b in range(S - 1)), tuple(float(tx[b]) for b in range(S - 1)),
+        problem.memory_limit, problem.memory_deltas,
+    )
+
+
+def _longest_paths(nodes: list, dur: dict, arcs: list[tuple[object, object, int]]) -> tuple[dict, dict]:
+    """Heads and tails of a precedence DAG: ``head[v]`` = longest path from a source to the start of
+    v, ``tail[v]`` = longest path from the start of v to the end of the schedule (≥ dur[v]); an arc
+    (u, v, d) means start[v] ≥ start[u] + d."""
+    out: dict = {v: [] for v in nodes}
+    indeg = {v: 0 for v in nodes}
+    for u, v, d in arcs:
+        out[u].append((v, d))
+        indeg[v] += 1
+    order = [v for v in nodes if indeg[v] == 0]
+    i = 0
+    while i < len(order):
+        for v, _ in out[order[i]]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                order.append(v)
+        i += 1
+    if len(order) != len(nodes):  # pragma: no cover - the arcs below always form a DAG
+        raise ValueError("precedence cycle")
+    head = {v: 0 for v in nodes}
+    for u in order:
+        for v, d in out[u]:
+            if head[u] + d > head[v]:
+                head[v] = head[u] + d
+    tail = {}
+    for u in reversed(order):
+        t = dur[u]
+        for v, d in out[u]:
+            t = max(t, d + tail[v])
+        tail[u] = t
+    return head, tail
+
+
+def _jackson_bound(jobs: list[tuple[int, int, int]]) -> int:
+    """Preemptive one-machine bound (Jackson's preemptive schedule): jobs (release, duration, delivery
+    time after completion); returns max over jobs of completion + delivery, a lower bound on the
+    makespan of any non-preemptive schedule of these jobs on one machine."""
+    import heapq
+
+    jobs = sorted(jobs)
+    t, i, best, ready = 0, 0, 0, []  # ready: (-delivery, remaining)
+    n = len(jobs)
+    while i < n or ready:
+        if not ready and t < jobs[i][0]:
+            t = jobs[i][0]
+        while i < n and jobs[i][0] <= t:
+            heapq.heappush(ready, (-jobs[i][2], jobs[i][1]))
+            i += 1
+        neg_q, rem = heapq.heappop(ready)
+        nxt = jobs[i][0] if i < n else None
+        run = rem if nxt is None else min(rem, nxt - t)
+        t += run
+        if run < rem:
+            heapq.heappush(ready, (neg_q, rem - run))
+        else:
+            best = max(best, t - neg_q)
+    return best
+
+
+def _defer_weight_grads(problem: CrossPipeProblem, orders: dict) -> tuple[float, dict]:
+    """Hint polish: W has no successor (only the makespan), so moving the last k W of a rank to the
+    end of its program keeps the plan valid (memory only falls at I) and can shorten the cool-down,
+    where the backward chain of the last microbatch is critical.  Coordinate descent over ranks and
+    k, judged by :func:`replay`; returns (makespan, orders), never worse than the input."""
+    N = problem.num_microbatches
+    best = replay(problem, orders).makespan_ms
+    orders = {r: list(o) for r, o in orders.items()}
+    improved = True
+    while improved:
+        improved = False
+        for r in reversed(range(problem.num_ranks)):
+            base = orders[r]
+            for k in range(1, N + 1):
+                late = {op for op in base if op[1] == W and op[2] >= N - k}
+                trial = dict(orders)
+                trial[r] = [op for op in base if op not in late] + sorted(late, key=lambda o: (o[2], o[0]))
+                ms = replay(problem, trial).makespan_ms
+                if ms < best - 1e-9:
+                    best, orders, improved = ms, trial, True
+                    break
+    return best, orders
+
+
 def solve_optimal_problem(
     problem: CrossPipeProblem,
     *,
@@ -94,13 +218,33 @@ def solve_optimal_problem(
     hint: bool = True,
     time_unit_ms: float | None = None,
     random_seed: int = 0,
+    redundant: bool = True,
+    deterministic_time: float | None = None,
+    disjunctive_ranks: Sequence[int] | None = None,
+    lower_bound_ms: float | None = None,
+    upper_bound_ms: float | None = None,
+    deterministic: bool = True,
+    tail_polish: Sequence[float] | None = None,
     log: bool = False,
 ) -> OptimalResult:
     """Solve CrossPipe §4.1 for ``problem`` with CP-SAT (see the module docstring).
 
-    ``hint``: start from the best CrossPipe greedy plan (faster first solution, same optimum).
+    ``hint``: start from the best CrossPipe greedy plan (a complete feasible solution on the integer
+    grid: faster first solution, tighter horizon, same optimum).
     ``time_unit_ms``: integer time grid; default: the coarsest power of ten that represents every
     duration exactly (durations are rounded to it otherwise).
+    ``redundant`` (needs ``microbatch_order``): the strengthened model of the module docstring —
+    memory as precedences, messages in microbatch order, head/tail domains, per-rank one-machine
+    bounds.  Same optimum as ``redundant=False`` (the plain §4.1 model); tests check both.
+    ``deterministic`` / ``deterministic_time``: reproducible search (module docstring);
+    ``deterministic_time`` is CP-SAT's ``max_deterministic_time`` (default 0.6 × ``time_limit_s``
+    when ``deterministic``), the wall-clock ``time_limit_s`` applies as well.
+    ``tail_polish``: fractions of the hint's makespan after which the hint is re-optimised (default
+    (0.8, 0.6, 0.4, 0.2); ``()``: off).
+    ``disjunctive_ranks`` (relaxation): only these ranks get the one-at-a-time constraint; the
+    optimum is then a lower bound of the full problem's.  ``lower_bound_ms`` / ``upper_bound_ms``:
+    known bounds on the optimum (a wrong lower bound makes the answer wrong; an upper bound below the
+    optimum makes the model infeasible) — for decompositions and feasibility probes.
     """
     try:
         from ortools.sat.python import cp_model
@@ -110,6 +254,7 @@ def solve_optimal_problem(
     t_start = time.perf_counter()
     R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
     s2r = problem.stage_to_rank
+    redundant = redundant and microbatch_order
     all_values = list(problem.f_ms) + list(problem.b_ms) + list(problem.w_ms)
     all_values += [problem.latency(b) for b in range(S - 1)] + [problem.transfer(b) for b in range(S - 1)]
     unit = time_unit_ms if time_unit_ms is not None else time_unit_for(all_values)
@@ -117,88 +262,136 @@ def solve_optimal_problem(
     dur = {F: [q(x) for x in problem.f_ms], I: [q(x) for x in problem.b_ms], W: [q(x) for x in problem.w_ms]}
     lat = [q(problem.latency(b)) for b in range(S - 1)]
     tx = [q(problem.transfer(b)) for b in range(S - 1)]
+    qproblem = _quantized_problem(problem, dur, lat, tx)
 
-    # ---- greedy hint and horizon
-    hint_orders = None
+    # ---- greedy hint, replayed on the integer grid (an exact feasible solution of the model)
+    hint_int = None
     hint_ms = None
     if hint:
         wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(R))
-        try:
-            greedy = plan_crosspipe_problem(problem, "wave" if wave_shape else "udsub", convert=False)
-        except ValueError:
-            greedy = None
-        if greedy is not None:
-            hint_orders = replay(problem, greedy.orders)
-            hint_ms = hint_orders.makespan_ms
+        best = None
+        for variant in ("wave",) if wave_shape else ("ud", "udsub"):
+            try:
+                g = plan_crosspipe_problem(problem, variant, convert=False)
+            except ValueError:
+                continue
+            if problem.memory_deltas[2] == 0:
+                _, orders = _defer_weight_grads(qproblem, g.orders)
+            else:  # a W that frees memory is not a pure filler: keep the greedy order
+                orders = g.orders
+            rq = replay(qproblem, orders)
+            if best is None or rq.makespan_ms < best[0].makespan_ms:
+                best = (rq, orders)
+        if best is not None:
+            hint_int = best[0]
+            hint_ms = replay(problem, best[1]).makespan_ms
     total = sum(dur[k][s] for s in range(S) for k in (F, I, W)) * N
     comm = sum(lat) + sum(tx)
     horizon = total + 2 * N * (comm + 1) + 1
-    if hint_orders is not None:
-        # the greedy timing may be off the integer grid by rounding; keep slack
-        horizon = min(horizon, q(hint_ms) + 5 * S * N + 1)  # + rounding slack (≤ 1 unit per op/message)
+    if hint_int is not None:
+        horizon = min(horizon, int(round(hint_int.makespan_ms)))
 
-    m = cp_model.CpModel()
-    start: dict[Op, object] = {}
-    end: dict[Op, object] = {}
-    rank_intervals: list[list] = [[] for _ in range(R)]
-    # earliest start from the F chain (a valid domain lower bound, helps propagation)
-    head = [0] * S
-    for s in range(1, S):
-        hop = problem.hop(s - 1, s)
-        head[s] = head[s - 1] + dur[F][s - 1] + (0 if hop is None else lat[s - 1] + tx[s - 1])
-    for s in range(S):
-        r = s2r[s]
-        for mb in range(N):
-            for k in (F, I, W):
-                op = (s, k, mb)
-                lo = head[s] if k == F else head[s] + dur[F][s]
-                st = m.NewIntVar(lo, horizon, f"t_{s}{k}{mb}")
-                start[op] = st
-                end[op] = st + dur[k][s]
-                rank_intervals[r].append(m.NewFixedSizeIntervalVar(st, dur[k][s], f"iv_{s}{k}{mb}"))
-    m.Add(start[(0, F, 0)] == 0)
+    # ---- memory as precedences (exact with microbatch order, see the module docstring)
+    mf, mi, mw = problem.memory_deltas
+    mem_lag: dict[int, int] = {}  # stage → L: F(s, m+L) starts after I(s, m) ends
+    if redundant and problem.memory_limit is not None and abs(mw) < 1e-12:
+        for r in range(R):
+            stages = problem.stages_of_rank(r)
+            if len(stages) == 1:
+                mem_lag[stages[0]] = int(math.floor(problem.memory_limit[r] / mf + 1e-9))
 
-    channel_intervals: dict[tuple[int, int], list] = {}
+    # ---- precedence graph: ops (s, k, m) and messages ("c", s_src, k_src, m); arcs (u, v, d): t_v ≥ t_u + d
+    ops = [(s, k, mb) for s in range(S) for k in (F, I, W) for mb in range(N)]
+    node_dur = {op: dur[op[1]][op[0]] for op in ops}
+    arcs: list[tuple] = []
+    messages: list[tuple] = []  # (node, src op, dst op, boundary, channel)
+
     num_messages = 0
 
-    def dependency(src: Op, dst: Op, boundary: int | None) -> None:
+    def link(src: Op, dst: Op) -> None:
         nonlocal num_messages
-        hop = None if boundary is None else problem.hop(src[0], dst[0])
+        hop = problem.hop(src[0], dst[0])
+        d = node_dur[src]
         if hop is None:
-            m.Add(start[dst] >= end[src])
+            arcs.append((src, dst, d))
             return
         b, channel = hop
         num_messages += 1
         if tx[b] > 0:
-            c = m.NewIntVar(0, horizon, f"c_{src[0]}{src[1]}{src[2]}")
-            m.Add(c >= end[src])
-            channel_intervals.setdefault(channel, []).append(m.NewFixedSizeIntervalVar(c, tx[b], f"civ_{src}"))
-            m.Add(start[dst] >= c + tx[b] + lat[b])
+            c = ("c",) + src
+            node_dur[c] = tx[b]
+            messages.append((c, src, dst, b, channel))
+            arcs.append((src, c, d))
+            arcs.append((c, dst, tx[b] + lat[b]))
         else:
-            m.Add(start[dst] >= end[src] + lat[b])
+            arcs.append((src, dst, d + lat[b]))
 
     for mb in range(N):
         for s in range(S):
             if s < S - 1:
-                dependency((s, F, mb), (s + 1, F, mb), s)
-                dependency((s + 1, I, mb), (s, I, mb), s)
+                link((s, F, mb), (s + 1, F, mb))
+                link((s + 1, I, mb), (s, I, mb))
             else:
-                m.Add(start[(s, I, mb)] >= end[(s, F, mb)])
-            m.Add(start[(s, W, mb)] >= end[(s, I, mb)])
-    for r in range(R):
-        m.AddNoOverlap(rank_intervals[r])
-    for ivs in channel_intervals.values():
-        m.AddNoOverlap(ivs)
+                arcs.append(((s, F, mb), (s, I, mb), dur[F][s]))
+            arcs.append(((s, I, mb), (s, W, mb), dur[I][s]))
+    chain_arcs = list(arcs)  # one microbatch's data dependencies (for the memory intervals' sizes)
     if microbatch_order:
         for s in range(S):
             for k in (F, I, W):
                 for mb in range(N - 1):
-                    m.Add(start[(s, k, mb + 1)] >= end[(s, k, mb)])
+                    arcs.append(((s, k, mb), (s, k, mb + 1), dur[k][s]))
+    if redundant:
+        for c, src, _, b, _ in messages:
+            if src[2] < N - 1:
+                arcs.append((c, ("c", src[0], src[1], src[2] + 1), tx[b]))
+        for s, lag in mem_lag.items():
+            for mb in range(N - lag):
+                arcs.append(((s, I, mb), (s, F, mb + lag), dur[I][s]))
+    nodes = ops + [c for c, *_ in messages]
+    head, tail = _longest_paths(nodes, node_dur, arcs if redundant else chain_arcs)
+    lb = max(head[v] + tail[v] for v in nodes)
+    if redundant:
+        for r in range(R):
+            jobs = [(head[op], node_dur[op], tail[op] - node_dur[op]) for op in ops if s2r[op[0]] == r]
+            lb = max(lb, _jackson_bound(jobs))
+        for ch in {m_[4] for m_ in messages}:
+            jobs = [(head[c], node_dur[c], tail[c] - node_dur[c]) for c, *_, chan in messages if chan == ch]
+            lb = max(lb, _jackson_bound(jobs))
+    if lower_bound_ms is not None:
+        lb = max(lb, int(math.ceil(lower_bound_ms / unit - 1e-9)))
+    horizon = max(horizon, lb)
+    if upper_bound_ms is not None:
+        horizon = min(horizon, int(math.floor(upper_bound_ms / unit + 1e-9)))
 
-    # ---- memory (per rank): activation of (s, mb) held from the start of F to the end of I
-    # (|M_D| units) and, for the part W keeps, to the end of W (|M_W| units)
+    m = cp_model.CpModel()
+    start: dict = {}
+    end: dict = {}
+    rank_intervals: list[list] = [[] for _ in range(R)]
+    channel_intervals: dict[tuple[int, int], list] = {}
+    for v in nodes:
+        lo, hi = (head[v], horizon - tail[v]) if redundant else (0, horizon)
+        if v[0] == "c":
+            hi = horizon if not redundant else hi
+        st = m.NewIntVar(lo, max(lo, hi), f"t_{v}")
+        start[v] = st
+        end[v] = st + node_dur[v]
+    for op in ops:
+        rank_intervals[s2r[op[0]]].append(m.NewFixedSizeIntervalVar(start[op], node_dur[op], f"iv_{op}"))
+    for c, _, _, b, channel in messages:
+        channel_intervals.setdefault(channel, []).append(m.NewFixedSizeIntervalVar(start[c], tx[b], f"civ_{c}"))
+    m.Add(start[(0, F, 0)] == 0)
+    for u, v, d in arcs:
+        m.Add(start[v] >= start[u] + d)
+    for r in range(R) if disjunctive_ranks is None else disjunctive_ranks:
+        m.AddNoOverlap(rank_intervals[r])
+    for ivs in channel_intervals.values():
+        m.AddNoOverlap(ivs)
+
+    # ---- memory (per rank, where not already exact precedences): activation of (s, mb) held from
+    # the start of F to the end of I (|M_D| units) and, for the part W keeps, to the end of W (|M_W|)
     if problem.memory_limit is not None:
-        mf, mi, mw = problem.memory_deltas
+        # minimal holding times from one microbatch's dependency chain (valid interval size bounds)
+        h1, _ = _longest_paths(nodes, node_dur, chain_arcs)
         fr = [Fraction(x).limit_denominator(1000) for x in (mf, -mi, -mw) + tuple(problem.memory_limit)]
         den = math.lcm(*(x.denominator for x in fr))
         d_i, d_w = int(fr[1] * den), int(fr[2] * den)
@@ -206,61 +399,118 @@ def solve_optimal_problem(
             cap = int(math.floor(fr[3 + r] * den + 1e-9))
             ivs, demands = [], []
             for s in range(S):
-                if s2r[s] != r:
+                if s2r[s] != r or s in mem_lag:
                     continue
+                hold_i = h1[(s, I, 0)] + dur[I][s] - h1[(s, F, 0)]
+                hold_w = h1[(s, W, 0)] + dur[W][s] - h1[(s, F, 0)]
                 for mb in range(N):
                     if d_i:
-                        size = m.NewIntVar(0, horizon, "")
+                        size = m.NewIntVar(hold_i if redundant else 0, horizon, "")
                         ivs.append(m.NewIntervalVar(start[(s, F, mb)], size, end[(s, I, mb)], f"act_{s}_{mb}"))
                         demands.append(d_i)
                     if d_w:
-                        size = m.NewIntVar(0, horizon, "")
+                        size = m.NewIntVar(hold_w if redundant else 0, horizon, "")
                         ivs.append(m.NewIntervalVar(start[(s, F, mb)], size, end[(s, W, mb)], f"actw_{s}_{mb}"))
                         demands.append(d_w)
             if ivs:
                 m.AddCumulative(ivs, demands, cap)
 
     # ---- objective: makespan from the first F on stage 0 (= 0) to the last end anywhere
-    makespan = m.NewIntVar(0, horizon, "makespan")
+    makespan = m.NewIntVar(lb if redundant else 0, horizon, "makespan")
     for s in range(S):
         for mb in range(N) if not microbatch_order else (N - 1,):
             m.Add(makespan >= end[(s, W, mb)])
-    # redundant per-rank bound: the rank cannot start before its first F can arrive, then has all
-    # its work to do (valid, tightens the initial bound)
+    # per-rank bound: the rank cannot start before its first F can arrive, then has all its work to do
     for r in range(R):
         stages = [s for s in range(S) if s2r[s] == r]
         work = N * sum(dur[k][s] for s in stages for k in (F, I, W))
-        m.Add(makespan >= min(head[s] for s in stages) + work)
+        m.Add(makespan >= min(head[(s, F, 0)] for s in stages) + work)
     m.Minimize(makespan)
 
-    if hint_orders is not None:
-        for op, t in hint_orders.start_ms.items():
-            m.AddHint(start[op], q(t))
+    if hint_int is not None:
+        # a complete hint (ops, messages FIFO per channel as replay sends them, makespan): CP-SAT
+        # checks it at once instead of completing it by search
+        hs = {op: int(round(t)) for op, t in hint_int.start_ms.items()}
+        free_at: dict = {}
+        for c, src, _, b, ch in sorted(messages, key=lambda x: (hs[x[1]] + node_dur[x[1]], x[1][2], x[1][0])):
+            hs[c] = max(hs[src] + node_dur[src], free_at.get(ch, 0))
+            free_at[ch] = hs[c] + tx[b]
+        for v in nodes:
+            m.AddHint(start[v], hs[v])
+        m.AddHint(makespan, int(round(hint_int.makespan_ms)))
 
+    tail_info = []
+    if tail_polish is None:
+        tail_polish = (0.8, 0.6, 0.4, 0.2)
+    if hint_int is not None and tail_polish and lb < int(round(hint_int.makespan_ms)):
+        # hint polish by CP-SAT on the cool-down: keep the hint's first part fixed and re-optimise
+        # the operations starting at or after fraction f of its makespan (a small model)
+        cur = dict(hs)
+        cur_ms = int(round(hint_int.makespan_ms))
+        polish_dtime = max(0.05, min(2.0, 0.04 * time_limit_s))  # per step, deterministic units
+        for frac in tail_polish:
+            sub = m.Clone()
+            cut = frac * cur_ms
+            for v in nodes:
+                if cur[v] < cut:
+                    sub.Add(sub.GetIntVarFromProtoIndex(start[v].Index()) == cur[v])
+            sub.ClearHints()
+            for v in nodes:
+                sub.AddHint(sub.GetIntVarFromProtoIndex(start[v].Index()), cur[v])
+            sub.AddHint(sub.GetIntVarFromProtoIndex(makespan.Index()), cur_ms)
+            ps = cp_model.CpSolver()
+            if deterministic:
+                ps.parameters.max_time_in_seconds = float(time_limit_s) / 4
+                ps.parameters.max_deterministic_time = polish_dtime
+            else:
+                ps.parameters.max_time_in_seconds = max(0.05, min(3.0, 0.05 * time_limit_s))
+            ps.parameters.num_workers = int(workers)
+            ps.parameters.interleave_search = bool(deterministic and workers > 1)
+            ps.parameters.random_seed = int(random_seed)
+            st_ = ps.Solve(sub)
+            if st_ in (cp_model.OPTIMAL, cp_model.FEASIBLE) and ps.ObjectiveValue() < cur_ms:
+                cur = {v: ps.Value(start[v]) for v in nodes}
+                cur_ms = int(round(ps.ObjectiveValue()))
+            tail_info.append((frac, cur_ms * unit, round(ps.WallTime(), 2)))
+            if cur_ms <= lb:
+                break
+        m.ClearHints()
+        for v in nodes:
+            m.AddHint(start[v], cur[v])
+        m.AddHint(makespan, cur_ms)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
+    if deterministic and deterministic_time is None:
+        deterministic_time = 0.6 * float(time_limit_s)
+    if deterministic_time is not None:
+        solver.parameters.max_deterministic_time = float(deterministic_time)
     solver.parameters.num_workers = int(workers)
     solver.parameters.random_seed = int(random_seed)
     solver.parameters.log_search_progress = bool(log)
+    if deterministic and workers > 1:
+        solver.parameters.interleave_search = True
     status = solver.Solve(m)
     solve_s = time.perf_counter() - t_start
     name = solver.StatusName(status)
     num_ops = 3 * N * S
-    params = {"time_limit_s": time_limit_s, "workers": workers, "microbatch_order": microbatch_order, "hint": hint}
+    params = {"time_limit_s": time_limit_s, "workers": workers, "microbatch_order": microbatch_order, "hint": hint,
+              "redundant": redundant, "deterministic_time": deterministic_time, "root_bound_ms": lb * unit, "tail_polish": tail_info}
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return OptimalResult(name, False, None, solver.BestObjectiveBound() * unit, None, None, None, solve_s,
                              unit, num_ops, num_messages, hint_ms, params)
-    starts = {op: solver.Value(v) for op, v in start.items()}
+    starts = {op: solver.Value(start[op]) for op in ops}
     orders: dict[int, list[Op]] = {r: [] for r in range(R)}
     kind_rank = {F: 0, I: 1, W: 2}
     for op in sorted(starts, key=lambda o: (starts[o], starts[o] + dur[o[1]][o[0]], kind_rank[o[1]], o[2])):
         orders[s2r[op[0]]].append(op)
-    best = solver.ObjectiveValue() * unit
+    # the solver's objective may carry slack when not proven; the plan's own (replayed, semi-active)
+    # makespan on the integer grid is never larger and is what the plan achieves
+    best_obj = min(solver.ObjectiveValue(), replay(qproblem, orders).makespan_ms) * unit
     bound = solver.BestObjectiveBound() * unit
     return OptimalResult(
         status=name,
         proven=status == cp_model.OPTIMAL,
-        makespan_ms=best,
+        makespan_ms=best_obj,
         bound_ms=bound,
         orders=orders,
         actions=to_actions(orders),
@@ -284,13 +534,15 @@ def solve_optimal(
     microbatch_order: bool = True,
     hint: bool = True,
     validate: bool = True,
+    deterministic: bool = True,
 ) -> OptimalResult:
     """CP-SAT optimum (§4.1) for a :class:`~titan_ext.plan.PipelineProfile` (one stage per rank, or
     V-shape with ``wave=True``).  ``memory_limit``: per-rank in-flight activation limit, as for
     :func:`titan_ext.plan.crosspipe.plan_crosspipe`.  The returned plan has passed validation."""
     problem = problem_from_profile(profile, "wave" if wave else "ud", memory_limit)
     result = solve_optimal_problem(
-        problem, time_limit_s=time_limit_s, workers=workers, microbatch_order=microbatch_order, hint=hint
+        problem, time_limit_s=time_limit_s, workers=workers, microbatch_order=microbatch_order, hint=hint,
+        deterministic=deterministic,
     )
     if validate and result.actions is not None:
         from .validate import validate_plan
