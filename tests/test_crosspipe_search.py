@@ -101,7 +101,7 @@ def test_local_search_plans_are_valid_and_never_worse():
                   for a, t in zip(prob.link_latency_ms, prob.link_transfer_ms)),
         )
         sim = simulate(plan.actions, prof, stage_to_rank=dict(enumerate(prob.stage_to_rank)))
-        assert sim.makespan_ms == pytest.approx(plan.makespan_ms, abs=1e-5)
+        assert sim.makespan_ms == pytest.approx(plan.makespan_ms, abs=1e-3)  # simulate rounds each duration to 1 ns
         best_member = min(c[5] for c in plan.candidates)
         assert plan.makespan_ms <= best_member + 1e-9
         improved += plan.makespan_ms < best_member - 1e-9
