@@ -451,13 +451,20 @@ class PipeMorph(_PipelineScheduleRuntime):
             {r: list(a) for r, a in torch_actions.items()}, self.pp_group_size, S, N)
         lowered = {}
         for r in torch_actions:
-            with_fsdp = _torch_schedules._add_unshard_reshard(list(torch_actions[r]))
-            lowered[r] = _torch_schedules._add_reduce_grad(with_fsdp, N)
+            # UNSHARD/RESHARD are no-ops for stages that FSDP does not wrap (see _perform): skipped then
+            acts = _torch_schedules._add_unshard_reshard(list(torch_actions[r])) if self._uses_fsdp() \
+                else list(torch_actions[r])
+            lowered[r] = _torch_schedules._add_reduce_grad(acts, N)
         lowered = _torch_schedules._add_send_recv(lowered, stage_to_rank=lambda st: mapping[st], num_stages=S)
         torch_dry_run_lowered(lowered, mapping, S)
         counts = list(counts) if counts else warmup_counts_of(ops)
         return _Candidate(torch_actions, lowered, mapping, counts, plan_hash(ops), kind, reason,
                           backward=backward_of(ops), prepare_ms=1e3 * (now() - t0))
+
+    def _uses_fsdp(self) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(st.submod, FSDPModule) for st in self._stages)
 
     def _swap(self, cand: "_Candidate") -> None:
         """Install a prepared plan (iteration boundary only): an O(1) pointer swap."""
