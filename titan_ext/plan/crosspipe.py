@@ -354,6 +354,22 @@ def greedy_schedule(
             return mem[r] + need > lim[r]
         return mem[r] + need_f[s] > lim[r]
     total_f = [N * len(rank_stages[r]) for r in range(R)]
+    # per stage: (channel, size·β, α) of the message to the next / previous stage (None: same rank)
+    fwd_hop = [None] * S
+    bwd_hop = [None] * S
+    for s in range(S):
+        for dst, table in ((s + 1, fwd_hop), (s - 1, bwd_hop)):
+            if 0 <= dst < S:
+                h = problem.hop(s, dst)
+                if h is not None:
+                    table[s] = (h[1], problem.transfer(h[0]), problem.latency(h[0]))
+    reserve_link = None  # bound below, after `links` exists
+
+    def message(hop, ready: float) -> float:
+        if hop is None:
+            return ready
+        ch, tx, lat = hop
+        return reserve_link(ch, ready, tx) + lat
     dur_k = [problem.f_ms, problem.b_ms, tuple(x / n_sub for x in problem.w_ms)]
     backward_first = steady == "backward_first"
 
@@ -371,6 +387,7 @@ def greedy_schedule(
     seen_backward = [False] * R
     last_full = [-1] * R
     links = _Links()
+    reserve_link = links.reserve
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
     subblocks: list[tuple[int, Op, int, float, float]] = []
@@ -380,6 +397,8 @@ def greedy_schedule(
     heap: list[tuple[float, int, int]] = []
     KIND = (F, I, W)
 
+    heappush = heapq.heappush
+
     def push(r: int) -> None:
         version[r] += 1
         best = inf
@@ -387,14 +406,12 @@ def greedy_schedule(
             h = heads[q]
             qq = queues[q]
             if h < len(qq):
-                if q % 3 == 0 and f_blocked(r, q // 3):
-                    continue
                 a = qq[h][1]
-                if a < best:
+                if a < best and not (q % 3 == 0 and f_blocked(r, q // 3)):
                     best = a
         if best < inf:
             fr = free[r]
-            heapq.heappush(heap, (best if best > fr else fr, r, version[r]))
+            heappush(heap, (best if best > fr else fr, r, version[r]))
 
     def arrive(q: int, m: int, avail: float) -> None:
         qq = queues[q]
@@ -497,7 +514,7 @@ def greedy_schedule(
             f_stage_done[s] += 1
             if s < last:
                 dst = s + 1
-                arrive(3 * dst, m, _message_arrival(problem, links, s, dst, t1))
+                arrive(3 * dst, m, message(fwd_hop[s], t1))
             else:
                 dst = s
                 arrive(3 * s + 1, m, t1)
@@ -507,7 +524,7 @@ def greedy_schedule(
             dst = s
             if s > 0:
                 dst = s - 1
-                arrive(3 * dst + 1, m, _message_arrival(problem, links, s, dst, t1))
+                arrive(3 * dst + 1, m, message(bwd_hop[s], t1))
         push(r)
         r2 = s2r[dst]
         if r2 != r:
