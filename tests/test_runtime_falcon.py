@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float, on: 
     )
     mod = SleepComputeStage(DIM, t_ms, t_ms, t_ms, seed=rank)
     sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
-                      adaptive=False, falcon=falcon)
+                      adaptive=False, falcon=falcon, backward="split")  # no backward probes here
     for k in range(steps):
         if k == on:
             injector.update(f"{world - 2}:{delay_ms:g}")

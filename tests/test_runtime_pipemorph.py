@@ -280,7 +280,9 @@ def _adapt_worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float
 
     injector = inject_link_delays("")
     mod = SleepComputeStage(DIM, t_ms, t_ms, t_ms, seed=rank)
-    sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss)
+    # the slackness adaptation alone: backward="auto"'s probes are tested in test_runtime_backward.py
+    sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
+                      backward="split")
     for k in range(steps):
         if k == on:
             injector.update(f"{world - 2}:{delay_ms:g}")

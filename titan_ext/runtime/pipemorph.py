@@ -71,6 +71,7 @@ from titan_ext.plan import (
 from titan_ext.plan.ir import as_ops
 from titan_ext.plan.validate import torch_dry_run_lowered
 
+from .backward import BackwardChooser
 from .policy import Decision, ReplanPolicy, eq1_tolerances
 from .profiler import (
     ActionRecord,
@@ -197,11 +198,10 @@ class PipeMorph(_PipelineScheduleRuntime):
             where activations are offloaded to host memory, §4.2).
         initial_times_ms: (F, I, W) assumed before the first measurement.
         backward: ``"split"`` (I and W actions, PipeMorph's plans), ``"full"`` (full-backward B actions
-            with PipeMorph's warm-up counts) or ``"auto"``: after every new regime (calibration, adapt,
-            shrink) the other variant is planned and run for ``window`` iterations, and the variant
-            whose measured iteration span (median, agreed by all ranks) is lower by more than
-            ``backward_margin`` keeps running.  On hardware where splitting the backward costs extra
-            compute (CPU autograd) the full variant wins when no link is slow; on GPUs the split one.
+            with PipeMorph's warm-up counts) or ``"auto"``: after a new regime (calibration, adapt,
+            shrink) the other variant runs ``window`` iterations with the same warm-up counts, and the
+            one whose measured iteration span (median, agreed by all ranks) is lower keeps running
+            (full must win by ``backward_margin``); see ``titan_ext.runtime.backward``.
     """
 
     #: ``schedule=`` argument of :func:`titan_ext.plan.plan_pipemorph` used by the default planner.
@@ -264,11 +264,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         if not 0 <= backward_margin < 1:
             raise ValueError(f"backward_margin must be within [0, 1), got {backward_margin}")
         self.backward = backward
-        self.backward_margin = backward_margin
-        self._spans: dict[str, list[float]] = {"split": [], "full": []}
-        self._variant_decided = False
         self._probe_running = False
-        self._probe_target: str | None = None
         self._plan_cpu_ms = math.nan
         self._group = stages[0].group
         self.falcon = self._make_falcon(falcon, S, N)
@@ -282,8 +278,11 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._activation_bytes = activation_bytes  # M^F of this stage (None: measure)
         self._activation_bytes_all: list[float] | None = None
         self._times_ms = tuple(float(t) for t in initial_times_ms)
-        window = getattr(self.policy, "window", 3)
-        self._window = _Window(max(1, int(window)))
+        window = max(1, int(getattr(self.policy, "window", 3)))
+        self._window = _Window(window)
+        self._chooser = BackwardChooser(window, backward_margin, enabled=backward == "auto", log=self._log,
+                                        delay_rel_margin=getattr(self.policy, "rel_margin", 0.10),
+                                        delay_abs_margin_ms=getattr(self.policy, "abs_margin_ms", 1.0))
         self._calibrated = False
 
         self.iteration = 0
@@ -481,9 +480,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._since_deploy = 0
         self._probe_running = cand.trigger == "probe"
         if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
-            self._spans = {"split": [], "full": []}
-            self._variant_decided = self.backward != "auto"
-            self._probe_target = None
+            self._chooser.new_regime()
         self._log(decision="deploy", kind=cand.kind, reason=cand.reason, plan_version=self.plan_version,
                   plan_hash=hex(cand.hash), warmup_counts=cand.counts, slackness=slackness(cand.counts),
                   backward=cand.backward, prepare_ms=cand.prepare_ms, plan_ms=cand.plan_ms,
@@ -869,7 +866,7 @@ class PipeMorph(_PipelineScheduleRuntime):
                              ("C", [lk["c_ms"] for lk in links])):
                 self._window.push(key, row)
             if math.isfinite(span_ms):
-                self._spans[self.deployed.backward].append(span_ms)
+                self._chooser.record(self.deployed.backward, span_ms)
             ran_probe = self._probe_running
             resolving = self._planning is not None
             deployed_now, swap_ms, bg_ms = self._resolve_planning([r.candidate_hash for r in ranks])
@@ -926,13 +923,6 @@ class PipeMorph(_PipelineScheduleRuntime):
         else:
             decision = self.policy.decide(est, counts, self.initial_counts, self._since_deploy,
                                           slack_floor=self.slack_floor)
-        if self._probe_target is not None and not self._variant_decided:
-            # a backward probe is running: shrinking can wait for its verdict; an adapt cannot, and
-            # keeps the variant the regime started with (the probe may be the slower one)
-            if decision.action == "shrink":
-                decision = Decision("keep", f"shrink deferred until the backward probe ends ({decision.reason})")
-            elif decision.replans and decision.backward is None:
-                decision.backward = "split" if self._probe_target == "full" else "full"
         if decision.action == "keep" and not self._calibrated and self.adaptive:
             if self.memory_budget_bytes is not None and self._max_inflight_arg is None:
                 self._x_max = self._initial_x_max()
@@ -941,37 +931,7 @@ class PipeMorph(_PipelineScheduleRuntime):
                 return Decision("calibrate", f"initial plan regenerated with measured times "
                                 f"(Alg.1, x_max={self._x_max})", mode="initial")
             self._calibrated = True
-        if decision.action in ("keep", "hold") and self.adaptive and self._calibrated:
-            return self._compare_backward() or decision
+        if self.adaptive and self._calibrated and self.deployed.kind in ("initial", "adaptive"):
+            mode = "initial" if self.deployed.kind == "initial" else "adaptive"
+            return self._chooser.step(decision, self.deployed.backward, counts, mode, est.delays_ms, self.iteration)
         return decision
-
-    def _compare_backward(self) -> Decision | None:
-        """``backward="auto"``: once per regime, run the other backward variant for ``window``
-        iterations and keep the variant with the lower median iteration span (the span every rank
-        computes from the same exchanged timeline, so all ranks decide alike)."""
-        if self._variant_decided or self._planning is not None or self.deployed.kind not in ("initial", "adaptive"):
-            return None
-        n = self._window.size
-        spans, running = self._spans, self.deployed.backward
-        mode = "initial" if self.deployed.kind == "initial" else "adaptive"
-        target = self._probe_target
-        if target is None:
-            if len(spans[running]) < n:
-                return None
-            self._probe_target = target = "full" if running == "split" else "split"
-            reason = (f"backward=auto: measure {target} backward for {n} iterations "
-                      f"({running}: median span {statistics.median(spans[running][-n:]):.1f} ms)")
-            self._log(decision="probe", reason=reason, backward=target)
-            return Decision("probe", reason, mode=mode, backward=target)
-        if running != target:  # the probe plan was refused (logged): keep what runs
-            self._variant_decided = True
-            return None
-        if len(spans[target]) < n:
-            return None
-        med = {k: statistics.median(v[-n:]) for k, v in spans.items()}
-        self._variant_decided = True
-        best = "full" if med["full"] < med["split"] * (1 - self.backward_margin) else "split"
-        reason = (f"backward=auto: median span split {med['split']:.1f} ms, full {med['full']:.1f} ms "
-                  f"(margin {100 * self.backward_margin:g} %) -> {best}")
-        self._log(decision="select", reason=reason, backward=best)
-        return None if best == running else Decision("select", reason, mode=mode, backward=best)

@@ -1,0 +1,120 @@
+"""Choosing between split (I + W) and full (B) backward plans by measurement (``backward="auto"``).
+
+Splitting the backward lets W fill pipeline bubbles (ZeroBubble; PipeMorph §3.1 plans with I and W),
+but whether that pays depends on the hardware: on CPU autograd I + W costs more than one full
+backward, and ranks sharing cores gain nothing from filled bubbles. The simulator cannot know either,
+so the choice is made from measured iteration spans, once per regime (a regime = a plan the policy
+chose: calibration, adapt, shrink):
+
+1. the regime's plan runs ``window`` iterations;
+2. **probe** — the other variant, with the *same* warm-up counts (same memory; for a full probe of a
+   split plan the Eq.1 tolerance only grows, since t_B of a full backward ≥ t_I), runs ``window``
+   iterations;
+3. **select** — the variant with the lower median span stays (full must win by ``margin``).
+
+A probe whose plan the policy finds breaking Eq.1 (an adapt while it runs) is aborted in favour of the
+regime's variant, so probing can never start a re-planning loop; a shrink waits for the verdict. A verdict is reused for later
+regimes while the measured link delays stay within the policy's margins, for ``reuse_iterations``
+iterations, so noisy re-plans do not pay for a probe each time.
+
+Pure logic: the schedule feeds it the agreed spans and the policy's decision; all ranks see the same
+inputs and reach the same decisions.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .policy import Decision
+
+VARIANTS = ("split", "full")
+
+
+def _other(variant: str) -> str:
+    return "full" if variant == "split" else "split"
+
+
+@dataclass
+class BackwardChooser:
+    window: int = 3
+    margin: float = 0.02
+    enabled: bool = True
+    reuse_iterations: int = 50
+    delay_rel_margin: float = 0.10
+    delay_abs_margin_ms: float = 1.0
+    log: Callable[..., object] = field(default=lambda **_: None, repr=False)
+
+    spans: dict[str, list[float]] = field(default_factory=lambda: {v: [] for v in VARIANTS})
+    target: str | None = None  # variant being probed
+    base: tuple[str, list[int]] | None = None  # (variant, warm-up counts) of the regime's plan
+    decided: bool = False
+    verdict: tuple[str, tuple[float, ...], int] | None = None  # (winner, link delays, iteration)
+
+    def __post_init__(self) -> None:
+        self.decided = not self.enabled
+
+    def new_regime(self) -> None:
+        """A plan chosen by the policy was deployed: compare afresh."""
+        self.spans = {v: [] for v in VARIANTS}
+        self.target, self.base, self.decided = None, None, not self.enabled
+
+    def record(self, variant: str, span_ms: float) -> None:
+        self.spans[variant].append(span_ms)
+
+    @property
+    def probing(self) -> bool:
+        return self.target is not None and not self.decided
+
+    def _similar(self, delays: Sequence[float]) -> bool:
+        _, then, _ = self.verdict
+        return len(then) == len(delays) and all(
+            abs(a - b) <= self.delay_rel_margin * max(a, b) + self.delay_abs_margin_ms for a, b in zip(then, delays))
+
+    def step(self, policy: Decision, running: str, counts: Sequence[int], mode: str,
+             delays: Sequence[float], iteration: int) -> Decision:
+        """The decision to act on at this boundary, given the policy's and the variant that just ran."""
+        if self.decided:
+            return policy
+        n = self.window
+        if self.target is not None:
+            base_variant, base_counts = self.base
+            if running != self.target:  # the probe plan was refused (the deploy path logged why)
+                self.decided = True
+                return policy
+            if policy.action == "shrink":  # not urgent: after the verdict
+                policy = Decision("keep", f"shrink deferred until the backward probe ends ({policy.reason})")
+            elif policy.replans:  # adapt: the probe's plan breaks Eq.1; back to the regime's variant
+                self.decided = True
+                self.verdict = (base_variant, tuple(delays), iteration)
+                reason = f"backward=auto: probe of {self.target} aborted ({policy.action}: {policy.reason})"
+                self.log(decision="select", reason=reason, backward=base_variant)
+                return Decision("select", reason, mode=mode, backward=base_variant, warmup_counts=list(base_counts))
+            if len(self.spans[self.target]) < n:
+                return policy
+            med = {v: statistics.median(s[-n:]) for v, s in self.spans.items()}
+            best = "full" if med["full"] < med["split"] * (1 - self.margin) else "split"
+            self.decided = True
+            self.verdict = (best, tuple(delays), iteration)
+            reason = (f"backward=auto: median span split {med['split']:.1f} ms, full {med['full']:.1f} ms "
+                      f"(margin {100 * self.margin:g} %) -> {best}")
+            self.log(decision="select", reason=reason, backward=best)
+            if best == running:
+                return policy
+            return Decision("select", reason, mode=mode, backward=best, warmup_counts=list(base_counts))
+        if policy.action not in ("keep", "hold") or len(self.spans[running]) < n:
+            return policy
+        if self.verdict is not None and iteration - self.verdict[2] <= self.reuse_iterations and self._similar(delays):
+            self.decided = True
+            winner = self.verdict[0]
+            reason = f"backward=auto: link delays as at iteration {self.verdict[2]}: {winner} (verdict reused)"
+            self.log(decision="select", reason=reason, backward=winner)
+            if winner == running:
+                return policy
+            return Decision("select", reason, mode=mode, backward=winner, warmup_counts=list(counts))
+        self.target, self.base = _other(running), (running, list(counts))
+        reason = (f"backward=auto: measure {self.target} backward for {n} iterations with warm-up counts "
+                  f"{list(counts)} ({running}: median span {statistics.median(self.spans[running][-n:]):.1f} ms)")
+        self.log(decision="probe", reason=reason, backward=self.target)
+        return Decision("probe", reason, mode=mode, backward=self.target, warmup_counts=list(counts))
