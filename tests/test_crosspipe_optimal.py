@@ -299,8 +299,12 @@ def test_benchmark_cache_format():
             assert row["bound_ms"] == pytest.approx(row["makespan_ms"])
 
 
-@pytest.mark.skipif("not config.getoption('--runslow', default=False)", reason="slow: bench case B1 (~20 s)")
-def test_bench_case_b1_proven():  # pragma: no cover - opt-in
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_case_b1_is_proven_within_the_time_limit():
+    """B1 (S=4, N=12, a slow link) was the hardest of the bench's S ≤ 4 cases for the plain §4.1 model
+    (unproven at 60 s). The solver must prove it within the issue's 60 s limit; the proven optimum is
+    ≤ both greedy plans, the replayed plan reproduces it, and the plan validates (torch's dry run too)."""
     import sys
     from pathlib import Path
 
@@ -309,4 +313,8 @@ def test_bench_case_b1_proven():  # pragma: no cover - opt-in
 
     _, prob, _ = case_problems()["B1"]
     res = solve_optimal_problem(prob, time_limit_s=60, workers=2)
-    assert res.proven and res.makespan_ms == pytest.approx(480.3)
+    assert res.proven and res.bound_ms == pytest.approx(res.makespan_ms)
+    assert replay(prob, res.orders).makespan_ms == pytest.approx(res.makespan_ms, abs=1e-6)
+    for variant in ("ud", "udsub"):
+        assert res.makespan_ms <= plan_crosspipe_problem(prob, variant).makespan_ms + 1e-6
+    validate_plan(res.actions, 4, 12)

@@ -923,7 +923,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         else:
             decision = self.policy.decide(est, counts, self.initial_counts, self._since_deploy,
                                           slack_floor=self.slack_floor)
-        if decision.action == "keep" and not self._calibrated and self.adaptive:
+        if decision.action in ("keep", "hold") and not self._calibrated and self.adaptive:
             if self.memory_budget_bytes is not None and self._max_inflight_arg is None:
                 self._x_max = self._initial_x_max()
                 self.initial_counts = self._alg1_counts(self._x_max)
