@@ -217,7 +217,7 @@ def main(argv=None) -> int:
             row = run_case(name, stages, micro, slow, seed, args, cache)
             rows.append(row)
             if cache is not None:
-                args.solver_cache.write_text(json.dumps(cache, indent=1, sort_keys=True))
+                args.solver_cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
             s = row["solver"]
             print(
                 f"{name} S={stages:<2d} N={micro:<3d} seed={seed} | opt/bound {s['best_ms']:8.1f}/{s['bound_ms']:8.1f}"
