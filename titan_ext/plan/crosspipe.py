@@ -549,7 +549,7 @@ class _Model:
     """
 
     __slots__ = ("N", "S", "R", "n", "dur", "out", "rank", "kind", "delta", "nch", "stage_to_rank", "prod", "chan_of",
-                 "chan_sender", "cons", "tx_chans", "work")
+                 "chan_sender", "cons", "tx_chans", "work", "_no_tail")
 
     def __init__(self, problem: CrossPipeProblem) -> None:
         N, S, R = problem.num_microbatches, problem.num_stages, problem.num_ranks
@@ -590,6 +590,7 @@ class _Model:
         self.delta = tuple(problem.memory_deltas)
         n = self.n
         self.work = 0
+        self._no_tail = [0.0] * self.n
         """operations simulated so far by run/rerun (plus a fixed 4R + 32 per call): the deterministic
         cost measure of the local search's budget."""
         self.prod = [n] * n  # each operation's single producer (n: none, stage 0's F)
@@ -623,10 +624,13 @@ class _Model:
         return self._loop(orders, avail, [0] * R, [0.0] * R, [0.0] * self.nch, 0, detail, bound, None)
 
     def rerun(self, orders: Sequence[Sequence[int]], base: "_Timed", r: int, lo: int, hi: int,
-              bound: float = math.inf, detail: bool = False):
+              bound: float = math.inf, detail: bool = False, tail: Sequence[float] | None = None):
         """Time ``orders``, which differ from the timed ``base`` only on rank ``r`` at positions lo..hi:
         every operation that started before the earliest of those (in ``base``) keeps its times (it
-        cannot depend on them), so the run restarts from that point.  Same result as :meth:`run`."""
+        cannot depend on them), so the run restarts from that point.  Same result as :meth:`run`.
+        ``tail`` (per operation id: the total duration of the operations after it on its rank, see
+        :func:`_rank_tails`; only without ``detail``) aborts the run as soon as an operation's end plus
+        its rank's remaining work exceeds ``bound`` (that run's makespan would exceed it too)."""
         st = base.start
         T = min(st[x] for x in orders[r][lo:hi + 1])
         R = self.R
@@ -664,11 +668,16 @@ class _Model:
         if detail:
             return self._loop(orders, avail, pos, free, chfree, sum(pos), True, bound, first,
                               base.start[:], base.msgres[:], base.rank_starts)
-        return self._loop(orders, avail, pos, free, chfree, sum(pos), False, bound, first)
+        return self._loop(orders, avail, pos, free, chfree, sum(pos), False, bound, first, tail=tail)
 
     def _loop(self, orders, avail, pos, free, chfree, done, detail, bound, first, start=None, msgres=None,
-              base_starts=None):
+              base_starts=None, tail=None):
         dur, out, rank = self.dur, self.out, self.rank
+        if tail is None:
+            tail = self._no_tail
+            tbound = bound
+        else:
+            tbound = bound + 1e-7  # the tail sums round differently from the run's own additions
         R = self.R
         if detail and start is None:
             start = [0.0] * self.n + [-1.0]  # start[n]: the "producer" of stage 0's F (see prod)
@@ -696,7 +705,7 @@ class _Model:
                 elif o == 0:
                     first = t
                 fr = t + dur[o]
-                if fr > bound:
+                if fr > bound or fr + tail[o] > tbound:
                     self.work += done + p - p0 - done0
                     return math.inf, math.inf
                 for d, ch, tx, lat in out[o]:
@@ -862,6 +871,30 @@ def _move(o: list, p: int, q: int) -> None:
     o.insert(q, o.pop(p))
 
 
+def _rank_tails(model: _Model, ids: Sequence[Sequence[int]]) -> list[float]:
+    """Per operation id: the total duration of the operations after it in its rank's order (a lower
+    bound on how long its rank still runs once it ends)."""
+    dur = model.dur
+    tail = [0.0] * model.n
+    for o in ids:
+        acc = 0.0
+        for x in reversed(o):
+            tail[x] = acc
+            acc += dur[x]
+    return tail
+
+
+def _update_tails(model: _Model, tail: list[float], o: Sequence[int], lo: int, hi: int) -> None:
+    """Refresh ``tail`` (see :func:`_rank_tails`) at positions lo..hi of rank order ``o`` after a move
+    inside that range (the operations outside it keep theirs)."""
+    dur = model.dur
+    acc = tail[o[hi + 1]] + dur[o[hi + 1]] if hi + 1 < len(o) else 0.0
+    for j in range(hi, lo - 1, -1):
+        x = o[j]
+        tail[x] = acc
+        acc += dur[x]
+
+
 def _memory_ok(model: _Model, o: Sequence[int], lo: int, hi: int, limit: float) -> bool:
     """Whether the memory of rank order ``o`` stays within ``limit`` at positions lo..hi (the only ones
     a move inside that range changes)."""
@@ -881,7 +914,8 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
     the second term lets the search walk across plateaus of equal makespan without cycling.  Moves:
     :func:`_critical_moves`; a move is kept only if every rank stays within its memory limit and the
     plan still runs to completion.  Each candidate is timed by :meth:`_Model.rerun` (restart from the
-    first moved operation, abort once the makespan is exceeded).  ``budget`` in operations simulated
+    first moved operation, abort once the makespan is exceeded — or once an operation's end plus the
+    rest of its rank's work exceeds it, :func:`_rank_tails`).  ``budget`` in operations simulated
     (``_Model.work``; a move is only tried while a full replay still fits); deterministic unless
     ``deadline`` (a ``time.perf_counter()`` value) cuts it short.
     Returns (ids, makespan, evaluations)."""
@@ -890,6 +924,7 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
     mk, sf = base.makespan, base.finish_sum
     evals = 1
     n = model.n
+    tail = _rank_tails(model, ids)
     while model.work - w0 + n <= budget:
         improved = False
         for r, p, q in _critical_moves(model, ids, base.start, base.avail, depth):
@@ -901,7 +936,8 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
             if not _memory_ok(model, o, lo, hi, limit[r]):
                 _move(o, q, p)
                 continue
-            m2, s2 = model.rerun(ids, base, r, lo, hi, bound=base.start[0] + mk + 1e-9)
+            _update_tails(model, tail, o, lo, hi)
+            m2, s2 = model.rerun(ids, base, r, lo, hi, bound=base.start[0] + mk + 1e-9, tail=tail)
             evals += 1
             if m2 < mk - 1e-9 or (m2 <= mk + 1e-9 and s2 < sf - 1e-9):
                 base = model.rerun(ids, base, r, lo, hi, detail=True)
@@ -909,6 +945,7 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
                 improved = True
                 break
             _move(o, q, p)
+            _update_tails(model, tail, o, lo, hi)
         if not improved:
             break
     return ids, mk, evals
@@ -1009,10 +1046,44 @@ _MIN_MEMBERS = {"wave": len(_WAVE_PRIORITY)}
 """members always generated, whatever the budget, and not charged to it (CrossWave: its three
 delay-table winners; the default UD budget is unchanged)."""
 """share of the budget the greedy members may use before the local search starts."""
+_NEIGHBOUR_MAX_STAGES = 4
+"""cap-neighbour members (``_cap_neighbours``) only on problems with at most this many stages, where a
+greedy run is cheap (S=4, N=12: ≈ 0.5 ms)."""
+_NEIGHBOUR_SHARE = 0.24
+"""on those problems the budget grows by this fraction of itself (6 000 at the default budget), first
+spent on the cap-neighbour members; what they leave goes to the local search."""
+_SMALL_MEMBER_SHARE = 0.4
+"""the members' share of the budget on those problems (the cap neighbours explore too; the rest of the
+work goes to the local search)."""
+_NEIGHBOUR_FIRST = 0.03
+"""the best cap neighbour is the first local-search start when its replayed makespan is within this
+fraction of the best member's."""
 _MAX_STARTS = 4
 _DEPTH = 4
 """how far (positions) a local-search move may shift an operation."""
 """local search from at most this many of the best members (in order, while the budget lasts)."""
+
+
+def _cap_neighbours(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProblem], desc: tuple):
+    """(name, problem, desc) for the cap-neighbour members of portfolio member ``desc`` = (cap name,
+    n_sub, steady, reserve, lookahead): its per-stage in-flight caps with one stage (not the last, whose
+    F waits for nothing) lowered by one — one warm-up microbatch less on that stage — from the last
+    but one stage back to stage 0 (the later stages' warm-up decides more of the bubble).
+    Caps below one in-flight microbatch are skipped."""
+    cap_name = desc[0]
+    base = problems[cap_name].memory_limit or problem.memory_limit
+    if base is None:
+        return
+    for s in range(problem.num_stages - 2, -1, -1):
+        c = math.floor(base[s] + 1e-9) - 1
+        if c < 1:
+            continue
+        vec = tuple(float(c) if r == s else float(x) for r, x in enumerate(base))
+        try:
+            prob_n = problem.with_memory_limit(vec)
+        except ValueError:
+            continue
+        yield f"{cap_name}/s{s}-1", prob_n, desc
 
 
 def plan_crosspipe_problem(
@@ -1043,9 +1114,14 @@ def plan_crosspipe_problem(
     (CrossUDSub) × V-turn reserve ∈ {1, 2, 4, "pending"} (CrossWave), tried in a fixed priority order
     (``_UD_PRIORITY`` first).  ``extra`` adds ready-made orders as members (name → rank → ops; e.g.
     torch's ZBV for CrossWave; a member above the memory limit or one that deadlocks is skipped).
+    On UD problems with at most ``_NEIGHBOUR_MAX_STAGES`` stages, the best member's *cap neighbours*
+    (:func:`_cap_neighbours`: its per-stage in-flight caps with one stage lowered by one, i.e. one
+    warm-up microbatch less there) are members too, on ``_NEIGHBOUR_SHARE`` · budget of extra work;
+    there the members get ``_SMALL_MEMBER_SHARE`` of the budget.
     Then the best member is improved by :func:`_local_search` (``search=True``): moves of single
     operations around the critical path, kept when the replayed makespan drops and memory stays
-    within the limit.
+    within the limit (the best cap neighbour is searched first when it is within ``_NEIGHBOUR_FIRST``
+    of the best member).
 
     ``budget`` (operations replayed, see ``DEFAULT_BUDGET``) bounds the work: members are generated in
     priority order while at most half the budget is spent (always at least one), the local search gets
@@ -1108,12 +1184,14 @@ def plan_crosspipe_problem(
     def used() -> float:
         return greedy_units + model.work
 
+    small = portfolio and variant != "wave" and problem.num_stages <= _NEIGHBOUR_MAX_STAGES
+    share = _SMALL_MEMBER_SHARE if small else _MEMBER_SHARE
     pool = []  # (makespan, order in pool, member description, GreedyResult | None, ids)
     error: ValueError | None = None
     tried = []
     for cap_name, ns, rs, st, la in members:
         cost = GREEDY_COST * (steps + (ns - 1) * problem.num_microbatches * problem.num_stages) + model.n
-        if len(tried) >= max(1, _MIN_MEMBERS.get(variant, 0)) and not unlimited and (used() + cost > budget * _MEMBER_SHARE or
+        if len(tried) >= max(1, _MIN_MEMBERS.get(variant, 0)) and not unlimited and (used() + cost > budget * share or
                                        (deadline is not None and time.perf_counter() > deadline)):
             break
         if len(tried) >= _MIN_MEMBERS.get(variant, 0):  # the always-generated members are not charged
@@ -1131,6 +1209,36 @@ def plan_crosspipe_problem(
         tried.append((cap_name, ns, st, rs, la, mk))
         if mk < math.inf:
             pool.append((mk, len(pool), (cap_name, ns, st, rs, la), g, ids))
+    neighbour_names: set[str] = set()
+    if small and pool:
+        # cap neighbours (our addition): the best member's in-flight caps with one stage lowered by one
+        # (its warm-up count; B2's optimum keeps stage 2 one microbatch shorter than every member),
+        # same n_sub / steady / lookahead; charged, on a budget of their own (_NEIGHBOUR_SHARE)
+        done_keys = {(problems[c].memory_limit, ns_, st_, la_) for c, ns_, st_, _, la_, _ in tried}
+        extra_work = math.inf if unlimited else _NEIGHBOUR_SHARE * budget
+        nb_budget = used() + extra_work
+        if not unlimited:
+            budget += extra_work
+        for name, prob_n, desc in _cap_neighbours(problem, problems, min(pool, key=lambda x: (x[0], x[1]))[2]):
+            ns_, st_, la_ = desc[1], desc[2], desc[4]
+            key = (prob_n.memory_limit, ns_, st_, la_)
+            if key in done_keys:
+                continue
+            done_keys.add(key)
+            cost = GREEDY_COST * (steps + (ns_ - 1) * problem.num_microbatches * problem.num_stages) + model.n
+            if used() + cost > nb_budget or (deadline is not None and time.perf_counter() > deadline):
+                break
+            greedy_units += cost - model.n
+            try:
+                g = greedy_schedule(prob_n, ns_, st_, desc[3], lookahead=la_)
+            except ValueError:
+                continue
+            ids = model.ids(g.orders)
+            mk = model.run(ids)[0]
+            tried.append((name, ns_, st_, desc[3], la_, mk))
+            if mk < math.inf:
+                pool.append((mk, len(pool), (name, ns_, st_, desc[3], la_), g, ids))
+                neighbour_names.add(name)
     for name, orders in (extra or {}).items():
         if any(r not in orders for r in range(problem.num_ranks)):
             continue
@@ -1148,9 +1256,16 @@ def plan_crosspipe_problem(
     greedy_mk = g.makespan_ms if g is not None else mk
     improved = False
     if portfolio and search:
-        # local search from the best members in turn while the budget lasts (distinct makespans only)
+        # local search from the best members in turn while the budget lasts (distinct makespans only;
+        # a close cap neighbour first)
         seen_mk = set()
-        for mk0, _, desc, g0, ids0 in pool[:_MAX_STARTS]:
+        starts = pool[:_MAX_STARTS]
+        nb = [x for x in pool if x[2][0] in neighbour_names]
+        if nb and nb[0][0] <= pool[0][0] * (1 + _NEIGHBOUR_FIRST):
+            # the best cap neighbour first when it is close: its warm-up is one the members' search
+            # does not reach (B1: 506.2 → 486.9 vs 493.2 → 490.2 from the best member)
+            starts = [nb[0]] + [x for x in pool if x is not nb[0]][:_MAX_STARTS - 1]
+        for mk0, _, desc, g0, ids0 in starts:
             key = round(mk0, 6)
             if key in seen_mk:
                 continue
