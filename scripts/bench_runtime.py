@@ -12,7 +12,8 @@ ZeroBubble baseline: torch's ScheduleInterleavedZeroBubble with one stage per ra
 if torch refuses that layout, our ZB plan (PipeMorph Fig.4, x_i = 2(S−i)−1) run statically.
 
 Per cell: median over --steps iterations after --warmup iterations; an iteration's time is the max over
-ranks of (step end − common barrier exit).  Ratios: best baseline / PipeMorph (speed-up), PipeMorph /
+ranks of (step end − common barrier exit).  For each delay the three schedules are built side by side and
+their iterations interleaved round-robin, so load from other jobs on a shared machine hits all alike.  Ratios: best baseline / PipeMorph (speed-up), PipeMorph /
 best baseline − 1 (overhead).  Also reports PipeMorph's re-plan cost on the critical path (agreement + swap at the boundary) as % of
 iteration time, and the background planning + validation + lowering time.
 
@@ -91,13 +92,16 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
     link = world - 2
     out: dict = {"cells": []}
     for delay in args.delays:
+        injector.update(f"{link}:{delay}" if delay > 0 else "")
+        # all schedules alive at once, iterations interleaved round-robin (1F1B k, ZB k, PipeMorph k,
+        # 1F1B k+1, ...): load from anything else on the machine hits every schedule alike
+        runs = {}
         for kind in SCHEDULES:
-            injector.update(f"{link}:{delay}" if delay > 0 else "")
             mod, sched, label = _build(kind, mode, rank, world, args)
-            opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
-            times, metrics = [], []
-            for k in range(args.warmup + args.steps):
-                x, y = _inputs(mode, k, args)
+            runs[kind] = (mod, sched, label, torch.optim.SGD(mod.parameters(), lr=1e-3), [], [])
+        for k in range(args.warmup + args.steps):
+            x, y = _inputs(mode, k, args)
+            for kind, (mod, sched, label, opt, times, metrics) in runs.items():
                 dist.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
@@ -113,6 +117,7 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                         "plan_cpu_ms",
                         "exchange_ms", "boundary_ms", "bubble_rate", "link_delay_ms", "compute_ms",
                         "iteration_time_ms")})
+        for kind, (mod, sched, label, opt, times, metrics) in runs.items():
             cell = {"delay_ms": delay, "schedule": label, "times_ms": times,
                     "median_ms": statistics.median(times[args.warmup:])}
             if metrics:
@@ -133,7 +138,7 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                     "bubble_rate_median": statistics.median(m["bubble_rate"] for m in steady),
                 })
             out["cells"].append(cell)
-            del sched
+        del runs
     return out
 
 

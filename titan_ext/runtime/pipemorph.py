@@ -897,7 +897,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             "plan_hash": hex(self.deployed.hash) if self.deployed else None,
             "warmup_counts": list(self.deployed.warmup_counts) if self.deployed else None,
             "slackness": slackness(self.deployed.warmup_counts) if self.deployed else None,
-            "eq1_tolerance_ms": eq1_tolerances(est, self.deployed.warmup_counts) if self.deployed else None,
+            "eq1_tolerance_ms": (eq1_tolerances(self._estimate_profile(self.deployed.backward), self.deployed.warmup_counts)
+                                 if self.deployed else None),
             "replan_ms": replan_ms,
             "deployed": deployed_now,
             "plan_ms": plan_ms,
