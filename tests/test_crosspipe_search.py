@@ -52,22 +52,29 @@ def _random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
     )
 
 
+def _case_with_moves(rng: random.Random, wave: bool):
+    """A random problem's greedy plan in the evaluator, its timed run, and moves to try on it: the local
+    search's critical moves plus 6 random moves of ≤ 4 positions per rank."""
+    prob = _random_problem(rng, wave=wave)
+    model = _Model(prob)
+    g = greedy_schedule(prob, rng.choice([1, 2]), rng.choice(["interleave", "backward_first"]), 1)
+    ids = model.ids(g.orders)
+    base = model.run(ids, detail=True)
+    moves = _critical_moves(model, ids, base.start, base.avail, 4)
+    for r in range(model.R):
+        for _ in range(6):
+            p = rng.randrange(len(ids[r]))
+            moves.append((r, p, min(len(ids[r]) - 1, max(0, p + rng.randint(-4, 4)))))
+    return model, ids, base, moves
+
+
 def test_rerun_equals_a_full_run():
     """Restarting from the first moved operation gives exactly the times of a full replay (makespan,
     finish sum, every start, every message window), for critical and arbitrary moves, UD and V-shape."""
     rng = random.Random(11)
     checked = 0
     for i in range(24):
-        prob = _random_problem(rng, wave=i % 3 == 2)
-        model = _Model(prob)
-        g = greedy_schedule(prob, rng.choice([1, 2]), rng.choice(["interleave", "backward_first"]), 1)
-        ids = model.ids(g.orders)
-        base = model.run(ids, detail=True)
-        moves = _critical_moves(model, ids, base.start, base.avail, 4)
-        for r in range(model.R):
-            for _ in range(6):
-                p = rng.randrange(len(ids[r]))
-                moves.append((r, p, min(len(ids[r]) - 1, max(0, p + rng.randint(-4, 4)))))
+        model, ids, base, moves = _case_with_moves(rng, wave=i % 3 == 2)
         for r, p, q in moves:
             lo, hi = min(p, q), max(p, q)
             _move(ids[r], p, q)
@@ -91,17 +98,8 @@ def test_rank_tail_bound_only_cuts_runs_that_exceed_the_bound():
     rng = random.Random(17)
     checked = cut = 0
     for i in range(20):
-        prob = _random_problem(rng, wave=i % 4 == 3)
-        model = _Model(prob)
-        g = greedy_schedule(prob, rng.choice([1, 2]), rng.choice(["interleave", "backward_first"]), 1)
-        ids = model.ids(g.orders)
-        base = model.run(ids, detail=True)
+        model, ids, base, moves = _case_with_moves(rng, wave=i % 4 == 3)
         tail = _rank_tails(model, ids)
-        moves = _critical_moves(model, ids, base.start, base.avail, 4)
-        for r in range(model.R):
-            for _ in range(6):
-                p = rng.randrange(len(ids[r]))
-                moves.append((r, p, min(len(ids[r]) - 1, max(0, p + rng.randint(-4, 4)))))
         for r, p, q in moves:
             lo, hi = min(p, q), max(p, q)
             _move(ids[r], p, q)
