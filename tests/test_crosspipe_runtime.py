@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as Fn
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.plan import LinkProfile, PipelineProfile, plan_crosspipe
 from titan_ext.plan.ir import as_ops
 from titan_ext.runtime import CrossPipe, Decision
-from titan_ext.runtime.testing import mlp_stages, run_ranks
+from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,14 +48,8 @@ class ReplanEveryCheck:
 
 
 def _worker(rank, world, n_mb, steps):
-    mods_ref, mods = mlp_stages(world, DIM), mlp_stages(world, DIM)
-    ref = ScheduleGPipe(PipelineStage(mods_ref[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss)
-    opt_ref = torch.optim.SGD(mods_ref[rank].parameters(), lr=0.05)
-    ref_losses = []
-    for k in range(steps):
-        opt_ref.zero_grad()
-        ref_losses.append(_step(ref, rank, world, k))
-        opt_ref.step()
+    ref_losses, ref_params = gpipe_reference(rank, world, n_mb, steps, lambda s, k: _step(s, rank, world, k), DIM)
+    mods = mlp_stages(world, DIM)
     sched = CrossPipe(PipelineStage(mods[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
                       policy=ReplanEveryCheck(), message_bytes=1e6, link_bandwidth_bytes_per_s=1e9)
     initial = {r: [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts]
@@ -68,7 +62,7 @@ def _worker(rank, world, n_mb, steps):
         opt.step()
     return {"initial": initial, "losses": losses, "ref_losses": ref_losses, "log": list(sched.decision_log),
             "params": [p.detach().clone() for p in mods[rank].parameters()],
-            "ref_params": [p.detach().clone() for p in mods_ref[rank].parameters()]}
+            "ref_params": ref_params}
 
 
 def test_crosspipe_runtime_trains_like_gpipe_and_replans():

@@ -15,7 +15,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan import PipelineProfile
 from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
-from titan_ext.runtime.testing import mlp_stages, run_ranks, step_rank
+from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, step_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -60,16 +60,8 @@ class CyclePolicy:
 
 
 def _equivalence_worker(rank: int, world: int, n_mb: int, steps: int):
-    mods_ref = mlp_stages(world, DIM)
+    ref_losses, ref_params = gpipe_reference(rank, world, n_mb, steps, lambda s, k: _step(s, rank, world, k), DIM)
     mods = mlp_stages(world, DIM)
-    ref = ScheduleGPipe(PipelineStage(mods_ref[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss)
-    opt_ref = torch.optim.SGD(mods_ref[rank].parameters(), lr=0.05)
-    ref_losses = []
-    for k in range(steps):
-        opt_ref.zero_grad()
-        ref_losses.append(_step(ref, rank, world, k))
-        opt_ref.step()
-
     sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
                       policy=CyclePolicy(world, n_mb))
     opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
@@ -83,7 +75,7 @@ def _equivalence_worker(rank: int, world: int, n_mb: int, steps: int):
         executed.append(sorted((r.kind, r.stage, r.microbatch) for r in sched.last_timeline))
     return {
         "ref_losses": ref_losses, "losses": losses,
-        "ref_params": [p.detach().clone() for p in mods_ref[rank].parameters()],
+        "ref_params": ref_params,
         "params": [p.detach().clone() for p in mods[rank].parameters()],
         "hashes": hashes, "versions": versions, "executed": executed,
         "log": list(sched.decision_log),

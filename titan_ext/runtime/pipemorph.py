@@ -880,8 +880,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         boundary_ms = 1e3 * (now() - t0)
         replan_ms = swap_ms  # critical path only: planning ran in the background (plan_ms)
         self._since_deploy += 1
-        est = self._estimate_profile()
-        b_est = self._estimate_profile("full").b_ms
+        est, est_full = self._estimate_profile(), self._estimate_profile("full")
+        est_deployed = est_full if self.deployed and self.deployed.backward == "full" else est
         self.last_metrics = {
             "iteration": self.iteration,
             "iteration_time_ms": iteration_ms,
@@ -891,14 +891,13 @@ class PipeMorph(_PipelineScheduleRuntime):
             "link_delay_fwd_ms": {i: lk["fwd_ms"] for i, lk in enumerate(links)},
             "link_delay_bwd_ms": {i: lk["bwd_ms"] for i, lk in enumerate(links)},
             "link_delay_estimate_ms": {i: c for i, c in enumerate(est.delays_ms)},
-            "compute_ms": {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(b_est)},
+            "compute_ms": {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)},
             "backward": self.deployed.backward if self.deployed else None,
             "plan_version": self.plan_version,
             "plan_hash": hex(self.deployed.hash) if self.deployed else None,
             "warmup_counts": list(self.deployed.warmup_counts) if self.deployed else None,
             "slackness": slackness(self.deployed.warmup_counts) if self.deployed else None,
-            "eq1_tolerance_ms": (eq1_tolerances(self._estimate_profile(self.deployed.backward), self.deployed.warmup_counts)
-                                 if self.deployed else None),
+            "eq1_tolerance_ms": eq1_tolerances(est_deployed, self.deployed.warmup_counts) if self.deployed else None,
             "replan_ms": replan_ms,
             "deployed": deployed_now,
             "plan_ms": plan_ms,

@@ -119,6 +119,26 @@ def mlp_stages(num_stages: int, dim: int = 16, layers_per_stage: int = 2, seed: 
     return stages
 
 
+def gpipe_reference(rank: int, world: int, n_microbatches: int, steps: int,
+                    step_fn: Callable[[Any, int], list[float]], dim: int = 16,
+                    lr: float = 0.05) -> tuple[list[list[float]], list[torch.Tensor]]:
+    """The reference run of equivalence tests: torch's ScheduleGPipe on ``mlp_stages(world, dim)``,
+    ``steps`` SGD steps, ``step_fn(schedule, k)`` running step k and returning its losses.
+    Returns (losses per step, this rank's parameters after training)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mod = mlp_stages(world, dim)[rank]
+    ref = ScheduleGPipe(PipelineStage(mod, rank, world, torch.device("cpu")), n_microbatches,
+                        loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(mod.parameters(), lr=lr)
+    losses = []
+    for k in range(steps):
+        opt.zero_grad()
+        losses.append(step_fn(ref, k))
+        opt.step()
+    return losses, [p.detach().clone() for p in mod.parameters()]
+
+
 class _SleepIdentity(torch.autograd.Function):
     """Identity that sleeps ``fwd_s`` in forward and ``bwd_s`` in backward (emulated device compute)."""
 
