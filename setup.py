@@ -1,4 +1,6 @@
-"""Build of titan_ext's C++/CUDA data plane (cpp_ext/ -> titan_ext._delegate_C).
+"""Build of titan_ext's compiled parts: the C++/CUDA data plane (cpp_ext/ -> titan_ext._delegate_C)
+and the CrossPipe planner's search engine (titan_ext/plan/_search.c -> titan_ext.plan._search_c; plain
+C and the CPython API, built with or without torch; the planner falls back to pure Python without it).
 
 Everything else lives in pyproject.toml. Installed by scripts/setup.sh with
 `pip install --no-build-isolation -e .` so the extension compiles against the torch already in the
@@ -8,9 +10,12 @@ sources only when nvcc and a CUDA torch are both present.
 import os
 import shutil
 
-from setuptools import setup
+from setuptools import Extension, setup
 
-ext_modules, cmdclass = [], {}
+# plan search engine: no torch, no numpy (titan_ext.plan stays importable without them)
+search_ext = Extension("titan_ext.plan._search_c", [os.path.join("titan_ext", "plan", "_search.c")],
+                       extra_compile_args=["-O2"], libraries=["m"])
+ext_modules, cmdclass = [search_ext], {}
 try:
     import torch
     from torch.utils import cpp_extension
@@ -38,7 +43,7 @@ if torch is not None:
         kwargs["extra_compile_args"] = kwargs["extra_compile_args"]["cxx"]
         ext = cpp_extension.CppExtension("titan_ext._delegate_C", sources, **kwargs)
     print(f"[titan_ext] building titan_ext._delegate_C ({'CPU+CUDA' if with_cuda else 'CPU only'})")
-    ext_modules = [ext]
+    ext_modules = [search_ext, ext]
     cmdclass = {"build_ext": cpp_extension.BuildExtension}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

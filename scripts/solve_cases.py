@@ -55,11 +55,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="CP-SAT random_seed")
     ap.add_argument("--plain", action="store_true", help="the plain §4.1 model (no redundant constraints)")
     ap.add_argument("--memory", type=int, default=1)
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every configuration (the bench uses 3;"
+                    " higher seeds are the held-out cases of scripts/bench_optimality.py --holdout)")
     ap.add_argument("--cache", type=Path, default=None, help="merge results into this JSON cache")
     ap.add_argument("--log", action="store_true")
     args = ap.parse_args(argv)
 
-    problems = case_problems(args.memory)
+    problems = case_problems(args.memory, args.seeds)
     ids = list(problems) if args.cases == "all" else args.cases.split(",")
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     for cid in ids:

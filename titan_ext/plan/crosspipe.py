@@ -614,14 +614,21 @@ class _Model:
         N, K = self.N, (F, I, W)
         return {r: [(i // (3 * N), K[(i // N) % 3], i % N) for i in o] for r, o in enumerate(ids)}
 
-    def run(self, orders: Sequence[Sequence[int]], detail: bool = False, bound: float = math.inf):
+    def run(self, orders: Sequence[Sequence[int]], detail: bool = False, bound: float = math.inf,
+            tail: Sequence[float] | None = None):
         """Time per-rank id orders.  Returns (makespan, Σ rank finish times) — inf if they deadlock or
-        if some operation ends after ``bound`` — or with ``detail`` a :class:`_Timed` (the state
-        :meth:`rerun` restarts from)."""
+        if some operation ends after ``bound`` (or, with ``tail``, see :meth:`rerun`, its end plus its
+        rank's remaining work does) — or with ``detail`` a :class:`_Timed` (the state :meth:`rerun`
+        restarts from)."""
         N, R = self.N, self.R
         avail = [-1.0] * self.n
         avail[:N] = [0.0] * N
-        return self._loop(orders, avail, [0] * R, [0.0] * R, [0.0] * self.nch, 0, detail, bound, None)
+        return self._loop(orders, avail, [0] * R, [0.0] * R, [0.0] * self.nch, 0, detail, bound, None,
+                          tail=None if detail else tail)
+
+    def spec(self) -> tuple:
+        """The model as plain tuples for the compiled engine (``_search.c``)."""
+        return (self.N, self.R, self.nch, self.dur, self.out, self.rank, self.kind, self.prod, self.delta)
 
     def rerun(self, orders: Sequence[Sequence[int]], base: "_Timed", r: int, lo: int, hi: int,
               bound: float = math.inf, detail: bool = False, tail: Sequence[float] | None = None):
@@ -805,7 +812,8 @@ def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> Gre
     return GreedyResult({r: list(v) for r, v in orders.items()}, start, end, mk)
 
 
-def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], avail: list[float], depth: int):
+def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], avail: list[float], depth: int,
+                    long_moves: int = 0):
     """Candidate moves ``(rank, from, to)`` around the critical path of a timed plan.
 
     The path is walked back from the last-ending operation: an operation that waited for its rank
@@ -813,10 +821,13 @@ def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], ava
     waited for its input through the producer.  For every operation that waited for its rank, the
     moves are: run it up to ``depth`` positions earlier (while it could start before the operation it
     jumps), and run its rank predecessor up to ``depth`` positions later — the neighbourhood of
-    job-shop local search (adjacent swaps on critical blocks and short insertions).  Moves never
-    reorder two operations of the same stage and kind (microbatch order, as the greedy and the solver).
+    job-shop local search (adjacent swaps on critical blocks and short insertions).  ``long_moves``
+    adds one long move per such predecessor: 1 — a W is deferred as far as it can go (just before
+    its stage's next W; the last stage's tail of W's is what lets the backward chain of the last
+    microbatches overlap, ZeroBubble-style); 2 — any kind.  Moves never reorder two operations of
+    the same stage and kind (microbatch order, as the greedy and the solver).
     """
-    N, dur, rank = model.N, model.dur, model.rank
+    N, dur, rank, kind = model.N, model.dur, model.rank, model.kind
     model.work += 8 * model.R  # counted in the local search's budget
     S = model.S
     eps = 1e-9
@@ -847,11 +858,19 @@ def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], ava
                 q -= 1
             pcls = prev // N
             for q in range(p, min(len(o), p - 1 + depth)):
-                if q > p and o[q] // N == pcls:
+                if o[q] // N == pcls:
                     break
                 if (r, p - 1, q) not in seen and q != p:
                     seen.add((r, p - 1, q))
                     moves.append((r, p - 1, q))
+            if long_moves == 2 or (long_moves == 1 and kind[prev] == 2):
+                q = p
+                while q < len(o) and o[q] // N != pcls:
+                    q += 1
+                if q - 1 >= p - 1 + depth and (r, p - 1, q - 1) not in seen:
+                    # defer as far as microbatch order allows: just before its stage's next op of its kind
+                    seen.add((r, p - 1, q - 1))
+                    moves.append((r, p - 1, q - 1))
             cur = prev
             continue
         # input-bound (or the first operation): follow the producer
@@ -908,7 +927,8 @@ def _memory_ok(model: _Model, o: Sequence[int], lo: int, hi: int, limit: float) 
 
 
 def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], budget: float, depth: int = 4,
-                  deadline: float | None = None) -> tuple[list[list[int]], float, int]:
+                  deadline: float | None = None, max_evals: int | None = None,
+                  long_moves: int = 0) -> tuple[list[list[int]], float, int]:
     """First-improvement local search on whole-action orders (our addition to Alg.1; §6.2's selection by
     simulation applied to single moves).  Objective: (makespan, Σ rank finish times), lexicographic —
     the second term lets the search walk across plateaus of equal makespan without cycling.  Moves:
@@ -917,18 +937,23 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
     first moved operation, abort once the makespan is exceeded — or once an operation's end plus the
     rest of its rank's work exceeds it, :func:`_rank_tails`).  ``budget`` in operations simulated
     (``_Model.work``; a move is only tried while a full replay still fits); deterministic unless
-    ``deadline`` (a ``time.perf_counter()`` value) cuts it short.
+    ``deadline`` (a ``time.perf_counter()`` value) cuts it short.  ``max_evals`` additionally stops it
+    after that many timings (the base plan's counts as one): the budget of the compiled engine
+    (``_search.c``'s ``descent``, which returns the same plan for the same ``max_evals``).
+    ``long_moves``: see :func:`_critical_moves`.
     Returns (ids, makespan, evaluations)."""
     w0 = model.work
+    max_evals = math.inf if max_evals is None else max_evals
     base = model.run(ids, detail=True)
     mk, sf = base.makespan, base.finish_sum
     evals = 1
     n = model.n
     tail = _rank_tails(model, ids)
-    while model.work - w0 + n <= budget:
+    while model.work - w0 + n <= budget and evals < max_evals:
         improved = False
-        for r, p, q in _critical_moves(model, ids, base.start, base.avail, depth):
-            if model.work - w0 + n > budget or (deadline is not None and time.perf_counter() > deadline):
+        for r, p, q in _critical_moves(model, ids, base.start, base.avail, depth, long_moves):
+            if (model.work - w0 + n > budget or evals >= max_evals
+                    or (deadline is not None and time.perf_counter() > deadline)):
                 return ids, mk, evals
             o = ids[r]
             lo, hi = (p, q) if p < q else (q, p)
@@ -949,6 +974,74 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
         if not improved:
             break
     return ids, mk, evals
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(state: list[int]) -> int:
+    """splitmix64 (state in a one-element list): the annealing's random numbers, bit-identical to
+    ``_search.c``'s."""
+    state[0] = z = (state[0] + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _anneal(model: _Model, ids: list[list[int]], limit: Sequence[float], max_evals: int, seed: int, t0: float,
+            max_shift: int = 6) -> tuple[list[list[int]], float, int]:
+    """Simulated annealing on whole-action orders (our addition; the reference of ``_search.c``'s
+    ``anneal``, which returns the same plan — the planner runs the compiled one).
+
+    A move shifts one random operation of a random rank by 1..``max_shift`` positions (never past an
+    operation of its own stage and kind, never over the rank's memory limit).  Metropolis acceptance
+    on the makespan with a linearly falling temperature ``t0·(1 − evals/max_evals)``: the threshold
+    ``current − T·ln u`` is drawn *before* the move is timed, so the timing stops as soon as the
+    threshold is exceeded (and, with :func:`_rank_tails`, as soon as an operation's end plus its
+    rank's remaining work exceeds it).  Where the critical-path descent stops at a local optimum
+    (B2 of the benchmark: every ±10 insertion and every pair of ±2 moves fails), accepting slightly
+    worse plans crosses to other basins.  Returns the best plan seen: (ids, makespan, evaluations)."""
+    N, R = model.N, model.R
+    mk, _ = model.run(ids)
+    best_mk, best = mk, [list(o) for o in ids]
+    tail = _rank_tails(model, ids)
+    state = [seed & _MASK64]
+    evals = attempts = 0
+    max_attempts = 64 * max_evals + 1024
+    while evals < max_evals and attempts < max_attempts and mk < math.inf:
+        attempts += 1
+        r = _splitmix64(state) % R
+        o = ids[r]
+        L = len(o)
+        p = _splitmix64(state) % (L if L > 0 else 1)
+        d = 1 + _splitmix64(state) % max_shift
+        if _splitmix64(state) & 1:
+            d = -d
+        q = p + d
+        if L < 2 or q < 0 or q >= L:
+            continue
+        lo, hi = (p, q) if p < q else (q, p)
+        cls = o[p] // N
+        if any(o[j] // N == cls for j in range(lo, hi + 1) if j != p):
+            continue
+        _move(o, p, q)
+        if not _memory_ok(model, o, lo, hi, limit[r]):
+            _move(o, q, p)
+            continue
+        _update_tails(model, tail, o, lo, hi)
+        u = (_splitmix64(state) >> 11) * (1.0 / 9007199254740992.0)
+        temp = t0 * (1.0 - evals / max_evals)
+        thr = mk + temp * -math.log(u) if u > 0.0 else math.inf
+        evals += 1
+        m2, _ = model.run(ids, bound=thr, tail=tail)
+        if m2 < math.inf:
+            mk = m2
+            if m2 < best_mk - 1e-9:
+                best_mk, best = m2, [list(x) for x in ids]
+        else:
+            _move(o, q, p)
+            _update_tails(model, tail, o, lo, hi)
+    return best, best_mk, evals
 
 
 def improve_orders(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]], budget: float = math.inf,
@@ -1064,6 +1157,30 @@ _DEPTH = 4
 """local search from at most this many of the best members (in order, while the budget lasts)."""
 
 
+ENGINE_BUDGET = 700_000
+ENGINE_MEMBER_SHARE = 0.4
+ENGINE_STARTS = 4
+ENGINE_DESCENT_SHARE = 0.3
+ENGINE_LONG = 1
+ENGINE_ANNEAL = True
+ENGINE_UNLIMITED_ANNEAL = 50_000
+ENGINE_SEED = 1
+ENGINE_T = 0.005
+ENGINE_SHIFT = 6
+ENGINE_POLISH = 300
+
+
+@functools.lru_cache(maxsize=1)
+def _engine():
+    """The compiled search engine (``titan_ext.plan._search_c``, built from ``_search.c`` by setup.py),
+    or None when it is not built (then the pure-Python search runs)."""
+    try:
+        from . import _search_c
+    except ImportError:
+        return None
+    return _search_c
+
+
 def _cap_neighbours(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProblem], desc: tuple):
     """(name, problem, desc) for the cap-neighbour members of portfolio member ``desc`` = (cap name,
     n_sub, steady, reserve, lookahead): its per-stage in-flight caps with one stage (not the last, whose
@@ -1100,6 +1217,7 @@ def plan_crosspipe_problem(
     time_budget_ms: float | None = None,
     extra: Mapping[str, Mapping[int, Sequence[Op]]] | None = None,
     search: bool = True,
+    engine: bool = True,
 ) -> CrossPipePlan:
     """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
 
@@ -1186,6 +1304,8 @@ def plan_crosspipe_problem(
 
     small = portfolio and variant != "wave" and problem.num_stages <= _NEIGHBOUR_MAX_STAGES
     share = _SMALL_MEMBER_SHARE if small else _MEMBER_SHARE
+    if engine and search and portfolio and _engine() is not None:
+        share = ENGINE_MEMBER_SHARE
     pool = []  # (makespan, order in pool, member description, GreedyResult | None, ids)
     error: ValueError | None = None
     tried = []
@@ -1255,6 +1375,7 @@ def plan_crosspipe_problem(
     mk, _, (cap_name, ns, st, rs, la), g, ids = pool[0]
     greedy_mk = g.makespan_ms if g is not None else mk
     improved = False
+    eng = _engine() if engine else None
     if portfolio and search:
         # local search from the best members in turn while the budget lasts (distinct makespans only;
         # a close cap neighbour first)
@@ -1265,6 +1386,38 @@ def plan_crosspipe_problem(
             # the best cap neighbour first when it is close: its warm-up is one the members' search
             # does not reach (B1: 506.2 → 486.9 vs 493.2 → 490.2 from the best member)
             starts = [nb[0]] + [x for x in pool if x is not nb[0]][:_MAX_STARTS - 1]
+        if eng is not None:
+            starts = list(starts) + [x for x in pool if x not in starts][:max(0, ENGINE_STARTS - len(starts))]
+            spec = model.spec()
+            evals = math.inf if unlimited else max(1, int(ENGINE_BUDGET // model.n))
+            desc_evals = evals * ENGINE_DESCENT_SHARE
+            best_ids = None
+            for mk0, _, desc, g0, ids0 in starts:
+                key = round(mk0, 6)
+                if key in seen_mk:
+                    continue
+                seen_mk.add(key)
+                cap_ = int(min(desc_evals, 1 << 62))
+                if cap_ < 1:
+                    break
+                ids1, mk1, ev = eng.descent(spec, ids0, limit, cap_, _DEPTH, ENGINE_LONG)
+                desc_evals -= ev
+                evals -= ev
+                if best_ids is None or mk1 < best_mk - 1e-9:
+                    best_ids, best_mk, best_desc, best_g0, best_mk0 = ids1, mk1, desc, g0, mk0
+            if ENGINE_ANNEAL and evals >= 1:
+                cap_ = int(min(evals, 1 << 62)) if not unlimited else ENGINE_UNLIMITED_ANNEAL
+                ids2, mk2, ev = eng.anneal(spec, best_ids, limit, cap_, ENGINE_SEED, ENGINE_T * best_mk, ENGINE_SHIFT)
+                if ENGINE_POLISH:
+                    ids2, mk2, _ = eng.descent(spec, ids2, limit, ENGINE_POLISH, _DEPTH, ENGINE_LONG)
+                if mk2 < best_mk - 1e-9:
+                    best_ids, best_mk = ids2, mk2
+            if best_ids is not None and best_mk < mk - 1e-9:
+                mk, ids, improved = best_mk, best_ids, True
+                cap_name, ns, st, rs, la = best_desc
+                g = best_g0
+                greedy_mk = best_g0.makespan_ms if best_g0 is not None else best_mk0
+            starts = ()
         for mk0, _, desc, g0, ids0 in starts:
             key = round(mk0, 6)
             if key in seen_mk:

@@ -1,0 +1,495 @@
+/* Compiled search engine of the CrossPipe planner (titan_ext.plan.crosspipe).
+ *
+ * The same algorithms as the pure-Python reference in crosspipe.py — the timing model of CrossPipe
+ * §3.5 on flat arrays (crosspipe._Model), the critical-path descent (crosspipe._critical_moves /
+ * _local_search with ``max_evals``) and the annealing of crosspipe._anneal — with the same
+ * floating-point operations in the same order and the same random numbers (splitmix64), so for a
+ * given number of evaluations both return the same plan (tests/test_crosspipe_engine.py).  Only
+ * faster: the planner's time budget buys ~100x more plan evaluations here.
+ *
+ * Plain C and the CPython API; no torch, no numpy.  Built by setup.py as titan_ext.plan._search_c;
+ * the planner falls back to the Python reference when it is missing.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EPS 1e-9
+
+typedef struct {
+    int n, N, R, nch;
+    double *dur;
+    int *ocnt;     /* out edges per op (0..2) */
+    int *od, *och; /* [2n] */
+    double *otx, *olat;
+    int *rank, *kind, *prod;
+    double delta[3];
+} Model;
+
+typedef struct {
+    int R;
+    int *len;
+    int **ord; /* ord[r][0..len[r]) */
+    int *buf;
+} Orders;
+
+typedef struct {
+    double *start, *avail, *free_, *chfree;
+    int *pos, *stack;
+    char *queued;
+} Work;
+
+static void model_free(Model *m) {
+    free(m->dur); free(m->ocnt); free(m->od); free(m->och); free(m->otx); free(m->olat);
+    free(m->rank); free(m->kind); free(m->prod);
+}
+
+static int get_int_list(PyObject *seq, int *dst, int n) {
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence");
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) { Py_DECREF(fast); PyErr_SetString(PyExc_ValueError, "bad length"); return -1; }
+    for (int i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) { Py_DECREF(fast); return -1; }
+        dst[i] = (int)v;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* spec = (N, R, nch, dur, out, rank, kind, prod, delta) as built by crosspipe._Model.spec() */
+static int model_parse(PyObject *spec, Model *m) {
+    memset(m, 0, sizeof(*m));
+    PyObject *dur, *out, *rank, *kind, *prod, *delta;
+    if (!PyArg_ParseTuple(spec, "iiiOOOOOO", &m->N, &m->R, &m->nch, &dur, &out, &rank, &kind, &prod, &delta)) return -1;
+    int n = (int)PySequence_Size(dur);
+    if (n < 0) return -1;
+    m->n = n;
+    m->dur = (double *)malloc(sizeof(double) * (n)); m->ocnt = (int *)calloc(n, sizeof(int));
+    m->od = (int *)malloc(sizeof(int) * (2 * n)); m->och = (int *)malloc(sizeof(int) * (2 * n));
+    m->otx = (double *)malloc(sizeof(double) * (2 * n)); m->olat = (double *)malloc(sizeof(double) * (2 * n));
+    m->rank = (int *)malloc(sizeof(int) * (n)); m->kind = (int *)malloc(sizeof(int) * (n)); m->prod = (int *)malloc(sizeof(int) * (n));
+    if (!m->dur || !m->ocnt || !m->od || !m->och || !m->otx || !m->olat || !m->rank || !m->kind || !m->prod) {
+        PyErr_NoMemory(); return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        PyObject *x = PySequence_GetItem(dur, i);
+        if (!x) return -1;
+        m->dur[i] = PyFloat_AsDouble(x); Py_DECREF(x);
+        if (PyErr_Occurred()) return -1;
+        PyObject *edges = PySequence_GetItem(out, i);
+        if (!edges) return -1;
+        int k = (int)PySequence_Size(edges);
+        if (k < 0 || k > 2) { Py_DECREF(edges); PyErr_SetString(PyExc_ValueError, "at most 2 out edges"); return -1; }
+        m->ocnt[i] = k;
+        for (int j = 0; j < k; j++) {
+            PyObject *e = PySequence_GetItem(edges, j);
+            int d, ch; double tx, lat;
+            if (!e || !PyArg_ParseTuple(e, "iidd", &d, &ch, &tx, &lat)) { Py_XDECREF(e); Py_DECREF(edges); return -1; }
+            Py_DECREF(e);
+            m->od[2 * i + j] = d; m->och[2 * i + j] = ch; m->otx[2 * i + j] = tx; m->olat[2 * i + j] = lat;
+        }
+        Py_DECREF(edges);
+    }
+    if (get_int_list(rank, m->rank, n) || get_int_list(kind, m->kind, n) || get_int_list(prod, m->prod, n)) return -1;
+    if (!PyArg_ParseTuple(delta, "ddd", &m->delta[0], &m->delta[1], &m->delta[2])) return -1;
+    return 0;
+}
+
+static void orders_free(Orders *o) { free(o->len); free(o->ord); free(o->buf); }
+
+static int orders_parse(PyObject *seq, Orders *o, int R, int n) {
+    memset(o, 0, sizeof(*o));
+    if (PySequence_Size(seq) != R) { PyErr_SetString(PyExc_ValueError, "orders: one list per rank"); return -1; }
+    o->R = R;
+    o->len = (int *)calloc(R, sizeof(int)); o->ord = (int **)calloc(R, sizeof(int *)); o->buf = (int *)malloc(sizeof(int) * ((n > 0 ? n : 1)));
+    if (!o->len || !o->ord || !o->buf) { PyErr_NoMemory(); return -1; }
+    int off = 0;
+    for (int r = 0; r < R; r++) {
+        PyObject *lst = PySequence_GetItem(seq, r);
+        if (!lst) return -1;
+        int L = (int)PySequence_Size(lst);
+        if (L < 0 || off + L > n) { Py_DECREF(lst); PyErr_SetString(PyExc_ValueError, "orders: too many operations"); return -1; }
+        o->ord[r] = o->buf + off; o->len[r] = L;
+        int rc = get_int_list(lst, o->ord[r], L);
+        Py_DECREF(lst);
+        if (rc) return -1;
+        for (int j = 0; j < L; j++)
+            if (o->ord[r][j] < 0 || o->ord[r][j] >= n) { PyErr_SetString(PyExc_ValueError, "orders: bad op id"); return -1; }
+        off += L;
+    }
+    if (off != n) { PyErr_SetString(PyExc_ValueError, "orders: every operation exactly once"); return -1; }
+    return 0;
+}
+
+static PyObject *orders_to_py(const Orders *o) {
+    PyObject *res = PyList_New(o->R);
+    if (!res) return NULL;
+    for (int r = 0; r < o->R; r++) {
+        PyObject *lst = PyList_New(o->len[r]);
+        if (!lst) { Py_DECREF(res); return NULL; }
+        for (int j = 0; j < o->len[r]; j++) PyList_SET_ITEM(lst, j, PyLong_FromLong(o->ord[r][j]));
+        PyList_SET_ITEM(res, r, lst);
+    }
+    return res;
+}
+
+static int work_alloc(Work *w, const Model *m) {
+    w->start = (double *)malloc(sizeof(double) * ((m->n + 1))); w->avail = (double *)malloc(sizeof(double) * (m->n));
+    w->free_ = (double *)malloc(sizeof(double) * (m->R)); w->chfree = (double *)malloc(sizeof(double) * ((m->nch + 1)));
+    w->pos = (int *)malloc(sizeof(int) * (m->R)); w->stack = (int *)malloc(sizeof(int) * (m->R)); w->queued = (char *)malloc(m->R);
+    if (!w->start || !w->avail || !w->free_ || !w->chfree || !w->pos || !w->stack || !w->queued) { PyErr_NoMemory(); return -1; }
+    return 0;
+}
+
+static void work_free(Work *w) {
+    free(w->start); free(w->avail); free(w->free_); free(w->chfree); free(w->pos); free(w->stack); free(w->queued);
+}
+
+/* crosspipe._Model.run / _loop from scratch.  Returns the makespan (inf: deadlock, or an operation
+ * ended after ``bound``, or its end plus its rank's remaining work exceeded bound + 1e-7 when ``tail``
+ * is given); *sf = Σ rank finish times.  start/avail in ``w`` (start only when ``detail``). */
+static double run(const Model *m, const Orders *o, Work *w, double bound, const double *tail, int detail, double *sf) {
+    const int n = m->n, R = m->R, N = m->N;
+    double *avail = w->avail, *fr_ = w->free_, *chfree = w->chfree, *start = w->start;
+    int *pos = w->pos, *stack = w->stack;
+    char *queued = w->queued;
+    double tbound = tail ? bound + 1e-7 : bound;
+    for (int i = 0; i < n; i++) avail[i] = -1.0;
+    for (int i = 0; i < N; i++) avail[i] = 0.0;
+    for (int c = 0; c < m->nch; c++) chfree[c] = 0.0;
+    int top = 0;
+    for (int r = 0; r < R; r++) { pos[r] = 0; fr_[r] = 0.0; queued[r] = 1; stack[top++] = r; }
+    int done = 0;
+    double first = 0.0;
+    while (top) {
+        int r = stack[--top];
+        queued[r] = 0;
+        const int *ops = o->ord[r];
+        int p = pos[r], L = o->len[r];
+        double fr = fr_[r];
+        while (p < L) {
+            int op = ops[p];
+            double a = avail[op];
+            if (a < 0) break;
+            double t = a > fr ? a : fr;
+            if (detail) start[op] = t;
+            else if (op == 0) first = t;
+            fr = t + m->dur[op];
+            if (fr > bound || fr + (tail ? tail[op] : 0.0) > tbound) { *sf = INFINITY; return INFINITY; }
+            for (int j = 0; j < m->ocnt[op]; j++) {
+                int d = m->od[2 * op + j], ch = m->och[2 * op + j];
+                double tx = m->otx[2 * op + j];
+                if (ch < 0) avail[d] = fr;
+                else if (tx != 0.0) {
+                    double s0 = chfree[ch];
+                    if (fr > s0) s0 = fr;
+                    s0 += tx;
+                    chfree[ch] = s0;
+                    avail[d] = s0 + m->olat[2 * op + j];
+                } else avail[d] = fr + m->olat[2 * op + j];
+                int x = m->rank[d];
+                if (x != r && !queued[x]) { queued[x] = 1; stack[top++] = x; }
+            }
+            p++;
+        }
+        done += p - pos[r];
+        pos[r] = p;
+        fr_[r] = fr;
+    }
+    if (done != n) { *sf = INFINITY; return INFINITY; }
+    double mx = fr_[0], s = 0.0;
+    for (int r = 0; r < R; r++) { if (fr_[r] > mx) mx = fr_[r]; s += fr_[r]; }
+    if (detail) first = start[0];
+    *sf = s;
+    return mx - first;
+}
+
+static void rank_tails(const Model *m, const Orders *o, double *tail) {
+    for (int r = 0; r < o->R; r++) {
+        double acc = 0.0;
+        for (int j = o->len[r] - 1; j >= 0; j--) { int x = o->ord[r][j]; tail[x] = acc; acc += m->dur[x]; }
+    }
+}
+
+static void update_tails(const Model *m, double *tail, const int *o, int L, int lo, int hi) {
+    double acc = hi + 1 < L ? tail[o[hi + 1]] + m->dur[o[hi + 1]] : 0.0;
+    for (int j = hi; j >= lo; j--) { int x = o[j]; tail[x] = acc; acc += m->dur[x]; }
+}
+
+static int memory_ok(const Model *m, const int *o, int lo, int hi, double limit) {
+    double cur = 0.0;
+    for (int j = 0; j <= hi; j++) {
+        cur += m->delta[m->kind[o[j]]];
+        if (j >= lo && cur > limit + 1e-9) return 0;
+    }
+    return 1;
+}
+
+static void move(int *o, int p, int q) {
+    int x = o[p];
+    if (p < q) memmove(o + p, o + p + 1, sizeof(int) * (q - p));
+    else if (q < p) memmove(o + q + 1, o + q, sizeof(int) * (p - q));
+    o[q] = x;
+}
+
+/* ------------------------------------------------------------------ critical-path moves */
+typedef struct { int r, p, q; } Move;
+typedef struct {
+    Move *mv; int nmv, cap;
+    int64_t *keys; int hcap; /* open addressing, -1 = empty */
+} MoveSet;
+
+static int moveset_add(MoveSet *s, int r, int p, int q, int n) {
+    int64_t key = ((int64_t)r * (n + 1) + p) * (n + 1) + q;
+    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL;
+    int i = (int)(h >> 40) & (s->hcap - 1);
+    while (s->keys[i] != -1) {
+        if (s->keys[i] == key) return 0;
+        i = (i + 1) & (s->hcap - 1);
+    }
+    if (s->nmv + 1 > s->hcap / 2) return 0; /* never happens: hcap sized for the path */
+    s->keys[i] = key;
+    if (s->nmv == s->cap) {
+        int nc = s->cap ? 2 * s->cap : 256;
+        Move *nm = (Move *)realloc(s->mv, sizeof(Move) * nc);
+        if (!nm) return -1;
+        s->mv = nm; s->cap = nc;
+    }
+    s->mv[s->nmv].r = r; s->mv[s->nmv].p = p; s->mv[s->nmv].q = q; s->nmv++;
+    return 0;
+}
+
+/* crosspipe._critical_moves, same moves in the same order. */
+static int critical_moves(const Model *m, const Orders *o, const double *start, const double *avail, int depth,
+                          int long_moves, int *posof, MoveSet *s) {
+    const int N = m->N, n = m->n;
+    s->nmv = 0;
+    for (int i = 0; i < s->hcap; i++) s->keys[i] = -1;
+    for (int r = 0; r < o->R; r++) for (int j = 0; j < o->len[r]; j++) posof[o->ord[r][j]] = j;
+    int cur = -1;
+    double best = -INFINITY;
+    for (int r = 0; r < o->R; r++) {
+        if (!o->len[r]) continue;
+        int x = o->ord[r][o->len[r] - 1];
+        double e = start[x] + m->dur[x];
+        if (cur < 0 || e > best) { best = e; cur = x; }
+    }
+    while (1) {
+        int r = m->rank[cur];
+        const int *ord = o->ord[r];
+        int L = o->len[r];
+        int p = posof[cur];
+        int rank_bound = 0, prev = -1;
+        if (p > 0) {
+            prev = ord[p - 1];
+            rank_bound = start[cur] <= start[prev] + m->dur[prev] + EPS && avail[cur] < start[cur] - EPS;
+        }
+        if (rank_bound) {
+            int cls = cur / N;
+            for (int q = p - 1; q >= 0 && p - q <= depth; q--) {
+                int a = ord[q];
+                if (a / N == cls || avail[cur] >= start[a] + m->dur[a] - EPS) break;
+                if (moveset_add(s, r, p, q, n)) return -1;
+            }
+            int pcls = prev / N;
+            int qend = L < p - 1 + depth ? L : p - 1 + depth;
+            for (int q = p; q < qend; q++) {
+                if (ord[q] / N == pcls) break;
+                if (q != p && moveset_add(s, r, p - 1, q, n)) return -1;
+            }
+            if (long_moves == 2 || (long_moves == 1 && m->kind[prev] == 2)) {
+                int q = p;
+                while (q < L && ord[q] / N != pcls) q++;
+                if (q - 1 >= p - 1 + depth && moveset_add(s, r, p - 1, q - 1, n)) return -1;
+            }
+            cur = prev;
+            continue;
+        }
+        if (m->prod[cur] >= n) break;
+        cur = m->prod[cur];
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ random numbers */
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* ------------------------------------------------------------------ Python entry points */
+typedef struct {
+    Model m; Orders o; Work w; double *limit; double *tail;
+} Ctx;
+
+static void ctx_free(Ctx *c) { model_free(&c->m); orders_free(&c->o); work_free(&c->w); free(c->limit); free(c->tail); }
+
+static int ctx_init(Ctx *c, PyObject *spec, PyObject *orders, PyObject *limit) {
+    memset(c, 0, sizeof(*c));
+    if (model_parse(spec, &c->m)) return -1;
+    if (orders_parse(orders, &c->o, c->m.R, c->m.n)) return -1;
+    if (work_alloc(&c->w, &c->m)) return -1;
+    c->limit = (double *)malloc(sizeof(double) * (c->m.R)); c->tail = (double *)malloc(sizeof(double) * (c->m.n));
+    if (!c->limit || !c->tail) { PyErr_NoMemory(); return -1; }
+    if (limit == Py_None) {
+        for (int r = 0; r < c->m.R; r++) c->limit[r] = INFINITY;
+    } else {
+        if (PySequence_Size(limit) != c->m.R) { PyErr_SetString(PyExc_ValueError, "limit: one per rank"); return -1; }
+        for (int r = 0; r < c->m.R; r++) {
+            PyObject *x = PySequence_GetItem(limit, r);
+            if (!x) return -1;
+            c->limit[r] = PyFloat_AsDouble(x); Py_DECREF(x);
+            if (PyErr_Occurred()) return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *py_run(PyObject *self, PyObject *args) {
+    PyObject *spec, *orders; double bound;
+    if (!PyArg_ParseTuple(args, "OOd", &spec, &orders, &bound)) return NULL;
+    Ctx c;
+    if (ctx_init(&c, spec, orders, Py_None)) { ctx_free(&c); return NULL; }
+    double sf, mk = run(&c.m, &c.o, &c.w, bound, NULL, 0, &sf);
+    ctx_free(&c);
+    return Py_BuildValue("dd", mk, sf);
+}
+
+/* descent(spec, orders, limit, max_evals, depth, long_moves) -> (orders, makespan, evals)
+ * = crosspipe._local_search(model, orders, limit, inf, depth, max_evals=max_evals, long_moves=...). */
+static PyObject *py_descent(PyObject *self, PyObject *args) {
+    PyObject *spec, *orders, *limit; long long max_evals; int depth, long_moves;
+    if (!PyArg_ParseTuple(args, "OOOLii", &spec, &orders, &limit, &max_evals, &depth, &long_moves)) return NULL;
+    Ctx c;
+    MoveSet ms = {NULL, 0, 0, NULL, 0};
+    int *posof = NULL, failed = 0;
+    double *bstart = NULL, *bavail = NULL, sf = 0.0, mk = INFINITY;
+    long long evals = 1;
+    PyObject *res = NULL, *ol;
+    const Model *m = &c.m;
+    if (ctx_init(&c, spec, orders, limit)) goto done;
+    posof = (int *)malloc(sizeof(int) * (m->n));
+    ms.hcap = 1;
+    while (ms.hcap < 8 * (m->n + 8) * (depth + 2)) ms.hcap <<= 1;
+    ms.keys = (int64_t *)malloc(sizeof(int64_t) * (ms.hcap));
+    if (!posof || !ms.keys) { PyErr_NoMemory(); goto done; }
+    bstart = (double *)malloc(sizeof(double) * (m->n + 1));
+    bavail = (double *)malloc(sizeof(double) * m->n);
+    if (!bstart || !bavail) { PyErr_NoMemory(); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    mk = run(m, &c.o, &c.w, INFINITY, NULL, 1, &sf);
+    memcpy(bstart, c.w.start, sizeof(double) * m->n); memcpy(bavail, c.w.avail, sizeof(double) * m->n);
+    rank_tails(m, &c.o, c.tail);
+    while (evals < max_evals && mk < INFINITY) {
+        int improved = 0;
+        if (critical_moves(m, &c.o, bstart, bavail, depth, long_moves, posof, &ms)) { failed = 1; break; }
+        for (int i = 0; i < ms.nmv; i++) {
+            if (evals >= max_evals) break;
+            int r = ms.mv[i].r, p = ms.mv[i].p, q = ms.mv[i].q;
+            int *o = c.o.ord[r], L = c.o.len[r];
+            int lo = p < q ? p : q, hi = p < q ? q : p;
+            move(o, p, q);
+            if (!memory_ok(m, o, lo, hi, c.limit[r])) { move(o, q, p); continue; }
+            update_tails(m, c.tail, o, L, lo, hi);
+            double s2, m2 = run(m, &c.o, &c.w, bstart[0] + mk + 1e-9, c.tail, 0, &s2);
+            evals++;
+            if (m2 < mk - 1e-9 || (m2 <= mk + 1e-9 && s2 < sf - 1e-9)) {
+                mk = run(m, &c.o, &c.w, INFINITY, NULL, 1, &sf);
+                memcpy(bstart, c.w.start, sizeof(double) * m->n); memcpy(bavail, c.w.avail, sizeof(double) * m->n);
+                improved = 1;
+                break;
+            }
+            move(o, q, p);
+            update_tails(m, c.tail, o, L, lo, hi);
+        }
+        if (!improved) break;
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) { PyErr_NoMemory(); goto done; }
+    ol = orders_to_py(&c.o);
+    if (ol) res = Py_BuildValue("NdL", ol, mk, evals);
+done:
+    free(bstart); free(bavail);
+    free(posof); free(ms.mv); free(ms.keys);
+    ctx_free(&c);
+    return res;
+}
+
+/* anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals)
+ * = crosspipe._anneal (see there for the algorithm). */
+static PyObject *py_anneal(PyObject *self, PyObject *args) {
+    PyObject *spec, *orders, *limit; long long max_evals; unsigned long long seed; double t0; int max_shift;
+    if (!PyArg_ParseTuple(args, "OOOLKdi", &spec, &orders, &limit, &max_evals, &seed, &t0, &max_shift)) return NULL;
+    Ctx c;
+    int *best = NULL, N = 0, R = 0;
+    double sf = 0.0, cur = INFINITY, bmk = INFINITY;
+    long long evals = 0;
+    PyObject *res = NULL, *ol;
+    const Model *m = &c.m;
+    if (ctx_init(&c, spec, orders, limit)) goto done;
+    N = m->N; R = m->R;
+    best = (int *)malloc(sizeof(int) * (m->n > 0 ? m->n : 1));
+    if (!best || max_shift < 1) { if (!best) PyErr_NoMemory(); else PyErr_SetString(PyExc_ValueError, "max_shift >= 1"); goto done; }
+    Py_BEGIN_ALLOW_THREADS
+    cur = run(m, &c.o, &c.w, INFINITY, NULL, 0, &sf);
+    bmk = cur;
+    memcpy(best, c.o.buf, sizeof(int) * m->n);
+    rank_tails(m, &c.o, c.tail);
+    uint64_t st = seed;
+    long long attempts = 0, max_attempts = 64 * max_evals + 1024;
+    while (evals < max_evals && attempts < max_attempts && cur < INFINITY) {
+        attempts++;
+        int r = (int)(splitmix64(&st) % (uint64_t)R);
+        int L = c.o.len[r];
+        int p = (int)(splitmix64(&st) % (uint64_t)(L > 0 ? L : 1));
+        int d = 1 + (int)(splitmix64(&st) % (uint64_t)max_shift);
+        if (splitmix64(&st) & 1) d = -d;
+        int q = p + d;
+        if (L < 2 || q < 0 || q >= L) continue;
+        int *o = c.o.ord[r];
+        int lo = p < q ? p : q, hi = p < q ? q : p, cls = o[p] / N, clash = 0;
+        for (int j = lo; j <= hi; j++) if (j != p && o[j] / N == cls) { clash = 1; break; }
+        if (clash) continue;
+        move(o, p, q);
+        if (!memory_ok(m, o, lo, hi, c.limit[r])) { move(o, q, p); continue; }
+        update_tails(m, c.tail, o, L, lo, hi);
+        double u = (double)(splitmix64(&st) >> 11) * (1.0 / 9007199254740992.0);
+        double temp = t0 * (1.0 - (double)evals / (double)max_evals);
+        double thr = u > 0.0 ? cur + temp * -log(u) : INFINITY;
+        evals++;
+        double s2, m2 = run(m, &c.o, &c.w, thr, c.tail, 0, &s2);
+        if (m2 < INFINITY) {
+            cur = m2;
+            if (m2 < bmk - 1e-9) { bmk = m2; memcpy(best, c.o.buf, sizeof(int) * m->n); }
+        } else {
+            move(o, q, p);
+            update_tails(m, c.tail, o, L, lo, hi);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    memcpy(c.o.buf, best, sizeof(int) * m->n);
+    ol = orders_to_py(&c.o);
+    if (ol) res = Py_BuildValue("NdL", ol, bmk, evals);
+done:
+    free(best);
+    ctx_free(&c);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"run", py_run, METH_VARARGS, "run(spec, orders, bound) -> (makespan, finish_sum)"},
+    {"descent", py_descent, METH_VARARGS, "descent(spec, orders, limit, max_evals, depth, long_moves) -> (orders, makespan, evals)"},
+    {"anneal", py_anneal, METH_VARARGS, "anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_search_c", "Compiled CrossPipe plan search (see crosspipe.py).",
+                                    -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__search_c(void) { return PyModule_Create(&moddef); }
