@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,11 +21,16 @@
 #define EPS 1e-9
 
 typedef struct {
+    int d, ch, rd, unused; /* consumer, channel (-1: same rank), consumer's rank */
+    double tx, lat;        /* size·β, α */
+} Edge;
+
+typedef struct {
     int n, N, R, nch;
     double *dur;
-    int *ocnt;     /* out edges per op (0..2) */
-    int *od, *och; /* [2n] */
-    double *otx, *olat;
+    int *ocnt;   /* out edges per op (0..2) */
+    Edge *edge;  /* [2n]: op i's edges at 2i, 2i+1 */
+    double *zero; /* n zeros: the "no tail" tail */
     int *rank, *kind, *prod;
     double delta[3];
 } Model;
@@ -43,7 +49,7 @@ typedef struct {
 } Work;
 
 static void model_free(Model *m) {
-    free(m->dur); free(m->ocnt); free(m->od); free(m->och); free(m->otx); free(m->olat);
+    free(m->dur); free(m->ocnt); free(m->edge); free(m->zero);
     free(m->rank); free(m->kind); free(m->prod);
 }
 
@@ -69,10 +75,9 @@ static int model_parse(PyObject *spec, Model *m) {
     if (n < 0) return -1;
     m->n = n;
     m->dur = (double *)malloc(sizeof(double) * (n)); m->ocnt = (int *)calloc(n, sizeof(int));
-    m->od = (int *)malloc(sizeof(int) * (2 * n)); m->och = (int *)malloc(sizeof(int) * (2 * n));
-    m->otx = (double *)malloc(sizeof(double) * (2 * n)); m->olat = (double *)malloc(sizeof(double) * (2 * n));
+    m->edge = (Edge *)malloc(sizeof(Edge) * (2 * n + 1)); m->zero = (double *)calloc(n + 1, sizeof(double));
     m->rank = (int *)malloc(sizeof(int) * (n)); m->kind = (int *)malloc(sizeof(int) * (n)); m->prod = (int *)malloc(sizeof(int) * (n));
-    if (!m->dur || !m->ocnt || !m->od || !m->och || !m->otx || !m->olat || !m->rank || !m->kind || !m->prod) {
+    if (!m->dur || !m->ocnt || !m->edge || !m->zero || !m->rank || !m->kind || !m->prod) {
         PyErr_NoMemory(); return -1;
     }
     for (int i = 0; i < n; i++) {
@@ -90,11 +95,18 @@ static int model_parse(PyObject *spec, Model *m) {
             int d, ch; double tx, lat;
             if (!e || !PyArg_ParseTuple(e, "iidd", &d, &ch, &tx, &lat)) { Py_XDECREF(e); Py_DECREF(edges); return -1; }
             Py_DECREF(e);
-            m->od[2 * i + j] = d; m->och[2 * i + j] = ch; m->otx[2 * i + j] = tx; m->olat[2 * i + j] = lat;
+            Edge *E = &m->edge[2 * i + j];
+            E->d = d; E->ch = ch; E->tx = tx; E->lat = lat; E->rd = 0; E->unused = 0;
         }
         Py_DECREF(edges);
     }
     if (get_int_list(rank, m->rank, n) || get_int_list(kind, m->kind, n) || get_int_list(prod, m->prod, n)) return -1;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < m->ocnt[i]; j++) {
+            Edge *E = &m->edge[2 * i + j];
+            if (E->d < 0 || E->d >= n) { PyErr_SetString(PyExc_ValueError, "edge to a bad op id"); return -1; }
+            E->rd = m->rank[E->d];
+        }
     if (!PyArg_ParseTuple(delta, "ddd", &m->delta[0], &m->delta[1], &m->delta[2])) return -1;
     return 0;
 }
@@ -158,6 +170,9 @@ static double run(const Model *m, const Orders *o, Work *w, double bound, const 
     int *pos = w->pos, *stack = w->stack;
     char *queued = w->queued;
     double tbound = tail ? bound + 1e-7 : bound;
+    const double *tl = tail ? tail : m->zero, *dur = m->dur;
+    const int *ocnt = m->ocnt;
+    const Edge *edge = m->edge;
     for (int i = 0; i < n; i++) avail[i] = -1.0;
     for (int i = 0; i < N; i++) avail[i] = 0.0;
     for (int c = 0; c < m->nch; c++) chfree[c] = 0.0;
@@ -178,20 +193,20 @@ static double run(const Model *m, const Orders *o, Work *w, double bound, const 
             double t = a > fr ? a : fr;
             if (detail) start[op] = t;
             else if (op == 0) first = t;
-            fr = t + m->dur[op];
-            if (fr > bound || fr + (tail ? tail[op] : 0.0) > tbound) { *sf = INFINITY; return INFINITY; }
-            for (int j = 0; j < m->ocnt[op]; j++) {
-                int d = m->od[2 * op + j], ch = m->och[2 * op + j];
-                double tx = m->otx[2 * op + j];
+            fr = t + dur[op];
+            if (fr > bound || fr + tl[op] > tbound) { *sf = INFINITY; return INFINITY; }
+            const Edge *E = edge + 2 * op, *Eend = E + ocnt[op];
+            for (; E < Eend; E++) {
+                int d = E->d, ch = E->ch;
                 if (ch < 0) avail[d] = fr;
-                else if (tx != 0.0) {
+                else if (E->tx != 0.0) {
                     double s0 = chfree[ch];
                     if (fr > s0) s0 = fr;
-                    s0 += tx;
+                    s0 += E->tx;
                     chfree[ch] = s0;
-                    avail[d] = s0 + m->olat[2 * op + j];
-                } else avail[d] = fr + m->olat[2 * op + j];
-                int x = m->rank[d];
+                    avail[d] = s0 + E->lat;
+                } else avail[d] = fr + E->lat;
+                int x = E->rd;
                 if (x != r && !queued[x]) { queued[x] = 1; stack[top++] = x; }
             }
             p++;
@@ -241,6 +256,7 @@ typedef struct { int r, p, q; } Move;
 typedef struct {
     Move *mv; int nmv, cap;
     int64_t *keys; int hcap; /* open addressing, -1 = empty */
+    int *used; int nused;    /* filled slots */
 } MoveSet;
 
 static int moveset_add(MoveSet *s, int r, int p, int q, int n) {
@@ -253,6 +269,7 @@ static int moveset_add(MoveSet *s, int r, int p, int q, int n) {
     }
     if (s->nmv + 1 > s->hcap / 2) return 0; /* never happens: hcap sized for the path */
     s->keys[i] = key;
+    s->used[s->nused++] = i;
     if (s->nmv == s->cap) {
         int nc = s->cap ? 2 * s->cap : 256;
         Move *nm = (Move *)realloc(s->mv, sizeof(Move) * nc);
@@ -267,8 +284,8 @@ static int moveset_add(MoveSet *s, int r, int p, int q, int n) {
 static int critical_moves(const Model *m, const Orders *o, const double *start, const double *avail, int depth,
                           int long_moves, int *posof, MoveSet *s) {
     const int N = m->N, n = m->n;
-    s->nmv = 0;
-    for (int i = 0; i < s->hcap; i++) s->keys[i] = -1;
+    for (int i = 0; i < s->nused; i++) s->keys[s->used[i]] = -1; /* clear only what the last call filled */
+    s->nmv = s->nused = 0;
     for (int r = 0; r < o->R; r++) for (int j = 0; j < o->len[r]; j++) posof[o->ord[r][j]] = j;
     int cur = -1;
     double best = -INFINITY;
@@ -367,7 +384,7 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     PyObject *spec, *orders, *limit; long long max_evals; int depth, long_moves;
     if (!PyArg_ParseTuple(args, "OOOLii", &spec, &orders, &limit, &max_evals, &depth, &long_moves)) return NULL;
     Ctx c;
-    MoveSet ms = {NULL, 0, 0, NULL, 0};
+    MoveSet ms = {NULL, 0, 0, NULL, 0, NULL, 0};
     int *posof = NULL, failed = 0;
     double *bstart = NULL, *bavail = NULL, sf = 0.0, mk = INFINITY;
     long long evals = 1;
@@ -378,7 +395,9 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     ms.hcap = 1;
     while (ms.hcap < 8 * (m->n + 8) * (depth + 2)) ms.hcap <<= 1;
     ms.keys = (int64_t *)malloc(sizeof(int64_t) * (ms.hcap));
-    if (!posof || !ms.keys) { PyErr_NoMemory(); goto done; }
+    ms.used = (int *)malloc(sizeof(int) * (ms.hcap / 2 + 1));
+    if (!posof || !ms.keys || !ms.used) { PyErr_NoMemory(); goto done; }
+    for (int i = 0; i < ms.hcap; i++) ms.keys[i] = -1;
     bstart = (double *)malloc(sizeof(double) * (m->n + 1));
     bavail = (double *)malloc(sizeof(double) * m->n);
     if (!bstart || !bavail) { PyErr_NoMemory(); goto done; }
@@ -416,68 +435,138 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     if (ol) res = Py_BuildValue("NdL", ol, mk, evals);
 done:
     free(bstart); free(bavail);
-    free(posof); free(ms.mv); free(ms.keys);
+    free(posof); free(ms.mv); free(ms.keys); free(ms.used);
     ctx_free(&c);
     return res;
 }
 
-/* anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals)
- * = crosspipe._anneal (see there for the algorithm). */
-static PyObject *py_anneal(PyObject *self, PyObject *args) {
-    PyObject *spec, *orders, *limit; long long max_evals; unsigned long long seed; double t0; int max_shift;
-    if (!PyArg_ParseTuple(args, "OOOLKdi", &spec, &orders, &limit, &max_evals, &seed, &t0, &max_shift)) return NULL;
-    Ctx c;
-    int *best = NULL, N = 0, R = 0;
-    double sf = 0.0, cur = INFINITY, bmk = INFINITY;
-    long long evals = 0;
-    PyObject *res = NULL, *ol;
-    const Model *m = &c.m;
-    if (ctx_init(&c, spec, orders, limit)) goto done;
-    N = m->N; R = m->R;
-    best = (int *)malloc(sizeof(int) * (m->n > 0 ? m->n : 1));
-    if (!best || max_shift < 1) { if (!best) PyErr_NoMemory(); else PyErr_SetString(PyExc_ValueError, "max_shift >= 1"); goto done; }
-    Py_BEGIN_ALLOW_THREADS
-    cur = run(m, &c.o, &c.w, INFINITY, NULL, 0, &sf);
-    bmk = cur;
-    memcpy(best, c.o.buf, sizeof(int) * m->n);
-    rank_tails(m, &c.o, c.tail);
-    uint64_t st = seed;
-    long long attempts = 0, max_attempts = 64 * max_evals + 1024;
+/* One annealing chain (crosspipe._anneal). */
+typedef struct {
+    const Model *m;
+    const double *limit;
+    Orders o;
+    Work w;
+    double *tail;
+    int *best;
+    long long max_evals, evals;
+    uint64_t seed;
+    double t0, bmk;
+    int max_shift;
+} Chain;
+
+static int chain_init(Chain *c, const Model *m, const double *limit, const Orders *src) {
+    memset(c, 0, sizeof(*c));
+    c->m = m; c->limit = limit;
+    int R = src->R, n = m->n;
+    c->o.R = R;
+    c->o.len = (int *)malloc(sizeof(int) * R); c->o.ord = (int **)malloc(sizeof(int *) * R);
+    c->o.buf = (int *)malloc(sizeof(int) * (n > 0 ? n : 1));
+    c->tail = (double *)malloc(sizeof(double) * (n + 1)); c->best = (int *)malloc(sizeof(int) * (n > 0 ? n : 1));
+    if (!c->o.len || !c->o.ord || !c->o.buf || !c->tail || !c->best || work_alloc(&c->w, m)) return -1;
+    memcpy(c->o.buf, src->buf, sizeof(int) * n);
+    for (int r = 0; r < R; r++) { c->o.len[r] = src->len[r]; c->o.ord[r] = c->o.buf + (src->ord[r] - src->buf); }
+    return 0;
+}
+
+static void chain_free(Chain *c) { orders_free(&c->o); work_free(&c->w); free(c->tail); free(c->best); }
+
+static void *chain_run(void *arg) {
+    Chain *c = (Chain *)arg;
+    const Model *m = c->m;
+    const int N = m->N, R = m->R;
+    double sf, cur = run(m, &c->o, &c->w, INFINITY, NULL, 0, &sf);
+    long long evals = 0, attempts = 0, max_evals = c->max_evals, max_attempts = 64 * max_evals + 1024;
+    uint64_t st = c->seed;
+    c->bmk = cur;
+    memcpy(c->best, c->o.buf, sizeof(int) * m->n);
+    rank_tails(m, &c->o, c->tail);
     while (evals < max_evals && attempts < max_attempts && cur < INFINITY) {
         attempts++;
         int r = (int)(splitmix64(&st) % (uint64_t)R);
-        int L = c.o.len[r];
+        int L = c->o.len[r];
         int p = (int)(splitmix64(&st) % (uint64_t)(L > 0 ? L : 1));
-        int d = 1 + (int)(splitmix64(&st) % (uint64_t)max_shift);
+        int d = 1 + (int)(splitmix64(&st) % (uint64_t)c->max_shift);
         if (splitmix64(&st) & 1) d = -d;
         int q = p + d;
         if (L < 2 || q < 0 || q >= L) continue;
-        int *o = c.o.ord[r];
+        int *o = c->o.ord[r];
         int lo = p < q ? p : q, hi = p < q ? q : p, cls = o[p] / N, clash = 0;
         for (int j = lo; j <= hi; j++) if (j != p && o[j] / N == cls) { clash = 1; break; }
         if (clash) continue;
         move(o, p, q);
-        if (!memory_ok(m, o, lo, hi, c.limit[r])) { move(o, q, p); continue; }
-        update_tails(m, c.tail, o, L, lo, hi);
+        if (!memory_ok(m, o, lo, hi, c->limit[r])) { move(o, q, p); continue; }
+        update_tails(m, c->tail, o, L, lo, hi);
         double u = (double)(splitmix64(&st) >> 11) * (1.0 / 9007199254740992.0);
-        double temp = t0 * (1.0 - (double)evals / (double)max_evals);
+        double temp = c->t0 * (1.0 - (double)evals / (double)max_evals);
         double thr = u > 0.0 ? cur + temp * -log(u) : INFINITY;
         evals++;
-        double s2, m2 = run(m, &c.o, &c.w, thr, c.tail, 0, &s2);
+        double s2, m2 = run(m, &c->o, &c->w, thr, c->tail, 0, &s2);
         if (m2 < INFINITY) {
             cur = m2;
-            if (m2 < bmk - 1e-9) { bmk = m2; memcpy(best, c.o.buf, sizeof(int) * m->n); }
+            if (m2 < c->bmk - 1e-9) { c->bmk = m2; memcpy(c->best, c->o.buf, sizeof(int) * m->n); }
         } else {
             move(o, q, p);
-            update_tails(m, c.tail, o, L, lo, hi);
+            update_tails(m, c->tail, o, L, lo, hi);
         }
     }
+    c->evals = evals;
+    return NULL;
+}
+
+/* anneal(spec, orders, limit, max_evals, seeds, t0, max_shift, threads) -> (orders, makespan, evals)
+ * One chain of crosspipe._anneal per seed (max_evals each), ``threads`` of them at a time; the plan of
+ * the chain with the lowest makespan (the first such chain on ties) and the evaluations of all.  The
+ * chains are independent, so the result does not depend on ``threads``. */
+static PyObject *py_anneal(PyObject *self, PyObject *args) {
+    PyObject *spec, *orders, *limit, *seeds, *ol, *res = NULL;
+    long long max_evals, total = 0;
+    double t0;
+    int max_shift, threads, k = 0, bi = 0;
+    char *started = NULL;
+    Ctx c;
+    Chain *ch = NULL;
+    pthread_t *tid = NULL;
+    if (!PyArg_ParseTuple(args, "OOOLOdii", &spec, &orders, &limit, &max_evals, &seeds, &t0, &max_shift, &threads))
+        return NULL;
+    if (ctx_init(&c, spec, orders, limit)) goto done;
+    if (max_shift < 1) { PyErr_SetString(PyExc_ValueError, "max_shift >= 1"); goto done; }
+    k = (int)PySequence_Size(seeds);
+    if (k < 1) { PyErr_SetString(PyExc_ValueError, "at least one seed"); goto done; }
+    ch = (Chain *)calloc(k, sizeof(Chain));
+    tid = (pthread_t *)calloc(k, sizeof(pthread_t));
+    started = (char *)calloc(k, 1);
+    if (!ch || !tid || !started) { PyErr_NoMemory(); goto done; }
+    for (int i = 0; i < k; i++) {
+        PyObject *x = PySequence_GetItem(seeds, i);
+        if (!x) goto done;
+        unsigned long long sd = PyLong_AsUnsignedLongLongMask(x);
+        Py_DECREF(x);
+        if (PyErr_Occurred()) goto done;
+        if (chain_init(&ch[i], &c.m, c.limit, &c.o)) { PyErr_NoMemory(); goto done; }
+        ch[i].seed = sd; ch[i].max_evals = max_evals; ch[i].t0 = t0; ch[i].max_shift = max_shift;
+    }
+    if (threads < 1) threads = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < k; i += threads) {
+        int hi = i + threads < k ? i + threads : k;
+        for (int j = i + 1; j < hi; j++) {
+            started[j] = pthread_create(&tid[j], NULL, chain_run, &ch[j]) == 0;
+            if (!started[j]) chain_run(&ch[j]); /* no thread: run it here */
+        }
+        chain_run(&ch[i]);
+        for (int j = i + 1; j < hi; j++) if (started[j]) pthread_join(tid[j], NULL);
+    }
     Py_END_ALLOW_THREADS
-    memcpy(c.o.buf, best, sizeof(int) * m->n);
+    for (int i = 0; i < k; i++) {
+        total += ch[i].evals;
+        if (ch[i].bmk < ch[bi].bmk) bi = i;
+    }
+    memcpy(c.o.buf, ch[bi].best, sizeof(int) * c.m.n);
     ol = orders_to_py(&c.o);
-    if (ol) res = Py_BuildValue("NdL", ol, bmk, evals);
+    if (ol) res = Py_BuildValue("NdL", ol, ch[bi].bmk, total);
 done:
-    free(best);
+    if (ch) for (int i = 0; i < k; i++) chain_free(&ch[i]);
+    free(ch); free(tid); free(started);
     ctx_free(&c);
     return res;
 }
@@ -485,7 +574,8 @@ done:
 static PyMethodDef methods[] = {
     {"run", py_run, METH_VARARGS, "run(spec, orders, bound) -> (makespan, finish_sum)"},
     {"descent", py_descent, METH_VARARGS, "descent(spec, orders, limit, max_evals, depth, long_moves) -> (orders, makespan, evals)"},
-    {"anneal", py_anneal, METH_VARARGS, "anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals)"},
+    {"anneal", py_anneal, METH_VARARGS,
+     "anneal(spec, orders, limit, max_evals, seeds, t0, max_shift, threads) -> (orders, makespan, evals)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1165,6 +1165,8 @@ ENGINE_LONG = 1
 ENGINE_ANNEAL = True
 ENGINE_UNLIMITED_ANNEAL = 50_000
 ENGINE_SEED = 1
+ENGINE_CHAINS = 2
+ENGINE_THREADS = 2
 ENGINE_T = 0.005
 ENGINE_SHIFT = 6
 ENGINE_POLISH = 300
@@ -1407,7 +1409,9 @@ def plan_crosspipe_problem(
                     best_ids, best_mk, best_desc, best_g0, best_mk0 = ids1, mk1, desc, g0, mk0
             if ENGINE_ANNEAL and evals >= 1:
                 cap_ = int(min(evals, 1 << 62)) if not unlimited else ENGINE_UNLIMITED_ANNEAL
-                ids2, mk2, ev = eng.anneal(spec, best_ids, limit, cap_, ENGINE_SEED, ENGINE_T * best_mk, ENGINE_SHIFT)
+                ids2, mk2, ev = eng.anneal(spec, best_ids, limit, max(1, cap_ // ENGINE_CHAINS),
+                                           [ENGINE_SEED + i for i in range(ENGINE_CHAINS)], ENGINE_T * best_mk,
+                                           ENGINE_SHIFT, ENGINE_THREADS)
                 if ENGINE_POLISH:
                     ids2, mk2, _ = eng.descent(spec, ids2, limit, ENGINE_POLISH, _DEPTH, ENGINE_LONG)
                 if mk2 < best_mk - 1e-9:
