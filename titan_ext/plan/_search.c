@@ -282,7 +282,7 @@ static int moveset_add(MoveSet *s, int r, int p, int q, int n) {
 
 /* crosspipe._critical_moves, same moves in the same order. */
 static int critical_moves(const Model *m, const Orders *o, const double *start, const double *avail, int depth,
-                          int long_moves, int *posof, MoveSet *s) {
+                          int long_moves, int gap_fill, int *posof, MoveSet *s) {
     const int N = m->N, n = m->n;
     for (int i = 0; i < s->nused; i++) s->keys[s->used[i]] = -1; /* clear only what the last call filled */
     s->nmv = s->nused = 0;
@@ -326,6 +326,17 @@ static int critical_moves(const Model *m, const Orders *o, const double *start, 
             cur = prev;
             continue;
         }
+        if (gap_fill && p > 0 && start[cur] > start[prev] + m->dur[prev] + EPS) {
+            int cls = cur / N, nfound = 0, found[8];
+            int jend = L < p + 1 + 4 * depth ? L : p + 1 + 4 * depth;
+            for (int j = p + 1; j < jend; j++) {
+                int y = ord[j], ycls = y / N, seen_cls = ycls == cls;
+                for (int k = 0; k < nfound && !seen_cls; k++) seen_cls = found[k] == ycls;
+                if (seen_cls) continue;
+                if (nfound < 8) found[nfound++] = ycls;
+                if (avail[y] < start[cur] - EPS && moveset_add(s, r, j, p, n)) return -1;
+            }
+        }
         if (m->prod[cur] >= n) break;
         cur = m->prod[cur];
     }
@@ -343,13 +354,45 @@ static uint64_t splitmix64(uint64_t *state) {
 /* ------------------------------------------------------------------ Python entry points */
 typedef struct {
     Model m; Orders o; Work w; double *limit; double *tail;
+    int owned; /* m's arrays are ours (parsed from a tuple) rather than a model capsule's */
 } Ctx;
 
-static void ctx_free(Ctx *c) { model_free(&c->m); orders_free(&c->o); work_free(&c->w); free(c->limit); free(c->tail); }
+static const char *CAPSULE = "titan_ext.plan._search_c.Model";
 
+static void ctx_free(Ctx *c) {
+    if (c->owned) model_free(&c->m);
+    orders_free(&c->o); work_free(&c->w); free(c->limit); free(c->tail);
+}
+
+static void capsule_free(PyObject *cap) {
+    Model *m = (Model *)PyCapsule_GetPointer(cap, CAPSULE);
+    if (m) { model_free(m); free(m); }
+}
+
+/* model(spec) -> capsule: the parsed model, reusable by every call of one plan (parsing a spec costs
+ * ~50 us at 768 operations, more than a timing). */
+static PyObject *py_model(PyObject *self, PyObject *args) {
+    PyObject *spec;
+    if (!PyArg_ParseTuple(args, "O", &spec)) return NULL;
+    Model *m = (Model *)calloc(1, sizeof(Model));
+    if (!m) return PyErr_NoMemory();
+    if (model_parse(spec, m)) { model_free(m); free(m); return NULL; }
+    PyObject *cap = PyCapsule_New(m, CAPSULE, capsule_free);
+    if (!cap) { model_free(m); free(m); }
+    return cap;
+}
+
+/* spec: a model capsule or the tuple of crosspipe._Model.spec() */
 static int ctx_init(Ctx *c, PyObject *spec, PyObject *orders, PyObject *limit) {
     memset(c, 0, sizeof(*c));
-    if (model_parse(spec, &c->m)) return -1;
+    if (PyCapsule_CheckExact(spec)) {
+        Model *m = (Model *)PyCapsule_GetPointer(spec, CAPSULE);
+        if (!m) return -1;
+        c->m = *m;
+    } else {
+        c->owned = 1;
+        if (model_parse(spec, &c->m)) return -1;
+    }
     if (orders_parse(orders, &c->o, c->m.R, c->m.n)) return -1;
     if (work_alloc(&c->w, &c->m)) return -1;
     c->limit = (double *)malloc(sizeof(double) * (c->m.R)); c->tail = (double *)malloc(sizeof(double) * (c->m.n));
@@ -378,11 +421,11 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     return Py_BuildValue("dd", mk, sf);
 }
 
-/* descent(spec, orders, limit, max_evals, depth, long_moves) -> (orders, makespan, evals)
- * = crosspipe._local_search(model, orders, limit, inf, depth, max_evals=max_evals, long_moves=...). */
+/* descent(spec, orders, limit, max_evals, depth, long_moves, gap_fill) -> (orders, makespan, evals)
+ * = crosspipe._local_search(model, orders, limit, inf, depth, max_evals=..., long_moves=..., gap_fill=...). */
 static PyObject *py_descent(PyObject *self, PyObject *args) {
-    PyObject *spec, *orders, *limit; long long max_evals; int depth, long_moves;
-    if (!PyArg_ParseTuple(args, "OOOLii", &spec, &orders, &limit, &max_evals, &depth, &long_moves)) return NULL;
+    PyObject *spec, *orders, *limit; long long max_evals; int depth, long_moves, gap_fill;
+    if (!PyArg_ParseTuple(args, "OOOLiii", &spec, &orders, &limit, &max_evals, &depth, &long_moves, &gap_fill)) return NULL;
     Ctx c;
     MoveSet ms = {NULL, 0, 0, NULL, 0, NULL, 0};
     int *posof = NULL, failed = 0;
@@ -407,7 +450,7 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     rank_tails(m, &c.o, c.tail);
     while (evals < max_evals && mk < INFINITY) {
         int improved = 0;
-        if (critical_moves(m, &c.o, bstart, bavail, depth, long_moves, posof, &ms)) { failed = 1; break; }
+        if (critical_moves(m, &c.o, bstart, bavail, depth, long_moves, gap_fill, posof, &ms)) { failed = 1; break; }
         for (int i = 0; i < ms.nmv; i++) {
             if (evals >= max_evals) break;
             int r = ms.mv[i].r, p = ms.mv[i].p, q = ms.mv[i].q;
@@ -572,8 +615,9 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"model", py_model, METH_VARARGS, "model(spec) -> capsule usable as ``spec`` by the other functions"},
     {"run", py_run, METH_VARARGS, "run(spec, orders, bound) -> (makespan, finish_sum)"},
-    {"descent", py_descent, METH_VARARGS, "descent(spec, orders, limit, max_evals, depth, long_moves) -> (orders, makespan, evals)"},
+    {"descent", py_descent, METH_VARARGS, "descent(spec, orders, limit, max_evals, depth, long_moves, gap_fill) -> (orders, makespan, evals)"},
     {"anneal", py_anneal, METH_VARARGS,
      "anneal(spec, orders, limit, max_evals, seeds, t0, max_shift, threads) -> (orders, makespan, evals)"},
     {NULL, NULL, 0, NULL},

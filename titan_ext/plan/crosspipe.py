@@ -47,9 +47,11 @@ This module is pure Python: no torch or ortools at import time.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import heapq
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -144,6 +146,10 @@ class CrossPipeProblem:
         mf, mi, mw = self.memory_deltas
         if not (mf > 0 and mi <= 0 and mw <= 0 and abs(mf + mi + mw) < 1e-9):
             raise ValueError(f"memory_deltas must be (M_F > 0, M_D <= 0, M_W <= 0) summing to 0, got {self.memory_deltas}")
+        self._check_memory_limit()
+
+    def _check_memory_limit(self) -> None:
+        R, mf = self.num_ranks, self.memory_deltas[0]
         if self.memory_limit is not None:
             if len(self.memory_limit) != R:
                 raise ValueError(f"memory_limit must have one value per rank ({R}), got {len(self.memory_limit)}")
@@ -184,11 +190,14 @@ class CrossPipeProblem:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
     def with_memory_limit(self, memory_limit: Sequence[float] | None) -> "CrossPipeProblem":
-        return CrossPipeProblem(
-            self.num_ranks, self.num_microbatches, self.stage_to_rank, self.f_ms, self.b_ms, self.w_ms,
-            self.link_latency_ms, self.link_transfer_ms,
-            None if memory_limit is None else tuple(float(x) for x in memory_limit), self.memory_deltas,
-        )
+        """This problem with another memory limit (only the limit is re-validated: the planner derives
+        dozens of these per plan)."""
+        new = object.__new__(CrossPipeProblem)
+        for name in _PROBLEM_FIELDS:
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "memory_limit", None if memory_limit is None else tuple(float(x) for x in memory_limit))
+        new._check_memory_limit()
+        return new
 
     @classmethod
     def uniform(
@@ -233,6 +242,9 @@ class CrossPipeProblem:
 # Operations are plain tuples (stage, kind, microbatch) inside plan/; torch's _Action only at the
 # boundary (see to_actions / titan_ext.plan.ir).
 Op = tuple  # (stage, kind, microbatch)
+
+
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(CrossPipeProblem))
 
 
 @dataclass
@@ -813,7 +825,7 @@ def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> Gre
 
 
 def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], avail: list[float], depth: int,
-                    long_moves: int = 0):
+                    long_moves: int = 0, gap_fill: bool = False):
     """Candidate moves ``(rank, from, to)`` around the critical path of a timed plan.
 
     The path is walked back from the last-ending operation: an operation that waited for its rank
@@ -824,8 +836,11 @@ def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], ava
     job-shop local search (adjacent swaps on critical blocks and short insertions).  ``long_moves``
     adds one long move per such predecessor: 1 — a W is deferred as far as it can go (just before
     its stage's next W; the last stage's tail of W's is what lets the backward chain of the last
-    microbatches overlap, ZeroBubble-style); 2 — any kind.  Moves never reorder two operations of
-    the same stage and kind (microbatch order, as the greedy and the solver).
+    microbatches overlap, ZeroBubble-style); 2 — any kind.  ``gap_fill``: where the path meets an
+    operation its rank idled for, also try running a later operation of the rank in that gap (the
+    first of each other stage and kind within ``4·depth`` positions whose input was already there).
+    Moves never reorder two operations of the same stage and kind (microbatch order, as the greedy
+    and the solver).
     """
     N, dur, rank, kind = model.N, model.dur, model.rank, model.kind
     model.work += 8 * model.R  # counted in the local search's budget
@@ -840,8 +855,8 @@ def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], ava
         o = ids[r]
         p = o.index(cur)
         model.work += 4
+        prev = o[p - 1] if p > 0 else -1
         if p > 0:
-            prev = o[p - 1]
             rank_bound = start[cur] <= start[prev] + dur[prev] + eps and avail[cur] < start[cur] - eps
         else:
             rank_bound = False
@@ -874,6 +889,20 @@ def _critical_moves(model: _Model, ids: list[list[int]], start: list[float], ava
             cur = prev
             continue
         # input-bound (or the first operation): follow the producer
+        if gap_fill and p > 0 and start[cur] > start[prev] + dur[prev] + eps:
+            # the rank idled before cur: run a later operation in that gap instead — the first one of
+            # each other stage and kind after cur (microbatch order) whose input was there before cur
+            # started, nearest first (a bottleneck rank must not idle while it has W's to do)
+            cls, found = cur // N, set()
+            for j in range(p + 1, min(len(o), p + 1 + 4 * depth)):
+                y = o[j]
+                ycls = y // N
+                if ycls in found or ycls == cls:
+                    continue
+                found.add(ycls)
+                if avail[y] < start[cur] - eps and (r, j, p) not in seen:
+                    seen.add((r, j, p))
+                    moves.append((r, j, p))
         s, k, m = cur // (3 * N), (cur // N) % 3, cur % N
         if k == 0:
             if s == 0:
@@ -928,7 +957,7 @@ def _memory_ok(model: _Model, o: Sequence[int], lo: int, hi: int, limit: float) 
 
 def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], budget: float, depth: int = 4,
                   deadline: float | None = None, max_evals: int | None = None,
-                  long_moves: int = 0) -> tuple[list[list[int]], float, int]:
+                  long_moves: int = 0, gap_fill: bool = False) -> tuple[list[list[int]], float, int]:
     """First-improvement local search on whole-action orders (our addition to Alg.1; §6.2's selection by
     simulation applied to single moves).  Objective: (makespan, Σ rank finish times), lexicographic —
     the second term lets the search walk across plateaus of equal makespan without cycling.  Moves:
@@ -940,7 +969,7 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
     ``deadline`` (a ``time.perf_counter()`` value) cuts it short.  ``max_evals`` additionally stops it
     after that many timings (the base plan's counts as one): the budget of the compiled engine
     (``_search.c``'s ``descent``, which returns the same plan for the same ``max_evals``).
-    ``long_moves``: see :func:`_critical_moves`.
+    ``long_moves``, ``gap_fill``: see :func:`_critical_moves`.
     Returns (ids, makespan, evaluations)."""
     w0 = model.work
     max_evals = math.inf if max_evals is None else max_evals
@@ -951,7 +980,7 @@ def _local_search(model: _Model, ids: list[list[int]], limit: Sequence[float], b
     tail = _rank_tails(model, ids)
     while model.work - w0 + n <= budget and evals < max_evals:
         improved = False
-        for r, p, q in _critical_moves(model, ids, base.start, base.avail, depth, long_moves):
+        for r, p, q in _critical_moves(model, ids, base.start, base.avail, depth, long_moves, gap_fill):
             if (model.work - w0 + n > budget or evals >= max_evals
                     or (deadline is not None and time.perf_counter() > deadline)):
                 return ids, mk, evals
@@ -1157,30 +1186,204 @@ _DEPTH = 4
 """local search from at most this many of the best members (in order, while the budget lasts)."""
 
 
-ENGINE_BUDGET = 700_000
-ENGINE_MEMBER_SHARE = 0.4
-ENGINE_STARTS = 4
-ENGINE_DESCENT_SHARE = 0.3
-ENGINE_LONG = 1
-ENGINE_ANNEAL = True
-ENGINE_UNLIMITED_ANNEAL = 50_000
-ENGINE_SEED = 1
-ENGINE_CHAINS = 2
-ENGINE_THREADS = 2
-ENGINE_T = 0.005
-ENGINE_SHIFT = 6
-ENGINE_POLISH = 300
+COMPILED_SCALE = 28
+"""How many more operations the compiled path (``_search.c``, ``_greedy.c``) simulates for the same
+``budget``: its per-operation cost relative to the Python evaluator's (measured on the benchmark cases:
+≈ 6–8 ns vs ≈ 0.3 µs per timed operation, with call overheads), so a budget buys about the same time
+on either path."""
+GREEDY_C_UNITS = 20
+"""Cost of one compiled Alg.1 scheduling step in compiled timing units (operations timed)."""
+EVAL_UNITS = 64
+"""Fixed cost of one compiled timing (call, reset) on top of its operations, in the same units."""
+_C_MEMBER_SHARE = 0.5
+"""compiled path: share of the budget for the portfolio members (greedy runs and their timing)."""
+_C_DESCENT_SHARE = 0.3
+"""compiled path: share for the descents from the best members (what they leave goes to the annealing)."""
+_C_STARTS = 16
+_C_LONG_ORDER = (1, 0)
+"""compiled path: descents from at most this many members (distinct makespans, best first)."""
+_C_CHAINS = 2
+"""annealing chains (independent, fixed seeds; the result does not depend on how many run at once)."""
+_C_SEED = 1
+_C_TEMPERATURE = 0.005
+"""annealing start temperature as a fraction of the makespan it starts from."""
+_C_SHIFT = 6
+"""annealing moves shift an operation by up to this many positions."""
+_C_POLISH = 300
+"""evaluations of the descent after the annealing."""
+_C_UNLIMITED_ANNEAL = 50_000
+"""``budget=None``: annealing evaluations per chain."""
 
 
 @functools.lru_cache(maxsize=1)
 def _engine():
     """The compiled search engine (``titan_ext.plan._search_c``, built from ``_search.c`` by setup.py),
-    or None when it is not built (then the pure-Python search runs)."""
+    or None when it is not built."""
     try:
         from . import _search_c
     except ImportError:
         return None
     return _search_c
+
+
+def _compiled() -> bool:
+    """Whether the compiled planner path can run: the search engine and the compiled Alg.1
+    (``_greedy_fast``) are both built.  Otherwise the pure-Python path runs (same members, fewer of
+    them, descent only)."""
+    from . import _greedy_fast
+
+    return _engine() is not None and _greedy_fast.available()
+
+
+def _cap_vectors(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProblem]):
+    """(name, problem) for the named cap vectors (``problems``) and their neighbours — each vector with
+    one stage's cap lowered by one (``name/sK-1``) and with the caps of stages K..S−2 all lowered by one
+    (``name/sK+-1``: every later stage one warm-up microbatch shorter, so the first backward returns
+    sooner), stage S−1 untouched (its F waits for nothing), caps ≥ 1; duplicates dropped."""
+    seen = set()
+    named, out = [], []
+    for name, prob in problems.items():
+        base = prob.memory_limit or problem.memory_limit
+        key = tuple(base) if base is not None else None
+        if key not in seen:
+            seen.add(key)
+            named.append((name, prob))
+    if problem.memory_limit is None:
+        return named
+    S = problem.num_stages
+    for name, prob in named:
+        base = [math.floor(x + 1e-9) for x in (prob.memory_limit or problem.memory_limit)]
+        for s in range(S - 1):
+            for tag, vec in ((f"{name}/s{s}-1", [c - 1 if i == s else c for i, c in enumerate(base)]),
+                             (f"{name}/s{s}+-1", [c - 1 if s <= i < S - 1 else c for i, c in enumerate(base)])):
+                v = tuple(float(c) for c in vec)
+                if min(v) < 1 or v in seen:
+                    continue
+                seen.add(v)
+                try:
+                    out.append((tag, problem.with_memory_limit(v)))
+                except ValueError:
+                    continue
+    return named + out
+
+
+def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, extra, t0, deadline, threads,
+                   convert):
+    """The compiled planner path of :func:`plan_crosspipe_problem` (our addition to Alg.1, §4.2):
+
+    1. **members**: Alg.1 (``_greedy.c``, bit-identical to :func:`greedy_schedule`) for every member of
+       the portfolio, and — UD variants — for the *cap neighbours* of every named in-flight cap vector
+       (:func:`_cap_vectors`: one stage, or every stage from one on, one warm-up microbatch shorter);
+       each plan timed in the whole-action model;
+    2. **descent** (critical-path local search, :func:`_local_search`, with the long W moves and the
+       gap filling of :func:`_critical_moves`) from the best ``_C_STARTS`` members;
+    3. **annealing** (:func:`_anneal`, ``_C_CHAINS`` chains) from the best plan so far, then a short
+       descent.
+
+    All of it in deterministic units (operations timed; ``budget`` × ``COMPILED_SCALE``): members while
+    ``_C_MEMBER_SHARE`` lasts, descents while ``_C_DESCENT_SHARE`` lasts, annealing with the rest."""
+    from . import _greedy_fast
+
+    eng = _engine()
+    model = _Model(problem)
+    cap = eng.model(model.spec())
+    n, R = model.n, problem.num_ranks
+    limit = tuple(problem.memory_limit or (math.inf,) * R)
+    unlimited = budget is None
+    total = math.inf if unlimited else float(budget) * COMPILED_SCALE
+    threads = max(1, min(_C_CHAINS, os.cpu_count() or 1)) if threads is None else max(1, int(threads))
+    steps = 3 * problem.num_microbatches * problem.num_stages
+    used = 0.0
+    if variant == "wave":
+        todo = [(c, problems[c], ns, st, rs, la) for c, ns, rs, st, la in members]
+    else:
+        # every cap vector with the steady rule and n_sub that win most often first (interleave, n_sub 1,
+        # then 2, 4), the other steady rule next, the lookahead members last
+        vectors = _cap_vectors(problem, problems)
+        order = sorted(((st, ns) for st in steadies for ns in subs), key=lambda x: (x[0] != "interleave", x[1]))
+        todo = [(name, prob, ns, st, 1, False) for st, ns in order for name, prob in vectors]
+        todo += [(c, problems[c], ns, st, rs, la) for c, ns, rs, st, la in members if la]
+    pool, tried, error = [], [], None
+    for name, prob, ns, st, rs, la in todo:
+        cost = GREEDY_C_UNITS * (steps + (ns - 1) * problem.num_microbatches * problem.num_stages) + n + EVAL_UNITS
+        if pool and not unlimited and (used + cost > total * _C_MEMBER_SHARE or
+                                       (deadline is not None and time.perf_counter() > deadline)):
+            break
+        used += cost
+        try:
+            ids, gmk, _ = _greedy_fast.greedy_ids(prob, ns, st, rs, "microbatch", la)
+        except ValueError as e:  # this member's memory rule admits no schedule
+            tried.append((name, ns, st, rs, la, math.inf))
+            error = e
+            continue
+        mk = eng.run(cap, ids, math.inf)[0]
+        tried.append((name, ns, st, rs, la, mk))
+        if mk < math.inf:
+            pool.append((mk, len(pool), (name, ns, st, rs, la), gmk, ids))
+    for name, orders in (extra or {}).items():
+        if any(r not in orders for r in range(R)):
+            continue
+        if any(pk > lim + 1e-9 for pk, lim in zip(peak_memory(problem, orders), limit)):
+            continue
+        ids = model.ids(orders)
+        mk = eng.run(cap, ids, math.inf)[0]
+        tried.append((name, 0, "", 0, False, mk))
+        if mk < math.inf:
+            pool.append((mk, len(pool), (name, 0, "", 0, False), mk, ids))
+    if not pool:
+        raise error
+    pool.sort(key=lambda x: (x[0], x[1]))
+    best_mk, _, best_desc, best_gmk, best_ids = pool[0]
+    first_mk = best_mk
+
+    def left_evals(share: float) -> int:
+        if unlimited:
+            return 1 << 40
+        return int(max(0.0, total * share - used) // (n + EVAL_UNITS))
+
+    seen_mk = set()
+    for mk0, _, desc, gmk, ids0 in pool:
+        if len(seen_mk) >= _C_STARTS:
+            break
+        key = round(mk0, 6)
+        if key in seen_mk:
+            continue
+        seen_mk.add(key)
+        for long_moves in _C_LONG_ORDER:
+            ev_cap = left_evals(_C_MEMBER_SHARE + _C_DESCENT_SHARE)
+            if ev_cap < 1 or (deadline is not None and time.perf_counter() > deadline):
+                break
+            ids1, mk1, ev = eng.descent(cap, ids0, limit, ev_cap, _DEPTH, long_moves, 1)
+            used += ev * (n + EVAL_UNITS)
+            if mk1 < best_mk - 1e-9:
+                best_mk, best_desc, best_gmk, best_ids = mk1, desc, gmk, ids1
+    chain_evals = _C_UNLIMITED_ANNEAL if unlimited else (left_evals(1.0) - _C_POLISH) // _C_CHAINS
+    if chain_evals >= 1 and (deadline is None or time.perf_counter() < deadline):
+        ids2, mk2, ev = eng.anneal(cap, best_ids, limit, chain_evals, [_C_SEED + i for i in range(_C_CHAINS)],
+                                   _C_TEMPERATURE * best_mk, _C_SHIFT, threads)
+        ids2, mk2, _ = eng.descent(cap, ids2, limit, _C_POLISH, _DEPTH, 1, 1)
+        if mk2 < best_mk - 1e-9:
+            best_mk, best_ids = mk2, ids2
+    orders = model.ops(best_ids)
+    cap_name, ns, st, rs, la = best_desc
+    return CrossPipePlan(
+        actions=to_actions(orders) if convert else {},
+        orders=orders,
+        stage_to_rank=problem.stage_to_rank,
+        variant=variant,
+        n_sub=ns,
+        steady=st,
+        reserve=rs,
+        lookahead=la,
+        caps=cap_name,
+        makespan_ms=best_mk,
+        greedy_makespan_ms=best_gmk,
+        memory_limit=problem.memory_limit,
+        peak_memory=peak_memory(problem, orders),
+        plan_ms=(time.perf_counter() - t0) * 1e3,
+        candidates=tried,
+        improved=best_mk < first_mk - 1e-9,
+    )
 
 
 def _cap_neighbours(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProblem], desc: tuple):
@@ -1220,6 +1423,7 @@ def plan_crosspipe_problem(
     extra: Mapping[str, Mapping[int, Sequence[Op]]] | None = None,
     search: bool = True,
     engine: bool = True,
+    threads: int | None = None,
 ) -> CrossPipePlan:
     """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
 
@@ -1294,6 +1498,9 @@ def plan_crosspipe_problem(
                for la in lookaheads]
     prio = {m: i for i, m in enumerate(_WAVE_PRIORITY if variant == "wave" else _UD_PRIORITY)}
     members.sort(key=lambda x: prio.get((x[0], x[1], x[3], x[2], x[4]), len(prio)))  # stable: product order after
+    if portfolio and search and engine and _compiled():
+        return _plan_compiled(problem, variant, problems, members, subs, steadies, budget, extra, t0, deadline,
+                              threads, convert)
     unlimited = budget is None or not portfolio
     budget = math.inf if budget is None else float(budget)
     model = _Model(problem)
@@ -1306,8 +1513,6 @@ def plan_crosspipe_problem(
 
     small = portfolio and variant != "wave" and problem.num_stages <= _NEIGHBOUR_MAX_STAGES
     share = _SMALL_MEMBER_SHARE if small else _MEMBER_SHARE
-    if engine and search and portfolio and _engine() is not None:
-        share = ENGINE_MEMBER_SHARE
     pool = []  # (makespan, order in pool, member description, GreedyResult | None, ids)
     error: ValueError | None = None
     tried = []
@@ -1377,7 +1582,6 @@ def plan_crosspipe_problem(
     mk, _, (cap_name, ns, st, rs, la), g, ids = pool[0]
     greedy_mk = g.makespan_ms if g is not None else mk
     improved = False
-    eng = _engine() if engine else None
     if portfolio and search:
         # local search from the best members in turn while the budget lasts (distinct makespans only;
         # a close cap neighbour first)
@@ -1388,40 +1592,6 @@ def plan_crosspipe_problem(
             # the best cap neighbour first when it is close: its warm-up is one the members' search
             # does not reach (B1: 506.2 → 486.9 vs 493.2 → 490.2 from the best member)
             starts = [nb[0]] + [x for x in pool if x is not nb[0]][:_MAX_STARTS - 1]
-        if eng is not None:
-            starts = list(starts) + [x for x in pool if x not in starts][:max(0, ENGINE_STARTS - len(starts))]
-            spec = model.spec()
-            evals = math.inf if unlimited else max(1, int(ENGINE_BUDGET // model.n))
-            desc_evals = evals * ENGINE_DESCENT_SHARE
-            best_ids = None
-            for mk0, _, desc, g0, ids0 in starts:
-                key = round(mk0, 6)
-                if key in seen_mk:
-                    continue
-                seen_mk.add(key)
-                cap_ = int(min(desc_evals, 1 << 62))
-                if cap_ < 1:
-                    break
-                ids1, mk1, ev = eng.descent(spec, ids0, limit, cap_, _DEPTH, ENGINE_LONG)
-                desc_evals -= ev
-                evals -= ev
-                if best_ids is None or mk1 < best_mk - 1e-9:
-                    best_ids, best_mk, best_desc, best_g0, best_mk0 = ids1, mk1, desc, g0, mk0
-            if ENGINE_ANNEAL and evals >= 1:
-                cap_ = int(min(evals, 1 << 62)) if not unlimited else ENGINE_UNLIMITED_ANNEAL
-                ids2, mk2, ev = eng.anneal(spec, best_ids, limit, max(1, cap_ // ENGINE_CHAINS),
-                                           [ENGINE_SEED + i for i in range(ENGINE_CHAINS)], ENGINE_T * best_mk,
-                                           ENGINE_SHIFT, ENGINE_THREADS)
-                if ENGINE_POLISH:
-                    ids2, mk2, _ = eng.descent(spec, ids2, limit, ENGINE_POLISH, _DEPTH, ENGINE_LONG)
-                if mk2 < best_mk - 1e-9:
-                    best_ids, best_mk = ids2, mk2
-            if best_ids is not None and best_mk < mk - 1e-9:
-                mk, ids, improved = best_mk, best_ids, True
-                cap_name, ns, st, rs, la = best_desc
-                g = best_g0
-                greedy_mk = best_g0.makespan_ms if best_g0 is not None else best_mk0
-            starts = ()
         for mk0, _, desc, g0, ids0 in starts:
             key = round(mk0, 6)
             if key in seen_mk:
