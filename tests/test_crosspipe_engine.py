@@ -52,14 +52,15 @@ def test_run_matches_python(wave):
 
 @pytest.mark.parametrize("wave", [False, True])
 @pytest.mark.parametrize("long_moves", [0, 1, 2])
-def test_descent_matches_python(wave, long_moves):
+@pytest.mark.parametrize("gap_fill", [False, True])
+def test_descent_matches_python(wave, long_moves, gap_fill):
     improved = 0
     for seed in range(25):
         rng, prob, model, ids, limit = _start(100 + seed, wave)
         evals = rng.choice([1, 5, 40, 10_000])
-        c_ids, c_mk, c_ev = C.descent(model.spec(), ids, limit, evals, 4, long_moves)
+        c_ids, c_mk, c_ev = C.descent(model.spec(), ids, limit, evals, 4, long_moves, gap_fill)
         p_ids, p_mk, p_ev = _local_search(model, [list(o) for o in ids], limit, math.inf, 4, max_evals=evals,
-                                          long_moves=long_moves)
+                                          long_moves=long_moves, gap_fill=gap_fill)
         assert (c_ids, c_mk, c_ev) == (p_ids, p_mk, p_ev)
         assert c_ev <= max(evals, 1)
         improved += c_mk < model.run(ids)[0] - 1e-9

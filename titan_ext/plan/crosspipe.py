@@ -1230,8 +1230,10 @@ def _compiled() -> bool:
     """Whether the compiled planner path can run: the search engine and the compiled Alg.1
     (``_greedy_fast``) are both built.  Otherwise the pure-Python path runs (same members, fewer of
     them, descent only)."""
-    from . import _greedy_fast
-
+    try:
+        from . import _greedy_fast
+    except ImportError:
+        return False
     return _engine() is not None and _greedy_fast.available()
 
 
