@@ -13,7 +13,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -483,7 +482,7 @@ done:
     return res;
 }
 
-/* One annealing chain (crosspipe._anneal). */
+/* The state of one annealing run (crosspipe._anneal). */
 typedef struct {
     const Model *m;
     const double *limit;
@@ -513,8 +512,7 @@ static int chain_init(Chain *c, const Model *m, const double *limit, const Order
 
 static void chain_free(Chain *c) { orders_free(&c->o); work_free(&c->w); free(c->tail); free(c->best); }
 
-static void *chain_run(void *arg) {
-    Chain *c = (Chain *)arg;
+static void chain_run(Chain *c) {
     const Model *m = c->m;
     const int N = m->N, R = m->R;
     double sf, cur = run(m, &c->o, &c->w, INFINITY, NULL, 0, &sf);
@@ -553,63 +551,32 @@ static void *chain_run(void *arg) {
         }
     }
     c->evals = evals;
-    return NULL;
 }
 
-/* anneal(spec, orders, limit, max_evals, seeds, t0, max_shift, threads) -> (orders, makespan, evals)
- * One chain of crosspipe._anneal per seed (max_evals each), ``threads`` of them at a time; the plan of
- * the chain with the lowest makespan (the first such chain on ties) and the evaluations of all.  The
- * chains are independent, so the result does not depend on ``threads``. */
+/* anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals):
+ * crosspipe._anneal — the best plan seen and the evaluations made. */
 static PyObject *py_anneal(PyObject *self, PyObject *args) {
-    PyObject *spec, *orders, *limit, *seeds, *ol, *res = NULL;
-    long long max_evals, total = 0;
+    PyObject *spec, *orders, *limit, *ol, *res = NULL;
+    long long max_evals;
+    unsigned long long seed;
     double t0;
-    int max_shift, threads, k = 0, bi = 0;
-    char *started = NULL;
+    int max_shift;
     Ctx c;
-    Chain *ch = NULL;
-    pthread_t *tid = NULL;
-    if (!PyArg_ParseTuple(args, "OOOLOdii", &spec, &orders, &limit, &max_evals, &seeds, &t0, &max_shift, &threads))
-        return NULL;
+    Chain ch;
+    memset(&ch, 0, sizeof(ch));
+    if (!PyArg_ParseTuple(args, "OOOLKdi", &spec, &orders, &limit, &max_evals, &seed, &t0, &max_shift)) return NULL;
     if (ctx_init(&c, spec, orders, limit)) goto done;
     if (max_shift < 1) { PyErr_SetString(PyExc_ValueError, "max_shift >= 1"); goto done; }
-    k = (int)PySequence_Size(seeds);
-    if (k < 1) { PyErr_SetString(PyExc_ValueError, "at least one seed"); goto done; }
-    ch = (Chain *)calloc(k, sizeof(Chain));
-    tid = (pthread_t *)calloc(k, sizeof(pthread_t));
-    started = (char *)calloc(k, 1);
-    if (!ch || !tid || !started) { PyErr_NoMemory(); goto done; }
-    for (int i = 0; i < k; i++) {
-        PyObject *x = PySequence_GetItem(seeds, i);
-        if (!x) goto done;
-        unsigned long long sd = PyLong_AsUnsignedLongLongMask(x);
-        Py_DECREF(x);
-        if (PyErr_Occurred()) goto done;
-        if (chain_init(&ch[i], &c.m, c.limit, &c.o)) { PyErr_NoMemory(); goto done; }
-        ch[i].seed = sd; ch[i].max_evals = max_evals; ch[i].t0 = t0; ch[i].max_shift = max_shift;
-    }
-    if (threads < 1) threads = 1;
+    if (chain_init(&ch, &c.m, c.limit, &c.o)) { PyErr_NoMemory(); goto done; }
+    ch.seed = seed; ch.max_evals = max_evals; ch.t0 = t0; ch.max_shift = max_shift;
     Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < k; i += threads) {
-        int hi = i + threads < k ? i + threads : k;
-        for (int j = i + 1; j < hi; j++) {
-            started[j] = pthread_create(&tid[j], NULL, chain_run, &ch[j]) == 0;
-            if (!started[j]) chain_run(&ch[j]); /* no thread: run it here */
-        }
-        chain_run(&ch[i]);
-        for (int j = i + 1; j < hi; j++) if (started[j]) pthread_join(tid[j], NULL);
-    }
+    chain_run(&ch);
     Py_END_ALLOW_THREADS
-    for (int i = 0; i < k; i++) {
-        total += ch[i].evals;
-        if (ch[i].bmk < ch[bi].bmk) bi = i;
-    }
-    memcpy(c.o.buf, ch[bi].best, sizeof(int) * c.m.n);
+    memcpy(c.o.buf, ch.best, sizeof(int) * c.m.n);
     ol = orders_to_py(&c.o);
-    if (ol) res = Py_BuildValue("NdL", ol, ch[bi].bmk, total);
+    if (ol) res = Py_BuildValue("NdL", ol, ch.bmk, ch.evals);
 done:
-    if (ch) for (int i = 0; i < k; i++) chain_free(&ch[i]);
-    free(ch); free(tid); free(started);
+    chain_free(&ch);
     ctx_free(&c);
     return res;
 }
@@ -618,8 +585,7 @@ static PyMethodDef methods[] = {
     {"model", py_model, METH_VARARGS, "model(spec) -> capsule usable as ``spec`` by the other functions"},
     {"run", py_run, METH_VARARGS, "run(spec, orders, bound) -> (makespan, finish_sum)"},
     {"descent", py_descent, METH_VARARGS, "descent(spec, orders, limit, max_evals, depth, long_moves, gap_fill) -> (orders, makespan, evals)"},
-    {"anneal", py_anneal, METH_VARARGS,
-     "anneal(spec, orders, limit, max_evals, seeds, t0, max_shift, threads) -> (orders, makespan, evals)"},
+    {"anneal", py_anneal, METH_VARARGS, "anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -51,7 +51,6 @@ import dataclasses
 import functools
 import heapq
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -1186,7 +1185,7 @@ _DEPTH = 4
 """local search from at most this many of the best members (in order, while the budget lasts)."""
 
 
-COMPILED_SCALE = 28
+COMPILED_SCALE = 40
 """How many more operations the compiled path (``_search.c``, ``_greedy.c``) simulates for the same
 ``budget``: its per-operation cost relative to the Python evaluator's (measured on the benchmark cases:
 ≈ 6–8 ns vs ≈ 0.3 µs per timed operation, with call overheads), so a budget buys about the same time
@@ -1195,24 +1194,26 @@ GREEDY_C_UNITS = 20
 """Cost of one compiled Alg.1 scheduling step in compiled timing units (operations timed)."""
 EVAL_UNITS = 64
 """Fixed cost of one compiled timing (call, reset) on top of its operations, in the same units."""
+SETUP_UNITS = 400
+"""Per operation of the problem: the planner's own Python work around the compiled parts (the
+model, the cap vectors, the torch-IR conversion), charged first so the budget covers the whole call."""
 _C_MEMBER_SHARE = 0.5
 """compiled path: share of the budget for the portfolio members (greedy runs and their timing)."""
-_C_DESCENT_SHARE = 0.3
-"""compiled path: share for the descents from the best members (what they leave goes to the annealing)."""
+_C_DESCENT_SHARE = 0.2
+"""compiled path: further share for the descents from the best members (the rest: annealing)."""
 _C_STARTS = 16
+"""compiled path: descents from at most this many members (distinct plans, best first)."""
 _C_LONG_ORDER = (1, 0)
-"""compiled path: descents from at most this many members (distinct makespans, best first)."""
-_C_CHAINS = 2
-"""annealing chains (independent, fixed seeds; the result does not depend on how many run at once)."""
+"""the descents from each start: with the long W moves first, then without (``_critical_moves``)."""
 _C_SEED = 1
-_C_TEMPERATURE = 0.005
-"""annealing start temperature as a fraction of the makespan it starts from."""
+_C_TEMPERATURE = 0.0007
+"""annealing start temperature as a fraction of the makespan it starts from (short runs: cool)."""
 _C_SHIFT = 6
 """annealing moves shift an operation by up to this many positions."""
 _C_POLISH = 300
 """evaluations of the descent after the annealing."""
 _C_UNLIMITED_ANNEAL = 50_000
-"""``budget=None``: annealing evaluations per chain."""
+"""``budget=None``: annealing evaluations."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -1269,8 +1270,7 @@ def _cap_vectors(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProb
     return named + out
 
 
-def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, extra, t0, deadline, threads,
-                   convert):
+def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, extra, t0, deadline, convert):
     """The compiled planner path of :func:`plan_crosspipe_problem` (our addition to Alg.1, §4.2):
 
     1. **members**: Alg.1 (``_greedy.c``, bit-identical to :func:`greedy_schedule`) for every member of
@@ -1279,7 +1279,7 @@ def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, 
        each plan timed in the whole-action model;
     2. **descent** (critical-path local search, :func:`_local_search`, with the long W moves and the
        gap filling of :func:`_critical_moves`) from the best ``_C_STARTS`` members;
-    3. **annealing** (:func:`_anneal`, ``_C_CHAINS`` chains) from the best plan so far, then a short
+    3. **annealing** (:func:`_anneal`) from the best plan so far, then a short
        descent.
 
     All of it in deterministic units (operations timed; ``budget`` × ``COMPILED_SCALE``): members while
@@ -1293,9 +1293,8 @@ def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, 
     limit = tuple(problem.memory_limit or (math.inf,) * R)
     unlimited = budget is None
     total = math.inf if unlimited else float(budget) * COMPILED_SCALE
-    threads = max(1, min(_C_CHAINS, os.cpu_count() or 1)) if threads is None else max(1, int(threads))
     steps = 3 * problem.num_microbatches * problem.num_stages
-    used = 0.0
+    used = float(SETUP_UNITS * n)
     if variant == "wave":
         todo = [(c, problems[c], ns, st, rs, la) for c, ns, rs, st, la in members]
     else:
@@ -1343,14 +1342,14 @@ def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, 
             return 1 << 40
         return int(max(0.0, total * share - used) // (n + EVAL_UNITS))
 
-    seen_mk = set()
+    seen_plans = set()
     for mk0, _, desc, gmk, ids0 in pool:
-        if len(seen_mk) >= _C_STARTS:
+        if len(seen_plans) >= _C_STARTS:
             break
-        key = round(mk0, 6)
-        if key in seen_mk:
+        key = hash(tuple(map(tuple, ids0)))  # members with other caps often give the very same plan
+        if key in seen_plans:
             continue
-        seen_mk.add(key)
+        seen_plans.add(key)
         for long_moves in _C_LONG_ORDER:
             ev_cap = left_evals(_C_MEMBER_SHARE + _C_DESCENT_SHARE)
             if ev_cap < 1 or (deadline is not None and time.perf_counter() > deadline):
@@ -1359,10 +1358,9 @@ def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, 
             used += ev * (n + EVAL_UNITS)
             if mk1 < best_mk - 1e-9:
                 best_mk, best_desc, best_gmk, best_ids = mk1, desc, gmk, ids1
-    chain_evals = _C_UNLIMITED_ANNEAL if unlimited else (left_evals(1.0) - _C_POLISH) // _C_CHAINS
-    if chain_evals >= 1 and (deadline is None or time.perf_counter() < deadline):
-        ids2, mk2, ev = eng.anneal(cap, best_ids, limit, chain_evals, [_C_SEED + i for i in range(_C_CHAINS)],
-                                   _C_TEMPERATURE * best_mk, _C_SHIFT, threads)
+    anneal_evals = _C_UNLIMITED_ANNEAL if unlimited else left_evals(1.0) - _C_POLISH
+    if anneal_evals >= 1 and (deadline is None or time.perf_counter() < deadline):
+        ids2, mk2, _ = eng.anneal(cap, best_ids, limit, anneal_evals, _C_SEED, _C_TEMPERATURE * best_mk, _C_SHIFT)
         ids2, mk2, _ = eng.descent(cap, ids2, limit, _C_POLISH, _DEPTH, 1, 1)
         if mk2 < best_mk - 1e-9:
             best_mk, best_ids = mk2, ids2
@@ -1425,7 +1423,6 @@ def plan_crosspipe_problem(
     extra: Mapping[str, Mapping[int, Sequence[Op]]] | None = None,
     search: bool = True,
     engine: bool = True,
-    threads: int | None = None,
 ) -> CrossPipePlan:
     """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
 
@@ -1502,7 +1499,7 @@ def plan_crosspipe_problem(
     members.sort(key=lambda x: prio.get((x[0], x[1], x[3], x[2], x[4]), len(prio)))  # stable: product order after
     if portfolio and search and engine and _compiled():
         return _plan_compiled(problem, variant, problems, members, subs, steadies, budget, extra, t0, deadline,
-                              threads, convert)
+                              convert)
     unlimited = budget is None or not portfolio
     budget = math.inf if budget is None else float(budget)
     model = _Model(problem)
