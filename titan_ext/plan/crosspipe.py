@@ -1239,12 +1239,12 @@ def _compiled() -> bool:
 
 
 def _cap_vectors(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProblem]):
-    """(name, problem) for the named cap vectors (``problems``) and their neighbours — each vector with
+    """([(name, problem)] of the named cap vectors (``problems``), [… of their neighbours]) — each vector with
     one stage's cap lowered by one (``name/sK-1``) and with the caps of stages K..S−2 all lowered by one
     (``name/sK+-1``: every later stage one warm-up microbatch shorter, so the first backward returns
     sooner), stage S−1 untouched (its F waits for nothing), caps ≥ 1; duplicates dropped."""
     seen = set()
-    named, out = [], []
+    named, out = [], []  # out: the neighbours
     for name, prob in problems.items():
         base = prob.memory_limit or problem.memory_limit
         key = tuple(base) if base is not None else None
@@ -1252,7 +1252,7 @@ def _cap_vectors(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProb
             seen.add(key)
             named.append((name, prob))
     if problem.memory_limit is None:
-        return named
+        return named, out
     S = problem.num_stages
     for name, prob in named:
         base = [math.floor(x + 1e-9) for x in (prob.memory_limit or problem.memory_limit)]
@@ -1267,7 +1267,34 @@ def _cap_vectors(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProb
                     out.append((tag, problem.with_memory_limit(v)))
                 except ValueError:
                     continue
-    return named + out
+    return named, out
+
+
+def _ud_members(problem, problems, members, subs, steadies, pool):
+    """The compiled path's UD members in the order they are generated (while the budget lasts):
+    the named cap vectors with the first steady rule (interleave) and every ``n_sub``; then, with the
+    (steady rule, n_sub) of the best plan so far first, the cap neighbours (:func:`_cap_vectors`) and
+    the named vectors with the other combinations; the lookahead members last.  ``pool()`` → the
+    members timed so far ``(makespan, index, (name, n_sub, steady, reserve, lookahead), …)``."""
+    named, neighbours = _cap_vectors(problem, problems)
+    combos = sorted(((st, ns) for st in steadies for ns in subs), key=lambda x: (x[0] != "interleave", x[1]))
+    first = [c for c in combos if c[0] == combos[0][0]]
+    for st, ns in first:
+        for name, prob in named:
+            yield name, prob, ns, st, 1, False
+    done = pool()
+    if done:
+        _, _, (_, ns0, st0, _, _) = min(done, key=lambda x: (x[0], x[1]))[:3]
+        combos.sort(key=lambda c: c != (st0, ns0))
+    for st, ns in combos:
+        if (st, ns) not in first:
+            for name, prob in named:
+                yield name, prob, ns, st, 1, False
+        for name, prob in neighbours:
+            yield name, prob, ns, st, 1, False
+    for c, ns, rs, st, la in members:
+        if la:
+            yield c, problems[c], ns, st, rs, la
 
 
 def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, extra, t0, deadline, convert):
@@ -1298,12 +1325,7 @@ def _plan_compiled(problem, variant, problems, members, subs, steadies, budget, 
     if variant == "wave":
         todo = [(c, problems[c], ns, st, rs, la) for c, ns, rs, st, la in members]
     else:
-        # every cap vector with the steady rule and n_sub that win most often first (interleave, n_sub 1,
-        # then 2, 4), the other steady rule next, the lookahead members last
-        vectors = _cap_vectors(problem, problems)
-        order = sorted(((st, ns) for st in steadies for ns in subs), key=lambda x: (x[0] != "interleave", x[1]))
-        todo = [(name, prob, ns, st, 1, False) for st, ns in order for name, prob in vectors]
-        todo += [(c, problems[c], ns, st, rs, la) for c, ns, rs, st, la in members if la]
+        todo = _ud_members(problem, problems, members, subs, steadies, lambda: pool)
     pool, tried, error = [], [], None
     for name, prob, ns, st, rs, la in todo:
         cost = GREEDY_C_UNITS * (steps + (ns - 1) * problem.num_microbatches * problem.num_stages) + n + EVAL_UNITS
