@@ -15,7 +15,10 @@ from setuptools import Extension, setup
 # plan search engine: no torch, no numpy (titan_ext.plan stays importable without them)
 search_ext = Extension("titan_ext.plan._search_c", [os.path.join("titan_ext", "plan", "_search.c")],
                        extra_compile_args=["-O2"], libraries=["m"])
-ext_modules, cmdclass = [search_ext], {}
+# plan greedy generator (crosspipe.greedy_schedule compiled): same constraints as search_ext
+greedy_ext = Extension("titan_ext.plan._greedy_c", [os.path.join("titan_ext", "plan", "_greedy.c")],
+                       extra_compile_args=["-O2"], libraries=["m"])
+ext_modules, cmdclass = [search_ext, greedy_ext], {}
 try:
     import torch
     from torch.utils import cpp_extension
@@ -43,7 +46,7 @@ if torch is not None:
         kwargs["extra_compile_args"] = kwargs["extra_compile_args"]["cxx"]
         ext = cpp_extension.CppExtension("titan_ext._delegate_C", sources, **kwargs)
     print(f"[titan_ext] building titan_ext._delegate_C ({'CPU+CUDA' if with_cuda else 'CPU only'})")
-    ext_modules = [search_ext, ext]
+    ext_modules = [search_ext, greedy_ext, ext]
     cmdclass = {"build_ext": cpp_extension.BuildExtension}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

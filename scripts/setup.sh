@@ -21,7 +21,7 @@ stamp="$venv/.titan_ext_stamp"
 want="$(cat pyproject.toml scripts/setup.sh setup.py cpp_ext/*.cpp cpp_ext/*.cu cpp_ext/*.h titan_ext/plan/*.c 2>/dev/null \
         | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-        && "$vpy" -c "import torch, titan_ext._delegate_C, titan_ext.plan._search_c" 2>/dev/null; then
+        && "$vpy" -c "import torch, titan_ext._delegate_C, titan_ext.plan._search_c, titan_ext.plan._greedy_c" 2>/dev/null; then
     exit 0
 fi
 "$vpy" -m pip install -q --upgrade pip
@@ -38,5 +38,6 @@ fi
 "$vpy" -m pip install -q --no-build-isolation -e ".[test,solver]"
 "$vpy" -c "import torch, titan_ext._delegate_C" || { echo "[setup] titan_ext._delegate_C failed to build" >&2; exit 1; }
 "$vpy" -c "import titan_ext.plan._search_c" || { echo "[setup] titan_ext.plan._search_c failed to build" >&2; exit 1; }
+"$vpy" -c "import titan_ext.plan._greedy_c" || { echo "[setup] titan_ext.plan._greedy_c failed to build" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup] environment ready in $venv"

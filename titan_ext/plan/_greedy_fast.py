@@ -1,0 +1,128 @@
+"""Compiled CrossPipe greedy generator (Alg.1): the wrapper of ``titan_ext.plan._greedy_c``.
+
+:func:`greedy_ids` returns what ``crosspipe.greedy_schedule`` computes — the per-rank whole-action
+orders (as operation ids, the convention of ``crosspipe._Model``: ``(3·stage + kind)·N + microbatch``,
+kind 0 F, 1 I, 2 W), the makespan and the number of lookahead waits — bit-identically, about two
+orders of magnitude faster (tests/test_crosspipe_greedy_c.py).  It raises ValueError exactly where
+``greedy_schedule`` does (bad arguments, same messages; a memory limit that admits no schedule).
+
+Inputs outside what the compiled code reproduces exactly (integers too large for an IEEE double,
+non-numeric memory deltas, more than 2**31 sub-blocks) go through the Python ``greedy_schedule``
+itself, so the result is the same in every case.
+
+Importing this module never fails: without the compiled module :func:`available` is False and
+:func:`greedy_ids` raises ImportError.
+"""
+
+from __future__ import annotations
+
+try:
+    from . import _greedy_c as _C
+except ImportError:  # not built (scripts/setup.sh builds it)
+    _C = None
+
+__all__ = ["available", "greedy_ids"]
+
+_BIG = 2**53
+_cache: dict[int, tuple] = {}  # id(problem) -> (problem, spec capsule or None, need_f cache)
+_CACHE_MAX = 256
+
+
+def available() -> bool:
+    """Whether the compiled module was imported."""
+    return _C is not None
+
+
+def _exact_number(x) -> bool:
+    """x converts to the IEEE double Python's own arithmetic on it would use, with no rounding."""
+    return isinstance(x, float) or (isinstance(x, int) and -_BIG <= x <= _BIG)
+
+
+def _build(problem):
+    """(spec capsule or None when the compiled path would not be exact, mf) for one problem."""
+    R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
+    s2r = problem.stage_to_rank
+    mf, mi, mw = problem.memory_deltas
+    for d in (mf, mi, mw):
+        if not (isinstance(d, float) or (isinstance(d, int) and -(2**20) <= d <= 2**20)):
+            return None
+    if not all(_exact_number(x) for x in problem.w_ms):
+        return None  # w / n_sub of a huge int is an exact rational division in Python
+    limit = problem.memory_limit
+    lim = None if limit is None else [x + 1e-9 for x in limit]
+    fch, ftx, flat, bch, btx, blat = [-1] * S, [0.0] * S, [0.0] * S, [-1] * S, [0.0] * S, [0.0] * S
+    for s in range(S):
+        for dst, ch, tx, lat in ((s + 1, fch, ftx, flat), (s - 1, bch, btx, blat)):
+            if 0 <= dst < S:
+                h = problem.hop(s, dst)
+                if h is not None:
+                    a, b = h[1]
+                    ch[s] = a * R + b
+                    tx[s] = problem.transfer(h[0])
+                    lat[s] = problem.latency(h[0])
+    try:
+        return _C.make_spec(R, N, tuple(s2r), problem.f_ms, problem.b_ms, problem.w_ms, fch, ftx, flat, bch, btx,
+                            blat, lim, (mf, mi, mw))
+    except (OverflowError, TypeError):
+        return None  # e.g. an int beyond the double range: let the Python reference decide
+
+
+def _entry(problem):
+    e = _cache.get(id(problem))
+    if e is not None and e[0] is problem:
+        return e
+    if len(_cache) >= _CACHE_MAX:
+        _cache.clear()
+    e = (problem, _build(problem), {})
+    _cache[id(problem)] = e  # holds the problem: its id cannot be reused while cached
+    return e
+
+
+def _python(problem, n_sub, steady, reserve, tie, lookahead):
+    from .crosspipe import _Model, greedy_schedule
+
+    res = greedy_schedule(problem, n_sub, steady, reserve, tie, lookahead)
+    return _Model(problem).ids(res.orders), res.makespan_ms, res.waits
+
+
+def greedy_ids(problem, n_sub=1, steady="interleave", reserve="one", tie="microbatch", lookahead=False):
+    """``crosspipe.greedy_schedule(problem, n_sub, steady, reserve, tie, lookahead)`` compiled:
+    returns ``(ids, makespan_ms, waits)``, ``ids[r]`` rank r's operation ids in execution order."""
+    if _C is None:
+        raise ImportError("titan_ext.plan._greedy_c is not built (run scripts/setup.sh)")
+    # argument checks: the same tests, in the same order, with the same messages as greedy_schedule
+    if tie not in ("microbatch", "critical_path"):
+        raise ValueError(f"tie must be 'microbatch' or 'critical_path', got {tie!r}")
+    if not isinstance(n_sub, int) or n_sub < 1:
+        raise ValueError(f"n_sub must be a positive int, got {n_sub!r}")
+    if steady not in ("interleave", "backward_first"):
+        raise ValueError(f"steady must be 'interleave' or 'backward_first', got {steady!r}")
+    reserve0 = reserve
+    if reserve == "one":
+        reserve = 1
+    if reserve != "pending" and not (isinstance(reserve, int) and reserve >= 1):
+        raise ValueError(f"reserve must be 'one', 'pending' or an int >= 1, got {reserve!r}")
+    pending = reserve == "pending"
+    k_units = 1 if pending else reserve
+    problem_, spec, needs = _entry(problem)
+    if spec is None or n_sub >= 2**31:
+        return _python(problem, n_sub, steady, reserve0, tie, lookahead)
+    need_f = None  # computed in C: mf + k·mf·#later, exact for these k
+    if k_units > 2**20:
+        need_f = needs.get(k_units)
+        if need_f is None:
+            mf = problem.memory_deltas[0]
+            s2r = problem.stage_to_rank
+            S = len(s2r)
+            need_f = tuple(mf + k_units * mf * sum(1 for s2 in range(s + 1, S) if s2r[s2] == s2r[s]) for s in range(S))
+            needs[k_units] = need_f
+    ids, mk, waits = _C.run(spec, n_sub, steady == "backward_first", pending, float(k_units) if need_f is None else 1.0,
+                            tie == "critical_path", bool(lookahead), None, need_f)
+    if ids is None:
+        if mk == 1:
+            raise ValueError(
+                "CrossPipe greedy: no rank can proceed — the memory limit admits no schedule "
+                f"(memory_limit={problem.memory_limit})"
+            )
+        raise TypeError("cannot unpack non-iterable NoneType object")
+    return ids, mk, waits
