@@ -147,3 +147,15 @@ def test_deadlock_same_error():
                 assert _compiled(problem, *combo) == ref
                 found += ref[0] == "ValueError"
     assert found > 0
+
+
+def test_specs_shared_across_memory_limits():
+    # problems that differ only in memory_limit share one compiled spec; the limit is per call
+    base = CrossPipeProblem.uniform(3, 8, 1.0, 1.5, 0.7, wave=True, latency_ms=0.3, transfer_ms=0.6)
+    variants = [base] + [base.with_memory_limit([lim] * 3) for lim in (2.0, 3.0, 4.0, 6.0, 9.0)]
+    variants.append(CrossPipeProblem(3, 8, base.stage_to_rank, base.f_ms, base.b_ms, base.w_ms,
+                                     base.link_latency_ms, base.link_transfer_ms, (3.0, 5.0, 4.0)))
+    for _ in range(2):
+        for problem in variants:
+            for combo in COMBOS[::5]:
+                assert _compiled(problem, *combo) == _reference(problem, *combo), (problem.memory_limit, combo)

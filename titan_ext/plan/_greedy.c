@@ -10,11 +10,13 @@
  *       fch/bch[s]: channel (src rank * R + dst rank) of the message stage s sends forward/backward,
  *       -1 for none or a same-rank dependency; ftx/btx: size·β; flat/blat: α; lim: per-rank limit
  *       (already + 1e-9, as the Python does) or None; deltas: (M_F, M_D, M_W).
- *   run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f)
+ *   run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f, lim)
  *       -> (ids, makespan, waits), or (None, code, 0) when the Python would raise: code 1 = no rank
  *       can proceed (memory deadlock), 2 = no operation selectable (the Python's unpacking of None).
  *       wdur (per-stage W sub-block duration) and need_f (per-stage F memory need) are None to have
- *       them computed here (w/n_sub; mf + k_units·mf·#later), or sequences precomputed in Python.
+ *       them computed here (w/n_sub; mf + k_units·mf·#later), or sequences precomputed in Python; lim
+ *       (per-rank limits + 1e-9) overrides the spec's (None: the spec's), so one spec serves every
+ *       memory limit of a problem.
  *
  * Plain C and the CPython API (also valid C++: setup.py may compile it as C++20).  The scheduling
  * itself runs without the GIL.
@@ -302,7 +304,7 @@ typedef struct {
     /* inputs */
     const Spec *sp;
     int n_sub, backward_first, pending_rule, tie_cp, lookahead;
-    double *needf, *wdur;
+    double *needf, *wdur, *lim;
     /* state */
     int *fsd;           /* f_stage_done, S */
     int *qm;            /* 3S*N */
@@ -332,9 +334,9 @@ static inline int f_blocked(const Run *w, int r, int s) {
         double need;
         for (j = sp->later_off[s]; j < sp->later_off[s + 1]; j++) sum += (long long)w->fsd[s] + 1 - w->fsd[sp->later[j]];
         need = sp->mf * (double)(1 + sum);
-        return w->mem[r] + need > sp->lim[r];
+        return w->mem[r] + need > w->lim[r];
     }
-    return w->mem[r] + w->needf[s] > sp->lim[r];
+    return w->mem[r] + w->needf[s] > w->lim[r];
 }
 
 static int push_rank(Run *w, int r) {
@@ -568,7 +570,7 @@ static int greedy_core(Run *w) {
 }
 
 static PyObject *run(PyObject *self, PyObject *args) {
-    PyObject *cap, *wdur_o, *needf_o;
+    PyObject *cap, *wdur_o, *needf_o, *lim_o;
     int n_sub, backward_first, pending, tie_cp, lookahead;
     double kf;
     const Spec *sp;
@@ -579,8 +581,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *ids = NULL, *res = NULL;
     int *cnt = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OiiidiiOO", &cap, &n_sub, &backward_first, &pending, &kf, &tie_cp, &lookahead,
-                          &wdur_o, &needf_o))
+    if (!PyArg_ParseTuple(args, "OiiidiiOOO", &cap, &n_sub, &backward_first, &pending, &kf, &tie_cp, &lookahead,
+                          &wdur_o, &needf_o, &lim_o))
         return NULL;
     sp = (const Spec *)PyCapsule_GetPointer(cap, "titan_ext.plan._greedy_c.spec");
     if (!sp) return NULL;
@@ -596,6 +598,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
 
 #define ALIGN8(x) (((x) + 7) & ~(size_t)7)
     nbytes = ALIGN8(sizeof(double) * S) * 2            /* needf, wdur */
+             + ALIGN8(sizeof(double) * R)              /* lim */
              + ALIGN8(sizeof(int) * S)                 /* fsd */
              + ALIGN8(sizeof(int) * n)                 /* qm */
              + ALIGN8(sizeof(double) * n)              /* qa */
@@ -615,6 +618,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
 #define TAKE(ptr, type, count) do { ptr = (type *)p; p += ALIGN8(sizeof(type) * (size_t)(count)); } while (0)
     TAKE(w.needf, double, S);
     TAKE(w.wdur, double, S);
+    TAKE(w.lim, double, R);
     TAKE(w.fsd, int, S);
     TAKE(w.qm, int, n);
     TAKE(w.qa, double, n);
@@ -641,6 +645,12 @@ static PyObject *run(PyObject *self, PyObject *args) {
     if (wdur_o == Py_None) {
         for (s = 0; s < S; s++) w.wdur[s] = sp->w[s] / (double)n_sub;
     } else if (get_doubles(wdur_o, w.wdur, S) < 0) {
+        free(buf);
+        return NULL;
+    }
+    if (lim_o == Py_None) {
+        memcpy(w.lim, sp->lim, sizeof(double) * R);
+    } else if (get_doubles(lim_o, w.lim, R) < 0) {
         free(buf);
         return NULL;
     }
@@ -695,7 +705,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"make_spec", make_spec, METH_VARARGS, "make_spec(R, N, stage_to_rank, f, b, w, fch, ftx, flat, bch, btx, blat, lim, deltas) -> spec"},
     {"run", run, METH_VARARGS,
-     "run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f) -> (ids, makespan, waits)"},
+     "run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f, lim) -> (ids, makespan, waits)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_greedy_c",

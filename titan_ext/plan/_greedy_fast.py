@@ -24,7 +24,8 @@ except ImportError:  # not built (scripts/setup.sh builds it)
 __all__ = ["available", "greedy_ids"]
 
 _BIG = 2**53
-_cache: dict[int, tuple] = {}  # id(problem) -> (problem, spec capsule or None, need_f cache)
+_cache: dict[int, tuple] = {}  # id(problem) -> (problem, spec capsule or None, lim, need_f cache)
+_specs: dict[tuple, object] = {}  # everything but the memory limit (by value) -> spec capsule or None
 _CACHE_MAX = 256
 
 
@@ -39,7 +40,8 @@ def _exact_number(x) -> bool:
 
 
 def _build(problem):
-    """(spec capsule or None when the compiled path would not be exact, mf) for one problem."""
+    """The spec capsule of one problem without its memory limit (passed per call), or None when the
+    compiled path would not be exact."""
     R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
     s2r = problem.stage_to_rank
     mf, mi, mw = problem.memory_deltas
@@ -48,8 +50,6 @@ def _build(problem):
             return None
     if not all(_exact_number(x) for x in problem.w_ms):
         return None  # w / n_sub of a huge int is an exact rational division in Python
-    limit = problem.memory_limit
-    lim = None if limit is None else [x + 1e-9 for x in limit]
     fch, ftx, flat, bch, btx, blat = [-1] * S, [0.0] * S, [0.0] * S, [-1] * S, [0.0] * S, [0.0] * S
     for s in range(S):
         for dst, ch, tx, lat in ((s + 1, fch, ftx, flat), (s - 1, bch, btx, blat)):
@@ -62,7 +62,7 @@ def _build(problem):
                     lat[s] = problem.latency(h[0])
     try:
         return _C.make_spec(R, N, tuple(s2r), problem.f_ms, problem.b_ms, problem.w_ms, fch, ftx, flat, bch, btx,
-                            blat, lim, (mf, mi, mw))
+                            blat, None, (mf, mi, mw))
     except (OverflowError, TypeError):
         return None  # e.g. an int beyond the double range: let the Python reference decide
 
@@ -71,9 +71,27 @@ def _entry(problem):
     e = _cache.get(id(problem))
     if e is not None and e[0] is problem:
         return e
+    # a new problem object: the planner derives many that differ only in memory_limit
+    # (with_memory_limit), so the spec is shared by value of the other fields (Python's == on them is
+    # exact, and equal values give the compiled code equal doubles)
+    key = (problem.num_ranks, problem.num_microbatches, problem.stage_to_rank, problem.f_ms, problem.b_ms,
+           problem.w_ms, problem.link_latency_ms, problem.link_transfer_ms, problem.memory_deltas)
+    try:
+        spec = _specs[key]
+    except KeyError:
+        spec = _build(problem)
+        if len(_specs) >= _CACHE_MAX:
+            _specs.clear()
+        _specs[key] = spec
+    except TypeError:  # unhashable field values: no sharing
+        spec = _build(problem)
+    limit = problem.memory_limit
+    lim = None if limit is None else tuple(x + 1e-9 for x in limit)  # as greedy_schedule
+    if lim is not None and not all(isinstance(x, float) for x in lim):
+        spec = None  # an exotic limit type: let the Python reference decide
     if len(_cache) >= _CACHE_MAX:
         _cache.clear()
-    e = (problem, _build(problem), {})
+    e = (problem, spec, lim, {})
     _cache[id(problem)] = e  # holds the problem: its id cannot be reused while cached
     return e
 
@@ -104,7 +122,7 @@ def greedy_ids(problem, n_sub=1, steady="interleave", reserve="one", tie="microb
         raise ValueError(f"reserve must be 'one', 'pending' or an int >= 1, got {reserve!r}")
     pending = reserve == "pending"
     k_units = 1 if pending else reserve
-    problem_, spec, needs = _entry(problem)
+    problem_, spec, lim, needs = _entry(problem)
     if spec is None or n_sub >= 2**31:
         return _python(problem, n_sub, steady, reserve0, tie, lookahead)
     need_f = None  # computed in C: mf + k·mf·#later, exact for these k
@@ -117,7 +135,7 @@ def greedy_ids(problem, n_sub=1, steady="interleave", reserve="one", tie="microb
             need_f = tuple(mf + k_units * mf * sum(1 for s2 in range(s + 1, S) if s2r[s2] == s2r[s]) for s in range(S))
             needs[k_units] = need_f
     ids, mk, waits = _C.run(spec, n_sub, steady == "backward_first", pending, float(k_units) if need_f is None else 1.0,
-                            tie == "critical_path", bool(lookahead), None, need_f)
+                            tie == "critical_path", bool(lookahead), None, need_f, lim)
     if ids is None:
         if mk == 1:
             raise ValueError(

@@ -86,6 +86,7 @@ class FalconMonitor:
         self.suspicious: list = []
         self.slow_links: list[tuple[int, int]] = []
         self.slow_devices: list[int] = []
+        self.device_slowdown: dict[int, float] = {}  # GEMM probe time / median, per rank
         self.root_cause: str | None = None
         self.history: list[dict] = []
         self._period: int | None = None
@@ -205,6 +206,8 @@ class FalconMonitor:
         self.slow_links = locate_slow_links(link_times_s or {}, c.slow_link_ratio, link_reference_s,
                                             c.slow_link_min_excess_s)
         self.slow_devices = locate_slow_devices(gemm_times_s or {}, c.slow_device_ratio)
+        ref = float(np.median(list(gemm_times_s.values()))) if gemm_times_s else 1.0
+        self.device_slowdown = {k: v / ref for k, v in (gemm_times_s or {}).items()}
         out: dict = {
             "falcon/slow_links": ";".join(f"{a}->{b}" for a, b in self.slow_links),
             "falcon/slow_devices": ",".join(str(d) for d in self.slow_devices),
@@ -247,14 +250,27 @@ class FalconMonitor:
             raise ValueError("FalconConfig.num_microbatches is needed for a redistribution plan")
         return min_max_microbatch_split(m, per_group_microbatch_s)
 
+    def _replica_slowdown(self, row, factor: float) -> float:
+        slow = [d for d in row if d in self.slow_devices]
+        if not slow:
+            return 1.0
+        excess = {d: max(0.0, self.device_slowdown[d] - 1.0) for d in self.slow_devices}
+        worst = max(excess.values())
+        if worst <= 0.0:
+            return factor
+        return 1.0 + (factor - 1.0) * max(excess[d] for d in slow) / worst
+
     def _apply(self, strategy: str, out: dict) -> None:
         prev = out.get("falcon/apply")
         out["falcon/apply"] = strategy if not prev else f"{prev},{strategy}"
         if strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:
-            # Per-DP-replica micro-batch time ∝ its slowest device (GEMM slowdown relative to healthy).
-            slow = set(self.slow_devices)
+            # Per-DP-replica micro-batch time ∝ its slowest device. The measured iteration slowdown
+            # is that of the replica holding the slowest flagged device; a replica whose flagged
+            # device is less slow (on a shared host a second probe may cross the 1.1× threshold)
+            # gets a share of it in proportion to its own GEMM excess, replicas with no flagged
+            # device stay at 1.
             factor = self.detector.current_mean_s / (self.detector.healthy_mean_s or 1.0)
-            per_dp = [factor if slow & set(row) else 1.0 for row in self.grid]
+            per_dp = [self._replica_slowdown(row, factor) for row in self.grid]
             if self.config.num_microbatches is not None:
                 out["falcon/plan/microbatch_split"] = json.dumps(self.plan_microbatch_split(per_dp))
         if strategy == "pipemorph_replan":
