@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_ext.plan import LinkProfile, PipelineProfile, plan_pipemorph, simulate, validate_plan  # noqa: E402
-from titan_ext.plan.crosspipe import plan_crosspipe, problem_from_profile  # noqa: E402
+from titan_ext.plan.crosspipe import DEFAULT_BUDGET, plan_crosspipe, problem_from_profile  # noqa: E402
 
 # name, stages, microbatches, slow links {link: (latency ms, transfer ms per message)}
 CONFIGS = [
@@ -76,8 +76,9 @@ def run_case(name, stages, micro, slow, seed, args, cache=None) -> dict:
         "crossud-alg1": lambda: plan_crosspipe(prof, "ud", memory_limit=limit, portfolio=False, validate=False).actions,
         "crossudsub-alg1": lambda: plan_crosspipe(prof, "udsub", memory_limit=limit, portfolio=False, validate=False).actions,
         # the default planners: budgeted portfolio + selection by simulation (§6.2) + local search
-        "crossud": lambda: plan_crosspipe(prof, "ud", memory_limit=limit, validate=False).actions,
-        "crossudsub": lambda: plan_crosspipe(prof, "udsub", memory_limit=limit, validate=False).actions,
+        "crossud": lambda: plan_crosspipe(prof, "ud", memory_limit=limit, validate=False, budget=args.budget).actions,
+        "crossudsub": lambda: plan_crosspipe(prof, "udsub", memory_limit=limit, validate=False,
+                                             budget=args.budget).actions,
     }
     if args.full:  # no budget: every member, local search to a local optimum (slow; timed once)
         plans["crossudsub-full"] = lambda: plan_crosspipe(prof, "udsub", memory_limit=limit, validate=False,
@@ -187,6 +188,8 @@ def main(argv=None) -> int:
                     help="JSON {case: {makespan_ms, bound_ms, optimal, wall_s}}: solver results are read from it "
                          "(solved and added when absent)")
     ap.add_argument("--resolve", action="store_true", help="re-solve every case even if cached (and update the cache)")
+    ap.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                    help=f"work budget of the default planners (default {DEFAULT_BUDGET}; see plan_crosspipe)")
     ap.add_argument("--full", action="store_true", help="also the unbudgeted CrossUDSub (budget=None; timed once)")
     ap.add_argument("--delay-table", action="store_true",
                     help="print the issue's delay-ratio comparison (CrossUD vs 1F1B/zb/zb-h1, CrossWave vs ZBV) and exit")

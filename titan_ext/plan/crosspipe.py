@@ -1133,8 +1133,6 @@ class CrossPipePlan:
     """whether the local search improved the best member (then ``orders`` differ from its greedy plan)."""
 
 
-
-
 DEFAULT_BUDGET = 25_000
 """Default work budget of :func:`plan_crosspipe_problem`, in operations replayed (one replay of a plan
 = its 3·N·S operations; one greedy run = ``GREEDY_COST`` per scheduling step).  Sized so that the
@@ -1163,10 +1161,10 @@ _WAVE_PRIORITY = (
     ("limit", 1, "backward_first", "pending", False),
 )
 _MEMBER_SHARE = 0.5
+"""share of the budget the greedy members may use before the local search starts."""
 _MIN_MEMBERS = {"wave": len(_WAVE_PRIORITY)}
 """members always generated, whatever the budget, and not charged to it (CrossWave: its three
 delay-table winners; the default UD budget is unchanged)."""
-"""share of the budget the greedy members may use before the local search starts."""
 _NEIGHBOUR_MAX_STAGES = 4
 """cap-neighbour members (``_cap_neighbours``) only on problems with at most this many stages, where a
 greedy run is cheap (S=4, N=12: ≈ 0.5 ms)."""
@@ -1180,9 +1178,9 @@ _NEIGHBOUR_FIRST = 0.03
 """the best cap neighbour is the first local-search start when its replayed makespan is within this
 fraction of the best member's."""
 _MAX_STARTS = 4
+"""local search from at most this many of the best members (in order, while the budget lasts)."""
 _DEPTH = 4
 """how far (positions) a local-search move may shift an operation."""
-"""local search from at most this many of the best members (in order, while the budget lasts)."""
 
 
 COMPILED_SCALE = 40
@@ -1473,6 +1471,10 @@ def plan_crosspipe_problem(
     the rest.  The result is deterministic for a given budget.  ``budget=None``: every member, then
     the local search until no move improves.  ``time_budget_ms`` additionally stops both phases at a
     wall-clock deadline (not deterministic; off by default).
+
+    ``engine=True`` (default): where the compiled modules are built (``_compiled()``), the portfolio
+    and search run on them instead (:func:`_plan_compiled`: more members, descents and annealing for
+    the same budget; a different, also deterministic, plan); ``engine=False`` forces the Python path.
     """
     t0 = time.perf_counter()
     deadline = None if time_budget_ms is None else t0 + time_budget_ms / 1e3
