@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3, help="cases per configuration (seeds FIRST..FIRST+n-1)")
     ap.add_argument("--first-seed", type=int, default=0,
-                    help="first seed (0: the benchmark cases; 3 with --seeds 10: the held-out cases, solved into "
+                    help="first seed (0: the benchmark cases; 3 with --seeds 6: the 24 held-out cases, solved into "
                          "docs/benchmarks/crosspipe_holdout_cache.json)")
     ap.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit per case (s)")
     ap.add_argument("--workers", type=int, default=2, help="CP-SAT search workers")

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plain", action="store_true", help="the plain §4.1 model (no redundant constraints)")
     ap.add_argument("--memory", type=int, default=1)
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every configuration (the bench uses 3;"
-                    " higher seeds are the held-out cases of scripts/bench_optimality.py --holdout)")
+                    " seeds 3..8 are the held-out cases of scripts/bench_optimality.py --first-seed 3 --seeds 6)")
     ap.add_argument("--cache", type=Path, default=None, help="merge results into this JSON cache")
     ap.add_argument("--log", action="store_true")
     args = ap.parse_args(argv)
