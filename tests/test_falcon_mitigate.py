@@ -323,3 +323,10 @@ def test_monitor_from_call_records_bounded_buffer_and_pattern_change():
     assert good.sum() >= len(times) - 3 and len(times) >= 140
     onsets = [c for c in mon.detector.change_points if c.kind == "onset"]
     assert len(onsets) == 1 and abs(onsets[0].detected_at - (len(times) - 50)) <= 4
+
+
+def test_config_rejects_ratios_below_one():
+    for name in ("suspicious_ratio", "slow_link_ratio", "slow_device_ratio"):
+        with pytest.raises(ValueError, match=name):
+            FalconConfig(**{name: 0.9})
+    assert FalconConfig(slow_device_ratio=1.0).slow_device_ratio == 1.0

@@ -5,18 +5,18 @@
  * orders, the same makespan and the same number of lookahead waits
  * (tests/test_crosspipe_greedy_c.py).  The Python wrapper is titan_ext.plan._greedy_fast.
  *
- *   spec = make_spec(R, N, stage_to_rank, f, b, w, fch, ftx, flat, bch, btx, blat, lim, deltas)
+ *   spec = make_spec(R, N, stage_to_rank, f, b, w, fch, ftx, flat, bch, btx, blat, deltas)
  *       an opaque capsule with the problem on flat arrays (built once per problem by the wrapper):
  *       fch/bch[s]: channel (src rank * R + dst rank) of the message stage s sends forward/backward,
- *       -1 for none or a same-rank dependency; ftx/btx: size·β; flat/blat: α; lim: per-rank limit
- *       (already + 1e-9, as the Python does) or None; deltas: (M_F, M_D, M_W).
+ *       -1 for none or a same-rank dependency; ftx/btx: size·β; flat/blat: α; deltas: (M_F, M_D, M_W).
+ *       The spec holds no memory limit: it is an argument of run, so one spec serves every
+ *       memory limit of a problem.
  *   run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f, lim)
  *       -> (ids, makespan, waits), or (None, code, 0) when the Python would raise: code 1 = no rank
  *       can proceed (memory deadlock), 2 = no operation selectable (the Python's unpacking of None).
  *       wdur (per-stage W sub-block duration) and need_f (per-stage F memory need) are None to have
- *       them computed here (w/n_sub; mf + k_units·mf·#later), or sequences precomputed in Python; lim
- *       (per-rank limits + 1e-9) overrides the spec's (None: the spec's), so one spec serves every
- *       memory limit of a problem.
+ *       them computed here (w/n_sub; mf + k_units·mf·#later), or sequences precomputed in Python; lim:
+ *       per-rank limits (already + 1e-9, as the Python does) or None (unlimited).
  *
  * Plain C and the CPython API (also valid C++: setup.py may compile it as C++20).  The scheduling
  * itself runs without the GIL.
@@ -38,7 +38,6 @@ typedef struct {
     int *later_off, *later;    /* S+1, list: later stages of the same rank */
     int any_later;
     int *ch_off;               /* nch+1: link window storage per channel */
-    double *lim;               /* R */
     double mf, mi, mw;
     PyObject *idobj;           /* tuple of the ints 0..3NS-1 (output without allocations) */
 } Spec;
@@ -53,7 +52,7 @@ static void spec_free(Spec *sp) {
     if (!sp) return;
     free(sp->s2r); free(sp->f); free(sp->b); free(sp->w); free(sp->fch); free(sp->bch);
     free(sp->ftx); free(sp->flat); free(sp->btx); free(sp->blat); free(sp->rq_off); free(sp->rq); free(sp->rq_k); free(sp->rq_s);
-    free(sp->later_off); free(sp->later); free(sp->ch_off); free(sp->lim);
+    free(sp->later_off); free(sp->later); free(sp->ch_off);
     Py_XDECREF(sp->idobj);
     free(sp);
 }
@@ -101,13 +100,13 @@ static int get_ints(PyObject *seq, int *dst, int n) {
 
 static PyObject *make_spec(PyObject *self, PyObject *args) {
     int R, N, S, s, r, k, i, pos, nch;
-    PyObject *s2r, *f, *b, *w, *fch, *ftx, *flat, *bch, *btx, *blat, *lim, *deltas;
+    PyObject *s2r, *f, *b, *w, *fch, *ftx, *flat, *bch, *btx, *blat, *deltas;
     double d3[3];
     Spec *sp;
     PyObject *cap;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iiOOOOOOOOOOOO", &R, &N, &s2r, &f, &b, &w, &fch, &ftx, &flat, &bch, &btx,
-                          &blat, &lim, &deltas))
+    if (!PyArg_ParseTuple(args, "iiOOOOOOOOOOO", &R, &N, &s2r, &f, &b, &w, &fch, &ftx, &flat, &bch, &btx,
+                          &blat, &deltas))
         return NULL;
     if (R < 1 || N < 1) { PyErr_SetString(PyExc_ValueError, "R and N must be positive"); return NULL; }
     S = (int)PySequence_Size(s2r);
@@ -134,9 +133,8 @@ static PyObject *make_spec(PyObject *self, PyObject *args) {
     sp->later_off = (int *)calloc(S + 1, sizeof(int));
     sp->later = (int *)malloc(sizeof(int) * (S * S + 1));
     sp->ch_off = (int *)calloc(nch + 1, sizeof(int));
-    sp->lim = (double *)malloc(sizeof(double) * R);
     if (!sp->s2r || !sp->f || !sp->b || !sp->w || !sp->fch || !sp->bch || !sp->ftx || !sp->flat || !sp->btx
-        || !sp->blat || !sp->rq_off || !sp->rq || !sp->rq_k || !sp->rq_s || !sp->later_off || !sp->later || !sp->ch_off || !sp->lim) {
+        || !sp->blat || !sp->rq_off || !sp->rq || !sp->rq_k || !sp->rq_s || !sp->later_off || !sp->later || !sp->ch_off) {
         spec_free(sp);
         return PyErr_NoMemory();
     }
@@ -149,12 +147,6 @@ static PyObject *make_spec(PyObject *self, PyObject *args) {
         return NULL;
     }
     sp->mf = d3[0]; sp->mi = d3[1]; sp->mw = d3[2];
-    if (lim == Py_None) {
-        for (r = 0; r < R; r++) sp->lim[r] = INFINITY;
-    } else if (get_doubles(lim, sp->lim, R) < 0) {
-        spec_free(sp);
-        return NULL;
-    }
     for (s = 0; s < S; s++) {
         if (sp->s2r[s] < 0 || sp->s2r[s] >= R || sp->fch[s] < -1 || sp->fch[s] >= nch || sp->bch[s] < -1
             || sp->bch[s] >= nch) {
@@ -649,7 +641,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (lim_o == Py_None) {
-        memcpy(w.lim, sp->lim, sizeof(double) * R);
+        for (r = 0; r < R; r++) w.lim[r] = INFINITY;
     } else if (get_doubles(lim_o, w.lim, R) < 0) {
         free(buf);
         return NULL;
@@ -703,7 +695,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"make_spec", make_spec, METH_VARARGS, "make_spec(R, N, stage_to_rank, f, b, w, fch, ftx, flat, bch, btx, blat, lim, deltas) -> spec"},
+    {"make_spec", make_spec, METH_VARARGS, "make_spec(R, N, stage_to_rank, f, b, w, fch, ftx, flat, bch, btx, blat, deltas) -> spec"},
     {"run", run, METH_VARARGS,
      "run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f, lim) -> (ids, makespan, waits)"},
     {NULL, NULL, 0, NULL}};

@@ -62,7 +62,7 @@ def _build(problem):
                     lat[s] = problem.latency(h[0])
     try:
         return _C.make_spec(R, N, tuple(s2r), problem.f_ms, problem.b_ms, problem.w_ms, fch, ftx, flat, bch, btx,
-                            blat, None, (mf, mi, mw))
+                            blat, (mf, mi, mw))
     except (OverflowError, TypeError):
         return None  # e.g. an int beyond the double range: let the Python reference decide
 
@@ -87,8 +87,6 @@ def _entry(problem):
         spec = _build(problem)
     limit = problem.memory_limit
     lim = None if limit is None else tuple(x + 1e-9 for x in limit)  # as greedy_schedule
-    if lim is not None and not all(isinstance(x, float) for x in lim):
-        spec = None  # an exotic limit type: let the Python reference decide
     if len(_cache) >= _CACHE_MAX:
         _cache.clear()
     e = (problem, spec, lim, {})

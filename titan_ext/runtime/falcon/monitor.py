@@ -57,6 +57,11 @@ class FalconConfig:
     period_window: int = 2048
     """Calls over which the period is (re-)estimated (max lag = half of it)."""
 
+    def __post_init__(self) -> None:
+        for name in ("suspicious_ratio", "slow_link_ratio", "slow_device_ratio"):
+            if not getattr(self, name) >= 1.0:  # below 1 would flag the median itself as slow
+                raise ValueError(f"FalconConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+
 
 class FalconMonitor:
     """``observe(iteration_time_s, per_group_times) -> dict`` once per iteration.
@@ -251,14 +256,12 @@ class FalconMonitor:
         return min_max_microbatch_split(m, per_group_microbatch_s)
 
     def _replica_slowdown(self, row, factor: float) -> float:
-        slow = [d for d in row if d in self.slow_devices]
+        # flagged devices are > slow_device_ratio (≥ 1) × the median, so every excess is > 0
+        slow = [self.device_slowdown[d] - 1.0 for d in row if d in self.slow_devices]
         if not slow:
             return 1.0
-        excess = {d: max(0.0, self.device_slowdown[d] - 1.0) for d in self.slow_devices}
-        worst = max(excess.values())
-        if worst <= 0.0:
-            return factor
-        return 1.0 + (factor - 1.0) * max(excess[d] for d in slow) / worst
+        worst = max(self.device_slowdown[d] for d in self.slow_devices) - 1.0
+        return 1.0 + (factor - 1.0) * max(slow) / worst
 
     def _apply(self, strategy: str, out: dict) -> None:
         prev = out.get("falcon/apply")
