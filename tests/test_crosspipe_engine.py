@@ -1,8 +1,8 @@
 """The compiled search engine (``titan_ext/plan/_search.c``) against its pure-Python reference.
 
 ``_search.c`` re-implements three pieces of ``titan_ext.plan.crosspipe`` for speed: the timing model
-(``_Model.run``), the critical-path descent (``_local_search`` with ``max_evals``) and the annealing
-(``_anneal``).  Two independent implementations of the same algorithm must return the *same* plans,
+(``model.Model.run``), the critical-path descent (``search.local_search`` with ``max_evals``) and the
+annealing (``search.anneal``).  Two independent implementations of the same algorithm must return the *same* plans,
 bit for bit, for the same number of evaluations — on random problems (one stage per rank and V-shape,
 memory limits, slow links), starting from greedy plans.  The planner runs the compiled one; without it
 the Python one (``test_planner_without_engine``).
@@ -16,15 +16,11 @@ import random
 import pytest
 
 from titan_ext.plan import validate_plan
-from titan_ext.plan.crosspipe import (
-    _anneal,
-    _compiled,
-    _local_search,
-    _Model,
-    greedy_schedule,
-    plan_crosspipe_problem,
-    replay,
-)
+from titan_ext.plan.crosspipe import greedy_schedule, plan_crosspipe_problem, replay
+from titan_ext.plan.crosspipe._compiled import available as _compiled
+from titan_ext.plan.crosspipe.model import Model as _Model
+from titan_ext.plan.crosspipe.search import anneal as _anneal
+from titan_ext.plan.crosspipe.search import local_search as _local_search
 
 from test_crosspipe_search import _random_problem
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .plan import LinkProfile, PipelineProfile, simulate
-from .plan.crosspipe import CROSSPIPE_SCHEDULES
+from .plan.schedules import CROSSPIPE_SCHEDULES
 from .plan.pipemorph import SCHEDULES, plan_pipemorph
 from .plan.warmup import slackness
 
@@ -162,7 +162,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
     """CrossPipe greedy / CP-SAT plan (issue 6) → (actions, profile to simulate with, info)."""
-    from .plan.crosspipe import plan_by_name
+    from .plan.schedules import plan_by_name
 
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be > 0")

@@ -1,8 +1,8 @@
 /* Compiled search engine of the CrossPipe planner (titan_ext.plan.crosspipe).
  *
- * The same algorithms as the pure-Python reference in crosspipe.py — the timing model of CrossPipe
- * §3.5 on flat arrays (crosspipe._Model), the critical-path descent (crosspipe._critical_moves /
- * _local_search with ``max_evals``) and the annealing of crosspipe._anneal — with the same
+ * The same algorithms as the pure-Python reference in the crosspipe package — the timing model of CrossPipe
+ * §3.5 on flat arrays (crosspipe.model.Model), the critical-path descent (crosspipe.search.critical_moves /
+ * local_search with ``max_evals``) and the annealing of crosspipe.search.anneal — with the same
  * floating-point operations in the same order and the same random numbers (splitmix64), so for a
  * given number of evaluations both return the same plan (tests/test_crosspipe_engine.py).  Only
  * faster: the planner's time budget buys ~100x more plan evaluations here.
@@ -65,7 +65,7 @@ static int get_int_list(PyObject *seq, int *dst, int n) {
     return 0;
 }
 
-/* spec = (N, R, nch, dur, out, rank, kind, prod, delta) as built by crosspipe._Model.spec() */
+/* spec = (N, R, nch, dur, out, rank, kind, prod, delta) as built by crosspipe.model.Model.spec() */
 static int model_parse(PyObject *spec, Model *m) {
     memset(m, 0, sizeof(*m));
     PyObject *dur, *out, *rank, *kind, *prod, *delta;
@@ -160,7 +160,7 @@ static void work_free(Work *w) {
     free(w->start); free(w->avail); free(w->free_); free(w->chfree); free(w->pos); free(w->stack); free(w->queued);
 }
 
-/* crosspipe._Model.run / _loop from scratch.  Returns the makespan (inf: deadlock, or an operation
+/* crosspipe.model.Model.run / _loop from scratch.  Returns the makespan (inf: deadlock, or an operation
  * ended after ``bound``, or its end plus its rank's remaining work exceeded bound + 1e-7 when ``tail``
  * is given); *sf = Σ rank finish times.  start/avail in ``w`` (start only when ``detail``). */
 static double run(const Model *m, const Orders *o, Work *w, double bound, const double *tail, int detail, double *sf) {
@@ -279,7 +279,7 @@ static int moveset_add(MoveSet *s, int r, int p, int q, int n) {
     return 0;
 }
 
-/* crosspipe._critical_moves, same moves in the same order. */
+/* crosspipe.search.critical_moves, same moves in the same order. */
 static int critical_moves(const Model *m, const Orders *o, const double *start, const double *avail, int depth,
                           int long_moves, int gap_fill, int *posof, MoveSet *s) {
     const int N = m->N, n = m->n;
@@ -381,7 +381,7 @@ static PyObject *py_model(PyObject *self, PyObject *args) {
     return cap;
 }
 
-/* spec: a model capsule or the tuple of crosspipe._Model.spec() */
+/* spec: a model capsule or the tuple of crosspipe.model.Model.spec() */
 static int ctx_init(Ctx *c, PyObject *spec, PyObject *orders, PyObject *limit) {
     memset(c, 0, sizeof(*c));
     if (PyCapsule_CheckExact(spec)) {
@@ -421,7 +421,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
 }
 
 /* descent(spec, orders, limit, max_evals, depth, long_moves, gap_fill) -> (orders, makespan, evals)
- * = crosspipe._local_search(model, orders, limit, inf, depth, max_evals=..., long_moves=..., gap_fill=...). */
+ * = crosspipe.search.local_search(model, orders, limit, inf, depth, max_evals=..., long_moves=..., gap_fill=...). */
 static PyObject *py_descent(PyObject *self, PyObject *args) {
     PyObject *spec, *orders, *limit; long long max_evals; int depth, long_moves, gap_fill;
     if (!PyArg_ParseTuple(args, "OOOLiii", &spec, &orders, &limit, &max_evals, &depth, &long_moves, &gap_fill)) return NULL;
@@ -482,7 +482,7 @@ done:
     return res;
 }
 
-/* The state of one annealing run (crosspipe._anneal). */
+/* The state of one annealing run (crosspipe.search.anneal). */
 typedef struct {
     const Model *m;
     const double *limit;
@@ -554,7 +554,7 @@ static void chain_run(Chain *c) {
 }
 
 /* anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals):
- * crosspipe._anneal — the best plan seen and the evaluations made. */
+ * crosspipe.search.anneal — the best plan seen and the evaluations made. */
 static PyObject *py_anneal(PyObject *self, PyObject *args) {
     PyObject *spec, *orders, *limit, *ol, *res = NULL;
     long long max_evals;
@@ -589,7 +589,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_search_c", "Compiled CrossPipe plan search (see crosspipe.py).",
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_search_c", "Compiled CrossPipe plan search (see titan_ext.plan.crosspipe).",
                                     -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__search_c(void) { return PyModule_Create(&moddef); }
