@@ -162,14 +162,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
     """CrossPipe greedy / CP-SAT plan (issue 6) → (actions, profile to simulate with, info)."""
-    from .plan.schedules import plan_by_name
+    from .plan.schedules import plan_crosspipe_by_name
 
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be > 0")
     if getattr(args, "memory_limit", None) is not None and args.memory_limit < 1:
         raise UsageError("--memory-limit must be >= 1 activation")
     try:
-        actions, sim_profile, _, info = plan_by_name(
+        actions, sim_profile, _, info = plan_crosspipe_by_name(
             profile, args.schedule, memory_limit=getattr(args, "memory_limit", None), time_limit_s=args.time_limit
         )
     except (ImportError, ValueError) as e:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .crosspipe import plan_crosspipe, wave_profile
 from .optimal import solve_optimal
 
-__all__ = ["CROSSPIPE_SCHEDULES", "plan_by_name"]
+__all__ = ["CROSSPIPE_SCHEDULES", "plan_crosspipe_by_name"]
 
 CROSSPIPE_SCHEDULES = ("crosspipe-ud", "crosspipe-udsub", "crosspipe-wave", "optimal")
 
@@ -20,7 +20,8 @@ def _optimal(profile, memory_limit: int | None, time_limit_s: float) -> tuple:
     return res.actions, profile, tuple(range(profile.num_stages)), info
 
 
-def plan_by_name(profile, name: str, memory_limit: int | None = None, time_limit_s: float = 60.0) -> tuple:
+def plan_crosspipe_by_name(profile, name: str, memory_limit: int | None = None,
+                           time_limit_s: float = 60.0) -> tuple:
     """Plan ``name`` (one of ``CROSSPIPE_SCHEDULES``) for a one-stage-per-rank ``profile``.
 
     Returns ``(actions, sim_profile, stage_to_rank, info)``: the validated torch-IR plan, the profile to
