@@ -19,7 +19,7 @@ from .greedy import greedy_schedule
 from .model import Model
 from .problem import CROSSPIPE_VARIANTS, CrossPipeProblem, F, I, W, Op, peak_memory, problem_from_profile, to_actions, \
     wave_stage_to_rank
-from .search import anneal, local_search
+from .search import local_search
 from .tuning import DEFAULT_BUDGET, TUNING
 
 T = TUNING
