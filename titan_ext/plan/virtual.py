@@ -146,26 +146,21 @@ def virtual_link_tolerance_ms(
 
 
 # ----------------------------------------------------------------------------- generator
-F_ORDERS = ("microbatch", "depth")
-
-
 def generate_virtual_order(
     profile: PipelineProfile,
     stage_to_rank: Sequence[int],
     warmup_counts: Sequence[int],
     inflight_limit: Sequence[int] | None = None,
-    *,
-    f_order: str = "microbatch",
 ) -> GeneratedSchedule:
     """PipeMorph Alg.3/4 over a stage graph with several stages per rank, event-driven and exact.
 
     A rank decides when it is free (or when an input reaches it idle): among its stages' ready
-    operations it runs a backward-input I (lowest microbatch first) > F > W (oldest first). A stage's I
-    is eligible once the stage has run its ``x_s`` warm-up forwards (or all N); its F only while its
-    in-flight activations (F done − I done) are below ``inflight_limit[s]`` (default x_s).
-    ``f_order``: which ready F goes first — "microbatch" (lowest microbatch, then the deeper stage) or
-    "depth" (the deepest stage). Messages follow ``timing.LinkQueues`` on the channels (src rank, dst
-    rank); a boundary inside one rank is free. Returns rank → ops and the generator's makespan.
+    operations it runs a backward-input I > F > W; among I's and among F's the lowest microbatch first
+    (which is also the deepest stage: a stage only receives microbatches its upstream stage finished),
+    among W's the oldest. A stage's I is eligible once the stage has run its ``x_s`` warm-up forwards
+    (Alg.3's warm-up phase); its F only while its in-flight activations (F done − I done) are below
+    ``inflight_limit[s]`` (default x_s). Messages follow ``timing.LinkQueues`` on the channels (src rank,
+    dst rank); a boundary inside one rank is free. Returns rank → ops and the generator's makespan.
     """
     S, N = profile.num_stages, profile.num_microbatches
     s2r = list(stage_to_rank)
@@ -173,8 +168,6 @@ def generate_virtual_order(
     limit = list(x) if inflight_limit is None else [int(v) for v in inflight_limit]
     if len(s2r) != S or len(x) != S or len(limit) != S:
         raise ValueError(f"stage_to_rank, warmup_counts and inflight_limit need one entry per stage ({S})")
-    if f_order not in F_ORDERS:
-        raise ValueError(f"f_order must be one of {F_ORDERS}, got {f_order!r}")
     for s in range(S):
         if not 1 <= x[s] <= min(N, limit[s]):
             raise ValueError(f"warmup_counts[{s}] = {x[s]} must be within 1..min(N, inflight_limit[{s}])")
@@ -193,7 +186,6 @@ def generate_virtual_order(
     free_at = [0] * R
     order: dict[int, list[Op]] = {r: [] for r in range(R)}
     remaining, makespan = 3 * N * S, 0
-    depth = f_order == "depth"
     wake = [(0, r) for r in range(R)]
 
     def send(s: int, dst_stage: int, done: int, queue: deque, mb: int) -> None:
@@ -214,7 +206,7 @@ def generate_virtual_order(
             if b_q[s] and b_q[s][0][0] <= t and f_count[s] >= x[s]:
                 key = (0, b_q[s][0][1], -s)
             elif f_q[s] and f_q[s][0][0] <= t and f_count[s] - b_count[s] < limit[s]:
-                key = (1, -s, 0) if depth else (1, f_q[s][0][1], -s)
+                key = (1, f_q[s][0][1], -s)
             elif w_q[s]:
                 key = (2, w_q[s][0][0], -s)
             else:
@@ -276,10 +268,11 @@ def plan_virtual(
     """Plan R ranks × V stages per rank for the rank-level ``profile`` (R ranks, R−1 rank links).
 
     ``schedule="pipemorph"``: a portfolio — our generator with the virtual-stage warm-up rule (slack
-    floor 1 and 2, both F orders, capped and uncapped in-flight), torch's own built-ins for the
-    placement (V = 2: Interleaved1F1B / InterleavedZeroBubble for "loop", ZBVZeroBubble / DualPipeV for
-    "v") and CrossWave ("v", V = 2) — each simulated by ``simulate`` under the profile; the fastest is
-    kept (ties: the first in that order), so the result is never slower than the built-ins it saw.
+    floor 1 and 2; in-flight capped at x_s, or uncapped), torch's own built-ins for the placement
+    (V = 2: Interleaved1F1B / InterleavedZeroBubble for "loop", ZBVZeroBubble / DualPipeV for "v") and
+    CrossWave ("v", V = 2) — each simulated by ``simulate`` under the profile; the fastest is kept
+    (ties: fewer activations held per rank, then the first in that order), so the result is never
+    slower than the built-ins it saw.
     ``schedule="crosspipe-wave"``: CrossWave alone ("v", V = 2). ``memory_limit``: at most that many
     in-flight activations per stage (our plans are capped; other candidates above it are dropped).
     The returned plan has passed ``validate_plan`` (torch's lowering and dry run included).
@@ -298,13 +291,15 @@ def plan_virtual(
     stage_profile, s2r = virtual_profile(profile, num_virtual_stages, placement, stage_times_ms=stage_times_ms)
     with gc_paused():
         members = _candidates(stage_profile, s2r, placement, schedule, memory_limit)
-        results = {}
+        scores = {}
         for name, (ops, x, limit) in members.items():
-            results[name] = _simulated_ms(ops, stage_profile, s2r, limit, memory_limit)
-        feasible = {k: v for k, v in results.items() if v is not None}
-        if not feasible:
+            score = _score(ops, stage_profile, s2r, memory_limit)
+            if score is not None:
+                scores[name] = score
+        if not scores:
             raise ValueError(f"no {schedule} candidate fits memory_limit = {memory_limit} activations per stage")
-        best = min(feasible, key=feasible.get)  # dicts keep insertion order: ties go to the first
+        best = min(scores, key=scores.get)  # dicts keep insertion order: full ties go to the first
+        feasible = {k: v[0] for k, v in scores.items()}
         ops, x, limit = members[best]
         if validate:
             validate_plan(ops, stage_profile.num_stages, stage_profile.num_microbatches, inflight_limit=limit)
@@ -327,19 +322,23 @@ def _candidates(stage_profile, s2r, placement, schedule, memory_limit) -> dict[s
         cap = N if memory_limit is None else min(N, memory_limit)
         for floor in (1, 2):
             x = [min(v, cap) for v in virtual_warmup_counts(stage_profile, s2r, slack_floor=floor)]
-            for f_order in F_ORDERS:
-                for capped in (True, False):
-                    limit = list(x) if capped else [cap] * S
-                    gen = generate_virtual_order(stage_profile, s2r, x, limit, f_order=f_order)
-                    name = f"pipemorph(floor={floor},{f_order},{'capped' if capped else 'uncapped'})"
-                    out[name] = (gen.order, x, limit)
+            for capped in (True, False):
+                limit = list(x) if capped else [cap] * S
+                gen = generate_virtual_order(stage_profile, s2r, x, limit)
+                out[f"pipemorph(floor={floor},{'capped' if capped else 'uncapped'})"] = (gen.order, x, limit)
         if V == 2:
             out.update(_builtin_members(PLACEMENT_BUILTINS[placement], S // 2, N, s2r))
     if placement == "v" and V == 2:
         from .crosspipe import plan_crosspipe
 
-        wave = plan_crosspipe(stage_profile, "wave", validate=False)
-        out["crosswave"] = (as_ops(wave.actions), None, None)
+        per_rank = None if memory_limit is None else 2 * memory_limit
+        try:
+            wave = plan_crosspipe(stage_profile, "wave", memory_limit=per_rank, validate=False)
+        except ValueError:  # no CrossWave schedule fits the limit: only fatal when it is the one asked for
+            if schedule == "crosspipe-wave":
+                raise
+        else:
+            out["crosswave"] = (as_ops(wave.actions), None, None)
     return out
 
 
@@ -358,11 +357,25 @@ def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, Candi
     return out
 
 
-def _simulated_ms(ops, stage_profile, s2r, limit, memory_limit) -> float | None:
-    """Simulated makespan of one candidate, None when it holds more than ``memory_limit`` per stage."""
+def _score(ops, stage_profile, s2r, memory_limit) -> tuple[float, int] | None:
+    """(simulated makespan, most activations a rank holds) of one candidate; None when a stage holds
+    more than ``memory_limit``."""
     from .simulate import simulate
 
     timeline = simulate(ops, stage_profile, stage_to_rank=dict(enumerate(s2r)))
     if memory_limit is not None and max(timeline.peak_inflight.values()) > memory_limit:
         return None
-    return timeline.makespan_ms
+    return timeline.makespan_ms, max(rank_peak_inflight(ops).values())
+
+
+def rank_peak_inflight(ops) -> dict[int, int]:
+    """Per rank, the most activations held at once over all its stages (F done − I/B done, program
+    order): the per-rank memory that ``simulate``'s per-stage ``peak_inflight`` sums over time."""
+    out = {}
+    for rank, rank_ops in as_ops(ops).items():
+        held = peak = 0
+        for _, kind, _ in rank_ops:
+            held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
+            peak = max(peak, held)
+        out[rank] = peak
+    return out
