@@ -172,7 +172,8 @@ def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> Non
     if args.virtual_stages < 2:
         raise UsageError("--virtual-stages must be >= 2 (one stage per rank: leave it out)")
     if args.schedule not in VIRTUAL_SCHEDULES:
-        raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of {', '.join(VIRTUAL_SCHEDULES)}")
+        choices = ", ".join(VIRTUAL_SCHEDULES)
+        raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of {choices}")
     if args.backward != "split":
         raise UsageError("--backward full: multi-stage plans split backwards only")
     if args.memory_limit is not None and args.memory_limit < 1:

@@ -18,10 +18,11 @@ Eq.1 (PipeMorph §4.2) becomes, for the boundary s → s+1 carried by a link of 
 with Δ_s = x_s − x_{s+1} the slackness between consecutive stages and P_r the steady-state period of
 the downstream rank (one F and one B of each of its V chunks per microbatch). With V = 1 it is Eq.1.
 For uniform times (a rank's t split into V chunks of t/V) it reads c ≤ (Δ_s − 1/V)·t: the analogue of
-Theorem 1 — a sufficient condition here, not a tight one (docs/multistage.md). The schedule is then generated event-driven over the stage graph (Alg.3/4 with several
-stages per rank: B(I) > F > W, per-stage warm-up and in-flight cap x_s), and a portfolio keeps the
-fastest of that plan, torch's own built-ins for the placement and (V-shape) CrossWave, all simulated
-by ``simulate`` and the winner checked by ``validate_plan``.
+Theorem 1 — a sufficient condition here, not a tight one (docs/multistage.md). The schedule is then
+generated event-driven over the stage graph (Alg.3/4 with several stages per rank: B(I) > F > W,
+per-stage warm-up and in-flight cap x_s), and a portfolio keeps the fastest of that plan, torch's own
+built-ins for the placement and (V-shape) CrossWave, all simulated by ``simulate`` and the winner
+checked by ``validate_plan``.
 """
 
 from __future__ import annotations
