@@ -164,6 +164,9 @@ def test_cli_matches_simulate_builtin(capsys):
     zbv = _cli_json(capsys, "simulate", "--builtin", "ZBVZeroBubble", *common)
     assert ours["candidates"]["torch:ZBVZeroBubble"] == zbv["makespan_ms"]
     assert ours["makespan_ms"] <= 0.5 * zbv["makespan_ms"]
+    # the memory it pays for that, per rank: at least the stage peaks of the rank's busiest stage
+    assert len(ours["peak_inflight_per_rank"]) == 4
+    assert max(ours["peak_inflight_per_rank"]) >= max(ours["peak_inflight"].values())
     wave = _cli_json(capsys, "plan", "--virtual-stages", "2", "--placement", "v", "--schedule", "crosspipe-wave", *common)
     assert wave["source"] == "crosswave" and wave["makespan_ms"] < zbv["makespan_ms"]
 

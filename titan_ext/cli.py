@@ -167,7 +167,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> None:
     """R ranks × V stages per rank (issue 14, docs/multistage.md): --stages is R, --times are per rank and
     split evenly over its V stages, --delay LINK:MS slows rank link LINK (ranks LINK and LINK+1)."""
-    from .plan.virtual import VIRTUAL_SCHEDULES, plan_virtual
+    from .plan.virtual import VIRTUAL_SCHEDULES, plan_virtual, rank_peak_inflight
 
     if args.virtual_stages < 2:
         raise UsageError("--virtual-stages must be >= 2 (one stage per rank: leave it out)")
@@ -194,7 +194,8 @@ def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> Non
         timeline,
         {"schedule": args.schedule, "placement": placement, "virtual_stages": args.virtual_stages,
          "stage_to_rank": list(plan.stage_to_rank), "source": plan.source, "warmup_counts": plan.warmup_counts,
-         "candidates": plan.candidates, "plan_ms": round(plan.plan_ms, 3)},
+         "candidates": plan.candidates, "peak_inflight_per_rank": list(rank_peak_inflight(plan.ops).values()),
+         "plan_ms": round(plan.plan_ms, 3)},
         args,
     )
 
