@@ -129,6 +129,103 @@ def test_killed_delegates_fall_back_exactly_and_return():
     assert r0["victims"] and all(v not in r0["alive_after_close"] for v in r0["victims"])
 
 
+DIM, BATCH = 8, 16
+
+
+def _batch(step):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+
+
+def _train_body(rank, world):
+    """DelegatedPipeMorph (delegation="always") on a float64 MLP; rank 1 SIGKILLs its recv-F and send-B
+    delegates inside the loss of microbatch 1 of step 2 (mid-iteration), training goes on until both
+    ranks' lanes are back on new delegates, then the same number of steps runs with direct PipeMorph
+    and torch's ScheduleGPipe."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as Fn
+    from torch.distributed.pipelining import PipelineStage
+
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.delegate.schedule import DelegatedPipeMorph
+    from titan_ext.runtime.testing import gpipe_reference, mlp_stages, step_rank
+
+    state = {"step": 0, "mb": 0, "victims": []}
+    holder = {}
+
+    def loss_fn(out, target):
+        if state["step"] == 2 and state["mb"] == 1:
+            pool = holder["sched"].pool
+            state["victims"] = [_pid(pool, "recv-F"), _pid(pool, "send-B")]
+            for v in state["victims"]:
+                os.kill(v, signal.SIGKILL)
+        state["mb"] += 1
+        return Fn.mse_loss(out, target)
+
+    def train(make, steps=None):
+        mod = mlp_stages(world, DIM)[rank]
+        sched = make(PipelineStage(mod, rank, world, torch.device("cpu")))
+        opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+        losses, k, t0 = [], 0, time.monotonic()
+        kinds = ["send-F", "recv-B"] if rank == 0 else ["recv-F", "send-B"]
+        extra = 2  # steps on the returned lanes
+        while (k < steps) if steps is not None else (k < 4 or extra > 0):
+            assert time.monotonic() - t0 < MAX_WAIT_S
+            if steps is None and _all_returned(sched.pool, kinds, dist):
+                extra -= 1
+            holder["sched"], state["step"], state["mb"] = sched, k, 0
+            x, y = _batch(k)
+            out: list = []
+            opt.zero_grad()
+            step_rank(sched, rank, world, x, y, out)
+            opt.step()
+            losses.append([float(v) for v in out])
+            k += 1
+            if steps is None and extra > 0:
+                time.sleep(0.02)  # leave the CPU to the starting delegates
+        return sched, losses, [p.detach().clone() for p in mod.parameters()]
+
+    kw = dict(adaptive=False)
+    t_start = time.time()
+    sched, losses, params = train(lambda st: DelegatedPipeMorph(st, N_MB, loss_fn=loss_fn, delegation="always", **kw))
+    steps = len(losses)
+    events, stats, counts = list(sched.pool.fallback_events), sched.pool.stats(), dict(sched.router.counts)
+    sched.close_delegation()
+    _, direct_losses, direct_params = train(lambda st: PipeMorph(st, N_MB, loss_fn=Fn.mse_loss, **kw), steps)
+
+    def gpipe_step(ref, k):
+        x, y = _batch(k)
+        out: list = []
+        step_rank(ref, rank, world, x, y, out)
+        return [float(v) for v in out]
+
+    gp_losses, gp_params = gpipe_reference(rank, world, N_MB, steps, gpipe_step, dim=DIM)
+    return {"steps": steps, "losses": losses, "t_start": t_start, "direct_losses": direct_losses, "gpipe_losses": gp_losses,
+            "params_equal_direct": all(torch.equal(a, b) for a, b in zip(params, direct_params)),
+            "params_close_gpipe": all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(params, gp_params)),
+            "events": events, "stats": stats, "counts": counts, "victims": state["victims"]}
+
+
+def test_killed_delegates_in_training_same_losses():
+    (r0, e0), (r1, e1) = run_ranks(_train_body, world=2, timeout_s=500)
+    assert e0 is None and e1 is None, (e0, e1)
+    assert len(r1["victims"]) == 2 and r0["steps"] == r1["steps"] >= 5
+    # same losses as the undisturbed direct run (same plan: bit-equal) and as GPipe (float64)
+    assert r1["losses"] == r1["direct_losses"] and len(r1["losses"][2]) == N_MB
+    for a, b in zip(r1["losses"], r1["gpipe_losses"]):
+        assert len(a) == len(b) == N_MB and all(abs(u - v) <= 1e-10 * max(1.0, abs(v)) for u, v in zip(a, b))
+    for r, kinds in ((r0, ("send-F", "recv-B")), (r1, ("recv-F", "send-B"))):
+        assert r["params_equal_direct"] and r["params_close_gpipe"]
+        evs = {(e["kind"], e["event"]) for e in r["events"]}
+        assert {(k, ev) for k in kinds for ev in ("fallback", "respawned", "returned")} <= evs, r["events"]
+        assert all(s["state"] == "up" and s["epoch"] == 1 for s in r["stats"]), r["stats"]
+        assert r["counts"]["direct"] == 0  # the router saw only delegate-path messages: fallback is inside
+
+
 def _kill_body(rank, world):
     import torch
 
