@@ -236,7 +236,9 @@ class DelegatePool:
                 table = self.lanes if role == "send" else self.rlanes
                 table[key] = []
                 for k in range(n):
-                    table[key].append(Link(ch, k, role, n, self._start_lane(ch, k, role, 0)))
+                    lane = self._new_lane(ch, k, role, 0)
+                    table[key].append(Link(ch, k, role, n, lane))
+                    self._launch(lane)
                 if role == "recv":
                     self._pending[key], self._early[key], self._consumed[key] = {}, {}, set()
             self._wait_started(start_timeout_s)
@@ -252,15 +254,17 @@ class DelegatePool:
         """Store namespace of one delegate pair (both ends build the same one)."""
         return f"titanx/{self.pool_id}/{c.src}-{c.dst}/{c.direction}/{index}/" + (f"e{epoch}/" if epoch else "")
 
-    def _start_lane(self, ch: Channel, index: int, role: str, epoch: int) -> _Lane:
+    def _new_lane(self, ch: Channel, index: int, role: str, epoch: int) -> _Lane:
         lane = _Lane(ch, index, role, R.SlotRing.create(self.num_slots, self.slot_bytes), epoch)
         if self.cuda:
             lane.ring.region.cuda_register()
             lane.dev_flags = torch.zeros(self.num_slots, dtype=torch.int32, device="cuda")
+        return lane
+
+    def _launch(self, lane: _Lane) -> None:
         self._spawned.append(lane)
         lane.proc = self._spawn(lane)
         lane.pidfd = os.pidfd_open(lane.proc.pid)
-        return lane
 
     def _spawn(self, lane: _Lane) -> subprocess.Popen:
         fd = lane.ring.region.fd
@@ -315,6 +319,10 @@ class DelegatePool:
         if link.state != UP or link.lane is not lane:
             raise LinkDown
         if lane.ring.region.load(R.CTRL_ERROR) or lane_dead(lane):
+            sup = self._supervisor
+            if not sup.is_alive() or sup.announced.is_set():
+                raise DelegateError(f"{lane.describe()} died and the delegate supervisor has stopped "
+                                    f"({sup.error or 'pool closing'})")
             time.sleep(0.01)  # dead: the supervisor notices within a tick and changes the state
             raise LinkDown
 
@@ -457,9 +465,10 @@ class DelegatePool:
 
     def _respawn(self, link: Link) -> None:
         old = link.lane
-        spare = self._start_lane(old.channel, old.index, old.role, old.epoch + 1)
-        with self._lock:
+        spare = self._new_lane(old.channel, old.index, old.role, old.epoch + 1)
+        with self._lock:  # in place before its process exists: the peer can only switch once it runs
             link.spare = spare
+        self._launch(spare)
         self._log_event(link, "respawned", epoch=spare.epoch, pid=spare.proc.pid)
 
     def _log_event(self, link: Link, event: str, **info) -> None:
@@ -682,8 +691,9 @@ class DelegatePool:
         if self._closed:
             return
         self._closed = True
-        if self._supervisor is not None:  # it tells the peers this pool is closing: no recovery then
-            self._supervisor.join(timeout=2.0)
+        supervisor = self._supervisor
+        if supervisor is not None:  # it tells the peers this pool is closing: no recovery then
+            supervisor.announced.wait(timeout=2.0)
         lanes = getattr(self, "_spawned", [])
         for lane in lanes:
             lane.ring.region.store(R.CTRL_STOP, 1)
@@ -710,6 +720,9 @@ class DelegatePool:
                 lane.proc.wait()
         for lane in lanes:
             kill_lane(lane)  # closes the pidfds
+        if supervisor is not None:  # respawned delegates are its children (PR_SET_PDEATHSIG): end it last
+            supervisor.released.set()
+            supervisor.join(timeout=2.0)
         self._orphans.clear()
         if self._copy_stream is not None:
             torch.cuda.synchronize()

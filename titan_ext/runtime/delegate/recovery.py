@@ -96,8 +96,8 @@ def lane_dead(lane: "_Lane") -> bool:
 class Supervisor(threading.Thread):
     """Watches one pool's delegates and runs the recovery protocol (module docstring) for it.
 
-    It also starts the respawned delegates: PR_SET_PDEATHSIG follows the thread that forked, and this
-    thread lives as long as the pool."""
+    It also starts the respawned delegates: PR_SET_PDEATHSIG follows the thread that forked, so this
+    thread lives until the pool has stopped every delegate (``released``)."""
 
     def __init__(self, pool: "DelegatePool", host: str, port: int):
         super().__init__(daemon=True, name=f"titan_ext-delegate-supervisor-{pool.pool_id}")
@@ -106,6 +106,8 @@ class Supervisor(threading.Thread):
         self.root = f"titanx/{pool.pool_id}/"
         self._inbox_seen = 0
         self.error: str | None = None
+        self.announced = threading.Event()   # the peers were told this pool is closing
+        self.released = threading.Event()    # the pool stopped its delegates: this thread may end
 
     # --- keys ---------------------------------------------------------------------------------
     def _key(self, lane: "_Lane", what: str) -> str:
@@ -129,6 +131,8 @@ class Supervisor(threading.Thread):
                 self.store.set(self._closed_key(self.pool.rank), "1")
             except Exception:  # noqa: BLE001 - the store may be gone already
                 pass
+            self.announced.set()
+            self.released.wait()
 
     def _tick(self) -> None:
         links = [lk for lk in self.pool.links() if lk.state == UP and lk.error is None]
@@ -178,7 +182,10 @@ class Supervisor(threading.Thread):
         self.pool._log_event(link, "fallback", epoch=lane.epoch, first_undelivered=first,
                              replayed=replayed, recovery_ms=1e3 * (time.monotonic() - t0),
                              exit_code=lane.proc.returncode if lane.proc else None)
-        self.pool._respawn(link)
+        try:
+            self.pool._respawn(link)
+        except Exception as exc:  # noqa: BLE001 - the lane stays on the direct path (correct, slower)
+            self.pool._log_event(link, "respawn_failed", epoch=lane.epoch + 1, error=f"{type(exc).__name__}: {exc}")
 
 
 def kill_lane(lane: "_Lane") -> None:
