@@ -193,7 +193,6 @@ def _train_body(rank, world):
         return sched, losses, [p.detach().clone() for p in mod.parameters()]
 
     kw = dict(adaptive=False)
-    t_start = time.time()
     sched, losses, params = train(lambda st: DelegatedPipeMorph(st, N_MB, loss_fn=loss_fn, delegation="always", **kw))
     steps = len(losses)
     events, stats, counts = list(sched.pool.fallback_events), sched.pool.stats(), dict(sched.router.counts)
@@ -207,7 +206,7 @@ def _train_body(rank, world):
         return [float(v) for v in out]
 
     gp_losses, gp_params = gpipe_reference(rank, world, N_MB, steps, gpipe_step, dim=DIM)
-    return {"steps": steps, "losses": losses, "t_start": t_start, "direct_losses": direct_losses, "gpipe_losses": gp_losses,
+    return {"steps": steps, "losses": losses, "direct_losses": direct_losses, "gpipe_losses": gp_losses,
             "params_equal_direct": all(torch.equal(a, b) for a, b in zip(params, direct_params)),
             "params_close_gpipe": all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(params, gp_params)),
             "events": events, "stats": stats, "counts": counts, "victims": state["victims"]}
