@@ -2,6 +2,7 @@
 
 * :mod:`.ring` — pinned shared-memory slot rings and their flags (compiled part in cpp_ext/).
 * :mod:`.pool` — delegate processes per communication kind and the training side's send/recv.
+* :mod:`.recovery` — a killed delegate: exact fallback to the direct path, respawn, return.
 * :mod:`.transport` — direct / delegate / failover transports with one ``isend``/``irecv`` API,
   and the delegation mode (off / auto / always).
 * :mod:`.schedule` — delegation wired into the PipeMorph schedule through its ``_issue_p2p`` hook.

@@ -13,10 +13,12 @@ way direct P2P matches the n-th send with the n-th receive); message ``seq`` tra
 duplicate (a failover retry of a message that also got through the primary path) is dropped and an
 early arrival is kept aside until its receive is posted.
 
-Killed delegate: **clean stop**.  A delegate that dies or fails is never respawned; every operation of
-the pool (and the pool's health check) then raises :class:`DelegateError` naming the lane, the pid and
-the exit status, and the peer's delegate sees its Gloo connection close and fails the same way, so
-training stops on all ranks involved with a clear error instead of hanging or losing a message.
+Killed delegate: with :meth:`DelegatePool.enable_fallback` (what :class:`P2PRouter` does by default)
+the lane's traffic falls back to the direct path, exactly (no message lost or repeated), a new delegate
+is started in the background and the lane returns to it (the protocol: :mod:`.recovery`).  Without it,
+a dead delegate is a **clean stop**: every operation of the pool raises :class:`DelegateError` naming
+the lane, the pid and the exit status, and the peer's delegate sees its Gloo connection close and fails
+the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch.distributed as dist
 
 from . import ring as R
 from ._ext import cuda_available, load_ext
+from .recovery import DELEGATE, DIRECT, DOWN, UP, Link, LinkDown, Supervisor, kill_lane, lane_dead, tag
 
 __all__ = ["Channel", "DelegateError", "DelegatePool", "delegates_needed", "pipeline_channels", "store_address"]
 
@@ -110,9 +113,12 @@ def _close_all() -> None:
 
 
 class _Lane:
-    def __init__(self, channel: Channel, index: int, role: str, ring: R.SlotRing):
-        self.channel, self.index, self.role, self.ring = channel, index, role, ring
+    """One delegate process and its ring (a link's delegate of one epoch)."""
+
+    def __init__(self, channel: Channel, index: int, role: str, ring: R.SlotRing, epoch: int = 0):
+        self.channel, self.index, self.role, self.ring, self.epoch = channel, index, role, ring, epoch
         self.proc: subprocess.Popen | None = None
+        self.pidfd: int | None = None
         self.cursor = 0
         self.keep: list = [None] * ring.num_slots   # tensors an async copy still reads / writes
         self.tokens = [0] * ring.num_slots
@@ -121,7 +127,8 @@ class _Lane:
     def describe(self) -> str:
         c = self.channel
         pid = self.proc.pid if self.proc else None
-        return f"{self.role}-{c.direction} delegate lane {self.index} of {c.src}->{c.dst} (pid {pid})"
+        epoch = f", epoch {self.epoch}" if self.epoch else ""
+        return f"{self.role}-{c.direction} delegate lane {self.index} of {c.src}->{c.dst} (pid {pid}{epoch})"
 
 
 class _Recv:
@@ -151,6 +158,21 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+class _DirectSend:
+    """A fallback send on the direct path: route marker + payload (both kept alive until waited)."""
+
+    def __init__(self, works: list, keep: list):
+        self.works, self.keep = works, keep
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 class DelegatePool:
@@ -184,8 +206,14 @@ class DelegatePool:
         self.pool_id = pool_id if pool_id is not None else f"p{next(_pool_ids)}"
         self.cuda = cuda_available()
         self._closed = False
-        self.lanes: dict[tuple[int, str], list[_Lane]] = {}     # (peer, direction) -> send lanes
-        self.rlanes: dict[tuple[int, str], list[_Lane]] = {}    # (peer, direction) -> recv lanes
+        self._store_host, self._store_port = store_host, store_port
+        self.lanes: dict[tuple[int, str], list[Link]] = {}      # (peer, direction) -> send links
+        self.rlanes: dict[tuple[int, str], list[Link]] = {}     # (peer, direction) -> recv links
+        self.fallback = False          # enable_fallback(): a dead delegate → direct path, respawn, return
+        self._group = None             # direct group of the fallback path
+        self._supervisor: Supervisor | None = None
+        self._orphans: list[_DirectSend] = []   # replays and switch markers nobody waits on
+        self.fallback_events: list[dict] = []
         self._pending: dict[tuple[int, str], dict[int, _Recv]] = {}
         self._early: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
         self._consumed: dict[tuple[int, str], set[int]] = {}
@@ -195,7 +223,7 @@ class DelegatePool:
         # tables are guarded by this lock, which is never held while blocking.
         self._lock = threading.RLock()
         _live_pools.add(self)
-        all_lanes: list[_Lane] = []
+        self._spawned: list[_Lane] = []   # every delegate this pool started (respawns included)
         try:
             for ch in self.channels:
                 if rank not in (ch.src, ch.dst) or ch.src == ch.dst:
@@ -208,30 +236,42 @@ class DelegatePool:
                 table = self.lanes if role == "send" else self.rlanes
                 table[key] = []
                 for k in range(n):
-                    lane = _Lane(ch, k, role, R.SlotRing.create(num_slots, slot_bytes))
-                    if self.cuda:
-                        lane.ring.region.cuda_register()
-                        lane.dev_flags = torch.zeros(num_slots, dtype=torch.int32, device="cuda")
-                    lane.proc = self._spawn(lane, store_host, store_port)
-                    table[key].append(lane)
-                    all_lanes.append(lane)
+                    lane = self._new_lane(ch, k, role, 0)
+                    table[key].append(Link(ch, k, role, n, lane))
+                    self._launch(lane)
                 if role == "recv":
                     self._pending[key], self._early[key], self._consumed[key] = {}, {}, set()
-            self._all = all_lanes
             self._wait_started(start_timeout_s)
         except BaseException:
-            self._all = all_lanes
             self.close()
             raise
 
     # ------------------------------------------------------------------------------------------
-    def _spawn(self, lane: _Lane, host: str, port: int) -> subprocess.Popen:
-        c = lane.channel
+    def links(self) -> list[Link]:
+        return [lk for table in (self.lanes, self.rlanes) for links in table.values() for lk in links]
+
+    def lane_prefix(self, c: Channel, index: int, epoch: int) -> str:
+        """Store namespace of one delegate pair (both ends build the same one)."""
+        return f"titanx/{self.pool_id}/{c.src}-{c.dst}/{c.direction}/{index}/" + (f"e{epoch}/" if epoch else "")
+
+    def _new_lane(self, ch: Channel, index: int, role: str, epoch: int) -> _Lane:
+        lane = _Lane(ch, index, role, R.SlotRing.create(self.num_slots, self.slot_bytes), epoch)
+        if self.cuda:
+            lane.ring.region.cuda_register()
+            lane.dev_flags = torch.zeros(self.num_slots, dtype=torch.int32, device="cuda")
+        return lane
+
+    def _launch(self, lane: _Lane) -> None:
+        self._spawned.append(lane)
+        lane.proc = self._spawn(lane)
+        lane.pidfd = os.pidfd_open(lane.proc.pid)
+
+    def _spawn(self, lane: _Lane) -> subprocess.Popen:
         fd = lane.ring.region.fd
         cmd = [sys.executable, "-m", "titan_ext.runtime.delegate.worker", "--fd", str(fd),
                "--slots", str(lane.ring.num_slots), "--slot-bytes", str(lane.ring.slot_bytes),
-               "--role", lane.role, "--store-host", host, "--store-port", str(port),
-               "--prefix", f"titanx/{self.pool_id}/{c.src}-{c.dst}/{c.direction}/{lane.index}/",
+               "--role", lane.role, "--store-host", self._store_host, "--store-port", str(self._store_port),
+               "--prefix", self.lane_prefix(lane.channel, lane.index, lane.epoch),
                "--parent", str(os.getpid()), "--timeout-s", str(max(self.timeout_s, 60.0))]
         if self.cuda:
             cmd.append("--gpu-flags")
@@ -242,7 +282,7 @@ class DelegatePool:
 
     def _wait_started(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for lane in self._all:
+        for lane in self._spawned:
             while lane.ring.region.load(R.CTRL_DELEGATE_STATE) != 1:
                 self._check_lane(lane)
                 if time.monotonic() > deadline:
@@ -256,23 +296,44 @@ class DelegatePool:
         if lane.proc is not None and lane.proc.poll() is not None:
             rc = lane.proc.returncode
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-            raise DelegateError(f"{lane.describe()} {how}; delegates are not respawned — stopping")
+            raise DelegateError(f"{lane.describe()} {how}; fallback is off (enable_fallback) — stopping")
 
     def check_health(self) -> None:
-        """Raise :class:`DelegateError` if any delegate of this pool died or failed."""
+        """Raise :class:`DelegateError` if a link is unusable: with fallback, only when its peer did not
+        take part in the recovery; without, when any delegate died or failed."""
         if self._closed:
             raise DelegateError("delegate pool is closed")
-        for lane in self._all:
-            self._check_lane(lane)
+        for link in self.links():
+            if link.error:
+                raise DelegateError(link.error)
+            if not self.fallback:
+                self._check_lane(link.lane)
 
-    def _wait(self, lane: _Lane, i: int, want: int, timeout_s: float, what: str) -> None:
+    def _lane_ok(self, link: Link, lane: _Lane) -> None:
+        """Raise LinkDown (fallback: the supervisor takes over) or DelegateError (no fallback)."""
+        if not self.fallback:
+            self._check_lane(lane)
+            return
+        if link.error:
+            raise DelegateError(link.error)
+        if link.state != UP or link.lane is not lane:
+            raise LinkDown
+        if lane.ring.region.load(R.CTRL_ERROR) or lane_dead(lane):
+            sup = self._supervisor
+            if not sup.is_alive() or sup.announced.is_set():
+                raise DelegateError(f"{lane.describe()} died and the delegate supervisor has stopped "
+                                    f"({sup.error or 'pool closing'})")
+            time.sleep(0.01)  # dead: the supervisor notices within a tick and changes the state
+            raise LinkDown
+
+    def _wait(self, link: Link, lane: _Lane, i: int, want: int, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         sleep_us = 50 if self.cuda else 1000
         while True:
             rc = lane.ring.wait_state(i, want, 0.2, R.CTRL_ERROR, sleep_us)
             if rc == 0:
                 return
-            self._check_lane(lane)
+            self._lane_ok(link, lane)
             if self._closed:
                 raise DelegateError("delegate pool closed while waiting")
             if time.monotonic() > deadline:
@@ -283,15 +344,39 @@ class DelegatePool:
     # ------------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, direction: str, seq: int):
         """Queue message ``seq`` of channel (this rank → ``dst``, ``direction``).  Returns once the bytes
-        are in a slot (CPU) or the D2H copy + signal are enqueued (CUDA); never waits for the link."""
-        lanes = self.lanes.get((dst, direction))
-        if lanes is None:
+        are in a slot (CPU) or the D2H copy + signal are enqueued (CUDA); never waits for the link.
+
+        With fallback on, the pool keeps a reference to ``tensor`` until the peer acknowledges the
+        message (do not modify it in place before), and while the link's delegate is being replaced
+        the message goes over the direct path (the returned handle then waits like a direct send)."""
+        links = self.lanes.get((dst, direction))
+        if links is None:
             raise KeyError(f"no send-{direction} delegates to rank {dst} in this pool")
-        lane = lanes[seq % len(lanes)]
+        link = links[seq % len(links)]
+        if not self.fallback:
+            return self._ring_send(link, link.lane, tensor, seq)
+        while True:
+            with link.mutex:
+                if link.error:
+                    raise DelegateError(link.error)
+                if link.state == DOWN and self._spare_ready(link):
+                    self._switch_send(link, seq)
+                if link.state == UP:
+                    try:
+                        handle = self._ring_send(link, link.lane, tensor, seq)
+                    except LinkDown:
+                        continue
+                    link.keep(seq, tensor, link.lane.ring.region.load64(R.CTRL_ACKED))
+                    return handle
+                if link.state == DOWN:  # callers may drop send handles: the pool keeps it until done
+                    return self._orphan(self._direct_send(link, tensor, seq, DIRECT))
+            time.sleep(0.005)  # RECOVERING: the supervisor is agreeing on the replay point
+
+    def _ring_send(self, link: Link, lane: _Lane, tensor: torch.Tensor, seq: int):
         ring, i = lane.ring, lane.cursor
         if ring.state(i) != R.FREE:  # ring full: back-pressure (add lanes/slots if this shows up)
-            self._wait(lane, i, R.FREE, self.timeout_s, f"a free send slot (seq {seq})")
-        self._check_lane(lane)
+            self._wait(link, lane, i, R.FREE, self.timeout_s, f"a free send slot (seq {seq})")
+        self._lane_ok(link, lane)
         ring.set_state(i, R.WRITING, wake=False)
         nbytes = ring.write_header(i, seq, tensor)
         if tensor.is_cuda:
@@ -311,8 +396,86 @@ class DelegatePool:
 
     def set_link_delay_ms(self, dst: int, direction: str, ms: float) -> None:
         """Inject a one-way delay on this rank's outgoing delegate link (tests and benchmarks)."""
-        for lane in self.lanes[(dst, direction)]:
-            lane.ring.region.store64(R.CTRL_DELAY_US, int(round(ms * 1000)))
+        for link in self.lanes[(dst, direction)]:
+            link.lane.ring.region.store64(R.CTRL_DELAY_US, int(round(ms * 1000)))
+
+    # ------------------------------------------------------------------------------------------
+    # fallback (protocol: recovery.py, docs/delegate.md "Killed delegate")
+    # ------------------------------------------------------------------------------------------
+    def enable_fallback(self, group=None) -> None:
+        """A dead delegate no longer stops training: its lane falls back to direct P2P on ``group``
+        (None: the default group; peers are global ranks) with no message lost or repeated, a new
+        delegate is started in the background and the lane returns to it.  Call it on both ends of
+        every channel (P2PRouter does), before the first message."""
+        if self.fallback:
+            return
+        self._group, self.fallback = group, True
+        self._supervisor = Supervisor(self, self._store_host, self._store_port)
+        self._supervisor.start()
+
+    def _spare_ready(self, link: Link) -> bool:
+        spare = link.spare
+        return spare is not None and spare.ring.region.load(R.CTRL_DELEGATE_STATE) == 1 and not lane_dead(spare)
+
+    def _direct_send(self, link: Link, tensor: torch.Tensor, seq: int, route: int) -> _DirectSend:
+        marker = torch.tensor([route], dtype=torch.int64)
+        d = link.channel.direction
+        works, keep = [dist.isend(marker, link.peer, group=self._group, tag=tag(d, seq, False))], [marker]
+        if route == DIRECT:
+            data = tensor if tensor.is_contiguous() else tensor.contiguous()
+            works.append(dist.isend(data, link.peer, group=self._group, tag=tag(d, seq, True)))
+            keep.append(data)
+        return _DirectSend(works, keep)
+
+    def _orphan(self, handle: _DirectSend) -> _DirectSend:
+        """Keep a direct send alive until it completes (its caller need not wait on it)."""
+        with self._lock:
+            self._orphans = [h for h in self._orphans if not h.is_completed()] + [handle]
+        return handle
+
+    def _switch_send(self, link: Link, seq: int) -> None:
+        """Sender, link DOWN, new delegate connected: message ``seq`` and later go through it (caller holds
+        link.mutex)."""
+        self._orphan(self._direct_send(link, None, seq, DELEGATE))
+        link.lane, link.spare, link.state = link.spare, None, UP
+        self._log_event(link, "returned", epoch=link.lane.epoch, from_seq=seq)
+
+    def _recover_send(self, link: Link, first: int) -> int:
+        """Sender side of a recovery: replay the kept messages the receiver's ring did not deliver."""
+        with link.mutex:  # a send in progress finishes (ring write + keep) or aborts first
+            replay = [(s, t) for s, t in link.retained if s >= first]
+            link.retained.clear()
+            link.state = DOWN
+            for s, t in replay:
+                self._orphan(self._direct_send(link, t, s, DIRECT))
+        return len(replay)
+
+    def _recover_recv(self, link: Link) -> int:
+        """Receiver side: take the complete messages left in the dead ring; open the direct window."""
+        key = (link.peer, link.channel.direction)
+        with self._lock:
+            lane = link.lane
+            while lane.ring.state(lane.cursor) == R.READY:
+                self._take(key, link, lane, lane.cursor)
+            first = link.next_ring_seq
+            link.windows.append([first, None])
+            link.route_next = first
+            link.state = DOWN
+        return first
+
+    def _respawn(self, link: Link) -> None:
+        old = link.lane
+        spare = self._new_lane(old.channel, old.index, old.role, old.epoch + 1)
+        with self._lock:  # in place before its process exists: the peer can only switch once it runs
+            link.spare = spare
+        self._launch(spare)
+        self._log_event(link, "respawned", epoch=spare.epoch, pid=spare.proc.pid)
+
+    def _log_event(self, link: Link, event: str, **info) -> None:
+        c = link.channel
+        with self._lock:
+            self.fallback_events.append({"event": event, "kind": f"{link.role}-{c.direction}", "src": c.src,
+                                         "dst": c.dst, "lane": link.index, "time": time.time(), **info})
 
     # ------------------------------------------------------------------------------------------
     # receive
@@ -368,32 +531,98 @@ class DelegatePool:
         return seq in self._consumed[key] or seq < self._floor.get(key, -1)
 
     def _complete(self, h: _Recv, timeout_s: float) -> None:
-        lanes = self.rlanes[h.key]
-        lane = lanes[h.seq % len(lanes)]
+        links = self.rlanes[h.key]
+        link = links[h.seq % len(links)]
         deadline = time.monotonic() + timeout_s
+        what = f"message {h.seq} from rank {h.key[0]} ({h.key[1]})"
         while True:
             with self._lock:
                 self._drain(h.key)
                 if h.done:
                     return
+                if link.error:
+                    raise DelegateError(link.error)
+                state, lane, direct = link.state, link.lane, link.in_window(h.seq)
                 i = lane.cursor
-            # block without the lock until the lane's next slot is READY
-            self._wait(lane, i, R.READY, max(deadline - time.monotonic(), 0.0),
-                       f"message {h.seq} from rank {h.key[0]} ({h.key[1]})")
+            if direct:
+                if self._recv_direct(link, h):
+                    return
+                continue  # the window closed before h.seq: it comes from the new delegate
+            if time.monotonic() > deadline:
+                raise DelegateError(f"timed out after {timeout_s:.1f} s waiting for {what} on {lane.describe()}")
+            if state != UP:
+                time.sleep(0.005)  # RECOVERING: the supervisor is taking what the dead ring holds
+                continue
+            try:  # block without the lock until the lane's next slot is READY
+                self._wait(link, lane, i, R.READY, max(deadline - time.monotonic(), 0.0), what)
+            except LinkDown:
+                continue
+
+    def _recv_direct(self, link: Link, h: _Recv) -> bool:
+        """Receive ``h`` in the link's direct window; False if the sender switched back at or below it."""
+        if self._route(link, h.seq) is None:
+            return False
+        with self._lock:
+            self._pending[h.key].pop(h.seq, None)
+        t = h.tensor if h.tensor.is_contiguous() else torch.empty_like(h.tensor)
+        with torch.no_grad():
+            dist.irecv(t, link.peer, group=self._group, tag=tag(link.channel.direction, h.seq, True)).wait()
+            if t is not h.tensor:
+                h.tensor.copy_(t)
+        with self._lock:
+            link.routes.pop(h.seq, None)
+            h.done = True
+            self._mark_consumed(h.key, h.seq)
+        return True
+
+    def _route(self, link: Link, seq: int) -> int | None:
+        """DIRECT if message ``seq`` travels on the direct path, None if the sender switched back to a new
+        delegate at or below ``seq``.  Route markers are read in sequence order, so the switch point is
+        found whatever order the receives are waited in."""
+        with link.mutex:
+            while True:
+                with self._lock:
+                    if seq in link.routes:
+                        return DIRECT
+                    if not link.in_window(seq):
+                        return None
+                    s = link.route_next
+                marker = torch.empty(1, dtype=torch.int64)
+                dist.irecv(marker, link.peer, group=self._group, tag=tag(link.channel.direction, s, False)).wait()
+                with self._lock:
+                    if int(marker[0]) == DIRECT:
+                        link.routes[s] = DIRECT
+                        link.route_next = s + link.stride
+                    else:
+                        self._switch_recv(link, s)
+
+    def _switch_recv(self, link: Link, seq: int) -> None:
+        """Receiver: the sender's route marker says ``seq`` and later come from the new delegate."""
+        if link.spare is None:
+            raise DelegateError(f"rank {link.peer} switched lane {link.index} back at {seq} but no new "
+                                f"delegate was started here")
+        link.windows[-1][1] = seq
+        link.lane, link.spare, link.state = link.spare, None, UP
+        link.next_ring_seq, link.route_next = seq, None
+        self._log_event(link, "returned", epoch=link.lane.epoch, from_seq=seq)
 
     def _drain(self, key, block_lane=None) -> None:  # noqa: ARG002
-        """Take every READY message at the head of the channel's lanes (caller holds the lock)."""
+        """Take every READY message at the head of the channel's live lanes (caller holds the lock)."""
         with self._lock:
-            for lane in self.rlanes[key]:
+            for link in self.rlanes[key]:
+                if link.state != UP:
+                    continue  # the supervisor takes what a dead ring holds (_recover_recv)
+                lane = link.lane
                 while lane.ring.state(lane.cursor) == R.READY:
-                    self._take(key, lane, lane.cursor)
+                    self._take(key, link, lane, lane.cursor)
 
-    def _take(self, key, lane: _Lane, i: int) -> None:
+    def _take(self, key, link: Link, lane: _Lane, i: int) -> None:
         ring = lane.ring
         seq, nbytes, dtype, shape = ring.read_header(i)
         h = self._pending[key].pop(seq, None)
         ring.set_state(i, R.BUSY, wake=False)
         lane.cursor = (i + 1) % ring.num_slots
+        link.next_ring_seq = max(link.next_ring_seq, seq + link.stride)
         if h is not None:
             t = h.tensor
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
@@ -442,15 +671,19 @@ class DelegatePool:
 
     # ------------------------------------------------------------------------------------------
     def stats(self) -> list[dict]:
+        """Per link: its delegate in use (or the dead one while on the direct path), ring counters,
+        ``state`` ("up" / "recovering" / "down") and ``epoch`` (number of respawns)."""
         out = []
-        for lane in self._all:
-            c = lane.channel
+        for link in self.links():
+            lane, c = link.lane, link.channel
             out.append({"kind": f"{lane.role}-{c.direction}", "src": c.src, "dst": c.dst, "lane": lane.index,
-                        "pid": lane.proc.pid if lane.proc else None, **lane.ring.stats()})
+                        "pid": lane.proc.pid if lane.proc else None, "state": link.state, "epoch": lane.epoch,
+                        **lane.ring.stats()})
         return out
 
     def pids(self) -> list[int]:
-        return [lane.proc.pid for lane in getattr(self, "_all", []) if lane.proc is not None]
+        """Every delegate process this pool started (respawned ones included)."""
+        return [lane.proc.pid for lane in getattr(self, "_spawned", []) if lane.proc is not None]
 
     def close(self, grace_s: float = 5.0) -> None:
         """Stop the delegates: send delegates first drain what is queued (up to ``grace_s``), then all
@@ -458,7 +691,10 @@ class DelegatePool:
         if self._closed:
             return
         self._closed = True
-        lanes = getattr(self, "_all", [])
+        supervisor = self._supervisor
+        if supervisor is not None:  # it tells the peers this pool is closing: no recovery then
+            supervisor.announced.wait(timeout=2.0)
+        lanes = getattr(self, "_spawned", [])
         for lane in lanes:
             lane.ring.region.store(R.CTRL_STOP, 1)
             for i in range(lane.ring.num_slots):  # wake delegates sleeping on a slot flag
@@ -482,6 +718,12 @@ class DelegatePool:
             except subprocess.TimeoutExpired:
                 lane.proc.kill()
                 lane.proc.wait()
+        for lane in lanes:
+            kill_lane(lane)  # closes the pidfds
+        if supervisor is not None:  # respawned delegates are its children (PR_SET_PDEATHSIG): end it last
+            supervisor.released.set()
+            supervisor.join(timeout=2.0)
+        self._orphans.clear()
         if self._copy_stream is not None:
             torch.cuda.synchronize()
         _live_pools.discard(self)

@@ -48,6 +48,7 @@ CTRL_BYTES = 256            # int64 payload bytes moved
 CTRL_BUSY_NS = 264          # int64 ns spent in Gloo send/recv (throughput = bytes / busy)
 CTRL_MESSAGES = 272         # int64 messages moved
 CTRL_DELAY_US = 280         # int64 injected one-way delay of this lane's link, µs (tests, benchmarks)
+CTRL_ACKED = 288            # int64 send ring: last seq the peer's recv delegate acknowledged (-1: none)
 CTRL_ERROR_TEXT = 1024
 CTRL_ERROR_TEXT_MAX = PAGE - CTRL_ERROR_TEXT
 
@@ -112,6 +113,7 @@ class SlotRing:
         region = load_ext().Region.create(g.total_bytes)
         region.store64(CTRL_NUM_SLOTS, num_slots)
         region.store64(CTRL_SLOT_BYTES, slot_bytes)
+        region.store64(CTRL_ACKED, -1)
         region.store(CTRL_MAGIC, MAGIC)
         return cls(region, g)
 

@@ -173,13 +173,18 @@ class P2PRouter:
         recv_timeout_s: a direct receive with no data for this long fails over.
         faults: a :class:`FaultInjector` for tests.
         hol_delay_ms: ``{peer: ms}`` head-of-line delay of direct sends (tests/benchmarks).
+        delegate_fallback: a killed delegate's lane falls back to direct P2P on ``group`` exactly, its
+            delegate is respawned and the lane returns to it (:meth:`DelegatePool.enable_fallback`);
+            False: a dead delegate stops training with :class:`DelegateError`.  Both ends must agree.
     """
 
     def __init__(self, rank: int, pool: DelegatePool | None = None, group=None, delegating: bool = False,
                  failover: bool = False, recv_timeout_s: float = 30.0, faults: FaultInjector | None = None,
-                 hol_delay_ms: Mapping[int, float] | None = None):
+                 hol_delay_ms: Mapping[int, float] | None = None, delegate_fallback: bool = True):
         if (delegating or failover) and pool is None:
             raise ValueError("delegation and failover need a DelegatePool")
+        if pool is not None and delegate_fallback:
+            pool.enable_fallback(group)
         self.rank, self.pool, self.group = rank, pool, group
         self.delegating = delegating
         self.failover = failover
@@ -258,4 +263,5 @@ class P2PRouter:
 
     def stats(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "failed_over": dict(self.failed),
-                "delegates": self.pool.stats() if self.pool is not None else []}
+                "delegates": self.pool.stats() if self.pool is not None else [],
+                "delegate_fallbacks": list(self.pool.fallback_events) if self.pool is not None else []}

@@ -4,7 +4,12 @@ Started by :class:`~titan_ext.runtime.delegate.pool.DelegatePool` as
 ``python -m titan_ext.runtime.delegate.worker ...`` with the ring's file descriptor inherited.
 A *send* delegate (Gloo rank 0 of its lane) waits for READY slots in ring order and sends each
 message's header and payload straight from the slot (zero-copy); a *recv* delegate (Gloo rank 1)
-eagerly receives into FREE slots in ring order and marks them READY.
+eagerly receives into FREE slots in ring order, marks them READY and then acknowledges the message's
+sequence number back over the same pair (tag 2).  A thread of the send delegate receives those
+acknowledgements and publishes the last one in its ring (``CTRL_ACKED``): the training process keeps
+each message it handed over until then, so a lane that dies can be replayed exactly on the direct path
+(docs/delegate.md, "Killed delegate").  The acknowledgement receive is always posted, so either end
+of a lane notices at once when the other end's connection closes.
 
 The delegate dies with its training process (PR_SET_PDEATHSIG=SIGKILL, plus a parent-pid check), and
 on any failure writes the error text into the ring's control block and exits non-zero.
@@ -16,6 +21,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -34,6 +40,9 @@ def _parse(argv):
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--gpu-flags", action="store_true", help="slot flags are also written by the GPU (poll)")
     return p.parse_args(argv)
+
+
+ACK_TAG = 2
 
 
 def main(argv=None) -> int:
@@ -65,6 +74,8 @@ def main(argv=None) -> int:
         region.store(R.CTRL_DELEGATE_STATE, 1)
         sleep_us = 50 if args.gpu_flags else 2000
         if args.role == "send":
+            threading.Thread(target=_ack_loop, args=(lane, pg, args.prefix), daemon=True,
+                             name="titan_ext-delegate-acks").start()
             _send_loop(lane, pg, args.parent, sleep_us)
         else:
             _recv_loop(lane, pg, args.parent, sleep_us)
@@ -74,6 +85,25 @@ def main(argv=None) -> int:
         lane.set_error(f"{args.role} delegate (pid {os.getpid()}, lane {args.prefix}) failed: "
                        f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
         return 3
+
+
+def _ack_loop(lane, pg, prefix) -> None:
+    """Send delegate: publish the peer's acknowledgements in the ring; a closed connection (the peer
+    delegate died) fails this delegate at once, even while it has nothing to send."""
+    import torch
+
+    from . import ring as R
+
+    buf = torch.empty(1, dtype=torch.int64)
+    try:
+        while True:
+            pg.recv([buf], 1, ACK_TAG).wait()
+            lane.region.store64(R.CTRL_ACKED, int(buf[0]))
+    except BaseException as exc:  # noqa: BLE001 - reported through the ring
+        if lane.region.load(R.CTRL_STOP):
+            os._exit(0)
+        lane.set_error(f"send delegate (pid {os.getpid()}, lane {prefix}) lost its peer: {type(exc).__name__}: {exc}")
+        os._exit(3)
 
 
 def _alive(parent: int) -> bool:
@@ -113,7 +143,10 @@ def _send_loop(lane, pg, parent, sleep_us) -> None:
 def _recv_loop(lane, pg, parent, sleep_us) -> None:
     from . import ring as R
 
+    import torch
+
     r = lane.region
+    ack = torch.empty(1, dtype=torch.int64)
     i = 0
     while True:
         while True:
@@ -133,9 +166,12 @@ def _recv_loop(lane, pg, parent, sleep_us) -> None:
         r.add64(R.CTRL_BUSY_NS, time.perf_counter_ns() - t1)
         r.add64(R.CTRL_BYTES, nbytes)
         r.add64(R.CTRL_MESSAGES, 1)
+        ack[0] = int(lane.headers[i][R.H_SEQ])
         lane.set_state(i, R.READY)
+        pg.send([ack], 0, ACK_TAG).wait()  # after READY: whatever is acknowledged is in the ring
         i = (i + 1) % lane.num_slots
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.stdout.flush()
+    os._exit(main())  # no interpreter teardown under the acknowledgement thread's pending receive
