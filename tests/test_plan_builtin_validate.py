@@ -124,8 +124,9 @@ def test_torch_dry_run_is_consulted(monkeypatch):
         raise ValueError("Schedule is not progressing")
 
     monkeypatch.setattr(sched, "_simulate_comms_compute", refuse)
+    validate_plan(good_plan(), 2, 2)  # the hot path: our checks only
     with pytest.raises(PlanValidationError, match="torch"):
-        validate_plan(good_plan(), 2, 2)
+        validate_plan(good_plan(), 2, 2, torch_dry_run=True)
 
 
 def test_torch_dry_run_on_a_lowered_plan():

@@ -18,16 +18,20 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
+from .result import PlanResult
+from .simulate import peak_inflight, simulate
 from .timing import LinkQueues, to_ms, to_ns
+from .validate import validate_plan
 from .warmup import (
+    _clip_monotone,
     adapted_warmup_counts,
-    initial_warmup_counts_for,
-    slackness,
+    initial_warmup_counts,
+    required_slackness,
     zb_h1_warmup_counts,
     zb_warmup_counts,
 )
@@ -146,25 +150,118 @@ def generate_order(
     return GeneratedSchedule(order, to_ms(makespan))
 
 
-@dataclass
-class Plan:
-    """A validated compute-only plan and how it was made."""
-
-    actions: dict[int, list[Any]]  # rank → list[torch _Action]
-    warmup_counts: list[int]
-    inflight_limit: list[int]
-    schedule: str
-    plan_ms: float
-    predicted_makespan_ms: float
-    ops: dict[int, list[Op]] = field(repr=False)
-
-    @property
-    def slackness(self) -> list[int]:
-        return slackness(self.warmup_counts)
-
+Plan = PlanResult
+"""The name docs/ARCHITECTURE.md and the runtime use for a planner's result."""
 
 SCHEDULES = ("pipemorph", "zb", "zb-h1")
 BACKWARDS = ("split", "full")
+VALIDATE = (True, False, "torch")
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One plan to compare: warm-up counts, in-flight limit, and how its order is made.
+
+    ``static``: the order is generated as if no link were slow (a fixed schedule), then timed under
+    the real profile; otherwise the generator runs under the real profile (its timeline is exact).
+    """
+
+    name: str
+    warmup_counts: tuple[int, ...]
+    inflight_limit: tuple[int, ...]
+    static: bool = False
+    one_f_one_b: bool = False
+
+
+def memory_caps(profile: PipelineProfile, memory_limit: int | None) -> list[int] | None:
+    """Per-stage in-flight activation limit from ``memory_limit`` and the profile's byte budget
+    (at most N); None when neither is given."""
+    caps = profile.max_inflight()
+    if memory_limit is None and caps is None:
+        return None
+    if memory_limit is not None and memory_limit < 1:
+        raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit}")
+    N = profile.num_microbatches
+    caps = list(caps or [N] * profile.num_stages)
+    return [max(1, min(c, memory_limit or N, N)) for c in caps]
+
+
+def one_f_one_b_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
+    """torch's Schedule1F1B order with full backwards: stage i runs x_i = S − i forwards (at most N),
+    then alternates B and F, then drains its backwards."""
+    N = num_microbatches
+    order: dict[int, list[Op]] = {}
+    for i in range(num_stages):
+        x = min(num_stages - i, N)
+        ops: list[Op] = [(i, "F", m) for m in range(x)]
+        for m in range(N):
+            ops.append((i, "B", m))
+            if x + m < N:
+                ops.append((i, "F", x + m))
+        order[i] = ops
+    return order
+
+
+def _candidates(profile: PipelineProfile, schedule: str, mode: str, slack_floor: int,
+                caps: list[int] | None, cap_inflight: bool) -> list[_Candidate]:
+    """The plans ``plan_pipemorph`` compares; the first is the requested schedule as published."""
+    S, N = profile.num_stages, profile.num_microbatches
+    top = caps or [N] * S
+
+    def fit(x: Sequence[int]) -> tuple[int, ...]:
+        return tuple(_clip_monotone(x, top))
+
+    def make(name: str, x: Sequence[int], capped: bool, **kw: bool) -> _Candidate:
+        x = fit(x)
+        return _Candidate(name, x, x if capped else tuple(max(c, v) for c, v in zip(top, x)), **kw)
+
+    if schedule in ("zb", "zb-h1"):
+        x = zb_warmup_counts(S, N) if schedule == "zb" else zb_h1_warmup_counts(S)
+        return [make(schedule, x, True, static=True)]
+    if mode == "initial":
+        variants = [("alg1", initial_warmup_counts(S, top[0]))]
+    else:
+        variants = [(f"alg2-floor{slack_floor}", adapted_warmup_counts(profile, slack_floor=slack_floor))]
+        if slack_floor != 1:
+            variants.append(("alg2-floor1", adapted_warmup_counts(profile, slack_floor=1)))
+    out = [make(variants[0][0] + ("-capped" if cap_inflight else ""), variants[0][1], cap_inflight)]
+    for name, x in variants:
+        out += [make(name + "-capped", x, True), make(name, x, False)]
+    out += [make("zb", zb_warmup_counts(S, N), True, static=True),
+            make("zb-h1", zb_h1_warmup_counts(S), True, static=True)]
+    if all(min(S - i, N) <= c for i, c in enumerate(top)):
+        out.append(_Candidate("1f1b", tuple(min(S - i, N) for i in range(S)), tuple(top), one_f_one_b=True))
+    seen: set = set()
+    return [c for c in out if (c.warmup_counts, c.inflight_limit, c.static, c.one_f_one_b) not in seen
+            and not seen.add((c.warmup_counts, c.inflight_limit, c.static, c.one_f_one_b))]
+
+
+def _evaluate(profile: PipelineProfile, cand: _Candidate, full: bool) -> tuple[dict[int, list[Op]], float]:
+    """The candidate's order and its makespan under ``profile`` (the one timing model)."""
+    if cand.one_f_one_b:
+        order = one_f_one_b_order(profile.num_stages, profile.num_microbatches)
+        return order, simulate(order, profile).makespan_ms
+    if cand.static:
+        order = generate_order(profile.with_links(()), cand.warmup_counts, cand.inflight_limit,
+                               full_backward=full).order
+        return order, simulate(order, profile).makespan_ms
+    generated = generate_order(profile, cand.warmup_counts, cand.inflight_limit, full_backward=full)
+    return generated.order, generated.makespan_ms
+
+
+def _notes(profile: PipelineProfile, schedule: str, mode: str, slack_floor: int) -> list[str]:
+    """Warn when Alg.2's clip max(N − 2S, floor) leaves a slow link without the slackness it needs."""
+    if schedule != "pipemorph" or mode != "adaptive" or profile.num_stages < 2:
+        return []
+    S, N = profile.num_stages, profile.num_microbatches
+    clip = max(N - 2 * S, slack_floor)
+    short = [i for i in range(S - 1) if required_slackness(profile, i) > clip]
+    if not short:
+        return []
+    room = f"N = {N} <= 2S = {2 * S}" if N <= 2 * S else f"N - 2S = {N - 2 * S}"
+    return [f"Alg.2 has no room: {room}, so the slackness of links {short} is clipped at {clip} "
+            f"(they need up to {max(required_slackness(profile, i) for i in short)}); more microbatches "
+            f"or schedule 'auto' (CrossPipe) may absorb the delay better"]
 
 
 def plan_pipemorph(
@@ -175,62 +272,70 @@ def plan_pipemorph(
     slack_floor: int = 2,
     memory_limit: int | None = None,
     cap_inflight: bool = True,
-    validate: bool = True,
+    validate: bool | str = True,
     backward: str = "split",
-) -> Plan:
+    candidates: bool = True,
+) -> PlanResult:
     """Plan warm-up counts and generate the full schedule; the returned plan has passed validation.
 
     ``schedule="zb"``: the ZeroBubble plan of PipeMorph Fig.4, x_i = 2(S − i) − 1, generated as if no
     link were slow. ``schedule="zb-h1"``: minimal warm-up x_i = S − i (1F1B's memory), likewise.
-    ``schedule="pipemorph"``: ``mode="initial"`` → Alg.1 under ``memory_limit`` (or the profile's memory
-    budget; N when neither); ``mode="adaptive"`` → Alg.2 from the profile's measured times and delays;
-    ``mode="auto"`` → adaptive when any link has a delay, else initial.
-    ``cap_inflight`` (our memory extension): cap each stage's in-flight activations at its x_i.
-    ``backward="full"`` (our extension): plan with the profile's ``fused()`` times (B + W in one full
-    backward) and emit full-backward B actions instead of I/W — for hardware where the split costs more
-    compute than the W bubble-filling saves (the runtime measures both, see ``titan_ext.runtime``).
+    ``schedule="pipemorph"``: ``mode="initial"`` → Alg.1 (§4.1) under the memory limit (N when none);
+    ``mode="adaptive"`` → Alg.2 (§4.2) from the profile's measured times and delays; ``mode="auto"`` →
+    adaptive when any link has a delay, else initial. With ``candidates`` (default) it also times, under
+    the profile, the cheap alternatives — the same warm-up counts without the in-flight cap, Alg.2 with
+    slack floor 1, the static zb and zb-h1 orders and torch's 1F1B order — and returns the fastest
+    (ties: the fewest in-flight activations), so it is never slower than any of them.
+    ``memory_limit`` K (and the profile's byte budget): every candidate holds at most K in-flight
+    activations per stage, so the result is the fastest candidate that fits.
+    ``cap_inflight`` (our memory extension): the requested schedule caps in-flight activations at x_i.
+    ``validate``: True → our validator (the hot path); "torch" → ours plus torch's lowering and dry run;
+    False → none. ``backward="full"`` (our extension): plan with the profile's ``fused()`` times and emit
+    full backwards B instead of I/W (the runtime measures both, see ``titan_ext.runtime``).
     """
-    from .validate import validate_plan  # local: validate imports this module's neighbours
-
-    if validate:
-        torch_schedules()  # import torch's IR before the clock starts: plan_ms measures planning only
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    t0 = time.perf_counter()
-    S = profile.num_stages
-    if backward == "full":
-        profile = profile.fused()
-    gen_profile = profile
-    if schedule in ("zb", "zb-h1"):
-        x = zb_warmup_counts(S, profile.num_microbatches) if schedule == "zb" else zb_h1_warmup_counts(S)
-        if memory_limit is not None:
-            x = [min(v, memory_limit) for v in x]
-        gen_profile = profile.with_links(())
-    elif schedule == "pipemorph":
-        if mode == "auto":
-            mode = "adaptive" if any(d > 0 for d in profile.delays_ms) else "initial"
-        if mode == "initial":
-            x = initial_warmup_counts_for(profile, memory_limit)
-        elif mode == "adaptive":
-            x = adapted_warmup_counts(profile, slack_floor=slack_floor, memory_limit=memory_limit)
-        else:
-            raise ValueError(f"mode must be auto, initial or adaptive, got {mode!r}")
-    else:
+    if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    limit = list(x) if cap_inflight else [memory_limit or profile.num_microbatches] * S
-    limit = [max(v, xi) for v, xi in zip(limit, x)]
+    if mode not in ("auto", "initial", "adaptive"):
+        raise ValueError(f"mode must be auto, initial or adaptive, got {mode!r}")
+    if validate not in VALIDATE:
+        raise ValueError(f"validate must be True, False or 'torch', got {validate!r}")
+    if slack_floor < 1:
+        raise ValueError(f"slack_floor must be >= 1, got {slack_floor}")
+    torch_schedules()  # import torch's IR before the clock starts: plan_ms measures planning only
+    t0 = time.perf_counter()
+    full = backward == "full"
+    if full:
+        profile = profile.fused()
+    if mode == "auto":
+        mode = "adaptive" if any(d > 0 for d in profile.delays_ms) else "initial"
+    caps = memory_caps(profile, memory_limit)
+    cands = _candidates(profile, schedule, mode, slack_floor, caps, cap_inflight)
+    if not candidates:
+        cands = cands[:1]
     with gc_paused():
-        generated = generate_order(gen_profile, x, limit, full_backward=backward == "full")
+        timed = {}
+        for cand in cands:
+            order, makespan = _evaluate(profile, cand, full)
+            peak = peak_inflight(order)
+            timed[cand.name] = (makespan, max(peak.values()), cand, order, peak)
+        makespan, _, best, order, peak = min(timed.values(), key=lambda v: v[:2])
+        limit = list(best.inflight_limit)
         if validate:
-            validate_plan(generated.order, S, profile.num_microbatches, inflight_limit=limit)
-        actions = to_torch_plan(generated.order)
-    plan_ms = (time.perf_counter() - t0) * 1e3
-    return Plan(
+            validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
+                          torch_dry_run=validate == "torch")
+        actions = to_torch_plan(order)
+    return PlanResult(
         actions=actions,
-        warmup_counts=x,
+        ops=order,
+        schedule=schedule if len(cands) == 1 else f"{schedule}:{best.name}",
+        warmup_counts=list(best.warmup_counts),
+        predicted_makespan_ms=makespan,
+        peak_inflight=peak,
+        plan_ms=(time.perf_counter() - t0) * 1e3,
+        stage_to_rank={s: s for s in range(profile.num_stages)},
         inflight_limit=limit,
-        schedule=schedule,
-        plan_ms=plan_ms,
-        predicted_makespan_ms=generated.makespan_ms,
-        ops=generated.order,
+        notes=_notes(profile, schedule, mode, slack_floor),
+        candidates={name: v[0] for name, v in timed.items()},
     )

@@ -6,7 +6,7 @@ Checks, in order (each failure raises ``PlanValidationError`` with the reason):
 2. local order — on its rank, I (or B) of a microbatch comes after its F, and W after its I;
 3. memory — per stage, in-flight activations (F done − I/B done) never exceed ``inflight_limit``;
 4. progress — the plan runs to completion under our timing model (no cross-rank deadlock);
-5. torch — torch's own SEND/RECV lowering ``_add_send_recv`` (the pass
+5. torch (opt-in, ``torch_dry_run=True``) — torch's own SEND/RECV lowering ``_add_send_recv`` (the pass
    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs) followed by torch's dry run
    ``_simulate_comms_compute`` completes. (torch's dry run does not understand the FSDP
    UNSHARD/RESHARD/REDUCE_GRAD actions of the other passes, which do not affect ordering.)
@@ -33,9 +33,13 @@ def validate_plan(
     num_microbatches: int,
     *,
     inflight_limit: Sequence[int] | int | None = None,
-    torch_dry_run: bool = True,
+    torch_dry_run: bool = False,
 ) -> None:
-    """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid."""
+    """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid.
+
+    Checks 1–4 are ours (the hot path: planners, CLI, run-time re-planning); ``torch_dry_run=True``
+    adds check 5, torch's lowering + dry run (``validate="torch"``, ``titan-ext plan --strict``).
+    """
     try:
         ops = as_ops(plan)
         placement = stage_to_rank_map(ops)
