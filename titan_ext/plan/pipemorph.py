@@ -24,7 +24,7 @@ from typing import Sequence
 from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
 from .result import PlanResult
-from .simulate import peak_inflight, simulate
+from .simulate import peak_inflight, replay_makespan_ns
 from .timing import LinkQueues, to_ms, to_ns
 from .validate import validate_plan
 from .warmup import (
@@ -76,13 +76,25 @@ def generate_order(
     for i in range(S):
         if x[i] > limit[i]:
             raise ValueError(f"warmup_counts[{i}] = {x[i]} exceeds inflight_limit[{i}] = {limit[i]}")
+    order, makespan, _ = _generate(profile, x, limit, full_backward)
+    return GeneratedSchedule(order, to_ms(makespan))
 
+
+def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_backward: bool,
+              bound_ns: int | None = None) -> tuple[dict[int, list[Op]] | None, int, bool]:
+    """The generator proper: ``(order, makespan_ns, cap_bound)``, where ``cap_bound`` says whether the
+    in-flight limit ever kept a stage from a forward that had arrived (if not, the same counts without
+    the limit give the same order). Stops early with ``(None, t, cap_bound)`` once the plan's makespan
+    is certain to exceed ``bound_ns``: an op ends at ``t`` and its stage still has more than
+    ``bound_ns − t`` of work left."""
+    S, N = profile.num_stages, profile.num_microbatches
     tf = [to_ns(v) for v in profile.f_ms]
     tb = [to_ns(v) for v in profile.b_ms]
     tw = [to_ns(v) for v in profile.w_ms]
     if full_backward:
         tb = [b + w for b, w in zip(tb, tw)]
     links = LinkQueues(profile.links)
+    bound = bound_ns if bound_ns is not None else float("inf")
 
     # Arrival queues per stage, (ready_ns, mb), FIFO: each stage consumes a kind in microbatch order.
     f_q: list[deque] = [deque() for _ in range(S)]
@@ -94,13 +106,13 @@ def generate_order(
     f_count = [0] * S
     b_count = [0] * S
     remaining = (2 if full_backward else 3) * N * S
+    work = [N * (f + b + (0 if full_backward else w)) for f, b, w in zip(tf, tb, tw)]  # left per stage
     order: dict[int, list[Op]] = {i: [] for i in range(S)}
     makespan = 0
+    cap_bound = False
 
     wake: list[tuple[int, int]] = [(0, i) for i in range(S)]
     while remaining:
-        if not wake:
-            raise RuntimeError("generator stalled: no stage can make progress")  # unreachable
         t, i = heapq.heappop(wake)
         if free_at[i] > t:
             continue
@@ -111,9 +123,12 @@ def generate_order(
                 warm_left[i] -= 1
         elif b_q[i] and b_q[i][0][0] <= t:
             kind = "I"
-        elif f_q[i] and f_q[i][0][0] <= t and f_count[i] - b_count[i] < limit[i]:
-            kind = "F"
-        elif w_q[i] and w_q[i][0][0] <= t:
+        elif f_q[i] and f_q[i][0][0] <= t:
+            if f_count[i] - b_count[i] < limit[i]:
+                kind = "F"
+            else:
+                cap_bound = True
+        if kind is None and w_q[i] and w_q[i][0][0] <= t:
             kind = "W"
         if kind is None:
             continue  # idle until an arrival wakes it
@@ -142,12 +157,15 @@ def generate_order(
         else:
             _, m = w_q[i].popleft()
             done = t + tw[i]
+        work[i] -= done - t
+        if done + work[i] > bound:
+            return None, done, cap_bound
         order[i].append((i, kind, m))
         makespan = max(makespan, done)
         free_at[i] = done
         remaining -= 1
         heapq.heappush(wake, (done, i))
-    return GeneratedSchedule(order, to_ms(makespan))
+    return order, makespan, cap_bound
 
 
 Plan = PlanResult
@@ -236,17 +254,20 @@ def _candidates(profile: PipelineProfile, schedule: str, mode: str, slack_floor:
             and not seen.add((c.warmup_counts, c.inflight_limit, c.static, c.one_f_one_b))]
 
 
-def _evaluate(profile: PipelineProfile, cand: _Candidate, full: bool) -> tuple[dict[int, list[Op]], float]:
-    """The candidate's order and its makespan under ``profile`` (the one timing model)."""
+def _evaluate(profile: PipelineProfile, cand: _Candidate, full: bool,
+              bound_ns: int | None) -> tuple[dict[int, list[Op]] | None, int, bool]:
+    """``(order, makespan_ns, cap_bound)`` of a candidate under ``profile`` (the one timing model);
+    order None when its makespan exceeds ``bound_ns``."""
+    S, N = profile.num_stages, profile.num_microbatches
+    x, limit = list(cand.warmup_counts), list(cand.inflight_limit)
+    if not cand.static and not cand.one_f_one_b:
+        return _generate(profile, x, limit, full, bound_ns)
     if cand.one_f_one_b:
-        order = one_f_one_b_order(profile.num_stages, profile.num_microbatches)
-        return order, simulate(order, profile).makespan_ms
-    if cand.static:
-        order = generate_order(profile.with_links(()), cand.warmup_counts, cand.inflight_limit,
-                               full_backward=full).order
-        return order, simulate(order, profile).makespan_ms
-    generated = generate_order(profile, cand.warmup_counts, cand.inflight_limit, full_backward=full)
-    return generated.order, generated.makespan_ms
+        order = one_f_one_b_order(S, N)
+    else:
+        order = _generate(profile.with_links(()), x, limit, full)[0]
+    makespan = replay_makespan_ns(order, profile, bound_ns)
+    return (None, 0, False) if makespan is None else (order, makespan, False)
 
 
 def _notes(profile: PipelineProfile, schedule: str, mode: str, slack_floor: int) -> list[str]:
@@ -285,7 +306,7 @@ def plan_pipemorph(
     adaptive when any link has a delay, else initial. With ``candidates`` (default) it also times, under
     the profile, the cheap alternatives — the same warm-up counts without the in-flight cap, Alg.2 with
     slack floor 1, the static zb and zb-h1 orders and torch's 1F1B order — and returns the fastest
-    (ties: the fewest in-flight activations), so it is never slower than any of them.
+    (ties: the earlier in that list, which holds fewer activations), so it is never slower than any.
     ``memory_limit`` K (and the profile's byte budget): every candidate holds at most K in-flight
     activations per stage, so the result is the fastest candidate that fits.
     ``cap_inflight`` (our memory extension): the requested schedule caps in-flight activations at x_i.
@@ -315,12 +336,23 @@ def plan_pipemorph(
     if not candidates:
         cands = cands[:1]
     with gc_paused():
-        timed = {}
+        timed: dict[str, float | None] = {}  # candidate → makespan (None: slower than the best)
+        best = None  # (makespan_ns, candidate, order)
+        unbound: set = set()  # warm-up counts whose capped order never met its cap
         for cand in cands:
-            order, makespan = _evaluate(profile, cand, full)
-            peak = peak_inflight(order)
-            timed[cand.name] = (makespan, max(peak.values()), cand, order, peak)
-        makespan, _, best, order, peak = min(timed.values(), key=lambda v: v[:2])
+            twin = cand.warmup_counts in unbound and not cand.static and not cand.one_f_one_b
+            if twin:  # the cap never bound: the uncapped order is the capped one
+                timed[cand.name] = timed[f"{cand.name}-capped"]
+                continue
+            # ties go to the earlier candidate: a later one must be strictly faster
+            order, makespan, cap_bound = _evaluate(profile, cand, full, best and best[0] - 1)
+            if not cap_bound and cand.inflight_limit == cand.warmup_counts:
+                unbound.add(cand.warmup_counts)
+            timed[cand.name] = None if order is None else to_ms(makespan)
+            if order is not None:
+                best = (makespan, cand, order)
+        makespan, best, order = best
+        peak = peak_inflight(order)
         limit = list(best.inflight_limit)
         if validate:
             validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
@@ -331,11 +363,11 @@ def plan_pipemorph(
         ops=order,
         schedule=schedule if len(cands) == 1 else f"{schedule}:{best.name}",
         warmup_counts=list(best.warmup_counts),
-        predicted_makespan_ms=makespan,
+        predicted_makespan_ms=to_ms(makespan),
         peak_inflight=peak,
         plan_ms=(time.perf_counter() - t0) * 1e3,
         stage_to_rank={s: s for s in range(profile.num_stages)},
         inflight_limit=limit,
         notes=_notes(profile, schedule, mode, slack_floor),
-        candidates={name: v[0] for name, v in timed.items()},
+        candidates=timed,
     )

@@ -37,8 +37,9 @@ class PlanResult:
     """per-stage in-flight limit the plan was validated against (None: no limit)."""
     notes: list[str] = field(default_factory=list)
     """human-readable remarks the caller should see (e.g. "Alg.2 has no room: N ≤ 2S")."""
-    candidates: dict[str, float] = field(default_factory=dict)
-    """candidate name → predicted makespan (ms) of every candidate the planner compared."""
+    candidates: dict[str, float | None] = field(default_factory=dict)
+    """candidate name → predicted makespan (ms) of every candidate the planner compared (None: given up
+    once it was certain to be slower than the best so far)."""
 
     @property
     def slackness(self) -> list[int]:

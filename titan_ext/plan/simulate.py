@@ -193,3 +193,66 @@ def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
             elif kind in ("I", "B"):
                 held[stage] = held.get(stage, 0) - 1
     return dict(sorted(peak.items()))
+
+
+def replay_makespan_ns(
+    order: Mapping[int, list[Op]], profile: PipelineProfile, bound_ns: int | None = None
+) -> int | None:
+    """``simulate``'s makespan (ns, hol=False) of a one-stage-per-rank plan (stage i on rank i), without
+    building a timeline: the same rules, the same visiting order (so the same FIFO link order), on flat
+    lists. None as soon as the makespan is certain to exceed ``bound_ns`` (an action ends at t and its
+    rank has more than ``bound_ns − t`` of work left). Tests check it bit-for-bit against ``simulate``;
+    the planner uses it to time candidates."""
+    S, N = profile.num_stages, profile.num_microbatches
+    tf, tb, tw = ([to_ns(v) for v in times] for times in (profile.f_ms, profile.b_ms, profile.w_ms))
+    dur = {"F": tf, "I": tb, "W": tw, "B": [b + w for b, w in zip(tb, tw)]}
+    links = LinkQueues(profile.links)
+    bound = float("inf") if bound_ns is None else bound_ns
+    work = [sum(dur[k][s] for _, k, _ in order[s]) for s in range(S)]  # left per rank
+    f_in = [[0] * N] + [[None] * N for _ in range(S - 1)]  # F input arrival
+    g_in = [[None] * N for _ in range(S)]  # gradient arrival (last stage: its own F's end)
+    i_end = [[None] * N for _ in range(S)]
+    f_end = [[None] * N for _ in range(S)]
+    pos, free = [0] * S, [0] * S
+    remaining = sum(len(order[s]) for s in range(S))
+    makespan = 0
+    while remaining:
+        progressed = False
+        for s in range(S):
+            ops, p, t = order[s], pos[s], free[s]
+            while p < len(ops):
+                _, kind, m = ops[p]
+                if kind == "F":
+                    ready = f_in[s][m]
+                elif kind == "W":
+                    ready = i_end[s][m]
+                else:
+                    ready, grad = f_end[s][m], g_in[s][m]
+                    ready = None if ready is None or grad is None else max(ready, grad)
+                if ready is None:
+                    break
+                d = dur[kind][s]
+                t = max(t, ready) + d
+                if kind == "F":
+                    f_end[s][m] = t
+                    if s + 1 < S:
+                        f_in[s + 1][m] = links.send(s, (s, s + 1), t)
+                    else:
+                        g_in[s][m] = t
+                elif kind != "W":
+                    i_end[s][m] = t
+                    if s > 0:
+                        g_in[s - 1][m] = links.send(s - 1, (s, s - 1), t)
+                work[s] -= d
+                if t + work[s] > bound:
+                    return None
+                makespan = max(makespan, t)
+                p += 1
+            if p != pos[s]:
+                remaining -= p - pos[s]
+                pos[s], free[s] = p, t
+                progressed = True
+        if not progressed:
+            stuck = {s: order[s][pos[s]] for s in range(S) if pos[s] < len(order[s])}
+            raise DeadlockError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
+    return makespan
