@@ -6,7 +6,8 @@ Checks, in order (each failure raises ``PlanValidationError`` with the reason):
 2. local order — on its rank, I (or B) of a microbatch comes after its F, and W after its I;
 3. memory — per stage, in-flight activations (F done − I/B done) never exceed ``inflight_limit``;
 4. progress — the plan runs to completion under our timing model (no cross-rank deadlock);
-5. torch (opt-in, ``torch_dry_run=True``) — torch's own SEND/RECV lowering ``_add_send_recv`` (the pass
+5. torch (opt-in, ``torch_dry_run=True``) — torch's own checker ``_validate_schedule``, SEND/RECV
+   lowering ``_add_send_recv`` (the pass
    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs) followed by torch's dry run
    ``_simulate_comms_compute`` completes. (torch's dry run does not understand the FSDP
    UNSHARD/RESHARD/REDUCE_GRAD actions of the other passes, which do not affect ordering.)
@@ -149,6 +150,7 @@ def _torch_dry_run(ops, placement: dict[int, int], num_stages: int, num_microbat
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf):
+            sched._validate_schedule(actions, len(actions), num_stages, num_microbatches)
             lowered = sched._add_send_recv(actions, stage_to_rank=stage_to_rank, num_stages=num_stages)
             sched._simulate_comms_compute(lowered, stage_to_rank=stage_to_rank, num_stages=num_stages)
     except Exception as e:  # torch raises ValueError / AssertionError / RuntimeError
