@@ -218,3 +218,39 @@ def test_validate_torch_is_opt_in(monkeypatch):
     strict = plan_pipemorph(prof, validate="torch")
     assert calls == [1]
     assert as_ops(strict.actions) == strict.ops
+
+
+def test_auto_is_the_faster_of_pipemorph_and_crosspipe():
+    """plan_by_name("auto") ≤ both planners (each timed by the reference simulator), validated, within
+    the memory limit; on few microbatches (N ≤ 2S) it is where CrossPipe can win."""
+    from titan_ext.plan.crosspipe import plan_crosspipe
+    from titan_ext.plan.schedules import plan_by_name
+
+    rng = random.Random(5)
+    for case in range(12):
+        S = rng.randint(3, 6)
+        N = rng.choice([S, 2 * S])
+        prof = PipelineProfile(S, N, [rng.uniform(5, 15) for _ in range(S)], [rng.uniform(5, 15) for _ in range(S)],
+                               [rng.uniform(2, 8) for _ in range(S)]).with_delays({rng.randrange(S - 1): rng.uniform(5, 60)})
+        K = None if case % 3 else S
+        auto = plan_by_name(prof, "auto", memory_limit=K)
+        tl = simulate(auto.actions, prof)
+        assert tl.makespan_ms == pytest.approx(auto.predicted_makespan_ms, abs=1e-6)
+        validate_plan(auto.actions, S, N, inflight_limit=K, torch_dry_run=True)
+        pm = simulate(plan_pipemorph(prof, memory_limit=K).actions, prof).makespan_ms
+        cp = simulate(plan_crosspipe(prof, "ud", memory_limit=K).actions, prof).makespan_ms
+        assert tl.makespan_ms <= min(pm, cp) + 1e-6
+
+
+def test_cli_auto_strict_and_note(capsys):
+    from titan_ext.cli import main
+
+    assert main(["plan", "--stages", "4", "--microbatches", "8", "--times", "10,10,10", "--delay", "2:30",
+                 "--schedule", "auto", "--strict", "--memory-limit", "6", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("note: Alg.2 has no room: N = 8 <= 2S = 8")
+    import json
+
+    out = json.loads(lines[-1])
+    assert out["validated_by"] == "ours+torch" and max(out["peak_inflight"].values()) <= 6
+    assert out["makespan_ms"] == pytest.approx(out["predicted_makespan_ms"])

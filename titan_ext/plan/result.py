@@ -7,7 +7,7 @@ fill every field; consumers (CLI, runtime, benchmarks) read only these names.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from .ir import Op
 from .warmup import slackness
@@ -53,8 +53,21 @@ class PlanResult:
             "warmup_counts": list(self.warmup_counts),
             "slackness": self.slackness,
             "predicted_makespan_ms": self.predicted_makespan_ms,
-            "peak_inflight": [self.peak_inflight[s] for s in sorted(self.peak_inflight)],
+            "peak_inflight": {str(s): v for s, v in sorted(self.peak_inflight.items())},
             "plan_ms": round(self.plan_ms, 3),
             "notes": list(self.notes),
             "candidates": dict(self.candidates),
         }
+
+
+def warmup_counts_of(ops: Mapping[int, Sequence[Op]]) -> list[int]:
+    """x_i as written in a plan: the forwards each rank runs before its first backward."""
+    out = []
+    for rank in sorted(ops):
+        n = 0
+        for _, kind, _ in ops[rank]:
+            if kind != "F":
+                break
+            n += 1
+        out.append(n)
+    return out
