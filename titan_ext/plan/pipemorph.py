@@ -245,8 +245,9 @@ def _candidates(profile: PipelineProfile, schedule: str, mode: str, slack_floor:
     out = [make(variants[0][0] + ("-capped" if cap_inflight else ""), variants[0][1], cap_inflight)]
     for name, x in variants:
         out += [make(name + "-capped", x, True), make(name, x, False)]
-    out += [make("zb", zb_warmup_counts(S, N), True, static=True),
-            make("zb-h1", zb_h1_warmup_counts(S), True, static=True)]
+    static = any(link.delay_ms > 0 for link in profile.links)  # else generated = static (dedup)
+    out += [make("zb", zb_warmup_counts(S, N), True, static=static),
+            make("zb-h1", zb_h1_warmup_counts(S), True, static=static)]
     if all(min(S - i, N) <= c for i, c in enumerate(top)):
         out.append(_Candidate("1f1b", tuple(min(S - i, N) for i in range(S)), tuple(top), one_f_one_b=True))
     seen: set = set()

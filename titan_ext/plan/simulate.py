@@ -1,8 +1,9 @@
 """Performance model of any compute-only plan (DESIGN.md "Timing model"; PipeMorph §3.2, CrossPipe §3.3).
 
 Each rank runs its actions in program order. An action starts when its rank is free and its inputs
-are there: F needs the previous stage's F of the same microbatch (its message, when that stage lives
-on another rank); I / full B needs its own F and the next stage's I/B gradient; W needs its own I.
+are there (the one rule, ``deps.producers``): F needs the previous stage's F of the same microbatch
+(its message, when that stage lives on another rank); I / full B needs its own F and the next stage's
+I/B gradient; W needs its own I.
 Messages follow ``timing.LinkQueues`` (α + size·β, one message per direction at a time).
 
 ``hol=False`` (delegated): sends are asynchronous, compute never waits on a send.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
 from .profile import LinkProfile, PipelineProfile
 from .timing import LinkQueues, to_ms, to_ns
@@ -114,8 +116,8 @@ def simulate(
     links = LinkQueues(stage_links)
     last = S - 1
 
-    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) → end ns; kind "I" also for full B
-    arrived: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"G", mb) → message arrival ns
+    done: dict[Op, int] = {}  # deps.done_key(op) → end ns
+    arrived: dict[Op, int] = {}  # deps.done_key(producer) → arrival ns of its message at its consumer
     ranks = sorted(ops)
     pos = {r: 0 for r in ranks}
     free = {r: 0 for r in ranks}
@@ -123,46 +125,39 @@ def simulate(
     events: list[ActionEvent] = []
     remaining = sum(len(v) for v in ops.values())
 
-    def ready_time(stage: int, kind: str, mb: int) -> int | None:
-        if kind == "F":
-            if stage == 0:
-                return 0
-            if placement[stage - 1] == placement[stage]:
-                return done.get((stage - 1, "F", mb))
-            return arrived.get((stage, "F", mb))
-        if kind in ("I", "B"):
-            own = done.get((stage, "F", mb))
-            if own is None or stage == last:
-                return own
-            if placement[stage + 1] == placement[stage]:
-                grad = done.get((stage + 1, "I", mb))
-            else:
-                grad = arrived.get((stage, "G", mb))
-            return None if grad is None else max(own, grad)
-        return done.get((stage, "I", mb))  # W
+    def ready_time(op: Op) -> int | None:
+        """When ``op``'s producers (deps.producers) are done and their messages have arrived."""
+        ready = 0
+        for src in producers(op, S):
+            end = done.get(src) if placement[src[0]] == placement[op[0]] else arrived.get(src)
+            if end is None:
+                return None
+            ready = max(ready, end)
+        return ready
 
     while remaining:
         progressed = False
         for r in ranks:
             rank_ops = ops[r]
             while pos[r] < len(rank_ops):
-                stage, kind, mb = rank_ops[pos[r]]
-                ready = ready_time(stage, kind, mb)
+                op = rank_ops[pos[r]]
+                stage, kind, mb = op
+                ready = ready_time(op)
                 if ready is None:
                     break
                 t0 = max(free[r], ready)
                 t1 = t0 + dur[kind][stage]
-                done[(stage, "I" if kind == "B" else kind, mb)] = t1
+                done[done_key(op)] = t1
                 free[r] = t1
                 busy[r] += t1 - t0
                 if kind == "F" and stage < last and placement[stage + 1] != r:
                     arrive = links.send(stage, (r, placement[stage + 1]), t1)
-                    arrived[(stage + 1, "F", mb)] = arrive
+                    arrived[op] = arrive
                     if hol:
                         free[r] = max(free[r], arrive)
                 elif kind in ("I", "B") and stage > 0 and placement[stage - 1] != r:
                     arrive = links.send(stage - 1, (r, placement[stage - 1]), t1)
-                    arrived[(stage - 1, "G", mb)] = arrive
+                    arrived[done_key(op)] = arrive
                     if hol:
                         free[r] = max(free[r], arrive)
                 events.append(ActionEvent(r, stage, kind, mb, to_ms(t0), to_ms(t1)))

@@ -20,6 +20,7 @@ import io
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
+from .deps import SAME_STAGE, done_key, producers
 from .ir import as_ops, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
 from .simulate import peak_inflight
 
@@ -70,7 +71,7 @@ def validate_plan(
     for rank, rank_ops in ops.items():
         seen: set[tuple[int, str, int]] = set()
         for s, k, m in rank_ops:
-            need = {"I": "F", "B": "F", "W": "I"}.get(k)
+            need = SAME_STAGE.get(k)
             if need and (s, need, m) not in seen:
                 raise PlanValidationError(f"rank {rank}: {s}{k}{m} comes before {s}{need}{m}")
             seen.add((s, k, m))
@@ -94,10 +95,8 @@ def validate_plan(
 
 
 def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
-    """Run every rank's list in order with dependencies only (no times); None if all complete, else
-    each blocked rank's next action. F(s,m) needs F(s−1,m); I/B(s,m) needs F(s,m) and I/B(s+1,m);
-    W(s,m) needs I(s,m)."""
-    last = num_stages - 1
+    """Run every rank's list in order with dependencies only (``deps.producers``, no times); None if
+    all complete, else each blocked rank's next action."""
     done: set[tuple[int, str, int]] = set()
     pos = {r: 0 for r in ops}
     remaining = sum(len(v) for v in ops.values())
@@ -105,17 +104,8 @@ def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
         progressed = False
         for r, rank_ops in ops.items():
             p = pos[r]
-            while p < len(rank_ops):
-                s, k, m = rank_ops[p]
-                if k == "F":
-                    ok = s == 0 or (s - 1, "F", m) in done
-                elif k == "W":
-                    ok = (s, "I", m) in done
-                else:
-                    ok = (s, "F", m) in done and (s == last or (s + 1, "I", m) in done)
-                if not ok:
-                    break
-                done.add((s, "I" if k == "B" else k, m))
+            while p < len(rank_ops) and all(src in done for src in producers(rank_ops[p], num_stages)):
+                done.add(done_key(rank_ops[p]))
                 p += 1
             if p != pos[r]:
                 remaining -= p - pos[r]
