@@ -3,10 +3,11 @@
 Checks, in order (each failure raises ``PlanValidationError`` with the reason):
 1. completeness — every (stage, microbatch) has exactly one F and either one I and one W, or one full B;
    every stage lives on exactly one rank; no unknown stage or microbatch;
-2. local order — on its rank, I (or B) of a microbatch comes after its F, and W after its I;
+2. progress — the plan runs to completion under the dependency rule (``deps.producers``: no
+   cross-rank deadlock); when it does not, a consumer placed before its producer on one rank (local
+   order: I or B after its F, W after its I) is named as such;
 3. memory — per stage, in-flight activations (F done − I/B done) never exceed ``inflight_limit``;
-4. progress — the plan runs to completion under our timing model (no cross-rank deadlock);
-5. torch (opt-in, ``torch_dry_run=True``) — torch's own checker ``_validate_schedule``, SEND/RECV
+4. torch (opt-in, ``torch_dry_run=True``) — torch's own checker ``_validate_schedule``, SEND/RECV
    lowering ``_add_send_recv`` (the pass
    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs) followed by torch's dry run
    ``_simulate_comms_compute`` completes. (torch's dry run does not understand the FSDP
@@ -39,8 +40,8 @@ def validate_plan(
 ) -> None:
     """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid.
 
-    Checks 1–4 are ours (the hot path: planners, CLI, run-time re-planning); ``torch_dry_run=True``
-    adds check 5, torch's lowering + dry run (``validate="torch"``, ``titan-ext plan --strict``).
+    Checks 1–3 are ours (the hot path: planners, CLI, run-time re-planning); ``torch_dry_run=True``
+    adds check 4, torch's lowering + dry run (``validate="torch"``, ``titan-ext plan --strict``).
     """
     try:
         ops = as_ops(plan)
@@ -68,13 +69,10 @@ def validate_plan(
                 missing = "I" if not split[0] else "W"
                 raise PlanValidationError(f"stage {s} microbatch {m} has no {missing}")
 
-    for rank, rank_ops in ops.items():
-        seen: set[tuple[int, str, int]] = set()
-        for s, k, m in rank_ops:
-            need = SAME_STAGE.get(k)
-            if need and (s, need, m) not in seen:
-                raise PlanValidationError(f"rank {rank}: {s}{k}{m} comes before {s}{need}{m}")
-            seen.add((s, k, m))
+    stuck = _first_deadlock(ops, num_stages)
+    if stuck:  # a consumer before its producer on one rank blocks that rank: name it precisely
+        _check_local_order(ops)
+        raise PlanValidationError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
 
     if inflight_limit is not None:
         peaks = peak_inflight(ops)
@@ -85,13 +83,20 @@ def validate_plan(
                     f"stage {s} holds {peak} in-flight activations, above its limit of {cap}"
                 )
 
-    stuck = _first_deadlock(ops, num_stages)
-    if stuck:
-        raise PlanValidationError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
-
     if torch_dry_run:
         with gc_paused():
             _torch_dry_run(ops, placement, num_stages, num_microbatches)
+
+
+def _check_local_order(ops: Mapping[int, list]) -> None:
+    """On its rank, I (or B) of a microbatch comes after its F, and W after its I."""
+    for rank, rank_ops in ops.items():
+        seen: set[tuple[int, str, int]] = set()
+        for s, k, m in rank_ops:
+            need = SAME_STAGE.get(k)
+            if need and (s, need, m) not in seen:
+                raise PlanValidationError(f"rank {rank}: {s}{k}{m} comes before {s}{need}{m}")
+            seen.add((s, k, m))
 
 
 def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
@@ -104,8 +109,12 @@ def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
         progressed = False
         for r, rank_ops in ops.items():
             p = pos[r]
-            while p < len(rank_ops) and all(src in done for src in producers(rank_ops[p], num_stages)):
-                done.add(done_key(rank_ops[p]))
+            while p < len(rank_ops):
+                op = rank_ops[p]
+                needs = producers(op, num_stages)
+                if needs and (needs[0] not in done or (len(needs) == 2 and needs[1] not in done)):
+                    break
+                done.add(done_key(op))
                 p += 1
             if p != pos[r]:
                 remaining -= p - pos[r]
