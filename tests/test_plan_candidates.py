@@ -111,6 +111,22 @@ def test_replay_is_the_simulator_bit_for_bit():
         assert replay_makespan_ns(order, prof, bound_ns=ns - 1) is None
 
 
+def test_hold_bound_is_a_lower_bound():
+    """The Little's-law bound that lets the planner skip candidates never exceeds a plan's simulated
+    makespan (plans capped at their warm-up counts, static or generated, split or full backward)."""
+    from titan_ext.plan.pipemorph import hold_bound_ns
+
+    rng = random.Random(99)
+    for _ in range(200):
+        prof = hetero_case(rng)
+        S, N = prof.num_stages, prof.num_microbatches
+        x = sorted((rng.randint(1, N) for _ in range(S)), reverse=True)
+        full = rng.random() < 0.3
+        model = prof.fused() if full else prof
+        order = generate_order(rng.choice([prof, prof.with_links(())]), x, x, full_backward=full).order
+        assert hold_bound_ns(model, x) <= to_ns(simulate(order, prof).makespan_ms)
+
+
 def test_slack_floor1_and_notes():
     """The memory extension keeps S=8, N=32, t=10, +60 ms on link 6 at 1090 ms with stage 0 ≤ 14 even
     among the candidates; Alg.2 without room (N ≤ 2S) says so; a memory-free uniform case is ZB's."""

@@ -249,7 +249,8 @@ def _candidates(profile: PipelineProfile, schedule: str, mode: str, slack_floor:
     out += [make("zb", zb_warmup_counts(S, N), True, static=static),
             make("zb-h1", zb_h1_warmup_counts(S), True, static=static)]
     if all(min(S - i, N) <= c for i, c in enumerate(top)):
-        out.append(_Candidate("1f1b", tuple(min(S - i, N) for i in range(S)), tuple(top), one_f_one_b=True))
+        x = tuple(min(S - i, N) for i in range(S))
+        out.append(_Candidate("1f1b", x, x, one_f_one_b=True))
     seen: set = set()
     return [c for c in out if (c.warmup_counts, c.inflight_limit, c.static, c.one_f_one_b) not in seen
             and not seen.add((c.warmup_counts, c.inflight_limit, c.static, c.one_f_one_b))]
@@ -269,6 +270,22 @@ def _evaluate(profile: PipelineProfile, cand: _Candidate, full: bool,
         order = _generate(profile.with_links(()), x, limit, full)[0]
     makespan = replay_makespan_ns(order, profile, bound_ns)
     return (None, 0, False) if makespan is None else (order, makespan, False)
+
+
+def hold_bound_ns(profile: PipelineProfile, inflight_limit: Sequence[int]) -> int:
+    """A lower bound on the makespan (ns) of any plan holding at most ``inflight_limit[i]`` activations
+    on stage i (our memory extension; Little's law on the activations): microbatch m's activation on
+    stage i < S−1 lives from F(i, m)'s start to I(i, m)'s end, at least
+    H_i = t^F_i + c_i + t^F_{i+1} + t^B_{i+1} + c_i + t^B_i (the gradient's round trip, Theorem 1's 2c_i),
+    and at most ``inflight_limit[i]`` live at once, so the makespan is at least N · H_i / limit_i."""
+    S, N = profile.num_stages, profile.num_microbatches
+    f, b = [to_ns(v) for v in profile.f_ms], [to_ns(v) for v in profile.b_ms]
+    bound = 0
+    for i in range(S - 1):
+        c = to_ns(profile.links[i].delay_ms) if profile.links else 0
+        hold = f[i] + 2 * c + f[i + 1] + b[i + 1] + b[i]
+        bound = max(bound, N * hold // inflight_limit[i])
+    return bound
 
 
 def _notes(profile: PipelineProfile, schedule: str, mode: str, slack_floor: int) -> list[str]:
@@ -346,6 +363,9 @@ def plan_pipemorph(
                 timed[cand.name] = timed[f"{cand.name}-capped"]
                 continue
             # ties go to the earlier candidate: a later one must be strictly faster
+            if best and hold_bound_ns(profile, cand.inflight_limit) >= best[0]:
+                timed[cand.name] = None
+                continue
             order, makespan, cap_bound = _evaluate(profile, cand, full, best and best[0] - 1)
             if not cap_bound and cand.inflight_limit == cand.warmup_counts:
                 unbound.add(cand.warmup_counts)
