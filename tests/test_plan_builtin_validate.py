@@ -17,6 +17,18 @@ def test_1f1b_closed_form(S, N):
     assert simulate(plan, PipelineProfile.uniform(S, N, t, t, t)).makespan_ms == pytest.approx((N + S - 1) * 3 * t)
 
 
+def test_plan_builtin_is_a_plan_result():
+    """torch's built-ins through the one result type: 1F1B's closed form, its memory x_i = S − i."""
+    from titan_ext.plan.builtin import plan_builtin
+
+    res = plan_builtin("1f1b", PipelineProfile.uniform(4, 8, 10.0, 10.0, 10.0))
+    assert res.schedule == "1F1B" and res.predicted_makespan_ms == pytest.approx((8 + 4 - 1) * 30.0)
+    assert res.warmup_counts == [4, 3, 2, 1] and res.peak_inflight == {0: 4, 1: 3, 2: 2, 3: 1}
+    zbv = plan_builtin("ZBVZeroBubble", PipelineProfile.uniform(4, 8, 10.0, 10.0, 10.0))
+    assert sorted(zbv.stage_to_rank) == list(range(8)) and set(zbv.stage_to_rank.values()) == set(range(4))
+    validate_plan(zbv.actions, 8, 8)
+
+
 @pytest.mark.parametrize("S, N", [(2, 4), (4, 8), (4, 12), (8, 16), (3, 9), (4, 24)])
 def test_zbv_closed_form(S, N):
     """ZBV (two chunks per rank, V shape), each rank's model split evenly so a chunk takes t/2 for each
@@ -124,8 +136,9 @@ def test_torch_dry_run_is_consulted(monkeypatch):
         raise ValueError("Schedule is not progressing")
 
     monkeypatch.setattr(sched, "_simulate_comms_compute", refuse)
+    validate_plan(good_plan(), 2, 2)  # the hot path: our checks only
     with pytest.raises(PlanValidationError, match="torch"):
-        validate_plan(good_plan(), 2, 2)
+        validate_plan(good_plan(), 2, 2, torch_dry_run=True)
 
 
 def test_torch_dry_run_on_a_lowered_plan():

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .plan import LinkProfile, PipelineProfile, simulate
-from .plan.schedules import CROSSPIPE_SCHEDULES
-from .plan.pipemorph import SCHEDULES, plan_pipemorph
+from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name, plan_crosspipe_by_name
 from .plan.warmup import slackness
 
 
@@ -120,7 +119,7 @@ def _report(timeline, extra: dict, args: argparse.Namespace) -> None:
     print(f"makespan    {timeline.makespan_ms:.3f} ms")
     print(f"bubble rate {timeline.bubble_rate:.2%}")
     for key, value in extra.items():
-        if key not in ("makespan_ms", "bubble_rate"):
+        if key not in ("makespan_ms", "bubble_rate", "notes", "peak_inflight"):
             print(f"{key:<11} {value}")
     print(f"peak in-flight activations per stage: {list(timeline.peak_inflight.values())}")
     if args.json:
@@ -141,10 +140,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise UsageError(f"--backward {args.backward}: CrossPipe plans split backwards only")
     if args.schedule in CROSSPIPE_SCHEDULES:
         return _cmd_plan_crosspipe(profile, args)
-    plan = plan_pipemorph(
-        profile, schedule=args.schedule, slack_floor=args.slack_floor, memory_limit=args.memory_limit,
-        backward=args.backward,
+    plan = plan_by_name(
+        profile, args.schedule, slack_floor=args.slack_floor, memory_limit=args.memory_limit,
+        backward=args.backward, validate="torch" if args.strict else True,
     )
+    for note in plan.notes:
+        print(f"note: {note}")
     timeline = simulate(plan.actions, profile)  # always under the given delays
     if args.out_csv:
         from .plan.export import write_torch_csv
@@ -154,11 +155,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     _report(
         timeline,
         {
-            "schedule": args.schedule,
+            **plan.summary(),
             "backward": args.backward,
-            "warmup_counts": plan.warmup_counts,
-            "slackness": plan.slackness,
-            "plan_ms": round(plan.plan_ms, 3),
+            "validated_by": "ours+torch" if args.strict else "ours",
         },
         args,
     )
@@ -202,8 +201,6 @@ def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> Non
 
 def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
     """CrossPipe greedy / CP-SAT plan (issue 6) → (actions, profile to simulate with, info)."""
-    from .plan.schedules import plan_crosspipe_by_name
-
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be > 0")
     if getattr(args, "memory_limit", None) is not None and args.memory_limit < 1:
@@ -303,8 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a schedule (PipeMorph Alg.1/2 + Alg.3/4) and simulate it",
                        description="Plan a schedule and print its simulated makespan under the given delays.")
     _add_common(p)
-    p.add_argument("--schedule", choices=SCHEDULES + CROSSPIPE_SCHEDULES, default="pipemorph",
-                   help="pipemorph: Alg.1 without delays, Alg.2 with them; zb: the ZeroBubble plan of "
+    p.add_argument("--schedule", choices=AUTO_SCHEDULES + CROSSPIPE_SCHEDULES, default="pipemorph",
+                   help="auto: the faster of pipemorph and crosspipe-ud; pipemorph: Alg.1 without delays, "
+                        "Alg.2 with them, or the fastest of the cheap alternatives (uncapped, slack floor 1, "
+                        "zb, zb-h1, 1F1B) that fits --memory-limit; zb: the ZeroBubble plan of "
                         "PipeMorph Fig.4 (x_i = 2(S-i)-1) planned as if no link were slow; zb-h1: x_i = S-i; "
                         "crosspipe-ud|udsub|wave: CrossPipe greedy (docs/crosspipe.md; wave cuts every stage "
                         "into two half chunks, V-shape); optimal: CP-SAT optimum (needs titan-ext[solver])")
@@ -318,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "v (rank r holds r and 2R-1-r: ZBV / DualPipeV); default loop")
     p.add_argument("--memory-limit", type=int, default=None, metavar="K",
                    help="max in-flight activations per stage (Alg.1's x_max; caps Alg.2)")
+    p.add_argument("--strict", action="store_true",
+                   help="also validate with torch's checker, lowering and dry run (slower; default: ours)")
     p.add_argument("--slack-floor", type=int, default=2, metavar="D",
                    help="Alg.2's lower bound on every slackness (paper: 2; 1 saves memory)")
     p.add_argument("--backward", choices=("split", "full"), default="split",

@@ -7,10 +7,14 @@ carry only those attributes — no module, no process group — and read ``pipel
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from .ir import as_ops, torch_schedules
+from .profile import PipelineProfile
+from .result import PlanResult, warmup_counts_of
+from .simulate import simulate
 
 # name → (torch class name, model chunks per rank)
 BUILTINS: dict[str, tuple[str, int]] = {
@@ -76,6 +80,27 @@ def builtin_plan(name: str, num_ranks: int, num_microbatches: int) -> tuple[dict
         _repair_1f1b_last_rank(plan, num_ranks, num_microbatches)
     as_ops(plan)  # fail early on anything unexpected
     return plan, dict(stage_to_rank)
+
+
+def plan_builtin(name: str, profile: PipelineProfile) -> PlanResult:
+    """torch's built-in schedule ``name`` for a rank-level ``profile`` (one entry per rank; multi-chunk
+    schedules split a rank's times over its stages, see ``simulate``) as a :class:`PlanResult`, its
+    makespan and peak in-flight activations from the reference simulator under the profile."""
+    torch_schedules()
+    t0 = time.perf_counter()
+    actions, stage_to_rank = builtin_plan(name, profile.num_stages, profile.num_microbatches)
+    ops = as_ops(actions)
+    timeline = simulate(ops, profile)
+    return PlanResult(
+        actions=actions,
+        ops=ops,
+        schedule=_canonical(name),
+        warmup_counts=warmup_counts_of(ops),
+        predicted_makespan_ms=timeline.makespan_ms,
+        peak_inflight=timeline.peak_inflight,
+        plan_ms=(time.perf_counter() - t0) * 1e3,
+        stage_to_rank=stage_to_rank,
+    )
 
 
 def _repair_1f1b_last_rank(plan: dict[int, list[Any]], num_ranks: int, num_microbatches: int) -> None:

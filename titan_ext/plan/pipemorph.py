@@ -18,16 +18,20 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
+from .result import PlanResult
+from .simulate import peak_inflight, replay_makespan_ns
 from .timing import LinkQueues, to_ms, to_ns
+from .validate import validate_plan
 from .warmup import (
+    _clip_monotone,
     adapted_warmup_counts,
-    initial_warmup_counts_for,
-    slackness,
+    initial_warmup_counts,
+    required_slackness,
     zb_h1_warmup_counts,
     zb_warmup_counts,
 )
@@ -72,13 +76,25 @@ def generate_order(
     for i in range(S):
         if x[i] > limit[i]:
             raise ValueError(f"warmup_counts[{i}] = {x[i]} exceeds inflight_limit[{i}] = {limit[i]}")
+    order, makespan, _ = _generate(profile, x, limit, full_backward)
+    return GeneratedSchedule(order, to_ms(makespan))
 
+
+def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_backward: bool,
+              bound_ns: int | None = None) -> tuple[dict[int, list[Op]] | None, int, bool]:
+    """The generator proper: ``(order, makespan_ns, cap_bound)``, where ``cap_bound`` says whether the
+    in-flight limit ever kept a stage from a forward that had arrived (if not, the same counts without
+    the limit give the same order). Stops early with ``(None, t, cap_bound)`` once the plan's makespan
+    is certain to exceed ``bound_ns``: an op ends at ``t`` and its stage still has more than
+    ``bound_ns − t`` of work left."""
+    S, N = profile.num_stages, profile.num_microbatches
     tf = [to_ns(v) for v in profile.f_ms]
     tb = [to_ns(v) for v in profile.b_ms]
     tw = [to_ns(v) for v in profile.w_ms]
     if full_backward:
         tb = [b + w for b, w in zip(tb, tw)]
     links = LinkQueues(profile.links)
+    bound = bound_ns if bound_ns is not None else float("inf")
 
     # Arrival queues per stage, (ready_ns, mb), FIFO: each stage consumes a kind in microbatch order.
     f_q: list[deque] = [deque() for _ in range(S)]
@@ -90,13 +106,13 @@ def generate_order(
     f_count = [0] * S
     b_count = [0] * S
     remaining = (2 if full_backward else 3) * N * S
+    work = [N * (f + b + (0 if full_backward else w)) for f, b, w in zip(tf, tb, tw)]  # left per stage
     order: dict[int, list[Op]] = {i: [] for i in range(S)}
     makespan = 0
+    cap_bound = False
 
     wake: list[tuple[int, int]] = [(0, i) for i in range(S)]
     while remaining:
-        if not wake:
-            raise RuntimeError("generator stalled: no stage can make progress")  # unreachable
         t, i = heapq.heappop(wake)
         if free_at[i] > t:
             continue
@@ -107,9 +123,12 @@ def generate_order(
                 warm_left[i] -= 1
         elif b_q[i] and b_q[i][0][0] <= t:
             kind = "I"
-        elif f_q[i] and f_q[i][0][0] <= t and f_count[i] - b_count[i] < limit[i]:
-            kind = "F"
-        elif w_q[i] and w_q[i][0][0] <= t:
+        elif f_q[i] and f_q[i][0][0] <= t:
+            if f_count[i] - b_count[i] < limit[i]:
+                kind = "F"
+            else:
+                cap_bound = True
+        if kind is None and w_q[i] and w_q[i][0][0] <= t:
             kind = "W"
         if kind is None:
             continue  # idle until an arrival wakes it
@@ -138,33 +157,150 @@ def generate_order(
         else:
             _, m = w_q[i].popleft()
             done = t + tw[i]
+        work[i] -= done - t
+        if done + work[i] > bound:
+            return None, done, cap_bound
         order[i].append((i, kind, m))
         makespan = max(makespan, done)
         free_at[i] = done
         remaining -= 1
         heapq.heappush(wake, (done, i))
-    return GeneratedSchedule(order, to_ms(makespan))
+    return order, makespan, cap_bound
 
 
-@dataclass
-class Plan:
-    """A validated compute-only plan and how it was made."""
-
-    actions: dict[int, list[Any]]  # rank → list[torch _Action]
-    warmup_counts: list[int]
-    inflight_limit: list[int]
-    schedule: str
-    plan_ms: float
-    predicted_makespan_ms: float
-    ops: dict[int, list[Op]] = field(repr=False)
-
-    @property
-    def slackness(self) -> list[int]:
-        return slackness(self.warmup_counts)
-
+Plan = PlanResult
+"""The name docs/ARCHITECTURE.md and the runtime use for a planner's result."""
 
 SCHEDULES = ("pipemorph", "zb", "zb-h1")
 BACKWARDS = ("split", "full")
+VALIDATE = (True, False, "torch")
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One plan to compare: warm-up counts, in-flight limit, and how its order is made.
+
+    ``static``: the order is generated as if no link were slow (a fixed schedule), then timed under
+    the real profile; otherwise the generator runs under the real profile (its timeline is exact).
+    """
+
+    name: str
+    warmup_counts: tuple[int, ...]
+    inflight_limit: tuple[int, ...]
+    static: bool = False
+    one_f_one_b: bool = False
+
+
+def memory_caps(profile: PipelineProfile, memory_limit: int | None) -> list[int] | None:
+    """Per-stage in-flight activation limit from ``memory_limit`` and the profile's byte budget
+    (at most N); None when neither is given."""
+    caps = profile.max_inflight()
+    if memory_limit is None and caps is None:
+        return None
+    if memory_limit is not None and memory_limit < 1:
+        raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit}")
+    N = profile.num_microbatches
+    caps = list(caps or [N] * profile.num_stages)
+    return [max(1, min(c, memory_limit or N, N)) for c in caps]
+
+
+def one_f_one_b_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
+    """torch's Schedule1F1B order with full backwards: stage i runs x_i = S − i forwards (at most N),
+    then alternates B and F, then drains its backwards."""
+    N = num_microbatches
+    order: dict[int, list[Op]] = {}
+    for i in range(num_stages):
+        x = min(num_stages - i, N)
+        ops: list[Op] = [(i, "F", m) for m in range(x)]
+        for m in range(N):
+            ops.append((i, "B", m))
+            if x + m < N:
+                ops.append((i, "F", x + m))
+        order[i] = ops
+    return order
+
+
+def _candidates(profile: PipelineProfile, schedule: str, mode: str, slack_floor: int,
+                caps: list[int] | None, cap_inflight: bool) -> list[_Candidate]:
+    """The plans ``plan_pipemorph`` compares; the first is the requested schedule as published."""
+    S, N = profile.num_stages, profile.num_microbatches
+    top = caps or [N] * S
+
+    def fit(x: Sequence[int]) -> tuple[int, ...]:
+        return tuple(_clip_monotone(x, top))
+
+    def make(name: str, x: Sequence[int], capped: bool, **kw: bool) -> _Candidate:
+        x = fit(x)
+        return _Candidate(name, x, x if capped else tuple(max(c, v) for c, v in zip(top, x)), **kw)
+
+    if schedule in ("zb", "zb-h1"):
+        x = zb_warmup_counts(S, N) if schedule == "zb" else zb_h1_warmup_counts(S)
+        return [make(schedule, x, True, static=True)]
+    if mode == "initial":
+        variants = [("alg1", initial_warmup_counts(S, top[0]))]
+    else:
+        variants = [(f"alg2-floor{slack_floor}", adapted_warmup_counts(profile, slack_floor=slack_floor))]
+        if slack_floor != 1:
+            variants.append(("alg2-floor1", adapted_warmup_counts(profile, slack_floor=1)))
+    out = [make(variants[0][0] + ("-capped" if cap_inflight else ""), variants[0][1], cap_inflight)]
+    for name, x in variants:
+        out += [make(name + "-capped", x, True), make(name, x, False)]
+    static = any(link.delay_ms > 0 for link in profile.links)  # else generated = static (dedup)
+    out += [make("zb", zb_warmup_counts(S, N), True, static=static),
+            make("zb-h1", zb_h1_warmup_counts(S), True, static=static)]
+    if all(min(S - i, N) <= c for i, c in enumerate(top)):
+        x = tuple(min(S - i, N) for i in range(S))
+        out.append(_Candidate("1f1b", x, x, one_f_one_b=True))
+    seen: set = set()
+    return [c for c in out if (c.warmup_counts, c.inflight_limit, c.static, c.one_f_one_b) not in seen
+            and not seen.add((c.warmup_counts, c.inflight_limit, c.static, c.one_f_one_b))]
+
+
+def _evaluate(profile: PipelineProfile, cand: _Candidate, full: bool,
+              bound_ns: int | None) -> tuple[dict[int, list[Op]] | None, int, bool]:
+    """``(order, makespan_ns, cap_bound)`` of a candidate under ``profile`` (the one timing model);
+    order None when its makespan exceeds ``bound_ns``."""
+    S, N = profile.num_stages, profile.num_microbatches
+    x, limit = list(cand.warmup_counts), list(cand.inflight_limit)
+    if not cand.static and not cand.one_f_one_b:
+        return _generate(profile, x, limit, full, bound_ns)
+    if cand.one_f_one_b:
+        order = one_f_one_b_order(S, N)
+    else:
+        order = _generate(profile.with_links(()), x, limit, full)[0]
+    makespan = replay_makespan_ns(order, profile, bound_ns)
+    return (None, 0, False) if makespan is None else (order, makespan, False)
+
+
+def hold_bound_ns(profile: PipelineProfile, inflight_limit: Sequence[int]) -> int:
+    """A lower bound on the makespan (ns) of any plan holding at most ``inflight_limit[i]`` activations
+    on stage i (our memory extension; Little's law on the activations): microbatch m's activation on
+    stage i < S−1 lives from F(i, m)'s start to I(i, m)'s end, at least
+    H_i = t^F_i + c_i + t^F_{i+1} + t^B_{i+1} + c_i + t^B_i (the gradient's round trip, Theorem 1's 2c_i),
+    and at most ``inflight_limit[i]`` live at once, so the makespan is at least N · H_i / limit_i."""
+    S, N = profile.num_stages, profile.num_microbatches
+    f, b = [to_ns(v) for v in profile.f_ms], [to_ns(v) for v in profile.b_ms]
+    bound = 0
+    for i in range(S - 1):
+        c = to_ns(profile.links[i].delay_ms) if profile.links else 0
+        hold = f[i] + 2 * c + f[i + 1] + b[i + 1] + b[i]
+        bound = max(bound, N * hold // inflight_limit[i])
+    return bound
+
+
+def _notes(profile: PipelineProfile, schedule: str, mode: str, slack_floor: int) -> list[str]:
+    """Warn when Alg.2's clip max(N − 2S, floor) leaves a slow link without the slackness it needs."""
+    if schedule != "pipemorph" or mode != "adaptive" or profile.num_stages < 2:
+        return []
+    S, N = profile.num_stages, profile.num_microbatches
+    clip = max(N - 2 * S, slack_floor)
+    short = [i for i in range(S - 1) if required_slackness(profile, i) > clip]
+    if not short:
+        return []
+    room = f"N = {N} <= 2S = {2 * S}" if N <= 2 * S else f"N - 2S = {N - 2 * S}"
+    return [f"Alg.2 has no room: {room}, so the slackness of links {short} is clipped at {clip} "
+            f"(they need up to {max(required_slackness(profile, i) for i in short)}); more microbatches "
+            f"or schedule 'auto' (CrossPipe) may absorb the delay better"]
 
 
 def plan_pipemorph(
@@ -175,62 +311,84 @@ def plan_pipemorph(
     slack_floor: int = 2,
     memory_limit: int | None = None,
     cap_inflight: bool = True,
-    validate: bool = True,
+    validate: bool | str = True,
     backward: str = "split",
-) -> Plan:
+    candidates: bool = True,
+) -> PlanResult:
     """Plan warm-up counts and generate the full schedule; the returned plan has passed validation.
 
     ``schedule="zb"``: the ZeroBubble plan of PipeMorph Fig.4, x_i = 2(S − i) − 1, generated as if no
     link were slow. ``schedule="zb-h1"``: minimal warm-up x_i = S − i (1F1B's memory), likewise.
-    ``schedule="pipemorph"``: ``mode="initial"`` → Alg.1 under ``memory_limit`` (or the profile's memory
-    budget; N when neither); ``mode="adaptive"`` → Alg.2 from the profile's measured times and delays;
-    ``mode="auto"`` → adaptive when any link has a delay, else initial.
-    ``cap_inflight`` (our memory extension): cap each stage's in-flight activations at its x_i.
-    ``backward="full"`` (our extension): plan with the profile's ``fused()`` times (B + W in one full
-    backward) and emit full-backward B actions instead of I/W — for hardware where the split costs more
-    compute than the W bubble-filling saves (the runtime measures both, see ``titan_ext.runtime``).
+    ``schedule="pipemorph"``: ``mode="initial"`` → Alg.1 (§4.1) under the memory limit (N when none);
+    ``mode="adaptive"`` → Alg.2 (§4.2) from the profile's measured times and delays; ``mode="auto"`` →
+    adaptive when any link has a delay, else initial. With ``candidates`` (default) it also times, under
+    the profile, the cheap alternatives — the same warm-up counts without the in-flight cap, Alg.2 with
+    slack floor 1, the static zb and zb-h1 orders and torch's 1F1B order — and returns the fastest
+    (ties: the earlier in that list, which holds fewer activations), so it is never slower than any.
+    ``memory_limit`` K (and the profile's byte budget): every candidate holds at most K in-flight
+    activations per stage, so the result is the fastest candidate that fits.
+    ``cap_inflight`` (our memory extension): the requested schedule caps in-flight activations at x_i.
+    ``validate``: True → our validator (the hot path); "torch" → ours plus torch's lowering and dry run;
+    False → none. ``backward="full"`` (our extension): plan with the profile's ``fused()`` times and emit
+    full backwards B instead of I/W (the runtime measures both, see ``titan_ext.runtime``).
     """
-    from .validate import validate_plan  # local: validate imports this module's neighbours
-
-    if validate:
-        torch_schedules()  # import torch's IR before the clock starts: plan_ms measures planning only
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    t0 = time.perf_counter()
-    S = profile.num_stages
-    if backward == "full":
-        profile = profile.fused()
-    gen_profile = profile
-    if schedule in ("zb", "zb-h1"):
-        x = zb_warmup_counts(S, profile.num_microbatches) if schedule == "zb" else zb_h1_warmup_counts(S)
-        if memory_limit is not None:
-            x = [min(v, memory_limit) for v in x]
-        gen_profile = profile.with_links(())
-    elif schedule == "pipemorph":
-        if mode == "auto":
-            mode = "adaptive" if any(d > 0 for d in profile.delays_ms) else "initial"
-        if mode == "initial":
-            x = initial_warmup_counts_for(profile, memory_limit)
-        elif mode == "adaptive":
-            x = adapted_warmup_counts(profile, slack_floor=slack_floor, memory_limit=memory_limit)
-        else:
-            raise ValueError(f"mode must be auto, initial or adaptive, got {mode!r}")
-    else:
+    if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    limit = list(x) if cap_inflight else [memory_limit or profile.num_microbatches] * S
-    limit = [max(v, xi) for v, xi in zip(limit, x)]
+    if mode not in ("auto", "initial", "adaptive"):
+        raise ValueError(f"mode must be auto, initial or adaptive, got {mode!r}")
+    if validate not in VALIDATE:
+        raise ValueError(f"validate must be True, False or 'torch', got {validate!r}")
+    if slack_floor < 1:
+        raise ValueError(f"slack_floor must be >= 1, got {slack_floor}")
+    torch_schedules()  # import torch's IR before the clock starts: plan_ms measures planning only
+    t0 = time.perf_counter()
+    full = backward == "full"
+    if full:
+        profile = profile.fused()
+    if mode == "auto":
+        mode = "adaptive" if any(d > 0 for d in profile.delays_ms) else "initial"
+    caps = memory_caps(profile, memory_limit)
+    cands = _candidates(profile, schedule, mode, slack_floor, caps, cap_inflight)
+    if not candidates:
+        cands = cands[:1]
     with gc_paused():
-        generated = generate_order(gen_profile, x, limit, full_backward=backward == "full")
+        timed: dict[str, float | None] = {}  # candidate → makespan (None: slower than the best)
+        best = None  # (makespan_ns, candidate, order)
+        unbound: set = set()  # warm-up counts whose capped order never met its cap
+        for cand in cands:
+            twin = cand.warmup_counts in unbound and not cand.static and not cand.one_f_one_b
+            if twin:  # the cap never bound: the uncapped order is the capped one
+                timed[cand.name] = timed[f"{cand.name}-capped"]
+                continue
+            # ties go to the earlier candidate: a later one must be strictly faster
+            if best and hold_bound_ns(profile, cand.inflight_limit) >= best[0]:
+                timed[cand.name] = None
+                continue
+            order, makespan, cap_bound = _evaluate(profile, cand, full, best and best[0] - 1)
+            if not cap_bound and cand.inflight_limit == cand.warmup_counts:
+                unbound.add(cand.warmup_counts)
+            timed[cand.name] = None if order is None else to_ms(makespan)
+            if order is not None:
+                best = (makespan, cand, order)
+        makespan, best, order = best
+        peak = peak_inflight(order)
+        limit = list(best.inflight_limit)
         if validate:
-            validate_plan(generated.order, S, profile.num_microbatches, inflight_limit=limit)
-        actions = to_torch_plan(generated.order)
-    plan_ms = (time.perf_counter() - t0) * 1e3
-    return Plan(
+            validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
+                          torch_dry_run=validate == "torch")
+        actions = to_torch_plan(order)
+    return PlanResult(
         actions=actions,
-        warmup_counts=x,
+        ops=order,
+        schedule=schedule if len(cands) == 1 else f"{schedule}:{best.name}",
+        warmup_counts=list(best.warmup_counts),
+        predicted_makespan_ms=to_ms(makespan),
+        peak_inflight=peak,
+        plan_ms=(time.perf_counter() - t0) * 1e3,
+        stage_to_rank={s: s for s in range(profile.num_stages)},
         inflight_limit=limit,
-        schedule=schedule,
-        plan_ms=plan_ms,
-        predicted_makespan_ms=generated.makespan_ms,
-        ops=generated.order,
+        notes=_notes(profile, schedule, mode, slack_floor),
+        candidates=timed,
     )

@@ -1,8 +1,9 @@
 """Performance model of any compute-only plan (DESIGN.md "Timing model"; PipeMorph §3.2, CrossPipe §3.3).
 
 Each rank runs its actions in program order. An action starts when its rank is free and its inputs
-are there: F needs the previous stage's F of the same microbatch (its message, when that stage lives
-on another rank); I / full B needs its own F and the next stage's I/B gradient; W needs its own I.
+are there (the one rule, ``deps.producers``): F needs the previous stage's F of the same microbatch
+(its message, when that stage lives on another rank); I / full B needs its own F and the next stage's
+I/B gradient; W needs its own I.
 Messages follow ``timing.LinkQueues`` (α + size·β, one message per direction at a time).
 
 ``hol=False`` (delegated): sends are asynchronous, compute never waits on a send.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
 from .profile import LinkProfile, PipelineProfile
 from .timing import LinkQueues, to_ms, to_ns
@@ -114,8 +116,8 @@ def simulate(
     links = LinkQueues(stage_links)
     last = S - 1
 
-    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) → end ns; kind "I" also for full B
-    arrived: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"G", mb) → message arrival ns
+    done: dict[Op, int] = {}  # deps.done_key(op) → end ns
+    arrived: dict[Op, int] = {}  # deps.done_key(producer) → arrival ns of its message at its consumer
     ranks = sorted(ops)
     pos = {r: 0 for r in ranks}
     free = {r: 0 for r in ranks}
@@ -123,46 +125,39 @@ def simulate(
     events: list[ActionEvent] = []
     remaining = sum(len(v) for v in ops.values())
 
-    def ready_time(stage: int, kind: str, mb: int) -> int | None:
-        if kind == "F":
-            if stage == 0:
-                return 0
-            if placement[stage - 1] == placement[stage]:
-                return done.get((stage - 1, "F", mb))
-            return arrived.get((stage, "F", mb))
-        if kind in ("I", "B"):
-            own = done.get((stage, "F", mb))
-            if own is None or stage == last:
-                return own
-            if placement[stage + 1] == placement[stage]:
-                grad = done.get((stage + 1, "I", mb))
-            else:
-                grad = arrived.get((stage, "G", mb))
-            return None if grad is None else max(own, grad)
-        return done.get((stage, "I", mb))  # W
+    def ready_time(op: Op) -> int | None:
+        """When ``op``'s producers (deps.producers) are done and their messages have arrived."""
+        ready = 0
+        for src in producers(op, S):
+            end = done.get(src) if placement[src[0]] == placement[op[0]] else arrived.get(src)
+            if end is None:
+                return None
+            ready = max(ready, end)
+        return ready
 
     while remaining:
         progressed = False
         for r in ranks:
             rank_ops = ops[r]
             while pos[r] < len(rank_ops):
-                stage, kind, mb = rank_ops[pos[r]]
-                ready = ready_time(stage, kind, mb)
+                op = rank_ops[pos[r]]
+                stage, kind, mb = op
+                ready = ready_time(op)
                 if ready is None:
                     break
                 t0 = max(free[r], ready)
                 t1 = t0 + dur[kind][stage]
-                done[(stage, "I" if kind == "B" else kind, mb)] = t1
+                done[done_key(op)] = t1
                 free[r] = t1
                 busy[r] += t1 - t0
                 if kind == "F" and stage < last and placement[stage + 1] != r:
                     arrive = links.send(stage, (r, placement[stage + 1]), t1)
-                    arrived[(stage + 1, "F", mb)] = arrive
+                    arrived[op] = arrive
                     if hol:
                         free[r] = max(free[r], arrive)
                 elif kind in ("I", "B") and stage > 0 and placement[stage - 1] != r:
                     arrive = links.send(stage - 1, (r, placement[stage - 1]), t1)
-                    arrived[(stage - 1, "G", mb)] = arrive
+                    arrived[done_key(op)] = arrive
                     if hol:
                         free[r] = max(free[r], arrive)
                 events.append(ActionEvent(r, stage, kind, mb, to_ms(t0), to_ms(t1)))
@@ -193,3 +188,66 @@ def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
             elif kind in ("I", "B"):
                 held[stage] = held.get(stage, 0) - 1
     return dict(sorted(peak.items()))
+
+
+def replay_makespan_ns(
+    order: Mapping[int, list[Op]], profile: PipelineProfile, bound_ns: int | None = None
+) -> int | None:
+    """``simulate``'s makespan (ns, hol=False) of a one-stage-per-rank plan (stage i on rank i), without
+    building a timeline: the same rules, the same visiting order (so the same FIFO link order), on flat
+    lists. None as soon as the makespan is certain to exceed ``bound_ns`` (an action ends at t and its
+    rank has more than ``bound_ns − t`` of work left). Tests check it bit-for-bit against ``simulate``;
+    the planner uses it to time candidates."""
+    S, N = profile.num_stages, profile.num_microbatches
+    tf, tb, tw = ([to_ns(v) for v in times] for times in (profile.f_ms, profile.b_ms, profile.w_ms))
+    dur = {"F": tf, "I": tb, "W": tw, "B": [b + w for b, w in zip(tb, tw)]}
+    links = LinkQueues(profile.links)
+    bound = float("inf") if bound_ns is None else bound_ns
+    work = [sum(dur[k][s] for _, k, _ in order[s]) for s in range(S)]  # left per rank
+    f_in = [[0] * N] + [[None] * N for _ in range(S - 1)]  # F input arrival
+    g_in = [[None] * N for _ in range(S)]  # gradient arrival (last stage: its own F's end)
+    i_end = [[None] * N for _ in range(S)]
+    f_end = [[None] * N for _ in range(S)]
+    pos, free = [0] * S, [0] * S
+    remaining = sum(len(order[s]) for s in range(S))
+    makespan = 0
+    while remaining:
+        progressed = False
+        for s in range(S):
+            ops, p, t = order[s], pos[s], free[s]
+            while p < len(ops):
+                _, kind, m = ops[p]
+                if kind == "F":
+                    ready = f_in[s][m]
+                elif kind == "W":
+                    ready = i_end[s][m]
+                else:
+                    ready, grad = f_end[s][m], g_in[s][m]
+                    ready = None if ready is None or grad is None else max(ready, grad)
+                if ready is None:
+                    break
+                d = dur[kind][s]
+                t = max(t, ready) + d
+                if kind == "F":
+                    f_end[s][m] = t
+                    if s + 1 < S:
+                        f_in[s + 1][m] = links.send(s, (s, s + 1), t)
+                    else:
+                        g_in[s][m] = t
+                elif kind != "W":
+                    i_end[s][m] = t
+                    if s > 0:
+                        g_in[s - 1][m] = links.send(s - 1, (s, s - 1), t)
+                work[s] -= d
+                if t + work[s] > bound:
+                    return None
+                makespan = max(makespan, t)
+                p += 1
+            if p != pos[s]:
+                remaining -= p - pos[s]
+                pos[s], free[s] = p, t
+                progressed = True
+        if not progressed:
+            stuck = {s: order[s][pos[s]] for s in range(S) if pos[s] < len(order[s])}
+            raise DeadlockError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
+    return makespan

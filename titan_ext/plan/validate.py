@@ -3,10 +3,12 @@
 Checks, in order (each failure raises ``PlanValidationError`` with the reason):
 1. completeness — every (stage, microbatch) has exactly one F and either one I and one W, or one full B;
    every stage lives on exactly one rank; no unknown stage or microbatch;
-2. local order — on its rank, I (or B) of a microbatch comes after its F, and W after its I;
+2. progress — the plan runs to completion under the dependency rule (``deps.producers``: no
+   cross-rank deadlock); when it does not, a consumer placed before its producer on one rank (local
+   order: I or B after its F, W after its I) is named as such;
 3. memory — per stage, in-flight activations (F done − I/B done) never exceed ``inflight_limit``;
-4. progress — the plan runs to completion under our timing model (no cross-rank deadlock);
-5. torch — torch's own SEND/RECV lowering ``_add_send_recv`` (the pass
+4. torch (opt-in, ``torch_dry_run=True``) — torch's own checker ``_validate_schedule``, SEND/RECV
+   lowering ``_add_send_recv`` (the pass
    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs) followed by torch's dry run
    ``_simulate_comms_compute`` completes. (torch's dry run does not understand the FSDP
    UNSHARD/RESHARD/REDUCE_GRAD actions of the other passes, which do not affect ordering.)
@@ -19,6 +21,7 @@ import io
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
+from .deps import SAME_STAGE, done_key, producers
 from .ir import as_ops, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
 from .simulate import peak_inflight
 
@@ -33,9 +36,13 @@ def validate_plan(
     num_microbatches: int,
     *,
     inflight_limit: Sequence[int] | int | None = None,
-    torch_dry_run: bool = True,
+    torch_dry_run: bool = False,
 ) -> None:
-    """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid."""
+    """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid.
+
+    Checks 1–3 are ours (the hot path: planners, CLI, run-time re-planning); ``torch_dry_run=True``
+    adds check 4, torch's lowering + dry run (``validate="torch"``, ``titan-ext plan --strict``).
+    """
     try:
         ops = as_ops(plan)
         placement = stage_to_rank_map(ops)
@@ -62,13 +69,10 @@ def validate_plan(
                 missing = "I" if not split[0] else "W"
                 raise PlanValidationError(f"stage {s} microbatch {m} has no {missing}")
 
-    for rank, rank_ops in ops.items():
-        seen: set[tuple[int, str, int]] = set()
-        for s, k, m in rank_ops:
-            need = {"I": "F", "B": "F", "W": "I"}.get(k)
-            if need and (s, need, m) not in seen:
-                raise PlanValidationError(f"rank {rank}: {s}{k}{m} comes before {s}{need}{m}")
-            seen.add((s, k, m))
+    stuck = _first_deadlock(ops, num_stages)
+    if stuck:  # a consumer before its producer on one rank blocks that rank: name it precisely
+        _check_local_order(ops)
+        raise PlanValidationError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
 
     if inflight_limit is not None:
         peaks = peak_inflight(ops)
@@ -79,20 +83,25 @@ def validate_plan(
                     f"stage {s} holds {peak} in-flight activations, above its limit of {cap}"
                 )
 
-    stuck = _first_deadlock(ops, num_stages)
-    if stuck:
-        raise PlanValidationError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
-
     if torch_dry_run:
         with gc_paused():
             _torch_dry_run(ops, placement, num_stages, num_microbatches)
 
 
+def _check_local_order(ops: Mapping[int, list]) -> None:
+    """On its rank, I (or B) of a microbatch comes after its F, and W after its I."""
+    for rank, rank_ops in ops.items():
+        seen: set[tuple[int, str, int]] = set()
+        for s, k, m in rank_ops:
+            need = SAME_STAGE.get(k)
+            if need and (s, need, m) not in seen:
+                raise PlanValidationError(f"rank {rank}: {s}{k}{m} comes before {s}{need}{m}")
+            seen.add((s, k, m))
+
+
 def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
-    """Run every rank's list in order with dependencies only (no times); None if all complete, else
-    each blocked rank's next action. F(s,m) needs F(s−1,m); I/B(s,m) needs F(s,m) and I/B(s+1,m);
-    W(s,m) needs I(s,m)."""
-    last = num_stages - 1
+    """Run every rank's list in order with dependencies only (``deps.producers``, no times); None if
+    all complete, else each blocked rank's next action."""
     done: set[tuple[int, str, int]] = set()
     pos = {r: 0 for r in ops}
     remaining = sum(len(v) for v in ops.values())
@@ -101,16 +110,11 @@ def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
         for r, rank_ops in ops.items():
             p = pos[r]
             while p < len(rank_ops):
-                s, k, m = rank_ops[p]
-                if k == "F":
-                    ok = s == 0 or (s - 1, "F", m) in done
-                elif k == "W":
-                    ok = (s, "I", m) in done
-                else:
-                    ok = (s, "F", m) in done and (s == last or (s + 1, "I", m) in done)
-                if not ok:
+                op = rank_ops[p]
+                needs = producers(op, num_stages)
+                if needs and (needs[0] not in done or (len(needs) == 2 and needs[1] not in done)):
                     break
-                done.add((s, "I" if k == "B" else k, m))
+                done.add(done_key(op))
                 p += 1
             if p != pos[r]:
                 remaining -= p - pos[r]
@@ -145,6 +149,7 @@ def _torch_dry_run(ops, placement: dict[int, int], num_stages: int, num_microbat
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf):
+            sched._validate_schedule(actions, len(actions), num_stages, num_microbatches)
             lowered = sched._add_send_recv(actions, stage_to_rank=stage_to_rank, num_stages=num_stages)
             sched._simulate_comms_compute(lowered, stage_to_rank=stage_to_rank, num_stages=num_stages)
     except Exception as e:  # torch raises ValueError / AssertionError / RuntimeError

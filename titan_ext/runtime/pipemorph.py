@@ -63,12 +63,12 @@ from titan_ext.plan import (
     PipelineProfile,
     PlanValidationError,
     generate_order,
-    plan_pipemorph,
     slackness,
     to_torch_plan,
     validate_plan,
 )
 from titan_ext.plan.ir import as_ops
+from titan_ext.plan.schedules import plan_by_name
 from titan_ext.plan.validate import torch_dry_run_lowered
 
 from .backward import BackwardChooser
@@ -204,7 +204,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             (full must win by ``backward_margin``); see ``titan_ext.runtime.backward``.
     """
 
-    #: ``schedule=`` argument of :func:`titan_ext.plan.plan_pipemorph` used by the default planner.
+    #: schedule name of :func:`titan_ext.plan.schedules.plan_by_name` used by the default planner:
+    #: "pipemorph", "zb", "zb-h1" or "auto" (the faster of PipeMorph and CrossPipe's greedy).
     planner_schedule = "pipemorph"
     #: accepted values of ``backward=`` (a planner that only makes split plans narrows it).
     backward_choices = ("auto", "split", "full")
@@ -387,15 +388,15 @@ class PipeMorph(_PipelineScheduleRuntime):
             order = generate_order(profile, x, inflight_limit=x, full_backward=backward == "full")
             return {"actions": to_torch_plan(order.order), "warmup_counts": x, "inflight_limit": x}
         if decision.mode == "initial":
-            return plan_pipemorph(profile, schedule=self.planner_schedule, mode="initial", backward=backward,
-                                  slack_floor=self.slack_floor, memory_limit=self._x_max, validate=False)
+            return plan_by_name(profile, self.planner_schedule, mode="initial", backward=backward,
+                                slack_floor=self.slack_floor, memory_limit=self._x_max, validate=False)
         planning = profile
         if isinstance(self.policy, ReplanPolicy):
             planning = profile.with_delays({k: self.policy.headroom_delay(c) for k, c in enumerate(profile.delays_ms)})
         # validate=False: the deploy path validates every plan, whatever planner made it (once).
-        return plan_pipemorph(planning, schedule=self.planner_schedule, mode="adaptive", backward=backward,
-                              slack_floor=self.slack_floor, memory_limit=self.adaptive_memory_limit,
-                              validate=False)
+        return plan_by_name(planning, self.planner_schedule, mode="adaptive", backward=backward,
+                            slack_floor=self.slack_floor, memory_limit=self.adaptive_memory_limit,
+                            validate=False)
 
     @staticmethod
     def _unpack_plan(plan: Any) -> tuple[dict[int, list[_Action]], list[int] | None, list[int] | None]:
