@@ -118,31 +118,40 @@ def test_unknown_schedule_fails_before_process_group(tmp_path):
         check_job_config(cfg, world_size=6)
 
 
-def test_registration_in_stock_torchtitan_builder():
-    """`custom_import = "titan_ext"` path: torchtitan already imported, then `import titan_ext`."""
+_IMPORT_ORDERS = {
+    # `custom_import = "titan_ext"`: torchtitan's trainer is imported first
+    "torchtitan_first": "import torchtitan.train\nimportlib.import_module('titan_ext')\n",
+    # a user script that imports titan_ext before anything of torchtitan's
+    "titan_ext_first": "importlib.import_module('titan_ext')\nimport torchtitan.train\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
+def test_registration_in_stock_torchtitan_builder(order):
+    """Both import orders register the schedules, the dataset and the CPU shim (fresh process)."""
     code = (
         "import importlib, sys\n"
-        "import torchtitan.train\n"
+        + _IMPORT_ORDERS[order] +
         "import torchtitan.distributed.pipeline_parallel as pp\n"
         "from torch.distributed.pipelining.schedules import Schedule1F1B, PipelineScheduleMulti\n"
-        "importlib.import_module('titan_ext')\n"
-        "from titan_ext.runtime import PipeMorph\n"
+        "from titan_ext.runtime import PipeMorph, CrossPipe\n"
         "cls = pp.get_schedule_class('PipeMorph')\n"
         "assert issubclass(cls, PipeMorph) and issubclass(cls, PipelineScheduleMulti), cls.__mro__\n"
         "assert pp.get_schedule_class('pipemorph') is cls\n"
+        "assert issubclass(pp.get_schedule_class('CrossPipe'), CrossPipe)\n"
         "assert pp.get_schedule_class('1F1B') is Schedule1F1B\n"
         "assert pp.build_pipeline_schedule._titan_ext_wrapped\n"
         "from torchtitan.hf_datasets.text_datasets import DATASETS\n"
         "assert 'titan_ext_tiny' in DATASETS\n"
-        "import torchtitan.tools.utils as u\n"
-        "print(u.device_type)\n"
+        "import torchtitan.tools.utils as u, torchtitan.components.metrics as m\n"
+        "print(u.device_type, m.device_type)\n"
     )
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     import torch
 
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert out.stdout.strip().splitlines()[-1] == expected
+    assert out.stdout.strip().splitlines()[-1] == f"{expected} {expected}"
 
 
 def test_schedule_kwargs_follow_constructor_signature():
