@@ -10,8 +10,10 @@ Same command line as ``torchtitan.train`` (TOML file plus ``--section.key value`
 * for titan_ext schedules without an explicit stage split, one stage per PP rank
   (``module_fqns_per_model_part``), which our schedules need and TorchTitan would otherwise not
   give a PipelineScheduleMulti (it defaults to two virtual stages per rank);
-* W&B defaults to offline mode when no W&B credentials are configured;
-* :class:`titan_ext.titan.trainer.TitanExtTrainer` adds pipeline metrics and timeline images.
+* then TorchTitan's own ``main`` with :class:`titan_ext.titan.trainer.TitanExtTrainer` (seed
+  checkpoints and local_tensor mode work as in ``torchtitan.train``). Pipeline metrics, timeline
+  images and W&B extras come from the schedule (:mod:`titan_ext.titan.metrics`), also under stock
+  ``torchtitan.train``.
 """
 
 import os
@@ -38,19 +40,6 @@ def _with_custom_config_module(args: list[str]) -> list[str]:
     if on_cli or in_toml:
         return args
     return [*args, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
-
-
-def parse_job_config(args: list[str] | None = None):
-    """Parse like TorchTitan, then :func:`check_job_config`. No process group is touched."""
-    from torchtitan.config import ConfigManager
-
-    from titan_ext.titan import register
-
-    register()
-    args = list(sys.argv[1:] if args is None else args)
-    config = ConfigManager().parse_args(_with_custom_config_module(args))
-    check_job_config(config, world_size=int(os.environ.get("WORLD_SIZE", "0")) or None)
-    return config
 
 
 def _resolve_repo_path(value: str) -> str:
@@ -165,40 +154,22 @@ def check_job_config(config, world_size: int | None = None) -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    from torchtitan.tools.logging import init_logger, logger
+    """``torchtitan.train.main(TitanExtTrainer)`` with the ``[titan_ext]`` section always available;
+    a configuration error prints one line and exits 2 (before any process group)."""
+    import torchtitan.train
 
-    init_logger()
+    from titan_ext.titan import register
     from titan_ext.titan.config import TitanExtConfigError
+    from titan_ext.titan.trainer import TitanExtTrainer
 
+    register()
+    args = list(sys.argv[1:] if args is None else args)
+    sys.argv = [sys.argv[0], *_with_custom_config_module(args)]
     try:
-        config = parse_job_config(args)
+        torchtitan.train.main(TitanExtTrainer)
     except (TitanExtConfigError, JobConfigError) as e:
-        # before any process group exists: one clear line, no traceback
         print(f"titan_ext: configuration error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-
-    import torch
-
-    from titan_ext.titan.trainer import TitanExtTrainer, default_wandb_offline
-
-    default_wandb_offline(config)
-    trainer = None
-    try:
-        trainer = TitanExtTrainer(config)
-        trainer.train()
-    except Exception:
-        if trainer:
-            trainer.close()
-        raise
-    else:
-        trainer.close()
-        if torch.distributed.is_initialized():
-            # leave together: a rank that exits while others still tear down their process group
-            # has been seen to abort in a C++ destructor ("terminate called without an active
-            # exception") on a loaded machine
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
-        logger.info("Process group destroyed")
 
 
 if __name__ == "__main__":
