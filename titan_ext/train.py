@@ -92,6 +92,16 @@ def check_job_config(config, world_size: int | None = None) -> None:
             f"[parallelism] pipeline_parallel_microbatch_size = {mb} must divide "
             f"[training] local_batch_size = {config.training.local_batch_size}"
         )
+    n_microbatches = config.training.local_batch_size // mb
+    if is_titan_ext_schedule(par.pipeline_parallel_schedule) and n_microbatches < pp:
+        raise JobConfigError(
+            f"[training] local_batch_size = {config.training.local_batch_size} / [parallelism] "
+            f"pipeline_parallel_microbatch_size = {mb} gives {n_microbatches} microbatches, fewer "
+            f"than the {pp} pipeline stages ({par.pipeline_parallel_schedule} needs >= {pp})")
+    if 0 < section.max_inflight < pp:
+        raise JobConfigError(
+            f"[titan_ext] max_inflight = {section.max_inflight}: stage 0 must hold at least one "
+            f"microbatch per stage (PipeMorph Alg.1: x_0 >= S = {pp}); use >= {pp} or 0")
     if section.delegation != "off" or section.delegation_failover:
         from titan_ext.titan.options import supports_delegation
         from titan_ext.titan.registry import schedule_class_for
@@ -153,23 +163,38 @@ def check_job_config(config, world_size: int | None = None) -> None:
         config.experimental.custom_import = "titan_ext"
 
 
+def _config_error(e: Exception) -> None:
+    """One line, exit 2 (every rank prints it; no process group exists yet)."""
+    import tomllib
+
+    what = "malformed TOML" if isinstance(e, tomllib.TOMLDecodeError) else "configuration error"
+    print(f"titan_ext: {what}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
 def main(args: list[str] | None = None) -> None:
-    """``torchtitan.train.main(TitanExtTrainer)`` with the ``[titan_ext]`` section always available;
-    a configuration error prints one line and exits 2 (before any process group)."""
+    """``torchtitan.train.main(TitanExtTrainer)`` with the ``[titan_ext]`` section always available.
+
+    The config is parsed and checked once first, so that a bad value, an unknown key or a malformed
+    TOML prints one line and exits 2 (before any process group)."""
     import torchtitan.train
+    from torchtitan.config import ConfigManager
 
     from titan_ext.titan import register
-    from titan_ext.titan.config import TitanExtConfigError
     from titan_ext.titan.trainer import TitanExtTrainer
 
     register()
-    args = list(sys.argv[1:] if args is None else args)
-    sys.argv = [sys.argv[0], *_with_custom_config_module(args)]
     try:
-        torchtitan.train.main(TitanExtTrainer)
-    except (TitanExtConfigError, JobConfigError) as e:
-        print(f"titan_ext: configuration error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        argv = _with_custom_config_module(list(sys.argv[1:] if args is None else args))
+        check_job_config(ConfigManager().parse_args(argv), world_size=_world_size())
+    except ValueError as e:  # TitanExtConfigError, JobConfigError, TOMLDecodeError, unknown keys
+        _config_error(e)
+    sys.argv = [sys.argv[0], *argv]
+    torchtitan.train.main(TitanExtTrainer)
+
+
+def _world_size() -> int | None:
+    return int(os.environ.get("WORLD_SIZE", "0")) or None
 
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@ The pipeline metrics, timeline images and W&B extras do not need this class: the
 schedule (:mod:`titan_ext.titan.metrics`), so stock ``torchtitan.train`` reports them too.
 """
 
-import os
-
 import torch
 from torchtitan.train import Trainer
 
@@ -17,9 +15,9 @@ class TitanExtTrainer(Trainer):
     fills the one-stage-per-rank split our schedules need) + closing delegate processes."""
 
     def __init__(self, job_config):
-        from titan_ext.train import check_job_config
+        from titan_ext.train import _world_size, check_job_config
 
-        check_job_config(job_config, world_size=int(os.environ.get("WORLD_SIZE", "0")) or None)
+        check_job_config(job_config, world_size=_world_size())
         super().__init__(job_config)
 
     def train(self):
