@@ -3,7 +3,9 @@
     titan-ext plan --stages 4 --microbatches 12 --times 10,10,10 --delay 0:20 --json
     titan-ext simulate --builtin ZBVZeroBubble --stages 4 --microbatches 12 --times 10,10,10 --hol
 
-Bad arguments print one line on stderr and exit with code 2.
+Bad arguments, and files that cannot be written, print one line on stderr and exit with code 2
+(files already written by that command are removed: no partial output). A closed pipe (``| head``)
+ends the command quietly.
 """
 
 from __future__ import annotations
@@ -26,19 +28,39 @@ class UsageError(Exception):
     """Bad command-line input: reported in one line, exit code 2."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" for options that have a real default (not None / off / empty)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)  # defaults in --help
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, not argparse's usage block
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _times(text: str) -> tuple[float, float, float]:
-    parts = text.split(",")
-    if len(parts) != 3:
-        raise argparse.ArgumentTypeError(f"--times wants F,B,W in ms (e.g. 10,10,10), got {text!r}")
-    try:
-        return tuple(float(p) for p in parts)  # type: ignore[return-value]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--times wants three numbers F,B,W, got {text!r}") from None
+def _times(text: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """``F,B,W`` (every stage) or ``F,B,W/F,B,W/...`` (one triple per stage) → (f, b, w) tuples."""
+    triples = []
+    for item in text.split("/"):
+        parts = item.split(",")
+        try:
+            triple = tuple(float(p) for p in parts)
+        except ValueError:
+            triple = ()
+        if len(triple) != 3 or not all(math.isfinite(t) and t >= 0 for t in triple):
+            raise argparse.ArgumentTypeError(
+                f"--times wants F,B,W in ms, finite and >= 0 (e.g. 10,10,10), or one triple per stage "
+                f"separated by '/' (e.g. 10,10,10/12,12,12), got {item!r}")
+        triples.append(triple)
+    return tuple(zip(*triples))  # type: ignore[return-value]
 
 
 def _link_value(text: str) -> tuple[int, float]:
@@ -54,11 +76,24 @@ def _link_value(text: str) -> tuple[int, float]:
     return out
 
 
+PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
+                  "activation_bytes", "memory_budget_bytes")
+PROFILE_HELP = (
+    'profile JSON with the fields of PipelineProfile; flags override it. Times in ms, a number for '
+    'every stage or a list with one per stage; links: one object per link (link i joins stage i and '
+    'i+1) with latency_ms, bandwidth_bytes_per_s, message_bytes. Example: {"num_stages": 4, '
+    '"num_microbatches": 12, "f_ms": 10, "b_ms": 10, "w_ms": [10, 10, 10, 12], "links": '
+    '[{"latency_ms": 0}, {"latency_ms": 20, "bandwidth_bytes_per_s": 1e9, "message_bytes": 4e6}, '
+    '{}]}. Optional: activation_bytes, memory_budget_bytes')
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, help="pipeline stages (= PP ranks)")
     p.add_argument("--microbatches", type=int, help="microbatches per iteration")
-    p.add_argument("--times", type=_times, help="per-stage F,B,W times in ms (B = backward-input)")
-    p.add_argument("--profile", type=Path, help="profile JSON (fields of PipelineProfile); flags override it")
+    p.add_argument("--times", type=_times, metavar="F,B,W[/F,B,W...]",
+                   help="compute times in ms (B = backward-input): one F,B,W for every stage, or one "
+                        "triple per stage separated by '/' (e.g. 10,10,10/12,12,12/10,10,10/14,14,14)")
+    p.add_argument("--profile", type=Path, help=PROFILE_HELP.replace("%", "%%"))
     p.add_argument("--delay", type=_link_value, action="append", default=[], metavar="LINK:MS",
                    help="one-way latency of link LINK (joins stage LINK and LINK+1), repeatable")
     p.add_argument("--bandwidth", type=_link_value, action="append", default=[], metavar="LINK:GBPS",
@@ -77,12 +112,19 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
             raise UsageError(f"--profile {args.profile}: {e}") from None
         if not isinstance(base, dict):
             raise UsageError(f"--profile {args.profile}: expected a JSON object")
+        unknown = sorted(set(base) - set(PROFILE_FIELDS))
+        if unknown:
+            raise UsageError(f"--profile {args.profile}: unknown field(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(PROFILE_FIELDS)})")
     S = args.stages if args.stages is not None else base.get("num_stages")
     N = args.microbatches if args.microbatches is not None else base.get("num_microbatches")
     if S is None or N is None:
         raise UsageError("--stages and --microbatches are required (or a --profile that has them)")
     if args.times is not None:
-        f, b, w = args.times
+        f, b, w = (t[0] if len(t) == 1 else t for t in args.times)
+        if len(args.times[0]) not in (1, S):
+            raise UsageError(f"--times has {len(args.times[0])} F,B,W triples for {S} stages "
+                             f"(give one for all stages or one per stage)")
     elif "f_ms" in base:
         f, b, w = base["f_ms"], base.get("b_ms"), base.get("w_ms")
     else:
@@ -142,11 +184,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         backward=args.backward,
     )
     timeline = simulate(plan.actions, profile)  # always under the given delays
-    if args.out_csv:
-        from .plan.export import write_torch_csv
-
-        write_torch_csv(plan.actions, args.out_csv)
-    _write_views(timeline, args)
+    _write_outputs(plan.actions, timeline, args)
     _report(
         timeline,
         {
@@ -180,11 +218,7 @@ def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
 def _cmd_plan_crosspipe(profile: PipelineProfile, args: argparse.Namespace) -> None:
     actions, sim_profile, info = _crosspipe_actions(profile, args)
     timeline = simulate(actions, sim_profile)  # always under the given delays
-    if args.out_csv:
-        from .plan.export import write_torch_csv
-
-        write_torch_csv(actions, args.out_csv)
-    _write_views(timeline, args)
+    _write_outputs(actions, timeline, args)
     from .plan.ir import as_ops
 
     x = _warmup_of(as_ops(actions))
@@ -225,7 +259,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         raise UsageError(f"{source}: {e}") from None
     plan_ms = (time.perf_counter() - t0) * 1e3
     x = _warmup_of(ops)
-    _write_views(timeline, args)
+    _write_outputs(None, timeline, args)
     _report(
         timeline,
         {"schedule": source, "hol": args.hol, "warmup_counts": x, "slackness": slackness(x),
@@ -247,13 +281,32 @@ def _warmup_of(ops) -> list[int]:
     return out
 
 
-def _write_views(timeline, args: argparse.Namespace) -> None:
-    from .plan.export import write_chrome_trace, write_gantt_png
+_GANTT_FORMATS = (".png", ".pdf", ".svg")
 
-    if getattr(args, "trace", None):
-        write_chrome_trace(timeline, args.trace)
-    if getattr(args, "gantt", None):
-        write_gantt_png(timeline, args.gantt)
+
+def _write_outputs(actions, timeline, args: argparse.Namespace) -> None:
+    """--out-csv, --trace, --gantt: all or nothing (a failed write removes the files written before)."""
+    from .plan.export import write_chrome_trace, write_gantt_png, write_torch_csv
+
+    gantt = getattr(args, "gantt", None)
+    if gantt is not None and gantt.suffix.lower() not in _GANTT_FORMATS:
+        raise UsageError(f"--gantt {gantt}: unsupported extension {gantt.suffix!r} "
+                         f"(use {', '.join(_GANTT_FORMATS)})")
+    jobs = [(flag, path, write) for flag, path, write in (
+        ("--out-csv", getattr(args, "out_csv", None), lambda p: write_torch_csv(actions, p)),
+        ("--trace", getattr(args, "trace", None), lambda p: write_chrome_trace(timeline, p)),
+        ("--gantt", gantt, lambda p: write_gantt_png(timeline, p)),
+    ) if path is not None]
+    written: list[Path] = []
+    for flag, path, write in jobs:
+        try:
+            write(path)
+            written.append(path)
+        except OSError as e:
+            for done in [*written, path]:
+                if done.is_file():
+                    done.unlink()
+            raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,9 +358,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         args.func(args)
+        sys.stdout.flush()
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other Unix tools
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 0
     return 0
 
 
