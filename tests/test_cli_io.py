@@ -82,10 +82,9 @@ def test_failed_write_leaves_no_partial_output(tmp_path, capsys):
 
 
 def test_closed_pipe_is_quiet(tmp_path):
-    """`titan-ext ... | head -c 10`: the JSON (~100s of KB) outlives the reader: no traceback."""
+    """`titan-ext ... | true`: the reader is gone before the first print: exit 0, no traceback."""
     cmd = (f"{sys.executable} -m titan_ext.cli plan --stages 8 --microbatches 64 --times 10,10,10 "
-           f"--json 2>err.txt | head -c 10 >/dev/null; echo ${{PIPESTATUS[0]}}; cat err.txt")
+           f"--json 2>err.txt | true; echo ${{PIPESTATUS[0]}}; cat err.txt")
     out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
-    lines = out.stdout.strip().splitlines()
-    assert lines == ["0"], out.stdout
+    assert out.stdout.strip().splitlines() == ["0"], out.stdout  # exit 0, empty stderr
