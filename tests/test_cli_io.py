@@ -88,3 +88,19 @@ def test_closed_pipe_is_quiet(tmp_path):
     out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.stdout.strip().splitlines() == ["0"], out.stdout  # exit 0, empty stderr
+
+
+def test_compare_side_by_side_matches_closed_forms(capsys):
+    """S=4, N=12, F=B=W=10 ms, no delay: PipeMorph = ZB of PipeMorph Fig.4 (390 ms); torch's GPipe
+    and 1F1B (full backward B = I+W = 20 ms) = (N + S - 1)·(F + B) = 450 ms."""
+    import json
+
+    code, out, err = _run(["compare", "--stages", "4", "--microbatches", "12", "--times", "10,10,10",
+                           "--json"], capsys)
+    assert code == 0, err
+    rows = {r["schedule"]: r for r in json.loads(out.strip().splitlines()[-1])["schedules"]}
+    assert rows["PipeMorph"]["makespan_ms"] == 390.0
+    assert rows["torch GPipe"]["makespan_ms"] == 450.0 and rows["torch 1F1B"]["makespan_ms"] == 450.0
+    assert rows["torch GPipe"]["peak_inflight"] == 12 and rows["torch 1F1B"]["peak_inflight"] == 4
+    assert {"CrossPipe (udsub)", "CrossPipe (wave)", "torch ZBVZeroBubble", "torch DualPipeV"} <= set(rows)
+    assert "PipeMorph" in out.splitlines()[1] and "vs best torch" in out.splitlines()[0]

@@ -247,16 +247,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise UsageError(str(e)) from None
         source = args.builtin
-    from .plan.ir import as_ops
-    from .plan.validate import PlanValidationError, validate_plan
-
-    ops = as_ops(actions)
-    num_stages = len({s for rank_ops in ops.values() for s, _, _ in rank_ops})
-    try:
-        validate_plan(ops, num_stages, profile.num_microbatches)
-        timeline = simulate(ops, profile, hol=args.hol)
-    except (PlanValidationError, ValueError) as e:
-        raise UsageError(f"{source}: {e}") from None
+    ops, timeline = _evaluate(actions, profile, args.hol, source)
     plan_ms = (time.perf_counter() - t0) * 1e3
     x = _warmup_of(ops)
     _write_outputs(None, timeline, args)
@@ -266,6 +257,64 @@ def cmd_simulate(args: argparse.Namespace) -> None:
          "plan_ms": round(plan_ms, 3)},
         args,
     )
+
+
+def _evaluate(actions, profile: PipelineProfile, hol: bool, source: str):
+    """Validate a plan from outside our planners and simulate it → (ops, timeline)."""
+    from .plan.ir import as_ops
+    from .plan.validate import PlanValidationError, validate_plan
+
+    ops = as_ops(actions)
+    num_stages = len({s for rank_ops in ops.values() for s, _, _ in rank_ops})
+    try:
+        validate_plan(ops, num_stages, profile.num_microbatches)
+        return ops, simulate(ops, profile, hol=hol)
+    except (PlanValidationError, ValueError) as e:
+        raise UsageError(f"{source}: {e}") from None
+
+
+def _compare_candidates(profile: PipelineProfile, hol: bool):
+    """(name, timeline or the reason it does not apply) for PipeMorph, CrossPipe and torch's built-ins."""
+    from .plan.builtin import BUILTINS, builtin_plan
+    from .plan.crosspipe import plan_by_name
+
+    yield "PipeMorph", simulate(plan_pipemorph(profile).actions, profile, hol=hol)
+    for name in ("crosspipe-udsub", "crosspipe-wave"):
+        try:
+            actions, sim_profile, _, _ = plan_by_name(profile, name)
+            yield f"CrossPipe ({name[10:]})", simulate(actions, sim_profile, hol=hol)
+        except (ImportError, ValueError) as e:
+            yield f"CrossPipe ({name[10:]})", str(e).splitlines()[0]
+    for name in BUILTINS:
+        try:
+            actions, _ = builtin_plan(name, profile.num_stages, profile.num_microbatches)
+            yield f"torch {name}", _evaluate(actions, profile, hol, name)[1]
+        except (UsageError, ValueError) as e:
+            yield f"torch {name}", str(e).splitlines()[0]
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    """PipeMorph, CrossPipe and torch's built-ins side by side for one profile."""
+    profile = _profile_from_args(args)
+    rows = list(_compare_candidates(profile, args.hol))
+    torch_best = min((t.makespan_ms for name, t in rows if name.startswith("torch ")
+                      and not isinstance(t, str)), default=math.nan)
+    print(f"{'schedule':<28} {'makespan ms':>12} {'bubble':>8} {'peak in-flight':>15} {'vs best torch':>14}")
+    out = []
+    for name, t in rows:
+        if isinstance(t, str):
+            print(f"{name:<28} {'n/a: ' + t}")
+            out.append({"schedule": name, "error": t})
+            continue
+        peak = max(t.peak_inflight.values())
+        print(f"{name:<28} {t.makespan_ms:>12.1f} {t.bubble_rate:>8.1%} {peak:>15} "
+              f"{torch_best / t.makespan_ms:>13.2f}x")
+        out.append({"schedule": name, "makespan_ms": t.makespan_ms, "bubble_rate": t.bubble_rate,
+                    "peak_inflight": peak})
+    print("peak in-flight: activations held by the busiest stage (torch's 2-chunk schedules: half-size "
+          "chunks); vs best torch: the best torch built-in's makespan / this one's")
+    if args.json:
+        print(json.dumps({"hol": args.hol, "schedules": out}))
 
 
 def _warmup_of(ops) -> list[int]:
@@ -350,6 +399,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     s.add_argument("--gantt", type=Path, help="write a Gantt PNG")
     s.set_defaults(func=cmd_simulate)
+
+    c = sub.add_parser("compare", help="PipeMorph, CrossPipe and torch's built-ins side by side for one profile",
+                       description="Plan PipeMorph (Alg.1/2) and CrossPipe for the given profile, take torch's "
+                                   "built-in schedules as they are, simulate all under the same delays and "
+                                   "print makespan, bubble rate and peak in-flight activations "
+                                   "(docs/choosing.md says when to use which).")
+    _add_common(c)
+    c.add_argument("--hol", action="store_true", help="head-of-line blocking: sends block the compute behind them")
+    c.set_defaults(func=cmd_compare)
     return parser
 
 
