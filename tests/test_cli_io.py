@@ -104,3 +104,42 @@ def test_compare_side_by_side_matches_closed_forms(capsys):
     assert rows["torch GPipe"]["peak_inflight"] == 12 and rows["torch 1F1B"]["peak_inflight"] == 4
     assert {"CrossPipe (udsub)", "CrossPipe (wave)", "torch ZBVZeroBubble", "torch DualPipeV"} <= set(rows)
     assert "PipeMorph" in out.splitlines()[1] and "vs best torch" in out.splitlines()[0]
+
+
+_BAD_CLI = {
+    # name: (argv, the one error line must contain)
+    "negative_message_mb": ([*BASE, "--times", "10,10,10", "--message-mb", "-1"], "--message-mb"),
+    "nan_message_mb": ([*BASE, "--times", "10,10,10", "--message-mb", "nan"], "--message-mb"),
+    "times_overflow": ([*BASE, "--times", "1e308,1e308,1e308"], "--times"),
+    "delay_overflow": ([*BASE, "--times", "10,10,10", "--delay", "1:1e308"], "--delay"),
+    "stages_beyond_bound": (["plan", "--stages", str(10**12), "--microbatches", "12", "--times", "10,10,10"],
+                            "beyond the bound of 65536"),
+    "duplicate_delay": ([*BASE, "--times", "10,10,10", "--delay", "1:10", "--delay", "1:20"],
+                        "--delay given more than once for link 1"),
+    "fractional_slack_floor": ([*BASE, "--times", "10,10,10", "--slack-floor", "1.5"], "--slack-floor"),
+    "fractional_memory_limit": ([*BASE, "--times", "10,10,10", "--memory-limit", "7.5"], "--memory-limit"),
+    "memory_limit_with_builtin": (["simulate", "--builtin", "1F1B", "--stages", "4", "--microbatches", "12",
+                                   "--times", "10,10,10", "--memory-limit", "3"], "--memory-limit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_CLI))
+def test_bad_input_one_line_exit_2_no_output(case, capsys):
+    argv, needle = _BAD_CLI[case]
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and out == "", out
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("body,needle", [
+    ('{"num_stages": "4", "num_microbatches": 12, "f_ms": 10, "b_ms": 10, "w_ms": 10}', "num_stages"),
+    ('{"num_stages": 4, "num_microbatches": 12, "f_ms": 10, "b_ms": 10}', "missing field(s) w_ms"),
+    ('{"num_stages": 4, "num_microbatches": 12, "f_ms": 10, "b_ms": 10, "w_ms": [1, 2]}', "w_ms"),
+    ('{"num_stages": 4, "num_microbatches": 12, "f_ms": 10, "b_ms": 10, "w_ms": 10, '
+     '"links": [{"latency": 3}]}', "latency"),
+])
+def test_profile_missing_or_mistyped_field_named(body, needle, tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(body)
+    code, out, err = _run(["plan", "--profile", str(path)], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and needle in err, err

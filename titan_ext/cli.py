@@ -28,6 +28,12 @@ class UsageError(Exception):
     """Bad command-line input: reported in one line, exit code 2."""
 
 
+# Bounds on the input, so that a typo is refused at once instead of planning for minutes or
+# overflowing: S·N ops plan in about 3 s at the bound (S=64, N=512 takes 1.4 s, BENCHMARKS.md).
+MAX_OPS = 65536  # stages x microbatches
+MAX_MS = 1e9     # any time or delay, ms (11.6 days)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" for options that have a real default (not None / off / empty)."""
 
@@ -55,10 +61,10 @@ def _times(text: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float
             triple = tuple(float(p) for p in parts)
         except ValueError:
             triple = ()
-        if len(triple) != 3 or not all(math.isfinite(t) and t >= 0 for t in triple):
+        if len(triple) != 3 or not all(abs(t) <= MAX_MS for t in triple):  # the profile checks signs
             raise argparse.ArgumentTypeError(
-                f"--times wants F,B,W in ms, finite and >= 0 (e.g. 10,10,10), or one triple per stage "
-                f"separated by '/' (e.g. 10,10,10/12,12,12), got {item!r}")
+                f"--times wants F,B,W in ms, each at most {MAX_MS:g} (e.g. 10,10,10), or one triple "
+                f"per stage separated by '/' (e.g. 10,10,10/12,12,12), got {item!r}")
         triples.append(triple)
     return tuple(zip(*triples))  # type: ignore[return-value]
 
@@ -71,9 +77,33 @@ def _link_value(text: str) -> tuple[int, float]:
         out = int(link), float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LINK:VALUE (e.g. 2:30), got {text!r}") from None
-    if out[0] < 0 or not math.isfinite(out[1]) or out[1] < 0:
-        raise argparse.ArgumentTypeError(f"expected a link >= 0 and a finite value >= 0, got {text!r}")
+    if out[0] < 0 or not 0 <= out[1] <= MAX_MS:
+        raise argparse.ArgumentTypeError(f"expected a link >= 0 and a value in [0, {MAX_MS:g}], got {text!r}")
     return out
+
+
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1e9:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected a size in MB in [0, 1e9], got {text!r}")
+    return value
+
+
+def _profile_int(base: dict, key: str, flag: str) -> int | None:
+    value = base.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise UsageError(f"--profile field {key} must be an integer, got {value!r} (or give {flag})")
+    return value
+
+
+def _per_link(pairs: list[tuple[int, float]], flag: str) -> None:
+    links = [link for link, _ in pairs]
+    dup = sorted({link for link in links if links.count(link) > 1})
+    if dup:
+        raise UsageError(f"{flag} given more than once for link {dup[0]}")
 
 
 PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
@@ -98,7 +128,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="one-way latency of link LINK (joins stage LINK and LINK+1), repeatable")
     p.add_argument("--bandwidth", type=_link_value, action="append", default=[], metavar="LINK:GBPS",
                    help="bandwidth of link LINK in GB/s (1e9 bytes/s); needs --message-mb")
-    p.add_argument("--message-mb", type=float, default=None,
+    p.add_argument("--message-mb", type=_megabytes, default=None,
                    help="size of one activation/gradient message in MB (1e6 bytes)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
 
@@ -116,17 +146,28 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
         if unknown:
             raise UsageError(f"--profile {args.profile}: unknown field(s) {', '.join(unknown)} "
                              f"(known: {', '.join(PROFILE_FIELDS)})")
-    S = args.stages if args.stages is not None else base.get("num_stages")
-    N = args.microbatches if args.microbatches is not None else base.get("num_microbatches")
+    S = args.stages if args.stages is not None else _profile_int(base, "num_stages", "--stages")
+    N = args.microbatches if args.microbatches is not None else _profile_int(
+        base, "num_microbatches", "--microbatches")
     if S is None or N is None:
         raise UsageError("--stages and --microbatches are required (or a --profile that has them)")
+    if S < 1 or N < 1:
+        raise UsageError(f"stages ({S}) and microbatches ({N}) must be >= 1")
+    if S * N > MAX_OPS:
+        raise UsageError(f"{S} stages x {N} microbatches = {S * N} is beyond the bound of {MAX_OPS} "
+                         f"(planning time grows fast with it)")
+    _per_link(args.delay, "--delay")
+    _per_link(args.bandwidth, "--bandwidth")
     if args.times is not None:
         f, b, w = (t[0] if len(t) == 1 else t for t in args.times)
         if len(args.times[0]) not in (1, S):
             raise UsageError(f"--times has {len(args.times[0])} F,B,W triples for {S} stages "
                              f"(give one for all stages or one per stage)")
-    elif "f_ms" in base:
-        f, b, w = base["f_ms"], base.get("b_ms"), base.get("w_ms")
+    elif any(k in base for k in ("f_ms", "b_ms", "w_ms")):
+        missing = [k for k in ("f_ms", "b_ms", "w_ms") if k not in base]
+        if missing:
+            raise UsageError(f"--profile {args.profile}: missing field(s) {', '.join(missing)}")
+        f, b, w = base["f_ms"], base["b_ms"], base["w_ms"]
     else:
         raise UsageError("--times F,B,W is required (or a --profile with f_ms, b_ms, w_ms)")
     try:
@@ -154,7 +195,7 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
             activation_bytes=base.get("activation_bytes"),
             memory_budget_bytes=base.get("memory_budget_bytes"),
         )
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # a mistyped profile field: the profile names it
         raise UsageError(str(e)) from None
 
 
@@ -226,6 +267,9 @@ def _cmd_plan_crosspipe(profile: PipelineProfile, args: argparse.Namespace) -> N
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
+    if args.schedule is None and args.memory_limit is not None:
+        raise UsageError("--memory-limit applies to --schedule only (a --csv or --builtin plan is "
+                         "simulated as it is)")
     profile = _profile_from_args(args)
     t0 = time.perf_counter()
     if args.schedule is not None:
