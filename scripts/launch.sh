@@ -66,7 +66,6 @@ export TORCH_DIST_INIT_BARRIER="${TORCH_DIST_INIT_BARRIER:-1}"
 if [ -n "${SOCKET_IFNAME:-}" ]; then   # one knob for both libraries, e.g. SOCKET_IFNAME=ib0
     export NCCL_SOCKET_IFNAME="$SOCKET_IFNAME" GLOO_SOCKET_IFNAME="$SOCKET_IFNAME"
 fi
-export WANDB_MODE="${WANDB_MODE:-offline}"
 export PYTHONUNBUFFERED=1
 
 echo "[launch] job $job_id: $NNODES node(s) x $NPROC_PER_NODE ranks, config $CONFIG_FILE"

@@ -13,7 +13,8 @@
 #   SCHEDULES="PipeMorph 1F1B"
 #   CONFIG=train_configs/debug_cpu.toml
 #   OUT=outputs/run_local   (one dump folder per schedule: metrics JSONL, timeline PNGs, logs)
-#   WANDB=0             1 = also log to W&B (offline unless WANDB_API_KEY/WANDB_MODE say otherwise)
+#   WANDB=0             1 = also log to W&B (online after `wandb login` or with WANDB_API_KEY, else offline;
+#                       WANDB_MODE decides when set)
 #   NPROC=4             ranks (= pipeline_parallel_degree of the config)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,7 +33,6 @@ bash scripts/setup.sh
 PY="$root/.venv/bin/python"
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-export WANDB_MODE="${WANDB_MODE:-offline}"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 
 extra=()

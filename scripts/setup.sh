@@ -1,15 +1,40 @@
 #!/usr/bin/env bash
-# Idempotent setup: a local virtual environment in .venv with titan_ext installed (editable),
-# its test and solver extras, and the torch 2.13.0 CPU wheel unless a CUDA torch is already present.
-# Re-running is cheap: nothing is reinstalled unless pyproject.toml changed.
+# Idempotent setup: a local virtual environment in .venv with titan_ext installed (editable), its
+# test and solver extras, and a CPU-only torch 2.13 unless a CUDA torch is already present.
+# Re-running is cheap: nothing is reinstalled unless pyproject.toml, this script or the C sources
+# changed.
+#
+# Quiet by default: one progress line per step; pip's output goes to .venv/setup.log, whose path and
+# last lines are printed when a step fails. VERBOSE=1 shows everything.
+# Environment: PYTHON (python3), TORCH_CPU_INDEX (the PyTorch CPU wheel index; "" = do not try it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 PY="${PYTHON:-python3}"
 venv="$root/.venv"
+TORCH_VERSION="2.13.0"   # inside pyproject.toml's pinned range
+TORCH_CPU_INDEX="${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"
+
+say() { echo "[setup] $*"; }
+log="$venv/setup.log"
+step() {  # step "what" cmd...: run quietly (VERBOSE=1: loudly), name the log on failure
+    local what="$1"; shift
+    say "$what"
+    if [ "${VERBOSE:-0}" = 1 ]; then
+        "$@" 2>&1 | tee -a "$log"; local rc=${PIPESTATUS[0]}
+    else
+        local rc=0; "$@" >>"$log" 2>&1 || rc=$?
+    fi
+    if [ "$rc" != 0 ]; then
+        echo "[setup] FAILED: $what (exit $rc); details in $log; its last lines:" >&2
+        tail -n 15 "$log" >&2
+        exit 1
+    fi
+}
+
 if [ ! -x "$venv/bin/python" ]; then
     if "$PY" -c 'import torch,sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
-        echo "[setup] found a CUDA torch in $PY: the venv will see it (--system-site-packages)"
+        say "found a CUDA torch in $PY: the venv will see it (--system-site-packages)"
         "$PY" -m venv --system-site-packages "$venv"
     else
         "$PY" -m venv "$venv"
@@ -24,20 +49,29 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
         && "$vpy" -c "import torch, titan_ext._delegate_C, titan_ext.plan._search_c, titan_ext.plan._greedy_c" 2>/dev/null; then
     exit 0
 fi
-"$vpy" -m pip install -q --upgrade pip
+: > "$log"
+step "upgrading pip" "$vpy" -m pip install --upgrade pip
 if ! "$vpy" -c 'import torch' 2>/dev/null; then
-    # The CPU wheel (on disk on our machines); a plain `torch` requirement would pull a CUDA build.
-    "$vpy" -m pip install -q torch==2.13.0
+    # A plain `torch` requirement would pull the multi-GB CUDA build on Linux: take the CPU wheel from
+    # PyTorch's CPU index where it answers, else `torch==2.13.0` from the configured indexes (on our
+    # machines that is the CPU wheel kept on disk).
+    if [ -n "$TORCH_CPU_INDEX" ] && "$vpy" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" \
+            "$TORCH_CPU_INDEX/torch/" >>"$log" 2>&1; then
+        step "installing torch $TORCH_VERSION (CPU wheel from $TORCH_CPU_INDEX)" \
+            "$vpy" -m pip install --extra-index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION+cpu"
+    else
+        step "installing torch==$TORCH_VERSION (PyTorch's CPU index not reachable)" \
+            "$vpy" -m pip install "torch==$TORCH_VERSION"
+    fi
 fi
-# torchtitan 0.2.2 imports triton at import time, also on CPU machines.
-"$vpy" -m pip install -q triton
 # --no-build-isolation: setup.py compiles titan_ext._delegate_C (cpp_ext/) against the torch installed
 # above (CPU parts always; CUDA parts when nvcc and a CUDA torch are present). An isolated build env
 # would download a second, multi-GB CUDA torch.
-"$vpy" -m pip install -q "setuptools>=68"
-"$vpy" -m pip install -q --no-build-isolation -e ".[test,solver]"
-"$vpy" -c "import torch, titan_ext._delegate_C" || { echo "[setup] titan_ext._delegate_C failed to build" >&2; exit 1; }
-"$vpy" -c "import titan_ext.plan._search_c" || { echo "[setup] titan_ext.plan._search_c failed to build" >&2; exit 1; }
-"$vpy" -c "import titan_ext.plan._greedy_c" || { echo "[setup] titan_ext.plan._greedy_c failed to build" >&2; exit 1; }
+step "installing build tools" "$vpy" -m pip install "setuptools>=68"
+step "installing titan_ext and its dependencies; building its C/C++ extensions (minutes the first time)" \
+    "$vpy" -m pip install --no-build-isolation -e ".[test,solver]"
+for mod in titan_ext._delegate_C titan_ext.plan._search_c titan_ext.plan._greedy_c; do
+    step "checking $mod" "$vpy" -c "import torch, $mod"
+done
 echo "$want" > "$stamp"
-echo "[setup] environment ready in $venv"
+say "environment ready in $venv"

@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# README's second command: set up (idempotent) and run the whole test suite.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/test_plan_paper.py -x`).
+# README's second command: set up (idempotent) and run the test suite.
+#   bash scripts/test.sh                 # the default tier: every test not marked `slow` (<= 8 min on 2 cores)
+#   TIER=slow bash scripts/test.sh       # the `slow` tier: long multi-process runs (CI runs it after the default tier)
+#   TIER=all bash scripts/test.sh        # both
+# Extra arguments go to pytest; with arguments the default tier is `all`
+# (e.g. `bash scripts/test.sh tests/test_plan_paper.py -x`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+tier="${TIER:-$([ $# -gt 0 ] && echo all || echo default)}"
+case "$tier" in
+    default) select=(-m "not slow") ;;
+    slow) select=(-m slow) ;;
+    all) select=() ;;
+    *) echo "scripts/test.sh: TIER=$tier: use default, slow or all" >&2; exit 2 ;;
+esac
+exec .venv/bin/python -m pytest -q -ra "${select[@]}" "$@"

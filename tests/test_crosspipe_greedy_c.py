@@ -23,6 +23,7 @@ COMBOS = list(itertools.product(
     (False, True),                             # lookahead
 ))
 CHUNKS, PER_CHUNK = 12, 25  # 300 random problems
+FAST_CHUNKS = 2  # the default test tier sweeps 50 of them; the `slow` tier (CI, after it) all 300
 
 
 def _random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
@@ -78,7 +79,8 @@ def test_available():
     assert compiled.available()
 
 
-@pytest.mark.parametrize("chunk", range(CHUNKS))
+@pytest.mark.parametrize("chunk", [c if c < FAST_CHUNKS else pytest.param(c, marks=pytest.mark.slow)
+                                   for c in range(CHUNKS)])
 def test_bit_identical_random(chunk):
     rng = random.Random(1000 + chunk)
     raised = 0

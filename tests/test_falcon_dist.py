@@ -5,6 +5,7 @@ checkpoint-and-restart with a permuted mesh."""
 import json
 import os
 import pickle
+import statistics
 import socket
 import tempfile
 import time
@@ -198,7 +199,7 @@ def _validation_worker(rank, world, port, outdir):
     assert dist.isend is orig_isend and dist.batch_isend_irecv is orig_batch  # uninstalled
     even = validate_rings([[0, 1, 2, 3]], nbytes=1 << 16, repeats=5)
     odd = validate_rings([[3, 2, 0]], nbytes=1 << 16, repeats=5)  # 3->2, 2->0, 0->3
-    gemm = gemm_probe(n=128, repeats=5)
+    gemm = gemm_probe(n=128, repeats=9)  # fastest of 9: descheduling only ever adds time
     dist.send, torch.mm = orig_send, orig_mm
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump({"even": even, "odd": odd, "gemm": gemm, "hooked": hooked}, f)
@@ -220,7 +221,11 @@ def test_ring_validation_pinpoints_slow_link_and_gemm_probe_slow_device():
     assert locate_slow_links(even, min_excess_s=0.010) == [(2, 3)]
     assert even[(2, 3)] > 0.035
     assert locate_slow_links(odd, min_excess_s=0.010) == []  # the slow link is not in this ring
-    assert locate_slow_devices(gemm) == [1]
+    # device 1 does 4x the work: compare with the median of its peers at a threshold sized to half
+    # the injected effect (2x), not the detector's production 1.1x, which a busy host can cross
+    peers = statistics.median(t for r, t in gemm.items() if r != 1)
+    assert gemm[1] >= 2.0 * peers, gemm
+    assert locate_slow_devices(gemm, ratio=2.0) == [1], gemm
 
 
 # --------------------------------------------------------------------------- weighted aggregation

@@ -110,20 +110,28 @@ def random_profile(rng, S, N):
     )
 
 
-def test_validity_fuzz_1000_cases():
-    """≥ 1000 random cases (S ≤ 16, N ≤ 64, heterogeneous times, delays, memory limits): every plan
-    passes the validator, torch's lowering and dry run included (plan_pipemorph validates before
-    returning; validate again here explicitly)."""
+FUZZ_CASES, FUZZ_BLOCK = 1000, 200  # the default tier runs the first block, the `slow` tier the rest
+
+
+@pytest.mark.parametrize("block", [b if b == 0 else pytest.param(b, marks=pytest.mark.slow)
+                                   for b in range(FUZZ_CASES // FUZZ_BLOCK)])
+def test_validity_fuzz_1000_cases(block):
+    """1000 random cases (S ≤ 16, N ≤ 64, heterogeneous times, delays, memory limits) in 5 blocks of
+    one random stream: every plan passes the validator, torch's lowering and dry run included
+    (plan_pipemorph validates before returning; validate again here explicitly)."""
     rng = random.Random(2026)
-    for case in range(1000):
+    for case in range(FUZZ_CASES):
         S = rng.randint(1, 16)
         N = rng.randint(S, min(64, max(S, 4 * S)))
         prof = random_profile(rng, S, N)
         schedule = rng.choice(["pipemorph", "pipemorph", "zb", "zb-h1"])
         memory_limit = rng.choice([None, None, rng.randint(1, N)])
+        slack_floor, cap = rng.choice([1, 2]), rng.random() < 0.8
+        if case // FUZZ_BLOCK != block:  # the same cases as one 1000-case run, split in blocks
+            continue
         plan = plan_pipemorph(
-            prof, schedule=schedule, slack_floor=rng.choice([1, 2]), memory_limit=memory_limit,
-            cap_inflight=rng.random() < 0.8,
+            prof, schedule=schedule, slack_floor=slack_floor, memory_limit=memory_limit,
+            cap_inflight=cap,
         )
         validate_plan(plan.actions, S, N, inflight_limit=plan.inflight_limit)
         if memory_limit is not None:

@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -92,18 +91,16 @@ def test_injected_link_must_exist_for_the_pp_degree(tmp_path):
 
 def test_train_entry_fails_fast_before_any_process_group(tmp_path):
     """No torchrun env at all: creating a process group would fail differently (env:// rendezvous)."""
-    cfg = ROOT / "train_configs" / "debug_cpu.toml"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text((ROOT / "train_configs" / "debug_cpu.toml").read_text() + 'delegation = "sometimes"\n')
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    t0 = time.monotonic()
-    p = subprocess.run([PY, "-m", "titan_ext.train", "--job.config_file", str(cfg),
-                        "--titan_ext.delegation", "sometimes"],
+    p = subprocess.run([PY, "-m", "titan_ext.train", "--job.config_file", str(cfg)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-    elapsed = time.monotonic() - t0
-    assert p.returncode != 0
-    assert "[titan_ext] delegation = 'sometimes'" in p.stderr
-    assert "process group" not in p.stderr.lower() and "init_process_group" not in p.stderr
-    assert elapsed < 60
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "titan_ext: configuration error: [titan_ext] delegation = 'sometimes': must be one of "
+        "'off', 'auto', 'always'"], p.stderr  # one line, before anything (a process group) starts
 
 
 def test_unknown_schedule_fails_before_process_group(tmp_path):
@@ -118,31 +115,40 @@ def test_unknown_schedule_fails_before_process_group(tmp_path):
         check_job_config(cfg, world_size=6)
 
 
-def test_registration_in_stock_torchtitan_builder():
-    """`custom_import = "titan_ext"` path: torchtitan already imported, then `import titan_ext`."""
+_IMPORT_ORDERS = {
+    # `custom_import = "titan_ext"`: torchtitan's trainer is imported first
+    "torchtitan_first": "import torchtitan.train\nimportlib.import_module('titan_ext')\n",
+    # a user script that imports titan_ext before anything of torchtitan's
+    "titan_ext_first": "importlib.import_module('titan_ext')\nimport torchtitan.train\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
+def test_registration_in_stock_torchtitan_builder(order):
+    """Both import orders register the schedules, the dataset and the CPU shim (fresh process)."""
     code = (
         "import importlib, sys\n"
-        "import torchtitan.train\n"
+        + _IMPORT_ORDERS[order] +
         "import torchtitan.distributed.pipeline_parallel as pp\n"
         "from torch.distributed.pipelining.schedules import Schedule1F1B, PipelineScheduleMulti\n"
-        "importlib.import_module('titan_ext')\n"
-        "from titan_ext.runtime import PipeMorph\n"
+        "from titan_ext.runtime import PipeMorph, CrossPipe\n"
         "cls = pp.get_schedule_class('PipeMorph')\n"
         "assert issubclass(cls, PipeMorph) and issubclass(cls, PipelineScheduleMulti), cls.__mro__\n"
         "assert pp.get_schedule_class('pipemorph') is cls\n"
+        "assert issubclass(pp.get_schedule_class('CrossPipe'), CrossPipe)\n"
         "assert pp.get_schedule_class('1F1B') is Schedule1F1B\n"
         "assert pp.build_pipeline_schedule._titan_ext_wrapped\n"
         "from torchtitan.hf_datasets.text_datasets import DATASETS\n"
         "assert 'titan_ext_tiny' in DATASETS\n"
-        "import torchtitan.tools.utils as u\n"
-        "print(u.device_type)\n"
+        "import torchtitan.tools.utils as u, torchtitan.components.metrics as m\n"
+        "print(u.device_type, m.device_type)\n"
     )
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     import torch
 
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert out.stdout.strip().splitlines()[-1] == expected
+    assert out.stdout.strip().splitlines()[-1] == f"{expected} {expected}"
 
 
 def test_schedule_kwargs_follow_constructor_signature():
@@ -298,3 +304,38 @@ def test_backward_option_is_checked_against_the_schedule_before_any_process_grou
     with pytest.raises(JobConfigError, match=r"schedule '1F1B' takes no backward option"):
         check_job_config(cfg("--titan_ext.backward", "auto", "--parallelism.pipeline_parallel_schedule",
                              "1F1B"), world_size=4)
+
+
+_BAD_TRAINER_INPUTS = {
+    # name: (extra TOML, extra CLI args, env, the error line must contain)
+    "malformed_toml": ("[titan_ext\nslack_floor = 2\n", [], {}, "titan_ext: malformed TOML: "),
+    "unknown_titan_ext_key": ("slack_flor = 2\n", [], {}, "slack_flor"),  # appended to [titan_ext]
+    "malformed_env_delays": ("", [], {"TITAN_EXT_INJECT_DELAYS": "2:abc"}, "TITAN_EXT_INJECT_DELAYS"),
+    "fewer_microbatches_than_stages": ("", ["--training.local_batch_size", "2"], {},
+                                       "gives 2 microbatches, fewer than the 4 pipeline stages"),
+    "max_inflight_below_stages": ("", ["--titan_ext.max_inflight", "3"], {},
+                                  "[titan_ext] max_inflight = 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_TRAINER_INPUTS))
+def test_trainer_bad_input_is_one_line_exit_2_before_any_process_group(case, tmp_path, capsys,
+                                                                      monkeypatch):
+    """`python -m titan_ext.train` (what every torchrun rank runs): one stderr line, exit 2, before
+    TorchTitan's main (which creates the process group) is reached."""
+    import torchtitan.train
+
+    from titan_ext import train
+
+    toml, args, env, needle = _BAD_TRAINER_INPUTS[case]
+    cfg = tmp_path / "c.toml"
+    cfg.write_text((ROOT / "train_configs" / "debug_cpu.toml").read_text() + "\n" + toml)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torchtitan.train, "main", lambda *a: pytest.fail("reached TorchTitan's main"))
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--job.config_file", str(cfg), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("titan_ext: ") and needle in err[0], err

@@ -6,8 +6,10 @@ CLIs and tests that must start in milliseconds.
 TorchTitan integration: with ``[experimental] custom_import = "titan_ext"`` TorchTitan's trainer
 imports this package after it has imported torchtitan itself. In that case (torchtitan already in
 ``sys.modules``) the import registers our pipeline schedules ("PipeMorph", later "CrossPipe"), our
-tiny local dataset, and -- on machines without an accelerator -- the CPU/gloo shim.
-Anywhere else, call :func:`titan_ext.titan.register` explicitly.
+tiny local dataset, and -- on machines without an accelerator -- the CPU/gloo shim. Imported
+before torchtitan, it registers as soon as TorchTitan's pipeline builder is imported
+(:mod:`titan_ext._import_hook`), so the order does not matter. ``titan_ext.titan.register()`` does
+the same explicitly.
 """
 
 import sys as _sys
@@ -18,3 +20,7 @@ if "torchtitan" in _sys.modules:  # imported through TorchTitan's custom_import:
     from titan_ext.titan.registry import register as _register
 
     _register()
+else:  # torchtitan not loaded yet: register once its pipeline builder is imported
+    from titan_ext._import_hook import install as _install
+
+    _install()

@@ -3,7 +3,9 @@
     titan-ext plan --stages 4 --microbatches 12 --times 10,10,10 --delay 0:20 --json
     titan-ext simulate --builtin ZBVZeroBubble --stages 4 --microbatches 12 --times 10,10,10 --hol
 
-Bad arguments print one line on stderr and exit with code 2.
+Bad arguments, and files that cannot be written, print one line on stderr and exit with code 2
+(files already written by that command are removed: no partial output). A closed pipe (``| head``)
+ends the command quietly.
 """
 
 from __future__ import annotations
@@ -25,19 +27,45 @@ class UsageError(Exception):
     """Bad command-line input: reported in one line, exit code 2."""
 
 
+# Bounds on the input, so that a typo is refused at once instead of planning for minutes or
+# overflowing: S·N ops plan in about 3 s at the bound (S=64, N=512 takes 1.4 s, BENCHMARKS.md).
+MAX_OPS = 65536  # stages x microbatches
+MAX_MS = 1e9     # any time or delay, ms (11.6 days)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" for options that have a real default (not None / off / empty)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)  # defaults in --help
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, not argparse's usage block
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _times(text: str) -> tuple[float, float, float]:
-    parts = text.split(",")
-    if len(parts) != 3:
-        raise argparse.ArgumentTypeError(f"--times wants F,B,W in ms (e.g. 10,10,10), got {text!r}")
-    try:
-        return tuple(float(p) for p in parts)  # type: ignore[return-value]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--times wants three numbers F,B,W, got {text!r}") from None
+def _times(text: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """``F,B,W`` (every stage) or ``F,B,W/F,B,W/...`` (one triple per stage) → (f, b, w) tuples."""
+    triples = []
+    for item in text.split("/"):
+        parts = item.split(",")
+        try:
+            triple = tuple(float(p) for p in parts)
+        except ValueError:
+            triple = ()
+        if len(triple) != 3 or not all(abs(t) <= MAX_MS for t in triple):  # the profile checks signs
+            raise argparse.ArgumentTypeError(
+                f"--times wants F,B,W in ms, each at most {MAX_MS:g} (e.g. 10,10,10), or one triple "
+                f"per stage separated by '/' (e.g. 10,10,10/12,12,12), got {item!r}")
+        triples.append(triple)
+    return tuple(zip(*triples))  # type: ignore[return-value]
 
 
 def _link_value(text: str) -> tuple[int, float]:
@@ -48,21 +76,58 @@ def _link_value(text: str) -> tuple[int, float]:
         out = int(link), float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LINK:VALUE (e.g. 2:30), got {text!r}") from None
-    if out[0] < 0 or not math.isfinite(out[1]) or out[1] < 0:
-        raise argparse.ArgumentTypeError(f"expected a link >= 0 and a finite value >= 0, got {text!r}")
+    if out[0] < 0 or not 0 <= out[1] <= MAX_MS:
+        raise argparse.ArgumentTypeError(f"expected a link >= 0 and a value in [0, {MAX_MS:g}], got {text!r}")
     return out
+
+
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1e9:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected a size in MB in [0, 1e9], got {text!r}")
+    return value
+
+
+def _profile_int(base: dict, key: str, flag: str) -> int | None:
+    value = base.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise UsageError(f"--profile field {key} must be an integer, got {value!r} (or give {flag})")
+    return value
+
+
+def _per_link(pairs: list[tuple[int, float]], flag: str) -> None:
+    links = [link for link, _ in pairs]
+    dup = sorted({link for link in links if links.count(link) > 1})
+    if dup:
+        raise UsageError(f"{flag} given more than once for link {dup[0]}")
+
+
+PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
+                  "activation_bytes", "memory_budget_bytes")
+PROFILE_HELP = (
+    'profile JSON with the fields of PipelineProfile; flags override it. Times in ms, a number for '
+    'every stage or a list with one per stage; links: one object per link (link i joins stage i and '
+    'i+1) with latency_ms, bandwidth_bytes_per_s, message_bytes. Example: {"num_stages": 4, '
+    '"num_microbatches": 12, "f_ms": 10, "b_ms": 10, "w_ms": [10, 10, 10, 12], "links": '
+    '[{"latency_ms": 0}, {"latency_ms": 20, "bandwidth_bytes_per_s": 1e9, "message_bytes": 4e6}, '
+    '{}]}. Optional: activation_bytes, memory_budget_bytes')
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, help="pipeline stages (= PP ranks)")
     p.add_argument("--microbatches", type=int, help="microbatches per iteration")
-    p.add_argument("--times", type=_times, help="per-stage F,B,W times in ms (B = backward-input)")
-    p.add_argument("--profile", type=Path, help="profile JSON (fields of PipelineProfile); flags override it")
+    p.add_argument("--times", type=_times, metavar="F,B,W[/F,B,W...]",
+                   help="compute times in ms (B = backward-input): one F,B,W for every stage, or one "
+                        "triple per stage separated by '/' (e.g. 10,10,10/12,12,12/10,10,10/14,14,14)")
+    p.add_argument("--profile", type=Path, help=PROFILE_HELP.replace("%", "%%"))
     p.add_argument("--delay", type=_link_value, action="append", default=[], metavar="LINK:MS",
                    help="one-way latency of link LINK (joins stage LINK and LINK+1), repeatable")
     p.add_argument("--bandwidth", type=_link_value, action="append", default=[], metavar="LINK:GBPS",
                    help="bandwidth of link LINK in GB/s (1e9 bytes/s); needs --message-mb")
-    p.add_argument("--message-mb", type=float, default=None,
+    p.add_argument("--message-mb", type=_megabytes, default=None,
                    help="size of one activation/gradient message in MB (1e6 bytes)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
 
@@ -76,14 +141,32 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
             raise UsageError(f"--profile {args.profile}: {e}") from None
         if not isinstance(base, dict):
             raise UsageError(f"--profile {args.profile}: expected a JSON object")
-    S = args.stages if args.stages is not None else base.get("num_stages")
-    N = args.microbatches if args.microbatches is not None else base.get("num_microbatches")
+        unknown = sorted(set(base) - set(PROFILE_FIELDS))
+        if unknown:
+            raise UsageError(f"--profile {args.profile}: unknown field(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(PROFILE_FIELDS)})")
+    S = args.stages if args.stages is not None else _profile_int(base, "num_stages", "--stages")
+    N = args.microbatches if args.microbatches is not None else _profile_int(
+        base, "num_microbatches", "--microbatches")
     if S is None or N is None:
         raise UsageError("--stages and --microbatches are required (or a --profile that has them)")
+    if S < 1 or N < 1:
+        raise UsageError(f"stages ({S}) and microbatches ({N}) must be >= 1")
+    if S * N > MAX_OPS:
+        raise UsageError(f"{S} stages x {N} microbatches = {S * N} is beyond the bound of {MAX_OPS} "
+                         f"(planning time grows fast with it)")
+    _per_link(args.delay, "--delay")
+    _per_link(args.bandwidth, "--bandwidth")
     if args.times is not None:
-        f, b, w = args.times
-    elif "f_ms" in base:
-        f, b, w = base["f_ms"], base.get("b_ms"), base.get("w_ms")
+        f, b, w = (t[0] if len(t) == 1 else t for t in args.times)
+        if len(args.times[0]) not in (1, S):
+            raise UsageError(f"--times has {len(args.times[0])} F,B,W triples for {S} stages "
+                             f"(give one for all stages or one per stage)")
+    elif any(k in base for k in ("f_ms", "b_ms", "w_ms")):
+        missing = [k for k in ("f_ms", "b_ms", "w_ms") if k not in base]
+        if missing:
+            raise UsageError(f"--profile {args.profile}: missing field(s) {', '.join(missing)}")
+        f, b, w = base["f_ms"], base["b_ms"], base["w_ms"]
     else:
         raise UsageError("--times F,B,W is required (or a --profile with f_ms, b_ms, w_ms)")
     try:
@@ -111,7 +194,7 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
             activation_bytes=base.get("activation_bytes"),
             memory_budget_bytes=base.get("memory_budget_bytes"),
         )
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # a mistyped profile field: the profile names it
         raise UsageError(str(e)) from None
 
 
@@ -147,11 +230,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     for note in plan.notes:
         print(f"note: {note}")
     timeline = simulate(plan.actions, profile)  # always under the given delays
-    if args.out_csv:
-        from .plan.export import write_torch_csv
-
-        write_torch_csv(plan.actions, args.out_csv)
-    _write_views(timeline, args)
+    _write_outputs(plan.actions, timeline, args)
     _report(
         timeline,
         {
@@ -184,11 +263,7 @@ def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> Non
     except ValueError as e:
         raise UsageError(f"{args.schedule} ({placement}, {args.virtual_stages} stages per rank): {e}") from None
     timeline = simulate(plan.actions, plan.profile, stage_to_rank=dict(enumerate(plan.stage_to_rank)))
-    if args.out_csv:
-        from .plan.export import write_torch_csv
-
-        write_torch_csv(plan.actions, args.out_csv)
-    _write_views(timeline, args)
+    _write_outputs(plan.actions, timeline, args)
     _report(
         timeline,
         {"schedule": args.schedule, "placement": placement, "virtual_stages": args.virtual_stages,
@@ -217,11 +292,7 @@ def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
 def _cmd_plan_crosspipe(profile: PipelineProfile, args: argparse.Namespace) -> None:
     actions, sim_profile, info = _crosspipe_actions(profile, args)
     timeline = simulate(actions, sim_profile)  # always under the given delays
-    if args.out_csv:
-        from .plan.export import write_torch_csv
-
-        write_torch_csv(actions, args.out_csv)
-    _write_views(timeline, args)
+    _write_outputs(actions, timeline, args)
     from .plan.ir import as_ops
 
     x = _warmup_of(as_ops(actions))
@@ -229,6 +300,9 @@ def _cmd_plan_crosspipe(profile: PipelineProfile, args: argparse.Namespace) -> N
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
+    if args.schedule is None and args.memory_limit is not None:
+        raise UsageError("--memory-limit applies to --schedule only (a --csv or --builtin plan is "
+                         "simulated as it is)")
     profile = _profile_from_args(args)
     t0 = time.perf_counter()
     if args.schedule is not None:
@@ -250,6 +324,20 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise UsageError(str(e)) from None
         source = args.builtin
+    ops, timeline = _evaluate(actions, profile, args.hol, source)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    x = _warmup_of(ops)
+    _write_outputs(None, timeline, args)
+    _report(
+        timeline,
+        {"schedule": source, "hol": args.hol, "warmup_counts": x, "slackness": slackness(x),
+         "plan_ms": round(plan_ms, 3)},
+        args,
+    )
+
+
+def _evaluate(actions, profile: PipelineProfile, hol: bool, source: str):
+    """Validate a plan from outside our planners and simulate it → (ops, timeline)."""
     from .plan.ir import as_ops
     from .plan.validate import PlanValidationError, validate_plan
 
@@ -257,18 +345,52 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     num_stages = len({s for rank_ops in ops.values() for s, _, _ in rank_ops})
     try:
         validate_plan(ops, num_stages, profile.num_microbatches)
-        timeline = simulate(ops, profile, hol=args.hol)
+        return ops, simulate(ops, profile, hol=hol)
     except (PlanValidationError, ValueError) as e:
         raise UsageError(f"{source}: {e}") from None
-    plan_ms = (time.perf_counter() - t0) * 1e3
-    x = _warmup_of(ops)
-    _write_views(timeline, args)
-    _report(
-        timeline,
-        {"schedule": source, "hol": args.hol, "warmup_counts": x, "slackness": slackness(x),
-         "plan_ms": round(plan_ms, 3)},
-        args,
-    )
+
+
+def _compare_candidates(profile: PipelineProfile, hol: bool):
+    """(name, timeline or the reason it does not apply) for PipeMorph, CrossPipe and torch's built-ins."""
+    from .plan.builtin import BUILTINS, builtin_plan
+
+    yield "PipeMorph", simulate(plan_by_name(profile, "pipemorph").actions, profile, hol=hol)
+    for name in ("crosspipe-udsub", "crosspipe-wave"):
+        try:
+            actions, sim_profile, _, _ = plan_crosspipe_by_name(profile, name)
+            yield f"CrossPipe ({name[10:]})", simulate(actions, sim_profile, hol=hol)
+        except (ImportError, ValueError) as e:
+            yield f"CrossPipe ({name[10:]})", str(e).splitlines()[0]
+    for name in BUILTINS:
+        try:
+            actions, _ = builtin_plan(name, profile.num_stages, profile.num_microbatches)
+            yield f"torch {name}", _evaluate(actions, profile, hol, name)[1]
+        except (UsageError, ValueError) as e:
+            yield f"torch {name}", str(e).splitlines()[0]
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    """PipeMorph, CrossPipe and torch's built-ins side by side for one profile."""
+    profile = _profile_from_args(args)
+    rows = list(_compare_candidates(profile, args.hol))
+    torch_best = min((t.makespan_ms for name, t in rows if name.startswith("torch ")
+                      and not isinstance(t, str)), default=math.nan)
+    print(f"{'schedule':<28} {'makespan ms':>12} {'bubble':>8} {'peak in-flight':>15} {'vs best torch':>14}")
+    out = []
+    for name, t in rows:
+        if isinstance(t, str):
+            print(f"{name:<28} {'n/a: ' + t}")
+            out.append({"schedule": name, "error": t})
+            continue
+        peak = max(t.peak_inflight.values())
+        print(f"{name:<28} {t.makespan_ms:>12.1f} {t.bubble_rate:>8.1%} {peak:>15} "
+              f"{torch_best / t.makespan_ms:>13.2f}x")
+        out.append({"schedule": name, "makespan_ms": t.makespan_ms, "bubble_rate": t.bubble_rate,
+                    "peak_inflight": peak})
+    print("peak in-flight: activations held by the busiest stage (torch's 2-chunk schedules: half-size "
+          "chunks); vs best torch: the best torch built-in's makespan / this one's")
+    if args.json:
+        print(json.dumps({"hol": args.hol, "schedules": out}))
 
 
 def _warmup_of(ops) -> list[int]:
@@ -284,13 +406,32 @@ def _warmup_of(ops) -> list[int]:
     return out
 
 
-def _write_views(timeline, args: argparse.Namespace) -> None:
-    from .plan.export import write_chrome_trace, write_gantt_png
+_GANTT_FORMATS = (".png", ".pdf", ".svg")
 
-    if getattr(args, "trace", None):
-        write_chrome_trace(timeline, args.trace)
-    if getattr(args, "gantt", None):
-        write_gantt_png(timeline, args.gantt)
+
+def _write_outputs(actions, timeline, args: argparse.Namespace) -> None:
+    """--out-csv, --trace, --gantt: all or nothing (a failed write removes the files written before)."""
+    from .plan.export import write_chrome_trace, write_gantt_png, write_torch_csv
+
+    gantt = getattr(args, "gantt", None)
+    if gantt is not None and gantt.suffix.lower() not in _GANTT_FORMATS:
+        raise UsageError(f"--gantt {gantt}: unsupported extension {gantt.suffix!r} "
+                         f"(use {', '.join(_GANTT_FORMATS)})")
+    jobs = [(flag, path, write) for flag, path, write in (
+        ("--out-csv", getattr(args, "out_csv", None), lambda p: write_torch_csv(actions, p)),
+        ("--trace", getattr(args, "trace", None), lambda p: write_chrome_trace(timeline, p)),
+        ("--gantt", gantt, lambda p: write_gantt_png(timeline, p)),
+    ) if path is not None]
+    written: list[Path] = []
+    for flag, path, write in jobs:
+        try:
+            write(path)
+            written.append(path)
+        except OSError as e:
+            for done in [*written, path]:
+                if done.is_file():
+                    done.unlink()
+            raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -345,6 +486,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     s.add_argument("--gantt", type=Path, help="write a Gantt PNG")
     s.set_defaults(func=cmd_simulate)
+
+    c = sub.add_parser("compare", help="PipeMorph, CrossPipe and torch's built-ins side by side for one profile",
+                       description="Plan PipeMorph (Alg.1/2) and CrossPipe for the given profile, take torch's "
+                                   "built-in schedules as they are, simulate all under the same delays and "
+                                   "print makespan, bubble rate and peak in-flight activations "
+                                   "(docs/choosing.md says when to use which).")
+    _add_common(c)
+    c.add_argument("--hol", action="store_true", help="head-of-line blocking: sends block the compute behind them")
+    c.set_defaults(func=cmd_compare)
     return parser
 
 
@@ -353,9 +503,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         args.func(args)
+        sys.stdout.flush()
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other Unix tools
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 0
     return 0
 
 

@@ -10,8 +10,10 @@ Same command line as ``torchtitan.train`` (TOML file plus ``--section.key value`
 * for titan_ext schedules without an explicit stage split, one stage per PP rank
   (``module_fqns_per_model_part``), which our schedules need and TorchTitan would otherwise not
   give a PipelineScheduleMulti (it defaults to two virtual stages per rank);
-* W&B defaults to offline mode when no W&B credentials are configured;
-* :class:`titan_ext.titan.trainer.TitanExtTrainer` adds pipeline metrics and timeline images.
+* then TorchTitan's own ``main`` with :class:`titan_ext.titan.trainer.TitanExtTrainer` (seed
+  checkpoints and local_tensor mode work as in ``torchtitan.train``). Pipeline metrics, timeline
+  images and W&B extras come from the schedule (:mod:`titan_ext.titan.metrics`), also under stock
+  ``torchtitan.train``.
 """
 
 import os
@@ -38,19 +40,6 @@ def _with_custom_config_module(args: list[str]) -> list[str]:
     if on_cli or in_toml:
         return args
     return [*args, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
-
-
-def parse_job_config(args: list[str] | None = None):
-    """Parse like TorchTitan, then :func:`check_job_config`. No process group is touched."""
-    from torchtitan.config import ConfigManager
-
-    from titan_ext.titan import register
-
-    register()
-    args = list(sys.argv[1:] if args is None else args)
-    config = ConfigManager().parse_args(_with_custom_config_module(args))
-    check_job_config(config, world_size=int(os.environ.get("WORLD_SIZE", "0")) or None)
-    return config
 
 
 def _resolve_repo_path(value: str) -> str:
@@ -103,6 +92,16 @@ def check_job_config(config, world_size: int | None = None) -> None:
             f"[parallelism] pipeline_parallel_microbatch_size = {mb} must divide "
             f"[training] local_batch_size = {config.training.local_batch_size}"
         )
+    n_microbatches = config.training.local_batch_size // mb
+    if is_titan_ext_schedule(par.pipeline_parallel_schedule) and n_microbatches < pp:
+        raise JobConfigError(
+            f"[training] local_batch_size = {config.training.local_batch_size} / [parallelism] "
+            f"pipeline_parallel_microbatch_size = {mb} gives {n_microbatches} microbatches, fewer "
+            f"than the {pp} pipeline stages ({par.pipeline_parallel_schedule} needs >= {pp})")
+    if 0 < section.max_inflight < pp:
+        raise JobConfigError(
+            f"[titan_ext] max_inflight = {section.max_inflight}: stage 0 must hold at least one "
+            f"microbatch per stage (PipeMorph Alg.1: x_0 >= S = {pp}); use >= {pp} or 0")
     if section.delegation != "off" or section.delegation_failover:
         from titan_ext.titan.options import supports_delegation
         from titan_ext.titan.registry import schedule_class_for
@@ -164,41 +163,38 @@ def check_job_config(config, world_size: int | None = None) -> None:
         config.experimental.custom_import = "titan_ext"
 
 
+def _config_error(e: Exception) -> None:
+    """One line, exit 2 (every rank prints it; no process group exists yet)."""
+    import tomllib
+
+    what = "malformed TOML" if isinstance(e, tomllib.TOMLDecodeError) else "configuration error"
+    print(f"titan_ext: {what}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
 def main(args: list[str] | None = None) -> None:
-    from torchtitan.tools.logging import init_logger, logger
+    """``torchtitan.train.main(TitanExtTrainer)`` with the ``[titan_ext]`` section always available.
 
-    init_logger()
-    from titan_ext.titan.config import TitanExtConfigError
+    The config is parsed and checked once first, so that a bad value, an unknown key or a malformed
+    TOML prints one line and exits 2 (before any process group)."""
+    import torchtitan.train
+    from torchtitan.config import ConfigManager
 
+    from titan_ext.titan import register
+    from titan_ext.titan.trainer import TitanExtTrainer
+
+    register()
     try:
-        config = parse_job_config(args)
-    except (TitanExtConfigError, JobConfigError) as e:
-        # before any process group exists: one clear line, no traceback
-        print(f"titan_ext: configuration error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        argv = _with_custom_config_module(list(sys.argv[1:] if args is None else args))
+        check_job_config(ConfigManager().parse_args(argv), world_size=_world_size())
+    except ValueError as e:  # TitanExtConfigError, JobConfigError, TOMLDecodeError, unknown keys
+        _config_error(e)
+    sys.argv = [sys.argv[0], *argv]
+    torchtitan.train.main(TitanExtTrainer)
 
-    import torch
 
-    from titan_ext.titan.trainer import TitanExtTrainer, default_wandb_offline
-
-    default_wandb_offline(config)
-    trainer = None
-    try:
-        trainer = TitanExtTrainer(config)
-        trainer.train()
-    except Exception:
-        if trainer:
-            trainer.close()
-        raise
-    else:
-        trainer.close()
-        if torch.distributed.is_initialized():
-            # leave together: a rank that exits while others still tear down their process group
-            # has been seen to abort in a C++ destructor ("terminate called without an active
-            # exception") on a loaded machine
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
-        logger.info("Process group destroyed")
+def _world_size() -> int | None:
+    return int(os.environ.get("WORLD_SIZE", "0")) or None
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 Never imports titan_ext.titan, torchtitan or wandb (layering, docs/ARCHITECTURE.md).
 """
 
+from ._torch_compat import check_torch as _check_torch
+
+_check_torch()  # a clear error naming the missing torch internal, before the imports below fail
+
 from .delay_injection import (
     DelaySpecError,
     current_injector,

@@ -32,6 +32,10 @@ one column per link (``link2`` or ``2``), values = latency in ms from that time 
 time measured from installation, or from ``t0`` = a ``time.time()`` epoch passed to
 :func:`inject_link_delays` so all ranks share an origin).  Optional columns ``link2_bw`` give a bandwidth
 cap in bytes/s (empty or ``inf`` = uncapped).
+
+An installed injector is never silent: it logs a WARNING when installed and again every
+:data:`WARN_EVERY_S` seconds while it delays messages (a leftover ``TITAN_EXT_INJECT_DELAYS`` would
+otherwise slow a real job unnoticed).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import csv
 import heapq
 import itertools
+import logging
 import math
 import os
 import re
@@ -50,6 +55,8 @@ from typing import Any
 import torch.distributed as dist
 
 ENV_VAR = "TITAN_EXT_INJECT_DELAYS"
+WARN_EVERY_S = 60.0  # repeat the "injected straggler active" warning this often while it is used
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ENV_VAR",
@@ -148,6 +155,11 @@ class DelaySchedule:
 
     def max_link(self) -> int:
         return max((link for _, d in self.steps for link in d), default=-1)
+
+    def is_empty(self) -> bool:
+        """No delay on any link at any time."""
+        return (all(v.is_zero for _, d in self.steps for v in d.values())
+                and all(w is None or w.is_zero for w in self.wildcard))
 
     def describe(self) -> str:
         return self.source
@@ -301,8 +313,10 @@ class DelayedSendWork:
 class LinkDelayInjector:
     """Holds back PP sends per link; see the module docstring for the model and mechanism."""
 
-    def __init__(self, schedule: DelaySchedule, t0: float | None = None):
+    def __init__(self, schedule: DelaySchedule, t0: float | None = None,
+                 origin: str = "inject_link_delays()"):
         self.schedule = schedule
+        self.origin = origin  # who asked for it, named in the warnings
         # Origin of trace time: a shared wall-clock epoch if given, else installation time.
         now_wall, now_mono = time.time(), time.monotonic()
         self._origin_mono = now_mono - (now_wall - t0) if t0 is not None else now_mono
@@ -317,6 +331,7 @@ class LinkDelayInjector:
         self.messages_delayed = 0
         self.messages_passed = 0
         self._orig_batch_p2p = None
+        self._next_warning = math.inf
 
     # -- configuration -------------------------------------------------------------------------
     def update(self, spec: str | DelaySchedule) -> None:
@@ -328,6 +343,19 @@ class LinkDelayInjector:
     def link_delay(self, link: int, now: float | None = None) -> LinkDelay:
         now = time.monotonic() if now is None else now
         return self.schedule.at(now - self._origin_mono, link)
+
+    def warn(self, now: float | None = None) -> None:
+        """Log that an injected straggler is active (and schedule the next reminder)."""
+        now = time.monotonic() if now is None else now
+        log.warning("titan_ext: INJECTED STRAGGLER active (%s, set by %s): PP messages are delayed "
+                    "on purpose, %d so far; remove it for real training", self.schedule.describe(),
+                    self.origin, self.messages_delayed)
+        self._next_warning = now + WARN_EVERY_S
+
+    def maybe_warn(self, now: float) -> None:
+        """The periodic reminder: warn again once :data:`WARN_EVERY_S` has passed."""
+        if now >= self._next_warning:
+            self.warn(now)
 
     # -- the model -----------------------------------------------------------------------------
     def arrival_time(self, link: int, direction: int, nbytes: int, now: float) -> float:
@@ -351,6 +379,7 @@ class LinkDelayInjector:
             return []
         works: list = []
         now = time.monotonic()
+        self.maybe_warn(now)
         for op in p2p_ops:
             if op.op is dist.irecv or getattr(op.op, "__name__", "") == "irecv":
                 works.append(dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer))
@@ -446,6 +475,8 @@ class LinkDelayInjector:
         self._orig_batch_p2p = schedules._batch_p2p
         schedules._batch_p2p = self.batch_p2p
         _CURRENT = self
+        if not self.schedule.is_empty():
+            self.warn()
         return self
 
     def remove(self) -> None:
@@ -472,15 +503,17 @@ class LinkDelayInjector:
 _CURRENT: LinkDelayInjector | None = None
 
 
-def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None) -> LinkDelayInjector:
+def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None,
+                       origin: str = "inject_link_delays()") -> LinkDelayInjector:
     """Install link-delay injection for every torch pipelining schedule in this process.
 
     ``spec``: see the module docstring (``"2:30"``, ``"0:10,2:30:100MB/s"``, ``"trace:delays.csv"``).
     ``t0``: optional shared ``time.time()`` origin for traces.  Returns the injector (``.update(spec)``
     to change delays, ``.remove()`` or use as a context manager to uninstall).  Call it on every rank.
+    ``origin`` names who asked for it in the warnings.
     """
     sched = parse_delay_spec(spec) if isinstance(spec, str) else spec
-    return LinkDelayInjector(sched, t0=t0).install()
+    return LinkDelayInjector(sched, t0=t0, origin=origin).install()
 
 
 def install_from_env() -> LinkDelayInjector | None:
@@ -495,7 +528,7 @@ def install_from_env() -> LinkDelayInjector | None:
     except DelaySpecError as exc:
         raise DelaySpecError(f"{ENV_VAR}: {exc}") from None
     t0 = os.environ.get(ENV_VAR + "_T0")
-    return LinkDelayInjector(sched, t0=float(t0) if t0 else None).install()
+    return LinkDelayInjector(sched, t0=float(t0) if t0 else None, origin=ENV_VAR).install()
 
 
 def current_injector() -> LinkDelayInjector | None:

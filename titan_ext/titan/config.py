@@ -128,8 +128,8 @@ class TitanExt:
     About 50 µs of CPU per iteration."""
 
     gantt_every: int = 10
-    """Every K steps, log an image of the measured pipeline timeline (Gantt) to W&B and write it
-    under ``<dump_folder>/timelines``. 0 = never."""
+    """On the first logged step of every K steps, log an image of the measured pipeline timeline
+    (Gantt) to W&B and write it under ``<dump_folder>/timelines``. 0 = never."""
 
     metrics_file: str = "pipeline_metrics.jsonl"
     """Per-step pipeline metrics (iteration time, bubble rate, link delays, plan version, ...),

@@ -157,7 +157,7 @@ class PipelineMonitor:
 
         def wrapped_step(*args, **kwargs):
             self._actions = []
-            t0 = self._clock()
+            t0 = self._step_start = self._clock()
             try:
                 return step(*args, **kwargs)
             finally:
@@ -166,6 +166,10 @@ class PipelineMonitor:
                 self._last_actions = self._actions
 
         self.schedule.step = wrapped_step
+
+    def since_step_start_ms(self) -> float:
+        """ms since the last ``step()`` began (at logging time: the train step, optimizer included)."""
+        return (self._clock() - self._step_start) / 1e6
 
     # -- clocks ----------------------------------------------------------------------------
     def _estimate_clock_offset(self) -> int:

@@ -1,7 +1,6 @@
 """From a job's ``[titan_ext]`` section to runtime objects: schedule keywords and link delays."""
 
 import inspect
-import logging
 import os
 from typing import Any
 
@@ -9,7 +8,6 @@ from titan_ext.titan.config import TitanExt, validate_titan_ext
 
 __all__ = ["titan_ext_section", "schedule_kwargs", "install_link_delays", "delay_spec"]
 
-log = logging.getLogger(__name__)
 
 _GIB = 1024**3
 
@@ -115,9 +113,7 @@ def install_link_delays(job_config: Any) -> bool:
             # the runtime's env-var path, for every schedule (torch's built-ins never import it)
             from titan_ext.runtime import install_from_env
 
-            install_from_env()
-            log.info("[titan_ext] injected link delays from TITAN_EXT_INJECT_DELAYS=%s",
-                     os.environ["TITAN_EXT_INJECT_DELAYS"])
+            install_from_env()  # warns (start + periodic), naming the variable
             return True
         return False
     pp = getattr(getattr(job_config, "parallelism", None), "pipeline_parallel_degree", None)
@@ -133,6 +129,7 @@ def install_link_delays(job_config: Any) -> bool:
     origin = [time.time()]
     if dist.is_initialized():
         dist.broadcast_object_list(origin, src=0)
-    inject_link_delays(spec, t0=origin[0])
-    log.info("[titan_ext] injected link delays: %s", spec)
+    section = titan_ext_section(job_config)
+    key = "inject_delays" if section.inject_delays.strip() else "inject_trace"
+    inject_link_delays(spec, t0=origin[0], origin=f"[titan_ext] {key}")  # warns (start + periodic)
     return True

@@ -11,8 +11,10 @@ every other name to torch's original function. No TorchTitan file is edited.
 
 It also wraps ``build_pipeline_schedule`` (looked up as a module global by ``pipeline_llm``) so that
 the schedule is built knowing the job's ``[titan_ext]`` section: our schedule classes receive its
-knobs as constructor keywords, and an injected straggler (``[titan_ext] inject_delays`` or
-``inject_trace``) is installed for whatever schedule is built -- the baselines included.
+knobs as constructor keywords, an injected straggler (``[titan_ext] inject_delays`` or
+``inject_trace``) is installed for whatever schedule is built -- the baselines included --, and the
+built schedule is measured (:mod:`titan_ext.titan.metrics`, which also patches TorchTitan's metrics
+processor so that any trainer reports the pipeline metrics).
 
 Everything here is idempotent; :func:`register` is called by ``import titan_ext`` whenever torchtitan
 is already imported (TorchTitan's ``[experimental] custom_import = "titan_ext"``), and by
@@ -175,11 +177,14 @@ def _wrap_build_pipeline_schedule(original: Callable) -> Callable:
         return original
 
     def build_pipeline_schedule(job_config, stages, loss_fn):
+        from titan_ext.titan import metrics
         from titan_ext.titan.options import install_link_delays
 
         install_link_delays(job_config)
         with active_job_config(job_config):
-            return original(job_config, stages, loss_fn)
+            schedule = original(job_config, stages, loss_fn)
+        metrics.attach(schedule, job_config, stages)  # metrics follow the schedule, any trainer
+        return schedule
 
     build_pipeline_schedule.__doc__ = original.__doc__
     build_pipeline_schedule._titan_ext_wrapped = True  # type: ignore[attr-defined]
@@ -224,9 +229,10 @@ def register(cpu_shim: bool | None = None) -> None:
     importlib.import_module("torchtitan.distributed.pipeline_parallel")
     _patch_loaded_builders()
 
-    from titan_ext.titan import data
+    from titan_ext.titan import data, metrics
 
     data.register_dataset()
+    metrics.install()
     if cpu_shim is None:
         cpu_shim = not has_accelerator()
     if cpu_shim:

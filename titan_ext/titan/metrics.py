@@ -1,0 +1,306 @@
+"""Pipeline metrics that follow the schedule, not the trainer (stock ``torchtitan.train`` included).
+
+The wrapped ``build_pipeline_schedule`` (:mod:`titan_ext.titan.registry`) calls :func:`attach` once
+the PP schedule exists, for every schedule -- ours and torch's built-ins. :func:`install` patches
+TorchTitan's ``MetricsProcessor.log`` (the class, so whatever trainer builds one) to add, on every
+logged step:
+
+* headline keys ``pipeline/iteration_ms``, ``pipeline/bubble_rate`` (fraction), ``pipeline/plan_version``,
+  ``pipeline/slowest_link`` and ``pipeline/slowest_link_ms``, ``pipeline/train_step_ms``, and
+  ``pipeline/injected_delay_ms/<i>`` while a straggler is injected;
+* the full set under ``pipeline_detail/`` (``link_delay_ms/<i>`` measured on the timeline -- the one
+  link-delay series --, ``step_wall_ms``, ``delegation``, the runtime's numbers); every time is in ms;
+* on W&B, ``pipeline/decisions``: a table of the plan changes (step, version, decision, reason,
+  warm-up counts, backward);
+* one console line next to TorchTitan's step line (iteration time, bubble rate, plan version);
+* one JSON line per logged step in ``<dump_folder>/<[titan_ext] metrics_file>`` (strict JSON: a
+  missing number is ``null``, never NaN);
+* a timeline image (``<dump_folder>/timelines/step_N.png`` and ``pipeline/timeline`` on W&B) on the
+  first logged step of every ``[titan_ext] gantt_every`` steps.
+
+W&B: unless ``WANDB_MODE`` is set, a run goes offline only when no W&B credentials exist (no
+``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE`` and no ``wandb login`` entry in the netrc file):
+someone logged in with ``wandb login`` gets an online run (:func:`wandb_logged_in`).
+
+Every plan change logs one INFO line (version, the decision and reason that led to it, warm-up counts)
+right after the iteration that deployed it, whatever ``log_freq`` is.
+"""
+
+import json
+import math
+import netrc
+import os
+from urllib.parse import urlparse
+from pathlib import Path
+from typing import Any
+
+from torchtitan.tools.logging import logger
+
+from titan_ext.titan.gantt import write_timeline_png
+from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
+from titan_ext.titan.options import titan_ext_section
+
+__all__ = ["PipelineMetrics", "attach", "current", "install", "runtime_metrics", "strict_json",
+           "wandb_logged_in"]
+
+# pipeline_detail/delegation: 0 = direct P2P, 1 = auto mode, not delegating (yet), 2 = delegating
+_DELEGATION_CODES = {"off": 0, "auto": 1, "active": 2}
+# runtime keys left out of W&B: the runtime's own link-delay estimates (the measured series is the
+# one W&B shows; the JSONL keeps them) and text/ids (decisions go to the table)
+_RUNTIME_KEYS_NOT_PLOTTED = ("link_delay_ms", "link_delay_fwd_ms", "link_delay_bwd_ms",
+                             "link_delay_estimate_ms", "plan_hash")
+# decisions that ask for a new plan (the reason shown when its version is deployed)
+_PASSIVE_DECISIONS = ("keep", "none", "hold")
+
+_current: "PipelineMetrics | None" = None
+
+
+def runtime_metrics(schedule: Any) -> dict[str, Any]:
+    """The per-iteration metrics dict of a titan_ext runtime schedule ({} for torch's built-ins)."""
+    value = getattr(schedule, "last_metrics", None)
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with NaN/inf replaced by None (recursively) and keys as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def _flat_numbers(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
+    """Numbers (and dicts/lists of numbers) of ``metrics`` under ``prefix``, W&B-style keys."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, (bool, int, float)):
+            out[f"{prefix}{key}"] = float(value)
+        elif isinstance(value, dict):
+            out.update(_flat_numbers(f"{prefix}{key}/", {str(k): v for k, v in value.items()}))
+        elif isinstance(value, (list, tuple)):
+            out.update(_flat_numbers(f"{prefix}{key}/", dict(enumerate(value))))
+    return out
+
+
+def _injected_delays_ms(num_links: int) -> dict[int, float]:
+    """The injected straggler's current latency per link ({} when none is installed)."""
+    from titan_ext.runtime.delay_injection import current_injector
+
+    injector = current_injector()
+    if injector is None or injector.schedule.is_empty():
+        return {}
+    return {i: injector.link_delay(i).latency_ms for i in range(num_links)}
+
+
+class PipelineMetrics:
+    """Per-step pipeline metrics of one PP schedule (see the module docstring)."""
+
+    def __init__(self, schedule: Any, job_config: Any, pp_group: Any):
+        self.schedule = schedule
+        self.schedule_name = job_config.parallelism.pipeline_parallel_schedule
+        self.section = titan_ext_section(job_config)
+        self.dump = Path(job_config.job.dump_folder)
+        self.monitor = PipelineMonitor(schedule, pp_group)
+        self.decisions: list[list[Any]] = []  # rows of the W&B decisions table
+        self._plan_version = runtime_metrics(schedule).get("plan_version", 0)
+        self._pending_reason = ("initial", "the schedule's first plan")
+        self._last_logged_step = 0
+        self.image: Path | None = None  # the image written on the current logged step, if any
+        self.decisions_logged = 0  # rows of `decisions` already sent to W&B
+        self._wrap_step()
+
+    # -- every iteration: plan changes ---------------------------------------------------------
+    def _wrap_step(self) -> None:
+        step = self.schedule.step
+
+        def step_and_note_plan_change(*args, **kwargs):
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._note_plan_change(runtime_metrics(self.schedule))
+
+        self.schedule.step = step_and_note_plan_change
+
+    def _note_plan_change(self, rt: dict[str, Any]) -> None:
+        decision = rt.get("decision")
+        if decision and decision not in _PASSIVE_DECISIONS:
+            self._pending_reason = (decision, rt.get("decision_reason", ""))
+        version = rt.get("plan_version")
+        if version is None or version == self._plan_version:
+            return
+        self._plan_version = version
+        action, reason = self._pending_reason
+        row = [rt.get("iteration"), version, action, reason, str(rt.get("warmup_counts")),
+               str(rt.get("backward"))]
+        self.decisions.append(row)
+        logger.info(f"[titan_ext] plan v{version} deployed (iteration {row[0]}): {action}: {reason}; "
+                    f"warm-up counts {row[4]}, backward {row[5]}")
+
+    # -- logged steps ----------------------------------------------------------------------------
+    def step_metrics(self, step: int, loss: float, is_metrics_rank: bool) -> dict[str, float]:
+        """W&B/TensorBoard keys of this logged step; collective over the PP group (all ranks call)."""
+        timeline = self.monitor.gather(step)
+        stats = timeline_stats(timeline)
+        rt = runtime_metrics(self.schedule)
+        delegation = "active" if rt.get("delegating") else (
+            "auto" if self.section.delegation == "auto" else "off")
+        links = stats["link_delay_ms"]
+        slowest = max(links, key=links.get) if links else -1
+        injected = _injected_delays_ms(self.monitor.num_stages - 1)
+        metrics = {
+            "pipeline/iteration_ms": stats["iteration_ms"],
+            "pipeline/bubble_rate": stats["bubble_rate"],
+            "pipeline/plan_version": float(rt.get("plan_version", 0)),
+            "pipeline/slowest_link": float(slowest),
+            "pipeline/slowest_link_ms": links.get(slowest, math.nan),
+            "pipeline/train_step_ms": self.monitor.since_step_start_ms(),
+            **{f"pipeline/injected_delay_ms/{i}": ms for i, ms in injected.items()},
+            "pipeline_detail/step_wall_ms": max(timeline.step_wall_ms.values()),
+            "pipeline_detail/delegation": float(_DELEGATION_CODES[delegation]),
+            **{f"pipeline_detail/link_delay_ms/{i}": ms for i, ms in links.items()},
+            **_flat_numbers("pipeline_detail/runtime/", {k: v for k, v in rt.items()
+                                                         if k not in _RUNTIME_KEYS_NOT_PLOTTED}),
+        }
+        image_due = self._image_due(step)
+        self._last_logged_step = step
+        if is_metrics_rank:
+            if image_due:
+                self._write_image(timeline)
+            if self.section.metrics_file:
+                self._append_jsonl(step, loss, stats, metrics, rt, delegation, injected)
+        return metrics
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        line = (f"step: {step:2}  pipeline: iteration {metrics['pipeline/iteration_ms']:7.1f} ms  "
+                f"bubble {100 * metrics['pipeline/bubble_rate']:4.1f} %  "
+                f"plan v{int(metrics['pipeline/plan_version'])}")
+        if metrics["pipeline/slowest_link"] >= 0:
+            line += (f"  slowest link {int(metrics['pipeline/slowest_link'])} "
+                     f"({metrics['pipeline/slowest_link_ms']:.1f} ms)")
+        return line
+
+    def _image_due(self, step: int) -> bool:
+        """First logged step of each block of ``gantt_every`` steps (step k·gantt_every when logged)."""
+        k = self.section.gantt_every
+        return k > 0 and step // k > self._last_logged_step // k
+
+    def _append_jsonl(self, step, loss, stats, metrics, rt, delegation, injected) -> None:
+        record = {
+            "step": step,
+            "loss": float(loss),
+            "schedule": self.schedule_name,
+            "iteration_ms": stats["iteration_ms"],
+            "bubble_rate": stats["bubble_rate"],
+            "plan_version": rt.get("plan_version", 0),
+            "slowest_link": int(metrics["pipeline/slowest_link"]),
+            "step_wall_ms": metrics["pipeline_detail/step_wall_ms"],
+            "train_step_ms": metrics["pipeline/train_step_ms"],
+            "link_delay_ms": stats["link_delay_ms"],
+            "injected_delay_ms": injected,
+            "delegation": delegation,
+            "runtime": rt,
+        }
+        self.dump.mkdir(parents=True, exist_ok=True)
+        with open(self.dump / self.section.metrics_file, "a") as f:
+            f.write(json.dumps(strict_json(record), allow_nan=False, default=str) + "\n")
+
+    def _write_image(self, timeline: IterationTimeline) -> None:
+        path = self.dump / "timelines" / f"step_{timeline.step:05d}.png"
+        try:
+            write_timeline_png(timeline, path, title=f"{self.schedule_name}, step {timeline.step}")
+        except Exception as e:  # an image must never stop training
+            logger.warning(f"[titan_ext] timeline image for step {timeline.step} failed: {e}")
+            return
+        with open(path.with_suffix(".json"), "w") as f:
+            json.dump(strict_json({"step": timeline.step, "num_stages": timeline.num_stages,
+                                   "actions": timeline.to_rows()}), f, allow_nan=False)
+        self.image = path
+
+
+def attach(schedule: Any, job_config: Any, stages: list) -> PipelineMetrics:
+    """Measure ``schedule`` (built for ``job_config``); the patched metrics processor reports it."""
+    global _current
+    _current = PipelineMetrics(schedule, job_config, getattr(stages[0], "group", None))
+    return _current
+
+
+def current() -> PipelineMetrics | None:
+    return _current
+
+
+def _wandb_loggers(processor: Any) -> list:
+    from torchtitan.components.metrics import WandBLogger
+
+    container = processor.logger
+    return [lg for lg in getattr(container, "_loggers", [container]) if isinstance(lg, WandBLogger)]
+
+
+def _log_to_wandb(processor: Any, pm: PipelineMetrics, step: int) -> None:
+    for wb in _wandb_loggers(processor):
+        extra: dict[str, Any] = {}
+        if pm.image is not None:
+            extra["pipeline/timeline"] = wb.wandb.Image(str(pm.image))
+        if len(pm.decisions) > pm.decisions_logged:
+            extra["pipeline/decisions"] = wb.wandb.Table(
+                columns=["iteration", "plan_version", "decision", "reason", "warmup_counts",
+                         "backward"], data=[list(r) for r in pm.decisions])
+        if extra:
+            wb.wandb.log(extra, step=step)
+    pm.decisions_logged = len(pm.decisions)
+
+
+def wandb_logged_in(environ=os.environ) -> bool:
+    """W&B credentials exist: env vars, or the netrc entry ``wandb login`` writes for the W&B host."""
+    if environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = environ.get("NETRC") or os.path.join(environ.get("HOME", os.path.expanduser("~")), ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _wandb_offline_without_login(init):
+    def __init__(self, *args, **kwargs):
+        if "WANDB_MODE" not in os.environ and not wandb_logged_in():
+            logger.info("[titan_ext] W&B: no login found (wandb login / WANDB_API_KEY): offline run")
+            os.environ["WANDB_MODE"] = "offline"
+        init(self, *args, **kwargs)
+
+    __init__._titan_ext_wrapped = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def install() -> None:
+    """Patch TorchTitan's ``MetricsProcessor.log`` and ``WandBLogger`` (class level, idempotent)."""
+    from torchtitan.components import metrics as tt_metrics
+
+    if not getattr(tt_metrics.WandBLogger.__init__, "_titan_ext_wrapped", False):
+        tt_metrics.WandBLogger.__init__ = _wandb_offline_without_login(tt_metrics.WandBLogger.__init__)
+    original = tt_metrics.MetricsProcessor.log
+    if getattr(original, "_titan_ext_wrapped", False):
+        return
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        pm = _current
+        if pm is None or not self.parallel_dims.pp_enabled:
+            return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+        import torch.distributed as dist
+
+        is_metrics_rank = dist.get_rank() == tt_metrics._get_metrics_rank(self.parallel_dims,
+                                                                           self.job_config)
+        pm.image = None
+        extra = dict(extra_metrics or {})
+        extra.update(pm.step_metrics(step, global_avg_loss, is_metrics_rank))
+        original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+        logger.info(pm.console_line(step, extra))
+        _log_to_wandb(self, pm, step)
+
+    log._titan_ext_wrapped = True  # type: ignore[attr-defined]
+    log.__wrapped__ = original  # type: ignore[attr-defined]
+    tt_metrics.MetricsProcessor.log = log
+
