@@ -12,6 +12,7 @@ from torchtitan.components.metrics import WandBLogger, _get_metrics_rank
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from titan_ext.titan.falcon_job import FalconJob, install_replication_by_trainer, replicated_by_trainer
 from titan_ext.titan.gantt import write_timeline_png
 from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
 from titan_ext.titan.options import titan_ext_section
@@ -68,8 +69,12 @@ class TitanExtTrainer(Trainer):
     """
 
     def __init__(self, job_config):
+        install_replication_by_trainer()
         super().__init__(job_config)
         self.titan_ext = titan_ext_section(job_config)
+        # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon_job.py)
+        self.falcon_job = (FalconJob(self, self.titan_ext)
+                           if replicated_by_trainer(self.parallel_dims) else None)
         self.pipeline_monitor: PipelineMonitor | None = None
         self._train_step_t0 = math.nan
         self._logged_step = -1
@@ -92,12 +97,21 @@ class TitanExtTrainer(Trainer):
     # -- hooks -----------------------------------------------------------------------------
     def train_step(self, data_iterator):
         self._train_step_t0 = time.perf_counter()
-        super().train_step(data_iterator)
+        if self.falcon_job is not None:
+            self.falcon_job.train_step(super().train_step, data_iterator)
+        else:
+            super().train_step(data_iterator)
         # a timeline image is due on a step that was not logged: gather here (all PP ranks)
         if (self.pipeline_monitor is not None and self._gantt_due(self.step)
                 and self._logged_step != self.step):
             timeline = self.pipeline_monitor.gather(self.step)
             self._maybe_write_gantt(timeline)
+
+    def forward_backward_step(self, **kwargs):
+        loss = super().forward_backward_step(**kwargs)
+        if self.falcon_job is not None:
+            self.falcon_job.after_backward()
+        return loss
 
     # -- metrics ---------------------------------------------------------------------------
     def _gantt_due(self, step: int) -> bool:
