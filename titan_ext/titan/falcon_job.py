@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ from torchtitan.tools.logging import logger
 
 from titan_ext.runtime.falcon import FalconConfig, FalconMonitor, StrategyCosts
 from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device, parse_slow_link
-from titan_ext.runtime.falcon.redistribute import microbatch_ranges, weighted_all_reduce_gradients
+from titan_ext.runtime.falcon.redistribute import redistribute_chunks, weighted_all_reduce_gradients
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 
 __all__ = ["install_replication_by_trainer", "replicated_by_trainer", "FalconJob", "emulation_specs"]
@@ -184,24 +185,37 @@ class FalconJob:
             pp_groups={f"pp{d}_link{i}": i for d in range(self.num_dp) for i in range(self.num_pp - 1)},
             dp_groups=[f"dp_stage{s}" for s in range(self.num_pp)],
         )
+        self._measure_restart_cost()
+        self._exchange_measured = False
         self.enabled = section.falcon
         self.log_path = (Path(trainer.job_config.job.dump_folder) / FALCON_LOG) if section.falcon else None
-        self.measure_costs()
         self._backwards_left = 0
         self.dp_sync_s = 0.0
         self.last_decision: dict = {}
         self.applied: list[tuple[int, str]] = []
 
     # ---------------------------------------------------------------- costs (§5.2)
-    def measure_costs(self) -> None:
-        """Overheads of this job's strategies, measured here: the chunk exchange (S2) now; the
-        re-plan from PipeMorph's own plan time once it has one (see :meth:`_update_costs`)."""
+    def _measure_restart_cost(self) -> None:
+        """S3's overhead: this job's own start-up (process start to a ready trainer: interpreter,
+        rendezvous, model build), the slowest rank's. Checkpoint save/load are not in it: the
+        DP x PP config has checkpointing off and S3/S4 are decided here, not applied."""
+        ready_s = torch.tensor([time.time() - _process_start_time()], dtype=torch.float64)
+        dist.all_reduce(ready_s, op=dist.ReduceOp.MAX)
+        self._set_costs(topology_adjustment=float(ready_s))
+
+    def _measure_exchange_cost(self, mine: list) -> None:
+        """S2's overhead: one real exchange of this step's chunks over the DP group."""
         t0 = time.perf_counter()
-        probe = torch.zeros(self.chunks_per_replica, 1, dtype=torch.int64)
-        dist.all_gather([torch.empty_like(probe) for _ in range(self.num_dp)], probe, group=self.dp_group)
-        exchange_s = torch.tensor([time.perf_counter() - t0])
+        redistribute_chunks(mine, [self.chunks_per_replica] * self.num_dp, self.dp_index, self.dp_group)
+        exchange_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(exchange_s, op=dist.ReduceOp.MAX)
         self._set_costs(microbatch_redistribution=float(exchange_s))
+
+    def _measure_replan_cost(self, rt: dict) -> None:
+        """pipemorph_replan's overhead: PipeMorph's own last planning + swap time."""
+        ms = float(rt.get("plan_ms", math.nan)) + float(rt.get("swap_ms", 0.0) or 0.0)
+        if math.isfinite(ms):
+            self._set_costs(pipemorph_replan=ms / 1e3)
 
     def _set_costs(self, **costs: float) -> None:
         new = dataclasses.replace(self.monitor.config.costs, **costs)
@@ -240,23 +254,15 @@ class FalconJob:
         self.dp_sync_s = time.perf_counter() - t0
 
     def _my_chunks(self, data_iterator) -> list:
-        """This replica's chunks of the step: its own loader's (even split), or its range of the
-        global batch (all replicas' chunks, exchanged over the DP group) under S2."""
+        """This replica's chunks of the step: its own loader's (even split), or under S2 its range
+        of the global batch (every replica's chunks, exchanged over the DP group)."""
         mine = [next(data_iterator) for _ in range(self.chunks_per_replica)]
+        if not self._exchange_measured:
+            self._measure_exchange_cost(mine)
+            self._exchange_measured = True
         if self.split == [self.chunks_per_replica] * self.num_dp:
             return mine
-        everyone = [self._gather([c[0][key] for c in mine]) for key in mine[0][0]]
-        labels = self._gather([c[1] for c in mine])
-        keys = list(mine[0][0])
-        global_chunks = [({k: everyone[i][j] for i, k in enumerate(keys)}, labels[j])
-                         for j in range(len(labels))]
-        return [global_chunks[j] for j in microbatch_ranges(self.split)[self.dp_index]]
-
-    def _gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        local = torch.stack(tensors)
-        out = [torch.empty_like(local) for _ in range(self.num_dp)]
-        dist.all_gather(out, local, group=self.dp_group)
-        return [t for replica in out for t in replica.unbind(0)]
+        return redistribute_chunks(mine, self.split, self.dp_index, self.dp_group)
 
     def _maybe_install_pp_delays(self) -> None:
         if self._pp_delays_installed:
@@ -278,7 +284,9 @@ class FalconJob:
         vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
         vec[0] = step_s
         vec[1 + self.pp_index] = self.dp_sync_s
-        links = runtime_metrics(self.trainer.pp_schedule).get("link_delay_ms", {})
+        rt = runtime_metrics(self.trainer.pp_schedule)
+        self._measure_replan_cost(rt)  # only a Falcon decision's ski-rental input
+        links = rt.get("link_delay_ms", {})
         for i, ms in links.items():
             if int(i) < S - 1 and ms == ms:  # not NaN
                 vec[1 + S + self.dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
@@ -325,6 +333,15 @@ class FalconJob:
             return
         self.applied.append((step, strategy))
         logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
+
+
+def _process_start_time() -> float:
+    """This process's start (epoch seconds), from /proc (Linux)."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _at_least_one_each(split: list[int]) -> list[int]:
