@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from titan_ext.runtime.falcon import FalconConfig, FalconMonitor, StrategyCosts
+from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
 from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device, parse_slow_link
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks, weighted_all_reduce_gradients
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
@@ -49,6 +49,10 @@ ENV_SLOW_LINK = "TITAN_EXT_SLOW_LINK"
 FALCON_LOG = "falcon.jsonl"
 """Rank 0 appends one JSON line per step under ``job.dump_folder``: the step and its ``falcon/*``
 decision dict (plus ``falcon/split``, the micro-batch split in force)."""
+SLOW_DEVICE_RATIO = 1.5
+"""GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
+a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
+10 % (and the emulated slow devices here are >= 2x)."""
 _DP_ALLREDUCE_RING_STEPS = 2  # ring all-reduce = reduce-scatter + all-gather (one step each for 2 ranks)
 
 
@@ -180,7 +184,8 @@ class FalconJob:
         if getattr(schedule, "falcon", None) is not None:
             schedule.falcon = None  # the job's monitor sees DP too; one monitor decides
         self.monitor = FalconMonitor(
-            FalconConfig(num_microbatches=self.chunks_per_replica * self.num_dp, costs=StrategyCosts()),
+            FalconConfig(num_microbatches=self.chunks_per_replica * self.num_dp,
+                         slow_device_ratio=SLOW_DEVICE_RATIO),
             grid=self.grid,
             pp_groups={f"pp{d}_link{i}": i for d in range(self.num_dp) for i in range(self.num_pp - 1)},
             dp_groups=[f"dp_stage{s}" for s in range(self.num_pp)],
@@ -317,7 +322,7 @@ class FalconJob:
         rings = [list(row) for row in self.grid] + [[row[s] for row in self.grid] for s in range(self.num_pp)]
         links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16,
                                send_delay_s=self.emulation.send_delay_s)
-        gemm = gemm_probe(stretch=self.emulation.stretch)
+        gemm = gemm_probe(repeats=10, stretch=self.emulation.stretch)
         return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
 
     def apply(self, strategy: str, decision: dict) -> None:
