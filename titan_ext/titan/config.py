@@ -110,6 +110,11 @@ class TitanExt:
     cause, chosen strategy and measured effect are logged with the pipeline metrics (``falcon/*``).
     About 50 µs of CPU per iteration."""
 
+    falcon_apply: bool = True
+    """DP x PP jobs (:mod:`titan_ext.titan.falcon_job`): apply Falcon's decisions (PipeMorph
+    re-planning, micro-batch redistribution). False = detect, validate and log them only (a
+    baseline with the same measurement)."""
+
     emulate_slow_device: str = ""
     """Fail-slow emulation (Falcon's computation fail-slow): "D:F[@STEP]" = device (initial rank) D
     computes F times slower (F >= 1), from training step STEP on (default 0). Every forward and

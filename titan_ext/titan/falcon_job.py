@@ -193,6 +193,7 @@ class FalconJob:
         self._measure_restart_cost()
         self._exchange_measured = False
         self.enabled = section.falcon
+        self.apply_decisions = section.falcon_apply
         self.log_path = (Path(trainer.job_config.job.dump_folder) / FALCON_LOG) if section.falcon else None
         self._backwards_left = 0
         self.dp_sync_s = 0.0
@@ -328,6 +329,8 @@ class FalconJob:
     def apply(self, strategy: str, decision: dict) -> None:
         """Apply one Alg. 1 decision to the running job (§5.3)."""
         step = self.trainer.step
+        if not self.apply_decisions:
+            return
         if strategy == "pipemorph_replan":
             self.trainer.pp_schedule.adaptive = True
         elif strategy == "microbatch_redistribution" and "falcon/plan/microbatch_split" in decision:
