@@ -9,7 +9,7 @@ Prints a markdown table and a JSON document (also written to --json). Everything
 process; the hook-overhead part creates a 1-rank gloo group on loopback.
 
 ``--end-to-end``: TorchTitan's llama3 debug model as DP 2 x PP 2 (train_configs/debug_cpu_dp2_pp2.toml,
-4 gloo ranks under torchrun) in four scenarios -- healthy, slow device (device 3 at 4x), slow DP link
+4 gloo ranks under torchrun) in four scenarios -- healthy, slow device (device 3 at 8x), slow DP link
 (+40 ms between ranks 0 and 1, stage 0's DP group), slow PP link (+40 ms between ranks 0 and 2,
 pipeline 0) from step ``--slow-from`` on -- each without and with Falcon (``falcon_apply`` false /
 true: both detect, validate and log; only the second applies), run back to back per scenario. Iteration time = median of the slowest rank's step time over the steps after the last
@@ -170,7 +170,7 @@ def bench_hook_overhead(calls: int = 2000) -> dict:
 
 E2E_SCENARIOS = {
     "healthy": [],
-    "slow device (3 at 4x)": ["--titan_ext.emulate_slow_device", "3:4@{k}"],
+    "slow device (3 at 8x)": ["--titan_ext.emulate_slow_device", "3:8@{k}"],
     "slow DP link (0-1 +40 ms)": ["--titan_ext.emulate_slow_link", "0-1:40@{k}"],
     "slow PP link (0-2 +40 ms)": ["--titan_ext.emulate_slow_link", "0-2:40@{k}"],
 }

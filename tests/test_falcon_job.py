@@ -2,7 +2,7 @@
 
 The end-to-end runs (torchrun, 4 gloo ranks on loopback, TorchTitan's llama3 debug model) are module
 fixtures shared by several tests: a 40-step healthy run, and a run where device 3 (stage 1 of DP
-replica 1) becomes 4x slower at step 8, once with Falcon applying its decisions and once only
+replica 1) becomes 8x slower in its forward and backward-input passes at step 8, once with Falcon applying its decisions and once only
 detecting and logging them (same seed and data).
 """
 
@@ -181,7 +181,7 @@ def slow_device_runs(tmp_path_factory):
     runs = {}
     for name, apply in (("falcon", "--titan_ext.falcon_apply"), ("off", "--titan_ext.no-falcon_apply")):
         dump = tmp_path_factory.mktemp(f"slow_device_{name}")
-        _torchrun(dump, 22, ["--titan_ext.emulate_slow_device", f"3:4@{SLOW_FROM}", apply])
+        _torchrun(dump, 22, ["--titan_ext.emulate_slow_device", f"3:8@{SLOW_FROM}", apply])
         runs[name] = dump
     return runs
 
