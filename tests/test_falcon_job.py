@@ -58,6 +58,22 @@ def test_emulation_specs_and_what_each_rank_pays():
         FailSlowEmulation(0, range(4), slow_device=parse_slow_device("7:2"))
 
 
+def test_emulation_is_checked_before_any_process_group(monkeypatch):
+    from types import SimpleNamespace
+
+    from titan_ext.titan.falcon_job import check_emulation
+
+    section = SimpleNamespace(emulate_slow_device="3:2", emulate_slow_link="")
+    check_emulation(section, pp=2, dp_replicate=2, dp_shard=1, world_size=4)
+    with pytest.raises(ValueError, match="DP x PP jobs only"):
+        check_emulation(section, pp=4, dp_replicate=1, dp_shard=1, world_size=4)
+    with pytest.raises(ValueError, match="device 3 does not exist"):
+        check_emulation(section, pp=2, dp_replicate=2, dp_shard=1, world_size=2)
+    monkeypatch.setenv("TITAN_EXT_SLOW_LINK", "1-1:40")  # the environment is checked too
+    with pytest.raises(ValueError, match="emulate_slow_link = '1-1:40'"):
+        check_emulation(SimpleNamespace(emulate_slow_device="", emulate_slow_link=""), 2, 2, 1, 4)
+
+
 def test_slow_device_stretches_compute_by_its_factor():
     from titan_ext.titan.falcon_job import _install_compute_stretch
 

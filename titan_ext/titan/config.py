@@ -108,7 +108,9 @@ class TitanExt:
     """Falcon fail-slow detection (BOCD change points on the iteration time, per-link profiling,
     ski-rental mitigation planning; Falcon §4–§5) inside PipeMorph / CrossPipe. Its events, root
     cause, chosen strategy and measured effect are logged with the pipeline metrics (``falcon/*``).
-    About 50 µs of CPU per iteration."""
+    About 50 µs of CPU per iteration. In DP x PP jobs (data_parallel_replicate_degree > 1 with PP)
+    the trainer runs it per step instead, with validation and micro-batch redistribution
+    (:mod:`titan_ext.titan.falcon_job`; decisions in ``<dump_folder>/falcon.jsonl``)."""
 
     falcon_apply: bool = True
     """DP x PP jobs (:mod:`titan_ext.titan.falcon_job`): apply Falcon's decisions (PipeMorph

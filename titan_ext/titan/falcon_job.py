@@ -38,11 +38,17 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
-from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device, parse_slow_link
+from titan_ext.runtime.falcon.emulation import (
+    EmulationSpecError,
+    FailSlowEmulation,
+    parse_slow_device,
+    parse_slow_link,
+)
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks, weighted_all_reduce_gradients
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 
-__all__ = ["install_replication_by_trainer", "replicated_by_trainer", "FalconJob", "emulation_specs"]
+__all__ = ["install_replication_by_trainer", "replicated_by_trainer", "FalconJob", "emulation_specs",
+           "check_emulation"]
 
 ENV_SLOW_DEVICE = "TITAN_EXT_SLOW_DEVICE"
 ENV_SLOW_LINK = "TITAN_EXT_SLOW_LINK"
@@ -106,6 +112,27 @@ def emulation_specs(section: Any) -> tuple[str, str]:
     """(slow device, slow link) specs: the ``[titan_ext]`` keys, else the environment."""
     return (section.emulate_slow_device.strip() or os.environ.get(ENV_SLOW_DEVICE, "").strip(),
             section.emulate_slow_link.strip() or os.environ.get(ENV_SLOW_LINK, "").strip())
+
+
+def check_emulation(section: Any, pp: int, dp_replicate: int, dp_shard: int,
+                    world_size: int | None) -> None:
+    """Emulated faults need a DP x PP job with the trainer's DP sync, and devices that exist
+    (before any process group; ValueError naming the key)."""
+    for key, (spec, parse) in {"emulate_slow_device": (emulation_specs(section)[0], parse_slow_device),
+                               "emulate_slow_link": (emulation_specs(section)[1], parse_slow_link)}.items():
+        if not spec:
+            continue
+        where = f"[titan_ext] {key} = {spec!r}"
+        try:
+            fault = parse(spec)
+        except EmulationSpecError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if not (pp > 1 and dp_replicate > 1 and dp_shard <= 1):
+            raise ValueError(f"{where}: fail-slow emulation runs in DP x PP jobs only "
+                             f"(pipeline_parallel_degree > 1 and data_parallel_replicate_degree > 1)")
+        devices = [fault.device] if key == "emulate_slow_device" else sorted(fault.devices)
+        if world_size is not None and max(devices) >= world_size:
+            raise ValueError(f"{where}: device {max(devices)} does not exist (world size {world_size})")
 
 
 class _Mark(torch.autograd.Function):
@@ -198,7 +225,6 @@ class FalconJob:
         self._backwards_left = 0
         self.dp_sync_s = 0.0
         self.last_decision: dict = {}
-        self.applied: list[tuple[int, str]] = []
 
     # ---------------------------------------------------------------- costs (§5.2)
     def _measure_restart_cost(self) -> None:
@@ -339,7 +365,6 @@ class FalconJob:
             logger.warning(f"[titan_ext] Falcon decided {strategy} at step {step}; not applied in "
                            f"this job (see docs/falcon.md)")
             return
-        self.applied.append((step, strategy))
         logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
 
 
