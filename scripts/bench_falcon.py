@@ -3,9 +3,18 @@
 
 Usage:
     .venv/bin/python scripts/bench_falcon.py [--per-category 100] [--seed0 50000] [--json out.json]
+    .venv/bin/python scripts/bench_falcon.py --end-to-end [--steps 24] [--slow-from 6] [--json out.json]
 
 Prints a markdown table and a JSON document (also written to --json). Everything runs on CPU in one
 process; the hook-overhead part creates a 1-rank gloo group on loopback.
+
+``--end-to-end``: TorchTitan's llama3 debug model as DP 2 x PP 2 (train_configs/debug_cpu_dp2_pp2.toml,
+4 gloo ranks under torchrun) in four scenarios -- healthy, slow device (device 3 at 8x), slow DP link
+(+40 ms between ranks 0 and 1, stage 0's DP group), slow PP link (+40 ms between ranks 0 and 2,
+pipeline 0) from step ``--slow-from`` on -- each without and with Falcon (``falcon_apply`` false /
+true: both detect, validate and log; only the second applies), run back to back per scenario. Iteration time = median of the slowest rank's step time over the steps after the last
+mitigation (the same steps in both runs); time to mitigation = wall time from the fault's first step
+to the end of the step that applied the first strategy other than "ignore".
 """
 
 from __future__ import annotations
@@ -159,13 +168,95 @@ def bench_hook_overhead(calls: int = 2000) -> dict:
             "overhead_us_per_call": hooked - plain}
 
 
+E2E_SCENARIOS = {
+    "healthy": [],
+    "slow device (3 at 8x)": ["--titan_ext.emulate_slow_device", "3:8@{k}"],
+    "slow DP link (0-1 +40 ms)": ["--titan_ext.emulate_slow_link", "0-1:40@{k}"],
+    "slow PP link (0-2 +40 ms)": ["--titan_ext.emulate_slow_link", "0-2:40@{k}"],
+}
+
+
+def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
+           "127.0.0.1", "--master_port", str(port), "--local-ranks-filter", "0", "-m", "titan_ext.train",
+           "--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--job.dump_folder", dump,
+           "--training.steps", str(steps), "--training.local_batch_size", "2",
+           "--training.global_batch_size", "12", "--training.seq_len", "32", *args]
+    os.makedirs(dump, exist_ok=True)
+    with open(os.path.join(dump, "train.log"), "w") as f:
+        subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
+    with open(os.path.join(dump, "falcon.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def bench_end_to_end(steps: int, slow_from: int, workdir: str) -> list[dict]:
+    rows = []
+    for name, extra in E2E_SCENARIOS.items():
+        extra = [a.format(k=slow_from) for a in extra]
+        logs = {falcon: _e2e_run(os.path.join(workdir, f"{len(rows)}_{falcon}"), steps,
+                                 extra + [flag])
+                for falcon, flag in (("false", "--titan_ext.no-falcon_apply"),
+                                     ("true", "--titan_ext.falcon_apply"))}
+        on = logs["true"]
+        acted = [r for r in on if set(r.get("falcon/apply", "").split(",")) - {"", "ignore"}]
+        first = acted[0]["step"] if acted else None
+        last = acted[-1]["step"] if acted else slow_from
+        window = [r["step"] for r in on if r["step"] > last + 1]
+
+        def median_iter(log):
+            return float(np.median([r["falcon/iteration_time_s"] for r in log if r["step"] in window]))
+
+        rows.append({
+            "scenario": name,
+            "iteration_s_without": median_iter(logs["false"]),
+            "iteration_s_with": median_iter(on),
+            "decisions": [f"{r['step']}:{r['falcon/apply']}" for r in on if r.get("falcon/apply")],
+            "root_cause": next((r["falcon/root_cause"] for r in on if "falcon/root_cause" in r), ""),
+            "onset_step": next((r["step"] for r in on if r.get("falcon/event") == "onset"), None),
+            "time_to_mitigation_s": (sum(r["falcon/iteration_time_s"] for r in on
+                                         if slow_from <= r["step"] <= first) if first else None),
+            "steps_measured": window,
+        })
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--per-category", type=int, default=100)
     ap.add_argument("--seed0", type=int, default=50000)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-hooks", action="store_true", help="skip the gloo hook-overhead part")
+    ap.add_argument("--end-to-end", action="store_true",
+                    help="only the DP 2 x PP 2 TorchTitan table (8 torchrun jobs, minutes)")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--slow-from", type=int, default=6)
+    ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
     args = ap.parse_args()
+    if args.end_to_end:
+        rows = bench_end_to_end(args.steps, args.slow_from, args.workdir)
+        print("| scenario | iteration s without Falcon | with Falcon | with / without | root cause | "
+              "onset step | decisions (step:strategies) | time to mitigation s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            ttm = "-" if r["time_to_mitigation_s"] is None else f"{r['time_to_mitigation_s']:.1f}"
+            print(f"| {r['scenario']} | {r['iteration_s_without']:.3f} | {r['iteration_s_with']:.3f} | "
+                  f"{r['iteration_s_with'] / r['iteration_s_without']:.2f} | {r['root_cause'] or '-'} | "
+                  f"{r['onset_step'] or '-'} | {'; '.join(r['decisions']) or '-'} | {ttm} |")
+        text = json.dumps({"machine": f"{platform.machine()} {os.cpu_count()} cores",
+                           "steps": args.steps, "slow_from": args.slow_from, "rows": rows}, indent=2)
+        print("\n```json\n" + text + "\n```")
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(text)
+        return
 
     res = {"machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}"}
     res["detection"] = bench_detection(args.per_category, args.seed0)

@@ -74,6 +74,13 @@ def check_job_config(config, world_size: int | None = None) -> None:
         if pp > 1 and schedule is not None and schedule.max_link() >= pp - 1:
             raise JobConfigError(f"TITAN_EXT_INJECT_DELAYS = {env_spec!r}: link {schedule.max_link()} "
                                  f"does not exist with {pp} pipeline stages (links 0..{pp - 2})")
+    from titan_ext.titan.falcon_job import check_emulation
+
+    try:
+        check_emulation(section, pp, par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
+                        world_size)
+    except ValueError as e:
+        raise JobConfigError(str(e)) from None
     if world_size is not None and pp > 1 and world_size % pp != 0:
         raise JobConfigError(
             f"[parallelism] pipeline_parallel_degree = {pp} does not divide the world size "

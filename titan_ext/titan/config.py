@@ -125,7 +125,28 @@ class TitanExt:
     """Falcon fail-slow detection (BOCD change points on the iteration time, per-link profiling,
     ski-rental mitigation planning; Falcon §4–§5) inside PipeMorph / CrossPipe. Its events, root
     cause, chosen strategy and measured effect are logged with the pipeline metrics (``falcon/*``).
-    About 50 µs of CPU per iteration."""
+    About 50 µs of CPU per iteration. In DP x PP jobs (data_parallel_replicate_degree > 1 with PP)
+    the trainer runs it per step instead, with validation and micro-batch redistribution
+    (:mod:`titan_ext.titan.falcon_job`; decisions in ``<dump_folder>/falcon.jsonl``)."""
+
+    falcon_apply: bool = True
+    """DP x PP jobs (:mod:`titan_ext.titan.falcon_job`): apply Falcon's decisions (PipeMorph
+    re-planning, micro-batch redistribution). False = detect, validate and log them only (a
+    baseline with the same measurement)."""
+
+    emulate_slow_device: str = ""
+    """Fail-slow emulation (Falcon's computation fail-slow): "D:F[@STEP]" = device (initial rank) D
+    computes F times slower (F >= 1), from training step STEP on (default 0). Every forward and
+    backward of its model part and the GEMM probe is followed by a sleep of (F - 1) x its duration.
+    Empty = none; the environment variable TITAN_EXT_SLOW_DEVICE is used when empty. DP x PP jobs
+    only (``data_parallel_replicate_degree`` > 1 with PP; :mod:`titan_ext.titan.falcon_job`)."""
+
+    emulate_slow_link: str = ""
+    """Fail-slow emulation (communication): "A-B:MS[@STEP]" = the link between devices A and B adds
+    MS ms to every message from step STEP on: to the DP gradient all-reduce (2 ring steps) when A
+    and B are one stage's replicas, to the PP messages (``inject_delays`` on A and B only) when they
+    are neighbours in a pipeline, and to validation messages. Empty = none; the environment
+    variable TITAN_EXT_SLOW_LINK is used when empty. DP x PP jobs only, like emulate_slow_device."""
 
     gantt_every: int = 10
     """On the first logged step of every K steps, log an image of the measured pipeline timeline
@@ -187,6 +208,8 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            "must be one of " + ", ".join(repr(m) for m in DELEGATION_MODES))
     _check(math.isfinite(cfg.delegation_slow_link_ms) and cfg.delegation_slow_link_ms >= 0,
            "delegation_slow_link_ms", cfg.delegation_slow_link_ms, "must be a finite number >= 0")
+    for key in ("emulate_slow_device", "emulate_slow_link"):
+        _check_emulation(key, getattr(cfg, key))
     _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")
     _check("/" not in cfg.metrics_file and "\\" not in cfg.metrics_file, "metrics_file",
            cfg.metrics_file, "must be a plain file name (it is written under job.dump_folder)")
@@ -221,6 +244,18 @@ def _check_links(schedule, key: str, value, num_pp_links: int | None) -> None:
         _check(link < num_pp_links, key, value,
                f"link {link} does not exist: with {num_pp_links + 1} pipeline stages the links "
                f"are 0..{num_pp_links - 1} (link i joins stages i and i+1)")
+
+
+def _check_emulation(key: str, spec: str) -> None:
+    if not spec.strip():
+        return
+    from titan_ext.runtime.falcon.emulation import EmulationSpecError, parse_slow_device, parse_slow_link
+
+    parse = parse_slow_device if key == "emulate_slow_device" else parse_slow_link
+    try:
+        parse(spec)
+    except EmulationSpecError as e:
+        raise TitanExtConfigError(f"[titan_ext] {key} = {spec!r}: {e}") from None
 
 
 @dataclass

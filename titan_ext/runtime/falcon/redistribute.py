@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["dp_weights", "microbatch_ranges", "weighted_all_reduce_gradients", "weighted_all_reduce_loss"]
+__all__ = ["dp_weights", "microbatch_ranges", "redistribute_chunks", "weighted_all_reduce_gradients",
+           "weighted_all_reduce_loss"]
 
 
 def dp_weights(split: Sequence[int]) -> list[float]:
@@ -36,6 +37,42 @@ def microbatch_ranges(split: Sequence[int]) -> list[range]:
         out.append(range(start, start + m))
         start += m
     return out
+
+
+def redistribute_chunks(mine: Sequence, split: Sequence[int], dp_index: int, group=None) -> list:
+    """This DP replica's share of the global batch under ``split`` (Falcon §5.3 S2).
+
+    ``mine``: the equal-size chunks this replica's data loader produced for the step, each a tensor
+    or a ``(dict of tensors, tensor)`` pair (TorchTitan's ``(input_dict, labels)``); every replica
+    holds the same number of same-shape chunks. The chunks are all-gathered over the DP ``group``
+    (ordered by replica: the global batch is unchanged) and replica ``dp_index`` gets
+    ``microbatch_ranges(split)[dp_index]`` of them.
+    """
+    leaves = [_leaves(c) for c in mine]
+    gathered = [_all_gather_stacked([lv[k] for lv in leaves], group) for k in range(len(leaves[0]))]
+    everyone = [_rebuild(mine[0], [g[j] for g in gathered]) for j in range(len(gathered[0]))]
+    return [everyone[j] for j in microbatch_ranges(split)[dp_index]]
+
+
+def _leaves(chunk) -> list[torch.Tensor]:
+    if torch.is_tensor(chunk):
+        return [chunk]
+    inputs, labels = chunk
+    return [inputs[k] for k in sorted(inputs)] + [labels]
+
+
+def _rebuild(template, leaves: list[torch.Tensor]):
+    if torch.is_tensor(template):
+        return leaves[0]
+    keys = sorted(template[0])
+    return {k: leaves[i] for i, k in enumerate(keys)}, leaves[len(keys)]
+
+
+def _all_gather_stacked(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    local = torch.stack(tensors)
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, local, group=group)
+    return [t for replica in out for t in replica.unbind(0)]
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,12 @@ def _all_gather_dict(local: dict, group=None) -> dict:
 
 
 def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeats: int = 3,
-                   warmup: int = 1, group=None) -> dict[tuple[int, int], float]:
-    """Time every directed ring link of ``rings`` (global ranks). Collective over ``group``."""
+                   warmup: int = 1, group=None,
+                   send_delay_s: Callable[[int, int], float] | None = None) -> dict[tuple[int, int], float]:
+    """Time every directed ring link of ``rings`` (global ranks). Collective over ``group``.
+
+    ``send_delay_s(src, dst)``: emulated extra latency of a message (the sender holds it back that
+    long; :class:`~titan_ext.runtime.falcon.emulation.FailSlowEmulation`)."""
     rank = dist.get_rank()
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
     # Build a schedule of passes; rings sharing ranks are serialised.
@@ -61,6 +65,8 @@ def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeat
             dist.barrier(group=group)
             for src, dst in pass_pairs:
                 if rank == src:
+                    if send_delay_s is not None:
+                        time.sleep(send_delay_s(src, dst))
                     dist.send(buf, dst)
                 elif rank == dst:
                     t0 = time.perf_counter()
@@ -71,11 +77,13 @@ def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeat
     return _all_gather_dict(local, group)
 
 
-def gemm_probe(n: int = 256, repeats: int = 5, group=None, dtype=torch.float32) -> dict[int, float]:
+def gemm_probe(n: int = 256, repeats: int = 5, group=None, dtype=torch.float32,
+               stretch: Callable[[float], None] | None = None) -> dict[int, float]:
     """Fastest of ``repeats`` timings of an n×n matmul on every rank (Falcon §4.3 computation
     validation).  The minimum, not the median: preemption and time-sharing only ever add time, so a
     healthy device descheduled for some repeats still reads its own speed, while a slow device is slow
-    in every repeat (on a shared 2-core host the median flagged healthy ranks at ≈ 1.1×)."""
+    in every repeat (on a shared 2-core host the median flagged healthy ranks at ≈ 1.1×).
+    ``stretch(t0)``: called after each timed matmul (an emulated slow device sleeps there)."""
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)  # warm-up
@@ -83,5 +91,7 @@ def gemm_probe(n: int = 256, repeats: int = 5, group=None, dtype=torch.float32) 
     for _ in range(repeats):
         t0 = time.perf_counter()
         torch.mm(a, b)
+        if stretch is not None:
+            stretch(t0)
         times.append(time.perf_counter() - t0)
     return _all_gather_dict({dist.get_rank(): min(times)}, group)

@@ -1,0 +1,122 @@
+"""Fail-slow emulation on physical devices: a slow device and a slow link (issue 15).
+
+Falcon's two fail-slow kinds (§2: computation and communication) are emulated per *device*, not per
+mesh position, so that a topology change (S3) moves the mesh around a fault that stays where it is:
+
+* ``slow_device = "D:F"``: device D computes F× slower. Every compute region handed to
+  :meth:`FailSlowEmulation.stretch` (a model part's forward, its backward, the GEMM probe) is followed
+  by a sleep of ``(F - 1) ×`` its measured duration on that device.
+* ``slow_link = "A-B:MS"``: the link between devices A and B adds MS milliseconds to every message.
+  PP messages get it from :func:`titan_ext.runtime.inject_link_delays` installed on A and B only;
+  a collective over a group holding both pays ``steps × MS`` (:meth:`collective_delay_s`; a two-rank
+  ring all-reduce is a reduce-scatter and an all-gather step); validation P2P messages pay it per
+  message (:meth:`send_delay_s`).
+
+``device_of[mesh_rank]`` maps the job's ranks to devices (identity unless a restart plan permuted
+the mesh). The specs come from ``[titan_ext] emulate_slow_device`` / ``emulate_slow_link`` or the
+environment (``TITAN_EXT_SLOW_DEVICE`` / ``TITAN_EXT_SLOW_LINK``), like ``inject_delays``; both may
+carry ``@STEP`` (from that training step on, e.g. ``"3:3@10"``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["EmulationSpecError", "SlowDevice", "SlowLink", "FailSlowEmulation", "parse_slow_device",
+           "parse_slow_link"]
+
+_DEVICE = re.compile(r"^\s*(\d+)\s*:\s*([0-9.]+)\s*(?:@\s*(\d+))?\s*$")
+_LINK = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*:\s*([0-9.]+)\s*(?:@\s*(\d+))?\s*$")
+
+
+class EmulationSpecError(ValueError):
+    """A malformed emulation spec."""
+
+
+@dataclass(frozen=True)
+class SlowDevice:
+    device: int
+    factor: float
+    from_step: int = 0
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    devices: frozenset
+    delay_ms: float
+    from_step: int = 0
+
+
+def parse_slow_device(spec: str) -> SlowDevice | None:
+    """``"D:F[@STEP]"`` (device D is F ≥ 1 times slower from STEP on); "" = none."""
+    if not spec.strip():
+        return None
+    m = _DEVICE.match(spec)
+    if not m or float(m.group(2)) < 1.0:
+        raise EmulationSpecError("expected DEVICE:FACTOR[@STEP] with FACTOR >= 1, e.g. '3:3'")
+    return SlowDevice(int(m.group(1)), float(m.group(2)), int(m.group(3) or 0))
+
+
+def parse_slow_link(spec: str) -> SlowLink | None:
+    """``"A-B:MS[@STEP]"`` (+MS per message between devices A != B from STEP on); "" = none."""
+    if not spec.strip():
+        return None
+    m = _LINK.match(spec)
+    if not m or m.group(1) == m.group(2):
+        raise EmulationSpecError("expected A-B:MS[@STEP] with devices A != B, e.g. '0-1:40'")
+    return SlowLink(frozenset((int(m.group(1)), int(m.group(2)))), float(m.group(3)), int(m.group(4) or 0))
+
+
+class FailSlowEmulation:
+    """The emulated faults as seen from one mesh rank (see the module docstring)."""
+
+    def __init__(self, rank: int, device_of: Sequence[int], slow_device: SlowDevice | None = None,
+                 slow_link: SlowLink | None = None):
+        self.rank, self.device_of = rank, [int(d) for d in device_of]
+        self.slow_device, self.slow_link = slow_device, slow_link
+        for d in ([slow_device.device] if slow_device else []) + sorted(slow_link.devices if slow_link else []):
+            if d not in self.device_of:
+                raise EmulationSpecError(f"device {d} does not exist (devices {sorted(self.device_of)})")
+        self.step = 0
+
+    @property
+    def device(self) -> int:
+        return self.device_of[self.rank]
+
+    def compute_factor(self) -> float:
+        sd = self.slow_device
+        return sd.factor if sd and sd.device == self.device and self.step >= sd.from_step else 1.0
+
+    def link_ms(self, rank_a: int, rank_b: int) -> float:
+        """Emulated extra latency (ms) of one message between mesh ranks a and b (now)."""
+        sl = self.slow_link
+        if sl is None or self.step < sl.from_step:
+            return 0.0
+        return sl.delay_ms if {self.device_of[rank_a], self.device_of[rank_b]} == sl.devices else 0.0
+
+    def stretch(self, t0: float) -> None:
+        """End of a compute region that began at ``t0`` (perf_counter): sleep (F - 1) × its length."""
+        f = self.compute_factor()
+        if f > 1.0:
+            time.sleep((f - 1.0) * (time.perf_counter() - t0))
+
+    def send_delay_s(self, src: int, dst: int) -> float:
+        return self.link_ms(src, dst) / 1e3
+
+    def collective_delay_s(self, ranks: Sequence[int], steps: int) -> float:
+        """Extra time of a ring collective of ``steps`` message steps over ``ranks`` (ring order)."""
+        ring = list(ranks)
+        worst = max((self.link_ms(a, b) for a, b in zip(ring, ring[1:] + ring[:1]) if a != b), default=0.0)
+        return steps * worst / 1e3
+
+    def pp_link_spec(self, pp_ranks: Sequence[int]) -> str:
+        """``inject_delays`` spec for this rank's pipeline (stage order ``pp_ranks``): the slow link
+        if it is a PP hop of this pipeline and this rank is one of its ends, else ""."""
+        if self.rank not in pp_ranks:
+            return ""
+        items = [f"{i}:{self.link_ms(a, b):g}" for i, (a, b) in enumerate(zip(pp_ranks, pp_ranks[1:]))
+                 if self.rank in (a, b) and self.link_ms(a, b) > 0]
+        return ",".join(items)

@@ -1,0 +1,389 @@
+"""Falcon in a TorchTitan DP × PP job on the CPU trainer (issue 15; Falcon §4–§5).
+
+**Data parallelism owned by the trainer.** TorchTitan 0.2.2 refuses DDP next to PP ("DDP has not
+supported > 1D parallelism") and its FSDP needs ``ReduceOp.PREMUL_SUM``, which gloo lacks. With
+``data_parallel_replicate_degree > 1`` and PP, TorchTitan still builds its ``(pp, dp_replicate)``
+mesh and per-replica data loaders; :func:`install_replication_by_trainer` makes its parallelize
+function skip DDP, and :class:`FalconJob` sums the gradients over the ``dp_replicate`` group after
+the last backward of every step. TorchTitan's losses are token *sums* (and its FSDP's gradient divide
+factor is 1), so a sum is TorchTitan's own DP gradient; owning that step is what lets S2 change it.
+
+**Falcon per step** (every rank feeds the monitor the same numbers, so all take the same decision):
+the step's wall time (max over ranks) is the iteration time (§4.2, from the trainer's call hook);
+per-group times are the DP all-reduce of every stage and PipeMorph's measured PP link delays of every
+replica (§4.3 profiling). On onset the job pauses for validation — ring passes over every PP pipeline
+and DP group and the GEMM probe (§4.3) — and the root cause (slow PP link / DP link / device) drives
+Alg. 1 (§5.2). Applied here: ``pipemorph_replan`` (the schedule's re-planning on) and
+``microbatch_redistribution`` (§5.3 S2: replica i runs ``m_i`` of the step's ``M`` chunks; the chunks
+are exchanged over the DP group so the global batch is unchanged, and the summed gradient is the
+even split's). ``topology_adjustment`` / ``checkpoint_restart`` (S3/S4) are logged as decisions and
+not applied by this module (see docs/falcon.md).
+
+Emulation (:mod:`titan_ext.runtime.falcon.emulation`): ``[titan_ext] emulate_slow_device`` /
+``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` / ``TITAN_EXT_SLOW_LINK``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
+from titan_ext.runtime.falcon.emulation import (
+    EmulationSpecError,
+    FailSlowEmulation,
+    parse_slow_device,
+    parse_slow_link,
+)
+from titan_ext.runtime.falcon.redistribute import redistribute_chunks, weighted_all_reduce_gradients
+from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
+
+__all__ = ["install_replication_by_trainer", "replicated_by_trainer", "FalconJob", "emulation_specs",
+           "check_emulation"]
+
+ENV_SLOW_DEVICE = "TITAN_EXT_SLOW_DEVICE"
+ENV_SLOW_LINK = "TITAN_EXT_SLOW_LINK"
+FALCON_LOG = "falcon.jsonl"
+"""Rank 0 appends one JSON line per step under ``job.dump_folder``: the step and its ``falcon/*``
+decision dict (plus ``falcon/split``, the micro-batch split in force)."""
+SLOW_DEVICE_RATIO = 1.5
+"""GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
+a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
+10 % (and the emulated slow devices here are >= 2x)."""
+_DP_ALLREDUCE_RING_STEPS = 2  # ring all-reduce = reduce-scatter + all-gather (one step each for 2 ranks)
+
+
+def replicated_by_trainer(parallel_dims: Any) -> bool:
+    """True when the trainer (not DDP/FSDP) synchronises the DP replicas: dp_replicate with PP."""
+    return (parallel_dims.pp_enabled and parallel_dims.dp_replicate_enabled
+            and not parallel_dims.fsdp_enabled)
+
+
+class _WithoutReplicate:
+    """``parallel_dims`` as TorchTitan's parallelize function should see it: no DDP to apply."""
+
+    dp_replicate_enabled = False
+
+    def __init__(self, dims: Any):
+        self._dims = dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dims, name)
+
+
+def _parallelize_without_ddp(parallelize_fn):
+    def parallelize(model, parallel_dims, job_config):
+        if replicated_by_trainer(parallel_dims):
+            parallel_dims = _WithoutReplicate(parallel_dims)
+        return parallelize_fn(model, parallel_dims, job_config)
+
+    parallelize.titan_ext_replicated = True
+    return parallelize
+
+
+def install_replication_by_trainer() -> None:
+    """Make TorchTitan's train specs skip DDP where :func:`replicated_by_trainer` (idempotent)."""
+    import torchtitan.protocols.train_spec as train_spec
+
+    original = train_spec.get_train_spec
+    if getattr(original, "titan_ext_replicated", False):
+        return
+
+    def get_train_spec(name: str):
+        spec = original(name)
+        if getattr(spec.parallelize_fn, "titan_ext_replicated", False):
+            return spec
+        return dataclasses.replace(spec, parallelize_fn=_parallelize_without_ddp(spec.parallelize_fn))
+
+    get_train_spec.titan_ext_replicated = True
+    train_spec.get_train_spec = get_train_spec
+
+
+def emulation_specs(section: Any) -> tuple[str, str]:
+    """(slow device, slow link) specs: the ``[titan_ext]`` keys, else the environment."""
+    return (section.emulate_slow_device.strip() or os.environ.get(ENV_SLOW_DEVICE, "").strip(),
+            section.emulate_slow_link.strip() or os.environ.get(ENV_SLOW_LINK, "").strip())
+
+
+def check_emulation(section: Any, pp: int, dp_replicate: int, dp_shard: int,
+                    world_size: int | None) -> None:
+    """Emulated faults need a DP x PP job with the trainer's DP sync, and devices that exist
+    (before any process group; ValueError naming the key)."""
+    for key, (spec, parse) in {"emulate_slow_device": (emulation_specs(section)[0], parse_slow_device),
+                               "emulate_slow_link": (emulation_specs(section)[1], parse_slow_link)}.items():
+        if not spec:
+            continue
+        where = f"[titan_ext] {key} = {spec!r}"
+        try:
+            fault = parse(spec)
+        except EmulationSpecError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if not (pp > 1 and dp_replicate > 1 and dp_shard <= 1):
+            raise ValueError(f"{where}: fail-slow emulation runs in DP x PP jobs only "
+                             f"(pipeline_parallel_degree > 1 and data_parallel_replicate_degree > 1)")
+        devices = [fault.device] if key == "emulate_slow_device" else sorted(fault.devices)
+        if world_size is not None and max(devices) >= world_size:
+            raise ValueError(f"{where}: device {max(devices)} does not exist (world size {world_size})")
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; its backward runs ``on_backward()`` (a part's backward begins / ends there)."""
+
+    @staticmethod
+    def forward(ctx, x, on_backward):
+        ctx.on_backward = on_backward
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_backward()
+        return grad, None
+
+
+def _install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation) -> None:
+    """Slow every forward and backward-input pass of ``part`` by the emulated device factor.
+
+    Forward: hooks around the part. Backward: a mark on the part's output (backward begins) and on
+    the first tensor with a gradient entering it — the input activation, or, on the first stage,
+    the token embedding's output (backward ends)."""
+    clock = {"f": 0.0, "b": 0.0}
+
+    def begin_backward():
+        clock["b"] = time.perf_counter()
+
+    def end_backward():
+        emulation.stretch(clock["b"])
+
+    def pre(_mod, args):
+        clock["f"] = time.perf_counter()
+        if args and torch.is_tensor(args[0]) and args[0].requires_grad:
+            return (_Mark.apply(args[0], end_backward), *args[1:])
+        return None
+
+    def post(_mod, _args, out):
+        emulation.stretch(clock["f"])
+        if torch.is_tensor(out) and out.requires_grad:
+            return _Mark.apply(out, begin_backward)
+        return None
+
+    part.register_forward_pre_hook(pre)
+    part.register_forward_hook(post)
+    embed = getattr(part, "tok_embeddings", None)
+    if isinstance(embed, torch.nn.Module):
+        embed.register_forward_hook(
+            lambda _m, _a, out: _Mark.apply(out, end_backward) if out.requires_grad else None)
+
+
+class FalconJob:
+    """Falcon detection, validation and mitigation inside a :class:`TitanExtTrainer` (DP × PP)."""
+
+    def __init__(self, trainer: Any, section: Any):
+        self.trainer = trainer
+        dims = trainer.parallel_dims
+        self.rank = dist.get_rank()
+        dp_mesh, pp_mesh = dims.get_mesh("dp_replicate"), dims.get_mesh("pp")
+        self.dp_group = dp_mesh.get_group()
+        self.num_dp, self.num_pp = dp_mesh.size(), pp_mesh.size()
+        self.dp_index, self.pp_index = dp_mesh.get_local_rank(), pp_mesh.get_local_rank()
+        coords: list = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (self.dp_index, self.pp_index))
+        self.grid = [[0] * self.num_pp for _ in range(self.num_dp)]
+        for r, (d, s) in enumerate(coords):
+            self.grid[d][s] = r
+        self.chunks_per_replica = trainer.gradient_accumulation_steps
+        self.split = [self.chunks_per_replica] * self.num_dp
+        device_spec, link_spec = emulation_specs(section)
+        self.emulation = FailSlowEmulation(self.rank, range(dist.get_world_size()),
+                                           parse_slow_device(device_spec), parse_slow_link(link_spec))
+        self._pp_delays_installed = False
+        for part in trainer.model_parts:
+            _install_compute_stretch(part, self.emulation)
+        schedule = trainer.pp_schedule
+        if getattr(schedule, "falcon", None) is not None:
+            schedule.falcon = None  # the job's monitor sees DP too; one monitor decides
+        self.monitor = FalconMonitor(
+            FalconConfig(num_microbatches=self.chunks_per_replica * self.num_dp,
+                         slow_device_ratio=SLOW_DEVICE_RATIO),
+            grid=self.grid,
+            pp_groups={f"pp{d}_link{i}": i for d in range(self.num_dp) for i in range(self.num_pp - 1)},
+            dp_groups=[f"dp_stage{s}" for s in range(self.num_pp)],
+        )
+        self._measure_restart_cost()
+        self._exchange_measured = False
+        self.enabled = section.falcon
+        self.apply_decisions = section.falcon_apply
+        self.log_path = (Path(trainer.job_config.job.dump_folder) / FALCON_LOG) if section.falcon else None
+        self._backwards_left = 0
+        self.dp_sync_s = 0.0
+        self.last_decision: dict = {}
+
+    # ---------------------------------------------------------------- costs (§5.2)
+    def _measure_restart_cost(self) -> None:
+        """S3's overhead: this job's own start-up (process start to a ready trainer: interpreter,
+        rendezvous, model build), the slowest rank's. Checkpoint save/load are not in it: the
+        DP x PP config has checkpointing off and S3/S4 are decided here, not applied."""
+        ready_s = torch.tensor([time.time() - _process_start_time()], dtype=torch.float64)
+        dist.all_reduce(ready_s, op=dist.ReduceOp.MAX)
+        self._set_costs(topology_adjustment=float(ready_s))
+
+    def _measure_exchange_cost(self, mine: list) -> None:
+        """S2's overhead: one real exchange of this step's chunks over the DP group."""
+        t0 = time.perf_counter()
+        redistribute_chunks(mine, [self.chunks_per_replica] * self.num_dp, self.dp_index, self.dp_group)
+        exchange_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(exchange_s, op=dist.ReduceOp.MAX)
+        self._set_costs(microbatch_redistribution=float(exchange_s))
+
+    def _measure_replan_cost(self, rt: dict) -> None:
+        """pipemorph_replan's overhead: PipeMorph's own last planning + swap time."""
+        ms = float(rt.get("plan_ms", math.nan)) + float(rt.get("swap_ms", 0.0) or 0.0)
+        if math.isfinite(ms):
+            self._set_costs(pipemorph_replan=ms / 1e3)
+
+    def _set_costs(self, **costs: float) -> None:
+        new = dataclasses.replace(self.monitor.config.costs, **costs)
+        self.monitor.config.costs = new
+        self.monitor.planner.costs = new
+
+    # ---------------------------------------------------------------- the step
+    def train_step(self, run_step, data_iterator) -> None:
+        """One TorchTitan step with this job's micro-batch split; then Falcon."""
+        t0 = time.perf_counter()
+        self.emulation.step = self.trainer.step
+        self._maybe_install_pp_delays()
+        chunks = self._my_chunks(data_iterator)
+        self.trainer.gradient_accumulation_steps = len(chunks)
+        self._backwards_left = len(chunks)
+        run_step(iter(chunks))
+        if self.enabled:
+            self._falcon(time.perf_counter() - t0)
+
+    def after_backward(self) -> None:
+        """Called after every forward/backward of a chunk: the last one syncs the DP replicas."""
+        self._backwards_left -= 1
+        if self._backwards_left == 0:
+            self.sync_gradients()
+
+    def sync_gradients(self) -> None:
+        """Σ over DP replicas of the token-sum gradients (TorchTitan's DP gradient), after the
+        emulated latency of the DP link (held back before the all-reduce)."""
+        t0 = time.perf_counter()
+        dp_ranks = [row[self.pp_index] for row in self.grid]
+        delay = self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS)
+        if delay > 0:
+            time.sleep(delay)
+        params = [p for m in self.trainer.model_parts for p in m.parameters()]
+        weighted_all_reduce_gradients(params, 1.0, self.dp_group)
+        self.dp_sync_s = time.perf_counter() - t0
+
+    def _my_chunks(self, data_iterator) -> list:
+        """This replica's chunks of the step: its own loader's (even split), or under S2 its range
+        of the global batch (every replica's chunks, exchanged over the DP group)."""
+        mine = [next(data_iterator) for _ in range(self.chunks_per_replica)]
+        if not self._exchange_measured:
+            self._measure_exchange_cost(mine)
+            self._exchange_measured = True
+        if self.split == [self.chunks_per_replica] * self.num_dp:
+            return mine
+        return redistribute_chunks(mine, self.split, self.dp_index, self.dp_group)
+
+    def _maybe_install_pp_delays(self) -> None:
+        if self._pp_delays_installed:
+            return
+        spec = self.emulation.pp_link_spec(self.grid[self.dp_index])
+        if spec:
+            from titan_ext.runtime import inject_link_delays
+
+            inject_link_delays(spec)
+            self._pp_delays_installed = True
+            logger.info(f"[titan_ext] emulated slow PP link on rank {self.rank}: {spec}")
+
+    # ---------------------------------------------------------------- Falcon
+    def _group_times(self, step_s: float) -> tuple[float, dict[str, float]]:
+        """Iteration time and per-group times, the same on every rank (MAX over the world)."""
+        from titan_ext.titan.trainer import runtime_metrics
+
+        S, D = self.num_pp, self.num_dp
+        vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
+        vec[0] = step_s
+        vec[1 + self.pp_index] = self.dp_sync_s
+        rt = runtime_metrics(self.trainer.pp_schedule)
+        self._measure_replan_cost(rt)  # only a Falcon decision's ski-rental input
+        links = rt.get("link_delay_ms", {})
+        for i, ms in links.items():
+            if int(i) < S - 1 and ms == ms:  # not NaN
+                vec[1 + S + self.dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        groups = {f"dp_stage{s}": float(vec[1 + s]) for s in range(S)}
+        groups |= {f"pp{d}_link{i}": float(vec[1 + S + d * (S - 1) + i])
+                   for d in range(D) for i in range(S - 1)}
+        return float(vec[0]), groups
+
+    def _falcon(self, step_s: float) -> None:
+        iteration_s, groups = self._group_times(step_s)
+        decision = self.monitor.observe(iteration_s, groups)
+        if decision.get("falcon/validate"):
+            decision |= self.validate()
+        for strategy in filter(None, decision.get("falcon/apply", "").split(",")):
+            self.apply(strategy, decision)
+        decision["falcon/split"] = json.dumps(self.split)
+        self.last_decision = decision
+        if self.rank == 0 and self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
+
+    def validate(self) -> dict:
+        """Falcon §4.3 validation (training pauses until it returns): ring passes over every PP
+        pipeline and DP group, then the GEMM probe."""
+        t0 = time.perf_counter()
+        rings = [list(row) for row in self.grid] + [[row[s] for row in self.grid] for s in range(self.num_pp)]
+        links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16,
+                               send_delay_s=self.emulation.send_delay_s)
+        gemm = gemm_probe(repeats=10, stretch=self.emulation.stretch)
+        return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
+
+    def apply(self, strategy: str, decision: dict) -> None:
+        """Apply one Alg. 1 decision to the running job (§5.3)."""
+        step = self.trainer.step
+        if not self.apply_decisions:
+            return
+        if strategy == "pipemorph_replan":
+            self.trainer.pp_schedule.adaptive = True
+        elif strategy == "microbatch_redistribution" and "falcon/plan/microbatch_split" in decision:
+            self.split = _at_least_one_each(json.loads(decision["falcon/plan/microbatch_split"]))
+        elif strategy in ("topology_adjustment", "checkpoint_restart"):
+            logger.warning(f"[titan_ext] Falcon decided {strategy} at step {step}; not applied in "
+                           f"this job (see docs/falcon.md)")
+            return
+        logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
+
+
+def _process_start_time() -> float:
+    """This process's start (epoch seconds), from /proc (Linux)."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _at_least_one_each(split: list[int]) -> list[int]:
+    """Eq. 1's split with every replica keeping one chunk (a replica with none would not reach the
+    DP all-reduce, which runs after its last backward); the chunks come from the largest share."""
+    split = list(split)
+    for i, m in enumerate(split):
+        if m < 1:
+            j = max(range(len(split)), key=split.__getitem__)
+            split[j] -= 1 - m
+            split[i] = 1
+    return split
