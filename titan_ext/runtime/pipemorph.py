@@ -72,6 +72,7 @@ from titan_ext.plan.ir import as_ops
 from titan_ext.plan.validate import torch_dry_run_lowered
 
 from .backward import BackwardChooser
+from .control import ControlPlane
 from .policy import Decision, ReplanPolicy, eq1_tolerances
 from .profiler import (
     ActionRecord,
@@ -80,7 +81,6 @@ from .profiler import (
     IterationProfile,
     decode_profiles,
     encode_profile,
-    estimate_clock_offsets,
     link_delay_estimates,
     now,
     timeline_bubble_rate,
@@ -267,6 +267,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._probe_running = False
         self._plan_cpu_ms = math.nan
         self._group = stages[0].group
+        self.control = ControlPlane(self._group)
         self.falcon = self._make_falcon(falcon, S, N)
         self.adaptive = adaptive
         self.policy = policy if policy is not None else ReplanPolicy()
@@ -503,11 +504,9 @@ class PipeMorph(_PipelineScheduleRuntime):
             self._log(decision="unchanged", kind=kind, reason=f"{reason}: identical to the deployed plan",
                       plan_version=self.plan_version)
             return True
-        if check_agreement and dist.is_initialized() and self.pp_group_size > 1:
-            hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.pp_group_size)]
-            dist.all_gather(hashes, torch.tensor([cand.hash], dtype=torch.int64), group=self._group)
-            seen = sorted({int(x.item()) for x in hashes})
-            if len(seen) != 1:
+        if check_agreement:
+            agreed, seen = self.control.agree(cand.hash)
+            if not agreed:
                 self._log(decision="reject", kind=kind, reason=f"{reason}: ranks disagree on the plan "
                           f"(hashes {[hex(x) for x in seen]})", plan_version=self.plan_version)
                 logger.error("PipeMorph: ranks computed different plans; keeping the deployed one")
@@ -611,8 +610,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         maybe_first_target = target_mbs[0] if target_mbs is not None else None
         self._initialize_stages(arg_mbs[0], kwarg_mbs[0], maybe_first_target, loss_kwargs)
         training = self._has_backward
-        if training and not self._clock_synced and dist.is_initialized() and self.pp_group_size > 1:
-            self._clock = estimate_clock_offsets(self._group)
+        if training and not self._clock_synced:
+            self._clock = self.control.clock_offsets()
             self._clock_synced = True
 
         stage_index_to_stage = {stage.stage_index: stage for stage in self._stages}
@@ -846,12 +845,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         deployed_now = False
         ran_probe = False
         if exchanged:
-            vec = self._local_profile_vector(prof)
-            if dist.is_initialized() and self.pp_group_size > 1:
-                gathered = [torch.empty_like(vec) for _ in range(self.pp_group_size)]
-                dist.all_gather(gathered, vec, group=self._group)
-            else:
-                gathered = [vec]
+            gathered = self.control.all_gather(self._local_profile_vector(prof))
             exchange_ms = 1e3 * (now() - t0)
             ranks = decode_profiles(gathered, self._n_microbatches)
             hashes = {r.plan_hash for r in ranks}

@@ -9,7 +9,8 @@ routed through a :class:`~titan_ext.runtime.delegate.transport.P2PRouter`:
   iteration boundary.  The default detector flags a link whose estimated delay (PipeMorph's own
   per-link estimate ``last_metrics["link_delay_ms"]``) exceeds ``slow_link_ms``; pass
   ``detector=callable(metrics) -> bool`` to use another one.  The ranks' verdicts are combined with one
-  MAX all-reduce at the boundary (only while not yet delegating), so all switch at the same boundary.
+  MAX vote on the control plane (``runtime/control.py``) at the boundary (only while not yet
+  delegating), so all switch at the same boundary.
 
 While delegating, activations queue in host memory (the delegates' slot rings), so the adaptive
 planner's cap on warm-up forwards (``adaptive_memory_limit``) is lifted — adapted plans may exceed the
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
@@ -126,12 +126,9 @@ class DelegatedPipeMorph(PipeMorph):
         super()._iteration_boundary(prof, iteration_ms)
         if self.delegation == "auto" and not self.delegating and self.router is not None:
             flagged, why = self._slow_link()
-            # Ranks may see slightly different estimates (clock offsets): agree with one tiny MAX
-            # all-reduce, so every rank switches at the same boundary.
-            vote = torch.tensor([1.0 if flagged else 0.0])
-            if dist.is_initialized() and self.pp_group_size > 1:
-                dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
-            if vote.item() > 0:
+            # Ranks may see slightly different estimates (clock offsets): agree with one MAX vote on
+            # the control plane, so every rank switches at the same boundary.
+            if self.control.any(flagged):
                 self.set_delegation(True, f"auto: {why if flagged else 'flagged by another rank'}")
         if self.router is not None:
             self.last_metrics["delegating"] = self.router.delegating
