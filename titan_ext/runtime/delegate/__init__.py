@@ -4,7 +4,7 @@
 * :mod:`.pool` — delegate processes per communication kind and the training side's send/recv.
 * :mod:`.transport` — direct / delegate / failover transports with one ``isend``/``irecv`` API,
   and the delegation mode (off / auto / always).
-* :mod:`.schedule` — delegation wired into the PipeMorph schedule through its ``_issue_p2p`` hook.
+* :mod:`.schedule` — delegation as a transport choice of the adaptive schedules (PipeMorph, CrossPipe).
 
 User documentation: docs/delegate.md.
 """
