@@ -96,14 +96,16 @@ class Delegation:
         if self.mode == "always":
             self.set(True, "delegation=always")
 
-    def set(self, on: bool, reason: str = "external") -> None:
-        """Switch delegation on/off.  Only between iterations; call it on every rank alike."""
+    def set(self, on: bool, reason: str = "external", completed: int | None = None) -> None:
+        """Switch delegation on/off.  Only between iterations; call it on every rank alike.
+        ``completed``: iterations completed before the switch (default: the schedule's count)."""
         if self.schedule._in_iteration:
             raise RuntimeError("delegation can only be switched at an iteration boundary")
         if on == self.router.delegating:
             return
         self.router.delegating = on
-        self.log.append({"iteration": self.schedule.iteration, "delegating": on, "reason": reason})
+        done = self.schedule.iteration if completed is None else completed
+        self.log.append({"iteration": done, "delegating": on, "reason": reason})
         self.schedule._log(decision="delegation", reason=f"{'on' if on else 'off'}: {reason}")
 
     def _slow_link(self, metrics: dict) -> tuple[bool, str]:
@@ -116,7 +118,8 @@ class Delegation:
         if self.mode == "auto" and not self.delegating and boundary.exchanged:
             flagged, why = self._slow_link(boundary.metrics)
             if self.schedule.control.any(flagged):
-                self.set(True, f"auto: {why if flagged else 'flagged by another rank'}")
+                self.set(True, f"auto: {why if flagged else 'flagged by another rank'}",
+                         completed=boundary.iteration + 1)
         return {"delegating": self.router.delegating, "failed_over_links": sorted(self.router.failed),
                 "delegate_lanes_needed": self._lanes_needed(boundary.iteration_ms)}
 
