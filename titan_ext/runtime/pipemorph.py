@@ -88,7 +88,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         policy: the re-planning policy (default ``ReplanPolicy()``).
         profile_every: exchange profiles / check the policy every k iterations.
         profile_every_max: while nothing changes, the period doubles up to this (adaptive k); any
-            decision other than keep, a running background plan or a probe resets it.
+            decision other than keep/hold, a running background plan or a probe resets it.
         slack_floor: Alg.2's minimum slackness.
         adaptive_memory_limit: a further cap on warm-up forwards of adaptive plans (lifted while
             delegating: the paper's §5.2 "virtually no memory constraint").
@@ -467,11 +467,11 @@ class PipeMorph(_PipelineScheduleRuntime):
         return self.iteration >= self._next_check
 
     def _schedule_next_check(self, decision: Decision | None) -> None:
-        """Adaptive k: the period doubles after 2 × ``window`` quiet checks (keep, nothing planning, no
-        probe: the window refreshed twice without news), up to ``profile_every_max``; anything else
+        """Adaptive k: the period doubles after 2 × ``window`` quiet checks (keep or hold, nothing
+        planning, no probe: the window refreshed twice without news), up to ``profile_every_max``; anything else
         resets it to ``profile_every``.  The price is detection latency: a new straggler is seen at
         the next check, at most ``profile_every_max`` iterations later."""
-        quiet = decision is not None and decision.action == "keep" and not self.planning.running \
+        quiet = decision is not None and decision.action in ("keep", "hold") and not self.planning.running \
             and not self._probe_running and (self._calibrated or not self.adaptive)
         self._quiet = self._quiet + 1 if quiet else 0
         if not quiet:
