@@ -1,4 +1,4 @@
-"""Runtime v2 on 4 gloo ranks (issue 13): delegation as a transport choice of CrossPipe (float64,
+"""Runtime v2 on gloo ranks (issue 13): delegation as a transport choice of CrossPipe (float64,
 identical to torch's ScheduleGPipe), and plan stability under a constant straggler."""
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ def _crosspipe_delegated_worker(rank, world, n_mb, steps):
 
 
 def test_crosspipe_with_delegation_always_matches_gpipe():
-    world, n_mb, steps = 4, 4, 3
+    # 3 ranks (a middle rank uses all four channel kinds): each rank starts its delegate processes,
+    # which dominates the cost on a 2-core machine
+    world, n_mb, steps = 3, 4, 3
     results = run_ranks(_crosspipe_delegated_worker, world, n_mb, steps)
     for rank, r in enumerate(results):
         assert r["params_close"], rank
