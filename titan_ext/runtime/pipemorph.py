@@ -88,7 +88,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         policy: the re-planning policy (default ``ReplanPolicy()``).
         profile_every: exchange profiles / check the policy every k iterations.
         profile_every_max: while nothing changes, the period doubles up to this (adaptive k); any
-            decision other than keep/hold, a running background plan or a probe resets it.
+            decision other than keep/hold, a running background plan or a probe resets it.  With
+            Falcon on, the period stays ``profile_every`` (its detector needs every iteration).
         slack_floor: Alg.2's minimum slackness.
         adaptive_memory_limit: a further cap on warm-up forwards of adaptive plans (lifted while
             delegating: the paper's §5.2 "virtually no memory constraint").
@@ -177,6 +178,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         falcon_observer = FalconObserver.create(falcon, S, N)
         self.falcon = falcon_observer.monitor if falcon_observer else None
         self.observers: list = ([falcon_observer] if falcon_observer else []) + list(observers)
+        if falcon_observer:  # Falcon's change-point detection needs every iteration's agreed time
+            self.profile_every_max = self.profile_every
 
         self.iteration = 0
         self.decision_log: deque[dict] = deque(maxlen=decision_log_size)
@@ -497,6 +500,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             if resolving:
                 m.plan_ms, m.plan_cpu_ms = bg_ms, self._plan_cpu_ms
             decision = self._decide()
+            if not self._chooser.probing:  # the verdict kept the probed variant: no swap marks the end
+                self._probe_running = False
             if decision.replans:
                 self._start_planning(decision)
             elif decision.action != "keep":
