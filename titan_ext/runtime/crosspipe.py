@@ -30,6 +30,8 @@ class CrossPipe(PipeMorph):
         link_bandwidth_bytes_per_s: bandwidth of each link (one value, or one per link), for the split.
     """
 
+    backward_choices = CrossPipePlanner.backward_choices
+
     def __init__(
         self,
         *args: Any,

@@ -103,6 +103,10 @@ class PipeMorph(_PipelineScheduleRuntime):
             or the delegate data plane (``titan_ext.runtime.delegate.schedule.Delegation``).
     """
 
+    #: ``backward=`` values of the default planner (read by the [titan_ext] config check before any
+    #: process group exists); a ``planner=`` argument is checked against its own.
+    backward_choices = PipeMorphPlanner.backward_choices
+
     def __init__(
         self,
         stages: list[_PipelineStageBase] | _PipelineStageBase,
