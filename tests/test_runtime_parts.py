@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as Fn
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -17,7 +16,7 @@ from titan_ext.plan import PipelineProfile, PlanValidationError, plan_crosspipe,
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan.ir import as_ops
 from titan_ext.runtime.control import ControlPlane
-from titan_ext.runtime.deploy import backward_of, lower, plan_hash, prepare_candidate, warmup_counts_of
+from titan_ext.runtime.deploy import backward_of, plan_hash, prepare_candidate, warmup_counts_of
 from titan_ext.runtime.estimator import Estimator
 from titan_ext.runtime.memory import inflight_cap
 from titan_ext.runtime.metrics import IterationMetrics
