@@ -59,8 +59,7 @@ def test_prepare_candidate_refuses_bad_plans(damage, match):
 
 
 def _rank(f, i, w, b=math.nan):
-    return RankProfile(0, 0, f, i, w, b, 0.0, 0.0, 0.0, 0.0, math.nan, math.nan, math.nan, 0.0, 0, math.nan,
-                       [], [], [], [])
+    return RankProfile(0, 0, f, i, w, b, 0.0, 0.0, 0.0, 0.0, math.nan, math.nan, math.nan, 0.0, 0, [], [], [], [])
 
 
 def test_estimator_takes_window_medians_and_keeps_old_rows_when_nothing_was_measured():

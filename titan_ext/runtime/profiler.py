@@ -227,11 +227,11 @@ class RankProfile:
     rtt_prev: float
     send_bytes_next: float
     candidate_hash: int
-    memory_budget_bytes: float
     sends_next: list[float]
     sends_prev: list[float]
     arrivals_prev: list[float]
     arrivals_next: list[float]
+    memory_budget_bytes: float = math.nan  # bytes this rank can spend on activations (NaN: no limit)
 
 
 def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int) -> list[RankProfile]:
