@@ -204,6 +204,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._clock = (math.nan, math.nan)
         self._clock_synced = False
         self._period, self._quiet, self._next_check = profile_every, 0, 0
+        self._last_delays: list[float] = []
 
         self.delegation = None
         if delegation != "off" or failover:
@@ -473,13 +474,25 @@ class PipeMorph(_PipelineScheduleRuntime):
     def _check_now(self) -> bool:
         return self.iteration >= self._next_check
 
-    def _schedule_next_check(self, decision: Decision | None) -> None:
+    def _links_moved(self, links: list[dict]) -> bool:
+        """Whether a link's delay of this check differs from the previous check's by more than the
+        policy's margins (10 % + 1 ms by default): news the window has not absorbed yet."""
+        delays = [lk["c_ms"] for lk in links]
+        previous, self._last_delays = self._last_delays, delays
+        rel, abs_ms = getattr(self.policy, "rel_margin", 0.10), getattr(self.policy, "abs_margin_ms", 1.0)
+        return len(previous) != len(delays) or any(
+            not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > rel * max(a, b) + abs_ms
+            for a, b in zip(previous, delays))
+
+    def _schedule_next_check(self, decision: Decision | None, links: list[dict]) -> None:
         """Adaptive k: the period doubles after 2 × ``window`` quiet checks (keep or hold, nothing
-        planning, no probe: the window refreshed twice without news), up to ``profile_every_max``; anything else
-        resets it to ``profile_every``.  The price is detection latency: a new straggler is seen at
+        planning, no probe, no link delay moved beyond the policy's margins since the last check: the
+        window refreshed twice without news), up to ``profile_every_max``; anything else resets it
+        to ``profile_every``.  The price is detection latency: a new straggler is seen at
         the next check, at most ``profile_every_max`` iterations later."""
+        moved = self._links_moved(links)
         quiet = decision is not None and decision.action in ("keep", "hold") and not self.planning.running \
-            and not self._probe_running and (self._calibrated or not self.adaptive)
+            and not self._probe_running and (self._calibrated or not self.adaptive) and not moved
         self._quiet = self._quiet + 1 if quiet else 0
         if not quiet:
             self._period = self.profile_every
@@ -511,7 +524,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             elif decision.action != "keep":
                 self._log(decision=decision.action, reason=decision.reason)
             m.decision, m.decision_reason = decision.action, decision.reason
-            self._schedule_next_check(decision)
+            self._schedule_next_check(decision, links)
         m.boundary_ms = 1e3 * (now() - t0)
         m.replan_ms = m.swap_ms  # critical path only: planning ran in the background (plan_ms)
         self._since_deploy += 1
