@@ -11,6 +11,10 @@ Compute modes (named in the output):
 ZeroBubble baseline: torch's ScheduleInterleavedZeroBubble with one stage per rank ("torch-ZB1P");
 if torch refuses that layout, our ZB plan (PipeMorph Fig.4, x_i = 2(S−i)−1) run statically.
 
+"torch-runtime" is torch's own _PipelineScheduleRuntime running PipeMorph's deployed plan (reloaded
+whenever PipeMorph swaps), so PipeMorph / torch-runtime − 1 is what our executor, profiler and boundary
+cost on the same actions.
+
 Per cell: median over --steps iterations after --warmup iterations; an iteration's time is the max over
 ranks of (step end − common barrier exit).  For each delay the three schedules are built side by side and
 their iterations interleaved round-robin, so load from other jobs on a shared machine hits all alike.  Ratios: best baseline / PipeMorph (speed-up), PipeMorph /
@@ -38,13 +42,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from titan_ext.runtime.testing import run_ranks, step_rank  # noqa: E402
 
-SCHEDULES = ("1F1B", "ZB", "PipeMorph")
+#: "torch-runtime": torch's own _PipelineScheduleRuntime running PipeMorph's deployed plan (the same
+#: actions, no instrumentation): PipeMorph / torch-runtime − 1 is the cost of our executor + boundary
+SCHEDULES = ("1F1B", "ZB", "PipeMorph", "torch-runtime")
 
 
 def _build(kind: str, mode: str, rank: int, world: int, args) -> tuple:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
     from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.planning import PipeMorphPlanner
     from titan_ext.runtime.testing import SleepComputeStage, TinyTransformerStage
 
     if mode == "sleep":
@@ -62,12 +70,21 @@ def _build(kind: str, mode: str, rank: int, world: int, args) -> tuple:
             sched = ScheduleInterleavedZeroBubble([stage], n, loss_fn=loss)
             label = "torch-ZB1P"
         except Exception:  # noqa: BLE001
-            sched = PipeMorph([stage], n, loss_fn=loss, adaptive=False)
-            sched.planner_schedule = "zb"
+            sched = PipeMorph([stage], n, loss_fn=loss, adaptive=False, planner=PipeMorphPlanner("zb"))
             label = "ZB-static"
+    elif kind == "torch-runtime":
+        sched = _PipelineScheduleRuntime([stage], n, loss_fn=loss)  # plan loaded from PipeMorph's each step
+        sched.loaded_hash = None
     else:
         sched = PipeMorph([stage], n, loss_fn=loss)
     return mod, sched, label
+
+
+def _load_deployed(torch_runtime, pipemorph) -> None:
+    """Give torch's runtime PipeMorph's deployed compute-only plan (lowered by torch itself)."""
+    if torch_runtime.loaded_hash != pipemorph.deployed.hash:
+        torch_runtime._prepare_schedule_with_comms({r: list(a) for r, a in pipemorph.deployed.actions.items()})
+        torch_runtime.loaded_hash = pipemorph.deployed.hash
 
 
 def _loss(mode: str):
@@ -102,6 +119,8 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
         for k in range(args.warmup + args.steps):
             x, y = _inputs(mode, k, args)
             for kind, (mod, sched, label, opt, times, metrics) in runs.items():
+                if kind == "torch-runtime":
+                    _load_deployed(sched, runs["PipeMorph"][1])
                 dist.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
@@ -116,7 +135,7 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                         "iteration", "decision", "deployed", "plan_version", "warmup_counts", "backward", "replan_ms", "plan_ms",
                         "plan_cpu_ms",
                         "exchange_ms", "boundary_ms", "bubble_rate", "link_delay_ms", "compute_ms",
-                        "iteration_time_ms")})
+                        "iteration_time_ms", "profile_every", "inflight_cap")})
         for kind, (mod, sched, label, opt, times, metrics) in runs.items():
             cell = {"delay_ms": delay, "schedule": label, "times_ms": times,
                     "median_ms": statistics.median(times[args.warmup:])}
@@ -130,12 +149,16 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                     "background_plan_cpu_ms_max": max((m["plan_cpu_ms"] for m in swaps), default=0.0),
                     "final_backward": metrics[-1]["backward"],
                     "exchange_ms_median": statistics.median(m["exchange_ms"] for m in steady),
+                    "boundary_ms_median": statistics.median(m["boundary_ms"] for m in steady),
                     "final_warmup_counts": metrics[-1]["warmup_counts"],
                     "decisions": [(m["iteration"], m["decision"]) for m in metrics if m["decision"] not in ("keep",)],
                     "swapped_at": [m["iteration"] for m in swaps],
                     "measured_compute_ms": metrics[-1]["compute_ms"],
                     "measured_link_delay_ms": metrics[-1]["link_delay_ms"],
-                    "bubble_rate_median": statistics.median(m["bubble_rate"] for m in steady),
+                    "bubble_rate_median": statistics.median(
+                        [m["bubble_rate"] for m in steady if m["bubble_rate"] == m["bubble_rate"]] or [float("nan")]),
+                    "plan_versions": metrics[-1]["plan_version"],
+                    "profile_every_final": metrics[-1]["profile_every"],
                 })
             out["cells"].append(cell)
         del runs
@@ -177,21 +200,26 @@ def main() -> None:
         print(f"\n== mode: {name}; {args.world} gloo ranks, N={args.microbatches}, delay on link "
               f"{args.world - 2} (last); median of {args.steps} iterations after {args.warmup} warm-up "
               f"[{time.time() - t0:.0f} s]")
-        print(f"{'delay ms':>8} | " + " | ".join(f"{s:>12}" for s in ("1F1B", "ZB", "PipeMorph"))
-              + " | speed-up vs best | overhead | swap % of iter | planning CPU % of iter | final x | backward")
+        print(f"{'delay ms':>8} | " + " | ".join(f"{s:>12}" for s in ("1F1B", "ZB", "PipeMorph", "torch-runtime"))
+              + " | vs 1F1B | speed-up vs best | vs torch-runtime | swap % of iter | planning CPU % of iter"
+              + " | versions | final x | backward")
         for delay in args.delays:
             cells = {c["schedule"]: c for c in res["cells"] if c["delay_ms"] == delay}
             pm = cells["PipeMorph"]
-            zb = next(c for s, c in cells.items() if s not in ("1F1B", "PipeMorph"))
+            zb = next(c for s, c in cells.items() if s not in ("1F1B", "PipeMorph", "torch-runtime"))
+            tr = cells["torch-runtime"]
+            pm["ratio_vs_1f1b"] = cells["1F1B"]["median_ms"] / pm["median_ms"]
+            pm["overhead_vs_torch_runtime"] = pm["median_ms"] / tr["median_ms"] - 1
             best = min(cells["1F1B"]["median_ms"], zb["median_ms"])
             pm["speedup_vs_best_baseline"] = best / pm["median_ms"]
             pm["overhead_vs_best_baseline"] = pm["median_ms"] / best - 1
             pm["replan_swap_pct_of_iteration"] = 100 * pm["replan_swap_ms_max"] / pm["median_ms"]
             pm["replan_total_pct_of_iteration"] = 100 * (pm["replan_swap_ms_max"] + pm["background_plan_cpu_ms_max"]) / pm["median_ms"]
             print(f"{delay:>8g} | {cells['1F1B']['median_ms']:>12.1f} | {zb['median_ms']:>12.1f} | "
-                  f"{pm['median_ms']:>12.1f} | {pm['speedup_vs_best_baseline']:>15.2f}x | "
-                  f"{100 * pm['overhead_vs_best_baseline']:>+7.1f}% | {pm['replan_swap_pct_of_iteration']:>12.2f} | "
-                  f"{pm['replan_total_pct_of_iteration']:>21.2f} | {pm['final_warmup_counts']} | {pm['final_backward']}")
+                  f"{pm['median_ms']:>12.1f} | {tr['median_ms']:>13.1f} | {pm['ratio_vs_1f1b']:>6.2f}x | "
+                  f"{pm['speedup_vs_best_baseline']:>15.2f}x | {100 * pm['overhead_vs_torch_runtime']:>+15.1f}% | "
+                  f"{pm['replan_swap_pct_of_iteration']:>12.2f} | {pm['replan_total_pct_of_iteration']:>21.2f} | "
+                  f"{pm['plan_versions']:>8} | {pm['final_warmup_counts']} | {pm['final_backward']}")
         print(f"   ZB baseline used: {zb['schedule']}")
         for delay in args.delays:
             pm = next(c for c in res["cells"] if c["delay_ms"] == delay and c["schedule"] == "PipeMorph")
@@ -200,7 +228,8 @@ def main() -> None:
                   f"(critical path {pm['replan_swap_ms_max']:.2f} ms, background planning "
                   f"{pm['background_plan_ms_max']:.1f} ms wall / {pm['background_plan_cpu_ms_max']:.1f} ms CPU), measured compute {comp}, "
                   f"link delays {{{', '.join(f'{k}: {v:.1f}' for k, v in pm['measured_link_delay_ms'].items())}}}, "
-                  f"bubble {pm['bubble_rate_median']:.2f}, exchange {pm['exchange_ms_median']:.1f} ms")
+                  f"bubble {pm['bubble_rate_median']:.2f}, exchange {pm['exchange_ms_median']:.2f} ms, "
+                  f"boundary {pm['boundary_ms_median']:.2f} ms, final check period {pm['profile_every_final']}")
     with open(args.json, "w") as fh:
         json.dump(report, fh, indent=1, default=str)
     print(f"\nwrote {args.json}")

@@ -30,10 +30,16 @@ class SplitOverhead(PipeMorph):
 
     overhead_s = 0.0
 
-    def _perform(self, action, *args, **kwargs):
-        if action.computation_type.value == "I" and self.overhead_s:
-            time.sleep(self.overhead_s)
-        return super()._perform(action, *args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        perform = self.executor.perform
+
+        def slow_input_backward(action, ctx):
+            if action.computation_type.value == "I" and self.overhead_s:
+                time.sleep(self.overhead_s)
+            return perform(action, ctx)
+
+        self.executor.perform = slow_input_backward
 
 
 def _worker(rank: int, world: int, overhead_ms: float, backward: str) -> dict:

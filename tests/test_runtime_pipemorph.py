@@ -342,7 +342,7 @@ def _budget_worker(rank: int, world: int, n_mb: int, budget: float):
     for k in range(3):
         _step(sched, rank, world, k)
         counts.append(list(sched.deployed.warmup_counts))
-    return {"counts": counts, "act": sched._activation_bytes, "log": list(sched.decision_log)}
+    return {"counts": counts, "act": sched.executor.activation_bytes, "log": list(sched.decision_log)}
 
 
 def test_initial_plan_from_memory_budget_and_measured_activations():

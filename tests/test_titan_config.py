@@ -161,8 +161,9 @@ def test_schedule_kwargs_follow_constructor_signature():
                                       profile_window=4, tolerance_margin=0.2, recover_patience=5))
     kw = schedule_kwargs(PipeMorph, jc)
     policy = kw.pop("policy")
+    # delegation is a transport choice of every adaptive schedule (runtime v2): its knobs reach PipeMorph
     assert kw == {"memory_budget_bytes": 2.0 * 1024**3, "profile_every": 9, "adaptive": False,
-                  "slack_floor": 2, "falcon": True}
+                  "slack_floor": 2, "falcon": True, "delegation": "off", "slow_link_ms": 5.0, "failover": False}
     assert isinstance(policy, ReplanPolicy)
     assert (policy.window, policy.rel_margin, policy.recover_patience) == (4, 0.2, 5)
     kw = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))

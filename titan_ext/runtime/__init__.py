@@ -15,7 +15,8 @@ from .delay_injection import (
     parse_delay_spec,
     remove_link_delays,
 )
-from .pipemorph import PipeMorph, plan_hash, warmup_counts_of
+from .deploy import plan_hash, warmup_counts_of
+from .pipemorph import PipeMorph
 from .crosspipe import CrossPipe  # CrossPipe greedy re-planning on PipeMorph's runtime (issue 6)
 from .policy import Decision, ReplanPolicy
 from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (issue 7, docs/falcon.md)

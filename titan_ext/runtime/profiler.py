@@ -181,13 +181,15 @@ class IterationProfile:
 
 
 # --- the fixed-size vector each rank contributes to the one all_gather per check -----------------
-_HDR = 16  # iteration, plan hash (2 x 26 bits), F, I, W, B ms, busy ms, first start, first F, last end,
-#             activation bytes, clock offset to prev, rtt to prev, send bytes, candidate-plan hash (52 bits)
+_HDR = 17  # iteration, plan hash (2 x 26 bits), F, I, W, B ms, busy ms, first start, first F, last end,
+#             activation bytes, clock offset to prev, rtt to prev, send bytes, candidate-plan hash (52 bits),
+#             activation memory budget (bytes; NaN: none)
 
 
 def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microbatches: int,
-                   clock_offset_prev: float, rtt_prev: float, candidate_hash: int = 0) -> torch.Tensor:
-    """Pack a rank's profile into a float64 vector of length 16 + 4·N (NaN-padded)."""
+                   clock_offset_prev: float, rtt_prev: float, candidate_hash: int = 0,
+                   memory_budget_bytes: float = math.nan) -> torch.Tensor:
+    """Pack a rank's profile into a float64 vector of length 17 + 4·N (NaN-padded)."""
     n = n_microbatches
     vec = torch.full((_HDR + 4 * n,), math.nan, dtype=torch.float64)
     starts = [a.start for a in p.actions]
@@ -198,7 +200,7 @@ def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microb
         p.compute_ms("F"), p.compute_ms("I"), p.compute_ms("W"), p.compute_ms("B"),
         p.busy_ms(), min(starts) if starts else math.nan, min(f_starts) if f_starts else math.nan,
         max(ends) if ends else math.nan, p.activation_bytes, clock_offset_prev, rtt_prev,
-        float(p.send_bytes_next), float(candidate_hash),
+        float(p.send_bytes_next), float(candidate_hash), float(memory_budget_bytes),
     ]
     vec[:_HDR] = torch.tensor(hdr, dtype=torch.float64)
     for slot, stamps in enumerate((p.sends_next, p.sends_prev, p.arrivals_prev, p.arrivals_next)):
@@ -229,6 +231,7 @@ class RankProfile:
     sends_prev: list[float]
     arrivals_prev: list[float]
     arrivals_next: list[float]
+    memory_budget_bytes: float = math.nan  # bytes this rank can spend on activations (NaN: no limit)
 
 
 def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int) -> list[RankProfile]:
@@ -244,6 +247,7 @@ def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int) -> list[R
             iteration=int(v[0]), plan_hash=int(v[1]) | (int(v[2]) << 26), f_ms=v[3], i_ms=v[4], w_ms=v[5],
             b_ms=v[6], busy_ms=v[7], first_start=v[8], first_f=v[9], last_end=v[10], activation_bytes=v[11],
             clock_offset_prev=v[12], rtt_prev=v[13], send_bytes_next=v[14], candidate_hash=int(v[15]),
+            memory_budget_bytes=v[16],
             sends_next=stamps(0), sends_prev=stamps(1), arrivals_prev=stamps(2), arrivals_next=stamps(3),
         ))
     return out

@@ -5,7 +5,7 @@
 * :mod:`.recovery` — a killed delegate: exact fallback to the direct path, respawn, return.
 * :mod:`.transport` — direct / delegate / failover transports with one ``isend``/``irecv`` API,
   and the delegation mode (off / auto / always).
-* :mod:`.schedule` — delegation wired into the PipeMorph schedule through its ``_issue_p2p`` hook.
+* :mod:`.schedule` — delegation as a transport choice of the adaptive schedules (PipeMorph, CrossPipe).
 
 User documentation: docs/delegate.md.
 """

@@ -1,92 +1,57 @@
-"""Delegation mode in the PipeMorph schedule (PipeMorph §5.2 "Design", §5.3, §6 step ⑥).
+"""Delegation as a transport choice of the adaptive schedules (PipeMorph §5.2 "Design", §5.3, §6 ⑥).
 
-``DelegatedPipeMorph`` is PipeMorph with its documented transport hook ``_issue_p2p(action, ops)``
-routed through a :class:`~titan_ext.runtime.delegate.transport.P2PRouter`:
+Any adaptive schedule (``PipeMorph``, ``CrossPipe``, any planner) built with ``delegation`` other than
+"off" (or ``failover=True``) runs its SEND/RECV ops through a :class:`DelegateTransport` — the
+:class:`~titan_ext.runtime.delegate.transport.P2PRouter` over a :class:`DelegatePool` — and gets a
+:class:`Delegation` boundary observer:
 
 * ``delegation="off"``    — direct P2P (with ``failover=True``: retried on the delegates on error).
 * ``delegation="always"`` — every SEND/RECV of the plan goes through the delegate processes.
 * ``delegation="auto"``   — direct until the detector flags a slow link, then delegates, switched at an
-  iteration boundary.  The default detector flags a link whose estimated delay (PipeMorph's own
+  iteration boundary.  The default detector flags a link whose estimated delay (the schedule's own
   per-link estimate ``last_metrics["link_delay_ms"]``) exceeds ``slow_link_ms``; pass
   ``detector=callable(metrics) -> bool`` to use another one.  The ranks' verdicts are combined with one
-  MAX all-reduce at the boundary (only while not yet delegating), so all switch at the same boundary.
+  MAX vote on the control plane (``runtime/control.py``) at the boundary (only while not yet
+  delegating), so all switch at the same boundary.
 
-While delegating, activations queue in host memory (the delegates' slot rings), so the adaptive
-planner's cap on warm-up forwards (``adaptive_memory_limit``) is lifted — adapted plans may exceed the
-device memory budget (§5.2 "virtually no memory constraint in Algorithm 2").  It is restored if
-delegation is switched off again (:meth:`set_delegation`).
+While delegating, the configured ``adaptive_memory_limit`` is lifted (§5.2 "virtually no memory
+constraint in Algorithm 2"); the measured device-memory cap (``runtime/memory.py``) still applies,
+since the delegates carry the PP messages, not the activations autograd saves.
+
+``DelegatedPipeMorph`` is PipeMorph with the delegation API on the schedule object (``router``,
+``pool``, ``set_delegation`` …), kept for its callers (TorchTitan's registry, scripts, tests).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from titan_ext.runtime.observers import Boundary
 from titan_ext.runtime.pipemorph import PipeMorph
+from titan_ext.runtime.transport import TorchP2P
 
 from .pool import DelegatePool, delegates_needed, pipeline_channels
-from .transport import MODES, FaultInjector, P2PRouter
+from .transport import FaultInjector, P2PRouter
 
-__all__ = ["DelegatedPipeMorph"]
+__all__ = ["DelegatedPipeMorph", "Delegation", "DelegateTransport"]
 
 _FWD = (_ComputationType.SEND_F, _ComputationType.RECV_F)
 
 
-class DelegatedPipeMorph(PipeMorph):
-    """PipeMorph whose PP sends/receives can go through delegate processes.
+class DelegateTransport:
+    """Transport through the router: direct torch P2P unless delegating or failing over."""
 
-    Extra keyword arguments (the rest are PipeMorph's):
-        delegation: "off" | "auto" | "always".
-        failover: retry a failed/timed-out direct P2P on the delegate path (PipeMorph §5.3).
-        slow_link_ms: auto mode's threshold on the estimated link delay.
-        detector: auto mode's slow-link detector ``(last_metrics) -> bool`` (overrides slow_link_ms).
-        delegate_lanes: delegates per kind (int or {"F": n, "B": m}), fixed for the pool's life; every
-            boundary reports the §5.2 count for the measured rates in ``last_metrics["delegate_lanes_needed"]``.
-        delegate_slots / delegate_slot_bytes: ring geometry per delegate.
-        recv_timeout_s: failover's timeout of a direct receive.
-        delegate_timeout_s: how long a delegate-path operation may wait before DelegateError.
-        faults: a FaultInjector (tests).
-    """
+    def __init__(self, router: P2PRouter, pool: DelegatePool):
+        self.router, self.pool = router, pool
+        self._direct = TorchP2P()
 
-    def __init__(self, *args: Any, delegation: str = "off", failover: bool = False, slow_link_ms: float = 5.0,
-                 detector: Callable[[dict], bool] | None = None, delegate_lanes: int | dict = 1,
-                 delegate_slots: int = 16, delegate_slot_bytes: int = 16 << 20, recv_timeout_s: float = 30.0,
-                 delegate_timeout_s: float = 300.0, faults: FaultInjector | None = None, **kwargs: Any):
-        if delegation not in MODES:
-            raise ValueError(f"delegation must be one of {MODES}, got {delegation!r}")
-        super().__init__(*args, **kwargs)
-        self.delegation = delegation
-        if self.falcon is not None:  # Falcon's re-plan strategy may now come with delegation (§5)
-            self.falcon.config.delegation_available = delegation != "off"
-        self.slow_link_ms = slow_link_ms
-        self.detector = detector
-        self.delegation_log: list[dict] = []
-        self._memory_limit_direct = self.adaptive_memory_limit
-        self.pool: DelegatePool | None = None
-        self.router: P2PRouter | None = None
-        if delegation == "off" and not failover:
-            return
-        group = self._group
-        rank = dist.get_rank()
-        stage_to_rank = [self.stage_index_to_group_rank[s] for s in range(self._num_stages)]
-        if group is not None:
-            stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
-        self.pool = DelegatePool(rank, pipeline_channels(rank, stage_to_rank), lanes=delegate_lanes,
-                                 num_slots=delegate_slots, slot_bytes=delegate_slot_bytes,
-                                 timeout_s=delegate_timeout_s)
-        self.router = P2PRouter(rank, self.pool, group=group, failover=failover,
-                                recv_timeout_s=recv_timeout_s, faults=faults)
-        if delegation == "always":
-            self.set_delegation(True, "delegation=always")
-
-    # --- the transport hook ---------------------------------------------------------------------
-    def _issue_p2p(self, action: _Action, ops: list[dist.P2POp]) -> list[Any]:
+    def issue(self, action: _Action, ops: list[dist.P2POp]) -> list[Any]:
         router = self.router
-        if router is None or not (router.delegating or router.failover):
-            return super()._issue_p2p(action, ops)
+        if not (router.delegating or router.failover):
+            return self._direct.issue(action, ops)
         direction = "F" if action.computation_type in _FWD else "B"
         handles = []
         for op in ops:
@@ -96,54 +61,74 @@ class DelegatedPipeMorph(PipeMorph):
                 handles.append(router.irecv(op.tensor, op.peer, direction))
         return handles
 
-    # --- mode switching (iteration boundaries only) --------------------------------------------
+    def close(self) -> None:
+        self.pool.close()
+
+
+class Delegation:
+    """The delegate pool, its router and transport, and the boundary-time switching of one schedule."""
+
+    def __init__(self, schedule: Any, mode: str, *, failover: bool = False, slow_link_ms: float = 5.0,
+                 detector: Callable[[dict], bool] | None = None, lanes: int | dict = 1, slots: int = 16,
+                 slot_bytes: int = 16 << 20, recv_timeout_s: float = 30.0, delegate_timeout_s: float = 300.0,
+                 faults: FaultInjector | None = None):
+        self.schedule, self.mode = schedule, mode
+        self.slow_link_ms, self.detector = slow_link_ms, detector
+        self.log: list[dict] = []
+        group = schedule._group
+        rank = dist.get_rank()
+        stage_to_rank = [schedule.stage_index_to_group_rank[s] for s in range(schedule._num_stages)]
+        if group is not None:
+            stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
+        self.pool = DelegatePool(rank, pipeline_channels(rank, stage_to_rank), lanes=lanes, num_slots=slots,
+                                 slot_bytes=slot_bytes, timeout_s=delegate_timeout_s)
+        self.router = P2PRouter(rank, self.pool, group=group, failover=failover, recv_timeout_s=recv_timeout_s,
+                                faults=faults)
+        self.transport = DelegateTransport(self.router, self.pool)
+        self._bytes_prev = {"F": 0, "B": 0}
+
     @property
     def delegating(self) -> bool:
-        return bool(self.router and self.router.delegating)
+        return self.router.delegating
 
-    def set_delegation(self, on: bool, reason: str = "external") -> None:
-        """Switch delegation on/off.  Only between iterations; call it on every rank alike."""
-        if self._in_iteration:
+    def start(self) -> None:
+        """After the schedule's initial plan: ``always`` delegates from the first iteration."""
+        if self.mode == "always":
+            self.set(True, "delegation=always")
+
+    def set(self, on: bool, reason: str = "external", completed: int | None = None) -> None:
+        """Switch delegation on/off.  Only between iterations; call it on every rank alike.
+        ``completed``: iterations completed before the switch (default: the schedule's count)."""
+        if self.schedule._in_iteration:
             raise RuntimeError("delegation can only be switched at an iteration boundary")
-        if self.router is None:
-            raise RuntimeError("delegation='off' without failover has no delegates; construct with "
-                               "delegation='auto' or 'always'")
         if on == self.router.delegating:
             return
         self.router.delegating = on
-        self.adaptive_memory_limit = None if on else self._memory_limit_direct
-        self.delegation_log.append({"iteration": self.iteration, "delegating": on, "reason": reason})
-        self._log(decision="delegation", reason=f"{'on' if on else 'off'}: {reason}")
+        done = self.schedule.iteration if completed is None else completed
+        self.log.append({"iteration": done, "delegating": on, "reason": reason})
+        self.schedule._log(decision="delegation", reason=f"{'on' if on else 'off'}: {reason}")
 
-    def _slow_link(self) -> tuple[bool, str]:
-        m = self.last_metrics
+    def _slow_link(self, metrics: dict) -> tuple[bool, str]:
         if self.detector is not None:
-            return bool(self.detector(m)), "detector"
-        slow = {k: v for k, v in (m.get("link_delay_ms") or {}).items() if v == v and v > self.slow_link_ms}
+            return bool(self.detector(metrics)), "detector"
+        slow = {k: v for k, v in (metrics.get("link_delay_ms") or {}).items() if v == v and v > self.slow_link_ms}
         return bool(slow), f"slow links {slow} (> {self.slow_link_ms} ms)"
 
-    def _iteration_boundary(self, prof, iteration_ms: float) -> None:
-        super()._iteration_boundary(prof, iteration_ms)
-        if self.delegation == "auto" and not self.delegating and self.router is not None:
-            flagged, why = self._slow_link()
-            # Ranks may see slightly different estimates (clock offsets): agree with one tiny MAX
-            # all-reduce, so every rank switches at the same boundary.
-            vote = torch.tensor([1.0 if flagged else 0.0])
-            if dist.is_initialized() and self.pp_group_size > 1:
-                dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
-            if vote.item() > 0:
-                self.set_delegation(True, f"auto: {why if flagged else 'flagged by another rank'}")
-        if self.router is not None:
-            self.last_metrics["delegating"] = self.router.delegating
-            self.last_metrics["failed_over_links"] = sorted(self.router.failed)
-            self.last_metrics["delegate_lanes_needed"] = self._lanes_needed(iteration_ms)
+    def observe(self, boundary: Boundary) -> dict[str, Any]:
+        if self.mode == "auto" and not self.delegating and boundary.exchanged:
+            flagged, why = self._slow_link(boundary.metrics)
+            if self.schedule.control.any(flagged):
+                self.set(True, f"auto: {why if flagged else 'flagged by another rank'}",
+                         completed=boundary.iteration + 1)
+        return {"delegating": self.router.delegating, "failed_over_links": sorted(self.router.failed),
+                "delegate_lanes_needed": self._lanes_needed(boundary.iteration_ms)}
 
     def _lanes_needed(self, iteration_ms: float) -> dict[str, int]:
         """§5.2 sizing from this iteration: production rate of each send kind (bytes handed to its
         delegates / iteration time) over the measured per-delegate throughput of that kind."""
         sent = dict(self.router.delegate_bytes)
-        prev, self._bytes_prev = getattr(self, "_bytes_prev", {"F": 0, "B": 0}), sent
-        out = {}
+        prev, self._bytes_prev = self._bytes_prev, sent
+        out: dict[str, int] = {}
         if not self.router.delegating or not iteration_ms > 0:
             return out
         stats = self.pool.stats()
@@ -154,7 +139,36 @@ class DelegatedPipeMorph(PipeMorph):
                 out[f"send-{d}"] = delegates_needed(produced, sum(rates) / len(rates))
         return out
 
-    def close_delegation(self) -> None:
+    def close(self) -> None:
         """Stop the delegate processes (also done at interpreter exit)."""
-        if self.pool is not None:
-            self.pool.close()
+        self.pool.close()
+
+
+class DelegatedPipeMorph(PipeMorph):
+    """PipeMorph with the delegation API on the schedule (the transport is PipeMorph's own choice)."""
+
+    @property
+    def router(self) -> P2PRouter | None:
+        return self.delegation.router if self.delegation else None
+
+    @property
+    def pool(self) -> DelegatePool | None:
+        return self.delegation.pool if self.delegation else None
+
+    @property
+    def delegation_log(self) -> list[dict]:
+        return self.delegation.log if self.delegation else []
+
+    @property
+    def delegating(self) -> bool:
+        return bool(self.delegation and self.delegation.delegating)
+
+    def set_delegation(self, on: bool, reason: str = "external") -> None:
+        if self.delegation is None:
+            raise RuntimeError("delegation='off' without failover has no delegates; construct with "
+                               "delegation='auto' or 'always'")
+        self.delegation.set(on, reason)
+
+    def close_delegation(self) -> None:
+        if self.delegation is not None:
+            self.delegation.close()

@@ -1,0 +1,164 @@
+"""The control plane (issue 13 item 2): every profile exchange, plan-hash agreement, vote and clock
+ping-pong goes over the schedule's own gloo group, never as CPU tensors on the PP data group.
+
+Proof: the data group is made to refuse every collective and blocking send/recv that titan_ext code
+issues on it (as NCCL refuses the CPU tensors those calls carry).  The transport's batched P2P
+(``batch_isend_irecv`` → ``isend``/``irecv``; device tensors under NCCL) passes, and so does torch's
+own stage set-up (shape inference and warm-up votes of ``PipelineStage``: device tensors under NCCL,
+CPU ones only in this CPU test).  PipeMorph and CrossPipe must still train exactly like torch's ScheduleGPipe,
+re-plan every check, agree on every plan and accept a user-pushed plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as Fn
+from torch.distributed.pipelining import PipelineStage
+
+from titan_ext.plan.builtin import builtin_plan
+from titan_ext.runtime import CrossPipe, Decision, PipeMorph
+from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, step_rank
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DIM, BATCH, N_MB, STEPS = 8, 16, 8, 6
+
+#: collectives and blocking point-to-point calls the data group refuses (module-level names, so that
+#: torch's own helpers such as all_gather_object, which call them as globals, are caught too)
+REFUSED = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce", "gather", "scatter",
+           "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "barrier")
+
+
+_TITAN_EXT = os.path.dirname(os.path.dirname(os.path.abspath(__import__("titan_ext").__file__))) + os.sep \
+    + "titan_ext" + os.sep
+
+
+class DataGroupRefusal(RuntimeError):
+    pass
+
+
+def _called_from_titan_ext() -> bool:
+    """Whether the nearest caller outside torch's c10d module (e.g. behind all_gather_object) is
+    titan_ext code."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in (c10d.__file__, __file__):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_TITAN_EXT)
+
+
+@contextlib.contextmanager
+def data_group_refuses_cpu_collectives(calls: dict, direct: tuple = (False,)):
+    """While active, the default (data) group raises on the REFUSED calls that come from titan_ext code
+    (or from the test body itself); calls on any other group are counted in ``calls[name]``."""
+    saved = {name: getattr(c10d, name) for name in REFUSED}
+
+    def wrap(name, fn):
+        def guarded(*args, **kwargs):
+            group = kwargs.get("group")
+            if (group is None or group == dist.group.WORLD) and (_called_from_titan_ext() or direct[0]):
+                raise DataGroupRefusal(f"{name} from titan_ext on the PP data group")
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return guarded
+
+    try:
+        for name, fn in saved.items():
+            setattr(c10d, name, wrap(name, fn))
+            setattr(dist, name, getattr(c10d, name))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(2000 + step)
+    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+
+
+def _step(sched, rank, world, k):
+    x, y = _batch(k)
+    losses: list = []
+    step_rank(sched, rank, world, x, y, losses)
+    return [float(v) for v in losses]
+
+
+class ReplanEveryCheck:
+    """A different warm-up vector at every check (1F1B's counts, then Alg.1's, in turn)."""
+
+    window = 1
+    forces = True
+
+    def __init__(self):
+        self.k = 0
+
+    def decide(self, estimate, deployed_counts, initial_counts, since, slack_floor=2):
+        self.k += 1
+        S = len(initial_counts)
+        counts = [S - i for i in range(S)] if self.k % 2 else list(initial_counts)
+        return Decision("force", "re-plan", warmup_counts=counts)
+
+
+def _worker(rank, world):
+    ref_losses, ref_params = gpipe_reference(rank, world, N_MB, STEPS, lambda s, k: _step(s, rank, world, k), DIM)
+    out = {"ref_losses": ref_losses}
+    with data_group_refuses_cpu_collectives({}, direct=(True,)):  # the guard is real: the test could fail
+        try:
+            dist.all_gather([torch.zeros(1) for _ in range(world)], torch.zeros(1))
+            out["guard"] = "passed"
+        except DataGroupRefusal:
+            out["guard"] = "refused"
+    for name, cls in (("pipemorph", PipeMorph), ("crosspipe", CrossPipe)):
+        calls: dict = {}
+        mods = mlp_stages(world, DIM)
+        stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+        opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
+        with data_group_refuses_cpu_collectives(calls):
+            kw = {"policy": ReplanEveryCheck()} if cls is PipeMorph else {}
+            sched = cls(stage, N_MB, loss_fn=Fn.mse_loss, **kw)
+            losses = []
+            for k in range(STEPS):
+                if k == 3 and cls is PipeMorph:  # the synchronous deploy path agrees on the control group
+                    out["pushed"] = sched.deploy(builtin_plan("1F1B", world, N_MB)[0], reason="user")
+                opt.zero_grad()
+                losses.append(_step(sched, rank, world, k))
+                opt.step()
+        out[name] = {
+            "losses": losses, "calls": calls,
+            "params_close": all(torch.allclose(p, q, rtol=1e-9, atol=1e-12)
+                                for p, q in zip(mods[rank].parameters(), ref_params)),
+            "hashes": [e["plan_hash"] for e in sched.decision_log if e["decision"] == "deploy"],
+            "rejects": [e for e in sched.decision_log if e["decision"] == "reject"],
+            "versions": sched.plan_version,
+        }
+    return out
+
+
+def test_schedules_train_and_agree_when_the_data_group_refuses_cpu_collectives():
+    world = 4
+    results = run_ranks(_worker, world)
+    assert [r["guard"] for r in results] == ["refused"] * world
+    for name in ("pipemorph", "crosspipe"):
+        for r in results:
+            res = r[name]
+            assert not res["rejects"], res["rejects"]
+            assert res["params_close"], name
+            # the control group carried the profile exchanges (one per iteration) and the clock ping-pong
+            assert res["calls"].get("all_gather", 0) >= STEPS, res["calls"]
+            assert res["hashes"] == results[0][name]["hashes"]
+        for got, want in zip(results[-1][name]["losses"], results[-1]["ref_losses"]):
+            assert got == pytest.approx(want, rel=1e-9, abs=0)
+    # plans were swapped (background agreement) and a user plan went through the synchronous agreement
+    assert results[0]["pipemorph"]["versions"] >= 3
+    assert all(r["pushed"] is True for r in results)
+    assert results[1]["pipemorph"]["calls"].get("send", 0) + results[1]["pipemorph"]["calls"].get("recv", 0) > 0
+

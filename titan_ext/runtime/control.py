@@ -1,0 +1,80 @@
+"""The control plane: a gloo process group over the PP ranks, created once with the schedule.
+
+Everything the adaptive runtime agrees on goes here, never on the PP *data* group: the per-iteration
+profile exchange, the plan-hash agreement, votes (e.g. delegation's "is a link slow?") and the
+start-up clock-offset ping-pong.  The data group under TorchTitan is NCCL, whose collectives refuse
+CPU tensors; the control messages are small CPU vectors, so a gloo group is their natural home and
+keeps them off the device streams (PipeMorph §6: the profiler/coordinator is a CPU-side component).
+
+Creation uses ``use_local_synchronization=True``: only the PP group's ranks enter ``new_group``, so a
+DP×PP job where every PP group builds its own schedule does not need all ranks of the world in step.
+With one rank (or no process group) every exchange is local.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .profiler import estimate_clock_offsets
+
+__all__ = ["ControlPlane"]
+
+
+def pp_global_ranks(data_group: Any) -> list[int]:
+    """Global ranks of the PP data group, in group-rank order (``None``: the default group)."""
+    if data_group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(data_group))
+
+
+class ControlPlane:
+    """CPU collectives of one PP group on its own gloo group (one per schedule)."""
+
+    def __init__(self, data_group: Any = None, group: Any = None):
+        """``group``: an existing gloo group over the same ranks to reuse (else one is created)."""
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.ranks = pp_global_ranks(data_group) if self.distributed else [0]
+        self.size = len(self.ranks)
+        self.group = None
+        if self.distributed and self.size > 1:
+            self.group = group if group is not None else dist.new_group(
+                self.ranks, backend="gloo", use_local_synchronization=True)
+
+    @property
+    def local(self) -> bool:
+        return self.group is None
+
+    def all_gather(self, vector: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of a CPU vector of identical shape and dtype, by PP rank."""
+        vector = vector.detach().cpu()
+        if self.local:
+            return [vector]
+        out = [torch.empty_like(vector) for _ in range(self.size)]
+        dist.all_gather(out, vector, group=self.group)
+        return out
+
+    def gather_ints(self, value: int) -> list[int]:
+        """Every rank's integer (e.g. a 52-bit plan hash), by PP rank."""
+        return [int(t.item()) for t in self.all_gather(torch.tensor([int(value)], dtype=torch.int64))]
+
+    def agree(self, value: int) -> tuple[bool, list[int]]:
+        """(all ranks hold the same value, the distinct values seen)."""
+        seen = sorted(set(self.gather_ints(value)))
+        return len(seen) == 1, seen
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any rank (one MAX all-reduce)."""
+        vote = torch.tensor([1.0 if flag else 0.0])
+        if not self.local:
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(vote.item() > 0)
+
+    def clock_offsets(self) -> tuple[float, float]:
+        """(clock_self − clock_prev [s], min RTT [s]) by NTP-style ping-pong (profiler's method)."""
+        if self.local:
+            return math.nan, math.nan
+        return estimate_clock_offsets(self.group)

@@ -1,0 +1,135 @@
+"""Deployment of a compute-only plan: candidate → validate → lower (torch's passes) → agree → swap.
+
+A plan is never trusted because a planner made it (PipeMorph §6, step ⑤): :func:`prepare_candidate`
+validates it (``titan_ext.plan.validate_plan``: completeness, per-rank order, in-flight memory limit,
+progress; plus one stage per rank) and lowers it with the passes torch's
+``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs, in the same order
+(``_validate_schedule`` → ``_add_unshard_reshard`` (FSDP only) → ``_add_reduce_grad`` →
+``_add_send_recv``), then dry-runs the very lowered lists with torch's simulator.  All of it is pure (no
+process group, no schedule state), so it runs in the background planning thread and in unit tests.
+Agreement (one hash exchange on the control plane) and the O(1) swap are the schedule's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from torch.distributed.pipelining import schedules as _torch_schedules
+from torch.distributed.pipelining.schedules import _Action
+
+from titan_ext.plan import PlanValidationError, to_torch_plan, validate_plan
+from titan_ext.plan.ir import as_ops
+from titan_ext.plan.validate import torch_dry_run_lowered
+
+from .profiler import now
+
+__all__ = ["Candidate", "DeployedPlan", "backward_of", "plan_hash", "prepare_candidate", "unpack_plan",
+           "warmup_counts_of"]
+
+
+def plan_hash(actions: Mapping[int, list[Any]]) -> int:
+    """52-bit hash of a compute-only plan (exactly representable in a float64 profile vector)."""
+    ops = as_ops(actions)
+    text = ";".join(f"{r}:" + ",".join(f"{s}{k}{m}" for s, k, m in ops[r]) for r in sorted(ops))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 52) - 1)
+
+
+def warmup_counts_of(actions: Mapping[int, list[Any]]) -> list[int]:
+    """x_i of any compute-only plan: forwards stage i runs before its first backward."""
+    counts: dict[int, int] = {}
+    done: set[int] = set()
+    for rank_ops in as_ops(actions).values():
+        for s, k, _ in rank_ops:
+            counts.setdefault(s, 0)
+            if s in done:
+                continue
+            if k == "F":
+                counts[s] += 1
+            else:
+                done.add(s)
+    return [counts[s] for s in sorted(counts)]
+
+
+def backward_of(actions: Mapping[int, list[Any]]) -> str:
+    """``"full"`` when a compute-only plan runs full backwards (B), else ``"split"`` (I and W)."""
+    return "full" if any(k == "B" for ops in as_ops(actions).values() for _, k, _ in ops) else "split"
+
+
+def unpack_plan(plan: Any) -> tuple[dict[int, list[Any]], list[int] | None, list[int] | None]:
+    """(actions, warm-up counts or None, per-stage in-flight limit or None) of any planner result:
+    a ``titan_ext.plan`` plan result (``.actions``/``.warmup_counts``/``.inflight_limit``), a dict with
+    those keys, or a bare ``dict[rank, actions]``."""
+    if isinstance(plan, dict) and "actions" in plan:
+        return plan["actions"], plan.get("warmup_counts"), plan.get("inflight_limit")
+    if hasattr(plan, "actions"):
+        return (plan.actions, list(getattr(plan, "warmup_counts", None) or []) or None,
+                getattr(plan, "inflight_limit", None))
+    return plan, None, None
+
+
+@dataclass
+class DeployedPlan:
+    actions: dict[int, list[_Action]]
+    warmup_counts: list[int]
+    version: int
+    hash: int
+    reason: str
+    kind: str  # initial | adaptive | forced | external
+    backward: str = "split"  # split (I + W) | full (B)
+
+
+@dataclass
+class Candidate:
+    """A validated, lowered plan waiting for agreement and the swap."""
+
+    actions: dict[int, list[_Action]]
+    lowered: dict[int, list[_Action]]
+    mapping: dict[int, int]
+    counts: list[int]
+    hash: int
+    kind: str
+    reason: str
+    backward: str = "split"
+    trigger: str = ""  # the decision that asked for it; probe/select change only the backward variant
+    prepare_ms: float = 0.0
+    plan_ms: float = 0.0
+    plan_cpu_ms: float = 0.0
+
+
+def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages: int, n_microbatches: int,
+          fsdp: bool) -> tuple[dict[int, list[_Action]], dict[int, int]]:
+    """torch's lowering passes of ``_prepare_schedule_with_comms``, on copies: (lowered, stage → rank)."""
+    mapping = _torch_schedules._validate_schedule(
+        {r: list(a) for r, a in torch_actions.items()}, num_ranks, num_stages, n_microbatches)
+    lowered = {}
+    for r in torch_actions:
+        # UNSHARD/RESHARD are no-ops for stages that FSDP does not wrap: skipped then
+        acts = _torch_schedules._add_unshard_reshard(list(torch_actions[r])) if fsdp else list(torch_actions[r])
+        lowered[r] = _torch_schedules._add_reduce_grad(acts, n_microbatches)
+    lowered = _torch_schedules._add_send_recv(lowered, stage_to_rank=lambda st: mapping[st], num_stages=num_stages)
+    return lowered, mapping
+
+
+def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None, kind: str, reason: str, *,
+                      num_stages: int, n_microbatches: int, num_ranks: int, fsdp: bool = False,
+                      inflight_limit: list[int] | None = None) -> Candidate:
+    """Validate and lower a compute-only plan (one stage per rank; pure).
+
+    Raises ``PlanValidationError`` (or what torch's lowering raises) when the plan is unsafe."""
+    t0 = now()
+    ops = as_ops(actions)
+    # our checks here; torch's dry run below, on the very lowered action lists the executor will run
+    validate_plan(ops, num_stages, n_microbatches, inflight_limit=inflight_limit, torch_dry_run=False)
+    if set(ops) != set(range(num_ranks)):
+        raise PlanValidationError(f"plan covers ranks {sorted(ops)}, expected 0..{num_ranks - 1}")
+    for r, rank_ops in ops.items():
+        if any(st != r for st, _, _ in rank_ops):
+            raise PlanValidationError(f"rank {r} runs a stage other than stage {r} (one stage per rank)")
+    torch_actions = to_torch_plan(ops)
+    lowered, mapping = lower(torch_actions, num_ranks, num_stages, n_microbatches, fsdp)
+    torch_dry_run_lowered(lowered, mapping, num_stages)
+    counts = list(counts) if counts else warmup_counts_of(ops)
+    return Candidate(torch_actions, lowered, mapping, counts, plan_hash(ops), kind, reason,
+                     backward=backward_of(ops), prepare_ms=1e3 * (now() - t0))

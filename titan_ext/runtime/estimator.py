@@ -1,0 +1,82 @@
+"""The profile estimate every rank plans from: windows of exchanged measurements → window medians
+(PipeMorph §6 "profiler": robust statistics over the last checks).
+
+Every rank pushes the *same* gathered rows (the control plane's all_gather), so every rank holds the
+same estimate and reaches the same decision and plan.  Pure: no process group.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Sequence
+
+from titan_ext.plan import LinkProfile, PipelineProfile
+
+from .profiler import RankProfile
+
+__all__ = ["Estimator", "Window"]
+
+
+class Window:
+    """Per-iteration estimates of the last ``size`` checks that measured them (medians over them = the
+    robust estimate).  Keys: F, I, W, B (per stage) and C (per link).  A row with no measurement at all
+    (e.g. I and W while a full-backward plan runs) is not pushed, so the last measurements are kept."""
+
+    KEYS = ("F", "I", "W", "B", "C")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.rows: dict[str, deque] = {k: deque(maxlen=size) for k in self.KEYS}
+
+    def push(self, key: str, row: Sequence[float]) -> None:
+        if any(not math.isnan(v) for v in row):
+            self.rows[key].append(list(row))
+
+    def median(self, key: str, n: int) -> list[float]:
+        out = []
+        for j in range(n):
+            vals = [row[j] for row in self.rows[key] if not math.isnan(row[j])]
+            out.append(statistics.median(vals) if vals else math.nan)
+        return out
+
+
+class Estimator:
+    """Windows of the exchanged per-stage times and per-link delays → a plan-layer profile."""
+
+    def __init__(self, num_stages: int, n_microbatches: int, window: int,
+                 initial_times_ms: tuple[float, float, float] = (1.0, 1.0, 1.0)):
+        self.num_stages, self.n_microbatches = num_stages, n_microbatches
+        self.window = Window(window)
+        self.initial_times_ms = tuple(float(t) for t in initial_times_ms)
+
+    def push(self, ranks: Sequence[RankProfile], link_delays_ms: Sequence[float]) -> None:
+        """One check's gathered profiles (by rank) and per-link delay estimates."""
+        for key, row in (("F", [r.f_ms for r in ranks]), ("I", [r.i_ms for r in ranks]),
+                         ("W", [r.w_ms for r in ranks]), ("B", [r.b_ms for r in ranks]),
+                         ("C", list(link_delays_ms))):
+            self.window.push(key, row)
+
+    def profile(self, backward: str = "split") -> PipelineProfile:
+        """The robust estimate as a plan-layer profile; ``initial_times_ms`` before any data.
+
+        ``backward="full"``: the profile a full-backward plan is planned and checked with — measured
+        full-B times as ``b_ms`` and ``w_ms`` = 0 (I + W of the split measurements until B is measured).
+        """
+        S, N, win = self.num_stages, self.n_microbatches, self.window
+        f0, i0, w0 = self.initial_times_ms
+
+        def pick(v: float, default: float, floor: float) -> float:
+            return max(v, floor) if not math.isnan(v) else default
+
+        f = [pick(v, f0, 1e-3) for v in win.median("F", S)]
+        i = [pick(v, i0, 1e-3) for v in win.median("I", S)]
+        w = [pick(v, w0, 0.0) for v in win.median("W", S)]
+        c = [pick(v, 0.0, 0.0) for v in win.median("C", S - 1)]
+        links = tuple(LinkProfile(latency_ms=x) for x in c)
+        profile = PipelineProfile(S, N, tuple(f), tuple(i), tuple(w), links)
+        if backward == "full":
+            b = [pick(v, fallback, 1e-3) for v, fallback in zip(win.median("B", S), profile.fused().b_ms)]
+            profile = PipelineProfile(S, N, tuple(f), tuple(b), (0.0,) * S, links)
+        return profile

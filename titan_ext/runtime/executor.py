@@ -1,0 +1,259 @@
+"""The instrumented action loop: runs one rank's lowered action list for one iteration.
+
+Tracks torch **2.13**'s ``_PipelineScheduleRuntime._step_microbatches`` (torch/distributed/pipelining/
+schedules.py): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
+functions, local stage-to-stage hand-off when neighbouring stages share a rank — so it runs several
+local stages per rank, as issue 14's multi-stage runtime needs), with three additions:
+
+* every compute action is timed (``ComputeTimer``: host clock on CPU, CUDA events on GPU) and the time
+  spent waiting for its input is recorded apart (``recv_wait_ms``);
+* SEND/RECV ops go through a :class:`~titan_ext.runtime.transport.Transport` (torch P2P, delegates),
+  sends are stamped when handed over, receives are stamped on arrival (``ArrivalWatcher``);
+* losses are kept by microbatch index, so a plan may order the last stage's forwards freely.
+
+The per-iteration state travels in a :class:`RunContext` (torch's ``_PipelineContext`` plus ours), not
+in long parameter lists.  torch-owned per-step state (receive tables, backward counters, unshard ops,
+loss computation, custom functions) stays on the schedule object, as in torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+    _wait_batch_p2p,
+)
+
+from .profiler import ActionRecord, ArrivalWatcher, ComputeTimer, IterationProfile, now
+from .transport import TorchP2P, Transport
+
+__all__ = ["Executor", "RunContext", "BACKWARD_TYPES"]
+
+F = _ComputationType.FORWARD
+I = _ComputationType.BACKWARD_INPUT
+W = _ComputationType.BACKWARD_WEIGHT
+B = _ComputationType.FULL_BACKWARD
+SEND_F = _ComputationType.SEND_F
+SEND_B = _ComputationType.SEND_B
+RECV_F = _ComputationType.RECV_F
+RECV_B = _ComputationType.RECV_B
+UNSHARD = _ComputationType.UNSHARD
+RESHARD = _ComputationType.RESHARD
+REDUCE_GRAD = _ComputationType.REDUCE_GRAD
+OVERLAP_F_B = _ComputationType.OVERLAP_F_B
+#: skipped when the step runs without backward (evaluation)
+BACKWARD_TYPES = (I, W, B, SEND_B, RECV_B, REDUCE_GRAD)
+
+
+@dataclass
+class RunContext:
+    """One iteration's inputs and what it produces."""
+
+    schedule: _PipelineScheduleRuntime
+    stages: dict[int, Any]  # stage index → this rank's stage
+    arg_mbs: list
+    kwarg_mbs: list
+    target_mbs: list | None
+    losses: list | None
+    return_outputs: bool = True
+    loss_kwargs: dict | None = None
+    training: bool = True
+    profile: IterationProfile = field(default_factory=IterationProfile)
+    send_ops: list[list[Any]] = field(default_factory=list)
+    losses_by_mb: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def torch_context(self) -> _PipelineContext:
+        return _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, self.losses)
+
+
+class Executor:
+    """Runs lowered action lists; holds the timer, the arrival watcher and the transport."""
+
+    def __init__(self, device: torch.device, transport: Transport | None = None,
+                 activation_bytes: float | None = None):
+        self.timer = ComputeTimer(device)
+        self.watcher = ArrivalWatcher()
+        self.transport: Transport = transport if transport is not None else TorchP2P()
+        #: M^F of Alg.1 (bytes autograd saves for one microbatch); None: measured in the next forward
+        self.activation_bytes = activation_bytes
+
+    def run(self, actions: list[_Action], ctx: RunContext) -> float:
+        """Run one iteration's actions; returns its wall time (ms)."""
+        ctx.schedule.backward_counter.clear()
+        self.timer.begin_iteration()
+        t0 = now()
+        for action in actions:
+            if ctx.training or action.computation_type not in BACKWARD_TYPES:
+                self.perform(action, ctx)
+        while ctx.send_ops:
+            _wait_batch_p2p(ctx.send_ops.pop())
+        wall_ms = 1e3 * (now() - t0)
+        if ctx.training:
+            self.timer.resolve()
+        return wall_ms
+
+    def perform(self, action: _Action, ctx: RunContext) -> None:
+        ct = action.computation_type
+        custom = ctx.schedule._comp_type_to_function_map.get(ct)
+        if custom is not None:
+            custom(action, ctx.torch_context())
+        elif ct == OVERLAP_F_B:
+            for sub in action.sub_actions or ():
+                self.perform(sub, ctx)
+        elif ct in (SEND_F, SEND_B):
+            self._send(action, ctx)
+        elif ct in (RECV_F, RECV_B):
+            self._recv(action, ctx)
+        elif ct in (UNSHARD, RESHARD):
+            self._fsdp(action, ctx)
+        elif ct == REDUCE_GRAD:
+            sched = ctx.schedule
+            ctx.stages[action.stage_index].perform_reduce_grad(sched._n_microbatches if sched.scale_grads else 1)
+        elif ct in (F, I, W, B):
+            self._compute(action, ctx)
+        else:
+            raise ValueError(f"{action=} is unknown or unsupported")
+
+    # -- communication ----------------------------------------------------------------------------
+    @staticmethod
+    def peer(action: _Action, schedule: _PipelineScheduleRuntime) -> int:
+        ct, s = action.computation_type, action.stage_index
+        other = s + 1 if ct in (SEND_F, RECV_B) else s - 1
+        return schedule.stage_index_to_group_rank[other]
+
+    def _send(self, action: _Action, ctx: RunContext) -> None:
+        stage, mb, prof = ctx.stages[action.stage_index], action.microbatch_index, ctx.profile
+        forward = action.computation_type == SEND_F
+        ops = stage.get_fwd_send_ops(mb) if forward else stage.get_bwd_send_ops(mb)
+        t = now()
+        ctx.send_ops.append(self.transport.issue(action, ops))
+        if forward:
+            prof.sends_next.append(t)
+            prof.send_bytes_next += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+        else:
+            prof.sends_prev.append(t)
+
+    def _recv(self, action: _Action, ctx: RunContext) -> None:
+        s, mb, sched = action.stage_index, action.microbatch_index, ctx.schedule
+        stage = ctx.stages[s]
+        forward = action.computation_type == RECV_F
+        table = sched.fwd_recv_ops if forward else sched.bwd_recv_ops
+        if (s, mb) in table:
+            raise AssertionError(f"Recv twice for {s=} {mb=} without executing compute")
+        ops = stage.get_fwd_recv_ops(mb) if forward else stage.get_bwd_recv_ops(mb)
+        handle = self.watcher.watch(self.peer(action, sched), self.transport.issue(action, ops))
+        table[(s, mb)] = [handle]
+        (ctx.profile.arrivals_prev if forward else ctx.profile.arrivals_next).append(handle)
+
+    @staticmethod
+    def _fsdp(action: _Action, ctx: RunContext) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        stage = ctx.stages[action.stage_index]
+        if not isinstance(stage.submod, FSDPModule):
+            return
+        modules = [m for m in stage.submod.modules() if isinstance(m, FSDPModule)]
+        if action.computation_type == UNSHARD:
+            ctx.schedule.unshard_ops[action.stage_index].extend(m.unshard(async_op=True) for m in modules)
+        else:
+            for m in modules:
+                m.reshard()
+            ctx.schedule.unsharded_stages.discard(action.stage_index)
+
+    # -- compute ------------------------------------------------------------------------------------
+    def _wait_input(self, action: _Action, ctx: RunContext, rec: ActionRecord) -> None:
+        """Wait for a compute action's cross-rank input (timed apart from the action itself)."""
+        ct, s, mb, sched = action.computation_type, action.stage_index, action.microbatch_index, ctx.schedule
+        stage = ctx.stages[s]
+        if ct == F and not stage.is_first and s - 1 not in ctx.stages:
+            table, what = sched.fwd_recv_ops, "before receiving input"
+        elif ct in (B, I) and not stage.is_last and s + 1 not in ctx.stages:
+            table, what = sched.bwd_recv_ops, "before receiving its gradient"
+        else:
+            return
+        if (s, mb) not in table:
+            raise AssertionError(f"Computing {action=} {what}")
+        tw = now()
+        _wait_batch_p2p(table.pop((s, mb)))
+        rec.recv_wait_ms = 1e3 * (now() - tw)
+
+    def _compute(self, action: _Action, ctx: RunContext) -> None:
+        ct, s, mb, sched = action.computation_type, action.stage_index, action.microbatch_index, ctx.schedule
+        if mb is None or mb < 0:
+            raise AssertionError(f"{action=} missing mb_index")
+        stage = ctx.stages[s]
+        rec = ActionRecord(ct.value, s, mb)
+        sched._assert_unsharded(stage)
+        self._wait_input(action, ctx, rec)
+        token = self.timer.start(rec)
+        if ct == F:
+            self._forward(stage, mb, ctx)
+        elif ct in (B, I):
+            self._backward_input(stage, mb, ct == B, ctx)
+        else:
+            sched.backward_counter[s] += 1
+            stage.backward_weight_one_chunk(mb, last_backward=sched.backward_counter[s] == sched._n_microbatches)
+        self.timer.stop(rec, token)
+        ctx.profile.actions.append(rec)
+
+    def _forward(self, stage: Any, mb: int, ctx: RunContext) -> None:
+        sched = ctx.schedule
+        if self.activation_bytes is None and ctx.training:
+            output, nbytes = measured_forward(stage, mb, ctx)
+            self.activation_bytes = float(nbytes)
+        else:
+            output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
+                                             save_forward_output=ctx.return_outputs)
+        if stage.is_last and sched._loss_fn is not None:
+            if mb in ctx.losses_by_mb:
+                raise AssertionError(f"microbatch {mb} forwarded twice on the last stage")
+            ctx.losses_by_mb[mb] = sched._compute_loss(output, ctx.target_mbs[mb], ctx.loss_kwargs)
+        if stage.stage_index + 1 in ctx.stages:
+            ctx.stages[stage.stage_index + 1].set_local_fwd_input(output, mb)
+
+    @staticmethod
+    def _backward_input(stage: Any, mb: int, full: bool, ctx: RunContext) -> None:
+        sched, s = ctx.schedule, stage.stage_index
+        last_loss = stage.is_last and sched._loss_fn is not None
+        loss = ctx.losses_by_mb.get(mb) if last_loss else None
+        if last_loss and loss is None:
+            raise AssertionError(f"backward of microbatch {mb} before its loss")
+        last_backward = False
+        if full:
+            sched.backward_counter[s] += 1
+            last_backward = sched.backward_counter[s] == sched._n_microbatches
+        stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last_backward)
+        if s - 1 in ctx.stages:
+            ctx.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+
+def measured_forward(stage: Any, mb: int, ctx: RunContext) -> tuple[Any, int]:
+    """Forward one microbatch while summing the bytes autograd saves (PipeMorph Alg.1's M^F).
+
+    Distinct storages are counted once; parameters (and views of them) are not activations."""
+    params = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
+    seen: set[tuple[int, int]] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            if t.untyped_storage().data_ptr() in params:
+                return t
+            key = (t.data_ptr(), t.numel() * t.element_size())  # a view counts its own elements
+        except Exception:  # noqa: BLE001 - e.g. tensors without storage
+            key = (id(t), t.numel() * t.element_size())
+        if key not in seen:
+            seen.add(key)
+            total[0] += key[1]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
+                                         save_forward_output=ctx.return_outputs)
+    return output, max(total[0], 1)

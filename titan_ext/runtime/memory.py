@@ -1,0 +1,52 @@
+"""Memory safety of adaptive plans: a cap on in-flight activations from measured bytes.
+
+PipeMorph's Alg.2 buys slackness with warm-up forwards (§4.2): stage 0 may hold up to N activations,
+nearly twice 1F1B's, which the paper affords by offloading to host memory.  Without offloading, the
+runtime caps every adaptive plan at what fits:
+
+    cap = min over ranks r of ⌊ budget_r / M^F_r ⌋
+
+with M^F_r the bytes autograd saves for one microbatch on rank r (measured in the first forward,
+``executor.measured_forward``) and budget_r the memory available for activations on rank r:
+
+* GPU: (``torch.cuda.mem_get_info`` free bytes at the iteration boundary — the iteration's activations
+  are released then — plus what torch's caching allocator holds reserved but unused, since freed
+  activations stay reserved, not free) × (1 − headroom) — unless a budget is configured;
+* CPU: the configured budget (``memory_budget_bytes`` / ``[titan_ext] memory_budget_gib``), else no
+  cap (host memory, the paper's setting).
+
+Every rank sends its budget in the profile exchange, so every rank computes the same cap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+__all__ = ["DEFAULT_HEADROOM", "activation_budget_bytes", "inflight_cap"]
+
+#: fraction of the budget kept free (allocator fragmentation, temporaries of the backward)
+DEFAULT_HEADROOM = 0.2
+
+
+def activation_budget_bytes(device: torch.device, configured: float | None,
+                            headroom: float = DEFAULT_HEADROOM) -> float:
+    """Bytes this rank can spend on activations now (NaN: no limit known)."""
+    if configured is not None:
+        return float(configured)
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return float(free + max(cached, 0)) * (1.0 - headroom)
+    return math.nan
+
+
+def inflight_cap(budgets: Sequence[float], activation_bytes: Sequence[float], n_microbatches: int) -> int | None:
+    """Activations any stage may hold (≥ 1, ≤ N); None when no rank has both a budget and M^F."""
+    caps = [math.floor(b / a) for b, a in zip(budgets, activation_bytes)
+            if math.isfinite(b) and math.isfinite(a) and a > 0]
+    if not caps:
+        return None
+    return max(1, min(min(caps), n_microbatches))
