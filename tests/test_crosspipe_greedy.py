@@ -14,9 +14,9 @@ import sys
 import pytest
 
 from titan_ext.plan import LinkProfile, PipelineProfile, plan_pipemorph, simulate, validate_plan
+from titan_ext.plan.crosspipe.greedy import _Links
 from titan_ext.plan.crosspipe import (
     CrossPipeProblem,
-    _Links,
     greedy_schedule,
     plan_crosspipe,
     plan_crosspipe_problem,
@@ -253,7 +253,7 @@ def test_bad_inputs_raise():
 
 def test_import_stays_light():
     code = (
-        "import sys, titan_ext.plan, titan_ext.plan.crosspipe, titan_ext.plan.optimal;"
+        "import sys, titan_ext.plan, titan_ext.plan.crosspipe, titan_ext.plan.optimal, titan_ext.plan.schedules;"
         "bad = [m for m in ('torch', 'ortools') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

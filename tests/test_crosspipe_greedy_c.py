@@ -1,4 +1,4 @@
-"""The compiled greedy generator (titan_ext.plan._greedy_c via _greedy_fast.greedy_ids) against the Python
+"""The compiled greedy generator (titan_ext.plan._greedy_c via crosspipe._compiled.greedy_ids) against the Python
 reference crosspipe.greedy_schedule: bit-identical orders, makespan and lookahead waits, and the same
 ValueError cases.  Correctness only (no timing assertions)."""
 
@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("titan_ext.plan._greedy_c", reason="compiled greedy not built (scripts/setup.sh builds it)")
 
-from titan_ext.plan import _greedy_fast  # noqa: E402
-from titan_ext.plan.crosspipe import CrossPipeProblem, _Model, greedy_schedule, wave_stage_to_rank  # noqa: E402
+from titan_ext.plan.crosspipe import CrossPipeProblem, greedy_schedule, wave_stage_to_rank  # noqa: E402
+from titan_ext.plan.crosspipe import _compiled as compiled  # noqa: E402
+from titan_ext.plan.crosspipe.model import Model as _Model  # noqa: E402
 
 COMBOS = list(itertools.product(
     (1, 2, 3, 4),                              # n_sub
@@ -68,13 +69,13 @@ def _reference(problem, *args):
 
 def _compiled(problem, *args):
     try:
-        return _greedy_fast.greedy_ids(problem, *args)
+        return compiled.greedy_ids(problem, *args)
     except ValueError as e:
         return ("ValueError", str(e))
 
 
 def test_available():
-    assert _greedy_fast.available()
+    assert compiled.available()
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
@@ -129,7 +130,7 @@ def test_bad_arguments_same_errors(kwargs):
     with pytest.raises(ValueError) as ref:
         greedy_schedule(problem, **kwargs)
     with pytest.raises(ValueError) as got:
-        _greedy_fast.greedy_ids(problem, **kwargs)
+        compiled.greedy_ids(problem, **kwargs)
     assert str(got.value) == str(ref.value)
 
 

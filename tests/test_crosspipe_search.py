@@ -14,14 +14,15 @@ import random
 import pytest
 
 from titan_ext.plan import LinkProfile, PipelineProfile, simulate, validate_plan
+from titan_ext.plan.crosspipe.model import Model as _Model
+from titan_ext.plan.crosspipe.portfolio import Member
+from titan_ext.plan.crosspipe.portfolio import _cap_neighbours
+from titan_ext.plan.crosspipe.search import critical_moves as _critical_moves
+from titan_ext.plan.crosspipe.search import move_op as _move
+from titan_ext.plan.crosspipe.search import rank_tails as _rank_tails
+from titan_ext.plan.crosspipe.search import update_tails as _update_tails
 from titan_ext.plan.crosspipe import (
     CrossPipeProblem,
-    _cap_neighbours,
-    _critical_moves,
-    _Model,
-    _move,
-    _rank_tails,
-    _update_tails,
     greedy_schedule,
     plan_crosspipe,
     plan_crosspipe_problem,
@@ -134,13 +135,13 @@ def test_cap_neighbours_lower_one_stage_by_one():
                             b_ms=(1.0,) * 5, w_ms=(1.0,) * 5, link_latency_ms=(0.0,) * 4,
                             link_transfer_ms=(0.0,) * 4, memory_limit=(4.0, 3.0, 1.0, 4.0, 2.0))
     problems = {"limit": prob}
-    out = list(_cap_neighbours(prob, problems, ("limit", 2, "interleave", 1, True)))
-    assert [n for n, _, _ in out] == ["limit/s3-1", "limit/s1-1", "limit/s0-1"]  # stage 2 is at 1 already
-    for name, p, desc in out:
-        s = int(name.split("/s")[1].split("-")[0])
+    out = list(_cap_neighbours(prob, problems, Member("limit", 2, "interleave", 1, True)))
+    assert [m.caps for _, m in out] == ["limit/s3-1", "limit/s1-1", "limit/s0-1"]  # stage 2 is at 1 already
+    for p, member in out:
+        s = int(member.caps.split("/s")[1].split("-")[0])
         diff = [a - b for a, b in zip(prob.memory_limit, p.memory_limit)]
         assert diff == [1.0 if x == s else 0.0 for x in range(prob.num_ranks)]
-        assert desc == ("limit", 2, "interleave", 1, True)
+        assert member[1:] == (2, "interleave", 1, True)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

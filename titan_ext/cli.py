@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .plan import LinkProfile, PipelineProfile, simulate
-from .plan.crosspipe import CROSSPIPE_SCHEDULES
+from .plan.schedules import CROSSPIPE_SCHEDULES
 from .plan.pipemorph import SCHEDULES, plan_pipemorph
 from .plan.warmup import slackness
 
@@ -129,6 +129,10 @@ def _report(timeline, extra: dict, args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     profile = _profile_from_args(args)
+    if args.virtual_stages is None and args.placement is not None:
+        raise UsageError("--placement needs --virtual-stages V (stages per rank, >= 2)")
+    if args.virtual_stages is not None:
+        return _cmd_plan_virtual(profile, args)
     if args.memory_limit is not None and args.memory_limit < 1:
         raise UsageError("--memory-limit must be >= 1 activation")
     if args.slack_floor < 1:
@@ -160,16 +164,52 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
 
 
+def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> None:
+    """R ranks × V stages per rank (issue 14, docs/multistage.md): --stages is R, --times are per rank and
+    split evenly over its V stages, --delay LINK:MS slows rank link LINK (ranks LINK and LINK+1)."""
+    from .plan.virtual import VIRTUAL_SCHEDULES, plan_virtual, rank_peak_inflight
+
+    if args.virtual_stages < 2:
+        raise UsageError("--virtual-stages must be >= 2 (one stage per rank: leave it out)")
+    if args.schedule not in VIRTUAL_SCHEDULES:
+        choices = ", ".join(VIRTUAL_SCHEDULES)
+        raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of {choices}")
+    if args.backward != "split":
+        raise UsageError("--backward full: multi-stage plans split backwards only")
+    if args.memory_limit is not None and args.memory_limit < 1:
+        raise UsageError("--memory-limit must be >= 1 activation")
+    placement = args.placement or "loop"
+    try:
+        plan = plan_virtual(profile, args.virtual_stages, placement, schedule=args.schedule,
+                            memory_limit=args.memory_limit)
+    except ValueError as e:
+        raise UsageError(f"{args.schedule} ({placement}, {args.virtual_stages} stages per rank): {e}") from None
+    timeline = simulate(plan.actions, plan.profile, stage_to_rank=dict(enumerate(plan.stage_to_rank)))
+    if args.out_csv:
+        from .plan.export import write_torch_csv
+
+        write_torch_csv(plan.actions, args.out_csv)
+    _write_views(timeline, args)
+    _report(
+        timeline,
+        {"schedule": args.schedule, "placement": placement, "virtual_stages": args.virtual_stages,
+         "stage_to_rank": list(plan.stage_to_rank), "source": plan.source, "warmup_counts": plan.warmup_counts,
+         "candidates": plan.candidates, "peak_inflight_per_rank": list(rank_peak_inflight(plan.ops).values()),
+         "plan_ms": round(plan.plan_ms, 3)},
+        args,
+    )
+
+
 def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
     """CrossPipe greedy / CP-SAT plan (issue 6) → (actions, profile to simulate with, info)."""
-    from .plan.crosspipe import plan_by_name
+    from .plan.schedules import plan_crosspipe_by_name
 
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be > 0")
     if getattr(args, "memory_limit", None) is not None and args.memory_limit < 1:
         raise UsageError("--memory-limit must be >= 1 activation")
     try:
-        actions, sim_profile, _, info = plan_by_name(
+        actions, sim_profile, _, info = plan_crosspipe_by_name(
             profile, args.schedule, memory_limit=getattr(args, "memory_limit", None), time_limit_s=args.time_limit
         )
     except (ImportError, ValueError) as e:
@@ -269,6 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "crosspipe-ud|udsub|wave: CrossPipe greedy (docs/crosspipe.md; wave cuts every stage "
                         "into two half chunks, V-shape); optimal: CP-SAT optimum (needs titan-ext[solver])")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="solver time limit (optimal)")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="stages per rank (>= 2): --stages is then the number of ranks R, --times are per rank "
+                        "(each of its V stages takes 1/V), --delay LINK:MS slows rank link LINK; "
+                        "--schedule pipemorph|crosspipe-wave (docs/multistage.md)")
+    p.add_argument("--placement", choices=("loop", "v"), default=None,
+                   help="with --virtual-stages: loop (rank r holds r, r+R, ...: Interleaved) or "
+                        "v (rank r holds r and 2R-1-r: ZBV / DualPipeV); default loop")
     p.add_argument("--memory-limit", type=int, default=None, metavar="K",
                    help="max in-flight activations per stage (Alg.1's x_max; caps Alg.2)")
     p.add_argument("--slack-floor", type=int, default=2, metavar="D",

@@ -1,9 +1,9 @@
 /* Compiled CrossPipe greedy list scheduler (Alg.1 of CrossPipe §4.2): titan_ext.plan._greedy_c.
  *
- * A port of crosspipe.greedy_schedule (and its helper crosspipe._Links) with the same floating-point
+ * A port of crosspipe.greedy.greedy_schedule (and its helper crosspipe.greedy._Links) with the same floating-point
  * operations in the same order, so it returns bit-identical results: the same per-rank whole-action
  * orders, the same makespan and the same number of lookahead waits
- * (tests/test_crosspipe_greedy_c.py).  The Python wrapper is titan_ext.plan._greedy_fast.
+ * (tests/test_crosspipe_greedy_c.py).  The Python wrapper is titan_ext.plan.crosspipe._compiled.
  *
  *   spec = make_spec(R, N, stage_to_rank, f, b, w, fch, ftx, flat, bch, btx, blat, deltas)
  *       an opaque capsule with the problem on flat arrays (built once per problem by the wrapper):

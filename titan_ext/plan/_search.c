@@ -1,8 +1,8 @@
 /* Compiled search engine of the CrossPipe planner (titan_ext.plan.crosspipe).
  *
- * The same algorithms as the pure-Python reference in crosspipe.py — the timing model of CrossPipe
- * §3.5 on flat arrays (crosspipe._Model), the critical-path descent (crosspipe._critical_moves /
- * _local_search with ``max_evals``) and the annealing of crosspipe._anneal — with the same
+ * The same algorithms as the pure-Python reference in the crosspipe package — the timing model of CrossPipe
+ * §3.5 on flat arrays (crosspipe.model.Model), the critical-path descent (crosspipe.search.critical_moves /
+ * local_search with ``max_evals``) and the annealing of crosspipe.search.anneal — with the same
  * floating-point operations in the same order and the same random numbers (splitmix64), so for a
  * given number of evaluations both return the same plan (tests/test_crosspipe_engine.py).  Only
  * faster: the planner's time budget buys ~100x more plan evaluations here.
@@ -31,6 +31,8 @@ typedef struct {
     Edge *edge;  /* [2n]: op i's edges at 2i, 2i+1 */
     double *zero; /* n zeros: the "no tail" tail */
     int *rank, *kind, *prod;
+    int *chan_of;     /* channel an op's message occupies (-1: none, or size·β = 0) */
+    int *chan_sender; /* per channel: the rank that sends on it */
     double delta[3];
 } Model;
 
@@ -43,13 +45,14 @@ typedef struct {
 
 typedef struct {
     double *start, *avail, *free_, *chfree;
+    double *msgres; /* per sending op: the end of its message's window on its channel (detail runs) */
     int *pos, *stack;
     char *queued;
 } Work;
 
 static void model_free(Model *m) {
     free(m->dur); free(m->ocnt); free(m->edge); free(m->zero);
-    free(m->rank); free(m->kind); free(m->prod);
+    free(m->rank); free(m->kind); free(m->prod); free(m->chan_of); free(m->chan_sender);
 }
 
 static int get_int_list(PyObject *seq, int *dst, int n) {
@@ -65,7 +68,7 @@ static int get_int_list(PyObject *seq, int *dst, int n) {
     return 0;
 }
 
-/* spec = (N, R, nch, dur, out, rank, kind, prod, delta) as built by crosspipe._Model.spec() */
+/* spec = (N, R, nch, dur, out, rank, kind, prod, delta) as built by crosspipe.model.Model.spec() */
 static int model_parse(PyObject *spec, Model *m) {
     memset(m, 0, sizeof(*m));
     PyObject *dur, *out, *rank, *kind, *prod, *delta;
@@ -107,6 +110,19 @@ static int model_parse(PyObject *spec, Model *m) {
             E->rd = m->rank[E->d];
         }
     if (!PyArg_ParseTuple(delta, "ddd", &m->delta[0], &m->delta[1], &m->delta[2])) return -1;
+    m->chan_of = (int *)malloc(sizeof(int) * (n > 0 ? n : 1));
+    m->chan_sender = (int *)malloc(sizeof(int) * (m->nch + 1));
+    if (!m->chan_of || !m->chan_sender) { PyErr_NoMemory(); return -1; }
+    for (int c = 0; c <= m->nch; c++) m->chan_sender[c] = -1; /* -1: no message occupies the channel */
+    for (int i = 0; i < n; i++) {
+        m->chan_of[i] = -1;
+        for (int j = 0; j < m->ocnt[i]; j++) {
+            const Edge *E = &m->edge[2 * i + j];
+            if (E->ch < 0) continue;
+            if (E->ch >= m->nch) { PyErr_SetString(PyExc_ValueError, "edge on a bad channel"); return -1; }
+            if (E->tx != 0.0) { m->chan_of[i] = E->ch; m->chan_sender[E->ch] = m->rank[i]; }
+        }
+    }
     return 0;
 }
 
@@ -152,33 +168,35 @@ static int work_alloc(Work *w, const Model *m) {
     w->start = (double *)malloc(sizeof(double) * ((m->n + 1))); w->avail = (double *)malloc(sizeof(double) * (m->n));
     w->free_ = (double *)malloc(sizeof(double) * (m->R)); w->chfree = (double *)malloc(sizeof(double) * ((m->nch + 1)));
     w->pos = (int *)malloc(sizeof(int) * (m->R)); w->stack = (int *)malloc(sizeof(int) * (m->R)); w->queued = (char *)malloc(m->R);
-    if (!w->start || !w->avail || !w->free_ || !w->chfree || !w->pos || !w->stack || !w->queued) { PyErr_NoMemory(); return -1; }
+    w->msgres = (double *)malloc(sizeof(double) * (m->n + 1));
+    if (!w->start || !w->avail || !w->free_ || !w->chfree || !w->pos || !w->stack || !w->queued || !w->msgres) {
+        PyErr_NoMemory(); return -1;
+    }
     return 0;
 }
 
 static void work_free(Work *w) {
     free(w->start); free(w->avail); free(w->free_); free(w->chfree); free(w->pos); free(w->stack); free(w->queued);
+    free(w->msgres);
 }
 
-/* crosspipe._Model.run / _loop from scratch.  Returns the makespan (inf: deadlock, or an operation
- * ended after ``bound``, or its end plus its rank's remaining work exceeded bound + 1e-7 when ``tail``
- * is given); *sf = Σ rank finish times.  start/avail in ``w`` (start only when ``detail``). */
-static double run(const Model *m, const Orders *o, Work *w, double bound, const double *tail, int detail, double *sf) {
-    const int n = m->n, R = m->R, N = m->N;
-    double *avail = w->avail, *fr_ = w->free_, *chfree = w->chfree, *start = w->start;
+/* crosspipe.model.Model._loop: advance every rank from w->pos / w->free_ / w->chfree / w->avail
+ * (``done`` operations already timed; ``first``: start of op 0 if it is among them).  Returns the
+ * makespan (inf: deadlock, or an operation ended after ``bound``, or its end plus its rank's remaining
+ * work exceeded bound + 1e-7 when ``tail`` is given); *sf = Σ rank finish times.  ``detail``: also
+ * start (per op) and msgres (per sending op) in ``w``. */
+static double loop(const Model *m, const Orders *o, Work *w, double bound, const double *tail, int detail, double *sf,
+                   int done, double first) {
+    const int n = m->n, R = m->R;
+    double *avail = w->avail, *fr_ = w->free_, *chfree = w->chfree, *start = w->start, *msgres = w->msgres;
     int *pos = w->pos, *stack = w->stack;
     char *queued = w->queued;
     double tbound = tail ? bound + 1e-7 : bound;
     const double *tl = tail ? tail : m->zero, *dur = m->dur;
     const int *ocnt = m->ocnt;
     const Edge *edge = m->edge;
-    for (int i = 0; i < n; i++) avail[i] = -1.0;
-    for (int i = 0; i < N; i++) avail[i] = 0.0;
-    for (int c = 0; c < m->nch; c++) chfree[c] = 0.0;
     int top = 0;
-    for (int r = 0; r < R; r++) { pos[r] = 0; fr_[r] = 0.0; queued[r] = 1; stack[top++] = r; }
-    int done = 0;
-    double first = 0.0;
+    for (int r = 0; r < R; r++) { queued[r] = 1; stack[top++] = r; }
     while (top) {
         int r = stack[--top];
         queued[r] = 0;
@@ -203,6 +221,7 @@ static double run(const Model *m, const Orders *o, Work *w, double bound, const 
                     if (fr > s0) s0 = fr;
                     s0 += E->tx;
                     chfree[ch] = s0;
+                    if (detail) msgres[op] = s0;
                     avail[d] = s0 + E->lat;
                 } else avail[d] = fr + E->lat;
                 int x = E->rd;
@@ -220,6 +239,66 @@ static double run(const Model *m, const Orders *o, Work *w, double bound, const 
     if (detail) first = start[0];
     *sf = s;
     return mx - first;
+}
+
+/* crosspipe.model.Model.run: time the orders from scratch (see loop). */
+static double run(const Model *m, const Orders *o, Work *w, double bound, const double *tail, int detail, double *sf) {
+    for (int i = 0; i < m->n; i++) w->avail[i] = -1.0;
+    for (int i = 0; i < m->N; i++) w->avail[i] = 0.0;
+    for (int c = 0; c < m->nch; c++) w->chfree[c] = 0.0;
+    for (int r = 0; r < m->R; r++) { w->pos[r] = 0; w->free_[r] = 0.0; }
+    return loop(m, o, w, bound, tail, detail, sf, 0, 0.0);
+}
+
+/* Operations of rank x's order that started before T in the base timing ``b`` (its starts are
+ * non-decreasing in program order); on the moved rank only positions < lo count (they are unchanged). */
+static int started_before(const Model *m, const Orders *o, const Work *b, int x, double T, int lim) {
+    const int *ord = o->ord[x];
+    int lo = 0, hi = lim;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (b->start[ord[mid]] < T) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+/* crosspipe.model.Model.rerun: time ``o``, which differs from the orders timed in detail in ``b`` only
+ * on rank r at positions lo..hi.  Every operation that started before the earliest of the moved ones
+ * keeps its times (it cannot depend on them), so the run restarts from there; same result as run(). */
+static double rerun(const Model *m, const Orders *o, const Work *b, Work *w, int r, int lo, int hi, double bound,
+                    const double *tail, int detail, double *sf) {
+    const int n = m->n, R = m->R;
+    double T = INFINITY;
+    for (int j = lo; j <= hi; j++) { double t = b->start[o->ord[r][j]]; if (t < T) T = t; }
+    int done = 0;
+    for (int x = 0; x < R; x++) {
+        w->pos[x] = started_before(m, o, b, x, T, x == r ? lo : o->len[x]);
+        done += w->pos[x];
+    }
+    if (!done) return run(m, o, w, bound, tail, detail, sf);
+    for (int x = 0; x < R; x++) {
+        int k = w->pos[x];
+        w->free_[x] = k ? b->start[o->ord[x][k - 1]] + m->dur[o->ord[x][k - 1]] : 0.0;
+    }
+    for (int c = 0; c < m->nch; c++) {
+        int x = m->chan_sender[c];
+        double v = 0.0;
+        for (int k = x < 0 ? -1 : w->pos[x] - 1; k >= 0; k--)
+            if (m->chan_of[o->ord[x][k]] == c) { v = b->msgres[o->ord[x][k]]; break; }
+        w->chfree[c] = v;
+    }
+    memcpy(w->avail, b->avail, sizeof(double) * n);
+    for (int x = 0; x < R; x++)
+        for (int k = w->pos[x]; k < o->len[x]; k++) {
+            int op = o->ord[x][k];
+            for (int j = 0; j < m->ocnt[op]; j++) w->avail[m->edge[2 * op + j].d] = -1.0;
+        }
+    if (detail) {
+        memcpy(w->start, b->start, sizeof(double) * (n + 1));
+        memcpy(w->msgres, b->msgres, sizeof(double) * n);
+    }
+    double first = b->start[0] < T ? b->start[0] : 0.0;
+    return loop(m, o, w, bound, tail, detail, sf, done, first);
 }
 
 static void rank_tails(const Model *m, const Orders *o, double *tail) {
@@ -279,7 +358,7 @@ static int moveset_add(MoveSet *s, int r, int p, int q, int n) {
     return 0;
 }
 
-/* crosspipe._critical_moves, same moves in the same order. */
+/* crosspipe.search.critical_moves, same moves in the same order. */
 static int critical_moves(const Model *m, const Orders *o, const double *start, const double *avail, int depth,
                           int long_moves, int gap_fill, int *posof, MoveSet *s) {
     const int N = m->N, n = m->n;
@@ -381,7 +460,7 @@ static PyObject *py_model(PyObject *self, PyObject *args) {
     return cap;
 }
 
-/* spec: a model capsule or the tuple of crosspipe._Model.spec() */
+/* spec: a model capsule or the tuple of crosspipe.model.Model.spec() */
 static int ctx_init(Ctx *c, PyObject *spec, PyObject *orders, PyObject *limit) {
     memset(c, 0, sizeof(*c));
     if (PyCapsule_CheckExact(spec)) {
@@ -421,17 +500,20 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
 }
 
 /* descent(spec, orders, limit, max_evals, depth, long_moves, gap_fill) -> (orders, makespan, evals)
- * = crosspipe._local_search(model, orders, limit, inf, depth, max_evals=..., long_moves=..., gap_fill=...). */
+ * = crosspipe.search.local_search(model, orders, limit, inf, depth, max_evals=..., long_moves=..., gap_fill=...). */
 static PyObject *py_descent(PyObject *self, PyObject *args) {
-    PyObject *spec, *orders, *limit; long long max_evals; int depth, long_moves, gap_fill;
-    if (!PyArg_ParseTuple(args, "OOOLiii", &spec, &orders, &limit, &max_evals, &depth, &long_moves, &gap_fill)) return NULL;
+    PyObject *spec, *orders, *limit; long long max_evals; int depth, long_moves, gap_fill, incremental = 1;
+    if (!PyArg_ParseTuple(args, "OOOLiii|p", &spec, &orders, &limit, &max_evals, &depth, &long_moves, &gap_fill,
+                          &incremental)) return NULL;
     Ctx c;
     MoveSet ms = {NULL, 0, 0, NULL, 0, NULL, 0};
     int *posof = NULL, failed = 0;
-    double *bstart = NULL, *bavail = NULL, sf = 0.0, mk = INFINITY;
+    double sf = 0.0, mk = INFINITY;
+    Work wb; /* the current plan, timed in detail: the base of every candidate's rerun */
     long long evals = 1;
     PyObject *res = NULL, *ol;
     const Model *m = &c.m;
+    memset(&wb, 0, sizeof(wb));
     if (ctx_init(&c, spec, orders, limit)) goto done;
     posof = (int *)malloc(sizeof(int) * (m->n));
     ms.hcap = 1;
@@ -440,16 +522,13 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     ms.used = (int *)malloc(sizeof(int) * (ms.hcap / 2 + 1));
     if (!posof || !ms.keys || !ms.used) { PyErr_NoMemory(); goto done; }
     for (int i = 0; i < ms.hcap; i++) ms.keys[i] = -1;
-    bstart = (double *)malloc(sizeof(double) * (m->n + 1));
-    bavail = (double *)malloc(sizeof(double) * m->n);
-    if (!bstart || !bavail) { PyErr_NoMemory(); goto done; }
+    if (work_alloc(&wb, m)) goto done;
     Py_BEGIN_ALLOW_THREADS
-    mk = run(m, &c.o, &c.w, INFINITY, NULL, 1, &sf);
-    memcpy(bstart, c.w.start, sizeof(double) * m->n); memcpy(bavail, c.w.avail, sizeof(double) * m->n);
+    mk = run(m, &c.o, &wb, INFINITY, NULL, 1, &sf);
     rank_tails(m, &c.o, c.tail);
     while (evals < max_evals && mk < INFINITY) {
         int improved = 0;
-        if (critical_moves(m, &c.o, bstart, bavail, depth, long_moves, gap_fill, posof, &ms)) { failed = 1; break; }
+        if (critical_moves(m, &c.o, wb.start, wb.avail, depth, long_moves, gap_fill, posof, &ms)) { failed = 1; break; }
         for (int i = 0; i < ms.nmv; i++) {
             if (evals >= max_evals) break;
             int r = ms.mv[i].r, p = ms.mv[i].p, q = ms.mv[i].q;
@@ -458,11 +537,13 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
             move(o, p, q);
             if (!memory_ok(m, o, lo, hi, c.limit[r])) { move(o, q, p); continue; }
             update_tails(m, c.tail, o, L, lo, hi);
-            double s2, m2 = run(m, &c.o, &c.w, bstart[0] + mk + 1e-9, c.tail, 0, &s2);
+            double s2, m2 = incremental ? rerun(m, &c.o, &wb, &c.w, r, lo, hi, wb.start[0] + mk + 1e-9, c.tail, 0, &s2)
+                                        : run(m, &c.o, &c.w, wb.start[0] + mk + 1e-9, c.tail, 0, &s2);
             evals++;
             if (m2 < mk - 1e-9 || (m2 <= mk + 1e-9 && s2 < sf - 1e-9)) {
-                mk = run(m, &c.o, &c.w, INFINITY, NULL, 1, &sf);
-                memcpy(bstart, c.w.start, sizeof(double) * m->n); memcpy(bavail, c.w.avail, sizeof(double) * m->n);
+                mk = incremental ? rerun(m, &c.o, &wb, &c.w, r, lo, hi, INFINITY, NULL, 1, &sf)
+                                 : run(m, &c.o, &c.w, INFINITY, NULL, 1, &sf);
+                Work tmp = wb; wb = c.w; c.w = tmp;
                 improved = 1;
                 break;
             }
@@ -476,13 +557,13 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     ol = orders_to_py(&c.o);
     if (ol) res = Py_BuildValue("NdL", ol, mk, evals);
 done:
-    free(bstart); free(bavail);
+    work_free(&wb);
     free(posof); free(ms.mv); free(ms.keys); free(ms.used);
     ctx_free(&c);
     return res;
 }
 
-/* The state of one annealing run (crosspipe._anneal). */
+/* The state of one annealing run (crosspipe.search.anneal). */
 typedef struct {
     const Model *m;
     const double *limit;
@@ -541,6 +622,8 @@ static void chain_run(Chain *c) {
         double temp = c->t0 * (1.0 - (double)evals / (double)max_evals);
         double thr = u > 0.0 ? cur + temp * -log(u) : INFINITY;
         evals++;
+        /* timed from scratch: restarting from the moved operation (as the descent does) measured no
+         * faster here (docs/crosspipe.md) */
         double s2, m2 = run(m, &c->o, &c->w, thr, c->tail, 0, &s2);
         if (m2 < INFINITY) {
             cur = m2;
@@ -554,7 +637,7 @@ static void chain_run(Chain *c) {
 }
 
 /* anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals):
- * crosspipe._anneal — the best plan seen and the evaluations made. */
+ * crosspipe.search.anneal — the best plan seen and the evaluations made. */
 static PyObject *py_anneal(PyObject *self, PyObject *args) {
     PyObject *spec, *orders, *limit, *ol, *res = NULL;
     long long max_evals;
@@ -584,12 +667,13 @@ done:
 static PyMethodDef methods[] = {
     {"model", py_model, METH_VARARGS, "model(spec) -> capsule usable as ``spec`` by the other functions"},
     {"run", py_run, METH_VARARGS, "run(spec, orders, bound) -> (makespan, finish_sum)"},
-    {"descent", py_descent, METH_VARARGS, "descent(spec, orders, limit, max_evals, depth, long_moves, gap_fill) -> (orders, makespan, evals)"},
+    {"descent", py_descent, METH_VARARGS, "descent(spec, orders, limit, max_evals, depth, long_moves, gap_fill, "
+     "incremental=True) -> (orders, makespan, evals)"},
     {"anneal", py_anneal, METH_VARARGS, "anneal(spec, orders, limit, max_evals, seed, t0, max_shift) -> (orders, makespan, evals)"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_search_c", "Compiled CrossPipe plan search (see crosspipe.py).",
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_search_c", "Compiled CrossPipe plan search (see titan_ext.plan.crosspipe).",
                                     -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__search_c(void) { return PyModule_Create(&moddef); }

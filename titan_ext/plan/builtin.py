@@ -23,10 +23,6 @@ BUILTINS: dict[str, tuple[str, int]] = {
 }
 
 
-def builtin_chunks(name: str) -> int:
-    return BUILTINS[_canonical(name)][1]
-
-
 def _canonical(name: str) -> str:
     for key in BUILTINS:
         if key.lower() == name.lower():

@@ -40,13 +40,6 @@ def torch_schedules() -> Any:
     return importlib.import_module("torch.distributed.pipelining.schedules")
 
 
-def to_torch_action(op: Op) -> Any:
-    """(stage, kind, mb) → torch ``_Action``."""
-    sched = torch_schedules()
-    stage, kind, mb = op
-    return sched._Action(stage, sched._ComputationType.from_str(kind), mb)
-
-
 def to_torch_plan(plan: Mapping[int, Iterable[Op]]) -> dict[int, list[Any]]:
     """Internal plan (rank → ops) → torch IR (rank → list[_Action])."""
     sched = torch_schedules()

@@ -67,7 +67,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Sequence
 
-from .crosspipe import F, I, W, CrossPipeProblem, Op, plan_crosspipe_problem, problem_from_profile, replay, to_actions
+from .crosspipe.model import replay
+from .crosspipe.portfolio import plan_crosspipe_problem
+from .crosspipe.problem import F, I, W, CrossPipeProblem, Op, problem_from_profile, to_actions
 
 __all__ = ["OptimalResult", "solve_optimal", "solve_optimal_problem", "time_unit_for"]
 
@@ -315,7 +317,7 @@ def solve_optimal_problem(
         if hop is None:
             arcs.append((src, dst, d))
             return
-        b, channel = hop
+        b, channel = hop.boundary, hop.channel  # times: the quantized tx/lat below
         num_messages += 1
         if tx[b] > 0:
             c = ("c",) + src

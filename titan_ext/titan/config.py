@@ -19,9 +19,12 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+from titan_ext.plan.virtual import PLACEMENTS as VIRTUAL_PLACEMENTS
+
 __all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "parse_delay_spec"]
 
 DELEGATION_MODES = ("off", "auto", "always")
+PLACEMENTS = ("",) + VIRTUAL_PLACEMENTS  # "" = the schedule's own
 
 
 
@@ -104,6 +107,20 @@ class TitanExt:
     ``link2_bw`` in bytes/s), rows = per-link latency in ms from that time on (seconds since training
     start, shared by all ranks). Empty = none. Mutually exclusive with ``inject_delays``."""
 
+    placement: str = ""
+    """Where a rank's model chunks sit when it holds several stages (issue 14, docs/multistage.md):
+    "loop" (rank r holds stages r, r+R, ...: torch's Interleaved schedules) or "v" (rank r holds r
+    and 2R-1-r: ZBV / DualPipeV). Empty = the schedule's own placement. Validated here; the
+    multi-stage planner (``titan_ext.plan.virtual``) takes it, the run-time multi-stage PipeMorph /
+    CrossPipe (issue 14 item 4) is not built yet."""
+
+    link_alpha_beta: str = ""
+    """Known α-β of PP links for CrossPipe's link model (CrossPipe §2.2), in the grammar of
+    ``inject_delays``: comma-separated "link:latency_ms[:bandwidth]" items, e.g. "2:5:50MB/s"
+    (α = 5 ms, 1/β = 50 MB/s on link 2). Links listed here override what is fitted from the timed
+    messages (``titan_ext.plan.linkfit``); empty = none. Validated here; the run-time wiring is part of
+    issue 14 item 4 (not built yet)."""
+
     falcon: bool = True
     """Falcon fail-slow detection (BOCD change points on the iteration time, per-link profiling,
     ski-rental mitigation planning; Falcon §4–§5) inside PipeMorph / CrossPipe. Its events, root
@@ -175,6 +192,13 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            cfg.metrics_file, "must be a plain file name (it is written under job.dump_folder)")
     _check(not (cfg.inject_delays.strip() and cfg.inject_trace.strip()), "inject_delays",
            cfg.inject_delays, "set either inject_delays or inject_trace, not both")
+    _check(cfg.placement in PLACEMENTS, "placement", cfg.placement,
+           "must be one of " + ", ".join(repr(p) for p in PLACEMENTS))
+    spec = cfg.link_alpha_beta.strip()
+    _check(not spec.startswith("trace:") and not spec.endswith(".csv"), "link_alpha_beta",
+           cfg.link_alpha_beta, "takes static 'link:latency_ms[:bandwidth]' items, not a trace")
+    _check_links(parse_delay_spec(cfg.link_alpha_beta, "link_alpha_beta"), "link_alpha_beta",
+                 cfg.link_alpha_beta, num_pp_links)
     key, schedule = None, None
     if cfg.inject_delays.strip():
         key = "inject_delays"
@@ -186,9 +210,15 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
         key = "inject_trace"
         _check(os.path.isfile(cfg.inject_trace), key, cfg.inject_trace, "no such file")
         schedule = parse_delay_spec("trace:" + cfg.inject_trace, key)
+    if key is not None:
+        _check_links(schedule, key, getattr(cfg, key), num_pp_links)
+
+
+def _check_links(schedule, key: str, value, num_pp_links: int | None) -> None:
+    """The links a parsed spec names exist for the pipeline degree (when it is known)."""
     if schedule is not None and num_pp_links is not None:
         link = schedule.max_link()
-        _check(link < num_pp_links, key, getattr(cfg, key),
+        _check(link < num_pp_links, key, value,
                f"link {link} does not exist: with {num_pp_links + 1} pipeline stages the links "
                f"are 0..{num_pp_links - 1} (link i joins stages i and i+1)")
 

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Several stages per rank (issue 14): our multi-stage planner vs torch's own schedules, in simulation.
+
+For R ranks × 2 stages, N microbatches, uniform per-rank times F,B,W (each stage 1/2 of them, the
+convention of `titan-ext simulate --builtin ZBVZeroBubble --stages R`) and a one-way delay on one rank
+link, in one process: torch's ZBVZeroBubble, DualPipeV, Interleaved1F1B and InterleavedZeroBubble
+(taken from torch, simulated by titan_ext.plan.simulate), CrossWave, and ours (plan_virtual, both
+placements). Then random heterogeneous cases (per-rank times, one slow link): the worst ratio of ours
+to the best torch schedule. Prints tables and writes JSON (default docs/benchmarks/multistage.json).
+
+    .venv/bin/python scripts/bench_multistage.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_ext.plan import PipelineProfile, simulate  # noqa: E402
+from titan_ext.plan.builtin import builtin_plan  # noqa: E402
+from titan_ext.plan.crosspipe import plan_by_name  # noqa: E402
+from titan_ext.plan.virtual import plan_virtual, rank_peak_inflight as rank_peak  # noqa: E402
+
+TORCH = ("ZBVZeroBubble", "DualPipeV", "Interleaved1F1B", "InterleavedZeroBubble")
+
+
+def torch_row(profile: PipelineProfile) -> dict[str, dict]:
+    row = {}
+    for name in TORCH:
+        plan, s2r = builtin_plan(name, profile.num_stages, profile.num_microbatches)
+        row[name] = {"makespan_ms": simulate(plan, profile, stage_to_rank=s2r).makespan_ms,
+                     "peak_per_rank": max(rank_peak(plan).values())}
+    return row
+
+
+def uniform_cases(R: int, N: int, t: tuple[float, float, float], link: int, delays) -> list[dict]:
+    rows = []
+    for delay in delays:
+        profile = PipelineProfile.uniform(R, N, *t, delays_ms={link: delay} if delay else {})
+        row = {"delay_ms": delay, "torch": torch_row(profile)}
+        actions, sim_profile, _, _ = plan_by_name(profile, "crosspipe-wave")
+        row["crosswave_ms"] = simulate(actions, sim_profile).makespan_ms
+        for placement in ("loop", "v"):
+            plan = plan_virtual(profile, 2, placement)
+            row[f"ours_{placement}"] = {
+                "makespan_ms": simulate(plan.actions, plan.profile).makespan_ms,
+                "source": plan.source, "warmup_counts": plan.warmup_counts,
+                "peak_per_rank": max(rank_peak(plan.actions).values()), "plan_ms": round(plan.plan_ms, 1),
+            }
+        zbv_peak = row["torch"]["ZBVZeroBubble"]["peak_per_rank"]
+        capped = plan_virtual(profile, 2, "v", memory_limit=zbv_peak // 2)  # per stage: 2 stages per rank
+        row["ours_v_at_zbv_memory"] = {"makespan_ms": simulate(capped.actions, capped.profile).makespan_ms,
+                                       "memory_limit_per_stage": zbv_peak // 2,
+                                       "peak_per_rank": max(rank_peak(capped.actions).values())}
+        rows.append(row)
+    return rows
+
+
+def random_cases(seeds: int) -> list[dict]:
+    out = []
+    for seed in range(seeds):
+        rng = random.Random(1000 + seed)
+        R = rng.choice((3, 4, 6))
+        N = rng.choice((2 * R, 4 * R))
+        f, b, w = ([rng.uniform(5, 15) for _ in range(R)] for _ in range(3))
+        link, delay = rng.randrange(R - 1), rng.choice((0.0, 15.0, 40.0, 90.0))
+        profile = PipelineProfile(R, N, f, b, w).with_delays({link: delay})
+        best_torch = min(v["makespan_ms"] for v in torch_row(profile).values())
+        case = {"seed": 1000 + seed, "R": R, "N": N, "link": link, "delay_ms": delay, "best_torch_ms": best_torch}
+        for placement in ("loop", "v"):
+            plan = plan_virtual(profile, 2, placement)
+            case[f"ours_{placement}_ms"] = simulate(plan.actions, plan.profile).makespan_ms
+        out.append(case)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--times", default="10,10,10")
+    ap.add_argument("--link", type=int, default=2)
+    ap.add_argument("--delays", default="0,30,60,120")
+    ap.add_argument("--random", type=int, default=30, help="random heterogeneous cases")
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/multistage.json"))
+    args = ap.parse_args()
+    t = tuple(float(x) for x in args.times.split(","))
+    rows = uniform_cases(args.ranks, args.microbatches, t, args.link, [float(x) for x in args.delays.split(",")])
+
+    print(f"R={args.ranks} × 2 stages, N={args.microbatches}, t={args.times} ms per rank, delay on rank link {args.link}")
+    print(f"{'delay':>6} | {'ZBV':>7} {'DualPV':>7} {'I1F1B':>7} {'IZB':>7} | {'CrossWave':>9} | "
+          f"{'ours v':>7} {'ours loop':>9} | {'v/best':>6} {'loop/best':>9} {'v/ZBV':>6} | peak/rank ZBV, v, loop | v at ZBV's memory")
+    for r in rows:
+        tm = {k: v["makespan_ms"] for k, v in r["torch"].items()}
+        best = min(tm.values())
+        ov, ol = r["ours_v"]["makespan_ms"], r["ours_loop"]["makespan_ms"]
+        r["ratios"] = {"v_over_best_torch": ov / best, "loop_over_best_torch": ol / best,
+                       "v_over_zbv": ov / tm["ZBVZeroBubble"], "loop_over_izb": ol / tm["InterleavedZeroBubble"]}
+        print(f"{r['delay_ms']:6.0f} | {tm['ZBVZeroBubble']:7.0f} {tm['DualPipeV']:7.0f} {tm['Interleaved1F1B']:7.0f} "
+              f"{tm['InterleavedZeroBubble']:7.0f} | {r['crosswave_ms']:9.0f} | {ov:7.0f} {ol:9.0f} | "
+              f"{ov / best:6.3f} {ol / best:9.3f} {ov / tm['ZBVZeroBubble']:6.3f} | "
+              f"{r['torch']['ZBVZeroBubble']['peak_per_rank']}, {r['ours_v']['peak_per_rank']}, {r['ours_loop']['peak_per_rank']} | "
+              f"{r['ours_v_at_zbv_memory']['makespan_ms']:.0f} (peak {r['ours_v_at_zbv_memory']['peak_per_rank']})")
+    cases = random_cases(args.random)
+    worst = {p: max(c[f"ours_{p}_ms"] / c["best_torch_ms"] for c in cases) for p in ("loop", "v")}
+    mean = {p: sum(c[f"ours_{p}_ms"] / c["best_torch_ms"] for c in cases) / len(cases) for p in ("loop", "v")}
+    print(f"\n{len(cases)} random heterogeneous cases (R ∈ 3,4,6; per-rank F,B,W ∈ [5,15] ms; one link 0/15/40/90 ms):")
+    print(f"  ours / best of torch's four: loop mean {mean['loop']:.3f} worst {worst['loop']:.3f}; "
+          f"v mean {mean['v']:.3f} worst {worst['v']:.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "date": date.today().isoformat(), "machine": platform.machine(), "python": platform.python_version(),
+        "command": "scripts/bench_multistage.py " + " ".join(sys.argv[1:]),
+        "uniform": rows, "random": cases, "random_summary": {"worst": worst, "mean": mean},
+    }, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""[titan_ext] placement and link_alpha_beta (issue 14): parsed by TorchTitan's ConfigManager and
+validated before any process group, errors naming the key."""
+
+import math
+
+import pytest
+
+from titan_ext.titan.config import TitanExt, TitanExtConfigError, validate_titan_ext
+
+
+def _parse(tmp_path, body: str):
+    from torchtitan.config import ConfigManager
+
+    p = tmp_path / "c.toml"
+    p.write_text('[job]\ncustom_config_module = "titan_ext.titan.config"\n[titan_ext]\n' + body)
+    return ConfigManager().parse_args(["--job.config_file", str(p)]).titan_ext
+
+
+def test_values_from_toml(tmp_path):
+    cfg = _parse(tmp_path, 'placement = "v"\nlink_alpha_beta = "2:5:50MB/s,0:1"\n')
+    assert cfg.placement == "v" and cfg.link_alpha_beta == "2:5:50MB/s,0:1"
+    from titan_ext.titan.config import parse_delay_spec
+
+    link2 = parse_delay_spec(cfg.link_alpha_beta).at(0, 2)
+    assert link2.latency_ms == 5 and link2.bandwidth_bytes_per_s == 50e6
+    assert math.isinf(parse_delay_spec(cfg.link_alpha_beta).at(0, 0).bandwidth_bytes_per_s)
+    assert TitanExt().placement == "" and TitanExt().link_alpha_beta == ""
+
+
+@pytest.mark.parametrize("body, needle", [
+    ('placement = "zigzag"', "[titan_ext] placement = 'zigzag': must be one of '', 'loop', 'v'"),
+    ('link_alpha_beta = "2:fast"', "[titan_ext] link_alpha_beta = '2:fast'"),
+    ('link_alpha_beta = "2:5:5furlongs"', "bandwidth '5furlongs'"),
+    ('link_alpha_beta = "trace:x.csv"', "not a trace"),
+])
+def test_bad_values_name_the_key(tmp_path, body, needle):
+    with pytest.raises(TitanExtConfigError) as e:
+        _parse(tmp_path, body + "\n")
+    assert needle in str(e.value)
+
+
+def test_link_must_exist_for_the_pp_degree():
+    cfg = TitanExt(link_alpha_beta="3:5:1GB/s")
+    validate_titan_ext(cfg, num_pp_links=4)
+    with pytest.raises(TitanExtConfigError, match=r"link_alpha_beta = '3:5:1GB/s': link 3 does not exist"):
+        validate_titan_ext(cfg, num_pp_links=3)
