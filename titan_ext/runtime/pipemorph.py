@@ -163,7 +163,9 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.backward = backward
         self.adaptive = adaptive
         self.policy = policy if policy is not None else (
-            VirtualReplanPolicy() if self.layout.virtual else ReplanPolicy())
+            VirtualReplanPolicy(layout=self.layout) if self.layout.virtual else ReplanPolicy())
+        if isinstance(self.policy, VirtualReplanPolicy) and self.policy.layout is None:
+            self.policy.layout = self.layout
         self.profile_every, self.profile_every_max = profile_every, max(profile_every, profile_every_max)
         self.slack_floor = slack_floor
         self.adaptive_memory_limit = adaptive_memory_limit

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from titan_ext.plan import LinkProfile, PipelineProfile
-from titan_ext.plan.virtual import PLACEMENTS, plan_virtual, virtual_link_tolerance_ms, virtual_stage_to_rank
+from titan_ext.plan.virtual import (
+    PLACEMENTS,
+    plan_virtual,
+    rank_periods_ms,
+    virtual_link_tolerance_ms,
+    virtual_stage_to_rank,
+)
 
 from .estimator import Estimator
 from .policy import Decision, ReplanPolicy
@@ -165,30 +171,42 @@ class VirtualPlanner:
 
 @dataclass
 class VirtualReplanPolicy(ReplanPolicy):
-    """Re-plan (``adapt``) when a rank link's delay or a stage's compute time moved from the profile
-    the deployed plan was made for by more than ``rel_margin`` (relative to the larger value) plus
-    ``abs_margin_ms`` — in either direction: the portfolio re-picks by simulation, which also gives
-    memory back when a straggler recovers.  Below the margin nothing changes (no flapping on jitter)."""
+    """Re-plan (``adapt``) when the measured profile moved from the one the deployed plan was made for:
+    a rank link's one-way delay by more than ``rel_margin`` (of the larger value) + ``abs_margin_ms``,
+    or a rank's period P_r = Σ over its stages of F + I + W (the unit of the virtual Eq.1) by more than
+    ``compute_rel_margin`` + ``abs_margin_ms`` — in either direction: the portfolio re-picks by
+    simulation, which also gives memory back when a straggler recovers.  Below the margins nothing
+    changes, so jitter (of one stage's time on a loaded host, of a delay near a threshold) cannot flap
+    the plan."""
 
+    compute_rel_margin: float = 0.25
+    layout: Layout | None = None  # set by the schedule
     _reference: PipelineProfile | None = field(default=None, init=False, repr=False)
 
-    def moved(self, old: float, new: float) -> bool:
-        return abs(new - old) > self.rel_margin * max(old, new) + self.abs_margin_ms
+    def moved(self, old: float, new: float, rel: float) -> bool:
+        return abs(new - old) > rel * max(old, new) + self.abs_margin_ms
+
+    def changes(self, ref: PipelineProfile, estimate: PipelineProfile) -> list[str]:
+        """What moved beyond the margins between two stage-level profiles (empty: nothing)."""
+        layout = self.layout
+        links = [layout.boundary_link(s) for s in range(estimate.num_stages - 1)]
+        out = [f"rank link {lk}: c {a:.1f} -> {b:.1f} ms"
+               for lk, a, b in sorted({(lk, a, b) for lk, a, b in zip(links, ref.delays_ms, estimate.delays_ms)
+                                       if lk is not None})
+               if self.moved(a, b, self.rel_margin)]
+        periods = [rank_periods_ms(p, layout.stage_to_rank, with_w=True) for p in (ref, estimate)]
+        out += [f"rank {r}: period {a:.1f} -> {b:.1f} ms" for r, (a, b) in enumerate(zip(*periods))
+                if self.moved(a, b, self.compute_rel_margin)]
+        return out
 
     def decide(self, estimate: PipelineProfile, deployed_counts: Sequence[int], initial_counts: Sequence[int],
                iterations_since_deploy: int, slack_floor: int = 2) -> Decision:  # noqa: ARG002 - protocol
-        ref = self._reference
-        if ref is None:
+        if self._reference is None:
             self._reference = estimate
             return Decision("keep", "first measurement")
-        what = [f"boundary {s}: c {a:.1f} -> {b:.1f} ms"
-                for s, (a, b) in enumerate(zip(ref.delays_ms, estimate.delays_ms)) if self.moved(a, b)]
-        busy = [(f + b + w) for f, b, w in zip(estimate.f_ms, estimate.b_ms, estimate.w_ms)]
-        busy_ref = [(f + b + w) for f, b, w in zip(ref.f_ms, ref.b_ms, ref.w_ms)]
-        what += [f"stage {s}: F+I+W {a:.1f} -> {b:.1f} ms" for s, (a, b) in enumerate(zip(busy_ref, busy))
-                 if self.moved(a, b)]
+        what = self.changes(self._reference, estimate)
         if not what:
-            return Decision("keep", "profile within the margin of the deployed plan's")
+            return Decision("keep", "profile within the margins of the deployed plan's")
         self._reference = estimate
         return Decision("adapt", "; ".join(what), mode="adaptive")
 
