@@ -148,9 +148,13 @@ class PipeMorph(_PipelineScheduleRuntime):
         st0 = stages[0]
         #: R ranks × V stages per rank, placement read from the stage indices (runtime/placement.py)
         self.layout = read_layout([st.stage_index for st in stages], st0.group_rank, st0.group_size, st0.num_stages)
-        if self.layout.virtual and (falcon or delegation != "off" or failover):
+        if self.layout.virtual and (falcon not in (False, True, None) or delegation != "off" or failover):
             raise ValueError(f"{type(self).__name__}: Falcon and delegation run with one stage per rank only, "
                              f"got {self.layout.stages_per_rank} stages per rank")
+        if self.layout.virtual and falcon is True:  # the [titan_ext] default: not an explicit request
+            logger.warning("%s: Falcon runs with one stage per rank only; off with %d stages per rank",
+                           type(self).__name__, self.layout.stages_per_rank)
+            falcon = False
         self.planner: Planner = planner if planner is not None else self._default_planner(backward)
         _check_options(type(self).__name__, self.planner, profile_every, profile_every_max,
                        max_inflight, memory_budget_bytes, backward, backward_margin, delegation)

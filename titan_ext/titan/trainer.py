@@ -68,7 +68,10 @@ class TitanExtTrainer(Trainer):
     """
 
     def __init__(self, job_config):
-        super().__init__(job_config)
+        from titan_ext.titan.registry import active_job_config
+
+        with active_job_config(job_config):  # the model split reads [titan_ext] placement
+            super().__init__(job_config)
         self.titan_ext = titan_ext_section(job_config)
         self.pipeline_monitor: PipelineMonitor | None = None
         self._train_step_t0 = math.nan
