@@ -71,7 +71,8 @@ def _cycle(placement: str) -> list[Decision]:
               ("ours, 40 ms on link 1", _generator_plan(placement, (0, 40, 0), 0)),
               ("ours, wide warm-up", _generator_plan(placement, (0, 0, 0), 3))]
     if placement == "v":
-        prof = PipelineProfile(R, N, (3.0,) * R, (3.0,) * R, (2.0,) * R, (LinkProfile(latency_ms=30),) + (LinkProfile(),) * 2)
+        links = (LinkProfile(latency_ms=30), LinkProfile(), LinkProfile())
+        prof = PipelineProfile(R, N, (3.0,) * R, (3.0,) * R, (2.0,) * R, links)
         stage_prof, _ = virtual_profile(prof, V, "v")
         plans.append(("CrossWave, 30 ms on link 0", plan_crosspipe(stage_prof, "wave", validate=False).actions))
     return [Decision("force", name, actions=plan) for name, plan in plans]
