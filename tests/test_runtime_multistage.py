@@ -5,7 +5,7 @@ One process-group setup (a module fixture) runs every part; the tests assert on 
 * equivalence: PipeMorph swaps in a different plan every iteration (torch's built-ins for the
   placement, our virtual generator's plans, CrossWave) and its losses and trained parameters equal
   torch's own ScheduleInterleaved1F1B ("loop") / ScheduleZBVZeroBubble ("v") on the same stages
-  (rtol 1e-9);
+  (rtol 1e-9); so do CrossPipe's (its own planner: CrossWave / the split-backward portfolio);
 * adaptation: +60 ms injected on rank link 1 → a re-plan is deployed within 3 iterations, for the
   measured delay, and the new plan is faster than the old one under it (torch-independent simulation
   of both plans, and the measured iteration times);
@@ -93,7 +93,7 @@ class CyclePolicy:
 def _equivalence(rank: int, placement: str) -> dict:
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
-    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime import CrossPipe, PipeMorph
 
     S = R * V
     s2r = virtual_stage_to_rank(R, V, placement)
@@ -118,8 +118,10 @@ def _equivalence(rank: int, placement: str) -> dict:
     torch_cls = ScheduleInterleaved1F1B if placement == "loop" else ScheduleZBVZeroBubble
     ref = train(lambda st: torch_cls(st, N, loss_fn=Fn.mse_loss), STEPS)
     ours = train(lambda st: PipeMorph(st, N, loss_fn=Fn.mse_loss, policy=CyclePolicy(placement)), STEPS)
+    # CrossPipe with its own planner (CrossWave for "v", the split-backward portfolio for "loop")
+    crosspipe = train(lambda st: CrossPipe(st, N, loss_fn=Fn.mse_loss), STEPS)
     init = [p.detach().clone() for s in local for p in mlp_stages(S, DIM)[s].parameters()]
-    return {"ref": ref, "ours": ours, "init": init, "local": local}
+    return {"ref": ref, "ours": ours, "crosspipe": crosspipe, "init": init, "local": local}
 
 
 def _adaptation(rank: int) -> dict:
@@ -173,6 +175,13 @@ def test_equivalence_with_torch_multi_stage_schedule_under_a_new_plan_every_iter
             assert got == pytest.approx(want, rel=1e-9, abs=0)
         if R * V - 1 in part["local"]:
             assert len(losses) == STEPS and all(len(x) == N for x in losses)
+        # CrossPipe: same numbers, its plans deployed (calibrated from measurements), none rejected
+        cp_losses, cp_params, cp_versions, _, cp_log = part["crosspipe"]
+        assert cp_versions[-1] >= 2 and not [e for e in cp_log if e["decision"] == "reject"], cp_log
+        for p, q in zip(cp_params, ref_params):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+        for got, want in zip(cp_losses, ref_losses):
+            assert got == pytest.approx(want, rel=1e-9, abs=0)
 
 
 def test_adapts_to_60ms_on_a_rank_link_within_3_iterations(results):
