@@ -484,6 +484,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             self._activation_bytes_all = [r.activation_bytes for r in ranks]
             self.inflight_cap = inflight_cap([r.memory_budget_bytes for r in ranks], self._activation_bytes_all,
                                              self._n_microbatches)
+            if self.inflight_cap is not None and self.layout.virtual:  # a rank's budget holds V stages
+                self.inflight_cap = max(1, self.inflight_cap // self.layout.stages_per_rank)
         self.estimator.push(ranks, [lk["c_ms"] for lk in links])
         if math.isfinite(span_ms):
             self._chooser.record(self.deployed.backward, span_ms)
