@@ -91,3 +91,17 @@ def test_profile_vector_carries_one_row_per_local_stage():
     assert math.isnan(dec.stage_ms[0][1]) and math.isnan(dec.stage_ms[0][3])
     assert dec.stage_ms[1][:2] == pytest.approx([8.0, 3.0])
     assert dec.f_ms == pytest.approx(4.0)  # the rank-level header is unchanged (median of all F)
+
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_split_backward_planning_leaves_out_full_backward_plans(placement):
+    from titan_ext.plan.ir import as_ops
+    from titan_ext.plan.virtual import plan_virtual
+
+    rank = PipelineProfile(R, 16, (10.0,) * R, (10.0,) * R, (10.0,) * R,
+                           (LinkProfile(), LinkProfile(), LinkProfile(latency_ms=60.0)))
+    every = plan_virtual(rank, V, placement, validate=False)
+    split = plan_virtual(rank, V, placement, validate=False, full_backward=False)
+    full_names = {"loop": "torch:Interleaved1F1B", "v": "torch:DualPipeV"}[placement]
+    assert full_names in every.candidates and full_names not in split.candidates
+    assert not any(k == "B" for ops in as_ops(split.actions).values() for _, k, _ in ops)
