@@ -167,7 +167,10 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["sleep", "model", "both"], default="both")
+    ap.add_argument("--mode", choices=["sleep", "model", "both", "multistage"], default="both",
+                    help="multistage: 4 ranks x 2 stages vs torch's Interleaved1F1B / ZBV "
+                         "(scripts/bench_runtime_multistage.py)")
+    ap.add_argument("--link", type=int, default=2, help="multistage: the delayed rank link")
     ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 30.0, 60.0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=16)
@@ -187,10 +190,15 @@ def main() -> None:
     ap.add_argument("--json", default="bench_runtime.json")
     args = ap.parse_args()
     modes = ["sleep", "model"] if args.mode == "both" else [args.mode]
+    if args.mode == "multistage":
+        from bench_runtime_multistage import run as run_multistage
     report = {"command": " ".join(sys.argv), "machine": f"{platform.node()} {os.cpu_count()} cpus, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args), "modes": {}}
     for mode in modes:
         t0 = time.time()
+        if mode == "multistage":
+            report["modes"][mode] = run_multistage(args)
+            continue
         res = run_ranks(_worker, args.world, mode, args)[0]
         report["modes"][mode] = res
         name = ("sleep-compute (emulated device: F=%g I=%g W=%g ms sleeps)" % (args.f_ms, args.i_ms, args.w_ms)

@@ -277,21 +277,26 @@ def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp
         check_job_config(baseline, world_size=4)
 
 
-def test_pipemorph_gets_one_stage_per_rank(tmp_path):
+def test_pipemorph_takes_torchtitans_stage_split(tmp_path):
+    """PipeMorph runs several stages per rank (issue 14): TorchTitan's own split is kept (two stages per
+    rank by default); delegation (one stage per rank) and placement "v" (two) are checked up front."""
     from titan_ext.train import JobConfigError, check_job_config
 
     body = ('[model]\nname = "llama3"\nflavor = "debugmodel"\n'
             '[parallelism]\npipeline_parallel_degree = 4\npipeline_parallel_schedule = "PipeMorph"\n')
     cfg = _parse(["--job.config_file", _toml(tmp_path, body)])
-    assert cfg.parallelism.module_fqns_per_model_part is None
     check_job_config(cfg, world_size=4)
-    parts = cfg.parallelism.module_fqns_per_model_part
-    assert len(parts) == 4 and parts[0][0] == "tok_embeddings" and parts[-1][-1] == "output"
-    assert sum(len(p) for p in parts) == 6 + 3  # 6 layers + embeddings, norm, output
-    cfg = _parse(["--job.config_file", _toml(tmp_path, body),
-                  "--parallelism.pipeline_parallel_layers_per_stage", "2"])
-    with pytest.raises(JobConfigError, match="pipeline_parallel_layers_per_stage = 2"):
-        check_job_config(cfg, world_size=4)
+    assert cfg.parallelism.module_fqns_per_model_part is None  # TorchTitan's default: 2 stages per rank
+    check_job_config(_parse(["--job.config_file", _toml(tmp_path, body), "--titan_ext.placement", "v"]), world_size=4)
+    # 6 layers + embeddings + output at 1 per stage = 8 stages = 2 per rank
+    check_job_config(_parse(["--job.config_file", _toml(tmp_path, body),
+                             "--parallelism.pipeline_parallel_layers_per_stage", "1"]), world_size=4)
+    with pytest.raises(JobConfigError, match="delegation runs one stage per PP rank, but PipeMorph gets 2"):
+        check_job_config(_parse(["--job.config_file", _toml(tmp_path, body), "--titan_ext.delegation", "always"]),
+                         world_size=4)
+    one = _parse(["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), "--titan_ext.placement", "v"])
+    with pytest.raises(JobConfigError, match="placement = 'v' needs two stages per PP rank, got 1"):
+        check_job_config(one, world_size=4)
 
 
 def test_backward_option_is_checked_against_the_schedule_before_any_process_group():

@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def _torchrun(module: str, args: list[str], log: Path, env_extra: dict | None = None,
-              timeout: int = 420) -> subprocess.CompletedProcess:
+              timeout: int = 420, log_rank: int = 3) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "NETRC": str(log.parent / "no-netrc"),
                 "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"})
@@ -40,7 +40,7 @@ def _torchrun(module: str, args: list[str], log: Path, env_extra: dict | None = 
     env.update(env_extra or {})
     cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "--local-ranks-filter", "3", "-m", module, "--job.config_file", CONFIG, *args]
+           "--local-ranks-filter", str(log_rank), "-m", module, "--job.config_file", CONFIG, *args]
     with open(log, "w") as f:
         p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     return p
@@ -148,6 +148,23 @@ def test_same_seed_step1_loss_equal_under_1f1b(pipemorph_run, tmp_path):
     others = [r["link_delay_ms"][k] for r in base for k in ("0", "2")]
     assert 40.0 <= link1 < 55.0, link1
     assert sorted(others)[len(others) // 2] < 10.0, others
+
+
+def test_pipemorph_runs_two_stages_per_rank_v_shaped(tmp_path):
+    """TorchTitan's default split for a PipelineScheduleMulti (two stages per rank) with
+    ``[titan_ext] placement = "v"``: rank 0 holds the first and the last stage (issue 14 item 4)."""
+    import re
+
+    log = tmp_path / "train.log"
+    p = _torchrun("titan_ext.train", ["--training.steps", "4", "--job.dump_folder", str(tmp_path),
+                                      "--parallelism.module_fqns_per_model_part", "None",
+                                      "--titan_ext.placement", "v"], log, log_rank=0)
+    text = log.read_text()
+    assert p.returncode == 0, text[-4000:]
+    assert "Using pipeline schedule PipeMorph with 16 microbatches and 8 stages" in text
+    assert "PP rank 0 is building stage_idx 0 " in text and "PP rank 0 is building stage_idx 7 " in text
+    losses = [float(x) for x in re.findall(r"step:\s+\d+\s+loss:\s+([-\d.]+)", text)]
+    assert len(losses) == 4 and losses[0] > 7.0 and losses[-1] < 0.8 * losses[0], losses
 
 
 def test_stock_torchtitan_console_shows_pipeline_line_plan_changes_and_straggler(pipemorph_run):

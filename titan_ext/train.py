@@ -7,9 +7,9 @@ Same command line as ``torchtitan.train`` (TOML file plus ``--section.key value`
   ``titan_ext.titan.config``);
 * checks that need more than one section run before any process group is created
   (:func:`check_job_config`), each error names its key;
-* for titan_ext schedules without an explicit stage split, one stage per PP rank
-  (``module_fqns_per_model_part``), which our schedules need and TorchTitan would otherwise not
-  give a PipelineScheduleMulti (it defaults to two virtual stages per rank);
+* titan_ext schedules take TorchTitan's stage split as it is (a PipelineScheduleMulti: two stages per
+  rank by default, or ``module_fqns_per_model_part`` / ``pipeline_parallel_layers_per_stage``);
+  what needs one stage per rank (delegation) or two (``[titan_ext] placement = "v"``) is checked;
 * then TorchTitan's own ``main`` with :class:`titan_ext.titan.trainer.TitanExtTrainer` (seed
   checkpoints and local_tensor mode work as in ``torchtitan.train``). Pipeline metrics, timeline
   images and W&B extras come from the schedule (:mod:`titan_ext.titan.metrics`), also under stock
@@ -138,34 +138,8 @@ def check_job_config(config, world_size: int | None = None) -> None:
                 f"[titan_ext] backward = {section.backward!r}: schedule {par.pipeline_parallel_schedule!r} "
                 f"takes " + (", ".join(repr(c) for c in choices) if choices else "no backward option")
                 + " (leave it empty for the schedule's default)")
-    from titan_ext.titan.registry import ONE_STAGE_PER_RANK, resolve_schedule_name
-
-    if resolve_schedule_name(par.pipeline_parallel_schedule) in ONE_STAGE_PER_RANK:
-        if par.module_fqns_per_model_part is None and par.pipeline_parallel_layers_per_stage is None:
-            from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
-            from torchtitan.protocols.train_spec import get_train_spec
-
-            model_args = get_train_spec(config.model.name).model_args[config.model.flavor]
-            par.module_fqns_per_model_part = generate_llm_fqn_per_model_part(
-                pp, model_args.n_layers,
-                par.pipeline_parallel_first_stage_less_layers,
-                par.pipeline_parallel_last_stage_less_layers,
-            )
-        n_parts = len(par.module_fqns_per_model_part or [])
-        if n_parts and n_parts != pp:
-            raise JobConfigError(
-                f"[parallelism] module_fqns_per_model_part has {n_parts} parts but "
-                f"{par.pipeline_parallel_schedule} runs one stage per PP rank: it needs exactly "
-                f"pipeline_parallel_degree = {pp} parts"
-            )
-        if par.pipeline_parallel_layers_per_stage is not None:
-            raise JobConfigError(
-                f"[parallelism] pipeline_parallel_layers_per_stage = "
-                f"{par.pipeline_parallel_layers_per_stage}: TorchTitan requires >= 2 stages per rank "
-                f"for a multi-stage schedule then, but {par.pipeline_parallel_schedule} runs one stage "
-                f"per PP rank; remove it (titan_ext.train splits the model evenly) or give "
-                f"module_fqns_per_model_part"
-            )
+    if is_titan_ext_schedule(par.pipeline_parallel_schedule):
+        _check_stage_split(config, pp)
     if not config.experimental.custom_import:
         config.experimental.custom_import = "titan_ext"
 
@@ -177,6 +151,37 @@ def _config_error(e: Exception) -> None:
     what = "malformed TOML" if isinstance(e, tomllib.TOMLDecodeError) else "configuration error"
     print(f"titan_ext: {what}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
     raise SystemExit(2) from None
+
+
+def _stages_per_rank(config, pp: int) -> int:
+    """Stages per PP rank TorchTitan's ``pipeline_llm`` will build for a PipelineScheduleMulti."""
+    import math
+
+    par = config.parallelism
+    if par.module_fqns_per_model_part is not None:
+        return max(1, len(par.module_fqns_per_model_part) // pp)
+    if par.pipeline_parallel_layers_per_stage is None:
+        return 2
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    n_layers = get_train_spec(config.model.name).model_args[config.model.flavor].n_layers
+    units = n_layers + par.pipeline_parallel_first_stage_less_layers + par.pipeline_parallel_last_stage_less_layers
+    return max(1, math.ceil(units / par.pipeline_parallel_layers_per_stage) // pp)
+
+
+def _check_stage_split(config, pp: int) -> None:
+    """Delegation runs one stage per rank; ``placement = "v"`` two (TorchTitan's V-style split)."""
+    from titan_ext.titan.options import titan_ext_section
+
+    section, par = titan_ext_section(config), config.parallelism
+    v = _stages_per_rank(config, pp)
+    if v > 1 and (section.delegation != "off" or section.delegation_failover):
+        raise JobConfigError(
+            f"[titan_ext] delegation = {section.delegation!r}: delegation runs one stage per PP rank, but "
+            f"{par.pipeline_parallel_schedule} gets {v} stages per rank here; set "
+            f"module_fqns_per_model_part with {pp} parts")
+    if section.placement == "v" and v != 2:
+        raise JobConfigError(f"[titan_ext] placement = 'v' needs two stages per PP rank, got {v}")
 
 
 def main(args: list[str] | None = None) -> None:

@@ -265,6 +265,7 @@ def plan_virtual(
     stage_times_ms: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
     memory_limit: int | None = None,
     validate: bool = True,
+    full_backward: bool = True,
 ) -> VirtualPlan:
     """Plan R ranks × V stages per rank for the rank-level ``profile`` (R ranks, R−1 rank links).
 
@@ -276,6 +277,7 @@ def plan_virtual(
     slower than the built-ins it saw.
     ``schedule="crosspipe-wave"``: CrossWave alone ("v", V = 2). ``memory_limit``: at most that many
     in-flight activations per stage (our plans are capped; other candidates above it are dropped).
+    ``full_backward=False``: only split-backward (I + W) candidates (drops Interleaved1F1B, DualPipeV).
     The returned plan has passed ``validate_plan`` (torch's lowering and dry run included).
     """
     from .validate import validate_plan
@@ -292,6 +294,9 @@ def plan_virtual(
     stage_profile, s2r = virtual_profile(profile, num_virtual_stages, placement, stage_times_ms=stage_times_ms)
     with gc_paused():
         members = _candidates(stage_profile, s2r, placement, schedule, memory_limit)
+        if not full_backward:
+            members = {k: v for k, v in members.items()
+                       if not any(kind == "B" for ops in v[0].values() for _, kind, _ in ops)}
         scores = {}
         for name, (ops, x, limit) in members.items():
             score = _score(ops, stage_profile, s2r, memory_limit)

@@ -16,13 +16,15 @@ import inspect
 from typing import Any, Sequence
 
 from .pipemorph import PipeMorph
-from .planning import CrossPipePlanner
+from .placement import VirtualPlanner
+from .planning import CrossPipePlanner, Planner
 
 __all__ = ["CrossPipe"]
 
 
 class CrossPipe(PipeMorph):
-    """The adaptive runtime re-planning with CrossPipe's greedy generator (one stage per rank).
+    """The adaptive runtime re-planning with CrossPipe's greedy generator (one stage per rank) or, with
+    several stages per rank, CrossWave (V-shape) / the split-backward virtual portfolio (loop).
 
     Extra args (beyond :class:`PipeMorph`'s):
         variant: ``"udsub"`` (CrossUDSub, default) or ``"ud"`` (CrossUD).
@@ -41,8 +43,19 @@ class CrossPipe(PipeMorph):
         **kwargs: Any,
     ):
         kwargs.setdefault("backward", "split")
-        kwargs.setdefault("planner", CrossPipePlanner(variant, message_bytes, link_bandwidth_bytes_per_s))
+        self._crosspipe_options = (variant, message_bytes, link_bandwidth_bytes_per_s)
         super().__init__(*args, **kwargs)
+
+    def _default_planner(self, backward: str) -> Planner:
+        """CrossPipe §4.2 greedy (one stage per rank); with several stages per rank CrossWave ("v",
+        V = 2) or the split-backward portfolio of ``plan_virtual`` (loop), planned from the measured
+        per-stage times and per-rank-link delays (the whole delay as latency)."""
+        if not self.layout.virtual:
+            return CrossPipePlanner(*self._crosspipe_options)
+        if self._crosspipe_options[1:] != (None, None):
+            raise ValueError("CrossPipe: message_bytes / link_bandwidth_bytes_per_s apply to one stage per rank only")
+        wave = self.layout.placement == "v" and self.layout.stages_per_rank == 2
+        return VirtualPlanner(self.layout, "crosspipe-wave" if wave else "pipemorph", backward="split")
 
 
 def _merged_signature() -> inspect.Signature:

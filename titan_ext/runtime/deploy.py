@@ -2,7 +2,7 @@
 
 A plan is never trusted because a planner made it (PipeMorph §6, step ⑤): :func:`prepare_candidate`
 validates it (``titan_ext.plan.validate_plan``: completeness, per-rank order, in-flight memory limit,
-progress; plus one stage per rank) and lowers it with the passes torch's
+progress; plus every rank runs only the stages it holds) and lowers it with the passes torch's
 ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs, in the same order
 (``_validate_schedule`` → ``_add_unshard_reshard`` (FSDP only) → ``_add_reduce_grad`` →
 ``_add_send_recv``), then dry-runs the very lowered lists with torch's simulator.  All of it is pure (no
@@ -114,8 +114,10 @@ def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages
 
 def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None, kind: str, reason: str, *,
                       num_stages: int, n_microbatches: int, num_ranks: int, fsdp: bool = False,
-                      inflight_limit: list[int] | None = None) -> Candidate:
-    """Validate and lower a compute-only plan (one stage per rank; pure).
+                      inflight_limit: list[int] | int | None = None,
+                      stage_to_rank: tuple[int, ...] | None = None) -> Candidate:
+    """Validate and lower a compute-only plan (pure): every rank runs only its own stages —
+    ``stage_to_rank`` (several stages per rank, ``runtime/placement.py``), else stage r on rank r.
 
     Raises ``PlanValidationError`` (or what torch's lowering raises) when the plan is unsafe."""
     t0 = now()
@@ -124,9 +126,11 @@ def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None
     validate_plan(ops, num_stages, n_microbatches, inflight_limit=inflight_limit, torch_dry_run=False)
     if set(ops) != set(range(num_ranks)):
         raise PlanValidationError(f"plan covers ranks {sorted(ops)}, expected 0..{num_ranks - 1}")
+    owner = stage_to_rank if stage_to_rank is not None else tuple(range(num_stages))
     for r, rank_ops in ops.items():
-        if any(st != r for st, _, _ in rank_ops):
-            raise PlanValidationError(f"rank {r} runs a stage other than stage {r} (one stage per rank)")
+        if any(owner[st] != r for st, _, _ in rank_ops):
+            raise PlanValidationError(f"rank {r} runs a stage it does not hold (its stages: "
+                                      f"{[s for s, o in enumerate(owner) if o == r]})")
     torch_actions = to_torch_plan(ops)
     lowered, mapping = lower(torch_actions, num_ranks, num_stages, n_microbatches, fsdp)
     torch_dry_run_lowered(lowered, mapping, num_stages)

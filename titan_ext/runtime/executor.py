@@ -133,10 +133,13 @@ class Executor:
         ops = stage.get_fwd_send_ops(mb) if forward else stage.get_bwd_send_ops(mb)
         t = now()
         ctx.send_ops.append(self.transport.issue(action, ops))
-        if forward:
+        # stamps per rank link (ranks r, r±1), whatever the direction in the model: with several stages
+        # per rank a "v" placement sends forwards to rank r−1 too; the loop wrap-around is not a link
+        step = self.peer(action, ctx.schedule) - ctx.schedule.rank
+        if step == 1:
             prof.sends_next.append(t)
             prof.send_bytes_next += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        else:
+        elif step == -1:
             prof.sends_prev.append(t)
 
     def _recv(self, action: _Action, ctx: RunContext) -> None:
@@ -147,9 +150,11 @@ class Executor:
         if (s, mb) in table:
             raise AssertionError(f"Recv twice for {s=} {mb=} without executing compute")
         ops = stage.get_fwd_recv_ops(mb) if forward else stage.get_bwd_recv_ops(mb)
-        handle = self.watcher.watch(self.peer(action, sched), self.transport.issue(action, ops))
+        peer = self.peer(action, sched)
+        handle = self.watcher.watch(peer, self.transport.issue(action, ops))
         table[(s, mb)] = [handle]
-        (ctx.profile.arrivals_prev if forward else ctx.profile.arrivals_next).append(handle)
+        if abs(peer - sched.rank) == 1:
+            (ctx.profile.arrivals_prev if peer < sched.rank else ctx.profile.arrivals_next).append(handle)
 
     @staticmethod
     def _fsdp(action: _Action, ctx: RunContext) -> None:

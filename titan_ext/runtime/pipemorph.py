@@ -56,6 +56,7 @@ from .executor import Executor, RunContext
 from .memory import activation_budget_bytes, inflight_cap
 from .metrics import IterationMetrics
 from .observers import Boundary, FalconObserver
+from .placement import VirtualEstimator, VirtualPlanner, VirtualReplanPolicy, read_layout, virtual_tolerances
 from .planning import BackgroundPlanning, PipeMorphPlanner, Planner, PlanningContext, explicit_plan
 from .policy import Decision, ReplanPolicy, eq1_tolerances
 from .profiler import (
@@ -147,22 +148,33 @@ class PipeMorph(_PipelineScheduleRuntime):
     ):
         if isinstance(stages, _PipelineStageBase):
             stages = [stages]
-        if len(stages) != 1:
-            raise ValueError(f"PipeMorph runs one stage per rank (PipeMorph §4), got {len(stages)} stages")
-        self.planner: Planner = planner if planner is not None else PipeMorphPlanner()
+        if not stages:
+            raise ValueError(f"{type(self).__name__} needs this rank's stages, got none")
+        st0 = stages[0]
+        #: R ranks × V stages per rank, placement read from the stage indices (runtime/placement.py)
+        self.layout = read_layout([st.stage_index for st in stages], st0.group_rank, st0.group_size, st0.num_stages)
+        if self.layout.virtual and (falcon not in (False, True, None) or delegation != "off" or failover):
+            raise ValueError(f"{type(self).__name__}: Falcon and delegation run with one stage per rank only, "
+                             f"got {self.layout.stages_per_rank} stages per rank")
+        if self.layout.virtual and falcon is True:  # the [titan_ext] default: not an explicit request
+            logger.warning("%s: Falcon runs with one stage per rank only; off with %d stages per rank",
+                           type(self).__name__, self.layout.stages_per_rank)
+            falcon = False
+        self.planner: Planner = planner if planner is not None else self._default_planner(backward)
         _check_options(type(self).__name__, self.planner, profile_every, profile_every_max,
                        max_inflight, memory_budget_bytes, backward, backward_margin, delegation)
         super().__init__(stages, n_microbatches, loss_fn=loss_fn, args_chunk_spec=args_chunk_spec,
                          kwargs_chunk_spec=kwargs_chunk_spec, output_merge_spec=output_merge_spec,
                          scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
         S, N = self._num_stages, n_microbatches
-        if S != self.pp_group_size:
-            raise ValueError(f"PipeMorph needs num_stages == PP group size, got {S} stages on {self.pp_group_size} ranks")
         if N < S:
             raise ValueError(f"PipeMorph needs n_microbatches >= num_stages, got {N} < {S}")
         self.backward = backward
         self.adaptive = adaptive
-        self.policy = policy if policy is not None else ReplanPolicy()
+        self.policy = policy if policy is not None else (
+            VirtualReplanPolicy(layout=self.layout) if self.layout.virtual else ReplanPolicy())
+        if isinstance(self.policy, VirtualReplanPolicy) and self.policy.layout is None:
+            self.policy.layout = self.layout
         self.profile_every, self.profile_every_max = profile_every, max(profile_every, profile_every_max)
         self.slack_floor = slack_floor
         self.adaptive_memory_limit = adaptive_memory_limit
@@ -174,9 +186,12 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.control = ControlPlane(self._group)
         self.executor = Executor(self._device, activation_bytes=activation_bytes)
         window = max(1, int(getattr(self.policy, "window", 3)))
-        self.estimator = Estimator(S, N, window, initial_times_ms)
+        self.estimator = (VirtualEstimator(self.layout, N, window, initial_times_ms) if self.layout.virtual
+                          else Estimator(S, N, window, initial_times_ms))
         self.planning = BackgroundPlanning()
-        self._chooser = BackwardChooser(window, backward_margin, enabled=backward == "auto", log=self._log,
+        # several stages per rank: the portfolio picks the backward variant of every plan
+        auto = backward == "auto" and not self.layout.virtual
+        self._chooser = BackwardChooser(window, backward_margin, enabled=auto, log=self._log,
                                         delay_rel_margin=getattr(self.policy, "rel_margin", 0.10),
                                         delay_abs_margin_ms=getattr(self.policy, "abs_margin_ms", 1.0))
         falcon_observer = FalconObserver.create(falcon, S, N)
@@ -233,6 +248,10 @@ class PipeMorph(_PipelineScheduleRuntime):
     # ------------------------------------------------------------------------------------------
     # planning
     # ------------------------------------------------------------------------------------------
+    def _default_planner(self, backward: str) -> Planner:
+        """PipeMorph Alg.1/2 (one stage per rank); the ``plan_virtual`` portfolio (several)."""
+        return VirtualPlanner(self.layout, backward=backward) if self.layout.virtual else PipeMorphPlanner()
+
     def _initial_x_max(self) -> int:
         S, N = self._num_stages, self._n_microbatches
         if self._max_inflight_arg is not None:
@@ -307,7 +326,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         fsdp = any(isinstance(st.submod, FSDPModule) for st in self._stages)
         return prepare_candidate(actions, counts, kind, reason, num_stages=self._num_stages,
                                  n_microbatches=self._n_microbatches, num_ranks=self.pp_group_size,
-                                 fsdp=fsdp, inflight_limit=inflight_limit)
+                                 fsdp=fsdp, inflight_limit=inflight_limit, stage_to_rank=self.layout.stage_to_rank)
 
     def _swap(self, cand: Candidate) -> None:
         """Install a prepared plan (iteration boundary only): an O(1) pointer swap."""
@@ -430,7 +449,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             raise AssertionError("Unused unshard operations")
         # losses in microbatch order whatever the plan's order of last-stage forwards
         self._internal_losses = [ctx.losses_by_mb[m] for m in sorted(ctx.losses_by_mb)]
-        if self._stages[0].is_last and self._loss_fn is not None and len(ctx.losses_by_mb) != self._n_microbatches:
+        has_last = any(st.is_last for st in self._stages)
+        if has_last and self._loss_fn is not None and len(ctx.losses_by_mb) != self._n_microbatches:
             raise RuntimeError(f"PipeMorph: {len(ctx.losses_by_mb)} losses for {self._n_microbatches} microbatches")
         self._update_losses(self._stages, losses)
         if training:
@@ -450,10 +470,16 @@ class PipeMorph(_PipelineScheduleRuntime):
         arrivals_next = [h.arrival for h in prof.arrivals_next]
         local = IterationProfile(prof.actions, prof.sends_next, prof.sends_prev, arrivals_prev, arrivals_next,
                                  prof.send_bytes_next, prof.activation_bytes)
+        stage_ms = prof.stage_times_ms(self.layout.local_stages(self.rank)) if self.layout.virtual else None
         return encode_profile(local, self.iteration, self.deployed.hash if self.deployed else 0,
-                              self._n_microbatches, self._clock[0], self._clock[1],
+                              self._message_slots(), self._clock[0], self._clock[1],
                               candidate_hash=self.planning.candidate_hash(),
-                              memory_budget_bytes=activation_budget_bytes(self._device, self.memory_budget_bytes))
+                              memory_budget_bytes=activation_budget_bytes(self._device, self.memory_budget_bytes),
+                              stage_ms=stage_ms)
+
+    def _message_slots(self) -> int:
+        """Most messages one direction of a rank link carries per iteration: V·N."""
+        return self.layout.stages_per_rank * self._n_microbatches
 
     def _absorb(self, ranks: list) -> tuple[list[dict], float, float]:
         """Gathered profiles → windows, activation bytes, memory cap; returns (links, bubble, span)."""
@@ -466,6 +492,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             self._activation_bytes_all = [r.activation_bytes for r in ranks]
             self.inflight_cap = inflight_cap([r.memory_budget_bytes for r in ranks], self._activation_bytes_all,
                                              self._n_microbatches)
+            if self.inflight_cap is not None and self.layout.virtual:  # a rank's budget holds V stages
+                self.inflight_cap = max(1, self.inflight_cap // self.layout.stages_per_rank)
         self.estimator.push(ranks, [lk["c_ms"] for lk in links])
         if math.isfinite(span_ms):
             self._chooser.record(self.deployed.backward, span_ms)
@@ -509,7 +537,9 @@ class PipeMorph(_PipelineScheduleRuntime):
         ran_probe = self._probe_running
         decision: Decision | None = None
         if exchanged:
-            ranks = decode_profiles(self.control.all_gather(self._local_profile_vector(prof)), self._n_microbatches)
+            local_stages = self.layout.stages_per_rank if self.layout.virtual else 0
+            ranks = decode_profiles(self.control.all_gather(self._local_profile_vector(prof)), self._message_slots(),
+                                    local_stages)
             m.exchange_ms = 1e3 * (now() - t0)
             links, m.bubble_rate, m.timeline_span_ms = self._absorb(ranks)
             resolving = self.planning.running
@@ -544,10 +574,13 @@ class PipeMorph(_PipelineScheduleRuntime):
         m.link_delay_fwd_ms = {i: lk["fwd_ms"] for i, lk in enumerate(links)}
         m.link_delay_bwd_ms = {i: lk["bwd_ms"] for i, lk in enumerate(links)}
         m.link_delay_estimate_ms = dict(enumerate(est.delays_ms))
+        if self.layout.virtual:  # per rank link, and the virtual Eq.1 tolerance (docs/multistage.md)
+            m.link_delay_estimate_ms = dict(enumerate(self.estimator.rank_link_delays_ms()))
         m.compute_ms = {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)}
         m.backward, m.plan_version, m.plan_hash = dep.backward, self.plan_version, hex(dep.hash)
         m.warmup_counts, m.slackness = list(dep.warmup_counts), slackness(dep.warmup_counts)
-        m.eq1_tolerance_ms = eq1_tolerances(est_full if dep.backward == "full" else est, dep.warmup_counts)
+        m.eq1_tolerance_ms = (virtual_tolerances(est, self.layout, dep.warmup_counts) if self.layout.virtual
+                              else eq1_tolerances(est_full if dep.backward == "full" else est, dep.warmup_counts))
         m.inflight_cap = self._adaptive_limit()
         m.memory_budget_bytes = self.memory_budget_bytes if self.memory_budget_bytes is not None else math.nan
 

@@ -172,9 +172,14 @@ class IterationProfile:
     send_bytes_next: int = 0
     activation_bytes: float = math.nan
 
-    def compute_ms(self, kind: str) -> float:
-        vals = [1e3 * (a.end - a.start) for a in self.actions if a.kind == kind]
+    def compute_ms(self, kind: str, stage: int | None = None) -> float:
+        """Median time (ms) of this iteration's ``kind`` actions (of one ``stage``, or all)."""
+        vals = [1e3 * (a.end - a.start) for a in self.actions if a.kind == kind and stage in (None, a.stage)]
         return statistics.median(vals) if vals else math.nan
+
+    def stage_times_ms(self, stages: list[int]) -> list[tuple[float, float, float, float]]:
+        """(F, I, W, B) medians per local stage (several stages per rank: ``runtime/placement.py``)."""
+        return [tuple(self.compute_ms(k, s) for k in "FIWB") for s in stages]  # type: ignore[misc]
 
     def busy_ms(self) -> float:
         return sum(1e3 * (a.end - a.start) for a in self.actions)
@@ -188,10 +193,14 @@ _HDR = 17  # iteration, plan hash (2 x 26 bits), F, I, W, B ms, busy ms, first s
 
 def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microbatches: int,
                    clock_offset_prev: float, rtt_prev: float, candidate_hash: int = 0,
-                   memory_budget_bytes: float = math.nan) -> torch.Tensor:
-    """Pack a rank's profile into a float64 vector of length 17 + 4·N (NaN-padded)."""
+                   memory_budget_bytes: float = math.nan,
+                   stage_ms: list[tuple[float, float, float, float]] | None = None) -> torch.Tensor:
+    """Pack a rank's profile into a float64 vector of length 17 + 4·N (NaN-padded), plus 4 values
+    (F, I, W, B) per local stage when ``stage_ms`` is given (several stages per rank; N is then the
+    most messages one direction of a link carries per iteration, V·N)."""
     n = n_microbatches
-    vec = torch.full((_HDR + 4 * n,), math.nan, dtype=torch.float64)
+    stage_ms = stage_ms or []
+    vec = torch.full((_HDR + 4 * n + 4 * len(stage_ms),), math.nan, dtype=torch.float64)
     starts = [a.start for a in p.actions]
     f_starts = [a.start for a in p.actions if a.kind == "F"]
     ends = [a.end for a in p.actions]
@@ -207,6 +216,8 @@ def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microb
         k = min(len(stamps), n)
         if k:
             vec[_HDR + slot * n: _HDR + slot * n + k] = torch.tensor(stamps[:k], dtype=torch.float64)
+    if stage_ms:
+        vec[_HDR + 4 * n:] = torch.tensor([v for row in stage_ms for v in row], dtype=torch.float64)
     return vec
 
 
@@ -232,9 +243,11 @@ class RankProfile:
     arrivals_prev: list[float]
     arrivals_next: list[float]
     memory_budget_bytes: float = math.nan  # bytes this rank can spend on activations (NaN: no limit)
+    stage_ms: list[list[float]] = field(default_factory=list)  # (F, I, W, B) per local stage
 
 
-def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int) -> list[RankProfile]:
+def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int, local_stages: int = 0) -> list[RankProfile]:
+    """Unpack ``encode_profile``'s vectors (``local_stages``: the per-stage block's rows, 0: none)."""
     n = n_microbatches
     out = []
     for vec in gathered:
@@ -249,6 +262,7 @@ def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int) -> list[R
             clock_offset_prev=v[12], rtt_prev=v[13], send_bytes_next=v[14], candidate_hash=int(v[15]),
             memory_budget_bytes=v[16],
             sends_next=stamps(0), sends_prev=stamps(1), arrivals_prev=stamps(2), arrivals_next=stamps(3),
+            stage_ms=[v[_HDR + 4 * n + 4 * j: _HDR + 4 * n + 4 * j + 4] for j in range(local_stages)],
         ))
     return out
 

@@ -110,9 +110,9 @@ class TitanExt:
     placement: str = ""
     """Where a rank's model chunks sit when it holds several stages (issue 14, docs/multistage.md):
     "loop" (rank r holds stages r, r+R, ...: torch's Interleaved schedules) or "v" (rank r holds r
-    and 2R-1-r: ZBV / DualPipeV). Empty = the schedule's own placement. Validated here; the
-    multi-stage planner (``titan_ext.plan.virtual``) takes it, the run-time multi-stage PipeMorph /
-    CrossPipe (issue 14 item 4) is not built yet."""
+    and 2R-1-r: ZBV / DualPipeV). Empty = the schedule's own placement. Validated here; "v" makes
+    ``titan_ext.train`` build TorchTitan's V-style split for PipeMorph / CrossPipe (two stages per
+    rank), which read the placement from their stages (``titan_ext.runtime.placement``)."""
 
     link_alpha_beta: str = ""
     """Known α-β of PP links for CrossPipe's link model (CrossPipe §2.2), in the grammar of

@@ -47,9 +47,6 @@ _DELEGATING_VARIANTS: dict[str, tuple[str, str]] = {
     "PipeMorph": ("titan_ext.runtime.delegate.schedule", "DelegatedPipeMorph"),
 }
 _CONFIGURED: dict[tuple[str, bool], type] = {}
-# schedules that run exactly one stage per PP rank (TorchTitan gives a PipelineScheduleMulti two
-# virtual stages per rank unless the config splits the model itself)
-ONE_STAGE_PER_RANK: set[str] = {"PipeMorph", "CrossPipe"}
 _lock = threading.Lock()
 _registered = False
 _torch_get_schedule_class: Callable[[str], type] | None = None
@@ -192,6 +189,26 @@ def _wrap_build_pipeline_schedule(original: Callable) -> Callable:
     return build_pipeline_schedule
 
 
+def _wrap_pipeline_module_split(original: Callable) -> Callable:
+    """TorchTitan picks the V-style stage indices (rank r holds r and 2R−1−r) only for its own ZBV /
+    DualPipeV classes; for our schedules with ``[titan_ext] placement = "v"`` the split is asked for
+    as ZBV's (the name only selects the style there), else TorchTitan's looped default."""
+    if getattr(original, "_titan_ext_wrapped", False):
+        return original
+
+    def pipeline_module_split(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage):
+        job_config = getattr(_active, "job_config", None)
+        section = getattr(job_config, "titan_ext", None) if job_config is not None else None
+        if is_titan_ext_schedule(pp_schedule) and getattr(section, "placement", "") == "v":
+            pp_schedule = "ZBVZeroBubble"
+        return original(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage)
+
+    pipeline_module_split.__doc__ = original.__doc__
+    pipeline_module_split._titan_ext_wrapped = True  # type: ignore[attr-defined]
+    pipeline_module_split.__wrapped__ = original  # type: ignore[attr-defined]
+    return pipeline_module_split
+
+
 _BUILDER_MODULES = (
     "torchtitan.distributed.pipeline_parallel",
     "torchtitan.experiments.transformers_modeling_backend.infra.pipeline",
@@ -207,6 +224,8 @@ def _patch_loaded_builders() -> None:
             mod.get_schedule_class = get_schedule_class
         if hasattr(mod, "build_pipeline_schedule"):
             mod.build_pipeline_schedule = _wrap_build_pipeline_schedule(mod.build_pipeline_schedule)
+        if hasattr(mod, "pipeline_module_split"):
+            mod.pipeline_module_split = _wrap_pipeline_module_split(mod.pipeline_module_split)
 
 
 def register(cpu_shim: bool | None = None) -> None:

@@ -26,7 +26,10 @@ class TitanExtTrainer(Trainer):
 
         check_job_config(job_config, world_size=_world_size())
         install_replication_by_trainer()
-        super().__init__(job_config)
+        from titan_ext.titan.registry import active_job_config
+
+        with active_job_config(job_config):  # the model split reads [titan_ext] placement
+            super().__init__(job_config)
         # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon_job.py)
         self.falcon_job = (FalconJob(self, titan_ext_section(job_config))
                            if replicated_by_trainer(self.parallel_dims) else None)
