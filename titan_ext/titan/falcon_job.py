@@ -310,7 +310,7 @@ class FalconJob:
     # ---------------------------------------------------------------- Falcon
     def _group_times(self, step_s: float) -> tuple[float, dict[str, float]]:
         """Iteration time and per-group times, the same on every rank (MAX over the world)."""
-        from titan_ext.titan.trainer import runtime_metrics
+        from titan_ext.titan.metrics import runtime_metrics
 
         S, D = self.num_pp, self.num_dp
         vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
