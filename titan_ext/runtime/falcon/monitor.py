@@ -225,7 +225,10 @@ class FalconMonitor:
 
     def _classify(self, out):
         cause = "unknown"
-        if self.slow_links and self.grid is not None:
+        on_slow_device = all(a in self.slow_devices or b in self.slow_devices for a, b in self.slow_links)
+        if self.slow_links and self.slow_devices and on_slow_device:
+            cause = "compute"  # a slow device also delays the messages it sends and receives
+        elif self.slow_links and self.grid is not None:
             pos = {r: (d, s) for d, row in enumerate(self.grid) for s, r in enumerate(row)}
             a, b = self.slow_links[0]
             (da, sa), (db, sb) = pos[a], pos[b]

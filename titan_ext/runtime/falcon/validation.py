@@ -8,13 +8,12 @@ suspension": training simply does not start its next step until validation retur
   one more for odd sizes); in each pass every pair sends a same-size tensor with blocking
   ``dist.send`` / ``dist.recv`` and the receiver times it. Rings are processed together pass by pass
   (passes of different rings may share ranks only if the rings do; such rings are run one after
-  another). Returns ``{(src, dst): seconds}`` (median over repeats) on every rank.
+  another). Returns ``{(src, dst): seconds}`` (fastest of the repeats) on every rank.
 * :func:`gemm_probe` — every rank times an ``n × n`` matmul; returns ``{rank: seconds}`` on every rank.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -73,7 +72,9 @@ def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeat
                     dist.recv(buf, src)
                     if rep >= warmup:
                         samples.setdefault((src, dst), []).append(time.perf_counter() - t0)
-    local = {k: statistics.median(v) for k, v in samples.items()}
+    # The fastest repeat, as in gemm_probe: a descheduled sender or receiver only ever adds time, while
+    # a slow link is slow in every repeat.
+    local = {k: min(v) for k, v in samples.items()}
     return _all_gather_dict(local, group)
 
 
