@@ -14,7 +14,8 @@ from titan_ext.plan.ir import as_ops
 from titan_ext.runtime import CrossPipe, Decision
 from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
+pytestmark = pytest.mark.timeout(300)
 
 DIM, BATCH = 8, 12
 
