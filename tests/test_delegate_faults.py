@@ -61,7 +61,7 @@ def _router_body(rank, world):
     from titan_ext.runtime.delegate import DelegatePool, pipeline_channels
     from titan_ext.runtime.delegate.transport import P2PRouter
 
-    pool = DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=4, slot_bytes=1 << 20, timeout_s=120)
+    pool = DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=4, slot_bytes=1 << 20, timeout_s=60)
     router = P2PRouter(rank, pool, delegating=True)
     got, victims, it, t0 = [], [], 0, time.monotonic()
     kinds = ["send-F", "recv-B"] if rank == 0 else ["recv-F", "send-B"]

@@ -12,7 +12,11 @@ of a link dies (SIGKILL, a crash, or its peer delegate dying, which closes their
    ``TICK_S``), which covers a delegate that is not inside Gloo at that moment.
 2. **Agreement** — both ranks SIGKILL and reap their own delegate of the link, so the ring contents are
    final.  The receiver takes every complete (READY) message left in its ring and publishes ``first``,
-   the lowest sequence number of the link that no ring delivered, under ``.../e<epoch>/first``.
+   the lowest sequence number of the link that no ring delivered, under ``.../e<epoch>/first``.  The
+   supervisor never blocks on its peer: it declares and reaps every dead link and publishes every
+   receiver's ``first`` before it polls the store for the ``first`` its senders need (one side's
+   delegates killed take down two links of the rank pair at once; a blocking wait on one would let
+   both supervisors wait for each other).
 3. **Replay, nothing lost or repeated** — the sender keeps a reference to every message it handed to
    the delegate until the peer's recv delegate acknowledges it (it acknowledges after the message is
    READY in the receiver's ring, so acknowledged ⇒ delivered).  It re-sends exactly the kept messages
@@ -48,6 +52,7 @@ UP, RECOVERING, DOWN = "up", "recovering", "down"
 DIRECT, DELEGATE = 0, 1      # route markers
 TAG_BASE = 1 << 20           # above any tag the schedules use
 TICK_S = 0.25                # supervisor: store inbox poll period (pidfds wake it at once)
+AGREE_POLL_S = 0.005         # supervisor: store poll period while a sender awaits its peer's replay point
 
 
 def tag(direction: str, seq: int, data: bool) -> int:
@@ -105,6 +110,7 @@ class Supervisor(threading.Thread):
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=pool.timeout_s))
         self.root = f"titanx/{pool.pool_id}/"
         self._inbox_seen = 0
+        self._agreeing: dict[Link, tuple[float, float]] = {}   # send links awaiting ``first``: (t0, deadline)
         self.error: str | None = None
         self.announced = threading.Event()   # the peers were told this pool is closing
         self.released = threading.Event()    # the pool stopped its delegates: this thread may end
@@ -137,16 +143,20 @@ class Supervisor(threading.Thread):
     def _tick(self) -> None:
         links = [lk for lk in self.pool.links() if lk.state == UP and lk.error is None]
         fds = [lk.lane.pidfd for lk in links if lk.lane.pidfd is not None]
+        # while a sender waits for its peer's replay point, poll the store for it every few ms
+        wait_s = AGREE_POLL_S if self._agreeing else TICK_S
         if fds:
-            select.select(fds, [], [], TICK_S)
+            select.select(fds, [], [], wait_s)
         else:
-            time.sleep(TICK_S)
+            time.sleep(wait_s)
         if self.pool._closed:
             return
         declared = self._declared_by_peers(links)
-        for lk in links:
-            if lane_dead(lk.lane) or lk in declared:
-                self._recover(lk)
+        down = [lk for lk in links if lane_dead(lk.lane) or lk in declared]
+        for lk in down:  # every dead link is declared and reaped before any agreement is awaited
+            self._start_recovery(lk)
+        for lk in list(self._agreeing):
+            self._try_agree(lk)
 
     def _declared_by_peers(self, links: list[Link]) -> list[Link]:
         seen = int(self.store.add(self._inbox(self.pool.rank), 0))
@@ -156,7 +166,11 @@ class Supervisor(threading.Thread):
         return [lk for lk in links if self.store.check([self._key(lk.lane, "down")])]
 
     # --- recovery -----------------------------------------------------------------------------
-    def _recover(self, link: Link) -> None:
+    def _start_recovery(self, link: Link) -> None:
+        """Steps 1-2 for one link; never waits on the peer.  A receiver publishes ``first`` at once; a
+        sender joins ``_agreeing`` until the peer's ``first`` is in the store.  (A blocking wait here
+        deadlocks when two links die together: each rank's supervisor would wait, on its send link, for
+        the ``first`` its peer publishes only after its own send link's wait.)"""
         t0 = time.monotonic()
         link.state = RECOVERING
         lane = link.lane
@@ -167,18 +181,32 @@ class Supervisor(threading.Thread):
             link.error = f"{lane.describe()} is gone and rank {link.peer} closed its delegate pool"
             link.state = DOWN
             return
-        try:
-            if link.role == "recv":
-                first = self.pool._recover_recv(link)
-                self.store.set(self._key(lane, "first"), str(first))
-                replayed = 0
-            else:
-                first = int(self.store.get(self._key(lane, "first")))
-                replayed = self.pool._recover_send(link, first)
-        except Exception as exc:  # noqa: BLE001 - the peer never answered: a clean stop on this link
-            link.error = f"{lane.describe()} died and rank {link.peer} did not agree on a replay point: {exc}"
-            link.state = DOWN
+        if link.role == "send":
+            self._agreeing[link] = (t0, t0 + self.pool.timeout_s)
             return
+        first = self.pool._recover_recv(link)
+        self.store.set(self._key(lane, "first"), str(first))
+        self._fell_back(link, t0, first, 0)
+
+    def _try_agree(self, link: Link) -> None:
+        """Sender, step 3: once the peer published ``first``, replay from it; past ``timeout_s`` the link
+        is unusable (a clean stop on it)."""
+        t0, deadline = self._agreeing[link]
+        key = self._key(link.lane, "first")
+        if not self.store.check([key]):
+            if time.monotonic() > deadline:
+                del self._agreeing[link]
+                link.error = (f"{link.lane.describe()} died and rank {link.peer} did not agree on a replay "
+                              f"point within {self.pool.timeout_s:.0f} s")
+                link.state = DOWN
+            return
+        del self._agreeing[link]
+        first = int(self.store.get(key))
+        self._fell_back(link, t0, first, self.pool._recover_send(link, first))
+
+    def _fell_back(self, link: Link, t0: float, first: int, replayed: int) -> None:
+        """The link is on the direct path: log it and start its new delegate (step 5)."""
+        lane = link.lane
         self.pool._log_event(link, "fallback", epoch=lane.epoch, first_undelivered=first,
                              replayed=replayed, recovery_ms=1e3 * (time.monotonic() - t0),
                              exit_code=lane.proc.returncode if lane.proc else None)
