@@ -35,12 +35,11 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from titan_ext.runtime.testing import run_ranks, step_rank  # noqa: E402
+from titan_ext.runtime.testing import run_ranks, step_rank, timed_step  # noqa: E402
 
 #: "torch-runtime": torch's own _PipelineScheduleRuntime running PipeMorph's deployed plan (the same
 #: actions, no instrumentation): PipeMorph / torch-runtime − 1 is the cost of our executor + boundary
@@ -121,14 +120,7 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
             for kind, (mod, sched, label, opt, times, metrics) in runs.items():
                 if kind == "torch-runtime":
                     _load_deployed(sched, runs["PipeMorph"][1])
-                dist.barrier()
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                step_rank(sched, rank, world, x, y)
-                elapsed = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64)
-                opt.step()
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times.append(elapsed.item())
+                times.append(timed_step(opt, lambda: step_rank(sched, rank, world, x, y)))
                 if kind == "PipeMorph" and hasattr(sched, "last_metrics"):
                     m = sched.last_metrics
                     metrics.append({k2: m[k2] for k2 in (

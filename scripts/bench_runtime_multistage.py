@@ -23,10 +23,9 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as Fn
 
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.runtime.testing import run_ranks, timed_step
 
 V = 2
 TORCH = ("Interleaved1F1B", "ZBVZeroBubble")
@@ -81,14 +80,7 @@ def _worker(rank: int, world: int, args) -> dict:
             b = args.microbatches * args.mb_size
             x, y = torch.randn(b, args.dim, generator=g), torch.randn(b, args.dim, generator=g)
             for kind, (sched, local, opt, times) in runs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                _step(sched, local, S, x, y)
-                elapsed = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64)
-                opt.step()
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times.append(elapsed.item())
+                times.append(timed_step(opt, lambda: _step(sched, local, S, x, y)))
         for kind, (sched, local, opt, times) in runs.items():
             cell = {"delay_ms": delay, "schedule": kind, "times_ms": times,
                     "median_ms": statistics.median(times[args.warmup:])}

@@ -12,7 +12,7 @@ from torch.distributed.pipelining import PipelineStage
 from titan_ext.plan import LinkProfile, PipelineProfile, plan_crosspipe
 from titan_ext.plan.ir import as_ops
 from titan_ext.runtime import CrossPipe, Decision
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks
+from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
 pytestmark = pytest.mark.timeout(300)
@@ -21,9 +21,7 @@ DIM, BATCH = 8, 12
 
 
 def _batch(step: int):
-    g = torch.Generator().manual_seed(500 + step)
-    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
-            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+    return seeded_batch(500 + step, BATCH, DIM)
 
 
 def _step(sched, rank, world, step):

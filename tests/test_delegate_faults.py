@@ -136,11 +136,9 @@ DIM, BATCH = 8, 16
 
 
 def _batch(step):
-    import torch
+    from titan_ext.runtime.testing import seeded_batch
 
-    g = torch.Generator().manual_seed(1000 + step)
-    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
-            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+    return seeded_batch(1000 + step, BATCH, DIM)
 
 
 def _train_body(rank, world):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.runtime.testing import mlp_stages, run_ranks
+from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -18,9 +18,7 @@ DIM, BATCH, N_MB, STEPS = 8, 16, 4, 6
 
 
 def _batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
-            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+    return seeded_batch(1000 + step, BATCH, DIM)
 
 
 def _train(rank, world, make):

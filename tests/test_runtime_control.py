@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.runtime import CrossPipe, Decision, PipeMorph
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, step_rank
+from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
 pytestmark = pytest.mark.timeout(300)
@@ -81,9 +81,7 @@ def data_group_refuses_cpu_collectives(calls: dict, direct: tuple = (False,)):
 
 
 def _batch(step):
-    g = torch.Generator().manual_seed(2000 + step)
-    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
-            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+    return seeded_batch(2000 + step, BATCH, DIM)
 
 
 def _step(sched, rank, world, k):

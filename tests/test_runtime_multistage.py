@@ -24,7 +24,7 @@ from titan_ext.plan.ir import as_ops
 from titan_ext.plan.virtual import generate_virtual_order, virtual_profile, virtual_stage_to_rank
 from titan_ext.runtime.placement import read_layout
 from titan_ext.runtime.policy import Decision
-from titan_ext.runtime.testing import mlp_stages, run_ranks
+from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,9 +33,7 @@ DELAY_MS, T_MS, ON, ADAPT_STEPS = 60.0, 4.0, 3, 9
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
-            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+    return seeded_batch(1000 + step, BATCH, DIM)
 
 
 def _step(sched, local: list[int], step: int, dtype=torch.float64) -> list[float]:

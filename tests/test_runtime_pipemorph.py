@@ -15,7 +15,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan import PipelineProfile
 from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, step_rank
+from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
 pytestmark = pytest.mark.timeout(300)
@@ -25,9 +25,7 @@ BATCH = 16
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
-            torch.randn(BATCH, DIM, generator=g, dtype=torch.float64))
+    return seeded_batch(1000 + step, BATCH, DIM)
 
 
 def _step(sched, rank: int, world: int, step: int) -> list[float]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, step_rank
+from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -16,8 +16,7 @@ DIM, BATCH = 8, 16
 
 
 def _batch(step, dtype=torch.float64):
-    g = torch.Generator().manual_seed(3000 + step)
-    return (torch.randn(BATCH, DIM, generator=g, dtype=dtype), torch.randn(BATCH, DIM, generator=g, dtype=dtype))
+    return seeded_batch(3000 + step, BATCH, DIM, dtype)
 
 
 def _step(sched, rank, world, k):

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from .plan import LinkProfile, PipelineProfile, simulate
 from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name, plan_crosspipe_by_name
+from .plan.result import warmup_counts_of
 from .plan.warmup import slackness
 
 
@@ -295,7 +296,7 @@ def _cmd_plan_crosspipe(profile: PipelineProfile, args: argparse.Namespace) -> N
     _write_outputs(actions, timeline, args)
     from .plan.ir import as_ops
 
-    x = _warmup_of(as_ops(actions))
+    x = warmup_counts_of(as_ops(actions))
     _report(timeline, {"schedule": args.schedule, "warmup_counts": x, "slackness": slackness(x), **info}, args)
 
 
@@ -326,7 +327,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         source = args.builtin
     ops, timeline = _evaluate(actions, profile, args.hol, source)
     plan_ms = (time.perf_counter() - t0) * 1e3
-    x = _warmup_of(ops)
+    x = warmup_counts_of(ops)
     _write_outputs(None, timeline, args)
     _report(
         timeline,
@@ -392,18 +393,6 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({"hol": args.hol, "schedules": out}))
 
-
-def _warmup_of(ops) -> list[int]:
-    """Forwards each rank runs before its first backward (x_i of the plan as written)."""
-    out = []
-    for rank in sorted(ops):
-        n = 0
-        for _, kind, _ in ops[rank]:
-            if kind != "F":
-                break
-            n += 1
-        out.append(n)
-    return out
 
 
 _GANTT_FORMATS = (".png", ".pdf", ".svg")

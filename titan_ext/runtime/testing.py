@@ -89,6 +89,25 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None
 # --------------------------------------------------------------------------------------------------
 # models
 # --------------------------------------------------------------------------------------------------
+def seeded_batch(seed: int, batch: int, dim: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of one step, the same on every rank (one generator seeded with ``seed``)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, dim, generator=g, dtype=dtype), torch.randn(batch, dim, generator=g, dtype=dtype))
+
+
+def timed_step(optimizer: Any, step: Callable[[], Any]) -> float:
+    """One benchmark iteration: barrier, ``step()`` between ``zero_grad`` and the optimizer step, and
+    the slowest rank's wall time of it in ms (MAX all-reduce, so every rank returns the same)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    optimizer.zero_grad()
+    step()
+    elapsed = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64)
+    optimizer.step()
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
 def step_rank(schedule: Any, rank: int, world: int, x: Any, y: Any, losses: list | None = None) -> None:
     """One ``schedule.step`` with this rank's share of the data: inputs on the first stage, targets
     (and the loss list) on the last, nothing in between (one stage per rank)."""
