@@ -150,6 +150,15 @@ def _worker(rank: int, world: int) -> dict:
             stages, mods = _stages(local, S)
             out[f"few_{placement}_{name}"] = (*_run(make(stages), local, S, x, y), _grads(mods))
 
+    # [titan_ext] settings arrive as a plain ReplanPolicy: with two stages per rank the multi-stage policy
+    # runs, with the same thresholds
+    from titan_ext.runtime import ReplanPolicy
+
+    local = [s for s, r in enumerate(virtual_stage_to_rank(R, 2, "v")) if r == rank]
+    stages, _ = _stages(local, 2 * R)
+    sched = PipeMorph(stages, 4, loss_fn=Fn.mse_loss, policy=ReplanPolicy(window=5, rel_margin=0.3))
+    out["policy"] = (type(sched.policy).__name__, sched.policy.window, sched.policy.rel_margin)
+
     # eval(): losses and outputs, no gradients
     stages, mods = _stages([rank], R)
     sched = PipeMorph(stages, 4, loss_fn=Fn.mse_loss, scale_grads=False)
@@ -259,3 +268,10 @@ def test_errors_name_the_class_in_use(results):
     for res in results:
         assert res["error"] is not None and res["error"].startswith("CrossPipe"), res["error"]
         assert "PipeMorph" not in res["error"]
+
+
+def test_titan_settings_reach_the_multi_stage_policy(results):
+    """titan/options.py passes a ReplanPolicy built from [titan_ext]; with several stages per rank the
+    schedule must run VirtualReplanPolicy with those thresholds (it used to keep the one-stage policy)."""
+    for res in results:
+        assert res["policy"] == ("VirtualReplanPolicy", 5, 0.3)

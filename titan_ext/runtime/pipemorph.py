@@ -56,7 +56,7 @@ from .executor import Executor, RunContext, forward_order
 from .memory import activation_budget_bytes, inflight_cap
 from .metrics import IterationMetrics
 from .observers import Boundary, FalconObserver
-from .placement import VirtualEstimator, VirtualPlanner, VirtualReplanPolicy, read_layout, virtual_tolerances
+from .placement import VirtualEstimator, VirtualPlanner, policy_for, read_layout, virtual_tolerances
 from .planning import BackgroundPlanning, PipeMorphPlanner, Planner, PlanningContext, explicit_plan
 from .policy import Decision, ReplanPolicy, eq1_tolerances
 from .profiler import (
@@ -174,10 +174,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._losses_by_mb: dict[int, torch.Tensor] = {}
         self.backward = backward
         self.adaptive = adaptive
-        self.policy = policy if policy is not None else (
-            VirtualReplanPolicy(layout=self.layout) if self.layout.virtual else ReplanPolicy())
-        if isinstance(self.policy, VirtualReplanPolicy) and self.policy.layout is None:
-            self.policy.layout = self.layout
+        self.policy = policy_for(self.layout, policy)
         self.profile_every, self.profile_every_max = profile_every, max(profile_every, profile_every_max)
         self.slack_floor = slack_floor
         self.adaptive_memory_limit = adaptive_memory_limit
