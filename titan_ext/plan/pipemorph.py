@@ -80,8 +80,37 @@ def generate_order(
     return GeneratedSchedule(order, to_ms(makespan))
 
 
+def _compiled_generator():
+    """``titan_ext.plan._generate_c`` (from ``_generate.c``, bit-identical to :func:`_generate_py`), or
+    None when it is not built (the Python reference runs then)."""
+    try:
+        from . import _generate_c
+    except ImportError:
+        return None
+    return _generate_c
+
+
+_GENERATE_C = _compiled_generator()
+
+
 def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_backward: bool,
               bound_ns: int | None = None) -> tuple[dict[int, list[Op]] | None, int, bool]:
+    """:func:`_generate_py`, compiled where built (about two orders of magnitude faster, same result)."""
+    if _GENERATE_C is None:
+        return _generate_py(profile, x, limit, full_backward, bound_ns)
+    tw = [to_ns(v) for v in profile.w_ms]
+    tb = [to_ns(v) for v in profile.b_ms]
+    if full_backward:
+        tb = [b + w for b, w in zip(tb, tw)]
+    links = LinkQueues(profile.links)
+    order, makespan, cap_bound = _GENERATE_C.generate(
+        profile.num_microbatches, [to_ns(v) for v in profile.f_ms], tb, tw, links.latency_ns, links.transfer_ns,
+        x, limit, full_backward, bound_ns)
+    return (None if order is None else dict(enumerate(order))), makespan, cap_bound
+
+
+def _generate_py(profile: PipelineProfile, x: list[int], limit: list[int], full_backward: bool,
+                 bound_ns: int | None = None) -> tuple[dict[int, list[Op]] | None, int, bool]:
     """The generator proper: ``(order, makespan_ns, cap_bound)``, where ``cap_bound`` says whether the
     in-flight limit ever kept a stage from a forward that had arrived (if not, the same counts without
     the limit give the same order). Stops early with ``(None, t, cap_bound)`` once the plan's makespan
@@ -113,6 +142,8 @@ def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_bac
 
     wake: list[tuple[int, int]] = [(0, i) for i in range(S)]
     while remaining:
+        if not wake:
+            raise ValueError("the warm-up counts and in-flight limits deadlock: no stage can run any more")
         t, i = heapq.heappop(wake)
         if free_at[i] > t:
             continue

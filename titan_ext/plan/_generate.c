@@ -1,0 +1,276 @@
+/* Compiled PipeMorph schedule generator (Alg.3/4 of PipeMorph §4.3, event-driven): titan_ext.plan._generate_c.
+ *
+ * A port of titan_ext.plan.pipemorph._generate_py (the Python reference) with the same integer
+ * arithmetic and the same event order, so it returns bit-identical results: the same per-stage
+ * operation orders, the same makespan (ns) and the same cap_bound flag, including the early stop once
+ * the makespan is certain to exceed a bound (tests/test_plan_generate_c.py).
+ *
+ *   generate(N, f, b, w, latency, transfer, x, limit, full_backward, bound)
+ *       N: microbatches; f, b, w: per-stage times (int ns; b already includes w when full_backward); latency, transfer:
+ *       per link (S - 1, int ns; transfer 0 = no occupancy); x, limit: warm-up counts and in-flight
+ *       limits per stage; bound: int ns or None.
+ *       -> (order, makespan_ns, cap_bound); order is None when the bound stopped it, else a list per
+ *       stage of (stage, kind, microbatch) tuples, kind one of "F", "I", "W", "B".  ValueError when the
+ *       counts and limits deadlock (no stage can run any more), as the Python reference.
+ *
+ * Timing (titan_ext.plan.timing.LinkQueues): a message on link l is ready when its op ends; with
+ * transfer 0 it arrives latency later; otherwise it waits for its direction of the link to be free
+ * (FIFO), occupies it for transfer, and arrives latency after that.  Events (time, stage) pop in
+ * lexicographic order, as Python's heapq does on tuples.
+ *
+ * Plain C and the CPython API (also valid C++).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef long long i64;
+
+typedef struct { i64 t; int i; } Ev;
+
+typedef struct { Ev *a; Py_ssize_t n, cap; } Heap;
+
+static int ev_less(Ev x, Ev y) { return x.t < y.t || (x.t == y.t && x.i < y.i); }
+
+static int heap_push(Heap *h, i64 t, int i) {
+    if (h->n == h->cap) {
+        Py_ssize_t cap = h->cap ? 2 * h->cap : 64;
+        Ev *a = (Ev *)realloc(h->a, (size_t)cap * sizeof(Ev));
+        if (!a) return -1;
+        h->a = a; h->cap = cap;
+    }
+    Py_ssize_t k = h->n++;
+    Ev e = {t, i};
+    while (k > 0) {
+        Py_ssize_t p = (k - 1) / 2;
+        if (!ev_less(e, h->a[p])) break;
+        h->a[k] = h->a[p]; k = p;
+    }
+    h->a[k] = e;
+    return 0;
+}
+
+static Ev heap_pop(Heap *h) {
+    Ev top = h->a[0], last = h->a[--h->n];
+    Py_ssize_t k = 0, n = h->n;
+    for (;;) {
+        Py_ssize_t c = 2 * k + 1;
+        if (c >= n) break;
+        if (c + 1 < n && ev_less(h->a[c + 1], h->a[c])) c++;
+        if (!ev_less(h->a[c], last)) break;
+        h->a[k] = h->a[c]; k = c;
+    }
+    if (n) h->a[k] = last;
+    return top;
+}
+
+/* a FIFO of (ready, mb) per stage and kind: each receives exactly N entries */
+typedef struct { i64 *ready; int *mb; int head, tail; } Q;
+
+static int read_i64s(PyObject *seq, Py_ssize_t n, i64 *out, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd values", what, n);
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        out[k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, k));
+        if (out[k] == -1 && PyErr_Occurred()) { Py_DECREF(fast); return -1; }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static PyObject *KIND[4];  /* "F", "I", "W", "B" */
+/* the Python reference's message, word for word */
+static const char *DEADLOCK = "the warm-up counts and in-flight limits deadlock: no stage can run any more";
+enum { KF, KI, KW, KB };
+
+typedef struct {
+    Py_ssize_t S, N;
+    i64 *tf, *tb, *tw, *lat, *tx, *x, *lim, *ffree, *bfree, *free_at, *work, *qready;
+    int *warm, *fcount, *bcount, *qmb, *kinds, *mbs, *nops;
+    Q *q;  /* 3S queues: F of stage i at q[i], I at q[S + i], W at q[2S + i] */
+    Heap heap;
+} Gen;
+
+static void q_push(Q *q, i64 ready, int mb) { q->ready[q->tail] = ready; q->mb[q->tail] = mb; q->tail++; }
+static int q_ready(const Q *q, i64 t) { return q->head < q->tail && q->ready[q->head] <= t; }
+
+static i64 link_send(Gen *g, int link, int forward, i64 ready) {
+    i64 tx = g->tx[link];
+    if (tx == 0) return ready + g->lat[link];
+    i64 *fr = forward ? &g->ffree[link] : &g->bfree[link];
+    i64 start = ready > *fr ? ready : *fr;
+    *fr = start + tx;
+    return start + tx + g->lat[link];
+}
+
+/* the event loop of pipemorph._generate_py; returns 1 when done, 0 when stopped by the bound, -1 on error */
+static int run(Gen *g, int full, int have_bound, i64 bound, i64 *makespan, int *cap_bound) {
+    Py_ssize_t S = g->S, N = g->N;
+    Q *fq = g->q, *bq = g->q + S, *wq = g->q + 2 * S;
+    for (int m = 0; m < N; m++) q_push(&fq[0], 0, m);
+    i64 remaining = (full ? 2 : 3) * (i64)N * S;
+    for (int i = 0; i < S; i++) {
+        g->warm[i] = (int)g->x[i];
+        g->work[i] = (i64)N * (g->tf[i] + g->tb[i] + (full ? 0 : g->tw[i]));
+        if (heap_push(&g->heap, 0, i)) return -1;
+    }
+    while (remaining) {
+        if (!g->heap.n) return -2;  /* nothing can run any more: the counts and limits deadlock */
+        Ev e = heap_pop(&g->heap);
+        i64 t = e.t;
+        int i = e.i, kind = -1, m;
+        if (g->free_at[i] > t) continue;
+        if (g->warm[i] > 0) {
+            if (q_ready(&fq[i], t)) { kind = KF; g->warm[i]--; }
+        } else if (q_ready(&bq[i], t)) {
+            kind = KI;
+        } else if (q_ready(&fq[i], t)) {
+            if (g->fcount[i] - g->bcount[i] < g->lim[i]) kind = KF;
+            else *cap_bound = 1;
+        }
+        if (kind < 0 && q_ready(&wq[i], t)) kind = KW;
+        if (kind < 0) continue;
+        i64 done;
+        if (kind == KF) {
+            m = fq[i].mb[fq[i].head++];
+            done = t + g->tf[i];
+            g->fcount[i]++;
+            if (i + 1 < S) {
+                i64 arrive = link_send(g, i, 1, done);
+                q_push(&fq[i + 1], arrive, m);
+                if (heap_push(&g->heap, arrive, i + 1)) return -1;
+            } else {
+                q_push(&bq[i], done, m);
+            }
+        } else if (kind == KI) {
+            m = bq[i].mb[bq[i].head++];
+            done = t + g->tb[i];
+            g->bcount[i]++;
+            if (full) kind = KB;
+            else q_push(&wq[i], done, m);
+            if (i > 0) {
+                i64 arrive = link_send(g, i - 1, 0, done);
+                q_push(&bq[i - 1], arrive, m);
+                if (heap_push(&g->heap, arrive, i - 1)) return -1;
+            }
+        } else {
+            m = wq[i].mb[wq[i].head++];
+            done = t + g->tw[i];
+        }
+        g->work[i] -= done - t;
+        if (have_bound && done + g->work[i] > bound) { *makespan = done; return 0; }
+        Py_ssize_t k = (Py_ssize_t)i * 3 * N + g->nops[i]++;
+        g->kinds[k] = kind;
+        g->mbs[k] = m;
+        if (done > *makespan) *makespan = done;
+        g->free_at[i] = done;
+        remaining--;
+        if (heap_push(&g->heap, done, i)) return -1;
+    }
+    return 1;
+}
+
+static PyObject *build_order(Gen *g) {
+    PyObject *order = PyList_New(g->S);
+    if (!order) return NULL;
+    for (Py_ssize_t i = 0; i < g->S; i++) {
+        PyObject *ops = PyList_New(g->nops[i]), *stage = PyLong_FromSsize_t(i);
+        if (!ops || !stage) { Py_XDECREF(ops); Py_XDECREF(stage); Py_DECREF(order); return NULL; }
+        PyList_SET_ITEM(order, i, ops);
+        for (int k = 0; k < g->nops[i]; k++) {
+            Py_ssize_t j = i * 3 * g->N + k;
+            PyObject *op = Py_BuildValue("(OOi)", stage, KIND[g->kinds[j]], g->mbs[j]);
+            if (!op) { Py_DECREF(stage); Py_DECREF(order); return NULL; }
+            PyList_SET_ITEM(ops, k, op);
+        }
+        Py_DECREF(stage);
+    }
+    return order;
+}
+
+static void gen_free(Gen *g) {
+    free(g->tf); free(g->qready); free(g->warm); free(g->qmb); free(g->kinds); free(g->mbs); free(g->q);
+    free(g->heap.a);
+}
+
+static int gen_alloc(Gen *g) {
+    Py_ssize_t S = g->S, N = g->N;
+    g->tf = (i64 *)calloc((size_t)(12 * S), sizeof(i64));
+    g->qready = (i64 *)calloc((size_t)(3 * S * N), sizeof(i64));
+    g->warm = (int *)calloc((size_t)(4 * S), sizeof(int));
+    g->qmb = (int *)calloc((size_t)(3 * S * N), sizeof(int));
+    g->kinds = (int *)calloc((size_t)(3 * S * N), sizeof(int));
+    g->mbs = (int *)calloc((size_t)(3 * S * N), sizeof(int));
+    g->q = (Q *)calloc((size_t)(3 * S), sizeof(Q));
+    if (!g->tf || !g->qready || !g->warm || !g->qmb || !g->kinds || !g->mbs || !g->q) return -1;
+    g->tb = g->tf + S; g->tw = g->tb + S; g->lat = g->tw + S; g->tx = g->lat + S; g->x = g->tx + S;
+    g->lim = g->x + S; g->ffree = g->lim + S; g->bfree = g->ffree + S; g->free_at = g->bfree + S;
+    g->work = g->free_at + S;
+    g->fcount = g->warm + S; g->bcount = g->fcount + S; g->nops = g->bcount + S;
+    for (Py_ssize_t k = 0; k < 3 * S; k++) { g->q[k].ready = g->qready + k * N; g->q[k].mb = g->qmb + k * N; }
+    return 0;
+}
+
+static PyObject *generate(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t N;
+    PyObject *fo, *bo, *wo, *lato, *txo, *xo, *limo, *boundo;
+    int full;
+    if (!PyArg_ParseTuple(args, "nOOOOOOOpO", &N, &fo, &bo, &wo, &lato, &txo, &xo, &limo, &full, &boundo))
+        return NULL;
+    Gen g;
+    memset(&g, 0, sizeof g);
+    g.S = PySequence_Size(fo);
+    g.N = N;
+    if (g.S < 1 || N < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "need at least one stage and one microbatch");
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t S = g.S;
+    int have_bound = boundo != Py_None, cap_bound = 0, status;
+    i64 bound = 0, makespan = 0;
+    if (gen_alloc(&g)) { PyErr_NoMemory(); goto done; }
+    if (read_i64s(fo, S, g.tf, "f") || read_i64s(bo, S, g.tb, "b") || read_i64s(wo, S, g.tw, "w")
+        || read_i64s(lato, S - 1, g.lat, "latency") || read_i64s(txo, S - 1, g.tx, "transfer")
+        || read_i64s(xo, S, g.x, "x") || read_i64s(limo, S, g.lim, "limit")) goto done;
+    if (have_bound && (bound = PyLong_AsLongLong(boundo)) == -1 && PyErr_Occurred()) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    status = run(&g, full, have_bound, bound, &makespan, &cap_bound);
+    Py_END_ALLOW_THREADS
+    if (status == -2) { PyErr_SetString(PyExc_ValueError, DEADLOCK); goto done; }
+    if (status < 0) { PyErr_NoMemory(); goto done; }
+    if (status == 0) {
+        result = Py_BuildValue("(OLO)", Py_None, makespan, cap_bound ? Py_True : Py_False);
+    } else {
+        PyObject *order = build_order(&g);
+        if (order) {
+            result = Py_BuildValue("(OLO)", order, makespan, cap_bound ? Py_True : Py_False);
+            Py_DECREF(order);
+        }
+    }
+done:
+    gen_free(&g);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"generate", generate, METH_VARARGS, "PipeMorph Alg.3/4, event-driven (see the module source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_generate_c", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__generate_c(void) {
+    const char *names[4] = {"F", "I", "W", "B"};
+    for (int k = 0; k < 4; k++) {
+        if (!KIND[k] && !(KIND[k] = PyUnicode_InternFromString(names[k]))) return NULL;
+    }
+    return PyModule_Create(&module);
+}
