@@ -18,8 +18,9 @@ search_ext = Extension("titan_ext.plan._search_c", [os.path.join("titan_ext", "p
 # plan greedy generator (crosspipe.greedy_schedule compiled): same constraints as search_ext
 greedy_ext = Extension("titan_ext.plan._greedy_c", [os.path.join("titan_ext", "plan", "_greedy.c")],
                        extra_compile_args=["-O2"], libraries=["m"])
-# plan PipeMorph generator (pipemorph._generate_py compiled): same constraints as search_ext
-generate_ext = Extension("titan_ext.plan._generate_c", [os.path.join("titan_ext", "plan", "_generate.c")],
+# plan PipeMorph generator and plan checks (pipemorph._generate_py, validate's checks 1-3 compiled): same
+# constraints as search_ext
+generate_ext = Extension("titan_ext.plan._pipemorph_c", [os.path.join("titan_ext", "plan", "_pipemorph.c")],
                          extra_compile_args=["-O2"])
 ext_modules, cmdclass = [search_ext, greedy_ext, generate_ext], {}
 try:

@@ -26,7 +26,7 @@ from .profile import PipelineProfile
 from .result import PlanResult
 from .simulate import peak_inflight, replay_makespan_ns
 from .timing import LinkQueues, to_ms, to_ns
-from .validate import validate_plan
+from .validate import compiled_core, validate_plan
 from .warmup import (
     _clip_monotone,
     adapted_warmup_counts,
@@ -80,17 +80,8 @@ def generate_order(
     return GeneratedSchedule(order, to_ms(makespan))
 
 
-def _compiled_generator():
-    """``titan_ext.plan._generate_c`` (from ``_generate.c``, bit-identical to :func:`_generate_py`), or
-    None when it is not built (the Python reference runs then)."""
-    try:
-        from . import _generate_c
-    except ImportError:
-        return None
-    return _generate_c
-
-
-_GENERATE_C = _compiled_generator()
+_GENERATE_C = compiled_core()
+"""The compiled generator (``_pipemorph.c``, bit-identical to :func:`_generate_py`); None: not built."""
 
 
 def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_backward: bool,
@@ -404,11 +395,12 @@ def plan_pipemorph(
             if order is not None:
                 best = (makespan, cand, order)
         makespan, best, order = best
-        peak = peak_inflight(order)
         limit = list(best.inflight_limit)
         if validate:
-            validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
-                          torch_dry_run=validate == "torch")
+            peak = validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
+                                 torch_dry_run=validate == "torch")
+        else:
+            peak = peak_inflight(order)
         actions = to_torch_plan(order)
     return PlanResult(
         actions=actions,

@@ -1,4 +1,4 @@
-"""The compiled PipeMorph generator (``titan_ext.plan._generate_c``, from ``_generate.c``) against its
+"""The compiled PipeMorph generator (``titan_ext.plan._pipemorph_c``, from ``_pipemorph.c``) against its
 Python reference (``pipemorph._generate_py``): bit-identical orders, makespans (integer ns) and
 cap_bound flags on random heterogeneous profiles — bandwidth-limited links (FIFO occupancy), warm-up
 counts and in-flight caps, full and split backward, and the early stop at a makespan bound."""
@@ -14,7 +14,7 @@ from titan_ext.plan import LinkProfile, PipelineProfile
 from titan_ext.plan import pipemorph
 
 C = pipemorph._GENERATE_C
-pytestmark = pytest.mark.skipif(C is None, reason="titan_ext.plan._generate_c is not built")
+pytestmark = pytest.mark.skipif(C is None, reason="titan_ext.plan._pipemorph_c is not built")
 
 
 def _case(rng: random.Random) -> tuple:
@@ -64,3 +64,36 @@ def test_a_plan_made_with_the_compiled_generator_equals_the_reference_plan(monke
     slow = pipemorph.plan_pipemorph(prof)
     assert fast.ops == slow.ops and fast.warmup_counts == slow.warmup_counts
     assert fast.predicted_makespan_ms == slow.predicted_makespan_ms == 1090.0  # T_ideal + c (issue 12)
+
+
+def test_compiled_checks_give_the_python_validators_verdict_and_peaks():
+    """validate.py checks 1-3, compiled (the hot path) vs in Python (the reference that names the reason),
+    on valid plans and plans broken the ways test_plan_candidates' torch agreement fuzz breaks them."""
+    from test_plan_candidates import _mutate  # the same breakages that fuzz checks against torch
+
+    from titan_ext.plan.simulate import peak_inflight
+    from titan_ext.plan.validate import PlanValidationError, _check_python
+
+    rng = random.Random(7)
+    verdicts = {True: 0, False: 0}
+    for _ in range(600):
+        S = rng.randint(1, 5)
+        N = rng.randint(1, 2 * S)
+        prof = PipelineProfile(S, N, [rng.uniform(1, 5) for _ in range(S)], [rng.uniform(1, 5) for _ in range(S)],
+                               [rng.uniform(0, 5) for _ in range(S)])
+        x = sorted((rng.randint(1, N) for _ in range(S)), reverse=True)
+        base = pipemorph.generate_order(prof, x, rng.choice([None, x]), full_backward=rng.random() < 0.25).order
+        _, ops, limit = _mutate(rng, base, S) if S > 1 else ("valid", base, None)
+        if rng.random() < 0.1:  # out-of-range and foreign stages too
+            ops[0] = ops[0] + [rng.choice([(0, "F", N), (S, "F", 0), (0, "W", N + 3)])]
+        peaks = C.check(ops, S, N, limit)
+        try:
+            _check_python(ops, S, N, limit, False)
+            ok = True
+        except PlanValidationError:
+            ok = False
+        assert (peaks is not None) == ok, (ops, limit)
+        if ok:
+            assert peaks == list(peak_inflight(ops).values())
+        verdicts[ok] += 1
+    assert min(verdicts.values()) > 100, verdicts

@@ -1,9 +1,10 @@
-/* Compiled PipeMorph schedule generator (Alg.3/4 of PipeMorph §4.3, event-driven): titan_ext.plan._generate_c.
+/* Compiled PipeMorph planning core: titan_ext.plan._pipemorph_c.
  *
- * A port of titan_ext.plan.pipemorph._generate_py (the Python reference) with the same integer
+ * generate: the schedule generator (Alg.3/4 of PipeMorph §4.3, event-driven), a port of
+ * titan_ext.plan.pipemorph._generate_py (the Python reference) with the same integer
  * arithmetic and the same event order, so it returns bit-identical results: the same per-stage
  * operation orders, the same makespan (ns) and the same cap_bound flag, including the early stop once
- * the makespan is certain to exceed a bound (tests/test_plan_generate_c.py).
+ * the makespan is certain to exceed a bound (tests/test_plan_pipemorph_c.py).
  *
  *   generate(N, f, b, w, latency, transfer, x, limit, full_backward, bound)
  *       N: microbatches; f, b, w: per-stage times (int ns; b already includes w when full_backward); latency, transfer:
@@ -17,6 +18,13 @@
  * transfer 0 it arrives latency later; otherwise it waits for its direction of the link to be free
  * (FIFO), occupies it for transfer, and arrives latency after that.  Events (time, stage) pop in
  * lexicographic order, as Python's heapq does on tuples.
+ *
+ * check(plan, num_stages, num_microbatches, inflight_limit): checks 1-3 of titan_ext.plan.validate
+ *       (completeness, progress under the dependency rule of plan/deps.py, in-flight memory) on a plan of
+ *       (stage, kind, microbatch) tuples per rank; returns the per-stage peak in-flight activations (a
+ *       list, as simulate.peak_inflight) when the plan is valid, None when it is not (the Python
+ *       validator then runs to name the reason).  Same verdicts as the Python validator on valid and
+ *       broken plans (tests/test_plan_pipemorph_c.py).
  *
  * Plain C and the CPython API (also valid C++).
  */
@@ -260,14 +268,151 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ check: validate.py checks 1-3 */
+typedef struct { int s, k, m; } COp;  /* k: KF, KI, KW, KB */
+
+static int kind_of(PyObject *o) {
+    if (!PyUnicode_Check(o) || PyUnicode_GET_LENGTH(o) != 1) return -1;
+    switch (PyUnicode_READ_CHAR(o, 0)) {
+        case 'F': return KF; case 'I': return KI; case 'W': return KW; case 'B': return KB;
+        default: return -1;
+    }
+}
+
+/* read rank r's ops; 0 ok, 1 malformed (Python names it), -1 error */
+static int read_ops(PyObject *list, COp *out, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *op = PyList_GET_ITEM(list, j);  /* plain tuples of (int, str, int) only: torch's
+                                                     _Action and others go through validate.as_ops */
+        if (!PyTuple_CheckExact(op) || PyTuple_GET_SIZE(op) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(op, 0))
+            || !PyLong_CheckExact(PyTuple_GET_ITEM(op, 2)) || !PyUnicode_CheckExact(PyTuple_GET_ITEM(op, 1))) return 1;
+        long s = PyLong_AsLong(PyTuple_GET_ITEM(op, 0)), m = PyLong_AsLong(PyTuple_GET_ITEM(op, 2));
+        if ((s == -1 || m == -1) && PyErr_Occurred()) { PyErr_Clear(); return 1; }
+        int k = kind_of(PyTuple_GET_ITEM(op, 1));
+        if (k < 0 || s < 0 || m < 0 || s > 0x3fffffff || m > 0x3fffffff) return 1;
+        out[j].s = (int)s; out[j].k = k; out[j].m = (int)m;
+    }
+    return 0;
+}
+
+/* done key: a full B completes what an I would (deps.done_key) */
+static int done_kind(int k) { return k == KB ? KI : k; }
+
+/* deps.producers(op) all done? */
+static int ready(const unsigned char *done, int S, int N, COp o) {
+#define DONE(s, k, m) done[((size_t)(s) * 3 + (k)) * (size_t)N + (m)]
+    if (o.k == KF) return o.s == 0 || DONE(o.s - 1, KF, o.m);
+    if (o.k == KW) return DONE(o.s, KI, o.m);
+    return DONE(o.s, KF, o.m) && (o.s == S - 1 || DONE(o.s + 1, KI, o.m));
+}
+
+/* the checks on parsed ops; 1 valid, 0 invalid */
+static int check_ops(COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, const long *limit, long *peak,
+                     unsigned char *seen, unsigned char *done, int *owner, Py_ssize_t *pos, long *held) {
+    for (int s = 0; s < S; s++) owner[s] = -1;
+    for (Py_ssize_t r = 0; r < R; r++)
+        for (Py_ssize_t j = 0; j < len[r]; j++) {
+            COp o = ops[r][j];
+            if (o.s >= S || o.m >= N) return 0;
+            if (owner[o.s] >= 0 && owner[o.s] != r) return 0;
+            owner[o.s] = (int)r;
+            unsigned char *c = &seen[((size_t)o.s * 4 + o.k) * (size_t)N + o.m];
+            if (*c) return 0;
+            *c = 1;
+        }
+    for (int s = 0; s < S; s++)
+        for (int m = 0; m < N; m++) {
+#define SEEN(k) seen[((size_t)s * 4 + (k)) * (size_t)N + m]
+            int full = SEEN(KB), i = SEEN(KI), w = SEEN(KW);
+            if (!SEEN(KF) || (full && (i || w)) || (!full && !(i && w))) return 0;
+#undef SEEN
+        }
+    Py_ssize_t remaining = 0;
+    for (Py_ssize_t r = 0; r < R; r++) remaining += len[r];
+    while (remaining) {  /* progress: every rank runs its list in order under the dependency rule */
+        int progressed = 0;
+        for (Py_ssize_t r = 0; r < R; r++) {
+            Py_ssize_t p = pos[r];
+            while (p < len[r] && ready(done, S, N, ops[r][p])) {
+                COp o = ops[r][p++];
+                DONE(o.s, done_kind(o.k), o.m) = 1;
+            }
+            if (p != pos[r]) { remaining -= p - pos[r]; pos[r] = p; progressed = 1; }
+        }
+        if (!progressed) return 0;
+    }
+#undef DONE
+    for (Py_ssize_t r = 0; r < R; r++)  /* memory: F done - I/B done, in program order */
+        for (Py_ssize_t j = 0; j < len[r]; j++) {
+            COp o = ops[r][j];
+            if (o.k == KF && ++held[o.s] > peak[o.s]) peak[o.s] = held[o.s];
+            else if (o.k == KI || o.k == KB) held[o.s]--;
+        }
+    for (int s = 0; s < S; s++)
+        if (limit && peak[s] > limit[s]) return 0;
+    return 1;
+}
+
+static PyObject *check(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *plan, *limo;
+    int S, N;
+    if (!PyArg_ParseTuple(args, "O!iiO", &PyDict_Type, &plan, &S, &N, &limo)) return NULL;
+    if (PyDict_Size(plan) == 0) Py_RETURN_NONE;
+    if (S < 1 || N < 1) Py_RETURN_NONE;
+    Py_ssize_t R = PyDict_Size(plan), total = 0, k = 0, r = 0;
+    PyObject *key, *val, *result = NULL;
+    COp **ops = (COp **)calloc((size_t)R + 1, sizeof(COp *));
+    Py_ssize_t *len = (Py_ssize_t *)calloc((size_t)R + 1, sizeof(Py_ssize_t));
+    Py_ssize_t *pos = (Py_ssize_t *)calloc((size_t)R + 1, sizeof(Py_ssize_t));
+    long *limit = NULL, *peak = (long *)calloc((size_t)S, sizeof(long)), *held = (long *)calloc((size_t)S, sizeof(long));
+    unsigned char *seen = (unsigned char *)calloc((size_t)S * 4 * N, 1), *done = (unsigned char *)calloc((size_t)S * 3 * N, 1);
+    int *owner = (int *)calloc((size_t)S, sizeof(int)), bad = 0, valid = 0;
+    COp *all = NULL;
+    if (!ops || !len || !pos || !peak || !held || !seen || !done || !owner) { PyErr_NoMemory(); goto out; }
+    while (PyDict_Next(plan, &k, &key, &val)) {
+        if (!PyList_Check(val)) { bad = 1; break; }
+        total += PyList_GET_SIZE(val);
+    }
+    if (!bad && !(all = (COp *)malloc(sizeof(COp) * (size_t)(total + 1)))) { PyErr_NoMemory(); goto out; }
+    k = 0; total = 0;
+    while (!bad && PyDict_Next(plan, &k, &key, &val)) {
+        len[r] = PyList_GET_SIZE(val);
+        ops[r] = all + total;
+        total += len[r];
+        int st = read_ops(val, ops[r], len[r]);
+        if (st < 0) goto out;
+        bad = st;
+        r++;
+    }
+    if (!bad && limo != Py_None) {
+        if (!(limit = (long *)malloc(sizeof(long) * (size_t)S))) { PyErr_NoMemory(); goto out; }
+        for (int s = 0; s < S; s++) {
+            PyObject *item = PyLong_Check(limo) ? (Py_INCREF(limo), limo) : PySequence_GetItem(limo, s);
+            if (!item) { PyErr_Clear(); bad = 1; break; }
+            limit[s] = PyLong_AsLong(item);
+            Py_DECREF(item);
+            if (limit[s] == -1 && PyErr_Occurred()) { PyErr_Clear(); bad = 1; break; }
+        }
+    }
+    if (!bad) valid = check_ops(ops, len, R, S, N, limit, peak, seen, done, owner, pos, held);
+    if (!valid) { result = Py_None; Py_INCREF(result); goto out; }
+    if (!(result = PyList_New(S))) goto out;
+    for (int s = 0; s < S; s++) PyList_SET_ITEM(result, s, PyLong_FromLong(peak[s]));
+out:
+    free(ops); free(len); free(pos); free(limit); free(peak); free(held); free(seen); free(done); free(owner); free(all);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"generate", generate, METH_VARARGS, "PipeMorph Alg.3/4, event-driven (see the module source)."},
+    {"check", check, METH_VARARGS, "validate.py's checks 1-3: per-stage peaks when valid, else None."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_generate_c", NULL, -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pipemorph_c", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__generate_c(void) {
+PyMODINIT_FUNC PyInit__pipemorph_c(void) {
     const char *names[4] = {"F", "I", "W", "B"};
     for (int k = 0; k < 4; k++) {
         if (!KIND[k] && !(KIND[k] = PyUnicode_InternFromString(names[k]))) return NULL;
