@@ -19,6 +19,11 @@
  * (FIFO), occupies it for transfer, and arrives latency after that.  Events (time, stage) pop in
  * lexicographic order, as Python's heapq does on tuples.
  *
+ * generate_virtual(N, stage_to_rank, f, b, w, latency, transfer, x, limit): the same over a stage graph
+ *       with several stages per rank, a port of titan_ext.plan.virtual._virtual_loop_py (rank → ops
+ *       as a list per rank, makespan ns); messages between ranks on channels (src rank, dst rank),
+ *       a boundary inside one rank is free.  RuntimeError when no rank can make progress.
+ *
  * check(plan, num_stages, num_microbatches, inflight_limit): checks 1-3 of titan_ext.plan.validate
  *       (completeness, progress under the dependency rule of plan/deps.py, in-flight memory) on a plan of
  *       (stage, kind, microbatch) tuples per rank; returns the per-stage peak in-flight activations (a
@@ -268,6 +273,171 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------ generate_virtual: virtual._virtual_loop_py */
+typedef struct {
+    Py_ssize_t S, N, R;
+    int *s2r, *own, *own_off, *fcount, *bcount, *nops, *kinds, *stg, *mbs;
+    i64 *tf, *tb, *tw, *lat, *tx, *x, *lim, *chfree, *free_at, *qready;
+    int *qmb;
+    Q *q;  /* F at q[s], I at q[S + s], W at q[2S + s] */
+    Heap heap;
+} VGen;
+
+static int v_send(VGen *g, int s, int dst_stage, i64 done, Q *queue, int mb) {
+    int src = g->s2r[s], dst = g->s2r[dst_stage];
+    i64 arrive = done;
+    if (src != dst) {
+        int link = s < dst_stage ? s : dst_stage;
+        if (g->tx[link] == 0) {
+            arrive = done + g->lat[link];
+        } else {
+            i64 *fr = &g->chfree[(Py_ssize_t)src * g->R + dst];
+            i64 start = done > *fr ? done : *fr;
+            *fr = start + g->tx[link];
+            arrive = start + g->tx[link] + g->lat[link];
+        }
+    }
+    q_push(queue, arrive, mb);
+    return src != dst ? heap_push(&g->heap, arrive, dst) : 0;
+}
+
+/* key (class, value, -s) < key of the best so far */
+static int v_better(int cls, i64 val, int s, int bcls, i64 bval, int bs) {
+    if (cls != bcls) return cls < bcls;
+    if (val != bval) return val < bval;
+    return -s < -bs;
+}
+
+static int v_run(VGen *g, i64 *makespan) {
+    Py_ssize_t S = g->S, N = g->N, R = g->R;
+    Q *fq = g->q, *bq = g->q + S, *wq = g->q + 2 * S;
+    for (int m = 0; m < N; m++) q_push(&fq[0], 0, m);
+    i64 remaining = 3 * (i64)N * S;
+    for (int r = 0; r < R; r++)
+        if (heap_push(&g->heap, 0, r)) return -1;
+    while (remaining) {
+        if (!g->heap.n) return -2;
+        Ev e = heap_pop(&g->heap);
+        i64 t = e.t;
+        int r = e.i, bs = -1, bcls = 0;
+        i64 bval = 0;
+        if (g->free_at[r] > t) continue;
+        for (int j = g->own_off[r]; j < g->own_off[r + 1]; j++) {
+            int s = g->own[j], cls;
+            i64 val;
+            if (bq[s].head < bq[s].tail && bq[s].ready[bq[s].head] <= t && g->fcount[s] >= g->x[s]) {
+                cls = 0; val = bq[s].mb[bq[s].head];
+            } else if (fq[s].head < fq[s].tail && fq[s].ready[fq[s].head] <= t && g->fcount[s] - g->bcount[s] < g->lim[s]) {
+                cls = 1; val = fq[s].mb[fq[s].head];
+            } else if (wq[s].head < wq[s].tail) {
+                cls = 2; val = wq[s].ready[wq[s].head];
+            } else {
+                continue;
+            }
+            if (bs < 0 || v_better(cls, val, s, bcls, bval, bs)) { bs = s; bcls = cls; bval = val; }
+        }
+        if (bs < 0) continue;
+        int s = bs, kind = bcls == 0 ? KI : bcls == 1 ? KF : KW;
+        Q *from = kind == KF ? &fq[s] : kind == KI ? &bq[s] : &wq[s];
+        int mb = from->mb[from->head++];
+        i64 done = t + (kind == KF ? g->tf[s] : kind == KI ? g->tb[s] : g->tw[s]);
+        if (kind == KF) {
+            g->fcount[s]++;
+            if (s + 1 < S) { if (v_send(g, s, s + 1, done, &fq[s + 1], mb)) return -1; }
+            else q_push(&bq[s], done, mb);
+        } else if (kind == KI) {
+            g->bcount[s]++;
+            q_push(&wq[s], done, mb);
+            if (s > 0 && v_send(g, s, s - 1, done, &bq[s - 1], mb)) return -1;
+        }
+        Py_ssize_t k = 3 * N * (Py_ssize_t)g->own_off[r] + g->nops[r]++;  /* rank r: at most 3N per stage */
+        g->kinds[k] = kind; g->stg[k] = s; g->mbs[k] = mb;
+        if (done > *makespan) *makespan = done;
+        g->free_at[r] = done;
+        remaining--;
+        if (heap_push(&g->heap, done, r)) return -1;
+    }
+    return 1;
+}
+
+static void vgen_free(VGen *g) {
+    free(g->s2r); free(g->tf); free(g->qready); free(g->qmb); free(g->kinds); free(g->q); free(g->heap.a);
+}
+
+static int vgen_alloc(VGen *g) {
+    Py_ssize_t S = g->S, N = g->N, R = g->R, ops = 3 * S * N;
+    g->s2r = (int *)calloc((size_t)(6 * S + 2 * R + 2), sizeof(int));
+    g->tf = (i64 *)calloc((size_t)(8 * S + R * R + R), sizeof(i64));
+    g->qready = (i64 *)calloc((size_t)ops, sizeof(i64));
+    g->qmb = (int *)calloc((size_t)ops, sizeof(int));
+    g->kinds = (int *)calloc((size_t)(3 * ops), sizeof(int));
+    g->q = (Q *)calloc((size_t)(3 * S), sizeof(Q));
+    if (!g->s2r || !g->tf || !g->qready || !g->qmb || !g->kinds || !g->q) return -1;
+    g->own = g->s2r + S; g->own_off = g->own + S; g->fcount = g->own_off + R + 1; g->bcount = g->fcount + S;
+    g->nops = g->bcount + S;
+    g->stg = g->kinds + ops; g->mbs = g->stg + ops;
+    g->tb = g->tf + S; g->tw = g->tb + S; g->lat = g->tw + S; g->tx = g->lat + S; g->x = g->tx + S;
+    g->lim = g->x + S; g->chfree = g->lim + S; g->free_at = g->chfree + R * R;
+    for (Py_ssize_t k = 0; k < 3 * S; k++) { g->q[k].ready = g->qready + k * N; g->q[k].mb = g->qmb + k * N; }
+    return 0;
+}
+
+static PyObject *generate_virtual(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t N;
+    PyObject *s2ro, *fo, *bo, *wo, *lato, *txo, *xo, *limo, *result = NULL, *order = NULL;
+    if (!PyArg_ParseTuple(args, "nOOOOOOOO", &N, &s2ro, &fo, &bo, &wo, &lato, &txo, &xo, &limo)) return NULL;
+    VGen g;
+    memset(&g, 0, sizeof g);
+    g.S = PySequence_Size(s2ro);
+    g.N = N;
+    i64 *tmp = NULL, makespan = 0;
+    int status;
+    if (g.S < 1 || N < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "need at least one stage and one microbatch");
+        return NULL;
+    }
+    if (!(tmp = (i64 *)malloc(sizeof(i64) * (size_t)g.S))) return PyErr_NoMemory();
+    if (read_i64s(s2ro, g.S, tmp, "stage_to_rank")) goto done;
+    for (Py_ssize_t s = 0; s < g.S; s++) {
+        if (tmp[s] < 0 || tmp[s] >= g.S) { PyErr_SetString(PyExc_ValueError, "stage_to_rank out of range"); goto done; }
+        if (tmp[s] + 1 > g.R) g.R = tmp[s] + 1;
+    }
+    if (vgen_alloc(&g)) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t s = 0; s < g.S; s++) g.s2r[s] = (int)tmp[s];
+    for (Py_ssize_t r = 0, j = 0; r < g.R; r++) {  /* each rank's stages in stage order */
+        g.own_off[r] = (int)j;
+        for (Py_ssize_t s = 0; s < g.S; s++) if (g.s2r[s] == r) g.own[j++] = (int)s;
+        g.own_off[r + 1] = (int)j;
+    }
+    if (read_i64s(fo, g.S, g.tf, "f") || read_i64s(bo, g.S, g.tb, "b") || read_i64s(wo, g.S, g.tw, "w")
+        || read_i64s(lato, g.S - 1, g.lat, "latency") || read_i64s(txo, g.S - 1, g.tx, "transfer")
+        || read_i64s(xo, g.S, g.x, "x") || read_i64s(limo, g.S, g.lim, "limit")) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    status = v_run(&g, &makespan);
+    Py_END_ALLOW_THREADS
+    if (status == -2) { PyErr_SetString(PyExc_RuntimeError, "generator stalled: no rank can make progress"); goto done; }
+    if (status < 0) { PyErr_NoMemory(); goto done; }
+    if (!(order = PyList_New(g.R))) goto done;
+    for (Py_ssize_t r = 0; r < g.R; r++) {
+        PyObject *ops = PyList_New(g.nops[r]);
+        if (!ops) goto done;
+        PyList_SET_ITEM(order, r, ops);
+        for (int k = 0; k < g.nops[r]; k++) {
+            Py_ssize_t j = 3 * g.N * (Py_ssize_t)g.own_off[r] + k;
+            PyObject *op = Py_BuildValue("(iOi)", g.stg[j], KIND[g.kinds[j]], g.mbs[j]);
+            if (!op) goto done;
+            PyList_SET_ITEM(ops, k, op);
+        }
+    }
+    result = Py_BuildValue("(OL)", order, makespan);
+done:
+    Py_XDECREF(order);
+    free(tmp);
+    vgen_free(&g);
+    return result;
+}
+
 /* ------------------------------------------------------------------ check: validate.py checks 1-3 */
 typedef struct { int s, k, m; } COp;  /* k: KF, KI, KW, KB */
 
@@ -406,6 +576,7 @@ out:
 
 static PyMethodDef methods[] = {
     {"generate", generate, METH_VARARGS, "PipeMorph Alg.3/4, event-driven (see the module source)."},
+    {"generate_virtual", generate_virtual, METH_VARARGS, "virtual._virtual_loop_py compiled (see the module source)."},
     {"check", check, METH_VARARGS, "validate.py's checks 1-3: per-stage peaks when valid, else None."},
     {NULL, NULL, 0, NULL},
 };
