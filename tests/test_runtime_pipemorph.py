@@ -15,7 +15,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan import PipelineProfile
 from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.runtime.testing import defect_2_xfail, gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
 pytestmark = pytest.mark.timeout(300)
@@ -290,6 +290,7 @@ def _adapt_worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float
             "initial": sched.initial_counts}
 
 
+@defect_2_xfail()
 def test_adapts_to_slow_last_link_and_shrinks_after_recovery():
     """30 ms on the last link from iteration 3: PipeMorph re-plans within 3 iterations with more
     slackness on that link (enough for Eq.1), iteration time falls; delay removed at iteration 10:
@@ -344,6 +345,7 @@ def _budget_worker(rank: int, world: int, n_mb: int, budget: float):
     return {"counts": counts, "act": sched.executor.activation_bytes, "log": list(sched.decision_log)}
 
 
+@defect_2_xfail()
 def test_initial_plan_from_memory_budget_and_measured_activations():
     """Alg.1 from a byte budget: M^F is measured in the first forward. For this MLP stage (2 × Linear
     + Tanh, float64, microbatch of BATCH/N rows) autograd saves 3 distinct [rows, DIM] tensors
