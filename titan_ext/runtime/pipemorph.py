@@ -35,6 +35,7 @@ from collections import deque
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -185,6 +186,7 @@ class PipeMorph(_PipelineScheduleRuntime):
 
         self.control = ControlPlane(self._group)
         self.executor = Executor(self._device, activation_bytes=activation_bytes)
+        self.executor.device.set_backend(dist.get_backend(self._group))
         window = max(1, int(getattr(self.policy, "window", 3)))
         self.estimator = (VirtualEstimator(self.layout, N, window, initial_times_ms) if self.layout.virtual
                           else Estimator(S, N, window, initial_times_ms))
@@ -466,8 +468,8 @@ class PipeMorph(_PipelineScheduleRuntime):
     # ------------------------------------------------------------------------------------------
     def _local_profile_vector(self, prof: IterationProfile) -> torch.Tensor:
         """This rank's contribution to the one control-plane all_gather (override point for tests)."""
-        arrivals_prev = [h.arrival for h in prof.arrivals_prev]
-        arrivals_next = [h.arrival for h in prof.arrivals_next]
+        arrivals_prev = [h.arrival_time() for h in prof.arrivals_prev]
+        arrivals_next = [h.arrival_time() for h in prof.arrivals_next]
         local = IterationProfile(prof.actions, prof.sends_next, prof.sends_prev, arrivals_prev, arrivals_next,
                                  prof.send_bytes_next, prof.activation_bytes)
         stage_ms = prof.stage_times_ms(self.layout.local_stages(self.rank)) if self.layout.virtual else None
@@ -530,9 +532,13 @@ class PipeMorph(_PipelineScheduleRuntime):
 
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
         t0 = now()
+        exchanged = self._check_now()
+        # device times are read only once the device ran them: at an exchange the profile is needed now
+        # (wait for the iteration's last event — never a device synchronize); otherwise only if done
+        if self.executor.timer.resolve(block=exchanged):
+            iteration_ms = self.executor.timer.wall_ms
         m = IterationMetrics(self.iteration, iteration_ms, recv_wait_ms=sum(r.recv_wait_ms for r in prof.actions),
                              profile_every=self._period)
-        exchanged = self._check_now()
         links: list[dict] = []
         ran_probe = self._probe_running
         decision: Decision | None = None
