@@ -181,17 +181,25 @@ class Executor:
 
     # -- compute ------------------------------------------------------------------------------------
     def _wait_input(self, action: _Action, ctx: RunContext) -> Any:
-        """Wait for a compute action's cross-rank input, just before the action (torch's placement):
-        on CUDA a stream wait on the compute stream, on gloo a host wait.  Returns the token the stall
-        is timed from (None: no cross-rank input)."""
+        """Wait for a compute action's cross-rank input, just before the action that reads it: on CUDA
+        a stream wait on the compute stream, on gloo a host wait.  Returns the token the stall is timed
+        from (None: no cross-rank input).
+
+        torch's placement (before F, B, I), except on the first stage: torch's ``backward_one_chunk``
+        computes nothing there in a split backward's I (no input gradient is needed; the whole backward
+        runs in W), so the gradient's consumer is W and the wait moves there — before I, it would stall
+        the forwards the plan put between I and W."""
         ct, s, mb, sched = action.computation_type, action.stage_index, action.microbatch_index, ctx.schedule
         stage = ctx.stages[s]
+        grad_from_peer = not stage.is_last and s + 1 not in ctx.stages
         if ct == F and not stage.is_first and s - 1 not in ctx.stages:
             table, what = sched.fwd_recv_ops, "before receiving input"
-        elif ct in (B, I) and not stage.is_last and s + 1 not in ctx.stages:
+        elif grad_from_peer and (ct == B or (ct == I and not stage.is_first)):
+            table, what = sched.bwd_recv_ops, "before receiving its gradient"
+        elif grad_from_peer and ct == W and stage.is_first:
             table, what = sched.bwd_recv_ops, "before receiving its gradient"
         else:
-            return
+            return None
         if (s, mb) not in table:
             raise AssertionError(f"Computing {action=} {what}")
         token = self.timer.recv_wait_begin()

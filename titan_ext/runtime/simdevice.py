@@ -152,8 +152,10 @@ class SimDevice(DeviceLayer):
 class SimRecvWork:
     """One RECV action's works (NCCL semantics): ``wait()`` enqueues a stream wait and returns."""
 
-    def __init__(self, inner: list[Any], shadows: list[torch.Tensor], reals: list[torch.Tensor], name: str):
+    def __init__(self, inner: list[Any], shadows: list[torch.Tensor], reals: list[torch.Tensor], name: str,
+                 latency_s: float = 0.0):
         self.inner, self.shadows, self.reals, self.name = inner, shadows, reals, name
+        self.latency_s = latency_s
         self.enqueued = False
         self.wait_at_kernel = -1
         self._landed = threading.Event()
@@ -165,6 +167,8 @@ class SimRecvWork:
         try:
             for w in self.inner:
                 w.wait()
+            if self.latency_s > 0:  # the link's latency, emulated at the receiver (NCCL's order kept)
+                time.sleep(self.latency_s)
         except BaseException as exc:  # noqa: BLE001 - surfaced when the stream executes the wait
             self.error = exc
         self._landed.set()
@@ -181,16 +185,23 @@ class SimRecvWork:
         if self.error is not None:
             raise self.error
         if not self._visible:
-            for real, shadow in zip(self.reals, self.shadows):
-                real.copy_(shadow)
+            with torch.no_grad():
+                for real, shadow in zip(self.reals, self.shadows):
+                    real.copy_(shadow)
             self._visible = True
 
 
 class SimAsyncTransport:
-    """Wraps a transport: receives become :class:`SimRecvWork` (land later than ``wait()``)."""
+    """Wraps a transport: receives become :class:`SimRecvWork` (land later than ``wait()``), and
+    land ``latency_ms[link]`` later than the transport delivered them (link ``i`` joins ranks ``i``,
+    ``i+1`` of the default group: receiver-side emulation of a slow link, every op still issued by the
+    main thread in the plan's order)."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, latency_ms: dict[int, float] | None = None):
         self.inner = inner
+        self.latency_ms = dict(latency_ms or {})
+        if any(v < 0 for v in self.latency_ms.values()):
+            raise ValueError(f"SimAsyncTransport: negative latency in {self.latency_ms}")
 
     def issue(self, action: Any, ops: list[dist.P2POp]) -> list[Any]:
         recvs = [op for op in ops if getattr(op.op, "__name__", "") == "irecv"]
@@ -200,10 +211,13 @@ class SimAsyncTransport:
             raise ValueError("SimAsyncTransport: a RECV action with sends in it")
         shadows = [torch.empty_like(op.tensor) for op in ops]
         reals = [op.tensor for op in ops]
-        for t in reals:
-            t.fill_(float("nan"))  # stale data: what a consumer without a wait would read
+        with torch.no_grad():
+            for t in reals:
+                t.fill_(float("nan"))  # stale data: what a consumer without a wait would read
         shadow_ops = [dist.P2POp(op.op, s, op.peer, op.group, op.tag) for op, s in zip(ops, shadows)]
-        work = SimRecvWork(self.inner.issue(action, shadow_ops), shadows, reals, str(action))
+        link = min(dist.get_rank(), ops[0].peer)
+        latency = self.latency_ms.get(link, 0.0) / 1e3 if abs(dist.get_rank() - ops[0].peer) == 1 else 0.0
+        work = SimRecvWork(self.inner.issue(action, shadow_ops), shadows, reals, str(action), latency)
         _STREAM.register(work)
         return [work]
 
