@@ -180,6 +180,9 @@ class Timer:
         self.wall_ms = math.nan
         self._begin = math.nan
 
+    def discard(self) -> None:
+        """Drop the unresolved times of the previous iteration (host clock: nothing is pending)."""
+
     def begin_iteration(self) -> None:
         self.wall_ms = math.nan
         self._begin = now()
@@ -241,6 +244,10 @@ class _EventTimer(Timer):
             with self.device.context():
                 self._anchor_ev.synchronize()
             self._anchor_host = now()
+
+    def discard(self) -> None:
+        """Drop the unresolved times of the previous iteration (nobody needs them)."""
+        self._pending, self._end_ev = [], None
 
     def begin_iteration(self) -> None:
         if self._pending:  # the previous iteration's times were not needed at its boundary: read them now
@@ -305,6 +312,8 @@ class DeviceLayer:
 
     #: ``Work.wait()`` of a receive returns once its data landed (gloo); see :func:`backend_waits_land`
     wait_lands = True
+    #: kernels run later than the host enqueues them: time with events, never with the host clock
+    asynchronous = False
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -365,6 +374,7 @@ class CudaDevice(DeviceLayer):
     """CUDA: events on the compute stream, stream waits, every call under ``torch.cuda.device(dev)``."""
 
     wait_lands = False
+    asynchronous = True
 
     def __init__(self, device: torch.device):
         if torch.device(device).type != "cuda":

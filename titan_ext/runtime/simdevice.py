@@ -135,6 +135,7 @@ class SimDevice(DeviceLayer):
     """The device layer on the simulation: event timer, stream waits, truthful-completion arrival."""
 
     wait_lands = False
+    asynchronous = True
 
     def set_backend(self, backend: str) -> None:  # noqa: ARG002
         """The simulated receives have NCCL semantics whatever the group's backend."""
