@@ -50,12 +50,12 @@ class SimStream:
         self.kernels = 0
         self.early_waits: list[str] = []
         self.stale_reads: list[str] = []
-        self.stall_ms = 0.0  # total time the stream stalled on waits
+        self.stalls: list[tuple[float, float]] = []  # (from, to) host-clock intervals the stream stalled
 
     def reset_checks(self) -> None:
         self.early_waits.clear()
         self.stale_reads.clear()
-        self.stall_ms = 0.0
+        self.stalls.clear()
 
     def register(self, work: "SimRecvWork") -> None:
         with self._lock:
@@ -80,7 +80,7 @@ class SimStream:
         for work in pending:
             work.land()
         if pending:
-            self.stall_ms += 1e3 * (now() - t0)
+            self.stalls.append((t0, now()))
         with self._lock:
             self.executed.extend(pending)
 
