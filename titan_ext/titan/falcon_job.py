@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
+from titan_ext.runtime.falcon.device_clock import DeviceTimer, control_group, device_sleep
 from titan_ext.runtime.falcon.emulation import (
     EmulationSpecError,
     FailSlowEmulation,
@@ -149,28 +150,64 @@ class _Mark(torch.autograd.Function):
         return grad, None
 
 
-def _install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation) -> None:
+class _DeviceStretch:
+    """The emulated slow device on CUDA (issue 20 defect 8): a region (forward or backward) is
+    followed by a device-side delay of (F - 1) × its device time. The region's time comes from CUDA
+    events read without a host sync: the last completed measurement of the same region (the first
+    occurrence, with none yet, is not stretched)."""
+
+    def __init__(self, emulation: FailSlowEmulation, device):
+        self.emulation, self.device = emulation, device
+        self.timer = DeviceTimer(device)
+        self.pending: dict[str, tuple[Any, Any]] = {}
+        self.estimate_s: dict[str, float] = {}
+
+    def end(self, region: str, start: Any) -> None:
+        end = self.timer.mark()
+        if region in self.pending:
+            seconds = self.timer.elapsed_s(*self.pending[region], wait=False)
+            if seconds is not None:
+                self.estimate_s[region] = seconds
+        self.pending[region] = (start, end)
+        factor = self.emulation.compute_factor()
+        if factor > 1.0 and region in self.estimate_s:
+            device_sleep((factor - 1.0) * self.estimate_s[region], self.device)
+
+
+def _install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation, device=None) -> None:
     """Slow every forward and backward-input pass of ``part`` by the emulated device factor.
 
     Forward: hooks around the part. Backward: a mark on the part's output (backward begins) and on
     the first tensor with a gradient entering it — the input activation, or, on the first stage,
-    the token embedding's output (backward ends)."""
-    clock = {"f": 0.0, "b": 0.0}
+    the token embedding's output (backward ends). On CPU the host sleeps (F - 1) × the region
+    (:meth:`FailSlowEmulation.stretch`); on CUDA the device does (:class:`_DeviceStretch`)."""
+    if device is not None and torch.device(device).type == "cuda":
+        cuda = _DeviceStretch(emulation, device)
+        mark = cuda.timer.mark
+    else:
+        cuda, mark = None, time.perf_counter
+    clock: dict[str, Any] = {"f": 0.0, "b": 0.0}
+
+    def stretch(region: str) -> None:
+        if cuda is not None:
+            cuda.end(region, clock[region])
+        else:
+            emulation.stretch(clock[region])
 
     def begin_backward():
-        clock["b"] = time.perf_counter()
+        clock["b"] = mark()
 
     def end_backward():
-        emulation.stretch(clock["b"])
+        stretch("b")
 
     def pre(_mod, args):
-        clock["f"] = time.perf_counter()
+        clock["f"] = mark()
         if args and torch.is_tensor(args[0]) and args[0].requires_grad:
             return (_Mark.apply(args[0], end_backward), *args[1:])
         return None
 
     def post(_mod, _args, out):
-        emulation.stretch(clock["f"])
+        stretch("f")
         if torch.is_tensor(out) and out.requires_grad:
             return _Mark.apply(out, begin_backward)
         return None
@@ -190,15 +227,22 @@ class FalconJob:
         self.trainer = trainer
         dims = trainer.parallel_dims
         self.rank = dist.get_rank()
+        self.device = getattr(trainer, "device", torch.device("cpu"))
         dp_mesh, pp_mesh = dims.get_mesh("dp_replicate"), dims.get_mesh("pp")
         self.dp_group = dp_mesh.get_group()
         self.num_dp, self.num_pp = dp_mesh.size(), pp_mesh.size()
         self.dp_index, self.pp_index = dp_mesh.get_local_rank(), pp_mesh.get_local_rank()
+        # host data (timings, chunks, probe results) on gloo control groups (issue 20 defect 5)
+        self.control = control_group()
         coords: list = [None] * dist.get_world_size()
-        dist.all_gather_object(coords, (self.dp_index, self.pp_index))
+        dist.all_gather_object(coords, (self.dp_index, self.pp_index), group=self.control)
         self.grid = [[0] * self.num_pp for _ in range(self.num_dp)]
         for r, (d, s) in enumerate(coords):
             self.grid[d][s] = r
+        dp_controls = [control_group([row[s] for row in self.grid]) for s in range(self.num_pp)]
+        self.dp_control = dp_controls[self.pp_index]
+        self.timer = DeviceTimer(self.device)
+        self._dp_sync_marks: tuple | None = None
         self.chunks_per_replica = trainer.gradient_accumulation_steps
         self.split = [self.chunks_per_replica] * self.num_dp
         device_spec, link_spec = emulation_specs(section)
@@ -206,7 +250,7 @@ class FalconJob:
                                            parse_slow_device(device_spec), parse_slow_link(link_spec))
         self._pp_delays_installed = False
         for part in trainer.model_parts:
-            _install_compute_stretch(part, self.emulation)
+            _install_compute_stretch(part, self.emulation, self.device)
         schedule = trainer.pp_schedule
         if getattr(schedule, "falcon", None) is not None:
             schedule.falcon = None  # the job's monitor sees DP too; one monitor decides
@@ -232,15 +276,15 @@ class FalconJob:
         rendezvous, model build), the slowest rank's. Checkpoint save/load are not in it: the
         DP x PP config has checkpointing off and S3/S4 are decided here, not applied."""
         ready_s = torch.tensor([time.time() - _process_start_time()], dtype=torch.float64)
-        dist.all_reduce(ready_s, op=dist.ReduceOp.MAX)
+        dist.all_reduce(ready_s, op=dist.ReduceOp.MAX, group=self.control)
         self._set_costs(topology_adjustment=float(ready_s))
 
     def _measure_exchange_cost(self, mine: list) -> None:
         """S2's overhead: one real exchange of this step's chunks over the DP group."""
         t0 = time.perf_counter()
-        redistribute_chunks(mine, [self.chunks_per_replica] * self.num_dp, self.dp_index, self.dp_group)
+        redistribute_chunks(mine, [self.chunks_per_replica] * self.num_dp, self.dp_index, self.dp_control)
         exchange_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(exchange_s, op=dist.ReduceOp.MAX)
+        dist.all_reduce(exchange_s, op=dist.ReduceOp.MAX, group=self.control)
         self._set_costs(microbatch_redistribution=float(exchange_s))
 
     def _measure_replan_cost(self, rt: dict) -> None:
@@ -275,15 +319,20 @@ class FalconJob:
 
     def sync_gradients(self) -> None:
         """Σ over DP replicas of the token-sum gradients (TorchTitan's DP gradient), after the
-        emulated latency of the DP link (held back before the all-reduce)."""
-        t0 = time.perf_counter()
+        emulated latency of the DP link (held back on the device before the all-reduce). Its time
+        is a completion time: device timer marks, read at the step's end (:meth:`_dp_sync_time`)."""
+        start = self.timer.mark()
         dp_ranks = [row[self.pp_index] for row in self.grid]
-        delay = self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS)
-        if delay > 0:
-            time.sleep(delay)
+        device_sleep(self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS), self.device)
         params = [p for m in self.trainer.model_parts for p in m.parameters()]
         weighted_all_reduce_gradients(params, 1.0, self.dp_group)
-        self.dp_sync_s = time.perf_counter() - t0
+        self._dp_sync_marks = (start, self.timer.mark())
+
+    def _dp_sync_time(self) -> float:
+        if self._dp_sync_marks is not None:
+            self.dp_sync_s = self.timer.elapsed_s(*self._dp_sync_marks)
+            self._dp_sync_marks = None
+        return self.dp_sync_s
 
     def _my_chunks(self, data_iterator) -> list:
         """This replica's chunks of the step: its own loader's (even split), or under S2 its range
@@ -294,7 +343,7 @@ class FalconJob:
             self._exchange_measured = True
         if self.split == [self.chunks_per_replica] * self.num_dp:
             return mine
-        return redistribute_chunks(mine, self.split, self.dp_index, self.dp_group)
+        return redistribute_chunks(mine, self.split, self.dp_index, self.dp_control)
 
     def _maybe_install_pp_delays(self) -> None:
         if self._pp_delays_installed:
@@ -315,14 +364,14 @@ class FalconJob:
         S, D = self.num_pp, self.num_dp
         vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
         vec[0] = step_s
-        vec[1 + self.pp_index] = self.dp_sync_s
+        vec[1 + self.pp_index] = self._dp_sync_time()
         rt = runtime_metrics(self.trainer.pp_schedule)
         self._measure_replan_cost(rt)  # only a Falcon decision's ski-rental input
         links = rt.get("link_delay_ms", {})
         for i, ms in links.items():
             if int(i) < S - 1 and ms == ms:  # not NaN
                 vec[1 + S + self.dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control)
         groups = {f"dp_stage{s}": float(vec[1 + s]) for s in range(S)}
         groups |= {f"pp{d}_link{i}": float(vec[1 + S + d * (S - 1) + i])
                    for d in range(D) for i in range(S - 1)}
@@ -347,9 +396,10 @@ class FalconJob:
         pipeline and DP group, then the GEMM probe."""
         t0 = time.perf_counter()
         rings = [list(row) for row in self.grid] + [[row[s] for row in self.grid] for s in range(self.num_pp)]
-        links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16,
-                               send_delay_s=self.emulation.send_delay_s)
-        gemm = gemm_probe(repeats=10, stretch=self.emulation.stretch)
+        links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16, group=self.control,
+                               send_delay_s=self.emulation.send_delay_s, device=self.device)
+        gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
+                          device=self.device)
         return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
 
     def apply(self, strategy: str, decision: dict) -> None:
