@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _CHECKED = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
-            "send", "recv", "isend", "irecv", "barrier", "reduce_scatter", "gather_object")
+            "send", "recv", "barrier", "reduce_scatter", "gather_object", "batch_isend_irecv")
 
 
 def _free_port() -> int:
@@ -48,6 +48,8 @@ def _install_rule_recorder(data_groups: list, violations: list, calls: list) -> 
                 out.append(a)
             elif isinstance(a, (list, tuple)) and a and all(torch.is_tensor(x) for x in a):
                 out.extend(a)
+            elif isinstance(a, (list, tuple)) and a and all(isinstance(x, dist.P2POp) for x in a):
+                out.extend(op.tensor for op in a)
         return out
 
     for name in _CHECKED:
@@ -55,6 +57,8 @@ def _install_rule_recorder(data_groups: list, violations: list, calls: list) -> 
 
         def wrapped(*args, _name=name, _original=original, **kwargs):
             group = kwargs.get("group")
+            if _name == "batch_isend_irecv":
+                group = args[0][0].group
             data = is_data(group)
             calls.append((_name, "data" if data else "control"))
             if data:

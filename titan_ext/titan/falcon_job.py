@@ -56,6 +56,17 @@ ENV_SLOW_LINK = "TITAN_EXT_SLOW_LINK"
 FALCON_LOG = "falcon.jsonl"
 """Rank 0 appends one JSON line per step under ``job.dump_folder``: the step and its ``falcon/*``
 decision dict (plus ``falcon/split``, the micro-batch split in force)."""
+FALCON_EVENTS = "falcon_events.jsonl"
+"""Rank 0 appends one row per Falcon event (issue 23 item 4): ``kind`` "event" (a change-point),
+"localised" (validation's root cause), "decision" (one strategy of Alg. 1: strategy S1-S4 or
+PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
+before / after an applied strategy). See :func:`event_rows`."""
+STRATEGY_LABEL = {"ignore": "S1", "microbatch_redistribution": "S2", "topology_adjustment": "S3",
+                  "checkpoint_restart": "S4", "pipemorph_replan": "PipeMorph"}
+"""Falcon §5.1's levels (S1 ignore, S2 micro-batch adjustment, S3 topology adjustment, S4
+checkpoint-and-restart); PipeMorph's re-plan is the PP-link mitigation between S1 and S3."""
+APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution"})
+"""Strategies this job applies; S3 / S4 are decided and recorded with ``applied: false``."""
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
 a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
@@ -261,23 +272,38 @@ class FalconJob:
             pp_groups={f"pp{d}_link{i}": i for d in range(self.num_dp) for i in range(self.num_pp - 1)},
             dp_groups=[f"dp_stage{s}" for s in range(self.num_pp)],
         )
-        self._measure_restart_cost()
-        self._exchange_measured = False
         self.enabled = section.falcon
         self.apply_decisions = section.falcon_apply
-        self.log_path = (Path(trainer.job_config.job.dump_folder) / FALCON_LOG) if section.falcon else None
+        dump = Path(trainer.job_config.job.dump_folder)
+        self.log_path = (dump / FALCON_LOG) if section.falcon else None
+        self.events_path = (dump / FALCON_EVENTS) if section.falcon else None
+        self.events: list[dict] = []
+        self._measure_costs_at_start(dump)
+        self._exchange_measured = False
         self._backwards_left = 0
         self.dp_sync_s = 0.0
         self.last_decision: dict = {}
 
     # ---------------------------------------------------------------- costs (§5.2)
-    def _measure_restart_cost(self) -> None:
-        """S3's overhead: this job's own start-up (process start to a ready trainer: interpreter,
-        rendezvous, model build), the slowest rank's. Checkpoint save/load are not in it: the
-        DP x PP config has checkpointing off and S3/S4 are decided here, not applied."""
-        ready_s = torch.tensor([time.time() - _process_start_time()], dtype=torch.float64)
-        dist.all_reduce(ready_s, op=dist.ReduceOp.MAX, group=self.control)
-        self._set_costs(topology_adjustment=float(ready_s))
+    def _measure_costs_at_start(self, dump: Path) -> None:
+        """S3's and S4's overheads, measured in this job (slowest rank's; issue 23 item 3).
+
+        S3 (in memory, :mod:`titan_ext.runtime.falcon.topology`): creating the new DP and PP groups
+        (timed: as many as the grid has rows and columns) plus moving a stage's state — the model
+        and AdamW's two moments, 3x the parameters — to a DP peer over the data group.
+        S4: this process's start-up (interpreter, rendezvous, model build) plus saving and loading
+        the same state to and from the dump folder (TorchTitan's checkpointer adds its own
+        bookkeeping on top)."""
+        state = [p.detach() for m in self.trainer.model_parts for p in m.parameters()] * 3
+        t0 = time.perf_counter()
+        dist.new_group(backend="gloo")  # one group's creation, as S3 creates num_dp + num_pp
+        group_s = (time.perf_counter() - t0) * (self.num_dp + self.num_pp)
+        move_s = _time_state_exchange(state, [row[self.pp_index] for row in self.grid], self.device)
+        save_s = _time_save_load(state, dump / f".falcon_cost_probe_rank{self.rank}.pt")
+        mine = torch.tensor([group_s + move_s, time.time() - _process_start_time() + save_s],
+                            dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
+        self._set_costs(topology_adjustment=float(mine[0]), checkpoint_restart=float(mine[1]))
 
     def _measure_exchange_cost(self, mine: list) -> None:
         """S2's overhead: one real exchange of this step's chunks over the DP group."""
@@ -382,14 +408,38 @@ class FalconJob:
         decision = self.monitor.observe(iteration_s, groups)
         if decision.get("falcon/validate"):
             decision |= self.validate()
+        applied_s = {}
         for strategy in filter(None, decision.get("falcon/apply", "").split(",")):
+            t0 = time.perf_counter()
             self.apply(strategy, decision)
+            applied_s[strategy] = time.perf_counter() - t0
         decision["falcon/split"] = json.dumps(self.split)
         self.last_decision = decision
+        rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
+                          self.apply_decisions)
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
                 f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
+            self._record_events(rows)
+
+    def _record_events(self, rows: list[dict]) -> None:
+        """Rows → ``falcon_events.jsonl``, a console line each, and W&B (a ``falcon/events`` table)."""
+        if not rows:
+            return
+        self.events.extend(rows)
+        with open(self.events_path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+                logger.info(f"[titan_ext] Falcon {_console(row)}")
+        from titan_ext.titan.metrics import _wandb_loggers
+
+        processor = getattr(self.trainer, "metrics_processor", None)
+        for wb in _wandb_loggers(processor) if processor is not None else []:
+            columns = sorted({k for r in self.events for k in r})
+            wb.wandb.log({"falcon/events": wb.wandb.Table(
+                columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events])},
+                step=self.trainer.step)
 
     def validate(self) -> dict:
         """Falcon §4.3 validation (training pauses until it returns): ring passes over every PP
@@ -416,6 +466,81 @@ class FalconJob:
                            f"this job (see docs/falcon.md)")
             return
         logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
+
+
+def event_rows(step: int, decision: dict, monitor: Any, applied_s: dict[str, float],
+               apply_decisions: bool) -> list[dict]:
+    """The ``falcon_events.jsonl`` rows of one step's ``falcon/*`` decision dict (see FALCON_EVENTS)."""
+    rows: list[dict] = []
+    if "falcon/event" in decision:
+        rows.append({"kind": "event", "iteration": step, "event": decision["falcon/event"],
+                     "change_point_iteration": decision.get("falcon/change_point_iteration"),
+                     "iteration_time_s": decision.get("falcon/iteration_time_s")})
+    suspected = {"root_cause": monitor.root_cause, "slow_devices": list(monitor.slow_devices),
+                 "slow_links": [list(link) for link in monitor.slow_links],
+                 "suspicious_groups": list(monitor.suspicious)}
+    if "falcon/root_cause" in decision:
+        rows.append({"kind": "localised", "iteration": step, "suspected": suspected,
+                     "validation_pause_s": decision.get("falcon/validation_pause_s")})
+    before = decision.get("falcon/iteration_time_s")
+    for name in filter(None, decision.get("falcon/apply", "").split(",")):
+        applied = apply_decisions and name in APPLIED_HERE
+        rows.append({"kind": "decision", "iteration": step, "suspected": suspected,
+                     "strategy": STRATEGY_LABEL.get(name, name), "name": name, "applied": applied,
+                     "estimated_cost_s": monitor.config.costs.of(name),
+                     "measured_cost_s": applied_s.get(name) if applied else None,
+                     "impact_s": decision.get("falcon/impact_s"), "iteration_time_before_s": before})
+    for key, effect in decision.items():
+        if key.startswith("falcon/effect/") and key.count("/") == 2:
+            name = key.split("/")[2]
+            rows.append({"kind": "outcome", "iteration": step, "strategy": STRATEGY_LABEL.get(name, name),
+                         "name": name, "effect": effect,
+                         "iteration_time_before_s": decision.get(f"{key}/before_s"),
+                         "iteration_time_after_s": decision.get(f"{key}/after_s")})
+    return rows
+
+
+def _console(row: dict) -> str:
+    head = f"{row['kind']} at step {row['iteration']}"
+    if row["kind"] == "decision":
+        cost = row["measured_cost_s"]
+        return (f"{head}: {row['strategy']} ({row['name']}) for {row['suspected']['root_cause']}, "
+                f"{'applied' if row['applied'] else 'not applied'}, estimated cost "
+                f"{row['estimated_cost_s']:.3g} s" + (f", measured {cost:.3g} s" if cost is not None else ""))
+    if row["kind"] == "outcome":
+        return (f"{head}: {row['strategy']} ({row['name']}) iteration "
+                f"{row['iteration_time_before_s']:.3f} s -> {row['iteration_time_after_s']:.3f} s")
+    if row["kind"] == "localised":
+        return f"{head}: suspected {row['suspected']}"
+    return f"{head}: {row['event']} (change point at {row['change_point_iteration']})"
+
+
+def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device) -> float:
+    """Seconds to send ``state`` to the next DP peer and receive the previous one's (a ring shift
+    over the data group, device buffers; completion time)."""
+    from titan_ext.runtime.falcon.device_clock import DeviceTimer, device_buffer
+
+    numel = sum(t.numel() for t in state)
+    send, recv = device_buffer(numel, device), device_buffer(numel, device)
+    me = dp_ranks.index(dist.get_rank())
+    timer = DeviceTimer(device)
+    start = timer.mark()
+    ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
+           dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return timer.elapsed_s(start, timer.mark())
+
+
+def _time_save_load(state: list[torch.Tensor], path: Path) -> float:
+    """Seconds to save ``state`` (host copies) to ``path`` and load it back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.save([t.detach().cpu() for t in state], path)
+    torch.load(path, weights_only=True)
+    seconds = time.perf_counter() - t0
+    path.unlink(missing_ok=True)
+    return seconds
 
 
 def _process_start_time() -> float:
