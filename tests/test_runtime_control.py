@@ -23,7 +23,7 @@ import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.plan.builtin import builtin_plan
-from titan_ext.runtime import CrossPipe, Decision, PipeMorph, nccl_rules
+from titan_ext.runtime import CrossPipe, Decision, PipeMorph
 from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
@@ -41,20 +41,22 @@ _TITAN_EXT = os.path.dirname(os.path.dirname(os.path.abspath(__import__("titan_e
     + "titan_ext" + os.sep
 
 
-#: frames between the caller and the guard: torch's c10d, this file, and the interposers of
-#: torch-function modes (torch.overrides; the nccl_rules test backend's modes)
-_NOT_CALLERS = (c10d.__file__, __file__, torch.overrides.__file__, nccl_rules.__file__)
-
-
 class DataGroupRefusal(RuntimeError):
     pass
 
 
 def _called_from_titan_ext() -> bool:
     """Whether the nearest caller outside torch's c10d module (e.g. behind all_gather_object) is
-    titan_ext code."""
+    titan_ext code. The NCCL-rules test backend's function mode (runtime/nccl_rules.py) and torch's
+    dispatch to it (overrides, the c10d logger) sit between a caller and c10d: they are not callers."""
+    import torch.distributed.c10d_logger as c10d_logger
+    import torch.overrides
+
+    from titan_ext.runtime import nccl_rules
+
+    between = (c10d.__file__, __file__, nccl_rules.__file__, torch.overrides.__file__, c10d_logger.__file__)
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in _NOT_CALLERS:
+    while frame is not None and frame.f_code.co_filename in between:
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename.startswith(_TITAN_EXT)
 
