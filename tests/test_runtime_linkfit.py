@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from titan_ext.plan.linkfit import fit_link
 from titan_ext.runtime.delay_injection import inject_link_delays
-from titan_ext.runtime.testing import defect_2_xfail, run_ranks
+from titan_ext.runtime.testing import run_ranks
 
 CAP = 50e6  # bytes/s
 SIZES = (500_000, 1_000_000, 2_000_000) * 4  # 10 / 20 / 40 ms on the capped link
@@ -60,7 +60,6 @@ def _worker(rank: int, world: int):
     return rounds
 
 
-@defect_2_xfail()
 @pytest.mark.timeout(120)
 def test_fitted_beta_within_15_percent_of_injected_cap():
     results = run_ranks(_worker, 2)

@@ -41,17 +41,6 @@ def chosen_backend(backend: str | None = None) -> str:
     return backend or os.environ.get(ENV_VAR) or DEFAULT_BACKEND
 
 
-def defect_2_xfail() -> Any:
-    """xfail under ``nccl_rules`` for tests that read message arrival times (issue 20 defect 2: the
-    arrival watcher stamps a receive when ``Work.wait()`` returns, which under NCCL's wait is the
-    enqueue time; the device layer's arrival from the receive's completion fixes it).  Remove once
-    that fix is merged; the tests pass on plain gloo (``TITAN_EXT_TEST_BACKEND=gloo``)."""
-    import pytest
-
-    return pytest.mark.xfail(chosen_backend() == "nccl_rules", strict=False,
-                             reason="issue 20 defect 2 (arrival stamped at Work.wait() return)")
-
-
 def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple, env: dict,
            backend: str) -> None:
     os.environ.update(env)
