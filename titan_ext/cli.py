@@ -41,7 +41,8 @@ class UsageError(Exception):
 # overflowing: S·N ops plan in about 3 s at the bound (S=64, N=512 takes 1.4 s, BENCHMARKS.md).
 # Any time or delay is at most plan.profile.MAX_MS (11.6 days).
 MAX_OPS = 65536  # stages x microbatches (x virtual stages per rank)
-PROGRESS_AFTER_S = 15.0  # a command still working after this long says so on stderr (once)
+PROGRESS_AFTER_S = 15.0  # a big command (PROGRESS_OPS actions or more) still working then says so on stderr
+PROGRESS_OPS = 4096
 MAX_PROFILE_BYTES = 1 << 20  # --profile is a small JSON text
 MAX_TIME_LIMIT_S = 86400.0
 
@@ -63,6 +64,9 @@ def time_limit(seconds: float | None, progress: str | None = None):
     deadline = time.monotonic() + seconds
 
     def on_alarm(signum, frame) -> None:
+        if _importing(frame):  # never interrupt an import: it would leave a half-initialised module
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            return
         left = deadline - time.monotonic()
         if left > 0.01:  # the progress alarm
             print(f"titan-ext: {progress}", file=sys.stderr, flush=True)
@@ -78,6 +82,15 @@ def time_limit(seconds: float | None, progress: str | None = None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` (where a signal arrived) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _stop_clock() -> None:
@@ -705,13 +718,22 @@ def _run(args: argparse.Namespace) -> None:
     limit = getattr(args, "time_limit", None)
     if args.func is cmd_compare or limit is None:
         return args.func(args)
-    progress = f"{args.command} still running; it stops at --time-limit {limit:g} s"
+    size = _work_size(args)
+    progress = (f"{args.command} still running; it stops at --time-limit {limit:g} s"
+                if size is None or size >= PROGRESS_OPS else None)  # small work: slow imports are no news
     try:
         with time_limit(_grace(limit), progress):
             args.func(args)
     except TimeLimitReached:
         raise UsageError(f"{args.command}: not finished within --time-limit {limit:g} s (raise it, or plan "
                          f"fewer stages or microbatches)") from None
+
+
+def _work_size(args: argparse.Namespace) -> int | None:
+    """Actions to plan (stages x microbatches x virtual stages), None when a --profile gives them."""
+    if args.stages is None or args.microbatches is None:
+        return None
+    return args.stages * args.microbatches * (getattr(args, "virtual_stages", None) or 1)
 
 
 def _grace(limit: float) -> float:
