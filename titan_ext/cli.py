@@ -510,6 +510,10 @@ def _compare_candidates(profile: PipelineProfile, hol: bool):
 def _budgeted(candidates: list, budget_s: float) -> list:
     """Run each (name, thunk) within its share of the budget (time left / candidates left) → (name,
     timeline, or the reason there is none: it does not apply, or it was skipped at its share)."""
+    from .plan.builtin import builtin_plan  # noqa: F401  (imports first: the shares time planning, and the
+    from .plan.ir import torch_schedules  # alarm waits for an import to end)
+
+    torch_schedules()
     rows = []
     end = time.monotonic() + budget_s
     for i, (name, thunk) in enumerate(candidates):
