@@ -90,6 +90,9 @@ BAD = {
         ("binary", "not UTF-8 text"), ("nested", "not valid JSON"), ("too_big", "larger than"),
         ("infinite_delay", "latency_ms must be"), ("few_links", "1 entries for 4 stages"),
         ("times_as_text", "f_ms"), ("links_not_a_list", "links"), ("zero_f", "f_ms[0] must be > 0")]},
+    "csv_device": (["simulate", "--csv", "/dev/zero", "--stages", "4", "--microbatches", "12", *T],
+                   "--csv /dev/zero: not a regular file"),
+    "csv_directory": (["simulate", "--csv", ".", "--stages", "4", "--microbatches", "12", *T], "not a regular file"),
     # output paths, checked before any work
     "same_output_twice": ([*PLAN, *T, "--out-csv", "x.csv", "--trace", "./x.csv"], "the same file as --out-csv"),
     "output_is_device": ([*PLAN, *T, "--trace", "/dev/null"], "not a regular file"),

@@ -44,6 +44,7 @@ MAX_OPS = 65536  # stages x microbatches (x virtual stages per rank)
 PROGRESS_AFTER_S = 15.0  # a big command (PROGRESS_OPS actions or more) still working then says so on stderr
 PROGRESS_OPS = 4096
 MAX_PROFILE_BYTES = 1 << 20  # --profile is a small JSON text
+MAX_CSV_BYTES = 16 << 20  # --csv: MAX_OPS actions of a few characters each fit many times over
 MAX_TIME_LIMIT_S = 86400.0
 
 
@@ -248,17 +249,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
 
 
+def check_input_file(path: Path, flag: str, max_bytes: int) -> None:
+    """An input is a regular file (not a device, FIFO or directory) of at most ``max_bytes``."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{flag} {path}: not a regular file")
+    if st.st_size > max_bytes:
+        raise UsageError(f"{flag} {path}: larger than {max_bytes} bytes")
+
+
 def _read_profile(path: Path) -> dict:
     """--profile: a regular file of at most MAX_PROFILE_BYTES of UTF-8 JSON text holding one object."""
+    check_input_file(path, "--profile", MAX_PROFILE_BYTES)
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise UsageError(f"--profile {path}: not a regular file")
         with open(path, "rb") as f:
             data = f.read(MAX_PROFILE_BYTES + 1)
     except OSError as e:
         raise UsageError(f"--profile {path}: {e.strerror or e}") from None
-    if len(data) > MAX_PROFILE_BYTES:
-        raise UsageError(f"--profile {path}: larger than {MAX_PROFILE_BYTES} bytes (a profile is a small JSON text)")
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
@@ -449,6 +459,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     elif args.csv is not None:
         from .plan.export import read_torch_csv
 
+        check_input_file(args.csv, "--csv", MAX_CSV_BYTES)
         try:
             actions = read_torch_csv(args.csv)
         except (OSError, ValueError) as e:
