@@ -77,12 +77,15 @@ def time_limit(seconds: float | None, progress: str | None = None):
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     first = min(seconds, PROGRESS_AFTER_S) if progress and seconds > 2 * PROGRESS_AFTER_S else seconds
-    signal.setitimer(signal.ITIMER_REAL, first)
+    started = time.monotonic()
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, first)  # a caller's own alarm (e.g. pytest-timeout)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer > 0:  # give the caller's alarm back, less the time spent here
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 0.001))
 
 
 def _importing(frame) -> bool:
