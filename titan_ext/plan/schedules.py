@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from .args import profile_arg
 from .crosspipe import plan_crosspipe, wave_profile
 from .ir import as_ops, gc_paused, torch_schedules
 from .optimal import solve_optimal
@@ -83,6 +84,7 @@ def plan_auto(
 def plan_by_name(profile: PipelineProfile, name: str, **kwargs) -> PlanResult:
     """``auto`` → :func:`plan_auto`; ``pipemorph`` / ``zb`` / ``zb-h1`` → :func:`plan_pipemorph`
     (keyword arguments are passed on). CrossPipe's own names: :func:`plan_crosspipe_by_name`."""
+    profile_arg(profile)
     if name == "auto":
         return plan_auto(profile, **kwargs)
     if name in SCHEDULES:
@@ -109,8 +111,11 @@ def plan_crosspipe_by_name(profile, name: str, memory_limit: int | None = None,
     per stage, in units of one stage's activation (for crosspipe-wave: K per rank, i.e. 2K half-size
     chunk activations).
     """
+    profile_arg(profile)
     if name not in CROSSPIPE_SCHEDULES:
         raise ValueError(f"schedule must be one of {CROSSPIPE_SCHEDULES}, got {name!r}")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be a number of seconds > 0, got {time_limit_s!r}")
     if name == "optimal":
         return _optimal(profile, memory_limit, time_limit_s)
     variant = name.split("-", 1)[1]

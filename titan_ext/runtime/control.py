@@ -13,6 +13,10 @@ process already has* (``len(_world.pg_names)``), so PP ranks that hold different
 DP group, a delegate or Falcon group on some ranks only) would wait on different store keys forever;
 :func:`new_control_group` names it from the ranks and how many control groups this process made over
 those ranks, which every PP rank agrees on.  With one rank (or no process group) every exchange is local.
+
+Timeouts (issue 26): the group is created with the schedule's ``timeout_s`` (else the current job
+timeout of :mod:`.timeouts`) and follows :func:`.timeouts.set_timeout`; a collective that times out
+names the ranks that never reached it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import timeouts
 from .profiler import estimate_clock_offsets
 
 __all__ = ["ControlPlane"]
@@ -42,8 +47,9 @@ _made: Counter = Counter()  # control groups made by this process, by rank set
 _naming = threading.Lock()
 
 
-def new_control_group(ranks: list[int]) -> Any:
-    """A gloo group over ``ranks`` entered by those ranks only, named the same on each of them."""
+def new_control_group(ranks: list[int], timeout_s: float | None = None) -> Any:
+    """A gloo group over ``ranks`` entered by those ranks only, named the same on each of them, with
+    ``timeout_s`` (None: the job's current timeout, :mod:`.timeouts`)."""
     from torch.distributed import distributed_c10d as c10d
 
     key = tuple(ranks)
@@ -54,7 +60,7 @@ def new_control_group(ranks: list[int]) -> Any:
         torch_name = c10d._process_group_name
         c10d._process_group_name = lambda ranks, use_hashed_name: name  # noqa: ARG005
         try:
-            return dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            return timeouts.new_group(list(ranks), timeout_s, backend="gloo", use_local_synchronization=True)
         finally:
             c10d._process_group_name = torch_name
 
@@ -62,14 +68,15 @@ def new_control_group(ranks: list[int]) -> Any:
 class ControlPlane:
     """CPU collectives of one PP group on its own gloo group (one per schedule)."""
 
-    def __init__(self, data_group: Any = None, group: Any = None):
-        """``group``: an existing gloo group over the same ranks to reuse (else one is created)."""
+    def __init__(self, data_group: Any = None, group: Any = None, timeout_s: float | None = None):
+        """``group``: an existing gloo group over the same ranks to reuse (else one is created, with
+        ``timeout_s``: None → the job's current timeout, :mod:`.timeouts`)."""
         self.distributed = dist.is_available() and dist.is_initialized()
         self.ranks = pp_global_ranks(data_group) if self.distributed else [0]
         self.size = len(self.ranks)
         self.group = None
         if self.distributed and self.size > 1:
-            self.group = group if group is not None else new_control_group(self.ranks)
+            self.group = group if group is not None else new_control_group(self.ranks, timeout_s)
 
     @property
     def local(self) -> bool:
@@ -81,7 +88,7 @@ class ControlPlane:
         if self.local:
             return [vector]
         out = [torch.empty_like(vector) for _ in range(self.size)]
-        dist.all_gather(out, vector, group=self.group)
+        self._collective("all_gather", lambda: dist.all_gather(out, vector, group=self.group))
         return out
 
     def gather_ints(self, value: int) -> list[int]:
@@ -97,11 +104,14 @@ class ControlPlane:
         """True on every rank when it is true on any rank (one MAX all-reduce)."""
         vote = torch.tensor([1.0 if flag else 0.0])
         if not self.local:
-            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)
+            self._collective("vote", lambda: dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group))
         return bool(vote.item() > 0)
 
     def clock_offsets(self) -> tuple[float, float]:
         """(clock_self − clock_prev [s], min RTT [s]) by NTP-style ping-pong (profiler's method)."""
         if self.local:
             return math.nan, math.nan
-        return estimate_clock_offsets(self.group)
+        return self._collective("clock_offsets", lambda: estimate_clock_offsets(self.group))
+
+    def _collective(self, name: str, run):
+        return timeouts.named_collective(self.group, self.ranks, f"control/{min(self.ranks)}/{name}", run)
