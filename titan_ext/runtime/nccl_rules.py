@@ -229,10 +229,10 @@ class _RulesWork(dist.Work):
     def is_completed(self) -> bool:
         if self._error is not None:
             raise self._error
-        return self._settled.is_set()
+        return self._settled.is_set() or self._future.done()
 
     def is_success(self) -> bool:
-        return self._settled.is_set() and self._error is None
+        return self._error is None and (self._settled.is_set() or self._future.done())
 
     def exception(self) -> Any:
         return self._error
@@ -241,16 +241,18 @@ class _RulesWork(dist.Work):
         return self._future
 
     def _land(self) -> None:
-        self._settled.set()
+        # the future first: whoever wakes on ``_settled`` then also sees ``get_future().done()``, and
+        # ``is_completed()`` reads either, so a thread woken by the future sees it too
         self._future.set_result([self.op.tensor])
+        self._settled.set()
         self.op = None
 
     def _fail(self, error: BaseException) -> None:
         if self._settled.is_set():
             return
         self._error = error
-        self._settled.set()
         self._future.set_exception(error)
+        self._settled.set()
 
     def _block(self) -> None:
         self._settled.wait()
