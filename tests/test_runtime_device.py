@@ -14,6 +14,7 @@ PipeMorph run with +60 ms on the link:
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.runtime import PipeMorph
+from titan_ext.runtime.device import CpuDevice
 from titan_ext.runtime.simdevice import SimAsyncTransport, SimComputeStage, SimDevice, stream
 from titan_ext.runtime.testing import run_ranks, step_rank
 
@@ -81,3 +83,31 @@ def test_compute_times_exclude_link_waits(sim_run):
         booked = [(a, b, s, e) for a, b in long_stalls for s, e in r["records"] if s < a and b < e]
         assert booked == [], (rank, [(1e3 * (e - s), 1e3 * (b - a)) for a, b, s, e in booked][:3])
     assert statistics.median(sim_run[1]["recv_wait"]) >= LINK_MS, sim_run[1]["recv_wait"]
+
+
+class _LateWork:
+    """NCCL semantics on a CPU: ``wait()`` returns at once, the data lands ``delay_s`` after posting."""
+
+    def __init__(self, delay_s: float):
+        self.lands_at, self.waited = time.perf_counter() + delay_s, False
+
+    def wait(self, timeout=None):  # noqa: ARG002
+        self.waited = True
+        return True
+
+    def is_completed(self):
+        return time.perf_counter() >= self.lands_at
+
+
+def test_cpu_device_waits_until_landed_under_nccl_semantics():
+    """On CPU the host is the stream: under a backend whose wait() only enqueues (the NCCL-rules test
+    backend), the consumer's wait still returns only once the data landed, so the next action's compute
+    time cannot absorb the link wait; the arrival stamp is the landing."""
+    layer = CpuDevice(torch.device("cpu"))
+    layer.set_backend("nccl_rules")
+    work = _LateWork(0.05)
+    handle = layer.watch(0, [work])
+    layer.wait_recv([handle])
+    assert work.waited and time.perf_counter() >= work.lands_at
+    assert handle.arrival_time() >= work.lands_at
+    layer.close()
