@@ -622,17 +622,12 @@ class NcclRulesGroup(dist.ProcessGroup):
 
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Tell each peer's lander this FIFO is finished, then stop the threads."""
+        """Tell each peer's lander this FIFO is finished (each lander stops at its peer's close);
+        waits for nothing: peers shut their groups down in their own order."""
         if self._closed:
             return
         close = torch.full((_META_LEN,), _CLOSE, dtype=torch.int64)
-        works = [self._inner.send([close], p, _TAG) for p in self._pairs]
-        deadline = time.monotonic() + 5.0
-        for w in works:
-            while not w.is_completed() and time.monotonic() < deadline:
-                time.sleep(0.002)
-        for t in self._landers:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._sends_in_flight += [self._inner.send([close], p, _TAG) for p in self._pairs]
         self._closed = True
         self._events.put(("stop", None, None))
 
