@@ -49,7 +49,7 @@ def _sim_worker(rank: int, world: int) -> dict:
         recv_wait.append(m["recv_wait_ms"])
         losses.extend(float(v) for v in out)
     st = stream()
-    return {"delays": delays, "records": records, "recv_wait": recv_wait, "losses": losses,
+    return {"estimate": sched.last_metrics["link_delay_estimate_ms"][0], "delays": delays, "records": records, "recv_wait": recv_wait, "losses": losses,
             "stalls": list(st.stalls), "early": list(st.early_waits), "stale": list(st.stale_reads),
             "kernels": st.kernels}
 
@@ -60,9 +60,11 @@ def sim_run() -> list[dict]:
 
 
 def test_estimator_reads_slow_link_on_async_device(sim_run):
-    """+60 ms on the link: the per-iteration estimate (after the first, warm-up iteration) within 10 %."""
-    est = statistics.median(sim_run[0]["delays"][1:])
-    assert abs(est - LINK_MS) <= 0.1 * LINK_MS, sim_run[0]["delays"]
+    """+60 ms on the link: the estimator's window median, and the per-iteration estimates after the
+    first (warm-up) iteration, within 10 %."""
+    for r in sim_run:
+        assert abs(r["estimate"] - LINK_MS) <= 0.1 * LINK_MS, (r["estimate"], r["delays"])
+        assert abs(statistics.median(r["delays"][1:]) - LINK_MS) <= 0.1 * LINK_MS, r["delays"]
 
 
 def test_no_stream_wait_before_its_consumer(sim_run):
