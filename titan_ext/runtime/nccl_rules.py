@@ -165,13 +165,18 @@ _modes = threading.local()
 
 
 def _drain_pending() -> None:
+    """Block until every waited op has landed.  An op leaves the list only once it has landed, so
+    a thread that finds the list empty never overtakes one still blocked on it."""
     if not _pending:
         return
     with _pending_lock:
         works = list(_pending)
-        _pending.clear()
-    for work in works:
-        work._block()
+    try:
+        for work in works:
+            work._block()
+    finally:
+        with _pending_lock:
+            _pending[:] = [w for w in _pending if not w._settled.is_set()]
 
 
 class _StreamWait(TorchDispatchMode):
