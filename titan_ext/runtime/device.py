@@ -92,6 +92,11 @@ class RecvHandle:
         with self._device.context() if self._device is not None else contextlib.nullcontext():
             for w in self.works:
                 w.wait()
+        if self._device is not None and not self._device.asynchronous:
+            # the host is the device's stream (CPU): the stream wait is a host wait until landed
+            self.done.wait()
+            if self.error is not None:
+                raise self.error
         return True
 
     def is_completed(self) -> bool:
