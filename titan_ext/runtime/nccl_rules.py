@@ -441,6 +441,19 @@ class NcclRulesGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
 
+    # torch names a Python process group through these (DeviceMesh reads ``group_name``)
+    def getGroupName(self) -> str:  # noqa: N802
+        return getattr(self, "_group_name", "")
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return getattr(self, "_group_desc", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
     # -- P2P ------------------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _RulesWork:  # noqa: ARG002
         return self._post(_SEND, tensors, dst)
