@@ -10,6 +10,10 @@ tensors Falcon made for the device (:func:`device_clock.to_device` / ``device_bu
 pickled objects or barriers. On a01ec7e the job's first call (``all_gather_object`` on the world)
 already broke the rule.
 
+Tiers: the nccl_rules job run and the CUDA-stretch check are default tier; the gloo + recorder run
+(the one that fails on a01ec7e independently of nccl_rules) and the probe run are slow-marked
+(each a 4- or 2-process spawn).
+
 Defect 8 on CPU: what the device-side paths compute, with a recording stand-in for the CUDA timer
 and sleep (the CUDA calls themselves are not run here: no GPU in CI).
 """
@@ -149,7 +153,7 @@ def _job_worker(rank, world, port, outdir, backend):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl_rules"])
+@pytest.mark.parametrize("backend", [pytest.param("gloo", marks=pytest.mark.slow), "nccl_rules"])
 def test_falcon_job_keeps_host_data_off_the_data_groups(backend):
     """gloo + the recorder: the rule checked by this test alone; nccl_rules: the project's CPU
     backend with NCCL's rules (titan_ext/runtime/nccl_rules.py) refuses host tensors itself."""
@@ -237,6 +241,7 @@ def _probe_worker(rank, world, port, outdir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gemm_probe_reads_the_emulated_slow_device_inside_its_timed_region():
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_probe_worker, args=(2, _free_port(), d), nprocs=2, join=True)

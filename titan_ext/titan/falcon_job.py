@@ -286,14 +286,17 @@ class FalconJob:
 
     # ---------------------------------------------------------------- costs (§5.2)
     def _measure_costs_at_start(self, dump: Path) -> None:
-        """S3's and S4's overheads, measured in this job (slowest rank's; issue 23 item 3).
+        """S3's overhead as this job would apply it, measured (slowest rank's; issue 23 item 3).
 
-        S3 (in memory, :mod:`titan_ext.runtime.falcon.topology`): creating the new DP and PP groups
-        (timed: as many as the grid has rows and columns) plus moving a stage's state — the model
-        and AdamW's two moments, 3x the parameters — to a DP peer over the data group.
-        S4: this process's start-up (interpreter, rendezvous, model build) plus saving and loading
-        the same state to and from the dump folder (TorchTitan's checkpointer adds its own
-        bookkeeping on top)."""
+        This job applies S3 only through a restart with a permuted mesh (:mod:`.restart`; the
+        in-memory re-map of :mod:`titan_ext.runtime.falcon.topology` is not wired into the
+        TorchTitan trainer yet), so S3's ski-rental cost is this process's start-up (interpreter,
+        rendezvous, model build) plus saving and loading a stage's state (the model and AdamW's two
+        moments, 3x the parameters) to and from the dump folder. The in-memory cost — creating the
+        new DP and PP groups (one creation timed, times the grid's rows + columns) plus moving that
+        state to a DP peer over the data group — is measured too and reported
+        (``in_memory_topology_s``, in every S3 row of falcon_events.jsonl). S4 (a restart on fewer
+        devices) keeps the configured cost: it is neither applied nor measurable in this job."""
         state = [p.detach() for m in self.trainer.model_parts for p in m.parameters()] * 3
         t0 = time.perf_counter()
         dist.new_group(backend="gloo")  # one group's creation, as S3 creates num_dp + num_pp
@@ -303,7 +306,8 @@ class FalconJob:
         mine = torch.tensor([group_s + move_s, time.time() - _process_start_time() + save_s],
                             dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
-        self._set_costs(topology_adjustment=float(mine[0]), checkpoint_restart=float(mine[1]))
+        self.in_memory_topology_s = float(mine[0])
+        self._set_costs(topology_adjustment=float(mine[1]))
 
     def _measure_exchange_cost(self, mine: list) -> None:
         """S2's overhead: one real exchange of this step's chunks over the DP group."""
@@ -417,6 +421,9 @@ class FalconJob:
         self.last_decision = decision
         rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
                           self.apply_decisions)
+        for row in rows:
+            if row.get("name") == "topology_adjustment":
+                row["in_memory_topology_s"] = self.in_memory_topology_s
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
