@@ -299,3 +299,13 @@ def test_event_rows_record_each_decision_its_costs_and_outcome():
     assert rows[4]["iteration_time_after_s"] == 0.4
     # with falcon_apply off nothing is applied
     assert not any(r.get("applied") for r in event_rows(7, decision, monitor, {}, False))
+
+
+def test_validation_is_narrowed_to_the_suspicious_groups_rings():
+    from titan_ext.titan.falcon_job import rings_to_validate
+
+    grid = [[0, 2], [1, 3]]  # TorchTitan's DP 2 x PP 2: pipelines {0,2}, {1,3}; DP columns {0,1}, {2,3}
+    assert rings_to_validate(grid, ["dp_stage1"]) == [[2, 3]]
+    assert rings_to_validate(grid, ["pp1_link0", "dp_stage0", "pp1_link0"]) == [[1, 3], [0, 1]]
+    # nothing flagged by profiling: every pipeline and DP column
+    assert rings_to_validate(grid, []) == [[0, 2], [1, 3], [0, 1], [2, 3]]

@@ -449,10 +449,10 @@ class FalconJob:
                 step=self.trainer.step)
 
     def validate(self) -> dict:
-        """Falcon §4.3 validation (training pauses until it returns): ring passes over every PP
-        pipeline and DP group, then the GEMM probe."""
+        """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
+        profiling flagged (:func:`rings_to_validate`), then the GEMM probe on every rank."""
         t0 = time.perf_counter()
-        rings = [list(row) for row in self.grid] + [[row[s] for row in self.grid] for s in range(self.num_pp)]
+        rings = rings_to_validate(self.grid, self.monitor.suspicious)
         links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16, group=self.control,
                                send_delay_s=self.emulation.send_delay_s, device=self.device)
         gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
@@ -473,6 +473,28 @@ class FalconJob:
                            f"this job (see docs/falcon.md)")
             return
         logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
+
+
+def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]]:
+    """Profiling-narrowed validation (Falcon §4.3): the rings of the suspicious groups only —
+    ``pp{d}_link{i}`` → pipeline d, ``dp_stage{s}`` → the DP column of stage s — or, when profiling
+    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes over an NCCL
+    tree) is not needed here: the job's collectives are gloo rings, and a 2-replica DP group's
+    tree is its single link, which the ring passes already time in both directions."""
+    pipelines = [list(row) for row in grid]
+    columns = [[row[s] for row in grid] for s in range(len(grid[0]))]
+    rings = []
+    for g in suspicious:
+        name = str(g)
+        if name.startswith("pp") and "_link" in name:
+            ring = pipelines[int(name[2:name.index("_link")])]
+        elif name.startswith("dp_stage"):
+            ring = columns[int(name[len("dp_stage"):])]
+        else:
+            continue
+        if ring not in rings:
+            rings.append(ring)
+    return rings or pipelines + columns
 
 
 def event_rows(step: int, decision: dict, monitor: Any, applied_s: dict[str, float],
