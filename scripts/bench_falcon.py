@@ -171,7 +171,7 @@ def bench_hook_overhead(calls: int = 2000) -> dict:
 
 E2E_SCENARIOS = {
     "healthy": [],
-    "slow device (3 at 4x)": ["--titan_ext.emulate_slow_device", "3:4@{k}"],
+    "slow device (3 at {f}x)": ["--titan_ext.emulate_slow_device", "3:{f}@{k}"],
     "slow DP link (0-1 +40 ms)": ["--titan_ext.emulate_slow_link", "0-1:40@{k}"],
     "slow PP link (0-2 +40 ms)": ["--titan_ext.emulate_slow_link", "0-2:40@{k}"],
 }
@@ -198,12 +198,13 @@ def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "") -> list[dict]:
+def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "",
+                     device_factor: float = 4.0) -> list[dict]:
     rows = []
-    chosen = {n: a for n, a in E2E_SCENARIOS.items()
+    chosen = {n.format(f=f"{device_factor:g}"): a for n, a in E2E_SCENARIOS.items()
               if not only or any(w.strip() and w.strip() in n for w in only.split(","))}
     for name, extra in chosen.items():
-        extra = [a.format(k=slow_from) for a in extra]
+        extra = [a.format(k=slow_from, f=f"{device_factor:g}") for a in extra]
         logs = {falcon: _e2e_run(os.path.join(workdir, f"{len(rows)}_{falcon}"), steps,
                                  extra + [flag])
                 for falcon, flag in (("false", "--titan_ext.no-falcon_apply"),
@@ -241,12 +242,14 @@ def main():
                     help="only the DP 2 x PP 2 TorchTitan table (8 torchrun jobs, minutes)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--slow-from", type=int, default=5)
+    ap.add_argument("--device-factor", type=float, default=4.0, help="the slow device's factor")
     ap.add_argument("--scenarios", default="", help="comma-separated substrings of scenario names "
                     "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
     args = ap.parse_args()
     if args.end_to_end:
-        rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios)
+        rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios,
+                                args.device_factor)
         healthy = next((r["iteration_s_with"] for r in rows if r["scenario"] == "healthy"), float("nan"))
         print("| scenario | iteration s without Falcon | with Falcon | with / without | with / healthy | "
               "root cause | onset step | decisions (step:strategies) | time to mitigation s |")
