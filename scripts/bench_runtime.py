@@ -180,6 +180,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2, help="transformer layers per stage")
     ap.add_argument("--json", default="bench_runtime.json")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl_rules"],
+                    help="process-group backend (nccl_rules: the NCCL-rules test backend, slower)")
     args = ap.parse_args()
     modes = ["sleep", "model"] if args.mode == "both" else [args.mode]
     if args.mode == "multistage":
@@ -191,7 +193,7 @@ def main() -> None:
         if mode == "multistage":
             report["modes"][mode] = run_multistage(args)
             continue
-        res = run_ranks(_worker, args.world, mode, args)[0]
+        res = run_ranks(_worker, args.world, mode, args, backend=args.backend)[0]
         report["modes"][mode] = res
         name = ("sleep-compute (emulated device: F=%g I=%g W=%g ms sleeps)" % (args.f_ms, args.i_ms, args.w_ms)
                 if mode == "sleep" else

@@ -103,7 +103,7 @@ def _worker(rank: int, world: int, args) -> dict:
 def run(args) -> dict:
     """Run the mode, print its table, return the report part (``bench_runtime.py`` writes the JSON)."""
     t0 = time.time()
-    res = run_ranks(_worker, args.world, args)[0]
+    res = run_ranks(_worker, args.world, args, backend="gloo")[0]  # timings: plain gloo
     print(f"\n== mode: multistage; {args.world} gloo ranks x {V} stages, N={args.microbatches}, sleep compute "
           f"F={args.f_ms:g} I={args.i_ms:g} W={args.w_ms:g} ms per rank ({V} stages of half), delay on rank link "
           f"{args.link}; median of {args.steps} iterations after {args.warmup} warm-up [{time.time() - t0:.0f} s]")

@@ -62,7 +62,9 @@ def _worker(rank: int, world: int):
 
 @pytest.mark.timeout(120)
 def test_fitted_beta_within_15_percent_of_injected_cap():
-    results = run_ranks(_worker, 2)
+    # a precision test of the injector's bandwidth model: on plain gloo (the nccl_rules backend's
+    # extra hops — descriptor, completer thread — add milliseconds per message on a loaded host)
+    results = run_ranks(_worker, 2, backend="gloo")
     fits = [fit_link(fwd, bwd) for fwd, bwd in zip(results[1], results[0])]
     assert all(f.identifiable for f in fits), fits
     assert statistics.median(f.bandwidth_bytes_per_s for f in fits) == pytest.approx(CAP, rel=0.15), fits

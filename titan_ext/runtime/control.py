@@ -8,12 +8,19 @@ keeps them off the device streams (PipeMorph §6: the profiler/coordinator is a 
 
 Creation uses ``use_local_synchronization=True``: only the PP group's ranks enter ``new_group``, so a
 DP×PP job where every PP group builds its own schedule does not need all ranks of the world in step.
-With one rank (or no process group) every exchange is local.
+torch names such a group (and its store prefix) from its ranks *and the number of groups the calling
+process already has* (``len(_world.pg_names)``), so PP ranks that hold different numbers of groups (a
+DP group, a delegate or Falcon group on some ranks only) would wait on different store keys forever;
+:func:`new_control_group` names it from the ranks and how many control groups this process made over
+those ranks, which every PP rank agrees on.  With one rank (or no process group) every exchange is local.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import threading
+from collections import Counter
 from typing import Any
 
 import torch
@@ -31,6 +38,27 @@ def pp_global_ranks(data_group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(data_group))
 
 
+_made: Counter = Counter()  # control groups made by this process, by rank set
+_naming = threading.Lock()
+
+
+def new_control_group(ranks: list[int]) -> Any:
+    """A gloo group over ``ranks`` entered by those ranks only, named the same on each of them."""
+    from torch.distributed import distributed_c10d as c10d
+
+    key = tuple(ranks)
+    with _naming:
+        name = hashlib.sha1(f"titan_ext_control_{'_'.join(map(str, key))}_{_made[key]}".encode(),
+                            usedforsecurity=False).hexdigest()
+        _made[key] += 1
+        torch_name = c10d._process_group_name
+        c10d._process_group_name = lambda ranks, use_hashed_name: name  # noqa: ARG005
+        try:
+            return dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        finally:
+            c10d._process_group_name = torch_name
+
+
 class ControlPlane:
     """CPU collectives of one PP group on its own gloo group (one per schedule)."""
 
@@ -41,8 +69,7 @@ class ControlPlane:
         self.size = len(self.ranks)
         self.group = None
         if self.distributed and self.size > 1:
-            self.group = group if group is not None else dist.new_group(
-                self.ranks, backend="gloo", use_local_synchronization=True)
+            self.group = group if group is not None else new_control_group(self.ranks)
 
     @property
     def local(self) -> bool:

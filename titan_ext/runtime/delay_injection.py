@@ -8,15 +8,19 @@ direction) until ``start + size/bandwidth``, and cannot be received before
 
     ``arrival = start + size / bandwidth + latency``.
 
-Mechanism: *sender-side hold-back*.  The injector replaces
+Mechanism: *receiver-side arrival*, keeping NCCL's rules (issue 20 defect 3).  The injector replaces
 ``torch.distributed.pipelining.schedules._batch_p2p`` — the single function through which every torch
 pipelining schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``_PipelineScheduleRuntime`` subclasses,
-PipeMorph) issues its PP sends and receives.  Receives are posted immediately.  A send on a delayed
-link is handed to a background thread that issues the real ``dist.isend`` at ``arrival`` (loopback
-transfer time is negligible); the caller gets a :class:`DelayedSendWork` right away, so compute is never
-slept: only data arrival is delayed.  ``DelayedSendWork.wait()`` returns once the real send completed,
-i.e. like a real NCCL/Gloo send it completes when the data has crossed the link.  Messages on one link
-and direction stay FIFO (matching order of Gloo p2p is per (src, tag)).
+PipeMorph) issues its PP sends and receives.  Every op is issued at once, from the calling thread, in
+the schedule's order and inside the schedule's own batch (torch's ``batch_isend_irecv`` groups stay
+whole, so NCCL's pairing holds).  On a link the spec names, each message is followed *in the same
+batch* by an 8-byte stamp on the payload's device: the sender's model time ``arrival`` (wall clock)
+after the message, the receiver's matching receive of the stamp after its receive.  The receiver's
+handle (:class:`DelayedRecvWork`) completes no earlier than ``arrival``: ``wait()`` blocks the host
+until then, ``is_completed()`` and ``get_future()`` report it truthfully.  The sender is never slept,
+compute is never slept: only data arrival is delayed, FIFO per link and direction.  Both ends of a
+named link must run the same spec (links the spec does not name carry no stamps), and the stamp
+compares wall clocks, so across hosts the emulation is as exact as their clock sync.
 
 Install with :func:`inject_link_delays` (Python) or the environment variable
 ``TITAN_EXT_INJECT_DELAYS`` (read when :mod:`titan_ext.runtime` is imported, and by
@@ -41,8 +45,6 @@ otherwise slow a real job unnoticed).
 from __future__ import annotations
 
 import csv
-import heapq
-import itertools
 import logging
 import math
 import os
@@ -52,6 +54,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 ENV_VAR = "TITAN_EXT_INJECT_DELAYS"
@@ -284,30 +287,47 @@ def link_of_ranks(a: int, b: int, group_size: int) -> int:
     raise ValueError(f"PP ranks {a} and {b} are not adjacent (group size {group_size})")
 
 
-class DelayedSendWork:
-    """Work handle of a held-back send; ``wait()`` returns when the real send has completed."""
+class DelayedRecvWork:
+    """A receive on a delayed link: complete when its data and stamp have landed and the stamped
+    ``arrival`` (wall clock) has passed."""
 
-    def __init__(self, arrival: float):
-        self.arrival = arrival
-        self._issued = threading.Event()
-        self._works: list[Any] = []
-        self._error: BaseException | None = None
+    def __init__(self, works: list[Any], stamp: torch.Tensor):
+        self.works = works  # the data's and the stamp's (or the batch's one coalesced work)
+        self.stamp = stamp
+        self._arrival: float | None = None
 
-    def _set(self, works: list[Any] | None, error: BaseException | None = None) -> None:
-        self._works = works or []
-        self._error = error
-        self._issued.set()
+    def arrival(self) -> float:
+        """The sender's model arrival time (reads the stamp: after the data has landed)."""
+        if self._arrival is None:
+            for w in self.works:
+                w.wait()
+            self._arrival = float(self.stamp.item())
+        return self._arrival
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility
-        self._issued.wait()
-        if self._error is not None:
-            raise self._error
-        for w in self._works:
-            w.wait()
+        delay = self.arrival() - time.time()
+        if delay > 0:
+            time.sleep(delay)
         return True
 
     def is_completed(self) -> bool:
-        return self._issued.is_set() and all(w.is_completed() for w in self._works)
+        if self._arrival is None and not all(w.is_completed() for w in self.works):
+            return False
+        return time.time() >= self.arrival()
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes at arrival (a helper thread waits; the future's value is None)."""
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def resolve() -> None:
+            try:
+                self.wait()
+                fut.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the future
+                fut.set_exception(exc)
+
+        threading.Thread(target=resolve, name="titan_ext-delayed-recv", daemon=True).start()
+        return fut
 
 
 class LinkDelayInjector:
@@ -320,14 +340,9 @@ class LinkDelayInjector:
         # Origin of trace time: a shared wall-clock epoch if given, else installation time.
         now_wall, now_mono = time.time(), time.monotonic()
         self._origin_mono = now_mono - (now_wall - t0) if t0 is not None else now_mono
-        self._lock = threading.Condition()
-        self._heap: list[tuple[float, int, Any]] = []
-        self._seq = itertools.count()
+        self._lock = threading.Lock()
         self._link_free: dict[tuple[int, int], float] = {}  # (link, direction) -> busy until
         self._last_arrival: dict[tuple[int, int], float] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._issuing = 0
         self.messages_delayed = 0
         self.messages_passed = 0
         self._orig_batch_p2p = None
@@ -373,97 +388,63 @@ class LinkDelayInjector:
         return arrival
 
     # -- transport -----------------------------------------------------------------------------
+    def stamps_link(self, link: int) -> bool:
+        """Whether messages on ``link`` carry an arrival stamp: the spec names it (at any time)."""
+        sched = self.schedule
+        return any(w is not None for w in sched.wildcard) or any(link in d for _, d in sched.steps)
+
+    def _link_and_direction(self, op: Any) -> tuple[int, int]:
+        group_size = dist.get_world_size(op.group)
+        me = dist.get_rank(op.group)
+        link = link_of_ranks(me, op.group_peer, group_size)
+        max_link = group_size - 1 if group_size > 2 else 0
+        if self.schedule.max_link() > max_link:
+            raise DelaySpecError(
+                f"delay spec {self.schedule.describe()!r} names link {self.schedule.max_link()} but "
+                f"the PP group has {group_size} ranks (links 0..{max_link})"
+            )
+        if abs(op.group_peer - me) == 1:
+            direction = 0 if op.group_peer > me else 1  # 0 = downstream (forward activations)
+        else:
+            direction = 0 if me == group_size - 1 else 1  # wrap-around pair (P-1 -> 0 is downstream)
+        return link, direction
+
+    def _stamp_of_send(self, op: Any, link: int, direction: int, now: float) -> torch.Tensor:
+        """The send's model arrival as a wall-clock stamp on the payload's device (books the link)."""
+        nbytes = op.tensor.numel() * op.tensor.element_size()
+        with self._lock:
+            arrival = self.arrival_time(link, direction, nbytes, now)
+        if arrival > now:
+            self.messages_delayed += 1
+        else:
+            self.messages_passed += 1
+        wall = time.time() + (arrival - time.monotonic())
+        return torch.tensor([wall], dtype=torch.float64, device=op.tensor.device)
+
     def batch_p2p(self, p2p_ops: list, desc: str | None = None) -> list:
-        """Drop-in replacement of torch's ``schedules._batch_p2p`` that applies the link delays."""
+        """Drop-in replacement of torch's ``schedules._batch_p2p`` that applies the link delays:
+        the same ops, in the same order and batch, each on a named link followed by its stamp."""
         if not p2p_ops:
             return []
-        works: list = []
         now = time.monotonic()
         self.maybe_warn(now)
+        ops, stamps = [], []  # stamps[i]: index of op i's stamp in `ops` and its tensor, or None
         for op in p2p_ops:
-            if op.op is dist.irecv or getattr(op.op, "__name__", "") == "irecv":
-                works.append(dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer))
+            ops.append(op)
+            link, direction = self._link_and_direction(op)
+            if not self.stamps_link(link):
+                stamps.append(None)
                 continue
-            group_size = dist.get_world_size(op.group)
-            me = dist.get_rank(op.group)
-            link = link_of_ranks(me, op.group_peer, group_size)
-            max_link = group_size - 1 if group_size > 2 else 0
-            if self.schedule.max_link() > max_link:
-                raise DelaySpecError(
-                    f"delay spec {self.schedule.describe()!r} names link {self.schedule.max_link()} but "
-                    f"the PP group has {group_size} ranks (links 0..{max_link})"
-                )
-            if abs(op.group_peer - me) == 1:
-                direction = 0 if op.group_peer > me else 1  # 0 = downstream (forward activations)
+            if _is_recv(op):
+                stamp = torch.empty(1, dtype=torch.float64, device=op.tensor.device)
             else:
-                direction = 0 if me == group_size - 1 else 1  # wrap-around pair (P-1 -> 0 is downstream)
-            nbytes = op.tensor.numel() * op.tensor.element_size()
-            with self._lock:
-                pending = any(item[2][1] == (link, direction) for item in self._heap)
-                arrival = self.arrival_time(link, direction, nbytes, now)
-                if arrival <= now and not pending:
-                    self.messages_passed += 1
-                    immediate = True
-                else:
-                    immediate = False
-                    work = DelayedSendWork(arrival)
-                    # Snapshot the payload: what arrives is what was handed over at `now`.
-                    payload = op.tensor.detach().clone()
-                    heapq.heappush(
-                        self._heap,
-                        (arrival, next(self._seq), (work, (link, direction), payload, op)),
-                    )
-                    self.messages_delayed += 1
-                    self._ensure_thread()
-                    self._lock.notify_all()
-            if immediate:
-                works.append(dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer))
-            else:
-                works.append(work)
-        return works
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="titan_ext-delay-injector", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while True:
-                    if self._heap:
-                        due = self._heap[0][0]
-                        wait = due - time.monotonic()
-                        if wait <= 0:
-                            _, _, item = heapq.heappop(self._heap)
-                            self._issuing += 1
-                            break
-                        self._lock.wait(timeout=wait)
-                    elif self._stopping:
-                        return
-                    else:
-                        self._lock.wait(timeout=0.5)
-            work, _, payload, op = item
-            try:
-                real = dist.isend(payload, group=op.group, tag=op.tag, group_dst=op.group_peer)
-                work._set([real])
-            except BaseException as exc:  # surfaced to the caller's wait()
-                work._set(None, exc)
-            finally:
-                with self._lock:
-                    self._issuing -= 1
-
-    def flush(self, timeout_s: float = 60.0) -> None:
-        """Block until every held-back send has been issued."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                if not self._heap and not self._issuing:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError("delay injector: held-back sends not issued within timeout")
-            time.sleep(0.001)
+                stamp = self._stamp_of_send(op, link, direction, now)
+            stamps.append((len(ops), stamp))
+            ops.append(dist.P2POp(op.op, stamp, group=op.group, group_peer=op.group_peer))
+        works = self._orig_batch_p2p(ops, desc)
+        per_op = len(works) == len(ops)  # else one coalesced work for the batch (NCCL)
+        return [_handle(works[i:i + (1 if stamp is None else 2)] if per_op else works, op, stamp)
+                for (i, op), stamp in zip(_positions(p2p_ops, stamps), stamps)]
 
     # -- installation --------------------------------------------------------------------------
     def install(self) -> "LinkDelayInjector":
@@ -480,14 +461,10 @@ class LinkDelayInjector:
         return self
 
     def remove(self) -> None:
-        """Flush held-back sends and restore torch's ``_batch_p2p``."""
+        """Restore torch's ``_batch_p2p``."""
         from torch.distributed.pipelining import schedules
 
         global _CURRENT
-        self.flush()
-        with self._lock:
-            self._stopping = True
-            self._lock.notify_all()
         if self._orig_batch_p2p is not None and schedules._batch_p2p == self.batch_p2p:
             schedules._batch_p2p = self._orig_batch_p2p
         if _CURRENT is self:
@@ -501,6 +478,41 @@ class LinkDelayInjector:
 
 
 _CURRENT: LinkDelayInjector | None = None
+
+
+def _is_recv(op: Any) -> bool:
+    return op.op is dist.irecv or getattr(op.op, "__name__", "") == "irecv"
+
+
+def _positions(p2p_ops: list, stamps: list) -> list[tuple[int, Any]]:
+    """Index of each original op in the stamped op list."""
+    out, i = [], 0
+    for op, stamp in zip(p2p_ops, stamps):
+        out.append((i, op))
+        i += 1 if stamp is None else 2
+    return out
+
+
+def _handle(own: list[Any], op: Any, stamp: tuple[int, torch.Tensor] | None) -> Any:
+    """What the schedule gets for ``op``: its work, a send with its stamp, or a delayed receive."""
+    if stamp is not None and _is_recv(op):
+        return DelayedRecvWork(own, stamp[1])
+    return own[0] if len(own) == 1 else _AllWorks(own)
+
+
+class _AllWorks:
+    """A send's data and stamp works as one handle."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None,

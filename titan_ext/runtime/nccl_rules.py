@@ -75,6 +75,8 @@ _TAG = 0  # tags are ignored: one FIFO per pair and direction
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _HOST_ATTR = "_titan_ext_host_site"
+_SHUTDOWN_S = 2.0  # how long a group's shutdown waits for its peers' close messages
+_KEPT_OPEN: list = []  # shut-down groups whose landers still wait on a peer
 
 
 class NcclRuleError(RuntimeError):
@@ -165,13 +167,18 @@ _modes = threading.local()
 
 
 def _drain_pending() -> None:
+    """Block until every waited op has landed.  An op leaves the list only once it has landed, so
+    a thread that finds the list empty never overtakes one still blocked on it."""
     if not _pending:
         return
     with _pending_lock:
         works = list(_pending)
-        _pending.clear()
-    for work in works:
-        work._block()
+    try:
+        for work in works:
+            work._block()
+    finally:
+        with _pending_lock:
+            _pending[:] = [w for w in _pending if not w._settled.is_set()]
 
 
 class _StreamWait(TorchDispatchMode):
@@ -436,6 +443,19 @@ class NcclRulesGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
 
+    # torch names a Python process group through these (DeviceMesh reads ``group_name``)
+    def getGroupName(self) -> str:  # noqa: N802
+        return getattr(self, "_group_name", "")
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return getattr(self, "_group_desc", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
     # -- P2P ------------------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _RulesWork:  # noqa: ARG002
         return self._post(_SEND, tensors, dst)
@@ -622,19 +642,20 @@ class NcclRulesGroup(dist.ProcessGroup):
 
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Tell each peer's lander this FIFO is finished, then stop the threads."""
+        """Tell each peer's lander this FIFO is finished; give this rank's landers a moment (peers
+        shut their groups down in their own order) to read their peers' close.  A group whose lander
+        is still blocked in gloo stays referenced, so its inner group is never destroyed under it."""
         if self._closed:
             return
         close = torch.full((_META_LEN,), _CLOSE, dtype=torch.int64)
-        works = [self._inner.send([close], p, _TAG) for p in self._pairs]
-        deadline = time.monotonic() + 5.0
-        for w in works:
-            while not w.is_completed() and time.monotonic() < deadline:
-                time.sleep(0.002)
-        for t in self._landers:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._sends_in_flight += [self._inner.send([close], p, _TAG) for p in self._pairs]
         self._closed = True
         self._events.put(("stop", None, None))
+        deadline = time.monotonic() + _SHUTDOWN_S
+        for t in self._landers:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._landers):
+            _KEPT_OPEN.append(self)
 
     def abort(self) -> None:
         self._closed = True

@@ -15,6 +15,10 @@ at the very start of ``Trainer.__init__``) is early enough.
 :class:`CpuDeviceModule` implements the subset of the ``torch.cuda`` API the trainer uses. Memory
 numbers are the process's peak resident set size (``getrusage``), reported as both "active" and
 "reserved" peak; the peak cannot be reset on Linux, so ``reset_peak_memory_stats`` is a no-op.
+
+With ``TITAN_EXT_TEST_BACKEND=nccl_rules`` the shim also installs the NCCL-rules test backend
+(:mod:`titan_ext.runtime.nccl_rules`) and makes it TorchTitan's CPU backend, so the trainer's PP and
+DP groups obey NCCL's rules (the control plane still asks for gloo).
 """
 
 import os
@@ -117,6 +121,7 @@ def apply() -> None:
     global _applied
     import importlib
 
+    _use_test_backend()
     device_module = CpuDeviceModule()
     for name in _TORCHTITAN_MODULES:
         mod = sys.modules.get(name)
@@ -130,6 +135,15 @@ def apply() -> None:
         if hasattr(mod, "device_module"):
             mod.device_module = device_module
     _applied = True
+
+
+def _use_test_backend() -> None:
+    """``TITAN_EXT_TEST_BACKEND=nccl_rules``: TorchTitan's CPU groups get NCCL's rules."""
+    from titan_ext.runtime.nccl_rules import BACKEND, ENV_VAR, install
+
+    if os.environ.get(ENV_VAR) == BACKEND:
+        install()
+        torch.distributed.Backend.default_device_backend_map["cpu"] = BACKEND
 
 
 def is_applied() -> bool:

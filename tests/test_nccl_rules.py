@@ -1,0 +1,210 @@
+"""The ``nccl_rules`` test backend: each NCCL rule fails the way NCCL would, correct traffic passes.
+
+One 2-rank run (module fixture) plays every scenario on a fresh ``nccl_rules`` group, so a scenario
+that breaks a pair cannot disturb the next; the tests read what each rank saw.  The references are
+NCCL's documented rules (DESIGN.md "GPU rules"), not captured output.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_ext.runtime.control import ControlPlane
+from titan_ext.runtime.nccl_rules import NcclRuleError, is_host_made, mark_host
+from titan_ext.runtime.profiler import estimate_clock_offsets
+from titan_ext.runtime.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _settle(works: list, limit_s: float = 20.0) -> str:
+    """Poll the works like the device layer does: 'ok', or the NcclRuleError message."""
+    deadline = time.monotonic() + limit_s
+    try:
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() > deadline:
+                return "still pending"
+            time.sleep(0.005)
+    except NcclRuleError as exc:
+        return str(exc)
+    return "ok"
+
+
+def _batch(ops: list) -> list:
+    return dist.batch_isend_irecv(ops)
+
+
+def _scenarios(rank: int, world: int) -> dict:
+    peer, out = 1 - rank, {}
+    out["control"] = _control_with_uneven_group_counts(rank)
+    control = ControlPlane()
+
+    # 1. a batch with mismatched tags is still matched (tags ignored), data correct
+    g = dist.new_group()
+    mine, theirs = torch.full((3,), 10.0 + rank, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    works = _batch([dist.P2POp(dist.isend, mine, peer, g, tag=5 + rank),
+                    dist.P2POp(dist.irecv, theirs, peer, g, tag=7 - rank)])
+    out["batch"] = (_settle(works), theirs.tolist())
+
+    # 2. one FIFO per direction: the first receive gets the first send whatever the tags
+    g = dist.new_group()
+    if rank == 0:
+        works = [dist.isend(torch.tensor([1.0]), 1, g, tag=1), dist.isend(torch.tensor([2.0]), 1, g, tag=2)]
+        out["fifo"] = (_settle(works), None)
+    else:
+        a, b = torch.zeros(1), torch.zeros(1)
+        works = [dist.irecv(a, 0, g, tag=2), dist.irecv(b, 0, g, tag=1)]
+        out["fifo"] = (_settle(works), [a.item(), b.item()])
+
+    # 3. a split batch (each side: send, then receive, as two groups) is NCCL's deadlock
+    g = dist.new_group()
+    x, y = torch.ones(4), torch.zeros(4)
+    works = [dist.isend(x, peer, g), dist.irecv(y, peer, g)]
+    out["split"] = _settle(works)
+
+    # 4. a reordered batch: sizes meet in the wrong order
+    g = dist.new_group()
+    small, big = torch.ones(2), torch.ones(5)
+    if rank == 0:
+        works = _batch([dist.P2POp(dist.isend, small, 1, g), dist.P2POp(dist.isend, big, 1, g)])
+    else:
+        works = _batch([dist.P2POp(dist.irecv, big, 0, g), dist.P2POp(dist.irecv, small, 0, g)])
+    out["reordered"] = _settle(works)
+
+    # 5. wait() returns before the data lands; the data lands later; a timed wait does not raise
+    g = dist.new_group()
+    control.any(False)  # both ranks here
+    if rank == 0:
+        time.sleep(0.4)
+        dist.isend(torch.full((8,), 3.0), 1, g).wait()
+        out["late"] = None
+    else:
+        buf = torch.zeros(8)
+        work = dist.irecv(buf, 0, g)
+        t0 = time.perf_counter()
+        timed = work.wait(timeout=timedelta(milliseconds=1))
+        work.wait()
+        wait_ms = 1e3 * (time.perf_counter() - t0)
+        completed_after_wait = work.is_completed()
+        seen = []  # a consumer on another thread, which never waited: no stream order for it
+        t = threading.Thread(target=lambda: seen.append(buf.clone().tolist()))
+        t.start()
+        t.join()
+        total = buf.sum().item()  # a kernel after wait(): ordered after the data lands
+        landed_ms = 1e3 * (time.perf_counter() - t0)
+        out["late"] = dict(timed=timed, wait_ms=wait_ms, completed_after_wait=completed_after_wait,
+                           stale=seen[0], total=total, landed_ms=landed_ms,
+                           future=work.get_future().done(), completed=work.is_completed())
+
+    # 6. one thread per pair
+    g = dist.new_group()
+    if rank == 0:
+        dist.isend(torch.ones(1), 1, g)
+        errors = []
+
+        def other_thread() -> None:
+            try:
+                dist.isend(torch.ones(1), 1, g)
+            except NcclRuleError as exc:
+                errors.append(str(exc))
+
+        t = threading.Thread(target=other_thread, name="not-the-main-thread")
+        t.start()
+        t.join()
+        out["thread"] = errors
+    else:
+        out["thread"] = _settle([dist.irecv(torch.zeros(1), 0, g)])
+
+    # 7. host tensors: titan_ext's clock ping-pong (host float64 timestamps) is refused on a data
+    #    group and runs on the gloo control group; the model's tensors pass
+    g = dist.new_group()
+    try:
+        estimate_clock_offsets(g)
+        out["host_on_data"] = "accepted"
+    except NcclRuleError as exc:
+        out["host_on_data"] = str(exc)
+    out["host_on_control"] = estimate_clock_offsets(control.group)
+    model_tensor = torch.randn(4)
+    marked = mark_host(torch.ones(4) * 2)
+    out["marks"] = (is_host_made(model_tensor), bool(is_host_made(marked)), bool(is_host_made(marked + 1)))
+    try:
+        dist.all_reduce(marked, group=dist.new_group())
+        out["host_allreduce"] = "accepted"
+    except NcclRuleError as exc:
+        out["host_allreduce"] = str(exc)
+    dist.all_reduce(model_tensor, group=dist.new_group())
+    out["model_allreduce"] = "ok"
+    return out
+
+
+@pytest.fixture(scope="module")
+def seen() -> list[dict]:
+    return run_ranks(_scenarios, 2, backend="nccl_rules", env={"TITAN_EXT_NCCL_RULES_TIMEOUT_S": "15"})
+
+
+def test_tags_are_ignored_and_a_whole_batch_matches(seen):
+    assert seen[0]["batch"] == ("ok", [11.0] * 3)
+    assert seen[1]["batch"] == ("ok", [10.0] * 3)
+    # gloo would match by tag and put 2.0 first; NCCL runs the pair's FIFO in issue order
+    assert seen[1]["fifo"] == ("ok", [1.0, 2.0])
+
+
+def test_split_batch_deadlocks_and_both_sequences_are_reported(seen):
+    for rank, other in ((0, 1), (1, 0)):
+        msg = seen[rank]["split"]
+        assert "deadlock" in msg, msg
+        assert f"rank {rank} issued to {other}: ->#0{{send#0(4 float32)}} #1{{recv#0(4 float32)}}" in msg, msg
+        assert f"rank {other} issued to {rank}: ->#0{{send#0(4 float32)}} #1{{recv#0(4 float32)}}" in msg, msg
+
+
+def test_reordered_batch_is_a_size_mismatch(seen):
+    for rank in (0, 1):
+        assert "size/dtype mismatch" in seen[rank]["reordered"], seen[rank]["reordered"]
+
+
+def test_wait_returns_before_the_data_lands_and_completion_is_truthful(seen):
+    late = seen[1]["late"]
+    assert late["timed"] is True  # a timed-out wait returns, does not raise
+    assert late["wait_ms"] < 200 and not late["completed_after_wait"], late
+    assert late["stale"] == [0.0] * 8, late  # read without waiting: stale
+    assert late["total"] == 24.0 and late["landed_ms"] >= 300, late  # kernels after wait(): the data
+    assert late["future"] and late["completed"]
+
+
+def test_an_op_from_a_second_thread_on_a_pair_fails(seen):
+    assert len(seen[0]["thread"]) == 1 and "not-the-main-thread" in seen[0]["thread"][0]
+    assert seen[1]["thread"] == "ok"
+
+
+def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
+    for rank in (0, 1):
+        msg = seen[rank]["host_on_data"]
+        assert "host-side tensor made by titan_ext (titan_ext.runtime.profiler" in msg, msg
+        offset, rtt = seen[rank]["host_on_control"]
+        assert rank == 0 or rtt >= 0  # ran on the control group
+        assert seen[rank]["marks"] == (None, True, True)
+        assert "host-side tensor" in seen[rank]["host_allreduce"]
+        assert seen[rank]["model_allreduce"] == "ok"
+
+
+def _control_with_uneven_group_counts(rank: int) -> list[int]:
+    watchdog = threading.Timer(30.0, lambda: os._exit(7))  # a hang at construction fails the run
+    watchdog.start()
+    if rank == 0:
+        dist.new_group([0], use_local_synchronization=True)  # a group only rank 0 holds
+    planes = [ControlPlane(), ControlPlane()]  # two schedules: two control groups, same on both
+    watchdog.cancel()
+    return [plane.gather_ints(10 * rank + i)[1 - rank] for i, plane in enumerate(planes)]
+
+
+def test_control_group_forms_when_pp_ranks_hold_different_numbers_of_groups(seen):
+    """On a01ec7e rank 0's control group got another name (torch hashes len(_world.pg_names) into it)
+    and both ranks waited at construction until the watchdog ended the run."""
+    assert [seen[0]["control"], seen[1]["control"]] == [[10, 11], [0, 1]]
