@@ -9,7 +9,8 @@ Prints a markdown table and a JSON document (also written to --json). Everything
 process; the hook-overhead part creates a 1-rank gloo group on loopback.
 
 ``--end-to-end``: TorchTitan's llama3 debug model as DP 2 x PP 2 (train_configs/debug_cpu_dp2_pp2.toml,
-4 gloo ranks under torchrun) in four scenarios -- healthy, slow device (device 3 at 8x), slow DP link
+4 gloo ranks under torchrun) in four scenarios (``--scenarios`` picks some) -- healthy, slow device
+(device 3 at 4x), slow DP link
 (+40 ms between ranks 0 and 1, stage 0's DP group), slow PP link (+40 ms between ranks 0 and 2,
 pipeline 0) from step ``--slow-from`` on -- each without and with Falcon (``falcon_apply`` false /
 true: both detect, validate and log; only the second applies), run back to back per scenario. Iteration time = median of the slowest rank's step time over the steps after the last
@@ -170,7 +171,7 @@ def bench_hook_overhead(calls: int = 2000) -> dict:
 
 E2E_SCENARIOS = {
     "healthy": [],
-    "slow device (3 at 8x)": ["--titan_ext.emulate_slow_device", "3:8@{k}"],
+    "slow device (3 at {f}x)": ["--titan_ext.emulate_slow_device", "3:{f}@{k}"],
     "slow DP link (0-1 +40 ms)": ["--titan_ext.emulate_slow_link", "0-1:40@{k}"],
     "slow PP link (0-2 +40 ms)": ["--titan_ext.emulate_slow_link", "0-2:40@{k}"],
 }
@@ -197,10 +198,13 @@ def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def bench_end_to_end(steps: int, slow_from: int, workdir: str) -> list[dict]:
+def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "",
+                     device_factor: float = 4.0) -> list[dict]:
     rows = []
-    for name, extra in E2E_SCENARIOS.items():
-        extra = [a.format(k=slow_from) for a in extra]
+    chosen = {n.format(f=f"{device_factor:g}"): a for n, a in E2E_SCENARIOS.items()
+              if not only or any(w.strip() and w.strip() in n for w in only.split(","))}
+    for name, extra in chosen.items():
+        extra = [a.format(k=slow_from, f=f"{device_factor:g}") for a in extra]
         logs = {falcon: _e2e_run(os.path.join(workdir, f"{len(rows)}_{falcon}"), steps,
                                  extra + [flag])
                 for falcon, flag in (("false", "--titan_ext.no-falcon_apply"),
@@ -237,18 +241,25 @@ def main():
     ap.add_argument("--end-to-end", action="store_true",
                     help="only the DP 2 x PP 2 TorchTitan table (8 torchrun jobs, minutes)")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--slow-from", type=int, default=6)
+    ap.add_argument("--slow-from", type=int, default=5)
+    ap.add_argument("--device-factor", type=float, default=4.0, help="the slow device's factor")
+    ap.add_argument("--scenarios", default="", help="comma-separated substrings of scenario names "
+                    "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
     args = ap.parse_args()
     if args.end_to_end:
-        rows = bench_end_to_end(args.steps, args.slow_from, args.workdir)
-        print("| scenario | iteration s without Falcon | with Falcon | with / without | root cause | "
-              "onset step | decisions (step:strategies) | time to mitigation s |")
-        print("|---|---|---|---|---|---|---|---|")
+        rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios,
+                                args.device_factor)
+        healthy = next((r["iteration_s_with"] for r in rows if r["scenario"] == "healthy"), float("nan"))
+        print("| scenario | iteration s without Falcon | with Falcon | with / without | with / healthy | "
+              "root cause | onset step | decisions (step:strategies) | time to mitigation s |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             ttm = "-" if r["time_to_mitigation_s"] is None else f"{r['time_to_mitigation_s']:.1f}"
+            r["with_over_healthy"] = r["iteration_s_with"] / healthy
             print(f"| {r['scenario']} | {r['iteration_s_without']:.3f} | {r['iteration_s_with']:.3f} | "
-                  f"{r['iteration_s_with'] / r['iteration_s_without']:.2f} | {r['root_cause'] or '-'} | "
+                  f"{r['iteration_s_with'] / r['iteration_s_without']:.2f} | {r['with_over_healthy']:.2f} | "
+                  f"{r['root_cause'] or '-'} | "
                   f"{r['onset_step'] or '-'} | {'; '.join(r['decisions']) or '-'} | {ttm} |")
         text = json.dumps({"machine": f"{platform.machine()} {os.cpu_count()} cores",
                            "steps": args.steps, "slow_from": args.slow_from, "rows": rows}, indent=2)

@@ -10,6 +10,10 @@ tensors Falcon made for the device (:func:`device_clock.to_device` / ``device_bu
 pickled objects or barriers. On a01ec7e the job's first call (``all_gather_object`` on the world)
 already broke the rule.
 
+Tiers: the nccl_rules job run and the CUDA-stretch check are default tier; the gloo + recorder run
+(the one that fails on a01ec7e independently of nccl_rules) and the probe run are slow-marked
+(each a 4- or 2-process spawn).
+
 Defect 8 on CPU: what the device-side paths compute, with a recording stand-in for the CUDA timer
 and sleep (the CUDA calls themselves are not run here: no GPU in CI).
 """
@@ -77,14 +81,48 @@ def _chunks(dp: int, step: int, k: int):
     return [({"input": torch.randn(3, 6, generator=g)}, torch.randn(3, 1, generator=g)) for _ in range(k)]
 
 
-def _job_worker(rank, world, port, outdir):
+class _Dim:
+    def __init__(self, ranks, rank):
+        self.ranks, self.rank = ranks, rank
+        self.group = None
+
+    def get_group(self):
+        return self.group
+
+    def size(self):
+        return len(self.ranks)
+
+    def get_local_rank(self):
+        return self.ranks.index(self.rank)
+
+
+def _mesh_of_groups(rank):
+    """TorchTitan's (pp, dp_replicate) mesh of 4 ranks: pp groups {0,2}, {1,3}; DP groups {0,1}, {2,3}."""
+    mesh = {}
+    for name, groups in (("pp", [[0, 2], [1, 3]]), ("dp_replicate", [[0, 1], [2, 3]])):
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mesh[name] = _Dim(ranks, rank)
+                mesh[name].group = group
+    return mesh
+
+
+def _job_worker(rank, world, port, outdir, backend):
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_ext.titan.falcon_job import FalconJob
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_replicate"))
+    if backend == "nccl_rules":
+        from titan_ext.runtime import nccl_rules
+
+        nccl_rules.install()
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl_rules":  # its groups carry no names, which DeviceMesh needs: the same
+        mesh = _mesh_of_groups(rank)  # layout from plain new_group calls
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_replicate"))
     data_groups = [mesh["pp"].get_group(), mesh["dp_replicate"].get_group()]
     violations, calls = [], []
     _install_rule_recorder(data_groups, violations, calls)
@@ -115,9 +153,12 @@ def _job_worker(rank, world, port, outdir):
     dist.destroy_process_group()
 
 
-def test_falcon_job_keeps_host_data_off_the_data_groups():
+@pytest.mark.parametrize("backend", [pytest.param("gloo", marks=pytest.mark.slow), "nccl_rules"])
+def test_falcon_job_keeps_host_data_off_the_data_groups(backend):
+    """gloo + the recorder: the rule checked by this test alone; nccl_rules: the project's CPU
+    backend with NCCL's rules (titan_ext/runtime/nccl_rules.py) refuses host tensors itself."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_job_worker, args=(4, _free_port(), d), nprocs=4, join=True)
+        mp.spawn(_job_worker, args=(4, _free_port(), d, backend), nprocs=4, join=True)
         res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(4)]
     for r in res:
         assert r["violations"] == [], r["violations"][:5]
@@ -200,6 +241,7 @@ def _probe_worker(rank, world, port, outdir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gemm_probe_reads_the_emulated_slow_device_inside_its_timed_region():
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_probe_worker, args=(2, _free_port(), d), nprocs=2, join=True)

@@ -10,6 +10,7 @@ import pickle
 import socket
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -101,6 +102,7 @@ def _worker(rank, world, port, ckdir, outdir, phase, new_grid):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two 4-process spawns
 def test_s3_in_memory_equals_the_new_layout_started_from_the_same_state_float64():
     old = identity_grid(2, 2)  # pipelines {0,1}, {2,3}; DP groups {0,2}, {1,3}
     plan = plan_topology(old, [(0, 2)])  # DP link 0-2 is slow

@@ -287,14 +287,17 @@ class FalconJob:
 
     # ---------------------------------------------------------------- costs (§5.2)
     def _measure_costs_at_start(self, dump: Path) -> None:
-        """S3's and S4's overheads, measured in this job (slowest rank's; issue 23 item 3).
+        """S3's overhead as this job would apply it, measured (slowest rank's; issue 23 item 3).
 
-        S3 (in memory, :mod:`titan_ext.runtime.falcon.topology`): creating the new DP and PP groups
-        (timed: as many as the grid has rows and columns) plus moving a stage's state — the model
-        and AdamW's two moments, 3x the parameters — to a DP peer over the data group.
-        S4: this process's start-up (interpreter, rendezvous, model build) plus saving and loading
-        the same state to and from the dump folder (TorchTitan's checkpointer adds its own
-        bookkeeping on top)."""
+        This job applies S3 only through a restart with a permuted mesh (:mod:`.restart`; the
+        in-memory re-map of :mod:`titan_ext.runtime.falcon.topology` is not wired into the
+        TorchTitan trainer yet), so S3's ski-rental cost is this process's start-up (interpreter,
+        rendezvous, model build) plus saving and loading a stage's state (the model and AdamW's two
+        moments, 3x the parameters) to and from the dump folder. The in-memory cost — creating the
+        new DP and PP groups (one creation timed, times the grid's rows + columns) plus moving that
+        state to a DP peer over the data group — is measured too and reported
+        (``in_memory_topology_s``, in every S3 row of falcon_events.jsonl). S4 (a restart on fewer
+        devices) keeps the configured cost: it is neither applied nor measurable in this job."""
         state = [p.detach() for m in self.trainer.model_parts for p in m.parameters()] * 3
         t0 = time.perf_counter()
         dist.new_group(backend="gloo")  # one group's creation, as S3 creates num_dp + num_pp
@@ -304,7 +307,8 @@ class FalconJob:
         mine = torch.tensor([group_s + move_s, time.time() - _process_start_time() + save_s],
                             dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
-        self._set_costs(topology_adjustment=float(mine[0]), checkpoint_restart=float(mine[1]))
+        self.in_memory_topology_s = float(mine[0])
+        self._set_costs(topology_adjustment=float(mine[1]))
 
     def _measure_exchange_cost(self, mine: list) -> None:
         """S2's overhead: one real exchange of this step's chunks over the DP group."""
@@ -419,6 +423,9 @@ class FalconJob:
         self.last_decision = decision
         rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
                           self.apply_decisions)
+        for row in rows:
+            if row.get("name") == "topology_adjustment":
+                row["in_memory_topology_s"] = self.in_memory_topology_s
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
@@ -444,10 +451,10 @@ class FalconJob:
                 step=self.trainer.step)
 
     def validate(self) -> dict:
-        """Falcon §4.3 validation (training pauses until it returns): ring passes over every PP
-        pipeline and DP group, then the GEMM probe."""
+        """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
+        profiling flagged (:func:`rings_to_validate`), then the GEMM probe on every rank."""
         t0 = time.perf_counter()
-        rings = [list(row) for row in self.grid] + [[row[s] for row in self.grid] for s in range(self.num_pp)]
+        rings = rings_to_validate(self.grid, self.monitor.suspicious)
         links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16, group=self.control,
                                send_delay_s=self.emulation.send_delay_s, device=self.device)
         gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
@@ -468,6 +475,28 @@ class FalconJob:
                            f"this job (see docs/falcon.md)")
             return
         logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
+
+
+def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]]:
+    """Profiling-narrowed validation (Falcon §4.3): the rings of the suspicious groups only —
+    ``pp{d}_link{i}`` → pipeline d, ``dp_stage{s}`` → the DP column of stage s — or, when profiling
+    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes over an NCCL
+    tree) is not needed here: the job's collectives are gloo rings, and a 2-replica DP group's
+    tree is its single link, which the ring passes already time in both directions."""
+    pipelines = [list(row) for row in grid]
+    columns = [[row[s] for row in grid] for s in range(len(grid[0]))]
+    rings = []
+    for g in suspicious:
+        name = str(g)
+        if name.startswith("pp") and "_link" in name:
+            ring = pipelines[int(name[2:name.index("_link")])]
+        elif name.startswith("dp_stage"):
+            ring = columns[int(name[len("dp_stage"):])]
+        else:
+            continue
+        if ring not in rings:
+            rings.append(ring)
+    return rings or pipelines + columns
 
 
 def event_rows(step: int, decision: dict, monitor: Any, applied_s: dict[str, float],
@@ -529,9 +558,7 @@ def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device)
     start = timer.mark()
     ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
            dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return timer.elapsed_s(start, timer.mark())
+    return timer.completion_s(start, dist.batch_isend_irecv(ops))
 
 
 def _time_save_load(state: list[torch.Tensor], path: Path) -> float:

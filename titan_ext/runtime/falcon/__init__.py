@@ -2,7 +2,8 @@
 
 Process-group-free algorithms: :mod:`.bocd`, :mod:`.period`, :mod:`.localize`, :mod:`.mitigation`,
 :mod:`.monitor`. torch.distributed parts: :mod:`.hooks`, :mod:`.validation`, :mod:`.redistribute`,
-:mod:`.restart` (imported on demand). See docs/falcon.md.
+:mod:`.restart`, :mod:`.topology` (S3 in memory), :mod:`.device_clock` (control groups, device
+timing) (imported on demand). See docs/falcon.md.
 """
 
 from .bocd import BOCDConfig, ChangePoint, OnlineBOCD, SlowIterationDetector

@@ -59,14 +59,20 @@ def _mark(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _device(device) -> torch.device:
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
 def device_buffer(numel: int, device, dtype=torch.float32) -> torch.Tensor:
-    """A zeroed buffer on ``device`` for a data-group message."""
-    return _mark(torch.zeros(numel, dtype=dtype, device=device))
+    """A zeroed buffer on ``device`` (None: the CPU, named explicitly) for a data-group message."""
+    return _mark(torch.zeros(numel, dtype=dtype, device=_device(device)))
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` on ``device`` (no copy when already there), marked as device data."""
-    return _mark(t.to(device))
+    """``t`` on ``device`` (the same tensor when already there), marked as device data."""
+    device = _device(device)
+    same = t.device.type == device.type and (device.index is None or t.device.index == device.index)
+    return _mark(t if same else t.to(device))
 
 
 def made_for_device(t: torch.Tensor) -> bool:
@@ -98,6 +104,20 @@ class DeviceTimer:
             return None
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+
+
+    def completion_s(self, start: Any, works: list) -> float:
+        """Seconds from mark ``start`` until the communication ``works`` have *landed*: on CUDA an
+        event recorded after ``wait()`` (which makes the stream wait) read once it completes; on
+        CPU polling ``is_completed()`` after ``wait()`` (NCCL's ``wait()`` — and the nccl_rules
+        test backend's — returns before the data has landed)."""
+        for work in works:
+            work.wait()
+        if self.cuda:
+            return self.elapsed_s(start, self.mark())
+        while not all(work.is_completed() for work in works):
+            time.sleep(0)
+        return time.perf_counter() - start
 
 
 _CYCLES_PER_S: dict[int, float] = {}

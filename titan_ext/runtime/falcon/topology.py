@@ -93,6 +93,7 @@ def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
     stage changes). ``control_group``: where the metadata goes (a gloo group on a GPU job).
     """
     rank = dist.get_rank()
+    device = device if device is not None else next(module.parameters()).device
     if sorted(r for row in new_grid for r in row) != sorted(r for row in old_grid for r in row):
         raise ValueError(f"new grid {new_grid} is not a permutation of {old_grid}")
     moves = moving_ranks(old_grid, new_grid)
@@ -103,13 +104,13 @@ def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
     ops, received, source = [], [], moves.get(rank)
     dst = next((r for r, src in moves.items() if src == rank), None)
     if dst is not None:
-        ops += [dist.P2POp(dist.isend, to_device(t.contiguous(), device or t.device), dst) for t in tensors]
+        ops += [dist.P2POp(dist.isend, to_device(t.contiguous(), device), dst) for t in tensors]
     if source is not None:
         src_meta = metas[source]
         shapes = [(s, d) for _k, s, d in src_meta["model"]] + [
             (s, d) for _p, _k, s, d, is_t in src_meta["opt"] if is_t]
         received = [torch.empty(s, dtype=d, device=device) for s, d in shapes]
-        ops += [dist.P2POp(dist.irecv, to_device(t, device or t.device), source) for t in received]
+        ops += [dist.P2POp(dist.irecv, to_device(t, device), source) for t in received]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
