@@ -139,6 +139,8 @@ def torch_dry_run_lowered(lowered: Mapping[int, list[Any]], stage_to_rank: Any, 
     buf = io.StringIO()
     try:
         with gc_paused(), contextlib.redirect_stdout(buf):
+            if hasattr(sched, "_validate_send_waits"):  # torch >= 2.15: one ordered wait per send
+                sched._validate_send_waits(plan)
             sched._simulate_comms_compute(plan, stage_to_rank=lookup, num_stages=num_stages)
     except Exception as e:  # torch raises ValueError / AssertionError / RuntimeError
         raise PlanValidationError(f"torch's dry run rejects the lowered plan: {e}") from e
