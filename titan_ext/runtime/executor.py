@@ -16,7 +16,10 @@ with their gradients unreduced until a later step finalizes them. With three add
   spent waiting for its input is recorded apart (``recv_wait_ms``);
 * SEND/RECV ops go through a :class:`~titan_ext.runtime.transport.Transport` (torch P2P, delegates),
   sends are stamped when handed over, receives are stamped on arrival (``ArrivalWatcher``);
-* losses are kept by microbatch index, so a plan may order the last stage's forwards freely.
+* losses are kept by microbatch index (the schedule's ``_maybe_compute_loss`` / ``_maybe_get_loss``,
+  which custom functions registered with torch's ``register_custom_function`` call too), and the last
+  stage's outputs are merged in microbatch order (:func:`forward_order`), so a plan may order the last
+  stage's forwards freely.
 
 The per-iteration state travels in a :class:`RunContext` (torch's ``_PipelineContext`` plus ours), not
 in long parameter lists.  torch-owned per-step state (receive tables, backward counters, unshard ops,
@@ -41,7 +44,7 @@ from ._torch_compat import has_wait_actions
 from .profiler import ActionRecord, ArrivalWatcher, ComputeTimer, IterationProfile, now
 from .transport import TorchP2P, Transport
 
-__all__ = ["Executor", "RunContext", "BACKWARD_TYPES"]
+__all__ = ["Executor", "RunContext", "BACKWARD_TYPES", "forward_order"]
 
 F = _ComputationType.FORWARD
 I = _ComputationType.BACKWARD_INPUT
@@ -80,7 +83,6 @@ class RunContext:
     profile: IterationProfile = field(default_factory=IterationProfile)
     #: (SEND_F or SEND_B, stage, microbatch) → (handles, what to run once sent) until its wait
     pending_sends: dict[tuple[Any, int, int], tuple[list[Any], Any]] = field(default_factory=dict)
-    losses_by_mb: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def torch_context(self) -> _PipelineContext:
         return _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, self.losses)
@@ -278,20 +280,14 @@ class Executor:
         else:
             output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
                                              save_forward_output=ctx.return_outputs)
-        if stage.is_last and sched._loss_fn is not None:
-            if mb in ctx.losses_by_mb:
-                raise AssertionError(f"microbatch {mb} forwarded twice on the last stage")
-            ctx.losses_by_mb[mb] = sched._compute_loss(output, ctx.target_mbs[mb], ctx.loss_kwargs)
+        sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb, ctx.loss_kwargs)
         if stage.stage_index + 1 in ctx.stages:
             ctx.stages[stage.stage_index + 1].set_local_fwd_input(output, mb)
 
     @staticmethod
     def _backward_input(stage: Any, mb: int, full: bool, ctx: RunContext) -> None:
         sched, s = ctx.schedule, stage.stage_index
-        last_loss = stage.is_last and sched._loss_fn is not None
-        loss = ctx.losses_by_mb.get(mb) if last_loss else None
-        if last_loss and loss is None:
-            raise AssertionError(f"backward of microbatch {mb} before its loss")
+        loss = sched._maybe_get_loss(stage, mb)
         last_backward = False
         if full:
             sched.backward_counter[s] += 1
@@ -324,6 +320,17 @@ def _deferred_fsdp(action: _Action, ctx: RunContext) -> bool:
         sched._deferred_stages.add(s)
         return True
     return False
+
+
+def forward_order(actions: list[_Action], stage_index: int) -> list[int]:
+    """Microbatch indices of ``stage_index``'s forwards in the order ``actions`` runs them (the order
+    ``stage.output_chunks`` is appended in, whether our loop or a custom function runs them)."""
+    order = []
+    for action in actions:
+        for a in (action.sub_actions or ()) if action.computation_type == OVERLAP_F_B else (action,):
+            if a.computation_type == F and a.stage_index == stage_index:
+                order.append(a.microbatch_index)
+    return order
 
 
 def measured_forward(stage: Any, mb: int, ctx: RunContext) -> tuple[Any, int]:
