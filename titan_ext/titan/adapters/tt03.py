@@ -5,7 +5,6 @@
 ``_pipeline_module_split(..., get_mesh=...)`` of ``torchtitan.distributed.pipeline_parallel``; the trainer
 in ``torchtitan.trainer``; metrics through its ``MetricsProcessor``."""
 
-from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
