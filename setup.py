@@ -18,7 +18,11 @@ search_ext = Extension("titan_ext.plan._search_c", [os.path.join("titan_ext", "p
 # plan greedy generator (crosspipe.greedy_schedule compiled): same constraints as search_ext
 greedy_ext = Extension("titan_ext.plan._greedy_c", [os.path.join("titan_ext", "plan", "_greedy.c")],
                        extra_compile_args=["-O2"], libraries=["m"])
-ext_modules, cmdclass = [search_ext, greedy_ext], {}
+# plan PipeMorph generator and plan checks (pipemorph._generate_py, validate's checks 1-3 compiled): same
+# constraints as search_ext
+generate_ext = Extension("titan_ext.plan._pipemorph_c", [os.path.join("titan_ext", "plan", "_pipemorph.c")],
+                         extra_compile_args=["-O2"])
+ext_modules, cmdclass = [search_ext, greedy_ext, generate_ext], {}
 try:
     import torch
     from torch.utils import cpp_extension
@@ -36,17 +40,19 @@ if torch is not None:
         and os.environ.get("TITAN_EXT_NO_CUDA") != "1"
     sources = [os.path.join(src, "delegate_ext.cpp")]
     kwargs = dict(include_dirs=[os.path.join(here, src)], libraries=["rt"],
-                  extra_compile_args={"cxx": ["-O3", "-std=c++17"]})
+                  extra_compile_args={"cxx": ["-O3", "-std=c++20"]})
     if with_cuda:
         sources.append(os.path.join(src, "delegate_cuda.cu"))
         kwargs["define_macros"] = [("WITH_CUDA", None)]
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3"]
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20"]
+        # without it cpp_extension asks the visible GPUs for their architectures: a crash with no GPU
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         ext = cpp_extension.CUDAExtension("titan_ext._delegate_C", sources, **kwargs)
     else:
         kwargs["extra_compile_args"] = kwargs["extra_compile_args"]["cxx"]
         ext = cpp_extension.CppExtension("titan_ext._delegate_C", sources, **kwargs)
     print(f"[titan_ext] building titan_ext._delegate_C ({'CPU+CUDA' if with_cuda else 'CPU only'})")
-    ext_modules = [search_ext, greedy_ext, ext]
+    ext_modules = [search_ext, greedy_ext, generate_ext, ext]
     cmdclass = {"build_ext": cpp_extension.BuildExtension}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)
