@@ -93,7 +93,7 @@ run_tt03() {
         || { say "FAILED $env: training run"; grep -E "Error|error" "$root/.venvs/$env/train.log" | tail -n 10; return 1; }
     grep -q "step:  3  pipeline:" "$root/.venvs/$env/train.log" \
         || { say "FAILED $env: no step-3 pipeline metrics in the log"; return 1; }
-    say "$env: $(grep -m1 'step:  3  loss' "$root/.venvs/$env/train.log" | sed 's/.*step:/step:/')"
+    say "$env: $(grep 'step:  3  loss' "$root/.venvs/$env/train.log" | grep -v 'loss: -1' | head -n 1 | sed 's/.*step:/step:/')"
 }
 
 case "${1:-all}" in
