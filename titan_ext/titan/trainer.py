@@ -39,6 +39,10 @@ class TitanExtTrainer(_Base):
         check_job_config(config, world_size=_world_size())
         if not _ADAPTER.PYTHON_CONFIGS:
             install_replication_by_trainer()
+        elif config.parallelism.pipeline_parallel_degree > 1 and config.parallelism.data_parallel_replicate_degree > 1:
+            raise adapters.TitanIntegrationError(
+                "DP replicas with PP (Falcon's job-level driver, titan_ext/titan/falcon_job.py) are not ported "
+                "to TorchTitan 0.3: use TorchTitan 0.2.2's TOML path, or data_parallel_shard_degree")
         from titan_ext.titan.registry import active_job_config
 
         # the model split and (0.3) the schedule builder read the titan_ext section
