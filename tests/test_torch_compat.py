@@ -64,20 +64,23 @@ def test_gate_matches_the_installed_torch():
     assert has_wait_actions() == hasattr(schedules, "_add_wait_send")
 
 
-def test_a_2_15_without_its_wait_pass_is_named():
-    """torch reporting 2.15 but lacking one 2.15 internal: importing the runtime names it."""
-    code = ("import torch, torch.distributed.pipelining.schedules as s, torch.distributed.pipelining.stage as st\n"
-            "torch.__version__ = '2.15.0'\n"
-            "for n in ('_add_wait_send', '_add_wait_send_budget', '_validate_send_waits'):\n"
-            "    s.__dict__.pop(n, None)\n"
-            "import titan_ext.runtime\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
-    assert out.returncode != 0
-    last = out.stderr.strip().splitlines()[-1]
-    assert "torch 2.15.0 lacks" in last, last
-    assert "torch.distributed.pipelining.schedules._add_wait_send," in last
-    assert "_validate_send_waits" in last
+def test_a_2_15_without_its_wait_passes_is_named(monkeypatch):
+    """torch reporting 2.15 but lacking its wait passes: the runtime's import check names them."""
+    import pytest
+    import torch
+    import torch.distributed.pipelining.schedules as schedules
+
+    from titan_ext.runtime._torch_compat import check_torch
+
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    for name in ("_add_wait_send", "_add_wait_send_budget", "_validate_send_waits"):
+        monkeypatch.delattr(schedules, name, raising=False)
+    with pytest.raises(ImportError) as exc:
+        check_torch()
+    msg = str(exc.value)
+    assert msg.startswith("titan_ext.runtime needs torch>=2.13,<2.16 (tested); torch 2.15.0 lacks"), msg
+    assert "torch.distributed.pipelining.schedules._add_wait_send," in msg and "_validate_send_waits" in msg
+    assert "_add_send_recv" not in msg  # what it has is not named
 
 
 def test_triton_is_declared_where_torchtitan_imports_it():
