@@ -40,11 +40,13 @@ if torch is not None:
         and os.environ.get("TITAN_EXT_NO_CUDA") != "1"
     sources = [os.path.join(src, "delegate_ext.cpp")]
     kwargs = dict(include_dirs=[os.path.join(here, src)], libraries=["rt"],
-                  extra_compile_args={"cxx": ["-O3", "-std=c++17"]})
+                  extra_compile_args={"cxx": ["-O3", "-std=c++20"]})
     if with_cuda:
         sources.append(os.path.join(src, "delegate_cuda.cu"))
         kwargs["define_macros"] = [("WITH_CUDA", None)]
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3"]
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20"]
+        # without it cpp_extension asks the visible GPUs for their architectures: a crash with no GPU
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         ext = cpp_extension.CUDAExtension("titan_ext._delegate_C", sources, **kwargs)
     else:
         kwargs["extra_compile_args"] = kwargs["extra_compile_args"]["cxx"]

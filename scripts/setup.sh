@@ -13,6 +13,7 @@ cd "$root"
 PY="${PYTHON:-python3}"
 venv="$root/.venv"
 TORCH_VERSION="2.13.0"   # inside pyproject.toml's pinned range
+TORCHTITAN_VERSION="0.2.2"  # the default environment's TorchTitan (README's TOML path)
 TORCH_CPU_INDEX="${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"
 
 say() { echo "[setup] $*"; }
@@ -69,7 +70,7 @@ fi
 # would download a second, multi-GB CUDA torch.
 step "installing build tools" "$vpy" -m pip install "setuptools>=68"
 step "installing titan_ext and its dependencies; building its C/C++ extensions (minutes the first time)" \
-    "$vpy" -m pip install --no-build-isolation -e ".[test,solver]"
+    "$vpy" -m pip install --no-build-isolation -e ".[test,solver]" "torchtitan==$TORCHTITAN_VERSION"
 for mod in titan_ext._delegate_C titan_ext.plan._search_c titan_ext.plan._greedy_c titan_ext.plan._pipemorph_c; do
     step "checking $mod" "$vpy" -c "import torch, $mod"
 done

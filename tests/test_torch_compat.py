@@ -35,9 +35,52 @@ def test_missing_internal_is_named_at_import_of_the_runtime():
                          timeout=120)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: titan_ext.runtime needs torch>=2.13,<2.14"), last
+    assert last.startswith("ImportError: titan_ext.runtime needs torch>=2.13,<2.16"), last
     assert "torch.distributed.pipelining.schedules._add_send_recv" in last
     assert "_PipelineScheduleRuntime._prepare_schedule_with_comms" in last
+
+
+def test_version_gate_requires_the_wait_internals_from_torch_2_15_on():
+    from titan_ext.runtime._torch_compat import WAIT_ACTIONS_SINCE, has_wait_actions, required_internals
+
+    def names(version):
+        return {f"{m}.{n}" for m, ns in required_internals(version).items() for n in ns}
+
+    waits = "torch.distributed.pipelining.schedules._add_wait_send"
+    assert WAIT_ACTIONS_SINCE == (2, 15)
+    assert waits not in names((2, 13)) and waits not in names((2, 14))
+    assert waits in names((2, 15)) and waits in names((2, 16))
+    assert names((2, 13)) == names((2, 14)) < names((2, 15))
+    assert [has_wait_actions(v) for v in [(2, 13), (2, 14), (2, 15)]] == [False, False, True]
+
+
+def test_gate_matches_the_installed_torch():
+    """The gate (by version) agrees with what this torch really has (by looking)."""
+    from torch.distributed.pipelining import schedules
+
+    from titan_ext.runtime._torch_compat import has_wait_actions
+
+    assert has_wait_actions() == hasattr(schedules._ComputationType, "WAIT_REDUCE_GRAD")
+    assert has_wait_actions() == hasattr(schedules, "_add_wait_send")
+
+
+def test_a_2_15_without_its_wait_passes_is_named(monkeypatch):
+    """torch reporting 2.15 but lacking its wait passes: the runtime's import check names them."""
+    import pytest
+    import torch
+    import torch.distributed.pipelining.schedules as schedules
+
+    from titan_ext.runtime._torch_compat import check_torch
+
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    for name in ("_add_wait_send", "_add_wait_send_budget", "_validate_send_waits"):
+        monkeypatch.delattr(schedules, name, raising=False)
+    with pytest.raises(ImportError) as exc:
+        check_torch()
+    msg = str(exc.value)
+    assert msg.startswith("titan_ext.runtime needs torch>=2.13,<2.16 (tested); torch 2.15.0 lacks"), msg
+    assert "torch.distributed.pipelining.schedules._add_wait_send," in msg and "_validate_send_waits" in msg
+    assert "_add_send_recv" not in msg  # what it has is not named
 
 
 def test_triton_is_declared_where_torchtitan_imports_it():

@@ -63,9 +63,7 @@ def check_job_config(config, world_size: int | None = None) -> None:
         validate_titan_ext(section, num_pp_links=pp - 1)
     else:
         validate_titan_ext(section)
-    config.model.hf_assets_path = _resolve_repo_path(config.model.hf_assets_path)
-    if config.training.dataset_path:
-        config.training.dataset_path = _resolve_repo_path(config.training.dataset_path)
+    _resolve_asset_paths(config)
     if not (section.inject_delays.strip() or section.inject_trace.strip()):
         _check_env_straggler(pp)
     from titan_ext.titan.falcon_job import check_emulation
@@ -134,8 +132,21 @@ def check_job_config(config, world_size: int | None = None) -> None:
                 + " (leave it empty for the schedule's default)")
     if is_titan_ext_schedule(par.pipeline_parallel_schedule):
         _check_stage_split(config, pp)
-    if not config.experimental.custom_import:
-        config.experimental.custom_import = "titan_ext"
+    experimental = getattr(config, "experimental", None)  # TorchTitan 0.2 (TOML) only
+    if experimental is not None and not experimental.custom_import:
+        experimental.custom_import = "titan_ext"
+
+
+def _resolve_asset_paths(config) -> None:
+    """Relative tokenizer / dataset paths missing from the cwd but present in the repo: made absolute
+    (0.2 keeps them in ``[model]`` / ``[training]``, 0.3 on the config itself)."""
+    model = getattr(config, "model", None)
+    if hasattr(model, "hf_assets_path"):  # TorchTitan 0.2
+        model.hf_assets_path = _resolve_repo_path(model.hf_assets_path)
+        if config.training.dataset_path:
+            config.training.dataset_path = _resolve_repo_path(config.training.dataset_path)
+    elif hasattr(config, "hf_assets_path"):  # TorchTitan 0.3
+        config.hf_assets_path = _resolve_repo_path(config.hf_assets_path)
 
 
 def _check_env_straggler(pp: int) -> None:
@@ -195,9 +206,12 @@ def _stages_per_rank(config, pp: int) -> int:
         return max(1, len(par.module_fqns_per_model_part) // pp)
     if par.pipeline_parallel_layers_per_stage is None:
         return 2
-    from torchtitan.protocols.train_spec import get_train_spec
+    if getattr(config, "model_spec", None) is not None:  # TorchTitan 0.3
+        n_layers = len(config.model_spec.model.layers)
+    else:
+        from torchtitan.protocols.train_spec import get_train_spec
 
-    n_layers = get_train_spec(config.model.name).model_args[config.model.flavor].n_layers
+        n_layers = get_train_spec(config.model.name).model_args[config.model.flavor].n_layers
     units = n_layers + par.pipeline_parallel_first_stage_less_layers + par.pipeline_parallel_last_stage_less_layers
     return max(1, math.ceil(units / par.pipeline_parallel_layers_per_stage) // pp)
 

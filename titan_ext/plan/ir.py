@@ -40,6 +40,30 @@ def torch_schedules() -> Any:
     return importlib.import_module("torch.distributed.pipelining.schedules")
 
 
+#: FSDP actions torch's dry run ``_simulate_comms_compute`` does not model (they do not affect ordering);
+#: WAIT_REDUCE_GRAD exists from torch 2.15 on
+FSDP_ACTION_NAMES = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "WAIT_REDUCE_GRAD")
+
+
+def fsdp_action_types() -> set[Any]:
+    """The FSDP ``_ComputationType`` members this torch has (see :data:`FSDP_ACTION_NAMES`)."""
+    ct = torch_schedules()._ComputationType
+    return {getattr(ct, name) for name in FSDP_ACTION_NAMES if hasattr(ct, name)}
+
+
+def add_send_waits(lowered: dict[int, list[Any]]) -> dict[int, list[Any]]:
+    """torch >= 2.15's pass ``_add_wait_send`` (one WAIT_SEND_F/B per send: a forward send's wait after
+    its local backward, the others at the end) followed by torch's check ``_validate_send_waits`` --
+    what ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs after ``_add_send_recv``.
+    Older torch has no send waits (sends are waited at the end of the step): ``lowered`` unchanged."""
+    sched = torch_schedules()
+    if not hasattr(sched, "_add_wait_send"):
+        return lowered
+    lowered = sched._add_wait_send(lowered)
+    sched._validate_send_waits(lowered)
+    return lowered
+
+
 def to_torch_plan(plan: Mapping[int, Iterable[Op]]) -> dict[int, list[Any]]:
     """Internal plan (rank → ops) → torch IR (rank → list[_Action])."""
     if not isinstance(plan, Mapping):

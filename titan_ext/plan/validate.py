@@ -9,9 +9,11 @@ Checks, in order (each failure raises ``PlanValidationError`` with the reason):
 3. memory — per stage, in-flight activations (F done − I/B done) never exceed ``inflight_limit``;
 4. torch (opt-in, ``torch_dry_run=True``) — torch's own checker ``_validate_schedule``, SEND/RECV
    lowering ``_add_send_recv`` (the pass
-   ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs) followed by torch's dry run
-   ``_simulate_comms_compute`` completes. (torch's dry run does not understand the FSDP
-   UNSHARD/RESHARD/REDUCE_GRAD actions of the other passes, which do not affect ordering.)
+   ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs; on torch >= 2.15 followed by
+   ``_add_wait_send`` and ``_validate_send_waits``) followed by torch's dry run
+   ``_simulate_comms_compute`` completes (on 2.15 it also orders each WAIT_SEND after the peer's
+   receive). (torch's dry run does not understand the FSDP UNSHARD/RESHARD/REDUCE_GRAD/
+   WAIT_REDUCE_GRAD actions of the other passes, which do not affect ordering.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Mapping, Sequence
 from .args import int_arg, plan_arg
 from .complete import PlanValidationError, check_complete
 from .deps import SAME_STAGE, done_key, producers
-from .ir import as_ops, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
+from .ir import add_send_waits, as_ops, fsdp_action_types, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
 from .simulate import peak_inflight
 
 
@@ -147,15 +149,17 @@ def _first_deadlock(ops: Mapping[int, list], num_stages: int) -> dict | None:
 def torch_dry_run_lowered(lowered: Mapping[int, list[Any]], stage_to_rank: Any, num_stages: int) -> None:
     """torch's dry run ``_simulate_comms_compute`` on an already lowered plan (rank → actions with
     SEND/RECV, e.g. what ``_prepare_schedule_with_comms``'s passes produce — the exact action lists a
-    runtime will execute). The FSDP UNSHARD/RESHARD/REDUCE_GRAD actions, which the dry run does not
+    runtime will execute). The FSDP UNSHARD/RESHARD/REDUCE_GRAD/WAIT_REDUCE_GRAD actions, which the dry run does not
     understand and which do not affect ordering, are left out. Raises ``PlanValidationError``."""
     sched = torch_schedules()
-    skip = {sched._ComputationType.UNSHARD, sched._ComputationType.RESHARD, sched._ComputationType.REDUCE_GRAD}
+    skip = fsdp_action_types()
     plan = {r: [a for a in acts if a is not None and a.computation_type not in skip] for r, acts in lowered.items()}
     lookup = stage_to_rank if callable(stage_to_rank) else stage_to_rank.__getitem__
     buf = io.StringIO()
     try:
         with gc_paused(), contextlib.redirect_stdout(buf):
+            if hasattr(sched, "_validate_send_waits"):  # torch >= 2.15: one ordered wait per send
+                sched._validate_send_waits(plan)
             sched._simulate_comms_compute(plan, stage_to_rank=lookup, num_stages=num_stages)
     except Exception as e:  # torch raises ValueError / AssertionError / RuntimeError
         raise PlanValidationError(f"torch's dry run rejects the lowered plan: {e}") from e
@@ -169,7 +173,8 @@ def _torch_dry_run(ops, placement: dict[int, int], num_stages: int, num_microbat
     try:
         with contextlib.redirect_stdout(buf):
             sched._validate_schedule(actions, len(actions), num_stages, num_microbatches)
-            lowered = sched._add_send_recv(actions, stage_to_rank=stage_to_rank, num_stages=num_stages)
+            lowered = add_send_waits(sched._add_send_recv(actions, stage_to_rank=stage_to_rank,
+                                                          num_stages=num_stages))
             sched._simulate_comms_compute(lowered, stage_to_rank=stage_to_rank, num_stages=num_stages)
     except Exception as e:  # torch raises ValueError / AssertionError / RuntimeError
         raise PlanValidationError(f"torch's lowering / dry run rejects the plan: {e}") from e

@@ -4,22 +4,77 @@ The runtime extends private parts of ``torch.distributed.pipelining`` (its actio
 passes and ``_PipelineScheduleRuntime``), which change between torch releases without notice. They
 are tested with the torch range pinned in pyproject.toml (:data:`TESTED`); :func:`check_torch`
 names every missing internal instead of letting the first ``from ... import _X`` fail somewhere deep.
+
+Internals are gated by version (:data:`SINCE`): torch 2.15 added explicit waits to the lowered IR
+(``WAIT_REDUCE_GRAD`` after each ``REDUCE_GRAD``, ``WAIT_SEND_F`` / ``WAIT_SEND_B`` after each send,
+the passes ``_add_wait_send``, ``_add_wait_send_budget`` and ``_validate_send_waits``, FSDP's
+start/wait gradient reduction and ``step(finalize_gradients=False)``). On torch >= 2.15 those names
+are required too and :func:`has_wait_actions` turns the runtime's handling of them on; on 2.13/2.14
+they are neither required nor used.
 """
 
 import importlib
 
-TESTED = ">=2.13,<2.14"  # keep equal to pyproject.toml's torch requirement
+TESTED = ">=2.13,<2.16"  # keep equal to pyproject.toml's torch requirement
+#: every torch (major, minor) whose pipelining loop the executor tracks (runtime/executor.py)
+TRACKED = ((2, 13), (2, 14), (2, 15))
+WAIT_ACTIONS_SINCE = (2, 15)
 
-# module -> private names the runtime (and plan/ir.py, plan/validate.py) use
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+_STAGE = "torch.distributed.pipelining.stage"
+
+# module -> private names the runtime (and plan/ir.py, plan/validate.py) use on every tested torch
 REQUIRED = {
-    "torch.distributed.pipelining.schedules": (
+    _SCHEDULES: (
         "_Action", "_ComputationType", "_PipelineContext", "_PipelineScheduleRuntime",
         "_wait_batch_p2p", "_batch_p2p", "_validate_schedule", "_add_send_recv",
         "_add_reduce_grad", "_add_unshard_reshard", "_simulate_comms_compute",
         "_format_pipeline_order", "_PipelineScheduleRuntime._prepare_schedule_with_comms",
+        "_PipelineScheduleRuntime._step_microbatches",
     ),
-    "torch.distributed.pipelining.stage": ("_PipelineStageBase",),
+    _STAGE: ("_PipelineStageBase",),
 }
+
+#: (major, minor) -> module -> names required from that torch on (the version gate)
+SINCE = {
+    WAIT_ACTIONS_SINCE: {
+        _SCHEDULES: (
+            "_ComputationType.WAIT_REDUCE_GRAD", "_ComputationType.WAIT_SEND_F",
+            "_ComputationType.WAIT_SEND_B", "_add_wait_send", "_add_wait_send_budget",
+            "_validate_send_waits",
+        ),
+        _STAGE: (
+            "_PipelineStageBase.release_fwd_send_outputs", "_PipelineStageBase.start_gradient_reduction",
+            "_PipelineStageBase.wait_for_gradient_reduction",
+        ),
+    },
+}
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the installed torch), e.g. "2.15.0+cpu" -> (2, 15)."""
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def required_internals(version: tuple[int, int] | None = None) -> dict[str, tuple[str, ...]]:
+    """module -> names the runtime needs on torch ``version`` (default: the installed one)."""
+    version = torch_version() if version is None else version
+    needed = {m: list(names) for m, names in REQUIRED.items()}
+    for since, modules in SINCE.items():
+        if version >= since:
+            for module, names in modules.items():
+                needed.setdefault(module, []).extend(names)
+    return {m: tuple(names) for m, names in needed.items()}
+
+
+def has_wait_actions(version: tuple[int, int] | None = None) -> bool:
+    """True where torch's lowering emits WAIT_REDUCE_GRAD / WAIT_SEND_F / WAIT_SEND_B (torch >= 2.15)."""
+    return (torch_version() if version is None else version) >= WAIT_ACTIONS_SINCE
 
 
 def _has(obj, dotted: str) -> bool:
@@ -30,10 +85,10 @@ def _has(obj, dotted: str) -> bool:
     return True
 
 
-def missing_internals() -> list[str]:
-    """Fully qualified names of the required internals this torch lacks."""
+def missing_internals(version: tuple[int, int] | None = None) -> list[str]:
+    """Fully qualified names of the internals torch ``version`` needs that the installed torch lacks."""
     missing = []
-    for module, names in REQUIRED.items():
+    for module, names in required_internals(version).items():
         try:
             mod = importlib.import_module(module)
         except ImportError:
@@ -52,3 +107,23 @@ def check_torch() -> None:
         raise ImportError(
             f"titan_ext.runtime needs torch{TESTED} (tested); torch {torch.__version__} lacks "
             f"{', '.join(missing)}")
+
+
+def mirrored_loop() -> str:
+    """The loop runtime/executor.py mirrors, normalised: torch's
+    ``_PipelineScheduleRuntime._step_microbatches`` without docstrings, comments and formatting
+    (``ast.unparse``), so that only a change in what the code does shows up in a diff."""
+    import ast
+    import inspect
+    import textwrap
+
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(_PipelineScheduleRuntime._step_microbatches)))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree) + "\n"

@@ -5,7 +5,8 @@ validates it (``titan_ext.plan.validate_plan``: completeness, per-rank order, in
 progress; plus every rank runs only the stages it holds) and lowers it with the passes torch's
 ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs, in the same order
 (``_validate_schedule`` → ``_add_unshard_reshard`` (FSDP only) → ``_add_reduce_grad`` →
-``_add_send_recv``), then dry-runs the very lowered lists with torch's simulator.  All of it is pure (no
+``_add_send_recv``; on torch >= 2.15 also ``_add_wait_send`` → ``_validate_send_waits``, and
+``_add_reduce_grad`` there pairs each REDUCE_GRAD with a WAIT_REDUCE_GRAD), then dry-runs the very lowered lists with torch's simulator.  All of it is pure (no
 process group, no schedule state), so it runs in the background planning thread and in unit tests.
 Agreement (one hash exchange on the control plane) and the O(1) swap are the schedule's.
 """
@@ -20,7 +21,7 @@ from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import _Action
 
 from titan_ext.plan import PlanValidationError, to_torch_plan, validate_plan
-from titan_ext.plan.ir import as_ops
+from titan_ext.plan.ir import add_send_waits, as_ops
 from titan_ext.plan.simulate import peak_inflight
 from titan_ext.plan.validate import torch_dry_run_lowered
 
@@ -111,7 +112,7 @@ def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages
         acts = _torch_schedules._add_unshard_reshard(list(torch_actions[r])) if fsdp else list(torch_actions[r])
         lowered[r] = _torch_schedules._add_reduce_grad(acts, n_microbatches)
     lowered = _torch_schedules._add_send_recv(lowered, stage_to_rank=lambda st: mapping[st], num_stages=num_stages)
-    return lowered, mapping
+    return add_send_waits(lowered), mapping  # torch >= 2.15: WAIT_SEND_F/B, checked by torch
 
 
 def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None, kind: str, reason: str, *,

@@ -1,9 +1,16 @@
 """The instrumented action loop: runs one rank's lowered action list for one iteration.
 
-Tracks torch **2.13**'s ``_PipelineScheduleRuntime._step_microbatches`` (torch/distributed/pipelining/
-schedules.py): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
+Tracks ``_PipelineScheduleRuntime._step_microbatches`` (torch/distributed/pipelining/schedules.py) of
+torch **2.13**, **2.14** and **2.15** (``_torch_compat.TRACKED``; a copy of each loop lies in
+tests/torch_loops/ and ``tests/test_torch_loops.py`` fails when the installed torch's loop differs from
+it): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
 functions, local stage-to-stage hand-off when neighbouring stages share a rank — so it runs several
-local stages per rank, as issue 14's multi-stage runtime needs), with three additions:
+local stages per rank, as issue 14's multi-stage runtime needs), and from torch 2.15 on
+(``_torch_compat.has_wait_actions``) its explicit waits: WAIT_SEND_F / WAIT_SEND_B retire one send
+(a forward send's outputs are released then, ``release_fwd_send_outputs``; without waits, 2.13/2.14,
+sends are waited at the end of the step), FSDP gradient reduction split into REDUCE_GRAD (start) and
+WAIT_REDUCE_GRAD (wait + scale), and ``step(finalize_gradients=False)`` keeping FSDP stages unsharded
+with their gradients unreduced until a later step finalizes them. With three additions:
 
 * timing, arrival stamps and waits go through the device layer (``runtime/device.py``): every compute
   action is timed (host clock on CPU, CUDA events on the compute stream on GPU, resolved off the critical
@@ -36,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
     _wait_batch_p2p,
 )
 
+from ._torch_compat import has_wait_actions
 from .device import DeviceLayer, device_layer
 from .profiler import ActionRecord, IterationProfile
 from .transport import TorchP2P, Transport
@@ -54,8 +62,13 @@ UNSHARD = _ComputationType.UNSHARD
 RESHARD = _ComputationType.RESHARD
 REDUCE_GRAD = _ComputationType.REDUCE_GRAD
 OVERLAP_F_B = _ComputationType.OVERLAP_F_B
+#: torch >= 2.15 only (None before): see the module docstring
+WAIT_SEND_F = getattr(_ComputationType, "WAIT_SEND_F", None)
+WAIT_SEND_B = getattr(_ComputationType, "WAIT_SEND_B", None)
+WAIT_REDUCE_GRAD = getattr(_ComputationType, "WAIT_REDUCE_GRAD", None)
+WAITS = has_wait_actions()
 #: skipped when the step runs without backward (evaluation)
-BACKWARD_TYPES = (I, W, B, SEND_B, RECV_B, REDUCE_GRAD)
+BACKWARD_TYPES = (I, W, B, SEND_B, RECV_B, REDUCE_GRAD) + ((WAIT_SEND_B, WAIT_REDUCE_GRAD) if WAITS else ())
 
 
 @dataclass
@@ -72,7 +85,8 @@ class RunContext:
     loss_kwargs: dict | None = None
     training: bool = True
     profile: IterationProfile = field(default_factory=IterationProfile)
-    send_ops: list[list[Any]] = field(default_factory=list)
+    #: (SEND_F or SEND_B, stage, microbatch) → (handles, what to run once sent) until its wait
+    pending_sends: dict[tuple[Any, int, int], tuple[list[Any], Any]] = field(default_factory=dict)
 
     def torch_context(self) -> _PipelineContext:
         return _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, self.losses)
@@ -97,13 +111,18 @@ class Executor:
         """Run one iteration's actions; returns its wall time (ms) as the device ran it, NaN while the
         device has not finished it (then ``timer.resolve()`` fills it later; no host sync here)."""
         ctx.schedule.backward_counter.clear()
+        if WAITS:
+            ctx.schedule._finalized_stages.clear()
         self.timer.begin_iteration()
         with self.device.context():
             for action in actions:
                 if ctx.training or action.computation_type not in BACKWARD_TYPES:
                     self.perform(action, ctx)
-            while ctx.send_ops:
-                _wait_batch_p2p(ctx.send_ops.pop())
+            unmatched = list(ctx.pending_sends)
+            for key in unmatched:  # 2.13/2.14: every send; 2.15: none (each has its WAIT_SEND)
+                self._wait_send(key, ctx)
+            if WAITS and unmatched:
+                raise AssertionError(f"Pipeline sends have no matching wait: {unmatched}")
         self.timer.end_iteration()
         self.timer.resolve(block=False)
         return self.timer.wall_ms
@@ -118,13 +137,19 @@ class Executor:
                 self.perform(sub, ctx)
         elif ct in (SEND_F, SEND_B):
             self._send(action, ctx)
+        elif WAITS and ct in (WAIT_SEND_F, WAIT_SEND_B):
+            self._wait_send((SEND_F if ct == WAIT_SEND_F else SEND_B, action.stage_index, action.microbatch_index), ctx)
         elif ct in (RECV_F, RECV_B):
             self._recv(action, ctx)
         elif ct in (UNSHARD, RESHARD):
             self._fsdp(action, ctx)
+        elif ct == REDUCE_GRAD and WAITS:
+            self._start_reduce_grad(action, ctx)
         elif ct == REDUCE_GRAD:
             sched = ctx.schedule
             ctx.stages[action.stage_index].perform_reduce_grad(sched._n_microbatches if sched.scale_grads else 1)
+        elif WAITS and ct == WAIT_REDUCE_GRAD:
+            self._wait_reduce_grad(action, ctx)
         elif ct in (F, I, W, B):
             self._compute(action, ctx)
         else:
@@ -140,6 +165,9 @@ class Executor:
     def _send(self, action: _Action, ctx: RunContext) -> None:
         stage, mb, prof = ctx.stages[action.stage_index], action.microbatch_index, ctx.profile
         forward = action.computation_type == SEND_F
+        key = (action.computation_type, action.stage_index, mb)
+        if key in ctx.pending_sends:
+            raise AssertionError(f"Duplicate pipeline send {action}")
         ops = stage.get_fwd_send_ops(mb) if forward else stage.get_bwd_send_ops(mb)
         # stamps per rank link (ranks r, r±1), whatever the direction in the model: with several stages
         # per rank a "v" placement sends forwards to rank r−1 too; the loop wrap-around is not a link.
@@ -150,7 +178,18 @@ class Executor:
             prof.send_bytes_next += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
         elif step == -1:
             self.timer.mark(prof.sends_prev)
-        ctx.send_ops.append(self.transport.issue(action, ops))
+        retire = stage.release_fwd_send_outputs if forward and WAITS else None
+        ctx.pending_sends[key] = (self.transport.issue(action, ops), retire)
+
+    @staticmethod
+    def _wait_send(key: tuple[Any, int, int], ctx: RunContext) -> None:
+        """Wait for one send; on torch >= 2.15 a forward send's outputs are released once sent."""
+        if key not in ctx.pending_sends:
+            raise AssertionError(f"No pending pipeline send for {key}")
+        handles, retire = ctx.pending_sends.pop(key)
+        _wait_batch_p2p(handles)
+        if retire is not None:
+            retire(key[2])
 
     def _recv(self, action: _Action, ctx: RunContext) -> None:
         s, mb, sched = action.stage_index, action.microbatch_index, ctx.schedule
@@ -168,18 +207,42 @@ class Executor:
 
     @staticmethod
     def _fsdp(action: _Action, ctx: RunContext) -> None:
+        stage, s, sched = ctx.stages[action.stage_index], action.stage_index, ctx.schedule
+        if not uses_fsdp(stage):
+            return
+        if WAITS and _deferred_fsdp(action, ctx):
+            return
         from torch.distributed.fsdp import FSDPModule
 
-        stage = ctx.stages[action.stage_index]
-        if not isinstance(stage.submod, FSDPModule):
-            return
         modules = [m for m in stage.submod.modules() if isinstance(m, FSDPModule)]
         if action.computation_type == UNSHARD:
-            ctx.schedule.unshard_ops[action.stage_index].extend(m.unshard(async_op=True) for m in modules)
+            sched.unshard_ops[s].extend(m.unshard(async_op=True) for m in modules)
         else:
             for m in modules:
                 m.reshard()
-            ctx.schedule.unsharded_stages.discard(action.stage_index)
+            sched.unsharded_stages.discard(s)
+
+    @staticmethod
+    def _start_reduce_grad(action: _Action, ctx: RunContext) -> None:
+        """torch >= 2.15 REDUCE_GRAD: FSDP starts its reduction (waited in WAIT_REDUCE_GRAD), or defers
+        it under ``step(finalize_gradients=False)``; other stages reduce at once, as before."""
+        stage, s, sched = ctx.stages[action.stage_index], action.stage_index, ctx.schedule
+        fsdp = uses_fsdp(stage)
+        if fsdp and not sched._finalize_gradients:
+            sched._deferred_stages.add(s)
+        elif fsdp:
+            stage.start_gradient_reduction()
+            sched.unsharded_stages.discard(s)
+            sched._deferred_stages.discard(s)
+            sched._finalized_stages.add(s)
+        else:
+            stage.perform_reduce_grad(sched._n_microbatches if sched.scale_grads else 1)
+
+    @staticmethod
+    def _wait_reduce_grad(action: _Action, ctx: RunContext) -> None:
+        stage, sched = ctx.stages[action.stage_index], ctx.schedule
+        if uses_fsdp(stage) and sched._finalize_gradients:
+            stage.wait_for_gradient_reduction(sched._n_microbatches if sched.scale_grads else 1)
 
     # -- compute ------------------------------------------------------------------------------------
     def _wait_input(self, action: _Action, ctx: RunContext) -> Any:
@@ -252,6 +315,31 @@ class Executor:
         stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last_backward)
         if s - 1 in ctx.stages:
             ctx.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+
+def uses_fsdp(stage: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(stage.submod, FSDPModule)
+
+
+def _deferred_fsdp(action: _Action, ctx: RunContext) -> bool:
+    """torch 2.15's UNSHARD/RESHARD bookkeeping of ``finalize_gradients``; True when the action is
+    consumed by it: an UNSHARD of a stage left unsharded by a non-finalizing step, a RESHARD that the
+    finalizing REDUCE_GRAD already did, or a RESHARD skipped because this step does not finalize."""
+    s, sched = action.stage_index, ctx.schedule
+    if action.computation_type == UNSHARD:
+        if s in sched._deferred_stages:
+            sched._deferred_stages.remove(s)
+            return True
+        return False
+    if s in sched._finalized_stages:
+        sched._finalized_stages.remove(s)
+        return True
+    if not sched._finalize_gradients and sched.backward_counter[s] == sched._n_microbatches:
+        sched._deferred_stages.add(s)
+        return True
+    return False
 
 
 def forward_order(actions: list[_Action], stage_index: int) -> list[int]:

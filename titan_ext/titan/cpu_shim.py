@@ -1,6 +1,6 @@
-"""CPU/gloo shim for TorchTitan 0.2.2's CUDA assumptions.
+"""CPU/gloo shim for TorchTitan's CUDA assumptions (0.2.x and 0.3.x alike).
 
-TorchTitan 0.2.2 decides its device once, at import time, in ``torchtitan.tools.utils``:
+TorchTitan decides its device once, at import time, in ``torchtitan.tools.utils``:
 ``device_type = _get_available_device_type() or "cuda"`` and ``device_module = torch.cuda``, and several
 modules copy those two names into their own namespace (``from torchtitan.tools.utils import
 device_type, device_module``). On a machine without an accelerator the trainer would therefore call
@@ -116,14 +116,16 @@ class CpuDeviceModule:
         return getattr(torch.cpu, name)
 
 
-def apply() -> None:
-    """Point TorchTitan at the CPU (gloo backend). Idempotent; a no-op for unloaded modules."""
+def apply(modules: tuple[str, ...] = _TORCHTITAN_MODULES) -> None:
+    """Point TorchTitan at the CPU (gloo backend): rebind ``device_type`` / ``device_module`` in
+    ``modules`` (the TorchTitan adapter's ``CPU_SHIM_MODULES``). Idempotent; skips modules that do not
+    import."""
     global _applied
     import importlib
 
     _use_test_backend()
     device_module = CpuDeviceModule()
-    for name in _TORCHTITAN_MODULES:
+    for name in modules:
         mod = sys.modules.get(name)
         if mod is None:
             try:

@@ -36,6 +36,8 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
+from titan_ext.titan import adapters
+
 from titan_ext.titan.gantt import write_timeline_png
 from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
 from titan_ext.titan.options import titan_ext_section
@@ -102,7 +104,8 @@ class PipelineMetrics:
         self.schedule = schedule
         self.schedule_name = job_config.parallelism.pipeline_parallel_schedule
         self.section = titan_ext_section(job_config)
-        self.dump = Path(job_config.job.dump_folder)
+        self.job_config = job_config
+        self.dump = Path(adapters.current().dump_folder(job_config))
         self.monitor = PipelineMonitor(schedule, pp_group)
         self.decisions: list[list[Any]] = []  # rows of the W&B decisions table
         self._plan_version = runtime_metrics(schedule).get("plan_version", 0)
@@ -291,8 +294,7 @@ def install() -> None:
             return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         import torch.distributed as dist
 
-        is_metrics_rank = dist.get_rank() == tt_metrics._get_metrics_rank(self.parallel_dims,
-                                                                           self.job_config)
+        is_metrics_rank = dist.get_rank() == adapters.current().metrics_rank(self, pm.job_config)
         pm.image = None
         extra = dict(extra_metrics or {})
         extra.update(pm.step_metrics(step, global_avg_loss, is_metrics_rank))

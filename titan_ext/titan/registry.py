@@ -1,24 +1,26 @@
-"""Register titan_ext's pipeline schedules, dataset and CPU shim with stock TorchTitan 0.2.2.
+"""Register titan_ext's pipeline schedules, dataset and CPU shim with stock TorchTitan (0.2.x or 0.3.x).
 
-How TorchTitan 0.2.2 resolves ``[parallelism] pipeline_parallel_schedule``: its pipeline builder
-(``torchtitan.distributed.pipeline_parallel``: ``pipeline_llm``, ``build_pipeline_schedule``,
-``pipeline_module_split``) calls torch's ``torch.distributed.pipelining.schedules.get_schedule_class``,
-imported into its own module namespace. That function looks the name up in a dict local to the
-function, so there is no registry to add to. :func:`register` therefore rebinds the *name*
-``get_schedule_class`` in those modules (torch's ``schedules`` and TorchTitan's builders) to
-:func:`get_schedule_class` here, which answers our names (case-insensitive, like torch) and defers
-every other name to torch's original function. No TorchTitan file is edited.
+How TorchTitan resolves ``pipeline_parallel_schedule``: its pipeline builder
+(``torchtitan.distributed.pipeline_parallel``) calls torch's
+``torch.distributed.pipelining.schedules.get_schedule_class``, imported into its own module namespace.
+That function looks the name up in a dict local to the function, so there is no registry to add to.
+:func:`register` therefore rebinds the *name* ``get_schedule_class`` in those modules (torch's
+``schedules`` and TorchTitan's builders) to :func:`get_schedule_class` here, which answers our names
+(case-insensitive, like torch) and defers every other name to torch's original function. No TorchTitan
+file is edited.
 
-It also wraps ``build_pipeline_schedule`` (looked up as a module global by ``pipeline_llm``) so that
-the schedule is built knowing the job's ``[titan_ext]`` section: our schedule classes receive its
-knobs as constructor keywords, an injected straggler (``[titan_ext] inject_delays`` or
+It also wraps the schedule builder and the module split (their names and signatures differ per
+TorchTitan version: :mod:`titan_ext.titan.adapters`, chosen by the installed version) so that the
+schedule is built knowing the job's ``titan_ext`` section (:func:`build_with_titan_ext`): our schedule
+classes receive its knobs as constructor keywords, an injected straggler (``inject_delays`` or
 ``inject_trace``) is installed for whatever schedule is built -- the baselines included --, and the
 built schedule is measured (:mod:`titan_ext.titan.metrics`, which also patches TorchTitan's metrics
-processor so that any trainer reports the pipeline metrics).
+processor so that any trainer reports the pipeline metrics). An unknown TorchTitan version or a
+missing hook raises ``TitanIntegrationError`` here, before any training.
 
 Everything here is idempotent; :func:`register` is called by ``import titan_ext`` whenever torchtitan
-is already imported (TorchTitan's ``[experimental] custom_import = "titan_ext"``), and by
-``python -m titan_ext.train``.
+is already imported (TorchTitan 0.2's ``[experimental] custom_import = "titan_ext"``), by
+``python -m titan_ext.train`` and by the 0.3 config registry (:mod:`titan_ext.titan.config_registry`).
 """
 
 import contextlib
@@ -27,6 +29,8 @@ import sys
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from titan_ext.titan import adapters
 
 __all__ = [
     "register",
@@ -169,25 +173,36 @@ def active_job_config(job_config: Any):
         _active.job_config = previous
 
 
-def _wrap_build_pipeline_schedule(original: Callable) -> Callable:
-    if getattr(original, "_titan_ext_wrapped", False):
-        return original
+def active_config() -> Any:
+    """The job config of the schedule being built (``active_job_config``), or None."""
+    return getattr(_active, "job_config", None)
 
-    def build_pipeline_schedule(job_config, stages, loss_fn):
-        from titan_ext.titan import metrics
-        from titan_ext.titan.options import install_link_delays
 
-        install_link_delays(job_config)
-        _install_timeouts(job_config)  # after the delay injection: it wraps what the schedules call
-        with active_job_config(job_config):
-            schedule = original(job_config, stages, loss_fn)
-        metrics.attach(schedule, job_config, stages)  # metrics follow the schedule, any trainer
-        return schedule
+def build_with_titan_ext(job_config: Any, stages: list, build: Callable[[], Any]) -> Any:
+    """What every TorchTitan version's wrapped schedule builder does: install an injected straggler
+    (``[titan_ext] inject_delays`` / ``inject_trace``, any schedule, the baselines included), build with
+    the job's ``[titan_ext]`` knobs active, and attach the pipeline metrics to the built schedule."""
+    from titan_ext.titan import metrics
+    from titan_ext.titan.options import install_link_delays
 
-    build_pipeline_schedule.__doc__ = original.__doc__
-    build_pipeline_schedule._titan_ext_wrapped = True  # type: ignore[attr-defined]
-    build_pipeline_schedule.__wrapped__ = original  # type: ignore[attr-defined]
-    return build_pipeline_schedule
+    install_link_delays(job_config)
+    _install_timeouts(job_config)  # after the delay injection: it wraps what the schedules call
+    with active_job_config(job_config):
+        schedule = build()
+    metrics.attach(schedule, job_config, stages)  # metrics follow the schedule, any trainer
+    return schedule
+
+
+def split_schedule_name(pp_schedule: str) -> str:
+    """The schedule name TorchTitan's module split is asked with. TorchTitan picks the V-style stage
+    indices (rank r holds r and 2R−1−r) only for its own ZBV / DualPipeV classes; for our schedules with
+    ``[titan_ext] placement = "v"`` the split is asked for as ZBV's (the name only selects the style
+    there), else TorchTitan's looped default."""
+    job_config = active_config()
+    section = getattr(job_config, "titan_ext", None) if job_config is not None else None
+    if is_titan_ext_schedule(pp_schedule) and getattr(section, "placement", "") == "v":
+        return "ZBVZeroBubble"
+    return pp_schedule
 
 
 def _install_timeouts(job_config: Any) -> None:
@@ -211,43 +226,27 @@ def torch_distributed_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _wrap_pipeline_module_split(original: Callable) -> Callable:
-    """TorchTitan picks the V-style stage indices (rank r holds r and 2R−1−r) only for its own ZBV /
-    DualPipeV classes; for our schedules with ``[titan_ext] placement = "v"`` the split is asked for
-    as ZBV's (the name only selects the style there), else TorchTitan's looped default."""
+def _wrapped(original: Callable, factory: Callable[[Callable], Callable]) -> Callable:
     if getattr(original, "_titan_ext_wrapped", False):
         return original
-
-    def pipeline_module_split(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage):
-        job_config = getattr(_active, "job_config", None)
-        section = getattr(job_config, "titan_ext", None) if job_config is not None else None
-        if is_titan_ext_schedule(pp_schedule) and getattr(section, "placement", "") == "v":
-            pp_schedule = "ZBVZeroBubble"
-        return original(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage)
-
-    pipeline_module_split.__doc__ = original.__doc__
-    pipeline_module_split._titan_ext_wrapped = True  # type: ignore[attr-defined]
-    pipeline_module_split.__wrapped__ = original  # type: ignore[attr-defined]
-    return pipeline_module_split
+    wrapper = factory(original)
+    wrapper.__doc__ = original.__doc__
+    wrapper._titan_ext_wrapped = True  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
 
 
-_BUILDER_MODULES = (
-    "torchtitan.distributed.pipeline_parallel",
-    "torchtitan.experiments.transformers_modeling_backend.infra.pipeline",
-)
-
-
-def _patch_loaded_builders() -> None:
-    for modname in _BUILDER_MODULES:
+def _patch_loaded_builders(adapter: Any) -> None:
+    """Rebind ``get_schedule_class`` and wrap the adapter's builder hooks in every loaded builder module."""
+    for modname in adapter.BUILDER_MODULES:
         mod = sys.modules.get(modname)
         if mod is None:
             continue
         if hasattr(mod, "get_schedule_class"):
             mod.get_schedule_class = get_schedule_class
-        if hasattr(mod, "build_pipeline_schedule"):
-            mod.build_pipeline_schedule = _wrap_build_pipeline_schedule(mod.build_pipeline_schedule)
-        if hasattr(mod, "pipeline_module_split"):
-            mod.pipeline_module_split = _wrap_pipeline_module_split(mod.pipeline_module_split)
+        for name, factory in adapter.WRAPPERS.items():
+            if hasattr(mod, name):
+                setattr(mod, name, _wrapped(getattr(mod, name), factory))
 
 
 def register(cpu_shim: bool | None = None) -> None:
@@ -267,8 +266,10 @@ def register(cpu_shim: bool | None = None) -> None:
             if vis is not None:
                 vis.get_schedule_class = get_schedule_class
             _registered = True
-    importlib.import_module("torchtitan.distributed.pipeline_parallel")
-    _patch_loaded_builders()
+    adapter = adapters.current()  # TitanIntegrationError names an unknown version or a missing hook
+    for modname in adapter.BUILDER_MODULES[:1]:
+        importlib.import_module(modname)
+    _patch_loaded_builders(adapter)
 
     from titan_ext.titan import data, metrics
 
@@ -277,7 +278,7 @@ def register(cpu_shim: bool | None = None) -> None:
     if cpu_shim is None:
         cpu_shim = not has_accelerator()
     if cpu_shim:
-        importlib.import_module("titan_ext.titan.cpu_shim").apply()
+        importlib.import_module("titan_ext.titan.cpu_shim").apply(adapter.CPU_SHIM_MODULES)
 
 
 def has_accelerator() -> bool:

@@ -1,37 +1,55 @@
 """TorchTitan's Trainer with titan_ext's checks before the process group, Falcon's job-level driver
-for DP × PP jobs, and delegate cleanup.
+for DP × PP jobs, and delegate cleanup -- one class for every supported TorchTitan version.
+
+The base class comes from the TorchTitan adapter (:mod:`titan_ext.titan.adapters`): 0.2's
+``torchtitan.train.Trainer`` (constructed with a TOML-parsed ``JobConfig``) or 0.3's
+``torchtitan.trainer.Trainer``, for which the class also carries ``TitanExtTrainer.Config``: 0.3's
+``Trainer.Config`` plus a ``titan_ext`` section (``slots=True``, as 0.3's ``Configurable`` requires), whose
+``build()`` makes this trainer.
 
 The pipeline metrics, timeline images and W&B extras do not need this class: they follow the
-schedule (:mod:`titan_ext.titan.metrics`), so stock ``torchtitan.train`` reports them too. What does
+schedule (:mod:`titan_ext.titan.metrics`), so stock ``torchtitan.train`` reports them too (0.2). What does
 need it is DP × PP with Falcon (:mod:`titan_ext.titan.falcon_job`): the trainer syncs the DP replicas
 itself and applies Falcon's mitigations to the next steps.
 """
 
 import torch
-from torchtitan.train import Trainer
 
+from titan_ext.titan import adapters
 from titan_ext.titan.falcon_job import FalconJob, install_replication_by_trainer, replicated_by_trainer
 from titan_ext.titan.options import titan_ext_section
 
 __all__ = ["TitanExtTrainer"]
 
+_ADAPTER = adapters.current()
+_Base = _ADAPTER.trainer_base()
 
-class TitanExtTrainer(Trainer):
+
+class TitanExtTrainer(_Base):
     """``Trainer`` + :func:`titan_ext.train.check_job_config` before any process group exists (it
     fills the one-stage-per-rank split our schedules need) + Falcon in DP × PP jobs + closing
     delegate processes."""
 
-    def __init__(self, job_config):
+    if _ADAPTER.PYTHON_CONFIGS:
+        Config = _ADAPTER.trainer_config(_Base)
+
+    def __init__(self, config):
         from titan_ext.train import _world_size, check_job_config
 
-        check_job_config(job_config, world_size=_world_size())
-        install_replication_by_trainer()
+        check_job_config(config, world_size=_world_size())
+        if not _ADAPTER.PYTHON_CONFIGS:
+            install_replication_by_trainer()
+        elif config.parallelism.pipeline_parallel_degree > 1 and config.parallelism.data_parallel_replicate_degree > 1:
+            raise adapters.TitanIntegrationError(
+                "DP replicas with PP (Falcon's job-level driver, titan_ext/titan/falcon_job.py) are not ported "
+                "to TorchTitan 0.3: use TorchTitan 0.2.2's TOML path, or data_parallel_shard_degree")
         from titan_ext.titan.registry import active_job_config
 
-        with active_job_config(job_config):  # the model split reads [titan_ext] placement
-            super().__init__(job_config)
+        # the model split and (0.3) the schedule builder read the titan_ext section
+        with active_job_config(config):
+            super().__init__(config)
         # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon_job.py)
-        self.falcon_job = (FalconJob(self, titan_ext_section(job_config))
+        self.falcon_job = (FalconJob(self, titan_ext_section(config))
                            if replicated_by_trainer(self.parallel_dims) else None)
 
     def train(self):

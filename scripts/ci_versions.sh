@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The version matrix beside the default environment (torch 2.13 CPU + TorchTitan 0.2.2, scripts/test.sh):
+#   bash scripts/ci_versions.sh torch-2.15       # torch 2.15.0 + TorchTitan 0.2.2: plan + runtime default tier
+#   bash scripts/ci_versions.sh torchtitan-0.3   # TorchTitan 0.3.0 over torch 2.14.1: titan tests + 3 PipeMorph steps
+#   bash scripts/ci_versions.sh all              # both (what .ci/run calls after the default tier)
+# Each environment lives in .venvs/<name> (git-ignored) with its own copy of the sources in
+# .venvs/<name>/src, whose C/C++ extensions are built against that environment's torch, so the default
+# .venv's in-place build is never touched. Re-running reuses both (a stamp of the install list).
+# Skips, with the reason, when the disk has no room (torch wheels: ~3-6 GB) or pip cannot get the wheels.
+# Environment: TORCH215_INDEX (PyTorch's CPU wheel index, tried first for torch 2.15; "" = skip it).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+PY="${PYTHON:-python3}"
+TORCH215_INDEX="${TORCH215_INDEX-https://download.pytorch.org/whl/cpu}"
+# what every environment needs besides torch and torchtitan (TorchTitan's and our own dependencies)
+COMMON=(numpy pytest pytest-timeout packaging tomli matplotlib ortools wandb torchdata tokenizers tyro
+        tensorboard einops pillow safetensors setuptools)
+say() { echo "[ci-versions] $*"; }
+
+room_gb() { df -Pk "$root" | awk 'NR==2 {print int($4 / 1048576)}'; }
+
+sources_to() {  # copy the tracked + untracked (not ignored) files into $1, as CI's checkout has them
+    mkdir -p "$1"
+    git ls-files -co --exclude-standard -z | tar --null -cf - -T - | tar -xf - -C "$1"
+}
+
+pip_env() {  # pip_env ENV ARGS...: the machine's pip configuration minus its torch cap
+    local env="$1"; shift
+    PIP_CONSTRAINT="$root/.venvs/$env/constraints.txt" "$root/.venvs/$env/bin/python" -m pip install -q "$@"
+}
+
+make_env() {  # make_env NAME TORCH_VERSION TORCHTITAN_VERSION EXTRA_DEPS...: venv, torch, deps, torchtitan
+    local env="$1" torch_v="$2" tt_v="$3"; shift 3
+    local dir="$root/.venvs/$env" stamp="$env $torch_v $tt_v ${COMMON[*]} $*"
+    if [ -f "$dir/.stamp" ] && [ "$(cat "$dir/.stamp")" = "$stamp" ]; then
+        return 0
+    fi
+    if [ "$(room_gb)" -lt 12 ]; then
+        say "SKIPPED $env: $(room_gb) GB free on $root, need 12 (torch wheels)"; return 1
+    fi
+    rm -rf "$dir"; "$PY" -m venv "$dir"
+    echo "torch==$torch_v" > "$dir/constraints.txt"   # pins torch through every later install
+    local log="$dir/install.log"
+    say "$env: installing torch $torch_v (log: $log)"
+    if ! pip_env "$env" "torch==$torch_v" >>"$log" 2>&1; then
+        # torch above the machine's pip cap: PyTorch's CPU index first, then PyPI, without the cap
+        if ! { [ -n "$TORCH215_INDEX" ] && PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_CONSTRAINT= \
+                "$dir/bin/python" -m pip install -q "torch==$torch_v" --index-url "$TORCH215_INDEX" >>"$log" 2>&1; } \
+           && ! PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_CONSTRAINT= \
+                "$dir/bin/python" -m pip install -q "torch==$torch_v" >>"$log" 2>&1; then
+            say "SKIPPED $env: pip cannot install torch $torch_v (last lines of $log below)"; tail -n 5 "$log"
+            return 1
+        fi
+    fi
+    say "$env: installing TorchTitan $tt_v and the dependencies"
+    pip_env "$env" "${COMMON[@]}" "$@" >>"$log" 2>&1
+    pip_env "$env" --no-deps "torchtitan==$tt_v" >>"$log" 2>&1
+    echo "$stamp" > "$dir/.stamp"
+}
+
+build_in() {  # fresh sources in .venvs/ENV/src, C/C++ extensions built against ENV's torch
+    local env="$1" dir="$root/.venvs/$1"
+    rm -rf "$dir/src"; sources_to "$dir/src"
+    say "$env: building the C/C++ extensions against $("$dir/bin/python" -c 'import torch; print(torch.__version__)')"
+    (cd "$dir/src" && TITAN_EXT_NO_CUDA=1 "$dir/bin/python" setup.py -q build_ext --inplace >"$dir/build.log" 2>&1) \
+        || { say "FAILED $env: build (see $dir/build.log)"; tail -n 15 "$dir/build.log"; return 1; }
+}
+
+run_torch215() {
+    local env=torch-2.15
+    make_env "$env" 2.15.0 0.2.2 "datasets>=2.21" || return 0
+    build_in "$env"
+    local py="$root/.venvs/$env/bin/python"
+    say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py)"
+    # multi-process tests over plain gloo: the default test backend nccl_rules (runtime/nccl_rules.py)
+    # registers a custom backend that torch 2.15's batch_isend_irecv does not find for the CPU
+    (cd "$root/.venvs/$env/src" && TITAN_EXT_TEST_BACKEND=gloo "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
+        tests/test_torch_compat.py tests/test_torch_loops.py tests/test_runtime_waits.py \
+        tests/test_plan_*.py tests/test_runtime_*.py)
+}
+
+run_tt03() {
+    local env=torchtitan-0.3
+    make_env "$env" 2.14.1 0.3.0 "datasets>=3.6.0,<4.8.0" "spmd_types==0.2.3" torch_checkpointing || return 0
+    build_in "$env"
+    local py="$root/.venvs/$env/bin/python" src="$root/.venvs/$env/src"
+    say "$env: the titan tests that are TorchTitan-version neutral or 0.3's"
+    (cd "$src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
+        tests/test_titan_adapters.py tests/test_titan_tt03.py tests/test_torch_compat.py)
+    say "$env: 3 training steps of PipeMorph on the CPU (README's TorchTitan 0.3 command)"
+    (cd "$src" && rm -rf outputs/debug_cpu_tt03 && \
+        "$root/.venvs/$env/bin/torchrun" --nproc_per_node 4 -m torchtitan.train --module titan_ext.titan \
+        --config pipemorph_debugmodel --training.steps 3 >"$root/.venvs/$env/train.log" 2>&1) \
+        || { say "FAILED $env: training run"; grep -E "Error|error" "$root/.venvs/$env/train.log" | tail -n 10; return 1; }
+    grep -q "step:  3  pipeline:" "$root/.venvs/$env/train.log" \
+        || { say "FAILED $env: no step-3 pipeline metrics in the log"; return 1; }
+    say "$env: $(grep 'step:  3  loss' "$root/.venvs/$env/train.log" | grep -v 'loss: -1' | head -n 1 | sed 's/.*step:/step:/')"
+}
+
+case "${1:-all}" in
+    torch-2.15) run_torch215 ;;
+    torchtitan-0.3) run_tt03 ;;
+    all) rc=0; run_torch215 || rc=1; run_tt03 || rc=1; exit $rc ;;
+    *) echo "scripts/ci_versions.sh: use torch-2.15, torchtitan-0.3 or all" >&2; exit 2 ;;
+esac

@@ -1,0 +1,69 @@
+"""TorchTitan 0.3's Python-config path: ``--module titan_ext.titan --config pipemorph_debugmodel``.
+
+Runs where TorchTitan 0.3.x is installed (scripts/ci_versions.sh torchtitan-0.3); skipped elsewhere."""
+
+import pytest
+
+from titan_ext.titan import adapters
+
+if adapters.current().VERSION != "0.3":
+    pytest.skip(f"TorchTitan {adapters.torchtitan_version()} installed; these test the 0.3 adapter",
+                allow_module_level=True)
+
+from dataclasses import fields  # noqa: E402
+
+from torchtitan.config import ConfigManager  # noqa: E402
+
+ARGS = ["--module", "titan_ext.titan", "--config", "pipemorph_debugmodel"]
+
+
+def test_config_registry_gives_titan_ext_trainer_config_with_its_section():
+    from titan_ext.titan.config import TitanExt
+    from titan_ext.titan.trainer import TitanExtTrainer
+
+    cfg = ConfigManager().parse_args([*ARGS, "--titan_ext.replan_interval", "5", "--training.steps", "3"])
+    assert type(cfg) is TitanExtTrainer.Config and type(cfg)._owner is TitanExtTrainer
+    assert "__slots__" in type(cfg).__dict__  # 0.3's Configurable rule
+    assert isinstance(cfg.titan_ext, TitanExt) and cfg.titan_ext.replan_interval == 5
+    assert cfg.training.steps == 3 and cfg.parallelism.pipeline_parallel_schedule == "PipeMorph"
+    assert [f.name for f in fields(cfg.titan_ext)] == [f.name for f in fields(TitanExt())]
+
+
+def test_bad_titan_ext_value_is_refused_at_parse_time(capsys):
+    """TitanExt.__post_init__ rejects it; tyro prints the message (naming the key) and exits 2."""
+    with pytest.raises(SystemExit) as exc:
+        ConfigManager().parse_args([*ARGS, "--titan_ext.delegation", "sometimes"])
+    assert exc.value.code == 2
+    out = " ".join(capsys.readouterr().err.split())
+    assert "[titan_ext] delegation = 'sometimes': must be one of" in out.replace("│", "").replace("  ", " ")
+
+
+def test_one_stage_per_rank_split_equals_torchtitans_own_weighted_split():
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    from titan_ext.titan.config_registry import one_stage_per_rank
+
+    for pp in (2, 4):
+        assert one_stage_per_rank(pp) == _generate_llm_fqn_per_model_part(pp, 6, 1, 1)
+
+
+def test_our_schedule_built_outside_our_trainer_is_an_error_not_a_silent_default():
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import pipeline_parallel as pp
+
+    from titan_ext.titan import register
+
+    register(cpu_shim=False)
+    with pytest.raises(adapters.TitanIntegrationError, match="outside titan_ext's trainer"):
+        pp._build_pipeline_schedule(parallelism=ParallelismConfig(pipeline_parallel_schedule="PipeMorph"),
+                                    local_batch_size=8, stages=[], loss_fn=None)
+
+
+def test_pipemorph_resolves_through_torchtitans_lookup():
+    from torchtitan.distributed import pipeline_parallel as pp
+
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.titan import register
+
+    register(cpu_shim=False)
+    assert issubclass(pp.get_schedule_class("pipemorph"), PipeMorph)

@@ -1,0 +1,71 @@
+"""TorchTitan 0.2.x (TOML configs): the ``[titan_ext]`` section through ``job.custom_config_module``,
+``[experimental] custom_import = "titan_ext"``, the positional ``build_pipeline_schedule(job_config,
+stages, loss_fn)`` and ``pipeline_module_split(...)`` of ``torchtitan.distributed.pipeline_parallel``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+VERSION = "0.2"
+PYTHON_CONFIGS = False
+PIPELINE = "torchtitan.distributed.pipeline_parallel"
+#: (module, attribute) titan_ext patches or calls; a missing one fails registration loudly
+HOOKS = (
+    (PIPELINE, "get_schedule_class"),
+    (PIPELINE, "build_pipeline_schedule"),
+    (PIPELINE, "pipeline_module_split"),
+    ("torchtitan.train", "Trainer"),
+    ("torchtitan.train", "main"),
+    ("torchtitan.components.metrics", "MetricsProcessor"),
+    ("torchtitan.components.metrics", "_get_metrics_rank"),
+    ("torchtitan.hf_datasets.text_datasets", "DATASETS"),
+    ("torchtitan.protocols.train_spec", "get_train_spec"),
+)
+BUILDER_MODULES = (PIPELINE, "torchtitan.experiments.transformers_modeling_backend.infra.pipeline")
+CPU_SHIM_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.tools.profiling",
+)
+
+
+def wrap_build_pipeline_schedule(original: Callable) -> Callable:
+    from titan_ext.titan.registry import build_with_titan_ext
+
+    def build_pipeline_schedule(job_config, stages, loss_fn):
+        return build_with_titan_ext(job_config, stages, lambda: original(job_config, stages, loss_fn))
+
+    return build_pipeline_schedule
+
+
+def wrap_pipeline_module_split(original: Callable) -> Callable:
+    from titan_ext.titan.registry import split_schedule_name
+
+    def pipeline_module_split(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage):
+        return original(whole_model, pp_mesh, split_schedule_name(pp_schedule), device, module_names_per_stage)
+
+    return pipeline_module_split
+
+
+#: builder-module attribute -> its wrapper factory
+WRAPPERS = {"build_pipeline_schedule": wrap_build_pipeline_schedule,
+            "pipeline_module_split": wrap_pipeline_module_split}
+
+
+def trainer_base() -> type:
+    from torchtitan.train import Trainer
+
+    return Trainer
+
+
+def dump_folder(config: Any) -> str:
+    return config.job.dump_folder
+
+
+def metrics_rank(processor: Any, job_config: Any) -> int:  # noqa: ARG001 - 0.2 reads the processor's
+    from torchtitan.components.metrics import _get_metrics_rank
+
+    return _get_metrics_rank(processor.parallel_dims, processor.job_config)

@@ -1,0 +1,89 @@
+"""TorchTitan 0.3's config registry for titan_ext: ``--module titan_ext.titan --config <function>``.
+
+TorchTitan 0.3 configures a job in Python: ``torchrun ... -m torchtitan.train --module M --config F``
+imports ``M.config_registry`` and calls ``F()``, which returns a ``Trainer.Config``; ``--section.key
+value`` overrides any field (tyro), e.g. ``--titan_ext.replan_interval 5``. The functions here return a
+:class:`~titan_ext.titan.trainer.TitanExtTrainer` config -- 0.3's ``Trainer.Config`` plus the shared
+``titan_ext`` section (:class:`~titan_ext.titan.config.TitanExt`) -- whose ``build()`` makes
+titan_ext's trainer, so our schedules, delay injection, metrics and V placement are attached.
+
+Importing this module registers titan_ext with TorchTitan (schedules, the ``titan_ext_tiny`` dataset,
+the CPU shim on machines without an accelerator); on a TorchTitan other than 0.3.x it fails at once.
+
+* :func:`pipemorph_debugmodel` -- TorchTitan's llama3 debug model (6 layers, dim 256), PP = 4 with one
+  stage per rank, PipeMorph, the bundled tokenizer and corpus (nothing is downloaded): the 0.3 twin of
+  ``train_configs/debug_cpu.toml``.
+"""
+
+from titan_ext.titan import adapters as _adapters
+from titan_ext.titan.data import DATASET_NAME, TOKENIZER_DIR
+
+if _adapters.current().VERSION != "0.3":
+    raise _adapters.TitanIntegrationError(
+        f"titan_ext.titan.config_registry is TorchTitan 0.3's Python config path; TorchTitan "
+        f"{_adapters.torchtitan_version()} is installed (use the TOML path: README 'Use it from TorchTitan')")
+
+from titan_ext.titan.registry import register as _register  # noqa: E402
+
+_register()
+
+__all__ = ["pipemorph_debugmodel", "one_stage_per_rank"]
+
+
+def one_stage_per_rank(pp: int, num_layers: int = 6) -> list[list[str]]:
+    """The llama3 module split with one stage per PP rank (what PipeMorph plans for): the embeddings
+    and the head (norm + lm_head) count as one layer each, and the units are spread evenly -- for the
+    debug model with PP = 4 the split of ``train_configs/debug_cpu.toml``."""
+    units = [["tok_embeddings"]] + [[f"layers.{j}"] for j in range(num_layers)] + [["norm", "lm_head"]]
+    if not 1 <= pp <= len(units):
+        raise ValueError(f"pipeline degree {pp}: needs 1..{len(units)} (one unit per stage at least)")
+    bounds = [i * len(units) // pp for i in range(pp + 1)]
+    return [sum(units[bounds[i]:bounds[i + 1]], []) for i in range(pp)]
+
+
+def _causal_sdpa(model_spec):
+    """The model with torch's SDPA (causal) as inner attention: FlexAttention has no backward on the
+    CPU. TorchTitan 0.3 passes no attention masks to a maskless backend (it relies on ``is_causal``);
+    packed documents then attend across their boundaries, which a debug run does not mind."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    for _, _, parent, attr in list(model_spec.model.traverse(FlexAttention.Config)):
+        if isinstance(parent, list):
+            parent[attr] = ScaledDotProductAttention.Config()
+        elif parent is not None:
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+    return model_spec
+
+
+def pipemorph_debugmodel():
+    """llama3 debug model, PP = 4 (one stage per rank), PipeMorph, CPU-friendly sizes, 20 steps."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config.configs import DebugConfig
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from titan_ext.titan.config import TitanExt
+    from titan_ext.titan.trainer import TitanExtTrainer
+
+    base = llama3_debugmodel()
+    fields = {name: getattr(base, name) for name in base.__dataclass_fields__ if not name.startswith("_")}
+    fields.update(
+        model_spec=_causal_sdpa(base.model_spec),
+        hf_assets_path=str(TOKENIZER_DIR),
+        dump_folder="./outputs/debug_cpu_tt03",
+        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
+        training=TrainingConfig(local_batch_size=16, seq_len=64, steps=20, max_norm=1.0, dtype="float32",
+                                mixed_precision_param="float32", disable_cuda_graphs=True),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset=DATASET_NAME),
+        parallelism=ParallelismConfig(pipeline_parallel_degree=4, pipeline_parallel_schedule="PipeMorph",
+                                      pipeline_parallel_microbatch_size=1,
+                                      module_fqns_per_model_part=one_stage_per_rank(4)),
+        activation_checkpoint=None,
+        compile=CompileConfig(enable=False),
+        checkpoint=CheckpointManager.Config(enable=False),
+        debug=DebugConfig(seed=42),
+        titan_ext=TitanExt(adaptive=True, replan_interval=1, profile_window=3, gantt_every=10),
+    )
+    return TitanExtTrainer.Config(**fields)
