@@ -1,6 +1,9 @@
-"""plan/'s import graph (every import, module level and inside functions, read from the source with
-ast): acyclic, the crosspipe package imports only downward (problem → greedy → model → search →
-_compiled → portfolio; tuning a leaf), and the by-name dispatch (plan/schedules.py) sits above all."""
+"""Import graphs (every import, module level and inside functions, read from the source with ast).
+
+plan/: acyclic, the crosspipe package imports only downward (problem → greedy → model → search →
+_compiled → portfolio; tuning a leaf), and the by-name dispatch (plan/schedules.py) sits above all.
+The whole of titan_ext: acyclic, and the layers of DESIGN.md import only downward (plan/ ← runtime/ ←
+titan/ ← the entry points)."""
 
 from __future__ import annotations
 
@@ -8,25 +11,27 @@ import ast
 import re
 from pathlib import Path
 
+import titan_ext
 import titan_ext.plan
 
 ROOT = Path(titan_ext.plan.__file__).resolve().parent
 PKG = "titan_ext.plan"
+TOP_ROOT, TOP = Path(titan_ext.__file__).resolve().parent, "titan_ext"
 CROSSPIPE_ORDER = ("tuning", "problem", "greedy", "model", "search", "_compiled", "portfolio")
 
 
-def _modules() -> dict[str, Path | None]:
-    """Module name → source; the C extensions (``PyInit_<name>`` in a plan/ .c file) as leaves (None),
+def _modules(root: Path = ROOT, pkg: str = PKG) -> dict[str, Path | None]:
+    """Module name → source; the C extensions (``PyInit_<name>`` in a .c file) as leaves (None),
     whether built or not."""
     out: dict[str, Path | None] = {}
-    for path in ROOT.rglob("*.c"):
+    for path in root.rglob("*.c"):
         for init in re.findall(r"PyInit_(\w+)", path.read_text()):
-            out[".".join([PKG, *path.parent.relative_to(ROOT).parts, init])] = None
-    for path in ROOT.rglob("*.py"):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            out[".".join([pkg, *path.parent.relative_to(root).parts, init])] = None
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        out[".".join([PKG, *parts])] = path
+        out[".".join([pkg, *parts])] = path
     return out
 
 
@@ -38,8 +43,8 @@ def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
+def _graph(root: Path = ROOT, pkg: str = PKG) -> dict[str, set[str]]:
+    mods = _modules(root, pkg)
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         deps = set()
@@ -105,3 +110,21 @@ def test_crosspipe_modules_import_only_downward():
     assert graph[f"{PKG}.optimal"] <= {f"{pkg}.{m}" for m in CROSSPIPE_ORDER} | {
         d for d in graph[f"{PKG}.optimal"] if not d.startswith(pkg) and d != f"{PKG}.schedules"}
     assert not [m for m, deps in graph.items() if f"{PKG}.schedules" in deps], "nothing in plan/ imports schedules"
+
+
+def test_titan_ext_import_graph_is_acyclic():
+    graph = _graph(TOP_ROOT, TOP)
+    assert f"{TOP}.runtime.pipemorph" in graph and f"{TOP}.titan.trainer" in graph
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+def test_layers_import_only_downward():
+    """plan/ imports nothing of runtime/ or titan/; runtime/ nothing of titan/ (DESIGN.md "Layers")."""
+    graph = _graph(TOP_ROOT, TOP)
+    above = {"plan": (f"{TOP}.runtime", f"{TOP}.titan", f"{TOP}.train", f"{TOP}.cli"),
+             "runtime": (f"{TOP}.titan", f"{TOP}.train", f"{TOP}.cli")}
+    for layer, forbidden in above.items():
+        for mod, deps in graph.items():
+            if mod.startswith(f"{TOP}.{layer}"):
+                bad = sorted(d for d in deps if d.startswith(forbidden))
+                assert not bad, f"{mod} imports a higher layer: {bad}"

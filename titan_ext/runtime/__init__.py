@@ -23,9 +23,9 @@ from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (issue 7, docs/fa
 
 from .delegated import DelegatedPipeMorph  # noqa: F401  (issue 5, docs/delegate.md)
 
-import titan_ext as _pkg
+from titan_ext import _flags
 
-if not getattr(_pkg, "DEFER_ENV_STRAGGLER", False):  # titan_ext.train checks it first, installs it later
+if not _flags.DEFER_ENV_STRAGGLER:  # titan_ext.train checks it first, installs it later
     install_from_env()
 
 __all__ = [

@@ -16,6 +16,7 @@ itself and applies Falcon's mitigations to the next steps.
 import torch
 
 from titan_ext.titan import adapters
+from titan_ext.titan.jobcheck import check_job_config, world_size
 from titan_ext.titan.falcon_job import FalconJob, install_replication_by_trainer, replicated_by_trainer
 from titan_ext.titan.options import titan_ext_section
 
@@ -26,7 +27,7 @@ _Base = _ADAPTER.trainer_base()
 
 
 class TitanExtTrainer(_Base):
-    """``Trainer`` + :func:`titan_ext.train.check_job_config` before any process group exists (it
+    """``Trainer`` + :func:`titan_ext.titan.jobcheck.check_job_config` before any process group exists (it
     fills the one-stage-per-rank split our schedules need) + Falcon in DP × PP jobs + closing
     delegate processes."""
 
@@ -34,9 +35,7 @@ class TitanExtTrainer(_Base):
         Config = _ADAPTER.trainer_config(_Base)
 
     def __init__(self, config):
-        from titan_ext.train import _world_size, check_job_config
-
-        check_job_config(config, world_size=_world_size())
+        check_job_config(config, world_size=world_size())
         if not _ADAPTER.PYTHON_CONFIGS:
             install_replication_by_trainer()
         elif config.parallelism.pipeline_parallel_degree > 1 and config.parallelism.data_parallel_replicate_degree > 1:
@@ -64,7 +63,8 @@ class TitanExtTrainer(_Base):
         if self.step == 1:  # TorchTitan's rule: the train timeout once the first step is done
             from titan_ext.runtime import timeouts
 
-            timeouts.set_timeout(self.job_config.comm.train_timeout_seconds)
+            config = getattr(self, "job_config", None) or self.config  # TorchTitan 0.2 / 0.3
+            timeouts.set_timeout(config.comm.train_timeout_seconds)
 
     def forward_backward_step(self, **kwargs):
         loss = super().forward_backward_step(**kwargs)
