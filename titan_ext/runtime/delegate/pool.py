@@ -121,7 +121,7 @@ class _Lane:
         self.pidfd: int | None = None
         self.cursor = 0
         self.keep: list = [None] * ring.num_slots   # tensors an async copy still reads / writes
-        self.tokens = [0] * ring.num_slots
+        self.tokens: list[int] = [0] * ring.num_slots
         self.dev_flags: torch.Tensor | None = None
 
     def describe(self) -> str:

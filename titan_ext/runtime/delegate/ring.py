@@ -98,7 +98,7 @@ class SlotRing:
         self.num_slots = geometry.num_slots
         self.slot_bytes = geometry.slot_bytes
         g = geometry
-        self._state_off = [g.slot_offset(i) + SLOT_STATE for i in range(g.num_slots)]
+        self._state_off: list[int] = [g.slot_offset(i) + SLOT_STATE for i in range(g.num_slots)]
         base_views = [region.tensor(g.slot_offset(i) + SLOT_HEADER, HEADER_BYTES) for i in range(g.num_slots)]
         self.header_bytes = base_views                                   # uint8 views (sent over Gloo)
         self.headers = [v.view(torch.int64) for v in base_views]          # int64 views of the same bytes
