@@ -37,11 +37,15 @@ print(f"[check_cuda_build] torch {torch.__version__} (CUDA {torch.version.cuda})
       f"GPU present: {torch.cuda.is_available()}")
 EOF
 
-if [ -z "${CUDA_HOME:-}" ]; then
-    if command -v nvcc >/dev/null; then CUDA_HOME="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
-    else CUDA_HOME=/usr/local/cuda; fi
+if [ -z "${CUDA_HOME:-}" ]; then  # the toolkit of the nvcc on PATH (not a wrapper's dir), else /usr/local/cuda
+    CUDA_HOME=/usr/local/cuda
+    if command -v nvcc >/dev/null; then
+        d="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
+        [ -f "$d/include/cuda_runtime_api.h" ] && CUDA_HOME="$d"
+    fi
 fi
-[ -x "$CUDA_HOME/bin/nvcc" ] || { say "no nvcc at $CUDA_HOME/bin/nvcc (set CUDA_HOME)"; exit 1; }
+[ -x "$CUDA_HOME/bin/nvcc" ] && [ -f "$CUDA_HOME/include/cuda_runtime_api.h" ] || {
+    say "no CUDA toolkit at $CUDA_HOME (bin/nvcc, include/cuda_runtime_api.h): set CUDA_HOME"; exit 1; }
 export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}"
 unset TITAN_EXT_NO_CUDA
@@ -52,8 +56,9 @@ trap 'rm -rf "$tmp"' EXIT
 log="$tmp/build.log"
 say "building into $tmp"
 if ! MAX_JOBS="${MAX_JOBS:-2}" "$PY" setup.py build_ext --build-lib "$tmp/lib" --build-temp "$tmp/temp" >"$log" 2>&1; then
-    tail -n 40 "$log" >&2
-    say "FAILED: the CUDA build (log above)"
+    grep -n -m 20 -E "error|Error" "$log" >&2 || true
+    tail -n 15 "$log" >&2
+    say "FAILED: the CUDA build (its errors and last lines above)"
     exit 1
 fi
 grep -F "[titan_ext] building titan_ext._delegate_C" "$log" | sed 's/^/[check_cuda_build] /'

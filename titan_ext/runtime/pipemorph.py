@@ -102,6 +102,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         observers: further boundary observers (``observe(Boundary) -> dict``).
         delegation / failover / slow_link_ms / detector / delegate_*: the transport — direct torch P2P,
             or the delegate data plane (``titan_ext.runtime.delegate.schedule.Delegation``).
+            ``delegate_slot_bytes=None`` sizes the delegate slots from the stage's messages.
     """
 
     #: ``backward=`` values of the default planner (read by the [titan_ext] config check before any
@@ -141,7 +142,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         detector: Callable[[dict], bool] | None = None,
         delegate_lanes: int | dict = 1,
         delegate_slots: int = 16,
-        delegate_slot_bytes: int = 16 << 20,
+        delegate_slot_bytes: int | None = None,
         recv_timeout_s: float = 30.0,
         delegate_timeout_s: float = 300.0,
         faults: Any = None,

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import ring as R
+from ._device import on_device, refuse_capture, resolve_device
 from ._ext import cuda_available, load_ext
 from .recovery import DELEGATE, DIRECT, DOWN, UP, Link, LinkDown, Supervisor, kill_lane, lane_dead, tag
 
@@ -123,6 +124,16 @@ class _Lane:
         self.keep: list = [None] * ring.num_slots   # tensors an async copy still reads / writes
         self.tokens: list[int] = [0] * ring.num_slots
         self.dev_flags: torch.Tensor | None = None
+        self._beat = (-1, 0.0)   # (last CTRL_HEARTBEAT seen, when it changed)
+
+    def frozen(self, timeout_s: float) -> bool:
+        """The delegate's heartbeat (worker.py) has not moved for ``timeout_s``: stopped (SIGSTOP) or
+        hung — treated like a dead delegate (issue 26)."""
+        beat, now = self.ring.region.load64(R.CTRL_HEARTBEAT), time.monotonic()
+        if beat != self._beat[0]:
+            self._beat = (beat, now)
+            return False
+        return now - self._beat[1] > timeout_s
 
     def describe(self) -> str:
         c = self.channel
@@ -186,6 +197,10 @@ class DelegatePool:
             per lane is about ``num_slots * slot_bytes`` — activations queue here, not on the device.
         store_host / store_port: the job's TCPStore (default: :func:`store_address`).
         timeout_s: how long an operation may wait before :class:`DelegateError`.
+        heartbeat_timeout_s: a delegate whose heartbeat stops for this long (SIGSTOP, a hang) is treated
+            as dead: with fallback, killed and recovered like a killed one; without, a clean stop.
+        device: the stage's device; every CUDA call of the pool (device flags, copy streams, kernels)
+            names it, from any thread (``cuda`` without an index: the current device, read here).
         pool_id: rendezvous namespace; defaults to a per-process counter (create pools in the same
             order on every rank).
     """
@@ -193,18 +208,23 @@ class DelegatePool:
     def __init__(self, rank: int, channels: Iterable[Channel], lanes: int | Mapping[str, int] = 1,
                  num_slots: int = 8, slot_bytes: int = 16 << 20, store_host: str | None = None,
                  store_port: int | None = None, timeout_s: float = 120.0, pool_id: str | None = None,
-                 start_timeout_s: float = 180.0):
+                 start_timeout_s: float = 180.0, device=None, heartbeat_timeout_s: float = 10.0):
         load_ext()
         R.sweep_stale_segments()
         self.rank = rank
         self.channels = list(channels)
         self.lanes_per = {"F": lanes, "B": lanes} if isinstance(lanes, int) else dict(lanes)
         self.timeout_s = timeout_s
+        if not heartbeat_timeout_s > 10 * R.HEARTBEAT_S:
+            raise ValueError(f"heartbeat_timeout_s must be > {10 * R.HEARTBEAT_S} s, got {heartbeat_timeout_s}")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         if store_host is None or store_port is None:
             store_host, store_port = store_address()
         self.pool_id = pool_id if pool_id is not None else f"p{next(_pool_ids)}"
-        self.cuda = cuda_available()
+        self.device = resolve_device(device if device is not None else
+                                     ("cuda" if cuda_available() else None))
+        self.cuda = self.device is not None and cuda_available()
         self._closed = False
         self._store_host, self._store_port = store_host, store_port
         self.lanes: dict[tuple[int, str], list[Link]] = {}      # (peer, direction) -> send links
@@ -218,7 +238,12 @@ class DelegatePool:
         self._early: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
         self._consumed: dict[tuple[int, str], set[int]] = {}
         self._floor: dict[tuple[int, str], int] = {}
-        self._copy_stream = torch.cuda.Stream() if self.cuda else None
+        # one copy stream per direction: a D2H send never queues behind an H2D receive (or the reverse)
+        self._d2h_stream = self._h2d_stream = None
+        if self.cuda:
+            with on_device(self.device):
+                self._d2h_stream = torch.cuda.Stream(device=self.device)
+                self._h2d_stream = torch.cuda.Stream(device=self.device)
         # receives are waited on by other threads (PipeMorph's per-peer arrival watchers): the recv-side
         # tables are guarded by this lock, which is never held while blocking.
         self._lock = threading.RLock()
@@ -255,10 +280,13 @@ class DelegatePool:
         return f"titanx/{self.pool_id}/{c.src}-{c.dst}/{c.direction}/{index}/" + (f"e{epoch}/" if epoch else "")
 
     def _new_lane(self, ch: Channel, index: int, role: str, epoch: int) -> _Lane:
+        """A lane and its ring; with CUDA its device flags on the pool's device (also when the supervisor
+        thread respawns it: that thread's current device is not the stage's)."""
         lane = _Lane(ch, index, role, R.SlotRing.create(self.num_slots, self.slot_bytes), epoch)
         if self.cuda:
-            lane.ring.region.cuda_register()
-            lane.dev_flags = torch.zeros(self.num_slots, dtype=torch.int32, device="cuda")
+            with on_device(self.device):
+                lane.ring.region.cuda_register()
+                lane.dev_flags = torch.zeros(self.num_slots, dtype=torch.int32, device=self.device)
         return lane
 
     def _launch(self, lane: _Lane) -> None:
@@ -297,6 +325,9 @@ class DelegatePool:
             rc = lane.proc.returncode
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
             raise DelegateError(f"{lane.describe()} {how}; fallback is off (enable_fallback) — stopping")
+        if lane.frozen(self.heartbeat_timeout_s):
+            raise DelegateError(f"{lane.describe()} is frozen (no heartbeat for {self.heartbeat_timeout_s:.0f} s);"
+                                f" fallback is off (enable_fallback) — stopping")
 
     def check_health(self) -> None:
         """Raise :class:`DelegateError` if a link is unusable: with fallback, only when its peer did not
@@ -352,6 +383,8 @@ class DelegatePool:
         links = self.lanes.get((dst, direction))
         if links is None:
             raise KeyError(f"no send-{direction} delegates to rank {dst} in this pool")
+        if self.cuda:
+            refuse_capture("DelegatePool.send")
         link = links[seq % len(links)]
         if not self.fallback:
             return self._ring_send(link, link.lane, tensor, seq)
@@ -381,11 +414,12 @@ class DelegatePool:
         nbytes = ring.write_header(i, seq, tensor)
         if tensor.is_cuda:
             src = tensor.contiguous()
-            self._copy_stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(self._copy_stream):
-                src.record_stream(self._copy_stream)
-                ring.region.d2h_signal(src, ring.geometry.slot_offset(i) + R.SLOT_PAYLOAD,
-                                       ring.state_offset(i), R.READY)
+            with on_device(self.device):
+                self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._d2h_stream):
+                    src.record_stream(self._d2h_stream)
+                    ring.region.d2h_signal(src, ring.geometry.slot_offset(i) + R.SLOT_PAYLOAD,
+                                           ring.state_offset(i), R.READY)
             lane.keep[i] = src
         else:
             if nbytes:
@@ -489,7 +523,8 @@ class DelegatePool:
             raise KeyError(f"no recv-{direction} delegates from rank {src} in this pool")
         h = _Recv(self, key, seq, tensor)
         if tensor.is_cuda:
-            h.stream = torch.cuda.current_stream(tensor.device)  # the consumer's stream waits on the signal
+            refuse_capture("DelegatePool.post_recv")
+            h.stream = torch.cuda.current_stream(self.device)  # the consumer's stream waits on the signal
         with self._lock:
             early = self._early[key].pop(seq, None)
             if early is not None:
@@ -659,15 +694,16 @@ class DelegatePool:
         target = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
         lane.tokens[i] = (lane.tokens[i] + 1) & 0x7FFFFFFF
         flag = lane.dev_flags[i:i + 1]
-        self._copy_stream.wait_stream(consumer)
-        with torch.cuda.stream(self._copy_stream):
-            target.record_stream(self._copy_stream)
-            ring.region.h2d_signal(ring.geometry.slot_offset(i) + R.SLOT_PAYLOAD, target,
-                                   ring.state_offset(i), R.FREE, flag, lane.tokens[i])
-        with torch.cuda.stream(consumer):
-            ext.stream_wait_flag(flag, lane.tokens[i])  # the consumer stream waits on the device signal
-            if target is not dst:
-                dst.copy_(target)
+        with on_device(self.device):  # may run on an arrival-watcher thread
+            self._h2d_stream.wait_stream(consumer)
+            with torch.cuda.stream(self._h2d_stream):
+                target.record_stream(self._h2d_stream)
+                ring.region.h2d_signal(ring.geometry.slot_offset(i) + R.SLOT_PAYLOAD, target,
+                                       ring.state_offset(i), R.FREE, flag, lane.tokens[i])
+            with torch.cuda.stream(consumer):
+                ext.stream_wait_flag(flag, lane.tokens[i])  # the consumer stream waits on the device signal
+                if target is not dst:
+                    dst.copy_(target)
 
     # ------------------------------------------------------------------------------------------
     def stats(self) -> list[dict]:
@@ -724,8 +760,8 @@ class DelegatePool:
             supervisor.released.set()
             supervisor.join(timeout=2.0)
         self._orphans.clear()
-        if self._copy_stream is not None:
-            torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
         _live_pools.discard(self)
 
     def __enter__(self):

@@ -5,7 +5,10 @@ of a link dies (SIGKILL, a crash, or its peer delegate dying, which closes their
 
 1. **Detection** — on each rank a :class:`Supervisor` thread sleeps in ``select`` on the pidfds of its
    delegates (the kernel's process sentinel: no polling, no heartbeat traffic), so the rank whose
-   delegate died learns it at once.  The other rank learns it twice over: its own delegate of the lane
+   delegate died learns it at once.  A *frozen* delegate (SIGSTOP, or a hang that stops its
+   interpreter) is found by its heartbeat: a word of its ring it increments every ``HEARTBEAT_S``;
+   unchanged for ``pool.heartbeat_timeout_s``, the delegate is SIGKILLed and recovered like a dead one
+   (issue 26).  The other rank learns it twice over: its own delegate of the lane
    fails as soon as the pair's connection closes (both delegates of a lane always have a Gloo receive
    posted: data on the recv side, acknowledgements on the send side), and the detecting rank also
    declares the link down in the job's TCPStore (a per-rank "inbox" counter the supervisor reads every
@@ -111,6 +114,7 @@ class Supervisor(threading.Thread):
         self.root = f"titanx/{pool.pool_id}/"
         self._inbox_seen = 0
         self._agreeing: dict[Link, tuple[float, float]] = {}   # send links awaiting ``first``: (t0, deadline)
+        self._causes: dict[Link, str] = {}   # why a link went down, when not a plain death
         self.error: str | None = None
         self.announced = threading.Event()   # the peers were told this pool is closing
         self.released = threading.Event()    # the pool stopped its delegates: this thread may end
@@ -152,7 +156,13 @@ class Supervisor(threading.Thread):
         if self.pool._closed:
             return
         declared = self._declared_by_peers(links)
-        down = [lk for lk in links if lane_dead(lk.lane) or lk in declared]
+        down = []
+        for lk in links:
+            if lane_dead(lk.lane) or lk in declared:
+                down.append(lk)
+            elif lk.lane.frozen(self.pool.heartbeat_timeout_s):  # SIGSTOP or hung: like a dead one
+                self._causes[lk] = f"frozen: no heartbeat for {self.pool.heartbeat_timeout_s:.0f} s"
+                down.append(lk)
         for lk in down:  # every dead link is declared and reaped before any agreement is awaited
             self._start_recovery(lk)
         for lk in list(self._agreeing):
@@ -209,7 +219,8 @@ class Supervisor(threading.Thread):
         lane = link.lane
         self.pool._log_event(link, "fallback", epoch=lane.epoch, first_undelivered=first,
                              replayed=replayed, recovery_ms=1e3 * (time.monotonic() - t0),
-                             exit_code=lane.proc.returncode if lane.proc else None)
+                             exit_code=lane.proc.returncode if lane.proc else None,
+                             cause=self._causes.pop(link, "died"))
         try:
             self.pool._respawn(link)
         except Exception as exc:  # noqa: BLE001 - the lane stays on the direct path (correct, slower)

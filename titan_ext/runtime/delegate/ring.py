@@ -49,6 +49,8 @@ CTRL_BUSY_NS = 264          # int64 ns spent in Gloo send/recv (throughput = byt
 CTRL_MESSAGES = 272         # int64 messages moved
 CTRL_DELAY_US = 280         # int64 injected one-way delay of this lane's link, µs (tests, benchmarks)
 CTRL_ACKED = 288            # int64 send ring: last seq the peer's recv delegate acknowledged (-1: none)
+CTRL_HEARTBEAT = 296        # int64 incremented by the delegate every HEARTBEAT_S (a frozen one stops)
+HEARTBEAT_S = 0.1
 CTRL_ERROR_TEXT = 1024
 CTRL_ERROR_TEXT_MAX = PAGE - CTRL_ERROR_TEXT
 
