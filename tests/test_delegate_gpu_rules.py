@@ -1,0 +1,199 @@
+"""The delegate data plane's GPU rules, checked on CPU (issue 20 defects 4, 6, 7 and "Also").
+
+No GPU here: the CUDA entry points the pool calls (``torch.cuda.device``/``stream``/``current_stream``,
+the extension's copy+signal kernels) are replaced by recorders, and the tests assert *which device and
+which stream* each call was made under, from which thread — the facts a GPU run depends on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_ext.runtime.delegate import pool as P
+from titan_ext.runtime.delegate import ring as R
+from titan_ext.runtime.delegate import transport as T
+from titan_ext.runtime.delegate.pool import Channel, DelegatePool
+
+DEV = torch.device("cuda", 1)   # the stage's device: not device 0, which every new thread starts on
+
+
+class _Cuda:
+    """Records the device and stream context of every recorded call, per thread."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.calls: list[tuple] = []
+
+    def ctx(self, attr, value):
+        @contextlib.contextmanager
+        def cm():
+            old = getattr(self.local, attr, None)
+            setattr(self.local, attr, value)
+            try:
+                yield
+            finally:
+                setattr(self.local, attr, old)
+        return cm()
+
+    def record(self, what, **info):
+        self.calls.append((what, getattr(self.local, "device", None), getattr(self.local, "stream", None),
+                           threading.current_thread().name, info))
+
+
+class _Stream:
+    def __init__(self, name):
+        self.name = name
+
+    def wait_stream(self, other):
+        pass
+
+
+class _FakeCudaTensor:
+    is_cuda = True
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+
+    def contiguous(self):
+        return self
+
+    def is_contiguous(self):
+        return True
+
+    def record_stream(self, s):
+        pass
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    c = _Cuda()
+    monkeypatch.setattr(torch.cuda, "device", lambda d: c.ctx("device", torch.device(d)))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: c.ctx("stream", s))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _Stream(f"current:{d}"))
+    real_zeros = torch.zeros
+
+    def zeros(*a, device=None, **kw):
+        if device is not None and torch.device(device).type == "cuda":
+            c.record("zeros", device=torch.device(device))
+            return real_zeros(*a, **kw)
+        return real_zeros(*a, device=device, **kw)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    return c
+
+
+class _Region:
+    def __init__(self, cuda):
+        self.cuda = cuda
+
+    def cuda_register(self):
+        self.cuda.record("cuda_register")
+
+    def d2h_signal(self, src, data_off, flag_off, value):
+        self.cuda.record("d2h_signal")
+
+    def h2d_signal(self, data_off, dst, host_flag_off, host_value, dev_flag, dev_value):
+        self.cuda.record("h2d_signal")
+
+
+def _bare_pool(cuda) -> DelegatePool:
+    """A DelegatePool object on DEV with recorders instead of delegates and CUDA (no processes)."""
+    pool = DelegatePool.__new__(DelegatePool)
+    pool.cuda, pool.device, pool.num_slots, pool.slot_bytes = True, DEV, 2, 4096
+    pool.fallback, pool._closed = False, False
+    pool._d2h_stream, pool._h2d_stream = _Stream("d2h"), _Stream("h2d")
+    pool.heartbeat_timeout_s = 10.0
+    return pool
+
+
+def _fake_ring(cuda):
+    ring = types.SimpleNamespace(region=_Region(cuda), num_slots=2, slot_bytes=4096,
+                                 geometry=R.RingGeometry(2, 4096))
+    ring.state = lambda i: R.FREE
+    ring.set_state = lambda i, v, wake=True: None
+    ring.write_header = lambda i, seq, t: 16
+    ring.state_offset = lambda i: 0
+    ring.error_text = lambda: ""
+    return ring
+
+
+def test_respawned_lane_allocates_its_flags_on_the_stage_device_from_a_supervisor_thread(cuda, monkeypatch):
+    """Defect 7: the supervisor thread (current device 0) must name the stage's device for the new
+    lane's cudaHostRegister and device flags."""
+    monkeypatch.setattr(R.SlotRing, "create", classmethod(lambda cls, n, b: _fake_ring(cuda)))
+    pool = _bare_pool(cuda)
+    t = threading.Thread(target=pool._new_lane, args=(Channel(0, 1, "F"), 0, "send", 1), name="supervisor")
+    t.start()
+    t.join()
+    by = {c[0]: c for c in cuda.calls}
+    assert by["zeros"][4]["device"] == DEV and by["zeros"][3] == "supervisor"
+    assert by["cuda_register"][1] == DEV and by["zeros"][1] == DEV, cuda.calls
+
+
+def test_sends_and_receives_use_their_own_copy_streams_on_the_stage_device(cuda, monkeypatch):
+    """"One shared copy stream makes D2H sends queue behind H2D receives": D2H on one stream, H2D
+    (issued from an arrival-watcher thread) on another, both under the stage's device."""
+    pool = _bare_pool(cuda)
+    ring = _fake_ring(cuda)
+    lane = types.SimpleNamespace(ring=ring, cursor=0, keep=[None, None], tokens=[0, 0],
+                                 dev_flags=torch.zeros(2, dtype=torch.int32))
+    link = types.SimpleNamespace(error=None)
+    monkeypatch.setattr(pool, "_lane_ok", lambda link, lane: None)
+    monkeypatch.setattr(P, "load_ext", lambda: types.SimpleNamespace(
+        stream_wait_flag=lambda flag, v: cuda.record("stream_wait_flag")))
+    pool._ring_send(link, lane, _FakeCudaTensor(cuda), 0)
+    t = threading.Thread(target=pool._h2d, args=(lane, 1, _FakeCudaTensor(cuda), _Stream("consumer")),
+                         name="watcher")
+    t.start()
+    t.join()
+    by = {c[0]: c for c in cuda.calls}
+    d2h, h2d, wait = by["d2h_signal"], by["h2d_signal"], by["stream_wait_flag"]
+    assert d2h[2] is pool._d2h_stream and h2d[2] is pool._h2d_stream and d2h[2] is not h2d[2]
+    assert wait[2].name == "consumer"   # the consumer's stream waits on the device flag
+    assert d2h[1] == DEV and h2d[1] == DEV and wait[1] == DEV and h2d[3] == "watcher", cuda.calls
+
+
+def test_cuda_graph_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    pool = _bare_pool(cuda)
+    pool.lanes = {(1, "F"): [types.SimpleNamespace()]}
+    pool.rlanes = {(1, "F"): [types.SimpleNamespace()]}
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        pool.send(_FakeCudaTensor(cuda), 1, "F", 0)
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        pool.post_recv(_FakeCudaTensor(cuda), 1, "F", 0)
+    assert not [c for c in cuda.calls if c[0].endswith("signal")]
+
+
+def test_failover_is_refused_and_fallback_off_on_an_nccl_pp_group(monkeypatch):
+    """Defect 4: on NCCL a hung send does not raise and the fallback's host markers, tags and
+    supervisor-thread ops break its rules — failover is refused, a dead delegate is a clean stop."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    enabled = []
+    fake_pool = types.SimpleNamespace(enable_fallback=lambda group=None: enabled.append(group))
+    with pytest.raises(ValueError, match="NCCL"):
+        T.P2PRouter(0, fake_pool, failover=True)
+    router = T.P2PRouter(0, fake_pool, delegating=True)
+    assert router.delegate_fallback is False and enabled == []
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert T.P2PRouter(0, fake_pool, delegating=True).delegate_fallback is True and len(enabled) == 1
+
+
+def test_slot_size_is_the_largest_message_rounded_to_a_page():
+    from titan_ext.runtime.delegate.schedule import message_slot_bytes
+
+    assert message_slot_bytes(0) == R.PAGE
+    assert message_slot_bytes(1) == R.PAGE
+    assert message_slot_bytes(R.PAGE) == R.PAGE
+    llama_8b = 1 * 8192 * 4096 * 2   # microbatch 1, sequence 8192, hidden 4096, bf16: 64 MiB
+    assert message_slot_bytes(llama_8b) == 64 << 20 and message_slot_bytes(llama_8b + 1) == (64 << 20) + R.PAGE
+    with pytest.raises(ValueError):
+        message_slot_bytes(-1)
