@@ -128,9 +128,10 @@ class _Lane:
 
     def frozen(self, timeout_s: float) -> bool:
         """The delegate's heartbeat (worker.py) has not moved for ``timeout_s``: stopped (SIGSTOP) or
-        hung — treated like a dead delegate (issue 26)."""
+        hung — treated like a dead delegate (issue 26).  Watched once it runs (its start, which imports
+        torch, has its own timeout)."""
         beat, now = self.ring.region.load64(R.CTRL_HEARTBEAT), time.monotonic()
-        if beat != self._beat[0]:
+        if beat != self._beat[0] or self.ring.region.load(R.CTRL_DELEGATE_STATE) != 1:
             self._beat = (beat, now)
             return False
         return now - self._beat[1] > timeout_s
