@@ -48,7 +48,8 @@ def _all_returned(pool, kinds, dist):
     """Every rank agrees (one MIN all-reduce at this boundary) that its killed lanes are back."""
     import torch
 
-    back = {e["kind"] for e in pool.fallback_events if e["event"] == "returned"}
+    # (a schedule's pool starts at its first delegated op: None before the first step)
+    back = {e["kind"] for e in pool.fallback_events if e["event"] == "returned"} if pool is not None else set()
     flag = torch.tensor([1.0 if set(kinds) <= back else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return flag.item() > 0
