@@ -22,14 +22,19 @@ ext_modules, cmdclass = [search_ext, greedy_ext], {}
 
 
 def _cuda_home() -> str | None:
-    """CUDA_HOME / CUDA_PATH if set, else the toolkit of the nvcc on PATH, else /usr/local/cuda."""
+    """CUDA_HOME / CUDA_PATH if set, else the toolkit of the nvcc on PATH, else /usr/local/cuda: the
+    first that holds a toolkit (bin/nvcc and include/cuda_runtime_api.h; an nvcc on PATH may be a
+    wrapper script outside its toolkit)."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             return os.environ[var]
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    return "/usr/local/cuda" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    for home in candidates + ["/usr/local/cuda"]:
+        if os.path.exists(os.path.join(home, "bin", "nvcc")) and \
+                os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")):
+            return home
+    return None
 
 
 # C++ standard of the extension: torch >= 2.14's headers need C++20, and torch 2.13's own

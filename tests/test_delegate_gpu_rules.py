@@ -105,7 +105,10 @@ class _Region:
 def _bare_pool(cuda) -> DelegatePool:
     """A DelegatePool object on DEV with recorders instead of delegates and CUDA (no processes)."""
     pool = DelegatePool.__new__(DelegatePool)
+    from titan_ext.runtime.device import CudaDevice
+
     pool.cuda, pool.device, pool.num_slots, pool.slot_bytes = True, DEV, 2, 4096
+    pool.layer = CudaDevice(DEV)   # the executor's device layer: its context() names DEV
     pool.fallback, pool._closed = False, False
     pool._d2h_stream, pool._h2d_stream = _Stream("d2h"), _Stream("h2d")
     pool.heartbeat_timeout_s = 10.0

@@ -1,32 +1,31 @@
 """Device choices of the delegate data plane (DESIGN.md "GPU rules"; issue 20 defect 7 and "Also").
 
-A local helper until the runtime's device layer exists: every CUDA call of the pool names the stage's
-device (an explicit index, resolved once on the constructing thread), from any thread — supervisor
-and arrival-watcher threads start on device 0, so a bare ``"cuda"`` there would allocate on GPU 0 of
-every rank; and the copy+signal / spin-wait kernels refuse CUDA graph capture.
+The pool makes its device and stream choices through the runtime's device layer
+(:mod:`titan_ext.runtime.device`): every CUDA call runs under the layer's ``context()`` (the stage's
+device, an explicit index, from any thread — supervisor and arrival-watcher threads start on device 0,
+so a bare ``"cuda"`` there would allocate on GPU 0 of every rank), and its copy streams are the layer's
+named streams, one per direction.  Capture is refused here: the copy+signal and spin-wait kernels carry
+per-message flag values that a replayed CUDA graph would repeat.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from titan_ext.runtime.device import CudaDevice, DeviceLayer
 
-def resolve_device(device) -> torch.device | None:
-    """The CUDA device with an explicit index (None for a CPU stage).  ``cuda`` without an index is
-    the constructing thread's current device."""
-    if device is None:
+D2H_STREAM, H2D_STREAM = "delegate-d2h", "delegate-h2d"
+
+
+def layer_for(device) -> DeviceLayer | None:
+    """The CUDA device layer the pool uses (None for a CPU stage).  ``device``: a device layer (the
+    executor's), a device, or None; ``cuda`` without an index is the constructing thread's device."""
+    if isinstance(device, DeviceLayer):
+        return device if device.device.type == "cuda" else None
+    if device is None or torch.device(device).type != "cuda":
         return None
     dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def on_device(dev: torch.device | None):
-    """``torch.cuda.device(dev)`` for a CUDA device, a no-op otherwise (use around every CUDA call)."""
-    return torch.cuda.device(dev) if dev is not None else contextlib.nullcontext()
+    return CudaDevice(dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device()))
 
 
 def refuse_capture(what: str) -> None:

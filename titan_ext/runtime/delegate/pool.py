@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import ring as R
-from ._device import on_device, refuse_capture, resolve_device
+from ._device import D2H_STREAM, H2D_STREAM, layer_for, refuse_capture
 from ._ext import cuda_available, load_ext
 from .recovery import DELEGATE, DIRECT, DOWN, UP, Link, LinkDown, Supervisor, kill_lane, lane_dead, tag
 
@@ -200,8 +200,9 @@ class DelegatePool:
         timeout_s: how long an operation may wait before :class:`DelegateError`.
         heartbeat_timeout_s: a delegate whose heartbeat stops for this long (SIGSTOP, a hang) is treated
             as dead: with fallback, killed and recovered like a killed one; without, a clean stop.
-        device: the stage's device; every CUDA call of the pool (device flags, copy streams, kernels)
-            names it, from any thread (``cuda`` without an index: the current device, read here).
+        device: the stage's device layer (``titan_ext.runtime.device``; the executor's) or device: every
+            CUDA call of the pool (device flags, copy streams, kernels) runs under its context, from any
+            thread (``cuda`` without an index: the current device, read here).
         pool_id: rendezvous namespace; defaults to a per-process counter (create pools in the same
             order on every rank).
     """
@@ -223,9 +224,9 @@ class DelegatePool:
         if store_host is None or store_port is None:
             store_host, store_port = store_address()
         self.pool_id = pool_id if pool_id is not None else f"p{next(_pool_ids)}"
-        self.device = resolve_device(device if device is not None else
-                                     ("cuda" if cuda_available() else None))
-        self.cuda = self.device is not None and cuda_available()
+        self.layer = layer_for(device if device is not None else ("cuda" if cuda_available() else None))
+        self.cuda = self.layer is not None and cuda_available()
+        self.device = self.layer.device if self.cuda else None
         self._closed = False
         self._store_host, self._store_port = store_host, store_port
         self.lanes: dict[tuple[int, str], list[Link]] = {}      # (peer, direction) -> send links
@@ -242,9 +243,7 @@ class DelegatePool:
         # one copy stream per direction: a D2H send never queues behind an H2D receive (or the reverse)
         self._d2h_stream = self._h2d_stream = None
         if self.cuda:
-            with on_device(self.device):
-                self._d2h_stream = torch.cuda.Stream(device=self.device)
-                self._h2d_stream = torch.cuda.Stream(device=self.device)
+            self._d2h_stream, self._h2d_stream = self.layer.stream(D2H_STREAM), self.layer.stream(H2D_STREAM)
         # receives are waited on by other threads (PipeMorph's per-peer arrival watchers): the recv-side
         # tables are guarded by this lock, which is never held while blocking.
         self._lock = threading.RLock()
@@ -285,7 +284,7 @@ class DelegatePool:
         thread respawns it: that thread's current device is not the stage's)."""
         lane = _Lane(ch, index, role, R.SlotRing.create(self.num_slots, self.slot_bytes), epoch)
         if self.cuda:
-            with on_device(self.device):
+            with self.layer.context():
                 lane.ring.region.cuda_register()
                 lane.dev_flags = torch.zeros(self.num_slots, dtype=torch.int32, device=self.device)
         return lane
@@ -415,7 +414,7 @@ class DelegatePool:
         nbytes = ring.write_header(i, seq, tensor)
         if tensor.is_cuda:
             src = tensor.contiguous()
-            with on_device(self.device):
+            with self.layer.context():
                 self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._d2h_stream):
                     src.record_stream(self._d2h_stream)
@@ -695,7 +694,7 @@ class DelegatePool:
         target = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
         lane.tokens[i] = (lane.tokens[i] + 1) & 0x7FFFFFFF
         flag = lane.dev_flags[i:i + 1]
-        with on_device(self.device):  # may run on an arrival-watcher thread
+        with self.layer.context():  # may run on an arrival-watcher thread
             self._h2d_stream.wait_stream(consumer)
             with torch.cuda.stream(self._h2d_stream):
                 target.record_stream(self._h2d_stream)

@@ -18,8 +18,8 @@ While delegating, the configured ``adaptive_memory_limit`` is lifted (§5.2 "vir
 constraint in Algorithm 2"); the measured device-memory cap (``runtime/memory.py``) still applies,
 since the delegates carry the PP messages, not the activations autograd saves.
 
-``DelegatedPipeMorph`` is PipeMorph with the delegation API on the schedule object (``router``,
-``pool``, ``set_delegation`` …), kept for its callers (TorchTitan's registry, scripts, tests).
+``DelegatedPipeMorph`` (PipeMorph with the delegation API on the schedule object: ``router``, ``pool``,
+``set_delegation`` …) lives in :mod:`titan_ext.runtime.delegated`, above this package.
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from titan_ext.runtime.observers import Boundary
-from titan_ext.runtime.pipemorph import PipeMorph
 from titan_ext.runtime.transport import TorchP2P
 
 from .pool import DelegatePool, delegates_needed, pipeline_channels
 from .ring import PAGE
 from .transport import NCCL_FAILOVER_REFUSAL, FaultInjector, P2PRouter, is_nccl
 
-__all__ = ["DelegatedPipeMorph", "Delegation", "DelegateTransport", "message_slot_bytes"]
+__all__ = ["Delegation", "DelegateTransport", "message_slot_bytes"]
 
 _FWD = (_ComputationType.SEND_F, _ComputationType.RECV_F)
 
@@ -125,7 +124,7 @@ class Delegation:
         if group is not None:
             stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
         self.pool = DelegatePool(rank, pipeline_channels(rank, stage_to_rank), slot_bytes=self.slot_bytes,
-                                 device=_stage_device(self.schedule), **self._pool_args)
+                                 device=_device_of(self.schedule), **self._pool_args)
         self.router = P2PRouter(rank, self.pool, group=group, delegating=self._delegating, **self._router_args)
         return self.router
 
@@ -188,38 +187,12 @@ class Delegation:
             self.pool.close()
 
 
-def _stage_device(schedule: Any):
-    """The device of the schedule's (one) stage: every CUDA call of the pool names it."""
+def _device_of(schedule: Any):
+    """The schedule's device layer (its executor's: every CUDA call of the pool goes through it), else
+    the device of its (one) stage."""
+    layer = getattr(getattr(schedule, "executor", None), "device", None)
+    if layer is not None and not isinstance(layer, (str, torch.device)):
+        return layer
     stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
     dev = getattr(stages[0], "device", None) if stages and stages[0] is not None else None
     return dev if dev is not None else torch.device("cpu")
-
-
-class DelegatedPipeMorph(PipeMorph):
-    """PipeMorph with the delegation API on the schedule (the transport is PipeMorph's own choice)."""
-
-    @property
-    def router(self) -> P2PRouter | None:
-        return self.delegation.router if self.delegation else None
-
-    @property
-    def pool(self) -> DelegatePool | None:
-        return self.delegation.pool if self.delegation else None
-
-    @property
-    def delegation_log(self) -> list[dict]:
-        return self.delegation.log if self.delegation else []
-
-    @property
-    def delegating(self) -> bool:
-        return bool(self.delegation and self.delegation.delegating)
-
-    def set_delegation(self, on: bool, reason: str = "external") -> None:
-        if self.delegation is None:
-            raise RuntimeError("delegation='off' without failover has no delegates; construct with "
-                               "delegation='auto' or 'always'")
-        self.delegation.set(on, reason)
-
-    def close_delegation(self) -> None:
-        if self.delegation is not None:
-            self.delegation.close()
