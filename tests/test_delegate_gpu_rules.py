@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_ext.runtime.delegate import pool as P
 from titan_ext.runtime.delegate import ring as R
 from titan_ext.runtime.delegate import transport as T
-from titan_ext.runtime.delegate.pool import Channel, DelegatePool
+from titan_ext.runtime.delegate.pool import Channel
 
 DEV = torch.device("cuda", 1)   # the stage's device: not device 0, which every new thread starts on
 
@@ -102,17 +101,16 @@ class _Region:
         self.cuda.record("h2d_signal")
 
 
-def _bare_pool(cuda) -> DelegatePool:
-    """A DelegatePool object on DEV with recorders instead of delegates and CUDA (no processes)."""
-    pool = DelegatePool.__new__(DelegatePool)
+def _layer():
+    """The executor's CUDA device layer on DEV (its context() is torch.cuda.device(DEV)), with named
+    streams that need no GPU."""
     from titan_ext.runtime.device import CudaDevice
 
-    pool.cuda, pool.device, pool.num_slots, pool.slot_bytes = True, DEV, 2, 4096
-    pool.layer = CudaDevice(DEV)   # the executor's device layer: its context() names DEV
-    pool.fallback, pool._closed = False, False
-    pool._d2h_stream, pool._h2d_stream = _Stream("d2h"), _Stream("h2d")
-    pool.heartbeat_timeout_s = 10.0
-    return pool
+    class Layer(CudaDevice):
+        def stream(self, name):
+            return self._streams.setdefault(name, _Stream(name))
+
+    return Layer(DEV)
 
 
 def _fake_ring(cuda):
@@ -129,9 +127,11 @@ def _fake_ring(cuda):
 def test_respawned_lane_allocates_its_flags_on_the_stage_device_from_a_supervisor_thread(cuda, monkeypatch):
     """Defect 7: the supervisor thread (current device 0) must name the stage's device for the new
     lane's cudaHostRegister and device flags."""
+    from titan_ext.runtime.delegate.lanes import LaneProcesses
+
     monkeypatch.setattr(R.SlotRing, "create", classmethod(lambda cls, n, b: _fake_ring(cuda)))
-    pool = _bare_pool(cuda)
-    t = threading.Thread(target=pool._new_lane, args=(Channel(0, 1, "F"), 0, "send", 1), name="supervisor")
+    procs = LaneProcesses("p", 2, 4096, ("127.0.0.1", 1), 60.0, 10.0, _layer())
+    t = threading.Thread(target=procs.new_lane, args=(Channel(0, 1, "F"), 0, "send", 1), name="supervisor")
     t.start()
     t.join()
     by = {c[0]: c for c in cuda.calls}
@@ -139,39 +139,56 @@ def test_respawned_lane_allocates_its_flags_on_the_stage_device_from_a_superviso
     assert by["cuda_register"][1] == DEV and by["zeros"][1] == DEV, cuda.calls
 
 
+class _Healthy:
+    """Recovery stand-in: every lane is usable."""
+
+    enabled = False
+
+    def lane_ok(self, link, lane):
+        pass
+
+    def wait_slot(self, *a):
+        pass
+
+
 def test_sends_and_receives_use_their_own_copy_streams_on_the_stage_device(cuda, monkeypatch):
     """"One shared copy stream makes D2H sends queue behind H2D receives": D2H on one stream, H2D
     (issued from an arrival-watcher thread) on another, both under the stage's device."""
-    pool = _bare_pool(cuda)
+    from titan_ext.runtime.delegate import recvpath
+    from titan_ext.runtime.delegate.recvpath import RecvMatcher
+    from titan_ext.runtime.delegate.sendpath import SendPath
+
+    layer = _layer()
+    sender = SendPath({}, _Healthy(), layer, 60.0)
+    receiver = RecvMatcher({}, _Healthy(), threading.RLock(), layer, 60.0)
     ring = _fake_ring(cuda)
     lane = types.SimpleNamespace(ring=ring, cursor=0, keep=[None, None], tokens=[0, 0],
                                  dev_flags=torch.zeros(2, dtype=torch.int32))
-    link = types.SimpleNamespace(error=None)
-    monkeypatch.setattr(pool, "_lane_ok", lambda link, lane: None)
-    monkeypatch.setattr(P, "load_ext", lambda: types.SimpleNamespace(
+    monkeypatch.setattr(recvpath, "load_ext", lambda: types.SimpleNamespace(
         stream_wait_flag=lambda flag, v: cuda.record("stream_wait_flag")))
-    pool._ring_send(link, lane, _FakeCudaTensor(cuda), 0)
-    t = threading.Thread(target=pool._h2d, args=(lane, 1, _FakeCudaTensor(cuda), _Stream("consumer")),
+    sender.ring_send(types.SimpleNamespace(error=None), lane, _FakeCudaTensor(cuda), 0)
+    t = threading.Thread(target=receiver.h2d, args=(lane, 1, _FakeCudaTensor(cuda), _Stream("consumer")),
                          name="watcher")
     t.start()
     t.join()
     by = {c[0]: c for c in cuda.calls}
     d2h, h2d, wait = by["d2h_signal"], by["h2d_signal"], by["stream_wait_flag"]
-    assert d2h[2] is pool._d2h_stream and h2d[2] is pool._h2d_stream and d2h[2] is not h2d[2]
+    assert d2h[2] is sender.stream and h2d[2] is receiver.stream and d2h[2] is not h2d[2]
     assert wait[2].name == "consumer"   # the consumer's stream waits on the device flag
     assert d2h[1] == DEV and h2d[1] == DEV and wait[1] == DEV and h2d[3] == "watcher", cuda.calls
 
 
 def test_cuda_graph_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
+    from titan_ext.runtime.delegate.recvpath import RecvMatcher
+    from titan_ext.runtime.delegate.sendpath import SendPath
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    pool = _bare_pool(cuda)
-    pool.lanes = {(1, "F"): [types.SimpleNamespace()]}
-    pool.rlanes = {(1, "F"): [types.SimpleNamespace()]}
+    links = {(1, "F"): [types.SimpleNamespace()]}
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
-        pool.send(_FakeCudaTensor(cuda), 1, "F", 0)
+        SendPath(links, _Healthy(), _layer(), 60.0).send(_FakeCudaTensor(cuda), 1, "F", 0)
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
-        pool.post_recv(_FakeCudaTensor(cuda), 1, "F", 0)
+        RecvMatcher(links, _Healthy(), threading.RLock(), _layer(), 60.0).post_recv(_FakeCudaTensor(cuda), 1, "F", 0)
     assert not [c for c in cuda.calls if c[0].endswith("signal")]
 
 

@@ -238,11 +238,7 @@ class P2PRouter:
 
     def _arrived(self, peer, direction, seq) -> bool:
         """Did ``seq`` show up on the delegate path (receive not posted there yet)?"""
-        pool = self.pool
-        key = (peer, direction)
-        with pool._lock:
-            pool._drain(key)
-            return seq in pool._early[key]
+        return self.pool.arrived(peer, direction, seq)
 
     # --- API --------------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, peer: int, direction: str):
