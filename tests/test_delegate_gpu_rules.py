@@ -217,3 +217,41 @@ def test_slot_size_is_the_largest_message_rounded_to_a_page():
     assert message_slot_bytes(llama_8b) == 64 << 20 and message_slot_bytes(llama_8b + 1) == (64 << 20) + R.PAGE
     with pytest.raises(ValueError):
         message_slot_bytes(-1)
+
+
+def test_a_receive_whose_message_another_thread_took_does_not_wait_for_it_again():
+    """Under NCCL's rules the device layer's arrival watcher polls ``is_completed()`` (which takes ready
+    messages) while the consumer waits in ``wait()``: if the watcher takes the message just after the
+    consumer chose the slot to wait on, the consumer must notice, not wait for that slot's next
+    message (found as a stall of delegation="auto" under the NCCL-rules backend)."""
+    import time
+
+    from titan_ext.runtime.delegate.lanes import Lane
+    from titan_ext.runtime.delegate.link import Link
+    from titan_ext.runtime.delegate.recovery import Recovery
+    from titan_ext.runtime.delegate.recvpath import RecvMatcher
+
+    ch = Channel(0, 1, "F")
+    lane = Lane(ch, 0, "recv", R.SlotRing.create(2, 4096))
+    link = Link(ch, 0, "recv", 1, lane)
+    lock = threading.RLock()
+    procs = types.SimpleNamespace(layer=None, closed=False, check=lambda lane: None, heartbeat_timeout_s=10.0)
+    recovery = Recovery(1, procs, lambda: [link], lock)
+    matcher = RecvMatcher({(0, "F"): [link]}, recovery, lock, None, 5.0)
+    recovery.receiver = matcher
+    real_wait = recovery.wait_slot
+
+    def watcher_wins(link_, lane_, i, want, *a, **kw):  # the message lands and the watcher takes it
+        if lane_.ring.state(i) == R.FREE and not matcher.poll(0, "F", 0):
+            msg = torch.full((4,), 7.0)
+            lane_.ring.write_header(i, 0, msg)
+            lane_.ring.copy_in(i, msg, 16)
+            lane_.ring.set_state(i, R.READY, wake=False)
+            assert matcher.poll(0, "F", 0)   # taken by "the watcher": slot i is FREE again
+        return real_wait(link_, lane_, i, want, *a, **kw)
+
+    recovery.wait_slot = watcher_wins
+    h = matcher.post_recv(torch.zeros(4), 0, "F", 0)
+    t0 = time.monotonic()
+    h.wait(timeout=3.0)
+    assert time.monotonic() - t0 < 2.0 and torch.equal(h.tensor, torch.full((4,), 7.0))

@@ -82,7 +82,9 @@ def _worker(rank, world):
 
 
 def test_delegation_modes_in_the_schedule():
-    results = run_ranks(_worker, 2)
+    # gloo: the off+failover scenario is refused on NCCL PP groups (and so under the NCCL-rules
+    # backend, see test_delegate_gpu_rules.py); always/auto under NCCL's rules: the 64 MiB test below
+    results = run_ranks(_worker, 2, backend="gloo")
     for rank, r in enumerate(results):
         for name in ("always", "auto", "failover"):
             assert r[f"{name}_losses_equal"], (rank, name)

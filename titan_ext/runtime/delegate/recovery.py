@@ -154,18 +154,24 @@ class Recovery:
             time.sleep(0.01)  # dead: the supervisor notices within a tick and changes the state
             raise LinkDown
 
-    def wait_slot(self, link: Link, lane: Lane, i: int, want: int, timeout_s: float, what: str) -> None:
-        """Block until slot ``i`` of the lane's ring is ``want``, checking the lane's health meanwhile."""
+    def wait_slot(self, link: Link, lane: Lane, i: int, want: int, timeout_s: float, what: str,
+                  raise_on_timeout: bool = True) -> bool:
+        """Block until slot ``i`` of the lane's ring is ``want`` (True), checking the lane's health
+        meanwhile; after ``timeout_s`` raise, or return False (``raise_on_timeout=False``: the caller
+        re-checks, e.g. whether another thread took the message meanwhile)."""
         deadline = time.monotonic() + timeout_s
         sleep_us = 50 if self.procs.layer is not None else 1000
         while True:
-            rc = lane.ring.wait_state(i, want, 0.2, R.CTRL_ERROR, sleep_us)
+            rc = lane.ring.wait_state(i, want, min(0.2, max(deadline - time.monotonic(), 0.0)), R.CTRL_ERROR,
+                                      sleep_us)
             if rc == 0:
-                return
+                return True
             self.lane_ok(link, lane)
             if self.procs.closed:
                 raise DelegateError("delegate pool closed while waiting")
             if time.monotonic() > deadline:
+                if not raise_on_timeout:
+                    return False
                 raise DelegateError(f"timed out after {timeout_s:.1f} s waiting for {what} on {lane.describe()}")
 
     # --- sender side -------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from .link import UP, DelegateError, Link, LinkDown
 
 __all__ = ["Recv", "RecvMatcher"]
 
+POLL_SLICE_S = 0.05   # a waiting receive re-checks whether another thread took its message this often
+
 
 class Recv:
     """A posted delegate-path receive; ``wait()`` copies the message into ``tensor``."""
@@ -144,8 +146,9 @@ class RecvMatcher:
             if state != UP:
                 time.sleep(0.005)  # RECOVERING: the supervisor is taking what the dead ring holds
                 continue
-            try:  # block without the lock until the lane's next slot is READY
-                self.recovery.wait_slot(link, lane, i, R.READY, max(deadline - time.monotonic(), 0.0), what)
+            try:  # block without the lock until the lane's next slot is READY — in short slices: another
+                # thread (an arrival watcher polling is_completed()) may take the message meanwhile
+                self.recovery.wait_slot(link, lane, i, R.READY, POLL_SLICE_S, what, raise_on_timeout=False)
             except LinkDown:
                 continue
 
