@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .device import DeviceLayer, Timer, _EventTimer, now
+from .device import POLL_MIN_S, DeviceLayer, RecvHandle, Timer, _EventTimer, backend_waits_land, now
 
 __all__ = ["SimAsyncTransport", "SimComputeStage", "SimDevice", "SimEvent", "SimStream", "sim_kernel", "stream"]
 
@@ -154,9 +154,10 @@ class SimRecvWork:
     """One RECV action's works (NCCL semantics): ``wait()`` enqueues a stream wait and returns."""
 
     def __init__(self, inner: list[Any], shadows: list[torch.Tensor], reals: list[torch.Tensor], name: str,
-                 latency_s: float = 0.0):
+                 latency_s: float = 0.0, host_wait: bool = True):
         self.inner, self.shadows, self.reals, self.name = inner, shadows, reals, name
         self.latency_s = latency_s
+        self._probe = RecvHandle(inner, host_wait=host_wait)  # how the inner works' landing is observed
         self.enqueued = False
         self.wait_at_kernel = -1
         self._landed = threading.Event()
@@ -166,8 +167,8 @@ class SimRecvWork:
 
     def _comm_stream(self) -> None:
         try:
-            for w in self.inner:
-                w.wait()
+            while not self._probe.landed():
+                time.sleep(POLL_MIN_S)
             if self.latency_s > 0:  # the link's latency, emulated at the receiver (NCCL's order kept)
                 time.sleep(self.latency_s)
         except BaseException as exc:  # noqa: BLE001 - surfaced when the stream executes the wait
@@ -210,7 +211,8 @@ class SimAsyncTransport:
             return self.inner.issue(action, ops)
         if len(recvs) != len(ops):
             raise ValueError("SimAsyncTransport: a RECV action with sends in it")
-        shadows = [torch.empty_like(op.tensor) for op in ops]
+        # the simulated device's receive buffers: on the consumer buffer's device (device tensors)
+        shadows = [torch.empty_like(op.tensor, device=op.tensor.device) for op in ops]
         reals = [op.tensor for op in ops]
         with torch.no_grad():
             for t in reals:
@@ -218,7 +220,8 @@ class SimAsyncTransport:
         shadow_ops = [dist.P2POp(op.op, s, op.peer, op.group, op.tag) for op, s in zip(ops, shadows)]
         link = min(dist.get_rank(), ops[0].peer)
         latency = self.latency_ms.get(link, 0.0) / 1e3 if abs(dist.get_rank() - ops[0].peer) == 1 else 0.0
-        work = SimRecvWork(self.inner.issue(action, shadow_ops), shadows, reals, str(action), latency)
+        work = SimRecvWork(self.inner.issue(action, shadow_ops), shadows, reals, str(action), latency,
+                           host_wait=backend_waits_land(dist.get_backend(ops[0].group)))
         _STREAM.register(work)
         return [work]
 
