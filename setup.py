@@ -23,6 +23,34 @@ greedy_ext = Extension("titan_ext.plan._greedy_c", [os.path.join("titan_ext", "p
 generate_ext = Extension("titan_ext.plan._pipemorph_c", [os.path.join("titan_ext", "plan", "_pipemorph.c")],
                          extra_compile_args=["-O2"])
 ext_modules, cmdclass = [search_ext, greedy_ext, generate_ext], {}
+
+
+def _cuda_home() -> str | None:
+    """CUDA_HOME / CUDA_PATH if set, else the toolkit of the nvcc on PATH, else /usr/local/cuda: the
+    first that holds a toolkit (bin/nvcc and include/cuda_runtime_api.h; an nvcc on PATH may be a
+    wrapper script outside its toolkit)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc")
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    for home in candidates + ["/usr/local/cuda"]:
+        if os.path.exists(os.path.join(home, "bin", "nvcc")) and \
+                os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")):
+            return home
+    return None
+
+
+# C++ standard of the extension: torch >= 2.14's headers need C++20, and torch 2.13's own
+# cpp_extension builds with C++20 too (its default flag), so one standard for every supported torch.
+CXX_STD = "-std=c++20"
+
+
+# torch.utils.cpp_extension reads CUDA_HOME at import, and without TORCH_CUDA_ARCH_LIST it asks the
+# visible GPUs for their architectures (a crash on a build machine with nvcc and no GPU): set both first.
+if _cuda_home() and os.environ.get("TITAN_EXT_NO_CUDA") != "1":
+    os.environ.setdefault("CUDA_HOME", _cuda_home())
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
 try:
     import torch
     from torch.utils import cpp_extension
@@ -39,19 +67,19 @@ if torch is not None:
     with_cuda = bool(torch.version.cuda) and nvcc is not None and os.path.exists(nvcc) \
         and os.environ.get("TITAN_EXT_NO_CUDA") != "1"
     sources = [os.path.join(src, "delegate_ext.cpp")]
+    std = CXX_STD
     kwargs = dict(include_dirs=[os.path.join(here, src)], libraries=["rt"],
-                  extra_compile_args={"cxx": ["-O3", "-std=c++20"]})
+                  extra_compile_args={"cxx": ["-O3", std]})
     if with_cuda:
         sources.append(os.path.join(src, "delegate_cuda.cu"))
         kwargs["define_macros"] = [("WITH_CUDA", None)]
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20"]
-        # without it cpp_extension asks the visible GPUs for their architectures: a crash with no GPU
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", std]
         ext = cpp_extension.CUDAExtension("titan_ext._delegate_C", sources, **kwargs)
     else:
         kwargs["extra_compile_args"] = kwargs["extra_compile_args"]["cxx"]
         ext = cpp_extension.CppExtension("titan_ext._delegate_C", sources, **kwargs)
-    print(f"[titan_ext] building titan_ext._delegate_C ({'CPU+CUDA' if with_cuda else 'CPU only'})")
+    arch = f", TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}" if with_cuda else ""
+    print(f"[titan_ext] building titan_ext._delegate_C ({'CPU+CUDA' if with_cuda else 'CPU only'}, {std}{arch})")
     ext_modules = [search_ext, greedy_ext, generate_ext, ext]
     cmdclass = {"build_ext": cpp_extension.BuildExtension}
 

@@ -227,7 +227,8 @@ uint32_t* device_flag_ptr(Region& r, int64_t off) {
 
 // Async D2H of a contiguous CUDA tensor into the region at data_off, then (same stream) a kernel
 // that writes `value` to the host flag at flag_off with a system-scope release. Never blocks the host.
-void d2h_signal(const torch::Tensor& src, Region& r, int64_t data_off, int64_t flag_off, uint32_t value) {
+// Bound as a method of Region, so the Region comes first (Python: region.d2h_signal(src, ...)).
+void d2h_signal(Region& r, const torch::Tensor& src, int64_t data_off, int64_t flag_off, uint32_t value) {
   TORCH_CHECK(src.is_cuda() && src.is_contiguous(), "d2h_signal needs a contiguous CUDA tensor");
   const int64_t n = src.numel() * src.element_size();
   r.check(data_off, n);
@@ -281,19 +282,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait", &wait_u32, py::arg("off"), py::arg("want"), py::arg("timeout_s") = -1.0,
            py::arg("abort_off") = -1, py::arg("max_sleep_us") = 1000,
            py::call_guard<py::gil_scoped_release>())
-      .def("load64", &load_i64)
-      .def("store64", &store_i64)
-      .def("add64", &add_i64)
+      .def("load64", &load_i64, py::arg("off"))
+      .def("store64", &store_i64, py::arg("off"), py::arg("value"))
+      .def("add64", &add_i64, py::arg("off"), py::arg("value"))
       .def("tensor", &region_tensor, py::arg("off"), py::arg("nbytes"))
 #ifdef WITH_CUDA
       .def("cuda_register", &cuda_register)
-      .def("d2h_signal", &d2h_signal)
-      .def("h2d_signal", &h2d_signal)
+      .def("d2h_signal", &d2h_signal, py::arg("src"), py::arg("data_off"), py::arg("flag_off"),
+           py::arg("value"))
+      .def("h2d_signal", &h2d_signal, py::arg("data_off"), py::arg("dst"), py::arg("host_flag_off"),
+           py::arg("host_value"), py::arg("dev_flag"), py::arg("dev_value"))
 #endif
       ;
-  m.def("set_parent_death_signal", &set_parent_death_signal);
+  m.def("set_parent_death_signal", &set_parent_death_signal, py::arg("sig"));
   m.def("cuda_compiled", &cuda_compiled);
 #ifdef WITH_CUDA
-  m.def("stream_wait_flag", &stream_wait_flag);
+  m.def("stream_wait_flag", &stream_wait_flag, py::arg("dev_flag"), py::arg("value"));
 #endif
 }

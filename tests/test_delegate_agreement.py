@@ -3,8 +3,8 @@
 Killing one rank's send-F and recv-B delegates takes down both links of the rank pair, and a supervisor
 that was descheduled sees both deaths in one wake-up.  Each rank then has a send link that needs the
 peer's replay point ``first`` and a receive link that publishes its own.  Two real :class:`Supervisor`
-objects (one per rank, in threads, on one real TCPStore) run that tick; only the pool's ring work is
-replaced by a record of the calls.  A supervisor that waited for ``first`` on its send link before
+objects (one per rank, in threads, on one real TCPStore) run that tick; only the recovery's ring work
+is replaced by a record of the calls.  A supervisor that waited for ``first`` on its send link before
 publishing its receive link's would wait for the other one, both until ``timeout_s``."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from titan_ext.runtime.delegate.pool import Channel
-from titan_ext.runtime.delegate.recovery import DOWN, UP, Link, Supervisor
+from titan_ext.runtime.delegate.link import DOWN, UP, Link
+from titan_ext.runtime.delegate.recovery import Supervisor
 
 from _delegate_util import free_port
 
@@ -40,10 +41,11 @@ class _DeadLane:
 
 
 class _Pool:
-    """The part of DelegatePool the supervisor calls; ring recovery and respawn are recorded."""
+    """The part of Recovery the supervisor calls; ring recovery and respawn are recorded."""
 
     def __init__(self, rank):
-        self.rank, self.pool_id, self.timeout_s, self._closed = rank, "agree", 5.0, False
+        self.rank, self.pool_id, self.timeout_s, self.closed = rank, "agree", 5.0, False
+        self.heartbeat_timeout_s = 10.0
         peer = 1 - rank
         send = Channel(rank, peer, "F" if rank == 0 else "B")
         recv = Channel(peer, rank, "B" if rank == 0 else "F")
@@ -57,19 +59,19 @@ class _Pool:
     def lane_prefix(self, c, index, epoch):
         return f"titanx/{self.pool_id}/{c.src}-{c.dst}/{c.direction}/{index}/" + (f"e{epoch}/" if epoch else "")
 
-    def _recover_recv(self, link):
+    def recover_recv(self, link):
         link.state = DOWN
         return FIRST[link.channel.direction]
 
-    def _recover_send(self, link, first):
+    def recover_send(self, link, first):
         link.state = DOWN
         self.calls.append(("replay", link.channel.direction, first))
         return 0
 
-    def _respawn(self, link):
+    def respawn(self, link):
         self.calls.append(("respawn", link.role, link.channel.direction))
 
-    def _log_event(self, link, event, **info):
+    def log_event(self, link, event, **info):
         self.fallback_events.append({"event": event, "kind": f"{link.role}-{link.channel.direction}", **info})
 
 
@@ -81,8 +83,8 @@ def test_two_links_dying_together_agree_without_waiting_for_each_other():
     assert all(lk.state == UP for p in pools for lk in p.links())
 
     def run(sup):
-        deadline = time.monotonic() + 3 * sup.pool.timeout_s
-        while any(lk.state != DOWN for lk in sup.pool.links()) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 3 * sup.recovery.timeout_s
+        while any(lk.state != DOWN for lk in sup.recovery.links()) and time.monotonic() < deadline:
             sup._tick()
 
     threads = [threading.Thread(target=run, args=(s,)) for s in sups]
@@ -101,3 +103,32 @@ def test_two_links_dying_together_agree_without_waiting_for_each_other():
         assert {c for c in p.calls if c[0] == "respawn"} == {("respawn", "send", send_dir),
                                                               ("respawn", "recv", recv_dir)}
     del master
+
+
+def test_the_pool_parts_import_each_other_without_a_cycle():
+    """Issue 24 item 3: the pool's parts (lanes, send path, receive matching, recovery) share only
+    link.py/lanes.py; none imports pool.py, and the package's import graph has no cycle."""
+    import ast
+    import os
+
+    import titan_ext.runtime.delegate as pkg
+
+    root = os.path.dirname(pkg.__file__)
+    graph = {}
+    for fn in os.listdir(root):
+        if fn.endswith(".py"):
+            deps = set()
+            for node in ast.walk(ast.parse(open(os.path.join(root, fn)).read())):
+                if isinstance(node, ast.ImportFrom) and node.level == 1:
+                    deps |= {node.module} if node.module else {a.name for a in node.names}
+            graph[fn[:-3]] = deps
+    for part in ("lanes", "link", "recovery", "recvpath", "sendpath"):
+        assert "pool" not in graph[part], (part, graph[part])
+
+    def visit(m, path):
+        assert m not in path, f"import cycle: {' -> '.join(path + [m])}"
+        for d in graph.get(m, ()):
+            visit(d, path + [m])
+
+    for m in graph:
+        visit(m, [])

@@ -48,7 +48,8 @@ def _all_returned(pool, kinds, dist):
     """Every rank agrees (one MIN all-reduce at this boundary) that its killed lanes are back."""
     import torch
 
-    back = {e["kind"] for e in pool.fallback_events if e["event"] == "returned"}
+    # (a schedule's pool starts at its first delegated op: None before the first step)
+    back = {e["kind"] for e in pool.fallback_events if e["event"] == "returned"} if pool is not None else set()
     flag = torch.tensor([1.0 if set(kinds) <= back else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return flag.item() > 0
@@ -343,3 +344,59 @@ def test_sigkill_leaves_no_shared_memory(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def _frozen_body(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from titan_ext.runtime.delegate import DelegatePool, pipeline_channels
+    from titan_ext.runtime.delegate.transport import P2PRouter
+
+    pool = DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=4, slot_bytes=1 << 20, timeout_s=60,
+                        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    router = P2PRouter(rank, pool, delegating=True)
+    got, frozen_pid, it, t0, t_stop = [], None, 0, time.monotonic(), None
+
+    def iteration(k):
+        nonlocal frozen_pid, t_stop
+        for m in range(N_MB):
+            if rank == 1 and k == 2 and m == 1:  # freeze this rank's recv-F delegate mid-iteration
+                frozen_pid, t_stop = _pid(pool, "recv-F"), time.time()
+                os.kill(frozen_pid, signal.SIGSTOP)
+            if rank == 0:
+                router.isend(torch.full((1 << 14,), float(k * N_MB + m)), 1, "F")
+            else:
+                a = torch.empty(1 << 14)
+                router.irecv(a, 0, "F").wait()
+                got.append(int(a[0]))
+
+    kinds = ["send-F"] if rank == 0 else ["recv-F"]
+    while it < 5 or not _all_returned(pool, kinds, dist):
+        assert time.monotonic() - t0 < MAX_WAIT_S, pool.fallback_events
+        iteration(it)
+        it += 1
+        time.sleep(0.02)
+    iteration(it)
+    it += 1
+    events = list(pool.fallback_events)
+    pool.close()
+    return {"iterations": it, "got": got, "events": events, "frozen_pid": frozen_pid, "t_stop": t_stop,
+            "alive_after_close": [p for p in pool.pids() if _alive(p)]}
+
+
+def test_frozen_delegate_is_treated_like_a_dead_one():
+    """Issue 26: a SIGSTOPped delegate (heartbeat stops) → killed and recovered: direct path, no message
+    lost or repeated, a new delegate, nothing left running."""
+    (r0, e0), (r1, e1) = run_ranks(_frozen_body, world=2, timeout_s=500)
+    assert e0 is None and e1 is None, (e0, e1)
+    assert r1["got"] == list(range(r1["iterations"] * N_MB))
+    fb = [e for e in r1["events"] if e["kind"] == "recv-F" and e["event"] == "fallback"]
+    assert len(fb) == 1 and fb[0]["cause"].startswith("frozen"), r1["events"]
+    # found by the heartbeat watchdog within its timeout plus the supervisor's tick and a busy machine
+    assert fb[0]["time"] - r1["t_stop"] < HEARTBEAT_TIMEOUT_S + 15.0, (fb[0]["time"], r1["t_stop"])
+    assert any(e["kind"] == "send-F" and e["event"] == "returned" for e in r0["events"]), r0["events"]
+    assert not _alive(r1["frozen_pid"]) and r0["alive_after_close"] == [] and r1["alive_after_close"] == []

@@ -104,6 +104,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         observers: further boundary observers (``observe(Boundary) -> dict``).
         delegation / failover / slow_link_ms / detector / delegate_*: the transport — direct torch P2P,
             or the delegate data plane (``titan_ext.runtime.delegate.schedule.Delegation``).
+            ``delegate_slot_bytes=None`` sizes the delegate slots from the stage's messages.
         timeout_s: PP message waits and control-plane collectives end after this many seconds with an
             error naming the rank that stopped answering (process-wide, ``titan_ext.runtime.timeouts``);
             None: the job's (TorchTitan: ``comm.*_timeout_seconds``) or the process groups' own.
@@ -146,7 +147,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         detector: Callable[[dict], bool] | None = None,
         delegate_lanes: int | dict = 1,
         delegate_slots: int = 16,
-        delegate_slot_bytes: int = 16 << 20,
+        delegate_slot_bytes: int | None = None,
         recv_timeout_s: float = 30.0,
         delegate_timeout_s: float = 300.0,
         faults: Any = None,

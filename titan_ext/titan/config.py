@@ -24,6 +24,7 @@ from titan_ext.plan.virtual import PLACEMENTS as VIRTUAL_PLACEMENTS
 __all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "parse_delay_spec"]
 
 DELEGATION_MODES = ("off", "auto", "always")
+MAX_SLOT_MIB = 65536  # one delegate slot: at most 64 GiB of host memory
 PLACEMENTS = ("",) + VIRTUAL_PLACEMENTS  # "" = the schedule's own
 
 
@@ -95,6 +96,12 @@ class TitanExt:
 
     delegation_failover: bool = False
     """Retry a failed or timed-out direct PP transfer on the delegate path (PipeMorph §5.3)."""
+
+    delegation_slot_mib: float = 0.0
+    """Size of one delegate slot (the largest PP message it carries), MiB. 0 = derived from the
+    stage's messages at the first delegated iteration (the largest inter-stage activation of the
+    pipeline, agreed by all ranks). Host memory per delegate lane is about 16 slots of this size.
+    In [0, 65536]."""
 
     inject_delays: str = ""
     """Straggler emulation on the real PP messages (``titan_ext.runtime.inject_link_delays``), static
@@ -208,6 +215,8 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            "must be one of " + ", ".join(repr(m) for m in DELEGATION_MODES))
     _check(math.isfinite(cfg.delegation_slow_link_ms) and cfg.delegation_slow_link_ms >= 0,
            "delegation_slow_link_ms", cfg.delegation_slow_link_ms, "must be a finite number >= 0")
+    _check(math.isfinite(cfg.delegation_slot_mib) and 0 <= cfg.delegation_slot_mib <= MAX_SLOT_MIB,
+           "delegation_slot_mib", cfg.delegation_slot_mib, f"must be in [0, {MAX_SLOT_MIB}] (0 = derived)")
     for key in ("emulate_slow_device", "emulate_slow_link"):
         _check_emulation(key, getattr(cfg, key))
     _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")

@@ -23,6 +23,7 @@ _DIRECT: dict[str, tuple[str, Any]] = {
     "delegation": ("delegation", str),
     "delegation_slow_link_ms": ("slow_link_ms", float),
     "delegation_failover": ("failover", bool),
+    "delegation_slot_mib": ("delegate_slot_bytes", lambda v: int(round(v * 2**20)) if v > 0 else None),
     "falcon": ("falcon", bool),
 }
 # [titan_ext] field -> field of the runtime's ReplanPolicy (passed as ``policy=``).
@@ -78,6 +79,9 @@ def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:
             value = convert(getattr(section, knob))
             if value is not None:
                 out[kw] = value
+    timeout_s = _job_timeout_s(job_config)
+    if timeout_s is not None and "delegate_timeout_s" in params:  # delegate links: the job's timeout
+        out["delegate_timeout_s"] = timeout_s
     if "policy" in params:
         from titan_ext.runtime import ReplanPolicy
 
@@ -86,6 +90,12 @@ def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:
         raise ValueError(f"[titan_ext] delegation = {section.delegation!r}: schedule "
                          f"{schedule_cls.__name__} does not support delegation in this build")
     return out
+
+
+def _job_timeout_s(job_config: Any) -> float | None:
+    """TorchTitan's ``comm.train_timeout_seconds`` (the collectives' timeout after initialisation)."""
+    value = getattr(getattr(job_config, "comm", None), "train_timeout_seconds", None)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def delay_spec(job_config: Any) -> str:

@@ -1,8 +1,11 @@
 """Delegate data plane (PipeMorph §5): host-staged P2P through delegate processes.
 
 * :mod:`.ring` — pinned shared-memory slot rings and their flags (compiled part in cpp_ext/).
-* :mod:`.pool` — delegate processes per communication kind and the training side's send/recv.
-* :mod:`.recovery` — a killed delegate: exact fallback to the direct path, respawn, return.
+* :mod:`.pool` — ``DelegatePool``: one training rank's delegates and its send/recv API, composed of
+  :mod:`.lanes` (delegate processes and their rings), :mod:`.sendpath` (into the rings),
+  :mod:`.recvpath` (receive matching by sequence number) and :mod:`.recovery` (lane health; a killed or
+  frozen delegate: exact fallback to the direct path, respawn, return); :mod:`.link` is their shared
+  vocabulary (no part imports another part's module but lanes/link).
 * :mod:`.transport` — direct / delegate / failover transports with one ``isend``/``irecv`` API,
   and the delegation mode (off / auto / always).
 * :mod:`.schedule` — delegation as a transport choice of the adaptive schedules (PipeMorph, CrossPipe).

@@ -49,6 +49,8 @@ CTRL_BUSY_NS = 264          # int64 ns spent in Gloo send/recv (throughput = byt
 CTRL_MESSAGES = 272         # int64 messages moved
 CTRL_DELAY_US = 280         # int64 injected one-way delay of this lane's link, µs (tests, benchmarks)
 CTRL_ACKED = 288            # int64 send ring: last seq the peer's recv delegate acknowledged (-1: none)
+CTRL_HEARTBEAT = 296        # int64 incremented by the delegate every HEARTBEAT_S (a frozen one stops)
+HEARTBEAT_S = 0.1
 CTRL_ERROR_TEXT = 1024
 CTRL_ERROR_TEXT_MAX = PAGE - CTRL_ERROR_TEXT
 
@@ -98,7 +100,7 @@ class SlotRing:
         self.num_slots = geometry.num_slots
         self.slot_bytes = geometry.slot_bytes
         g = geometry
-        self._state_off = [g.slot_offset(i) + SLOT_STATE for i in range(g.num_slots)]
+        self._state_off: list[int] = [g.slot_offset(i) + SLOT_STATE for i in range(g.num_slots)]
         base_views = [region.tensor(g.slot_offset(i) + SLOT_HEADER, HEADER_BYTES) for i in range(g.num_slots)]
         self.header_bytes = base_views                                   # uint8 views (sent over Gloo)
         self.headers = [v.view(torch.int64) for v in base_views]          # int64 views of the same bytes

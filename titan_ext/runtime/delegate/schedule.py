@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
@@ -33,9 +34,10 @@ from titan_ext.runtime.observers import Boundary
 from titan_ext.runtime.transport import TorchP2P
 
 from .pool import DelegatePool, delegates_needed, pipeline_channels
-from .transport import FaultInjector, P2PRouter
+from .ring import PAGE
+from .transport import NCCL_FAILOVER_REFUSAL, FaultInjector, P2PRouter, is_nccl
 
-__all__ = ["Delegation", "DelegateTransport"]
+__all__ = ["Delegation", "DelegateTransport", "message_slot_bytes"]
 
 _FWD = (_ComputationType.SEND_F, _ComputationType.RECV_F)
 
@@ -43,14 +45,15 @@ _FWD = (_ComputationType.SEND_F, _ComputationType.RECV_F)
 class DelegateTransport:
     """Transport through the router: direct torch P2P unless delegating or failing over."""
 
-    def __init__(self, router: P2PRouter, pool: DelegatePool):
-        self.router, self.pool = router, pool
+    def __init__(self, delegation: "Delegation"):
+        self.delegation = delegation
         self._direct = TorchP2P()
 
     def issue(self, action: _Action, ops: list[dist.P2POp]) -> list[Any]:
-        router = self.router
-        if not (router.delegating or router.failover):
+        d = self.delegation
+        if not (d.delegating or d.failover):
             return self._direct.issue(action, ops)
+        router = d.ensure_started(ops)
         direction = "F" if action.computation_type in _FWD else "B"
         handles = []
         for op in ops:
@@ -61,34 +64,69 @@ class DelegateTransport:
         return handles
 
     def close(self) -> None:
-        self.pool.close()
+        self.delegation.close()
+
+
+def message_slot_bytes(nbytes: int) -> int:
+    """Slot size for messages of at most ``nbytes`` payload bytes: rounded up to a 4 KiB page (a slot's
+    payload follows a page-aligned header, ring.py)."""
+    if nbytes < 0:
+        raise ValueError(f"message size must be >= 0, got {nbytes}")
+    return max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
 
 
 class Delegation:
-    """The delegate pool, its router and transport, and the boundary-time switching of one schedule."""
+    """The delegate pool, its router and transport, and the boundary-time switching of one schedule.
+
+    The pool is started at the first SEND/RECV that uses it (the first op of the first delegated or
+    failover iteration, on every rank in the same iteration).  ``slot_bytes=None`` (the default) sizes
+    its slots from the stage's messages: each rank contributes the size of that first op's tensors —
+    stage 0's first forward output, and every later stage's first forward input (= the previous stage's
+    output) — and the largest over the ranks (one gather on the control plane) is every rank's slot
+    size, so every inter-stage activation and its gradient (same shape and dtype) fits (issue 20
+    defect 6: a 16 MiB fixed slot could not carry Llama-3-8B's 64 MiB activations)."""
 
     def __init__(self, schedule: Any, mode: str, *, failover: bool = False, slow_link_ms: float = 5.0,
                  detector: Callable[[dict], bool] | None = None, lanes: int | dict = 1, slots: int = 16,
-                 slot_bytes: int = 16 << 20, recv_timeout_s: float = 30.0, delegate_timeout_s: float = 300.0,
+                 slot_bytes: int | None = None, recv_timeout_s: float = 30.0, delegate_timeout_s: float = 300.0,
                  faults: FaultInjector | None = None):
-        self.schedule, self.mode = schedule, mode
+        if slot_bytes is not None and not (isinstance(slot_bytes, int) and slot_bytes > 0):
+            raise ValueError(f"delegate slot_bytes must be a positive int or None (derived), got {slot_bytes!r}")
+        if failover and is_nccl(schedule._group):
+            raise ValueError(NCCL_FAILOVER_REFUSAL)
+        self.schedule, self.mode, self.failover = schedule, mode, failover
         self.slow_link_ms, self.detector = slow_link_ms, detector
         self.log: list[dict] = []
-        group = schedule._group
-        rank = dist.get_rank()
-        stage_to_rank = [schedule.stage_index_to_group_rank[s] for s in range(schedule._num_stages)]
-        if group is not None:
-            stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
-        self.pool = DelegatePool(rank, pipeline_channels(rank, stage_to_rank), lanes=lanes, num_slots=slots,
-                                 slot_bytes=slot_bytes, timeout_s=delegate_timeout_s)
-        self.router = P2PRouter(rank, self.pool, group=group, failover=failover, recv_timeout_s=recv_timeout_s,
-                                faults=faults)
-        self.transport = DelegateTransport(self.router, self.pool)
+        self.slot_bytes = slot_bytes
+        self._pool_args = dict(lanes=lanes, num_slots=slots, timeout_s=delegate_timeout_s)
+        self._router_args = dict(failover=failover, recv_timeout_s=recv_timeout_s, faults=faults)
+        self._delegating = False
+        self.pool: DelegatePool | None = None
+        self.router: P2PRouter | None = None
+        self.transport = DelegateTransport(self)
         self._bytes_prev = {"F": 0, "B": 0}
 
     @property
     def delegating(self) -> bool:
-        return self.router.delegating
+        return self._delegating
+
+    def ensure_started(self, ops: list[dist.P2POp]) -> P2PRouter:
+        """The router, starting the pool at the first op that needs it (every rank in the same
+        iteration: delegation switches at agreed boundaries; failover routes from the first op)."""
+        if self.router is not None:
+            return self.router
+        if self.slot_bytes is None:
+            local = max((op.tensor.numel() * op.tensor.element_size() for op in ops), default=0)
+            self.slot_bytes = message_slot_bytes(max(self.schedule.control.gather_ints(local)))
+        group = self.schedule._group
+        rank = dist.get_rank()
+        stage_to_rank = [self.schedule.stage_index_to_group_rank[s] for s in range(self.schedule._num_stages)]
+        if group is not None:
+            stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
+        self.pool = DelegatePool(rank, pipeline_channels(rank, stage_to_rank), slot_bytes=self.slot_bytes,
+                                 device=_device_of(self.schedule), **self._pool_args)
+        self.router = P2PRouter(rank, self.pool, group=group, delegating=self._delegating, **self._router_args)
+        return self.router
 
     def start(self) -> None:
         """After the schedule's initial plan: ``always`` delegates from the first iteration."""
@@ -100,9 +138,11 @@ class Delegation:
         ``completed``: iterations completed before the switch (default: the schedule's count)."""
         if self.schedule._in_iteration:
             raise RuntimeError("delegation can only be switched at an iteration boundary")
-        if on == self.router.delegating:
+        if on == self._delegating:
             return
-        self.router.delegating = on
+        self._delegating = on
+        if self.router is not None:
+            self.router.delegating = on
         done = self.schedule.iteration if completed is None else completed
         self.log.append({"iteration": done, "delegating": on, "reason": reason})
         self.schedule._log(decision="delegation", reason=f"{'on' if on else 'off'}: {reason}")
@@ -119,12 +159,15 @@ class Delegation:
             if self.schedule.control.any(flagged):
                 self.set(True, f"auto: {why if flagged else 'flagged by another rank'}",
                          completed=boundary.iteration + 1)
-        return {"delegating": self.router.delegating, "failed_over_links": sorted(self.router.failed),
+        return {"delegating": self._delegating,
+                "failed_over_links": sorted(self.router.failed) if self.router is not None else [],
                 "delegate_lanes_needed": self._lanes_needed(boundary.iteration_ms)}
 
     def _lanes_needed(self, iteration_ms: float) -> dict[str, int]:
         """§5.2 sizing from this iteration: production rate of each send kind (bytes handed to its
         delegates / iteration time) over the measured per-delegate throughput of that kind."""
+        if self.router is None:
+            return {}
         sent = dict(self.router.delegate_bytes)
         prev, self._bytes_prev = self._bytes_prev, sent
         out: dict[str, int] = {}
@@ -140,4 +183,16 @@ class Delegation:
 
     def close(self) -> None:
         """Stop the delegate processes (also done at interpreter exit)."""
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _device_of(schedule: Any):
+    """The schedule's device layer (its executor's: every CUDA call of the pool goes through it), else
+    the device of its (one) stage."""
+    layer = getattr(getattr(schedule, "executor", None), "device", None)
+    if layer is not None and not isinstance(layer, (str, torch.device)):
+        return layer
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    dev = getattr(stages[0], "device", None) if stages and stages[0] is not None else None
+    return dev if dev is not None else torch.device("cpu")

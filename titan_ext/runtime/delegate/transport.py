@@ -49,6 +49,19 @@ def DelegationMode(mode: str) -> str:  # noqa: N802 - validated enum-like string
     return mode
 
 
+NCCL_FAILOVER_REFUSAL = (
+    "failover (delegation_failover) cannot work on an NCCL PP group: a hung NCCL send does not raise "
+    "from wait() (the watchdog kills the process after the timeout), and the retry would issue ops on "
+    "the pair from another thread and out of order. It covers gloo PP groups only (docs/delegate.md)")
+
+
+def is_nccl(group=None) -> bool:
+    """The P2P ops of ``group`` (None: the default group) run on NCCL."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
 class FaultInjector:
     """Injects primary-path faults: ``fails(op, peer, direction, seq) -> bool`` with op "send"/"recv".
 
@@ -176,6 +189,9 @@ class P2PRouter:
         delegate_fallback: a killed delegate's lane falls back to direct P2P on ``group`` exactly, its
             delegate is respawned and the lane returns to it (:meth:`DelegatePool.enable_fallback`);
             False: a dead delegate stops training with :class:`DelegateError`.  Both ends must agree.
+            Gloo groups only: on an NCCL ``group`` it is off (a clean stop), and ``failover=True`` is
+            refused with a ValueError (NCCL ignores tags, runs a pair's ops in issue order from one
+            thread and does not raise on a hung send).
     """
 
     def __init__(self, rank: int, pool: DelegatePool | None = None, group=None, delegating: bool = False,
@@ -183,7 +199,13 @@ class P2PRouter:
                  hol_delay_ms: Mapping[int, float] | None = None, delegate_fallback: bool = True):
         if (delegating or failover) and pool is None:
             raise ValueError("delegation and failover need a DelegatePool")
-        if pool is not None and delegate_fallback:
+        nccl = is_nccl(group)
+        if failover and nccl:
+            raise ValueError(NCCL_FAILOVER_REFUSAL)
+        # the killed-delegate fallback sends host route markers on ``group`` from the supervisor thread:
+        # not on NCCL (docs/delegate.md) — there a dead or frozen delegate is a clean stop
+        self.delegate_fallback = bool(pool is not None and delegate_fallback and not nccl)
+        if self.delegate_fallback:
             pool.enable_fallback(group)
         self.rank, self.pool, self.group = rank, pool, group
         self.delegating = delegating
@@ -216,11 +238,7 @@ class P2PRouter:
 
     def _arrived(self, peer, direction, seq) -> bool:
         """Did ``seq`` show up on the delegate path (receive not posted there yet)?"""
-        pool = self.pool
-        key = (peer, direction)
-        with pool._lock:
-            pool._drain(key)
-            return seq in pool._early[key]
+        return self.pool.arrived(peer, direction, seq)
 
     # --- API --------------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, peer: int, direction: str):

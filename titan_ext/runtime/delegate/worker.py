@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     lane = R.SlotRing.attach(args.fd, args.slots, args.slot_bytes)
     os.close(args.fd)
     region = lane.region
+    threading.Thread(target=_heartbeat, args=(region,), daemon=True, name="titan_ext-delegate-heartbeat").start()
     try:
         store = dist.TCPStore(args.store_host, args.store_port, is_master=False,
                               timeout=timedelta(seconds=args.timeout_s))
@@ -85,6 +86,16 @@ def main(argv=None) -> int:
         lane.set_error(f"{args.role} delegate (pid {os.getpid()}, lane {args.prefix}) failed: "
                        f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
         return 3
+
+
+def _heartbeat(region) -> None:
+    """Tick CTRL_HEARTBEAT every HEARTBEAT_S: the trainer's supervisor treats a delegate whose ticks
+    stop (SIGSTOP, a hang that holds the interpreter) like a dead one (recovery.py)."""
+    from . import ring as R
+
+    while True:
+        region.add64(R.CTRL_HEARTBEAT, 1)
+        time.sleep(R.HEARTBEAT_S)
 
 
 def _ack_loop(lane, pg, prefix) -> None:

@@ -1,0 +1,27 @@
+"""[titan_ext] delegation_slot_mib and the delegate links' timeout (issue 20 Build item 5, issue 26)."""
+
+import math
+
+import pytest
+
+from titan_ext.titan.config import JobConfig, TitanExt, TitanExtConfigError, validate_titan_ext
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, 65537.0])
+def test_bad_slot_size_is_refused_naming_the_key(bad):
+    with pytest.raises(TitanExtConfigError, match=r"\[titan_ext\] delegation_slot_mib"):
+        validate_titan_ext(TitanExt(delegation_slot_mib=bad))
+
+
+def test_slot_size_and_job_timeout_reach_the_schedule():
+    from torchtitan.config import ConfigManager
+
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.titan.options import schedule_kwargs
+
+    kw = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt(delegation_slot_mib=64.5)))
+    assert kw["delegate_slot_bytes"] == int(64.5 * 2**20)
+    assert "delegate_slot_bytes" not in schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))  # derived
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", "titan_ext.titan.config",
+                                      "--comm.train_timeout_seconds", "77"])
+    assert schedule_kwargs(PipeMorph, cfg)["delegate_timeout_s"] == 77.0
