@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
+from .placement import stage_profile
 from .profile import LinkProfile, PipelineProfile
 from .timing import LinkQueues, to_ms, to_ns
 
@@ -72,14 +73,8 @@ def _stage_model(
     if profile.num_stages == S:
         f, b, w, links = profile.f_ms, profile.b_ms, profile.w_ms, list(profile.links)
     elif profile.num_stages == num_ranks and S % num_ranks == 0:
-        v = S // num_ranks
-        f = [profile.f_ms[placement[s]] / v for s in range(S)]
-        b = [profile.b_ms[placement[s]] / v for s in range(S)]
-        w = [profile.w_ms[placement[s]] / v for s in range(S)]
-        links = []
-        for s in range(S - 1):
-            r0, r1 = placement[s], placement[s + 1]
-            links.append(profile.links[min(r0, r1)] if abs(r0 - r1) == 1 else LinkProfile())
+        staged = stage_profile(profile, [placement[s] for s in range(S)])
+        f, b, w, links = staged.f_ms, staged.b_ms, staged.w_ms, list(staged.links)
     else:
         raise ValueError(
             f"profile has {profile.num_stages} stages; the plan has {S} stages on {num_ranks} ranks "

@@ -31,15 +31,15 @@ import heapq
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from .ir import Op, as_ops, gc_paused, to_torch_plan, torch_schedules
 from .pipemorph import GeneratedSchedule
-from .profile import LinkProfile, PipelineProfile
+from .placement import PLACEMENTS, stage_profile, stage_to_rank
+from .profile import PipelineProfile
 from .timing import LinkQueues, to_ms, to_ns
 
-PLACEMENTS = ("loop", "v")
 VIRTUAL_SCHEDULES = ("pipemorph", "crosspipe-wave")
 # torch's 2-chunk built-ins per placement (plan.builtin names), the portfolio's baselines
 PLACEMENT_BUILTINS = {
@@ -48,16 +48,7 @@ PLACEMENT_BUILTINS = {
 }
 
 
-def virtual_stage_to_rank(num_ranks: int, num_virtual_stages: int, placement: str) -> tuple[int, ...]:
-    """stage → rank for R ranks × V stages per rank: "loop" (s mod R) or "v" (zig-zag, torch's style "v")."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    if num_ranks < 1 or num_virtual_stages < 1:
-        raise ValueError(f"need >= 1 rank and >= 1 stage per rank, got {num_ranks} × {num_virtual_stages}")
-    R = num_ranks
-    if placement == "loop":
-        return tuple(s % R for s in range(R * num_virtual_stages))
-    return tuple(s % R if (s // R) % 2 == 0 else R - 1 - s % R for s in range(R * num_virtual_stages))
+virtual_stage_to_rank = stage_to_rank  # stage → rank: plan.placement's one definition
 
 
 def virtual_profile(
@@ -68,27 +59,18 @@ def virtual_profile(
     stage_times_ms: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[PipelineProfile, tuple[int, ...]]:
     """The stage-level profile (R·V stages) of a rank-level ``profile`` (R ranks, R−1 rank links), and
-    its stage → rank map.
-
-    Stage times: each of rank r's V stages takes 1/V of the rank's F/B/W time (the convention of
-    ``simulate --builtin ZBVZeroBubble --stages R``), unless ``stage_times_ms = (f, b, w)`` gives one
-    value per stage (heterogeneous chunks). Stage boundary s uses rank link min(ρ(s), ρ(s+1)) when
-    the two ranks are adjacent, no link when they are the same rank or not adjacent (loop wrap-around).
-    """
+    its stage → rank map (``plan.placement.stage_profile``: each of rank r's V stages takes 1/V of its
+    times unless ``stage_times_ms = (f, b, w)`` gives one value per stage)."""
     R, V, N = profile.num_stages, num_virtual_stages, profile.num_microbatches
-    s2r = virtual_stage_to_rank(R, V, placement)
+    s2r = stage_to_rank(R, V, placement)
     S = len(s2r)
     if N < S:
         raise ValueError(f"{N} microbatches < {S} stages ({R} ranks × {V}): need at least one per stage")
-    if stage_times_ms is None:
-        f, b, w = ([getattr(profile, k)[s2r[s]] / V for s in range(S)] for k in ("f_ms", "b_ms", "w_ms"))
-    else:
-        f, b, w = (list(v) for v in stage_times_ms)
-    links = tuple(
-        profile.links[min(s2r[s], s2r[s + 1])] if abs(s2r[s] - s2r[s + 1]) == 1 else LinkProfile()
-        for s in range(S - 1)
-    )
-    return PipelineProfile(S, N, f, b, w, links), s2r
+    if V == 1 and stage_times_ms is None:
+        return profile, s2r
+    # the virtual planner caps memory with ``memory_limit`` alone (as before issue 25): no byte budget
+    plain = replace(profile, activation_bytes=None, memory_budget_bytes=None)
+    return stage_profile(plain, s2r, stage_times_ms), s2r
 
 
 # ----------------------------------------------------------------------------- warm-up rule
