@@ -24,6 +24,7 @@ from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
 from .placement import stage_profile
 from .profile import LinkProfile, PipelineProfile
+from .result import peak_inflight
 from .timing import LinkQueues, to_ms, to_ns
 
 
@@ -169,20 +170,6 @@ def simulate(
     idle_ms = {r: makespan - b for r, b in busy_ms.items()}
     bubble = 1.0 - sum(busy_ms.values()) / (len(ranks) * makespan) if makespan > 0 else 0.0
     return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops))
-
-
-def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
-    """Per stage, the most microbatches whose F is done and whose I (or full B) is not, in program order."""
-    peak: dict[int, int] = {}
-    for rank_ops in ops.values():
-        held: dict[int, int] = {}
-        for stage, kind, _ in rank_ops:
-            if kind == "F":
-                held[stage] = held.get(stage, 0) + 1
-                peak[stage] = max(peak.get(stage, 0), held[stage])
-            elif kind in ("I", "B"):
-                held[stage] = held.get(stage, 0) - 1
-    return dict(sorted(peak.items()))
 
 
 def replay_makespan_ns(

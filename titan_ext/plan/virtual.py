@@ -34,8 +34,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from .ir import Op, as_ops, gc_paused, to_torch_plan, torch_schedules
+from .ir import Op, as_ops, gc_paused, torch_schedules
 from .pipemorph import GeneratedSchedule
+from .result import PlanResult, make_result, rank_peak_memory
 from .placement import PLACEMENTS, stage_profile, stage_to_rank
 from .profile import PipelineProfile
 from .timing import LinkQueues, to_ms, to_ns
@@ -221,23 +222,6 @@ def generate_virtual_order(
 
 
 # ----------------------------------------------------------------------------- portfolio planner
-@dataclass
-class VirtualPlan:
-    """A validated multi-stage plan, the candidate it came from and what every candidate simulated to."""
-
-    actions: dict[int, list[Any]]  # rank → list[torch _Action]
-    stage_to_rank: tuple[int, ...]
-    placement: str
-    schedule: str
-    source: str  # the winning candidate's name
-    warmup_counts: list[int] | None  # x_s of the winner when it is our generator's plan
-    candidates: dict[str, float]  # candidate → simulated makespan (ms)
-    predicted_makespan_ms: float
-    plan_ms: float
-    profile: PipelineProfile = field(repr=False)  # the stage-level profile the plan was simulated with
-    ops: dict[int, list[Op]] = field(repr=False, default_factory=dict)
-
-
 def plan_virtual(
     profile: PipelineProfile,
     num_virtual_stages: int = 2,
@@ -248,7 +232,7 @@ def plan_virtual(
     memory_limit: int | None = None,
     validate: bool = True,
     full_backward: bool = True,
-) -> VirtualPlan:
+) -> PlanResult:
     """Plan R ranks × V stages per rank for the rank-level ``profile`` (R ranks, R−1 rank links).
 
     ``schedule="pipemorph"``: a portfolio — our generator with the virtual-stage warm-up rule (slack
@@ -291,21 +275,27 @@ def plan_virtual(
         ops, x, limit = members[best]
         if validate:
             validate_plan(ops, stage_profile.num_stages, stage_profile.num_microbatches, inflight_limit=limit)
-        actions = to_torch_plan(ops)
-    return VirtualPlan(
-        actions=actions, stage_to_rank=s2r, placement=placement, schedule=schedule, source=best,
-        warmup_counts=x, candidates=feasible, predicted_makespan_ms=feasible[best],
-        plan_ms=(time.perf_counter() - t0) * 1e3, profile=stage_profile, ops=ops,
-    )
+        result = make_result(ops, schedule=schedule, source=best, warmup_counts=x, predicted_makespan_ms=feasible[best],
+                             plan_ms=0.0, stage_to_rank=s2r, profile=stage_profile, candidates=feasible,
+                             inflight_limit=_inflight_limit(limit, memory_limit, len(s2r)))
+    result.plan_ms = (time.perf_counter() - t0) * 1e3
+    return result
 
 
-Candidate = tuple[dict[int, list[Op]], "list[int] | None", "list[int] | int | None"]  # ops, x, in-flight cap
+def _inflight_limit(limit, memory_limit: int | None, num_stages: int) -> list[int] | None:
+    """The per-stage in-flight limit to validate the winner with: its own cap, else the memory limit."""
+    if limit is not None:
+        return list(limit)
+    return None if memory_limit is None else [memory_limit] * num_stages
 
 
-def _candidates(stage_profile, s2r, placement, schedule, memory_limit) -> dict[str, Candidate]:
+_Member = tuple[dict[int, list[Op]], "list[int] | None", "list[int] | int | None"]  # ops, x, in-flight cap
+
+
+def _candidates(stage_profile, s2r, placement, schedule, memory_limit) -> dict[str, _Member]:
     S, N = stage_profile.num_stages, stage_profile.num_microbatches
     V = S // (max(s2r) + 1)
-    out: dict[str, Candidate] = {}
+    out: dict[str, _Member] = {}
     if schedule == "pipemorph":
         cap = N if memory_limit is None else min(N, memory_limit)
         for floor in (1, 2):
@@ -330,11 +320,11 @@ def _candidates(stage_profile, s2r, placement, schedule, memory_limit) -> dict[s
     return out
 
 
-def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, Candidate]:
+def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, _Member]:
     """torch's own schedules for this placement (skipped where torch rejects the shape)."""
     from .builtin import builtin_plan
 
-    out: dict[str, Candidate] = {}
+    out: dict[str, _Member] = {}
     for name in names:
         try:
             plan, placement = builtin_plan(name, num_ranks, num_microbatches)
@@ -357,13 +347,7 @@ def _score(ops, stage_profile, s2r, memory_limit) -> tuple[float, int] | None:
 
 
 def rank_peak_inflight(ops) -> dict[int, int]:
-    """Per rank, the most activations held at once over all its stages (F done − I/B done, program
-    order): the per-rank memory that ``simulate``'s per-stage ``peak_inflight`` sums over time."""
-    out = {}
-    for rank, rank_ops in as_ops(ops).items():
-        held = peak = 0
-        for _, kind, _ in rank_ops:
-            held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
-            peak = max(peak, held)
-        out[rank] = peak
-    return out
+    """Per rank, the most activations (of its stages) held at once, program order
+    (``plan.result.rank_peak_memory`` in stage activations)."""
+    ops = as_ops(ops)
+    return {rank: int(v) for rank, v in zip(sorted(ops), rank_peak_memory(ops))}

@@ -23,9 +23,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from titan_ext.plan import LinkProfile, PipelineProfile
+from titan_ext.plan import LinkProfile, PipelineProfile, PlanResult
+from titan_ext.plan.schedules import plan_by_name
 from titan_ext.plan.placement import PLACEMENTS, boundary_link, rank_profile, rank_stages, stage_to_rank
-from titan_ext.plan.virtual import plan_virtual, rank_periods_ms, virtual_link_tolerance_ms
+from titan_ext.plan.virtual import rank_periods_ms, virtual_link_tolerance_ms
 
 from .estimator import Estimator
 from .policy import Decision, ReplanPolicy
@@ -139,17 +140,15 @@ class VirtualPlanner:
         self.layout, self.schedule, self.backward = layout, schedule, backward
         self.backward_choices = ("auto", "split") if schedule == "pipemorph" else ("split",)
 
-    def plan(self, profile: PipelineProfile, decision: Decision, context: Any) -> dict:
+    def plan(self, profile: PipelineProfile, decision: Decision, context: Any) -> PlanResult:
         limit = context.x_max if decision.mode == "initial" else context.adaptive_limit
         if decision.mode != "initial":
             profile = profile.with_delays({k: context.headroom(c) for k, c in enumerate(profile.delays_ms)})
-        rank_profile, times = rank_level(profile, self.layout)
+        ranks, times = rank_level(profile, self.layout)
         limit = None if limit is None or limit >= profile.num_microbatches else limit
-        vp = plan_virtual(rank_profile, self.layout.stages_per_rank, self.layout.placement, schedule=self.schedule,
-                          stage_times_ms=times, memory_limit=limit, validate=False,
-                          full_backward=self.backward != "split")
-        return {"actions": vp.actions, "warmup_counts": None, "inflight_limit": limit,
-                "source": vp.source, "predicted_makespan_ms": vp.predicted_makespan_ms}
+        return plan_by_name(ranks, self.schedule, virtual_stages=self.layout.stages_per_rank,
+                            placement=self.layout.placement, stage_times_ms=times, memory_limit=limit,
+                            validate=False, full_backward=self.backward != "split")
 
 
 @dataclass
