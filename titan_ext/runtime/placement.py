@@ -163,7 +163,7 @@ class VirtualPlanner:
         rank_profile, times = rank_level(profile, self.layout)
         limit = None if limit is None or limit >= profile.num_microbatches else limit
         vp = plan_virtual(rank_profile, self.layout.stages_per_rank, self.layout.placement, schedule=self.schedule,
-                          stage_times_ms=times, memory_limit=limit, validate=False,
+                          stage_times_ms=times, stage_memory_limit=limit, validate=False,
                           full_backward=self.backward != "split")
         return {"actions": vp.actions, "warmup_counts": None, "inflight_limit": limit,
                 "source": vp.source, "predicted_makespan_ms": vp.predicted_makespan_ms}
