@@ -92,6 +92,35 @@ def _megabytes(text: str) -> float:
     return value
 
 
+def _memory_limit(text: str) -> float:
+    """--memory-limit K: activations of one rank's whole model part (a number >= 1; issue 21)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 activation, got {text!r}")
+    return value
+
+
+def _rank_limit(args: argparse.Namespace, stages_per_rank: int) -> float | None:
+    """--memory-limit as a per-rank limit for ranks holding ``stages_per_rank`` stages: K·V must be whole
+    (a chunk counts 1/V); with one stage per rank K is a whole number of activations."""
+    K = getattr(args, "memory_limit", None)
+    if K is not None and abs(K * stages_per_rank - round(K * stages_per_rank)) > 1e-9:
+        if stages_per_rank == 1:
+            raise UsageError(f"--memory-limit {K:g}: with one stage per rank it must be a whole number of activations")
+        raise UsageError(f"--memory-limit {K:g}: with {stages_per_rank} stages per rank it must be a multiple of "
+                         f"1/{stages_per_rank} (a chunk counts 1/{stages_per_rank} of a rank's activation)")
+    return K
+
+
+def _one_stage_limit(args: argparse.Namespace) -> int | None:
+    """One stage per rank: the per-rank and the per-stage limit are the same thing; the tighter wins."""
+    limits = [int(v) for v in (_rank_limit(args, 1), getattr(args, "stage_memory_limit", None)) if v is not None]
+    return min(limits) if limits else None
+
+
 def _profile_int(base: dict, key: str, flag: str) -> int | None:
     value = base.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -206,6 +235,8 @@ def _report(timeline, extra: dict, args: argparse.Namespace) -> None:
         if key not in ("makespan_ms", "bubble_rate", "notes", "peak_inflight"):
             print(f"{key:<11} {value}")
     print(f"peak in-flight activations per stage: {list(timeline.peak_inflight.values())}")
+    print(f"peak memory per rank (activations of the rank's model part): "
+          f"{[round(v, 3) for v in timeline.peak_memory_per_rank.values()]}")
     if args.json:
         print(json.dumps({**timeline.to_dict(), **extra}))
 
@@ -216,8 +247,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise UsageError("--placement needs --virtual-stages V (stages per rank, >= 2)")
     if args.virtual_stages is not None:
         return _cmd_plan_virtual(profile, args)
-    if args.memory_limit is not None and args.memory_limit < 1:
-        raise UsageError("--memory-limit must be >= 1 activation")
+    if args.stage_memory_limit is not None and args.stage_memory_limit < 1:
+        raise UsageError("--stage-memory-limit must be >= 1 activation")
+    memory_limit = _one_stage_limit(args)
     if args.slack_floor < 1:
         raise UsageError("--slack-floor must be >= 1")
     if args.backward != "split" and args.schedule in CROSSPIPE_SCHEDULES:
@@ -225,7 +257,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.schedule in CROSSPIPE_SCHEDULES:
         return _cmd_plan_crosspipe(profile, args)
     plan = plan_by_name(
-        profile, args.schedule, slack_floor=args.slack_floor, memory_limit=args.memory_limit,
+        profile, args.schedule, slack_floor=args.slack_floor, memory_limit=memory_limit,
         backward=args.backward, validate="torch" if args.strict else True,
     )
     for note in plan.notes:
@@ -246,7 +278,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> None:
     """R ranks × V stages per rank (issue 14, docs/multistage.md): --stages is R, --times are per rank and
     split evenly over its V stages, --delay LINK:MS slows rank link LINK (ranks LINK and LINK+1)."""
-    from .plan.virtual import VIRTUAL_SCHEDULES, plan_virtual, rank_peak_inflight
+    from .plan.simulate import rank_peak_inflight
+    from .plan.virtual import VIRTUAL_SCHEDULES, plan_virtual
 
     if args.virtual_stages < 2:
         raise UsageError("--virtual-stages must be >= 2 (one stage per rank: leave it out)")
@@ -255,12 +288,13 @@ def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> Non
         raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of {choices}")
     if args.backward != "split":
         raise UsageError("--backward full: multi-stage plans split backwards only")
-    if args.memory_limit is not None and args.memory_limit < 1:
-        raise UsageError("--memory-limit must be >= 1 activation")
+    if args.stage_memory_limit is not None and args.stage_memory_limit < 1:
+        raise UsageError("--stage-memory-limit must be >= 1 activation")
     placement = args.placement or "loop"
     try:
         plan = plan_virtual(profile, args.virtual_stages, placement, schedule=args.schedule,
-                            memory_limit=args.memory_limit)
+                            memory_limit=_rank_limit(args, args.virtual_stages),
+                            stage_memory_limit=args.stage_memory_limit)
     except ValueError as e:
         raise UsageError(f"{args.schedule} ({placement}, {args.virtual_stages} stages per rank): {e}") from None
     timeline = simulate(plan.actions, plan.profile, stage_to_rank=dict(enumerate(plan.stage_to_rank)))
@@ -270,6 +304,8 @@ def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> Non
         {"schedule": args.schedule, "placement": placement, "virtual_stages": args.virtual_stages,
          "stage_to_rank": list(plan.stage_to_rank), "source": plan.source, "warmup_counts": plan.warmup_counts,
          "candidates": plan.candidates, "peak_inflight_per_rank": list(rank_peak_inflight(plan.ops).values()),
+         "memory_limit": args.memory_limit, "stage_memory_limit": args.stage_memory_limit,
+         "inflight_limit": plan.inflight_limit,
          "plan_ms": round(plan.plan_ms, 3)},
         args,
     )
@@ -279,11 +315,11 @@ def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
     """CrossPipe greedy / CP-SAT plan (issue 6) → (actions, profile to simulate with, info)."""
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be > 0")
-    if getattr(args, "memory_limit", None) is not None and args.memory_limit < 1:
-        raise UsageError("--memory-limit must be >= 1 activation")
+    if getattr(args, "stage_memory_limit", None) is not None and args.stage_memory_limit < 1:
+        raise UsageError("--stage-memory-limit must be >= 1 activation")
     try:
         actions, sim_profile, _, info = plan_crosspipe_by_name(
-            profile, args.schedule, memory_limit=getattr(args, "memory_limit", None), time_limit_s=args.time_limit
+            profile, args.schedule, memory_limit=_one_stage_limit(args), time_limit_s=args.time_limit
         )
     except (ImportError, ValueError) as e:
         raise UsageError(f"{args.schedule}: {e}") from None
@@ -445,8 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=("loop", "v"), default=None,
                    help="with --virtual-stages: loop (rank r holds r, r+R, ...: Interleaved) or "
                         "v (rank r holds r and 2R-1-r: ZBV / DualPipeV); default loop")
-    p.add_argument("--memory-limit", type=int, default=None, metavar="K",
-                   help="max in-flight activations per stage (Alg.1's x_max; caps Alg.2)")
+    p.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="K",
+                   help="at most K activations of one rank's whole model part held on any rank (a chunk "
+                        "of a rank with V stages counts 1/V, so K*V must be whole); one stage per rank: "
+                        "Alg.1's x_max, caps Alg.2 (docs/multistage.md, Memory)")
+    p.add_argument("--stage-memory-limit", type=int, default=None, metavar="K",
+                   help="at most K in-flight activations on any one stage (chunk)")
     p.add_argument("--strict", action="store_true",
                    help="also validate with torch's checker, lowering and dry run (slower; default: ours)")
     p.add_argument("--slack-floor", type=int, default=2, metavar="D",
@@ -469,8 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan a CrossPipe schedule (or the CP-SAT optimum) for these delays, then simulate it")
     _add_common(s)
     s.add_argument("--hol", action="store_true", help="head-of-line blocking: sends block the compute behind them")
-    s.add_argument("--memory-limit", type=int, default=None, metavar="K",
-                   help="with --schedule: max in-flight activations per stage")
+    s.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="K",
+                   help="with --schedule: max in-flight activations per rank (whole number)")
     s.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="with --schedule optimal: solver time limit")
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     s.add_argument("--gantt", type=Path, help="write a Gantt PNG")

@@ -124,5 +124,5 @@ def plan_crosspipe_by_name(profile, name: str, memory_limit: int | None = None,
     info = {"n_sub": plan.n_sub, "steady": plan.steady, "reserve": plan.reserve, "lookahead": plan.lookahead,
             "caps": plan.caps, "local_search_improved": plan.improved,
             "predicted_makespan_ms": plan.makespan_ms, "plan_ms": round(plan.plan_ms, 3),
-            "peak_memory_per_rank": plan.peak_memory}
+            "crosspipe_peak_memory": plan.peak_memory}
     return plan.actions, sim_profile, plan.stage_to_rank, info

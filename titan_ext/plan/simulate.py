@@ -17,7 +17,7 @@ Bubble rate = 1 − Σ busy / (ranks · T), T from the first start to the last e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .deps import done_key, producers
@@ -48,6 +48,7 @@ class Timeline:
     busy_ms: dict[int, float]
     idle_ms: dict[int, float]
     peak_inflight: dict[int, int]  # stage → max activations held (F done − I/B done)
+    peak_memory_per_rank: dict[int, float] = field(default_factory=dict)  # see peak_memory_per_rank()
 
     def to_dict(self) -> dict:
         return {
@@ -55,6 +56,7 @@ class Timeline:
             "bubble_rate": self.bubble_rate,
             "idle_ms": {str(r): v for r, v in self.idle_ms.items()},
             "peak_inflight": {str(s): v for s, v in self.peak_inflight.items()},
+            "peak_memory_per_rank": {str(r): v for r, v in self.peak_memory_per_rank.items()},
         }
 
 
@@ -173,7 +175,7 @@ def simulate(
     busy_ms = {r: to_ms(v) for r, v in busy.items()}
     idle_ms = {r: makespan - b for r, b in busy_ms.items()}
     bubble = 1.0 - sum(busy_ms.values()) / (len(ranks) * makespan) if makespan > 0 else 0.0
-    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops))
+    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops), peak_memory_per_rank(ops))
 
 
 def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
@@ -188,6 +190,27 @@ def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
             elif kind in ("I", "B"):
                 held[stage] = held.get(stage, 0) - 1
     return dict(sorted(peak.items()))
+
+
+def rank_peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
+    """Per rank, the most activations held at once over all its stages (F done − I/B done, in program
+    order, which is exact: a rank runs its operations one at a time)."""
+    out = {}
+    for rank, rank_ops in ops.items():
+        held = peak = 0
+        for _, kind, _ in rank_ops:
+            held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
+            peak = max(peak, held)
+        out[rank] = peak
+    return out
+
+
+def peak_memory_per_rank(ops: Mapping[int, list[Op]]) -> dict[int, float]:
+    """Per rank, its peak activation memory in units of one activation of the rank's whole model part
+    (issue 21): a chunk of a rank that holds V stages counts 1/V. One stage per rank: the stage's peak,
+    so one-stage and multi-stage plans (ours and torch's) compare in one unit."""
+    stages = {rank: len({s for s, _, _ in rank_ops}) for rank, rank_ops in ops.items()}
+    return {rank: peak / max(stages[rank], 1) for rank, peak in rank_peak_inflight(ops).items()}
 
 
 def replay_makespan_ns(

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 from .ir import Op, as_ops, gc_paused, to_torch_plan, torch_schedules
 from .pipemorph import GeneratedSchedule
 from .profile import LinkProfile, PipelineProfile
+from .simulate import peak_memory_per_rank, rank_peak_inflight
 from .timing import LinkQueues, to_ms, to_ns
 
 PLACEMENTS = ("loop", "v")
@@ -241,27 +242,6 @@ def generate_virtual_order(
 
 
 # ----------------------------------------------------------------------------- memory per rank
-def rank_peak_inflight(ops) -> dict[int, int]:
-    """Per rank, the most chunk activations held at once over all its stages (F done − I/B done, in
-    program order, which is exact: a rank runs its operations one at a time)."""
-    out = {}
-    for rank, rank_ops in as_ops(ops).items():
-        held = peak = 0
-        for _, kind, _ in rank_ops:
-            held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
-            peak = max(peak, held)
-        out[rank] = peak
-    return out
-
-
-def peak_memory_per_rank(ops, stage_to_rank: Mapping[int, int] | Sequence[int]) -> dict[int, float]:
-    """Per rank, its peak activation memory in units of one activation of the rank's whole model part:
-    a chunk of a rank that holds V stages counts 1/V (issue 21). One stage per rank: the stage's peak."""
-    s2r = dict(stage_to_rank) if isinstance(stage_to_rank, Mapping) else dict(enumerate(stage_to_rank))
-    stages_on = {r: sum(1 for v in s2r.values() if v == r) for r in set(s2r.values())}
-    return {r: peak / stages_on[r] for r, peak in rank_peak_inflight(ops).items()}
-
-
 def rank_chunk_budget(memory_limit: float, stages_per_rank: int) -> int:
     """A per-rank limit K (whole-rank activations) as chunk activations: K·V, which must be a whole
     number ≥ V (every stage of the rank holds at least one activation in any schedule)."""
@@ -419,7 +399,7 @@ class VirtualPlan:
     @property
     def peak_memory_per_rank(self) -> dict[int, float]:
         """rank → peak activations in whole-rank units (a chunk counts 1/V)."""
-        return peak_memory_per_rank(self.ops, self.stage_to_rank)
+        return peak_memory_per_rank(self.ops)
 
 
 def plan_virtual(
