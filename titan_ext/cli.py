@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Sequence
 
 from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
-from .plan.result import warmup_counts_of
+from .plan.result import rank_peak_inflight, warmup_counts_of
 from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
-from .plan.virtual import VIRTUAL_SCHEDULES, rank_peak_inflight
+from .plan.virtual import VIRTUAL_SCHEDULES
 from .plan.warmup import slackness
 
 
@@ -91,6 +91,29 @@ def _megabytes(text: str) -> float:
     if not 0 <= value <= 1e9:  # also NaN
         raise argparse.ArgumentTypeError(f"expected a size in MB in [0, 1e9], got {text!r}")
     return value
+
+
+def _memory_limit(text: str) -> float:
+    """--memory-limit K: activations of one rank's whole model part (a number >= 1; issue 21)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 activation, got {text!r}")
+    return value
+
+
+def _rank_limit(args: argparse.Namespace, stages_per_rank: int) -> float | None:
+    """--memory-limit as a per-rank limit for ranks holding ``stages_per_rank`` stages: K·V must be whole
+    (a chunk counts 1/V); with one stage per rank K is a whole number of activations."""
+    K = getattr(args, "memory_limit", None)
+    if K is not None and abs(K * stages_per_rank - round(K * stages_per_rank)) > 1e-9:
+        if stages_per_rank == 1:
+            raise UsageError(f"--memory-limit {K:g}: with one stage per rank it must be a whole number of activations")
+        raise UsageError(f"--memory-limit {K:g}: with {stages_per_rank} stages per rank it must be a multiple of "
+                         f"1/{stages_per_rank} (a chunk counts 1/{stages_per_rank} of a rank's activation)")
+    return K
 
 
 def _profile_int(base: dict, key: str, flag: str) -> int | None:
@@ -207,6 +230,8 @@ def _report(timeline, extra: dict, args: argparse.Namespace) -> None:
         if key not in ("makespan_ms", "bubble_rate", "notes", "peak_inflight"):
             print(f"{key:<11} {value}")
     print(f"peak in-flight activations per stage: {list(timeline.peak_inflight.values())}")
+    print(f"peak memory per rank (activations of the rank's model part): "
+          f"{[round(v, 3) for v in timeline.peak_memory_per_rank.values()]}")
     if args.json:
         print(json.dumps({**timeline.to_dict(), **extra}))
 
@@ -224,6 +249,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if result.stages_per_rank > 1 and args.virtual_stages is not None:
         extra.update(placement=result.placement, virtual_stages=result.stages_per_rank,
                      peak_inflight_per_rank=list(rank_peak_inflight(result.ops).values()))
+    extra.update(memory_limit=args.memory_limit, stage_memory_limit=args.stage_memory_limit,
+                 inflight_limit=result.inflight_limit)
     _report(timeline, extra, args)
 
 
@@ -247,7 +274,8 @@ def _plan(profile: PipelineProfile, args: argparse.Namespace) -> PlanResult:
         options["placement"] = args.placement or "loop"
     try:
         return plan_by_name(profile, args.schedule, virtual_stages=args.virtual_stages or 1,
-                            memory_limit=args.memory_limit, time_limit_s=args.time_limit,
+                            memory_limit=_rank_limit(args, args.virtual_stages or 1),
+                            stage_memory_limit=getattr(args, "stage_memory_limit", None), time_limit_s=args.time_limit,
                             backward=args.backward, **options)
     except (ImportError, ValueError) as e:
         where = args.schedule
@@ -259,7 +287,8 @@ def _plan(profile: PipelineProfile, args: argparse.Namespace) -> PlanResult:
 def _flag_names(e: Exception) -> str:
     """The library's message with its argument names spelled as the command line's flags."""
     text = str(e)
-    for name, flag in (("memory_limit", "--memory-limit"), ("backward ", "--backward "),
+    for name, flag in (("stage_memory_limit", "--stage-memory-limit"), (" memory_limit", " --memory-limit"),
+                       ("backward ", "--backward "),
                        ("slack_floor", "--slack-floor")):
         text = text.replace(name, flag)
     return text
@@ -416,8 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=("loop", "v"), default=None,
                    help="with --virtual-stages: loop (rank r holds r, r+R, ...: Interleaved) or "
                         "v (rank r holds r and 2R-1-r: ZBV / DualPipeV); default loop")
-    p.add_argument("--memory-limit", type=int, default=None, metavar="K",
-                   help="max in-flight activations per stage (Alg.1's x_max; caps Alg.2)")
+    p.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="K",
+                   help="at most K activations of one rank's whole model part held on any rank (a chunk "
+                        "of a rank with V stages counts 1/V, so K*V must be whole); one stage per rank: "
+                        "Alg.1's x_max, caps Alg.2 (docs/multistage.md, Memory)")
+    p.add_argument("--stage-memory-limit", type=int, default=None, metavar="K",
+                   help="at most K in-flight activations on any one stage (chunk)")
     p.add_argument("--strict", action="store_true",
                    help="also validate with torch's checker, lowering and dry run (slower; default: ours)")
     p.add_argument("--slack-floor", type=int, default=2, metavar="D",
@@ -440,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan a CrossPipe schedule (or the CP-SAT optimum) for these delays, then simulate it")
     _add_common(s)
     s.add_argument("--hol", action="store_true", help="head-of-line blocking: sends block the compute behind them")
-    s.add_argument("--memory-limit", type=int, default=None, metavar="K",
-                   help="with --schedule: max in-flight activations per stage")
+    s.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="K",
+                   help="with --schedule: max in-flight activations per rank (whole number)")
     s.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="with --schedule optimal: solver time limit")
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     s.add_argument("--gantt", type=Path, help="write a Gantt PNG")

@@ -42,11 +42,11 @@ class PlanResult:
     """makespan of the plan under the planner's timing model and ``profile``."""
     peak_inflight: dict[int, int]
     """stage → most activations of that stage held at once (F done − I/B done), in program order."""
-    peak_memory_per_stage: list[float]
-    """per stage, ``peak_inflight`` in activations (module docstring: a stage of a V-stages-per-rank
-    plan holds 1/V activation per microbatch)."""
-    peak_memory_per_rank: list[float]
-    """per rank, the most activations held at once over all its stages, in program order."""
+    peak_memory_per_stage: dict[int, float]
+    """stage → ``peak_inflight`` in activations (module docstring: a stage of a V-stages-per-rank plan
+    holds 1/V activation per microbatch)."""
+    peak_memory_per_rank: dict[int, float]
+    """rank → the most activations held at once over all its stages, in program order (issue 21)."""
     plan_ms: float
     """wall time of planning + our validation (imports excluded)."""
     stage_to_rank: tuple[int, ...]
@@ -86,8 +86,8 @@ class PlanResult:
             "slackness": self.slackness,
             "predicted_makespan_ms": self.predicted_makespan_ms,
             "peak_inflight": {str(s): v for s, v in sorted(self.peak_inflight.items())},
-            "peak_memory_per_stage": list(self.peak_memory_per_stage),
-            "peak_memory_per_rank": list(self.peak_memory_per_rank),
+            "peak_memory_per_stage": {str(s): v for s, v in sorted(self.peak_memory_per_stage.items())},
+            "peak_memory_per_rank": {str(r): v for r, v in sorted(self.peak_memory_per_rank.items())},
             "stage_to_rank": list(self.stage_to_rank),
             "plan_ms": round(self.plan_ms, 3),
             "notes": list(self.notes),
@@ -125,7 +125,7 @@ def make_result(
         actions=dict(actions), ops=ops, schedule=schedule, source=source or schedule,
         warmup_counts=list(warmup_counts) if warmup_counts is not None else warmup_counts_of(ops),
         predicted_makespan_ms=predicted_makespan_ms, peak_inflight=inflight,
-        peak_memory_per_stage=[inflight.get(s, 0) / V for s in range(len(s2r))],
+        peak_memory_per_stage={s: inflight.get(s, 0) / V for s in range(len(s2r))},
         peak_memory_per_rank=_rank_peaks(ops, inflight, s2r), plan_ms=plan_ms, stage_to_rank=s2r, **fields,
     )
 
@@ -135,13 +135,11 @@ def _read_stage_to_rank(ops: Mapping[int, Sequence[Op]]) -> tuple[int, ...]:
     return tuple(placed[s] for s in range(len(placed)))
 
 
-def _rank_peaks(ops: Mapping[int, Sequence[Op]], inflight: Mapping[int, int], s2r: Sequence[int]) -> list[float]:
+def _rank_peaks(ops: Mapping[int, Sequence[Op]], inflight: Mapping[int, int], s2r: Sequence[int]) -> dict[int, float]:
     """Per-rank memory peaks; with one stage per rank they are that stage's (no second pass)."""
-    V = stages_per_rank(s2r)
-    if V > 1:
-        return rank_peak_memory(ops, V)
-    stage_of = {r: s for s, r in enumerate(s2r)}
-    return [float(inflight.get(stage_of[r], 0)) for r in sorted(ops)]
+    if stages_per_rank(s2r) > 1:
+        return peak_memory_per_rank(ops, s2r)
+    return {r: float(inflight.get(s, 0)) for s, r in sorted(enumerate(s2r), key=lambda sr: sr[1])}
 
 
 def _is_torch(plan: Mapping[int, Sequence[Any]]) -> bool:
@@ -163,17 +161,33 @@ def peak_inflight(ops: Mapping[int, Sequence[Op]]) -> dict[int, int]:
     return dict(sorted(peak.items()))
 
 
-def rank_peak_memory(ops: Mapping[int, Sequence[Op]], stages_per_rank: int = 1) -> list[float]:
-    """Per rank, the most activations held at once over all its stages (F done − I/B done, program
-    order), each stage's activation weighing 1/``stages_per_rank``."""
-    out = []
-    for rank in sorted(ops):
+def rank_peak_inflight(plan: Mapping[int, Sequence[Any]]) -> dict[int, int]:
+    """Per rank, the most activations held at once over all its stages (F done − I/B done, in program
+    order, which is exact: a rank runs its operations one at a time)."""
+    out = {}
+    for rank, rank_ops in sorted(as_ops(plan).items()):
         held = peak = 0
-        for _, kind, _ in ops[rank]:
+        for _, kind, _ in rank_ops:
             held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
             peak = max(peak, held)
-        out.append(peak / stages_per_rank)
+        out[rank] = peak
     return out
+
+
+def peak_memory_per_rank(plan: Mapping[int, Sequence[Any]], stage_to_rank: Any = None) -> dict[int, float]:
+    """Per rank, its peak activation memory in units of one activation of the rank's whole model part
+    (issue 21): a chunk of a rank that holds V stages counts 1/V. One stage per rank: the stage's peak,
+    so one-stage and multi-stage plans (ours and torch's) compare in one unit. ``stage_to_rank``
+    (optional, any mapping or sequence) names the stages a rank holds; else the plan's own."""
+    ops = as_ops(plan)
+    if stage_to_rank is None:
+        held = {rank: len({s for s, _, _ in rank_ops}) for rank, rank_ops in ops.items()}
+    else:
+        pairs = stage_to_rank.items() if hasattr(stage_to_rank, "items") else enumerate(stage_to_rank)
+        held = {}
+        for _, r in pairs:
+            held[r] = held.get(r, 0) + 1
+    return {rank: peak / max(held.get(rank, 1), 1) for rank, peak in rank_peak_inflight(ops).items()}
 
 
 def warmup_counts_of(plan: Mapping[int, Sequence[Any]]) -> list[int]:

@@ -12,6 +12,7 @@ import order and nothing in plan/ imports it.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -84,11 +85,25 @@ def plan_auto(
     return result
 
 
-def check_memory_limit(memory_limit: int | None) -> None:
-    """The one check of a memory limit (in-flight activations per stage): an int >= 1, or None."""
-    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
-                                     or memory_limit < 1):
+def check_memory_limit(memory_limit: float | None, stage_memory_limit: int | None = None) -> None:
+    """The one check of the memory limits: K per rank (a number >= 1, in activations of a rank's whole
+    model part) and per stage (an int >= 1); None: no limit."""
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+                                     or not math.isfinite(memory_limit) or memory_limit < 1):
         raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit!r}")
+    if stage_memory_limit is not None and (isinstance(stage_memory_limit, bool)
+                                           or not isinstance(stage_memory_limit, int) or stage_memory_limit < 1):
+        raise ValueError(f"stage_memory_limit must be an int >= 1 activation, got {stage_memory_limit!r}")
+
+
+def one_stage_limit(memory_limit: float | None, stage_memory_limit: int | None) -> int | None:
+    """One stage per rank: the per-rank and the per-stage limit are the same thing; the tighter wins
+    (the per-rank K must then be a whole number of activations)."""
+    if memory_limit is not None and memory_limit != int(memory_limit):
+        raise ValueError(f"memory_limit {memory_limit:g}: with one stage per rank it must be a whole number "
+                         f"of activations")
+    limits = [int(v) for v in (memory_limit, stage_memory_limit) if v is not None]
+    return min(limits) if limits else None
 
 
 def plan_by_name(
@@ -97,7 +112,8 @@ def plan_by_name(
     *,
     virtual_stages: int = 1,
     placement: str | None = None,
-    memory_limit: int | None = None,
+    memory_limit: float | None = None,
+    stage_memory_limit: int | None = None,
     time_limit_s: float = 60.0,
     stage_times_ms: tuple | None = None,
     full_backward: bool = True,
@@ -115,14 +131,17 @@ def plan_by_name(
       within ``time_limit_s`` (needs ortools);
     * torch's built-in names (``BUILTIN_SCHEDULES``) → torch's own plan.
 
-    ``memory_limit`` K: in-flight activations per stage of the rank-level pipeline (for V-stage plans:
-    per stage of the plan; for crosspipe-wave: K per rank, i.e. 2K half-size chunk activations).
-    Raises ValueError (bad input, no plan fits) or ImportError (``optimal`` without ortools).
+    ``memory_limit`` K: at most K activations of a rank's whole model part held on any rank (a chunk of a
+    rank with V stages counts 1/V: crosspipe-wave's half chunks, virtual stages); ``stage_memory_limit``:
+    at most that many in-flight activations on any one stage. With one stage per rank both are the
+    per-stage in-flight limit and the tighter wins. Raises ValueError (bad input, no plan fits) or
+    ImportError (``optimal`` without ortools).
     """
-    check_memory_limit(memory_limit)
+    check_memory_limit(memory_limit, stage_memory_limit)
     if virtual_stages != 1 or placement is not None:
-        return _plan_virtual(profile, name, virtual_stages, placement, memory_limit, stage_times_ms,
-                             full_backward, pipemorph)
+        return _plan_virtual(profile, name, virtual_stages, placement, memory_limit, stage_memory_limit,
+                             stage_times_ms, full_backward, pipemorph)
+    memory_limit = one_stage_limit(memory_limit, stage_memory_limit)
     if name == "auto":
         return plan_auto(profile, memory_limit=memory_limit, **pipemorph)
     if name in SCHEDULES:
@@ -147,7 +166,8 @@ def _split_only(name: str, options: dict) -> None:
         raise ValueError(f"backward {backward}: {name} plans split backwards only")
 
 
-def _plan_virtual(profile, name, V, placement, memory_limit, stage_times_ms, full_backward, options) -> PlanResult:
+def _plan_virtual(profile, name, V, placement, memory_limit, stage_memory_limit, stage_times_ms, full_backward,
+                  options) -> PlanResult:
     from .virtual import plan_virtual
 
     if V < 2:
@@ -156,7 +176,8 @@ def _plan_virtual(profile, name, V, placement, memory_limit, stage_times_ms, ful
         raise ValueError(f"backward {options['backward']}: multi-stage plans split backwards only")
     validate = options.get("validate", True)
     return plan_virtual(profile, V, placement or "loop", schedule=name, stage_times_ms=stage_times_ms,
-                        memory_limit=memory_limit, validate=bool(validate), full_backward=full_backward)
+                        memory_limit=memory_limit, stage_memory_limit=stage_memory_limit, validate=bool(validate),
+                        full_backward=full_backward)
 
 
 def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | None, time_limit_s: float) -> PlanResult:
@@ -170,7 +191,7 @@ def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | Non
         limit = None if memory_limit is None else 2 * memory_limit
     plan = plan_crosspipe(sim_profile, variant, memory_limit=limit)
     info = {"n_sub": plan.n_sub, "steady": plan.steady, "reserve": plan.reserve, "lookahead": plan.lookahead,
-            "caps": plan.caps, "local_search_improved": plan.improved}
+            "caps": plan.caps, "local_search_improved": plan.improved, "crosspipe_peak_memory": plan.peak_memory}
     return make_result(plan.orders, actions=plan.actions, schedule=name, source=f"{name}:{plan.caps}",
                        predicted_makespan_ms=plan.makespan_ms, plan_ms=plan.plan_ms,
                        stage_to_rank=plan.stage_to_rank, profile=sim_profile, info=info,
@@ -195,8 +216,8 @@ def _plan_builtin(profile: PipelineProfile, name: str, memory_limit: int | None)
     from .builtin import plan_builtin
 
     result = plan_builtin(name, profile)
-    worst = max(result.peak_memory_per_stage)
+    worst = max(result.peak_memory_per_rank.values())
     if memory_limit is not None and worst > memory_limit:
-        raise ValueError(f"torch's {result.schedule} holds {worst:g} activations on a stage, above the "
+        raise ValueError(f"torch's {result.schedule} holds {worst:g} activations on a rank, above the "
                          f"memory limit {memory_limit}")
     return result

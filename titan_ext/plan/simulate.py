@@ -17,14 +17,14 @@ Bubble rate = 1 − Σ busy / (ranks · T), T from the first start to the last e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
 from .placement import stage_profile
 from .profile import LinkProfile, PipelineProfile
-from .result import peak_inflight
+from .result import peak_inflight, peak_memory_per_rank
 from .timing import LinkQueues, to_ms, to_ns
 
 
@@ -50,6 +50,7 @@ class Timeline:
     busy_ms: dict[int, float]
     idle_ms: dict[int, float]
     peak_inflight: dict[int, int]  # stage → max activations held (F done − I/B done)
+    peak_memory_per_rank: dict[int, float] = field(default_factory=dict)  # see peak_memory_per_rank()
 
     def to_dict(self) -> dict:
         return {
@@ -57,6 +58,7 @@ class Timeline:
             "bubble_rate": self.bubble_rate,
             "idle_ms": {str(r): v for r, v in self.idle_ms.items()},
             "peak_inflight": {str(s): v for s, v in self.peak_inflight.items()},
+            "peak_memory_per_rank": {str(r): v for r, v in self.peak_memory_per_rank.items()},
         }
 
 
@@ -169,7 +171,7 @@ def simulate(
     busy_ms = {r: to_ms(v) for r, v in busy.items()}
     idle_ms = {r: makespan - b for r, b in busy_ms.items()}
     bubble = 1.0 - sum(busy_ms.values()) / (len(ranks) * makespan) if makespan > 0 else 0.0
-    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops))
+    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops), peak_memory_per_rank(ops))
 
 
 def replay_makespan_ns(

@@ -147,7 +147,7 @@ class VirtualPlanner:
         ranks, times = rank_level(profile, self.layout)
         limit = None if limit is None or limit >= profile.num_microbatches else limit
         return plan_by_name(ranks, self.schedule, virtual_stages=self.layout.stages_per_rank,
-                            placement=self.layout.placement, stage_times_ms=times, memory_limit=limit,
+                            placement=self.layout.placement, stage_times_ms=times, stage_memory_limit=limit,
                             validate=False, full_backward=self.backward != "split")
 
 
