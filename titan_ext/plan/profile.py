@@ -14,8 +14,16 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+# Bounds of the timing model (integer nanoseconds, plan/timing.py): any time, latency or transfer time is
+# at most MAX_MS (11.6 days), and a time that must be > 0 is at least MIN_POSITIVE_MS (1 ns, the
+# simulator's resolution: below it, it would round to nothing).
+MAX_MS = 1e9
+MIN_POSITIVE_MS = 1e-6
 
-def _check_number(name: str, value: float, *, positive: bool = False, allow_inf: bool = False) -> float:
+
+def _check_number(
+    name: str, value: float, *, positive: bool = False, allow_inf: bool = False, max_value: float = math.inf
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     value = float(value)
@@ -27,6 +35,16 @@ def _check_number(name: str, value: float, *, positive: bool = False, allow_inf:
         raise ValueError(f"{name} must be > 0, got {value}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+    if value > max_value:
+        raise ValueError(f"{name} must be at most {max_value:g}, got {value:g}")
+    return value
+
+
+def _check_ms(name: str, value: float, *, positive: bool) -> float:
+    """A time in ms within the timing model's bounds (MAX_MS; MIN_POSITIVE_MS when it must be > 0)."""
+    value = _check_number(name, value, positive=positive, max_value=MAX_MS)
+    if positive and value < MIN_POSITIVE_MS:
+        raise ValueError(f"{name} must be at least {MIN_POSITIVE_MS:g} ms (1 ns), got {value:g}")
     return value
 
 
@@ -39,13 +57,18 @@ class LinkProfile:
     message_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "latency_ms", _check_number("latency_ms", self.latency_ms))
+        object.__setattr__(self, "latency_ms", _check_ms("latency_ms", self.latency_ms, positive=False))
         object.__setattr__(
             self,
             "bandwidth_bytes_per_s",
             _check_number("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True, allow_inf=True),
         )
         object.__setattr__(self, "message_bytes", _check_number("message_bytes", self.message_bytes))
+        if self.transfer_ms > MAX_MS:
+            raise ValueError(
+                f"message_bytes / bandwidth_bytes_per_s = {self.transfer_ms:g} ms per message, beyond "
+                f"{MAX_MS:g} ms (message_bytes {self.message_bytes:g}, bandwidth {self.bandwidth_bytes_per_s:g} B/s)"
+            )
 
     @property
     def transfer_ms(self) -> float:
@@ -60,12 +83,18 @@ class LinkProfile:
         return self.latency_ms + self.transfer_ms
 
 
-def _stage_tuple(name: str, values: float | Sequence[float], n: int, *, positive: bool) -> tuple[float, ...]:
+def _stage_tuple(
+    name: str, values: float | Sequence[float], n: int, *, positive: bool, ms: bool = True
+) -> tuple[float, ...]:
     if isinstance(values, (int, float)) and not isinstance(values, bool):
         values = [values] * n
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name} must be a number or one number per stage, got {type(values).__name__}")
     values = tuple(values)
     if len(values) != n:
         raise ValueError(f"{name} has {len(values)} entries, expected one per stage ({n})")
+    if ms:
+        return tuple(_check_ms(f"{name}[{i}]", v, positive=positive) for i, v in enumerate(values))
     return tuple(_check_number(f"{name}[{i}]", v, positive=positive) for i, v in enumerate(values))
 
 
@@ -112,8 +141,8 @@ class PipelineProfile:
         if (self.activation_bytes is None) != (self.memory_budget_bytes is None):
             raise ValueError("activation_bytes and memory_budget_bytes must be given together")
         if self.activation_bytes is not None:
-            act = _stage_tuple("activation_bytes", self.activation_bytes, S, positive=True)
-            budget = _stage_tuple("memory_budget_bytes", self.memory_budget_bytes, S, positive=False)
+            act = _stage_tuple("activation_bytes", self.activation_bytes, S, positive=True, ms=False)
+            budget = _stage_tuple("memory_budget_bytes", self.memory_budget_bytes, S, positive=False, ms=False)
             for i, (a, m) in enumerate(zip(act, budget)):
                 if m < a:
                     raise ValueError(
@@ -151,7 +180,8 @@ class PipelineProfile:
         """Per stage, how many microbatches' activations fit in the budget (Alg.1 line 2), or None."""
         if self.activation_bytes is None:
             return None
-        return tuple(int(m // a) for a, m in zip(self.activation_bytes, self.memory_budget_bytes))
+        N = self.num_microbatches  # more never matters (and a huge budget / activation ratio stays an int)
+        return tuple(int(min(m // a, N)) for a, m in zip(self.activation_bytes, self.memory_budget_bytes))
 
     def fused(self) -> "PipelineProfile":
         """The same pipeline with the backward not split: ``b_ms`` = B + W of each stage, ``w_ms`` = 0
