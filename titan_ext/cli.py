@@ -30,7 +30,7 @@ from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
 from .plan.result import rank_peak_inflight, warmup_counts_of
 from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
 from .plan.virtual import VIRTUAL_SCHEDULES
-from .plan.profile import MAX_MS
+from .plan.profile import MAX_MS, check_profile_fields, links_from_json
 from .plan.warmup import slackness
 
 
@@ -221,8 +221,6 @@ def _per_link(pairs: list[tuple[int, float]], flag: str) -> None:
         raise UsageError(f"{flag} given more than once for link {dup[0]}")
 
 
-PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
-                  "activation_bytes", "memory_budget_bytes")
 PROFILE_HELP = (
     'profile JSON with the fields of PipelineProfile; flags override it. Times in ms, a number for '
     'every stage or a list with one per stage; links: one object per link (link i joins stage i and '
@@ -282,12 +280,10 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
     base: dict = {}
     if args.profile is not None:
         base = _read_profile(args.profile)
-        if not isinstance(base, dict):
-            raise UsageError(f"--profile {args.profile}: expected a JSON object")
-        unknown = sorted(set(base) - set(PROFILE_FIELDS))
-        if unknown:
-            raise UsageError(f"--profile {args.profile}: unknown field(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(PROFILE_FIELDS)})")
+        try:
+            check_profile_fields(base)  # the profile's JSON format is the library's (plan/profile.py)
+        except ValueError as e:
+            raise UsageError(f"--profile {args.profile}: {str(e).removeprefix('profile: ')}") from None
     S = args.stages if args.stages is not None else _profile_int(base, "num_stages", "--stages")
     N = args.microbatches if args.microbatches is not None else _profile_int(
         base, "num_microbatches", "--microbatches")
@@ -315,11 +311,9 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
     else:
         raise UsageError("--times F,B,W is required (or a --profile with f_ms, b_ms, w_ms)")
     try:
-        links = [LinkProfile(**link) for link in base["links"]] if base.get("links") else [LinkProfile()] * (S - 1)
+        links = links_from_json(base["links"], S) if base.get("links") else [LinkProfile()] * (S - 1)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"--profile links: {e}") from None
-    if len(links) != S - 1:
-        raise UsageError(f"--profile links: {len(links)} entries for {S} stages (expected {S - 1}, one per link)")
+        raise UsageError(f"--profile {str(e).removeprefix('profile ')}") from None
     for link, _ in args.delay + args.bandwidth:
         if not 0 <= link < S - 1:
             raise UsageError(f"link {link} does not exist: links are 0..{S - 2} for {S} stages")

@@ -68,9 +68,9 @@ def check_job_config(config, world_size: int | None = None) -> None:
         config.training.dataset_path = _resolve_repo_path(config.training.dataset_path)
     env_spec = os.environ.get("TITAN_EXT_INJECT_DELAYS", "").strip()
     if env_spec and not (section.inject_delays.strip() or section.inject_trace.strip()):
-        from titan_ext.titan.config import parse_delay_spec
+        from titan_ext.titan.config import config_delay_schedule
 
-        schedule = parse_delay_spec(env_spec, key="inject_delays (from TITAN_EXT_INJECT_DELAYS)")
+        schedule = config_delay_schedule(env_spec, key="inject_delays (from TITAN_EXT_INJECT_DELAYS)")
         if pp > 1 and schedule is not None and schedule.max_link() >= pp - 1:
             raise JobConfigError(f"TITAN_EXT_INJECT_DELAYS = {env_spec!r}: link {schedule.max_link()} "
                                  f"does not exist with {pp} pipeline stages (links 0..{pp - 2})")
