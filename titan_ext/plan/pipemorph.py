@@ -245,6 +245,8 @@ def _candidates(profile: PipelineProfile, schedule: str, mode: str, slack_floor:
     out = [make(variants[0][0] + ("-capped" if cap_inflight else ""), variants[0][1], cap_inflight)]
     for name, x in variants:
         out += [make(name + "-capped", x, True), make(name, x, False)]
+    if mode != "initial" and N - 2 * S < slack_floor:  # Alg.2's clip as published (x = 1 at N = 2S), uncapped
+        out.append(make("alg2-literal", adapted_warmup_counts(profile, slack_floor=slack_floor, literal=True), False))
     static = any(link.delay_ms > 0 for link in profile.links)  # else generated = static (dedup)
     out += [make("zb", zb_warmup_counts(S, N), True, static=static),
             make("zb-h1", zb_h1_warmup_counts(S), True, static=static)]
@@ -323,7 +325,9 @@ def plan_pipemorph(
     ``mode="adaptive"`` → Alg.2 (§4.2) from the profile's measured times and delays; ``mode="auto"`` →
     adaptive when any link has a delay, else initial. With ``candidates`` (default) it also times, under
     the profile, the cheap alternatives — the same warm-up counts without the in-flight cap, Alg.2 with
-    slack floor 1, the static zb and zb-h1 orders and torch's 1F1B order — and returns the fastest
+    slack floor 1, Alg.2 with its clip as published where N − 2S is below the floor (x_i = 1 at N = 2S,
+    uncapped: ``adapted_warmup_counts(literal=True)``), the static zb and zb-h1 orders and torch's
+    1F1B order — and returns the fastest
     (ties: the earlier in that list, which holds fewer activations), so it is never slower than any.
     ``memory_limit`` K (and the profile's byte budget): every candidate holds at most K in-flight
     activations per stage, so the result is the fastest candidate that fits.
