@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+from .args import counts_arg, int_arg, profile_arg
 from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
 from .result import PlanResult, make_result
@@ -58,8 +59,8 @@ def generate_order(
     each I is replaced by a full B taking ``t_B + t_W`` and no W is scheduled (1F1B-style actions with
     PipeMorph's warm-up counts, for devices where the I/W split costs more than it saves).
     """
-    S, N = profile.num_stages, profile.num_microbatches
-    x = [int(v) for v in warmup_counts]
+    S, N = profile_arg(profile).num_stages, profile.num_microbatches
+    x = counts_arg(warmup_counts, "warmup_counts")
     if len(x) != S:
         raise ValueError(f"warmup_counts has {len(x)} entries, expected num_stages = {S}")
     for i, v in enumerate(x):
@@ -336,6 +337,8 @@ def plan_pipemorph(
     False → none. ``backward="full"`` (our extension): plan with the profile's ``fused()`` times and emit
     full backwards B instead of I/W (the runtime measures both, see ``titan_ext.runtime``).
     """
+    profile_arg(profile)
+    int_arg(slack_floor, "slack_floor")
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     if schedule not in SCHEDULES:

@@ -124,13 +124,13 @@ class PipelineProfile:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        S, N = self.num_stages, self.num_microbatches
-        if N < S:
-            raise ValueError(f"num_microbatches ({N}) must be >= num_stages ({S})")
+        S = self.num_stages
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("f_ms", _stage_tuple("f_ms", self.f_ms, S, positive=True))
         set_("b_ms", _stage_tuple("b_ms", self.b_ms, S, positive=True))
         set_("w_ms", _stage_tuple("w_ms", self.w_ms, S, positive=False))
+        if self.links is not None and not isinstance(self.links, Sequence):
+            raise ValueError(f"links must be a sequence of LinkProfile, got {type(self.links).__name__}")
         links = tuple(self.links) if self.links else tuple(LinkProfile() for _ in range(S - 1))
         if len(links) != S - 1:
             raise ValueError(f"links has {len(links)} entries, expected num_stages - 1 = {S - 1}")
@@ -164,9 +164,14 @@ class PipelineProfile:
         **kwargs,
     ) -> "PipelineProfile":
         """Same times on every stage; ``delays_ms = {link: one-way latency in ms}``."""
+        for name, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if delays_ms is not None and not isinstance(delays_ms, Mapping):
+            raise ValueError(f"delays_ms must be a mapping link → ms, got {type(delays_ms).__name__}")
         links = [LinkProfile() for _ in range(max(num_stages - 1, 0))]
         for link, ms in (delays_ms or {}).items():
-            if not 0 <= link < num_stages - 1:
+            if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < num_stages - 1:
                 raise ValueError(f"delays_ms: link {link} does not exist (links are 0..{num_stages - 2})")
             links[link] = LinkProfile(latency_ms=ms)
         return cls(num_stages, num_microbatches, f_ms, b_ms, w_ms, tuple(links), **kwargs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .args import plan_arg, profile_arg
 from .complete import check_complete
 from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
@@ -102,11 +103,10 @@ def simulate(
     its profile (stage count, microbatch count) or is incomplete (validate.check_complete) raises
     ``ValueError``; one that cannot complete raises ``DeadlockError``.
     """
-    if not isinstance(profile, PipelineProfile):
-        raise ValueError(f"profile must be a PipelineProfile, got {type(profile).__name__}")
-    if not isinstance(plan, Mapping):
-        raise ValueError(f"plan must be a mapping rank → actions, got {type(plan).__name__}")
-    ops = as_ops(plan)
+    profile_arg(profile)
+    if not isinstance(hol, bool):
+        raise ValueError(f"hol must be True or False, got {hol!r}")
+    ops = as_ops(plan_arg(plan))
     placement = stage_to_rank_map(ops)
     if stage_to_rank is not None:
         lookup = stage_to_rank if callable(stage_to_rank) else stage_to_rank.__getitem__

@@ -20,6 +20,7 @@ import contextlib
 import io
 from typing import Any, Mapping, Sequence
 
+from .args import int_arg, plan_arg
 from .complete import PlanValidationError, check_complete
 from .deps import SAME_STAGE, done_key, producers
 from .ir import as_ops, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
@@ -39,6 +40,9 @@ def validate_plan(
     Checks 1–3 are ours (the hot path: planners, CLI, run-time re-planning); ``torch_dry_run=True``
     adds check 4, torch's lowering + dry run (``validate="torch"``, ``titan-ext plan --strict``).
     """
+    plan_arg(plan)
+    int_arg(num_stages, "num_stages", 1)
+    int_arg(num_microbatches, "num_microbatches", 1)
     try:
         ops = as_ops(plan)
         placement = stage_to_rank_map(ops)

@@ -65,8 +65,6 @@ def virtual_profile(
     R, V, N = profile.num_stages, num_virtual_stages, profile.num_microbatches
     s2r = stage_to_rank(R, V, placement)
     S = len(s2r)
-    if N < S:
-        raise ValueError(f"{N} microbatches < {S} stages ({R} ranks × {V}): need at least one per stage")
     if V == 1 and stage_times_ms is None:
         return profile, s2r
     # the virtual planner caps memory with ``memory_limit`` alone (as before issue 25): no byte budget
@@ -389,8 +387,11 @@ def plan_virtual(
     ``full_backward=False``: only split-backward (I + W) candidates (drops Interleaved1F1B, DualPipeV).
     The returned plan has passed ``validate_plan`` (torch's lowering and dry run included).
     """
+    from .args import int_arg, profile_arg
     from .validate import validate_plan
 
+    profile_arg(profile)
+    int_arg(num_virtual_stages, "num_virtual_stages", 1)
     if schedule not in VIRTUAL_SCHEDULES:
         raise ValueError(f"schedule must be one of {VIRTUAL_SCHEDULES}, got {schedule!r}")
     if stage_memory_limit is not None and stage_memory_limit < 1:
