@@ -83,7 +83,7 @@ def test_every_planner_returns_the_contract(name, kw):
         assert timeline.makespan_ms == pytest.approx(res.predicted_makespan_ms, abs=1e-6)
     if "memory_limit" in kw:
         assert max(res.peak_memory_per_rank.values()) <= kw["memory_limit"]
-    json.dumps(res.summary())  # JSON-able as the CLI prints it
+    json.dumps(res.summary(), allow_nan=False)  # strict JSON, as the CLI prints it
 
 
 def test_one_memory_limit_check_for_every_name():

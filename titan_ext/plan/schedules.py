@@ -199,7 +199,8 @@ def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | Non
     return make_result(plan.orders, actions=plan.actions, schedule=name, source=f"{name}:{plan.caps}",
                        predicted_makespan_ms=plan.makespan_ms, plan_ms=plan.plan_ms,
                        stage_to_rank=plan.stage_to_rank, profile=sim_profile, info=info,
-                       candidates={_member_name(c): c.makespan_ms for c in plan.candidates})
+                       candidates={_member_name(c): None if math.isinf(c.makespan_ms) else c.makespan_ms
+                                   for c in plan.candidates})  # None: no schedule under that member's caps
 
 
 def _member_name(c) -> str:
