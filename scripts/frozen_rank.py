@@ -41,11 +41,9 @@ def _rank_pid(parent: int, rank: int) -> int | None:
             continue
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and f"TORCHELASTIC_RUN_ID".encode() in b"".join(env) \
-                and _descends(int(pid), parent):
+        if f"RANK={rank}".encode() in env and _descends(int(pid), parent):
             return int(pid)
     return None
 

@@ -363,3 +363,25 @@ def test_initial_plan_from_memory_budget_and_measured_activations():
         assert res["act"] == act
         assert res["counts"][0] == initial_warmup_counts(world, world)  # before measuring: 1F1B's memory
         assert res["counts"][-1] == initial_warmup_counts(world, 10)  # x_max = ⌊10.5⌋
+
+
+def _small_budget_worker(rank: int, world: int, n_mb: int, budget: float):
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("titan_ext.runtime.pipemorph").addHandler(handler)
+    res = _budget_worker(rank, world, n_mb, budget)
+    return {**res, "warnings": [m for m in records if "memory budget" in m]}
+
+
+def test_absurd_memory_budget_warns_once_from_rank_0():
+    """Issue 26: `memory_budget_gib = 1e-9` trained silently with warm-up counts [1, ...]. A budget of half
+    an activation is applied (the cap is 1) but said once, by PP rank 0 only."""
+    world, n_mb = 2, 8
+    act = 3 * (BATCH // n_mb) * DIM * 8  # M^F of this MLP stage (see the test above)
+    results = run_ranks(_small_budget_worker, world, n_mb, 0.5 * act)
+    assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == [], results
+    assert "holds only 1 activation(s)" in results[0]["warnings"][0]
+    assert "fewer than the 2 stages" in results[0]["warnings"][0]

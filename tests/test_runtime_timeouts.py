@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -57,7 +56,7 @@ SCRIPT = textwrap.dedent("""
     if rank == 0:
         buf = torch.zeros(4)
         recv = lambda g: schedules._wait_batch_p2p(schedules._batch_p2p([dist.P2POp(dist.irecv, buf, 1, g)]))
-        timed("p2p", lambda: recv(g_p2p))                      # (a) rank 1 sleeps, never sends
+        timed("p2p", lambda: recv(g_p2p))                      # (a) rank 1 waits in a barrier, never sends
         dist.barrier()
         timed("control", lambda: cp.all_gather(torch.ones(2)))  # (b) rank 1 never joins
         dist.barrier()
@@ -68,10 +67,8 @@ SCRIPT = textwrap.dedent("""
             json.dump(res, f)
         os._exit(0)
     else:
-        time.sleep(T * 2.5)   # (a) silent but running
-        dist.barrier()
-        time.sleep(T * 2.5)   # (b) never enters the all_gather
-        dist.barrier()
+        dist.barrier()        # (a) silent but running: never sends
+        dist.barrier()        # (b) never enters the all_gather
         os.kill(os.getpid(), signal.SIGSTOP)  # (c) frozen; rank 0 must kill it
         os._exit(3)
 """)
@@ -98,10 +95,10 @@ def test_silent_and_stopped_peers_end_within_the_timeout_and_are_named(tmp_path)
     # (a) a silent running peer: named, not killed, after about T (not gloo's 30 min)
     assert res["p2p"]["error"] and "rank 1 stopped answering" in res["p2p"]["error"], res
     assert "killed" not in res["p2p"]["error"]
-    assert T * 0.9 <= res["p2p"]["s"] < T * 2.4, res  # rank 1 stays silent for 2.5 T
+    assert T * 0.9 <= res["p2p"]["s"] < T + 30, res  # (gloo's own: the group's 30 min)
     # (b) the control plane names the rank that never arrived
     assert res["control"]["error"] and "rank(s) [1] stopped answering" in res["control"]["error"], res
-    assert T * 0.9 <= res["control"]["s"] < T * 2.4, res
+    assert T * 0.9 <= res["control"]["s"] < T + 30, res
     # (c) a stopped peer is fenced: killed by rank 0 (SIGKILL), not left for a launcher
     assert res["fence"]["error"] and "killed it" in res["fence"]["error"], res
     assert peer_code == -9, peer_code

@@ -42,8 +42,10 @@ class UsageError(Exception):
 # overflowing: S·N ops plan in about 3 s at the bound (S=64, N=512 takes 1.4 s, BENCHMARKS.md).
 # Any time or delay is at most plan.profile.MAX_MS (11.6 days).
 MAX_OPS = 65536  # stages x microbatches (x virtual stages per rank)
-PROGRESS_AFTER_S = 15.0  # a command still working after this long says so on stderr (once)
+PROGRESS_AFTER_S = 15.0  # a big command (PROGRESS_OPS actions or more) still working then says so on stderr
+PROGRESS_OPS = 4096
 MAX_PROFILE_BYTES = 1 << 20  # --profile is a small JSON text
+MAX_CSV_BYTES = 16 << 20  # --csv: MAX_OPS actions of a few characters each fit many times over
 MAX_TIME_LIMIT_S = 86400.0
 
 
@@ -64,6 +66,9 @@ def time_limit(seconds: float | None, progress: str | None = None):
     deadline = time.monotonic() + seconds
 
     def on_alarm(signum, frame) -> None:
+        if _importing(frame):  # never interrupt an import: it would leave a half-initialised module
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            return
         left = deadline - time.monotonic()
         if left > 0.01:  # the progress alarm
             print(f"titan-ext: {progress}", file=sys.stderr, flush=True)
@@ -73,12 +78,24 @@ def time_limit(seconds: float | None, progress: str | None = None):
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     first = min(seconds, PROGRESS_AFTER_S) if progress and seconds > 2 * PROGRESS_AFTER_S else seconds
-    signal.setitimer(signal.ITIMER_REAL, first)
+    started = time.monotonic()
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, first)  # a caller's own alarm (e.g. pytest-timeout)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer > 0:  # give the caller's alarm back, less the time spent here
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 0.001))
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` (where a signal arrived) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _stop_clock() -> None:
@@ -257,17 +274,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
 
 
+def check_input_file(path: Path, flag: str, max_bytes: int) -> None:
+    """An input is a regular file (not a device, FIFO or directory) of at most ``max_bytes``."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{flag} {path}: not a regular file")
+    if st.st_size > max_bytes:
+        raise UsageError(f"{flag} {path}: larger than {max_bytes} bytes")
+
+
 def _read_profile(path: Path) -> dict:
     """--profile: a regular file of at most MAX_PROFILE_BYTES of UTF-8 JSON text holding one object."""
+    check_input_file(path, "--profile", MAX_PROFILE_BYTES)
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise UsageError(f"--profile {path}: not a regular file")
         with open(path, "rb") as f:
             data = f.read(MAX_PROFILE_BYTES + 1)
     except OSError as e:
         raise UsageError(f"--profile {path}: {e.strerror or e}") from None
-    if len(data) > MAX_PROFILE_BYTES:
-        raise UsageError(f"--profile {path}: larger than {MAX_PROFILE_BYTES} bytes (a profile is a small JSON text)")
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
@@ -437,6 +463,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     elif args.csv is not None:
         from .plan.export import read_torch_csv
 
+        check_input_file(args.csv, "--csv", MAX_CSV_BYTES)
         try:
             actions = read_torch_csv(args.csv)
         except (OSError, ValueError) as e:
@@ -497,6 +524,10 @@ def _compare_candidates(profile: PipelineProfile, hol: bool):
 def _budgeted(candidates: list, budget_s: float) -> list:
     """Run each (name, thunk) within its share of the budget (time left / candidates left) → (name,
     timeline, or the reason there is none: it does not apply, or it was skipped at its share)."""
+    from .plan.builtin import builtin_plan  # noqa: F401  (imports first: the shares time planning, and the
+    from .plan.ir import torch_schedules  # alarm waits for an import to end)
+
+    torch_schedules()
     rows = []
     end = time.monotonic() + budget_s
     for i, (name, thunk) in enumerate(candidates):
@@ -709,13 +740,22 @@ def _run(args: argparse.Namespace) -> None:
     limit = getattr(args, "time_limit", None)
     if args.func is cmd_compare or limit is None:
         return args.func(args)
-    progress = f"{args.command} still running; it stops at --time-limit {limit:g} s"
+    size = _work_size(args)
+    progress = (f"{args.command} still running; it stops at --time-limit {limit:g} s"
+                if size is None or size >= PROGRESS_OPS else None)  # small work: slow imports are no news
     try:
         with time_limit(_grace(limit), progress):
             args.func(args)
     except TimeLimitReached:
         raise UsageError(f"{args.command}: not finished within --time-limit {limit:g} s (raise it, or plan "
                          f"fewer stages or microbatches)") from None
+
+
+def _work_size(args: argparse.Namespace) -> int | None:
+    """Actions to plan (stages x microbatches x virtual stages), None when a --profile gives them."""
+    if args.stages is None or args.microbatches is None:
+        return None
+    return args.stages * args.microbatches * (getattr(args, "virtual_stages", None) or 1)
 
 
 def _grace(limit: float) -> float:

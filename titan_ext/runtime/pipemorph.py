@@ -549,10 +549,26 @@ class PipeMorph(_PipelineScheduleRuntime):
                                              self._n_microbatches, pending_cap=self._x_max)
             if self.inflight_cap is not None and self.layout.virtual:  # a rank's budget holds V stages
                 self.inflight_cap = max(1, self.inflight_cap // self.layout.stages_per_rank)
+            self._warn_small_budget(ranks)
         self.estimator.push(ranks, [lk["c_ms"] for lk in links])
         if math.isfinite(span_ms):
             self._chooser.record(self.deployed.backward, span_ms)
         return links, bubble, span_ms
+
+    def _warn_small_budget(self, ranks: list) -> None:
+        """Once, from PP rank 0: a memory budget that holds fewer activations than stages (below 1F1B's
+        memory: an absurd budget, e.g. ``memory_budget_gib = 1e-9``) is applied, but said (issue 26)."""
+        S = self._num_stages
+        if self.inflight_cap is None or self.inflight_cap >= S or getattr(self, "_budget_warned", False):
+            return
+        self._budget_warned = True
+        if self.rank == 0:
+            budgets = [r.memory_budget_bytes for r in ranks]
+            logger.warning("PipeMorph: the memory budget (%s B per rank) holds only %d activation(s) of %.3g B "
+                           "per stage, fewer than the %d stages (1F1B holds %d): plans are capped at %d in-flight "
+                           "activations and will be slow; raise [titan_ext] memory_budget_gib (0 = no budget)",
+                           ", ".join(f"{b:.3g}" for b in budgets), self.inflight_cap,
+                           max(self._activation_bytes_all), S, S, self.inflight_cap)
 
     def _check_now(self) -> bool:
         return self.iteration >= self._next_check

@@ -54,13 +54,13 @@ def _check_seconds(seconds: float, what: str) -> float:
     return float(seconds)
 
 
-def new_group(ranks: Sequence[int], timeout_s: float | None, **kwargs) -> Any:
-    """``dist.new_group`` with ``timeout_s`` (None: the current timeout, else torch's default);
-    the group then follows :func:`set_timeout`."""
+def new_group(ranks: Sequence[int] | None, timeout_s: float | None, **kwargs) -> Any:
+    """``dist.new_group`` over ``ranks`` (None: the world) with ``timeout_s`` (None: the current timeout,
+    else torch's default); the group then follows :func:`set_timeout`."""
     timeout_s = _timeout_s if timeout_s is None else _check_seconds(timeout_s, "timeout_s")
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
-    group = dist.new_group(list(ranks), **kwargs)
+    group = dist.new_group(None if ranks is None else list(ranks), **kwargs)
     if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         _groups.append(group)
     return group

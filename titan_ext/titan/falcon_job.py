@@ -398,7 +398,8 @@ class FalconJob:
         for i, ms in links.items():
             if int(i) < S - 1 and ms == ms:  # not NaN
                 vec[1 + S + self.dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
-        named(None, "falcon/step", lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control))  # names a silent rank
+        named(self.control, "falcon/step",  # a timeout names the silent rank
+              lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control))
         groups = {f"dp_stage{s}": float(vec[1 + s]) for s in range(S)}
         groups |= {f"pp{d}_link{i}": float(vec[1 + S + d * (S - 1) + i])
                    for d in range(D) for i in range(S - 1)}

@@ -36,8 +36,11 @@ _MARK = "_titan_ext_device_data"
 
 
 def control_group(ranks=None):
-    """A gloo group over ``ranks`` (None: the world) for host data. Collective over the world."""
-    group = dist.new_group(ranks=None if ranks is None else sorted(ranks), backend="gloo")
+    """A gloo group over ``ranks`` (None: the world) for host data. Collective over the world. It takes
+    the job's timeout (``runtime.timeouts``, issue 26)."""
+    from ..timeouts import new_group
+
+    group = new_group(None if ranks is None else sorted(ranks), None, backend="gloo")
     _CONTROL_GROUPS.append(group)
     return group
 
