@@ -145,7 +145,7 @@ def test_random_heterogeneous(seed):
 
 def test_memory_limit_caps_every_candidate():
     profile = PipelineProfile.uniform(4, 16, 10, 10, 10, delays_ms={2: 60})
-    plan = plan_virtual(profile, 2, "v", memory_limit=6)
+    plan = plan_virtual(profile, 2, "v", stage_memory_limit=6)
     assert max(simulate(plan.actions, plan.profile).peak_inflight.values()) <= 6
     assert "torch:ZBVZeroBubble" not in plan.candidates  # ZBV holds 8 on stage 0
     with pytest.raises(ValueError, match="crosspipe-wave"):

@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .plan import LinkProfile, PipelineProfile, simulate
-from .plan.profile import MAX_MS
-from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name, plan_crosspipe_by_name
-from .plan.result import warmup_counts_of
+from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
+from .plan.result import rank_peak_inflight, warmup_counts_of
+from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
+from .plan.virtual import VIRTUAL_SCHEDULES
+from .plan.profile import MAX_MS, check_profile_fields, links_from_json
 from .plan.warmup import slackness
 
 
@@ -200,6 +201,29 @@ def _megabytes(text: str) -> float:
     return value
 
 
+def _memory_limit(text: str) -> float:
+    """--memory-limit K: activations of one rank's whole model part (a number >= 1; issue 21)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 activation, got {text!r}")
+    return value
+
+
+def _rank_limit(args: argparse.Namespace, stages_per_rank: int) -> float | None:
+    """--memory-limit as a per-rank limit for ranks holding ``stages_per_rank`` stages: K·V must be whole
+    (a chunk counts 1/V); with one stage per rank K is a whole number of activations."""
+    K = getattr(args, "memory_limit", None)
+    if K is not None and abs(K * stages_per_rank - round(K * stages_per_rank)) > 1e-9:
+        if stages_per_rank == 1:
+            raise UsageError(f"--memory-limit {K:g}: with one stage per rank it must be a whole number of activations")
+        raise UsageError(f"--memory-limit {K:g}: with {stages_per_rank} stages per rank it must be a multiple of "
+                         f"1/{stages_per_rank} (a chunk counts 1/{stages_per_rank} of a rank's activation)")
+    return K
+
+
 def _profile_int(base: dict, key: str, flag: str) -> int | None:
     value = base.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -214,8 +238,6 @@ def _per_link(pairs: list[tuple[int, float]], flag: str) -> None:
         raise UsageError(f"{flag} given more than once for link {dup[0]}")
 
 
-PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
-                  "activation_bytes", "memory_budget_bytes")
 PROFILE_HELP = (
     'profile JSON with the fields of PipelineProfile; flags override it. Times in ms, a number for '
     'every stage or a list with one per stage; links: one object per link (link i joins stage i and '
@@ -284,12 +306,10 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
     base: dict = {}
     if args.profile is not None:
         base = _read_profile(args.profile)
-        if not isinstance(base, dict):
-            raise UsageError(f"--profile {args.profile}: expected a JSON object")
-        unknown = sorted(set(base) - set(PROFILE_FIELDS))
-        if unknown:
-            raise UsageError(f"--profile {args.profile}: unknown field(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(PROFILE_FIELDS)})")
+        try:
+            check_profile_fields(base)  # the profile's JSON format is the library's (plan/profile.py)
+        except ValueError as e:
+            raise UsageError(f"--profile {args.profile}: {str(e).removeprefix('profile: ')}") from None
     S = args.stages if args.stages is not None else _profile_int(base, "num_stages", "--stages")
     N = args.microbatches if args.microbatches is not None else _profile_int(
         base, "num_microbatches", "--microbatches")
@@ -317,11 +337,9 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
     else:
         raise UsageError("--times F,B,W is required (or a --profile with f_ms, b_ms, w_ms)")
     try:
-        links = [LinkProfile(**link) for link in base["links"]] if base.get("links") else [LinkProfile()] * (S - 1)
+        links = links_from_json(base["links"], S) if base.get("links") else [LinkProfile()] * (S - 1)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"--profile links: {e}") from None
-    if len(links) != S - 1:
-        raise UsageError(f"--profile links: {len(links)} entries for {S} stages (expected {S - 1}, one per link)")
+        raise UsageError(f"--profile {str(e).removeprefix('profile ')}") from None
     for link, _ in args.delay + args.bandwidth:
         if not 0 <= link < S - 1:
             raise UsageError(f"link {link} does not exist: links are 0..{S - 2} for {S} stages")
@@ -362,92 +380,73 @@ def _report(timeline, extra: dict, args: argparse.Namespace) -> None:
         if key not in ("makespan_ms", "bubble_rate", "notes", "peak_inflight"):
             print(f"{key:<11} {value}")
     print(f"peak in-flight activations per stage: {list(timeline.peak_inflight.values())}")
+    print(f"peak memory per rank (activations of the rank's model part): "
+          f"{[round(v, 3) for v in timeline.peak_memory_per_rank.values()]}")
     if args.json:
         print(json.dumps({**timeline.to_dict(), **extra}))
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    """One planning path for every schedule (plan.schedules.plan_by_name), simulated under the given delays."""
     profile = _profile_from_args(args)
+    result = _plan(profile, args)
+    for note in result.notes:
+        print(f"note: {note}")
+    timeline = _simulate_result(result)
+    _write_outputs(result.actions, timeline, args)
+    extra = {**result.summary(), "backward": args.backward,
+             "validated_by": "ours+torch" if args.strict and args.schedule in AUTO_SCHEDULES else "ours"}
+    if result.stages_per_rank > 1 and args.virtual_stages is not None:
+        extra.update(placement=result.placement, virtual_stages=result.stages_per_rank,
+                     peak_inflight_per_rank=list(rank_peak_inflight(result.ops).values()))
+    extra.update(memory_limit=args.memory_limit, stage_memory_limit=args.stage_memory_limit,
+                 inflight_limit=result.inflight_limit)
+    _report(timeline, extra, args)
+
+
+def _plan(profile: PipelineProfile, args: argparse.Namespace) -> PlanResult:
+    """``plan_by_name`` for the command line's flags (the library checks the values: ValueError → usage)."""
     if args.virtual_stages is None and args.placement is not None:
         raise UsageError("--placement needs --virtual-stages V (stages per rank, >= 2)")
-    if args.virtual_stages is not None:
-        return _cmd_plan_virtual(profile, args)
-    if args.slack_floor > profile.num_microbatches:
-        raise UsageError(f"--slack-floor {args.slack_floor}: at most the number of microbatches "
-                         f"({profile.num_microbatches}); a slackness cannot exceed it")
-    if args.backward != "split" and args.schedule in CROSSPIPE_SCHEDULES:
-        raise UsageError(f"--backward {args.backward}: CrossPipe plans split backwards only")
-    if args.schedule in CROSSPIPE_SCHEDULES:
-        return _cmd_plan_crosspipe(profile, args)
-    plan = plan_by_name(
-        profile, args.schedule, slack_floor=args.slack_floor, memory_limit=args.memory_limit,
-        backward=args.backward, validate="torch" if args.strict else True,
-    )
-    for note in plan.notes:
-        print(f"note: {note}")
-    timeline = simulate(plan.actions, profile)  # always under the given delays
-    _write_outputs(plan.actions, timeline, args)
-    _report(
-        timeline,
-        {
-            **plan.summary(),
-            "backward": args.backward,
-            "validated_by": "ours+torch" if args.strict else "ours",
-        },
-        args,
-    )
-
-
-def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> None:
-    """R ranks × V stages per rank (issue 14, docs/multistage.md): --stages is R, --times are per rank and
-    split evenly over its V stages, --delay LINK:MS slows rank link LINK (ranks LINK and LINK+1)."""
-    from .plan.virtual import VIRTUAL_SCHEDULES, plan_virtual, rank_peak_inflight
-
+    if args.virtual_stages is not None and args.schedule not in VIRTUAL_SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of "
+                         f"{', '.join(VIRTUAL_SCHEDULES)}")
     if args.placement == "v" and args.virtual_stages != 2:
         raise UsageError(f"--placement v holds 2 stages per rank (rank r: r and 2R-1-r), not "
                          f"{args.virtual_stages}: use --virtual-stages 2 or --placement loop")
-    if args.schedule not in VIRTUAL_SCHEDULES:
-        choices = ", ".join(VIRTUAL_SCHEDULES)
-        raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of {choices}")
-    if args.backward != "split":
-        raise UsageError("--backward full: multi-stage plans split backwards only")
-    placement = args.placement or "loop"
+    options = {}
+    if args.schedule in AUTO_SCHEDULES:
+        if args.slack_floor > profile.num_microbatches:
+            raise UsageError(f"--slack-floor {args.slack_floor}: at most the number of microbatches "
+                             f"({profile.num_microbatches}); a slackness cannot exceed it")
+        options = {"slack_floor": args.slack_floor, "validate": "torch" if args.strict else True}
+    if args.virtual_stages is not None:
+        options["placement"] = args.placement or "loop"
     try:
-        plan = plan_virtual(profile, args.virtual_stages, placement, schedule=args.schedule,
-                            memory_limit=args.memory_limit)
-    except ValueError as e:
-        raise UsageError(f"{args.schedule} ({placement}, {args.virtual_stages} stages per rank): {e}") from None
-    timeline = simulate(plan.actions, plan.profile, stage_to_rank=dict(enumerate(plan.stage_to_rank)))
-    _write_outputs(plan.actions, timeline, args)
-    _report(
-        timeline,
-        {"schedule": args.schedule, "placement": placement, "virtual_stages": args.virtual_stages,
-         "stage_to_rank": list(plan.stage_to_rank), "source": plan.source, "warmup_counts": plan.warmup_counts,
-         "candidates": plan.candidates, "peak_inflight_per_rank": list(rank_peak_inflight(plan.ops).values()),
-         "plan_ms": round(plan.plan_ms, 3)},
-        args,
-    )
-
-
-def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
-    """CrossPipe greedy / CP-SAT plan (issue 6) → (actions, profile to simulate with, info)."""
-    try:
-        actions, sim_profile, _, info = plan_crosspipe_by_name(
-            profile, args.schedule, memory_limit=getattr(args, "memory_limit", None), time_limit_s=args.time_limit
-        )
+        return plan_by_name(profile, args.schedule, virtual_stages=args.virtual_stages or 1,
+                            memory_limit=_rank_limit(args, args.virtual_stages or 1),
+                            stage_memory_limit=getattr(args, "stage_memory_limit", None), time_limit_s=args.time_limit,
+                            backward=args.backward, **options)
     except (ImportError, ValueError) as e:
-        raise UsageError(f"{args.schedule}: {e}") from None
-    return actions, sim_profile, info
+        where = args.schedule
+        if args.virtual_stages is not None:
+            where += f" ({args.placement or 'loop'}, {args.virtual_stages} stages per rank)"
+        raise UsageError(f"{where}: {_flag_names(e)}") from None
 
 
-def _cmd_plan_crosspipe(profile: PipelineProfile, args: argparse.Namespace) -> None:
-    actions, sim_profile, info = _crosspipe_actions(profile, args)
-    timeline = simulate(actions, sim_profile)  # always under the given delays
-    _write_outputs(actions, timeline, args)
-    from .plan.ir import as_ops
+def _flag_names(e: Exception) -> str:
+    """The library's message with its argument names spelled as the command line's flags."""
+    text = str(e)
+    for name, flag in (("stage_memory_limit", "--stage-memory-limit"), (" memory_limit", " --memory-limit"),
+                       ("backward ", "--backward "),
+                       ("slack_floor", "--slack-floor")):
+        text = text.replace(name, flag)
+    return text
 
-    x = warmup_counts_of(as_ops(actions))
-    _report(timeline, {"schedule": args.schedule, "warmup_counts": x, "slackness": slackness(x), **info}, args)
+
+def _simulate_result(result: PlanResult, hol: bool = False):
+    """The reference simulator's timeline of a plan under the (stage-level) profile it was planned for."""
+    return simulate(result.actions, result.profile, hol=hol, stage_to_rank=dict(enumerate(result.stage_to_rank)))
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -457,8 +456,10 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     profile = _profile_from_args(args)
     t0 = time.perf_counter()
     if args.schedule is not None:
-        actions, profile, _ = _crosspipe_actions(profile, args)
-        source = args.schedule
+        args.virtual_stages = args.placement = None
+        args.backward, args.strict = "split", False
+        result = _plan(profile, args)
+        actions, profile, source = result.actions, result.profile, args.schedule
     elif args.csv is not None:
         from .plan.export import read_torch_csv
 
@@ -506,17 +507,16 @@ def _compare_candidates(profile: PipelineProfile, hol: bool):
     """(name, thunk → timeline) for PipeMorph, CrossPipe and torch's built-ins."""
     from .plan.builtin import BUILTINS, builtin_plan
 
-    def crosspipe(name):
-        actions, sim_profile, _, _ = plan_crosspipe_by_name(profile, name)
-        return simulate(actions, sim_profile, hol=hol)
+    def planned(name):
+        return _simulate_result(plan_by_name(profile, name), hol)
 
     def builtin(name):
         actions, _ = builtin_plan(name, profile.num_stages, profile.num_microbatches)
         return _evaluate(actions, profile, hol, name)[1]
 
-    yield "PipeMorph", lambda: simulate(plan_by_name(profile, "pipemorph").actions, profile, hol=hol)
+    yield "PipeMorph", lambda: planned("pipemorph")
     for name in ("crosspipe-udsub", "crosspipe-wave"):
-        yield f"CrossPipe ({name[10:]})", lambda name=name: crosspipe(name)
+        yield f"CrossPipe ({name[10:]})", lambda name=name: planned(name)
     for name in BUILTINS:
         yield f"torch {name}", lambda name=name: builtin(name)
 
@@ -679,8 +679,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=("loop", "v"), default=None,
                    help="with --virtual-stages: loop (rank r holds r, r+R, ...: Interleaved) or "
                         "v (rank r holds r and 2R-1-r: ZBV / DualPipeV); default loop")
-    p.add_argument("--memory-limit", type=_COUNT, default=None, metavar="K",
-                   help="max in-flight activations per stage (Alg.1's x_max; caps Alg.2)")
+    p.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="K",
+                   help="at most K activations of one rank's whole model part held on any rank (a chunk "
+                        "of a rank with V stages counts 1/V, so K*V must be whole); one stage per rank: "
+                        "Alg.1's x_max, caps Alg.2 (docs/multistage.md, Memory)")
+    p.add_argument("--stage-memory-limit", type=_COUNT, default=None, metavar="K",
+                   help="at most K in-flight activations on any one stage (chunk)")
     p.add_argument("--strict", action="store_true",
                    help="also validate with torch's checker, lowering and dry run (slower; default: ours)")
     p.add_argument("--slack-floor", type=_COUNT, default=2, metavar="D",
@@ -704,8 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan a CrossPipe schedule (or the CP-SAT optimum) for these delays, then simulate it")
     _add_common(s)
     s.add_argument("--hol", action="store_true", help="head-of-line blocking: sends block the compute behind them")
-    s.add_argument("--memory-limit", type=_COUNT, default=None, metavar="K",
-                   help="with --schedule: max in-flight activations per stage")
+    s.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="K",
+                   help="with --schedule: max in-flight activations per rank (whole number)")
     _add_time_limit(s)
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     s.add_argument("--gantt", type=Path, help="write a Gantt PNG")

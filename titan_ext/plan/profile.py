@@ -204,3 +204,73 @@ class PipelineProfile:
                 raise ValueError(f"delays_ms: link {i} does not exist (links are 0..{len(links) - 1})")
             links[i] = replace(links[i], latency_ms=ms)
         return self.with_links(links)
+
+    # ------------------------------------------------------------------ JSON format (the CLI's --profile)
+    def to_json(self) -> dict:
+        """The profile as a JSON object of :data:`PROFILE_FIELDS` (:meth:`from_json` reads it back; an
+        infinite bandwidth is left out, which means the same)."""
+        doc = {"num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
+               "f_ms": list(self.f_ms), "b_ms": list(self.b_ms), "w_ms": list(self.w_ms),
+               "links": [link_to_json(link) for link in self.links]}
+        if self.activation_bytes is not None:
+            doc.update(activation_bytes=list(self.activation_bytes),
+                       memory_budget_bytes=list(self.memory_budget_bytes))
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping) -> "PipelineProfile":
+        """A profile from its JSON object (:data:`PROFILE_FIELDS`; ``links`` optional: no delay).
+        ValueError names a missing, unknown or bad field."""
+        check_profile_fields(doc)
+        missing = [k for k in PROFILE_FIELDS[:5] if k not in doc]
+        if missing:
+            raise ValueError(f"profile: missing field(s) {', '.join(missing)}")
+        S = doc["num_stages"]
+        links = links_from_json(doc.get("links") or [], S) if doc.get("links") else ()
+        return cls(S, doc["num_microbatches"], doc["f_ms"], doc["b_ms"], doc["w_ms"], links,
+                   activation_bytes=doc.get("activation_bytes"), memory_budget_bytes=doc.get("memory_budget_bytes"))
+
+
+PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
+                  "activation_bytes", "memory_budget_bytes")
+"""The fields of a profile's JSON object: PipelineProfile's, times in ms (a number for every stage or a
+list with one per stage), ``links`` one object per link with LinkProfile's fields (link i joins stage i
+and i+1), memory in bytes."""
+
+LINK_FIELDS = ("latency_ms", "bandwidth_bytes_per_s", "message_bytes")
+
+
+def check_profile_fields(doc: object) -> None:
+    """ValueError unless ``doc`` is a JSON object with only :data:`PROFILE_FIELDS`."""
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"profile: expected a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(PROFILE_FIELDS))
+    if unknown:
+        raise ValueError(f"profile: unknown field(s) {', '.join(map(str, unknown))} "
+                         f"(known: {', '.join(PROFILE_FIELDS)})")
+
+
+def link_to_json(link: LinkProfile) -> dict:
+    doc = {"latency_ms": link.latency_ms, "message_bytes": link.message_bytes}
+    if not math.isinf(link.bandwidth_bytes_per_s):
+        doc["bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
+    return doc
+
+
+def links_from_json(items: object, num_stages: int) -> list[LinkProfile]:
+    """``num_stages − 1`` LinkProfiles from a JSON list of link objects (LINK_FIELDS, each optional)."""
+    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+        raise ValueError(f"profile links: expected a list of link objects, got {type(items).__name__}")
+    links = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise ValueError(f"profile links[{i}]: expected an object with {', '.join(LINK_FIELDS)}")
+        unknown = sorted(set(item) - set(LINK_FIELDS))
+        if unknown:
+            raise ValueError(f"profile links[{i}]: unknown field(s) {', '.join(map(str, unknown))} "
+                             f"(known: {', '.join(LINK_FIELDS)})")
+        links.append(LinkProfile(**item))
+    if len(links) != num_stages - 1:
+        raise ValueError(f"profile links: {len(links)} entries for {num_stages} stages "
+                         f"(expected {num_stages - 1}, one per link)")
+    return links

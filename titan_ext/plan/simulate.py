@@ -17,14 +17,16 @@ Bubble rate = 1 − Σ busy / (ranks · T), T from the first start to the last e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .args import plan_arg, profile_arg
 from .complete import check_complete
 from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
+from .placement import stage_profile
 from .profile import LinkProfile, PipelineProfile
+from .result import peak_inflight, peak_memory_per_rank
 from .timing import LinkQueues, to_ms, to_ns
 
 
@@ -50,6 +52,7 @@ class Timeline:
     busy_ms: dict[int, float]
     idle_ms: dict[int, float]
     peak_inflight: dict[int, int]  # stage → max activations held (F done − I/B done)
+    peak_memory_per_rank: dict[int, float] = field(default_factory=dict)  # see peak_memory_per_rank()
 
     def to_dict(self) -> dict:
         return {
@@ -57,6 +60,7 @@ class Timeline:
             "bubble_rate": self.bubble_rate,
             "idle_ms": {str(r): v for r, v in self.idle_ms.items()},
             "peak_inflight": {str(s): v for s, v in self.peak_inflight.items()},
+            "peak_memory_per_rank": {str(r): v for r, v in self.peak_memory_per_rank.items()},
         }
 
 
@@ -74,14 +78,8 @@ def _stage_model(
     if profile.num_stages == S:
         f, b, w, links = profile.f_ms, profile.b_ms, profile.w_ms, list(profile.links)
     elif profile.num_stages == num_ranks and S % num_ranks == 0:
-        v = S // num_ranks
-        f = [profile.f_ms[placement[s]] / v for s in range(S)]
-        b = [profile.b_ms[placement[s]] / v for s in range(S)]
-        w = [profile.w_ms[placement[s]] / v for s in range(S)]
-        links = []
-        for s in range(S - 1):
-            r0, r1 = placement[s], placement[s + 1]
-            links.append(profile.links[min(r0, r1)] if abs(r0 - r1) == 1 else LinkProfile())
+        staged = stage_profile(profile, [placement[s] for s in range(S)])
+        f, b, w, links = staged.f_ms, staged.b_ms, staged.w_ms, list(staged.links)
     else:
         raise ValueError(
             f"profile has {profile.num_stages} stages; the plan has {S} stages on {num_ranks} ranks "
@@ -183,21 +181,7 @@ def simulate(
     busy_ms = {r: to_ms(v) for r, v in busy.items()}
     idle_ms = {r: makespan - b for r, b in busy_ms.items()}
     bubble = 1.0 - sum(busy_ms.values()) / (len(ranks) * makespan) if makespan > 0 else 0.0
-    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops))
-
-
-def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
-    """Per stage, the most microbatches whose F is done and whose I (or full B) is not, in program order."""
-    peak: dict[int, int] = {}
-    for rank_ops in ops.values():
-        held: dict[int, int] = {}
-        for stage, kind, _ in rank_ops:
-            if kind == "F":
-                held[stage] = held.get(stage, 0) + 1
-                peak[stage] = max(peak.get(stage, 0), held[stage])
-            elif kind in ("I", "B"):
-                held[stage] = held.get(stage, 0) - 1
-    return dict(sorted(peak.items()))
+    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops), peak_memory_per_rank(ops))
 
 
 def replay_makespan_ns(

@@ -31,18 +31,19 @@ import heapq
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
 
-from .ir import Op, as_ops, gc_paused, to_torch_plan, torch_schedules
+from .ir import Op, as_ops, gc_paused, torch_schedules
 from .pipemorph import GeneratedSchedule
-from .profile import LinkProfile, PipelineProfile
+from .placement import PLACEMENTS, stage_profile, stage_to_rank
+from .profile import PipelineProfile
+from .result import PlanResult, make_result, peak_memory_per_rank, rank_peak_inflight  # noqa: F401 (re-exported)
 from .timing import LinkQueues, to_ms, to_ns
 from .validate import compiled_core
 
 _CORE = compiled_core()
 
-PLACEMENTS = ("loop", "v")
 VIRTUAL_SCHEDULES = ("pipemorph", "crosspipe-wave")
 # torch's 2-chunk built-ins per placement (plan.builtin names), the portfolio's baselines
 PLACEMENT_BUILTINS = {
@@ -51,16 +52,7 @@ PLACEMENT_BUILTINS = {
 }
 
 
-def virtual_stage_to_rank(num_ranks: int, num_virtual_stages: int, placement: str) -> tuple[int, ...]:
-    """stage → rank for R ranks × V stages per rank: "loop" (s mod R) or "v" (zig-zag, torch's style "v")."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    if num_ranks < 1 or num_virtual_stages < 1:
-        raise ValueError(f"need >= 1 rank and >= 1 stage per rank, got {num_ranks} × {num_virtual_stages}")
-    R = num_ranks
-    if placement == "loop":
-        return tuple(s % R for s in range(R * num_virtual_stages))
-    return tuple(s % R if (s // R) % 2 == 0 else R - 1 - s % R for s in range(R * num_virtual_stages))
+virtual_stage_to_rank = stage_to_rank  # stage → rank: plan.placement's one definition
 
 
 def virtual_profile(
@@ -71,25 +63,16 @@ def virtual_profile(
     stage_times_ms: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[PipelineProfile, tuple[int, ...]]:
     """The stage-level profile (R·V stages) of a rank-level ``profile`` (R ranks, R−1 rank links), and
-    its stage → rank map.
-
-    Stage times: each of rank r's V stages takes 1/V of the rank's F/B/W time (the convention of
-    ``simulate --builtin ZBVZeroBubble --stages R``), unless ``stage_times_ms = (f, b, w)`` gives one
-    value per stage (heterogeneous chunks). Stage boundary s uses rank link min(ρ(s), ρ(s+1)) when
-    the two ranks are adjacent, no link when they are the same rank or not adjacent (loop wrap-around).
-    """
+    its stage → rank map (``plan.placement.stage_profile``: each of rank r's V stages takes 1/V of its
+    times unless ``stage_times_ms = (f, b, w)`` gives one value per stage)."""
     R, V, N = profile.num_stages, num_virtual_stages, profile.num_microbatches
-    s2r = virtual_stage_to_rank(R, V, placement)
+    s2r = stage_to_rank(R, V, placement)
     S = len(s2r)
-    if stage_times_ms is None:
-        f, b, w = ([getattr(profile, k)[s2r[s]] / V for s in range(S)] for k in ("f_ms", "b_ms", "w_ms"))
-    else:
-        f, b, w = (list(v) for v in stage_times_ms)
-    links = tuple(
-        profile.links[min(s2r[s], s2r[s + 1])] if abs(s2r[s] - s2r[s + 1]) == 1 else LinkProfile()
-        for s in range(S - 1)
-    )
-    return PipelineProfile(S, N, f, b, w, links), s2r
+    if V == 1 and stage_times_ms is None:
+        return profile, s2r
+    # the virtual planner caps memory with ``memory_limit`` alone (as before issue 25): no byte budget
+    plain = replace(profile, activation_bytes=None, memory_budget_bytes=None)
+    return stage_profile(plain, s2r, stage_times_ms), s2r
 
 
 # ----------------------------------------------------------------------------- warm-up rule
@@ -161,7 +144,9 @@ def generate_virtual_order(
     (which is also the deepest stage: a stage only receives microbatches its upstream stage finished),
     among W's the oldest. A stage's I is eligible once the stage has run its ``x_s`` warm-up forwards
     (Alg.3's warm-up phase); its F only while its in-flight activations (F done − I done) are below
-    ``inflight_limit[s]`` (default x_s). Messages follow ``timing.LinkQueues`` on the channels (src rank,
+    ``inflight_limit[s]`` (default x_s). It finishes iff x_s ≤ min_{u ≤ s} L_u for every s (checked): no
+    backward runs before stage s has x_s forwards, and those pass every upstream stage, which holds them
+    all until its own first backward. Messages follow ``timing.LinkQueues`` on the channels (src rank,
     dst rank); a boundary inside one rank is free. Returns rank → ops and the generator's makespan.
     """
     S, N = profile.num_stages, profile.num_microbatches
@@ -173,8 +158,8 @@ def generate_virtual_order(
     for s in range(S):
         if not 1 <= x[s] <= min(N, limit[s]):
             raise ValueError(f"warmup_counts[{s}] = {x[s]} must be within 1..min(N, inflight_limit[{s}])")
-        if s and x[s] > limit[s - 1]:
-            raise ValueError(f"warmup_counts[{s}] = {x[s]} exceeds the upstream cap {limit[s - 1]}: it would deadlock")
+        if s and x[s] > min(limit[:s]):
+            raise ValueError(f"warmup_counts[{s}] = {x[s]} exceeds the upstream cap {min(limit[:s])}: it would deadlock")
     order, makespan = _virtual_loop(profile, s2r, x, limit)
     return GeneratedSchedule(order, to_ms(makespan))
 
@@ -257,24 +242,144 @@ def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], lim
     return order, makespan
 
 
-# ----------------------------------------------------------------------------- portfolio planner
+# ----------------------------------------------------------------------------- memory per rank
+def rank_chunk_budget(memory_limit: float, stages_per_rank: int) -> int:
+    """A per-rank limit K (whole-rank activations) as chunk activations: K·V, which must be a whole
+    number ≥ V (every stage of the rank holds at least one activation in any schedule)."""
+    chunks = memory_limit * stages_per_rank
+    if not math.isfinite(chunks) or abs(chunks - round(chunks)) > 1e-9 or round(chunks) < stages_per_rank:
+        raise ValueError(f"memory_limit per rank must be >= 1 and a multiple of 1/{stages_per_rank} "
+                         f"(one chunk of {stages_per_rank} per rank), got {memory_limit}")
+    return int(round(chunks))
+
+
+# ----------------------------------------------------------------------------- budgeted search
 @dataclass
-class VirtualPlan:
-    """A validated multi-stage plan, the candidate it came from and what every candidate simulated to."""
+class Budget:
+    """Memory a multi-stage plan may hold: ``per_rank`` chunk activations on every rank and
+    ``per_stage`` on every stage (None: unlimited)."""
 
-    actions: dict[int, list[Any]]  # rank → list[torch _Action]
-    stage_to_rank: tuple[int, ...]
-    placement: str
-    schedule: str
-    source: str  # the winning candidate's name
-    warmup_counts: list[int] | None  # x_s of the winner when it is our generator's plan
-    candidates: dict[str, float]  # candidate → simulated makespan (ms)
-    predicted_makespan_ms: float
-    plan_ms: float
-    profile: PipelineProfile = field(repr=False)  # the stage-level profile the plan was simulated with
-    ops: dict[int, list[Op]] = field(repr=False, default_factory=dict)
+    per_rank: int | None = None
+    per_stage: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.per_rank is not None or self.per_stage is not None
+
+    def fits(self, ops, stage_peaks: Mapping[int, int] | None = None) -> bool:
+        if self.per_rank is not None and max(rank_peak_inflight(ops).values()) > self.per_rank:
+            return False
+        if self.per_stage is not None:
+            from .simulate import peak_inflight
+
+            peaks = peak_inflight(ops) if stage_peaks is None else stage_peaks
+            return max(peaks.values()) <= self.per_stage
+        return True
 
 
+def _repair(stage_profile, s2r, x: Sequence[int], budget: Budget) -> tuple[list[int], list[int]] | None:
+    """Fit warm-up counts ``x`` (in-flight caps L = x) into the budget: while a rank holds more than its
+    budget (exactly, by generating the order), lower the largest cap on that rank by one — so a rank's
+    budget goes to the stages whose Eq.1 need is largest, not evenly."""
+    S, N = stage_profile.num_stages, stage_profile.num_microbatches
+    cap = N if budget.per_stage is None else min(N, budget.per_stage)
+    L = [max(1, min(v, cap)) for v in x]
+    for _ in range(S * N + 1):
+        x = [min(L[: s + 1]) for s in range(S)]  # the most warm-up the caps allow (no stall)
+        gen = _generate_or_none(stage_profile, s2r, x, L)
+        if gen is None:
+            return None
+        peaks = rank_peak_inflight(gen.order)
+        over = [r for r, p in peaks.items() if budget.per_rank is not None and p > budget.per_rank]
+        if not over:
+            return x, L
+        for r in over:
+            mine = [s for s in range(S) if s2r[s] == r and L[s] > 1]
+            if not mine:
+                return None
+            s = max(mine, key=lambda u: (L[u], -u))
+            L[s] -= 1
+    return None
+
+
+def search_warmup(
+    stage_profile: PipelineProfile,
+    stage_to_rank: Sequence[int],
+    budget: Budget,
+    seeds: Sequence[Sequence[int]],
+    max_evals: int = 2500,
+) -> tuple[list[int], list[int], GeneratedSchedule] | None:
+    """Warm-up counts x_s and in-flight caps L_s per stage under ``budget``, by local search with the
+    generator as the judge (its makespan is ``simulate``'s, exact).
+
+    Each seed (e.g. the virtual-stage Eq.1 counts) is first fitted into the budget (``_repair``); then,
+    from each, descent over the moves x_s ± 1, L_s ± 1, both ± 1, and one cap unit moved
+    between two stages of one rank (re-splitting that rank's budget), until no move is faster or
+    ``max_evals`` plans were generated. Ties go to less memory (max per-rank peak, then Σ L).
+    Returns (x, L, generated schedule), or None when no seed fits.
+    """
+    S, N = stage_profile.num_stages, stage_profile.num_microbatches
+    s2r = list(stage_to_rank)
+    cap = N if budget.per_stage is None else min(N, budget.per_stage)
+    seen: dict[tuple, tuple | None] = {}
+
+    def evaluate(x, L):
+        key = (tuple(x), tuple(L))
+        if key not in seen:
+            seen[key] = None
+            ok = all(1 <= x[s] <= min(L[: s + 1]) and L[s] <= cap for s in range(S))
+            gen = _generate_or_none(stage_profile, s2r, x, L) if ok else None
+            if gen is not None:
+                if budget.fits(gen.order):
+                    peak = max(rank_peak_inflight(gen.order).values())
+                    seen[key] = ((gen.makespan_ms, peak, sum(L)), list(x), list(L), gen)
+        return seen[key]
+
+    pairs = [(s, u) for s in range(S) for u in range(S) if s != u and s2r[s] == s2r[u]]
+    best = None
+    for seed in seeds:  # descend from every seed: their basins differ (delay-shaped vs memory-shaped)
+        fitted = _repair(stage_profile, s2r, seed, budget)
+        here = fitted and evaluate(*fitted)
+        improved = bool(here)
+        while improved and len(seen) < max_evals:
+            improved = False
+            _, x0, L0, _ = here
+            for x, L in _moves(x0, L0, pairs):
+                got = evaluate(x, L)
+                if got and got[0] < here[0]:
+                    here, improved = got, True
+        if here and (best is None or here[0] < best[0]):
+            best = here
+    if best is None:
+        return None
+    return best[1], best[2], best[3]
+
+
+def _generate_or_none(stage_profile, s2r, x, L) -> GeneratedSchedule | None:
+    try:
+        return generate_virtual_order(stage_profile, s2r, x, L)
+    except RuntimeError:  # stalled: these caps cannot finish (never seen for x_s ≤ L_s, L_{s−1})
+        return None
+
+
+def _moves(x0, L0, pairs):
+    S = len(x0)
+    for s in range(S):
+        for dx, dl in ((1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (-1, -1)):
+            x, L = list(x0), list(L0)
+            x[s] += dx
+            L[s] += dl
+            yield x, L
+    for s, u in pairs:  # one unit of the rank's budget from u to s
+        x, L = list(x0), list(L0)
+        L[s] += 1
+        L[u] -= 1
+        x[s] = min(x[s] + 1, L[s])
+        x[u] = min(x[u], L[u])
+        yield x, L
+
+
+# ----------------------------------------------------------------------------- portfolio planner
 def plan_virtual(
     profile: PipelineProfile,
     num_virtual_stages: int = 2,
@@ -282,20 +387,24 @@ def plan_virtual(
     *,
     schedule: str = "pipemorph",
     stage_times_ms: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
-    memory_limit: int | None = None,
+    memory_limit: float | None = None,
+    stage_memory_limit: int | None = None,
     validate: bool = True,
     full_backward: bool = True,
-) -> VirtualPlan:
+) -> PlanResult:
     """Plan R ranks × V stages per rank for the rank-level ``profile`` (R ranks, R−1 rank links).
 
     ``schedule="pipemorph"``: a portfolio — our generator with the virtual-stage warm-up rule (slack
-    floor 1 and 2; in-flight capped at x_s, or uncapped), torch's own built-ins for the placement
-    (V = 2: Interleaved1F1B / InterleavedZeroBubble for "loop", ZBVZeroBubble / DualPipeV for "v") and
-    CrossWave ("v", V = 2) — each simulated by ``simulate`` under the profile; the fastest is kept
-    (ties: fewer activations held per rank, then the first in that order), so the result is never
-    slower than the built-ins it saw.
-    ``schedule="crosspipe-wave"``: CrossWave alone ("v", V = 2). ``memory_limit``: at most that many
-    in-flight activations per stage (our plans are capped; other candidates above it are dropped).
+    floor 1 and 2; in-flight capped at x_s, or uncapped), under a memory limit the budgeted search
+    (``search_warmup``: x_s and caps L_s per stage, seeded by the rule, the no-delay counts S − s and
+    all-ones, fitted into the budget and improved by local search with the generator as judge), torch's own built-ins
+    for the placement (V = 2: Interleaved1F1B / InterleavedZeroBubble for "loop", ZBVZeroBubble /
+    DualPipeV for "v") and CrossWave ("v", V = 2) — each simulated by ``simulate`` under the profile;
+    the fastest that fits the memory limits is kept (ties: fewer activations held per rank, then the
+    first in that order), so the result is never slower than the built-ins that fit.
+    ``schedule="crosspipe-wave"``: CrossWave alone ("v", V = 2).
+    ``memory_limit`` K: at most K activations of a rank's whole model part on any rank (a chunk counts
+    1/V; K·V whole, ≥ V). ``stage_memory_limit``: at most that many activations on any one stage.
     ``full_backward=False``: only split-backward (I + W) candidates (drops Interleaved1F1B, DualPipeV).
     The returned plan has passed ``validate_plan`` (torch's lowering and dry run included).
     """
@@ -306,8 +415,10 @@ def plan_virtual(
     int_arg(num_virtual_stages, "num_virtual_stages", 1)
     if schedule not in VIRTUAL_SCHEDULES:
         raise ValueError(f"schedule must be one of {VIRTUAL_SCHEDULES}, got {schedule!r}")
-    if memory_limit is not None and memory_limit < 1:
-        raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit}")
+    if stage_memory_limit is not None and stage_memory_limit < 1:
+        raise ValueError(f"stage_memory_limit must be >= 1 activation, got {stage_memory_limit}")
+    budget = Budget(None if memory_limit is None else rank_chunk_budget(memory_limit, num_virtual_stages),
+                    stage_memory_limit)
     if schedule == "crosspipe-wave" and (placement != "v" or num_virtual_stages != 2):
         raise ValueError("crosspipe-wave plans the V-shape placement with 2 stages per rank (--placement v)")
     if validate:
@@ -315,51 +426,72 @@ def plan_virtual(
     t0 = time.perf_counter()
     stage_profile, s2r = virtual_profile(profile, num_virtual_stages, placement, stage_times_ms=stage_times_ms)
     with gc_paused():
-        members = _candidates(stage_profile, s2r, placement, schedule, memory_limit)
+        members = _candidates(stage_profile, s2r, placement, schedule, budget)
         if not full_backward:
             members = {k: v for k, v in members.items()
                        if not any(kind == "B" for ops in v[0].values() for _, kind, _ in ops)}
         scores = {}
         for name, (ops, x, limit) in members.items():
-            score = _score(ops, stage_profile, s2r, memory_limit)
+            score = _score(ops, stage_profile, s2r, budget)
             if score is not None:
                 scores[name] = score
         if not scores:
-            raise ValueError(f"no {schedule} candidate fits memory_limit = {memory_limit} activations per stage")
+            raise ValueError(f"no {schedule} candidate fits the memory limit ({_describe(budget, num_virtual_stages)})")
         best = min(scores, key=scores.get)  # dicts keep insertion order: full ties go to the first
         feasible = {k: v[0] for k, v in scores.items()}
         ops, x, limit = members[best]
         if validate:
             validate_plan(ops, stage_profile.num_stages, stage_profile.num_microbatches, inflight_limit=limit)
-        actions = to_torch_plan(ops)
-    return VirtualPlan(
-        actions=actions, stage_to_rank=s2r, placement=placement, schedule=schedule, source=best,
-        warmup_counts=x, candidates=feasible, predicted_makespan_ms=feasible[best],
-        plan_ms=(time.perf_counter() - t0) * 1e3, profile=stage_profile, ops=ops,
-    )
+        result = make_result(ops, schedule=schedule, source=best, warmup_counts=x, predicted_makespan_ms=feasible[best],
+                             plan_ms=0.0, stage_to_rank=s2r, profile=stage_profile, candidates=feasible,
+                             inflight_limit=_inflight_limit(limit, stage_memory_limit, len(s2r)))
+    result.plan_ms = (time.perf_counter() - t0) * 1e3
+    return result
 
 
-Candidate = tuple[dict[int, list[Op]], "list[int] | None", "list[int] | int | None"]  # ops, x, in-flight cap
+def _inflight_limit(limit, stage_memory_limit: int | None, num_stages: int) -> list[int] | None:
+    """The per-stage in-flight limit to validate the winner with: its own caps, else the per-stage limit."""
+    if isinstance(limit, list):
+        return list(limit)
+    return None if stage_memory_limit is None else [stage_memory_limit] * num_stages
 
 
-def _candidates(stage_profile, s2r, placement, schedule, memory_limit) -> dict[str, Candidate]:
+def _describe(budget: Budget, V: int) -> str:
+    parts = []
+    if budget.per_rank is not None:
+        parts.append(f"{budget.per_rank / V:g} activations per rank")
+    if budget.per_stage is not None:
+        parts.append(f"{budget.per_stage} per stage")
+    return ", ".join(parts) or "none"
+
+
+_Member = tuple[dict[int, list[Op]], "list[int] | None", "list[int] | int | None"]  # ops, x, in-flight cap
+
+
+def _candidates(stage_profile, s2r, placement, schedule, budget: Budget) -> dict[str, _Member]:
     S, N = stage_profile.num_stages, stage_profile.num_microbatches
     V = S // (max(s2r) + 1)
-    out: dict[str, Candidate] = {}
+    out: dict[str, _Member] = {}
     if schedule == "pipemorph":
-        cap = N if memory_limit is None else min(N, memory_limit)
-        for floor in (1, 2):
-            x = [min(v, cap) for v in virtual_warmup_counts(stage_profile, s2r, slack_floor=floor)]
+        cap = N if budget.per_stage is None else min(N, budget.per_stage)
+        rules = [virtual_warmup_counts(stage_profile, s2r, slack_floor=floor) for floor in (1, 2)]
+        for floor, rule in zip((1, 2), rules):
+            x = [min(v, cap) for v in rule]
             for capped in (True, False):
                 limit = list(x) if capped else [cap] * S
                 gen = generate_virtual_order(stage_profile, s2r, x, limit)
                 out[f"pipemorph(floor={floor},{'capped' if capped else 'uncapped'})"] = (gen.order, x, limit)
+        seeds = [*rules, [S - s for s in range(S)], [1] * S]
+        found = search_warmup(stage_profile, s2r, budget, seeds) if budget.limited else None
+        if found is not None:
+            x, limit, gen = found
+            out["pipemorph(search)"] = (gen.order, x, limit)
         if V == 2:
             out.update(_builtin_members(PLACEMENT_BUILTINS[placement], S // 2, N, s2r))
     if placement == "v" and V == 2:
         from .crosspipe import plan_crosspipe
 
-        per_rank = None if memory_limit is None else 2 * memory_limit
+        per_rank = _wave_limit(budget)
         try:
             wave = plan_crosspipe(stage_profile, "wave", memory_limit=per_rank, validate=False)
         except ValueError:  # no CrossWave schedule fits the limit: only fatal when it is the one asked for
@@ -370,11 +502,18 @@ def _candidates(stage_profile, s2r, placement, schedule, memory_limit) -> dict[s
     return out
 
 
-def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, Candidate]:
+def _wave_limit(budget: Budget) -> int | None:
+    """CrossWave's per-rank chunk limit for a budget (its per-stage limit is only checked afterwards)."""
+    limits = [v for v in (budget.per_rank, None if budget.per_stage is None else 2 * budget.per_stage)
+              if v is not None]
+    return min(limits) if limits else None
+
+
+def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, _Member]:
     """torch's own schedules for this placement (skipped where torch rejects the shape)."""
     from .builtin import builtin_plan
 
-    out: dict[str, Candidate] = {}
+    out: dict[str, _Member] = {}
     for name in names:
         try:
             plan, placement = builtin_plan(name, num_ranks, num_microbatches)
@@ -385,25 +524,12 @@ def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, Candi
     return out
 
 
-def _score(ops, stage_profile, s2r, memory_limit) -> tuple[float, int] | None:
-    """(simulated makespan, most activations a rank holds) of one candidate; None when a stage holds
-    more than ``memory_limit``."""
+def _score(ops, stage_profile, s2r, budget: Budget) -> tuple[float, int] | None:
+    """(simulated makespan, most activations a rank holds) of one candidate; None when it does not fit
+    the budget."""
     from .simulate import simulate
 
     timeline = simulate(ops, stage_profile, stage_to_rank=dict(enumerate(s2r)))
-    if memory_limit is not None and max(timeline.peak_inflight.values()) > memory_limit:
+    if not budget.fits(ops, timeline.peak_inflight):
         return None
     return timeline.makespan_ms, max(rank_peak_inflight(ops).values())
-
-
-def rank_peak_inflight(ops) -> dict[int, int]:
-    """Per rank, the most activations held at once over all its stages (F done − I/B done, program
-    order): the per-rank memory that ``simulate``'s per-stage ``peak_inflight`` sums over time."""
-    out = {}
-    for rank, rank_ops in as_ops(ops).items():
-        held = peak = 0
-        for _, kind, _ in rank_ops:
-            held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
-            peak = max(peak, held)
-        out[rank] = peak
-    return out

@@ -61,7 +61,7 @@ def initial_warmup_counts_for(profile: PipelineProfile, memory_limit: int | None
 
 
 def adapted_warmup_counts(
-    profile: PipelineProfile, slack_floor: int = 2, memory_limit: int | None = None
+    profile: PipelineProfile, slack_floor: int = 2, memory_limit: int | None = None, *, literal: bool = False
 ) -> list[int]:
     """PipeMorph Alg.2 (dynamic adaptation), as in the arXiv text (000_…, matches Eq.1).
 
@@ -70,6 +70,8 @@ def adapted_warmup_counts(
     may lower it to 1 to save memory. Where ``N − 2S`` is below the floor (few microbatches) the clip is
     the floor itself, and no x_i exceeds N (a stage cannot warm up with more forwards than exist).
     ``memory_limit`` (activations per stage), when given, caps every x_i (kept non-increasing).
+    ``literal=True``: the clip exactly as published, min(N − 2S, ·) even below the floor, so at N = 2S
+    every Δ_i is 0 and x_i = 1 everywhere (x_i ≥ 1 kept; a candidate of ``plan_pipemorph``, issue 25).
     """
     profile_arg(profile)
     int_arg(slack_floor, "slack_floor")
@@ -77,13 +79,13 @@ def adapted_warmup_counts(
     if slack_floor < 1:
         raise ValueError(f"slack_floor must be >= 1, got {slack_floor}")
     S, N = profile.num_stages, profile.num_microbatches
-    clip = max(N - 2 * S, slack_floor)
+    clip = N - 2 * S if literal else max(N - 2 * S, slack_floor)
     counts = [0] * S
     counts[S - 1] = 1
     for i in range(S - 2, -1, -1):
         need = required_slackness(profile, i)
         delta = min(clip, max(need, slack_floor))
-        counts[i] = min(counts[i + 1] + delta, N)
+        counts[i] = max(1, min(counts[i + 1] + delta, N))
     if memory_limit is not None:
         if memory_limit < 1:
             raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit}")
