@@ -180,7 +180,7 @@ BIG = ["--stages", "32", "--microbatches", "512", "--times", "10,10,10"]
 
 def test_time_limit_holds_end_to_end_with_a_progress_line(capsys, monkeypatch):
     from titan_ext.plan.ir import torch_schedules
-    from titan_ext.plan.schedules import plan_crosspipe_by_name  # noqa: F401
+    from titan_ext.plan.schedules import plan_by_name  # noqa: F401  (imported ahead, as above)
 
     torch_schedules()  # imported first: the alarm waits for an import to end (a busy machine's torch
     monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.3)  # import could outlast the whole limit)

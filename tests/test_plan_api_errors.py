@@ -22,7 +22,7 @@ from titan_ext.plan import (
     to_torch_plan,
     validate_plan,
 )
-from titan_ext.plan.schedules import plan_by_name, plan_crosspipe_by_name
+from titan_ext.plan.schedules import plan_by_name
 from titan_ext.plan.virtual import plan_virtual
 
 P = PipelineProfile.uniform(4, 12, 10, 10, 10)
@@ -44,7 +44,7 @@ BAD = {
     "plan_pipemorph_slack_text": (lambda: plan_pipemorph(P, slack_floor="2"), "slack_floor"),
     "plan_by_name_none": (lambda: plan_by_name(None, "pipemorph"), "profile must be a PipelineProfile"),
     "plan_crosspipe_none": (lambda: plan_crosspipe(None), "profile must be a PipelineProfile"),
-    "plan_crosspipe_by_name_time": (lambda: plan_crosspipe_by_name(P, "optimal", time_limit_s=-1), "time_limit_s"),
+    "plan_by_name_optimal_time": (lambda: plan_by_name(P, "optimal", time_limit_s=-1), "time_limit_s"),
     "plan_virtual_float_v": (lambda: plan_virtual(P, 2.5), "num_virtual_stages"),
     "plan_virtual_none": (lambda: plan_virtual(None), "profile must be a PipelineProfile"),
     "simulate_profile_none": (lambda: simulate({0: []}, None), "profile must be a PipelineProfile"),
