@@ -702,9 +702,23 @@ def _batch_isend_irecv(p2p_op_list: list) -> list:
         return _orig_batch_isend_irecv(p2p_op_list)
     group.begin_batch()
     try:
-        works = _orig_batch_isend_irecv(p2p_op_list)
+        works = _issue_each(p2p_op_list)
     finally:
         group.end_batch()
+    return works
+
+
+def _issue_each(p2p_op_list: list) -> list:
+    """torch's path of ``batch_isend_irecv`` for a backend without coalescing, written out: torch up to
+    2.14 takes it for a Python process group; 2.15 first asks the group for its per-device backend,
+    which a Python group does not have ("No backend type associated with device type cpu")."""
+    recv = (dist.irecv, dist.distributed_c10d.irecv)
+    works = []
+    for op in p2p_op_list:
+        peer = {"group_src" if op.op in recv else "group_dst": op.group_peer}
+        work = op.op(op.tensor, group=op.group, tag=op.tag, **peer)
+        if work:
+            works.append(work)
     return works
 
 
