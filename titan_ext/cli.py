@@ -388,7 +388,8 @@ def _evaluate(actions, profile: PipelineProfile, hol: bool, source: str):
 
 
 def _compare_candidates(profile: PipelineProfile, hol: bool):
-    """(name, timeline or the reason it does not apply) for PipeMorph, CrossPipe and torch's built-ins."""
+    """(name, timeline or the reason it does not apply) for PipeMorph, CrossPipe, torch's built-ins and
+    ZB-H1 (the ZB paper's 1F1B-memory schedule, x_i = S − i; torch ships none)."""
     from .plan.builtin import BUILTINS, builtin_plan
 
     yield "PipeMorph", simulate(plan_by_name(profile, "pipemorph").actions, profile, hol=hol)
@@ -398,6 +399,7 @@ def _compare_candidates(profile: PipelineProfile, hol: bool):
             yield f"CrossPipe ({name[10:]})", simulate(actions, sim_profile, hol=hol)
         except (ImportError, ValueError) as e:
             yield f"CrossPipe ({name[10:]})", str(e).splitlines()[0]
+    yield "ZB-H1 (ZB paper)", simulate(plan_by_name(profile, "zb-h1").actions, profile, hol=hol)
     for name in BUILTINS:
         try:
             actions, _ = builtin_plan(name, profile.num_stages, profile.num_microbatches)
@@ -406,13 +408,40 @@ def _compare_candidates(profile: PipelineProfile, hol: bool):
             yield f"torch {name}", str(e).splitlines()[0]
 
 
+# the schedules our plans are matched against (issue 21): name → placement of ours (None: one stage per rank)
+_REPLACES = {"ZB-H1 (ZB paper)": None, "torch 1F1B": None, "torch Interleaved1F1B": "loop",
+             "torch InterleavedZeroBubble": "loop", "torch ZBVZeroBubble": "v", "torch DualPipeV": "v"}
+
+
+def _ours_at(profile: PipelineProfile, placement: str | None, peak_per_rank: float, hol: bool) -> float | str:
+    """Makespan of our plan at a per-rank memory limit (the peak of the schedule it would replace):
+    one stage per rank (PipeMorph, the limit rounded down to whole activations) or R × 2 stages in
+    ``placement`` (the plan_virtual portfolio)."""
+    from .plan.virtual import plan_virtual
+
+    try:
+        if placement is None:
+            plan = plan_by_name(profile, "pipemorph", memory_limit=max(1, math.floor(peak_per_rank + 1e-9)))
+            return simulate(plan.actions, profile, hol=hol).makespan_ms
+        vp = plan_virtual(profile, 2, placement, memory_limit=peak_per_rank, validate=False)
+        return simulate(vp.actions, vp.profile, hol=hol).makespan_ms
+    except ValueError as e:
+        return "n/a: " + str(e).splitlines()[0]
+
+
+def _ms(value: float | str | None) -> str:
+    return "" if value is None else value if isinstance(value, str) else f"{value:.1f}"
+
+
 def cmd_compare(args: argparse.Namespace) -> None:
-    """PipeMorph, CrossPipe and torch's built-ins side by side for one profile."""
+    """PipeMorph, CrossPipe and torch's built-ins side by side for one profile, each torch schedule (and
+    ZB-H1) also beside our plans at its own peak per-rank memory (docs/choosing.md)."""
     profile = _profile_from_args(args)
     rows = list(_compare_candidates(profile, args.hol))
     torch_best = min((t.makespan_ms for name, t in rows if name.startswith("torch ")
                       and not isinstance(t, str)), default=math.nan)
-    print(f"{'schedule':<28} {'makespan ms':>12} {'bubble':>8} {'peak in-flight':>15} {'vs best torch':>14}")
+    print(f"{'schedule':<28} {'makespan ms':>12} {'bubble':>8} {'peak/stage':>10} {'peak/rank':>9} "
+          f"{'vs best torch':>14} {'ours at its memory':>19} {'ours 1 stage/rank':>18}")
     out = []
     for name, t in rows:
         if isinstance(t, str):
@@ -420,15 +449,26 @@ def cmd_compare(args: argparse.Namespace) -> None:
             out.append({"schedule": name, "error": t})
             continue
         peak = max(t.peak_inflight.values())
-        print(f"{name:<28} {t.makespan_ms:>12.1f} {t.bubble_rate:>8.1%} {peak:>15} "
-              f"{torch_best / t.makespan_ms:>13.2f}x")
-        out.append({"schedule": name, "makespan_ms": t.makespan_ms, "bubble_rate": t.bubble_rate,
-                    "peak_inflight": peak})
-    print("peak in-flight: activations held by the busiest stage (torch's 2-chunk schedules: half-size "
-          "chunks); vs best torch: the best torch built-in's makespan / this one's")
+        rank_peak = max(t.peak_memory_per_rank.values())
+        row = {"schedule": name, "makespan_ms": t.makespan_ms, "bubble_rate": t.bubble_rate,
+               "peak_inflight": peak, "peak_memory_per_rank": rank_peak}
+        matched = one_stage = None
+        if name in _REPLACES:
+            one_stage = _ours_at(profile, None, rank_peak, args.hol)
+            placement = _REPLACES[name]
+            matched = one_stage if placement is None else _ours_at(profile, placement, rank_peak, args.hol)
+            row["memory_matched"] = {"memory_limit": rank_peak, "placement": placement or "one stage per rank",
+                                     "ours_ms": matched, "ours_one_stage_ms": one_stage}
+        print(f"{name:<28} {t.makespan_ms:>12.1f} {t.bubble_rate:>8.1%} {peak:>10} {rank_peak:>9.3g} "
+              f"{torch_best / t.makespan_ms:>13.2f}x {_ms(matched):>19} {_ms(one_stage):>18}")
+        out.append(row)
+    print("peak/stage: activations the busiest stage holds (2-chunk schedules: half-size chunks); peak/rank: "
+          "the busiest rank's, in activations of its whole model part (a chunk counts 1/2); vs best torch: "
+          "the best torch built-in's makespan / this one's; ours at its memory: our plan in the same placement "
+          "(2 stages per rank for torch's 2-chunk schedules) limited to this row's peak/rank; ours 1 stage/rank: "
+          "our one-stage-per-rank plan at that memory (rounded down to whole activations)")
     if args.json:
         print(json.dumps({"hol": args.hol, "schedules": out}))
-
 
 
 _GANTT_FORMATS = (".png", ".pdf", ".svg")

@@ -194,9 +194,9 @@ def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
 
 def rank_peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
     """Per rank, the most activations held at once over all its stages (F done − I/B done, in program
-    order, which is exact: a rank runs its operations one at a time)."""
+    order, which is exact: a rank runs its operations one at a time). Takes ops or torch actions."""
     out = {}
-    for rank, rank_ops in ops.items():
+    for rank, rank_ops in as_ops(ops).items():
         held = peak = 0
         for _, kind, _ in rank_ops:
             held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
@@ -209,6 +209,7 @@ def peak_memory_per_rank(ops: Mapping[int, list[Op]]) -> dict[int, float]:
     """Per rank, its peak activation memory in units of one activation of the rank's whole model part
     (issue 21): a chunk of a rank that holds V stages counts 1/V. One stage per rank: the stage's peak,
     so one-stage and multi-stage plans (ours and torch's) compare in one unit."""
+    ops = as_ops(ops)
     stages = {rank: len({s for s, _, _ in rank_ops}) for rank, rank_ops in ops.items()}
     return {rank: peak / max(stages[rank], 1) for rank, peak in rank_peak_inflight(ops).items()}
 
