@@ -18,7 +18,6 @@ def make(**kw):
     [
         (dict(num_stages=0), "num_stages"),
         (dict(num_microbatches=0), "num_microbatches"),
-        (dict(num_microbatches=3), "num_microbatches"),  # N < S
         (dict(num_stages=2.5), "num_stages"),
         (dict(f_ms=-1), "f_ms[0]"),
         (dict(f_ms=0), "f_ms[0]"),
@@ -68,3 +67,19 @@ def test_memory_capacity_per_stage():
 def test_uniform_rejects_unknown_link():
     with pytest.raises(ValueError, match="link 3"):
         PipelineProfile.uniform(3, 6, 1, 1, 1, delays_ms={3: 10})
+
+
+def test_fewer_microbatches_than_stages_plan_validly():
+    """N < S is a valid profile (torch's GPipe, Interleaved1F1B and ZBV run it): every planner gives a plan
+    that our validator accepts, with one stage per rank and with two (issue 24)."""
+    from titan_ext.plan.schedules import plan_by_name
+    from titan_ext.plan.validate import validate_plan
+    from titan_ext.plan.virtual import plan_virtual
+
+    for n in (1, 2, 3):
+        prof = make(num_microbatches=n, links=tuple(LinkProfile(latency_ms=5.0) for _ in range(3)))
+        for name in ("pipemorph", "zb", "zb-h1", "auto"):
+            validate_plan(plan_by_name(prof, name).actions, 4, n)
+        for placement in ("loop", "v"):
+            plan = plan_virtual(prof, 2, placement)
+            validate_plan(plan.actions, 8, n, torch_dry_run=True)

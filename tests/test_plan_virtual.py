@@ -176,7 +176,6 @@ def test_cli_matches_simulate_builtin(capsys):
     (["--virtual-stages", "1"], ">= 2"),
     (["--placement", "v"], "needs --virtual-stages"),
     (["--virtual-stages", "2", "--placement", "loop", "--schedule", "crosspipe-wave"], "V-shape"),
-    (["--virtual-stages", "8"], "microbatches"),
 ])
 def test_cli_bad_input_one_line_exit_2(capsys, args, needle):
     code = main(["plan", "--stages", "4", "--microbatches", "16", "--times", "10,10,10", *args])

@@ -95,9 +95,7 @@ class PipelineProfile:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        S, N = self.num_stages, self.num_microbatches
-        if N < S:
-            raise ValueError(f"num_microbatches ({N}) must be >= num_stages ({S})")
+        S = self.num_stages
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("f_ms", _stage_tuple("f_ms", self.f_ms, S, positive=True))
         set_("b_ms", _stage_tuple("b_ms", self.b_ms, S, positive=True))

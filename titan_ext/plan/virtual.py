@@ -79,8 +79,6 @@ def virtual_profile(
     R, V, N = profile.num_stages, num_virtual_stages, profile.num_microbatches
     s2r = virtual_stage_to_rank(R, V, placement)
     S = len(s2r)
-    if N < S:
-        raise ValueError(f"{N} microbatches < {S} stages ({R} ranks × {V}): need at least one per stage")
     if stage_times_ms is None:
         f, b, w = ([getattr(profile, k)[s2r[s]] / V for s in range(S)] for k in ("f_ms", "b_ms", "w_ms"))
     else:

@@ -9,7 +9,10 @@ local stages per rank, as issue 14's multi-stage runtime needs), with three addi
   spent waiting for its input is recorded apart (``recv_wait_ms``);
 * SEND/RECV ops go through a :class:`~titan_ext.runtime.transport.Transport` (torch P2P, delegates),
   sends are stamped when handed over, receives are stamped on arrival (``ArrivalWatcher``);
-* losses are kept by microbatch index, so a plan may order the last stage's forwards freely.
+* losses are kept by microbatch index (the schedule's ``_maybe_compute_loss`` / ``_maybe_get_loss``,
+  which custom functions registered with torch's ``register_custom_function`` call too), and the last
+  stage's outputs are merged in microbatch order (:func:`forward_order`), so a plan may order the last
+  stage's forwards freely.
 
 The per-iteration state travels in a :class:`RunContext` (torch's ``_PipelineContext`` plus ours), not
 in long parameter lists.  torch-owned per-step state (receive tables, backward counters, unshard ops,
@@ -33,7 +36,7 @@ from torch.distributed.pipelining.schedules import (
 from .profiler import ActionRecord, ArrivalWatcher, ComputeTimer, IterationProfile, now
 from .transport import TorchP2P, Transport
 
-__all__ = ["Executor", "RunContext", "BACKWARD_TYPES"]
+__all__ = ["Executor", "RunContext", "BACKWARD_TYPES", "forward_order"]
 
 F = _ComputationType.FORWARD
 I = _ComputationType.BACKWARD_INPUT
@@ -66,7 +69,6 @@ class RunContext:
     training: bool = True
     profile: IterationProfile = field(default_factory=IterationProfile)
     send_ops: list[list[Any]] = field(default_factory=list)
-    losses_by_mb: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def torch_context(self) -> _PipelineContext:
         return _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, self.losses)
@@ -215,20 +217,14 @@ class Executor:
         else:
             output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
                                              save_forward_output=ctx.return_outputs)
-        if stage.is_last and sched._loss_fn is not None:
-            if mb in ctx.losses_by_mb:
-                raise AssertionError(f"microbatch {mb} forwarded twice on the last stage")
-            ctx.losses_by_mb[mb] = sched._compute_loss(output, ctx.target_mbs[mb], ctx.loss_kwargs)
+        sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb, ctx.loss_kwargs)
         if stage.stage_index + 1 in ctx.stages:
             ctx.stages[stage.stage_index + 1].set_local_fwd_input(output, mb)
 
     @staticmethod
     def _backward_input(stage: Any, mb: int, full: bool, ctx: RunContext) -> None:
         sched, s = ctx.schedule, stage.stage_index
-        last_loss = stage.is_last and sched._loss_fn is not None
-        loss = ctx.losses_by_mb.get(mb) if last_loss else None
-        if last_loss and loss is None:
-            raise AssertionError(f"backward of microbatch {mb} before its loss")
+        loss = sched._maybe_get_loss(stage, mb)
         last_backward = False
         if full:
             sched.backward_counter[s] += 1
@@ -236,6 +232,17 @@ class Executor:
         stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last_backward)
         if s - 1 in ctx.stages:
             ctx.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+
+def forward_order(actions: list[_Action], stage_index: int) -> list[int]:
+    """Microbatch indices of ``stage_index``'s forwards in the order ``actions`` runs them (the order
+    ``stage.output_chunks`` is appended in, whether our loop or a custom function runs them)."""
+    order = []
+    for action in actions:
+        for a in (action.sub_actions or ()) if action.computation_type == OVERLAP_F_B else (action,):
+            if a.computation_type == F and a.stage_index == stage_index:
+                order.append(a.microbatch_index)
+    return order
 
 
 def measured_forward(stage: Any, mb: int, ctx: RunContext) -> tuple[Any, int]:

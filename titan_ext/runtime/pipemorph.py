@@ -52,11 +52,11 @@ from .deploy import (
     warmup_counts_of,
 )
 from .estimator import Estimator
-from .executor import Executor, RunContext
+from .executor import Executor, RunContext, forward_order
 from .memory import activation_budget_bytes, inflight_cap
 from .metrics import IterationMetrics
 from .observers import Boundary, FalconObserver
-from .placement import VirtualEstimator, VirtualPlanner, VirtualReplanPolicy, read_layout, virtual_tolerances
+from .placement import VirtualEstimator, VirtualPlanner, policy_for, read_layout, virtual_tolerances
 from .planning import BackgroundPlanning, PipeMorphPlanner, Planner, PlanningContext, explicit_plan
 from .policy import Decision, ReplanPolicy, eq1_tolerances
 from .profiler import (
@@ -167,14 +167,14 @@ class PipeMorph(_PipelineScheduleRuntime):
                          kwargs_chunk_spec=kwargs_chunk_spec, output_merge_spec=output_merge_spec,
                          scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
         S, N = self._num_stages, n_microbatches
-        if N < S:
-            raise ValueError(f"PipeMorph needs n_microbatches >= num_stages, got {N} < {S}")
+        if N < S and not self.layout.virtual:  # as torch's Schedule1F1B; Interleaved1F1B and ZBV take N < S
+            raise ValueError(f"{type(self).__name__} with one stage per rank needs n_microbatches >= num_stages, "
+                             f"got {N} < {S}")
+        #: losses by microbatch index (torch keeps a list in forward order: see _maybe_compute_loss)
+        self._losses_by_mb: dict[int, torch.Tensor] = {}
         self.backward = backward
         self.adaptive = adaptive
-        self.policy = policy if policy is not None else (
-            VirtualReplanPolicy(layout=self.layout) if self.layout.virtual else ReplanPolicy())
-        if isinstance(self.policy, VirtualReplanPolicy) and self.policy.layout is None:
-            self.policy.layout = self.layout
+        self.policy = policy_for(self.layout, policy)
         self.profile_every, self.profile_every_max = profile_every, max(profile_every, profile_every_max)
         self.slack_floor = slack_floor
         self.adaptive_memory_limit = adaptive_memory_limit
@@ -264,7 +264,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             # that 1F1B fits
             x = int(self.memory_budget_bytes // act) if act else S
             if x < S:
-                logger.warning("PipeMorph: budget %.3g B holds only %d activations of %.3g B (< S=%d); using S",
+                logger.warning("%s: budget %.3g B holds only %d activations of %.3g B (< S=%d); using S", type(self).__name__,
                                self.memory_budget_bytes, x, act or 0, S)
                 x = S
         else:
@@ -331,7 +331,7 @@ class PipeMorph(_PipelineScheduleRuntime):
     def _swap(self, cand: Candidate) -> None:
         """Install a prepared plan (iteration boundary only): an O(1) pointer swap."""
         if self._in_iteration:
-            raise RuntimeError("PipeMorph: a plan may only be swapped at an iteration boundary")
+            raise RuntimeError(f"{type(self).__name__}: a plan may only be swapped at an iteration boundary")
         self.pipeline_order = {r: list(a) for r, a in cand.actions.items()}
         self.pipeline_order_with_comms = cand.lowered
         self.stage_index_to_group_rank = dict(cand.mapping)
@@ -358,7 +358,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         """Synchronous path: validate → lower → agree (hash on the control plane) → swap; any failure
         keeps the deployed plan and logs why."""
         if self._in_iteration:
-            raise RuntimeError("PipeMorph: a plan may only be swapped at an iteration boundary")
+            raise RuntimeError(f"{type(self).__name__}: a plan may only be swapped at an iteration boundary")
         try:
             cand = self._prepare(actions, counts, kind, reason, inflight_limit)
         except Exception as exc:  # noqa: BLE001 - validation or torch's lowering refused it
@@ -437,8 +437,10 @@ class PipeMorph(_PipelineScheduleRuntime):
         ctx = RunContext(self, {st.stage_index: st for st in self._stages}, arg_mbs, kwarg_mbs, target_mbs,
                          losses, return_outputs, loss_kwargs, training)
         self._in_iteration = True
+        self._losses_by_mb.clear()
+        actions = self.pipeline_order_with_comms[self.rank]
         try:
-            iteration_ms = self.executor.run(self.pipeline_order_with_comms[self.rank], ctx)
+            iteration_ms = self.executor.run(actions, ctx)
         except Exception:
             logger.error("%s: iteration %d failed; plan v%d:\n%s", type(self).__name__, self.iteration,
                          self.plan_version, _torch_schedules._format_pipeline_order(self.pipeline_order_with_comms))
@@ -447,12 +449,15 @@ class PipeMorph(_PipelineScheduleRuntime):
             self._in_iteration = False
         if len(self.unshard_ops) != 0:
             raise AssertionError("Unused unshard operations")
-        # losses in microbatch order whatever the plan's order of last-stage forwards
-        self._internal_losses = [ctx.losses_by_mb[m] for m in sorted(ctx.losses_by_mb)]
+        # losses and outputs in microbatch order whatever the plan's order of last-stage forwards
+        self._internal_losses = [self._losses_by_mb[m] for m in sorted(self._losses_by_mb)]
+        self._losses_by_mb.clear()
         has_last = any(st.is_last for st in self._stages)
-        if has_last and self._loss_fn is not None and len(ctx.losses_by_mb) != self._n_microbatches:
-            raise RuntimeError(f"PipeMorph: {len(ctx.losses_by_mb)} losses for {self._n_microbatches} microbatches")
+        if has_last and self._loss_fn is not None and len(self._internal_losses) != self._n_microbatches:
+            raise RuntimeError(f"{type(self).__name__}: {len(self._internal_losses)} losses for "
+                               f"{self._n_microbatches} microbatches")
         self._update_losses(self._stages, losses)
+        self._sort_outputs(actions)
         if training:
             act = self.executor.activation_bytes
             ctx.profile.activation_bytes = act if act else math.nan
@@ -460,6 +465,31 @@ class PipeMorph(_PipelineScheduleRuntime):
             self.last_timeline = list(ctx.profile.actions)
             self._iteration_boundary(ctx.profile, iteration_ms)
         self._apply_pending()  # plans pushed during the iteration: swapped in at this boundary
+
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
+        """torch's hook (our executor and custom functions call it), keyed by microbatch index."""
+        if stage.is_last and self._loss_fn is not None:
+            if mb_index in self._losses_by_mb:
+                raise AssertionError(f"{type(self).__name__}: microbatch {mb_index} forwarded twice on the last stage")
+            self._losses_by_mb[mb_index] = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)
+
+    def _maybe_get_loss(self, stage, mb_index):
+        """The loss of microbatch ``mb_index`` on the last stage (None elsewhere), whatever the forward order."""
+        if not (stage.is_last and self._loss_fn is not None):
+            return None
+        if mb_index not in self._losses_by_mb:
+            raise RuntimeError(f"{type(self).__name__}: backward of microbatch {mb_index} before its loss "
+                               f"(losses so far: microbatches {sorted(self._losses_by_mb)})")
+        return self._losses_by_mb[mb_index]
+
+    def _sort_outputs(self, actions: list) -> None:
+        """Put the last stage's ``output_chunks`` in microbatch order (torch's ``step()`` merges them as
+        appended, i.e. in the plan's forward order)."""
+        for stage in self._stages:
+            order = forward_order(actions, stage.stage_index)
+            if stage.is_last and len(stage.output_chunks) == len(order) and order != sorted(order):
+                by_mb = dict(zip(order, stage.output_chunks))
+                stage.output_chunks[:] = [by_mb[m] for m in sorted(by_mb)]
 
     # ------------------------------------------------------------------------------------------
     # the iteration boundary: exchange, estimate, decide, (re-)plan, deploy, observe, metrics
