@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_ext.plan import PipelineProfile, simulate  # noqa: E402
 from titan_ext.plan.builtin import builtin_plan  # noqa: E402
-from titan_ext.plan.schedules import plan_crosspipe_by_name  # noqa: E402
+from titan_ext.plan.schedules import plan_by_name  # noqa: E402
 from titan_ext.plan.virtual import plan_virtual, rank_peak_inflight as rank_peak  # noqa: E402
 
 TORCH = ("ZBVZeroBubble", "DualPipeV", "Interleaved1F1B", "InterleavedZeroBubble")
@@ -45,8 +45,8 @@ def uniform_cases(R: int, N: int, t: tuple[float, float, float], link: int, dela
     for delay in delays:
         profile = PipelineProfile.uniform(R, N, *t, delays_ms={link: delay} if delay else {})
         row = {"delay_ms": delay, "torch": torch_row(profile)}
-        actions, sim_profile, _, _ = plan_crosspipe_by_name(profile, "crosspipe-wave")
-        row["crosswave_ms"] = simulate(actions, sim_profile).makespan_ms
+        wave = plan_by_name(profile, "crosspipe-wave")
+        row["crosswave_ms"] = simulate(wave.actions, wave.profile).makespan_ms
         for placement in ("loop", "v"):
             plan = plan_virtual(profile, 2, placement)
             row[f"ours_{placement}"] = {

@@ -90,12 +90,12 @@ def test_planners_match_the_plan_layer_they_wrap():
     want = plan_pipemorph(prof.with_delays({S - 2: 30.0 * 1.1 + 1.0}), mode="adaptive", validate=False)
     assert as_ops(got.actions) == as_ops(want.actions)
     got = CrossPipePlanner().plan(prof, Decision("initial", "t", mode="initial"), _context())
-    assert as_ops(got["actions"]) == as_ops(plan_crosspipe(prof, "udsub", memory_limit=2 * S - 1).actions)
+    assert as_ops(got.actions) == as_ops(plan_crosspipe(prof, "udsub", memory_limit=2 * S - 1).actions)
     with pytest.raises(ValueError, match="'ud' or 'udsub'"):
         CrossPipePlanner("zb")
     # a decision that names its warm-up counts never reaches the planner
     plan = explicit_plan(prof, Decision("force", "t", warmup_counts=[4, 3, 2, 1]), "full")
-    assert warmup_counts_of(plan["actions"]) == [4, 3, 2, 1] and backward_of(plan["actions"]) == "full"
+    assert warmup_counts_of(plan.actions) == [4, 3, 2, 1] and backward_of(plan.actions) == "full"
     assert explicit_plan(prof, Decision("adapt", "t"), "split") is None
 
 

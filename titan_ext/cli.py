@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .plan import LinkProfile, PipelineProfile, simulate
-from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name, plan_crosspipe_by_name
-from .plan.result import warmup_counts_of
+from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
+from .plan.result import rank_peak_inflight, warmup_counts_of
+from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
+from .plan.virtual import VIRTUAL_SCHEDULES
 from .plan.warmup import slackness
 
 
@@ -113,12 +114,6 @@ def _rank_limit(args: argparse.Namespace, stages_per_rank: int) -> float | None:
         raise UsageError(f"--memory-limit {K:g}: with {stages_per_rank} stages per rank it must be a multiple of "
                          f"1/{stages_per_rank} (a chunk counts 1/{stages_per_rank} of a rank's activation)")
     return K
-
-
-def _one_stage_limit(args: argparse.Namespace) -> int | None:
-    """One stage per rank: the per-rank and the per-stage limit are the same thing; the tighter wins."""
-    limits = [int(v) for v in (_rank_limit(args, 1), getattr(args, "stage_memory_limit", None)) if v is not None]
-    return min(limits) if limits else None
 
 
 def _profile_int(base: dict, key: str, flag: str) -> int | None:
@@ -242,98 +237,66 @@ def _report(timeline, extra: dict, args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    """One planning path for every schedule (plan.schedules.plan_by_name), simulated under the given delays."""
     profile = _profile_from_args(args)
+    result = _plan(profile, args)
+    for note in result.notes:
+        print(f"note: {note}")
+    timeline = _simulate_result(result)
+    _write_outputs(result.actions, timeline, args)
+    extra = {**result.summary(), "backward": args.backward,
+             "validated_by": "ours+torch" if args.strict and args.schedule in AUTO_SCHEDULES else "ours"}
+    if result.stages_per_rank > 1 and args.virtual_stages is not None:
+        extra.update(placement=result.placement, virtual_stages=result.stages_per_rank,
+                     peak_inflight_per_rank=list(rank_peak_inflight(result.ops).values()))
+    extra.update(memory_limit=args.memory_limit, stage_memory_limit=args.stage_memory_limit,
+                 inflight_limit=result.inflight_limit)
+    _report(timeline, extra, args)
+
+
+def _plan(profile: PipelineProfile, args: argparse.Namespace) -> PlanResult:
+    """``plan_by_name`` for the command line's flags (the library checks the values: ValueError → usage)."""
     if args.virtual_stages is None and args.placement is not None:
         raise UsageError("--placement needs --virtual-stages V (stages per rank, >= 2)")
-    if args.virtual_stages is not None:
-        return _cmd_plan_virtual(profile, args)
-    if args.stage_memory_limit is not None and args.stage_memory_limit < 1:
-        raise UsageError("--stage-memory-limit must be >= 1 activation")
-    memory_limit = _one_stage_limit(args)
-    if args.slack_floor < 1:
-        raise UsageError("--slack-floor must be >= 1")
-    if args.backward != "split" and args.schedule in CROSSPIPE_SCHEDULES:
-        raise UsageError(f"--backward {args.backward}: CrossPipe plans split backwards only")
-    if args.schedule in CROSSPIPE_SCHEDULES:
-        return _cmd_plan_crosspipe(profile, args)
-    plan = plan_by_name(
-        profile, args.schedule, slack_floor=args.slack_floor, memory_limit=memory_limit,
-        backward=args.backward, validate="torch" if args.strict else True,
-    )
-    for note in plan.notes:
-        print(f"note: {note}")
-    timeline = simulate(plan.actions, profile)  # always under the given delays
-    _write_outputs(plan.actions, timeline, args)
-    _report(
-        timeline,
-        {
-            **plan.summary(),
-            "backward": args.backward,
-            "validated_by": "ours+torch" if args.strict else "ours",
-        },
-        args,
-    )
-
-
-def _cmd_plan_virtual(profile: PipelineProfile, args: argparse.Namespace) -> None:
-    """R ranks × V stages per rank (issue 14, docs/multistage.md): --stages is R, --times are per rank and
-    split evenly over its V stages, --delay LINK:MS slows rank link LINK (ranks LINK and LINK+1)."""
-    from .plan.simulate import rank_peak_inflight
-    from .plan.virtual import VIRTUAL_SCHEDULES, plan_virtual
-
-    if args.virtual_stages < 2:
+    if args.virtual_stages is not None and args.virtual_stages < 2:
         raise UsageError("--virtual-stages must be >= 2 (one stage per rank: leave it out)")
-    if args.schedule not in VIRTUAL_SCHEDULES:
-        choices = ", ".join(VIRTUAL_SCHEDULES)
-        raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of {choices}")
-    if args.backward != "split":
-        raise UsageError("--backward full: multi-stage plans split backwards only")
-    if args.stage_memory_limit is not None and args.stage_memory_limit < 1:
-        raise UsageError("--stage-memory-limit must be >= 1 activation")
-    placement = args.placement or "loop"
-    try:
-        plan = plan_virtual(profile, args.virtual_stages, placement, schedule=args.schedule,
-                            memory_limit=_rank_limit(args, args.virtual_stages),
-                            stage_memory_limit=args.stage_memory_limit)
-    except ValueError as e:
-        raise UsageError(f"{args.schedule} ({placement}, {args.virtual_stages} stages per rank): {e}") from None
-    timeline = simulate(plan.actions, plan.profile, stage_to_rank=dict(enumerate(plan.stage_to_rank)))
-    _write_outputs(plan.actions, timeline, args)
-    _report(
-        timeline,
-        {"schedule": args.schedule, "placement": placement, "virtual_stages": args.virtual_stages,
-         "stage_to_rank": list(plan.stage_to_rank), "source": plan.source, "warmup_counts": plan.warmup_counts,
-         "candidates": plan.candidates, "peak_inflight_per_rank": list(rank_peak_inflight(plan.ops).values()),
-         "memory_limit": args.memory_limit, "stage_memory_limit": args.stage_memory_limit,
-         "inflight_limit": plan.inflight_limit,
-         "plan_ms": round(plan.plan_ms, 3)},
-        args,
-    )
-
-
-def _crosspipe_actions(profile: PipelineProfile, args: argparse.Namespace):
-    """CrossPipe greedy / CP-SAT plan (issue 6) → (actions, profile to simulate with, info)."""
-    if args.time_limit <= 0:
+    if args.virtual_stages is not None and args.schedule not in VIRTUAL_SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of "
+                         f"{', '.join(VIRTUAL_SCHEDULES)}")
+    if getattr(args, "time_limit", 1.0) <= 0:
         raise UsageError("--time-limit must be > 0")
-    if getattr(args, "stage_memory_limit", None) is not None and args.stage_memory_limit < 1:
-        raise UsageError("--stage-memory-limit must be >= 1 activation")
+    options = {}
+    if args.schedule in AUTO_SCHEDULES:
+        if args.slack_floor < 1:
+            raise UsageError("--slack-floor must be >= 1")
+        options = {"slack_floor": args.slack_floor, "validate": "torch" if args.strict else True}
+    if args.virtual_stages is not None:
+        options["placement"] = args.placement or "loop"
     try:
-        actions, sim_profile, _, info = plan_crosspipe_by_name(
-            profile, args.schedule, memory_limit=_one_stage_limit(args), time_limit_s=args.time_limit
-        )
+        return plan_by_name(profile, args.schedule, virtual_stages=args.virtual_stages or 1,
+                            memory_limit=_rank_limit(args, args.virtual_stages or 1),
+                            stage_memory_limit=getattr(args, "stage_memory_limit", None), time_limit_s=args.time_limit,
+                            backward=args.backward, **options)
     except (ImportError, ValueError) as e:
-        raise UsageError(f"{args.schedule}: {e}") from None
-    return actions, sim_profile, info
+        where = args.schedule
+        if args.virtual_stages is not None:
+            where += f" ({args.placement or 'loop'}, {args.virtual_stages} stages per rank)"
+        raise UsageError(f"{where}: {_flag_names(e)}") from None
 
 
-def _cmd_plan_crosspipe(profile: PipelineProfile, args: argparse.Namespace) -> None:
-    actions, sim_profile, info = _crosspipe_actions(profile, args)
-    timeline = simulate(actions, sim_profile)  # always under the given delays
-    _write_outputs(actions, timeline, args)
-    from .plan.ir import as_ops
+def _flag_names(e: Exception) -> str:
+    """The library's message with its argument names spelled as the command line's flags."""
+    text = str(e)
+    for name, flag in (("stage_memory_limit", "--stage-memory-limit"), (" memory_limit", " --memory-limit"),
+                       ("backward ", "--backward "),
+                       ("slack_floor", "--slack-floor")):
+        text = text.replace(name, flag)
+    return text
 
-    x = warmup_counts_of(as_ops(actions))
-    _report(timeline, {"schedule": args.schedule, "warmup_counts": x, "slackness": slackness(x), **info}, args)
+
+def _simulate_result(result: PlanResult, hol: bool = False):
+    """The reference simulator's timeline of a plan under the (stage-level) profile it was planned for."""
+    return simulate(result.actions, result.profile, hol=hol, stage_to_rank=dict(enumerate(result.stage_to_rank)))
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -343,8 +306,10 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     profile = _profile_from_args(args)
     t0 = time.perf_counter()
     if args.schedule is not None:
-        actions, profile, _ = _crosspipe_actions(profile, args)
-        source = args.schedule
+        args.virtual_stages = args.placement = None
+        args.backward, args.strict = "split", False
+        result = _plan(profile, args)
+        actions, profile, source = result.actions, result.profile, args.schedule
     elif args.csv is not None:
         from .plan.export import read_torch_csv
 
@@ -392,11 +357,10 @@ def _compare_candidates(profile: PipelineProfile, hol: bool):
     ZB-H1 (the ZB paper's 1F1B-memory schedule, x_i = S − i; torch ships none)."""
     from .plan.builtin import BUILTINS, builtin_plan
 
-    yield "PipeMorph", simulate(plan_by_name(profile, "pipemorph").actions, profile, hol=hol)
+    yield "PipeMorph", _simulate_result(plan_by_name(profile, "pipemorph"), hol)
     for name in ("crosspipe-udsub", "crosspipe-wave"):
         try:
-            actions, sim_profile, _, _ = plan_crosspipe_by_name(profile, name)
-            yield f"CrossPipe ({name[10:]})", simulate(actions, sim_profile, hol=hol)
+            yield f"CrossPipe ({name[10:]})", _simulate_result(plan_by_name(profile, name), hol)
         except (ImportError, ValueError) as e:
             yield f"CrossPipe ({name[10:]})", str(e).splitlines()[0]
     yield "ZB-H1 (ZB paper)", simulate(plan_by_name(profile, "zb-h1").actions, profile, hol=hol)

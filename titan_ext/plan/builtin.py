@@ -12,8 +12,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from .ir import as_ops, torch_schedules
+from .placement import stage_profile
 from .profile import PipelineProfile
-from .result import PlanResult, warmup_counts_of
+from .result import PlanResult, make_result
 from .simulate import simulate
 
 # name → (torch class name, model chunks per rank)
@@ -90,17 +91,12 @@ def plan_builtin(name: str, profile: PipelineProfile) -> PlanResult:
     t0 = time.perf_counter()
     actions, stage_to_rank = builtin_plan(name, profile.num_stages, profile.num_microbatches)
     ops = as_ops(actions)
-    timeline = simulate(ops, profile)
-    return PlanResult(
-        actions=actions,
-        ops=ops,
-        schedule=_canonical(name),
-        warmup_counts=warmup_counts_of(ops),
-        predicted_makespan_ms=timeline.makespan_ms,
-        peak_inflight=timeline.peak_inflight,
-        plan_ms=(time.perf_counter() - t0) * 1e3,
-        stage_to_rank=stage_to_rank,
-    )
+    s2r = tuple(stage_to_rank[s] for s in range(len(stage_to_rank)))
+    timeline = simulate(ops, profile, stage_to_rank=stage_to_rank)
+    result = make_result(ops, actions=actions, schedule=_canonical(name), predicted_makespan_ms=timeline.makespan_ms,
+                         plan_ms=0.0, stage_to_rank=s2r, profile=stage_profile(profile, s2r))
+    result.plan_ms = (time.perf_counter() - t0) * 1e3
+    return result
 
 
 def _repair_1f1b_last_rank(plan: dict[int, list[Any]], num_ranks: int, num_microbatches: int) -> None:

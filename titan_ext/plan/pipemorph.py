@@ -23,8 +23,8 @@ from typing import Sequence
 
 from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
-from .result import PlanResult
-from .simulate import peak_inflight, replay_makespan_ns
+from .result import PlanResult, make_result
+from .simulate import replay_makespan_ns
 from .timing import LinkQueues, to_ms, to_ns
 from .validate import validate_plan
 from .warmup import (
@@ -373,22 +373,17 @@ def plan_pipemorph(
             if order is not None:
                 best = (makespan, cand, order)
         makespan, best, order = best
-        peak = peak_inflight(order)
         limit = list(best.inflight_limit)
         if validate:
             validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
                           torch_dry_run=validate == "torch")
         actions = to_torch_plan(order)
-    return PlanResult(
-        actions=actions,
-        ops=order,
-        schedule=schedule if len(cands) == 1 else f"{schedule}:{best.name}",
-        warmup_counts=list(best.warmup_counts),
-        predicted_makespan_ms=to_ms(makespan),
-        peak_inflight=peak,
-        plan_ms=(time.perf_counter() - t0) * 1e3,
-        stage_to_rank={s: s for s in range(profile.num_stages)},
-        inflight_limit=limit,
-        notes=_notes(profile, schedule, mode, slack_floor),
-        candidates=timed,
-    )
+        result = make_result(
+            order, actions=actions, schedule=schedule,
+            source=schedule if len(cands) == 1 else f"{schedule}:{best.name}",
+            warmup_counts=best.warmup_counts, predicted_makespan_ms=to_ms(makespan), plan_ms=0.0,
+            stage_to_rank=range(profile.num_stages), profile=profile, inflight_limit=limit, notes=_notes(profile, schedule, mode, slack_floor),
+            candidates=timed,
+        )
+    result.plan_ms = (time.perf_counter() - t0) * 1e3
+    return result

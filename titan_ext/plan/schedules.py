@@ -12,23 +12,32 @@ import order and nothing in plan/ imports it.
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
 
+from .builtin import BUILTINS
 from .crosspipe import plan_crosspipe, wave_profile
 from .ir import as_ops, gc_paused, torch_schedules
 from .optimal import solve_optimal
 from .pipemorph import SCHEDULES, memory_caps, plan_pipemorph
 from .profile import PipelineProfile
-from .result import PlanResult, warmup_counts_of
-from .simulate import peak_inflight, replay_makespan_ns
+from .result import PlanResult, make_result
+from .simulate import replay_makespan_ns
 from .timing import to_ms
 from .validate import PlanValidationError, validate_plan
 
-__all__ = ["AUTO_SCHEDULES", "CROSSPIPE_SCHEDULES", "plan_auto", "plan_by_name", "plan_crosspipe_by_name"]
+__all__ = ["AUTO_SCHEDULES", "BUILTIN_SCHEDULES", "CROSSPIPE_SCHEDULES", "SCHEDULE_NAMES", "check_memory_limit",
+           "plan_auto", "plan_by_name"]
 
 AUTO_SCHEDULES = ("auto",) + SCHEDULES
 
 CROSSPIPE_SCHEDULES = ("crosspipe-ud", "crosspipe-udsub", "crosspipe-wave", "optimal")
+
+BUILTIN_SCHEDULES = tuple(BUILTINS)
+
+SCHEDULE_NAMES = AUTO_SCHEDULES + CROSSPIPE_SCHEDULES + BUILTIN_SCHEDULES
+"""every name :func:`plan_by_name` plans (one stage per rank; ``VIRTUAL_SCHEDULES`` with virtual stages)."""
 
 
 def plan_auto(
@@ -45,6 +54,7 @@ def plan_auto(
     only, so ``backward="full"`` is PipeMorph's plan."""
     pm = plan_pipemorph(profile, mode=mode, slack_floor=slack_floor, memory_limit=memory_limit,
                         validate=validate, backward=backward)
+    pm.schedule = "auto"
     if backward != "split":
         return pm
     torch_schedules()
@@ -57,7 +67,8 @@ def plan_auto(
         makespan = replay_makespan_ns(ops, profile)
         candidates = {**pm.candidates, "crosspipe-ud": to_ms(makespan)}
         if to_ms(makespan) >= pm.predicted_makespan_ms:
-            pm.candidates, pm.plan_ms = candidates, pm.plan_ms + (time.perf_counter() - t0) * 1e3
+            pm.candidates = candidates
+            pm.plan_ms += (time.perf_counter() - t0) * 1e3
             return pm
         try:
             if validate:
@@ -65,64 +76,148 @@ def plan_auto(
         except PlanValidationError as e:  # keep PipeMorph's (validated) plan
             pm.notes.append(f"CrossPipe's plan was faster but failed validation: {e}")
             return pm
-    return PlanResult(
-        actions=cp.actions,
-        ops=ops,
-        schedule="auto:crosspipe-ud",
-        warmup_counts=warmup_counts_of(ops),
-        predicted_makespan_ms=to_ms(makespan),
-        peak_inflight=peak_inflight(ops),
-        plan_ms=pm.plan_ms + (time.perf_counter() - t0) * 1e3,
-        stage_to_rank={s: s for s in range(S)},
-        inflight_limit=caps,
-        notes=[n for n in pm.notes if not n.startswith("Alg.2 has no room")],
-        candidates=candidates,
-    )
+        result = make_result(
+            ops, actions=cp.actions, schedule="auto", source="crosspipe-ud", predicted_makespan_ms=to_ms(makespan),
+            plan_ms=0.0, stage_to_rank=range(S), profile=profile, inflight_limit=caps, candidates=candidates,
+            notes=[n for n in pm.notes if not n.startswith("Alg.2 has no room")],
+        )
+    result.plan_ms = pm.plan_ms + (time.perf_counter() - t0) * 1e3
+    return result
 
 
-def plan_by_name(profile: PipelineProfile, name: str, **kwargs) -> PlanResult:
-    """``auto`` → :func:`plan_auto`; ``pipemorph`` / ``zb`` / ``zb-h1`` → :func:`plan_pipemorph`
-    (keyword arguments are passed on). CrossPipe's own names: :func:`plan_crosspipe_by_name`."""
+def check_memory_limit(memory_limit: float | None, stage_memory_limit: int | None = None) -> None:
+    """The one check of the memory limits: K per rank (a number >= 1, in activations of a rank's whole
+    model part) and per stage (an int >= 1); None: no limit."""
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+                                     or not math.isfinite(memory_limit) or memory_limit < 1):
+        raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit!r}")
+    if stage_memory_limit is not None and (isinstance(stage_memory_limit, bool)
+                                           or not isinstance(stage_memory_limit, int) or stage_memory_limit < 1):
+        raise ValueError(f"stage_memory_limit must be an int >= 1 activation, got {stage_memory_limit!r}")
+
+
+def one_stage_limit(memory_limit: float | None, stage_memory_limit: int | None) -> int | None:
+    """One stage per rank: the per-rank and the per-stage limit are the same thing; the tighter wins
+    (the per-rank K must then be a whole number of activations)."""
+    if memory_limit is not None and memory_limit != int(memory_limit):
+        raise ValueError(f"memory_limit {memory_limit:g}: with one stage per rank it must be a whole number "
+                         f"of activations")
+    limits = [int(v) for v in (memory_limit, stage_memory_limit) if v is not None]
+    return min(limits) if limits else None
+
+
+def plan_by_name(
+    profile: PipelineProfile,
+    name: str,
+    *,
+    virtual_stages: int = 1,
+    placement: str | None = None,
+    memory_limit: float | None = None,
+    stage_memory_limit: int | None = None,
+    time_limit_s: float = 60.0,
+    stage_times_ms: tuple | None = None,
+    full_backward: bool = True,
+    **pipemorph: Any,
+) -> PlanResult:
+    """The one by-name dispatch: plan ``name`` (any of ``SCHEDULE_NAMES``) for the rank-level ``profile``.
+
+    * ``virtual_stages`` V ≥ 2: R = ``profile.num_stages`` ranks × V stages each, placed ``placement``
+      ("loop", the default, or "v"), by :func:`~titan_ext.plan.virtual.plan_virtual` (``name`` one of
+      ``VIRTUAL_SCHEDULES``; ``stage_times_ms``, ``full_backward`` go there);
+    * ``auto`` → :func:`plan_auto`; ``pipemorph`` / ``zb`` / ``zb-h1`` →
+      :func:`~titan_ext.plan.pipemorph.plan_pipemorph` (``pipemorph`` keywords: ``mode``,
+      ``slack_floor``, ``validate``, ``backward``, ``candidates``, ``cap_inflight``);
+    * ``crosspipe-ud`` / ``-udsub`` / ``-wave`` → CrossPipe's greedy; ``optimal`` → the CP-SAT optimum
+      within ``time_limit_s`` (needs ortools);
+    * torch's built-in names (``BUILTIN_SCHEDULES``) → torch's own plan.
+
+    ``memory_limit`` K: at most K activations of a rank's whole model part held on any rank (a chunk of a
+    rank with V stages counts 1/V: crosspipe-wave's half chunks, virtual stages); ``stage_memory_limit``:
+    at most that many in-flight activations on any one stage. With one stage per rank both are the
+    per-stage in-flight limit and the tighter wins. Raises ValueError (bad input, no plan fits) or
+    ImportError (``optimal`` without ortools).
+    """
+    check_memory_limit(memory_limit, stage_memory_limit)
+    if virtual_stages != 1 or placement is not None:
+        return _plan_virtual(profile, name, virtual_stages, placement, memory_limit, stage_memory_limit,
+                             stage_times_ms, full_backward, pipemorph)
+    memory_limit = one_stage_limit(memory_limit, stage_memory_limit)
     if name == "auto":
-        return plan_auto(profile, **kwargs)
+        return plan_auto(profile, memory_limit=memory_limit, **pipemorph)
     if name in SCHEDULES:
-        return plan_pipemorph(profile, schedule=name, **kwargs)
-    raise ValueError(f"schedule must be one of {AUTO_SCHEDULES}, got {name!r}")
+        return plan_pipemorph(profile, schedule=name, memory_limit=memory_limit, **pipemorph)
+    _split_only(name, pipemorph)
+    if name in CROSSPIPE_SCHEDULES:
+        return _plan_crosspipe(profile, name, memory_limit, time_limit_s)
+    if name in BUILTIN_SCHEDULES:
+        return _plan_builtin(profile, name, memory_limit)
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {name!r}")
 
 
-def _optimal(profile, memory_limit: int | None, time_limit_s: float) -> tuple:
+def _split_only(name: str, options: dict) -> None:
+    """Planners that plan one thing only: no PipeMorph options besides a split backward."""
+    backward = options.pop("backward", "split")
+    options.pop("validate", None)  # these planners always validate (or are torch's own)
+    for unused in ("mode", "slack_floor"):
+        options.pop(unused, None)
+    if options:
+        raise ValueError(f"{name}: unexpected option(s) {', '.join(sorted(options))}")
+    if backward != "split" and name not in BUILTIN_SCHEDULES:
+        raise ValueError(f"backward {backward}: {name} plans split backwards only")
+
+
+def _plan_virtual(profile, name, V, placement, memory_limit, stage_memory_limit, stage_times_ms, full_backward,
+                  options) -> PlanResult:
+    from .virtual import plan_virtual
+
+    if V < 2:
+        raise ValueError("placement needs virtual_stages >= 2 (one stage per rank: leave both out)")
+    if options.get("backward", "split") != "split":
+        raise ValueError(f"backward {options['backward']}: multi-stage plans split backwards only")
+    validate = options.get("validate", True)
+    return plan_virtual(profile, V, placement or "loop", schedule=name, stage_times_ms=stage_times_ms,
+                        memory_limit=memory_limit, stage_memory_limit=stage_memory_limit, validate=bool(validate),
+                        full_backward=full_backward)
+
+
+def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | None, time_limit_s: float) -> PlanResult:
+    """CrossPipe's greedy (ud, udsub, wave: CrossPipe §4.2) or the CP-SAT optimum (§4.1)."""
+    if name == "optimal":
+        return _plan_optimal(profile, memory_limit, time_limit_s)
+    variant = name.split("-", 1)[1]
+    sim_profile, limit = profile, memory_limit
+    if variant == "wave":
+        sim_profile = wave_profile(profile)
+        limit = None if memory_limit is None else 2 * memory_limit
+    plan = plan_crosspipe(sim_profile, variant, memory_limit=limit)
+    info = {"n_sub": plan.n_sub, "steady": plan.steady, "reserve": plan.reserve, "lookahead": plan.lookahead,
+            "caps": plan.caps, "local_search_improved": plan.improved, "crosspipe_peak_memory": plan.peak_memory}
+    return make_result(plan.orders, actions=plan.actions, schedule=name, source=f"{name}:{plan.caps}",
+                       predicted_makespan_ms=plan.makespan_ms, plan_ms=plan.plan_ms,
+                       stage_to_rank=plan.stage_to_rank, profile=sim_profile, info=info,
+                       candidates={_member_name(c): c.makespan_ms for c in plan.candidates})
+
+
+def _member_name(c) -> str:
+    return f"n_sub={c.n_sub},{c.steady},reserve={c.reserve},lookahead={c.lookahead},caps={c.caps}"
+
+
+def _plan_optimal(profile: PipelineProfile, memory_limit: int | None, time_limit_s: float) -> PlanResult:
     res = solve_optimal(profile, memory_limit=memory_limit, time_limit_s=time_limit_s)
     if res.actions is None:
         raise ValueError(f"the solver found no schedule within {time_limit_s} s (status {res.status})")
     info = {"solver_status": res.status, "proven_optimal": res.proven, "solver_makespan_ms": res.makespan_ms,
-            "bound_ms": res.bound_ms, "plan_ms": round(res.solve_s * 1e3, 3), "time_unit_ms": res.time_unit_ms}
-    return res.actions, profile, tuple(range(profile.num_stages)), info
+            "bound_ms": res.bound_ms, "time_unit_ms": res.time_unit_ms}
+    return make_result(res.orders, actions=res.actions, schedule="optimal", predicted_makespan_ms=res.makespan_ms,
+                       plan_ms=res.solve_s * 1e3, profile=profile, info=info)
 
 
-def plan_crosspipe_by_name(profile, name: str, memory_limit: int | None = None,
-                           time_limit_s: float = 60.0) -> tuple:
-    """Plan ``name`` (one of ``CROSSPIPE_SCHEDULES``) for a one-stage-per-rank ``profile``.
+def _plan_builtin(profile: PipelineProfile, name: str, memory_limit: int | None) -> PlanResult:
+    from .builtin import plan_builtin
 
-    Returns ``(actions, sim_profile, stage_to_rank, info)``: the validated torch-IR plan, the profile to
-    simulate it with (the V-shape profile of :func:`~titan_ext.plan.crosspipe.wave_profile` for
-    crosspipe-wave), its stage→rank map and a JSON-able dict.  ``memory_limit`` K: in-flight activations
-    per stage, in units of one stage's activation (for crosspipe-wave: K per rank, i.e. 2K half-size
-    chunk activations).
-    """
-    if name not in CROSSPIPE_SCHEDULES:
-        raise ValueError(f"schedule must be one of {CROSSPIPE_SCHEDULES}, got {name!r}")
-    if name == "optimal":
-        return _optimal(profile, memory_limit, time_limit_s)
-    variant = name.split("-", 1)[1]
-    sim_profile = profile
-    limit = memory_limit
-    if variant == "wave":
-        sim_profile = wave_profile(profile)
-        if memory_limit is not None:
-            limit = 2 * memory_limit
-    plan = plan_crosspipe(sim_profile, variant, memory_limit=limit)
-    info = {"n_sub": plan.n_sub, "steady": plan.steady, "reserve": plan.reserve, "lookahead": plan.lookahead,
-            "caps": plan.caps, "local_search_improved": plan.improved,
-            "predicted_makespan_ms": plan.makespan_ms, "plan_ms": round(plan.plan_ms, 3),
-            "crosspipe_peak_memory": plan.peak_memory}
-    return plan.actions, sim_profile, plan.stage_to_rank, info
+    result = plan_builtin(name, profile)
+    worst = max(result.peak_memory_per_rank.values())
+    if memory_limit is not None and worst > memory_limit:
+        raise ValueError(f"torch's {result.schedule} holds {worst:g} activations on a rank, above the "
+                         f"memory limit {memory_limit}")
+    return result

@@ -22,7 +22,9 @@ from typing import Any, Callable, Mapping
 
 from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
+from .placement import stage_profile
 from .profile import LinkProfile, PipelineProfile
+from .result import peak_inflight, peak_memory_per_rank
 from .timing import LinkQueues, to_ms, to_ns
 
 
@@ -74,14 +76,8 @@ def _stage_model(
     if profile.num_stages == S:
         f, b, w, links = profile.f_ms, profile.b_ms, profile.w_ms, list(profile.links)
     elif profile.num_stages == num_ranks and S % num_ranks == 0:
-        v = S // num_ranks
-        f = [profile.f_ms[placement[s]] / v for s in range(S)]
-        b = [profile.b_ms[placement[s]] / v for s in range(S)]
-        w = [profile.w_ms[placement[s]] / v for s in range(S)]
-        links = []
-        for s in range(S - 1):
-            r0, r1 = placement[s], placement[s + 1]
-            links.append(profile.links[min(r0, r1)] if abs(r0 - r1) == 1 else LinkProfile())
+        staged = stage_profile(profile, [placement[s] for s in range(S)])
+        f, b, w, links = staged.f_ms, staged.b_ms, staged.w_ms, list(staged.links)
     else:
         raise ValueError(
             f"profile has {profile.num_stages} stages; the plan has {S} stages on {num_ranks} ranks "
@@ -176,42 +172,6 @@ def simulate(
     idle_ms = {r: makespan - b for r, b in busy_ms.items()}
     bubble = 1.0 - sum(busy_ms.values()) / (len(ranks) * makespan) if makespan > 0 else 0.0
     return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops), peak_memory_per_rank(ops))
-
-
-def peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
-    """Per stage, the most microbatches whose F is done and whose I (or full B) is not, in program order."""
-    peak: dict[int, int] = {}
-    for rank_ops in ops.values():
-        held: dict[int, int] = {}
-        for stage, kind, _ in rank_ops:
-            if kind == "F":
-                held[stage] = held.get(stage, 0) + 1
-                peak[stage] = max(peak.get(stage, 0), held[stage])
-            elif kind in ("I", "B"):
-                held[stage] = held.get(stage, 0) - 1
-    return dict(sorted(peak.items()))
-
-
-def rank_peak_inflight(ops: Mapping[int, list[Op]]) -> dict[int, int]:
-    """Per rank, the most activations held at once over all its stages (F done − I/B done, in program
-    order, which is exact: a rank runs its operations one at a time). Takes ops or torch actions."""
-    out = {}
-    for rank, rank_ops in as_ops(ops).items():
-        held = peak = 0
-        for _, kind, _ in rank_ops:
-            held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
-            peak = max(peak, held)
-        out[rank] = peak
-    return out
-
-
-def peak_memory_per_rank(ops: Mapping[int, list[Op]]) -> dict[int, float]:
-    """Per rank, its peak activation memory in units of one activation of the rank's whole model part
-    (issue 21): a chunk of a rank that holds V stages counts 1/V. One stage per rank: the stage's peak,
-    so one-stage and multi-stage plans (ours and torch's) compare in one unit."""
-    ops = as_ops(ops)
-    stages = {rank: len({s for s, _, _ in rank_ops}) for rank, rank_ops in ops.items()}
-    return {rank: peak / max(stages[rank], 1) for rank, peak in rank_peak_inflight(ops).items()}
 
 
 def replay_makespan_ns(

@@ -31,16 +31,16 @@ import heapq
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from .ir import Op, as_ops, gc_paused, to_torch_plan, torch_schedules
+from .ir import Op, as_ops, gc_paused, torch_schedules
 from .pipemorph import GeneratedSchedule
-from .profile import LinkProfile, PipelineProfile
-from .simulate import peak_memory_per_rank, rank_peak_inflight
+from .placement import PLACEMENTS, stage_profile, stage_to_rank
+from .profile import PipelineProfile
+from .result import PlanResult, make_result, peak_memory_per_rank, rank_peak_inflight  # noqa: F401 (re-exported)
 from .timing import LinkQueues, to_ms, to_ns
 
-PLACEMENTS = ("loop", "v")
 VIRTUAL_SCHEDULES = ("pipemorph", "crosspipe-wave")
 # torch's 2-chunk built-ins per placement (plan.builtin names), the portfolio's baselines
 PLACEMENT_BUILTINS = {
@@ -49,16 +49,7 @@ PLACEMENT_BUILTINS = {
 }
 
 
-def virtual_stage_to_rank(num_ranks: int, num_virtual_stages: int, placement: str) -> tuple[int, ...]:
-    """stage → rank for R ranks × V stages per rank: "loop" (s mod R) or "v" (zig-zag, torch's style "v")."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    if num_ranks < 1 or num_virtual_stages < 1:
-        raise ValueError(f"need >= 1 rank and >= 1 stage per rank, got {num_ranks} × {num_virtual_stages}")
-    R = num_ranks
-    if placement == "loop":
-        return tuple(s % R for s in range(R * num_virtual_stages))
-    return tuple(s % R if (s // R) % 2 == 0 else R - 1 - s % R for s in range(R * num_virtual_stages))
+virtual_stage_to_rank = stage_to_rank  # stage → rank: plan.placement's one definition
 
 
 def virtual_profile(
@@ -69,25 +60,18 @@ def virtual_profile(
     stage_times_ms: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[PipelineProfile, tuple[int, ...]]:
     """The stage-level profile (R·V stages) of a rank-level ``profile`` (R ranks, R−1 rank links), and
-    its stage → rank map.
-
-    Stage times: each of rank r's V stages takes 1/V of the rank's F/B/W time (the convention of
-    ``simulate --builtin ZBVZeroBubble --stages R``), unless ``stage_times_ms = (f, b, w)`` gives one
-    value per stage (heterogeneous chunks). Stage boundary s uses rank link min(ρ(s), ρ(s+1)) when
-    the two ranks are adjacent, no link when they are the same rank or not adjacent (loop wrap-around).
-    """
+    its stage → rank map (``plan.placement.stage_profile``: each of rank r's V stages takes 1/V of its
+    times unless ``stage_times_ms = (f, b, w)`` gives one value per stage)."""
     R, V, N = profile.num_stages, num_virtual_stages, profile.num_microbatches
-    s2r = virtual_stage_to_rank(R, V, placement)
+    s2r = stage_to_rank(R, V, placement)
     S = len(s2r)
-    if stage_times_ms is None:
-        f, b, w = ([getattr(profile, k)[s2r[s]] / V for s in range(S)] for k in ("f_ms", "b_ms", "w_ms"))
-    else:
-        f, b, w = (list(v) for v in stage_times_ms)
-    links = tuple(
-        profile.links[min(s2r[s], s2r[s + 1])] if abs(s2r[s] - s2r[s + 1]) == 1 else LinkProfile()
-        for s in range(S - 1)
-    )
-    return PipelineProfile(S, N, f, b, w, links), s2r
+    if N < S:
+        raise ValueError(f"{N} microbatches < {S} stages ({R} ranks × {V}): need at least one per stage")
+    if V == 1 and stage_times_ms is None:
+        return profile, s2r
+    # the virtual planner caps memory with ``memory_limit`` alone (as before issue 25): no byte budget
+    plain = replace(profile, activation_bytes=None, memory_budget_bytes=None)
+    return stage_profile(plain, s2r, stage_times_ms), s2r
 
 
 # ----------------------------------------------------------------------------- warm-up rule
@@ -377,29 +361,6 @@ def _moves(x0, L0, pairs):
 
 
 # ----------------------------------------------------------------------------- portfolio planner
-@dataclass
-class VirtualPlan:
-    """A validated multi-stage plan, the candidate it came from and what every candidate simulated to."""
-
-    actions: dict[int, list[Any]]  # rank → list[torch _Action]
-    stage_to_rank: tuple[int, ...]
-    placement: str
-    schedule: str
-    source: str  # the winning candidate's name
-    warmup_counts: list[int] | None  # x_s of the winner when it is our generator's plan
-    candidates: dict[str, float]  # candidate → simulated makespan (ms)
-    predicted_makespan_ms: float
-    plan_ms: float
-    profile: PipelineProfile = field(repr=False)  # the stage-level profile the plan was simulated with
-    ops: dict[int, list[Op]] = field(repr=False, default_factory=dict)
-    inflight_limit: list[int] | None = None  # L_s of the winner when it is our generator's plan
-
-    @property
-    def peak_memory_per_rank(self) -> dict[int, float]:
-        """rank → peak activations in whole-rank units (a chunk counts 1/V)."""
-        return peak_memory_per_rank(self.ops)
-
-
 def plan_virtual(
     profile: PipelineProfile,
     num_virtual_stages: int = 2,
@@ -411,7 +372,7 @@ def plan_virtual(
     stage_memory_limit: int | None = None,
     validate: bool = True,
     full_backward: bool = True,
-) -> VirtualPlan:
+) -> PlanResult:
     """Plan R ranks × V stages per rank for the rank-level ``profile`` (R ranks, R−1 rank links).
 
     ``schedule="pipemorph"``: a portfolio — our generator with the virtual-stage warm-up rule (slack
@@ -459,13 +420,18 @@ def plan_virtual(
         ops, x, limit = members[best]
         if validate:
             validate_plan(ops, stage_profile.num_stages, stage_profile.num_microbatches, inflight_limit=limit)
-        actions = to_torch_plan(ops)
-    return VirtualPlan(
-        actions=actions, stage_to_rank=s2r, placement=placement, schedule=schedule, source=best,
-        warmup_counts=x, candidates=feasible, predicted_makespan_ms=feasible[best],
-        plan_ms=(time.perf_counter() - t0) * 1e3, profile=stage_profile, ops=ops,
-        inflight_limit=list(limit) if isinstance(limit, list) else None,
-    )
+        result = make_result(ops, schedule=schedule, source=best, warmup_counts=x, predicted_makespan_ms=feasible[best],
+                             plan_ms=0.0, stage_to_rank=s2r, profile=stage_profile, candidates=feasible,
+                             inflight_limit=_inflight_limit(limit, stage_memory_limit, len(s2r)))
+    result.plan_ms = (time.perf_counter() - t0) * 1e3
+    return result
+
+
+def _inflight_limit(limit, stage_memory_limit: int | None, num_stages: int) -> list[int] | None:
+    """The per-stage in-flight limit to validate the winner with: its own caps, else the per-stage limit."""
+    if isinstance(limit, list):
+        return list(limit)
+    return None if stage_memory_limit is None else [stage_memory_limit] * num_stages
 
 
 def _describe(budget: Budget, V: int) -> str:
@@ -477,13 +443,13 @@ def _describe(budget: Budget, V: int) -> str:
     return ", ".join(parts) or "none"
 
 
-Candidate = tuple[dict[int, list[Op]], "list[int] | None", "list[int] | int | None"]  # ops, x, in-flight cap
+_Member = tuple[dict[int, list[Op]], "list[int] | None", "list[int] | int | None"]  # ops, x, in-flight cap
 
 
-def _candidates(stage_profile, s2r, placement, schedule, budget: Budget) -> dict[str, Candidate]:
+def _candidates(stage_profile, s2r, placement, schedule, budget: Budget) -> dict[str, _Member]:
     S, N = stage_profile.num_stages, stage_profile.num_microbatches
     V = S // (max(s2r) + 1)
-    out: dict[str, Candidate] = {}
+    out: dict[str, _Member] = {}
     if schedule == "pipemorph":
         cap = N if budget.per_stage is None else min(N, budget.per_stage)
         rules = [virtual_warmup_counts(stage_profile, s2r, slack_floor=floor) for floor in (1, 2)]
@@ -521,11 +487,11 @@ def _wave_limit(budget: Budget) -> int | None:
     return min(limits) if limits else None
 
 
-def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, Candidate]:
+def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, _Member]:
     """torch's own schedules for this placement (skipped where torch rejects the shape)."""
     from .builtin import builtin_plan
 
-    out: dict[str, Candidate] = {}
+    out: dict[str, _Member] = {}
     for name in names:
         try:
             plan, placement = builtin_plan(name, num_ranks, num_microbatches)

@@ -21,12 +21,12 @@ from torch.distributed.pipelining.schedules import _Action
 
 from titan_ext.plan import PlanValidationError, to_torch_plan, validate_plan
 from titan_ext.plan.ir import as_ops
+from titan_ext.plan.result import warmup_counts_of  # x_s per stage: the one definition
 from titan_ext.plan.validate import torch_dry_run_lowered
 
 from .profiler import now
 
-__all__ = ["Candidate", "DeployedPlan", "backward_of", "plan_hash", "prepare_candidate", "unpack_plan",
-           "warmup_counts_of"]
+__all__ = ["Candidate", "DeployedPlan", "backward_of", "plan_hash", "prepare_candidate", "warmup_counts_of"]
 
 
 def plan_hash(actions: Mapping[int, list[Any]]) -> int:
@@ -36,37 +36,9 @@ def plan_hash(actions: Mapping[int, list[Any]]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 52) - 1)
 
 
-def warmup_counts_of(actions: Mapping[int, list[Any]]) -> list[int]:
-    """x_i of any compute-only plan: forwards stage i runs before its first backward."""
-    counts: dict[int, int] = {}
-    done: set[int] = set()
-    for rank_ops in as_ops(actions).values():
-        for s, k, _ in rank_ops:
-            counts.setdefault(s, 0)
-            if s in done:
-                continue
-            if k == "F":
-                counts[s] += 1
-            else:
-                done.add(s)
-    return [counts[s] for s in sorted(counts)]
-
-
 def backward_of(actions: Mapping[int, list[Any]]) -> str:
     """``"full"`` when a compute-only plan runs full backwards (B), else ``"split"`` (I and W)."""
     return "full" if any(k == "B" for ops in as_ops(actions).values() for _, k, _ in ops) else "split"
-
-
-def unpack_plan(plan: Any) -> tuple[dict[int, list[Any]], list[int] | None, list[int] | None]:
-    """(actions, warm-up counts or None, per-stage in-flight limit or None) of any planner result:
-    a ``titan_ext.plan`` plan result (``.actions``/``.warmup_counts``/``.inflight_limit``), a dict with
-    those keys, or a bare ``dict[rank, actions]``."""
-    if isinstance(plan, dict) and "actions" in plan:
-        return plan["actions"], plan.get("warmup_counts"), plan.get("inflight_limit")
-    if hasattr(plan, "actions"):
-        return (plan.actions, list(getattr(plan, "warmup_counts", None) or []) or None,
-                getattr(plan, "inflight_limit", None))
-    return plan, None, None
 
 
 @dataclass

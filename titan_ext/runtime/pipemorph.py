@@ -39,7 +39,7 @@ from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from titan_ext.plan import PipelineProfile, initial_warmup_counts, slackness
+from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
 
 from .backward import BackwardChooser
 from .control import ControlPlane
@@ -48,7 +48,6 @@ from .deploy import (
     DeployedPlan,
     plan_hash,
     prepare_candidate,
-    unpack_plan,
     warmup_counts_of,
 )
 from .estimator import Estimator
@@ -237,9 +236,9 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._x_max = self._initial_x_max()
         self.initial_counts = initial_warmup_counts(S, self._x_max)
         decision = Decision("initial", f"Alg.1 with x_max={self._x_max}", mode="initial")
-        actions, counts, limit = unpack_plan(self._plan(self.estimator.profile(), decision))
-        if not self._try_deploy(actions, counts, "initial", "initial plan (Alg.1)", check_agreement=False,
-                                inflight_limit=limit):
+        plan = self._plan(self.estimator.profile(), decision)
+        if not self._try_deploy(plan.actions, plan.warmup_counts, "initial", "initial plan (Alg.1)",
+                                check_agreement=False, inflight_limit=plan.inflight_limit):
             raise RuntimeError(f"{type(self).__name__}: the initial plan failed validation: "
                                f"{self.decision_log[-1]['reason']}")
         if self.delegation is not None:
@@ -294,7 +293,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         x_max = self._x_max if self.inflight_cap is None else max(1, min(self._x_max, self.inflight_cap))
         return PlanningContext(self._variant(decision), x_max, self._adaptive_limit(), self.slack_floor, headroom)
 
-    def _plan(self, profile: PipelineProfile, decision: Decision) -> Any:
+    def _plan(self, profile: PipelineProfile, decision: Decision) -> PlanResult:
         """A compute-only plan for ``profile``: the decision's own plan, else the planner's."""
         plan = explicit_plan(profile, decision, self._variant(decision))
         return plan if plan is not None else self.planner.plan(profile, decision, self.planning_context(decision))
@@ -389,9 +388,9 @@ class PipeMorph(_PipelineScheduleRuntime):
 
         def job() -> Candidate:
             t0 = now()
-            actions, counts, limit = unpack_plan(self._plan(estimate, decision))
+            plan = self._plan(estimate, decision)
             plan_ms = 1e3 * (now() - t0)
-            cand = self._prepare(actions, counts, kind, reason, limit)
+            cand = self._prepare(plan.actions, plan.warmup_counts, kind, reason, plan.inflight_limit)
             cand.plan_ms, cand.trigger = plan_ms, decision.action
             return cand
 

@@ -23,14 +23,10 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from titan_ext.plan import LinkProfile, PipelineProfile
-from titan_ext.plan.virtual import (
-    PLACEMENTS,
-    plan_virtual,
-    rank_periods_ms,
-    virtual_link_tolerance_ms,
-    virtual_stage_to_rank,
-)
+from titan_ext.plan import LinkProfile, PipelineProfile, PlanResult
+from titan_ext.plan.schedules import plan_by_name
+from titan_ext.plan.placement import PLACEMENTS, boundary_link, rank_profile, rank_stages, stage_to_rank
+from titan_ext.plan.virtual import rank_periods_ms, virtual_link_tolerance_ms
 
 from .estimator import Estimator
 from .policy import Decision, ReplanPolicy
@@ -57,12 +53,11 @@ class Layout:
         return len(self.stage_to_rank)
 
     def local_stages(self, rank: int) -> list[int]:
-        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+        return rank_stages(self.stage_to_rank, rank)
 
     def boundary_link(self, boundary: int) -> int | None:
         """The rank link carrying stage boundary s → s+1 (None: same rank, or loop wrap-around)."""
-        a, b = self.stage_to_rank[boundary], self.stage_to_rank[boundary + 1]
-        return min(a, b) if abs(a - b) == 1 else None
+        return boundary_link(self.stage_to_rank, boundary)
 
 
 def read_layout(local_stage_indices: Sequence[int], rank: int, num_ranks: int, num_stages: int) -> Layout:
@@ -74,29 +69,18 @@ def read_layout(local_stage_indices: Sequence[int], rank: int, num_ranks: int, n
                          f"the same number of stages (num_stages = ranks × stages per rank)")
     V = S // R
     for placement in PLACEMENTS:
-        s2r = virtual_stage_to_rank(R, V, placement)
-        if local == [s for s in range(S) if s2r[s] == rank]:
+        s2r = stage_to_rank(R, V, placement)
+        if local == rank_stages(s2r, rank):
             return Layout(R, V, placement, s2r)
-    expect = {p: [s for s, r in enumerate(virtual_stage_to_rank(R, V, p)) if r == rank] for p in PLACEMENTS}
+    expect = {p: rank_stages(stage_to_rank(R, V, p), rank) for p in PLACEMENTS}
     raise ValueError(f"rank {rank} holds stages {local}: neither looped ({expect['loop']}) nor V-shaped "
                      f"({expect['v']}) placement of {S} stages on {R} ranks")
 
 
-def rank_level(stage_profile: PipelineProfile, layout: Layout) -> tuple[PipelineProfile, tuple]:
+def rank_level(staged: PipelineProfile, layout: Layout) -> tuple[PipelineProfile, tuple]:
     """(rank-level profile: R ranks, R−1 rank links; per-stage (f, b, w)) of a stage-level profile, the
-    form ``plan_virtual`` takes.  A rank link's delay is read from a stage boundary that crosses it."""
-    R = layout.num_ranks
-    links = [LinkProfile()] * (R - 1)
-    for s in range(stage_profile.num_stages - 1):
-        link = layout.boundary_link(s)
-        if link is not None:
-            links[link] = stage_profile.links[s]
-    sums = [[0.0] * R for _ in range(3)]
-    for s, r in enumerate(layout.stage_to_rank):
-        for k, times in enumerate((stage_profile.f_ms, stage_profile.b_ms, stage_profile.w_ms)):
-            sums[k][r] += times[s]
-    rank_profile = PipelineProfile(R, stage_profile.num_microbatches, *(tuple(x) for x in sums), tuple(links))
-    return rank_profile, (stage_profile.f_ms, stage_profile.b_ms, stage_profile.w_ms)
+    form ``plan_virtual`` takes (``plan.placement.rank_profile``)."""
+    return rank_profile(staged, layout.stage_to_rank), (staged.f_ms, staged.b_ms, staged.w_ms)
 
 
 class VirtualEstimator(Estimator):
@@ -156,17 +140,15 @@ class VirtualPlanner:
         self.layout, self.schedule, self.backward = layout, schedule, backward
         self.backward_choices = ("auto", "split") if schedule == "pipemorph" else ("split",)
 
-    def plan(self, profile: PipelineProfile, decision: Decision, context: Any) -> dict:
+    def plan(self, profile: PipelineProfile, decision: Decision, context: Any) -> PlanResult:
         limit = context.x_max if decision.mode == "initial" else context.adaptive_limit
         if decision.mode != "initial":
             profile = profile.with_delays({k: context.headroom(c) for k, c in enumerate(profile.delays_ms)})
-        rank_profile, times = rank_level(profile, self.layout)
+        ranks, times = rank_level(profile, self.layout)
         limit = None if limit is None or limit >= profile.num_microbatches else limit
-        vp = plan_virtual(rank_profile, self.layout.stages_per_rank, self.layout.placement, schedule=self.schedule,
-                          stage_times_ms=times, stage_memory_limit=limit, validate=False,
-                          full_backward=self.backward != "split")
-        return {"actions": vp.actions, "warmup_counts": None, "inflight_limit": limit,
-                "source": vp.source, "predicted_makespan_ms": vp.predicted_makespan_ms}
+        return plan_by_name(ranks, self.schedule, virtual_stages=self.layout.stages_per_rank,
+                            placement=self.layout.placement, stage_times_ms=times, stage_memory_limit=limit,
+                            validate=False, full_backward=self.backward != "split")
 
 
 @dataclass

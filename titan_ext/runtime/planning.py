@@ -1,7 +1,7 @@
 """Planners and background planning.
 
-A :class:`Planner` turns the agreed profile estimate and the policy's decision into a compute-only plan
-(any result :func:`~titan_ext.runtime.deploy.unpack_plan` reads).  The schedule is planner-agnostic:
+A :class:`Planner` turns the agreed profile estimate and the policy's decision into a compute-only plan,
+a :class:`~titan_ext.plan.PlanResult` (the one result type of every planner, ``plan/result.py``).  The schedule is planner-agnostic:
 ``PipeMorph`` runs :class:`PipeMorphPlanner` (PipeMorph Alg.1/2 + Alg.3/4, §4.2), ``CrossPipe`` runs
 :class:`CrossPipePlanner` (CrossPipe §4.2 greedy); any object with the same ``plan`` method plugs in
 (``PipeMorph(..., planner=...)``).  Plans the policy names explicitly (a whole plan, or warm-up counts)
@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
-from titan_ext.plan import LinkProfile, PipelineProfile, generate_order, to_torch_plan
+from titan_ext.plan import LinkProfile, PipelineProfile, PlanResult, generate_order
+from titan_ext.plan.result import make_result
 from titan_ext.plan.schedules import plan_by_name
 
 from .deploy import Candidate
@@ -42,23 +43,25 @@ class PlanningContext:
 
 
 class Planner(Protocol):
-    """``plan(profile, decision, context)`` → a compute-only plan; ``backward_choices`` → the values
-    of ``backward=`` it can honour."""
+    """``plan(profile, decision, context)`` → a :class:`PlanResult` (``titan_ext.plan.result.make_result``
+    wraps any compute-only plan); ``backward_choices`` → the values of ``backward=`` it can honour."""
 
     backward_choices: tuple[str, ...]
 
-    def plan(self, profile: PipelineProfile, decision: Decision, context: PlanningContext) -> Any: ...
+    def plan(self, profile: PipelineProfile, decision: Decision, context: PlanningContext) -> PlanResult: ...
 
 
-def explicit_plan(profile: PipelineProfile, decision: Decision, backward: str) -> Any:
+def explicit_plan(profile: PipelineProfile, decision: Decision, backward: str) -> PlanResult | None:
     """The plan a decision names itself (its actions, or its warm-up counts via Alg.3/4), else None."""
     if decision.actions is not None:
-        return decision.actions
+        return make_result(decision.actions, schedule="explicit", predicted_makespan_ms=math.nan, plan_ms=0.0)
     if decision.warmup_counts is None:
         return None
     x = list(decision.warmup_counts)
+    t0 = time.perf_counter()
     order = generate_order(profile, x, inflight_limit=x, full_backward=backward == "full")
-    return {"actions": to_torch_plan(order.order), "warmup_counts": x, "inflight_limit": x}
+    return make_result(order.order, schedule="explicit", warmup_counts=x, inflight_limit=x,
+                       predicted_makespan_ms=order.makespan_ms, plan_ms=(time.perf_counter() - t0) * 1e3)
 
 
 class PipeMorphPlanner:
@@ -72,7 +75,7 @@ class PipeMorphPlanner:
     def __init__(self, schedule: str = "pipemorph"):
         self.schedule = schedule
 
-    def plan(self, profile: PipelineProfile, decision: Decision, context: PlanningContext) -> Any:
+    def plan(self, profile: PipelineProfile, decision: Decision, context: PlanningContext) -> PlanResult:
         # validate=False: the deploy path validates every plan, whatever planner made it (once)
         if decision.mode == "initial":
             return plan_by_name(profile, self.schedule, mode="initial", backward=context.backward,
@@ -119,17 +122,14 @@ class CrossPipePlanner:
                                      bandwidth_bytes_per_s=b, message_bytes=self.message_bytes))
         return profile.with_links(links)
 
-    def plan(self, profile: PipelineProfile, decision: Decision, context: PlanningContext) -> Any:
-        from titan_ext.plan.crosspipe import plan_crosspipe
-
+    def plan(self, profile: PipelineProfile, decision: Decision, context: PlanningContext) -> PlanResult:
         planning, limit = profile, context.x_max
         if decision.mode != "initial":
             # the same head-room on measured delays as PipeMorph's adaptive plans
             planning = profile.with_delays({k: context.headroom(c) for k, c in enumerate(profile.delays_ms)})
             if context.adaptive_limit is not None:
                 limit = context.adaptive_limit
-        plan = plan_crosspipe(self.alpha_beta(planning), self.variant, memory_limit=limit)
-        return {"actions": plan.actions, "warmup_counts": None}
+        return plan_by_name(self.alpha_beta(planning), f"crosspipe-{self.variant}", memory_limit=limit)
 
 
 class BackgroundPlanning:

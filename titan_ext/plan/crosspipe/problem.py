@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
 from ..ir import COMPUTE_KINDS, Op
+from ..placement import stage_profile, stage_to_rank
 
 CROSSPIPE_VARIANTS = ("ud", "udsub", "wave")
 
@@ -35,8 +36,9 @@ class Hop(NamedTuple):
 
 
 def wave_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
-    """V-shape placement used by CrossWave and torch's ZBV: stages s and 2S−1−s on rank s."""
-    return tuple(list(range(num_ranks)) + list(range(num_ranks - 1, -1, -1)))
+    """V-shape placement used by CrossWave and torch's ZBV: stages s and 2R−1−s on rank s
+    (``plan.placement.stage_to_rank(R, 2, "v")``)."""
+    return stage_to_rank(num_ranks, 2, "v")
 
 
 @dataclass(frozen=True)
@@ -263,18 +265,6 @@ def problem_from_profile(
 def wave_profile(profile):
     """The V-shape (CrossWave / ZBV) version of a one-stage-per-rank profile: each rank's stage is cut
     into two chunks of half its F/B/W time (and activation size), chunk s and 2R−1−s on rank s; the
-    link between rank i and i+1 (``profile.links[i]``) carries both stage boundaries that cross it."""
-    from ..profile import LinkProfile, PipelineProfile
-
-    R = profile.num_stages
-    s2r = wave_stage_to_rank(R)
-    half = lambda values: tuple(values[s2r[s]] / 2 for s in range(2 * R))  # noqa: E731
-    links = tuple(
-        profile.links[min(s2r[b], s2r[b + 1])] if s2r[b] != s2r[b + 1] else LinkProfile() for b in range(2 * R - 1)
-    )
-    memory = {}
-    if profile.activation_bytes is not None:
-        memory = {"activation_bytes": half(profile.activation_bytes),
-                  "memory_budget_bytes": tuple(profile.memory_budget_bytes[s2r[s]] / 2 for s in range(2 * R))}
-    return PipelineProfile(2 * R, profile.num_microbatches, half(profile.f_ms), half(profile.b_ms),
-                           half(profile.w_ms), links, **memory)
+    link between rank i and i+1 (``profile.links[i]``) carries both stage boundaries that cross it
+    (``plan.placement.stage_profile``)."""
+    return stage_profile(profile, wave_stage_to_rank(profile.num_stages))
