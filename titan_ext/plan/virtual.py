@@ -265,18 +265,34 @@ def rank_chunk_budget(memory_limit: float, stages_per_rank: int) -> int:
 # ----------------------------------------------------------------------------- budgeted search
 @dataclass
 class Budget:
-    """Memory a multi-stage plan may hold: ``per_rank`` chunk activations on every rank and
-    ``per_stage`` on every stage (None: unlimited)."""
+    """Memory a multi-stage plan may hold: ``per_rank[r]`` chunk activations on rank r and ``per_stage``
+    on every stage (None: unlimited)."""
 
-    per_rank: int | None = None
+    per_rank: tuple[int, ...] | None = None
     per_stage: int | None = None
+
+    @classmethod
+    def of(cls, memory_limit, stage_memory_limit: int | None, num_ranks: int, stages_per_rank: int) -> "Budget":
+        """``memory_limit``: K for every rank, or one K per rank (whole-rank activations)."""
+        if memory_limit is None:
+            return cls(None, stage_memory_limit)
+        limits = list(memory_limit) if isinstance(memory_limit, Sequence) else [memory_limit] * num_ranks
+        if len(limits) != num_ranks:
+            raise ValueError(f"memory_limit has {len(limits)} entries, expected one per rank ({num_ranks})")
+        return cls(tuple(rank_chunk_budget(k, stages_per_rank) for k in limits), stage_memory_limit)
 
     @property
     def limited(self) -> bool:
         return self.per_rank is not None or self.per_stage is not None
 
+    def over(self, ops) -> list[int]:
+        """The ranks holding more than their budget."""
+        if self.per_rank is None:
+            return []
+        return [r for r, p in rank_peak_inflight(ops).items() if p > self.per_rank[r]]
+
     def fits(self, ops, stage_peaks: Mapping[int, int] | None = None) -> bool:
-        if self.per_rank is not None and max(rank_peak_inflight(ops).values()) > self.per_rank:
+        if self.over(ops):
             return False
         if self.per_stage is not None:
             from .simulate import peak_inflight
@@ -298,8 +314,7 @@ def _repair(stage_profile, s2r, x: Sequence[int], budget: Budget) -> tuple[list[
         gen = _generate_or_none(stage_profile, s2r, x, L)
         if gen is None:
             return None
-        peaks = rank_peak_inflight(gen.order)
-        over = [r for r, p in peaks.items() if budget.per_rank is not None and p > budget.per_rank]
+        over = budget.over(gen.order)
         if not over:
             return x, L
         for r in over:
@@ -396,7 +411,7 @@ def plan_virtual(
     *,
     schedule: str = "pipemorph",
     stage_times_ms: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
     stage_memory_limit: int | None = None,
     validate: bool = True,
     full_backward: bool = True,
@@ -413,7 +428,7 @@ def plan_virtual(
     first in that order), so the result is never slower than the built-ins that fit.
     ``schedule="crosspipe-wave"``: CrossWave alone ("v", V = 2).
     ``memory_limit`` K: at most K activations of a rank's whole model part on any rank (a chunk counts
-    1/V; K·V whole, ≥ V). ``stage_memory_limit``: at most that many activations on any one stage.
+    1/V; K·V whole, ≥ V), or one K per rank. ``stage_memory_limit``: at most that many activations on any one stage.
     ``full_backward=False``: only split-backward (I + W) candidates (drops Interleaved1F1B, DualPipeV).
     The returned plan has passed ``validate_plan`` (torch's lowering and dry run included).
     """
@@ -423,8 +438,7 @@ def plan_virtual(
         raise ValueError(f"schedule must be one of {VIRTUAL_SCHEDULES}, got {schedule!r}")
     if stage_memory_limit is not None and stage_memory_limit < 1:
         raise ValueError(f"stage_memory_limit must be >= 1 activation, got {stage_memory_limit}")
-    budget = Budget(None if memory_limit is None else rank_chunk_budget(memory_limit, num_virtual_stages),
-                    stage_memory_limit)
+    budget = Budget.of(memory_limit, stage_memory_limit, profile.num_stages, num_virtual_stages)
     if schedule == "crosspipe-wave" and (placement != "v" or num_virtual_stages != 2):
         raise ValueError("crosspipe-wave plans the V-shape placement with 2 stages per rank (--placement v)")
     if validate:
@@ -465,7 +479,9 @@ def _inflight_limit(limit, stage_memory_limit: int | None, num_stages: int) -> l
 def _describe(budget: Budget, V: int) -> str:
     parts = []
     if budget.per_rank is not None:
-        parts.append(f"{budget.per_rank / V:g} activations per rank")
+        ks = sorted({k / V for k in budget.per_rank})
+        parts.append(f"{ks[0]:g} activations per rank" if len(ks) == 1 else
+                     f"{[k / V for k in budget.per_rank]} activations per rank")
     if budget.per_stage is not None:
         parts.append(f"{budget.per_stage} per stage")
     return ", ".join(parts) or "none"
@@ -508,11 +524,15 @@ def _candidates(stage_profile, s2r, placement, schedule, budget: Budget) -> dict
     return out
 
 
-def _wave_limit(budget: Budget) -> int | None:
-    """CrossWave's per-rank chunk limit for a budget (its per-stage limit is only checked afterwards)."""
-    limits = [v for v in (budget.per_rank, None if budget.per_stage is None else 2 * budget.per_stage)
-              if v is not None]
-    return min(limits) if limits else None
+def _wave_limit(budget: Budget) -> list[int] | None:
+    """CrossWave's per-rank chunk limits for a budget (its per-stage limit is only checked afterwards)."""
+    if budget.per_rank is None and budget.per_stage is None:
+        return None
+    R = len(budget.per_rank) if budget.per_rank is not None else None
+    stage = None if budget.per_stage is None else 2 * budget.per_stage
+    if R is None:
+        return stage
+    return [k if stage is None else min(k, stage) for k in budget.per_rank]
 
 
 def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, _Member]:

@@ -82,8 +82,11 @@ class Executor:
         self.timer = ComputeTimer(device)
         self.watcher = ArrivalWatcher()
         self.transport: Transport = transport if transport is not None else TorchP2P()
-        #: M^F of Alg.1 (bytes autograd saves for one microbatch); None: measured in the next forward
+        #: M^F of Alg.1 (bytes autograd saves for one microbatch); None: measured in the next forward. With
+        #: several local stages: the largest of theirs (each stage's first forward is measured)
         self.activation_bytes = activation_bytes
+        self.stage_activation_bytes: dict[int, float] = {}
+        self._measure = activation_bytes is None
 
     def run(self, actions: list[_Action], ctx: RunContext) -> float:
         """Run one iteration's actions; returns its wall time (ms)."""
@@ -211,9 +214,10 @@ class Executor:
 
     def _forward(self, stage: Any, mb: int, ctx: RunContext) -> None:
         sched = ctx.schedule
-        if self.activation_bytes is None and ctx.training:
+        if self._measure and ctx.training and stage.stage_index not in self.stage_activation_bytes:
             output, nbytes = measured_forward(stage, mb, ctx)
-            self.activation_bytes = float(nbytes)
+            self.stage_activation_bytes[stage.stage_index] = float(nbytes)
+            self.activation_bytes = max(self.stage_activation_bytes.values())
         else:
             output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
                                              save_forward_output=ctx.return_outputs)
