@@ -331,7 +331,7 @@ def search_warmup(
     stage_to_rank: Sequence[int],
     budget: Budget,
     seeds: Sequence[Sequence[int]],
-    max_evals: int = 2500,
+    max_evals: int = 800,
 ) -> tuple[list[int], list[int], GeneratedSchedule] | None:
     """Warm-up counts x_s and in-flight caps L_s per stage under ``budget``, by local search with the
     generator as the judge (its makespan is ``simulate``'s, exact).
