@@ -18,7 +18,11 @@ search_ext = Extension("titan_ext.plan._search_c", [os.path.join("titan_ext", "p
 # plan greedy generator (crosspipe.greedy_schedule compiled): same constraints as search_ext
 greedy_ext = Extension("titan_ext.plan._greedy_c", [os.path.join("titan_ext", "plan", "_greedy.c")],
                        extra_compile_args=["-O2"], libraries=["m"])
-ext_modules, cmdclass = [search_ext, greedy_ext], {}
+# plan PipeMorph generator and plan checks (pipemorph._generate_py, validate's checks 1-3 compiled): same
+# constraints as search_ext
+generate_ext = Extension("titan_ext.plan._pipemorph_c", [os.path.join("titan_ext", "plan", "_pipemorph.c")],
+                         extra_compile_args=["-O2"])
+ext_modules, cmdclass = [search_ext, greedy_ext, generate_ext], {}
 try:
     import torch
     from torch.utils import cpp_extension
@@ -46,7 +50,7 @@ if torch is not None:
         kwargs["extra_compile_args"] = kwargs["extra_compile_args"]["cxx"]
         ext = cpp_extension.CppExtension("titan_ext._delegate_C", sources, **kwargs)
     print(f"[titan_ext] building titan_ext._delegate_C ({'CPU+CUDA' if with_cuda else 'CPU only'})")
-    ext_modules = [search_ext, greedy_ext, ext]
+    ext_modules = [search_ext, greedy_ext, generate_ext, ext]
     cmdclass = {"build_ext": cpp_extension.BuildExtension}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

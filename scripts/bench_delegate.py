@@ -113,7 +113,7 @@ def _e2e_bench(rank, quick, out):
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegate.schedule import DelegatedPipeMorph
+    from titan_ext.runtime.delegated import DelegatedPipeMorph
     from titan_ext.runtime.testing import mlp_stages, step_rank
 
     dim, batch, n_mb = 512, 256, 8

@@ -46,7 +46,7 @@ stamp="$venv/.titan_ext_stamp"
 want="$(cat pyproject.toml scripts/setup.sh setup.py cpp_ext/*.cpp cpp_ext/*.cu cpp_ext/*.h titan_ext/plan/*.c 2>/dev/null \
         | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-        && "$vpy" -c "import torch, titan_ext._delegate_C, titan_ext.plan._search_c, titan_ext.plan._greedy_c" 2>/dev/null; then
+        && "$vpy" -c "import torch, titan_ext._delegate_C, titan_ext.plan._search_c, titan_ext.plan._greedy_c, titan_ext.plan._pipemorph_c" 2>/dev/null; then
     exit 0
 fi
 : > "$log"
@@ -70,7 +70,7 @@ fi
 step "installing build tools" "$vpy" -m pip install "setuptools>=68"
 step "installing titan_ext and its dependencies; building its C/C++ extensions (minutes the first time)" \
     "$vpy" -m pip install --no-build-isolation -e ".[test,solver]"
-for mod in titan_ext._delegate_C titan_ext.plan._search_c titan_ext.plan._greedy_c; do
+for mod in titan_ext._delegate_C titan_ext.plan._search_c titan_ext.plan._greedy_c titan_ext.plan._pipemorph_c; do
     step "checking $mod" "$vpy" -c "import torch, $mod"
 done
 echo "$want" > "$stamp"

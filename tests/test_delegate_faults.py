@@ -152,7 +152,7 @@ def _train_body(rank, world):
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegate.schedule import DelegatedPipeMorph
+    from titan_ext.runtime.delegated import DelegatedPipeMorph
     from titan_ext.runtime.testing import gpipe_reference, mlp_stages, step_rank
 
     state = {"step": 0, "mb": 0, "victims": []}

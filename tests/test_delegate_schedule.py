@@ -41,7 +41,7 @@ def _train(rank, world, make):
 
 def _worker(rank, world):
     from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
-    from titan_ext.runtime.delegate.schedule import DelegatedPipeMorph
+    from titan_ext.runtime.delegated import DelegatedPipeMorph
     from titan_ext.runtime.delegate.transport import FaultInjector
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)

@@ -252,7 +252,7 @@ def test_stock_torchtitan_train_rejects_bad_value_before_process_group(tmp_path)
 def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp_path):
     pytest.importorskip("titan_ext.runtime.delegate.schedule")
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegate.schedule import DelegatedPipeMorph
+    from titan_ext.runtime.delegated import DelegatedPipeMorph
     from titan_ext.titan.options import schedule_kwargs
     from titan_ext.titan.registry import schedule_class_for
     from titan_ext.train import JobConfigError, check_job_config

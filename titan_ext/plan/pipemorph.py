@@ -26,7 +26,7 @@ from .profile import PipelineProfile
 from .result import PlanResult, make_result
 from .simulate import replay_makespan_ns
 from .timing import LinkQueues, to_ms, to_ns
-from .validate import validate_plan
+from .validate import compiled_core, validate_plan
 from .warmup import (
     _clip_monotone,
     adapted_warmup_counts,
@@ -80,8 +80,28 @@ def generate_order(
     return GeneratedSchedule(order, to_ms(makespan))
 
 
+_GENERATE_C = compiled_core()
+"""The compiled generator (``_pipemorph.c``, bit-identical to :func:`_generate_py`); None: not built."""
+
+
 def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_backward: bool,
               bound_ns: int | None = None) -> tuple[dict[int, list[Op]] | None, int, bool]:
+    """:func:`_generate_py`, compiled where built (about two orders of magnitude faster, same result)."""
+    if _GENERATE_C is None:
+        return _generate_py(profile, x, limit, full_backward, bound_ns)
+    tw = [to_ns(v) for v in profile.w_ms]
+    tb = [to_ns(v) for v in profile.b_ms]
+    if full_backward:
+        tb = [b + w for b, w in zip(tb, tw)]
+    links = LinkQueues(profile.links)
+    order, makespan, cap_bound = _GENERATE_C.generate(
+        profile.num_microbatches, [to_ns(v) for v in profile.f_ms], tb, tw, links.latency_ns, links.transfer_ns,
+        x, limit, full_backward, bound_ns)
+    return (None if order is None else dict(enumerate(order))), makespan, cap_bound
+
+
+def _generate_py(profile: PipelineProfile, x: list[int], limit: list[int], full_backward: bool,
+                 bound_ns: int | None = None) -> tuple[dict[int, list[Op]] | None, int, bool]:
     """The generator proper: ``(order, makespan_ns, cap_bound)``, where ``cap_bound`` says whether the
     in-flight limit ever kept a stage from a forward that had arrived (if not, the same counts without
     the limit give the same order). Stops early with ``(None, t, cap_bound)`` once the plan's makespan
@@ -113,6 +133,8 @@ def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_bac
 
     wake: list[tuple[int, int]] = [(0, i) for i in range(S)]
     while remaining:
+        if not wake:
+            raise ValueError("the warm-up counts and in-flight limits deadlock: no stage can run any more")
         t, i = heapq.heappop(wake)
         if free_at[i] > t:
             continue
@@ -375,8 +397,10 @@ def plan_pipemorph(
         makespan, best, order = best
         limit = list(best.inflight_limit)
         if validate:
-            validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
-                          torch_dry_run=validate == "torch")
+            peak = validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
+                                 torch_dry_run=validate == "torch")
+        else:
+            peak = peak_inflight(order)
         actions = to_torch_plan(order)
         result = make_result(
             order, actions=actions, schedule=schedule,

@@ -30,6 +30,19 @@ class PlanValidationError(ValueError):
     """The plan is not safe to run."""
 
 
+def compiled_core():
+    """``titan_ext.plan._pipemorph_c`` (from ``_pipemorph.c``: the generator and checks 1–3 compiled,
+    checked against the Python code by tests/test_plan_pipemorph_c.py), or None when it is not built."""
+    try:
+        from . import _pipemorph_c
+    except ImportError:
+        return None
+    return _pipemorph_c
+
+
+_CORE = compiled_core()
+
+
 def validate_plan(
     plan: Mapping[int, Any],
     num_stages: int,
@@ -37,14 +50,35 @@ def validate_plan(
     *,
     inflight_limit: Sequence[int] | int | None = None,
     torch_dry_run: bool = False,
-) -> None:
+) -> dict[int, int]:
     """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid.
 
     Checks 1–3 are ours (the hot path: planners, CLI, run-time re-planning); ``torch_dry_run=True``
     adds check 4, torch's lowering + dry run (``validate="torch"``, ``titan-ext plan --strict``).
+    Returns the per-stage peak in-flight activations (``simulate.peak_inflight``).
+
+    Checks 1–3 run compiled where ``_pipemorph_c`` is built (it reads plans of plain ``(stage, kind,
+    microbatch)`` tuples directly); a plan it does not accept goes through the Python checks, which name
+    the reason (the two agree: tests/test_plan_pipemorph_c.py).
     """
+    if _CORE is not None and isinstance(plan, dict):
+        peaks = _CORE.check(plan, num_stages, num_microbatches, inflight_limit)
+        if peaks is not None:
+            if torch_dry_run:  # valid for checks 1-3; torch's own checks follow
+                with gc_paused():
+                    _torch_dry_run(plan, stage_to_rank_map(plan), num_stages, num_microbatches)
+            return dict(enumerate(peaks))
     try:
         ops = as_ops(plan)
+    except ValueError as e:
+        raise PlanValidationError(str(e)) from e
+    return _check_python(ops, num_stages, num_microbatches, inflight_limit, torch_dry_run)
+
+
+def _check_python(ops: dict, num_stages: int, num_microbatches: int, inflight_limit,
+                  torch_dry_run: bool) -> dict[int, int]:
+    """Checks 1–4 in Python: the reference, and the path that names what is wrong. Returns the peaks."""
+    try:
         placement = stage_to_rank_map(ops)
     except ValueError as e:
         raise PlanValidationError(str(e)) from e
@@ -74,8 +108,8 @@ def validate_plan(
         _check_local_order(ops)
         raise PlanValidationError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
 
+    peaks = peak_inflight(ops)
     if inflight_limit is not None:
-        peaks = peak_inflight(ops)
         for s, peak in peaks.items():
             cap = inflight_limit if isinstance(inflight_limit, int) else inflight_limit[s]
             if peak > cap:
@@ -86,6 +120,7 @@ def validate_plan(
     if torch_dry_run:
         with gc_paused():
             _torch_dry_run(ops, placement, num_stages, num_microbatches)
+    return peaks
 
 
 def _check_local_order(ops: Mapping[int, list]) -> None:

@@ -50,6 +50,9 @@ from .placement import PLACEMENTS, stage_profile, stage_to_rank
 from .profile import PipelineProfile
 from .result import PlanResult, make_result, peak_memory_per_rank, rank_peak_inflight  # noqa: F401 (re-exported)
 from .timing import LinkQueues, to_ms, to_ns
+from .validate import compiled_core
+
+_CORE = compiled_core()
 
 VIRTUAL_SCHEDULES = ("pipemorph", "crosspipe-wave")
 # torch's 2-chunk built-ins per placement (plan.builtin names), the portfolio's baselines
@@ -187,6 +190,24 @@ def generate_virtual_order(
             raise ValueError(f"warmup_counts[{s}] = {x[s]} must be within 1..min(N, inflight_limit[{s}])")
         if s and x[s] > min(limit[:s]):
             raise ValueError(f"warmup_counts[{s}] = {x[s]} exceeds the upstream cap {min(limit[:s])}: it would deadlock")
+    order, makespan = _virtual_loop(profile, s2r, x, limit)
+    return GeneratedSchedule(order, to_ms(makespan))
+
+
+def _virtual_loop(profile: PipelineProfile, s2r: list[int], x: list[int], limit: list[int]) -> tuple[dict, int]:
+    """:func:`_virtual_loop_py`, compiled where built (``_pipemorph.c``; bit-identical, tested)."""
+    if _CORE is None:
+        return _virtual_loop_py(profile, s2r, x, limit)
+    links = LinkQueues(profile.links)
+    order, makespan = _CORE.generate_virtual(
+        profile.num_microbatches, s2r, [to_ns(v) for v in profile.f_ms], [to_ns(v) for v in profile.b_ms],
+        [to_ns(v) for v in profile.w_ms], links.latency_ns, links.transfer_ns, x, limit)
+    return dict(enumerate(order)), makespan
+
+
+def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], limit: list[int]) -> tuple[dict, int]:
+    """The event loop of :func:`generate_virtual_order` (the Python reference): rank → ops, makespan (ns)."""
+    S, N = profile.num_stages, profile.num_microbatches
     R = max(s2r) + 1
     own = [[s for s in range(S) if s2r[s] == r] for r in range(R)]
     dur = {"F": [to_ns(v) for v in profile.f_ms], "I": [to_ns(v) for v in profile.b_ms],
@@ -248,7 +269,7 @@ def generate_virtual_order(
         free_at[r] = done
         remaining -= 1
         heapq.heappush(wake, (done, r))
-    return GeneratedSchedule(order, to_ms(makespan))
+    return order, makespan
 
 
 # ----------------------------------------------------------------------------- memory per rank

@@ -21,7 +21,7 @@ from .crosspipe import CrossPipe  # CrossPipe greedy re-planning on PipeMorph's 
 from .policy import Decision, ReplanPolicy
 from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (issue 7, docs/falcon.md)
 
-from .delegate import DelegatedPipeMorph  # noqa: F401  (issue 5, docs/delegate.md)
+from .delegated import DelegatedPipeMorph  # noqa: F401  (issue 5, docs/delegate.md)
 
 install_from_env()
 

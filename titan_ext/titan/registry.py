@@ -44,7 +44,7 @@ _SCHEDULES: dict[str, tuple[str, str]] = {
 }
 # name -> the class used when the job asks for delegation ([titan_ext] delegation = auto/always)
 _DELEGATING_VARIANTS: dict[str, tuple[str, str]] = {
-    "PipeMorph": ("titan_ext.runtime.delegate.schedule", "DelegatedPipeMorph"),
+    "PipeMorph": ("titan_ext.runtime.delegated", "DelegatedPipeMorph"),
 }
 _CONFIGURED: dict[tuple[str, bool], type] = {}
 _lock = threading.Lock()

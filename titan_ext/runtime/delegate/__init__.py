@@ -18,7 +18,6 @@ __all__ = [
     "Channel",
     "DelegateError",
     "DelegatePool",
-    "DelegatedPipeMorph",
     "FaultInjector",
     "P2PRouter",
     "delegates_needed",
@@ -27,11 +26,3 @@ __all__ = [
     "store_address",
     "sweep_stale_segments",
 ]
-
-
-def __getattr__(name):  # the schedule imports PipeMorph: load it on first use only
-    if name == "DelegatedPipeMorph":
-        from .schedule import DelegatedPipeMorph
-
-        return DelegatedPipeMorph
-    raise AttributeError(name)

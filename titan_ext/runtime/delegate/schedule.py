@@ -18,8 +18,8 @@ While delegating, the configured ``adaptive_memory_limit`` is lifted (§5.2 "vir
 constraint in Algorithm 2"); the measured device-memory cap (``runtime/memory.py``) still applies,
 since the delegates carry the PP messages, not the activations autograd saves.
 
-``DelegatedPipeMorph`` is PipeMorph with the delegation API on the schedule object (``router``,
-``pool``, ``set_delegation`` …), kept for its callers (TorchTitan's registry, scripts, tests).
+``DelegatedPipeMorph`` (PipeMorph with the delegation API on the schedule object: ``router``, ``pool``,
+``set_delegation`` …) lives in :mod:`titan_ext.runtime.delegated`, above this package.
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from titan_ext.runtime.observers import Boundary
-from titan_ext.runtime.pipemorph import PipeMorph
 from titan_ext.runtime.transport import TorchP2P
 
 from .pool import DelegatePool, delegates_needed, pipeline_channels
 from .transport import FaultInjector, P2PRouter
 
-__all__ = ["DelegatedPipeMorph", "Delegation", "DelegateTransport"]
+__all__ = ["Delegation", "DelegateTransport"]
 
 _FWD = (_ComputationType.SEND_F, _ComputationType.RECV_F)
 
@@ -142,33 +141,3 @@ class Delegation:
     def close(self) -> None:
         """Stop the delegate processes (also done at interpreter exit)."""
         self.pool.close()
-
-
-class DelegatedPipeMorph(PipeMorph):
-    """PipeMorph with the delegation API on the schedule (the transport is PipeMorph's own choice)."""
-
-    @property
-    def router(self) -> P2PRouter | None:
-        return self.delegation.router if self.delegation else None
-
-    @property
-    def pool(self) -> DelegatePool | None:
-        return self.delegation.pool if self.delegation else None
-
-    @property
-    def delegation_log(self) -> list[dict]:
-        return self.delegation.log if self.delegation else []
-
-    @property
-    def delegating(self) -> bool:
-        return bool(self.delegation and self.delegation.delegating)
-
-    def set_delegation(self, on: bool, reason: str = "external") -> None:
-        if self.delegation is None:
-            raise RuntimeError("delegation='off' without failover has no delegates; construct with "
-                               "delegation='auto' or 'always'")
-        self.delegation.set(on, reason)
-
-    def close_delegation(self) -> None:
-        if self.delegation is not None:
-            self.delegation.close()
