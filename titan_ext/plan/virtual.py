@@ -78,8 +78,6 @@ def virtual_profile(
     R, V, N = profile.num_stages, num_virtual_stages, profile.num_microbatches
     s2r = stage_to_rank(R, V, placement)
     S = len(s2r)
-    if N < S:
-        raise ValueError(f"{N} microbatches < {S} stages ({R} ranks × {V}): need at least one per stage")
     if V == 1 and stage_times_ms is None:
         return profile, s2r
     # the virtual planner caps memory with ``memory_limit`` alone (as before issue 25): no byte budget
