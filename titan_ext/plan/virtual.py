@@ -48,7 +48,7 @@ from .ir import Op, as_ops, gc_paused, torch_schedules
 from .pipemorph import GeneratedSchedule
 from .placement import PLACEMENTS, stage_profile, stage_to_rank
 from .profile import PipelineProfile
-from .result import PlanResult, make_result, peak_memory_per_rank, rank_peak_inflight  # noqa: F401 (re-exported)
+from .result import PlanResult, make_result, peak_inflight, peak_memory_per_rank, rank_peak_inflight  # noqa: F401 (re-exported)
 from .timing import LinkQueues, to_ms, to_ns
 from .validate import compiled_core
 
@@ -311,11 +311,10 @@ class Budget:
         return [r for r, p in rank_peak_inflight(ops).items() if p > self.per_rank[r]]
 
     def fits(self, ops, stage_peaks: Mapping[int, int] | None = None) -> bool:
+        """Whether a plan (ops) keeps every rank and every stage within the budget."""
         if self.over(ops):
             return False
         if self.per_stage is not None:
-            from .simulate import peak_inflight
-
             peaks = peak_inflight(ops) if stage_peaks is None else stage_peaks
             return max(peaks.values()) <= self.per_stage
         return True
@@ -401,7 +400,7 @@ def search_warmup(
 def _generate_or_none(stage_profile, s2r, x, L) -> GeneratedSchedule | None:
     try:
         return generate_virtual_order(stage_profile, s2r, x, L)
-    except RuntimeError:  # stalled: these caps cannot finish (never seen for x_s ≤ L_s, L_{s−1})
+    except RuntimeError:  # stalled; cannot happen for x_s ≤ min_{u≤s} L_u, which callers ensure
         return None
 
 
