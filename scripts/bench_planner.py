@@ -164,7 +164,7 @@ def main() -> int:
             "plan_ms": ours_ms, "plan_ms_fastest": ours_min, "plan_ms_cli": cli_plan_ms(S, N, prof),
             "plan_ms_torch_validated": strict_ms, "plan_ms_torch_validated_fastest": strict_min,
             "single_alg2_plan_ms": single_ms, "single_alg2_plan_ms_fastest": single_min, "discrete_alg4_ms": disc_ms,
-            "schedule": ours.schedule, "makespan_ms": makespan["ours"], "alg2_makespan_ms": makespan["alg2"],
+            "schedule": ours.source, "makespan_ms": makespan["ours"], "alg2_makespan_ms": makespan["alg2"],
             "discrete_makespan_ms": makespan["discrete"],
             "candidates_cost_ratio": ours_min / single_min,
         })

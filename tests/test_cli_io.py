@@ -24,7 +24,7 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "saves memory) (default: 2)" in out and "(default: pipemorph)" in out
+    assert "number of microbatches) (default: 2)" in out and "(default: pipemorph)" in out
     assert "(default: None)" not in out  # options without a default say nothing
 
 
@@ -113,7 +113,7 @@ _BAD_CLI = {
     "times_overflow": ([*BASE, "--times", "1e308,1e308,1e308"], "--times"),
     "delay_overflow": ([*BASE, "--times", "10,10,10", "--delay", "1:1e308"], "--delay"),
     "stages_beyond_bound": (["plan", "--stages", str(10**12), "--microbatches", "12", "--times", "10,10,10"],
-                            "beyond the bound of 65536"),
+                            "--stages: expected an integer in [1, 65536]"),
     "duplicate_delay": ([*BASE, "--times", "10,10,10", "--delay", "1:10", "--delay", "1:20"],
                         "--delay given more than once for link 1"),
     "fractional_slack_floor": ([*BASE, "--times", "10,10,10", "--slack-floor", "1.5"], "--slack-floor"),

@@ -173,7 +173,7 @@ def test_cli_matches_simulate_builtin(capsys):
 
 @pytest.mark.parametrize("args, needle", [
     (["--virtual-stages", "2", "--schedule", "zb"], "choose one of"),
-    (["--virtual-stages", "1"], ">= 2"),
+    (["--virtual-stages", "1"], "in [2, "),
     (["--placement", "v"], "needs --virtual-stages"),
     (["--virtual-stages", "2", "--placement", "loop", "--schedule", "crosspipe-wave"], "V-shape"),
 ])

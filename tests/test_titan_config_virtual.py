@@ -19,11 +19,11 @@ def _parse(tmp_path, body: str):
 def test_values_from_toml(tmp_path):
     cfg = _parse(tmp_path, 'placement = "v"\nlink_alpha_beta = "2:5:50MB/s,0:1"\n')
     assert cfg.placement == "v" and cfg.link_alpha_beta == "2:5:50MB/s,0:1"
-    from titan_ext.titan.config import parse_delay_spec
+    from titan_ext.titan.config import config_delay_schedule
 
-    link2 = parse_delay_spec(cfg.link_alpha_beta).at(0, 2)
+    link2 = config_delay_schedule(cfg.link_alpha_beta).at(0, 2)
     assert link2.latency_ms == 5 and link2.bandwidth_bytes_per_s == 50e6
-    assert math.isinf(parse_delay_spec(cfg.link_alpha_beta).at(0, 0).bandwidth_bytes_per_s)
+    assert math.isinf(config_delay_schedule(cfg.link_alpha_beta).at(0, 0).bandwidth_bytes_per_s)
     assert TitanExt().placement == "" and TitanExt().link_alpha_beta == ""
 
 

@@ -16,6 +16,11 @@ import sys as _sys
 
 __version__ = "0.1.0"
 
+# Set by ``titan_ext.train`` before anything imports ``titan_ext.runtime``: TITAN_EXT_INJECT_DELAYS is then
+# checked against the job (one line, exit 2) and installed once the process group exists, instead of at
+# that import (where a malformed value was a traceback and a link beyond the pipeline was announced).
+DEFER_ENV_STRAGGLER = False
+
 if "torchtitan" in _sys.modules:  # imported through TorchTitan's custom_import: torch is loaded
     from titan_ext.titan.registry import register as _register
 

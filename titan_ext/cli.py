@@ -3,25 +3,34 @@
     titan-ext plan --stages 4 --microbatches 12 --times 10,10,10 --delay 0:20 --json
     titan-ext simulate --builtin ZBVZeroBubble --stages 4 --microbatches 12 --times 10,10,10 --hol
 
-Bad arguments, and files that cannot be written, print one line on stderr and exit with code 2
-(files already written by that command are removed: no partial output). A closed pipe (``| head``)
-ends the command quietly.
+Bad arguments (non-finite, zero or absurd numbers, a repeated option, a profile that is not a small
+JSON text file), output paths that cannot be written (checked before any work) and work that does not
+finish within ``--time-limit`` print one line on stderr and exit with code 2. Outputs are written to
+temporary files and renamed into place only when all of them succeeded: a failure never touches a
+file the user already had. A closed pipe (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import signal
+import stat
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
 from .plan.result import rank_peak_inflight, warmup_counts_of
 from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
 from .plan.virtual import VIRTUAL_SCHEDULES
+from .plan.profile import MAX_MS, check_profile_fields, links_from_json
 from .plan.warmup import slackness
 
 
@@ -31,8 +40,51 @@ class UsageError(Exception):
 
 # Bounds on the input, so that a typo is refused at once instead of planning for minutes or
 # overflowing: S·N ops plan in about 3 s at the bound (S=64, N=512 takes 1.4 s, BENCHMARKS.md).
-MAX_OPS = 65536  # stages x microbatches
-MAX_MS = 1e9     # any time or delay, ms (11.6 days)
+# Any time or delay is at most plan.profile.MAX_MS (11.6 days).
+MAX_OPS = 65536  # stages x microbatches (x virtual stages per rank)
+PROGRESS_AFTER_S = 15.0  # a command still working after this long says so on stderr (once)
+MAX_PROFILE_BYTES = 1 << 20  # --profile is a small JSON text
+MAX_TIME_LIMIT_S = 86400.0
+
+
+class TimeLimitReached(BaseException):
+    """The command's --time-limit passed (a BaseException, so that no ``except Exception`` in the
+    library swallows it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, progress: str | None = None):
+    """Raise ``TimeLimitReached`` in the main thread once ``seconds`` of wall time have passed (SIGALRM;
+    nothing outside the main thread or without ``setitimer``). ``progress``: printed once on stderr
+    if the work is still running after PROGRESS_AFTER_S. Nested use is not supported."""
+    if seconds is None or threading.current_thread() is not threading.main_thread() \
+            or not hasattr(signal, "setitimer"):
+        yield
+        return
+    deadline = time.monotonic() + seconds
+
+    def on_alarm(signum, frame) -> None:
+        left = deadline - time.monotonic()
+        if left > 0.01:  # the progress alarm
+            print(f"titan-ext: {progress}", file=sys.stderr, flush=True)
+            signal.setitimer(signal.ITIMER_REAL, left)
+            return
+        raise TimeLimitReached
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    first = min(seconds, PROGRESS_AFTER_S) if progress and seconds > 2 * PROGRESS_AFTER_S else seconds
+    signal.setitimer(signal.ITIMER_REAL, first)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _stop_clock() -> None:
+    """The work is done: what follows (writing the outputs) runs whatever the time."""
+    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -44,13 +96,52 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Once:
+    """Mixin for argparse actions: an option given twice is refused (the last one would win silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given", set())
+        if self.dest in seen:
+            raise argparse.ArgumentError(self, "given more than once")
+        seen.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _StoreOnce(_Once, argparse._StoreAction):
+    pass
+
+
+class _StoreTrueOnce(_Once, argparse._StoreTrueAction):
+    pass
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _HelpFormatter)  # defaults in --help
+        kwargs.setdefault("allow_abbrev", False)  # --stage is not --stages (nor a way around _Once)
         super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+        self.register("action", "store_true", _StoreTrueOnce)
 
     def error(self, message: str) -> None:  # one line, not argparse's usage block
         raise UsageError(f"{self.prog}: {message}")
+
+
+def _number(kind: type, low: float, high: float, what: str) -> Callable[[str], float]:
+    """argparse type: a ``kind`` (int or float) in [low, high]; NaN, inf and overflow are refused."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            value = None
+        if value is None or not low <= value <= high:  # also NaN
+            raise argparse.ArgumentTypeError(f"expected {what} in [{low:g}, {high:g}], got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse's fallback message names the type
+    return parse
 
 
 def _times(text: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
@@ -130,8 +221,6 @@ def _per_link(pairs: list[tuple[int, float]], flag: str) -> None:
         raise UsageError(f"{flag} given more than once for link {dup[0]}")
 
 
-PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
-                  "activation_bytes", "memory_budget_bytes")
 PROFILE_HELP = (
     'profile JSON with the fields of PipelineProfile; flags override it. Times in ms, a number for '
     'every stage or a list with one per stage; links: one object per link (link i joins stage i and '
@@ -141,9 +230,20 @@ PROFILE_HELP = (
     '{}]}. Optional: activation_bytes, memory_budget_bytes')
 
 
+_COUNT = _number(int, 1, MAX_OPS, "an integer")
+_TIME_LIMIT_HELP = ("wall-clock limit of the whole command in s (model building, solver, simulation): "
+                    "past it the command stops with an error; optimal: the solver returns its best plan "
+                    "by then")
+
+
+def _add_time_limit(p: argparse.ArgumentParser, help_text: str = _TIME_LIMIT_HELP) -> None:
+    p.add_argument("--time-limit", type=_number(float, 0.1, MAX_TIME_LIMIT_S, "seconds"), default=60.0,
+                   metavar="SEC", help=help_text)
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", type=int, help="pipeline stages (= PP ranks)")
-    p.add_argument("--microbatches", type=int, help="microbatches per iteration")
+    p.add_argument("--stages", type=_COUNT, help="pipeline stages (= PP ranks)")
+    p.add_argument("--microbatches", type=_COUNT, help="microbatches per iteration")
     p.add_argument("--times", type=_times, metavar="F,B,W[/F,B,W...]",
                    help="compute times in ms (B = backward-input): one F,B,W for every stage, or one "
                         "triple per stage separated by '/' (e.g. 10,10,10/12,12,12/10,10,10/14,14,14)")
@@ -157,19 +257,33 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
 
 
+def _read_profile(path: Path) -> dict:
+    """--profile: a regular file of at most MAX_PROFILE_BYTES of UTF-8 JSON text holding one object."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise UsageError(f"--profile {path}: not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as e:
+        raise UsageError(f"--profile {path}: {e.strerror or e}") from None
+    if len(data) > MAX_PROFILE_BYTES:
+        raise UsageError(f"--profile {path}: larger than {MAX_PROFILE_BYTES} bytes (a profile is a small JSON text)")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"--profile {path}: not UTF-8 text (a profile is JSON)") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise UsageError(f"--profile {path}: not valid JSON: {str(e)[:200]}") from None
+
+
 def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
     base: dict = {}
     if args.profile is not None:
+        base = _read_profile(args.profile)
         try:
-            base = json.loads(args.profile.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UsageError(f"--profile {args.profile}: {e}") from None
-        if not isinstance(base, dict):
-            raise UsageError(f"--profile {args.profile}: expected a JSON object")
-        unknown = sorted(set(base) - set(PROFILE_FIELDS))
-        if unknown:
-            raise UsageError(f"--profile {args.profile}: unknown field(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(PROFILE_FIELDS)})")
+            check_profile_fields(base)  # the profile's JSON format is the library's (plan/profile.py)
+        except ValueError as e:
+            raise UsageError(f"--profile {args.profile}: {str(e).removeprefix('profile: ')}") from None
     S = args.stages if args.stages is not None else _profile_int(base, "num_stages", "--stages")
     N = args.microbatches if args.microbatches is not None else _profile_int(
         base, "num_microbatches", "--microbatches")
@@ -177,8 +291,10 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
         raise UsageError("--stages and --microbatches are required (or a --profile that has them)")
     if S < 1 or N < 1:
         raise UsageError(f"stages ({S}) and microbatches ({N}) must be >= 1")
-    if S * N > MAX_OPS:
-        raise UsageError(f"{S} stages x {N} microbatches = {S * N} is beyond the bound of {MAX_OPS} "
+    V = getattr(args, "virtual_stages", None) or 1
+    if S * N * V > MAX_OPS:
+        what = f"{S} stages x {N} microbatches" + (f" x {V} virtual stages" if V > 1 else "")
+        raise UsageError(f"{what} = {S * N * V} is beyond the bound of {MAX_OPS} "
                          f"(planning time grows fast with it)")
     _per_link(args.delay, "--delay")
     _per_link(args.bandwidth, "--bandwidth")
@@ -195,25 +311,19 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
     else:
         raise UsageError("--times F,B,W is required (or a --profile with f_ms, b_ms, w_ms)")
     try:
-        links = [LinkProfile(**link) for link in base["links"]] if base.get("links") else [LinkProfile()] * (S - 1)
+        links = links_from_json(base["links"], S) if base.get("links") else [LinkProfile()] * (S - 1)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"--profile links: {e}") from None
+        raise UsageError(f"--profile {str(e).removeprefix('profile ')}") from None
     for link, _ in args.delay + args.bandwidth:
         if not 0 <= link < S - 1:
             raise UsageError(f"link {link} does not exist: links are 0..{S - 2} for {S} stages")
     if args.bandwidth and args.message_mb is None:
         raise UsageError("--bandwidth needs --message-mb (the size of one message)")
-    from dataclasses import replace
-
-    for link, ms in args.delay:
-        links[link] = replace(links[link], latency_ms=ms)
     for link, gbps in args.bandwidth:
         if gbps <= 0:
             raise UsageError(f"--bandwidth {link}:{gbps}: bandwidth must be > 0")
-        links[link] = replace(links[link], bandwidth_bytes_per_s=gbps * 1e9)
-    if args.message_mb is not None:
-        links = [replace(link, message_bytes=args.message_mb * 1e6) for link in links]
     try:
+        links = _override_links(links, args)
         return PipelineProfile(
             S, N, f, b, w, tuple(links),
             activation_bytes=base.get("activation_bytes"),
@@ -221,6 +331,20 @@ def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
         )
     except (TypeError, ValueError) as e:  # a mistyped profile field: the profile names it
         raise UsageError(str(e)) from None
+
+
+def _override_links(links: list[LinkProfile], args: argparse.Namespace) -> list[LinkProfile]:
+    """--delay, --bandwidth and --message-mb on top of the profile's links (LinkProfile checks the result,
+    e.g. a transfer time beyond MAX_MS)."""
+    from dataclasses import replace
+
+    for link, ms in args.delay:
+        links[link] = replace(links[link], latency_ms=ms)
+    for link, gbps in args.bandwidth:
+        links[link] = replace(links[link], bandwidth_bytes_per_s=gbps * 1e9)
+    if args.message_mb is not None:
+        links = [replace(link, message_bytes=args.message_mb * 1e6) for link in links]
+    return links
 
 
 def _report(timeline, extra: dict, args: argparse.Namespace) -> None:
@@ -258,17 +382,17 @@ def _plan(profile: PipelineProfile, args: argparse.Namespace) -> PlanResult:
     """``plan_by_name`` for the command line's flags (the library checks the values: ValueError → usage)."""
     if args.virtual_stages is None and args.placement is not None:
         raise UsageError("--placement needs --virtual-stages V (stages per rank, >= 2)")
-    if args.virtual_stages is not None and args.virtual_stages < 2:
-        raise UsageError("--virtual-stages must be >= 2 (one stage per rank: leave it out)")
     if args.virtual_stages is not None and args.schedule not in VIRTUAL_SCHEDULES:
         raise UsageError(f"--schedule {args.schedule}: with --virtual-stages choose one of "
                          f"{', '.join(VIRTUAL_SCHEDULES)}")
-    if getattr(args, "time_limit", 1.0) <= 0:
-        raise UsageError("--time-limit must be > 0")
+    if args.placement == "v" and args.virtual_stages != 2:
+        raise UsageError(f"--placement v holds 2 stages per rank (rank r: r and 2R-1-r), not "
+                         f"{args.virtual_stages}: use --virtual-stages 2 or --placement loop")
     options = {}
     if args.schedule in AUTO_SCHEDULES:
-        if args.slack_floor < 1:
-            raise UsageError("--slack-floor must be >= 1")
+        if args.slack_floor > profile.num_microbatches:
+            raise UsageError(f"--slack-floor {args.slack_floor}: at most the number of microbatches "
+                             f"({profile.num_microbatches}); a slackness cannot exceed it")
         options = {"slack_floor": args.slack_floor, "validate": "torch" if args.strict else True}
     if args.virtual_stages is not None:
         options["placement"] = args.placement or "loop"
@@ -353,23 +477,43 @@ def _evaluate(actions, profile: PipelineProfile, hol: bool, source: str):
 
 
 def _compare_candidates(profile: PipelineProfile, hol: bool):
-    """(name, timeline or the reason it does not apply) for PipeMorph, CrossPipe, torch's built-ins and
-    ZB-H1 (the ZB paper's 1F1B-memory schedule, x_i = S − i; torch ships none)."""
+    """(name, thunk → timeline) for PipeMorph, CrossPipe, ZB-H1 (the ZB paper's 1F1B-memory schedule,
+    x_i = S − i; torch ships none) and torch's built-ins."""
     from .plan.builtin import BUILTINS, builtin_plan
 
-    yield "PipeMorph", _simulate_result(plan_by_name(profile, "pipemorph"), hol)
+    def planned(name):
+        return _simulate_result(plan_by_name(profile, name), hol)
+
+    def builtin(name):
+        actions, _ = builtin_plan(name, profile.num_stages, profile.num_microbatches)
+        return _evaluate(actions, profile, hol, name)[1]
+
+    yield "PipeMorph", lambda: planned("pipemorph")
     for name in ("crosspipe-udsub", "crosspipe-wave"):
-        try:
-            yield f"CrossPipe ({name[10:]})", _simulate_result(plan_by_name(profile, name), hol)
-        except (ImportError, ValueError) as e:
-            yield f"CrossPipe ({name[10:]})", str(e).splitlines()[0]
-    yield "ZB-H1 (ZB paper)", simulate(plan_by_name(profile, "zb-h1").actions, profile, hol=hol)
+        yield f"CrossPipe ({name[10:]})", lambda name=name: planned(name)
+    yield "ZB-H1 (ZB paper)", lambda: planned("zb-h1")
     for name in BUILTINS:
+        yield f"torch {name}", lambda name=name: builtin(name)
+
+
+def _budgeted(candidates: list, budget_s: float) -> list:
+    """Run each (name, thunk) within its share of the budget (time left / candidates left) → (name,
+    timeline, or the reason there is none: it does not apply, or it was skipped at its share)."""
+    rows = []
+    end = time.monotonic() + budget_s
+    for i, (name, thunk) in enumerate(candidates):
+        share = max(0.0, end - time.monotonic()) / (len(candidates) - i)
+        if share < 0.05:
+            rows.append((name, f"skipped: the --time-limit budget is spent"))
+            continue
         try:
-            actions, _ = builtin_plan(name, profile.num_stages, profile.num_microbatches)
-            yield f"torch {name}", _evaluate(actions, profile, hol, name)[1]
-        except (UsageError, ValueError) as e:
-            yield f"torch {name}", str(e).splitlines()[0]
+            with time_limit(share, f"compare: {name} still running (its budget: {share:.1f} s)"):
+                rows.append((name, thunk()))
+        except TimeLimitReached:
+            rows.append((name, f"skipped: not finished within its budget of {share:.1f} s (--time-limit)"))
+        except (ImportError, UsageError, ValueError) as e:
+            rows.append((name, str(e).splitlines()[0]))
+    return rows
 
 
 # the schedules our plans are matched against (issue 21): name → placement of ours (None: one stage per rank)
@@ -381,16 +525,29 @@ def _ours_at(profile: PipelineProfile, placement: str | None, peak_per_rank: flo
     """Makespan of our plan at a per-rank memory limit (the peak of the schedule it would replace):
     one stage per rank (PipeMorph, the limit rounded down to whole activations) or R × 2 stages in
     ``placement`` (the plan_virtual portfolio)."""
-    from .plan.virtual import plan_virtual
-
     try:
         if placement is None:
             plan = plan_by_name(profile, "pipemorph", memory_limit=max(1, math.floor(peak_per_rank + 1e-9)))
-            return simulate(plan.actions, profile, hol=hol).makespan_ms
-        vp = plan_virtual(profile, 2, placement, memory_limit=peak_per_rank, validate=False)
-        return simulate(vp.actions, vp.profile, hol=hol).makespan_ms
+        else:
+            plan = plan_by_name(profile, "pipemorph", virtual_stages=2, placement=placement,
+                                memory_limit=peak_per_rank, validate=False)
+        return _simulate_result(plan, hol).makespan_ms
     except ValueError as e:
         return "n/a: " + str(e).splitlines()[0]
+
+
+def _matched_candidates(profile: PipelineProfile, rows: list, hol: bool):
+    """(name, thunk → (ours in the row's placement, ours with one stage per rank)) for every row that
+    ``_REPLACES`` names and that has a timeline, each planned at the row's peak per rank."""
+    for name, t in rows:
+        if name in _REPLACES and not isinstance(t, str):
+            K = max(t.peak_memory_per_rank.values())
+
+            def thunk(K=K, placement=_REPLACES[name]):
+                one = _ours_at(profile, None, K, hol)
+                return (one if placement is None else _ours_at(profile, placement, K, hol)), one
+
+            yield name, thunk
 
 
 def _ms(value: float | str | None) -> str:
@@ -401,7 +558,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
     """PipeMorph, CrossPipe and torch's built-ins side by side for one profile, each torch schedule (and
     ZB-H1) also beside our plans at its own peak per-rank memory (docs/choosing.md)."""
     profile = _profile_from_args(args)
-    rows = list(_compare_candidates(profile, args.hol))
+    start = time.monotonic()
+    rows = _budgeted(list(_compare_candidates(profile, args.hol)), args.time_limit)
+    matched = dict(_budgeted(list(_matched_candidates(profile, rows, args.hol)),
+                             max(0.0, args.time_limit - (time.monotonic() - start))))
     torch_best = min((t.makespan_ms for name, t in rows if name.startswith("torch ")
                       and not isinstance(t, str)), default=math.nan)
     print(f"{'schedule':<28} {'makespan ms':>12} {'bubble':>8} {'peak/stage':>10} {'peak/rank':>9} "
@@ -416,15 +576,15 @@ def cmd_compare(args: argparse.Namespace) -> None:
         rank_peak = max(t.peak_memory_per_rank.values())
         row = {"schedule": name, "makespan_ms": t.makespan_ms, "bubble_rate": t.bubble_rate,
                "peak_inflight": peak, "peak_memory_per_rank": rank_peak}
-        matched = one_stage = None
-        if name in _REPLACES:
-            one_stage = _ours_at(profile, None, rank_peak, args.hol)
-            placement = _REPLACES[name]
-            matched = one_stage if placement is None else _ours_at(profile, placement, rank_peak, args.hol)
-            row["memory_matched"] = {"memory_limit": rank_peak, "placement": placement or "one stage per rank",
-                                     "ours_ms": matched, "ours_one_stage_ms": one_stage}
+        ours = one_stage = None
+        if name in matched:
+            got = matched[name]
+            ours, one_stage = ("n/a", "n/a") if isinstance(got, str) else got
+            row["memory_matched"] = {"memory_limit": rank_peak, "placement": _REPLACES[name] or "one stage per rank",
+                                     "ours_ms": got if isinstance(got, str) else ours,
+                                     "ours_one_stage_ms": got if isinstance(got, str) else one_stage}
         print(f"{name:<28} {t.makespan_ms:>12.1f} {t.bubble_rate:>8.1%} {peak:>10} {rank_peak:>9.3g} "
-              f"{torch_best / t.makespan_ms:>13.2f}x {_ms(matched):>19} {_ms(one_stage):>18}")
+              f"{torch_best / t.makespan_ms:>13.2f}x {_ms(ours):>19} {_ms(one_stage):>18}")
         out.append(row)
     print("peak/stage: activations the busiest stage holds (2-chunk schedules: half-size chunks); peak/rank: "
           "the busiest rank's, in activations of its whole model part (a chunk counts 1/2); vs best torch: "
@@ -438,29 +598,88 @@ def cmd_compare(args: argparse.Namespace) -> None:
 _GANTT_FORMATS = (".png", ".pdf", ".svg")
 
 
+_OUTPUT_FLAGS = (("--out-csv", "out_csv"), ("--trace", "trace"), ("--gantt", "gantt"))
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    return [(flag, getattr(args, dest)) for flag, dest in _OUTPUT_FLAGS if getattr(args, dest, None) is not None]
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before any work: each output path is new or a writable regular file, in a writable directory,
+    with a supported extension, and no two outputs share a path."""
+    seen: dict[str, str] = {}
+    for flag, path in _outputs(args):
+        if flag == "--gantt" and path.suffix.lower() not in _GANTT_FORMATS:
+            raise UsageError(f"--gantt {path}: unsupported extension {path.suffix!r} "
+                             f"(use {', '.join(_GANTT_FORMATS)})")
+        key = os.path.realpath(path)
+        if key in seen:
+            raise UsageError(f"{flag} {path}: the same file as {seen[key]} (give each output its own path)")
+        seen[key] = f"{flag} {path}"
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        except OSError as e:
+            raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
+        parent = path.parent if str(path.parent) else Path(".")
+        if mode is not None and stat.S_ISDIR(mode):
+            raise UsageError(f"{flag} {path}: is a directory")
+        if mode is not None and not stat.S_ISREG(mode):
+            raise UsageError(f"{flag} {path}: not a regular file (outputs are files)")
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {path}: no such directory {str(parent)!r}")
+        if mode is not None and not os.access(path, os.W_OK):
+            raise UsageError(f"{flag} {path}: not writable")
+        try:  # the temporary file _write_outputs will need (os.access is no proof: root, /proc, read-only mounts)
+            os.unlink(_temporary(path))
+        except OSError as e:
+            raise UsageError(f"{flag} {path}: cannot create a file in {str(parent)!r} ({e.strerror or e})") from None
+
+
+def _temporary(path: Path) -> str:
+    """A new empty file next to ``path`` with its extension (matplotlib picks the format from it)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent if str(path.parent) else ".")
+    os.close(fd)
+    return tmp
+
+
 def _write_outputs(actions, timeline, args: argparse.Namespace) -> None:
-    """--out-csv, --trace, --gantt: all or nothing (a failed write removes the files written before)."""
+    """--out-csv, --trace, --gantt: all or nothing. Each goes to a temporary file next to its target;
+    only when all are written are they renamed into place, so a failure leaves every file as it was."""
     from .plan.export import write_chrome_trace, write_gantt_png, write_torch_csv
 
-    gantt = getattr(args, "gantt", None)
-    if gantt is not None and gantt.suffix.lower() not in _GANTT_FORMATS:
-        raise UsageError(f"--gantt {gantt}: unsupported extension {gantt.suffix!r} "
-                         f"(use {', '.join(_GANTT_FORMATS)})")
-    jobs = [(flag, path, write) for flag, path, write in (
-        ("--out-csv", getattr(args, "out_csv", None), lambda p: write_torch_csv(actions, p)),
-        ("--trace", getattr(args, "trace", None), lambda p: write_chrome_trace(timeline, p)),
-        ("--gantt", gantt, lambda p: write_gantt_png(timeline, p)),
-    ) if path is not None]
-    written: list[Path] = []
-    for flag, path, write in jobs:
-        try:
-            write(path)
-            written.append(path)
-        except OSError as e:
-            for done in [*written, path]:
-                if done.is_file():
-                    done.unlink()
-            raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
+    _stop_clock()
+    writers = {"--out-csv": lambda p: write_torch_csv(actions, p),
+               "--trace": lambda p: write_chrome_trace(timeline, p),
+               "--gantt": lambda p: write_gantt_png(timeline, p)}
+    staged: list[tuple[str, Path]] = []  # (temporary file, target)
+    try:
+        for flag, path in _outputs(args):
+            try:
+                staged.append((_temporary(path), path))
+                writers[flag](Path(staged[-1][0]))
+            except OSError as e:
+                raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
+        for tmp, path in staged:
+            os.chmod(tmp, _file_mode(path))
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp, _ in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+
+
+def _file_mode(path: Path) -> int:
+    """The mode the replaced file had, or a new file's (0o666 less the umask; mkstemp's is 0o600)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -477,8 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "PipeMorph Fig.4 (x_i = 2(S-i)-1) planned as if no link were slow; zb-h1: x_i = S-i; "
                         "crosspipe-ud|udsub|wave: CrossPipe greedy (docs/crosspipe.md; wave cuts every stage "
                         "into two half chunks, V-shape); optimal: CP-SAT optimum (needs titan-ext[solver])")
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="solver time limit (optimal)")
-    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+    _add_time_limit(p)
+    p.add_argument("--virtual-stages", type=_number(int, 2, MAX_OPS, "an integer"), default=None, metavar="V",
                    help="stages per rank (>= 2): --stages is then the number of ranks R, --times are per rank "
                         "(each of its V stages takes 1/V), --delay LINK:MS slows rank link LINK; "
                         "--schedule pipemorph|crosspipe-wave (docs/multistage.md)")
@@ -489,12 +708,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most K activations of one rank's whole model part held on any rank (a chunk "
                         "of a rank with V stages counts 1/V, so K*V must be whole); one stage per rank: "
                         "Alg.1's x_max, caps Alg.2 (docs/multistage.md, Memory)")
-    p.add_argument("--stage-memory-limit", type=int, default=None, metavar="K",
+    p.add_argument("--stage-memory-limit", type=_COUNT, default=None, metavar="K",
                    help="at most K in-flight activations on any one stage (chunk)")
     p.add_argument("--strict", action="store_true",
                    help="also validate with torch's checker, lowering and dry run (slower; default: ours)")
-    p.add_argument("--slack-floor", type=int, default=2, metavar="D",
-                   help="Alg.2's lower bound on every slackness (paper: 2; 1 saves memory)")
+    p.add_argument("--slack-floor", type=_COUNT, default=2, metavar="D",
+                   help="Alg.2's lower bound on every slackness (paper: 2; 1 saves memory; at most the "
+                        "number of microbatches)")
     p.add_argument("--backward", choices=("split", "full"), default="split",
                    help="split: I and W actions (W fills bubbles); full: one full backward B per microbatch "
                         "(1F1B-style) with the same warm-up planning")
@@ -515,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hol", action="store_true", help="head-of-line blocking: sends block the compute behind them")
     s.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="K",
                    help="with --schedule: max in-flight activations per rank (whole number)")
-    s.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="with --schedule optimal: solver time limit")
+    _add_time_limit(s)
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     s.add_argument("--gantt", type=Path, help="write a Gantt PNG")
     s.set_defaults(func=cmd_simulate)
@@ -527,24 +747,55 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(docs/choosing.md says when to use which).")
     _add_common(c)
     c.add_argument("--hol", action="store_true", help="head-of-line blocking: sends block the compute behind them")
+    _add_time_limit(c, "wall-clock budget of the whole comparison in s: each schedule gets the time left divided "
+                       "by the number of schedules left; one that does not finish in its share is skipped "
+                       "(and says so)")
     c.set_defaults(func=cmd_compare)
     return parser
+
+
+def _silence_stdout() -> None:
+    """Nothing more reaches stdout (no second error at exit's flush)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _run(args: argparse.Namespace) -> None:
+    """Check the outputs, then do the work within --time-limit (compare budgets its own candidates)."""
+    check_outputs(args)
+    limit = getattr(args, "time_limit", None)
+    if args.func is cmd_compare or limit is None:
+        return args.func(args)
+    progress = f"{args.command} still running; it stops at --time-limit {limit:g} s"
+    try:
+        with time_limit(_grace(limit), progress):
+            args.func(args)
+    except TimeLimitReached:
+        raise UsageError(f"{args.command}: not finished within --time-limit {limit:g} s (raise it, or plan "
+                         f"fewer stages or microbatches)") from None
+
+
+def _grace(limit: float) -> float:
+    """The alarm of a --time-limit: the limit plus a little for simulating and reporting the plan that the
+    optimal solver returns at the limit."""
+    return limit * 1.05 + 1.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        args.func(args)
+        _run(args)
         sys.stdout.flush()
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, like other Unix tools
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        _silence_stdout()
         return 0
+    except OSError as e:  # stdout itself cannot be written (`> /dev/full`)
+        _silence_stdout()
+        print(f"error: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

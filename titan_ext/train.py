@@ -66,14 +66,8 @@ def check_job_config(config, world_size: int | None = None) -> None:
     config.model.hf_assets_path = _resolve_repo_path(config.model.hf_assets_path)
     if config.training.dataset_path:
         config.training.dataset_path = _resolve_repo_path(config.training.dataset_path)
-    env_spec = os.environ.get("TITAN_EXT_INJECT_DELAYS", "").strip()
-    if env_spec and not (section.inject_delays.strip() or section.inject_trace.strip()):
-        from titan_ext.titan.config import parse_delay_spec
-
-        schedule = parse_delay_spec(env_spec, key="inject_delays (from TITAN_EXT_INJECT_DELAYS)")
-        if pp > 1 and schedule is not None and schedule.max_link() >= pp - 1:
-            raise JobConfigError(f"TITAN_EXT_INJECT_DELAYS = {env_spec!r}: link {schedule.max_link()} "
-                                 f"does not exist with {pp} pipeline stages (links 0..{pp - 2})")
+    if not (section.inject_delays.strip() or section.inject_trace.strip()):
+        _check_env_straggler(pp)
     from titan_ext.titan.falcon_job import check_emulation
 
     try:
@@ -144,13 +138,52 @@ def check_job_config(config, world_size: int | None = None) -> None:
         config.experimental.custom_import = "titan_ext"
 
 
+def _check_env_straggler(pp: int) -> None:
+    """TITAN_EXT_INJECT_DELAYS (and _T0) well-formed and naming existing links; the runtime installs
+    it once the process group exists (``options.install_link_delays``)."""
+    from titan_ext.runtime.delay_injection import ENV_VAR, DelaySpecError, schedule_from_env
+
+    try:
+        parsed = schedule_from_env()
+    except DelaySpecError as e:
+        raise JobConfigError(str(e)) from None
+    if parsed is not None and pp > 1 and parsed[0].max_link() >= pp - 1:
+        raise JobConfigError(f"{ENV_VAR} = {parsed[0].source!r}: link {parsed[0].max_link()} "
+                             f"does not exist with {pp} pipeline stages (links 0..{pp - 2})")
+
+
 def _config_error(e: Exception) -> None:
-    """One line, exit 2 (every rank prints it; no process group exists yet)."""
+    """One line from rank 0 (the others exit quietly: no process group exists yet), exit 2 everywhere."""
     import tomllib
 
     what = "malformed TOML" if isinstance(e, tomllib.TOMLDecodeError) else "configuration error"
-    print(f"titan_ext: {what}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"titan_ext: {what}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
     raise SystemExit(2) from None
+
+
+def _check_toml_file(argv: list[str]) -> None:
+    """The ``--job.config_file`` TOML exists and parses (TorchTitan would log a traceback first):
+    raises ValueError (TOMLDecodeError for a syntax error or a duplicate key)."""
+    import tomllib
+
+    path = None
+    for i, arg in enumerate(argv):  # TorchTitan's rule (ConfigManager._maybe_load_toml)
+        key, sep, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            path = value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
+            break
+    if path is None:
+        return
+    try:
+        with open(path, "rb") as f:
+            tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"--job.config_file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--job.config_file {path}: not UTF-8 text (a TOML file)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise tomllib.TOMLDecodeError(f"{path}: {e}") from None
 
 
 def _stages_per_rank(config, pp: int) -> int:
@@ -189,6 +222,9 @@ def main(args: list[str] | None = None) -> None:
 
     The config is parsed and checked once first, so that a bad value, an unknown key or a malformed
     TOML prints one line and exits 2 (before any process group)."""
+    import titan_ext
+
+    titan_ext.DEFER_ENV_STRAGGLER = True  # checked below, installed once the process group exists
     import torchtitan.train
     from torchtitan.config import ConfigManager
 
@@ -197,6 +233,7 @@ def main(args: list[str] | None = None) -> None:
 
     register()
     try:
+        _check_toml_file(list(sys.argv[1:] if args is None else args))
         argv = _with_custom_config_module(list(sys.argv[1:] if args is None else args))
         check_job_config(ConfigManager().parse_args(argv), world_size=_world_size())
     except ValueError as e:  # TitanExtConfigError, JobConfigError, TOMLDecodeError, unknown keys

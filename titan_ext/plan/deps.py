@@ -6,9 +6,11 @@ full B — of (s, m) needs its own F(s, m) and the gradient of stage s+1, I/B(s+
 I(s, m). Whether a producer's result travels as a message is the placement's business (producer and
 consumer on different ranks). A full B completes what an I would, so producers name it ``"I"`` (:func:`done_key`).
 
-The reference evaluator (``simulate``) and the validator use this module; the fast evaluators (the
-generator, ``replay_makespan_ns``, the C code) inline the same rule and are checked bit-for-bit
-against ``simulate`` by tests.
+The reference evaluator (``simulate``) and the validator use this module; the fast evaluators inline
+the same rule for speed (PipeMorph's generator and ``replay_makespan_ns``, the virtual-stage generator,
+CrossPipe's greedy, model and search in Python and C) and are checked bit-for-bit against ``simulate``
+on random profiles by ``tests/test_plan_reference.py``; CP-SAT's arcs (``optimal``) are checked there to
+be no weaker than this rule.
 """
 
 from __future__ import annotations

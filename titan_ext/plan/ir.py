@@ -42,6 +42,8 @@ def torch_schedules() -> Any:
 
 def to_torch_plan(plan: Mapping[int, Iterable[Op]]) -> dict[int, list[Any]]:
     """Internal plan (rank → ops) → torch IR (rank → list[_Action])."""
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"plan must be a mapping rank → list of ops, got {type(plan).__name__}")
     sched = torch_schedules()
     kinds = {k: sched._ComputationType.from_str(k) for k in COMPUTE_KINDS}
     action = sched._Action
@@ -54,6 +56,8 @@ def as_ops(plan: Mapping[int, Iterable[Any]]) -> dict[int, list[Op]]:
     ``None`` entries (torch's idle slots) are dropped. Any non-compute action is rejected: plans here
     are compute-only and torch's lowering adds the communication.
     """
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"plan must be a mapping rank → list of actions, got {type(plan).__name__}")
     out: dict[int, list[Op]] = {}
     for rank, actions in plan.items():
         if all(type(a) is tuple and len(a) == 3 and a[1] in COMPUTE_KINDS for a in actions):

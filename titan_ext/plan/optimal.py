@@ -240,7 +240,8 @@ def solve_optimal_problem(
     bounds.  Same optimum as ``redundant=False`` (the plain §4.1 model); tests check both.
     ``deterministic`` / ``deterministic_time``: reproducible search (module docstring);
     ``deterministic_time`` is CP-SAT's ``max_deterministic_time`` (default 0.6 × ``time_limit_s``
-    when ``deterministic``), the wall-clock ``time_limit_s`` applies as well.
+    when ``deterministic``), the wall-clock ``time_limit_s`` applies as well, end to end: model
+    building, the hint and its polish count against it (the final solve gets what is left).
     ``tail_polish``: fractions of the hint's makespan after which the hint is re-optimised (default
     (0.8, 0.6, 0.4, 0.2); ``()``: off).
     ``disjunctive_ranks`` (relaxation): only these ranks get the one-at-a-time constraint; the
@@ -254,6 +255,10 @@ def solve_optimal_problem(
         raise ImportError("the optimal solver needs OR-Tools: pip install 'titan-ext[solver]'") from e
 
     t_start = time.perf_counter()
+
+    def time_left() -> float:  # of the wall-clock time_limit_s, model building and polishing included
+        return max(0.01, float(time_limit_s) - (time.perf_counter() - t_start))
+
     R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
     s2r = problem.stage_to_rank
     redundant = redundant and microbatch_order
@@ -462,10 +467,10 @@ def solve_optimal_problem(
             sub.AddHint(sub.GetIntVarFromProtoIndex(makespan.Index()), cur_ms)
             ps = cp_model.CpSolver()
             if deterministic:
-                ps.parameters.max_time_in_seconds = float(time_limit_s) / 4
+                ps.parameters.max_time_in_seconds = min(float(time_limit_s) / 4, time_left() / 4)
                 ps.parameters.max_deterministic_time = polish_dtime
             else:
-                ps.parameters.max_time_in_seconds = max(0.05, min(3.0, 0.05 * time_limit_s))
+                ps.parameters.max_time_in_seconds = min(max(0.05, min(3.0, 0.05 * time_limit_s)), time_left() / 4)
             ps.parameters.num_workers = int(workers)
             ps.parameters.interleave_search = bool(deterministic and workers > 1)
             ps.parameters.random_seed = int(random_seed)
@@ -481,7 +486,7 @@ def solve_optimal_problem(
             m.AddHint(start[v], cur[v])
         m.AddHint(makespan, cur_ms)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.max_time_in_seconds = time_left()  # time_limit_s holds end to end
     if deterministic and deterministic_time is None:
         deterministic_time = 0.6 * float(time_limit_s)
     if deterministic_time is not None:

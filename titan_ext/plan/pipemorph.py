@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+from .args import counts_arg, int_arg, profile_arg
 from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
 from .result import PlanResult, make_result, peak_inflight
@@ -58,8 +59,8 @@ def generate_order(
     each I is replaced by a full B taking ``t_B + t_W`` and no W is scheduled (1F1B-style actions with
     PipeMorph's warm-up counts, for devices where the I/W split costs more than it saves).
     """
-    S, N = profile.num_stages, profile.num_microbatches
-    x = [int(v) for v in warmup_counts]
+    S, N = profile_arg(profile).num_stages, profile.num_microbatches
+    x = counts_arg(warmup_counts, "warmup_counts")
     if len(x) != S:
         raise ValueError(f"warmup_counts has {len(x)} entries, expected num_stages = {S}")
     for i, v in enumerate(x):
@@ -267,6 +268,8 @@ def _candidates(profile: PipelineProfile, schedule: str, mode: str, slack_floor:
     out = [make(variants[0][0] + ("-capped" if cap_inflight else ""), variants[0][1], cap_inflight)]
     for name, x in variants:
         out += [make(name + "-capped", x, True), make(name, x, False)]
+    if mode != "initial" and N - 2 * S < slack_floor:  # Alg.2's clip as published (x = 1 at N = 2S), uncapped
+        out.append(make("alg2-literal", adapted_warmup_counts(profile, slack_floor=slack_floor, literal=True), False))
     static = any(link.delay_ms > 0 for link in profile.links)  # else generated = static (dedup)
     out += [make("zb", zb_warmup_counts(S, N), True, static=static),
             make("zb-h1", zb_h1_warmup_counts(S), True, static=static)]
@@ -345,7 +348,9 @@ def plan_pipemorph(
     ``mode="adaptive"`` → Alg.2 (§4.2) from the profile's measured times and delays; ``mode="auto"`` →
     adaptive when any link has a delay, else initial. With ``candidates`` (default) it also times, under
     the profile, the cheap alternatives — the same warm-up counts without the in-flight cap, Alg.2 with
-    slack floor 1, the static zb and zb-h1 orders and torch's 1F1B order — and returns the fastest
+    slack floor 1, Alg.2 with its clip as published where N − 2S is below the floor (x_i = 1 at N = 2S,
+    uncapped: ``adapted_warmup_counts(literal=True)``), the static zb and zb-h1 orders and torch's
+    1F1B order — and returns the fastest
     (ties: the earlier in that list, which holds fewer activations), so it is never slower than any.
     ``memory_limit`` K (and the profile's byte budget): every candidate holds at most K in-flight
     activations per stage, so the result is the fastest candidate that fits.
@@ -354,6 +359,8 @@ def plan_pipemorph(
     False → none. ``backward="full"`` (our extension): plan with the profile's ``fused()`` times and emit
     full backwards B instead of I/W (the runtime measures both, see ``titan_ext.runtime``).
     """
+    profile_arg(profile)
+    int_arg(slack_floor, "slack_floor")
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     if schedule not in SCHEDULES:
@@ -400,14 +407,14 @@ def plan_pipemorph(
             peak = validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
                                  torch_dry_run=validate == "torch")
         else:
-            peak = peak_inflight(order)
+            peak = None  # make_result counts them
         actions = to_torch_plan(order)
         result = make_result(
-            order, actions=actions, schedule=schedule,
+            order, actions=actions, inflight=peak, schedule=schedule,
             source=schedule if len(cands) == 1 else f"{schedule}:{best.name}",
             warmup_counts=best.warmup_counts, predicted_makespan_ms=to_ms(makespan), plan_ms=0.0,
-            stage_to_rank=range(profile.num_stages), profile=profile, inflight_limit=limit, notes=_notes(profile, schedule, mode, slack_floor),
-            candidates=timed,
+            stage_to_rank=range(profile.num_stages), profile=profile, inflight_limit=limit,
+            notes=_notes(profile, schedule, mode, slack_floor), candidates=timed,
         )
     result.plan_ms = (time.perf_counter() - t0) * 1e3
     return result

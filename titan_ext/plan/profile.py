@@ -14,8 +14,16 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+# Bounds of the timing model (integer nanoseconds, plan/timing.py): any time, latency or transfer time is
+# at most MAX_MS (11.6 days), and a time that must be > 0 is at least MIN_POSITIVE_MS (1 ns, the
+# simulator's resolution: below it, it would round to nothing).
+MAX_MS = 1e9
+MIN_POSITIVE_MS = 1e-6
 
-def _check_number(name: str, value: float, *, positive: bool = False, allow_inf: bool = False) -> float:
+
+def _check_number(
+    name: str, value: float, *, positive: bool = False, allow_inf: bool = False, max_value: float = math.inf
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     value = float(value)
@@ -27,6 +35,16 @@ def _check_number(name: str, value: float, *, positive: bool = False, allow_inf:
         raise ValueError(f"{name} must be > 0, got {value}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+    if value > max_value:
+        raise ValueError(f"{name} must be at most {max_value:g}, got {value:g}")
+    return value
+
+
+def _check_ms(name: str, value: float, *, positive: bool) -> float:
+    """A time in ms within the timing model's bounds (MAX_MS; MIN_POSITIVE_MS when it must be > 0)."""
+    value = _check_number(name, value, positive=positive, max_value=MAX_MS)
+    if positive and value < MIN_POSITIVE_MS:
+        raise ValueError(f"{name} must be at least {MIN_POSITIVE_MS:g} ms (1 ns), got {value:g}")
     return value
 
 
@@ -39,13 +57,18 @@ class LinkProfile:
     message_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "latency_ms", _check_number("latency_ms", self.latency_ms))
+        object.__setattr__(self, "latency_ms", _check_ms("latency_ms", self.latency_ms, positive=False))
         object.__setattr__(
             self,
             "bandwidth_bytes_per_s",
             _check_number("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True, allow_inf=True),
         )
         object.__setattr__(self, "message_bytes", _check_number("message_bytes", self.message_bytes))
+        if self.transfer_ms > MAX_MS:
+            raise ValueError(
+                f"message_bytes / bandwidth_bytes_per_s = {self.transfer_ms:g} ms per message, beyond "
+                f"{MAX_MS:g} ms (message_bytes {self.message_bytes:g}, bandwidth {self.bandwidth_bytes_per_s:g} B/s)"
+            )
 
     @property
     def transfer_ms(self) -> float:
@@ -60,12 +83,18 @@ class LinkProfile:
         return self.latency_ms + self.transfer_ms
 
 
-def _stage_tuple(name: str, values: float | Sequence[float], n: int, *, positive: bool) -> tuple[float, ...]:
+def _stage_tuple(
+    name: str, values: float | Sequence[float], n: int, *, positive: bool, ms: bool = True
+) -> tuple[float, ...]:
     if isinstance(values, (int, float)) and not isinstance(values, bool):
         values = [values] * n
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name} must be a number or one number per stage, got {type(values).__name__}")
     values = tuple(values)
     if len(values) != n:
         raise ValueError(f"{name} has {len(values)} entries, expected one per stage ({n})")
+    if ms:
+        return tuple(_check_ms(f"{name}[{i}]", v, positive=positive) for i, v in enumerate(values))
     return tuple(_check_number(f"{name}[{i}]", v, positive=positive) for i, v in enumerate(values))
 
 
@@ -100,6 +129,8 @@ class PipelineProfile:
         set_("f_ms", _stage_tuple("f_ms", self.f_ms, S, positive=True))
         set_("b_ms", _stage_tuple("b_ms", self.b_ms, S, positive=True))
         set_("w_ms", _stage_tuple("w_ms", self.w_ms, S, positive=False))
+        if self.links is not None and not isinstance(self.links, Sequence):
+            raise ValueError(f"links must be a sequence of LinkProfile, got {type(self.links).__name__}")
         links = tuple(self.links) if self.links else tuple(LinkProfile() for _ in range(S - 1))
         if len(links) != S - 1:
             raise ValueError(f"links has {len(links)} entries, expected num_stages - 1 = {S - 1}")
@@ -110,8 +141,8 @@ class PipelineProfile:
         if (self.activation_bytes is None) != (self.memory_budget_bytes is None):
             raise ValueError("activation_bytes and memory_budget_bytes must be given together")
         if self.activation_bytes is not None:
-            act = _stage_tuple("activation_bytes", self.activation_bytes, S, positive=True)
-            budget = _stage_tuple("memory_budget_bytes", self.memory_budget_bytes, S, positive=False)
+            act = _stage_tuple("activation_bytes", self.activation_bytes, S, positive=True, ms=False)
+            budget = _stage_tuple("memory_budget_bytes", self.memory_budget_bytes, S, positive=False, ms=False)
             for i, (a, m) in enumerate(zip(act, budget)):
                 if m < a:
                     raise ValueError(
@@ -133,9 +164,14 @@ class PipelineProfile:
         **kwargs,
     ) -> "PipelineProfile":
         """Same times on every stage; ``delays_ms = {link: one-way latency in ms}``."""
+        for name, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if delays_ms is not None and not isinstance(delays_ms, Mapping):
+            raise ValueError(f"delays_ms must be a mapping link → ms, got {type(delays_ms).__name__}")
         links = [LinkProfile() for _ in range(max(num_stages - 1, 0))]
         for link, ms in (delays_ms or {}).items():
-            if not 0 <= link < num_stages - 1:
+            if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < num_stages - 1:
                 raise ValueError(f"delays_ms: link {link} does not exist (links are 0..{num_stages - 2})")
             links[link] = LinkProfile(latency_ms=ms)
         return cls(num_stages, num_microbatches, f_ms, b_ms, w_ms, tuple(links), **kwargs)
@@ -149,7 +185,8 @@ class PipelineProfile:
         """Per stage, how many microbatches' activations fit in the budget (Alg.1 line 2), or None."""
         if self.activation_bytes is None:
             return None
-        return tuple(int(m // a) for a, m in zip(self.activation_bytes, self.memory_budget_bytes))
+        N = self.num_microbatches  # more never matters (and a huge budget / activation ratio stays an int)
+        return tuple(int(min(m // a, N)) for a, m in zip(self.activation_bytes, self.memory_budget_bytes))
 
     def fused(self) -> "PipelineProfile":
         """The same pipeline with the backward not split: ``b_ms`` = B + W of each stage, ``w_ms`` = 0
@@ -167,3 +204,73 @@ class PipelineProfile:
                 raise ValueError(f"delays_ms: link {i} does not exist (links are 0..{len(links) - 1})")
             links[i] = replace(links[i], latency_ms=ms)
         return self.with_links(links)
+
+    # ------------------------------------------------------------------ JSON format (the CLI's --profile)
+    def to_json(self) -> dict:
+        """The profile as a JSON object of :data:`PROFILE_FIELDS` (:meth:`from_json` reads it back; an
+        infinite bandwidth is left out, which means the same)."""
+        doc = {"num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
+               "f_ms": list(self.f_ms), "b_ms": list(self.b_ms), "w_ms": list(self.w_ms),
+               "links": [link_to_json(link) for link in self.links]}
+        if self.activation_bytes is not None:
+            doc.update(activation_bytes=list(self.activation_bytes),
+                       memory_budget_bytes=list(self.memory_budget_bytes))
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping) -> "PipelineProfile":
+        """A profile from its JSON object (:data:`PROFILE_FIELDS`; ``links`` optional: no delay).
+        ValueError names a missing, unknown or bad field."""
+        check_profile_fields(doc)
+        missing = [k for k in PROFILE_FIELDS[:5] if k not in doc]
+        if missing:
+            raise ValueError(f"profile: missing field(s) {', '.join(missing)}")
+        S = doc["num_stages"]
+        links = links_from_json(doc.get("links") or [], S) if doc.get("links") else ()
+        return cls(S, doc["num_microbatches"], doc["f_ms"], doc["b_ms"], doc["w_ms"], links,
+                   activation_bytes=doc.get("activation_bytes"), memory_budget_bytes=doc.get("memory_budget_bytes"))
+
+
+PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
+                  "activation_bytes", "memory_budget_bytes")
+"""The fields of a profile's JSON object: PipelineProfile's, times in ms (a number for every stage or a
+list with one per stage), ``links`` one object per link with LinkProfile's fields (link i joins stage i
+and i+1), memory in bytes."""
+
+LINK_FIELDS = ("latency_ms", "bandwidth_bytes_per_s", "message_bytes")
+
+
+def check_profile_fields(doc: object) -> None:
+    """ValueError unless ``doc`` is a JSON object with only :data:`PROFILE_FIELDS`."""
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"profile: expected a JSON object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(PROFILE_FIELDS))
+    if unknown:
+        raise ValueError(f"profile: unknown field(s) {', '.join(map(str, unknown))} "
+                         f"(known: {', '.join(PROFILE_FIELDS)})")
+
+
+def link_to_json(link: LinkProfile) -> dict:
+    doc = {"latency_ms": link.latency_ms, "message_bytes": link.message_bytes}
+    if not math.isinf(link.bandwidth_bytes_per_s):
+        doc["bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
+    return doc
+
+
+def links_from_json(items: object, num_stages: int) -> list[LinkProfile]:
+    """``num_stages − 1`` LinkProfiles from a JSON list of link objects (LINK_FIELDS, each optional)."""
+    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+        raise ValueError(f"profile links: expected a list of link objects, got {type(items).__name__}")
+    links = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise ValueError(f"profile links[{i}]: expected an object with {', '.join(LINK_FIELDS)}")
+        unknown = sorted(set(item) - set(LINK_FIELDS))
+        if unknown:
+            raise ValueError(f"profile links[{i}]: unknown field(s) {', '.join(map(str, unknown))} "
+                             f"(known: {', '.join(LINK_FIELDS)})")
+        links.append(LinkProfile(**item))
+    if len(links) != num_stages - 1:
+        raise ValueError(f"profile links: {len(links)} entries for {num_stages} stages "
+                         f"(expected {num_stages - 1}, one per link)")
+    return links

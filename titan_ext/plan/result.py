@@ -106,12 +106,16 @@ def make_result(
     source: str | None = None,
     warmup_counts: Sequence[int] | None = None,
     actions: Mapping[int, list[Any]] | None = None,
+    inflight: Mapping[int, int] | None = None,
     **fields: Any,
 ) -> PlanResult:
     """A :class:`PlanResult` for ``plan`` (torch actions or op tuples), deriving what follows from the
     plan: ops, torch actions (when not given), warm-up counts (when not planned), in-flight and memory
-    peaks. ``stage_to_rank`` defaults to one stage per rank; ``fields``: the optional fields."""
-    ops = as_ops(plan)
+    peaks. ``stage_to_rank`` defaults to the plan's own placement; ``fields``: the optional fields.
+    A planner that passes ``actions`` passes its own op tuples as ``plan`` (taken as they are: no
+    second pass over a large plan), and ``inflight`` the per-stage peaks when it has them
+    (``validate_plan`` returns them)."""
+    ops = {int(r): o for r, o in plan.items()} if actions is not None and not _is_torch(plan) else as_ops(plan)
     if stage_to_rank is None:
         stage_to_rank = _read_stage_to_rank(ops)
     s2r = tuple(int(r) for r in stage_to_rank)
@@ -119,7 +123,7 @@ def make_result(
         from .ir import to_torch_plan
 
         actions = plan if _is_torch(plan) else to_torch_plan(ops)
-    inflight = peak_inflight(ops)
+    inflight = peak_inflight(ops) if inflight is None else dict(inflight)
     V = stages_per_rank(s2r)
     return PlanResult(
         actions=dict(actions), ops=ops, schedule=schedule, source=source or schedule,

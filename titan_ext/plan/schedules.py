@@ -16,6 +16,7 @@ import math
 import time
 from typing import Any
 
+from .args import profile_arg
 from .builtin import BUILTINS
 from .crosspipe import plan_crosspipe, wave_profile
 from .ir import as_ops, gc_paused, torch_schedules
@@ -140,6 +141,7 @@ def plan_by_name(
     per-stage in-flight limit and the tighter wins. Raises ValueError (bad input, no plan fits) or
     ImportError (``optimal`` without ortools).
     """
+    profile_arg(profile)
     check_memory_limit(memory_limit, stage_memory_limit)
     if virtual_stages != 1 or placement is not None:
         return _plan_virtual(profile, name, virtual_stages, placement, memory_limit, stage_memory_limit,
@@ -185,6 +187,8 @@ def _plan_virtual(profile, name, V, placement, memory_limit, stage_memory_limit,
 
 def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | None, time_limit_s: float) -> PlanResult:
     """CrossPipe's greedy (ud, udsub, wave: CrossPipe §4.2) or the CP-SAT optimum (§4.1)."""
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be a number of seconds > 0, got {time_limit_s!r}")
     if name == "optimal":
         return _plan_optimal(profile, memory_limit, time_limit_s)
     variant = name.split("-", 1)[1]

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .args import plan_arg, profile_arg
+from .complete import check_complete
 from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
 from .placement import stage_profile
@@ -97,10 +99,14 @@ def simulate(
     """Simulate ``plan`` (rank → compute actions, torch ``_Action`` or tuples) under ``profile``.
 
     ``profile`` is stage-level (``profile.links[s]`` joins stage s and s+1, unused when both live on
-    one rank) or rank-level for multi-chunk plans (see ``_stage_model``). Raises ``DeadlockError``
-    when the plan cannot complete.
+    one rank) or rank-level for multi-chunk plans (see ``_stage_model``). A plan that does not match
+    its profile (stage count, microbatch count) or is incomplete (validate.check_complete) raises
+    ``ValueError``; one that cannot complete raises ``DeadlockError``.
     """
-    ops = as_ops(plan)
+    profile_arg(profile)
+    if not isinstance(hol, bool):
+        raise ValueError(f"hol must be True or False, got {hol!r}")
+    ops = as_ops(plan_arg(plan))
     placement = stage_to_rank_map(ops)
     if stage_to_rank is not None:
         lookup = stage_to_rank if callable(stage_to_rank) else stage_to_rank.__getitem__
@@ -111,6 +117,10 @@ def simulate(
     if set(placement) != set(range(S)):
         raise ValueError(f"plan has stages {sorted(placement)}, expected 0..{S - 1}")
     dur, stage_links = _stage_model(profile, placement, len(ops))
+    last_mb = max((m for rank_ops in ops.values() for _, _, m in rank_ops), default=-1)
+    if last_mb + 1 != profile.num_microbatches:
+        raise ValueError(f"the plan has {last_mb + 1} microbatches, the profile {profile.num_microbatches}")
+    check_complete(ops, S, profile.num_microbatches)
     links = LinkQueues(stage_links)
     last = S - 1
 

@@ -1,10 +1,20 @@
-"""Shared timing primitives of the planners and the simulator (DESIGN.md "Timing model").
+"""The one definition of link timing (DESIGN.md "Timing model"; issue 25 item 3).
 
 All arithmetic is in integer nanoseconds so that event times compare exactly (no float ties).
-A message on a link takes ``latency + size/bandwidth``; each direction of a link carries one message
-at a time (range-based occupancy, CrossPipe §4.2.3): a message's transmission window of length
-``size/bandwidth`` starts when both the message and the link direction are ready, and the message
-arrives ``latency`` after its window ends.
+A message on a link takes ``latency + size/bandwidth`` (the α-β model, CrossPipe §2.2). Each direction
+of a link ("channel") transmits one message at a time, **first in, first out**: a message's
+transmission window of length ``size/bandwidth`` starts when the message is ready and every message
+sent before it on that channel has left, and the message arrives ``latency`` after its window ends.
+
+FIFO, not gap-filling, is the decision: it is what a transport does (one send stream per peer, in
+issue order), and it is what this class implements. CrossPipe's greedy (§4.2.3, ``crosspipe.greedy``)
+instead reserves the earliest free window at or after the ready time ("range-based occupancy", which
+can fill a gap before a window booked earlier). The two agree on every plan our evaluators time,
+because every message on a channel is sent by one rank — the one on its near side — in that rank's
+program order, so ready times per channel never decrease and no gap can precede a later message.
+``tests/test_plan_reference.py`` checks the greedy's own timeline against ``simulate`` operation by
+operation. Callers: ``simulate`` (the reference), ``replay_makespan_ns``, the PipeMorph and virtual
+generators; CrossPipe's model and the C code inline the same FIFO, checked bit-for-bit by that test.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ def to_ms(ns: int) -> float:
 
 
 class LinkQueues:
-    """FIFO occupancy of every (link, direction): ``send`` returns a message's arrival time."""
+    """FIFO occupancy of every channel (link direction): ``send`` returns a message's arrival time."""
 
     __slots__ = ("latency_ns", "transfer_ns", "_free")
 

@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections import Counter
 from typing import Any, Mapping, Sequence
 
+from .args import int_arg, plan_arg
+from .complete import PlanValidationError, check_complete
 from .deps import SAME_STAGE, done_key, producers
 from .ir import as_ops, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
 from .simulate import peak_inflight
-
-
-class PlanValidationError(ValueError):
-    """The plan is not safe to run."""
 
 
 def compiled_core():
@@ -61,6 +58,9 @@ def validate_plan(
     microbatch)`` tuples directly); a plan it does not accept goes through the Python checks, which name
     the reason (the two agree: tests/test_plan_pipemorph_c.py).
     """
+    plan_arg(plan)
+    int_arg(num_stages, "num_stages", 1)
+    int_arg(num_microbatches, "num_microbatches", 1)
     if _CORE is not None and isinstance(plan, dict):
         peaks = _CORE.check(plan, num_stages, num_microbatches, inflight_limit)
         if peaks is not None:
@@ -85,23 +85,7 @@ def _check_python(ops: dict, num_stages: int, num_microbatches: int, inflight_li
     if set(placement) != set(range(num_stages)):
         raise PlanValidationError(f"plan covers stages {sorted(placement)}, expected 0..{num_stages - 1}")
 
-    counts = Counter((s, k, m) for rank_ops in ops.values() for s, k, m in rank_ops)
-    for (s, k, m), n in counts.items():
-        if not 0 <= m < num_microbatches:
-            raise PlanValidationError(f"action {s}{k}{m}: microbatch out of range 0..{num_microbatches - 1}")
-        if n != 1:
-            raise PlanValidationError(f"action {s}{k}{m} appears {n} times")
-    for s in range(num_stages):
-        for m in range(num_microbatches):
-            if (s, "F", m) not in counts:
-                raise PlanValidationError(f"stage {s} microbatch {m} has no F")
-            split = (s, "I", m) in counts, (s, "W", m) in counts
-            full = (s, "B", m) in counts
-            if full and any(split):
-                raise PlanValidationError(f"stage {s} microbatch {m} has both a full B and I/W")
-            if not full and split != (True, True):
-                missing = "I" if not split[0] else "W"
-                raise PlanValidationError(f"stage {s} microbatch {m} has no {missing}")
+    check_complete(ops, num_stages, num_microbatches)
 
     stuck = _first_deadlock(ops, num_stages)
     if stuck:  # a consumer before its producer on one rank blocks that rank: name it precisely

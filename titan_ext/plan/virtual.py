@@ -450,8 +450,11 @@ def plan_virtual(
     ``full_backward=False``: only split-backward (I + W) candidates (drops Interleaved1F1B, DualPipeV).
     The returned plan has passed ``validate_plan`` (torch's lowering and dry run included).
     """
+    from .args import int_arg, profile_arg
     from .validate import validate_plan
 
+    profile_arg(profile)
+    int_arg(num_virtual_stages, "num_virtual_stages", 1)
     if schedule not in VIRTUAL_SCHEDULES:
         raise ValueError(f"schedule must be one of {VIRTUAL_SCHEDULES}, got {schedule!r}")
     if stage_memory_limit is not None and stage_memory_limit < 1:

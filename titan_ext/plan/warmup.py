@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from .args import counts_arg, int_arg, link_arg, profile_arg
 from .profile import PipelineProfile
 
 
 def slackness(warmup_counts: Sequence[int]) -> list[int]:
     """Δ_i = x_i − x_{i+1} for every link i."""
+    warmup_counts = counts_arg(warmup_counts, "warmup_counts")
     return [warmup_counts[i] - warmup_counts[i + 1] for i in range(len(warmup_counts) - 1)]
 
 
@@ -24,6 +26,8 @@ def initial_warmup_counts(num_stages: int, max_inflight: int) -> list[int]:
     ``max_inflight`` is x_max = ⌊M / M^F⌋ (Alg.1 line 2). The remaining ``x_max − 1`` forwards are spread
     as evenly as possible over the ``S − 1`` links, the first ``r`` links getting one more (lines 4–9).
     """
+    int_arg(num_stages, "num_stages")
+    int_arg(max_inflight, "max_inflight")
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if max_inflight < 1:
@@ -57,7 +61,7 @@ def initial_warmup_counts_for(profile: PipelineProfile, memory_limit: int | None
 
 
 def adapted_warmup_counts(
-    profile: PipelineProfile, slack_floor: int = 2, memory_limit: int | None = None
+    profile: PipelineProfile, slack_floor: int = 2, memory_limit: int | None = None, *, literal: bool = False
 ) -> list[int]:
     """PipeMorph Alg.2 (dynamic adaptation), as in the arXiv text (000_…, matches Eq.1).
 
@@ -66,17 +70,22 @@ def adapted_warmup_counts(
     may lower it to 1 to save memory. Where ``N − 2S`` is below the floor (few microbatches) the clip is
     the floor itself, and no x_i exceeds N (a stage cannot warm up with more forwards than exist).
     ``memory_limit`` (activations per stage), when given, caps every x_i (kept non-increasing).
+    ``literal=True``: the clip exactly as published, min(N − 2S, ·) even below the floor, so at N = 2S
+    every Δ_i is 0 and x_i = 1 everywhere (x_i ≥ 1 kept; a candidate of ``plan_pipemorph``, issue 25).
     """
+    profile_arg(profile)
+    int_arg(slack_floor, "slack_floor")
+
     if slack_floor < 1:
         raise ValueError(f"slack_floor must be >= 1, got {slack_floor}")
     S, N = profile.num_stages, profile.num_microbatches
-    clip = max(N - 2 * S, slack_floor)
+    clip = N - 2 * S if literal else max(N - 2 * S, slack_floor)
     counts = [0] * S
     counts[S - 1] = 1
     for i in range(S - 2, -1, -1):
         need = required_slackness(profile, i)
         delta = min(clip, max(need, slack_floor))
-        counts[i] = min(counts[i + 1] + delta, N)
+        counts[i] = max(1, min(counts[i + 1] + delta, N))
     if memory_limit is not None:
         if memory_limit < 1:
             raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit}")
@@ -86,6 +95,7 @@ def adapted_warmup_counts(
 
 def required_slackness(profile: PipelineProfile, link: int, delay_ms: float | None = None) -> int:
     """Smallest Δ_link satisfying Eq.1 for the link's delay (or ``delay_ms``)."""
+    link = link_arg(profile_arg(profile), link)
     c = profile.delays_ms[link] if delay_ms is None else delay_ms
     num = profile.f_ms[link] + profile.b_ms[link] + 2.0 * c
     den = profile.f_ms[link + 1] + profile.b_ms[link + 1]
@@ -95,6 +105,8 @@ def required_slackness(profile: PipelineProfile, link: int, delay_ms: float | No
 
 def link_tolerance_ms(profile: PipelineProfile, warmup_counts: Sequence[int], link: int) -> float:
     """Largest one-way delay on ``link`` that the plan absorbs (Eq.1 solved for c_i)."""
+    link = link_arg(profile_arg(profile), link)
+    warmup_counts = counts_arg(warmup_counts, "warmup_counts", profile.num_stages)
     delta = warmup_counts[link] - warmup_counts[link + 1]
     den = profile.f_ms[link + 1] + profile.b_ms[link + 1]
     return (delta * den - profile.f_ms[link] - profile.b_ms[link]) / 2.0

@@ -23,7 +23,10 @@ from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (issue 7, docs/fa
 
 from .delegated import DelegatedPipeMorph  # noqa: F401  (issue 5, docs/delegate.md)
 
-install_from_env()
+import titan_ext as _pkg
+
+if not getattr(_pkg, "DEFER_ENV_STRAGGLER", False):  # titan_ext.train checks it first, installs it later
+    install_from_env()
 
 __all__ = [
     "Decision",

@@ -9,6 +9,10 @@ keeps them off the device streams (PipeMorph §6: the profiler/coordinator is a 
 Creation uses ``use_local_synchronization=True``: only the PP group's ranks enter ``new_group``, so a
 DP×PP job where every PP group builds its own schedule does not need all ranks of the world in step.
 With one rank (or no process group) every exchange is local.
+
+Timeouts (issue 26): the group is created with the schedule's ``timeout_s`` (else the current job
+timeout of :mod:`.timeouts`) and follows :func:`.timeouts.set_timeout`; a collective that times out
+names the ranks that never reached it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import timeouts
 from .profiler import estimate_clock_offsets
 
 __all__ = ["ControlPlane"]
@@ -34,15 +39,16 @@ def pp_global_ranks(data_group: Any) -> list[int]:
 class ControlPlane:
     """CPU collectives of one PP group on its own gloo group (one per schedule)."""
 
-    def __init__(self, data_group: Any = None, group: Any = None):
-        """``group``: an existing gloo group over the same ranks to reuse (else one is created)."""
+    def __init__(self, data_group: Any = None, group: Any = None, timeout_s: float | None = None):
+        """``group``: an existing gloo group over the same ranks to reuse (else one is created, with
+        ``timeout_s``: None → the job's current timeout, :mod:`.timeouts`)."""
         self.distributed = dist.is_available() and dist.is_initialized()
         self.ranks = pp_global_ranks(data_group) if self.distributed else [0]
         self.size = len(self.ranks)
         self.group = None
         if self.distributed and self.size > 1:
-            self.group = group if group is not None else dist.new_group(
-                self.ranks, backend="gloo", use_local_synchronization=True)
+            self.group = group if group is not None else timeouts.new_group(
+                self.ranks, timeout_s, backend="gloo", use_local_synchronization=True)
 
     @property
     def local(self) -> bool:
@@ -54,7 +60,7 @@ class ControlPlane:
         if self.local:
             return [vector]
         out = [torch.empty_like(vector) for _ in range(self.size)]
-        dist.all_gather(out, vector, group=self.group)
+        self._collective("all_gather", lambda: dist.all_gather(out, vector, group=self.group))
         return out
 
     def gather_ints(self, value: int) -> list[int]:
@@ -70,11 +76,14 @@ class ControlPlane:
         """True on every rank when it is true on any rank (one MAX all-reduce)."""
         vote = torch.tensor([1.0 if flag else 0.0])
         if not self.local:
-            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group)
+            self._collective("vote", lambda: dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group))
         return bool(vote.item() > 0)
 
     def clock_offsets(self) -> tuple[float, float]:
         """(clock_self − clock_prev [s], min RTT [s]) by NTP-style ping-pong (profiler's method)."""
         if self.local:
             return math.nan, math.nan
-        return estimate_clock_offsets(self.group)
+        return self._collective("clock_offsets", lambda: estimate_clock_offsets(self.group))
+
+    def _collective(self, name: str, run):
+        return timeouts.named_collective(self.group, self.ranks, f"control/{min(self.ranks)}/{name}", run)

@@ -68,6 +68,7 @@ __all__ = [
     "load_delay_trace",
     "inject_link_delays",
     "install_from_env",
+    "schedule_from_env",
     "current_injector",
     "remove_link_delays",
     "link_of_ranks",
@@ -516,19 +517,36 @@ def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None,
     return LinkDelayInjector(sched, t0=t0, origin=origin).install()
 
 
-def install_from_env() -> LinkDelayInjector | None:
-    """Install from ``TITAN_EXT_INJECT_DELAYS`` if set and non-empty (idempotent)."""
+def schedule_from_env() -> tuple[DelaySchedule, float | None] | None:
+    """``TITAN_EXT_INJECT_DELAYS`` and ``TITAN_EXT_INJECT_DELAYS_T0`` (a ``time.time()`` epoch) parsed,
+    installing nothing: (schedule, t0), or None when unset. Raises ``DelaySpecError`` naming the variable."""
     spec = os.environ.get(ENV_VAR, "").strip()
     if not spec:
         return None
-    if _CURRENT is not None and _CURRENT.schedule.source == spec:
-        return _CURRENT
     try:
         sched = parse_delay_spec(spec)
     except DelaySpecError as exc:
-        raise DelaySpecError(f"{ENV_VAR}: {exc}") from None
-    t0 = os.environ.get(ENV_VAR + "_T0")
-    return LinkDelayInjector(sched, t0=float(t0) if t0 else None, origin=ENV_VAR).install()
+        raise DelaySpecError(f"{ENV_VAR} = {spec!r}: {exc}") from None
+    text = os.environ.get(ENV_VAR + "_T0", "").strip()
+    try:
+        t0 = float(text) if text else None
+    except ValueError:
+        t0 = math.nan
+    if t0 is not None and not (math.isfinite(t0) and t0 >= 0):
+        raise DelaySpecError(f"{ENV_VAR}_T0 = {text!r}: expected a time.time() epoch in seconds (a number >= 0)")
+    return sched, t0
+
+
+def install_from_env() -> LinkDelayInjector | None:
+    """Install from ``TITAN_EXT_INJECT_DELAYS`` if set and non-empty (idempotent); a malformed variable
+    raises ``DelaySpecError`` naming it (:func:`schedule_from_env`)."""
+    parsed = schedule_from_env()
+    if parsed is None:
+        return None
+    sched, t0 = parsed
+    if _CURRENT is not None and _CURRENT.schedule.source == sched.source:
+        return _CURRENT
+    return LinkDelayInjector(sched, t0=t0, origin=ENV_VAR).install()
 
 
 def current_injector() -> LinkDelayInjector | None:

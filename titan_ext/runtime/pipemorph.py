@@ -43,6 +43,7 @@ from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, s
 from titan_ext.plan.result import peak_memory_per_rank
 
 from .backward import BackwardChooser
+from . import timeouts
 from .control import ControlPlane
 from .deploy import (
     Candidate,
@@ -102,6 +103,9 @@ class PipeMorph(_PipelineScheduleRuntime):
         observers: further boundary observers (``observe(Boundary) -> dict``).
         delegation / failover / slow_link_ms / detector / delegate_*: the transport — direct torch P2P,
             or the delegate data plane (``titan_ext.runtime.delegate.schedule.Delegation``).
+        timeout_s: PP message waits and control-plane collectives end after this many seconds with an
+            error naming the rank that stopped answering (process-wide, ``titan_ext.runtime.timeouts``);
+            None: the job's (TorchTitan: ``comm.*_timeout_seconds``) or the process groups' own.
     """
 
     #: ``backward=`` values of the default planner (read by the [titan_ext] config check before any
@@ -145,7 +149,11 @@ class PipeMorph(_PipelineScheduleRuntime):
         recv_timeout_s: float = 30.0,
         delegate_timeout_s: float = 300.0,
         faults: Any = None,
+        timeout_s: float | None = None,
     ):
+        if timeout_s is not None:
+            timeouts.set_timeout(timeout_s)  # checks the value
+            timeouts.install_p2p_timeout()
         if isinstance(stages, _PipelineStageBase):
             stages = [stages]
         if not stages:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 
 from titan_ext.plan.virtual import PLACEMENTS as VIRTUAL_PLACEMENTS
 
-__all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "parse_delay_spec"]
+__all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "config_delay_schedule"]
 
 DELEGATION_MODES = ("off", "auto", "always")
 PLACEMENTS = ("",) + VIRTUAL_PLACEMENTS  # "" = the schedule's own
@@ -160,9 +160,10 @@ class TitanExt:
         validate_titan_ext(self)
 
 
-def parse_delay_spec(spec: str, key: str = "inject_delays"):
-    """Parse a delay spec with the runtime's parser (:func:`titan_ext.runtime.delay_injection.
-    parse_delay_spec`: "2:30", "0:10,2:30:100MB/s", "*:5", "trace:PATH"); errors name ``key``.
+def config_delay_schedule(spec: str, key: str = "inject_delays"):
+    """A config key's delay schedule (None: empty), parsed by the one parser,
+    :func:`titan_ext.runtime.delay_injection.parse_delay_spec` ("2:30", "0:10,2:30:100MB/s", "*:5",
+    "trace:PATH"); errors name ``key``.
 
     Imports torch (through the runtime) only when called with a non-empty spec.
     """
@@ -220,7 +221,7 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
     spec = cfg.link_alpha_beta.strip()
     _check(not spec.startswith("trace:") and not spec.endswith(".csv"), "link_alpha_beta",
            cfg.link_alpha_beta, "takes static 'link:latency_ms[:bandwidth]' items, not a trace")
-    _check_links(parse_delay_spec(cfg.link_alpha_beta, "link_alpha_beta"), "link_alpha_beta",
+    _check_links(config_delay_schedule(cfg.link_alpha_beta, "link_alpha_beta"), "link_alpha_beta",
                  cfg.link_alpha_beta, num_pp_links)
     key, schedule = None, None
     if cfg.inject_delays.strip():
@@ -228,11 +229,11 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
         _check(not cfg.inject_delays.strip().startswith("trace:")
                and not cfg.inject_delays.strip().endswith(".csv"), key, cfg.inject_delays,
                "a trace file goes into inject_trace")
-        schedule = parse_delay_spec(cfg.inject_delays, key)
+        schedule = config_delay_schedule(cfg.inject_delays, key)
     elif cfg.inject_trace.strip():
         key = "inject_trace"
         _check(os.path.isfile(cfg.inject_trace), key, cfg.inject_trace, "no such file")
-        schedule = parse_delay_spec("trace:" + cfg.inject_trace, key)
+        schedule = config_delay_schedule("trace:" + cfg.inject_trace, key)
     if key is not None:
         _check_links(schedule, key, getattr(cfg, key), num_pp_links)
 

@@ -46,6 +46,7 @@ from titan_ext.runtime.falcon.emulation import (
 )
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks, weighted_all_reduce_gradients
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
+from titan_ext.runtime.timeouts import named
 
 __all__ = ["install_replication_by_trainer", "replicated_by_trainer", "FalconJob", "emulation_specs",
            "check_emulation"]
@@ -322,7 +323,7 @@ class FalconJob:
         for i, ms in links.items():
             if int(i) < S - 1 and ms == ms:  # not NaN
                 vec[1 + S + self.dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        named(None, "falcon/step", lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX))  # names a silent rank
         groups = {f"dp_stage{s}": float(vec[1 + s]) for s in range(S)}
         groups |= {f"pp{d}_link{i}": float(vec[1 + S + d * (S - 1) + i])
                    for d in range(D) for i in range(S - 1)}

@@ -201,8 +201,11 @@ class PipelineMonitor:
         if self.pp_group is None or not dist.is_initialized():
             parts = [mine]
         else:
+            from titan_ext.runtime.timeouts import named
+
             parts = [None] * dist.get_world_size(self.pp_group)
-            dist.all_gather_object(parts, mine, group=self.pp_group)
+            named(self.pp_group, "monitor/gather",  # a timeout names the rank that did not come
+                  lambda: dist.all_gather_object(parts, mine, group=self.pp_group))
         actions = sorted((a for p in parts for a in p[0]), key=lambda a: (a.start_ns, a.stage))
         return IterationTimeline(step=step, num_stages=self.num_stages, actions=actions,
                                  num_ranks=len(parts),

@@ -178,6 +178,7 @@ def _wrap_build_pipeline_schedule(original: Callable) -> Callable:
         from titan_ext.titan.options import install_link_delays
 
         install_link_delays(job_config)
+        _install_timeouts(job_config)  # after the delay injection: it wraps what the schedules call
         with active_job_config(job_config):
             schedule = original(job_config, stages, loss_fn)
         metrics.attach(schedule, job_config, stages)  # metrics follow the schedule, any trainer
@@ -187,6 +188,27 @@ def _wrap_build_pipeline_schedule(original: Callable) -> Callable:
     build_pipeline_schedule._titan_ext_wrapped = True  # type: ignore[attr-defined]
     build_pipeline_schedule.__wrapped__ = original  # type: ignore[attr-defined]
     return build_pipeline_schedule
+
+
+def _install_timeouts(job_config: Any) -> None:
+    """PP message waits and titan_ext's groups follow the job's timeouts (TorchTitan's rule:
+    ``comm.init_timeout_seconds`` until the first step is done, then ``comm.train_timeout_seconds``,
+    which ``TitanExtTrainer`` switches to): without it a frozen peer holds a gloo receive for the
+    groups' creation timeout."""
+    from titan_ext.runtime import timeouts
+
+    comm = getattr(job_config, "comm", None)
+    if comm is not None and getattr(comm, "init_timeout_seconds", 0) > 0:
+        timeouts.set_timeout(comm.init_timeout_seconds)
+    timeouts.install_p2p_timeout()
+    if torch_distributed_ready():
+        timeouts.publish_identity()
+
+
+def torch_distributed_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _wrap_pipeline_module_split(original: Callable) -> Callable:

@@ -43,6 +43,10 @@ class TitanExtTrainer(Trainer):
             self.falcon_job.train_step(super().train_step, data_iterator)
         else:
             super().train_step(data_iterator)
+        if self.step == 1:  # TorchTitan's rule: the train timeout once the first step is done
+            from titan_ext.runtime import timeouts
+
+            timeouts.set_timeout(self.job_config.comm.train_timeout_seconds)
 
     def forward_backward_step(self, **kwargs):
         loss = super().forward_backward_step(**kwargs)

@@ -9,7 +9,7 @@ compiled ``_greedy_c`` / ``_search_c`` only buy speed.
 
 from .greedy import GreedyResult, greedy_schedule
 from .model import replay
-from .portfolio import Candidate, CrossPipePlan, Member, plan_crosspipe, plan_crosspipe_problem
+from .portfolio import CrossPipePlan, Member, TimedMember, plan_crosspipe, plan_crosspipe_problem
 from .problem import (
     CROSSPIPE_VARIANTS,
     CrossPipeProblem,
@@ -23,7 +23,8 @@ from .problem import (
 from .tuning import DEFAULT_BUDGET, TUNING, CrossPipeTuning
 
 __all__ = [
-    "CROSSPIPE_VARIANTS", "Candidate", "CrossPipePlan", "CrossPipeProblem", "CrossPipeTuning", "DEFAULT_BUDGET",
+    "CROSSPIPE_VARIANTS", "CrossPipePlan", "CrossPipeProblem", "CrossPipeTuning", "DEFAULT_BUDGET",
     "GreedyResult", "Member", "Op", "TUNING", "greedy_schedule", "peak_memory", "plan_crosspipe",
-    "plan_crosspipe_problem", "problem_from_profile", "replay", "to_actions", "wave_profile", "wave_stage_to_rank",
+    "TimedMember", "plan_crosspipe_problem", "problem_from_profile", "replay", "to_actions", "wave_profile",
+    "wave_stage_to_rank",
 ]

@@ -82,7 +82,8 @@ class GreedyResult:
 
 
 class _Links:
-    """Range-based link occupancy (CrossPipe §4.2.3): per (link, direction) sorted busy windows."""
+    """Range-based link occupancy (CrossPipe §4.2.3): per (link, direction) sorted busy windows. On the
+    plans we time it equals ``timing.LinkQueues``' FIFO (one sender per direction; see plan/timing.py)."""
 
     __slots__ = ("starts", "ends")
 

@@ -36,7 +36,7 @@ class Member(NamedTuple):
     lookahead: bool
 
 
-class Candidate(NamedTuple):
+class TimedMember(NamedTuple):
     """A member tried and the replayed makespan of its plan (inf: no schedule under its caps)."""
 
     caps: str
@@ -79,7 +79,7 @@ class CrossPipePlan:
     memory_limit: tuple[float, ...] | None
     peak_memory: list[float]
     plan_ms: float
-    candidates: list[Candidate] = field(default_factory=list)
+    candidates: list[TimedMember] = field(default_factory=list)
     """every portfolio member tried."""
     improved: bool = False
     """whether the local search improved the best member (then ``orders`` differ from its greedy plan)."""
@@ -107,7 +107,7 @@ class _Run:
         return unit * (3 * p.num_microbatches * p.num_stages + (n_sub - 1) * p.num_microbatches * p.num_stages)
 
     def add(self, member: Member, makespan: float, greedy_makespan: float, ids) -> None:
-        self.tried.append(Candidate(*member, makespan))
+        self.tried.append(TimedMember(*member, makespan))
         if makespan < math.inf:
             self.pool.append(_Entry(makespan, len(self.pool), member, greedy_makespan, ids))
 
@@ -304,7 +304,7 @@ def _py_time(run: _Run, member: Member, prob: CrossPipeProblem, record_failure: 
         g = greedy_schedule(prob, member.n_sub, member.steady, member.reserve, lookahead=member.lookahead)
     except ValueError as e:  # this member's memory rule admits no schedule
         if record_failure:
-            run.tried.append(Candidate(*member, math.inf))
+            run.tried.append(TimedMember(*member, math.inf))
             run.error = e
         return False
     ids = run.model.ids(g.orders)
@@ -421,7 +421,7 @@ def _c_members(run: _Run, todo, acct: _CBudget, eng, cap) -> None:
         try:
             ids, gmk, _ = _compiled.greedy_ids(prob, m.n_sub, m.steady, m.reserve, "microbatch", m.lookahead)
         except ValueError as e:  # this member's memory rule admits no schedule
-            run.tried.append(Candidate(*m, math.inf))
+            run.tried.append(TimedMember(*m, math.inf))
             run.error = e
             continue
         run.add(m, eng.run(cap, ids, math.inf)[0], gmk, ids)

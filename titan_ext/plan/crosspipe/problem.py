@@ -239,7 +239,9 @@ def problem_from_profile(
     rank); None → the profile's memory budget (``max_inflight()``, summed over a rank's stages) or
     unlimited when the profile has none.
     """
-    S = profile.num_stages
+    from ..args import profile_arg
+
+    S = profile_arg(profile).num_stages
     stage_to_rank = _profile_placement(S, variant)
     R = max(stage_to_rank) + 1
     if memory_limit is None:

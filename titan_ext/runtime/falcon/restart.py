@@ -65,8 +65,11 @@ class MeshGroups:
     pp_ranks: list[int]
 
 
-def build_mesh_groups(grid, backend: str | None = None) -> MeshGroups:
-    """Create every row (PP) and column (DP) group of ``grid`` (collective: all ranks call it)."""
+def build_mesh_groups(grid, backend: str | None = None, timeout_s: float | None = None) -> MeshGroups:
+    """Create every row (PP) and column (DP) group of ``grid`` (collective: all ranks call it), with
+    ``timeout_s`` (None: the job's current timeout, ``runtime.timeouts``)."""
+    from ..timeouts import new_group
+
     rank = dist.get_rank()
     num_dp, num_pp = len(grid), len(grid[0])
     if num_dp * num_pp != dist.get_world_size():
@@ -76,12 +79,12 @@ def build_mesh_groups(grid, backend: str | None = None) -> MeshGroups:
     pp_ranks = dp_ranks = None
     for d in range(num_dp):
         ranks = [int(x) for x in grid[d]]
-        g = dist.new_group(ranks, backend=backend)
+        g = new_group(ranks, timeout_s, backend=backend)
         if d == my_dp:
             pp_group, pp_ranks = g, ranks
     for s in range(num_pp):
         ranks = [int(grid[d][s]) for d in range(num_dp)]
-        g = dist.new_group(ranks, backend=backend)
+        g = new_group(ranks, timeout_s, backend=backend)
         if s == my_pp:
             dp_group, dp_ranks = g, ranks
     return MeshGroups(my_dp, my_pp, dp_group, pp_group, dp_ranks, pp_ranks)
