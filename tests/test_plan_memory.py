@@ -144,7 +144,7 @@ def test_cli_bad_memory_limit_one_line_exit_2(capsys, args, needle):
 
 def test_cli_compare_memory_matched(capsys):
     """`compare` puts beside each schedule our plan at its per-rank peak (issue 21's targets)."""
-    rows = {r["schedule"]: r for r in _cli_json(capsys, "compare", *COMMON)["schedules"]}
+    rows = {r["schedule"]: r for r in _cli_json(capsys, "compare", *COMMON, "--time-limit", "600")["schedules"]}
     for name, bound in (("torch ZBVZeroBubble", 0.7), ("torch Interleaved1F1B", 0.7), ("torch 1F1B", 870 / 1530)):
         row = rows[name]
         matched = row["memory_matched"]

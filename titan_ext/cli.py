@@ -558,6 +558,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
     """PipeMorph, CrossPipe and torch's built-ins side by side for one profile, each torch schedule (and
     ZB-H1) also beside our plans at its own peak per-rank memory (docs/choosing.md)."""
     profile = _profile_from_args(args)
+    from .plan.ir import torch_schedules
+
+    torch_schedules()  # torch's import (seconds on a loaded host) is no candidate's share of the budget
     start = time.monotonic()
     rows = _budgeted(list(_compare_candidates(profile, args.hol)), args.time_limit)
     matched = dict(_budgeted(list(_matched_candidates(profile, rows, args.hol)),
