@@ -226,7 +226,10 @@ class DissentingPipeMorph(PipeMorph):
 
     def _plan(self, profile, decision):
         if self.rank == 1 and decision.action == "adapt":
-            return builtin_plan("GPipe", self.pp_group_size, self._n_microbatches)[0]
+            from titan_ext.plan.result import make_result
+
+            actions = builtin_plan("GPipe", self.pp_group_size, self._n_microbatches)[0]
+            return make_result(actions, schedule="dissent", predicted_makespan_ms=float("nan"), plan_ms=0.0)
         return super()._plan(profile, decision)
 
 
