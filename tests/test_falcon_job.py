@@ -188,6 +188,14 @@ def _falcon_log(dump: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _events(dump: Path) -> list[dict]:
+    path = dump / "falcon_events.jsonl"
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def _losses(dump: Path) -> list[float]:
     with open(dump / "pipeline_metrics.jsonl") as f:
         return [json.loads(line)["loss"] for line in f if line.strip()]
@@ -223,6 +231,12 @@ def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     assert later and all(s == split for s in later)  # in force from the next step on
     assert not any(s in r.get("falcon/apply", "") for r in rows
                    for s in ("topology_adjustment", "checkpoint_restart"))
+    # every decision is a falcon_events.jsonl row: S2 applied at that step, with measured costs
+    events = _events(slow_device_runs["falcon"])
+    s2 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S2"]
+    assert [e["iteration"] for e in s2] == [applied[0]["step"]] and s2[0]["applied"]
+    assert s2[0]["suspected"]["root_cause"] == "compute" and 3 in s2[0]["suspected"]["slow_devices"]
+    assert 0 < s2[0]["estimated_cost_s"] < 60 and s2[0]["measured_cost_s"] is not None
 
 
 @pytest.mark.slow
@@ -250,5 +264,34 @@ def test_healthy_40_step_run_takes_no_mitigation(healthy_run):
     applied = {s for r in rows for s in r.get("falcon/apply", "").split(",") if s}
     assert applied <= {"ignore"}, applied  # S1 "ignore" is doing nothing
     assert all(r["falcon/split"] == "[3, 3]" for r in rows)
+    assert not [e for e in _events(healthy_run) if e["kind"] == "decision" and e["name"] != "ignore"]
     losses = _losses(healthy_run)
     assert losses[-1] < 0.5 * losses[0]
+
+
+# --------------------------------------------------------------------------- falcon_events.jsonl rows
+
+
+def test_event_rows_record_each_decision_its_costs_and_outcome():
+    from types import SimpleNamespace
+
+    from titan_ext.runtime.falcon import StrategyCosts
+    from titan_ext.titan.falcon_job import event_rows
+
+    monitor = SimpleNamespace(root_cause="dp_link", slow_devices=[], slow_links=[(0, 1)],
+                              suspicious=["dp_stage0"],
+                              config=SimpleNamespace(costs=StrategyCosts(topology_adjustment=2.5)))
+    decision = {"falcon/event": "onset", "falcon/change_point_iteration": 5, "falcon/iteration_time_s": 0.4,
+                "falcon/root_cause": "dp_link", "falcon/apply": "ignore,topology_adjustment",
+                "falcon/impact_s": 2.6, "falcon/effect/ignore": 0.0,
+                "falcon/effect/ignore/before_s": 0.4, "falcon/effect/ignore/after_s": 0.4}
+    rows = event_rows(7, decision, monitor, {"ignore": 0.0, "topology_adjustment": 0.01}, True)
+    assert [r["kind"] for r in rows] == ["event", "localised", "decision", "decision", "outcome"]
+    s1, s3 = rows[2], rows[3]
+    assert (s1["strategy"], s1["applied"]) == ("S1", True)
+    # S3 is decided, recorded, and (in this job) not applied: no measured cost of an application
+    assert (s3["strategy"], s3["applied"], s3["measured_cost_s"]) == ("S3", False, None)
+    assert s3["estimated_cost_s"] == 2.5 and s3["suspected"]["slow_links"] == [[0, 1]]
+    assert rows[4]["iteration_time_after_s"] == 0.4
+    # with falcon_apply off nothing is applied
+    assert not any(r.get("applied") for r in event_rows(7, decision, monitor, {}, False))

@@ -47,9 +47,16 @@ class DataGroupRefusal(RuntimeError):
 
 def _called_from_titan_ext() -> bool:
     """Whether the nearest caller outside torch's c10d module (e.g. behind all_gather_object) is
-    titan_ext code."""
+    titan_ext code. The NCCL-rules test backend's function mode (runtime/nccl_rules.py) and torch's
+    dispatch to it (overrides, the c10d logger) sit between a caller and c10d: they are not callers."""
+    import torch.distributed.c10d_logger as c10d_logger
+    import torch.overrides
+
+    from titan_ext.runtime import nccl_rules
+
+    between = (c10d.__file__, __file__, nccl_rules.__file__, torch.overrides.__file__, c10d_logger.__file__)
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in (c10d.__file__, __file__):
+    while frame is not None and frame.f_code.co_filename in between:
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename.startswith(_TITAN_EXT)
 

@@ -1,69 +1,104 @@
-"""Run-time memory cap with several stages per rank (issue 21 item 3): K_r per rank from the measured
-activation bytes of the rank's chunks and its budget, the virtual planner spending it per rank, and
-the executor measuring every local stage. No process group: the pieces the schedule wires together."""
+"""Memory caps of adaptive plans (issue 20, defect 10).
+
+* the first budget is not read before the optimizer's state exists: a device budget is PENDING until
+  a ``torch.optim`` optimizer has stepped (AdamW allocates 2 × the parameters then), and the cap
+  holds the initial plan's regime meanwhile;
+* a background candidate planned under an old cap is re-checked against the current cap before the
+  swap, and rejected when the cap shrank below its in-flight peak.
+"""
+
+from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as Fn
+from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.plan import PipelineProfile
-from titan_ext.plan.result import peak_memory_per_rank
-from titan_ext.plan.virtual import virtual_profile, virtual_stage_to_rank
-from titan_ext.runtime.executor import Executor
-from titan_ext.runtime.memory import rank_memory_limits
-from titan_ext.runtime.placement import Layout, VirtualPlanner
-from titan_ext.runtime.planning import PlanningContext
-from titan_ext.runtime.policy import Decision
+from titan_ext.plan.simulate import peak_inflight
+from titan_ext.plan.ir import as_ops
+from titan_ext.runtime import Decision, PipeMorph, memory
+from titan_ext.runtime.testing import SleepComputeStage, run_ranks, step_rank
 
+pytestmark = pytest.mark.timeout(240)
 
-def test_rank_limits_closed_form():
-    """K_r = ⌊budget_r / a_r⌋ / V within [1, N]; a rank without a budget gets N; none known: None."""
-    got = rank_memory_limits([100.0, 100.0, 15.0, math.nan], [10.0, 12.0, 10.0, 10.0], 2, 16)
-    assert got == (5.0, 4.0, 1.0, 16.0)  # 10 chunks, 8 chunks, 1 chunk → at least V = 2, no budget
-    assert rank_memory_limits([math.nan] * 2, [10.0] * 2, 2, 8) is None
+GIB = float(1 << 30)
 
 
-def _context(limits):
-    return PlanningContext(backward="split", x_max=16, adaptive_limit=None, slack_floor=1,
-                           headroom=lambda c: c, rank_memory_limit=limits)
+class _DeviceMemory:
+    """A device layer's memory view: 16 GiB free minus what the optimizer's state took."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+
+    def memory_free_bytes(self) -> float:
+        state = 2 * 4 * GIB if memory.optimizer_steps() > 0 else 0.0  # AdamW: exp_avg + exp_avg_sq
+        return 16 * GIB - state
 
 
-def test_virtual_planner_spends_the_rank_cap():
-    """The run-time planner holds ≤ K_r on every rank, and spending the ranks' caps by need beats the even
-    split the runtime used before (⌊min_r K_r·V⌋ // V = 3 per stage)."""
-    layout = Layout(4, 2, "v", virtual_stage_to_rank(4, 2, "v"))
-    stage_profile, _ = virtual_profile(PipelineProfile.uniform(4, 16, 10, 10, 10, delays_ms={2: 60}), 2, "v")
-    decision = Decision("adapt", "test", mode="adaptive")
-    limits = (4.0, 4.0, 3.5, 4.0)
-    plan = VirtualPlanner(layout).plan(stage_profile, decision, _context(limits))
-    peaks = peak_memory_per_rank(plan.actions)
-    assert all(peaks[r] <= limits[r] for r in range(4))
-    even_context = PlanningContext(backward="split", x_max=16, adaptive_limit=3, slack_floor=1, headroom=lambda c: c)
-    even = VirtualPlanner(layout).plan(stage_profile, decision, even_context)  # the old runtime: 3 per stage
-    assert max(peak_memory_per_rank(even.actions).values()) <= 3.5
-    assert plan.predicted_makespan_ms < even.predicted_makespan_ms
+def test_device_budget_pending_until_the_optimizer_state_exists(monkeypatch):
+    monkeypatch.setattr(memory, "_steps", [0])
+    p = torch.nn.Parameter(torch.zeros(4))
+    layer = _DeviceMemory([p])
+    first = memory.activation_budget_bytes(layer, None, headroom=0.0)
+    assert first == memory.PENDING  # not 16 GiB: AdamW has not allocated its 8 GiB yet
+    # while pending, the cap keeps the initial plan's regime (here x_max = 3), whatever the free memory
+    assert memory.inflight_cap([first, 12 * GIB], [1 * GIB, 1 * GIB], 8, pending_cap=3) == 3
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones(4)
+    opt.step()
+    after = memory.activation_budget_bytes(layer, None, headroom=0.0)
+    assert after == pytest.approx(8 * GIB)
+    assert memory.inflight_cap([after, 12 * GIB], [1 * GIB, 1 * GIB], 16) == 8
+    # a configured budget is always known; a host without a device limit has none
+    assert memory.activation_budget_bytes(layer, 5.0) == 5.0
+    assert math.isnan(memory.activation_budget_bytes(type("Cpu", (), {"memory_free_bytes": lambda s: math.nan})(),
+                                                     None))
 
 
-def test_executor_measures_every_local_stage():
-    """Each local stage's first training forward is measured; activation_bytes is the largest."""
-    ex = Executor(torch.device("cpu"))
-    sizes = {0: (4, 8), 7: (4, 32)}  # stage 7's saved activation is 4x larger
+N_MB, DIM, ACT_BYTES = 4, 8, 1000.0
 
-    class Stage:
-        def __init__(self, index):
-            self.stage_index = index
-            self.submod = torch.nn.Linear(sizes[index][1], sizes[index][1])
 
-        def forward_one_chunk(self, mb, args, kwargs, save_forward_output=False):
-            return self.submod(torch.ones(sizes[self.stage_index])).sin()
+class _WidenOnce:
+    """First check: ask for an adaptive plan holding all N activations on stage 0 (planned in the
+    background, swapped at the next boundary); then keep."""
 
-    sched = SimpleNamespace(_maybe_compute_loss=lambda *a: None)
-    ctx = SimpleNamespace(training=True, schedule=sched, arg_mbs=[()] * 4, kwarg_mbs=[{}] * 4, target_mbs=None,
-                          loss_kwargs=None, return_outputs=False, stages={})
-    for s in (0, 7):
-        ex._forward(Stage(s), 0, ctx)
-    assert set(ex.stage_activation_bytes) == {0, 7}
-    assert ex.stage_activation_bytes[7] > ex.stage_activation_bytes[0] > 0
-    assert ex.activation_bytes == ex.stage_activation_bytes[7]
+    window = 1
+
+    def __init__(self):
+        self.calls = 0
+
+    def decide(self, estimate, deployed_counts, initial_counts, since, slack_floor=2):
+        self.calls += 1
+        if self.calls == 1:
+            return Decision("adapt", "test: widen", mode="adaptive", warmup_counts=[N_MB, N_MB - 1])
+        return Decision("keep", "test")
+
+
+def _cap_worker(rank: int, world: int) -> dict:
+    mod = SleepComputeStage(DIM, 0.0, 0.0, 0.0, seed=rank)
+    sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), N_MB, loss_fn=Fn.mse_loss,
+                      policy=_WidenOnce(), memory_budget_bytes=1e6, activation_bytes=ACT_BYTES, max_inflight=2,
+                      backward="split")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2 * N_MB, DIM, generator=g), torch.randn(2 * N_MB, DIM, generator=g)
+    out = []
+    for it in range(3):
+        step_rank(sched, rank, world, x, y)
+        if it == 0:  # the candidate is being planned under a cap of N; memory shrinks to 2 activations
+            sched.memory_budget_bytes = 2 * ACT_BYTES
+        peak = max(peak_inflight(as_ops(sched.pipeline_order)).values())
+        out.append({"cap": sched.inflight_cap, "peak": peak, "version": sched.plan_version})
+    return {"steps": out, "log": [e for e in sched.decision_log if e["decision"] in ("reject", "deploy")]}
+
+
+def test_background_candidate_rechecked_against_the_current_cap():
+    res = run_ranks(_cap_worker, 2)
+    for r in res:
+        first, second = r["steps"][0], r["steps"][1]
+        assert first["cap"] == N_MB  # the candidate was planned under this cap
+        assert second["cap"] == 2  # ... and the cap shrank before its swap
+        for s in r["steps"]:
+            assert s["peak"] <= s["cap"], r["steps"]
+        assert any(e["decision"] == "reject" and "memory cap" in e["reason"] for e in r["log"]), r["log"]

@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import _Action
 
 from titan_ext.plan import PlanValidationError, to_torch_plan, validate_plan
 from titan_ext.plan.ir import as_ops
-from titan_ext.plan.result import warmup_counts_of  # x_s per stage: the one definition
+from titan_ext.plan.result import peak_inflight, warmup_counts_of  # x_s per stage: the one definition
 from titan_ext.plan.validate import torch_dry_run_lowered
 
 from .profiler import now
@@ -68,6 +68,7 @@ class Candidate:
     prepare_ms: float = 0.0
     plan_ms: float = 0.0
     plan_cpu_ms: float = 0.0
+    peak_inflight: int = 0  # most activations any stage holds (re-checked against the cap at the swap)
 
 
 def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages: int, n_microbatches: int,
@@ -108,4 +109,5 @@ def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None
     torch_dry_run_lowered(lowered, mapping, num_stages)
     counts = list(counts) if counts else warmup_counts_of(ops)
     return Candidate(torch_actions, lowered, mapping, counts, plan_hash(ops), kind, reason,
-                     backward=backward_of(ops), prepare_ms=1e3 * (now() - t0))
+                     backward=backward_of(ops), prepare_ms=1e3 * (now() - t0),
+                     peak_inflight=max(peak_inflight(ops).values(), default=0))

@@ -5,10 +5,13 @@ schedules.py): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRA
 functions, local stage-to-stage hand-off when neighbouring stages share a rank — so it runs several
 local stages per rank, as issue 14's multi-stage runtime needs), with three additions:
 
-* every compute action is timed (``ComputeTimer``: host clock on CPU, CUDA events on GPU) and the time
-  spent waiting for its input is recorded apart (``recv_wait_ms``);
+* timing, arrival stamps and waits go through the device layer (``runtime/device.py``): every compute
+  action is timed (host clock on CPU, CUDA events on the compute stream on GPU, resolved off the critical
+  path) and the time its stream stalled on its input is recorded apart (``recv_wait_ms``); a receive's
+  wait is placed just before its consumer, as torch does (``_wait_input``), never when it is posted;
 * SEND/RECV ops go through a :class:`~titan_ext.runtime.transport.Transport` (torch P2P, delegates),
-  sends are stamped when handed over, receives are stamped on arrival (``ArrivalWatcher``);
+  sends are stamped when handed over (on the compute stream's time), receives when their data has
+  landed (the device layer's arrival watcher, from the receive's completion);
 * losses are kept by microbatch index (the schedule's ``_maybe_compute_loss`` / ``_maybe_get_loss``,
   which custom functions registered with torch's ``register_custom_function`` call too), and the last
   stage's outputs are merged in microbatch order (:func:`forward_order`), so a plan may order the last
@@ -33,7 +36,8 @@ from torch.distributed.pipelining.schedules import (
     _wait_batch_p2p,
 )
 
-from .profiler import ActionRecord, ArrivalWatcher, ComputeTimer, IterationProfile, now
+from .device import DeviceLayer, device_layer
+from .profiler import ActionRecord, IterationProfile
 from .transport import TorchP2P, Transport
 
 __all__ = ["Executor", "RunContext", "BACKWARD_TYPES", "forward_order"]
@@ -75,12 +79,11 @@ class RunContext:
 
 
 class Executor:
-    """Runs lowered action lists; holds the timer, the arrival watcher and the transport."""
+    """Runs lowered action lists; holds the device layer (timer, arrival watcher) and the transport."""
 
     def __init__(self, device: torch.device, transport: Transport | None = None,
-                 activation_bytes: float | None = None):
-        self.timer = ComputeTimer(device)
-        self.watcher = ArrivalWatcher()
+                 activation_bytes: float | None = None, layer: DeviceLayer | None = None):
+        self.use_device(layer if layer is not None else device_layer(device))
         self.transport: Transport = transport if transport is not None else TorchP2P()
         #: M^F of Alg.1 (bytes autograd saves for one microbatch); None: measured in the next forward. With
         #: several local stages: the largest of theirs (each stage's first forward is measured)
@@ -88,20 +91,25 @@ class Executor:
         self.stage_activation_bytes: dict[int, float] = {}
         self._measure = activation_bytes is None
 
+    def use_device(self, layer: DeviceLayer) -> None:
+        """Time, stamp and wait through ``layer`` (e.g. the simulation of ``runtime/simdevice.py``)."""
+        self.device = layer
+        self.timer = layer.timer()
+
     def run(self, actions: list[_Action], ctx: RunContext) -> float:
-        """Run one iteration's actions; returns its wall time (ms)."""
+        """Run one iteration's actions; returns its wall time (ms) as the device ran it, NaN while the
+        device has not finished it (then ``timer.resolve()`` fills it later; no host sync here)."""
         ctx.schedule.backward_counter.clear()
         self.timer.begin_iteration()
-        t0 = now()
-        for action in actions:
-            if ctx.training or action.computation_type not in BACKWARD_TYPES:
-                self.perform(action, ctx)
-        while ctx.send_ops:
-            _wait_batch_p2p(ctx.send_ops.pop())
-        wall_ms = 1e3 * (now() - t0)
-        if ctx.training:
-            self.timer.resolve()
-        return wall_ms
+        with self.device.context():
+            for action in actions:
+                if ctx.training or action.computation_type not in BACKWARD_TYPES:
+                    self.perform(action, ctx)
+            while ctx.send_ops:
+                _wait_batch_p2p(ctx.send_ops.pop())
+        self.timer.end_iteration()
+        self.timer.resolve(block=False)
+        return self.timer.wall_ms
 
     def perform(self, action: _Action, ctx: RunContext) -> None:
         ct = action.computation_type
@@ -136,16 +144,16 @@ class Executor:
         stage, mb, prof = ctx.stages[action.stage_index], action.microbatch_index, ctx.profile
         forward = action.computation_type == SEND_F
         ops = stage.get_fwd_send_ops(mb) if forward else stage.get_bwd_send_ops(mb)
-        t = now()
-        ctx.send_ops.append(self.transport.issue(action, ops))
         # stamps per rank link (ranks r, r±1), whatever the direction in the model: with several stages
-        # per rank a "v" placement sends forwards to rank r−1 too; the loop wrap-around is not a link
+        # per rank a "v" placement sends forwards to rank r−1 too; the loop wrap-around is not a link.
+        # The stamp is the compute stream's time at hand-over (when the data is ready on the device).
         step = self.peer(action, ctx.schedule) - ctx.schedule.rank
         if step == 1:
-            prof.sends_next.append(t)
+            self.timer.mark(prof.sends_next)
             prof.send_bytes_next += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
         elif step == -1:
-            prof.sends_prev.append(t)
+            self.timer.mark(prof.sends_prev)
+        ctx.send_ops.append(self.transport.issue(action, ops))
 
     def _recv(self, action: _Action, ctx: RunContext) -> None:
         s, mb, sched = action.stage_index, action.microbatch_index, ctx.schedule
@@ -156,7 +164,7 @@ class Executor:
             raise AssertionError(f"Recv twice for {s=} {mb=} without executing compute")
         ops = stage.get_fwd_recv_ops(mb) if forward else stage.get_bwd_recv_ops(mb)
         peer = self.peer(action, sched)
-        handle = self.watcher.watch(peer, self.transport.issue(action, ops))
+        handle = self.device.watch(peer, self.transport.issue(action, ops))
         table[(s, mb)] = [handle]
         if abs(peer - sched.rank) == 1:
             (ctx.profile.arrivals_prev if peer < sched.rank else ctx.profile.arrivals_next).append(handle)
@@ -177,21 +185,31 @@ class Executor:
             ctx.schedule.unsharded_stages.discard(action.stage_index)
 
     # -- compute ------------------------------------------------------------------------------------
-    def _wait_input(self, action: _Action, ctx: RunContext, rec: ActionRecord) -> None:
-        """Wait for a compute action's cross-rank input (timed apart from the action itself)."""
+    def _wait_input(self, action: _Action, ctx: RunContext) -> Any:
+        """Wait for a compute action's cross-rank input, just before the action that reads it: on CUDA
+        a stream wait on the compute stream, on gloo a host wait.  Returns the token the stall is timed
+        from (None: no cross-rank input).
+
+        torch's placement (before F, B, I), except on the first stage: torch's ``backward_one_chunk``
+        computes nothing there in a split backward's I (no input gradient is needed; the whole backward
+        runs in W), so the gradient's consumer is W and the wait moves there — before I, it would stall
+        the forwards the plan put between I and W."""
         ct, s, mb, sched = action.computation_type, action.stage_index, action.microbatch_index, ctx.schedule
         stage = ctx.stages[s]
+        grad_from_peer = not stage.is_last and s + 1 not in ctx.stages
         if ct == F and not stage.is_first and s - 1 not in ctx.stages:
             table, what = sched.fwd_recv_ops, "before receiving input"
-        elif ct in (B, I) and not stage.is_last and s + 1 not in ctx.stages:
+        elif grad_from_peer and (ct == B or (ct == I and not stage.is_first)):
+            table, what = sched.bwd_recv_ops, "before receiving its gradient"
+        elif grad_from_peer and ct == W and stage.is_first:
             table, what = sched.bwd_recv_ops, "before receiving its gradient"
         else:
-            return
+            return None
         if (s, mb) not in table:
             raise AssertionError(f"Computing {action=} {what}")
-        tw = now()
-        _wait_batch_p2p(table.pop((s, mb)))
-        rec.recv_wait_ms = 1e3 * (now() - tw)
+        token = self.timer.recv_wait_begin()
+        self.device.wait_recv(table.pop((s, mb)))
+        return token
 
     def _compute(self, action: _Action, ctx: RunContext) -> None:
         ct, s, mb, sched = action.computation_type, action.stage_index, action.microbatch_index, ctx.schedule
@@ -200,8 +218,10 @@ class Executor:
         stage = ctx.stages[s]
         rec = ActionRecord(ct.value, s, mb)
         sched._assert_unsharded(stage)
-        self._wait_input(action, ctx, rec)
+        wait_token = self._wait_input(action, ctx)
         token = self.timer.start(rec)
+        if wait_token is not None:
+            self.timer.recv_wait_ms(rec, wait_token)
         if ct == F:
             self._forward(stage, mb, ctx)
         elif ct in (B, I):

@@ -21,7 +21,7 @@ class IterationMetrics:
     """One iteration as measured and decided at its boundary (all times in ms)."""
 
     iteration: int
-    iteration_time_ms: float  # this rank's wall time of the action loop
+    iteration_time_ms: float  # this rank's action loop as the device ran it (device layer; NaN: not resolved)
     bubble_rate: float = _NAN  # 1 − Σ busy / (S · T) over the exchanged timeline (NaN: no exchange)
     timeline_span_ms: float = _NAN  # T: first F on stage 0 → last op anywhere
     link_delay_ms: dict[int, float] = field(default_factory=dict)  # this iteration's c_i per link

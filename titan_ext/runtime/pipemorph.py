@@ -35,6 +35,7 @@ from collections import deque
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -54,7 +55,7 @@ from .deploy import (
 )
 from .estimator import Estimator
 from .executor import Executor, RunContext, forward_order
-from .memory import activation_budget_bytes, inflight_cap, rank_memory_limits
+from .memory import PENDING, activation_budget_bytes, inflight_cap, rank_memory_limits
 from .metrics import IterationMetrics
 from .observers import Boundary, FalconObserver
 from .placement import VirtualEstimator, VirtualPlanner, policy_for, read_layout, virtual_tolerances
@@ -193,6 +194,7 @@ class PipeMorph(_PipelineScheduleRuntime):
 
         self.control = ControlPlane(self._group)
         self.executor = Executor(self._device, activation_bytes=activation_bytes)
+        self.executor.device.set_backend(dist.get_backend(self._group))
         window = max(1, int(getattr(self.policy, "window", 3)))
         self.estimator = (VirtualEstimator(self.layout, N, window, initial_times_ms) if self.layout.virtual
                           else Estimator(S, N, window, initial_times_ms))
@@ -419,6 +421,22 @@ class PipeMorph(_PipelineScheduleRuntime):
 
         self.planning.start(decision, job, reason)
 
+    def _over_memory_cap(self, cand: Candidate) -> str:
+        """Why a planner-made candidate no longer fits the *current* memory cap (empty: it fits).
+
+        A background candidate was planned under the cap of the boundary that started it; the cap
+        is re-read at every exchange (free memory shrinks, e.g. once AdamW's state exists), so it is
+        checked again before the swap (issue 20, defect 10) — the policy re-plans under the new cap."""
+        if cand.kind not in ("initial", "adaptive"):
+            return ""
+        if self.rank_memory_limit is not None:  # several stages per rank: the per-rank cap (issue 21)
+            return self._over_memory(cand.actions) or ""
+        limit = self._adaptive_limit() if cand.kind == "adaptive" else self.inflight_cap
+        if limit is None or cand.peak_inflight <= limit:
+            return ""
+        return (f"holds {cand.peak_inflight} in-flight activations on a stage, above the current memory cap "
+                f"of {limit} (the cap shrank while it was planned)")
+
     def _resolve_planning(self, candidate_hashes: list[int]) -> tuple[bool, float, float]:
         """After the exchange: swap the background plan if every rank made the same one.
 
@@ -433,11 +451,11 @@ class PipeMorph(_PipelineScheduleRuntime):
         elif len(set(candidate_hashes)) != 1:
             self._reject(cand.kind, f"{cand.reason}: ranks disagree on the plan "
                          f"(hashes {sorted(hex(h) for h in set(candidate_hashes))})")
+        elif self._over_memory_cap(cand):
+            self._reject(cand.kind, f"{cand.reason}: {self._over_memory_cap(cand)}")
         elif self.deployed is not None and cand.hash == self.deployed.hash:
             self._log(decision="unchanged", kind=cand.kind, reason=f"{cand.reason}: identical to the deployed plan",
                       plan_version=self.plan_version)
-        elif (over := self._over_memory(cand.actions)) is not None:
-            self._reject(cand.kind, f"{cand.reason}: {over}")
         else:
             self._swap(cand)
             deployed = True
@@ -520,15 +538,15 @@ class PipeMorph(_PipelineScheduleRuntime):
     # ------------------------------------------------------------------------------------------
     def _local_profile_vector(self, prof: IterationProfile) -> torch.Tensor:
         """This rank's contribution to the one control-plane all_gather (override point for tests)."""
-        arrivals_prev = [h.arrival for h in prof.arrivals_prev]
-        arrivals_next = [h.arrival for h in prof.arrivals_next]
+        arrivals_prev = [h.arrival_time() for h in prof.arrivals_prev]
+        arrivals_next = [h.arrival_time() for h in prof.arrivals_next]
         local = IterationProfile(prof.actions, prof.sends_next, prof.sends_prev, arrivals_prev, arrivals_next,
                                  prof.send_bytes_next, prof.activation_bytes)
         stage_ms = prof.stage_times_ms(self.layout.local_stages(self.rank)) if self.layout.virtual else None
         return encode_profile(local, self.iteration, self.deployed.hash if self.deployed else 0,
                               self._message_slots(), self._clock[0], self._clock[1],
                               candidate_hash=self.planning.candidate_hash(),
-                              memory_budget_bytes=activation_budget_bytes(self._device, self.memory_budget_bytes),
+                              memory_budget_bytes=activation_budget_bytes(self.executor.device, self.memory_budget_bytes),
                               stage_ms=stage_ms)
 
     def _message_slots(self) -> int:
@@ -545,11 +563,16 @@ class PipeMorph(_PipelineScheduleRuntime):
         if all(not math.isnan(r.activation_bytes) for r in ranks):
             self._activation_bytes_all = [r.activation_bytes for r in ranks]
             budgets = [r.memory_budget_bytes for r in ranks]
-            if self.layout.virtual:  # the cap is per rank; the planner splits it among the rank's stages
+            if self.layout.virtual and PENDING not in budgets:  # per rank; the planner splits it by need
                 self.rank_memory_limit = rank_memory_limits(budgets, self._activation_bytes_all,
                                                             self.layout.stages_per_rank, self._n_microbatches)
+                self.inflight_cap = None
             else:
-                self.inflight_cap = inflight_cap(budgets, self._activation_bytes_all, self._n_microbatches)
+                self.rank_memory_limit = None
+                self.inflight_cap = inflight_cap(budgets, self._activation_bytes_all, self._n_microbatches,
+                                                 pending_cap=self._x_max)
+                if self.inflight_cap is not None and self.layout.virtual:  # pending: the initial regime
+                    self.inflight_cap = max(1, self.inflight_cap // self.layout.stages_per_rank)
         self.estimator.push(ranks, [lk["c_ms"] for lk in links])
         if math.isfinite(span_ms):
             self._chooser.record(self.deployed.backward, span_ms)
@@ -586,9 +609,13 @@ class PipeMorph(_PipelineScheduleRuntime):
 
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
         t0 = now()
+        exchanged = self._check_now()
+        # device times are read only once the device ran them: at an exchange the profile is needed now
+        # (wait for the iteration's last event — never a device synchronize); otherwise only if done
+        if self.executor.timer.resolve(block=exchanged):
+            iteration_ms = self.executor.timer.wall_ms
         m = IterationMetrics(self.iteration, iteration_ms, recv_wait_ms=sum(r.recv_wait_ms for r in prof.actions),
                              profile_every=self._period)
-        exchanged = self._check_now()
         links: list[dict] = []
         ran_probe = self._probe_running
         decision: Decision | None = None

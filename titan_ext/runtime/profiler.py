@@ -2,13 +2,16 @@
 
 What is measured, on every rank, for every iteration:
 
-* **Per-action compute time** of F / I / W / B.  On CPU a monotonic clock (``time.perf_counter``)
-  around the action; on GPU a pair of CUDA events per action recorded on the current stream and
-  resolved only at the iteration boundary (no host–device sync on the critical path).
-* **Per-message timing** on the PP links: the sender stamps each SEND when it hands the message to the
-  transport; the receiver stamps each RECV when its data has *arrived* — a small watcher thread per
-  peer blocks in ``Work.wait()`` and stamps completion, so the stamp is exact whether or not the compute
-  thread was blocked on that message (the compute thread waits on the watcher's event instead).
+* **Per-action compute time** of F / I / W / B, through the device layer (``runtime/device.py``): on
+  CPU a monotonic clock (``time.perf_counter``) around the action; on GPU a pair of CUDA events per
+  action recorded on the compute stream, mapped onto the host clock through an anchor event whose
+  completion was stamped, and resolved without a host sync on the critical path.  The input's stall
+  (the stream waiting for a receive) is recorded apart (``recv_wait_ms``).
+* **Per-message timing** on the PP links: the sender stamps each SEND at hand-over on the compute
+  stream's time; the receiver stamps each RECV when its data has *landed* — a watcher thread per peer
+  observes the receive's completion (``is_completed()``, or gloo's blocking ``wait()``) and stamps it,
+  so the stamp is exact whether or not the compute thread was blocked on that message, and the
+  consumer's wait stays just before the consumer.
 
 Link-delay estimate (documented method, :func:`link_delay_estimates`): messages on one link and
 direction are FIFO, so the k-th send matches the k-th receive.  With clocks that may differ by an
@@ -33,78 +36,19 @@ ping-pong at start-up (:func:`estimate_clock_offsets`): min-RTT sample, error �
 from __future__ import annotations
 
 import math
-import queue
 import statistics
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .device import now
+
+__all__ = ["ActionRecord", "IterationProfile", "RankProfile", "decode_profiles", "encode_profile",
+           "estimate_clock_offsets", "link_delay_estimates", "now", "timeline_bubble_rate"]
+
 COMPUTE_KINDS = ("F", "I", "W", "B")
-
-
-def now() -> float:
-    """The profiler's host clock (seconds, monotonic, shared by the processes of one host)."""
-    return time.perf_counter()
-
-
-class WatchedRecvWork:
-    """A receive whose arrival time is stamped by a watcher thread; ``wait()`` waits on the watcher."""
-
-    def __init__(self, works: list[Any]):
-        self.works = works
-        self.arrival: float = math.nan
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return True
-
-    def is_completed(self) -> bool:
-        return self.done.is_set()
-
-
-class ArrivalWatcher:
-    """One daemon thread per peer: waits on that peer's receives in posting (= FIFO) order."""
-
-    def __init__(self) -> None:
-        self._queues: dict[int, queue.SimpleQueue] = {}
-        self._threads: dict[int, threading.Thread] = {}
-
-    def watch(self, peer: int, works: list[Any]) -> WatchedRecvWork:
-        handle = WatchedRecvWork(works)
-        q = self._queues.get(peer)
-        if q is None:
-            q = self._queues[peer] = queue.SimpleQueue()
-            t = threading.Thread(target=self._run, args=(q,), name=f"titan_ext-arrival-{peer}", daemon=True)
-            self._threads[peer] = t
-            t.start()
-        q.put(handle)
-        return handle
-
-    @staticmethod
-    def _run(q: queue.SimpleQueue) -> None:
-        while True:
-            handle = q.get()
-            if handle is None:
-                return
-            try:
-                for w in handle.works:
-                    w.wait()
-                handle.arrival = now()
-            except BaseException as exc:  # surfaced by handle.wait()
-                handle.error = exc
-            handle.done.set()
-
-    def close(self) -> None:
-        for q in self._queues.values():
-            q.put(None)
 
 
 @dataclass
@@ -115,49 +59,6 @@ class ActionRecord:
     start: float = math.nan
     end: float = math.nan
     recv_wait_ms: float = 0.0
-
-
-class ComputeTimer:
-    """Times compute actions: perf_counter on CPU, CUDA events on GPU (resolved at the boundary)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        self._events: list[tuple[ActionRecord, Any, Any]] = []
-        self._ref: tuple[float, Any] | None = None
-
-    def begin_iteration(self) -> None:
-        self._events.clear()
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._ref = (now(), ev)
-
-    def start(self, rec: ActionRecord) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        rec.start = now()
-        return None
-
-    def stop(self, rec: ActionRecord, token: Any) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._events.append((rec, token, ev))
-        else:
-            rec.end = now()
-
-    def resolve(self) -> None:
-        """Fill start/end of GPU-timed records (host clock of the reference + event offsets)."""
-        if not self.cuda or not self._events:
-            return
-        self._events[-1][2].synchronize()  # at the iteration boundary, off the critical path
-        ref_host, ref_ev = self._ref  # type: ignore[misc]
-        for rec, s, e in self._events:
-            rec.start = ref_host + ref_ev.elapsed_time(s) / 1e3
-            rec.end = ref_host + ref_ev.elapsed_time(e) / 1e3
-        self._events.clear()
 
 
 @dataclass

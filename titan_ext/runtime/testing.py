@@ -1,8 +1,10 @@
 """Helpers for multi-process runtime tests and benchmarks: gloo on loopback, small models.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes (torch.multiprocessing, spawn),
-initialises a gloo process group on 127.0.0.1 with a free port, calls ``fn(rank, world_size, *args)``
-and returns the per-rank return values (which must be picklable).
+initialises a process group on 127.0.0.1 with a free port, calls ``fn(rank, world_size, *args)``
+and returns the per-rank return values (which must be picklable).  The backend is ``backend=``, else
+``$TITAN_EXT_TEST_BACKEND``, else :data:`DEFAULT_BACKEND` (``nccl_rules``: NCCL's rules enforced on
+CPU over gloo, :mod:`titan_ext.runtime.nccl_rules`; ``gloo``: plain gloo).
 """
 
 from __future__ import annotations
@@ -28,40 +30,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple, env: dict) -> None:
+#: the backend of ``run_ranks`` when neither ``backend=`` nor ``$TITAN_EXT_TEST_BACKEND`` names one
+DEFAULT_BACKEND = "nccl_rules"
+
+
+def chosen_backend(backend: str | None = None) -> str:
+    """The backend a multi-process test uses: ``backend``, ``$TITAN_EXT_TEST_BACKEND``, the default."""
+    from .nccl_rules import ENV_VAR
+
+    return backend or os.environ.get(ENV_VAR) or DEFAULT_BACKEND
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple, env: dict,
+           backend: str) -> None:
     os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl_rules":
+            from .nccl_rules import install
+
+            install()
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}")
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent, which stops the other ranks
-        with open(path, "wb") as fh:
-            pickle.dump(("error", traceback.format_exc()), fh)
+        _write_result(path, ("error", traceback.format_exc()))
         os._exit(1)
     from .delay_injection import remove_link_delays
 
     remove_link_delays()
     dist.barrier()
     dist.destroy_process_group()
-    with open(path, "wb") as fh:
-        pickle.dump(result, fh)
+    _write_result(path, result)
     # Skip interpreter finalisation (daemon threads, C++ destructors of process-group objects): the
     # result is on disk and the process group is already destroyed.
     os._exit(0)
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+def _write_result(path: str, result: tuple) -> None:
+    """Atomically (a rank being terminated never leaves half a file)."""
+    with open(path + ".tmp", "wb") as fh:
+        pickle.dump(result, fh)
+    os.replace(path + ".tmp", path)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None,
+              backend: str | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank.
+    ``backend``: see the module docstring (:func:`chosen_backend`).
 
     If a rank fails, the others are terminated and the failing rank's traceback is raised.
     """
     with tempfile.TemporaryDirectory() as outdir:
         try:
-            mp.start_processes(_entry, args=(fn, world_size, free_port(), outdir, args, env or {}),
+            mp.start_processes(_entry, args=(fn, world_size, free_port(), outdir, args, env or {},
+                                                  chosen_backend(backend)),
                                nprocs=world_size, join=True, start_method="spawn")
         except Exception as exc:  # noqa: BLE001
             errors = []

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
+from titan_ext.runtime.falcon.device_clock import DeviceTimer, control_group, device_sleep
 from titan_ext.runtime.falcon.emulation import (
     EmulationSpecError,
     FailSlowEmulation,
@@ -56,6 +57,17 @@ ENV_SLOW_LINK = "TITAN_EXT_SLOW_LINK"
 FALCON_LOG = "falcon.jsonl"
 """Rank 0 appends one JSON line per step under ``job.dump_folder``: the step and its ``falcon/*``
 decision dict (plus ``falcon/split``, the micro-batch split in force)."""
+FALCON_EVENTS = "falcon_events.jsonl"
+"""Rank 0 appends one row per Falcon event (issue 23 item 4): ``kind`` "event" (a change-point),
+"localised" (validation's root cause), "decision" (one strategy of Alg. 1: strategy S1-S4 or
+PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
+before / after an applied strategy). See :func:`event_rows`."""
+STRATEGY_LABEL = {"ignore": "S1", "microbatch_redistribution": "S2", "topology_adjustment": "S3",
+                  "checkpoint_restart": "S4", "pipemorph_replan": "PipeMorph"}
+"""Falcon §5.1's levels (S1 ignore, S2 micro-batch adjustment, S3 topology adjustment, S4
+checkpoint-and-restart); PipeMorph's re-plan is the PP-link mitigation between S1 and S3."""
+APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution"})
+"""Strategies this job applies; S3 / S4 are decided and recorded with ``applied: false``."""
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
 a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
@@ -150,28 +162,64 @@ class _Mark(torch.autograd.Function):
         return grad, None
 
 
-def _install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation) -> None:
+class _DeviceStretch:
+    """The emulated slow device on CUDA (issue 20 defect 8): a region (forward or backward) is
+    followed by a device-side delay of (F - 1) × its device time. The region's time comes from CUDA
+    events read without a host sync: the last completed measurement of the same region (the first
+    occurrence, with none yet, is not stretched)."""
+
+    def __init__(self, emulation: FailSlowEmulation, device):
+        self.emulation, self.device = emulation, device
+        self.timer = DeviceTimer(device)
+        self.pending: dict[str, tuple[Any, Any]] = {}
+        self.estimate_s: dict[str, float] = {}
+
+    def end(self, region: str, start: Any) -> None:
+        end = self.timer.mark()
+        if region in self.pending:
+            seconds = self.timer.elapsed_s(*self.pending[region], wait=False)
+            if seconds is not None:
+                self.estimate_s[region] = seconds
+        self.pending[region] = (start, end)
+        factor = self.emulation.compute_factor()
+        if factor > 1.0 and region in self.estimate_s:
+            device_sleep((factor - 1.0) * self.estimate_s[region], self.device)
+
+
+def _install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation, device=None) -> None:
     """Slow every forward and backward-input pass of ``part`` by the emulated device factor.
 
     Forward: hooks around the part. Backward: a mark on the part's output (backward begins) and on
     the first tensor with a gradient entering it — the input activation, or, on the first stage,
-    the token embedding's output (backward ends)."""
-    clock = {"f": 0.0, "b": 0.0}
+    the token embedding's output (backward ends). On CPU the host sleeps (F - 1) × the region
+    (:meth:`FailSlowEmulation.stretch`); on CUDA the device does (:class:`_DeviceStretch`)."""
+    if device is not None and torch.device(device).type == "cuda":
+        cuda = _DeviceStretch(emulation, device)
+        mark = cuda.timer.mark
+    else:
+        cuda, mark = None, time.perf_counter
+    clock: dict[str, Any] = {"f": 0.0, "b": 0.0}
+
+    def stretch(region: str) -> None:
+        if cuda is not None:
+            cuda.end(region, clock[region])
+        else:
+            emulation.stretch(clock[region])
 
     def begin_backward():
-        clock["b"] = time.perf_counter()
+        clock["b"] = mark()
 
     def end_backward():
-        emulation.stretch(clock["b"])
+        stretch("b")
 
     def pre(_mod, args):
-        clock["f"] = time.perf_counter()
+        clock["f"] = mark()
         if args and torch.is_tensor(args[0]) and args[0].requires_grad:
             return (_Mark.apply(args[0], end_backward), *args[1:])
         return None
 
     def post(_mod, _args, out):
-        emulation.stretch(clock["f"])
+        stretch("f")
         if torch.is_tensor(out) and out.requires_grad:
             return _Mark.apply(out, begin_backward)
         return None
@@ -191,15 +239,22 @@ class FalconJob:
         self.trainer = trainer
         dims = trainer.parallel_dims
         self.rank = dist.get_rank()
+        self.device = getattr(trainer, "device", torch.device("cpu"))
         dp_mesh, pp_mesh = dims.get_mesh("dp_replicate"), dims.get_mesh("pp")
         self.dp_group = dp_mesh.get_group()
         self.num_dp, self.num_pp = dp_mesh.size(), pp_mesh.size()
         self.dp_index, self.pp_index = dp_mesh.get_local_rank(), pp_mesh.get_local_rank()
+        # host data (timings, chunks, probe results) on gloo control groups (issue 20 defect 5)
+        self.control = control_group()
         coords: list = [None] * dist.get_world_size()
-        dist.all_gather_object(coords, (self.dp_index, self.pp_index))
+        dist.all_gather_object(coords, (self.dp_index, self.pp_index), group=self.control)
         self.grid = [[0] * self.num_pp for _ in range(self.num_dp)]
         for r, (d, s) in enumerate(coords):
             self.grid[d][s] = r
+        dp_controls = [control_group([row[s] for row in self.grid]) for s in range(self.num_pp)]
+        self.dp_control = dp_controls[self.pp_index]
+        self.timer = DeviceTimer(self.device)
+        self._dp_sync_marks: tuple | None = None
         self.chunks_per_replica = trainer.gradient_accumulation_steps
         self.split = [self.chunks_per_replica] * self.num_dp
         device_spec, link_spec = emulation_specs(section)
@@ -207,7 +262,7 @@ class FalconJob:
                                            parse_slow_device(device_spec), parse_slow_link(link_spec))
         self._pp_delays_installed = False
         for part in trainer.model_parts:
-            _install_compute_stretch(part, self.emulation)
+            _install_compute_stretch(part, self.emulation, self.device)
         schedule = trainer.pp_schedule
         if getattr(schedule, "falcon", None) is not None:
             schedule.falcon = None  # the job's monitor sees DP too; one monitor decides
@@ -218,30 +273,45 @@ class FalconJob:
             pp_groups={f"pp{d}_link{i}": i for d in range(self.num_dp) for i in range(self.num_pp - 1)},
             dp_groups=[f"dp_stage{s}" for s in range(self.num_pp)],
         )
-        self._measure_restart_cost()
-        self._exchange_measured = False
         self.enabled = section.falcon
         self.apply_decisions = section.falcon_apply
-        self.log_path = (Path(trainer.job_config.job.dump_folder) / FALCON_LOG) if section.falcon else None
+        dump = Path(trainer.job_config.job.dump_folder)
+        self.log_path = (dump / FALCON_LOG) if section.falcon else None
+        self.events_path = (dump / FALCON_EVENTS) if section.falcon else None
+        self.events: list[dict] = []
+        self._measure_costs_at_start(dump)
+        self._exchange_measured = False
         self._backwards_left = 0
         self.dp_sync_s = 0.0
         self.last_decision: dict = {}
 
     # ---------------------------------------------------------------- costs (§5.2)
-    def _measure_restart_cost(self) -> None:
-        """S3's overhead: this job's own start-up (process start to a ready trainer: interpreter,
-        rendezvous, model build), the slowest rank's. Checkpoint save/load are not in it: the
-        DP x PP config has checkpointing off and S3/S4 are decided here, not applied."""
-        ready_s = torch.tensor([time.time() - _process_start_time()], dtype=torch.float64)
-        dist.all_reduce(ready_s, op=dist.ReduceOp.MAX)
-        self._set_costs(topology_adjustment=float(ready_s))
+    def _measure_costs_at_start(self, dump: Path) -> None:
+        """S3's and S4's overheads, measured in this job (slowest rank's; issue 23 item 3).
+
+        S3 (in memory, :mod:`titan_ext.runtime.falcon.topology`): creating the new DP and PP groups
+        (timed: as many as the grid has rows and columns) plus moving a stage's state — the model
+        and AdamW's two moments, 3x the parameters — to a DP peer over the data group.
+        S4: this process's start-up (interpreter, rendezvous, model build) plus saving and loading
+        the same state to and from the dump folder (TorchTitan's checkpointer adds its own
+        bookkeeping on top)."""
+        state = [p.detach() for m in self.trainer.model_parts for p in m.parameters()] * 3
+        t0 = time.perf_counter()
+        dist.new_group(backend="gloo")  # one group's creation, as S3 creates num_dp + num_pp
+        group_s = (time.perf_counter() - t0) * (self.num_dp + self.num_pp)
+        move_s = _time_state_exchange(state, [row[self.pp_index] for row in self.grid], self.device)
+        save_s = _time_save_load(state, dump / f".falcon_cost_probe_rank{self.rank}.pt")
+        mine = torch.tensor([group_s + move_s, time.time() - _process_start_time() + save_s],
+                            dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
+        self._set_costs(topology_adjustment=float(mine[0]), checkpoint_restart=float(mine[1]))
 
     def _measure_exchange_cost(self, mine: list) -> None:
         """S2's overhead: one real exchange of this step's chunks over the DP group."""
         t0 = time.perf_counter()
-        redistribute_chunks(mine, [self.chunks_per_replica] * self.num_dp, self.dp_index, self.dp_group)
+        redistribute_chunks(mine, [self.chunks_per_replica] * self.num_dp, self.dp_index, self.dp_control)
         exchange_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(exchange_s, op=dist.ReduceOp.MAX)
+        dist.all_reduce(exchange_s, op=dist.ReduceOp.MAX, group=self.control)
         self._set_costs(microbatch_redistribution=float(exchange_s))
 
     def _measure_replan_cost(self, rt: dict) -> None:
@@ -276,15 +346,20 @@ class FalconJob:
 
     def sync_gradients(self) -> None:
         """Σ over DP replicas of the token-sum gradients (TorchTitan's DP gradient), after the
-        emulated latency of the DP link (held back before the all-reduce)."""
-        t0 = time.perf_counter()
+        emulated latency of the DP link (held back on the device before the all-reduce). Its time
+        is a completion time: device timer marks, read at the step's end (:meth:`_dp_sync_time`)."""
+        start = self.timer.mark()
         dp_ranks = [row[self.pp_index] for row in self.grid]
-        delay = self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS)
-        if delay > 0:
-            time.sleep(delay)
+        device_sleep(self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS), self.device)
         params = [p for m in self.trainer.model_parts for p in m.parameters()]
         weighted_all_reduce_gradients(params, 1.0, self.dp_group)
-        self.dp_sync_s = time.perf_counter() - t0
+        self._dp_sync_marks = (start, self.timer.mark())
+
+    def _dp_sync_time(self) -> float:
+        if self._dp_sync_marks is not None:
+            self.dp_sync_s = self.timer.elapsed_s(*self._dp_sync_marks)
+            self._dp_sync_marks = None
+        return self.dp_sync_s
 
     def _my_chunks(self, data_iterator) -> list:
         """This replica's chunks of the step: its own loader's (even split), or under S2 its range
@@ -295,7 +370,7 @@ class FalconJob:
             self._exchange_measured = True
         if self.split == [self.chunks_per_replica] * self.num_dp:
             return mine
-        return redistribute_chunks(mine, self.split, self.dp_index, self.dp_group)
+        return redistribute_chunks(mine, self.split, self.dp_index, self.dp_control)
 
     def _maybe_install_pp_delays(self) -> None:
         if self._pp_delays_installed:
@@ -316,14 +391,14 @@ class FalconJob:
         S, D = self.num_pp, self.num_dp
         vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
         vec[0] = step_s
-        vec[1 + self.pp_index] = self.dp_sync_s
+        vec[1 + self.pp_index] = self._dp_sync_time()
         rt = runtime_metrics(self.trainer.pp_schedule)
         self._measure_replan_cost(rt)  # only a Falcon decision's ski-rental input
         links = rt.get("link_delay_ms", {})
         for i, ms in links.items():
             if int(i) < S - 1 and ms == ms:  # not NaN
                 vec[1 + S + self.dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
-        named(None, "falcon/step", lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX))  # names a silent rank
+        named(None, "falcon/step", lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control))  # names a silent rank
         groups = {f"dp_stage{s}": float(vec[1 + s]) for s in range(S)}
         groups |= {f"pp{d}_link{i}": float(vec[1 + S + d * (S - 1) + i])
                    for d in range(D) for i in range(S - 1)}
@@ -334,23 +409,48 @@ class FalconJob:
         decision = self.monitor.observe(iteration_s, groups)
         if decision.get("falcon/validate"):
             decision |= self.validate()
+        applied_s = {}
         for strategy in filter(None, decision.get("falcon/apply", "").split(",")):
+            t0 = time.perf_counter()
             self.apply(strategy, decision)
+            applied_s[strategy] = time.perf_counter() - t0
         decision["falcon/split"] = json.dumps(self.split)
         self.last_decision = decision
+        rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
+                          self.apply_decisions)
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
                 f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
+            self._record_events(rows)
+
+    def _record_events(self, rows: list[dict]) -> None:
+        """Rows → ``falcon_events.jsonl``, a console line each, and W&B (a ``falcon/events`` table)."""
+        if not rows:
+            return
+        self.events.extend(rows)
+        with open(self.events_path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+                logger.info(f"[titan_ext] Falcon {_console(row)}")
+        from titan_ext.titan.metrics import _wandb_loggers
+
+        processor = getattr(self.trainer, "metrics_processor", None)
+        for wb in _wandb_loggers(processor) if processor is not None else []:
+            columns = sorted({k for r in self.events for k in r})
+            wb.wandb.log({"falcon/events": wb.wandb.Table(
+                columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events])},
+                step=self.trainer.step)
 
     def validate(self) -> dict:
         """Falcon §4.3 validation (training pauses until it returns): ring passes over every PP
         pipeline and DP group, then the GEMM probe."""
         t0 = time.perf_counter()
         rings = [list(row) for row in self.grid] + [[row[s] for row in self.grid] for s in range(self.num_pp)]
-        links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16,
-                               send_delay_s=self.emulation.send_delay_s)
-        gemm = gemm_probe(repeats=10, stretch=self.emulation.stretch)
+        links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16, group=self.control,
+                               send_delay_s=self.emulation.send_delay_s, device=self.device)
+        gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
+                          device=self.device)
         return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
 
     def apply(self, strategy: str, decision: dict) -> None:
@@ -367,6 +467,81 @@ class FalconJob:
                            f"this job (see docs/falcon.md)")
             return
         logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
+
+
+def event_rows(step: int, decision: dict, monitor: Any, applied_s: dict[str, float],
+               apply_decisions: bool) -> list[dict]:
+    """The ``falcon_events.jsonl`` rows of one step's ``falcon/*`` decision dict (see FALCON_EVENTS)."""
+    rows: list[dict] = []
+    if "falcon/event" in decision:
+        rows.append({"kind": "event", "iteration": step, "event": decision["falcon/event"],
+                     "change_point_iteration": decision.get("falcon/change_point_iteration"),
+                     "iteration_time_s": decision.get("falcon/iteration_time_s")})
+    suspected = {"root_cause": monitor.root_cause, "slow_devices": list(monitor.slow_devices),
+                 "slow_links": [list(link) for link in monitor.slow_links],
+                 "suspicious_groups": list(monitor.suspicious)}
+    if "falcon/root_cause" in decision:
+        rows.append({"kind": "localised", "iteration": step, "suspected": suspected,
+                     "validation_pause_s": decision.get("falcon/validation_pause_s")})
+    before = decision.get("falcon/iteration_time_s")
+    for name in filter(None, decision.get("falcon/apply", "").split(",")):
+        applied = apply_decisions and name in APPLIED_HERE
+        rows.append({"kind": "decision", "iteration": step, "suspected": suspected,
+                     "strategy": STRATEGY_LABEL.get(name, name), "name": name, "applied": applied,
+                     "estimated_cost_s": monitor.config.costs.of(name),
+                     "measured_cost_s": applied_s.get(name) if applied else None,
+                     "impact_s": decision.get("falcon/impact_s"), "iteration_time_before_s": before})
+    for key, effect in decision.items():
+        if key.startswith("falcon/effect/") and key.count("/") == 2:
+            name = key.split("/")[2]
+            rows.append({"kind": "outcome", "iteration": step, "strategy": STRATEGY_LABEL.get(name, name),
+                         "name": name, "effect": effect,
+                         "iteration_time_before_s": decision.get(f"{key}/before_s"),
+                         "iteration_time_after_s": decision.get(f"{key}/after_s")})
+    return rows
+
+
+def _console(row: dict) -> str:
+    head = f"{row['kind']} at step {row['iteration']}"
+    if row["kind"] == "decision":
+        cost = row["measured_cost_s"]
+        return (f"{head}: {row['strategy']} ({row['name']}) for {row['suspected']['root_cause']}, "
+                f"{'applied' if row['applied'] else 'not applied'}, estimated cost "
+                f"{row['estimated_cost_s']:.3g} s" + (f", measured {cost:.3g} s" if cost is not None else ""))
+    if row["kind"] == "outcome":
+        return (f"{head}: {row['strategy']} ({row['name']}) iteration "
+                f"{row['iteration_time_before_s']:.3f} s -> {row['iteration_time_after_s']:.3f} s")
+    if row["kind"] == "localised":
+        return f"{head}: suspected {row['suspected']}"
+    return f"{head}: {row['event']} (change point at {row['change_point_iteration']})"
+
+
+def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device) -> float:
+    """Seconds to send ``state`` to the next DP peer and receive the previous one's (a ring shift
+    over the data group, device buffers; completion time)."""
+    from titan_ext.runtime.falcon.device_clock import DeviceTimer, device_buffer
+
+    numel = sum(t.numel() for t in state)
+    send, recv = device_buffer(numel, device), device_buffer(numel, device)
+    me = dp_ranks.index(dist.get_rank())
+    timer = DeviceTimer(device)
+    start = timer.mark()
+    ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
+           dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return timer.elapsed_s(start, timer.mark())
+
+
+def _time_save_load(state: list[torch.Tensor], path: Path) -> float:
+    """Seconds to save ``state`` (host copies) to ``path`` and load it back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.save([t.detach().cpu() for t in state], path)
+    torch.load(path, weights_only=True)
+    seconds = time.perf_counter() - t0
+    path.unlink(missing_ok=True)
+    return seconds
 
 
 def _process_start_time() -> float:

@@ -2,10 +2,12 @@
 
 :class:`PipelineMonitor` wraps the compute entry points of the local ``PipelineStage`` objects
 (``forward_one_chunk`` → F, ``backward_one_chunk`` → B (full) or I (input-only),
-``backward_weight_one_chunk`` → W) and the schedule's ``step``. Every call records start/end on
+``backward_weight_one_chunk`` → W) and the schedule's ``step``.  On CPU every call records start/end on
 ``time.monotonic_ns()`` -- one clock read per action edge, no collective and no device sync on the
-critical path. (On a GPU the recorded span is the host-side launch span; this monitor serves the
-CPU/gloo runs and the timeline images, the runtime's own profiler uses CUDA events.)
+critical path.  On a GPU the host span would be the launch span, so the monitor times through the device
+layer (``titan_ext.runtime.device``): CUDA events on the stage's compute stream, put on the host clock
+through an anchor whose completion was stamped, and read only in :meth:`PipelineMonitor.gather` (a
+logging step), so ``pipeline/*`` metrics are device timings for every schedule.
 
 On a logging step, :meth:`PipelineMonitor.gather` does one ``all_gather_object`` over the PP group
 (outside the measured iteration) and every rank obtains the whole iteration's timeline, from which:
@@ -27,6 +29,7 @@ from the exit times of 5 barriers (median); its error is the barrier's exit skew
 below a millisecond on a LAN, i.e. small against multi-ms actions).
 """
 
+import math
 import socket
 import statistics
 import time
@@ -34,7 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from titan_ext.runtime.device import DeviceLayer, device_layer
 
 __all__ = ["Action", "IterationTimeline", "PipelineMonitor", "timeline_stats"]
 
@@ -106,16 +112,34 @@ def timeline_stats(timeline: IterationTimeline) -> dict[str, Any]:
     }
 
 
+@dataclass
+class _Rec:
+    """A device-timed action (seconds on the host clock once resolved)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    start: float = math.nan
+    end: float = math.nan
+    recv_wait_ms: float = 0.0
+
+
 class PipelineMonitor:
     """Records this rank's compute actions in ``schedule.step()``; gathers them on demand."""
 
     def __init__(self, schedule: Any, pp_group: dist.ProcessGroup | None = None,
-                 clock: Callable[[], int] = time.monotonic_ns):
+                 clock: Callable[[], int] = time.monotonic_ns, layer: DeviceLayer | None = None):
         self.schedule = schedule
         self.pp_group = pp_group
         self._clock = clock
         self.stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
         self.num_stages = self.stages[0].num_stages
+        if layer is None and torch.device(getattr(self.stages[0], "device", "cpu")).type == "cuda":
+            layer = device_layer(self.stages[0].device)
+        #: device timing (events) on an asynchronous device; None: the host clock times the device
+        self._timer = layer.timer() if layer is not None and layer.asynchronous else None
+        self._layer = layer
+        self._records: list[_Rec] = []
         self._actions: list[Action] = []
         self._last_actions: list[Action] = []
         self._step_start = 0
@@ -128,6 +152,14 @@ class PipelineMonitor:
 
     # -- recording -------------------------------------------------------------------------
     def _record(self, stage_index: int, kind: str, mb: int, fn, *args, **kwargs):
+        if self._timer is not None:
+            rec = _Rec(stage_index, kind, int(mb))
+            token = self._timer.start(rec)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._timer.stop(rec, token)
+                self._records.append(rec)
         t0 = self._clock()
         try:
             return fn(*args, **kwargs)
@@ -158,11 +190,21 @@ class PipelineMonitor:
         def wrapped_step(*args, **kwargs):
             self._actions = []
             t0 = self._step_start = self._clock()
+            if self._timer is not None:  # the previous step's events are not needed: no host sync
+                self._timer.discard()
+                self._records = []
+                with self._layer.context():
+                    self._timer.begin_iteration()
             try:
                 return step(*args, **kwargs)
             finally:
-                self.last_step_wall_ms = (self._clock() - t0) / 1e6
-                self.step_wall_history_ms.append(self.last_step_wall_ms)
+                if self._timer is not None:
+                    with self._layer.context():
+                        self._timer.end_iteration()
+                    self.last_step_wall_ms = math.nan  # read from the events in gather()
+                else:
+                    self.last_step_wall_ms = (self._clock() - t0) / 1e6
+                    self.step_wall_history_ms.append(self.last_step_wall_ms)
                 self._last_actions = self._actions
 
         self.schedule.step = wrapped_step
@@ -189,15 +231,30 @@ class PipelineMonitor:
         return int(statistics.median(samples))
 
     # -- gathering -------------------------------------------------------------------------
+    def _resolve_device_times(self) -> None:
+        """Device timing: wait for the last step's last event (a logging step, never a device
+        synchronize) and turn its records into actions on the host clock (ns)."""
+        if self._timer is None or not self._records:
+            return
+        with self._layer.context():
+            self._timer.resolve(block=True)
+        self.last_step_wall_ms = self._timer.wall_ms
+        self.step_wall_history_ms.append(self.last_step_wall_ms)
+        self._last_actions = [Action(r.stage, r.kind, r.microbatch, int(r.start * 1e9), int(r.end * 1e9))
+                              for r in self._records]
+        self._records = []
+
     def local_actions(self) -> list[Action]:
         """This rank's actions of the last completed ``step()``, on PP rank 0's clock."""
+        self._resolve_device_times()
         off = self.clock_offset_ns
         return [Action(a.stage, a.kind, a.microbatch, a.start_ns - off, a.end_ns - off)
                 for a in self._last_actions]
 
     def gather(self, step: int) -> IterationTimeline:
         """Collective over the PP group (every PP rank must call it at the same step)."""
-        mine = (self.local_actions(), self.last_step_wall_ms)
+        actions = self.local_actions()
+        mine = (actions, self.last_step_wall_ms)
         if self.pp_group is None or not dist.is_initialized():
             parts = [mine]
         else:

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from .device_clock import to_device
+
 __all__ = ["dp_weights", "microbatch_ranges", "redistribute_chunks", "weighted_all_reduce_gradients",
            "weighted_all_reduce_loss"]
 
@@ -46,7 +48,9 @@ def redistribute_chunks(mine: Sequence, split: Sequence[int], dp_index: int, gro
     or a ``(dict of tensors, tensor)`` pair (TorchTitan's ``(input_dict, labels)``); every replica
     holds the same number of same-shape chunks. The chunks are all-gathered over the DP ``group``
     (ordered by replica: the global batch is unchanged) and replica ``dp_index`` gets
-    ``microbatch_ranges(split)[dp_index]`` of them.
+    ``microbatch_ranges(split)[dp_index]`` of them. Data-loader chunks are host data: on a GPU job
+    ``group`` is the DP replicas' gloo control group (:func:`~.device_clock.control_group`), never
+    the NCCL DP group.
     """
     leaves = [_leaves(c) for c in mine]
     gathered = [_all_gather_stacked([lv[k] for lv in leaves], group) for k in range(len(leaves[0]))]
@@ -87,9 +91,9 @@ def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: 
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
     for dtype, ps in by_dtype.items():
-        flat = torch.cat([
+        flat = to_device(torch.cat([
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps
-        ]) * weight
+        ]) * weight, ps[0].device)  # device data: made from the gradients, on their device
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for p in ps:
@@ -104,6 +108,6 @@ def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: 
 
 def weighted_all_reduce_loss(local_mean_loss: torch.Tensor, weight: float, group=None) -> torch.Tensor:
     """Global loss ``Σ_i w_i L_i`` (a detached tensor, the same on every rank of ``group``)."""
-    t = local_mean_loss.detach().clone() * weight
+    t = to_device(local_mean_loss.detach().clone() * weight, local_mean_loss.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .device_clock import DeviceTimer, device_buffer, device_sleep
 from .localize import ring_validation_passes
 
 __all__ = ["validate_rings", "gemm_probe"]
@@ -37,14 +38,43 @@ def _all_gather_dict(local: dict, group=None) -> dict:
 
 def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeats: int = 3,
                    warmup: int = 1, group=None,
-                   send_delay_s: Callable[[int, int], float] | None = None) -> dict[tuple[int, int], float]:
+                   send_delay_s: Callable[[int, int], float] | None = None,
+                   device=None) -> dict[tuple[int, int], float]:
     """Time every directed ring link of ``rings`` (global ranks). Collective over ``group``.
 
-    ``send_delay_s(src, dst)``: emulated extra latency of a message (the sender holds it back that
-    long; :class:`~titan_ext.runtime.falcon.emulation.FailSlowEmulation`)."""
+    The messages are device buffers (``device``; CPU by default) sent on the default (data) group
+    with global ranks; the receiver's time is the message's *completion* (device timer marks around
+    the receive, read once it has landed). ``group`` (a gloo control group on a GPU job) carries
+    the barriers between passes and the gathered results.
+    ``send_delay_s(src, dst)``: emulated extra latency of a message (the sender's stream holds it
+    back that long: :func:`~.device_clock.device_sleep`;
+    :class:`~titan_ext.runtime.falcon.emulation.FailSlowEmulation`)."""
     rank = dist.get_rank()
-    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    # Build a schedule of passes; rings sharing ranks are serialised.
+    buf = device_buffer(max(1, nbytes // 4), device)
+    timer = DeviceTimer(device)
+    samples: dict[tuple[int, int], list[float]] = {}
+    for rep in range(warmup + repeats):
+        for pass_pairs in _pass_schedule(rings):
+            dist.barrier(group=group)
+            for src, dst in pass_pairs:
+                if rank == src:
+                    if send_delay_s is not None:
+                        device_sleep(send_delay_s(src, dst), device)
+                    dist.send(buf, dst)
+                elif rank == dst:
+                    start = timer.mark()
+                    dist.recv(buf, src)
+                    seconds = timer.elapsed_s(start, timer.mark())
+                    if rep >= warmup:
+                        samples.setdefault((src, dst), []).append(seconds)
+    # The fastest repeat, as in gemm_probe: a descheduled sender or receiver only ever adds time, while
+    # a slow link is slow in every repeat.
+    local = {k: min(v) for k, v in samples.items()}
+    return _all_gather_dict(local, group)
+
+
+def _pass_schedule(rings: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+    """The passes of every ring (§4.3), rings sharing ranks serialised pass by pass."""
     schedule: list[list[tuple[int, int]]] = []
     used_per_slot: list[set[int]] = []
     for ring in rings:
@@ -58,41 +88,33 @@ def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeat
                 used_per_slot.append(set())
             schedule[slot].extend(p)
             used_per_slot[slot] |= members
-    samples: dict[tuple[int, int], list[float]] = {}
-    for rep in range(warmup + repeats):
-        for pass_pairs in schedule:
-            dist.barrier(group=group)
-            for src, dst in pass_pairs:
-                if rank == src:
-                    if send_delay_s is not None:
-                        time.sleep(send_delay_s(src, dst))
-                    dist.send(buf, dst)
-                elif rank == dst:
-                    t0 = time.perf_counter()
-                    dist.recv(buf, src)
-                    if rep >= warmup:
-                        samples.setdefault((src, dst), []).append(time.perf_counter() - t0)
-    # The fastest repeat, as in gemm_probe: a descheduled sender or receiver only ever adds time, while
-    # a slow link is slow in every repeat.
-    local = {k: min(v) for k, v in samples.items()}
-    return _all_gather_dict(local, group)
+    return schedule
 
 
 def gemm_probe(n: int = 256, repeats: int = 5, group=None, dtype=torch.float32,
-               stretch: Callable[[float], None] | None = None) -> dict[int, float]:
-    """Fastest of ``repeats`` timings of an n×n matmul on every rank (Falcon §4.3 computation
-    validation).  The minimum, not the median: preemption and time-sharing only ever add time, so a
-    healthy device descheduled for some repeats still reads its own speed, while a slow device is slow
-    in every repeat (on a shared 2-core host the median flagged healthy ranks at ≈ 1.1×).
-    ``stretch(t0)``: called after each timed matmul (an emulated slow device sleeps there)."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+               slowdown: Callable[[], float] | None = None, device=None) -> dict[int, float]:
+    """Fastest of ``repeats`` timings of an n×n matmul on every rank's ``device`` (Falcon §4.3
+    computation validation), timed with device timer marks (CUDA events on a GPU), gathered over
+    ``group`` (a gloo control group on a GPU job). The minimum, not the median: preemption and
+    time-sharing only ever add time, so a healthy device descheduled for some repeats still reads
+    its own speed, while a slow device is slow in every repeat (on a shared 2-core host the median
+    flagged healthy ranks at ≈ 1.1×).
+    ``slowdown()``: an emulated slow device's factor F; each timed matmul is followed, inside the
+    timed region, by a device-side delay of (F - 1) × the matmul's time (on CPU the matmul just
+    measured; on CUDA the warm-up's, as the device has not finished the matmul when it is enqueued)."""
+    a = torch.randn(n, n, dtype=dtype).to(device)
+    b = torch.randn(n, n, dtype=dtype).to(device)
+    timer = DeviceTimer(device)
+    start = timer.mark()
     torch.mm(a, b)  # warm-up
+    warm_s = timer.elapsed_s(start, timer.mark())
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        start = timer.mark()
         torch.mm(a, b)
-        if stretch is not None:
-            stretch(t0)
-        times.append(time.perf_counter() - t0)
+        factor = slowdown() if slowdown is not None else 1.0
+        if factor > 1.0:
+            mm_s = warm_s if timer.cuda else time.perf_counter() - start
+            device_sleep((factor - 1.0) * mm_s, device)
+        times.append(timer.elapsed_s(start, timer.mark()))
     return _all_gather_dict({dist.get_rank(): min(times)}, group)

@@ -1,0 +1,208 @@
+"""Falcon's host data never travels on a data group, and its emulation and probes act on the device
+(issue 20, defects 5 and 8).
+
+Defect 5: on a GPU job the world and TorchTitan's mesh groups are NCCL groups, which take device
+tensors only; Falcon's timings, data-loader chunks, coordinates and validation results are host data
+and must use gloo control groups. The check here runs :class:`FalconJob` in a 4-rank DP 2 × PP 2
+gloo world (the same mesh TorchTitan builds) under a recorder of every torch.distributed call: a call
+on a *data group* (the world or a mesh group, the groups that are NCCL on a GPU job) must carry only
+tensors Falcon made for the device (:func:`device_clock.to_device` / ``device_buffer``), and no
+pickled objects or barriers. On a01ec7e the job's first call (``all_gather_object`` on the world)
+already broke the rule.
+
+Defect 8 on CPU: what the device-side paths compute, with a recording stand-in for the CUDA timer
+and sleep (the CUDA calls themselves are not run here: no GPU in CI).
+"""
+
+import os
+import socket
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_CHECKED = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
+            "send", "recv", "barrier", "reduce_scatter", "gather_object", "batch_isend_irecv")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _install_rule_recorder(data_groups: list, violations: list, calls: list) -> None:
+    """Wrap the torch.distributed calls: on a data group, only device-made tensors."""
+    from titan_ext.runtime.falcon.device_clock import made_for_device
+
+    def is_data(group) -> bool:
+        return group is None or any(group is g for g in data_groups)
+
+    def tensors_of(args, kwargs):
+        out = []
+        for a in list(args) + list(kwargs.values()):
+            if torch.is_tensor(a):
+                out.append(a)
+            elif isinstance(a, (list, tuple)) and a and all(torch.is_tensor(x) for x in a):
+                out.extend(a)
+            elif isinstance(a, (list, tuple)) and a and all(isinstance(x, dist.P2POp) for x in a):
+                out.extend(op.tensor for op in a)
+        return out
+
+    for name in _CHECKED:
+        original = getattr(dist, name)
+
+        def wrapped(*args, _name=name, _original=original, **kwargs):
+            group = kwargs.get("group")
+            if _name == "batch_isend_irecv":
+                group = args[0][0].group
+            data = is_data(group)
+            calls.append((_name, "data" if data else "control"))
+            if data:
+                if _name.endswith("_object") or _name.endswith("_object_list") or _name == "barrier":
+                    violations.append(f"{_name} (host objects / barrier) on a data group")
+                for t in tensors_of(args, kwargs):
+                    if not made_for_device(t):
+                        violations.append(f"{_name}: host tensor {tuple(t.shape)} {t.dtype} on a data group")
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+
+
+def _chunks(dp: int, step: int, k: int):
+    g = torch.Generator().manual_seed(100 * step + dp)
+    return [({"input": torch.randn(3, 6, generator=g)}, torch.randn(3, 1, generator=g)) for _ in range(k)]
+
+
+def _job_worker(rank, world, port, outdir):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_ext.titan.falcon_job import FalconJob
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_replicate"))
+    data_groups = [mesh["pp"].get_group(), mesh["dp_replicate"].get_group()]
+    violations, calls = [], []
+    _install_rule_recorder(data_groups, violations, calls)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1)
+    trainer = SimpleNamespace(
+        parallel_dims=SimpleNamespace(get_mesh=lambda name: mesh[name]), gradient_accumulation_steps=3,
+        model_parts=[model], pp_schedule=SimpleNamespace(falcon=None), device=torch.device("cpu"),
+        job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir)), step=1)
+    section = SimpleNamespace(emulate_slow_device="", emulate_slow_link="0-1:5", falcon=True,
+                              falcon_apply=True)
+    job = FalconJob(trainer, section)
+
+    def run_step(chunks):
+        for inputs, labels in chunks:
+            torch.nn.functional.mse_loss(model(inputs["input"]), labels, reduction="sum").backward()
+            job.after_backward()
+
+    for step, split in ((1, None), (2, [4, 2])):  # the even split, then S2's exchange of chunks
+        trainer.step = step
+        if split:
+            job.split = split
+        model.zero_grad()
+        job.train_step(run_step, iter(_chunks(job.dp_index, step, 3)))
+    job.validate()
+    torch.save({"violations": violations, "calls": calls, "dp_sync_s": job.dp_sync_s,
+                "grid": job.grid}, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_falcon_job_keeps_host_data_off_the_data_groups():
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_job_worker, args=(4, _free_port(), d), nprocs=4, join=True)
+        res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(4)]
+    for r in res:
+        assert r["violations"] == [], r["violations"][:5]
+        kinds = {c for c in r["calls"]}
+        # the job did use both kinds: gradients on the DP data group, host data on control groups
+        assert ("all_reduce", "data") in kinds and ("all_reduce", "control") in kinds
+        assert ("all_gather", "control") in kinds  # S2's chunks
+        assert ("send", "data") in kinds or ("recv", "data") in kinds  # ring validation buffers
+    assert res[0]["grid"] == [[0, 2], [1, 3]]  # replica d = pipeline (d, d + 2)
+    # device 0-1 is stage 0's DP link (+5 ms per message, 2 ring steps): its DP sync pays >= 10 ms
+    assert res[0]["dp_sync_s"] >= 0.010 and res[1]["dp_sync_s"] >= 0.010
+
+
+# --------------------------------------------------------------------------- defect 8 (device paths)
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: completes when the test says so, with a given device time."""
+
+    def __init__(self, clock):
+        self.t, self.done = clock["t"], False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        raise AssertionError("the stretch must not wait for the device on the critical path")
+
+
+def test_cuda_stretch_sleeps_on_the_device_by_the_last_measured_region_without_host_sync(monkeypatch):
+    from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device
+    from titan_ext.titan import falcon_job
+
+    clock, sleeps, events = {"t": 0.0}, [], []
+
+    class Timer:
+        cuda = True
+
+        def __init__(self, device):
+            pass
+
+        def mark(self):
+            events.append(_FakeEvent(clock))
+            return events[-1]
+
+        def elapsed_s(self, start, end, wait=True):
+            assert not wait
+            return (end.t - start.t) if end.query() else None
+
+    monkeypatch.setattr(falcon_job, "DeviceTimer", Timer)
+    monkeypatch.setattr(falcon_job, "device_sleep", lambda s, device=None: sleeps.append((s, device)))
+    emulation = FailSlowEmulation(0, [0], slow_device=parse_slow_device("0:4"))
+    stretch = falcon_job._DeviceStretch(emulation, "cuda:0")
+    start = stretch.timer.mark()
+    clock["t"] = 0.010
+    stretch.end("f", start)  # first forward: no completed measurement yet, no stretch
+    assert sleeps == []
+    start = stretch.timer.mark()
+    clock["t"] = 0.025
+    stretch.end("f", start)  # the first forward's events have not completed: still none
+    assert sleeps == []
+    for ev in events:
+        ev.done = True
+    start = stretch.timer.mark()
+    clock["t"] = 0.040
+    stretch.end("f", start)  # the second forward (15 ms) has completed: (4 - 1) x 15 ms on the device
+    assert sleeps == [(pytest.approx(0.045), "cuda:0")]
+
+
+def _probe_worker(rank, world, port, outdir):
+    from titan_ext.runtime.falcon.device_clock import control_group
+    from titan_ext.runtime.falcon.validation import gemm_probe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    control = control_group()
+    factor = 4.0 if rank == 1 else 1.0
+    times = gemm_probe(n=128, repeats=9, group=control, slowdown=lambda: factor, device="cpu")
+    torch.save(times, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_gemm_probe_reads_the_emulated_slow_device_inside_its_timed_region():
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_probe_worker, args=(2, _free_port(), d), nprocs=2, join=True)
+        times = torch.load(os.path.join(d, "rank0.pt"))
+    # fastest of 9: a 4x device reads >= 2x its healthy peer (half the effect, robust to load)
+    assert set(times) == {0, 1} and times[1] >= 2.0 * times[0], times

@@ -1,0 +1,421 @@
+"""The device layer: the one place where the runtime times compute, stamps message arrival, waits on
+receives, allocates device buffers and picks streams and devices (issue 20, DESIGN.md "GPU rules").
+
+Three implementations behind one interface (:class:`DeviceLayer`):
+
+* :class:`CpuDevice` — the host *is* the device: compute is synchronous, times are host-clock stamps,
+  a receive's ``Work.wait()`` blocks until the data has landed (gloo).
+* :class:`CudaDevice` — kernels and copies are asynchronous:
+
+  - compute is timed with CUDA events recorded on the stage's compute stream and read *without a host
+    sync on the critical path*: :meth:`Timer.resolve` with ``block=False`` only reads events that
+    ``query()`` reports complete; a blocking resolve waits on the iteration's last event (never a device
+    ``synchronize``) and is done only where the profile is needed now (the profile-exchange boundary);
+  - event times are put on the host clock through an *anchor*: an event whose **completion** time on the
+    host was stamped (once at start-up, by waiting on that one event), so a device backlog behind the
+    host (the optimizer's kernels still running when the next iteration is enqueued) does not shift the
+    timeline — a host clock read at *enqueue* would (issue 20, defect 9);
+  - message arrival comes from the receive's completion (``Work.is_completed()``, truthful on NCCL:
+    it queries the work's end event), polled by a watcher thread off the critical path — not from
+    ``Work.wait()``, which on NCCL returns once the stream wait is enqueued (defect 2);
+  - the consumer's stream wait (``Work.wait()`` on the compute stream) is placed just before the
+    compute action that reads the data, as torch's ``_PipelineScheduleRuntime`` does (it pops the recv
+    works from ``fwd_recv_ops``/``bwd_recv_ops`` right before ``forward_one_chunk``/``backward_one_chunk``);
+    a wait placed when the receive is posted would stall the compute stream at the receive's position;
+  - every CUDA call names the stage's device (``torch.cuda.device(dev)``), from any thread.
+
+* ``titan_ext.runtime.simdevice.SimDevice`` — an asynchronous-device simulation for CPU tests: receives
+  that land later than their ``wait()`` returns, a compute stream that stalls where its waits sit, and
+  events that report when the stream reached them.
+
+The arrival stamp is a host-clock time on every implementation (the receiving host notices completion);
+the sender's stamp is the time its data was ready on the device (an event on the compute stream on
+CUDA), so ``arrival − send`` is the link's delay, not the enqueue gap of two hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ArrivalWatcher", "CpuDevice", "CudaDevice", "DeviceLayer", "RecvHandle", "Timer", "backend_waits_land",
+           "device_layer", "now"]
+
+#: bounds of the watcher's completion polling (seconds): a receive's arrival is stamped at most this
+#: late after it landed, plus the thread's wake-up latency
+POLL_MIN_S, POLL_MAX_S = 20e-6, 500e-6
+
+
+def now() -> float:
+    """The runtime's host clock (seconds, monotonic, shared by the processes of one host)."""
+    return time.perf_counter()
+
+
+# --------------------------------------------------------------------------------------------------
+# receives: arrival from completion (off the critical path), the wait placed before the consumer
+# --------------------------------------------------------------------------------------------------
+class RecvHandle:
+    """A posted receive.  ``wait()`` is the consumer's wait and must be called just before the compute
+    that reads the data (torch's ``_wait_batch_p2p`` calls it there).  ``arrival`` (host clock) is
+    stamped by the :class:`ArrivalWatcher` when the data has landed.
+
+    Two ways to know it landed (``host_wait``), one code path:
+
+    * ``host_wait=True`` (gloo): ``Work.wait()`` returns once the data is in the buffer and
+      ``is_completed()`` stays False until someone waited, so the watcher thread waits and stamps, and
+      the consumer waits for the watcher;
+    * ``host_wait=False`` (NCCL, the NCCL-rules test backend, the simulation): ``Work.wait()`` only makes
+      the current stream wait, ``is_completed()`` is truthful; the watcher polls ``is_completed()`` and
+      the consumer calls ``wait()`` on the main thread, so the stream wait sits just before the consumer.
+    """
+
+    def __init__(self, works: list[Any], device: "DeviceLayer | None" = None, host_wait: bool = True):
+        self.works = list(works)
+        self.host_wait = host_wait
+        self.arrival: float = math.nan
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._device = device
+
+    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility
+        if self.host_wait:
+            self.done.wait()
+            if self.error is not None:
+                raise self.error
+            return True
+        with self._device.context() if self._device is not None else contextlib.nullcontext():
+            for w in self.works:
+                w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set() and self.error is None
+
+    def landed(self) -> bool:
+        """Whether the data is in the buffers (``host_wait``: blocks until it is)."""
+        if self.host_wait:
+            for w in self.works:
+                w.wait()
+            return True
+        return all(_completed(w) for w in self.works)
+
+    def arrival_time(self, timeout_s: float = 60.0) -> float:
+        """The arrival stamp, waiting for the watcher if it has not stamped yet (call it after the
+        receive's consumer ran, e.g. at the iteration boundary; NaN if it never landed in time)."""
+        self.done.wait(timeout_s)
+        return self.arrival
+
+
+def _completed(work: Any) -> bool:
+    fn = getattr(work, "is_completed", None)
+    if fn is None:
+        raise TypeError(f"{type(work).__name__} has no is_completed(): its arrival cannot be observed")
+    return bool(fn())
+
+
+def backend_waits_land(backend: str) -> bool:
+    """Whether a process-group backend's ``Work.wait()`` returns only once a receive's data has landed
+    (gloo) — every other backend is treated as NCCL (stream-wait semantics, truthful completion)."""
+    return str(backend).lower() == "gloo"
+
+
+class ArrivalWatcher:
+    """One daemon thread per peer: stamps its receives' arrival in posting (= FIFO) order — by polling
+    ``Work.is_completed()`` (exponential back-off between ``POLL_MIN_S`` and ``POLL_MAX_S``), or, for a
+    ``host_wait`` handle (gloo), by waiting.  It never calls an NCCL work's ``wait()``: that would
+    enqueue a stream wait at the receive's position, not its consumer's."""
+
+    def __init__(self, context: Callable[[], Any] = contextlib.nullcontext):
+        self._queues: dict[int, queue.SimpleQueue] = {}
+        self._context = context
+
+    def watch(self, peer: int, handle: RecvHandle) -> RecvHandle:
+        q = self._queues.get(peer)
+        if q is None:
+            q = self._queues[peer] = queue.SimpleQueue()
+            threading.Thread(target=self._run, args=(q,), name=f"titan_ext-arrival-{peer}", daemon=True).start()
+        q.put(handle)
+        return handle
+
+    def _run(self, q: queue.SimpleQueue) -> None:
+        with self._context():
+            while True:
+                handle = q.get()
+                if handle is None:
+                    return
+                try:
+                    pause = POLL_MIN_S
+                    while not handle.landed():
+                        time.sleep(pause)
+                        pause = min(2 * pause, POLL_MAX_S)
+                    handle.arrival = now()
+                except BaseException as exc:  # noqa: BLE001 - surfaced by the consumer's wait()
+                    handle.error = exc
+                handle.done.set()
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        self._queues.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------------
+class Timer:
+    """Times one rank's iteration: ``begin_iteration``, ``start``/``stop`` around each compute action,
+    ``mark`` for send stamps, ``end_iteration``; then ``resolve`` fills host-clock times.
+
+    Host-clock implementation (CPU, and the base of the others): stamps are taken at once and
+    ``resolve`` has nothing to do.  ``wall_ms`` is the iteration's span from ``begin_iteration`` to
+    ``end_iteration`` *as the device ran it* (NaN until resolved)."""
+
+    def __init__(self) -> None:
+        self.wall_ms = math.nan
+        self._begin = math.nan
+
+    def discard(self) -> None:
+        """Drop the unresolved times of the previous iteration (host clock: nothing is pending)."""
+
+    def begin_iteration(self) -> None:
+        self.wall_ms = math.nan
+        self._begin = now()
+
+    def start(self, rec: Any) -> Any:
+        rec.start = now()
+        return None
+
+    def stop(self, rec: Any, token: Any) -> None:  # noqa: ARG002
+        rec.end = now()
+
+    def mark(self, stamps: list[float]) -> None:
+        """Append this point of the compute stream's time to ``stamps`` (a send's hand-over)."""
+        stamps.append(now())
+
+    def recv_wait_begin(self) -> Any:
+        """Before a consumer's wait: a token for :meth:`recv_wait_ms`."""
+        return now()
+
+    def recv_wait_ms(self, rec: Any, token: Any) -> None:
+        """After the wait and ``start(rec)``: how long the stream stalled on the input (ms)."""
+        rec.recv_wait_ms = 1e3 * max(rec.start - token, 0.0) if not math.isnan(rec.start) else 1e3 * (now() - token)
+
+    def end_iteration(self) -> None:
+        self.wall_ms = 1e3 * (now() - self._begin)
+
+    def resolve(self, block: bool = True) -> bool:  # noqa: ARG002
+        """Fill the iteration's times; without ``block`` only if the device finished (returns whether)."""
+        return True
+
+
+class _EventTimer(Timer):
+    """Event-based timer of an asynchronous device (CUDA; the simulation reuses it).
+
+    ``event()`` makes a timing event recorded on the compute stream.  Times are mapped onto the host
+    clock through an anchor event whose completion host time is known (:meth:`_anchor`)."""
+
+    def __init__(self, device: "DeviceLayer"):
+        super().__init__()
+        self.device = device
+        self._pending: list[tuple[Any, Any, Any]] = []  # (target, field-or-index, event)
+        self._begin_ev: Any = None
+        self._end_ev: Any = None
+        self._anchor_host: float | None = None
+        self._anchor_ev: Any = None
+        self.blocking_resolves = 0  # how many resolves had to wait for the device (tests, metrics)
+
+    def _record(self) -> Any:
+        ev = self.device.event()
+        with self.device.context():
+            ev.record(self.device.compute_stream())
+        return ev
+
+    def _anchor(self) -> None:
+        """Once: record an event and wait for *it* (not the device) to complete; its completion time on
+        the host clock anchors every later event (start-up, off the steady-state critical path)."""
+        if self._anchor_ev is None:
+            self._anchor_ev = self._record()
+            with self.device.context():
+                self._anchor_ev.synchronize()
+            self._anchor_host = now()
+
+    def discard(self) -> None:
+        """Drop the unresolved times of the previous iteration (nobody needs them)."""
+        self._pending, self._end_ev = [], None
+
+    def begin_iteration(self) -> None:
+        if self._pending:  # the previous iteration's times were not needed at its boundary: read them now
+            self.resolve(block=True)
+        self.wall_ms = math.nan
+        self._anchor()
+        self._pending = []
+        self._begin_ev = self._record()
+        self._end_ev = None
+
+    def start(self, rec: Any) -> Any:
+        ev = self._record()
+        self._pending.append((rec, "start", ev))
+        return ev
+
+    def stop(self, rec: Any, token: Any) -> None:  # noqa: ARG002
+        self._pending.append((rec, "end", self._record()))
+
+    def mark(self, stamps: list[float]) -> None:
+        stamps.append(math.nan)
+        self._pending.append((stamps, len(stamps) - 1, self._record()))
+
+    def recv_wait_begin(self) -> Any:
+        return self._record()
+
+    def recv_wait_ms(self, rec: Any, token: Any) -> None:
+        self._pending.append((rec, "recv_wait_from", token))
+
+    def end_iteration(self) -> None:
+        self._end_ev = self._record()
+
+    def _host(self, ev: Any) -> float:
+        return self._anchor_host + self._anchor_ev.elapsed_time(ev) / 1e3  # type: ignore[operator]
+
+    def resolve(self, block: bool = True) -> bool:
+        if self._end_ev is None:
+            return not self._pending
+        with self.device.context():
+            if not self._end_ev.query():
+                if not block:
+                    return False
+                self.blocking_resolves += 1
+                self._end_ev.synchronize()  # this iteration's last event only, never the device
+            for target, key, ev in self._pending:
+                t = self._host(ev)
+                if key == "recv_wait_from":
+                    target.recv_wait_ms = 1e3 * max(target.start - t, 0.0)
+                elif isinstance(key, str):
+                    setattr(target, key, t)
+                else:
+                    target[key] = t
+            self.wall_ms = self._begin_ev.elapsed_time(self._end_ev)
+        self._pending, self._end_ev = [], None
+        return True
+
+
+# --------------------------------------------------------------------------------------------------
+# the device layer
+# --------------------------------------------------------------------------------------------------
+class DeviceLayer:
+    """The stage's device: timing, arrival, waits, buffers, streams (one object per executor)."""
+
+    #: ``Work.wait()`` of a receive returns once its data landed (gloo); see :func:`backend_waits_land`
+    wait_lands = True
+    #: kernels run later than the host enqueues them: time with events, never with the host clock
+    asynchronous = False
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.watcher = ArrivalWatcher(self.context)
+
+    def set_backend(self, backend: str) -> None:
+        """The PP data group's backend decides how a receive's landing is observed (:class:`RecvHandle`)."""
+        self.wait_lands = backend_waits_land(backend)
+
+    # -- devices and streams ----------------------------------------------------------------------
+    def context(self) -> Any:
+        """A context that makes every CUDA call in it name this stage's device (any thread)."""
+        return contextlib.nullcontext()
+
+    def compute_stream(self) -> Any:
+        return None
+
+    def stream(self, name: str) -> Any:  # noqa: ARG002
+        """A named side stream (e.g. ``"d2h"``, ``"h2d"``): one per name and device; None on CPU."""
+        return None
+
+    def event(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no device events")
+
+    # -- buffers ----------------------------------------------------------------------------------
+    def empty(self, shape: Any, dtype: torch.dtype, *, pinned_host: bool = False) -> torch.Tensor:
+        """A buffer on this device, or a host buffer (pinned where the device copies from it)."""
+        if pinned_host:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def memory_free_bytes(self) -> float:
+        """Free device memory now, plus what the caching allocator holds unused (NaN: no limit known)."""
+        return math.nan
+
+    # -- timing and receives ----------------------------------------------------------------------
+    def timer(self) -> Timer:
+        return Timer()
+
+    def watch(self, peer: int, works: list[Any]) -> RecvHandle:
+        """A posted receive's handle; its arrival is stamped off the critical path."""
+        return self.watcher.watch(peer, RecvHandle(works, self, host_wait=self.wait_lands))
+
+    def wait_recv(self, handles: list[Any]) -> None:
+        """The consumer's wait, placed just before the compute that reads the data."""
+        for h in handles:
+            h.wait()
+
+    def close(self) -> None:
+        self.watcher.close()
+
+
+class CpuDevice(DeviceLayer):
+    """Today's behaviour on CPU: host clock, host waits (gloo's ``wait()`` returns once data landed)."""
+
+
+class CudaDevice(DeviceLayer):
+    """CUDA: events on the compute stream, stream waits, every call under ``torch.cuda.device(dev)``."""
+
+    wait_lands = False
+    asynchronous = True
+
+    def __init__(self, device: torch.device):
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"CudaDevice needs a cuda device, got {device}")
+        if torch.device(device).index is None:
+            raise ValueError(f"CudaDevice needs an indexed cuda device (cuda:N) for calls from any thread, got {device}")
+        super().__init__(device)
+        self._streams: dict[str, Any] = {}
+
+    def context(self) -> Any:
+        return torch.cuda.device(self.device)
+
+    def compute_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def stream(self, name: str) -> Any:
+        if name not in self._streams:
+            with self.context():
+                self._streams[name] = torch.cuda.Stream(self.device)
+        return self._streams[name]
+
+    def event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True)
+
+    def memory_free_bytes(self) -> float:
+        with self.context():
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return float(free + max(cached, 0))
+
+    def timer(self) -> Timer:
+        return _EventTimer(self)
+
+
+def device_layer(device: torch.device | str) -> DeviceLayer:
+    """The layer for a stage's device: CUDA (needs ``cuda:N`` and an available GPU) or CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"stage device {dev} but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return CudaDevice(dev)
+    return CpuDevice(dev)
