@@ -85,11 +85,8 @@ class Executor:
                  activation_bytes: float | None = None, layer: DeviceLayer | None = None):
         self.use_device(layer if layer is not None else device_layer(device))
         self.transport: Transport = transport if transport is not None else TorchP2P()
-        #: M^F of Alg.1 (bytes autograd saves for one microbatch); None: measured in the next forward. With
-        #: several local stages: the largest of theirs (each stage's first forward is measured)
+        #: M^F of Alg.1 (bytes autograd saves for one microbatch); None: measured in the next forward
         self.activation_bytes = activation_bytes
-        self.stage_activation_bytes: dict[int, float] = {}
-        self._measure = activation_bytes is None
 
     def use_device(self, layer: DeviceLayer) -> None:
         """Time, stamp and wait through ``layer`` (e.g. the simulation of ``runtime/simdevice.py``)."""
@@ -234,10 +231,9 @@ class Executor:
 
     def _forward(self, stage: Any, mb: int, ctx: RunContext) -> None:
         sched = ctx.schedule
-        if self._measure and ctx.training and stage.stage_index not in self.stage_activation_bytes:
+        if self.activation_bytes is None and ctx.training:
             output, nbytes = measured_forward(stage, mb, ctx)
-            self.stage_activation_bytes[stage.stage_index] = float(nbytes)
-            self.activation_bytes = max(self.stage_activation_bytes.values())
+            self.activation_bytes = float(nbytes)
         else:
             output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
                                              save_forward_output=ctx.return_outputs)

@@ -27,8 +27,8 @@ Several stages per rank (issue 21): the cap is per rank, in activations of the r
 
     K_r = ⌊ budget_r / a_r ⌋ / V
 
-with a_r the largest activation of one of rank r's chunks (each local stage's first forward is
-measured), so any mix of the rank's chunks the plan holds fits the budget. ``plan_virtual`` then
+with a_r the bytes one of rank r's chunks saves per microbatch (its first measured forward; chunks
+assumed equal — measuring every local stage mid-iteration deadlocked under the NCCL-rules backend). ``plan_virtual`` then
 splits each rank's K_r among its stages by what the delay needs (``search_warmup``).
 """
 
