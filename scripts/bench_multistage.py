@@ -5,8 +5,11 @@ For R ranks × 2 stages, N microbatches, uniform per-rank times F,B,W (each stag
 convention of `titan-ext simulate --builtin ZBVZeroBubble --stages R`) and a one-way delay on one rank
 link, in one process: torch's ZBVZeroBubble, DualPipeV, Interleaved1F1B and InterleavedZeroBubble
 (taken from torch, simulated by titan_ext.plan.simulate), CrossWave, and ours (plan_virtual, both
-placements). Then random heterogeneous cases (per-rank times, one slow link): the worst ratio of ours
-to the best torch schedule. Prints tables and writes JSON (default docs/benchmarks/multistage.json).
+placements). Memory-matched (issue 21): each torch schedule beside ours in its placement planned at
+its own peak per-rank memory (``--memory-limit``, activations of a rank's whole model part, a chunk
+counting 1/2) and our one-stage-per-rank plan at that memory. Then random heterogeneous cases (per-rank
+times, one slow link): ours / the best torch schedule, and ours / each torch schedule at its memory.
+Prints tables and writes JSON (default docs/benchmarks/multistage.json).
 
     .venv/bin/python scripts/bench_multistage.py
 """
@@ -26,9 +29,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_ext.plan import PipelineProfile, simulate  # noqa: E402
 from titan_ext.plan.builtin import builtin_plan  # noqa: E402
 from titan_ext.plan.schedules import plan_by_name  # noqa: E402
-from titan_ext.plan.virtual import plan_virtual, rank_peak_inflight as rank_peak  # noqa: E402
+from titan_ext.plan.result import peak_memory_per_rank  # noqa: E402
+from titan_ext.plan.virtual import plan_virtual  # noqa: E402
 
 TORCH = ("ZBVZeroBubble", "DualPipeV", "Interleaved1F1B", "InterleavedZeroBubble")
+PLACEMENT = {"ZBVZeroBubble": "v", "DualPipeV": "v", "Interleaved1F1B": "loop", "InterleavedZeroBubble": "loop"}
+
+
+def rank_peak(plan) -> float:
+    """The busiest rank's peak, in activations of its whole model part (a chunk counts 1/V)."""
+    return max(peak_memory_per_rank(plan).values())
+
+
+def memory_matched(profile: PipelineProfile, torch: dict[str, dict]) -> dict[str, dict]:
+    """Per torch schedule: ours in its placement at its per-rank peak, and ours with one stage per rank."""
+    out = {}
+    for name in TORCH:
+        K = torch[name]["peak_per_rank"]
+        ours = plan_virtual(profile, 2, PLACEMENT[name], memory_limit=K)
+        one = plan_by_name(profile, "pipemorph", memory_limit=int(K))
+        out[name] = {"memory_limit": K, "torch_ms": torch[name]["makespan_ms"],
+                     "ours_ms": simulate(ours.actions, ours.profile).makespan_ms, "ours_source": ours.source,
+                     "ours_peak_per_rank": rank_peak(ours.actions),
+                     "ours_one_stage_ms": simulate(one.actions, profile).makespan_ms}
+    return out
 
 
 def torch_row(profile: PipelineProfile) -> dict[str, dict]:
@@ -36,7 +60,7 @@ def torch_row(profile: PipelineProfile) -> dict[str, dict]:
     for name in TORCH:
         plan, s2r = builtin_plan(name, profile.num_stages, profile.num_microbatches)
         row[name] = {"makespan_ms": simulate(plan, profile, stage_to_rank=s2r).makespan_ms,
-                     "peak_per_rank": max(rank_peak(plan).values())}
+                     "peak_per_rank": rank_peak(plan)}
     return row
 
 
@@ -52,18 +76,14 @@ def uniform_cases(R: int, N: int, t: tuple[float, float, float], link: int, dela
             row[f"ours_{placement}"] = {
                 "makespan_ms": simulate(plan.actions, plan.profile).makespan_ms,
                 "source": plan.source, "warmup_counts": plan.warmup_counts,
-                "peak_per_rank": max(rank_peak(plan.actions).values()), "plan_ms": round(plan.plan_ms, 1),
+                "peak_per_rank": rank_peak(plan.actions), "plan_ms": round(plan.plan_ms, 1),
             }
-        zbv_peak = row["torch"]["ZBVZeroBubble"]["peak_per_rank"]
-        capped = plan_virtual(profile, 2, "v", memory_limit=zbv_peak // 2)  # per stage: 2 stages per rank
-        row["ours_v_at_zbv_memory"] = {"makespan_ms": simulate(capped.actions, capped.profile).makespan_ms,
-                                       "memory_limit_per_stage": zbv_peak // 2,
-                                       "peak_per_rank": max(rank_peak(capped.actions).values())}
+        row["memory_matched"] = memory_matched(profile, row["torch"])
         rows.append(row)
     return rows
 
 
-def random_cases(seeds: int) -> list[dict]:
+def random_cases(seeds: int, with_memory: bool = True) -> list[dict]:
     out = []
     for seed in range(seeds):
         rng = random.Random(1000 + seed)
@@ -77,6 +97,9 @@ def random_cases(seeds: int) -> list[dict]:
         for placement in ("loop", "v"):
             plan = plan_virtual(profile, 2, placement)
             case[f"ours_{placement}_ms"] = simulate(plan.actions, plan.profile).makespan_ms
+        if with_memory:
+            matched = memory_matched(profile, torch_row(profile))
+            case["at_memory"] = {k: v["ours_ms"] / v["torch_ms"] for k, v in matched.items()}
         out.append(case)
     return out
 
@@ -96,7 +119,7 @@ def main() -> None:
 
     print(f"R={args.ranks} × 2 stages, N={args.microbatches}, t={args.times} ms per rank, delay on rank link {args.link}")
     print(f"{'delay':>6} | {'ZBV':>7} {'DualPV':>7} {'I1F1B':>7} {'IZB':>7} | {'CrossWave':>9} | "
-          f"{'ours v':>7} {'ours loop':>9} | {'v/best':>6} {'loop/best':>9} {'v/ZBV':>6} | peak/rank ZBV, v, loop | v at ZBV's memory")
+          f"{'ours v':>7} {'ours loop':>9} | {'v/best':>6} {'loop/best':>9} {'v/ZBV':>6} | peak/rank ZBV, v, loop")
     for r in rows:
         tm = {k: v["makespan_ms"] for k, v in r["torch"].items()}
         best = min(tm.values())
@@ -106,14 +129,25 @@ def main() -> None:
         print(f"{r['delay_ms']:6.0f} | {tm['ZBVZeroBubble']:7.0f} {tm['DualPipeV']:7.0f} {tm['Interleaved1F1B']:7.0f} "
               f"{tm['InterleavedZeroBubble']:7.0f} | {r['crosswave_ms']:9.0f} | {ov:7.0f} {ol:9.0f} | "
               f"{ov / best:6.3f} {ol / best:9.3f} {ov / tm['ZBVZeroBubble']:6.3f} | "
-              f"{r['torch']['ZBVZeroBubble']['peak_per_rank']}, {r['ours_v']['peak_per_rank']}, {r['ours_loop']['peak_per_rank']} | "
-              f"{r['ours_v_at_zbv_memory']['makespan_ms']:.0f} (peak {r['ours_v_at_zbv_memory']['peak_per_rank']})")
+              f"{r['torch']['ZBVZeroBubble']['peak_per_rank']:g}, {r['ours_v']['peak_per_rank']:g}, "
+              f"{r['ours_loop']['peak_per_rank']:g}")
+    print("\nmemory-matched: ours planned at each torch schedule's peak per rank (same placement; one stage per rank)")
+    print(f"{'delay':>6} | " + " | ".join(f"{n[:14]:>14} K  torch   ours  1-stage" for n in TORCH))
+    for r in rows:
+        cells = [f"{m['memory_limit']:>16g} {m['torch_ms']:6.0f} {m['ours_ms']:6.0f} {m['ours_one_stage_ms']:8.0f}"
+                 for m in (r["memory_matched"][n] for n in TORCH)]
+        print(f"{r['delay_ms']:6.0f} | " + " | ".join(cells))
     cases = random_cases(args.random)
     worst = {p: max(c[f"ours_{p}_ms"] / c["best_torch_ms"] for c in cases) for p in ("loop", "v")}
     mean = {p: sum(c[f"ours_{p}_ms"] / c["best_torch_ms"] for c in cases) / len(cases) for p in ("loop", "v")}
     print(f"\n{len(cases)} random heterogeneous cases (R ∈ 3,4,6; per-rank F,B,W ∈ [5,15] ms; one link 0/15/40/90 ms):")
     print(f"  ours / best of torch's four: loop mean {mean['loop']:.3f} worst {worst['loop']:.3f}; "
           f"v mean {mean['v']:.3f} worst {worst['v']:.3f}")
+    for delayed in (False, True):
+        ratios = {n: [c["at_memory"][n] for c in cases if (c["delay_ms"] > 0) == delayed] for n in TORCH}
+        if ratios[TORCH[0]]:
+            print(f"  at each torch schedule's memory, {'with' if delayed else 'no'} delay: ours / torch " + ", ".join(
+                f"{n} mean {sum(v) / len(v):.3f} worst {max(v):.3f}" for n, v in ratios.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "date": date.today().isoformat(), "machine": platform.machine(), "python": platform.python_version(),

@@ -163,6 +163,8 @@ def main() -> None:
                     help="multistage: 4 ranks x 2 stages vs torch's Interleaved1F1B / ZBV "
                          "(scripts/bench_runtime_multistage.py)")
     ap.add_argument("--link", type=int, default=2, help="multistage: the delayed rank link")
+    ap.add_argument("--memory-cap", choices=["none", "zbv"], default="none",
+                    help="multistage: zbv caps PipeMorph per rank at ZBV's peak (issue 21)")
     ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 30.0, 60.0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=16)

@@ -15,6 +15,10 @@ iterations interleaved round-robin, so load from other jobs hits all alike.  Rat
 schedule / ours (speed-up; targets ≥ 2× at 60 ms, ≥ 0.97× at 0 ms).
 
     .venv/bin/python scripts/bench_runtime.py --mode multistage --json bench_runtime_multistage.json
+
+``--memory-cap zbv`` (issue 21): PipeMorph gets a per-rank activation budget of ZBV's peak on that rank
+(chunk activations counted from torch's own ZBV order) × the bytes one chunk's forward saves (+ half a
+chunk of rounding room), so its run-time per-rank cap K_r (``runtime/memory.py``) is ZBV's peak.
 """
 
 from __future__ import annotations
@@ -56,9 +60,35 @@ def _build(kind: str, rank: int, world: int, args) -> tuple:
     elif kind == "ZBVZeroBubble":
         sched = ScheduleZBVZeroBubble(stages, n, loss_fn=Fn.mse_loss)
     else:
-        sched = PipeMorph(stages, n, loss_fn=Fn.mse_loss)
+        budget = _zbv_budget(mods[0], rank, world, args) if getattr(args, "memory_cap", "none") == "zbv" else None
+        sched = PipeMorph(stages, n, loss_fn=Fn.mse_loss, memory_budget_bytes=budget)
     params = [p for m in mods for p in m.parameters()]
     return sched, local, torch.optim.SGD(params, lr=1e-3)
+
+
+def _chunk_bytes(mod, args) -> int:
+    """Bytes autograd saves for one microbatch of one chunk (parameters excluded, as the executor counts)."""
+    params = {p.untyped_storage().data_ptr() for p in mod.parameters()}
+    total = [0]
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    x = torch.zeros(args.mb_size, args.dim, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mod(x)
+    return total[0]
+
+
+def _zbv_budget(mod, rank: int, world: int, args) -> float:
+    """ZBV's peak on this rank (chunk activations, from torch's order) × one chunk's bytes, + half a chunk."""
+    from titan_ext.plan.builtin import builtin_plan
+    from titan_ext.plan.result import rank_peak_inflight
+
+    plan, _ = builtin_plan("ZBVZeroBubble", world, args.microbatches)
+    return (rank_peak_inflight(plan)[rank] + 0.5) * _chunk_bytes(mod, args)
 
 
 def _step(sched, local: list[int], S: int, x, y) -> None:
@@ -93,11 +123,19 @@ def _worker(rank: int, world: int, args) -> dict:
                     "measured_compute_ms": sched.last_metrics.get("compute_ms"),
                     "background_plan_ms_max": max((m.get("plan_ms", 0.0) for m in sched.metrics_history
                                                    if m.get("deployed")), default=0.0),
+                    "rank_memory_limit": sched.rank_memory_limit,
+                    "deployed_peak_memory_per_rank": _peaks(sched.deployed.actions),
                 })
             cells.append(cell)
         del runs
     injector.update("")
     return {"cells": cells}
+
+
+def _peaks(actions) -> list[float]:
+    from titan_ext.plan.result import peak_memory_per_rank
+
+    return list(peak_memory_per_rank(actions).values())
 
 
 def run(args) -> dict:
@@ -122,5 +160,6 @@ def run(args) -> dict:
             delays = {k: round(v, 1) for k, v in (c["measured_link_delay_ms"] or {}).items()}
             print(f"   {c['schedule']} @ {c['delay_ms']:g} ms: deploys {[(i, k) for i, k, _ in c['deploys']]}, "
                   f"rejects {len(c['rejects'])}, link delay estimate {delays}, "
-                  f"background planning max {c['background_plan_ms_max']:.0f} ms")
+                  f"background planning max {c['background_plan_ms_max']:.0f} ms, per-rank cap "
+                  f"{c['rank_memory_limit']}, deployed plan's peak per rank {c['deployed_peak_memory_per_rank']}")
     return res

@@ -4,6 +4,7 @@ budgeted warm-up search, and plans compared with torch's built-ins at the built-
 References are independent of the planner: torch's own schedules (plan.builtin) timed by simulate, their
 per-rank peaks counted from torch's order, and validate_plan (torch's lowering + dry run)."""
 
+import json
 import random
 
 import pytest
@@ -25,7 +26,7 @@ def _torch(name, profile):
     """(makespan, peak per rank in whole-rank activations) of torch's built-in under the profile."""
     plan, s2r = builtin_plan(name, profile.num_stages, profile.num_microbatches)
     return (simulate(plan, profile, stage_to_rank=s2r).makespan_ms,
-            max(peak_memory_per_rank(plan, s2r).values()))
+            max(peak_memory_per_rank(plan).values()))
 
 
 def _at_memory_of(name, profile):
@@ -39,9 +40,9 @@ def _at_memory_of(name, profile):
 
 def test_per_rank_unit_counts_a_chunk_as_one_vth():
     plan, s2r = builtin_plan("ZBVZeroBubble", 4, 16)
-    assert peak_memory_per_rank(plan, s2r) == {r: 4.0 for r in range(4)}  # 8 half-size chunks per rank
+    assert peak_memory_per_rank(plan) == {r: 4.0 for r in range(4)}  # 8 half-size chunks per rank
     plan, s2r = builtin_plan("1F1B", 4, 16)
-    assert peak_memory_per_rank(plan, s2r) == {0: 4, 1: 3, 2: 2, 3: 1}  # one stage per rank: its peak
+    assert peak_memory_per_rank(plan) == {0: 4, 1: 3, 2: 2, 3: 1}  # one stage per rank: its peak
     assert rank_chunk_budget(4.5, 2) == 9
     for bad in (4.25, 0.5, float("nan")):
         with pytest.raises(ValueError, match="multiple of 1/2"):
@@ -103,3 +104,51 @@ def test_generator_finishes_iff_warmup_within_upstream_caps():
         validate_plan(gen.order, 6, 9, inflight_limit=L)
     with pytest.raises(ValueError, match="upstream cap"):
         generate_virtual_order(stage_profile, s2r, [2, 2, 3, 1, 1, 1], [2, 6, 6, 6, 6, 6])
+
+
+def _cli_json(capsys, *args):
+    from titan_ext.cli import main
+
+    assert main(list(args)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+COMMON = ["--stages", "4", "--microbatches", "16", "--times", "10,10,10", "--delay", "2:60", "--json"]
+
+
+def test_cli_plan_and_simulate_report_peak_memory_per_rank(capsys):
+    """`plan --memory-limit K` holds ≤ K per rank and reports it; `simulate --builtin` reports torch's:
+    ZBV keeps 1F1B's peak (R activations) on every rank (ZB paper §4)."""
+    zbv = _cli_json(capsys, "simulate", "--builtin", "ZBVZeroBubble", *COMMON)
+    assert zbv["peak_memory_per_rank"] == {str(r): 4.0 for r in range(4)}
+    ours = _cli_json(capsys, "plan", "--virtual-stages", "2", "--placement", "v", "--memory-limit", "4", *COMMON)
+    assert max(ours["peak_memory_per_rank"].values()) <= 4 and ours["memory_limit"] == 4
+    assert ours["makespan_ms"] <= 0.7 * zbv["makespan_ms"]
+    one = _cli_json(capsys, "plan", "--memory-limit", "4", *COMMON)  # one stage per rank at 1F1B's memory
+    assert max(one["peak_memory_per_rank"].values()) <= 4 and one["makespan_ms"] <= 870
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--virtual-stages", "2", "--memory-limit", "4.25"], "multiple of 1/2"),
+    (["--memory-limit", "4.5"], "whole number"),
+    (["--memory-limit", "0.5"], ">= 1"),
+    (["--virtual-stages", "2", "--stage-memory-limit", "0"], "--stage-memory-limit"),
+])
+def test_cli_bad_memory_limit_one_line_exit_2(capsys, args, needle):
+    from titan_ext.cli import main
+
+    code = main(["plan", "--stages", "4", "--microbatches", "16", "--times", "10,10,10", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_compare_memory_matched(capsys):
+    """`compare` puts beside each schedule our plan at its per-rank peak (issue 21's targets)."""
+    rows = {r["schedule"]: r for r in _cli_json(capsys, "compare", *COMMON, "--time-limit", "600")["schedules"]}
+    for name, bound in (("torch ZBVZeroBubble", 0.7), ("torch Interleaved1F1B", 0.7), ("torch 1F1B", 870 / 1530)):
+        row = rows[name]
+        matched = row["memory_matched"]
+        assert matched["memory_limit"] == row["peak_memory_per_rank"]
+        assert matched["ours_ms"] <= bound * row["makespan_ms"] + 1e-9, name
+        assert matched["ours_one_stage_ms"] <= 870  # one stage per rank at ≥ 1F1B's memory (4)
+    assert "memory_matched" not in rows["torch GPipe"] and rows["torch GPipe"]["peak_memory_per_rank"] == 16

@@ -181,3 +181,54 @@ def test_cli_bad_input_one_line_exit_2(capsys, args, needle):
     code = main(["plan", "--stages", "4", "--microbatches", "16", "--times", "10,10,10", *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and needle in err and len(err.splitlines()) == 1
+
+
+def _loss_growth(R, placement, chunks, link, c, x):
+    """(cost of the delay at N = 4S, its growth from N = 4S to 8S, the no-delay steady-state period T0,
+    the stage profile with the delay, s2r) of the capped order (L = x)."""
+    S, ms = 2 * R, {}
+    for N in (4 * S, 8 * S):
+        plain = PipelineProfile(R, N, [1] * R, [1] * R, [1] * R)
+        slow, s2r = virtual_profile(plain.with_delays({link: c}), 2, placement, stage_times_ms=chunks)
+        fast, _ = virtual_profile(plain, 2, placement, stage_times_ms=chunks)
+        xn = [min(v, N) for v in x]
+        ms[N, c] = generate_virtual_order(slow, s2r, xn, xn).makespan_ms
+        ms[N, 0] = generate_virtual_order(fast, s2r, xn, xn).makespan_ms
+    loss = [ms[N, c] - ms[N, 0] for N in (4 * S, 8 * S)]
+    return loss[0], loss[1] - loss[0], (ms[8 * S, 0] - ms[4 * S, 0]) / (4 * S), slow, s2r
+
+
+def _random_case(seed):
+    rng = random.Random(seed)
+    R, placement = rng.choice((3, 4)), rng.choice(("loop", "v"))
+    chunks = tuple([rng.uniform(2, 8) for _ in range(2 * R)] for _ in range(3))
+    return rng, R, placement, chunks, rng.randrange(R - 1), rng.choice((20.0, 40.0, 80.0))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rule_is_sufficient_on_random_heterogeneous(seed):
+    """Issue 21 item 4: random chunk times (ranks with different periods), either placement, one slow rank
+    link: the rule's counts (capped at x_s) absorb the delay — its cost does not grow with N (no
+    cascade) and stays ≤ 2.5c."""
+    _, R, placement, chunks, link, c = _random_case(100 + seed)
+    stage_profile, s2r = virtual_profile(PipelineProfile(R, 16 * R, [1] * R, [1] * R, [1] * R).with_delays({link: c}),
+                                         2, placement, stage_times_ms=chunks)
+    x = virtual_warmup_counts(stage_profile, s2r)
+    loss, growth, _, _, _ = _loss_growth(R, placement, chunks, link, c, x)
+    assert growth <= 1e-6 and loss <= 2.5 * c
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_necessary_condition_on_random_heterogeneous(seed):
+    """Random warm-up counts: wherever x_s·T0 < t^B_s + t^F_{S−1} + Σ_{u≥s} K_u for some stage (T0 the
+    plan's measured no-delay period), the delay cascades (its cost grows with N by > 1 ms)."""
+    from titan_ext.plan.virtual import necessary_warmup_counts
+
+    rng, R, placement, chunks, link, c = _random_case(200 + seed)
+    x = [1] * (2 * R)
+    for s in range(2 * R - 2, -1, -1):
+        x[s] = x[s + 1] + rng.choice((1, 1, 2, 3))
+    _, growth, period, slow, s2r = _loss_growth(R, placement, chunks, link, c, x)
+    need = necessary_warmup_counts(slow, s2r, period)
+    if any(v < n for v, n in zip(x, need)):
+        assert growth > 1.0, (x, need)

@@ -228,8 +228,8 @@ class DissentingPipeMorph(PipeMorph):
         if self.rank == 1 and decision.action == "adapt":
             from titan_ext.plan.result import make_result
 
-            return make_result(builtin_plan("GPipe", self.pp_group_size, self._n_microbatches)[0],
-                               schedule="GPipe", predicted_makespan_ms=float("nan"), plan_ms=0.0)
+            actions = builtin_plan("GPipe", self.pp_group_size, self._n_microbatches)[0]
+            return make_result(actions, schedule="dissent", predicted_makespan_ms=float("nan"), plan_ms=0.0)
         return super()._plan(profile, decision)
 
 

@@ -504,7 +504,8 @@ def _evaluate(actions, profile: PipelineProfile, hol: bool, source: str):
 
 
 def _compare_candidates(profile: PipelineProfile, hol: bool):
-    """(name, thunk → timeline) for PipeMorph, CrossPipe and torch's built-ins."""
+    """(name, thunk → timeline) for PipeMorph, CrossPipe, ZB-H1 (the ZB paper's 1F1B-memory schedule,
+    x_i = S − i; torch ships none) and torch's built-ins."""
     from .plan.builtin import BUILTINS, builtin_plan
 
     def planned(name):
@@ -517,6 +518,7 @@ def _compare_candidates(profile: PipelineProfile, hol: bool):
     yield "PipeMorph", lambda: planned("pipemorph")
     for name in ("crosspipe-udsub", "crosspipe-wave"):
         yield f"CrossPipe ({name[10:]})", lambda name=name: planned(name)
+    yield "ZB-H1 (ZB paper)", lambda: planned("zb-h1")
     for name in BUILTINS:
         yield f"torch {name}", lambda name=name: builtin(name)
 
@@ -545,13 +547,59 @@ def _budgeted(candidates: list, budget_s: float) -> list:
     return rows
 
 
+# the schedules our plans are matched against (issue 21): name → placement of ours (None: one stage per rank)
+_REPLACES = {"ZB-H1 (ZB paper)": None, "torch 1F1B": None, "torch Interleaved1F1B": "loop",
+             "torch InterleavedZeroBubble": "loop", "torch ZBVZeroBubble": "v", "torch DualPipeV": "v"}
+
+
+def _ours_at(profile: PipelineProfile, placement: str | None, peak_per_rank: float, hol: bool) -> float | str:
+    """Makespan of our plan at a per-rank memory limit (the peak of the schedule it would replace):
+    one stage per rank (PipeMorph, the limit rounded down to whole activations) or R × 2 stages in
+    ``placement`` (the plan_virtual portfolio)."""
+    try:
+        if placement is None:
+            plan = plan_by_name(profile, "pipemorph", memory_limit=max(1, math.floor(peak_per_rank + 1e-9)))
+        else:
+            plan = plan_by_name(profile, "pipemorph", virtual_stages=2, placement=placement,
+                                memory_limit=peak_per_rank, validate=False)
+        return _simulate_result(plan, hol).makespan_ms
+    except ValueError as e:
+        return "n/a: " + str(e).splitlines()[0]
+
+
+def _matched_candidates(profile: PipelineProfile, rows: list, hol: bool):
+    """(name, thunk → (ours in the row's placement, ours with one stage per rank)) for every row that
+    ``_REPLACES`` names and that has a timeline, each planned at the row's peak per rank."""
+    for name, t in rows:
+        if name in _REPLACES and not isinstance(t, str):
+            K = max(t.peak_memory_per_rank.values())
+
+            def thunk(K=K, placement=_REPLACES[name]):
+                one = _ours_at(profile, None, K, hol)
+                return (one if placement is None else _ours_at(profile, placement, K, hol)), one
+
+            yield name, thunk
+
+
+def _ms(value: float | str | None) -> str:
+    return "" if value is None else value if isinstance(value, str) else f"{value:.1f}"
+
+
 def cmd_compare(args: argparse.Namespace) -> None:
-    """PipeMorph, CrossPipe and torch's built-ins side by side for one profile."""
+    """PipeMorph, CrossPipe and torch's built-ins side by side for one profile, each torch schedule (and
+    ZB-H1) also beside our plans at its own peak per-rank memory (docs/choosing.md)."""
     profile = _profile_from_args(args)
+    from .plan.ir import torch_schedules
+
+    torch_schedules()  # torch's import (seconds on a loaded host) is no candidate's share of the budget
+    start = time.monotonic()
     rows = _budgeted(list(_compare_candidates(profile, args.hol)), args.time_limit)
+    matched = dict(_budgeted(list(_matched_candidates(profile, rows, args.hol)),
+                             max(0.0, args.time_limit - (time.monotonic() - start))))
     torch_best = min((t.makespan_ms for name, t in rows if name.startswith("torch ")
                       and not isinstance(t, str)), default=math.nan)
-    print(f"{'schedule':<28} {'makespan ms':>12} {'bubble':>8} {'peak in-flight':>15} {'vs best torch':>14}")
+    print(f"{'schedule':<28} {'makespan ms':>12} {'bubble':>8} {'peak/stage':>10} {'peak/rank':>9} "
+          f"{'vs best torch':>14} {'ours at its memory':>19} {'ours 1 stage/rank':>18}")
     out = []
     for name, t in rows:
         if isinstance(t, str):
@@ -559,15 +607,26 @@ def cmd_compare(args: argparse.Namespace) -> None:
             out.append({"schedule": name, "error": t})
             continue
         peak = max(t.peak_inflight.values())
-        print(f"{name:<28} {t.makespan_ms:>12.1f} {t.bubble_rate:>8.1%} {peak:>15} "
-              f"{torch_best / t.makespan_ms:>13.2f}x")  # makespan > 0: every F and B takes >= 1 ns
-        out.append({"schedule": name, "makespan_ms": t.makespan_ms, "bubble_rate": t.bubble_rate,
-                    "peak_inflight": peak})
-    print("peak in-flight: activations held by the busiest stage (torch's 2-chunk schedules: half-size "
-          "chunks); vs best torch: the best torch built-in's makespan / this one's")
+        rank_peak = max(t.peak_memory_per_rank.values())
+        row = {"schedule": name, "makespan_ms": t.makespan_ms, "bubble_rate": t.bubble_rate,
+               "peak_inflight": peak, "peak_memory_per_rank": rank_peak}
+        ours = one_stage = None
+        if name in matched:
+            got = matched[name]
+            ours, one_stage = ("n/a", "n/a") if isinstance(got, str) else got
+            row["memory_matched"] = {"memory_limit": rank_peak, "placement": _REPLACES[name] or "one stage per rank",
+                                     "ours_ms": got if isinstance(got, str) else ours,
+                                     "ours_one_stage_ms": got if isinstance(got, str) else one_stage}
+        print(f"{name:<28} {t.makespan_ms:>12.1f} {t.bubble_rate:>8.1%} {peak:>10} {rank_peak:>9.3g} "
+              f"{torch_best / t.makespan_ms:>13.2f}x {_ms(ours):>19} {_ms(one_stage):>18}")
+        out.append(row)
+    print("peak/stage: activations the busiest stage holds (2-chunk schedules: half-size chunks); peak/rank: "
+          "the busiest rank's, in activations of its whole model part (a chunk counts 1/2); vs best torch: "
+          "the best torch built-in's makespan / this one's; ours at its memory: our plan in the same placement "
+          "(2 stages per rank for torch's 2-chunk schedules) limited to this row's peak/rank; ours 1 stage/rank: "
+          "our one-stage-per-rank plan at that memory (rounded down to whole activations)")
     if args.json:
         print(json.dumps({"hol": args.hol, "schedules": out}))
-
 
 
 _GANTT_FORMATS = (".png", ".pdf", ".svg")

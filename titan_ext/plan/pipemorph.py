@@ -24,7 +24,7 @@ from typing import Sequence
 from .args import counts_arg, int_arg, profile_arg
 from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
-from .result import PlanResult, make_result
+from .result import PlanResult, make_result, peak_inflight
 from .simulate import replay_makespan_ns
 from .timing import LinkQueues, to_ms, to_ns
 from .validate import compiled_core, validate_plan

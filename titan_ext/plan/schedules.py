@@ -89,9 +89,10 @@ def plan_auto(
 def check_memory_limit(memory_limit: float | None, stage_memory_limit: int | None = None) -> None:
     """The one check of the memory limits: K per rank (a number >= 1, in activations of a rank's whole
     model part) and per stage (an int >= 1); None: no limit."""
-    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
-                                     or not math.isfinite(memory_limit) or memory_limit < 1):
-        raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit!r}")
+    limits = memory_limit if isinstance(memory_limit, (list, tuple)) else [memory_limit]
+    for k in limits:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, float)) or not math.isfinite(k) or k < 1):
+            raise ValueError(f"memory_limit must be >= 1 activation (or one such per rank), got {memory_limit!r}")
     if stage_memory_limit is not None and (isinstance(stage_memory_limit, bool)
                                            or not isinstance(stage_memory_limit, int) or stage_memory_limit < 1):
         raise ValueError(f"stage_memory_limit must be an int >= 1 activation, got {stage_memory_limit!r}")
@@ -99,7 +100,9 @@ def check_memory_limit(memory_limit: float | None, stage_memory_limit: int | Non
 
 def one_stage_limit(memory_limit: float | None, stage_memory_limit: int | None) -> int | None:
     """One stage per rank: the per-rank and the per-stage limit are the same thing; the tighter wins
-    (the per-rank K must then be a whole number of activations)."""
+    (the per-rank K must then be a whole number of activations; one K per rank: the smallest)."""
+    if isinstance(memory_limit, (list, tuple)):
+        memory_limit = min(memory_limit)
     if memory_limit is not None and memory_limit != int(memory_limit):
         raise ValueError(f"memory_limit {memory_limit:g}: with one stage per rank it must be a whole number "
                          f"of activations")

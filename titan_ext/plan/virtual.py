@@ -10,19 +10,29 @@ it (its two directions are the channels of ``timing.LinkQueues``); a boundary be
 one rank is free, and so is the wrap-around boundary of a looped placement (rank R−1 → rank 0), as in
 ``simulate``'s rank-level model.
 
-PipeMorph's warm-up adaptation generalised to virtual stages (docs/multistage.md derives it):
-Eq.1 (PipeMorph §4.2) becomes, for the boundary s → s+1 carried by a link of one-way delay c,
+PipeMorph's warm-up adaptation generalised to virtual stages (docs/multistage.md derives it per loop):
+the boundary s → s+1, carried by a link of one-way delay c (0 inside one rank), closes the loop
+F_s(m) → c → F_{s+1}(m) … B_{s+1}(m) → c → B_s(m); with Δ_s = x_s − x_{s+1} and
+K_s = t^F_s + t^B_{s+1} + 2c,
 
-    t^F_s + t^B_{s+1} + 2c ≤ Δ_s · P_{ρ(s+1)},     P_r = Σ_{u on rank r} (t^F_u + t^B_u),
+    sufficient (the rule):  K_s ≤ Δ_s · T,   T = max_r Σ_{u on r} (t^F_u + t^B_u)   (every boundary)
+    necessary:              x_s · T0 ≥ t^B_s + t^F_{S−1} + Σ_{u ≥ s} K_u            (every stage)
 
-with Δ_s = x_s − x_{s+1} the slackness between consecutive stages and P_r the steady-state period of
-the downstream rank (one F and one B of each of its V chunks per microbatch). With V = 1 it is Eq.1.
-For uniform times (a rank's t split into V chunks of t/V) it reads c ≤ (Δ_s − 1/V)·t: the analogue of
-Theorem 1 — a sufficient condition here, not a tight one (docs/multistage.md). The schedule is then
-generated event-driven over the stage graph (Alg.3/4 with several stages per rank: B(I) > F > W,
-per-stage warm-up and in-flight cap x_s), and a portfolio keeps the fastest of that plan, torch's own
-built-ins for the placement and (V-shape) CrossWave, all simulated by ``simulate`` and the winner
-checked by ``validate_plan``.
+T is the slowest rank's F + B time per microbatch, a lower bound on the pipeline's common steady-state
+period (W can be deferred, so only F and B are sure to fill it); T0 is the plan's own steady-state
+period without the delay. The necessary condition sums the loops below s: a boundary with surplus
+lends it to those above, so the per-boundary rule is not tight. Measured on random heterogeneous
+cases (tested): the rule's counts never cascade (the delay's cost does not grow with N), and every
+plan violating the necessary condition cascades; neither is proven in general.
+For V = 1 and uniform stages the rule is the paper's Eq.1; with
+heterogeneous stages it differs (the pair t^F_s + t^B_{s+1} and the bottleneck's period). For uniform
+ranks (t split into V chunks of t/V) it reads c ≤ (Δ_s − 1/V)·t. The schedule is then generated
+event-driven over the stage graph (Alg.3/4 with several stages per rank: B(I) > F > W, per-stage
+warm-up x_s and in-flight cap L_s); under a memory limit (per rank: K activations of the rank's whole
+model part, a chunk counting 1/V; or per stage) ``search_warmup`` spends each rank's budget where the
+delay needs it, with the generator (exact) as the judge. A portfolio keeps the fastest of these,
+torch's own built-ins for the placement and (V-shape) CrossWave, all simulated by ``simulate`` and
+the winner checked by ``validate_plan``.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from .ir import Op, as_ops, gc_paused, torch_schedules
 from .pipemorph import GeneratedSchedule
 from .placement import PLACEMENTS, stage_profile, stage_to_rank
 from .profile import PipelineProfile
-from .result import PlanResult, make_result, peak_memory_per_rank, rank_peak_inflight  # noqa: F401 (re-exported)
+from .result import PlanResult, make_result, peak_inflight, peak_memory_per_rank, rank_peak_inflight  # noqa: F401 (re-exported)
 from .timing import LinkQueues, to_ms, to_ns
 from .validate import compiled_core
 
@@ -77,8 +87,7 @@ def virtual_profile(
 
 # ----------------------------------------------------------------------------- warm-up rule
 def rank_periods_ms(profile: PipelineProfile, stage_to_rank: Sequence[int], with_w: bool = False) -> list[float]:
-    """P_r = Σ over rank r's stages of t^F + t^B (+ t^W with ``with_w``): the rank's steady-state time per
-    microbatch, the right-hand side's unit of the virtual-stage Eq.1."""
+    """P_r = Σ over rank r's stages of t^F + t^B (+ t^W with ``with_w``): rank r's time per microbatch."""
     R = max(stage_to_rank) + 1
     out = [0.0] * R
     for s, r in enumerate(stage_to_rank):
@@ -86,20 +95,40 @@ def rank_periods_ms(profile: PipelineProfile, stage_to_rank: Sequence[int], with
     return out
 
 
-def required_virtual_slackness(
-    profile: PipelineProfile, stage_to_rank: Sequence[int], boundary: int, with_w: bool = False
-) -> int:
-    """Smallest Δ_s ≥ 1 with t^F_s + t^B_{s+1} + 2c_s ≤ Δ_s · P_{ρ(s+1)} (docs/multistage.md, Eq.1 for
-    virtual stages; c_s = 0 on a same-rank boundary)."""
+def loop_need_ms(profile: PipelineProfile, stage_to_rank: Sequence[int], boundary: int) -> float:
+    """K_s = t^F_s + t^B_{s+1} + 2c_s: what the loop of boundary s adds to stage s's residence time
+    (c_s = 0 on a same-rank boundary)."""
     s = boundary
     c = profile.links[s].delay_ms if stage_to_rank[s] != stage_to_rank[s + 1] else 0.0
-    period = rank_periods_ms(profile, stage_to_rank, with_w)[stage_to_rank[s + 1]]
-    need = (profile.f_ms[s] + profile.b_ms[s + 1] + 2.0 * c) / period
-    return max(1, math.ceil(need - 1e-9))
+    return profile.f_ms[s] + profile.b_ms[s + 1] + 2.0 * c
+
+
+def required_virtual_slackness(profile: PipelineProfile, stage_to_rank: Sequence[int], boundary: int) -> int:
+    """Smallest Δ_s ≥ 1 with K_s ≤ Δ_s · T, T = max_r P_r (F + B): the sufficient condition of the
+    virtual-stage Eq.1 (docs/multistage.md)."""
+    period = max(rank_periods_ms(profile, stage_to_rank))
+    return max(1, math.ceil(loop_need_ms(profile, stage_to_rank, boundary) / period - 1e-9))
+
+
+def necessary_warmup_counts(profile: PipelineProfile, stage_to_rank: Sequence[int], period_ms: float) -> list[int]:
+    """The fewest warm-up forwards per stage that keep a steady-state period ``period_ms`` (T0, the plan's
+    own period without the delay) when every stage's in-flight cap is its warm-up count: x_s · T0 ≥
+    t^B_s + t^F_{S−1} + Σ_{u ≥ s} K_u (docs/multistage.md). A necessary condition, summed over the loops
+    below s: a boundary with surplus (Δ_u·T0 > K_u) lends it to the ones above, which is why the rule's
+    per-boundary Δ (sufficient) can hold more than needed."""
+    if period_ms <= 0:
+        raise ValueError(f"period_ms must be > 0, got {period_ms}")
+    S = profile.num_stages
+    out, acc = [1] * S, 0.0
+    for s in range(S - 2, -1, -1):
+        acc += loop_need_ms(profile, stage_to_rank, s)
+        need = profile.b_ms[s] + profile.f_ms[S - 1] + acc
+        out[s] = max(1, math.ceil(need / period_ms - 1e-9))
+    return out
 
 
 def virtual_warmup_counts(
-    profile: PipelineProfile, stage_to_rank: Sequence[int], *, slack_floor: int = 1, with_w: bool = False
+    profile: PipelineProfile, stage_to_rank: Sequence[int], *, slack_floor: int = 1
 ) -> list[int]:
     """Per-stage warm-up counts: x_{S−1} = 1, x_s = min(N, x_{s+1} + max(Δ_s required, floor)).
 
@@ -110,7 +139,7 @@ def virtual_warmup_counts(
     S, N = profile.num_stages, profile.num_microbatches
     x = [1] * S
     for s in range(S - 2, -1, -1):
-        delta = max(required_virtual_slackness(profile, stage_to_rank, s, with_w), slack_floor)
+        delta = max(required_virtual_slackness(profile, stage_to_rank, s), slack_floor)
         x[s] = min(N, x[s + 1] + delta)
     return x
 
@@ -118,15 +147,14 @@ def virtual_warmup_counts(
 def virtual_link_tolerance_ms(
     profile: PipelineProfile, stage_to_rank: Sequence[int], warmup_counts: Sequence[int], rank_link: int
 ) -> float:
-    """Largest one-way delay on ``rank_link`` the warm-up counts absorb: the virtual Eq.1 solved for c,
-    the minimum over the stage boundaries the link carries (inf if it carries none)."""
-    periods = rank_periods_ms(profile, stage_to_rank)
+    """Largest one-way delay on ``rank_link`` the warm-up counts absorb by the rule (sufficient): K_s ≤ Δ_s·T
+    solved for c, the minimum over the stage boundaries the link carries (inf if it carries none)."""
+    period = max(rank_periods_ms(profile, stage_to_rank))
     out = math.inf
     for s in range(profile.num_stages - 1):
         if {stage_to_rank[s], stage_to_rank[s + 1]} == {rank_link, rank_link + 1}:
             delta = warmup_counts[s] - warmup_counts[s + 1]
-            slack = delta * periods[stage_to_rank[s + 1]] - profile.f_ms[s] - profile.b_ms[s + 1]
-            out = min(out, slack / 2.0)
+            out = min(out, (delta * period - profile.f_ms[s] - profile.b_ms[s + 1]) / 2.0)
     return out
 
 
@@ -256,22 +284,37 @@ def rank_chunk_budget(memory_limit: float, stages_per_rank: int) -> int:
 # ----------------------------------------------------------------------------- budgeted search
 @dataclass
 class Budget:
-    """Memory a multi-stage plan may hold: ``per_rank`` chunk activations on every rank and
-    ``per_stage`` on every stage (None: unlimited)."""
+    """Memory a multi-stage plan may hold: ``per_rank[r]`` chunk activations on rank r and ``per_stage``
+    on every stage (None: unlimited)."""
 
-    per_rank: int | None = None
+    per_rank: tuple[int, ...] | None = None
     per_stage: int | None = None
+
+    @classmethod
+    def of(cls, memory_limit, stage_memory_limit: int | None, num_ranks: int, stages_per_rank: int) -> "Budget":
+        """``memory_limit``: K for every rank, or one K per rank (whole-rank activations)."""
+        if memory_limit is None:
+            return cls(None, stage_memory_limit)
+        limits = list(memory_limit) if isinstance(memory_limit, Sequence) else [memory_limit] * num_ranks
+        if len(limits) != num_ranks:
+            raise ValueError(f"memory_limit has {len(limits)} entries, expected one per rank ({num_ranks})")
+        return cls(tuple(rank_chunk_budget(k, stages_per_rank) for k in limits), stage_memory_limit)
 
     @property
     def limited(self) -> bool:
         return self.per_rank is not None or self.per_stage is not None
 
+    def over(self, ops) -> list[int]:
+        """The ranks holding more than their budget."""
+        if self.per_rank is None:
+            return []
+        return [r for r, p in rank_peak_inflight(ops).items() if p > self.per_rank[r]]
+
     def fits(self, ops, stage_peaks: Mapping[int, int] | None = None) -> bool:
-        if self.per_rank is not None and max(rank_peak_inflight(ops).values()) > self.per_rank:
+        """Whether a plan (ops) keeps every rank and every stage within the budget."""
+        if self.over(ops):
             return False
         if self.per_stage is not None:
-            from .simulate import peak_inflight
-
             peaks = peak_inflight(ops) if stage_peaks is None else stage_peaks
             return max(peaks.values()) <= self.per_stage
         return True
@@ -289,8 +332,7 @@ def _repair(stage_profile, s2r, x: Sequence[int], budget: Budget) -> tuple[list[
         gen = _generate_or_none(stage_profile, s2r, x, L)
         if gen is None:
             return None
-        peaks = rank_peak_inflight(gen.order)
-        over = [r for r, p in peaks.items() if budget.per_rank is not None and p > budget.per_rank]
+        over = budget.over(gen.order)
         if not over:
             return x, L
         for r in over:
@@ -307,7 +349,7 @@ def search_warmup(
     stage_to_rank: Sequence[int],
     budget: Budget,
     seeds: Sequence[Sequence[int]],
-    max_evals: int = 2500,
+    max_evals: int = 800,
 ) -> tuple[list[int], list[int], GeneratedSchedule] | None:
     """Warm-up counts x_s and in-flight caps L_s per stage under ``budget``, by local search with the
     generator as the judge (its makespan is ``simulate``'s, exact).
@@ -358,7 +400,7 @@ def search_warmup(
 def _generate_or_none(stage_profile, s2r, x, L) -> GeneratedSchedule | None:
     try:
         return generate_virtual_order(stage_profile, s2r, x, L)
-    except RuntimeError:  # stalled: these caps cannot finish (never seen for x_s ≤ L_s, L_{s−1})
+    except RuntimeError:  # stalled; cannot happen for x_s ≤ min_{u≤s} L_u, which callers ensure
         return None
 
 
@@ -387,7 +429,7 @@ def plan_virtual(
     *,
     schedule: str = "pipemorph",
     stage_times_ms: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
     stage_memory_limit: int | None = None,
     validate: bool = True,
     full_backward: bool = True,
@@ -404,7 +446,7 @@ def plan_virtual(
     first in that order), so the result is never slower than the built-ins that fit.
     ``schedule="crosspipe-wave"``: CrossWave alone ("v", V = 2).
     ``memory_limit`` K: at most K activations of a rank's whole model part on any rank (a chunk counts
-    1/V; K·V whole, ≥ V). ``stage_memory_limit``: at most that many activations on any one stage.
+    1/V; K·V whole, ≥ V), or one K per rank. ``stage_memory_limit``: at most that many activations on any one stage.
     ``full_backward=False``: only split-backward (I + W) candidates (drops Interleaved1F1B, DualPipeV).
     The returned plan has passed ``validate_plan`` (torch's lowering and dry run included).
     """
@@ -417,8 +459,7 @@ def plan_virtual(
         raise ValueError(f"schedule must be one of {VIRTUAL_SCHEDULES}, got {schedule!r}")
     if stage_memory_limit is not None and stage_memory_limit < 1:
         raise ValueError(f"stage_memory_limit must be >= 1 activation, got {stage_memory_limit}")
-    budget = Budget(None if memory_limit is None else rank_chunk_budget(memory_limit, num_virtual_stages),
-                    stage_memory_limit)
+    budget = Budget.of(memory_limit, stage_memory_limit, profile.num_stages, num_virtual_stages)
     if schedule == "crosspipe-wave" and (placement != "v" or num_virtual_stages != 2):
         raise ValueError("crosspipe-wave plans the V-shape placement with 2 stages per rank (--placement v)")
     if validate:
@@ -459,7 +500,9 @@ def _inflight_limit(limit, stage_memory_limit: int | None, num_stages: int) -> l
 def _describe(budget: Budget, V: int) -> str:
     parts = []
     if budget.per_rank is not None:
-        parts.append(f"{budget.per_rank / V:g} activations per rank")
+        ks = sorted({k / V for k in budget.per_rank})
+        parts.append(f"{ks[0]:g} activations per rank" if len(ks) == 1 else
+                     f"{[k / V for k in budget.per_rank]} activations per rank")
     if budget.per_stage is not None:
         parts.append(f"{budget.per_stage} per stage")
     return ", ".join(parts) or "none"
@@ -502,11 +545,15 @@ def _candidates(stage_profile, s2r, placement, schedule, budget: Budget) -> dict
     return out
 
 
-def _wave_limit(budget: Budget) -> int | None:
-    """CrossWave's per-rank chunk limit for a budget (its per-stage limit is only checked afterwards)."""
-    limits = [v for v in (budget.per_rank, None if budget.per_stage is None else 2 * budget.per_stage)
-              if v is not None]
-    return min(limits) if limits else None
+def _wave_limit(budget: Budget) -> list[int] | None:
+    """CrossWave's per-rank chunk limits for a budget (its per-stage limit is only checked afterwards)."""
+    if budget.per_rank is None and budget.per_stage is None:
+        return None
+    R = len(budget.per_rank) if budget.per_rank is not None else None
+    stage = None if budget.per_stage is None else 2 * budget.per_stage
+    if R is None:
+        return stage
+    return [k if stage is None else min(k, stage) for k in budget.per_rank]
 
 
 def _builtin_members(names, num_ranks, num_microbatches, s2r) -> dict[str, _Member]:

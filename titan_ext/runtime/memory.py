@@ -21,6 +21,15 @@ with M^F_r the bytes autograd saves for one microbatch on rank r (measured in th
   cap (host memory, the paper's setting).
 
 Every rank sends its budget in the profile exchange, so every rank computes the same cap.
+
+Several stages per rank (issue 21): the cap is per rank, in activations of the rank's whole model part
+(a chunk of a rank with V stages counts 1/V, the planners' unit, ``plan.virtual``):
+
+    K_r = ⌊ budget_r / a_r ⌋ / V
+
+with a_r the bytes one of rank r's chunks saves per microbatch (its first measured forward; chunks
+assumed equal — measuring every local stage mid-iteration deadlocked under the NCCL-rules backend). ``plan_virtual`` then
+splits each rank's K_r among its stages by what the delay needs (``search_warmup``).
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ from typing import Any, Sequence
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["DEFAULT_HEADROOM", "PENDING", "activation_budget_bytes", "inflight_cap", "optimizer_steps"]
+__all__ = ["DEFAULT_HEADROOM", "PENDING", "activation_budget_bytes", "inflight_cap", "optimizer_steps",
+           "rank_memory_limits"]
 
 #: fraction of the budget kept free (allocator fragmentation, temporaries of the backward)
 DEFAULT_HEADROOM = 0.2
@@ -76,3 +86,20 @@ def inflight_cap(budgets: Sequence[float], activation_bytes: Sequence[float], n_
     if not caps:
         return None
     return max(1, min(min(caps), n_microbatches))
+
+
+def rank_memory_limits(budgets: Sequence[float], chunk_bytes: Sequence[float], stages_per_rank: int,
+                       n_microbatches: int) -> tuple[float, ...] | None:
+    """Per rank K_r = ⌊budget_r / a_r⌋ / V activations of its whole model part, within [1, N] (a rank
+    without a known budget or a_r: N, no limit); None when no rank has both."""
+    V, N = stages_per_rank, n_microbatches
+    if any(b == PENDING for b in budgets):
+        return None  # a device budget is not known yet: the initial regime (inflight_cap's pending_cap)
+    known = [math.isfinite(b) and math.isfinite(a) and a > 0 for b, a in zip(budgets, chunk_bytes)]
+    if not any(known):
+        return None
+    out = []
+    for ok, b, a in zip(known, budgets, chunk_bytes):
+        chunks = math.floor(b / a) if ok else N * V
+        out.append(min(max(chunks, V), N * V) / V)  # every chunk holds at least one activation
+    return tuple(out)

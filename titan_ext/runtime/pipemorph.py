@@ -41,6 +41,7 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
+from titan_ext.plan.result import peak_memory_per_rank
 
 from .backward import BackwardChooser
 from . import timeouts
@@ -54,7 +55,7 @@ from .deploy import (
 )
 from .estimator import Estimator
 from .executor import Executor, RunContext, forward_order
-from .memory import activation_budget_bytes, inflight_cap
+from .memory import PENDING, activation_budget_bytes, inflight_cap, rank_memory_limits
 from .metrics import IterationMetrics
 from .observers import Boundary, FalconObserver
 from .placement import VirtualEstimator, VirtualPlanner, policy_for, read_layout, virtual_tolerances
@@ -219,6 +220,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.deployed: DeployedPlan | None = None
         self.plan_version = 0
         self.inflight_cap: int | None = None  # measured memory cap of adaptive plans
+        self.rank_memory_limit: tuple[float, ...] | None = None  # several stages per rank: K_r (memory.py)
         self._activation_bytes_all: list[float] | None = None
         self._pending: list[tuple[dict, str]] = []
         self._in_iteration = False
@@ -302,7 +304,20 @@ class PipeMorph(_PipelineScheduleRuntime):
     def planning_context(self, decision: Decision | None = None) -> PlanningContext:
         headroom = self.policy.headroom_delay if isinstance(self.policy, ReplanPolicy) else (lambda c: c)
         x_max = self._x_max if self.inflight_cap is None else max(1, min(self._x_max, self.inflight_cap))
-        return PlanningContext(self._variant(decision), x_max, self._adaptive_limit(), self.slack_floor, headroom)
+        return PlanningContext(self._variant(decision), x_max, self._adaptive_limit(), self.slack_floor, headroom,
+                               self.rank_memory_limit)
+
+    def _over_memory(self, actions) -> str | None:
+        """Why a background candidate no longer fits the current per-rank cap (it may have shrunk while
+        the candidate was planned), or None."""
+        if self.rank_memory_limit is None:
+            return None
+        peaks = peak_memory_per_rank(actions)
+        over = {r: p for r, p in peaks.items() if p > self.rank_memory_limit[r] + 1e-9}
+        if not over:
+            return None
+        return (f"holds {max(over.values()):g} activations on rank {max(over, key=over.get)}, above the current "
+                f"per-rank cap {list(self.rank_memory_limit)}")
 
     def _plan(self, profile: PipelineProfile, decision: Decision) -> PlanResult:
         """A compute-only plan for ``profile``: the decision's own plan, else the planner's."""
@@ -415,6 +430,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         checked again before the swap (issue 20, defect 10) — the policy re-plans under the new cap."""
         if cand.kind not in ("initial", "adaptive"):
             return ""
+        if self.rank_memory_limit is not None:  # several stages per rank: the per-rank cap (issue 21)
+            return self._over_memory(cand.actions) or ""
         limit = self._adaptive_limit() if cand.kind == "adaptive" else self.inflight_cap
         if limit is None or cand.peak_inflight <= limit:
             return ""
@@ -546,10 +563,17 @@ class PipeMorph(_PipelineScheduleRuntime):
         bubble, span_ms = timeline_bubble_rate(ranks)
         if all(not math.isnan(r.activation_bytes) for r in ranks):
             self._activation_bytes_all = [r.activation_bytes for r in ranks]
-            self.inflight_cap = inflight_cap([r.memory_budget_bytes for r in ranks], self._activation_bytes_all,
-                                             self._n_microbatches, pending_cap=self._x_max)
-            if self.inflight_cap is not None and self.layout.virtual:  # a rank's budget holds V stages
-                self.inflight_cap = max(1, self.inflight_cap // self.layout.stages_per_rank)
+            budgets = [r.memory_budget_bytes for r in ranks]
+            if self.layout.virtual and PENDING not in budgets:  # per rank; the planner splits it by need
+                self.rank_memory_limit = rank_memory_limits(budgets, self._activation_bytes_all,
+                                                            self.layout.stages_per_rank, self._n_microbatches)
+                self.inflight_cap = None
+            else:
+                self.rank_memory_limit = None
+                self.inflight_cap = inflight_cap(budgets, self._activation_bytes_all, self._n_microbatches,
+                                                 pending_cap=self._x_max)
+                if self.inflight_cap is not None and self.layout.virtual:  # pending: the initial regime
+                    self.inflight_cap = max(1, self.inflight_cap // self.layout.stages_per_rank)
             self._warn_small_budget(ranks)
         self.estimator.push(ranks, [lk["c_ms"] for lk in links])
         if math.isfinite(span_ms):

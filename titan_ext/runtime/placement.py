@@ -146,8 +146,12 @@ class VirtualPlanner:
             profile = profile.with_delays({k: context.headroom(c) for k, c in enumerate(profile.delays_ms)})
         ranks, times = rank_level(profile, self.layout)
         limit = None if limit is None or limit >= profile.num_microbatches else limit
+        per_rank = getattr(context, "rank_memory_limit", None)
+        if per_rank is not None and min(per_rank) >= profile.num_microbatches:
+            per_rank = None  # no plan holds more than N per stage: no limit
         return plan_by_name(ranks, self.schedule, virtual_stages=self.layout.stages_per_rank,
                             placement=self.layout.placement, stage_times_ms=times, stage_memory_limit=limit,
+                            memory_limit=None if per_rank is None else list(per_rank),
                             validate=False, full_backward=self.backward != "split")
 
 

@@ -40,6 +40,7 @@ class PlanningContext:
     adaptive_limit: int | None  # cap on in-flight activations of adaptive plans (None: none)
     slack_floor: int  # Alg.2's minimum slackness
     headroom: Callable[[float], float]  # measured link delay → the delay a re-plan must absorb
+    rank_memory_limit: tuple[float, ...] | None = None  # several stages per rank: K_r per rank (memory.py)
 
 
 class Planner(Protocol):
