@@ -208,7 +208,7 @@ def test_compare_skips_what_does_not_fit_its_budget_and_says_so(capsys):
     cpu = time.process_time() - cpu0
     assert code == 0, err
     rows = {r["schedule"]: r for r in json.loads(out.strip().splitlines()[-1])["schedules"]}
-    assert len(rows) == 9 and all("makespan_ms" in r or "error" in r for r in rows.values()), rows
+    assert len(rows) >= 9 and all("makespan_ms" in r or "error" in r for r in rows.values()), rows
     skipped = {name for name, r in rows.items() if r.get("error", "").startswith("skipped: ")}
     assert {"CrossPipe (wave)", "torch DualPipeV"} <= skipped, rows  # ~50 s and ~25 s alone
     assert all("budget" in rows[name]["error"] for name in skipped)
