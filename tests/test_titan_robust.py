@@ -98,3 +98,15 @@ def test_frozen_rank_ends_the_job_within_timeout_plus_30s_naming_it(schedule, tm
     assert res["froze"] and res["exit_code"] != 0, res
     assert res["ended_after_s"] <= timeout_s + 30, res
     assert res["names_rank"] and "rank 2 stopped answering" in res["message"], res
+
+
+@pytest.mark.parametrize("rank, lines", [("0", 1), ("2", 0)])
+def test_a_malformed_env_straggler_at_import_is_one_line_and_exit_2(rank, lines):
+    """Under the stock torchtitan.train (custom_import imports titan_ext.runtime): a malformed
+    TITAN_EXT_INJECT_DELAYS ends the process with one line from rank 0 and exit 2, no traceback."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TITAN_EXT_INJECT_DELAYS="garbage", RANK=rank)
+    p = subprocess.run([sys.executable, "-c", "import titan_ext.runtime"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == lines and all(e.startswith("titan_ext: configuration error: TITAN_EXT_INJECT_DELAYS") for e in err)

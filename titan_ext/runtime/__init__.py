@@ -26,7 +26,15 @@ from .delegated import DelegatedPipeMorph  # noqa: F401  (issue 5, docs/delegate
 from titan_ext import _flags
 
 if not _flags.DEFER_ENV_STRAGGLER:  # titan_ext.train checks it first, installs it later
-    install_from_env()
+    try:
+        install_from_env()
+    except DelaySpecError as _exc:  # e.g. under the stock torchtitan.train: one line from rank 0, exit 2
+        import os as _os
+        import sys as _sys
+
+        if _os.environ.get("RANK", "0") == "0":
+            print(f"titan_ext: configuration error: {_exc}", file=_sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 __all__ = [
     "Decision",
