@@ -110,3 +110,25 @@ def test_a_malformed_env_straggler_at_import_is_one_line_and_exit_2(rank, lines)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     err = p.stderr.strip().splitlines()
     assert len(err) == lines and all(e.startswith("titan_ext: configuration error: TITAN_EXT_INJECT_DELAYS") for e in err)
+
+
+def test_the_train_timeout_follows_the_first_step_under_any_trainer(monkeypatch):
+    """The switch from comm.init_timeout_seconds to comm.train_timeout_seconds rides on the schedule built
+    by our wrapped builder, so the stock torchtitan.train gets it too (it used to be TitanExtTrainer's)."""
+    from types import SimpleNamespace
+
+    from titan_ext.runtime import timeouts
+    from titan_ext.titan import registry
+
+    seen = []
+
+    class Schedule:
+        def step(self, *args, **kwargs):
+            seen.append(timeouts._timeout_s)
+            return "out"
+
+    monkeypatch.setattr(timeouts, "_timeout_s", 100.0)
+    sched = Schedule()
+    registry._train_timeout_after_first_step(sched, SimpleNamespace(comm=SimpleNamespace(train_timeout_seconds=30)))
+    assert sched.step() == "out" and timeouts._timeout_s == 30
+    assert sched.step() == "out" and seen == [100.0, 30]

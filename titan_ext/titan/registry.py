@@ -189,8 +189,28 @@ def build_with_titan_ext(job_config: Any, stages: list, build: Callable[[], Any]
     _install_timeouts(job_config)  # after the delay injection: it wraps what the schedules call
     with active_job_config(job_config):
         schedule = build()
+    _train_timeout_after_first_step(schedule, job_config)
     metrics.attach(schedule, job_config, stages)  # metrics follow the schedule, any trainer
     return schedule
+
+
+def _train_timeout_after_first_step(schedule: Any, job_config: Any) -> None:
+    """TorchTitan's rule, under any trainer (ours or the stock ``torchtitan.train``): once the first step
+    is done, PP waits and titan_ext's groups end after ``comm.train_timeout_seconds``."""
+    from titan_ext.runtime import timeouts
+
+    train_s = getattr(getattr(job_config, "comm", None), "train_timeout_seconds", 0)
+    if not train_s or train_s <= 0:
+        return
+    step = schedule.step
+
+    def first_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        timeouts.set_timeout(train_s)
+        schedule.step = step  # once: later steps call the schedule's own method
+        return out
+
+    schedule.step = first_step
 
 
 def split_schedule_name(pp_schedule: str) -> str:
@@ -208,7 +228,7 @@ def split_schedule_name(pp_schedule: str) -> str:
 def _install_timeouts(job_config: Any) -> None:
     """PP message waits and titan_ext's groups follow the job's timeouts (TorchTitan's rule:
     ``comm.init_timeout_seconds`` until the first step is done, then ``comm.train_timeout_seconds``,
-    which ``TitanExtTrainer`` switches to): without it a frozen peer holds a gloo receive for the
+    :func:`_train_timeout_after_first_step`): without it a frozen peer holds a gloo receive for the
     groups' creation timeout."""
     from titan_ext.runtime import timeouts
 

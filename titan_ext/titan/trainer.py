@@ -60,11 +60,6 @@ class TitanExtTrainer(_Base):
             self.falcon_job.train_step(super().train_step, data_iterator)
         else:
             super().train_step(data_iterator)
-        if self.step == 1:  # TorchTitan's rule: the train timeout once the first step is done
-            from titan_ext.runtime import timeouts
-
-            config = getattr(self, "job_config", None) or self.config  # TorchTitan 0.2 / 0.3
-            timeouts.set_timeout(config.comm.train_timeout_seconds)
 
     def forward_backward_step(self, **kwargs):
         loss = super().forward_backward_step(**kwargs)
