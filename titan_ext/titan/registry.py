@@ -202,15 +202,16 @@ def _train_timeout_after_first_step(schedule: Any, job_config: Any) -> None:
     train_s = getattr(getattr(job_config, "comm", None), "train_timeout_seconds", 0)
     if not train_s or train_s <= 0:
         return
-    step = schedule.step
+    step, switched = schedule.step, []
 
-    def first_step(*args: Any, **kwargs: Any) -> Any:
+    def step_then_train_timeout(*args: Any, **kwargs: Any) -> Any:
         out = step(*args, **kwargs)
-        timeouts.set_timeout(train_s)
-        schedule.step = step  # once: later steps call the schedule's own method
+        if not switched:  # stays wrapped: other wrappers (the metrics') may sit on top of this one
+            timeouts.set_timeout(train_s)
+            switched.append(True)
         return out
 
-    schedule.step = first_step
+    schedule.step = step_then_train_timeout
 
 
 def split_schedule_name(pp_schedule: str) -> str:
