@@ -244,10 +244,13 @@ def check_profile_fields(doc: object) -> None:
     """ValueError unless ``doc`` is a JSON object with only :data:`PROFILE_FIELDS`."""
     if not isinstance(doc, Mapping):
         raise ValueError(f"profile: expected a JSON object, got {type(doc).__name__}")
-    unknown = sorted(set(doc) - set(PROFILE_FIELDS))
+    _known_fields_only(doc, PROFILE_FIELDS, "profile")
+
+
+def _known_fields_only(doc: Mapping, known: Sequence[str], where: str) -> None:
+    unknown = sorted(set(doc) - set(known))
     if unknown:
-        raise ValueError(f"profile: unknown field(s) {', '.join(map(str, unknown))} "
-                         f"(known: {', '.join(PROFILE_FIELDS)})")
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(str, unknown))} (known: {', '.join(known)})")
 
 
 def link_to_json(link: LinkProfile) -> dict:
@@ -265,10 +268,7 @@ def links_from_json(items: object, num_stages: int) -> list[LinkProfile]:
     for i, item in enumerate(items):
         if not isinstance(item, Mapping):
             raise ValueError(f"profile links[{i}]: expected an object with {', '.join(LINK_FIELDS)}")
-        unknown = sorted(set(item) - set(LINK_FIELDS))
-        if unknown:
-            raise ValueError(f"profile links[{i}]: unknown field(s) {', '.join(map(str, unknown))} "
-                             f"(known: {', '.join(LINK_FIELDS)})")
+        _known_fields_only(item, LINK_FIELDS, f"profile links[{i}]")
         links.append(LinkProfile(**item))
     if len(links) != num_stages - 1:
         raise ValueError(f"profile links: {len(links)} entries for {num_stages} stages "

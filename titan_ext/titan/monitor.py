@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ext.runtime.device import DeviceLayer, device_layer
+from titan_ext.runtime.profiler import ActionRecord
 
 __all__ = ["Action", "IterationTimeline", "PipelineMonitor", "timeline_stats"]
 
@@ -112,18 +113,6 @@ def timeline_stats(timeline: IterationTimeline) -> dict[str, Any]:
     }
 
 
-@dataclass
-class _Rec:
-    """A device-timed action (seconds on the host clock once resolved)."""
-
-    stage: int
-    kind: str
-    microbatch: int
-    start: float = math.nan
-    end: float = math.nan
-    recv_wait_ms: float = 0.0
-
-
 class PipelineMonitor:
     """Records this rank's compute actions in ``schedule.step()``; gathers them on demand."""
 
@@ -139,7 +128,7 @@ class PipelineMonitor:
         #: device timing (events) on an asynchronous device; None: the host clock times the device
         self._timer = layer.timer() if layer is not None and layer.asynchronous else None
         self._layer = layer
-        self._records: list[_Rec] = []
+        self._records: list[ActionRecord] = []
         self._actions: list[Action] = []
         self._last_actions: list[Action] = []
         self._step_start = 0
@@ -153,7 +142,7 @@ class PipelineMonitor:
     # -- recording -------------------------------------------------------------------------
     def _record(self, stage_index: int, kind: str, mb: int, fn, *args, **kwargs):
         if self._timer is not None:
-            rec = _Rec(stage_index, kind, int(mb))
+            rec = ActionRecord(kind, stage_index, int(mb))  # the runtime profiler's record
             token = self._timer.start(rec)
             try:
                 return fn(*args, **kwargs)
