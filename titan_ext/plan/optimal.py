@@ -65,9 +65,9 @@ import math
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from .crosspipe.model import replay
+from .crosspipe.model import Model, replay
 from .crosspipe.portfolio import plan_crosspipe_problem
 from .crosspipe.problem import F, I, W, CrossPipeProblem, Op, problem_from_profile, to_actions
 
@@ -191,9 +191,11 @@ def _defer_weight_grads(problem: CrossPipeProblem, orders: dict) -> tuple[float,
     """Hint polish: W has no successor (only the makespan), so moving the last k W of a rank to the
     end of its program keeps the plan valid (memory only falls at I) and can shorten the cool-down,
     where the backward chain of the last microbatch is critical.  Coordinate descent over ranks and
-    k, judged by :func:`replay`; returns (makespan, orders), never worse than the input."""
+    k, judged by the timing model of :func:`replay` (one :class:`Model`, compiled where built);
+    returns (makespan, orders), never worse than the input."""
     N = problem.num_microbatches
-    best = replay(problem, orders).makespan_ms
+    time_of = _timer(problem)
+    best = time_of(orders)
     orders = {r: list(o) for r, o in orders.items()}
     improved = True
     while improved:
@@ -204,11 +206,38 @@ def _defer_weight_grads(problem: CrossPipeProblem, orders: dict) -> tuple[float,
                 late = {op for op in base if op[1] == W and op[2] >= N - k}
                 trial = dict(orders)
                 trial[r] = [op for op in base if op not in late] + sorted(late, key=lambda o: (o[2], o[0]))
-                ms = replay(problem, trial).makespan_ms
+                ms = time_of(trial)
                 if ms < best - 1e-9:
                     best, orders, improved = ms, trial, True
                     break
     return best, orders
+
+
+def _timer(problem: CrossPipeProblem):
+    """orders → makespan under :func:`replay`'s model, built once (``_search.c``'s bit-identical copy
+    of :meth:`Model.run` where it is built)."""
+    from .crosspipe import _compiled
+
+    model = Model(problem)
+    eng = _compiled.engine()
+    if eng is None:
+        return lambda orders: model.run(model.ids(orders))[0]
+    cap = eng.model(model.spec())
+    return lambda orders: eng.run(cap, model.ids(orders), math.inf)[0]
+
+
+def _hint_candidates(problem: CrossPipeProblem, hint_orders: Mapping[int, Sequence[Op]] | None):
+    """The plans the hint is chosen from: ``hint_orders`` alone when given, else the CrossPipe greedy
+    portfolios (CrossWave on a V-shape problem, CrossUD and CrossUDSub otherwise)."""
+    if hint_orders is not None:
+        yield {r: list(o) for r, o in hint_orders.items()}
+        return
+    wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(problem.num_ranks))
+    for variant in ("wave",) if wave_shape else ("ud", "udsub"):
+        try:
+            yield plan_crosspipe_problem(problem, variant, convert=False).orders
+        except ValueError:
+            continue
 
 
 def solve_optimal_problem(
@@ -227,12 +256,17 @@ def solve_optimal_problem(
     upper_bound_ms: float | None = None,
     deterministic: bool = True,
     tail_polish: Sequence[float] | None = None,
+    hint_orders: Mapping[int, Sequence[Op]] | None = None,
+    polish_step_dtime: float | None = None,
     log: bool = False,
 ) -> OptimalResult:
     """Solve CrossPipe §4.1 for ``problem`` with CP-SAT (see the module docstring).
 
     ``hint``: start from the best CrossPipe greedy plan (a complete feasible solution on the integer
     grid: faster first solution, tighter horizon, same optimum).
+    ``hint_orders`` (rank → ops, a complete plan of ``problem``): the hint is this plan instead of the
+    greedy's (its last W's deferred where that shortens it, as the greedy's) — the warm start of
+    :func:`titan_ext.plan.polish.polish_orders`.
     ``time_unit_ms``: integer time grid; default: the coarsest power of ten that represents every
     duration exactly (durations are rounded to it otherwise).
     ``redundant`` (needs ``microbatch_order``): the strengthened model of the module docstring —
@@ -275,17 +309,12 @@ def solve_optimal_problem(
     hint_int = None
     hint_ms = None
     if hint:
-        wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(R))
         best = None
-        for variant in ("wave",) if wave_shape else ("ud", "udsub"):
-            try:
-                g = plan_crosspipe_problem(problem, variant, convert=False)
-            except ValueError:
-                continue
+        for plan_orders in _hint_candidates(problem, hint_orders):
             if problem.memory_deltas[2] == 0:
-                _, orders = _defer_weight_grads(qproblem, g.orders)
+                _, orders = _defer_weight_grads(qproblem, plan_orders)
             else:  # a W that frees memory is not a pure filler: keep the greedy order
-                orders = g.orders
+                orders = plan_orders
             rq = replay(qproblem, orders)
             if best is None or rq.makespan_ms < best[0].makespan_ms:
                 best = (rq, orders)
@@ -449,38 +478,13 @@ def solve_optimal_problem(
     tail_info = []
     if tail_polish is None:
         tail_polish = (0.8, 0.6, 0.4, 0.2)
+    cur, cur_ms = None, None
     if hint_int is not None and tail_polish and lb < int(round(hint_int.makespan_ms)):
-        # hint polish by CP-SAT on the cool-down: keep the hint's first part fixed and re-optimise
-        # the operations starting at or after fraction f of its makespan (a small model)
-        cur = dict(hs)
-        cur_ms = int(round(hint_int.makespan_ms))
-        polish_dtime = max(0.05, min(2.0, 0.04 * time_limit_s))  # per step, deterministic units
-        for frac in tail_polish:
-            sub = m.Clone()
-            cut = frac * cur_ms
-            for v in nodes:
-                if cur[v] < cut:
-                    sub.Add(sub.GetIntVarFromProtoIndex(start[v].Index()) == cur[v])
-            sub.ClearHints()
-            for v in nodes:
-                sub.AddHint(sub.GetIntVarFromProtoIndex(start[v].Index()), cur[v])
-            sub.AddHint(sub.GetIntVarFromProtoIndex(makespan.Index()), cur_ms)
-            ps = cp_model.CpSolver()
-            if deterministic:
-                ps.parameters.max_time_in_seconds = min(float(time_limit_s) / 4, time_left() / 4)
-                ps.parameters.max_deterministic_time = polish_dtime
-            else:
-                ps.parameters.max_time_in_seconds = min(max(0.05, min(3.0, 0.05 * time_limit_s)), time_left() / 4)
-            ps.parameters.num_workers = int(workers)
-            ps.parameters.interleave_search = bool(deterministic and workers > 1)
-            ps.parameters.random_seed = int(random_seed)
-            st_ = ps.Solve(sub)
-            if st_ in (cp_model.OPTIMAL, cp_model.FEASIBLE) and ps.ObjectiveValue() < cur_ms:
-                cur = {v: ps.Value(start[v]) for v in nodes}
-                cur_ms = int(round(ps.ObjectiveValue()))
-            tail_info.append((frac, cur_ms * unit, round(ps.WallTime(), 2)))
-            if cur_ms <= lb:
-                break
+        step_dtime = polish_step_dtime or max(0.05, min(2.0, 0.04 * time_limit_s))  # deterministic units
+        cur, cur_ms = _neighbourhood_polish(
+            m, nodes, start, makespan, node_dur, s2r, dict(hs), int(round(hint_int.makespan_ms)), lb, tail_polish,
+            lambda ps: _set_params(ps, min(float(time_limit_s) / 4, time_left() / 4), step_dtime, workers,
+                                   deterministic, random_seed), tail_info, unit)
         m.ClearHints()
         for v in nodes:
             m.AddHint(start[v], cur[v])
@@ -496,39 +500,97 @@ def solve_optimal_problem(
     solver.parameters.log_search_progress = bool(log)
     if deterministic and workers > 1:
         solver.parameters.interleave_search = True
-    status = solver.Solve(m)
+    ran = deterministic_time is None or deterministic_time > 0  # 0: the polish alone, no final search
+    status = solver.Solve(m) if ran else cp_model.UNKNOWN
     solve_s = time.perf_counter() - t_start
     name = solver.StatusName(status)
     num_ops = 3 * N * S
     params = {"time_limit_s": time_limit_s, "workers": workers, "microbatch_order": microbatch_order, "hint": hint,
               "redundant": redundant, "deterministic_time": deterministic_time, "root_bound_ms": lb * unit, "tail_polish": tail_info}
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return OptimalResult(name, False, None, solver.BestObjectiveBound() * unit, None, None, None, solve_s,
+    solved = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    if cur is not None and (not solved or solver.ObjectiveValue() > cur_ms):  # keep the polished hint
+        starts = {op: cur[op] for op in ops}
+        bound = max(lb, solver.BestObjectiveBound()) if solved else lb
+        return _result(qproblem, problem, starts, dur, s2r, "FEASIBLE", False, cur_ms, bound, unit, solve_s,
+                       num_messages, hint_ms, params)
+    if not solved:
+        return OptimalResult(name, False, None, (solver.BestObjectiveBound() if ran else lb) * unit, None, None, None, solve_s,
                              unit, num_ops, num_messages, hint_ms, params)
     starts = {op: solver.Value(start[op]) for op in ops}
-    orders: dict[int, list[Op]] = {r: [] for r in range(R)}
+    return _result(qproblem, problem, starts, dur, s2r, name, status == cp_model.OPTIMAL, solver.ObjectiveValue(),
+                   solver.BestObjectiveBound(), unit, solve_s, num_messages, hint_ms, params)
+
+
+def _result(qproblem, problem, starts, dur, s2r, name, proven, objective, bound, unit, solve_s, num_messages,
+            hint_ms, params) -> OptimalResult:
+    """The :class:`OptimalResult` of integer start times ``starts`` (op → units)."""
+    orders: dict[int, list[Op]] = {r: [] for r in range(problem.num_ranks)}
     kind_rank = {F: 0, I: 1, W: 2}
     for op in sorted(starts, key=lambda o: (starts[o], starts[o] + dur[o[1]][o[0]], kind_rank[o[1]], o[2])):
         orders[s2r[op[0]]].append(op)
     # the solver's objective may carry slack when not proven; the plan's own (replayed, semi-active)
     # makespan on the integer grid is never larger and is what the plan achieves
-    best_obj = min(solver.ObjectiveValue(), replay(qproblem, orders).makespan_ms) * unit
-    bound = solver.BestObjectiveBound() * unit
+    best_obj = min(objective, replay(qproblem, orders).makespan_ms) * unit
     return OptimalResult(
-        status=name,
-        proven=status == cp_model.OPTIMAL,
-        makespan_ms=best_obj,
-        bound_ms=bound,
-        orders=orders,
-        actions=to_actions(orders),
-        start_ms={op: t * unit for op, t in starts.items()},
-        solve_s=solve_s,
-        time_unit_ms=unit,
-        num_ops=num_ops,
-        num_messages=num_messages,
-        hint_ms=hint_ms,
-        params=params,
+        status=name, proven=proven, makespan_ms=best_obj, bound_ms=bound * unit, orders=orders,
+        actions=to_actions(orders), start_ms={op: t * unit for op, t in starts.items()}, solve_s=solve_s,
+        time_unit_ms=unit, num_ops=3 * problem.num_microbatches * problem.num_stages, num_messages=num_messages,
+        hint_ms=hint_ms, params=params,
     )
+
+
+def _set_params(ps, max_time_s: float, dtime: float | None, workers: int, deterministic: bool, seed: int):
+    """One CP-SAT solver's limits and search settings (a polish step's)."""
+    ps.parameters.max_time_in_seconds = max(0.01, max_time_s)
+    if deterministic and dtime is not None:
+        ps.parameters.max_deterministic_time = dtime
+    ps.parameters.num_workers = int(workers)
+    ps.parameters.interleave_search = bool(deterministic and workers > 1)
+    ps.parameters.random_seed = int(seed)
+
+
+def _neighbourhood_polish(m, nodes, start, makespan, node_dur, s2r, cur, cur_ms, lb, hoods, set_params, info, unit):
+    """Large-neighbourhood polish of a complete solution ``cur`` (node → start, makespan ``cur_ms``) by
+    CP-SAT: for each neighbourhood, a copy of the model with the operations starting before ``lo`` ×
+    makespan fixed at their times and those starting at or after ``hi`` × makespan kept in their
+    per-rank order (free to move); the rest re-optimised from the hint.  A neighbourhood is ``f`` (the
+    tail from f: ``(f, ∞)``) or ``(lo, hi)``.  The incumbent satisfies every added constraint, so a
+    step never makes it worse; a step's better solution is kept.  Returns (cur, cur_ms)."""
+    from ortools.sat.python import cp_model
+
+    for hood in hoods:
+        free_ranks = None
+        if isinstance(hood, (int, float)):
+            lo, hi = hood, math.inf
+        elif len(hood) == 2:
+            lo, hi = hood
+        else:
+            lo, hi, free_ranks = hood
+        sub = m.Clone()
+        var = lambda v: sub.GetIntVarFromProtoIndex(start[v].Index())  # noqa: E731
+        chained: dict[int, list] = {}
+        for v in sorted(nodes, key=lambda x: cur[x]):
+            if cur[v] < lo * cur_ms:
+                sub.Add(var(v) == cur[v])
+            elif v[0] != "c" and (cur[v] >= hi * cur_ms or (free_ranks is not None and s2r[v[0]] not in free_ranks)):
+                chained.setdefault(s2r[v[0]], []).append(v)
+        for chain in chained.values():
+            for u, v in zip(chain, chain[1:]):
+                sub.Add(var(v) >= var(u) + node_dur[u])
+        sub.ClearHints()
+        for v in nodes:
+            sub.AddHint(var(v), cur[v])
+        sub.AddHint(sub.GetIntVarFromProtoIndex(makespan.Index()), cur_ms)
+        ps = cp_model.CpSolver()
+        set_params(ps)
+        status = ps.Solve(sub)
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and ps.ObjectiveValue() < cur_ms:
+            cur = {v: ps.Value(start[v]) for v in nodes}
+            cur_ms = int(round(ps.ObjectiveValue()))
+        info.append((hood, cur_ms * unit, round(ps.WallTime(), 2)))
+        if cur_ms <= lb:
+            break
+    return cur, cur_ms
 
 
 def solve_optimal(

@@ -22,16 +22,20 @@ from .crosspipe import plan_crosspipe, wave_profile
 from .ir import as_ops, gc_paused, torch_schedules
 from .optimal import solve_optimal
 from .pipemorph import SCHEDULES, memory_caps, plan_pipemorph
+from .polish import polish_crosspipe
 from .profile import PipelineProfile
 from .result import PlanResult, make_result
 from .simulate import replay_makespan_ns
 from .timing import to_ms
 from .validate import PlanValidationError, validate_plan
 
-__all__ = ["AUTO_SCHEDULES", "BUILTIN_SCHEDULES", "CROSSPIPE_SCHEDULES", "SCHEDULE_NAMES", "check_memory_limit",
-           "plan_auto", "plan_by_name"]
+__all__ = ["AUTO_SCHEDULES", "BUILTIN_SCHEDULES", "CROSSPIPE_SCHEDULES", "POLISH_SCHEDULES", "SCHEDULE_NAMES",
+           "check_memory_limit", "plan_auto", "plan_by_name"]
 
 AUTO_SCHEDULES = ("auto",) + SCHEDULES
+
+POLISH_SCHEDULES = ("auto", "crosspipe-ud", "crosspipe-udsub")
+"""the names ``polish_s`` applies to (CrossPipe plans with one stage per rank; ``titan_ext.plan.polish``)."""
 
 CROSSPIPE_SCHEDULES = ("crosspipe-ud", "crosspipe-udsub", "crosspipe-wave", "optimal")
 
@@ -49,10 +53,12 @@ def plan_auto(
     slack_floor: int = 2,
     validate: bool | str = True,
     backward: str = "split",
+    polish_s: float | None = None,
 ) -> PlanResult:
     """The faster of ``plan_pipemorph`` (its candidates included) and CrossPipe's CrossUD greedy, both
     held to the same per-stage in-flight limit; ties go to PipeMorph. CrossPipe plans split backwards
-    only, so ``backward="full"`` is PipeMorph's plan."""
+    only, so ``backward="full"`` is PipeMorph's plan. ``polish_s``: the CrossUD plan is polished
+    within that many seconds first (:func:`~titan_ext.plan.polish.polish_crosspipe`; None: not)."""
     pm = plan_pipemorph(profile, mode=mode, slack_floor=slack_floor, memory_limit=memory_limit,
                         validate=validate, backward=backward)
     pm.schedule = "auto"
@@ -64,9 +70,13 @@ def plan_auto(
     S, N = profile.num_stages, profile.num_microbatches
     with gc_paused():
         cp = plan_crosspipe(profile, "ud", memory_limit=caps, validate=False)
+        if polish_s is not None:
+            cp = polish_crosspipe(profile, cp, budget_s=polish_s)
         ops = as_ops(cp.actions)
         makespan = replay_makespan_ns(ops, profile)
         candidates = {**pm.candidates, "crosspipe-ud": to_ms(makespan)}
+        if cp.polish is not None:
+            pm.info["polish"] = cp.polish  # the polish's report, whichever plan wins
         if to_ms(makespan) >= pm.predicted_makespan_ms:
             pm.candidates = candidates
             pm.plan_ms += (time.perf_counter() - t0) * 1e3
@@ -80,7 +90,7 @@ def plan_auto(
         result = make_result(
             ops, actions=cp.actions, schedule="auto", source="crosspipe-ud", predicted_makespan_ms=to_ms(makespan),
             plan_ms=0.0, stage_to_rank=range(S), profile=profile, inflight_limit=caps, candidates=candidates,
-            notes=[n for n in pm.notes if not n.startswith("Alg.2 has no room")],
+            notes=[n for n in pm.notes if not n.startswith("Alg.2 has no room")], info=dict(pm.info),
         )
     result.plan_ms = pm.plan_ms + (time.perf_counter() - t0) * 1e3
     return result
@@ -121,6 +131,7 @@ def plan_by_name(
     time_limit_s: float = 60.0,
     stage_times_ms: tuple | None = None,
     full_backward: bool = True,
+    polish_s: float | None = None,
     **pipemorph: Any,
 ) -> PlanResult:
     """The one by-name dispatch: plan ``name`` (any of ``SCHEDULE_NAMES``) for the rank-level ``profile``.
@@ -133,6 +144,10 @@ def plan_by_name(
       ``slack_floor``, ``validate``, ``backward``, ``candidates``, ``cap_inflight``);
     * ``crosspipe-ud`` / ``-udsub`` / ``-wave`` → CrossPipe's greedy; ``optimal`` → the CP-SAT optimum
       within ``time_limit_s`` (needs ortools);
+    * ``polish_s`` (``auto``, ``crosspipe-ud``, ``crosspipe-udsub`` only; None: off): the CrossPipe plan
+      is polished by CP-SAT and a longer search within that many seconds
+      (:func:`~titan_ext.plan.polish.polish_crosspipe`; never slower, validated; skipped without ortools
+      or above ``POLISH_MAX_OPS`` operations — the result's ``info["polish"]`` says which);
     * torch's built-in names (``BUILTIN_SCHEDULES``) → torch's own plan.
 
     ``memory_limit`` K: at most K activations of a rank's whole model part held on any rank (a chunk of a
@@ -143,17 +158,19 @@ def plan_by_name(
     """
     profile_arg(profile)
     check_memory_limit(memory_limit, stage_memory_limit)
+    if polish_s is not None and (name not in POLISH_SCHEDULES or virtual_stages != 1 or placement is not None):
+        raise ValueError(f"polish_s applies to {', '.join(POLISH_SCHEDULES)} with one stage per rank, not {name!r}")
     if virtual_stages != 1 or placement is not None:
         return _plan_virtual(profile, name, virtual_stages, placement, memory_limit, stage_memory_limit,
                              stage_times_ms, full_backward, pipemorph)
     memory_limit = one_stage_limit(memory_limit, stage_memory_limit)
     if name == "auto":
-        return plan_auto(profile, memory_limit=memory_limit, **pipemorph)
+        return plan_auto(profile, memory_limit=memory_limit, polish_s=polish_s, **pipemorph)
     if name in SCHEDULES:
         return plan_pipemorph(profile, schedule=name, memory_limit=memory_limit, **pipemorph)
     _split_only(name, pipemorph)
     if name in CROSSPIPE_SCHEDULES:
-        return _plan_crosspipe(profile, name, memory_limit, time_limit_s)
+        return _plan_crosspipe(profile, name, memory_limit, time_limit_s, polish_s)
     if name in BUILTIN_SCHEDULES:
         return _plan_builtin(profile, name, memory_limit)
     raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {name!r}")
@@ -185,7 +202,8 @@ def _plan_virtual(profile, name, V, placement, memory_limit, stage_memory_limit,
                         full_backward=full_backward)
 
 
-def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | None, time_limit_s: float) -> PlanResult:
+def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | None, time_limit_s: float,
+                    polish_s: float | None = None) -> PlanResult:
     """CrossPipe's greedy (ud, udsub, wave: CrossPipe §4.2) or the CP-SAT optimum (§4.1)."""
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a number of seconds > 0, got {time_limit_s!r}")
@@ -197,8 +215,12 @@ def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | Non
         sim_profile = wave_profile(profile)
         limit = None if memory_limit is None else 2 * memory_limit
     plan = plan_crosspipe(sim_profile, variant, memory_limit=limit)
+    if polish_s is not None:
+        plan = polish_crosspipe(sim_profile, plan, budget_s=polish_s)
     info = {"n_sub": plan.n_sub, "steady": plan.steady, "reserve": plan.reserve, "lookahead": plan.lookahead,
             "caps": plan.caps, "local_search_improved": plan.improved, "crosspipe_peak_memory": plan.peak_memory}
+    if plan.polish is not None:
+        info["polish"] = plan.polish
     return make_result(plan.orders, actions=plan.actions, schedule=name, source=f"{name}:{plan.caps}",
                        predicted_makespan_ms=plan.makespan_ms, plan_ms=plan.plan_ms,
                        stage_to_rank=plan.stage_to_rank, profile=sim_profile, info=info,

@@ -82,7 +82,10 @@ class CrossPipePlan:
     candidates: list[TimedMember] = field(default_factory=list)
     """every portfolio member tried."""
     improved: bool = False
-    """whether the local search improved the best member (then ``orders`` differ from its greedy plan)."""
+    """whether the local search (or the polish) improved the best member (then ``orders`` differ from its
+    greedy plan)."""
+    polish: dict | None = None
+    """the CP-SAT polish's report (``titan_ext.plan.polish``), None when the plan was not polished."""
 
 
 @dataclass

@@ -1,0 +1,189 @@
+"""Bounded CP-SAT polish of a CrossPipe plan (issue 25 item 5): the greedy + search plan (CrossPipe
+§4.2 with our portfolio and local search) improved by the §4.1 constraint model (``optimal``), warm
+started from it, within a per-call time budget.
+
+Steps, all inside :func:`titan_ext.plan.optimal.solve_optimal_problem` with the plan as its hint
+(``hint_orders``): the plan's last W's deferred to the end of their rank where that shortens it (W has
+no successor); then large-neighbourhood steps — the model with the operations starting before a
+fraction f ∈ ``POLISH_TAIL`` of the makespan fixed at their times, the rest re-optimised (the
+cool-down, where the last microbatch's backward chain is critical and the greedy loses its time); then
+a short search of the whole model from the best solution so far.
+
+Bounds: one CP-SAT worker, a fixed seed and deterministic time limits (``POLISH_STEP_SHARE`` /
+``POLISH_FINAL_SHARE`` × ``budget_s`` work units per step / for the final search), so the result does
+not depend on the machine's load; ``budget_s`` is also the wall-clock limit end to end (model
+building included), a safety net that only binds on a machine much slower than the calibration (then
+the result may differ).  Problems with more than ``max_ops`` operations (3·N·S) are not polished: the
+model alone would eat the budget.
+
+Guarantee: the polished plan is returned only when our validator accepts it (per-stage in-flight
+limit included) and its makespan under the one simulator (``simulate.replay_makespan_ns``) is below
+the input's; otherwise the input plan comes back unchanged.  Sits above ``optimal`` and ``crosspipe``;
+``schedules`` (``plan_by_name(..., polish_s=)``) and the run-time planners call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Mapping, Sequence
+
+from .crosspipe import CrossPipePlan, CrossPipeProblem, Op, peak_memory, problem_from_profile, to_actions
+from .ir import as_ops
+from .simulate import replay_makespan_ns
+from .timing import to_ms
+from .validate import PlanValidationError, validate_plan
+
+__all__ = ["POLISH_MAX_OPS", "POLISH_TAIL", "polish_crosspipe", "polish_orders"]
+
+POLISH_TAIL = (0.8, 0.6, 0.4)
+"""neighbourhoods: the operations starting at or after f × makespan re-optimised, the rest fixed."""
+POLISH_CPSAT_SHARE = 0.1
+"""CP-SAT stage: deterministic work units (≈ seconds of one core here) per second of budget: half for
+the tail steps, half for the final whole-model search."""
+POLISH_CPSAT_WALL = 1.5
+"""CP-SAT stage: its wall-clock limit as a multiple of the budget (model building included) — a safety
+net for a machine much slower or busier than the calibration; it does not bind on the benchmark VM, so
+the deterministic limits decide the result."""
+POLISH_SEARCH_UNITS_PER_S = 1.5e8
+"""search stage: operations timed per second of budget (≈ 8 ns each on the benchmark VM, so about a
+third of the budget)."""
+POLISH_MAX_EVALS = 400_000
+"""search stage: at most this many plan timings (small problems reach their best long before)."""
+POLISH_MAX_OPS = 1600
+"""size bound (operations, 3·N·S) up to which a polish of ``budget_s`` ≥ 2 s finishes in its budget
+on the 2-core benchmark VM (S = 8, N = 64: 1536 operations)."""
+
+
+def _check_budget(budget_s: float) -> None:
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0 \
+            or not math.isfinite(budget_s):
+        raise ValueError(f"polish budget must be a number of seconds > 0, got {budget_s!r}")
+
+
+def polish_orders(
+    problem: CrossPipeProblem,
+    orders: Mapping[int, Sequence[Op]],
+    *,
+    budget_s: float,
+    max_ops: int = POLISH_MAX_OPS,
+    seed: int = 0,
+) -> tuple[dict[int, list[Op]] | None, dict]:
+    """Polish the complete plan ``orders`` of ``problem`` within ``budget_s`` seconds (module docstring):
+    the CP-SAT stage, then the search stage from its result.
+
+    Returns (orders, report): orders is None unless a plan within the memory limit was found whose
+    replayed makespan (CrossPipe's timing model) is below the input's; report: ``status`` ("improved",
+    "kept", or "skipped: why"), ``before_ms`` / ``cpsat_ms`` / ``after_ms`` (replayed: the input, after
+    the CP-SAT stage, the result), ``bound_ms`` (CP-SAT's lower bound), ``solve_s``, ``budget_s``."""
+    from .crosspipe import replay
+
+    _check_budget(budget_s)
+    t0 = time.perf_counter()
+    before = replay(problem, orders).makespan_ms
+    report = {"status": "kept", "before_ms": before, "cpsat_ms": before, "after_ms": before,
+              "budget_s": float(budget_s), "solve_s": 0.0}
+    n_ops = 3 * problem.num_microbatches * problem.num_stages
+    if n_ops > max_ops:
+        report["status"] = f"skipped: {n_ops} operations > max_ops {max_ops}"
+        return None, report
+    try:
+        best = _cpsat_stage(problem, orders, budget_s, t0, seed, report)
+    except ImportError:
+        report["status"] = "skipped: OR-Tools is not installed (pip install 'titan-ext[solver]')"
+        return None, report
+    report["cpsat_s"] = time.perf_counter() - t0
+    if report["cpsat_ms"] > report.get("bound_ms", -math.inf) + 1e-9:  # not proven optimal yet
+        best = _search_stage(problem, best, budget_s, seed)
+    report["solve_s"] = time.perf_counter() - t0
+    after = replay(problem, best).makespan_ms
+    limit = problem.memory_limit or (math.inf,) * problem.num_ranks
+    if after >= before - 1e-9 or any(pk > lim + 1e-9 for pk, lim in zip(peak_memory(problem, best), limit)):
+        return None, report
+    report.update(status="improved", after_ms=after)
+    return best, report
+
+
+def _cpsat_stage(problem: CrossPipeProblem, orders, budget_s: float, t0: float, seed: int, report: dict) -> dict:
+    """CP-SAT from ``orders`` (W deferral, tail neighbourhoods, a short whole-model search: one worker,
+    deterministic time ``POLISH_CPSAT_SHARE`` × ``budget_s`` in all); returns the better plan."""
+    from ortools.sat.python import cp_model  # noqa: F401 - the import counts against the budget, first
+
+    from .crosspipe import replay
+    from .optimal import solve_optimal_problem
+
+    share = POLISH_CPSAT_SHARE * budget_s
+    wall = POLISH_CPSAT_WALL * budget_s
+    res = solve_optimal_problem(
+        problem, hint_orders=orders, time_limit_s=wall, workers=1, random_seed=seed, deterministic=True,
+        deterministic_time=share / 2, polish_step_dtime=share / (2 * len(POLISH_TAIL)), tail_polish=POLISH_TAIL)
+    report["bound_ms"] = res.bound_ms
+    if res.orders is None:
+        return {r: list(o) for r, o in orders.items()}
+    mk = replay(problem, res.orders).makespan_ms
+    report["cpsat_ms"] = min(mk, report["before_ms"])
+    return res.orders if mk < report["before_ms"] - 1e-9 else {r: list(o) for r, o in orders.items()}
+
+
+def _search_stage(problem: CrossPipeProblem, orders, budget_s: float, seed: int) -> dict:
+    """CrossPipe's compiled search from ``orders``: a critical-path descent, annealing, a descent
+    (``_search.c``; references :func:`.crosspipe.search.local_search` / ``anneal``), with
+    ``POLISH_SEARCH_UNITS_PER_S`` × ``budget_s`` operations timed in all; returns the best plan.  Skipped
+    (``orders`` back) where the compiled engine is not built."""
+    from .crosspipe import _compiled
+    from .crosspipe.model import Model
+    from .crosspipe.tuning import TUNING
+
+    eng = _compiled.engine()
+    if eng is None:
+        return orders
+    model = Model(problem)
+    cap = eng.model(model.spec())
+    limit = tuple(problem.memory_limit or (math.inf,) * problem.num_ranks)
+    evals = max(1, min(POLISH_MAX_EVALS, int(POLISH_SEARCH_UNITS_PER_S * budget_s / (model.n + TUNING.eval_units))))
+    ids, mk, used = eng.descent(cap, model.ids(orders), limit, evals // 4, TUNING.depth, 1, 1)
+    ids2, _, _ = eng.anneal(cap, ids, limit, max(1, evals - used - evals // 8), TUNING.c_seed + seed,
+                            TUNING.c_temperature * mk, TUNING.c_shift)
+    ids2, mk2, _ = eng.descent(cap, ids2, limit, max(1, evals // 8), TUNING.depth, 1, 1)
+    return model.ops(ids2 if mk2 < mk - 1e-9 else ids)
+
+
+def polish_crosspipe(profile, plan: CrossPipePlan, *, budget_s: float, max_ops: int = POLISH_MAX_OPS,
+                     seed: int = 0) -> CrossPipePlan:
+    """``plan`` (CrossUD / CrossUDSub, one stage per rank, for ``profile``) polished within ``budget_s``
+    seconds: a new plan when the polish passed :func:`~titan_ext.plan.validate_plan` under the plan's
+    per-stage in-flight limit and is faster under the simulator, else ``plan`` itself.  Either way
+    ``.polish`` holds the report of :func:`polish_orders` (its status "rejected: …" when the validator
+    or the simulator refused the polished plan)."""
+    if plan.variant not in ("ud", "udsub"):
+        raise ValueError(f"the polish plans one stage per rank (crosspipe-ud, -udsub), got variant {plan.variant!r}")
+    t0 = time.perf_counter()
+    problem = problem_from_profile(profile, plan.variant, plan.memory_limit)
+    orders, report = polish_orders(problem, plan.orders, budget_s=budget_s, max_ops=max_ops, seed=seed)
+    out = plan
+    if orders is not None:
+        out, why = _checked(profile, problem, plan, orders)
+        if why:
+            report["status"] = f"rejected: {why}"
+    out = dataclasses.replace(out, polish=report, plan_ms=plan.plan_ms + (time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _checked(profile, problem: CrossPipeProblem, plan: CrossPipePlan, orders) -> tuple[CrossPipePlan, str]:
+    """(the polished plan, "") when the validator accepts it and the simulator times it below ``plan``;
+    else (``plan``, why)."""
+    actions = to_actions(orders)
+    per_stage = None
+    if problem.memory_limit is not None:
+        per_stage = [int(math.floor(x + 1e-9)) for x in problem.memory_limit]
+    try:
+        validate_plan(actions, problem.num_stages, problem.num_microbatches, inflight_limit=per_stage)
+    except PlanValidationError as e:
+        return plan, f"the validator refused it: {e}"
+    old = replay_makespan_ns(as_ops(plan.actions), profile)
+    new = replay_makespan_ns(as_ops(actions), profile)
+    if new >= old:
+        return plan, f"simulated {to_ms(new):.3f} ms, not below the input's {to_ms(old):.3f} ms"
+    return dataclasses.replace(plan, actions=actions, orders=orders, makespan_ms=to_ms(new),
+                               peak_memory=peak_memory(problem, orders), improved=True), ""
