@@ -422,6 +422,8 @@ def _plan(profile: PipelineProfile, args: argparse.Namespace) -> PlanResult:
         options = {"slack_floor": args.slack_floor, "validate": "torch" if args.strict else True}
     if args.virtual_stages is not None:
         options["placement"] = args.placement or "loop"
+    if args.polish is not None:
+        options["polish_s"] = args.polish
     try:
         return plan_by_name(profile, args.schedule, virtual_stages=args.virtual_stages or 1,
                             memory_limit=_rank_limit(args, args.virtual_stages or 1),
@@ -439,7 +441,7 @@ def _flag_names(e: Exception) -> str:
     text = str(e)
     for name, flag in (("stage_memory_limit", "--stage-memory-limit"), (" memory_limit", " --memory-limit"),
                        ("backward ", "--backward "),
-                       ("slack_floor", "--slack-floor")):
+                       ("slack_floor", "--slack-floor"), ("polish_s", "--polish")):
         text = text.replace(name, flag)
     return text
 
@@ -746,6 +748,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most K in-flight activations on any one stage (chunk)")
     p.add_argument("--strict", action="store_true",
                    help="also validate with torch's checker, lowering and dry run (slower; default: ours)")
+    p.add_argument("--polish", type=_number(float, 0.1, MAX_TIME_LIMIT_S, "seconds"), default=None, metavar="S",
+                   help="auto|crosspipe-ud|crosspipe-udsub: polish the CrossPipe plan with CP-SAT and a longer "
+                        "search within S seconds (needs titan-ext[solver]; never slower; docs/optimality.md); "
+                        "default: off")
     p.add_argument("--slack-floor", type=_COUNT, default=2, metavar="D",
                    help="Alg.2's lower bound on every slackness (paper: 2; 1 saves memory; at most the "
                         "number of microbatches)")
