@@ -102,3 +102,23 @@ def test_auto_and_the_runtime_planners_pass_the_budget():
         PipeMorphPlanner("pipemorph", polish_s=1.0)
     assert PipeMorphPlanner("auto", polish_s=0.5).polish == {"polish_s": 0.5}
     assert CrossPipePlanner("udsub", polish_s=0.5).polish_s == 0.5
+
+
+def test_cli_polish_flag(capsys):
+    """``titan-ext plan --polish S``: the report in ``--json``; off by default (no "polish" key); a
+    schedule it does not apply to is a usage error (exit 2)."""
+    import json
+
+    from titan_ext.cli import main
+
+    args = ["plan", "--schedule", "crosspipe-udsub", "--stages", "4", "--microbatches", "12", "--times",
+            "14,6,6/12,13,12/12,8,13/11,11,8", "--delay", "1:20", "--memory-limit", "4", "--json"]
+    assert main(args) == 0
+    assert "polish" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(args + ["--polish", "0.5"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["polish"]["status"] in ("improved", "kept") and out["polish"]["budget_s"] == 0.5
+    assert out["polish"]["after_ms"] <= out["polish"]["before_ms"]
+    assert main(["plan", "--schedule", "pipemorph", "--stages", "4", "--microbatches", "12", "--times", "10,10,10",
+                 "--polish", "1"]) == 2
+    assert "--polish applies to" in capsys.readouterr().err

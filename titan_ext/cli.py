@@ -422,7 +422,7 @@ def _plan(profile: PipelineProfile, args: argparse.Namespace) -> PlanResult:
         options = {"slack_floor": args.slack_floor, "validate": "torch" if args.strict else True}
     if args.virtual_stages is not None:
         options["placement"] = args.placement or "loop"
-    if args.polish is not None:
+    if getattr(args, "polish", None) is not None:  # plan's flag (simulate plans without it)
         options["polish_s"] = args.polish
     try:
         return plan_by_name(profile, args.schedule, virtual_stages=args.virtual_stages or 1,

@@ -277,7 +277,10 @@ def solve_optimal_problem(
     when ``deterministic``), the wall-clock ``time_limit_s`` applies as well, end to end: model
     building, the hint and its polish count against it (the final solve gets what is left).
     ``tail_polish``: fractions of the hint's makespan after which the hint is re-optimised (default
-    (0.8, 0.6, 0.4, 0.2); ``()``: off).
+    (0.8, 0.6, 0.4, 0.2); ``()``: off); ``polish_step_dtime``: deterministic work units per step
+    (default 0.04 × ``time_limit_s``, within [0.05, 2]).  ``deterministic_time=0``: the hint and its
+    polish only, no final search.  When the final search ends above the polished hint, the hint is
+    returned (status "FEASIBLE").
     ``disjunctive_ranks`` (relaxation): only these ranks get the one-at-a-time constraint; the
     optimum is then a lower bound of the full problem's.  ``lower_bound_ms`` / ``upper_bound_ms``:
     known bounds on the optimum (a wrong lower bound makes the answer wrong; an upper bound below the
@@ -482,9 +485,10 @@ def solve_optimal_problem(
     if hint_int is not None and tail_polish and lb < int(round(hint_int.makespan_ms)):
         step_dtime = polish_step_dtime or max(0.05, min(2.0, 0.04 * time_limit_s))  # deterministic units
         cur, cur_ms = _neighbourhood_polish(
-            m, nodes, start, makespan, node_dur, s2r, dict(hs), int(round(hint_int.makespan_ms)), lb, tail_polish,
-            lambda ps: _set_params(ps, min(float(time_limit_s) / 4, time_left() / 4), step_dtime, workers,
-                                   deterministic, random_seed), tail_info, unit)
+            m, nodes, start, makespan, dict(hs), int(round(hint_int.makespan_ms)), lb, tail_polish,
+            lambda ps: _set_params(ps, min(float(time_limit_s) / 4 if deterministic else
+                                           max(0.05, min(3.0, 0.05 * time_limit_s)), time_left() / 4),
+                                   step_dtime, workers, deterministic, random_seed), tail_info, unit)
         m.ClearHints()
         for v in nodes:
             m.AddHint(start[v], cur[v])
@@ -549,34 +553,20 @@ def _set_params(ps, max_time_s: float, dtime: float | None, workers: int, determ
     ps.parameters.random_seed = int(seed)
 
 
-def _neighbourhood_polish(m, nodes, start, makespan, node_dur, s2r, cur, cur_ms, lb, hoods, set_params, info, unit):
-    """Large-neighbourhood polish of a complete solution ``cur`` (node → start, makespan ``cur_ms``) by
-    CP-SAT: for each neighbourhood, a copy of the model with the operations starting before ``lo`` ×
-    makespan fixed at their times and those starting at or after ``hi`` × makespan kept in their
-    per-rank order (free to move); the rest re-optimised from the hint.  A neighbourhood is ``f`` (the
-    tail from f: ``(f, ∞)``) or ``(lo, hi)``.  The incumbent satisfies every added constraint, so a
-    step never makes it worse; a step's better solution is kept.  Returns (cur, cur_ms)."""
+def _neighbourhood_polish(m, nodes, start, makespan, cur, cur_ms, lb, fractions, set_params, info, unit):
+    """Tail polish of a complete solution ``cur`` (node → start, makespan ``cur_ms``) by CP-SAT: for
+    each fraction f, a copy of the model with the operations starting before f × makespan fixed at
+    their times and the rest re-optimised from the hint (a small model).  The incumbent satisfies
+    every added constraint, so a step never makes it worse; a step's better solution is kept.
+    Returns (cur, cur_ms)."""
     from ortools.sat.python import cp_model
 
-    for hood in hoods:
-        free_ranks = None
-        if isinstance(hood, (int, float)):
-            lo, hi = hood, math.inf
-        elif len(hood) == 2:
-            lo, hi = hood
-        else:
-            lo, hi, free_ranks = hood
+    for frac in fractions:
         sub = m.Clone()
         var = lambda v: sub.GetIntVarFromProtoIndex(start[v].Index())  # noqa: E731
-        chained: dict[int, list] = {}
-        for v in sorted(nodes, key=lambda x: cur[x]):
-            if cur[v] < lo * cur_ms:
+        for v in nodes:
+            if cur[v] < frac * cur_ms:
                 sub.Add(var(v) == cur[v])
-            elif v[0] != "c" and (cur[v] >= hi * cur_ms or (free_ranks is not None and s2r[v[0]] not in free_ranks)):
-                chained.setdefault(s2r[v[0]], []).append(v)
-        for chain in chained.values():
-            for u, v in zip(chain, chain[1:]):
-                sub.Add(var(v) >= var(u) + node_dur[u])
         sub.ClearHints()
         for v in nodes:
             sub.AddHint(var(v), cur[v])
@@ -587,7 +577,7 @@ def _neighbourhood_polish(m, nodes, start, makespan, node_dur, s2r, cur, cur_ms,
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and ps.ObjectiveValue() < cur_ms:
             cur = {v: ps.Value(start[v]) for v in nodes}
             cur_ms = int(round(ps.ObjectiveValue()))
-        info.append((hood, cur_ms * unit, round(ps.WallTime(), 2)))
+        info.append((frac, cur_ms * unit, round(ps.WallTime(), 2)))
         if cur_ms <= lb:
             break
     return cur, cur_ms

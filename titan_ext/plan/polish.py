@@ -1,25 +1,31 @@
-"""Bounded CP-SAT polish of a CrossPipe plan (issue 25 item 5): the greedy + search plan (CrossPipe
-§4.2 with our portfolio and local search) improved by the §4.1 constraint model (``optimal``), warm
-started from it, within a per-call time budget.
+"""Bounded CP-SAT polish of a CrossPipe plan (issue 25 item 5; docs/optimality.md): the greedy + search
+plan (CrossPipe §4.2 with our portfolio and local search) improved within a per-call budget of
+``budget_s`` seconds, in two stages.
 
-Steps, all inside :func:`titan_ext.plan.optimal.solve_optimal_problem` with the plan as its hint
-(``hint_orders``): the plan's last W's deferred to the end of their rank where that shortens it (W has
-no successor); then large-neighbourhood steps — the model with the operations starting before a
-fraction f ∈ ``POLISH_TAIL`` of the makespan fixed at their times, the rest re-optimised (the
-cool-down, where the last microbatch's backward chain is critical and the greedy loses its time); then
-a short search of the whole model from the best solution so far.
+1. **CP-SAT stage**: CrossPipe §4.1's constraint model (:func:`titan_ext.plan.optimal.solve_optimal_problem`
+   with ``hint_orders`` = the plan): the plan's last W's deferred to the end of their rank where that
+   shortens it (W has no successor); large-neighbourhood steps — the operations starting before a
+   fraction f ∈ ``POLISH_TAIL`` of the makespan fixed at their times, the rest re-optimised (the
+   cool-down, where the last microbatch's backward chain is critical and the greedy loses its time);
+   then a short search of the whole model.  One worker, seed 0, deterministic time limits
+   (``POLISH_CPSAT_SHARE`` × ``budget_s`` work units in all).
+2. **search stage**: CrossPipe's compiled descent, annealing and descent (``_search.c``) from the CP-SAT
+   stage's plan, ``POLISH_SEARCH_UNITS_PER_S`` × ``budget_s`` operations timed (at most
+   ``POLISH_MAX_EVALS`` timings); skipped when CP-SAT proved the plan optimal or the engine is not built.
+   The CP-SAT stage moves the plan out of the search's basin; from there the search gets much further
+   than from the greedy plan (docs/optimality.md).
 
-Bounds: one CP-SAT worker, a fixed seed and deterministic time limits (``POLISH_STEP_SHARE`` /
-``POLISH_FINAL_SHARE`` × ``budget_s`` work units per step / for the final search), so the result does
-not depend on the machine's load; ``budget_s`` is also the wall-clock limit end to end (model
-building included), a safety net that only binds on a machine much slower than the calibration (then
-the result may differ).  Problems with more than ``max_ops`` operations (3·N·S) are not polished: the
-model alone would eat the budget.
+Deterministic: the work is counted in deterministic units, so the result does not depend on the
+machine's load; ``budget_s`` is calibrated as CPU seconds of one core of the 2-core benchmark VM (a 2 s
+polish at S = 8, N = 32 uses 1.3–1.6 s there).  Only the CP-SAT stage has a wall-clock safety net
+(``POLISH_CPSAT_WALL`` × ``budget_s``, model building included), which binds only on a much slower or
+busier machine (then the plan may differ; never worse, never invalid).  Problems with more than
+``max_ops`` operations (3·N·S) are not polished: the model alone would eat the budget.
 
-Guarantee: the polished plan is returned only when our validator accepts it (per-stage in-flight
-limit included) and its makespan under the one simulator (``simulate.replay_makespan_ns``) is below
-the input's; otherwise the input plan comes back unchanged.  Sits above ``optimal`` and ``crosspipe``;
-``schedules`` (``plan_by_name(..., polish_s=)``) and the run-time planners call it.
+Guarantee: a polished plan is returned only when our validator accepts it (per-stage in-flight limit
+included) and its makespan under the one simulator (``simulate.replay_makespan_ns``) is below the
+input's; otherwise the input plan comes back unchanged.  Sits above ``optimal`` and ``crosspipe``;
+``schedules`` (``plan_by_name(..., polish_s=)``) and the run-time planners (``polish_s``) call it.
 """
 
 from __future__ import annotations
