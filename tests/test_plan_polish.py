@@ -98,10 +98,21 @@ def test_auto_and_the_runtime_planners_pass_the_budget():
     auto = plan_by_name(B5, "auto", memory_limit=4, polish_s=0.5)
     assert auto.info["polish"]["budget_s"] == 0.5
     assert _valid(auto.actions, B5, 4) <= _valid(plain.actions, B5, 4) + 1e-9
+    from titan_ext.runtime.planning import PlanningContext
+    from titan_ext.runtime.policy import Decision
+
     with pytest.raises(ValueError, match="schedule 'auto'"):
         PipeMorphPlanner("pipemorph", polish_s=1.0)
-    assert PipeMorphPlanner("auto", polish_s=0.5).polish == {"polish_s": 0.5}
-    assert CrossPipePlanner("udsub", polish_s=0.5).polish_s == 0.5
+    ctx = PlanningContext(backward="split", x_max=4, adaptive_limit=None, slack_floor=2, headroom=lambda c: c)
+    for planner in (PipeMorphPlanner("auto", polish_s=0.5), CrossPipePlanner("udsub", polish_s=0.5)):
+        res = planner.plan(B5, Decision("adapt", "test", mode="initial"), ctx)
+        assert res.info["polish"]["budget_s"] == 0.5
+    res = CrossPipePlanner("udsub", polish_s=0.5).plan(B5, Decision("adapt", "test", mode="initial"), ctx)
+    assert _valid(res.actions, B5, 4) < _valid(greedy_b5().actions, B5, 4)  # B5's greedy is off: polished
+
+
+def greedy_b5():
+    return plan_crosspipe(B5, "udsub", memory_limit=4)
 
 
 def test_cli_polish_flag(capsys):
