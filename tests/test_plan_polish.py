@@ -68,7 +68,13 @@ def test_polish_valid_and_never_worse(seed):
         assert max(out.peak_memory) <= limit
 
 
-def test_polish_is_deterministic():
+def test_polish_is_deterministic(monkeypatch):
+    """Deterministic work limits: the same plan twice.  The wall-clock safety net of the CP-SAT stage
+    (the one documented exception, for machines far slower than the calibration) is widened so that a
+    busy test machine cannot trip it."""
+    import titan_ext.plan.polish as polish
+
+    monkeypatch.setattr(polish, "POLISH_CPSAT_WALL", 100.0)
     plan = plan_crosspipe(B5, "udsub", memory_limit=4)
     a = polish_crosspipe(B5, plan, budget_s=0.5)
     b = polish_crosspipe(B5, plan, budget_s=0.5)
