@@ -58,8 +58,9 @@ third of the budget)."""
 POLISH_MAX_EVALS = 400_000
 """search stage: at most this many plan timings (small problems reach their best long before)."""
 POLISH_MAX_OPS = 1600
-"""size bound (operations, 3·N·S) up to which a polish of ``budget_s`` ≥ 2 s finishes in its budget
-on the 2-core benchmark VM (S = 8, N = 64: 1536 operations)."""
+"""size bound (operations, 3·N·S): up to it a 2 s polish stays within its budget in CPU time on the
+2-core benchmark VM (measured: S = 8, N = 32 ≤ 1.6 s; S = 16, N = 32, 1536 operations, 1.6 s).  Below
+about 0.5 s of budget at S = 8, N = 32 the fixed cost of building the model (≈ 0.05–0.25 s) dominates."""
 
 
 def _check_budget(budget_s: float) -> None:
