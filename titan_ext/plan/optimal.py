@@ -518,8 +518,9 @@ def solve_optimal_problem(
         return _result(qproblem, problem, starts, dur, s2r, "FEASIBLE", False, cur_ms, bound, unit, solve_s,
                        num_messages, hint_ms, params)
     if not solved:
-        return OptimalResult(name, False, None, (solver.BestObjectiveBound() if ran else lb) * unit, None, None, None, solve_s,
-                             unit, num_ops, num_messages, hint_ms, params)
+        bound = solver.BestObjectiveBound() if ran else lb
+        return OptimalResult(name, False, None, bound * unit, None, None, None, solve_s, unit, num_ops, num_messages,
+                             hint_ms, params)
     starts = {op: solver.Value(start[op]) for op in ops}
     return _result(qproblem, problem, starts, dur, s2r, name, status == cp_model.OPTIMAL, solver.ObjectiveValue(),
                    solver.BestObjectiveBound(), unit, solve_s, num_messages, hint_ms, params)
