@@ -17,7 +17,7 @@ plan (CrossPipe §4.2 with our portfolio and local search) improved within a per
 
 Deterministic: the work is counted in deterministic units, so the result does not depend on the
 machine's load; ``budget_s`` is calibrated as CPU seconds of one core of the 2-core benchmark VM (a 2 s
-polish at S = 8, N = 32 uses 1.3–1.6 s there).  Only the CP-SAT stage has a wall-clock safety net
+polish at S = 8, N = 32 used 1.4–2.0 s there, at load average 20–40).  Only the CP-SAT stage has a wall-clock safety net
 (``POLISH_CPSAT_WALL`` × ``budget_s``, model building included), which binds only on a much slower or
 busier machine (then the plan may differ; never worse, never invalid).  Problems with more than
 ``max_ops`` operations (3·N·S) are not polished: the model alone would eat the budget.
@@ -60,7 +60,7 @@ POLISH_MAX_EVALS = 400_000
 """search stage: at most this many plan timings (small problems reach their best long before)."""
 POLISH_MAX_OPS = 1600
 """size bound (operations, 3·N·S): up to it a 2 s polish stays within its budget in CPU time on the
-2-core benchmark VM (measured: S = 8, N = 32 ≤ 1.6 s; S = 16, N = 32, 1536 operations, 1.6 s).  Below
+2-core benchmark VM (measured at load 20–40: S = 8, N = 32 ≤ 2.0 s; S = 16, N = 32, 1536 operations, 1.6 s).  Below
 about 0.5 s of budget at S = 8, N = 32 the fixed cost of building the model (≈ 0.05–0.25 s) dominates."""
 
 
