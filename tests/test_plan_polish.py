@@ -139,3 +139,25 @@ def test_cli_polish_flag(capsys):
     assert main(["plan", "--schedule", "pipemorph", "--stages", "4", "--microbatches", "12", "--times", "10,10,10",
                  "--polish", "1"]) == 2
     assert "--polish applies to" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_polish_meets_the_held_out_target_where_the_default_misses_it():
+    """Held-out D4 (S = 8, N = 32, a slow link; scripts/bench_optimality.py --first-seed 3): the default
+    CrossUDSub plan is 3.41 % above CP-SAT's proven lower bound (docs/benchmarks/crosspipe_holdout_cache.json,
+    the solver's own 60 s run), beyond issue 25's 1.5 %; the 2 s polish brings it within."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_optimality", root / "scripts" / "bench_optimality.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _, S, N, slow = next(c for c in bench.CONFIGS if c[0] == "D")
+    prof = bench.make_profile(S, N, slow, 4)
+    bound = json.loads((root / "docs/benchmarks/crosspipe_holdout_cache.json").read_text())["D4"]["bound_ms"]
+    plan = plan_crosspipe(prof, "udsub", memory_limit=S)
+    polished = polish_crosspipe(prof, plan, budget_s=2.0)
+    assert _valid(plan.actions, prof, S) > 1.015 * bound
+    assert bound - 1e-6 <= _valid(polished.actions, prof, S) <= 1.015 * bound
