@@ -6,14 +6,16 @@ some with a slow link) and a few seeds each, this compares the simulated makespa
 
 * PipeMorph's generator (``plan_pipemorph(schedule="pipemorph")``, Alg.1/2 + Alg.3/4),
 * CrossPipe's greedy generators (CrossUD, CrossUDSub; §4.2),
+* with ``--polish S``: the default CrossUDSub plan polished within S seconds (``titan_ext.plan.polish``:
+  CP-SAT warm-started from it, then a longer search; docs/optimality.md),
 
 with the CP-SAT optimum of CrossPipe §4.1 (``titan_ext.plan.optimal``) — or, when the solver hits its
 time limit, with its proven lower bound (then the reported gap is an upper bound on the true gap).
 Every plan is validated; all plans and the solver share one per-stage memory limit on in-flight
 activations (``--memory`` × S, default S, i.e. 1F1B's stage-0 budget on every stage).
 
-Also reported: generation time of each greedy plan (median of ``--repeat`` runs, validation excluded)
-and solver time.  Targets (issue 6): mean gap ≤ 0.5 %, max ≤ 1 %; greedy ≤ 10 ms per case; solver ≤
+Also reported: generation time of each greedy plan (median and min of ``--repeat`` runs, and the
+process CPU time per run; validation excluded) and solver time.  Targets (issue 6): mean gap ≤ 0.5 %, max ≤ 1 %; greedy ≤ 10 ms per case; solver ≤
 60 s per case.
 
     .venv/bin/python scripts/bench_optimality.py --json bench_optimality.json
