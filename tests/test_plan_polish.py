@@ -95,6 +95,22 @@ def test_polish_bounds_and_bad_input():
         plan_by_name(B5, "crosspipe-wave", polish_s=1.0)
 
 
+def test_polish_guard_rejects_what_the_validator_or_simulator_refuses(monkeypatch):
+    """The last guard, independent of the polish's own checks: a plan our validator refuses (here GPipe's
+    order, every F first: N in-flight activations above the limit of 4) or one the simulator does not time
+    below the input (the input itself) never comes back."""
+    import titan_ext.plan.polish as polish
+
+    plan = plan_crosspipe(B5, "udsub", memory_limit=4)
+    gpipe = {r: [(r, "F", m) for m in range(12)] + [x for m in range(12) for x in ((r, "I", m), (r, "W", m))]
+             for r in range(4)}
+    for fake, why in ((gpipe, "the validator refused it"), (plan.orders, "not below the input's")):
+        monkeypatch.setattr(polish, "polish_orders", lambda *a, fake=fake, **k: (fake, {"status": "improved"}))
+        out = polish_crosspipe(B5, plan, budget_s=1.0)
+        assert out.orders == plan.orders and out.actions is plan.actions
+        assert out.polish["status"].startswith("rejected: ") and why in out.polish["status"]
+
+
 def test_auto_and_the_runtime_planners_pass_the_budget():
     """``auto`` polishes its CrossUD plan (never slower than without); the run-time planners pass their
     per-call budget through (PipeMorph §6: re-planning in the background within an iteration)."""
