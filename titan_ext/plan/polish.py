@@ -61,7 +61,8 @@ POLISH_MAX_EVALS = 400_000
 POLISH_MAX_OPS = 1600
 """size bound (operations, 3·N·S): up to it a 2 s polish stays within its budget in CPU time on the
 2-core benchmark VM (measured at load 20–40: S = 8, N = 32 ≤ 2.0 s; S = 16, N = 32, 1536 operations, 1.6 s).  Below
-about 0.5 s of budget at S = 8, N = 32 the fixed cost of building the model (≈ 0.05–0.25 s) dominates."""
+about 1 s of budget at S = 8, N = 32 the fixed costs (model, W deferral) make the CPU time exceed the
+budget (0.5 s: ≤ 0.82 s; 1 s: ≤ 1.22 s; docs/optimality.md, "Budget vs quality")."""
 
 
 def _check_budget(budget_s: float) -> None:
