@@ -14,7 +14,6 @@ built by :mod:`titan_ext.runtime.parts` (one-stage vs multi-stage chosen once) a
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

@@ -33,7 +33,17 @@ class Extensions:
     transport: Transport = field(default_factory=TorchP2P)
     observers: list[BoundaryObserver] = field(default_factory=list)
     delegation: Any = None  # the Delegation among the observers (its API: DelegatedPipeMorph), or None
-    falcon: Any = None  # the FalconMonitor among the observers, or None
+    falcon_observer: FalconObserver | None = None  # Falcon among the observers, or None
+
+    @property
+    def falcon(self) -> Any:
+        """The FalconMonitor, or None."""
+        return self.falcon_observer.monitor if self.falcon_observer is not None else None
+
+    def drop_falcon(self) -> None:
+        """Take Falcon off (a job-level monitor decides instead)."""
+        self.observers[:] = [o for o in self.observers if o is not self.falcon_observer]
+        self.falcon_observer = None
 
     @property
     def every_iteration(self) -> bool:
@@ -58,7 +68,7 @@ def build_extensions(config: PipeMorphConfig, name: str, num_stages: int, n_micr
     falcon_observer = FalconObserver.create(falcon, num_stages, n_microbatches)
     if falcon_observer is not None:
         out.observers.append(falcon_observer)
-        out.falcon = falcon_observer.monitor
+        out.falcon_observer = falcon_observer
     out.observers.extend(config.observers)
     if config.delegation.enabled:
         from .delegate.schedule import Delegation

@@ -218,9 +218,7 @@ class PipeMorph(_PipelineScheduleRuntime):
     def falcon(self, value: None) -> None:
         if value is not None:
             raise ValueError(f"{type(self).__name__}.falcon can only be set to None (off); pass falcon= at construction")
-        self.extensions.observers[:] = [o for o in self.extensions.observers
-                                        if getattr(o, "monitor", None) is not self.extensions.falcon]
-        self.extensions.falcon = None
+        self.extensions.drop_falcon()
 
     @property
     def memory_budget_bytes(self) -> float | None:

@@ -24,7 +24,7 @@ since the delegates carry the PP messages, not the activations autograd saves.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from titan_ext.runtime.transport import TorchP2P
 
 from .pool import DelegatePool, delegates_needed, pipeline_channels
 from .ring import PAGE
-from .transport import NCCL_FAILOVER_REFUSAL, FaultInjector, P2PRouter, is_nccl
+from .transport import NCCL_FAILOVER_REFUSAL, P2PRouter, is_nccl
 
 __all__ = ["Delegation", "DelegateTransport", "message_slot_bytes"]
 
