@@ -28,7 +28,7 @@ class MemoryBudget:
 
     def __init__(self, name: str, num_stages: int, n_microbatches: int, stages_per_rank: int,
                  budget_bytes: float | None, max_inflight: int | None, adaptive_memory_limit: int | None,
-                 device: Any, local_activation_bytes: Callable[[], float | None]):
+                 device: Callable[[], Any], local_activation_bytes: Callable[[], float | None]):
         self.name, self.S, self.N, self.V = name, num_stages, n_microbatches, stages_per_rank
         self.budget_bytes, self.max_inflight = budget_bytes, max_inflight
         self.adaptive_memory_limit = adaptive_memory_limit
@@ -67,7 +67,7 @@ class MemoryBudget:
 
     def local_budget_bytes(self) -> float:
         """This rank's contribution to the profile exchange (``memory.activation_budget_bytes``)."""
-        return activation_budget_bytes(self.device, self.budget_bytes)
+        return activation_budget_bytes(self.device(), self.budget_bytes)
 
     def absorb(self, budgets: Sequence[float], activation_bytes: Sequence[float], rank: int) -> None:
         """The exchanged budgets and M^F of every rank → the caps."""

@@ -27,7 +27,7 @@ class ScheduleContext:
     num_stages: int
     n_microbatches: int
     control: Any  # the control plane over the PP ranks (runtime/control.py: gather_ints, any, agree)
-    device: Any  # the device layer (runtime/device.py)
+    device: Callable[[], Any]  # the device layer now (runtime/device.py; tests may swap it)
     stage_to_rank: Callable[[], dict[int, int]]  # the deployed plan's stage → PP rank map
     iteration: Callable[[], int]  # iterations completed
     in_iteration: Callable[[], bool]  # an iteration is running (switches happen only between them)

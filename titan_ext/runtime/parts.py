@@ -24,7 +24,7 @@ from .placement import Layout, VirtualEstimator, VirtualPlanner, VirtualReplanPo
 from .planning import PipeMorphPlanner, Planner
 from .policy import Policy, ReplanPolicy, eq1_tolerances
 
-__all__ = ["PIPEMORPH", "Parts", "ScheduleSpec", "build_parts", "planner_for"]
+__all__ = ["PIPEMORPH", "Parts", "ScheduleSpec", "build_parts"]
 
 
 def _one_stage_policy(settings: PolicySettings) -> Policy:
@@ -57,18 +57,12 @@ PIPEMORPH = ScheduleSpec(
 )
 
 
-def planner_for(spec: ScheduleSpec, layout: Layout, config: PipeMorphConfig) -> Planner:
-    """``config.planner`` if given, else the entry's planner for the layout."""
-    if config.planner is not None:
-        return config.planner
-    return spec.multi_stage_planner(layout, config) if layout.virtual else spec.one_stage_planner(config)
-
-
 @dataclass(frozen=True)
 class Parts:
     """What differs between one stage per rank and several (built once by :func:`build_parts`)."""
 
-    policy: Policy
+    planner: Planner  # ``config.planner`` if given, else the entry's for the layout
+    policy: Policy  # ``config.policy`` if given, else the entry's, from ``config.policy_settings``
     estimator: Estimator
     memory: MemoryBudget
     choose_backward: bool  # ``backward="auto"`` measures both variants (one stage per rank only)
@@ -79,19 +73,21 @@ class Parts:
 
 
 def build_parts(name: str, layout: Layout, n_microbatches: int, config: PipeMorphConfig, spec: ScheduleSpec,
-                device: Any, activation_bytes: Callable[[], float | None]) -> Parts:
-    """The parts for ``layout``: one stage per rank or several, decided here once."""
+                device: Callable[[], Any], activation_bytes: Callable[[], float | None]) -> Parts:
+    """The parts for ``layout``: one stage per rank or several, decided here once.  ``device`` and
+    ``activation_bytes`` are read when needed (the device layer exists once torch's constructor ran)."""
     build = _multi_stage if layout.virtual else _one_stage
     return build(name, layout, n_microbatches, config, spec, device, activation_bytes)
 
 
-def _memory(cls: type[MemoryBudget], name: str, layout: Layout, n: int, config: PipeMorphConfig, device: Any,
+def _memory(cls: type[MemoryBudget], name: str, layout: Layout, n: int, config: PipeMorphConfig,
+            device: Callable[[], Any],
             activation_bytes: Callable[[], float | None]) -> MemoryBudget:
     return cls(name, layout.num_stages, n, layout.stages_per_rank, config.memory_budget_bytes, config.max_inflight,
                config.adaptive_memory_limit, device, activation_bytes)
 
 
-def _one_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec: ScheduleSpec, device: Any,
+def _one_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec: ScheduleSpec, device: Callable[[], Any],
                activation_bytes: Callable[[], float | None]) -> Parts:
     S = layout.num_stages
     if n < S:  # as torch's Schedule1F1B; Interleaved1F1B and ZBV take N < S
@@ -102,12 +98,14 @@ def _one_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec:
     def tolerances(split: PipelineProfile, full: PipelineProfile, deployed: Any) -> list[float]:
         return eq1_tolerances(full if deployed.backward == "full" else split, deployed.warmup_counts)
 
-    return Parts(policy, estimator, _memory(StageMemoryBudget, name, layout, n, config, device, activation_bytes),
+    planner = config.planner if config.planner is not None else spec.one_stage_planner(config)
+    return Parts(planner, policy, estimator, _memory(StageMemoryBudget, name, layout, n, config, device, activation_bytes),
                  choose_backward=config.backward == "auto", local_stages=0, stage_ms=lambda prof, rank: None,
                  link_estimates_ms=lambda: list(estimator.profile().delays_ms), tolerances=tolerances)
 
 
-def _multi_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec: ScheduleSpec, device: Any,
+def _multi_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec: ScheduleSpec,
+                 device: Callable[[], Any],
                  activation_bytes: Callable[[], float | None]) -> Parts:
     policy = config.policy if config.policy is not None else spec.multi_stage_policy(layout, config.policy_settings)
     estimator = VirtualEstimator(layout, n, max(1, int(policy.window)), config.initial_times_ms)
@@ -118,7 +116,8 @@ def _multi_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spe
     def tolerances(split: PipelineProfile, full: PipelineProfile, deployed: Any) -> list[float]:  # noqa: ARG001
         return virtual_tolerances(split, layout, deployed.warmup_counts)  # per rank link (docs/multistage.md)
 
-    return Parts(policy, estimator, _memory(RankMemoryBudget, name, layout, n, config, device, activation_bytes),
+    planner = config.planner if config.planner is not None else spec.multi_stage_planner(layout, config)
+    return Parts(planner, policy, estimator, _memory(RankMemoryBudget, name, layout, n, config, device, activation_bytes),
                  choose_backward=False,  # the portfolio picks the backward variant of every plan
                  local_stages=layout.stages_per_rank, stage_ms=stage_ms,
                  link_estimates_ms=estimator.rank_link_delays_ms, tolerances=tolerances)

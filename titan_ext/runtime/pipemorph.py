@@ -59,7 +59,7 @@ from .extensions import build_extensions
 from .lifecycle import DecisionLog, PlanLifecycle
 from .metrics import IterationMetrics
 from .observers import Boundary, ScheduleContext
-from .parts import PIPEMORPH, ScheduleSpec, build_parts, planner_for
+from .parts import PIPEMORPH, ScheduleSpec, build_parts
 from .placement import read_layout
 from .planning import PlanningContext, explicit_plan
 from .policy import Decision
@@ -126,7 +126,12 @@ class PipeMorph(_PipelineScheduleRuntime):
         #: R ranks × V stages per rank, placement read from the stage indices (runtime/placement.py)
         self.layout = read_layout([st.stage_index for st in stages], st0.group_rank, st0.group_size, st0.num_stages)
         self.extensions = build_extensions(config, name, st0.num_stages, n_microbatches, self.layout.stages_per_rank)
-        self.planner = planner_for(self.spec, self.layout, config)
+        self.executor = Executor(torch.device(st0.device), activation_bytes=config.activation_bytes)
+        self.executor.transport = self.extensions.transport
+        self.parts = build_parts(name, self.layout, n_microbatches, config, self.spec, lambda: self.executor.device,
+                                 lambda: self.executor.activation_bytes)
+        self.planner, self.policy, self.estimator, self.memory = (self.parts.planner, self.parts.policy,
+                                                                  self.parts.estimator, self.parts.memory)
         if config.backward not in self.planner.backward_choices:
             raise ValueError(f"{name}: backward must be one of {self.planner.backward_choices}, got {config.backward!r}")
         super().__init__(stages, n_microbatches, loss_fn=loss_fn, args_chunk_spec=args_chunk_spec,
@@ -137,14 +142,9 @@ class PipeMorph(_PipelineScheduleRuntime):
 
     def _setup_parts(self, stages: list[_PipelineStageBase], n_microbatches: int) -> None:
         config, name = self.config, type(self).__name__
-        self._group, self._device = stages[0].group, torch.device(stages[0].device)
+        self._group = stages[0].group
         self.control = ControlPlane(self._group)
-        self.executor = Executor(self._device, activation_bytes=config.activation_bytes)
         self.executor.device.set_backend(dist.get_backend(self._group))
-        self.executor.transport = self.extensions.transport
-        self.parts = build_parts(name, self.layout, n_microbatches, config, self.spec, self.executor.device,
-                                 lambda: self.executor.activation_bytes)
-        self.policy, self.estimator, self.memory = self.parts.policy, self.parts.estimator, self.parts.memory
         self.adaptive, self.backward = config.adaptive, config.backward
         settings = config.policy_settings
         self.cadence = CheckCadence(config.profile_every, config.profile_every_max, self.estimator.window.size,
@@ -179,7 +179,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             self._log(decision=by, reason=reason)
 
         return ScheduleContext(type(self).__name__, self._group, self._num_stages, self._n_microbatches,
-                               self.control, self.executor.device, lambda: self.stage_index_to_group_rank,
+                               self.control, lambda: self.executor.device, lambda: self.stage_index_to_group_rank,
                                lambda: self.iteration, lambda: self.in_iteration, self._log,
                                lambda: self.adaptive, enable_adaptation)
 

@@ -135,7 +135,7 @@ class Delegation:
         if group is not None:
             stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
         self.pool = DelegatePool(rank, pipeline_channels(rank, stage_to_rank), slot_bytes=self.slot_bytes,
-                                 device=ctx.device, **self._pool_args)
+                                 device=ctx.device(), **self._pool_args)
         self.router = P2PRouter(rank, self.pool, group=group, delegating=self._delegating, **self._router_args)
         return self.router
 
