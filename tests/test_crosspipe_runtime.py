@@ -89,17 +89,17 @@ def test_crosspipe_runtime_trains_like_gpipe_and_replans():
 
 def test_selectable_in_torchtitan_as_crosspipe():
     """`pipeline_parallel_schedule = "CrossPipe"` resolves (case-insensitively) to our run-time class, and
-    the [titan_ext] knobs reach its constructor (its signature exposes PipeMorph's keywords)."""
+    the [titan_ext] knobs reach its constructor as its config (a CrossPipeConfig)."""
     from types import SimpleNamespace
 
     from titan_ext.runtime import CrossPipe as Runtime
-    from titan_ext.runtime import ReplanPolicy
+    from titan_ext.runtime.crosspipe import CrossPipeConfig
     from titan_ext.titan.config import TitanExt
     from titan_ext.titan.options import schedule_kwargs
     from titan_ext.titan.registry import get_schedule_class
 
     cls = get_schedule_class("crosspipe")
     assert issubclass(cls, Runtime)
-    kwargs = schedule_kwargs(Runtime, SimpleNamespace(titan_ext=TitanExt()))
-    assert isinstance(kwargs.get("policy"), ReplanPolicy)
-    assert "adaptive" in kwargs
+    config = schedule_kwargs(Runtime, SimpleNamespace(titan_ext=TitanExt(profile_window=7)))["config"]
+    assert isinstance(config, CrossPipeConfig) and config.backward == "split" and config.variant == "udsub"
+    assert config.policy_settings.window == 7 and config.adaptive is True

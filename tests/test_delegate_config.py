@@ -19,9 +19,9 @@ def test_slot_size_and_job_timeout_reach_the_schedule():
     from titan_ext.runtime import PipeMorph
     from titan_ext.titan.options import schedule_kwargs
 
-    kw = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt(delegation_slot_mib=64.5)))
-    assert kw["delegate_slot_bytes"] == int(64.5 * 2**20)
-    assert "delegate_slot_bytes" not in schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))  # derived
+    config = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt(delegation_slot_mib=64.5)))["config"]
+    assert config.delegation.slot_bytes == int(64.5 * 2**20)
+    assert schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))["config"].delegation.slot_bytes is None  # derived
     cfg = ConfigManager().parse_args(["--job.custom_config_module", "titan_ext.titan.config",
                                       "--comm.train_timeout_seconds", "77"])
-    assert schedule_kwargs(PipeMorph, cfg)["delegate_timeout_s"] == 77.0
+    assert schedule_kwargs(PipeMorph, cfg)["config"].delegation.timeout_s == 77.0

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from _delegate_util import run_ranks
+from titan_ext.runtime.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -197,7 +197,7 @@ def _body(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    res = run_ranks(_body, world=2, timeout_s=300)
+    res = run_ranks(_body, 2, backend="gloo", timeout_s=300, outcomes=True)
     for r, (value, err) in enumerate(res):
         assert err is None, f"rank {r} failed:\n{err}"
     return [value for value, _ in res]

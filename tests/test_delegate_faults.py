@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from _delegate_util import free_port, run_ranks
+from titan_ext.runtime.testing import free_port, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -105,7 +105,7 @@ def _router_body(rank, world):
 
 
 def test_killed_delegates_fall_back_exactly_and_return():
-    (r0, e0), (r1, e1) = run_ranks(_router_body, world=2, timeout_s=500)
+    (r0, e0), (r1, e1) = run_ranks(_router_body, 2, backend="gloo", timeout_s=500, outcomes=True)
     assert e0 is None and e1 is None, (e0, e1)
     n = r0["iterations"]
     assert r0["iterations"] == r1["iterations"]
@@ -212,7 +212,7 @@ def _train_body(rank, world):
 
 
 def test_killed_delegates_in_training_same_losses():
-    (r0, e0), (r1, e1) = run_ranks(_train_body, world=2, timeout_s=500)
+    (r0, e0), (r1, e1) = run_ranks(_train_body, 2, backend="gloo", timeout_s=500, outcomes=True)
     assert e0 is None and e1 is None, (e0, e1)
     assert len(r1["victims"]) == 2 and r0["steps"] == r1["steps"] >= 5
     # same losses as the undisturbed direct run (same plan: bit-equal) and as GPipe (float64)
@@ -268,7 +268,7 @@ def _kill_body(rank, world):
 
 
 def test_killed_delegate_without_fallback_stops_cleanly():
-    res = run_ranks(_kill_body, world=2, timeout_s=240)
+    res = run_ranks(_kill_body, 2, backend="gloo", timeout_s=240, outcomes=True)
     (r0, e0), (r1, e1) = res
     assert e0 is None and e1 is None, (e0, e1)
     assert r0["error"] is not None and "killed by signal 9" in r0["error"] and "send-F" in r0["error"]
@@ -391,7 +391,7 @@ def _frozen_body(rank, world):
 def test_frozen_delegate_is_treated_like_a_dead_one():
     """Issue 26: a SIGSTOPped delegate (heartbeat stops) → killed and recovered: direct path, no message
     lost or repeated, a new delegate, nothing left running."""
-    (r0, e0), (r1, e1) = run_ranks(_frozen_body, world=2, timeout_s=500)
+    (r0, e0), (r1, e1) = run_ranks(_frozen_body, 2, backend="gloo", timeout_s=500, outcomes=True)
     assert e0 is None and e1 is None, (e0, e1)
     assert r1["got"] == list(range(r1["iterations"] * N_MB))
     fb = [e for e in r1["events"] if e["kind"] == "recv-F" and e["event"] == "fallback"]

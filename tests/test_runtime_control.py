@@ -12,6 +12,7 @@ re-plan every check, agree on every plan and accept a user-pushed plan.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 
@@ -24,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.runtime import CrossPipe, Decision, PipeMorph
+from titan_ext.runtime.control import ControlPlane
 from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
@@ -168,3 +170,10 @@ def test_schedules_train_and_agree_when_the_data_group_refuses_cpu_collectives()
     assert all(r["pushed"] is True for r in results)
     assert results[1]["pipemorph"]["calls"].get("send", 0) + results[1]["pipemorph"]["calls"].get("recv", 0) > 0
 
+
+def test_control_plane_without_a_process_group_is_local():
+    cp = ControlPlane(None)
+    assert cp.local and cp.size == 1
+    assert cp.agree(5) == (True, [5]) and cp.any(True) and not cp.any(False)
+    assert [t.tolist() for t in cp.all_gather(torch.tensor([1.0, 2.0]))] == [[1.0, 2.0]]
+    assert all(math.isnan(x) for x in cp.clock_offsets())

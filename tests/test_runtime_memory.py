@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from titan_ext.plan.simulate import peak_inflight
 from titan_ext.plan.ir import as_ops
 from titan_ext.runtime import Decision, PipeMorph, memory
+from titan_ext.runtime.memory import inflight_cap
 from titan_ext.runtime.testing import SleepComputeStage, run_ranks, step_rank
 
 pytestmark = pytest.mark.timeout(240)
@@ -102,3 +103,10 @@ def test_background_candidate_rechecked_against_the_current_cap():
         for s in r["steps"]:
             assert s["peak"] <= s["cap"], r["steps"]
         assert any(e["decision"] == "reject" and "memory cap" in e["reason"] for e in r["log"]), r["log"]
+
+
+def test_memory_cap_is_the_tightest_rank():
+    # rank 1: 10 GB / 1 GB = 10; rank 0: 4.5 GB / 0.5 GB = 9; rank 2 has no budget (CPU, none configured)
+    assert inflight_cap([4.5e9, 10e9, math.nan], [0.5e9, 1e9, 2e9], 16) == 9
+    assert inflight_cap([math.nan] * 3, [1.0] * 3, 16) is None
+    assert inflight_cap([1e12], [1.0], 16) == 16 and inflight_cap([1.0], [1e9], 16) == 1

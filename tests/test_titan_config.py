@@ -155,21 +155,22 @@ def test_schedule_kwargs_follow_constructor_signature():
     from titan_ext.titan.config import JobConfig, TitanExt
     from titan_ext.titan.options import schedule_kwargs
 
-    from titan_ext.runtime import PipeMorph, ReplanPolicy
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.config import DelegationConfig, PipeMorphConfig, PolicySettings
 
     jc = JobConfig(titan_ext=TitanExt(memory_budget_gib=2.0, replan_interval=9, adaptive=False,
                                       profile_window=4, tolerance_margin=0.2, recover_patience=5))
     kw = schedule_kwargs(PipeMorph, jc)
-    policy = kw.pop("policy")
-    # delegation is a transport choice of every adaptive schedule (runtime v2): its knobs reach PipeMorph
-    assert kw == {"memory_budget_bytes": 2.0 * 1024**3, "profile_every": 9, "adaptive": False,
-                  "slack_floor": 2, "falcon": True, "delegation": "off", "slow_link_ms": 5.0, "failover": False}
-    assert isinstance(policy, ReplanPolicy)
-    assert (policy.window, policy.rel_margin, policy.recover_patience) == (4, 0.2, 5)
-    kw = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))
-    assert "memory_budget_bytes" not in kw and "max_inflight" not in kw  # 0 = automatic
-    assert "backward" not in kw  # "" = the schedule's own default
-    assert schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt(backward="full")))["backward"] == "full"
+    # the runtime's adaptive schedules get one config (delegation is a transport choice of all of them)
+    assert list(kw) == ["config"]
+    expected = PipeMorphConfig(memory_budget_bytes=2.0 * 1024**3, profile_every=9, adaptive=False, slack_floor=2,
+                               falcon=True, delegation=DelegationConfig(mode="off", slow_link_ms=5.0, failover=False),
+                               policy_settings=PolicySettings(window=4, rel_margin=0.2, recover_patience=5))
+    assert kw["config"] == expected
+    cfg = schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt()))["config"]
+    assert cfg.memory_budget_bytes is None and cfg.max_inflight is None  # 0 = automatic
+    assert cfg.backward == "auto"  # "" = the schedule's own default
+    assert schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt(backward="full")))["config"].backward == "full"
 
     class Sched:
         def __init__(self, stages, n_microbatches, loss_fn=None, scale_grads=True, *,
@@ -178,10 +179,13 @@ def test_schedule_kwargs_follow_constructor_signature():
 
     kw = schedule_kwargs(Sched, JobConfig(titan_ext=TitanExt(max_inflight=6, delegation="auto")))
     assert kw == {"max_inflight": 6, "delegation": "auto"}
-    with pytest.raises(ValueError, match=r"delegation = 'always': schedule PipeMorph"):
-        if "delegation" in __import__("inspect").signature(PipeMorph.__init__).parameters:
-            pytest.skip("PipeMorph supports delegation in this build")
-        schedule_kwargs(PipeMorph, JobConfig(titan_ext=TitanExt(delegation="always")))
+
+    class NoDelegation:
+        def __init__(self, stages, n_microbatches, *, max_inflight=None):
+            pass
+
+    with pytest.raises(ValueError, match=r"delegation = 'always': schedule NoDelegation"):
+        schedule_kwargs(NoDelegation, JobConfig(titan_ext=TitanExt(delegation="always")))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -263,9 +267,9 @@ def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp
     auto = cfg("--titan_ext.delegation", "auto", "--titan_ext.delegation_slow_link_ms", "7.5")
     cls = schedule_class_for("PipeMorph", auto)
     assert issubclass(cls, DelegatedPipeMorph)
-    kw = schedule_kwargs(DelegatedPipeMorph, auto)
-    assert kw["delegation"] == "auto" and kw["slow_link_ms"] == 7.5 and kw["failover"] is False
-    assert kw["profile_every"] == 1 and "policy" in kw  # PipeMorph's own knobs pass through **kwargs
+    config = schedule_kwargs(DelegatedPipeMorph, auto)["config"]
+    assert (config.delegation.mode, config.delegation.slow_link_ms, config.delegation.failover) == ("auto", 7.5, False)
+    assert config.profile_every == 1  # PipeMorph's own knobs: the same config
     check_job_config(auto, world_size=4)
 
     off = cfg()
@@ -347,3 +351,47 @@ def test_trainer_bad_input_is_one_line_exit_2_before_any_process_group(case, tmp
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("titan_ext: ") and needle in err[0], err
+
+
+def _greedy_planner(config):
+    from titan_ext.runtime.planning import PipeMorphPlanner
+
+    return PipeMorphPlanner(schedule="zb")
+
+
+def _make_zb_schedule():
+    from titan_ext.runtime.parts import PIPEMORPH, ScheduleSpec
+    from titan_ext.runtime.pipemorph import adaptive_schedule
+
+    spec = ScheduleSpec("ZBAdaptive", one_stage_planner=_greedy_planner,
+                        multi_stage_planner=PIPEMORPH.multi_stage_planner, backward_choices=("split",))
+    return adaptive_schedule(spec, module=__name__)
+
+
+ZB_ADAPTIVE = None
+
+
+def test_a_new_adaptive_schedule_is_a_registry_entry_torchtitan_finds():
+    """Issue 24 item 2: a schedule = a ScheduleSpec naming its planner (+ one registry line); TorchTitan's
+    lookup finds it by name and its [titan_ext] settings arrive as its config — no subclass code, no
+    signature patch."""
+    global ZB_ADAPTIVE
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.config import PipeMorphConfig
+    from titan_ext.titan import registry
+    from titan_ext.titan.config import JobConfig, TitanExt
+    from titan_ext.titan.options import schedule_kwargs
+
+    ZB_ADAPTIVE = _make_zb_schedule()
+    registry.register_schedule("ZBAdaptive", __name__, "ZB_ADAPTIVE")
+    try:
+        job = JobConfig(titan_ext=TitanExt(replan_interval=3, backward="split"))
+        cls = registry.schedule_class_for("zbadaptive", job)
+        assert issubclass(cls, ZB_ADAPTIVE) and issubclass(cls, PipeMorph) and cls.__name__ == "ZBAdaptive"
+        assert cls.spec.one_stage_planner(PipeMorphConfig()).schedule == "zb" and cls.backward_choices == ("split",)
+        config = schedule_kwargs(cls, job)["config"]
+        assert type(config) is PipeMorphConfig and config.profile_every == 3 and config.backward == "split"
+        with pytest.raises(TypeError, match="ZBAdaptive: unknown option"):
+            config.updated("ZBAdaptive", variant="ud")  # CrossPipe's keyword is not this schedule's
+    finally:
+        registry._SCHEDULES.pop("ZBAdaptive", None)

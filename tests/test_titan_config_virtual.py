@@ -44,3 +44,27 @@ def test_link_must_exist_for_the_pp_degree():
     validate_titan_ext(cfg, num_pp_links=4)
     with pytest.raises(TitanExtConfigError, match=r"link_alpha_beta = '3:5:1GB/s': link 3 does not exist"):
         validate_titan_ext(cfg, num_pp_links=3)
+
+
+@pytest.mark.parametrize("placement, stages_of_rank0", [("v", [0, 3]), ("loop", [0, 2])])
+def test_torchtitan_settings_run_the_multi_stage_policy(placement, stages_of_rank0):
+    """Issue 24 item 2: under TorchTitan the [titan_ext] thresholds reach the schedule as its config's
+    PolicySettings, and with several stages per rank the factory builds the multi-stage
+    VirtualReplanPolicy from them (one stage per rank: ReplanPolicy) — options no longer hands over a
+    one-stage ReplanPolicy object."""
+    from titan_ext.runtime.parts import build_parts
+    from titan_ext.runtime.placement import VirtualReplanPolicy, read_layout
+    from titan_ext.runtime.policy import ReplanPolicy
+    from titan_ext.titan.config import JobConfig
+    from titan_ext.titan.options import schedule_kwargs
+    from titan_ext.titan.registry import schedule_class_for
+
+    job = JobConfig(titan_ext=TitanExt(placement=placement, profile_window=4, tolerance_margin=0.2))
+    cls = schedule_class_for("PipeMorph", job)
+    config = schedule_kwargs(cls, job)["config"]
+    multi = build_parts("PipeMorph", read_layout(stages_of_rank0, 0, 2, 4), 8, config, cls.spec, None, lambda: None)
+    assert type(multi.policy) is VirtualReplanPolicy
+    assert (multi.policy.window, multi.policy.rel_margin, multi.policy.layout.placement) == (4, 0.2, placement)
+    assert multi.estimator.window.size == 4 and multi.local_stages == 2
+    one = build_parts("PipeMorph", read_layout([0], 0, 2, 2), 8, config, cls.spec, None, lambda: None)
+    assert type(one.policy) is ReplanPolicy and (one.policy.window, one.policy.rel_margin) == (4, 0.2)

@@ -16,9 +16,11 @@ from .delay_injection import (
     remove_link_delays,
 )
 from .deploy import plan_hash, warmup_counts_of
-from .pipemorph import PipeMorph
-from .crosspipe import CrossPipe  # CrossPipe greedy re-planning on PipeMorph's runtime (issue 6)
-from .policy import Decision, ReplanPolicy
+from .config import DelegationConfig, PipeMorphConfig, PolicySettings  # the schedules' settings (issue 24)
+from .parts import ScheduleSpec
+from .pipemorph import PipeMorph, adaptive_schedule
+from .crosspipe import CrossPipe, CrossPipeConfig  # CrossPipe greedy re-planning on PipeMorph's runtime (issue 6)
+from .policy import Decision, Policy, ReplanPolicy
 from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (issue 7, docs/falcon.md)
 
 from .delegated import DelegatedPipeMorph  # noqa: F401  (issue 5, docs/delegate.md)
@@ -37,10 +39,18 @@ if not _flags.DEFER_ENV_STRAGGLER:  # titan_ext.train checks it first, installs 
         raise SystemExit(2) from None
 
 __all__ = [
+    "CrossPipe",
+    "CrossPipeConfig",
     "Decision",
     "DelaySpecError",
+    "DelegationConfig",
     "PipeMorph",
+    "PipeMorphConfig",
+    "Policy",
+    "PolicySettings",
     "ReplanPolicy",
+    "ScheduleSpec",
+    "adaptive_schedule",
     "current_injector",
     "inject_link_delays",
     "install_from_env",

@@ -8,63 +8,64 @@ size·β of CrossPipe's α-β model (§2.2).  The memory limit on in-flight acti
 runtime's x_max (and its adaptive cap for re-plans), so CrossPipe never trades memory for speed
 behind the user's back (§4.2 inputs: M_L).  Delegation (``delegation="always"|"auto"``) works as for
 PipeMorph: it is a transport choice.
+
+This module is the whole schedule: a config with CrossPipe's own settings, the planner choice, and the
+registry entry made a class by :func:`~titan_ext.runtime.pipemorph.adaptive_schedule`.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
-from .pipemorph import PipeMorph
-from .placement import VirtualPlanner
+from .config import PipeMorphConfig
+from .parts import ScheduleSpec
+from .pipemorph import adaptive_schedule
+from .placement import Layout, VirtualPlanner
 from .planning import CrossPipePlanner, Planner
 
-__all__ = ["CrossPipe"]
+__all__ = ["CROSSPIPE", "CrossPipe", "CrossPipeConfig"]
 
 
-class CrossPipe(PipeMorph):
-    """The adaptive runtime re-planning with CrossPipe's greedy generator (one stage per rank) or, with
-    several stages per rank, CrossWave (V-shape) / the split-backward virtual portfolio (loop).
+@dataclass(frozen=True)
+class CrossPipeConfig(PipeMorphConfig):
+    """:class:`PipeMorphConfig` plus CrossPipe's planner settings (its backward is split: I and W are
+    separate operations of the greedy generator, §4.1)."""
 
-    Extra args (beyond :class:`PipeMorph`'s):
-        variant: ``"udsub"`` (CrossUDSub, default) or ``"ud"`` (CrossUD).
-        message_bytes: size of one activation/gradient message (bytes), for the α-β split.
-        link_bandwidth_bytes_per_s: bandwidth of each link (one value, or one per link), for the split.
-    """
+    backward: str = "split"
+    variant: str = "udsub"
+    """``"udsub"`` (CrossUDSub, default) or ``"ud"`` (CrossUD); one stage per rank."""
+    message_bytes: float | None = None
+    """Size of one activation/gradient message (bytes), for the α-β split (one stage per rank)."""
+    link_bandwidth_bytes_per_s: float | Sequence[float] | None = None
+    """Bandwidth of each link (one value, or one per link), for the α-β split (one stage per rank)."""
 
-    backward_choices = CrossPipePlanner.backward_choices
-
-    def __init__(
-        self,
-        *args: Any,
-        variant: str = "udsub",
-        message_bytes: float | None = None,
-        link_bandwidth_bytes_per_s: float | Sequence[float] | None = None,
-        **kwargs: Any,
-    ):
-        kwargs.setdefault("backward", "split")
-        self._crosspipe_options = (variant, message_bytes, link_bandwidth_bytes_per_s)
-        super().__init__(*args, **kwargs)
-
-    def _default_planner(self, backward: str) -> Planner:
-        """CrossPipe §4.2 greedy (one stage per rank); with several stages per rank CrossWave ("v",
-        V = 2) or the split-backward portfolio of ``plan_virtual`` (loop), planned from the measured
-        per-stage times and per-rank-link delays (the whole delay as latency)."""
-        if not self.layout.virtual:
-            return CrossPipePlanner(*self._crosspipe_options)
-        if self._crosspipe_options[1:] != (None, None):
-            raise ValueError("CrossPipe: message_bytes / link_bandwidth_bytes_per_s apply to one stage per rank only")
-        wave = self.layout.placement == "v" and self.layout.stages_per_rank == 2
-        return VirtualPlanner(self.layout, "crosspipe-wave" if wave else "pipemorph", backward="split")
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.variant not in ("ud", "udsub"):
+            raise ValueError(f"CrossPipe run-time variant must be 'ud' or 'udsub' (one stage per rank), "
+                             f"got {self.variant!r}")
 
 
-def _merged_signature() -> inspect.Signature:
-    """PipeMorph's constructor signature plus CrossPipe's keywords, so that callers that pass options by
-    introspection (titan_ext.titan's [titan_ext] → constructor keywords) see every knob."""
-    base = inspect.signature(PipeMorph.__init__)
-    own = [p for name, p in inspect.signature(CrossPipe.__init__).parameters.items()
-           if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    return base.replace(parameters=list(base.parameters.values()) + own)
+def _one_stage(config: CrossPipeConfig) -> Planner:
+    """CrossPipe §4.2 greedy on the measured profile."""
+    return CrossPipePlanner(config.variant, config.message_bytes, config.link_bandwidth_bytes_per_s)
 
 
-CrossPipe.__init__.__signature__ = _merged_signature()  # type: ignore[attr-defined]
+def _multi_stage(layout: Layout, config: CrossPipeConfig) -> Planner:
+    """CrossWave ("v", V = 2) or the split-backward portfolio of ``plan_virtual`` (loop), from the
+    measured per-stage times and per-rank-link delays (the whole delay as latency)."""
+    if (config.message_bytes, config.link_bandwidth_bytes_per_s) != (None, None):
+        raise ValueError("CrossPipe: message_bytes / link_bandwidth_bytes_per_s apply to one stage per rank only")
+    wave = layout.placement == "v" and layout.stages_per_rank == 2
+    return VirtualPlanner(layout, "crosspipe-wave" if wave else "pipemorph", backward="split")
+
+
+#: the registry entry: CrossPipe's planners, PipeMorph's policies, CrossPipe's config
+CROSSPIPE = ScheduleSpec("CrossPipe", one_stage_planner=_one_stage, multi_stage_planner=_multi_stage,
+                         config_class=CrossPipeConfig, backward_choices=CrossPipePlanner.backward_choices)
+
+CrossPipe = adaptive_schedule(CROSSPIPE, module=__name__, doc="""The adaptive runtime re-planning with
+CrossPipe's greedy generator (one stage per rank) or, with several stages per rank, CrossWave (V-shape) /
+the split-backward virtual portfolio (loop).  Settings: :class:`CrossPipeConfig` (``config=``, or its fields
+as keywords: ``variant``, ``message_bytes``, ``link_bandwidth_bytes_per_s`` beyond PipeMorph's).""")

@@ -1,26 +1,46 @@
-"""Boundary observers: components that watch every iteration boundary of an adaptive schedule.
+"""Boundary observers, and the narrow view of the schedule they (and the transport) get.
 
 After the schedule has exchanged profiles, decided and (maybe) swapped a plan, it calls each observer's
 ``observe(boundary)`` with what every rank agreed on (:class:`Boundary`); the returned dict joins
-``last_metrics``.  An observer may act on the schedule (switch re-planning on, switch delegation) —
-only here, between iterations.  Falcon (fail-slow detection, Falcon §4–§5) is one; delegation's
-slow-link switch (``titan_ext.runtime.delegate.schedule.Delegation``) is another.
+``last_metrics``.  Observers are built outside the schedule (``runtime/extensions.py``: Falcon,
+delegation's slow-link switch, or the user's) and see the schedule only through a
+:class:`ScheduleContext`: its group and stage map, control plane, device layer, iteration count, the
+decision log, and the one switch an observer may flip (re-planning on, Falcon §5's PP-link
+mitigation) — never the schedule's private state.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-__all__ = ["Boundary", "BoundaryObserver", "FalconObserver"]
+__all__ = ["Boundary", "BoundaryObserver", "FalconObserver", "ScheduleContext"]
+
+
+@dataclass(frozen=True)
+class ScheduleContext:
+    """What an observer or a transport may read from, and do to, the schedule it is attached to."""
+
+    name: str  # the schedule's class name (error messages)
+    group: Any  # the PP data process group
+    num_stages: int
+    n_microbatches: int
+    control: Any  # the control plane over the PP ranks (runtime/control.py: gather_ints, any, agree)
+    device: Callable[[], Any]  # the device layer now (runtime/device.py; tests may swap it)
+    stage_to_rank: Callable[[], dict[int, int]]  # the deployed plan's stage → PP rank map
+    iteration: Callable[[], int]  # iterations completed
+    in_iteration: Callable[[], bool]  # an iteration is running (switches happen only between them)
+    log: Callable[..., dict]  # append to the schedule's decision_log
+    adaptive: Callable[[], bool]  # re-planning from live profiles is on
+    enable_adaptation: Callable[[str, str], None]  # switch re-planning on: (who, why), logged
 
 
 @dataclass
 class Boundary:
     """One iteration boundary as the schedule saw it."""
 
-    schedule: Any
+    context: ScheduleContext
     iteration: int
     iteration_ms: float  # this rank's action-loop wall time
     exchanged: bool  # profiles were exchanged (a check); otherwise only local numbers exist
@@ -31,6 +51,14 @@ class Boundary:
 
 
 class BoundaryObserver(Protocol):
+    """``attach(context)`` once, when the schedule is built; ``observe(boundary)`` at every boundary.
+    ``every_iteration``: the observer needs a profile exchange at every iteration (the check period
+    then never grows, Falcon's change-point detector)."""
+
+    every_iteration: bool
+
+    def attach(self, context: ScheduleContext) -> None: ...
+
     def observe(self, boundary: Boundary) -> dict[str, Any]: ...
 
 
@@ -41,8 +69,11 @@ class FalconObserver:
     join ``last_metrics``.  A slow PP link is mitigated by the schedule's own re-planning (switched on
     here if it was off); strategies that need the trainer are reported for it to apply."""
 
+    every_iteration = True  # Falcon's change-point detection needs every iteration's agreed time
+
     def __init__(self, monitor: Any):
         self.monitor = monitor
+        self.context: ScheduleContext | None = None
 
     @classmethod
     def create(cls, falcon: Any, num_stages: int, n_microbatches: int) -> "FalconObserver | None":
@@ -56,6 +87,9 @@ class FalconObserver:
         config = FalconConfig(num_microbatches=n_microbatches)
         return cls(FalconMonitor(config, pp_groups={f"pp_link{i}": i for i in range(num_stages - 1)}))
 
+    def attach(self, context: ScheduleContext) -> None:
+        self.context = context
+
     def observe(self, boundary: Boundary) -> dict[str, Any]:
         # a probe of the other backward variant is the schedule's own doing, not a straggler: skipped
         if not boundary.exchanged or boundary.probe or not math.isfinite(boundary.span_ms):
@@ -63,10 +97,9 @@ class FalconObserver:
         per_link = {f"pp_link{i}": lk["c_ms"] / 1e3 for i, lk in enumerate(boundary.links)
                     if math.isfinite(lk["c_ms"])}
         out = self.monitor.observe(boundary.span_ms / 1e3, per_link)
-        sched = boundary.schedule
-        if "pipemorph_replan" in out.get("falcon/apply", "").split(",") and not sched.adaptive:
+        ctx = boundary.context
+        if "pipemorph_replan" in out.get("falcon/apply", "").split(",") and not ctx.adaptive():
             # Falcon Alg.1 chose the PP-link mitigation: turn re-planning on (the policy then adapts
             # the slackness of the slow link at the next boundary)
-            sched.adaptive = True
-            sched._log(decision="falcon", reason=f"re-planning switched on for slow link {out.get('falcon/plan/pp_link')}")
+            ctx.enable_adaptation("falcon", f"re-planning switched on for slow link {out.get('falcon/plan/pp_link')}")
         return out

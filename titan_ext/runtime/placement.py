@@ -20,7 +20,7 @@ The rest — exchange, agreement, torch's lowering passes, validation, the swap 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from titan_ext.plan import LinkProfile, PipelineProfile, PlanResult
@@ -31,7 +31,7 @@ from titan_ext.plan.virtual import rank_periods_ms, virtual_link_tolerance_ms
 from .estimator import Estimator
 from .policy import Decision, ReplanPolicy
 
-__all__ = ["Layout", "VirtualEstimator", "VirtualPlanner", "VirtualReplanPolicy", "policy_for", "rank_level", "read_layout",
+__all__ = ["Layout", "VirtualEstimator", "VirtualPlanner", "VirtualReplanPolicy", "rank_level", "read_layout",
            "virtual_tolerances"]
 
 
@@ -195,21 +195,6 @@ class VirtualReplanPolicy(ReplanPolicy):
             return Decision("keep", "profile within the margins of the deployed plan's")
         self._reference = estimate
         return Decision("adapt", "; ".join(what), mode="adaptive")
-
-
-def policy_for(layout: Layout, policy: ReplanPolicy | None) -> ReplanPolicy:
-    """The re-plan policy a schedule with ``layout`` runs: one stage per rank → ``policy`` as given
-    (default :class:`ReplanPolicy`); several → :class:`VirtualReplanPolicy`, carrying over the thresholds
-    of a plain ``ReplanPolicy`` (what ``[titan_ext]`` settings give under TorchTitan). Any other policy
-    object is used as is."""
-    if not layout.virtual:
-        return policy if policy is not None else ReplanPolicy()
-    if policy is None or type(policy) is ReplanPolicy:
-        settings = {f.name: getattr(policy, f.name) for f in fields(ReplanPolicy) if f.init} if policy else {}
-        return VirtualReplanPolicy(**settings, layout=layout)
-    if isinstance(policy, VirtualReplanPolicy) and policy.layout is None:
-        policy.layout = layout
-    return policy
 
 
 def virtual_tolerances(estimate: PipelineProfile, layout: Layout, warmup_counts: Sequence[int]) -> list[float]:

@@ -23,11 +23,14 @@ around one threshold cannot flap the plan.  Falcon's "≥10 % change, else jitte
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ClassVar, Protocol, Sequence
 
 from titan_ext.plan import PipelineProfile, adapted_warmup_counts, link_tolerance_ms, slackness
+
+__all__ = ["Decision", "Policy", "PolicySettings", "ReplanPolicy", "eq1_tolerances"]
 
 
 @dataclass
@@ -47,6 +50,60 @@ class Decision:
         return self.action in ("adapt", "shrink", "calibrate", "force", "probe", "select")
 
 
+@dataclass(frozen=True)
+class PolicySettings:
+    """Thresholds of the re-planning decision (PipeMorph §4.2 "Dynamic adaptation"; ``policy.py``).
+
+    The layout's policy is built from them (one stage per rank: ``ReplanPolicy``; several:
+    ``VirtualReplanPolicy``), and the parts that share them — check cadence, backward chooser, the
+    planners' head-room on measured delays — read them here, whatever policy decides."""
+
+    window: int = 3
+    """Iterations in the robust window; estimates are medians over it."""
+    rel_margin: float = 0.10
+    """Relative margin over the Eq.1 tolerance before a link counts as slow (and planning head-room);
+    Falcon's "≥10 % change, else jitter" rule."""
+    abs_margin_ms: float = 1.0
+    """Absolute margin (ms), covers timer noise on tiny tolerances."""
+    recover_patience: int = 3
+    """Consecutive checks that must agree before slackness shrinks (one stage per rank)."""
+    min_dwell: int = 2
+    """Iterations a deployed plan runs at least before it may shrink (one stage per rank)."""
+    compute_rel_margin: float = 0.25
+    """Several stages per rank: relative change of a rank's period that triggers a re-plan."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ValueError(f"policy window must be an int >= 1, got {self.window!r}")
+        for name in ("rel_margin", "abs_margin_ms", "compute_rel_margin"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"policy {name} must be a finite number >= 0, got {value!r}")
+        for name in ("recover_patience", "min_dwell"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                raise ValueError(f"policy {name} must be an int >= 0, got {getattr(self, name)!r}")
+
+    def headroom_delay(self, c_ms: float) -> float:
+        """Delay a re-plan is asked to absorb for a measured one-way delay ``c_ms``."""
+        return headroom_delay(c_ms, self.rel_margin, self.abs_margin_ms)
+
+
+class Policy(Protocol):
+    """A re-planning policy: at every check, ``decide`` turns the agreed estimate and the deployed plan's
+    warm-up counts into a :class:`Decision` (identical inputs on every rank → identical decisions).
+
+    ``window``: iterations of the robust window the estimator keeps for it.  ``forces``: its decisions
+    apply even with ``adaptive=False`` (tests and external controllers that force plans).  The shared
+    thresholds (margins, planning head-room) are :class:`PolicySettings` of the schedule's config, not
+    attributes every policy must carry."""
+
+    window: int
+    forces: bool
+
+    def decide(self, estimate: PipelineProfile, deployed_counts: Sequence[int], initial_counts: Sequence[int],
+               iterations_since_deploy: int, slack_floor: int = 2) -> Decision: ...
+
+
 @dataclass
 class ReplanPolicy:
     """Thresholds of the re-planning decision (see module docstring)."""
@@ -62,11 +119,18 @@ class ReplanPolicy:
     min_dwell: int = 2
     """Iterations a deployed plan runs at least before it may shrink."""
 
+    forces: ClassVar[bool] = False
     _recover_streak: int = field(default=0, init=False, repr=False)
+
+    @classmethod
+    def from_settings(cls, settings: PolicySettings, **extra) -> "ReplanPolicy":
+        """The policy with ``settings``' thresholds (those of its fields ``settings`` has)."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init} & {f.name for f in dataclasses.fields(settings)}
+        return cls(**{n: getattr(settings, n) for n in names}, **extra)
 
     def headroom_delay(self, c_ms: float) -> float:
         """Delay the planner is asked to absorb for a measured ``c_ms``."""
-        return c_ms * (1.0 + self.rel_margin) + self.abs_margin_ms if c_ms > 0 else 0.0
+        return headroom_delay(c_ms, self.rel_margin, self.abs_margin_ms)
 
     def decide(
         self,
@@ -121,6 +185,11 @@ class ReplanPolicy:
                             f"{self.recover_patience} checks")
         self._recover_streak = 0
         return Decision("keep", "every link within Eq.1 tolerance")
+
+
+def headroom_delay(c_ms: float, rel_margin: float, abs_margin_ms: float) -> float:
+    """The delay a re-plan absorbs for a measured one-way delay (head-room against jitter, §4.2)."""
+    return c_ms * (1.0 + rel_margin) + abs_margin_ms if c_ms > 0 else 0.0
 
 
 def eq1_tolerances(estimate: PipelineProfile, counts: Sequence[int]) -> list[float]:

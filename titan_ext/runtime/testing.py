@@ -4,7 +4,9 @@
 initialises a process group on 127.0.0.1 with a free port, calls ``fn(rank, world_size, *args)``
 and returns the per-rank return values (which must be picklable).  The backend is ``backend=``, else
 ``$TITAN_EXT_TEST_BACKEND``, else :data:`DEFAULT_BACKEND` (``nccl_rules``: NCCL's rules enforced on
-CPU over gloo, :mod:`titan_ext.runtime.nccl_rules`; ``gloo``: plain gloo).
+CPU over gloo, :mod:`titan_ext.runtime.nccl_rules`; ``gloo``: plain gloo).  ``timeout_s=`` bounds
+the run; ``outcomes=True`` lets ranks fail on purpose (fault tests) and returns ``(result, error)``
+per rank.  The one ``run_ranks`` / ``free_port`` of the project's tests.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -42,7 +45,7 @@ def chosen_backend(backend: str | None = None) -> str:
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple, env: dict,
-           backend: str) -> None:
+           backend: str, outcomes: bool = False) -> None:
     os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -53,16 +56,18 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, arg
             from .nccl_rules import install
 
             install()
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                init_method=f"tcp://127.0.0.1:{port}")
+        # outcomes: ranks may fail on purpose (fault tests), so the group's waits end after 2 minutes
+        dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+                                **({"timeout": timedelta(seconds=120)} if outcomes else {}))
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent, which stops the other ranks
         _write_result(path, ("error", traceback.format_exc()))
-        os._exit(1)
+        os._exit(0 if outcomes else 1)  # outcomes: a failure is a result; the other ranks go on
     from .delay_injection import remove_link_delays
 
     remove_link_delays()
-    dist.barrier()
+    if not outcomes:  # outcomes: another rank may have failed on purpose; nobody waits for it
+        dist.barrier()
     dist.destroy_process_group()
     _write_result(path, result)
     # Skip interpreter finalisation (daemon threads, C++ destructors of process-group objects): the
@@ -78,38 +83,59 @@ def _write_result(path: str, result: tuple) -> None:
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None,
-              backend: str | None = None) -> list[Any]:
+              backend: str | None = None, timeout_s: float | None = None, outcomes: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank.
-    ``backend``: see the module docstring (:func:`chosen_backend`).
+    ``backend``: see the module docstring (:func:`chosen_backend`).  ``timeout_s``: the ranks are
+    killed and ``TimeoutError`` raised after this long (None: no limit).
 
-    If a rank fails, the others are terminated and the failing rank's traceback is raised.
+    If a rank fails, the others are terminated and the failing rank's traceback is raised — unless
+    ``outcomes``: then every rank runs to its end and each returns ``(result, None)`` or
+    ``(None, traceback)`` (tests whose ranks fail on purpose, e.g. a killed delegate).
     """
     with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), outdir, args, env or {},
+                                               chosen_backend(backend), outcomes),
+                                 nprocs=world_size, join=False, start_method="spawn")
         try:
-            mp.start_processes(_entry, args=(fn, world_size, free_port(), outdir, args, env or {},
-                                                  chosen_backend(backend)),
-                               nprocs=world_size, join=True, start_method="spawn")
+            _join(ctx, timeout_s)
+        except TimeoutError:
+            raise
         except Exception as exc:  # noqa: BLE001
-            errors = []
-            for rank in range(world_size):
-                path = os.path.join(outdir, f"rank{rank}.pkl")
-                if os.path.exists(path):
-                    with open(path, "rb") as fh:
-                        status, value = pickle.load(fh)
-                    if status != "ok":
-                        errors.append(f"rank {rank} failed:\n{value}")
-            raise RuntimeError("\n".join(errors) or str(exc)) from None
-        results = []
-        for rank in range(world_size):
-            path = os.path.join(outdir, f"rank{rank}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} produced no result")
-            with open(path, "rb") as fh:
-                status, value = pickle.load(fh)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results.append(value)
-    return results
+            raise RuntimeError("\n".join(f"rank {r} failed:\n{v}" for r, (s, v) in _read_results(outdir, world_size)
+                                         if s == "error") or str(exc)) from None
+        results = _read_results(outdir, world_size)
+    if outcomes:
+        return [(value, None) if status == "ok" else (None, value) for status, value in results]
+    for rank, (status, value) in enumerate(results):
+        if status is None:
+            raise RuntimeError(f"rank {rank} produced no result")
+        if status != "ok":
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+    return [value for _, value in results]
+
+
+def _join(ctx: Any, timeout_s: float | None) -> None:
+    """Wait for every rank (``ProcessContext.join`` raises when one fails); kill them all past the deadline."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if deadline is not None and time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            raise TimeoutError(f"rank processes did not finish in {timeout_s} s")
+
+
+def _read_results(outdir: str, world_size: int) -> list[tuple[str | None, Any]]:
+    """(status, value) by rank; (None, None) for a rank without a result file."""
+    out: list[tuple[str | None, Any]] = []
+    for rank in range(world_size):
+        path = os.path.join(outdir, f"rank{rank}.pkl")
+        if not os.path.exists(path):
+            out.append((None, None))
+            continue
+        with open(path, "rb") as fh:
+            out.append(pickle.load(fh))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,13 +6,13 @@ from typing import Any
 
 from titan_ext.titan.config import TitanExt, validate_titan_ext
 
-__all__ = ["titan_ext_section", "schedule_kwargs", "install_link_delays", "delay_spec"]
+__all__ = ["titan_ext_section", "schedule_config", "schedule_kwargs", "install_link_delays", "delay_spec"]
 
 
 _GIB = 1024**3
 
-# [titan_ext] field -> (constructor keyword of the runtime's schedule classes, converter).
-# A converter returning None means "leave the schedule's default".
+# [titan_ext] field -> (keyword of the runtime's schedules: a PipeMorphConfig field or one of its
+# delegation keywords, converter). A converter returning None means "leave the schedule's default".
 _DIRECT: dict[str, tuple[str, Any]] = {
     "memory_budget_gib": ("memory_budget_bytes", lambda v: float(v * _GIB) if v > 0 else None),
     "max_inflight": ("max_inflight", lambda v: int(v) if v > 0 else None),
@@ -26,7 +26,8 @@ _DIRECT: dict[str, tuple[str, Any]] = {
     "delegation_slot_mib": ("delegate_slot_bytes", lambda v: int(round(v * 2**20)) if v > 0 else None),
     "falcon": ("falcon", bool),
 }
-# [titan_ext] field -> field of the runtime's ReplanPolicy (passed as ``policy=``).
+# [titan_ext] field -> field of the runtime's PolicySettings (``config.policy_settings``): the layout's
+# policy is built from them, so several stages per rank run the multi-stage VirtualReplanPolicy.
 _POLICY: dict[str, str] = {
     "profile_window": "window",
     "tolerance_margin": "rel_margin",
@@ -61,31 +62,50 @@ def _params(schedule_cls: type) -> dict[str, inspect.Parameter]:
     return out
 
 
+def is_adaptive(schedule_cls: type) -> bool:
+    """One of the runtime's adaptive schedules (configured by a ``PipeMorphConfig``)?"""
+    from titan_ext.runtime import PipeMorph
+
+    return isinstance(schedule_cls, type) and issubclass(schedule_cls, PipeMorph)
+
+
 def supports_delegation(schedule_cls: type) -> bool:
-    return "delegation" in _params(schedule_cls)
+    return is_adaptive(schedule_cls) or "delegation" in _params(schedule_cls)
 
 
-def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:
-    """Keywords for ``schedule_cls(...)`` from ``[titan_ext]``, by the constructor's signature.
-
-    Only keywords the constructor takes are passed. The detector/hysteresis knobs become a
-    ``titan_ext.runtime.ReplanPolicy`` (``policy=``) when the constructor takes one.
-    """
-    section = titan_ext_section(job_config)
-    params = _params(schedule_cls)
+def _keywords(section: TitanExt, job_config: Any, accepts: Any) -> dict[str, Any]:
+    """The [titan_ext] settings as schedule keywords (those ``accepts(keyword)``)."""
     out: dict[str, Any] = {}
     for knob, (kw, convert) in _DIRECT.items():
-        if kw in params:
+        if accepts(kw):
             value = convert(getattr(section, knob))
             if value is not None:
                 out[kw] = value
     timeout_s = _job_timeout_s(job_config)
-    if timeout_s is not None and "delegate_timeout_s" in params:  # delegate links: the job's timeout
+    if timeout_s is not None and accepts("delegate_timeout_s"):  # delegate links: the job's timeout
         out["delegate_timeout_s"] = timeout_s
-    if "policy" in params:
-        from titan_ext.runtime import ReplanPolicy
+    return out
 
-        out["policy"] = ReplanPolicy(**{field: getattr(section, knob) for knob, field in _POLICY.items()})
+
+def schedule_config(schedule_cls: type, job_config: Any) -> Any:
+    """The ``PipeMorphConfig`` (the class's own config class, e.g. ``CrossPipeConfig``) of an adaptive
+    schedule from the job's ``[titan_ext]`` section."""
+    from titan_ext.runtime.config import PolicySettings
+
+    section = titan_ext_section(job_config)
+    settings = PolicySettings(**{field: getattr(section, knob) for knob, field in _POLICY.items()})
+    keywords = _keywords(section, job_config, lambda kw: True)
+    return schedule_cls.spec.config_class(policy_settings=settings).updated(schedule_cls.__name__, **keywords)
+
+
+def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:
+    """Keywords for ``schedule_cls(...)`` from ``[titan_ext]``: ``config=`` for the runtime's adaptive
+    schedules (:func:`schedule_config`); for any other class, the keywords its constructor takes."""
+    if is_adaptive(schedule_cls):
+        return {"config": schedule_config(schedule_cls, job_config)}
+    section = titan_ext_section(job_config)
+    params = _params(schedule_cls)
+    out = _keywords(section, job_config, lambda kw: kw in params)
     if section.delegation != "off" and "delegation" not in params:
         raise ValueError(f"[titan_ext] delegation = {section.delegation!r}: schedule "
                          f"{schedule_cls.__name__} does not support delegation in this build")

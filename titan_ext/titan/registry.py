@@ -12,7 +12,7 @@ file is edited.
 It also wraps the schedule builder and the module split (their names and signatures differ per
 TorchTitan version: :mod:`titan_ext.titan.adapters`, chosen by the installed version) so that the
 schedule is built knowing the job's ``titan_ext`` section (:func:`build_with_titan_ext`): our schedule
-classes receive its knobs as constructor keywords, an injected straggler (``inject_delays`` or
+classes receive its knobs as their config (titan/options.py), an injected straggler (``inject_delays`` or
 ``inject_trace``) is installed for whatever schedule is built -- the baselines included --, and the
 built schedule is measured (:mod:`titan_ext.titan.metrics`, which also patches TorchTitan's metrics
 processor so that any trainer reports the pipeline metrics). An unknown TorchTitan version or a

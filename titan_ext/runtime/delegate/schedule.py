@@ -24,18 +24,19 @@ since the delegates carry the PP messages, not the activations autograd saves.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-import torch
+
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from titan_ext.runtime.observers import Boundary
+from titan_ext.runtime.config import DelegationConfig
+from titan_ext.runtime.observers import Boundary, ScheduleContext
 from titan_ext.runtime.transport import TorchP2P
 
 from .pool import DelegatePool, delegates_needed, pipeline_channels
 from .ring import PAGE
-from .transport import NCCL_FAILOVER_REFUSAL, FaultInjector, P2PRouter, is_nccl
+from .transport import NCCL_FAILOVER_REFUSAL, P2PRouter, is_nccl
 
 __all__ = ["Delegation", "DelegateTransport", "message_slot_bytes"]
 
@@ -86,25 +87,33 @@ class Delegation:
     size, so every inter-stage activation and its gradient (same shape and dtype) fits (issue 20
     defect 6: a 16 MiB fixed slot could not carry Llama-3-8B's 64 MiB activations)."""
 
-    def __init__(self, schedule: Any, mode: str, *, failover: bool = False, slow_link_ms: float = 5.0,
-                 detector: Callable[[dict], bool] | None = None, lanes: int | dict = 1, slots: int = 16,
-                 slot_bytes: int | None = None, recv_timeout_s: float = 30.0, delegate_timeout_s: float = 300.0,
-                 faults: FaultInjector | None = None):
-        if slot_bytes is not None and not (isinstance(slot_bytes, int) and slot_bytes > 0):
-            raise ValueError(f"delegate slot_bytes must be a positive int or None (derived), got {slot_bytes!r}")
-        if failover and is_nccl(schedule._group):
-            raise ValueError(NCCL_FAILOVER_REFUSAL)
-        self.schedule, self.mode, self.failover = schedule, mode, failover
-        self.slow_link_ms, self.detector = slow_link_ms, detector
+    every_iteration = False
+
+    def __init__(self, config: DelegationConfig):
+        self.config = config
+        self.mode, self.failover = config.mode, config.failover
+        self.slow_link_ms, self.detector = config.slow_link_ms, config.detector
         self.log: list[dict] = []
-        self.slot_bytes = slot_bytes
-        self._pool_args = dict(lanes=lanes, num_slots=slots, timeout_s=delegate_timeout_s)
-        self._router_args = dict(failover=failover, recv_timeout_s=recv_timeout_s, faults=faults)
+        self.slot_bytes = config.slot_bytes
+        self._pool_args = dict(lanes=config.lanes, num_slots=config.slots, timeout_s=config.timeout_s)
+        self._router_args = dict(failover=config.failover, recv_timeout_s=config.recv_timeout_s, faults=config.faults)
         self._delegating = False
+        self.context: ScheduleContext | None = None
         self.pool: DelegatePool | None = None
         self.router: P2PRouter | None = None
         self.transport = DelegateTransport(self)
         self._bytes_prev = {"F": 0, "B": 0}
+
+    def attach(self, context: ScheduleContext) -> None:
+        """Bind to the schedule (its group, stage map, control plane, device layer, decision log)."""
+        if self.failover and is_nccl(context.group):
+            raise ValueError(NCCL_FAILOVER_REFUSAL)
+        self.context = context
+
+    def _ctx(self) -> ScheduleContext:
+        if self.context is None:
+            raise RuntimeError("Delegation is not attached to a schedule (pass it in the schedule's config)")
+        return self.context
 
     @property
     def delegating(self) -> bool:
@@ -117,14 +126,16 @@ class Delegation:
             return self.router
         if self.slot_bytes is None:
             local = max((op.tensor.numel() * op.tensor.element_size() for op in ops), default=0)
-            self.slot_bytes = message_slot_bytes(max(self.schedule.control.gather_ints(local)))
-        group = self.schedule._group
+            self.slot_bytes = message_slot_bytes(max(self._ctx().control.gather_ints(local)))
+        ctx = self._ctx()
+        group = ctx.group
         rank = dist.get_rank()
-        stage_to_rank = [self.schedule.stage_index_to_group_rank[s] for s in range(self.schedule._num_stages)]
+        mapping = ctx.stage_to_rank()
+        stage_to_rank = [mapping[s] for s in range(ctx.num_stages)]
         if group is not None:
             stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
         self.pool = DelegatePool(rank, pipeline_channels(rank, stage_to_rank), slot_bytes=self.slot_bytes,
-                                 device=_device_of(self.schedule), **self._pool_args)
+                                 device=ctx.device(), **self._pool_args)
         self.router = P2PRouter(rank, self.pool, group=group, delegating=self._delegating, **self._router_args)
         return self.router
 
@@ -136,16 +147,17 @@ class Delegation:
     def set(self, on: bool, reason: str = "external", completed: int | None = None) -> None:
         """Switch delegation on/off.  Only between iterations; call it on every rank alike.
         ``completed``: iterations completed before the switch (default: the schedule's count)."""
-        if self.schedule._in_iteration:
+        ctx = self._ctx()
+        if ctx.in_iteration():
             raise RuntimeError("delegation can only be switched at an iteration boundary")
         if on == self._delegating:
             return
         self._delegating = on
         if self.router is not None:
             self.router.delegating = on
-        done = self.schedule.iteration if completed is None else completed
+        done = ctx.iteration() if completed is None else completed
         self.log.append({"iteration": done, "delegating": on, "reason": reason})
-        self.schedule._log(decision="delegation", reason=f"{'on' if on else 'off'}: {reason}")
+        ctx.log(decision="delegation", reason=f"{'on' if on else 'off'}: {reason}")
 
     def _slow_link(self, metrics: dict) -> tuple[bool, str]:
         if self.detector is not None:
@@ -156,7 +168,7 @@ class Delegation:
     def observe(self, boundary: Boundary) -> dict[str, Any]:
         if self.mode == "auto" and not self.delegating and boundary.exchanged:
             flagged, why = self._slow_link(boundary.metrics)
-            if self.schedule.control.any(flagged):
+            if self._ctx().control.any(flagged):
                 self.set(True, f"auto: {why if flagged else 'flagged by another rank'}",
                          completed=boundary.iteration + 1)
         return {"delegating": self._delegating,
@@ -186,13 +198,3 @@ class Delegation:
         if self.pool is not None:
             self.pool.close()
 
-
-def _device_of(schedule: Any):
-    """The schedule's device layer (its executor's: every CUDA call of the pool goes through it), else
-    the device of its (one) stage."""
-    layer = getattr(getattr(schedule, "executor", None), "device", None)
-    if layer is not None and not isinstance(layer, (str, torch.device)):
-        return layer
-    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
-    dev = getattr(stages[0], "device", None) if stages and stages[0] is not None else None
-    return dev if dev is not None else torch.device("cpu")

@@ -1,0 +1,36 @@
+"""runtime/cadence.py: when the ranks exchange profiles (adaptive k, PipeMorph §6 ②)."""
+
+from titan_ext.runtime.cadence import CheckCadence
+
+
+def _checks(cadence: CheckCadence, iterations: int, settled=lambda it: True, delays=lambda it: [1.0]) -> list[int]:
+    out = []
+    for it in range(iterations):
+        if cadence.due(it):
+            out.append(it)
+            cadence.after_check(it, settled(it), delays(it))
+    return out
+
+
+def test_period_doubles_after_two_quiet_windows_up_to_the_max():
+    # window 3: 6 quiet checks at each period (hand-counted; the first check has no previous delays to
+    # compare with, so it is news): 0..6 at k=1, 8..18 at k=2, then k=4
+    got = _checks(CheckCadence(1, 4, window=3, rel_margin=0.1, abs_margin_ms=1.0), 30)
+    assert got == [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 22, 26]
+
+
+def test_anything_but_quiet_resets_to_profile_every():
+    unsettled_at = {10}
+    got = _checks(CheckCadence(1, 4, 3, 0.1, 1.0), 20, settled=lambda it: it not in unsettled_at)
+    assert got[:11] == [0, 1, 2, 3, 4, 5, 6, 8, 10, 11, 12]  # 10 not quiet: back to every iteration
+    # a link delay that moves beyond 10 % + 1 ms is news: also not quiet
+    moved = _checks(CheckCadence(1, 4, 3, 0.1, 1.0), 12, delays=lambda it: [1.0 if it < 7 else 30.0])
+    assert moved[:10] == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]
+    # within the margins (1.0 → 1.5 ms < 10 % + 1 ms): still quiet
+    assert _checks(CheckCadence(1, 4, 3, 0.1, 1.0), 12, delays=lambda it: [1.0 + 0.5 * (it % 2)])[6:9] == [6, 8, 10]
+
+
+def test_fixed_cadence_never_grows():
+    cadence = CheckCadence(2, 8, 1, 0.1, 1.0)
+    cadence.fixed()
+    assert _checks(cadence, 20) == list(range(0, 20, 2))

@@ -1,0 +1,31 @@
+"""runtime/estimator.py: window medians of the exchanged profiles (moved from test_runtime_parts.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from titan_ext.runtime.estimator import Estimator
+from titan_ext.runtime.profiler import RankProfile
+
+S, N = 4, 8
+
+
+def _rank(f, i, w, b=math.nan):
+    return RankProfile(0, 0, f, i, w, b, 0.0, 0.0, 0.0, 0.0, math.nan, math.nan, math.nan, 0.0, 0, [], [], [], [])
+
+
+def test_estimator_takes_window_medians_and_keeps_old_rows_when_nothing_was_measured():
+    est = Estimator(2, N, window=3, initial_times_ms=(7.0, 8.0, 9.0))
+    assert est.profile().f_ms == (7.0, 7.0) and est.profile().delays_ms == (0.0,)
+    for f, c in ((1.0, 10.0), (100.0, 12.0), (3.0, 11.0)):
+        est.push([_rank(f, 2.0, 1.0), _rank(2 * f, 2.0, 1.0)], [c])
+    prof = est.profile()
+    assert prof.f_ms == (3.0, 6.0) and prof.delays_ms == (11.0,)
+    # a full-backward iteration (I, W unmeasured) leaves the split window as it was
+    est.push([_rank(3.0, math.nan, math.nan, 5.0), _rank(6.0, math.nan, math.nan, 5.0)], [11.0])
+    assert est.profile().b_ms == (2.0, 2.0) and est.profile("full").b_ms == (5.0, 5.0)
+    assert est.profile("full").w_ms == (0.0, 0.0)
+    # the window holds 3 rows: the outlier 100 has left
+    assert est.profile().f_ms == (3.0, 6.0)

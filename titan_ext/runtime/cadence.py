@@ -1,0 +1,53 @@
+"""When the ranks exchange profiles and the policy runs: the check cadence (PipeMorph §6 ②, "adaptive k").
+
+A check happens every ``period`` iterations.  The period starts at ``profile_every`` and doubles after
+2 × ``window`` quiet checks (keep or hold, nothing planning, no probe, no link delay moved beyond the
+policy's margins since the previous check: the window refreshed twice without news), up to
+``profile_every_max``; anything else resets it to ``profile_every``.  The price is detection latency:
+a new straggler is seen at the next check, at most ``profile_every_max`` iterations later.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+__all__ = ["CheckCadence"]
+
+
+class CheckCadence:
+    """The iteration of the next check, from how quiet the previous checks were."""
+
+    def __init__(self, profile_every: int, profile_every_max: int, window: int, rel_margin: float,
+                 abs_margin_ms: float):
+        self.profile_every = profile_every
+        self.profile_every_max = max(profile_every, profile_every_max)
+        self.window, self.rel_margin, self.abs_margin_ms = window, rel_margin, abs_margin_ms
+        self.period, self._quiet, self._next = profile_every, 0, 0
+        self._last_delays: list[float] = []
+
+    def fixed(self) -> None:
+        """Check at every ``profile_every`` iterations, never less often (an observer needs them all)."""
+        self.profile_every_max = self.profile_every
+
+    def due(self, iteration: int) -> bool:
+        return iteration >= self._next
+
+    def links_moved(self, delays: Sequence[float]) -> bool:
+        """Whether a link's delay differs from the previous check's by more than the margins (news the
+        window has not absorbed yet)."""
+        previous, self._last_delays = self._last_delays, list(delays)
+        return len(previous) != len(delays) or any(
+            not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > self.rel_margin * max(a, b) + self.abs_margin_ms
+            for a, b in zip(previous, delays))
+
+    def after_check(self, iteration: int, settled: bool, delays: Sequence[float]) -> None:
+        """Schedule the next check; ``settled``: the decision was keep/hold with nothing in flight."""
+        moved = self.links_moved(delays)  # always: the next check compares with this one's delays
+        quiet = settled and not moved
+        self._quiet = self._quiet + 1 if quiet else 0
+        if not quiet:
+            self.period = self.profile_every
+        elif self._quiet >= 2 * self.window:
+            self.period, self._quiet = min(2 * self.period, self.profile_every_max), 0
+        self._next = iteration + self.period

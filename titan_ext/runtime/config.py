@@ -1,0 +1,161 @@
+"""Settings of the adaptive schedules, in TorchTitan's config style: typed fields with defaults and
+docstrings, checked in ``__post_init__`` (a bad value fails at construction with one clear line).
+
+``PipeMorph(stage, n_microbatches, loss_fn=..., config=PipeMorphConfig(...))`` is the documented way to
+configure an adaptive schedule; the keywords of earlier releases (``PipeMorph(stage, n, adaptive=False,
+delegation="auto", ...)``) still work: :meth:`PipeMorphConfig.updated` maps them onto the config, the one
+place that knows the old names (``delegate_lanes`` → ``delegation.lanes`` ...).
+
+The settings are plain values; the parts they configure (policy, planner, observers, transport) are
+built by :mod:`titan_ext.runtime.parts` (one-stage vs multi-stage chosen once) and
+:mod:`titan_ext.runtime.extensions` (Falcon, delegation), never inside the schedule's coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .policy import PolicySettings, ReplanPolicy
+
+__all__ = ["DelegationConfig", "PipeMorphConfig", "PolicySettings"]
+
+
+@dataclass(frozen=True)
+class DelegationConfig:
+    """The delegate data plane (PipeMorph §5.2; ``runtime/delegate/``), a transport choice."""
+
+    mode: str = "off"
+    """``"off"`` (direct P2P), ``"always"`` (every SEND/RECV through the delegates) or ``"auto"``
+    (switch on when a link's delay exceeds ``slow_link_ms``, or when ``detector`` says so)."""
+    failover: bool = False
+    """Retry a failed direct P2P op on the delegates (gloo only)."""
+    slow_link_ms: float = 5.0
+    """``auto``: the per-link delay estimate above which a link counts as slow."""
+    detector: Callable[[dict], bool] | None = None
+    """``auto``: a custom slow-link detector on the boundary metrics."""
+    lanes: int | dict = 1
+    """Delegate processes per send kind (or a dict per kind)."""
+    slots: int = 16
+    """Ring slots per delegate channel."""
+    slot_bytes: int | None = None
+    """Slot size; None: derived from the stage's messages at the first delegated op."""
+    recv_timeout_s: float = 30.0
+    """A delegated receive gives up after this long."""
+    timeout_s: float = 300.0
+    """Delegate process links end after this long without progress."""
+    faults: Any = None
+    """A ``FaultInjector`` (tests)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "auto", "always"):
+            raise ValueError(f"delegation must be one of ('off', 'auto', 'always'), got {self.mode!r}")
+        if self.slot_bytes is not None and not (isinstance(self.slot_bytes, int) and self.slot_bytes > 0):
+            raise ValueError(f"delegate slot_bytes must be a positive int or None (derived), got {self.slot_bytes!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off" or self.failover
+
+
+#: keywords of earlier releases that name a field of ``PipeMorphConfig.delegation``
+_DELEGATION_KEYWORDS = {"delegation": "mode", "failover": "failover", "slow_link_ms": "slow_link_ms",
+                        "detector": "detector", "delegate_lanes": "lanes", "delegate_slots": "slots",
+                        "delegate_slot_bytes": "slot_bytes", "recv_timeout_s": "recv_timeout_s",
+                        "delegate_timeout_s": "timeout_s", "faults": "faults"}
+
+
+@dataclass(frozen=True)
+class PipeMorphConfig:
+    """Settings of an adaptive schedule (PipeMorph §4 planning, §6 runtime).  Every field is also a
+    constructor keyword of ``PipeMorph``/``CrossPipe`` (delegation's under their former names)."""
+
+    # -- memory (PipeMorph §4.2 Alg.1 M, x_max; runtime/memory.py) --
+    memory_budget_bytes: float | None = None
+    """Per-stage budget for activations (Alg.1's M); with ``activation_bytes`` (M^F, measured in the
+    first forward when not given) it fixes x_max = ⌊M / M^F⌋ and caps adaptive plans.  Without it, on GPU
+    the cap comes from free device memory."""
+    max_inflight: int | None = None
+    """x_max directly (activations stage 0 may hold); overrides the budget for Alg.1."""
+    activation_bytes: float | None = None
+    """M^F, bytes one microbatch's forward saves (None: measured)."""
+    adaptive_memory_limit: int | None = None
+    """A further cap on warm-up forwards of adaptive plans (lifted while delegating, §5.2)."""
+    # -- adaptation (§6) --
+    adaptive: bool = True
+    """Re-plan from live profiling (False: keep the initial plan; profiling still runs)."""
+    profile_every: int = 1
+    """Exchange profiles / check the policy every k iterations."""
+    profile_every_max: int = 4
+    """While nothing changes the period doubles up to this (adaptive k); Falcon keeps it at k."""
+    slack_floor: int = 2
+    """Alg.2's minimum slackness."""
+    initial_times_ms: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """(F, I, W) assumed before the first measurement."""
+    backward: str = "auto"
+    """``"split"``, ``"full"`` or ``"auto"`` (measure both, keep the faster; ``backward.py``)."""
+    backward_margin: float = 0.02
+    """``auto``: relative margin the other variant must win by."""
+    decision_log_size: int = 10_000
+    """Entries kept in ``decision_log`` and ``metrics_history``."""
+    timeout_s: float | None = None
+    """PP message waits and control-plane collectives end after this many seconds (process-wide,
+    ``timeouts.py``); None: the job's or the process groups' own."""
+    # -- parts (None: the schedule's registry entry builds them, runtime/parts.py) --
+    policy_settings: PolicySettings = field(default_factory=PolicySettings)
+    """Thresholds the layout's default policy is built from (and that cadence/chooser/head-room read)."""
+    policy: Any = None
+    """A ready :class:`~titan_ext.runtime.policy.Policy` (None: built from ``policy_settings``)."""
+    planner: Any = None
+    """A ready :class:`~titan_ext.runtime.planning.Planner` (None: the registry entry's)."""
+    falcon: Any = False
+    """False, True (a default ``FalconMonitor``) or a ``FalconMonitor``: a boundary observer (Falcon §4–5)."""
+    observers: tuple = ()
+    """Further boundary observers (``attach(context)``, ``observe(boundary) -> dict``)."""
+    delegation: DelegationConfig = field(default_factory=DelegationConfig)
+    """The transport: direct torch P2P or the delegate data plane."""
+
+    def __post_init__(self) -> None:
+        if not (self.profile_every >= 1 and self.profile_every_max >= 1):
+            raise ValueError(f"profile_every and profile_every_max must be >= 1, got "
+                             f"{self.profile_every}, {self.profile_every_max}")
+        if self.max_inflight is not None and not 1 <= self.max_inflight:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
+            raise ValueError(f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}")
+        if not 0 <= self.backward_margin < 1:
+            raise ValueError(f"backward_margin must be within [0, 1), got {self.backward_margin}")
+        if not isinstance(self.policy_settings, PolicySettings):
+            raise TypeError(f"policy_settings must be a PolicySettings, got {type(self.policy_settings).__name__}")
+        if not isinstance(self.delegation, DelegationConfig):
+            raise TypeError(f"delegation must be a DelegationConfig (or the keyword delegation='off'|'auto'|"
+                            f"'always'), got {self.delegation!r}")
+        if len(tuple(self.initial_times_ms)) != 3:
+            raise ValueError(f"initial_times_ms must be (F, I, W), got {self.initial_times_ms!r}")
+
+    def updated(self, owner: str = "PipeMorph", **keywords: Any) -> "PipeMorphConfig":
+        """A copy with ``keywords`` applied: the config's own fields, and the delegation keywords of
+        earlier releases (``delegation="auto"``, ``delegate_lanes=2`` …).  A plain ``ReplanPolicy``
+        passed as ``policy=`` (how ``[titan_ext]`` settings once arrived) is read as its thresholds, so
+        the layout's own policy is built from them (several stages per rank: ``VirtualReplanPolicy``)."""
+        own = {f.name for f in dataclasses.fields(self)} - {"delegation"}
+        unknown = sorted(set(keywords) - own - set(_DELEGATION_KEYWORDS))
+        if unknown:
+            raise TypeError(f"{owner}: unknown option(s) {unknown}; known: {sorted(own | set(_DELEGATION_KEYWORDS))}")
+        direct = {k: v for k, v in keywords.items() if k in own}
+        settings = _settings_of(direct.get("policy"))
+        if settings is not None:
+            direct["policy"], direct["policy_settings"] = None, settings
+        deleg = {_DELEGATION_KEYWORDS[k]: v for k, v in keywords.items() if k in _DELEGATION_KEYWORDS}
+        if deleg:
+            direct["delegation"] = dataclasses.replace(self.delegation, **deleg)
+        return dataclasses.replace(self, **direct) if direct else self
+
+
+def _settings_of(policy: Any) -> PolicySettings | None:
+    """The thresholds of a plain ``ReplanPolicy`` (exactly that class: a subclass or any other object
+    is a policy of its own, used as given), else None."""
+    if type(policy) is not ReplanPolicy:
+        return None
+    return PolicySettings(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(ReplanPolicy) if f.init})

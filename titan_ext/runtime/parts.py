@@ -1,0 +1,125 @@
+"""The parts of an adaptive schedule, one-stage vs multi-stage chosen once, and the registry entry that
+names a schedule's planner and policy.
+
+An adaptive schedule is the coordinator (``runtime/pipemorph.py``) plus a :class:`ScheduleSpec`: its
+name, config class, the planner it runs with one stage per rank and with several, and the policy
+(default: ``ReplanPolicy`` / ``VirtualReplanPolicy`` from the config's ``PolicySettings``).
+:func:`build_parts` reads the layout once and returns the :class:`Parts` that differ between one stage
+per rank (PipeMorph §4.2 Eq.1 per link, the backward chooser, per-stage memory cap) and several
+(issue 21: stage-level estimate over rank links, the virtual Eq.1, per-rank memory cap K_r).  Nothing
+else in the runtime branches on the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from titan_ext.plan import PipelineProfile
+
+from .budget import MemoryBudget, RankMemoryBudget, StageMemoryBudget
+from .config import PipeMorphConfig, PolicySettings
+from .estimator import Estimator
+from .placement import Layout, VirtualEstimator, VirtualPlanner, VirtualReplanPolicy, virtual_tolerances
+from .planning import PipeMorphPlanner, Planner
+from .policy import Policy, ReplanPolicy, eq1_tolerances
+
+__all__ = ["PIPEMORPH", "Parts", "ScheduleSpec", "build_parts"]
+
+
+def _one_stage_policy(settings: PolicySettings) -> Policy:
+    return ReplanPolicy.from_settings(settings)
+
+
+def _multi_stage_policy(layout: Layout, settings: PolicySettings) -> Policy:
+    return VirtualReplanPolicy.from_settings(settings, layout=layout)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A registry entry of an adaptive schedule: everything that makes it differ from PipeMorph."""
+
+    name: str
+    one_stage_planner: Callable[[PipeMorphConfig], Planner]
+    multi_stage_planner: Callable[[Layout, PipeMorphConfig], Planner]
+    config_class: type[PipeMorphConfig] = PipeMorphConfig
+    backward_choices: tuple[str, ...] = ("auto", "split", "full")  # what ``backward=`` may be
+    one_stage_policy: Callable[[PolicySettings], Policy] = _one_stage_policy
+    multi_stage_policy: Callable[[Layout, PolicySettings], Policy] = _multi_stage_policy
+
+
+#: PipeMorph §4.2: Alg.1/2 with one stage per rank, the ``plan_virtual`` portfolio with several
+PIPEMORPH = ScheduleSpec(
+    "PipeMorph",
+    one_stage_planner=lambda config: PipeMorphPlanner(),
+    multi_stage_planner=lambda layout, config: VirtualPlanner(layout, backward=config.backward),
+    backward_choices=PipeMorphPlanner.backward_choices,
+)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What differs between one stage per rank and several (built once by :func:`build_parts`)."""
+
+    planner: Planner  # ``config.planner`` if given, else the entry's for the layout
+    policy: Policy  # ``config.policy`` if given, else the entry's, from ``config.policy_settings``
+    estimator: Estimator
+    memory: MemoryBudget
+    choose_backward: bool  # ``backward="auto"`` measures both variants (one stage per rank only)
+    local_stages: int  # stage rows per rank in the exchanged profile (0: one stage, no rows)
+    stage_ms: Callable[[Any, int], list | None]  # (iteration profile, rank) → per-local-stage rows
+    link_estimates_ms: Callable[[], list[float]]  # per (rank) link delay estimates, for the metrics
+    tolerances: Callable[[PipelineProfile, PipelineProfile, Any], list[float]]  # (split, full, deployed)
+
+
+def build_parts(name: str, layout: Layout, n_microbatches: int, config: PipeMorphConfig, spec: ScheduleSpec,
+                device: Callable[[], Any], activation_bytes: Callable[[], float | None]) -> Parts:
+    """The parts for ``layout``: one stage per rank or several, decided here once.  ``device`` and
+    ``activation_bytes`` are read when needed (the device layer exists once torch's constructor ran)."""
+    build = _multi_stage if layout.virtual else _one_stage
+    return build(name, layout, n_microbatches, config, spec, device, activation_bytes)
+
+
+def _memory(cls: type[MemoryBudget], name: str, layout: Layout, n: int, config: PipeMorphConfig,
+            device: Callable[[], Any],
+            activation_bytes: Callable[[], float | None]) -> MemoryBudget:
+    return cls(name, layout.num_stages, n, layout.stages_per_rank, config.memory_budget_bytes, config.max_inflight,
+               config.adaptive_memory_limit, device, activation_bytes)
+
+
+def _one_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec: ScheduleSpec, device: Callable[[], Any],
+               activation_bytes: Callable[[], float | None]) -> Parts:
+    S = layout.num_stages
+    if n < S:  # as torch's Schedule1F1B; Interleaved1F1B and ZBV take N < S
+        raise ValueError(f"{name} with one stage per rank needs n_microbatches >= num_stages, got {n} < {S}")
+    policy = config.policy if config.policy is not None else spec.one_stage_policy(config.policy_settings)
+    estimator = Estimator(S, n, max(1, int(policy.window)), config.initial_times_ms)
+
+    def tolerances(split: PipelineProfile, full: PipelineProfile, deployed: Any) -> list[float]:
+        return eq1_tolerances(full if deployed.backward == "full" else split, deployed.warmup_counts)
+
+    planner = config.planner if config.planner is not None else spec.one_stage_planner(config)
+    return Parts(planner, policy, estimator, _memory(StageMemoryBudget, name, layout, n, config, device, activation_bytes),
+                 choose_backward=config.backward == "auto", local_stages=0, stage_ms=lambda prof, rank: None,
+                 link_estimates_ms=lambda: list(estimator.profile().delays_ms), tolerances=tolerances)
+
+
+def _multi_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec: ScheduleSpec,
+                 device: Callable[[], Any],
+                 activation_bytes: Callable[[], float | None]) -> Parts:
+    policy = config.policy if config.policy is not None else spec.multi_stage_policy(layout, config.policy_settings)
+    estimator = VirtualEstimator(layout, n, max(1, int(policy.window)), config.initial_times_ms)
+
+    def stage_ms(prof: Any, rank: int) -> list:
+        return prof.stage_times_ms(layout.local_stages(rank))
+
+    def tolerances(split: PipelineProfile, full: PipelineProfile, deployed: Any) -> list[float]:  # noqa: ARG001
+        return virtual_tolerances(split, layout, deployed.warmup_counts)  # per rank link (docs/multistage.md)
+
+    planner = config.planner if config.planner is not None else spec.multi_stage_planner(layout, config)
+    return Parts(planner, policy, estimator, _memory(RankMemoryBudget, name, layout, n, config, device, activation_bytes),
+                 choose_backward=False,  # the portfolio picks the backward variant of every plan
+                 local_stages=layout.stages_per_rank, stage_ms=stage_ms,
+                 link_estimates_ms=estimator.rank_link_delays_ms, tolerances=tolerances)
+
+
