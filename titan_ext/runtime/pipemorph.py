@@ -599,9 +599,12 @@ class PipeMorph(_PipelineScheduleRuntime):
         return self.iteration >= self._next_check
 
     def _links_moved(self, links: list[dict]) -> bool:
-        """Whether a link's delay of this check differs from the previous check's by more than the
-        policy's margins (10 % + 1 ms by default): news the window has not absorbed yet."""
-        delays = [lk["c_ms"] for lk in links]
+        """Whether a link's window estimate (the median the policy decides on) differs from the previous
+        check's by more than the policy's margins (10 % + 1 ms by default).  Not one check's reading:
+        its noise is positive-only and can exceed the margin every check on a busy host (receives
+        posted late, a slow transport's thread hops: 1–4.5 ms readings on idle links under the
+        ``nccl_rules`` test backend), which would keep the period at 1 for good (issue 20)."""
+        delays = self.estimator.window.median("C", len(links))
         previous, self._last_delays = self._last_delays, delays
         rel, abs_ms = getattr(self.policy, "rel_margin", 0.10), getattr(self.policy, "abs_margin_ms", 1.0)
         return len(previous) != len(delays) or any(
