@@ -208,3 +208,36 @@ def test_control_group_forms_when_pp_ranks_hold_different_numbers_of_groups(seen
     """On a01ec7e rank 0's control group got another name (torch hashes len(_world.pg_names) into it)
     and both ranks waited at construction until the watchdog ended the run."""
     assert [seen[0]["control"], seen[1]["control"]] == [[10, 11], [0, 1]]
+
+
+def _exit_worker(rank: int, port: int, late_s: float) -> None:
+    """A rank that uses the backend, destroys its groups ``late_s`` after its peer (rank 1), and leaves
+    through the interpreter's normal exit (finalisation included; ``run_ranks`` skips it)."""
+    from titan_ext.runtime.nccl_rules import install
+
+    install()
+    dist.init_process_group("nccl_rules", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    t = torch.ones(4)
+    dist.send(t, 1) if rank == 0 else dist.recv(t, 0)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(late_s)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("late_s", [0.0, 3.0])
+def test_ranks_exit_cleanly_when_peers_destroy_their_groups_at_different_times(late_s):
+    """A clean run exits 0 on every rank, also when a peer destroys its groups later than the 2 s a
+    shutdown waits for it (a busy host): the TorchTitan trainer's ranks aborted at exit (SIGABRT from
+    the inner gloo group's destructor, and threads of this backend taken down inside C++ frames)."""
+    import torch.multiprocessing as mp
+
+    from titan_ext.runtime.testing import free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_exit_worker, args=(r, port, late_s)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(100)
+    assert [p.exitcode for p in procs] == [0, 0]

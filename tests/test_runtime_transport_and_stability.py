@@ -88,9 +88,7 @@ def test_constant_delay_settles_within_four_plan_versions():
     plan versions in all — the initial plan, the adaptation, the other backward's probe and the
     verdict — and the profiling period grows once the plan has settled (adaptive k)."""
     world, n_mb, steps = 4, 16, 30
-    # pinned to gloo: under the nccl_rules backend the check period never grows in 30 iterations (open,
-    # like test_runtime_pipemorph's adaptation and memory-budget tests; README status, issue 20)
-    results = run_ranks(_stability_worker, world, n_mb, steps, 60.0, backend="gloo")
+    results = run_ranks(_stability_worker, world, n_mb, steps, 60.0)
     r = results[0]
     assert all(x["versions"] == r["versions"] for x in results)
     assert r["versions"][-1] <= 4, r["deploys"]

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from titan_ext.runtime.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
+from titan_ext.runtime.testing import chosen_backend
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +40,8 @@ def _torchrun(module: str, args: list[str], log: Path, env_extra: dict | None = 
                 "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"})
     for var in ("TITAN_EXT_INJECT_DELAYS", "WANDB_MODE", "WANDB_API_KEY"):
         env.pop(var, None)  # W&B: no login here, so titan_ext makes the run offline
+    # the test backend (default nccl_rules: NCCL's rules on the PP and DP groups; the CPU shim reads it)
+    env[TEST_BACKEND_VAR] = chosen_backend()
     env.update(env_extra or {})
     cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),

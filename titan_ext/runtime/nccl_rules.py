@@ -47,11 +47,14 @@ Use: ``run_ranks(fn, n, backend="nccl_rules")``, the environment variable ``TITA
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import queue
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -77,6 +80,8 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HOST_ATTR = "_titan_ext_host_site"
 _SHUTDOWN_S = 2.0  # how long a group's shutdown waits for its peers' close messages
 _KEPT_OPEN: list = []  # shut-down groups whose landers still wait on a peer
+_EXIT_WAIT_S = 60.0  # how long interpreter exit waits for the peers' close messages
+_GROUPS: "weakref.WeakSet[NcclRulesGroup]" = weakref.WeakSet()  # every group whose threads may run
 
 
 class NcclRuleError(RuntimeError):
@@ -428,6 +433,7 @@ class NcclRulesGroup(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: Any):
         super().__init__(rank, size)
         self._inner = dist.ProcessGroupGloo(dist.PrefixStore("nccl_rules", store), rank, size, timeout)
+        _never_destroyed(self._inner)
         self._rank, self._size = rank, size
         self._timeout_s = float(os.environ.get(TIMEOUT_ENV, "60"))
         self._lock = threading.RLock()
@@ -441,6 +447,7 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._completer = threading.Thread(target=self._complete, daemon=True, name=f"nccl_rules-completer-{rank}")
         for t in (*self._landers, self._completer):
             t.start()
+        _GROUPS.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -682,6 +689,34 @@ def _check_device_tensor(tensor: torch.Tensor, what: str) -> None:
             f"gloo control group, or make device tensors through the device layer")
 
 
+def _never_destroyed(obj: Any) -> None:
+    """One reference that is never dropped, so ``obj``'s C++ destructor never runs.  For the inner gloo
+    groups: destroyed at interpreter finalisation (its module's references cleared), a
+    ``ProcessGroupGloo`` whose peer already exited aborts the process (SIGABRT, "terminate called
+    without an active exception", on the main thread with no Python frame) — 1 run in 3 of two ranks
+    that destroy their groups and exit normally.  A test backend may keep its groups (the OS frees
+    them at exit)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit (``atexit``, before finalisation): shut down the groups nobody destroyed and
+    wait, up to ``_EXIT_WAIT_S``, for every lander to read its peer's close and every completer to
+    stop.  A thread of this module still running when the interpreter finalises is ended by
+    ``pthread_exit`` as it takes the GIL back, inside C++ frames: the process aborts ("terminate called
+    without an active exception", SIGABRT) after a clean run — the TorchTitan trainer's ranks did."""
+    groups = list(_GROUPS)
+    for group in groups:
+        try:
+            group.shutdown()
+        except Exception:  # noqa: BLE001 - a peer already gone: its lander ends on the closed socket
+            pass
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for group in groups:
+        for t in (*group._landers, group._completer):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 def _create(store: Any, rank: int, size: int, timeout: Any) -> NcclRulesGroup:
     return NcclRulesGroup(store, rank, size, timeout)
 
@@ -729,6 +764,7 @@ def install() -> None:
     if _installed:
         return
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    atexit.register(_close_at_exit)
     dist.batch_isend_irecv = _batch_isend_irecv
     dist.distributed_c10d.batch_isend_irecv = _batch_isend_irecv
     _HostTensorMarker().__enter__()  # stays on the main thread's torch-function mode stack

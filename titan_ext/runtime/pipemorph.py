@@ -438,7 +438,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         m.decision, m.decision_reason = decision.action, decision.reason
         settled = decision.action in ("keep", "hold") and not self.planning.running \
             and not self._probe_running and (self._calibrated or not self.adaptive)
-        self.cadence.after_check(self.iteration, settled, [lk["c_ms"] for lk in links])
+        # the window estimates (the medians the policy decides on), not this check's readings (cadence.links_moved)
+        self.cadence.after_check(self.iteration, settled, self.estimator.window.median("C", len(links)))
         return links
 
     def _local_profile_vector(self, prof: IterationProfile) -> torch.Tensor:
