@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _titan_version import TITAN_EXT_TRAIN, tt02_only
 
 from titan_ext.runtime.falcon.emulation import (
     EmulationSpecError,
@@ -214,6 +215,7 @@ def slow_device_runs(tmp_path_factory):
     return runs
 
 
+@tt02_only(TITAN_EXT_TRAIN + " (train_configs/debug_cpu_dp2_pp2.toml)")
 @pytest.mark.slow
 def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     rows = _falcon_log(slow_device_runs["falcon"])
@@ -243,6 +245,7 @@ def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     assert 0 < s2[0]["estimated_cost_s"] < 60 and s2[0]["measured_cost_s"] is not None
 
 
+@tt02_only(TITAN_EXT_TRAIN + " (train_configs/debug_cpu_dp2_pp2.toml)")
 @pytest.mark.slow
 def test_s2_run_trains_like_the_unmitigated_run(slow_device_runs):
     # same seed, data and global batch; S2 only changes which replica computes which chunk
@@ -261,6 +264,7 @@ def healthy_run(tmp_path_factory):
     return dump
 
 
+@tt02_only(TITAN_EXT_TRAIN + " (train_configs/debug_cpu_dp2_pp2.toml)")
 @pytest.mark.slow
 def test_healthy_40_step_run_takes_no_mitigation(healthy_run):
     rows = _falcon_log(healthy_run)
