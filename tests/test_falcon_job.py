@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _titan_version import TITAN_EXT_TRAIN, tt02_only
+from _titan_version import IS_TT03
 
 from titan_ext.runtime.falcon.emulation import (
     EmulationSpecError,
@@ -28,7 +28,7 @@ from titan_ext.runtime.falcon.emulation import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"
+CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"  # TorchTitan 0.3: config_registry.falcon_dp2_pp2_debugmodel
 SLOW_FROM = 10
 SLOW_FACTOR = 24
 """The debug model's stage compute is ~1 ms a micro-batch: at 24x the slow replica adds ~1 s a step,
@@ -170,6 +170,14 @@ def test_s2_redistribution_keeps_the_global_gradient_float64():
 # --------------------------------------------------------------------------- end to end (torchrun)
 
 
+def _job(dump: Path) -> list[str]:
+    """The DP 2 x PP 2 debug job: the TOML file under TorchTitan 0.2, its Python twin under 0.3."""
+    if IS_TT03:
+        return ["-m", "torchtitan.train", "--module", "titan_ext.titan", "--config", "falcon_dp2_pp2_debugmodel",
+                "--dump_folder", str(dump)]
+    return ["-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(dump)]
+
+
 def _torchrun(dump: Path, steps: int, args: list[str]) -> None:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1",
@@ -178,8 +186,7 @@ def _torchrun(dump: Path, steps: int, args: list[str]) -> None:
         env.pop(var, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--local-ranks-filter", "3",
-           "-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(dump),
-           "--training.steps", str(steps), "--training.local_batch_size", "2",
+           *_job(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
            "--training.global_batch_size", "12", "--training.seq_len", "32", *args]
     log = dump / "train.log"
     with open(log, "w") as f:
@@ -215,7 +222,6 @@ def slow_device_runs(tmp_path_factory):
     return runs
 
 
-@tt02_only(TITAN_EXT_TRAIN + " (train_configs/debug_cpu_dp2_pp2.toml)")
 @pytest.mark.slow
 def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     rows = _falcon_log(slow_device_runs["falcon"])
@@ -245,7 +251,6 @@ def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     assert 0 < s2[0]["estimated_cost_s"] < 60 and s2[0]["measured_cost_s"] is not None
 
 
-@tt02_only(TITAN_EXT_TRAIN + " (train_configs/debug_cpu_dp2_pp2.toml)")
 @pytest.mark.slow
 def test_s2_run_trains_like_the_unmitigated_run(slow_device_runs):
     # same seed, data and global batch; S2 only changes which replica computes which chunk
@@ -264,7 +269,6 @@ def healthy_run(tmp_path_factory):
     return dump
 
 
-@tt02_only(TITAN_EXT_TRAIN + " (train_configs/debug_cpu_dp2_pp2.toml)")
 @pytest.mark.slow
 def test_healthy_40_step_run_takes_no_mitigation(healthy_run):
     rows = _falcon_log(healthy_run)

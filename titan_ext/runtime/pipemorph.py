@@ -43,6 +43,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
 from titan_ext.plan.result import peak_memory_per_rank
 
+from ._torch_compat import check_runtime_kwargs, lowering_options, runtime_kwargs_given
 from .backward import BackwardChooser
 from . import timeouts
 from .control import ControlPlane
@@ -152,7 +153,15 @@ class PipeMorph(_PipelineScheduleRuntime):
         delegate_timeout_s: float = 300.0,
         faults: Any = None,
         timeout_s: float | None = None,
+        max_active_stages: int | None = None,
+        unshard_lookahead: Any = None,
+        defer_reduce_grad_wait: bool | None = None,
+        max_outstanding_sends: int | None = None,
     ):
+        # torch >= 2.15's runtime keywords (None: not given), honoured by our lowering (_torch_compat.RUNTIME_KWARGS)
+        torch_runtime_kwargs = check_runtime_kwargs(runtime_kwargs_given(
+            max_active_stages=max_active_stages, unshard_lookahead=unshard_lookahead,
+            defer_reduce_grad_wait=defer_reduce_grad_wait, max_outstanding_sends=max_outstanding_sends))
         if timeout_s is not None:
             timeouts.set_timeout(timeout_s)  # checks the value
             timeouts.install_p2p_timeout()
@@ -175,7 +184,8 @@ class PipeMorph(_PipelineScheduleRuntime):
                        max_inflight, memory_budget_bytes, backward, backward_margin, delegation)
         super().__init__(stages, n_microbatches, loss_fn=loss_fn, args_chunk_spec=args_chunk_spec,
                          kwargs_chunk_spec=kwargs_chunk_spec, output_merge_spec=output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         **torch_runtime_kwargs)
         S, N = self._num_stages, n_microbatches
         if N < S and not self.layout.virtual:  # as torch's Schedule1F1B; Interleaved1F1B and ZBV take N < S
             raise ValueError(f"{type(self).__name__} with one stage per rank needs n_microbatches >= num_stages, "
@@ -351,7 +361,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         fsdp = any(isinstance(st.submod, FSDPModule) for st in self._stages)
         return prepare_candidate(actions, counts, kind, reason, num_stages=self._num_stages,
                                  n_microbatches=self._n_microbatches, num_ranks=self.pp_group_size,
-                                 fsdp=fsdp, inflight_limit=inflight_limit, stage_to_rank=self.layout.stage_to_rank)
+                                 fsdp=fsdp, inflight_limit=inflight_limit, stage_to_rank=self.layout.stage_to_rank,
+                                 lowering=lowering_options(self))
 
     def _swap(self, cand: Candidate) -> None:
         """Install a prepared plan (iteration boundary only): an O(1) pointer swap."""
