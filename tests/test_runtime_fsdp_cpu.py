@@ -9,7 +9,8 @@ independent single-process reference: the whole model, both replicas' batches, m
 microbatch, the DP mean (FSDP's default divide factor). On torch >= 2.15 also:
 ``step(finalize_gradients=False)`` then ``step()`` equals one reference over both steps' batches, and
 torch 2.15's runtime keywords (``max_active_stages``, ``defer_reduce_grad_wait``,
-``max_outstanding_sends``) are taken and run.
+``max_outstanding_sends``) are taken and run. And Falcon's DP gradient sum over DTensor (FSDP2)
+gradients, as FalconJob runs it under TorchTitan 0.3, sums the local shards.
 """
 
 from __future__ import annotations
@@ -57,11 +58,26 @@ def _run(rank: int, world: int) -> dict:
     """Every scenario in one process group (one spawn): this rank's full gradients after each."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-    return {name: _run_scenario(mesh, unfinalized_first, kwargs) for name, unfinalized_first, kwargs in _scenarios()}
+    mesh = init_device_mesh("cpu", (PP, DP, 1), mesh_dim_names=("pp", "dp", "fsdp"))
+    out = {name: _run_scenario(mesh, unfinalized_first, kwargs) for name, unfinalized_first, kwargs in _scenarios()}
+    out["falcon sum"] = _falcon_sum_of_dtensor_grads(mesh)
+    return out
 
 
-def _run_scenario(mesh, unfinalized_first: bool, runtime_kwargs: dict) -> list[torch.Tensor]:
+def _falcon_sum_of_dtensor_grads(mesh) -> list[torch.Tensor]:
+    """Falcon's DP gradient sum (``weighted_all_reduce_gradients``) as FalconJob runs it under TorchTitan
+    0.3: every stage ``fully_shard``-ed over the size-1 ``fsdp`` mesh (its parameters and gradients are
+    DTensors, its reduction has no peer), the replicas summed by Falcon over ``dp``: the full gradients
+    come out as the sum over replicas, DP times the reference's DP mean."""
+    from titan_ext.runtime.falcon.redistribute import weighted_all_reduce_gradients
+
+    module = _run_scenario(mesh, False, {}, return_module=True, shard_over="fsdp")
+    weighted_all_reduce_gradients(module.parameters(), 1.0, mesh["dp"].get_group())
+    return [p.grad.full_tensor() for p in module.parameters()]
+
+
+def _run_scenario(mesh, unfinalized_first: bool, runtime_kwargs: dict, return_module: bool = False,
+                  shard_over: str = "dp"):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
 
@@ -69,7 +85,7 @@ def _run_scenario(mesh, unfinalized_first: bool, runtime_kwargs: dict) -> list[t
 
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     module = mlp_stages(PP, DIM)[pp]
-    fully_shard(module, mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh[shard_over])
     stage = PipelineStage(module, pp, PP, torch.device("cpu"), group=mesh["pp"].get_group())
     sched = PipeMorph([stage], N, loss_fn=lambda out, y: Fn.mse_loss(out, y, reduction="sum"),
                       scale_grads=False, adaptive=False, **runtime_kwargs)
@@ -80,7 +96,7 @@ def _run_scenario(mesh, unfinalized_first: bool, runtime_kwargs: dict) -> list[t
             sched.step(x, **kwargs)
         else:
             sched.step(target=y, **kwargs)
-    return [p.grad.full_tensor() for p in module.parameters()]
+    return module if return_module else [p.grad.full_tensor() for p in module.parameters()]
 
 
 def test_fsdp_stages_gradients_equal_the_reference():
@@ -92,3 +108,7 @@ def test_fsdp_stages_gradients_equal_the_reference():
             assert len(grads) == len(want), name
             for got, w in zip(grads, want):
                 torch.testing.assert_close(got, w, rtol=RTOL, atol=0, msg=lambda m: f"{name}, rank {rank}: {m}")
+    ref = _reference([_batch(0, dp) for dp in range(DP)])
+    for rank, by_name in enumerate(results):
+        for got, w in zip(by_name["falcon sum"], ref[rank // DP]):
+            torch.testing.assert_close(got, DP * w, rtol=RTOL, atol=0)

@@ -86,7 +86,9 @@ def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: 
     Gradients are flattened into one buffer per dtype so the aggregation is one all-reduce.
     Parameters without a gradient contribute zeros (all ranks must agree on the parameter list).
     DTensor parameters (FSDP2, as TorchTitan 0.3 applies it to every model part) contribute their
-    local shards: replicas hold the same sharding, so this is HSDP's replicate-dim reduction.
+    local shards: ``group`` must be a replicate group (every member holds the same shard, as the DP
+    replicas of FalconJob do: FSDP over the size-1 ``fsdp`` mesh), never the group a tensor is sharded
+    over -- HSDP's replicate-dim reduction.
     """
     params = [p for p in params if p.requires_grad]
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
