@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The version matrix beside the default environment (torch 2.13 CPU + TorchTitan 0.2.2, scripts/test.sh):
 #   bash scripts/ci_versions.sh torch-2.15       # torch 2.15.0 + TorchTitan 0.2.2: plan + runtime default tier
-#   bash scripts/ci_versions.sh torchtitan-0.3   # TorchTitan 0.3.0 over torch 2.14.1: titan tests + 3 PipeMorph steps
+#   bash scripts/ci_versions.sh torchtitan-0.3   # TorchTitan 0.3.0 over torch 2.14.1: every titan test + Falcon's
+#                                                # job tests (+ its DP x PP runs) + 3 PipeMorph steps
 #   bash scripts/ci_versions.sh all              # both (what .ci/run calls after the default tier)
 # Each environment lives in .venvs/<name> (git-ignored) with its own copy of the sources in
 # .venvs/<name>/src, whose C/C++ extensions are built against that environment's torch, so the default
@@ -72,7 +73,7 @@ run_torch215() {
     make_env "$env" 2.15.0 0.2.2 "datasets>=2.21" || return 0
     build_in "$env"
     local py="$root/.venvs/$env/bin/python"
-    say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py)"
+    say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py, on real FSDP2 stages: tests/test_runtime_fsdp_cpu.py)"
     # multi-process tests over plain gloo: the default test backend nccl_rules (runtime/nccl_rules.py)
     # registers a custom backend that torch 2.15's batch_isend_irecv does not find for the CPU
     (cd "$root/.venvs/$env/src" && TITAN_EXT_TEST_BACKEND=gloo "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
@@ -85,9 +86,14 @@ run_tt03() {
     make_env "$env" 2.14.1 0.3.0 "datasets>=3.6.0,<4.8.0" "spmd_types==0.2.3" torch_checkpointing || return 0
     build_in "$env"
     local py="$root/.venvs/$env/bin/python" src="$root/.venvs/$env/src"
-    say "$env: the titan tests that are TorchTitan-version neutral or 0.3's"
+    # every titan test file: each test runs under 0.3 or skips naming the 0.2-only API it needs
+    # (tests/_titan_version.py); Falcon's job tests too (titan/falcon_job.py through the 0.3 adapter)
+    say "$env: the whole titan test set and Falcon's job tests (default tier)"
     (cd "$src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
-        tests/test_titan_adapters.py tests/test_titan_tt03.py tests/test_torch_compat.py)
+        tests/test_titan_*.py tests/test_falcon_job.py tests/test_falcon_groups.py tests/test_torch_compat.py)
+    say "$env: Falcon end to end, DP 2 x PP 2 with an emulated slow device (config falcon_dp2_pp2_debugmodel)"
+    (cd "$src" && "$py" -m pytest -q -ra -m "slow and not gpu" -p no:cacheprovider tests/test_falcon_job.py \
+        -k "slow_device or s2_run")
     say "$env: 3 training steps of PipeMorph on the CPU (README's TorchTitan 0.3 command)"
     (cd "$src" && rm -rf outputs/debug_cpu_tt03 && \
         "$root/.venvs/$env/bin/torchrun" --nproc_per_node 4 -m torchtitan.train --module titan_ext.titan \

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _titan_version import IS_TT03
 
 from titan_ext.runtime.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
 from titan_ext.runtime.testing import chosen_backend
@@ -29,7 +30,7 @@ from titan_ext.runtime.falcon.emulation import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"
+CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"  # TorchTitan 0.3: config_registry.falcon_dp2_pp2_debugmodel
 SLOW_FROM = 10
 SLOW_FACTOR = 24
 """The debug model's stage compute is ~1 ms a micro-batch: at 24x the slow replica adds ~1 s a step,
@@ -171,6 +172,14 @@ def test_s2_redistribution_keeps_the_global_gradient_float64():
 # --------------------------------------------------------------------------- end to end (torchrun)
 
 
+def _job(dump: Path) -> list[str]:
+    """The DP 2 x PP 2 debug job: the TOML file under TorchTitan 0.2, its Python twin under 0.3."""
+    if IS_TT03:
+        return ["-m", "torchtitan.train", "--module", "titan_ext.titan", "--config", "falcon_dp2_pp2_debugmodel",
+                "--dump_folder", str(dump)]
+    return ["-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(dump)]
+
+
 def _torchrun(dump: Path, steps: int, args: list[str]) -> None:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1",
@@ -180,8 +189,7 @@ def _torchrun(dump: Path, steps: int, args: list[str]) -> None:
     env[TEST_BACKEND_VAR] = chosen_backend()  # default nccl_rules (the CPU shim reads it)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--local-ranks-filter", "3",
-           "-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(dump),
-           "--training.steps", str(steps), "--training.local_batch_size", "2",
+           *_job(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
            "--training.global_batch_size", "12", "--training.seq_len", "32", *args]
     log = dump / "train.log"
     with open(log, "w") as f:

@@ -163,3 +163,63 @@ def test_executor_fsdp_reduction_starts_then_waits_or_is_deferred(monkeypatch, f
 def test_executor_without_waits_waits_every_send_at_the_end(monkeypatch):
     log, _ = _run(["0SEND_F0", "0REDUCE_GRAD", "0SEND_F1"], monkeypatch=monkeypatch)
     assert log[0] == ("reduce", 2) and sorted(log[1:]) == [("waited", "0SEND_F0"), ("waited", "0SEND_F1")]
+
+
+# --------------------------------------------------------------------------- torch 2.15's runtime keywords
+
+_RUNTIME_OPTIONS = {
+    "defaults": {},
+    "fsdp_residency": {"max_active_stages": 1, "unshard_lookahead": "auto"},
+    "deferred_reduce_wait": {"defer_reduce_grad_wait": True},
+    "send_budget": {"max_outstanding_sends": 1},
+    "all": {"max_active_stages": 2, "unshard_lookahead": "auto", "defer_reduce_grad_wait": True,
+            "max_outstanding_sends": 2},
+}
+
+
+@needs_waits
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("options", sorted(_RUNTIME_OPTIONS))
+def test_runtime_keywords_lower_as_torchs_runtime_lowers_them(name, options):
+    """max_active_stages / unshard_lookahead / defer_reduce_grad_wait / max_outstanding_sends: our
+    lowering (what every deployed plan, re-plans included, goes through) equals torch 2.15's own
+    ``_prepare_schedule_with_comms`` with the same keywords -- and they do change the lowering."""
+    from titan_ext.runtime._torch_compat import RUNTIME_KWARGS, lowering_options
+
+    plan, _ = builtin_plan(name, S, N)
+    stages = sorted({a.stage_index for acts in plan.values() for a in acts})
+    owner = tuple(r for s in stages for r, acts in plan.items() if any(a.stage_index == s for a in acts))
+    values = {**RUNTIME_KWARGS, **_RUNTIME_OPTIONS[options]}
+    torch_sched = object.__new__(ts._PipelineScheduleRuntime)
+    for k, v in dict(_defer_pp_recv=False, _n_microbatches=N, _num_stages=len(stages), pp_group_size=S, _stages=[],
+                     stage_index_to_group_rank={}, **{f"_{k}": v for k, v in values.items()}).items():
+        setattr(torch_sched, k, v)
+    torch_sched._prepare_schedule_with_comms({r: list(a) for r, a in plan.items()})
+    want = {r: [str(a) for a in acts] for r, acts in torch_sched.pipeline_order_with_comms.items()}
+    cand = prepare_candidate(plan, None, "external", "t", num_stages=len(stages), n_microbatches=N, num_ranks=S,
+                             fsdp=True, stage_to_rank=owner, lowering=lowering_options(torch_sched))
+    assert {r: [str(a) for a in acts] for r, acts in cand.lowered.items()} == want
+    if options != "defaults" and not (options == "fsdp_residency" and name == "1F1B"):  # 1 stage a rank: no residency
+        default = prepare_candidate(plan, None, "external", "t", num_stages=len(stages), n_microbatches=N,
+                                    num_ranks=S, fsdp=True, stage_to_rank=owner)
+        assert {r: [str(a) for a in acts] for r, acts in default.lowered.items()} != want
+
+
+def test_runtime_keywords_are_gated_by_torch_version():
+    from titan_ext.runtime._torch_compat import check_runtime_kwargs
+
+    assert check_runtime_kwargs({}, version=(2, 13)) == {}
+    assert check_runtime_kwargs({"max_outstanding_sends": 2}, version=(2, 15)) == {"max_outstanding_sends": 2}
+    with pytest.raises(TypeError, match=r"max_outstanding_sends: torch 2\.15's runtime options; torch 2\.13 has no"):
+        check_runtime_kwargs({"max_outstanding_sends": 2}, version=(2, 13))
+    with pytest.raises(TypeError, match=r"defer_pp_recv .*max_active_stages, unshard_lookahead"):
+        check_runtime_kwargs({"defer_pp_recv": True}, version=(2, 15))
+
+
+@needs_waits
+def test_a_bad_runtime_keyword_value_is_refused_by_torchs_own_check():
+    from titan_ext.runtime._torch_compat import lowering_options
+
+    sched = SimpleNamespace(_max_active_stages=2, _unshard_lookahead=(1, 2, 3), pp_group_size=S)
+    with pytest.raises(ValueError, match="unshard_lookahead tuple length must equal the pipeline degree"):
+        lowering_options(sched)

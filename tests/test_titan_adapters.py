@@ -66,3 +66,56 @@ def test_registration_fails_loudly(monkeypatch, damage):
         want = "no adapter for TorchTitan 0.9.0"
     with pytest.raises(adapters.TitanIntegrationError, match=want):
         registry.register(cpu_shim=False)
+
+
+def test_tt03_falcon_chunks_join_a_forward_backwards_items_and_give_them_back_in_order():
+    """Under 0.3 a Falcon chunk is what one forward/backward reads (num_pipeline_parallel_microbatches
+    data-loader items), joined into one (input_dict, labels) pair for S2's exchange; the trainer gets
+    exactly the items back, in order (the adapter module imports no TorchTitan: tested everywhere)."""
+    import torch
+    from types import SimpleNamespace
+
+    from titan_ext.titan.adapters import tt03
+
+    items = [({"input": torch.full((1, 3), float(i))}, torch.full((1, 3), -float(i))) for i in range(6)]
+    seen_chunks, fed = [], []
+
+    def job_step(run_step, chunks):
+        mine = [next(chunks) for _ in range(3)]
+        seen_chunks.extend(mine)
+        run_step(iter(mine))
+
+    job = SimpleNamespace(trainer=SimpleNamespace(num_pipeline_parallel_microbatches=2), train_step=job_step)
+    tt03.falcon_train_step(job, lambda it: fed.extend(it), iter(items))
+    assert [c[0]["input"].shape for c in seen_chunks] == [torch.Size([2, 3])] * 3
+    assert torch.equal(seen_chunks[1][1], torch.tensor([[-2.0] * 3, [-3.0] * 3]))
+    assert len(fed) == 6 and all(torch.equal(a[0]["input"], b[0]["input"]) and torch.equal(a[1], b[1])
+                                 for a, b in zip(fed, items))
+
+
+def test_tt03_dp_replicas_summed_by_the_trainer_need_partial_dtensor():
+    """0.3's default spmd_backend reduces gradients over DP inside the backward: Falcon's trainer-owned
+    sum (and S2) would be wrong there, so it is refused naming the key; with partial_dtensor the model's
+    parallelize_fn sees no dp_replicate (FSDP over the size-1 fsdp mesh)."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from titan_ext.titan.adapters import tt03
+
+    seen = []
+
+    @dataclass
+    class Spec:
+        parallelize_fn: object
+
+    config = SimpleNamespace(model_spec=Spec(lambda model, *, parallel_dims, **kw: seen.append(parallel_dims)))
+    tt03.install_replication_by_trainer(config)
+    tt03.install_replication_by_trainer(config)  # idempotent
+    dims = SimpleNamespace(pp_enabled=True, dp_replicate_enabled=True, fsdp_enabled=False)
+    with pytest.raises(adapters.TitanIntegrationError, match=r"spmd_backend = 'partial_dtensor' \(got 'spmd_types'"):
+        config.model_spec.parallelize_fn(None, parallel_dims=dims, parallelism=SimpleNamespace(spmd_backend="spmd_types"))
+    config.model_spec.parallelize_fn(None, parallel_dims=dims, parallelism=SimpleNamespace(spmd_backend="partial_dtensor"))
+    assert seen[-1].dp_replicate_enabled is False and seen[-1].pp_enabled is True
+    pp_only = SimpleNamespace(pp_enabled=True, dp_replicate_enabled=False, fsdp_enabled=False)
+    config.model_spec.parallelize_fn(None, parallel_dims=pp_only, parallelism=SimpleNamespace(spmd_backend="spmd_types"))
+    assert seen[-1] is pp_only  # nothing replicated by the trainer: TorchTitan's own path untouched

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from _titan_version import (ADAPTER, TITAN_EXT_TRAIN, TOML_CONFIG, debug_cpu,
+                            tt02_only)
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 CONFIGS = sorted((ROOT / "train_configs").glob("*.toml"))
@@ -33,6 +36,7 @@ def test_import_titan_ext_is_light():
     assert out.stdout.strip() == "[]"
 
 
+@tt02_only(TOML_CONFIG)
 def test_section_defaults_and_values_from_toml(tmp_path):
     cfg = _parse(["--job.config_file", _toml(tmp_path, '[titan_ext]\nreplan_interval = 7\n'
                                                        'delegation = "auto"\ninject_delays = "2:30"\n')])
@@ -42,12 +46,14 @@ def test_section_defaults_and_values_from_toml(tmp_path):
     assert cfg.titan_ext.slack_floor == 2  # default
 
 
+@tt02_only(TOML_CONFIG)
 def test_cli_overrides_toml(tmp_path):
     cfg = _parse(["--job.config_file", _toml(tmp_path, "[titan_ext]\nreplan_interval = 7\n"),
                   "--titan_ext.replan_interval", "4"])
     assert cfg.titan_ext.replan_interval == 4
 
 
+@tt02_only(TOML_CONFIG)
 @pytest.mark.parametrize("key,value,needle", [
     ("delegation", '"sometimes"', "must be one of 'off', 'auto', 'always'"),
     ("replan_interval", "0", "must be >= 1"),
@@ -69,6 +75,7 @@ def test_bad_value_error_names_the_key(tmp_path, key, value, needle):
     assert needle in str(e.value)
 
 
+@tt02_only(TOML_CONFIG)
 def test_bad_trace_content_names_key_and_line(tmp_path):
     from titan_ext.titan.config import TitanExtConfigError
 
@@ -78,17 +85,16 @@ def test_bad_trace_content_names_key_and_line(tmp_path):
         _parse(["--job.config_file", _toml(tmp_path, f'[titan_ext]\ninject_trace = "{trace}"\n')])
 
 
-def test_injected_link_must_exist_for_the_pp_degree(tmp_path):
+def test_injected_link_must_exist_for_the_pp_degree():
     from titan_ext.titan.config import TitanExtConfigError
-    from titan_ext.train import check_job_config
+    from titan_ext.titan.jobcheck import check_job_config
 
-    cfg = _parse(["--job.config_file", _toml(tmp_path, "[parallelism]\npipeline_parallel_degree = 4\n"
-                                                       "pipeline_parallel_schedule = \"1F1B\"\n"
-                                                       '[titan_ext]\ninject_delays = "3:30"\n')])
+    cfg = debug_cpu("--titan_ext.inject_delays", "3:30")  # PP = 4: links 0..2
     with pytest.raises(TitanExtConfigError, match=r"inject_delays = '3:30': link 3 does not exist"):
         check_job_config(cfg, world_size=4)
 
 
+@tt02_only(TITAN_EXT_TRAIN)
 def test_train_entry_fails_fast_before_any_process_group(tmp_path):
     """No torchrun env at all: creating a process group would fail differently (env:// rendezvous)."""
     cfg = tmp_path / "c.toml"
@@ -103,11 +109,10 @@ def test_train_entry_fails_fast_before_any_process_group(tmp_path):
         "'off', 'auto', 'always'"], p.stderr  # one line, before anything (a process group) starts
 
 
-def test_unknown_schedule_fails_before_process_group(tmp_path):
-    from titan_ext.train import JobConfigError, check_job_config
+def test_unknown_schedule_fails_before_process_group():
+    from titan_ext.titan.jobcheck import JobConfigError, check_job_config
 
-    cfg = _parse(["--job.config_file", _toml(tmp_path, "[parallelism]\npipeline_parallel_degree = 4\n"
-                                                       'pipeline_parallel_schedule = "Nope"\n')])
+    cfg = debug_cpu("--parallelism.pipeline_parallel_schedule", "Nope")
     with pytest.raises(JobConfigError, match=r"pipeline_parallel_schedule = 'Nope'.*PipeMorph"):
         check_job_config(cfg, world_size=4)
     with pytest.raises(JobConfigError, match="does not divide the world size 6"):
@@ -137,7 +142,7 @@ def test_registration_in_stock_torchtitan_builder(order):
         "assert pp.get_schedule_class('pipemorph') is cls\n"
         "assert issubclass(pp.get_schedule_class('CrossPipe'), CrossPipe)\n"
         "assert pp.get_schedule_class('1F1B') is Schedule1F1B\n"
-        "assert pp.build_pipeline_schedule._titan_ext_wrapped\n"
+        f"assert all(getattr(pp, name)._titan_ext_wrapped for name in {sorted(ADAPTER.WRAPPERS)})\n"
         "from torchtitan.hf_datasets.text_datasets import DATASETS\n"
         "assert 'titan_ext_tiny' in DATASETS\n"
         "import torchtitan.tools.utils as u, torchtitan.components.metrics as m\n"
@@ -188,6 +193,7 @@ def test_schedule_kwargs_follow_constructor_signature():
         schedule_kwargs(NoDelegation, JobConfig(titan_ext=TitanExt(delegation="always")))
 
 
+@tt02_only(TOML_CONFIG)
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_parse_with_torchtitan_config_manager(path):
     cfg = _parse(["--job.config_file", str(path)])
@@ -223,14 +229,23 @@ def test_shipped_assets_are_regenerated_identically(tmp_path):
         assert (tmp_path / rel).read_bytes() == (ASSETS_DIR / rel).read_bytes(), rel
 
 
+def _debug_model_vocab_size() -> int:
+    if ADAPTER.VERSION == "0.2":
+        from torchtitan.models.llama3 import llama3_args
+
+        return llama3_args["debugmodel"].vocab_size
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    return llama3_debugmodel().model_spec.model.vocab_size
+
+
 def test_tokenizer_fits_debug_model_and_round_trips():
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.models.llama3 import llama3_args
 
     from titan_ext.titan.data import TOKENIZER_DIR, load_corpus
 
-    tok = HuggingFaceTokenizer(str(TOKENIZER_DIR))
-    assert tok.get_vocab_size() <= llama3_args["debugmodel"].vocab_size
+    tok = HuggingFaceTokenizer(tokenizer_path=str(TOKENIZER_DIR))
+    assert tok.get_vocab_size() <= _debug_model_vocab_size()
     text = load_corpus()[5]["text"]
     ids = tok.encode(text, add_bos=True, add_eos=True)
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
@@ -238,6 +253,7 @@ def test_tokenizer_fits_debug_model_and_round_trips():
     assert len(ids) < len(text) / 2  # BPE actually compresses
 
 
+@tt02_only(TOML_CONFIG)
 def test_stock_torchtitan_train_rejects_bad_value_before_process_group(tmp_path):
     """Stock `python -m torchtitan.train`: the [titan_ext] error comes from config parsing."""
     cfg = tmp_path / "bad.toml"
@@ -259,10 +275,9 @@ def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp
     from titan_ext.runtime.delegated import DelegatedPipeMorph
     from titan_ext.titan.options import schedule_kwargs
     from titan_ext.titan.registry import schedule_class_for
-    from titan_ext.train import JobConfigError, check_job_config
+    from titan_ext.titan.jobcheck import JobConfigError, check_job_config
 
-    def cfg(*extra):
-        return _parse(["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), *extra])
+    cfg = debug_cpu  # train_configs/debug_cpu.toml, or its TorchTitan 0.3 twin
 
     auto = cfg("--titan_ext.delegation", "auto", "--titan_ext.delegation_slow_link_ms", "7.5")
     cls = schedule_class_for("PipeMorph", auto)
@@ -281,33 +296,32 @@ def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp
         check_job_config(baseline, world_size=4)
 
 
-def test_pipemorph_takes_torchtitans_stage_split(tmp_path):
+def test_pipemorph_takes_torchtitans_stage_split():
     """PipeMorph runs several stages per rank (issue 14): TorchTitan's own split is kept (two stages per
     rank by default); delegation (one stage per rank) and placement "v" (two) are checked up front."""
-    from titan_ext.train import JobConfigError, check_job_config
+    from titan_ext.titan.jobcheck import JobConfigError, check_job_config
 
-    body = ('[model]\nname = "llama3"\nflavor = "debugmodel"\n'
-            '[parallelism]\npipeline_parallel_degree = 4\npipeline_parallel_schedule = "PipeMorph"\n')
-    cfg = _parse(["--job.config_file", _toml(tmp_path, body)])
+    def default_split(*extra):  # the debug job without its one-stage-per-rank module split
+        cfg = debug_cpu(*extra)
+        cfg.parallelism.module_fqns_per_model_part = None
+        return cfg
+
+    cfg = default_split()
     check_job_config(cfg, world_size=4)
     assert cfg.parallelism.module_fqns_per_model_part is None  # TorchTitan's default: 2 stages per rank
-    check_job_config(_parse(["--job.config_file", _toml(tmp_path, body), "--titan_ext.placement", "v"]), world_size=4)
+    check_job_config(default_split("--titan_ext.placement", "v"), world_size=4)
     # 6 layers + embeddings + output at 1 per stage = 8 stages = 2 per rank
-    check_job_config(_parse(["--job.config_file", _toml(tmp_path, body),
-                             "--parallelism.pipeline_parallel_layers_per_stage", "1"]), world_size=4)
+    check_job_config(default_split("--parallelism.pipeline_parallel_layers_per_stage", "1"), world_size=4)
     with pytest.raises(JobConfigError, match="delegation runs one stage per PP rank, but PipeMorph gets 2"):
-        check_job_config(_parse(["--job.config_file", _toml(tmp_path, body), "--titan_ext.delegation", "always"]),
-                         world_size=4)
-    one = _parse(["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), "--titan_ext.placement", "v"])
+        check_job_config(default_split("--titan_ext.delegation", "always"), world_size=4)
     with pytest.raises(JobConfigError, match="placement = 'v' needs two stages per PP rank, got 1"):
-        check_job_config(one, world_size=4)
+        check_job_config(debug_cpu("--titan_ext.placement", "v"), world_size=4)
 
 
 def test_backward_option_is_checked_against_the_schedule_before_any_process_group():
-    from titan_ext.train import JobConfigError, check_job_config
+    from titan_ext.titan.jobcheck import JobConfigError, check_job_config
 
-    def cfg(*extra):
-        return _parse(["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"), *extra])
+    cfg = debug_cpu  # train_configs/debug_cpu.toml, or its TorchTitan 0.3 twin
 
     check_job_config(cfg("--titan_ext.backward", "full"), world_size=4)  # PipeMorph takes it
     with pytest.raises(JobConfigError, match=r"\[titan_ext\] backward = 'full': schedule 'CrossPipe' takes 'split'"):
@@ -330,6 +344,7 @@ _BAD_TRAINER_INPUTS = {
 }
 
 
+@tt02_only(TITAN_EXT_TRAIN)
 @pytest.mark.parametrize("case", sorted(_BAD_TRAINER_INPUTS))
 def test_trainer_bad_input_is_one_line_exit_2_before_any_process_group(case, tmp_path, capsys,
                                                                       monkeypatch):

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from _titan_version import TOML_CONFIG, tt02_only
 from titan_ext.titan.config import TitanExt, TitanExtConfigError, validate_titan_ext
 
 
@@ -16,6 +17,7 @@ def _parse(tmp_path, body: str):
     return ConfigManager().parse_args(["--job.config_file", str(p)]).titan_ext
 
 
+@tt02_only(TOML_CONFIG)
 def test_values_from_toml(tmp_path):
     cfg = _parse(tmp_path, 'placement = "v"\nlink_alpha_beta = "2:5:50MB/s,0:1"\n')
     assert cfg.placement == "v" and cfg.link_alpha_beta == "2:5:50MB/s,0:1"
@@ -27,6 +29,7 @@ def test_values_from_toml(tmp_path):
     assert TitanExt().placement == "" and TitanExt().link_alpha_beta == ""
 
 
+@tt02_only(TOML_CONFIG)
 @pytest.mark.parametrize("body, needle", [
     ('placement = "zigzag"', "[titan_ext] placement = 'zigzag': must be one of '', 'loop', 'v'"),
     ('link_alpha_beta = "2:fast"', "[titan_ext] link_alpha_beta = '2:fast'"),

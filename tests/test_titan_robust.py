@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from _titan_version import TITAN_EXT_TRAIN, tt02_only
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 
@@ -43,6 +45,7 @@ def _config(tmp_path: Path, text) -> Path:
     return path
 
 
+@tt02_only(TITAN_EXT_TRAIN)
 @pytest.mark.parametrize("rank", ["0", "2"])
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_file_or_env_is_one_line_from_rank_0_exit_2(case, rank, tmp_path, capsys, monkeypatch):
@@ -68,6 +71,7 @@ def test_bad_file_or_env_is_one_line_from_rank_0_exit_2(case, rank, tmp_path, ca
     assert "Traceback" not in out + err
 
 
+@tt02_only(TITAN_EXT_TRAIN)
 @pytest.mark.slow  # a fresh trainer process (torch + TorchTitan imports)
 def test_env_straggler_is_checked_before_it_is_announced(tmp_path):
     """`TITAN_EXT_INJECT_DELAYS=9:30` announced an active straggler (installed at `import
@@ -81,6 +85,7 @@ def test_env_straggler_is_checked_before_it_is_announced(tmp_path):
                                                  "link 9 does not exist with 4 pipeline stages (links 0..2)")
 
 
+@tt02_only(TITAN_EXT_TRAIN + " (scripts/frozen_rank.py runs train_configs/debug_cpu.toml)")
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", ["PipeMorph", "1F1B"])

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from _titan_version import TITAN_EXT_TRAIN, tt02_only
+
+pytestmark = [pytest.mark.slow, tt02_only(TITAN_EXT_TRAIN + " (scripts/launch.sh runs a TOML config)")]
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from _titan_version import TITAN_EXT_TRAIN, TOML_CONFIG, tt02_only
+
 from titan_ext.runtime.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
 from titan_ext.runtime.testing import chosen_backend
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, tt02_only(TITAN_EXT_TRAIN + " and " + TOML_CONFIG)]
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

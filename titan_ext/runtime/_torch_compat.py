@@ -41,7 +41,8 @@ SINCE = {
         _SCHEDULES: (
             "_ComputationType.WAIT_REDUCE_GRAD", "_ComputationType.WAIT_SEND_F",
             "_ComputationType.WAIT_SEND_B", "_add_wait_send", "_add_wait_send_budget",
-            "_validate_send_waits",
+            "_validate_send_waits", "_resolve_unshard_lookahead",
+            "_PipelineScheduleRuntime._validate_deferred_gradient_reduction",
         ),
         _STAGE: (
             "_PipelineStageBase.release_fwd_send_outputs", "_PipelineStageBase.start_gradient_reduction",
@@ -127,3 +128,58 @@ def mirrored_loop() -> str:
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
     return ast.unparse(tree) + "\n"
+
+
+# ------------------------------------------------------------------ torch 2.15's runtime keywords
+
+RUNTIME_KWARGS_SINCE = (2, 15)
+#: torch 2.15's ``_PipelineScheduleRuntime`` keywords that shape the lowering -> their defaults there.
+#: Our schedules take them too (torch >= 2.15) and honour them in ``runtime/deploy.lower`` -- the
+#: lowering torch's ``_prepare_schedule_with_comms`` does -- on every plan they deploy, including the
+#: adaptive re-plans: ``max_active_stages`` / ``unshard_lookahead`` place FSDP's UNSHARD/RESHARD
+#: (``_add_unshard_reshard``; no effect on stages FSDP does not wrap, as in torch),
+#: ``defer_reduce_grad_wait`` moves each WAIT_REDUCE_GRAD past the next stage's compute
+#: (``_add_reduce_grad``), ``max_outstanding_sends`` caps the sends a rank has pending
+#: (``_add_wait_send_budget``). torch's own ``defer_pp_recv`` is not taken: our executor already
+#: waits for a receive just before its consumer (runtime/executor.py, ``_wait_input``).
+RUNTIME_KWARGS = {"max_active_stages": 3, "unshard_lookahead": "full", "defer_reduce_grad_wait": False,
+                  "max_outstanding_sends": None}
+
+
+def check_runtime_kwargs(kwargs: dict, version: tuple[int, int] | None = None) -> dict:
+    """``kwargs`` (torch 2.15's runtime keywords given to one of our schedules), checked: an unknown
+    name is a TypeError listing the known ones; any of them on torch < 2.15 is a TypeError naming the
+    torch it needs (there, torch's lowering has no such option: ignoring it would be silent). Values
+    are checked by torch's own constructor and ``_resolve_unshard_lookahead``. Returns ``kwargs``."""
+    unknown = sorted(set(kwargs) - set(RUNTIME_KWARGS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)} (torch's runtime keywords "
+                        f"our schedules take: {', '.join(RUNTIME_KWARGS)})")
+    version = torch_version() if version is None else version
+    if kwargs and version < RUNTIME_KWARGS_SINCE:
+        raise TypeError(f"{', '.join(sorted(kwargs))}: torch {'.'.join(map(str, RUNTIME_KWARGS_SINCE))}'s "
+                        f"runtime options; torch {version[0]}.{version[1]} has no such lowering option")
+    return kwargs
+
+
+def runtime_kwargs_given(**kwargs) -> dict:
+    """The runtime keywords a caller gave (None = not given: torch's default)."""
+    return {name: value for name, value in kwargs.items() if value is not None}
+
+
+def lowering_options(schedule) -> dict:
+    """The runtime keywords in force on ``schedule`` (what torch 2.15's constructor stored; the
+    defaults on older torch), ``unshard_lookahead`` resolved per rank by torch's
+    ``_resolve_unshard_lookahead`` (ValueError on a bad value), for ``runtime/deploy.lower``; empty
+    before torch 2.15 (its passes have no such options: torch's defaults)."""
+    if torch_version() < RUNTIME_KWARGS_SINCE:
+        return {}
+    from torch.distributed.pipelining.schedules import _resolve_unshard_lookahead
+
+    options = {name: getattr(schedule, f"_{name}", default) for name, default in RUNTIME_KWARGS.items()}
+    options["unshard_lookahead"] = _resolve_unshard_lookahead(
+        options["unshard_lookahead"], num_pp_ranks=schedule.pp_group_size,
+        max_active_stages=options["max_active_stages"])
+    if options["defer_reduce_grad_wait"]:
+        schedule._validate_deferred_gradient_reduction()  # torch's: one FSDP comm context per stage
+    return options

@@ -73,23 +73,40 @@ class Candidate:
 
 
 def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages: int, n_microbatches: int,
-          fsdp: bool) -> tuple[dict[int, list[_Action]], dict[int, int]]:
-    """torch's lowering passes of ``_prepare_schedule_with_comms``, on copies: (lowered, stage → rank)."""
+          fsdp: bool, options: Mapping[str, Any] | None = None) -> tuple[dict[int, list[_Action]], dict[int, int]]:
+    """torch's lowering passes of ``_prepare_schedule_with_comms``, on copies: (lowered, stage → rank).
+
+    ``options``: torch 2.15's runtime keywords (``_torch_compat.lowering_options``, ``unshard_lookahead``
+    resolved per rank), passed to the passes as torch's runtime passes them; None: torch's defaults."""
+    opts = dict(options or {})
     mapping = _torch_schedules._validate_schedule(
         {r: list(a) for r, a in torch_actions.items()}, num_ranks, num_stages, n_microbatches)
     lowered = {}
     for r in torch_actions:
         # UNSHARD/RESHARD are no-ops for stages that FSDP does not wrap: skipped then
-        acts = _torch_schedules._add_unshard_reshard(list(torch_actions[r])) if fsdp else list(torch_actions[r])
-        lowered[r] = _torch_schedules._add_reduce_grad(acts, n_microbatches)
+        acts = list(torch_actions[r])
+        if fsdp and opts:
+            acts = _torch_schedules._add_unshard_reshard(acts, max_active_stages=opts["max_active_stages"],
+                                                         unshard_lookahead=opts["unshard_lookahead"][r])
+        elif fsdp:
+            acts = _torch_schedules._add_unshard_reshard(acts)
+        lowered[r] = (_torch_schedules._add_reduce_grad(acts, n_microbatches,
+                                                        defer_reduce_grad_wait=opts["defer_reduce_grad_wait"])
+                      if opts.get("defer_reduce_grad_wait") else _torch_schedules._add_reduce_grad(acts, n_microbatches))
     lowered = _torch_schedules._add_send_recv(lowered, stage_to_rank=lambda st: mapping[st], num_stages=num_stages)
-    return add_send_waits(lowered), mapping  # torch >= 2.15: WAIT_SEND_F/B, checked by torch
+    lowered = add_send_waits(lowered)  # torch >= 2.15: WAIT_SEND_F/B, checked by torch
+    if opts.get("max_outstanding_sends") is not None:
+        lowered = _torch_schedules._add_wait_send_budget(lowered, stage_to_rank=lambda st: mapping[st],
+                                                         max_outstanding_sends=opts["max_outstanding_sends"])
+        _torch_schedules._validate_send_waits(lowered)
+    return lowered, mapping
 
 
 def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None, kind: str, reason: str, *,
                       num_stages: int, n_microbatches: int, num_ranks: int, fsdp: bool = False,
                       inflight_limit: list[int] | int | None = None,
-                      stage_to_rank: tuple[int, ...] | None = None) -> Candidate:
+                      stage_to_rank: tuple[int, ...] | None = None,
+                      lowering: Mapping[str, Any] | None = None) -> Candidate:
     """Validate and lower a compute-only plan (pure): every rank runs only its own stages —
     ``stage_to_rank`` (several stages per rank, ``runtime/placement.py``), else stage r on rank r.
 
@@ -106,7 +123,7 @@ def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None
             raise PlanValidationError(f"rank {r} runs a stage it does not hold (its stages: "
                                       f"{[s for s, o in enumerate(owner) if o == r]})")
     torch_actions = to_torch_plan(ops)
-    lowered, mapping = lower(torch_actions, num_ranks, num_stages, n_microbatches, fsdp)
+    lowered, mapping = lower(torch_actions, num_ranks, num_stages, n_microbatches, fsdp, lowering)
     torch_dry_run_lowered(lowered, mapping, num_stages)
     counts = list(counts) if counts else warmup_counts_of(ops)
     return Candidate(torch_actions, lowered, mapping, counts, plan_hash(ops), kind, reason,

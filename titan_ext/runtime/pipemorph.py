@@ -49,6 +49,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
 
 from . import timeouts
+from ._torch_compat import check_runtime_kwargs, lowering_options, runtime_kwargs_given
 from .backward import BackwardChooser
 from .cadence import CheckCadence
 from .config import PipeMorphConfig
@@ -110,9 +111,17 @@ class PipeMorph(_PipelineScheduleRuntime):
         backward_requires_autograd: bool = True,
         *,
         config: PipeMorphConfig | None = None,
+        max_active_stages: int | None = None,
+        unshard_lookahead: Any = None,
+        defer_reduce_grad_wait: bool | None = None,
+        max_outstanding_sends: int | None = None,
         **options: Any,
     ):
         name = type(self).__name__
+        # torch >= 2.15's runtime keywords (None: not given), honoured by our lowering (_torch_compat.RUNTIME_KWARGS)
+        torch_runtime_kwargs = check_runtime_kwargs(runtime_kwargs_given(
+            max_active_stages=max_active_stages, unshard_lookahead=unshard_lookahead,
+            defer_reduce_grad_wait=defer_reduce_grad_wait, max_outstanding_sends=max_outstanding_sends))
         if config is not None and not isinstance(config, self.spec.config_class):
             raise TypeError(f"{name} takes config={self.spec.config_class.__name__}(...), got {type(config).__name__}")
         self.config = config = (config or self.spec.config_class()).updated(name, **options)
@@ -136,7 +145,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             raise ValueError(f"{name}: backward must be one of {self.planner.backward_choices}, got {config.backward!r}")
         super().__init__(stages, n_microbatches, loss_fn=loss_fn, args_chunk_spec=args_chunk_spec,
                          kwargs_chunk_spec=kwargs_chunk_spec, output_merge_spec=output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         **torch_runtime_kwargs)
         self._setup_parts(stages, n_microbatches)
         self._deploy_initial_plan()
 
@@ -275,10 +285,11 @@ class PipeMorph(_PipelineScheduleRuntime):
         from torch.distributed.fsdp import FSDPModule
 
         fsdp = any(isinstance(st.submod, FSDPModule) for st in self._stages)
+        lowering = lowering_options(self)
         return lambda: prepare_candidate(actions, counts, kind, reason, num_stages=self._num_stages,
                                          n_microbatches=self._n_microbatches, num_ranks=self.pp_group_size,
                                          fsdp=fsdp, inflight_limit=inflight_limit,
-                                         stage_to_rank=self.layout.stage_to_rank)
+                                         stage_to_rank=self.layout.stage_to_rank, lowering=lowering)
 
     def _install(self, cand: Candidate) -> None:
         """torch's side of a swap: the action lists and the stage map; a new plan's counters."""

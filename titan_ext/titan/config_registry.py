@@ -13,6 +13,9 @@ the CPU shim on machines without an accelerator); on a TorchTitan other than 0.3
 * :func:`pipemorph_debugmodel` -- TorchTitan's llama3 debug model (6 layers, dim 256), PP = 4 with one
   stage per rank, PipeMorph, the bundled tokenizer and corpus (nothing is downloaded): the 0.3 twin of
   ``train_configs/debug_cpu.toml``.
+* :func:`falcon_dp2_pp2_debugmodel` -- the same model as DP 2 x PP 2 (4 ranks) with Falcon, the trainer
+  summing the DP replicas itself (:mod:`titan_ext.titan.falcon_job`): the 0.3 twin of
+  ``train_configs/debug_cpu_dp2_pp2.toml``; fail-slow emulation with ``--titan_ext.emulate_slow_device``.
 """
 
 from titan_ext.titan import adapters as _adapters
@@ -27,7 +30,7 @@ from titan_ext.titan.registry import register as _register  # noqa: E402
 
 _register()
 
-__all__ = ["pipemorph_debugmodel", "one_stage_per_rank"]
+__all__ = ["pipemorph_debugmodel", "falcon_dp2_pp2_debugmodel", "one_stage_per_rank"]
 
 
 def one_stage_per_rank(pp: int, num_layers: int = 6) -> list[list[str]]:
@@ -57,6 +60,30 @@ def _causal_sdpa(model_spec):
 
 def pipemorph_debugmodel():
     """llama3 debug model, PP = 4 (one stage per rank), PipeMorph, CPU-friendly sizes, 20 steps."""
+    from titan_ext.titan.config import TitanExt
+
+    return _debugmodel(pp=4, dp_replicate=1, local_batch_size=16, global_batch_size=-1,
+                       dump_folder="./outputs/debug_cpu_tt03",
+                       titan_ext=TitanExt(adaptive=True, replan_interval=1, profile_window=3, gantt_every=10))
+
+
+def falcon_dp2_pp2_debugmodel():
+    """llama3 debug model, DP 2 x PP 2 (pipelines = ranks {0, 2} and {1, 3}), PipeMorph, Falcon: a step
+    is 3 chunks of 4 sequences per replica (one PipeMorph step of 4 microbatches each), 24 in all. The
+    trainer sums the replicas' gradients (falcon_job.py), so DTensor stays on model-parallel axes
+    (``spmd_backend = "partial_dtensor"``: 0.3's default reduces over DP inside the backward)."""
+    from titan_ext.titan.config import TitanExt
+
+    return _debugmodel(pp=2, dp_replicate=2, local_batch_size=4, global_batch_size=24,
+                       dump_folder="./outputs/debug_cpu_dp2_pp2_tt03", spmd_backend="partial_dtensor",
+                       titan_ext=TitanExt(adaptive=True, replan_interval=1, profile_window=3, gantt_every=0,
+                                          falcon=True))
+
+
+def _debugmodel(*, pp: int, dp_replicate: int, local_batch_size: int, global_batch_size: int,
+                dump_folder: str, titan_ext, spmd_backend: str = "spmd_types"):
+    """TorchTitan's llama3 debug model on the CPU: the bundled tokenizer and corpus, SDPA attention,
+    float32, one stage per PP rank, PipeMorph, the given DP replicas and ``titan_ext`` section."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -64,7 +91,6 @@ def pipemorph_debugmodel():
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    from titan_ext.titan.config import TitanExt
     from titan_ext.titan.trainer import TitanExtTrainer
 
     base = llama3_debugmodel()
@@ -72,18 +98,19 @@ def pipemorph_debugmodel():
     fields.update(
         model_spec=_causal_sdpa(base.model_spec),
         hf_assets_path=str(TOKENIZER_DIR),
-        dump_folder="./outputs/debug_cpu_tt03",
+        dump_folder=dump_folder,
         metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
-        training=TrainingConfig(local_batch_size=16, seq_len=64, steps=20, max_norm=1.0, dtype="float32",
+        training=TrainingConfig(local_batch_size=local_batch_size, global_batch_size=global_batch_size,
+                                seq_len=64, steps=20, max_norm=1.0, dtype="float32",
                                 mixed_precision_param="float32", disable_cuda_graphs=True),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=DATASET_NAME),
-        parallelism=ParallelismConfig(pipeline_parallel_degree=4, pipeline_parallel_schedule="PipeMorph",
-                                      pipeline_parallel_microbatch_size=1,
-                                      module_fqns_per_model_part=one_stage_per_rank(4)),
+        parallelism=ParallelismConfig(pipeline_parallel_degree=pp, data_parallel_replicate_degree=dp_replicate,
+                                      pipeline_parallel_schedule="PipeMorph", pipeline_parallel_microbatch_size=1,
+                                      module_fqns_per_model_part=one_stage_per_rank(pp), spmd_backend=spmd_backend),
         activation_checkpoint=None,
         compile=CompileConfig(enable=False),
         checkpoint=CheckpointManager.Config(enable=False),
         debug=DebugConfig(seed=42),
-        titan_ext=TitanExt(adaptive=True, replan_interval=1, profile_window=3, gantt_every=10),
+        titan_ext=titan_ext,
     )
     return TitanExtTrainer.Config(**fields)

@@ -275,7 +275,9 @@ class FalconJob:
         )
         self.enabled = section.falcon
         self.apply_decisions = section.falcon_apply
-        dump = Path(trainer.job_config.job.dump_folder)
+        from titan_ext.titan.adapters import current
+
+        dump = Path(current().trainer_dump_folder(trainer))
         self.log_path = (dump / FALCON_LOG) if section.falcon else None
         self.events_path = (dump / FALCON_EVENTS) if section.falcon else None
         self.events: list[dict] = []

@@ -17,7 +17,7 @@ import torch
 
 from titan_ext.titan import adapters
 from titan_ext.titan.jobcheck import check_job_config, world_size
-from titan_ext.titan.falcon_job import FalconJob, install_replication_by_trainer, replicated_by_trainer
+from titan_ext.titan.falcon_job import FalconJob, replicated_by_trainer
 from titan_ext.titan.options import titan_ext_section
 
 __all__ = ["TitanExtTrainer"]
@@ -36,12 +36,7 @@ class TitanExtTrainer(_Base):
 
     def __init__(self, config):
         check_job_config(config, world_size=world_size())
-        if not _ADAPTER.PYTHON_CONFIGS:
-            install_replication_by_trainer()
-        elif config.parallelism.pipeline_parallel_degree > 1 and config.parallelism.data_parallel_replicate_degree > 1:
-            raise adapters.TitanIntegrationError(
-                "DP replicas with PP (Falcon's job-level driver, titan_ext/titan/falcon_job.py) are not ported "
-                "to TorchTitan 0.3: use TorchTitan 0.2.2's TOML path, or data_parallel_shard_degree")
+        _ADAPTER.install_replication_by_trainer(config)
         from titan_ext.titan.registry import active_job_config
 
         # the model split and (0.3) the schedule builder read the titan_ext section
@@ -57,7 +52,7 @@ class TitanExtTrainer(_Base):
 
     def train_step(self, data_iterator):
         if self.falcon_job is not None:
-            self.falcon_job.train_step(super().train_step, data_iterator)
+            _ADAPTER.falcon_train_step(self.falcon_job, super().train_step, data_iterator)
         else:
             super().train_step(data_iterator)
 

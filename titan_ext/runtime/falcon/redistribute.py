@@ -85,6 +85,10 @@ def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: 
 
     Gradients are flattened into one buffer per dtype so the aggregation is one all-reduce.
     Parameters without a gradient contribute zeros (all ranks must agree on the parameter list).
+    DTensor parameters (FSDP2, as TorchTitan 0.3 applies it to every model part) contribute their
+    local shards: ``group`` must be a replicate group (every member holds the same shard, as the DP
+    replicas of FalconJob do: FSDP over the size-1 ``fsdp`` mesh), never the group a tensor is sharded
+    over -- HSDP's replicate-dim reduction.
     """
     params = [p for p in params if p.requires_grad]
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -92,18 +96,32 @@ def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: 
         by_dtype.setdefault(p.dtype, []).append(p)
     for dtype, ps in by_dtype.items():
         flat = to_device(torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps
+            (_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1) for p in ps
         ]) * weight, ps[0].device)  # device data: made from the gradients, on their device
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for p in ps:
-            n = p.numel()
-            chunk = flat[offset : offset + n].view_as(p)
+            n = _local(p).numel()
+            chunk = flat[offset : offset + n].view_as(_local(p))
             if p.grad is None:
-                p.grad = chunk.clone()
+                p.grad = _like(p, chunk.clone())
             else:
-                p.grad.copy_(chunk)
+                _local(p.grad).copy_(chunk)
             offset += n
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writes reach the DTensor); a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``param``: a DTensor of the same mesh and placements if it is one."""
+    if hasattr(param, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    return local
 
 
 def weighted_all_reduce_loss(local_mean_loss: torch.Tensor, weight: float, group=None) -> torch.Tensor:

@@ -69,3 +69,21 @@ def metrics_rank(processor: Any, job_config: Any) -> int:  # noqa: ARG001 - 0.2 
     from torchtitan.components.metrics import _get_metrics_rank
 
     return _get_metrics_rank(processor.parallel_dims, processor.job_config)
+
+
+def trainer_dump_folder(trainer: Any) -> str:
+    """The running trainer's dump folder (0.2's trainer keeps its TOML-parsed ``job_config``)."""
+    return trainer.job_config.job.dump_folder
+
+
+def install_replication_by_trainer(config: Any) -> None:  # noqa: ARG001 - 0.2 patches the train specs
+    """DP x PP with Falcon: TorchTitan 0.2's parallelize functions skip DDP (the trainer syncs)."""
+    from titan_ext.titan.falcon_job import install_replication_by_trainer as install
+
+    install()
+
+
+def falcon_train_step(job: Any, run_step: Callable, data_iterator: Any) -> None:
+    """One step of :class:`~titan_ext.titan.falcon_job.FalconJob`: 0.2's trainer reads one data-loader
+    batch per forward/backward (a Falcon chunk)."""
+    job.train_step(run_step, data_iterator)

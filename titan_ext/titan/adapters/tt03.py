@@ -103,3 +103,88 @@ def trainer_config(trainer: type) -> type:
 
     Config.__qualname__ = "TitanExtTrainer.Config"
     return Config
+
+
+def trainer_dump_folder(trainer: Any) -> str:
+    """The running trainer's dump folder (0.3's trainer keeps its ``Trainer.Config`` as ``config``)."""
+    return trainer.config.dump_folder
+
+
+def install_replication_by_trainer(config: Any) -> None:
+    """DP x PP with Falcon (:mod:`titan_ext.titan.falcon_job`): the trainer syncs the DP replicas itself.
+
+    TorchTitan 0.3's model ``parallelize_fn`` always applies FSDP, over ``(dp_replicate, fsdp)`` (HSDP)
+    when DP replicas exist. Where :func:`~titan_ext.titan.falcon_job.replicated_by_trainer`, the
+    config's ``model_spec`` gets a ``parallelize_fn`` that sees no ``dp_replicate``: FSDP over the
+    size-1 ``fsdp`` mesh (no gradient traffic), and the replicas are summed by FalconJob, whose S2 acts
+    there (Falcon §5.3). That needs ``spmd_backend = "partial_dtensor"`` (DTensor on model-parallel
+    axes only): 0.3's default ``spmd_types`` reduces the gradients over the DP axes in every backward
+    itself -- refused, naming the key. Idempotent."""
+    import dataclasses
+
+    from titan_ext.titan.falcon_job import _WithoutReplicate, replicated_by_trainer
+
+    original = config.model_spec.parallelize_fn
+    if getattr(original, "titan_ext_replicated", False):
+        return
+
+    def parallelize_fn(model, *, parallel_dims, **kwargs):
+        if replicated_by_trainer(parallel_dims):
+            backend = kwargs["parallelism"].spmd_backend
+            if backend != "partial_dtensor":
+                from titan_ext.titan.adapters import TitanIntegrationError
+
+                raise TitanIntegrationError(
+                    f"DP replicas with PP, summed by titan_ext's trainer (Falcon), need parallelism.spmd_backend "
+                    f"= 'partial_dtensor' (got {backend!r}: its gradients are reduced over dp_replicate "
+                    f"inside every backward, which Falcon's micro-batch redistribution cannot change)")
+            parallel_dims = _WithoutReplicate(parallel_dims)
+        return original(model, parallel_dims=parallel_dims, **kwargs)
+
+    parallelize_fn.titan_ext_replicated = True
+    config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=parallelize_fn)
+
+
+def falcon_train_step(job: Any, run_step: Callable, data_iterator: Any) -> None:
+    """One step of :class:`~titan_ext.titan.falcon_job.FalconJob` under 0.3's trainer.
+
+    0.3's ``train_step`` reads ``num_pipeline_parallel_microbatches`` data-loader items (one per
+    pipeline microbatch) for each of its ``gradient_accumulation_steps`` forward/backward calls. A
+    Falcon chunk is what one forward/backward consumes -- as under 0.2, one local batch -- so
+    FalconJob gets those items joined into one ``(input_dict, labels)`` pair, and the trainer gets its
+    chunks back split into the items again."""
+    from itertools import chain, islice
+
+    per_chunk = job.trainer.num_pipeline_parallel_microbatches
+
+    class Chunks:  # next() = the joined items of one forward/backward
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            items = list(islice(data_iterator, per_chunk))
+            if len(items) < per_chunk:
+                raise StopIteration
+            return _join(items)
+
+    job.train_step(lambda chunks: run_step(chain.from_iterable(_split(c, per_chunk) for c in chunks)),
+                   Chunks())
+
+
+def _join(items: list) -> tuple[dict, Any]:
+    """``(input_dict, labels)`` items -> one pair, every tensor concatenated along the batch dim."""
+    import torch
+
+    inputs = items[0][0]
+    if not all(torch.is_tensor(v) for v in inputs.values()):
+        raise TypeError(f"Falcon's chunks exchange tensors only; the data loader's input dict has "
+                        f"{sorted(k for k, v in inputs.items() if not torch.is_tensor(v))}")
+    return ({k: torch.cat([item[0][k] for item in items]) for k in inputs},
+            torch.cat([item[1] for item in items]))
+
+
+def _split(chunk: tuple[dict, Any], n: int) -> list[tuple[dict, Any]]:
+    """Inverse of :func:`_join`: ``n`` equal ``(input_dict, labels)`` items."""
+    inputs, labels = chunk
+    parts = {k: v.chunk(n) for k, v in inputs.items()}
+    return [({k: parts[k][i] for k in inputs}, label) for i, label in enumerate(labels.chunk(n))]
