@@ -31,7 +31,8 @@ import torch.distributed as dist
 from .device_clock import to_device
 from .restart import MeshGroups, build_mesh_groups, role_of
 
-__all__ = ["StageState", "apply_topology_in_memory", "moving_ranks"]
+__all__ = ["StageState", "apply_topology_in_memory", "exchange_stage_state", "load_stage_state",
+           "moving_ranks"]
 
 
 @dataclass
@@ -82,16 +83,13 @@ def _load_flat(module, optimizer, meta: dict, tensors: list) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
-                             optimizer: torch.optim.Optimizer,
-                             build_stage: Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]],
-                             control_group: Any = None, device=None) -> StageState:
-    """Re-map this rank from ``old_grid`` to ``new_grid`` in memory (collective over the world).
+def exchange_stage_state(old_grid, new_grid, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         control_group: Any = None, device=None) -> tuple[int, dict, list] | None:
+    """Step 2 of the module docstring (collective over the world): every rank whose stage changes
+    receives its new stage's state from the old holder of its new role.
 
-    ``module`` / ``optimizer``: this rank's current stage (state synchronised across DP replicas).
-    ``build_stage(s)``: a fresh module and optimizer of stage ``s`` (called only on ranks whose
-    stage changes). ``control_group``: where the metadata goes (a gloo group on a GPU job).
-    """
+    Returns ``(source rank, metadata, tensors)`` on a receiving rank, None on a rank that keeps its
+    stage (whose own ``module`` / ``optimizer`` hold the state). Load it with :func:`load_stage_state`."""
     rank = dist.get_rank()
     device = device if device is not None else next(module.parameters()).device
     if sorted(r for row in new_grid for r in row) != sorted(r for row in old_grid for r in row):
@@ -100,7 +98,6 @@ def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
     tensors, meta = _flat_state(module, optimizer)
     metas: list = [None] * dist.get_world_size()
     dist.all_gather_object(metas, meta, group=control_group)
-    new_mesh = build_mesh_groups(new_grid)
     ops, received, source = [], [], moves.get(rank)
     dst = next((r for r, src in moves.items() if src == rank), None)
     if dst is not None:
@@ -114,8 +111,31 @@ def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    if source is None:
+    return None if source is None else (source, metas[source], received)
+
+
+def load_stage_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+                     tensors: list) -> None:
+    """Load a stage's state as :func:`exchange_stage_state` returns it into a fresh module and
+    optimizer of the same stage (the same parameter order)."""
+    _load_flat(module, optimizer, meta, tensors)
+
+
+def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
+                             optimizer: torch.optim.Optimizer,
+                             build_stage: Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]],
+                             control_group: Any = None, device=None) -> StageState:
+    """Re-map this rank from ``old_grid`` to ``new_grid`` in memory (collective over the world).
+
+    ``module`` / ``optimizer``: this rank's current stage (state synchronised across DP replicas).
+    ``build_stage(s)``: a fresh module and optimizer of stage ``s`` (called only on ranks whose
+    stage changes). ``control_group``: where the metadata goes (a gloo group on a GPU job).
+    """
+    moved = exchange_stage_state(old_grid, new_grid, module, optimizer, control_group, device)
+    new_mesh = build_mesh_groups(new_grid)
+    if moved is None:
         return StageState(module, optimizer, new_mesh, None)
+    source, meta, received = moved
     new_module, new_optimizer = build_stage(new_mesh.pp_index)
-    _load_flat(new_module, new_optimizer, metas[source], received)
+    load_stage_state(new_module, new_optimizer, meta, received)
     return StageState(new_module, new_optimizer, new_mesh, source)
