@@ -21,7 +21,9 @@ a checkpoint). :func:`apply_topology` does it between two steps of TorchTitan 0.
    the control group), so it reads the batches its new replica would have read.
 4. **Trainer.** ``model_parts``, ``pp_schedule``, ``pp_has_first/last_stage``, ``optimizers``,
    ``lr_schedulers``, ``dataloader`` (and the metrics processor's and checkpointer's references)
-   point at the new objects; the data iterator is the job's (:attr:`FalconJob.data_iterator`).
+   point at the new objects; the data iterator is the job's (:attr:`FalconJob.data_iterator`). The
+   logged loss is replica 0's last stage's on every rank (TorchTitan's metrics rank is fixed by the
+   mesh's sizes and may now hold stage 0).
 
 Training after the change computes exactly what the old layout would have (the same stages on the
 same data, reductions over two members are order-free), which ``tests/test_falcon_job.py`` checks
@@ -129,6 +131,7 @@ def apply_topology(trainer: Any, old_grid, new_grid, control_group: Any = None) 
     trainer.lr_schedulers.load_state_dict(lr_state)
     _take_over_loader(trainer, old_grid, new_grid, control_group)
     trainer.parallel_dims = dims
+    _log_last_stage_loss(trainer, int(new_grid[0][-1]), control_group)
     seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
     return S3Result(old_role, new_role, None if moved is None else moved[0], float(seconds), mesh)
@@ -158,9 +161,13 @@ def _rebuild_stage(trainer: Any, dims: RemappedDims) -> None:
     with active_job_config(cfg):
         schedule, parts, first, last = spec.pipelining_fn(
             model, dims, cfg, trainer.device, trainer.model_args, spec.parallelize_fn, trainer.loss_fn)
-    for part in parts:
-        part.to_empty(device=trainer.device)
+    rng = torch.get_rng_state()
+    for part in parts:  # as TorchTitan's trainer does: the non-persistent buffers (RoPE) come from
+        part.to_empty(device=trainer.device)  # init_weights; the parameters are overwritten next
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
         part.train()
+    torch.set_rng_state(rng)  # the change draws no random numbers the run would not have drawn
     if adaptive is not None and hasattr(schedule, "adaptive"):
         schedule.adaptive = adaptive  # a PipeMorph re-plan applied before stays on
     optimizers = spec.build_optimizers_fn(parts, cfg.optimizer, dims)
@@ -183,6 +190,24 @@ def _repoint_checkpointer(trainer: Any) -> None:
         return
     states.update({MODEL: ModelWrapper(trainer.model_parts), OPTIMIZER: trainer.optimizers,
                    DATALOADER: trainer.dataloader, LR_SCHEDULER: trainer.lr_schedulers})
+
+
+def _log_last_stage_loss(trainer: Any, holder: int, control_group: Any) -> None:
+    """TorchTitan's metrics rank (W&B, the pipeline metrics file) is fixed by the mesh's sizes (the
+    first rank of the last stage at start), and S3 may move it to another stage: every logged loss is
+    the one of ``holder`` (replica 0's last stage now), broadcast over the control group."""
+    proc = trainer.metrics_processor
+    proc._titan_ext_loss_holder = holder
+    if getattr(proc, "_titan_ext_log", None) is not None:
+        return
+    proc._titan_ext_log = original = proc.log
+
+    def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        losses = torch.tensor([float(global_avg_loss), float(global_max_loss)], dtype=torch.float64)
+        dist.broadcast(losses, src=proc._titan_ext_loss_holder, group=control_group)
+        return original(step, float(losses[0]), float(losses[1]), grad_norm, extra_metrics=extra_metrics)
+
+    proc.log = log
 
 
 def _take_over_loader(trainer: Any, old_grid, new_grid, control_group: Any) -> None:

@@ -106,8 +106,9 @@ def exchange_stage_state(old_grid, new_grid, module: torch.nn.Module, optimizer:
         src_meta = metas[source]
         shapes = [(s, d) for _k, s, d in src_meta["model"]] + [
             (s, d) for _p, _k, s, d, is_t in src_meta["opt"] if is_t]
-        received = [torch.empty(s, dtype=d, device=device) for s, d in shapes]
-        ops += [dist.P2POp(dist.irecv, to_device(t, device), source) for t in received]
+        # the buffers the messages land in are the ones returned (to_device may copy: "cpu:3")
+        received = [to_device(torch.empty(s, dtype=d, device=device), device) for s, d in shapes]
+        ops += [dist.P2POp(dist.irecv, t, source) for t in received]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
