@@ -75,6 +75,9 @@ SLOW_DEVICE_RATIO = 1.5
 a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
 10 % (and the emulated slow devices here are >= 2x)."""
 _DP_ALLREDUCE_RING_STEPS = 2  # ring all-reduce = reduce-scatter + all-gather (one step each for 2 ranks)
+_VALIDATION_BYTES = 1 << 22
+"""Validation messages (4 MB): large enough that a link F x slower in bandwidth (``A-B:xF``) shows
+more than the monitor's 2 ms minimum excess on loopback."""
 
 
 def replicated_by_trainer(parallel_dims: Any) -> bool:
@@ -286,6 +289,7 @@ class FalconJob:
         self.data_iterator = None
         """The iterator the steps read after S3 moved this rank to another DP replica (else the
         trainer's)."""
+        self.dp_allreduce_base_s = self._measure_dp_allreduce()
         self._measure_costs_at_start()
         self._exchange_measured = False
         self._backwards_left = 0
@@ -318,6 +322,29 @@ class FalconJob:
         mine = torch.tensor([group_s + move_s + rebuild_s], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
         self._set_costs(topology_adjustment=float(mine[0]))
+
+    def _measure_dp_allreduce(self) -> float:
+        """The healthy time of this stage's gradient all-reduce over its DP group (fastest of 3,
+        after a barrier: the collective, not the wait for a late peer), and the link bandwidth it
+        implies (every rank of a 2-rank ring sends the gradient's size once; the world's lowest, so
+        both ends of a link emulate the same one): the base of an
+        emulated ``A-B:xF`` link (:mod:`~titan_ext.runtime.falcon.emulation`)."""
+        from titan_ext.runtime.falcon.device_clock import device_buffer
+
+        numel = sum(p.numel() for m in self.trainer.model_parts for p in m.parameters())
+        buf = device_buffer(numel, self.device)
+        best = math.inf
+        for _ in range(3):
+            dist.barrier(group=self.dp_control)
+            start = self.timer.mark()
+            dist.all_reduce(buf, group=self.dp_group)
+            best = min(best, self.timer.elapsed_s(start, self.timer.mark()))
+        bandwidth = torch.tensor([numel * buf.element_size() / best], dtype=torch.float64)
+        dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN, group=self.control)  # both ends of a link agree
+        self.emulation.link_bytes_per_s = float(bandwidth)
+        logger.info(f"[titan_ext] Falcon: stage {self.pp_index}'s DP all-reduce {1e3 * best:.1f} ms "
+                    f"({numel * buf.element_size() / 1e6:.1f} MB), link bandwidth {float(bandwidth) / 1e9:.2f} GB/s")
+        return best
 
     def set_measured_cost(self, strategy: str, seconds: float) -> None:
         """Record ``strategy``'s cost as measured in this job (one value on every rank: pass the
@@ -369,7 +396,8 @@ class FalconJob:
         is a completion time: device timer marks, read at the step's end (:meth:`_dp_sync_time`)."""
         start = self.timer.mark()
         dp_ranks = [row[self.pp_index] for row in self.grid]
-        device_sleep(self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS), self.device)
+        device_sleep(self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS,
+                                                       self.dp_allreduce_base_s), self.device)
         params = [p for m in self.trainer.model_parts for p in m.parameters()]
         weighted_all_reduce_gradients(params, 1.0, self.dp_group)
         self._dp_sync_marks = (start, self.timer.mark())
@@ -470,8 +498,9 @@ class FalconJob:
         profiling flagged (:func:`rings_to_validate`), then the GEMM probe on every rank."""
         t0 = time.perf_counter()
         rings = rings_to_validate(self.grid, self.monitor.suspicious)
-        links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16, group=self.control,
-                               send_delay_s=self.emulation.send_delay_s, device=self.device)
+        links = validate_rings([r for r in rings if len(r) > 1], nbytes=_VALIDATION_BYTES, group=self.control,
+                               send_delay_s=lambda src, dst: self.emulation.send_delay_s(src, dst, _VALIDATION_BYTES),
+                               device=self.device)
         gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
                           device=self.device)
         return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
@@ -528,6 +557,7 @@ class FalconJob:
             self.data_iterator = self.trainer.batch_generator(self.trainer.dataloader)
         if self.split != [self.chunks_per_replica] * self.num_dp:
             self.split = self._replanned_split()
+        self.dp_allreduce_base_s = self._measure_dp_allreduce()  # this rank's stage may have changed
         self.set_measured_cost("topology_adjustment", result.seconds)
         logger.info(f"[titan_ext] Falcon S3: rank {self.rank} (dp, pp) {result.old_role} -> "
                     f"{result.new_role}, state from rank {result.received_from}, {result.seconds:.3f} s")
