@@ -16,8 +16,9 @@ and DP group and the GEMM probe (§4.3) — and the root cause (slow PP link / D
 Alg. 1 (§5.2). Applied here: ``pipemorph_replan`` (the schedule's re-planning on) and
 ``microbatch_redistribution`` (§5.3 S2: replica i runs ``m_i`` of the step's ``M`` chunks; the chunks
 are exchanged over the DP group so the global batch is unchanged, and the summed gradient is the
-even split's). ``topology_adjustment`` / ``checkpoint_restart`` (S3/S4) are logged as decisions and
-not applied by this module (see docs/falcon.md).
+even split's) and ``checkpoint_restart`` (S4: checkpoint, exit, relaunch without the slow device's
+replica — :mod:`titan_ext.titan.falcon_s4`). ``topology_adjustment`` (S3) is logged as a decision
+and not applied by this module (see docs/falcon.md).
 
 Emulation (:mod:`titan_ext.runtime.falcon.emulation`): ``[titan_ext] emulate_slow_device`` /
 ``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` / ``TITAN_EXT_SLOW_LINK``.
@@ -66,8 +67,9 @@ STRATEGY_LABEL = {"ignore": "S1", "microbatch_redistribution": "S2", "topology_a
                   "checkpoint_restart": "S4", "pipemorph_replan": "PipeMorph"}
 """Falcon §5.1's levels (S1 ignore, S2 micro-batch adjustment, S3 topology adjustment, S4
 checkpoint-and-restart); PipeMorph's re-plan is the PP-link mitigation between S1 and S3."""
-APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution"})
-"""Strategies this job applies; S3 / S4 are decided and recorded with ``applied: false``."""
+APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution", "checkpoint_restart"})
+"""Strategies this job applies (S4 when TorchTitan's checkpointer is on: :mod:`.falcon_s4`); S3 is
+decided and recorded with ``applied: false``."""
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
 a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
@@ -273,6 +275,7 @@ class FalconJob:
             pp_groups={f"pp{d}_link{i}": i for d in range(self.num_dp) for i in range(self.num_pp - 1)},
             dp_groups=[f"dp_stage{s}" for s in range(self.num_pp)],
         )
+        self.section = section
         self.enabled = section.falcon
         self.apply_decisions = section.falcon_apply
         dump = Path(trainer.job_config.job.dump_folder)
@@ -297,7 +300,8 @@ class FalconJob:
         new DP and PP groups (one creation timed, times the grid's rows + columns) plus moving that
         state to a DP peer over the data group — is measured too and reported
         (``in_memory_topology_s``, in every S3 row of falcon_events.jsonl). S4 (a restart on fewer
-        devices) keeps the configured cost: it is neither applied nor measurable in this job."""
+        devices, :mod:`.falcon_s4`) starts from the same estimate; once a restart of this dump
+        folder's job measured its real cost (save → first step of the new job), that one."""
         state = [p.detach() for m in self.trainer.model_parts for p in m.parameters()] * 3
         t0 = time.perf_counter()
         dist.new_group(backend="gloo")  # one group's creation, as S3 creates num_dp + num_pp
@@ -309,6 +313,11 @@ class FalconJob:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
         self.in_memory_topology_s = float(mine[0])
         self._set_costs(topology_adjustment=float(mine[1]))
+        # S4 is a restart too (titan/falcon_s4.py): the same estimate, until one was measured
+        from titan_ext.titan.falcon_s4 import recorded_s4_cost
+
+        recorded = recorded_s4_cost(dump)
+        self._set_costs(checkpoint_restart=float(mine[1]) if recorded is None else recorded)
 
     def _measure_exchange_cost(self, mine: list) -> None:
         """S2's overhead: one real exchange of this step's chunks over the DP group."""
@@ -415,7 +424,11 @@ class FalconJob:
         if decision.get("falcon/validate"):
             decision |= self.validate()
         applied_s = {}
+        s4_plan = None
         for strategy in filter(None, decision.get("falcon/apply", "").split(",")):
+            if strategy == "checkpoint_restart":
+                s4_plan = self._plan_s4()  # applied below, once this step is recorded
+                continue
             t0 = time.perf_counter()
             self.apply(strategy, decision)
             applied_s[strategy] = time.perf_counter() - t0
@@ -426,11 +439,30 @@ class FalconJob:
         for row in rows:
             if row.get("name") == "topology_adjustment":
                 row["in_memory_topology_s"] = self.in_memory_topology_s
+            if row.get("name") == "checkpoint_restart" and row["kind"] == "decision":
+                row["applied"] = s4_plan is not None  # cost measured by the restarted job ("restart" row)
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
                 f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
             self._record_events(rows)
+        if s4_plan is not None:
+            from titan_ext.titan.falcon_s4 import checkpoint_and_exit
+
+            checkpoint_and_exit(self, s4_plan, decision)
+
+    def _plan_s4(self):
+        """S4's plan (titan/falcon_s4.py), or None (a warning says why) when it cannot apply."""
+        from titan_ext.titan.falcon_s4 import S4Unavailable, plan_checkpoint_restart
+
+        if not self.apply_decisions:
+            return None
+        try:
+            return plan_checkpoint_restart(self)
+        except S4Unavailable as e:
+            logger.warning(f"[titan_ext] Falcon decided checkpoint_restart at step {self.trainer.step}; "
+                           f"not applied: {e}")
+            return None
 
     def _record_events(self, rows: list[dict]) -> None:
         """Rows → ``falcon_events.jsonl``, a console line each, and W&B (a ``falcon/events`` table)."""
@@ -470,7 +502,7 @@ class FalconJob:
             self.trainer.pp_schedule.adaptive = True
         elif strategy == "microbatch_redistribution" and "falcon/plan/microbatch_split" in decision:
             self.split = _at_least_one_each(json.loads(decision["falcon/plan/microbatch_split"]))
-        elif strategy in ("topology_adjustment", "checkpoint_restart"):
+        elif strategy == "topology_adjustment":
             logger.warning(f"[titan_ext] Falcon decided {strategy} at step {step}; not applied in "
                            f"this job (see docs/falcon.md)")
             return
