@@ -193,9 +193,9 @@ class ShrinkPlan:
 
     @property
     def kept_ranks(self) -> list[int]:
-        """Old global ranks that run again, in new-rank order (sorted: TorchTitan's mesh is
-        pp-outermost, rank = pp * num_dp + dp, so sorting keeps each rank's stage)."""
-        return sorted(int(self.grid[d][s]) for d in self.kept_replicas for s in range(self.num_pp))
+        """Old global ranks that run again, in new-rank order: TorchTitan's mesh is pp-outermost
+        (new rank ``s * num_dp + i`` runs stage s of the i-th kept replica)."""
+        return [int(self.grid[d][s]) for s in range(self.num_pp) for d in self.kept_replicas]
 
     def new_rank(self, old_rank: int) -> int | None:
         kept = self.kept_ranks
