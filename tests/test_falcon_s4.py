@@ -157,8 +157,10 @@ def test_s4_restarts_without_the_slow_device_and_resumes_from_its_checkpoint(s4_
     s4 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S4"]
     assert len(s4) == 1 and s4[0]["applied"], events
     step = s4[0]["iteration"]
-    s2 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S2"]
-    assert s2 and s2[0]["applied"] and s2[0]["iteration"] < step  # the ladder: S2 first
+    s2 = [i for i, e in enumerate(events) if e["kind"] == "decision" and e["strategy"] == "S2"]
+    # the ladder: S2 applied first (in an earlier step, or the same one when the impact that
+    # accumulated until localisation already exceeds both costs)
+    assert s2 and events[s2[0]]["applied"] and s2[0] < events.index(s4[0])
     # ski rental: S4 was applied when the accumulated impact reached its (measured) cost
     assert s4[0]["impact_s"] >= s4[0]["estimated_cost_s"] > 1.0
     plan = json.loads((s4_run / S4_PLAN_FILE).read_text())

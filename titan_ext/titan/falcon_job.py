@@ -10,7 +10,8 @@ factor is 1), so a sum is TorchTitan's own DP gradient; owning that step is what
 
 **Falcon per step** (every rank feeds the monitor the same numbers, so all take the same decision):
 the step's wall time (max over ranks) is the iteration time (§4.2, from the trainer's call hook);
-per-group times are the DP all-reduce of every stage and PipeMorph's measured PP link delays of every
+per-group times are the DP all-reduce of every stage (its transfer time, without the wait for a slow
+peer: :meth:`FalconJob._dp_transfer_times`) and PipeMorph's measured PP link delays of every
 replica (§4.3 profiling). On onset the job pauses for validation — ring passes over every PP pipeline
 and DP group and the GEMM probe (§4.3) — and the root cause (slow PP link / DP link / device) drives
 Alg. 1 (§5.2). Applied here: ``pipemorph_replan`` (the schedule's re-planning on) and
@@ -404,7 +405,7 @@ class FalconJob:
         S, D = self.num_pp, self.num_dp
         vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
         vec[0] = step_s
-        vec[1 + self.pp_index] = self._dp_sync_time()
+        vec[1:1 + S] = self._dp_transfer_times()
         rt = runtime_metrics(self.trainer.pp_schedule)
         self._measure_replan_cost(rt)  # only a Falcon decision's ski-rental input
         links = rt.get("link_delay_ms", {})
@@ -418,9 +419,41 @@ class FalconJob:
                    for d in range(D) for i in range(S - 1)}
         return float(vec[0]), groups
 
+    def _dp_transfer_times(self) -> torch.Tensor:
+        """Per stage, the DP all-reduce's *transfer* time (Falcon §4.3 profiling: a group that spent
+        long in data transfer is suspicious, one that waited for data is healthy): the minimum of its
+        members' all-reduce times. Every member's call ends when the last one has arrived and the
+        data moved; the last to arrive waited for no one, so its time is the transfer (plus an
+        emulated link delay, held back inside the timed region on every member), and the members
+        that waited for a slow peer read longer. (The maximum, used before, flagged both DP groups
+        whenever one replica was slow.)"""
+        mine = torch.full((self.num_pp,), math.inf, dtype=torch.float64)
+        mine[self.pp_index] = self._dp_sync_time()
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.control)
+        return mine
+
+    def _acf_iteration_times(self) -> dict:
+        """Falcon §4.2's framework-agnostic iteration time, next to the trainer's: the ACF period of
+        this rank's torch.distributed call record (:class:`~titan_ext.runtime.falcon.hooks.CallRecorder`,
+        started after the first step, whose one-off calls would hide the period) and the time
+        between a call and its occurrence one period earlier. Logged as ``falcon/acf_*``; the
+        detector is fed the trainer's step time, which is exact here and has no gap while the
+        period is re-learned after a change of the call pattern (S2's new split, a re-plan)."""
+        from titan_ext.runtime.falcon.hooks import CallRecorder
+
+        if self.monitor.recorder is None:
+            self.monitor.recorder = CallRecorder().start()
+            return {}
+        times = self.monitor.iteration_times_from_recorder()
+        out = {"falcon/acf_period_calls": self.monitor._period or 0}
+        if times:
+            out["falcon/acf_iteration_time_s"] = float(times[-1])
+        return out
+
     def _falcon(self, step_s: float) -> None:
+        acf = self._acf_iteration_times()
         iteration_s, groups = self._group_times(step_s)
-        decision = self.monitor.observe(iteration_s, groups)
+        decision = self.monitor.observe(iteration_s, groups) | acf
         if decision.get("falcon/validate"):
             decision |= self.validate()
         applied_s = {}
