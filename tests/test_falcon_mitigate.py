@@ -164,6 +164,19 @@ def test_suspicious_groups_rule():
     assert suspicious_groups({"a": 1.0, "b": 1.1, "c": 1.0}) == []  # 1.1 == 1.1 x median, not above
 
 
+def test_profiling_holds_each_group_kind_to_its_own_median():
+    from titan_ext.runtime.falcon import FalconMonitor
+
+    mon = FalconMonitor(pp_groups={"pp0_link0": 0, "pp1_link0": 0}, dp_groups=["dp_stage0", "dp_stage1"])
+    # a slow device: both DP all-reduces transfer in ~2 ms (the wait is not in them), PP delays ~0
+    healthy_dp = {"dp_stage0": 0.0021, "dp_stage1": 0.0020, "pp0_link0": 0.0, "pp1_link0": 0.0001}
+    assert mon._suspicious(healthy_dp) == ["pp1_link0"]  # not the DP groups (one median: both were)
+    assert suspicious_groups(healthy_dp) == ["dp_stage0", "dp_stage1"]
+    # a slow DP link on stage 0 (+80 ms inside its all-reduce): that group only
+    slow_dp = {"dp_stage0": 0.082, "dp_stage1": 0.002, "pp0_link0": 0.0, "pp1_link0": 0.0}
+    assert mon._suspicious(slow_dp) == ["dp_stage0"]
+
+
 @pytest.mark.parametrize("n", range(1, 10))
 def test_ring_passes_cover_each_link_once_without_overlap(n):
     ring = list(range(10, 10 + n))
