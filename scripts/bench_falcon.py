@@ -276,7 +276,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
     falcon = _rows(os.path.join(dump, "falcon.jsonl"))
     events = _rows(os.path.join(dump, "falcon_events.jsonl"))
     metrics = {r["step"]: r for r in _rows(os.path.join(dump, "pipeline_metrics.jsonl"))}
-    step_s = {r["step"]: r["falcon/iteration_time_s"] for r in falcon}  # DP 2 x PP 2 steps
+    step_s = {r["step"]: r["falcon/iteration_time_s"] for r in falcon}  # before and after S4
     applied = {e["strategy"]: e["iteration"] for e in events if e["kind"] == "decision" and e["applied"]}
     restart = next((e for e in events if e["kind"] == "restart"), None)
     s4_step = applied.get("S4")
@@ -289,9 +289,8 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
         out["after_s2_over_healthy"] = out["after_s2_s"] / healthy if after_s2 else None
         out["after_s2_steps"] = len(after_s2)
     if restart is not None:
-        # the restarted DP 1 x PP 2 job: the slowest rank's step time, from the step wall of the
-        # pipeline metrics (its own Falcon driver is off: DP 1)
-        after = [metrics[k]["train_step_ms"] / 1e3 for k in metrics if k > restart["iteration"] + 1]
+        # the restarted DP 1 x PP 2 job: the slowest rank's step time (falcon_s4.S4Resume's rows)
+        after = [step_s[k] for k in step_s if k > restart["iteration"] + 1]
         out["after_s4_s"] = float(np.median(after)) if after else None
         out["after_s4_over_healthy"] = out["after_s4_s"] / healthy if after else None
         shutil.copytree(os.path.join(dump, "checkpoint", f"step-{s4_step}"),

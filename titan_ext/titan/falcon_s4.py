@@ -173,12 +173,17 @@ class S4Resume:
             (self.dump / COSTS_FILE).write_text(json.dumps({"checkpoint_restart": self.measured_s}))
 
     def after_step(self, step: int, step_s: float) -> None:
-        """Collect the first steps' times (max over ranks); then the outcome row."""
-        if len(self.times) >= OUTCOME_STEPS:
-            return
+        """The step's iteration time (max over ranks, as the DP x PP job's Falcon measures it) into
+        ``falcon.jsonl``; after OUTCOME_STEPS steps the outcome row."""
         t = torch.tensor([step_s], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         self.times.append(float(t))
+        if self.rank == 0:
+            from titan_ext.titan.falcon_job import FALCON_LOG
+
+            with open(self.dump / FALCON_LOG, "a") as f:
+                f.write(json.dumps({"step": step, "falcon/iteration_time_s": float(t),
+                                    "falcon/after_s4_from_step": self.plan["step"]}) + "\n")
         if len(self.times) == OUTCOME_STEPS:
             self._record({"kind": "outcome", "iteration": step, "strategy": "S4", "name": "checkpoint_restart",
                           "iteration_time_before_s": self.plan["iteration_time_before_s"],
