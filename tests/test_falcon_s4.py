@@ -197,3 +197,14 @@ def test_s4_restarts_without_the_slow_device_and_resumes_from_its_checkpoint(s4_
     assert [losses[s] for s in ref_losses] == [ref_losses[s] for s in ref_losses]  # bit for bit
     # and they continue the trained model: far below the first steps' loss of a fresh model
     assert ref_losses[step + 1] < 0.8 * losses[1]
+
+
+def test_multi_node_relaunch_spec_keeps_the_nodes_with_kept_devices():
+    from titan_ext.titan.falcon_s4 import relaunch_spec
+
+    plan = {"hosts": ["n1.c", "n1.c", "n2.c", "n2.c"], "local_devices": [0, 2, 1, 3], "overrides": []}
+    spec = relaunch_spec(plan, ["n1", "n2", "n3"])  # SLURM's short names; n3's devices all excluded
+    assert (spec["nnodes"], spec["nproc_per_node"], spec["exclude"]) == (2, 2, ["n3"])
+    assert spec["devices"] == {"n1": [0, 2], "n2": [1, 3]}
+    with pytest.raises(SystemExit, match="uneven"):  # torchrun starts as many ranks on every node
+        relaunch_spec({**plan, "hosts": ["n1", "n1", "n1", "n2"]}, ["n1", "n2"])

@@ -52,7 +52,7 @@ from titan_ext.runtime.falcon.restart import (
     write_s4_plan,
 )
 
-__all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "S4Resume", "recorded_s4_cost", "launch",
+__all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "S4Resume", "recorded_s4_cost", "launch",
            "ENV_S4_PLAN", "OUTCOME_STEPS"]
 
 ENV_S4_PLAN = "TITAN_EXT_S4_PLAN"
@@ -235,6 +235,46 @@ def consume_plan(dump: Path) -> dict | None:
     return plan
 
 
+def relaunch_spec(plan: dict, hosts: list[str]) -> dict:
+    """What a multi-node launcher (scripts/launch.sh) runs after S4: the nodes of ``hosts`` (the
+    allocation) that keep ranks, the same number on each (else SystemExit: torchrun starts as many
+    ranks on every node), the nodes to exclude, and per kept node its visible devices. Which rank a
+    kept device gets does not matter: every device left is healthy, and each new rank loads its
+    stage from the checkpoint."""
+    short = lambda h: h.split(".")[0]  # noqa: E731 (SLURM lists short names; gethostname may not)
+    kept = {h: [d for hh, d in zip(plan["hosts"], plan["local_devices"]) if short(hh) == short(h)]
+            for h in hosts}
+    kept = {h: sorted(ds) for h, ds in kept.items() if ds}
+    counts = {len(ds) for ds in kept.values()}
+    if len(counts) != 1:
+        raise SystemExit(f"falcon_s4: the kept ranks are uneven over the nodes ({kept}); "
+                         f"torchrun needs the same number on every node")
+    return {"nnodes": len(kept), "nproc_per_node": counts.pop(),
+            "exclude": [h for h in hosts if h not in kept], "devices": kept,
+            "overrides": plan["overrides"], "device_type": plan.get("device_type", "cpu")}
+
+
+def _print_relaunch_spec(argv: list[str]) -> int:
+    """``python -m titan_ext.titan.falcon_s4 relaunch-spec DUMP HOST...``: consume DUMP's pending plan
+    and print shell assignments (S4_NNODES, S4_NPROC_PER_NODE, S4_EXCLUDE, S4_ARGS, S4_DEVICES_<i>
+    per host in the order given); exit 1 when there is no pending plan."""
+    import shlex
+
+    plan = consume_plan(Path(argv[0]))
+    if plan is None:
+        return 1
+    spec = relaunch_spec(plan, argv[1:])
+    print(f"S4_NNODES={spec['nnodes']}")
+    print(f"S4_NPROC_PER_NODE={spec['nproc_per_node']}")
+    print(f"S4_EXCLUDE={shlex.quote(','.join(spec['exclude']))}")
+    print(f"S4_ARGS={shlex.quote(shlex.join(spec['overrides']))}")
+    print(f"S4_PLAN={shlex.quote(str(Path(argv[0]) / S4_PLAN_FILE))}")
+    for i, host in enumerate(argv[1:]):
+        ids = ",".join(str(d) for d in spec["devices"].get(host, []))
+        print(f"S4_DEVICES_{i}={shlex.quote(ids)}")
+    return 0
+
+
 def launch(argv: list[str] | None = None) -> int:
     """``python -m titan_ext.titan.falcon_s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
     torchrun; after an S4 exit, torchrun again on the plan's world with its overrides."""
@@ -270,4 +310,6 @@ def launch(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["relaunch-spec"]:
+        sys.exit(_print_relaunch_spec(sys.argv[2:]))
     sys.exit(launch())
