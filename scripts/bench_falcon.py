@@ -277,7 +277,10 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
     events = _rows(os.path.join(dump, "falcon_events.jsonl"))
     metrics = {r["step"]: r for r in _rows(os.path.join(dump, "pipeline_metrics.jsonl"))}
     step_s = {r["step"]: r["falcon/iteration_time_s"] for r in falcon}  # before and after S4
-    applied = {e["strategy"]: e["iteration"] for e in events if e["kind"] == "decision" and e["applied"]}
+    applied: dict = {}
+    for e in events:  # the first application of each strategy
+        if e["kind"] == "decision" and e["applied"]:
+            applied.setdefault(e["strategy"], e["iteration"])
     restart = next((e for e in events if e["kind"] == "restart"), None)
     s4_step = applied.get("S4")
     healthy = float(np.median([step_s[k] for k in range(2, slow_from) if k in step_s]))
