@@ -4,6 +4,7 @@
 Usage:
     .venv/bin/python scripts/bench_falcon.py [--per-category 100] [--seed0 50000] [--json out.json]
     .venv/bin/python scripts/bench_falcon.py --end-to-end [--steps 24] [--slow-from 6] [--json out.json]
+    .venv/bin/python scripts/bench_falcon.py --end-to-end --s4 [--steps 80] [--device-factor 4] [--json out.json]
 
 Prints a markdown table and a JSON document (also written to --json). Everything runs on CPU in one
 process; the hook-overhead part creates a 1-rank gloo group on loopback.
@@ -257,6 +258,83 @@ def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "",
     return rows
 
 
+def _rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str) -> dict:
+    """Issue 23 must-show "slow device": device 3 ``factor``x slower from ``slow_from``; Falcon applies
+    S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon_s4.py: TorchTitan
+    checkpoint, relaunch without replica 1 through the S4 launcher). Ratios within this one run: the
+    iteration time after S2 / after S4 over the healthy steps before the fault (2 .. slow_from-1).
+    Then a reference DP 1 x PP 2 job loads the same checkpoint: its losses must equal the restarted
+    job's (same world, same data, fixed pipeline plan)."""
+    import shutil
+    import socket
+    import subprocess
+
+    def port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return str(sock.getsockname()[1])
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    for var in ("TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK", "TITAN_EXT_S4_PLAN"):
+        env.pop(var, None)
+    dump, ref = os.path.join(workdir, "s4_slow_device"), os.path.join(workdir, "s4_reference")
+    shutil.rmtree(dump, ignore_errors=True)
+    shutil.rmtree(ref, ignore_errors=True)
+    os.makedirs(dump)
+    common = ["--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--training.steps", str(steps),
+              "--training.local_batch_size", "2", "--training.global_batch_size", "12",
+              "--training.seq_len", "32", "--titan_ext.no-adaptive", "--checkpoint.enable",
+              "--checkpoint.interval", "100000"]
+    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
+                    "--master-port", port(), "--log", os.path.join(dump, "train.log"), "--",
+                    *common, "--job.dump_folder", dump,
+                    "--titan_ext.emulate_slow_device", f"3:{factor:g}@{slow_from}"],
+                   cwd=root, env=env, check=True)
+    falcon = _rows(os.path.join(dump, "falcon.jsonl"))
+    events = _rows(os.path.join(dump, "falcon_events.jsonl"))
+    metrics = {r["step"]: r for r in _rows(os.path.join(dump, "pipeline_metrics.jsonl"))}
+    step_s = {r["step"]: r["falcon/iteration_time_s"] for r in falcon}  # before and after S4
+    applied: dict = {}
+    for e in events:  # the first application of each strategy
+        if e["kind"] == "decision" and e["applied"]:
+            applied.setdefault(e["strategy"], e["iteration"])
+    restart = next((e for e in events if e["kind"] == "restart"), None)
+    s4_step = applied.get("S4")
+    healthy = float(np.median([step_s[k] for k in range(2, slow_from) if k in step_s]))
+    out = {"scenario": f"slow device (3 at {factor:g}x from step {slow_from}), S2 then S4",
+           "steps": steps, "healthy_s": healthy, "applied": applied, "restart": restart}
+    if "S2" in applied:
+        after_s2 = [step_s[k] for k in step_s if applied["S2"] + 1 < k and (s4_step is None or k <= s4_step)]
+        out["after_s2_s"] = float(np.median(after_s2)) if after_s2 else None
+        out["after_s2_over_healthy"] = out["after_s2_s"] / healthy if after_s2 else None
+        out["after_s2_steps"] = len(after_s2)
+    if restart is not None:
+        # the restarted DP 1 x PP 2 job: the slowest rank's step time (falcon_s4.S4Resume's rows)
+        after = [step_s[k] for k in step_s if k > restart["iteration"] + 1]
+        out["after_s4_s"] = float(np.median(after)) if after else None
+        out["after_s4_over_healthy"] = out["after_s4_s"] / healthy if after else None
+        shutil.copytree(os.path.join(dump, "checkpoint", f"step-{s4_step}"),
+                        os.path.join(ref, "checkpoint", f"step-{s4_step}"))
+        with open(os.path.join(ref, "train.log"), "w") as f:
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                            "--master_addr", "127.0.0.1", "--master_port", port(), "-m", "titan_ext.train",
+                            *common, "--job.dump_folder", ref, "--parallelism.data_parallel_replicate_degree",
+                            "1", "--checkpoint.load_step", str(s4_step), "--checkpoint.exclude_from_loading",
+                            "dataloader"], cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
+        ref_loss = {r["step"]: r["loss"] for r in _rows(os.path.join(ref, "pipeline_metrics.jsonl"))}
+        out["resumed_steps"] = sorted(ref_loss)
+        out["losses_identical"] = all(metrics[k]["loss"] == v for k, v in ref_loss.items())
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--per-category", type=int, default=100)
@@ -273,7 +351,17 @@ def main():
     ap.add_argument("--scenarios", default="", help="comma-separated substrings of scenario names "
                     "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
+    ap.add_argument("--s4", action="store_true", help="with --end-to-end: only the slow-device S2 -> S4 "
+                    "run (bench_s4_slow_device; --steps, --slow-from, --device-factor)")
     args = ap.parse_args()
+    if args.end_to_end and args.s4:
+        res = bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir)
+        text = json.dumps(res, indent=2)
+        print("\n```json\n" + text + "\n```")
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(text)
+        return
     if args.end_to_end:
         rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios,
                                 args.device_factor, args.link_factor)

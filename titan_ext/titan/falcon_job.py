@@ -10,15 +10,17 @@ factor is 1), so a sum is TorchTitan's own DP gradient; owning that step is what
 
 **Falcon per step** (every rank feeds the monitor the same numbers, so all take the same decision):
 the step's wall time (max over ranks) is the iteration time (§4.2, from the trainer's call hook);
-per-group times are the DP all-reduce of every stage and PipeMorph's measured PP link delays of every
+per-group times are the DP all-reduce of every stage (its transfer time, without the wait for a slow
+peer: :meth:`FalconJob._dp_transfer_times`) and PipeMorph's measured PP link delays of every
 replica (§4.3 profiling). On onset the job pauses for validation — ring passes over every PP pipeline
 and DP group and the GEMM probe (§4.3) — and the root cause (slow PP link / DP link / device) drives
 Alg. 1 (§5.2). Applied here: ``pipemorph_replan`` (the schedule's re-planning on) and
 ``microbatch_redistribution`` (§5.3 S2: replica i runs ``m_i`` of the step's ``M`` chunks; the chunks
 are exchanged over the DP group so the global batch is unchanged, and the summed gradient is the
-even split's), and ``topology_adjustment`` (§5.3 S3: the grid re-mapped in memory — new groups, the
+even split's), ``topology_adjustment`` (§5.3 S3: the grid re-mapped in memory — new groups, the
 stages' state moved by collectives, TorchTitan's stage / schedule / optimizer rebuilt —
-:mod:`titan_ext.titan.falcon_s3`). ``checkpoint_restart`` (S4) is logged as a decision here.
+:mod:`titan_ext.titan.falcon_s3`) and ``checkpoint_restart`` (S4: checkpoint, exit, relaunch without
+the slow device's replica — :mod:`titan_ext.titan.falcon_s4`).
 
 Emulation (:mod:`titan_ext.runtime.falcon.emulation`): ``[titan_ext] emulate_slow_device`` /
 ``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` / ``TITAN_EXT_SLOW_LINK``.
@@ -67,9 +69,10 @@ STRATEGY_LABEL = {"ignore": "S1", "microbatch_redistribution": "S2", "topology_a
                   "checkpoint_restart": "S4", "pipemorph_replan": "PipeMorph"}
 """Falcon §5.1's levels (S1 ignore, S2 micro-batch adjustment, S3 topology adjustment, S4
 checkpoint-and-restart); PipeMorph's re-plan is the PP-link mitigation between S1 and S3."""
-APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution", "topology_adjustment"})
-"""Strategies this job can apply (S3 only when its plan moves a rank); S4 is decided and recorded with
-``applied: false``."""
+APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution", "topology_adjustment",
+                          "checkpoint_restart"})
+"""Strategies this job applies (S3 when its plan moves a rank: :mod:`.falcon_s3`; S4 when TorchTitan's
+checkpointer is on: :mod:`.falcon_s4`)."""
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
 a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
@@ -278,6 +281,7 @@ class FalconJob:
             pp_groups={f"pp{d}_link{i}": i for d in range(self.num_dp) for i in range(self.num_pp - 1)},
             dp_groups=[f"dp_stage{s}" for s in range(self.num_pp)],
         )
+        self.section = section
         self.enabled = section.falcon
         self.apply_decisions = section.falcon_apply
         dump = Path(trainer.job_config.job.dump_folder)
@@ -290,20 +294,23 @@ class FalconJob:
         """The iterator the steps read after S3 moved this rank to another DP replica (else the
         trainer's)."""
         self.dp_allreduce_base_s = self._measure_dp_allreduce()
-        self._measure_costs_at_start()
+        self._measure_costs_at_start(dump)
         self._exchange_measured = False
         self._backwards_left = 0
         self.dp_sync_s = 0.0
         self.last_decision: dict = {}
 
     # ---------------------------------------------------------------- costs (§5.2)
-    def _measure_costs_at_start(self) -> None:
+    def _measure_costs_at_start(self, dump: Path) -> None:
         """S3's overhead measured as this job applies it, in memory (slowest rank's; issue 23
         item 3): creating a device mesh of the current grid (the new DP and PP groups), moving a
         stage's state (the model and AdamW's two moments, 3x the parameters) to a DP peer over the
         data group, and loading a copy of it into a fresh copy of the stage. The first application
         replaces this estimate by its own measured time (:meth:`set_measured_cost`). S1 costs
-        nothing; S2 and PipeMorph's re-plan are measured when they first run."""
+        nothing; S2 and PipeMorph's re-plan are measured when they first run. S4 (a restart on fewer
+        devices, :mod:`.falcon_s4`): this process's start-up (interpreter, rendezvous, model build)
+        plus saving and loading the stage's state to and from the dump folder, until a restart of
+        this dump folder's job measured its real cost (save → first step of the new job)."""
         import copy
 
         from titan_ext.titan.falcon_s3 import _own_state, grid_mesh
@@ -319,9 +326,17 @@ class FalconJob:
         fresh = copy.deepcopy(part)
         load_stage_state(fresh, type(opt)(fresh.parameters()), *_own_state(part, opt))
         rebuild_s = time.perf_counter() - t0
-        mine = torch.tensor([group_s + move_s + rebuild_s], dtype=torch.float64)
+        save_s = _time_save_load(state, dump / f".falcon_cost_probe_rank{self.rank}.pt")
+        mine = torch.tensor([group_s + move_s + rebuild_s, time.time() - _process_start_time() + save_s],
+                            dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
         self._set_costs(topology_adjustment=float(mine[0]))
+        # S4 is a restart (titan/falcon_s4.py): this process's start-up plus saving and loading the
+        # stage's state, until a restart of this dump folder's job measured its real cost
+        from titan_ext.titan.falcon_s4 import recorded_s4_cost
+
+        recorded = recorded_s4_cost(dump)
+        self._set_costs(checkpoint_restart=float(mine[1]) if recorded is None else recorded)
 
     def _measure_dp_allreduce(self) -> float:
         """The healthy time of this stage's gradient all-reduce over its DP group (fastest of 3,
@@ -438,7 +453,7 @@ class FalconJob:
         S, D = self.num_pp, self.num_dp
         vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
         vec[0] = step_s
-        vec[1 + self.pp_index] = self._dp_sync_time()
+        vec[1:1 + S] = self._dp_transfer_times()
         rt = runtime_metrics(self.trainer.pp_schedule)
         self._measure_replan_cost(rt)  # only a Falcon decision's ski-rental input
         links = rt.get("link_delay_ms", {})
@@ -452,14 +467,50 @@ class FalconJob:
                    for d in range(D) for i in range(S - 1)}
         return float(vec[0]), groups
 
+    def _dp_transfer_times(self) -> torch.Tensor:
+        """Per stage, the DP all-reduce's *transfer* time (Falcon §4.3 profiling: a group that spent
+        long in data transfer is suspicious, one that waited for data is healthy): the minimum of its
+        members' all-reduce times. Every member's call ends when the last one has arrived and the
+        data moved; the last to arrive waited for no one, so its time is the transfer (plus an
+        emulated link delay, held back inside the timed region on every member), and the members
+        that waited for a slow peer read longer. (The maximum, used before, flagged both DP groups
+        whenever one replica was slow.)"""
+        mine = torch.full((self.num_pp,), math.inf, dtype=torch.float64)
+        mine[self.pp_index] = self._dp_sync_time()
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.control)
+        return mine
+
+    def _acf_iteration_times(self) -> dict:
+        """Falcon §4.2's framework-agnostic iteration time, next to the trainer's: the ACF period of
+        this rank's torch.distributed call record (:class:`~titan_ext.runtime.falcon.hooks.CallRecorder`,
+        started after the first step, whose one-off calls would hide the period) and the time
+        between a call and its occurrence one period earlier. Logged as ``falcon/acf_*``; the
+        detector is fed the trainer's step time, which is exact here and has no gap while the
+        period is re-learned after a change of the call pattern (S2's new split, a re-plan)."""
+        from titan_ext.runtime.falcon.hooks import CallRecorder
+
+        if self.monitor.recorder is None:
+            self.monitor.recorder = CallRecorder().start()
+            return {}
+        times = self.monitor.iteration_times_from_recorder()
+        out = {"falcon/acf_period_calls": self.monitor._period or 0}
+        if times:
+            out["falcon/acf_iteration_time_s"] = float(times[-1])
+        return out
+
     def _falcon(self, step_s: float) -> None:
+        acf = self._acf_iteration_times()
         iteration_s, groups = self._group_times(step_s)
-        decision = self.monitor.observe(iteration_s, groups)
+        decision = self.monitor.observe(iteration_s, groups) | acf
         decision |= {f"falcon/group_s/{g}": t for g, t in groups.items()}
         if decision.get("falcon/validate"):
             decision |= self.validate()
         applied_s = {}
+        s4_plan = None
         for strategy in filter(None, decision.get("falcon/apply", "").split(",")):
+            if strategy == "checkpoint_restart":
+                s4_plan = self._plan_s4()  # applied below, once this step is recorded
+                continue
             t0 = time.perf_counter()
             if self.apply(strategy, decision):
                 applied_s[strategy] = self.measured_costs.get(strategy, time.perf_counter() - t0) \
@@ -469,11 +520,31 @@ class FalconJob:
         self.last_decision = decision
         rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
                           self.apply_decisions)
+        for row in rows:
+            if row.get("name") == "checkpoint_restart" and row["kind"] == "decision":
+                row["applied"] = s4_plan is not None  # cost measured by the restarted job ("restart" row)
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
                 f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
             self._record_events(rows)
+        if s4_plan is not None:
+            from titan_ext.titan.falcon_s4 import checkpoint_and_exit
+
+            checkpoint_and_exit(self, s4_plan, decision)
+
+    def _plan_s4(self):
+        """S4's plan (titan/falcon_s4.py), or None (a warning says why) when it cannot apply."""
+        from titan_ext.titan.falcon_s4 import S4Unavailable, plan_checkpoint_restart
+
+        if not self.apply_decisions:
+            return None
+        try:
+            return plan_checkpoint_restart(self)
+        except S4Unavailable as e:
+            logger.warning(f"[titan_ext] Falcon decided checkpoint_restart at step {self.trainer.step}; "
+                           f"not applied: {e}")
+            return None
 
     def _record_events(self, rows: list[dict]) -> None:
         """Rows → ``falcon_events.jsonl``, a console line each, and W&B (a ``falcon/events`` table)."""
@@ -654,6 +725,26 @@ def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device)
     ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
            dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
     return timer.completion_s(start, dist.batch_isend_irecv(ops))
+
+
+def _time_save_load(state: list[torch.Tensor], path: Path) -> float:
+    """Seconds to save ``state`` (host copies) to ``path`` and load it back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.save([t.detach().cpu() for t in state], path)
+    torch.load(path, weights_only=True)
+    seconds = time.perf_counter() - t0
+    path.unlink(missing_ok=True)
+    return seconds
+
+
+def _process_start_time() -> float:
+    """This process's start (epoch seconds), from /proc (Linux)."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _at_least_one_each(split: list[int]) -> list[int]:
