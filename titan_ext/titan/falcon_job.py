@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
@@ -290,6 +291,7 @@ class FalconJob:
         self.events: list[dict] = []
         self.measured_costs: dict[str, float] = {"ignore": 0.0}
         """Strategy → its cost measured in this job (seconds, slowest rank's); see set_measured_cost."""
+        self._applied_names: set[str] = set()
         self.data_iterator = None
         """The iterator the steps read after S3 moved this rank to another DP replica (else the
         trainer's)."""
@@ -523,6 +525,9 @@ class FalconJob:
         for row in rows:
             if row.get("name") == "checkpoint_restart" and row["kind"] == "decision":
                 row["applied"] = s4_plan is not None  # cost measured by the restarted job ("restart" row)
+        self._applied_names |= {r["name"] for r in rows if r["kind"] == "decision" and r["applied"]}
+        # an outcome (iteration time before / after) is an applied strategy's, not a decision's
+        rows = [r for r in rows if r["kind"] != "outcome" or r["name"] in self._applied_names]
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
@@ -566,15 +571,23 @@ class FalconJob:
 
     def validate(self) -> dict:
         """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
-        profiling flagged (:func:`rings_to_validate`), then the GEMM probe on every rank."""
+        profiling flagged (:func:`rings_to_validate`) and one unflagged ring as the healthy
+        reference, then the GEMM probe on every rank."""
         t0 = time.perf_counter()
         rings = rings_to_validate(self.grid, self.monitor.suspicious)
-        links = validate_rings([r for r in rings if len(r) > 1], nbytes=_VALIDATION_BYTES, group=self.control,
-                               send_delay_s=lambda src, dst: self.emulation.send_delay_s(src, dst, _VALIDATION_BYTES),
-                               device=self.device)
+        # one ring profiling did not flag is timed too: the healthy reference a flagged ring's links
+        # are compared with (all links of a lone flagged ring are slow: their own median hides them)
+        reference = [r for r in rings_to_validate(self.grid, []) if r not in rings][:1]
+        links = validate_rings([r for r in rings + reference if len(r) > 1], nbytes=_VALIDATION_BYTES,
+                               group=self.control, device=self.device,
+                               send_delay_s=lambda src, dst: self.emulation.send_delay_s(src, dst, _VALIDATION_BYTES))
+        ref_times = [t for (a, b), t in links.items() if reference and {a, b} <= set(reference[0])]
+        suspect = {k: t for k, t in links.items() if any(set(k) <= set(r) for r in rings)}
         gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
                           device=self.device)
-        return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
+        return self.monitor.report_validation(
+            suspect, gemm, link_reference_s=float(np.median(ref_times)) if ref_times else None,
+            pause_s=time.perf_counter() - t0)
 
     def apply(self, strategy: str, decision: dict) -> bool:
         """Apply one Alg. 1 decision to the running job (§5.3); True when it was applied."""
