@@ -166,3 +166,27 @@ def test_losses_after_s3_equal_the_run_without_the_change_bit_for_bit(s3_runs):
     assert len(moved) == len(reference) == STEPS
     assert moved == reference  # exact: the state, the optimizer, the lr schedule and the data moved
     assert reference[-1] < 0.6 * reference[0]
+
+
+def test_wandb_gets_the_events_table_and_an_applied_s3s_cost_and_after_time():
+    from torchtitan.components.metrics import WandBLogger
+
+    from titan_ext.titan.falcon_job import FalconJob
+
+    logged = []
+    wb = WandBLogger.__new__(WandBLogger)
+    wb.wandb = SimpleNamespace(log=lambda d, step: logged.append((step, d)),
+                               Table=lambda columns, data: {"columns": columns, "data": data})
+    job = SimpleNamespace(events=[], trainer=SimpleNamespace(step=9, metrics_processor=SimpleNamespace(logger=wb)))
+    decision = {"kind": "decision", "iteration": 9, "strategy": "S3", "name": "topology_adjustment",
+                "applied": True, "estimated_cost_s": 0.2, "measured_cost_s": 0.35}
+    FalconJob._wandb_events(job, [decision])
+    job.trainer.step = 14
+    FalconJob._wandb_events(job, [{"kind": "outcome", "iteration": 14, "strategy": "S3",
+                                   "name": "topology_adjustment", "iteration_time_before_s": 0.9,
+                                   "iteration_time_after_s": 0.45}])
+    (s1, first), (s2, second) = logged
+    assert (s1, s2) == (9, 14)
+    assert first["falcon/applied/S3/measured_cost_s"] == 0.35 and first["falcon/applied/S3/estimated_cost_s"] == 0.2
+    assert second["falcon/outcome/S3/after_s"] == 0.45 and second["falcon/outcome/S3/before_s"] == 0.9
+    assert len(second["falcon/events"]["data"]) == 2  # the table holds every row so far

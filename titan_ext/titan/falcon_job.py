@@ -533,6 +533,8 @@ class FalconJob:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
             self._record_events(rows)
+        if rows:
+            self._wandb_events(rows)
         if s4_plan is not None:
             from titan_ext.titan.falcon_s4 import checkpoint_and_exit
 
@@ -552,22 +554,33 @@ class FalconJob:
             return None
 
     def _record_events(self, rows: list[dict]) -> None:
-        """Rows → ``falcon_events.jsonl``, a console line each, and W&B (a ``falcon/events`` table)."""
-        if not rows:
-            return
-        self.events.extend(rows)
+        """Rows → ``falcon_events.jsonl`` and a console line each (rank 0)."""
         with open(self.events_path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
                 logger.info(f"[titan_ext] Falcon {_console(row)}")
+
+    def _wandb_events(self, rows: list[dict]) -> None:
+        """Rows → W&B on the rank that holds TorchTitan's W&B logger (the metrics rank, not rank 0:
+        every rank has the same rows): the ``falcon/events`` table, and per applied strategy its
+        measured cost and, once measured, the iteration time before / after as scalars."""
         from titan_ext.titan.metrics import _wandb_loggers
 
+        self.events.extend(rows)
         processor = getattr(self.trainer, "metrics_processor", None)
         for wb in _wandb_loggers(processor) if processor is not None else []:
             columns = sorted({k for r in self.events for k in r})
+            scalars = {}
+            for r in rows:
+                if r["kind"] == "decision" and r["applied"] and r["measured_cost_s"] is not None:
+                    scalars[f"falcon/applied/{r['strategy']}/measured_cost_s"] = r["measured_cost_s"]
+                    scalars[f"falcon/applied/{r['strategy']}/estimated_cost_s"] = r["estimated_cost_s"]
+                if r["kind"] == "outcome":
+                    scalars[f"falcon/outcome/{r['strategy']}/before_s"] = r["iteration_time_before_s"]
+                    scalars[f"falcon/outcome/{r['strategy']}/after_s"] = r["iteration_time_after_s"]
             wb.wandb.log({"falcon/events": wb.wandb.Table(
-                columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events])},
-                step=self.trainer.step)
+                columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events]),
+                **scalars}, step=self.trainer.step)
 
     def validate(self) -> dict:
         """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
