@@ -509,6 +509,7 @@ class FalconJob:
             decision |= self.validate()
         applied_s = {}
         s4_plan = None
+        estimated = self.monitor.config.costs  # the ski-rental inputs, before an application re-measures
         for strategy in filter(None, decision.get("falcon/apply", "").split(",")):
             if strategy == "checkpoint_restart":
                 s4_plan = self._plan_s4()  # applied below, once this step is recorded
@@ -523,6 +524,8 @@ class FalconJob:
         rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
                           self.apply_decisions)
         for row in rows:
+            if row["kind"] == "decision":
+                row["estimated_cost_s"] = estimated.of(row["name"])
             if row.get("name") == "checkpoint_restart" and row["kind"] == "decision":
                 row["applied"] = s4_plan is not None  # cost measured by the restarted job ("restart" row)
         self._applied_names |= {r["name"] for r in rows if r["kind"] == "decision" and r["applied"]}
