@@ -17,9 +17,10 @@ and DP group and the GEMM probe (§4.3) — and the root cause (slow PP link / D
 Alg. 1 (§5.2). Applied here: ``pipemorph_replan`` (the schedule's re-planning on) and
 ``microbatch_redistribution`` (§5.3 S2: replica i runs ``m_i`` of the step's ``M`` chunks; the chunks
 are exchanged over the DP group so the global batch is unchanged, and the summed gradient is the
-even split's) and ``checkpoint_restart`` (S4: checkpoint, exit, relaunch without the slow device's
-replica — :mod:`titan_ext.titan.falcon_s4`). ``topology_adjustment`` (S3) is logged as a decision
-and not applied by this module (see docs/falcon.md).
+even split's), ``topology_adjustment`` (§5.3 S3: the grid re-mapped in memory — new groups, the
+stages' state moved by collectives, TorchTitan's stage / schedule / optimizer rebuilt —
+:mod:`titan_ext.titan.falcon_s3`) and ``checkpoint_restart`` (S4: TorchTitan checkpoint, exit,
+relaunch without the slow device's replica — :mod:`titan_ext.titan.falcon_s4`).
 
 Emulation (:mod:`titan_ext.runtime.falcon.emulation`): ``[titan_ext] emulate_slow_device`` /
 ``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` / ``TITAN_EXT_SLOW_LINK``.
@@ -68,14 +69,18 @@ STRATEGY_LABEL = {"ignore": "S1", "microbatch_redistribution": "S2", "topology_a
                   "checkpoint_restart": "S4", "pipemorph_replan": "PipeMorph"}
 """Falcon §5.1's levels (S1 ignore, S2 micro-batch adjustment, S3 topology adjustment, S4
 checkpoint-and-restart); PipeMorph's re-plan is the PP-link mitigation between S1 and S3."""
-APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution", "checkpoint_restart"})
-"""Strategies this job applies (S4 when TorchTitan's checkpointer is on: :mod:`.falcon_s4`); S3 is
-decided and recorded with ``applied: false``."""
+APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution", "topology_adjustment",
+                          "checkpoint_restart"})
+"""Strategies this job can apply (S3 only when its plan moves a rank; S4 when TorchTitan's
+checkpointer is on: :mod:`.falcon_s4`)."""
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
 a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
 10 % (and the emulated slow devices here are >= 2x)."""
 _DP_ALLREDUCE_RING_STEPS = 2  # ring all-reduce = reduce-scatter + all-gather (one step each for 2 ranks)
+_VALIDATION_BYTES = 1 << 22
+"""Validation messages (4 MB): large enough that a link F x slower in bandwidth (``A-B:xF``) shows
+more than the monitor's 2 ms minimum excess on loopback."""
 
 
 def replicated_by_trainer(parallel_dims: Any) -> bool:
@@ -283,42 +288,76 @@ class FalconJob:
         self.log_path = (dump / FALCON_LOG) if section.falcon else None
         self.events_path = (dump / FALCON_EVENTS) if section.falcon else None
         self.events: list[dict] = []
-        self._measure_costs_at_start(dump)
+        self.measured_costs: dict[str, float] = {"ignore": 0.0}
+        """Strategy → its cost measured in this job (seconds, slowest rank's); see set_measured_cost."""
+        self.data_iterator = None
+        """The iterator the steps read after S3 moved this rank to another DP replica (else the
+        trainer's)."""
+        self.dp_allreduce_base_s = self._measure_dp_allreduce()
+        self._measure_costs_at_start()
+        from titan_ext.titan.falcon_s4 import estimate_s4_cost
+
+        self._set_costs(checkpoint_restart=estimate_s4_cost(self, dump))
         self._exchange_measured = False
         self._backwards_left = 0
         self.dp_sync_s = 0.0
         self.last_decision: dict = {}
 
     # ---------------------------------------------------------------- costs (§5.2)
-    def _measure_costs_at_start(self, dump: Path) -> None:
-        """S3's overhead as this job would apply it, measured (slowest rank's; issue 23 item 3).
+    def _measure_costs_at_start(self) -> None:
+        """S3's overhead measured as this job applies it, in memory (slowest rank's; issue 23
+        item 3): creating a device mesh of the current grid (the new DP and PP groups), moving a
+        stage's state (the model and AdamW's two moments, 3x the parameters) to a DP peer over the
+        data group, and loading a copy of it into a fresh copy of the stage. The first application
+        replaces this estimate by its own measured time (:meth:`set_measured_cost`). S1 costs
+        nothing; S2 and PipeMorph's re-plan are measured when they first run."""
+        import copy
 
-        This job applies S3 only through a restart with a permuted mesh (:mod:`.restart`; the
-        in-memory re-map of :mod:`titan_ext.runtime.falcon.topology` is not wired into the
-        TorchTitan trainer yet), so S3's ski-rental cost is this process's start-up (interpreter,
-        rendezvous, model build) plus saving and loading a stage's state (the model and AdamW's two
-        moments, 3x the parameters) to and from the dump folder. The in-memory cost — creating the
-        new DP and PP groups (one creation timed, times the grid's rows + columns) plus moving that
-        state to a DP peer over the data group — is measured too and reported
-        (``in_memory_topology_s``, in every S3 row of falcon_events.jsonl). S4 (a restart on fewer
-        devices, :mod:`.falcon_s4`) starts from the same estimate; once a restart of this dump
-        folder's job measured its real cost (save → first step of the new job), that one."""
-        state = [p.detach() for m in self.trainer.model_parts for p in m.parameters()] * 3
+        from titan_ext.titan.falcon_s3 import _own_state, grid_mesh
+        from titan_ext.runtime.falcon.topology import load_stage_state
+
+        part, opt = self.trainer.model_parts[0], self.trainer.optimizers.optimizers[0]
+        state = [p.detach() for p in part.parameters()] * 3
         t0 = time.perf_counter()
-        dist.new_group(backend="gloo")  # one group's creation, as S3 creates num_dp + num_pp
-        group_s = (time.perf_counter() - t0) * (self.num_dp + self.num_pp)
+        grid_mesh(self.grid, self.device.type)
+        group_s = time.perf_counter() - t0
         move_s = _time_state_exchange(state, [row[self.pp_index] for row in self.grid], self.device)
-        save_s = _time_save_load(state, dump / f".falcon_cost_probe_rank{self.rank}.pt")
-        mine = torch.tensor([group_s + move_s, time.time() - _process_start_time() + save_s],
-                            dtype=torch.float64)
+        t0 = time.perf_counter()
+        fresh = copy.deepcopy(part)
+        load_stage_state(fresh, type(opt)(fresh.parameters()), *_own_state(part, opt))
+        rebuild_s = time.perf_counter() - t0
+        mine = torch.tensor([group_s + move_s + rebuild_s], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
-        self.in_memory_topology_s = float(mine[0])
-        self._set_costs(topology_adjustment=float(mine[1]))
-        # S4 is a restart too (titan/falcon_s4.py): the same estimate, until one was measured
-        from titan_ext.titan.falcon_s4 import recorded_s4_cost
+        self._set_costs(topology_adjustment=float(mine[0]))
 
-        recorded = recorded_s4_cost(dump)
-        self._set_costs(checkpoint_restart=float(mine[1]) if recorded is None else recorded)
+    def _measure_dp_allreduce(self) -> float:
+        """The healthy time of this stage's gradient all-reduce over its DP group (fastest of 3,
+        after a barrier: the collective, not the wait for a late peer), and the link bandwidth it
+        implies (every rank of a 2-rank ring sends the gradient's size once; the world's lowest, so
+        both ends of a link emulate the same one): the base of an
+        emulated ``A-B:xF`` link (:mod:`~titan_ext.runtime.falcon.emulation`)."""
+        from titan_ext.runtime.falcon.device_clock import device_buffer
+
+        numel = sum(p.numel() for m in self.trainer.model_parts for p in m.parameters())
+        buf = device_buffer(numel, self.device)
+        best = math.inf
+        for _ in range(3):
+            dist.barrier(group=self.dp_control)
+            start = self.timer.mark()
+            dist.all_reduce(buf, group=self.dp_group)
+            best = min(best, self.timer.elapsed_s(start, self.timer.mark()))
+        bandwidth = torch.tensor([numel * buf.element_size() / best], dtype=torch.float64)
+        dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN, group=self.control)  # both ends of a link agree
+        self.emulation.link_bytes_per_s = float(bandwidth)
+        logger.info(f"[titan_ext] Falcon: stage {self.pp_index}'s DP all-reduce {1e3 * best:.1f} ms "
+                    f"({numel * buf.element_size() / 1e6:.1f} MB), link bandwidth {float(bandwidth) / 1e9:.2f} GB/s")
+        return best
+
+    def set_measured_cost(self, strategy: str, seconds: float) -> None:
+        """Record ``strategy``'s cost as measured in this job (one value on every rank: pass the
+        slowest rank's) and let the ski-rental decision (Alg. 1, §5.2) use it from now on."""
+        self.measured_costs[strategy] = float(seconds)
+        self._set_costs(**{strategy: float(seconds)})
 
     def _measure_exchange_cost(self, mine: list) -> None:
         """S2's overhead: one real exchange of this step's chunks over the DP group."""
@@ -326,13 +365,13 @@ class FalconJob:
         redistribute_chunks(mine, [self.chunks_per_replica] * self.num_dp, self.dp_index, self.dp_control)
         exchange_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(exchange_s, op=dist.ReduceOp.MAX, group=self.control)
-        self._set_costs(microbatch_redistribution=float(exchange_s))
+        self.set_measured_cost("microbatch_redistribution", float(exchange_s))
 
     def _measure_replan_cost(self, rt: dict) -> None:
         """pipemorph_replan's overhead: PipeMorph's own last planning + swap time."""
         ms = float(rt.get("plan_ms", math.nan)) + float(rt.get("swap_ms", 0.0) or 0.0)
         if math.isfinite(ms):
-            self._set_costs(pipemorph_replan=ms / 1e3)
+            self.set_measured_cost("pipemorph_replan", ms / 1e3)
 
     def _set_costs(self, **costs: float) -> None:
         new = dataclasses.replace(self.monitor.config.costs, **costs)
@@ -345,7 +384,7 @@ class FalconJob:
         t0 = time.perf_counter()
         self.emulation.step = self.trainer.step
         self._maybe_install_pp_delays()
-        chunks = self._my_chunks(data_iterator)
+        chunks = self._my_chunks(self.data_iterator or data_iterator)
         self.trainer.gradient_accumulation_steps = len(chunks)
         self._backwards_left = len(chunks)
         run_step(iter(chunks))
@@ -364,7 +403,8 @@ class FalconJob:
         is a completion time: device timer marks, read at the step's end (:meth:`_dp_sync_time`)."""
         start = self.timer.mark()
         dp_ranks = [row[self.pp_index] for row in self.grid]
-        device_sleep(self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS), self.device)
+        device_sleep(self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS,
+                                                       self.dp_allreduce_base_s), self.device)
         params = [p for m in self.trainer.model_parts for p in m.parameters()]
         weighted_all_reduce_gradients(params, 1.0, self.dp_group)
         self._dp_sync_marks = (start, self.timer.mark())
@@ -454,6 +494,7 @@ class FalconJob:
         acf = self._acf_iteration_times()
         iteration_s, groups = self._group_times(step_s)
         decision = self.monitor.observe(iteration_s, groups) | acf
+        decision |= {f"falcon/group_s/{g}": t for g, t in groups.items()}
         if decision.get("falcon/validate"):
             decision |= self.validate()
         applied_s = {}
@@ -463,15 +504,15 @@ class FalconJob:
                 s4_plan = self._plan_s4()  # applied below, once this step is recorded
                 continue
             t0 = time.perf_counter()
-            self.apply(strategy, decision)
-            applied_s[strategy] = time.perf_counter() - t0
+            if self.apply(strategy, decision):
+                applied_s[strategy] = self.measured_costs.get(strategy, time.perf_counter() - t0) \
+                    if strategy == "topology_adjustment" else time.perf_counter() - t0
         decision["falcon/split"] = json.dumps(self.split)
+        decision["falcon/grid"] = json.dumps(self.grid)
         self.last_decision = decision
         rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
                           self.apply_decisions)
         for row in rows:
-            if row.get("name") == "topology_adjustment":
-                row["in_memory_topology_s"] = self.in_memory_topology_s
             if row.get("name") == "checkpoint_restart" and row["kind"] == "decision":
                 row["applied"] = s4_plan is not None  # cost measured by the restarted job ("restart" row)
         if self.rank == 0 and self.log_path is not None:
@@ -520,26 +561,76 @@ class FalconJob:
         profiling flagged (:func:`rings_to_validate`), then the GEMM probe on every rank."""
         t0 = time.perf_counter()
         rings = rings_to_validate(self.grid, self.monitor.suspicious)
-        links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16, group=self.control,
-                               send_delay_s=self.emulation.send_delay_s, device=self.device)
+        links = validate_rings([r for r in rings if len(r) > 1], nbytes=_VALIDATION_BYTES, group=self.control,
+                               send_delay_s=lambda src, dst: self.emulation.send_delay_s(src, dst, _VALIDATION_BYTES),
+                               device=self.device)
         gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
                           device=self.device)
         return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
 
-    def apply(self, strategy: str, decision: dict) -> None:
-        """Apply one Alg. 1 decision to the running job (§5.3)."""
+    def apply(self, strategy: str, decision: dict) -> bool:
+        """Apply one Alg. 1 decision to the running job (§5.3); True when it was applied."""
         step = self.trainer.step
         if not self.apply_decisions:
-            return
+            return False
         if strategy == "pipemorph_replan":
             self.trainer.pp_schedule.adaptive = True
         elif strategy == "microbatch_redistribution" and "falcon/plan/microbatch_split" in decision:
             self.split = _at_least_one_each(json.loads(decision["falcon/plan/microbatch_split"]))
         elif strategy == "topology_adjustment":
-            logger.warning(f"[titan_ext] Falcon decided {strategy} at step {step}; not applied in "
-                           f"this job (see docs/falcon.md)")
-            return
-        logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
+            grid = json.loads(decision.get("falcon/plan/topology_grid", "null") or "null")
+            if grid is None or grid == self.grid:
+                logger.info(f"[titan_ext] Falcon decided S3 at step {step}; its plan keeps the grid "
+                            f"{self.grid}: nothing to apply")
+                return False
+            self.apply_topology(grid)
+        elif strategy == "checkpoint_restart":  # S4: _falcon plans it and applies it after the step's rows
+            return False
+        logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split}, "
+                    f"grid {self.grid})")
+        return strategy in APPLIED_HERE
+
+    def apply_topology(self, grid: list[list[int]]) -> None:
+        """S3 in memory (:func:`titan_ext.titan.falcon_s3.apply_topology`), then this job's own
+        view of the layout: groups, roles, the monitor's grid, the emulated faults' hooks, the data
+        iterator, and the S2 split re-planned for the new replicas. Its measured time becomes S3's
+        cost (:meth:`set_measured_cost`)."""
+        from titan_ext.titan.falcon_s3 import apply_topology
+
+        loader = self.trainer.dataloader
+        result = apply_topology(self.trainer, self.grid, grid, control_group=self.control)
+        self.grid = [[int(r) for r in row] for row in grid]
+        self.dp_index, self.pp_index = result.new_role
+        self.dp_group = result.mesh["dp_replicate"].get_group()
+        dp_controls = [control_group([row[s] for row in self.grid]) for s in range(self.num_pp)]
+        self.dp_control = dp_controls[self.pp_index]
+        self.monitor.grid = [list(row) for row in self.grid]
+        if getattr(self.trainer.pp_schedule, "falcon", None) is not None:
+            self.trainer.pp_schedule.falcon = None
+        for part in self.trainer.model_parts:
+            _install_compute_stretch(part, self.emulation, self.device)
+        if self._pp_delays_installed:
+            from titan_ext.runtime.delay_injection import remove_link_delays
+
+            remove_link_delays()
+            self._pp_delays_installed = False
+        if self.trainer.dataloader is not loader:
+            self.data_iterator = self.trainer.batch_generator(self.trainer.dataloader)
+        if self.split != [self.chunks_per_replica] * self.num_dp:
+            self.split = self._replanned_split()
+        self.dp_allreduce_base_s = self._measure_dp_allreduce()  # this rank's stage may have changed
+        self.set_measured_cost("topology_adjustment", result.seconds)
+        logger.info(f"[titan_ext] Falcon S3: rank {self.rank} (dp, pp) {result.old_role} -> "
+                    f"{result.new_role}, state from rank {result.received_from}, {result.seconds:.3f} s")
+
+    def _replanned_split(self) -> list[int]:
+        """S2's split for the new replicas (Eq. 1 over the new grid's rows, as the monitor plans it)."""
+        m = self.monitor
+        if not m.slow_devices:
+            return [self.chunks_per_replica] * self.num_dp
+        factor = m.detector.current_mean_s / (m.detector.healthy_mean_s or 1.0)
+        per_dp = [m._replica_slowdown(row, factor) for row in self.grid]
+        return _at_least_one_each(m.plan_microbatch_split(per_dp))
 
 
 def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]]:
@@ -580,7 +671,7 @@ def event_rows(step: int, decision: dict, monitor: Any, applied_s: dict[str, flo
                      "validation_pause_s": decision.get("falcon/validation_pause_s")})
     before = decision.get("falcon/iteration_time_s")
     for name in filter(None, decision.get("falcon/apply", "").split(",")):
-        applied = apply_decisions and name in APPLIED_HERE
+        applied = apply_decisions and name in APPLIED_HERE and name in applied_s
         rows.append({"kind": "decision", "iteration": step, "suspected": suspected,
                      "strategy": STRATEGY_LABEL.get(name, name), "name": name, "applied": applied,
                      "estimated_cost_s": monitor.config.costs.of(name),
@@ -624,26 +715,6 @@ def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device)
     ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
            dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
     return timer.completion_s(start, dist.batch_isend_irecv(ops))
-
-
-def _time_save_load(state: list[torch.Tensor], path: Path) -> float:
-    """Seconds to save ``state`` (host copies) to ``path`` and load it back."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    torch.save([t.detach().cpu() for t in state], path)
-    torch.load(path, weights_only=True)
-    seconds = time.perf_counter() - t0
-    path.unlink(missing_ok=True)
-    return seconds
-
-
-def _process_start_time() -> float:
-    """This process's start (epoch seconds), from /proc (Linux)."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _at_least_one_each(split: list[int]) -> list[int]:

@@ -52,7 +52,7 @@ from titan_ext.runtime.falcon.restart import (
     write_s4_plan,
 )
 
-__all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "S4Resume", "recorded_s4_cost", "launch",
+__all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
            "ENV_S4_PLAN", "OUTCOME_STEPS"]
 
 ENV_S4_PLAN = "TITAN_EXT_S4_PLAN"
@@ -129,6 +129,37 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
     trainer.close()
     dist.destroy_process_group()
     raise SystemExit(S4_EXIT_CODE)
+
+
+def estimate_s4_cost(job: Any, dump_folder) -> float:
+    """S4's ski-rental cost before any restart measured it (slowest rank's): this process's start-up
+    (interpreter, rendezvous, model build: process start → now, /proc) plus saving and loading its
+    stage's state (the model and AdamW's two moments, 3x the parameters) to and from the dump
+    folder — what a relaunch repeats. A cost measured by an earlier restart of this dump folder's
+    job (:func:`recorded_s4_cost`) replaces it."""
+    recorded = recorded_s4_cost(dump_folder)
+    if recorded is not None:
+        return float(recorded)
+    state = [p.detach().cpu() for m in job.trainer.model_parts for p in m.parameters()] * 3
+    path = Path(dump_folder) / f".falcon_s4_probe_rank{dist.get_rank()}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.save(state, path)
+    torch.load(path, weights_only=True)
+    save_load_s = time.perf_counter() - t0
+    path.unlink(missing_ok=True)
+    mine = torch.tensor([time.time() - _process_start_time() + save_load_s], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=job.control)
+    return float(mine)
+
+
+def _process_start_time() -> float:
+    """This process's start (epoch seconds), from /proc (Linux)."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def recorded_s4_cost(dump_folder) -> float | None:
