@@ -61,6 +61,7 @@ COSTS_FILE = "falcon_costs.json"
 OUTCOME_STEPS = 5
 """Steps after the restart whose median iteration time is the S4 outcome's "after"."""
 _EMULATION_ENV = ("TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK")
+_PROBE_BYTES = 64 << 20
 
 
 class S4Unavailable(RuntimeError):
@@ -135,18 +136,25 @@ def estimate_s4_cost(job: Any, dump_folder) -> float:
     """S4's ski-rental cost before any restart measured it (slowest rank's): this process's start-up
     (interpreter, rendezvous, model build: process start → now, /proc) plus saving and loading its
     stage's state (the model and AdamW's two moments, 3x the parameters) to and from the dump
-    folder — what a relaunch repeats. A cost measured by an earlier restart of this dump folder's
+    folder — what a relaunch repeats (timed on at most ~64 MB of it, scaled to its size). A cost measured by an earlier restart of this dump folder's
     job (:func:`recorded_s4_cost`) replaces it."""
     recorded = recorded_s4_cost(dump_folder)
     if recorded is not None:
         return float(recorded)
-    state = [p.detach().cpu() for m in job.trainer.model_parts for p in m.parameters()] * 3
+    params = [p.detach() for m in job.trainer.model_parts for p in m.parameters()]
+    total = 3 * sum(p.numel() * p.element_size() for p in params)
+    sample, nbytes = [], 0
+    for p in params:  # at most ~64 MB written here; the time is scaled to the whole state
+        if nbytes and nbytes + p.numel() * p.element_size() > _PROBE_BYTES:
+            break
+        sample.append(p.cpu())
+        nbytes += p.numel() * p.element_size()
     path = Path(dump_folder) / f".falcon_s4_probe_rank{dist.get_rank()}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    torch.save(state, path)
+    torch.save(sample, path)
     torch.load(path, weights_only=True)
-    save_load_s = time.perf_counter() - t0
+    save_load_s = (time.perf_counter() - t0) * total / max(nbytes, 1)
     path.unlink(missing_ok=True)
     mine = torch.tensor([time.time() - _process_start_time() + save_load_s], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=job.control)
@@ -173,8 +181,8 @@ def recorded_s4_cost(dump_folder) -> float | None:
 class S4Resume:
     """In a job the launcher restarted after S4: measure and record the S4 cost and outcome."""
 
-    def __init__(self, plan: dict, dump_folder: Path, rank: int):
-        self.plan, self.dump, self.rank = plan, Path(dump_folder), rank
+    def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None):
+        self.plan, self.dump, self.rank, self.trainer = plan, Path(dump_folder), rank, trainer
         self.times: list[float] = []
         self.measured_s: float | None = None
 
@@ -184,7 +192,7 @@ class S4Resume:
         if not path:
             return None
         plan = json.loads(Path(path).read_text())
-        return cls(plan, Path(trainer.job_config.job.dump_folder), dist.get_rank())
+        return cls(plan, Path(trainer.job_config.job.dump_folder), dist.get_rank(), trainer)
 
     def before_step(self, step: int) -> None:
         """The first step of the restarted job: the S4 cost is the time since the save began."""
@@ -231,6 +239,13 @@ class S4Resume:
             f.write(json.dumps(row) + "\n")
         logger.info(f"[titan_ext] Falcon S4 {row['kind']} at step {row['iteration']}: "
                     + ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("_s")))
+        from titan_ext.titan.metrics import _wandb_loggers
+
+        processor = getattr(self.trainer, "metrics_processor", None)
+        for wb in _wandb_loggers(processor) if processor is not None else []:
+            wb.wandb.log({f"falcon/s4_{row['kind']}/{k}": v for k, v in row.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                         step=row["iteration"])
 
 
 # ---------------------------------------------------------------------------- the launcher
