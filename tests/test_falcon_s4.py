@@ -86,14 +86,16 @@ def test_relaunch_overrides_parse_with_torchtitans_config_manager():
 
     plan = plan_exclusion(_titan_grid(2, 2), [3], 12, [5, 1])
     args = ["--job.config_file", str(ROOT / CONFIG), "--titan_ext.emulate_slow_device", "3:4@5",
-            *relaunch_overrides(plan, remap_emulation(plan, "3:4@5", ""))]
+            "--training.local_batch_size", "2", "--training.global_batch_size", "-1",
+            *relaunch_overrides(plan, remap_emulation(plan, "3:4@5", ""), local_batch_size=2)]
     cfg = ConfigManager().parse_args(args)
     assert cfg.parallelism.data_parallel_replicate_degree == 1
+    assert cfg.training.global_batch_size == 12  # 6 chunks of 2, even where the job left it to DP
     assert cfg.checkpoint.enable and cfg.checkpoint.exclude_from_loading == ["dataloader"]
     assert cfg.titan_ext.emulate_slow_device == "" and cfg.titan_ext.emulate_slow_link == ""
     # TorchTitan's own split of the global batch in the new world is the plan's
     per_replica = cfg.training.global_batch_size // (cfg.training.local_batch_size * plan.num_dp)
-    assert per_replica == plan.chunks_per_replica * 4 // cfg.training.local_batch_size
+    assert per_replica == plan.chunks_per_replica == 6
 
 
 def test_launcher_environment_and_one_restart_per_plan(tmp_path):

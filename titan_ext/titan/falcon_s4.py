@@ -122,11 +122,19 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
                       begin_time=begin, save_s=float(save_s),
                       estimated_cost_s=job.monitor.config.costs.of("checkpoint_restart"),
                       iteration_time_before_s=decision.get("falcon/iteration_time_s"),
-                      overrides=relaunch_overrides(plan, emulation),
+                      overrides=relaunch_overrides(plan, emulation,
+                                                   trainer.job_config.training.local_batch_size),
                       hosts=[where[r][0] for r in plan.kept_ranks],
                       local_devices=[where[r][1] for r in plan.kept_ranks],
                       device_type=where[0][2])
     dist.barrier(group=job.control)
+    if job.rank == 0:
+        from torchtitan.tools.logging import logger
+
+        logger.warning(f"[titan_ext] Falcon S4: checkpointed step {step} ({float(save_s):.2f} s); exiting "
+                       f"with status {S4_EXIT_CODE} for a relaunch on ranks {plan.kept_ranks} without "
+                       f"devices {plan.excluded} (python -m titan_ext.titan.falcon_s4 or scripts/launch.sh "
+                       f"relaunch; a plain torchrun stops here)")
     trainer.close()
     dist.destroy_process_group()
     raise SystemExit(S4_EXIT_CODE)
