@@ -144,11 +144,17 @@ def estimate_s4_cost(job: Any, dump_folder) -> float:
     """S4's ski-rental cost before any restart measured it (slowest rank's): this process's start-up
     (interpreter, rendezvous, model build: process start → now, /proc) plus saving and loading its
     stage's state (the model and AdamW's two moments, 3x the parameters) to and from the dump
-    folder — what a relaunch repeats (timed on at most ~64 MB of it, scaled to its size). A cost measured by an earlier restart of this dump folder's
-    job (:func:`recorded_s4_cost`) replaces it."""
+    folder — what a relaunch repeats (timed on at most ~64 MB of it, scaled to its size). A cost
+    measured by an earlier restart of this dump folder's job (:func:`recorded_s4_cost`) replaces
+    it."""
     recorded = recorded_s4_cost(dump_folder)
-    if recorded is not None:
-        return float(recorded)
+    mine = torch.tensor([recorded if recorded is not None else _restart_estimate_s(job, dump_folder)],
+                        dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=job.control)  # every rank, whatever it read
+    return float(mine)
+
+
+def _restart_estimate_s(job: Any, dump_folder) -> float:
     params = [p.detach() for m in job.trainer.model_parts for p in m.parameters()]
     total = 3 * sum(p.numel() * p.element_size() for p in params)
     sample, nbytes = [], 0
@@ -164,9 +170,7 @@ def estimate_s4_cost(job: Any, dump_folder) -> float:
     torch.load(path, weights_only=True)
     save_load_s = (time.perf_counter() - t0) * total / max(nbytes, 1)
     path.unlink(missing_ok=True)
-    mine = torch.tensor([time.time() - _process_start_time() + save_load_s], dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=job.control)
-    return float(mine)
+    return time.time() - _process_start_time() + save_load_s
 
 
 def _process_start_time() -> float:
