@@ -222,6 +222,13 @@ class S4Resume:
                       "restart_and_load_s": self.measured_s - float(self.plan["save_s"])})
         if self.rank == 0:
             (self.dump / COSTS_FILE).write_text(json.dumps({"checkpoint_restart": self.measured_s}))
+        # the restarted job's own Falcon (the schedule's monitor in a PP-only job) uses it from now on
+        monitor = getattr(getattr(self.trainer, "pp_schedule", None), "falcon", None)
+        if monitor is not None:
+            import dataclasses
+
+            monitor.config.costs = dataclasses.replace(monitor.config.costs, checkpoint_restart=self.measured_s)
+            monitor.planner.costs = monitor.config.costs
 
     def after_step(self, step: int, step_s: float) -> None:
         """The step's iteration time (max over ranks, as the DP x PP job's Falcon measures it) into
