@@ -19,8 +19,8 @@ Alg. 1 (§5.2). Applied here: ``pipemorph_replan`` (the schedule's re-planning o
 are exchanged over the DP group so the global batch is unchanged, and the summed gradient is the
 even split's), ``topology_adjustment`` (§5.3 S3: the grid re-mapped in memory — new groups, the
 stages' state moved by collectives, TorchTitan's stage / schedule / optimizer rebuilt —
-:mod:`titan_ext.titan.falcon_s3`) and ``checkpoint_restart`` (S4: TorchTitan checkpoint, exit,
-relaunch without the slow device's replica — :mod:`titan_ext.titan.falcon_s4`).
+:mod:`titan_ext.titan.falcon_s3`) and ``checkpoint_restart`` (S4: checkpoint, exit, relaunch without
+the slow device's replica — :mod:`titan_ext.titan.falcon_s4`).
 
 Emulation (:mod:`titan_ext.runtime.falcon.emulation`): ``[titan_ext] emulate_slow_device`` /
 ``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` / ``TITAN_EXT_SLOW_LINK``.
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
@@ -71,7 +72,7 @@ STRATEGY_LABEL = {"ignore": "S1", "microbatch_redistribution": "S2", "topology_a
 checkpoint-and-restart); PipeMorph's re-plan is the PP-link mitigation between S1 and S3."""
 APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution", "topology_adjustment",
                           "checkpoint_restart"})
-"""Strategies this job can apply (S3 only when its plan moves a rank; S4 when TorchTitan's
+"""Strategies this job applies (S3 when its plan moves a rank: :mod:`.falcon_s3`; S4 when TorchTitan's
 checkpointer is on: :mod:`.falcon_s4`)."""
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
@@ -290,6 +291,7 @@ class FalconJob:
         self.events: list[dict] = []
         self.measured_costs: dict[str, float] = {"ignore": 0.0}
         """Strategy → its cost measured in this job (seconds, slowest rank's); see set_measured_cost."""
+        self._applied_names: set[str] = set()
         self.data_iterator = None
         """The iterator the steps read after S3 moved this rank to another DP replica (else the
         trainer's)."""
@@ -310,7 +312,8 @@ class FalconJob:
         stage's state (the model and AdamW's two moments, 3x the parameters) to a DP peer over the
         data group, and loading a copy of it into a fresh copy of the stage. The first application
         replaces this estimate by its own measured time (:meth:`set_measured_cost`). S1 costs
-        nothing; S2 and PipeMorph's re-plan are measured when they first run."""
+        nothing; S2 and PipeMorph's re-plan are measured when they first run. S4 (a restart on fewer
+        devices): :func:`titan_ext.titan.falcon_s4.estimate_s4_cost`, called next."""
         import copy
 
         from titan_ext.titan.falcon_s3 import _own_state, grid_mesh
@@ -499,6 +502,7 @@ class FalconJob:
             decision |= self.validate()
         applied_s = {}
         s4_plan = None
+        estimated = self.monitor.config.costs  # the ski-rental inputs, before an application re-measures
         for strategy in filter(None, decision.get("falcon/apply", "").split(",")):
             if strategy == "checkpoint_restart":
                 s4_plan = self._plan_s4()  # applied below, once this step is recorded
@@ -513,13 +517,20 @@ class FalconJob:
         rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
                           self.apply_decisions)
         for row in rows:
+            if row["kind"] == "decision":
+                row["estimated_cost_s"] = estimated.of(row["name"])
             if row.get("name") == "checkpoint_restart" and row["kind"] == "decision":
                 row["applied"] = s4_plan is not None  # cost measured by the restarted job ("restart" row)
+        self._applied_names |= {r["name"] for r in rows if r["kind"] == "decision" and r["applied"]}
+        # an outcome (iteration time before / after) is an applied strategy's, not a decision's
+        rows = [r for r in rows if r["kind"] != "outcome" or r["name"] in self._applied_names]
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
                 f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
             self._record_events(rows)
+        if rows:
+            self._wandb_events(rows)
         if s4_plan is not None:
             from titan_ext.titan.falcon_s4 import checkpoint_and_exit
 
@@ -539,34 +550,53 @@ class FalconJob:
             return None
 
     def _record_events(self, rows: list[dict]) -> None:
-        """Rows → ``falcon_events.jsonl``, a console line each, and W&B (a ``falcon/events`` table)."""
-        if not rows:
-            return
-        self.events.extend(rows)
+        """Rows → ``falcon_events.jsonl`` and a console line each (rank 0)."""
         with open(self.events_path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
                 logger.info(f"[titan_ext] Falcon {_console(row)}")
+
+    def _wandb_events(self, rows: list[dict]) -> None:
+        """Rows → W&B on the rank that holds TorchTitan's W&B logger (the metrics rank, not rank 0:
+        every rank has the same rows): the ``falcon/events`` table, and per applied strategy its
+        measured cost and, once measured, the iteration time before / after as scalars."""
         from titan_ext.titan.metrics import _wandb_loggers
 
+        self.events.extend(rows)
         processor = getattr(self.trainer, "metrics_processor", None)
         for wb in _wandb_loggers(processor) if processor is not None else []:
             columns = sorted({k for r in self.events for k in r})
+            scalars = {}
+            for r in rows:
+                if r["kind"] == "decision" and r["applied"] and r["measured_cost_s"] is not None:
+                    scalars[f"falcon/applied/{r['strategy']}/measured_cost_s"] = r["measured_cost_s"]
+                    scalars[f"falcon/applied/{r['strategy']}/estimated_cost_s"] = r["estimated_cost_s"]
+                if r["kind"] == "outcome":
+                    scalars[f"falcon/outcome/{r['strategy']}/before_s"] = r["iteration_time_before_s"]
+                    scalars[f"falcon/outcome/{r['strategy']}/after_s"] = r["iteration_time_after_s"]
             wb.wandb.log({"falcon/events": wb.wandb.Table(
-                columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events])},
-                step=self.trainer.step)
+                columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events]),
+                **scalars}, step=self.trainer.step)
 
     def validate(self) -> dict:
         """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
-        profiling flagged (:func:`rings_to_validate`), then the GEMM probe on every rank."""
+        profiling flagged (:func:`rings_to_validate`) and one unflagged ring as the healthy
+        reference, then the GEMM probe on every rank."""
         t0 = time.perf_counter()
         rings = rings_to_validate(self.grid, self.monitor.suspicious)
-        links = validate_rings([r for r in rings if len(r) > 1], nbytes=_VALIDATION_BYTES, group=self.control,
-                               send_delay_s=lambda src, dst: self.emulation.send_delay_s(src, dst, _VALIDATION_BYTES),
-                               device=self.device)
+        # one ring profiling did not flag is timed too: the healthy reference a flagged ring's links
+        # are compared with (all links of a lone flagged ring are slow: their own median hides them)
+        reference = [r for r in rings_to_validate(self.grid, []) if r not in rings][:1]
+        links = validate_rings([r for r in rings + reference if len(r) > 1], nbytes=_VALIDATION_BYTES,
+                               group=self.control, device=self.device,
+                               send_delay_s=lambda src, dst: self.emulation.send_delay_s(src, dst, _VALIDATION_BYTES))
+        ref_times = [t for (a, b), t in links.items() if reference and {a, b} <= set(reference[0])]
+        suspect = {k: t for k, t in links.items() if any(set(k) <= set(r) for r in rings)}
         gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
                           device=self.device)
-        return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
+        return self.monitor.report_validation(
+            suspect, gemm, link_reference_s=float(np.median(ref_times)) if ref_times else None,
+            pause_s=time.perf_counter() - t0)
 
     def apply(self, strategy: str, decision: dict) -> bool:
         """Apply one Alg. 1 decision to the running job (§5.3); True when it was applied."""
