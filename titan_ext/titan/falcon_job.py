@@ -666,9 +666,10 @@ class FalconJob:
 def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]]:
     """Profiling-narrowed validation (Falcon §4.3): the rings of the suspicious groups only —
     ``pp{d}_link{i}`` → pipeline d, ``dp_stage{s}`` → the DP column of stage s — or, when profiling
-    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes over an NCCL
-    tree) is not needed here: the job's collectives are gloo rings, and a 2-replica DP group's
-    tree is its single link, which the ring passes already time in both directions."""
+    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes,
+    :func:`~titan_ext.runtime.falcon.validation.validate_trees`) is not used here: the job's
+    collectives are gloo rings, and a 2-replica DP group's tree is its single link, which the ring
+    passes already time in both directions."""
     pipelines = [list(row) for row in grid]
     columns = [[row[s] for row in grid] for s in range(len(grid[0]))]
     rings = []
