@@ -86,14 +86,16 @@ def test_relaunch_overrides_parse_with_torchtitans_config_manager():
 
     plan = plan_exclusion(_titan_grid(2, 2), [3], 12, [5, 1])
     args = ["--job.config_file", str(ROOT / CONFIG), "--titan_ext.emulate_slow_device", "3:4@5",
-            *relaunch_overrides(plan, remap_emulation(plan, "3:4@5", ""))]
+            "--training.local_batch_size", "2", "--training.global_batch_size", "-1",
+            *relaunch_overrides(plan, remap_emulation(plan, "3:4@5", ""), local_batch_size=2)]
     cfg = ConfigManager().parse_args(args)
     assert cfg.parallelism.data_parallel_replicate_degree == 1
+    assert cfg.training.global_batch_size == 12  # 6 chunks of 2, even where the job left it to DP
     assert cfg.checkpoint.enable and cfg.checkpoint.exclude_from_loading == ["dataloader"]
     assert cfg.titan_ext.emulate_slow_device == "" and cfg.titan_ext.emulate_slow_link == ""
     # TorchTitan's own split of the global batch in the new world is the plan's
     per_replica = cfg.training.global_batch_size // (cfg.training.local_batch_size * plan.num_dp)
-    assert per_replica == plan.chunks_per_replica * 4 // cfg.training.local_batch_size
+    assert per_replica == plan.chunks_per_replica == 6
 
 
 def test_launcher_environment_and_one_restart_per_plan(tmp_path):
@@ -208,3 +210,37 @@ def test_multi_node_relaunch_spec_keeps_the_nodes_with_kept_devices():
     assert spec["devices"] == {"n1": [0, 2], "n2": [1, 3]}
     with pytest.raises(SystemExit, match="uneven"):  # torchrun starts as many ranks on every node
         relaunch_spec({**plan, "hosts": ["n1", "n1", "n1", "n2"]}, ["n1", "n2"])
+
+
+def test_launch_sh_relaunches_on_the_kept_devices_after_an_s4_exit(tmp_path):
+    """scripts/launch.sh outside SLURM with a stand-in torchrun (PYTHON=fake): the first run leaves a
+    pending S4 plan and fails, the relaunch gets the plan's world, overrides, devices and no
+    emulation from the environment, and a success ends the loop."""
+    dump, calls = tmp_path / "dump", tmp_path / "calls"
+    dump.mkdir()
+    plan = {"status": "pending", "hosts": [socket.gethostname()] * 2, "local_devices": [0, 2],
+            "device_type": "cuda", "overrides": ["--parallelism.data_parallel_replicate_degree", "1",
+                                                 "--titan_ext.emulate_slow_device", ""]}
+    fake = tmp_path / "py"
+    fake.write_text(f"""#!/bin/bash
+if [[ " $* " == *" torch.distributed.run "* ]]; then
+  echo "$# $* | ${{CUDA_VISIBLE_DEVICES:-unset}} ${{TITAN_EXT_S4_PLAN:-unset}} ${{TITAN_EXT_SLOW_DEVICE:-unset}}" >> {calls}
+  if [ ! -f {tmp_path}/once ]; then touch {tmp_path}/once; echo '{json.dumps(plan)}' > {dump}/{S4_PLAN_FILE}; exit 1; fi
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), NPROC_PER_NODE="4", LOG_DIR=str(tmp_path / "logs"),
+               TITAN_EXT_SLOW_DEVICE="3:4", CONFIG_FILE=CONFIG)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    p = subprocess.run(["bash", "scripts/launch.sh", "--job.dump_folder", str(dump)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    first, second = calls.read_text().splitlines()
+    assert "--nproc_per_node 4" in first and first.endswith("| unset unset 3:4")
+    assert "--nproc_per_node 2" in second and "--parallelism.data_parallel_replicate_degree 1" in second
+    assert second.endswith(f"| 0,2 {dump / S4_PLAN_FILE} unset")
+    # the emptied emulation key is one (empty) argument: its count is the first run's + 4
+    assert int(second.split()[0]) == int(first.split()[0]) + 4
+    assert json.loads((dump / S4_PLAN_FILE).read_text())["status"] == "consumed"

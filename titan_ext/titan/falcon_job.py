@@ -296,23 +296,24 @@ class FalconJob:
         """The iterator the steps read after S3 moved this rank to another DP replica (else the
         trainer's)."""
         self.dp_allreduce_base_s = self._measure_dp_allreduce()
-        self._measure_costs_at_start(dump)
+        self._measure_costs_at_start()
+        from titan_ext.titan.falcon_s4 import estimate_s4_cost
+
+        self._set_costs(checkpoint_restart=estimate_s4_cost(self, dump))
         self._exchange_measured = False
         self._backwards_left = 0
         self.dp_sync_s = 0.0
         self.last_decision: dict = {}
 
     # ---------------------------------------------------------------- costs (§5.2)
-    def _measure_costs_at_start(self, dump: Path) -> None:
+    def _measure_costs_at_start(self) -> None:
         """S3's overhead measured as this job applies it, in memory (slowest rank's; issue 23
         item 3): creating a device mesh of the current grid (the new DP and PP groups), moving a
         stage's state (the model and AdamW's two moments, 3x the parameters) to a DP peer over the
         data group, and loading a copy of it into a fresh copy of the stage. The first application
         replaces this estimate by its own measured time (:meth:`set_measured_cost`). S1 costs
         nothing; S2 and PipeMorph's re-plan are measured when they first run. S4 (a restart on fewer
-        devices, :mod:`.falcon_s4`): this process's start-up (interpreter, rendezvous, model build)
-        plus saving and loading the stage's state to and from the dump folder, until a restart of
-        this dump folder's job measured its real cost (save → first step of the new job)."""
+        devices): :func:`titan_ext.titan.falcon_s4.estimate_s4_cost`, called next."""
         import copy
 
         from titan_ext.titan.falcon_s3 import _own_state, grid_mesh
@@ -328,17 +329,9 @@ class FalconJob:
         fresh = copy.deepcopy(part)
         load_stage_state(fresh, type(opt)(fresh.parameters()), *_own_state(part, opt))
         rebuild_s = time.perf_counter() - t0
-        save_s = _time_save_load(state, dump / f".falcon_cost_probe_rank{self.rank}.pt")
-        mine = torch.tensor([group_s + move_s + rebuild_s, time.time() - _process_start_time() + save_s],
-                            dtype=torch.float64)
+        mine = torch.tensor([group_s + move_s + rebuild_s], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
         self._set_costs(topology_adjustment=float(mine[0]))
-        # S4 is a restart (titan/falcon_s4.py): this process's start-up plus saving and loading the
-        # stage's state, until a restart of this dump folder's job measured its real cost
-        from titan_ext.titan.falcon_s4 import recorded_s4_cost
-
-        recorded = recorded_s4_cost(dump)
-        self._set_costs(checkpoint_restart=float(mine[1]) if recorded is None else recorded)
 
     def _measure_dp_allreduce(self) -> float:
         """The healthy time of this stage's gradient all-reduce over its DP group (fastest of 3,
@@ -621,9 +614,7 @@ class FalconJob:
                             f"{self.grid}: nothing to apply")
                 return False
             self.apply_topology(grid)
-        elif strategy == "checkpoint_restart":
-            logger.warning(f"[titan_ext] Falcon decided {strategy} at step {step}; not applied in "
-                           f"this job (see docs/falcon.md)")
+        elif strategy == "checkpoint_restart":  # S4: _falcon plans it and applies it after the step's rows
             return False
         logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split}, "
                     f"grid {self.grid})")
@@ -675,9 +666,10 @@ class FalconJob:
 def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]]:
     """Profiling-narrowed validation (Falcon §4.3): the rings of the suspicious groups only —
     ``pp{d}_link{i}`` → pipeline d, ``dp_stage{s}`` → the DP column of stage s — or, when profiling
-    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes over an NCCL
-    tree) is not needed here: the job's collectives are gloo rings, and a 2-replica DP group's
-    tree is its single link, which the ring passes already time in both directions."""
+    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes,
+    :func:`~titan_ext.runtime.falcon.validation.validate_trees`) is not used here: the job's
+    collectives are gloo rings, and a 2-replica DP group's tree is its single link, which the ring
+    passes already time in both directions."""
     pipelines = [list(row) for row in grid]
     columns = [[row[s] for row in grid] for s in range(len(grid[0]))]
     rings = []
@@ -754,26 +746,6 @@ def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device)
     ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
            dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
     return timer.completion_s(start, dist.batch_isend_irecv(ops))
-
-
-def _time_save_load(state: list[torch.Tensor], path: Path) -> float:
-    """Seconds to save ``state`` (host copies) to ``path`` and load it back."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    torch.save([t.detach().cpu() for t in state], path)
-    torch.load(path, weights_only=True)
-    seconds = time.perf_counter() - t0
-    path.unlink(missing_ok=True)
-    return seconds
-
-
-def _process_start_time() -> float:
-    """This process's start (epoch seconds), from /proc (Linux)."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _at_least_one_each(split: list[int]) -> list[int]:

@@ -52,7 +52,7 @@ from titan_ext.runtime.falcon.restart import (
     write_s4_plan,
 )
 
-__all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "S4Resume", "recorded_s4_cost", "launch",
+__all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
            "ENV_S4_PLAN", "OUTCOME_STEPS"]
 
 ENV_S4_PLAN = "TITAN_EXT_S4_PLAN"
@@ -61,6 +61,7 @@ COSTS_FILE = "falcon_costs.json"
 OUTCOME_STEPS = 5
 """Steps after the restart whose median iteration time is the S4 outcome's "after"."""
 _EMULATION_ENV = ("TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK")
+_PROBE_BYTES = 64 << 20
 
 
 class S4Unavailable(RuntimeError):
@@ -121,14 +122,64 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
                       begin_time=begin, save_s=float(save_s),
                       estimated_cost_s=job.monitor.config.costs.of("checkpoint_restart"),
                       iteration_time_before_s=decision.get("falcon/iteration_time_s"),
-                      overrides=relaunch_overrides(plan, emulation),
+                      overrides=relaunch_overrides(plan, emulation,
+                                                   trainer.job_config.training.local_batch_size),
                       hosts=[where[r][0] for r in plan.kept_ranks],
                       local_devices=[where[r][1] for r in plan.kept_ranks],
                       device_type=where[0][2])
     dist.barrier(group=job.control)
+    if job.rank == 0:
+        from torchtitan.tools.logging import logger
+
+        logger.warning(f"[titan_ext] Falcon S4: checkpointed step {step} ({float(save_s):.2f} s); exiting "
+                       f"with status {S4_EXIT_CODE} for a relaunch on ranks {plan.kept_ranks} without "
+                       f"devices {plan.excluded} (python -m titan_ext.titan.falcon_s4 or scripts/launch.sh "
+                       f"relaunch; a plain torchrun stops here)")
     trainer.close()
     dist.destroy_process_group()
     raise SystemExit(S4_EXIT_CODE)
+
+
+def estimate_s4_cost(job: Any, dump_folder) -> float:
+    """S4's ski-rental cost before any restart measured it (slowest rank's): this process's start-up
+    (interpreter, rendezvous, model build: process start → now, /proc) plus saving and loading its
+    stage's state (the model and AdamW's two moments, 3x the parameters) to and from the dump
+    folder — what a relaunch repeats (timed on at most ~64 MB of it, scaled to its size). A cost
+    measured by an earlier restart of this dump folder's job (:func:`recorded_s4_cost`) replaces
+    it."""
+    recorded = recorded_s4_cost(dump_folder)
+    mine = torch.tensor([recorded if recorded is not None else _restart_estimate_s(job, dump_folder)],
+                        dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=job.control)  # every rank, whatever it read
+    return float(mine)
+
+
+def _restart_estimate_s(job: Any, dump_folder) -> float:
+    params = [p.detach() for m in job.trainer.model_parts for p in m.parameters()]
+    total = 3 * sum(p.numel() * p.element_size() for p in params)
+    sample, nbytes = [], 0
+    for p in params:  # at most ~64 MB written here; the time is scaled to the whole state
+        if nbytes and nbytes + p.numel() * p.element_size() > _PROBE_BYTES:
+            break
+        sample.append(p.cpu())
+        nbytes += p.numel() * p.element_size()
+    path = Path(dump_folder) / f".falcon_s4_probe_rank{dist.get_rank()}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    torch.save(sample, path)
+    torch.load(path, weights_only=True)
+    save_load_s = (time.perf_counter() - t0) * total / max(nbytes, 1)
+    path.unlink(missing_ok=True)
+    return time.time() - _process_start_time() + save_load_s
+
+
+def _process_start_time() -> float:
+    """This process's start (epoch seconds), from /proc (Linux)."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def recorded_s4_cost(dump_folder) -> float | None:
@@ -142,8 +193,8 @@ def recorded_s4_cost(dump_folder) -> float | None:
 class S4Resume:
     """In a job the launcher restarted after S4: measure and record the S4 cost and outcome."""
 
-    def __init__(self, plan: dict, dump_folder: Path, rank: int):
-        self.plan, self.dump, self.rank = plan, Path(dump_folder), rank
+    def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None):
+        self.plan, self.dump, self.rank, self.trainer = plan, Path(dump_folder), rank, trainer
         self.times: list[float] = []
         self.measured_s: float | None = None
 
@@ -153,7 +204,7 @@ class S4Resume:
         if not path:
             return None
         plan = json.loads(Path(path).read_text())
-        return cls(plan, Path(trainer.job_config.job.dump_folder), dist.get_rank())
+        return cls(plan, Path(trainer.job_config.job.dump_folder), dist.get_rank(), trainer)
 
     def before_step(self, step: int) -> None:
         """The first step of the restarted job: the S4 cost is the time since the save began."""
@@ -171,6 +222,13 @@ class S4Resume:
                       "restart_and_load_s": self.measured_s - float(self.plan["save_s"])})
         if self.rank == 0:
             (self.dump / COSTS_FILE).write_text(json.dumps({"checkpoint_restart": self.measured_s}))
+        # the restarted job's own Falcon (the schedule's monitor in a PP-only job) uses it from now on
+        monitor = getattr(getattr(self.trainer, "pp_schedule", None), "falcon", None)
+        if monitor is not None:
+            import dataclasses
+
+            monitor.config.costs = dataclasses.replace(monitor.config.costs, checkpoint_restart=self.measured_s)
+            monitor.planner.costs = monitor.config.costs
 
     def after_step(self, step: int, step_s: float) -> None:
         """The step's iteration time (max over ranks, as the DP x PP job's Falcon measures it) into
@@ -200,6 +258,13 @@ class S4Resume:
             f.write(json.dumps(row) + "\n")
         logger.info(f"[titan_ext] Falcon S4 {row['kind']} at step {row['iteration']}: "
                     + ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("_s")))
+        from titan_ext.titan.metrics import _wandb_loggers
+
+        processor = getattr(self.trainer, "metrics_processor", None)
+        for wb in _wandb_loggers(processor) if processor is not None else []:
+            wb.wandb.log({f"falcon/s4_{row['kind']}/{k}": v for k, v in row.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                         step=row["iteration"])
 
 
 # ---------------------------------------------------------------------------- the launcher

@@ -243,12 +243,16 @@ def remap_emulation(plan: ShrinkPlan, slow_device: str, slow_link: str) -> dict[
     return out
 
 
-def relaunch_overrides(plan: ShrinkPlan, emulation: dict[str, str]) -> list[str]:
+def relaunch_overrides(plan: ShrinkPlan, emulation: dict[str, str], local_batch_size: int) -> list[str]:
     """TorchTitan command-line overrides of the restarted job (after the original arguments).
 
+    The global batch is passed explicitly (``sum(split)`` chunks of ``local_batch_size``): a job
+    that left it to TorchTitan's default (local × DP) would otherwise shrink it with the world.
     The data loader's state is not loaded: TorchTitan 0.2.2 cannot reshard it to another DP degree
     (its state asserts the DP world size), so the new loaders start their shards afresh."""
+    global_batch = plan.chunks_per_replica * plan.num_dp * int(local_batch_size)
     args = ["--parallelism.data_parallel_replicate_degree", str(plan.num_dp),
+            "--training.global_batch_size", str(global_batch),
             "--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader"]
     for key, spec in emulation.items():
         args += [f"--titan_ext.{key}", spec]
