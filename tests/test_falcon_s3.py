@@ -1,12 +1,14 @@
 """S3 applied in the running TorchTitan job (issue 23 items 1, 3-5; Falcon §5.3 "Adjust topology").
 
-Fast tier: the pieces without processes — the bandwidth form of the slow-link emulation, the grid
-checks and the remapped TorchTitan meshes, the topology plan's pipeline order. The runtime-level
-mechanism (state moved by point-to-point messages, float64 reference on the new layout) is
-tests/test_falcon_topology.py.
+Fast tier: the mechanism on 4 gloo ranks without TorchTitan (the new mesh's groups, every rank
+holding the model + AdamW state of the old holder of its new role, exactly), and the pieces without
+processes — the bandwidth form of the slow-link emulation, the grid checks, the remapped TorchTitan
+meshes, the topology plan's pipeline order, W&B rows. The runtime-level float64 reference on the new
+layout started from the same state is tests/test_falcon_topology.py (slow).
 
 Slow tier (torchrun, 4 gloo ranks, TorchTitan's llama3 debug model, DP 2 x PP 2): a DP link made
-slow from step 5 is detected, localised and moved onto a PP hop in memory; the losses of every step
+slow from step 5 is detected, localised and moved onto a PP hop in memory (and, with a slow device
+on the link too, S2 then S3 with the split re-planned); the losses of every step
 equal, bit for bit, those of the same job without the fault (S3 changes where each stage runs, not
 what is computed: the same stages on the same data, and every reduction has two members). Both runs
 keep PipeMorph's first plan (``no-adaptive``) so that no re-plan reorders float32 sums; TorchTitan
@@ -99,6 +101,91 @@ def test_s3_refuses_grids_it_cannot_apply_before_anything_changes():
         check_grid(old, [[0, 1], [2, 3]], SimpleNamespace(model_parts=[1, 2], parallel_dims=trainer.parallel_dims))
     with pytest.raises(ValueError, match="DP x PP jobs only"):
         check_grid(old, [[0, 1], [2, 3]], SimpleNamespace(model_parts=[1], parallel_dims=SimpleNamespace(tp=2)))
+
+
+def _distinct_stage(stage: int, rank: int):
+    """A stage module + AdamW with one step taken, its values particular to ``rank`` (so that the
+    test sees whose state a rank ends up with; in a job the DP replicas' states are equal)."""
+    import torch
+
+    torch.manual_seed(100 + rank)
+    module = (torch.nn.Linear(4, 8) if stage == 0 else torch.nn.Linear(8, 2)).double()
+    opt = torch.optim.AdamW(module.parameters(), lr=0.01)
+    for p in module.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return module, opt
+
+
+def _state_of(module, opt):
+    return {"params": [p.detach().clone() for p in module.parameters()],
+            "exp_avg": [opt.state[p]["exp_avg"].clone() for p in module.parameters()],
+            "step": [float(opt.state[p]["step"]) for p in module.parameters()]}
+
+
+def _mechanism_worker(rank, world, port, outdir):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from titan_ext.runtime.falcon.restart import role_of
+    from titan_ext.runtime.falcon.topology import exchange_stage_state, load_stage_state
+    from titan_ext.titan.falcon_s3 import RemappedDims, grid_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    old, new = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
+    module, opt = _distinct_stage(role_of(old, rank)[1], rank)
+    before = _state_of(module, opt)
+    mesh = grid_mesh(new, "cpu")
+    dims = RemappedDims(SimpleNamespace(get_mesh=None, get_optional_mesh=None), mesh)
+    moved = exchange_stage_state(old, new, module, opt, device=torch.device(f"cpu:{rank}"))
+    new_stage = role_of(new, rank)[1]
+    fresh, fresh_opt = _distinct_stage(new_stage, 99)  # a new stage with other values, loaded next
+    if moved is None:
+        from titan_ext.titan.falcon_s3 import _own_state
+
+        load_stage_state(fresh, fresh_opt, *_own_state(module, opt))
+    else:
+        load_stage_state(fresh, fresh_opt, moved[1], moved[2])
+    total = torch.tensor([float(rank)], dtype=torch.float64)
+    dist.all_reduce(total, group=dims.get_mesh("loss").get_group())
+    torch.save({"before": before, "after": _state_of(fresh, fresh_opt), "source": None if moved is None else moved[0],
+                "pp": dist.get_process_group_ranks(dims.get_mesh("pp").get_group()),
+                "dp": dist.get_process_group_ranks(dims.get_mesh("batch").get_group()),
+                "loss_sum": float(total)}, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state():
+    """4 gloo ranks, float64, no TorchTitan: the new mesh's groups are the new grid's rows and
+    columns, and after the exchange every rank holds exactly the model + AdamW state of the old
+    holder of its new role (rank-particular values, so a wrong source or order shows)."""
+    import os
+    import socket
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_mechanism_worker, args=(4, port, d), nprocs=4, join=True)
+        res = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(4)]
+    old, new = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
+    for rank, out in enumerate(res):
+        d, s = next((d, s) for d, row in enumerate(new) for s, r in enumerate(row) if r == rank)
+        holder = old[d][s]
+        assert out["source"] == (None if holder == rank else holder)
+        assert out["pp"] == new[d] and out["dp"] == [row[s] for row in new]
+        assert out["loss_sum"] == sum(row[s] for row in new)
+        for key in ("params", "exp_avg"):
+            for got, want in zip(out["after"][key], res[holder]["before"][key]):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert out["after"]["step"] == res[holder]["before"]["step"]
 
 
 # --------------------------------------------------------------------------- slow tier (torchrun)
