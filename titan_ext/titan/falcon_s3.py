@@ -64,10 +64,12 @@ class RemappedDims:
         return self._mesh[_REMAPPED[name]] if name in _REMAPPED else None
 
     def get_mesh(self, names):
-        return self._remapped(names) or self._dims.get_mesh(names)
+        mesh = self._remapped(names)
+        return mesh if mesh is not None else self._dims.get_mesh(names)
 
     def get_optional_mesh(self, names):
-        return self._remapped(names) or self._dims.get_optional_mesh(names)
+        mesh = self._remapped(names)
+        return mesh if mesh is not None else self._dims.get_optional_mesh(names)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dims, name)
