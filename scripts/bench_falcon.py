@@ -11,13 +11,14 @@ process; the hook-overhead part creates a 1-rank gloo group on loopback.
 
 ``--end-to-end``: TorchTitan's llama3 debug model as DP 2 x PP 2 (train_configs/debug_cpu_dp2_pp2.toml,
 4 gloo ranks under torchrun) in five scenarios (``--scenarios`` picks some) -- healthy, slow device
-(device 3 at 4x), slow DP link
-(link 0-1, stage 0's DP group, ``--link-factor`` times slower: its all-reduce +5x at 6), slow PP link
-(+40 ms between ranks 0 and 2, pipeline 0), and slow device 1 + slow DP link 0-1 (S2, then S3) from
-step ``--slow-from`` on -- each without and with Falcon (``falcon_apply`` false /
-true: both detect, validate and log; only the second applies), run back to back per scenario. Iteration time = median of the slowest rank's step time over the steps after the last
-mitigation (the same steps in both runs); time to mitigation = wall time from the fault's first step
-to the end of the step that applied the first strategy other than "ignore".
+(device 3 at 4x), slow DP link (link 0-1, stage 0's DP group, ``--link-factor`` times slower: its
+all-reduce +5x at 6), slow PP link (+40 ms between ranks 0 and 2, pipeline 0), and slow device 1 +
+slow DP link 0-1 (S2, then S3) from step ``--slow-from`` on -- each without and with Falcon
+(``falcon_apply`` false / true: both detect, validate and log; only the second applies), run back
+to back per scenario. Iteration time = median of the slowest rank's step time over the steps after
+the last applied mitigation (the same steps in both runs); time to mitigation = wall time from the
+fault's first step to the end of the step that applied the first strategy other than "ignore"
+(applied: from ``falcon_events.jsonl``).
 """
 
 from __future__ import annotations
