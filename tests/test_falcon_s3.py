@@ -130,7 +130,7 @@ def _mechanism_worker(rank, world, port, outdir):
     import torch.distributed as dist
 
     from titan_ext.runtime.falcon.restart import role_of
-    from titan_ext.runtime.falcon.topology import exchange_stage_state, load_stage_state
+    from titan_ext.runtime.falcon.topology import exchange_stage_state, load_stage_state, own_stage_state
     from titan_ext.titan.falcon_s3 import RemappedDims, grid_mesh
 
     torch.set_num_threads(1)
@@ -144,9 +144,7 @@ def _mechanism_worker(rank, world, port, outdir):
     new_stage = role_of(new, rank)[1]
     fresh, fresh_opt = _distinct_stage(new_stage, 99)  # a new stage with other values, loaded next
     if moved is None:
-        from titan_ext.titan.falcon_s3 import _own_state
-
-        load_stage_state(fresh, fresh_opt, *_own_state(module, opt))
+        load_stage_state(fresh, fresh_opt, *own_stage_state(module, opt))
     else:
         load_stage_state(fresh, fresh_opt, moved[1], moved[2])
     total = torch.tensor([float(rank)], dtype=torch.float64)

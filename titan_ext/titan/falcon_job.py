@@ -316,8 +316,8 @@ class FalconJob:
         devices): :func:`titan_ext.titan.falcon_s4.estimate_s4_cost`, called next."""
         import copy
 
-        from titan_ext.titan.falcon_s3 import _own_state, grid_mesh
-        from titan_ext.runtime.falcon.topology import load_stage_state
+        from titan_ext.runtime.falcon.topology import load_stage_state, own_stage_state
+        from titan_ext.titan.falcon_s3 import grid_mesh
 
         part, opt = self.trainer.model_parts[0], self.trainer.optimizers.optimizers[0]
         state = [p.detach() for p in part.parameters()] * 3
@@ -327,7 +327,7 @@ class FalconJob:
         move_s = _time_state_exchange(state, [row[self.pp_index] for row in self.grid], self.device)
         t0 = time.perf_counter()
         fresh = copy.deepcopy(part)
-        load_stage_state(fresh, type(opt)(fresh.parameters()), *_own_state(part, opt))
+        load_stage_state(fresh, type(opt)(fresh.parameters()), *own_stage_state(part, opt))
         rebuild_s = time.perf_counter() - t0
         mine = torch.tensor([group_s + move_s + rebuild_s], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)

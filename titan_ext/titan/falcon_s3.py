@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_ext.runtime.falcon.restart import role_of
-from titan_ext.runtime.falcon.topology import exchange_stage_state, load_stage_state
+from titan_ext.runtime.falcon.topology import exchange_stage_state, load_stage_state, own_stage_state
 
 __all__ = ["RemappedDims", "grid_mesh", "check_grid", "apply_topology", "S3Result"]
 
@@ -127,7 +127,7 @@ def apply_topology(trainer: Any, old_grid, new_grid, control_group: Any = None) 
     _rebuild_stage(trainer, dims)
     new_part, new_opt = trainer.model_parts[0], trainer.optimizers.optimizers[0]
     if moved is None:
-        load_stage_state(new_part, new_opt, *_own_state(old_part, old_opt))
+        load_stage_state(new_part, new_opt, *own_stage_state(old_part, old_opt))
     else:
         load_stage_state(new_part, new_opt, moved[1], moved[2])
     trainer.lr_schedulers.load_state_dict(lr_state)
@@ -137,13 +137,6 @@ def apply_topology(trainer: Any, old_grid, new_grid, control_group: Any = None) 
     seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
     return S3Result(old_role, new_role, None if moved is None else moved[0], float(seconds), mesh)
-
-
-def _own_state(module, optimizer) -> tuple[dict, list]:
-    from titan_ext.runtime.falcon.topology import _flat_state
-
-    tensors, meta = _flat_state(module, optimizer)
-    return meta, [t.detach().clone() for t in tensors]
 
 
 def _rebuild_stage(trainer: Any, dims: RemappedDims) -> None:

@@ -32,7 +32,7 @@ from .device_clock import to_device
 from .restart import MeshGroups, build_mesh_groups, role_of
 
 __all__ = ["StageState", "apply_topology_in_memory", "exchange_stage_state", "load_stage_state",
-           "moving_ranks"]
+           "moving_ranks", "own_stage_state"]
 
 
 @dataclass
@@ -120,6 +120,13 @@ def load_stage_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     """Load a stage's state as :func:`exchange_stage_state` returns it into a fresh module and
     optimizer of the same stage (the same parameter order)."""
     _load_flat(module, optimizer, meta, tensors)
+
+
+def own_stage_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    """This rank's own stage state (copies) in the form :func:`load_stage_state` takes: what a rank
+    that keeps its stage loads into the rebuilt module and optimizer."""
+    tensors, meta = _flat_state(module, optimizer)
+    return meta, [t.detach().clone() for t in tensors]
 
 
 def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
