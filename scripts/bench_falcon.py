@@ -4,18 +4,21 @@
 Usage:
     .venv/bin/python scripts/bench_falcon.py [--per-category 100] [--seed0 50000] [--json out.json]
     .venv/bin/python scripts/bench_falcon.py --end-to-end [--steps 24] [--slow-from 6] [--json out.json]
+    .venv/bin/python scripts/bench_falcon.py --end-to-end --s4 [--steps 80] [--device-factor 4] [--json out.json]
 
 Prints a markdown table and a JSON document (also written to --json). Everything runs on CPU in one
 process; the hook-overhead part creates a 1-rank gloo group on loopback.
 
 ``--end-to-end``: TorchTitan's llama3 debug model as DP 2 x PP 2 (train_configs/debug_cpu_dp2_pp2.toml,
-4 gloo ranks under torchrun) in four scenarios (``--scenarios`` picks some) -- healthy, slow device
-(device 3 at 4x), slow DP link
-(+40 ms between ranks 0 and 1, stage 0's DP group), slow PP link (+40 ms between ranks 0 and 2,
-pipeline 0) from step ``--slow-from`` on -- each without and with Falcon (``falcon_apply`` false /
-true: both detect, validate and log; only the second applies), run back to back per scenario. Iteration time = median of the slowest rank's step time over the steps after the last
-mitigation (the same steps in both runs); time to mitigation = wall time from the fault's first step
-to the end of the step that applied the first strategy other than "ignore".
+4 gloo ranks under torchrun) in five scenarios (``--scenarios`` picks some) -- healthy, slow device
+(device 3 at 4x), slow DP link (link 0-1, stage 0's DP group, ``--link-factor`` times slower: its
+all-reduce +5x at 6), slow PP link (+40 ms between ranks 0 and 2, pipeline 0), and slow device 1 +
+slow DP link 0-1 (S2, then S3) from step ``--slow-from`` on -- each without and with Falcon
+(``falcon_apply`` false / true: both detect, validate and log; only the second applies), run back
+to back per scenario. Iteration time = median of the slowest rank's step time over the steps after
+the last applied mitigation (the same steps in both runs); time to mitigation = wall time from the
+fault's first step to the end of the step that applied the first strategy other than "ignore"
+(applied: from ``falcon_events.jsonl``).
 """
 
 from __future__ import annotations
@@ -172,9 +175,15 @@ def bench_hook_overhead(calls: int = 2000) -> dict:
 E2E_SCENARIOS = {
     "healthy": [],
     "slow device (3 at {f}x)": ["--titan_ext.emulate_slow_device", "3:{f}@{k}"],
-    "slow DP link (0-1 +40 ms)": ["--titan_ext.emulate_slow_link", "0-1:40@{k}"],
+    "slow DP link (0-1 at {l}x)": ["--titan_ext.emulate_slow_link", "0-1:x{l}@{k}"],
     "slow PP link (0-2 +40 ms)": ["--titan_ext.emulate_slow_link", "0-2:40@{k}"],
+    "slow device 1 at {f}x + slow DP link 0-1 at {l}x": ["--titan_ext.emulate_slow_device", "1:{f}@{k}",
+                                                        "--titan_ext.emulate_slow_link", "0-1:x{l}@{k}"],
 }
+"""``{l}x``: the link's transfers take l times their healthy time (``A-B:xF``): its DP all-reduce
++(l - 1)x. The last scenario is issue 23's combined one: the slow device makes the root cause
+``compute``, S2 re-balances the replicas, and S3 follows when the slow DP link keeps the impact
+growing (the plan puts link 0-1 on a PP hop)."""
 
 
 def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
@@ -198,19 +207,31 @@ def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _e2e_events(dump: str) -> list[dict]:
+    path = os.path.join(dump, "falcon_events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "",
-                     device_factor: float = 4.0) -> list[dict]:
+                     device_factor: float = 4.0, link_factor: float = 6.0) -> list[dict]:
     rows = []
-    chosen = {n.format(f=f"{device_factor:g}"): a for n, a in E2E_SCENARIOS.items()
-              if not only or any(w.strip() and w.strip() in n for w in only.split(","))}
+    fmt = {"f": f"{device_factor:g}", "l": f"{link_factor:g}", "k": slow_from}
+    chosen = {n.format(**fmt): a for n, a in E2E_SCENARIOS.items()
+              if not only or any(w.strip() and w.strip() in n.format(**fmt) for w in only.split(","))}
     for name, extra in chosen.items():
-        extra = [a.format(k=slow_from, f=f"{device_factor:g}") for a in extra]
-        logs = {falcon: _e2e_run(os.path.join(workdir, f"{len(rows)}_{falcon}"), steps,
-                                 extra + [flag])
+        extra = [a.format(**fmt) for a in extra]
+        dumps = {falcon: os.path.join(workdir, f"{len(rows)}_{falcon}") for falcon in ("false", "true")}
+        logs = {falcon: _e2e_run(dumps[falcon], steps, extra + [flag])
                 for falcon, flag in (("false", "--titan_ext.no-falcon_apply"),
                                      ("true", "--titan_ext.falcon_apply"))}
         on = logs["true"]
-        acted = [r for r in on if set(r.get("falcon/apply", "").split(",")) - {"", "ignore"}]
+        events = _e2e_events(dumps["true"])
+        applied = [e for e in events if e["kind"] == "decision" and e["applied"] and e["name"] != "ignore"]
+        steps_applied = {e["iteration"] for e in applied}
+        acted = [r for r in on if r["step"] in steps_applied]
         first = acted[0]["step"] if acted else None
         last = acted[-1]["step"] if acted else slow_from
         window = [r["step"] for r in on if r["step"] > last + 1]
@@ -228,8 +249,91 @@ def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "",
             "time_to_mitigation_s": (sum(r["falcon/iteration_time_s"] for r in on
                                          if slow_from <= r["step"] <= first) if first else None),
             "steps_measured": window,
+            "applied": [f"{e['iteration']}:{e['strategy']}" for e in applied],
+            "mitigations_applied": len(applied),
+            "s3_step": next((e["iteration"] for e in applied if e["strategy"] == "S3"), None),
+            "s3_measured_cost_s": next((e["measured_cost_s"] for e in applied if e["strategy"] == "S3"), None),
+            "s3_estimated_cost_s": next((e["estimated_cost_s"] for e in applied if e["strategy"] == "S3"), None),
+            "grid_after": on[-1].get("falcon/grid") if on else None,
         })
     return rows
+
+
+def _rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str) -> dict:
+    """Issue 23 must-show "slow device": device 3 ``factor``x slower from ``slow_from``; Falcon applies
+    S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon_s4.py: TorchTitan
+    checkpoint, relaunch without replica 1 through the S4 launcher). Ratios within this one run: the
+    iteration time after S2 / after S4 over the healthy steps before the fault (2 .. slow_from-1).
+    Then a reference DP 1 x PP 2 job loads the same checkpoint: its losses must equal the restarted
+    job's (same world, same data, fixed pipeline plan)."""
+    import shutil
+    import socket
+    import subprocess
+
+    def port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return str(sock.getsockname()[1])
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    for var in ("TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK", "TITAN_EXT_S4_PLAN"):
+        env.pop(var, None)
+    dump, ref = os.path.join(workdir, "s4_slow_device"), os.path.join(workdir, "s4_reference")
+    shutil.rmtree(dump, ignore_errors=True)
+    shutil.rmtree(ref, ignore_errors=True)
+    os.makedirs(dump)
+    common = ["--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--training.steps", str(steps),
+              "--training.local_batch_size", "2", "--training.global_batch_size", "12",
+              "--training.seq_len", "32", "--titan_ext.no-adaptive", "--checkpoint.enable",
+              "--checkpoint.interval", "100000"]
+    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
+                    "--master-port", port(), "--log", os.path.join(dump, "train.log"), "--",
+                    *common, "--job.dump_folder", dump,
+                    "--titan_ext.emulate_slow_device", f"3:{factor:g}@{slow_from}"],
+                   cwd=root, env=env, check=True)
+    falcon = _rows(os.path.join(dump, "falcon.jsonl"))
+    events = _rows(os.path.join(dump, "falcon_events.jsonl"))
+    metrics = {r["step"]: r for r in _rows(os.path.join(dump, "pipeline_metrics.jsonl"))}
+    step_s = {r["step"]: r["falcon/iteration_time_s"] for r in falcon}  # before and after S4
+    applied: dict = {}
+    for e in events:  # the first application of each strategy
+        if e["kind"] == "decision" and e["applied"]:
+            applied.setdefault(e["strategy"], e["iteration"])
+    restart = next((e for e in events if e["kind"] == "restart"), None)
+    s4_step = applied.get("S4")
+    healthy = float(np.median([step_s[k] for k in range(2, slow_from) if k in step_s]))
+    out = {"scenario": f"slow device (3 at {factor:g}x from step {slow_from}), S2 then S4",
+           "steps": steps, "healthy_s": healthy, "applied": applied, "restart": restart}
+    if "S2" in applied:
+        after_s2 = [step_s[k] for k in step_s if applied["S2"] + 1 < k and (s4_step is None or k <= s4_step)]
+        out["after_s2_s"] = float(np.median(after_s2)) if after_s2 else None
+        out["after_s2_over_healthy"] = out["after_s2_s"] / healthy if after_s2 else None
+        out["after_s2_steps"] = len(after_s2)
+    if restart is not None:
+        # the restarted DP 1 x PP 2 job: the slowest rank's step time (falcon_s4.S4Resume's rows)
+        after = [step_s[k] for k in step_s if k > restart["iteration"] + 1]
+        out["after_s4_s"] = float(np.median(after)) if after else None
+        out["after_s4_over_healthy"] = out["after_s4_s"] / healthy if after else None
+        shutil.copytree(os.path.join(dump, "checkpoint", f"step-{s4_step}"),
+                        os.path.join(ref, "checkpoint", f"step-{s4_step}"))
+        with open(os.path.join(ref, "train.log"), "w") as f:
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                            "--master_addr", "127.0.0.1", "--master_port", port(), "-m", "titan_ext.train",
+                            *common, "--job.dump_folder", ref, "--parallelism.data_parallel_replicate_degree",
+                            "1", "--checkpoint.load_step", str(s4_step), "--checkpoint.exclude_from_loading",
+                            "dataloader"], cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
+        ref_loss = {r["step"]: r["loss"] for r in _rows(os.path.join(ref, "pipeline_metrics.jsonl"))}
+        out["resumed_steps"] = sorted(ref_loss)
+        out["losses_identical"] = all(metrics[k]["loss"] == v for k, v in ref_loss.items())
+    return out
 
 
 def main():
@@ -243,26 +347,44 @@ def main():
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--slow-from", type=int, default=5)
     ap.add_argument("--device-factor", type=float, default=4.0, help="the slow device's factor")
+    ap.add_argument("--link-factor", type=float, default=6.0,
+                    help="the slow DP link's factor (6: its all-reduce +5x its healthy time)")
     ap.add_argument("--scenarios", default="", help="comma-separated substrings of scenario names "
                     "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
+    ap.add_argument("--s4", action="store_true", help="with --end-to-end: only the slow-device S2 -> S4 "
+                    "run (bench_s4_slow_device; --steps, --slow-from, --device-factor)")
     args = ap.parse_args()
+    if args.end_to_end and args.s4:
+        res = bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir)
+        text = json.dumps(res, indent=2)
+        print("\n```json\n" + text + "\n```")
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(text)
+        return
     if args.end_to_end:
         rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios,
-                                args.device_factor)
+                                args.device_factor, args.link_factor)
         healthy = next((r["iteration_s_with"] for r in rows if r["scenario"] == "healthy"), float("nan"))
         print("| scenario | iteration s without Falcon | with Falcon | with / without | with / healthy | "
-              "root cause | onset step | decisions (step:strategies) | time to mitigation s |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "root cause | onset step | decisions (step:strategies) | applied (step:S) | S3 cost s "
+              "measured (estimated) | time to mitigation s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             ttm = "-" if r["time_to_mitigation_s"] is None else f"{r['time_to_mitigation_s']:.1f}"
+            s3 = ("-" if r["s3_measured_cost_s"] is None else
+                  f"{r['s3_measured_cost_s']:.3f} ({r['s3_estimated_cost_s']:.3f})")
             r["with_over_healthy"] = r["iteration_s_with"] / healthy
             print(f"| {r['scenario']} | {r['iteration_s_without']:.3f} | {r['iteration_s_with']:.3f} | "
                   f"{r['iteration_s_with'] / r['iteration_s_without']:.2f} | {r['with_over_healthy']:.2f} | "
                   f"{r['root_cause'] or '-'} | "
-                  f"{r['onset_step'] or '-'} | {'; '.join(r['decisions']) or '-'} | {ttm} |")
+                  f"{r['onset_step'] or '-'} | {'; '.join(r['decisions']) or '-'} | "
+                  f"{'; '.join(r['applied']) or '-'} | {s3} | {ttm} |")
         text = json.dumps({"machine": f"{platform.machine()} {os.cpu_count()} cores",
-                           "steps": args.steps, "slow_from": args.slow_from, "rows": rows}, indent=2)
+                           "steps": args.steps, "slow_from": args.slow_from,
+                           "device_factor": args.device_factor, "link_factor": args.link_factor,
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=2)
         print("\n```json\n" + text + "\n```")
         if args.json:
             with open(args.json, "w") as f:

@@ -16,6 +16,9 @@
 #   PYTHON           .venv/bin/python if present, else python3
 #   LOG_DIR          outputs/logs  (per-job directory LOG_DIR/<job name>-<job id>/ with per-rank logs)
 #   TITAN_EXT_INJECT_DELAYS, WANDB_* , NCCL_* / GLOO_* : passed through to every rank
+#   FALCON_S4_RESTARTS  1   relaunches after a Falcon S4 exit (status 75 + <dump>/falcon_s4_plan.json:
+#                           the job restarts on the kept nodes/devices; titan_ext/titan/falcon_s4.py)
+#   FALCON_S4_DUMP      the job's dump folder when --job.dump_folder is not on the command line
 # The job's own log is the SLURM output file below (%x = job name, %j = job id) in the submit dir.
 #
 #SBATCH --job-name=titan_ext
@@ -72,23 +75,61 @@ echo "[launch] job $job_id: $NNODES node(s) x $NPROC_PER_NODE ranks, config $CON
 echo "[launch] rendezvous c10d at $rdzv_host:$MASTER_PORT, per-rank logs in $job_log_dir"
 echo "[launch] python: $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
 
-torchrun_cmd=(
-    "$PYTHON" -m torch.distributed.run
-    --nnodes "$NNODES"
-    --nproc_per_node "$NPROC_PER_NODE"
-    --rdzv_backend c10d
-    --rdzv_endpoint "$rdzv_host:$MASTER_PORT"
-    --rdzv_id "$job_id"
-    --log-dir "$job_log_dir"
-    --tee 3
-    -m titan_ext.train
-    --job.config_file "$CONFIG_FILE"
-    "$@"
-)
-
-if [ -n "${SLURM_JOB_ID:-}" ]; then
-    srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 "${torchrun_cmd[@]}"
+# Falcon S4 (titan_ext/titan/falcon_s4.py, docs/falcon.md "S4 applied"): a job that checkpointed for
+# S4 exits with status 75 and leaves <dump_folder>/falcon_s4_plan.json; it is then relaunched on the
+# nodes / devices the plan keeps, with the plan's overrides (at most FALCON_S4_RESTARTS times, default 1).
+dump_folder="${FALCON_S4_DUMP:-}"
+prev=""
+for a in "$@"; do
+    [ "$prev" = "--job.dump_folder" ] && dump_folder="$a"
+    case "$a" in --job.dump_folder=*) dump_folder="${a#*=}" ;; esac
+    prev="$a"
+done
+if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+    hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n "$NNODES" | tr '\n' ' ')"
 else
-    "${torchrun_cmd[@]}"   # outside SLURM: a single-node run, same command
+    hosts="$(hostname)"
 fi
+run_nodes() {  # $1 nnodes, $2 ranks per node, $3 rendezvous id, $4 nodes to exclude, then extra args
+    local nnodes="$1" nproc="$2" rdzv_id="$3" exclude="$4"
+    shift 4
+    local cmd=("$PYTHON" -m torch.distributed.run --nnodes "$nnodes" --nproc_per_node "$nproc"
+               --rdzv_backend c10d --rdzv_endpoint "$rdzv_host:$MASTER_PORT" --rdzv_id "$rdzv_id"
+               --log-dir "$job_log_dir/$rdzv_id" --tee 3 -m titan_ext.train
+               --job.config_file "$CONFIG_FILE" "$@")
+    if [ -n "${SLURM_JOB_ID:-}" ]; then
+        # each node's visible devices: S4_DEVICES_<index of the node in $hosts> (after an S4 only)
+        srun --nodes="$nnodes" ${exclude:+--exclude="$exclude"} --ntasks-per-node=1 --kill-on-bad-exit=1 \
+            --export=ALL bash -c 'i=0; for h in $S4_HOSTS; do
+                  if [ "$h" = "${SLURMD_NODENAME:-}" ]; then v="S4_DEVICES_$i"
+                      [ -n "${!v:-}" ] && export CUDA_VISIBLE_DEVICES="${!v}"; fi; i=$((i + 1)); done
+              exec "$@"' _ "${cmd[@]}"
+    else
+        if [ -n "${S4_DEVICES_0:-}" ]; then CUDA_VISIBLE_DEVICES="$S4_DEVICES_0" "${cmd[@]}"; else "${cmd[@]}"; fi
+    fi
+}
+
+export S4_HOSTS="$hosts"
+nnodes="$NNODES" nproc="$NPROC_PER_NODE" exclude="" rdzv_id="$job_id" extra=()
+restarts=0
+while :; do
+    set +e
+    run_nodes "$nnodes" "$nproc" "$rdzv_id" "$exclude" "$@" "${extra[@]}"
+    rc=$?
+    set -e
+    [ "$rc" -eq 0 ] && break
+    if [ -z "$dump_folder" ] || [ "$restarts" -ge "${FALCON_S4_RESTARTS:-1}" ] || \
+        ! spec="$("$PYTHON" -m titan_ext.titan.falcon_s4 relaunch-spec "$dump_folder" $hosts)"; then
+        echo "[launch] job $job_id failed (status $rc)"
+        exit "$rc"
+    fi
+    eval "$spec"   # S4_NNODES, S4_NPROC_PER_NODE, S4_EXCLUDE, S4_ARGS, S4_PLAN, S4_DEVICES_<i>
+    for ((i = 0; i < $(wc -w <<< "$hosts"); i++)); do v="S4_DEVICES_$i"; export "S4_DEVICES_$i=${!v}"; done
+    restarts=$((restarts + 1))
+    nnodes="$S4_NNODES" nproc="$S4_NPROC_PER_NODE" exclude="$S4_EXCLUDE" rdzv_id="$job_id-s4-$restarts"
+    eval "extra=($S4_ARGS)"
+    export TITAN_EXT_S4_PLAN="$S4_PLAN"
+    unset TITAN_EXT_SLOW_DEVICE TITAN_EXT_SLOW_LINK
+    echo "[launch] Falcon S4: relaunching on $nnodes node(s) x $nproc ranks (excluded nodes: ${exclude:-none})"
+done
 echo "[launch] job $job_id finished"

@@ -243,9 +243,12 @@ def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     assert sum(split) == 6 and split[0] > split[1]  # replica 1 holds the slow device: fewer chunks
     later = [json.loads(r["falcon/split"]) for r in rows if r["step"] > applied[0]["step"]]
     assert later and all(s == split for s in later)  # in force from the next step on
-    # S3 / S4 may be *decided* later (Alg. 1 on measured costs) but are not applied in this job
-    assert not any(e.get("applied") for e in _events(slow_device_runs["falcon"])
-                   if e.get("strategy") in ("S3", "S4"))
+    # S3 / S4 may be *decided* later (Alg. 1 on measured costs); an applied S3 (in memory) carries
+    # its measured cost, S4 is not applied in this job
+    for e in _events(slow_device_runs["falcon"]):
+        if e.get("strategy") == "S3" and e.get("applied"):
+            assert e["measured_cost_s"] > 0
+        assert not (e.get("strategy") == "S4" and e.get("applied"))
     # every decision is a falcon_events.jsonl row: S2 applied at that step, with measured costs
     events = _events(slow_device_runs["falcon"])
     s2 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S2"]
@@ -304,9 +307,12 @@ def test_event_rows_record_each_decision_its_costs_and_outcome():
     assert [r["kind"] for r in rows] == ["event", "localised", "decision", "decision", "outcome"]
     s1, s3 = rows[2], rows[3]
     assert (s1["strategy"], s1["applied"]) == ("S1", True)
-    # S3 is decided, recorded, and (in this job) not applied: no measured cost of an application
-    assert (s3["strategy"], s3["applied"], s3["measured_cost_s"]) == ("S3", False, None)
+    # S3 applied in memory: its measured cost is the application's, next to the estimate it replaced
+    assert (s3["strategy"], s3["applied"], s3["measured_cost_s"]) == ("S3", True, 0.01)
     assert s3["estimated_cost_s"] == 2.5 and s3["suspected"]["slow_links"] == [[0, 1]]
+    # decided but not applied (e.g. a plan that keeps the grid): no measured cost
+    s3_kept = event_rows(7, decision, monitor, {"ignore": 0.0}, True)[3]
+    assert (s3_kept["applied"], s3_kept["measured_cost_s"]) == (False, None)
     assert rows[4]["iteration_time_after_s"] == 0.4
     # with falcon_apply off nothing is applied
     assert not any(r.get("applied") for r in event_rows(7, decision, monitor, {}, False))

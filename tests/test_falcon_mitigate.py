@@ -164,6 +164,19 @@ def test_suspicious_groups_rule():
     assert suspicious_groups({"a": 1.0, "b": 1.1, "c": 1.0}) == []  # 1.1 == 1.1 x median, not above
 
 
+def test_profiling_holds_each_group_kind_to_its_own_median():
+    from titan_ext.runtime.falcon import FalconMonitor
+
+    mon = FalconMonitor(pp_groups={"pp0_link0": 0, "pp1_link0": 0}, dp_groups=["dp_stage0", "dp_stage1"])
+    # a slow device: both DP all-reduces transfer in ~2 ms (the wait is not in them), PP delays ~0
+    healthy_dp = {"dp_stage0": 0.0021, "dp_stage1": 0.0020, "pp0_link0": 0.0, "pp1_link0": 0.0001}
+    assert mon._suspicious(healthy_dp) == ["pp1_link0"]  # not the DP groups (one median: both were)
+    assert suspicious_groups(healthy_dp) == ["dp_stage0", "dp_stage1"]
+    # a slow DP link on stage 0 (+80 ms inside its all-reduce): that group only
+    slow_dp = {"dp_stage0": 0.082, "dp_stage1": 0.002, "pp0_link0": 0.0, "pp1_link0": 0.0}
+    assert mon._suspicious(slow_dp) == ["dp_stage0"]
+
+
 @pytest.mark.parametrize("n", range(1, 10))
 def test_ring_passes_cover_each_link_once_without_overlap(n):
     ring = list(range(10, 10 + n))
@@ -177,6 +190,43 @@ def test_ring_passes_cover_each_link_once_without_overlap(n):
     assert len(passes) == (0 if n == 1 else 2 if n % 2 == 0 else 3)
     if n >= 2:
         assert passes[0][0] == (ring[0], ring[1])  # even -> odd first
+
+
+def _tree_links_brute_force(n: int) -> dict[tuple[int, int], int]:
+    """child -> parent links of a heap-ordered binary tree, with the child's depth (by walking up)."""
+    out = {}
+    for child in range(1, n):
+        depth, node = 0, child
+        while node:
+            node, depth = (node - 1) // 2, depth + 1
+        out[(child, (child - 1) // 2)] = depth
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 40])
+def test_tree_passes_cover_each_link_once_in_four_passes_without_overlap(n):
+    from titan_ext.runtime.falcon import tree_validation_passes
+
+    ranks = [100 + 3 * i for i in range(n)]  # any rank labels: heap order is the list's order
+    label = {r: i for i, r in enumerate(ranks)}
+    passes = tree_validation_passes(ranks)
+    links = [(label[a], label[b]) for p in passes for a, b in p]
+    expected = _tree_links_brute_force(n)
+    assert sorted(links) == sorted(expected)  # each child -> parent link exactly once
+    assert len(passes) <= 4 and (n < 8 or len(passes) == 4)  # O(1): four passes whatever the size
+    for p in passes:
+        members = [r for pair in p for r in pair]
+        assert len(members) == len(set(members))  # a rank is in at most one pair per pass
+        senders = [label[a] for a, _ in p]
+        # one pass = one side (left: odd heap index) at one level parity (Falcon Fig. 9)
+        assert len({i % 2 for i in senders}) == 1 and len({expected[(i, (i - 1) // 2)] % 2 for i in senders}) == 1
+    if n >= 4:  # pass 1: left children at even levels (depth 2 first, as the paper orders them)
+        assert all(expected[(label[a], label[b])] % 2 == 0 and label[a] % 2 == 1 for a, b in passes[0])
+    both = tree_validation_passes(ranks, both_directions=True)
+    assert sorted(pair for p in both for pair in p) == sorted(
+        [(a, b) for p in passes for a, b in p] + [(b, a) for p in passes for a, b in p])
+    with pytest.raises(ValueError, match="repeated"):
+        tree_validation_passes([0, 1, 0])
 
 
 def test_locate_slow_link_and_device():

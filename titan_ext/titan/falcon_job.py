@@ -10,14 +10,17 @@ factor is 1), so a sum is TorchTitan's own DP gradient; owning that step is what
 
 **Falcon per step** (every rank feeds the monitor the same numbers, so all take the same decision):
 the step's wall time (max over ranks) is the iteration time (§4.2, from the trainer's call hook);
-per-group times are the DP all-reduce of every stage and PipeMorph's measured PP link delays of every
+per-group times are the DP all-reduce of every stage (its transfer time, without the wait for a slow
+peer: :meth:`FalconJob._dp_transfer_times`) and PipeMorph's measured PP link delays of every
 replica (§4.3 profiling). On onset the job pauses for validation — ring passes over every PP pipeline
 and DP group and the GEMM probe (§4.3) — and the root cause (slow PP link / DP link / device) drives
 Alg. 1 (§5.2). Applied here: ``pipemorph_replan`` (the schedule's re-planning on) and
 ``microbatch_redistribution`` (§5.3 S2: replica i runs ``m_i`` of the step's ``M`` chunks; the chunks
 are exchanged over the DP group so the global batch is unchanged, and the summed gradient is the
-even split's). ``topology_adjustment`` / ``checkpoint_restart`` (S3/S4) are logged as decisions and
-not applied by this module (see docs/falcon.md).
+even split's), ``topology_adjustment`` (§5.3 S3: the grid re-mapped in memory — new groups, the
+stages' state moved by collectives, TorchTitan's stage / schedule / optimizer rebuilt —
+:mod:`titan_ext.titan.falcon_s3`) and ``checkpoint_restart`` (S4: checkpoint, exit, relaunch without
+the slow device's replica — :mod:`titan_ext.titan.falcon_s4`).
 
 Emulation (:mod:`titan_ext.runtime.falcon.emulation`): ``[titan_ext] emulate_slow_device`` /
 ``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` / ``TITAN_EXT_SLOW_LINK``.
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
@@ -66,13 +70,18 @@ STRATEGY_LABEL = {"ignore": "S1", "microbatch_redistribution": "S2", "topology_a
                   "checkpoint_restart": "S4", "pipemorph_replan": "PipeMorph"}
 """Falcon §5.1's levels (S1 ignore, S2 micro-batch adjustment, S3 topology adjustment, S4
 checkpoint-and-restart); PipeMorph's re-plan is the PP-link mitigation between S1 and S3."""
-APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution"})
-"""Strategies this job applies; S3 / S4 are decided and recorded with ``applied: false``."""
+APPLIED_HERE = frozenset({"ignore", "pipemorph_replan", "microbatch_redistribution", "topology_adjustment",
+                          "checkpoint_restart"})
+"""Strategies this job applies (S3 when its plan moves a rank: :mod:`.falcon_s3`; S4 when TorchTitan's
+checkpointer is on: :mod:`.falcon_s4`)."""
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
 a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
 10 % (and the emulated slow devices here are >= 2x)."""
 _DP_ALLREDUCE_RING_STEPS = 2  # ring all-reduce = reduce-scatter + all-gather (one step each for 2 ranks)
+_VALIDATION_BYTES = 1 << 22
+"""Validation messages (4 MB): large enough that a link F x slower in bandwidth (``A-B:xF``) shows
+more than the monitor's 2 ms minimum excess on loopback."""
 
 
 def replicated_by_trainer(parallel_dims: Any) -> bool:
@@ -273,6 +282,7 @@ class FalconJob:
             pp_groups={f"pp{d}_link{i}": i for d in range(self.num_dp) for i in range(self.num_pp - 1)},
             dp_groups=[f"dp_stage{s}" for s in range(self.num_pp)],
         )
+        self.section = section
         self.enabled = section.falcon
         self.apply_decisions = section.falcon_apply
         from titan_ext.titan.adapters import current
@@ -281,36 +291,78 @@ class FalconJob:
         self.log_path = (dump / FALCON_LOG) if section.falcon else None
         self.events_path = (dump / FALCON_EVENTS) if section.falcon else None
         self.events: list[dict] = []
-        self._measure_costs_at_start(dump)
+        self.measured_costs: dict[str, float] = {"ignore": 0.0}
+        """Strategy → its cost measured in this job (seconds, slowest rank's); see set_measured_cost."""
+        self._applied_names: set[str] = set()
+        self.data_iterator = None
+        """The iterator the steps read after S3 moved this rank to another DP replica (else the
+        trainer's)."""
+        self.dp_allreduce_base_s = self._measure_dp_allreduce()
+        self._measure_costs_at_start()
+        from titan_ext.titan.falcon_s4 import estimate_s4_cost
+
+        self._set_costs(checkpoint_restart=estimate_s4_cost(self, dump))
         self._exchange_measured = False
         self._backwards_left = 0
         self.dp_sync_s = 0.0
         self.last_decision: dict = {}
 
     # ---------------------------------------------------------------- costs (§5.2)
-    def _measure_costs_at_start(self, dump: Path) -> None:
-        """S3's overhead as this job would apply it, measured (slowest rank's; issue 23 item 3).
+    def _measure_costs_at_start(self) -> None:
+        """S3's overhead measured as this job applies it, in memory (slowest rank's; issue 23
+        item 3): creating a device mesh of the current grid (the new DP and PP groups), moving a
+        stage's state (the model and AdamW's two moments, 3x the parameters) to a DP peer over the
+        data group, and loading a copy of it into a fresh copy of the stage. The first application
+        replaces this estimate by its own measured time (:meth:`set_measured_cost`). S1 costs
+        nothing; S2 and PipeMorph's re-plan are measured when they first run. S4 (a restart on fewer
+        devices): :func:`titan_ext.titan.falcon_s4.estimate_s4_cost`, called next."""
+        import copy
 
-        This job applies S3 only through a restart with a permuted mesh (:mod:`.restart`; the
-        in-memory re-map of :mod:`titan_ext.runtime.falcon.topology` is not wired into the
-        TorchTitan trainer yet), so S3's ski-rental cost is this process's start-up (interpreter,
-        rendezvous, model build) plus saving and loading a stage's state (the model and AdamW's two
-        moments, 3x the parameters) to and from the dump folder. The in-memory cost — creating the
-        new DP and PP groups (one creation timed, times the grid's rows + columns) plus moving that
-        state to a DP peer over the data group — is measured too and reported
-        (``in_memory_topology_s``, in every S3 row of falcon_events.jsonl). S4 (a restart on fewer
-        devices) keeps the configured cost: it is neither applied nor measurable in this job."""
-        state = [p.detach() for m in self.trainer.model_parts for p in m.parameters()] * 3
+        from titan_ext.runtime.falcon.topology import load_stage_state, own_stage_state
+        from titan_ext.titan.falcon_s3 import grid_mesh
+
+        part, opt = self.trainer.model_parts[0], self.trainer.optimizers.optimizers[0]
+        state = [p.detach() for p in part.parameters()] * 3
         t0 = time.perf_counter()
-        dist.new_group(backend="gloo")  # one group's creation, as S3 creates num_dp + num_pp
-        group_s = (time.perf_counter() - t0) * (self.num_dp + self.num_pp)
+        grid_mesh(self.grid, self.device.type)
+        group_s = time.perf_counter() - t0
         move_s = _time_state_exchange(state, [row[self.pp_index] for row in self.grid], self.device)
-        save_s = _time_save_load(state, dump / f".falcon_cost_probe_rank{self.rank}.pt")
-        mine = torch.tensor([group_s + move_s, time.time() - _process_start_time() + save_s],
-                            dtype=torch.float64)
+        t0 = time.perf_counter()
+        fresh = copy.deepcopy(part)
+        load_stage_state(fresh, type(opt)(fresh.parameters()), *own_stage_state(part, opt))
+        rebuild_s = time.perf_counter() - t0
+        mine = torch.tensor([group_s + move_s + rebuild_s], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
-        self.in_memory_topology_s = float(mine[0])
-        self._set_costs(topology_adjustment=float(mine[1]))
+        self._set_costs(topology_adjustment=float(mine[0]))
+
+    def _measure_dp_allreduce(self) -> float:
+        """The healthy time of this stage's gradient all-reduce over its DP group (fastest of 3,
+        after a barrier: the collective, not the wait for a late peer), and the link bandwidth it
+        implies (every rank of a 2-rank ring sends the gradient's size once; the world's lowest, so
+        both ends of a link emulate the same one): the base of an
+        emulated ``A-B:xF`` link (:mod:`~titan_ext.runtime.falcon.emulation`)."""
+        from titan_ext.runtime.falcon.device_clock import device_buffer
+
+        numel = sum(p.numel() for m in self.trainer.model_parts for p in m.parameters())
+        buf = device_buffer(numel, self.device)
+        best = math.inf
+        for _ in range(3):
+            dist.barrier(group=self.dp_control)
+            start = self.timer.mark()
+            dist.all_reduce(buf, group=self.dp_group)
+            best = min(best, self.timer.elapsed_s(start, self.timer.mark()))
+        bandwidth = torch.tensor([numel * buf.element_size() / best], dtype=torch.float64)
+        dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN, group=self.control)  # both ends of a link agree
+        self.emulation.link_bytes_per_s = float(bandwidth)
+        logger.info(f"[titan_ext] Falcon: stage {self.pp_index}'s DP all-reduce {1e3 * best:.1f} ms "
+                    f"({numel * buf.element_size() / 1e6:.1f} MB), link bandwidth {float(bandwidth) / 1e9:.2f} GB/s")
+        return best
+
+    def set_measured_cost(self, strategy: str, seconds: float) -> None:
+        """Record ``strategy``'s cost as measured in this job (one value on every rank: pass the
+        slowest rank's) and let the ski-rental decision (Alg. 1, §5.2) use it from now on."""
+        self.measured_costs[strategy] = float(seconds)
+        self._set_costs(**{strategy: float(seconds)})
 
     def _measure_exchange_cost(self, mine: list) -> None:
         """S2's overhead: one real exchange of this step's chunks over the DP group."""
@@ -318,13 +370,13 @@ class FalconJob:
         redistribute_chunks(mine, [self.chunks_per_replica] * self.num_dp, self.dp_index, self.dp_control)
         exchange_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(exchange_s, op=dist.ReduceOp.MAX, group=self.control)
-        self._set_costs(microbatch_redistribution=float(exchange_s))
+        self.set_measured_cost("microbatch_redistribution", float(exchange_s))
 
     def _measure_replan_cost(self, rt: dict) -> None:
         """pipemorph_replan's overhead: PipeMorph's own last planning + swap time."""
         ms = float(rt.get("plan_ms", math.nan)) + float(rt.get("swap_ms", 0.0) or 0.0)
         if math.isfinite(ms):
-            self._set_costs(pipemorph_replan=ms / 1e3)
+            self.set_measured_cost("pipemorph_replan", ms / 1e3)
 
     def _set_costs(self, **costs: float) -> None:
         new = dataclasses.replace(self.monitor.config.costs, **costs)
@@ -337,7 +389,7 @@ class FalconJob:
         t0 = time.perf_counter()
         self.emulation.step = self.trainer.step
         self._maybe_install_pp_delays()
-        chunks = self._my_chunks(data_iterator)
+        chunks = self._my_chunks(self.data_iterator or data_iterator)
         self.trainer.gradient_accumulation_steps = len(chunks)
         self._backwards_left = len(chunks)
         run_step(iter(chunks))
@@ -356,7 +408,8 @@ class FalconJob:
         is a completion time: device timer marks, read at the step's end (:meth:`_dp_sync_time`)."""
         start = self.timer.mark()
         dp_ranks = [row[self.pp_index] for row in self.grid]
-        device_sleep(self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS), self.device)
+        device_sleep(self.emulation.collective_delay_s(dp_ranks, _DP_ALLREDUCE_RING_STEPS,
+                                                       self.dp_allreduce_base_s), self.device)
         params = [p for m in self.trainer.model_parts for p in m.parameters()]
         weighted_all_reduce_gradients(params, 1.0, self.dp_group)
         self._dp_sync_marks = (start, self.timer.mark())
@@ -397,7 +450,7 @@ class FalconJob:
         S, D = self.num_pp, self.num_dp
         vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
         vec[0] = step_s
-        vec[1 + self.pp_index] = self._dp_sync_time()
+        vec[1:1 + S] = self._dp_transfer_times()
         rt = runtime_metrics(self.trainer.pp_schedule)
         self._measure_replan_cost(rt)  # only a Falcon decision's ski-rental input
         links = rt.get("link_delay_ms", {})
@@ -411,80 +464,214 @@ class FalconJob:
                    for d in range(D) for i in range(S - 1)}
         return float(vec[0]), groups
 
+    def _dp_transfer_times(self) -> torch.Tensor:
+        """Per stage, the DP all-reduce's *transfer* time (Falcon §4.3 profiling: a group that spent
+        long in data transfer is suspicious, one that waited for data is healthy): the minimum of its
+        members' all-reduce times. Every member's call ends when the last one has arrived and the
+        data moved; the last to arrive waited for no one, so its time is the transfer (plus an
+        emulated link delay, held back inside the timed region on every member), and the members
+        that waited for a slow peer read longer. (The maximum, used before, flagged both DP groups
+        whenever one replica was slow.)"""
+        mine = torch.full((self.num_pp,), math.inf, dtype=torch.float64)
+        mine[self.pp_index] = self._dp_sync_time()
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.control)
+        return mine
+
+    def _acf_iteration_times(self) -> dict:
+        """Falcon §4.2's framework-agnostic iteration time, next to the trainer's: the ACF period of
+        this rank's torch.distributed call record (:class:`~titan_ext.runtime.falcon.hooks.CallRecorder`,
+        started after the first step, whose one-off calls would hide the period) and the time
+        between a call and its occurrence one period earlier. Logged as ``falcon/acf_*``; the
+        detector is fed the trainer's step time, which is exact here and has no gap while the
+        period is re-learned after a change of the call pattern (S2's new split, a re-plan)."""
+        from titan_ext.runtime.falcon.hooks import CallRecorder
+
+        if self.monitor.recorder is None:
+            self.monitor.recorder = CallRecorder().start()
+            return {}
+        times = self.monitor.iteration_times_from_recorder()
+        out = {"falcon/acf_period_calls": self.monitor._period or 0}
+        if times:
+            out["falcon/acf_iteration_time_s"] = float(times[-1])
+        return out
+
     def _falcon(self, step_s: float) -> None:
+        acf = self._acf_iteration_times()
         iteration_s, groups = self._group_times(step_s)
-        decision = self.monitor.observe(iteration_s, groups)
+        decision = self.monitor.observe(iteration_s, groups) | acf
+        decision |= {f"falcon/group_s/{g}": t for g, t in groups.items()}
         if decision.get("falcon/validate"):
             decision |= self.validate()
         applied_s = {}
+        s4_plan = None
+        estimated = self.monitor.config.costs  # the ski-rental inputs, before an application re-measures
         for strategy in filter(None, decision.get("falcon/apply", "").split(",")):
+            if strategy == "checkpoint_restart":
+                s4_plan = self._plan_s4()  # applied below, once this step is recorded
+                continue
             t0 = time.perf_counter()
-            self.apply(strategy, decision)
-            applied_s[strategy] = time.perf_counter() - t0
+            if self.apply(strategy, decision):
+                applied_s[strategy] = self.measured_costs.get(strategy, time.perf_counter() - t0) \
+                    if strategy == "topology_adjustment" else time.perf_counter() - t0
         decision["falcon/split"] = json.dumps(self.split)
+        decision["falcon/grid"] = json.dumps(self.grid)
         self.last_decision = decision
         rows = event_rows(self.trainer.step, decision, self.monitor, applied_s,
                           self.apply_decisions)
         for row in rows:
-            if row.get("name") == "topology_adjustment":
-                row["in_memory_topology_s"] = self.in_memory_topology_s
+            if row["kind"] == "decision":
+                row["estimated_cost_s"] = estimated.of(row["name"])
+            if row.get("name") == "checkpoint_restart" and row["kind"] == "decision":
+                row["applied"] = s4_plan is not None  # cost measured by the restarted job ("restart" row)
+        self._applied_names |= {r["name"] for r in rows if r["kind"] == "decision" and r["applied"]}
+        # an outcome (iteration time before / after) is an applied strategy's, not a decision's
+        rows = [r for r in rows if r["kind"] != "outcome" or r["name"] in self._applied_names]
         if self.rank == 0 and self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "a") as f:
                 f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
             self._record_events(rows)
+        if rows:
+            self._wandb_events(rows)
+        if s4_plan is not None:
+            from titan_ext.titan.falcon_s4 import checkpoint_and_exit
+
+            checkpoint_and_exit(self, s4_plan, decision)
+
+    def _plan_s4(self):
+        """S4's plan (titan/falcon_s4.py), or None (a warning says why) when it cannot apply."""
+        from titan_ext.titan.falcon_s4 import S4Unavailable, plan_checkpoint_restart
+
+        if not self.apply_decisions:
+            return None
+        try:
+            return plan_checkpoint_restart(self)
+        except S4Unavailable as e:
+            logger.warning(f"[titan_ext] Falcon decided checkpoint_restart at step {self.trainer.step}; "
+                           f"not applied: {e}")
+            return None
 
     def _record_events(self, rows: list[dict]) -> None:
-        """Rows → ``falcon_events.jsonl``, a console line each, and W&B (a ``falcon/events`` table)."""
-        if not rows:
-            return
-        self.events.extend(rows)
+        """Rows → ``falcon_events.jsonl`` and a console line each (rank 0)."""
         with open(self.events_path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
                 logger.info(f"[titan_ext] Falcon {_console(row)}")
+
+    def _wandb_events(self, rows: list[dict]) -> None:
+        """Rows → W&B on the rank that holds TorchTitan's W&B logger (the metrics rank, not rank 0:
+        every rank has the same rows): the ``falcon/events`` table, and per applied strategy its
+        measured cost and, once measured, the iteration time before / after as scalars."""
         from titan_ext.titan.metrics import _wandb_loggers
 
+        self.events.extend(rows)
         processor = getattr(self.trainer, "metrics_processor", None)
         for wb in _wandb_loggers(processor) if processor is not None else []:
             columns = sorted({k for r in self.events for k in r})
+            scalars = {}
+            for r in rows:
+                if r["kind"] == "decision" and r["applied"] and r["measured_cost_s"] is not None:
+                    scalars[f"falcon/applied/{r['strategy']}/measured_cost_s"] = r["measured_cost_s"]
+                    scalars[f"falcon/applied/{r['strategy']}/estimated_cost_s"] = r["estimated_cost_s"]
+                if r["kind"] == "outcome":
+                    scalars[f"falcon/outcome/{r['strategy']}/before_s"] = r["iteration_time_before_s"]
+                    scalars[f"falcon/outcome/{r['strategy']}/after_s"] = r["iteration_time_after_s"]
             wb.wandb.log({"falcon/events": wb.wandb.Table(
-                columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events])},
-                step=self.trainer.step)
+                columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events]),
+                **scalars}, step=self.trainer.step)
 
     def validate(self) -> dict:
         """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
-        profiling flagged (:func:`rings_to_validate`), then the GEMM probe on every rank."""
+        profiling flagged (:func:`rings_to_validate`) and one unflagged ring as the healthy
+        reference, then the GEMM probe on every rank."""
         t0 = time.perf_counter()
         rings = rings_to_validate(self.grid, self.monitor.suspicious)
-        links = validate_rings([r for r in rings if len(r) > 1], nbytes=1 << 16, group=self.control,
-                               send_delay_s=self.emulation.send_delay_s, device=self.device)
+        # one ring profiling did not flag is timed too: the healthy reference a flagged ring's links
+        # are compared with (all links of a lone flagged ring are slow: their own median hides them)
+        reference = [r for r in rings_to_validate(self.grid, []) if r not in rings][:1]
+        links = validate_rings([r for r in rings + reference if len(r) > 1], nbytes=_VALIDATION_BYTES,
+                               group=self.control, device=self.device,
+                               send_delay_s=lambda src, dst: self.emulation.send_delay_s(src, dst, _VALIDATION_BYTES))
+        ref_times = [t for (a, b), t in links.items() if reference and {a, b} <= set(reference[0])]
+        suspect = {k: t for k, t in links.items() if any(set(k) <= set(r) for r in rings)}
         gemm = gemm_probe(repeats=10, group=self.control, slowdown=self.emulation.compute_factor,
                           device=self.device)
-        return self.monitor.report_validation(links, gemm, pause_s=time.perf_counter() - t0)
+        return self.monitor.report_validation(
+            suspect, gemm, link_reference_s=float(np.median(ref_times)) if ref_times else None,
+            pause_s=time.perf_counter() - t0)
 
-    def apply(self, strategy: str, decision: dict) -> None:
-        """Apply one Alg. 1 decision to the running job (§5.3)."""
+    def apply(self, strategy: str, decision: dict) -> bool:
+        """Apply one Alg. 1 decision to the running job (§5.3); True when it was applied."""
         step = self.trainer.step
         if not self.apply_decisions:
-            return
+            return False
         if strategy == "pipemorph_replan":
             self.trainer.pp_schedule.adaptive = True
         elif strategy == "microbatch_redistribution" and "falcon/plan/microbatch_split" in decision:
             self.split = _at_least_one_each(json.loads(decision["falcon/plan/microbatch_split"]))
-        elif strategy in ("topology_adjustment", "checkpoint_restart"):
-            logger.warning(f"[titan_ext] Falcon decided {strategy} at step {step}; not applied in "
-                           f"this job (see docs/falcon.md)")
-            return
-        logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split})")
+        elif strategy == "topology_adjustment":
+            grid = json.loads(decision.get("falcon/plan/topology_grid", "null") or "null")
+            if grid is None or grid == self.grid:
+                logger.info(f"[titan_ext] Falcon decided S3 at step {step}; its plan keeps the grid "
+                            f"{self.grid}: nothing to apply")
+                return False
+            self.apply_topology(grid)
+        elif strategy == "checkpoint_restart":  # S4: _falcon plans it and applies it after the step's rows
+            return False
+        logger.info(f"[titan_ext] Falcon applied {strategy} at step {step} (split {self.split}, "
+                    f"grid {self.grid})")
+        return strategy in APPLIED_HERE
+
+    def apply_topology(self, grid: list[list[int]]) -> None:
+        """S3 in memory (:func:`titan_ext.titan.falcon_s3.apply_topology`), then this job's own
+        view of the layout: groups, roles, the monitor's grid, the emulated faults' hooks, the data
+        iterator, and the S2 split re-planned for the new replicas. Its measured time becomes S3's
+        cost (:meth:`set_measured_cost`)."""
+        from titan_ext.titan.falcon_s3 import apply_topology
+
+        loader = self.trainer.dataloader
+        result = apply_topology(self.trainer, self.grid, grid, control_group=self.control)
+        self.grid = [[int(r) for r in row] for row in grid]
+        self.dp_index, self.pp_index = result.new_role
+        self.dp_group = result.mesh["dp_replicate"].get_group()
+        dp_controls = [control_group([row[s] for row in self.grid]) for s in range(self.num_pp)]
+        self.dp_control = dp_controls[self.pp_index]
+        self.monitor.grid = [list(row) for row in self.grid]
+        if getattr(self.trainer.pp_schedule, "falcon", None) is not None:
+            self.trainer.pp_schedule.falcon = None
+        for part in self.trainer.model_parts:
+            _install_compute_stretch(part, self.emulation, self.device)
+        if self._pp_delays_installed:
+            from titan_ext.runtime.delay_injection import remove_link_delays
+
+            remove_link_delays()
+            self._pp_delays_installed = False
+        if self.trainer.dataloader is not loader:
+            self.data_iterator = self.trainer.batch_generator(self.trainer.dataloader)
+        if self.split != [self.chunks_per_replica] * self.num_dp:
+            self.split = self._replanned_split()
+        self.dp_allreduce_base_s = self._measure_dp_allreduce()  # this rank's stage may have changed
+        self.set_measured_cost("topology_adjustment", result.seconds)
+        logger.info(f"[titan_ext] Falcon S3: rank {self.rank} (dp, pp) {result.old_role} -> "
+                    f"{result.new_role}, state from rank {result.received_from}, {result.seconds:.3f} s")
+
+    def _replanned_split(self) -> list[int]:
+        """S2's split for the new replicas (Eq. 1 over the new grid's rows, as the monitor plans it)."""
+        m = self.monitor
+        if not m.slow_devices:
+            return [self.chunks_per_replica] * self.num_dp
+        factor = m.detector.current_mean_s / (m.detector.healthy_mean_s or 1.0)
+        per_dp = [m._replica_slowdown(row, factor) for row in self.grid]
+        return _at_least_one_each(m.plan_microbatch_split(per_dp))
 
 
 def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]]:
     """Profiling-narrowed validation (Falcon §4.3): the rings of the suspicious groups only —
     ``pp{d}_link{i}`` → pipeline d, ``dp_stage{s}`` → the DP column of stage s — or, when profiling
-    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes over an NCCL
-    tree) is not needed here: the job's collectives are gloo rings, and a 2-replica DP group's
-    tree is its single link, which the ring passes already time in both directions."""
+    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes,
+    :func:`~titan_ext.runtime.falcon.validation.validate_trees`) is not used here: the job's
+    collectives are gloo rings, and a 2-replica DP group's tree is its single link, which the ring
+    passes already time in both directions."""
     pipelines = [list(row) for row in grid]
     columns = [[row[s] for row in grid] for s in range(len(grid[0]))]
     rings = []
@@ -517,7 +704,7 @@ def event_rows(step: int, decision: dict, monitor: Any, applied_s: dict[str, flo
                      "validation_pause_s": decision.get("falcon/validation_pause_s")})
     before = decision.get("falcon/iteration_time_s")
     for name in filter(None, decision.get("falcon/apply", "").split(",")):
-        applied = apply_decisions and name in APPLIED_HERE
+        applied = apply_decisions and name in APPLIED_HERE and name in applied_s
         rows.append({"kind": "decision", "iteration": step, "suspected": suspected,
                      "strategy": STRATEGY_LABEL.get(name, name), "name": name, "applied": applied,
                      "estimated_cost_s": monitor.config.costs.of(name),
@@ -561,26 +748,6 @@ def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device)
     ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
            dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
     return timer.completion_s(start, dist.batch_isend_irecv(ops))
-
-
-def _time_save_load(state: list[torch.Tensor], path: Path) -> float:
-    """Seconds to save ``state`` (host copies) to ``path`` and load it back."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    torch.save([t.detach().cpu() for t in state], path)
-    torch.load(path, weights_only=True)
-    seconds = time.perf_counter() - t0
-    path.unlink(missing_ok=True)
-    return seconds
-
-
-def _process_start_time() -> float:
-    """This process's start (epoch seconds), from /proc (Linux)."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _at_least_one_each(split: list[int]) -> list[int]:

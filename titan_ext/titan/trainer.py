@@ -13,11 +13,14 @@ need it is DP × PP with Falcon (:mod:`titan_ext.titan.falcon_job`): the trainer
 itself and applies Falcon's mitigations to the next steps.
 """
 
+import time
+
 import torch
 
 from titan_ext.titan import adapters
 from titan_ext.titan.jobcheck import check_job_config, world_size
 from titan_ext.titan.falcon_job import FalconJob, replicated_by_trainer
+from titan_ext.titan.falcon_s4 import S4Resume
 from titan_ext.titan.options import titan_ext_section
 
 __all__ = ["TitanExtTrainer"]
@@ -45,16 +48,23 @@ class TitanExtTrainer(_Base):
         # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon_job.py)
         self.falcon_job = (FalconJob(self, titan_ext_section(config))
                            if replicated_by_trainer(self.parallel_dims) else None)
+        # a job the launcher restarted after Falcon's S4: its cost and outcome (falcon_s4.py)
+        self.s4_resume = S4Resume.from_env(self)
 
     def train(self):
         super().train()
         self._trained = True
 
     def train_step(self, data_iterator):
+        if self.s4_resume is not None:
+            self.s4_resume.before_step(self.step)
+        t0 = time.perf_counter()
         if self.falcon_job is not None:
             _ADAPTER.falcon_train_step(self.falcon_job, super().train_step, data_iterator)
         else:
             super().train_step(data_iterator)
+        if self.s4_resume is not None:
+            self.s4_resume.after_step(self.step, time.perf_counter() - t0)
 
     def forward_backward_step(self, **kwargs):
         loss = super().forward_backward_step(**kwargs)

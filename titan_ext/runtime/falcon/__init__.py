@@ -7,7 +7,13 @@ timing) (imported on demand). See docs/falcon.md.
 """
 
 from .bocd import BOCDConfig, ChangePoint, OnlineBOCD, SlowIterationDetector
-from .localize import locate_slow_devices, locate_slow_links, ring_validation_passes, suspicious_groups
+from .localize import (
+    locate_slow_devices,
+    locate_slow_links,
+    ring_validation_passes,
+    suspicious_groups,
+    tree_validation_passes,
+)
 from .mitigation import (
     MitigationPlanner,
     StrategyCosts,
@@ -23,7 +29,7 @@ from .period import acf, estimate_period, iteration_times_from_calls
 __all__ = [
     "BOCDConfig", "ChangePoint", "OnlineBOCD", "SlowIterationDetector",
     "acf", "estimate_period", "iteration_times_from_calls",
-    "suspicious_groups", "ring_validation_passes", "locate_slow_links", "locate_slow_devices",
+    "suspicious_groups", "ring_validation_passes", "tree_validation_passes", "locate_slow_links", "locate_slow_devices",
     "MitigationPlanner", "StrategyCosts", "strategies_for", "min_max_microbatch_split",
     "TopologyPlan", "plan_topology", "topology_score", "FalconConfig", "FalconMonitor",
 ]

@@ -11,6 +11,12 @@ mesh position, so that a topology change (S3) moves the mesh around a fault that
   a collective over a group holding both pays ``steps × MS`` (:meth:`collective_delay_s`; a two-rank
   ring all-reduce is a reduce-scatter and an all-gather step); validation P2P messages pay it per
   message (:meth:`send_delay_s`).
+* ``slow_link = "A-B:xF"``: the link between A and B is F× slower (a bandwidth fault, Falcon §2: every
+  transfer over it takes F× its healthy time). A collective over it pays ``(F - 1) ×`` its healthy
+  time (the job measures it at start: ``base_s`` of :meth:`collective_delay_s`); a message of ``n``
+  bytes pays ``(F - 1) × n / B``, B the link's healthy bandwidth (:attr:`link_bytes_per_s`, measured
+  by the job) — on a PP hop as a bandwidth cap of ``B / (F - 1)`` in the delay injector. So a slow DP
+  link that S3 turns into a PP hop costs what the (small) activations need, as in the paper.
 
 ``device_of[mesh_rank]`` maps the job's ranks to devices (identity unless a restart plan permuted
 the mesh). The specs come from ``[titan_ext] emulate_slow_device`` / ``emulate_slow_link`` or the
@@ -29,7 +35,7 @@ __all__ = ["EmulationSpecError", "SlowDevice", "SlowLink", "FailSlowEmulation", 
            "parse_slow_link"]
 
 _DEVICE = re.compile(r"^\s*(\d+)\s*:\s*([0-9.]+)\s*(?:@\s*(\d+))?\s*$")
-_LINK = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*:\s*([0-9.]+)\s*(?:@\s*(\d+))?\s*$")
+_LINK = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*:\s*(x\s*)?([0-9.]+)\s*(?:@\s*(\d+))?\s*$")
 
 
 class EmulationSpecError(ValueError):
@@ -48,6 +54,8 @@ class SlowLink:
     devices: frozenset
     delay_ms: float
     from_step: int = 0
+    factor: float = 1.0
+    """Transfer-time factor (``"A-B:xF"``); 1 for a latency fault (``"A-B:MS"``)."""
 
 
 def parse_slow_device(spec: str) -> SlowDevice | None:
@@ -61,13 +69,18 @@ def parse_slow_device(spec: str) -> SlowDevice | None:
 
 
 def parse_slow_link(spec: str) -> SlowLink | None:
-    """``"A-B:MS[@STEP]"`` (+MS per message between devices A != B from STEP on); "" = none."""
+    """``"A-B:MS[@STEP]"`` (+MS per message between devices A != B from STEP on) or ``"A-B:xF[@STEP]"``
+    (the link is F ≥ 1 times slower); "" = none."""
     if not spec.strip():
         return None
     m = _LINK.match(spec)
-    if not m or m.group(1) == m.group(2):
-        raise EmulationSpecError("expected A-B:MS[@STEP] with devices A != B, e.g. '0-1:40'")
-    return SlowLink(frozenset((int(m.group(1)), int(m.group(2)))), float(m.group(3)), int(m.group(4) or 0))
+    if not m or m.group(1) == m.group(2) or (m.group(3) and float(m.group(4)) < 1.0):
+        raise EmulationSpecError("expected A-B:MS[@STEP] or A-B:xFACTOR[@STEP] with devices A != B and "
+                                 "FACTOR >= 1, e.g. '0-1:40' or '0-1:x6@5'")
+    devices, value, step = frozenset((int(m.group(1)), int(m.group(2)))), float(m.group(4)), int(m.group(5) or 0)
+    if m.group(3):
+        return SlowLink(devices, 0.0, step, factor=value)
+    return SlowLink(devices, value, step)
 
 
 class FailSlowEmulation:
@@ -81,6 +94,8 @@ class FailSlowEmulation:
             if d not in self.device_of:
                 raise EmulationSpecError(f"device {d} does not exist (devices {sorted(self.device_of)})")
         self.step = 0
+        self.link_bytes_per_s = float("inf")
+        """Healthy bandwidth of a link (the job measures its DP all-reduce); for ``xF`` links."""
 
     @property
     def device(self) -> int:
@@ -90,12 +105,18 @@ class FailSlowEmulation:
         sd = self.slow_device
         return sd.factor if sd and sd.device == self.device and self.step >= sd.from_step else 1.0
 
+    def _on_slow_link(self, rank_a: int, rank_b: int) -> bool:
+        sl = self.slow_link
+        return (sl is not None and self.step >= sl.from_step
+                and {self.device_of[rank_a], self.device_of[rank_b]} == sl.devices)
+
     def link_ms(self, rank_a: int, rank_b: int) -> float:
         """Emulated extra latency (ms) of one message between mesh ranks a and b (now)."""
-        sl = self.slow_link
-        if sl is None or self.step < sl.from_step:
-            return 0.0
-        return sl.delay_ms if {self.device_of[rank_a], self.device_of[rank_b]} == sl.devices else 0.0
+        return self.slow_link.delay_ms if self._on_slow_link(rank_a, rank_b) else 0.0
+
+    def link_factor(self, rank_a: int, rank_b: int) -> float:
+        """Emulated transfer-time factor of the link between mesh ranks a and b (now; 1 = healthy)."""
+        return self.slow_link.factor if self._on_slow_link(rank_a, rank_b) else 1.0
 
     def stretch(self, t0: float) -> None:
         """End of a compute region that began at ``t0`` (perf_counter): sleep (F - 1) × its length."""
@@ -103,20 +124,29 @@ class FailSlowEmulation:
         if f > 1.0:
             time.sleep((f - 1.0) * (time.perf_counter() - t0))
 
-    def send_delay_s(self, src: int, dst: int) -> float:
-        return self.link_ms(src, dst) / 1e3
+    def send_delay_s(self, src: int, dst: int, nbytes: int = 0) -> float:
+        """Extra time of one message of ``nbytes`` from mesh rank src to dst."""
+        return self.link_ms(src, dst) / 1e3 + (self.link_factor(src, dst) - 1.0) * nbytes / self.link_bytes_per_s
 
-    def collective_delay_s(self, ranks: Sequence[int], steps: int) -> float:
-        """Extra time of a ring collective of ``steps`` message steps over ``ranks`` (ring order)."""
+    def collective_delay_s(self, ranks: Sequence[int], steps: int, base_s: float = 0.0) -> float:
+        """Extra time of a ring collective of ``steps`` message steps over ``ranks`` (ring order)
+        whose healthy time is ``base_s``."""
         ring = list(ranks)
-        worst = max((self.link_ms(a, b) for a, b in zip(ring, ring[1:] + ring[:1]) if a != b), default=0.0)
-        return steps * worst / 1e3
+        pairs = [(a, b) for a, b in zip(ring, ring[1:] + ring[:1]) if a != b]
+        worst_ms = max((self.link_ms(a, b) for a, b in pairs), default=0.0)
+        worst_factor = max((self.link_factor(a, b) for a, b in pairs), default=1.0)
+        return steps * worst_ms / 1e3 + (worst_factor - 1.0) * base_s
 
     def pp_link_spec(self, pp_ranks: Sequence[int]) -> str:
         """``inject_delays`` spec for this rank's pipeline (stage order ``pp_ranks``): the slow link
         if it is a PP hop of this pipeline and this rank is one of its ends, else ""."""
         if self.rank not in pp_ranks:
             return ""
-        items = [f"{i}:{self.link_ms(a, b):g}" for i, (a, b) in enumerate(zip(pp_ranks, pp_ranks[1:]))
-                 if self.rank in (a, b) and self.link_ms(a, b) > 0]
+        items = []
+        for i, (a, b) in enumerate(zip(pp_ranks, pp_ranks[1:])):
+            ms, factor = self.link_ms(a, b), self.link_factor(a, b)
+            if self.rank not in (a, b) or (ms <= 0 and factor <= 1.0):
+                continue
+            cap = self.link_bytes_per_s / (factor - 1.0) if factor > 1.0 else float("inf")
+            items.append(f"{i}:{ms:g}" + (f":{cap:.6g}B/s" if cap < float("inf") else ""))
         return ",".join(items)

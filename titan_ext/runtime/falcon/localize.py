@@ -5,7 +5,8 @@
 * :func:`ring_validation_passes` — communication validation: a ring of n ranks is split into
   non-overlapping P2P send/recv pairs that cover every ring link in O(1) passes (Fig. 9): even→odd
   (0→1, 2→3, …), odd→even (1→2, 3→4, …, n−1→0 for even n), and for odd n one more pass for the
-  remaining link n−1→0.
+  remaining link n−1→0. :func:`tree_validation_passes` — the same for a binary tree in four passes
+  (children at even levels to their parents, left then right; then from odd levels).
 * :func:`locate_slow_links` / :func:`locate_slow_devices` — read the validation timings (all
   transfers have the same size, so a slow link measures a longer time; GEMM probes likewise).
 """
@@ -19,6 +20,7 @@ import numpy as np
 __all__ = [
     "suspicious_groups",
     "ring_validation_passes",
+    "tree_validation_passes",
     "locate_slow_links",
     "locate_slow_devices",
 ]
@@ -50,6 +52,29 @@ def ring_validation_passes(ring: Sequence[int]) -> list[list[tuple[int, int]]]:
     passes = [even_odd, odd_even]
     if n % 2 == 1:
         passes.append([(ring[n - 1], ring[0])])
+    return [p for p in passes if p]
+
+
+def tree_validation_passes(tree: Sequence[int], both_directions: bool = False) -> list[list[tuple[int, int]]]:
+    """P2P passes covering every link of a binary tree (Falcon §4.3, Fig. 9 right): four passes.
+
+    ``tree`` lists ranks in heap order (``tree[0]`` the root, ``tree[i]``'s parent ``tree[(i-1)//2]``;
+    odd ``i`` a left child, even ``i`` a right child; level ``floor(log2(i+1))``). Pass 1: left
+    children at even levels send to their parents; pass 2: right children at even levels; passes 3
+    and 4: the same from odd levels. A parent has one left and one right child and sits one level
+    above them, so no rank is in two pairs of a pass. ``both_directions``: four more passes with the
+    roles reversed (parent → child), for trees whose collectives also send down (NCCL's tree
+    all-reduce broadcasts the result). Empty passes (small trees) are dropped."""
+    n = len(tree)
+    if len(set(tree)) != n:
+        raise ValueError(f"tree has repeated ranks: {list(tree)}")
+    passes = []
+    for level_parity in (0, 1):
+        for side in (1, 0):  # left children (odd heap index) first, then right (even)
+            passes.append([(tree[i], tree[(i - 1) // 2]) for i in range(1, n)
+                           if (i + 1).bit_length() % 2 == 1 - level_parity and i % 2 == side])
+    if both_directions:
+        passes += [[(dst, src) for src, dst in p] for p in passes]
     return [p for p in passes if p]
 
 

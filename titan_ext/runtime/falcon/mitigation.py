@@ -220,7 +220,10 @@ def topology_score(grid, slow_links: Iterable[tuple[int, int]] = (),
     3. stragglers in the first / last stage (interior preferred, Falcon §5.3);
     4. −Σ stragglers-per-stage² (tie-break that rewards concentrating stragglers);
     5. Σ hop index of slow links (earlier hops have more slackness to absorb a delay, PipeMorph §7.2);
-    6. devices moved relative to ``old_grid``.
+    6. devices moved relative to ``old_grid``;
+    7. pipelines whose devices are not in increasing order along the stages (a last tie-break, no
+       paper criterion: torch's schedules number a PP group's members by global rank, so the
+       in-memory S3 of :mod:`titan_ext.titan.falcon_s3` applies grids without such pipelines).
     """
     g = np.asarray(grid)
     num_dp, num_pp = g.shape
@@ -240,7 +243,8 @@ def topology_score(grid, slow_links: Iterable[tuple[int, int]] = (),
     exterior = int(counts[0] + (counts[-1] if num_pp > 1 else 0)) if num_pp > 2 else 0
     concentration = -int((counts ** 2).sum())
     moved = 0 if old_grid is None else int((np.asarray(old_grid) != g).sum())
-    return (off_hop, stages, exterior, concentration, hop_sum, moved)
+    unordered = int(sum(bool((np.diff(row) < 0).any()) for row in g))
+    return (off_hop, stages, exterior, concentration, hop_sum, moved, unordered)
 
 
 def plan_topology(grid: Sequence[Sequence[int]], slow_links: Iterable[tuple[int, int]] = (),

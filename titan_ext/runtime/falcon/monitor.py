@@ -188,8 +188,20 @@ class FalconMonitor:
         return out
 
     # ---------------------------------------------------------------- localisation
+    def _suspicious(self, times: dict) -> list:
+        """Profiling (§4.3): groups whose transfer time exceeds ``suspicious_ratio`` × the median *of
+        their kind*, slowest first. A DP group's time is a collective's transfer time and a PP
+        group's is a link's measured delay (≈ 0 when healthy), so one median over both flagged every
+        DP group whenever the PP delays were near zero; DP groups, PP groups and unnamed groups are
+        each held to their own median."""
+        kinds = ({g: t for g, t in times.items() if g in self.dp_groups},
+                 {g: t for g, t in times.items() if g in self.pp_groups},
+                 {g: t for g, t in times.items() if g not in self.dp_groups | self.pp_groups})
+        hits = [g for kind in kinds for g in suspicious_groups(kind, self.config.suspicious_ratio)]
+        return sorted(hits, key=lambda g: -times[g])
+
     def _on_onset(self, per_group_times, out):
-        self.suspicious = suspicious_groups(per_group_times or {}, self.config.suspicious_ratio)
+        self.suspicious = self._suspicious(per_group_times or {})
         self.slow_links, self.slow_devices, self.root_cause = [], [], None
         self.slow_link_excess_s = {}
         med = float(np.median(list(per_group_times.values()))) if per_group_times else 0.0

@@ -12,7 +12,10 @@ devices and restoring. Here it is done with files so it works with any launcher:
    (:func:`build_mesh_groups`) and loads its stage's state (:func:`load_stage_checkpoint`).
 
 With an unchanged world size, "plain checkpoint-and-restart" (S4) is the same path with the identity
-grid (on replacement nodes).
+grid (on replacement nodes). S4 *without* spare nodes (the job restarts on fewer devices, the slow
+one excluded) is planned by :func:`plan_exclusion` (which replicas run again, the re-split batch,
+the restarted job's overrides); :mod:`titan_ext.titan.falcon_s4` applies it with TorchTitan's
+checkpointer and a relaunch.
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ __all__ = [
     "load_stage_checkpoint",
     "write_restart_plan",
     "read_restart_plan",
+    "S4_EXIT_CODE",
+    "S4_PLAN_FILE",
+    "ShrinkPlan",
+    "plan_exclusion",
+    "remap_emulation",
+    "relaunch_overrides",
+    "write_s4_plan",
+    "read_s4_plan",
 ]
 
 _PLAN_FILE = "falcon_restart_plan.json"
@@ -152,3 +163,117 @@ def read_restart_plan(directory, num_dp: int, num_pp: int) -> list[list[int]]:
     if len(grid) != num_dp or any(len(r) != num_pp for r in grid):
         raise ValueError(f"restart plan grid {grid} is not {num_dp}x{num_pp}")
     return grid
+
+
+# ---------------------------------------------------------------------------- S4: restart on fewer devices
+S4_EXIT_CODE = 75
+"""Exit status of every rank of a job that checkpointed for S4 (EX_TEMPFAIL): the launcher relaunches."""
+S4_PLAN_FILE = "falcon_s4_plan.json"
+"""Written by rank 0 in the dump folder before the S4 exit; read by the launcher and the new job."""
+_CLEARED_EMULATION = {"emulate_slow_device": "", "emulate_slow_link": ""}
+
+
+@dataclass
+class ShrinkPlan:
+    """Falcon §5.1 S4 ("checkpoint-and-restart on healthy nodes") without spare nodes: the DP
+    replicas holding an excluded device are dropped, the job restarts as ``num_dp`` × ``num_pp`` on
+    the remaining ranks, and the global batch is re-split over the kept replicas."""
+
+    step: int
+    grid: list[list[int]]
+    excluded: list[int]
+    kept_replicas: list[int]
+    num_pp: int
+    chunks_per_replica: int
+    """Gradient-accumulation chunks of each kept replica: the same global batch, evenly re-split."""
+
+    @property
+    def num_dp(self) -> int:
+        return len(self.kept_replicas)
+
+    @property
+    def kept_ranks(self) -> list[int]:
+        """Old global ranks that run again, in new-rank order: TorchTitan's mesh is pp-outermost
+        (new rank ``s * num_dp + i`` runs stage s of the i-th kept replica)."""
+        return [int(self.grid[d][s]) for s in range(self.num_pp) for d in self.kept_replicas]
+
+    def new_rank(self, old_rank: int) -> int | None:
+        kept = self.kept_ranks
+        return kept.index(old_rank) if old_rank in kept else None
+
+
+def plan_exclusion(grid, excluded, step: int, split: list[int]) -> ShrinkPlan:
+    """The S4 plan for ``grid`` (``grid[dp][pp]`` global ranks) without the devices ``excluded``.
+
+    ``split``: the chunks each replica runs now (the global batch is ``sum(split)`` chunks); it
+    must divide evenly over the kept replicas (TorchTitan splits a global batch evenly over DP)."""
+    excluded = sorted({int(x) for x in excluded})
+    if not excluded:
+        raise ValueError("S4 needs at least one device to exclude")
+    unknown = [x for x in excluded if not any(x in map(int, row) for row in grid)]
+    if unknown:
+        raise ValueError(f"devices {unknown} are not in the grid {grid}")
+    kept = [d for d, row in enumerate(grid) if not set(map(int, row)) & set(excluded)]
+    if not kept:
+        raise ValueError(f"excluding {excluded} leaves no DP replica of grid {grid}")
+    total = sum(int(m) for m in split)
+    if total % len(kept):
+        raise ValueError(f"the global batch of {total} chunks does not split evenly over {len(kept)} "
+                         f"replicas")
+    return ShrinkPlan(step, [[int(r) for r in row] for row in grid], excluded, kept, len(grid[0]),
+                      total // len(kept))
+
+
+def remap_emulation(plan: ShrinkPlan, slow_device: str, slow_link: str) -> dict[str, str]:
+    """The ``[titan_ext] emulate_*`` specs of the restarted job: device ids renumbered to new ranks,
+    a fault on an excluded device gone with it (and none at all on a DP 1 world, which has no
+    trainer-owned DP to emulate on)."""
+    from .emulation import parse_slow_device, parse_slow_link
+
+    if plan.num_dp < 2:
+        return dict(_CLEARED_EMULATION)
+    out = dict(_CLEARED_EMULATION)
+    dev = parse_slow_device(slow_device)
+    if dev is not None and plan.new_rank(dev.device) is not None:
+        out["emulate_slow_device"] = f"{plan.new_rank(dev.device)}:{dev.factor:g}@{dev.from_step}"
+    link = parse_slow_link(slow_link)
+    if link is not None and all(plan.new_rank(d) is not None for d in link.devices):
+        a, b = sorted(plan.new_rank(d) for d in link.devices)
+        out["emulate_slow_link"] = f"{a}-{b}:{link.delay_ms:g}@{link.from_step}"
+    return out
+
+
+def relaunch_overrides(plan: ShrinkPlan, emulation: dict[str, str], local_batch_size: int) -> list[str]:
+    """TorchTitan command-line overrides of the restarted job (after the original arguments).
+
+    The global batch is passed explicitly (``sum(split)`` chunks of ``local_batch_size``): a job
+    that left it to TorchTitan's default (local × DP) would otherwise shrink it with the world.
+    The data loader's state is not loaded: TorchTitan 0.2.2 cannot reshard it to another DP degree
+    (its state asserts the DP world size), so the new loaders start their shards afresh."""
+    global_batch = plan.chunks_per_replica * plan.num_dp * int(local_batch_size)
+    args = ["--parallelism.data_parallel_replicate_degree", str(plan.num_dp),
+            "--training.global_batch_size", str(global_batch),
+            "--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader"]
+    for key, spec in emulation.items():
+        args += [f"--titan_ext.{key}", spec]
+    return args
+
+
+def write_s4_plan(directory, plan: ShrinkPlan, **extra) -> Path:
+    """Atomically write the S4 plan (plus ``extra``: timings, overrides, device map) as JSON."""
+    path = Path(directory) / S4_PLAN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"step": plan.step, "grid": plan.grid, "excluded": plan.excluded,
+            "kept_replicas": plan.kept_replicas, "num_pp": plan.num_pp,
+            "chunks_per_replica": plan.chunks_per_replica, "kept_ranks": plan.kept_ranks,
+            "num_dp": plan.num_dp, "world_size": len(plan.kept_ranks), **extra}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(body, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def read_s4_plan(directory) -> dict | None:
+    """The S4 plan written in ``directory`` (a dict, see :func:`write_s4_plan`), or None."""
+    path = Path(directory) / S4_PLAN_FILE
+    return json.loads(path.read_text()) if path.exists() else None

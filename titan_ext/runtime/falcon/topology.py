@@ -31,7 +31,8 @@ import torch.distributed as dist
 from .device_clock import to_device
 from .restart import MeshGroups, build_mesh_groups, role_of
 
-__all__ = ["StageState", "apply_topology_in_memory", "moving_ranks"]
+__all__ = ["StageState", "apply_topology_in_memory", "exchange_stage_state", "load_stage_state",
+           "moving_ranks", "own_stage_state"]
 
 
 @dataclass
@@ -82,6 +83,52 @@ def _load_flat(module, optimizer, meta: dict, tensors: list) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
+def exchange_stage_state(old_grid, new_grid, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         control_group: Any = None, device=None) -> tuple[int, dict, list] | None:
+    """Step 2 of the module docstring (collective over the world): every rank whose stage changes
+    receives its new stage's state from the old holder of its new role.
+
+    Returns ``(source rank, metadata, tensors)`` on a receiving rank, None on a rank that keeps its
+    stage (whose own ``module`` / ``optimizer`` hold the state). Load it with :func:`load_stage_state`."""
+    rank = dist.get_rank()
+    device = device if device is not None else next(module.parameters()).device
+    if sorted(r for row in new_grid for r in row) != sorted(r for row in old_grid for r in row):
+        raise ValueError(f"new grid {new_grid} is not a permutation of {old_grid}")
+    moves = moving_ranks(old_grid, new_grid)
+    tensors, meta = _flat_state(module, optimizer)
+    metas: list = [None] * dist.get_world_size()
+    dist.all_gather_object(metas, meta, group=control_group)
+    ops, received, source = [], [], moves.get(rank)
+    dst = next((r for r, src in moves.items() if src == rank), None)
+    if dst is not None:
+        ops += [dist.P2POp(dist.isend, to_device(t.contiguous(), device), dst) for t in tensors]
+    if source is not None:
+        src_meta = metas[source]
+        shapes = [(s, d) for _k, s, d in src_meta["model"]] + [
+            (s, d) for _p, _k, s, d, is_t in src_meta["opt"] if is_t]
+        # the buffers the messages land in are the ones returned (to_device may copy: "cpu:3")
+        received = [to_device(torch.empty(s, dtype=d, device=device), device) for s, d in shapes]
+        ops += [dist.P2POp(dist.irecv, t, source) for t in received]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return None if source is None else (source, metas[source], received)
+
+
+def load_stage_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+                     tensors: list) -> None:
+    """Load a stage's state as :func:`exchange_stage_state` returns it into a fresh module and
+    optimizer of the same stage (the same parameter order)."""
+    _load_flat(module, optimizer, meta, tensors)
+
+
+def own_stage_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    """This rank's own stage state (copies) in the form :func:`load_stage_state` takes: what a rank
+    that keeps its stage loads into the rebuilt module and optimizer."""
+    tensors, meta = _flat_state(module, optimizer)
+    return meta, [t.detach().clone() for t in tensors]
+
+
 def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
                              optimizer: torch.optim.Optimizer,
                              build_stage: Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]],
@@ -92,30 +139,11 @@ def apply_topology_in_memory(old_grid, new_grid, module: torch.nn.Module,
     ``build_stage(s)``: a fresh module and optimizer of stage ``s`` (called only on ranks whose
     stage changes). ``control_group``: where the metadata goes (a gloo group on a GPU job).
     """
-    rank = dist.get_rank()
-    device = device if device is not None else next(module.parameters()).device
-    if sorted(r for row in new_grid for r in row) != sorted(r for row in old_grid for r in row):
-        raise ValueError(f"new grid {new_grid} is not a permutation of {old_grid}")
-    moves = moving_ranks(old_grid, new_grid)
-    tensors, meta = _flat_state(module, optimizer)
-    metas: list = [None] * dist.get_world_size()
-    dist.all_gather_object(metas, meta, group=control_group)
+    moved = exchange_stage_state(old_grid, new_grid, module, optimizer, control_group, device)
     new_mesh = build_mesh_groups(new_grid)
-    ops, received, source = [], [], moves.get(rank)
-    dst = next((r for r, src in moves.items() if src == rank), None)
-    if dst is not None:
-        ops += [dist.P2POp(dist.isend, to_device(t.contiguous(), device), dst) for t in tensors]
-    if source is not None:
-        src_meta = metas[source]
-        shapes = [(s, d) for _k, s, d in src_meta["model"]] + [
-            (s, d) for _p, _k, s, d, is_t in src_meta["opt"] if is_t]
-        received = [torch.empty(s, dtype=d, device=device) for s, d in shapes]
-        ops += [dist.P2POp(dist.irecv, to_device(t, device), source) for t in received]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    if source is None:
+    if moved is None:
         return StageState(module, optimizer, new_mesh, None)
+    source, meta, received = moved
     new_module, new_optimizer = build_stage(new_mesh.pp_index)
-    _load_flat(new_module, new_optimizer, metas[source], received)
+    load_stage_state(new_module, new_optimizer, meta, received)
     return StageState(new_module, new_optimizer, new_mesh, source)

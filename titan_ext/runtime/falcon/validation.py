@@ -3,6 +3,9 @@
 Called collectively by every rank of the world at an iteration boundary (the "lightweight training
 suspension": training simply does not start its next step until validation returns; no restart).
 
+* :func:`validate_trees` — the same for tree communicators (four passes,
+  :func:`~titan_ext.runtime.falcon.localize.tree_validation_passes`); both are
+  :func:`validate_passes` over their communicators' passes.
 * :func:`validate_rings` — for every suspicious ring (a list of global ranks in ring order), runs the
   passes of :func:`~titan_ext.runtime.falcon.localize.ring_validation_passes` (even→odd, odd→even,
   one more for odd sizes); in each pass every pair sends a same-size tensor with blocking
@@ -21,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .device_clock import DeviceTimer, device_buffer, device_sleep
-from .localize import ring_validation_passes
+from .localize import ring_validation_passes, tree_validation_passes
 
-__all__ = ["validate_rings", "gemm_probe"]
+__all__ = ["validate_rings", "validate_trees", "validate_passes", "gemm_probe"]
 
 
 def _all_gather_dict(local: dict, group=None) -> dict:
@@ -36,11 +39,26 @@ def _all_gather_dict(local: dict, group=None) -> dict:
     return merged
 
 
-def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeats: int = 3,
-                   warmup: int = 1, group=None,
-                   send_delay_s: Callable[[int, int], float] | None = None,
-                   device=None) -> dict[tuple[int, int], float]:
-    """Time every directed ring link of ``rings`` (global ranks). Collective over ``group``.
+def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, **kw) -> dict[tuple[int, int], float]:
+    """Time every directed ring link of ``rings`` (global ranks; passes of
+    :func:`~.localize.ring_validation_passes`). Collective; ``kw`` as :func:`validate_passes`."""
+    return validate_passes([ring_validation_passes(list(r)) for r in rings], nbytes, **kw)
+
+
+def validate_trees(trees: Sequence[Sequence[int]], nbytes: int = 1 << 20, both_directions: bool = False,
+                   **kw) -> dict[tuple[int, int], float]:
+    """Time every child → parent link (and parent → child with ``both_directions``) of ``trees``
+    (global ranks in heap order; the four passes of :func:`~.localize.tree_validation_passes`,
+    Falcon §4.3 Fig. 9 right). Collective; ``kw`` as :func:`validate_passes`."""
+    return validate_passes([tree_validation_passes(list(t), both_directions) for t in trees], nbytes, **kw)
+
+
+def validate_passes(groups: Sequence[list[list[tuple[int, int]]]], nbytes: int = 1 << 20, repeats: int = 3,
+                    warmup: int = 1, group=None,
+                    send_delay_s: Callable[[int, int], float] | None = None,
+                    device=None) -> dict[tuple[int, int], float]:
+    """Time every directed link of ``groups`` (per communicator, its validation passes of
+    ``(src, dst)`` global-rank pairs). Collective over ``group``.
 
     The messages are device buffers (``device``; CPU by default) sent on the default (data) group
     with global ranks; the receiver's time is the message's *completion* (device timer marks around
@@ -54,7 +72,7 @@ def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeat
     timer = DeviceTimer(device)
     samples: dict[tuple[int, int], list[float]] = {}
     for rep in range(warmup + repeats):
-        for pass_pairs in _pass_schedule(rings):
+        for pass_pairs in _pass_schedule(groups):
             dist.barrier(group=group)
             for src, dst in pass_pairs:
                 if rank == src:
@@ -72,12 +90,13 @@ def validate_rings(rings: Sequence[Sequence[int]], nbytes: int = 1 << 20, repeat
     return _all_gather_dict(local, group)
 
 
-def _pass_schedule(rings: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
-    """The passes of every ring (§4.3), rings sharing ranks serialised pass by pass."""
+def _pass_schedule(groups: Sequence[list[list[tuple[int, int]]]]) -> list[list[tuple[int, int]]]:
+    """The passes of every communicator (§4.3) run together, those sharing ranks serialised pass by
+    pass."""
     schedule: list[list[tuple[int, int]]] = []
     used_per_slot: list[set[int]] = []
-    for ring in rings:
-        for i, p in enumerate(ring_validation_passes(list(ring))):
+    for passes in groups:
+        for i, p in enumerate(passes):
             members = {r for pair in p for r in pair}
             slot = i
             while slot < len(schedule) and used_per_slot[slot] & members:

@@ -1,0 +1,246 @@
+"""Falcon S4 applied (issue 23 item 2): checkpoint with TorchTitan's checkpointer, exclude the slow
+device, relaunch on the remaining ranks, resume with the batch re-split for the smaller world.
+
+Fast tests: the plan (against a brute-force reading of TorchTitan's mesh), the relaunch overrides
+(parsed by TorchTitan's own ConfigManager), the launcher's environment. The end-to-end test (slow
+tier) runs the launcher on a DP 2 × PP 2 job whose device 3 turns slow, and checks the restarted
+job's losses against a reference that loads the same checkpoint on the same DP 1 × PP 2 world.
+"""
+
+import itertools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_ext.runtime.falcon.restart import (
+    S4_PLAN_FILE,
+    plan_exclusion,
+    relaunch_overrides,
+    remap_emulation,
+)
+from titan_ext.titan.falcon_s4 import consume_plan, devices_to_exclude, relaunch_env
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"
+
+
+def _titan_grid(num_dp: int, num_pp: int) -> list[list[int]]:
+    """TorchTitan's (pp, dp_replicate) mesh: global rank = pp * num_dp + dp."""
+    return [[s * num_dp + d for s in range(num_pp)] for d in range(num_dp)]
+
+
+@pytest.mark.parametrize("num_dp,num_pp", [(2, 2), (3, 2), (4, 3)])
+def test_plan_keeps_every_replica_without_an_excluded_device_brute_force(num_dp, num_pp):
+    grid = _titan_grid(num_dp, num_pp)
+    world = range(num_dp * num_pp)
+    for k in (1, 2):
+        for excluded in itertools.combinations(world, k):
+            replicas_hit = {r % num_dp for r in excluded}
+            kept = [d for d in range(num_dp) if d not in replicas_hit]
+            total = num_dp * 6  # 6 chunks a replica; re-split evenly over the kept ones
+            if not kept:
+                with pytest.raises(ValueError, match="leaves no DP replica"):
+                    plan_exclusion(grid, excluded, 9, [6] * num_dp)
+                continue
+            if total % len(kept):
+                with pytest.raises(ValueError, match="does not split evenly"):
+                    plan_exclusion(grid, excluded, 9, [6] * num_dp)
+                continue
+            plan = plan_exclusion(grid, excluded, 9, [6] * num_dp)
+            assert plan.kept_replicas == kept and plan.num_dp == len(kept)
+            assert plan.chunks_per_replica * len(kept) == total  # the global batch is unchanged
+            # new world in TorchTitan's order: new rank s * K + i runs stage s of kept replica i
+            for new, old in enumerate(plan.kept_ranks):
+                assert old % num_dp == kept[new % len(kept)] and old // num_dp == new // len(kept)
+            assert not set(plan.kept_ranks) & set(excluded)
+
+
+def test_plan_rejects_bad_input():
+    grid = _titan_grid(2, 2)
+    with pytest.raises(ValueError, match="not in the grid"):
+        plan_exclusion(grid, [7], 3, [3, 3])
+    with pytest.raises(ValueError, match="at least one device"):
+        plan_exclusion(grid, [], 3, [3, 3])
+    assert devices_to_exclude([3, 1], [(0, 2)]) == [1, 3]  # devices when validation found some
+    assert devices_to_exclude([], [(2, 0)]) == [2]  # else one end of each slow link
+
+
+def test_emulation_follows_the_devices_into_the_smaller_world():
+    plan = plan_exclusion(_titan_grid(3, 2), [4], 7, [2, 2, 2])  # replica 1 (ranks 1, 4) dropped
+    assert plan.kept_ranks == [0, 2, 3, 5]
+    got = remap_emulation(plan, "3:4@5", "2-5:40@1")
+    assert got == {"emulate_slow_device": "2:4@5", "emulate_slow_link": "1-3:40@1"}
+    # the excluded device's fault leaves with it
+    assert remap_emulation(plan, "4:4", "1-3:40")["emulate_slow_device"] == ""
+    assert remap_emulation(plan, "4:4", "1-3:40")["emulate_slow_link"] == ""
+
+
+def test_relaunch_overrides_parse_with_torchtitans_config_manager():
+    from torchtitan.config import ConfigManager
+
+    plan = plan_exclusion(_titan_grid(2, 2), [3], 12, [5, 1])
+    args = ["--job.config_file", str(ROOT / CONFIG), "--titan_ext.emulate_slow_device", "3:4@5",
+            "--training.local_batch_size", "2", "--training.global_batch_size", "-1",
+            *relaunch_overrides(plan, remap_emulation(plan, "3:4@5", ""), local_batch_size=2)]
+    cfg = ConfigManager().parse_args(args)
+    assert cfg.parallelism.data_parallel_replicate_degree == 1
+    assert cfg.training.global_batch_size == 12  # 6 chunks of 2, even where the job left it to DP
+    assert cfg.checkpoint.enable and cfg.checkpoint.exclude_from_loading == ["dataloader"]
+    assert cfg.titan_ext.emulate_slow_device == "" and cfg.titan_ext.emulate_slow_link == ""
+    # TorchTitan's own split of the global batch in the new world is the plan's
+    per_replica = cfg.training.global_batch_size // (cfg.training.local_batch_size * plan.num_dp)
+    assert per_replica == plan.chunks_per_replica == 6
+
+
+def test_launcher_environment_and_one_restart_per_plan(tmp_path):
+    plan = {"device_type": "cuda", "hosts": ["h"] * 4, "local_devices": [0, 2, 4, 6]}
+    env = relaunch_env(plan, {"CUDA_VISIBLE_DEVICES": "7,6,5,4,3,2,1,0", "TITAN_EXT_SLOW_DEVICE": "3:4"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "7,5,3,1" and "TITAN_EXT_SLOW_DEVICE" not in env
+    assert "CUDA_VISIBLE_DEVICES" not in relaunch_env({"device_type": "cpu"}, {})
+    (tmp_path / S4_PLAN_FILE).write_text(json.dumps({"status": "pending", "step": 4}))
+    assert consume_plan(tmp_path)["step"] == 4
+    assert consume_plan(tmp_path) is None  # consumed: a later failure is not an S4
+
+
+# --------------------------------------------------------------------------- end to end (torchrun)
+SLOW_FROM, SLOW_FACTOR, STEPS = 5, 100, 40
+"""Device 3 computes 100x slower from step 5: after S2 its replica still runs one chunk (>= 1 each),
+about 1 s a step over a healthy ~0.5 s step, so the accumulated impact reaches S4's measured cost
+(start-up + checkpoint, ~15-30 s on the loaded host) well before step 40."""
+_COMMON = ["--training.local_batch_size", "2", "--training.global_batch_size", "12",
+           "--training.seq_len", "32", "--titan_ext.no-adaptive"]
+"""A fixed pipeline plan: the reference and the restarted job then run the same operations in the
+same order, so their losses must be equal bit for bit."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "lo",
+                "PYTHONWARNINGS": "ignore"})
+    for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK",
+                "TITAN_EXT_S4_PLAN"):
+        env.pop(var, None)
+    return env
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def s4_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("s4")
+    cmd = [sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
+           "--master-port", str(_free_port()), "--log", str(dump / "train.log"), "--",
+           "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
+           *_COMMON, "--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",
+           "--checkpoint.enable", "--checkpoint.interval", "100000"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), timeout=900)
+    assert p.returncode == 0, (dump / "train.log").read_text()[-4000:]
+    return dump
+
+
+@pytest.mark.slow
+def test_s4_restarts_without_the_slow_device_and_resumes_from_its_checkpoint(s4_run, tmp_path):
+    events = _rows(s4_run / "falcon_events.jsonl")
+    s4 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S4"]
+    assert len(s4) == 1 and s4[0]["applied"], events
+    step = s4[0]["iteration"]
+    s2 = [i for i, e in enumerate(events) if e["kind"] == "decision" and e["strategy"] == "S2"]
+    # the ladder: S2 applied first (in an earlier step, or the same one when the impact that
+    # accumulated until localisation already exceeds both costs)
+    assert s2 and events[s2[0]]["applied"] and s2[0] < events.index(s4[0])
+    # ski rental: S4 was applied when the accumulated impact reached its (measured) cost
+    assert s4[0]["impact_s"] >= s4[0]["estimated_cost_s"] > 1.0
+    plan = json.loads((s4_run / S4_PLAN_FILE).read_text())
+    assert plan["excluded"] == [3] and plan["kept_ranks"] == [0, 2] and plan["status"] == "consumed"
+    assert plan["num_dp"] == 1 and plan["chunks_per_replica"] == 6  # 2 x 3 chunks, one replica
+    restart = [e for e in events if e["kind"] == "restart"]
+    assert len(restart) == 1 and restart[0]["iteration"] == step + 1
+    assert restart[0]["measured_cost_s"] > restart[0]["save_s"] > 0
+    assert json.loads((s4_run / "falcon_costs.json").read_text())["checkpoint_restart"] == \
+        restart[0]["measured_cost_s"]
+    times = {r["step"]: r["falcon/iteration_time_s"] for r in _rows(s4_run / "falcon.jsonl")}
+    assert sorted(times) == list(range(1, STEPS + 1))  # the restarted job logs its steps too
+    after = sorted(times[k] for k in times if k > step + 1)
+    # the 100x device is gone: the smaller world's steps are far below the slow ones (event: the
+    # fault left with the device; a > 10x effect against a < 2x host noise)
+    assert after[len(after) // 2] < 0.5 * s4[0]["iteration_time_before_s"], (times, step)
+    losses = {r["step"]: r["loss"] for r in _rows(s4_run / "pipeline_metrics.jsonl")}
+    assert sorted(losses) == list(range(1, STEPS + 1))  # every step once: step+1.. after the restart
+
+    # reference: the same checkpoint, loaded by a plain DP 1 x PP 2 job (no Falcon decisions)
+    ref = tmp_path / "ref"
+    shutil.copytree(s4_run / "checkpoint" / f"step-{step}", ref / "checkpoint" / f"step-{step}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(ref),
+           "--training.steps", str(STEPS), *_COMMON, "--parallelism.data_parallel_replicate_degree", "1",
+           "--checkpoint.enable", "--checkpoint.interval", "100000", "--checkpoint.load_step", str(step),
+           "--checkpoint.exclude_from_loading", "dataloader"]
+    with open(ref / "train.log", "w") as f:
+        p = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=600)
+    assert p.returncode == 0, (ref / "train.log").read_text()[-4000:]
+    ref_losses = {r["step"]: r["loss"] for r in _rows(ref / "pipeline_metrics.jsonl")}
+    assert sorted(ref_losses) == list(range(step + 1, STEPS + 1))
+    assert [losses[s] for s in ref_losses] == [ref_losses[s] for s in ref_losses]  # bit for bit
+    # and they continue the trained model: far below the first steps' loss of a fresh model
+    assert ref_losses[step + 1] < 0.8 * losses[1]
+
+
+def test_multi_node_relaunch_spec_keeps_the_nodes_with_kept_devices():
+    from titan_ext.titan.falcon_s4 import relaunch_spec
+
+    plan = {"hosts": ["n1.c", "n1.c", "n2.c", "n2.c"], "local_devices": [0, 2, 1, 3], "overrides": []}
+    spec = relaunch_spec(plan, ["n1", "n2", "n3"])  # SLURM's short names; n3's devices all excluded
+    assert (spec["nnodes"], spec["nproc_per_node"], spec["exclude"]) == (2, 2, ["n3"])
+    assert spec["devices"] == {"n1": [0, 2], "n2": [1, 3]}
+    with pytest.raises(SystemExit, match="uneven"):  # torchrun starts as many ranks on every node
+        relaunch_spec({**plan, "hosts": ["n1", "n1", "n1", "n2"]}, ["n1", "n2"])
+
+
+def test_launch_sh_relaunches_on_the_kept_devices_after_an_s4_exit(tmp_path):
+    """scripts/launch.sh outside SLURM with a stand-in torchrun (PYTHON=fake): the first run leaves a
+    pending S4 plan and fails, the relaunch gets the plan's world, overrides, devices and no
+    emulation from the environment, and a success ends the loop."""
+    dump, calls = tmp_path / "dump", tmp_path / "calls"
+    dump.mkdir()
+    plan = {"status": "pending", "hosts": [socket.gethostname()] * 2, "local_devices": [0, 2],
+            "device_type": "cuda", "overrides": ["--parallelism.data_parallel_replicate_degree", "1",
+                                                 "--titan_ext.emulate_slow_device", ""]}
+    fake = tmp_path / "py"
+    fake.write_text(f"""#!/bin/bash
+if [[ " $* " == *" torch.distributed.run "* ]]; then
+  echo "$# $* | ${{CUDA_VISIBLE_DEVICES:-unset}} ${{TITAN_EXT_S4_PLAN:-unset}} ${{TITAN_EXT_SLOW_DEVICE:-unset}}" >> {calls}
+  if [ ! -f {tmp_path}/once ]; then touch {tmp_path}/once; echo '{json.dumps(plan)}' > {dump}/{S4_PLAN_FILE}; exit 1; fi
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), NPROC_PER_NODE="4", LOG_DIR=str(tmp_path / "logs"),
+               TITAN_EXT_SLOW_DEVICE="3:4", CONFIG_FILE=CONFIG)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    p = subprocess.run(["bash", "scripts/launch.sh", "--job.dump_folder", str(dump)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    first, second = calls.read_text().splitlines()
+    assert "--nproc_per_node 4" in first and first.endswith("| unset unset 3:4")
+    assert "--nproc_per_node 2" in second and "--parallelism.data_parallel_replicate_degree 1" in second
+    assert second.endswith(f"| 0,2 {dump / S4_PLAN_FILE} unset")
+    # the emptied emulation key is one (empty) argument: its count is the first run's + 4
+    assert int(second.split()[0]) == int(first.split()[0]) + 4
+    assert json.loads((dump / S4_PLAN_FILE).read_text())["status"] == "consumed"
