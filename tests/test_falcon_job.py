@@ -20,8 +20,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _titan_version import IS_TT03
 
-from titan_ext.runtime.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
-from titan_ext.runtime.testing import chosen_backend
 from titan_ext.runtime.falcon.emulation import (
     EmulationSpecError,
     FailSlowEmulation,
@@ -186,7 +184,6 @@ def _torchrun(dump: Path, steps: int, args: list[str]) -> None:
                 "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"})
     for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK"):
         env.pop(var, None)
-    env[TEST_BACKEND_VAR] = chosen_backend()  # default nccl_rules (the CPU shim reads it)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--local-ranks-filter", "3",
            *_job(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
