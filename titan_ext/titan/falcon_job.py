@@ -52,20 +52,17 @@ from titan_ext.runtime.falcon.emulation import (
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks, weighted_all_reduce_gradients
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 from titan_ext.runtime.timeouts import named
+from titan_ext.titan.falcon_files import (  # noqa: F401 - part of this module's interface
+    ENV_SLOW_DEVICE,
+    ENV_SLOW_LINK,
+    FALCON_EVENTS,
+    FALCON_LOG,
+    emulation_specs,
+)
 
 __all__ = ["install_replication_by_trainer", "replicated_by_trainer", "FalconJob", "emulation_specs",
            "check_emulation"]
 
-ENV_SLOW_DEVICE = "TITAN_EXT_SLOW_DEVICE"
-ENV_SLOW_LINK = "TITAN_EXT_SLOW_LINK"
-FALCON_LOG = "falcon.jsonl"
-"""Rank 0 appends one JSON line per step under ``job.dump_folder``: the step and its ``falcon/*``
-decision dict (plus ``falcon/split``, the micro-batch split in force)."""
-FALCON_EVENTS = "falcon_events.jsonl"
-"""Rank 0 appends one row per Falcon event (issue 23 item 4): ``kind`` "event" (a change-point),
-"localised" (validation's root cause), "decision" (one strategy of Alg. 1: strategy S1-S4 or
-PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
-before / after an applied strategy). See :func:`event_rows`."""
 STRATEGY_LABEL = {"ignore": "S1", "microbatch_redistribution": "S2", "topology_adjustment": "S3",
                   "checkpoint_restart": "S4", "pipemorph_replan": "PipeMorph"}
 """Falcon §5.1's levels (S1 ignore, S2 micro-batch adjustment, S3 topology adjustment, S4
@@ -128,12 +125,6 @@ def install_replication_by_trainer() -> None:
 
     get_train_spec.titan_ext_replicated = True
     train_spec.get_train_spec = get_train_spec
-
-
-def emulation_specs(section: Any) -> tuple[str, str]:
-    """(slow device, slow link) specs: the ``[titan_ext]`` keys, else the environment."""
-    return (section.emulate_slow_device.strip() or os.environ.get(ENV_SLOW_DEVICE, "").strip(),
-            section.emulate_slow_link.strip() or os.environ.get(ENV_SLOW_LINK, "").strip())
 
 
 def check_emulation(section: Any, pp: int, dp_replicate: int, dp_shard: int,

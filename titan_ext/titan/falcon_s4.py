@@ -115,7 +115,7 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
     save_s = torch.tensor([time.time() - begin], dtype=torch.float64)
     dist.all_reduce(save_s, op=dist.ReduceOp.MAX, group=job.control)
     if job.rank == 0:
-        from titan_ext.titan.falcon_job import emulation_specs
+        from titan_ext.titan.falcon_files import emulation_specs
 
         emulation = remap_emulation(plan, *emulation_specs(job.section))
         write_s4_plan(Path(trainer.job_config.job.dump_folder), plan, status="pending",
@@ -237,7 +237,7 @@ class S4Resume:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         self.times.append(float(t))
         if self.rank == 0:
-            from titan_ext.titan.falcon_job import FALCON_LOG
+            from titan_ext.titan.falcon_files import FALCON_LOG
 
             with open(self.dump / FALCON_LOG, "a") as f:
                 f.write(json.dumps({"step": step, "falcon/iteration_time_s": float(t),
@@ -252,7 +252,7 @@ class S4Resume:
             return
         from torchtitan.tools.logging import logger
 
-        from titan_ext.titan.falcon_job import FALCON_EVENTS
+        from titan_ext.titan.falcon_files import FALCON_EVENTS
 
         with open(self.dump / FALCON_EVENTS, "a") as f:
             f.write(json.dumps(row) + "\n")

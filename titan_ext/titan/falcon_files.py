@@ -1,0 +1,27 @@
+"""What Falcon's DP x PP job (:mod:`.falcon_job`) and its S4 relaunch (:mod:`.falcon_s4`) both read:
+the files it writes under ``job.dump_folder`` and where the emulated faults come from.  Its own module
+so the two need not import each other."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["ENV_SLOW_DEVICE", "ENV_SLOW_LINK", "FALCON_EVENTS", "FALCON_LOG", "emulation_specs"]
+
+ENV_SLOW_DEVICE = "TITAN_EXT_SLOW_DEVICE"
+ENV_SLOW_LINK = "TITAN_EXT_SLOW_LINK"
+FALCON_LOG = "falcon.jsonl"
+"""Rank 0 appends one JSON line per step under ``job.dump_folder``: the step and its ``falcon/*``
+decision dict (plus ``falcon/split``, the micro-batch split in force)."""
+FALCON_EVENTS = "falcon_events.jsonl"
+"""Rank 0 appends one row per Falcon event (issue 23 item 4): ``kind`` "event" (a change-point),
+"localised" (validation's root cause), "decision" (one strategy of Alg. 1: strategy S1-S4 or
+PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
+before / after an applied strategy). See :func:`.falcon_job.event_rows`."""
+
+
+def emulation_specs(section: Any) -> tuple[str, str]:
+    """(slow device, slow link) specs: the ``[titan_ext]`` keys, else the environment."""
+    return (section.emulate_slow_device.strip() or os.environ.get(ENV_SLOW_DEVICE, "").strip(),
+            section.emulate_slow_link.strip() or os.environ.get(ENV_SLOW_LINK, "").strip())
