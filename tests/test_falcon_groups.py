@@ -130,7 +130,8 @@ def _job_worker(rank, world, port, outdir, backend):
     model = torch.nn.Linear(6, 1)
     trainer = SimpleNamespace(
         parallel_dims=SimpleNamespace(get_mesh=lambda name: mesh[name]), gradient_accumulation_steps=3,
-        model_parts=[model], pp_schedule=SimpleNamespace(falcon=None), device=torch.device("cpu"),
+        model_parts=[model], optimizers=SimpleNamespace(optimizers=[torch.optim.AdamW(model.parameters())]),
+        pp_schedule=SimpleNamespace(falcon=None), device=torch.device("cpu"),
         job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir)), step=1)
     section = SimpleNamespace(emulate_slow_device="", emulate_slow_link="0-1:5", falcon=True,
                               falcon_apply=True)
