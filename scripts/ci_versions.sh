@@ -71,7 +71,7 @@ build_in() {  # fresh sources in .venvs/ENV/src, C/C++ extensions built against 
 run_torch215() {
     local env=torch-2.15
     make_env "$env" 2.15.0 0.2.2 "datasets>=2.21" || return 0
-    build_in "$env"
+    build_in "$env" || return 1
     local py="$root/.venvs/$env/bin/python"
     say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py, on real FSDP2 stages: tests/test_runtime_fsdp_cpu.py)"
     # multi-process tests over plain gloo: the default test backend nccl_rules (runtime/nccl_rules.py)
@@ -84,16 +84,18 @@ run_torch215() {
 run_tt03() {
     local env=torchtitan-0.3
     make_env "$env" 2.14.1 0.3.0 "datasets>=3.6.0,<4.8.0" "spmd_types==0.2.3" torch_checkpointing || return 0
-    build_in "$env"
+    build_in "$env" || return 1
     local py="$root/.venvs/$env/bin/python" src="$root/.venvs/$env/src"
     # every titan test file: each test runs under 0.3 or skips naming the 0.2-only API it needs
     # (tests/_titan_version.py); Falcon's job tests too (titan/falcon_job.py through the 0.3 adapter)
     say "$env: the whole titan test set and Falcon's job tests (default tier)"
     (cd "$src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
-        tests/test_titan_*.py tests/test_falcon_job.py tests/test_falcon_groups.py tests/test_torch_compat.py)
+        tests/test_titan_*.py tests/test_falcon_job.py tests/test_falcon_groups.py tests/test_torch_compat.py) \
+        || { say "FAILED $env: titan tests"; return 1; }
     say "$env: Falcon end to end, DP 2 x PP 2 with an emulated slow device (config falcon_dp2_pp2_debugmodel)"
     (cd "$src" && "$py" -m pytest -q -ra -m "slow and not gpu" -p no:cacheprovider tests/test_falcon_job.py \
-        -k "slow_device or s2_run")
+        -k "slow_device or s2_run") \
+        || { say "FAILED $env: Falcon end to end"; return 1; }
     say "$env: 3 training steps of PipeMorph on the CPU (README's TorchTitan 0.3 command)"
     (cd "$src" && rm -rf outputs/debug_cpu_tt03 && \
         "$root/.venvs/$env/bin/torchrun" --nproc_per_node 4 -m torchtitan.train --module titan_ext.titan \

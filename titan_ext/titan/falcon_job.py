@@ -310,9 +310,14 @@ class FalconJob:
         import copy
 
         from titan_ext.runtime.falcon.topology import load_stage_state, own_stage_state
-        from titan_ext.titan.falcon_s3 import grid_mesh
+        from titan_ext.titan.falcon_s3 import grid_mesh, s3_can_move
 
         part, opt = self.trainer.model_parts[0], self.trainer.optimizers.optimizers[0]
+        if not s3_can_move(part):  # the same on every rank (one job-wide parallelism): no collective skipped
+            logger.warning("[titan_ext] Falcon: S3 (in-memory topology change) moves plain modules only, this "
+                           "stage is FSDP-wrapped (TorchTitan 0.3's DP x PP job): S3 is never chosen")
+            self._set_costs(topology_adjustment=math.inf)
+            return
         state = [p.detach() for p in part.parameters()] * 3
         t0 = time.perf_counter()
         grid_mesh(self.grid, self.device.type)

@@ -81,6 +81,14 @@ def grid_mesh(grid, device_type: str) -> DeviceMesh:
     return DeviceMesh(device_type, mesh, mesh_dim_names=("pp", "dp_replicate"))
 
 
+def s3_can_move(part: torch.nn.Module) -> bool:
+    """S3 moves a plain stage module's state (:mod:`titan_ext.runtime.falcon.topology`); an FSDP-wrapped
+    one (TorchTitan 0.3's DP x PP job shards over a size-1 mesh) holds DTensors it does not move."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return not isinstance(part, FSDPModule)
+
+
 def check_grid(old_grid, new_grid, trainer: Any) -> None:
     """The limits of the module docstring, before any group or state changes (ValueError)."""
     flat = sorted(int(r) for row in new_grid for r in row)
@@ -94,6 +102,8 @@ def check_grid(old_grid, new_grid, trainer: Any) -> None:
                          f"a PP group's members by global rank)")
     if len(trainer.model_parts) != 1:
         raise ValueError(f"S3 moves one model part per rank, this rank holds {len(trainer.model_parts)}")
+    if not s3_can_move(trainer.model_parts[0]):
+        raise ValueError("S3 moves plain stage modules only, this one is FSDP-wrapped")
     dims = trainer.parallel_dims
     if getattr(dims, "tp", 1) > 1 or getattr(dims, "cp", 1) > 1 or getattr(dims, "dp_shard", 1) > 1:
         raise ValueError("S3 is applied in DP x PP jobs only (no TP, CP or FSDP)")
