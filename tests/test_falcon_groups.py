@@ -132,7 +132,8 @@ def _job_worker(rank, world, port, outdir, backend):
         parallel_dims=SimpleNamespace(get_mesh=lambda name: mesh[name]), gradient_accumulation_steps=3,
         model_parts=[model], optimizers=SimpleNamespace(optimizers=[torch.optim.AdamW(model.parameters())]),
         pp_schedule=SimpleNamespace(falcon=None), device=torch.device("cpu"),
-        job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir)), step=1)
+        job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir)),  # TorchTitan 0.2's trainer
+        config=SimpleNamespace(dump_folder=outdir), step=1)  # 0.3's
     section = SimpleNamespace(emulate_slow_device="", emulate_slow_link="0-1:5", falcon=True,
                               falcon_apply=True)
     job = FalconJob(trainer, section)
