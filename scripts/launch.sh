@@ -14,7 +14,7 @@
 #   MASTER_ADDR      the first node's hostname (rendezvous host; set it if that name does not resolve)
 #   MASTER_PORT      29500 (rendezvous port on the first node)
 #   PYTHON           .venv/bin/python if present, else python3
-#   LOG_DIR          outputs/logs  (per-job directory LOG_DIR/<job name>-<job id>/ with per-rank logs)
+#   LOG_DIR          outputs/logs  (per-job directory LOG_DIR/<job name>-<job id>/<launch id>/ with per-rank logs; launch id: the job id, or an S4 relaunch's)
 #   TITAN_EXT_INJECT_DELAYS, WANDB_* , NCCL_* / GLOO_* : passed through to every rank
 #   FALCON_S4_RESTARTS  1   relaunches after a Falcon S4 exit (status 75 + <dump>/falcon_s4_plan.json:
 #                           the job restarts on the kept nodes/devices; titan_ext/titan/falcon_s4.py)

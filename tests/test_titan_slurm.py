@@ -79,6 +79,6 @@ def test_sbatch_launch_runs_cpu_config_to_completion(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert rows[0]["schedule"] == "PipeMorph"
     assert rows[-1]["loss"] < rows[0]["loss"]
-    # per-job, per-rank logs from torchrun
-    assert list((tmp_path / "logs").glob(f"titan_ext_ci-{job_id}/*/attempt_0/3/*"))
+    # per-job, per-launch (the rendezvous id: the job id, or its S4 relaunch's), per-rank logs from torchrun
+    assert list((tmp_path / "logs").glob(f"titan_ext_ci-{job_id}/{job_id}/*/attempt_0/3/*"))
     print(f"slurm job {job_id} took {time.monotonic() - t0:.0f} s")
