@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
