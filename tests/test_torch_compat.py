@@ -87,3 +87,16 @@ def test_triton_is_declared_where_torchtitan_imports_it():
     req = _requirement("triton")
     assert req.marker is not None and req.marker.evaluate({"sys_platform": "linux"})
     assert not req.marker.evaluate({"sys_platform": "darwin"})
+
+
+def test_old_signature_is_named_at_import_of_the_runtime():
+    """torch 2.11 has every internal by name, but ``_initialize_stages(args, kwargs)`` without the
+    target and loss kwargs the runtime passes: importing the runtime names that (fresh process)."""
+    code = ("import torch.distributed.pipelining.schedules as s\n"
+            "s.PipelineScheduleMulti._initialize_stages = lambda self, args, kwargs: None\n"
+            "import titan_ext.runtime\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode != 0 and last.startswith("ImportError: titan_ext.runtime needs torch>=2.13"), last
+    assert "PipelineScheduleMulti._initialize_stages(target, loss_kwargs)" in last, last

@@ -14,6 +14,7 @@ they are neither required nor used.
 """
 
 import importlib
+import inspect
 
 TESTED = ">=2.13,<2.16"  # keep equal to pyproject.toml's torch requirement
 #: every torch (major, minor) whose pipelining loop the executor tracks (runtime/executor.py)
@@ -33,6 +34,13 @@ REQUIRED = {
         "_PipelineScheduleRuntime._step_microbatches",
     ),
     _STAGE: ("_PipelineStageBase",),
+}
+
+#: module -> internal -> parameters its signature must have: the runtime calls these with arguments
+#: older torch lacks (torch 2.11's ``_initialize_stages(args, kwargs)`` has every name above and failed
+#: with a TypeError at the first step, seen on a GPU machine's torch 2.11)
+REQUIRED_PARAMS = {
+    _SCHEDULES: {"PipelineScheduleMulti._initialize_stages": ("target", "loss_kwargs")},
 }
 
 #: (major, minor) -> module -> names required from that torch on (the version gate)
@@ -86,6 +94,12 @@ def _has(obj, dotted: str) -> bool:
     return True
 
 
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def missing_internals(version: tuple[int, int] | None = None) -> list[str]:
     """Fully qualified names of the internals torch ``version`` needs that the installed torch lacks."""
     missing = []
@@ -96,6 +110,9 @@ def missing_internals(version: tuple[int, int] | None = None) -> list[str]:
             missing.append(module)
             continue
         missing += [f"{module}.{name}" for name in names if not _has(mod, name)]
+        for name, params in REQUIRED_PARAMS.get(module, {}).items():
+            if _has(mod, name) and not set(params) <= set(inspect.signature(_get(mod, name)).parameters):
+                missing.append(f"{module}.{name}({', '.join(params)})")
     return missing
 
 

@@ -101,7 +101,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None
         except TimeoutError:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise RuntimeError("\n".join(f"rank {r} failed:\n{v}" for r, (s, v) in _read_results(outdir, world_size)
+            raise RuntimeError("\n".join(f"rank {r} failed:\n{v}" for r, (s, v) in enumerate(_read_results(outdir, world_size))
                                          if s == "error") or str(exc)) from None
         results = _read_results(outdir, world_size)
     if outcomes:

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU tier (issue 20): what only a machine with a CUDA GPU can show.
+#
+#   bash scripts/check_gpu.sh [OUT_DIR]        # OUT_DIR: logs + JSON (default ./gpu_check)
+#
+# Needs: a CUDA GPU, nvcc, and a python (PYTHON, default python3) with a CUDA torch, setuptools and
+# pytest (+ pytest-timeout). Not part of README's two commands or of CI (neither has a GPU).
+# Steps (each logged to OUT_DIR/<step>.log; a failing step does not stop the others):
+#   env       the GPU, torch, nvcc, and the torch internals titan_ext.runtime needs (missing ones named)
+#   build     titan_ext's extensions built in place WITH CUDA (TORCH_CUDA_ARCH_LIST default: this GPU's)
+#   bindings  tests/test_delegate_bindings.py: the module was compiled with CUDA, its pybind11
+#             signatures match the C++ source, every call site fits them (the d2h_signal class of bug)
+#   gpu       every test marked `gpu` (tests/test_delegate_gpu.py, tests/test_gpu_runtime.py)
+#   bench     scripts/bench_delegate.py's CUDA section: our D2H/H2D-with-signal copies vs cudaMemcpyAsync
+# Exit status: the number of failed steps.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+PY="${PYTHON:-python3}"
+out="${1:-$root/gpu_check}"
+mkdir -p "$out"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+failed=()
+
+step() {  # step NAME CMD...: run, log, record
+    local name=$1; shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$out/$name.log"
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+    [ $rc -eq 0 ] || failed+=("$name")
+}
+
+env_report() {
+    nvidia-smi -L
+    nvcc --version | tail -2
+    "$PY" - <<'EOF'
+import torch
+from titan_ext.runtime._torch_compat import TESTED, missing_internals
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), GPU: {torch.cuda.get_device_name(0)}, "
+      f"capability {torch.cuda.get_device_capability(0)}")
+print(f"titan_ext is tested on torch{TESTED}; internals missing here: {missing_internals() or 'none'}")
+EOF
+}
+
+build() {
+    if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+        TORCH_CUDA_ARCH_LIST="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability(0))')"
+        export TORCH_CUDA_ARCH_LIST
+    fi
+    unset TITAN_EXT_NO_CUDA
+    MAX_JOBS="${MAX_JOBS:-8}" "$PY" setup.py build_ext --inplace &&
+        "$PY" -c 'from titan_ext.runtime.delegate._ext import load_ext; e = load_ext(); print("cuda_compiled:", e.cuda_compiled()); assert e.cuda_compiled()'
+}
+
+step env env_report
+step build build
+step bindings env TITAN_EXT_EXPECT_CUDA=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_delegate_bindings.py
+step gpu "$PY" -m pytest -v -p no:cacheprovider -m gpu --junitxml="$out/gpu_junit.xml" \
+    tests/test_delegate_gpu.py tests/test_gpu_runtime.py
+step bench "$PY" scripts/bench_delegate.py --quick --skip-p2p --skip-e2e --json "$out/bench_delegate_cuda.json"
+
+echo "failed steps: ${failed[*]:-none}"
+exit ${#failed[@]}
