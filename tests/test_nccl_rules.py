@@ -197,8 +197,10 @@ def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
 def _control_with_uneven_group_counts(rank: int) -> list[int]:
     watchdog = threading.Timer(30.0, lambda: os._exit(7))  # a hang at construction fails the run
     watchdog.start()
-    if rank == 0:
-        dist.new_group([0], use_local_synchronization=True)  # a group only rank 0 holds
+    # a group only rank 0 holds: every rank calls new_group, as torch requires outside local
+    # synchronization (torch 2.15 counts a local-synchronization group on its members only, so a
+    # rank-0-only call would give every later default-named group another name on each rank)
+    dist.new_group([0])
     planes = [ControlPlane(), ControlPlane()]  # two schedules: two control groups, same on both
     watchdog.cancel()
     return [plane.gather_ints(10 * rank + i)[1 - rank] for i, plane in enumerate(planes)]
