@@ -74,10 +74,8 @@ run_torch215() {
     build_in "$env" || return 1
     local py="$root/.venvs/$env/bin/python"
     say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py, on real FSDP2 stages: tests/test_runtime_fsdp_cpu.py)"
-    # multi-process tests over plain gloo: the default test backend nccl_rules (runtime/nccl_rules.py)
-    # registers a custom backend that torch 2.15's batch_isend_irecv does not find for the CPU
-    (cd "$root/.venvs/$env/src" && TITAN_EXT_TEST_BACKEND=gloo "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
-        tests/test_torch_compat.py tests/test_torch_loops.py tests/test_runtime_waits.py \
+    (cd "$root/.venvs/$env/src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
+        tests/test_torch_compat.py tests/test_torch_loops.py tests/test_runtime_waits.py tests/test_nccl_rules.py \
         tests/test_plan_*.py tests/test_runtime_*.py)
 }
 

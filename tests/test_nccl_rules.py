@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_ext.runtime.control import ControlPlane
+from titan_ext.runtime.control import ControlPlane, new_control_group
 from titan_ext.runtime.nccl_rules import NcclRuleError, is_host_made, mark_host
 from titan_ext.runtime.profiler import estimate_clock_offsets
 from titan_ext.runtime.testing import run_ranks
@@ -198,15 +198,18 @@ def _control_with_uneven_group_counts(rank: int) -> list[int]:
     watchdog = threading.Timer(30.0, lambda: os._exit(7))  # a hang at construction fails the run
     watchdog.start()
     if rank == 0:
-        dist.new_group([0], use_local_synchronization=True)  # a group only rank 0 holds
+        new_control_group([0])  # a group only rank 0 holds, made by rank 0 alone
     planes = [ControlPlane(), ControlPlane()]  # two schedules: two control groups, same on both
+    dist.new_group()  # a default-named group after them (torch 2.15 names it from a per-rank count)
     watchdog.cancel()
     return [plane.gather_ints(10 * rank + i)[1 - rank] for i, plane in enumerate(planes)]
 
 
 def test_control_group_forms_when_pp_ranks_hold_different_numbers_of_groups(seen):
-    """On a01ec7e rank 0's control group got another name (torch hashes len(_world.pg_names) into it)
-    and both ranks waited at construction until the watchdog ended the run."""
+    """On a01ec7e rank 0's control group got another name (torch <= 2.14 hashes len(_world.pg_names)
+    into it) and both ranks waited at construction until the watchdog ended the run.  Under torch
+    2.15's own naming, rank 0's control group would advance ``_world.group_count`` on rank 0 only, and
+    the control groups and the default-named group after them would wait the same way."""
     assert [seen[0]["control"], seen[1]["control"]] == [[10, 11], [0, 1]]
 
 

@@ -12,7 +12,11 @@ torch names such a group (and its store prefix) from its ranks *and the number o
 process already has* (``len(_world.pg_names)``), so PP ranks that hold different numbers of groups (a
 DP group, a delegate or Falcon group on some ranks only) would wait on different store keys forever;
 :func:`new_control_group` names it from the ranks and how many control groups this process made over
-those ranks, which every PP rank agrees on.  With one rank (or no process group) every exchange is local.
+those ranks, which every PP rank agrees on.  torch 2.15 salts that name with ``_world.group_count``
+instead, which a local-synchronization group advances on its members only, so every later
+default-named group (``new_group()`` on all ranks) would get another name, and store prefix, on each
+rank; the name given here leaves that count alone.  With one rank (or no process group) every exchange
+is local.
 
 Timeouts (issue 26): the group is created with the schedule's ``timeout_s`` (else the current job
 timeout of :mod:`.timeouts`) and follows :func:`.timeouts.set_timeout`; a collective that times out
