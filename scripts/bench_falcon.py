@@ -177,13 +177,14 @@ E2E_SCENARIOS = {
     "slow device (3 at {f}x)": ["--titan_ext.emulate_slow_device", "3:{f}@{k}"],
     "slow DP link (0-1 at {l}x)": ["--titan_ext.emulate_slow_link", "0-1:x{l}@{k}"],
     "slow PP link (0-2 +40 ms)": ["--titan_ext.emulate_slow_link", "0-2:40@{k}"],
-    "slow device 1 at {f}x + slow DP link 0-1 at {l}x": ["--titan_ext.emulate_slow_device", "1:{f}@{k}",
-                                                        "--titan_ext.emulate_slow_link", "0-1:x{l}@{k}"],
+    "slow device 1 at {f}x, then its DP link 0-1 at {l}x from {k2}": [
+        "--titan_ext.emulate_slow_device", "1:{f}@{k}", "--titan_ext.emulate_slow_link", "0-1:x{l}@{k2}"],
 }
 """``{l}x``: the link's transfers take l times their healthy time (``A-B:xF``): its DP all-reduce
-+(l - 1)x. The last scenario is issue 23's combined one: the slow device makes the root cause
-``compute``, S2 re-balances the replicas, and S3 follows when the slow DP link keeps the impact
-growing (the plan puts link 0-1 on a PP hop)."""
++(l - 1)x. The last scenario is issue 23's combined one (Falcon Fig. 17's compound case): the slow
+device makes the root cause ``compute`` and S2 re-balances the replicas; from step ``k2`` the
+device's DP link is slow too, S2 is not enough, the further slowdown is localised anew and S3
+follows (the plan puts link 0-1 on a PP hop)."""
 
 
 def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
@@ -216,9 +217,9 @@ def _e2e_events(dump: str) -> list[dict]:
 
 
 def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "",
-                     device_factor: float = 4.0, link_factor: float = 6.0) -> list[dict]:
+                     device_factor: float = 4.0, link_factor: float = 6.0, second_from: int = 0) -> list[dict]:
     rows = []
-    fmt = {"f": f"{device_factor:g}", "l": f"{link_factor:g}", "k": slow_from}
+    fmt = {"f": f"{device_factor:g}", "l": f"{link_factor:g}", "k": slow_from, "k2": second_from or slow_from + 8}
     chosen = {n.format(**fmt): a for n, a in E2E_SCENARIOS.items()
               if not only or any(w.strip() and w.strip() in n.format(**fmt) for w in only.split(","))}
     for name, extra in chosen.items():
@@ -349,6 +350,8 @@ def main():
     ap.add_argument("--device-factor", type=float, default=4.0, help="the slow device's factor")
     ap.add_argument("--link-factor", type=float, default=6.0,
                     help="the slow DP link's factor (6: its all-reduce +5x its healthy time)")
+    ap.add_argument("--second-from", type=int, default=0,
+                    help="the combined scenario's second fault (the DP link) from this step (default: --slow-from + 8)")
     ap.add_argument("--scenarios", default="", help="comma-separated substrings of scenario names "
                     "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
@@ -365,7 +368,7 @@ def main():
         return
     if args.end_to_end:
         rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios,
-                                args.device_factor, args.link_factor)
+                                args.device_factor, args.link_factor, args.second_from)
         healthy = next((r["iteration_s_with"] for r in rows if r["scenario"] == "healthy"), float("nan"))
         print("| scenario | iteration s without Falcon | with Falcon | with / without | with / healthy | "
               "root cause | onset step | decisions (step:strategies) | applied (step:S) | S3 cost s "
