@@ -74,6 +74,8 @@ class FalconJob:
         """The iterator the steps read after S3 moved this rank to another DP replica (else the
         trainer's)."""
         self._exchange_measured = False
+        self._fed_from: int | None = None
+        """The first training step fed to the detector (:meth:`_observe`)."""
         self._backwards_left = 0
         self.last_decision: dict = {}
 
@@ -149,7 +151,7 @@ class FalconJob:
         S4 last, once the step is recorded (it exits)."""
         acf = acf_iteration_times(self.monitor)
         iteration_s, groups = group_times(self, step_s)
-        decision = self.monitor.observe(iteration_s, groups) | acf
+        decision = self._observe(iteration_s, groups) | acf
         decision |= {f"falcon/group_s/{g}": t for g, t in groups.items()}
         if decision.get("falcon/validate"):
             decision |= validate(self)
@@ -164,6 +166,21 @@ class FalconJob:
             from titan_ext.titan.falcon_s4 import checkpoint_and_exit
 
             checkpoint_and_exit(self, s4_plan, decision)
+
+    def _observe(self, iteration_s: float, groups: dict[str, float]) -> dict:
+        """Feed the monitor (§4.2) from this process's second step on. Its first step is a warm-up
+        whose time includes one-off work — S2's cost measured by a real chunk exchange, PipeMorph's
+        first plan and profile, first allocations — and is no sample of the healthy iteration time:
+        with a fault from step 5 the detector has 3 healthy steps, and a slow first one among them
+        delayed the onset (measured on a slow DP link's series: confirmed at step 14 with it, at
+        step 10 without). The change point is also reported as a training step."""
+        if self._fed_from is None:
+            self._fed_from = self.trainer.step + 1
+            return {"falcon/iteration_time_s": iteration_s, "falcon/warmup": 1}
+        decision = self.monitor.observe(iteration_s, groups)
+        if "falcon/change_point_iteration" in decision:
+            decision["falcon/change_point_step"] = self._fed_from + decision["falcon/change_point_iteration"]
+        return decision
 
 
 def _parse(specs: tuple[str, str]) -> tuple:
