@@ -190,10 +190,10 @@ def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state():
 
 STEPS = 24
 SLOW_FROM = 5
-LINK_FACTOR = 41
-"""Transfers over link 0-1 take 41x their time from step 5: the stage-0 DP all-reduce (~10-20 ms
-healthy on loopback) adds ~0.4-0.8 s to a ~0.6 s step — >= 3x the step-time noise of a loaded 2-core
-host (the must-show's 6x is measured by scripts/bench_falcon.py, not asserted here)."""
+LINK_FACTOR = 11
+"""Transfers over link 0-1 take 11x their time from step 5: the stage-0 DP all-reduce (~25-70 ms in
+training on this loaded host) adds ~0.25-0.7 s to a ~0.5 s step — >= 3x the step-time noise of a
+loaded 2-core host (the must-show's 6x is measured by scripts/bench_falcon.py: S3 by step 8-?)."""
 
 
 DEVICE_FACTOR = 24
@@ -230,6 +230,7 @@ def test_slow_dp_link_moved_onto_a_pp_hop_in_memory_and_recorded(s3_runs):
     s3 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S3"]
     assert s3 and s3[0]["applied"], events
     step = s3[0]["iteration"]
+    assert step <= 12  # issue 23's must-show: S3 in memory by step 12 (fault from step 5)
     assert s3[0]["suspected"]["root_cause"] == "dp_link"
     assert sorted(s3[0]["suspected"]["slow_links"][0]) == [0, 1]
     # the measured cost is the in-memory change's (seconds, not a process start), and it replaced
