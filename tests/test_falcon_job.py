@@ -274,12 +274,15 @@ def healthy_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_healthy_40_step_run_takes_no_mitigation(healthy_run):
+    """Issue 23's must-show: zero mitigations *applied*. The shared host itself may slow every rank
+    for a few steps (seen: steps 26-31 of a run at 2-4 s against ~0.5 s, +236 %); Falcon then
+    rightly detects an event and decides, but nothing of the job changes: no S2 split, no S3 grid,
+    no S4, and a PipeMorph re-plan on a schedule that already re-plans is no application."""
     rows = _falcon_log(healthy_run)
     assert [r["step"] for r in rows] == list(range(1, 41))
-    applied = {s for r in rows for s in r.get("falcon/apply", "").split(",") if s}
+    applied = {e["name"] for e in _events(healthy_run) if e["kind"] == "decision" and e["applied"]}
     assert applied <= {"ignore"}, applied  # S1 "ignore" is doing nothing
-    assert all(r["falcon/split"] == "[3, 3]" for r in rows)
-    assert not [e for e in _events(healthy_run) if e["kind"] == "decision" and e["name"] != "ignore"]
+    assert all(r["falcon/split"] == "[3, 3]" and r["falcon/grid"] == "[[0, 2], [1, 3]]" for r in rows)
     losses = _losses(healthy_run)
     assert losses[-1] < 0.5 * losses[0]
 

@@ -198,8 +198,11 @@ loaded 2-core host (the must-show's 6x is measured by scripts/bench_falcon.py: S
 
 DEVICE_FACTOR = 24
 SECOND_FROM = 13
+SECOND_LINK_FACTOR = 41
 """Issue 23 item 5's combined scenario (Falcon Fig. 17's compound case): device 1 (stage 0 of replica 1)
-24x slower from step 5, then its DP link to device 0 LINK_FACTOR x slower from step 13."""
+24x slower from step 5, then its DP link to device 0 41x slower from step 13. After S2 a step takes
+~1 s; the link must add >= 3x the noise of that level for the further slowdown to be confirmed (at
+11x, +0.37 s of DP time moved the step by ~+20 %: not confirmed in 11 steps, seen once)."""
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +213,7 @@ def s3_runs(tmp_path_factory):
     link = ["--titan_ext.emulate_slow_link", f"0-1:x{LINK_FACTOR}@{SLOW_FROM}"]
     for name, extra in (("reference", []), ("slow_dp_link", link),
                         ("combined", ["--titan_ext.emulate_slow_device", f"1:{DEVICE_FACTOR}@{SLOW_FROM}",
-                                      "--titan_ext.emulate_slow_link", f"0-1:x{LINK_FACTOR}@{SECOND_FROM}"])):
+                                      "--titan_ext.emulate_slow_link", f"0-1:x{SECOND_LINK_FACTOR}@{SECOND_FROM}"])):
         dump = tmp_path_factory.mktemp(name)
         _torchrun(dump, STEPS, ["--titan_ext.no-adaptive", *extra])
         runs[name] = dump

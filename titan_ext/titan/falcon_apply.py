@@ -43,6 +43,8 @@ def apply_all(job: Any, decision: dict) -> tuple[dict[str, float | None], Any]:
 def _apply(job: Any, strategy: str, decision: dict) -> bool:
     """One decision other than S4; True when it changed the job."""
     if strategy == "pipemorph_replan":
+        if getattr(job.trainer.pp_schedule, "adaptive", False):
+            return False  # PipeMorph re-plans already: nothing to change
         job.trainer.pp_schedule.adaptive = True
     elif strategy == "microbatch_redistribution" and "falcon/plan/microbatch_split" in decision:
         job.split = at_least_one_each(json.loads(decision["falcon/plan/microbatch_split"]))
