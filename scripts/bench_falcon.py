@@ -177,13 +177,14 @@ E2E_SCENARIOS = {
     "slow device (3 at {f}x)": ["--titan_ext.emulate_slow_device", "3:{f}@{k}"],
     "slow DP link (0-1 at {l}x)": ["--titan_ext.emulate_slow_link", "0-1:x{l}@{k}"],
     "slow PP link (0-2 +40 ms)": ["--titan_ext.emulate_slow_link", "0-2:40@{k}"],
-    "slow device 1 at {f}x + slow DP link 0-1 at {l}x": ["--titan_ext.emulate_slow_device", "1:{f}@{k}",
-                                                        "--titan_ext.emulate_slow_link", "0-1:x{l}@{k}"],
+    "slow device 1 at {f}x, then its DP link 0-1 at {l}x from {k2}": [
+        "--titan_ext.emulate_slow_device", "1:{f}@{k}", "--titan_ext.emulate_slow_link", "0-1:x{l}@{k2}"],
 }
 """``{l}x``: the link's transfers take l times their healthy time (``A-B:xF``): its DP all-reduce
-+(l - 1)x. The last scenario is issue 23's combined one: the slow device makes the root cause
-``compute``, S2 re-balances the replicas, and S3 follows when the slow DP link keeps the impact
-growing (the plan puts link 0-1 on a PP hop)."""
++(l - 1)x. The last scenario is issue 23's combined one (Falcon Fig. 17's compound case): the slow
+device makes the root cause ``compute`` and S2 re-balances the replicas; from step ``k2`` the
+device's DP link is slow too, S2 is not enough, the further slowdown is localised anew and S3
+follows (the plan puts link 0-1 on a PP hop)."""
 
 
 def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
@@ -216,9 +217,9 @@ def _e2e_events(dump: str) -> list[dict]:
 
 
 def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "",
-                     device_factor: float = 4.0, link_factor: float = 6.0) -> list[dict]:
+                     device_factor: float = 4.0, link_factor: float = 6.0, second_from: int = 0) -> list[dict]:
     rows = []
-    fmt = {"f": f"{device_factor:g}", "l": f"{link_factor:g}", "k": slow_from}
+    fmt = {"f": f"{device_factor:g}", "l": f"{link_factor:g}", "k": slow_from, "k2": second_from or slow_from + 8}
     chosen = {n.format(**fmt): a for n, a in E2E_SCENARIOS.items()
               if not only or any(w.strip() and w.strip() in n.format(**fmt) for w in only.split(","))}
     for name, extra in chosen.items():
@@ -227,36 +228,47 @@ def bench_end_to_end(steps: int, slow_from: int, workdir: str, only: str = "",
         logs = {falcon: _e2e_run(dumps[falcon], steps, extra + [flag])
                 for falcon, flag in (("false", "--titan_ext.no-falcon_apply"),
                                      ("true", "--titan_ext.falcon_apply"))}
-        on = logs["true"]
-        events = _e2e_events(dumps["true"])
-        applied = [e for e in events if e["kind"] == "decision" and e["applied"] and e["name"] != "ignore"]
-        steps_applied = {e["iteration"] for e in applied}
-        acted = [r for r in on if r["step"] in steps_applied]
-        first = acted[0]["step"] if acted else None
-        last = acted[-1]["step"] if acted else slow_from
-        window = [r["step"] for r in on if r["step"] > last + 1]
-
-        def median_iter(log):
-            return float(np.median([r["falcon/iteration_time_s"] for r in log if r["step"] in window]))
-
-        rows.append({
-            "scenario": name,
-            "iteration_s_without": median_iter(logs["false"]),
-            "iteration_s_with": median_iter(on),
-            "decisions": [f"{r['step']}:{r['falcon/apply']}" for r in on if r.get("falcon/apply")],
-            "root_cause": next((r["falcon/root_cause"] for r in on if "falcon/root_cause" in r), ""),
-            "onset_step": next((r["step"] for r in on if r.get("falcon/event") == "onset"), None),
-            "time_to_mitigation_s": (sum(r["falcon/iteration_time_s"] for r in on
-                                         if slow_from <= r["step"] <= first) if first else None),
-            "steps_measured": window,
-            "applied": [f"{e['iteration']}:{e['strategy']}" for e in applied],
-            "mitigations_applied": len(applied),
-            "s3_step": next((e["iteration"] for e in applied if e["strategy"] == "S3"), None),
-            "s3_measured_cost_s": next((e["measured_cost_s"] for e in applied if e["strategy"] == "S3"), None),
-            "s3_estimated_cost_s": next((e["estimated_cost_s"] for e in applied if e["strategy"] == "S3"), None),
-            "grid_after": on[-1].get("falcon/grid") if on else None,
-        })
+        rows.append(_scenario_row(name, logs, _e2e_events(dumps["true"]), slow_from))
     return rows
+
+
+LADDER = ("S2", "S3", "S4")
+"""Falcon's mitigation levels (§5.1). "Afterwards" is measured after the last of them applied:
+PipeMorph's re-plan only changes the schedule and follows any later noise event on a PP hop."""
+
+
+def _scenario_row(name: str, logs: dict, events: list[dict], slow_from: int) -> dict:
+    """One table row from a scenario's two runs (``logs["false"]``: detect only, ``logs["true"]``:
+    applying) and the applying run's events. Iteration time = median of the slowest rank's step over
+    the steps after the last applied ladder strategy (+1, the step it took effect), the same steps in
+    both runs."""
+    on = logs["true"]
+    applied = [e for e in events if e["kind"] == "decision" and e["applied"] and e["name"] != "ignore"]
+    ladder = [e["iteration"] for e in applied if e["strategy"] in LADDER]
+    first = min((e["iteration"] for e in applied), default=None)
+    window = [r["step"] for r in on if r["step"] > (max(ladder) if ladder else slow_from) + 1]
+
+    def median_iter(log, steps):
+        return float(np.median([r["falcon/iteration_time_s"] for r in log if r["step"] in steps]))
+
+    s3 = next((e for e in applied if e["strategy"] == "S3"), {})
+    return {
+        "scenario": name,
+        "iteration_s_without": median_iter(logs["false"], window),
+        "iteration_s_with": median_iter(on, window),
+        "decisions": [f"{r['step']}:{r['falcon/apply']}" for r in on if r.get("falcon/apply")],
+        "root_cause": next((r["falcon/root_cause"] for r in on if "falcon/root_cause" in r), ""),
+        "onset_step": next((r["step"] for r in on if r.get("falcon/event") == "onset"), None),
+        "time_to_mitigation_s": (sum(r["falcon/iteration_time_s"] for r in on
+                                     if slow_from <= r["step"] <= first) if first else None),
+        "steps_measured": window,
+        "applied": [f"{e['iteration']}:{e['strategy']}" for e in applied],
+        "mitigations_applied": len(applied),
+        "s3_step": s3.get("iteration"),
+        "s3_measured_cost_s": s3.get("measured_cost_s"),
+        "s3_estimated_cost_s": s3.get("estimated_cost_s"),
+        "grid_after": on[-1].get("falcon/grid") if on else None,
+    }
 
 
 def _rows(path: str) -> list[dict]:
@@ -336,6 +348,26 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
     return out
 
 
+def print_table(rows: list[dict]) -> None:
+    """The markdown table of :func:`bench_end_to_end`'s rows ("with / healthy": over the healthy
+    scenario's applying run)."""
+    healthy = next((r["iteration_s_with"] for r in rows if r["scenario"] == "healthy"), float("nan"))
+    print("| scenario | iteration s without Falcon | with Falcon | with / without | with / healthy | "
+          "root cause | onset step | decisions (step:strategies) | applied (step:S) | "
+          "S3 cost s measured (estimated) | time to mitigation s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ttm = "-" if r["time_to_mitigation_s"] is None else f"{r['time_to_mitigation_s']:.1f}"
+        s3 = ("-" if r["s3_measured_cost_s"] is None else
+              f"{r['s3_measured_cost_s']:.3f} ({r['s3_estimated_cost_s']:.3f})")
+        r["with_over_healthy"] = r["iteration_s_with"] / healthy
+        print(f"| {r['scenario']} | {r['iteration_s_without']:.3f} | {r['iteration_s_with']:.3f} | "
+              f"{r['iteration_s_with'] / r['iteration_s_without']:.2f} | {r['with_over_healthy']:.2f} | "
+              f"{r['root_cause'] or '-'} | "
+              f"{r['onset_step'] or '-'} | {'; '.join(r['decisions']) or '-'} | "
+              f"{'; '.join(r['applied']) or '-'} | {s3} | {ttm} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--per-category", type=int, default=100)
@@ -349,6 +381,8 @@ def main():
     ap.add_argument("--device-factor", type=float, default=4.0, help="the slow device's factor")
     ap.add_argument("--link-factor", type=float, default=6.0,
                     help="the slow DP link's factor (6: its all-reduce +5x its healthy time)")
+    ap.add_argument("--second-from", type=int, default=0,
+                    help="the combined scenario's second fault (the DP link) from this step (default: --slow-from + 8)")
     ap.add_argument("--scenarios", default="", help="comma-separated substrings of scenario names "
                     "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
@@ -365,22 +399,8 @@ def main():
         return
     if args.end_to_end:
         rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios,
-                                args.device_factor, args.link_factor)
-        healthy = next((r["iteration_s_with"] for r in rows if r["scenario"] == "healthy"), float("nan"))
-        print("| scenario | iteration s without Falcon | with Falcon | with / without | with / healthy | "
-              "root cause | onset step | decisions (step:strategies) | applied (step:S) | S3 cost s "
-              "measured (estimated) | time to mitigation s |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            ttm = "-" if r["time_to_mitigation_s"] is None else f"{r['time_to_mitigation_s']:.1f}"
-            s3 = ("-" if r["s3_measured_cost_s"] is None else
-                  f"{r['s3_measured_cost_s']:.3f} ({r['s3_estimated_cost_s']:.3f})")
-            r["with_over_healthy"] = r["iteration_s_with"] / healthy
-            print(f"| {r['scenario']} | {r['iteration_s_without']:.3f} | {r['iteration_s_with']:.3f} | "
-                  f"{r['iteration_s_with'] / r['iteration_s_without']:.2f} | {r['with_over_healthy']:.2f} | "
-                  f"{r['root_cause'] or '-'} | "
-                  f"{r['onset_step'] or '-'} | {'; '.join(r['decisions']) or '-'} | "
-                  f"{'; '.join(r['applied']) or '-'} | {s3} | {ttm} |")
+                                args.device_factor, args.link_factor, args.second_from)
+        print_table(rows)
         text = json.dumps({"machine": f"{platform.machine()} {os.cpu_count()} cores",
                            "steps": args.steps, "slow_from": args.slow_from,
                            "device_factor": args.device_factor, "link_factor": args.link_factor,

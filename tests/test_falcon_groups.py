@@ -112,6 +112,7 @@ def _job_worker(rank, world, port, outdir, backend):
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_ext.titan.falcon_job import FalconJob
+    from titan_ext.titan.falcon_measure import validate
 
     torch.set_num_threads(1)
     if backend == "nccl_rules":
@@ -149,8 +150,8 @@ def _job_worker(rank, world, port, outdir, backend):
             job.split = split
         model.zero_grad()
         job.train_step(run_step, iter(_chunks(job.dp_index, step, 3)))
-    job.validate()
-    torch.save({"violations": violations, "calls": calls, "dp_sync_s": job.dp_sync_s,
+    validate(job)
+    torch.save({"violations": violations, "calls": calls, "dp_sync_s": job.dp.sync_s,
                 "grid": job.grid}, os.path.join(outdir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -192,7 +193,7 @@ class _FakeEvent:
 
 def test_cuda_stretch_sleeps_on_the_device_by_the_last_measured_region_without_host_sync(monkeypatch):
     from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device
-    from titan_ext.titan import falcon_job
+    from titan_ext.titan import falcon_emulate
 
     clock, sleeps, events = {"t": 0.0}, [], []
 
@@ -210,10 +211,10 @@ def test_cuda_stretch_sleeps_on_the_device_by_the_last_measured_region_without_h
             assert not wait
             return (end.t - start.t) if end.query() else None
 
-    monkeypatch.setattr(falcon_job, "DeviceTimer", Timer)
-    monkeypatch.setattr(falcon_job, "device_sleep", lambda s, device=None: sleeps.append((s, device)))
+    monkeypatch.setattr(falcon_emulate, "DeviceTimer", Timer)
+    monkeypatch.setattr(falcon_emulate, "device_sleep", lambda s, device=None: sleeps.append((s, device)))
     emulation = FailSlowEmulation(0, [0], slow_device=parse_slow_device("0:4"))
-    stretch = falcon_job._DeviceStretch(emulation, "cuda:0")
+    stretch = falcon_emulate.DeviceStretch(emulation, "cuda:0")
     start = stretch.timer.mark()
     clock["t"] = 0.010
     stretch.end("f", start)  # first forward: no completed measurement yet, no stretch

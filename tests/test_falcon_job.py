@@ -66,7 +66,7 @@ def test_emulation_specs_and_what_each_rank_pays():
 def test_emulation_is_checked_before_any_process_group(monkeypatch):
     from types import SimpleNamespace
 
-    from titan_ext.titan.falcon_job import check_emulation
+    from titan_ext.titan.falcon_emulate import check_emulation
 
     section = SimpleNamespace(emulate_slow_device="3:2", emulate_slow_link="")
     check_emulation(section, pp=2, dp_replicate=2, dp_shard=1, world_size=4)
@@ -80,7 +80,7 @@ def test_emulation_is_checked_before_any_process_group(monkeypatch):
 
 
 def test_slow_device_stretches_compute_by_its_factor():
-    from titan_ext.titan.falcon_job import _install_compute_stretch
+    from titan_ext.titan.falcon_emulate import install_compute_stretch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
@@ -97,7 +97,7 @@ def test_slow_device_stretches_compute_by_its_factor():
         regions.append((t1 - t0, time.perf_counter() - t0))
 
     emulation.stretch = record
-    _install_compute_stretch(model, emulation)
+    install_compute_stretch(model, emulation)
     model(x).sum().backward()
     assert len(regions) == 2  # the forward and the backward of the part
     for busy, total in regions:  # each region ends after (3 - 1) x its own length of sleep
@@ -131,7 +131,7 @@ def _step_gradients(chunks, group) -> list[torch.Tensor]:
     model = _model()
     for inputs, labels in chunks:  # TorchTitan: token-sum losses, one backward per chunk
         torch.nn.functional.mse_loss(model(inputs["input"]), labels, reduction="sum").backward()
-    weighted_all_reduce_gradients(model.parameters(), 1.0, group)  # FalconJob.sync_gradients
+    weighted_all_reduce_gradients(model.parameters(), 1.0, group)  # DPSync.sync
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -274,12 +274,15 @@ def healthy_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_healthy_40_step_run_takes_no_mitigation(healthy_run):
+    """Issue 23's must-show: zero mitigations *applied*. The shared host itself may slow every rank
+    for a few steps (seen: steps 26-31 of a run at 2-4 s against ~0.5 s, +236 %); Falcon then
+    rightly detects an event and decides, but nothing of the job changes: no S2 split, no S3 grid,
+    no S4, and a PipeMorph re-plan on a schedule that already re-plans is no application."""
     rows = _falcon_log(healthy_run)
     assert [r["step"] for r in rows] == list(range(1, 41))
-    applied = {s for r in rows for s in r.get("falcon/apply", "").split(",") if s}
+    applied = {e["name"] for e in _events(healthy_run) if e["kind"] == "decision" and e["applied"]}
     assert applied <= {"ignore"}, applied  # S1 "ignore" is doing nothing
-    assert all(r["falcon/split"] == "[3, 3]" for r in rows)
-    assert not [e for e in _events(healthy_run) if e["kind"] == "decision" and e["name"] != "ignore"]
+    assert all(r["falcon/split"] == "[3, 3]" and r["falcon/grid"] == "[[0, 2], [1, 3]]" for r in rows)
     losses = _losses(healthy_run)
     assert losses[-1] < 0.5 * losses[0]
 
@@ -291,7 +294,7 @@ def test_event_rows_record_each_decision_its_costs_and_outcome():
     from types import SimpleNamespace
 
     from titan_ext.runtime.falcon import StrategyCosts
-    from titan_ext.titan.falcon_job import event_rows
+    from titan_ext.titan.falcon_events import event_rows
 
     monitor = SimpleNamespace(root_cause="dp_link", slow_devices=[], slow_links=[(0, 1)],
                               suspicious=["dp_stage0"],
@@ -300,7 +303,8 @@ def test_event_rows_record_each_decision_its_costs_and_outcome():
                 "falcon/root_cause": "dp_link", "falcon/apply": "ignore,topology_adjustment",
                 "falcon/impact_s": 2.6, "falcon/effect/ignore": 0.0,
                 "falcon/effect/ignore/before_s": 0.4, "falcon/effect/ignore/after_s": 0.4}
-    rows = event_rows(7, decision, monitor, {"ignore": 0.0, "topology_adjustment": 0.01}, True)
+    costs = monitor.config.costs
+    rows = event_rows(7, decision, monitor, costs, {"ignore": 0.0, "topology_adjustment": 0.01}, True)
     assert [r["kind"] for r in rows] == ["event", "localised", "decision", "decision", "outcome"]
     s1, s3 = rows[2], rows[3]
     assert (s1["strategy"], s1["applied"]) == ("S1", True)
@@ -308,15 +312,15 @@ def test_event_rows_record_each_decision_its_costs_and_outcome():
     assert (s3["strategy"], s3["applied"], s3["measured_cost_s"]) == ("S3", True, 0.01)
     assert s3["estimated_cost_s"] == 2.5 and s3["suspected"]["slow_links"] == [[0, 1]]
     # decided but not applied (e.g. a plan that keeps the grid): no measured cost
-    s3_kept = event_rows(7, decision, monitor, {"ignore": 0.0}, True)[3]
+    s3_kept = event_rows(7, decision, monitor, costs, {"ignore": 0.0}, True)[3]
     assert (s3_kept["applied"], s3_kept["measured_cost_s"]) == (False, None)
     assert rows[4]["iteration_time_after_s"] == 0.4
     # with falcon_apply off nothing is applied
-    assert not any(r.get("applied") for r in event_rows(7, decision, monitor, {}, False))
+    assert not any(r.get("applied") for r in event_rows(7, decision, monitor, costs, {}, False))
 
 
 def test_validation_is_narrowed_to_the_suspicious_groups_rings():
-    from titan_ext.titan.falcon_job import rings_to_validate
+    from titan_ext.titan.falcon_measure import rings_to_validate
 
     grid = [[0, 2], [1, 3]]  # TorchTitan's DP 2 x PP 2: pipelines {0,2}, {1,3}; DP columns {0,1}, {2,3}
     assert rings_to_validate(grid, ["dp_stage1"]) == [[2, 3]]

@@ -341,6 +341,42 @@ def test_monitor_dp_link_leads_to_topology_plan_moving_it_onto_a_pp_hop():
     assert pos[0][0] == pos[2][0] and abs(pos[0][1] - pos[2][1]) == 1
 
 
+def test_monitor_relocalises_a_further_slowdown_and_climbs_from_s2_to_s3():
+    """Issue 23 item 5, Falcon's compound case (Fig. 17) on the monitor alone: device 1 slows
+    (iteration 80, root cause compute) and S2 is applied, but the iterations stay slow; its DP link
+    0-1 then slows too (iteration 130): the ``level`` event is localised anew (slow link 0-1 touching
+    slow device 1: compute), the ladder restarts with the impact so far, and S3 follows with a grid
+    that puts 0-1 on a PP hop. Without a re-localisation the event keeps its first localisation and
+    S3's plan would keep the grid."""
+    costs = StrategyCosts(microbatch_redistribution=0.5, topology_adjustment=8.0, checkpoint_restart=1e9)
+    grid = [[0, 2], [1, 3]]  # TorchTitan's DP 2 x PP 2: DP groups {0,1}, {2,3}
+    mon = FalconMonitor(FalconConfig(costs=costs, num_microbatches=6), grid=grid)
+    gemm = {0: 0.1, 1: 0.4, 2: 0.1, 3: 0.1}
+    slow_link = {(0, 1): 0.05, (1, 0): 0.05, (0, 2): 0.001, (2, 0): 0.001}
+    rng = np.random.default_rng(3)
+    log, s2_applied = [], False
+    for it in range(200):
+        t = 1.0 if it < 80 else (1.3 if s2_applied else 2.0)
+        t += 0.8 if it >= 130 else 0.0
+        out = mon.observe(t * (1 + 0.01 * rng.standard_normal()))
+        if out.get("falcon/validate"):
+            out.update(mon.report_validation(link_times_s=slow_link if it >= 130 else None, gemm_times_s=gemm))
+        s2_applied |= "microbatch_redistribution" in out.get("falcon/apply", "")
+        log.append(out)
+    causes = [(i, o["falcon/root_cause"], o["falcon/slow_links"]) for i, o in enumerate(log) if "falcon/slow_links" in o]
+    assert [c[1] for c in causes] == ["compute", "compute"] and causes[0][2] == "" and causes[1][2] == "0->1;1->0"
+    assert 80 <= causes[0][0] < 90 and 130 <= causes[1][0] < 140
+    assert log[causes[1][0]]["falcon/event"] == "level"  # one event: no relief in between
+    s2 = next(i for i, o in enumerate(log) if "microbatch_redistribution" in o.get("falcon/apply", ""))
+    moved = [i for i, o in enumerate(log) if o.get("falcon/plan/topology_moved")]
+    assert s2 < causes[1][0] < moved[0], (s2, causes, moved)
+    new_grid = json.loads(log[moved[0]]["falcon/plan/topology_grid"])
+    pos = {r: (d, s) for d, row in enumerate(new_grid) for s, r in enumerate(row)}
+    assert pos[0][0] == pos[1][0] and abs(pos[0][1] - pos[1][1]) == 1  # 0-1 is now a PP hop
+    # the impact carried over: S3 (8 s) is decided on the first iteration after the re-localisation
+    assert moved[0] == causes[1][0] + 1
+
+
 def test_monitor_from_call_records_bounded_buffer_and_pattern_change():
     """observe(None) on a live, bounded call record: iteration times come from the ACF period; a
     change of the call pattern (e.g. a new schedule) is re-synchronised, old records may be dropped."""

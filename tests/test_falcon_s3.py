@@ -190,15 +190,21 @@ def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state():
 
 STEPS = 24
 SLOW_FROM = 5
-LINK_FACTOR = 41
-"""Transfers over link 0-1 take 41x their time from step 5: the stage-0 DP all-reduce (~10-20 ms
-healthy on loopback) adds ~0.4-0.8 s to a ~0.6 s step — >= 3x the step-time noise of a loaded 2-core
-host (the must-show's 6x is measured by scripts/bench_falcon.py, not asserted here)."""
+LINK_FACTOR = 11
+"""Transfers over link 0-1 take 11x their time from step 5: the stage-0 DP all-reduce (~25-70 ms in
+training on this loaded host) adds ~0.25-0.7 s to a ~0.5 s step — >= 3x the step-time noise of a
+loaded 2-core host (the must-show's 6x is measured by scripts/bench_falcon.py: S3 by step 8-?)."""
 
 
 DEVICE_FACTOR = 24
-"""Issue 23 item 5's combined scenario: device 1 (stage 0 of replica 1) 24x slower *and* its DP link to
-device 0 41x slower, both from step 5."""
+SECOND_FROM = 13
+SECOND_LINK_FACTOR = 201
+"""Issue 23 item 5's combined scenario (Falcon Fig. 17's compound case): device 1 (stage 0 of replica 1)
+24x slower from step 5, then its DP link to device 0 201x slower from step 13 (+5-14 s a step). After
+S2 a step takes 1-2.5 s with spikes to 15 s (the 24x device sleeps on a shared host), so the second
+fault must add several seconds to be confirmed as a further slowdown: at 11x and 41x (+0.4 / +1.7 s
+of DP time) no level event came within 11 steps (seen once each); replaying the 41x run's series
+with +6 s from step 13 confirms it at step 16."""
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +214,8 @@ def s3_runs(tmp_path_factory):
     runs = {}
     link = ["--titan_ext.emulate_slow_link", f"0-1:x{LINK_FACTOR}@{SLOW_FROM}"]
     for name, extra in (("reference", []), ("slow_dp_link", link),
-                        ("combined", ["--titan_ext.emulate_slow_device", f"1:{DEVICE_FACTOR}@{SLOW_FROM}", *link])):
+                        ("combined", ["--titan_ext.emulate_slow_device", f"1:{DEVICE_FACTOR}@{SLOW_FROM}",
+                                      "--titan_ext.emulate_slow_link", f"0-1:x{SECOND_LINK_FACTOR}@{SECOND_FROM}"])):
         dump = tmp_path_factory.mktemp(name)
         _torchrun(dump, STEPS, ["--titan_ext.no-adaptive", *extra])
         runs[name] = dump
@@ -228,6 +235,7 @@ def test_slow_dp_link_moved_onto_a_pp_hop_in_memory_and_recorded(s3_runs):
     s3 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S3"]
     assert s3 and s3[0]["applied"], events
     step = s3[0]["iteration"]
+    assert step <= 12  # issue 23's must-show: S3 in memory by step 12 (fault from step 5)
     assert s3[0]["suspected"]["root_cause"] == "dp_link"
     assert sorted(s3[0]["suspected"]["slow_links"][0]) == [0, 1]
     # the measured cost is the in-memory change's (seconds, not a process start), and it replaced
@@ -262,18 +270,18 @@ def test_losses_after_s3_equal_the_run_without_the_change_bit_for_bit(s3_runs):
 def test_wandb_gets_the_events_table_and_an_applied_s3s_cost_and_after_time():
     from torchtitan.components.metrics import WandBLogger
 
-    from titan_ext.titan.falcon_job import FalconJob
+    from titan_ext.titan.falcon_events import EventLog
 
     logged = []
     wb = WandBLogger.__new__(WandBLogger)
     wb.wandb = SimpleNamespace(log=lambda d, step: logged.append((step, d)),
                                Table=lambda columns, data: {"columns": columns, "data": data})
-    job = SimpleNamespace(events=[], trainer=SimpleNamespace(step=9, metrics_processor=SimpleNamespace(logger=wb)))
+    log = EventLog(SimpleNamespace(step=9, metrics_processor=SimpleNamespace(logger=wb)), None, rank=0)
     decision = {"kind": "decision", "iteration": 9, "strategy": "S3", "name": "topology_adjustment",
                 "applied": True, "estimated_cost_s": 0.2, "measured_cost_s": 0.35}
-    FalconJob._wandb_events(job, [decision])
-    job.trainer.step = 14
-    FalconJob._wandb_events(job, [{"kind": "outcome", "iteration": 14, "strategy": "S3",
+    log.record({}, [decision])
+    log.trainer.step = 14
+    log.record({}, [{"kind": "outcome", "iteration": 14, "strategy": "S3",
                                    "name": "topology_adjustment", "iteration_time_before_s": 0.9,
                                    "iteration_time_after_s": 0.45}])
     (s1, first), (s2, second) = logged
@@ -284,25 +292,35 @@ def test_wandb_gets_the_events_table_and_an_applied_s3s_cost_and_after_time():
 
 
 @pytest.mark.slow
-def test_combined_slow_device_and_dp_link_s2_then_s3(s3_runs):
-    """The slow device makes the root cause ``compute``; S2 re-balances the replicas but cannot move
-    the slow DP link, S3 follows (same step or later, at its own cost) and re-plans the split for the
-    new replicas: device 1 ends in replica 0, which then gets the fewer chunks."""
+def test_combined_s2_is_not_enough_and_s3_follows_in_ladder_order(s3_runs):
+    """Issue 23 item 5 from the events rows: the slow device is localised (``compute``, device 1, no
+    slow link) and S2 applied; the iterations stay slow and, once device 1's DP link is slow too, a
+    further slowdown is localised anew (slow link 0-1) and S3 is applied at a later step, moving 0-1
+    onto a PP hop; the split is re-planned for the new replicas (device 1 ends in replica 0, which
+    then gets the fewer chunks). Order: S1, then S2, then the re-localisation, then S3."""
     dump = s3_runs["combined"]
     rows = _jsonl(dump / "falcon.jsonl")
-    decisions = [e for e in _jsonl(dump / "falcon_events.jsonl") if e["kind"] == "decision" and e["applied"]]
-    s2 = [e for e in decisions if e["strategy"] == "S2"]
-    s3 = [e for e in decisions if e["strategy"] == "S3"]
-    assert s2 and s3, decisions
-    assert s2[0]["suspected"]["root_cause"] == "compute" and 1 in s2[0]["suspected"]["slow_devices"]
-    assert s3[0]["iteration"] >= s2[0]["iteration"]
-    after = [r for r in rows if r["step"] > s3[0]["iteration"]]
+    events = _jsonl(dump / "falcon_events.jsonl")
+    applied = [e for e in events if e["kind"] == "decision" and e["applied"]]
+    first = {}
+    for e in applied:
+        first.setdefault(e["strategy"], e)
+    assert {"S1", "S2", "S3"} <= set(first), applied
+    s1, s2, s3 = first["S1"], first["S2"], first["S3"]
+    assert s1["iteration"] <= s2["iteration"] < s3["iteration"], applied
+    assert s2["suspected"]["root_cause"] == "compute" and 1 in s2["suspected"]["slow_devices"]
+    assert [0, 1] not in [sorted(link) for link in s2["suspected"]["slow_links"]]  # not slow yet
+    assert SLOW_FROM <= s2["iteration"] < SECOND_FROM
+    assert not [e for e in events if e["iteration"] < SECOND_FROM and e.get("strategy") in ("S3", "S4")
+                and e["kind"] == "decision" and e["applied"]]
+    # between S2 and S3: the further slowdown was localised again, and it found the DP link
+    relocalised = [e for e in events if e["kind"] == "localised" and s2["iteration"] < e["iteration"] <= s3["iteration"]]
+    assert relocalised and sorted(relocalised[-1]["suspected"]["slow_links"][0]) == [0, 1], events
+    assert SECOND_FROM <= relocalised[-1]["iteration"]
+    after = [r for r in rows if r["step"] > s3["iteration"]]
     assert after and all(json.loads(r["falcon/grid"]) == [[0, 1], [2, 3]] for r in after)
     split = json.loads(after[0]["falcon/split"])
     assert sum(split) == 6 and split[0] < split[1], split  # replica 0 now holds device 1
-    slow = [r["falcon/iteration_time_s"] for r in rows if SLOW_FROM <= r["step"] <= s2[0]["iteration"]]
-    fast = [r["falcon/iteration_time_s"] for r in after[1:]]
-    assert np.median(fast) < 0.6 * np.median(slow), (slow, fast)
     # S2 reorders float32 sums (which replica computes which chunk): equal within float tolerance
     moved = [r["loss"] for r in _jsonl(dump / "pipeline_metrics.jsonl")]
     reference = [r["loss"] for r in _jsonl(s3_runs["reference"] / "pipeline_metrics.jsonl")]

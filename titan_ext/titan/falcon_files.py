@@ -18,7 +18,7 @@ FALCON_EVENTS = "falcon_events.jsonl"
 """Rank 0 appends one row per Falcon event (issue 23 item 4): ``kind`` "event" (a change-point),
 "localised" (validation's root cause), "decision" (one strategy of Alg. 1: strategy S1-S4 or
 PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
-before / after an applied strategy). See :func:`.falcon_job.event_rows`."""
+before / after an applied strategy). See :func:`.falcon_events.event_rows`."""
 
 
 def emulation_specs(section: Any) -> tuple[str, str]:

@@ -41,7 +41,7 @@ def check_job_config(config, world_size: int | None = None) -> None:
     _resolve_asset_paths(config)
     if not (section.inject_delays.strip() or section.inject_trace.strip()):
         _check_env_straggler(pp)
-    from titan_ext.titan.falcon_job import check_emulation
+    from titan_ext.titan.falcon_emulate import check_emulation
 
     try:
         check_emulation(section, pp, par.data_parallel_replicate_degree, par.data_parallel_shard_degree,

@@ -18,9 +18,10 @@ import time
 import torch
 
 from titan_ext.titan import adapters
-from titan_ext.titan.jobcheck import check_job_config, world_size
-from titan_ext.titan.falcon_job import FalconJob, replicated_by_trainer
+from titan_ext.titan.falcon_dp import replicated_by_trainer
+from titan_ext.titan.falcon_job import FalconJob
 from titan_ext.titan.falcon_s4 import S4Resume
+from titan_ext.titan.jobcheck import check_job_config, world_size
 from titan_ext.titan.options import titan_ext_section
 
 __all__ = ["TitanExtTrainer"]

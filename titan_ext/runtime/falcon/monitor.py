@@ -158,7 +158,7 @@ class FalconMonitor:
             out["falcon/change_point_iteration"] = cp.index
             out["falcon/change_point_latency_iters"] = cp.detected_at - cp.index
             out["falcon/change_point_relative_change"] = cp.relative_change
-            if cp.kind == "onset":
+            if cp.kind == "onset" or (cp.kind == "level" and cp.relative_change > 0 and self.planner.active):
                 self._on_onset(per_group_times, out)
             elif cp.kind == "relief":
                 self.planner.stop()
@@ -201,6 +201,10 @@ class FalconMonitor:
         return sorted(hits, key=lambda g: -times[g])
 
     def _on_onset(self, per_group_times, out):
+        """Profiling, then ask for validation (§4.3): on an onset, and on a further slowdown during an
+        event (a ``level`` event slower than before) — a second fault while the first is mitigated,
+        as in Falcon's compound case study (§6, Fig. 17: slow communication, then a slow GPU), is
+        localised anew and its root cause restarts Alg. 1's ladder (:meth:`_classify`)."""
         self.suspicious = self._suspicious(per_group_times or {})
         self.slow_links, self.slow_devices, self.root_cause = [], [], None
         self.slow_link_excess_s = {}
@@ -256,10 +260,12 @@ class FalconMonitor:
         if not self.detector.slow:
             return  # the event already ended (relief before the validation arrived)
         healthy = self.detector.healthy_mean_s or float(np.mean(self.recent))
-        # Slow iterations since the change-point, except the current one (step() adds it).
-        cp = self.detector.change_points[-1] if self.detector.change_points else None
+        # Slow iterations since the event's onset, except the current one (step() adds it): a root
+        # cause found by re-localisation restarts the ladder with the impact accumulated so far
+        # (the slowdown persisted; what it cost is rent already paid, §5.2).
+        onset = next((c for c in reversed(self.detector.change_points) if c.kind == "onset"), None)
         upto = len(self.detector.times) - (1 if "falcon/iteration_time_s" in out else 0)
-        so_far = self.detector.times[cp.index : upto] if cp is not None else []
+        so_far = self.detector.times[onset.index : upto] if onset is not None else []
         self.planner.start(cause, healthy, so_far)
         out["falcon/strategies"] = ",".join(self.planner.candidates)
 

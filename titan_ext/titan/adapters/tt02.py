@@ -78,7 +78,7 @@ def trainer_dump_folder(trainer: Any) -> str:
 
 def install_replication_by_trainer(config: Any) -> None:  # noqa: ARG001 - 0.2 patches the train specs
     """DP x PP with Falcon: TorchTitan 0.2's parallelize functions skip DDP (the trainer syncs)."""
-    from titan_ext.titan.falcon_job import install_replication_by_trainer as install
+    from titan_ext.titan.falcon_dp import install_replication_by_trainer as install
 
     install()
 

@@ -114,7 +114,7 @@ def install_replication_by_trainer(config: Any) -> None:
     """DP x PP with Falcon (:mod:`titan_ext.titan.falcon_job`): the trainer syncs the DP replicas itself.
 
     TorchTitan 0.3's model ``parallelize_fn`` always applies FSDP, over ``(dp_replicate, fsdp)`` (HSDP)
-    when DP replicas exist. Where :func:`~titan_ext.titan.falcon_job.replicated_by_trainer`, the
+    when DP replicas exist. Where :func:`~titan_ext.titan.falcon_dp.replicated_by_trainer`, the
     config's ``model_spec`` gets a ``parallelize_fn`` that sees no ``dp_replicate``: FSDP over the
     size-1 ``fsdp`` mesh (no gradient traffic), and the replicas are summed by FalconJob, whose S2 acts
     there (Falcon §5.3). That needs ``spmd_backend = "partial_dtensor"`` (DTensor on model-parallel
@@ -122,7 +122,7 @@ def install_replication_by_trainer(config: Any) -> None:
     itself -- refused, naming the key. Idempotent."""
     import dataclasses
 
-    from titan_ext.titan.falcon_job import _WithoutReplicate, replicated_by_trainer
+    from titan_ext.titan.falcon_dp import WithoutReplicate, replicated_by_trainer
 
     original = config.model_spec.parallelize_fn
     if getattr(original, "titan_ext_replicated", False):
@@ -138,7 +138,7 @@ def install_replication_by_trainer(config: Any) -> None:
                     f"DP replicas with PP, summed by titan_ext's trainer (Falcon), need parallelism.spmd_backend "
                     f"= 'partial_dtensor' (got {backend!r}: its gradients are reduced over dp_replicate "
                     f"inside every backward, which Falcon's micro-batch redistribution cannot change)")
-            parallel_dims = _WithoutReplicate(parallel_dims)
+            parallel_dims = WithoutReplicate(parallel_dims)
         return original(model, parallel_dims=parallel_dims, **kwargs)
 
     parallelize_fn.titan_ext_replicated = True

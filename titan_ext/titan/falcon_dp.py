@@ -1,0 +1,169 @@
+"""Data parallelism owned by the trainer in Falcon's DP x PP job (issue 15), and its timing.
+
+TorchTitan 0.2.2 refuses DDP next to PP ("DDP has not supported > 1D parallelism") and its FSDP
+needs ``ReduceOp.PREMUL_SUM``, which gloo lacks. With ``data_parallel_replicate_degree > 1`` and PP,
+TorchTitan still builds its ``(pp, dp_replicate)`` mesh and per-replica data loaders;
+:func:`install_replication_by_trainer` makes its parallelize function skip DDP, and :class:`DPSync`
+sums the gradients over the ``dp_replicate`` group after the last backward of every step.
+TorchTitan's losses are token *sums* (and its FSDP's gradient divide factor is 1), so a sum is
+TorchTitan's own DP gradient; owning that step is what lets S2 change it (Falcon §5.3).
+
+:class:`DPSync` also times the sum (Falcon §4.3 profiling: the group's *transfer* time) and holds
+the base of an emulated slow DP link (``A-B:xF``: the all-reduce takes F x its healthy time): the
+healthy time is what this all-reduce takes *in training* on this host — the median of its last
+:data:`HEALTHY_WINDOW` transfer times, the emulated delay excluded — not an idle measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+from titan_ext.runtime.falcon.device_clock import DeviceTimer, device_buffer, device_sleep
+from titan_ext.runtime.falcon.redistribute import weighted_all_reduce_gradients
+
+__all__ = ["replicated_by_trainer", "install_replication_by_trainer", "DPSync", "HEALTHY_WINDOW"]
+
+_RING_STEPS = 2  # ring all-reduce = reduce-scatter + all-gather (one step each for 2 ranks)
+HEALTHY_WINDOW = 5
+"""The DP all-reduce's healthy time = the median of its last 5 in-training transfer times (a median,
+so one pre-empted step on a shared host does not move it)."""
+
+
+def replicated_by_trainer(parallel_dims: Any) -> bool:
+    """True when the trainer (not DDP/FSDP) synchronises the DP replicas: dp_replicate with PP."""
+    return (parallel_dims.pp_enabled and parallel_dims.dp_replicate_enabled
+            and not parallel_dims.fsdp_enabled)
+
+
+class WithoutReplicate:
+    """``parallel_dims`` as TorchTitan's parallelize function should see it: no DDP to apply."""
+
+    dp_replicate_enabled = False
+
+    def __init__(self, dims: Any):
+        self._dims = dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dims, name)
+
+
+def _parallelize_without_ddp(parallelize_fn):
+    def parallelize(model, parallel_dims, job_config):
+        if replicated_by_trainer(parallel_dims):
+            parallel_dims = WithoutReplicate(parallel_dims)
+        return parallelize_fn(model, parallel_dims, job_config)
+
+    parallelize.titan_ext_replicated = True
+    return parallelize
+
+
+def install_replication_by_trainer() -> None:
+    """Make TorchTitan's train specs skip DDP where :func:`replicated_by_trainer` (idempotent)."""
+    import torchtitan.protocols.train_spec as train_spec
+
+    original = train_spec.get_train_spec
+    if getattr(original, "titan_ext_replicated", False):
+        return
+
+    def get_train_spec(name: str):
+        spec = original(name)
+        if getattr(spec.parallelize_fn, "titan_ext_replicated", False):
+            return spec
+        return dataclasses.replace(spec, parallelize_fn=_parallelize_without_ddp(spec.parallelize_fn))
+
+    get_train_spec.titan_ext_replicated = True
+    train_spec.get_train_spec = get_train_spec
+
+
+class DPSync:
+    """The DP gradient sum of this rank's stage, its timing and the emulated DP-link fault on it.
+
+    Host data (barriers, the per-step MIN of the times) goes on gloo control groups, the gradients on
+    the data group (issue 20 defect 5); times are device completion times (timer marks, read at the
+    step's end)."""
+
+    def __init__(self, trainer: Any, emulation: Any, control: Any, device):
+        self.trainer, self.emulation, self.control, self.device = trainer, emulation, control, device
+        self.timer = DeviceTimer(device)
+        self.sync_s = 0.0
+        """This rank's last DP sync time (the emulated delay included)."""
+        self._marks: tuple | None = None
+
+    def regroup(self, dp_group: Any, dp_control: Any, dp_ranks: list[int], pp_index: int, num_pp: int) -> None:
+        """(Re)bind to this rank's DP group (at start and after S3): the stages' gradient sizes, and
+        the healthy base measured once now (fastest of 3 after a barrier) until training steps
+        replace it (:meth:`transfer_times`)."""
+        self.dp_group, self.dp_control, self.dp_ranks = dp_group, dp_control, list(dp_ranks)
+        self.pp_index, self.num_pp = pp_index, num_pp
+        numel = sum(p.numel() for m in self.trainer.model_parts for p in m.parameters())
+        self.buf = device_buffer(numel, self.device)
+        self.stage_bytes = self._per_stage(numel * self.buf.element_size(), dist.ReduceOp.MAX)
+        self.history = [deque(maxlen=HEALTHY_WINDOW) for _ in range(num_pp)]
+        self._set_base(self._per_stage(self._fastest_of_3(), dist.ReduceOp.MAX))
+        logger.info(f"[titan_ext] Falcon: stage {pp_index}'s DP all-reduce {1e3 * self.base_s:.1f} ms "
+                    f"({self.stage_bytes[pp_index] / 1e6:.1f} MB) at start, link bandwidth "
+                    f"{self.emulation.link_bytes_per_s / 1e9:.2f} GB/s")
+
+    def _fastest_of_3(self) -> float:
+        best = math.inf
+        for _ in range(3):
+            dist.barrier(group=self.dp_control)
+            start = self.timer.mark()
+            dist.all_reduce(self.buf, group=self.dp_group)
+            best = min(best, self.timer.elapsed_s(start, self.timer.mark()))
+        return best
+
+    def _per_stage(self, mine: float, op) -> list[float]:
+        """Every stage's value of a per-rank number (``op`` over the world: a stage's DP members
+        agree on it)."""
+        vec = torch.full((self.num_pp,), math.inf if op == dist.ReduceOp.MIN else 0.0, dtype=torch.float64)
+        vec[self.pp_index] = mine
+        dist.all_reduce(vec, op=op, group=self.control)
+        return vec.tolist()
+
+    def _set_base(self, healthy_s: list[float]) -> None:
+        """This stage's healthy all-reduce time, and the link bandwidth the stages' times imply (every
+        rank of a 2-rank ring sends the gradient's size once; the world's lowest, so both ends of a
+        link emulate the same one)."""
+        self.base_s = healthy_s[self.pp_index]
+        self.emulation.link_bytes_per_s = min(b / t for b, t in zip(self.stage_bytes, healthy_s))
+
+    def sync(self) -> None:
+        """Σ over DP replicas of the token-sum gradients (TorchTitan's DP gradient), after the emulated
+        slow link's extra time (held back on the device before the all-reduce)."""
+        start = self.timer.mark()
+        device_sleep(self.emulation.collective_delay_s(self.dp_ranks, _RING_STEPS, self.base_s), self.device)
+        reduce_start = self.timer.mark()
+        params = [p for m in self.trainer.model_parts for p in m.parameters()]
+        weighted_all_reduce_gradients(params, 1.0, self.dp_group)
+        self._marks = (start, reduce_start, self.timer.mark())
+
+    def transfer_times(self) -> list[float]:
+        """Per stage, this step's DP sync *transfer* time (Falcon §4.3 profiling: a group that spent
+        long in data transfer is suspicious, one that waited for data is healthy): the minimum of its
+        members' times. Every member's call ends when the last one has arrived and the data moved;
+        the last to arrive waited for no one, so its time is the transfer (plus an emulated link
+        delay, held back inside the timed region on every member), and the members that waited for a
+        slow peer read longer. The all-reduce alone (no emulated delay) feeds the healthy base."""
+        sync_s, reduce_s = self.sync_s, math.inf
+        if self._marks is not None:
+            start, reduce_start, end = self._marks
+            sync_s, reduce_s = self.timer.elapsed_s(start, end), self.timer.elapsed_s(reduce_start, end)
+            self.sync_s, self._marks = sync_s, None
+        vec = torch.full((2, self.num_pp), math.inf, dtype=torch.float64)
+        vec[:, self.pp_index] = torch.tensor([sync_s, reduce_s], dtype=torch.float64)
+        dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.control)
+        for history, t in zip(self.history, vec[1].tolist()):
+            if math.isfinite(t):
+                history.append(t)
+        if all(self.history):
+            self._set_base([float(np.median(h)) for h in self.history])
+        return vec[0].tolist()

@@ -1,0 +1,112 @@
+"""What Falcon measures in the DP x PP job (Falcon §4.2-§4.3): the iteration time and per-group
+times every step (the same numbers on every rank, so all take the same decision), the ACF iteration
+time from the call record, and validation on onset.
+
+Host data goes on gloo control groups (issue 20 defect 5); ring-validation buffers on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
+from titan_ext.runtime.timeouts import named
+
+__all__ = ["SLOW_DEVICE_RATIO", "group_times", "acf_iteration_times", "validate", "rings_to_validate"]
+
+SLOW_DEVICE_RATIO = 1.5
+"""GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
+a time-shared CPU host the fastest of 10 probe repeats of a healthy rank still varies by more than
+10 % (and the emulated slow devices here are >= 2x)."""
+VALIDATION_BYTES = 1 << 22
+"""Validation messages (4 MB): large enough that a link F x slower in bandwidth (``A-B:xF``) shows
+more than the monitor's 2 ms minimum excess on loopback."""
+
+
+def group_times(job: Any, step_s: float) -> tuple[float, dict[str, float]]:
+    """Iteration time (§4.2: the slowest rank's step) and per-group times (§4.3 profiling: every
+    stage's DP transfer time, every replica's PP link delays as PipeMorph measured them), the same
+    on every rank (MAX over the world)."""
+    from titan_ext.titan.metrics import runtime_metrics
+
+    S, D = job.num_pp, job.num_dp
+    vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
+    vec[0] = step_s
+    vec[1:1 + S] = torch.tensor(job.dp.transfer_times(), dtype=torch.float64)
+    rt = runtime_metrics(job.trainer.pp_schedule)
+    job.costs.measure_replan(rt)  # only a Falcon decision's ski-rental input
+    for i, ms in rt.get("link_delay_ms", {}).items():
+        if int(i) < S - 1 and ms == ms:  # not NaN
+            vec[1 + S + job.dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
+    named(job.control, "falcon/step",  # a timeout names the silent rank
+          lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=job.control))
+    groups = {f"dp_stage{s}": float(vec[1 + s]) for s in range(S)}
+    groups |= {f"pp{d}_link{i}": float(vec[1 + S + d * (S - 1) + i]) for d in range(D) for i in range(S - 1)}
+    return float(vec[0]), groups
+
+
+def acf_iteration_times(monitor: Any) -> dict:
+    """Falcon §4.2's framework-agnostic iteration time, next to the trainer's: the ACF period of
+    this rank's torch.distributed call record (:class:`~titan_ext.runtime.falcon.hooks.CallRecorder`,
+    started after the first step, whose one-off calls would hide the period) and the time
+    between a call and its occurrence one period earlier. Logged as ``falcon/acf_*``; the
+    detector is fed the trainer's step time, which is exact here and has no gap while the
+    period is re-learned after a change of the call pattern (S2's new split, a re-plan)."""
+    from titan_ext.runtime.falcon.hooks import CallRecorder
+
+    if monitor.recorder is None:
+        monitor.recorder = CallRecorder().start()
+        return {}
+    times = monitor.iteration_times_from_recorder()
+    out = {"falcon/acf_period_calls": monitor._period or 0}
+    if times:
+        out["falcon/acf_iteration_time_s"] = float(times[-1])
+    return out
+
+
+def validate(job: Any) -> dict:
+    """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
+    profiling flagged (:func:`rings_to_validate`) and one unflagged ring as the healthy
+    reference, then the GEMM probe on every rank."""
+    t0 = time.perf_counter()
+    rings = rings_to_validate(job.grid, job.monitor.suspicious)
+    # one ring profiling did not flag is timed too: the healthy reference a flagged ring's links
+    # are compared with (all links of a lone flagged ring are slow: their own median hides them)
+    reference = [r for r in rings_to_validate(job.grid, []) if r not in rings][:1]
+    links = validate_rings([r for r in rings + reference if len(r) > 1], nbytes=VALIDATION_BYTES,
+                           group=job.control, device=job.device,
+                           send_delay_s=lambda src, dst: job.emulation.send_delay_s(src, dst, VALIDATION_BYTES))
+    ref_times = [t for (a, b), t in links.items() if reference and {a, b} <= set(reference[0])]
+    suspect = {k: t for k, t in links.items() if any(set(k) <= set(r) for r in rings)}
+    gemm = gemm_probe(repeats=10, group=job.control, slowdown=job.emulation.compute_factor, device=job.device)
+    return job.monitor.report_validation(
+        suspect, gemm, link_reference_s=float(np.median(ref_times)) if ref_times else None,
+        pause_s=time.perf_counter() - t0)
+
+
+def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]]:
+    """Profiling-narrowed validation (Falcon §4.3): the rings of the suspicious groups only —
+    ``pp{d}_link{i}`` → pipeline d, ``dp_stage{s}`` → the DP column of stage s — or, when profiling
+    flagged none, every pipeline and DP column. Falcon's tree validation (4 passes,
+    :func:`~titan_ext.runtime.falcon.validation.validate_trees`) is not used here: the job's
+    collectives are gloo rings, and a 2-replica DP group's tree is its single link, which the ring
+    passes already time in both directions."""
+    pipelines = [list(row) for row in grid]
+    columns = [[row[s] for row in grid] for s in range(len(grid[0]))]
+    rings = []
+    for g in suspicious:
+        name = str(g)
+        if name.startswith("pp") and "_link" in name:
+            ring = pipelines[int(name[2:name.index("_link")])]
+        elif name.startswith("dp_stage"):
+            ring = columns[int(name[len("dp_stage"):])]
+        else:
+            continue
+        if ring not in rings:
+            rings.append(ring)
+    return rings or pipelines + columns
