@@ -32,7 +32,9 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   (``torch.tensor``, ``zeros``, ``empty``, ``full``, ``arange``, ``*_like``, ``new_*`` …, called
   without ``device=``) or of ``.cpu()`` / ``.to("cpu")`` when the calling frame is titan_ext code
   outside the device layer (:data:`DEVICE_LAYER_MODULES`), and everything computed from a marked
-  tensor.  Tensors made by torch (pipelining's buffers), by the model, or through the device layer
+  tensor — except the user's side's ``.to(device)`` (TorchTitan moving the batch that titan_ext's
+  S2 gathered on the host), which on a GPU copies it onto the device: it gives an unmarked view.
+  Tensors made by torch (pipelining's buffers), by the model, or through the device layer
   are device tensors.  :func:`mark_host` marks one explicitly.
 
 Collectives are gloo's (host-tensor rule checked), synchronous at ``wait()``.  What a CPU run cannot
@@ -128,6 +130,17 @@ def _is_host_request(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _is_user_device_move(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A ``.to(device)`` by the user's side of the job (TorchTitan, the model; not titan_ext): the
+    host-to-device copy of its inputs.  On a GPU its result is a new device tensor; on a CPU test the
+    device *is* the CPU (a dtype-only ``.to`` is no move)."""
+    if getattr(func, "__name__", "") != "to":
+        return False
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return (isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+            and not _caller_module().startswith("titan_ext"))
+
+
 def _any_marked(args: tuple, kwargs: dict) -> str | None:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -148,6 +161,8 @@ class _HostTensorMarker(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         site = _any_marked(args, kwargs)
+        if site is not None and _is_user_device_move(func, args, kwargs):
+            return out.view_as(out)  # the device copy: an unmarked tensor (a view: no data copied)
         if site is None and _is_host_request(func, args, kwargs):
             module = _caller_module()
             if module.startswith("titan_ext") and not module.startswith((*DEVICE_LAYER_MODULES, __name__)):
@@ -293,6 +308,12 @@ class _Op:
             self.tensor.reshape(-1).view(torch.uint8).copy_(staged)
         self.work._land()
         self.tensor = self.work = self.payload = None
+
+
+def _group_meta(g: int, group: list[_Op]) -> list[int]:
+    """A group's description on the wire: its op count, its index, (kind, numel, dtype) per op."""
+    row = [len(group), g, *(x for op in group for x in (op.kind, op.numel, op.dtype))]
+    return row + [0] * (_META_LEN - len(row))
 
 
 def _describe(kind: int, k: int, numel: int, dtype: int) -> str:
@@ -521,10 +542,7 @@ class NcclRulesGroup(dist.ProcessGroup):
                         f"order per pair (issue every op of a pair from one thread)")
                 g = pair.add_mine(group)
                 payloads = [op.payload for op in group if op.payload is not None]
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
-            meta[0], meta[1] = len(group), g
-            for n, op in enumerate(group):
-                meta[2 + 3 * n: 5 + 3 * n] = torch.tensor([op.kind, op.numel, op.dtype])
+            meta = torch.tensor(_group_meta(g, group), dtype=torch.int64)  # one torch op
             works = [self._inner.send([meta], peer, _TAG)]
             works += [self._inner.send([data], peer, _TAG) for data in payloads]
             with self._lock:
@@ -532,31 +550,33 @@ class NcclRulesGroup(dist.ProcessGroup):
             self._events.put(("issued", peer, None))
 
     def _read_peer(self, peer: int) -> None:
-        """Lander: read the peer's FIFO (group description, then its send data) into staging."""
+        """Lander: read the peer's FIFO (group description, then its send data) and step the pair's
+        progress itself, so a receive lands in the thread its data arrived on (no thread hop)."""
         their_sends = 0
         try:
             while True:
                 meta = torch.empty(_META_LEN, dtype=torch.int64)
                 self._inner.recv([meta], peer, _TAG).wait()
-                n = int(meta[0])
+                n, _, *fields = meta.tolist()
                 if n == _CLOSE:
                     return
-                group = [tuple(int(x) for x in meta[2 + 3 * i: 5 + 3 * i]) for i in range(n)]
-                self._events.put(("meta", peer, group))
+                group = [tuple(fields[3 * i: 3 * i + 3]) for i in range(n)]
+                self._progress(peer, "meta", group)
                 for kind, numel, dtype in group:
                     if kind != _SEND:
                         continue
                     buf = torch.empty(numel * _DTYPES[dtype].itemsize, dtype=torch.uint8)
                     if numel:
                         self._inner.recv([buf], peer, _TAG).wait()
-                    self._events.put(("data", peer, (their_sends, buf)))
+                    self._progress(peer, "data", (their_sends, buf))
                     their_sends += 1
         except Exception as exc:  # noqa: BLE001 - the group is going away, or gloo failed
             if not self._closed:
-                self._events.put(("dead", peer, exc))
+                self._progress(peer, "dead", exc)
 
     def _complete(self) -> None:
-        """Completer: steps every pair's NCCL progress and lands matched data (one thread)."""
+        """Completer: steps a pair after this rank issued on it (off the issuing thread, whose torch
+        ops wait on the emulated stream) and runs the watchdog."""
         while not self._closed:
             try:
                 kind, peer, payload = self._events.get(timeout=0.5)
@@ -565,19 +585,23 @@ class NcclRulesGroup(dist.ProcessGroup):
                 continue
             if kind == "stop":
                 return
-            pair = self._pairs[peer]
-            with self._lock:
-                if pair.error is not None:
-                    continue
-                try:
-                    self._apply(pair, kind, payload)
-                    pair.step()
-                    pair.land()
-                except NcclRuleError:
-                    continue  # recorded on the pair and its works
-                except Exception as exc:  # noqa: BLE001 - surface anything else through the works
-                    pair.fail(f"internal error: {exc!r}")
+            self._progress(peer, kind, payload)
             self._watchdog()
+
+    def _progress(self, peer: int, kind: str, payload: Any) -> None:
+        """Apply one event to the pair, step its NCCL progress and land what matched."""
+        pair = self._pairs[peer]
+        with self._lock:
+            if pair.error is not None:
+                return
+            try:
+                self._apply(pair, kind, payload)
+                pair.step()
+                pair.land()
+            except NcclRuleError:
+                pass  # recorded on the pair and its works
+            except Exception as exc:  # noqa: BLE001 - surface anything else through the works
+                pair.fail(f"internal error: {exc!r}")
 
     @staticmethod
     def _apply(pair: _Pair, kind: str, payload: Any) -> None:
