@@ -9,14 +9,15 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
 * **a ``batch_isend_irecv`` list is one group with rendezvous**: each rank's ops on a pair form a
   sequence of groups (a batch, or one bare op) that NCCL runs in issue order; a group completes only
   when every op of it has its match in the peer's current or earlier group.  Both sides send a small
-  description of each group ahead of its data, and a per-group completer thread steps the pair's
-  NCCL progress; a state where each side's current group needs a *later* group of the other is the
+  description of each group ahead of its data; the pair's NCCL progress is stepped by the thread
+  that learnt something new (the pair's lander thread, which reads the peer's descriptions and data,
+  or the group's completer thread after this rank issued); a state where each side's current group needs a *later* group of the other is the
   deadlock NCCL would hang in: every rank of the pair raises :class:`NcclRuleError` with both op
   sequences.  An op still unmatched after ``TITAN_EXT_NCCL_RULES_TIMEOUT_S`` (default 60 s) raises
   the same way (a peer that never issues it; NCCL's watchdog would kill the job);
 * **``Work.wait()`` returns before the data has landed** (with or without a timeout, and it never
-  raises on a timeout): the data is copied into the receive buffer later by the completer thread
-  when the NCCL matching completes.  As NCCL's wait makes the *current stream* wait, the calling thread
+  raises on a timeout): the data is copied into the receive buffer later, by the lander or completer
+  thread, when the NCCL matching completes.  As NCCL's wait makes the *current stream* wait, the calling thread
   (a CPU "stream") runs no further torch kernel until the ops it waited on have landed (a
   ``TorchDispatchMode`` on that thread); host code that stamps a time right after ``wait()`` gets the
   enqueue time, as on a GPU, and another thread that reads the buffer without its own wait can see
@@ -461,12 +462,13 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._events: queue.Queue = queue.Queue()
         self._pairs = {p: _Pair(rank, p) for p in range(size) if p != rank}
         self._batch = threading.local()
-        self._sends_in_flight: list[Any] = []
+        self._sends: queue.SimpleQueue = queue.SimpleQueue()  # inner sends, kept alive until sent
         self._closed = False
         self._landers = [threading.Thread(target=self._read_peer, args=(p,), daemon=True,
                                           name=f"nccl_rules-lander-{rank}<-{p}") for p in self._pairs]
         self._completer = threading.Thread(target=self._complete, daemon=True, name=f"nccl_rules-completer-{rank}")
-        for t in (*self._landers, self._completer):
+        self._reaper = threading.Thread(target=self._reap, daemon=True, name=f"nccl_rules-reaper-{rank}")
+        for t in (*self._landers, self._completer, self._reaper):
             t.start()
         _GROUPS.add(self)
 
@@ -545,8 +547,8 @@ class NcclRulesGroup(dist.ProcessGroup):
             meta = torch.tensor(_group_meta(g, group), dtype=torch.int64)  # one torch op
             works = [self._inner.send([meta], peer, _TAG)]
             works += [self._inner.send([data], peer, _TAG) for data in payloads]
-            with self._lock:
-                self._sends_in_flight = [w for w in self._sends_in_flight if not w.is_completed()] + works
+            for w in works:
+                self._sends.put(w)
             self._events.put(("issued", peer, None))
 
     def _read_peer(self, peer: int) -> None:
@@ -573,6 +575,19 @@ class NcclRulesGroup(dist.ProcessGroup):
         except Exception as exc:  # noqa: BLE001 - the group is going away, or gloo failed
             if not self._closed:
                 self._progress(peer, "dead", exc)
+
+    def _reap(self) -> None:
+        """Reaper: holds each inner gloo send until it has gone (its buffer must outlive it), in issue
+        order.  gloo's ``is_completed()`` stays False until someone waits, so a list pruned by it
+        only grew (every send of the run, scanned at every issue)."""
+        while True:
+            work = self._sends.get()
+            if work is None:
+                return
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the peer is gone: its lander reports it
+                pass
 
     def _complete(self) -> None:
         """Completer: steps a pair after this rank issued on it (off the issuing thread, whose torch
@@ -681,7 +696,9 @@ class NcclRulesGroup(dist.ProcessGroup):
         if self._closed:
             return
         close = torch.full((_META_LEN,), _CLOSE, dtype=torch.int64)
-        self._sends_in_flight += [self._inner.send([close], p, _TAG) for p in self._pairs]
+        for p in self._pairs:
+            self._sends.put(self._inner.send([close], p, _TAG))
+        self._sends.put(None)
         self._closed = True
         self._events.put(("stop", None, None))
         deadline = time.monotonic() + _SHUTDOWN_S
@@ -693,6 +710,7 @@ class NcclRulesGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self._closed = True
         self._events.put(("stop", None, None))
+        self._sends.put(None)
 
     def op_sequences(self) -> dict[int, str]:
         """Both sides' op sequences per peer (diagnostics)."""
@@ -725,8 +743,8 @@ def _never_destroyed(obj: Any) -> None:
 
 def _close_at_exit() -> None:
     """At interpreter exit (``atexit``, before finalisation): shut down the groups nobody destroyed and
-    wait, up to ``_EXIT_WAIT_S``, for every lander to read its peer's close and every completer to
-    stop.  A thread of this module still running when the interpreter finalises is ended by
+    wait, up to ``_EXIT_WAIT_S``, for every lander to read its peer's close and every completer and
+    reaper to stop.  A thread of this module still running when the interpreter finalises is ended by
     ``pthread_exit`` as it takes the GIL back, inside C++ frames: the process aborts ("terminate called
     without an active exception", SIGABRT) after a clean run — the TorchTitan trainer's ranks did."""
     groups = list(_GROUPS)
@@ -737,7 +755,7 @@ def _close_at_exit() -> None:
             pass
     deadline = time.monotonic() + _EXIT_WAIT_S
     for group in groups:
-        for t in (*group._landers, group._completer):
+        for t in (*group._landers, group._completer, group._reaper):
             t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
