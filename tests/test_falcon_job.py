@@ -8,6 +8,7 @@ detecting and logging them (same seed and data).
 """
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -267,6 +268,20 @@ def test_s2_run_trains_like_the_unmitigated_run(slow_device_runs):
     for a, b in zip(with_s2, without):
         assert a == pytest.approx(b, rel=2e-3), (with_s2, without)
     assert with_s2[-1] < 0.7 * with_s2[0]
+
+
+def test_short_dp2_pp2_job_runs_under_the_test_backend_and_learns(tmp_path):
+    """The default tier's DP 2 x PP 2 job (issue 20): 6 steps under nccl_rules (NCCL's rules on the PP
+    and DP groups: a host tensor on them, a reordered or split batch, an op from a second thread
+    raises), Falcon on: every step is profiled, nothing is mitigated, the loss falls (the replicas'
+    gradients are summed and the stages' data arrive in order).  24-45 s on a loaded 2-core host."""
+    _torchrun(tmp_path, 6, [])
+    rows = _falcon_log(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["falcon/split"] == "[3, 3]" and not r.get("falcon/apply") for r in rows)
+    losses = _losses(tmp_path)
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.7 * losses[0], losses
 
 
 @pytest.fixture(scope="module")
