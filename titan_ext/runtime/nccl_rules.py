@@ -13,13 +13,14 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   that learnt something new (the pair's lander thread, which reads the peer's descriptions and data,
   or the group's completer thread after this rank issued); a state where each side's current group
   needs a *later* group of the other is the deadlock NCCL would hang in: every rank of the pair
-  raises :class:`NcclRuleError` with both op sequences.  An op still unmatched after ``TITAN_EXT_NCCL_RULES_TIMEOUT_S`` (default 60 s) raises
-  the same way (a peer that never issues it; NCCL's watchdog would kill the job);
+  raises :class:`NcclRuleError` with both op sequences.  An op still unmatched after
+  ``TITAN_EXT_NCCL_RULES_TIMEOUT_S`` (default 60 s) raises the same way (a peer that never issues it;
+  NCCL's watchdog would kill the job);
 * **``Work.wait()`` returns before the data has landed** (with or without a timeout, and it never
   raises on a timeout): the data is copied into the receive buffer later, by the lander or completer
   thread, when the NCCL matching completes.  As NCCL's wait makes the *current stream* wait, the
-  calling thread (a CPU "stream") runs no further torch kernel until the ops it waited on have landed (a
-  ``TorchDispatchMode`` on that thread); host code that stamps a time right after ``wait()`` gets the
+  calling thread (a CPU "stream") runs no further torch kernel until the ops it waited on have
+  landed (a ``TorchDispatchMode`` on that thread); host code that stamps a time right after ``wait()`` gets the
   enqueue time, as on a GPU, and another thread that reads the buffer without its own wait can see
   stale data.  ``is_completed()`` and ``get_future()`` are truthful: they complete when the data has
   landed (the contract the device layer relies on);
