@@ -1,12 +1,14 @@
 """Falcon in a TorchTitan DP 2 x PP 2 job on CPU (issue 15): emulation, S2's exactness, end to end.
 
-The end-to-end runs (torchrun, 4 gloo ranks on loopback, TorchTitan's llama3 debug model) are module
+The end-to-end runs (torchrun, 4 ranks on loopback under the nccl_rules test backend unless
+``$TITAN_EXT_TEST_BACKEND`` names gloo, TorchTitan's llama3 debug model) are module
 fixtures shared by several tests: a 40-step healthy run, and a run where device 3 (stage 1 of DP
 replica 1) becomes 24x slower in its forward and backward-input passes at step 10, once with Falcon applying its decisions and once only
 detecting and logging them (same seed and data).
 """
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -26,6 +28,8 @@ from titan_ext.runtime.falcon.emulation import (
     parse_slow_device,
     parse_slow_link,
 )
+from titan_ext.runtime.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
+from titan_ext.runtime.testing import chosen_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"  # TorchTitan 0.3: config_registry.falcon_dp2_pp2_debugmodel
@@ -184,6 +188,7 @@ def _torchrun(dump: Path, steps: int, args: list[str]) -> None:
                 "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"})
     for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK"):
         env.pop(var, None)
+    env[TEST_BACKEND_VAR] = chosen_backend()  # nccl_rules unless the environment names gloo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--local-ranks-filter", "3",
            *_job(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
@@ -263,6 +268,20 @@ def test_s2_run_trains_like_the_unmitigated_run(slow_device_runs):
     for a, b in zip(with_s2, without):
         assert a == pytest.approx(b, rel=2e-3), (with_s2, without)
     assert with_s2[-1] < 0.7 * with_s2[0]
+
+
+def test_short_dp2_pp2_job_runs_under_the_test_backend_and_learns(tmp_path):
+    """The default tier's DP 2 x PP 2 job (issue 20): 6 steps under nccl_rules (NCCL's rules on the PP
+    and DP groups: a host tensor on them, a reordered or split batch, an op from a second thread
+    raises), Falcon on: every step is profiled, nothing is mitigated, the loss falls (the replicas'
+    gradients are summed and the stages' data arrive in order).  24-45 s on a loaded 2-core host."""
+    _torchrun(tmp_path, 6, [])
+    rows = _falcon_log(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["falcon/split"] == "[3, 3]" and not r.get("falcon/apply") for r in rows)
+    losses = _losses(tmp_path)
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.7 * losses[0], losses
 
 
 @pytest.fixture(scope="module")

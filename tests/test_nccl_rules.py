@@ -141,6 +141,17 @@ def _scenarios(rank: int, world: int) -> dict:
         out["host_allreduce"] = str(exc)
     dist.all_reduce(model_tensor, group=dist.new_group())
     out["model_allreduce"] = "ok"
+
+    # 8. S2's chunks: gathered on the host by titan_ext (marked); the user's side (TorchTitan) moves
+    #    its batch to the device with `.to(device)`, which on a GPU makes a device tensor (unmarked);
+    #    a dtype-only `.to` moves nothing
+    from titan_ext.runtime.falcon.redistribute import redistribute_chunks
+
+    chunk = redistribute_chunks([torch.full((2,), float(rank))], [1, 1], rank, control.group)[0]
+    moved = chunk.to(torch.device("cpu"))
+    out["s2_marks"] = (bool(is_host_made(chunk)), is_host_made(moved), bool(is_host_made(chunk.to(torch.float64))))
+    dist.all_reduce(moved, group=dist.new_group())
+    out["s2_moved_allreduce"] = moved.tolist()
     return out
 
 
@@ -192,6 +203,8 @@ def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
         assert seen[rank]["marks"] == (None, True, True)
         assert "host-side tensor" in seen[rank]["host_allreduce"]
         assert seen[rank]["model_allreduce"] == "ok"
+        assert seen[rank]["s2_marks"] == (True, None, True)
+        assert seen[rank]["s2_moved_allreduce"] == [1.0, 1.0]  # rank 0's chunk + rank 1's
 
 
 def _control_with_uneven_group_counts(rank: int) -> list[int]:

@@ -4,8 +4,6 @@ iteration boundaries, and rank agreement on plans when local measurements differ
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 import torch.nn.functional as Fn
@@ -294,19 +292,25 @@ def _adapt_worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float
 
 
 def test_adapts_to_slow_last_link_and_shrinks_after_recovery():
-    """30 ms on the last link from iteration 3: PipeMorph re-plans within 3 iterations with more
-    slackness on that link (enough for Eq.1), iteration time falls; delay removed at iteration 10:
-    slackness shrinks back (Alg.1's plan) after the hysteresis."""
+    """60 ms on the last link from iteration 3: PipeMorph re-plans within 3 iterations with more
+    slackness on that link (enough for Eq.1), which absorbs the delay; delay removed at iteration 10:
+    slackness shrinks back (Alg.1's plan) after the hysteresis.
+
+    "Absorbs the delay" is a ratio against same-run baselines: what the delay adds to the iteration
+    time of the adapted plans (vs the adapted plans from iteration 10 on, without the delay) is under
+    half of what it adds to the initial plan's (vs its iterations 1-2).  Not "iteration time falls below
+    0.85x the first slow iteration": under NCCL's rules (nccl_rules, the default backend) the larger
+    plan costs more by itself, delay or not (+7-36 % over the small plan on this loaded 2-core host,
+    gloo +0-5 %; the cause is not isolated), which shrank that gain to 0.84-0.93x.  Each time is the
+    plan's fastest iteration in its window: host noise (preemption, CPU contention, a new plan's first
+    iterations) only ever adds time.  Compute is 10 ms a pass (sleeps): at 5 ms (and 30 ms of delay)
+    the four ranks' own CPU time was a third of an iteration, and with both cores busy the
+    iterations became CPU-bound and hid the delay."""
     from titan_ext.plan import required_slackness
 
-    world, n_mb, t_ms, delay, on, off, steps = 4, 16, 5.0, 30.0, 3, 10, 17
+    world, n_mb, t_ms, delay, on, off, steps = 4, 16, 10.0, 60.0, 3, 10, 17
     link = world - 2
-    # On plain gloo, a rule of this test: its iteration-time ratio (adapted < 0.85x the first slow
-    # iteration) is a timing effect of the plan alone; the nccl_rules backend's data path adds 1-4.5 ms
-    # to every message, which on a busy host shrank the gain to 0.84-0.93x (1 of 3 runs under load 4
-    # failed, 2026-11-25). The adaptation under nccl_rules is covered by the plan-stability test
-    # (test_runtime_transport_and_stability.py) and test_runtime_device.py (issue 20, open).
-    results = run_ranks(_adapt_worker, world, n_mb, t_ms, delay, on, off, steps, backend="gloo")
+    results = run_ranks(_adapt_worker, world, n_mb, t_ms, delay, on, off, steps)
     res = results[0]
     deploys = [e for e in res["log"] if e["decision"] == "deploy"]
     assert all([(e["iteration"], e["plan_hash"]) for e in r["log"] if e["decision"] == "deploy"]
@@ -327,13 +331,23 @@ def test_adapts_to_slow_last_link_and_shrinks_after_recovery():
     # measured delay on the slow link ~ injected; healthy links stay well below it
     slow_it = metrics[on + 1]
     assert 0.9 * delay <= slow_it["link_delay_ms"][link] <= delay + 15.0
-    # iteration time falls once the adapted plan runs
-    t_slow_initial = metrics[on]["iteration_time_ms"]
-    adapted_iters = [m["iteration_time_ms"] for m in metrics[first["iteration"] + 1: off]]
-    assert adapted_iters and statistics.median(adapted_iters) < 0.85 * t_slow_initial, (t_slow_initial, adapted_iters)
     # recovery: a shrink back to less slackness after the delay is gone
     shrink = [e for e in deploys if e["iteration"] >= off]
     assert shrink, [(m["iteration"], m["decision"], m["decision_reason"]) for m in metrics[off:]]
+    # the adapted plan absorbs the delay: it costs that plan under half what it costs the initial plan
+    slack_at_onset = metrics[on]["slackness"][link]
+
+    def fastest(adapted: bool, lo: int, hi: int) -> float:
+        """The fastest iteration in [lo, hi) of the plans with more slackness on the link than at the
+        onset (adapted) or not."""
+        times = [m["iteration_time_ms"] for m in metrics[lo:hi] if (m["slackness"][link] > slack_at_onset) == adapted]
+        assert times, (adapted, lo, hi, [(m["iteration"], m["slackness"], m["decision"]) for m in metrics])
+        return min(times)
+
+    cost_initial = fastest(False, on, first["iteration"]) / fastest(False, 1, on) - 1.0
+    cost_adapted = fastest(True, first["iteration"] + 1, off) / fastest(True, off, steps) - 1.0
+    assert cost_adapted < 0.5 * cost_initial, (cost_adapted, cost_initial,
+                                               [round(m["iteration_time_ms"]) for m in metrics])
     assert shrink[0]["slackness"][link] < first["slackness"][link]
     # on a quiet host the first shrink lands on Alg.1's plan; under heavy load the window's medians can
     # still carry part of the delay, so a shrink may go there in two steps — never back up (no flapping)

@@ -9,16 +9,18 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
 * **a ``batch_isend_irecv`` list is one group with rendezvous**: each rank's ops on a pair form a
   sequence of groups (a batch, or one bare op) that NCCL runs in issue order; a group completes only
   when every op of it has its match in the peer's current or earlier group.  Both sides send a small
-  description of each group ahead of its data, and a per-group completer thread steps the pair's
-  NCCL progress; a state where each side's current group needs a *later* group of the other is the
-  deadlock NCCL would hang in: every rank of the pair raises :class:`NcclRuleError` with both op
-  sequences.  An op still unmatched after ``TITAN_EXT_NCCL_RULES_TIMEOUT_S`` (default 60 s) raises
-  the same way (a peer that never issues it; NCCL's watchdog would kill the job);
+  description of each group ahead of its data; the pair's NCCL progress is stepped by the thread
+  that learnt something new (the pair's lander thread, which reads the peer's descriptions and data,
+  or the group's completer thread after this rank issued); a state where each side's current group
+  needs a *later* group of the other is the deadlock NCCL would hang in: every rank of the pair
+  raises :class:`NcclRuleError` with both op sequences.  An op still unmatched after
+  ``TITAN_EXT_NCCL_RULES_TIMEOUT_S`` (default 60 s) raises the same way (a peer that never issues it;
+  NCCL's watchdog would kill the job);
 * **``Work.wait()`` returns before the data has landed** (with or without a timeout, and it never
-  raises on a timeout): the data is copied into the receive buffer later by the completer thread
-  when the NCCL matching completes.  As NCCL's wait makes the *current stream* wait, the calling thread
-  (a CPU "stream") runs no further torch kernel until the ops it waited on have landed (a
-  ``TorchDispatchMode`` on that thread); host code that stamps a time right after ``wait()`` gets the
+  raises on a timeout): the data is copied into the receive buffer later, by the lander or completer
+  thread, when the NCCL matching completes.  As NCCL's wait makes the *current stream* wait, the
+  calling thread (a CPU "stream") runs no further torch kernel until the ops it waited on have
+  landed (a ``TorchDispatchMode`` on that thread); host code that stamps a time right after ``wait()`` gets the
   enqueue time, as on a GPU, and another thread that reads the buffer without its own wait can see
   stale data.  ``is_completed()`` and ``get_future()`` are truthful: they complete when the data has
   landed (the contract the device layer relies on);
@@ -32,7 +34,9 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   (``torch.tensor``, ``zeros``, ``empty``, ``full``, ``arange``, ``*_like``, ``new_*`` …, called
   without ``device=``) or of ``.cpu()`` / ``.to("cpu")`` when the calling frame is titan_ext code
   outside the device layer (:data:`DEVICE_LAYER_MODULES`), and everything computed from a marked
-  tensor.  Tensors made by torch (pipelining's buffers), by the model, or through the device layer
+  tensor — except the user's side's ``.to(device)`` (TorchTitan moving the batch that titan_ext's
+  S2 gathered on the host), which on a GPU copies it onto the device: it gives an unmarked view.
+  Tensors made by torch (pipelining's buffers), by the model, or through the device layer
   are device tensors.  :func:`mark_host` marks one explicitly.
 
 Collectives are gloo's (host-tensor rule checked), synchronous at ``wait()``.  What a CPU run cannot
@@ -128,6 +132,17 @@ def _is_host_request(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _is_user_device_move(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A ``.to(device)`` by the user's side of the job (TorchTitan, the model; not titan_ext): the
+    host-to-device copy of its inputs.  On a GPU its result is a new device tensor; on a CPU test the
+    device *is* the CPU (a dtype-only ``.to`` is no move)."""
+    if getattr(func, "__name__", "") != "to":
+        return False
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return (isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+            and not _caller_module().startswith("titan_ext"))
+
+
 def _any_marked(args: tuple, kwargs: dict) -> str | None:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -148,6 +163,8 @@ class _HostTensorMarker(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         site = _any_marked(args, kwargs)
+        if site is not None and _is_user_device_move(func, args, kwargs):
+            return out.view_as(out)  # the device copy: an unmarked tensor (a view: no data copied)
         if site is None and _is_host_request(func, args, kwargs):
             module = _caller_module()
             if module.startswith("titan_ext") and not module.startswith((*DEVICE_LAYER_MODULES, __name__)):
@@ -295,6 +312,12 @@ class _Op:
         self.tensor = self.work = self.payload = None
 
 
+def _group_meta(g: int, group: list[_Op]) -> list[int]:
+    """A group's description on the wire: its op count, its index, (kind, numel, dtype) per op."""
+    row = [len(group), g, *(x for op in group for x in (op.kind, op.numel, op.dtype))]
+    return row + [0] * (_META_LEN - len(row))
+
+
 def _describe(kind: int, k: int, numel: int, dtype: int) -> str:
     return f"{'send' if kind == _SEND else 'recv'}#{k}({numel} {str(_DTYPES[dtype]).removeprefix('torch.')})"
 
@@ -440,12 +463,13 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._events: queue.Queue = queue.Queue()
         self._pairs = {p: _Pair(rank, p) for p in range(size) if p != rank}
         self._batch = threading.local()
-        self._sends_in_flight: list[Any] = []
+        self._sends: queue.SimpleQueue = queue.SimpleQueue()  # inner sends, kept alive until sent
         self._closed = False
         self._landers = [threading.Thread(target=self._read_peer, args=(p,), daemon=True,
                                           name=f"nccl_rules-lander-{rank}<-{p}") for p in self._pairs]
         self._completer = threading.Thread(target=self._complete, daemon=True, name=f"nccl_rules-completer-{rank}")
-        for t in (*self._landers, self._completer):
+        self._reaper = threading.Thread(target=self._reap, daemon=True, name=f"nccl_rules-reaper-{rank}")
+        for t in (*self._landers, self._completer, self._reaper):
             t.start()
         _GROUPS.add(self)
 
@@ -521,42 +545,54 @@ class NcclRulesGroup(dist.ProcessGroup):
                         f"order per pair (issue every op of a pair from one thread)")
                 g = pair.add_mine(group)
                 payloads = [op.payload for op in group if op.payload is not None]
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
-            meta[0], meta[1] = len(group), g
-            for n, op in enumerate(group):
-                meta[2 + 3 * n: 5 + 3 * n] = torch.tensor([op.kind, op.numel, op.dtype])
+            meta = torch.tensor(_group_meta(g, group), dtype=torch.int64)  # one torch op
             works = [self._inner.send([meta], peer, _TAG)]
             works += [self._inner.send([data], peer, _TAG) for data in payloads]
-            with self._lock:
-                self._sends_in_flight = [w for w in self._sends_in_flight if not w.is_completed()] + works
+            for w in works:
+                self._sends.put(w)
             self._events.put(("issued", peer, None))
 
     def _read_peer(self, peer: int) -> None:
-        """Lander: read the peer's FIFO (group description, then its send data) into staging."""
+        """Lander: read the peer's FIFO (group description, then its send data) and step the pair's
+        progress itself, so a receive lands in the thread its data arrived on (no thread hop)."""
         their_sends = 0
         try:
             while True:
                 meta = torch.empty(_META_LEN, dtype=torch.int64)
                 self._inner.recv([meta], peer, _TAG).wait()
-                n = int(meta[0])
+                n, _, *fields = meta.tolist()
                 if n == _CLOSE:
                     return
-                group = [tuple(int(x) for x in meta[2 + 3 * i: 5 + 3 * i]) for i in range(n)]
-                self._events.put(("meta", peer, group))
+                group = [tuple(fields[3 * i: 3 * i + 3]) for i in range(n)]
+                self._progress(peer, "meta", group)
                 for kind, numel, dtype in group:
                     if kind != _SEND:
                         continue
                     buf = torch.empty(numel * _DTYPES[dtype].itemsize, dtype=torch.uint8)
                     if numel:
                         self._inner.recv([buf], peer, _TAG).wait()
-                    self._events.put(("data", peer, (their_sends, buf)))
+                    self._progress(peer, "data", (their_sends, buf))
                     their_sends += 1
         except Exception as exc:  # noqa: BLE001 - the group is going away, or gloo failed
             if not self._closed:
-                self._events.put(("dead", peer, exc))
+                self._progress(peer, "dead", exc)
+
+    def _reap(self) -> None:
+        """Reaper: holds each inner gloo send until it has gone (its buffer must outlive it), in issue
+        order.  gloo's ``is_completed()`` stays False until someone waits, so a list pruned by it
+        only grew (every send of the run, scanned at every issue)."""
+        while True:
+            work = self._sends.get()
+            if work is None:
+                return
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the peer is gone: its lander reports it
+                pass
 
     def _complete(self) -> None:
-        """Completer: steps every pair's NCCL progress and lands matched data (one thread)."""
+        """Completer: steps a pair after this rank issued on it (off the issuing thread, whose torch
+        ops wait on the emulated stream) and runs the watchdog."""
         while not self._closed:
             try:
                 kind, peer, payload = self._events.get(timeout=0.5)
@@ -565,19 +601,23 @@ class NcclRulesGroup(dist.ProcessGroup):
                 continue
             if kind == "stop":
                 return
-            pair = self._pairs[peer]
-            with self._lock:
-                if pair.error is not None:
-                    continue
-                try:
-                    self._apply(pair, kind, payload)
-                    pair.step()
-                    pair.land()
-                except NcclRuleError:
-                    continue  # recorded on the pair and its works
-                except Exception as exc:  # noqa: BLE001 - surface anything else through the works
-                    pair.fail(f"internal error: {exc!r}")
+            self._progress(peer, kind, payload)
             self._watchdog()
+
+    def _progress(self, peer: int, kind: str, payload: Any) -> None:
+        """Apply one event to the pair, step its NCCL progress and land what matched."""
+        pair = self._pairs[peer]
+        with self._lock:
+            if pair.error is not None:
+                return
+            try:
+                self._apply(pair, kind, payload)
+                pair.step()
+                pair.land()
+            except NcclRuleError:
+                pass  # recorded on the pair and its works
+            except Exception as exc:  # noqa: BLE001 - surface anything else through the works
+                pair.fail(f"internal error: {exc!r}")
 
     @staticmethod
     def _apply(pair: _Pair, kind: str, payload: Any) -> None:
@@ -657,7 +697,9 @@ class NcclRulesGroup(dist.ProcessGroup):
         if self._closed:
             return
         close = torch.full((_META_LEN,), _CLOSE, dtype=torch.int64)
-        self._sends_in_flight += [self._inner.send([close], p, _TAG) for p in self._pairs]
+        for p in self._pairs:
+            self._sends.put(self._inner.send([close], p, _TAG))
+        self._sends.put(None)
         self._closed = True
         self._events.put(("stop", None, None))
         deadline = time.monotonic() + _SHUTDOWN_S
@@ -669,6 +711,7 @@ class NcclRulesGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self._closed = True
         self._events.put(("stop", None, None))
+        self._sends.put(None)
 
     def op_sequences(self) -> dict[int, str]:
         """Both sides' op sequences per peer (diagnostics)."""
@@ -701,8 +744,8 @@ def _never_destroyed(obj: Any) -> None:
 
 def _close_at_exit() -> None:
     """At interpreter exit (``atexit``, before finalisation): shut down the groups nobody destroyed and
-    wait, up to ``_EXIT_WAIT_S``, for every lander to read its peer's close and every completer to
-    stop.  A thread of this module still running when the interpreter finalises is ended by
+    wait, up to ``_EXIT_WAIT_S``, for every lander to read its peer's close and every completer and
+    reaper to stop.  A thread of this module still running when the interpreter finalises is ended by
     ``pthread_exit`` as it takes the GIL back, inside C++ frames: the process aborts ("terminate called
     without an active exception", SIGABRT) after a clean run — the TorchTitan trainer's ranks did."""
     groups = list(_GROUPS)
@@ -713,7 +756,7 @@ def _close_at_exit() -> None:
             pass
     deadline = time.monotonic() + _EXIT_WAIT_S
     for group in groups:
-        for t in (*group._landers, group._completer):
+        for t in (*group._landers, group._completer, group._reaper):
             t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
