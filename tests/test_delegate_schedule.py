@@ -21,12 +21,12 @@ def _batch(step):
     return seeded_batch(1000 + step, BATCH, DIM)
 
 
-def _train(rank, world, make):
+def _train(rank, world, make, steps=STEPS):
     mods = mlp_stages(world, DIM)
     sched = make(PipelineStage(mods[rank], rank, world, torch.device("cpu")))
     opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
     losses = []
-    for k in range(STEPS):
+    for k in range(steps):
         x, y = _batch(k)
         out: list = []
         opt.zero_grad()

@@ -1,0 +1,52 @@
+"""Delegation in the schedule under NCCL's rules, default tier (issue 20: "delegation ... run under
+these backends, in the default tier").
+
+Two ranks on the ``nccl_rules`` test backend (tags ignored, per-pair FIFO, batches as groups,
+asynchronous completion, no titan_ext host tensors on the data group): ``delegation="always"`` and
+``"auto"`` (switched on by a measured +30 ms link) must train bit for bit like direct P2P with the
+same fixed plan. The longer scenarios (failover, which NCCL PP groups refuse, and > 64 MiB
+activations) are in tests/test_delegate_schedule.py (slow tier)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn.functional as Fn
+from test_delegate_schedule import N_MB, _train
+
+from titan_ext.runtime.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 3
+
+
+def _worker(rank, world):
+    import torch
+
+    from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
+    from titan_ext.runtime.delegated import DelegatedPipeMorph
+
+    kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
+    _, ref_losses, ref_params = _train(rank, world, lambda st: PipeMorph(st, N_MB, **kw), STEPS)
+    out = {}
+    for mode in ("always", "auto"):
+        inj = inject_link_delays("0:30") if mode == "auto" else None
+        try:
+            sched, losses, params = _train(rank, world, lambda st: DelegatedPipeMorph(
+                st, N_MB, delegation=mode, slow_link_ms=10.0, **kw), STEPS)
+        finally:
+            if inj is not None:
+                remove_link_delays()
+        out[mode] = {"equal": losses == ref_losses and all(torch.equal(a, b) for a, b in zip(params, ref_params)),
+                     "counts": dict(sched.router.counts), "log": list(sched.delegation_log)}
+        sched.close_delegation()
+    return out
+
+
+def test_delegation_always_and_auto_under_nccl_rules_train_like_direct_p2p():
+    for rank, r in enumerate(run_ranks(_worker, 2, backend="nccl_rules")):
+        assert r["always"]["equal"] and r["auto"]["equal"], (rank, r)
+        assert r["always"]["counts"] == {"direct": 0, "delegate": 2 * N_MB * STEPS}, (rank, r)
+        log = r["auto"]["log"]  # switched on at a boundary once the delay was measured; delegated after
+        assert len(log) == 1 and log[0]["delegating"] and 1 <= log[0]["iteration"] < STEPS, (rank, log)
+        assert r["auto"]["counts"] == {"direct": 0, "delegate": 2 * N_MB * (STEPS - log[0]["iteration"])}, (rank, r)
