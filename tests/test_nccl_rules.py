@@ -152,6 +152,18 @@ def _scenarios(rank: int, world: int) -> dict:
     out["s2_marks"] = (bool(is_host_made(chunk)), is_host_made(moved), bool(is_host_made(chunk.to(torch.float64))))
     dist.all_reduce(moved, group=dist.new_group())
     out["s2_moved_allreduce"] = moved.tolist()
+
+    # 9. ``zeros_like`` / ``new_*`` follow their source's device (on a GPU a device tensor): S2's
+    #    weighted gradient sum fills a missing gradient with zeros_like(parameter), a device tensor
+    from titan_ext.runtime.falcon.redistribute import weighted_all_reduce_gradients
+
+    lin = torch.nn.Linear(2, 1)
+    lin.weight.grad = torch.full((1, 2), float(rank + 1))  # the bias has no gradient on either rank
+    try:
+        weighted_all_reduce_gradients(lin.parameters(), 0.5, group=dist.new_group())
+        out["like_allreduce"] = (lin.weight.grad.tolist(), lin.bias.grad.tolist())
+    except NcclRuleError as exc:
+        out["like_allreduce"] = str(exc)
     return out
 
 
@@ -205,6 +217,7 @@ def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
         assert seen[rank]["model_allreduce"] == "ok"
         assert seen[rank]["s2_marks"] == (True, None, True)
         assert seen[rank]["s2_moved_allreduce"] == [1.0, 1.0]  # rank 0's chunk + rank 1's
+        assert seen[rank]["like_allreduce"] == ([[1.5, 1.5]], [0.0]), seen[rank]["like_allreduce"]  # 0.5·1 + 0.5·2
 
 
 def _control_with_uneven_group_counts(rank: int) -> list[int]:

@@ -31,8 +31,8 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   that titan_ext code made on the host is refused there.  "Made on the host by titan_ext" is decided
   honestly at creation time, since on a CPU test every tensor lives on the CPU: while the backend is
   installed, a ``TorchFunctionMode`` on the main thread marks the result of a default-device factory
-  (``torch.tensor``, ``zeros``, ``empty``, ``full``, ``arange``, ``*_like``, ``new_*`` …, called
-  without ``device=``) or of ``.cpu()`` / ``.to("cpu")`` when the calling frame is titan_ext code
+  (``torch.tensor``, ``zeros``, ``empty``, ``full``, ``arange`` …, called without ``device=``;
+  not ``*_like`` / ``new_*``, which follow their source's device) or of ``.cpu()`` / ``.to("cpu")`` when the calling frame is titan_ext code
   outside the device layer (:data:`DEVICE_LAYER_MODULES`), and everything computed from a marked
   tensor — except the user's side's ``.to(device)`` (TorchTitan moving the batch that titan_ext's
   S2 gathered on the host), which on a GPU copies it onto the device: it gives an unmarked view.
@@ -106,10 +106,11 @@ def is_host_made(tensor: torch.Tensor) -> str | None:
     return getattr(tensor, _HOST_ATTR, None)
 
 
+#: factories that make a tensor on the default device unless given ``device=`` (on a GPU: the host).
+#: ``*_like`` and ``new_*`` are not among them: they follow their source's device (``zeros_like`` of a
+#: parameter is a device tensor), so their result is marked only when the source is.
 _FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye",
-              "rand", "randn", "randint", "randperm", "empty_strided", "from_numpy", "scalar_tensor",
-              "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
-              "new_tensor", "new_zeros", "new_ones", "new_empty", "new_full"}
+              "rand", "randn", "randint", "randperm", "empty_strided", "from_numpy", "scalar_tensor"}
 
 
 def _caller_module() -> str:

@@ -73,8 +73,10 @@ def _rebuild(template, leaves: list[torch.Tensor]):
 
 
 def _all_gather_stacked(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-    local = torch.stack(tensors)
-    out = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    """Host data (the data loader's chunks) gathered on ``group``, a gloo control group: the buffers
+    are host tensors (the default device), whatever device ``tensors`` name."""
+    local = torch.stack(tensors).cpu()
+    out = [torch.empty(local.shape, dtype=local.dtype) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, local, group=group)
     return [t for replica in out for t in replica.unbind(0)]
 
