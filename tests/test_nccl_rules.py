@@ -164,6 +164,15 @@ def _scenarios(rank: int, world: int) -> dict:
         out["like_allreduce"] = (lin.weight.grad.tolist(), lin.bias.grad.tolist())
     except NcclRuleError as exc:
         out["like_allreduce"] = str(exc)
+
+    # 10. a batch of any size is one group (S3 moves a whole stage state to one peer in one batch:
+    #     hundreds of ops), here 150 sends and 150 receives each way
+    g = dist.new_group()
+    mine = [torch.full((3,), float(100 * rank + i)) for i in range(150)]
+    theirs = [torch.zeros(3) for _ in range(150)]
+    ops = [dist.P2POp(dist.isend, t, 1 - rank, g) for t in mine] + \
+          [dist.P2POp(dist.irecv, t, 1 - rank, g) for t in theirs]
+    out["big_batch"] = _settle(dist.batch_isend_irecv(ops)), [t[0].item() for t in theirs[::50]]
     return out
 
 
@@ -218,6 +227,7 @@ def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
         assert seen[rank]["s2_marks"] == (True, None, True)
         assert seen[rank]["s2_moved_allreduce"] == [1.0, 1.0]  # rank 0's chunk + rank 1's
         assert seen[rank]["like_allreduce"] == ([[1.5, 1.5]], [0.0]), seen[rank]["like_allreduce"]  # 0.5·1 + 0.5·2
+        assert seen[rank]["big_batch"] == ("ok", [100.0 * (1 - rank) + i for i in (0, 50, 100)]), seen[rank]["big_batch"]
 
 
 def _control_with_uneven_group_counts(rank: int) -> list[int]:

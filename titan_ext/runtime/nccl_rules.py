@@ -76,8 +76,8 @@ DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.runtime.testing")
 __all__ = ["BACKEND", "ENV_VAR", "NcclRuleError", "NcclRulesGroup", "install", "mark_host", "is_host_made"]
 
 _SEND, _RECV, _CLOSE = 0, 1, -1
-_MAX_OPS = 64  # ops of one group on one pair
-_META_LEN = 2 + 3 * _MAX_OPS
+_INLINE_OPS = 8  # ops of one group on one pair described in its fixed-size head (more: a second message)
+_META_LEN = 2 + 3 * _INLINE_OPS
 _TAG = 0  # tags are ignored: one FIFO per pair and direction
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -313,10 +313,16 @@ class _Op:
         self.tensor = self.work = self.payload = None
 
 
-def _group_meta(g: int, group: list[_Op]) -> list[int]:
-    """A group's description on the wire: its op count, its index, (kind, numel, dtype) per op."""
-    row = [len(group), g, *(x for op in group for x in (op.kind, op.numel, op.dtype))]
-    return row + [0] * (_META_LEN - len(row))
+def _group_meta(g: int, group: list[_Op]) -> list[torch.Tensor]:
+    """A group's description on the wire: a fixed-size head (op count, group index, (kind, numel,
+    dtype) of its first ``_INLINE_OPS`` ops), then, for a larger group, the rest's fields (any size:
+    torch's ``batch_isend_irecv`` of a whole state dict to one peer is one NCCL group)."""
+    fields = [x for op in group for x in (op.kind, op.numel, op.dtype)]
+    head = [len(group), g, *fields[:3 * _INLINE_OPS]]
+    out = [torch.tensor(head + [0] * (_META_LEN - len(head)), dtype=torch.int64)]
+    if len(group) > _INLINE_OPS:
+        out.append(torch.tensor(fields[3 * _INLINE_OPS:], dtype=torch.int64))
+    return out
 
 
 def _describe(kind: int, k: int, numel: int, dtype: int) -> str:
@@ -531,8 +537,6 @@ class NcclRulesGroup(dist.ProcessGroup):
             by_peer.setdefault(peer, []).append(op)
         me = (threading.get_ident(), threading.current_thread().name)
         for peer, group in by_peer.items():
-            if len(group) > _MAX_OPS:
-                raise NcclRuleError(f"NCCL rules: {len(group)} ops to one peer in one group (max {_MAX_OPS})")
             pair = self._pairs[peer]
             with self._lock:
                 if pair.error is not None:
@@ -546,8 +550,7 @@ class NcclRulesGroup(dist.ProcessGroup):
                         f"order per pair (issue every op of a pair from one thread)")
                 g = pair.add_mine(group)
                 payloads = [op.payload for op in group if op.payload is not None]
-            meta = torch.tensor(_group_meta(g, group), dtype=torch.int64)  # one torch op
-            works = [self._inner.send([meta], peer, _TAG)]
+            works = [self._inner.send([meta], peer, _TAG) for meta in _group_meta(g, group)]
             works += [self._inner.send([data], peer, _TAG) for data in payloads]
             for w in works:
                 self._sends.put(w)
@@ -564,6 +567,10 @@ class NcclRulesGroup(dist.ProcessGroup):
                 n, _, *fields = meta.tolist()
                 if n == _CLOSE:
                     return
+                if n > _INLINE_OPS:
+                    rest = torch.empty(3 * (n - _INLINE_OPS), dtype=torch.int64)
+                    self._inner.recv([rest], peer, _TAG).wait()
+                    fields += rest.tolist()
                 group = [tuple(fields[3 * i: 3 * i + 3]) for i in range(n)]
                 self._progress(peer, "meta", group)
                 for kind, numel, dtype in group:
