@@ -188,12 +188,12 @@ def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state():
 
 # --------------------------------------------------------------------------- slow tier (torchrun)
 
-STEPS = 24
+STEPS = 32  # the combined scenario's second fault was confirmed 2-10 steps after step 13 (loaded host)
 SLOW_FROM = 5
 LINK_FACTOR = 11
 """Transfers over link 0-1 take 11x their time from step 5: the stage-0 DP all-reduce (~25-70 ms in
 training on this loaded host) adds ~0.25-0.7 s to a ~0.5 s step — >= 3x the step-time noise of a
-loaded 2-core host (the must-show's 6x is measured by scripts/bench_falcon.py: S3 by step 8-?)."""
+loaded 2-core host (the must-show's 6x is measured by scripts/bench_falcon.py: BENCHMARKS.md)."""
 
 
 DEVICE_FACTOR = 24
