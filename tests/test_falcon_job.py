@@ -182,13 +182,13 @@ def _job(dump: Path) -> list[str]:
     return ["-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(dump)]
 
 
-def _torchrun(dump: Path, steps: int, args: list[str]) -> None:
+def _torchrun(dump: Path, steps: int, args: list[str], backend: str | None = None) -> None:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1",
                 "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"})
     for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK"):
         env.pop(var, None)
-    env[TEST_BACKEND_VAR] = chosen_backend()  # nccl_rules unless the environment names gloo
+    env[TEST_BACKEND_VAR] = chosen_backend(backend)  # nccl_rules unless the caller or the environment names gloo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--local-ranks-filter", "3",
            *_job(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
