@@ -31,6 +31,7 @@ def event_rows(step: int, decision: dict, monitor: Any, estimated: Any, applied_
         rows.append({"kind": "event", "iteration": step, "event": decision["falcon/event"],
                      "change_point_iteration": decision.get("falcon/change_point_iteration"),
                      "change_point_step": decision.get("falcon/change_point_step"),
+                     "located_by": decision.get("falcon/change_point_group", "iteration_time"),
                      "iteration_time_s": decision.get("falcon/iteration_time_s")})
     suspected = {"root_cause": monitor.root_cause, "slow_devices": list(monitor.slow_devices),
                  "slow_links": [list(link) for link in monitor.slow_links],
@@ -68,7 +69,8 @@ def _console(row: dict) -> str:
                 f"{row['iteration_time_before_s']:.3f} s -> {row['iteration_time_after_s']:.3f} s")
     if row["kind"] == "localised":
         return f"{head}: suspected {row['suspected']}"
-    return f"{head}: {row['event']} (change point at step {row['change_point_step']})"
+    return (f"{head}: {row['event']} (change point at step {row['change_point_step']}, located by "
+            f"{row['located_by']})")
 
 
 class EventLog:

@@ -290,6 +290,24 @@ class SlowIterationDetector:
             self._pending = None
             self.rejected += 1
             return None
+        return self._verify(tau, self._pending_p)
+
+    def verify_proposed(self, tau: int, probability: float, excess_s: float) -> ChangePoint | None:
+        """Falcon §4.2's verification at a change-point that another series located: a profiled
+        group's time (the monitor's group tracking, :class:`~.monitor.FalconConfig`). Only a
+        slowdown is taken (``onset`` / ``level``), and only when the group's added time
+        ``excess_s`` is itself at least ``min_relative_change`` of the iteration time before
+        ``tau``: the group explains the slowdown, not just moves with it."""
+        if not self._segment_start < tau < len(self.times):
+            return None
+        return self._verify(tau, probability, excess_s)
+
+    def _verify(self, tau: int, probability: float, excess_s: float | None = None) -> ChangePoint | None:
+        """The verification (Falcon §4.2: a change of the average of ≥ 10 %) of a change-point at
+        ``tau``; on success the state moves (onset / level / relief / speedup) and it is returned.
+        ``excess_s`` given: a proposed change-point (:meth:`verify_proposed`), slowdowns only."""
+        c = self.config
+        t = len(self.times) - 1
         lo = max(self._segment_start, tau - c.max_baseline)
         if tau - lo < c.min_segment or t + 1 - tau < c.min_segment:
             return None
@@ -297,20 +315,25 @@ class SlowIterationDetector:
         mean_after = self._average(tau, t + 1)
         if abs(mean_after / mean_before - 1.0) < c.min_relative_change:
             return None  # jitter so far (Falcon §4.2 verification)
+        if excess_s is not None and not (mean_after > mean_before
+                                         and excess_s >= c.min_relative_change * mean_before):
+            return None
         if not self.slow:
             if mean_after < mean_before:
                 kind = "speedup"  # a faster healthy level, not a fail-slow
             else:
                 kind = "onset"
-                self.slow = True
-                self.healthy_mean_s = mean_before
+        elif mean_after < self.healthy_mean_s * (1.0 + c.min_relative_change):
+            kind = "relief"
         else:
-            if mean_after < self.healthy_mean_s * (1.0 + c.min_relative_change):
-                kind = "relief"
-                self.slow = False
-            else:
-                kind = "level"
-        cp = ChangePoint(tau, t, self._pending_p, mean_before, mean_after, kind)
+            kind = "level"
+        if excess_s is not None and kind == "relief":
+            return None
+        if kind == "onset":
+            self.slow, self.healthy_mean_s = True, mean_before
+        elif kind == "relief":
+            self.slow = False
+        cp = ChangePoint(tau, t, probability, mean_before, mean_after, kind)
         self.change_points.append(cp)
         self._segment_start = tau
         self._pending = None

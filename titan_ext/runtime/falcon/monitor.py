@@ -56,6 +56,13 @@ class FalconConfig:
     """ACF threshold M for call-record periods (Falcon §4.2)."""
     period_window: int = 2048
     """Calls over which the period is (re-)estimated (max lag = half of it)."""
+    group_tracking: bool = True
+    """Also track every profiled group's time with BOCD (:meth:`FalconMonitor._track_groups`): a
+    group's slowdown proposes its change-point to the iteration-time verification, which a fault
+    on one group passes several iterations before the iteration series' own posterior reaches 0.9.
+    False: Falcon §4.2's iteration-time tracking alone."""
+    group_floor_s: float = 1e-3
+    """Group times below this are tracked as this (a healthy PP link's measured delay is ~0)."""
 
     def __post_init__(self) -> None:
         for name in ("suspicious_ratio", "slow_link_ratio", "slow_device_ratio"):
@@ -96,6 +103,8 @@ class FalconMonitor:
         self.history: list[dict] = []
         self._period: int | None = None
         self._calls_consumed = 0
+        self._group_detectors: dict[str, SlowIterationDetector] = {}
+        self._group_proposals: dict[str, tuple] = {}  # group -> (its change-point, since iteration)
 
     # ---------------------------------------------------------------- tracking
     def iteration_times_from_recorder(self) -> list[float]:
@@ -153,6 +162,9 @@ class FalconMonitor:
         it = self.iteration
         cp = self.detector.observe(t)
         out: dict = {"falcon/iteration_time_s": t}
+        self._track_groups(per_group_times)
+        if cp is None:
+            cp = self._verify_group_proposals(out)
         if cp is not None:
             out["falcon/event"] = cp.kind
             out["falcon/change_point_iteration"] = cp.index
@@ -186,6 +198,49 @@ class FalconMonitor:
         if len(out) > 4 and any(k in out for k in ("falcon/event", "falcon/apply", "falcon/validate")):
             self.history.append({"iteration": it, **out})
         return out
+
+    # ---------------------------------------------------------------- group tracking
+    def _track_groups(self, per_group_times: dict | None) -> None:
+        """Every profiled group's time through its own detector (BOCD + verification on the
+        group's series); a verified slowdown of a group (``onset`` / ``level`` upwards) becomes a
+        proposal that :meth:`_verify_group_proposals` checks against the iteration times.
+
+        Why (issue 23, measured in docs/falcon.md "Group tracking"): Falcon §4.2 detects on the
+        iteration time alone; with ±20 % step noise and a few healthy steps before a fault, a
+        +40 % step took BOCD's posterior 2-21 steps past Falcon's 0.9, while the faulty group's
+        own time (5x) crossed it at the third slow step. The verification stays Falcon's."""
+        if not self.config.group_tracking:
+            return
+        times = per_group_times or {}
+        for g in [g for g in self._group_detectors if g not in times]:
+            del self._group_detectors[g]  # a group that stopped reporting restarts when it returns
+            self._group_proposals.pop(g, None)
+        for g, v in times.items():
+            det = self._group_detectors.setdefault(g, SlowIterationDetector(self.config.detector))
+            gcp = det.observe(max(float(v), self.config.group_floor_s))
+            if gcp is not None and gcp.kind in ("onset", "level") and gcp.relative_change > 0:
+                self._group_proposals[g] = (gcp, self.iteration)
+
+    def _verify_group_proposals(self, out: dict):
+        """The iteration-time verification of the groups' proposed change-points, the largest
+        excess first; a proposal is retried each iteration while its group stays at the new level
+        (no later change-point of the group) for at most ``max_pending`` iterations."""
+        ranked = []
+        for g, (gcp, since) in list(self._group_proposals.items()):
+            det = self._group_detectors[g]
+            if det.change_points[-1] is not gcp or self.iteration - since > self.config.detector.max_pending:
+                del self._group_proposals[g]
+                continue
+            excess = float(np.median(det.times[gcp.index:])) - gcp.level_before
+            tau = gcp.index + len(self.detector.times) - len(det.times)  # its iteration index
+            ranked.append((excess, g, tau, gcp.probability))
+        for excess, g, tau, p in sorted(ranked, reverse=True):
+            cp = self.detector.verify_proposed(tau, p, excess)
+            if cp is not None:
+                self._group_proposals.clear()
+                out["falcon/change_point_group"] = g
+                return cp
+        return None
 
     # ---------------------------------------------------------------- localisation
     def _suspicious(self, times: dict) -> list:
