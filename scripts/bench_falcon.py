@@ -5,6 +5,7 @@ Usage:
     .venv/bin/python scripts/bench_falcon.py [--per-category 100] [--seed0 50000] [--json out.json]
     .venv/bin/python scripts/bench_falcon.py --end-to-end [--steps 24] [--slow-from 6] [--json out.json]
     .venv/bin/python scripts/bench_falcon.py --end-to-end --s4 [--steps 80] [--device-factor 4] [--json out.json]
+    .venv/bin/python scripts/bench_falcon.py --end-to-end --group-tracking 6 [--steps 30] [--json out.json]
 
 Prints a markdown table and a JSON document (also written to --json). Everything runs on CPU in one
 process; the hook-overhead part creates a 1-rank gloo group on loopback.
@@ -119,12 +120,15 @@ def bench_latency_vs_step(seeds: int = 50) -> list[dict]:
     return rows
 
 
-def bench_monitor_cost(iterations: int = 3000) -> dict:
-    """Full FalconMonitor.observe() cost (detector + planner bookkeeping) on a trace with a step."""
+def bench_monitor_cost(iterations: int = 3000, group_tracking: bool = True) -> dict:
+    """Full FalconMonitor.observe() cost (detector, 4 groups' tracking, planner bookkeeping) on a
+    trace with a step."""
+    from titan_ext.runtime.falcon import FalconConfig
+
     rng = np.random.default_rng(7)
     x = 1.0 + 0.02 * rng.standard_normal(iterations)
     x[iterations // 2 :] *= 1.8
-    mon = FalconMonitor(grid=[[0, 1], [2, 3]])
+    mon = FalconMonitor(FalconConfig(group_tracking=group_tracking), grid=[[0, 1], [2, 3]])
     groups = {"pp0": 1.0, "pp1": 1.0, "dp0": 1.0, "dp1": 1.0}
     cost, cpu = [], []
     for v in x:
@@ -188,6 +192,7 @@ follows (the plan puts link 0-1 on a PP hop)."""
 
 
 def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
+    import shutil
     import socket
     import subprocess
 
@@ -201,7 +206,8 @@ def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
            "--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--job.dump_folder", dump,
            "--training.steps", str(steps), "--training.local_batch_size", "2",
            "--training.global_batch_size", "12", "--training.seq_len", "32", *args]
-    os.makedirs(dump, exist_ok=True)
+    shutil.rmtree(dump, ignore_errors=True)  # the job appends to its falcon*.jsonl: start empty
+    os.makedirs(dump)
     with open(os.path.join(dump, "train.log"), "w") as f:
         subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
     with open(os.path.join(dump, "falcon.jsonl")) as f:
@@ -259,6 +265,7 @@ def _scenario_row(name: str, logs: dict, events: list[dict], slow_from: int) -> 
         "decisions": [f"{r['step']}:{r['falcon/apply']}" for r in on if r.get("falcon/apply")],
         "root_cause": next((r["falcon/root_cause"] for r in on if "falcon/root_cause" in r), ""),
         "onset_step": next((r["step"] for r in on if r.get("falcon/event") == "onset"), None),
+        "onset_located_by": next((e["located_by"] for e in events if e.get("event") == "onset"), None),
         "time_to_mitigation_s": (sum(r["falcon/iteration_time_s"] for r in on
                                      if slow_from <= r["step"] <= first) if first else None),
         "steps_measured": window,
@@ -348,6 +355,59 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
     return out
 
 
+def replay_onset_step(log: list[dict], tracking: bool) -> int | None:
+    """The step at which a monitor fed a job's recorded series (``falcon.jsonl``: the iteration time
+    and the per-group times of every step after the warm-up, as the job's monitor saw them)
+    confirms its first onset; ``tracking``: Falcon's group tracking on or off."""
+    from titan_ext.runtime.falcon import FalconConfig
+
+    names = [k[len("falcon/group_s/"):] for k in log[-1] if k.startswith("falcon/group_s/")]
+    mon = FalconMonitor(FalconConfig(group_tracking=tracking), dp_groups=[g for g in names if g.startswith("dp")],
+                        pp_groups=[g for g in names if not g.startswith("dp")])
+    for r in log:
+        if r.get("falcon/warmup"):
+            continue
+        groups = {g: r[f"falcon/group_s/{g}"] for g in names}
+        if mon.observe(r["falcon/iteration_time_s"], groups).get("falcon/event") == "onset":
+            return r["step"]
+    return None
+
+
+def bench_group_tracking(runs: int, steps: int, slow_from: int, link_factor: float, workdir: str) -> dict:
+    """Detection with and without group tracking on the same recorded series: ``runs`` detect-only
+    jobs (``falcon_apply`` false) each of the healthy and the slow-DP-link scenario, every series
+    replayed through both monitors (:func:`replay_onset_step`). S3 by step 12 needs the onset
+    confirmed by step 11 (S3 is decided and applied the step after)."""
+    rows = []
+    for i in range(runs):
+        for name, extra in (("healthy", []), ("slow DP link", ["--titan_ext.emulate_slow_link",
+                                                              f"0-1:x{link_factor:g}@{slow_from}"])):
+            log = _e2e_run(os.path.join(workdir, f"gt_{i}_{name.replace(' ', '_')}"), steps,
+                           extra + ["--titan_ext.no-falcon_apply"])
+            rows.append({"run": i, "scenario": name,
+                         "onset_with_group_tracking": replay_onset_step(log, True),
+                         "onset_iteration_time_only": replay_onset_step(log, False),
+                         "series_s": [round(r["falcon/iteration_time_s"], 4) for r in log]})
+    print("| scenario | run | onset step, group tracking | onset step, iteration time only (Falcon §4.2) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['scenario']} | {r['run']} | {r['onset_with_group_tracking'] or '-'} | "
+              f"{r['onset_iteration_time_only'] or '-'} |")
+    for name in ("healthy", "slow DP link"):
+        sel = [r for r in rows if r["scenario"] == name]
+        for key in ("onset_with_group_tracking", "onset_iteration_time_only"):
+            hits = sum(r[key] is not None and (name == "healthy" or r[key] <= 11) for r in sel)
+            what = "false onsets" if name == "healthy" else "onsets by step 11"
+            print(f"{name}, {key}: {what} in {hits} of {len(sel)} runs")
+    return {"runs": runs, "steps": steps, "slow_from": slow_from, "link_factor": link_factor, "rows": rows}
+
+
+def _located(row: dict) -> str:
+    """``" (dp_stage0)"`` when a group's change-point located the onset (Falcon's group tracking)."""
+    by = row.get("onset_located_by")
+    return f" ({by})" if by and by != "iteration_time" else ""
+
+
 def print_table(rows: list[dict]) -> None:
     """The markdown table of :func:`bench_end_to_end`'s rows ("with / healthy": over the healthy
     scenario's applying run)."""
@@ -364,7 +424,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {r['scenario']} | {r['iteration_s_without']:.3f} | {r['iteration_s_with']:.3f} | "
               f"{r['iteration_s_with'] / r['iteration_s_without']:.2f} | {r['with_over_healthy']:.2f} | "
               f"{r['root_cause'] or '-'} | "
-              f"{r['onset_step'] or '-'} | {'; '.join(r['decisions']) or '-'} | "
+              f"{r['onset_step'] or '-'}{_located(r)} | {'; '.join(r['decisions']) or '-'} | "
               f"{'; '.join(r['applied']) or '-'} | {s3} | {ttm} |")
 
 
@@ -386,11 +446,15 @@ def main():
     ap.add_argument("--scenarios", default="", help="comma-separated substrings of scenario names "
                     "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
+    ap.add_argument("--group-tracking", type=int, default=0, metavar="RUNS",
+                    help="with --end-to-end: RUNS detect-only jobs each of healthy and slow DP link, "
+                    "their series replayed with and without group tracking (bench_group_tracking)")
     ap.add_argument("--s4", action="store_true", help="with --end-to-end: only the slow-device S2 -> S4 "
                     "run (bench_s4_slow_device; --steps, --slow-from, --device-factor)")
     args = ap.parse_args()
-    if args.end_to_end and args.s4:
-        res = bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir)
+    if args.end_to_end and (args.s4 or args.group_tracking):
+        res = (bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir) if args.s4 else
+               bench_group_tracking(args.group_tracking, args.steps, args.slow_from, args.link_factor, args.workdir))
         text = json.dumps(res, indent=2)
         print("\n```json\n" + text + "\n```")
         if args.json:
@@ -415,6 +479,7 @@ def main():
     res["detection"] = bench_detection(args.per_category, args.seed0)
     res["latency_vs_step"] = bench_latency_vs_step()
     res["monitor"] = bench_monitor_cost()
+    res["monitor_without_group_tracking"] = bench_monitor_cost(group_tracking=False)
     if not args.no_hooks:
         res["hooks"] = bench_hook_overhead()
     det = res["detection"]
@@ -451,6 +516,9 @@ def main():
     print(f"| SlowIterationDetector.observe | {d['mean']:.1f} | {d['p50']:.1f} | {d['p99']:.1f} | {d['cpu_mean']:.1f} |")
     m = res["monitor"]
     print(f"| FalconMonitor.observe | {m['mean_us']:.1f} | {m['p50_us']:.1f} | {m['p99_us']:.1f} | {m['cpu_mean_us']:.1f} |")
+    m = res["monitor_without_group_tracking"]
+    print(f"| FalconMonitor.observe, group_tracking off | {m['mean_us']:.1f} | {m['p50_us']:.1f} | "
+          f"{m['p99_us']:.1f} | {m['cpu_mean_us']:.1f} |")
     if "hooks" in res:
         h = res["hooks"]
         print(f"\nCallRecorder overhead: {h['overhead_us_per_call']:.2f} µs per torch.distributed call "

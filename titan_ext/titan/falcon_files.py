@@ -16,10 +16,11 @@ FALCON_LOG = "falcon.jsonl"
 decision dict (plus ``falcon/split``, the micro-batch split in force)."""
 FALCON_EVENTS = "falcon_events.jsonl"
 """Rank 0 appends one row per Falcon event (issue 23 item 4): ``kind`` "event" (a change-point),
-"localised" (validation's root cause; an "event" row's ``located_by`` names the series whose
-change-point was verified: ``iteration_time`` or a profiled group), "decision" (one strategy of Alg. 1: strategy S1-S4 or
+"localised" (validation's root cause), "decision" (one strategy of Alg. 1: strategy S1-S4 or
 PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
-before / after an applied strategy). See :func:`.falcon_events.event_rows`."""
+before / after an applied strategy). An "event" row's ``located_by`` names the series whose
+change-point was verified: ``iteration_time`` or a profiled group (group tracking). See
+:func:`.falcon_events.event_rows`."""
 
 
 def emulation_specs(section: Any) -> tuple[str, str]:

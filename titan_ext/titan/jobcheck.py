@@ -29,7 +29,7 @@ def check_job_config(config, world_size: int | None = None) -> None:
     """Cross-section checks; fills defaults titan_ext schedules need. Raises JobConfigError."""
     from titan_ext.titan.config import validate_titan_ext
     from titan_ext.titan.options import titan_ext_section
-    from titan_ext.titan.registry import get_schedule_class, is_titan_ext_schedule
+    from titan_ext.titan.registry import is_titan_ext_schedule
 
     par = config.parallelism
     pp = par.pipeline_parallel_degree
@@ -41,8 +41,26 @@ def check_job_config(config, world_size: int | None = None) -> None:
     _resolve_asset_paths(config)
     if not (section.inject_delays.strip() or section.inject_trace.strip()):
         _check_env_straggler(pp)
+    _check_emulation_and_world(section, par, world_size)
+    if pp <= 1:
+        return
+    _check_schedule_and_microbatches(config, section, pp)
+    if section.delegation != "off" or section.delegation_failover:
+        _check_delegation(config, section)
+    if section.backward:
+        _check_backward(config, section)
+    if is_titan_ext_schedule(par.pipeline_parallel_schedule):
+        _check_stage_split(config, pp)
+    experimental = getattr(config, "experimental", None)  # TorchTitan 0.2 (TOML) only
+    if experimental is not None and not experimental.custom_import:
+        experimental.custom_import = "titan_ext"
+
+
+def _check_emulation_and_world(section, par, world_size: int | None) -> None:
+    """The emulated faults fit the mesh; the PP degree divides the world."""
     from titan_ext.titan.falcon_emulate import check_emulation
 
+    pp = par.pipeline_parallel_degree
     try:
         check_emulation(section, pp, par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
                         world_size)
@@ -53,8 +71,14 @@ def check_job_config(config, world_size: int | None = None) -> None:
             f"[parallelism] pipeline_parallel_degree = {pp} does not divide the world size "
             f"{world_size} (torchrun --nproc_per_node x --nnodes)"
         )
-    if pp <= 1:
-        return
+
+
+def _check_schedule_and_microbatches(config, section, pp: int) -> None:
+    """A known schedule, micro-batches that divide the local batch (at least one per stage for
+    ours), and an in-flight cap PipeMorph Alg.1 can keep."""
+    from titan_ext.titan.registry import get_schedule_class, is_titan_ext_schedule
+
+    par = config.parallelism
     try:
         get_schedule_class(par.pipeline_parallel_schedule)
     except ValueError as e:
@@ -76,40 +100,42 @@ def check_job_config(config, world_size: int | None = None) -> None:
         raise JobConfigError(
             f"[titan_ext] max_inflight = {section.max_inflight}: stage 0 must hold at least one "
             f"microbatch per stage (PipeMorph Alg.1: x_0 >= S = {pp}); use >= {pp} or 0")
-    if section.delegation != "off" or section.delegation_failover:
-        from titan_ext.titan.options import supports_delegation
-        from titan_ext.titan.registry import schedule_class_for
 
-        key = "delegation" if section.delegation != "off" else "delegation_failover"
-        value = getattr(section, key)
-        if not is_titan_ext_schedule(par.pipeline_parallel_schedule):
-            raise JobConfigError(
-                f"[titan_ext] {key} = {value!r}: schedule {par.pipeline_parallel_schedule!r} is not "
-                f"a titan_ext schedule; delegation needs one (e.g. \"PipeMorph\")")
-        try:
-            cls = schedule_class_for(par.pipeline_parallel_schedule, config)
-        except (ImportError, ValueError) as e:
-            raise JobConfigError(f"[titan_ext] {key} = {value!r}: {e}") from None
-        if not supports_delegation(cls):
-            raise JobConfigError(
-                f"[titan_ext] {key} = {value!r}: schedule {par.pipeline_parallel_schedule!r} does "
-                f"not support delegation in this build (use delegation = \"off\")")
-    if section.backward:
-        from titan_ext.titan.registry import schedule_class_for
 
-        cls = schedule_class_for(par.pipeline_parallel_schedule, config) \
-            if is_titan_ext_schedule(par.pipeline_parallel_schedule) else None
-        choices = getattr(cls, "backward_choices", ())
-        if section.backward not in choices:
-            raise JobConfigError(
-                f"[titan_ext] backward = {section.backward!r}: schedule {par.pipeline_parallel_schedule!r} "
-                f"takes " + (", ".join(repr(c) for c in choices) if choices else "no backward option")
-                + " (leave it empty for the schedule's default)")
-    if is_titan_ext_schedule(par.pipeline_parallel_schedule):
-        _check_stage_split(config, pp)
-    experimental = getattr(config, "experimental", None)  # TorchTitan 0.2 (TOML) only
-    if experimental is not None and not experimental.custom_import:
-        experimental.custom_import = "titan_ext"
+def _check_delegation(config, section) -> None:
+    """Delegation (or its failover) asks for a titan_ext schedule that supports it."""
+    from titan_ext.titan.options import supports_delegation
+    from titan_ext.titan.registry import is_titan_ext_schedule, schedule_class_for
+
+    name = config.parallelism.pipeline_parallel_schedule
+    key = "delegation" if section.delegation != "off" else "delegation_failover"
+    value = getattr(section, key)
+    if not is_titan_ext_schedule(name):
+        raise JobConfigError(
+            f"[titan_ext] {key} = {value!r}: schedule {name!r} is not "
+            f"a titan_ext schedule; delegation needs one (e.g. \"PipeMorph\")")
+    try:
+        cls = schedule_class_for(name, config)
+    except (ImportError, ValueError) as e:
+        raise JobConfigError(f"[titan_ext] {key} = {value!r}: {e}") from None
+    if not supports_delegation(cls):
+        raise JobConfigError(
+            f"[titan_ext] {key} = {value!r}: schedule {name!r} does "
+            f"not support delegation in this build (use delegation = \"off\")")
+
+
+def _check_backward(config, section) -> None:
+    """``backward`` is one of the schedule's own choices."""
+    from titan_ext.titan.registry import is_titan_ext_schedule, schedule_class_for
+
+    name = config.parallelism.pipeline_parallel_schedule
+    cls = schedule_class_for(name, config) if is_titan_ext_schedule(name) else None
+    choices = getattr(cls, "backward_choices", ())
+    if section.backward not in choices:
+        raise JobConfigError(
+            f"[titan_ext] backward = {section.backward!r}: schedule {name!r} "
+            f"takes " + (", ".join(repr(c) for c in choices) if choices else "no backward option")
+            + " (leave it empty for the schedule's default)")
 
 
 def _resolve_asset_paths(config) -> None:

@@ -15,6 +15,7 @@ Workflow per fail-slow event:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import deque
@@ -206,9 +207,9 @@ class FalconMonitor:
         proposal that :meth:`_verify_group_proposals` checks against the iteration times.
 
         Why (issue 23, measured in docs/falcon.md "Group tracking"): Falcon §4.2 detects on the
-        iteration time alone; with ±20 % step noise and a few healthy steps before a fault, a
-        +40 % step took BOCD's posterior 2-21 steps past Falcon's 0.9, while the faulty group's
-        own time (5x) crossed it at the third slow step. The verification stays Falcon's."""
+        iteration time alone; with ±20 % step noise and 3 healthy steps before a fault, a +40 %
+        step was confirmed between its 3rd and its 22nd slow step (1 of 8 recorded series: never),
+        while the faulty group's own time (5x) is at its 3rd. The verification stays Falcon's."""
         if not self.config.group_tracking:
             return
         times = per_group_times or {}
@@ -216,10 +217,18 @@ class FalconMonitor:
             del self._group_detectors[g]  # a group that stopped reporting restarts when it returns
             self._group_proposals.pop(g, None)
         for g, v in times.items():
-            det = self._group_detectors.setdefault(g, SlowIterationDetector(self.config.detector))
+            if g not in self._group_detectors:
+                self._group_detectors[g] = self._group_detector()
+            det = self._group_detectors[g]
             gcp = det.observe(max(float(v), self.config.group_floor_s))
             if gcp is not None and gcp.kind in ("onset", "level") and gcp.relative_change > 0:
                 self._group_proposals[g] = (gcp, self.iteration)
+
+    def _group_detector(self) -> SlowIterationDetector:
+        """The iteration detector's parameters, its run lengths truncated at twice its window: a
+        group's change-point only matters while it is recent, and this bounds the per-group cost."""
+        d = self.config.detector
+        return SlowIterationDetector(dataclasses.replace(d, max_run_length=min(d.max_run_length, 2 * d.window)))
 
     def _verify_group_proposals(self, out: dict):
         """The iteration-time verification of the groups' proposed change-points, the largest
