@@ -191,6 +191,11 @@ device's DP link is slow too, S2 is not enough, the further slowdown is localise
 follows (the plan puts link 0-1 on a PP hop)."""
 
 
+SEQ_LEN = 32
+"""Tokens per sample of the end-to-end jobs (``--seq-len``): the share of the step that is stage
+compute grows with it (docs/falcon.md "Not done": a 4x device's S2 needs 5-100 %)."""
+
+
 def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
     import shutil
     import socket
@@ -205,7 +210,7 @@ def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
            "127.0.0.1", "--master_port", str(port), "--local-ranks-filter", "0", "-m", "titan_ext.train",
            "--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--job.dump_folder", dump,
            "--training.steps", str(steps), "--training.local_batch_size", "2",
-           "--training.global_batch_size", "12", "--training.seq_len", "32", *args]
+           "--training.global_batch_size", "12", "--training.seq_len", str(SEQ_LEN), *args]
     shutil.rmtree(dump, ignore_errors=True)  # the job appends to its falcon*.jsonl: start empty
     os.makedirs(dump)
     with open(os.path.join(dump, "train.log"), "w") as f:
@@ -311,7 +316,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
     os.makedirs(dump)
     common = ["--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--training.steps", str(steps),
               "--training.local_batch_size", "2", "--training.global_batch_size", "12",
-              "--training.seq_len", "32", "--titan_ext.no-adaptive", "--checkpoint.enable",
+              "--training.seq_len", str(SEQ_LEN), "--titan_ext.no-adaptive", "--checkpoint.enable",
               "--checkpoint.interval", "100000"]
     subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
                     "--master-port", port(), "--log", os.path.join(dump, "train.log"), "--",
@@ -429,6 +434,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main():
+    global SEQ_LEN
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--per-category", type=int, default=100)
     ap.add_argument("--seed0", type=int, default=50000)
@@ -446,12 +452,14 @@ def main():
     ap.add_argument("--scenarios", default="", help="comma-separated substrings of scenario names "
                     "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
+    ap.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per sample of the end-to-end jobs")
     ap.add_argument("--group-tracking", type=int, default=0, metavar="RUNS",
                     help="with --end-to-end: RUNS detect-only jobs each of healthy and slow DP link, "
                     "their series replayed with and without group tracking (bench_group_tracking)")
     ap.add_argument("--s4", action="store_true", help="with --end-to-end: only the slow-device S2 -> S4 "
                     "run (bench_s4_slow_device; --steps, --slow-from, --device-factor)")
     args = ap.parse_args()
+    SEQ_LEN = args.seq_len
     if args.end_to_end and (args.s4 or args.group_tracking):
         res = (bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir) if args.s4 else
                bench_group_tracking(args.group_tracking, args.steps, args.slow_from, args.link_factor, args.workdir))

@@ -481,3 +481,33 @@ def test_group_tracking_off_is_falcon_iteration_time_alone():
     got = [mon.observe(t, {"dp_stage0": 10.0 if i >= 10 else 0.01}).get("falcon/event") for i, t in enumerate(times)]
     want = [getattr(det.observe(t), "kind", None) for t in times]
     assert got == want and "onset" in got
+
+
+def test_s2_splits_by_the_measured_micro_batch_times_of_the_replicas():
+    """Falcon §5.3: Eq. 1's t_i are the DP groups' profiled micro-batch times. A 4x device in
+    replica 1 of a DP 2 x PP 2 job with 3 chunks a replica (compute per chunk c, the rest of the
+    step F): replica 1 takes 13c for its chunks against 4c, the step 2.3x. Measured per-chunk times
+    (4c/3, 13c/3) give the split a brute-force min-max over the 6 chunks gives, [5, 1]; the
+    iteration slowdown alone (2.3x for every micro-batch of replica 1) would give [4, 2], which
+    takes F + 9c against [5, 1]'s F + 6c."""
+    costs = StrategyCosts(microbatch_redistribution=0.5, topology_adjustment=1e6, checkpoint_restart=1e9)
+    c = 0.1
+    t_measured = [4 * c / 3, 13 * c / 3]
+
+    def run(measured: bool):
+        mon = FalconMonitor(FalconConfig(costs=costs, num_microbatches=6), grid=[[0, 2], [1, 3]])
+        rng = np.random.default_rng(4)
+        for it in range(80):
+            slow = it >= 50
+            if measured:
+                mon.replica_microbatch_s = t_measured if slow else [4 * c / 3] * 2
+            out = mon.observe((2.3 if slow else 1.0) * (1 + 0.01 * rng.standard_normal()))
+            if out.get("falcon/validate"):
+                mon.report_validation(gemm_times_s={0: 1.0, 1: 1.0, 2: 1.0, 3: 4.0})
+            if "falcon/plan/microbatch_split" in out:
+                return json.loads(out["falcon/plan/microbatch_split"])
+        return None
+
+    best = min(range(7), key=lambda m0: max(m0 * t_measured[0], (6 - m0) * t_measured[1]))
+    assert run(True) == [best, 6 - best] == [5, 1]
+    assert run(False) == [4, 2]

@@ -81,9 +81,8 @@ def _replanned_split(job: Any) -> list[int]:
     m = job.monitor
     if not m.slow_devices:
         return job.even_split
-    factor = m.detector.current_mean_s / (m.detector.healthy_mean_s or 1.0)
-    per_dp = [m._replica_slowdown(row, factor) for row in job.grid]
-    return at_least_one_each(m.plan_microbatch_split(per_dp))
+    # the new rows were not measured yet: modelled from the probe (the monitor's grid is the new one)
+    return at_least_one_each(m.plan_microbatch_split(m.modelled_replica_slowdowns()))
 
 
 def _plan_s4(job: Any):

@@ -96,6 +96,10 @@ class DPSync:
         self.sync_s = 0.0
         """This rank's last DP sync time (the emulated delay included)."""
         self._marks: tuple | None = None
+        self._step_start = None
+        self.compute_s = math.nan
+        """This rank's last compute phase: step start to the DP sync (its chunks' forwards and
+        backwards, device time)."""
 
     def regroup(self, dp_group: Any, dp_control: Any, dp_ranks: list[int], pp_index: int, num_pp: int) -> None:
         """(Re)bind to this rank's DP group (at start and after S3): the stages' gradient sizes, and
@@ -136,6 +140,10 @@ class DPSync:
         self.base_s = healthy_s[self.pp_index]
         self.emulation.link_bytes_per_s = min(b / t for b, t in zip(self.stage_bytes, healthy_s))
 
+    def step_started(self) -> None:
+        """Marks the start of a step's compute phase (read by :meth:`transfer_times`)."""
+        self._step_start = self.timer.mark()
+
     def sync(self) -> None:
         """Σ over DP replicas of the token-sum gradients (TorchTitan's DP gradient), after the emulated
         slow link's extra time (held back on the device before the all-reduce)."""
@@ -158,6 +166,8 @@ class DPSync:
             start, reduce_start, end = self._marks
             sync_s, reduce_s = self.timer.elapsed_s(start, end), self.timer.elapsed_s(reduce_start, end)
             self.sync_s, self._marks = sync_s, None
+            if self._step_start is not None:
+                self.compute_s, self._step_start = self.timer.elapsed_s(self._step_start, start), None
         vec = torch.full((2, self.num_pp), math.inf, dtype=torch.float64)
         vec[:, self.pp_index] = torch.tensor([sync_s, reduce_s], dtype=torch.float64)
         dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.control)

@@ -125,6 +125,7 @@ class FalconJob:
         chunks = self._my_chunks(self.data_iterator or data_iterator)
         self.trainer.gradient_accumulation_steps = len(chunks)
         self._backwards_left = len(chunks)
+        self.dp.step_started()
         run_step(iter(chunks))
         if self.enabled:
             self._falcon(time.perf_counter() - t0)

@@ -31,13 +31,15 @@ more than the monitor's 2 ms minimum excess on loopback."""
 def group_times(job: Any, step_s: float) -> tuple[float, dict[str, float]]:
     """Iteration time (§4.2: the slowest rank's step) and per-group times (§4.3 profiling: every
     stage's DP transfer time, every replica's PP link delays as PipeMorph measured them), the same
-    on every rank (MAX over the world)."""
+    on every rank (MAX over the world); each replica's time per micro-batch goes to the monitor
+    (``replica_microbatch_s``, S2's Eq. 1 input)."""
     from titan_ext.titan.metrics import runtime_metrics
 
     S, D = job.num_pp, job.num_dp
-    vec = torch.zeros(1 + S + D * (S - 1), dtype=torch.float64)
+    vec = torch.zeros(1 + S + D * (S - 1) + D, dtype=torch.float64)
     vec[0] = step_s
     vec[1:1 + S] = torch.tensor(job.dp.transfer_times(), dtype=torch.float64)
+    vec[-D + job.dp_index] = job.dp.compute_s
     rt = runtime_metrics(job.trainer.pp_schedule)
     job.costs.measure_replan(rt)  # only a Falcon decision's ski-rental input
     for i, ms in rt.get("link_delay_ms", {}).items():
@@ -47,6 +49,9 @@ def group_times(job: Any, step_s: float) -> tuple[float, dict[str, float]]:
           lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=job.control))
     groups = {f"dp_stage{s}": float(vec[1 + s]) for s in range(S)}
     groups |= {f"pp{d}_link{i}": float(vec[1 + S + d * (S - 1) + i]) for d in range(D) for i in range(S - 1)}
+    # Falcon §5.3's t_i: a replica's time per micro-batch, its slowest stage's compute phase over its
+    # chunks (the replicas run independently until the DP sync)
+    job.monitor.replica_microbatch_s = [float(vec[-D + d]) / job.split[d] for d in range(D)]
     return float(vec[0]), groups
 
 

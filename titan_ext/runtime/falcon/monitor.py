@@ -105,6 +105,12 @@ class FalconMonitor:
         self._period: int | None = None
         self._calls_consumed = 0
         self._group_detectors: dict[str, SlowIterationDetector] = {}
+        self.replica_microbatch_s: list[float] | None = None
+        """Set by the trainer before :meth:`observe`: each DP replica's (``grid`` row's) measured
+        time per micro-batch this iteration (Falcon §5.3's t_i, "profiled by Falcon-Detect").
+        When given, S2's Eq. 1 uses their recent medians; otherwise it models them from the
+        iteration slowdown and the GEMM probe (:meth:`_replica_slowdown`)."""
+        self._replica_times: list = []  # per iteration: replica_microbatch_s, or None
         self._group_proposals: dict[str, tuple] = {}  # group -> (its change-point, since iteration)
 
     # ---------------------------------------------------------------- tracking
@@ -163,6 +169,8 @@ class FalconMonitor:
         it = self.iteration
         cp = self.detector.observe(t)
         out: dict = {"falcon/iteration_time_s": t}
+        self._replica_times.append(self.replica_microbatch_s)
+        self.replica_microbatch_s = None
         self._track_groups(per_group_times)
         if cp is None:
             cp = self._verify_group_proposals(out)
@@ -340,6 +348,22 @@ class FalconMonitor:
             raise ValueError("FalconConfig.num_microbatches is needed for a redistribution plan")
         return min_max_microbatch_split(m, per_group_microbatch_s)
 
+    def modelled_replica_slowdowns(self) -> list[float]:
+        """Per ``grid`` row, its modelled slowdown: the measured iteration slowdown shared out by
+        the rows' GEMM excess (:meth:`_replica_slowdown`)."""
+        factor = self.detector.current_mean_s / (self.detector.healthy_mean_s or 1.0)
+        return [self._replica_slowdown(row, factor) for row in self.grid]
+
+    def _measured_replica_times(self) -> list[float] | None:
+        """Median per replica of the measured micro-batch times of the current segment's iterations
+        (since the last change-point, at most ``effect_window``); None unless every one of them
+        measured every row of the grid."""
+        seg = self.detector.change_points[-1].index if self.detector.change_points else 0
+        recent = self._replica_times[max(seg, len(self._replica_times) - self.config.effect_window):]
+        if not recent or any(r is None or len(r) != len(self.grid) or not all(x > 0 for x in r) for r in recent):
+            return None
+        return [float(np.median(col)) for col in zip(*recent)]
+
     def _replica_slowdown(self, row, factor: float) -> float:
         # flagged devices are > slow_device_ratio (≥ 1) × the median, so every excess is > 0
         slow = [self.device_slowdown[d] - 1.0 for d in row if d in self.slow_devices]
@@ -357,8 +381,7 @@ class FalconMonitor:
             # device is less slow (on a shared host a second probe may cross the 1.1× threshold)
             # gets a share of it in proportion to its own GEMM excess, replicas with no flagged
             # device stay at 1.
-            factor = self.detector.current_mean_s / (self.detector.healthy_mean_s or 1.0)
-            per_dp = [self._replica_slowdown(row, factor) for row in self.grid]
+            per_dp = self._measured_replica_times() or self.modelled_replica_slowdowns()
             if self.config.num_microbatches is not None:
                 out["falcon/plan/microbatch_split"] = json.dumps(self.plan_microbatch_split(per_dp))
         if strategy == "pipemorph_replan":
