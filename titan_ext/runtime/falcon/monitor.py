@@ -110,7 +110,8 @@ class FalconMonitor:
         time per micro-batch this iteration (Falcon §5.3's t_i, "profiled by Falcon-Detect").
         When given, S2's Eq. 1 uses their recent medians; otherwise it models them from the
         iteration slowdown and the GEMM probe (:meth:`_replica_slowdown`)."""
-        self._replica_times: list = []  # per iteration: replica_microbatch_s, or None
+        self._replica_times: deque = deque(maxlen=max(1, self.config.effect_window))
+        """(iteration index, replica_microbatch_s or None) of the last ``effect_window`` iterations."""
         self._group_proposals: dict[str, tuple] = {}  # group -> (its change-point, since iteration)
 
     # ---------------------------------------------------------------- tracking
@@ -169,7 +170,7 @@ class FalconMonitor:
         it = self.iteration
         cp = self.detector.observe(t)
         out: dict = {"falcon/iteration_time_s": t}
-        self._replica_times.append(self.replica_microbatch_s)
+        self._replica_times.append((len(self.detector.times) - 1, self.replica_microbatch_s))
         self.replica_microbatch_s = None
         self._track_groups(per_group_times)
         if cp is None:
@@ -349,8 +350,11 @@ class FalconMonitor:
         return min_max_microbatch_split(m, per_group_microbatch_s)
 
     def modelled_replica_slowdowns(self) -> list[float]:
-        """Per ``grid`` row, its modelled slowdown: the measured iteration slowdown shared out by
-        the rows' GEMM excess (:meth:`_replica_slowdown`)."""
+        """Per ``grid`` row, its modelled micro-batch slowdown (∝ its slowest device): the measured
+        iteration slowdown is that of the replica holding the slowest flagged device; a replica
+        whose flagged device is less slow (on a shared host a second probe may cross the 1.1×
+        threshold) gets a share of it in proportion to its own GEMM excess, replicas with no
+        flagged device stay at 1 (:meth:`_replica_slowdown`)."""
         factor = self.detector.current_mean_s / (self.detector.healthy_mean_s or 1.0)
         return [self._replica_slowdown(row, factor) for row in self.grid]
 
@@ -359,7 +363,7 @@ class FalconMonitor:
         (since the last change-point, at most ``effect_window``); None unless every one of them
         measured every row of the grid."""
         seg = self.detector.change_points[-1].index if self.detector.change_points else 0
-        recent = self._replica_times[max(seg, len(self._replica_times) - self.config.effect_window):]
+        recent = [r for i, r in self._replica_times if i >= seg]
         if not recent or any(r is None or len(r) != len(self.grid) or not all(x > 0 for x in r) for r in recent):
             return None
         return [float(np.median(col)) for col in zip(*recent)]
@@ -376,11 +380,8 @@ class FalconMonitor:
         prev = out.get("falcon/apply")
         out["falcon/apply"] = strategy if not prev else f"{prev},{strategy}"
         if strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:
-            # Per-DP-replica micro-batch time ∝ its slowest device. The measured iteration slowdown
-            # is that of the replica holding the slowest flagged device; a replica whose flagged
-            # device is less slow (on a shared host a second probe may cross the 1.1× threshold)
-            # gets a share of it in proportion to its own GEMM excess, replicas with no flagged
-            # device stay at 1.
+            # Eq. 1's t_i: the replicas' measured micro-batch times where the trainer reports them,
+            # else modelled from the iteration slowdown and the GEMM probe
             per_dp = self._measured_replica_times() or self.modelled_replica_slowdowns()
             if self.config.num_microbatches is not None:
                 out["falcon/plan/microbatch_split"] = json.dumps(self.plan_microbatch_split(per_dp))
