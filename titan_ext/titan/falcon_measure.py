@@ -14,7 +14,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from titan_ext.runtime.falcon.localize import locate_slow_links
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 from titan_ext.runtime.timeouts import named
 
@@ -87,7 +86,7 @@ def validate(job: Any) -> dict:
     reference = [r for r in rings_to_validate(job.grid, []) if r not in rings][:1]
     timed = [r for r in rings + reference if len(r) > 1]
     links = _time_rings(job, timed)
-    if _slow_links(job, links, rings, reference):
+    if job.monitor.slow_links_in(*_suspects_and_reference(links, rings, reference)):
         # a second round before a link is called slow: a slow link is slow in both, while a loaded
         # host's scheduling noise (seen: one direction of a healthy DP link flagged, then S3
         # applied in a healthy run) rarely repeats; every rank holds the same times, so all agree
@@ -108,14 +107,6 @@ def _suspects_and_reference(links: dict, rings: list, reference: list) -> tuple[
     ref_times = [t for (a, b), t in links.items() if reference and {a, b} <= set(reference[0])]
     suspect = {k: t for k, t in links.items() if any(set(k) <= set(r) for r in rings)}
     return suspect, float(np.median(ref_times)) if ref_times else None
-
-
-def _slow_links(job: Any, links: dict, rings: list, reference: list) -> list:
-    """The links the monitor's rule (:func:`~titan_ext.runtime.falcon.localize.locate_slow_links`)
-    would call slow in these times."""
-    c = job.monitor.config
-    suspect, ref = _suspects_and_reference(links, rings, reference)
-    return locate_slow_links(suspect, c.slow_link_ratio, ref, c.slow_link_min_excess_s)
 
 
 def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]]:

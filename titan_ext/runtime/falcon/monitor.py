@@ -297,8 +297,7 @@ class FalconMonitor:
             ref = (float(np.median(list(link_times_s.values()))) if link_reference_s is None
                    else float(link_reference_s))
             self.slow_link_excess_s = {k: v - ref for k, v in link_times_s.items()}
-        self.slow_links = locate_slow_links(link_times_s or {}, c.slow_link_ratio, link_reference_s,
-                                            c.slow_link_min_excess_s)
+        self.slow_links = self.slow_links_in(link_times_s or {}, link_reference_s)
         self.slow_devices = locate_slow_devices(gemm_times_s or {}, c.slow_device_ratio)
         ref = float(np.median(list(gemm_times_s.values()))) if gemm_times_s else 1.0
         self.device_slowdown = {k: v / ref for k, v in (gemm_times_s or {}).items()}
@@ -311,6 +310,12 @@ class FalconMonitor:
         self._classify(out)
         self.history.append({"iteration": self.iteration, **out})
         return out
+
+    def slow_links_in(self, link_times_s: dict, link_reference_s: float | None = None) -> list:
+        """The links validation calls slow (§4.3): this monitor's thresholds on
+        :func:`~.localize.locate_slow_links`."""
+        c = self.config
+        return locate_slow_links(link_times_s, c.slow_link_ratio, link_reference_s, c.slow_link_min_excess_s)
 
     def _classify(self, out):
         cause = "unknown"
