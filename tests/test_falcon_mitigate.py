@@ -511,3 +511,79 @@ def test_s2_splits_by_the_measured_micro_batch_times_of_the_replicas():
     best = min(range(7), key=lambda m0: max(m0 * t_measured[0], (6 - m0) * t_measured[1]))
     assert run(True) == [best, 6 - best] == [5, 1]
     assert run(False) == [4, 2]
+
+
+def _s2_closed_loop(chunk_times, gain, steps=110, slow_from=40, recover_at=None, seed=5):
+    """A DP 2 x PP 2 monitor (6 chunks) driven by a host model: ``chunk_times(split, slow)`` are the
+    replicas' true times per chunk under that split, the step their slowest ``m_i t_i`` (1 %
+    noise). Device 3 (replica 1) is slow from ``slow_from`` (until ``recover_at``). Returns the
+    splits in force, one per step."""
+    costs = StrategyCosts(microbatch_redistribution=0.5, topology_adjustment=1e6, checkpoint_restart=1e9)
+    mon = FalconMonitor(FalconConfig(costs=costs, num_microbatches=6, split_refine_gain=gain),
+                        grid=[[0, 2], [1, 3]])
+    rng = np.random.default_rng(seed)
+    split, history = [3, 3], []
+    for it in range(steps):
+        slow = slow_from <= it and (recover_at is None or it < recover_at)
+        t = chunk_times(split, slow)
+        mon.replica_microbatch_s, mon.split = [x * (1 + 0.01 * rng.standard_normal()) for x in t], list(split)
+        out = mon.observe(max(m * x for m, x in zip(split, t)) * (1 + 0.01 * rng.standard_normal()))
+        if out.get("falcon/validate"):
+            mon.report_validation(gemm_times_s={0: 1.0, 1: 1.0, 2: 1.0, 3: 4.0 if slow else 1.0})
+        if "falcon/plan/microbatch_split" in out:
+            split = json.loads(out["falcon/plan/microbatch_split"])
+        history.append(split)
+    return history
+
+
+def _freed_cores(split, slow):
+    """A shared host: the fast replica's chunks get faster the fewer chunks the slow replica runs
+    (its ranks idle and lend their cores); the slow replica's chunk takes 2.4x."""
+    return [0.5 + 0.5 * split[1] / 3, 2.4 if slow else 0.5 + 0.5 * split[0] / 3]
+
+
+def _true_step(chunk_times, split):
+    return max(m * t for m, t in zip(split, chunk_times(split, True)))
+
+
+def test_s2_closed_loop_reaches_the_best_split_where_the_first_plan_misjudged_it():
+    """t_i measured at [3, 3] (1.0, 2.4) make Eq. 1 pick [4, 2] (4.8 against [5, 1]'s 5.0), while on
+    this host [5, 1] is the fastest split (brute force over the host model's true step times).
+    The closed loop measures at [4, 2], predicts [5, 1] faster by more than 10 % and moves there;
+    the paper's one-shot S2 stays at [4, 2]."""
+    best = min(([m, 6 - m] for m in range(1, 6)), key=lambda sp: _true_step(_freed_cores, sp))
+    assert best == [5, 1]
+    assert _s2_closed_loop(_freed_cores, gain=None)[-1] == [4, 2]
+    history = _s2_closed_loop(_freed_cores, gain=0.1)
+    assert history[-1] == best
+    assert [s for s, _ in itertools.groupby(history)] == [[3, 3], [4, 2], [5, 1]]
+
+
+def test_s2_closed_loop_never_flaps():
+    """A host model on which each split's measurement favours another one: once the split is
+    skewed, the replica given more chunks measures 2.4x per chunk, so at [4, 2] Eq. 1 prefers
+    [2, 4] by half and at [2, 4] it prefers [4, 2]. Each split is tried at most once an event:
+    [4, 2] (S2), [2, 4] (the loop), and — the step having grown, which re-localises and restarts
+    Alg. 1's ladder — [4, 2] by the ladder's S2 once more; then the split holds (without that rule
+    it alternates every 5 steps)."""
+    def contrary(split, slow):
+        if not slow:
+            return [1.0, 1.0]
+        return [1.0, 2.4] if split == [3, 3] else [2.4 if m > 3 else 1.0 for m in split]
+
+    history = _s2_closed_loop(contrary, gain=0.1, steps=200)
+    changes = [s for s, _ in itertools.groupby(history)]
+    assert changes == [[3, 3], [4, 2], [2, 4], [4, 2]]
+    assert history[-100:] == [[4, 2]] * 100
+
+
+def test_s2_closed_loop_returns_to_the_even_split_when_the_device_recovers():
+    """Device 3 slow from step 40 to 80: S2 moves chunks off replica 1; once both replicas measure
+    the same chunk time again, Eq. 1 predicts the even split 40 % faster and restores it. Without
+    the loop the skewed split stays (the step then 5/3 of healthy)."""
+    def flat(split, slow):
+        return [1.0, 2.4 if slow else 1.0]
+
+    history = _s2_closed_loop(flat, gain=0.1, steps=130, recover_at=80)
+    assert history[79] != [3, 3] and history[-1] == [3, 3]
+    assert _s2_closed_loop(flat, gain=None, steps=130, recover_at=80)[-1] != [3, 3]

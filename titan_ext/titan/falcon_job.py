@@ -152,7 +152,9 @@ class FalconJob:
         S4 last, once the step is recorded (it exits)."""
         acf = acf_iteration_times(self.monitor)
         iteration_s, groups = group_times(self, step_s)
+        measured_t = json.dumps(self.monitor.replica_microbatch_s)  # observe() consumes it
         decision = self._observe(iteration_s, groups) | acf
+        decision["falcon/replica_microbatch_s"] = measured_t
         decision |= {f"falcon/group_s/{g}": t for g, t in groups.items()}
         if decision.get("falcon/validate"):
             decision |= validate(self)

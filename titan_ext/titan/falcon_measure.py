@@ -52,6 +52,7 @@ def group_times(job: Any, step_s: float) -> tuple[float, dict[str, float]]:
     # Falcon §5.3's t_i: a replica's time per micro-batch, its slowest stage's compute phase over its
     # chunks (the replicas run independently until the DP sync)
     job.monitor.replica_microbatch_s = [float(vec[-D + d]) / job.split[d] for d in range(D)]
+    job.monitor.split = list(job.split)
     return float(vec[0]), groups
 
 

@@ -64,11 +64,17 @@ class FalconConfig:
     False: Falcon §4.2's iteration-time tracking alone."""
     group_floor_s: float = 1e-3
     """Group times below this are tracked as this (a healthy PP link's measured delay is ~0)."""
+    split_refine_gain: float | None = 0.1
+    """S2 as a closed loop (:meth:`FalconMonitor._refine_split`): once S2 applied, a split that
+    Eq. 1 on the times measured with the split in force predicts this fraction faster replaces it.
+    None: S2 plans once, as in the paper."""
 
     def __post_init__(self) -> None:
         for name in ("suspicious_ratio", "slow_link_ratio", "slow_device_ratio"):
             if not getattr(self, name) >= 1.0:  # below 1 would flag the median itself as slow
                 raise ValueError(f"FalconConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.split_refine_gain is not None and not 0.0 < self.split_refine_gain < 1.0:
+            raise ValueError(f"FalconConfig.split_refine_gain must be in (0, 1) or None, got {self.split_refine_gain!r}")
 
 
 class FalconMonitor:
@@ -112,6 +118,12 @@ class FalconMonitor:
         iteration slowdown and the GEMM probe (:meth:`_replica_slowdown`)."""
         self._replica_times: deque = deque(maxlen=max(1, self.config.effect_window))
         """(iteration index, replica_microbatch_s or None) of the last ``effect_window`` iterations."""
+        self.split: list[int] | None = None
+        """Set by the trainer: the micro-batches (chunks) each ``grid`` row runs now; S2's
+        refinement (:meth:`_refine_split`) compares a new split with it."""
+        self._s2_applied = False
+        self._splits_tried: set[tuple[int, ...]] = set()  # S2's splits since the last onset or relief
+        self._changed_at = -1  # iteration of the last applied strategy
         self._group_proposals: dict[str, tuple] = {}  # group -> (its change-point, since iteration)
 
     # ---------------------------------------------------------------- tracking
@@ -180,6 +192,8 @@ class FalconMonitor:
             out["falcon/change_point_iteration"] = cp.index
             out["falcon/change_point_latency_iters"] = cp.detected_at - cp.index
             out["falcon/change_point_relative_change"] = cp.relative_change
+            if cp.kind in ("onset", "relief"):
+                self._splits_tried = set()
             if cp.kind == "onset" or (cp.kind == "level" and cp.relative_change > 0 and self.planner.active):
                 self._on_onset(per_group_times, out)
             elif cp.kind == "relief":
@@ -195,11 +209,14 @@ class FalconMonitor:
             if self.planner.active:
                 for s in self.planner.step(t):
                     self._apply(s, out)
-                out["falcon/slow_iters"] = self.planner.slow_iters
-                out["falcon/impact_s"] = self.planner.impact_s
-                nxt = self.planner.next_strategy
-                out["falcon/next_strategy"] = nxt or ""
-                out["falcon/next_overhead_s"] = c.costs.of(nxt) if nxt else float("nan")
+        if "falcon/apply" not in out:
+            self._refine_split(out)
+        if self.detector.slow and self.planner.active:
+            out["falcon/slow_iters"] = self.planner.slow_iters
+            out["falcon/impact_s"] = self.planner.impact_s
+            nxt = self.planner.next_strategy
+            out["falcon/next_strategy"] = nxt or ""
+            out["falcon/next_overhead_s"] = c.costs.of(nxt) if nxt else float("nan")
         self._measure_effects(t, out)
         self.recent.append(t)
         out["falcon/state"] = "slow" if self.detector.slow else "healthy"
@@ -363,15 +380,45 @@ class FalconMonitor:
         factor = self.detector.current_mean_s / (self.detector.healthy_mean_s or 1.0)
         return [self._replica_slowdown(row, factor) for row in self.grid]
 
-    def _measured_replica_times(self) -> list[float] | None:
-        """Median per replica of the measured micro-batch times of the current segment's iterations
-        (since the last change-point, at most ``effect_window``); None unless every one of them
-        measured every row of the grid."""
-        seg = self.detector.change_points[-1].index if self.detector.change_points else 0
-        recent = [r for i, r in self._replica_times if i >= seg]
-        if not recent or any(r is None or len(r) != len(self.grid) or not all(x > 0 for x in r) for r in recent):
+    def _measured_replica_times(self, since: int, count: int = 1) -> list[float] | None:
+        """Median per replica of the measured micro-batch times of the last ``effect_window``
+        iterations from iteration ``since`` on; None unless at least ``count`` of them, each with
+        every row of the grid measured."""
+        recent = [r for i, r in self._replica_times if i >= since]
+        if len(recent) < count or any(r is None or len(r) != len(self.grid) or not all(x > 0 for x in r)
+                                      for r in recent):
             return None
         return [float(np.median(col)) for col in zip(*recent)]
+
+    def _segment_start(self) -> int:
+        """First iteration of the current segment: the last change-point's, else 0."""
+        return self.detector.change_points[-1].index if self.detector.change_points else 0
+
+    def _refine_split(self, out: dict) -> None:
+        """S2 as a closed loop (not in the paper, whose Eq. 1 is solved once). Once S2 applied,
+        Eq. 1 is solved again each iteration on t_i measured with the split in force, over a full
+        ``effect_window`` since the last change-point or applied strategy; a split it predicts at
+        least ``split_refine_gain`` faster than the one in force replaces it, each split at most
+        once between an onset or relief and the next (no flapping). Why: t_i measured at one split can mislead at another — on a
+        shared host a replica given fewer chunks frees cores for the others (docs/falcon.md
+        "S2 closed loop") — and a device that recovers leaves a skewed split behind, which the same
+        rule returns to even."""
+        gain, c = self.config.split_refine_gain, self.config
+        if gain is None or not self._s2_applied or self.split is None or self.grid is None \
+                or c.num_microbatches is None or len(self.split) != len(self.grid):
+            return
+        t = self._measured_replica_times(max(self._changed_at + 1, self._segment_start()), c.effect_window)
+        if t is None:
+            return
+        new = self.plan_microbatch_split(t)
+
+        def predicted(split):
+            return max(m * ti for m, ti in zip(split, t))
+
+        if tuple(new) in self._splits_tried or predicted(new) > (1.0 - gain) * predicted(self.split):
+            return
+        out["falcon/split_refined_from"] = json.dumps(list(self.split))
+        self._apply("microbatch_redistribution", out, split=new)
 
     def _replica_slowdown(self, row, factor: float) -> float:
         # flagged devices are > slow_device_ratio (≥ 1) × the median, so every excess is > 0
@@ -381,15 +428,23 @@ class FalconMonitor:
         worst = max(self.device_slowdown[d] for d in self.slow_devices) - 1.0
         return 1.0 + (factor - 1.0) * max(slow) / worst
 
-    def _apply(self, strategy: str, out: dict) -> None:
+    def _apply(self, strategy: str, out: dict, split: list[int] | None = None) -> None:
+        """Record ``strategy`` applied this iteration, with its plan; ``split``: S2's refinement's."""
         prev = out.get("falcon/apply")
         out["falcon/apply"] = strategy if not prev else f"{prev},{strategy}"
-        if strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:
+        self._changed_at = self.iteration
+        if split is not None:
+            self._splits_tried.add(tuple(split))
+            out["falcon/plan/microbatch_split"] = json.dumps(list(split))
+        elif strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:
             # Eq. 1's t_i: the replicas' measured micro-batch times where the trainer reports them,
             # else modelled from the iteration slowdown and the GEMM probe
-            per_dp = self._measured_replica_times() or self.modelled_replica_slowdowns()
+            per_dp = self._measured_replica_times(self._segment_start()) or self.modelled_replica_slowdowns()
             if self.config.num_microbatches is not None:
-                out["falcon/plan/microbatch_split"] = json.dumps(self.plan_microbatch_split(per_dp))
+                plan = self.plan_microbatch_split(per_dp)
+                self._s2_applied = True
+                self._splits_tried.add(tuple(plan))
+                out["falcon/plan/microbatch_split"] = json.dumps(plan)
         if strategy == "pipemorph_replan":
             link, excess = self._slow_pp_link()
             if link is not None:
@@ -405,8 +460,7 @@ class FalconMonitor:
         # effect_window of them, including this one; "after": the effect_window iterations that follow.
         # Medians, so one preempted iteration on a shared host does not decide the measured effect.
         times = self.detector.times
-        seg = self.detector.change_points[-1].index if self.detector.change_points else 0
-        lo = max(seg, len(times) - self.config.effect_window)
+        lo = max(self._segment_start(), len(times) - self.config.effect_window)
         before = float(np.median(times[lo:])) if times[lo:] else float("nan")
         self._pending_effects.append((strategy, self.iteration, before))
 
