@@ -193,7 +193,22 @@ follows (the plan puts link 0-1 on a PP hop)."""
 
 SEQ_LEN = 32
 """Tokens per sample of the end-to-end jobs (``--seq-len``): the share of the step that is stage
-compute grows with it (docs/falcon.md "Not done": a 4x device's S2 needs 5-100 %)."""
+compute grows with it (docs/falcon.md "Not done")."""
+DEVICE_PASS_MS = 0.0
+"""``--device-pass-ms``: the jobs' ``emulate_device_pass_ms`` (dedicated-device emulation: every
+forward takes this many ms, every backward twice that, the slow device F times that; 0 = the
+model's real compute on the shared cores)."""
+
+
+def _mode_args() -> list[str]:
+    """The compute mode's job arguments (every end-to-end job of one invocation runs in one mode)."""
+    return ["--training.seq_len", str(SEQ_LEN), "--titan_ext.emulate_device_pass_ms", f"{DEVICE_PASS_MS:g}"]
+
+
+def _mode() -> str:
+    return (f"emulated dedicated devices, forward {DEVICE_PASS_MS:g} ms / backward {2 * DEVICE_PASS_MS:g} ms "
+            f"a pass (seq_len {SEQ_LEN})" if DEVICE_PASS_MS > 0 else
+            f"real model compute on the shared cores (seq_len {SEQ_LEN})")
 
 
 def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
@@ -210,7 +225,7 @@ def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
            "127.0.0.1", "--master_port", str(port), "--local-ranks-filter", "0", "-m", "titan_ext.train",
            "--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--job.dump_folder", dump,
            "--training.steps", str(steps), "--training.local_batch_size", "2",
-           "--training.global_batch_size", "12", "--training.seq_len", str(SEQ_LEN), *args]
+           "--training.global_batch_size", "12", *_mode_args(), *args]
     shutil.rmtree(dump, ignore_errors=True)  # the job appends to its falcon*.jsonl: start empty
     os.makedirs(dump)
     with open(os.path.join(dump, "train.log"), "w") as f:
@@ -316,7 +331,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
     os.makedirs(dump)
     common = ["--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--training.steps", str(steps),
               "--training.local_batch_size", "2", "--training.global_batch_size", "12",
-              "--training.seq_len", str(SEQ_LEN), "--titan_ext.no-adaptive", "--checkpoint.enable",
+              *_mode_args(), "--titan_ext.no-adaptive", "--checkpoint.enable",
               "--checkpoint.interval", "100000"]
     subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
                     "--master-port", port(), "--log", os.path.join(dump, "train.log"), "--",
@@ -434,7 +449,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main():
-    global SEQ_LEN
+    global SEQ_LEN, DEVICE_PASS_MS
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--per-category", type=int, default=100)
     ap.add_argument("--seed0", type=int, default=50000)
@@ -453,16 +468,20 @@ def main():
                     "(e.g. 'healthy,slow device'); default all")
     ap.add_argument("--workdir", default="outputs/bench_falcon_e2e")
     ap.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per sample of the end-to-end jobs")
+    ap.add_argument("--device-pass-ms", type=float, default=0.0,
+                    help="emulated dedicated devices: every forward this many ms, every backward twice "
+                    "that (emulate_device_pass_ms; 0 = real compute on the shared cores)")
     ap.add_argument("--group-tracking", type=int, default=0, metavar="RUNS",
                     help="with --end-to-end: RUNS detect-only jobs each of healthy and slow DP link, "
                     "their series replayed with and without group tracking (bench_group_tracking)")
     ap.add_argument("--s4", action="store_true", help="with --end-to-end: only the slow-device S2 -> S4 "
                     "run (bench_s4_slow_device; --steps, --slow-from, --device-factor)")
     args = ap.parse_args()
-    SEQ_LEN = args.seq_len
+    SEQ_LEN, DEVICE_PASS_MS = args.seq_len, args.device_pass_ms
     if args.end_to_end and (args.s4 or args.group_tracking):
         res = (bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir) if args.s4 else
                bench_group_tracking(args.group_tracking, args.steps, args.slow_from, args.link_factor, args.workdir))
+        res["compute"] = _mode()
         text = json.dumps(res, indent=2)
         print("\n```json\n" + text + "\n```")
         if args.json:
@@ -472,8 +491,9 @@ def main():
     if args.end_to_end:
         rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios,
                                 args.device_factor, args.link_factor, args.second_from)
+        print(f"Compute: {_mode()}\n")
         print_table(rows)
-        text = json.dumps({"machine": f"{platform.machine()} {os.cpu_count()} cores",
+        text = json.dumps({"machine": f"{platform.machine()} {os.cpu_count()} cores", "compute": _mode(),
                            "steps": args.steps, "slow_from": args.slow_from,
                            "device_factor": args.device_factor, "link_factor": args.link_factor,
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=2)

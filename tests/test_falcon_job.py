@@ -93,11 +93,11 @@ def test_slow_device_stretches_compute_by_its_factor():
     regions: list[float] = []
     original = emulation.stretch
 
-    def record(t0):
+    def record(t0, passes=None):
         import time
 
         t1 = time.perf_counter()
-        original(t0)
+        original(t0, passes)
         regions.append((t1 - t0, time.perf_counter() - t0))
 
     emulation.stretch = record
@@ -106,6 +106,36 @@ def test_slow_device_stretches_compute_by_its_factor():
     assert len(regions) == 2  # the forward and the backward of the part
     for busy, total in regions:  # each region ends after (3 - 1) x its own length of sleep
         assert total >= 3 * busy * 0.99
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_dedicated_device_emulation_pads_each_pass_to_its_device_time(slow):
+    """``emulate_device_pass_ms``: a forward takes P, a backward 2P (the slow device 3x that),
+    whatever the host's real compute of the pass was (here far below P)."""
+    import time
+
+    from titan_ext.titan.falcon_emulate import install_compute_stretch
+
+    pass_s = 0.05
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    emulation = FailSlowEmulation(0, [0], slow_device=parse_slow_device("0:3") if slow else None, pass_s=pass_s)
+    regions: list[tuple[float, float]] = []  # (the pass's device time, its measured length)
+    original = emulation.stretch
+
+    def record(t0, passes=None):
+        t1 = time.perf_counter()
+        original(t0, passes)
+        regions.append((passes * pass_s * (3 if slow else 1), time.perf_counter() - t0, t1 - t0))
+
+    emulation.stretch = record
+    install_compute_stretch(model, emulation)
+    model(x).sum().backward()
+    assert [round(r[0] / pass_s) for r in regions] == ([3, 6] if slow else [1, 2])  # forward, backward
+    for device_s, total, busy in regions:
+        assert busy < device_s and device_s <= total < device_s + busy + 0.1
+    with pytest.raises(EmulationSpecError):
+        FailSlowEmulation(0, [0], pass_s=-1.0)
 
 
 # --------------------------------------------------------------------------- S2 exactness (gloo, float64)
@@ -243,8 +273,12 @@ def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     assert applied, "S2 was not applied"
     split = json.loads(applied[0]["falcon/plan/microbatch_split"])
     assert sum(split) == 6 and split[0] > split[1]  # replica 1 holds the slow device: fewer chunks
-    later = [json.loads(r["falcon/split"]) for r in rows if r["step"] > applied[0]["step"]]
-    assert later and all(s == split for s in later)  # in force from the next step on
+    # each plan in force from the next step on, until the next one (S2's closed loop may re-plan)
+    plans = {r["step"]: json.loads(r["falcon/plan/microbatch_split"]) for r in applied}
+    in_force = split
+    for r in [r for r in rows if r["step"] > applied[0]["step"]]:
+        assert json.loads(r["falcon/split"]) == plans.get(r["step"], in_force), (r["step"], plans)
+        in_force = plans.get(r["step"], in_force)
     # S3 / S4 may be *decided* later (Alg. 1 on measured costs); an applied S3 (in memory) carries
     # its measured cost, S4 is not applied in this job
     for e in _events(slow_device_runs["falcon"]):
@@ -254,7 +288,7 @@ def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     # every decision is a falcon_events.jsonl row: S2 applied at that step, with measured costs
     events = _events(slow_device_runs["falcon"])
     s2 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S2"]
-    assert [e["iteration"] for e in s2] == [applied[0]["step"]] and s2[0]["applied"]
+    assert [e["iteration"] for e in s2] == [r["step"] for r in applied] and s2[0]["applied"]
     assert s2[0]["suspected"]["root_cause"] == "compute" and 3 in s2[0]["suspected"]["slow_devices"]
     assert 0 < s2[0]["estimated_cost_s"] < 60 and s2[0]["measured_cost_s"] is not None
 

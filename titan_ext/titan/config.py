@@ -155,6 +155,13 @@ class TitanExt:
     are neighbours in a pipeline, and to validation messages. Empty = none; the environment
     variable TITAN_EXT_SLOW_LINK is used when empty. DP x PP jobs only, like emulate_slow_device."""
 
+    emulate_device_pass_ms: float = 0.0
+    """Dedicated-device emulation for DP x PP jobs on a shared CPU host (benchmarks): every forward
+    of a model part takes this many ms and every backward twice that, on every rank (F times that
+    on the ``emulate_slow_device``), the host sleeping out what the real compute left — so ranks
+    that share cores run like ranks on devices of their own while the real compute of a pass stays
+    below it. 0 = off: passes take their real time. Ignored on CUDA."""
+
     gantt_every: int = 10
     """On the first logged step of every K steps, log an image of the measured pipeline timeline
     (Gantt) to W&B and write it under ``<dump_folder>/timelines``. 0 = never."""
@@ -220,6 +227,8 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            "delegation_slot_mib", cfg.delegation_slot_mib, f"must be in [0, {MAX_SLOT_MIB}] (0 = derived)")
     for key in ("emulate_slow_device", "emulate_slow_link"):
         _check_emulation(key, getattr(cfg, key))
+    _check(math.isfinite(cfg.emulate_device_pass_ms) and cfg.emulate_device_pass_ms >= 0,
+           "emulate_device_pass_ms", cfg.emulate_device_pass_ms, "must be a finite number >= 0 (0 = off)")
     _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")
     _check("/" not in cfg.metrics_file and "\\" not in cfg.metrics_file, "metrics_file",
            cfg.metrics_file, "must be a plain file name (it is written under job.dump_folder)")

@@ -92,8 +92,9 @@ def install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation,
 
     Forward: hooks around the part. Backward: a mark on the part's output (backward begins) and on
     the first tensor with a gradient entering it — the input activation, or, on the first stage,
-    the token embedding's output (backward ends). On CPU the host sleeps (F - 1) × the region
-    (:meth:`FailSlowEmulation.stretch`); on CUDA the device does (:class:`DeviceStretch`)."""
+    the token embedding's output (backward ends). On CPU the host sleeps (F - 1) × the region, or
+    to the emulated device time of the region (``emulate_device_pass_ms``;
+    :meth:`FailSlowEmulation.stretch`); on CUDA the device sleeps (:class:`DeviceStretch`)."""
     if device is not None and torch.device(device).type == "cuda":
         cuda = DeviceStretch(emulation, device)
         mark = cuda.timer.mark
@@ -105,7 +106,7 @@ def install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation,
         if cuda is not None:
             cuda.end(region, clock[region])
         else:
-            emulation.stretch(clock[region])
+            emulation.stretch(clock[region], passes=2.0 if region == "b" else 1.0)
 
     def begin_backward():
         clock["b"] = mark()

@@ -51,7 +51,8 @@ class FalconJob:
         self.device = getattr(trainer, "device", torch.device("cpu"))
         self.control = control_group()  # host data on gloo control groups (issue 20 defect 5)
         self.emulation = FailSlowEmulation(self.rank, range(dist.get_world_size()),
-                                           *_parse(emulation_specs(section)))
+                                           *_parse(emulation_specs(section)),
+                                           pass_s=section.emulate_device_pass_ms / 1e3)
         self.chunks_per_replica = trainer.gradient_accumulation_steps
         self.dp = DPSync(trainer, self.emulation, self.control, self.device)
         self.pp_delays = PPLinkDelays(self.emulation, self.rank)

@@ -6,6 +6,10 @@ mesh position, so that a topology change (S3) moves the mesh around a fault that
 * ``slow_device = "D:F"``: device D computes F× slower. Every compute region handed to
   :meth:`FailSlowEmulation.stretch` (a model part's forward, its backward, the GEMM probe) is followed
   by a sleep of ``(F - 1) ×`` its measured duration on that device.
+* ``pass_s`` > 0 (dedicated devices on a shared host): a model part's forward takes ``pass_s`` and its
+  backward ``2 × pass_s`` on every device (× F on the slow one): the host sleeps out what the real
+  compute left. Ranks that share cores then run like ranks on devices of their own, as long as the
+  real compute of a region stays below its emulated time.
 * ``slow_link = "A-B:MS"``: the link between devices A and B adds MS milliseconds to every message.
   PP messages get it from :func:`titan_ext.runtime.inject_link_delays` installed on A and B only;
   a collective over a group holding both pays ``steps × MS`` (:meth:`collective_delay_s`; a two-rank
@@ -87,8 +91,10 @@ class FailSlowEmulation:
     """The emulated faults as seen from one mesh rank (see the module docstring)."""
 
     def __init__(self, rank: int, device_of: Sequence[int], slow_device: SlowDevice | None = None,
-                 slow_link: SlowLink | None = None):
-        self.rank, self.device_of = rank, [int(d) for d in device_of]
+                 slow_link: SlowLink | None = None, pass_s: float = 0.0):
+        if not (pass_s >= 0 and pass_s < float("inf")):
+            raise EmulationSpecError(f"pass_s must be a finite number >= 0, got {pass_s!r}")
+        self.rank, self.device_of, self.pass_s = rank, [int(d) for d in device_of], float(pass_s)
         self.slow_device, self.slow_link = slow_device, slow_link
         for d in ([slow_device.device] if slow_device else []) + sorted(slow_link.devices if slow_link else []):
             if d not in self.device_of:
@@ -118,10 +124,14 @@ class FailSlowEmulation:
         """Emulated transfer-time factor of the link between mesh ranks a and b (now; 1 = healthy)."""
         return self.slow_link.factor if self._on_slow_link(rank_a, rank_b) else 1.0
 
-    def stretch(self, t0: float) -> None:
-        """End of a compute region that began at ``t0`` (perf_counter): sleep (F - 1) × its length."""
+    def stretch(self, t0: float, passes: float | None = None) -> None:
+        """End of a compute region that began at ``t0`` (perf_counter): sleep (F - 1) × its length;
+        with ``pass_s`` > 0 and a model region of ``passes`` forward-pass times (forward 1,
+        backward 2), sleep until ``passes × pass_s × F`` since ``t0`` (dedicated devices)."""
         f = self.compute_factor()
-        if f > 1.0:
+        if self.pass_s > 0 and passes is not None:
+            time.sleep(max(0.0, passes * self.pass_s * f - (time.perf_counter() - t0)))
+        elif f > 1.0:
             time.sleep((f - 1.0) * (time.perf_counter() - t0))
 
     def send_delay_s(self, src: int, dst: int, nbytes: int = 0) -> float:
