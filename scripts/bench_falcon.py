@@ -350,7 +350,10 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
     s4_step = applied.get("S4")
     healthy = float(np.median([step_s[k] for k in range(2, slow_from) if k in step_s]))
     out = {"scenario": f"slow device (3 at {factor:g}x from step {slow_from}), S2 then S4",
-           "steps": steps, "healthy_s": healthy, "applied": applied, "restart": restart}
+           "steps": steps, "healthy_s": healthy, "applied": applied, "restart": restart,
+           "s4_decisions": [{k: e[k] for k in ("iteration", "applied", "iteration_time_before_s",
+                                                "iteration_time_predicted_s", "impact_s", "estimated_cost_s")}
+                            for e in events if e["kind"] == "decision" and e["strategy"] == "S4"]}
     if "S2" in applied:
         after_s2 = [step_s[k] for k in step_s if applied["S2"] + 1 < k and (s4_step is None or k <= s4_step)]
         out["after_s2_s"] = float(np.median(after_s2)) if after_s2 else None

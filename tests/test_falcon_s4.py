@@ -109,10 +109,13 @@ def test_launcher_environment_and_one_restart_per_plan(tmp_path):
 
 
 # --------------------------------------------------------------------------- end to end (torchrun)
-SLOW_FROM, SLOW_FACTOR, STEPS = 5, 100, 40
-"""Device 3 computes 100x slower from step 5: after S2 its replica still runs one chunk (>= 1 each),
-about 1 s a step over a healthy ~0.5 s step, so the accumulated impact reaches S4's measured cost
-(start-up + checkpoint, ~15-30 s on the loaded host) well before step 40."""
+SLOW_FROM, SLOW_FACTOR, STEPS, PASS_MS = 5, 24, 40, 15
+"""Dedicated-device emulation (every forward 15 ms, backward 30 ms) and device 3 24x slower from
+step 5: a chunk takes ~0.14 s on healthy devices and ~2.2 s on device 3's replica, so after S2
+([5, 1]: that replica still runs one chunk) a step takes ~2.3 s against a healthy ~0.5 s, and S4
+pays (replica 0 alone: 6 chunks, ~0.9 s a step; the gate of ``falcon_apply._s4_pays``). The
+accumulated impact reaches S4's measured cost (start-up + checkpoint, ~15-30 s on the loaded
+host) well before step 40."""
 _COMMON = ["--training.local_batch_size", "2", "--training.global_batch_size", "12",
            "--training.seq_len", "32", "--titan_ext.no-adaptive"]
 """A fixed pipeline plan: the reference and the restarted job then run the same operations in the
@@ -147,7 +150,7 @@ def s4_run(tmp_path_factory):
            "--master-port", str(_free_port()), "--log", str(dump / "train.log"), "--",
            "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
            *_COMMON, "--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",
-           "--checkpoint.enable", "--checkpoint.interval", "100000"]
+           "--titan_ext.emulate_device_pass_ms", str(PASS_MS), "--checkpoint.enable", "--checkpoint.interval", "100000"]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), timeout=900)
     assert p.returncode == 0, (dump / "train.log").read_text()[-4000:]
     return dump
@@ -176,8 +179,8 @@ def test_s4_restarts_without_the_slow_device_and_resumes_from_its_checkpoint(s4_
     times = {r["step"]: r["falcon/iteration_time_s"] for r in _rows(s4_run / "falcon.jsonl")}
     assert sorted(times) == list(range(1, STEPS + 1))  # the restarted job logs its steps too
     after = sorted(times[k] for k in times if k > step + 1)
-    # the 100x device is gone: the smaller world's steps are far below the slow ones (event: the
-    # fault left with the device; a > 10x effect against a < 2x host noise)
+    # the 24x device is gone: the smaller world's steps are far below the slow ones (~0.9 s against
+    # ~2.3 s; the fault left with the device)
     assert after[len(after) // 2] < 0.5 * s4[0]["iteration_time_before_s"], (times, step)
     losses = {r["step"]: r["loss"] for r in _rows(s4_run / "pipeline_metrics.jsonl")}
     assert sorted(losses) == list(range(1, STEPS + 1))  # every step once: step+1.. after the restart
@@ -244,3 +247,46 @@ exec {sys.executable} "$@"
     # the emptied emulation key is one (empty) argument: its count is the first run's + 4
     assert int(second.split()[0]) == int(first.split()[0]) + 4
     assert json.loads((dump / S4_PLAN_FILE).read_text())["status"] == "consumed"
+
+
+# --------------------------------------------------------------------------- S4 only where it pays
+
+
+def _chunk_s(stage_factor: float) -> float:
+    """One chunk (2 micro-batches through 2 stages, forward 30 ms / backward 60 ms a stage, stage 1
+    ``stage_factor`` x slower) on devices of their own: the plan simulator's 1F1B makespan."""
+    from titan_ext.plan.builtin import plan_builtin
+    from titan_ext.plan.profile import PipelineProfile
+
+    f, b = (30.0, 30.0 * stage_factor), (60.0, 60.0 * stage_factor)
+    return plan_builtin("1F1B", PipelineProfile(2, 2, f, b, (0.0, 0.0))).predicted_makespan_ms / 1e3
+
+
+@pytest.mark.parametrize("same_step", [False, True])
+@pytest.mark.parametrize("factor, pays", [(4.0, False), (24.0, True)])
+def test_s4_is_applied_only_where_the_restart_is_predicted_to_pay(factor, pays, same_step):
+    """DP 2 x PP 2, 6 chunks, device 3 (replica 1's stage 1) ``factor`` x slow, 0.12 s of every
+    step outside the replicas' compute. The true step times come from the simulated chunk times:
+    with S2's [5, 1] 0.12 + max(5 c, c_slow); after S4 (replica 0 takes all 6 chunks) 0.12 + 6 c.
+    S4 pays for the 24x device and not for the 4x one; the gate predicts S4's step from the
+    monitor's measurements and decides the same — measured with [5, 1] in force, or at [3, 3]
+    when S2 and S4 are decided in the same step (S4 is then weighed against S2's prediction)."""
+    from types import SimpleNamespace
+
+    from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
+    from titan_ext.titan.falcon_apply import _s4_pays
+
+    c, c_slow, fixed = _chunk_s(1.0), _chunk_s(factor), 0.12
+    with_s2, after = fixed + max(5 * c, c_slow), fixed + 6 * c
+    assert (after < with_s2) == pays
+    measured_at = [3, 3] if same_step else [5, 1]
+    mon = FalconMonitor(FalconConfig(num_microbatches=6), grid=[[0, 2], [1, 3]])
+    job = SimpleNamespace(monitor=mon, trainer=SimpleNamespace(step=20), split=[5, 1])
+    plan = plan_exclusion(mon.grid, [3], 20, [5, 1])
+    assert _s4_pays(job, plan, {})  # nothing measured yet: Alg. 1's decision stands
+    for _ in range(6):
+        mon.replica_microbatch_s, mon.split = [c, c_slow], list(measured_at)
+        mon.observe(fixed + max(m * t for m, t in zip(measured_at, [c, c_slow])))
+    decision: dict = {}
+    assert _s4_pays(job, plan, decision) == pays
+    assert decision["falcon/predicted_s/checkpoint_restart"] == pytest.approx(after, rel=1e-9)

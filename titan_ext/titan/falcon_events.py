@@ -46,7 +46,8 @@ def event_rows(step: int, decision: dict, monitor: Any, estimated: Any, applied_
                      "strategy": STRATEGY_LABEL.get(name, name), "name": name, "applied": applied,
                      "estimated_cost_s": estimated.of(name),
                      "measured_cost_s": applied_s.get(name) if applied else None,
-                     "impact_s": decision.get("falcon/impact_s"), "iteration_time_before_s": before})
+                     "impact_s": decision.get("falcon/impact_s"), "iteration_time_before_s": before,
+                     "iteration_time_predicted_s": decision.get(f"falcon/predicted_s/{name}")})
     for key, effect in decision.items():
         if key.startswith("falcon/effect/") and key.count("/") == 2:
             name = key.split("/")[2]

@@ -19,6 +19,7 @@ from .mitigation import (
     StrategyCosts,
     TopologyPlan,
     min_max_microbatch_split,
+    predicted_iteration_s,
     plan_topology,
     strategies_for,
     topology_score,
@@ -30,6 +31,6 @@ __all__ = [
     "BOCDConfig", "ChangePoint", "OnlineBOCD", "SlowIterationDetector",
     "acf", "estimate_period", "iteration_times_from_calls",
     "suspicious_groups", "ring_validation_passes", "tree_validation_passes", "locate_slow_links", "locate_slow_devices",
-    "MitigationPlanner", "StrategyCosts", "strategies_for", "min_max_microbatch_split",
+    "MitigationPlanner", "StrategyCosts", "strategies_for", "min_max_microbatch_split", "predicted_iteration_s",
     "TopologyPlan", "plan_topology", "topology_score", "FalconConfig", "FalconMonitor",
 ]

@@ -27,6 +27,7 @@ __all__ = [
     "strategies_for",
     "MitigationPlanner",
     "min_max_microbatch_split",
+    "predicted_iteration_s",
     "TopologyPlan",
     "plan_topology",
     "topology_score",
@@ -177,6 +178,18 @@ def min_max_microbatch_split(total_microbatches: int, per_microbatch_s: Sequence
         m[i] += 1
         heapq.heappush(heap, ((m[i] + 1) * t[i], i))
     return m
+
+
+def predicted_iteration_s(iteration_s: float, split: Sequence[int], per_replica_s: Sequence[float],
+                          new_split: Sequence[int]) -> float:
+    """The iteration time with ``new_split`` chunks per DP replica (0: the replica is gone, as
+    after S4), from one measured at ``split`` with times per chunk ``per_replica_s``: the step's
+    time outside its replicas' compute phases (``iteration_s`` − max ``m_i t_i``) stays, and each
+    replica runs its new chunks at its measured time per chunk. Not in the paper, whose ski rental
+    takes a strategy to end the slowdown; S4 without spare nodes drops whole replicas, and the kept
+    ones take their chunks."""
+    busy = max(int(m) * float(t) for m, t in zip(split, per_replica_s))
+    return max(0.0, float(iteration_s) - busy) + max(int(m) * float(t) for m, t in zip(new_split, per_replica_s))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,7 +25,13 @@ import numpy as np
 
 from .bocd import BOCDConfig, SlowIterationDetector
 from .localize import locate_slow_devices, locate_slow_links, suspicious_groups
-from .mitigation import MitigationPlanner, StrategyCosts, min_max_microbatch_split, plan_topology
+from .mitigation import (
+    MitigationPlanner,
+    StrategyCosts,
+    min_max_microbatch_split,
+    plan_topology,
+    predicted_iteration_s,
+)
 from .period import estimate_period
 
 __all__ = ["FalconConfig", "FalconMonitor"]
@@ -117,7 +123,8 @@ class FalconMonitor:
         When given, S2's Eq. 1 uses their recent medians; otherwise it models them from the
         iteration slowdown and the GEMM probe (:meth:`_replica_slowdown`)."""
         self._replica_times: deque = deque(maxlen=max(1, self.config.effect_window))
-        """(iteration index, replica_microbatch_s or None) of the last ``effect_window`` iterations."""
+        """(iteration index, replica_microbatch_s or None, split) of the last ``effect_window``
+        iterations."""
         self.split: list[int] | None = None
         """Set by the trainer: the micro-batches (chunks) each ``grid`` row runs now; S2's
         refinement (:meth:`_refine_split`) compares a new split with it."""
@@ -182,7 +189,7 @@ class FalconMonitor:
         it = self.iteration
         cp = self.detector.observe(t)
         out: dict = {"falcon/iteration_time_s": t}
-        self._replica_times.append((len(self.detector.times) - 1, self.replica_microbatch_s))
+        self._replica_times.append((len(self.detector.times) - 1, self.replica_microbatch_s, self.split))
         self.replica_microbatch_s = None
         self._track_groups(per_group_times)
         if cp is None:
@@ -380,15 +387,35 @@ class FalconMonitor:
         factor = self.detector.current_mean_s / (self.detector.healthy_mean_s or 1.0)
         return [self._replica_slowdown(row, factor) for row in self.grid]
 
-    def _measured_replica_times(self, since: int, count: int = 1) -> list[float] | None:
-        """Median per replica of the measured micro-batch times of the last ``effect_window``
-        iterations from iteration ``since`` on; None unless at least ``count`` of them, each with
-        every row of the grid measured."""
-        recent = [r for i, r in self._replica_times if i >= since]
+    def _measured_replica_times(self, since: int, count: int = 1, split=None) -> tuple[list[float], float] | None:
+        """Medians of the measured micro-batch times per replica and of the iteration times, over
+        the last ``effect_window`` iterations from iteration ``since`` on (only those run with
+        ``split``, when given); None unless at least ``count`` of them, each with every row of the
+        grid measured."""
+        recent = [(i, r) for i, r, s in self._replica_times if i >= since and (split is None or s == split)]
         if len(recent) < count or any(r is None or len(r) != len(self.grid) or not all(x > 0 for x in r)
-                                      for r in recent):
+                                      for _, r in recent):
             return None
-        return [float(np.median(col)) for col in zip(*recent)]
+        return ([float(np.median(col)) for col in zip(*(r for _, r in recent))],
+                float(np.median([self.detector.times[i] for i, _ in recent])))
+
+    def predicted_after_exclusion(self, kept_replicas, chunks_per_replica: int,
+                                  planned_split=None) -> tuple[float, float] | None:
+        """(S4's predicted iteration time, the one it is compared with), both
+        :func:`~.mitigation.predicted_iteration_s` from the current segment's iterations that ran
+        the last measured split (their median time and chunk times); the comparison is the current
+        time, or the one predicted for ``planned_split`` (an S2 plan of this iteration) where lower.
+        None without such measurements."""
+        cur = self.split
+        measured = None if cur is None else self._measured_replica_times(self._segment_start(), split=cur)
+        if measured is None:
+            return None
+        t, now = measured
+        kept = [chunks_per_replica if d in kept_replicas else 0 for d in range(len(cur))]
+        after = predicted_iteration_s(now, cur, t, kept)
+        if planned_split is not None:
+            now = min(now, predicted_iteration_s(now, cur, t, planned_split))
+        return after, now
 
     def _segment_start(self) -> int:
         """First iteration of the current segment: the last change-point's, else 0."""
@@ -407,15 +434,12 @@ class FalconMonitor:
         if gain is None or not self._s2_applied or self.split is None or self.grid is None \
                 or c.num_microbatches is None or len(self.split) != len(self.grid):
             return
-        t = self._measured_replica_times(max(self._changed_at + 1, self._segment_start()), c.effect_window)
-        if t is None:
+        measured = self._measured_replica_times(max(self._changed_at + 1, self._segment_start()), c.effect_window)
+        if measured is None:
             return
+        t, now = measured
         new = self.plan_microbatch_split(t)
-
-        def predicted(split):
-            return max(m * ti for m, ti in zip(split, t))
-
-        if tuple(new) in self._splits_tried or predicted(new) > (1.0 - gain) * predicted(self.split):
+        if tuple(new) in self._splits_tried or predicted_iteration_s(now, self.split, t, new) > (1.0 - gain) * now:
             return
         out["falcon/split_refined_from"] = json.dumps(list(self.split))
         self._apply("microbatch_redistribution", out, split=new)
@@ -439,7 +463,8 @@ class FalconMonitor:
         elif strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:
             # Eq. 1's t_i: the replicas' measured micro-batch times where the trainer reports them,
             # else modelled from the iteration slowdown and the GEMM probe
-            per_dp = self._measured_replica_times(self._segment_start()) or self.modelled_replica_slowdowns()
+            measured = self._measured_replica_times(self._segment_start())
+            per_dp = measured[0] if measured else self.modelled_replica_slowdowns()
             if self.config.num_microbatches is not None:
                 plan = self.plan_microbatch_split(per_dp)
                 self._s2_applied = True
