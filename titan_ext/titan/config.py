@@ -156,7 +156,7 @@ class TitanExt:
     variable TITAN_EXT_SLOW_LINK is used when empty. DP x PP jobs only, like emulate_slow_device."""
 
     emulate_device_pass_ms: float = 0.0
-    """Dedicated-device emulation for DP x PP jobs on a shared CPU host (benchmarks): every forward
+    """Dedicated-device emulation for PP jobs on a shared CPU host (benchmarks): every forward
     of a model part takes this many ms and every backward twice that, on every rank (F times that
     on the ``emulate_slow_device``), the host sleeping out what the real compute left — so ranks
     that share cores run like ranks on devices of their own while the real compute of a pass stays

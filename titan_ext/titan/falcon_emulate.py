@@ -25,7 +25,7 @@ from titan_ext.runtime.falcon.emulation import (
 )
 from titan_ext.titan.falcon_files import emulation_specs
 
-__all__ = ["check_emulation", "install_compute_stretch", "DeviceStretch", "PPLinkDelays"]
+__all__ = ["check_emulation", "install_compute_stretch", "install_device_passes", "DeviceStretch", "PPLinkDelays"]
 
 
 def check_emulation(section: Any, pp: int, dp_replicate: int, dp_shard: int,
@@ -132,6 +132,16 @@ def install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation,
     if isinstance(embed, torch.nn.Module):
         embed.register_forward_hook(
             lambda _m, _a, out: _Mark.apply(out, end_backward) if out.requires_grad else None)
+
+
+def install_device_passes(trainer: Any, pass_ms: float) -> None:
+    """Dedicated-device emulation (``emulate_device_pass_ms``) in a PP job without Falcon's DP x PP
+    job — the DP 1 job that S4 restarts: every model part's passes padded to their device time."""
+    import torch.distributed as dist
+
+    emulation = FailSlowEmulation(dist.get_rank(), range(dist.get_world_size()), pass_s=pass_ms / 1e3)
+    for part in trainer.model_parts:
+        install_compute_stretch(part, emulation, getattr(trainer, "device", None))
 
 
 class PPLinkDelays:

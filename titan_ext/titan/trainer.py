@@ -19,6 +19,7 @@ import torch
 
 from titan_ext.titan import adapters
 from titan_ext.titan.falcon_dp import replicated_by_trainer
+from titan_ext.titan.falcon_emulate import install_device_passes
 from titan_ext.titan.falcon_job import FalconJob
 from titan_ext.titan.falcon_s4 import S4Resume
 from titan_ext.titan.jobcheck import check_job_config, world_size
@@ -47,8 +48,10 @@ class TitanExtTrainer(_Base):
         with active_job_config(config):
             super().__init__(config)
         # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon_job.py)
-        self.falcon_job = (FalconJob(self, titan_ext_section(config))
-                           if replicated_by_trainer(self.parallel_dims) else None)
+        section = titan_ext_section(config)
+        self.falcon_job = FalconJob(self, section) if replicated_by_trainer(self.parallel_dims) else None
+        if self.falcon_job is None and section.emulate_device_pass_ms > 0:
+            install_device_passes(self, section.emulate_device_pass_ms)
         # a job the launcher restarted after Falcon's S4: its cost and outcome (falcon_s4.py)
         self.s4_resume = S4Resume.from_env(self)
 
