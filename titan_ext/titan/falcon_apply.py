@@ -90,10 +90,11 @@ def _replanned_split(job: Any) -> list[int]:
 def _s4_pays(job: Any, plan: Any, decision: dict) -> bool:
     """S4 only where it pays (issue 23: "S4 when it pays"): the iteration time predicted after the
     restart (:meth:`FalconMonitor.predicted_after_exclusion`, in ``falcon/predicted_s/...``) must
-    be below the current one, or the one predicted for an S2 split applied in the same step. Dropping a 4x device's replica makes the other one take its chunks:
-    measured with dedicated-device emulation, 1.74 s predicted against 1.47 s after S2, so a
-    restart would have cost its start-up and then slowed every step. Without measurements since the
-    last change, Alg. 1's decision stands (the paper)."""
+    be below the current one, or below the one predicted for an S2 split applied in the same step.
+    Dropping a 4x device's replica makes the other one take its chunks (dedicated-device
+    emulation: 1.78 s a step predicted against 1.51 s with S2), so the restart would cost its
+    start-up and then slow every step. Without measurements in the current segment, Alg. 1's
+    decision stands (the paper)."""
     planned = job.split if job.split != job.monitor.split else None  # S2 applied this step
     pred = job.monitor.predicted_after_exclusion(plan.kept_replicas, plan.chunks_per_replica, planned)
     if pred is None:

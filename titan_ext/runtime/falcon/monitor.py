@@ -426,10 +426,10 @@ class FalconMonitor:
         Eq. 1 is solved again each iteration on t_i measured with the split in force, over a full
         ``effect_window`` since the last change-point or applied strategy; a split it predicts at
         least ``split_refine_gain`` faster than the one in force replaces it, each split at most
-        once between an onset or relief and the next (no flapping). Why: t_i measured at one split can mislead at another — on a
-        shared host a replica given fewer chunks frees cores for the others (docs/falcon.md
-        "S2 closed loop") — and a device that recovers leaves a skewed split behind, which the same
-        rule returns to even."""
+        once between an onset or relief and the next (no flapping). Why: t_i measured at one split
+        can mislead at another — on a shared host a replica given fewer chunks frees cores for the
+        others (docs/falcon.md, "S2 as a closed loop") — and a device that recovers leaves a skewed
+        split behind, which the same rule returns to even."""
         gain, c = self.config.split_refine_gain, self.config
         if gain is None or not self._s2_applied or self.split is None or self.grid is None \
                 or c.num_microbatches is None or len(self.split) != len(self.grid):
