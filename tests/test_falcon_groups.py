@@ -135,8 +135,9 @@ def _job_worker(rank, world, port, outdir, backend):
         pp_schedule=SimpleNamespace(falcon=None), device=torch.device("cpu"),
         job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir)),  # TorchTitan 0.2's trainer
         config=SimpleNamespace(dump_folder=outdir), step=1)  # 0.3's
-    section = SimpleNamespace(emulate_slow_device="", emulate_slow_link="0-1:5", falcon=True,
-                              falcon_apply=True)
+    from titan_ext.titan.config import TitanExt
+
+    section = TitanExt(emulate_slow_link="0-1:5", falcon=True, falcon_apply=True)
     job = FalconJob(trainer, section)
 
     def run_step(chunks):
