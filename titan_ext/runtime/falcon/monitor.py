@@ -25,14 +25,9 @@ import numpy as np
 
 from .bocd import BOCDConfig, SlowIterationDetector
 from .localize import locate_slow_devices, locate_slow_links, suspicious_groups
-from .mitigation import (
-    MitigationPlanner,
-    StrategyCosts,
-    min_max_microbatch_split,
-    plan_topology,
-    predicted_iteration_s,
-)
+from .mitigation import MitigationPlanner, StrategyCosts, min_max_microbatch_split, plan_topology
 from .period import estimate_period
+from .s2 import ReplicaTimes
 
 __all__ = ["FalconConfig", "FalconMonitor"]
 
@@ -122,14 +117,10 @@ class FalconMonitor:
         time per micro-batch this iteration (Falcon §5.3's t_i, "profiled by Falcon-Detect").
         When given, S2's Eq. 1 uses their recent medians; otherwise it models them from the
         iteration slowdown and the GEMM probe (:meth:`_replica_slowdown`)."""
-        self._replica_times: deque = deque(maxlen=max(1, self.config.effect_window))
-        """(iteration index, replica_microbatch_s or None, split) of the last ``effect_window``
-        iterations."""
         self.split: list[int] | None = None
-        """Set by the trainer: the micro-batches (chunks) each ``grid`` row runs now; S2's
-        refinement (:meth:`_refine_split`) compares a new split with it."""
-        self._s2_applied = False
-        self._splits_tried: set[tuple[int, ...]] = set()  # S2's splits since the last onset or relief
+        """Set by the trainer with ``replica_microbatch_s``: the micro-batches (chunks) each ``grid``
+        row ran this iteration."""
+        self.s2 = ReplicaTimes(self.config.effect_window)  # the last effect_window iterations' t_i
         self._changed_at = -1  # iteration of the last applied strategy
         self._group_proposals: dict[str, tuple] = {}  # group -> (its change-point, since iteration)
 
@@ -189,7 +180,7 @@ class FalconMonitor:
         it = self.iteration
         cp = self.detector.observe(t)
         out: dict = {"falcon/iteration_time_s": t}
-        self._replica_times.append((len(self.detector.times) - 1, self.replica_microbatch_s, self.split))
+        self.s2.record(len(self.detector.times) - 1, t, self.replica_microbatch_s, self.split)
         self.replica_microbatch_s = None
         self._track_groups(per_group_times)
         if cp is None:
@@ -200,7 +191,7 @@ class FalconMonitor:
             out["falcon/change_point_latency_iters"] = cp.detected_at - cp.index
             out["falcon/change_point_relative_change"] = cp.relative_change
             if cp.kind in ("onset", "relief"):
-                self._splits_tried = set()
+                self.s2.tried = set()
             if cp.kind == "onset" or (cp.kind == "level" and cp.relative_change > 0 and self.planner.active):
                 self._on_onset(per_group_times, out)
             elif cp.kind == "relief":
@@ -387,62 +378,32 @@ class FalconMonitor:
         factor = self.detector.current_mean_s / (self.detector.healthy_mean_s or 1.0)
         return [self._replica_slowdown(row, factor) for row in self.grid]
 
-    def _measured_replica_times(self, since: int, count: int = 1, split=None) -> tuple[list[float], float] | None:
-        """Medians of the measured micro-batch times per replica and of the iteration times, over
-        the last ``effect_window`` iterations from iteration ``since`` on (only those run with
-        ``split``, when given); None unless at least ``count`` of them, each with every row of the
-        grid measured."""
-        recent = [(i, r) for i, r, s in self._replica_times if i >= since and (split is None or s == split)]
-        if len(recent) < count or any(r is None or len(r) != len(self.grid) or not all(x > 0 for x in r)
-                                      for _, r in recent):
-            return None
-        return ([float(np.median(col)) for col in zip(*(r for _, r in recent))],
-                float(np.median([self.detector.times[i] for i, _ in recent])))
-
     def predicted_after_exclusion(self, kept_replicas, chunks_per_replica: int,
                                   planned_split=None) -> tuple[float, float] | None:
-        """(S4's predicted iteration time, the one it is compared with), both
-        :func:`~.mitigation.predicted_iteration_s` from the current segment's iterations that ran
-        the last measured split (their median time and chunk times); the comparison is the current
-        time, or the one predicted for ``planned_split`` (an S2 plan of this iteration) where lower.
-        None without such measurements."""
-        cur = self.split
-        measured = None if cur is None else self._measured_replica_times(self._segment_start(), split=cur)
-        if measured is None:
+        """S4's predicted iteration time and the one it is compared with
+        (:meth:`~.s2.ReplicaTimes.predicted_after_exclusion` over the current segment at the last
+        measured split); None without measurements."""
+        if self.split is None:
             return None
-        t, now = measured
-        kept = [chunks_per_replica if d in kept_replicas else 0 for d in range(len(cur))]
-        after = predicted_iteration_s(now, cur, t, kept)
-        if planned_split is not None:
-            now = min(now, predicted_iteration_s(now, cur, t, planned_split))
-        return after, now
+        return self.s2.predicted_after_exclusion(self._segment_start(), self.split, kept_replicas,
+                                                 chunks_per_replica, planned_split)
 
     def _segment_start(self) -> int:
         """First iteration of the current segment: the last change-point's, else 0."""
         return self.detector.change_points[-1].index if self.detector.change_points else 0
 
     def _refine_split(self, out: dict) -> None:
-        """S2 as a closed loop (not in the paper, whose Eq. 1 is solved once). Once S2 applied,
-        Eq. 1 is solved again each iteration on t_i measured with the split in force, over a full
-        ``effect_window`` since the last change-point or applied strategy; a split it predicts at
-        least ``split_refine_gain`` faster than the one in force replaces it, each split at most
-        once between an onset or relief and the next (no flapping). Why: t_i measured at one split
-        can mislead at another — on a shared host a replica given fewer chunks frees cores for the
-        others (docs/falcon.md, "S2 as a closed loop") — and a device that recovers leaves a skewed
-        split behind, which the same rule returns to even."""
-        gain, c = self.config.split_refine_gain, self.config
-        if gain is None or not self._s2_applied or self.split is None or self.grid is None \
+        """S2's closed loop (:meth:`~.s2.ReplicaTimes.refined_split`): over a full
+        ``effect_window`` since the last change-point or applied strategy."""
+        c = self.config
+        if c.split_refine_gain is None or self.split is None or self.grid is None \
                 or c.num_microbatches is None or len(self.split) != len(self.grid):
             return
-        measured = self._measured_replica_times(max(self._changed_at + 1, self._segment_start()), c.effect_window)
-        if measured is None:
-            return
-        t, now = measured
-        new = self.plan_microbatch_split(t)
-        if tuple(new) in self._splits_tried or predicted_iteration_s(now, self.split, t, new) > (1.0 - gain) * now:
-            return
-        out["falcon/split_refined_from"] = json.dumps(list(self.split))
-        self._apply("microbatch_redistribution", out, split=new)
+        new = self.s2.refined_split(max(self._changed_at + 1, self._segment_start()), c.effect_window,
+                                    self.split, c.split_refine_gain, self.plan_microbatch_split)
+        if new is not None:
+            out["falcon/split_refined_from"] = json.dumps(list(self.split))
+            self._apply("microbatch_redistribution", out, split=new)
 
     def _replica_slowdown(self, row, factor: float) -> float:
         # flagged devices are > slow_device_ratio (≥ 1) × the median, so every excess is > 0
@@ -458,18 +419,14 @@ class FalconMonitor:
         out["falcon/apply"] = strategy if not prev else f"{prev},{strategy}"
         self._changed_at = self.iteration
         if split is not None:
-            self._splits_tried.add(tuple(split))
-            out["falcon/plan/microbatch_split"] = json.dumps(list(split))
+            out["falcon/plan/microbatch_split"] = json.dumps(self.s2.planned(list(split)))
         elif strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:
             # Eq. 1's t_i: the replicas' measured micro-batch times where the trainer reports them,
             # else modelled from the iteration slowdown and the GEMM probe
-            measured = self._measured_replica_times(self._segment_start())
+            measured = self.s2.measured(self._segment_start(), len(self.grid))
             per_dp = measured[0] if measured else self.modelled_replica_slowdowns()
             if self.config.num_microbatches is not None:
-                plan = self.plan_microbatch_split(per_dp)
-                self._s2_applied = True
-                self._splits_tried.add(tuple(plan))
-                out["falcon/plan/microbatch_split"] = json.dumps(plan)
+                out["falcon/plan/microbatch_split"] = json.dumps(self.s2.planned(self.plan_microbatch_split(per_dp)))
         if strategy == "pipemorph_replan":
             link, excess = self._slow_pp_link()
             if link is not None:
