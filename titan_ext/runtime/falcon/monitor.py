@@ -191,7 +191,7 @@ class FalconMonitor:
             out["falcon/change_point_latency_iters"] = cp.detected_at - cp.index
             out["falcon/change_point_relative_change"] = cp.relative_change
             if cp.kind in ("onset", "relief"):
-                self.s2.tried = set()
+                self.s2.new_event()
             if cp.kind == "onset" or (cp.kind == "level" and cp.relative_change > 0 and self.planner.active):
                 self._on_onset(per_group_times, out)
             elif cp.kind == "relief":

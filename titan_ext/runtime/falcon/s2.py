@@ -45,6 +45,10 @@ class ReplicaTimes:
             return None
         return [float(np.median(col)) for col in zip(*(t for _, t in rows))], float(np.median([it for it, _ in rows]))
 
+    def new_event(self) -> None:
+        """An onset or relief: every split may be tried again."""
+        self.tried = set()
+
     def planned(self, split: list[int]) -> list[int]:
         """S2 applied with ``split`` (Alg. 1's ladder or the closed loop)."""
         self.s2_applied = True
