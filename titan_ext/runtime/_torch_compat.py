@@ -16,9 +16,13 @@ they are neither required nor used.
 import importlib
 import inspect
 
-TESTED = ">=2.13,<2.16"  # keep equal to pyproject.toml's torch requirement
+TESTED = ">=2.11,<2.16"  # keep equal to pyproject.toml's torch requirement
 #: every torch (major, minor) whose pipelining loop the executor tracks (runtime/executor.py)
-TRACKED = ((2, 13), (2, 14), (2, 15))
+TRACKED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+#: torch 2.13 added ``target``/``loss_kwargs`` to ``_initialize_stages`` and ``loss_kwargs`` to
+#: ``_compute_loss`` (the GPU machines' image has torch 2.11: :func:`initialize_stages` and
+#: :func:`compute_loss` call whichever form the installed torch has)
+LOSS_KWARGS_SINCE = (2, 13)
 WAIT_ACTIONS_SINCE = (2, 15)
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
@@ -36,11 +40,11 @@ REQUIRED = {
     _STAGE: ("_PipelineStageBase",),
 }
 
-#: module -> internal -> parameters its signature must have: the runtime calls these with arguments
-#: older torch lacks (torch 2.11's ``_initialize_stages(args, kwargs)`` has every name above and failed
-#: with a TypeError at the first step, seen on a GPU machine's torch 2.11)
+#: module -> internal -> parameters its signature must have on every tested torch (the runtime calls
+#: them with these arguments; torch 2.11's ``_initialize_stages(args, kwargs)`` once failed with a
+#: TypeError at the first step on a GPU machine: :func:`initialize_stages` now takes either form)
 REQUIRED_PARAMS = {
-    _SCHEDULES: {"PipelineScheduleMulti._initialize_stages": ("target", "loss_kwargs")},
+    _SCHEDULES: {"PipelineScheduleMulti._initialize_stages": ("args", "kwargs")},
 }
 
 #: (major, minor) -> module -> names required from that torch on (the version gate)
@@ -125,6 +129,30 @@ def check_torch() -> None:
         raise ImportError(
             f"titan_ext.runtime needs torch{TESTED} (tested); torch {torch.__version__} lacks "
             f"{', '.join(missing)}")
+
+
+def _takes_loss_kwargs() -> bool:
+    return torch_version() >= LOSS_KWARGS_SINCE
+
+
+def initialize_stages(schedule, args, kwargs, target, loss_kwargs) -> None:
+    """``schedule._initialize_stages`` in the installed torch's form: torch >= 2.13 also takes the
+    first microbatch's target and the loss keywords (backward metadata inferred from the loss); 2.11
+    and 2.12 infer it at the first backward."""
+    if _takes_loss_kwargs():
+        schedule._initialize_stages(args, kwargs, target, loss_kwargs)
+    else:
+        schedule._initialize_stages(args, kwargs)
+
+
+def compute_loss(schedule, output, target, loss_kwargs):
+    """``schedule._compute_loss`` in the installed torch's form (``loss_kwargs`` from torch 2.13 on;
+    on 2.11/2.12 loss keywords are refused, as torch's own ``step`` refuses them there)."""
+    if _takes_loss_kwargs():
+        return schedule._compute_loss(output, target, loss_kwargs)
+    if loss_kwargs:
+        raise TypeError(f"loss_kwargs needs torch >= 2.13 (installed: {'.'.join(map(str, torch_version()))})")
+    return schedule._compute_loss(output, target)
 
 
 def mirrored_loop() -> str:

@@ -48,7 +48,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
 
-from . import timeouts
+from . import _torch_compat, timeouts
 from ._torch_compat import check_runtime_kwargs, lowering_options, runtime_kwargs_given
 from .backward import BackwardChooser
 from .cadence import CheckCadence
@@ -332,8 +332,8 @@ class PipeMorph(_PipelineScheduleRuntime):
                            return_outputs: bool = True, loss_kwargs=None):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self._apply_pending()
-        self._initialize_stages(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
-                                loss_kwargs)
+        _torch_compat.initialize_stages(self, arg_mbs[0], kwarg_mbs[0],
+                                        target_mbs[0] if target_mbs is not None else None, loss_kwargs)
         training = self._has_backward
         if training and not self._clock_synced:
             self._clock = self.control.clock_offsets()
@@ -378,7 +378,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         if stage.is_last and self._loss_fn is not None:
             if mb_index in self._losses_by_mb:
                 raise AssertionError(f"{type(self).__name__}: microbatch {mb_index} forwarded twice on the last stage")
-            self._losses_by_mb[mb_index] = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)
+            self._losses_by_mb[mb_index] = _torch_compat.compute_loss(self, output, target_mbs[mb_index],
+                                                                      loss_kwargs)
 
     def _maybe_get_loss(self, stage, mb_index):
         """The loss of microbatch ``mb_index`` on the last stage (None elsewhere), whatever the forward order."""
