@@ -4,7 +4,8 @@ kernels later than the host enqueues them (a backlog), on a virtual host clock.
 Every event call checks that it runs under ``torch.cuda.device(<the stage's device>)`` in its thread
 (the "device per call, from any thread" rule).  ``synchronize`` of an event advances the host clock
 to the event's completion; ``torch.cuda.synchronize`` (a full device sync) is counted and forbidden
-on the paths under test."""
+on the paths under test.  Both report to the host-sync accounting (``titan_ext.runtime.host_syncs.record``),
+as torch's own calls do when CUDA is real."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import contextlib
 import threading
 
 import torch
+
+from titan_ext.runtime import host_syncs
 
 
 class FakeGPU:
@@ -50,6 +53,7 @@ class FakeGPU:
             self._tls.device = prev
 
     def synchronize(self, *args, **kwargs):  # noqa: ARG002
+        host_syncs.record("torch.cuda.synchronize")
         self.device_syncs += 1
         self.host = max(self.host, self.stream_free)
 
@@ -71,6 +75,7 @@ class FakeGPU:
 
             def synchronize(self):
                 gpu.check("Event.synchronize")
+                host_syncs.record("Event.synchronize")
                 gpu.event_syncs += 1
                 gpu.host = max(gpu.host, self.t)
 

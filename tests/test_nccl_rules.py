@@ -173,6 +173,66 @@ def _scenarios(rank: int, world: int) -> dict:
     ops = [dist.P2POp(dist.isend, t, 1 - rank, g) for t in mine] + \
           [dist.P2POp(dist.irecv, t, 1 - rank, g) for t in theirs]
     out["big_batch"] = _settle(dist.batch_isend_irecv(ops)), [t[0].item() for t in theirs[::50]]
+
+    # 11.-13. host tensors by placement, on any thread, among collective outputs (issue 34)
+    out["placement"] = _placement_scenarios(peer)
+    return out
+
+
+#: stands for any titan_ext module (the rules look at the calling module's name): what titan_ext code
+#: would write to make a host tensor on purpose, a stage-device tensor, and one on a helper thread
+_TITAN_EXT_CODE = """
+import threading
+import torch
+
+def host_named(n):
+    return torch.zeros(n, device="cpu")
+
+def stage_device(n, like):
+    return torch.zeros(n, device=like.device)
+
+def on_helper_thread(n):
+    made = []
+    t = threading.Thread(target=lambda: made.append(torch.ones(n)), name="titan_ext-helper")
+    t.start()
+    t.join()
+    return made[0]
+"""
+
+
+def _titan_ext_probe() -> dict:
+    scope = {"__name__": "titan_ext.runtime._probe"}
+    exec(compile(_TITAN_EXT_CODE, "titan_ext/runtime/_probe.py", "exec"), scope)
+    return scope
+
+
+def _try(fn) -> str:
+    try:
+        fn()
+        return "accepted"
+    except NcclRuleError as exc:
+        return str(exc)
+
+
+def _placement_scenarios(peer: int) -> dict:
+    code, out = _titan_ext_probe(), {}
+    model = torch.nn.Linear(4, 4).weight  # the stage's device
+    # 11. a tensor titan_ext placed on the host by name (device="cpu") is refused on a data group; one
+    #     placed on the stage's device (a torch.device value: t.device) passes
+    host, dev = code["host_named"](4), code["stage_device"](4, model)
+    out["named"] = (bool(is_host_made(host)), is_host_made(dev))
+    out["named_send"] = _try(lambda: dist.isend(host, peer, dist.new_group()))
+    # 12. made on a helper thread (a factory without device=: the host on every thread)
+    helper = code["on_helper_thread"](4)
+    out["thread_site"] = is_host_made(helper)
+    out["thread_send"] = _try(lambda: dist.isend(helper, peer, dist.new_group()))
+    # 13. a collective's output buffers are checked too: NCCL writes the result into device memory
+    outputs = [code["host_named"](2) for _ in range(2)]
+    out["gather_out"] = _try(lambda: dist.all_gather(outputs, torch.ones(2), group=dist.new_group()))
+    g = dist.new_group()
+    dev_outputs = [torch.zeros(2) for _ in range(2)]
+    dist.all_gather(dev_outputs, torch.full((2,), 1.0 + (1 - peer)), group=g)
+    out["gather_dev"] = [t.tolist() for t in dev_outputs]
     return out
 
 
@@ -228,6 +288,19 @@ def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
         assert seen[rank]["s2_moved_allreduce"] == [1.0, 1.0]  # rank 0's chunk + rank 1's
         assert seen[rank]["like_allreduce"] == ([[1.5, 1.5]], [0.0]), seen[rank]["like_allreduce"]  # 0.5·1 + 0.5·2
         assert seen[rank]["big_batch"] == ("ok", [100.0 * (1 - rank) + i for i in (0, 50, 100)]), seen[rank]["big_batch"]
+
+
+def test_host_tensors_are_recognised_by_placement_on_any_thread_and_as_collective_outputs(seen):
+    """Issue 34: on the old backend a titan_ext tensor made with ``device="cpu"``, one made on a helper
+    thread, and host output buffers of a collective all passed unchecked."""
+    for rank in (0, 1):
+        p = seen[rank]["placement"]
+        assert p["named"] == (True, None), p
+        assert "host-side tensor" in p["named_send"] and "titan_ext.runtime._probe: zeros()" in p["named_send"], p
+        assert p["thread_site"] and "thread 'titan_ext-helper'" in p["thread_site"], p
+        assert "host-side tensor" in p["thread_send"], p
+        assert "host-side tensor" in p["gather_out"] and "allgather" in p["gather_out"], p
+        assert p["gather_dev"] == [[1.0, 1.0], [2.0, 2.0]], p
 
 
 def _control_with_uneven_group_counts(rank: int) -> list[int]:

@@ -27,17 +27,27 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
 * **one thread per pair**: an op issued on a pair from a thread other than the one that issued the
   pair's earlier ops raises at once;
 * **no host tensors on data groups**: every group of this backend is a data group (the PP and DP
-  groups; the control plane asks for ``backend="gloo"`` explicitly and gets plain gloo).  A tensor
-  that titan_ext code made on the host is refused there.  "Made on the host by titan_ext" is decided
-  honestly at creation time, since on a CPU test every tensor lives on the CPU: while the backend is
-  installed, a ``TorchFunctionMode`` on the main thread marks the result of a default-device factory
-  (``torch.tensor``, ``zeros``, ``empty``, ``full``, ``arange`` …, called without ``device=``;
-  not ``*_like`` / ``new_*``, which follow their source's device) or of ``.cpu()`` / ``.to("cpu")`` when the calling frame is titan_ext code
-  outside the device layer (:data:`DEVICE_LAYER_MODULES`), and everything computed from a marked
-  tensor — except the user's side's ``.to(device)`` (TorchTitan moving the batch that titan_ext's
-  S2 gathered on the host), which on a GPU copies it onto the device: it gives an unmarked view.
-  Tensors made by torch (pipelining's buffers), by the model, or through the device layer
-  are device tensors.  :func:`mark_host` marks one explicitly.
+  groups; the control plane asks for ``backend="gloo"`` explicitly and gets plain gloo).  A host tensor
+  is refused there, as a P2P buffer and as a collective's input *or output* (NCCL reads and writes
+  device memory only).  Where a tensor lives is decided by where it was placed, since on a CPU test
+  every tensor lives on the CPU: while the backend is installed, a ``TorchFunctionMode`` on *every*
+  thread (the installing one and each thread started after it) marks as host
+
+  - a tensor titan_ext code (outside the device layer, :data:`DEVICE_LAYER_MODULES`) places on the
+    host: a factory (``torch.tensor``, ``zeros``, ``empty``, ``full``, ``arange`` …) called without
+    ``device=`` or with the host named as the string ``"cpu"``, ``.cpu()``, ``.to("cpu")``; a
+    ``torch.device`` value (``t.device``, ``layer.device``) is the stage's device (on a GPU job the
+    stage's device is ``cuda:N``; code that means the host spells it ``"cpu"``, :func:`names_host`);
+    ``*_like`` / ``new_*`` follow their source's device;
+  - pinned memory (``pin_memory=True``, ``.pin_memory()``), whoever made it;
+  - everything computed from a marked tensor — except the user's side's ``.to(device)`` (TorchTitan
+    moving the batch that titan_ext's S2 gathered on the host), which on a GPU copies it onto the
+    device: it gives an unmarked view.
+
+  Tensors made by torch (pipelining's buffers), by the model, by the user's code, or through the
+  device layer are device tensors.  :func:`mark_host` marks one explicitly; :func:`is_host_made`
+  is the one test of it (the host-sync accounting of :mod:`titan_ext.runtime.host_syncs` uses it to
+  tell a device read from a host one).
 
 Collectives are gloo's (host-tensor rule checked), synchronous at ``wait()``.  What a CPU run cannot
 show: cross-pair NCCL blocking (one NCCL stream serialises a rank's groups to *different* peers too;
@@ -73,7 +83,8 @@ TIMEOUT_ENV = "TITAN_EXT_NCCL_RULES_TIMEOUT_S"
 #: test harness's models and batches (the user's side of a job)
 DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.runtime.testing")
 
-__all__ = ["BACKEND", "ENV_VAR", "NcclRuleError", "NcclRulesGroup", "install", "mark_host", "is_host_made"]
+__all__ = ["BACKEND", "ENV_VAR", "NcclRuleError", "NcclRulesGroup", "install", "installed", "is_host_made",
+           "mark_host", "names_host"]
 
 _SEND, _RECV, _CLOSE = 0, 1, -1
 _INLINE_OPS = 8  # ops of one group on one pair described in its fixed-size head (more: a second message)
@@ -113,23 +124,46 @@ _FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange",
               "rand", "randn", "randint", "randperm", "empty_strided", "from_numpy", "scalar_tensor"}
 
 
+def installed() -> bool:
+    """Whether this backend's rules are in force in this process (:func:`install` ran)."""
+    return _installed
+
+
+def names_host(target: Any) -> bool:
+    """Whether a ``device=`` / ``.to()`` target names the host.  On a CPU test the stage's device *is*
+    the CPU, so the two are told apart by how the code names them: a device spelled as the string
+    ``"cpu"`` (``"cpu:0"``) is the host, as it is in a GPU job; a ``torch.device`` value is the stage's
+    device (code that follows a tensor, ``t.device``, or the device layer's ``layer.device``, gets the
+    stage's device on a GPU: ``cuda:N``)."""
+    return isinstance(target, str) and torch.device(target).type == "cpu"
+
+
 def _caller_module() -> str:
     """Module of the Python code that called the torch function (past torch's own dispatch glue)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "") in ("torch.overrides", __name__):
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(
+            ("torch.overrides", __name__, "titan_ext.runtime.host_syncs")):
         frame = frame.f_back
     return frame.f_globals.get("__name__", "") if frame is not None else ""
 
 
+def _is_pinned_request(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Pinned memory is host memory, whoever asks for it (``pin_memory=True``, ``.pin_memory()``)."""
+    return getattr(func, "__name__", "") == "pin_memory" or bool(kwargs.get("pin_memory", False))
+
+
 def _is_host_request(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A tensor placed on the host by titan_ext code: a factory without ``device=`` or with the host
+    named (:func:`names_host`), ``.cpu()``, ``.to("cpu")``."""
     name = getattr(func, "__name__", "")
     if name in _FACTORIES:
-        return kwargs.get("device") is None
+        device = kwargs.get("device")
+        return device is None or names_host(device)
     if name == "cpu":
         return True
     if name == "to":
         target = kwargs.get("device", args[1] if len(args) > 1 else None)
-        return target == "cpu"
+        return names_host(target)
     return False
 
 
@@ -158,7 +192,7 @@ def _any_marked(args: tuple, kwargs: dict) -> str | None:
 
 
 class _HostTensorMarker(TorchFunctionMode):
-    """Marks host tensors made by titan_ext code outside the device layer (module docstring)."""
+    """Marks host tensors (module docstring), on every thread of the process (:func:`_mark_on_every_thread`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -166,15 +200,41 @@ class _HostTensorMarker(TorchFunctionMode):
         site = _any_marked(args, kwargs)
         if site is not None and _is_user_device_move(func, args, kwargs):
             return out.view_as(out)  # the device copy: an unmarked tensor (a view: no data copied)
-        if site is None and _is_host_request(func, args, kwargs):
+        if site is None and _is_pinned_request(func, args, kwargs):
+            site = f"{_caller_module()}: pinned {getattr(func, '__name__', func)}()"
+        elif site is None and _is_host_request(func, args, kwargs):
             module = _caller_module()
             if module.startswith("titan_ext") and not module.startswith((*DEVICE_LAYER_MODULES, __name__)):
                 site = f"{module}: {getattr(func, '__name__', func)}()"
+                if threading.current_thread() is not threading.main_thread():
+                    site += f" on thread {threading.current_thread().name!r}"
         if site is not None:
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, torch.Tensor) and not any(t is a for a in args) and not is_host_made(t):
                     mark_host(t, site)
         return out
+
+
+def _enter_marker() -> None:
+    """Put the marker on this thread's torch-function mode stack (mode stacks are per thread)."""
+    if not getattr(_modes, "marking", False):
+        _modes.marking = True
+        _HostTensorMarker().__enter__()
+
+
+_orig_bootstrap_inner = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+
+def _bootstrap_marking(self: threading.Thread) -> None:
+    _enter_marker()
+    _orig_bootstrap_inner(self)
+
+
+def _mark_on_every_thread() -> None:
+    """Every thread started from now on marks its host tensors too (helper threads: watchers,
+    planners, delegates' feeders); the calling thread at once."""
+    _enter_marker()
+    threading.Thread._bootstrap_inner = _bootstrap_marking  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -649,8 +709,11 @@ class NcclRulesGroup(dist.ProcessGroup):
                     except NcclRuleError:
                         pass
 
-    # -- collectives (gloo's, host-tensor rule checked) -------------------------------------------
+    # -- collectives (gloo's, host-tensor rule checked on inputs *and* outputs) --------------------
     def _forward(self, name: str, tensors: list, *args: Any) -> Any:
+        """A collective on gloo, after refusing host tensors among ``tensors`` (every input and output
+        buffer: NCCL writes a collective's result into device memory, so a host output is refused
+        like a host input)."""
         for t in tensors:
             _check_device_tensor(t, f"a collective ({name})")
         return getattr(self._inner, name)(*args)
@@ -665,31 +728,31 @@ class NcclRulesGroup(dist.ProcessGroup):
         return self._forward("broadcast", tensors, tensors, *_opt(opts))
 
     def allgather(self, outputs, inputs, opts=None):
-        return self._forward("allgather", inputs, outputs, inputs, *_opt(opts))
+        return self._forward("allgather", [*inputs, *_flat(outputs)], outputs, inputs, *_opt(opts))
 
     def _allgather_base(self, output, inp, opts=None):
-        return self._forward("_allgather_base", [inp], output, inp, *_opt(opts))
+        return self._forward("_allgather_base", [inp, output], output, inp, *_opt(opts))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self._forward("allgather_into_tensor_coalesced", inputs, outputs, inputs, *_opt(opts))
+        return self._forward("allgather_into_tensor_coalesced", [*inputs, *outputs], outputs, inputs, *_opt(opts))
 
     def reduce_scatter(self, outputs, inputs, opts=None):
-        return self._forward("reduce_scatter", [t for ts in inputs for t in ts], outputs, inputs, *_opt(opts))
+        return self._forward("reduce_scatter", [*_flat(inputs), *outputs], outputs, inputs, *_opt(opts))
 
     def _reduce_scatter_base(self, output, inp, opts=None):
-        return self._forward("_reduce_scatter_base", [inp], output, inp, *_opt(opts))
+        return self._forward("_reduce_scatter_base", [inp, output], output, inp, *_opt(opts))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self._forward("reduce_scatter_tensor_coalesced", inputs, outputs, inputs, *_opt(opts))
+        return self._forward("reduce_scatter_tensor_coalesced", [*inputs, *outputs], outputs, inputs, *_opt(opts))
 
     def alltoall_base(self, output, inp, out_splits, in_splits, opts=None):
-        return self._forward("alltoall_base", [inp], output, inp, out_splits, in_splits, *_opt(opts))
+        return self._forward("alltoall_base", [inp, output], output, inp, out_splits, in_splits, *_opt(opts))
 
     def gather(self, outputs, inputs, opts=None):
-        return self._forward("gather", inputs, outputs, inputs, *_opt(opts))
+        return self._forward("gather", [*inputs, *_flat(outputs)], outputs, inputs, *_opt(opts))
 
     def scatter(self, outputs, inputs, opts=None):
-        return self._forward("scatter", [t for ts in inputs for t in ts], outputs, inputs, *_opt(opts))
+        return self._forward("scatter", [*_flat(inputs), *outputs], outputs, inputs, *_opt(opts))
 
     def reduce(self, tensors, opts=None):
         return self._forward("reduce", tensors, tensors, *_opt(opts))
@@ -725,6 +788,10 @@ class NcclRulesGroup(dist.ProcessGroup):
         """Both sides' op sequences per peer (diagnostics)."""
         with self._lock:
             return {p: pair.sequences() for p, pair in self._pairs.items()}
+
+
+def _flat(tensor_lists: Any) -> list:
+    return [t for ts in tensor_lists for t in ts]
 
 
 def _opt(opts: Any) -> tuple:
@@ -809,8 +876,8 @@ def _issue_each(p2p_op_list: list) -> list:
 
 
 def install() -> None:
-    """Register the ``nccl_rules`` backend, make ``batch_isend_irecv`` one group on it, and mark
-    titan_ext's host tensors on this (the main) thread.  Idempotent; call before the groups exist."""
+    """Register the ``nccl_rules`` backend, make ``batch_isend_irecv`` one group on it, and mark host
+    tensors on this thread and every thread started after.  Idempotent; call before the groups exist."""
     global _installed
     if _installed:
         return
@@ -818,6 +885,6 @@ def install() -> None:
     atexit.register(_close_at_exit)
     dist.batch_isend_irecv = _batch_isend_irecv
     dist.distributed_c10d.batch_isend_irecv = _batch_isend_irecv
-    _HostTensorMarker().__enter__()  # stays on the main thread's torch-function mode stack
+    _mark_on_every_thread()  # stays on each thread's torch-function mode stack
     _join_stream()
     _installed = True
