@@ -191,10 +191,19 @@ def recorded_s4_cost(dump_folder) -> float | None:
 
 
 class S4Resume:
-    """In a job the launcher restarted after S4: measure and record the S4 cost and outcome."""
+    """In a job the launcher restarted after S4: measure and record the S4 cost and outcome.
 
-    def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None):
+    Its times are host data: they are reduced on ``control``, a gloo control group
+    (:func:`~titan_ext.runtime.falcon.device_clock.control_group`), never on the default group — on a
+    GPU job that is NCCL, which takes device tensors only (DESIGN.md "GPU rules"; issue 34)."""
+
+    def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None, control: Any = None):
         self.plan, self.dump, self.rank, self.trainer = plan, Path(dump_folder), rank, trainer
+        if control is None:
+            from titan_ext.runtime.falcon.device_clock import control_group
+
+            control = control_group()  # collective: every rank of the restarted job makes it
+        self.control = control
         self.times: list[float] = []
         self.measured_s: float | None = None
 
@@ -211,7 +220,7 @@ class S4Resume:
         if self.measured_s is not None:
             return
         mine = torch.tensor([time.time() - float(self.plan["begin_time"])], dtype=torch.float64)
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
         self.measured_s = float(mine)
         self._record({"kind": "restart", "iteration": step, "strategy": "S4", "name": "checkpoint_restart",
                       "applied": True, "from_step": self.plan["step"], "excluded": self.plan["excluded"],
@@ -234,7 +243,7 @@ class S4Resume:
         """The step's iteration time (max over ranks, as the DP x PP job's Falcon measures it) into
         ``falcon.jsonl``; after OUTCOME_STEPS steps the outcome row."""
         t = torch.tensor([step_s], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         self.times.append(float(t))
         if self.rank == 0:
             from titan_ext.titan.falcon_files import FALCON_LOG
