@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_ext.runtime.falcon import device_clock
 from titan_ext.runtime.falcon.restart import (
     S4_EXIT_CODE,
     S4_PLAN_FILE,
@@ -61,7 +62,6 @@ COSTS_FILE = "falcon_costs.json"
 OUTCOME_STEPS = 5
 """Steps after the restart whose median iteration time is the S4 outcome's "after"."""
 _EMULATION_ENV = ("TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK")
-_PROBE_BYTES = 64 << 20
 
 
 class S4Unavailable(RuntimeError):
@@ -158,8 +158,12 @@ def _restart_estimate_s(job: Any, dump_folder) -> float:
     params = [p.detach() for m in job.trainer.model_parts for p in m.parameters()]
     total = 3 * sum(p.numel() * p.element_size() for p in params)
     sample, nbytes = [], 0
-    for p in params:  # at most ~64 MB written here; the time is scaled to the whole state
-        if nbytes and nbytes + p.numel() * p.element_size() > _PROBE_BYTES:
+    for p in params:  # at most PROBE_BYTES (64 MB) written here; the time is scaled to the whole state
+        if nbytes + p.numel() * p.element_size() > device_clock.PROBE_BYTES:
+            if not sample:  # a parameter larger than the probe: its first PROBE_BYTES
+                flat = p.reshape(-1)
+                sample.append(flat[:device_clock.probe_numel(flat.numel(), flat.element_size())].to("cpu", copy=True))
+                nbytes = sample[0].numel() * sample[0].element_size()
             break
         sample.append(p.cpu())
         nbytes += p.numel() * p.element_size()
