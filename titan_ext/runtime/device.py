@@ -233,6 +233,14 @@ class Timer:
         """Fill the iteration's times; without ``block`` only if the device finished (returns whether)."""
         return True
 
+    def mark_ready(self) -> Any:
+        """A token for the time data produced so far is ready on the device (host clock: now)."""
+        return now()
+
+    def ready_time(self, token: Any) -> float:
+        """The host time of a :meth:`mark_ready` token."""
+        return token
+
 
 class _Anchor:
     """An event with a known host time (:class:`_EventTimer`'s clock mapping)."""
@@ -259,6 +267,7 @@ class _EventTimer(Timer):
         self._anchor_now: _Anchor | None = None  # the anchor of events recorded now
         self._settled: _Anchor | None = None  # the latest anchor whose host time is final
         self._unsettled: list[_Anchor] = []  # later anchors, in recording order
+        self._lock = threading.RLock()  # anchors are settled from helper threads too (ready_time)
         self.blocking_resolves = 0  # how many resolves had to wait for the device (tests, metrics)
 
     def _record(self) -> Any:
@@ -272,6 +281,10 @@ class _EventTimer(Timer):
         the host clock right after the record call (the device processes an event on an idle stream
         microseconds after it is enqueued).  The first one waits for its own event (start-up, off the
         steady state: the wait is on that idle stream, not behind the compute stream's backlog)."""
+        with self._lock:
+            self._new_anchor()
+
+    def _new_anchor(self) -> None:
         ev = self.device.event()
         with self.device.context():
             while self._unsettled and self._unsettled[0].ev.query():  # settle what completed, in order
@@ -350,8 +363,28 @@ class _EventTimer(Timer):
         """The host-clock time of a completed event recorded after ``anchor`` (default: the current
         one), through a short ``elapsed_time``."""
         anchor = self._anchor_now if anchor is None else anchor
-        self._settle(anchor)
+        with self._lock:
+            self._settle(anchor)
         return anchor.host + anchor.ev.elapsed_time(ev) / 1e3
+
+    def mark_ready(self) -> tuple[Any, "_Anchor"]:
+        """An event on the compute stream now (data produced so far is ready when it completes),
+        with its anchor: a token for :meth:`ready_time`."""
+        with self._lock:
+            if self._anchor_now is None or now() - self._anchor_now.host > ANCHOR_MAX_AGE_S:
+                self._new_anchor()
+            return self._record(), self._anchor_now
+
+    def ready_time(self, token: tuple[Any, "_Anchor"], poll_s: float = POLL_MIN_S) -> float:
+        """The host time of a :meth:`mark_ready` event, polling ``query()`` until it completed —
+        call it from a helper thread, never the schedule's (it waits for the device)."""
+        ev, anchor = token
+        pause = poll_s
+        with self.device.context():
+            while not ev.query():
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_MAX_S)
+            return self.host_time(ev, anchor)
 
     def resolve(self, block: bool = True) -> bool:
         if self._end_ev is None:
@@ -389,6 +422,7 @@ class DeviceLayer:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.watcher = ArrivalWatcher(self.context)
+        self._ready_clock: Timer | None = None
 
     def set_backend(self, backend: str) -> None:
         """The PP data group's backend decides how a receive's landing is observed (:class:`RecvHandle`)."""
@@ -423,6 +457,19 @@ class DeviceLayer:
     # -- timing and receives ----------------------------------------------------------------------
     def timer(self) -> Timer:
         return Timer()
+
+    def mark_ready(self) -> Any:
+        """Data produced so far on the compute stream is ready when this mark is reached: a token
+        for :meth:`ready_time` (an event on the compute stream; the host clock on CPU).  Used for
+        a send's hand-over time, e.g. by delay injection's stamps (issue 34)."""
+        if self._ready_clock is None:
+            self._ready_clock = self.timer()
+        return self._ready_clock.mark_ready()
+
+    def ready_time(self, token: Any) -> float:
+        """The host-clock time of a :meth:`mark_ready` token, waiting (on CUDA by polling the
+        event's ``query()``, no sync) until the device reached it: call it off the critical path."""
+        return self._ready_clock.ready_time(token)
 
     def watch(self, peer: int, works: list[Any]) -> RecvHandle:
         """A posted receive's handle; its arrival is stamped off the critical path."""
