@@ -1,6 +1,11 @@
 """A fake CUDA for testing the device layer's CUDA logic on CPU: one device whose compute stream runs
 kernels later than the host enqueues them (a backlog), on a virtual host clock.
 
+Side streams (``torch.cuda.Stream``) are idle unless a test gives them work: an event recorded on
+one completes when the host records it.  ``Event.elapsed_time`` returns **float32** milliseconds,
+as ``cudaEventElapsedTime`` does (its result is a C ``float``): a span of hours loses sub-millisecond
+resolution, which is what the device layer's anchors must cope with.
+
 Every event call checks that it runs under ``torch.cuda.device(<the stage's device>)`` in its thread
 (the "device per call, from any thread" rule).  ``synchronize`` of an event advances the host clock
 to the event's completion; ``torch.cuda.synchronize`` (a full device sync) is counted and forbidden
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import numpy as np
 import torch
 
 from titan_ext.runtime import host_syncs
@@ -22,6 +28,7 @@ class FakeGPU:
         self.index = index
         self.host = 100.0  # virtual host clock (s)
         self.stream_free = self.host  # when the compute stream has run everything enqueued
+        self.side_free: dict[str, float] = {}  # side streams: when each has run everything enqueued
         self.event_syncs = 0
         self.device_syncs = 0
         self.violations: list[str] = []
@@ -57,6 +64,11 @@ class FakeGPU:
         self.device_syncs += 1
         self.host = max(self.host, self.stream_free)
 
+    def Stream(self, device=None, priority=0):  # noqa: N802 - torch.cuda.Stream
+        name = f"side-stream-{len(self.side_free)}"
+        self.side_free[name] = self.host
+        return name
+
     def Event(self, enable_timing: bool = False):  # noqa: N802 - torch.cuda.Event
         gpu = self
 
@@ -64,8 +76,12 @@ class FakeGPU:
             def __init__(self):
                 self.t = None
 
-            def record(self, stream=None):  # noqa: ARG002
+            def record(self, stream=None):
                 gpu.check("Event.record")
+                if stream in gpu.side_free:
+                    self.t = max(gpu.side_free[stream], gpu.host)
+                    gpu.side_free[stream] = self.t
+                    return
                 self.t = max(gpu.stream_free, gpu.host)
                 gpu.stream_free = self.t
 
@@ -83,7 +99,7 @@ class FakeGPU:
                 gpu.check("Event.elapsed_time")
                 if not (self.query() and end.query()):
                     raise RuntimeError("elapsed_time of an incomplete event")
-                return 1e3 * (end.t - self.t)
+                return float(np.float32(1e3 * (end.t - self.t)))  # CUDA: a C float of milliseconds
 
         if not enable_timing:
             raise AssertionError("timing events must be created with enable_timing=True")
@@ -96,6 +112,7 @@ def install(monkeypatch, gpu: FakeGPU) -> None:
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(torch.cuda, "Stream", gpu.Stream)
     monkeypatch.setattr(torch.cuda, "device", gpu.device)
     monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: "compute-stream")

@@ -290,3 +290,39 @@ def test_s4_is_applied_only_where_the_restart_is_predicted_to_pay(factor, pays, 
     decision: dict = {}
     assert _s4_pays(job, plan, decision) == pays
     assert decision["falcon/predicted_s/checkpoint_restart"] == pytest.approx(after, rel=1e-9)
+
+
+def _s4_resume_rank(rank: int, world: int, dump: str) -> tuple:
+    from types import SimpleNamespace
+
+    from titan_ext.titan.falcon_s4 import OUTCOME_STEPS, S4Resume
+
+    trainer = SimpleNamespace(job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=dump)))
+    resume = S4Resume.from_env(trainer)
+    resume.before_step(13)
+    for step in range(13, 13 + OUTCOME_STEPS):
+        resume.after_step(step, 0.1 * (rank + 1))
+    return resume.measured_s, resume.times
+
+
+def test_s4_resume_reduces_its_host_times_on_a_control_group_not_the_data_group(tmp_path):
+    """The restarted job's S4 cost and step times are host tensors: on a GPU job the default group is
+    NCCL, which takes device tensors only. Under the NCCL-rules backend (every group but the gloo
+    control groups is a data group that refuses host-made tensors) the restarted job records its
+    cost and outcome, the slowest rank's times."""
+    import time as _time
+
+    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.titan.falcon_s4 import ENV_S4_PLAN
+
+    plan = {"status": "consumed", "step": 12, "begin_time": _time.time() - 3.0, "excluded": [3],
+            "world_size": 2, "num_dp": 1, "chunks_per_replica": 6, "estimated_cost_s": 20.0,
+            "save_s": 1.0, "iteration_time_before_s": 2.0}
+    (tmp_path / S4_PLAN_FILE).write_text(json.dumps(plan))
+    results = run_ranks(_s4_resume_rank, 2, str(tmp_path), backend="nccl_rules",
+                        env={ENV_S4_PLAN: str(tmp_path / S4_PLAN_FILE)}, timeout_s=120)
+    (cost0, times0), (cost1, times1) = results
+    assert cost0 == cost1 and cost0 >= 3.0
+    assert times0 == times1 == [pytest.approx(0.2)] * 5  # MAX over the ranks
+    rows = [json.loads(line) for line in (tmp_path / "falcon_events.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["restart", "outcome"]

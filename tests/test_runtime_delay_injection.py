@@ -234,3 +234,118 @@ def test_injection_under_torch_1f1b_keeps_nccl_rules_and_delays_arrival():
         assert min(slow["times"]) >= 4 * 30.0, slow["times"]
         assert slow["delayed"] > 0
     assert res[1][""]["losses"]  # the last stage computed losses
+
+
+# ---------------------------------------------------------------- on a GPU (fake CUDA, issue 34)
+class _DictStore:
+    """The torch.distributed store's calls the injector makes."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+    def delete_key(self, key):
+        return self.values.pop(key, None) is not None
+
+
+class _OnDevice:
+    """A payload on cuda:1 (a stand-in: the CPU build cannot make one): reading or copying it fails."""
+
+    device = torch.device("cuda", 1)
+
+    def numel(self):
+        return 1024
+
+    def element_size(self):
+        return 4
+
+
+class _Work:
+    def __init__(self):
+        self.waits = 0
+
+    def is_completed(self):
+        return True
+
+    def wait(self, timeout=None):  # noqa: ARG002
+        self.waits += 1
+        return True
+
+
+def _gpu_injector(monkeypatch, spec: str):
+    import types
+
+    import titan_ext.runtime.delay_injection as di
+    from _fake_cuda import FakeGPU, install
+
+    gpu = FakeGPU(index=1)
+    install(monkeypatch, gpu)
+    # the injector's clocks on the fake's virtual host clock
+    monkeypatch.setattr(di, "time", types.SimpleNamespace(time=gpu.now, monotonic=gpu.now, sleep=time.sleep))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, peer: peer)
+    injector = LinkDelayInjector(parse_delay_spec(spec))
+    issued: list = []
+    injector._orig_batch_p2p = lambda ops, desc=None: issued.append(list(ops)) or [_Work() for _ in ops]
+    injector.store = _DictStore()
+    return gpu, injector, issued
+
+
+def _published(store: _DictStore, key: str, limit_s: float = 10.0) -> float:
+    end = time.monotonic() + limit_s
+    while key not in store.values and time.monotonic() < end:
+        time.sleep(0.001)
+    return float(store.values[key].decode())
+
+
+def test_gpu_stamp_is_the_device_ready_time_without_a_copy_or_host_wait(monkeypatch):
+    """A send whose data the device produces 200 ms after the host issues it (a backlog on the
+    stream): the stamped arrival is device-ready + 30 ms, not issue + 30 ms; the batch holds only the
+    schedule's op (no stamp tensor, no H2D copy) and the schedule's thread never waits."""
+    from types import SimpleNamespace
+
+    gpu, injector, issued = _gpu_injector(monkeypatch, "0:30")
+    send = SimpleNamespace(op=dist.isend, tensor=_OnDevice(), group=None, group_peer=1)
+    for k in range(2):
+        gpu.kernel(200.0)  # the producer of the payload: ready when the stream gets through it
+        ready = gpu.stream_free
+        syncs = gpu.event_syncs
+        handles = injector.batch_p2p([send])
+        if k:  # steady state (the first send's anchor waits once, on the idle anchor stream)
+            assert gpu.event_syncs == syncs
+        assert issued[-1] == [send] and len(handles) == 1
+        assert f"titan_ext/delay/0->1/{k}" not in injector.store.values  # not ready yet: nothing published
+        gpu.host_work(250.0)
+        stamp = _published(injector.store, f"titan_ext/delay/0->1/{k}")
+        assert stamp == pytest.approx(ready + 0.030, abs=1e-5)
+    assert gpu.device_syncs == 0 and gpu.violations == []
+
+
+def test_gpu_receive_completion_reads_no_device_tensor(monkeypatch):
+    """The receive's ``is_completed()`` (the arrival watcher's poll) reads the stamp as host data: no
+    ``.item()`` of a device tensor, which would queue behind the compute stream; the consumer's
+    ``wait()`` is the data's stream wait, after the stamped arrival."""
+    from types import SimpleNamespace
+
+    gpu, injector, issued = _gpu_injector(monkeypatch, "0:30")
+    recv = SimpleNamespace(op=dist.irecv, tensor=_OnDevice(), group=None, group_peer=1)
+    (handle,) = injector.batch_p2p([recv])
+    assert issued[-1] == [recv]
+    assert not handle.is_completed()  # the sender has not published yet
+    injector.store.set("titan_ext/delay/1->0/0", repr(gpu.host + 0.050))
+    assert not handle.is_completed()
+    gpu.host_work(49.0)
+    assert not handle.is_completed()
+    gpu.host_work(2.0)
+    assert handle.is_completed()
+    assert handle.wait() and handle.works[0].waits == 1
+    assert gpu.device_syncs == 0 and gpu.event_syncs == 0

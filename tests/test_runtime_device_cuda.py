@@ -166,3 +166,48 @@ def test_titan_monitor_times_the_device_on_cuda(gpu):
     assert tl.step_wall_ms[0] == pytest.approx(6 * F_MS, rel=1e-6)
     assert gpu.event_syncs == syncs + 1 and gpu.device_syncs == 0  # the logging step waits on one event
     assert gpu.violations == []
+
+
+WEEK_MS = 7 * 24 * 3600 * 1e3
+
+
+def test_event_clock_keeps_a_tenth_of_a_millisecond_over_seven_days(gpu):
+    """CUDA's ``elapsed_time`` is float32 milliseconds: measured from one start-up anchor, an event a
+    week later is off by up to 32 ms (float32's spacing at 6e8 ms is 64 ms).  With a recent anchor
+    (one per iteration, on an idle side stream) the times stay within 0.1 ms of the device's, with
+    no host sync after start-up."""
+    layer = device_layer(torch.device("cuda", 1))
+    timer = layer.timer()
+    with layer.context():
+        _iteration(timer, gpu)
+        assert timer.resolve(block=True)
+        syncs = gpu.event_syncs
+        for day in range(7):
+            gpu.host_work(WEEK_MS / 7 - 1.234567)  # a day of training, off the ms grid
+            gpu.kernel(BACKLOG_MS)  # and the device behind the host when the iteration is enqueued
+            recs = _iteration(timer, gpu, n=3)
+            gpu.host_work(1e3)
+            assert timer.resolve(block=False)
+            for rec, start, end in recs:
+                assert abs(rec.start - start) <= 1e-4 / 1e3, (day, rec.start - start)
+                assert abs(rec.end - end) <= 1e-4 / 1e3, (day, rec.end - end)
+            assert timer.wall_ms == pytest.approx(3 * F_MS, abs=1e-4)
+    assert gpu.event_syncs == syncs and gpu.device_syncs == 0  # steady state: no host sync at all
+    assert gpu.violations == []
+
+
+def test_an_anchor_the_device_processed_late_takes_the_chained_time(gpu):
+    """An anchor stream that shares a hardware queue with a busy stream runs the anchor late: its
+    host stamp (at record) is then early, and the time chained from the previous anchor is used."""
+    layer = device_layer(torch.device("cuda", 1))
+    timer = layer.timer()
+    with layer.context():
+        _iteration(timer, gpu)
+        assert timer.resolve(block=True)
+        for name in gpu.side_free:  # the anchor stream stuck behind 5 ms of someone else's work
+            gpu.side_free[name] = gpu.host + 0.005
+        recs = _iteration(timer, gpu)
+        gpu.host_work(1e3)
+        assert timer.resolve(block=False)
+    for rec, start, end in recs:
+        assert rec.start == pytest.approx(start, abs=1e-7) and rec.end == pytest.approx(end, abs=1e-7)

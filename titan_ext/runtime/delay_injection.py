@@ -8,19 +8,27 @@ direction) until ``start + size/bandwidth``, and cannot be received before
 
     ``arrival = start + size / bandwidth + latency``.
 
-Mechanism: *receiver-side arrival*, keeping NCCL's rules (issue 20 defect 3).  The injector replaces
-``torch.distributed.pipelining.schedules._batch_p2p`` — the single function through which every torch
-pipelining schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``_PipelineScheduleRuntime`` subclasses,
-PipeMorph) issues its PP sends and receives.  Every op is issued at once, from the calling thread, in
-the schedule's order and inside the schedule's own batch (torch's ``batch_isend_irecv`` groups stay
-whole, so NCCL's pairing holds).  On a link the spec names, each message is followed *in the same
-batch* by an 8-byte stamp on the payload's device: the sender's model time ``arrival`` (wall clock)
-after the message, the receiver's matching receive of the stamp after its receive.  The receiver's
-handle (:class:`DelayedRecvWork`) completes no earlier than ``arrival``: ``wait()`` blocks the host
-until then, ``is_completed()`` and ``get_future()`` report it truthfully.  The sender is never slept,
-compute is never slept: only data arrival is delayed, FIFO per link and direction.  Both ends of a
-named link must run the same spec (links the spec does not name carry no stamps), and the stamp
-compares wall clocks, so across hosts the emulation is as exact as their clock sync.
+Mechanism: *receiver-side arrival*, keeping NCCL's rules (issue 20 defect 3) and CUDA's (issue 34).
+The injector replaces ``torch.distributed.pipelining.schedules._batch_p2p`` — the single function
+through which every torch pipelining schedule (``ScheduleGPipe``, ``Schedule1F1B``,
+``_PipelineScheduleRuntime`` subclasses, PipeMorph) issues its PP sends and receives.  Every op is
+issued at once, from the calling thread, in the schedule's order and inside the schedule's own batch
+(torch's ``batch_isend_irecv`` groups stay whole and carry nothing but the schedule's tensors, so
+NCCL's pairing holds).  A send on a link the spec names is *stamped*: its hand-over time is when its
+data is ready on the device — an event recorded on the producing stream right after the data was
+produced (:meth:`~titan_ext.runtime.device.DeviceLayer.mark_ready`; on CPU the host clock at issue is
+the device's), read on the host clock by the device layer's event clock once it completed, by the
+injector's stamper thread (never the schedule's thread: no host wait, no blocking copy).  The stamper
+books the link model with it and publishes the model's ``arrival`` (wall clock) as host data in the
+job's ``torch.distributed`` store under the message's sequence number on its rank pair — no device
+tensor, no copy, no data-group traffic.  The receiver's handle (:class:`DelayedRecvWork`) completes
+no earlier than ``arrival``: ``wait()`` reads the stamp from the store, sleeps the host until then and
+makes the stream wait on the data (``Work.wait()``); ``is_completed()`` (polled by the device layer's
+arrival watcher) reads it only if it is there, and never reads a device tensor (a ``.item()`` there
+would queue behind the compute stream and read arrivals late).  The sender is never slept, compute is
+never slept: only data arrival is delayed, FIFO per link and direction.  Both ends of a named link
+must run the same spec (links the spec does not name carry no stamps), and the stamp compares wall
+clocks, so across hosts the emulation is as exact as their clock sync.
 
 Install with :func:`inject_link_delays` (Python) or the environment variable
 ``TITAN_EXT_INJECT_DELAYS`` (read when :mod:`titan_ext.runtime` is imported, and by
@@ -289,32 +297,48 @@ def link_of_ranks(a: int, b: int, group_size: int) -> int:
 
 
 class DelayedRecvWork:
-    """A receive on a delayed link: complete when its data and stamp have landed and the stamped
-    ``arrival`` (wall clock) has passed."""
+    """A receive on a delayed link: complete when its data has landed and the stamped ``arrival``
+    (wall clock, published by the sender's stamper in the store under ``key``) has passed."""
 
-    def __init__(self, works: list[Any], stamp: torch.Tensor):
-        self.works = works  # the data's and the stamp's (or the batch's one coalesced work)
-        self.stamp = stamp
+    def __init__(self, works: list[Any], key: str, store: Any):
+        self.works = works  # the data's (or the batch's one coalesced work)
+        self.key, self.store = key, store
         self._arrival: float | None = None
 
-    def arrival(self) -> float:
-        """The sender's model arrival time (reads the stamp: after the data has landed)."""
-        if self._arrival is None:
-            for w in self.works:
-                w.wait()
-            self._arrival = float(self.stamp.item())
+    def _read(self, block: bool) -> float | None:
+        """The stamp, once the sender's stamper published it (``block``: polled until then, the
+        store checked between short sleeps so this process's own stamper keeps running)."""
+        pause = 20e-6
+        while self._arrival is None:
+            if self.store.check([self.key]):
+                self._arrival = float(self.store.get(self.key).decode())
+                self.store.delete_key(self.key)
+            elif not block:
+                return None
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
         return self._arrival
+
+    def arrival(self) -> float:
+        """The sender's model arrival time (waits for the sender's stamper to publish it)."""
+        return self._read(block=True)
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility
         delay = self.arrival() - time.time()
         if delay > 0:
             time.sleep(delay)
+        for w in self.works:  # NCCL: the stream waits on the data; gloo: the host until it landed
+            w.wait()
         return True
 
     def is_completed(self) -> bool:
-        if self._arrival is None and not all(w.is_completed() for w in self.works):
+        """Truthful and without a host sync: the data's works report completion and the stamp, a
+        host value in the store, has passed (never a read of a device tensor)."""
+        if not all(w.is_completed() for w in self.works):
             return False
-        return time.time() >= self.arrival()
+        arrival = self._read(block=False)
+        return arrival is not None and time.time() >= arrival
 
     def get_future(self) -> torch.futures.Future:
         """Completes at arrival (a helper thread waits; the future's value is None)."""
@@ -348,6 +372,11 @@ class LinkDelayInjector:
         self.messages_passed = 0
         self._orig_batch_p2p = None
         self._next_warning = math.inf
+        self.store: Any = None
+        """Where stamps travel (host data): the job's ``torch.distributed`` store unless set."""
+        self._sequence: dict[tuple[int, int], int] = {}  # (src, dst) global ranks -> stamped messages
+        self._devices: dict[Any, Any] = {}  # torch.device -> its device layer (the event clock)
+        self._stamps: Any = None  # the stamper thread's queue
 
     # -- configuration -------------------------------------------------------------------------
     def update(self, spec: str | DelaySchedule) -> None:
@@ -410,42 +439,82 @@ class LinkDelayInjector:
             direction = 0 if me == group_size - 1 else 1  # wrap-around pair (P-1 -> 0 is downstream)
         return link, direction
 
-    def _stamp_of_send(self, op: Any, link: int, direction: int, now: float) -> torch.Tensor:
-        """The send's model arrival as a wall-clock stamp on the payload's device (books the link)."""
+    def _device(self, device: torch.device) -> Any:
+        from .device import device_layer
+
+        if device not in self._devices:
+            self._devices[device] = device_layer(device)
+        return self._devices[device]
+
+    def _key(self, src: int, dst: int) -> str:
+        """The next stamp's key on the rank pair (src -> dst): both ends count the pair's stamped
+        messages in issue order (a pair's p2p ops match in issue order)."""
+        k = self._sequence.get((src, dst), 0)
+        self._sequence[(src, dst)] = k + 1
+        return f"titan_ext/delay/{src}->{dst}/{k}"
+
+    def _stamp_send(self, op: Any, link: int, direction: int, key: str) -> None:
+        """Mark the send's data ready on its device (an event on the producing stream, right after
+        the producer) and hand it to the stamper thread, which publishes the model arrival."""
+        layer = self._device(op.tensor.device)
+        token = layer.mark_ready()
         nbytes = op.tensor.numel() * op.tensor.element_size()
-        with self._lock:
-            arrival = self.arrival_time(link, direction, nbytes, now)
-        if arrival > now:
-            self.messages_delayed += 1
-        else:
-            self.messages_passed += 1
-        wall = time.time() + (arrival - time.monotonic())
-        return torch.tensor([wall], dtype=torch.float64, device=op.tensor.device)
+        if self._stamps is None:
+            import queue
+
+            self._stamps = queue.SimpleQueue()
+            threading.Thread(target=self._stamper, args=(self._stamps,), name="titan_ext-delay-stamper",
+                             daemon=True).start()
+        self._stamps.put((layer, token, link, direction, nbytes, key))
+
+    def _stamper(self, stamps: Any) -> None:
+        """Per send, in issue order: wait (this thread only) until its data is ready on the device,
+        book the link from that time and publish the arrival (wall clock) in the store."""
+        while True:
+            item = stamps.get()
+            if item is None:
+                return
+            layer, token, link, direction, nbytes, key = item
+            ready = layer.ready_time(token)  # the device layer's clock (time.perf_counter)
+            with self._lock:
+                # the model runs on time.monotonic(): move the device-ready time onto it
+                ready_mono = ready - (_device_now() - time.monotonic())
+                arrival = self.arrival_time(link, direction, nbytes, ready_mono)
+                if arrival > ready_mono:
+                    self.messages_delayed += 1
+                else:
+                    self.messages_passed += 1
+            wall = time.time() + (arrival - time.monotonic())
+            self.store.set(key, repr(wall))
 
     def batch_p2p(self, p2p_ops: list, desc: str | None = None) -> list:
         """Drop-in replacement of torch's ``schedules._batch_p2p`` that applies the link delays:
-        the same ops, in the same order and batch, each on a named link followed by its stamp."""
+        the same ops, in the same order and batch; a receive on a named link gets a delayed handle."""
         if not p2p_ops:
             return []
-        now = time.monotonic()
-        self.maybe_warn(now)
-        ops, stamps = [], []  # stamps[i]: index of op i's stamp in `ops` and its tensor, or None
+        self.maybe_warn(time.monotonic())
+        if self.store is None:
+            self.store = dist.distributed_c10d._get_default_store()
+        keys: list[str | None] = []
         for op in p2p_ops:
-            ops.append(op)
             link, direction = self._link_and_direction(op)
             if not self.stamps_link(link):
-                stamps.append(None)
+                keys.append(None)
                 continue
-            if _is_recv(op):
-                stamp = torch.empty(1, dtype=torch.float64, device=op.tensor.device)
-            else:
-                stamp = self._stamp_of_send(op, link, direction, now)
-            stamps.append((len(ops), stamp))
-            ops.append(dist.P2POp(op.op, stamp, group=op.group, group_peer=op.group_peer))
-        works = self._orig_batch_p2p(ops, desc)
-        per_op = len(works) == len(ops)  # else one coalesced work for the batch (NCCL)
-        return [_handle(works[i:i + (1 if stamp is None else 2)] if per_op else works, op, stamp)
-                for (i, op), stamp in zip(_positions(p2p_ops, stamps), stamps)]
+            me, peer = dist.get_rank(), dist.get_global_rank(op.group or dist.group.WORLD, op.group_peer)
+            recv = _is_recv(op)
+            key = self._key(peer, me) if recv else self._key(me, peer)
+            if not recv:
+                self._stamp_send(op, link, direction, key)
+                key = None
+            keys.append(key)
+        works = self._orig_batch_p2p(list(p2p_ops), desc)
+        per_op = len(works) == len(p2p_ops)  # else one coalesced work for the batch (NCCL)
+        out = []
+        for i, key in enumerate(keys):
+            own = [works[i]] if per_op else list(works)
+            out.append(own[0] if key is None else DelayedRecvWork(own, key, self.store))
+        return out
 
     # -- installation --------------------------------------------------------------------------
     def install(self) -> "LinkDelayInjector":
@@ -485,35 +554,11 @@ def _is_recv(op: Any) -> bool:
     return op.op is dist.irecv or getattr(op.op, "__name__", "") == "irecv"
 
 
-def _positions(p2p_ops: list, stamps: list) -> list[tuple[int, Any]]:
-    """Index of each original op in the stamped op list."""
-    out, i = [], 0
-    for op, stamp in zip(p2p_ops, stamps):
-        out.append((i, op))
-        i += 1 if stamp is None else 2
-    return out
+def _device_now() -> float:
+    """The device layer's host clock (its event times are on it)."""
+    from . import device
 
-
-def _handle(own: list[Any], op: Any, stamp: tuple[int, torch.Tensor] | None) -> Any:
-    """What the schedule gets for ``op``: its work, a send with its stamp, or a delayed receive."""
-    if stamp is not None and _is_recv(op):
-        return DelayedRecvWork(own, stamp[1])
-    return own[0] if len(own) == 1 else _AllWorks(own)
-
-
-class _AllWorks:
-    """A send's data and stamp works as one handle."""
-
-    def __init__(self, works: list[Any]):
-        self.works = works
-
-    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+    return device.now()
 
 
 def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None,

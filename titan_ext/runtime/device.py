@@ -11,10 +11,18 @@ Three implementations behind one interface (:class:`DeviceLayer`):
     sync on the critical path*: :meth:`Timer.resolve` with ``block=False`` only reads events that
     ``query()`` reports complete; a blocking resolve waits on the iteration's last event (never a device
     ``synchronize``) and is done only where the profile is needed now (the profile-exchange boundary);
-  - event times are put on the host clock through an *anchor*: an event whose **completion** time on the
-    host was stamped (once at start-up, by waiting on that one event), so a device backlog behind the
-    host (the optimizer's kernels still running when the next iteration is enqueued) does not shift the
-    timeline — a host clock read at *enqueue* would (issue 20, defect 9);
+  - event times are put on the host clock through an *anchor*: an event whose host time is known, so a
+    device backlog behind the host (the optimizer's kernels still running when the next iteration is
+    enqueued) does not shift the timeline — a host clock read at *enqueue* of a compute-stream event
+    would (issue 20, defect 9).  ``Event.elapsed_time`` is ``cudaEventElapsedTime``: a C ``float`` of
+    milliseconds, whose spacing is 1 ms after 2.3 h and 8 ms after a day, so the anchor must be
+    *recent* (issue 34): a fresh one per iteration (and every :data:`ANCHOR_MAX_AGE_S` within one),
+    recorded on an idle side stream (``stream("anchor")``, nothing else runs there), where it completes
+    as soon as the device sees it — its host time is the host clock right after the record call, no
+    wait.  The first anchor is exact by a wait on that one event (start-up, off the steady state); each
+    later one is checked against its predecessor (``elapsed_time`` over one iteration is exact to
+    microseconds): an anchor the device processed late — its stream shared a hardware queue with a
+    busy one — takes the chained time instead (:meth:`_EventTimer._settle`);
   - message arrival comes from the receive's completion (``Work.is_completed()``, truthful on NCCL:
     it queries the work's end event), polled by a watcher thread off the critical path — not from
     ``Work.wait()``, which on NCCL returns once the stream wait is enqueued (defect 2);
@@ -50,6 +58,13 @@ __all__ = ["ArrivalWatcher", "CpuDevice", "CudaDevice", "DeviceLayer", "RecvHand
 #: bounds of the watcher's completion polling (seconds): a receive's arrival is stamped at most this
 #: late after it landed, plus the thread's wake-up latency
 POLL_MIN_S, POLL_MAX_S = 20e-6, 500e-6
+#: a timing event is read from an anchor at most this old (host clock): float32 milliseconds of 60 s
+#: are spaced 3.9 us apart, so the mapping's rounding stays far below the 0.1 ms the clock promises
+ANCHOR_MAX_AGE_S = 60.0
+#: an anchor whose stamp is this much earlier than its chained time was processed late by the device
+ANCHOR_LATE_S = 20e-6
+#: the check chains from the previous anchor only over this span (float32 spacing there: 7.8 us)
+ANCHOR_CHAIN_MAX_S = 2 * ANCHOR_MAX_AGE_S
 
 
 def now() -> float:
@@ -218,21 +233,41 @@ class Timer:
         """Fill the iteration's times; without ``block`` only if the device finished (returns whether)."""
         return True
 
+    def mark_ready(self) -> Any:
+        """A token for the time data produced so far is ready on the device (host clock: now)."""
+        return now()
+
+    def ready_time(self, token: Any) -> float:
+        """The host time of a :meth:`mark_ready` token."""
+        return token
+
+
+class _Anchor:
+    """An event with a known host time (:class:`_EventTimer`'s clock mapping)."""
+
+    __slots__ = ("ev", "host", "settled")
+
+    def __init__(self, ev: Any, host: float, settled: bool):
+        self.ev, self.host, self.settled = ev, host, settled
+
 
 class _EventTimer(Timer):
     """Event-based timer of an asynchronous device (CUDA; the simulation reuses it).
 
     ``event()`` makes a timing event recorded on the compute stream.  Times are mapped onto the host
-    clock through an anchor event whose completion host time is known (:meth:`_anchor`)."""
+    clock through the most recent anchor recorded before the event (:meth:`_anchor`), so a mapping
+    spans at most an iteration or :data:`ANCHOR_MAX_AGE_S`, whatever the job's age."""
 
     def __init__(self, device: "DeviceLayer"):
         super().__init__()
         self.device = device
-        self._pending: list[tuple[Any, Any, Any]] = []  # (target, field-or-index, event)
+        self._pending: list[tuple[Any, Any, Any, _Anchor]] = []  # (target, field-or-index, event, anchor)
         self._begin_ev: Any = None
         self._end_ev: Any = None
-        self._anchor_host: float | None = None
-        self._anchor_ev: Any = None
+        self._anchor_now: _Anchor | None = None  # the anchor of events recorded now
+        self._settled: _Anchor | None = None  # the latest anchor whose host time is final
+        self._unsettled: list[_Anchor] = []  # later anchors, in recording order
+        self._lock = threading.RLock()  # anchors are settled from helper threads too (ready_time)
         self.blocking_resolves = 0  # how many resolves had to wait for the device (tests, metrics)
 
     def _record(self) -> Any:
@@ -242,13 +277,46 @@ class _EventTimer(Timer):
         return ev
 
     def _anchor(self) -> None:
-        """Once: record an event and wait for *it* (not the device) to complete; its completion time on
-        the host clock anchors every later event (start-up, off the steady-state critical path)."""
-        if self._anchor_ev is None:
-            self._anchor_ev = self._record()
-            with self.device.context():
-                self._anchor_ev.synchronize()
-            self._anchor_host = now()
+        """A fresh anchor for the events recorded from now on: on the idle anchor stream, stamped with
+        the host clock right after the record call (the device processes an event on an idle stream
+        microseconds after it is enqueued).  The first one waits for its own event (start-up, off the
+        steady state: the wait is on that idle stream, not behind the compute stream's backlog)."""
+        with self._lock:
+            self._new_anchor()
+
+    def _new_anchor(self) -> None:
+        ev = self.device.event()
+        with self.device.context():
+            while self._unsettled and self._unsettled[0].ev.query():  # settle what completed, in order
+                self._settle_next()
+            ev.record(self.device.stream("anchor"))
+            if self._settled is None:
+                ev.synchronize()
+        anchor = _Anchor(ev, now(), settled=self._settled is None)
+        if anchor.settled:
+            self._settled = anchor
+        else:
+            self._unsettled.append(anchor)
+        self._anchor_now = anchor
+
+    def _settle(self, anchor: _Anchor) -> None:
+        """Make ``anchor``'s host time final (its event has completed, hence every earlier anchor's:
+        they share the anchor stream), settling the earlier ones first (:meth:`_settle_next`)."""
+        while not anchor.settled:
+            self._settle_next()
+
+    def _settle_next(self) -> None:
+        """Settle the oldest unsettled anchor: if the time chained from the previous one through
+        ``elapsed_time`` (at most :data:`ANCHOR_CHAIN_MAX_S` apart: a float32 error of microseconds)
+        is later than its stamp by more than :data:`ANCHOR_LATE_S`, the device processed it late
+        (its stream shared a hardware queue with a busy one) and the chained time is used."""
+        anchor, prev = self._unsettled.pop(0), self._settled
+        if anchor.host - prev.host <= ANCHOR_CHAIN_MAX_S:
+            chained = prev.host + prev.ev.elapsed_time(anchor.ev) / 1e3
+            if chained > anchor.host + ANCHOR_LATE_S:
+                anchor.host = chained
+        anchor.settled = True
+        self._settled = anchor
 
     def discard(self) -> None:
         """Drop the unresolved times of the previous iteration (nobody needs them)."""
@@ -263,29 +331,60 @@ class _EventTimer(Timer):
         self._begin_ev = self._record()
         self._end_ev = None
 
-    def start(self, rec: Any) -> Any:
-        ev = self._record()
-        self._pending.append((rec, "start", ev))
+    def _timed(self, target: Any, key: Any, ev: Any = None) -> Any:
+        """Record (or take) a timing event for ``target[key]``, read later from the current anchor
+        (a fresh one first if it is older than :data:`ANCHOR_MAX_AGE_S`)."""
+        if now() - self._anchor_now.host > ANCHOR_MAX_AGE_S:
+            self._anchor()
+        ev = self._record() if ev is None else ev
+        self._pending.append((target, key, ev, self._anchor_now))
         return ev
 
+    def start(self, rec: Any) -> Any:
+        return self._timed(rec, "start")
+
     def stop(self, rec: Any, token: Any) -> None:  # noqa: ARG002
-        self._pending.append((rec, "end", self._record()))
+        self._timed(rec, "end")
 
     def mark(self, stamps: list[float]) -> None:
         stamps.append(math.nan)
-        self._pending.append((stamps, len(stamps) - 1, self._record()))
+        self._timed(stamps, len(stamps) - 1)
 
     def recv_wait_begin(self) -> Any:
         return self._record()
 
     def recv_wait_ms(self, rec: Any, token: Any) -> None:
-        self._pending.append((rec, "recv_wait_from", token))
+        self._timed(rec, "recv_wait_from", token)
 
     def end_iteration(self) -> None:
         self._end_ev = self._record()
 
-    def _host(self, ev: Any) -> float:
-        return self._anchor_host + self._anchor_ev.elapsed_time(ev) / 1e3  # type: ignore[operator]
+    def host_time(self, ev: Any, anchor: _Anchor | None = None) -> float:
+        """The host-clock time of a completed event recorded after ``anchor`` (default: the current
+        one), through a short ``elapsed_time``."""
+        anchor = self._anchor_now if anchor is None else anchor
+        with self._lock:
+            self._settle(anchor)
+        return anchor.host + anchor.ev.elapsed_time(ev) / 1e3
+
+    def mark_ready(self) -> tuple[Any, "_Anchor"]:
+        """An event on the compute stream now (data produced so far is ready when it completes),
+        with its anchor: a token for :meth:`ready_time`."""
+        with self._lock:
+            if self._anchor_now is None or now() - self._anchor_now.host > ANCHOR_MAX_AGE_S:
+                self._new_anchor()
+            return self._record(), self._anchor_now
+
+    def ready_time(self, token: tuple[Any, "_Anchor"], poll_s: float = POLL_MIN_S) -> float:
+        """The host time of a :meth:`mark_ready` event, polling ``query()`` until it completed —
+        call it from a helper thread, never the schedule's (it waits for the device)."""
+        ev, anchor = token
+        pause = poll_s
+        with self.device.context():
+            while not ev.query():
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_MAX_S)
+            return self.host_time(ev, anchor)
 
     def resolve(self, block: bool = True) -> bool:
         if self._end_ev is None:
@@ -296,8 +395,8 @@ class _EventTimer(Timer):
                     return False
                 self.blocking_resolves += 1
                 self._end_ev.synchronize()  # this iteration's last event only, never the device
-            for target, key, ev in self._pending:
-                t = self._host(ev)
+            for target, key, ev, anchor in self._pending:
+                t = self.host_time(ev, anchor)
                 if key == "recv_wait_from":
                     target.recv_wait_ms = 1e3 * max(target.start - t, 0.0)
                 elif isinstance(key, str):
@@ -323,6 +422,7 @@ class DeviceLayer:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.watcher = ArrivalWatcher(self.context)
+        self._ready_clock: Timer | None = None
 
     def set_backend(self, backend: str) -> None:
         """The PP data group's backend decides how a receive's landing is observed (:class:`RecvHandle`)."""
@@ -357,6 +457,19 @@ class DeviceLayer:
     # -- timing and receives ----------------------------------------------------------------------
     def timer(self) -> Timer:
         return Timer()
+
+    def mark_ready(self) -> Any:
+        """Data produced so far on the compute stream is ready when this mark is reached: a token
+        for :meth:`ready_time` (an event on the compute stream; the host clock on CPU).  Used for
+        a send's hand-over time, e.g. by delay injection's stamps (issue 34)."""
+        if self._ready_clock is None:
+            self._ready_clock = self.timer()
+        return self._ready_clock.mark_ready()
+
+    def ready_time(self, token: Any) -> float:
+        """The host-clock time of a :meth:`mark_ready` token, waiting (on CUDA by polling the
+        event's ``query()``, no sync) until the device reached it: call it off the critical path."""
+        return self._ready_clock.ready_time(token)
 
     def watch(self, peer: int, works: list[Any]) -> RecvHandle:
         """A posted receive's handle; its arrival is stamped off the critical path."""

@@ -12,7 +12,6 @@ Alg. 1, Falcon §5.2): no constants — every cost is this job's own measurement
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
+from titan_ext.runtime.falcon import device_clock
 from titan_ext.runtime.falcon.device_clock import DeviceTimer, device_buffer
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks
 
@@ -68,12 +68,14 @@ class JobCosts:
     def measure_s3(self, trainer: Any, grid: list[list[int]], pp_index: int, device) -> None:
         """S3's overhead as this job applies it, in memory: creating a device mesh of the current grid
         (the new DP and PP groups), moving a stage's state (the model and AdamW's two moments, 3x the
-        parameters) to a DP peer over the data group, and loading a copy of it into a fresh copy of
-        the stage. The first application replaces this estimate by its own measured time."""
-        from titan_ext.runtime.falcon.topology import load_stage_state, own_stage_state
+        parameters) to a DP peer over the data group, and loading it into a fresh stage. The move and
+        the load are timed on probes of at most
+        :data:`~titan_ext.runtime.falcon.device_clock.PROBE_BYTES` and scaled to the state's size
+        (no copy of the stage, no buffer of its size: docs/falcon.md "Start-up memory"). The first
+        application replaces this estimate by its own measured time."""
         from titan_ext.titan.falcon_s3 import grid_mesh, s3_can_move
 
-        part, opt = trainer.model_parts[0], trainer.optimizers.optimizers[0]
+        part = trainer.model_parts[0]
         if not s3_can_move(part):  # the same on every rank (one job-wide parallelism): no collective skipped
             logger.warning("[titan_ext] Falcon: S3 (in-memory topology change) moves plain modules only, this "
                            "stage is FSDP-wrapped (TorchTitan 0.3's DP x PP job): S3 is never chosen")
@@ -84,20 +86,42 @@ class JobCosts:
         grid_mesh(grid, torch.device(device).type)
         group_s = time.perf_counter() - t0
         move_s = _time_state_exchange(state, [row[pp_index] for row in grid], device)
-        t0 = time.perf_counter()
-        fresh = copy.deepcopy(part)
-        load_stage_state(fresh, type(opt)(fresh.parameters()), *own_stage_state(part, opt))
-        self.set(topology_adjustment=self._slowest(group_s + move_s + time.perf_counter() - t0))
+        load_s = _time_state_load(state, device)
+        self.set(topology_adjustment=self._slowest(group_s + move_s + load_s))
 
 
 def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device) -> float:
     """Seconds to send ``state`` to the next DP peer and receive the previous one's (a ring shift
-    over the data group, device buffers; completion time)."""
+    over the data group, device buffers; completion time), timed on a probe of at most
+    ``PROBE_BYTES`` per direction and scaled to the state's fp32 size."""
     numel = sum(t.numel() for t in state)
-    send, recv = device_buffer(numel, device), device_buffer(numel, device)
+    probe = device_clock.probe_numel(numel)
+    send, recv = device_buffer(probe, device), device_buffer(probe, device)
     me = dp_ranks.index(dist.get_rank())
     timer = DeviceTimer(device)
     start = timer.mark()
     ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
            dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
-    return timer.completion_s(start, dist.batch_isend_irecv(ops))
+    return timer.completion_s(start, dist.batch_isend_irecv(ops)) * numel / probe
+
+
+def _time_state_load(state: list[torch.Tensor], device) -> float:
+    """Seconds to load ``state`` into a fresh stage (a device-to-device copy of every tensor), timed
+    on a prefix of at most ``PROBE_BYTES`` and scaled to the whole state."""
+    total = sum(t.numel() * t.element_size() for t in state)
+    sample, nbytes = [], 0
+    for t in state:
+        if nbytes + t.numel() * t.element_size() > device_clock.PROBE_BYTES:
+            break
+        sample.append(t)
+        nbytes += t.numel() * t.element_size()
+    if not sample:  # one tensor larger than the probe: its first PROBE_BYTES
+        flat = state[0].reshape(-1)
+        sample = [flat[:device_clock.probe_numel(flat.numel(), flat.element_size())]]
+        nbytes = sample[0].numel() * sample[0].element_size()
+    timer = DeviceTimer(device)
+    start = timer.mark()
+    copies = [torch.empty_like(t).copy_(t) for t in sample]
+    seconds = timer.elapsed_s(start, timer.mark())
+    del copies
+    return seconds * total / max(nbytes, 1)

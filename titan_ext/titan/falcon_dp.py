@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
+from titan_ext.runtime.falcon import device_clock
 from titan_ext.runtime.falcon.device_clock import DeviceTimer, device_buffer, device_sleep
 from titan_ext.runtime.falcon.redistribute import weighted_all_reduce_gradients
 
@@ -104,26 +105,30 @@ class DPSync:
     def regroup(self, dp_group: Any, dp_control: Any, dp_ranks: list[int], pp_index: int, num_pp: int) -> None:
         """(Re)bind to this rank's DP group (at start and after S3): the stages' gradient sizes, and
         the healthy base measured once now (fastest of 3 after a barrier) until training steps
-        replace it (:meth:`transfer_times`)."""
+        replace it (:meth:`transfer_times`). The start-up measure all-reduces a probe of at most
+        :data:`~titan_ext.runtime.falcon.device_clock.PROBE_BYTES` (freed after it), its time scaled
+        to the fp32 gradient's size: no buffer of the stage's size is held."""
         self.dp_group, self.dp_control, self.dp_ranks = dp_group, dp_control, list(dp_ranks)
         self.pp_index, self.num_pp = pp_index, num_pp
         numel = sum(p.numel() for m in self.trainer.model_parts for p in m.parameters())
-        self.buf = device_buffer(numel, self.device)
-        self.stage_bytes = self._per_stage(numel * self.buf.element_size(), dist.ReduceOp.MAX)
+        self.stage_bytes = self._per_stage(numel * 4, dist.ReduceOp.MAX)  # fp32 gradient sums
         self.history = [deque(maxlen=HEALTHY_WINDOW) for _ in range(num_pp)]
-        self._set_base(self._per_stage(self._fastest_of_3(), dist.ReduceOp.MAX))
+        self._set_base(self._per_stage(self._fastest_of_3(numel), dist.ReduceOp.MAX))
         logger.info(f"[titan_ext] Falcon: stage {pp_index}'s DP all-reduce {1e3 * self.base_s:.1f} ms "
                     f"({self.stage_bytes[pp_index] / 1e6:.1f} MB) at start, link bandwidth "
                     f"{self.emulation.link_bytes_per_s / 1e9:.2f} GB/s")
 
-    def _fastest_of_3(self) -> float:
-        best = math.inf
+    def _fastest_of_3(self, numel: int) -> float:
+        """The fastest of 3 all-reduces of a probe (:func:`~titan_ext.runtime.falcon.device_clock.probe_numel`
+        elements), scaled to ``numel``."""
+        probe = device_clock.probe_numel(numel)
+        buf, best = device_buffer(probe, self.device), math.inf
         for _ in range(3):
             dist.barrier(group=self.dp_control)
             start = self.timer.mark()
-            dist.all_reduce(self.buf, group=self.dp_group)
+            dist.all_reduce(buf, group=self.dp_group)
             best = min(best, self.timer.elapsed_s(start, self.timer.mark()))
-        return best
+        return best * numel / probe
 
     def _per_stage(self, mine: float, op) -> list[float]:
         """Every stage's value of a per-rank number (``op`` over the world: a stage's DP members

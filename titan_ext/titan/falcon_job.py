@@ -19,7 +19,6 @@ Every rank feeds the monitor the same numbers, so all take the same decision. Em
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from titan_ext.titan.falcon_dp import DPSync
 from titan_ext.titan.falcon_emulate import PPLinkDelays, install_compute_stretch
 from titan_ext.titan.falcon_events import EventLog, event_rows
 from titan_ext.titan.falcon_files import emulation_specs
-from titan_ext.titan.falcon_measure import SLOW_DEVICE_RATIO, acf_iteration_times, group_times, validate
+from titan_ext.titan.falcon_measure import SLOW_DEVICE_RATIO, StepClock, acf_iteration_times, group_times, validate
 
 __all__ = ["FalconJob"]
 
@@ -50,6 +49,8 @@ class FalconJob:
         self.rank = dist.get_rank()
         self.device = getattr(trainer, "device", torch.device("cpu"))
         self.control = control_group()  # host data on gloo control groups (issue 20 defect 5)
+        self.step_clock = StepClock(self.device)
+        """The step's device time, fed to the detector (issue 34: not the host clock)."""
         self.emulation = FailSlowEmulation(self.rank, range(dist.get_world_size()),
                                            *_parse(emulation_specs(section)),
                                            pass_s=section.emulate_device_pass_ms / 1e3)
@@ -119,8 +120,10 @@ class FalconJob:
 
     # ---------------------------------------------------------------- the step
     def train_step(self, run_step, data_iterator) -> None:
-        """One TorchTitan step with this job's micro-batch split; then Falcon."""
-        t0 = time.perf_counter()
+        """One TorchTitan step with this job's micro-batch split; then Falcon, fed the step's device
+        time (:class:`~.falcon_measure.StepClock`)."""
+        if self.enabled:
+            self.step_clock.start()
         self.emulation.step = self.trainer.step
         self.pp_delays.maybe_install(self.grid[self.dp_index])
         chunks = self._my_chunks(self.data_iterator or data_iterator)
@@ -129,7 +132,7 @@ class FalconJob:
         self.dp.step_started()
         run_step(iter(chunks))
         if self.enabled:
-            self._falcon(time.perf_counter() - t0)
+            self._falcon(self.step_clock.stop_s())
 
     def after_backward(self) -> None:
         """Called after every forward/backward of a chunk: the last one syncs the DP replicas."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 from titan_ext.runtime.timeouts import named
 
-__all__ = ["SLOW_DEVICE_RATIO", "group_times", "acf_iteration_times", "validate", "rings_to_validate"]
+__all__ = ["SLOW_DEVICE_RATIO", "StepClock", "group_times", "acf_iteration_times", "validate", "rings_to_validate"]
 
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
@@ -28,8 +28,33 @@ VALIDATION_BYTES = 1 << 22
 more than the monitor's 2 ms minimum excess on loopback."""
 
 
+class StepClock:
+    """A training step's *device* time, the detector's input (Falcon §4.2 detects fail-slow in the
+    iteration time; a slow GPU shows in the time the device took, not in the host's enqueueing).
+
+    Timed by the device layer (:func:`titan_ext.runtime.device.device_layer`): on CUDA, kernels run
+    asynchronously behind the host, so two events on the compute stream bracket the step and the
+    span between them is read once the last one completed — a wait on that one event, the step's one
+    metrics read (never a device ``synchronize``); a backlog the device carries into or through the
+    step is in it, the host's run-ahead is not. On CPU the host clock is the device clock."""
+
+    def __init__(self, device: Any):
+        from titan_ext.runtime.device import device_layer
+
+        self.timer = device_layer(device if device is not None else "cpu").timer()
+
+    def start(self) -> None:
+        self.timer.begin_iteration()
+
+    def stop_s(self) -> float:
+        """The step's device time (seconds), from :meth:`start` to now on the compute stream."""
+        self.timer.end_iteration()
+        self.timer.resolve(block=True)
+        return self.timer.wall_ms / 1e3
+
+
 def group_times(job: Any, step_s: float) -> tuple[float, dict[str, float]]:
-    """Iteration time (§4.2: the slowest rank's step) and per-group times (§4.3 profiling: every
+    """Iteration time (§4.2: the slowest rank's step, device time from :class:`StepClock`) and per-group times (§4.3 profiling: every
     stage's DP transfer time, every replica's PP link delays as PipeMorph measured them), the same
     on every rank (MAX over the world); each replica's time per micro-batch goes to the monitor
     (``replica_microbatch_s``, S2's Eq. 1 input)."""

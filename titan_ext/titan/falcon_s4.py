@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_ext.runtime.falcon import device_clock
 from titan_ext.runtime.falcon.restart import (
     S4_EXIT_CODE,
     S4_PLAN_FILE,
@@ -61,7 +62,6 @@ COSTS_FILE = "falcon_costs.json"
 OUTCOME_STEPS = 5
 """Steps after the restart whose median iteration time is the S4 outcome's "after"."""
 _EMULATION_ENV = ("TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK")
-_PROBE_BYTES = 64 << 20
 
 
 class S4Unavailable(RuntimeError):
@@ -158,8 +158,12 @@ def _restart_estimate_s(job: Any, dump_folder) -> float:
     params = [p.detach() for m in job.trainer.model_parts for p in m.parameters()]
     total = 3 * sum(p.numel() * p.element_size() for p in params)
     sample, nbytes = [], 0
-    for p in params:  # at most ~64 MB written here; the time is scaled to the whole state
-        if nbytes and nbytes + p.numel() * p.element_size() > _PROBE_BYTES:
+    for p in params:  # at most PROBE_BYTES (64 MB) written here; the time is scaled to the whole state
+        if nbytes + p.numel() * p.element_size() > device_clock.PROBE_BYTES:
+            if not sample:  # a parameter larger than the probe: its first PROBE_BYTES
+                flat = p.reshape(-1)
+                sample.append(flat[:device_clock.probe_numel(flat.numel(), flat.element_size())].to("cpu", copy=True))
+                nbytes = sample[0].numel() * sample[0].element_size()
             break
         sample.append(p.cpu())
         nbytes += p.numel() * p.element_size()
@@ -191,10 +195,19 @@ def recorded_s4_cost(dump_folder) -> float | None:
 
 
 class S4Resume:
-    """In a job the launcher restarted after S4: measure and record the S4 cost and outcome."""
+    """In a job the launcher restarted after S4: measure and record the S4 cost and outcome.
 
-    def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None):
+    Its times are host data: they are reduced on ``control``, a gloo control group
+    (:func:`~titan_ext.runtime.falcon.device_clock.control_group`), never on the default group — on a
+    GPU job that is NCCL, which takes device tensors only (DESIGN.md "GPU rules"; issue 34)."""
+
+    def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None, control: Any = None):
         self.plan, self.dump, self.rank, self.trainer = plan, Path(dump_folder), rank, trainer
+        if control is None:
+            from titan_ext.runtime.falcon.device_clock import control_group
+
+            control = control_group()  # collective: every rank of the restarted job makes it
+        self.control = control
         self.times: list[float] = []
         self.measured_s: float | None = None
 
@@ -211,7 +224,7 @@ class S4Resume:
         if self.measured_s is not None:
             return
         mine = torch.tensor([time.time() - float(self.plan["begin_time"])], dtype=torch.float64)
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control)
         self.measured_s = float(mine)
         self._record({"kind": "restart", "iteration": step, "strategy": "S4", "name": "checkpoint_restart",
                       "applied": True, "from_step": self.plan["step"], "excluded": self.plan["excluded"],
@@ -234,7 +247,7 @@ class S4Resume:
         """The step's iteration time (max over ranks, as the DP x PP job's Falcon measures it) into
         ``falcon.jsonl``; after OUTCOME_STEPS steps the outcome row."""
         t = torch.tensor([step_s], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         self.times.append(float(t))
         if self.rank == 0:
             from titan_ext.titan.falcon_files import FALCON_LOG

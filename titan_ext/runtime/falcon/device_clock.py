@@ -29,7 +29,20 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["control_group", "is_control_group", "device_buffer", "to_device", "made_for_device",
-           "DeviceTimer", "device_sleep", "is_cuda"]
+           "DeviceTimer", "device_sleep", "is_cuda", "PROBE_BYTES", "probe_numel"]
+
+PROBE_BYTES = 64 << 20
+"""Falcon's start-up measurements (the DP all-reduce's healthy time, S3's state move and load, S4's
+save and load; Falcon §5.2's ski-rental inputs) time at most this many bytes per buffer and scale the
+time to the stage's size: 64 MB is far into the bandwidth-bound regime of NVLink, InfiniBand and
+PCIe, so the scaling is linear, and start-up memory no longer grows with the stage (docs/falcon.md
+"Start-up memory"; issue 34 — a buffer of the full state was tens of GB for an 8B stage)."""
+
+
+def probe_numel(numel: int, element_size: int = 4) -> int:
+    """Elements of a start-up probe for a transfer of ``numel`` elements: all of them up to
+    :data:`PROBE_BYTES`, else as many as fit (at least one)."""
+    return max(1, min(int(numel), PROBE_BYTES // element_size))
 
 _CONTROL_GROUPS: list[Any] = []
 _MARK = "_titan_ext_device_data"
