@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU tier (issue 20): what only a machine with a CUDA GPU can show.
+# The GPU tier: what only a machine with a CUDA GPU can show (about 6 min on one H100).
 #
 #   bash scripts/check_gpu.sh [OUT_DIR]        # OUT_DIR: logs + JSON (default ./gpu_check)
 #
-# Needs: a CUDA GPU, nvcc, and a python (PYTHON, default python3) with a CUDA torch, setuptools and
-# pytest (+ pytest-timeout). Not part of README's two commands or of CI (neither has a GPU).
+# Needs: a CUDA GPU, nvcc, and a python (PYTHON, default python3) with a CUDA torch >= 2.11, numpy,
+# setuptools and pytest -- what the GPU machines' image has (torch 2.11.0+cu130, Python 3.12): nothing is
+# installed. Not part of README's two commands or of CI (neither has a GPU).
 # Steps (each logged to OUT_DIR/<step>.log; a failing step does not stop the others):
 #   env       the GPU, torch, nvcc, and the torch internals titan_ext.runtime needs (missing ones named)
 #   build     titan_ext's extensions built in place WITH CUDA (TORCH_CUDA_ARCH_LIST default: this GPU's)
@@ -12,6 +13,10 @@
 #             signatures match the C++ source, every call site fits them (the d2h_signal class of bug)
 #   gpu       every test marked `gpu` (tests/test_delegate_gpu.py, tests/test_gpu_runtime.py)
 #   bench     scripts/bench_delegate.py's CUDA section: our D2H/H2D-with-signal copies vs cudaMemcpyAsync
+#   runtime   scripts/gpu_tier.py: torch's 1F1B and ZBV, PipeMorph, CrossPipe and delegated PipeMorph on
+#             CUDA stages, 2 and 4 ranks sharing the GPU, +0 / +60 ms on one link: losses vs CPU (float64),
+#             peak CUDA memory vs the planner's prediction, host syncs per step, device time vs CUDA events
+# Then OUT_DIR/summary.json: every step's status and time, and the runtime and bench JSON in one file.
 # Exit status: the number of failed steps.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,6 +24,7 @@ cd "$root"
 PY="${PYTHON:-python3}"
 out="${1:-$root/gpu_check}"
 mkdir -p "$out"
+: >"$out/steps.tsv"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 failed=()
 
@@ -30,6 +36,7 @@ step() {  # step NAME CMD...: run, log, record
     local rc=$?
     tail -n 25 "$out/$name.log"
     echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+    echo "$name $rc $((SECONDS - t0))" >>"$out/steps.tsv"
     [ $rc -eq 0 ] || failed+=("$name")
 }
 
@@ -61,6 +68,24 @@ step bindings env TITAN_EXT_EXPECT_CUDA=1 "$PY" -m pytest -q -p no:cacheprovider
 step gpu "$PY" -m pytest -v -p no:cacheprovider -m gpu --junitxml="$out/gpu_junit.xml" \
     tests/test_delegate_gpu.py tests/test_gpu_runtime.py
 step bench "$PY" scripts/bench_delegate.py --quick --skip-p2p --skip-e2e --json "$out/bench_delegate_cuda.json"
+step runtime "$PY" scripts/gpu_tier.py --steps "${GPU_TIER_STEPS:-5}" --json "$out/gpu_tier.json"
+
+"$PY" - "$out" "${failed[*]:-}" <<'EOF'
+import json, os, subprocess, sys
+out, failed = sys.argv[1], sys.argv[2].split()
+summary = {"failed_steps": failed, "steps": {}}
+for line in open(os.path.join(out, "steps.tsv")):
+    name, rc, seconds = line.split()
+    log = os.path.join(out, f"{name}.log")
+    summary["steps"][name] = {"rc": int(rc), "seconds": int(seconds),
+                              "log_tail": open(log).read()[-1500:] if os.path.exists(log) else None}
+for key, file in (("runtime", "gpu_tier.json"), ("delegate_copies", "bench_delegate_cuda.json")):
+    path = os.path.join(out, file)
+    summary[key] = json.load(open(path)) if os.path.exists(path) else None
+summary["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+print("summary:", os.path.join(out, "summary.json"))
+EOF
 
 echo "failed steps: ${failed[*]:-none}"
 exit ${#failed[@]}

@@ -13,7 +13,8 @@ with +60 ms on one link (link ``world - 2``; delegated PipeMorph without delay o
   plan's peak in-flight activations per stage × the executor's measured bytes per microbatch;
 * **device time**: the forward time the runtime books for stage 0 (CUDA events through the device layer)
   against the same module's forward timed alone with two CUDA events (median of 7);
-* **host syncs** per steady-state iteration (``titan_ext.runtime.host_syncs``) where that module exists;
+* **host syncs** per steady-state iteration (``titan_ext.runtime.host_syncs``, by call site; the
+  staging transport's own blocking copies excluded);
 * iteration times (median of the steady steps, ms) and their ratio to torch's 1F1B at the same delay.
 
 Messages: torch's and our non-delegated schedules go through :class:`~titan_ext.runtime.shared_gpu.HostStagedP2P`
@@ -108,10 +109,7 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
     from titan_ext.runtime import inject_link_delays
     from titan_ext.runtime.shared_gpu import HostStagedP2P
 
-    try:
-        from titan_ext.runtime import host_syncs  # the host-sync accounting (issue 34)
-    except ImportError:
-        host_syncs = None
+    from titan_ext.runtime import host_syncs
     cuda = device.type == "cuda"
     staged = HostStagedP2P().install() if cuda else None
     link = world - 2
@@ -132,11 +130,13 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
                 before = torch.cuda.memory_allocated(device)
             dist.barrier()
             t0 = time.perf_counter()
-            if host_syncs is not None and k >= args.warmup:
+            if k >= args.warmup:
                 with host_syncs.counting() as counter:
                     _step(sched, kind, rank, world, x, y, losses)
-                syncs.append(counter.total_beyond_budget() if hasattr(counter, "total_beyond_budget")
-                             else counter.total())
+                # the staging transport's own copies (shared_gpu.py) are this test's, not the runtime's
+                sites = {f"{kind_}@{site}": n for (kind_, site), n in counter.by_site.items()
+                         if "shared_gpu.py" not in site}
+                syncs.append((sum(sites.values()), sites))
             else:
                 _step(sched, kind, rank, world, x, y, losses)
             if cuda:
@@ -149,7 +149,8 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
         out["params"] = [p.detach().cpu() for p in params]
         out["median_ms"] = statistics.median(out["times_ms"][args.warmup:])
         if syncs:
-            out["host_syncs_per_step_max"] = max(syncs)
+            worst = max(syncs, key=lambda t: t[0])
+            out["host_syncs_per_step_max"], out["host_sync_sites"] = worst
         if cuda:
             out["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
             if hasattr(sched, "deployed"):
@@ -244,7 +245,10 @@ def main() -> None:
             c0["params_equal_cpu"] = all(c.get("params_equal_cpu", False) for c in cells)
             c0["peak_bytes_per_rank"] = [c.get("peak_bytes") for c in cells]
             c0["predicted_activation_bytes_per_rank"] = [c.get("predicted_activation_bytes") for c in cells]
-            c0["host_syncs_per_step_max"] = max((c.get("host_syncs_per_step_max", -1) for c in cells), default=-1)
+            c0["host_syncs_per_step_max_per_rank"] = [c.get("host_syncs_per_step_max") for c in cells]
+            c0["host_sync_sites_per_rank"] = [c.get("host_sync_sites") for c in cells]
+            c0.pop("host_sync_sites", None)
+            c0.pop("host_syncs_per_step_max", None)
             c0.pop("peak_bytes", None)
             c0.pop("predicted_activation_bytes", None)
             errors = [c["error"] for c in cells if "error" in c]
@@ -255,7 +259,7 @@ def main() -> None:
         summary.setdefault("seconds_per_world", {})[world] = round(time.time() - t0, 1)
     base = {(c["world"], c["delay_ms"]): c.get("median_ms") for c in summary["cells"] if c["schedule"] == "1F1B"}
     print(f"{'world':>5} {'schedule':>20} {'delay':>6} {'median ms':>10} {'vs 1F1B':>8} {'=CPU':>5} "
-          f"{'peak MB/rank':>22} {'pred act MB/rank':>22} {'F ms booked/event':>18} {'syncs':>5}")
+          f"{'peak MB/rank':>22} {'pred act MB/rank':>22} {'F ms booked/event':>18} {'syncs':>9}")
     for c in summary["cells"]:
         b = base.get((c["world"], c["delay_ms"]))
         med = c.get("median_ms")
@@ -267,7 +271,7 @@ def main() -> None:
               f"{med if med is not None else math.nan:>10.1f} {c['ratio_to_1f1b'] or math.nan:>8.2f} "
               f"{'yes' if c['losses_equal_cpu'] and c['params_equal_cpu'] else 'NO':>5} "
               f"{mb(c['peak_bytes_per_rank']):>22} {mb(c['predicted_activation_bytes_per_rank']):>22} {fm:>18} "
-              f"{c['host_syncs_per_step_max']:>5}")
+              f"{'/'.join(str(v) for v in c['host_syncs_per_step_max_per_rank']):>9}")
         if "error" in c:
             print("   error:", c["error"])
     summary["failures"] = failures
