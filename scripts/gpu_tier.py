@@ -111,9 +111,9 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
 
     from titan_ext.runtime import host_syncs
     cuda = device.type == "cuda"
-    staged = HostStagedP2P().install() if cuda else None
+    staged = HostStagedP2P().install()  # CUDA tensors staged; on CPU it only matches torch 2.11's self-sends
     link = world - 2
-    injector = inject_link_delays(f"{link}:{delay}" if delay > 0 else "")
+    injector = inject_link_delays(f"{link}:{delay}" if delay > 0 else "") if args.delays else None
     own, stages, sched = _build(kind, rank, world, device, args)
     params = [p for m in own for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
@@ -170,9 +170,9 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
     finally:
         if hasattr(sched, "close_delegation"):
             sched.close_delegation()
-        injector.remove()
-        if staged is not None:
-            staged.remove()
+        if injector is not None:
+            injector.remove()
+        staged.remove()
     return out
 
 
@@ -180,6 +180,10 @@ def _worker(rank: int, world: int, args, kinds: list[str], delays: list[float]) 
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # every rank shares the one GPU
+    if args.stack_dump_s > 0:  # a hang shows where every thread of every rank is
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_s, exit=True)
     cells = []
     for kind in kinds:
         # the CPU reference: the same schedule (delegated PipeMorph's is PipeMorph: one delegate pool per
@@ -205,12 +209,12 @@ def _worker(rank: int, world: int, args, kinds: list[str], delays: list[float]) 
     return cells
 
 
-def _batches(kinds: list[str]) -> list[tuple[list[str], list[float]]]:
+def _batches(kinds: list[str], delays: bool = True) -> list[tuple[list[str], list[float]]]:
     """run_ranks calls: one per schedule (several schedules' objects in one process have been seen to
     end it after its last step), delegated PipeMorph without delay only (a delegate pool whose send
     delegate delayed messages ended its process after the run: both noted in docs/runtime.md "GPU
     correctness", not yet explained)."""
-    return [([k], [0.0] if k == "PipeMorph-delegated" else [0.0, DELAY_MS]) for k in kinds]
+    return [([k], [0.0] if k == "PipeMorph-delegated" or not delays else [0.0, DELAY_MS]) for k in kinds]
 
 
 def main() -> None:
@@ -223,6 +227,10 @@ def main() -> None:
     ap.add_argument("--mb-rows", type=int, default=64)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--json", default="gpu_tier.json")
+    ap.add_argument("--no-delays", dest="delays", action="store_false",
+                    help="no link-delay injection at all (not even its +0 ms wrapper)")
+    ap.add_argument("--stack-dump-s", type=float, default=0.0,
+                    help="> 0: each rank prints every thread's stack and exits after this many seconds")
     ap.add_argument("--device", default="cuda:0", help="cpu: a smoke run of this script without a GPU")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -234,8 +242,9 @@ def main() -> None:
     for world in args.worlds:
         t0 = time.time()
         per_rank = [[] for _ in range(world)]
-        for kinds, delays in _batches(args.schedules):
-            print(f"[gpu_tier] world {world}: {', '.join(kinds)} at +{delays} ms", flush=True)
+        for kinds, delays in _batches(args.schedules, args.delays):
+            print(f"[gpu_tier] world {world}: {', '.join(kinds)} at +{delays} ms ({time.time() - t0:.0f} s)",
+                  flush=True)
             for r, cells in enumerate(run_ranks(_worker, world, args, kinds, delays, backend="gloo", timeout_s=400)):
                 per_rank[r] += cells
         for cells in zip(*per_rank):

@@ -134,11 +134,16 @@ def _delegated_worker(rank, world, device="cuda:0"):
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
     _, ref_losses, ref_params = _train(rank, world, torch.device("cpu"), lambda st: PipeMorph(st, N_MB, **kw))
+    from titan_ext.runtime.shared_gpu import HostStagedP2P
+
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # every rank shares the one GPU
-    sched, losses, params = _train(rank, world, device, lambda st: DelegatedPipeMorph(
-        st, N_MB, delegation="always", **kw))
+    # the plan's messages go through the delegates; torch's own start-up handshake (torch < 2.13: CUDA
+    # tensors through _batch_p2p) through host staging, as gloo cannot send device memory
+    with HostStagedP2P():
+        sched, losses, params = _train(rank, world, device, lambda st: DelegatedPipeMorph(
+            st, N_MB, delegation="always", **kw))
     try:
         close = all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(params, ref_params))
         flat, ref_flat = sum(losses, []), sum(ref_losses, [])

@@ -7,7 +7,10 @@ runtime there — our schedules and torch's own, 2 and 4 ranks, CUDA stages — 
 link-delay injection does) so that an op on a CUDA tensor travels as a host copy on the same gloo
 group and peer: a send copies device → host and gloo-sends the copy; a receive gloo-receives into a
 host buffer and its ``wait()`` copies it onto the device tensor, on the current stream, before the
-consumer runs.  Host tensors pass through unchanged.
+consumer runs.  Host tensors pass through unchanged.  An op whose peer is this rank (torch 2.11's
+start-up handshake of ScheduleZBVZeroBubble sends from the V's turn stage to its neighbour on the same
+rank, which NCCL allows and gloo refuses: "Pair is not connected") is matched in place, sends before
+receives, in issue order.
 
 It is a test and benchmark transport (``scripts/gpu_tier.py``), not a production path: the copies
 are blocking (the host waits for the device at each send), which a real job's NCCL groups or the
@@ -17,6 +20,8 @@ before link-delay injection, so the injector's stamps travel through it too.
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from typing import Any
 
 import torch
@@ -27,6 +32,20 @@ __all__ = ["HostStagedP2P"]
 
 def _is_send(op: Any) -> bool:
     return getattr(op.op, "__name__", "") == "isend"
+
+
+def _peer(op: Any) -> int:
+    return op.peer if op.peer is not None else dist.get_global_rank(op.group, op.group_peer)
+
+
+class _Done:
+    """The work of a message matched in place (its peer is this rank)."""
+
+    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class _StagedSend:
@@ -55,7 +74,9 @@ class _StagedRecv:
     def wait(self, timeout: Any = None) -> bool:
         ok = self.work.wait(timeout) if timeout is not None else self.work.wait()
         if not self.landed:
-            with torch.cuda.device(self.target.device):
+            # torch's receive buffers require grad (a leaf: only an in-place copy without autograd)
+            on_device = torch.cuda.device(self.target.device) if self.target.is_cuda else contextlib.nullcontext()
+            with on_device, torch.no_grad():
                 self.target.copy_(self.host)
             self.landed = True
         return ok
@@ -67,21 +88,34 @@ class _StagedRecv:
 class HostStagedP2P:
     """Context manager / installer of the host-staged ``_batch_p2p`` (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, staged: tuple[str, ...] = ("cuda",)) -> None:
+        """``staged``: the device types whose tensors are staged (a test stages "cpu" too)."""
         self._orig: Any = None
+        self._staged = staged
+        self._loopback: deque = deque()  # sends to this rank, not yet received
 
     def batch_p2p(self, p2p_ops: list, desc: str | None = None) -> list:  # noqa: ARG002 - torch's signature
-        works = []
-        for op in p2p_ops:
-            tensor = op.tensor
-            if tensor.device.type != "cuda":
-                works.append(op.op(tensor, op.peer, op.group, op.tag))
+        me = dist.get_rank()
+        works: list = [None] * len(p2p_ops)
+        for i, op in enumerate(p2p_ops):
+            if _peer(op) == me and _is_send(op):
+                self._loopback.append(op.tensor.detach().clone())
+                works[i] = _Done()
+        for i, op in enumerate(p2p_ops):
+            tensor, peer = op.tensor, _peer(op)
+            if peer == me:
+                if not _is_send(op):
+                    with torch.no_grad():
+                        tensor.copy_(self._loopback.popleft())
+                    works[i] = _Done()
+            elif tensor.device.type not in self._staged:
+                works[i] = op.op(tensor, peer, op.group, op.tag)
             elif _is_send(op):
-                host = tensor.detach().to("cpu")
-                works.append(_StagedSend(dist.isend(host, op.peer, op.group, op.tag), host))
+                host = tensor.detach().to("cpu", copy=True)
+                works[i] = _StagedSend(dist.isend(host, peer, op.group, op.tag), host)
             else:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype)
-                works.append(_StagedRecv(dist.irecv(host, op.peer, op.group, op.tag), host, tensor))
+                works[i] = _StagedRecv(dist.irecv(host, peer, op.group, op.tag), host, tensor)
         return works
 
     def install(self) -> "HostStagedP2P":
