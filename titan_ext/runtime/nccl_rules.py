@@ -732,7 +732,7 @@ class NcclRulesGroup(dist.ProcessGroup):
             stream_group.work._land()
             stream_group.left = 0
         elif kind == "dead":
-            self._fail_pair(peer, f"the inner gloo channel from the peer failed: {payload!r}")
+            self._end_process(f"the inner gloo channel from the peer failed: {payload!r}", peer)
 
     def _step(self) -> None:
         """NCCL's stream: the head group starts once every earlier group completed; its ops complete
@@ -798,13 +798,21 @@ class NcclRulesGroup(dist.ProcessGroup):
                 return
             peers = sorted({op.pair.peer for op in head.ops if not op.done})
             what = head.what or "P2P group"
-            error = self._abort(f"watchdog: a {what} unfinished after {waited:.1f} s > the group's timeout "
-                            f"{self.timeout_s:g} s (peers {peers}); NCCL's watchdog aborts the communicator "
-                            f"and ends the process" + "".join("\n" + self._sequences(p) for p in peers))
-        if os.environ.get(WATCHDOG_ENV, "abort") != "raise":
-            sys.stderr.write(f"[rank {dist.get_rank() if dist.is_initialized() else self._rank}] {error}\n")
-            sys.stderr.flush()
-            os.abort()
+            what = (f"watchdog: a {what} unfinished after {waited:.1f} s > the group's timeout {self.timeout_s:g} s "
+                    f"(peers {peers}); NCCL's watchdog aborts the communicator and ends the process"
+                    + "".join("\n" + self._sequences(p) for p in peers))
+            self._end_process(what)
+
+    def _end_process(self, what: str, peer: int | None = None) -> None:
+        """NCCL's watchdog on a timeout or a communicator error with ops in flight: the process ends
+        (SIGABRT) before any work raises (a waiting thread would end it with an error of its own); with
+        ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` the group is aborted instead (its works raise)."""
+        if os.environ.get(WATCHDOG_ENV, "abort") == "raise" or not self._stream:
+            self._abort(what, peer)
+            return
+        sys.stderr.write(f"[rank {dist.get_rank() if dist.is_initialized() else self._rank}] NCCL rules: {what}\n")
+        sys.stderr.flush()
+        os.abort()
 
     def _sequences(self, peer: int) -> str:
         parts = [pair.sequences() for (p, _), pair in self._pairs.items() if p == peer and (pair.mine or pair.theirs)]
