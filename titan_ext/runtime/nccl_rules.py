@@ -3,27 +3,38 @@
 No GPU runs this project's tests, so NCCL's rules (DESIGN.md "GPU rules the CPU tests must enforce")
 are enforced by a backend that runs on CPU over gloo but behaves like NCCL where gloo is lenient:
 
-* **tags ignored, one FIFO per rank pair and direction**: every message travels on the inner gloo group
-  with one tag, so the k-th send to a peer matches the peer's k-th receive from this rank, whatever the
-  tags say (a size or dtype mismatch is reported, NCCL would corrupt or hang);
-* **a ``batch_isend_irecv`` list is one group with rendezvous**: each rank's ops on a pair form a
-  sequence of groups (a batch, or one bare op) that NCCL runs in issue order; a group completes only
-  when every op of it has its match in the peer's current or earlier group.  Both sides send a small
-  description of each group ahead of its data; the pair's NCCL progress is stepped by the thread
-  that learnt something new (the pair's lander thread, which reads the peer's descriptions and data,
-  or the group's completer thread after this rank issued); a state where each side's current group
-  needs a *later* group of the other is the deadlock NCCL would hang in: every rank of the pair
-  raises :class:`NcclRuleError` with both op sequences.  An op still unmatched after
-  ``TITAN_EXT_NCCL_RULES_TIMEOUT_S`` (default 60 s) raises the same way (a peer that never issues it;
-  NCCL's watchdog would kill the job);
-* **``Work.wait()`` returns before the data has landed** (with or without a timeout, and it never
-  raises on a timeout): the data is copied into the receive buffer later, by the lander or completer
-  thread, when the NCCL matching completes.  As NCCL's wait makes the *current stream* wait, the
-  calling thread (a CPU "stream") runs no further torch kernel until the ops it waited on have
-  landed (a ``TorchDispatchMode`` on that thread); host code that stamps a time right after ``wait()`` gets the
-  enqueue time, as on a GPU, and another thread that reads the buffer without its own wait can see
-  stale data.  ``is_completed()`` and ``get_future()`` are truthful: they complete when the data has
-  landed (the contract the device layer relies on);
+* **tags ignored, one FIFO per rank pair, direction and communicator**: every message travels on the
+  inner gloo group with one tag, so the k-th send to a peer matches the peer's k-th receive from this
+  rank, whatever the tags say (a size or dtype mismatch is reported, NCCL would corrupt or hang).  Bare
+  ``isend``/``irecv`` and ``batch_isend_irecv`` ops are on different FIFOs: ProcessGroupNCCL runs a bare
+  P2P op on a two-rank communicator of the pair and a batched one on the group's communicator, so a
+  batched op never pairs with a bare one (it hangs until the watchdog);
+* **one NCCL stream per rank** (per group): a rank's groups — a ``batch_isend_irecv`` list (to any
+  number of peers), one bare op, or one collective — run in issue order, across *all* peers, and
+  collectives and P2P of the group are ordered alike.  A group starts when every earlier group of the
+  rank completed; a P2P op transfers once its group and its match's group both run (each side tells its
+  peers when a group starts); a group's works complete together, when all its ops have transferred (a
+  batch is one kernel).  Both sides send a description of each group (and its send data) when it is
+  issued; a state where this rank's running group needs a peer's later group while the peer's running
+  group needs a later group of this rank is reported at once (:class:`NcclRuleError` with both op
+  sequences); a longer cycle through several peers hangs, as on NCCL, until the watchdog;
+* **the group timeout and NCCL's watchdog**: a group unfinished after the group's timeout (given at
+  creation, or moved by ``torch.distributed.distributed_c10d._set_pg_timeout``, which this backend
+  patches for its groups; at most ``$TITAN_EXT_NCCL_RULES_TIMEOUT_S``, default 60 s) aborts the
+  communicator and ends the process with SIGABRT, as ProcessGroupNCCL's watchdog does; so does the
+  inner channel failing while ops are in flight (a dead peer: NCCL's async error handling).  With
+  ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` (tests) the works raise instead and the process lives on;
+* **``Work.wait()`` returns before the data has landed**: the data is copied into the receive buffer
+  later, by the lander or completer thread, when the NCCL matching completes.  As NCCL's wait makes the
+  *current stream* wait, the calling thread (a CPU "stream") runs no further torch kernel until the ops
+  it waited on have landed (a ``TorchDispatchMode`` on that thread); host code that stamps a time right
+  after ``wait()`` gets the enqueue time, as on a GPU, and another thread that reads the buffer without
+  its own wait can see stale data.  **``Work.wait(timeout)`` with a timeout blocks the calling thread**
+  until the op completes (ProcessGroupNCCL's blocking wait busy-waits the host) and, when the timeout
+  expires first, raises and aborts the communicator: every later op on the group raises.  A barrier's
+  ``wait()`` blocks the host (ProcessGroupNCCL's barrier synchronises the device).
+  ``is_completed()`` and ``get_future()`` are truthful: they complete when the data has landed (the
+  contract the device layer relies on);
 * **one thread per pair**: an op issued on a pair from a thread other than the one that issued the
   pair's earlier ops raises at once;
 * **no host tensors on data groups**: every group of this backend is a data group (the PP and DP
@@ -39,9 +50,9 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   Tensors made by torch (pipelining's buffers), by the model, or through the device layer
   are device tensors.  :func:`mark_host` marks one explicitly.
 
-Collectives are gloo's (host-tensor rule checked), synchronous at ``wait()``.  What a CPU run cannot
-show: cross-pair NCCL blocking (one NCCL stream serialises a rank's groups to *different* peers too;
-the pair model here only catches cycles within a pair), eager small-message buffering, and device
+Collectives are gloo's (host-tensor rule checked), launched in stream order.  What a CPU run cannot
+show: eager small-message buffering (here every send waits for its receive), the per-communicator
+streams of ProcessGroupNCCL (modelled as one stream per group and rank, the stricter order), and device
 timing.
 
 Use: ``run_ranks(fn, n, backend="nccl_rules")``, the environment variable ``TITAN_EXT_TEST_BACKEND``
