@@ -60,9 +60,11 @@ def _descends(pid: int, ancestor: int) -> bool:
     return False
 
 
-def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: Path, cap_s: float) -> dict:
+def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: Path, cap_s: float,
+        backend: str = "gloo") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=str(ROOT), TITAN_EXT_TEST_BACKEND=backend)
+    env.pop("TITAN_EXT_NCCL_RULES_WATCHDOG", None)
     env.pop("TITAN_EXT_INJECT_DELAYS", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), "-m", "titan_ext.train", "--job.config_file", str(CONFIG),
@@ -101,7 +103,7 @@ def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: 
             pass
     text = log.read_text(errors="replace")
     named = [ln.strip() for ln in text.splitlines() if f"rank {rank} stopped answering" in ln]
-    return {"frozen_rank": rank, "at_step": step, "timeout_s": timeout_s, "schedule": schedule,
+    return {"frozen_rank": rank, "at_step": step, "timeout_s": timeout_s, "schedule": schedule, "backend": backend,
             "froze": bool(frozen), "ended_after_s": round(ended - frozen["t"], 1) if frozen else None,
             "run_s": round(ended - started, 1), "exit_code": code, "names_rank": bool(named),
             "message": named[0][:300] if named else None, "log": str(log)}
@@ -114,11 +116,13 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=30.0, help="comm.train_timeout_seconds")
     p.add_argument("--schedule", default="PipeMorph")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl_rules"],
+                   help="the trainer's CPU backend (nccl_rules: NCCL's group timeout and watchdog)")
     p.add_argument("--log", type=Path, default=Path("/tmp/titan_ext_frozen_rank/run.log"))
     args = p.parse_args()
     args.log.parent.mkdir(parents=True, exist_ok=True)
     cap = 600.0 + args.timeout
-    print(json.dumps(run(args.rank, args.step, args.timeout, args.schedule, args.steps, args.log, cap)))
+    print(json.dumps(run(args.rank, args.step, args.timeout, args.schedule, args.steps, args.log, cap, args.backend)))
     return 0
 
 

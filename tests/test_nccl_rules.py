@@ -78,18 +78,21 @@ def _scenarios(rank: int, world: int) -> dict:
         works = _batch([dist.P2POp(dist.irecv, big, 0, g), dist.P2POp(dist.irecv, small, 0, g)])
     out["reordered"] = _settle(works)
 
-    # 5. wait() returns before the data lands; the data lands later; a timed wait does not raise
+    # 5. wait() returns before the data lands; the data lands later.  wait(timeout) blocks the host until
+    #    the op completes (ProcessGroupNCCL's blocking wait); one that expires aborts the group
     g = dist.new_group()
+    g_expire = dist.new_group()
     control.any(False)  # both ranks here
     if rank == 0:
         time.sleep(0.4)
         dist.isend(torch.full((8,), 3.0), 1, g).wait()
+        time.sleep(0.8)
+        dist.isend(torch.full((8,), 5.0), 1, g).wait()
         out["late"] = None
     else:
         buf = torch.zeros(8)
         work = dist.irecv(buf, 0, g)
         t0 = time.perf_counter()
-        timed = work.wait(timeout=timedelta(milliseconds=1))
         work.wait()
         wait_ms = 1e3 * (time.perf_counter() - t0)
         completed_after_wait = work.is_completed()
@@ -99,9 +102,27 @@ def _scenarios(rank: int, world: int) -> dict:
         t.join()
         total = buf.sum().item()  # a kernel after wait(): ordered after the data lands
         landed_ms = 1e3 * (time.perf_counter() - t0)
-        out["late"] = dict(timed=timed, wait_ms=wait_ms, completed_after_wait=completed_after_wait,
+        second = dist.irecv(torch.zeros(8), 0, g)
+        t1 = time.perf_counter()
+        timed = second.wait(timeout=timedelta(seconds=10))
+        timed_ms = 1e3 * (time.perf_counter() - t1)
+        out["late"] = dict(wait_ms=wait_ms, completed_after_wait=completed_after_wait,
                            stale=seen[0], total=total, landed_ms=landed_ms,
-                           future=work.get_future().done(), completed=work.is_completed())
+                           future=work.get_future().done(), completed=work.is_completed(),
+                           timed=timed, timed_ms=timed_ms, timed_completed=second.is_completed())
+        t2 = time.perf_counter()
+        try:  # rank 0 never sends on g_expire
+            dist.irecv(torch.zeros(1), 0, g_expire).wait(timeout=timedelta(milliseconds=300))
+            expired = "returned"
+        except RuntimeError as exc:
+            expired = str(exc)
+        expired_ms = 1e3 * (time.perf_counter() - t2)
+        try:
+            dist.isend(torch.ones(1), 0, g_expire)
+            after = "accepted"
+        except RuntimeError as exc:
+            after = str(exc)
+        out["expired"] = (expired, expired_ms, after)
 
     # 6. one thread per pair
     g = dist.new_group()
@@ -176,6 +197,43 @@ def _scenarios(rank: int, world: int) -> dict:
 
     # 11.-13. host tensors by placement, on any thread, among collective outputs (issue 34)
     out["placement"] = _placement_scenarios(peer)
+
+    # 14. the group timeout is NCCL's watchdog: an op unmatched past it aborts the group (here, with
+    #     $TITAN_EXT_NCCL_RULES_WATCHDOG=raise, the works raise; by default the process ends), whether the
+    #     timeout came with the group or from _set_pg_timeout (what timeouts.set_timeout calls)
+    g_made = dist.new_group(timeout=timedelta(seconds=2))
+    g_set = dist.new_group()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=2), g_set)
+    control.any(False)
+    t0 = time.monotonic()
+    lonely = dist.isend(torch.ones(1), peer, g_made if rank == 0 else g_set)  # the peer never receives it
+    out["watchdog"] = (_settle([lonely], 8.0), time.monotonic() - t0)
+
+    # 15. bare and batched ops travel on different communicators: a batched send never meets a bare recv
+    g = dist.new_group(timeout=timedelta(seconds=2))
+    if rank == 0:
+        works = _batch([dist.P2POp(dist.isend, torch.ones(2), 1, g)])
+    else:
+        works = [dist.irecv(torch.zeros(2), 0, g)]
+    out["bare_vs_batched"] = _settle(works, 8.0)
+
+    # 16. collectives and P2P on one communicator run in issue order: rank 0 sends then all-reduces,
+    #     rank 1 all-reduces then receives (NCCL hangs: each stream waits for the other's first op)
+    g = dist.new_group(timeout=timedelta(seconds=2))
+    x = torch.ones(2)
+    if rank == 0:
+        works = [dist.isend(torch.ones(2), 1, g), dist.all_reduce(x, group=g, async_op=True)]
+    else:
+        works = [dist.all_reduce(x, group=g, async_op=True), dist.irecv(torch.zeros(2), 0, g)]
+    out["collective_order"] = _settle(works, 8.0)
+    # ... in the same order on both ranks they pass
+    g = dist.new_group(timeout=timedelta(seconds=10))
+    y, z = torch.ones(2), torch.full((2,), float(rank))
+    if rank == 0:
+        works = [dist.isend(z, 1, g), dist.all_reduce(y, group=g, async_op=True)]
+    else:
+        works = [dist.irecv(z, 0, g), dist.all_reduce(y, group=g, async_op=True)]
+    out["collective_in_order"] = (_settle(works, 8.0), y.tolist(), z.tolist())
     return out
 
 
@@ -233,12 +291,14 @@ def _placement_scenarios(peer: int) -> dict:
     dev_outputs = [torch.zeros(2) for _ in range(2)]
     dist.all_gather(dev_outputs, torch.full((2,), 1.0 + (1 - peer)), group=g)
     out["gather_dev"] = [t.tolist() for t in dev_outputs]
+
     return out
 
 
 @pytest.fixture(scope="module")
 def seen() -> list[dict]:
-    return run_ranks(_scenarios, 2, backend="nccl_rules", env={"TITAN_EXT_NCCL_RULES_TIMEOUT_S": "15"})
+    return run_ranks(_scenarios, 2, backend="nccl_rules",
+                     env={"TITAN_EXT_NCCL_RULES_TIMEOUT_S": "15", "TITAN_EXT_NCCL_RULES_WATCHDOG": "raise"})
 
 
 def test_tags_are_ignored_and_a_whole_batch_matches(seen):
@@ -263,11 +323,44 @@ def test_reordered_batch_is_a_size_mismatch(seen):
 
 def test_wait_returns_before_the_data_lands_and_completion_is_truthful(seen):
     late = seen[1]["late"]
-    assert late["timed"] is True  # a timed-out wait returns, does not raise
     assert late["wait_ms"] < 200 and not late["completed_after_wait"], late
     assert late["stale"] == [0.0] * 8, late  # read without waiting: stale
     assert late["total"] == 24.0 and late["landed_ms"] >= 300, late  # kernels after wait(): the data
     assert late["future"] and late["completed"]
+
+
+def test_a_wait_with_a_timeout_blocks_the_host_and_its_expiry_aborts_the_group(seen):
+    """ProcessGroupNCCL's ``wait(timeout)`` busy-waits the host until the op completes; when the timeout
+    expires it raises and aborts the communicator (the old backend returned at once and never raised)."""
+    late = seen[1]["late"]
+    assert late["timed"] is True and late["timed_completed"], late
+    assert late["timed_ms"] >= 200, late  # rank 0 sends 0.8 s after its first send
+    expired, expired_ms, after = seen[1]["expired"]
+    assert "timed out" in expired and 250 <= expired_ms < 5000, seen[1]["expired"]
+    assert "timed out" in after, after  # every later op on the aborted group raises
+
+
+def test_an_op_unmatched_past_the_group_timeout_is_the_watchdog(seen):
+    """Created with a 2 s timeout, or moved to 2 s by ``_set_pg_timeout``: the watchdog fires after the
+    group's timeout (the old backend waited $TITAN_EXT_NCCL_RULES_TIMEOUT_S whatever the group said)."""
+    for rank in (0, 1):
+        msg, seconds = seen[rank]["watchdog"]
+        assert "watchdog" in msg and "timeout 2 s" in msg, msg
+        assert 1.5 <= seconds < 7, seconds
+
+
+def test_a_batched_op_never_pairs_with_a_bare_one(seen):
+    for rank in (0, 1):
+        msg = seen[rank]["bare_vs_batched"]
+        assert "watchdog" in msg, msg
+    assert "rank 0 batched to 1: ->#0{send#0(2 float32)}" in seen[0]["bare_vs_batched"]
+    assert "rank 1 issued to 0: ->#0{recv#0(2 float32)}" in seen[1]["bare_vs_batched"]
+
+
+def test_collectives_and_p2p_on_one_group_run_in_issue_order(seen):
+    for rank in (0, 1):
+        assert "watchdog" in seen[rank]["collective_order"], seen[rank]["collective_order"]
+        assert seen[rank]["collective_in_order"] == ("ok", [2.0, 2.0], [0.0, 0.0]), seen[rank]["collective_in_order"]
 
 
 def test_an_op_from_a_second_thread_on_a_pair_fails(seen):
@@ -353,3 +446,46 @@ def test_ranks_exit_cleanly_when_peers_destroy_their_groups_at_different_times(l
     for p in procs:
         p.join(100)
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def _three_rank_scenarios(rank: int, world: int) -> dict:
+    """One NCCL stream per rank: its groups complete in issue order across *all* peers."""
+    out = {}
+    control = ControlPlane()
+    # a batch that spans peers is one group: rank 0's send to 1 completes only once rank 2 (which
+    # posts its receive 0.6 s late) runs its part too
+    g = dist.new_group(timeout=timedelta(seconds=10))
+    if rank == 0:
+        works = _batch([dist.P2POp(dist.isend, torch.ones(2), 1, g), dist.P2POp(dist.isend, torch.ones(2), 2, g)])
+        time.sleep(0.3)
+        early = works[0].is_completed()
+        out["spanning"] = (early, _settle(works))
+    else:
+        if rank == 2:
+            time.sleep(0.6)
+        out["spanning"] = (None, _settle(_batch([dist.P2POp(dist.irecv, torch.zeros(2), 0, g)])))
+    control.any(False)
+    # a cycle across pairs, each pair in order: 0 sends to 1 then to 2; 1 receives from 2 then from 0;
+    # 2 receives from 0 then sends to 1 (rank 0's send to 2 waits behind its send to 1, which waits behind
+    # rank 1's receive from 2, which waits behind rank 2's receive from 0): NCCL hangs
+    g = dist.new_group(timeout=timedelta(seconds=2))
+    a, b = torch.zeros(2), torch.zeros(2)
+    if rank == 0:
+        works = [dist.isend(torch.ones(2), 1, g), dist.isend(torch.ones(2), 2, g)]
+    elif rank == 1:
+        works = [dist.irecv(a, 2, g), dist.irecv(b, 0, g)]
+    else:
+        works = [dist.irecv(a, 0, g), dist.isend(torch.ones(2), 1, g)]
+    out["cycle"] = _settle(works, 8.0)
+    return out
+
+
+def test_one_stream_per_rank_orders_groups_across_peers():
+    """A batch spanning two peers completes as one, and a cross-pair cycle (each pair in issue order)
+    is NCCL's hang, reported by the group's watchdog (the old per-pair model passed both)."""
+    seen = run_ranks(_three_rank_scenarios, 3, backend="nccl_rules",
+                     env={"TITAN_EXT_NCCL_RULES_WATCHDOG": "raise"}, timeout_s=100)
+    assert seen[0]["spanning"] == (False, "ok"), seen[0]["spanning"]
+    assert seen[1]["spanning"] == (None, "ok") and seen[2]["spanning"] == (None, "ok")
+    for rank in range(3):
+        assert "watchdog" in seen[rank]["cycle"], seen[rank]["cycle"]

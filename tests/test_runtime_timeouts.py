@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_ext.runtime.testing import free_port
+from titan_ext.runtime.testing import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 T = 2.0  # seconds: the timeout under test
@@ -110,3 +110,117 @@ def test_timeout_values_are_checked():
     for bad in (0, -1, float("nan"), float("inf"), "30", True):
         with pytest.raises(ValueError, match="timeout"):
             timeouts.set_timeout(bad)
+
+
+def _count_pp_waits(rank: int, world: int, train_s: float) -> dict:
+    """Two steps of torch's 1F1B with the timeouts a TorchTitan job installs (registry._install_timeouts,
+    then the train timeout after the first step); every PP message wait counted as the backend sees it."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, schedules
+
+    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.testing import mlp_stages, seeded_batch, step_rank
+
+    counts = {"waits": 0, "with_timeout": 0}
+
+    class Counted:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, timeout=None):
+            counts["waits"] += 1
+            counts["with_timeout"] += timeout is not None
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.work, name)
+
+    batch_p2p = schedules._batch_p2p
+    schedules._batch_p2p = lambda ops, desc=None: [Counted(w) for w in batch_p2p(ops, desc)]
+    timeouts.set_timeout(300.0)  # comm.init_timeout_seconds
+    timeouts.install_p2p_timeout()
+    pp_group = dist.new_group()
+    stage = PipelineStage(mlp_stages(world)[rank], rank, world, torch.device("cpu"), group=pp_group)
+    schedule = Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss)
+    x, y = seeded_batch(0, 8, 16)
+    for step in range(3):
+        step_rank(schedule, rank, world, x, y)
+        if step == 0:
+            timeouts.set_timeout(train_s)  # comm.train_timeout_seconds, after the first step
+    counts["backend"] = dist.get_backend(pp_group)
+    counts["group_timeout_s"] = getattr(pp_group, "timeout_s", None)
+    return counts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["nccl_rules", "gloo"])
+def test_pp_waits_pass_a_timeout_only_where_the_backend_needs_it(backend):
+    """On NCCL a PP wait with a timeout busy-waits the host (ProcessGroupNCCL's blocking wait): under the
+    NCCL-like backend no PP message wait passes one, and the PP group's own timeout (NCCL's watchdog)
+    follows set_timeout.  On gloo, whose receives keep their creation timeout, every wait passes it."""
+    seen = run_ranks(_count_pp_waits, 2, 7.0, backend=backend, timeout_s=100)
+    for counts in seen:
+        assert counts["backend"] == backend and counts["waits"] >= 8, counts
+        if backend == "gloo":
+            assert counts["with_timeout"] == counts["waits"], counts
+        else:
+            assert counts["with_timeout"] == 0, counts
+            assert counts["group_timeout_s"] == 7.0, counts
+
+
+NCCL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch, torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.nccl_rules import install
+
+    rank, port, T = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    install()
+    dist.init_process_group("nccl_rules", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    timeouts.install_p2p_timeout()
+    timeouts.set_timeout(T)
+    timeouts.publish_identity()
+    pp = dist.new_group([0, 1])
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: rank 0's watch kills it, NCCL's watchdog ends rank 0
+        os._exit(3)
+    buf = torch.zeros(4)
+    schedules._wait_batch_p2p(schedules._batch_p2p([dist.P2POp(dist.irecv, buf, 1, pp)]))
+    print("wait returned", flush=True)
+    buf.sum()  # the consumer: waits on the stream until the watchdog ends the process
+    os._exit(0)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backend(tmp_path):
+    """No explicit wait timeout on NCCL: the PP group's timeout and the watchdog end rank 0 (SIGABRT, as
+    ProcessGroupNCCL's watchdog), after the watch named and killed the stopped peer."""
+    script = tmp_path / "peer.py"
+    script.write_text(NCCL_SCRIPT)
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env.pop("TITAN_EXT_NCCL_RULES_WATCHDOG", None)
+    peer = subprocess.Popen([sys.executable, str(script), "1", port, str(T)], env=env)
+    try:
+        import time
+
+        t0 = time.monotonic()
+        main = subprocess.run([sys.executable, str(script), "0", port, str(T)], env=env, capture_output=True,
+                              text=True, timeout=100)
+        took = time.monotonic() - t0
+        peer_code = peer.wait(timeout=30)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+    assert main.returncode == -6, (main.returncode, main.stderr[-3000:])  # NCCL's watchdog: SIGABRT
+    assert "wait returned" in main.stdout  # wait() did not block the host
+    assert "rank 1 stopped answering" in main.stderr and "killed it" in main.stderr, main.stderr[-3000:]
+    assert "NCCL rules: " in main.stderr, main.stderr[-3000:]  # the watchdog, or the dead peer's error
+    assert peer_code == -9, peer_code
+    assert took < T + 30, took

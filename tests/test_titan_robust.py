@@ -88,14 +88,17 @@ def test_env_straggler_is_checked_before_it_is_announced(tmp_path):
 @tt02_only(TITAN_EXT_TRAIN + " (scripts/frozen_rank.py runs train_configs/debug_cpu.toml)")
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ["gloo", "nccl_rules"])
 @pytest.mark.parametrize("schedule", ["PipeMorph", "1F1B"])
-def test_frozen_rank_ends_the_job_within_timeout_plus_30s_naming_it(schedule, tmp_path):
+def test_frozen_rank_ends_the_job_within_timeout_plus_30s_naming_it(schedule, backend, tmp_path):
     """SIGSTOP rank 2 at step 5 of train_configs/debug_cpu.toml (4 ranks, torchrun): the job ends within
     comm.train_timeout_seconds + 30 s and the log names rank 2 (before issue 26: 333 s, 'Timed out
-    waiting 300000ms for recv', for ours and for torch's 1F1B alike)."""
+    waiting 300000ms for recv', for ours and for torch's 1F1B alike).  Under nccl_rules no PP wait has a
+    timeout: the PP group's timeout (NCCL's watchdog) ends the job, after the watch named and fenced rank 2."""
     timeout_s = 30
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "frozen_rank.py"), "--rank", "2", "--step", "5",
-                        "--timeout", str(timeout_s), "--schedule", schedule, "--log", str(tmp_path / "run.log")],
+                        "--timeout", str(timeout_s), "--schedule", schedule, "--log", str(tmp_path / "run.log"),
+                        "--backend", backend],
                        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                        timeout=850)
     assert p.returncode == 0, p.stderr[-2000:]

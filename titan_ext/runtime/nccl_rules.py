@@ -3,27 +3,38 @@
 No GPU runs this project's tests, so NCCL's rules (DESIGN.md "GPU rules the CPU tests must enforce")
 are enforced by a backend that runs on CPU over gloo but behaves like NCCL where gloo is lenient:
 
-* **tags ignored, one FIFO per rank pair and direction**: every message travels on the inner gloo group
-  with one tag, so the k-th send to a peer matches the peer's k-th receive from this rank, whatever the
-  tags say (a size or dtype mismatch is reported, NCCL would corrupt or hang);
-* **a ``batch_isend_irecv`` list is one group with rendezvous**: each rank's ops on a pair form a
-  sequence of groups (a batch, or one bare op) that NCCL runs in issue order; a group completes only
-  when every op of it has its match in the peer's current or earlier group.  Both sides send a small
-  description of each group ahead of its data; the pair's NCCL progress is stepped by the thread
-  that learnt something new (the pair's lander thread, which reads the peer's descriptions and data,
-  or the group's completer thread after this rank issued); a state where each side's current group
-  needs a *later* group of the other is the deadlock NCCL would hang in: every rank of the pair
-  raises :class:`NcclRuleError` with both op sequences.  An op still unmatched after
-  ``TITAN_EXT_NCCL_RULES_TIMEOUT_S`` (default 60 s) raises the same way (a peer that never issues it;
-  NCCL's watchdog would kill the job);
-* **``Work.wait()`` returns before the data has landed** (with or without a timeout, and it never
-  raises on a timeout): the data is copied into the receive buffer later, by the lander or completer
-  thread, when the NCCL matching completes.  As NCCL's wait makes the *current stream* wait, the
-  calling thread (a CPU "stream") runs no further torch kernel until the ops it waited on have
-  landed (a ``TorchDispatchMode`` on that thread); host code that stamps a time right after ``wait()`` gets the
-  enqueue time, as on a GPU, and another thread that reads the buffer without its own wait can see
-  stale data.  ``is_completed()`` and ``get_future()`` are truthful: they complete when the data has
-  landed (the contract the device layer relies on);
+* **tags ignored, one FIFO per rank pair, direction and communicator**: every message travels on the
+  inner gloo group with one tag, so the k-th send to a peer matches the peer's k-th receive from this
+  rank, whatever the tags say (a size or dtype mismatch is reported, NCCL would corrupt or hang).  Bare
+  ``isend``/``irecv`` and ``batch_isend_irecv`` ops are on different FIFOs: ProcessGroupNCCL runs a bare
+  P2P op on a two-rank communicator of the pair and a batched one on the group's communicator, so a
+  batched op never pairs with a bare one (it hangs until the watchdog);
+* **one NCCL stream per rank** (per group): a rank's groups — a ``batch_isend_irecv`` list (to any
+  number of peers), one bare op, or one collective — run in issue order, across *all* peers, and
+  collectives and P2P of the group are ordered alike.  A group starts when every earlier group of the
+  rank completed; a P2P op transfers once its group and its match's group both run (each side tells its
+  peers when a group starts); a group's works complete together, when all its ops have transferred (a
+  batch is one kernel).  Both sides send a description of each group (and its send data) when it is
+  issued; a state where this rank's running group needs a peer's later group while the peer's running
+  group needs a later group of this rank is reported at once (:class:`NcclRuleError` with both op
+  sequences); a longer cycle through several peers hangs, as on NCCL, until the watchdog;
+* **the group timeout and NCCL's watchdog**: a group unfinished after the group's timeout (given at
+  creation, or moved by ``torch.distributed.distributed_c10d._set_pg_timeout``, which this backend
+  patches for its groups; at most ``$TITAN_EXT_NCCL_RULES_TIMEOUT_S``, default 60 s) aborts the
+  communicator and ends the process with SIGABRT, as ProcessGroupNCCL's watchdog does; so does the
+  inner channel failing while ops are in flight (a dead peer: NCCL's async error handling).  With
+  ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` (tests) the works raise instead and the process lives on;
+* **``Work.wait()`` returns before the data has landed**: the data is copied into the receive buffer
+  later, by the lander or completer thread, when the NCCL matching completes.  As NCCL's wait makes the
+  *current stream* wait, the calling thread (a CPU "stream") runs no further torch kernel until the ops
+  it waited on have landed (a ``TorchDispatchMode`` on that thread); host code that stamps a time right
+  after ``wait()`` gets the enqueue time, as on a GPU, and another thread that reads the buffer without
+  its own wait can see stale data.  **``Work.wait(timeout)`` with a timeout blocks the calling thread**
+  until the op completes (ProcessGroupNCCL's blocking wait busy-waits the host) and, when the timeout
+  expires first, raises and aborts the communicator: every later op on the group raises.  A barrier's
+  ``wait()`` blocks the host (ProcessGroupNCCL's barrier synchronises the device).
+  ``is_completed()`` and ``get_future()`` are truthful: they complete when the data has landed (the
+  contract the device layer relies on);
 * **one thread per pair**: an op issued on a pair from a thread other than the one that issued the
   pair's earlier ops raises at once;
 * **no host tensors on data groups**: every group of this backend is a data group (the PP and DP
@@ -49,9 +60,9 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   is the one test of it (the host-sync accounting of :mod:`titan_ext.runtime.host_syncs` uses it to
   tell a device read from a host one).
 
-Collectives are gloo's (host-tensor rule checked), synchronous at ``wait()``.  What a CPU run cannot
-show: cross-pair NCCL blocking (one NCCL stream serialises a rank's groups to *different* peers too;
-the pair model here only catches cycles within a pair), eager small-message buffering, and device
+Collectives are gloo's (host-tensor rule checked), launched in stream order.  What a CPU run cannot
+show: eager small-message buffering (here every send waits for its receive), the per-communicator
+streams of ProcessGroupNCCL (modelled as one stream per group and rank, the stricter order), and device
 timing.
 
 Use: ``run_ranks(fn, n, backend="nccl_rules")``, the environment variable ``TITAN_EXT_TEST_BACKEND``
@@ -62,6 +73,8 @@ Use: ``run_ranks(fn, n, backend="nccl_rules")``, the environment variable ``TITA
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import ctypes
 import os
 import queue
@@ -69,6 +82,7 @@ import sys
 import threading
 import time
 import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -79,6 +93,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 BACKEND = "nccl_rules"
 ENV_VAR = "TITAN_EXT_TEST_BACKEND"
 TIMEOUT_ENV = "TITAN_EXT_NCCL_RULES_TIMEOUT_S"
+WATCHDOG_ENV = "TITAN_EXT_NCCL_RULES_WATCHDOG"
 #: titan_ext modules whose tensors are device tensors: the device layer (issue 20 Build 1), and the
 #: test harness's models and batches (the user's side of a job)
 DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.runtime.testing")
@@ -86,9 +101,11 @@ DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.runtime.testing")
 __all__ = ["BACKEND", "ENV_VAR", "NcclRuleError", "NcclRulesGroup", "install", "installed", "is_host_made",
            "mark_host", "names_host"]
 
-_SEND, _RECV, _CLOSE = 0, 1, -1
+_SEND, _RECV = 0, 1
+_CLOSE, _START = -1, -2  # a head that is no group description: the FIFO's end, a group's start notice
+_BARE, _BATCHED = 0, 1  # the communicator of a P2P op: ProcessGroupNCCL's two-rank one, the group's
 _INLINE_OPS = 8  # ops of one group on one pair described in its fixed-size head (more: a second message)
-_META_LEN = 2 + 3 * _INLINE_OPS
+_META_LEN = 3 + 3 * _INLINE_OPS
 _TAG = 0  # tags are ignored: one FIFO per pair and direction
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -96,6 +113,7 @@ _HOST_ATTR = "_titan_ext_host_site"
 _SHUTDOWN_S = 2.0  # how long a group's shutdown waits for its peers' close messages
 _KEPT_OPEN: list = []  # shut-down groups whose landers still wait on a peer
 _EXIT_WAIT_S = 60.0  # how long interpreter exit waits for the peers' close messages
+_INNER_TIMEOUT = timedelta(days=7)
 _GROUPS: "weakref.WeakSet[NcclRulesGroup]" = weakref.WeakSet()  # every group whose threads may run
 
 
@@ -268,7 +286,8 @@ class _StreamWait(TorchDispatchMode):
     """The next kernel blocks until the ops some thread waited on have landed."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        _drain_pending()
+        if not getattr(_modes, "hold", False):
+            _drain_pending()
         return func(*args, **(kwargs or {}))
 
 
@@ -277,7 +296,8 @@ class _StreamWaitHostRead(TorchFunctionMode):
     are a copy ordered on the stream."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        _drain_pending()
+        if not getattr(_modes, "hold", False):
+            _drain_pending()
         return func(*args, **(kwargs or {}))
 
 
@@ -295,20 +315,46 @@ def _stream_wait_later(work: "_RulesWork") -> None:
         _pending.append(work)
 
 
-class _RulesWork(dist.Work):
-    """One P2P op's handle: ``wait()`` enqueues, ``is_completed()``/``get_future()`` tell the truth."""
+def _seconds(timeout: Any) -> float | None:
+    """A ``Work.wait`` timeout in seconds; None for none (c10d's ``kNoTimeout`` is a zero duration)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return seconds if seconds > 0 else None
 
-    def __init__(self, op: "_Op"):
+
+class _RulesWork(dist.Work):
+    """One op's handle (a P2P op or a collective).
+
+    ``wait()`` makes the calling "stream" wait (ProcessGroupNCCL's ``wait()`` without a timeout makes the
+    current CUDA stream wait on the NCCL stream and returns).  ``wait(timeout)`` blocks the calling thread
+    until the op completes (ProcessGroupNCCL's blocking wait: the host busy-waits on the work's end
+    event) and, when the timeout expires first, raises and aborts the communicator: every later op on the
+    group raises.  A barrier's ``wait()`` blocks the host too (ProcessGroupNCCL's barrier synchronises the
+    device).  ``is_completed()`` and ``get_future()`` are truthful."""
+
+    def __init__(self, group: "NcclRulesGroup", result: Any, host_blocking: bool = False):
         super().__init__()
-        self.op = op
+        self._group = group
+        self._result = result
+        self._host_blocking = host_blocking
         self._settled = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()
 
-    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - NCCL: a timeout never raises here
+    def wait(self, timeout: Any = None) -> bool:
         if self._error is not None:
             raise self._error
-        _stream_wait_later(self)
+        seconds = _seconds(timeout)
+        if seconds is None and not self._host_blocking:
+            _stream_wait_later(self)
+            return True
+        if not self._settled.wait(seconds):
+            raise self._group._abort(
+                f"Work.wait(timeout={seconds:g} s) timed out: ProcessGroupNCCL's blocking wait aborts the "
+                f"communicator, and every later op on this group raises")
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
@@ -328,9 +374,9 @@ class _RulesWork(dist.Work):
     def _land(self) -> None:
         # the future first: whoever wakes on ``_settled`` then also sees ``get_future().done()``, and
         # ``is_completed()`` reads either, so a thread woken by the future sees it too
-        self._future.set_result([self.op.tensor])
+        self._future.set_result(self._result)
         self._settled.set()
-        self.op = None
+        self._result = None
 
     def _fail(self, error: BaseException) -> None:
         if self._settled.is_set():
@@ -346,14 +392,27 @@ class _RulesWork(dist.Work):
 
 
 # --------------------------------------------------------------------------------------------------
-# per-pair NCCL progress
+# NCCL progress: one stream per rank, per pair a FIFO per communicator
 # --------------------------------------------------------------------------------------------------
+class _StreamGroup:
+    """One NCCL group on this rank's stream: a ``batch_isend_irecv`` list (any peers), one bare P2P op,
+    or one collective (``launch`` starts it on the inner gloo group)."""
+
+    __slots__ = ("ops", "launch", "work", "issued", "started", "left", "what")
+
+    def __init__(self, ops: list["_Op"], launch: Any = None, work: "_RulesWork | None" = None, what: str = ""):
+        self.ops, self.launch, self.work, self.what = ops, launch, work, what
+        self.issued = time.monotonic()
+        self.started = False
+        self.left = len(ops) if launch is None else 1
+
+
 class _Op:
     """One P2P op; ``tensor`` and ``work`` are dropped once it has landed (nothing kept alive)."""
 
-    __slots__ = ("kind", "tensor", "numel", "dtype", "k", "group", "issued", "work", "payload")
+    __slots__ = ("kind", "tensor", "numel", "dtype", "k", "group", "pair", "stream", "work", "payload", "done")
 
-    def __init__(self, kind: int, tensor: torch.Tensor):
+    def __init__(self, owner: "NcclRulesGroup", kind: int, tensor: torch.Tensor):
         if not tensor.is_contiguous():
             raise NcclRuleError("NCCL rules: P2P tensors must be contiguous")
         if tensor.dtype not in _DTYPES:
@@ -361,24 +420,32 @@ class _Op:
         self.kind, self.tensor = kind, tensor
         self.numel, self.dtype = tensor.numel(), _DTYPES.index(tensor.dtype)
         self.k = self.group = -1
-        self.issued = time.monotonic()
-        self.work: _RulesWork | None = _RulesWork(self)
+        self.done = False  # its transfer happened (its work completes with its whole group)
+        self.pair: _Pair | None = None
+        self.stream: _StreamGroup | None = None
+        self.work: _RulesWork | None = _RulesWork(owner, [tensor])
         # the bytes a send puts on the wire (made here, outside the group's lock: a torch op may wait)
         self.payload = tensor.reshape(-1).view(torch.uint8) if kind == _SEND and self.numel else None
 
     def land(self, staged: torch.Tensor | None) -> None:
+        """The transfer: a receive's bytes go into its tensor (its work completes with its group)."""
         if staged is not None and self.numel:
             self.tensor.reshape(-1).view(torch.uint8).copy_(staged)
+        self.done = True
+        self.stream.left -= 1
+        self.tensor = self.payload = None
+
+    def complete(self) -> None:
         self.work._land()
-        self.tensor = self.work = self.payload = None
+        self.work = self.stream = None
 
 
-def _group_meta(g: int, group: list[_Op]) -> list[torch.Tensor]:
-    """A group's description on the wire: a fixed-size head (op count, group index, (kind, numel,
-    dtype) of its first ``_INLINE_OPS`` ops), then, for a larger group, the rest's fields (any size:
-    torch's ``batch_isend_irecv`` of a whole state dict to one peer is one NCCL group)."""
+def _group_meta(g: int, channel: int, group: list[_Op]) -> list[torch.Tensor]:
+    """A group's description on the wire: a fixed-size head (op count, group index, communicator, (kind,
+    numel, dtype) of its first ``_INLINE_OPS`` ops), then, for a larger group, the rest's fields (any
+    size: torch's ``batch_isend_irecv`` of a whole state dict to one peer is one NCCL group)."""
     fields = [x for op in group for x in (op.kind, op.numel, op.dtype)]
-    head = [len(group), g, *fields[:3 * _INLINE_OPS]]
+    head = [len(group), g, channel, *fields[:3 * _INLINE_OPS]]
     out = [torch.tensor(head + [0] * (_META_LEN - len(head)), dtype=torch.int64)]
     if len(group) > _INLINE_OPS:
         out.append(torch.tensor(fields[3 * _INLINE_OPS:], dtype=torch.int64))
@@ -393,34 +460,36 @@ def _other(kind: int) -> int:
     return _RECV if kind == _SEND else _SEND
 
 
+class _Mismatch(Exception):
+    """A rule broken on one pair (the message says which)."""
+
+
 class _Pair:
-    """NCCL's progress on one rank pair, as seen by this rank (both sides' group sequences).
+    """One rank pair on one communicator (``channel``: ProcessGroupNCCL's two-rank communicator for bare
+    ``isend``/``irecv``, the group's communicator for batched ops), as seen by this rank.
 
-    My send k matches the peer's receive k and my receive k the peer's send k (one FIFO per
-    direction, tags ignored).  A group completes when every op of it has its match in the other
-    side's current or an earlier group (the NCCL group rendezvous)."""
+    My send k matches the peer's receive k and my receive k the peer's send k (one FIFO per direction
+    and communicator, tags ignored).  An op completes once its group has started on this rank's stream
+    and its match's group has started on the peer's (``their_started``, from the peer's start notices):
+    a group is one kernel, and both kernels must run for the transfer to happen."""
 
-    def __init__(self, me: int, peer: int):
-        self.me, self.peer = me, peer
-        self.thread: tuple[int, str] | None = None
+    def __init__(self, me: int, peer: int, channel: int):
+        self.me, self.peer, self.channel = me, peer, channel
         self.mine: list[list[_Op]] = []
         self.my_group_of: dict[int, list[int]] = {_SEND: [], _RECV: []}  # k → my group
         self.theirs: list[list[tuple[int, int, int, int]]] = []  # (kind, k, numel, dtype) per op
         self.their_group_of: dict[int, list[int]] = {_SEND: [], _RECV: []}  # k → their group
         self.their_spec: dict[int, list[tuple[int, int]]] = {_SEND: [], _RECV: []}  # k → (numel, dtype)
         self.staged: dict[int, torch.Tensor] = {}  # peer's send k → its bytes, arrived
-        self.to_land: list[_Op] = []  # matched, not landed yet
-        self.open: list[_Op] = []  # issued, not landed yet (watchdog)
-        self.i = self.j = 0  # first incomplete group: mine, theirs
-        self.error: NcclRuleError | None = None
+        self.pending: list[_Op] = []  # mine, started, not landed
+        self.my_started = self.their_started = -1
 
     def add_mine(self, group: list[_Op]) -> int:
         g = len(self.mine)
         for op in group:
-            op.group, op.k = g, len(self.my_group_of[op.kind])
+            op.group, op.k, op.pair = g, len(self.my_group_of[op.kind]), self
             self.my_group_of[op.kind].append(g)
         self.mine.append(group)
-        self.open += group
         return g
 
     def add_theirs(self, group: list[tuple[int, int, int]]) -> None:
@@ -431,77 +500,49 @@ class _Pair:
             self.their_spec[kind].append((numel, dtype))
         self.theirs.append(ops)
 
-    def _my_match(self, op: _Op) -> int | None:
+    def start_mine(self, g: int) -> None:
+        self.my_started = g
+        self.pending += self.mine[g]
+
+    def match(self, op: _Op) -> int | None:
+        """The peer's group holding ``op``'s match (None: not issued yet)."""
         groups = self.their_group_of[_other(op.kind)]
         if op.k >= len(groups):
             return None
         spec = self.their_spec[_other(op.kind)][op.k]
         if spec != (op.numel, op.dtype):
-            raise self.fail(f"size/dtype mismatch: this rank's {_describe(op.kind, op.k, op.numel, op.dtype)} "
+            raise _Mismatch(f"size/dtype mismatch: this rank's {_describe(op.kind, op.k, op.numel, op.dtype)} "
                             f"meets the peer's {_describe(_other(op.kind), op.k, *spec)}")
         return groups[op.k]
 
-    def _mine_matches(self, g: int) -> list[int | None]:
-        return [self._my_match(op) for op in self.mine[g]]
-
-    def _their_matches(self, h: int) -> list[int | None]:
-        out = []
-        for kind, k, _, _ in self.theirs[h]:
-            mine = self.my_group_of[_other(kind)]
-            out.append(mine[k] if k < len(mine) else None)
-        return out
-
-    @staticmethod
-    def _ready(matches: list[int | None], peer_index: int) -> bool:
-        return all(m is not None and m <= peer_index for m in matches)
-
-    def step(self) -> None:
-        """Advance both sides as far as NCCL would; raise on a deadlock."""
-        progressed = True
-        while progressed:
-            progressed = False
-            if self.i < len(self.mine) and self._ready(self._mine_matches(self.i), self.j):
-                self.to_land += self.mine[self.i]
-                self.i += 1
-                progressed = True
-            if self.j < len(self.theirs) and self._ready(self._their_matches(self.j), self.i):
-                self.j += 1
-                progressed = True
-        if self.i < len(self.mine) and self.j < len(self.theirs):
-            mine, theirs = self._mine_matches(self.i), self._their_matches(self.j)
-            if None not in mine and None not in theirs:
-                raise self.fail(
-                    f"deadlock: this rank's group #{self.i} needs the peer's group #{max(mine)}, the "
-                    f"peer's group #{self.j} needs this rank's group #{max(theirs)}; NCCL runs a pair's "
-                    f"ops in issue order and a batch_isend_irecv list as one group, so a reordered or "
-                    f"split batch hangs")
-
     def land(self) -> None:
-        """Complete matched ops: sends at once, receives once their bytes have arrived."""
+        """Complete started ops whose match runs: sends at once, receives once their bytes arrived."""
         waiting = []
-        for op in self.to_land:
-            if op.kind == _SEND:
+        for op in self.pending:
+            h = self.match(op)
+            if h is None or h > self.their_started:
+                waiting.append(op)
+            elif op.kind == _SEND:
                 op.land(None)
             elif op.k in self.staged:
                 op.land(self.staged.pop(op.k))
             else:
                 waiting.append(op)
-        self.to_land = waiting
+        self.pending = waiting
 
-    def oldest_open(self) -> float | None:
-        self.open = [op for op in self.open if op.work is not None]
-        return self.open[0].issued if self.open else None
-
-    def fail(self, what: str) -> NcclRuleError:
-        self.error = NcclRuleError(f"NCCL rules, ranks {self.me}<->{self.peer} (group ranks): {what}\n"
-                                   f"{self.sequences()}")
-        for op in self.open:
-            if op.work is not None:
-                op.work._fail(self.error)
-        return self.error
+    def their_current_needs_my_later(self) -> int | None:
+        """My unstarted group that the peer's started group on this pair needs (None: none known).  That
+        group of the peer cannot complete before it, so the peer's stream is stuck there."""
+        if not 0 <= self.their_started < len(self.theirs):
+            return None
+        for kind, k, _, _ in self.theirs[self.their_started]:
+            mine = self.my_group_of[_other(kind)]
+            if k < len(mine) and mine[k] > self.my_started:
+                return mine[k]
+        return None
 
     def sequences(self, last: int = 12) -> str:
-        """Both sides' groups on this pair (the last ``last`` of each; -> marks the current one)."""
+        """Both sides' groups on this pair (the last ``last`` of each; -> marks the started one)."""
         def fmt(groups: list[list[str]], current: int) -> str:
             first = max(0, len(groups) - last)
             text = " ".join(("->" if g == current else "") + f"#{g}{{" + ", ".join(ops) + "}"
@@ -510,8 +551,21 @@ class _Pair:
 
         mine = [[_describe(op.kind, op.k, op.numel, op.dtype) for op in g] for g in self.mine]
         theirs = [[_describe(*op) for op in g] for g in self.theirs]
-        return (f"  rank {self.me} issued to {self.peer}: {fmt(mine, self.i)}\n"
-                f"  rank {self.peer} issued to {self.me}: {fmt(theirs, self.j)}")
+        verb = "issued to" if self.channel == _BARE else "batched to"
+        return (f"  rank {self.me} {verb} {self.peer}: {fmt(mine, self.my_started)}\n"
+                f"  rank {self.peer} {verb} {self.me}: {fmt(theirs, self.their_started)}")
+
+
+@contextlib.contextmanager
+def _issuing() -> Any:
+    """The issuing thread's torch ops under the group's lock do not wait on the emulated stream (it
+    drained before: an issued op is ordered after the ops this thread waited on)."""
+    held = getattr(_modes, "hold", False)
+    _modes.hold = True
+    try:
+        yield
+    finally:
+        _modes.hold = held
 
 
 # --------------------------------------------------------------------------------------------------
@@ -522,21 +576,32 @@ class NcclRulesGroup(dist.ProcessGroup):
 
     def __init__(self, store: Any, rank: int, size: int, timeout: Any):
         super().__init__(rank, size)
-        self._inner = dist.ProcessGroupGloo(dist.PrefixStore("nccl_rules", store), rank, size, timeout)
+        # the inner group never times out by itself (its landers wait on idle peers): the group's timeout
+        # is this backend's watchdog's (:meth:`_watchdog`)
+        self._inner = dist.ProcessGroupGloo(dist.PrefixStore("nccl_rules", store), rank, size, _INNER_TIMEOUT)
         _never_destroyed(self._inner)
         self._rank, self._size = rank, size
-        self._timeout_s = float(os.environ.get(TIMEOUT_ENV, "60"))
+        self._group_timeout_s = _seconds(timeout)
+        self._timeout_cap_s = float(os.environ.get(TIMEOUT_ENV, "60"))
         self._lock = threading.RLock()
         self._events: queue.Queue = queue.Queue()
-        self._pairs = {p: _Pair(rank, p) for p in range(size) if p != rank}
+        self._pairs = {(p, ch): _Pair(rank, p, ch) for p in range(size) if p != rank for ch in (_BARE, _BATCHED)}
+        self._peers = [p for p in range(size) if p != rank]
+        self._threads: dict[int, tuple[int, str]] = {}  # peer → the thread that issues its ops
+        self._their_head: dict[int, tuple[int, int]] = {}  # peer → (channel, group) it started last
+        self._stream: collections.deque[_StreamGroup] = collections.deque()
+        self._error: NcclRuleError | None = None  # set once: the communicator is aborted
         self._batch = threading.local()
         self._sends: queue.SimpleQueue = queue.SimpleQueue()  # inner sends, kept alive until sent
+        self._collectives: queue.SimpleQueue = queue.SimpleQueue()  # launched inner collectives
         self._closed = False
         self._landers = [threading.Thread(target=self._read_peer, args=(p,), daemon=True,
-                                          name=f"nccl_rules-lander-{rank}<-{p}") for p in self._pairs]
+                                          name=f"nccl_rules-lander-{rank}<-{p}") for p in self._peers]
         self._completer = threading.Thread(target=self._complete, daemon=True, name=f"nccl_rules-completer-{rank}")
         self._reaper = threading.Thread(target=self._reap, daemon=True, name=f"nccl_rules-reaper-{rank}")
-        for t in (*self._landers, self._completer, self._reaper):
+        self._collective_waiter = threading.Thread(target=self._wait_collectives, daemon=True,
+                                                   name=f"nccl_rules-collectives-{rank}")
+        for t in (*self._landers, self._completer, self._reaper, self._collective_waiter):
             t.start()
         _GROUPS.add(self)
 
@@ -556,6 +621,17 @@ class NcclRulesGroup(dist.ProcessGroup):
     def setGroupDesc(self, desc: str) -> None:  # noqa: N802
         self._group_desc = desc
 
+    # -- the group timeout (NCCL's watchdog) ------------------------------------------------------
+    @property
+    def timeout_s(self) -> float:
+        """The watchdog's limit: the group's timeout (creation, or ``_set_pg_timeout``), at most
+        ``$TITAN_EXT_NCCL_RULES_TIMEOUT_S`` (default 60 s: a test's hang ends within a minute)."""
+        group = self._group_timeout_s
+        return self._timeout_cap_s if group is None else min(group, self._timeout_cap_s)
+
+    def _set_timeout(self, timeout: Any) -> None:
+        self._group_timeout_s = _seconds(timeout)
+
     # -- P2P ------------------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _RulesWork:  # noqa: ARG002
         return self._post(_SEND, tensors, dst)
@@ -567,18 +643,20 @@ class NcclRulesGroup(dist.ProcessGroup):
         raise NcclRuleError("NCCL rules: NCCL has no receive from any source")
 
     def _post(self, kind: int, tensors: list[torch.Tensor], peer: int) -> _RulesWork:
+        if self._error is not None:
+            raise self._error
         if len(tensors) != 1:
             raise NcclRuleError("NCCL rules: one tensor per P2P op")
-        if peer not in self._pairs:
+        if peer not in self._peers:
             raise NcclRuleError(f"NCCL rules: peer {peer} is not another rank of this {self._size}-rank group")
         _check_device_tensor(tensors[0], "a P2P op")
-        op = _Op(kind, tensors[0])
+        op = _Op(self, kind, tensors[0])
         work = op.work  # the op lets go of it when it lands, perhaps before _issue returns
         batch = getattr(self._batch, "ops", None)
         if batch is not None:
             batch.append((peer, op))
         else:
-            self._issue([(peer, op)])
+            self._issue([(peer, op)], _BARE)
         return work
 
     def begin_batch(self) -> None:
@@ -588,59 +666,65 @@ class NcclRulesGroup(dist.ProcessGroup):
     def end_batch(self) -> None:
         ops, self._batch.ops = self._batch.ops, None
         if ops:
-            self._issue(ops)
+            self._issue(ops, _BATCHED)
 
-    def _issue(self, ops: list[tuple[int, _Op]]) -> None:
-        """One NCCL group: per pair, its description then its send data, on the inner FIFO."""
+    def _issue(self, ops: list[tuple[int, _Op]], channel: int) -> None:
+        """One NCCL group on this rank's stream: per pair, its description then its send data, on the
+        inner FIFO (the data moves now; the ops complete when NCCL's progress says so)."""
+        if getattr(_modes, "on", False):
+            _drain_pending()  # the issued kernel is ordered after what this thread waited on
         by_peer: dict[int, list[_Op]] = {}
         for peer, op in ops:
             by_peer.setdefault(peer, []).append(op)
         me = (threading.get_ident(), threading.current_thread().name)
-        for peer, group in by_peer.items():
-            pair = self._pairs[peer]
-            with self._lock:
-                if pair.error is not None:
-                    raise pair.error
-                if pair.thread is None:
-                    pair.thread = me
-                elif pair.thread[0] != me[0]:
+        with self._lock, _issuing():
+            if self._error is not None:
+                raise self._error
+            for peer in by_peer:
+                owner = self._threads.setdefault(peer, me)
+                if owner[0] != me[0]:
                     raise NcclRuleError(
                         f"NCCL rules: ranks {self._rank}<->{peer}: op issued from thread {me[1]!r}, but the "
-                        f"pair's earlier ops came from thread {pair.thread[1]!r}; NCCL needs one issuing "
+                        f"pair's earlier ops came from thread {owner[1]!r}; NCCL needs one issuing "
                         f"order per pair (issue every op of a pair from one thread)")
-                g = pair.add_mine(group)
-                payloads = [op.payload for op in group if op.payload is not None]
-            works = [self._inner.send([meta], peer, _TAG) for meta in _group_meta(g, group)]
-            works += [self._inner.send([data], peer, _TAG) for data in payloads]
-            for w in works:
-                self._sends.put(w)
-            self._events.put(("issued", peer, None))
+            stream_group = _StreamGroup([op for _, op in ops])
+            for peer, group in by_peer.items():
+                g = self._pairs[(peer, channel)].add_mine(group)
+                for op in group:
+                    op.stream = stream_group
+                for data in (*_group_meta(g, channel, group), *[op.payload for op in group if op.payload is not None]):
+                    self._sends.put(self._inner.send([data], peer, _TAG))
+            self._stream.append(stream_group)
+        self._events.put(("issued", None, None))
 
     def _read_peer(self, peer: int) -> None:
-        """Lander: read the peer's FIFO (group description, then its send data) and step the pair's
-        progress itself, so a receive lands in the thread its data arrived on (no thread hop)."""
-        their_sends = 0
+        """Lander: read the peer's FIFO (group descriptions with their send data, start notices) and step
+        the progress itself, so a receive lands in the thread its data arrived on (no thread hop)."""
+        their_sends = {_BARE: 0, _BATCHED: 0}
         try:
             while True:
                 meta = torch.empty(_META_LEN, dtype=torch.int64)
                 self._inner.recv([meta], peer, _TAG).wait()
-                n, _, *fields = meta.tolist()
+                n, g, channel, *fields = meta.tolist()
                 if n == _CLOSE:
                     return
+                if n == _START:
+                    self._progress(peer, "start", (channel, g))
+                    continue
                 if n > _INLINE_OPS:
                     rest = torch.empty(3 * (n - _INLINE_OPS), dtype=torch.int64)
                     self._inner.recv([rest], peer, _TAG).wait()
                     fields += rest.tolist()
                 group = [tuple(fields[3 * i: 3 * i + 3]) for i in range(n)]
-                self._progress(peer, "meta", group)
+                self._progress(peer, "meta", (channel, group))
                 for kind, numel, dtype in group:
                     if kind != _SEND:
                         continue
                     buf = torch.empty(numel * _DTYPES[dtype].itemsize, dtype=torch.uint8)
                     if numel:
                         self._inner.recv([buf], peer, _TAG).wait()
-                    self._progress(peer, "data", (their_sends, buf))
-                    their_sends += 1
+                    self._progress(peer, "data", (channel, their_sends[channel], buf))
+                    their_sends[channel] += 1
         except Exception as exc:  # noqa: BLE001 - the group is going away, or gloo failed
             if not self._closed:
                 self._progress(peer, "dead", exc)
@@ -658,9 +742,23 @@ class NcclRulesGroup(dist.ProcessGroup):
             except Exception:  # noqa: BLE001 - the peer is gone: its lander reports it
                 pass
 
+    def _wait_collectives(self) -> None:
+        """Waits for each started collective on the inner gloo group, then reports it done."""
+        while True:
+            item = self._collectives.get()
+            if item is None:
+                return
+            stream_group, inner = item
+            try:
+                inner.wait()
+                error = None
+            except Exception as exc:  # noqa: BLE001 - reported through the work
+                error = exc
+            self._events.put(("collective", None, (stream_group, error)))
+
     def _complete(self) -> None:
-        """Completer: steps a pair after this rank issued on it (off the issuing thread, whose torch
-        ops wait on the emulated stream) and runs the watchdog."""
+        """Completer: steps the stream after this rank issued (off the issuing thread, whose torch ops
+        wait on the emulated stream) and after a collective ended, and runs the watchdog."""
         while not self._closed:
             try:
                 kind, peer, payload = self._events.get(timeout=0.5)
@@ -672,93 +770,209 @@ class NcclRulesGroup(dist.ProcessGroup):
             self._progress(peer, kind, payload)
             self._watchdog()
 
-    def _progress(self, peer: int, kind: str, payload: Any) -> None:
-        """Apply one event to the pair, step its NCCL progress and land what matched."""
-        pair = self._pairs[peer]
+    def _progress(self, peer: int | None, kind: str, payload: Any) -> None:
+        """Apply one event, step this rank's stream as far as NCCL would, land what completed."""
         with self._lock:
-            if pair.error is not None:
+            if self._error is not None:
                 return
             try:
-                self._apply(pair, kind, payload)
-                pair.step()
-                pair.land()
+                self._apply(peer, kind, payload)
+                self._step()
+            except _Mismatch as exc:
+                self._fail_pair(exc.args[1] if len(exc.args) > 1 else peer, str(exc.args[0]))
             except NcclRuleError:
-                pass  # recorded on the pair and its works
+                pass  # the group is aborted
             except Exception as exc:  # noqa: BLE001 - surface anything else through the works
-                pair.fail(f"internal error: {exc!r}")
+                self._abort(f"internal error: {exc!r}")
 
-    @staticmethod
-    def _apply(pair: _Pair, kind: str, payload: Any) -> None:
+    def _apply(self, peer: int | None, kind: str, payload: Any) -> None:
         if kind == "meta":
-            pair.add_theirs(payload)
+            channel, group = payload
+            self._pairs[(peer, channel)].add_theirs(group)
+        elif kind == "start":
+            channel, h = payload
+            self._pairs[(peer, channel)].their_started = h
+            self._their_head[peer] = (channel, h)
         elif kind == "data":
-            k, buf = payload
-            pair.staged[k] = buf
+            channel, k, buf = payload
+            self._pairs[(peer, channel)].staged[k] = buf
+        elif kind == "collective":
+            stream_group, error = payload
+            if error is not None:
+                raise self._abort(f"the collective {stream_group.what} failed on the inner gloo group: {error!r}")
+            stream_group.work._land()
+            stream_group.left = 0
         elif kind == "dead":
-            raise pair.fail(f"the inner gloo channel from the peer failed: {payload!r}")
+            self._end_process(f"the inner gloo channel from the peer failed: {payload!r}", peer)
+
+    def _step(self) -> None:
+        """NCCL's stream: the head group starts once every earlier group completed; its ops complete
+        when their matches run on the peers; a state where the head needs a peer's later group while
+        that peer's running group needs a later group of this rank is NCCL's deadlock."""
+        while self._stream:
+            head = self._stream[0]
+            if not head.started:
+                self._start(head)
+            pairs = {id(op.pair): op.pair for op in head.ops if not op.done}
+            for pair in pairs.values():
+                try:
+                    pair.land()
+                except _Mismatch as exc:
+                    raise _Mismatch(str(exc), pair.peer) from None
+            if head.left > 0:
+                self._check_deadlock(head)
+                return
+            for op in head.ops:  # a group is one kernel: its works complete together
+                op.complete()
+            self._stream.popleft()
+
+    def _start(self, head: _StreamGroup) -> None:
+        head.started = True
+        if head.launch is not None:
+            self._collectives.put((head, head.launch()))
+            return
+        started: dict[int, tuple[int, int]] = {}
+        for op in head.ops:
+            started[id(op.pair)] = (op.pair, op.group)
+        for pair, g in started.values():
+            pair.start_mine(g)
+            notice = torch.tensor([_START, g, pair.channel] + [0] * (_META_LEN - 3), dtype=torch.int64)
+            self._sends.put(self._inner.send([notice], pair.peer, _TAG))
+
+    def _check_deadlock(self, head: _StreamGroup) -> None:
+        for op in head.ops:
+            if op.done:
+                continue
+            pair = op.pair
+            h = pair.match(op)
+            if h is None or h <= pair.their_started:
+                continue  # not issued yet, or running there (bytes in flight)
+            channel, _ = self._their_head.get(pair.peer, (pair.channel, -1))
+            needs = self._pairs[(pair.peer, channel)].their_current_needs_my_later()
+            if needs is not None:
+                raise _Mismatch(
+                    f"deadlock: this rank's running group #{op.group} needs the peer's group #{h}, the peer's "
+                    f"running group #{self._pairs[(pair.peer, channel)].their_started} needs this rank's "
+                    f"group #{needs}; NCCL runs a rank's groups in issue order on one stream and a "
+                    f"batch_isend_irecv list as one group, so a reordered or split batch hangs", pair.peer)
 
     def _watchdog(self) -> None:
-        now = time.monotonic()
+        """NCCL's watchdog: a group open longer than the group's timeout aborts the communicator and
+        ends the process (ProcessGroupNCCL tears the process down with SIGABRT; with
+        ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` the works raise instead and the process lives on)."""
         with self._lock:
-            for pair in self._pairs.values():
-                oldest = pair.oldest_open()
-                if pair.error is None and oldest is not None and now - oldest > self._timeout_s:
-                    try:
-                        raise pair.fail(f"an op unmatched for {self._timeout_s:g} s (${TIMEOUT_ENV}); "
-                                         f"NCCL would hang until its watchdog kills the job")
-                    except NcclRuleError:
-                        pass
+            if self._closed or self._error is not None or not self._stream:
+                return
+            head = self._stream[0]
+            waited = time.monotonic() - head.issued
+            if waited <= self.timeout_s:
+                return
+            peers = sorted({op.pair.peer for op in head.ops if not op.done})
+            what = head.what or "P2P group"
+            what = (f"watchdog: a {what} unfinished after {waited:.1f} s > the group's timeout {self.timeout_s:g} s "
+                    f"(peers {peers}); NCCL's watchdog aborts the communicator and ends the process"
+                    + "".join("\n" + self._sequences(p) for p in peers))
+            self._end_process(what)
 
-    # -- collectives (gloo's, host-tensor rule checked on inputs *and* outputs) --------------------
-    def _forward(self, name: str, tensors: list, *args: Any) -> Any:
-        """A collective on gloo, after refusing host tensors among ``tensors`` (every input and output
-        buffer: NCCL writes a collective's result into device memory, so a host output is refused
-        like a host input)."""
+    def _end_process(self, what: str, peer: int | None = None) -> None:
+        """NCCL's watchdog on a timeout or a communicator error with ops in flight: the process ends
+        (SIGABRT) before any work raises (a waiting thread would end it with an error of its own); with
+        ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` the group is aborted instead (its works raise)."""
+        if os.environ.get(WATCHDOG_ENV, "abort") == "raise" or not self._stream:
+            self._abort(what, peer)
+            return
+        sys.stderr.write(f"[rank {dist.get_rank() if dist.is_initialized() else self._rank}] NCCL rules: {what}\n")
+        sys.stderr.flush()
+        os.abort()
+
+    def _sequences(self, peer: int) -> str:
+        parts = [pair.sequences() for (p, _), pair in self._pairs.items() if p == peer and (pair.mine or pair.theirs)]
+        return "\n".join(parts) or f"  (no P2P op with {peer})"
+
+    def _fail_pair(self, peer: int, what: str) -> NcclRuleError:
+        return self._abort(f"{what}", peer)
+
+    def _abort(self, what: str, peer: int | None = None) -> NcclRuleError:
+        """Abort the communicator (ProcessGroupNCCL's ``abort()``): every open work and every later op of
+        the group raises the error; it is returned (raise it)."""
+        with self._lock:
+            if self._error is None:
+                where = f"ranks {self._rank}<->{peer} (group ranks)" if peer is not None else f"rank {self._rank}"
+                detail = f"\n{self._sequences(peer)}" if peer is not None else ""
+                self._error = NcclRuleError(f"NCCL rules, {where}: {what}{detail}")
+                for group in self._stream:
+                    for op in group.ops:
+                        if op.work is not None:
+                            op.work._fail(self._error)
+                    if group.work is not None:
+                        group.work._fail(self._error)
+                self._stream.clear()
+            return self._error
+
+    # -- collectives (gloo's, in stream order, host-tensor rule checked on inputs *and* outputs) ---
+    def _collective(self, name: str, tensors: list, result: Any, *args: Any, host_blocking: bool = False) -> _RulesWork:
+        """A collective on gloo, in this rank's stream order, after refusing host tensors among
+        ``tensors`` (every input and output buffer: NCCL writes a collective's result into device
+        memory, so a host output is refused like a host input)."""
         for t in tensors:
             _check_device_tensor(t, f"a collective ({name})")
-        return getattr(self._inner, name)(*args)
+        if self._error is not None:
+            raise self._error
+        if getattr(_modes, "on", False):
+            _drain_pending()
+        work = _RulesWork(self, result, host_blocking)
+        inner = getattr(self._inner, name)
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            self._stream.append(_StreamGroup([], launch=lambda: inner(*args), work=work, what=name))
+        self._events.put(("issued", None, None))
+        return work
 
     def allreduce(self, tensors, opts=None):
-        return self._forward("allreduce", tensors, tensors, *_opt(opts))
+        return self._collective("allreduce", tensors, tensors, tensors, *_opt(opts))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self._forward("allreduce_coalesced", tensors, tensors, *_opt(opts))
+        return self._collective("allreduce_coalesced", tensors, tensors, tensors, *_opt(opts))
 
     def broadcast(self, tensors, opts=None):
-        return self._forward("broadcast", tensors, tensors, *_opt(opts))
+        return self._collective("broadcast", tensors, tensors, tensors, *_opt(opts))
 
     def allgather(self, outputs, inputs, opts=None):
-        return self._forward("allgather", [*inputs, *_flat(outputs)], outputs, inputs, *_opt(opts))
+        return self._collective("allgather", [*inputs, *_flat(outputs)], outputs, outputs, inputs, *_opt(opts))
 
     def _allgather_base(self, output, inp, opts=None):
-        return self._forward("_allgather_base", [inp, output], output, inp, *_opt(opts))
+        return self._collective("_allgather_base", [inp, output], [output], output, inp, *_opt(opts))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self._forward("allgather_into_tensor_coalesced", [*inputs, *outputs], outputs, inputs, *_opt(opts))
+        return self._collective("allgather_into_tensor_coalesced", [*inputs, *outputs], outputs, outputs, inputs,
+                                *_opt(opts))
 
     def reduce_scatter(self, outputs, inputs, opts=None):
-        return self._forward("reduce_scatter", [*_flat(inputs), *outputs], outputs, inputs, *_opt(opts))
+        return self._collective("reduce_scatter", [*_flat(inputs), *outputs], outputs, outputs, inputs, *_opt(opts))
 
     def _reduce_scatter_base(self, output, inp, opts=None):
-        return self._forward("_reduce_scatter_base", [inp, output], output, inp, *_opt(opts))
+        return self._collective("_reduce_scatter_base", [inp, output], [output], output, inp, *_opt(opts))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        return self._forward("reduce_scatter_tensor_coalesced", [*inputs, *outputs], outputs, inputs, *_opt(opts))
+        return self._collective("reduce_scatter_tensor_coalesced", [*inputs, *outputs], outputs, outputs, inputs,
+                                *_opt(opts))
 
     def alltoall_base(self, output, inp, out_splits, in_splits, opts=None):
-        return self._forward("alltoall_base", [inp, output], output, inp, out_splits, in_splits, *_opt(opts))
+        return self._collective("alltoall_base", [inp, output], [output], output, inp, out_splits, in_splits,
+                                *_opt(opts))
 
     def gather(self, outputs, inputs, opts=None):
-        return self._forward("gather", [*inputs, *_flat(outputs)], outputs, inputs, *_opt(opts))
+        return self._collective("gather", [*inputs, *_flat(outputs)], outputs, outputs, inputs, *_opt(opts))
 
     def scatter(self, outputs, inputs, opts=None):
-        return self._forward("scatter", [*_flat(inputs), *outputs], outputs, inputs, *_opt(opts))
+        return self._collective("scatter", [*_flat(inputs), *outputs], outputs, outputs, inputs, *_opt(opts))
 
     def reduce(self, tensors, opts=None):
-        return self._forward("reduce", tensors, tensors, *_opt(opts))
+        return self._collective("reduce", tensors, tensors, tensors, *_opt(opts))
 
     def barrier(self, opts=None):
-        return self._inner.barrier(*_opt(opts))
+        return self._collective("barrier", [], [], *_opt(opts), host_blocking=True)
 
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -768,9 +982,14 @@ class NcclRulesGroup(dist.ProcessGroup):
         if self._closed:
             return
         close = torch.full((_META_LEN,), _CLOSE, dtype=torch.int64)
-        for p in self._pairs:
-            self._sends.put(self._inner.send([close], p, _TAG))
+        with self._lock:
+            for p in self._peers:
+                try:
+                    self._sends.put(self._inner.send([close], p, _TAG))
+                except RuntimeError:  # the inner pair is gone (its peer exited, or gloo's timeout closed it)
+                    pass
         self._sends.put(None)
+        self._collectives.put(None)
         self._closed = True
         self._events.put(("stop", None, None))
         deadline = time.monotonic() + _SHUTDOWN_S
@@ -783,11 +1002,12 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._closed = True
         self._events.put(("stop", None, None))
         self._sends.put(None)
+        self._collectives.put(None)
 
     def op_sequences(self) -> dict[int, str]:
         """Both sides' op sequences per peer (diagnostics)."""
         with self._lock:
-            return {p: pair.sequences() for p, pair in self._pairs.items()}
+            return {p: self._sequences(p) for p in self._peers}
 
 
 def _flat(tensor_lists: Any) -> list:
@@ -844,6 +1064,17 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> NcclRulesGroup:
 # --------------------------------------------------------------------------------------------------
 _installed = False
 _orig_batch_isend_irecv = dist.batch_isend_irecv
+_orig_set_pg_timeout = dist.distributed_c10d._set_pg_timeout
+
+
+def _set_pg_timeout(timeout: Any, group: Any = None) -> None:
+    """torch's ``_set_pg_timeout``, which also moves an ``nccl_rules`` group's timeout (its watchdog's
+    limit), as it moves ProcessGroupNCCL's (torch's own skips a Python process group)."""
+    target = group if group is not None else dist.distributed_c10d._get_default_group()
+    if isinstance(target, NcclRulesGroup):
+        target._set_timeout(timeout)
+        return
+    _orig_set_pg_timeout(timeout, group)
 
 
 def _batch_isend_irecv(p2p_op_list: list) -> list:
@@ -885,6 +1116,7 @@ def install() -> None:
     atexit.register(_close_at_exit)
     dist.batch_isend_irecv = _batch_isend_irecv
     dist.distributed_c10d.batch_isend_irecv = _batch_isend_irecv
+    dist.distributed_c10d._set_pg_timeout = _set_pg_timeout
     _mark_on_every_thread()  # stays on each thread's torch-function mode stack
     _join_stream()
     _installed = True

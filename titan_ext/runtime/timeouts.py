@@ -11,9 +11,18 @@ its neighbours for the 300 s of group creation. Here:
   new value — TorchTitan's rule: ``comm.init_timeout_seconds`` until the first step is done, then
   ``comm.train_timeout_seconds``;
 * :func:`install_p2p_timeout` wraps torch's ``schedules._batch_p2p`` (the one function through which
-  every pipelining schedule, ours and torch's, sends and receives): each returned work's ``wait()``
-  passes the current timeout to gloo/NCCL and turns a timeout into :class:`PeerTimeout` naming the
-  peer's global rank;
+  every pipelining schedule, ours and torch's, sends and receives).  How a PP wait is bounded depends on
+  the group's backend (:func:`explicit_wait_timeout`, decided per work):
+
+  - **gloo**: a receive keeps its group's creation timeout, so each work's ``wait()`` passes the current
+    timeout and turns a timeout into :class:`PeerTimeout` naming the peer's global rank;
+  - **NCCL** (and ``nccl_rules``, which models it): ``wait(timeout)`` busy-waits the host until the
+    transfer completes (ProcessGroupNCCL's blocking wait), which would stop the host from running ahead
+    of the device at every PP wait.  So ``wait()`` gets no timeout (it only makes the current stream
+    wait); the bound is the group's timeout, which :func:`set_timeout` moves on the PP groups too
+    (``_set_pg_timeout``), and NCCL's watchdog, which aborts the process after it.  A side thread
+    polls the waited works (``is_completed()``, non-blocking) and, shortly before the watchdog fires,
+    logs the :class:`PeerTimeout` message naming the peer and fences it (below);
 * :func:`named_collective` runs a collective of ours so that a timeout says which ranks had not
   arrived (each rank marks its arrival in the default store before the collective);
 * fencing: every rank publishes its host and pid in the default store (:func:`publish_identity`); a
@@ -27,16 +36,20 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
 __all__ = ["PeerTimeout", "current_timeout_s", "install_p2p_timeout", "named_collective", "new_group",
-           "named", "publish_identity", "set_timeout"]
+           "named", "publish_identity", "set_timeout", "explicit_wait_timeout"]
 
 _timeout_s: float | None = None  # None: the groups' own (creation) timeout
 _groups: list[Any] = []  # groups created by new_group (their collectives follow set_timeout)
+_p2p_groups: list[Any] = []  # groups PP messages travelled on (their timeout follows set_timeout)
 _arrivals: dict[str, int] = {}  # named_collective: this rank's count per name
 
 
@@ -67,22 +80,49 @@ def new_group(ranks: Sequence[int] | None, timeout_s: float | None, **kwargs) ->
 
 
 def set_timeout(seconds: float) -> None:
-    """From now on, PP message waits and the collectives of our groups end after ``seconds``."""
+    """From now on, PP message waits and the collectives of our groups end after ``seconds``: our groups'
+    and the PP groups' timeouts move (on NCCL the group timeout is what bounds a PP wait)."""
     global _timeout_s
     _timeout_s = _check_seconds(seconds, "timeout")
-    for group in _groups:
+    for group in (*_groups, *_p2p_groups):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=_timeout_s), group)
+
+
+def explicit_wait_timeout(group: Any) -> bool:
+    """Whether a PP wait on ``group`` passes an explicit timeout: on gloo only, whose receives keep the
+    timeout of the group's creation.  On NCCL (and the ``nccl_rules`` test backend) ``wait(timeout)``
+    blocks the host until the op completes and aborts the communicator on expiry; ``wait()`` does not
+    block, and the group's timeout with NCCL's watchdog bounds the op."""
+    try:
+        return dist.get_backend(group) == dist.Backend.GLOO
+    except (RuntimeError, ValueError, AttributeError):
+        return True
+
+
+def _remember_p2p_group(group: Any) -> None:
+    """A group that carries PP messages follows :func:`set_timeout` from now on."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    if any(g is group for g in _p2p_groups):
+        return
+    _p2p_groups.append(group)
+    if _timeout_s is not None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=_timeout_s), group)
 
 
 class _TimedWork:
-    """A p2p work whose ``wait()`` ends within the timeout and names the peer when it does not."""
+    """A p2p work whose ``wait()`` is bounded by the timeout and names the peer when it is not (on gloo by
+    an explicit wait timeout; elsewhere by the group's timeout, :func:`explicit_wait_timeout`)."""
 
-    __slots__ = ("work", "peer", "kind")
+    __slots__ = ("work", "peer", "kind", "explicit")
 
-    def __init__(self, work: Any, peer: int, kind: str):
-        self.work, self.peer, self.kind = work, peer, kind
+    def __init__(self, work: Any, peer: Any, kind: str, explicit: bool):
+        self.work, self.peer, self.kind, self.explicit = work, peer, kind, explicit
 
     def wait(self, timeout: timedelta | None = None) -> Any:
+        if not self.explicit and timeout is None:
+            if _timeout_s is not None:
+                _watch(self)
+            return self.work.wait()
         limit = timeout or (timedelta(seconds=_timeout_s) if _timeout_s is not None else None)
         try:
             return self.work.wait(limit) if limit is not None else self.work.wait()
@@ -108,15 +148,62 @@ def _peer_of(op: Any) -> int:
 def _timed(batch_p2p: Callable) -> Callable:
     def timed_batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
         works = batch_p2p(p2p_ops, desc)
+        if not p2p_ops:
+            return works
+        _remember_p2p_group(p2p_ops[0].group)
+        explicit = explicit_wait_timeout(p2p_ops[0].group)
         if len(works) != len(p2p_ops):  # a coalesced batch: one work for all, name every peer
             peers = sorted({_peer_of(op) for op in p2p_ops})
-            return [_TimedWork(w, peers[0] if len(peers) == 1 else peers, "message") for w in works]
-        return [_TimedWork(w, _peer_of(op), "receive" if getattr(op.op, "__name__", "") == "irecv" else "send")
-                for w, op in zip(works, p2p_ops)]
+            return [_TimedWork(w, peers[0] if len(peers) == 1 else peers, "message", explicit) for w in works]
+        return [_TimedWork(w, _peer_of(op), "receive" if getattr(op.op, "__name__", "") == "irecv" else "send",
+                           explicit) for w, op in zip(works, p2p_ops)]
 
     timed_batch_p2p._titan_ext_timed = True  # type: ignore[attr-defined]
     timed_batch_p2p.__wrapped__ = batch_p2p  # type: ignore[attr-defined]
     return timed_batch_p2p
+
+
+#: the watch names a stopped peer this long before the group's timeout (NCCL's watchdog) ends the process
+_WATCH_LEAD_S = 5.0
+_watched: list[tuple[float, _TimedWork]] = []  # (when waited, work): NCCL-side PP waits not completed yet
+_watch_lock = threading.Lock()
+_watcher: list[threading.Thread] = []
+
+
+def _watch(work: _TimedWork) -> None:
+    """Poll ``work`` from a side thread (``is_completed()`` does not block); past the lead time before the
+    timeout, log the peer that stopped answering and fence it (a stopped process on this host): NCCL's
+    watchdog then ends this process, and the launcher no longer waits on a peer that cannot die."""
+    with _watch_lock:
+        _watched.append((time.monotonic(), work))
+        if not _watcher:
+            _watcher.append(threading.Thread(target=_watch_loop, daemon=True, name="titan_ext-pp-watch"))
+            _watcher[0].start()
+
+
+def _watch_loop() -> None:
+    while True:
+        time.sleep(0.25)
+        now, late = time.monotonic(), []
+        with _watch_lock:
+            keep = []
+            for since, work in _watched:
+                try:
+                    done = work.work.is_completed()
+                except Exception:  # noqa: BLE001 - failed: the backend reports it
+                    done = True
+                limit = _timeout_s or 0.0
+                if done:
+                    continue
+                if limit and now - since > max(0.5 * limit, limit - _WATCH_LEAD_S):
+                    late.append((now - since, work))
+                else:
+                    keep.append((since, work))
+            _watched[:] = keep
+        for waited, work in late:
+            print(f"rank {dist.get_rank()}: no {work.kind} completed with rank {work.peer} within {waited:.0f} s "
+                  f"(comm.train_timeout_seconds = {_timeout_s:g} s): rank {work.peer} stopped answering"
+                  f"{_fence(work.peer)}", file=sys.stderr, flush=True)
 
 
 def install_p2p_timeout() -> None:
