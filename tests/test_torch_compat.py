@@ -5,6 +5,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,7 @@ def test_missing_internal_is_named_at_import_of_the_runtime():
                          timeout=120)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: titan_ext.runtime needs torch>=2.13,<2.16"), last
+    assert last.startswith("ImportError: titan_ext.runtime needs torch>=2.11,<2.16"), last
     assert "torch.distributed.pipelining.schedules._add_send_recv" in last
     assert "_PipelineScheduleRuntime._prepare_schedule_with_comms" in last
 
@@ -78,7 +79,7 @@ def test_a_2_15_without_its_wait_passes_is_named(monkeypatch):
     with pytest.raises(ImportError) as exc:
         check_torch()
     msg = str(exc.value)
-    assert msg.startswith("titan_ext.runtime needs torch>=2.13,<2.16 (tested); torch 2.15.0 lacks"), msg
+    assert msg.startswith("titan_ext.runtime needs torch>=2.11,<2.16 (tested); torch 2.15.0 lacks"), msg
     assert "torch.distributed.pipelining.schedules._add_wait_send," in msg and "_validate_send_waits" in msg
     assert "_add_send_recv" not in msg  # what it has is not named
 
@@ -89,14 +90,41 @@ def test_triton_is_declared_where_torchtitan_imports_it():
     assert not req.marker.evaluate({"sys_platform": "darwin"})
 
 
-def test_old_signature_is_named_at_import_of_the_runtime():
-    """torch 2.11 has every internal by name, but ``_initialize_stages(args, kwargs)`` without the
-    target and loss kwargs the runtime passes: importing the runtime names that (fresh process)."""
-    code = ("import torch.distributed.pipelining.schedules as s\n"
-            "s.PipelineScheduleMulti._initialize_stages = lambda self, args, kwargs: None\n"
-            "import titan_ext.runtime\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
-    last = out.stderr.strip().splitlines()[-1]
-    assert out.returncode != 0 and last.startswith("ImportError: titan_ext.runtime needs torch>=2.13"), last
-    assert "PipelineScheduleMulti._initialize_stages(target, loss_kwargs)" in last, last
+def test_each_torch_form_of_initialize_stages_and_compute_loss_gets_what_it_takes():
+    """torch 2.11's ``_initialize_stages(args, kwargs)`` once failed with a TypeError at the first step on
+    a GPU machine; 2.12 adds ``target``, 2.13 ``loss_kwargs`` (stored here as the three signatures)."""
+    from titan_ext.runtime._torch_compat import compute_loss, initialize_stages
+
+    calls = []
+
+    class V211:
+        def _initialize_stages(self, args, kwargs):
+            calls.append(("2.11", args, kwargs))
+
+        def _compute_loss(self, output, target):
+            return ("2.11", output, target)
+
+    class V212(V211):
+        def _initialize_stages(self, args, kwargs, target=None):
+            calls.append(("2.12", args, kwargs, target))
+
+    class V213(V212):
+        def _initialize_stages(self, args, kwargs, target=None, loss_kwargs=None):
+            calls.append(("2.13", args, kwargs, target, loss_kwargs))
+
+        def _compute_loss(self, output, target, loss_kwargs=None):
+            return ("2.13", output, target, loss_kwargs)
+
+    for cls in (V211, V212, V213):
+        initialize_stages(cls(), "a", "k", "t", None)
+    initialize_stages(V213(), "a", "k", "t", {"w": 1})
+    assert calls == [("2.11", "a", "k"), ("2.12", "a", "k", "t"), ("2.13", "a", "k", "t", None),
+                     ("2.13", "a", "k", "t", {"w": 1})]
+    assert compute_loss(V211(), "o", "t", None) == ("2.11", "o", "t")
+    assert compute_loss(V213(), "o", "t", {"w": 1}) == ("2.13", "o", "t", {"w": 1})
+    with pytest.raises(TypeError, match="loss_kwargs needs torch >= 2.13"):
+        compute_loss(V212(), "o", "t", {"w": 1})
+    with pytest.raises(TypeError, match="loss_kwargs needs torch >= 2.13"):
+        initialize_stages(V212(), "a", "k", "t", {"w": 1})
+
+

@@ -19,10 +19,9 @@ import inspect
 TESTED = ">=2.11,<2.16"  # keep equal to pyproject.toml's torch requirement
 #: every torch (major, minor) whose pipelining loop the executor tracks (runtime/executor.py)
 TRACKED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
-#: torch 2.13 added ``target``/``loss_kwargs`` to ``_initialize_stages`` and ``loss_kwargs`` to
-#: ``_compute_loss`` (the GPU machines' image has torch 2.11: :func:`initialize_stages` and
-#: :func:`compute_loss` call whichever form the installed torch has)
-LOSS_KWARGS_SINCE = (2, 13)
+# torch 2.12 added ``target`` to ``_initialize_stages``, 2.13 ``loss_kwargs`` there and in
+# ``_compute_loss`` (the GPU machines' image has torch 2.11): :func:`initialize_stages` and
+# :func:`compute_loss` pass what the installed torch's signatures take
 WAIT_ACTIONS_SINCE = (2, 15)
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
@@ -38,13 +37,6 @@ REQUIRED = {
         "_PipelineScheduleRuntime._step_microbatches",
     ),
     _STAGE: ("_PipelineStageBase",),
-}
-
-#: module -> internal -> parameters its signature must have on every tested torch (the runtime calls
-#: them with these arguments; torch 2.11's ``_initialize_stages(args, kwargs)`` once failed with a
-#: TypeError at the first step on a GPU machine: :func:`initialize_stages` now takes either form)
-REQUIRED_PARAMS = {
-    _SCHEDULES: {"PipelineScheduleMulti._initialize_stages": ("args", "kwargs")},
 }
 
 #: (major, minor) -> module -> names required from that torch on (the version gate)
@@ -98,12 +90,6 @@ def _has(obj, dotted: str) -> bool:
     return True
 
 
-def _get(obj, dotted: str):
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def missing_internals(version: tuple[int, int] | None = None) -> list[str]:
     """Fully qualified names of the internals torch ``version`` needs that the installed torch lacks."""
     missing = []
@@ -114,9 +100,6 @@ def missing_internals(version: tuple[int, int] | None = None) -> list[str]:
             missing.append(module)
             continue
         missing += [f"{module}.{name}" for name in names if not _has(mod, name)]
-        for name, params in REQUIRED_PARAMS.get(module, {}).items():
-            if _has(mod, name) and not set(params) <= set(inspect.signature(_get(mod, name)).parameters):
-                missing.append(f"{module}.{name}({', '.join(params)})")
     return missing
 
 
@@ -131,24 +114,25 @@ def check_torch() -> None:
             f"{', '.join(missing)}")
 
 
-def _takes_loss_kwargs() -> bool:
-    return torch_version() >= LOSS_KWARGS_SINCE
+def _params(method) -> frozenset:
+    return frozenset(inspect.signature(method).parameters)
 
 
 def initialize_stages(schedule, args, kwargs, target, loss_kwargs) -> None:
-    """``schedule._initialize_stages`` in the installed torch's form: torch >= 2.13 also takes the
-    first microbatch's target and the loss keywords (backward metadata inferred from the loss); 2.11
-    and 2.12 infer it at the first backward."""
-    if _takes_loss_kwargs():
-        schedule._initialize_stages(args, kwargs, target, loss_kwargs)
-    else:
-        schedule._initialize_stages(args, kwargs)
+    """``schedule._initialize_stages`` in the installed torch's form: torch >= 2.12 also takes the first
+    microbatch's target (backward metadata inferred from the loss), >= 2.13 the loss keywords; 2.11
+    infers that metadata at the first backward."""
+    params = _params(schedule._initialize_stages)
+    extra = {name: value for name, value in (("target", target), ("loss_kwargs", loss_kwargs)) if name in params}
+    if loss_kwargs and "loss_kwargs" not in extra:
+        raise TypeError(f"loss_kwargs needs torch >= 2.13 (installed: {'.'.join(map(str, torch_version()))})")
+    schedule._initialize_stages(args, kwargs, **extra)
 
 
 def compute_loss(schedule, output, target, loss_kwargs):
     """``schedule._compute_loss`` in the installed torch's form (``loss_kwargs`` from torch 2.13 on;
-    on 2.11/2.12 loss keywords are refused, as torch's own ``step`` refuses them there)."""
-    if _takes_loss_kwargs():
+    before, loss keywords are refused, as torch's own ``step`` there has none)."""
+    if "loss_kwargs" in _params(schedule._compute_loss):
         return schedule._compute_loss(output, target, loss_kwargs)
     if loss_kwargs:
         raise TypeError(f"loss_kwargs needs torch >= 2.13 (installed: {'.'.join(map(str, torch_version()))})")

@@ -3,8 +3,9 @@
 Tracks ``_PipelineScheduleRuntime._step_microbatches`` (torch/distributed/pipelining/schedules.py) of
 torch **2.11**, **2.12**, **2.13**, **2.14** and **2.15** (``_torch_compat.TRACKED``; a copy of each
 loop lies in tests/torch_loops/ and ``tests/test_torch_loops.py`` fails when the installed torch's loop
-differs from it; 2.11/2.12's differs from 2.13's only in 2.13's ``loss_kwargs``, which
-``_torch_compat.initialize_stages`` / ``compute_loss`` bridge): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
+differs from it; 2.11's and 2.12's differ from 2.13's only in the arguments of
+``_initialize_stages`` / ``_compute_loss`` — 2.12 added ``target``, 2.13 ``loss_kwargs`` — which
+``_torch_compat.initialize_stages`` / ``compute_loss`` pass as the installed torch takes them): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
 functions, local stage-to-stage hand-off when neighbouring stages share a rank — so it runs several
 local stages per rank, as issue 14's multi-stage runtime needs), and from torch 2.15 on
 (``_torch_compat.has_wait_actions``) its explicit waits: WAIT_SEND_F / WAIT_SEND_B retire one send
