@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The version matrix beside the default environment (torch 2.13 CPU + TorchTitan 0.2.2, scripts/test.sh):
+#   bash scripts/ci_versions.sh torch-2.11       # torch 2.11.0 (the GPU machines' image): plan + runtime default tier
 #   bash scripts/ci_versions.sh torch-2.15       # torch 2.15.0 + TorchTitan 0.2.2: plan + runtime default tier
 #   bash scripts/ci_versions.sh torchtitan-0.3   # TorchTitan 0.3.0 over torch 2.14.1: every titan test + Falcon's
 #                                                # job tests (+ its DP x PP runs) + 3 PipeMorph steps
-#   bash scripts/ci_versions.sh all              # both (what .ci/run calls after the default tier)
+#   bash scripts/ci_versions.sh all              # all three (what .ci/run calls after the default tier)
 # Each environment lives in .venvs/<name> (git-ignored) with its own copy of the sources in
 # .venvs/<name>/src, whose C/C++ extensions are built against that environment's torch, so the default
 # .venv's in-place build is never touched. Re-running reuses both (a stamp of the install list).
@@ -79,6 +80,19 @@ run_torch215() {
         tests/test_plan_*.py tests/test_runtime_*.py)
 }
 
+run_torch211() {
+    # torch 2.11.0 is what the GPU machines' image has (with CUDA 13; PyPI's wheel is that CUDA build,
+    # which runs on the CPU here). TorchTitan needs a newer torch: the plan + runtime tiers only.
+    local env=torch-2.11
+    make_env "$env" 2.11.0 0.2.2 || return 0
+    build_in "$env" || return 1
+    local py="$root/.venvs/$env/bin/python"
+    say "$env: plan + runtime default tier, the NCCL-rules backend and the one-GPU staging transport"
+    (cd "$root/.venvs/$env/src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
+        tests/test_torch_compat.py tests/test_torch_loops.py tests/test_nccl_rules.py tests/test_shared_gpu.py \
+        tests/test_host_syncs.py tests/test_plan_*.py tests/test_runtime_*.py)
+}
+
 run_tt03() {
     local env=torchtitan-0.3
     make_env "$env" 2.14.1 0.3.0 "datasets>=3.6.0,<4.8.0" "spmd_types==0.2.3" torch_checkpointing || return 0
@@ -105,8 +119,9 @@ run_tt03() {
 }
 
 case "${1:-all}" in
+    torch-2.11) run_torch211 ;;
     torch-2.15) run_torch215 ;;
     torchtitan-0.3) run_tt03 ;;
-    all) rc=0; run_torch215 || rc=1; run_tt03 || rc=1; exit $rc ;;
-    *) echo "scripts/ci_versions.sh: use torch-2.15, torchtitan-0.3 or all" >&2; exit 2 ;;
+    all) rc=0; run_torch211 || rc=1; run_torch215 || rc=1; run_tt03 || rc=1; exit $rc ;;
+    *) echo "scripts/ci_versions.sh: use torch-2.11, torch-2.15, torchtitan-0.3 or all" >&2; exit 2 ;;
 esac
