@@ -349,3 +349,45 @@ def test_gpu_receive_completion_reads_no_device_tensor(monkeypatch):
     assert handle.is_completed()
     assert handle.wait() and handle.works[0].waits == 1
     assert gpu.device_syncs == 0 and gpu.event_syncs == 0
+
+
+def test_a_stamp_read_by_the_watcher_and_the_consumer_at_once_is_taken_once():
+    """The arrival watcher (``is_completed``) and the consumer (``wait``) read a receive's stamp from
+    two threads; a TCPStore ``get`` of a key the other thread already deleted blocks until the store's
+    timeout (it hung 3 runs in 4 of tests/test_delegate_nccl_rules.py): the stamp is taken once."""
+    import threading
+    import time as _time
+
+    from titan_ext.runtime.delay_injection import DelayedRecvWork
+
+    class SlowStore:  # get takes 50 ms; touching a missing key is an error (a TCPStore get would block)
+        def __init__(self):
+            self.data, self.errors, self.lock = {"k": b"123.5"}, [], threading.Lock()
+
+        def check(self, keys):
+            with self.lock:
+                return all(k in self.data for k in keys)
+
+        def get(self, key):
+            _time.sleep(0.05)
+            with self.lock:
+                if key not in self.data:
+                    self.errors.append(f"get of missing {key}")
+                    return b"nan"
+                return self.data[key]
+
+        def delete_key(self, key):
+            with self.lock:
+                if self.data.pop(key, None) is None:
+                    self.errors.append(f"delete of missing {key}")
+
+    store = SlowStore()
+    work = DelayedRecvWork([], "k", store)
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(work._read(block=True))) for _ in range(2)]
+    for t in threads:
+        t.start()
+        _time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert seen == [123.5, 123.5] and store.errors == [] and store.data == {}

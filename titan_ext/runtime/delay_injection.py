@@ -304,21 +304,27 @@ class DelayedRecvWork:
         self.works = works  # the data's (or the batch's one coalesced work)
         self.key, self.store = key, store
         self._arrival: float | None = None
+        # the arrival watcher (is_completed) and the consumer (wait) both read the stamp: one takes and
+        # deletes the key; without the lock the other's ``store.get`` of the deleted key would block
+        # until the store's timeout (a TCPStore get waits for a missing key)
+        self._lock = threading.Lock()
 
     def _read(self, block: bool) -> float | None:
         """The stamp, once the sender's stamper published it (``block``: polled until then, the
         store checked between short sleeps so this process's own stamper keeps running)."""
         pause = 20e-6
-        while self._arrival is None:
-            if self.store.check([self.key]):
-                self._arrival = float(self.store.get(self.key).decode())
-                self.store.delete_key(self.key)
-            elif not block:
+        while True:
+            with self._lock:
+                if self._arrival is not None:
+                    return self._arrival
+                if self.store.check([self.key]):
+                    self._arrival = float(self.store.get(self.key).decode())
+                    self.store.delete_key(self.key)
+                    return self._arrival
+            if not block:
                 return None
-            else:
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
-        return self._arrival
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
 
     def arrival(self) -> float:
         """The sender's model arrival time (waits for the sender's stamper to publish it)."""
