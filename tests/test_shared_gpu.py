@@ -86,7 +86,7 @@ def _v_reference(world: int) -> list[float]:
                 h = m(h)
             loss = Fn.mse_loss(h, ym)
             (loss / N_MB).backward()  # torch's schedules scale gradients by 1/microbatches (scale_grads)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         opt.step()
     return losses
 
