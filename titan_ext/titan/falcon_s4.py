@@ -353,10 +353,10 @@ def _print_relaunch_spec(argv: list[str]) -> int:
     return 0
 
 
-def launch(argv: list[str] | None = None) -> int:
+def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
     """``python -m titan_ext.titan.falcon_s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
     torchrun; after an S4 exit, torchrun again on the plan's world with its overrides."""
-    p = argparse.ArgumentParser(prog="python -m titan_ext.titan.falcon_s4", description=launch.__doc__)
+    p = argparse.ArgumentParser(prog=prog or "python -m titan_ext.titan.falcon_s4", description=launch.__doc__)
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--max-s4", type=int, default=1, help="restarts allowed (default 1)")
@@ -387,7 +387,14 @@ def launch(argv: list[str] | None = None) -> int:
     return rc
 
 
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``titan-ext falcon-s4`` / ``python -m titan_ext.titan.falcon_s4``: :func:`launch`, or
+    ``relaunch-spec DUMP HOST...`` (what scripts/launch.sh reads after an S4 exit)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["relaunch-spec"]:
+        return _print_relaunch_spec(argv[1:])
+    return launch(argv, prog=prog)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["relaunch-spec"]:
-        sys.exit(_print_relaunch_spec(sys.argv[2:]))
-    sys.exit(launch())
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """Checks of a job's config that need more than one section, run before any process group exists
 (by ``titan_ext.train`` and by :class:`~titan_ext.titan.trainer.TitanExtTrainer`); each error names its key.
 
-Moved out of ``titan_ext/train.py`` so that the trainer (which ``titan_ext.train`` runs) does not import
-its own entry point (issue 24: no import cycles).
+A module of its own so that the trainer (which ``titan_ext.train`` runs) does not import its own entry
+point (no import cycles).
 """
 
 import os
@@ -122,6 +122,11 @@ def _check_delegation(config, section) -> None:
         raise JobConfigError(
             f"[titan_ext] {key} = {value!r}: schedule {name!r} does "
             f"not support delegation in this build (use delegation = \"off\")")
+    from titan_ext.runtime.delegate._ext import missing_reason
+
+    missing = missing_reason()
+    if missing is not None:
+        raise JobConfigError(f"[titan_ext] {key} = {value!r}: {missing}")
 
 
 def _check_backward(config, section) -> None:
