@@ -11,12 +11,14 @@ logged step:
 * the full set under ``pipeline_detail/`` (``link_delay_ms/<i>`` measured on the timeline -- the one
   link-delay series --, ``step_wall_ms``, ``delegation``, the runtime's numbers); every time is in ms;
 * on W&B, ``pipeline/decisions``: a table of the plan changes (step, version, decision, reason,
-  warm-up counts, backward);
+  warm-up counts, backward), logged incrementally: each plan change sends its new rows only;
 * one console line next to TorchTitan's step line (iteration time, bubble rate, plan version);
 * one JSON line per logged step in ``<dump_folder>/<[titan_ext] metrics_file>`` (strict JSON: a
   missing number is ``null``, never NaN);
 * a timeline image (``<dump_folder>/timelines/step_N.png`` and ``pipeline/timeline`` on W&B) on the
-  first logged step of every ``[titan_ext] gantt_every`` steps.
+  first logged step of every ``[titan_ext] gantt_every`` steps;
+* every measured (logged) step's timeline as a Chrome/Perfetto trace,
+  ``<dump_folder>/timelines/step_N.trace.json`` (open it in ui.perfetto.dev or chrome://tracing).
 
 W&B: unless ``WANDB_MODE`` is set, a run goes offline only when no W&B credentials exist (no
 ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE`` and no ``wandb login`` entry in the netrc file):
@@ -38,7 +40,7 @@ from torchtitan.tools.logging import logger
 
 from titan_ext.titan import adapters
 
-from titan_ext.titan.gantt import write_timeline_png
+from titan_ext.titan.gantt import write_timeline_png, write_timeline_trace
 from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
 from titan_ext.titan.options import titan_ext_section
 
@@ -113,6 +115,7 @@ class PipelineMetrics:
         self._last_logged_step = 0
         self.image: Path | None = None  # the image written on the current logged step, if any
         self.decisions_logged = 0  # rows of `decisions` already sent to W&B
+        self.wandb_tables: dict[int, Any] = {}  # W&B logger -> its incremental decisions table
         self._wrap_step()
 
     # -- every iteration: plan changes ---------------------------------------------------------
@@ -170,6 +173,7 @@ class PipelineMetrics:
         image_due = self._image_due(step)
         self._last_logged_step = step
         if is_metrics_rank:
+            self._write_trace(timeline)
             if image_due:
                 self._write_image(timeline)
             if self.section.metrics_file:
@@ -210,6 +214,13 @@ class PipelineMetrics:
         with open(self.dump / self.section.metrics_file, "a") as f:
             f.write(json.dumps(strict_json(record), allow_nan=False, default=str) + "\n")
 
+    def _write_trace(self, timeline: IterationTimeline) -> None:
+        path = self.dump / "timelines" / f"step_{timeline.step:05d}.trace.json"
+        try:
+            write_timeline_trace(timeline, path, title=f"{self.schedule_name}, step {timeline.step}")
+        except Exception as e:  # a trace must never stop training
+            logger.warning(f"[titan_ext] timeline trace for step {timeline.step} failed: {e}")
+
     def _write_image(self, timeline: IterationTimeline) -> None:
         path = self.dump / "timelines" / f"step_{timeline.step:05d}.png"
         try:
@@ -241,15 +252,34 @@ def _wandb_loggers(processor: Any) -> list:
     return [lg for lg in getattr(container, "_loggers", [container]) if isinstance(lg, WandBLogger)]
 
 
+_DECISION_COLUMNS = ["iteration", "plan_version", "decision", "reason", "warmup_counts", "backward"]
+
+
+def _decisions_table(wandb: Any) -> Any:
+    """A W&B table that logs only its new rows each time (``log_mode="INCREMENTAL"``); a wandb without
+    incremental tables gets a table of the new rows per plan change instead."""
+    try:
+        return wandb.Table(columns=_DECISION_COLUMNS, log_mode="INCREMENTAL")
+    except TypeError:
+        return None
+
+
 def _log_to_wandb(processor: Any, pm: PipelineMetrics, step: int) -> None:
+    new_rows = pm.decisions[pm.decisions_logged:]
     for wb in _wandb_loggers(processor):
         extra: dict[str, Any] = {}
         if pm.image is not None:
             extra["pipeline/timeline"] = wb.wandb.Image(str(pm.image))
-        if len(pm.decisions) > pm.decisions_logged:
-            extra["pipeline/decisions"] = wb.wandb.Table(
-                columns=["iteration", "plan_version", "decision", "reason", "warmup_counts",
-                         "backward"], data=[list(r) for r in pm.decisions])
+        if new_rows:
+            table = pm.wandb_tables.get(id(wb), False)
+            if table is False:
+                table = pm.wandb_tables[id(wb)] = _decisions_table(wb.wandb)
+            if table is None:
+                table = wb.wandb.Table(columns=_DECISION_COLUMNS, data=[list(r) for r in new_rows])
+            else:
+                for row in new_rows:
+                    table.add_data(*row)
+            extra["pipeline/decisions"] = table
         if extra:
             wb.wandb.log(extra, step=step)
     pm.decisions_logged = len(pm.decisions)
