@@ -18,10 +18,24 @@ HOOKS = (
     ("torchtitan.train", "Trainer"),
     ("torchtitan.train", "main"),
     ("torchtitan.components.metrics", "MetricsProcessor"),
+    ("torchtitan.components.metrics", "build_metrics_processor"),
     ("torchtitan.components.metrics", "_get_metrics_rank"),
     ("torchtitan.hf_datasets.text_datasets", "DATASETS"),
     ("torchtitan.protocols.train_spec", "get_train_spec"),
 )
+#: (module, attribute) -> (parameters titan_ext's wrapper takes, by name; passed by position?): checked
+#: at registration (adapters.signature_mismatches), so a changed hook is named, never a TypeError later
+SIGNATURES = {
+    (PIPELINE, "build_pipeline_schedule"): (("job_config", "stages", "loss_fn"), True),
+    (PIPELINE, "pipeline_module_split"): (
+        ("whole_model", "pp_mesh", "pp_schedule", "device", "module_names_per_stage"), True),
+    ("torchtitan.components.metrics", "build_metrics_processor"): (
+        ("job_config", "parallel_dims", "model_args"), True),
+    ("torchtitan.components.metrics", "MetricsProcessor.log"): (
+        ("step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"), True),
+    ("torchtitan.components.metrics", "_get_metrics_rank"): (("parallel_dims", "job_config"), True),
+    ("torchtitan.protocols.train_spec", "get_train_spec"): (("name",), True),
+}
 BUILDER_MODULES = (PIPELINE, "torchtitan.experiments.transformers_modeling_backend.infra.pipeline")
 CPU_SHIM_MODULES = (
     "torchtitan.tools.utils",
