@@ -66,3 +66,30 @@ def test_measured_timeline_as_perfetto_trace(tmp_path):
         (0, "B0", 44000.0, 20000.0), (0, "F0", 0.0, 10000.0), (1, "B0", 22000.0, 20000.0), (1, "F0", 12000.0, 10000.0)]
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert {"PipeMorph, step 3", "rank 0", "rank 1"} <= names
+
+
+def test_metrics_through_the_train_spec_not_the_class():
+    """TorchTitan 0.2: the pipeline metrics come in through the TrainSpec's build_metrics_processor_fn
+    (TorchTitan's extension point), and MetricsProcessor's class is left as it is."""
+    import pytest
+
+    from titan_ext.titan import adapters, metrics, register
+
+    if adapters.current().PYTHON_CONFIGS:
+        pytest.skip("TorchTitan 0.3: the metrics processor is wrapped at class level (no TrainSpec builder)")
+    import torchtitan.protocols.train_spec as train_spec
+    from torchtitan.components.metrics import MetricsProcessor
+
+    register(cpu_shim=False)
+    spec = train_spec.get_train_spec("llama3")
+    assert getattr(spec.build_metrics_processor_fn, "_titan_ext_wrapped", False)
+    assert not getattr(MetricsProcessor.log, "_titan_ext_wrapped", False)
+
+    class Processor:  # what a builder returns: its log is wrapped on the instance only
+        def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            return "logged"
+
+    built = metrics.metrics_processor_builder(lambda job_config, parallel_dims, model_args=None: Processor())
+    processor = built(object(), object())
+    assert getattr(processor.log, "_titan_ext_wrapped", False)
+    assert not getattr(Processor.log, "_titan_ext_wrapped", False) and not getattr(Processor().log, "_titan_ext_wrapped", False)

@@ -34,6 +34,7 @@ import netrc
 import os
 from urllib.parse import urlparse
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan.tools.logging import logger
@@ -44,8 +45,8 @@ from titan_ext.titan.gantt import write_timeline_png, write_timeline_trace
 from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
 from titan_ext.titan.options import titan_ext_section
 
-__all__ = ["PipelineMetrics", "attach", "current", "install", "runtime_metrics", "strict_json",
-           "wandb_logged_in"]
+__all__ = ["PipelineMetrics", "attach", "current", "install", "instrument", "metrics_processor_builder",
+           "runtime_metrics", "strict_json", "wandb_logged_in"]
 
 # pipeline_detail/delegation: 0 = direct P2P, 1 = auto mode, not delegating (yet), 2 = delegating
 _DELEGATION_CODES = {"off": 0, "auto": 1, "active": 2}
@@ -299,24 +300,22 @@ def wandb_logged_in(environ=os.environ) -> bool:
 
 def _wandb_offline_without_login(init):
     def __init__(self, *args, **kwargs):
-        if "WANDB_MODE" not in os.environ and not wandb_logged_in():
-            logger.info("[titan_ext] W&B: no login found (wandb login / WANDB_API_KEY): offline run")
-            os.environ["WANDB_MODE"] = "offline"
+        _offline_without_login()
         init(self, *args, **kwargs)
 
     __init__._titan_ext_wrapped = True  # type: ignore[attr-defined]
     return __init__
 
 
-def install() -> None:
-    """Patch TorchTitan's ``MetricsProcessor.log`` and ``WandBLogger`` (class level, idempotent)."""
-    from torchtitan.components import metrics as tt_metrics
+def _offline_without_login() -> None:
+    if "WANDB_MODE" not in os.environ and not wandb_logged_in():
+        logger.info("[titan_ext] W&B: no login found (wandb login / WANDB_API_KEY): offline run")
+        os.environ["WANDB_MODE"] = "offline"
 
-    if not getattr(tt_metrics.WandBLogger.__init__, "_titan_ext_wrapped", False):
-        tt_metrics.WandBLogger.__init__ = _wandb_offline_without_login(tt_metrics.WandBLogger.__init__)
-    original = tt_metrics.MetricsProcessor.log
-    if getattr(original, "_titan_ext_wrapped", False):
-        return
+
+def _pipeline_log(original):
+    """``MetricsProcessor.log`` (``original``, unbound) plus the pipeline metrics of the schedule being
+    measured; everything else is TorchTitan's own."""
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         pm = _current
@@ -334,5 +333,48 @@ def install() -> None:
 
     log._titan_ext_wrapped = True  # type: ignore[attr-defined]
     log.__wrapped__ = original  # type: ignore[attr-defined]
-    tt_metrics.MetricsProcessor.log = log
+    return log
 
+
+def instrument(processor: Any) -> Any:
+    """``processor`` (one TorchTitan ``MetricsProcessor``) reports the pipeline metrics: its own ``log``
+    is wrapped on the instance, never on the class."""
+    import types
+
+    if not getattr(processor.log, "_titan_ext_wrapped", False):
+        processor.log = types.MethodType(_pipeline_log(type(processor).log), processor)
+    return processor
+
+
+def metrics_processor_builder(build: Callable) -> Callable:
+    """A TrainSpec ``build_metrics_processor_fn`` around ``build`` (the spec's own, else TorchTitan's
+    ``build_metrics_processor``): W&B goes offline without a login, and the built processor is
+    :func:`instrument`-ed."""
+    if getattr(build, "_titan_ext_wrapped", False):
+        return build
+
+    def build_metrics_processor(job_config, parallel_dims, model_args=None, *args, **kwargs):
+        if getattr(getattr(job_config, "metrics", None), "enable_wandb", False):
+            _offline_without_login()
+        return instrument(build(job_config, parallel_dims, model_args, *args, **kwargs))
+
+    build_metrics_processor._titan_ext_wrapped = True  # type: ignore[attr-defined]
+    build_metrics_processor.__wrapped__ = build  # type: ignore[attr-defined]
+    return build_metrics_processor
+
+
+def install() -> None:
+    """Make TorchTitan's metrics processor report the pipeline metrics (idempotent).
+
+    Where the TorchTitan version has an extension point for the metrics processor (0.2: the TrainSpec's
+    ``build_metrics_processor_fn``), the adapter plugs :func:`metrics_processor_builder` in there and
+    nothing is patched class-wide. Otherwise ``MetricsProcessor.log`` and ``WandBLogger.__init__`` are
+    wrapped at class level."""
+    if adapters.current().install_metrics_processor(metrics_processor_builder):
+        return
+    from torchtitan.components import metrics as tt_metrics
+
+    if not getattr(tt_metrics.WandBLogger.__init__, "_titan_ext_wrapped", False):
+        tt_metrics.WandBLogger.__init__ = _wandb_offline_without_login(tt_metrics.WandBLogger.__init__)
+    if not getattr(tt_metrics.MetricsProcessor.log, "_titan_ext_wrapped", False):
+        tt_metrics.MetricsProcessor.log = _pipeline_log(tt_metrics.MetricsProcessor.log)

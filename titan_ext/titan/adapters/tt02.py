@@ -69,6 +69,37 @@ WRAPPERS = {"build_pipeline_schedule": wrap_build_pipeline_schedule,
             "pipeline_module_split": wrap_pipeline_module_split}
 
 
+_metrics_installed = False
+
+
+def install_metrics_processor(builder: Callable[[Callable], Callable]) -> bool:
+    """TorchTitan 0.2's extension point for the metrics processor: every TrainSpec that
+    ``get_train_spec`` returns gets ``build_metrics_processor_fn = builder(its own or TorchTitan's
+    build_metrics_processor)``; the trainer (``train_spec_module.get_train_spec``) builds through it."""
+    global _metrics_installed
+    if _metrics_installed:
+        return True
+    import dataclasses
+
+    import torchtitan.protocols.train_spec as train_spec
+    from torchtitan.components.metrics import build_metrics_processor
+
+    original = train_spec.get_train_spec
+
+    def get_train_spec(name: str):
+        spec = original(name)
+        build = spec.build_metrics_processor_fn or build_metrics_processor
+        if getattr(build, "_titan_ext_wrapped", False):
+            return spec
+        return dataclasses.replace(spec, build_metrics_processor_fn=builder(build))
+
+    get_train_spec.__wrapped__ = original  # type: ignore[attr-defined]
+    get_train_spec.__dict__.update({k: v for k, v in original.__dict__.items() if k != "__wrapped__"})
+    train_spec.get_train_spec = get_train_spec
+    _metrics_installed = True
+    return True
+
+
 def trainer_base() -> type:
     from torchtitan.train import Trainer
 
