@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+#: how the configs for real model sizes spell a path the user must set (refused, naming the key)
+PLACEHOLDER_PREFIX = "/path/to/"
 
 __all__ = ["JobConfigError", "check_job_config", "world_size"]
 
@@ -153,6 +155,13 @@ def _resolve_asset_paths(config) -> None:
             config.training.dataset_path = _resolve_repo_path(config.training.dataset_path)
     elif hasattr(config, "hf_assets_path"):  # TorchTitan 0.3
         config.hf_assets_path = _resolve_repo_path(config.hf_assets_path)
+    key = "[model] hf_assets_path" if hasattr(model, "hf_assets_path") else "hf_assets_path"
+    path = model.hf_assets_path if hasattr(model, "hf_assets_path") else getattr(config, "hf_assets_path", "")
+    if path and path.startswith(PLACEHOLDER_PREFIX):
+        raise JobConfigError(
+            f"{key} = {path!r} is a placeholder: download the model's tokenizer (e.g. `python "
+            f"scripts/download_hf_assets.py --repo_id meta-llama/Llama-3.1-8B --assets tokenizer` from "
+            f"TorchTitan) and set {key} to its directory (0.3: --hf_assets_path DIR)")
 
 
 def _check_env_straggler(pp: int) -> None:
