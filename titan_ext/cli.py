@@ -209,7 +209,7 @@ def _megabytes(text: str) -> float:
 
 
 def _memory_limit(text: str) -> float:
-    """--memory-limit K: activations of one rank's whole model part (a number >= 1; issue 21)."""
+    """--memory-limit K: activations of one rank's whole model part (a number >= 1)."""
     try:
         value = float(text)
     except ValueError:
@@ -563,7 +563,7 @@ def _budgeted(candidates: list, budget_s: float) -> list:
     return rows
 
 
-# the schedules our plans are matched against (issue 21): name → placement of ours (None: one stage per rank)
+# the schedules our plans are matched against: name → placement of ours (None: one stage per rank)
 _REPLACES = {"ZB-H1 (ZB paper)": None, "torch 1F1B": None, "torch Interleaved1F1B": "loop",
              "torch InterleavedZeroBubble": "loop", "torch ZBVZeroBubble": "v", "torch DualPipeV": "v"}
 

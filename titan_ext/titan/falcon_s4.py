@@ -1,5 +1,5 @@
 """Falcon S4 applied in a TorchTitan DP × PP job: checkpoint, exclude the slow device, restart on
-the remaining ranks, resume (Falcon §5.1 S4 "Checkpoint-and-restart", §5.2 ski rental; issue 23
+the remaining ranks, resume (Falcon §5.1 S4 "Checkpoint-and-restart", §5.2 ski rental
 item 2).
 
 Three parts, one per process that takes part:
@@ -199,7 +199,7 @@ class S4Resume:
 
     Its times are host data: they are reduced on ``control``, a gloo control group
     (:func:`~titan_ext.runtime.falcon.device_clock.control_group`), never on the default group — on a
-    GPU job that is NCCL, which takes device tensors only (DESIGN.md "GPU rules"; issue 34)."""
+    GPU job that is NCCL, which takes device tensors only (DESIGN.md "GPU rules")."""
 
     def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None, control: Any = None):
         self.plan, self.dump, self.rank, self.trainer = plan, Path(dump_folder), rank, trainer
