@@ -159,9 +159,9 @@ def _resolve_asset_paths(config) -> None:
     path = model.hf_assets_path if hasattr(model, "hf_assets_path") else getattr(config, "hf_assets_path", "")
     if path and path.startswith(PLACEHOLDER_PREFIX):
         raise JobConfigError(
-            f"{key} = {path!r} is a placeholder: download the model's tokenizer (e.g. `python "
-            f"scripts/download_hf_assets.py --repo_id meta-llama/Llama-3.1-8B --assets tokenizer` from "
-            f"TorchTitan) and set {key} to its directory (0.3: --hf_assets_path DIR)")
+            f"{key} = {path!r} is a placeholder: download the model's tokenizer (TorchTitan's "
+            f"`python scripts/download_hf_assets.py --repo_id meta-llama/{Path(path).name} --assets tokenizer`) "
+            f"and set {key} to its directory (0.3: --hf_assets_path DIR)")
 
 
 def _check_env_straggler(pp: int) -> None:
