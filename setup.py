@@ -2,13 +2,15 @@
 and the CrossPipe planner's search engine (titan_ext/plan/_search.c -> titan_ext.plan._search_c; plain
 C and the CPython API, built with or without torch; the planner falls back to pure Python without it).
 
-Everything else lives in pyproject.toml. Installed by scripts/setup.sh with
-`pip install --no-build-isolation -e .` so the extension compiles against the torch already in the
-environment (an isolated build env would pull a multi-GB CUDA torch). CPU sources always; the CUDA
-sources only when nvcc and a CUDA torch are both present.
+Everything else lives in pyproject.toml. Install with `pip install --no-build-isolation .` (scripts/setup.sh
+uses `-e`) so the extension compiles against the torch already in the environment; an isolated build env
+has no torch, and the build then stops with one line saying so (TITAN_EXT_NO_DELEGATE_C=1 installs without
+the extension on purpose). CPU sources always; the CUDA sources when nvcc and a CUDA torch are both present
+(TITAN_EXT_NO_CUDA=1: CPU only), for the architectures in TORCH_CUDA_ARCH_LIST (default 8.0;9.0;10.0+PTX).
 """
 import os
 import shutil
+import sys
 
 from setuptools import Extension, setup
 
@@ -46,18 +48,30 @@ def _cuda_home() -> str | None:
 CXX_STD = "-std=c++20"
 
 
+#: the GPU architectures built when TORCH_CUDA_ARCH_LIST is not set: A100 (8.0), H100/H200 (9.0), B200 (10.0),
+#: and PTX for 10.0 so that a newer GPU JIT-compiles the kernels instead of failing to load them
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0;10.0+PTX"
+
+#: set to 1 to install without the compiled data plane on purpose (delegation must then stay "off")
+SKIP_ENV = "TITAN_EXT_NO_DELEGATE_C"
+
 # torch.utils.cpp_extension reads CUDA_HOME at import, and without TORCH_CUDA_ARCH_LIST it asks the
 # visible GPUs for their architectures (a crash on a build machine with nvcc and no GPU): set both first.
+# A TORCH_CUDA_ARCH_LIST from the environment is honoured as it is.
 if _cuda_home() and os.environ.get("TITAN_EXT_NO_CUDA") != "1":
     os.environ.setdefault("CUDA_HOME", _cuda_home())
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
 try:
     import torch
     from torch.utils import cpp_extension
-except ImportError:  # an isolated build env without torch: the pure-Python parts still install
+except ImportError:
     torch = None
-    print("[titan_ext] torch not importable at build time: titan_ext._delegate_C NOT built "
-          "(install with scripts/setup.sh, which uses --no-build-isolation)")
+    if os.environ.get(SKIP_ENV) != "1":
+        # pip's default isolated build env has no torch: fail with what to do, never skip silently
+        sys.exit("titan_ext: torch is not importable at build time, so titan_ext._delegate_C cannot be built: "
+                 "install into an environment that has torch with `pip install --no-build-isolation .` "
+                 f"(or set {SKIP_ENV}=1 to install without it; delegation must then stay \"off\")")
+    print(f"[titan_ext] {SKIP_ENV}=1 and no torch at build time: titan_ext._delegate_C not built")
 
 if torch is not None:
     here = os.path.dirname(os.path.abspath(__file__))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA build of titan_ext._delegate_C, checked without a GPU (issue 20, Build item 4).
+# The CUDA build of titan_ext._delegate_C, checked without a GPU.
 #
 #   scripts/check_cuda_build.sh [PYTHON]
 #
@@ -8,7 +8,7 @@
 # (a CUDA build) plus setuptools, wheel, numpy and pytest.
 #
 # Builds the extension WITH CUDA (nvcc from CUDA_HOME, else the nvcc on PATH, else /usr/local/cuda;
-# TORCH_CUDA_ARCH_LIST defaults to "8.0;9.0" since no GPU is there to ask) into a temporary build
+# TORCH_CUDA_ARCH_LIST defaults to setup.py's "8.0;9.0;10.0+PTX" since no GPU is there to ask) into a temporary build
 # directory — the working tree's own .so files are not touched — then runs
 # tests/test_delegate_bindings.py against that module: the module must have been compiled with CUDA,
 # its pybind11 signatures must match the C++ source, and every call site in titan_ext/ must fit them.
@@ -47,7 +47,7 @@ fi
 [ -x "$CUDA_HOME/bin/nvcc" ] && [ -f "$CUDA_HOME/include/cuda_runtime_api.h" ] || {
     say "no CUDA toolkit at $CUDA_HOME (bin/nvcc, include/cuda_runtime_api.h): set CUDA_HOME"; exit 1; }
 export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0;10.0+PTX}"
 unset TITAN_EXT_NO_CUDA
 say "nvcc: $("$CUDA_HOME/bin/nvcc" --version | tail -1); TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
 

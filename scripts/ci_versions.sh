@@ -8,7 +8,8 @@
 # Each environment lives in .venvs/<name> (git-ignored) with its own copy of the sources in
 # .venvs/<name>/src, whose C/C++ extensions are built against that environment's torch, so the default
 # .venv's in-place build is never touched. Re-running reuses both (a stamp of the install list).
-# Skips, with the reason, when the disk has no room (torch wheels: ~3-6 GB) or pip cannot get the wheels.
+# An environment that cannot be made (no disk room for the torch wheels, ~3-6 GB; pip cannot get them)
+# is reported as SKIPPED with the reason and makes the exit status non-zero: CI cannot pass by skipping.
 # Environment: TORCH215_INDEX (PyTorch's CPU wheel index, tried first for torch 2.15; "" = skip it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,8 +57,10 @@ make_env() {  # make_env NAME TORCH_VERSION TORCHTITAN_VERSION EXTRA_DEPS...: ve
         fi
     fi
     say "$env: installing TorchTitan $tt_v and the dependencies"
-    pip_env "$env" "${COMMON[@]}" "$@" >>"$log" 2>&1
-    pip_env "$env" --no-deps "torchtitan==$tt_v" >>"$log" 2>&1
+    pip_env "$env" "${COMMON[@]}" "$@" >>"$log" 2>&1 \
+        || { say "SKIPPED $env: pip cannot install the dependencies (last lines of $log below)"; tail -n 5 "$log"; return 1; }
+    pip_env "$env" --no-deps "torchtitan==$tt_v" >>"$log" 2>&1 \
+        || { say "SKIPPED $env: pip cannot install TorchTitan $tt_v (last lines of $log below)"; tail -n 5 "$log"; return 1; }
     echo "$stamp" > "$dir/.stamp"
 }
 
@@ -71,7 +74,7 @@ build_in() {  # fresh sources in .venvs/ENV/src, C/C++ extensions built against 
 
 run_torch215() {
     local env=torch-2.15
-    make_env "$env" 2.15.0 0.2.2 "datasets>=2.21" || return 0
+    make_env "$env" 2.15.0 0.2.2 "datasets>=2.21" || return 1
     build_in "$env" || return 1
     local py="$root/.venvs/$env/bin/python"
     say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py, on real FSDP2 stages: tests/test_runtime_fsdp_cpu.py)"
@@ -84,7 +87,7 @@ run_torch211() {
     # torch 2.11.0 is what the GPU machines' image has (with CUDA 13; PyPI's wheel is that CUDA build,
     # which runs on the CPU here). TorchTitan needs a newer torch: the plan + runtime tiers only.
     local env=torch-2.11
-    make_env "$env" 2.11.0 0.2.2 || return 0
+    make_env "$env" 2.11.0 0.2.2 || return 1
     build_in "$env" || return 1
     local py="$root/.venvs/$env/bin/python"
     say "$env: plan + runtime default tier, the NCCL-rules backend and the one-GPU staging transport"
@@ -95,7 +98,7 @@ run_torch211() {
 
 run_tt03() {
     local env=torchtitan-0.3
-    make_env "$env" 2.14.1 0.3.0 "datasets>=3.6.0,<4.8.0" "spmd_types==0.2.3" torch_checkpointing || return 0
+    make_env "$env" 2.14.1 0.3.0 "datasets>=3.6.0,<4.8.0" "spmd_types==0.2.3" torch_checkpointing || return 1
     build_in "$env" || return 1
     local py="$root/.venvs/$env/bin/python" src="$root/.venvs/$env/src"
     # every titan test file: each test runs under 0.3 or skips naming the 0.2-only API it needs

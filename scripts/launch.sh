@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# SLURM batch script: multi-node pipeline-parallel training with TorchTitan + titan_ext.
+# Multi-node pipeline-parallel training with TorchTitan + titan_ext: a SLURM batch script, or run
+# directly on one machine. Either config system:
 #
-#   sbatch scripts/launch.sh                                   # 1 node x 8 GPUs, llama3 8B, PipeMorph
-#   sbatch --nodes=8 scripts/launch.sh                          # 8 nodes (NNODES follows SLURM)
-#   CONFIG_FILE=train_configs/llama3_70b_pipemorph.toml sbatch --nodes=8 scripts/launch.sh
-#   sbatch scripts/launch.sh --training.steps 100               # extra args go to titan_ext.train
+#   CONFIG_FILE=train_configs/llama3_8b_pipemorph.toml sbatch --nodes=2 scripts/launch.sh   # TorchTitan 0.2 (TOML)
+#   MODULE=titan_ext.titan CONFIG=llama3_8b_pipemorph sbatch --nodes=2 scripts/launch.sh     # TorchTitan 0.3 (Python)
+#   CONFIG_FILE=train_configs/debug_cpu.toml NPROC_PER_NODE=4 bash scripts/launch.sh         # one machine, no SLURM
+#   DRY_RUN=1 MODULE=titan_ext.titan CONFIG=pipemorph_debugmodel bash scripts/launch.sh      # print the command only
+#   CONFIG_FILE=... sbatch scripts/launch.sh --training.steps 100    # extra args go to the trainer
+#
+# Without a config it prints this usage and exits 2. Outside SLURM it refuses (exit 2) a config whose
+# model would not fit this machine: parameters x 16 bytes (weights, gradients, AdamW states) against
+# the GPUs' memory, or the RAM when there is no GPU.
 #
 # One task per node (srun) runs torchrun, which starts NPROC_PER_NODE ranks; the ranks meet with
 # torchrun's c10d rendezvous on the first node of the allocation. Environment (defaults):
-#   CONFIG_FILE      train_configs/llama3_8b_pipemorph.toml
+#   CONFIG_FILE      a TorchTitan 0.2 TOML config (runs -m titan_ext.train --job.config_file CONFIG_FILE)
+#   MODULE, CONFIG   a TorchTitan 0.3 config function (runs -m torchtitan.train --module MODULE --config CONFIG)
+#   DRY_RUN          1: print the exact srun/torchrun command line and exit
 #   NNODES           $SLURM_JOB_NUM_NODES
 #   NPROC_PER_NODE   GPUs on the node ($SLURM_GPUS_ON_NODE), else 8
 #   MASTER_ADDR      the first node's hostname (rendezvous host; set it if that name does not resolve)
@@ -34,7 +42,12 @@ set -euo pipefail
 
 cd "${SLURM_SUBMIT_DIR:-$(pwd)}"
 
-CONFIG_FILE="${CONFIG_FILE:-train_configs/llama3_8b_pipemorph.toml}"
+usage() {
+    sed -n '2,/^#SBATCH/p' "${BASH_SOURCE[0]}" | grep -v '^#SBATCH' | sed 's/^# \{0,1\}//' >&2
+}
+CONFIG_FILE="${CONFIG_FILE:-}"
+MODULE="${MODULE:-}"
+CONFIG="${CONFIG:-}"
 NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
 gpus_on_node="${SLURM_GPUS_ON_NODE:-}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-${gpus_on_node:-8}}"
@@ -44,9 +57,29 @@ if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 
-if [ ! -f "$CONFIG_FILE" ]; then
-    echo "launch.sh: CONFIG_FILE=$CONFIG_FILE does not exist (cwd $(pwd))" >&2
+if [ -n "$CONFIG_FILE" ] && [ -n "$MODULE$CONFIG" ]; then
+    echo "launch.sh: set CONFIG_FILE (TorchTitan 0.2) or MODULE and CONFIG (TorchTitan 0.3), not both" >&2
     exit 2
+elif [ -n "$CONFIG_FILE" ]; then
+    if [ ! -f "$CONFIG_FILE" ]; then
+        echo "launch.sh: CONFIG_FILE=$CONFIG_FILE does not exist (cwd $(pwd))" >&2
+        exit 2
+    fi
+    trainer=(-m titan_ext.train --job.config_file "$CONFIG_FILE")
+    config_name="$CONFIG_FILE"
+elif [ -n "$MODULE" ] && [ -n "$CONFIG" ]; then
+    trainer=(-m torchtitan.train --module "$MODULE" --config "$CONFIG")
+    config_name="$MODULE:$CONFIG"
+else
+    [ -n "$MODULE$CONFIG" ] && echo "launch.sh: MODULE and CONFIG go together (got MODULE='$MODULE' CONFIG='$CONFIG')" >&2
+    usage
+    exit 2
+fi
+
+# Outside SLURM: refuse a model this machine cannot hold (scripts/launch_fit.py says why, in one line).
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+    "$PYTHON" "$(dirname "${BASH_SOURCE[0]}")/launch_fit.py" --ranks "$((NNODES * NPROC_PER_NODE))" \
+        ${CONFIG_FILE:+--config-file "$CONFIG_FILE"} ${CONFIG:+--config "$CONFIG"} || exit 2
 fi
 
 # Rendezvous on the first node of the allocation.
@@ -58,7 +91,7 @@ fi
 rdzv_host="${MASTER_ADDR:-$head_node}"
 job_id="${SLURM_JOB_ID:-local$$}"
 job_log_dir="$LOG_DIR/${SLURM_JOB_NAME:-titan_ext}-$job_id"
-mkdir -p "$job_log_dir"
+[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$job_log_dir"
 
 # Collective-library environment (override any of these from the caller's environment).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -71,9 +104,11 @@ if [ -n "${SOCKET_IFNAME:-}" ]; then   # one knob for both libraries, e.g. SOCKE
 fi
 export PYTHONUNBUFFERED=1
 
-echo "[launch] job $job_id: $NNODES node(s) x $NPROC_PER_NODE ranks, config $CONFIG_FILE"
-echo "[launch] rendezvous c10d at $rdzv_host:$MASTER_PORT, per-rank logs in $job_log_dir"
-echo "[launch] python: $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
+if [ "${DRY_RUN:-0}" != 1 ]; then
+    echo "[launch] job $job_id: $NNODES node(s) x $NPROC_PER_NODE ranks, config $config_name"
+    echo "[launch] rendezvous c10d at $rdzv_host:$MASTER_PORT, per-rank logs in $job_log_dir"
+    echo "[launch] python: $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
+fi
 
 # Falcon S4 (titan_ext/titan/falcon_s4.py, docs/falcon.md "S4 applied"): a job that checkpointed for
 # S4 exits with status 75 and leaves <dump_folder>/falcon_s4_plan.json; it is then relaunched on the
@@ -90,20 +125,30 @@ if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
 else
     hosts="$(hostname)"
 fi
+# each node's visible devices: S4_DEVICES_<index of the node in $hosts> (after an S4 only)
+node_wrapper='i=0; for h in $S4_HOSTS; do
+    if [ "$h" = "${SLURMD_NODENAME:-}" ]; then v="S4_DEVICES_$i"
+        [ -n "${!v:-}" ] && export CUDA_VISIBLE_DEVICES="${!v}"; fi; i=$((i + 1)); done
+exec "$@"'
 run_nodes() {  # $1 nnodes, $2 ranks per node, $3 rendezvous id, $4 nodes to exclude, then extra args
     local nnodes="$1" nproc="$2" rdzv_id="$3" exclude="$4"
     shift 4
     local cmd=("$PYTHON" -m torch.distributed.run --nnodes "$nnodes" --nproc_per_node "$nproc"
                --rdzv_backend c10d --rdzv_endpoint "$rdzv_host:$MASTER_PORT" --rdzv_id "$rdzv_id"
-               --log-dir "$job_log_dir/$rdzv_id" --tee 3 -m titan_ext.train
-               --job.config_file "$CONFIG_FILE" "$@")
+               --log-dir "$job_log_dir/$rdzv_id" --tee 3 "${trainer[@]}" "$@")
+    if [ "${DRY_RUN:-0}" = 1 ]; then  # the exact command line, shell-quoted
+        if [ -n "${SLURM_JOB_ID:-}" ]; then
+            printf '%q ' srun --nodes="$nnodes" ${exclude:+--exclude="$exclude"} --ntasks-per-node=1 \
+                --kill-on-bad-exit=1 --export=ALL bash -c "$node_wrapper" _ "${cmd[@]}"
+        else
+            printf '%q ' "${cmd[@]}"
+        fi
+        echo
+        return 0
+    fi
     if [ -n "${SLURM_JOB_ID:-}" ]; then
-        # each node's visible devices: S4_DEVICES_<index of the node in $hosts> (after an S4 only)
         srun --nodes="$nnodes" ${exclude:+--exclude="$exclude"} --ntasks-per-node=1 --kill-on-bad-exit=1 \
-            --export=ALL bash -c 'i=0; for h in $S4_HOSTS; do
-                  if [ "$h" = "${SLURMD_NODENAME:-}" ]; then v="S4_DEVICES_$i"
-                      [ -n "${!v:-}" ] && export CUDA_VISIBLE_DEVICES="${!v}"; fi; i=$((i + 1)); done
-              exec "$@"' _ "${cmd[@]}"
+            --export=ALL bash -c "$node_wrapper" _ "${cmd[@]}"
     else
         if [ -n "${S4_DEVICES_0:-}" ]; then CUDA_VISIBLE_DEVICES="$S4_DEVICES_0" "${cmd[@]}"; else "${cmd[@]}"; fi
     fi
@@ -116,6 +161,7 @@ while :; do
     set +e
     run_nodes "$nnodes" "$nproc" "$rdzv_id" "$exclude" "$@" "${extra[@]}"
     rc=$?
+    [ "${DRY_RUN:-0}" = 1 ] && exit "$rc"
     set -e
     [ "$rc" -eq 0 ] && break
     if [ -z "$dump_folder" ] || [ "$restarts" -ge "${FALCON_S4_RESTARTS:-1}" ] || \

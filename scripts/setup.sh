@@ -6,14 +6,19 @@
 #
 # Quiet by default: one progress line per step; pip's output goes to .venv/setup.log, whose path and
 # last lines are printed when a step fails. VERBOSE=1 shows everything.
-# Environment: PYTHON (python3), TORCH_CPU_INDEX (the PyTorch CPU wheel index; "" = do not try it).
+# Environment: PYTHON (python3), TORCH_CPU_INDEX (the PyTorch CPU wheel index; "" = do not try it),
+# TORCHTITAN (the TorchTitan version to install: 0.2.2 by default; 0.3.0 installs over torch 2.14.1),
+# TORCH_VERSION (the torch installed when the environment has none: 2.13.0, or 2.14.1 with TorchTitan 0.3).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 PY="${PYTHON:-python3}"
 venv="$root/.venv"
-TORCH_VERSION="2.13.0"   # inside pyproject.toml's pinned range
-TORCHTITAN_VERSION="0.2.2"  # the default environment's TorchTitan (README's TOML path)
+TORCHTITAN_VERSION="${TORCHTITAN:-0.2.2}"  # TORCHTITAN=0.3.0 for the Python-config TorchTitan (default: 0.2.2, TOML)
+case "$TORCHTITAN_VERSION" in  # inside pyproject.toml's pinned range; TorchTitan 0.3 is built on torch 2.14
+    0.3*) TORCH_VERSION="${TORCH_VERSION:-2.14.1}" ;;
+    *) TORCH_VERSION="${TORCH_VERSION:-2.13.0}" ;;
+esac
 TORCH_CPU_INDEX="${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"
 
 say() { echo "[setup] $*"; }
@@ -44,7 +49,7 @@ fi
 vpy="$venv/bin/python"
 stamp="$venv/.titan_ext_stamp"
 # The stamp covers the C++/CUDA data plane too (setup.py, cpp_ext/): editing them rebuilds it.
-want="$(cat pyproject.toml scripts/setup.sh setup.py cpp_ext/*.cpp cpp_ext/*.cu cpp_ext/*.h titan_ext/plan/*.c 2>/dev/null \
+want="$(echo "torchtitan=$TORCHTITAN_VERSION"; cat pyproject.toml scripts/setup.sh setup.py cpp_ext/*.cpp cpp_ext/*.cu cpp_ext/*.h titan_ext/plan/*.c 2>/dev/null \
         | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
         && "$vpy" -c "import torch, titan_ext._delegate_C, titan_ext.plan._search_c, titan_ext.plan._greedy_c, titan_ext.plan._pipemorph_c" 2>/dev/null; then
@@ -68,7 +73,7 @@ fi
 # --no-build-isolation: setup.py compiles titan_ext._delegate_C (cpp_ext/) against the torch installed
 # above (CPU parts always; CUDA parts when nvcc and a CUDA torch are present). An isolated build env
 # would download a second, multi-GB CUDA torch.
-step "installing build tools" "$vpy" -m pip install "setuptools>=68"
+step "installing build tools" "$vpy" -m pip install "setuptools>=77"
 step "installing titan_ext and its dependencies; building its C/C++ extensions (minutes the first time)" \
     "$vpy" -m pip install --no-build-isolation -e ".[test,solver]" "torchtitan==$TORCHTITAN_VERSION"
 for mod in titan_ext._delegate_C titan_ext.plan._search_c titan_ext.plan._greedy_c titan_ext.plan._pipemorph_c; do

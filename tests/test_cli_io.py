@@ -1,6 +1,7 @@
 """The CLI's cross-cutting behaviour: defaults in --help, per-stage --times, --profile fields,
 write errors (one line, exit 2, no partial output) and a closed pipe (no traceback)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +30,12 @@ def test_help_shows_defaults(capsys):
 
 
 def test_per_stage_times_match_the_library(capsys):
-    code, out, _ = _run([*BASE, "--times", "10,10,10/12,12,12/10,10,10/14,14,14", "--json"], capsys)
+    code, out, err = _run([*BASE, "--times", "10,10,10/12,12,12/10,10,10/14,14,14", "--json"], capsys)
     assert code == 0
     profile = PipelineProfile(4, 12, (10, 12, 10, 14), (10, 12, 10, 14), (10, 12, 10, 14))
     expected = simulate(plan_pipemorph(profile).actions, profile).makespan_ms
-    assert f"makespan    {expected:.3f} ms" in out
+    assert f"makespan    {expected:.3f} ms" in err  # with --json the report goes to stderr
+    assert json.loads(out)["makespan_ms"] == expected
     code, out, err = _run([*BASE, "--times", "10,10,10/12,12,12"], capsys)
     assert code == 2 and out == "" and "2 F,B,W triples for 4 stages" in err
 
@@ -82,12 +84,14 @@ def test_failed_write_leaves_no_partial_output(tmp_path, capsys):
 
 
 def test_closed_pipe_is_quiet(tmp_path):
-    """`titan-ext ... | true`: the reader is gone before the first print: exit 0, no traceback."""
+    """`titan-ext ... | true`: the reader is gone before the JSON is written: exit 0, no traceback (with
+    --json the human report goes to stderr)."""
     cmd = (f"{sys.executable} -m titan_ext.cli plan --stages 8 --microbatches 64 --times 10,10,10 "
            f"--json 2>err.txt | true; echo ${{PIPESTATUS[0]}}; cat err.txt")
     out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert out.stdout.strip().splitlines() == ["0"], out.stdout  # exit 0, empty stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "0" and "Traceback" not in out.stdout and "error" not in out.stdout, out.stdout
 
 
 def test_compare_side_by_side_matches_closed_forms(capsys):
@@ -98,12 +102,12 @@ def test_compare_side_by_side_matches_closed_forms(capsys):
     code, out, err = _run(["compare", "--stages", "4", "--microbatches", "12", "--times", "10,10,10",
                            "--json"], capsys)
     assert code == 0, err
-    rows = {r["schedule"]: r for r in json.loads(out.strip().splitlines()[-1])["schedules"]}
+    rows = {r["schedule"]: r for r in json.loads(out)["schedules"]}  # stdout is the JSON document
     assert rows["PipeMorph"]["makespan_ms"] == 390.0
     assert rows["torch GPipe"]["makespan_ms"] == 450.0 and rows["torch 1F1B"]["makespan_ms"] == 450.0
     assert rows["torch GPipe"]["peak_inflight"] == 12 and rows["torch 1F1B"]["peak_inflight"] == 4
     assert {"CrossPipe (udsub)", "CrossPipe (wave)", "torch ZBVZeroBubble", "torch DualPipeV"} <= set(rows)
-    assert "PipeMorph" in out.splitlines()[1] and "vs best torch" in out.splitlines()[0]
+    assert "PipeMorph" in err.splitlines()[1] and "vs best torch" in err.splitlines()[0]
 
 
 _BAD_CLI = {

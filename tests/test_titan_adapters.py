@@ -2,6 +2,7 @@
 and a loud failure -- naming what is missing -- for an unknown version or a renamed hook."""
 
 import importlib
+import inspect
 from types import ModuleType
 
 import pytest
@@ -119,3 +120,73 @@ def test_tt03_dp_replicas_summed_by_the_trainer_need_partial_dtensor():
     pp_only = SimpleNamespace(pp_enabled=True, dp_replicate_enabled=False, fsdp_enabled=False)
     config.model_spec.parallelize_fn(None, parallel_dims=pp_only, parallelism=SimpleNamespace(spmd_backend="spmd_types"))
     assert seen[-1] is pp_only  # nothing replicated by the trainer: TorchTitan's own path untouched
+
+
+def _fake_torchtitan_module(monkeypatch, **hooks):
+    import sys
+
+    module = ModuleType("fake_torchtitan_pipeline")
+    for name, hook in hooks.items():
+        setattr(module, name, hook)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module.__name__
+
+
+def test_a_hook_with_a_renamed_parameter_is_named(monkeypatch):
+    """TorchTitan's main branch calls ``_build_pipeline_schedule`` with ``num_microbatches`` instead of
+    ``local_batch_size``: the 0.3 adapter's signature names that at registration."""
+    from titan_ext.titan.adapters import tt03
+
+    def _build_pipeline_schedule(*, parallelism, num_microbatches, stages, loss_fn,
+                                 backward_requires_autograd=True):
+        raise AssertionError("never called")
+
+    module = _fake_torchtitan_module(monkeypatch, _build_pipeline_schedule=_build_pipeline_schedule)
+    fake = ModuleType("fake_adapter")
+    fake.HOOKS = ((module, "_build_pipeline_schedule"),)
+    fake.SIGNATURES = {(module, "_build_pipeline_schedule"): tt03.SIGNATURES[(tt03.PIPELINE, "_build_pipeline_schedule")]}
+    (line,) = adapters.signature_mismatches(fake)
+    assert f"{module}._build_pipeline_schedule has no parameter 'local_batch_size'" in line
+    assert "num_microbatches" in line  # what it has instead
+    with pytest.raises(adapters.TitanIntegrationError, match=r"_build_pipeline_schedule has no parameter 'local_batch_size'"):
+        adapters.check_adapter(fake, "0.3.99")
+
+
+def test_a_positional_hook_with_its_parameters_reordered_is_named(monkeypatch):
+    def build_pipeline_schedule(stages, job_config, loss_fn):
+        raise AssertionError("never called")
+
+    module = _fake_torchtitan_module(monkeypatch, build_pipeline_schedule=build_pipeline_schedule)
+    fake = ModuleType("fake_adapter")
+    fake.SIGNATURES = {(module, "build_pipeline_schedule"): (("job_config", "stages", "loss_fn"), True)}
+    assert adapters.signature_mismatches(fake) == [
+        f"{module}.build_pipeline_schedule: parameter 'job_config' is not its positional parameter 1 "
+        f"(its parameters: stages, job_config, loss_fn)",
+        f"{module}.build_pipeline_schedule: parameter 'stages' is not its positional parameter 2 "
+        f"(its parameters: stages, job_config, loss_fn)"]
+
+
+def test_installed_torchtitan_hooks_fit_their_signatures():
+    adapter = adapters.current()
+    assert adapter.SIGNATURES and adapters.signature_mismatches(adapter) == []
+
+
+def test_registration_fails_naming_a_hook_whose_signature_changed(monkeypatch):
+    """``register()`` stops with TitanIntegrationError naming the hook and the parameter, before any
+    training (not a TypeError when TorchTitan first calls our wrapper)."""
+    from titan_ext.titan import registry
+
+    adapter = adapters.current()
+    monkeypatch.setattr(adapters, "_current", None)
+    (module, attribute), (params, _) = next(iter(adapter.SIGNATURES.items()))
+    renamed = params[-1]
+
+    def drifted(*args, **kwargs):
+        raise AssertionError("never called")
+
+    drifted.__signature__ = inspect.Signature(
+        [inspect.Parameter(p if p != renamed else p + "_v2", inspect.Parameter.KEYWORD_ONLY)
+         for p in params])
+    monkeypatch.setattr(importlib.import_module(module), attribute, drifted)
+    with pytest.raises(adapters.TitanIntegrationError, match=rf"{attribute} has no parameter '{renamed}'"):
+        registry.register(cpu_shim=False)

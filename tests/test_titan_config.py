@@ -210,10 +210,16 @@ def test_shipped_configs_parse_with_torchtitan_config_manager(path):
         flat = [m for part in parts for m in part]
         n_layers = 80 if "70b" in path.name else 32
         assert flat == ["tok_embeddings", *[f"layers.{i}" for i in range(n_layers)], "norm", "output"]
-    from titan_ext.train import check_job_config
+    from titan_ext.train import JobConfigError, check_job_config
 
     par = cfg.parallelism
-    check_job_config(cfg, world_size=par.pipeline_parallel_degree * par.tensor_parallel_degree * 2)
+    world = par.pipeline_parallel_degree * par.tensor_parallel_degree * 2
+    if "70b" in path.name or "8b" in path.name:  # a real tokenizer path to set: the placeholder is refused
+        assert cfg.training.dataset == "c4"
+        with pytest.raises(JobConfigError, match=r"hf_assets_path = '/path/to/Llama-3\.1-\d+B' is a placeholder"):
+            check_job_config(cfg, world_size=world)
+        cfg.model.hf_assets_path = "titan_ext/titan/assets/tokenizer"
+    check_job_config(cfg, world_size=world)
 
 
 def test_expected_configs_exist():

@@ -24,3 +24,72 @@ def test_strict_json_has_null_not_nan():
     record = {"a": math.nan, "b": [1.0, math.inf, {"c": -math.inf}], 2: (3, math.nan)}
     text = json.dumps(strict_json(record), allow_nan=False)
     assert json.loads(text) == {"a": None, "b": [1.0, None, {"c": None}], "2": [3, None]}
+
+
+def test_wandb_decisions_table_logs_only_new_rows():
+    """One incremental table per W&B logger: each plan change sends its new rows, nothing between."""
+    from types import SimpleNamespace
+
+    import wandb
+    from torchtitan.components.metrics import WandBLogger
+
+    from titan_ext.titan import metrics
+
+    logged = []
+    wb = object.__new__(WandBLogger)
+    wb.wandb = SimpleNamespace(Table=wandb.Table, Image=None, log=lambda data, step: logged.append((step, data)))
+    processor = SimpleNamespace(logger=SimpleNamespace(_loggers=[wb]))
+    pm = SimpleNamespace(decisions=[[0, 1, "adapt", "Eq.1", "[3, 1]", "split"]], decisions_logged=0,
+                         image=None, wandb_tables={})
+    metrics._log_to_wandb(processor, pm, step=1)
+    metrics._log_to_wandb(processor, pm, step=2)  # no plan change: nothing logged
+    pm.decisions.append([5, 2, "shrink", "memory", "[2, 1]", "split"])
+    metrics._log_to_wandb(processor, pm, step=6)
+    assert [step for step, _ in logged] == [1, 6]
+    first, second = (data["pipeline/decisions"] for _, data in logged)
+    assert first is second and first.log_mode == "INCREMENTAL"  # the same table, appended to
+    assert [row[1] for row in first.data] == [1, 2] and pm.decisions_logged == 2
+
+
+def test_measured_timeline_as_perfetto_trace(tmp_path):
+    from titan_ext.titan.gantt import write_timeline_trace
+    from titan_ext.titan.monitor import Action, IterationTimeline
+
+    ms = 1_000_000
+    actions = [Action(0, "F", 0, 0, 10 * ms), Action(1, "F", 0, 12 * ms, 22 * ms),
+               Action(1, "B", 0, 22 * ms, 42 * ms), Action(0, "B", 0, 44 * ms, 64 * ms)]
+    path = write_timeline_trace(IterationTimeline(step=3, num_stages=2, actions=actions),
+                                tmp_path / "timelines" / "step_00003.trace.json", title="PipeMorph, step 3")
+    trace = json.loads(path.read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted((e["tid"], e["name"], e["ts"], e["dur"]) for e in slices) == [
+        (0, "B0", 44000.0, 20000.0), (0, "F0", 0.0, 10000.0), (1, "B0", 22000.0, 20000.0), (1, "F0", 12000.0, 10000.0)]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"PipeMorph, step 3", "rank 0", "rank 1"} <= names
+
+
+def test_metrics_through_the_train_spec_not_the_class():
+    """TorchTitan 0.2: the pipeline metrics come in through the TrainSpec's build_metrics_processor_fn
+    (TorchTitan's extension point), and MetricsProcessor's class is left as it is."""
+    import pytest
+
+    from titan_ext.titan import adapters, metrics, register
+
+    if adapters.current().PYTHON_CONFIGS:
+        pytest.skip("TorchTitan 0.3: the metrics processor is wrapped at class level (no TrainSpec builder)")
+    import torchtitan.protocols.train_spec as train_spec
+    from torchtitan.components.metrics import MetricsProcessor
+
+    register(cpu_shim=False)
+    spec = train_spec.get_train_spec("llama3")
+    assert getattr(spec.build_metrics_processor_fn, "_titan_ext_wrapped", False)
+    assert not getattr(MetricsProcessor.log, "_titan_ext_wrapped", False)
+
+    class Processor:  # what a builder returns: its log is wrapped on the instance only
+        def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            return "logged"
+
+    built = metrics.metrics_processor_builder(lambda job_config, parallel_dims, model_args=None: Processor())
+    processor = built(object(), object())
+    assert getattr(processor.log, "_titan_ext_wrapped", False)
+    assert not getattr(Processor.log, "_titan_ext_wrapped", False) and not getattr(Processor().log, "_titan_ext_wrapped", False)

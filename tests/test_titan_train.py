@@ -124,7 +124,8 @@ def test_wandb_offline_run_holds_pipeline_metrics_and_timeline_images(pipemorph_
     late = [by_step[s] for s in range(4, STEPS + 1)]
     assert sorted(r["pipeline/slowest_link"] for r in late)[len(late) // 2] == 2.0
     # the plan changes as a table (text columns kept), logged when a version is deployed
-    table_steps = [s for s, row in by_step.items() if row.get("pipeline/decisions/_type") == "table-file"]
+    table_steps = [s for s, row in by_step.items()
+                   if row.get("pipeline/decisions/_type") in ("incremental-table-file", "table-file")]
     assert table_steps and min(table_steps) == 1, table_steps
     # W&B and the JSONL agree on the loss
     rows = _metrics(pipemorph_run)
@@ -136,6 +137,8 @@ def test_wandb_offline_run_holds_pipeline_metrics_and_timeline_images(pipemorph_
         png = runs[0].parent / "files" / by_step[s]["pipeline/timeline/path"]
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (pipemorph_run / "timelines" / "step_00020.png").is_file()
+    # every logged step's measured timeline as a Perfetto trace
+    assert all((pipemorph_run / "timelines" / f"step_{s:05d}.trace.json").is_file() for s in range(1, STEPS + 1))
 
 
 def test_same_seed_step1_loss_equal_under_1f1b(pipemorph_run, tmp_path):

@@ -1,7 +1,14 @@
-"""``titan-ext`` command line: plan and simulate pipeline schedules without any process group.
+"""``titan-ext`` command line (also ``python -m titan_ext``): plan and simulate pipeline schedules without
+any process group, and the tools for training runs.
 
     titan-ext plan --stages 4 --microbatches 12 --times 10,10,10 --delay 0:20 --json
     titan-ext simulate --builtin ZBVZeroBubble --stages 4 --microbatches 12 --times 10,10,10 --hol
+    titan-ext summary outputs/run_local/PipeMorph outputs/run_local/1F1B     # runs side by side
+    titan-ext wandb-offline outputs/run/wandb                               # a W&B offline run's history
+    titan-ext falcon-s4 --nproc-per-node 4 -- --job.config_file X.toml      # torchrun, relaunched after S4
+
+With ``--json`` a command writes one JSON document to stdout and nothing else (its human-readable
+report goes to stderr), so ``titan-ext plan ... --json | jq`` works.
 
 Bad arguments (non-finite, zero or absurd numbers, a repeated option, a profile that is not a small
 JSON text file), output paths that cannot be written (checked before any work) and work that does not
@@ -202,7 +209,7 @@ def _megabytes(text: str) -> float:
 
 
 def _memory_limit(text: str) -> float:
-    """--memory-limit K: activations of one rank's whole model part (a number >= 1; issue 21)."""
+    """--memory-limit K: activations of one rank's whole model part (a number >= 1)."""
     try:
         value = float(text)
     except ValueError:
@@ -271,7 +278,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="bandwidth of link LINK in GB/s (1e9 bytes/s); needs --message-mb")
     p.add_argument("--message-mb", type=_megabytes, default=None,
                    help="size of one activation/gradient message in MB (1e6 bytes)")
-    p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    p.add_argument("--json", action="store_true",
+                   help="write one JSON object to stdout and nothing else (the report goes to stderr)")
 
 
 def check_input_file(path: Path, flag: str, max_bytes: int) -> None:
@@ -383,7 +391,13 @@ def _report(timeline, extra: dict, args: argparse.Namespace) -> None:
     print(f"peak memory per rank (activations of the rank's model part): "
           f"{[round(v, 3) for v in timeline.peak_memory_per_rank.values()]}")
     if args.json:
-        print(json.dumps({**timeline.to_dict(), **extra}))
+        _print_json({**timeline.to_dict(), **extra}, args)
+
+
+def _print_json(document: dict, args: argparse.Namespace) -> None:
+    """The command's JSON document, alone on stdout (``_run`` sends everything else to stderr)."""
+    stream = getattr(args, "json_stream", None) or sys.stdout
+    stream.write(json.dumps(document) + "\n")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -549,7 +563,7 @@ def _budgeted(candidates: list, budget_s: float) -> list:
     return rows
 
 
-# the schedules our plans are matched against (issue 21): name → placement of ours (None: one stage per rank)
+# the schedules our plans are matched against: name → placement of ours (None: one stage per rank)
 _REPLACES = {"ZB-H1 (ZB paper)": None, "torch 1F1B": None, "torch Interleaved1F1B": "loop",
              "torch InterleavedZeroBubble": "loop", "torch ZBVZeroBubble": "v", "torch DualPipeV": "v"}
 
@@ -628,7 +642,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
           "(2 stages per rank for torch's 2-chunk schedules) limited to this row's peak/rank; ours 1 stage/rank: "
           "our one-stage-per-rank plan at that memory (rounded down to whole activations)")
     if args.json:
-        print(json.dumps({"hol": args.hol, "schedules": out}))
+        _print_json({"hol": args.hol, "schedules": out}, args)
 
 
 _GANTT_FORMATS = (".png", ".pdf", ".svg")
@@ -718,8 +732,33 @@ def _file_mode(path: Path) -> int:
         return 0o666 & ~mask
 
 
+#: subcommands run by a module of titan_ext.titan (TorchTitan and W&B imported there): name -> (module,
+#: function taking argv and returning an exit status, one-line help)
+TOOLS = {
+    "summary": ("titan_ext.titan.summary", "main",
+                "side-by-side summary of training runs from their pipeline_metrics.jsonl"),
+    "wandb-offline": ("titan_ext.titan.wandb_offline", "main",
+                      "read a W&B offline run's history back from disk, one JSON object per line"),
+    "falcon-s4": ("titan_ext.titan.falcon_s4", "main",
+                  "torchrun a titan_ext.train job; after Falcon's S4 checkpoint-exit, relaunch it on the kept devices"),
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    try:
+        return version("titan-ext")
+    except PackageNotFoundError:  # a source checkout on PYTHONPATH
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="titan-ext", description="Plan and simulate straggler-resilient PP schedules.")
+    parser = _Parser(prog="titan-ext", description="Plan and simulate straggler-resilient PP schedules, "
+                                                   "and summarise training runs.")
+    parser.add_argument("--version", action="version", version=f"titan-ext {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("plan", help="plan a schedule (PipeMorph Alg.1/2 + Alg.3/4) and simulate it",
@@ -791,7 +830,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "by the number of schedules left; one that does not finish in its share is skipped "
                        "(and says so)")
     c.set_defaults(func=cmd_compare)
+    for name, (_, _, help_text) in TOOLS.items():  # listed here; main() hands their arguments over whole
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+def _run_tool(name: str, argv: list[str]) -> int:
+    """``titan-ext NAME ARGS``: the tool's own parser and exit status (``--help`` included)."""
+    import importlib
+
+    module, function, _ = TOOLS[name]
+    status = getattr(importlib.import_module(module), function)(argv, prog=f"titan-ext {name}")
+    return int(status or 0)
 
 
 def _silence_stdout() -> None:
@@ -802,6 +852,14 @@ def _silence_stdout() -> None:
 def _run(args: argparse.Namespace) -> None:
     """Check the outputs, then do the work within --time-limit (compare budgets its own candidates)."""
     check_outputs(args)
+    if getattr(args, "json", False):  # stdout carries the JSON document only
+        args.json_stream = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            return _run_limited(args)
+    return _run_limited(args)
+
+
+def _run_limited(args: argparse.Namespace) -> None:
     limit = getattr(args, "time_limit", None)
     if args.func is cmd_compare or limit is None:
         return args.func(args)
@@ -830,6 +888,9 @@ def _grace(limit: float) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        return _run_tool(argv[0], argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Argument checks of the public plan/ API (issue 26): a wrong type or an impossible value raises
+"""Argument checks of the public plan/ API: a wrong type or an impossible value raises
 ``ValueError`` naming the argument, instead of a TypeError / AttributeError / IndexError from deep
 inside a planner. One definition per kind of argument; the entry points call them first."""
 

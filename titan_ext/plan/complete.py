@@ -1,6 +1,6 @@
 """Check 1 of the validator (completeness), shared by ``validate_plan`` and ``simulate``: a plan that
 misses an action, repeats one or names a stage or microbatch its profile does not have is refused
-before anything is timed (issue 26: a half plan has no makespan)."""
+before anything is timed (a half plan has no makespan)."""
 
 from __future__ import annotations
 

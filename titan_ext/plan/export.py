@@ -44,8 +44,9 @@ def read_torch_csv(path: str | Path) -> dict[int, list[Any]]:
     return plan
 
 
-def write_chrome_trace(timeline: Timeline, path: str | Path) -> None:
-    """Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing): one track per rank."""
+def write_chrome_trace(timeline: Timeline, path: str | Path, title: str | None = None) -> None:
+    """Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing): one track per rank;
+    ``title`` names the process track (simulated plans and measured iterations alike)."""
     events = [
         {
             "name": f"{e.kind}{e.microbatch}",
@@ -63,6 +64,8 @@ def write_chrome_trace(timeline: Timeline, path: str | Path) -> None:
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
         for r in sorted(timeline.busy_ms)
     ]
+    if title:
+        meta.insert(0, {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}})
     Path(path).write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
 
 

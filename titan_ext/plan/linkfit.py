@@ -1,4 +1,4 @@
-"""Per-link latency α and bandwidth 1/β fitted from timed messages of known sizes (issue 14 item 3).
+"""Per-link latency α and bandwidth 1/β fitted from timed messages of known sizes.
 
 CrossPipe's α-β model (§2.2, §4.2.3; ``timing.LinkQueues``): a message of ``s`` bytes handed to a link
 direction at ``send`` starts transmitting when the direction is free, occupies it for ``s·β`` and

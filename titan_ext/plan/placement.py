@@ -1,5 +1,5 @@
 """The one placement model: which rank holds which stage, which rank link a stage boundary uses, and
-per-rank ↔ per-stage profiles (issue 25 item 2; docs/multistage.md).
+per-rank ↔ per-stage profiles (docs/multistage.md).
 
 R ranks each hold V model chunks ("stages"), S = R·V in data-flow order:
 

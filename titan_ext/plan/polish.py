@@ -1,4 +1,4 @@
-"""Bounded CP-SAT polish of a CrossPipe plan (issue 25 item 5; docs/optimality.md): the greedy + search
+"""Bounded CP-SAT polish of a CrossPipe plan (docs/optimality.md): the greedy + search
 plan (CrossPipe §4.2 with our portfolio and local search) improved within a per-call budget of
 ``budget_s`` seconds, in two stages.
 

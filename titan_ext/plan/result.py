@@ -1,5 +1,5 @@
 """The one result type every planner returns (PipeMorph, CrossPipe and its variants, virtual placements,
-the CP-SAT optimum, torch's built-ins; issue 25 item 1).
+the CP-SAT optimum, torch's built-ins).
 
 A ``PlanResult`` is a compute-only plan in torch's IR plus what the planner knows about it. Planners
 build it with :func:`make_result`, which derives every field that follows from the plan itself
@@ -46,7 +46,7 @@ class PlanResult:
     """stage → ``peak_inflight`` in activations (module docstring: a stage of a V-stages-per-rank plan
     holds 1/V activation per microbatch)."""
     peak_memory_per_rank: dict[int, float]
-    """rank → the most activations held at once over all its stages, in program order (issue 21)."""
+    """rank → the most activations held at once over all its stages, in program order."""
     plan_ms: float
     """wall time of planning + our validation (imports excluded)."""
     stage_to_rank: tuple[int, ...]
@@ -179,8 +179,8 @@ def rank_peak_inflight(plan: Mapping[int, Sequence[Any]]) -> dict[int, int]:
 
 
 def peak_memory_per_rank(plan: Mapping[int, Sequence[Any]], stage_to_rank: Any = None) -> dict[int, float]:
-    """Per rank, its peak activation memory in units of one activation of the rank's whole model part
-    (issue 21): a chunk of a rank that holds V stages counts 1/V. One stage per rank: the stage's peak,
+    """Per rank, its peak activation memory in units of one activation of the rank's whole model part:
+    a chunk of a rank that holds V stages counts 1/V. One stage per rank: the stage's peak,
     so one-stage and multi-stage plans (ours and torch's) compare in one unit. ``stage_to_rank``
     (optional, any mapping or sequence) names the stages a rank holds; else the plan's own."""
     ops = as_ops(plan)

@@ -1,5 +1,5 @@
 """Plan by name, above every planner: PipeMorph's schedules and ``auto``, the fastest of PipeMorph and
-CrossPipe's greedy for the profile (issue 12). Every name returns a :class:`PlanResult`.
+CrossPipe's greedy for the profile. Every name returns a :class:`PlanResult`.
 
 ``auto`` exists because the two planners win in different regimes: PipeMorph (§4.2) absorbs a slow
 link with slackness, which Alg.2 clips at N − 2S, so with few microbatches (N ≤ 2S) it has no room;

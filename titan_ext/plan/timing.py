@@ -1,4 +1,4 @@
-"""The one definition of link timing (DESIGN.md "Timing model"; issue 25 item 3).
+"""The one definition of link timing (DESIGN.md "Timing model").
 
 All arithmetic is in integer nanoseconds so that event times compare exactly (no float ties).
 A message on a link takes ``latency + size/bandwidth`` (the α-β model, CrossPipe §2.2). Each direction

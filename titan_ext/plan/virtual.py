@@ -1,4 +1,4 @@
-"""Planning with several stages per rank (virtual stages), looped or V-shaped (issue 14; docs/multistage.md).
+"""Planning with several stages per rank (virtual stages), looped or V-shaped (docs/multistage.md).
 
 R ranks each hold V model chunks ("stages"), S = R·V in data-flow order. Placements:
 
@@ -80,7 +80,7 @@ def virtual_profile(
     S = len(s2r)
     if V == 1 and stage_times_ms is None:
         return profile, s2r
-    # the virtual planner caps memory with ``memory_limit`` alone (as before issue 25): no byte budget
+    # the virtual planner caps memory with ``memory_limit`` alone (as before): no byte budget
     plain = replace(profile, activation_bytes=None, memory_budget_bytes=None)
     return stage_profile(plain, s2r, stage_times_ms), s2r
 

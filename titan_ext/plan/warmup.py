@@ -71,7 +71,7 @@ def adapted_warmup_counts(
     the floor itself, and no x_i exceeds N (a stage cannot warm up with more forwards than exist).
     ``memory_limit`` (activations per stage), when given, caps every x_i (kept non-increasing).
     ``literal=True``: the clip exactly as published, min(N − 2S, ·) even below the floor, so at N = 2S
-    every Δ_i is 0 and x_i = 1 everywhere (x_i ≥ 1 kept; a candidate of ``plan_pipemorph``, issue 25).
+    every Δ_i is 0 and x_i = 1 everywhere (x_i ≥ 1 kept; a candidate of ``plan_pipemorph``).
     """
     profile_arg(profile)
     int_arg(slack_floor, "slack_floor")

@@ -16,14 +16,14 @@ from .delay_injection import (
     remove_link_delays,
 )
 from .deploy import plan_hash, warmup_counts_of
-from .config import DelegationConfig, PipeMorphConfig, PolicySettings  # the schedules' settings (issue 24)
+from .config import DelegationConfig, PipeMorphConfig, PolicySettings  # the schedules' settings
 from .parts import ScheduleSpec
 from .pipemorph import PipeMorph, adaptive_schedule
-from .crosspipe import CrossPipe, CrossPipeConfig  # CrossPipe greedy re-planning on PipeMorph's runtime (issue 6)
+from .crosspipe import CrossPipe, CrossPipeConfig  # CrossPipe greedy re-planning on PipeMorph's runtime
 from .policy import Decision, Policy, ReplanPolicy
-from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (issue 7, docs/falcon.md)
+from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (docs/falcon.md)
 
-from .delegated import DelegatedPipeMorph  # noqa: F401  (issue 5, docs/delegate.md)
+from .delegated import DelegatedPipeMorph  # noqa: F401  (docs/delegate.md)
 
 from titan_ext import _flags
 

@@ -2,7 +2,7 @@
 (PipeMorph §4.2 Alg.1's M; the rules themselves are ``runtime/memory.py``'s).
 
 :class:`StageMemoryBudget` (one stage per rank) caps in-flight activations per stage;
-:class:`RankMemoryBudget` (several stages per rank, issue 21) keeps a per-rank cap K_r that the
+:class:`RankMemoryBudget` (several stages per rank) keeps a per-rank cap K_r that the
 multi-stage planner splits among the rank's stages.  The factory (``runtime/parts.py``) picks one.
 Every rank absorbs the same exchanged numbers, so every rank computes the same caps.
 """
@@ -93,7 +93,7 @@ class MemoryBudget:
         """Why a planner-made candidate no longer fits the *current* cap (empty: it fits).  A background
         candidate was planned under the cap of the boundary that started it; the cap is re-read at every
         exchange (free memory shrinks, e.g. once AdamW's state exists), so it is checked again before the
-        swap (issue 20, defect 10)."""
+        swap."""
         if kind not in ("initial", "adaptive"):
             return ""
         limit = self.adaptive_limit(lifted) if kind == "adaptive" else self.inflight_cap
@@ -104,7 +104,7 @@ class MemoryBudget:
 
     def _warn_small_budget(self, budgets: Sequence[float], rank: int) -> None:
         """Once, from PP rank 0: a budget that holds fewer activations than stages (below 1F1B's memory,
-        e.g. ``memory_budget_gib = 1e-9``) is applied, but said (issue 26)."""
+        e.g. ``memory_budget_gib = 1e-9``) is applied, but said."""
         S = self.S
         if self.inflight_cap is None or self.inflight_cap >= S or self._warned:
             return

@@ -38,7 +38,7 @@ class CheckCadence:
         check's by more than the margins (10 % + 1 ms by default).  The caller passes the window's medians,
         not one check's readings: their noise is positive-only and can exceed the margin every check on a
         busy host (receives posted late, a slow transport's thread hops: 1–4.5 ms readings on idle links
-        under the ``nccl_rules`` test backend), which would keep the period at 1 for good (issue 20)."""
+        under the ``nccl_rules`` test backend), which would keep the period at 1 for good."""
         previous, self._last_delays = self._last_delays, list(delays)
         return len(previous) != len(delays) or any(
             not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > self.rel_margin * max(a, b) + self.abs_margin_ms

@@ -18,7 +18,7 @@ default-named group (``new_group()`` on all ranks) would get another name, and s
 rank; the name given here leaves that count alone.  With one rank (or no process group) every exchange
 is local.
 
-Timeouts (issue 26): the group is created with the schedule's ``timeout_s`` (else the current job
+Timeouts: the group is created with the schedule's ``timeout_s`` (else the current job
 timeout of :mod:`.timeouts`) and follows :func:`.timeouts.set_timeout`; a collective that times out
 names the ranks that never reached it.
 """

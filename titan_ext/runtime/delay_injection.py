@@ -8,7 +8,7 @@ direction) until ``start + size/bandwidth``, and cannot be received before
 
     ``arrival = start + size / bandwidth + latency``.
 
-Mechanism: *receiver-side arrival*, keeping NCCL's rules (issue 20 defect 3) and CUDA's (issue 34).
+Mechanism: *receiver-side arrival*, keeping NCCL's rules and CUDA's.
 The injector replaces ``torch.distributed.pipelining.schedules._batch_p2p`` — the single function
 through which every torch pipelining schedule (``ScheduleGPipe``, ``Schedule1F1B``,
 ``_PipelineScheduleRuntime`` subclasses, PipeMorph) issues its PP sends and receives.  Every op is

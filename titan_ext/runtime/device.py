@@ -1,5 +1,5 @@
 """The device layer: the one place where the runtime times compute, stamps message arrival, waits on
-receives, allocates device buffers and picks streams and devices (issue 20, DESIGN.md "GPU rules").
+receives, allocates device buffers and picks streams and devices (DESIGN.md "GPU rules").
 
 Three implementations behind one interface (:class:`DeviceLayer`):
 
@@ -14,9 +14,9 @@ Three implementations behind one interface (:class:`DeviceLayer`):
   - event times are put on the host clock through an *anchor*: an event whose host time is known, so a
     device backlog behind the host (the optimizer's kernels still running when the next iteration is
     enqueued) does not shift the timeline — a host clock read at *enqueue* of a compute-stream event
-    would (issue 20, defect 9).  ``Event.elapsed_time`` is ``cudaEventElapsedTime``: a C ``float`` of
+    would.  ``Event.elapsed_time`` is ``cudaEventElapsedTime``: a C ``float`` of
     milliseconds, whose spacing is 1 ms after 2.3 h and 8 ms after a day, so the anchor must be
-    *recent* (issue 34): a fresh one per iteration (and every :data:`ANCHOR_MAX_AGE_S` within one),
+    *recent*: a fresh one per iteration (and every :data:`ANCHOR_MAX_AGE_S` within one),
     recorded on an idle side stream (``stream("anchor")``, nothing else runs there), where it completes
     as soon as the device sees it — its host time is the host clock right after the record call, no
     wait.  The first anchor is exact by a wait on that one event (start-up, off the steady state); each
@@ -461,7 +461,7 @@ class DeviceLayer:
     def mark_ready(self) -> Any:
         """Data produced so far on the compute stream is ready when this mark is reached: a token
         for :meth:`ready_time` (an event on the compute stream; the host clock on CPU).  Used for
-        a send's hand-over time, e.g. by delay injection's stamps (issue 34)."""
+        a send's hand-over time, e.g. by delay injection's stamps."""
         if self._ready_clock is None:
             self._ready_clock = self.timer()
         return self._ready_clock.mark_ready()

@@ -7,7 +7,7 @@ differs from it; 2.11's and 2.12's differ from 2.13's only in the arguments of
 ``_initialize_stages`` / ``_compute_loss`` — 2.12 added ``target``, 2.13 ``loss_kwargs`` — which
 ``_torch_compat.initialize_stages`` / ``compute_loss`` pass as the installed torch takes them): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
 functions, local stage-to-stage hand-off when neighbouring stages share a rank — so it runs several
-local stages per rank, as issue 14's multi-stage runtime needs), and from torch 2.15 on
+local stages per rank, as the multi-stage runtime needs), and from torch 2.15 on
 (``_torch_compat.has_wait_actions``) its explicit waits: WAIT_SEND_F / WAIT_SEND_B retire one send
 (a forward send's outputs are released then, ``release_fwd_send_outputs``; without waits, 2.13/2.14,
 sends are waited at the end of the step), FSDP gradient reduction split into REDUCE_GRAD (start) and

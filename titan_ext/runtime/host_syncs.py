@@ -1,4 +1,4 @@
-"""Host-sync accounting: every call that blocks the host on the device, counted per call site (issue 34).
+"""Host-sync accounting: every call that blocks the host on the device, counted per call site.
 
 On a GPU the host enqueues kernels and NCCL ops ahead of the device ("host run-ahead"); a call that
 waits for the device drains that queue, and every later kernel starts only after the host has issued it

@@ -15,14 +15,14 @@ with M^F_r the bytes autograd saves for one microbatch on rank r (measured in th
   the device layer (``DeviceLayer.memory_free_bytes``), and only once an optimizer has stepped: the
   first boundary comes before the first ``optimizer.step()``, when AdamW has not allocated its state
   (2 × the parameters) yet, so a budget read then would be too large by that much.  Until then the
-  budget is :data:`PENDING` and the cap stays at the initial plan's memory regime (issue 20, defect 10);
+  budget is :data:`PENDING` and the cap stays at the initial plan's memory regime;
   a job whose optimizer is no ``torch.optim.Optimizer`` keeps that regime;
 * CPU: the configured budget (``memory_budget_bytes`` / ``[titan_ext] memory_budget_gib``), else no
   cap (host memory, the paper's setting).
 
 Every rank sends its budget in the profile exchange, so every rank computes the same cap.
 
-Several stages per rank (issue 21): the cap is per rank, in activations of the rank's whole model part
+Several stages per rank: the cap is per rank, in activations of the rank's whole model part
 (a chunk of a rank with V stages counts 1/V, the planners' unit, ``plan.virtual``):
 
     K_r = ⌊ budget_r / a_r ⌋ / V

@@ -1,4 +1,4 @@
-"""``nccl_rules``: a CPU test process-group backend that enforces NCCL's rules (issue 20, Build 2).
+"""``nccl_rules``: a CPU test process-group backend that enforces NCCL's rules.
 
 No GPU runs this project's tests, so NCCL's rules (DESIGN.md "GPU rules the CPU tests must enforce")
 are enforced by a backend that runs on CPU over gloo but behaves like NCCL where gloo is lenient:
@@ -94,7 +94,7 @@ BACKEND = "nccl_rules"
 ENV_VAR = "TITAN_EXT_TEST_BACKEND"
 TIMEOUT_ENV = "TITAN_EXT_NCCL_RULES_TIMEOUT_S"
 WATCHDOG_ENV = "TITAN_EXT_NCCL_RULES_WATCHDOG"
-#: titan_ext modules whose tensors are device tensors: the device layer (issue 20 Build 1), and the
+#: titan_ext modules whose tensors are device tensors: the device layer, and the
 #: test harness's models and batches (the user's side of a job)
 DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.runtime.testing")
 

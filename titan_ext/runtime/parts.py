@@ -6,7 +6,7 @@ name, config class, the planner it runs with one stage per rank and with several
 (default: ``ReplanPolicy`` / ``VirtualReplanPolicy`` from the config's ``PolicySettings``).
 :func:`build_parts` reads the layout once and returns the :class:`Parts` that differ between one stage
 per rank (PipeMorph §4.2 Eq.1 per link, the backward chooser, per-stage memory cap) and several
-(issue 21: stage-level estimate over rank links, the virtual Eq.1, per-rank memory cap K_r).  Nothing
+(stage-level estimate over rank links, the virtual Eq.1, per-rank memory cap K_r).  Nothing
 else in the runtime branches on the layout.
 """
 

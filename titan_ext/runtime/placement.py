@@ -1,4 +1,4 @@
-"""Several stages per rank at run time (issue 14 item 4; docs/multistage.md, docs/runtime.md).
+"""Several stages per rank at run time (docs/multistage.md, docs/runtime.md).
 
 ``PipeMorph`` / ``CrossPipe`` take torch's convention for virtual stages: the list of this rank's
 stages (``PipelineScheduleMulti``).  This module holds what changes when that list has V > 1 stages:

@@ -1,4 +1,4 @@
-"""An asynchronous-device simulation behind the device layer, for CPU tests (issue 20, Build item 2).
+"""An asynchronous-device simulation behind the device layer, for CPU tests.
 
 What it simulates of a GPU + NCCL, on a CPU process:
 

@@ -1,5 +1,5 @@
 """Bounded waits on peers: every titan_ext process group and every PP message wait ends within the job's
-timeout, and the error names the rank that stopped answering (issue 26).
+timeout, and the error names the rank that stopped answering.
 
 Why this module exists: gloo takes a process group's timeout when the group is *created*, for its
 point-to-point receives; ``_set_pg_timeout`` (what TorchTitan calls with ``comm.train_timeout_seconds``

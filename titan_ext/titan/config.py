@@ -115,7 +115,7 @@ class TitanExt:
     start, shared by all ranks). Empty = none. Mutually exclusive with ``inject_delays``."""
 
     placement: str = ""
-    """Where a rank's model chunks sit when it holds several stages (issue 14, docs/multistage.md):
+    """Where a rank's model chunks sit when it holds several stages (docs/multistage.md):
     "loop" (rank r holds stages r, r+R, ...: torch's Interleaved schedules) or "v" (rank r holds r
     and 2R-1-r: ZBV / DualPipeV). Empty = the schedule's own placement. Validated here; "v" makes
     ``titan_ext.train`` build TorchTitan's V-style split for PipeMorph / CrossPipe (two stages per
@@ -125,8 +125,8 @@ class TitanExt:
     """Known α-β of PP links for CrossPipe's link model (CrossPipe §2.2), in the grammar of
     ``inject_delays``: comma-separated "link:latency_ms[:bandwidth]" items, e.g. "2:5:50MB/s"
     (α = 5 ms, 1/β = 50 MB/s on link 2). Links listed here override what is fitted from the timed
-    messages (``titan_ext.plan.linkfit``); empty = none. Validated here; the run-time wiring is part of
-    issue 14 item 4 (not built yet)."""
+    messages (``titan_ext.plan.linkfit``); empty = none. Validated here; the run-time wiring of
+    several stages per rank to these links is not built yet."""
 
     falcon: bool = True
     """Falcon fail-slow detection (BOCD change points on the iteration time, per-link profiling,

@@ -16,6 +16,9 @@ the CPU shim on machines without an accelerator); on a TorchTitan other than 0.3
 * :func:`falcon_dp2_pp2_debugmodel` -- the same model as DP 2 x PP 2 (4 ranks) with Falcon, the trainer
   summing the DP replicas itself (:mod:`titan_ext.titan.falcon_job`): the 0.3 twin of
   ``train_configs/debug_cpu_dp2_pp2.toml``; fail-slow emulation with ``--titan_ext.emulate_slow_device``.
+* :func:`llama3_8b_pipemorph`, :func:`llama3_70b_pipemorph` -- Llama-3.1 8B / 70B on a GPU cluster, PP = 8
+  with PipeMorph, TorchTitan's own config for the rest (C4); the tokenizer path is a placeholder the job
+  refuses until it is set (``--hf_assets_path DIR``). Only the debug configs use the bundled assets.
 """
 
 from titan_ext.titan import adapters as _adapters
@@ -30,7 +33,8 @@ from titan_ext.titan.registry import register as _register  # noqa: E402
 
 _register()
 
-__all__ = ["pipemorph_debugmodel", "falcon_dp2_pp2_debugmodel", "one_stage_per_rank"]
+__all__ = ["pipemorph_debugmodel", "falcon_dp2_pp2_debugmodel", "llama3_8b_pipemorph", "llama3_70b_pipemorph",
+           "one_stage_per_rank"]
 
 
 def one_stage_per_rank(pp: int, num_layers: int = 6) -> list[list[str]]:
@@ -112,5 +116,47 @@ def _debugmodel(*, pp: int, dp_replicate: int, local_batch_size: int, global_bat
         checkpoint=CheckpointManager.Config(enable=False),
         debug=DebugConfig(seed=42),
         titan_ext=titan_ext,
+    )
+    return TitanExtTrainer.Config(**fields)
+
+
+def llama3_8b_pipemorph():
+    """Llama-3.1 8B, PP = 8 (one stage per rank, PipeMorph) and FSDP over the GPUs left: the 0.3 twin of
+    ``train_configs/llama3_8b_pipemorph.toml``. TorchTitan's own ``llama3_8b`` with the C4 dataset; the
+    tokenizer path is a placeholder to set (``--hf_assets_path DIR``), refused until it is."""
+    return _cluster_model("llama3_8b", "8B", num_layers=32, local_batch_size=32,
+                          dump_folder="./outputs/llama3_8b_pipemorph")
+
+
+def llama3_70b_pipemorph():
+    """Llama-3.1 70B, PP = 8 (one stage per rank, PipeMorph) x TP = 8 on 64+ GPUs, FSDP over the rest:
+    the 0.3 twin of ``train_configs/llama3_70b_pipemorph.toml``; tokenizer path as for 8B."""
+    return _cluster_model("llama3_70b", "70B", num_layers=80, local_batch_size=32,
+                          dump_folder="./outputs/llama3_70b_pipemorph", tensor_parallel=8)
+
+
+def _cluster_model(base_name: str, flavor: str, *, num_layers: int, local_batch_size: int, dump_folder: str,
+                   pp: int = 8, tensor_parallel: int = 1):
+    """TorchTitan's llama3 ``base_name`` config for a GPU cluster, with PipeMorph over ``pp`` stages (one per
+    rank, layers split evenly), micro-batches of 1 and the W&B metrics; its real dataset (C4) kept."""
+    import importlib
+
+    from torchtitan.config import ParallelismConfig
+
+    from titan_ext.titan.config import TitanExt
+    from titan_ext.titan.jobcheck import PLACEHOLDER_PREFIX
+    from titan_ext.titan.trainer import TitanExtTrainer
+
+    base = getattr(importlib.import_module("torchtitan.models.llama3.config_registry"), base_name)()
+    fields = {name: getattr(base, name) for name in base.__dataclass_fields__ if not name.startswith("_")}
+    fields["training"].local_batch_size = local_batch_size
+    fields.update(
+        hf_assets_path=f"{PLACEHOLDER_PREFIX}Llama-3.1-{flavor}",
+        dump_folder=dump_folder,
+        parallelism=ParallelismConfig(pipeline_parallel_degree=pp, tensor_parallel_degree=tensor_parallel,
+                                      data_parallel_shard_degree=-1, pipeline_parallel_schedule="PipeMorph",
+                                      pipeline_parallel_microbatch_size=1,
+                                      module_fqns_per_model_part=one_stage_per_rank(pp, num_layers)),
+        titan_ext=TitanExt(replan_interval=1),
     )
     return TitanExtTrainer.Config(**fields)

@@ -1,4 +1,4 @@
-"""Falcon's decisions applied to the running DP x PP job (Falcon §5.3; issue 23 items 1-2).
+"""Falcon's decisions applied to the running DP x PP job (Falcon §5.3).
 
 * ``pipemorph_replan``: the schedule's re-planning on (PipeMorph adapts the slow PP link);
 * ``microbatch_redistribution`` (S2): the Eq. 1 split, in force from the next step;
@@ -88,7 +88,7 @@ def _replanned_split(job: Any) -> list[int]:
 
 
 def _s4_pays(job: Any, plan: Any, decision: dict) -> bool:
-    """S4 only where it pays (issue 23: "S4 when it pays"): the iteration time predicted after the
+    """S4 only where it pays ("S4 when it pays"): the iteration time predicted after the
     restart (:meth:`FalconMonitor.predicted_after_exclusion`, in ``falcon/predicted_s/...``) must
     be below the current one, or below the one predicted for an S2 split applied in the same step.
     Dropping a 4x device's replica makes the other one take its chunks (dedicated-device

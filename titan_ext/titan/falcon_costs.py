@@ -1,4 +1,4 @@
-"""Falcon's strategy costs measured in the DP x PP job (issue 23 item 3; the ski-rental inputs of
+"""Falcon's strategy costs measured in the DP x PP job (the ski-rental inputs of
 Alg. 1, Falcon §5.2): no constants — every cost is this job's own measurement, the slowest rank's.
 
 * S1 (ignore): 0.

@@ -1,4 +1,4 @@
-"""Data parallelism owned by the trainer in Falcon's DP x PP job (issue 15), and its timing.
+"""Data parallelism owned by the trainer in Falcon's DP x PP job, and its timing.
 
 TorchTitan 0.2.2 refuses DDP next to PP ("DDP has not supported > 1D parallelism") and its FSDP
 needs ``ReduceOp.PREMUL_SUM``, which gloo lacks. With ``data_parallel_replicate_degree > 1`` and PP,
@@ -88,7 +88,7 @@ class DPSync:
     """The DP gradient sum of this rank's stage, its timing and the emulated DP-link fault on it.
 
     Host data (barriers, the per-step MIN of the times) goes on gloo control groups, the gradients on
-    the data group (issue 20 defect 5); times are device completion times (timer marks, read at the
+    the data group; times are device completion times (timer marks, read at the
     step's end)."""
 
     def __init__(self, trainer: Any, emulation: Any, control: Any, device):

@@ -1,4 +1,4 @@
-"""Fail-slow emulation inside Falcon's DP x PP job (issue 15; the faults themselves:
+"""Fail-slow emulation inside Falcon's DP x PP job (the faults themselves:
 :mod:`titan_ext.runtime.falcon.emulation`).
 
 * :func:`check_emulation` — the ``[titan_ext] emulate_slow_*`` keys, checked before any process group;
@@ -64,7 +64,7 @@ class _Mark(torch.autograd.Function):
 
 
 class DeviceStretch:
-    """The emulated slow device on CUDA (issue 20 defect 8): a region (forward or backward) is
+    """The emulated slow device on CUDA: a region (forward or backward) is
     followed by a device-side delay of (F - 1) × its device time. The region's time comes from CUDA
     events read without a host sync: the last completed measurement of the same region (the first
     occurrence, with none yet, is not stretched)."""

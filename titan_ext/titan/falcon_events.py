@@ -1,4 +1,4 @@
-"""Falcon's record in the DP x PP job (issue 23 item 4): one ``falcon_events.jsonl`` row per event,
+"""Falcon's record in the DP x PP job: one ``falcon_events.jsonl`` row per event,
 localisation, decision and outcome (:func:`event_rows`), a console line each, the step's decision
 dict in ``falcon.jsonl``, and the same rows on W&B (:class:`EventLog`)."""
 

@@ -15,7 +15,7 @@ FALCON_LOG = "falcon.jsonl"
 """Rank 0 appends one JSON line per step under ``job.dump_folder``: the step and its ``falcon/*``
 decision dict (plus ``falcon/split``, the micro-batch split in force)."""
 FALCON_EVENTS = "falcon_events.jsonl"
-"""Rank 0 appends one row per Falcon event (issue 23 item 4): ``kind`` "event" (a change-point),
+"""Rank 0 appends one row per Falcon event: ``kind`` "event" (a change-point),
 "localised" (validation's root cause), "decision" (one strategy of Alg. 1: strategy S1-S4 or
 PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
 before / after an applied strategy). An "event" row's ``located_by`` names the series whose

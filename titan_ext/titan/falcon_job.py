@@ -1,4 +1,4 @@
-"""Falcon in a TorchTitan DP × PP job on the CPU trainer (issue 15; Falcon §4–§5): the per-step flow.
+"""Falcon in a TorchTitan DP × PP job on the CPU trainer (Falcon §4–§5): the per-step flow.
 
 :class:`FalconJob` wires the parts, each in its own module:
 
@@ -48,9 +48,9 @@ class FalconJob:
         self.enabled, self.apply_decisions = section.falcon, section.falcon_apply
         self.rank = dist.get_rank()
         self.device = getattr(trainer, "device", torch.device("cpu"))
-        self.control = control_group()  # host data on gloo control groups (issue 20 defect 5)
+        self.control = control_group()  # host data on gloo control groups
         self.step_clock = StepClock(self.device)
-        """The step's device time, fed to the detector (issue 34: not the host clock)."""
+        """The step's device time, fed to the detector (not the host clock)."""
         self.emulation = FailSlowEmulation(self.rank, range(dist.get_world_size()),
                                            *_parse(emulation_specs(section)),
                                            pass_s=section.emulate_device_pass_ms / 1e3)

@@ -2,7 +2,7 @@
 times every step (the same numbers on every rank, so all take the same decision), the ACF iteration
 time from the call record, and validation on onset.
 
-Host data goes on gloo control groups (issue 20 defect 5); ring-validation buffers on the device.
+Host data goes on gloo control groups; ring-validation buffers on the device.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""S3 applied in the running TorchTitan job: the in-memory topology change (issue 23 item 1).
+"""S3 applied in the running TorchTitan job: the in-memory topology change.
 
 Falcon §5.3 "Adjust topology": pause training, re-map the DP × PP grid so that a slow link carries
 the least critical traffic (a slow DP link becomes a PP hop), swap the stages' state between devices

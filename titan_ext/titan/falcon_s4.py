@@ -1,5 +1,5 @@
 """Falcon S4 applied in a TorchTitan DP × PP job: checkpoint, exclude the slow device, restart on
-the remaining ranks, resume (Falcon §5.1 S4 "Checkpoint-and-restart", §5.2 ski rental; issue 23
+the remaining ranks, resume (Falcon §5.1 S4 "Checkpoint-and-restart", §5.2 ski rental
 item 2).
 
 Three parts, one per process that takes part:
@@ -199,7 +199,7 @@ class S4Resume:
 
     Its times are host data: they are reduced on ``control``, a gloo control group
     (:func:`~titan_ext.runtime.falcon.device_clock.control_group`), never on the default group — on a
-    GPU job that is NCCL, which takes device tensors only (DESIGN.md "GPU rules"; issue 34)."""
+    GPU job that is NCCL, which takes device tensors only (DESIGN.md "GPU rules")."""
 
     def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None, control: Any = None):
         self.plan, self.dump, self.rank, self.trainer = plan, Path(dump_folder), rank, trainer
@@ -353,10 +353,10 @@ def _print_relaunch_spec(argv: list[str]) -> int:
     return 0
 
 
-def launch(argv: list[str] | None = None) -> int:
+def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
     """``python -m titan_ext.titan.falcon_s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
     torchrun; after an S4 exit, torchrun again on the plan's world with its overrides."""
-    p = argparse.ArgumentParser(prog="python -m titan_ext.titan.falcon_s4", description=launch.__doc__)
+    p = argparse.ArgumentParser(prog=prog or "python -m titan_ext.titan.falcon_s4", description=launch.__doc__)
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--max-s4", type=int, default=1, help="restarts allowed (default 1)")
@@ -387,7 +387,14 @@ def launch(argv: list[str] | None = None) -> int:
     return rc
 
 
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``titan-ext falcon-s4`` / ``python -m titan_ext.titan.falcon_s4``: :func:`launch`, or
+    ``relaunch-spec DUMP HOST...`` (what scripts/launch.sh reads after an S4 exit)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["relaunch-spec"]:
+        return _print_relaunch_spec(argv[1:])
+    return launch(argv, prog=prog)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["relaunch-spec"]:
-        sys.exit(_print_relaunch_spec(sys.argv[2:]))
-    sys.exit(launch())
+    sys.exit(main())

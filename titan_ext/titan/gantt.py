@@ -1,15 +1,16 @@
-"""PNG image of a measured pipeline iteration, drawn by the planning layer's Gantt exporter.
+"""PNG image and Chrome/Perfetto trace of a measured pipeline iteration, by the planning layer's exporters.
 
 The measured :class:`~titan_ext.titan.monitor.IterationTimeline` is converted into the planner's
 ``titan_ext.plan.simulate.Timeline`` (the same type the simulator produces), so measured and
-simulated iterations are drawn identically by ``titan_ext.plan.export.write_gantt_png``.
+simulated iterations are drawn identically by ``titan_ext.plan.export.write_gantt_png`` and traced
+identically by ``titan_ext.plan.export.write_chrome_trace``.
 """
 
 from pathlib import Path
 
 from titan_ext.titan.monitor import IterationTimeline, timeline_stats
 
-__all__ = ["to_plan_timeline", "write_timeline_png"]
+__all__ = ["to_plan_timeline", "write_timeline_png", "write_timeline_trace"]
 
 
 def to_plan_timeline(timeline: IterationTimeline):
@@ -56,4 +57,14 @@ def write_timeline_png(timeline: IterationTimeline, path: str | Path, title: str
     write_gantt_png(to_plan_timeline(timeline), path,
                     title=f"{head} (measured): iteration {stats['iteration_ms']:.1f} ms, "
                           f"bubble rate {stats['bubble_rate']:.1%}")
+    return path
+
+
+def write_timeline_trace(timeline: IterationTimeline, path: str | Path, title: str = "") -> Path:
+    """The measured ``timeline`` as a Chrome/Perfetto trace JSON (one track per PP rank); returns the path."""
+    from titan_ext.plan.export import write_chrome_trace
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_chrome_trace(to_plan_timeline(timeline), path, title=title or f"step {timeline.step} (measured)")
     return path

@@ -1,14 +1,16 @@
 """Checks of a job's config that need more than one section, run before any process group exists
 (by ``titan_ext.train`` and by :class:`~titan_ext.titan.trainer.TitanExtTrainer`); each error names its key.
 
-Moved out of ``titan_ext/train.py`` so that the trainer (which ``titan_ext.train`` runs) does not import
-its own entry point (issue 24: no import cycles).
+A module of its own so that the trainer (which ``titan_ext.train`` runs) does not import its own entry
+point (no import cycles).
 """
 
 import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+#: how the configs for real model sizes spell a path the user must set (refused, naming the key)
+PLACEHOLDER_PREFIX = "/path/to/"
 
 __all__ = ["JobConfigError", "check_job_config", "world_size"]
 
@@ -122,6 +124,11 @@ def _check_delegation(config, section) -> None:
         raise JobConfigError(
             f"[titan_ext] {key} = {value!r}: schedule {name!r} does "
             f"not support delegation in this build (use delegation = \"off\")")
+    from titan_ext.runtime.delegate._ext import missing_reason
+
+    missing = missing_reason()
+    if missing is not None:
+        raise JobConfigError(f"[titan_ext] {key} = {value!r}: {missing}")
 
 
 def _check_backward(config, section) -> None:
@@ -148,6 +155,13 @@ def _resolve_asset_paths(config) -> None:
             config.training.dataset_path = _resolve_repo_path(config.training.dataset_path)
     elif hasattr(config, "hf_assets_path"):  # TorchTitan 0.3
         config.hf_assets_path = _resolve_repo_path(config.hf_assets_path)
+    key = "[model] hf_assets_path" if hasattr(model, "hf_assets_path") else "hf_assets_path"
+    path = model.hf_assets_path if hasattr(model, "hf_assets_path") else getattr(config, "hf_assets_path", "")
+    if path and path.startswith(PLACEHOLDER_PREFIX):
+        raise JobConfigError(
+            f"{key} = {path!r} is a placeholder: download the model's tokenizer (TorchTitan's "
+            f"`python scripts/download_hf_assets.py --repo_id meta-llama/{Path(path).name} --assets tokenizer`) "
+            f"and set {key} to its directory (0.3: --hf_assets_path DIR)")
 
 
 def _check_env_straggler(pp: int) -> None:

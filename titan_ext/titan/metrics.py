@@ -11,12 +11,14 @@ logged step:
 * the full set under ``pipeline_detail/`` (``link_delay_ms/<i>`` measured on the timeline -- the one
   link-delay series --, ``step_wall_ms``, ``delegation``, the runtime's numbers); every time is in ms;
 * on W&B, ``pipeline/decisions``: a table of the plan changes (step, version, decision, reason,
-  warm-up counts, backward);
+  warm-up counts, backward), logged incrementally: each plan change sends its new rows only;
 * one console line next to TorchTitan's step line (iteration time, bubble rate, plan version);
 * one JSON line per logged step in ``<dump_folder>/<[titan_ext] metrics_file>`` (strict JSON: a
   missing number is ``null``, never NaN);
 * a timeline image (``<dump_folder>/timelines/step_N.png`` and ``pipeline/timeline`` on W&B) on the
-  first logged step of every ``[titan_ext] gantt_every`` steps.
+  first logged step of every ``[titan_ext] gantt_every`` steps;
+* every measured (logged) step's timeline as a Chrome/Perfetto trace,
+  ``<dump_folder>/timelines/step_N.trace.json`` (open it in ui.perfetto.dev or chrome://tracing).
 
 W&B: unless ``WANDB_MODE`` is set, a run goes offline only when no W&B credentials exist (no
 ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE`` and no ``wandb login`` entry in the netrc file):
@@ -32,18 +34,19 @@ import netrc
 import os
 from urllib.parse import urlparse
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan.tools.logging import logger
 
 from titan_ext.titan import adapters
 
-from titan_ext.titan.gantt import write_timeline_png
+from titan_ext.titan.gantt import write_timeline_png, write_timeline_trace
 from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
 from titan_ext.titan.options import titan_ext_section
 
-__all__ = ["PipelineMetrics", "attach", "current", "install", "runtime_metrics", "strict_json",
-           "wandb_logged_in"]
+__all__ = ["PipelineMetrics", "attach", "current", "install", "instrument", "metrics_processor_builder",
+           "runtime_metrics", "strict_json", "wandb_logged_in"]
 
 # pipeline_detail/delegation: 0 = direct P2P, 1 = auto mode, not delegating (yet), 2 = delegating
 _DELEGATION_CODES = {"off": 0, "auto": 1, "active": 2}
@@ -113,6 +116,7 @@ class PipelineMetrics:
         self._last_logged_step = 0
         self.image: Path | None = None  # the image written on the current logged step, if any
         self.decisions_logged = 0  # rows of `decisions` already sent to W&B
+        self.wandb_tables: dict[int, Any] = {}  # W&B logger -> its incremental decisions table
         self._wrap_step()
 
     # -- every iteration: plan changes ---------------------------------------------------------
@@ -170,6 +174,7 @@ class PipelineMetrics:
         image_due = self._image_due(step)
         self._last_logged_step = step
         if is_metrics_rank:
+            self._write_trace(timeline)
             if image_due:
                 self._write_image(timeline)
             if self.section.metrics_file:
@@ -210,6 +215,13 @@ class PipelineMetrics:
         with open(self.dump / self.section.metrics_file, "a") as f:
             f.write(json.dumps(strict_json(record), allow_nan=False, default=str) + "\n")
 
+    def _write_trace(self, timeline: IterationTimeline) -> None:
+        path = self.dump / "timelines" / f"step_{timeline.step:05d}.trace.json"
+        try:
+            write_timeline_trace(timeline, path, title=f"{self.schedule_name}, step {timeline.step}")
+        except Exception as e:  # a trace must never stop training
+            logger.warning(f"[titan_ext] timeline trace for step {timeline.step} failed: {e}")
+
     def _write_image(self, timeline: IterationTimeline) -> None:
         path = self.dump / "timelines" / f"step_{timeline.step:05d}.png"
         try:
@@ -241,15 +253,34 @@ def _wandb_loggers(processor: Any) -> list:
     return [lg for lg in getattr(container, "_loggers", [container]) if isinstance(lg, WandBLogger)]
 
 
+_DECISION_COLUMNS = ["iteration", "plan_version", "decision", "reason", "warmup_counts", "backward"]
+
+
+def _decisions_table(wandb: Any) -> Any:
+    """A W&B table that logs only its new rows each time (``log_mode="INCREMENTAL"``); a wandb without
+    incremental tables gets a table of the new rows per plan change instead."""
+    try:
+        return wandb.Table(columns=_DECISION_COLUMNS, log_mode="INCREMENTAL")
+    except TypeError:
+        return None
+
+
 def _log_to_wandb(processor: Any, pm: PipelineMetrics, step: int) -> None:
+    new_rows = pm.decisions[pm.decisions_logged:]
     for wb in _wandb_loggers(processor):
         extra: dict[str, Any] = {}
         if pm.image is not None:
             extra["pipeline/timeline"] = wb.wandb.Image(str(pm.image))
-        if len(pm.decisions) > pm.decisions_logged:
-            extra["pipeline/decisions"] = wb.wandb.Table(
-                columns=["iteration", "plan_version", "decision", "reason", "warmup_counts",
-                         "backward"], data=[list(r) for r in pm.decisions])
+        if new_rows:
+            table = pm.wandb_tables.get(id(wb), False)
+            if table is False:
+                table = pm.wandb_tables[id(wb)] = _decisions_table(wb.wandb)
+            if table is None:
+                table = wb.wandb.Table(columns=_DECISION_COLUMNS, data=[list(r) for r in new_rows])
+            else:
+                for row in new_rows:
+                    table.add_data(*row)
+            extra["pipeline/decisions"] = table
         if extra:
             wb.wandb.log(extra, step=step)
     pm.decisions_logged = len(pm.decisions)
@@ -269,24 +300,22 @@ def wandb_logged_in(environ=os.environ) -> bool:
 
 def _wandb_offline_without_login(init):
     def __init__(self, *args, **kwargs):
-        if "WANDB_MODE" not in os.environ and not wandb_logged_in():
-            logger.info("[titan_ext] W&B: no login found (wandb login / WANDB_API_KEY): offline run")
-            os.environ["WANDB_MODE"] = "offline"
+        _offline_without_login()
         init(self, *args, **kwargs)
 
     __init__._titan_ext_wrapped = True  # type: ignore[attr-defined]
     return __init__
 
 
-def install() -> None:
-    """Patch TorchTitan's ``MetricsProcessor.log`` and ``WandBLogger`` (class level, idempotent)."""
-    from torchtitan.components import metrics as tt_metrics
+def _offline_without_login() -> None:
+    if "WANDB_MODE" not in os.environ and not wandb_logged_in():
+        logger.info("[titan_ext] W&B: no login found (wandb login / WANDB_API_KEY): offline run")
+        os.environ["WANDB_MODE"] = "offline"
 
-    if not getattr(tt_metrics.WandBLogger.__init__, "_titan_ext_wrapped", False):
-        tt_metrics.WandBLogger.__init__ = _wandb_offline_without_login(tt_metrics.WandBLogger.__init__)
-    original = tt_metrics.MetricsProcessor.log
-    if getattr(original, "_titan_ext_wrapped", False):
-        return
+
+def _pipeline_log(original):
+    """``MetricsProcessor.log`` (``original``, unbound) plus the pipeline metrics of the schedule being
+    measured; everything else is TorchTitan's own."""
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         pm = _current
@@ -304,5 +333,48 @@ def install() -> None:
 
     log._titan_ext_wrapped = True  # type: ignore[attr-defined]
     log.__wrapped__ = original  # type: ignore[attr-defined]
-    tt_metrics.MetricsProcessor.log = log
+    return log
 
+
+def instrument(processor: Any) -> Any:
+    """``processor`` (one TorchTitan ``MetricsProcessor``) reports the pipeline metrics: its own ``log``
+    is wrapped on the instance, never on the class."""
+    import types
+
+    if not getattr(processor.log, "_titan_ext_wrapped", False):
+        processor.log = types.MethodType(_pipeline_log(type(processor).log), processor)
+    return processor
+
+
+def metrics_processor_builder(build: Callable) -> Callable:
+    """A TrainSpec ``build_metrics_processor_fn`` around ``build`` (the spec's own, else TorchTitan's
+    ``build_metrics_processor``): W&B goes offline without a login, and the built processor is
+    :func:`instrument`-ed."""
+    if getattr(build, "_titan_ext_wrapped", False):
+        return build
+
+    def build_metrics_processor(job_config, parallel_dims, model_args=None, *args, **kwargs):
+        if getattr(getattr(job_config, "metrics", None), "enable_wandb", False):
+            _offline_without_login()
+        return instrument(build(job_config, parallel_dims, model_args, *args, **kwargs))
+
+    build_metrics_processor._titan_ext_wrapped = True  # type: ignore[attr-defined]
+    build_metrics_processor.__wrapped__ = build  # type: ignore[attr-defined]
+    return build_metrics_processor
+
+
+def install() -> None:
+    """Make TorchTitan's metrics processor report the pipeline metrics (idempotent).
+
+    Where the TorchTitan version has an extension point for the metrics processor (0.2: the TrainSpec's
+    ``build_metrics_processor_fn``), the adapter plugs :func:`metrics_processor_builder` in there and
+    nothing is patched class-wide. Otherwise ``MetricsProcessor.log`` and ``WandBLogger.__init__`` are
+    wrapped at class level."""
+    if adapters.current().install_metrics_processor(metrics_processor_builder):
+        return
+    from torchtitan.components import metrics as tt_metrics
+
+    if not getattr(tt_metrics.WandBLogger.__init__, "_titan_ext_wrapped", False):
+        tt_metrics.WandBLogger.__init__ = _wandb_offline_without_login(tt_metrics.WandBLogger.__init__)
+    if not getattr(tt_metrics.MetricsProcessor.log, "_titan_ext_wrapped", False):
+        tt_metrics.MetricsProcessor.log = _pipeline_log(tt_metrics.MetricsProcessor.log)

@@ -111,9 +111,21 @@ def _wants_delegation(job_config: Any) -> bool:
                                     or bool(getattr(section, "delegation_failover", False)))
 
 
+def _require_delegate_extension() -> None:
+    """A job that asks for delegation stops here, with one line, when ``titan_ext._delegate_C`` is
+    missing (an install built without torch, or for another torch) -- not later, in a delegate process."""
+    from titan_ext.runtime.delegate._ext import missing_reason
+
+    missing = missing_reason()
+    if missing is not None:
+        raise SystemExit(f"[titan_ext] delegation asked for by the job's titan_ext section: {missing}")
+
+
 def _configured_class(name: str, delegated: bool = False) -> type:
     """Subclass of our schedule class that takes its knobs from the active job's [titan_ext]."""
     key = (name, delegated)
+    if delegated:
+        _require_delegate_extension()
     with _lock:
         if key in _CONFIGURED:
             return _CONFIGURED[key]

@@ -5,13 +5,14 @@
 For each run (a dump folder, or the JSONL file itself): schedule, steps, median iteration time
 (measured timeline T), median whole train step, median bubble rate, loss at the first and the last
 step, plan versions seen. Medians skip the first ``--skip`` steps (start-up, first plans). With
-``--json PATH`` the numbers are also written as JSON.
+``--json PATH`` the numbers are also written as JSON; ``--json`` alone writes only the JSON to stdout.
 """
 
 import argparse
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,19 +87,37 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _strict(value: Any) -> Any:
+    """JSON as the standard has it: a missing median (NaN) is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="dump folders (or pipeline_metrics.jsonl files)")
     p.add_argument("--skip", type=int, default=3, help="steps excluded from the medians")
     p.add_argument("--names", default="", help="comma-separated column names")
-    p.add_argument("--json", default="", help="also write the summary as JSON here")
+    p.add_argument("--json", nargs="?", const="-", default="", metavar="PATH",
+                   help="the summary as JSON: alone on stdout (the table goes to stderr), or written to PATH")
     a = p.parse_args(argv)
     names = a.names.split(",") if a.names else [None] * len(a.runs)
     summaries = [summarize(load_run(r), a.skip, n) for r, n in zip(a.runs, names)]
+    document = json.dumps(_strict(summaries), indent=2, allow_nan=False) + "\n"
+    if a.json == "-":
+        print(format_table(summaries), file=sys.stderr)
+        sys.stdout.write(document)
+        return 0
     print(format_table(summaries))
     if a.json:
-        Path(a.json).write_text(json.dumps(summaries, indent=2) + "\n")
+        Path(a.json).write_text(document)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,7 +4,7 @@ The ``.wandb`` file is W&B's transaction log: a 7-byte header (``":W&B"``, magic
 followed by LevelDB-log-format blocks of 32 KiB; each chunk has a 7-byte header (CRC32C, length,
 type FULL/FIRST/MIDDLE/LAST) and the payload is a serialized ``wandb.proto.wandb_internal_pb2.Record``.
 Recent wandb releases no longer ship a Python reader, hence this one (used by the tests and by
-``python -m titan_ext.titan.wandb_offline RUN_DIR``).
+``titan-ext wandb-offline RUN_DIR``).
 """
 
 import json
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_records", "read_history", "find_offline_runs"]
+__all__ = ["read_records", "read_history", "find_offline_runs", "main"]
 
 _BLOCK = 32768
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
@@ -76,8 +76,26 @@ def find_offline_runs(root: str | Path) -> list[Path]:
     return sorted(Path(root).rglob("offline-run-*/run-*.wandb"))
 
 
-if __name__ == "__main__":
-    for f in find_offline_runs(sys.argv[1] if len(sys.argv) > 1 else "."):
-        print(f)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Every offline run under a folder: its path on stderr, then its history rows, one JSON object a line
+    on stdout."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description="Print the logged history of the W&B offline runs "
+                                "(offline-run-*/run-*.wandb) under a folder, one JSON object per line, "
+                                "without W&B's servers; each run's path goes to stderr.")
+    p.add_argument("root", nargs="?", default=".", help="folder searched for offline runs (e.g. a dump folder)")
+    a = p.parse_args(argv)
+    runs = find_offline_runs(a.root)
+    if not runs:
+        print(f"no W&B offline run (offline-run-*/run-*.wandb) under {a.root}", file=sys.stderr)
+        return 1
+    for f in runs:
+        print(f, file=sys.stderr)
         for row in read_history(f):
             print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

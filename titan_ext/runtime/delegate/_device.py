@@ -1,4 +1,4 @@
-"""Device choices of the delegate data plane (DESIGN.md "GPU rules"; issue 20 defect 7 and "Also").
+"""Device choices of the delegate data plane (DESIGN.md "GPU rules").
 
 The pool makes its device and stream choices through the runtime's device layer
 (:mod:`titan_ext.runtime.device`): every CUDA call runs under the layer's ``context()`` (the stage's

@@ -6,6 +6,20 @@ import importlib
 
 _mod = None
 
+#: what to do when the compiled data plane is missing (one line, shown by every check below)
+MISSING_HINT = ("reinstall titan_ext into this environment with `pip install --no-build-isolation .` "
+                "(torch must be importable at build time), or set delegation = \"off\"")
+
+
+def missing_reason() -> str | None:
+    """None when ``titan_ext._delegate_C`` loads, else one line naming the problem and the fix."""
+    try:
+        load_ext()
+    except ImportError as exc:
+        return f"titan_ext._delegate_C (the delegate data plane) is not built or does not load " \
+               f"({exc.__cause__ or exc}): {MISSING_HINT}"
+    return None
+
 
 def load_ext():
     global _mod

@@ -36,7 +36,7 @@ class Lane:
 
     def frozen(self, timeout_s: float) -> bool:
         """The delegate's heartbeat (worker.py) has not moved for ``timeout_s``: stopped (SIGSTOP) or
-        hung — treated like a dead delegate (issue 26).  Watched once it runs (its start, which imports
+        hung — treated like a dead delegate.  Watched once it runs (its start, which imports
         torch, has its own timeout)."""
         beat, now = self.ring.region.load64(R.CTRL_HEARTBEAT), time.monotonic()
         if beat != self._beat[0] or self.ring.region.load(R.CTRL_DELEGATE_STATE) != 1:

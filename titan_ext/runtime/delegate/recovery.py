@@ -7,8 +7,8 @@ of a link dies (SIGKILL, a crash, or its peer delegate dying, which closes their
    delegates (the kernel's process sentinel: no polling, no heartbeat traffic), so the rank whose
    delegate died learns it at once.  A *frozen* delegate (SIGSTOP, or a hang that stops its
    interpreter) is found by its heartbeat: a word of its ring it increments every ``HEARTBEAT_S``;
-   unchanged for ``pool.heartbeat_timeout_s``, the delegate is SIGKILLed and recovered like a dead one
-   (issue 26).  The other rank learns it twice over: its own delegate of the lane
+   unchanged for ``pool.heartbeat_timeout_s``, the delegate is SIGKILLed and recovered like a dead one.
+   The other rank learns it twice over: its own delegate of the lane
    fails as soon as the pair's connection closes (both delegates of a lane always have a Gloo receive
    posted: data on the recv side, acknowledgements on the send side), and the detecting rank also
    declares the link down in the job's TCPStore (a per-rank "inbox" counter the supervisor reads every

@@ -84,8 +84,8 @@ class Delegation:
     its slots from the stage's messages: each rank contributes the size of that first op's tensors —
     stage 0's first forward output, and every later stage's first forward input (= the previous stage's
     output) — and the largest over the ranks (one gather on the control plane) is every rank's slot
-    size, so every inter-stage activation and its gradient (same shape and dtype) fits (issue 20
-    defect 6: a 16 MiB fixed slot could not carry Llama-3-8B's 64 MiB activations)."""
+    size, so every inter-stage activation and its gradient (same shape and dtype) fits (a 16 MiB
+    fixed slot could not carry Llama-3-8B's 64 MiB activations)."""
 
     every_iteration = False
 

@@ -1,4 +1,4 @@
-"""Where Falcon's data lives and how it times the device (issue 20, defects 5 and 8).
+"""Where Falcon's data lives and how it times the device.
 
 Falcon measures the *device*: a GEMM probe on the stage's device timed with device events, ring and
 DP-sync times as completion times (not the host's enqueue times), and an emulated slow device that
@@ -36,7 +36,7 @@ PROBE_BYTES = 64 << 20
 save and load; Falcon §5.2's ski-rental inputs) time at most this many bytes per buffer and scale the
 time to the stage's size: 64 MB is far into the bandwidth-bound regime of NVLink, InfiniBand and
 PCIe, so the scaling is linear, and start-up memory no longer grows with the stage (docs/falcon.md
-"Start-up memory"; issue 34 — a buffer of the full state was tens of GB for an 8B stage)."""
+"Start-up memory" — a buffer of the full state was tens of GB for an 8B stage)."""
 
 
 def probe_numel(numel: int, element_size: int = 4) -> int:
@@ -50,7 +50,7 @@ _MARK = "_titan_ext_device_data"
 
 def control_group(ranks=None):
     """A gloo group over ``ranks`` (None: the world) for host data. Collective over the world. It takes
-    the job's timeout (``runtime.timeouts``, issue 26)."""
+    the job's timeout (``runtime.timeouts``)."""
     from ..timeouts import new_group
 
     group = new_group(None if ranks is None else sorted(ranks), None, backend="gloo")

@@ -1,4 +1,4 @@
-"""Fail-slow emulation on physical devices: a slow device and a slow link (issue 15).
+"""Fail-slow emulation on physical devices: a slow device and a slow link.
 
 Falcon's two fail-slow kinds (§2: computation and communication) are emulated per *device*, not per
 mesh position, so that a topology change (S3) moves the mesh around a fault that stays where it is:

@@ -230,7 +230,7 @@ class FalconMonitor:
         group's series); a verified slowdown of a group (``onset`` / ``level`` upwards) becomes a
         proposal that :meth:`_verify_group_proposals` checks against the iteration times.
 
-        Why (issue 23, measured in docs/falcon.md "Group tracking"): Falcon §4.2 detects on the
+        Why (measured in docs/falcon.md "Group tracking"): Falcon §4.2 detects on the
         iteration time alone; with ±20 % step noise and 3 healthy steps before a fault, a +40 %
         step was confirmed between its 3rd and its 22nd slow step (1 of 8 recorded series: never),
         while the faulty group's own time (5x) is at its 3rd. The verification stays Falcon's."""

@@ -1,4 +1,4 @@
-"""Topology adjustment in memory (Falcon §5.3 S3, "Adjust topology"; issue 23 item 1).
+"""Topology adjustment in memory (Falcon §5.3 S3, "Adjust topology").
 
 Falcon moves a slow link to where it carries the least critical traffic — a slow DP link becomes a
 PP link — by pausing training, swapping the parameters between devices and resuming, without a

@@ -13,18 +13,20 @@ TorchTitan              adapter
 0.3.x (Python configs)  :mod:`titan_ext.titan.adapters.tt03` (``--module titan_ext.titan --config ...``)
 ======================  ============================================================================
 
-An unknown TorchTitan version, or a known one whose hook is missing (renamed in a point release),
-raises :class:`TitanIntegrationError` at registration, naming what is missing -- titan_ext never lets a
-job train without its integration.
+An unknown TorchTitan version, a known one whose hook is missing (renamed in a point release), or a
+hook whose parameters are not the ones titan_ext's wrapper takes (``adapter.SIGNATURES``, checked by
+name) raises :class:`TitanIntegrationError` at registration, naming the hook and the parameter --
+titan_ext never lets a job train without its integration, nor fails later with a ``TypeError``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from types import ModuleType
 
 __all__ = ["ADAPTERS", "TitanIntegrationError", "adapter_for", "current", "missing_hooks",
-           "torchtitan_version"]
+           "signature_mismatches", "torchtitan_version"]
 
 #: TorchTitan "major.minor" -> its adapter module
 ADAPTERS = {
@@ -76,16 +78,64 @@ def missing_hooks(adapter: ModuleType) -> list[str]:
     return missing
 
 
+def _resolve(module: str, attribute: str):
+    obj = importlib.import_module(module)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def signature_mismatches(adapter: ModuleType) -> list[str]:
+    """One line per parameter that a hook of ``adapter.SIGNATURES`` lacks or has elsewhere.
+
+    ``SIGNATURES`` maps ``(module, attribute)`` to ``(parameters, positional)``: the parameter names the
+    wrapper titan_ext puts around the hook takes and passes on. Each must be a parameter of the hook; with
+    ``positional`` (the wrapper passes them by position) they must also be its leading parameters, in
+    that order. The hook's other parameters (a new keyword with a default) do not matter."""
+    out = []
+    for (module, attribute), (params, positional) in getattr(adapter, "SIGNATURES", {}).items():
+        name = f"{module}.{attribute}"
+        try:
+            hook = _resolve(module, attribute)
+            signature = inspect.signature(hook)
+        except (ImportError, AttributeError):
+            continue  # reported by missing_hooks
+        except (TypeError, ValueError):
+            out.append(f"{name}: its signature cannot be read")
+            continue
+        have = [p for p in signature.parameters.values() if p.name != "self"]
+        names = [p.name for p in have]
+        for i, param in enumerate(params):
+            if param not in names:
+                out.append(f"{name} has no parameter {param!r} (its parameters: {', '.join(names)})")
+            elif positional and (i >= len(names) or names[i] != param
+                                 or have[i].kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                                         inspect.Parameter.POSITIONAL_OR_KEYWORD)):
+                out.append(f"{name}: parameter {param!r} is not its positional parameter {i + 1} "
+                           f"(its parameters: {', '.join(names)})")
+    return out
+
+
+def check_adapter(adapter: ModuleType, version: str) -> None:
+    """TitanIntegrationError naming every missing hook, else every parameter that does not fit."""
+    missing = missing_hooks(adapter)
+    if missing:
+        raise TitanIntegrationError(
+            f"titan_ext cannot attach to TorchTitan {version}: missing {', '.join(missing)} "
+            f"(renamed or removed?); refusing to train without titan_ext's integration")
+    mismatched = signature_mismatches(adapter)
+    if mismatched:
+        raise TitanIntegrationError(
+            f"titan_ext cannot attach to TorchTitan {version}: {'; '.join(mismatched)} -- the hook's "
+            f"signature changed; refusing to train without titan_ext's integration")
+
+
 def current() -> ModuleType:
     """The adapter for the installed TorchTitan, its hooks checked (cached)."""
     global _current
     if _current is None:
         version = torchtitan_version()
         adapter = importlib.import_module(adapter_for(version))
-        missing = missing_hooks(adapter)
-        if missing:
-            raise TitanIntegrationError(
-                f"titan_ext cannot attach to TorchTitan {version}: missing {', '.join(missing)} "
-                f"(renamed or removed?); refusing to train without titan_ext's integration")
+        check_adapter(adapter, version)
         _current = adapter
     return _current

@@ -18,10 +18,24 @@ HOOKS = (
     ("torchtitan.train", "Trainer"),
     ("torchtitan.train", "main"),
     ("torchtitan.components.metrics", "MetricsProcessor"),
+    ("torchtitan.components.metrics", "build_metrics_processor"),
     ("torchtitan.components.metrics", "_get_metrics_rank"),
     ("torchtitan.hf_datasets.text_datasets", "DATASETS"),
     ("torchtitan.protocols.train_spec", "get_train_spec"),
 )
+#: (module, attribute) -> (parameters titan_ext's wrapper takes, by name; passed by position?): checked
+#: at registration (adapters.signature_mismatches), so a changed hook is named, never a TypeError later
+SIGNATURES = {
+    (PIPELINE, "build_pipeline_schedule"): (("job_config", "stages", "loss_fn"), True),
+    (PIPELINE, "pipeline_module_split"): (
+        ("whole_model", "pp_mesh", "pp_schedule", "device", "module_names_per_stage"), True),
+    ("torchtitan.components.metrics", "build_metrics_processor"): (
+        ("job_config", "parallel_dims", "model_args"), True),
+    ("torchtitan.components.metrics", "MetricsProcessor.log"): (
+        ("step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"), True),
+    ("torchtitan.components.metrics", "_get_metrics_rank"): (("parallel_dims", "job_config"), True),
+    ("torchtitan.protocols.train_spec", "get_train_spec"): (("name",), True),
+}
 BUILDER_MODULES = (PIPELINE, "torchtitan.experiments.transformers_modeling_backend.infra.pipeline")
 CPU_SHIM_MODULES = (
     "torchtitan.tools.utils",
@@ -53,6 +67,37 @@ def wrap_pipeline_module_split(original: Callable) -> Callable:
 #: builder-module attribute -> its wrapper factory
 WRAPPERS = {"build_pipeline_schedule": wrap_build_pipeline_schedule,
             "pipeline_module_split": wrap_pipeline_module_split}
+
+
+_metrics_installed = False
+
+
+def install_metrics_processor(builder: Callable[[Callable], Callable]) -> bool:
+    """TorchTitan 0.2's extension point for the metrics processor: every TrainSpec that
+    ``get_train_spec`` returns gets ``build_metrics_processor_fn = builder(its own or TorchTitan's
+    build_metrics_processor)``; the trainer (``train_spec_module.get_train_spec``) builds through it."""
+    global _metrics_installed
+    if _metrics_installed:
+        return True
+    import dataclasses
+
+    import torchtitan.protocols.train_spec as train_spec
+    from torchtitan.components.metrics import build_metrics_processor
+
+    original = train_spec.get_train_spec
+
+    def get_train_spec(name: str):
+        spec = original(name)
+        build = spec.build_metrics_processor_fn or build_metrics_processor
+        if getattr(build, "_titan_ext_wrapped", False):
+            return spec
+        return dataclasses.replace(spec, build_metrics_processor_fn=builder(build))
+
+    get_train_spec.__wrapped__ = original  # type: ignore[attr-defined]
+    get_train_spec.__dict__.update({k: v for k, v in original.__dict__.items() if k != "__wrapped__"})
+    train_spec.get_train_spec = get_train_spec
+    _metrics_installed = True
+    return True
 
 
 def trainer_base() -> type:

@@ -24,6 +24,17 @@ HOOKS = (
     ("torchtitan.hf_datasets.text_datasets", "DATASETS"),
     ("torchtitan.models.llama3.config_registry", "llama3_debugmodel"),
 )
+#: (module, attribute) -> (parameters titan_ext's wrapper takes, by name; passed by position?): checked
+#: at registration (adapters.signature_mismatches); e.g. a builder called with ``num_microbatches``
+#: instead of ``local_batch_size`` is named there, not met as a TypeError in the first step
+SIGNATURES = {
+    (PIPELINE, "_build_pipeline_schedule"): (("parallelism", "local_batch_size", "stages", "loss_fn"), False),
+    (PIPELINE, "_pipeline_module_split"): (
+        ("whole_model", "pp_mesh", "pp_schedule", "device", "module_names_per_stage"), True),
+    ("torchtitan.components.metrics", "MetricsProcessor.log"): (
+        ("step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"), True),
+    ("torchtitan.components.metrics", "_get_metrics_rank"): (("parallel_dims", "pp_schedule"), False),
+}
 BUILDER_MODULES = (PIPELINE,)
 CPU_SHIM_MODULES = (
     "torchtitan.tools.utils",
@@ -70,6 +81,12 @@ def wrap_pipeline_module_split(original: Callable) -> Callable:
 #: builder-module attribute -> its wrapper factory
 WRAPPERS = {"_build_pipeline_schedule": wrap_build_pipeline_schedule,
             "_pipeline_module_split": wrap_pipeline_module_split}
+
+
+def install_metrics_processor(builder: Callable[[Callable], Callable]) -> bool:  # noqa: ARG001
+    """False: the pipeline metrics wrap ``MetricsProcessor.log`` at class level under 0.3 (its
+    configurable metrics processor is not used yet)."""
+    return False
 
 
 def trainer_base() -> type:
