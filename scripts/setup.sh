@@ -73,7 +73,7 @@ fi
 # --no-build-isolation: setup.py compiles titan_ext._delegate_C (cpp_ext/) against the torch installed
 # above (CPU parts always; CUDA parts when nvcc and a CUDA torch are present). An isolated build env
 # would download a second, multi-GB CUDA torch.
-step "installing build tools" "$vpy" -m pip install "setuptools>=77"
+step "installing build tools" "$vpy" -m pip install "setuptools>=68"
 step "installing titan_ext and its dependencies; building its C/C++ extensions (minutes the first time)" \
     "$vpy" -m pip install --no-build-isolation -e ".[test,solver]" "torchtitan==$TORCHTITAN_VERSION"
 for mod in titan_ext._delegate_C titan_ext.plan._search_c titan_ext.plan._greedy_c titan_ext.plan._pipemorph_c; do
