@@ -263,10 +263,10 @@ def test_cli_auto_strict_and_note(capsys):
 
     assert main(["plan", "--stages", "4", "--microbatches", "8", "--times", "10,10,10", "--delay", "2:30",
                  "--schedule", "auto", "--strict", "--memory-limit", "6", "--json"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("note: Alg.2 has no room: N = 8 <= 2S = 8")
     import json
 
-    out = json.loads(lines[-1])
+    captured = capsys.readouterr()  # --json: stdout is the JSON alone, the note goes to stderr
+    assert captured.err.strip().splitlines()[0].startswith("note: Alg.2 has no room: N = 8 <= 2S = 8")
+    out = json.loads(captured.out)
     assert out["validated_by"] == "ours+torch" and max(out["peak_inflight"].values()) <= 6
     assert out["makespan_ms"] == pytest.approx(out["predicted_makespan_ms"])

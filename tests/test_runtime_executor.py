@@ -25,6 +25,7 @@ def test_executor_runs_two_local_stages_like_autograd(single_rank_group):
     """Two stages on one rank (no communication): a split-backward action list runs through the
     executor; losses and gradients equal plain autograd's, every compute action is timed."""
     from titan_ext.runtime.testing import mlp_stages
+    from titan_ext.runtime import _torch_compat
     from titan_ext.runtime.executor import Executor, RunContext
     from torch.distributed.pipelining import PipelineStage
 
@@ -39,7 +40,7 @@ def test_executor_runs_two_local_stages_like_autograd(single_rank_group):
     ys = list(y.chunk(n))
     for st in stages:  # what step() sets for a training step
         st.has_backward = True
-    sched._initialize_stages(arg_mbs[0], kwarg_mbs[0], ys[0])
+    _torch_compat.initialize_stages(sched, arg_mbs[0], kwarg_mbs[0], ys[0], None)
     xs = [a[0] for a in arg_mbs]
     from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
     # F all, then per microbatch I on stage 1 and 0, then all W (a split-backward order)

@@ -93,7 +93,7 @@ def test_triton_is_declared_where_torchtitan_imports_it():
 def test_each_torch_form_of_initialize_stages_and_compute_loss_gets_what_it_takes():
     """torch 2.11's ``_initialize_stages(args, kwargs)`` once failed with a TypeError at the first step on
     a GPU machine; 2.12 adds ``target``, 2.13 ``loss_kwargs`` (stored here as the three signatures)."""
-    from titan_ext.runtime._torch_compat import compute_loss, initialize_stages
+    from titan_ext.runtime._torch_compat import initialize_stages, with_loss_kwargs
 
     calls = []
 
@@ -120,10 +120,10 @@ def test_each_torch_form_of_initialize_stages_and_compute_loss_gets_what_it_take
     initialize_stages(V213(), "a", "k", "t", {"w": 1})
     assert calls == [("2.11", "a", "k"), ("2.12", "a", "k", "t"), ("2.13", "a", "k", "t", None),
                      ("2.13", "a", "k", "t", {"w": 1})]
-    assert compute_loss(V211(), "o", "t", None) == ("2.11", "o", "t")
-    assert compute_loss(V213(), "o", "t", {"w": 1}) == ("2.13", "o", "t", {"w": 1})
+    assert with_loss_kwargs(V211()._compute_loss, "o", "t") == ("2.11", "o", "t")
+    assert with_loss_kwargs(V213()._compute_loss, "o", "t", loss_kwargs={"w": 1}) == ("2.13", "o", "t", {"w": 1})
     with pytest.raises(TypeError, match="loss_kwargs needs torch >= 2.13"):
-        compute_loss(V212(), "o", "t", {"w": 1})
+        with_loss_kwargs(V212()._compute_loss, "o", "t", loss_kwargs={"w": 1})
     with pytest.raises(TypeError, match="loss_kwargs needs torch >= 2.13"):
         initialize_stages(V212(), "a", "k", "t", {"w": 1})
 

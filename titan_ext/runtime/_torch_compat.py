@@ -20,8 +20,9 @@ TESTED = ">=2.11,<2.16"  # keep equal to pyproject.toml's torch requirement
 #: every torch (major, minor) whose pipelining loop the executor tracks (runtime/executor.py)
 TRACKED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 # torch 2.12 added ``target`` to ``_initialize_stages``, 2.13 ``loss_kwargs`` there and in
-# ``_compute_loss`` (the GPU machines' image has torch 2.11): :func:`initialize_stages` and
-# :func:`compute_loss` pass what the installed torch's signatures take
+# ``_compute_loss`` and a start-up handshake without messages to the same rank (the GPU machines' image
+# has torch 2.11): :func:`initialize_stages` and :func:`compute_loss` bridge them
+LOSS_KWARGS_SINCE = (2, 13)
 WAIT_ACTIONS_SINCE = (2, 15)
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
@@ -118,25 +119,87 @@ def _params(method) -> frozenset:
     return frozenset(inspect.signature(method).parameters)
 
 
+class _Landed:
+    """The work of a message matched in place (its peer is this rank)."""
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's Work API
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def p2p_peer(op) -> int:
+    """The global rank of a ``P2POp``'s peer (torch fills ``peer`` or, given ``group_peer``, not)."""
+    import torch.distributed as dist
+
+    return op.peer if op.peer is not None else dist.get_global_rank(op.group, op.group_peer)
+
+
+def match_self_p2p(p2p_ops: list, rank: int) -> dict:
+    """The ops of a batch whose peer is ``rank`` itself, matched in place: each receive takes the next
+    send's data, sends before receives, in issue order (the pair's FIFO). Returns {index: work}.
+    torch < 2.13's start-up handshake (``_get_init_p2p_neighbors_ops``) sends from every local stage to
+    its neighbours, also to one on the same rank (V or loop placements): NCCL allows a send to self,
+    gloo (and the ``nccl_rules`` backend over it) refuses it ("Pair is not connected")."""
+    import torch
+
+    sent, done = [], {}
+    for i, op in enumerate(p2p_ops):
+        if p2p_peer(op) == rank and getattr(op.op, "__name__", "") == "isend":
+            sent.append(op.tensor.detach().clone())
+            done[i] = _Landed()
+    for i, op in enumerate(p2p_ops):
+        if p2p_peer(op) == rank and i not in done:
+            with torch.no_grad():
+                op.tensor.copy_(sent.pop(0))
+            done[i] = _Landed()
+    return done
+
+
+def _without_self_p2p(batch_p2p):
+    def batch(p2p_ops: list, desc=None) -> list:
+        import torch.distributed as dist
+
+        done = match_self_p2p(p2p_ops, dist.get_rank())
+        rest = [op for i, op in enumerate(p2p_ops) if i not in done]
+        works = iter(batch_p2p(rest, desc) if rest else [])
+        return [done[i] if i in done else next(works) for i in range(len(p2p_ops))]
+
+    return batch
+
+
 def initialize_stages(schedule, args, kwargs, target, loss_kwargs) -> None:
     """``schedule._initialize_stages`` in the installed torch's form: torch >= 2.12 also takes the first
     microbatch's target (backward metadata inferred from the loss), >= 2.13 the loss keywords; 2.11
-    infers that metadata at the first backward."""
+    infers that metadata at the first backward. Before 2.13 the start-up handshake's messages between
+    two stages of one rank are matched in place (:func:`match_self_p2p`)."""
+    from torch.distributed.pipelining import schedules
+
     params = _params(schedule._initialize_stages)
     extra = {name: value for name, value in (("target", target), ("loss_kwargs", loss_kwargs)) if name in params}
     if loss_kwargs and "loss_kwargs" not in extra:
         raise TypeError(f"loss_kwargs needs torch >= 2.13 (installed: {'.'.join(map(str, torch_version()))})")
-    schedule._initialize_stages(args, kwargs, **extra)
+    if torch_version() >= LOSS_KWARGS_SINCE:
+        schedule._initialize_stages(args, kwargs, **extra)
+        return
+    installed = schedules._batch_p2p
+    schedules._batch_p2p = _without_self_p2p(installed)
+    try:
+        schedule._initialize_stages(args, kwargs, **extra)
+    finally:
+        schedules._batch_p2p = installed
 
 
-def compute_loss(schedule, output, target, loss_kwargs):
-    """``schedule._compute_loss`` in the installed torch's form (``loss_kwargs`` from torch 2.13 on;
-    before, loss keywords are refused, as torch's own ``step`` there has none)."""
-    if "loss_kwargs" in _params(schedule._compute_loss):
-        return schedule._compute_loss(output, target, loss_kwargs)
+def with_loss_kwargs(method, *args, loss_kwargs=None):
+    """``method(*args, loss_kwargs)`` where the installed torch takes ``loss_kwargs`` (2.13 on: the
+    schedules' ``_compute_loss`` / ``_maybe_compute_loss``), else ``method(*args)``; loss keywords on an
+    older torch are refused, as torch's own ``step`` there has none."""
+    if "loss_kwargs" in _params(method):
+        return method(*args, loss_kwargs)
     if loss_kwargs:
         raise TypeError(f"loss_kwargs needs torch >= 2.13 (installed: {'.'.join(map(str, torch_version()))})")
-    return schedule._compute_loss(output, target)
+    return method(*args)
 
 
 def mirrored_loop() -> str:

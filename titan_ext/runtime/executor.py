@@ -5,7 +5,7 @@ torch **2.11**, **2.12**, **2.13**, **2.14** and **2.15** (``_torch_compat.TRACK
 loop lies in tests/torch_loops/ and ``tests/test_torch_loops.py`` fails when the installed torch's loop
 differs from it; 2.11's and 2.12's differ from 2.13's only in the arguments of
 ``_initialize_stages`` / ``_compute_loss`` — 2.12 added ``target``, 2.13 ``loss_kwargs`` — which
-``_torch_compat.initialize_stages`` / ``compute_loss`` pass as the installed torch takes them): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
+``_torch_compat.initialize_stages`` / ``with_loss_kwargs`` pass as the installed torch takes them): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
 functions, local stage-to-stage hand-off when neighbouring stages share a rank — so it runs several
 local stages per rank, as the multi-stage runtime needs), and from torch 2.15 on
 (``_torch_compat.has_wait_actions``) its explicit waits: WAIT_SEND_F / WAIT_SEND_B retire one send
@@ -45,7 +45,7 @@ from torch.distributed.pipelining.schedules import (
     _wait_batch_p2p,
 )
 
-from ._torch_compat import has_wait_actions
+from ._torch_compat import has_wait_actions, with_loss_kwargs
 from .device import DeviceLayer, device_layer
 from .profiler import ActionRecord, IterationProfile
 from .transport import TorchP2P, Transport
@@ -302,7 +302,7 @@ class Executor:
         else:
             output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
                                              save_forward_output=ctx.return_outputs)
-        sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb, ctx.loss_kwargs)
+        with_loss_kwargs(sched._maybe_compute_loss, stage, output, ctx.target_mbs, mb, loss_kwargs=ctx.loss_kwargs)
         if stage.stage_index + 1 in ctx.stages:
             ctx.stages[stage.stage_index + 1].set_local_fwd_input(output, mb)
 

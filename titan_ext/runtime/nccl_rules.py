@@ -1078,18 +1078,23 @@ def _set_pg_timeout(timeout: Any, group: Any = None) -> None:
 
 
 def _batch_isend_irecv(p2p_op_list: list) -> list:
-    """torch's ``batch_isend_irecv``, made one NCCL group on an ``nccl_rules`` group."""
+    """torch's ``batch_isend_irecv``, made one NCCL group on an ``nccl_rules`` group. Ops whose peer is
+    this rank are matched in place, as NCCL delivers a send to self (gloo refuses it; torch < 2.13's
+    start-up handshake sends one between two stages of a rank)."""
+    from ._torch_compat import match_self_p2p
+
     group = p2p_op_list[0].group if p2p_op_list else None
     if group is None and p2p_op_list and dist.is_initialized():
         group = dist.distributed_c10d._get_default_group()
     if not isinstance(group, NcclRulesGroup):
         return _orig_batch_isend_irecv(p2p_op_list)
+    done = match_self_p2p(p2p_op_list, dist.get_rank())
     group.begin_batch()
     try:
-        works = _issue_each(p2p_op_list)
+        works = iter(_issue_each([op for i, op in enumerate(p2p_op_list) if i not in done]))
     finally:
         group.end_batch()
-    return works
+    return [done[i] if i in done else next(works) for i in range(len(p2p_op_list))]
 
 
 def _issue_each(p2p_op_list: list) -> list:

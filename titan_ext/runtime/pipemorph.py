@@ -378,8 +378,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         if stage.is_last and self._loss_fn is not None:
             if mb_index in self._losses_by_mb:
                 raise AssertionError(f"{type(self).__name__}: microbatch {mb_index} forwarded twice on the last stage")
-            self._losses_by_mb[mb_index] = _torch_compat.compute_loss(self, output, target_mbs[mb_index],
-                                                                      loss_kwargs)
+            self._losses_by_mb[mb_index] = _torch_compat.with_loss_kwargs(
+                self._compute_loss, output, target_mbs[mb_index], loss_kwargs=loss_kwargs)
 
     def _maybe_get_loss(self, stage, mb_index):
         """The loss of microbatch ``mb_index`` on the last stage (None elsewhere), whatever the forward order."""

@@ -9,8 +9,8 @@ group and peer: a send copies device → host and gloo-sends the copy; a receive
 host buffer and its ``wait()`` copies it onto the device tensor, on the current stream, before the
 consumer runs.  Host tensors pass through unchanged.  An op whose peer is this rank (torch 2.11's
 start-up handshake of ScheduleZBVZeroBubble sends from the V's turn stage to its neighbour on the same
-rank, which NCCL allows and gloo refuses: "Pair is not connected") is matched in place, sends before
-receives, in issue order.
+rank, which NCCL allows and gloo refuses: "Pair is not connected") is matched in place
+(``_torch_compat.match_self_p2p``).
 
 It is a test and benchmark transport (``scripts/gpu_tier.py``), not a production path: the copies
 are blocking (the host waits for the device at each send), which a real job's NCCL groups or the
@@ -21,31 +21,18 @@ before link-delay injection, so the injector's stamps travel through it too.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ._torch_compat import match_self_p2p, p2p_peer
 
 __all__ = ["HostStagedP2P"]
 
 
 def _is_send(op: Any) -> bool:
     return getattr(op.op, "__name__", "") == "isend"
-
-
-def _peer(op: Any) -> int:
-    return op.peer if op.peer is not None else dist.get_global_rank(op.group, op.group_peer)
-
-
-class _Done:
-    """The work of a message matched in place (its peer is this rank)."""
-
-    def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class _StagedSend:
@@ -92,23 +79,15 @@ class HostStagedP2P:
         """``staged``: the device types whose tensors are staged (a test stages "cpu" too)."""
         self._orig: Any = None
         self._staged = staged
-        self._loopback: deque = deque()  # sends to this rank, not yet received
 
     def batch_p2p(self, p2p_ops: list, desc: str | None = None) -> list:  # noqa: ARG002 - torch's signature
-        me = dist.get_rank()
-        works: list = [None] * len(p2p_ops)
+        done = match_self_p2p(p2p_ops, dist.get_rank())
+        works: list = [done.get(i) for i in range(len(p2p_ops))]
         for i, op in enumerate(p2p_ops):
-            if _peer(op) == me and _is_send(op):
-                self._loopback.append(op.tensor.detach().clone())
-                works[i] = _Done()
-        for i, op in enumerate(p2p_ops):
-            tensor, peer = op.tensor, _peer(op)
-            if peer == me:
-                if not _is_send(op):
-                    with torch.no_grad():
-                        tensor.copy_(self._loopback.popleft())
-                    works[i] = _Done()
-            elif tensor.device.type not in self._staged:
+            if i in done:
+                continue
+            tensor, peer = op.tensor, p2p_peer(op)
+            if tensor.device.type not in self._staged:
                 works[i] = op.op(tensor, peer, op.group, op.tag)
             elif _is_send(op):
                 host = tensor.detach().to("cpu", copy=True)
