@@ -489,3 +489,26 @@ def test_one_stream_per_rank_orders_groups_across_peers():
     assert seen[1]["spanning"] == (None, "ok") and seen[2]["spanning"] == (None, "ok")
     for rank in range(3):
         assert "watchdog" in seen[rank]["cycle"], seen[rank]["cycle"]
+
+
+def _functional_reads(rank: int, world: int) -> list[float]:
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    out = []
+    for _ in range(10):
+        out.append(float(funcol.all_reduce(torch.full((1,), float(rank + 1)), "avg", mesh)))
+        t = torch.full((1,), float(rank + 1))
+        dist.all_reduce(t)
+        out.append(float(t))
+    return out
+
+
+def test_a_host_read_of_a_collective_result_sees_the_reduced_value():
+    """A collective's result read on the host (TorchTitan's loss: ``dist_mean`` through functional
+    collectives) is the reduced value, as a GPU's host read waits for the stream; the stream-wait model
+    had let ``float(funcol.all_reduce(...))`` read the rank's own input (the DP × PP job's logged loss
+    came out 2× or ½× the reference's)."""
+    for got in run_ranks(_functional_reads, 2, backend="nccl_rules", timeout_s=120):
+        assert got == [1.5, 3.0] * 10, got

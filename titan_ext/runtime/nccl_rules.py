@@ -910,10 +910,14 @@ class NcclRulesGroup(dist.ProcessGroup):
             return self._error
 
     # -- collectives (gloo's, in stream order, host-tensor rule checked on inputs *and* outputs) ---
-    def _collective(self, name: str, tensors: list, result: Any, *args: Any, host_blocking: bool = False) -> _RulesWork:
+    def _collective(self, name: str, tensors: list, result: Any, *args: Any, host_blocking: bool = True) -> _RulesWork:
         """A collective on gloo, in this rank's stream order, after refusing host tensors among
         ``tensors`` (every input and output buffer: NCCL writes a collective's result into device
-        memory, so a host output is refused like a host input)."""
+        memory, so a host output is refused like a host input).  Its ``wait()`` blocks until the result
+        has landed: the stream-wait model does not reach reads that go through functional collectives
+        (``wait_tensor`` in C++, then the host read of an ``AsyncCollectiveTensor``), which read the
+        un-reduced input (seen: TorchTitan's ``dist_mean`` of the loss gave a rank's own value) where a
+        GPU's host read would wait for the stream."""
         for t in tensors:
             _check_device_tensor(t, f"a collective ({name})")
         if self._error is not None:
@@ -972,7 +976,7 @@ class NcclRulesGroup(dist.ProcessGroup):
         return self._collective("reduce", tensors, tensors, tensors, *_opt(opts))
 
     def barrier(self, opts=None):
-        return self._collective("barrier", [], [], *_opt(opts), host_blocking=True)
+        return self._collective("barrier", [], [], *_opt(opts))
 
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
