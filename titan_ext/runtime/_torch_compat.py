@@ -13,6 +13,7 @@ are required too and :func:`has_wait_actions` turns the runtime's handling of th
 they are neither required nor used.
 """
 
+import functools
 import importlib
 import inspect
 
@@ -116,7 +117,15 @@ def check_torch() -> None:
 
 
 def _params(method) -> frozenset:
-    return frozenset(inspect.signature(method).parameters)
+    """The parameter names of ``method`` (a bound method's function's, cached: the executor asks once
+    per forward, and ``inspect.signature`` is not free)."""
+    return _function_params(getattr(method, "__func__", method))
+
+
+@functools.lru_cache(maxsize=None)
+def _function_params(fn) -> frozenset:
+    params = inspect.signature(fn).parameters
+    return frozenset(name for name in params if name != "self")
 
 
 class _Landed:
