@@ -138,6 +138,11 @@ class _Landed:
         return True
 
 
+def is_send(op) -> bool:
+    """Whether a ``P2POp`` sends (``dist.isend``) rather than receives."""
+    return getattr(op.op, "__name__", "") == "isend"
+
+
 def p2p_peer(op) -> int:
     """The global rank of a ``P2POp``'s peer (torch fills ``peer`` or, given ``group_peer``, not)."""
     import torch.distributed as dist
@@ -155,7 +160,7 @@ def match_self_p2p(p2p_ops: list, rank: int) -> dict:
 
     sent, done = [], {}
     for i, op in enumerate(p2p_ops):
-        if p2p_peer(op) == rank and getattr(op.op, "__name__", "") == "isend":
+        if p2p_peer(op) == rank and is_send(op):
             sent.append(op.tensor.detach().clone())
             done[i] = _Landed()
     for i, op in enumerate(p2p_ops):

@@ -26,13 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._torch_compat import match_self_p2p, p2p_peer
+from ._torch_compat import is_send, match_self_p2p, p2p_peer
 
 __all__ = ["HostStagedP2P"]
-
-
-def _is_send(op: Any) -> bool:
-    return getattr(op.op, "__name__", "") == "isend"
 
 
 class _StagedSend:
@@ -89,7 +85,7 @@ class HostStagedP2P:
             tensor, peer = op.tensor, p2p_peer(op)
             if tensor.device.type not in self._staged:
                 works[i] = op.op(tensor, peer, op.group, op.tag)
-            elif _is_send(op):
+            elif is_send(op):
                 host = tensor.detach().to("cpu", copy=True)
                 works[i] = _StagedSend(dist.isend(host, peer, op.group, op.tag), host)
             else:
