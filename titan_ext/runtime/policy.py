@@ -42,6 +42,8 @@ class Decision:
     mode: str | None = None  # planner mode for a new plan: "initial" | "adaptive"
     backward: str | None = None  # "split" | "full" for a new plan (None: the deployed plan's)
     warmup_counts: list[int] | None = None  # explicit counts (force / tests), else the planner decides
+    #: in-flight activations per stage a plan from ``warmup_counts`` may hold (None: the counts themselves)
+    inflight_limit: list[int] | None = None
     actions: dict | None = None  # an explicit compute-only plan (force / tests)
     violated_links: list[int] = field(default_factory=list)
 
