@@ -242,9 +242,9 @@ def _optimal_ms(pm: dict, args) -> tuple[float | None, str]:
     if pm["layout"] != "one":
         return None, "CP-SAT models one stage per rank only"
     profile = PipelineProfile.from_json(pm["profile"])
-    K = pm["inflight_cap"] if pm["inflight_cap"] is not None else pm["x_max"]
+    K = pm["inflight_cap"] if pm["inflight_cap"] is not None else pm["x_max"]  # per stage once measured
     try:
-        res = plan_by_name(profile, "optimal", memory_limit=int(K), time_limit_s=args.optimal_s)
+        res = plan_by_name(profile, "optimal", memory_limit=K, time_limit_s=args.optimal_s)
     except ImportError as exc:
         return None, f"no solver ({exc})"
     status = (res.info or {}).get("solver_status", "?")

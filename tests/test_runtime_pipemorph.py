@@ -405,5 +405,5 @@ def test_absurd_memory_budget_warns_once_from_rank_0():
     act = 3 * (BATCH // n_mb) * DIM * 8  # M^F of this MLP stage (see the test above)
     results = run_ranks(_small_budget_worker, world, n_mb, 0.5 * act)
     assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == [], results
-    assert "holds only 1 activation(s)" in results[0]["warnings"][0]
-    assert "fewer than the 2 stages" in results[0]["warnings"][0]
+    assert "holds [1, 1] in-flight activations per stage" in results[0]["warnings"][0]
+    assert "less than 1F1B holds ([2, 1])" in results[0]["warnings"][0]

@@ -10,6 +10,7 @@ Every rank absorbs the same exchanged numbers, so every rank computes the same c
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from titan_ext.plan.ir import as_ops
@@ -107,15 +108,16 @@ class MemoryBudget:
         """Once, from PP rank 0: a budget that holds fewer activations than stages (below 1F1B's memory,
         e.g. ``memory_budget_gib = 1e-9``) is applied, but said."""
         S = self.S
-        if self.inflight_cap is None or self.inflight_cap >= S or self._warned:
+        caps = getattr(self, "stage_caps", None) or ([self.inflight_cap] * S if self.inflight_cap is not None else None)
+        if caps is None or all(c >= S - s for s, c in enumerate(caps)) or self._warned:
             return
         self._warned = True
         if rank == 0:
-            logger.warning("PipeMorph: the memory budget (%s B per rank) holds only %d activation(s) of %.3g B "
-                           "per stage, fewer than the %d stages (1F1B holds %d): plans are capped at %d in-flight "
-                           "activations and will be slow; raise [titan_ext] memory_budget_gib (0 = no budget)",
-                           ", ".join(f"{b:.3g}" for b in budgets), self.inflight_cap,
-                           max(self.activation_bytes_all), S, S, self.inflight_cap)
+            logger.warning("PipeMorph: the memory budget (%s B per rank) holds %s in-flight activations per stage "
+                           "(of %s B each), less than 1F1B holds (%s): plans are capped there and will be slow; "
+                           "raise [titan_ext] memory_budget_gib (0 = no budget)",
+                           ", ".join(f"{b:.3g}" for b in budgets), list(caps),
+                           ", ".join(f"{a:.3g}" for a in self.activation_bytes_all), [S - s for s in range(S)])
 
 
 class StageMemoryBudget(MemoryBudget):
@@ -134,6 +136,17 @@ class StageMemoryBudget(MemoryBudget):
             return super().adaptive_limit(lifted)
         user = None if lifted else self.adaptive_memory_limit
         return [c if user is None else min(c, user) for c in self.stage_caps]
+
+    def capped(self, profile: Any, lifted: bool = False) -> Any:
+        """``profile`` carrying the adaptive plans' per-stage caps as its memory (in activations:
+        ``activation_bytes`` 1, ``memory_budget_bytes`` the cap), so the policy's Alg.2 target and the
+        planners see the same limit (``PipelineProfile.max_inflight``); unchanged without a cap."""
+        limit = self.adaptive_limit(lifted)
+        if limit is None:
+            return profile
+        caps = limit if isinstance(limit, list) else [limit] * profile.num_stages
+        return replace(profile, activation_bytes=(1.0,) * profile.num_stages,
+                       memory_budget_bytes=tuple(float(c) for c in caps))
 
     def planning_x_max(self) -> int | list[int]:
         """Alg.1's bound: x_max on stage 0, each other stage its own cap."""

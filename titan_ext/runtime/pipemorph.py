@@ -515,6 +515,8 @@ class PipeMorph(_PipelineScheduleRuntime):
     def _decide(self) -> Decision:
         """Run the policy (identical inputs on every rank → identical decision)."""
         est = self.estimator.profile(self.deployed.backward)
+        if self.layout.stages_per_rank == 1:
+            est = self.memory.capped(est, self._delegating())
         counts = self.deployed.warmup_counts
         if not self.adaptive and not self.policy.forces:
             decision = Decision("keep", "adaptation disabled")
