@@ -42,7 +42,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["DEFAULT_HEADROOM", "PENDING", "RELEASE", "ActivationMeter", "activation_budget_bytes", "inflight_cap",
-           "optimizer_steps", "rank_memory_limits", "stage_caps"]
+           "optimizer_steps", "rank_memory_limits", "saved_bytes_key", "stage_caps"]
 
 #: the memory rule of every plan this runtime runs (``plan.deps.RELEASES``): torch's split backward keeps a
 #: microbatch's autograd graph from its I until its W (``ActivationMeter`` sees an I free nothing), so an
@@ -125,12 +125,27 @@ def rank_memory_limits(budgets: Sequence[float], chunk_bytes: Sequence[float], s
     return tuple(out)
 
 
+def saved_bytes_key(t: torch.Tensor, parameters: set) -> tuple[tuple, int] | None:
+    """How a tensor autograd saves counts as activation memory — the one rule of M^F
+    (``executor.measured_forward``) and of :class:`ActivationMeter`: (key, bytes), a view counting its
+    own elements (a microbatch is a view of the user's batch), the same view once; None for a parameter
+    (or a view of one), which is not an activation.  ``parameters``: their storages' data pointers."""
+    try:
+        if t.untyped_storage().data_ptr() in parameters:
+            return None
+        nbytes = t.numel() * t.element_size()
+        return (str(t.device), t.data_ptr(), nbytes), nbytes
+    except Exception:  # noqa: BLE001 - e.g. tensors without storage
+        nbytes = t.numel() * t.element_size()
+        return (id(t), nbytes), nbytes
+
+
 class _Held:
     """One saved tensor as autograd holds it between pack and its graph's release."""
 
     __slots__ = ("meter", "tensor", "key", "__weakref__")
 
-    def __init__(self, meter: "ActivationMeter", tensor: torch.Tensor, key: tuple[str, int]):
+    def __init__(self, meter: "ActivationMeter", tensor: torch.Tensor, key: tuple):
         self.meter, self.tensor, self.key = meter, tensor, key
 
     def __del__(self) -> None:  # autograd released the saved tensor (its graph was freed)
@@ -142,8 +157,8 @@ class ActivationMeter:
     that applies alike to torch's schedules and ours (``scripts/bench_frontier.py``).
 
     Use as a context manager around ``schedule.step(...)``: a ``saved_tensors_hooks`` pair records every
-    tensor autograd saves; a storage counts once while any saved tensor views it (by device and data
-    pointer), parameters' storages never (they are not activations).  A saved tensor is released when
+    tensor autograd saves, counted by :func:`saved_bytes_key` (a view its own elements, the same view
+    once while any saved tensor holds it, parameters never).  A saved tensor is released when
     autograd drops it — when the backward that needs it ran (W for a split backward), or its graph was
     freed — so ``bytes`` follows the schedule's real in-flight activations.  Same unit as M^F of
     Alg.1 (``Executor.activation_bytes``: bytes one microbatch's forward saves).  An inner
@@ -152,25 +167,20 @@ class ActivationMeter:
     are held detached (no double backward through a metered step)."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self._params = {self._key(p) for p in parameters}
-        self._alive: dict[tuple[str, int], list[int]] = {}  # storage → [bytes, saved tensors viewing it]
+        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        self._alive: dict[tuple, list[int]] = {}  # key → [bytes, saved tensors holding it]
         self.bytes = 0
         self.peak_bytes = 0
         self._hooks: Any = None
 
-    @staticmethod
-    def _key(t: torch.Tensor) -> tuple[str, int]:
-        return str(t.device), t.untyped_storage().data_ptr()
-
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+        counted = saved_bytes_key(t, self._params)
+        if counted is None or counted[1] == 0:
             return t
-        key = self._key(t)
-        if key in self._params:
-            return t
+        key, nbytes = counted
         entry = self._alive.get(key)
         if entry is None:
-            entry = self._alive[key] = [t.untyped_storage().nbytes(), 0]
+            entry = self._alive[key] = [nbytes, 0]
             self.bytes += entry[0]
             self.peak_bytes = max(self.peak_bytes, self.bytes)
         entry[1] += 1
@@ -182,7 +192,7 @@ class ActivationMeter:
     def _unpack(held: Any) -> torch.Tensor:
         return held.tensor if isinstance(held, _Held) else held
 
-    def _release(self, key: tuple[str, int]) -> None:
+    def _release(self, key: tuple) -> None:
         entry = self._alive.get(key)
         if entry is None:
             return
