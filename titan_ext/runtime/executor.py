@@ -297,13 +297,18 @@ class Executor:
 
     def _forward(self, stage: Any, mb: int, ctx: RunContext) -> None:
         sched = ctx.schedule
-        if self.activation_bytes is None and ctx.training:
-            output, nbytes = measured_forward(stage, mb, ctx)
-            self.activation_bytes = float(nbytes)
-        else:
+
+        def forward() -> Any:
             output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
                                              save_forward_output=ctx.return_outputs)
-        with_loss_kwargs(sched._maybe_compute_loss, stage, output, ctx.target_mbs, mb, loss_kwargs=ctx.loss_kwargs)
+            with_loss_kwargs(sched._maybe_compute_loss, stage, output, ctx.target_mbs, mb, loss_kwargs=ctx.loss_kwargs)
+            return output
+
+        if self.activation_bytes is None and ctx.training:
+            output, nbytes = measured_forward(stage, forward)
+            self.activation_bytes = float(nbytes)
+        else:
+            output = forward()
         if stage.stage_index + 1 in ctx.stages:
             ctx.stages[stage.stage_index + 1].set_local_fwd_input(output, mb)
 
@@ -356,9 +361,10 @@ def forward_order(actions: list[_Action], stage_index: int) -> list[int]:
     return order
 
 
-def measured_forward(stage: Any, mb: int, ctx: RunContext) -> tuple[Any, int]:
-    """Forward one microbatch while summing the bytes autograd saves (PipeMorph Alg.1's M^F), counted as
-    ``memory.saved_bytes_key`` counts them (a view its own elements, once; parameters never)."""
+def measured_forward(stage: Any, forward: Any) -> tuple[Any, int]:
+    """``forward()`` (one microbatch's forward and, on the last stage, its loss) while summing the bytes
+    autograd saves (PipeMorph Alg.1's M^F), counted as ``memory.saved_bytes_key`` counts them (a view its
+    own elements, once; parameters never)."""
     params = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
     seen: set[tuple] = set()
     total = [0]
@@ -371,6 +377,5 @@ def measured_forward(stage: Any, mb: int, ctx: RunContext) -> tuple[Any, int]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
-                                         save_forward_output=ctx.return_outputs)
+        output = forward()
     return output, max(total[0], 1)
