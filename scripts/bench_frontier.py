@@ -309,4 +309,34 @@ def run(args) -> dict:
                       f"input waits {b['input_wait_ms']:.1f} + other {b['other_ms']:.1f} ({b['actions']} actions) | "
                       f"modelled end {b['modelled_end_ms']:.1f} = compute {b['modelled_compute_ms']:.1f} + idle "
                       f"{b['modelled_idle_ms']:.1f}")
+    if args.plot:
+        plot(rows, args.plot, mode)
+        print(f"wrote {args.plot}")
     return {"rows": rows, "runs": runs, "compute": args.compute}
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Time vs measured memory, one panel per delay: each torch schedule a point at its own memory,
+    PipeMorph a line through the same memories (the frontier)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    delays = sorted({r["delay_ms"] for r in rows})
+    fig, axes = plt.subplots(1, len(delays), figsize=(6 * len(delays), 4.5), squeeze=False)
+    for ax, delay in zip(axes[0], delays):
+        mine = sorted((r for r in rows if r["delay_ms"] == delay), key=lambda r: r["peak_bytes_per_rank"])
+        for r in mine:
+            ax.scatter(r["peak_bytes_per_rank"] / 1024, r["median_ms"], label=f"torch {r['schedule']}")
+        ax.plot([r["peak_bytes_per_rank"] / 1024 for r in mine], [r["pipemorph_ms_at_same_memory"] for r in mine],
+                "k-o", label="PipeMorph at the same memory")
+        ax.set_title(f"+{delay:g} ms on one link")
+        ax.set_xlabel("measured peak saved activations per rank (KiB)")
+        ax.set_ylabel("iteration (ms, median)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -165,6 +165,7 @@ def main() -> None:
                          "memory and PipeMorph at the same memory (scripts/bench_frontier.py)")
     ap.add_argument("--compute", choices=["sleep", "model"], default="sleep", help="frontier: compute mode")
     ap.add_argument("--optimal-s", type=float, default=60.0, help="frontier: CP-SAT time limit per row")
+    ap.add_argument("--plot", default=None, help="frontier: write the time-vs-memory plot (PNG) here")
     ap.add_argument("--link", type=int, default=2, help="multistage: the delayed rank link")
     ap.add_argument("--memory-cap", choices=["none", "zbv"], default="none",
                     help="multistage: zbv caps PipeMorph per rank at ZBV's peak (issue 21)")

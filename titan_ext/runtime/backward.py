@@ -6,8 +6,9 @@
    I, its W dropped: :func:`mixed_backward`), so the first iteration measures t_I, t_W *and* t_B on
    every stage, at no extra plan version and less memory than the split plan;
 2. every planner-made re-plan (calibrate, adapt, shrink) plans both variants, each under its own
-   measured profile, and keeps the faster predicted makespan (:func:`faster_by_model`; full must win by
-   ``backward_margin``).  A healthy job therefore deploys two plans: the initial and the calibrated.
+   measured profile, and keeps the faster predicted makespan (:func:`faster_by_model`; split must win by
+   ``backward_margin``; on a tie full, which runs half the backward actions).  A healthy job therefore deploys two
+   plans: the initial and the calibrated.
 
 ``backward="measure"`` is the measured probe below (:class:`BackwardChooser`), for hardware where the
 simulator's makespan does not rank the variants right (ranks sharing cores).
@@ -54,11 +55,13 @@ def mixed_backward(ops: dict[int, list[tuple[int, str, int]]]) -> dict[int, list
 
 
 def faster_by_model(split: Any, full: Any, margin: float) -> Any:
-    """The plan to deploy of the two variants' plans (``PlanResult``): full when its predicted makespan
-    beats split's by more than ``margin`` (relative), else split."""
-    if full.predicted_makespan_ms < split.predicted_makespan_ms * (1.0 - margin):
-        return full
-    return split
+    """The plan to deploy of the two variants' plans (``PlanResult``): split when its predicted makespan
+    beats full's by more than ``margin`` (relative), else full — on a tie the full backward has half the
+    backward actions (each costs the executor and, on a GPU, kernel launches) and frees an activation at
+    its B, which the model does not price."""
+    if split.predicted_makespan_ms < full.predicted_makespan_ms * (1.0 - margin):
+        return split
+    return full
 
 
 def _other(variant: str) -> str:
