@@ -70,6 +70,7 @@ from typing import Mapping, Sequence
 from .crosspipe.model import Model, replay
 from .crosspipe.portfolio import plan_crosspipe_problem
 from .crosspipe.problem import F, I, W, CrossPipeProblem, Op, problem_from_profile, to_actions
+from .interrupt import solve
 
 __all__ = ["OptimalResult", "solve_optimal", "solve_optimal_problem", "time_unit_for"]
 
@@ -505,7 +506,7 @@ def solve_optimal_problem(
     if deterministic and workers > 1:
         solver.parameters.interleave_search = True
     ran = deterministic_time is None or deterministic_time > 0  # 0: the polish alone, no final search
-    status = solver.Solve(m) if ran else cp_model.UNKNOWN
+    status = solve(solver, m) if ran else cp_model.UNKNOWN  # signal handlers kept (interrupt.py)
     solve_s = time.perf_counter() - t_start
     name = solver.StatusName(status)
     num_ops = 3 * N * S
@@ -574,7 +575,7 @@ def _neighbourhood_polish(m, nodes, start, makespan, cur, cur_ms, lb, fractions,
         sub.AddHint(sub.GetIntVarFromProtoIndex(makespan.Index()), cur_ms)
         ps = cp_model.CpSolver()
         set_params(ps)
-        status = ps.Solve(sub)
+        status = solve(ps, sub)
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and ps.ObjectiveValue() < cur_ms:
             cur = {v: ps.Value(start[v]) for v in nodes}
             cur_ms = int(round(ps.ObjectiveValue()))
