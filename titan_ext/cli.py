@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
-from .plan.args import parse_float, parse_int
+from .plan.args import names_a_directory, parse_float, parse_int
 from .plan.result import rank_peak_inflight, warmup_counts_of
 from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
 from .plan.virtual import VIRTUAL_SCHEDULES
@@ -709,18 +709,8 @@ _OUTPUT_FLAGS = (("--out-csv", "out_csv"), ("--trace", "trace"), ("--gantt", "ga
 _INPUT_FLAGS = (("--profile", "profile"), ("--csv", "csv"))
 
 
-def _directory_path(text: str) -> bool:
-    """Whether the text of an output path names a directory whatever exists there (``out/``, ``.``,
-    ``x/..``): checked on the text, since ``Path`` drops a trailing ``/`` (``mine.csv/`` is ``mine.csv``)."""
-    seps = (os.sep,) + ((os.altsep,) if os.altsep else ())
-    last = text
-    for sep in seps:
-        last = last.rsplit(sep, 1)[-1]
-    return not text or text.endswith(seps) or last in (".", "..")
-
-
 def _outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
-    """(flag, path) of each output given (argparse keeps their text: see :func:`_directory_path`)."""
+    """(flag, path) of each output given (argparse keeps their text: see ``plan.args.names_a_directory``)."""
     return [(flag, Path(getattr(args, dest))) for flag, dest in _OUTPUT_FLAGS if getattr(args, dest, None) is not None]
 
 
@@ -740,7 +730,7 @@ def check_outputs(args: argparse.Namespace) -> None:
             continue
         if "\0" in text:
             raise UsageError(f"{flag} {text!r}: a path cannot contain a NUL character")
-        if _directory_path(text):
+        if names_a_directory(text):
             raise UsageError(f"{flag} {text}: is a directory path; an output is a file (e.g. out/plan.csv)")
     for flag, path in _outputs(args):
         if flag == "--gantt" and path.suffix.lower() not in _GANTT_FORMATS:

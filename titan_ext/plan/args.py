@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any, Mapping, Sequence
 
+from .errors import ArgumentTypeError
 from .profile import PipelineProfile
 
 #: the longest number read from text (a 5,000-digit integer is a typo or an attack, not a count)
 MAX_NUMBER_CHARS = 64
 
 
-class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type: a ``TypeError`` (Python's convention) that is also the
-    ``ValueError`` the public API raised for it before (issue 26), so both ``except`` clauses catch it."""
 
 
 def _ascii_number_text(text: Any, name: str) -> str:
@@ -55,6 +54,29 @@ def parse_float(text: str, name: str) -> float:
         return float(stripped)
     except ValueError:
         raise ValueError(f"{name}: not a number, got {text!r}") from None
+
+
+def names_a_directory(text: str) -> bool:
+    """Whether the text of a path names a directory whatever exists there (``out/``, ``.``, ``x/..``):
+    checked on the text, since ``pathlib.Path`` drops a trailing ``/`` (``mine.csv/`` is ``mine.csv``)."""
+    seps = (os.sep,) + ((os.altsep,) if os.altsep else ())
+    last = text
+    for sep in seps:
+        last = last.rsplit(sep, 1)[-1]
+    return not text or text.endswith(seps) or last in (".", "..")
+
+
+def output_path_arg(value: Any, name: str = "path") -> str:
+    """The path of an output file: text or ``os.PathLike``, no NUL, not naming a directory by its text."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+    if "\0" in value:
+        raise ValueError(f"{name} {value!r}: a path cannot contain a NUL character")
+    if names_a_directory(value):
+        raise ValueError(f"{name} {value!r} is a directory path; an output is a file")
+    return value
 
 
 def profile_arg(value: Any, name: str = "profile") -> PipelineProfile:
@@ -116,11 +138,11 @@ def plan_arg(value: Any, name: str = "plan") -> Mapping:
     return value
 
 
-def counts_arg(value: Any, name: str, length: int | None = None) -> list[int]:
-    """A sequence of integers (e.g. warm-up counts), of ``length`` when given."""
+def counts_arg(value: Any, name: str, length: int | None = None, *, minimum: int | None = None) -> list[int]:
+    """A sequence of integers (e.g. warm-up counts), of ``length`` when given, each >= ``minimum``."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ArgumentTypeError(f"{name} must be a sequence of integers, got {type(value).__name__}")
-    out = [int_arg(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    out = [int_arg(v, f"{name}[{i}]", minimum) for i, v in enumerate(value)]
     if length is not None and len(out) != length:
         raise ValueError(f"{name} has {len(out)} entries, expected {length}")
     return out
