@@ -86,15 +86,15 @@ def profile_arg(value: Any, name: str = "profile") -> PipelineProfile:
 
 
 def real_arg(value: Any, name: str, *, minimum: float | None = None, maximum: float | None = None,
-             positive: bool = False, optional: bool = False) -> float | None:
-    """A finite real number (int or float, not a bool, not NaN/inf) within [minimum, maximum] (> 0 when
-    ``positive``); None passes when ``optional``."""
+             positive: bool = False, optional: bool = False, allow_inf: bool = False) -> float | None:
+    """A finite real number (int or float, not a bool, not NaN; +inf only with ``allow_inf``) within
+    [minimum, maximum] (> 0 when ``positive``); None passes when ``optional``."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
-    if not math.isfinite(value):
+    if not math.isfinite(value) and not (allow_inf and value == math.inf):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if positive and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
