@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 
 from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
 from .plan.args import names_a_directory, parse_float, parse_int
+from .plan.interrupt import signals_deferred as _signals_deferred
 from .plan.result import rank_peak_inflight, warmup_counts_of
 from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
 from .plan.virtual import VIRTUAL_SCHEDULES
@@ -85,24 +86,6 @@ def _sigterm_raises():
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-_DEFERRED = {signal.SIGINT, signal.SIGTERM}
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """SIGINT and SIGTERM wait (blocked, still pending) until the body is done: for the few steps that
-    must not be cut in half (a temporary file created and recorded, the outputs renamed into place, the
-    temporary files removed)."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class TimeLimitReached(BaseException):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from .args import ArgumentTypeError, output_path_arg
+from .interrupt import signals_deferred
 from .ir import as_ops, to_torch_plan, torch_schedules
 from .simulate import Timeline
 
@@ -28,8 +29,9 @@ def atomic_output(path: Any, name: str = "path") -> Iterator[str]:
     if os.path.isdir(target):
         raise IsADirectoryError(21, "Is a directory", str(path))
     folder, base = os.path.split(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=os.path.splitext(base)[1], dir=folder)
-    os.close(fd)
+    with signals_deferred():  # created and inside the try below as one step
+        fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=os.path.splitext(base)[1], dir=folder)
+        os.close(fd)
     try:
         yield tmp
         try:
@@ -38,10 +40,11 @@ def atomic_output(path: Any, name: str = "path") -> Iterator[str]:
             mask = os.umask(0)
             os.umask(mask)
             mode = 0o666 & ~mask
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        with signals_deferred():
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
     except BaseException:
-        with contextlib.suppress(OSError):
+        with signals_deferred(), contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
 

@@ -40,6 +40,21 @@ def _in_main_thread() -> bool:
 
 
 @contextlib.contextmanager
+def signals_deferred(signals: tuple[int, ...] = KEPT_SIGNALS) -> Iterator[None]:
+    """SIGINT and SIGTERM wait (blocked, still pending) until the body is done: for the few steps that must
+    not be cut in half -- a temporary file created and recorded, outputs renamed into place, temporary
+    files removed. (A signal that arrived just before still runs its handler at the body's first step.)"""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def signal_handlers_kept(signals: tuple[int, ...] = KEPT_SIGNALS) -> Iterator[None]:
     """Run the body, then install the Python-level handlers of ``signals`` again as they were before
     (``signal.signal(sig, saved)`` re-sets the kernel's action too, which native code may have reset
