@@ -82,26 +82,27 @@ def _held_back(signals: tuple[int, ...], stopping: set[int], stop: Any) -> Itera
         return
     saved = {sig: signal.getsignal(sig) for sig in signals}
     caught: list[int] = []
-    r, w = os.pipe()
+    r, w = os.pipe()  # the wake-up fd: one byte per signal
+    quit_r, quit_w = os.pipe()  # ends the watcher at once (no polling)
     os.set_blocking(w, False)
-    done = threading.Event()
-    previous = -1
+    previous = None  # the caller's wake-up fd once ours is installed
     watcher = None
 
     def hold(signum, frame) -> None:
         caught.append(signum)
 
     def watch() -> None:
-        while not done.is_set():
-            ready, _, _ = select.select([r], [], [], 0.1)
-            if not ready:
-                continue
-            data = os.read(r, 512)
-            if previous != -1:  # the caller's wake-up fd (asyncio ...) still hears every signal
-                with contextlib.suppress(OSError):
-                    os.write(previous, data)
-            if stopping & set(data):
-                stop()
+        while True:
+            ready, _, _ = select.select([r, quit_r], [], [])
+            if r in ready:
+                data = os.read(r, 512)
+                if previous not in (None, -1):  # the caller's wake-up fd (asyncio ...) still hears every signal
+                    with contextlib.suppress(OSError):
+                        os.write(previous, data)
+                if stopping & set(data):
+                    stop()
+            if quit_r in ready:
+                return
 
     try:
         for sig, handler in saved.items():
@@ -109,16 +110,18 @@ def _held_back(signals: tuple[int, ...], stopping: set[int], stop: Any) -> Itera
                 signal.signal(sig, hold)
         with contextlib.suppress(ValueError, OSError):  # no wake-up fd here: no early stop, still held back
             previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if previous is not None:
             watcher = threading.Thread(target=watch, name="titan-ext-solver-signals", daemon=True)
             watcher.start()
         yield
     finally:
-        done.set()
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.write(quit_w, b"q")
         if watcher is not None:
             watcher.join()
-            signal.set_wakeup_fd(previous)
-        os.close(r)
-        os.close(w)
+        for fd in (r, w, quit_r, quit_w):
+            os.close(fd)
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)
