@@ -15,7 +15,7 @@ RUNTIME = Path(__file__).resolve().parents[1] / "titan_ext" / "runtime"
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"profile_every": 0}, "profile_every and profile_every_max must be >= 1"),
+    ({"profile_every": 0}, "profile_every must be >= 1"),
     ({"max_inflight": 0}, "max_inflight must be >= 1"),
     ({"memory_budget_bytes": -1.0}, "memory_budget_bytes must be > 0"),
     ({"backward_margin": 1.0}, "backward_margin must be within [0, 1)"),

@@ -10,11 +10,13 @@ any process group, and the tools for training runs.
 With ``--json`` a command writes one JSON document to stdout and nothing else (its human-readable
 report goes to stderr), so ``titan-ext plan ... --json | jq`` works.
 
-Bad arguments (non-finite, zero or absurd numbers, a repeated option, a profile that is not a small
-JSON text file), output paths that cannot be written (checked before any work) and work that does not
-finish within ``--time-limit`` print one line on stderr and exit with code 2. Outputs are written to
-temporary files and renamed into place only when all of them succeeded: a failure never touches a
-file the user already had. A closed pipe (``| head``) ends the command quietly.
+Bad arguments (non-finite, zero or absurd numbers, numbers not in ASCII digits, a repeated option, a
+profile that is not a small JSON text file), output paths that cannot be written or that name a
+directory (``out/``), a symbolic link or an input file (checked before any work) and work that does
+not finish within ``--time-limit`` print one line on stderr and exit with code 2. Outputs are written
+to temporary files and renamed into place only when all of them succeeded: a failure, Ctrl-C
+(SIGINT: one line, exit 130) or SIGTERM (one line, exit 143) never touches a file the user already
+had and leaves no temporary file behind. A closed pipe (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
+from .plan.args import names_a_directory, parse_float, parse_int
+from .plan.interrupt import signals_deferred as _signals_deferred
 from .plan.result import rank_peak_inflight, warmup_counts_of
 from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
 from .plan.virtual import VIRTUAL_SCHEDULES
@@ -54,6 +58,34 @@ PROGRESS_OPS = 4096
 MAX_PROFILE_BYTES = 1 << 20  # --profile is a small JSON text
 MAX_CSV_BYTES = 16 << 20  # --csv: MAX_OPS actions of a few characters each fit many times over
 MAX_TIME_LIMIT_S = 86400.0
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (raised by the handler ``main`` installs, so that the outputs' clean-up runs)."""
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises :class:`Terminated` in the main thread while the command runs (its default action
+    kills the process before any clean-up); the previous handler is put back afterwards. A SIGTERM that
+    is ignored or handled by the caller stays so."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class TimeLimitReached(BaseException):
@@ -153,15 +185,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _number(kind: type, low: float, high: float, what: str) -> Callable[[str], float]:
-    """argparse type: a ``kind`` (int or float) in [low, high]; NaN, inf and overflow are refused."""
+    """argparse type: a ``kind`` (int or float) in [low, high], in ASCII digits (plan.args.parse_int /
+    parse_float); NaN, inf and overflow are refused."""
 
     def parse(text: str):
         try:
-            value = kind(text)
+            value = (parse_int if kind is int else parse_float)(text, what)
         except (ValueError, OverflowError):
             value = None
         if value is None or not low <= value <= high:  # also NaN
-            raise argparse.ArgumentTypeError(f"expected {what} in [{low:g}, {high:g}], got {text!r}")
+            digits = "" if text.isascii() else " in ASCII digits"
+            raise argparse.ArgumentTypeError(f"expected {what} in [{low:g}, {high:g}]{digits}, got {text!r}")
         return value
 
     parse.__name__ = what  # argparse's fallback message names the type
@@ -174,7 +208,7 @@ def _times(text: str) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float
     for item in text.split("/"):
         parts = item.split(",")
         try:
-            triple = tuple(float(p) for p in parts)
+            triple = tuple(parse_float(p, "--times") for p in parts)
         except ValueError:
             triple = ()
         if len(triple) != 3 or not all(abs(t) <= MAX_MS for t in triple):  # the profile checks signs
@@ -190,7 +224,7 @@ def _link_value(text: str) -> tuple[int, float]:
     try:
         if not sep:
             raise ValueError
-        out = int(link), float(value)
+        out = parse_int(link, "LINK"), parse_float(value, "VALUE")
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LINK:VALUE (e.g. 2:30), got {text!r}") from None
     if out[0] < 0 or not 0 <= out[1] <= MAX_MS:
@@ -200,7 +234,7 @@ def _link_value(text: str) -> tuple[int, float]:
 
 def _megabytes(text: str) -> float:
     try:
-        value = float(text)
+        value = parse_float(text, "--message-mb")
     except ValueError:
         value = math.nan
     if not 0 <= value <= 1e9:  # also NaN
@@ -211,7 +245,7 @@ def _megabytes(text: str) -> float:
 def _memory_limit(text: str) -> float:
     """--memory-limit K: activations of one rank's whole model part (a number >= 1)."""
     try:
-        value = float(text)
+        value = parse_float(text, "--memory-limit")
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value) or value < 1:
@@ -288,6 +322,8 @@ def check_input_file(path: Path, flag: str, max_bytes: int) -> None:
         st = path.stat()
     except OSError as e:
         raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
+    except ValueError as e:  # a NUL in the path
+        raise UsageError(f"{flag} {str(path)!r}: {e}") from None
     if not stat.S_ISREG(st.st_mode):
         raise UsageError(f"{flag} {path}: not a regular file")
     if st.st_size > max_bytes:
@@ -308,6 +344,8 @@ def _read_profile(path: Path) -> dict:
         raise UsageError(f"--profile {path}: not UTF-8 text (a profile is JSON)") from None
     except (json.JSONDecodeError, RecursionError) as e:
         raise UsageError(f"--profile {path}: not valid JSON: {str(e)[:200]}") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise UsageError(f"--profile {path}: unreadable number: {str(e).splitlines()[0][:200]}") from None
 
 
 def _profile_from_args(args: argparse.Namespace) -> PipelineProfile:
@@ -430,6 +468,8 @@ def _plan(profile: PipelineProfile, args: argparse.Namespace) -> PlanResult:
                          f"{args.virtual_stages}: use --virtual-stages 2 or --placement loop")
     options = {}
     if args.schedule in AUTO_SCHEDULES:
+        if "slack_floor" not in getattr(args, "_given", ()):  # the default 2 fits any N >= 2; N = 1: 1
+            args.slack_floor = min(args.slack_floor, profile.num_microbatches)
         if args.slack_floor > profile.num_microbatches:
             raise UsageError(f"--slack-floor {args.slack_floor}: at most the number of microbatches "
                              f"({profile.num_microbatches}); a slackness cannot exceed it")
@@ -649,20 +689,38 @@ _GANTT_FORMATS = (".png", ".pdf", ".svg")
 
 
 _OUTPUT_FLAGS = (("--out-csv", "out_csv"), ("--trace", "trace"), ("--gantt", "gantt"))
+_INPUT_FLAGS = (("--profile", "profile"), ("--csv", "csv"))
 
 
 def _outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
-    return [(flag, getattr(args, dest)) for flag, dest in _OUTPUT_FLAGS if getattr(args, dest, None) is not None]
+    """(flag, path) of each output given (argparse keeps their text: see ``plan.args.names_a_directory``)."""
+    return [(flag, Path(getattr(args, dest))) for flag, dest in _OUTPUT_FLAGS if getattr(args, dest, None) is not None]
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Before any work: each output path is new or a writable regular file, in a writable directory,
-    with a supported extension, and no two outputs share a path."""
+    """Before any work: each output path is new or a writable regular file (not a symbolic link: the
+    output would replace the link, not the file it names), in a writable directory, with a supported
+    extension, and no two outputs -- nor an output and an input -- share a path."""
     seen: dict[str, str] = {}
+    for flag, dest in _INPUT_FLAGS:
+        path = getattr(args, dest, None)
+        if path is not None:
+            with contextlib.suppress(OSError, ValueError):
+                seen[os.path.realpath(path)] = f"the input {flag} {path}"
+    for flag, dest in _OUTPUT_FLAGS:
+        text = getattr(args, dest, None)
+        if text is None:
+            continue
+        if "\0" in text:
+            raise UsageError(f"{flag} {text!r}: a path cannot contain a NUL character")
+        if names_a_directory(text):
+            raise UsageError(f"{flag} {text}: is a directory path; an output is a file (e.g. out/plan.csv)")
     for flag, path in _outputs(args):
         if flag == "--gantt" and path.suffix.lower() not in _GANTT_FORMATS:
             raise UsageError(f"--gantt {path}: unsupported extension {path.suffix!r} "
                              f"(use {', '.join(_GANTT_FORMATS)})")
+        if os.path.islink(path):
+            raise UsageError(f"{flag} {path}: is a symbolic link (to {os.readlink(path)!r}); give the file's own path")
         key = os.path.realpath(path)
         if key in seen:
             raise UsageError(f"{flag} {path}: the same file as {seen[key]} (give each output its own path)")
@@ -683,7 +741,8 @@ def check_outputs(args: argparse.Namespace) -> None:
         if mode is not None and not os.access(path, os.W_OK):
             raise UsageError(f"{flag} {path}: not writable")
         try:  # the temporary file _write_outputs will need (os.access is no proof: root, /proc, read-only mounts)
-            os.unlink(_temporary(path))
+            with _signals_deferred():
+                os.unlink(_temporary(path))
         except OSError as e:
             raise UsageError(f"{flag} {path}: cannot create a file in {str(parent)!r} ({e.strerror or e})") from None
 
@@ -708,17 +767,21 @@ def _write_outputs(actions, timeline, args: argparse.Namespace) -> None:
     try:
         for flag, path in _outputs(args):
             try:
-                staged.append((_temporary(path), path))
-                writers[flag](Path(staged[-1][0]))
+                with _signals_deferred():  # created and recorded as one step (a signal between leaks it)
+                    staged.append((_temporary(path), path))
+                writers[flag](Path(staged[-1][0]))  # a signal here: the clean-up below removes it
             except OSError as e:
                 raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
-        for tmp, path in staged:
-            os.chmod(tmp, _file_mode(path))
-            os.replace(tmp, path)
-    except BaseException:
-        for tmp, _ in staged:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        with _signals_deferred():  # all renamed, or none (a signal waits until the last one is in place)
+            for tmp, path in staged:
+                os.chmod(tmp, _file_mode(path))
+                os.replace(tmp, path)
+            staged.clear()
+    except BaseException:  # an error, Ctrl-C (KeyboardInterrupt), SIGTERM (Terminated), --time-limit
+        with _signals_deferred():
+            for tmp, _ in staged:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
         raise
 
 
@@ -797,9 +860,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", choices=("split", "full"), default="split",
                    help="split: I and W actions (W fills bubbles); full: one full backward B per microbatch "
                         "(1F1B-style) with the same warm-up planning")
-    p.add_argument("--out-csv", type=Path, help="write the plan as a torch compute-only CSV")
-    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON of the simulated timeline")
-    p.add_argument("--gantt", type=Path, help="write a Gantt PNG of the simulated timeline")
+    p.add_argument("--out-csv", type=str, help="write the plan as a torch compute-only CSV")
+    p.add_argument("--trace", type=str, help="write a Chrome/Perfetto trace JSON of the simulated timeline")
+    p.add_argument("--gantt", type=str, help="write a Gantt PNG of the simulated timeline")
     p.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("simulate", help="simulate a plan from a torch CSV or one of torch's built-in schedules",
@@ -815,8 +878,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-limit", type=_memory_limit, default=None, metavar="K",
                    help="with --schedule: max in-flight activations per rank (whole number)")
     _add_time_limit(s)
-    s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
-    s.add_argument("--gantt", type=Path, help="write a Gantt PNG")
+    s.add_argument("--trace", type=str, help="write a Chrome/Perfetto trace JSON")
+    s.add_argument("--gantt", type=str, help="write a Gantt PNG")
     s.set_defaults(func=cmd_simulate)
 
     c = sub.add_parser("compare", help="PipeMorph, CrossPipe and torch's built-ins side by side for one profile",
@@ -888,7 +951,21 @@ def _grace(limit: float) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: its exit status (0, 2 for bad input, 130 after Ctrl-C, 143 after SIGTERM; one
+    line on stderr for each failure, never a traceback). The caller's signal handlers are put back."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        with _sigterm_raises():
+            return _main(argv)
+    except KeyboardInterrupt:
+        print("titan-ext: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("titan-ext: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in TOOLS:
         return _run_tool(argv[0], argv[1:])
     parser = build_parser()

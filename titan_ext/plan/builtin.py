@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from .args import ArgumentTypeError, int_arg, profile_arg
 from .ir import as_ops, torch_schedules
 from .placement import stage_profile
 from .profile import PipelineProfile
@@ -29,6 +30,9 @@ BUILTINS: dict[str, tuple[str, int]] = {
 
 
 def _canonical(name: str) -> str:
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"name must be the name of a built-in schedule ({', '.join(BUILTINS)}), "
+                                f"got {name!r}")
     for key in BUILTINS:
         if key.lower() == name.lower():
             return key
@@ -43,6 +47,8 @@ def builtin_plan(name: str, num_ranks: int, num_microbatches: int) -> tuple[dict
     DualPipeV's overlapped F+B pairs are split into their two sub-actions in order).
     """
     key = _canonical(name)
+    int_arg(num_ranks, "num_ranks", 1)
+    int_arg(num_microbatches, "num_microbatches", 1)
     cls_name, chunks = BUILTINS[key]
     sched = torch_schedules()
     cls = getattr(sched, cls_name)
@@ -87,6 +93,7 @@ def plan_builtin(name: str, profile: PipelineProfile) -> PlanResult:
     """torch's built-in schedule ``name`` for a rank-level ``profile`` (one entry per rank; multi-chunk
     schedules split a rank's times over its stages, see ``simulate``) as a :class:`PlanResult`, its
     makespan and peak in-flight activations from the reference simulator under the profile."""
+    profile_arg(profile)
     torch_schedules()
     t0 = time.perf_counter()
     actions, stage_to_rank = builtin_plan(name, profile.num_stages, profile.num_microbatches)

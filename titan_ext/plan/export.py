@@ -1,14 +1,58 @@
-"""Exporters: torch CSV (compute-only), Chrome/Perfetto trace JSON, Gantt PNG."""
+"""Exporters: torch CSV (compute-only), Chrome/Perfetto trace JSON, Gantt PNG.
+
+Each writer is all or nothing: it writes a temporary file next to the target and renames it into
+place only when complete, so an error, Ctrl-C or SIGTERM midway leaves the file that was there (and no
+temporary file). A symbolic link is followed: the file it names is replaced, the link kept."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
+import stat
+import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
+from .args import ArgumentTypeError, output_path_arg
+from .interrupt import signals_deferred
 from .ir import as_ops, to_torch_plan, torch_schedules
 from .simulate import Timeline
+
+
+@contextlib.contextmanager
+def atomic_output(path: Any, name: str = "path") -> Iterator[str]:
+    """Yield a temporary path next to ``path`` (same extension: matplotlib picks the format from it);
+    on success it replaces ``path`` (keeping the mode of the file it replaces), otherwise it is removed."""
+    target = os.path.realpath(output_path_arg(path, name))  # through a symlink: the file it names
+    if os.path.isdir(target):
+        raise IsADirectoryError(21, "Is a directory", str(path))
+    folder, base = os.path.split(target)
+    with signals_deferred():  # created and inside the try below as one step
+        fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=os.path.splitext(base)[1], dir=folder)
+        os.close(fd)
+    try:
+        yield tmp
+        try:
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        except FileNotFoundError:
+            mask = os.umask(0)
+            os.umask(mask)
+            mode = 0o666 & ~mask
+        with signals_deferred():
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
+    except BaseException:
+        with signals_deferred(), contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _timeline_arg(timeline: Any) -> Timeline:
+    if not isinstance(timeline, Timeline):
+        raise ArgumentTypeError(f"timeline must be a Timeline (from simulate), got {type(timeline).__name__}")
+    return timeline
 
 
 def write_torch_csv(plan: Mapping[int, Any], path: str | Path) -> None:
@@ -18,11 +62,12 @@ def write_torch_csv(plan: Mapping[int, Any], path: str | Path) -> None:
     ``_PipelineScheduleRuntime._load_csv`` reads and lowers — so stock TorchTitan's
     ``pipeline_parallel_schedule_csv`` can run our plans.
     """
+    output_path_arg(path)
     actions = to_torch_plan(as_ops(plan))
     ranks = sorted(actions)
     if ranks != list(range(len(ranks))):
         raise ValueError(f"ranks must be 0..R-1, got {ranks}")
-    with open(path, "w", newline="") as f:
+    with atomic_output(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         for rank in ranks:
             writer.writerow([str(a) for a in actions[rank]])
@@ -30,6 +75,8 @@ def write_torch_csv(plan: Mapping[int, Any], path: str | Path) -> None:
 
 def read_torch_csv(path: str | Path) -> dict[int, list[Any]]:
     """Read a compute-only torch CSV back into rank → list[_Action] (as torch's ``_load_csv`` parses it)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"path must be a path (str or os.PathLike), got {type(path).__name__}")
     action = torch_schedules()._Action
     plan: dict[int, list[Any]] = {}
     with open(path, newline="") as f:
@@ -47,6 +94,8 @@ def read_torch_csv(path: str | Path) -> dict[int, list[Any]]:
 def write_chrome_trace(timeline: Timeline, path: str | Path, title: str | None = None) -> None:
     """Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing): one track per rank;
     ``title`` names the process track (simulated plans and measured iterations alike)."""
+    _timeline_arg(timeline)
+    output_path_arg(path)
     events = [
         {
             "name": f"{e.kind}{e.microbatch}",
@@ -66,7 +115,9 @@ def write_chrome_trace(timeline: Timeline, path: str | Path, title: str | None =
     ]
     if title:
         meta.insert(0, {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}})
-    Path(path).write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+    text = json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"})
+    with atomic_output(path) as tmp:
+        Path(tmp).write_text(text)
 
 
 _COLORS = {"F": "#4C72B0", "I": "#DD8452", "B": "#C44E52", "W": "#55A868"}
@@ -74,6 +125,8 @@ _COLORS = {"F": "#4C72B0", "I": "#DD8452", "B": "#C44E52", "W": "#55A868"}
 
 def write_gantt_png(timeline: Timeline, path: str | Path, title: str | None = None) -> None:
     """Gantt chart of a timeline: one row per rank, F / I (B) / W coloured, microbatch ids inside."""
+    _timeline_arg(timeline)
+    output_path_arg(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,5 +147,8 @@ def write_gantt_png(timeline: Timeline, path: str | Path, title: str | None = No
     kinds = sorted({e.kind for e in timeline.events}, key="FIBW".index)
     ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in kinds], loc="upper right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)

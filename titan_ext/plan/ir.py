@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import numbers
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
@@ -66,12 +67,23 @@ def add_send_waits(lowered: dict[int, list[Any]]) -> dict[int, list[Any]]:
 
 def to_torch_plan(plan: Mapping[int, Iterable[Op]]) -> dict[int, list[Any]]:
     """Internal plan (rank → ops) → torch IR (rank → list[_Action])."""
-    if not isinstance(plan, Mapping):
-        raise ValueError(f"plan must be a mapping rank → list of ops, got {type(plan).__name__}")
+    from .args import plan_arg
+
+    plan_arg(plan)
     sched = torch_schedules()
     kinds = {k: sched._ComputationType.from_str(k) for k in COMPUTE_KINDS}
     action = sched._Action
-    return {rank: [action(s, kinds[k], m) for s, k, m in ops] for rank, ops in plan.items()}
+    try:
+        return {rank: [action(s, kinds[k], m) for s, k, m in ops] for rank, ops in plan.items()}
+    except (KeyError, TypeError, ValueError):  # name the op (the fast path above checks nothing)
+        for rank, ops in plan.items():
+            for op in ops:
+                if not (type(op) is tuple and len(op) == 3 and op[1] in COMPUTE_KINDS
+                        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (op[0], op[2]))):
+                    raise ValueError(f"plan[{rank!r}]: {op!r} is not an op (stage, kind, microbatch) with kind one "
+                                     f"of {COMPUTE_KINDS} and stage, microbatch integers >= 0 (torch actions: "
+                                     f"as_ops(plan) first)") from None
+        raise
 
 
 def as_ops(plan: Mapping[int, Iterable[Any]]) -> dict[int, list[Op]]:
@@ -80,10 +92,14 @@ def as_ops(plan: Mapping[int, Iterable[Any]]) -> dict[int, list[Op]]:
     ``None`` entries (torch's idle slots) are dropped. Any non-compute action is rejected: plans here
     are compute-only and torch's lowering adds the communication.
     """
-    if not isinstance(plan, Mapping):
-        raise ValueError(f"plan must be a mapping rank → list of actions, got {type(plan).__name__}")
+    from .args import plan_arg
+
+    plan_arg(plan)
     out: dict[int, list[Op]] = {}
     for rank, actions in plan.items():
+        if not ((isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and rank >= 0)
+                or (isinstance(rank, str) and rank.isascii() and rank.isdigit())):  # JSON keys are text
+            raise ValueError(f"plan: rank {rank!r} is not an integer >= 0")
         if all(type(a) is tuple and len(a) == 3 and a[1] in COMPUTE_KINDS for a in actions):
             out[int(rank)] = actions if isinstance(actions, list) else list(actions)  # already ours
             continue
@@ -95,7 +111,10 @@ def as_ops(plan: Mapping[int, Iterable[Any]]) -> dict[int, list[Op]]:
                 a = torch_schedules()._Action.from_str(a)
                 if a is None:
                     continue
-            stage, kind, mb = a[0], a[1], a[2]
+            try:
+                stage, kind, mb = a[0], a[1], a[2]
+            except (TypeError, IndexError, KeyError):
+                raise ValueError(f"plan[{rank!r}]: {a!r} is not an action (stage, kind, microbatch)") from None
             kind = getattr(kind, "value", kind)
             if kind not in COMPUTE_KINDS:
                 raise ValueError(

@@ -27,7 +27,19 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .args import real_arg
+from .errors import ArgumentTypeError
 from .profile import LinkProfile
+
+
+def _reals(value, name: str) -> list[float]:
+    """A sequence of real numbers (not text, not bools)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentTypeError(f"{name} must be a sequence of numbers, got {type(value).__name__}")
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ArgumentTypeError(f"{name}[{i}] must be a number, got {v!r}")
+    return list(value)
 
 # bandwidth grid of the search, bytes/s (1 kB/s … 10 TB/s); β = 0 (infinite bandwidth) is tried too
 _GRID_DECADES = (3.0, 13.0)
@@ -76,6 +88,9 @@ def fit_alpha_beta(
     ``arrival_s``: when it arrived (receiver's clock); ``nbytes``: its size. β counts as identifiable
     when the best fit's mean residual is below (1 − ``flat_tolerance``) of the pure-latency fit's (β = 0).
     """
+    send_s, arrival_s, nbytes = (_reals(v, name) for v, name in ((send_s, "send_s"), (arrival_s, "arrival_s"),
+                                                                  (nbytes, "nbytes")))
+    real_arg(flat_tolerance, "flat_tolerance", minimum=0, maximum=1)
     n = len(send_s)
     if n < 2 or len(arrival_s) != n or len(nbytes) != n:
         raise ValueError(f"need >= 2 messages with a send time, an arrival time and a size each, got {n}")
@@ -115,6 +130,9 @@ def fit_link(
     backward ones: β is the mean over the directions where it is identifiable, then each direction's α
     is refitted with that β and the two are averaged (a constant clock offset cancels)."""
     directions = [forward] + ([backward] if backward is not None else [])
+    for name, d in zip(("forward", "backward"), directions):
+        if isinstance(d, (str, bytes)) or not isinstance(d, Sequence) or len(d) != 3:
+            raise ArgumentTypeError(f"{name} must be (send_s, arrival_s, nbytes), got {type(d).__name__}")
     fits = [fit_alpha_beta(*d) for d in directions]
     known = [1.0 / f.bandwidth_bytes_per_s for f in fits if f.identifiable]
     beta = sum(known) / len(known) if known else 0.0

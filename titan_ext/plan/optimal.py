@@ -70,6 +70,15 @@ from typing import Mapping, Sequence
 from .crosspipe.model import Model, replay
 from .crosspipe.portfolio import plan_crosspipe_problem
 from .crosspipe.problem import F, I, W, CrossPipeProblem, Op, problem_from_profile, to_actions
+from .args import ArgumentTypeError, bool_arg, int_arg, profile_arg, real_arg
+from .interrupt import solve
+
+
+def _check_solver_args(time_limit_s, workers, flags: dict) -> None:
+    real_arg(time_limit_s, "time_limit_s", positive=True)
+    int_arg(workers, "workers", 1)
+    for name, value in flags.items():
+        bool_arg(value, name)
 
 __all__ = ["OptimalResult", "solve_optimal", "solve_optimal_problem", "time_unit_for"]
 
@@ -286,6 +295,13 @@ def solve_optimal_problem(
     known bounds on the optimum (a wrong lower bound makes the answer wrong; an upper bound below the
     optimum makes the model infeasible) — for decompositions and feasibility probes.
     """
+    _check_solver_args(time_limit_s, workers, {"microbatch_order": microbatch_order, "hint": hint,
+                                                "redundant": redundant, "deterministic": deterministic, "log": log})
+    if not isinstance(problem, CrossPipeProblem):
+        raise ArgumentTypeError(f"problem must be a CrossPipeProblem, got {type(problem).__name__}")
+    real_arg(time_unit_ms, "time_unit_ms", positive=True, optional=True)
+    real_arg(deterministic_time, "deterministic_time", minimum=0, optional=True)
+    int_arg(random_seed, "random_seed")
     try:
         from ortools.sat.python import cp_model
     except ImportError as e:  # pragma: no cover - depends on the install
@@ -505,7 +521,7 @@ def solve_optimal_problem(
     if deterministic and workers > 1:
         solver.parameters.interleave_search = True
     ran = deterministic_time is None or deterministic_time > 0  # 0: the polish alone, no final search
-    status = solver.Solve(m) if ran else cp_model.UNKNOWN
+    status = solve(solver, m) if ran else cp_model.UNKNOWN  # signal handlers kept (interrupt.py)
     solve_s = time.perf_counter() - t_start
     name = solver.StatusName(status)
     num_ops = 3 * N * S
@@ -574,7 +590,7 @@ def _neighbourhood_polish(m, nodes, start, makespan, cur, cur_ms, lb, fractions,
         sub.AddHint(sub.GetIntVarFromProtoIndex(makespan.Index()), cur_ms)
         ps = cp_model.CpSolver()
         set_params(ps)
-        status = ps.Solve(sub)
+        status = solve(ps, sub)
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and ps.ObjectiveValue() < cur_ms:
             cur = {v: ps.Value(start[v]) for v in nodes}
             cur_ms = int(round(ps.ObjectiveValue()))
@@ -599,6 +615,9 @@ def solve_optimal(
     """CP-SAT optimum (§4.1) for a :class:`~titan_ext.plan.PipelineProfile` (one stage per rank, or
     V-shape with ``wave=True``).  ``memory_limit``: per-rank in-flight activation limit, as for
     :func:`titan_ext.plan.crosspipe.plan_crosspipe`.  The returned plan has passed validation."""
+    profile_arg(profile)
+    _check_solver_args(time_limit_s, workers, {"wave": wave, "microbatch_order": microbatch_order, "hint": hint,
+                                                "validate": validate, "deterministic": deterministic})
     problem = problem_from_profile(profile, "wave" if wave else "ud", memory_limit)
     result = solve_optimal_problem(
         problem, time_limit_s=time_limit_s, workers=workers, microbatch_order=microbatch_order, hint=hint,

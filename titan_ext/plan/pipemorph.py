@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from .args import counts_arg, int_arg, profile_arg
+from .args import bool_arg, counts_arg, int_arg, profile_arg, real_arg
 from .ir import Op, gc_paused, to_torch_plan, torch_schedules
 from .profile import PipelineProfile
 from .result import PlanResult, make_result, peak_inflight
@@ -60,6 +60,7 @@ def generate_order(
     PipeMorph's warm-up counts, for devices where the I/W split costs more than it saves).
     """
     S, N = profile_arg(profile).num_stages, profile.num_microbatches
+    bool_arg(full_backward, "full_backward")
     x = counts_arg(warmup_counts, "warmup_counts")
     if len(x) != S:
         raise ValueError(f"warmup_counts has {len(x)} entries, expected num_stages = {S}")
@@ -68,10 +69,10 @@ def generate_order(
             raise ValueError(f"warmup_counts[{i}] = {v} must be within 1..num_microbatches ({N})")
     if inflight_limit is None:
         limit = [N] * S
-    elif isinstance(inflight_limit, int):
-        limit = [inflight_limit] * S
+    elif isinstance(inflight_limit, (str, bytes)) or not hasattr(inflight_limit, "__iter__"):
+        limit = [int_arg(inflight_limit, "inflight_limit")] * S
     else:
-        limit = [int(v) for v in inflight_limit]
+        limit = counts_arg(list(inflight_limit), "inflight_limit")
     if len(limit) != S or min(limit) < 1:
         raise ValueError(f"inflight_limit must be >= 1 per stage, got {inflight_limit!r}")
     for i in range(S):
@@ -366,6 +367,9 @@ def plan_pipemorph(
     """
     profile_arg(profile)
     int_arg(slack_floor, "slack_floor")
+    real_arg(memory_limit, "memory_limit", minimum=1, optional=True)
+    bool_arg(cap_inflight, "cap_inflight")
+    bool_arg(candidates, "candidates")
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     if schedule not in SCHEDULES:

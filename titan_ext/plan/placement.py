@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .args import counts_arg, int_arg, profile_arg
 from .profile import LinkProfile, PipelineProfile
 
 __all__ = ["PLACEMENTS", "boundary_link", "rank_profile", "rank_stages", "read_placement", "stage_profile",
@@ -31,11 +32,24 @@ __all__ = ["PLACEMENTS", "boundary_link", "rank_profile", "rank_stages", "read_p
 PLACEMENTS = ("loop", "v")
 
 
+def _s2r_arg(s2r, name: str = "s2r") -> tuple[int, ...]:
+    """A stage → rank map: a non-empty sequence of ranks >= 0 that uses every rank 0..R-1."""
+    out = tuple(counts_arg(s2r, name, minimum=0))
+    if not out:
+        raise ValueError(f"{name} must map at least one stage to a rank, got an empty map")
+    missing = sorted(set(range(max(out) + 1)) - set(out))
+    if missing:
+        raise ValueError(f"{name} uses ranks 0..{max(out)} but no stage is on rank {missing[0]}")
+    return out
+
+
 def stage_to_rank(num_ranks: int, stages_per_rank: int = 1, placement: str = "loop") -> tuple[int, ...]:
     """ρ: stage → rank for R ranks × V stages per rank, "loop" (s mod R) or "v" (zig-zag, torch's
     style "v"); V = 1 gives the identity."""
-    if placement not in PLACEMENTS:
+    if isinstance(placement, (list, dict, set)) or placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    int_arg(num_ranks, "num_ranks")
+    int_arg(stages_per_rank, "stages_per_rank")
     if num_ranks < 1 or stages_per_rank < 1:
         raise ValueError(f"need >= 1 rank and >= 1 stage per rank, got {num_ranks} × {stages_per_rank}")
     R = num_ranks
@@ -46,16 +60,20 @@ def stage_to_rank(num_ranks: int, stages_per_rank: int = 1, placement: str = "lo
 
 def stages_per_rank(s2r: Sequence[int]) -> int:
     """V of a placement (every rank holds the same number of stages)."""
+    s2r = _s2r_arg(s2r)
     return len(s2r) // (max(s2r) + 1)
 
 
 def rank_stages(s2r: Sequence[int], rank: int) -> list[int]:
     """The stages ``rank`` holds, in data-flow order."""
+    s2r = _s2r_arg(s2r)
+    int_arg(rank, "rank", 0)
     return [s for s, r in enumerate(s2r) if r == rank]
 
 
 def read_placement(s2r: Sequence[int]) -> str:
     """The name ("loop" or "v") of a stage → rank map; ValueError when it is neither."""
+    s2r = _s2r_arg(s2r)
     R = max(s2r) + 1
     if len(s2r) % R == 0:
         for placement in PLACEMENTS:
@@ -67,6 +85,10 @@ def read_placement(s2r: Sequence[int]) -> str:
 def boundary_link(s2r: Sequence[int], boundary: int) -> int | None:
     """The rank link carrying stage boundary ``boundary`` → ``boundary``+1 (None: both stages on one
     rank, or the ranks are not neighbours — the loop wrap-around)."""
+    s2r = _s2r_arg(s2r)
+    int_arg(boundary, "boundary", 0)
+    if boundary >= len(s2r) - 1:
+        raise ValueError(f"boundary {boundary} does not exist (boundaries are 0..{len(s2r) - 2})")
     a, b = s2r[boundary], s2r[boundary + 1]
     return min(a, b) if abs(a - b) == 1 else None
 
@@ -80,6 +102,8 @@ def stage_profile(profile: PipelineProfile, s2r: Sequence[int],
     unless ``stage_times_ms = (f, b, w)`` gives one value per stage. Boundary s gets the rank link
     :func:`boundary_link` names, or a free link. V = 1 returns ``profile`` itself.
     """
+    profile_arg(profile)
+    s2r = _s2r_arg(s2r)
     R, S = profile.num_stages, len(s2r)
     if max(s2r) + 1 != R:
         raise ValueError(f"the profile has {R} ranks; the placement uses {max(s2r) + 1}")
@@ -102,6 +126,10 @@ def stage_profile(profile: PipelineProfile, s2r: Sequence[int],
 def rank_profile(profile: PipelineProfile, s2r: Sequence[int]) -> PipelineProfile:
     """The rank-level profile of a stage-level ``profile``: a rank's times are the sums over its stages,
     a rank link's parameters are read from a stage boundary that crosses it (free if none does)."""
+    profile_arg(profile)
+    s2r = _s2r_arg(s2r)
+    if len(s2r) != profile.num_stages:
+        raise ValueError(f"s2r maps {len(s2r)} stages; the profile has {profile.num_stages}")
     R = max(s2r) + 1
     links = [LinkProfile()] * (R - 1)
     for s in range(profile.num_stages - 1):

@@ -15,19 +15,22 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from .deps import released_by
+from .errors import ArgumentTypeError
 
 # Bounds of the timing model (integer nanoseconds, plan/timing.py): any time, latency or transfer time is
 # at most MAX_MS (11.6 days), and a time that must be > 0 is at least MIN_POSITIVE_MS (1 ns, the
 # simulator's resolution: below it, it would round to nothing).
 MAX_MS = 1e9
 MIN_POSITIVE_MS = 1e-6
+# Bound on num_stages and num_microbatches (a 5,000-digit count is a typo, not a pipeline)
+MAX_COUNT = 1 << 24
 
 
 def _check_number(
     name: str, value: float, *, positive: bool = False, allow_inf: bool = False, max_value: float = math.inf
 ) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ArgumentTypeError(f"{name} must be a number, got {value!r}")
     value = float(value)
     if math.isnan(value):
         raise ValueError(f"{name} is NaN")
@@ -91,7 +94,7 @@ def _stage_tuple(
     if isinstance(values, (int, float)) and not isinstance(values, bool):
         values = [values] * n
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise ValueError(f"{name} must be a number or one number per stage, got {type(values).__name__}")
+        raise ArgumentTypeError(f"{name} must be a number or one number per stage, got {type(values).__name__}")
     values = tuple(values)
     if len(values) != n:
         raise ValueError(f"{name} has {len(values)} entries, expected one per stage ({n})")
@@ -126,22 +129,24 @@ class PipelineProfile:
         for name in ("num_stages", "num_microbatches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
+                raise ArgumentTypeError(f"{name} must be an integer, got {v!r}")
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+            if v > MAX_COUNT:
+                raise ValueError(f"{name} must be <= {MAX_COUNT}, got {str(v)[:20]}{'...' if len(str(v)) > 20 else ''}")
         S = self.num_stages
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("f_ms", _stage_tuple("f_ms", self.f_ms, S, positive=True))
         set_("b_ms", _stage_tuple("b_ms", self.b_ms, S, positive=True))
         set_("w_ms", _stage_tuple("w_ms", self.w_ms, S, positive=False))
         if self.links is not None and not isinstance(self.links, Sequence):
-            raise ValueError(f"links must be a sequence of LinkProfile, got {type(self.links).__name__}")
+            raise ArgumentTypeError(f"links must be a sequence of LinkProfile, got {type(self.links).__name__}")
         links = tuple(self.links) if self.links else tuple(LinkProfile() for _ in range(S - 1))
         if len(links) != S - 1:
             raise ValueError(f"links has {len(links)} entries, expected num_stages - 1 = {S - 1}")
         for i, link in enumerate(links):
             if not isinstance(link, LinkProfile):
-                raise ValueError(f"links[{i}] must be a LinkProfile, got {type(link).__name__}")
+                raise ArgumentTypeError(f"links[{i}] must be a LinkProfile, got {type(link).__name__}")
         set_("links", links)
         if (self.activation_bytes is None) != (self.memory_budget_bytes is None):
             raise ValueError("activation_bytes and memory_budget_bytes must be given together")
@@ -199,13 +204,17 @@ class PipelineProfile:
         return replace(self, b_ms=tuple(b + w for b, w in zip(self.b_ms, self.w_ms)), w_ms=(0.0,) * self.num_stages)
 
     def with_links(self, links: Sequence[LinkProfile]) -> "PipelineProfile":
+        if isinstance(links, (str, bytes)) or not isinstance(links, Sequence):
+            raise ArgumentTypeError(f"links must be a sequence of LinkProfile, got {type(links).__name__}")
         return replace(self, links=tuple(links))
 
     def with_delays(self, delays_ms: Mapping[int, float]) -> "PipelineProfile":
         """A copy whose link ``i`` latency is replaced by ``delays_ms[i]`` (other fields kept)."""
+        if not isinstance(delays_ms, Mapping):
+            raise ArgumentTypeError(f"delays_ms must be a mapping link → ms, got {type(delays_ms).__name__}")
         links = list(self.links)
         for i, ms in delays_ms.items():
-            if not 0 <= i < len(links):
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(links):
                 raise ValueError(f"delays_ms: link {i} does not exist (links are 0..{len(links) - 1})")
             links[i] = replace(links[i], latency_ms=ms)
         return self.with_links(links)

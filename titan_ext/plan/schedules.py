@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any
 
-from .args import profile_arg
+from .args import ArgumentTypeError, bool_arg, int_arg, profile_arg, real_arg
 from .builtin import BUILTINS
 from .crosspipe import plan_crosspipe, wave_profile
 from .ir import as_ops, gc_paused, torch_schedules
@@ -159,6 +159,14 @@ def plan_by_name(
     ImportError (``optimal`` without ortools).
     """
     profile_arg(profile)
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"name must be a schedule name ({', '.join(SCHEDULE_NAMES)}), got {name!r}")
+    int_arg(virtual_stages, "virtual_stages", 1)
+    real_arg(time_limit_s, "time_limit_s", positive=True)
+    real_arg(polish_s, "polish_s", positive=True, optional=True)
+    bool_arg(full_backward, "full_backward")
+    if stage_times_ms is not None and virtual_stages == 1:
+        raise ValueError("stage_times_ms applies to virtual_stages >= 2 (one stage per rank: the profile's times)")
     check_memory_limit(memory_limit, stage_memory_limit)
     if polish_s is not None and (name not in POLISH_SCHEDULES or virtual_stages != 1 or placement is not None):
         raise ValueError(f"polish_s applies to {', '.join(POLISH_SCHEDULES)} with one stage per rank, not {name!r}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .args import plan_arg, profile_arg
+from .args import int_arg, plan_arg, profile_arg
 from .complete import check_complete
 from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
@@ -193,6 +193,9 @@ def replay_makespan_ns(
     lists. None as soon as the makespan is certain to exceed ``bound_ns`` (an action ends at t and its
     rank has more than ``bound_ns − t`` of work left). Tests check it bit-for-bit against ``simulate``;
     the planner uses it to time candidates."""
+    plan_arg(order, "order")
+    profile_arg(profile)
+    int_arg(bound_ns, "bound_ns", optional=True)
     S, N = profile.num_stages, profile.num_microbatches
     tf, tb, tw = ([to_ns(v) for v in times] for times in (profile.f_ms, profile.b_ms, profile.w_ms))
     dur = {"F": tf, "I": tb, "W": tw, "B": [b + w for b, w in zip(tb, tw)]}

@@ -23,7 +23,7 @@ import contextlib
 import io
 from typing import Any, Mapping, Sequence
 
-from .args import int_arg, plan_arg
+from .args import bool_arg, counts_arg, int_arg, plan_arg
 from .complete import PlanValidationError, check_complete
 from .deps import SAME_STAGE, done_key, producers, released_by
 from .ir import add_send_waits, as_ops, fsdp_action_types, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
@@ -67,6 +67,12 @@ def validate_plan(
     int_arg(num_stages, "num_stages", 1)
     int_arg(num_microbatches, "num_microbatches", 1)
     released_by(release)
+    bool_arg(torch_dry_run, "torch_dry_run")
+    if inflight_limit is not None:
+        if isinstance(inflight_limit, (str, bytes)) or not hasattr(inflight_limit, "__iter__"):
+            int_arg(inflight_limit, "inflight_limit", 1)
+        else:
+            counts_arg(list(inflight_limit), "inflight_limit", num_stages, minimum=1)
     if _CORE is not None and isinstance(plan, dict):
         peaks = _CORE.check(plan, num_stages, num_microbatches, inflight_limit, release == "W")
         if peaks is not None:

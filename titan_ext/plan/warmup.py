@@ -10,13 +10,19 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .args import counts_arg, int_arg, link_arg, profile_arg
+from .args import bool_arg, counts_arg, int_arg, link_arg, profile_arg, real_arg
 from .profile import PipelineProfile
 
 
 def slackness(warmup_counts: Sequence[int]) -> list[int]:
-    """Δ_i = x_i − x_{i+1} for every link i."""
-    warmup_counts = counts_arg(warmup_counts, "warmup_counts")
+    """Δ_i = x_i − x_{i+1} for every link i. Warm-up counts of any valid plan are >= 1 and non-increasing
+    along the stages (stage i runs every forward stage i+1 ran before its first backward, before its
+    own first backward): others raise ValueError, never a negative slackness."""
+    warmup_counts = counts_arg(warmup_counts, "warmup_counts", minimum=1)
+    for i in range(len(warmup_counts) - 1):
+        if warmup_counts[i] < warmup_counts[i + 1]:
+            raise ValueError(f"warmup_counts must be non-increasing along the stages (x_i >= x_{{i+1}}), got "
+                             f"x_{i} = {warmup_counts[i]} < x_{i + 1} = {warmup_counts[i + 1]}")
     return [warmup_counts[i] - warmup_counts[i + 1] for i in range(len(warmup_counts) - 1)]
 
 
@@ -49,11 +55,11 @@ def initial_warmup_counts_for(profile: PipelineProfile, memory_limit: int | None
     Per-stage caps are our extension for heterogeneous budgets (Alg.1 assumes one M and M^F): each
     x_i is clipped to the stage's ``max_inflight`` and kept non-increasing (Lemma 1).
     """
+    profile_arg(profile)
+    real_arg(memory_limit, "memory_limit", minimum=1, optional=True)
     N = profile.num_microbatches
     caps = list(profile.max_inflight() or [N] * profile.num_stages)
     if memory_limit is not None:
-        if memory_limit < 1:
-            raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit}")
         caps = [min(c, memory_limit) for c in caps]
     caps = [min(c, N) for c in caps]
     counts = initial_warmup_counts(profile.num_stages, caps[0])
@@ -77,6 +83,8 @@ def adapted_warmup_counts(
     """
     profile_arg(profile)
     int_arg(slack_floor, "slack_floor")
+    bool_arg(literal, "literal")
+    real_arg(memory_limit, "memory_limit", minimum=1, optional=True)
 
     if slack_floor < 1:
         raise ValueError(f"slack_floor must be >= 1, got {slack_floor}")
@@ -99,6 +107,7 @@ def adapted_warmup_counts(
 def required_slackness(profile: PipelineProfile, link: int, delay_ms: float | None = None) -> int:
     """Smallest Δ_link satisfying Eq.1 for the link's delay (or ``delay_ms``)."""
     link = link_arg(profile_arg(profile), link)
+    real_arg(delay_ms, "delay_ms", minimum=0, optional=True)
     c = profile.delays_ms[link] if delay_ms is None else delay_ms
     num = profile.f_ms[link] + profile.b_ms[link] + 2.0 * c
     den = profile.f_ms[link + 1] + profile.b_ms[link + 1]
@@ -109,7 +118,7 @@ def required_slackness(profile: PipelineProfile, link: int, delay_ms: float | No
 def link_tolerance_ms(profile: PipelineProfile, warmup_counts: Sequence[int], link: int) -> float:
     """Largest one-way delay on ``link`` that the plan absorbs (Eq.1 solved for c_i)."""
     link = link_arg(profile_arg(profile), link)
-    warmup_counts = counts_arg(warmup_counts, "warmup_counts", profile.num_stages)
+    warmup_counts = counts_arg(warmup_counts, "warmup_counts", profile.num_stages, minimum=1)
     delta = warmup_counts[link] - warmup_counts[link + 1]
     den = profile.f_ms[link + 1] + profile.b_ms[link + 1]
     return (delta * den - profile.f_ms[link] - profile.b_ms[link]) / 2.0
@@ -122,6 +131,8 @@ def absorbs_delay(
 
     ``delay_ms`` defaults to the profile's own delay of that link. The run-time detector calls this.
     """
+    link = link_arg(profile_arg(profile), link)
+    real_arg(delay_ms, "delay_ms", minimum=0, optional=True)
     c = profile.delays_ms[link] if delay_ms is None else delay_ms
     return c <= link_tolerance_ms(profile, warmup_counts, link) + 1e-9
 
@@ -133,11 +144,14 @@ def zb_warmup_counts(num_stages: int, num_microbatches: int) -> list[int]:
     link 0 (S=4, N=12, t=10 ms): stage 0 runs F_1..F_7 before B_1 (§3.1). It is also what Alg.2 yields
     with no delay (Δ at its floor of 2).
     """
+    int_arg(num_stages, "num_stages", 1)
+    int_arg(num_microbatches, "num_microbatches", 1)
     return [min(2 * (num_stages - i) - 1, num_microbatches) for i in range(num_stages)]
 
 
 def zb_h1_warmup_counts(num_stages: int) -> list[int]:
     """Minimal warm-up, 1F1B's memory (ZB-H1): x_i = S − i (Δ_i = 1, so any delay cascades)."""
+    int_arg(num_stages, "num_stages", 1)
     return [num_stages - i for i in range(num_stages)]
 
 

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..plan.args import ArgumentTypeError, bool_arg, choice_arg, int_arg, real_arg
 from .policy import PolicySettings, ReplanPolicy
 
 __all__ = ["DelegationConfig", "PipeMorphConfig", "PolicySettings"]
@@ -49,8 +50,22 @@ class DelegationConfig:
     """A ``FaultInjector`` (tests)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("off", "auto", "always"):
+        """Every field checked (TypeError/ValueError naming it, under its keyword name of earlier
+        releases where it has one: ``delegate_slots`` ...)."""
+        if isinstance(self.mode, (list, dict, set)) or self.mode not in ("off", "auto", "always"):
             raise ValueError(f"delegation must be one of ('off', 'auto', 'always'), got {self.mode!r}")
+        bool_arg(self.failover, "failover")
+        real_arg(self.slow_link_ms, "slow_link_ms", minimum=0)
+        if self.detector is not None and not callable(self.detector):
+            raise ArgumentTypeError(f"detector must be a callable (boundary metrics → bool) or None, got {self.detector!r}")
+        if isinstance(self.lanes, dict):
+            for kind, n in self.lanes.items():
+                int_arg(n, f"delegate_lanes[{kind!r}]", 1)
+        else:
+            int_arg(self.lanes, "delegate_lanes", 1)
+        int_arg(self.slots, "delegate_slots", 1)
+        real_arg(self.recv_timeout_s, "recv_timeout_s", positive=True)
+        real_arg(self.timeout_s, "delegate_timeout_s", positive=True)
         if self.slot_bytes is not None and not (isinstance(self.slot_bytes, int) and self.slot_bytes > 0):
             raise ValueError(f"delegate slot_bytes must be a positive int or None (derived), got {self.slot_bytes!r}")
 
@@ -119,22 +134,38 @@ class PipeMorphConfig:
     """The transport: direct torch P2P or the delegate data plane."""
 
     def __post_init__(self) -> None:
-        if not (self.profile_every >= 1 and self.profile_every_max >= 1):
-            raise ValueError(f"profile_every and profile_every_max must be >= 1, got "
-                             f"{self.profile_every}, {self.profile_every_max}")
-        if self.max_inflight is not None and not 1 <= self.max_inflight:
-            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
-        if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
-            raise ValueError(f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}")
-        if not 0 <= self.backward_margin < 1:
+        """Every field checked at construction (issue 39): TypeError (a wrong type; also a ValueError)
+        or ValueError naming the field -- before any process group exists."""
+        int_arg(self.profile_every, "profile_every", 1)
+        int_arg(self.profile_every_max, "profile_every_max", 1)
+        int_arg(self.max_inflight, "max_inflight", 1, optional=True)
+        real_arg(self.memory_budget_bytes, "memory_budget_bytes", positive=True, optional=True)
+        real_arg(self.activation_bytes, "activation_bytes", positive=True, optional=True)
+        int_arg(self.adaptive_memory_limit, "adaptive_memory_limit", 1, optional=True)
+        bool_arg(self.adaptive, "adaptive")
+        int_arg(self.slack_floor, "slack_floor", 1)
+        choice_arg(self.backward, "backward", ("split", "full", "auto"))
+        real_arg(self.backward_margin, "backward_margin", minimum=0)
+        if not self.backward_margin < 1:
             raise ValueError(f"backward_margin must be within [0, 1), got {self.backward_margin}")
+        int_arg(self.decision_log_size, "decision_log_size", 1)
+        if self.timeout_s is not None:
+            real_arg(self.timeout_s, "timeout_s", positive=True, maximum=1e7)
+        if isinstance(self.falcon, (str, bytes, int, float, list, tuple, dict, set)) \
+                and not isinstance(self.falcon, bool):
+            raise ArgumentTypeError(f"falcon must be False, True or a FalconMonitor, got {self.falcon!r}")
+        if isinstance(self.observers, (str, bytes)) or not isinstance(self.observers, (tuple, list)):
+            raise ArgumentTypeError(f"observers must be a tuple of boundary observers, got {type(self.observers).__name__}")
         if not isinstance(self.policy_settings, PolicySettings):
             raise TypeError(f"policy_settings must be a PolicySettings, got {type(self.policy_settings).__name__}")
         if not isinstance(self.delegation, DelegationConfig):
             raise TypeError(f"delegation must be a DelegationConfig (or the keyword delegation='off'|'auto'|"
                             f"'always'), got {self.delegation!r}")
-        if len(tuple(self.initial_times_ms)) != 3:
-            raise ValueError(f"initial_times_ms must be (F, I, W), got {self.initial_times_ms!r}")
+        times = self.initial_times_ms
+        if isinstance(times, (str, bytes)) or not isinstance(times, (tuple, list)) or len(times) != 3:
+            raise ValueError(f"initial_times_ms must be (F, I, W), got {times!r}")
+        for name, t in zip(("F", "I", "W"), times):
+            real_arg(t, f"initial_times_ms {name}", positive=name != "W", minimum=0)
 
     def updated(self, owner: str = "PipeMorph", **keywords: Any) -> "PipeMorphConfig":
         """A copy with ``keywords`` applied: the config's own fields, and the delegation keywords of

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..plan.args import real_arg
 from .config import PipeMorphConfig
 from .parts import ScheduleSpec
 from .pipemorph import adaptive_schedule
@@ -45,6 +46,13 @@ class CrossPipeConfig(PipeMorphConfig):
         if self.variant not in ("ud", "udsub"):
             raise ValueError(f"CrossPipe run-time variant must be 'ud' or 'udsub' (one stage per rank), "
                              f"got {self.variant!r}")
+        real_arg(self.message_bytes, "message_bytes", minimum=0, optional=True)
+        bw = self.link_bandwidth_bytes_per_s
+        if isinstance(bw, (list, tuple)):
+            for i, v in enumerate(bw):
+                real_arg(v, f"link_bandwidth_bytes_per_s[{i}]", positive=True, allow_inf=True)
+        else:
+            real_arg(bw, "link_bandwidth_bytes_per_s", positive=True, optional=True, allow_inf=True)
 
 
 def _one_stage(config: CrossPipeConfig) -> Planner:

@@ -48,6 +48,7 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
+from titan_ext.plan.args import ArgumentTypeError, int_arg, plan_arg
 
 from . import _torch_compat, timeouts
 from ._torch_compat import check_runtime_kwargs, lowering_options, runtime_kwargs_given
@@ -82,6 +83,22 @@ logger = logging.getLogger(__name__)
 #: decisions whose new plan keeps the memory regime of Alg.1 ("initial") or forces a plan
 _KIND_OF_DECISION = {"calibrate": "initial", "force": "forced"}
 
+
+
+def _check_stages(name: str, stages: Any) -> list:
+    """This rank's stages: one torch pipeline stage or a non-empty list of them (TypeError naming the
+    argument otherwise: a ``torch.nn.Module`` is not a stage)."""
+    if isinstance(stages, _PipelineStageBase):
+        return [stages]
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple)):
+        raise ArgumentTypeError(f"{name}: stages must be a torch PipelineStage or a list of them, got "
+                                f"{type(stages).__name__}")
+    if not stages:
+        raise ValueError(f"{name} needs this rank's stages, got none")
+    for i, st in enumerate(stages):
+        if not isinstance(st, _PipelineStageBase):
+            raise ArgumentTypeError(f"{name}: stages[{i}] must be a torch PipelineStage, got {type(st).__name__}")
+    return list(stages)
 
 class PipeMorph(_PipelineScheduleRuntime):
     """Straggler-resilient adaptive pipeline schedule (PipeMorph §4 planning, §6 runtime).
@@ -119,6 +136,10 @@ class PipeMorph(_PipelineScheduleRuntime):
         **options: Any,
     ):
         name = type(self).__name__
+        stages = _check_stages(name, stages)  # the arguments first: before any side effect or process group
+        int_arg(n_microbatches, "n_microbatches", 1)
+        if loss_fn is not None and not callable(loss_fn):
+            raise ArgumentTypeError(f"{name}: loss_fn must be callable or None, got {type(loss_fn).__name__}")
         # torch >= 2.15's runtime keywords (None: not given), honoured by our lowering (_torch_compat.RUNTIME_KWARGS)
         torch_runtime_kwargs = check_runtime_kwargs(runtime_kwargs_given(
             max_active_stages=max_active_stages, unshard_lookahead=unshard_lookahead,
@@ -129,9 +150,6 @@ class PipeMorph(_PipelineScheduleRuntime):
         if config.timeout_s is not None:
             timeouts.set_timeout(config.timeout_s)  # checks the value
             timeouts.install_p2p_timeout()
-        stages = [stages] if isinstance(stages, _PipelineStageBase) else list(stages)
-        if not stages:
-            raise ValueError(f"{name} needs this rank's stages, got none")
         st0 = stages[0]
         #: R ranks × V stages per rank, placement read from the stage indices (runtime/placement.py)
         self.layout = read_layout([st.stage_index for st in stages], st0.group_rank, st0.group_size, st0.num_stages)
@@ -279,6 +297,9 @@ class PipeMorph(_PipelineScheduleRuntime):
         Outside an iteration the plan is deployed now (returns whether it was accepted); during an
         iteration it is queued and deployed at the next boundary (returns None).
         """
+        plan_arg(actions, "actions")
+        if not isinstance(reason, str):
+            raise ArgumentTypeError(f"reason must be text, got {type(reason).__name__}")
         plan = {r: list(a) for r, a in actions.items()}
         if self.in_iteration:
             self.lifecycle.queue(plan, reason)

@@ -170,6 +170,24 @@ def _axes(variant: str, portfolio: bool, n_sub, steady, reserve, lookahead) -> t
     return subs, steadies, reserves, lookaheads
 
 
+def _check_axes(axes: tuple) -> None:
+    """The portfolio's knobs as given: n_sub integers >= 1, steady rules by name, reserves integers >= 1
+    or "pending", lookaheads booleans (ValueError naming the knob)."""
+    from ..args import bool_arg, int_arg
+
+    subs, steadies, reserves, lookaheads = axes
+    for v in subs:
+        int_arg(v, "n_sub", 1)
+    for v in steadies:
+        if v not in ("interleave", "backward_first"):
+            raise ValueError(f"steady must be 'interleave' or 'backward_first', got {v!r}")
+    for v in reserves:
+        if v != "pending":
+            int_arg(v, "reserve", 1)
+    for v in lookaheads:
+        bool_arg(v, "lookahead")
+
+
 def _check_variant(problem: CrossPipeProblem, variant: str) -> None:
     if variant not in CROSSPIPE_VARIANTS:
         raise ValueError(f"variant must be one of {CROSSPIPE_VARIANTS}, got {variant!r}")
@@ -544,8 +562,18 @@ def plan_crosspipe_problem(
     the same budget; a different, also deterministic, plan); ``engine=False`` forces the Python path.
     """
     t0 = time.perf_counter()
+    from ..args import bool_arg, real_arg
+
+    if not isinstance(problem, CrossPipeProblem):
+        from ..errors import ArgumentTypeError
+        raise ArgumentTypeError(f"problem must be a CrossPipeProblem, got {type(problem).__name__}")
+    for name, value in (("portfolio", portfolio), ("convert", convert), ("search", search), ("engine", engine)):
+        bool_arg(value, name)
+    real_arg(budget, "budget", positive=True, optional=True)
+    real_arg(time_budget_ms, "time_budget_ms", positive=True, optional=True)
     _check_variant(problem, variant)
     axes = _axes(variant, portfolio, n_sub, steady, reserve, lookahead)
+    _check_axes(axes)
     problems = _cap_problems(problem, caps if portfolio else None)
     members = _members(problems, axes, variant)
     run = _Run(problem, variant, Model(problem), tuple(problem.memory_limit or (math.inf,) * problem.num_ranks),
