@@ -367,7 +367,10 @@ def plan_pipemorph(
     """
     profile_arg(profile)
     int_arg(slack_floor, "slack_floor")
-    real_arg(memory_limit, "memory_limit", minimum=1, optional=True)
+    if isinstance(memory_limit, (list, tuple)):  # one per stage
+        counts_arg(memory_limit, "memory_limit", profile.num_stages, minimum=1)
+    else:
+        real_arg(memory_limit, "memory_limit", minimum=1, optional=True)
     bool_arg(cap_inflight, "cap_inflight")
     bool_arg(candidates, "candidates")
     if backward not in BACKWARDS:
