@@ -135,7 +135,7 @@ def _parse_bandwidth(text: str, where: str) -> float:
 
 def _check_bandwidth(value: float, text: str, where: str) -> float:
     if not (math.isfinite(value) and value >= MIN_BANDWIDTH):
-        raise DelaySpecError(f"{where}: bandwidth {text!r} must be a finite number of bytes/s >= {MIN_BANDWIDTH:g}")
+        raise DelaySpecError(f"{where}: bandwidth {text!r} must be > 0 (a finite number of bytes/s >= {MIN_BANDWIDTH:g})")
     return value
 
 
@@ -147,7 +147,7 @@ def _parse_nonneg_float(text: str, what: str, where: str, upper: float = MAX_DEL
     except ValueError:
         raise DelaySpecError(f"{where}: {what} {text!r} is not a number (ASCII digits)") from None
     if not math.isfinite(value) or value < 0 or value > upper:
-        raise DelaySpecError(f"{where}: {what} {text!r} must be a finite number in [0, {upper:g}]")
+        raise DelaySpecError(f"{where}: {what} {text!r} must be a finite number >= 0 (at most {upper:g})")
     return value
 
 
@@ -251,8 +251,10 @@ def load_delay_trace(path: str) -> DelaySchedule:
     path = path.strip()
     try:
         st = os.stat(path)
+    except FileNotFoundError:
+        raise DelaySpecError(f"delay trace {path!r}: no such file") from None
     except OSError as e:
-        raise DelaySpecError(f"delay trace {path!r}: {e.strerror or 'no such file'}") from None
+        raise DelaySpecError(f"delay trace {path!r}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
         what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
         raise DelaySpecError(f"delay trace {path!r}: {what}; it must be a CSV file")

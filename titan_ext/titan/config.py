@@ -255,7 +255,12 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
         schedule = config_delay_schedule(cfg.inject_delays, key)
     elif cfg.inject_trace.strip():
         key = "inject_trace"
-        schedule = config_delay_schedule("trace:" + cfg.inject_trace, key)
+        from titan_ext.runtime.delay_injection import DelaySpecError, load_delay_trace
+
+        try:
+            schedule = load_delay_trace(cfg.inject_trace)
+        except DelaySpecError as e:
+            raise TitanExtConfigError(f"[titan_ext] {key} = {cfg.inject_trace!r}: {e}") from None
     if key is not None:
         _check_links(schedule, key, getattr(cfg, key), num_pp_links)
 
