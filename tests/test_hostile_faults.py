@@ -1,0 +1,209 @@
+"""Issue 39, items 3 and 6 (faults): a fault ends or recovers within the timeout, loudly.
+
+* Shared memory for the delegates is reserved up front: a shortage (the free-space probe, or the
+  reservation itself) is a ``SharedMemoryShortage`` before any byte of the ring is written (it was a
+  SIGBUS on every rank); in a job, a shortage on any rank sends every rank to the direct path with one
+  WARNING and a decision-log row, and training goes on with the same losses.
+* A killed delegate that is replaced is a console WARNING, the metrics ``delegate_restarts`` /
+  ``failed_over_links`` (the PP group's, on every rank) and decision-log rows.
+
+Multi-process cases are gloo on loopback, slow tier, with generous limits and assertions on outcomes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+import pytest
+
+from titan_ext.runtime.testing import run_ranks
+
+N_MB, DIM, BATCH = 4, 8, 8
+
+
+# --- shared memory (default tier: no process group) --------------------------------------------------
+
+def test_ring_refuses_a_shortage_before_writing(monkeypatch):
+    from titan_ext.runtime.delegate import ring as R
+
+    made = []
+    real_create = R.load_ext().Region.create
+    monkeypatch.setattr(R, "shm_free_bytes", lambda path=R.SHM_DIR: 64 << 10)
+    monkeypatch.setattr(R, "load_ext", lambda: type("E", (), {"Region": type("Rg", (), {
+        "create": staticmethod(lambda n: made.append(n) or real_create(n))})}))
+    with pytest.raises(R.SharedMemoryShortage, match=r"a delegate ring: 0\.9 MiB of shared memory needed, /dev/shm has 0\.1 MiB free"):
+        R.SlotRing.create(3, 300 << 10)
+    assert made == []  # refused before any segment exists
+
+
+def test_ring_reservation_failure_is_a_shortage_not_sigbus(monkeypatch):
+    """``posix_fallocate`` failing (the tmpfs filled up after the check) is the same one error, raised
+    before the ring's first write (which is where the SIGBUS struck)."""
+    from titan_ext.runtime.delegate import ring as R
+
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(R.os, "posix_fallocate", full)
+    with pytest.raises(R.SharedMemoryShortage, match="No space left on device"):
+        R.SlotRing.create(2, 4096)
+
+
+def test_ring_is_reserved_when_there_is_room():
+    """A created ring's pages are allocated (st_blocks covers the segment), not sparse as after ftruncate."""
+    from titan_ext.runtime.delegate import ring as R
+
+    ring = R.SlotRing.create(2, 64 << 10)
+    st = os.fstat(ring.region.fd)
+    assert st.st_blocks * 512 >= ring.geometry.total_bytes
+    ring.set_state(1, R.READY)
+    assert ring.state(1) == R.READY
+
+
+def test_pool_checks_all_its_rings_at_once(monkeypatch):
+    """A pool needing more than the free shared memory is refused with one error naming the total, before
+    it starts any delegate."""
+    from titan_ext.runtime.delegate import ring as R
+    from titan_ext.runtime.delegate.pool import DelegatePool, pipeline_channels, pool_shm_bytes
+
+    channels = pipeline_channels(1, [0, 1, 2])
+    need = pool_shm_bytes(channels, 2, 4, 1 << 20)
+    assert need == 8 * R.RingGeometry(4, 1 << 20).total_bytes  # 4 channels x 2 lanes
+    monkeypatch.setattr(R, "shm_free_bytes", lambda path=R.SHM_DIR: need - 1)
+    with pytest.raises(R.SharedMemoryShortage, match="the delegate rings of rank 1: .* MiB of shared memory needed"):
+        DelegatePool(1, channels, lanes=2, num_slots=4, slot_bytes=1 << 20, store_host="127.0.0.1", store_port=1)
+
+
+# --- in a job (slow tier) -----------------------------------------------------------------------------
+
+def _batch(step):
+    from titan_ext.runtime.testing import seeded_batch
+
+    return seeded_batch(2000 + step, BATCH, DIM)
+
+
+def _train(rank, world, make, steps):
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    from titan_ext.runtime.testing import mlp_stages, step_rank
+
+    mod = mlp_stages(world, DIM)[rank]
+    sched = make(PipelineStage(mod, rank, world, torch.device("cpu")))
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    losses = []
+    for k in range(steps):
+        x, y = _batch(k)
+        out: list = []
+        opt.zero_grad()
+        step_rank(sched, rank, world, x, y, out)
+        opt.step()
+        losses.append([float(v) for v in out])
+    return sched, losses
+
+
+class _Records:
+    def __init__(self):
+        import logging
+
+        self.lines = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda r: self.lines.append(r.getMessage())
+        logging.getLogger("titan_ext").addHandler(handler)
+
+
+def _shm_short_body(rank, world):
+    """Rank 1 alone lacks the shared memory: both ranks go direct, with the same losses as direct PipeMorph."""
+    import torch.nn.functional as Fn
+
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.delegate import ring as R
+    from titan_ext.runtime.delegated import DelegatedPipeMorph
+
+    records = _Records()
+    if rank == 1:
+        R.shm_free_bytes = lambda path=R.SHM_DIR: 4096
+    sched, losses = _train(rank, world, lambda st: DelegatedPipeMorph(st, N_MB, loss_fn=Fn.mse_loss, adaptive=False,
+                                                                       delegation="always"), 4)
+    out = {"losses": losses, "pool": sched.pool is not None, "delegating": sched.last_metrics.get("delegating"),
+           "log": [e for e in sched.decision_log if e.get("decision") == "delegation"], "warnings": records.lines}
+    sched.close_delegation()
+    _, direct = _train(rank, world, lambda st: PipeMorph(st, N_MB, loss_fn=Fn.mse_loss, adaptive=False), 4)
+    out["direct"] = direct
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_shm_shortage_on_one_rank_sends_every_rank_direct_with_a_warning():
+    r0, r1 = run_ranks(_shm_short_body, 2, backend="gloo", timeout_s=500)
+    for r in (r0, r1):
+        assert r["pool"] is False and r["delegating"] is False, r
+        assert any("off (direct path)" in e["reason"] for e in r["log"]), r["log"]
+        assert any("delegation is off, PP messages go on the direct path" in w for w in r["warnings"]), r["warnings"]
+    assert "/dev/shm has 0.0 MiB free" in r1["log"][-1]["reason"]
+    assert "another PP rank" in r0["log"][-1]["reason"]
+    assert r1["losses"] == r1["direct"] and len(r1["losses"]) == 4
+
+
+def _restart_body(rank, world):
+    """4 ranks, delegation always; rank 1 SIGKILLs its recv-F delegate (link 0) during step 2. Every rank's
+    metrics report the restart; ranks 0 and 1 log and warn it."""
+    import torch
+    import torch.nn.functional as Fn
+
+    from titan_ext.runtime.delegated import DelegatedPipeMorph
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from titan_ext.runtime.testing import mlp_stages, step_rank
+
+    records, state = _Records(), {"killed": None}
+    mod = mlp_stages(world, DIM)[rank]
+    sched = DelegatedPipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), N_MB, loss_fn=Fn.mse_loss,
+                               adaptive=False, delegation="always")
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    t0, k, metrics = time.monotonic(), 0, []
+    while time.monotonic() - t0 < 300:
+        if k == 2 and rank == 1:
+            pid = [s for s in sched.pool.stats() if s["kind"] == "recv-F"][0]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            state["killed"] = pid
+        x, y = _batch(k)
+        out: list = []
+        opt.zero_grad()
+        step_rank(sched, rank, world, x, y, out)
+        opt.step()
+        metrics.append(dict(sched.last_metrics))
+        k += 1
+        done = torch.tensor([1.0 if k >= 4 and metrics[-1].get("delegate_restarts", 0) >= 2 else 0.0])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() > 0:
+            break
+        time.sleep(0.05)
+    rows = [e for e in sched.decision_log if str(e.get("decision", "")).startswith("delegate_")]
+    sched.close_delegation()
+    return {"metrics": metrics[-1], "rows": rows, "warnings": records.lines, "killed": state["killed"], "steps": k}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_replaced_delegate_is_a_warning_a_metric_and_a_decision_row_on_every_rank():
+    results = run_ranks(_restart_body, 4, backend="gloo", timeout_s=550)
+    assert results[1]["killed"]
+    for rank, r in enumerate(results):
+        m = r["metrics"]
+        # both ends of link 0 replace their delegate of the lane: 2 restarts, the group's total on every rank
+        assert m["delegate_restarts"] >= 2, (rank, m)
+        assert "0->1" in m["failed_over_links"], (rank, m)
+    for rank in (0, 1):  # the ends of the link: a WARNING and decision rows
+        r = results[rank]
+        decisions = {e["decision"] for e in r["rows"]}
+        assert {"delegate_fallback", "delegate_respawned"} <= decisions, r["rows"]
+        assert any("replaced" in w for w in r["warnings"]) and any("direct path" in w for w in r["warnings"]), r["warnings"]
+    for rank in (2, 3):  # not an end of link 0: nothing of their own to log
+        assert results[rank]["rows"] == [], results[rank]["rows"]
