@@ -284,3 +284,69 @@ def test_falcon_flags_a_device_slow_from_step_1_by_comparing_replicas():
 def test_falcon_replica_comparison_stays_quiet_on_healthy_replicas():
     """Replicas within ±20 % of each other (noise of 10 %) for 44 steps: no event."""
     assert all(_falcon_run(seed, noise=0.10) == [] for seed in range(20))
+
+
+# --- timeouts: the first step, and a stopped peer under delegation (slow tier) -------------------------
+
+def _first_step_body(rank, world):
+    """Rank 1 never takes its first step (silent for 60 s); rank 0's first step ends at ``timeout_s``
+    naming rank 1, not after the group's creation timeout with gloo's own message."""
+    import torch
+    import torch.nn.functional as Fn
+    from torch.distributed.pipelining import PipelineStage
+
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.testing import mlp_stages, step_rank
+    from titan_ext.runtime.timeouts import PeerTimeout
+
+    mod = mlp_stages(world, DIM)[rank]
+    sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), N_MB, loss_fn=Fn.mse_loss,
+                      adaptive=False, falcon=False, timeout_s=8)
+    if rank == 1:
+        time.sleep(60)
+        return {"silent": True}
+    x, y = _batch(0)
+    t0 = time.monotonic()
+    try:
+        step_rank(sched, rank, world, x, y, [])
+    except PeerTimeout as e:
+        return {"error": str(e), "after_s": time.monotonic() - t0, "type": "PeerTimeout"}
+    except Exception as e:  # noqa: BLE001 - reported
+        return {"error": str(e)[:500], "after_s": time.monotonic() - t0, "type": type(e).__name__}
+    return {"error": None}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_timeout_s_covers_the_first_step_and_names_the_silent_rank():
+    # (outcomes=True: the ranks' process group has a 120 s timeout, as in the issue's probe)
+    (r0, e0), _ = run_ranks(_first_step_body, 2, backend="gloo", timeout_s=300, outcomes=True)
+    assert e0 is None, e0
+    assert r0["type"] == "PeerTimeout" and "rank(s) [1] stopped answering" in r0["error"], r0
+    assert r0["after_s"] < 8 + 30, r0  # the group's own timeout was 120 s (in the issue's probe)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_stopped_rank_under_delegation_ends_the_job_within_timeout_plus_10s_and_is_fenced(tmp_path):
+    """SIGSTOP rank 2 at step 5 of train_configs/debug_cpu.toml with ``delegation = "always"``: the job
+    ends within comm.train_timeout_seconds + 10 s (it took 61.7 s at 30: the delegate wait timed out
+    naming nobody, then torchrun waited 30 s to SIGKILL the stopped worker), the log names rank 2 and
+    its process was fenced (killed) as without delegation."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    timeout_s = 30
+    p = subprocess.run([sys.executable, str(root / "scripts" / "frozen_rank.py"), "--rank", "2", "--step", "5",
+                        "--timeout", str(timeout_s), "--delegation", "always", "--log", str(tmp_path / "run.log")],
+                       cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True,
+                       timeout=850)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["froze"] and res["exit_code"] != 0, res
+    assert res["names_rank"] and "rank 2 stopped answering" in res["message"], res
+    assert "killed it so that the job ends" in (tmp_path / "run.log").read_text(errors="replace"), res
+    assert res["ended_after_s"] <= timeout_s + 10, res
