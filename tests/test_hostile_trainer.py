@@ -39,6 +39,12 @@ def _fifo(tmp: Path) -> str:
     return str(path)
 
 
+def _link(tmp: Path, name: str, target: str) -> str:
+    path = tmp / name
+    os.symlink(target, path)
+    return str(path)
+
+
 def _file(tmp: Path, name: str = "afile", text: str = "x") -> str:
     path = tmp / name
     path.write_text(text)
@@ -129,6 +135,25 @@ BAD = {
     "delay_fullwidth_ms": (BASE, ["--titan_ext.inject_delays", "1:\uff13\uff10"], {}, "ASCII digits"),
     "device_arabic_factor": (DPPP, ["--titan_ext.emulate_slow_device", "3:\u0664"], {}, "ASCII digits"),
     "toml_string_arabic": (BASE + 'inject_delays = "\u0661:5"\n', [], {}, "ASCII digits"),
+    # -- more of each kind ------------------------------------------------------------------------------------
+    "config_symlink_to_dev_zero": (lambda t: _link(t, "z.toml", "/dev/zero"), [], {}, "not a regular file"),
+    "nested_titan_ext_table": (BASE + "\n[titan_ext.sub]\nx = 1\n", [], {}, "Invalid field names"),
+    "toml_wrong_type": (BASE.replace("replan_interval = 1", 'replan_interval = "one"'), [], {},
+                        "replan_interval = 'one': must be of type int"),
+    "cli_wrong_type_one_line": (BASE, ["--titan_ext.slack_floor", "two"], {}, "command line: Error parsing"),
+    "cli_unrecognized_value": (BASE, ["--titan_ext.adaptive", "maybe"], {}, "Unrecognized options: maybe"),
+    "bandwidth_overflows_to_inf": (BASE, ["--titan_ext.inject_delays", "1:5:1e400MB/s"], {}, "bandwidth '1e400MB/s'"),
+    "delay_nan": (BASE, ["--titan_ext.inject_delays", "1:nan"], {}, "latency 'nan'"),
+    "trace_time_overflow": (BASE, ["--titan_ext.inject_trace", lambda t: _trace(t, "time_s,link1\n1e15,5\n")], {},
+                            "time_s"),
+    "slow_link_ms_huge": (DPPP, ["--titan_ext.emulate_slow_link", "0-1:700000"], {}, "MS <= 600000"),
+    "slow_device_step_huge": (DPPP, ["--titan_ext.emulate_slow_device", "3:4@99999999999"], {}, "DEVICE:FACTOR"),
+    "dump_folder_dangling_symlink": (BASE, ["--job.dump_folder", lambda t: _link(t, "dangle", str(t / "nowhere"))],
+                                     {}, "broken (dangling or looping) symbolic link"),
+    "dump_folder_symlink_loop": (BASE, ["--job.dump_folder", lambda t: _link(t, "loop", str(t / "loop"))], {},
+                                 "symbolic link"),
+    "assets_is_fifo": (BASE, ["--model.hf_assets_path", _fifo], {}, "not a directory"),
+    "empty_config_default_assets": (lambda t: _file(t, "empty.toml", ""), [], {}, "hf_assets_path"),
     # -- environment variables: garbage is an error whichever source wins ------------------------------------
     "env_delays_garbage_config_wins": (BASE, ["--titan_ext.inject_delays", "1:5"],
                                        {"TITAN_EXT_INJECT_DELAYS": "garbage!!"}, "TITAN_EXT_INJECT_DELAYS = 'garbage!!'"),

@@ -72,14 +72,45 @@ def _parse_quietly(manager, argv: list[str]):
 
     from titan_ext import _flags
 
+    import contextlib
+    import io
+
     titan_logger = logging.getLogger()
     level, _flags.DEFER_SECTION_CHECK = titan_logger.level, True
     titan_logger.setLevel(logging.ERROR)
+    said = io.StringIO()
     try:
-        return manager.parse_args(argv)
+        with contextlib.redirect_stderr(said):
+            return manager.parse_args(argv)
+    except SystemExit as e:
+        if e.code in (0, None):  # --help: shown as TorchTitan's parser wrote it
+            sys.stderr.write(said.getvalue())
+            raise
+        raise JobConfigError(f"command line: {_boxed_message(said.getvalue())}") from None
     finally:
         _flags.DEFER_SECTION_CHECK = False
         titan_logger.setLevel(level)
+
+
+def _boxed_message(text: str) -> str:
+    """The error TorchTitan's CLI parser (tyro, through rich) prints, as one line: the first paragraph
+    that says something (``what: why``) -- rich draws a title, a box and separators with Unicode
+    characters on a terminal, without the box when it writes elsewhere."""
+    paragraphs, current = [], []
+    for line in text.splitlines():
+        raw = line.strip()
+        if raw[:1] in ("╭", "╰", "+"):  # a border (with the title in it)
+            raw = ""
+        body = raw.strip("│|").strip()
+        if not body or set(body) <= set("─-"):
+            if current:
+                paragraphs.append(" ".join(current))
+                current = []
+            continue
+        current.append(body)
+    if current:
+        paragraphs.append(" ".join(current))
+    return next((p for p in paragraphs if ":" in p), paragraphs[0] if paragraphs else "invalid arguments")
 
 
 def main(args: list[str] | None = None) -> None:

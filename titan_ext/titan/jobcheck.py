@@ -294,7 +294,7 @@ def _writable_dir(path: Path, key: str) -> None:
         where = "" if probe == path else f"cannot be created: {probe} "
         raise JobConfigError(f"{key} = {str(path)!r}: {where}is a file, not a directory")
     if not probe.exists():  # a dangling symlink on the way
-        raise JobConfigError(f"{key} = {str(path)!r}: {probe} is a broken symbolic link")
+        raise JobConfigError(f"{key} = {str(path)!r}: {probe} is a broken (dangling or looping) symbolic link")
     if not os.access(probe, os.W_OK | os.X_OK) or os.statvfs(probe).f_flag & os.ST_RDONLY:
         where = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
         raise JobConfigError(f"{key} = {str(path)!r}: {where}")
