@@ -274,16 +274,47 @@ def test_falcon_confirms_a_slow_iteration_from_step_3_without_replica_times():
 def test_falcon_flags_a_device_slow_from_step_1_by_comparing_replicas():
     """A device slow before the first measured step leaves the iteration time without a change; the DP
     replicas' times per micro-batch show it: an onset by "replicas" naming replica 1 at the
-    ``peer_window``-th step, then Falcon's localisation (validation) as for any onset."""
+    ``peer_window``-th (4th) fed step, then Falcon's localisation (validation) as for any onset."""
     for seed in range(10):
         onsets = _falcon_run(seed, slow_replica_from_step=1)
-        assert onsets and onsets[0][0] == 4 and onsets[0][2:] == ("replicas", 1), onsets
+        assert onsets and onsets[0][0] == 5 and onsets[0][2:] == ("replicas", 1), onsets
         assert len(onsets) == 1, onsets  # flagged once, no flapping
 
 
 def test_falcon_replica_comparison_stays_quiet_on_healthy_replicas():
     """Replicas within ±20 % of each other (noise of 10 %) for 44 steps: no event."""
     assert all(_falcon_run(seed, noise=0.10) == [] for seed in range(20))
+
+
+# The healthy DP 2 x PP 2 job (tests/test_falcon_job.py's 40 steps) on a loaded 2-core host, as its
+# falcon.jsonl recorded it from step 2: (step time s, [replica 0, replica 1] time per micro-batch s).
+# Single steps differ by up to 2.4x, alternating between the replicas; a first rule (1.25x for 3 steps)
+# flagged it at step 8.
+HEALTHY_JOB = [(0.778, [0.216, 0.147]), (1.177, [0.189, 0.224]), (1.309, [0.352, 0.178]), (1.055, [0.243, 0.32]),
+               (1.159, [0.316, 0.227]), (1.467, [0.421, 0.188]), (1.559, [0.423, 0.239]), (0.729, [0.196, 0.208]),
+               (0.736, [0.198, 0.194]), (0.707, [0.192, 0.17]), (0.807, [0.139, 0.223]), (1.088, [0.267, 0.219]),
+               (0.744, [0.215, 0.2]), (0.866, [0.205, 0.237]), (0.773, [0.19, 0.222]), (0.88, [0.138, 0.255]),
+               (0.758, [0.204, 0.209]), (0.786, [0.203, 0.222]), (0.797, [0.175, 0.218]), (0.865, [0.238, 0.183]),
+               (1.061, [0.314, 0.268]), (1.013, [0.229, 0.286]), (0.918, [0.269, 0.261]), (0.822, [0.23, 0.225]),
+               (0.958, [0.275, 0.216]), (0.839, [0.217, 0.232]), (0.759, [0.214, 0.206]), (0.836, [0.237, 0.246]),
+               (0.886, [0.241, 0.166]), (1.295, [0.352, 0.22]), (1.185, [0.263, 0.25]), (0.972, [0.279, 0.174]),
+               (0.714, [0.207, 0.2]), (0.64, [0.144, 0.179]), (0.664, [0.146, 0.184]), (0.68, [0.178, 0.189]),
+               (0.67, [0.164, 0.181]), (0.674, [0.185, 0.187]), (0.813, [0.218, 0.204])]
+# the slow-device job's healthy steps 2-9 (device 3 24x slower from step 10): 2.4x, 2.1x for replica 1
+SLOW_DEVICE_JOB_BEFORE = [(1.028, [0.266, 0.22]), (1.201, [0.125, 0.297]), (1.23, [0.165, 0.37]),
+                          (1.236, [0.251, 0.352]), (1.057, [0.305, 0.145]), (0.881, [0.254, 0.201]),
+                          (0.783, [0.118, 0.229]), (0.932, [0.11, 0.27])]
+
+
+@pytest.mark.parametrize("series", [HEALTHY_JOB, SLOW_DEVICE_JOB_BEFORE], ids=["healthy_job", "slow_job_before"])
+def test_falcon_replica_comparison_is_quiet_on_recorded_healthy_jobs(series):
+    from titan_ext.runtime.falcon.monitor import FalconConfig, FalconMonitor
+
+    mon = FalconMonitor(FalconConfig())
+    for t, replicas in series:
+        mon.replica_microbatch_s, mon.split = replicas, [3, 3]
+        out = mon.observe(t)
+        assert out.get("falcon/change_point_by") != "replicas", out
 
 
 # --- timeouts: the first step, and a stopped peer under delegation (slow tier) -------------------------
@@ -350,3 +381,26 @@ def test_a_stopped_rank_under_delegation_ends_the_job_within_timeout_plus_10s_an
     assert res["names_rank"] and "rank 2 stopped answering" in res["message"], res
     assert "killed it so that the job ends" in (tmp_path / "run.log").read_text(errors="replace"), res
     assert res["ended_after_s"] <= timeout_s + 10, res
+
+
+# --- Falcon in the DP 2 x PP 2 job (slow tier: 4 ranks under torchrun) --------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("spec, by", [("3:4@3", None), ("3:4", "replicas")])
+def test_falcon_job_sees_an_early_and_a_from_the_start_slow_device(spec, by, tmp_path):
+    """Issue 39's job: ``emulate_slow_device "3:4@3"`` stayed "healthy" for all 44 steps; device 3 slow from
+    the first step was never flagged. Now: an onset by step 3 + 5, localised to device 3; from the start,
+    an onset by the replicas' comparison naming replica 1 (device 3's row), localised to device 3."""
+    from test_falcon_job import _falcon_log, _torchrun  # the job's launcher, shared with its own tests
+
+    _torchrun(tmp_path, 12, ["--titan_ext.emulate_slow_device", spec, "--titan_ext.falcon_apply"])
+    rows = _falcon_log(tmp_path)
+    onsets = [r for r in rows if r.get("falcon/event") == "onset"]
+    assert onsets, [(r["step"], r.get("falcon/state"), r.get("falcon/cp_probability")) for r in rows]
+    onset = onsets[0]
+    assert onset["step"] <= 8, onset
+    if by == "replicas":
+        assert onset.get("falcon/change_point_by") == "replicas" and onset.get("falcon/slow_replica") == 1, onset
+    localised = [r for r in rows if r.get("falcon/slow_devices")]
+    assert localised and localised[0]["falcon/slow_devices"].split(",")[0] == "3", localised[:1]

@@ -94,14 +94,18 @@ class BOCDConfig:
     iteration after it and the slowest before (one sample is a noisier baseline than a median of
     three). 0 = off: ``min_segment`` observations before any change-point (the monitor's per-group
     detectors, whose series are far noisier than the iteration time)."""
-    peer_ratio: float = 1.25
-    """Cross-replica pinpointing (Falcon's comparison of DP peers): the slowest replica's time per
-    micro-batch at least this many times the fastest's, for ``peer_window`` iterations in a row with
-    the same replica slowest, is an onset -- a device slow from the first step, which leaves the
-    iteration-time series without a healthy level to change from. Only before the first confirmed
-    change-point (afterwards the series has its baseline). 0 = off."""
-    peer_window: int = 3
-    """Consecutive iterations of the cross-replica comparison (above)."""
+    peer_ratio: float = 2.0
+    """Cross-replica pinpointing (Falcon's comparison of DP peers): over the last ``peer_window``
+    iterations the same replica is the slowest, its time per micro-batch is a median ``peer_ratio``
+    times the fastest's and never below ``peer_min_ratio`` times -- an onset of a device slow from the
+    first step, which leaves the iteration-time series without a healthy level to change from. Only
+    before the first confirmed change-point (afterwards the series has its baseline). 0 = off. (The
+    healthy DP 2 x PP 2 job on a loaded 2-core host showed single-step ratios up to 2.5x, alternating
+    between the replicas; a 4x device shows 3-4x every step.)"""
+    peer_min_ratio: float = 1.25
+    """The smallest ratio any iteration of the window may show (above)."""
+    peer_window: int = 4
+    """Iterations of the cross-replica comparison (above)."""
 
 
 def _logsumexp(x: np.ndarray) -> float:
@@ -368,13 +372,15 @@ class SlowIterationDetector:
         self._pending = None
         return cp
 
-    def compare_replicas(self, replica_times_s) -> ChangePoint | None:
+    def compare_replicas(self, replica_times_s, chunks=None) -> ChangePoint | None:
         """Falcon's cross-peer pinpointing on this iteration's per-replica times (each DP replica's
-        time per micro-batch; call after :meth:`observe`): a replica slower than the fastest by
-        ``peer_ratio`` for ``peer_window`` iterations in a row is an ``onset`` of a fault present from
-        the start (the iteration time alone has no healthy level to compare with). Its healthy level
-        is estimated as the iteration time scaled by fastest / slowest. Only while healthy and before
-        any confirmed change-point."""
+        time per micro-batch; call after :meth:`observe`): the same replica slowest over the last
+        ``peer_window`` iterations, by a median of ``peer_ratio`` and at least ``peer_min_ratio`` times
+        the fastest, is an ``onset`` of a fault present from the start (the iteration time alone has
+        no healthy level to compare with). Its healthy level: the iteration time less what the slow
+        replica's chunks (``chunks``: micro-batches per replica) took beyond the fastest's pace (without
+        ``chunks``: scaled by fastest / slowest). Only while healthy and before any confirmed
+        change-point."""
         c = self.config
         times = [float(v) for v in (replica_times_s or [])]
         if (c.peer_ratio <= 0 or self.slow or self.change_points or len(times) < 2 or not self.times
@@ -382,18 +388,18 @@ class SlowIterationDetector:
             self._peer_run = []
             return None
         slowest = max(range(len(times)), key=times.__getitem__)
-        ratio = times[slowest] / min(times)
-        if ratio < c.peer_ratio or (self._peer_run and self._peer_run[-1][0] != slowest):
-            self._peer_run = []
-        if ratio >= c.peer_ratio:
-            self._peer_run.append((slowest, ratio))
-        if len(self._peer_run) < max(1, c.peer_window):
+        self._peer_run = (self._peer_run + [(slowest, times[slowest] / min(times))])[-max(1, c.peer_window):]
+        ratios = [r for _, r in self._peer_run]
+        if (len(self._peer_run) < max(1, c.peer_window) or len({k for k, _ in self._peer_run}) != 1
+                or min(ratios) < c.peer_min_ratio or float(np.median(ratios)) < c.peer_ratio):
             return None
         t = len(self.times) - 1
-        tau = t - len(self._peer_run) + 1
+        tau = max(0, t - len(self._peer_run) + 1)
         after = float(np.median(self.times[tau:]))
-        ratio = float(np.median([r for _, r in self._peer_run]))
-        cp = ChangePoint(tau, t, 1.0, after / ratio, after, "onset", by="replicas", replica=slowest)
+        healthy = after / float(np.median(ratios))
+        if chunks is not None and len(chunks) == len(times):
+            healthy = max(healthy, after - (times[slowest] - min(times)) * chunks[slowest])
+        cp = ChangePoint(tau, t, 1.0, healthy, after, "onset", by="replicas", replica=slowest)
         self.slow, self.healthy_mean_s = True, cp.level_before
         self.change_points.append(cp)
         self._segment_start, self._pending, self._peer_run = tau, None, []

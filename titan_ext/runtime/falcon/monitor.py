@@ -180,7 +180,7 @@ class FalconMonitor:
         it = self.iteration
         cp = self.detector.observe(t)
         if cp is None and self.config.detector.peer_ratio > 0:  # a fault from the start: DP peers compared
-            cp = self.detector.compare_replicas(self.replica_microbatch_s)
+            cp = self.detector.compare_replicas(self.replica_microbatch_s, self.split)
         out: dict = {"falcon/iteration_time_s": t}
         if cp is not None and cp.by != "time":
             out["falcon/change_point_by"], out["falcon/slow_replica"] = cp.by, cp.replica
