@@ -61,7 +61,7 @@ def _descends(pid: int, ancestor: int) -> bool:
 
 
 def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: Path, cap_s: float,
-        backend: str = "gloo") -> dict:
+        backend: str = "gloo", delegation: str = "off") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=str(ROOT), TITAN_EXT_TEST_BACKEND=backend)
     env.pop("TITAN_EXT_NCCL_RULES_WATCHDOG", None)
@@ -70,7 +70,7 @@ def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: 
            "--master_port", str(_free_port()), "-m", "titan_ext.train", "--job.config_file", str(CONFIG),
            "--comm.train_timeout_seconds", str(int(timeout_s)), "--training.steps", str(steps),
            "--parallelism.pipeline_parallel_schedule", schedule, "--job.dump_folder", str(log.parent / "dump"),
-           "--titan_ext.gantt_every", "0"]
+           "--titan_ext.gantt_every", "0", "--titan_ext.delegation", delegation]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -104,6 +104,7 @@ def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: 
     text = log.read_text(errors="replace")
     named = [ln.strip() for ln in text.splitlines() if f"rank {rank} stopped answering" in ln]
     return {"frozen_rank": rank, "at_step": step, "timeout_s": timeout_s, "schedule": schedule, "backend": backend,
+            "delegation": delegation,
             "froze": bool(frozen), "ended_after_s": round(ended - frozen["t"], 1) if frozen else None,
             "run_s": round(ended - started, 1), "exit_code": code, "names_rank": bool(named),
             "message": named[0][:300] if named else None, "log": str(log)}
@@ -118,11 +119,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl_rules"],
                    help="the trainer's CPU backend (nccl_rules: NCCL's group timeout and watchdog)")
+    p.add_argument("--delegation", default="off", choices=["off", "auto", "always"],
+                   help="[titan_ext] delegation (PP messages through delegate processes)")
     p.add_argument("--log", type=Path, default=Path("/tmp/titan_ext_frozen_rank/run.log"))
     args = p.parse_args()
     args.log.parent.mkdir(parents=True, exist_ok=True)
     cap = 600.0 + args.timeout
-    print(json.dumps(run(args.rank, args.step, args.timeout, args.schedule, args.steps, args.log, cap, args.backend)))
+    print(json.dumps(run(args.rank, args.step, args.timeout, args.schedule, args.steps, args.log, cap, args.backend,
+                                args.delegation)))
     return 0
 
 

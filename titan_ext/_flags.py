@@ -6,3 +6,8 @@ DEFER_ENV_STRAGGLER = False
 """Set by ``titan_ext.train`` before anything imports ``titan_ext.runtime``: TITAN_EXT_INJECT_DELAYS is then
 checked against the job (one line, exit 2) and installed once the process group exists, instead of at
 that import (where a malformed value was a traceback and a link beyond the pipeline was announced)."""
+
+DEFER_SECTION_CHECK = False
+"""Set by ``titan_ext.train`` while it parses the command line: ``TitanExt.__post_init__`` then leaves the
+section's checks to ``check_job_config`` (one line, exit 2) instead of raising inside TorchTitan's
+parser (which prints a boxed help text on every rank)."""

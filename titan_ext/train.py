@@ -22,7 +22,14 @@ import sys
 CUSTOM_CONFIG_MODULE = "titan_ext.titan.config"
 
 # the checks live in titan/ (the trainer runs them too); re-exported here, where users call them
-from titan_ext.titan.jobcheck import JobConfigError, check_job_config, world_size  # noqa: E402
+from titan_ext.titan.jobcheck import (  # noqa: E402
+    JobConfigError,
+    check_ascii_numbers,
+    check_config_file,
+    check_job_config,
+    config_file_arg,
+    world_size,
+)
 
 
 def _with_custom_config_module(args: list[str]) -> list[str]:
@@ -50,27 +57,60 @@ def _config_error(e: Exception) -> None:
 
 
 def _check_toml_file(argv: list[str]) -> None:
-    """The ``--job.config_file`` TOML exists and parses (TorchTitan would log a traceback first):
+    """The ``--job.config_file`` TOML is a regular, size-capped UTF-8 file that parses, with sections
+    only at its top level (TorchTitan would log a traceback first, or read a FIFO forever):
     raises ValueError (TOMLDecodeError for a syntax error or a duplicate key)."""
-    import tomllib
+    path = config_file_arg(argv)
+    if path is not None:
+        check_config_file(path)
 
-    path = None
-    for i, arg in enumerate(argv):  # TorchTitan's rule (ConfigManager._maybe_load_toml)
-        key, sep, value = arg.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
-            path = value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
-            break
-    if path is None:
-        return
+
+def _parse_quietly(manager, argv: list[str]):
+    """TorchTitan's parse, with the ``[titan_ext]`` checks left to :func:`check_job_config` and
+    TorchTitan's warnings about paths that check reports held back (its own parse in ``main`` follows)."""
+    import logging
+
+    from titan_ext import _flags
+
+    import contextlib
+    import io
+
+    titan_logger = logging.getLogger()
+    level, _flags.DEFER_SECTION_CHECK = titan_logger.level, True
+    titan_logger.setLevel(logging.ERROR)
+    said = io.StringIO()
     try:
-        with open(path, "rb") as f:
-            tomllib.load(f)
-    except OSError as e:
-        raise ValueError(f"--job.config_file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"--job.config_file {path}: not UTF-8 text (a TOML file)") from None
-    except tomllib.TOMLDecodeError as e:
-        raise tomllib.TOMLDecodeError(f"{path}: {e}") from None
+        with contextlib.redirect_stderr(said):
+            return manager.parse_args(argv)
+    except SystemExit as e:
+        if e.code in (0, None):  # --help: shown as TorchTitan's parser wrote it
+            sys.stderr.write(said.getvalue())
+            raise
+        raise JobConfigError(f"command line: {_boxed_message(said.getvalue())}") from None
+    finally:
+        _flags.DEFER_SECTION_CHECK = False
+        titan_logger.setLevel(level)
+
+
+def _boxed_message(text: str) -> str:
+    """The error TorchTitan's CLI parser (tyro, through rich) prints, as one line: the first paragraph
+    that says something (``what: why``) -- rich draws a title, a box and separators with Unicode
+    characters on a terminal, without the box when it writes elsewhere."""
+    paragraphs, current = [], []
+    for line in text.splitlines():
+        raw = line.strip()
+        if raw[:1] in ("╭", "╰", "+"):  # a border (with the title in it)
+            raw = ""
+        body = raw.strip("│|").strip()
+        if not body or set(body) <= set("─-"):
+            if current:
+                paragraphs.append(" ".join(current))
+                current = []
+            continue
+        current.append(body)
+    if current:
+        paragraphs.append(" ".join(current))
+    return next((p for p in paragraphs if ":" in p), paragraphs[0] if paragraphs else "invalid arguments")
 
 
 def main(args: list[str] | None = None) -> None:
@@ -89,9 +129,10 @@ def main(args: list[str] | None = None) -> None:
 
     register()
     try:
+        check_ascii_numbers(list(sys.argv[1:] if args is None else args))
         _check_toml_file(list(sys.argv[1:] if args is None else args))
         argv = _with_custom_config_module(list(sys.argv[1:] if args is None else args))
-        check_job_config(ConfigManager().parse_args(argv), world_size=world_size())
+        check_job_config(_parse_quietly(ConfigManager(), argv), world_size=world_size())
     except ValueError as e:  # TitanExtConfigError, JobConfigError, TOMLDecodeError, unknown keys
         _config_error(e)
     sys.argv = [sys.argv[0], *argv]

@@ -111,6 +111,13 @@ class ControlPlane:
             self._collective("vote", lambda: dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group))
         return bool(vote.item() > 0)
 
+    def meet(self, name: str) -> None:
+        """Every PP rank reaches this point (one tiny all-reduce), or :class:`~.timeouts.PeerTimeout`
+        after the group's timeout naming the ranks that did not (and fencing a stopped one on this host)."""
+        if not self.local:
+            token = torch.zeros(1)
+            self._collective(name, lambda: dist.all_reduce(token, group=self.group))
+
     def clock_offsets(self) -> tuple[float, float]:
         """(clock_self − clock_prev [s], min RTT [s]) by NTP-style ping-pong (profiler's method)."""
         if self.local:

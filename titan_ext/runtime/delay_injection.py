@@ -53,10 +53,12 @@ otherwise slow a real job unnoticed).
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -66,6 +68,10 @@ import torch
 import torch.distributed as dist
 
 ENV_VAR = "TITAN_EXT_INJECT_DELAYS"
+MAX_DELAY_MS = 1e9  # a latency above this (11.6 days) is a typo; larger ones overflowed time.sleep
+MIN_BANDWIDTH = 1.0  # bytes/s: below, one message's transfer time is beyond any job
+MAX_LINK = 1 << 20  # link ids above are typos (a 5,000-digit integer is refused here, not by int())
+MAX_TRACE_BYTES = 16 << 20  # a delay trace larger than this is refused (it is read before the job starts)
 WARN_EVERY_S = 60.0  # repeat the "injected straggler active" warning this often while it is used
 log = logging.getLogger(__name__)
 
@@ -124,19 +130,33 @@ def _parse_bandwidth(text: str, where: str) -> float:
             f"{sorted(_BW_UNITS)} (e.g. '100MB/s')"
         )
     value = float(m.group(1)) * _BW_UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise DelaySpecError(f"{where}: bandwidth {text!r} must be > 0")
+    return _check_bandwidth(value, text, where)
+
+
+def _check_bandwidth(value: float, text: str, where: str) -> float:
+    if not (math.isfinite(value) and value >= MIN_BANDWIDTH):
+        raise DelaySpecError(f"{where}: bandwidth {text!r} must be > 0 (a finite number of bytes/s >= {MIN_BANDWIDTH:g})")
     return value
 
 
-def _parse_nonneg_float(text: str, what: str, where: str) -> float:
+def _parse_nonneg_float(text: str, what: str, where: str, upper: float = MAX_DELAY_MS) -> float:
+    from titan_ext.plan.args import parse_ascii_number
+
     try:
-        value = float(text.strip().removesuffix("ms"))
+        value = parse_ascii_number(text.strip().removesuffix("ms"), what)
     except ValueError:
-        raise DelaySpecError(f"{where}: {what} {text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise DelaySpecError(f"{where}: {what} {text!r} must be a finite number >= 0")
+        raise DelaySpecError(f"{where}: {what} {text!r} is not a number (ASCII digits)") from None
+    if not math.isfinite(value) or value < 0 or value > upper:
+        raise DelaySpecError(f"{where}: {what} {text!r} must be a finite number >= 0 (at most {upper:g})")
     return value
+
+
+def _link_id(text: str, where: str) -> int:
+    """A link id: ASCII digits, at most :data:`MAX_LINK`."""
+    digits = text.lstrip("0") or "0"
+    if not (text.isascii() and text.isdigit()) or len(digits) > 8 or int(digits) > MAX_LINK:
+        raise DelaySpecError(f"{where}: link {text!r} is not '*' or an integer in [0, {MAX_LINK}] (ASCII digits)")
+    return int(digits)
 
 
 @dataclass
@@ -210,25 +230,60 @@ def parse_delay_spec(spec: str) -> DelaySchedule:
                 raise DelaySpecError(f"{where}: link '*' given twice")
             wildcard = delay
             continue
-        if not link_txt.isdigit():
-            raise DelaySpecError(f"{where}: link {link_txt!r} is not a non-negative integer or '*'")
-        link = int(link_txt)
+        link = _link_id(link_txt, where)
         if link in delays:
             raise DelaySpecError(f"{where}: link {link} given twice")
         delays[link] = delay
     return DelaySchedule(steps=[(0.0, delays)], wildcard=[wildcard], source=spec)
 
 
-_LINK_COL = re.compile(r"^(?:link)?(\d+)(_bw)?$")
+_LINK_COL = re.compile(r"^(?:link)?([0-9]+)(_bw)?$")
+
+
+_TRACES: dict[tuple, DelaySchedule] = {}  # parsed traces by (path, inode, size, mtime): read once per process
 
 
 def load_delay_trace(path: str) -> DelaySchedule:
-    """Load a delay trace CSV (header ``time_s,link0,link2,...`` [+ ``linkN_bw``]); see module doc."""
+    """Load a delay trace CSV (header ``time_s,link0,link2,...`` [+ ``linkN_bw``]); see module doc.
+
+    A regular file of at most :data:`MAX_TRACE_BYTES`; parsed once per process (the config check, the
+    job check and the installation share the parsed form while the file is unchanged)."""
     path = path.strip()
-    if not os.path.isfile(path):
-        raise DelaySpecError(f"delay trace {path!r}: no such file")
-    with open(path, newline="") as fh:
-        rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DelaySpecError(f"delay trace {path!r}: no such file") from None
+    except OSError as e:
+        raise DelaySpecError(f"delay trace {path!r}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise DelaySpecError(f"delay trace {path!r}: {what}; it must be a CSV file")
+    if st.st_size > MAX_TRACE_BYTES:
+        raise DelaySpecError(f"delay trace {path!r}: {st.st_size} bytes, more than the limit of "
+                             f"{MAX_TRACE_BYTES >> 20} MiB")
+    key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    cached = _TRACES.get(key)
+    if cached is None:
+        cached = _TRACES[key] = _parse_trace(path)
+    return DelaySchedule(steps=list(cached.steps), wildcard=list(cached.wildcard), source=cached.source)
+
+
+def _parse_trace(path: str) -> DelaySchedule:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_TRACE_BYTES + 1)
+    except OSError as e:
+        raise DelaySpecError(f"delay trace {path!r}: {e.strerror or e}") from None
+    if len(data) > MAX_TRACE_BYTES:
+        raise DelaySpecError(f"delay trace {path!r}: more than the limit of {MAX_TRACE_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DelaySpecError(f"delay trace {path!r}: not UTF-8 text (a CSV file)") from None
+    try:
+        rows = [r for r in csv.reader(io.StringIO(text, newline="")) if r and any(c.strip() for c in r)]
+    except csv.Error as e:
+        raise DelaySpecError(f"delay trace {path!r}: {e}") from None
     if not rows:
         raise DelaySpecError(f"delay trace {path!r}: empty file (needs a header 'time_s,link<i>,...')")
     header = [h.strip() for h in rows[0]]
@@ -243,7 +298,7 @@ def load_delay_trace(path: str) -> DelaySchedule:
             raise DelaySpecError(
                 f"delay trace {path!r}: header column {h!r} is not 'link<i>', '<i>' or 'link<i>_bw'"
             )
-        columns.append((int(m.group(1)), m.group(2) is not None))
+        columns.append((_link_id(m.group(1), f"delay trace {path!r}, column {h!r}"), m.group(2) is not None))
     if len(set(columns)) != len(columns):
         raise DelaySpecError(f"delay trace {path!r}: duplicate column in header {header}")
     if not columns:
@@ -254,7 +309,7 @@ def load_delay_trace(path: str) -> DelaySchedule:
         where = f"delay trace {path!r}, line {lineno}"
         if len(row) != len(header):
             raise DelaySpecError(f"{where}: {len(row)} fields, header has {len(header)}")
-        t = _parse_nonneg_float(row[0], "time_s", where)
+        t = _parse_nonneg_float(row[0], "time_s", where, upper=1e9)
         if t <= last_t:
             raise DelaySpecError(f"{where}: time_s {t} is not increasing (previous {last_t})")
         last_t = t
@@ -265,13 +320,14 @@ def load_delay_trace(path: str) -> DelaySchedule:
             if is_bw:
                 if cell in ("", "inf"):
                     continue
+                from titan_ext.plan.args import parse_ascii_number
+
                 try:
-                    value = float(cell)
+                    value = parse_ascii_number(cell, "bandwidth")
                 except ValueError:
-                    raise DelaySpecError(f"{where}: bandwidth {cell!r} for link {link} is not a number") from None
-                if not value > 0:
-                    raise DelaySpecError(f"{where}: bandwidth {cell!r} for link {link} must be > 0")
-                bws[link] = value
+                    raise DelaySpecError(f"{where}: bandwidth {cell!r} for link {link} is not a number "
+                                         f"(ASCII digits)") from None
+                bws[link] = _check_bandwidth(value, cell, f"{where}, link {link}")
             else:
                 lat[link] = _parse_nonneg_float(cell, f"latency of link {link}", where) if cell else 0.0
         step = {
@@ -591,8 +647,10 @@ def schedule_from_env() -> tuple[DelaySchedule, float | None] | None:
     except DelaySpecError as exc:
         raise DelaySpecError(f"{ENV_VAR} = {spec!r}: {exc}") from None
     text = os.environ.get(ENV_VAR + "_T0", "").strip()
+    from titan_ext.plan.args import parse_ascii_number
+
     try:
-        t0 = float(text) if text else None
+        t0 = float(parse_ascii_number(text, ENV_VAR + "_T0")) if text else None
     except ValueError:
         t0 = math.nan
     if t0 is not None and not (math.isfinite(t0) and t0 >= 0):

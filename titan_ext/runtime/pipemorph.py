@@ -200,6 +200,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self._losses_by_mb: dict[int, torch.Tensor] = {}
         self._since_deploy, self._calibrated, self._probe_running = 0, False, False
         self._clock, self._clock_synced = (math.nan, math.nan), False
+        self._met = False  # the ranks met before the first step (_step_microbatches)
         self.context = self._context()
         for observer in self.extensions.observers:
             observer.attach(self.context)
@@ -367,6 +368,12 @@ class PipeMorph(_PipelineScheduleRuntime):
                            return_outputs: bool = True, loss_kwargs=None):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self._apply_pending()
+        if not self._met:
+            # the first step's start-up messages (torch's shape handshake) wait with the PP group's creation
+            # timeout and name nobody: every rank meets here first, bounded by ``timeout_s`` (the control
+            # plane's), and a rank that never comes is named
+            self.control.meet("first step")
+            self._met = True
         _torch_compat.initialize_stages(self, arg_mbs[0], kwarg_mbs[0],
                                         target_mbs[0] if target_mbs is not None else None, loss_kwargs)
         training = self._has_backward

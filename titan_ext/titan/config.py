@@ -16,7 +16,6 @@ This module imports no torch at import time; only validating a non-empty ``injec
 
 
 import math
-import os
 from dataclasses import dataclass, field, fields
 
 from titan_ext.plan.virtual import PLACEMENTS as VIRTUAL_PLACEMENTS
@@ -25,6 +24,7 @@ __all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext",
 
 DELEGATION_MODES = ("off", "auto", "always")
 MAX_SLOT_MIB = 65536  # one delegate slot: at most 64 GiB of host memory
+MAX_PASS_MS = 600_000.0  # an emulated pass of more than 10 minutes is a typo
 PLACEMENTS = ("",) + VIRTUAL_PLACEMENTS  # "" = the schedule's own
 
 
@@ -171,7 +171,10 @@ class TitanExt:
     one JSON object per line, written under ``<dump_folder>`` by the logging rank. Empty = off."""
 
     def __post_init__(self) -> None:
-        validate_titan_ext(self)
+        from titan_ext import _flags
+
+        if not _flags.DEFER_SECTION_CHECK:  # titan_ext.train checks it after parsing (one line)
+            validate_titan_ext(self)
 
 
 def config_delay_schedule(spec: str, key: str = "inject_delays"):
@@ -227,10 +230,12 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            "delegation_slot_mib", cfg.delegation_slot_mib, f"must be in [0, {MAX_SLOT_MIB}] (0 = derived)")
     for key in ("emulate_slow_device", "emulate_slow_link"):
         _check_emulation(key, getattr(cfg, key))
-    _check(math.isfinite(cfg.emulate_device_pass_ms) and cfg.emulate_device_pass_ms >= 0,
-           "emulate_device_pass_ms", cfg.emulate_device_pass_ms, "must be a finite number >= 0 (0 = off)")
+    _check(math.isfinite(cfg.emulate_device_pass_ms) and 0 <= cfg.emulate_device_pass_ms <= MAX_PASS_MS,
+           "emulate_device_pass_ms", cfg.emulate_device_pass_ms,
+           f"must be a number in [0, {MAX_PASS_MS:g}] (0 = off)")
     _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")
-    _check("/" not in cfg.metrics_file and "\\" not in cfg.metrics_file, "metrics_file",
+    _check("/" not in cfg.metrics_file and "\\" not in cfg.metrics_file and "\0" not in cfg.metrics_file
+           and cfg.metrics_file.strip() not in (".", ".."), "metrics_file",
            cfg.metrics_file, "must be a plain file name (it is written under job.dump_folder)")
     _check(not (cfg.inject_delays.strip() and cfg.inject_trace.strip()), "inject_delays",
            cfg.inject_delays, "set either inject_delays or inject_trace, not both")
@@ -250,8 +255,12 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
         schedule = config_delay_schedule(cfg.inject_delays, key)
     elif cfg.inject_trace.strip():
         key = "inject_trace"
-        _check(os.path.isfile(cfg.inject_trace), key, cfg.inject_trace, "no such file")
-        schedule = config_delay_schedule("trace:" + cfg.inject_trace, key)
+        from titan_ext.runtime.delay_injection import DelaySpecError, load_delay_trace
+
+        try:
+            schedule = load_delay_trace(cfg.inject_trace)
+        except DelaySpecError as e:
+            raise TitanExtConfigError(f"[titan_ext] {key} = {cfg.inject_trace!r}: {e}") from None
     if key is not None:
         _check_links(schedule, key, getattr(cfg, key), num_pp_links)
 

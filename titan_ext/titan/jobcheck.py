@@ -5,14 +5,22 @@ A module of its own so that the trainer (which ``titan_ext.train`` runs) does no
 point (no import cycles).
 """
 
+import math
 import os
+import stat
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 #: how the configs for real model sizes spell a path the user must set (refused, naming the key)
 PLACEHOLDER_PREFIX = "/path/to/"
 
-__all__ = ["JobConfigError", "check_job_config", "world_size"]
+#: a TOML config larger than this is refused (read before the job starts; ``/dev/zero`` reads forever)
+MAX_CONFIG_BYTES = 4 << 20
+#: tokenizer files TorchTitan's HuggingFaceTokenizer loads (one must be in ``hf_assets_path``)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+
+__all__ = ["JobConfigError", "check_job_config", "world_size", "check_config_file", "config_file_arg",
+           "check_ascii_numbers", "check_paths", "check_env"]
 
 
 class JobConfigError(ValueError):
@@ -41,9 +49,11 @@ def check_job_config(config, world_size: int | None = None) -> None:
     else:
         validate_titan_ext(section)
     _resolve_asset_paths(config)
-    if not (section.inject_delays.strip() or section.inject_trace.strip()):
-        _check_env_straggler(pp)
+    check_env(pp, config_delays=bool(section.inject_delays.strip() or section.inject_trace.strip()),
+              config_emulation=(section.emulate_slow_device.strip(), section.emulate_slow_link.strip()))
     _check_emulation_and_world(section, par, world_size)
+    check_paths(config, section)
+    _check_against_timeout(config, section)
     if pp <= 1:
         return
     _check_schedule_and_microbatches(config, section, pp)
@@ -98,6 +108,13 @@ def _check_schedule_and_microbatches(config, section, pp: int) -> None:
             f"[training] local_batch_size = {config.training.local_batch_size} / [parallelism] "
             f"pipeline_parallel_microbatch_size = {mb} gives {n_microbatches} microbatches, fewer "
             f"than the {pp} pipeline stages ({par.pipeline_parallel_schedule} needs >= {pp})")
+    if is_titan_ext_schedule(par.pipeline_parallel_schedule) and section.slack_floor > 2 \
+            and 1 + (pp - 1) * section.slack_floor > n_microbatches:
+        most = max(2, (n_microbatches - 1) // (pp - 1))
+        raise JobConfigError(
+            f"[titan_ext] slack_floor = {section.slack_floor}: that slackness on each of the {pp - 1} links "
+            f"needs 1 + {pp - 1} x {section.slack_floor} = {1 + (pp - 1) * section.slack_floor} microbatches "
+            f"in flight, the step has {n_microbatches} (use <= {most})")
     if 0 < section.max_inflight < pp:
         raise JobConfigError(
             f"[titan_ext] max_inflight = {section.max_inflight}: stage 0 must hold at least one "
@@ -164,18 +181,223 @@ def _resolve_asset_paths(config) -> None:
             f"and set {key} to its directory (0.3: --hf_assets_path DIR)")
 
 
-def _check_env_straggler(pp: int) -> None:
-    """TITAN_EXT_INJECT_DELAYS (and _T0) well-formed and naming existing links; the runtime installs
-    it once the process group exists (``options.install_link_delays``)."""
+def check_env(pp: int, config_delays: bool = False, config_emulation: tuple[str, str] = ("", "")) -> None:
+    """The environment variables the job reads, well-formed whichever source wins (a config value
+    overrides them, but garbage there is still an error): ``TITAN_EXT_INJECT_DELAYS`` (and ``_T0``;
+    its links must exist when it is the one used: the runtime installs it once the process group
+    exists, ``options.install_link_delays``), ``TITAN_EXT_SLOW_DEVICE``, ``TITAN_EXT_SLOW_LINK``."""
     from titan_ext.runtime.delay_injection import ENV_VAR, DelaySpecError, schedule_from_env
+    from titan_ext.runtime.falcon.emulation import EmulationSpecError, parse_slow_device, parse_slow_link
 
     try:
         parsed = schedule_from_env()
     except DelaySpecError as e:
         raise JobConfigError(str(e)) from None
-    if parsed is not None and pp > 1 and parsed[0].max_link() >= pp - 1:
+    if parsed is not None and not config_delays and pp > 1 and parsed[0].max_link() >= pp - 1:
         raise JobConfigError(f"{ENV_VAR} = {parsed[0].source!r}: link {parsed[0].max_link()} "
                              f"does not exist with {pp} pipeline stages (links 0..{pp - 2})")
+    for var, parse in (("TITAN_EXT_SLOW_DEVICE", parse_slow_device), ("TITAN_EXT_SLOW_LINK", parse_slow_link)):
+        value = os.environ.get(var, "")
+        try:
+            parse(value)
+        except EmulationSpecError as e:
+            raise JobConfigError(f"{var} = {value!r}: {e}") from None
+
+
+# --- the files the job reads and writes ------------------------------------------------------------
+
+def config_file_arg(argv: list[str]) -> str | None:
+    """The ``--job.config_file`` of a command line (TorchTitan's rule, ConfigManager._maybe_load_toml)."""
+    for i, arg in enumerate(argv):
+        key, sep, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            return value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def check_config_file(path: str) -> dict:
+    """The TOML config: a regular file of at most :data:`MAX_CONFIG_BYTES`, UTF-8, valid TOML whose top
+    level holds tables only (TorchTitan's sections: ``[[titan_ext]]`` or ``titan_ext = 5`` are refused).
+    Returns the parsed document. Raises ValueError (``tomllib.TOMLDecodeError`` for a syntax error)."""
+    import tomllib
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise JobConfigError(f"--job.config_file {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise JobConfigError(f"--job.config_file {path}: {what}; it must be a TOML file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise JobConfigError(f"--job.config_file {path}: {st.st_size} bytes, more than the limit of "
+                             f"{MAX_CONFIG_BYTES >> 20} MiB for a TOML config")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise JobConfigError(f"--job.config_file {path}: {e.strerror or e}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise JobConfigError(f"--job.config_file {path}: more than the limit of {MAX_CONFIG_BYTES >> 20} MiB")
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise JobConfigError(f"--job.config_file {path}: not UTF-8 text (a TOML file)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise tomllib.TOMLDecodeError(f"{path}: {e}") from None
+    for key, value in doc.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            raise JobConfigError(f"{path}: [[{key}]] is an array of tables; write one [{key}] section")
+        if not isinstance(value, dict):
+            raise JobConfigError(f"{path}: top-level {key} = {value!r}: every top-level key is a section; "
+                                 f"write [{key}] and its keys below it")
+    return doc
+
+
+def check_ascii_numbers(argv: list[str]) -> None:
+    """No command-line value is a number in non-ASCII digits (``int('٣')`` is 3 for Python, and for
+    TorchTitan's parser): JobConfigError naming the option."""
+    key = None
+    for arg in argv:
+        if arg.startswith("--"):
+            key, sep, value = arg.partition("=")
+            if not sep:
+                continue
+        else:
+            value = arg
+        if value.isascii():
+            continue
+        text = value.strip().replace("_", "")
+        try:
+            float(text)
+        except ValueError:
+            if not any(c.isdigit() for c in text) or any(c.isalpha() for c in text):
+                continue  # a path or a name with non-ASCII letters: not a number
+        raise JobConfigError(f"{key or 'argument'} {value!r}: write numbers with ASCII digits (0-9)")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        path.lstat()
+        return True
+    except OSError:
+        return False
+
+
+def _writable_dir(path: Path, key: str) -> None:
+    """``path`` is a writable directory, or can be created: its nearest existing ancestor is one."""
+    probe = path
+    while not _exists(probe):
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "" if probe == path else f"cannot be created: {probe} "
+        raise JobConfigError(f"{key} = {str(path)!r}: {where}is a file, not a directory")
+    if not probe.exists():  # a dangling symlink on the way
+        raise JobConfigError(f"{key} = {str(path)!r}: {probe} is a broken (dangling or looping) symbolic link")
+    if not os.access(probe, os.W_OK | os.X_OK) or os.statvfs(probe).f_flag & os.ST_RDONLY:
+        where = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
+        raise JobConfigError(f"{key} = {str(path)!r}: {where}")
+
+
+def _writable_file(path: Path, key: str) -> None:
+    """A file the job appends to: absent, or a writable regular file."""
+    if not _exists(path):
+        return
+    if path.is_dir():
+        raise JobConfigError(f"{key}: {str(path)!r} is a directory, not a file")
+    if not path.is_file():
+        raise JobConfigError(f"{key}: {str(path)!r} is not a regular file")
+    if not os.access(path, os.W_OK):
+        raise JobConfigError(f"{key}: {str(path)!r} is not writable")
+
+
+def check_paths(config, section=None) -> None:
+    """Every path the job touches, before any process group: the dump folder and what is written under
+    it (the metrics file, timelines, checkpoints, TensorBoard), the tokenizer (``hf_assets_path``:
+    a directory with a tokenizer file) and the dataset path exist with the right type, writable where
+    written; ``inject_trace`` is checked by the section itself (a regular CSV file, size-capped)."""
+    from titan_ext.titan.options import titan_ext_section
+
+    section = section if section is not None else titan_ext_section(config)
+    job = getattr(config, "job", None)
+    dump = getattr(job, "dump_folder", None) if job is not None else getattr(config, "dump_folder", None)
+    if isinstance(dump, str) and dump:
+        key = "[job] dump_folder" if job is not None else "dump_folder"
+        dump_path = Path(dump)
+        _writable_dir(dump_path, key)
+        if section.metrics_file.strip():
+            _writable_file(dump_path / section.metrics_file, f"[titan_ext] metrics_file = {section.metrics_file!r}")
+        if section.gantt_every > 0 and _exists(dump_path / "timelines"):
+            _writable_dir(dump_path / "timelines", "[titan_ext] gantt_every (timelines under the dump folder)")
+        ckpt = getattr(config, "checkpoint", None)
+        if getattr(ckpt, "enable", False) and isinstance(getattr(ckpt, "folder", None), str):
+            _writable_dir(dump_path / ckpt.folder, "[checkpoint] folder")
+        metrics = getattr(config, "metrics", None)
+        if getattr(metrics, "enable_tensorboard", False) and isinstance(getattr(metrics, "save_tb_folder", None), str):
+            _writable_dir(dump_path / metrics.save_tb_folder, "[metrics] save_tb_folder")
+    _check_assets(config)
+
+
+def _check_assets(config) -> None:
+    model = getattr(config, "model", None)
+    if hasattr(model, "hf_assets_path"):  # TorchTitan 0.2
+        key, path = "[model] hf_assets_path", model.hf_assets_path
+        training = getattr(config, "training", None)
+        dataset_path = getattr(training, "dataset_path", None)
+        if dataset_path and not _exists(Path(dataset_path)):
+            raise JobConfigError(f"[training] dataset_path = {dataset_path!r}: no such file or directory")
+        needs_tokenizer = _builds_tokenizer(model)
+    elif hasattr(config, "hf_assets_path"):  # TorchTitan 0.3
+        key, path, needs_tokenizer = "hf_assets_path", config.hf_assets_path, False
+    else:
+        return
+    if not path:
+        if needs_tokenizer:
+            raise JobConfigError(f"{key} is empty: the model's tokenizer is loaded from it (a directory "
+                                 f"with one of {', '.join(TOKENIZER_FILES)})")
+        return
+    p = Path(path)
+    if not p.exists():
+        raise JobConfigError(f"{key} = {path!r}: no such directory (the model's tokenizer is loaded from it)")
+    if not p.is_dir():
+        raise JobConfigError(f"{key} = {path!r}: not a directory (it holds {', '.join(TOKENIZER_FILES)})")
+    if needs_tokenizer and not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise JobConfigError(f"{key} = {path!r}: holds none of {', '.join(TOKENIZER_FILES)} (the tokenizer)")
+
+
+def _builds_tokenizer(model) -> bool:
+    """TorchTitan 0.2: the model's train spec loads a tokenizer from ``hf_assets_path``."""
+    try:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        return get_train_spec(model.name).build_tokenizer_fn is not None
+    except Exception:  # noqa: BLE001 - an unknown model is TorchTitan's own error, later
+        return False
+
+
+def _check_against_timeout(config, section) -> None:
+    """Injected delays and emulated passes shorter than the job's train timeout (longer ones end the
+    job at its first delayed message, with the collective's timeout and not a word about why)."""
+    from titan_ext.titan.options import _job_timeout_s, delay_spec
+
+    timeout_s = _job_timeout_s(config)
+    if timeout_s is None:
+        return
+    spec = delay_spec(config)
+    if spec:
+        from titan_ext.titan.config import config_delay_schedule
+
+        schedule = config_delay_schedule(spec, "inject_delays" if section.inject_delays.strip() else "inject_trace")
+        worst = max([d.latency_ms for _, step in schedule.steps for d in step.values()]
+                    + [w.latency_ms for w in schedule.wildcard if w is not None], default=0.0)
+        if worst / 1e3 >= timeout_s:
+            key = "inject_delays" if section.inject_delays.strip() else "inject_trace"
+            raise JobConfigError(f"[titan_ext] {key} = {getattr(section, key)!r}: a delay of {worst:g} ms "
+                                 f"is not shorter than [comm] train_timeout_seconds = {timeout_s:g}")
+    if math.isfinite(section.emulate_device_pass_ms) and 2 * section.emulate_device_pass_ms / 1e3 >= timeout_s:
+        raise JobConfigError(f"[titan_ext] emulate_device_pass_ms = {section.emulate_device_pass_ms!r}: a "
+                             f"backward pass (2x) is not shorter than [comm] train_timeout_seconds = {timeout_s:g}")
 
 
 def _stages_per_rank(config, pp: int) -> int:

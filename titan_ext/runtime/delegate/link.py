@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from titan_ext.runtime.timeouts import PeerTimeout, _fence
+
 UP, RECOVERING, DOWN = "up", "recovering", "down"
 DIRECT, DELEGATE = 0, 1      # route markers
 TAG_BASE = 1 << 20           # above any tag the schedules use
@@ -22,6 +24,21 @@ def tag(direction: str, seq: int, data: bool) -> int:
 
 class DelegateError(RuntimeError):
     """A delegate process died or failed, or a delegate-path message did not arrive in time."""
+
+
+class DelegateTimeout(DelegateError, PeerTimeout):
+    """A delegate-path wait on a peer rank ended at the timeout (the message names the rank)."""
+
+
+def silent_peer(peer: int, what: str, timeout_s: float, lane: Any) -> DelegateTimeout:
+    """The error of a delegate-path wait on ``peer`` that ended at the timeout: it names the rank and, as
+    without delegation (``timeouts``), fences it when it is a stopped process on this host (torchrun
+    cannot end a stopped worker with SIGTERM and waits 30 s more before its SIGKILL)."""
+    import torch.distributed as dist
+
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
+    return DelegateTimeout(f"rank {me}: timed out after {timeout_s:.1f} s waiting for {what} on {lane.describe()}: "
+                           f"rank {peer} stopped answering{_fence(peer)}")
 
 
 class LinkDown(Exception):

@@ -44,7 +44,8 @@ from .recovery import Recovery
 from .recvpath import Recv, RecvMatcher
 from .sendpath import SendPath
 
-__all__ = ["Channel", "DelegateError", "DelegatePool", "delegates_needed", "pipeline_channels", "store_address"]
+__all__ = ["Channel", "DelegateError", "DelegatePool", "delegates_needed", "pipeline_channels", "pool_shm_bytes",
+           "store_address"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,13 @@ def delegates_needed(production_bytes_per_s: float, delegate_bytes_per_s: float,
     if not (delegate_bytes_per_s > 0) or math.isinf(production_bytes_per_s):
         return max_delegates
     return max(1, min(max_delegates, math.ceil(production_bytes_per_s / delegate_bytes_per_s - 1e-9)))
+
+
+def pool_shm_bytes(channels: Iterable[Channel], lanes: int | Mapping[str, int], num_slots: int, slot_bytes: int) -> int:
+    """Shared memory the rings of a pool take (one ring per lane of every channel)."""
+    per = {"F": lanes, "B": lanes} if isinstance(lanes, int) else dict(lanes)
+    n = sum(max(1, int(per.get(ch.direction, 1))) for ch in channels)
+    return n * R.RingGeometry(num_slots, slot_bytes).total_bytes
 
 
 def store_address() -> tuple[str, int]:
@@ -140,6 +148,9 @@ class DelegatePool:
         self.rank, self.channels, self.timeout_s = rank, list(channels), timeout_s
         self.lanes_per = {"F": lanes, "B": lanes} if isinstance(lanes, int) else dict(lanes)
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
+        # every ring reserved up front (posix_fallocate in SlotRing.create); a shortage is one error here
+        R.check_shm(pool_shm_bytes(self.channels, self.lanes_per, num_slots, slot_bytes),
+                    f"the delegate rings of rank {rank}")
         if store_host is None or store_port is None:
             store_host, store_port = store_address()
         self.pool_id = pool_id if pool_id is not None else f"p{next(_pool_ids)}"

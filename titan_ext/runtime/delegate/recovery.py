@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from . import ring as R
 from .lanes import Lane, LaneProcesses, kill_lane, lane_dead
-from .link import DELEGATE, DIRECT, DOWN, RECOVERING, UP, DelegateError, Link, LinkDown, tag
+from .link import DELEGATE, DIRECT, DOWN, RECOVERING, UP, DelegateError, Link, LinkDown, silent_peer, tag
 
 __all__ = ["Recovery", "Supervisor"]
 
@@ -172,7 +172,7 @@ class Recovery:
             if time.monotonic() > deadline:
                 if not raise_on_timeout:
                     return False
-                raise DelegateError(f"timed out after {timeout_s:.1f} s waiting for {what} on {lane.describe()}")
+                raise silent_peer(link.peer, what, timeout_s, lane)
 
     # --- sender side -------------------------------------------------------------------------------
     def spare_ready(self, link: Link) -> bool:

@@ -13,7 +13,7 @@ import torch
 from . import ring as R
 from ._device import H2D_STREAM, refuse_capture
 from ._ext import load_ext
-from .link import UP, DelegateError, Link, LinkDown
+from .link import UP, DelegateError, Link, LinkDown, silent_peer
 
 __all__ = ["Recv", "RecvMatcher"]
 
@@ -142,7 +142,7 @@ class RecvMatcher:
                     return
                 continue  # the window closed before h.seq: it comes from the new delegate
             if time.monotonic() > deadline:
-                raise DelegateError(f"timed out after {timeout_s:.1f} s waiting for {what} on {lane.describe()}")
+                raise silent_peer(h.key[0], what, timeout_s, lane)
             if state != UP:
                 time.sleep(0.005)  # RECOVERING: the supervisor is taking what the dead ring holds
                 continue

@@ -22,6 +22,7 @@ inherited file descriptor), so nothing of ours is left in /dev/shm after any cra
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from dataclasses import dataclass
 
@@ -70,6 +71,45 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         DTYPES.append(getattr(torch, _name))
 
 
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives (shm_open)
+
+
+class SharedMemoryShortage(RuntimeError):
+    """Not enough free shared memory for a delegate ring (refused up front: a segment larger than what
+    the tmpfs can hold used to end every rank with SIGBUS at its first write)."""
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int:
+    """Bytes an unprivileged process may still allocate in the shared-memory file system (the probe;
+    tests replace it)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm(nbytes: int, what: str = "the delegate rings") -> None:
+    """Raise :class:`SharedMemoryShortage` unless ``nbytes`` fit in the free shared memory."""
+    try:
+        free = shm_free_bytes()
+    except OSError:
+        return  # no statvfs for it: the reservation (posix_fallocate) still checks
+    if nbytes > free:
+        raise SharedMemoryShortage(f"{what}: {nbytes / 2**20:.1f} MiB of shared memory needed, {SHM_DIR} has "
+                                   f"{free / 2**20:.1f} MiB free (enlarge it, e.g. docker --shm-size, or lower "
+                                   f"delegation_slot_mib)")
+
+
+def _reserve(region, nbytes: int) -> None:
+    """Allocate the segment's pages now (tmpfs charges them at the first write otherwise: SIGBUS when
+    it is full); :class:`SharedMemoryShortage` if they are not there."""
+    try:
+        os.posix_fallocate(region.fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # a file system without fallocate: the free-space check above stands
+        raise SharedMemoryShortage(f"reserving {nbytes / 2**20:.1f} MiB of shared memory for a delegate ring "
+                                   f"failed: {e.strerror or e} ({SHM_DIR} full?)") from None
+
+
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
@@ -112,7 +152,9 @@ class SlotRing:
         if num_slots < 1 or slot_bytes < 1:
             raise ValueError(f"ring needs num_slots >= 1 and slot_bytes >= 1, got {num_slots}, {slot_bytes}")
         g = RingGeometry(num_slots, slot_bytes)
+        check_shm(g.total_bytes, "a delegate ring")
         region = load_ext().Region.create(g.total_bytes)
+        _reserve(region, g.total_bytes)  # before the first write: never SIGBUS
         region.store64(CTRL_NUM_SLOTS, num_slots)
         region.store64(CTRL_SLOT_BYTES, slot_bytes)
         region.store64(CTRL_ACKED, -1)

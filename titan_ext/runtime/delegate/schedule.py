@@ -24,9 +24,10 @@ since the delegates carry the PP messages, not the activations autograd saves.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-
+import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
@@ -34,13 +35,15 @@ from titan_ext.runtime.config import DelegationConfig
 from titan_ext.runtime.observers import Boundary, ScheduleContext
 from titan_ext.runtime.transport import TorchP2P
 
-from .pool import DelegatePool, delegates_needed, pipeline_channels
-from .ring import PAGE
+from .link import DelegateError
+from .pool import DelegatePool, delegates_needed, pipeline_channels, pool_shm_bytes
+from .ring import PAGE, SharedMemoryShortage, check_shm
 from .transport import NCCL_FAILOVER_REFUSAL, P2PRouter, is_nccl
 
 __all__ = ["Delegation", "DelegateTransport", "message_slot_bytes"]
 
 _FWD = (_ComputationType.SEND_F, _ComputationType.RECV_F)
+log = logging.getLogger(__name__)
 
 
 class DelegateTransport:
@@ -55,6 +58,8 @@ class DelegateTransport:
         if not (d.delegating or d.failover):
             return self._direct.issue(action, ops)
         router = d.ensure_started(ops)
+        if router is None:  # no shared memory for the delegates on some rank: every rank went direct
+            return self._direct.issue(action, ops)
         direction = "F" if action.computation_type in _FWD else "B"
         handles = []
         for op in ops:
@@ -103,6 +108,9 @@ class Delegation:
         self.router: P2PRouter | None = None
         self.transport = DelegateTransport(self)
         self._bytes_prev = {"F": 0, "B": 0}
+        self.unavailable: str | None = None  # why delegation went off for good (shared memory), or None
+        self._seen = {"delegate": 0, "failover": 0}  # pool / router events already reported
+        self._totals = (0, 0)  # (delegate restarts, failed-over link bits): the PP group's, last exchange
 
     def attach(self, context: ScheduleContext) -> None:
         """Bind to the schedule (its group, stage map, control plane, device layer, decision log)."""
@@ -122,7 +130,7 @@ class Delegation:
     def ensure_started(self, ops: list[dist.P2POp]) -> P2PRouter:
         """The router, starting the pool at the first op that needs it (every rank in the same
         iteration: delegation switches at agreed boundaries; failover routes from the first op)."""
-        if self.router is not None:
+        if self.router is not None or self.unavailable is not None:
             return self.router
         if self.slot_bytes is None:
             local = max((op.tensor.numel() * op.tensor.element_size() for op in ops), default=0)
@@ -134,10 +142,34 @@ class Delegation:
         stage_to_rank = [mapping[s] for s in range(ctx.num_stages)]
         if group is not None:
             stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
-        self.pool = DelegatePool(rank, pipeline_channels(rank, stage_to_rank), slot_bytes=self.slot_bytes,
-                                 device=ctx.device(), **self._pool_args)
+        channels = pipeline_channels(rank, stage_to_rank)
+        # the rings are reserved up front; a rank without the shared memory for them sends every rank
+        # to the direct path (one vote, so none waits on a delegate that will never start)
+        short = None
+        try:
+            check_shm(pool_shm_bytes(channels, self._pool_args["lanes"], self._pool_args["num_slots"],
+                                     self.slot_bytes), f"the delegate rings of rank {rank}")
+        except SharedMemoryShortage as e:
+            short = str(e)
+        if ctx.control.any(short is not None):
+            self._go_direct(short or "another PP rank has too little shared memory for its delegate rings")
+            return None
+        try:
+            self.pool = DelegatePool(rank, channels, slot_bytes=self.slot_bytes, device=ctx.device(),
+                                     **self._pool_args)
+        except SharedMemoryShortage as e:  # taken between the check and the reservation: a clean stop
+            raise DelegateError(f"delegation on rank {rank}: {e}") from None
         self.router = P2PRouter(rank, self.pool, group=group, delegating=self._delegating, **self._router_args)
         return self.router
+
+    def _go_direct(self, why: str) -> None:
+        """Delegation (and failover) off for good, on every rank alike: the PP messages go direct."""
+        self.unavailable = why
+        was = "delegation" if self._delegating or self.mode != "off" else "failover"
+        self.mode, self._delegating, self.failover = "off", False, False
+        log.warning("titan_ext: %s is off, PP messages go on the direct path: %s", was, why)
+        self.log.append({"iteration": self._ctx().iteration(), "delegating": False, "reason": why})
+        self._ctx().log(decision="delegation", reason=f"off (direct path): {why}")
 
     def start(self) -> None:
         """After the schedule's initial plan: ``always`` delegates from the first iteration."""
@@ -171,9 +203,69 @@ class Delegation:
             if self._ctx().control.any(flagged):
                 self.set(True, f"auto: {why if flagged else 'flagged by another rank'}",
                          completed=boundary.iteration + 1)
+        restarts, failed_over = self._report(boundary)
         return {"delegating": self._delegating,
-                "failed_over_links": sorted(self.router.failed) if self.router is not None else [],
+                "failed_over_links": failed_over,
+                "delegate_restarts": restarts,
                 "delegate_lanes_needed": self._lanes_needed(boundary.iteration_ms)}
+
+    def _report(self, boundary: Boundary) -> tuple[int, list]:
+        """Every delegate replacement (a dead or frozen delegate: its lane on the direct path, a new
+        delegate started) and every failover (a direct transfer retried on the delegates) since the last
+        boundary: a console WARNING and a decision-log row on the rank that saw it; the metrics carry
+        the PP group's totals (``delegate_restarts``; ``failed_over_links``: every message direction of a
+        PP link that failed over either way, ``"a->b"`` in PP ranks), gathered at each profile exchange so
+        the logging rank reports faults on links it is not an end of."""
+        router, ctx = self.router, self._ctx()
+        if router is None:
+            return 0, []
+        events = list(self.pool.fallback_events) if self.pool is not None else []
+        for e in events[self._seen["delegate"]:]:
+            where = f"{e['kind']} delegate {e['src']}->{e['dst']} lane {e['lane']}"
+            if e["event"] == "fallback":
+                why = (f"{where} {e.get('cause', 'died')} (exit {e.get('exit_code')}): its messages go on the direct "
+                       f"path from seq {e.get('first_undelivered')} ({e.get('replayed', 0)} replayed)")
+            elif e["event"] == "respawned":
+                why = f"{where} replaced (epoch {e.get('epoch')}, pid {e.get('pid')})"
+            elif e["event"] == "returned":
+                why = f"{where} back on its new delegate from seq {e.get('from_seq')}"
+            else:
+                why = f"{where} {e['event']}: {e.get('error', '')}"
+            (log.info if e["event"] == "returned" else log.warning)("titan_ext: delegate %s", why)
+            ctx.log(decision=f"delegate_{e['event']}", reason=why)
+        self._seen["delegate"] = len(events)
+        for e in router.failover_events[self._seen["failover"]:]:
+            why = f"link to rank {e['peer']} ({e['direction']}) failed over to the delegates: {e['reason']}"
+            log.warning("titan_ext: %s", why)
+            ctx.log(decision="delegate_failover", reason=why)
+        self._seen["failover"] = len(router.failover_events)
+        fell_back = {((e["dst"] if e["kind"].startswith("send") else e["src"]), e["kind"][-1])
+                     for e in events if e["event"] == "fallback"}
+        mask = self._link_mask(set(router.failed) | fell_back)
+        restarts = sum(1 for e in events if e["event"] == "respawned")
+        if boundary.exchanged:  # every rank alike: the group's totals
+            rows = ctx.control.all_gather(torch.tensor([restarts, mask], dtype=torch.int64))
+            total, union = 0, 0
+            for r in rows:
+                total, union = total + int(r[0]), union | int(r[1])
+            self._totals = (total, union)
+        total, union = self._totals
+        union |= mask
+        links = [f"{b // 2}->{b // 2 + 1}" if b % 2 == 0 else f"{b // 2 + 1}->{b // 2}"
+                 for b in range(63) if union >> b & 1]
+        return max(total, restarts), links
+
+    def _link_mask(self, failed: set) -> int:
+        """(peer global rank, direction) pairs as bits over the PP links: bit 2l = activations over link l
+        (PP rank l -> l+1), bit 2l+1 = gradients (l+1 -> l)."""
+        group = self._ctx().group
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
+        mask = 0
+        for peer, direction in failed:
+            q = dist.get_group_rank(group, peer) if group is not None else peer
+            if abs(q - me) == 1 and min(q, me) < 31:
+                mask |= 1 << (2 * min(q, me) + (direction == "B"))
+        return mask
 
     def _lanes_needed(self, iteration_ms: float) -> dict[str, int]:
         """§5.2 sizing from this iteration: production rate of each send kind (bytes handed to its

@@ -87,6 +87,25 @@ class BOCDConfig:
     max_pending: int = 60
     """A change-point candidate is re-verified for at most this many iterations while the posterior
     still places the current run's start there (ramps reach 10 % only after a few iterations)."""
+    start_relative_change: float = 0.25
+    """A fault within the first ``min_segment`` observations (a job fed from its second step, faulty
+    from its third, has one healthy iteration) is verified against that shorter baseline (at least
+    one observation), but only as a slowdown of at least this fraction between the fastest
+    iteration after it and the slowest before (one sample is a noisier baseline than a median of
+    three). 0 = off: ``min_segment`` observations before any change-point (the monitor's per-group
+    detectors, whose series are far noisier than the iteration time)."""
+    peer_ratio: float = 2.0
+    """Cross-replica pinpointing (Falcon's comparison of DP peers): over the last ``peer_window``
+    iterations the same replica is the slowest, its time per micro-batch is a median ``peer_ratio``
+    times the fastest's and never below ``peer_min_ratio`` times -- an onset of a device slow from the
+    first step, which leaves the iteration-time series without a healthy level to change from. Only
+    before the first confirmed change-point (afterwards the series has its baseline). 0 = off. (The
+    healthy DP 2 x PP 2 job on a loaded 2-core host showed single-step ratios up to 2.5x, alternating
+    between the replicas; a 4x device shows 3-4x every step.)"""
+    peer_min_ratio: float = 1.25
+    """The smallest ratio any iteration of the window may show (above)."""
+    peer_window: int = 4
+    """Iterations of the cross-replica comparison (above)."""
 
 
 def _logsumexp(x: np.ndarray) -> float:
@@ -213,6 +232,11 @@ class ChangePoint:
     """Average iteration time from the change-point to its confirmation."""
     kind: str
     """'onset' (healthy -> slow), 'relief' (slow -> healthy) or 'level' (slow level changed)."""
+    by: str = "time"
+    """What found it: "time" (BOCD on the iteration time, Falcon §4.2) or "replicas" (one DP replica
+    slower than its peers from the start: :meth:`SlowIterationDetector.compare_replicas`)."""
+    replica: int | None = None
+    """With ``by == "replicas"``: the slow replica (its ``grid`` row)."""
 
     @property
     def relative_change(self) -> float:
@@ -227,6 +251,8 @@ class ChangePoint:
             "after_s": self.level_after,
             "relative_change": self.relative_change,
             "kind": self.kind,
+            "by": self.by,
+            **({"replica": self.replica} if self.replica is not None else {}),
         }
 
 
@@ -256,6 +282,7 @@ class SlowIterationDetector:
         self.slow = False
         self.healthy_mean_s: float | None = None
         self.last_probability = 0.0
+        self._peer_run: list[tuple[int, float]] = []  # (slowest replica, slowest / fastest), in a row
 
     def _average(self, lo: int, hi: int) -> float:
         if self.config.average == "mean":
@@ -309,10 +336,16 @@ class SlowIterationDetector:
         c = self.config
         t = len(self.times) - 1
         lo = max(self._segment_start, tau - c.max_baseline)
-        if tau - lo < c.min_segment or t + 1 - tau < c.min_segment:
+        # at the series' start (nothing confirmed yet) a shorter baseline is enough for a large change
+        at_start = c.start_relative_change > 0 and not self.change_points and lo == 0 and 1 <= tau < c.min_segment
+        if (tau - lo < c.min_segment and not at_start) or t + 1 - tau < c.min_segment:
             return None
         mean_before = self._average(lo, tau)
         mean_after = self._average(tau, t + 1)
+        if at_start:  # a slowdown only, every iteration after it slower than every one before
+            fastest_after, slowest_before = min(self.times[tau:t + 1]), max(self.times[lo:tau])
+            if fastest_after / slowest_before - 1.0 < max(c.min_relative_change, c.start_relative_change):
+                return None
         if abs(mean_after / mean_before - 1.0) < c.min_relative_change:
             return None  # jitter so far (Falcon §4.2 verification)
         if excess_s is not None and not (mean_after > mean_before
@@ -337,6 +370,39 @@ class SlowIterationDetector:
         self.change_points.append(cp)
         self._segment_start = tau
         self._pending = None
+        return cp
+
+    def compare_replicas(self, replica_times_s, chunks=None) -> ChangePoint | None:
+        """Falcon's cross-peer pinpointing on this iteration's per-replica times (each DP replica's
+        time per micro-batch; call after :meth:`observe`): the same replica slowest over the last
+        ``peer_window`` iterations, by a median of ``peer_ratio`` and at least ``peer_min_ratio`` times
+        the fastest, is an ``onset`` of a fault present from the start (the iteration time alone has
+        no healthy level to compare with). Its healthy level: the iteration time less what the slow
+        replica's chunks (``chunks``: micro-batches per replica) took beyond the fastest's pace (without
+        ``chunks``: scaled by fastest / slowest). Only while healthy and before any confirmed
+        change-point."""
+        c = self.config
+        times = [float(v) for v in (replica_times_s or [])]
+        if (c.peer_ratio <= 0 or self.slow or self.change_points or len(times) < 2 or not self.times
+                or not all(v > 0 and math.isfinite(v) for v in times)):
+            self._peer_run = []
+            return None
+        slowest = max(range(len(times)), key=times.__getitem__)
+        self._peer_run = (self._peer_run + [(slowest, times[slowest] / min(times))])[-max(1, c.peer_window):]
+        ratios = [r for _, r in self._peer_run]
+        if (len(self._peer_run) < max(1, c.peer_window) or len({k for k, _ in self._peer_run}) != 1
+                or min(ratios) < c.peer_min_ratio or float(np.median(ratios)) < c.peer_ratio):
+            return None
+        t = len(self.times) - 1
+        tau = max(0, t - len(self._peer_run) + 1)
+        after = float(np.median(self.times[tau:]))
+        healthy = after / float(np.median(ratios))
+        if chunks is not None and len(chunks) == len(times):
+            healthy = max(healthy, after - (times[slowest] - min(times)) * chunks[slowest])
+        cp = ChangePoint(tau, t, 1.0, healthy, after, "onset", by="replicas", replica=slowest)
+        self.slow, self.healthy_mean_s = True, cp.level_before
+        self.change_points.append(cp)
+        self._segment_start, self._pending, self._peer_run = tau, None, []
         return cp
 
     @property

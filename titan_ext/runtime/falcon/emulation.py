@@ -38,8 +38,13 @@ from dataclasses import dataclass
 __all__ = ["EmulationSpecError", "SlowDevice", "SlowLink", "FailSlowEmulation", "parse_slow_device",
            "parse_slow_link"]
 
-_DEVICE = re.compile(r"^\s*(\d+)\s*:\s*([0-9.]+)\s*(?:@\s*(\d+))?\s*$")
-_LINK = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*:\s*(x\s*)?([0-9.]+)\s*(?:@\s*(\d+))?\s*$")
+# ASCII digits only ([0-9], never \d: Python's \d and int() also take '٣' or '１２')
+_NUM = r"([0-9]{1,9}(?:\.[0-9]{0,9})?|\.[0-9]{1,9})"
+_DEVICE = re.compile(r"^\s*([0-9]{1,7})\s*:\s*" + _NUM + r"\s*(?:@\s*([0-9]{1,9}))?\s*$", re.ASCII)
+_LINK = re.compile(r"^\s*([0-9]{1,7})\s*-\s*([0-9]{1,7})\s*:\s*(x\s*)?" + _NUM + r"\s*(?:@\s*([0-9]{1,9}))?\s*$",
+                   re.ASCII)
+MAX_FACTOR = 1000.0  # a device or link F times slower: beyond this it is a typo (a pass would take hours)
+MAX_LINK_MS = 600_000.0  # +MS per message: at most 10 minutes (beyond any job's timeout)
 
 
 class EmulationSpecError(ValueError):
@@ -67,8 +72,9 @@ def parse_slow_device(spec: str) -> SlowDevice | None:
     if not spec.strip():
         return None
     m = _DEVICE.match(spec)
-    if not m or float(m.group(2)) < 1.0:
-        raise EmulationSpecError("expected DEVICE:FACTOR[@STEP] with FACTOR >= 1, e.g. '3:3'")
+    if not m or not 1.0 <= float(m.group(2)) <= MAX_FACTOR:
+        raise EmulationSpecError(f"expected DEVICE:FACTOR[@STEP] in ASCII digits with 1 <= FACTOR <= "
+                                 f"{MAX_FACTOR:g}, e.g. '3:3'")
     return SlowDevice(int(m.group(1)), float(m.group(2)), int(m.group(3) or 0))
 
 
@@ -78,9 +84,12 @@ def parse_slow_link(spec: str) -> SlowLink | None:
     if not spec.strip():
         return None
     m = _LINK.match(spec)
-    if not m or m.group(1) == m.group(2) or (m.group(3) and float(m.group(4)) < 1.0):
-        raise EmulationSpecError("expected A-B:MS[@STEP] or A-B:xFACTOR[@STEP] with devices A != B and "
-                                 "FACTOR >= 1, e.g. '0-1:40' or '0-1:x6@5'")
+    if (not m or int(m.group(1)) == int(m.group(2))
+            or (m.group(3) and not 1.0 <= float(m.group(4)) <= MAX_FACTOR)
+            or (not m.group(3) and float(m.group(4)) > MAX_LINK_MS)):
+        raise EmulationSpecError(f"expected A-B:MS[@STEP] or A-B:xFACTOR[@STEP] in ASCII digits with devices "
+                                 f"A != B, MS <= {MAX_LINK_MS:g} and 1 <= FACTOR <= {MAX_FACTOR:g}, e.g. "
+                                 f"'0-1:40' or '0-1:x6@5'")
     devices, value, step = frozenset((int(m.group(1)), int(m.group(2)))), float(m.group(4)), int(m.group(5) or 0)
     if m.group(3):
         return SlowLink(devices, 0.0, step, factor=value)

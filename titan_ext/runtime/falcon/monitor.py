@@ -179,7 +179,11 @@ class FalconMonitor:
         self.iteration += 1
         it = self.iteration
         cp = self.detector.observe(t)
+        if cp is None and self.config.detector.peer_ratio > 0:  # a fault from the start: DP peers compared
+            cp = self.detector.compare_replicas(self.replica_microbatch_s, self.split)
         out: dict = {"falcon/iteration_time_s": t}
+        if cp is not None and cp.by != "time":
+            out["falcon/change_point_by"], out["falcon/slow_replica"] = cp.by, cp.replica
         self.s2.record(len(self.detector.times) - 1, t, self.replica_microbatch_s, self.split)
         self.replica_microbatch_s = None
         self._track_groups(per_group_times)
@@ -252,7 +256,8 @@ class FalconMonitor:
         """The iteration detector's parameters, its run lengths truncated at twice its window: a
         group's change-point only matters while it is recent, and this bounds the per-group cost."""
         d = self.config.detector
-        return SlowIterationDetector(dataclasses.replace(d, max_run_length=min(d.max_run_length, 2 * d.window)))
+        return SlowIterationDetector(dataclasses.replace(d, max_run_length=min(d.max_run_length, 2 * d.window),
+                                                         start_relative_change=0.0))  # noisy: full baseline
 
     def _verify_group_proposals(self, out: dict):
         """The iteration-time verification of the groups' proposed change-points, the largest
