@@ -153,15 +153,3 @@ def link_arg(profile: PipelineProfile, link: Any, name: str = "link") -> int:
     if link >= profile.num_stages - 1:
         raise ValueError(f"{name} {link} does not exist (links are 0..{profile.num_stages - 2})")
     return link
-
-
-def parse_ascii_number(text: Any, name: str = "value", *, integer: bool = False) -> float | int:
-    """``text`` read as a number written in ASCII only (Python's ``int``/``float`` also take ``'٣'`` or
-    ``'１２'``): ``ValueError`` naming ``name`` otherwise. No range check (the callers bound it)."""
-    s = text.strip() if isinstance(text, str) else None
-    if not s or not s.isascii() or len(s) > 64:
-        raise ValueError(f"{name} {text!r} is not {'an integer' if integer else 'a number'} in ASCII digits")
-    try:
-        return int(s) if integer else float(s)
-    except ValueError:
-        raise ValueError(f"{name} {text!r} is not {'an integer' if integer else 'a number'}") from None

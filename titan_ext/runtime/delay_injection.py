@@ -140,10 +140,10 @@ def _check_bandwidth(value: float, text: str, where: str) -> float:
 
 
 def _parse_nonneg_float(text: str, what: str, where: str, upper: float = MAX_DELAY_MS) -> float:
-    from titan_ext.plan.args import parse_ascii_number
+    from titan_ext.plan.args import parse_float
 
     try:
-        value = parse_ascii_number(text.strip().removesuffix("ms"), what)
+        value = parse_float(text.strip().removesuffix("ms"), what)
     except ValueError:
         raise DelaySpecError(f"{where}: {what} {text!r} is not a number (ASCII digits)") from None
     if not math.isfinite(value) or value < 0 or value > upper:
@@ -320,10 +320,10 @@ def _parse_trace(path: str) -> DelaySchedule:
             if is_bw:
                 if cell in ("", "inf"):
                     continue
-                from titan_ext.plan.args import parse_ascii_number
+                from titan_ext.plan.args import parse_float
 
                 try:
-                    value = parse_ascii_number(cell, "bandwidth")
+                    value = parse_float(cell, "bandwidth")
                 except ValueError:
                     raise DelaySpecError(f"{where}: bandwidth {cell!r} for link {link} is not a number "
                                          f"(ASCII digits)") from None
@@ -647,10 +647,10 @@ def schedule_from_env() -> tuple[DelaySchedule, float | None] | None:
     except DelaySpecError as exc:
         raise DelaySpecError(f"{ENV_VAR} = {spec!r}: {exc}") from None
     text = os.environ.get(ENV_VAR + "_T0", "").strip()
-    from titan_ext.plan.args import parse_ascii_number
+    from titan_ext.plan.args import parse_float
 
     try:
-        t0 = float(parse_ascii_number(text, ENV_VAR + "_T0")) if text else None
+        t0 = parse_float(text, ENV_VAR + "_T0") if text else None
     except ValueError:
         t0 = math.nan
     if t0 is not None and not (math.isfinite(t0) and t0 >= 0):
