@@ -106,3 +106,26 @@ def test_plan_helpers():
     other = plan_pipemorph(_profile({}), mode="initial", memory_limit=10)
     assert plan_hash(plan.actions) == plan_hash({r: list(a) for r, a in plan.actions.items()})
     assert plan_hash(plan.actions) != plan_hash(other.actions)
+
+
+def test_a_link_under_the_absolute_margin_is_never_slow_even_at_a_negative_tolerance():
+    """Stages of unequal speed give a plan a tolerance ≤ 0 on some link (Eq.1 solved for c): a reading of
+    0.2 ms there is noise, not a straggler — re-planning on it was the healthy llama run's churn."""
+    prof = PipelineProfile(4, 16, (2.0, 2.0, 9.0, 2.0), (2.0, 2.0, 9.0, 2.0), (2.0,) * 4).with_delays({2: 0.2})
+    counts = [4, 3, 2, 1]
+    assert link_tolerance_ms(prof, counts, 2) < 0
+    assert ReplanPolicy().decide(prof, counts, counts, 5).action in ("keep", "hold")
+    slow = prof.with_delays({2: 5.0})
+    assert ReplanPolicy().decide(slow, counts, counts, 5).action == "adapt"
+
+
+def test_the_model_keeps_the_running_backward_variant_within_the_margin():
+    from types import SimpleNamespace as NS
+
+    from titan_ext.runtime.backward import faster_by_model
+
+    split, full = NS(predicted_makespan_ms=100.0), NS(predicted_makespan_ms=101.0)
+    assert faster_by_model(split, full, 0.02) is full  # first choice: split must win by the margin
+    assert faster_by_model(split, full, 0.02, "split") is split  # running split: full must win by it
+    assert faster_by_model(NS(predicted_makespan_ms=97.0), full, 0.02, "full") is not full  # split won by 4 %
+    assert faster_by_model(split, NS(predicted_makespan_ms=97.0), 0.02, "split").predicted_makespan_ms == 97.0

@@ -54,14 +54,18 @@ def mixed_backward(ops: dict[int, list[tuple[int, str, int]]]) -> dict[int, list
             for r, rank_ops in ops.items()}
 
 
-def faster_by_model(split: Any, full: Any, margin: float) -> Any:
-    """The plan to deploy of the two variants' plans (``PlanResult``): split when its predicted makespan
-    beats full's by more than ``margin`` (relative), else full — on a tie the full backward has half the
-    backward actions (each costs the executor and, on a GPU, kernel launches) and frees an activation at
-    its B, which the model does not price."""
-    if split.predicted_makespan_ms < full.predicted_makespan_ms * (1.0 - margin):
-        return split
-    return full
+def faster_by_model(split: Any, full: Any, margin: float, running: str | None = None) -> Any:
+    """The plan to deploy of the two variants' plans (``PlanResult``): the ``running`` variant unless the
+    other's predicted makespan beats it by more than ``margin`` (relative; measured times jitter, and a
+    flip is a new plan); with none running (the mixed first plan) split must win by the margin, else
+    full — on a tie the full backward has half the backward actions (each costs the executor and, on a
+    GPU, kernel launches) and frees an activation at its B, which the model does not price."""
+    plans = {"split": split, "full": full}
+    keep = running if running in plans else "full"
+    other = "split" if keep == "full" else "full"
+    if plans[other].predicted_makespan_ms < plans[keep].predicted_makespan_ms * (1.0 - margin):
+        return plans[other]
+    return plans[keep]
 
 
 def _other(variant: str) -> str:

@@ -145,10 +145,12 @@ class ReplanPolicy:
         S = estimate.num_stages
         delays = estimate.delays_ms
         tol = [link_tolerance_ms(estimate, deployed_counts, i) for i in range(S - 1)]
+        # a link is slow only past the absolute margin itself: a plan whose tolerance is ≤ 0 (stages of
+        # unequal speed) is not re-planned for a link reading of a few tenths of a millisecond
         violated = [
             i for i in range(S - 1)
             if delays[i] > tol[i] * (1.0 + self.rel_margin) + self.abs_margin_ms
-            and delays[i] > tol[i] + self.abs_margin_ms
+            and delays[i] > max(tol[i], 0.0) + self.abs_margin_ms
         ]
         planning = estimate.with_delays({i: self.headroom_delay(c) for i, c in enumerate(delays)})
         if violated:
