@@ -129,3 +129,15 @@ def test_the_model_keeps_the_running_backward_variant_within_the_margin():
     assert faster_by_model(split, full, 0.02, "split") is split  # running split: full must win by it
     assert faster_by_model(NS(predicted_makespan_ms=97.0), full, 0.02, "full") is not full  # split won by 4 %
     assert faster_by_model(split, NS(predicted_makespan_ms=97.0), 0.02, "split").predicted_makespan_ms == 97.0
+
+
+def test_a_capped_plan_that_holds_all_its_memory_allows_is_held_not_replanned():
+    """The estimate carries the runtime's per-stage caps (PipelineProfile.max_inflight): Alg.2's target is
+    clipped there, so a violated link the cap keeps from more slackness is a hold (it was an adapt at every
+    check: 11 plan versions in 11 iterations at 1F1B's memory and +60 ms)."""
+    free = PipelineProfile.uniform(4, 16, 2.0, 2.0, 2.0, delays_ms={2: 60.0})
+    capped = PipelineProfile.uniform(4, 16, 2.0, 2.0, 2.0, delays_ms={2: 60.0}, activation_bytes=(1.0,) * 4,
+                                     memory_budget_bytes=(4.0,) * 4)
+    counts = [4, 4, 4, 1]
+    assert ReplanPolicy().decide(free, counts, counts, 5).action == "adapt"
+    assert ReplanPolicy().decide(capped, counts, counts, 5).action == "hold"

@@ -84,7 +84,10 @@ def adapted_warmup_counts(
     profile_arg(profile)
     int_arg(slack_floor, "slack_floor")
     bool_arg(literal, "literal")
-    real_arg(memory_limit, "memory_limit", minimum=1, optional=True)
+    if isinstance(memory_limit, Sequence):  # one per stage
+        counts_arg(memory_limit, "memory_limit", profile.num_stages, minimum=1)
+    else:
+        real_arg(memory_limit, "memory_limit", minimum=1, optional=True)
 
     if slack_floor < 1:
         raise ValueError(f"slack_floor must be >= 1, got {slack_floor}")
