@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,12 +30,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _messages(size_mb: float, quick: bool) -> int:
@@ -114,7 +107,7 @@ def _e2e_bench(rank, quick, out):
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime.delegated import DelegatedPipeMorph
-    from titan_ext.runtime.testing import mlp_stages, step_rank
+    from titan_ext.testing import mlp_stages, step_rank
 
     dim, batch, n_mb = 512, 256, 8
     steps, warm = (6, 2) if quick else (12, 3)
@@ -207,7 +200,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-e2e", action="store_true")
     args = p.parse_args(argv)
 
-    port = _free_port()
+    from titan_ext.testing import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_entry, args=(port, args, outdir), nprocs=2, join=True)
         merged = {}

@@ -38,7 +38,7 @@ import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch  # noqa: E402
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch  # noqa: E402
 
 SCHEDULES = ("1F1B", "ZBV", "PipeMorph", "CrossPipe", "PipeMorph-delegated")
 DELAY_MS = 60.0

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from titan_ext.runtime.testing import free_port, run_ranks
+from titan_ext.testing import free_port, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -137,7 +137,7 @@ DIM, BATCH = 8, 16
 
 
 def _batch(step):
-    from titan_ext.runtime.testing import seeded_batch
+    from titan_ext.testing import seeded_batch
 
     return seeded_batch(1000 + step, BATCH, DIM)
 
@@ -154,7 +154,7 @@ def _train_body(rank, world):
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime.delegated import DelegatedPipeMorph
-    from titan_ext.runtime.testing import gpipe_reference, mlp_stages, step_rank
+    from titan_ext.testing import gpipe_reference, mlp_stages, step_rank
 
     state = {"step": 0, "mb": 0, "victims": []}
     holder = {}

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch.nn.functional as Fn
-from test_delegate_schedule import N_MB, _train
 
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.testing import run_ranks, train_steps
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 3
+DIM, BATCH, N_MB, STEPS = 8, 16, 4, 3  # tests/test_delegate_schedule.py's model, batch and micro-batches
+
+
+def _train(rank, world, make, steps):
+    return train_steps(rank, world, make, steps, dim=DIM, batch=BATCH)
 
 
 def _worker(rank, world):

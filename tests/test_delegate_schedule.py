@@ -10,33 +10,15 @@ import torch
 import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch
+from titan_ext.testing import mlp_stages, run_ranks, train_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 DIM, BATCH, N_MB, STEPS = 8, 16, 4, 6
 
 
-def _batch(step):
-    return seeded_batch(1000 + step, BATCH, DIM)
-
-
 def _train(rank, world, make, steps=STEPS):
-    mods = mlp_stages(world, DIM)
-    sched = make(PipelineStage(mods[rank], rank, world, torch.device("cpu")))
-    opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
-    losses = []
-    for k in range(steps):
-        x, y = _batch(k)
-        out: list = []
-        opt.zero_grad()
-        if rank == 0:
-            sched.step(x, losses=out)
-        else:
-            sched.step(target=y, losses=out)
-        opt.step()
-        losses.append([float(v) for v in out])
-    return sched, losses, [p.detach().clone() for p in mods[rank].parameters()]
+    return train_steps(rank, world, make, steps, dim=DIM, batch=BATCH)
 
 
 def _worker(rank, world):

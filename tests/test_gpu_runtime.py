@@ -94,7 +94,7 @@ def _probe_worker(rank, world):
 
 def test_gemm_probe_is_device_timed_and_its_slow_device_emulation_stretches_the_device():
     _cuda0()
-    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.testing import run_ranks
 
     (r,) = run_ranks(_probe_worker, 1, backend="gloo")
     assert abs(r["healthy"] - r["ref"]) <= 0.25 * r["ref"], r
@@ -107,7 +107,7 @@ DIM, BATCH, N_MB, STEPS = 64, 32, 4, 4
 def _train(rank, world, device, make):
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.runtime.testing import mlp_stages, seeded_batch, step_rank
+    from titan_ext.testing import mlp_stages, seeded_batch, step_rank
 
     mods = mlp_stages(world, DIM)
     mod = mods[rank].to(device)
@@ -157,7 +157,7 @@ def _delegated_worker(rank, world, device="cuda:0"):
 
 def test_delegated_pipemorph_on_one_shared_gpu_trains_like_cpu():
     _cuda0()
-    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.testing import run_ranks
 
     for rank, r in enumerate(run_ranks(_delegated_worker, 2, backend="gloo")):
         assert r["counts"] == {"direct": 0, "delegate": 2 * N_MB * STEPS}, (rank, r)

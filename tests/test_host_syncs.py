@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as Fn
 
 from titan_ext.runtime import host_syncs
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
 
 pytestmark = pytest.mark.timeout(240)
 
