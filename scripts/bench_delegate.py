@@ -106,7 +106,6 @@ def _e2e_bench(rank, quick, out):
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
     from titan_ext.testing import mlp_stages, step_rank
 
     dim, batch, n_mb = 512, 256, 8
@@ -119,7 +118,7 @@ def _e2e_bench(rank, quick, out):
         mods = mlp_stages(2, dim, layers_per_stage=4, dtype=torch.float32)
         stage = PipelineStage(mods[rank], rank, 2, torch.device("cpu"))
         kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
-        sched = PipeMorph(stage, n_mb, **kw) if path == "direct" else DelegatedPipeMorph(
+        sched = PipeMorph(stage, n_mb, **kw) if path == "direct" else PipeMorph(
             stage, n_mb, delegation="always", delegate_slot_bytes=4 << 20, **kw)
         its = []
         for s in range(steps):
@@ -129,7 +128,7 @@ def _e2e_bench(rank, quick, out):
             its.append(1e3 * (time.perf_counter() - t0))
         times.setdefault(path, []).extend(its[warm:])
         if path == "delegate":
-            sched.close_delegation()
+            sched.delegation.close()
     if rank == 0:
         d, g_ = statistics.median(times["direct"]), statistics.median(times["delegate"])
         out["e2e"] = {"direct_ms": d, "delegate_ms": g_, "overhead": g_ / d - 1.0,

@@ -183,7 +183,7 @@ def test_stock_torchtitan_console_shows_pipeline_line_plan_changes_and_straggler
 
 
 def test_delegation_auto_switches_on_under_a_straggler_and_keeps_the_numbers(pipemorph_run, tmp_path):
-    """[titan_ext] delegation = "auto": the runtime's DelegatedPipeMorph moves PP traffic to its
+    """[titan_ext] delegation = "auto": PipeMorph's delegation (its transport) moves PP traffic to its
     delegate processes once link 2's estimate exceeds the threshold; losses stay bit-for-bit."""
     log = tmp_path / "train.log"
     p = _torchrun("titan_ext.train", [
