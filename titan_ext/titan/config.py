@@ -10,8 +10,15 @@ TorchTitan parses the config and before any process group exists. A bad value ra
 :class:`TitanExtConfigError` (a ``ValueError``) whose message names the key, e.g.
 ``[titan_ext] delegation = 'sometimes': must be one of 'off', 'auto', 'always'``.
 
-This module imports no torch at import time; only validating a non-empty ``inject_delays`` /
-``inject_trace`` loads the runtime's delay parser (and with it torch).
+Besides the built-in knobs of :class:`TitanExt` (each names, in its field metadata, the config keyword it
+sets: :func:`sets`), every registered adaptive schedule (``titan_ext.runtime.registry``) brings the
+fields its config class adds to ``PipeMorphConfig`` as knobs of the same name, documented by the
+fields' docstrings (:func:`registered_knobs`); ``JobConfig`` -- what ``job.custom_config_module``
+hands TorchTitan -- is built from the registry when asked for (:func:`job_config_class`).
+
+This module imports no torch at import time; validating a non-empty ``inject_delays`` /
+``inject_trace`` loads the runtime's delay parser (and with it torch), and so does asking for
+``JobConfig`` or the registered knobs (the registry is the runtime's).
 """
 
 
