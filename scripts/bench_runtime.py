@@ -159,13 +159,18 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["sleep", "model", "both", "multistage"], default="both",
+    ap.add_argument("--mode", choices=["sleep", "model", "both", "multistage", "frontier"], default="both",
                     help="multistage: 4 ranks x 2 stages vs torch's Interleaved1F1B / ZBV "
-                         "(scripts/bench_runtime_multistage.py)")
+                         "(scripts/bench_runtime_multistage.py); frontier: every torch schedule at its measured "
+                         "memory and PipeMorph at the same memory (scripts/bench_frontier.py)")
+    ap.add_argument("--compute", choices=["sleep", "model"], default="sleep", help="frontier: compute mode")
+    ap.add_argument("--optimal-s", type=float, default=60.0, help="frontier: CP-SAT time limit per row")
+    ap.add_argument("--plot", default=None, help="frontier: write the time-vs-memory plot (PNG) here")
     ap.add_argument("--link", type=int, default=2, help="multistage: the delayed rank link")
     ap.add_argument("--memory-cap", choices=["none", "zbv"], default="none",
                     help="multistage: zbv caps PipeMorph per rank at ZBV's peak (issue 21)")
-    ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 30.0, 60.0])
+    ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                    help="ms on the delayed link (default 0,30,60; frontier 0,60)")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=16)
     ap.add_argument("--mb-size", type=int, default=2)
@@ -173,9 +178,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=12,
                     help="iterations before measuring (PipeMorph calibrates, adapts and, with backward=auto, "
                          "compares split and full backward inside them)")
-    ap.add_argument("--f-ms", type=float, default=10.0)
-    ap.add_argument("--i-ms", type=float, default=10.0)
-    ap.add_argument("--w-ms", type=float, default=10.0)
+    ap.add_argument("--f-ms", type=float, default=None, help="sleep compute per rank (default 10; frontier 2)")
+    ap.add_argument("--i-ms", type=float, default=None)
+    ap.add_argument("--w-ms", type=float, default=None)
     ap.add_argument("--dim", type=int, default=64, help="sleep mode: activation width")
     ap.add_argument("--model-dim", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=512)
@@ -185,15 +190,26 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl_rules"],
                     help="process-group backend (nccl_rules: the NCCL-rules test backend, slower)")
     args = ap.parse_args()
+    frontier = args.mode == "frontier"
+    for name in ("f_ms", "i_ms", "w_ms"):
+        if getattr(args, name) is None:
+            setattr(args, name, 2.0 if frontier else 10.0)
+    if args.delays is None:
+        args.delays = [0.0, 60.0] if frontier else [0.0, 30.0, 60.0]
     modes = ["sleep", "model"] if args.mode == "both" else [args.mode]
     if args.mode == "multistage":
         from bench_runtime_multistage import run as run_multistage
+    if frontier:
+        from bench_frontier import run as run_frontier
     report = {"command": " ".join(sys.argv), "machine": f"{platform.node()} {os.cpu_count()} cpus, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args), "modes": {}}
     for mode in modes:
         t0 = time.time()
         if mode == "multistage":
             report["modes"][mode] = run_multistage(args)
+            continue
+        if mode == "frontier":
+            report.update(run_frontier(args))  # "rows" at the top level
             continue
         res = run_ranks(_worker, args.world, mode, args, backend=args.backend)[0]
         report["modes"][mode] = res

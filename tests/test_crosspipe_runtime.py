@@ -69,9 +69,10 @@ def test_crosspipe_runtime_trains_like_gpipe_and_replans():
     results = run_ranks(_worker, world, n_mb, steps)
     # the initial plan is CrossUDSub's greedy plan for the assumed profile (F = I = W = 1 ms, no measured
     # delay; 1 MB messages on 1 GB/s links = 1 ms of bandwidth time each) at PipeMorph's default
-    # x_max = 2S − 1 in-flight activations
+    # x_max = 2S − 1 in-flight activations, counted by torch's runtime's rule (held until W)
     links = tuple(LinkProfile(bandwidth_bytes_per_s=1e9, message_bytes=1e6) for _ in range(world - 1))
-    expected = plan_crosspipe(PipelineProfile(world, n_mb, 1.0, 1.0, 1.0, links), "udsub", memory_limit=2 * world - 1)
+    expected = plan_crosspipe(PipelineProfile(world, n_mb, 1.0, 1.0, 1.0, links, release="W"), "udsub",
+                              memory_limit=2 * world - 1)
     assert results[0]["initial"] == as_ops(expected.actions)
     for res in results:
         assert not [e for e in res["log"] if e["decision"] == "reject"], res["log"]

@@ -1,7 +1,8 @@
 """The compiled PipeMorph generator (``titan_ext.plan._pipemorph_c``, from ``_pipemorph.c``) against its
 Python reference (``pipemorph._generate_py``): bit-identical orders, makespans (integer ns) and
 cap_bound flags on random heterogeneous profiles — bandwidth-limited links (FIFO occupancy), warm-up
-counts and in-flight caps, full and split backward, and the early stop at a makespan bound."""
+counts and in-flight caps under both memory rules (``profile.release``: an activation freed at its I or
+at its W), full and split backward, and the early stop at a makespan bound."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _case(rng: random.Random) -> tuple:
                               bandwidth_bytes_per_s=rng.choice([math.inf, math.inf, rng.uniform(0.5e9, 8e9)]),
                               message_bytes=rng.uniform(1e6, 64e6))
                   for _ in range(S - 1))
-    prof = PipelineProfile(S, N, times(0.5), times(0.5), times(0.0), links)
+    prof = PipelineProfile(S, N, times(0.5), times(0.5), times(0.0), links, release=rng.choice(["I", "W"]))
     x = sorted((rng.randint(1, N) for _ in range(S)), reverse=True)  # warm-up counts do not grow with i
     limit = [rng.choice([v, rng.randint(v, N)]) for v in x]  # capped at x_i or above
     return prof, x, limit, rng.random() < 0.3
@@ -79,22 +80,23 @@ def test_compiled_checks_give_the_python_validators_verdict_and_peaks():
     for _ in range(600):
         S = rng.randint(1, 5)
         N = rng.randint(1, 2 * S)
+        release = rng.choice(["I", "W"])
         prof = PipelineProfile(S, N, [rng.uniform(1, 5) for _ in range(S)], [rng.uniform(1, 5) for _ in range(S)],
-                               [rng.uniform(0, 5) for _ in range(S)])
+                               [rng.uniform(0, 5) for _ in range(S)], release=release)
         x = sorted((rng.randint(1, N) for _ in range(S)), reverse=True)
         base = pipemorph.generate_order(prof, x, rng.choice([None, x]), full_backward=rng.random() < 0.25).order
         _, ops, limit = _mutate(rng, base, S) if S > 1 else ("valid", base, None)
         if rng.random() < 0.1:  # out-of-range and foreign stages too
             ops[0] = ops[0] + [rng.choice([(0, "F", N), (S, "F", 0), (0, "W", N + 3)])]
-        peaks = C.check(ops, S, N, limit)
+        peaks = C.check(ops, S, N, limit, release == "W")
         try:
-            _check_python(ops, S, N, limit, False)
+            _check_python(ops, S, N, limit, False, release)
             ok = True
         except PlanValidationError:
             ok = False
         assert (peaks is not None) == ok, (ops, limit)
         if ok:
-            assert peaks == list(peak_inflight(ops).values())
+            assert peaks == list(peak_inflight(ops, release).values())
         verdicts[ok] += 1
     assert min(verdicts.values()) > 100, verdicts
 
@@ -115,7 +117,7 @@ def test_compiled_virtual_generator_is_bit_identical_to_the_python_reference():
         links = tuple(LinkProfile(latency_ms=rng.choice([0.0, round(rng.uniform(0, 30), 3)]),
                                   bandwidth_bytes_per_s=rng.choice([math.inf, rng.uniform(1e9, 8e9)]),
                                   message_bytes=rng.uniform(1e6, 32e6)) for _ in range(S - 1))
-        prof = PipelineProfile(S, N, times(), times(), times(), links)
+        prof = PipelineProfile(S, N, times(), times(), times(), links, release=rng.choice(["I", "W"]))
         limit = [rng.randint(1, N) for _ in range(S)]
         x = [min(rng.randint(1, N), limit[s], min(limit[:s] or [N])) for s in range(S)]
         ref = virtual._virtual_loop_py(prof, s2r, x, limit)

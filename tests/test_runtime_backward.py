@@ -1,7 +1,8 @@
 """PipeMorph's ``backward`` variants on gloo/loopback with emulated (sleep) compute.
 
-``backward="auto"`` runs the other backward variant for a window after each new regime and keeps the
-one whose measured iteration span is lower.  The reference for which variant must win is set by the
+``backward="measure"`` runs the other backward variant for a window after each new regime and keeps the
+one whose measured iteration span is lower; ``backward="auto"`` measures both variants' times in the first
+iteration (a mixed plan) and keeps the one the simulator predicts faster, deploying no probe.  The reference for which variant must win is set by the
 emulated hardware, not by our code: with uniform 6 ms F / I / W sleeps the split plan fills 1F1B's
 bubbles with W (ZeroBubble, PipeMorph §3.1) so split must win; when every split I costs 12 ms extra
 (as the I/W split of a CPU autograd graph does, in kind) the full backward must win.
@@ -26,44 +27,68 @@ DIM, N_MB, STEPS = 8, 8, 13
 
 
 class SplitOverhead(PipeMorph):
-    """Every backward-input action (split backward only) costs ``overhead_s`` extra on its rank."""
+    """Every backward-input action (split backward only) costs ``overhead_s`` extra on its rank: around
+    the action (``measure``'s spans see it, the action's own time does not) or, ``inside``, within the
+    timed action (what ``auto``'s model reads — as the I/W split of a CPU autograd graph costs)."""
 
     overhead_s = 0.0
+    inside = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        perform = self.executor.perform
+        perform, backward_input = self.executor.perform, self.executor._backward_input
 
         def slow_input_backward(action, ctx):
-            if action.computation_type.value == "I" and self.overhead_s:
+            if action.computation_type.value == "I" and self.overhead_s and not self.inside:
                 time.sleep(self.overhead_s)
             return perform(action, ctx)
 
+        def slow_split_input(stage, mb, full, ctx):
+            if not full and self.overhead_s and self.inside:
+                time.sleep(self.overhead_s)
+            return backward_input(stage, mb, full, ctx)
+
         self.executor.perform = slow_input_backward
+        self.executor._backward_input = slow_split_input
 
 
 def _worker(rank: int, world: int, overhead_ms: float, backward: str) -> dict:
     mod = SleepComputeStage(DIM, 6.0, 6.0, 6.0, seed=rank)
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
     sched = SplitOverhead([stage], N_MB, loss_fn=Fn.mse_loss, backward=backward)
-    sched.overhead_s = overhead_ms / 1e3
+    sched.overhead_s, sched.inside = overhead_ms / 1e3, backward == "auto"
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(2 * N_MB, DIM, generator=g), torch.randn(2 * N_MB, DIM, generator=g)
-    ran, spans, hashes = [], [], []
+    ran, spans, hashes, kinds = [], [], [], []
     for _ in range(STEPS):
         step_rank(sched, rank, world, x, y)
         m = sched.last_metrics
+        kinds.append(sorted({r.kind for r in sched.last_timeline}))
         ran.append({r.kind for r in sched.last_timeline} >= {"B"})
         spans.append(m["timeline_span_ms"])
         hashes.append(m["plan_hash"])
     log = [e for e in sched.decision_log if e["decision"] in ("probe", "select", "reject")]
-    return {"full_ran": ran, "spans": spans, "hashes": hashes, "log": log, "final": sched.deployed.backward}
+    return {"full_ran": ran, "spans": spans, "hashes": hashes, "log": log, "final": sched.deployed.backward,
+            "kinds": kinds, "versions": sched.plan_version}
 
 
 @pytest.mark.parametrize("overhead_ms,winner", [(0.0, "split"), (12.0, "full")])
-def test_auto_keeps_the_measured_faster_backward(overhead_ms, winner):
+def test_auto_chooses_by_the_model_from_a_mixed_first_iteration(overhead_ms, winner):
+    """No probe: the first iteration runs B for half the microbatches and I + W for the rest, the
+    calibrated plan is the variant the model predicts faster from those times — two plan versions."""
+    results = run_ranks(_worker, 4, overhead_ms, "auto")
+    for res in results:
+        assert res["hashes"] == results[0]["hashes"]
+        assert res["log"] == []  # no probe, no select, no reject
+        assert res["kinds"][0] == ["B", "F", "I", "W"]  # the first iteration measured both variants
+        assert res["final"] == winner and res["versions"] == 2, res
+        assert all(k == res["kinds"][-1] for k in res["kinds"][2:])  # one variant from the calibrated plan on
+
+
+@pytest.mark.parametrize("overhead_ms,winner", [(0.0, "split"), (12.0, "full")])
+def test_measure_keeps_the_measured_faster_backward(overhead_ms, winner):
     world = 4
-    results = run_ranks(_worker, world, overhead_ms, "auto")
+    results = run_ranks(_worker, world, overhead_ms, "measure")
     for res in results:
         assert res["hashes"] == results[0]["hashes"]  # every rank ran the same plans
         assert not [e for e in res["log"] if e["decision"] == "reject"], res["log"]

@@ -20,11 +20,18 @@ def test_x_max_follows_alg1_within_s_and_n():
 
 def test_caps_from_exchanged_budgets_and_the_lift_while_delegating():
     b = _stage(limit=5)
-    b.absorb([9000.0, 20_000.0, math.nan, 12_000.0], [1000.0] * 4, rank=1)
-    assert b.inflight_cap == 9 and b.adaptive_limit() == 5 and b.adaptive_limit(lifted=True) == 9
-    assert b.planning_x_max() == min(7, 9)
-    assert "above the current memory cap of 5" in b.over_cap("adaptive", 6, None)
-    assert b.over_cap("adaptive", 6, None, lifted=True) == "" and b.over_cap("forced", 99, None) == ""
+    # each stage its own rank's ⌊budget / M^F⌋ (a rank without a budget: N); the smallest is inflight_cap
+    b.absorb([9000.0, 20_000.0, math.nan, 12_000.0], [1000.0, 2000.0, 1000.0, 1000.0], rank=1)
+    assert b.inflight_cap == 9 and b.stage_caps == [9, 10, 16, 12]
+    assert b.adaptive_limit() == [5, 5, 5, 5] and b.adaptive_limit(lifted=True) == [9, 10, 16, 12]
+    assert b.planning_x_max() == [min(7, 9), 10, 16, 12]  # Alg.1's x_max on stage 0, the caps elsewhere
+    six = {r: [(r, "F", m) for m in range(6)] + [(r, "B", m) for m in range(6)] for r in range(4)}
+    assert "above the current memory cap of [5, 5, 5, 5]" in b.over_cap("adaptive", 6, six)
+    assert b.over_cap("adaptive", 6, six, lifted=True) == "" and b.over_cap("forced", 99, six) == ""
+    # torch's rule: a split microbatch is held until its W, not its I
+    held = {r: [op for m in range(6) for op in ((r, "F", m), (r, "I", m))] + [(r, "W", m) for m in range(6)]
+            for r in range(4)}  # 1 in flight by the papers' rule (released at I), 6 by torch's
+    assert "holds 6" in b.over_cap("adaptive", 0, held)
 
 
 def test_several_stages_per_rank_cap_per_rank_once_every_budget_is_known():

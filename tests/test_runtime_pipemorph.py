@@ -95,10 +95,12 @@ def test_equivalence_with_gpipe_under_a_new_plan_every_iteration():
         # no microbatch lost or used twice: every (kind, mb) of this stage exactly once per iteration
         for it, ex in enumerate(res["executed"]):
             kinds = {k for k, _, _ in ex}
-            assert kinds in ({"F", "I", "W"}, {"F", "B"}), (it, kinds)
-            for kind in kinds:
-                mbs = sorted(m for k, s, m in ex if k == kind and s == rank)
-                assert mbs == list(range(n_mb)), (rank, it, kind, mbs)
+            # backward="auto": the first plan runs B for odd microbatches, I + W for even (backward.py)
+            first = res["versions"][it] == 1
+            assert kinds in ({"F", "I", "W"}, {"F", "B"}) or (first and kinds == {"F", "B", "I", "W"}), (it, kinds)
+            mbs = {kind: sorted(m for k, s, m in ex if k == kind and s == rank) for kind in "FIWB"}
+            assert mbs["F"] == sorted(mbs["I"] + mbs["B"]) == list(range(n_mb)), (rank, it, mbs)
+            assert mbs["W"] == mbs["I"], (rank, it, mbs)
         for p, q in zip(res["params"], res["ref_params"]):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
         # training actually moved the parameters (the comparison is not trivially true)
@@ -381,8 +383,9 @@ def test_initial_plan_from_memory_budget_and_measured_activations():
     act = 3 * rows * DIM * 8
     budget = 10.5 * act
     results = run_ranks(_budget_worker, world, n_mb, budget)
+    assert results[1]["act"] == act + rows * DIM * 8  # the last stage's loss saves its target as well
     for res in results:
-        assert res["act"] == act
+        assert res["act"] >= act
         assert res["counts"][0] == initial_warmup_counts(world, world)  # before measuring: 1F1B's memory
         assert res["counts"][-1] == initial_warmup_counts(world, 10)  # x_max = ⌊10.5⌋
 
@@ -405,5 +408,5 @@ def test_absurd_memory_budget_warns_once_from_rank_0():
     act = 3 * (BATCH // n_mb) * DIM * 8  # M^F of this MLP stage (see the test above)
     results = run_ranks(_small_budget_worker, world, n_mb, 0.5 * act)
     assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == [], results
-    assert "holds only 1 activation(s)" in results[0]["warnings"][0]
-    assert "fewer than the 2 stages" in results[0]["warnings"][0]
+    assert "holds [1, 1] in-flight activations per stage" in results[0]["warnings"][0]
+    assert "less than 1F1B holds ([2, 1])" in results[0]["warnings"][0]

@@ -64,7 +64,7 @@ def test_cli_overrides_toml(tmp_path):
     ("inject_delays", '"2:fast"', "latency 'fast' is not a number"),
     ("inject_trace", '"/no/such/trace.csv"', "no such file"),
     ("replan_interval", '"five"', "must be of type int"),
-    ("backward", '"fused"', "must be one of '', 'auto', 'split', 'full'"),
+    ("backward", '"fused"', "must be one of '', 'auto', 'measure', 'split', 'full'"),
 ])
 def test_bad_value_error_names_the_key(tmp_path, key, value, needle):
     from titan_ext.titan.config import TitanExtConfigError

@@ -6,10 +6,11 @@
  * operation orders, the same makespan (ns) and the same cap_bound flag, including the early stop once
  * the makespan is certain to exceed a bound (tests/test_plan_pipemorph_c.py).
  *
- *   generate(N, f, b, w, latency, transfer, x, limit, full_backward, bound)
+ *   generate(N, f, b, w, latency, transfer, x, limit, full_backward, bound, release_w=False)
  *       N: microbatches; f, b, w: per-stage times (int ns; b already includes w when full_backward); latency, transfer:
  *       per link (S - 1, int ns; transfer 0 = no occupancy); x, limit: warm-up counts and in-flight
- *       limits per stage; bound: int ns or None.
+ *       limits per stage; bound: int ns or None; release_w: an activation is in flight until its W (else
+ *       its I; a full B either way: plan/deps.py RELEASES).
  *       -> (order, makespan_ns, cap_bound); order is None when the bound stopped it, else a list per
  *       stage of (stage, kind, microbatch) tuples, kind one of "F", "I", "W", "B".  ValueError when the
  *       counts and limits deadlock (no stage can run any more), as the Python reference.
@@ -19,12 +20,12 @@
  * (FIFO), occupies it for transfer, and arrives latency after that.  Events (time, stage) pop in
  * lexicographic order, as Python's heapq does on tuples.
  *
- * generate_virtual(N, stage_to_rank, f, b, w, latency, transfer, x, limit): the same over a stage graph
+ * generate_virtual(N, stage_to_rank, f, b, w, latency, transfer, x, limit, release_w=False): the same over a stage graph
  *       with several stages per rank, a port of titan_ext.plan.virtual._virtual_loop_py (rank → ops
  *       as a list per rank, makespan ns); messages between ranks on channels (src rank, dst rank),
  *       a boundary inside one rank is free.  RuntimeError when no rank can make progress.
  *
- * check(plan, num_stages, num_microbatches, inflight_limit): checks 1-3 of titan_ext.plan.validate
+ * check(plan, num_stages, num_microbatches, inflight_limit, release_w=False): checks 1-3 of titan_ext.plan.validate
  *       (completeness, progress under the dependency rule of plan/deps.py, in-flight memory) on a plan of
  *       (stage, kind, microbatch) tuples per rank; returns the per-stage peak in-flight activations (a
  *       list, as simulate.peak_inflight) when the plan is valid, None when it is not (the Python
@@ -108,6 +109,7 @@ typedef struct {
     int *warm, *fcount, *bcount, *qmb, *kinds, *mbs, *nops;
     Q *q;  /* 3S queues: F of stage i at q[i], I at q[S + i], W at q[2S + i] */
     Heap heap;
+    int release_w;  /* bcount counts W (else I): plan/deps.py RELEASES */
 } Gen;
 
 static void q_push(Q *q, i64 ready, int mb) { q->ready[q->tail] = ready; q->mb[q->tail] = mb; q->tail++; }
@@ -164,9 +166,9 @@ static int run(Gen *g, int full, int have_bound, i64 bound, i64 *makespan, int *
         } else if (kind == KI) {
             m = bq[i].mb[bq[i].head++];
             done = t + g->tb[i];
-            g->bcount[i]++;
             if (full) kind = KB;
             else q_push(&wq[i], done, m);
+            if (full || !g->release_w) g->bcount[i]++;  /* bcount: activations released (deps.RELEASES) */
             if (i > 0) {
                 i64 arrive = link_send(g, i - 1, 0, done);
                 q_push(&bq[i - 1], arrive, m);
@@ -175,6 +177,7 @@ static int run(Gen *g, int full, int have_bound, i64 bound, i64 *makespan, int *
         } else {
             m = wq[i].mb[wq[i].head++];
             done = t + g->tw[i];
+            if (g->release_w) g->bcount[i]++;
         }
         g->work[i] -= done - t;
         if (have_bound && done + g->work[i] > bound) { *makespan = done; return 0; }
@@ -234,13 +237,15 @@ static PyObject *generate(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t N;
     PyObject *fo, *bo, *wo, *lato, *txo, *xo, *limo, *boundo;
-    int full;
-    if (!PyArg_ParseTuple(args, "nOOOOOOOpO", &N, &fo, &bo, &wo, &lato, &txo, &xo, &limo, &full, &boundo))
+    int full, release_w = 0;
+    if (!PyArg_ParseTuple(args, "nOOOOOOOpO|p", &N, &fo, &bo, &wo, &lato, &txo, &xo, &limo, &full, &boundo,
+                          &release_w))
         return NULL;
     Gen g;
     memset(&g, 0, sizeof g);
     g.S = PySequence_Size(fo);
     g.N = N;
+    g.release_w = release_w;
     if (g.S < 1 || N < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "need at least one stage and one microbatch");
         return NULL;
@@ -281,6 +286,7 @@ typedef struct {
     int *qmb;
     Q *q;  /* F at q[s], I at q[S + s], W at q[2S + s] */
     Heap heap;
+    int release_w;  /* bcount counts W (else I): plan/deps.py RELEASES */
 } VGen;
 
 static int v_send(VGen *g, int s, int dst_stage, i64 done, Q *queue, int mb) {
@@ -346,9 +352,11 @@ static int v_run(VGen *g, i64 *makespan) {
             if (s + 1 < S) { if (v_send(g, s, s + 1, done, &fq[s + 1], mb)) return -1; }
             else q_push(&bq[s], done, mb);
         } else if (kind == KI) {
-            g->bcount[s]++;
+            if (!g->release_w) g->bcount[s]++;  /* activations released (deps.RELEASES) */
             q_push(&wq[s], done, mb);
             if (s > 0 && v_send(g, s, s - 1, done, &bq[s - 1], mb)) return -1;
+        } else if (g->release_w) {
+            g->bcount[s]++;
         }
         Py_ssize_t k = 3 * N * (Py_ssize_t)g->own_off[r] + g->nops[r]++;  /* rank r: at most 3N per stage */
         g->kinds[k] = kind; g->stg[k] = s; g->mbs[k] = mb;
@@ -386,9 +394,12 @@ static PyObject *generate_virtual(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t N;
     PyObject *s2ro, *fo, *bo, *wo, *lato, *txo, *xo, *limo, *result = NULL, *order = NULL;
-    if (!PyArg_ParseTuple(args, "nOOOOOOOO", &N, &s2ro, &fo, &bo, &wo, &lato, &txo, &xo, &limo)) return NULL;
+    int release_w = 0;
+    if (!PyArg_ParseTuple(args, "nOOOOOOOO|p", &N, &s2ro, &fo, &bo, &wo, &lato, &txo, &xo, &limo, &release_w))
+        return NULL;
     VGen g;
     memset(&g, 0, sizeof g);
+    g.release_w = release_w;
     g.S = PySequence_Size(s2ro);
     g.N = N;
     i64 *tmp = NULL, makespan = 0;
@@ -478,7 +489,8 @@ static int ready(const unsigned char *done, int S, int N, COp o) {
 
 /* the checks on parsed ops; 1 valid, 0 invalid */
 static int check_ops(COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, const long *limit, long *peak,
-                     unsigned char *seen, unsigned char *done, int *owner, Py_ssize_t *pos, long *held) {
+                     unsigned char *seen, unsigned char *done, int *owner, Py_ssize_t *pos, long *held,
+                     int release_w) {
     for (int s = 0; s < S; s++) owner[s] = -1;
     for (Py_ssize_t r = 0; r < R; r++)
         for (Py_ssize_t j = 0; j < len[r]; j++) {
@@ -516,7 +528,7 @@ static int check_ops(COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, con
         for (Py_ssize_t j = 0; j < len[r]; j++) {
             COp o = ops[r][j];
             if (o.k == KF && ++held[o.s] > peak[o.s]) peak[o.s] = held[o.s];
-            else if (o.k == KI || o.k == KB) held[o.s]--;
+            else if (o.k == KB || o.k == (release_w ? KW : KI)) held[o.s]--;  /* deps.RELEASES */
         }
     for (int s = 0; s < S; s++)
         if (limit && peak[s] > limit[s]) return 0;
@@ -527,7 +539,8 @@ static PyObject *check(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *plan, *limo;
     int S, N;
-    if (!PyArg_ParseTuple(args, "O!iiO", &PyDict_Type, &plan, &S, &N, &limo)) return NULL;
+    int release_w = 0;
+    if (!PyArg_ParseTuple(args, "O!iiO|p", &PyDict_Type, &plan, &S, &N, &limo, &release_w)) return NULL;
     if (PyDict_Size(plan) == 0) Py_RETURN_NONE;
     if (S < 1 || N < 1) Py_RETURN_NONE;
     Py_ssize_t R = PyDict_Size(plan), total = 0, k = 0, r = 0;
@@ -565,7 +578,7 @@ static PyObject *check(PyObject *self, PyObject *args) {
             if (limit[s] == -1 && PyErr_Occurred()) { PyErr_Clear(); bad = 1; break; }
         }
     }
-    if (!bad) valid = check_ops(ops, len, R, S, N, limit, peak, seen, done, owner, pos, held);
+    if (!bad) valid = check_ops(ops, len, R, S, N, limit, peak, seen, done, owner, pos, held, release_w);
     if (!valid) { result = Py_None; Py_INCREF(result); goto out; }
     if (!(result = PyList_New(S))) goto out;
     for (int s = 0; s < S; s++) PyList_SET_ITEM(result, s, PyLong_FromLong(peak[s]));

@@ -97,7 +97,7 @@ def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_bac
     links = LinkQueues(profile.links)
     order, makespan, cap_bound = _GENERATE_C.generate(
         profile.num_microbatches, [to_ns(v) for v in profile.f_ms], tb, tw, links.latency_ns, links.transfer_ns,
-        x, limit, full_backward, bound_ns)
+        x, limit, full_backward, bound_ns, profile.release == "W")
     return (None if order is None else dict(enumerate(order))), makespan, cap_bound
 
 
@@ -125,7 +125,8 @@ def _generate_py(profile: PipelineProfile, x: list[int], limit: list[int], full_
     free_at = [0] * S
     warm_left = list(x)
     f_count = [0] * S
-    b_count = [0] * S
+    b_count = [0] * S  # activations released: at I, or at W when profile.release == "W" (deps.RELEASES)
+    release_w = profile.release == "W"
     remaining = (2 if full_backward else 3) * N * S
     work = [N * (f + b + (0 if full_backward else w)) for f, b, w in zip(tf, tb, tw)]  # left per stage
     order: dict[int, list[Op]] = {i: [] for i in range(S)}
@@ -168,11 +169,12 @@ def _generate_py(profile: PipelineProfile, x: list[int], limit: list[int], full_
         elif kind == "I":
             _, m = b_q[i].popleft()
             done = t + tb[i]
-            b_count[i] += 1
             if full_backward:
                 kind = "B"
             else:
                 w_q[i].append((done, m))
+            if full_backward or not release_w:
+                b_count[i] += 1
             if i > 0:
                 arrive = links.send(i - 1, (i, -1), done)
                 b_q[i - 1].append((arrive, m))
@@ -180,6 +182,8 @@ def _generate_py(profile: PipelineProfile, x: list[int], limit: list[int], full_
         else:
             _, m = w_q[i].popleft()
             done = t + tw[i]
+            if release_w:
+                b_count[i] += 1
         work[i] -= done - t
         if done + work[i] > bound:
             return None, done, cap_bound
@@ -214,17 +218,18 @@ class _Candidate:
     one_f_one_b: bool = False
 
 
-def memory_caps(profile: PipelineProfile, memory_limit: int | None) -> list[int] | None:
-    """Per-stage in-flight activation limit from ``memory_limit`` and the profile's byte budget
-    (at most N); None when neither is given."""
+def memory_caps(profile: PipelineProfile, memory_limit: int | Sequence[int] | None) -> list[int] | None:
+    """Per-stage in-flight activation limit from ``memory_limit`` (one K for every stage, or one per
+    stage) and the profile's byte budget (at most N); None when neither is given."""
     caps = profile.max_inflight()
     if memory_limit is None and caps is None:
         return None
-    if memory_limit is not None and memory_limit < 1:
-        raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit}")
-    N = profile.num_microbatches
-    caps = list(caps or [N] * profile.num_stages)
-    return [max(1, min(c, memory_limit or N, N)) for c in caps]
+    S, N = profile.num_stages, profile.num_microbatches
+    limits = list(memory_limit) if isinstance(memory_limit, (list, tuple)) else [memory_limit or N] * S
+    if len(limits) != S or any(k < 1 for k in limits):
+        raise ValueError(f"memory_limit must be >= 1 activation (or one such per stage), got {memory_limit}")
+    caps = list(caps or [N] * S)
+    return [max(1, min(c, int(k), N)) for c, k in zip(caps, limits)]
 
 
 def one_f_one_b_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
@@ -334,7 +339,7 @@ def plan_pipemorph(
     schedule: str = "pipemorph",
     mode: str = "auto",
     slack_floor: int = 2,
-    memory_limit: int | None = None,
+    memory_limit: int | Sequence[int] | None = None,
     cap_inflight: bool = True,
     validate: bool | str = True,
     backward: str = "split",
@@ -405,6 +410,7 @@ def plan_pipemorph(
         limit = list(best.inflight_limit)
         if validate:
             peak = validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
+                                 release=profile.release,
                                  torch_dry_run=validate == "torch")
         else:
             peak = None  # make_result counts them

@@ -96,7 +96,7 @@ def stage_profile(profile: PipelineProfile, s2r: Sequence[int],
     if profile.activation_bytes is not None:
         memory = {"activation_bytes": tuple(profile.activation_bytes[r] / V for r in s2r),
                   "memory_budget_bytes": tuple(profile.memory_budget_bytes[r] / V for r in s2r)}
-    return PipelineProfile(S, profile.num_microbatches, f, b, w, links, **memory)
+    return PipelineProfile(S, profile.num_microbatches, f, b, w, links, release=profile.release, **memory)
 
 
 def rank_profile(profile: PipelineProfile, s2r: Sequence[int]) -> PipelineProfile:
@@ -112,4 +112,4 @@ def rank_profile(profile: PipelineProfile, s2r: Sequence[int]) -> PipelineProfil
     for s, r in enumerate(s2r):
         for k, times in enumerate((profile.f_ms, profile.b_ms, profile.w_ms)):
             sums[k][r] += times[s]
-    return PipelineProfile(R, profile.num_microbatches, *(tuple(x) for x in sums), tuple(links))
+    return PipelineProfile(R, profile.num_microbatches, *(tuple(x) for x in sums), tuple(links), release=profile.release)

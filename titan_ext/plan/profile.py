@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from .deps import released_by
+
 # Bounds of the timing model (integer nanoseconds, plan/timing.py): any time, latency or transfer time is
 # at most MAX_MS (11.6 days), and a time that must be > 0 is at least MIN_POSITIVE_MS (1 ns, the
 # simulator's resolution: below it, it would round to nothing).
@@ -105,7 +107,8 @@ class PipelineProfile:
     ``f_ms``, ``b_ms``, ``w_ms``: per-stage F / backward-input / backward-weight times (ms). F and B
     must be > 0; W may be 0. ``links``: ``num_stages - 1`` LinkProfiles (empty means no delay anywhere).
     ``activation_bytes`` / ``memory_budget_bytes``: per-stage memory of one microbatch's activations and
-    the per-stage budget for them; both or neither.
+    the per-stage budget for them; both or neither.  ``release``: when an activation is freed, "I" (the
+    papers' model) or "W" (torch's runtime: its split backward holds the graph until W) — ``deps.RELEASES``.
     """
 
     num_stages: int
@@ -116,8 +119,10 @@ class PipelineProfile:
     links: tuple[LinkProfile, ...] = field(default=())
     activation_bytes: tuple[float, ...] | None = None
     memory_budget_bytes: tuple[float, ...] | None = None
+    release: str = "I"
 
     def __post_init__(self) -> None:
+        released_by(self.release)  # ValueError naming the field
         for name in ("num_stages", "num_microbatches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -215,6 +220,8 @@ class PipelineProfile:
         if self.activation_bytes is not None:
             doc.update(activation_bytes=list(self.activation_bytes),
                        memory_budget_bytes=list(self.memory_budget_bytes))
+        if self.release != "I":
+            doc["release"] = self.release
         return doc
 
     @classmethod
@@ -228,11 +235,12 @@ class PipelineProfile:
         S = doc["num_stages"]
         links = links_from_json(doc.get("links") or [], S) if doc.get("links") else ()
         return cls(S, doc["num_microbatches"], doc["f_ms"], doc["b_ms"], doc["w_ms"], links,
-                   activation_bytes=doc.get("activation_bytes"), memory_budget_bytes=doc.get("memory_budget_bytes"))
+                   activation_bytes=doc.get("activation_bytes"), memory_budget_bytes=doc.get("memory_budget_bytes"),
+                   release=doc.get("release", "I"))
 
 
 PROFILE_FIELDS = ("num_stages", "num_microbatches", "f_ms", "b_ms", "w_ms", "links",
-                  "activation_bytes", "memory_budget_bytes")
+                  "activation_bytes", "memory_budget_bytes", "release")
 """The fields of a profile's JSON object: PipelineProfile's, times in ms (a number for every stage or a
 list with one per stage), ``links`` one object per link with LinkProfile's fields (link i joins stage i
 and i+1), memory in bytes."""

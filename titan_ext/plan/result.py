@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from .deps import released_by
 from .ir import Op, as_ops, stage_to_rank_map
 from .placement import read_placement, stages_per_rank
 from .profile import PipelineProfile
@@ -123,14 +124,15 @@ def make_result(
         from .ir import to_torch_plan
 
         actions = plan if _is_torch(plan) else to_torch_plan(ops)
-    inflight = peak_inflight(ops) if inflight is None else dict(inflight)
+    release = fields["profile"].release if fields.get("profile") is not None else "I"
+    inflight = peak_inflight(ops, release) if inflight is None else dict(inflight)
     V = stages_per_rank(s2r)
     return PlanResult(
         actions=dict(actions), ops=ops, schedule=schedule, source=source or schedule,
         warmup_counts=list(warmup_counts) if warmup_counts is not None else warmup_counts_of(ops),
         predicted_makespan_ms=predicted_makespan_ms, peak_inflight=inflight,
         peak_memory_per_stage={s: inflight.get(s, 0) / V for s in range(len(s2r))},
-        peak_memory_per_rank=_rank_peaks(ops, inflight, s2r), plan_ms=plan_ms, stage_to_rank=s2r, **fields,
+        peak_memory_per_rank=_rank_peaks(ops, inflight, s2r, release), plan_ms=plan_ms, stage_to_rank=s2r, **fields,
     )
 
 
@@ -139,10 +141,11 @@ def _read_stage_to_rank(ops: Mapping[int, Sequence[Op]]) -> tuple[int, ...]:
     return tuple(placed[s] for s in range(len(placed)))
 
 
-def _rank_peaks(ops: Mapping[int, Sequence[Op]], inflight: Mapping[int, int], s2r: Sequence[int]) -> dict[int, float]:
+def _rank_peaks(ops: Mapping[int, Sequence[Op]], inflight: Mapping[int, int], s2r: Sequence[int],
+                release: str = "I") -> dict[int, float]:
     """Per-rank memory peaks; with one stage per rank they are that stage's (no second pass)."""
     if stages_per_rank(s2r) > 1:
-        return peak_memory_per_rank(ops, s2r)
+        return peak_memory_per_rank(ops, s2r, release)
     return {r: float(inflight.get(s, 0)) for s, r in sorted(enumerate(s2r), key=lambda sr: sr[1])}
 
 
@@ -151,8 +154,10 @@ def _is_torch(plan: Mapping[int, Sequence[Any]]) -> bool:
     return first is not None and type(first) is not tuple
 
 
-def peak_inflight(ops: Mapping[int, Sequence[Op]]) -> dict[int, int]:
-    """Per stage, the most microbatches whose F is done and whose I (or full B) is not, in program order."""
+def peak_inflight(ops: Mapping[int, Sequence[Op]], release: str = "I") -> dict[int, int]:
+    """Per stage, the most microbatches whose F is done and whose I (``release="W"``: W) or full B is not,
+    in program order (``deps.RELEASES``)."""
+    frees = released_by(release)
     peak: dict[int, int] = {}
     for rank_ops in ops.values():
         held: dict[int, int] = {}
@@ -160,25 +165,27 @@ def peak_inflight(ops: Mapping[int, Sequence[Op]]) -> dict[int, int]:
             if kind == "F":
                 held[stage] = held.get(stage, 0) + 1
                 peak[stage] = max(peak.get(stage, 0), held[stage])
-            elif kind in ("I", "B"):
+            elif kind in frees:
                 held[stage] = held.get(stage, 0) - 1
     return dict(sorted(peak.items()))
 
 
-def rank_peak_inflight(plan: Mapping[int, Sequence[Any]]) -> dict[int, int]:
+def rank_peak_inflight(plan: Mapping[int, Sequence[Any]], release: str = "I") -> dict[int, int]:
     """Per rank, the most activations held at once over all its stages (F done − I/B done, in program
-    order, which is exact: a rank runs its operations one at a time)."""
+    order, which is exact: a rank runs its operations one at a time; ``release="W"``: F done − W/B done)."""
+    frees = released_by(release)
     out = {}
     for rank, rank_ops in sorted(as_ops(plan).items()):
         held = peak = 0
         for _, kind, _ in rank_ops:
-            held += 1 if kind == "F" else -1 if kind in ("I", "B") else 0
+            held += 1 if kind == "F" else -1 if kind in frees else 0
             peak = max(peak, held)
         out[rank] = peak
     return out
 
 
-def peak_memory_per_rank(plan: Mapping[int, Sequence[Any]], stage_to_rank: Any = None) -> dict[int, float]:
+def peak_memory_per_rank(plan: Mapping[int, Sequence[Any]], stage_to_rank: Any = None,
+                         release: str = "I") -> dict[int, float]:
     """Per rank, its peak activation memory in units of one activation of the rank's whole model part:
     a chunk of a rank that holds V stages counts 1/V. One stage per rank: the stage's peak,
     so one-stage and multi-stage plans (ours and torch's) compare in one unit. ``stage_to_rank``
@@ -191,7 +198,7 @@ def peak_memory_per_rank(plan: Mapping[int, Sequence[Any]], stage_to_rank: Any =
         held = {}
         for _, r in pairs:
             held[r] = held.get(r, 0) + 1
-    return {rank: peak / max(held.get(rank, 1), 1) for rank, peak in rank_peak_inflight(ops).items()}
+    return {rank: peak / max(held.get(rank, 1), 1) for rank, peak in rank_peak_inflight(ops, release).items()}
 
 
 def warmup_counts_of(plan: Mapping[int, Sequence[Any]]) -> list[int]:

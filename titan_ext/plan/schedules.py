@@ -108,14 +108,16 @@ def check_memory_limit(memory_limit: float | None, stage_memory_limit: int | Non
         raise ValueError(f"stage_memory_limit must be an int >= 1 activation, got {stage_memory_limit!r}")
 
 
-def one_stage_limit(memory_limit: float | None, stage_memory_limit: int | None) -> int | None:
+def one_stage_limit(memory_limit: float | None, stage_memory_limit: int | None) -> int | list[int] | None:
     """One stage per rank: the per-rank and the per-stage limit are the same thing; the tighter wins
-    (the per-rank K must then be a whole number of activations; one K per rank: the smallest)."""
-    if isinstance(memory_limit, (list, tuple)):
-        memory_limit = min(memory_limit)
-    if memory_limit is not None and memory_limit != int(memory_limit):
-        raise ValueError(f"memory_limit {memory_limit:g}: with one stage per rank it must be a whole number "
-                         f"of activations")
+    (the per-rank K must then be a whole number of activations; one K per rank: a per-stage list)."""
+    per_rank = isinstance(memory_limit, (list, tuple))
+    for k in (memory_limit if per_rank else [memory_limit]):
+        if k is not None and k != int(k):
+            raise ValueError(f"memory_limit {k:g}: with one stage per rank it must be a whole number "
+                             f"of activations")
+    if per_rank:
+        return [int(k) if stage_memory_limit is None else min(int(k), stage_memory_limit) for k in memory_limit]
     limits = [int(v) for v in (memory_limit, stage_memory_limit) if v is not None]
     return min(limits) if limits else None
 

@@ -51,7 +51,7 @@ class Timeline:
     bubble_rate: float
     busy_ms: dict[int, float]
     idle_ms: dict[int, float]
-    peak_inflight: dict[int, int]  # stage → max activations held (F done − I/B done)
+    peak_inflight: dict[int, int]  # stage → max activations held (F done − I/B done; profile.release)
     peak_memory_per_rank: dict[int, float] = field(default_factory=dict)  # see peak_memory_per_rank()
 
     def to_dict(self) -> dict:
@@ -181,7 +181,8 @@ def simulate(
     busy_ms = {r: to_ms(v) for r, v in busy.items()}
     idle_ms = {r: makespan - b for r, b in busy_ms.items()}
     bubble = 1.0 - sum(busy_ms.values()) / (len(ranks) * makespan) if makespan > 0 else 0.0
-    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops), peak_memory_per_rank(ops))
+    return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops, profile.release),
+                    peak_memory_per_rank(ops, release=profile.release))
 
 
 def replay_makespan_ns(

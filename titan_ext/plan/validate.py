@@ -6,7 +6,8 @@ Checks, in order (each failure raises ``PlanValidationError`` with the reason):
 2. progress — the plan runs to completion under the dependency rule (``deps.producers``: no
    cross-rank deadlock); when it does not, a consumer placed before its producer on one rank (local
    order: I or B after its F, W after its I) is named as such;
-3. memory — per stage, in-flight activations (F done − I/B done) never exceed ``inflight_limit``;
+3. memory — per stage, in-flight activations (F done − I/B done; ``release="W"``: − W/B done,
+   ``deps.RELEASES``) never exceed ``inflight_limit``;
 4. torch (opt-in, ``torch_dry_run=True``) — torch's own checker ``_validate_schedule``, SEND/RECV
    lowering ``_add_send_recv`` (the pass
    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs; on torch >= 2.15 followed by
@@ -24,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from .args import int_arg, plan_arg
 from .complete import PlanValidationError, check_complete
-from .deps import SAME_STAGE, done_key, producers
+from .deps import SAME_STAGE, done_key, producers, released_by
 from .ir import add_send_waits, as_ops, fsdp_action_types, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
 from .simulate import peak_inflight
 
@@ -49,8 +50,10 @@ def validate_plan(
     *,
     inflight_limit: Sequence[int] | int | None = None,
     torch_dry_run: bool = False,
+    release: str = "I",
 ) -> dict[int, int]:
     """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid.
+    ``release``: the memory rule of check 3 ("I" or "W", ``deps.RELEASES``).
 
     Checks 1–3 are ours (the hot path: planners, CLI, run-time re-planning); ``torch_dry_run=True``
     adds check 4, torch's lowering + dry run (``validate="torch"``, ``titan-ext plan --strict``).
@@ -63,8 +66,9 @@ def validate_plan(
     plan_arg(plan)
     int_arg(num_stages, "num_stages", 1)
     int_arg(num_microbatches, "num_microbatches", 1)
+    released_by(release)
     if _CORE is not None and isinstance(plan, dict):
-        peaks = _CORE.check(plan, num_stages, num_microbatches, inflight_limit)
+        peaks = _CORE.check(plan, num_stages, num_microbatches, inflight_limit, release == "W")
         if peaks is not None:
             if torch_dry_run:  # valid for checks 1-3; torch's own checks follow
                 with gc_paused():
@@ -74,11 +78,11 @@ def validate_plan(
         ops = as_ops(plan)
     except ValueError as e:
         raise PlanValidationError(str(e)) from e
-    return _check_python(ops, num_stages, num_microbatches, inflight_limit, torch_dry_run)
+    return _check_python(ops, num_stages, num_microbatches, inflight_limit, torch_dry_run, release)
 
 
 def _check_python(ops: dict, num_stages: int, num_microbatches: int, inflight_limit,
-                  torch_dry_run: bool) -> dict[int, int]:
+                  torch_dry_run: bool, release: str = "I") -> dict[int, int]:
     """Checks 1–4 in Python: the reference, and the path that names what is wrong. Returns the peaks."""
     try:
         placement = stage_to_rank_map(ops)
@@ -94,7 +98,7 @@ def _check_python(ops: dict, num_stages: int, num_microbatches: int, inflight_li
         _check_local_order(ops)
         raise PlanValidationError(f"plan deadlocks: each rank's next action waits forever: {stuck}")
 
-    peaks = peak_inflight(ops)
+    peaks = peak_inflight(ops, release)
     if inflight_limit is not None:
         for s, peak in peaks.items():
             cap = inflight_limit if isinstance(inflight_limit, int) else inflight_limit[s]

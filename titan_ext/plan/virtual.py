@@ -199,7 +199,7 @@ def _virtual_loop(profile: PipelineProfile, s2r: list[int], x: list[int], limit:
     links = LinkQueues(profile.links)
     order, makespan = _CORE.generate_virtual(
         profile.num_microbatches, s2r, [to_ns(v) for v in profile.f_ms], [to_ns(v) for v in profile.b_ms],
-        [to_ns(v) for v in profile.w_ms], links.latency_ns, links.transfer_ns, x, limit)
+        [to_ns(v) for v in profile.w_ms], links.latency_ns, links.transfer_ns, x, limit, profile.release == "W")
     return dict(enumerate(order)), makespan
 
 
@@ -215,7 +215,8 @@ def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], lim
     b_q: list[deque] = [deque() for _ in range(S)]
     w_q: list[deque] = [deque() for _ in range(S)]
     f_q[0].extend((0, m) for m in range(N))
-    f_count, b_count = [0] * S, [0] * S
+    f_count, b_count = [0] * S, [0] * S  # forwards done, activations released (deps.RELEASES)
+    release_w = profile.release == "W"
     free_at = [0] * R
     order: dict[int, list[Op]] = {r: [] for r in range(R)}
     remaining, makespan = 3 * N * S, 0
@@ -258,10 +259,13 @@ def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], lim
             else:
                 b_q[s].append((done, mb))
         elif kind == "I":
-            b_count[s] += 1
+            if not release_w:
+                b_count[s] += 1
             w_q[s].append((done, mb))
             if s > 0:
                 send(s, s - 1, done, b_q[s - 1], mb)
+        elif release_w:
+            b_count[s] += 1
         order[r].append((s, kind, mb))
         makespan = max(makespan, done)
         free_at[r] = done
@@ -285,20 +289,22 @@ def rank_chunk_budget(memory_limit: float, stages_per_rank: int) -> int:
 @dataclass
 class Budget:
     """Memory a multi-stage plan may hold: ``per_rank[r]`` chunk activations on rank r and ``per_stage``
-    on every stage (None: unlimited)."""
+    on every stage (None: unlimited), counted under ``release`` (``deps.RELEASES``)."""
 
     per_rank: tuple[int, ...] | None = None
     per_stage: int | None = None
+    release: str = "I"
 
     @classmethod
-    def of(cls, memory_limit, stage_memory_limit: int | None, num_ranks: int, stages_per_rank: int) -> "Budget":
+    def of(cls, memory_limit, stage_memory_limit: int | None, num_ranks: int, stages_per_rank: int,
+           release: str = "I") -> "Budget":
         """``memory_limit``: K for every rank, or one K per rank (whole-rank activations)."""
         if memory_limit is None:
-            return cls(None, stage_memory_limit)
+            return cls(None, stage_memory_limit, release)
         limits = list(memory_limit) if isinstance(memory_limit, Sequence) else [memory_limit] * num_ranks
         if len(limits) != num_ranks:
             raise ValueError(f"memory_limit has {len(limits)} entries, expected one per rank ({num_ranks})")
-        return cls(tuple(rank_chunk_budget(k, stages_per_rank) for k in limits), stage_memory_limit)
+        return cls(tuple(rank_chunk_budget(k, stages_per_rank) for k in limits), stage_memory_limit, release)
 
     @property
     def limited(self) -> bool:
@@ -308,14 +314,14 @@ class Budget:
         """The ranks holding more than their budget."""
         if self.per_rank is None:
             return []
-        return [r for r, p in rank_peak_inflight(ops).items() if p > self.per_rank[r]]
+        return [r for r, p in rank_peak_inflight(ops, self.release).items() if p > self.per_rank[r]]
 
     def fits(self, ops, stage_peaks: Mapping[int, int] | None = None) -> bool:
         """Whether a plan (ops) keeps every rank and every stage within the budget."""
         if self.over(ops):
             return False
         if self.per_stage is not None:
-            peaks = peak_inflight(ops) if stage_peaks is None else stage_peaks
+            peaks = peak_inflight(ops, self.release) if stage_peaks is None else stage_peaks
             return max(peaks.values()) <= self.per_stage
         return True
 
@@ -373,7 +379,7 @@ def search_warmup(
             gen = _generate_or_none(stage_profile, s2r, x, L) if ok else None
             if gen is not None:
                 if budget.fits(gen.order):
-                    peak = max(rank_peak_inflight(gen.order).values())
+                    peak = max(rank_peak_inflight(gen.order, budget.release).values())
                     seen[key] = ((gen.makespan_ms, peak, sum(L)), list(x), list(L), gen)
         return seen[key]
 
@@ -459,7 +465,7 @@ def plan_virtual(
         raise ValueError(f"schedule must be one of {VIRTUAL_SCHEDULES}, got {schedule!r}")
     if stage_memory_limit is not None and stage_memory_limit < 1:
         raise ValueError(f"stage_memory_limit must be >= 1 activation, got {stage_memory_limit}")
-    budget = Budget.of(memory_limit, stage_memory_limit, profile.num_stages, num_virtual_stages)
+    budget = Budget.of(memory_limit, stage_memory_limit, profile.num_stages, num_virtual_stages, profile.release)
     if schedule == "crosspipe-wave" and (placement != "v" or num_virtual_stages != 2):
         raise ValueError("crosspipe-wave plans the V-shape placement with 2 stages per rank (--placement v)")
     if validate:
@@ -482,7 +488,8 @@ def plan_virtual(
         feasible = {k: v[0] for k, v in scores.items()}
         ops, x, limit = members[best]
         if validate:
-            validate_plan(ops, stage_profile.num_stages, stage_profile.num_microbatches, inflight_limit=limit)
+            validate_plan(ops, stage_profile.num_stages, stage_profile.num_microbatches, inflight_limit=limit,
+                          release=stage_profile.release)
         result = make_result(ops, schedule=schedule, source=best, warmup_counts=x, predicted_makespan_ms=feasible[best],
                              plan_ms=0.0, stage_to_rank=s2r, profile=stage_profile, candidates=feasible,
                              inflight_limit=_inflight_limit(limit, stage_memory_limit, len(s2r)))
@@ -579,4 +586,4 @@ def _score(ops, stage_profile, s2r, budget: Budget) -> tuple[float, int] | None:
     timeline = simulate(ops, stage_profile, stage_to_rank=dict(enumerate(s2r)))
     if not budget.fits(ops, timeline.peak_inflight):
         return None
-    return timeline.makespan_ms, max(rank_peak_inflight(ops).values())
+    return timeline.makespan_ms, max(rank_peak_inflight(ops, budget.release).values())

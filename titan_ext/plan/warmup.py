@@ -61,7 +61,8 @@ def initial_warmup_counts_for(profile: PipelineProfile, memory_limit: int | None
 
 
 def adapted_warmup_counts(
-    profile: PipelineProfile, slack_floor: int = 2, memory_limit: int | None = None, *, literal: bool = False
+    profile: PipelineProfile, slack_floor: int = 2, memory_limit: int | Sequence[int] | None = None, *,
+    literal: bool = False
 ) -> list[int]:
     """PipeMorph Alg.2 (dynamic adaptation), as in the arXiv text (000_…, matches Eq.1).
 
@@ -69,7 +70,8 @@ def adapted_warmup_counts(
     floor))`` and ``x_i = x_{i+1} + Δ_i``. The published floor is 2 (headroom for jitter); ``slack_floor``
     may lower it to 1 to save memory. Where ``N − 2S`` is below the floor (few microbatches) the clip is
     the floor itself, and no x_i exceeds N (a stage cannot warm up with more forwards than exist).
-    ``memory_limit`` (activations per stage), when given, caps every x_i (kept non-increasing).
+    ``memory_limit`` (activations, one for every stage or one per stage), when given, caps every x_i (kept
+    non-increasing).
     ``literal=True``: the clip exactly as published, min(N − 2S, ·) even below the floor, so at N = 2S
     every Δ_i is 0 and x_i = 1 everywhere (x_i ≥ 1 kept; a candidate of ``plan_pipemorph``).
     """
@@ -87,9 +89,10 @@ def adapted_warmup_counts(
         delta = min(clip, max(need, slack_floor))
         counts[i] = max(1, min(counts[i + 1] + delta, N))
     if memory_limit is not None:
-        if memory_limit < 1:
-            raise ValueError(f"memory_limit must be >= 1 activation, got {memory_limit}")
-        counts = _clip_monotone(counts, [memory_limit] * S)
+        limits = list(memory_limit) if isinstance(memory_limit, Sequence) else [memory_limit] * S
+        if len(limits) != S or any(k < 1 for k in limits):
+            raise ValueError(f"memory_limit must be >= 1 activation (or one such per stage), got {memory_limit}")
+        counts = _clip_monotone(counts, limits)
     return counts
 
 

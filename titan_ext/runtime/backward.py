@@ -1,4 +1,17 @@
-"""Choosing between split (I + W) and full (B) backward plans by measurement (``backward="auto"``).
+"""Choosing between split (I + W) and full (B) backward plans.
+
+``backward="auto"`` (the default) decides by the model, from measured times, without deploying a probe:
+
+1. the initial plan runs the split plan with every odd microbatch's backward fused (B in place of its
+   I, its W dropped: :func:`mixed_backward`), so the first iteration measures t_I, t_W *and* t_B on
+   every stage, at no extra plan version and less memory than the split plan;
+2. every planner-made re-plan (calibrate, adapt, shrink) plans both variants, each under its own
+   measured profile, and keeps the faster predicted makespan (:func:`faster_by_model`; split must win by
+   ``backward_margin``; on a tie full, which runs half the backward actions).  A healthy job therefore deploys two
+   plans: the initial and the calibrated.
+
+``backward="measure"`` is the measured probe below (:class:`BackwardChooser`), for hardware where the
+simulator's makespan does not rank the variants right (ranks sharing cores).
 
 Splitting the backward lets W fill pipeline bubbles (ZeroBubble; PipeMorph §3.1 plans with I and W),
 but whether that pays depends on the hardware: on CPU autograd I + W costs more than one full
@@ -25,11 +38,30 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .policy import Decision
 
 VARIANTS = ("split", "full")
+
+
+def mixed_backward(ops: dict[int, list[tuple[int, str, int]]]) -> dict[int, list[tuple[int, str, int]]]:
+    """A split plan with every odd microbatch's backward fused: its I becomes B and its W is dropped.
+
+    Dependencies hold (B_m stands where I_m stood and produces what I_m and W_m did); in-flight memory only
+    falls (an activation is freed at B_m instead of at W_m)."""
+    return {r: [(s, "B" if k == "I" and m % 2 else k, m) for s, k, m in rank_ops if not (k == "W" and m % 2)]
+            for r, rank_ops in ops.items()}
+
+
+def faster_by_model(split: Any, full: Any, margin: float) -> Any:
+    """The plan to deploy of the two variants' plans (``PlanResult``): split when its predicted makespan
+    beats full's by more than ``margin`` (relative), else full — on a tie the full backward has half the
+    backward actions (each costs the executor and, on a GPU, kernel launches) and frees an activation at
+    its B, which the model does not price."""
+    if split.predicted_makespan_ms < full.predicted_makespan_ms * (1.0 - margin):
+        return split
+    return full
 
 
 def _other(variant: str) -> str:
@@ -48,7 +80,8 @@ class BackwardChooser:
 
     spans: dict[str, list[float]] = field(default_factory=lambda: {v: [] for v in VARIANTS})
     target: str | None = None  # variant being probed
-    base: tuple[str, list[int]] | None = None  # (variant, warm-up counts) of the regime's plan
+    #: (variant, warm-up counts, in-flight limit) of the regime's plan: a probe keeps its memory
+    base: tuple[str, list[int], list[int] | None] | None = None
     decided: bool = False
     verdict: tuple[str, tuple[float, ...], int] | None = None  # (winner, link delays, iteration)
 
@@ -73,13 +106,15 @@ class BackwardChooser:
             abs(a - b) <= self.delay_rel_margin * max(a, b) + self.delay_abs_margin_ms for a, b in zip(then, delays))
 
     def step(self, policy: Decision, running: str, counts: Sequence[int], mode: str,
-             delays: Sequence[float], iteration: int) -> Decision:
-        """The decision to act on at this boundary, given the policy's and the variant that just ran."""
+             delays: Sequence[float], iteration: int, inflight_limit: Sequence[int] | None = None) -> Decision:
+        """The decision to act on at this boundary, given the policy's and the variant that just ran
+        (its warm-up ``counts`` and ``inflight_limit``: a probe or a selection keeps both)."""
         if self.decided:
             return policy
         n = self.window
+        limit = list(inflight_limit) if inflight_limit is not None else None
         if self.target is not None:
-            base_variant, base_counts = self.base
+            base_variant, base_counts, base_limit = self.base
             if running != self.target:  # the probe plan was refused (the deploy path logged why)
                 self.decided = True
                 return policy
@@ -90,7 +125,8 @@ class BackwardChooser:
                 self.verdict = (base_variant, tuple(delays), iteration)
                 reason = f"backward=auto: probe of {self.target} aborted ({policy.action}: {policy.reason})"
                 self.log(decision="select", reason=reason, backward=base_variant)
-                return Decision("select", reason, mode=mode, backward=base_variant, warmup_counts=list(base_counts))
+                return Decision("select", reason, mode=mode, backward=base_variant, warmup_counts=list(base_counts),
+                                inflight_limit=base_limit)
             if len(self.spans[self.target]) < n:
                 return policy
             med = {v: statistics.median(s[-n:]) for v, s in self.spans.items()}
@@ -102,7 +138,8 @@ class BackwardChooser:
             self.log(decision="select", reason=reason, backward=best)
             if best == running:
                 return policy
-            return Decision("select", reason, mode=mode, backward=best, warmup_counts=list(base_counts))
+            return Decision("select", reason, mode=mode, backward=best, warmup_counts=list(base_counts),
+                            inflight_limit=base_limit)
         if policy.action not in ("keep", "hold") or len(self.spans[running]) < n:
             return policy
         if self.verdict is not None and iteration - self.verdict[2] <= self.reuse_iterations and self._similar(delays):
@@ -112,9 +149,11 @@ class BackwardChooser:
             self.log(decision="select", reason=reason, backward=winner)
             if winner == running:
                 return policy
-            return Decision("select", reason, mode=mode, backward=winner, warmup_counts=list(counts))
-        self.target, self.base = _other(running), (running, list(counts))
+            return Decision("select", reason, mode=mode, backward=winner, warmup_counts=list(counts),
+                            inflight_limit=limit)
+        self.target, self.base = _other(running), (running, list(counts), limit)
         reason = (f"backward=auto: measure {self.target} backward for {n} iterations with warm-up counts "
                   f"{list(counts)} ({running}: median span {statistics.median(self.spans[running][-n:]):.1f} ms)")
         self.log(decision="probe", reason=reason, backward=self.target)
-        return Decision("probe", reason, mode=mode, backward=self.target, warmup_counts=list(counts))
+        return Decision("probe", reason, mode=mode, backward=self.target, warmup_counts=list(counts),
+                        inflight_limit=limit)

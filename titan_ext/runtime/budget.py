@@ -10,11 +10,13 @@ Every rank absorbs the same exchanged numbers, so every rank computes the same c
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from titan_ext.plan.result import peak_memory_per_rank
+from titan_ext.plan.ir import as_ops
+from titan_ext.plan.result import peak_inflight, peak_memory_per_rank
 
-from .memory import PENDING, activation_budget_bytes, inflight_cap, rank_memory_limits
+from .memory import PENDING, RELEASE, activation_budget_bytes, inflight_cap, rank_memory_limits, stage_caps
 
 __all__ = ["MemoryBudget", "RankMemoryBudget", "StageMemoryBudget"]
 
@@ -47,8 +49,8 @@ class MemoryBudget:
             x = self.max_inflight
         elif self.budget_bytes is not None:
             act = self._local_act()
-            if self.activation_bytes_all is not None:
-                act = max(self.activation_bytes_all)
+            if self.activation_bytes_all is not None:  # stage 0's own (one stage per rank), else the largest
+                act = self.activation_bytes_all[0] if self.V == 1 else max(self.activation_bytes_all)
             x = int(self.budget_bytes // act) if act else S
             if x < S:
                 logger.warning("%s: budget %.3g B holds only %d activations of %.3g B (< S=%d); using S", self.name,
@@ -106,19 +108,61 @@ class MemoryBudget:
         """Once, from PP rank 0: a budget that holds fewer activations than stages (below 1F1B's memory,
         e.g. ``memory_budget_gib = 1e-9``) is applied, but said."""
         S = self.S
-        if self.inflight_cap is None or self.inflight_cap >= S or self._warned:
+        caps = getattr(self, "stage_caps", None) or ([self.inflight_cap] * S if self.inflight_cap is not None else None)
+        if caps is None or all(c >= S - s for s, c in enumerate(caps)) or self._warned:
             return
         self._warned = True
         if rank == 0:
-            logger.warning("PipeMorph: the memory budget (%s B per rank) holds only %d activation(s) of %.3g B "
-                           "per stage, fewer than the %d stages (1F1B holds %d): plans are capped at %d in-flight "
-                           "activations and will be slow; raise [titan_ext] memory_budget_gib (0 = no budget)",
-                           ", ".join(f"{b:.3g}" for b in budgets), self.inflight_cap,
-                           max(self.activation_bytes_all), S, S, self.inflight_cap)
+            logger.warning("PipeMorph: the memory budget (%s B per rank) holds %s in-flight activations per stage "
+                           "(of %s B each), less than 1F1B holds (%s): plans are capped there and will be slow; "
+                           "raise [titan_ext] memory_budget_gib (0 = no budget)",
+                           ", ".join(f"{b:.3g}" for b in budgets), list(caps),
+                           ", ".join(f"{a:.3g}" for a in self.activation_bytes_all), [S - s for s in range(S)])
 
 
 class StageMemoryBudget(MemoryBudget):
-    """One stage per rank: the cap counts activations of a stage."""
+    """One stage per rank: the caps count activations of a stage, each stage its own rank's
+    (``memory.stage_caps``: budget_r / M^F_r); ``inflight_cap`` is the smallest (metrics, warnings)."""
+
+    stage_caps: list[int] | None = None
+
+    def _set_caps(self, budgets: list[float]) -> None:
+        super()._set_caps(budgets)
+        self.stage_caps = stage_caps(budgets, self.activation_bytes_all, self.N)
+
+    def adaptive_limit(self, lifted: bool = False) -> int | list[int] | None:
+        """Per stage once the caps are known (each within ``adaptive_memory_limit`` unless ``lifted``)."""
+        if self.stage_caps is None:
+            return super().adaptive_limit(lifted)
+        user = None if lifted else self.adaptive_memory_limit
+        return [c if user is None else min(c, user) for c in self.stage_caps]
+
+    def capped(self, profile: Any, lifted: bool = False) -> Any:
+        """``profile`` carrying the adaptive plans' per-stage caps as its memory (in activations:
+        ``activation_bytes`` 1, ``memory_budget_bytes`` the cap), so the policy's Alg.2 target and the
+        planners see the same limit (``PipelineProfile.max_inflight``); unchanged without a cap."""
+        limit = self.adaptive_limit(lifted)
+        if limit is None:
+            return profile
+        caps = limit if isinstance(limit, list) else [limit] * profile.num_stages
+        return replace(profile, activation_bytes=(1.0,) * profile.num_stages,
+                       memory_budget_bytes=tuple(float(c) for c in caps))
+
+    def planning_x_max(self) -> int | list[int]:
+        """Alg.1's bound: x_max on stage 0, each other stage its own cap."""
+        if self.stage_caps is None:
+            return super().planning_x_max()
+        return [max(1, min(self.x_max, self.stage_caps[0]))] + list(self.stage_caps[1:])
+
+    def over_cap(self, kind: str, peak_inflight_: int, actions: Any, lifted: bool = False) -> str:
+        if kind not in ("initial", "adaptive") or self.stage_caps is None:
+            return super().over_cap(kind, peak_inflight_, actions, lifted)
+        limit = self.adaptive_limit(lifted) if kind == "adaptive" else self.stage_caps
+        over = {s: p for s, p in peak_inflight(as_ops(actions), RELEASE).items() if p > limit[s]}
+        if not over:
+            return ""
+        return (f"holds {max(over.values())} in-flight activations on stage {max(over, key=over.get)}, above the "
+                f"current memory cap of {list(limit)} per stage (the cap shrank while it was planned)")
 
 
 class RankMemoryBudget(MemoryBudget):
@@ -137,7 +181,7 @@ class RankMemoryBudget(MemoryBudget):
     def over_cap(self, kind: str, peak_inflight: int, actions: Any, lifted: bool = False) -> str:
         if kind not in ("initial", "adaptive") or self.rank_memory_limit is None:
             return super().over_cap(kind, peak_inflight, actions, lifted)
-        peaks = peak_memory_per_rank(actions)
+        peaks = peak_memory_per_rank(actions, release=RELEASE)
         over = {r: p for r, p in peaks.items() if p > self.rank_memory_limit[r] + 1e-9}
         if not over:
             return ""

@@ -94,9 +94,11 @@ class PipeMorphConfig:
     initial_times_ms: tuple[float, float, float] = (1.0, 1.0, 1.0)
     """(F, I, W) assumed before the first measurement."""
     backward: str = "auto"
-    """``"split"``, ``"full"`` or ``"auto"`` (measure both, keep the faster; ``backward.py``)."""
+    """``"split"``, ``"full"``, ``"auto"`` (the initial plan measures both, every re-plan keeps the variant
+    the model predicts faster) or ``"measure"`` (probe the other variant's iteration time; ``backward.py``)."""
     backward_margin: float = 0.02
-    """``auto``: relative margin the other variant must win by."""
+    """``auto``: relative margin a split plan must be predicted faster by; ``measure``: the measured margin
+    the other variant must win by."""
     decision_log_size: int = 10_000
     """Entries kept in ``decision_log`` and ``metrics_history``."""
     timeout_s: float | None = None

@@ -25,6 +25,7 @@ from titan_ext.plan.ir import add_send_waits, as_ops
 from titan_ext.plan.result import peak_inflight, warmup_counts_of  # the one definitions (per stage)
 from titan_ext.plan.validate import torch_dry_run_lowered
 
+from .memory import RELEASE
 from .profiler import now
 
 __all__ = ["Candidate", "DeployedPlan", "backward_of", "plan_hash", "prepare_candidate", "warmup_counts_of"]
@@ -38,8 +39,10 @@ def plan_hash(actions: Mapping[int, list[Any]]) -> int:
 
 
 def backward_of(actions: Mapping[int, list[Any]]) -> str:
-    """``"full"`` when a compute-only plan runs full backwards (B), else ``"split"`` (I and W)."""
-    return "full" if any(k == "B" for ops in as_ops(actions).values() for _, k, _ in ops) else "split"
+    """``"full"`` when a compute-only plan runs full backwards (B) only, ``"split"`` when I and W only,
+    ``"mixed"`` when both (``backward.mixed_backward``)."""
+    kinds = {k for ops in as_ops(actions).values() for _, k, _ in ops}
+    return "mixed" if {"B", "I"} <= kinds else "full" if "B" in kinds else "split"
 
 
 @dataclass
@@ -50,7 +53,8 @@ class DeployedPlan:
     hash: int
     reason: str
     kind: str  # initial | adaptive | forced | external
-    backward: str = "split"  # split (I + W) | full (B)
+    backward: str = "split"  # split (I + W) | full (B) | mixed (both: backward="auto"'s initial plan)
+    inflight_limit: list[int] | None = None  # the limit the plan was generated under (None: its counts)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Candidate:
     plan_ms: float = 0.0
     plan_cpu_ms: float = 0.0
     peak_inflight: int = 0  # most activations any stage holds (re-checked against the cap at the swap)
+    inflight_limit: list[int] | None = None  # the limit the plan was generated and validated under
 
 
 def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages: int, n_microbatches: int,
@@ -114,7 +119,8 @@ def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None
     t0 = now()
     ops = as_ops(actions)
     # our checks here; torch's dry run below, on the very lowered action lists the executor will run
-    validate_plan(ops, num_stages, n_microbatches, inflight_limit=inflight_limit, torch_dry_run=False)
+    validate_plan(ops, num_stages, n_microbatches, inflight_limit=inflight_limit, torch_dry_run=False,
+                  release=RELEASE)
     if set(ops) != set(range(num_ranks)):
         raise PlanValidationError(f"plan covers ranks {sorted(ops)}, expected 0..{num_ranks - 1}")
     owner = stage_to_rank if stage_to_rank is not None else tuple(range(num_stages))
@@ -128,4 +134,6 @@ def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None
     counts = list(counts) if counts else warmup_counts_of(ops)
     return Candidate(torch_actions, lowered, mapping, counts, plan_hash(ops), kind, reason,
                      backward=backward_of(ops), prepare_ms=1e3 * (now() - t0),
-                     peak_inflight=max(peak_inflight(ops).values(), default=0))
+                     peak_inflight=max(peak_inflight(ops, RELEASE).values(), default=0),
+                     inflight_limit=[inflight_limit] * num_stages if isinstance(inflight_limit, int)
+                     else list(inflight_limit) if inflight_limit is not None else None)

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from titan_ext.plan import LinkProfile, PipelineProfile
 
+from .memory import RELEASE
 from .profiler import RankProfile
 
 __all__ = ["Estimator", "Window"]
@@ -75,8 +76,8 @@ class Estimator:
         w = [pick(v, w0, 0.0) for v in win.median("W", S)]
         c = [pick(v, 0.0, 0.0) for v in win.median("C", S - 1)]
         links = tuple(LinkProfile(latency_ms=x) for x in c)
-        profile = PipelineProfile(S, N, tuple(f), tuple(i), tuple(w), links)
+        profile = PipelineProfile(S, N, tuple(f), tuple(i), tuple(w), links, release=RELEASE)
         if backward == "full":
             b = [pick(v, fallback, 1e-3) for v, fallback in zip(win.median("B", S), profile.fused().b_ms)]
-            profile = PipelineProfile(S, N, tuple(f), tuple(b), (0.0,) * S, links)
+            profile = PipelineProfile(S, N, tuple(f), tuple(b), (0.0,) * S, links, release=RELEASE)
         return profile

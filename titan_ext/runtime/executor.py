@@ -47,6 +47,7 @@ from torch.distributed.pipelining.schedules import (
 
 from ._torch_compat import has_wait_actions, with_loss_kwargs
 from .device import DeviceLayer, device_layer
+from .memory import saved_bytes_key
 from .profiler import ActionRecord, IterationProfile
 from .transport import TorchP2P, Transport
 
@@ -296,13 +297,18 @@ class Executor:
 
     def _forward(self, stage: Any, mb: int, ctx: RunContext) -> None:
         sched = ctx.schedule
-        if self.activation_bytes is None and ctx.training:
-            output, nbytes = measured_forward(stage, mb, ctx)
-            self.activation_bytes = float(nbytes)
-        else:
+
+        def forward() -> Any:
             output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
                                              save_forward_output=ctx.return_outputs)
-        with_loss_kwargs(sched._maybe_compute_loss, stage, output, ctx.target_mbs, mb, loss_kwargs=ctx.loss_kwargs)
+            with_loss_kwargs(sched._maybe_compute_loss, stage, output, ctx.target_mbs, mb, loss_kwargs=ctx.loss_kwargs)
+            return output
+
+        if self.activation_bytes is None and ctx.training:
+            output, nbytes = measured_forward(stage, forward)
+            self.activation_bytes = float(nbytes)
+        else:
+            output = forward()
         if stage.stage_index + 1 in ctx.stages:
             ctx.stages[stage.stage_index + 1].set_local_fwd_input(output, mb)
 
@@ -355,27 +361,21 @@ def forward_order(actions: list[_Action], stage_index: int) -> list[int]:
     return order
 
 
-def measured_forward(stage: Any, mb: int, ctx: RunContext) -> tuple[Any, int]:
-    """Forward one microbatch while summing the bytes autograd saves (PipeMorph Alg.1's M^F).
-
-    Distinct storages are counted once; parameters (and views of them) are not activations."""
+def measured_forward(stage: Any, forward: Any) -> tuple[Any, int]:
+    """``forward()`` (one microbatch's forward and, on the last stage, its loss) while summing the bytes
+    autograd saves (PipeMorph Alg.1's M^F), counted as ``memory.saved_bytes_key`` counts them (a view its
+    own elements, once; parameters never)."""
     params = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple] = set()
     total = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            if t.untyped_storage().data_ptr() in params:
-                return t
-            key = (t.data_ptr(), t.numel() * t.element_size())  # a view counts its own elements
-        except Exception:  # noqa: BLE001 - e.g. tensors without storage
-            key = (id(t), t.numel() * t.element_size())
-        if key not in seen:
-            seen.add(key)
-            total[0] += key[1]
+        counted = saved_bytes_key(t, params)  # the one rule (runtime/memory.py)
+        if counted is not None and counted[0] not in seen:
+            seen.add(counted[0])
+            total[0] += counted[1]
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
-                                         save_forward_output=ctx.return_outputs)
+        output = forward()
     return output, max(total[0], 1)

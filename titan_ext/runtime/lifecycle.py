@@ -78,7 +78,7 @@ class PlanLifecycle:
         self._install(cand)
         self.version += 1
         self.deployed = DeployedPlan({r: list(a) for r, a in cand.actions.items()}, cand.counts, self.version,
-                                     cand.hash, cand.reason, cand.kind, cand.backward)
+                                     cand.hash, cand.reason, cand.kind, cand.backward, cand.inflight_limit)
         self.log(decision="deploy", kind=cand.kind, reason=cand.reason, plan_version=self.version,
                  plan_hash=hex(cand.hash), warmup_counts=cand.counts, slackness=slackness(cand.counts),
                  backward=cand.backward, prepare_ms=cand.prepare_ms, plan_ms=cand.plan_ms,

@@ -35,13 +35,20 @@ splits each rank's K_r among its stages by what the delay needs (``search_warmup
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
+
+import torch
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["DEFAULT_HEADROOM", "PENDING", "activation_budget_bytes", "inflight_cap", "optimizer_steps",
-           "rank_memory_limits"]
+__all__ = ["DEFAULT_HEADROOM", "PENDING", "RELEASE", "ActivationMeter", "activation_budget_bytes", "inflight_cap",
+           "optimizer_steps", "rank_memory_limits", "saved_bytes_key", "stage_caps"]
 
+#: the memory rule of every plan this runtime runs (``plan.deps.RELEASES``): torch's split backward keeps a
+#: microbatch's autograd graph from its I until its W (``ActivationMeter`` sees an I free nothing), so an
+#: activation is in flight until its W (or full B) — the rule the estimator's profiles carry, the
+#: validator checks and the memory caps count
+RELEASE = "W"
 #: fraction of the budget kept free (allocator fragmentation, temporaries of the backward)
 DEFAULT_HEADROOM = 0.2
 #: a budget not readable yet (a device budget before the first optimizer step); exchanged as is
@@ -88,6 +95,19 @@ def inflight_cap(budgets: Sequence[float], activation_bytes: Sequence[float], n_
     return max(1, min(min(caps), n_microbatches))
 
 
+def stage_caps(budgets: Sequence[float], activation_bytes: Sequence[float], n_microbatches: int) -> list[int] | None:
+    """One stage per rank: per stage, the activations its rank's budget holds, ⌊budget_r / M^F_r⌋ within
+    [1, N] (a rank without both: N) — each rank's own, so a rank whose microbatches save less holds more
+    (stage 0 under 1F1B's memory holds S of its own); None while a budget is :data:`PENDING` or none known."""
+    if any(b == PENDING for b in budgets):
+        return None
+    known = [math.isfinite(b) and math.isfinite(a) and a > 0 for b, a in zip(budgets, activation_bytes)]
+    if not any(known):
+        return None
+    N = n_microbatches
+    return [max(1, min(math.floor(b / a), N)) if ok else N for ok, b, a in zip(known, budgets, activation_bytes)]
+
+
 def rank_memory_limits(budgets: Sequence[float], chunk_bytes: Sequence[float], stages_per_rank: int,
                        n_microbatches: int) -> tuple[float, ...] | None:
     """Per rank K_r = ⌊budget_r / a_r⌋ / V activations of its whole model part, within [1, N] (a rank
@@ -103,3 +123,93 @@ def rank_memory_limits(budgets: Sequence[float], chunk_bytes: Sequence[float], s
         chunks = math.floor(b / a) if ok else N * V
         out.append(min(max(chunks, V), N * V) / V)  # every chunk holds at least one activation
     return tuple(out)
+
+
+def saved_bytes_key(t: torch.Tensor, parameters: set) -> tuple[tuple, int] | None:
+    """How a tensor autograd saves counts as activation memory — the one rule of M^F
+    (``executor.measured_forward``) and of :class:`ActivationMeter`: (key, bytes), a view counting its
+    own elements (a microbatch is a view of the user's batch), the same view once; None for a parameter
+    (or a view of one), which is not an activation.  ``parameters``: their storages' data pointers."""
+    try:
+        if t.untyped_storage().data_ptr() in parameters:
+            return None
+        nbytes = t.numel() * t.element_size()
+        return (str(t.device), t.data_ptr(), nbytes), nbytes
+    except Exception:  # noqa: BLE001 - e.g. tensors without storage
+        nbytes = t.numel() * t.element_size()
+        return (id(t), nbytes), nbytes
+
+
+class _Held:
+    """One saved tensor as autograd holds it between pack and its graph's release."""
+
+    __slots__ = ("meter", "tensor", "key", "__weakref__")
+
+    def __init__(self, meter: "ActivationMeter", tensor: torch.Tensor, key: tuple):
+        self.meter, self.tensor, self.key = meter, tensor, key
+
+    def __del__(self) -> None:  # autograd released the saved tensor (its graph was freed)
+        self.meter._release(self.key)
+
+
+class ActivationMeter:
+    """Bytes of autograd-saved activations alive on this rank, and their peak: the one memory measure
+    that applies alike to torch's schedules and ours (``scripts/bench_frontier.py``).
+
+    Use as a context manager around ``schedule.step(...)``: a ``saved_tensors_hooks`` pair records every
+    tensor autograd saves, counted by :func:`saved_bytes_key` (a view its own elements, the same view
+    once while any saved tensor holds it, parameters never).  A saved tensor is released when
+    autograd drops it — when the backward that needs it ran (W for a split backward), or its graph was
+    freed — so ``bytes`` follows the schedule's real in-flight activations.  Same unit as M^F of
+    Alg.1 (``Executor.activation_bytes``: bytes one microbatch's forward saves).  An inner
+    ``saved_tensors_hooks`` (the executor's one-off M^F measurement in the first forward) takes
+    precedence, so that forward is not seen: ``reset_peak()`` after the first iteration.  Saved tensors
+    are held detached (no double backward through a metered step)."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        self._alive: dict[tuple, list[int]] = {}  # key → [bytes, saved tensors holding it]
+        self.bytes = 0
+        self.peak_bytes = 0
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        counted = saved_bytes_key(t, self._params)
+        if counted is None or counted[1] == 0:
+            return t
+        key, nbytes = counted
+        entry = self._alive.get(key)
+        if entry is None:
+            entry = self._alive[key] = [nbytes, 0]
+            self.bytes += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        entry[1] += 1
+        # detached: a saved *output* handed over with its grad_fn would form a cycle through the holder
+        # (output → grad_fn → holder → output) and be freed only by the cycle collector
+        return _Held(self, t.detach(), key)
+
+    @staticmethod
+    def _unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _release(self, key: tuple) -> None:
+        entry = self._alive.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._alive[key]
+            self.bytes -= entry[0]
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak_bytes = self.bytes
+
+    def __enter__(self) -> "ActivationMeter":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None

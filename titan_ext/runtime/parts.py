@@ -43,7 +43,7 @@ class ScheduleSpec:
     one_stage_planner: Callable[[PipeMorphConfig], Planner]
     multi_stage_planner: Callable[[Layout, PipeMorphConfig], Planner]
     config_class: type[PipeMorphConfig] = PipeMorphConfig
-    backward_choices: tuple[str, ...] = ("auto", "split", "full")  # what ``backward=`` may be
+    backward_choices: tuple[str, ...] = ("auto", "measure", "split", "full")  # what ``backward=`` may be
     one_stage_policy: Callable[[PolicySettings], Policy] = _one_stage_policy
     multi_stage_policy: Callable[[Layout, PolicySettings], Policy] = _multi_stage_policy
 
@@ -65,7 +65,7 @@ class Parts:
     policy: Policy  # ``config.policy`` if given, else the entry's, from ``config.policy_settings``
     estimator: Estimator
     memory: MemoryBudget
-    choose_backward: bool  # ``backward="auto"`` measures both variants (one stage per rank only)
+    choose_backward: bool  # ``backward="auto"``/``"measure"`` choose the variant (one stage per rank only)
     local_stages: int  # stage rows per rank in the exchanged profile (0: one stage, no rows)
     stage_ms: Callable[[Any, int], list | None]  # (iteration profile, rank) → per-local-stage rows
     link_estimates_ms: Callable[[], list[float]]  # per (rank) link delay estimates, for the metrics
@@ -100,7 +100,7 @@ def _one_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec:
 
     planner = config.planner if config.planner is not None else spec.one_stage_planner(config)
     return Parts(planner, policy, estimator, _memory(StageMemoryBudget, name, layout, n, config, device, activation_bytes),
-                 choose_backward=config.backward == "auto", local_stages=0, stage_ms=lambda prof, rank: None,
+                 choose_backward=config.backward in ("auto", "measure"), local_stages=0, stage_ms=lambda prof, rank: None,
                  link_estimates_ms=lambda: list(estimator.profile().delays_ms), tolerances=tolerances)
 
 

@@ -35,6 +35,7 @@ made a class by :func:`adaptive_schedule` (``runtime/crosspipe.py`` is the examp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -50,7 +51,7 @@ from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, s
 
 from . import _torch_compat, timeouts
 from ._torch_compat import check_runtime_kwargs, lowering_options, runtime_kwargs_given
-from .backward import BackwardChooser
+from .backward import VARIANTS, BackwardChooser, faster_by_model, mixed_backward
 from .cadence import CheckCadence
 from .config import PipeMorphConfig
 from .control import ControlPlane
@@ -165,8 +166,11 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.in_iteration = False
         self._log = DecisionLog(config.decision_log_size, lambda: self.iteration)
         self.decision_log = self._log.entries
+        #: backward="auto": both variants planned at every re-plan, the model keeps the faster (backward.py)
+        self._model_backward = self.parts.choose_backward and config.backward == "auto"
         self._chooser = BackwardChooser(self.estimator.window.size, config.backward_margin,
-                                        enabled=self.parts.choose_backward, log=self._log,
+                                        enabled=self.parts.choose_backward and config.backward == "measure",
+                                        log=self._log,
                                         delay_rel_margin=settings.rel_margin,
                                         delay_abs_margin_ms=settings.abs_margin_ms)
         self.lifecycle = PlanLifecycle(name, self.control, self._install, lambda: self.in_iteration, self._log)
@@ -197,7 +201,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.initial_counts = initial_warmup_counts(self._num_stages, self.memory.x_max)
         decision = Decision("initial", f"Alg.1 with x_max={self.memory.x_max}", mode="initial")
         plan = self._plan(self.estimator.profile(), decision)
-        if not self.lifecycle.deploy_now(self._preparer(plan.actions, plan.warmup_counts, "initial",
+        actions = mixed_backward(plan.ops) if self._model_backward and self.adaptive else plan.actions
+        if not self.lifecycle.deploy_now(self._preparer(actions, plan.warmup_counts, "initial",
                                                         "initial plan (Alg.1)", plan.inflight_limit),
                                          "initial", "initial plan (Alg.1)", check_agreement=False):
             raise RuntimeError(f"{type(self).__name__}: the initial plan failed validation: "
@@ -247,7 +252,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         plan (the variant ``auto`` chose), else the configured one (``auto`` starts split)."""
         if decision is not None and decision.backward is not None:
             return decision.backward
-        if self.deployed is not None and self.deployed.kind in ("initial", "adaptive"):
+        if self.deployed is not None and self.deployed.kind in ("initial", "adaptive") \
+                and self.deployed.backward != "mixed":
             return self.deployed.backward
         return "full" if self.backward == "full" else "split"
 
@@ -308,13 +314,21 @@ class PipeMorph(_PipelineScheduleRuntime):
 
     def _start_planning(self, decision: Decision) -> None:
         """Plan → validate → lower in the background (agreed and swapped at the next check)."""
-        estimate = self.estimator.profile(self._variant(decision))
         kind = _KIND_OF_DECISION.get(decision.action, decision.mode or "adaptive")
         reason = f"{decision.action}: {decision.reason}"
+        # the variants to plan (estimates read here, on the training thread): backward="auto" plans both
+        # once full backwards were measured, and keeps the faster by the model (backward.py)
+        both = (self._model_backward and decision.backward is None and decision.warmup_counts is None
+                and decision.actions is None and not any(map(math.isnan, self.estimator.window.median(
+                    "B", self._num_stages))))
+        variants = VARIANTS if both else (self._variant(decision),)
+        work = [(self.estimator.profile(v), dataclasses.replace(decision, backward=v)) for v in variants]
+        margin = self.config.backward_margin
 
         def job() -> Candidate:
             t0 = now()
-            plan = self._plan(estimate, decision)
+            plans = [self._plan(estimate, d) for estimate, d in work]
+            plan = faster_by_model(*plans, margin) if both else plans[0]
             plan_ms = 1e3 * (now() - t0)
             cand = self._preparer(plan.actions, plan.warmup_counts, kind, reason, plan.inflight_limit)()
             cand.plan_ms, cand.trigger = plan_ms, decision.action
@@ -480,7 +494,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         if all(not math.isnan(r.activation_bytes) for r in ranks):
             self.memory.absorb([r.memory_budget_bytes for r in ranks], [r.activation_bytes for r in ranks], self.rank)
         self.estimator.push(ranks, [lk["c_ms"] for lk in links])
-        if math.isfinite(span_ms):
+        if math.isfinite(span_ms) and self.deployed.backward in VARIANTS:
             self._chooser.record(self.deployed.backward, span_ms)
         return links, bubble, span_ms
 
@@ -501,6 +515,8 @@ class PipeMorph(_PipelineScheduleRuntime):
     def _decide(self) -> Decision:
         """Run the policy (identical inputs on every rank → identical decision)."""
         est = self.estimator.profile(self.deployed.backward)
+        if self.layout.stages_per_rank == 1:
+            est = self.memory.capped(est, self._delegating())
         counts = self.deployed.warmup_counts
         if not self.adaptive and not self.policy.forces:
             decision = Decision("keep", "adaptation disabled")
@@ -516,7 +532,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             self._calibrated = True
         if self.adaptive and self._calibrated and self.deployed.kind in ("initial", "adaptive"):
             mode = "initial" if self.deployed.kind == "initial" else "adaptive"
-            return self._chooser.step(decision, self.deployed.backward, counts, mode, est.delays_ms, self.iteration)
+            return self._chooser.step(decision, self.deployed.backward, counts, mode, est.delays_ms, self.iteration,
+                                      self.deployed.inflight_limit)
         return decision
 
 

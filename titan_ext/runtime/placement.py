@@ -29,6 +29,7 @@ from titan_ext.plan.placement import PLACEMENTS, boundary_link, rank_profile, ra
 from titan_ext.plan.virtual import rank_periods_ms, virtual_link_tolerance_ms
 
 from .estimator import Estimator
+from .memory import RELEASE
 from .policy import Decision, ReplanPolicy
 
 __all__ = ["Layout", "VirtualEstimator", "VirtualPlanner", "VirtualReplanPolicy", "rank_level", "read_layout",
@@ -127,7 +128,7 @@ class VirtualEstimator(Estimator):
         c = self.rank_link_delays_ms()
         links = tuple(LinkProfile(latency_ms=c[lk]) if (lk := self.layout.boundary_link(s)) is not None
                       else LinkProfile() for s in range(S - 1))
-        return PipelineProfile(S, self.n_microbatches, tuple(fs), tuple(bs), tuple(ws), links)
+        return PipelineProfile(S, self.n_microbatches, tuple(fs), tuple(bs), tuple(ws), links, release=RELEASE)
 
 
 class VirtualPlanner:

@@ -36,8 +36,8 @@ class PlanningContext:
     """What a planner may use besides the profile and the decision (identical on every rank)."""
 
     backward: str  # split | full: the backward variant the plan must have
-    x_max: int  # Alg.1's memory bound of the initial plan (activations stage 0 may hold)
-    adaptive_limit: int | None  # cap on in-flight activations of adaptive plans (None: none)
+    x_max: int | list[int]  # Alg.1's memory bound of the initial plan (stage 0's x_max; per stage once known)
+    adaptive_limit: int | list[int] | None  # cap on in-flight activations of adaptive plans (per stage; None: none)
     slack_floor: int  # Alg.2's minimum slackness
     headroom: Callable[[float], float]  # measured link delay → the delay a re-plan must absorb
     rank_memory_limit: tuple[float, ...] | None = None  # several stages per rank: K_r per rank (memory.py)
@@ -53,15 +53,17 @@ class Planner(Protocol):
 
 
 def explicit_plan(profile: PipelineProfile, decision: Decision, backward: str) -> PlanResult | None:
-    """The plan a decision names itself (its actions, or its warm-up counts via Alg.3/4), else None."""
+    """The plan a decision names itself (its actions, or its warm-up counts via Alg.3/4 under its in-flight
+    limit, by default the counts), else None."""
     if decision.actions is not None:
         return make_result(decision.actions, schedule="explicit", predicted_makespan_ms=math.nan, plan_ms=0.0)
     if decision.warmup_counts is None:
         return None
     x = list(decision.warmup_counts)
+    limit = list(decision.inflight_limit) if decision.inflight_limit is not None else x
     t0 = time.perf_counter()
-    order = generate_order(profile, x, inflight_limit=x, full_backward=backward == "full")
-    return make_result(order.order, schedule="explicit", warmup_counts=x, inflight_limit=x,
+    order = generate_order(profile, x, inflight_limit=limit, full_backward=backward == "full")
+    return make_result(order.order, schedule="explicit", warmup_counts=x, inflight_limit=limit,
                        predicted_makespan_ms=order.makespan_ms, plan_ms=(time.perf_counter() - t0) * 1e3)
 
 
@@ -73,7 +75,7 @@ class PipeMorphPlanner:
     CrossPipe plan is polished within that many seconds per call (``titan_ext.plan.polish``; the
     background planner has a whole iteration to spend; None: off)."""
 
-    backward_choices = ("auto", "split", "full")
+    backward_choices = ("auto", "measure", "split", "full")
 
     def __init__(self, schedule: str = "pipemorph", polish_s: float | None = None):
         if polish_s is not None and schedule != "auto":

@@ -42,6 +42,8 @@ class Decision:
     mode: str | None = None  # planner mode for a new plan: "initial" | "adaptive"
     backward: str | None = None  # "split" | "full" for a new plan (None: the deployed plan's)
     warmup_counts: list[int] | None = None  # explicit counts (force / tests), else the planner decides
+    #: in-flight activations per stage a plan from ``warmup_counts`` may hold (None: the counts themselves)
+    inflight_limit: list[int] | None = None
     actions: dict | None = None  # an explicit compute-only plan (force / tests)
     violated_links: list[int] = field(default_factory=list)
 
@@ -152,13 +154,15 @@ class ReplanPolicy:
         if violated:
             self._recover_streak = 0
             desc = ", ".join(f"link {i}: c={delays[i]:.1f} ms > tol={tol[i]:.1f} ms" for i in violated)
-            target = adapted_warmup_counts(planning, slack_floor=slack_floor)
+            # within the memory the estimate carries (the runtime's caps): a capped plan that already holds
+            # all it may cannot be helped by re-planning
+            target = adapted_warmup_counts(planning, slack_floor=slack_floor, memory_limit=estimate.max_inflight())
             new_slack, old_slack = slackness(target), slackness(deployed_counts)
             if not any(new_slack[i] > old_slack[i] for i in violated):
                 # Alg.2 cannot give a violated link more slackness (clipped at N-2S): re-planning would
                 # only reshuffle the other links on measurement noise.
                 return Decision("hold", f"Eq.1 violated ({desc}) but Alg.2 cannot add slackness there "
-                                f"(clipped at N-2S)", violated_links=violated)
+                                f"(clipped at N-2S or by the memory cap)", violated_links=violated)
             return Decision("adapt", f"Eq.1 violated ({desc})", mode="adaptive", violated_links=violated)
 
         # Recovery: what would we deploy now?
@@ -169,7 +173,8 @@ class ReplanPolicy:
         if absorbed_by_initial:
             candidate, mode = list(initial_counts), "initial"
         else:
-            candidate, mode = adapted_warmup_counts(planning, slack_floor=slack_floor), "adaptive"
+            candidate, mode = adapted_warmup_counts(planning, slack_floor=slack_floor,
+                                                    memory_limit=estimate.max_inflight()), "adaptive"
         if candidate != list(deployed_counts) and sum(slackness(candidate)) < sum(slackness(deployed_counts)):
             self._recover_streak += 1
             if self._recover_streak >= self.recover_patience and iterations_since_deploy >= self.min_dwell:

@@ -248,8 +248,8 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            cfg.memory_budget_gib, "must be a finite number >= 0 (0 = no budget)")
     _check(cfg.max_inflight >= 0, "max_inflight", cfg.max_inflight, "must be >= 0 (0 = automatic)")
     _check(cfg.slack_floor >= 1, "slack_floor", cfg.slack_floor, "must be >= 1")
-    _check(cfg.backward in ("", "auto", "split", "full"), "backward", cfg.backward,
-           "must be one of '', 'auto', 'split', 'full'")
+    _check(cfg.backward in ("", "auto", "measure", "split", "full"), "backward", cfg.backward,
+           "must be one of '', 'auto', 'measure', 'split', 'full'")
     _check(cfg.replan_interval >= 1, "replan_interval", cfg.replan_interval, "must be >= 1")
     _check(cfg.profile_window >= 1, "profile_window", cfg.profile_window, "must be >= 1")
     _check(math.isfinite(cfg.tolerance_margin) and 0 <= cfg.tolerance_margin <= 10,

@@ -229,9 +229,11 @@ def problem_from_profile(
     profile,
     variant: str = "ud",
     memory_limit: int | float | Sequence[float] | None = None,
-    memory_deltas: tuple[float, float, float] = (1.0, -1.0, 0.0),
+    memory_deltas: tuple[float, float, float] | None = None,
 ) -> CrossPipeProblem:
     """Build the generator's problem from a :class:`titan_ext.plan.PipelineProfile`.
+    ``memory_deltas``: (M_F, M_D, M_W) per activation; None: the profile's ``release`` rule,
+    (1, −1, 0) for "I" and (1, 0, −1) for "W" (``deps.RELEASES``).
 
     ``variant`` "ud"/"udsub": one stage per rank.  "wave": the profile describes the 2R model chunks
     (``num_stages`` even), placed V-shape (stages s and 2R−1−s on rank s, as torch's ZBV).
@@ -260,8 +262,12 @@ def problem_from_profile(
         link_latency_ms=tuple(link.latency_ms for link in profile.links),
         link_transfer_ms=tuple(link.transfer_ms for link in profile.links),
         memory_limit=None if memory_limit is None else tuple(float(x) for x in memory_limit),
-        memory_deltas=memory_deltas,
+        memory_deltas=memory_deltas if memory_deltas is not None else MEMORY_DELTAS[profile.release],
     )
+
+
+MEMORY_DELTAS = {"I": (1.0, -1.0, 0.0), "W": (1.0, 0.0, -1.0)}
+"""``profile.release`` → CrossPipe's per-op memory deltas (M_F, M_D, M_W): the same rule as ``deps.RELEASES``."""
 
 
 def wave_profile(profile):
