@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,12 +30,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _messages(size_mb: float, quick: bool) -> int:
@@ -113,8 +106,7 @@ def _e2e_bench(rank, quick, out):
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
-    from titan_ext.runtime.testing import mlp_stages, step_rank
+    from titan_ext.testing import mlp_stages, step_rank
 
     dim, batch, n_mb = 512, 256, 8
     steps, warm = (6, 2) if quick else (12, 3)
@@ -126,7 +118,7 @@ def _e2e_bench(rank, quick, out):
         mods = mlp_stages(2, dim, layers_per_stage=4, dtype=torch.float32)
         stage = PipelineStage(mods[rank], rank, 2, torch.device("cpu"))
         kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
-        sched = PipeMorph(stage, n_mb, **kw) if path == "direct" else DelegatedPipeMorph(
+        sched = PipeMorph(stage, n_mb, **kw) if path == "direct" else PipeMorph(
             stage, n_mb, delegation="always", delegate_slot_bytes=4 << 20, **kw)
         its = []
         for s in range(steps):
@@ -136,7 +128,7 @@ def _e2e_bench(rank, quick, out):
             its.append(1e3 * (time.perf_counter() - t0))
         times.setdefault(path, []).extend(its[warm:])
         if path == "delegate":
-            sched.close_delegation()
+            sched.delegation.close()
     if rank == 0:
         d, g_ = statistics.median(times["direct"]), statistics.median(times["delegate"])
         out["e2e"] = {"direct_ms": d, "delegate_ms": g_, "overhead": g_ / d - 1.0,
@@ -207,7 +199,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-e2e", action="store_true")
     args = p.parse_args(argv)
 
-    port = _free_port()
+    from titan_ext.testing import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_entry, args=(port, args, outdir), nprocs=2, join=True)
         merged = {}

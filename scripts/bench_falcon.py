@@ -145,17 +145,13 @@ def bench_monitor_cost(iterations: int = 3000, group_tracking: bool = True) -> d
 
 def bench_hook_overhead(calls: int = 2000) -> dict:
     """Extra time per torch.distributed call due to the CallRecorder (1-rank gloo, 4 KiB all_reduce)."""
-    import socket
-
     import torch
     import torch.distributed as dist
 
     from titan_ext.runtime.falcon.hooks import CallRecorder
+    from titan_ext.testing import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     t = torch.zeros(1024)
 
     def run():
@@ -213,23 +209,17 @@ def _mode() -> str:
 
 def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
     import shutil
-    import socket
-    import subprocess
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from titan_ext.testing import torchrun
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
-           "127.0.0.1", "--master_port", str(port), "--local-ranks-filter", "0", "-m", "titan_ext.train",
-           "--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--job.dump_folder", dump,
-           "--training.steps", str(steps), "--training.local_batch_size", "2",
+    job = ["-m", "titan_ext.train", "--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml",
+           "--job.dump_folder", dump, "--training.steps", str(steps), "--training.local_batch_size", "2",
            "--training.global_batch_size", "12", *_mode_args(), *args]
     shutil.rmtree(dump, ignore_errors=True)  # the job appends to its falcon*.jsonl: start empty
     os.makedirs(dump)
-    with open(os.path.join(dump, "train.log"), "w") as f:
-        subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
+    torchrun(4, job, log=os.path.join(dump, "train.log"), cwd=root, env=env, local_ranks_filter=0, check=True)
     with open(os.path.join(dump, "falcon.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -313,13 +303,9 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
     Then a reference DP 1 x PP 2 job loads the same checkpoint: its losses must equal the restarted
     job's (same world, same data, fixed pipeline plan)."""
     import shutil
-    import socket
     import subprocess
 
-    def port():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return str(sock.getsockname()[1])
+    from titan_ext.testing import free_port, torchrun
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
@@ -334,7 +320,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
               *_mode_args(), "--titan_ext.no-adaptive", "--checkpoint.enable",
               "--checkpoint.interval", "100000"]
     subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
-                    "--master-port", port(), "--log", os.path.join(dump, "train.log"), "--",
+                    "--master-port", str(free_port()), "--log", os.path.join(dump, "train.log"), "--",
                     *common, "--job.dump_folder", dump,
                     "--titan_ext.emulate_slow_device", f"3:{factor:g}@{slow_from}"],
                    cwd=root, env=env, check=True)
@@ -366,12 +352,10 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
         out["after_s4_over_healthy"] = out["after_s4_s"] / healthy if after else None
         shutil.copytree(os.path.join(dump, "checkpoint", f"step-{s4_step}"),
                         os.path.join(ref, "checkpoint", f"step-{s4_step}"))
-        with open(os.path.join(ref, "train.log"), "w") as f:
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                            "--master_addr", "127.0.0.1", "--master_port", port(), "-m", "titan_ext.train",
-                            *common, "--job.dump_folder", ref, "--parallelism.data_parallel_replicate_degree",
-                            "1", "--checkpoint.load_step", str(s4_step), "--checkpoint.exclude_from_loading",
-                            "dataloader"], cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
+        torchrun(2, ["-m", "titan_ext.train", *common, "--job.dump_folder", ref,
+                     "--parallelism.data_parallel_replicate_degree", "1", "--checkpoint.load_step", str(s4_step),
+                     "--checkpoint.exclude_from_loading", "dataloader"],
+                 log=os.path.join(ref, "train.log"), cwd=root, env=env, check=True)
         ref_loss = {r["step"]: r["loss"] for r in _rows(os.path.join(ref, "pipeline_metrics.jsonl"))}
         out["resumed_steps"] = sorted(ref_loss)
         out["losses_identical"] = all(metrics[k]["loss"] == v for k, v in ref_loss.items())

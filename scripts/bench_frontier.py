@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as Fn
 
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.testing import run_ranks
 
 V = 2
 ONE = ("GPipe", "1F1B")
@@ -61,7 +61,7 @@ def _stage_ids(layout: str, rank: int, world: int) -> list[int]:
 
 
 def _modules(layout: str, rank: int, world: int, args) -> tuple[list[int], list[torch.nn.Module]]:
-    from titan_ext.runtime.testing import SleepComputeStage, TinyTransformerStage
+    from titan_ext.testing import SleepComputeStage, TinyTransformerStage
 
     k = 1 if layout == "one" else V
     S = world * k

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from titan_ext.runtime.testing import run_ranks  # noqa: E402
+from titan_ext.testing import run_ranks  # noqa: E402
 
 
 def _spin(seconds: float) -> None:

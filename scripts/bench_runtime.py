@@ -39,7 +39,7 @@ import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from titan_ext.runtime.testing import run_ranks, step_rank, timed_step  # noqa: E402
+from titan_ext.testing import run_ranks, step_rank, timed_step  # noqa: E402
 
 #: "torch-runtime": torch's own _PipelineScheduleRuntime running PipeMorph's deployed plan (the same
 #: actions, no instrumentation): PipeMorph / torch-runtime − 1 is the cost of our executor + boundary
@@ -52,7 +52,7 @@ def _build(kind: str, mode: str, rank: int, world: int, args) -> tuple:
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime.planning import PipeMorphPlanner
-    from titan_ext.runtime.testing import SleepComputeStage, TinyTransformerStage
+    from titan_ext.testing import SleepComputeStage, TinyTransformerStage
 
     if mode == "sleep":
         mod = SleepComputeStage(args.dim, args.f_ms, args.i_ms, args.w_ms, seed=rank)

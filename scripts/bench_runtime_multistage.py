@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as Fn
 
-from titan_ext.runtime.testing import run_ranks, timed_step
+from titan_ext.testing import run_ranks, timed_step
 
 V = 2
 TORCH = ("Interleaved1F1B", "ZBVZeroBubble")
@@ -48,7 +48,7 @@ def _build(kind: str, rank: int, world: int, args) -> tuple:
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.testing import SleepComputeStage
+    from titan_ext.testing import SleepComputeStage
 
     S = world * V
     local = _local(kind, rank, world)

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,12 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
+sys.path.insert(0, str(ROOT))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from titan_ext.testing import torchrun_command  # noqa: E402
 
 
 def _rank_pid(parent: int, rank: int) -> int | None:
@@ -66,11 +62,11 @@ def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: 
                PYTHONPATH=str(ROOT), TITAN_EXT_TEST_BACKEND=backend)
     env.pop("TITAN_EXT_NCCL_RULES_WATCHDOG", None)
     env.pop("TITAN_EXT_INJECT_DELAYS", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "titan_ext.train", "--job.config_file", str(CONFIG),
-           "--comm.train_timeout_seconds", str(int(timeout_s)), "--training.steps", str(steps),
-           "--parallelism.pipeline_parallel_schedule", schedule, "--job.dump_folder", str(log.parent / "dump"),
-           "--titan_ext.gantt_every", "0", "--titan_ext.delegation", delegation]
+    cmd = torchrun_command(4, ["-m", "titan_ext.train", "--job.config_file", str(CONFIG),
+                               "--comm.train_timeout_seconds", str(int(timeout_s)), "--training.steps", str(steps),
+                               "--parallelism.pipeline_parallel_schedule", schedule,
+                               "--job.dump_folder", str(log.parent / "dump"), "--titan_ext.gantt_every", "0",
+                               "--titan_ext.delegation", delegation])
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

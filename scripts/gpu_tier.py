@@ -4,7 +4,7 @@
 
 For 2 and 4 ranks sharing the one GPU, each schedule — torch's Schedule1F1B and ScheduleZBVZeroBubble,
 our PipeMorph and CrossPipe, and PipeMorph with every message through the delegates
-(``DelegatedPipeMorph(delegation="always")``) — trains an MLP in float64 on CUDA stages, with no delay and
+(``PipeMorph(delegation="always")``) — trains an MLP in float64 on CUDA stages, with no delay and
 with +60 ms on one link (link ``world - 2``; delegated PipeMorph without delay only, see ``_batches``), and reports against independent references:
 
 * **losses and parameters** equal (rtol 1e-9) to the same schedule run on the CPU in the same process;
@@ -38,7 +38,7 @@ import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch  # noqa: E402
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch  # noqa: E402
 
 SCHEDULES = ("1F1B", "ZBV", "PipeMorph", "CrossPipe", "PipeMorph-delegated")
 DELAY_MS = 60.0
@@ -52,7 +52,6 @@ def _build(kind: str, rank: int, world: int, device: torch.device, args) -> tupl
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 
     from titan_ext.runtime import CrossPipe, PipeMorph
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
 
     n_stages = 2 * world if kind == "ZBV" else world
     mods = mlp_stages(n_stages, args.dim)
@@ -75,7 +74,7 @@ def _build(kind: str, rank: int, world: int, device: torch.device, args) -> tupl
     elif kind == "CrossPipe":
         sched = CrossPipe(stages, n, loss_fn=loss)
     else:
-        sched = DelegatedPipeMorph(stages[0], n, loss_fn=loss, delegation="always")
+        sched = PipeMorph(stages[0], n, loss_fn=loss, delegation="always")
     return own, stages, sched
 
 
@@ -168,8 +167,8 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
                     if rank == 0:
                         out["event_forward_ms"] = _forward_ref_ms(own[0], xs)
     finally:
-        if hasattr(sched, "close_delegation"):
-            sched.close_delegation()
+        if getattr(sched, "delegation", None) is not None:  # an adaptive schedule's transport
+            sched.delegation.close()
         if injector is not None:
             injector.remove()
         staged.remove()

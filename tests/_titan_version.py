@@ -10,10 +10,13 @@ and a skip says why.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from titan_ext.testing import chosen_backend, torchrun
+from titan_ext.testing.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
 from titan_ext.titan import adapters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,3 +50,39 @@ def debug_cpu(*extra: str):
     else:
         args = ["--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml")]
     return ConfigManager().parse_args([*args, *extra])
+
+
+FALCON_CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"  # TorchTitan 0.3: config_registry.falcon_dp2_pp2_debugmodel
+
+
+def falcon_job_args(dump: Path) -> list[str]:
+    """The DP 2 x PP 2 debug job: the TOML file under TorchTitan 0.2, its Python twin under 0.3."""
+    if IS_TT03:
+        return ["-m", "torchtitan.train", "--module", "titan_ext.titan", "--config", "falcon_dp2_pp2_debugmodel",
+                "--dump_folder", str(dump)]
+    return ["-m", "titan_ext.train", "--job.config_file", FALCON_CONFIG, "--job.dump_folder", str(dump)]
+
+
+def falcon_job(dump: Path, steps: int, args: list[str], backend: str | None = None) -> None:
+    """The DP 2 x PP 2 debug job for ``steps`` steps (4 ranks under torchrun, rank 3's output in
+    ``dump/train.log``) with the extra arguments ``args``; the test backend ``backend`` (default:
+    :func:`titan_ext.testing.chosen_backend`). Used by the Falcon job tests (test_falcon_job.py, test_falcon_s3.py)."""
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1",
+                "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"})
+    for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK"):
+        env.pop(var, None)
+    env[TEST_BACKEND_VAR] = chosen_backend(backend)  # nccl_rules unless the caller or the environment names gloo
+    log = dump / "train.log"
+    p = torchrun(4, [*falcon_job_args(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
+                     "--training.global_batch_size", "12", "--training.seq_len", "32", *args],
+                 log=log, cwd=ROOT, env=env, timeout=600, local_ranks_filter=3)
+    assert p.returncode == 0, log.read_text()[-4000:]
+
+
+def falcon_log(dump: Path) -> list[dict]:
+    """The per-step rows of the job's ``falcon.jsonl``."""
+    import json
+
+    with open(dump / "falcon.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -23,7 +23,7 @@ from titan_ext.plan.crosspipe.model import Model as _Model
 from titan_ext.plan.crosspipe.search import anneal as _anneal
 from titan_ext.plan.crosspipe.search import local_search as _local_search
 
-from test_crosspipe_search import _random_problem
+from _plan_cases import random_problem as _random_problem
 
 C = pytest.importorskip("titan_ext.plan._search_c", reason="compiled engine not built (scripts/setup.sh builds it)")
 

@@ -23,48 +23,8 @@ from titan_ext.plan.crosspipe import (
     replay,
     wave_stage_to_rank,
 )
-from titan_ext.plan.ir import as_ops
 
-S, N, TF = 8, 16, 10.0
-DC_LINK = S // 2 - 1  # 2 DCs of S/2 stages: the DC boundary is rank link 3 (CrossPipe §5.1, §7.1)
-RATIOS = [(lat, bw) for lat in (0.0, 0.5, 2.0) for bw in (0.0, 0.5, 2.0)]
-
-
-def _link(lat_ratio: float, bw_ratio: float) -> LinkProfile:
-    """T_lat = lat_ratio·T_F, T_bw = size·β = bw_ratio·T_F (100 MB messages)."""
-    if bw_ratio == 0:
-        return LinkProfile(latency_ms=lat_ratio * TF)
-    return LinkProfile(latency_ms=lat_ratio * TF, bandwidth_bytes_per_s=1e8 / (bw_ratio * TF / 1e3), message_bytes=1e8)
-
-
-def ud_profile(lat: float, bw: float, links=(DC_LINK,)) -> PipelineProfile:
-    L = [LinkProfile()] * (S - 1)
-    for i in links:
-        L[i] = _link(lat, bw)
-    return PipelineProfile(S, N, TF, TF, TF, tuple(L))
-
-
-def wave_profile(lat: float, bw: float, rank_links=(DC_LINK,)) -> PipelineProfile:
-    """The same model cut in 2S chunks (half the time each), V-shape; a slow rank link slows both
-    stage boundaries that cross it."""
-    s2r = wave_stage_to_rank(S)
-    L = [LinkProfile()] * (2 * S - 1)
-    for b in range(2 * S - 1):
-        if any({s2r[b], s2r[b + 1]} == {r, r + 1} for r in rank_links):
-            L[b] = _link(lat, bw)
-    return PipelineProfile(2 * S, N, TF / 2, TF / 2, TF / 2, tuple(L))
-
-
-def rank_peaks(plan) -> list[int]:
-    """Peak in-flight activations per rank (all its stages together), in program order."""
-    out = []
-    for r, ops in sorted(as_ops(plan).items()):
-        cur = peak = 0
-        for _, k, _ in ops:
-            cur += 1 if k == "F" else -1 if k in ("I", "B") else 0
-            peak = max(peak, cur)
-        out.append(peak)
-    return out
+from _plan_cases import RATIOS, N, S, rank_peaks, ud_profile, wave_profile
 
 
 @pytest.fixture(scope="module")

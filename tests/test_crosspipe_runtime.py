@@ -12,7 +12,7 @@ from torch.distributed.pipelining import PipelineStage
 from titan_ext.plan import LinkProfile, PipelineProfile, plan_crosspipe
 from titan_ext.plan.ir import as_ops
 from titan_ext.runtime import CrossPipe, Decision
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch
+from titan_ext.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
 pytestmark = pytest.mark.timeout(300)

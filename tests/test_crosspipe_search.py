@@ -28,29 +28,12 @@ from titan_ext.plan.crosspipe import (
     plan_crosspipe_problem,
     problem_from_profile,
     replay,
-    wave_stage_to_rank,
 )
 from titan_ext.plan.ir import as_ops
 from titan_ext.plan.simulate import DeadlockError
 
-from test_crosspipe_greedy import RATIOS, S, N, rank_peaks, wave_profile
-
-
-def _random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
-    ranks = rng.randint(2, 5)
-    stages = 2 * ranks if wave else ranks
-    micro = rng.randint(stages, stages + 8)
-    return CrossPipeProblem(
-        num_ranks=ranks,
-        num_microbatches=micro,
-        stage_to_rank=wave_stage_to_rank(ranks) if wave else tuple(range(ranks)),
-        f_ms=tuple(rng.uniform(1, 10) for _ in range(stages)),
-        b_ms=tuple(rng.uniform(1, 10) for _ in range(stages)),
-        w_ms=tuple(rng.choice([0.0, rng.uniform(1, 10)]) for _ in range(stages)),
-        link_latency_ms=tuple(rng.choice([0.0, 2.0, 25.0]) for _ in range(stages - 1)),
-        link_transfer_ms=tuple(rng.choice([0.0, 1.0, 15.0]) for _ in range(stages - 1)),
-        memory_limit=tuple(float(rng.randint(2 if wave else 1, 2 * stages)) for _ in range(ranks)),
-    )
+from _plan_cases import RATIOS, S, N, rank_peaks, wave_profile
+from _plan_cases import random_problem as _random_problem
 
 
 def _case_with_moves(rng: random.Random, wave: bool):

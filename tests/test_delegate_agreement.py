@@ -19,7 +19,7 @@ from titan_ext.runtime.delegate.pool import Channel
 from titan_ext.runtime.delegate.link import DOWN, UP, Link
 from titan_ext.runtime.delegate.recovery import Supervisor
 
-from titan_ext.runtime.testing import free_port
+from titan_ext.testing import free_port
 
 FIRST = {"F": 12, "B": 9}   # what each receiver's dead ring delivered up to
 

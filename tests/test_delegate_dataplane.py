@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 

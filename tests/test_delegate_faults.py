@@ -3,7 +3,7 @@
 * A SIGKILL'd delegate (send side and receive side at once): its lane falls back to the direct path with
   no message lost or repeated, a new delegate is started in the background and the lane returns to it
   (docs/delegate.md "Killed delegate").  Checked with P2PRouter traffic whose every value names its
-  sequence number, and in DelegatedPipeMorph training against direct PipeMorph (bit-equal) and torch's
+  sequence number, and in PipeMorph(delegation="always") training against direct PipeMorph (bit-equal) and torch's
   ScheduleGPipe (float64).
 * With ``delegate_fallback=False``: the old clean stop on both ranks.
 * A SIGKILL'd run leaves no shared memory and no delegate behind.
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from titan_ext.runtime.testing import free_port, run_ranks
+from titan_ext.testing import free_port, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -137,13 +137,13 @@ DIM, BATCH = 8, 16
 
 
 def _batch(step):
-    from titan_ext.runtime.testing import seeded_batch
+    from titan_ext.testing import seeded_batch
 
     return seeded_batch(1000 + step, BATCH, DIM)
 
 
 def _train_body(rank, world):
-    """DelegatedPipeMorph (delegation="always") on a float64 MLP; rank 1 SIGKILLs its recv-F and send-B
+    """PipeMorph(delegation="always") on a float64 MLP; rank 1 SIGKILLs its recv-F and send-B
     delegates inside the loss of microbatch 1 of step 2 (mid-iteration), training goes on until both
     ranks' lanes are back on new delegates, then the same number of steps runs with direct PipeMorph
     and torch's ScheduleGPipe."""
@@ -153,15 +153,14 @@ def _train_body(rank, world):
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
-    from titan_ext.runtime.testing import gpipe_reference, mlp_stages, step_rank
+    from titan_ext.testing import gpipe_reference, mlp_stages, step_rank
 
     state = {"step": 0, "mb": 0, "victims": []}
     holder = {}
 
     def loss_fn(out, target):
         if state["step"] == 2 and state["mb"] == 1:
-            pool = holder["sched"].pool
+            pool = holder["sched"].delegation.pool
             state["victims"] = [_pid(pool, "recv-F"), _pid(pool, "send-B")]
             for v in state["victims"]:
                 os.kill(v, signal.SIGKILL)
@@ -177,7 +176,7 @@ def _train_body(rank, world):
         extra = 2  # steps on the returned lanes
         while (k < steps) if steps is not None else (k < 4 or extra > 0):
             assert time.monotonic() - t0 < MAX_WAIT_S
-            if steps is None and _all_returned(sched.pool, kinds, dist):
+            if steps is None and _all_returned(sched.delegation.pool, kinds, dist):
                 extra -= 1
             holder["sched"], state["step"], state["mb"] = sched, k, 0
             x, y = _batch(k)
@@ -192,10 +191,10 @@ def _train_body(rank, world):
         return sched, losses, [p.detach().clone() for p in mod.parameters()]
 
     kw = dict(adaptive=False)
-    sched, losses, params = train(lambda st: DelegatedPipeMorph(st, N_MB, loss_fn=loss_fn, delegation="always", **kw))
+    sched, losses, params = train(lambda st: PipeMorph(st, N_MB, loss_fn=loss_fn, delegation="always", **kw))
     steps = len(losses)
-    events, stats, counts = list(sched.pool.fallback_events), sched.pool.stats(), dict(sched.router.counts)
-    sched.close_delegation()
+    events, stats, counts = list(sched.delegation.pool.fallback_events), sched.delegation.pool.stats(), dict(sched.delegation.router.counts)
+    sched.delegation.close()
     _, direct_losses, direct_params = train(lambda st: PipeMorph(st, N_MB, loss_fn=Fn.mse_loss, **kw), steps)
 
     def gpipe_step(ref, k):

@@ -86,6 +86,6 @@ def _gpu_pipeline_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_sharing_one_gpu_exchange_activations_only_through_delegates(world):
     _need_cuda()
-    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.testing import run_ranks
 
     assert all(run_ranks(_gpu_pipeline_worker, world))

@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import pytest
 import torch.nn.functional as Fn
-from test_delegate_schedule import N_MB, _train
 
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.testing import run_ranks, train_steps
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 3
+DIM, BATCH, N_MB, STEPS = 8, 16, 4, 3  # tests/test_delegate_schedule.py's model, batch and micro-batches
+
+
+def _train(rank, world, make, steps):
+    return train_steps(rank, world, make, steps, dim=DIM, batch=BATCH)
 
 
 def _worker(rank, world):
     import torch
 
     from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
     _, ref_losses, ref_params = _train(rank, world, lambda st: PipeMorph(st, N_MB, **kw), STEPS)
@@ -32,14 +34,14 @@ def _worker(rank, world):
     for mode in ("always", "auto"):
         inj = inject_link_delays("0:30") if mode == "auto" else None
         try:
-            sched, losses, params = _train(rank, world, lambda st: DelegatedPipeMorph(
+            sched, losses, params = _train(rank, world, lambda st: PipeMorph(
                 st, N_MB, delegation=mode, slow_link_ms=10.0, **kw), STEPS)
         finally:
             if inj is not None:
                 remove_link_delays()
         out[mode] = {"equal": losses == ref_losses and all(torch.equal(a, b) for a, b in zip(params, ref_params)),
-                     "counts": dict(sched.router.counts), "log": list(sched.delegation_log)}
-        sched.close_delegation()
+                     "counts": dict(sched.delegation.router.counts), "log": list(sched.delegation.log)}
+        sched.delegation.close()
     return out
 
 

@@ -10,38 +10,19 @@ import torch
 import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch
+from titan_ext.testing import mlp_stages, run_ranks, train_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 DIM, BATCH, N_MB, STEPS = 8, 16, 4, 6
 
 
-def _batch(step):
-    return seeded_batch(1000 + step, BATCH, DIM)
-
-
 def _train(rank, world, make, steps=STEPS):
-    mods = mlp_stages(world, DIM)
-    sched = make(PipelineStage(mods[rank], rank, world, torch.device("cpu")))
-    opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
-    losses = []
-    for k in range(steps):
-        x, y = _batch(k)
-        out: list = []
-        opt.zero_grad()
-        if rank == 0:
-            sched.step(x, losses=out)
-        else:
-            sched.step(target=y, losses=out)
-        opt.step()
-        losses.append([float(v) for v in out])
-    return sched, losses, [p.detach().clone() for p in mods[rank].parameters()]
+    return train_steps(rank, world, make, steps, dim=DIM, batch=BATCH)
 
 
 def _worker(rank, world):
     from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
     from titan_ext.runtime.delegate.transport import FaultInjector
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
@@ -52,20 +33,20 @@ def _worker(rank, world):
     def check(name, sched, losses, params):
         out[f"{name}_losses_equal"] = losses == ref_losses
         out[f"{name}_params_equal"] = all(torch.equal(a, b) for a, b in zip(params, ref_params))
-        out[f"{name}_counts"] = dict(sched.router.counts)
-        out[f"{name}_log"] = list(sched.delegation_log)
-        out[f"{name}_failed"] = sorted(sched.router.failed)
+        out[f"{name}_counts"] = dict(sched.delegation.router.counts)
+        out[f"{name}_log"] = list(sched.delegation.log)
+        out[f"{name}_failed"] = sorted(sched.delegation.router.failed)
         out[f"{name}_lanes_needed"] = sched.last_metrics.get("delegate_lanes_needed")
-        sched.close_delegation()
+        sched.delegation.close()
 
     # always: every PP message through the delegates
-    sched, losses, params = _train(rank, world, lambda st: DelegatedPipeMorph(st, N_MB, delegation="always", **kw))
+    sched, losses, params = _train(rank, world, lambda st: PipeMorph(st, N_MB, delegation="always", **kw))
     check("always", sched, losses, params)
 
     # auto: 30 ms injected on link 0 → PipeMorph's link estimate flags it → delegates from a boundary on
     inj = inject_link_delays("0:30")
     try:
-        sched, losses, params = _train(rank, world, lambda st: DelegatedPipeMorph(
+        sched, losses, params = _train(rank, world, lambda st: PipeMorph(
             st, N_MB, delegation="auto", slow_link_ms=10.0, **kw))
     finally:
         remove_link_delays()
@@ -74,7 +55,7 @@ def _worker(rank, world):
 
     # off + failover: rank 0's direct F link dies in the 3rd iteration
     faults = FaultInjector(broken={(1 - rank, "F"): 2 * N_MB + 1})  # the dead link, seen from both ends
-    sched, losses, params = _train(rank, world, lambda st: DelegatedPipeMorph(
+    sched, losses, params = _train(rank, world, lambda st: PipeMorph(
         st, N_MB, delegation="off", failover=True, recv_timeout_s=20.0, faults=faults, **kw))
     out["failover_injected"] = faults.injected
     check("failover", sched, losses, params)
@@ -113,7 +94,6 @@ BIG_ROWS = (65 << 20) // (BIG_DIM * 8) + 1   # one microbatch's activation: just
 def _big_worker(rank, world):
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime.delegate.schedule import message_slot_bytes
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
 
     def train(make):
         mods = mlp_stages(world, BIG_DIM, layers_per_stage=1)
@@ -127,13 +107,13 @@ def _big_worker(rank, world):
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
     _, ref_losses, ref_grads = train(lambda st: PipeMorph(st, BIG_MB, **kw))
-    sched, losses, grads = train(lambda st: DelegatedPipeMorph(st, BIG_MB, delegation="always", delegate_slots=2, **kw))
+    sched, losses, grads = train(lambda st: PipeMorph(st, BIG_MB, delegation="always", delegate_slots=2, **kw))
     try:
         return {"slot_bytes": sched.delegation.slot_bytes, "expected": message_slot_bytes(BIG_ROWS * BIG_DIM * 8),
-                "counts": dict(sched.router.counts), "losses_equal": losses == ref_losses,
+                "counts": dict(sched.delegation.router.counts), "losses_equal": losses == ref_losses,
                 "grads_equal": all(torch.equal(a, b) for a, b in zip(grads, ref_grads))}
     finally:
-        sched.close_delegation()
+        sched.delegation.close()
 
 
 def test_delegation_carries_activations_over_64_mib_with_a_derived_slot_size():

@@ -6,7 +6,6 @@ import json
 import os
 import pickle
 import statistics
-import socket
 import tempfile
 import time
 
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from titan_ext.runtime.falcon import (
     FalconMonitor,
@@ -25,23 +23,9 @@ from titan_ext.runtime.falcon import (
     min_max_microbatch_split,
     plan_topology,
 )
+from titan_ext.testing import run_ranks
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank, world, port):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-
-
-def _spawn(fn, world, *args):
-    mp.spawn(fn, args=(world, _free_port()) + args, nprocs=world, join=True)
 
 
 # --------------------------------------------------------------------------- tiny 2-stage job
@@ -101,8 +85,7 @@ class _Job:
 # --------------------------------------------------------------------------- ACF period on real calls
 
 
-def _period_worker(rank, world, port, outdir, slow_from):
-    _init(rank, world, port)
+def _period_worker(rank, world, outdir, slow_from):
     from titan_ext.runtime.falcon.hooks import CallRecorder
     from titan_ext.runtime.falcon.restart import identity_grid
 
@@ -122,13 +105,12 @@ def _period_worker(rank, world, port, outdir, slow_from):
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump({"sig": rec.signatures(), "ts": rec.timestamps(), "boundaries": boundaries,
                      "walls": walls, "records": list(rec.records)}, f)
-    dist.destroy_process_group()
 
 
 def test_acf_period_equals_true_period_on_real_gloo_calls_and_detects_slowdown():
     slow_from = 35
     with tempfile.TemporaryDirectory() as d:
-        _spawn(_period_worker, 4, d, slow_from)
+        run_ranks(_period_worker, 4, d, slow_from, backend="gloo")
         data = [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(4)]
     for r, rec in enumerate(data):
         # the hooks saw the pipeline's P2P traffic (outermost call only) and the DP all-reduces
@@ -168,8 +150,7 @@ def test_acf_period_equals_true_period_on_real_gloo_calls_and_detects_slowdown()
 # --------------------------------------------------------------------------- validation
 
 
-def _validation_worker(rank, world, port, outdir):
-    _init(rank, world, port)
+def _validation_worker(rank, world, outdir):
     from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings, validate_trees
 
     orig_send, orig_mm = dist.send, torch.mm
@@ -205,12 +186,11 @@ def _validation_worker(rank, world, port, outdir):
     dist.send, torch.mm = orig_send, orig_mm
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump({"even": even, "odd": odd, "tree": tree, "gemm": gemm, "hooked": hooked}, f)
-    dist.destroy_process_group()
 
 
 def test_ring_validation_pinpoints_slow_link_and_gemm_probe_slow_device():
     with tempfile.TemporaryDirectory() as d:
-        _spawn(_validation_worker, 4, d)
+        run_ranks(_validation_worker, 4, d, backend="gloo")
         res = [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(4)]
     for r in res:  # every rank has the same, complete view
         assert set(r["even"]) == {(0, 1), (1, 2), (2, 3), (3, 0)}
@@ -238,11 +218,9 @@ def test_ring_validation_pinpoints_slow_link_and_gemm_probe_slow_device():
 SPLITS = ([3, 1], [1, 3], [2, 2], [5, 2])
 
 
-def _redistribute_worker(rank, world, port, outdir):
-    _init(rank, world, port)
+def _redistribute_worker(rank, world, outdir):
     for i, split in enumerate(SPLITS):
         _redistribute_one(rank, outdir, i, split)
-    dist.destroy_process_group()
 
 
 def _redistribute_one(rank, outdir, i, split):
@@ -271,7 +249,7 @@ def _redistribute_one(rank, outdir, i, split):
 
 def test_weighted_aggregation_equals_even_split_float64():
     with tempfile.TemporaryDirectory() as d:
-        _spawn(_redistribute_worker, 2, d)
+        run_ranks(_redistribute_worker, 2, d, backend="gloo")
         for i, split in enumerate(SPLITS):
             res = [pickle.load(open(os.path.join(d, f"split{i}_rank{r}.pkl"), "rb")) for r in range(2)]
             _check_against_even_split(split, res)
@@ -300,8 +278,7 @@ def test_redistribution_plan_feeds_a_valid_split():
 # --------------------------------------------------------------------------- checkpoint-and-restart
 
 
-def _train_worker(rank, world, port, ckdir, outdir, phase, steps, start_step, ckpt_after=None):
-    _init(rank, world, port)
+def _train_worker(rank, world, ckdir, outdir, phase, steps, start_step, ckpt_after=None):
     from titan_ext.runtime.falcon.restart import (
         load_stage_checkpoint,
         read_restart_plan,
@@ -330,7 +307,6 @@ def _train_worker(rank, world, port, ckdir, outdir, phase, steps, start_step, ck
     out["final_opt"] = pickle.dumps(job.opt.state_dict())
     with open(os.path.join(outdir, f"{phase}_rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
-    dist.destroy_process_group()
 
 
 def test_2dp_2pp_restart_with_permuted_mesh_resumes_identically():
@@ -339,7 +315,7 @@ def test_2dp_2pp_restart_with_permuted_mesh_resumes_identically():
     with tempfile.TemporaryDirectory() as ck, tempfile.TemporaryDirectory() as out:
         # Uninterrupted reference run on the identity mesh [[0, 1], [2, 3]] (DP groups {0,2}, {1,3}):
         # 6 steps, checkpoint of every stage after step 3.
-        _spawn(_train_worker, 4, ck, out, "ref", 6, 0, 3)
+        run_ranks(_train_worker, 4, ck, out, "ref", 6, 0, 3, backend="gloo")
         ref = [pickle.load(open(os.path.join(out, f"ref_rank{r}.pkl"), "rb")) for r in range(4)]
         # Link 0-2 (inside the DP group of stage 0) is slow: plan a permutation, restart with it
         # from the step-3 checkpoint, train steps 3..5.
@@ -348,7 +324,7 @@ def test_2dp_2pp_restart_with_permuted_mesh_resumes_identically():
         pos = {r: (d, s) for d, row in enumerate(grid) for s, r in enumerate(row)}
         assert pos[0][0] == pos[2][0] and abs(pos[0][1] - pos[2][1]) == 1  # now a PP hop
         write_restart_plan(ck, grid, reason="dp_link 0-2")
-        _spawn(_train_worker, 4, ck, out, "after", 3, 3)
+        run_ranks(_train_worker, 4, ck, out, "after", 3, 3, backend="gloo")
         after = [pickle.load(open(os.path.join(out, f"after_rank{r}.pkl"), "rb")) for r in range(4)]
     assert all(a["grid"] == grid for a in after) and grid != identity_grid(2, 2)
     moved = 0
@@ -389,11 +365,10 @@ class _SlowableStage(torch.nn.Module):
         return self.inner(x)
 
 
-def _closed_loop_worker(rank, world, port, outdir, slow_from):
+def _closed_loop_worker(rank, world, outdir, slow_from):
     """2 DP x 2 PP GPipe job + FalconMonitor on every rank, fed the max iteration time over ranks.
     Rank 3's device becomes 30x slower at `slow_from`; the loop runs validation when told to and
     applies micro-batch redistribution (Eq. 1 split + weighted gradient aggregation)."""
-    _init(rank, world, port)
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     from titan_ext.runtime.falcon import BOCDConfig, FalconConfig, FalconMonitor, StrategyCosts
@@ -460,13 +435,12 @@ def _closed_loop_worker(rank, world, port, outdir, slow_from):
     torch.mm = orig_mm
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(log, f)
-    dist.destroy_process_group()
 
 
 def test_closed_loop_detects_slow_device_redistributes_and_measures_effect():
     slow_from = 15
     with tempfile.TemporaryDirectory() as d:
-        _spawn(_closed_loop_worker, 4, d, slow_from)
+        run_ranks(_closed_loop_worker, 4, d, slow_from, backend="gloo")
         logs = [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(4)]
     # every rank took the same decisions at the same iterations
     keys = ("falcon/event", "falcon/apply", "falcon/root_cause", "falcon/plan/microbatch_split")

@@ -19,23 +19,17 @@ and sleep (the CUDA calls themselves are not run here: no GPU in CI).
 """
 
 import os
-import socket
 import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from titan_ext.testing import run_ranks
 
 _CHECKED = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
             "send", "recv", "barrier", "reduce_scatter", "gather_object", "batch_isend_irecv")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _install_rule_recorder(data_groups: list, violations: list, calls: list) -> None:
@@ -108,18 +102,12 @@ def _mesh_of_groups(rank):
     return mesh
 
 
-def _job_worker(rank, world, port, outdir, backend):
+def _job_worker(rank, world, outdir, backend):
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_ext.titan.falcon_job import FalconJob
     from titan_ext.titan.falcon_measure import validate
 
-    torch.set_num_threads(1)
-    if backend == "nccl_rules":
-        from titan_ext.runtime import nccl_rules
-
-        nccl_rules.install()
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if backend == "nccl_rules":  # its groups carry no names, which DeviceMesh needs: the same
         mesh = _mesh_of_groups(rank)  # layout from plain new_group calls
     else:
@@ -154,15 +142,14 @@ def _job_worker(rank, world, port, outdir, backend):
     validate(job)
     torch.save({"violations": violations, "calls": calls, "dp_sync_s": job.dp.sync_s,
                 "grid": job.grid}, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend", [pytest.param("gloo", marks=pytest.mark.slow), "nccl_rules"])
 def test_falcon_job_keeps_host_data_off_the_data_groups(backend):
     """gloo + the recorder: the rule checked by this test alone; nccl_rules: the project's CPU
-    backend with NCCL's rules (titan_ext/runtime/nccl_rules.py) refuses host tensors itself."""
+    backend with NCCL's rules (titan_ext/testing/nccl_rules.py) refuses host tensors itself."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_job_worker, args=(4, _free_port(), d, backend), nprocs=4, join=True)
+        run_ranks(_job_worker, 4, d, backend, backend=backend)
         res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(4)]
     for r in res:
         assert r["violations"] == [], r["violations"][:5]
@@ -232,23 +219,20 @@ def test_cuda_stretch_sleeps_on_the_device_by_the_last_measured_region_without_h
     assert sleeps == [(pytest.approx(0.045), "cuda:0")]
 
 
-def _probe_worker(rank, world, port, outdir):
+def _probe_worker(rank, world, outdir):
     from titan_ext.runtime.falcon.device_clock import control_group
     from titan_ext.runtime.falcon.validation import gemm_probe
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     control = control_group()
     factor = 4.0 if rank == 1 else 1.0
     times = gemm_probe(n=128, repeats=9, group=control, slowdown=lambda: factor, device="cpu")
     torch.save(times, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_gemm_probe_reads_the_emulated_slow_device_inside_its_timed_region():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_probe_worker, args=(2, _free_port(), d), nprocs=2, join=True)
+        run_ranks(_probe_worker, 2, d, backend="gloo")
         times = torch.load(os.path.join(d, "rank0.pt"))
     # fastest of 9: a 4x device reads >= 2x its healthy peer (half the effect, robust to load)
     assert set(times) == {0, 1} and times[1] >= 2.0 * times[0], times

@@ -10,18 +10,14 @@ detecting and logging them (same seed and data).
 import json
 import math
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from _titan_version import IS_TT03
+from _titan_version import falcon_job as _torchrun
+from _titan_version import falcon_log as _falcon_log
 
 from titan_ext.runtime.falcon.emulation import (
     EmulationSpecError,
@@ -29,11 +25,8 @@ from titan_ext.runtime.falcon.emulation import (
     parse_slow_device,
     parse_slow_link,
 )
-from titan_ext.runtime.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
-from titan_ext.runtime.testing import chosen_backend
+from titan_ext.testing import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"  # TorchTitan 0.3: config_registry.falcon_dp2_pp2_debugmodel
 SLOW_FROM = 10
 SLOW_FACTOR = 24
 """The debug model's stage compute is ~1 ms a micro-batch: at 24x the slow replica adds ~1 s a step,
@@ -142,12 +135,6 @@ def test_dedicated_device_emulation_pads_each_pass_to_its_device_time(slow):
 # --------------------------------------------------------------------------- S2 exactness (gloo, float64)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _model():
     torch.manual_seed(7)
     return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1)).double()
@@ -170,11 +157,9 @@ def _step_gradients(chunks, group) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def _s2_worker(rank, world, port, outdir):
+def _s2_worker(rank, world, outdir):
     from titan_ext.runtime.falcon.redistribute import redistribute_chunks
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mine = _chunks_of_replica(rank, 3)
     out = {"even": _step_gradients(mine, None)}
     for split in ([4, 2], [1, 5]):
@@ -182,12 +167,11 @@ def _s2_worker(rank, world, port, outdir):
         out[str(split)] = _step_gradients(chunks, None)
         out[f"n{split}"] = len(chunks)
     torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def test_s2_redistribution_keeps_the_global_gradient_float64():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_s2_worker, args=(2, _free_port(), d), nprocs=2, join=True)
+        run_ranks(_s2_worker, 2, d, backend="gloo")
         res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
     # independent reference: one process, the whole global batch (both loaders' chunks), float64
     model = _model()
@@ -203,36 +187,6 @@ def test_s2_redistribution_keeps_the_global_gradient_float64():
 
 
 # --------------------------------------------------------------------------- end to end (torchrun)
-
-
-def _job(dump: Path) -> list[str]:
-    """The DP 2 x PP 2 debug job: the TOML file under TorchTitan 0.2, its Python twin under 0.3."""
-    if IS_TT03:
-        return ["-m", "torchtitan.train", "--module", "titan_ext.titan", "--config", "falcon_dp2_pp2_debugmodel",
-                "--dump_folder", str(dump)]
-    return ["-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(dump)]
-
-
-def _torchrun(dump: Path, steps: int, args: list[str], backend: str | None = None) -> None:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_ADDR": "127.0.0.1",
-                "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"})
-    for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK"):
-        env.pop(var, None)
-    env[TEST_BACKEND_VAR] = chosen_backend(backend)  # nccl_rules unless the caller or the environment names gloo
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "--local-ranks-filter", "3",
-           *_job(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
-           "--training.global_batch_size", "12", "--training.seq_len", "32", *args]
-    log = dump / "train.log"
-    with open(log, "w") as f:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
-    assert p.returncode == 0, log.read_text()[-4000:]
-
-
-def _falcon_log(dump: Path) -> list[dict]:
-    with open(dump / "falcon.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _events(dump: Path) -> list[dict]:

@@ -102,7 +102,7 @@ STARTUP_PROBES = 6
 
 
 def test_falcon_startup_memory_is_bounded_whatever_the_stage_size(tmp_path):
-    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.testing import run_ranks
 
     numel, probe = 1 << 18, 64 << 10  # a 1 MiB stage, 64 KiB probes (64 MiB in a real job)
     got = run_ranks(_startup_bytes, 2, numel, probe, str(tmp_path), backend="gloo", timeout_s=180)

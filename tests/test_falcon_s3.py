@@ -123,7 +123,7 @@ def _state_of(module, opt):
             "step": [float(opt.state[p]["step"]) for p in module.parameters()]}
 
 
-def _mechanism_worker(rank, world, port, outdir):
+def _mechanism_worker(rank, world, outdir):
     import os
 
     import torch
@@ -133,8 +133,6 @@ def _mechanism_worker(rank, world, port, outdir):
     from titan_ext.runtime.falcon.topology import exchange_stage_state, load_stage_state, own_stage_state
     from titan_ext.titan.falcon_s3 import RemappedDims, grid_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     old, new = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
     module, opt = _distinct_stage(role_of(old, rank)[1], rank)
     before = _state_of(module, opt)
@@ -153,7 +151,6 @@ def _mechanism_worker(rank, world, port, outdir):
                 "pp": dist.get_process_group_ranks(dims.get_mesh("pp").get_group()),
                 "dp": dist.get_process_group_ranks(dims.get_mesh("batch").get_group()),
                 "loss_sum": float(total)}, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state():
@@ -161,17 +158,14 @@ def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state():
     columns, and after the exchange every rank holds exactly the model + AdamW state of the old
     holder of its new role (rank-particular values, so a wrong source or order shows)."""
     import os
-    import socket
     import tempfile
 
     import torch
-    import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from titan_ext.testing import run_ranks
+
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_mechanism_worker, args=(4, port, d), nprocs=4, join=True)
+        run_ranks(_mechanism_worker, 4, d, backend="gloo")
         res = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(4)]
     old, new = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
     for rank, out in enumerate(res):
@@ -212,7 +206,7 @@ with +6 s from step 13 confirms it at step 16."""
 
 @pytest.fixture(scope="module")
 def s3_runs(tmp_path_factory):
-    from tests.test_falcon_job import _torchrun
+    from _titan_version import falcon_job
 
     runs = {}
     link = ["--titan_ext.emulate_slow_link", f"0-1:x{LINK_FACTOR}@{SLOW_FROM}"]
@@ -220,7 +214,7 @@ def s3_runs(tmp_path_factory):
                         ("combined", ["--titan_ext.emulate_slow_device", f"1:{DEVICE_FACTOR}@{SLOW_FROM}",
                                       "--titan_ext.emulate_slow_link", f"0-1:x{SECOND_LINK_FACTOR}@{SECOND_FROM}"])):
         dump = tmp_path_factory.mktemp(name)
-        _torchrun(dump, STEPS, ["--titan_ext.no-adaptive", *extra])
+        falcon_job(dump, STEPS, ["--titan_ext.no-adaptive", *extra])
         runs[name] = dump
     return runs
 

@@ -24,6 +24,7 @@ from titan_ext.runtime.falcon.restart import (
     relaunch_overrides,
     remap_emulation,
 )
+from titan_ext.testing import free_port, torchrun
 from titan_ext.titan.falcon_s4 import consume_plan, devices_to_exclude, relaunch_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,12 +123,6 @@ _COMMON = ["--training.local_batch_size", "2", "--training.global_batch_size", "
 same order, so their losses must be equal bit for bit."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "lo",
@@ -147,7 +142,7 @@ def _rows(path: Path) -> list[dict]:
 def s4_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("s4")
     cmd = [sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
-           "--master-port", str(_free_port()), "--log", str(dump / "train.log"), "--",
+           "--master-port", str(free_port()), "--log", str(dump / "train.log"), "--",
            "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
            *_COMMON, "--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",
            "--titan_ext.emulate_device_pass_ms", str(PASS_MS), "--checkpoint.enable", "--checkpoint.interval", "100000"]
@@ -188,14 +183,11 @@ def test_s4_restarts_without_the_slow_device_and_resumes_from_its_checkpoint(s4_
     # reference: the same checkpoint, loaded by a plain DP 1 x PP 2 job (no Falcon decisions)
     ref = tmp_path / "ref"
     shutil.copytree(s4_run / "checkpoint" / f"step-{step}", ref / "checkpoint" / f"step-{step}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(ref),
-           "--training.steps", str(STEPS), *_COMMON, "--parallelism.data_parallel_replicate_degree", "1",
-           "--checkpoint.enable", "--checkpoint.interval", "100000", "--checkpoint.load_step", str(step),
-           "--checkpoint.exclude_from_loading", "dataloader"]
-    with open(ref / "train.log", "w") as f:
-        p = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=600)
+    p = torchrun(2, ["-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(ref),
+                     "--training.steps", str(STEPS), *_COMMON, "--parallelism.data_parallel_replicate_degree", "1",
+                     "--checkpoint.enable", "--checkpoint.interval", "100000", "--checkpoint.load_step", str(step),
+                     "--checkpoint.exclude_from_loading", "dataloader"],
+                 log=ref / "train.log", cwd=ROOT, env=_env(), timeout=600)
     assert p.returncode == 0, (ref / "train.log").read_text()[-4000:]
     ref_losses = {r["step"]: r["loss"] for r in _rows(ref / "pipeline_metrics.jsonl")}
     assert sorted(ref_losses) == list(range(step + 1, STEPS + 1))
@@ -312,7 +304,7 @@ def test_s4_resume_reduces_its_host_times_on_a_control_group_not_the_data_group(
     cost and outcome, the slowest rank's times."""
     import time as _time
 
-    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.testing import run_ranks
     from titan_ext.titan.falcon_s4 import ENV_S4_PLAN
 
     plan = {"status": "consumed", "step": 12, "begin_time": _time.time() - 3.0, "excluded": [3],

@@ -7,25 +7,18 @@ and final parameters of every role must agree to float64 round-off."""
 
 import os
 import pickle
-import socket
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from titan_ext.runtime.falcon import plan_topology
 from titan_ext.runtime.falcon.restart import identity_grid
 from titan_ext.runtime.falcon.topology import moving_ranks
+from titan_ext.testing import run_ranks
 
 SWITCH, STEPS = 3, 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build_stage(stage: int):
@@ -61,7 +54,7 @@ def _step(model, opt, mesh, step: int):
     return [float(v) for v in losses]
 
 
-def _worker(rank, world, port, ckdir, outdir, phase, new_grid):
+def _worker(rank, world, ckdir, outdir, phase, new_grid):
     from titan_ext.runtime.falcon.device_clock import control_group
     from titan_ext.runtime.falcon.restart import (
         build_mesh_groups,
@@ -71,8 +64,6 @@ def _worker(rank, world, port, ckdir, outdir, phase, new_grid):
     )
     from titan_ext.runtime.falcon.topology import apply_topology_in_memory
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     control = control_group()
     out = {"losses": {}}
     if phase == "inmem":
@@ -99,7 +90,6 @@ def _worker(rank, world, port, ckdir, outdir, phase, new_grid):
     out["momentum"] = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     with open(os.path.join(outdir, f"{phase}_rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two 4-process spawns
@@ -113,7 +103,7 @@ def test_s3_in_memory_equals_the_new_layout_started_from_the_same_state_float64(
     assert len(moves) == plan.moved == 2
     with tempfile.TemporaryDirectory() as ck, tempfile.TemporaryDirectory() as out:
         for phase in ("inmem", "ref"):
-            mp.spawn(_worker, args=(4, _free_port(), ck, out, phase, new), nprocs=4, join=True)
+            run_ranks(_worker, 4, ck, out, phase, new, backend="gloo")
         res = {(p, r): pickle.load(open(os.path.join(out, f"{p}_rank{r}.pkl"), "rb"))
                for p in ("inmem", "ref") for r in range(4)}
     for r in range(4):

@@ -7,7 +7,7 @@ What only a GPU shows, each against an independent reference:
   the reference), and a non-blocking resolve never waits for the device;
 * Falcon's GEMM probe is device-timed (reference: CUDA events around the same matmuls) and its
   emulated slow device (``slowdown``) stretches the device timeline by the asked factor;
-* DelegatedPipeMorph with ``delegation="always"`` trains two pipeline stages on one shared GPU with
+* PipeMorph with ``delegation="always"`` trains two pipeline stages on one shared GPU with
   every activation and gradient through the host-staged delegates (real D2H/H2D copies with signal
   flags), with the same losses and parameters as the same plan run on CPU (float64).
 
@@ -94,7 +94,7 @@ def _probe_worker(rank, world):
 
 def test_gemm_probe_is_device_timed_and_its_slow_device_emulation_stretches_the_device():
     _cuda0()
-    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.testing import run_ranks
 
     (r,) = run_ranks(_probe_worker, 1, backend="gloo")
     assert abs(r["healthy"] - r["ref"]) <= 0.25 * r["ref"], r
@@ -107,7 +107,7 @@ DIM, BATCH, N_MB, STEPS = 64, 32, 4, 4
 def _train(rank, world, device, make):
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.runtime.testing import mlp_stages, seeded_batch, step_rank
+    from titan_ext.testing import mlp_stages, seeded_batch, step_rank
 
     mods = mlp_stages(world, DIM)
     mod = mods[rank].to(device)
@@ -130,7 +130,6 @@ def _train(rank, world, device, make):
 
 def _delegated_worker(rank, world, device="cuda:0"):
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
     _, ref_losses, ref_params = _train(rank, world, torch.device("cpu"), lambda st: PipeMorph(st, N_MB, **kw))
@@ -142,22 +141,22 @@ def _delegated_worker(rank, world, device="cuda:0"):
     # the plan's messages go through the delegates; torch's own start-up handshake (torch < 2.13: CUDA
     # tensors through _batch_p2p) through host staging, as gloo cannot send device memory
     with HostStagedP2P():
-        sched, losses, params = _train(rank, world, device, lambda st: DelegatedPipeMorph(
+        sched, losses, params = _train(rank, world, device, lambda st: PipeMorph(
             st, N_MB, delegation="always", **kw))
     try:
         close = all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(params, ref_params))
         flat, ref_flat = sum(losses, []), sum(ref_losses, [])
-        return {"counts": dict(sched.router.counts), "params_close": close,
+        return {"counts": dict(sched.delegation.router.counts), "params_close": close,
                 "losses_close": len(flat) == len(ref_flat) and all(
                     abs(a - b) <= 1e-9 * max(1.0, abs(b)) for a, b in zip(flat, ref_flat)),
                 "losses": flat, "ref": ref_flat}
     finally:
-        sched.close_delegation()
+        sched.delegation.close()
 
 
 def test_delegated_pipemorph_on_one_shared_gpu_trains_like_cpu():
     _cuda0()
-    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.testing import run_ranks
 
     for rank, r in enumerate(run_ranks(_delegated_worker, 2, backend="gloo")):
         assert r["counts"] == {"direct": 0, "delegate": 2 * N_MB * STEPS}, (rank, r)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as Fn
 
 from titan_ext.runtime import host_syncs
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,14 +29,13 @@ def _make(name: str, stage):
     from torch.distributed.pipelining import Schedule1F1B
 
     from titan_ext.runtime import CrossPipe, PipeMorph
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
 
     if name == "pipemorph":
         return PipeMorph(stage, N_MB, loss_fn=Fn.mse_loss)
     if name == "crosspipe":
         return CrossPipe(stage, N_MB, loss_fn=Fn.mse_loss)
     if name == "pipemorph+delegation":
-        return DelegatedPipeMorph(stage, N_MB, delegation="always", loss_fn=Fn.mse_loss)
+        return PipeMorph(stage, N_MB, delegation="always", loss_fn=Fn.mse_loss)
     return Schedule1F1B(stage, N_MB, loss_fn=Fn.mse_loss)
 
 
@@ -60,8 +59,8 @@ def _train(rank: int, world: int, name: str) -> dict:
         loss_reads = read.total
         if k >= WARMUP:
             steady.append(syncs.sites())
-    if hasattr(schedule, "close_delegation"):
-        schedule.close_delegation()
+    if getattr(schedule, "delegation", None) is not None:  # an adaptive schedule's transport
+        schedule.delegation.close()
     return {"steady": steady, "loss_reads": loss_reads, "losses": losses}
 
 

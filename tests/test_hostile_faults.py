@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.testing import run_ranks
 
 N_MB, DIM, BATCH = 4, 8, 8
 
@@ -80,7 +80,7 @@ def test_pool_checks_all_its_rings_at_once(monkeypatch):
 # --- in a job (slow tier) -----------------------------------------------------------------------------
 
 def _batch(step):
-    from titan_ext.runtime.testing import seeded_batch
+    from titan_ext.testing import seeded_batch
 
     return seeded_batch(2000 + step, BATCH, DIM)
 
@@ -89,7 +89,7 @@ def _train(rank, world, make, steps):
     import torch
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.runtime.testing import mlp_stages, step_rank
+    from titan_ext.testing import mlp_stages, step_rank
 
     mod = mlp_stages(world, DIM)[rank]
     sched = make(PipelineStage(mod, rank, world, torch.device("cpu")))
@@ -160,7 +160,7 @@ def _restart_body(rank, world):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.runtime.testing import mlp_stages, step_rank
+    from titan_ext.testing import mlp_stages, step_rank
 
     records, state = _Records(), {"killed": None}
     mod = mlp_stages(world, DIM)[rank]
@@ -327,7 +327,7 @@ def _first_step_body(rank, world):
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.testing import mlp_stages, step_rank
+    from titan_ext.testing import mlp_stages, step_rank
     from titan_ext.runtime.timeouts import PeerTimeout
 
     mod = mlp_stages(world, DIM)[rank]
@@ -393,7 +393,7 @@ def test_falcon_job_sees_an_early_and_a_from_the_start_slow_device(spec, by, tmp
     the first step was never flagged. Now: an onset by step 3 + 5, localised to device 3; from the start,
     an onset by the replicas' comparison naming replica 1 (device 3's row) within the 16 steps, localised
     to device 3 (on this loaded host a 4x device showed replica ratios of 1.1-6x, so its step varies)."""
-    from test_falcon_job import _falcon_log, _torchrun  # the job's launcher, shared with its own tests
+    from _titan_version import falcon_job as _torchrun, falcon_log as _falcon_log  # the job's launcher
 
     _torchrun(tmp_path, 16, ["--titan_ext.emulate_slow_device", spec, "--titan_ext.falcon_apply"])
     rows = _falcon_log(tmp_path)

@@ -63,9 +63,12 @@ def without_delegate_c(monkeypatch):
 def test_delegation_without_the_extension_stops_with_one_line(without_delegate_c):
     pytest.importorskip("torchtitan")
     from titan_ext.titan import registry
+    from titan_ext.titan.config import JobConfig, TitanExt
 
-    with pytest.raises(SystemExit) as stop:
-        registry._configured_class("PipeMorph", delegated=True)
+    with registry.active_job_config(JobConfig(titan_ext=TitanExt(delegation="auto"))):
+        with pytest.raises(SystemExit) as stop:
+            registry.get_schedule_class("PipeMorph")
     message = str(stop.value.code)
     assert "\n" not in message and "titan_ext._delegate_C" in message and "--no-build-isolation" in message
-    registry._configured_class("PipeMorph", delegated=False)  # delegation off: no extension needed
+    with registry.active_job_config(JobConfig(titan_ext=TitanExt())):
+        registry.get_schedule_class("PipeMorph")  # delegation off: no extension needed

@@ -103,7 +103,7 @@ def _budget_worker(rank: int, world: int, budget_acts: int) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph, inject_link_delays
-    from titan_ext.runtime.testing import SleepComputeStage
+    from titan_ext.testing import SleepComputeStage
 
     inject_link_delays("0:20")
     mod = SleepComputeStage(16, 1.0, 1.0, 1.0, seed=rank)
@@ -129,7 +129,7 @@ def _budget_worker(rank: int, world: int, budget_acts: int) -> dict:
 def test_pipemorph_stays_within_its_byte_budget_as_measured():
     """End to end: a 2-rank PipeMorph with a 20 ms link and a budget of 2 activations: the bytes autograd
     holds (the meter, not the planner's count) never exceed the budget after the first iteration."""
-    from titan_ext.runtime.testing import run_ranks
+    from titan_ext.testing import run_ranks
 
     res = run_ranks(_budget_worker, 2, 2, backend="gloo")
     assert res[1]["measured_mf"] == res[1]["last_mf"]  # M^F counts the loss's saved tensors too

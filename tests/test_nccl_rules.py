@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from titan_ext.runtime.control import ControlPlane, new_control_group
-from titan_ext.runtime.nccl_rules import NcclRuleError, is_host_made, mark_host
+from titan_ext.testing.nccl_rules import NcclRuleError, is_host_made, mark_host
 from titan_ext.runtime.profiler import estimate_clock_offsets
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -418,7 +418,7 @@ def test_control_group_forms_when_pp_ranks_hold_different_numbers_of_groups(seen
 def _exit_worker(rank: int, port: int, late_s: float) -> None:
     """A rank that uses the backend, destroys its groups ``late_s`` after its peer (rank 1), and leaves
     through the interpreter's normal exit (finalisation included; ``run_ranks`` skips it)."""
-    from titan_ext.runtime.nccl_rules import install
+    from titan_ext.testing.nccl_rules import install
 
     install()
     dist.init_process_group("nccl_rules", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
@@ -437,7 +437,7 @@ def test_ranks_exit_cleanly_when_peers_destroy_their_groups_at_different_times(l
     the inner gloo group's destructor, and threads of this backend taken down inside C++ frames)."""
     import torch.multiprocessing as mp
 
-    from titan_ext.runtime.testing import free_port
+    from titan_ext.testing import free_port
 
     ctx, port = mp.get_context("spawn"), free_port()
     procs = [ctx.Process(target=_exit_worker, args=(r, port, late_s)) for r in range(2)]

@@ -30,6 +30,8 @@ from titan_ext.plan.ir import as_ops, to_torch_plan, torch_schedules
 from titan_ext.plan.simulate import replay_makespan_ns
 from titan_ext.plan.timing import to_ns
 
+from _plan_cases import mutate as _mutate
+
 
 def hetero_case(rng: random.Random) -> PipelineProfile:
     """S 3–8, N ∈ {2S, 3S, 4S}, heterogeneous times, 1–2 slow links of 5–80 ms."""
@@ -162,40 +164,6 @@ def _torch_accepts(ops, S: int, N: int, limit: int | None) -> bool:
     except Exception:
         return False
     return True
-
-
-def _mutate(rng: random.Random, ops: dict, S: int):
-    """A valid plan, or one deliberately broken: dropped op, swapped dependency, reordered ranks
-    (cross-rank deadlocks among them), or a memory limit below the plan's peak."""
-    ops = {r: list(v) for r, v in ops.items()}
-    kind = rng.choice(["valid", "drop", "swap-dep", "reorder", "memory"])
-    limit = None
-    if kind == "drop":
-        r = rng.randrange(S)
-        ops[r].pop(rng.randrange(len(ops[r])))
-    elif kind == "swap-dep":  # put a consumer before its producer on the same rank
-        r = rng.randrange(S)
-        p = rng.randrange(len(ops[r]))
-        s, k, m = ops[r][p]
-        need = {"I": "F", "B": "F", "W": "I"}.get(k)
-        if need:
-            q = ops[r].index((s, need, m))
-            ops[r][p], ops[r][q] = ops[r][q], ops[r][p]
-    elif kind == "reorder":  # move one op elsewhere on its rank: often a cross-rank deadlock
-        r = rng.randrange(S)
-        op = ops[r].pop(rng.randrange(len(ops[r])))
-        ops[r].insert(rng.randrange(len(ops[r]) + 1), op)
-    elif kind == "memory":
-        peak = max(max(0, *_running_held(v)) for v in ops.values())
-        limit = max(1, peak - rng.choice([0, 1]))
-    return kind, ops, limit
-
-
-def _running_held(rank_ops):
-    held = 0
-    for _, k, _ in rank_ops:
-        held += {"F": 1, "I": -1, "B": -1}.get(k, 0)
-        yield held
 
 
 def test_validators_agree_on_2000_random_plans():

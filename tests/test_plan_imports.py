@@ -3,7 +3,7 @@
 plan/: acyclic, the crosspipe package imports only downward (problem → greedy → model → search →
 _compiled → portfolio; tuning a leaf), and the by-name dispatch (plan/schedules.py) sits above all.
 The whole of titan_ext: acyclic, and the layers of DESIGN.md import only downward (plan/ ← runtime/ ←
-titan/ ← the entry points)."""
+titan/ ← the entry points; the test backends testing/ on runtime/, beside titan/)."""
 
 from __future__ import annotations
 
@@ -119,10 +119,14 @@ def test_titan_ext_import_graph_is_acyclic():
 
 
 def test_layers_import_only_downward():
-    """plan/ imports nothing of runtime/ or titan/; runtime/ nothing of titan/ (DESIGN.md "Layers")."""
+    """plan/ imports nothing of runtime/ or titan/; runtime/ nothing of titan/ (DESIGN.md "Layers");
+    the test backends (testing/) sit on runtime/: neither plan/ nor runtime/ imports them, and they
+    import nothing of titan/ or the entry points."""
     graph = _graph(TOP_ROOT, TOP)
-    above = {"plan": (f"{TOP}.runtime", f"{TOP}.titan", f"{TOP}.train", f"{TOP}.cli"),
-             "runtime": (f"{TOP}.titan", f"{TOP}.train", f"{TOP}.cli")}
+    assert f"{TOP}.testing.nccl_rules" in graph and f"{TOP}.testing.ranks" in graph
+    above = {"plan": (f"{TOP}.runtime", f"{TOP}.titan", f"{TOP}.train", f"{TOP}.cli", f"{TOP}.testing"),
+             "runtime": (f"{TOP}.titan", f"{TOP}.train", f"{TOP}.cli", f"{TOP}.testing"),
+             "testing": (f"{TOP}.titan", f"{TOP}.train", f"{TOP}.cli")}
     for layer, forbidden in above.items():
         for mod, deps in graph.items():
             if mod.startswith(f"{TOP}.{layer}"):

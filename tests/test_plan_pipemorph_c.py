@@ -70,7 +70,7 @@ def test_a_plan_made_with_the_compiled_generator_equals_the_reference_plan(monke
 def test_compiled_checks_give_the_python_validators_verdict_and_peaks():
     """validate.py checks 1-3, compiled (the hot path) vs in Python (the reference that names the reason),
     on valid plans and plans broken the ways test_plan_candidates' torch agreement fuzz breaks them."""
-    from test_plan_candidates import _mutate  # the same breakages that fuzz checks against torch
+    from _plan_cases import mutate as _mutate  # the same breakages that fuzz checks against torch (test_plan_candidates.py)
 
     from titan_ext.plan.simulate import peak_inflight
     from titan_ext.plan.validate import PlanValidationError, _check_python

@@ -19,7 +19,7 @@ import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.runtime import PipeMorph
-from titan_ext.runtime.testing import SleepComputeStage, run_ranks, step_rank
+from titan_ext.testing import SleepComputeStage, run_ranks, step_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

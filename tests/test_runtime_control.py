@@ -26,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.runtime import CrossPipe, Decision, PipeMorph
 from titan_ext.runtime.control import ControlPlane
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
 pytestmark = pytest.mark.timeout(300)
@@ -49,12 +49,12 @@ class DataGroupRefusal(RuntimeError):
 
 def _called_from_titan_ext() -> bool:
     """Whether the nearest caller outside torch's c10d module (e.g. behind all_gather_object) is
-    titan_ext code. The NCCL-rules test backend's function mode (runtime/nccl_rules.py) and torch's
+    titan_ext code. The NCCL-rules test backend's function mode (testing/nccl_rules.py) and torch's
     dispatch to it (overrides, the c10d logger) sit between a caller and c10d: they are not callers."""
     import torch.distributed.c10d_logger as c10d_logger
     import torch.overrides
 
-    from titan_ext.runtime import nccl_rules
+    from titan_ext.testing import nccl_rules
 
     between = (c10d.__file__, __file__, nccl_rules.__file__, torch.overrides.__file__, c10d_logger.__file__)
     frame = sys._getframe(2)

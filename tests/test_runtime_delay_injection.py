@@ -24,7 +24,7 @@ from titan_ext.runtime.delay_injection import (
     load_delay_trace,
     parse_delay_spec,
 )
-from titan_ext.runtime.testing import mlp_stages, run_ranks, step_rank
+from titan_ext.testing import mlp_stages, run_ranks, step_rank
 
 
 # ---------------------------------------------------------------- parsing
@@ -200,7 +200,7 @@ def _one_f_one_b_with_and_without_delay(rank: int, world: int) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from titan_ext.runtime import remove_link_delays
-    from titan_ext.runtime.testing import seeded_batch
+    from titan_ext.testing import seeded_batch
 
     out = {}
     for spec in ("", "0:30"):

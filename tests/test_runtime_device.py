@@ -1,4 +1,4 @@
-"""The device layer on the asynchronous-device simulation (issue 20, defect 2; ``runtime/simdevice.py``).
+"""The device layer on the asynchronous-device simulation (issue 20, defect 2; ``testing/simdevice.py``).
 
 Receives behave as on NCCL — ``wait()`` only enqueues a stream wait and returns, the data lands later,
 ``is_completed()`` is truthful — and a slow link is emulated at the receiver.  Checked on a 2-rank
@@ -23,8 +23,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.runtime import PipeMorph
 from titan_ext.runtime.device import CpuDevice
-from titan_ext.runtime.simdevice import SimAsyncTransport, SimComputeStage, SimDevice, stream
-from titan_ext.runtime.testing import run_ranks, step_rank
+from titan_ext.testing.simdevice import SimAsyncTransport, SimComputeStage, SimDevice, stream
+from titan_ext.testing import run_ranks, step_rank
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,7 +24,7 @@ def single_rank_group():
 def test_executor_runs_two_local_stages_like_autograd(single_rank_group):
     """Two stages on one rank (no communication): a split-backward action list runs through the
     executor; losses and gradients equal plain autograd's, every compute action is timed."""
-    from titan_ext.runtime.testing import mlp_stages
+    from titan_ext.testing import mlp_stages
     from titan_ext.runtime import _torch_compat
     from titan_ext.runtime.executor import Executor, RunContext
     from torch.distributed.pipelining import PipelineStage

@@ -11,7 +11,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.runtime import PipeMorph
 from titan_ext.runtime.falcon import FalconConfig, FalconMonitor, StrategyCosts
-from titan_ext.runtime.testing import run_ranks, step_rank
+from titan_ext.testing import run_ranks, step_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -20,7 +20,7 @@ DIM, BATCH = 8, 16
 
 def _worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float, on: int, steps: int):
     from titan_ext.runtime import inject_link_delays
-    from titan_ext.runtime.testing import SleepComputeStage
+    from titan_ext.testing import SleepComputeStage
 
     injector = inject_link_delays("")
     # re-planning starts off: the slowdown persists until Falcon's planner switches it on.

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as Fn
 
 from titan_ext.runtime._torch_compat import has_wait_actions
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch
 
 pytestmark = pytest.mark.timeout(300)
 

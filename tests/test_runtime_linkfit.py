@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from titan_ext.plan.linkfit import fit_link
 from titan_ext.runtime.delay_injection import inject_link_delays
-from titan_ext.runtime.testing import run_ranks
+from titan_ext.testing import run_ranks
 
 CAP = 50e6  # bytes/s
 SIZES = (500_000, 1_000_000, 2_000_000) * 4  # 10 / 20 / 40 ms on the capped link

@@ -24,7 +24,7 @@ from titan_ext.plan.ir import as_ops
 from titan_ext.plan.virtual import generate_virtual_order, virtual_profile, virtual_stage_to_rank
 from titan_ext.runtime.placement import read_layout
 from titan_ext.runtime.policy import Decision
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -126,7 +126,7 @@ def _adaptation(rank: int) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph, inject_link_delays
-    from titan_ext.runtime.testing import SleepComputeStage
+    from titan_ext.testing import SleepComputeStage
 
     S = R * V
     s2r = virtual_stage_to_rank(R, V, "v")

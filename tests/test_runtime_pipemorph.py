@@ -13,7 +13,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan import PipelineProfile
 from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
 pytestmark = pytest.mark.timeout(300)
@@ -235,7 +235,7 @@ class DissentingPipeMorph(PipeMorph):
 
 def _agreement_worker(rank: int, world: int, n_mb: int, cls_name: str):
     from titan_ext.runtime import inject_link_delays
-    from titan_ext.runtime.testing import SleepComputeStage
+    from titan_ext.testing import SleepComputeStage
 
     cls = {"noisy": NoisyPipeMorph, "dissent": DissentingPipeMorph}[cls_name]
     mod = SleepComputeStage(DIM, 2.0, 2.0, 1.0, seed=rank)
@@ -270,7 +270,7 @@ def test_ranks_agree_on_every_deployed_plan(variant):
 
 def _adapt_worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float, on: int, off: int, steps: int):
     from titan_ext.runtime import inject_link_delays
-    from titan_ext.runtime.testing import SleepComputeStage
+    from titan_ext.testing import SleepComputeStage
 
     injector = inject_link_delays("")
     mod = SleepComputeStage(DIM, t_ms, t_ms, t_ms, seed=rank)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_ext.runtime.testing import free_port, run_ranks
+from titan_ext.testing import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 T = 2.0  # seconds: the timeout under test
@@ -121,7 +121,7 @@ def _count_pp_waits(rank: int, world: int, train_s: float) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, schedules
 
     from titan_ext.runtime import timeouts
-    from titan_ext.runtime.testing import mlp_stages, seeded_batch, step_rank
+    from titan_ext.testing import mlp_stages, seeded_batch, step_rank
 
     counts = {"waits": 0, "with_timeout": 0}
 
@@ -175,7 +175,7 @@ NCCL_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch.distributed.pipelining import schedules
     from titan_ext.runtime import timeouts
-    from titan_ext.runtime.nccl_rules import install
+    from titan_ext.testing.nccl_rules import install
 
     rank, port, T = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
     install()

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as Fn
 
 from titan_ext.plan.virtual import virtual_stage_to_rank
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch
 
 pytestmark = pytest.mark.timeout(300)
 

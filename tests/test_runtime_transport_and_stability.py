@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.runtime.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -69,7 +69,7 @@ def test_crosspipe_with_delegation_always_matches_gpipe():
 
 def _stability_worker(rank, world, n_mb, steps, delay_ms):
     from titan_ext.runtime import PipeMorph, inject_link_delays
-    from titan_ext.runtime.testing import SleepComputeStage
+    from titan_ext.testing import SleepComputeStage
 
     inject_link_delays(f"{world - 2}:{delay_ms:g}")
     mod = SleepComputeStage(DIM, 3.0, 3.0, 3.0, seed=rank)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 
-from titan_ext.runtime.testing import mlp_stages, run_ranks, seeded_batch
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch
 
 DIM, N_MB, STEPS = 16, 4, 2
 

@@ -275,10 +275,11 @@ def test_stock_torchtitan_train_rejects_bad_value_before_process_group(tmp_path)
     assert "init_process_group" not in p.stderr
 
 
-def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp_path):
+def test_delegation_is_the_schedules_transport_before_any_process_group(tmp_path):
+    """Issue 38: delegation is a transport every adaptive schedule has -- the same class with and without
+    it (no delegating subclass), the mode in its config."""
     pytest.importorskip("titan_ext.runtime.delegate.schedule")
-    from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
+    from titan_ext.runtime import CrossPipe, PipeMorph
     from titan_ext.titan.options import schedule_kwargs
     from titan_ext.titan.registry import schedule_class_for
     from titan_ext.titan.jobcheck import JobConfigError, check_job_config
@@ -287,15 +288,19 @@ def test_delegation_selects_the_delegating_schedule_before_any_process_group(tmp
 
     auto = cfg("--titan_ext.delegation", "auto", "--titan_ext.delegation_slow_link_ms", "7.5")
     cls = schedule_class_for("PipeMorph", auto)
-    assert issubclass(cls, DelegatedPipeMorph)
-    config = schedule_kwargs(DelegatedPipeMorph, auto)["config"]
+    assert issubclass(cls, PipeMorph) and cls.__mro__[1] is PipeMorph  # [titan_ext]-configured PipeMorph
+    config = schedule_kwargs(cls, auto)["config"]
     assert (config.delegation.mode, config.delegation.slow_link_ms, config.delegation.failover) == ("auto", 7.5, False)
     assert config.profile_every == 1  # PipeMorph's own knobs: the same config
     check_job_config(auto, world_size=4)
 
     off = cfg()
-    cls = schedule_class_for("PipeMorph", off)
-    assert issubclass(cls, PipeMorph) and not issubclass(cls, DelegatedPipeMorph)
+    assert schedule_class_for("PipeMorph", off) is cls  # one class: delegation is its config's
+    assert schedule_kwargs(cls, off)["config"].delegation.mode == "off"
+    crosspipe = cfg("--titan_ext.delegation", "auto", "--parallelism.pipeline_parallel_schedule", "CrossPipe")
+    config = schedule_kwargs(schedule_class_for("CrossPipe", crosspipe), crosspipe)["config"]
+    assert issubclass(schedule_class_for("CrossPipe", crosspipe), CrossPipe) and config.delegation.mode == "auto"
+    check_job_config(crosspipe, world_size=4)  # was: "schedule 'CrossPipe' has no delegation variant"
 
     baseline = cfg("--titan_ext.delegation", "always", "--parallelism.pipeline_parallel_schedule", "1F1B")
     with pytest.raises(JobConfigError, match=r"\[titan_ext\] delegation = 'always': schedule '1F1B' is not"):
@@ -380,39 +385,35 @@ def _greedy_planner(config):
     return PipeMorphPlanner(schedule="zb")
 
 
-def _make_zb_schedule():
+def _zb_spec():
     from titan_ext.runtime.parts import PIPEMORPH, ScheduleSpec
-    from titan_ext.runtime.pipemorph import adaptive_schedule
 
-    spec = ScheduleSpec("ZBAdaptive", one_stage_planner=_greedy_planner,
+    return ScheduleSpec("ZBAdaptive", one_stage_planner=_greedy_planner,
                         multi_stage_planner=PIPEMORPH.multi_stage_planner, backward_choices=("split",))
-    return adaptive_schedule(spec, module=__name__)
-
-
-ZB_ADAPTIVE = None
 
 
 def test_a_new_adaptive_schedule_is_a_registry_entry_torchtitan_finds():
-    """Issue 24 item 2: a schedule = a ScheduleSpec naming its planner (+ one registry line); TorchTitan's
-    lookup finds it by name and its [titan_ext] settings arrive as its config — no subclass code, no
-    signature patch."""
-    global ZB_ADAPTIVE
+    """Issue 24 item 2 / issue 38 item 3: a schedule = a ScheduleSpec naming its planner, registered by
+    ``register_schedule``; TorchTitan's lookup finds it by name and its [titan_ext] settings arrive as its
+    config — no subclass code, no signature patch, no second table."""
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime.config import PipeMorphConfig
+    from titan_ext.runtime.registry import unregister_schedule
     from titan_ext.titan import registry
     from titan_ext.titan.config import JobConfig, TitanExt
     from titan_ext.titan.options import schedule_kwargs
 
-    ZB_ADAPTIVE = _make_zb_schedule()
-    registry.register_schedule("ZBAdaptive", __name__, "ZB_ADAPTIVE")
+    zb_adaptive = registry.register_schedule(_zb_spec(), module=__name__)
     try:
+        assert "ZBAdaptive" in registry.registered_schedules()
         job = JobConfig(titan_ext=TitanExt(replan_interval=3, backward="split"))
         cls = registry.schedule_class_for("zbadaptive", job)
-        assert issubclass(cls, ZB_ADAPTIVE) and issubclass(cls, PipeMorph) and cls.__name__ == "ZBAdaptive"
+        assert issubclass(cls, zb_adaptive) and issubclass(cls, PipeMorph) and cls.__name__ == "ZBAdaptive"
         assert cls.spec.one_stage_planner(PipeMorphConfig()).schedule == "zb" and cls.backward_choices == ("split",)
         config = schedule_kwargs(cls, job)["config"]
         assert type(config) is PipeMorphConfig and config.profile_every == 3 and config.backward == "split"
         with pytest.raises(TypeError, match="ZBAdaptive: unknown option"):
             config.updated("ZBAdaptive", variant="ud")  # CrossPipe's keyword is not this schedule's
     finally:
-        registry._SCHEDULES.pop("ZBAdaptive", None)
+        unregister_schedule("ZBAdaptive")
+    assert not registry.is_titan_ext_schedule("ZBAdaptive")

@@ -134,13 +134,11 @@ def _clock_worker(rank, world, port, skew_ns, out):
 
 
 def test_clock_offsets_across_hosts_are_estimated_and_removed():
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from titan_ext.testing import free_port
+
+    port = free_port()
     skew = 5_000_000_000  # rank 1's clock is 5 s ahead
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

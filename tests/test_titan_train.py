@@ -9,30 +9,21 @@ with delegation complete it.
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from _titan_version import TITAN_EXT_TRAIN, TOML_CONFIG, tt02_only
 
-from titan_ext.runtime.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
-from titan_ext.runtime.testing import chosen_backend
+from titan_ext.testing import chosen_backend, torchrun
+from titan_ext.testing.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
 
 pytestmark = [pytest.mark.slow, tt02_only(TITAN_EXT_TRAIN + " and " + TOML_CONFIG)]
 
 ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
 CONFIG = "train_configs/debug_cpu.toml"
 STEPS = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(module: str, args: list[str], log: Path, env_extra: dict | None = None,
@@ -45,12 +36,8 @@ def _torchrun(module: str, args: list[str], log: Path, env_extra: dict | None = 
     # the test backend (default nccl_rules: NCCL's rules on the PP and DP groups; the CPU shim reads it)
     env[TEST_BACKEND_VAR] = chosen_backend()
     env.update(env_extra or {})
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "--local-ranks-filter", str(log_rank), "-m", module, "--job.config_file", CONFIG, *args]
-    with open(log, "w") as f:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-    return p
+    return torchrun(4, ["-m", module, "--job.config_file", CONFIG, *args], log=log, cwd=ROOT, env=env,
+                    timeout=timeout, local_ranks_filter=log_rank)
 
 
 def _no_nan(token):
@@ -196,7 +183,7 @@ def test_stock_torchtitan_console_shows_pipeline_line_plan_changes_and_straggler
 
 
 def test_delegation_auto_switches_on_under_a_straggler_and_keeps_the_numbers(pipemorph_run, tmp_path):
-    """[titan_ext] delegation = "auto": the runtime's DelegatedPipeMorph moves PP traffic to its
+    """[titan_ext] delegation = "auto": PipeMorph's delegation (its transport) moves PP traffic to its
     delegate processes once link 2's estimate exceeds the threshold; losses stay bit-for-bit."""
     log = tmp_path / "train.log"
     p = _torchrun("titan_ext.train", [

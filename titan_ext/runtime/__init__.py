@@ -19,13 +19,22 @@ from .deploy import plan_hash, warmup_counts_of
 from .config import DelegationConfig, PipeMorphConfig, PolicySettings  # the schedules' settings
 from .parts import ScheduleSpec
 from .pipemorph import PipeMorph, adaptive_schedule
+from .registry import register_schedule, registered_schedules, schedule_class
 from .crosspipe import CrossPipe, CrossPipeConfig  # CrossPipe greedy re-planning on PipeMorph's runtime
 from .policy import Decision, Policy, ReplanPolicy
 from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (docs/falcon.md)
 
-from .delegated import DelegatedPipeMorph  # noqa: F401  (docs/delegate.md)
 
-from titan_ext import _flags
+def __getattr__(name: str):
+    if name == "DelegatedPipeMorph":  # removed by issue 38: delegation is every adaptive schedule's
+        raise AttributeError("titan_ext.runtime.DelegatedPipeMorph was removed: every adaptive schedule has "
+                             "delegation (PipeMorph(stage, n, delegation='auto'|'always'), any registered "
+                             "schedule alike); its API is schedule.delegation: .router, .pool, .log, "
+                             ".delegating, .set(on), .close()")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+from titan_ext import _flags  # noqa: E402
 
 if not _flags.DEFER_ENV_STRAGGLER:  # titan_ext.train checks it first, installs it later
     try:
@@ -51,6 +60,9 @@ __all__ = [
     "ReplanPolicy",
     "ScheduleSpec",
     "adaptive_schedule",
+    "register_schedule",
+    "registered_schedules",
+    "schedule_class",
     "current_injector",
     "inject_link_delays",
     "install_from_env",

@@ -10,7 +10,7 @@ behind the user's back (§4.2 inputs: M_L).  Delegation (``delegation="always"|"
 PipeMorph: it is a transport choice.
 
 This module is the whole schedule: a config with CrossPipe's own settings, the planner choice, and the
-registry entry made a class by :func:`~titan_ext.runtime.pipemorph.adaptive_schedule`.
+registry entry, registered (and made a class) by :func:`~titan_ext.runtime.registry.register_schedule`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Sequence
 from ..plan.args import real_arg
 from .config import PipeMorphConfig
 from .parts import ScheduleSpec
-from .pipemorph import adaptive_schedule
 from .placement import Layout, VirtualPlanner
 from .planning import CrossPipePlanner, Planner
+from .registry import register_schedule
 
 __all__ = ["CROSSPIPE", "CrossPipe", "CrossPipeConfig"]
 
@@ -73,7 +73,7 @@ def _multi_stage(layout: Layout, config: CrossPipeConfig) -> Planner:
 CROSSPIPE = ScheduleSpec("CrossPipe", one_stage_planner=_one_stage, multi_stage_planner=_multi_stage,
                          config_class=CrossPipeConfig, backward_choices=CrossPipePlanner.backward_choices)
 
-CrossPipe = adaptive_schedule(CROSSPIPE, module=__name__, doc="""The adaptive runtime re-planning with
+CrossPipe = register_schedule(CROSSPIPE, module=__name__, doc="""The adaptive runtime re-planning with
 CrossPipe's greedy generator (one stage per rank) or, with several stages per rank, CrossWave (V-shape) /
 the split-backward virtual portfolio (loop).  Settings: :class:`CrossPipeConfig` (``config=``, or its fields
 as keywords: ``variant``, ``message_bytes``, ``link_bandwidth_bytes_per_s`` beyond PipeMorph's).""")

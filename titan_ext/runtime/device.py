@@ -32,7 +32,7 @@ Three implementations behind one interface (:class:`DeviceLayer`):
     a wait placed when the receive is posted would stall the compute stream at the receive's position;
   - every CUDA call names the stage's device (``torch.cuda.device(dev)``), from any thread.
 
-* ``titan_ext.runtime.simdevice.SimDevice`` — an asynchronous-device simulation for CPU tests: receives
+* ``titan_ext.testing.simdevice.SimDevice`` — an asynchronous-device simulation for CPU tests: receives
   that land later than their ``wait()`` returns, a compute stream that stalls where its waits sit, and
   events that report when the stream reached them.
 

@@ -106,7 +106,7 @@ class Executor:
         self.activation_bytes = activation_bytes
 
     def use_device(self, layer: DeviceLayer) -> None:
-        """Time, stamp and wait through ``layer`` (e.g. the simulation of ``runtime/simdevice.py``)."""
+        """Time, stamp and wait through ``layer`` (e.g. the simulation of ``testing/simdevice.py``)."""
         self.device = layer
         self.timer = layer.timer()
 

@@ -32,7 +32,7 @@ class Extensions:
 
     transport: Transport = field(default_factory=TorchP2P)
     observers: list[BoundaryObserver] = field(default_factory=list)
-    delegation: Any = None  # the Delegation among the observers (its API: DelegatedPipeMorph), or None
+    delegation: Any = None  # the Delegation among the observers (the schedule's ``delegation``), or None
     falcon_observer: FalconObserver | None = None  # Falcon among the observers, or None
 
     @property

@@ -20,7 +20,7 @@ loop's) while its ``with`` block runs::
     syncs.by_site  # Counter {(kind, "file:line"): n}
 
 "Device tensor" on a CPU test: a tensor on a non-CPU device, or, under the ``nccl_rules`` test backend,
-a CPU tensor that backend does not recognise as a host tensor (:func:`titan_ext.runtime.nccl_rules.is_host_made`:
+a CPU tensor that backend does not recognise as a host tensor (:func:`titan_ext.testing.nccl_rules.is_host_made`:
 the one definition of where a tensor lives).  On plain gloo every tensor is the host's: only the
 synchronising calls are counted.  The CUDA calls are counted by wrapping torch's own
 ``torch.cuda.synchronize`` / ``Event.synchronize`` / ``Stream.synchronize``; a fake device
@@ -47,7 +47,7 @@ __all__ = ["HostSyncs", "counting", "is_device_tensor", "record"]
 
 _HERE = __name__
 #: frames skipped when naming the call site: the accounting itself and torch's dispatch glue
-_GLUE = (__name__, "torch.overrides", "torch.utils._python_dispatch", "titan_ext.runtime.nccl_rules",
+_GLUE = (__name__, "torch.overrides", "torch.utils._python_dispatch", "titan_ext.testing.nccl_rules",
          "contextlib")
 
 _active: dict[int, list["HostSyncs"]] = {}  # thread ident → counters open on it (innermost last)
@@ -118,14 +118,14 @@ def is_device_tensor(t: Any) -> bool:
         return False
     if t.device.type != "cpu":
         return t.device.type != "meta"
-    rules = sys.modules.get("titan_ext.runtime.nccl_rules")
+    rules = sys.modules.get("titan_ext.testing.nccl_rules")
     return bool(rules is not None and rules.installed() and rules.is_host_made(t) is None)
 
 
 def _host_target(target: Any) -> bool:
     """A ``.to()`` / ``device=`` target that names the host (nccl_rules' convention on a CPU test:
     the string ``"cpu"``; a ``torch.device`` value is the stage's device)."""
-    rules = sys.modules.get("titan_ext.runtime.nccl_rules")
+    rules = sys.modules.get("titan_ext.testing.nccl_rules")
     if rules is not None and rules.installed():
         return rules.names_host(target)
     return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"

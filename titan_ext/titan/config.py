@@ -10,23 +10,63 @@ TorchTitan parses the config and before any process group exists. A bad value ra
 :class:`TitanExtConfigError` (a ``ValueError``) whose message names the key, e.g.
 ``[titan_ext] delegation = 'sometimes': must be one of 'off', 'auto', 'always'``.
 
-This module imports no torch at import time; only validating a non-empty ``inject_delays`` /
-``inject_trace`` loads the runtime's delay parser (and with it torch).
+Besides the built-in knobs of :class:`TitanExt` (each names, in its field metadata, the config keyword it
+sets: :func:`sets`), every registered adaptive schedule (``titan_ext.runtime.registry``) brings the
+fields its config class adds to ``PipeMorphConfig`` as knobs of the same name, documented by the
+fields' docstrings (:func:`registered_knobs`); ``JobConfig`` -- what ``job.custom_config_module``
+hands TorchTitan -- is built from the registry when asked for (:func:`job_config_class`).
+
+This module imports no torch at import time; validating a non-empty ``inject_delays`` /
+``inject_trace`` loads the runtime's delay parser (and with it torch), and so does asking for
+``JobConfig`` or the registered knobs (the registry is the runtime's).
 """
 
 
+import ast
+import inspect
 import math
-from dataclasses import dataclass, field, fields
+import os
+import textwrap
+import threading
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any
 
 from titan_ext.plan.virtual import PLACEMENTS as VIRTUAL_PLACEMENTS
 
-__all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "config_delay_schedule"]
+__all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "config_delay_schedule",
+           "job_config_class", "registered_knobs", "schedule_knobs", "section_class", "sets"]
 
 DELEGATION_MODES = ("off", "auto", "always")
 MAX_SLOT_MIB = 65536  # one delegate slot: at most 64 GiB of host memory
 MAX_PASS_MS = 600_000.0  # an emulated pass of more than 10 minutes is a typo
 PLACEMENTS = ("",) + VIRTUAL_PLACEMENTS  # "" = the schedule's own
 
+
+def sets(keyword: str, convert: Callable[[Any], Any] | None = None) -> dict:
+    """A ``[titan_ext]`` knob's field metadata: the adaptive schedules' config keyword it sets
+    (``PipeMorphConfig.updated``'s keywords; ``policy_settings.<field>`` for a ``PolicySettings`` field),
+    and how its value becomes the keyword's (``None``: leave the schedule's default).  Read by
+    ``titan/options.py``; a schedule's own config fields need none (they are knobs of their own name,
+    :func:`schedule_knobs`)."""
+    return {"sets": keyword, "convert": convert}
+
+
+def _gib_to_bytes(v: float) -> float | None:
+    return float(v * 1024**3) if v > 0 else None
+
+
+def _mib_to_bytes(v: float) -> int | None:
+    return int(round(v * 2**20)) if v > 0 else None
+
+
+def _positive_or_none(v: int) -> int | None:
+    return int(v) if v > 0 else None
+
+
+def _empty_is_none(v: str) -> str | None:
+    return v or None
 
 
 class TitanExtConfigError(ValueError):
@@ -37,67 +77,67 @@ class TitanExtConfigError(ValueError):
 class TitanExt:
     """Knobs of titan_ext's adaptive pipeline schedules (PipeMorph / CrossPipe) and its metrics."""
 
-    memory_budget_gib: float = 0.0
+    memory_budget_gib: float = field(default=0.0, metadata=sets("memory_budget_bytes", _gib_to_bytes))
     """Activation-memory budget per pipeline rank, in GiB (PipeMorph Alg.1's M): with one
     microbatch's activation bytes, measured in the first forward, it fixes how many microbatches
     stage 0 may hold in flight (x_max = M / M^F). 0 = no budget (``max_inflight`` decides)."""
 
-    max_inflight: int = 0
+    max_inflight: int = field(default=0, metadata=sets("max_inflight", _positive_or_none))
     """x_max directly: microbatches stage 0 may hold in flight; overrides ``memory_budget_gib``.
     0 = from the budget, or 2S - 1 without one (uniform slackness 2, the ZeroBubble plan)."""
 
-    adaptive: bool = True
+    adaptive: bool = field(default=True, metadata=sets("adaptive"))
     """Re-plan from live profiling (PipeMorph Alg.2) when a link's measured delay breaks the
     deployed plan's tolerance (Eq.1), and shrink again when it recovers. False = keep the initial
     plan (profiling and metrics still run)."""
 
-    slack_floor: int = 2
+    slack_floor: int = field(default=2, metadata=sets("slack_floor"))
     """Smallest slackness Δ_i the adaptive planner keeps on every link (PipeMorph Alg.2). >= 1."""
 
-    backward: str = ""
+    backward: str = field(default="", metadata=sets("backward", _empty_is_none))
     """Backward actions of PipeMorph's plans: "split" (I and W, ZeroBubble-style: W fills bubbles),
     "full" (one full backward B per microbatch, 1F1B-style, with PipeMorph's warm-up counts) or
     "auto" (after each re-plan, run the other variant for ``profile_window`` iterations and keep the
     one with the lower measured iteration time; PipeMorph's default). Empty = the schedule's default
     (PipeMorph: auto; CrossPipe: split, its only variant)."""
 
-    replan_interval: int = 1
+    replan_interval: int = field(default=1, metadata=sets("profile_every"))
     """Iterations between two re-planning checks; the ranks exchange their profiles (one small
     all_gather) once per check. >= 1."""
 
-    profile_window: int = 3
+    profile_window: int = field(default=3, metadata=sets("policy_settings.window"))
     """Recent profile exchanges whose medians form the robust estimates (compute times and link
     delays) the policy and the planner use. >= 1."""
 
-    tolerance_margin: float = 0.10
+    tolerance_margin: float = field(default=0.10, metadata=sets("policy_settings.rel_margin"))
     """Detector threshold, relative: a link counts as slow when its measured delay exceeds the
     deployed plan's Eq.1 tolerance by this fraction (and the planner plans with this headroom).
     In [0, 10]."""
 
-    tolerance_margin_ms: float = 1.0
+    tolerance_margin_ms: float = field(default=1.0, metadata=sets("policy_settings.abs_margin_ms"))
     """Detector threshold, absolute (ms): also required on top of the tolerance, so that timer
     noise on tiny tolerances does not trigger re-plans. >= 0."""
 
-    recover_patience: int = 3
+    recover_patience: int = field(default=3, metadata=sets("policy_settings.recover_patience"))
     """Hysteresis: consecutive checks that must agree that a link recovered before slackness
     shrinks (memory is given back), so jitter does not flap the plan. >= 1."""
 
-    min_dwell: int = 2
+    min_dwell: int = field(default=2, metadata=sets("policy_settings.min_dwell"))
     """Hysteresis: iterations a deployed plan runs at least before it may shrink. >= 0."""
 
-    delegation: str = "off"
+    delegation: str = field(default="off", metadata=sets("delegation"))
     """Moving PP sends/receives off the compute critical path onto delegate processes (PipeMorph
     §5): "off", "auto" (direct until a link's estimated delay exceeds
     ``delegation_slow_link_ms``, then delegated from the next iteration boundary on) or "always".
-    Uses the runtime's DelegatedPipeMorph."""
+    Every adaptive schedule has it (its transport, ``schedule.delegation``)."""
 
-    delegation_slow_link_ms: float = 5.0
+    delegation_slow_link_ms: float = field(default=5.0, metadata=sets("slow_link_ms", float))
     """Auto delegation's threshold on a link's estimated one-way delay, ms. >= 0."""
 
-    delegation_failover: bool = False
+    delegation_failover: bool = field(default=False, metadata=sets("failover"))
     """Retry a failed or timed-out direct PP transfer on the delegate path (PipeMorph §5.3)."""
 
-    delegation_slot_mib: float = 0.0
+    delegation_slot_mib: float = field(default=0.0, metadata=sets("delegate_slot_bytes", _mib_to_bytes))
     """Size of one delegate slot (the largest PP message it carries), MiB. 0 = derived from the
     stage's messages at the first delegated iteration (the largest inter-stage activation of the
     pipeline, agreed by all ranks). Host memory per delegate lane is about 16 slots of this size.
@@ -128,7 +168,7 @@ class TitanExt:
     messages (``titan_ext.plan.linkfit``); empty = none. Validated here; the run-time wiring of
     several stages per rank to these links is not built yet."""
 
-    falcon: bool = True
+    falcon: bool = field(default=True, metadata=sets("falcon"))
     """Falcon fail-slow detection (BOCD change points on the iteration time, per-link profiling,
     ski-rental mitigation planning; Falcon §4–§5) inside PipeMorph / CrossPipe. Its events, root
     cause, chosen strategy and measured effect are logged with the pipeline metrics (``falcon/*``).
@@ -202,7 +242,7 @@ def _check(cond: bool, key: str, value, why: str) -> None:
 
 def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
     """Check every field; with ``num_pp_links`` also check that injected links exist."""
-    for f in fields(cfg):
+    for f in fields(TitanExt):  # the built-in knobs (a registered schedule's: _validate_schedule_knobs)
         v = getattr(cfg, f.name)
         tname = f.type if isinstance(f.type, str) else f.type.__name__
         want = {"float": (int, float), "int": int, "str": str, "bool": bool}[tname]
@@ -286,8 +326,151 @@ def _check_emulation(key: str, spec: str) -> None:
         raise TitanExtConfigError(f"[titan_ext] {key} = {spec!r}: {e}") from None
 
 
-@dataclass
-class JobConfig:
-    """Merged by TorchTitan's ConfigManager into its own JobConfig (``job.custom_config_module``)."""
+# ---------------------------------------------------------------------------------------------------
+# the registered schedules' own knobs
+# ---------------------------------------------------------------------------------------------------
+_TOML_TYPES = (bool, int, float, str)
 
-    titan_ext: TitanExt = field(default_factory=TitanExt)
+
+@dataclass(frozen=True)
+class ScheduleKnob:
+    """A ``[titan_ext]`` knob derived from a registered schedule's config field."""
+
+    name: str
+    type: type
+    default: Any
+    doc: str  # the config field's docstring
+    schedules: tuple[str, ...]  # the registered schedules whose config has the field
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass and its bases (the string right after a field), by field."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                out[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return out
+
+
+def schedule_knobs(config_class: type) -> list[tuple[str, type, Any, str]]:
+    """``(name, type, default, docstring)`` of the ``[titan_ext]`` knobs a schedule's config class
+    gives: every field it adds to ``PipeMorphConfig`` whose type a TOML value carries (bool, int,
+    float, str) and that has a default.  Other added fields (None-able, sequences, objects) stay
+    config-only (``config=`` or keywords of the schedule's constructor).  Imports the runtime."""
+    from dataclasses import MISSING
+
+    from titan_ext.runtime.config import PipeMorphConfig
+
+    common = {f.name for f in fields(PipeMorphConfig)}
+    hints = typing.get_type_hints(config_class)
+    docs = field_docs(config_class)
+    return [(f.name, hints[f.name], f.default, docs.get(f.name, ""))
+            for f in fields(config_class)
+            if f.init and f.name not in common and hints.get(f.name) in _TOML_TYPES and f.default is not MISSING]
+
+
+def registered_knobs() -> dict[str, ScheduleKnob]:
+    """The knobs of every registered adaptive schedule (``runtime/registry.py``), by name.  A knob
+    shared by several schedules must have one type and default; none may shadow a built-in knob."""
+    from titan_ext.runtime.registry import schedule_specs
+
+    builtin = {f.name for f in fields(TitanExt)}
+    out: dict[str, ScheduleKnob] = {}
+    for spec in schedule_specs():
+        for name, typ, default, doc in schedule_knobs(spec.config_class):
+            if name in builtin:
+                raise ValueError(f"schedule {spec.name!r}: config field {name!r} would shadow the built-in "
+                                 f"[titan_ext] knob {name!r}; rename the field")
+            prev = out.get(name)
+            if prev is not None and (prev.type, prev.default) != (typ, default):
+                raise ValueError(f"[titan_ext] {name}: schedules {prev.schedules + (spec.name,)} give it different "
+                                 f"types or defaults ({prev.type.__name__} = {prev.default!r}, "
+                                 f"{typ.__name__} = {default!r})")
+            out[name] = ScheduleKnob(name, typ, default, prev.doc if prev else doc,
+                                     (prev.schedules if prev else ()) + (spec.name,))
+    return out
+
+
+def _validate_schedule_knobs(section: Any, knobs: dict[str, ScheduleKnob]) -> None:
+    """A schedule knob's value: of the knob's type, and accepted by each owning schedule's config
+    (its ``__post_init__``); errors name the key."""
+    from titan_ext.runtime.registry import schedule_class
+
+    for knob in knobs.values():
+        v = getattr(section, knob.name)
+        want = (int, float) if knob.type is float else knob.type
+        _check(isinstance(v, want) and (knob.type is bool or not isinstance(v, bool)), knob.name, v,
+               f"must be of type {knob.type.__name__}")
+        for name in knob.schedules:
+            try:
+                schedule_class(name).spec.config_class(**{knob.name: v})
+            except (TypeError, ValueError) as e:
+                raise TitanExtConfigError(f"[titan_ext] {knob.name} = {v!r}: {e}") from None
+
+
+_built: dict[tuple, type] = {}
+_build_lock = threading.Lock()
+
+
+def section_class() -> type:
+    """The ``[titan_ext]`` section: :class:`TitanExt` plus the knobs of every registered adaptive
+    schedule (:func:`registered_knobs`, each documented by its config field's docstring; TorchTitan's
+    ``--help`` shows it).  Rebuilt when a schedule is registered.  Imports the runtime."""
+    knobs = registered_knobs()
+    key = tuple((k.name, k.type, k.default, k.schedules) for k in knobs.values())
+    with _build_lock:
+        if key in _built:
+            return _built[key]
+    if not knobs:
+        return TitanExt
+    try:  # the help text TorchTitan's CLI (tyro) shows; a plain type without tyro
+        import tyro
+
+        def annotate(k: ScheduleKnob) -> Any:
+            return typing.Annotated[k.type, tyro.conf.arg(help=k.doc or None)]
+    except ImportError:
+        def annotate(k: ScheduleKnob) -> Any:
+            return k.type
+
+    def __post_init__(self) -> None:
+        TitanExt.__post_init__(self)
+        _validate_schedule_knobs(self, knobs)
+
+    doc = "\n".join([TitanExt.__doc__ or "", "", "Knobs of the registered schedules' configs:",
+                      *(f"  {k.name} ({', '.join(k.schedules)}): {k.doc}" for k in knobs.values())])
+    cls = make_dataclass(
+        "TitanExt", [(k.name, annotate(k), field(default=k.default, metadata={"schedules": k.schedules, "doc": k.doc}))
+                     for k in knobs.values()],
+        bases=(TitanExt,), namespace={"__post_init__": __post_init__, "__doc__": doc, "__module__": __name__})
+    with _build_lock:
+        return _built.setdefault(key, cls)
+
+
+def job_config_class() -> type:
+    """What TorchTitan's ConfigManager merges into its own JobConfig (``job.custom_config_module =
+    "titan_ext.titan.config"``, whose ``JobConfig`` this is): a ``titan_ext`` section of
+    :func:`section_class`.  A module that registers a schedule of its own and then exports
+    ``JobConfig = job_config_class()`` may be the job's ``custom_config_module`` instead."""
+    section = section_class()
+    with _build_lock:
+        key = ("JobConfig", section)
+        if key not in _built:
+            _built[key] = make_dataclass(
+                "JobConfig", [("titan_ext", section, field(default_factory=section))],
+                namespace={"__doc__": "Merged by TorchTitan's ConfigManager into its own JobConfig "
+                                      "(``job.custom_config_module``).", "__module__": __name__})
+        return _built[key]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "JobConfig":  # built from the schedule registry when TorchTitan (or a test) asks for it
+        return job_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

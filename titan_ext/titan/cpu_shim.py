@@ -17,7 +17,7 @@ numbers are the process's peak resident set size (``getrusage``), reported as bo
 "reserved" peak; the peak cannot be reset on Linux, so ``reset_peak_memory_stats`` is a no-op.
 
 With ``TITAN_EXT_TEST_BACKEND=nccl_rules`` the shim also installs the NCCL-rules test backend
-(:mod:`titan_ext.runtime.nccl_rules`) and makes it TorchTitan's CPU backend, so the trainer's PP and
+(:mod:`titan_ext.testing.nccl_rules`) and makes it TorchTitan's CPU backend, so the trainer's PP and
 DP groups obey NCCL's rules (the control plane still asks for gloo).
 """
 
@@ -141,7 +141,7 @@ def apply(modules: tuple[str, ...] = _TORCHTITAN_MODULES) -> None:
 
 def _use_test_backend() -> None:
     """``TITAN_EXT_TEST_BACKEND=nccl_rules``: TorchTitan's CPU groups get NCCL's rules."""
-    from titan_ext.runtime.nccl_rules import BACKEND, ENV_VAR, install
+    from titan_ext.testing.nccl_rules import BACKEND, ENV_VAR, install
 
     if os.environ.get(ENV_VAR) == BACKEND:
         install()

@@ -157,9 +157,9 @@ def _rebuild_stage(trainer: Any, dims: RemappedDims) -> None:
     from titan_ext.titan.registry import active_job_config
 
     spec, cfg = trainer.train_spec, trainer.job_config
-    close = getattr(trainer.pp_schedule, "close_delegation", None)
-    if callable(close):
-        close()
+    delegation = getattr(trainer.pp_schedule, "delegation", None)
+    if delegation is not None:  # every adaptive schedule's transport (None: direct P2P)
+        delegation.close()
     adaptive = getattr(trainer.pp_schedule, "adaptive", None)
     with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[cfg.training.dtype]):
         model = spec.model_cls(trainer.model_args)

@@ -1,40 +1,18 @@
-"""From a job's ``[titan_ext]`` section to runtime objects: schedule keywords and link delays."""
+"""From a job's ``[titan_ext]`` section to runtime objects: schedule keywords and link delays.
 
+No table: a built-in knob names the config keyword it sets in its own field's metadata
+(``titan/config.py``: ``sets(...)``), and a registered schedule's own config fields are knobs of the
+same name (``config.schedule_knobs``), passed to that schedule's config as they are.
+"""
+
+import dataclasses
 import inspect
 import os
 from typing import Any
 
-from titan_ext.titan.config import TitanExt, validate_titan_ext
+from titan_ext.titan.config import TitanExt, schedule_knobs, validate_titan_ext
 
 __all__ = ["titan_ext_section", "schedule_config", "schedule_kwargs", "install_link_delays", "delay_spec"]
-
-
-_GIB = 1024**3
-
-# [titan_ext] field -> (keyword of the runtime's schedules: a PipeMorphConfig field or one of its
-# delegation keywords, converter). A converter returning None means "leave the schedule's default".
-_DIRECT: dict[str, tuple[str, Any]] = {
-    "memory_budget_gib": ("memory_budget_bytes", lambda v: float(v * _GIB) if v > 0 else None),
-    "max_inflight": ("max_inflight", lambda v: int(v) if v > 0 else None),
-    "adaptive": ("adaptive", bool),
-    "slack_floor": ("slack_floor", int),
-    "backward": ("backward", lambda v: v or None),
-    "replan_interval": ("profile_every", int),
-    "delegation": ("delegation", str),
-    "delegation_slow_link_ms": ("slow_link_ms", float),
-    "delegation_failover": ("failover", bool),
-    "delegation_slot_mib": ("delegate_slot_bytes", lambda v: int(round(v * 2**20)) if v > 0 else None),
-    "falcon": ("falcon", bool),
-}
-# [titan_ext] field -> field of the runtime's PolicySettings (``config.policy_settings``): the layout's
-# policy is built from them, so several stages per rank run the multi-stage VirtualReplanPolicy.
-_POLICY: dict[str, str] = {
-    "profile_window": "window",
-    "tolerance_margin": "rel_margin",
-    "tolerance_margin_ms": "abs_margin_ms",
-    "recover_patience": "recover_patience",
-    "min_dwell": "min_dwell",
-}
 
 
 def titan_ext_section(job_config: Any) -> TitanExt:
@@ -73,11 +51,18 @@ def supports_delegation(schedule_cls: type) -> bool:
     return is_adaptive(schedule_cls) or "delegation" in _params(schedule_cls)
 
 
+def _builtin_knobs() -> list[tuple[str, str, Any]]:
+    """(knob, config keyword, converter) of every built-in knob that sets a schedule keyword."""
+    return [(f.name, f.metadata["sets"], f.metadata.get("convert") or (lambda v: v))
+            for f in dataclasses.fields(TitanExt) if "sets" in f.metadata]
+
+
 def _keywords(section: TitanExt, job_config: Any, accepts: Any) -> dict[str, Any]:
-    """The [titan_ext] settings as schedule keywords (those ``accepts(keyword)``)."""
+    """The built-in [titan_ext] settings as schedule keywords (those ``accepts(keyword)``; the
+    ``policy_settings.*`` ones are read by :func:`schedule_config`)."""
     out: dict[str, Any] = {}
-    for knob, (kw, convert) in _DIRECT.items():
-        if accepts(kw):
+    for knob, kw, convert in _builtin_knobs():
+        if not kw.startswith("policy_settings.") and accepts(kw):
             value = convert(getattr(section, knob))
             if value is not None:
                 out[kw] = value
@@ -88,19 +73,26 @@ def _keywords(section: TitanExt, job_config: Any, accepts: Any) -> dict[str, Any
 
 
 def schedule_config(schedule_cls: type, job_config: Any) -> Any:
-    """The ``PipeMorphConfig`` (the class's own config class, e.g. ``CrossPipeConfig``) of an adaptive
-    schedule from the job's ``[titan_ext]`` section."""
+    """The config (the class's own config class, e.g. ``CrossPipeConfig``) of an adaptive schedule
+    from the job's ``[titan_ext]`` section: the built-in knobs through the keywords their metadata
+    names, the schedule's own knobs (its config's added fields) under their own names."""
     from titan_ext.runtime.config import PolicySettings
 
     section = titan_ext_section(job_config)
-    settings = PolicySettings(**{field: getattr(section, knob) for knob, field in _POLICY.items()})
+    settings = PolicySettings(**{kw.split(".", 1)[1]: convert(getattr(section, knob))
+                                 for knob, kw, convert in _builtin_knobs() if kw.startswith("policy_settings.")})
     keywords = _keywords(section, job_config, lambda kw: True)
-    return schedule_cls.spec.config_class(policy_settings=settings).updated(schedule_cls.__name__, **keywords)
+    config_class = schedule_cls.spec.config_class
+    for name, *_ in schedule_knobs(config_class):
+        if hasattr(section, name):  # absent: the section was made before the schedule was registered
+            keywords[name] = getattr(section, name)
+    return config_class(policy_settings=settings).updated(schedule_cls.__name__, **keywords)
 
 
 def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:
     """Keywords for ``schedule_cls(...)`` from ``[titan_ext]``: ``config=`` for the runtime's adaptive
-    schedules (:func:`schedule_config`); for any other class, the keywords its constructor takes."""
+    schedules (:func:`schedule_config`; delegation is every adaptive schedule's); for any other class,
+    the keywords its constructor takes."""
     if is_adaptive(schedule_cls):
         return {"config": schedule_config(schedule_cls, job_config)}
     section = titan_ext_section(job_config)

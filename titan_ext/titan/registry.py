@@ -41,68 +41,37 @@ __all__ = [
     "is_titan_ext_schedule",
 ]
 
-# name -> (module, attribute). Resolved lazily so that registration never imports the runtime.
-_SCHEDULES: dict[str, tuple[str, str]] = {
-    "PipeMorph": ("titan_ext.runtime", "PipeMorph"),
-    "CrossPipe": ("titan_ext.runtime", "CrossPipe"),
-}
-# name -> the class used when the job asks for delegation ([titan_ext] delegation = auto/always)
-_DELEGATING_VARIANTS: dict[str, tuple[str, str]] = {
-    "PipeMorph": ("titan_ext.runtime.delegated", "DelegatedPipeMorph"),
-}
-_CONFIGURED: dict[tuple[str, bool], type] = {}
+_CONFIGURED: dict[type, type] = {}  # a registered schedule class -> its [titan_ext]-configured subclass
 _lock = threading.Lock()
 _registered = False
 _torch_get_schedule_class: Callable[[str], type] | None = None
 _active = threading.local()  # .job_config while build_pipeline_schedule runs
 
 
-def register_schedule(name: str, module: str, attribute: str,
-                      delegating: tuple[str, str] | None = None) -> None:
-    """Make ``pipeline_parallel_schedule = name`` resolve to ``module.attribute`` (loaded lazily);
-    ``delegating`` = (module, attribute) of its variant used with ``[titan_ext] delegation``."""
-    with _lock:
-        _SCHEDULES[name] = (module, attribute)
-        if delegating is not None:
-            _DELEGATING_VARIANTS[name] = delegating
-        _CONFIGURED.pop((name, False), None)
-        _CONFIGURED.pop((name, True), None)
+def _runtime_registry() -> Any:
+    """The runtime's schedule registry (``runtime/registry.py``): the one table of schedule names.
+    Imported when a name is first resolved, never by :func:`register` (``import titan_ext`` stays light)."""
+    return importlib.import_module("titan_ext.runtime.registry")
+
+
+def register_schedule(spec: Any, schedule_class: type | None = None, **kwargs: Any) -> type:
+    """The runtime's :func:`~titan_ext.runtime.registry.register_schedule`: register a ``ScheduleSpec``
+    so that ``pipeline_parallel_schedule = spec.name`` finds it, its config's own fields become
+    ``[titan_ext]`` knobs and ``[titan_ext] delegation`` works (every adaptive schedule has it)."""
+    return _runtime_registry().register_schedule(spec, schedule_class, **kwargs)
 
 
 def registered_schedules() -> list[str]:
-    return list(_SCHEDULES)
+    return _runtime_registry().registered_schedules()
 
 
 def resolve_schedule_name(name: str) -> str | None:
     """Our canonical spelling of ``name`` (case-insensitive), or None if it is not one of ours."""
-    lowered = name.lower()
-    for ours in _SCHEDULES:
-        if ours.lower() == lowered:
-            return ours
-    return None
+    return _runtime_registry().resolve_schedule_name(name)
 
 
 def is_titan_ext_schedule(name: str) -> bool:
     return resolve_schedule_name(name) is not None
-
-
-def _import_attr(name: str, module: str, attribute: str) -> type:
-    mod = importlib.import_module(module)
-    cls = getattr(mod, attribute, None)
-    if cls is None:
-        raise ValueError(
-            f"Schedule {name!r} is registered by titan_ext but {module}.{attribute} does not exist "
-            f"in this checkout (not implemented yet?)."
-        )
-    return cls
-
-
-def _load_schedule(name: str, delegated: bool = False) -> type:
-    if delegated:
-        if name not in _DELEGATING_VARIANTS:
-            raise ValueError(f"schedule {name!r} has no delegation variant in titan_ext")
-        return _import_attr(name, *_DELEGATING_VARIANTS[name])
-    return _import_attr(name, *_SCHEDULES[name])
 
 
 def _wants_delegation(job_config: Any) -> bool:
@@ -121,15 +90,13 @@ def _require_delegate_extension() -> None:
         raise SystemExit(f"[titan_ext] delegation asked for by the job's titan_ext section: {missing}")
 
 
-def _configured_class(name: str, delegated: bool = False) -> type:
-    """Subclass of our schedule class that takes its knobs from the active job's [titan_ext]."""
-    key = (name, delegated)
-    if delegated:
-        _require_delegate_extension()
+def _configured_class(name: str) -> type:
+    """Subclass of our schedule class that takes its knobs (the config, delegation included) from the
+    active job's [titan_ext]."""
+    base = _runtime_registry().schedule_class(name)
     with _lock:
-        if key in _CONFIGURED:
-            return _CONFIGURED[key]
-    base = _load_schedule(name, delegated)
+        if base in _CONFIGURED:
+            return _CONFIGURED[base]
 
     def __init__(self, *args, **kwargs):
         job_config = getattr(_active, "job_config", None)
@@ -144,19 +111,21 @@ def _configured_class(name: str, delegated: bool = False) -> type:
                                          "__qualname__": base.__qualname__,
                                          "__doc__": base.__doc__})
     with _lock:
-        _CONFIGURED[key] = cls
-    return cls
+        return _CONFIGURED.setdefault(base, cls)
 
 
 def get_schedule_class(schedule_name: str) -> type:
-    """torch's ``get_schedule_class`` plus titan_ext's schedules (case-insensitive).
+    """torch's ``get_schedule_class`` plus titan_ext's registered schedules (case-insensitive).
 
-    For a titan_ext schedule built for a job with ``[titan_ext] delegation`` other than "off", the
-    schedule's delegating variant (e.g. ``DelegatedPipeMorph``, a subclass) is returned.
+    A titan_ext schedule comes configured by the active job's ``[titan_ext]`` (its config, delegation
+    included: every adaptive schedule has it; a job asking for delegation without the compiled
+    ``titan_ext._delegate_C`` stops here).
     """
     ours = resolve_schedule_name(schedule_name)
     if ours is not None:
-        return _configured_class(ours, _wants_delegation(getattr(_active, "job_config", None)))
+        if _wants_delegation(getattr(_active, "job_config", None)):
+            _require_delegate_extension()
+        return _configured_class(ours)
     torch_lookup = _torch_get_schedule_class
     if torch_lookup is None:  # register() not called yet: torch's function is still in place
         import torch.distributed.pipelining.schedules as torch_schedules

@@ -77,9 +77,9 @@ class TitanExtTrainer(_Base):
         return loss
 
     def close(self) -> None:
-        close_delegation = getattr(getattr(self, "pp_schedule", None), "close_delegation", None)
-        if callable(close_delegation):
-            close_delegation()
+        delegation = getattr(getattr(self, "pp_schedule", None), "delegation", None)
+        if delegation is not None:  # every adaptive schedule's transport (None: direct P2P)
+            delegation.close()
         super().close()
         if getattr(self, "_trained", False) and torch.distributed.is_initialized():
             # leave together after a successful run: a rank that exits while others still tear

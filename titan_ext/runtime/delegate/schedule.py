@@ -18,8 +18,10 @@ While delegating, the configured ``adaptive_memory_limit`` is lifted (§5.2 "vir
 constraint in Algorithm 2"); the measured device-memory cap (``runtime/memory.py``) still applies,
 since the delegates carry the PP messages, not the activations autograd saves.
 
-``DelegatedPipeMorph`` (PipeMorph with the delegation API on the schedule object: ``router``, ``pool``,
-``set_delegation`` …) lives in :mod:`titan_ext.runtime.delegated`, above this package.
+The API is the schedule's ``delegation`` property, the same for every adaptive schedule (there is no
+delegating subclass): ``schedule.delegation.router`` (its ``counts``, ``failed``), ``.pool``, ``.log``,
+``.delegating``, ``.set(on, reason)`` (between iterations, on every rank alike) and ``.close()``; None
+with ``delegation="off"`` and no failover.
 """
 
 from __future__ import annotations

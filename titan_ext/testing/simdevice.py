@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .device import POLL_MIN_S, DeviceLayer, RecvHandle, Timer, _EventTimer, backend_waits_land, now
+from titan_ext.runtime.device import POLL_MIN_S, DeviceLayer, RecvHandle, Timer, _EventTimer, backend_waits_land, now
 
 __all__ = ["SimAsyncTransport", "SimComputeStage", "SimDevice", "SimEvent", "SimStream", "sim_kernel", "stream"]
 
@@ -252,7 +252,7 @@ class _SimKernel(torch.autograd.Function):
 
 
 class SimComputeStage(nn.Module):
-    """:class:`~titan_ext.runtime.testing.SleepComputeStage` on the simulated stream: F, I and W are
+    """:class:`~titan_ext.testing.models.SleepComputeStage` on the simulated stream: F, I and W are
     kernels; the first kernel of F reads the received activation, the first of I the received gradient."""
 
     def __init__(self, dim: int, f_ms: float, i_ms: float, w_ms: float, seed: int = 0):

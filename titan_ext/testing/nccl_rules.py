@@ -66,7 +66,7 @@ streams of ProcessGroupNCCL (modelled as one stream per group and rank, the stri
 timing.
 
 Use: ``run_ranks(fn, n, backend="nccl_rules")``, the environment variable ``TITAN_EXT_TEST_BACKEND``
-(read by :func:`titan_ext.runtime.testing.run_ranks` and the TorchTitan CPU shim), or
+(read by :func:`titan_ext.testing.run_ranks` and the TorchTitan CPU shim), or
 ``install(); dist.init_process_group("nccl_rules", ...)``.
 """
 
@@ -96,7 +96,7 @@ TIMEOUT_ENV = "TITAN_EXT_NCCL_RULES_TIMEOUT_S"
 WATCHDOG_ENV = "TITAN_EXT_NCCL_RULES_WATCHDOG"
 #: titan_ext modules whose tensors are device tensors: the device layer, and the
 #: test harness's models and batches (the user's side of a job)
-DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.runtime.testing")
+DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.testing.ranks", "titan_ext.testing.models")
 
 __all__ = ["BACKEND", "ENV_VAR", "NcclRuleError", "NcclRulesGroup", "install", "installed", "is_host_made",
            "mark_host", "names_host"]
@@ -1085,7 +1085,7 @@ def _batch_isend_irecv(p2p_op_list: list) -> list:
     """torch's ``batch_isend_irecv``, made one NCCL group on an ``nccl_rules`` group. Ops whose peer is
     this rank are matched in place, as NCCL delivers a send to self (gloo refuses it; torch < 2.13's
     start-up handshake sends one between two stages of a rank)."""
-    from ._torch_compat import match_self_p2p
+    from titan_ext.runtime._torch_compat import match_self_p2p
 
     group = p2p_op_list[0].group if p2p_op_list else None
     if group is None and p2p_op_list and dist.is_initialized():

@@ -1,0 +1,106 @@
+"""Plan-level cases shared by several test files (a helper module, not a test file): CrossPipe's
+reference profiles (8 ranks, 16 micro-batches, two data centres joined by rank link 3), random
+CrossPipe problems, and plan mutations (valid or deliberately broken plans) for the validator fuzz.
+
+Users: test_crosspipe_greedy.py, test_crosspipe_search.py, test_crosspipe_engine.py,
+test_plan_candidates.py, test_plan_pipemorph_c.py. Pure (plan/ only)."""
+
+from __future__ import annotations
+
+import random
+
+from titan_ext.plan import LinkProfile, PipelineProfile
+from titan_ext.plan.crosspipe import CrossPipeProblem, wave_stage_to_rank
+from titan_ext.plan.ir import as_ops
+
+S, N, TF = 8, 16, 10.0
+DC_LINK = S // 2 - 1  # 2 DCs of S/2 stages: the DC boundary is rank link 3 (CrossPipe §5.1, §7.1)
+RATIOS = [(lat, bw) for lat in (0.0, 0.5, 2.0) for bw in (0.0, 0.5, 2.0)]
+
+
+def _link(lat_ratio: float, bw_ratio: float) -> LinkProfile:
+    """T_lat = lat_ratio·T_F, T_bw = size·β = bw_ratio·T_F (100 MB messages)."""
+    if bw_ratio == 0:
+        return LinkProfile(latency_ms=lat_ratio * TF)
+    return LinkProfile(latency_ms=lat_ratio * TF, bandwidth_bytes_per_s=1e8 / (bw_ratio * TF / 1e3), message_bytes=1e8)
+
+
+def ud_profile(lat: float, bw: float, links=(DC_LINK,)) -> PipelineProfile:
+    L = [LinkProfile()] * (S - 1)
+    for i in links:
+        L[i] = _link(lat, bw)
+    return PipelineProfile(S, N, TF, TF, TF, tuple(L))
+
+
+def wave_profile(lat: float, bw: float, rank_links=(DC_LINK,)) -> PipelineProfile:
+    """The same model cut in 2S chunks (half the time each), V-shape; a slow rank link slows both
+    stage boundaries that cross it."""
+    s2r = wave_stage_to_rank(S)
+    L = [LinkProfile()] * (2 * S - 1)
+    for b in range(2 * S - 1):
+        if any({s2r[b], s2r[b + 1]} == {r, r + 1} for r in rank_links):
+            L[b] = _link(lat, bw)
+    return PipelineProfile(2 * S, N, TF / 2, TF / 2, TF / 2, tuple(L))
+
+
+def rank_peaks(plan) -> list[int]:
+    """Peak in-flight activations per rank (all its stages together), in program order."""
+    out = []
+    for r, ops in sorted(as_ops(plan).items()):
+        cur = peak = 0
+        for _, k, _ in ops:
+            cur += 1 if k == "F" else -1 if k in ("I", "B") else 0
+            peak = max(peak, cur)
+        out.append(peak)
+    return out
+
+
+def random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
+    ranks = rng.randint(2, 5)
+    stages = 2 * ranks if wave else ranks
+    micro = rng.randint(stages, stages + 8)
+    return CrossPipeProblem(
+        num_ranks=ranks,
+        num_microbatches=micro,
+        stage_to_rank=wave_stage_to_rank(ranks) if wave else tuple(range(ranks)),
+        f_ms=tuple(rng.uniform(1, 10) for _ in range(stages)),
+        b_ms=tuple(rng.uniform(1, 10) for _ in range(stages)),
+        w_ms=tuple(rng.choice([0.0, rng.uniform(1, 10)]) for _ in range(stages)),
+        link_latency_ms=tuple(rng.choice([0.0, 2.0, 25.0]) for _ in range(stages - 1)),
+        link_transfer_ms=tuple(rng.choice([0.0, 1.0, 15.0]) for _ in range(stages - 1)),
+        memory_limit=tuple(float(rng.randint(2 if wave else 1, 2 * stages)) for _ in range(ranks)),
+    )
+
+
+def mutate(rng: random.Random, ops: dict, S: int):
+    """A valid plan, or one deliberately broken: dropped op, swapped dependency, reordered ranks
+    (cross-rank deadlocks among them), or a memory limit below the plan's peak."""
+    ops = {r: list(v) for r, v in ops.items()}
+    kind = rng.choice(["valid", "drop", "swap-dep", "reorder", "memory"])
+    limit = None
+    if kind == "drop":
+        r = rng.randrange(S)
+        ops[r].pop(rng.randrange(len(ops[r])))
+    elif kind == "swap-dep":  # put a consumer before its producer on the same rank
+        r = rng.randrange(S)
+        p = rng.randrange(len(ops[r]))
+        s, k, m = ops[r][p]
+        need = {"I": "F", "B": "F", "W": "I"}.get(k)
+        if need:
+            q = ops[r].index((s, need, m))
+            ops[r][p], ops[r][q] = ops[r][q], ops[r][p]
+    elif kind == "reorder":  # move one op elsewhere on its rank: often a cross-rank deadlock
+        r = rng.randrange(S)
+        op = ops[r].pop(rng.randrange(len(ops[r])))
+        ops[r].insert(rng.randrange(len(ops[r]) + 1), op)
+    elif kind == "memory":
+        peak = max(max(0, *_running_held(v)) for v in ops.values())
+        limit = max(1, peak - rng.choice([0, 1]))
+    return kind, ops, limit
+
+
+def _running_held(rank_ops):
+    held = 0
+    for _, k, _ in rank_ops:
+        held += {"F": 1, "I": -1, "B": -1}.get(k, 0)
+        yield held

@@ -1,0 +1,93 @@
+"""The schedule registry: one entry per adaptive schedule (in the spirit of TorchTitan's ``TrainSpec`` /
+``register_train_spec``).
+
+An entry is a :class:`~titan_ext.runtime.parts.ScheduleSpec` — the schedule's name, its config dataclass
+(a :class:`~titan_ext.runtime.config.PipeMorphConfig` subclass: its own fields are its settings, each
+documented by its docstring), the planner it runs with one stage per rank and with several, and its
+policies — plus the class made of it (:func:`~titan_ext.runtime.pipemorph.adaptive_schedule`: PipeMorph's
+coordinator running the entry's parts).  :func:`register_schedule` is the one way in; everything that
+looks a schedule up by name reads this registry:
+
+* TorchTitan's ``pipeline_parallel_schedule = "Name"`` (``titan/registry.py``'s ``get_schedule_class``,
+  case-insensitive, like torch);
+* the ``[titan_ext]`` section: the fields a registered config class adds to ``PipeMorphConfig`` are
+  ``[titan_ext]`` knobs of the same name (``titan/config.py``), so a schedule's settings need no table;
+* delegation: a transport every adaptive schedule has (``config.delegation``; the schedule's
+  ``delegation`` property: ``router``, ``pool``, ``log``, ``set(on)``, ``close()``), not a subclass.
+
+PipeMorph and CrossPipe are registered here and in ``runtime/crosspipe.py``; a user's schedule is
+registered by its own module (docs/ARCHITECTURE.md, "Adding an adaptive schedule").
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .config import PipeMorphConfig
+from .parts import PIPEMORPH, ScheduleSpec
+from .pipemorph import PipeMorph, adaptive_schedule
+
+__all__ = ["register_schedule", "registered_schedules", "resolve_schedule_name", "schedule_class",
+           "schedule_specs", "unregister_schedule"]
+
+_ENTRIES: dict[str, type[PipeMorph]] = {}  # name -> the schedule class (its ``spec`` is the entry)
+_lock = threading.Lock()
+
+
+def register_schedule(spec: ScheduleSpec, schedule_class: type[PipeMorph] | None = None, *,
+                      module: str | None = None, doc: str | None = None) -> type[PipeMorph]:
+    """Register ``spec`` and return its schedule class: ``schedule_class`` when given (a PipeMorph
+    subclass whose ``spec`` is ``spec``), else ``adaptive_schedule(spec, doc, module)``.  Registering a
+    name again replaces its entry (case-insensitive names are one name)."""
+    if not isinstance(spec, ScheduleSpec):
+        raise TypeError(f"register_schedule takes a ScheduleSpec, got {type(spec).__name__}")
+    if not (isinstance(spec.config_class, type) and issubclass(spec.config_class, PipeMorphConfig)):
+        raise TypeError(f"schedule {spec.name!r}: config_class must be a PipeMorphConfig subclass, "
+                        f"got {spec.config_class!r}")
+    if schedule_class is None:
+        schedule_class = adaptive_schedule(spec, doc=doc, module=module)
+    elif not (issubclass(schedule_class, PipeMorph) and schedule_class.spec is spec):
+        raise TypeError(f"schedule {spec.name!r}: schedule_class must be a PipeMorph subclass with spec = the entry")
+    with _lock:
+        for name in [n for n in _ENTRIES if n.lower() == spec.name.lower()]:
+            del _ENTRIES[name]
+        _ENTRIES[spec.name] = schedule_class
+    return schedule_class
+
+
+def unregister_schedule(name: str) -> None:
+    """Remove the entry ``name`` (case-insensitive; tests that register a schedule of their own)."""
+    with _lock:
+        for ours in [n for n in _ENTRIES if n.lower() == name.lower()]:
+            del _ENTRIES[ours]
+
+
+def registered_schedules() -> list[str]:
+    """The registered names, in registration order."""
+    with _lock:
+        return list(_ENTRIES)
+
+
+def resolve_schedule_name(name: str) -> str | None:
+    """The registered spelling of ``name`` (case-insensitive), or None."""
+    lowered = name.lower()
+    with _lock:
+        return next((ours for ours in _ENTRIES if ours.lower() == lowered), None)
+
+
+def schedule_class(name: str) -> type[PipeMorph]:
+    """The class of the registered schedule ``name`` (case-insensitive); KeyError if none."""
+    ours = resolve_schedule_name(name)
+    if ours is None:
+        raise KeyError(f"no adaptive schedule {name!r} is registered (registered: {registered_schedules()})")
+    with _lock:
+        return _ENTRIES[ours]
+
+
+def schedule_specs() -> list[ScheduleSpec]:
+    """Every registered entry, in registration order."""
+    with _lock:
+        return [cls.spec for cls in _ENTRIES.values()]
+
+
+register_schedule(PIPEMORPH, PipeMorph)

@@ -1,0 +1,32 @@
+"""Test backends and harness of titan_ext's tests and scripts (issue 38 item 4); no part of a job.
+
+| module | what |
+|---|---|
+| ``nccl_rules`` | the ``nccl_rules`` CPU process-group backend: NCCL's rules enforced over gloo |
+| ``simdevice`` | the asynchronous-device simulation behind the runtime's device layer |
+| ``ranks`` | ``run_ranks`` (spawned ranks on loopback, one process group each), ``free_port``, ``chosen_backend`` |
+| ``launch`` | ``torchrun`` / ``torchrun_command``: the one torchrun launcher |
+| ``models`` | deterministic MLP stages, seeded batches, ``step_rank``, ``train_steps``, ``gpipe_reference``, sleep stages |
+
+Layering: this package sits on ``titan_ext.runtime`` (it may import it and plan/); nothing in plan/
+or runtime/ imports it (tests/test_plan_imports.py), and it imports nothing of titan/ or the entry
+points.  The runtime refers to the ``nccl_rules`` backend only by module name, to recognise its host
+tensors when it is loaded (``runtime/host_syncs.py``).
+"""
+
+from .launch import torchrun, torchrun_command
+from .models import (
+    SleepComputeStage,
+    TinyTransformerStage,
+    gpipe_reference,
+    mlp_stages,
+    seeded_batch,
+    step_rank,
+    timed_step,
+    train_steps,
+)
+from .ranks import DEFAULT_BACKEND, chosen_backend, free_port, run_ranks
+
+__all__ = ["DEFAULT_BACKEND", "SleepComputeStage", "TinyTransformerStage", "chosen_backend", "free_port",
+           "gpipe_reference", "mlp_stages", "run_ranks", "seeded_batch", "step_rank", "timed_step", "torchrun",
+           "torchrun_command", "train_steps"]
