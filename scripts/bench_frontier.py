@@ -21,7 +21,7 @@ Compute (named in the output): ``sleep`` — every F / I / W sleeps its time (em
 
 ``optimal_ms`` (one stage per rank rows): the CP-SAT optimum (``plan_by_name(..., "optimal")``) for the
 F/I/W times and link delays PipeMorph measured in that run, at the in-flight limit its budget gives
-(K = ⌊budget / M^F⌋, torch's memory rule: an activation is held until its W, ``plan.deps.RELEASES``).
+(K = ⌊budget / M^F⌋, torch's memory rule: an activation is held until its W, ``plan.profile.RELEASES``).
 ``predicted_ms``: the simulator's makespan of the plan PipeMorph deployed, under the same measured
 profile.  Where the runtime misses its prediction by more than 10 %, the per-action breakdown says where
 the time went: per rank, measured compute, input waits and the rest (executor, transport) against the

@@ -1,4 +1,4 @@
-"""The memory rule of torch's runtime (``plan.deps.RELEASES["W"]``) and the meter that measures it.
+"""The memory rule of torch's runtime (``plan.profile.RELEASES["W"]``) and the meter that measures it.
 
 References independent of the code under test: torch's own split backward (what its
 ``stage_backward_input`` leaves alive, read through autograd's saved-tensor hooks), closed-form byte

@@ -10,7 +10,7 @@
  *       N: microbatches; f, b, w: per-stage times (int ns; b already includes w when full_backward); latency, transfer:
  *       per link (S - 1, int ns; transfer 0 = no occupancy); x, limit: warm-up counts and in-flight
  *       limits per stage; bound: int ns or None; release_w: an activation is in flight until its W (else
- *       its I; a full B either way: plan/deps.py RELEASES).
+ *       its I; a full B either way: plan/profile.py RELEASES).
  *       -> (order, makespan_ns, cap_bound); order is None when the bound stopped it, else a list per
  *       stage of (stage, kind, microbatch) tuples, kind one of "F", "I", "W", "B".  ValueError when the
  *       counts and limits deadlock (no stage can run any more), as the Python reference.
@@ -109,7 +109,7 @@ typedef struct {
     int *warm, *fcount, *bcount, *qmb, *kinds, *mbs, *nops;
     Q *q;  /* 3S queues: F of stage i at q[i], I at q[S + i], W at q[2S + i] */
     Heap heap;
-    int release_w;  /* bcount counts W (else I): plan/deps.py RELEASES */
+    int release_w;  /* bcount counts W (else I): plan/profile.py RELEASES */
 } Gen;
 
 static void q_push(Q *q, i64 ready, int mb) { q->ready[q->tail] = ready; q->mb[q->tail] = mb; q->tail++; }
@@ -168,7 +168,7 @@ static int run(Gen *g, int full, int have_bound, i64 bound, i64 *makespan, int *
             done = t + g->tb[i];
             if (full) kind = KB;
             else q_push(&wq[i], done, m);
-            if (full || !g->release_w) g->bcount[i]++;  /* bcount: activations released (deps.RELEASES) */
+            if (full || !g->release_w) g->bcount[i]++;  /* bcount: activations released (profile.RELEASES) */
             if (i > 0) {
                 i64 arrive = link_send(g, i - 1, 0, done);
                 q_push(&bq[i - 1], arrive, m);
@@ -286,7 +286,7 @@ typedef struct {
     int *qmb;
     Q *q;  /* F at q[s], I at q[S + s], W at q[2S + s] */
     Heap heap;
-    int release_w;  /* bcount counts W (else I): plan/deps.py RELEASES */
+    int release_w;  /* bcount counts W (else I): plan/profile.py RELEASES */
 } VGen;
 
 static int v_send(VGen *g, int s, int dst_stage, i64 done, Q *queue, int mb) {
@@ -352,7 +352,7 @@ static int v_run(VGen *g, i64 *makespan) {
             if (s + 1 < S) { if (v_send(g, s, s + 1, done, &fq[s + 1], mb)) return -1; }
             else q_push(&bq[s], done, mb);
         } else if (kind == KI) {
-            if (!g->release_w) g->bcount[s]++;  /* activations released (deps.RELEASES) */
+            if (!g->release_w) g->bcount[s]++;  /* activations released (profile.RELEASES) */
             q_push(&wq[s], done, mb);
             if (s > 0 && v_send(g, s, s - 1, done, &bq[s - 1], mb)) return -1;
         } else if (g->release_w) {
@@ -528,7 +528,7 @@ static int check_ops(COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, con
         for (Py_ssize_t j = 0; j < len[r]; j++) {
             COp o = ops[r][j];
             if (o.k == KF && ++held[o.s] > peak[o.s]) peak[o.s] = held[o.s];
-            else if (o.k == KB || o.k == (release_w ? KW : KI)) held[o.s]--;  /* deps.RELEASES */
+            else if (o.k == KB || o.k == (release_w ? KW : KI)) held[o.s]--;  /* profile.RELEASES */
         }
     for (int s = 0; s < S; s++)
         if (limit && peak[s] > limit[s]) return 0;

@@ -17,23 +17,6 @@ from __future__ import annotations
 
 from .ir import Op
 
-RELEASES = {"I": frozenset({"I", "B"}), "W": frozenset({"W", "B"})}
-"""The memory rule: ``profile.release`` → the kinds whose end frees a microbatch's activation on its stage.
-``"I"``: the papers' model (PipeMorph §4, CrossPipe's default deltas: what W needs is taken as free).
-``"W"``: torch's runtime — its split backward keeps the whole autograd graph from I until W
-(``stage_backward_input`` retains it for ``stage_backward_weight``; ``runtime.memory.ActivationMeter``
-measures an I freeing nothing), so an activation is held from its F until its W or full B.  What
-titan_ext's runtime plans with.  Every in-flight count takes its kinds from here."""
-
-
-def released_by(release: str) -> frozenset:
-    """The kinds that free an activation under ``release`` ("I" or "W")."""
-    try:
-        return RELEASES[release]
-    except KeyError:
-        raise ValueError(f"release must be one of {sorted(RELEASES)}, got {release!r}") from None
-
-
 SAME_STAGE = {"I": "F", "B": "F", "W": "I"}
 """kind → the kind of the same-stage, same-microbatch op it needs (local order)."""
 

@@ -126,7 +126,7 @@ def _generate_py(profile: PipelineProfile, x: list[int], limit: list[int], full_
     free_at = [0] * S
     warm_left = list(x)
     f_count = [0] * S
-    b_count = [0] * S  # activations released: at I, or at W when profile.release == "W" (deps.RELEASES)
+    b_count = [0] * S  # activations released: at I, or at W when profile.release == "W" (profile.RELEASES)
     release_w = profile.release == "W"
     remaining = (2 if full_backward else 3) * N * S
     work = [N * (f + b + (0 if full_backward else w)) for f, b, w in zip(tf, tb, tw)]  # left per stage

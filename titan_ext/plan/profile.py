@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from .deps import released_by
 from .errors import ArgumentTypeError
 
 # Bounds of the timing model (integer nanoseconds, plan/timing.py): any time, latency or transfer time is
@@ -103,6 +102,24 @@ def _stage_tuple(
     return tuple(_check_number(f"{name}[{i}]", v, positive=positive) for i, v in enumerate(values))
 
 
+RELEASES = {"I": frozenset({"I", "B"}), "W": frozenset({"W", "B"})}
+"""The memory rule: ``profile.release`` → the kinds whose end frees a microbatch's activation on its stage.
+``"I"``: the papers' model (PipeMorph §4, CrossPipe's default deltas: what W needs is taken as free).
+``"W"``: torch's runtime — its split backward keeps the whole autograd graph from I until W
+(``stage_backward_input`` retains it for ``stage_backward_weight``; ``runtime.memory.ActivationMeter``
+measures an I freeing nothing), so an activation is held from its F until its W or full B.  What
+titan_ext's runtime plans with.  Every in-flight count takes its kinds from here."""
+
+
+def released_by(release: str) -> frozenset:
+    """The kinds that free an activation under ``release`` ("I" or "W")."""
+    try:
+        return RELEASES[release]
+    except KeyError:
+        raise ValueError(f"release must be one of {sorted(RELEASES)}, got {release!r}") from None
+
+
+
 @dataclass(frozen=True)
 class PipelineProfile:
     """Measured (or assumed) per-stage times, memory and per-link delays of one pipeline.
@@ -111,7 +128,7 @@ class PipelineProfile:
     must be > 0; W may be 0. ``links``: ``num_stages - 1`` LinkProfiles (empty means no delay anywhere).
     ``activation_bytes`` / ``memory_budget_bytes``: per-stage memory of one microbatch's activations and
     the per-stage budget for them; both or neither.  ``release``: when an activation is freed, "I" (the
-    papers' model) or "W" (torch's runtime: its split backward holds the graph until W) — ``deps.RELEASES``.
+    papers' model) or "W" (torch's runtime: its split backward holds the graph until W) — ``profile.RELEASES``.
     """
 
     num_stages: int

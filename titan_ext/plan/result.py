@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .deps import released_by
+from .profile import released_by
 from .ir import Op, as_ops, stage_to_rank_map
 from .placement import read_placement, stages_per_rank
 from .profile import PipelineProfile
@@ -156,7 +156,7 @@ def _is_torch(plan: Mapping[int, Sequence[Any]]) -> bool:
 
 def peak_inflight(ops: Mapping[int, Sequence[Op]], release: str = "I") -> dict[int, int]:
     """Per stage, the most microbatches whose F is done and whose I (``release="W"``: W) or full B is not,
-    in program order (``deps.RELEASES``)."""
+    in program order (``profile.RELEASES``)."""
     frees = released_by(release)
     peak: dict[int, int] = {}
     for rank_ops in ops.values():

@@ -7,7 +7,7 @@ Checks, in order (each failure raises ``PlanValidationError`` with the reason):
    cross-rank deadlock); when it does not, a consumer placed before its producer on one rank (local
    order: I or B after its F, W after its I) is named as such;
 3. memory — per stage, in-flight activations (F done − I/B done; ``release="W"``: − W/B done,
-   ``deps.RELEASES``) never exceed ``inflight_limit``;
+   ``profile.RELEASES``) never exceed ``inflight_limit``;
 4. torch (opt-in, ``torch_dry_run=True``) — torch's own checker ``_validate_schedule``, SEND/RECV
    lowering ``_add_send_recv`` (the pass
    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs; on torch >= 2.15 followed by
@@ -25,7 +25,8 @@ from typing import Any, Mapping, Sequence
 
 from .args import bool_arg, counts_arg, int_arg, plan_arg
 from .complete import PlanValidationError, check_complete
-from .deps import SAME_STAGE, done_key, producers, released_by
+from .deps import SAME_STAGE, done_key, producers
+from .profile import released_by
 from .ir import add_send_waits, as_ops, fsdp_action_types, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
 from .simulate import peak_inflight
 
@@ -53,7 +54,7 @@ def validate_plan(
     release: str = "I",
 ) -> dict[int, int]:
     """Raise ``PlanValidationError`` unless ``plan`` (rank → compute-only actions) is valid.
-    ``release``: the memory rule of check 3 ("I" or "W", ``deps.RELEASES``).
+    ``release``: the memory rule of check 3 ("I" or "W", ``profile.RELEASES``).
 
     Checks 1–3 are ours (the hot path: planners, CLI, run-time re-planning); ``torch_dry_run=True``
     adds check 4, torch's lowering + dry run (``validate="torch"``, ``titan-ext plan --strict``).

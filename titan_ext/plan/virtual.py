@@ -215,7 +215,7 @@ def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], lim
     b_q: list[deque] = [deque() for _ in range(S)]
     w_q: list[deque] = [deque() for _ in range(S)]
     f_q[0].extend((0, m) for m in range(N))
-    f_count, b_count = [0] * S, [0] * S  # forwards done, activations released (deps.RELEASES)
+    f_count, b_count = [0] * S, [0] * S  # forwards done, activations released (profile.RELEASES)
     release_w = profile.release == "W"
     free_at = [0] * R
     order: dict[int, list[Op]] = {r: [] for r in range(R)}
@@ -289,7 +289,7 @@ def rank_chunk_budget(memory_limit: float, stages_per_rank: int) -> int:
 @dataclass
 class Budget:
     """Memory a multi-stage plan may hold: ``per_rank[r]`` chunk activations on rank r and ``per_stage``
-    on every stage (None: unlimited), counted under ``release`` (``deps.RELEASES``)."""
+    on every stage (None: unlimited), counted under ``release`` (``profile.RELEASES``)."""
 
     per_rank: tuple[int, ...] | None = None
     per_stage: int | None = None

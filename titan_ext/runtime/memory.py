@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 __all__ = ["DEFAULT_HEADROOM", "PENDING", "RELEASE", "ActivationMeter", "activation_budget_bytes", "inflight_cap",
            "optimizer_steps", "rank_memory_limits", "saved_bytes_key", "stage_caps"]
 
-#: the memory rule of every plan this runtime runs (``plan.deps.RELEASES``): torch's split backward keeps a
+#: the memory rule of every plan this runtime runs (``plan.profile.RELEASES``): torch's split backward keeps a
 #: microbatch's autograd graph from its I until its W (``ActivationMeter`` sees an I free nothing), so an
 #: activation is in flight until its W (or full B) — the rule the estimator's profiles carry, the
 #: validator checks and the memory caps count

@@ -233,7 +233,7 @@ def problem_from_profile(
 ) -> CrossPipeProblem:
     """Build the generator's problem from a :class:`titan_ext.plan.PipelineProfile`.
     ``memory_deltas``: (M_F, M_D, M_W) per activation; None: the profile's ``release`` rule,
-    (1, −1, 0) for "I" and (1, 0, −1) for "W" (``deps.RELEASES``).
+    (1, −1, 0) for "I" and (1, 0, −1) for "W" (``profile.RELEASES``).
 
     ``variant`` "ud"/"udsub": one stage per rank.  "wave": the profile describes the 2R model chunks
     (``num_stages`` even), placed V-shape (stages s and 2R−1−s on rank s, as torch's ZBV).
@@ -267,7 +267,7 @@ def problem_from_profile(
 
 
 MEMORY_DELTAS = {"I": (1.0, -1.0, 0.0), "W": (1.0, 0.0, -1.0)}
-"""``profile.release`` → CrossPipe's per-op memory deltas (M_F, M_D, M_W): the same rule as ``deps.RELEASES``."""
+"""``profile.release`` → CrossPipe's per-op memory deltas (M_F, M_D, M_W): the same rule as ``profile.RELEASES``."""
 
 
 def wave_profile(profile):
