@@ -307,7 +307,7 @@ def _rows(path: str) -> list[dict]:
 
 def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str) -> dict:
     """Issue 23 must-show "slow device": device 3 ``factor``x slower from ``slow_from``; Falcon applies
-    S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon_s4.py: TorchTitan
+    S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon/s4.py: TorchTitan
     checkpoint, relaunch without replica 1 through the S4 launcher). Ratios within this one run: the
     iteration time after S2 / after S4 over the healthy steps before the fault (2 .. slow_from-1).
     Then a reference DP 1 x PP 2 job loads the same checkpoint: its losses must equal the restarted
@@ -333,7 +333,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
               "--training.local_batch_size", "2", "--training.global_batch_size", "12",
               *_mode_args(), "--titan_ext.no-adaptive", "--checkpoint.enable",
               "--checkpoint.interval", "100000"]
-    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
+    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
                     "--master-port", port(), "--log", os.path.join(dump, "train.log"), "--",
                     *common, "--job.dump_folder", dump,
                     "--titan_ext.emulate_slow_device", f"3:{factor:g}@{slow_from}"],
@@ -360,7 +360,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
         out["after_s2_over_healthy"] = out["after_s2_s"] / healthy if after_s2 else None
         out["after_s2_steps"] = len(after_s2)
     if restart is not None:
-        # the restarted DP 1 x PP 2 job: the slowest rank's step time (falcon_s4.S4Resume's rows)
+        # the restarted DP 1 x PP 2 job: the slowest rank's step time (falcon.s4.S4Resume's rows)
         after = [step_s[k] for k in step_s if k > restart["iteration"] + 1]
         out["after_s4_s"] = float(np.median(after)) if after else None
         out["after_s4_over_healthy"] = out["after_s4_s"] / healthy if after else None

@@ -111,8 +111,8 @@ def _mesh_of_groups(rank):
 def _job_worker(rank, world, port, outdir, backend):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titan_ext.titan.falcon_job import FalconJob
-    from titan_ext.titan.falcon_measure import validate
+    from titan_ext.titan.falcon.job import FalconJob
+    from titan_ext.titan.falcon.measure import validate
 
     torch.set_num_threads(1)
     if backend == "nccl_rules":
@@ -215,7 +215,7 @@ def test_cuda_stretch_sleeps_on_the_device_by_the_last_measured_region_without_h
     monkeypatch.setattr(falcon_emulate, "DeviceTimer", Timer)
     monkeypatch.setattr(falcon_emulate, "device_sleep", lambda s, device=None: sleeps.append((s, device)))
     emulation = FailSlowEmulation(0, [0], slow_device=parse_slow_device("0:4"))
-    stretch = falcon_emulate.DeviceStretch(emulation, "cuda:0")
+    stretch = falcon.emulate.DeviceStretch(emulation, "cuda:0")
     start = stretch.timer.mark()
     clock["t"] = 0.010
     stretch.end("f", start)  # first forward: no completed measurement yet, no stretch

@@ -24,7 +24,7 @@ from titan_ext.runtime.falcon.restart import (
     relaunch_overrides,
     remap_emulation,
 )
-from titan_ext.titan.falcon_s4 import consume_plan, devices_to_exclude, relaunch_env
+from titan_ext.titan.falcon.s4 import consume_plan, devices_to_exclude, relaunch_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"
@@ -113,7 +113,7 @@ SLOW_FROM, SLOW_FACTOR, STEPS, PASS_MS = 5, 24, 40, 15
 """Dedicated-device emulation (every forward 15 ms, backward 30 ms) and device 3 24x slower from
 step 5: a chunk takes ~0.14 s on healthy devices and ~2.2 s on device 3's replica, so after S2
 ([5, 1]: that replica still runs one chunk) a step takes ~2.3 s against a healthy ~0.5 s, and S4
-pays (replica 0 alone: 6 chunks, ~0.9 s a step; the gate of ``falcon_apply._s4_pays``). The
+pays (replica 0 alone: 6 chunks, ~0.9 s a step; the gate of ``falcon.apply._s4_pays``). The
 accumulated impact reaches S4's measured cost (start-up + checkpoint, ~15-30 s on the loaded
 host) well before step 40."""
 _COMMON = ["--training.local_batch_size", "2", "--training.global_batch_size", "12",
@@ -146,7 +146,7 @@ def _rows(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def s4_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("s4")
-    cmd = [sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
            "--master-port", str(_free_port()), "--log", str(dump / "train.log"), "--",
            "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
            *_COMMON, "--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",
@@ -205,7 +205,7 @@ def test_s4_restarts_without_the_slow_device_and_resumes_from_its_checkpoint(s4_
 
 
 def test_multi_node_relaunch_spec_keeps_the_nodes_with_kept_devices():
-    from titan_ext.titan.falcon_s4 import relaunch_spec
+    from titan_ext.titan.falcon.s4 import relaunch_spec
 
     plan = {"hosts": ["n1.c", "n1.c", "n2.c", "n2.c"], "local_devices": [0, 2, 1, 3], "overrides": []}
     spec = relaunch_spec(plan, ["n1", "n2", "n3"])  # SLURM's short names; n3's devices all excluded
@@ -274,7 +274,7 @@ def test_s4_is_applied_only_where_the_restart_is_predicted_to_pay(factor, pays, 
     from types import SimpleNamespace
 
     from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
-    from titan_ext.titan.falcon_apply import _s4_pays
+    from titan_ext.titan.falcon.apply import _s4_pays
 
     c, c_slow, fixed = _chunk_s(1.0), _chunk_s(factor), 0.12
     with_s2, after = fixed + max(5 * c, c_slow), fixed + 6 * c
@@ -295,7 +295,7 @@ def test_s4_is_applied_only_where_the_restart_is_predicted_to_pay(factor, pays, 
 def _s4_resume_rank(rank: int, world: int, dump: str) -> tuple:
     from types import SimpleNamespace
 
-    from titan_ext.titan.falcon_s4 import OUTCOME_STEPS, S4Resume
+    from titan_ext.titan.falcon.s4 import OUTCOME_STEPS, S4Resume
 
     trainer = SimpleNamespace(job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=dump)))
     resume = S4Resume.from_env(trainer)
@@ -313,7 +313,7 @@ def test_s4_resume_reduces_its_host_times_on_a_control_group_not_the_data_group(
     import time as _time
 
     from titan_ext.runtime.testing import run_ranks
-    from titan_ext.titan.falcon_s4 import ENV_S4_PLAN
+    from titan_ext.titan.falcon.s4 import ENV_S4_PLAN
 
     plan = {"status": "consumed", "step": 12, "begin_time": _time.time() - 3.0, "excluded": [3],
             "world_size": 2, "num_dp": 1, "chunks_per_replica": 6, "estimated_cost_s": 20.0,

@@ -14,7 +14,7 @@ devices and restoring. Here it is done with files so it works with any launcher:
 With an unchanged world size, "plain checkpoint-and-restart" (S4) is the same path with the identity
 grid (on replacement nodes). S4 *without* spare nodes (the job restarts on fewer devices, the slow
 one excluded) is planned by :func:`plan_exclusion` (which replicas run again, the re-split batch,
-the restarted job's overrides); :mod:`titan_ext.titan.falcon_s4` applies it with TorchTitan's
+the restarted job's overrides); :mod:`titan_ext.titan.falcon.s4` applies it with TorchTitan's
 checkpointer and a relaunch.
 """
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-from titan_ext.titan.falcon_files import FALCON_EVENTS, FALCON_LOG
+from titan_ext.titan.falcon.files import FALCON_EVENTS, FALCON_LOG
 
 __all__ = ["STRATEGY_LABEL", "event_rows", "EventLog"]
 

@@ -2,14 +2,14 @@
 
 :class:`FalconJob` wires the parts, each in its own module:
 
-* :mod:`.falcon_dp` — the DP gradient sum the trainer owns (TorchTitan 0.2.2 has no DDP next to PP),
+* :mod:`.dp` — the DP gradient sum the trainer owns (TorchTitan 0.2.2 has no DDP next to PP),
   its timing, and the emulated slow DP link on it;
-* :mod:`.falcon_emulate` — the other emulated faults (slow device, slow PP hop);
-* :mod:`.falcon_measure` — iteration and per-group times every step (§4.2 / §4.3 profiling), the
+* :mod:`.emulate` — the other emulated faults (slow device, slow PP hop);
+* :mod:`.measure` — iteration and per-group times every step (§4.2 / §4.3 profiling), the
   ACF iteration time, validation on onset (§4.3);
-* :mod:`.falcon_costs` — the strategies' costs measured in this job (Alg. 1's inputs, §5.2);
-* :mod:`.falcon_apply` — the decisions applied (§5.3: PipeMorph re-plan, S2, S3 in memory, S4);
-* :mod:`.falcon_events` — ``falcon.jsonl``, ``falcon_events.jsonl``, console lines, W&B.
+* :mod:`.costs` — the strategies' costs measured in this job (Alg. 1's inputs, §5.2);
+* :mod:`.apply` — the decisions applied (§5.3: PipeMorph re-plan, S2, S3 in memory, S4);
+* :mod:`.events` — ``falcon.jsonl``, ``falcon_events.jsonl``, console lines, W&B.
 
 Every rank feeds the monitor the same numbers, so all take the same decision. Emulation keys:
 ``[titan_ext] emulate_slow_device`` / ``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` /
@@ -29,13 +29,13 @@ from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
 from titan_ext.runtime.falcon.device_clock import control_group
 from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device, parse_slow_link
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks
-from titan_ext.titan.falcon_apply import apply_all
-from titan_ext.titan.falcon_costs import JobCosts
-from titan_ext.titan.falcon_dp import DPSync
-from titan_ext.titan.falcon_emulate import PPLinkDelays, install_compute_stretch
-from titan_ext.titan.falcon_events import EventLog, event_rows
-from titan_ext.titan.falcon_files import emulation_specs
-from titan_ext.titan.falcon_measure import SLOW_DEVICE_RATIO, StepClock, acf_iteration_times, group_times, validate
+from titan_ext.titan.falcon.apply import apply_all
+from titan_ext.titan.falcon.costs import JobCosts
+from titan_ext.titan.falcon.dp import DPSync
+from titan_ext.titan.falcon.emulate import PPLinkDelays, install_compute_stretch
+from titan_ext.titan.falcon.events import EventLog, event_rows
+from titan_ext.titan.falcon.files import emulation_specs
+from titan_ext.titan.falcon.measure import SLOW_DEVICE_RATIO, StepClock, acf_iteration_times, group_times, validate
 
 __all__ = ["FalconJob"]
 
@@ -69,7 +69,7 @@ class FalconJob:
         self.log = EventLog(trainer, dump if self.enabled else None, self.rank)
         self.costs = JobCosts(self.monitor, self.control)
         self.costs.measure_s3(trainer, self.grid, self.pp_index, self.device)
-        from titan_ext.titan.falcon_s4 import estimate_s4_cost
+        from titan_ext.titan.falcon.s4 import estimate_s4_cost
 
         self.costs.set(checkpoint_restart=estimate_s4_cost(self, dump))
         self.data_iterator = None
@@ -121,7 +121,7 @@ class FalconJob:
     # ---------------------------------------------------------------- the step
     def train_step(self, run_step, data_iterator) -> None:
         """One TorchTitan step with this job's micro-batch split; then Falcon, fed the step's device
-        time (:class:`~.falcon_measure.StepClock`)."""
+        time (:class:`~.measure.StepClock`)."""
         if self.enabled:
             self.step_clock.start()
         self.emulation.step = self.trainer.step
@@ -170,7 +170,7 @@ class FalconJob:
         self.log.record(decision, event_rows(self.trainer.step, decision, self.monitor, estimated, applied_s,
                                              self.apply_decisions))
         if s4_plan is not None:
-            from titan_ext.titan.falcon_s4 import checkpoint_and_exit
+            from titan_ext.titan.falcon.s4 import checkpoint_and_exit
 
             checkpoint_and_exit(self, s4_plan, decision)
 

@@ -2,9 +2,9 @@
 
 * ``pipemorph_replan``: the schedule's re-planning on (PipeMorph adapts the slow PP link);
 * ``microbatch_redistribution`` (S2): the Eq. 1 split, in force from the next step;
-* ``topology_adjustment`` (S3): the grid re-mapped in memory (:mod:`.falcon_s3`) when the plan moves
+* ``topology_adjustment`` (S3): the grid re-mapped in memory (:mod:`.s3`) when the plan moves
   a rank, then the job's own view of the layout;
-* ``checkpoint_restart`` (S4): planned here (:mod:`.falcon_s4`), applied by the job once the step is
+* ``checkpoint_restart`` (S4): planned here (:mod:`.s4`), applied by the job once the step is
   recorded (checkpoint, exit, relaunch without the slow device).
 """
 
@@ -61,10 +61,10 @@ def _apply(job: Any, strategy: str, decision: dict) -> bool:
 
 
 def _apply_topology(job: Any, grid: list[list[int]]) -> None:
-    """S3 in memory (:func:`titan_ext.titan.falcon_s3.apply_topology`), then the job's own view of the
+    """S3 in memory (:func:`titan_ext.titan.falcon.s3.apply_topology`), then the job's own view of the
     layout (:meth:`FalconJob.bind_layout`), the data iterator, the S2 split re-planned for the new
     replicas; its measured time becomes S3's cost."""
-    from titan_ext.titan.falcon_s3 import apply_topology
+    from titan_ext.titan.falcon.s3 import apply_topology
 
     loader = job.trainer.dataloader
     result = apply_topology(job.trainer, job.grid, grid, control_group=job.control)
@@ -110,9 +110,9 @@ def _s4_pays(job: Any, plan: Any, decision: dict) -> bool:
 
 
 def _plan_s4(job: Any):
-    """S4's plan (:func:`titan_ext.titan.falcon_s4.plan_checkpoint_restart`), or None (a warning says
+    """S4's plan (:func:`titan_ext.titan.falcon.s4.plan_checkpoint_restart`), or None (a warning says
     why) when it cannot apply."""
-    from titan_ext.titan.falcon_s4 import S4Unavailable, plan_checkpoint_restart
+    from titan_ext.titan.falcon.s4 import S4Unavailable, plan_checkpoint_restart
 
     try:
         return plan_checkpoint_restart(job)

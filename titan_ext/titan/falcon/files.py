@@ -1,4 +1,4 @@
-"""What Falcon's DP x PP job (:mod:`.falcon_job`) and its S4 relaunch (:mod:`.falcon_s4`) both read:
+"""What Falcon's DP x PP job (:mod:`.job`) and its S4 relaunch (:mod:`.s4`) both read:
 the files it writes under ``job.dump_folder`` and where the emulated faults come from.  Its own module
 so the two need not import each other."""
 
@@ -20,7 +20,7 @@ FALCON_EVENTS = "falcon_events.jsonl"
 PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
 before / after an applied strategy). An "event" row's ``located_by`` names the series whose
 change-point was verified: ``iteration_time`` or a profiled group (group tracking). See
-:func:`.falcon_events.event_rows`."""
+:func:`.events.event_rows`."""
 
 
 def emulation_specs(section: Any) -> tuple[str, str]:
