@@ -451,7 +451,7 @@ def _closed_loop_worker(rank, world, port, outdir, slow_from):
         dist.all_reduce(it, op=dist.ReduceOp.MAX)  # identical input on every rank
         out = mon.observe(float(it))
         if out.get("falcon/validate"):
-            out.update(mon.report_validation(gemm_times_s=gemm_probe(n=128, repeats=5)))
+            out = out.with_metrics(mon.report_validation(gemm_times_s=gemm_probe(n=128, repeats=5)))
         if "microbatch_redistribution" in out.get("falcon/apply", ""):
             split = json.loads(out["falcon/plan/microbatch_split"])
             sched = make_schedule(split[mesh.dp_index])

@@ -7,6 +7,7 @@ tier) runs the launcher on a DP 2 × PP 2 job whose device 3 turns slow, and che
 job's losses against a reference that loads the same checkpoint on the same DP 1 × PP 2 world.
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -271,25 +272,36 @@ def test_s4_is_applied_only_where_the_restart_is_predicted_to_pay(factor, pays, 
     S4 pays for the 24x device and not for the 4x one; the gate predicts S4's step from the
     monitor's measurements and decides the same — measured with [5, 1] in force, or at [3, 3]
     when S2 and S4 are decided in the same step (S4 is then weighed against S2's prediction)."""
-    from types import SimpleNamespace
-
-    from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
-    from titan_ext.titan.falcon.apply import _s4_pays
+    from titan_ext.runtime.falcon import FalconConfig, FalconDecision, FalconMonitor, IterationObservation
+    from titan_ext.titan.falcon.apply import JobView, plan_changes
 
     c, c_slow, fixed = _chunk_s(1.0), _chunk_s(factor), 0.12
     with_s2, after = fixed + max(5 * c, c_slow), fixed + 6 * c
     assert (after < with_s2) == pays
     measured_at = [3, 3] if same_step else [5, 1]
     mon = FalconMonitor(FalconConfig(num_microbatches=6), grid=[[0, 2], [1, 3]])
-    job = SimpleNamespace(monitor=mon, trainer=SimpleNamespace(step=20), split=[5, 1])
-    plan = plan_exclusion(mon.grid, [3], 20, [5, 1])
-    assert _s4_pays(job, plan, {})  # nothing measured yet: Alg. 1's decision stands
+    mon.report_validation(gemm_times_s={0: 1.0, 1: 1.0, 2: 1.0, 3: factor})  # validation names device 3
+    assert mon.slow_devices == [3]
+    # S4 alone with S2's [5, 1] in force, or S2's [5, 1] and S4 decided in the same step at [3, 3]
+    decision = FalconDecision(20, {"falcon/apply": "microbatch_redistribution,checkpoint_restart",
+                                   "falcon/plan/microbatch_split": "[5, 1]"} if same_step
+                              else {"falcon/apply": "checkpoint_restart"})
+    view = JobView(step=20, split=tuple(measured_at), even_split=(3, 3), grid=((0, 2), (1, 3)),
+                   replanning_on=True, checkpoint_enabled=True)
+    first = plan_changes(decision, view, mon)
+    assert first.s4_plan is not None and "falcon/predicted_s/checkpoint_restart" not in first.metrics  # nothing
+    # measured yet: Alg. 1's decision stands
     for _ in range(6):
-        mon.replica_microbatch_s, mon.split = [c, c_slow], list(measured_at)
-        mon.observe(fixed + max(m * t for m, t in zip(measured_at, [c, c_slow])))
-    decision: dict = {}
-    assert _s4_pays(job, plan, decision) == pays
-    assert decision["falcon/predicted_s/checkpoint_restart"] == pytest.approx(after, rel=1e-9)
+        mon.observe(IterationObservation(fixed + max(m * t for m, t in zip(measured_at, [c, c_slow])),
+                                         replica_microbatch_s=(c, c_slow), split=measured_at))
+    changes = plan_changes(decision, view, mon)
+    assert ("checkpoint_restart" in changes.applied) == (changes.s4_plan is not None) == pays
+    assert changes.metrics["falcon/predicted_s/checkpoint_restart"] == pytest.approx(after, rel=1e-9)
+    assert changes.split == ((5, 1) if same_step else None)
+    if pays:
+        assert changes.s4_plan.kept_replicas == [0] and changes.s4_plan.chunks_per_replica == 6
+    off = plan_changes(decision, dataclasses.replace(view, checkpoint_enabled=False), mon)
+    assert off.s4_plan is None and any("checkpointer" in line for _, line in off.notes)
 
 
 def _s4_resume_rank(rank: int, world: int, dump: str) -> tuple:

@@ -1,9 +1,13 @@
 """FalconMonitor: the once-per-iteration entry point for the schedule / trainer (Falcon §4–§5).
 
-Process-group free: it consumes numbers (iteration times, per-group transfer times, validation
-timings) and returns *decisions* as a flat dict of ``falcon/...`` metrics that the trainer merges into
-its per-iteration metrics (and so into W&B). Applying a decision (re-plan, re-weight, validate,
-restart) is the caller's job; see docs/falcon.md for the wiring.
+Process-group free, with explicit inputs and outputs (issue 35 item 4): ``observe`` takes an
+:class:`~.decision.IterationObservation` (iteration time, per-group times, the replicas' measured
+micro-batch times and their split) and returns a :class:`~.decision.FalconDecision` (frozen: the
+``falcon/...`` metrics the trainer merges into its per-iteration metrics and W&B, with typed
+accessors); ``report_validation`` takes validation's timings and returns one too. Nothing is set on
+the monitor between calls. Its parts are the modules they already are: detector (:mod:`.bocd`),
+localiser (:mod:`.localize`), planner (:mod:`.mitigation`, S2's times in :mod:`.s2`). Applying a
+decision (re-plan, re-weight, validate, restart) is the caller's job; see docs/falcon.md.
 
 Workflow per fail-slow event:
   tracking (BOCD + verification, §4.2) → onset → profiling (suspicious groups, §4.3) →
@@ -24,12 +28,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .bocd import BOCDConfig, SlowIterationDetector
+from .decision import FalconDecision, IterationObservation
 from .localize import locate_slow_devices, locate_slow_links, suspicious_groups
 from .mitigation import MitigationPlanner, StrategyCosts, min_max_microbatch_split, plan_topology
 from .period import estimate_period
 from .s2 import ReplicaTimes
 
-__all__ = ["FalconConfig", "FalconMonitor"]
+__all__ = ["FalconConfig", "FalconMonitor", "FalconDecision", "IterationObservation"]
 
 
 @dataclass
@@ -79,7 +84,8 @@ class FalconConfig:
 
 
 class FalconMonitor:
-    """``observe(iteration_time_s, per_group_times) -> dict`` once per iteration.
+    """``observe(IterationObservation) -> FalconDecision`` once per iteration
+    (``observe(t, per_group_times)`` is short for ``observe(IterationObservation(t, per_group_times))``).
 
     ``grid[dp][pp]`` (global ranks) lets validation results be classified (a slow link on a PP hop vs
     inside a DP group) and topology plans be made; ``pp_groups`` / ``dp_groups`` name the groups of
@@ -112,17 +118,28 @@ class FalconMonitor:
         self._period: int | None = None
         self._calls_consumed = 0
         self._group_detectors: dict[str, SlowIterationDetector] = {}
-        self.replica_microbatch_s: list[float] | None = None
-        """Set by the trainer before :meth:`observe`: each DP replica's (``grid`` row's) measured
-        time per micro-batch this iteration (Falcon §5.3's t_i, "profiled by Falcon-Detect").
-        When given, S2's Eq. 1 uses their recent medians; otherwise it models them from the
-        iteration slowdown and the GEMM probe (:meth:`_replica_slowdown`)."""
-        self.split: list[int] | None = None
-        """Set by the trainer with ``replica_microbatch_s``: the micro-batches (chunks) each ``grid``
-        row ran this iteration."""
+        self._measured_split: list[int] | None = None  # the last observation's split
         self.s2 = ReplicaTimes(self.config.effect_window)  # the last effect_window iterations' t_i
         self._changed_at = -1  # iteration of the last applied strategy
         self._group_proposals: dict[str, tuple] = {}  # group -> (its change-point, since iteration)
+
+    @property
+    def measured_split(self) -> list[int] | None:
+        """The split of the last observation that carried the replicas' times (None: none did)."""
+        return None if self._measured_split is None else list(self._measured_split)
+
+    @property
+    def period_calls(self) -> int:
+        """The call record's current ACF period in calls (0: none found yet)."""
+        return self._period or 0
+
+    def set_grid(self, grid) -> None:
+        """The layout after a topology change (S3): ``grid[dp][pp]`` = global rank."""
+        self.grid = [list(r) for r in grid]
+
+    def attach_recorder(self, recorder) -> None:
+        """Derive iteration times from this :class:`~.hooks.CallRecorder` (``observe(None)``, ACF)."""
+        self.recorder = recorder
 
     # ---------------------------------------------------------------- tracking
     def iteration_times_from_recorder(self) -> list[float]:
@@ -160,28 +177,39 @@ class FalconMonitor:
             if self._period is not None:
                 return out
 
-    def observe(self, iteration_time_s: float | None = None, per_group_times: dict | None = None) -> dict:
-        """Feed one iteration; returns its ``falcon/*`` metrics and decisions."""
-        if iteration_time_s is None:
+    def observe(self, observation: IterationObservation | float | None = None,
+                per_group_times: dict | None = None) -> FalconDecision:
+        """Feed one iteration; returns its decision (the ``falcon/*`` metrics). ``observation`` may be
+        the iteration time alone (with ``per_group_times``), or None with a call recorder."""
+        if not isinstance(observation, IterationObservation):
+            observation = IterationObservation(observation, per_group_times or {})
+        elif per_group_times is not None:
+            raise TypeError("observe(IterationObservation) takes its group times from the observation")
+        obs = observation
+        groups = dict(obs.per_group_times) if obs.per_group_times else None
+        if obs.iteration_time_s is None:
             if self.recorder is None:
                 raise ValueError("observe(None) needs a CallRecorder")
             times = self.iteration_times_from_recorder()
             if not times:
-                return {"falcon/state": "slow" if self.detector.slow else "healthy"}
+                return FalconDecision(self.iteration, {"falcon/state": "slow" if self.detector.slow else "healthy"})
             for t in times[:-1]:
-                self._observe_one(t, None)
-            return self._observe_one(times[-1], per_group_times)
-        return self._observe_one(float(iteration_time_s), per_group_times)
+                self._observe_one(t, None, None)
+            return self._observe_one(times[-1], groups, obs)
+        return self._observe_one(obs.iteration_time_s, groups, obs)
 
-    def _observe_one(self, t: float, per_group_times: dict | None) -> dict:
+    def _observe_one(self, t: float, per_group_times: dict | None,
+                     obs: IterationObservation | None) -> FalconDecision:
         c = self.config
         t0 = time.perf_counter()
         self.iteration += 1
         it = self.iteration
         cp = self.detector.observe(t)
         out: dict = {"falcon/iteration_time_s": t}
-        self.s2.record(len(self.detector.times) - 1, t, self.replica_microbatch_s, self.split)
-        self.replica_microbatch_s = None
+        replica_s = list(obs.replica_microbatch_s) if obs is not None and obs.split is not None else None
+        if replica_s is not None:
+            self._measured_split = list(obs.split)
+        self.s2.record(len(self.detector.times) - 1, t, replica_s, self._measured_split)
         self._track_groups(per_group_times)
         if cp is None:
             cp = self._verify_group_proposals(out)
@@ -222,7 +250,7 @@ class FalconMonitor:
         out["falcon/detector_us"] = (time.perf_counter() - t0) * 1e6
         if len(out) > 4 and any(k in out for k in ("falcon/event", "falcon/apply", "falcon/validate")):
             self.history.append({"iteration": it, **out})
-        return out
+        return FalconDecision(it, out)
 
     # ---------------------------------------------------------------- group tracking
     def _track_groups(self, per_group_times: dict | None) -> None:
@@ -303,7 +331,7 @@ class FalconMonitor:
         self._awaiting_validation_since = self.iteration
 
     def report_validation(self, link_times_s: dict | None = None, gemm_times_s: dict | None = None,
-                          link_reference_s: float | None = None, pause_s: float | None = None) -> dict:
+                          link_reference_s: float | None = None, pause_s: float | None = None) -> FalconDecision:
         """Results of ``validate_rings`` / ``gemm_probe`` → slow links / devices → root cause.
 
         ``pause_s``: how long training was suspended for validation (reported as a metric)."""
@@ -324,7 +352,7 @@ class FalconMonitor:
             out["falcon/validation_pause_s"] = float(pause_s)
         self._classify(out)
         self.history.append({"iteration": self.iteration, **out})
-        return out
+        return FalconDecision(self.iteration, out)
 
     def slow_links_in(self, link_times_s: dict, link_reference_s: float | None = None) -> list:
         """The links validation calls slow (§4.3): this monitor's thresholds on
@@ -383,9 +411,9 @@ class FalconMonitor:
         """S4's predicted iteration time and the one it is compared with
         (:meth:`~.s2.ReplicaTimes.predicted_after_exclusion` over the current segment at the last
         measured split); None without measurements."""
-        if self.split is None:
+        if self._measured_split is None:
             return None
-        return self.s2.predicted_after_exclusion(self._segment_start(), self.split, kept_replicas,
+        return self.s2.predicted_after_exclusion(self._segment_start(), self._measured_split, kept_replicas,
                                                  chunks_per_replica, planned_split)
 
     def _segment_start(self) -> int:
@@ -396,13 +424,14 @@ class FalconMonitor:
         """S2's closed loop (:meth:`~.s2.ReplicaTimes.refined_split`): over a full
         ``effect_window`` since the last change-point or applied strategy."""
         c = self.config
-        if c.split_refine_gain is None or self.split is None or self.grid is None \
-                or c.num_microbatches is None or len(self.split) != len(self.grid):
+        split = self._measured_split
+        if c.split_refine_gain is None or split is None or self.grid is None \
+                or c.num_microbatches is None or len(split) != len(self.grid):
             return
         new = self.s2.refined_split(max(self._changed_at + 1, self._segment_start()), c.effect_window,
-                                    self.split, c.split_refine_gain, self.plan_microbatch_split)
+                                    split, c.split_refine_gain, self.plan_microbatch_split)
         if new is not None:
-            out["falcon/split_refined_from"] = json.dumps(list(self.split))
+            out["falcon/split_refined_from"] = json.dumps(list(split))
             self._apply("microbatch_redistribution", out, split=new)
 
     def _replica_slowdown(self, row, factor: float) -> float:

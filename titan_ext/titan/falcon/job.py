@@ -5,10 +5,11 @@
 * :mod:`.dp` — the DP gradient sum the trainer owns (TorchTitan 0.2.2 has no DDP next to PP),
   its timing, and the emulated slow DP link on it;
 * :mod:`.emulate` — the other emulated faults (slow device, slow PP hop);
-* :mod:`.measure` — iteration and per-group times every step (§4.2 / §4.3 profiling), the
+* :mod:`.measure` — the step's :class:`IterationObservation`: iteration and per-group times (§4.2 / §4.3 profiling), the
   ACF iteration time, validation on onset (§4.3);
 * :mod:`.costs` — the strategies' costs measured in this job (Alg. 1's inputs, §5.2);
-* :mod:`.apply` — the decisions applied (§5.3: PipeMorph re-plan, S2, S3 in memory, S4);
+* :mod:`.apply` — what a decision changes (§5.3: PipeMorph re-plan, S2, S3 in memory, S4), a frozen
+  :class:`~.apply.JobChanges` that :meth:`FalconJob.apply` carries out;
 * :mod:`.events` — ``falcon.jsonl``, ``falcon_events.jsonl``, console lines, W&B.
 
 Every rank feeds the monitor the same numbers, so all take the same decision. Emulation keys:
@@ -19,23 +20,26 @@ Every rank feeds the monitor the same numbers, so all take the same decision. Em
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
+from titan_ext.runtime.falcon import FalconConfig, FalconDecision, FalconMonitor, IterationObservation
 from titan_ext.runtime.falcon.device_clock import control_group
 from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device, parse_slow_link
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks
-from titan_ext.titan.falcon.apply import apply_all
+from torchtitan.tools.logging import logger
+
+from titan_ext.titan.falcon.apply import JobChanges, JobView, plan_changes, replanned_split
 from titan_ext.titan.falcon.costs import JobCosts
 from titan_ext.titan.falcon.dp import DPSync
 from titan_ext.titan.falcon.emulate import PPLinkDelays, install_compute_stretch
 from titan_ext.titan.falcon.events import EventLog, event_rows
 from titan_ext.titan.falcon.files import emulation_specs
-from titan_ext.titan.falcon.measure import SLOW_DEVICE_RATIO, StepClock, acf_iteration_times, group_times, validate
+from titan_ext.titan.falcon.measure import SLOW_DEVICE_RATIO, StepClock, acf_iteration_times, measure_step, validate
 
 __all__ = ["FalconJob"]
 
@@ -79,7 +83,7 @@ class FalconJob:
         self._fed_from: int | None = None
         """The first training step fed to the detector (:meth:`_observe`)."""
         self._backwards_left = 0
-        self.last_decision: dict = {}
+        self.last_decision: FalconDecision = FalconDecision(-1)
 
     def _monitor(self) -> FalconMonitor:
         return FalconMonitor(
@@ -109,7 +113,7 @@ class FalconJob:
         self.dp_group = dp_group
         dp_controls = [control_group([row[s] for row in grid]) for s in range(self.num_pp)]  # collective
         self.dp_control = dp_controls[self.pp_index]
-        self.monitor.grid = [list(row) for row in grid]
+        self.monitor.set_grid(grid)
         if getattr(self.trainer.pp_schedule, "falcon", None) is not None:
             self.trainer.pp_schedule.falcon = None  # the job's monitor sees DP too; one monitor decides
         for part in self.trainer.model_parts:
@@ -152,29 +156,84 @@ class FalconJob:
         return redistribute_chunks(mine, self.split, self.dp_index, self.dp_control)
 
     def _falcon(self, step_s: float) -> None:
-        """Falcon after a step: measure, detect, validate on onset, decide (Alg. 1), apply, record;
-        S4 last, once the step is recorded (it exits)."""
+        """Falcon after a step: measure (an :class:`IterationObservation`), detect, validate on
+        onset, decide (Alg. 1: a :class:`FalconDecision`), plan the job's changes
+        (:func:`~.apply.plan_changes`: a :class:`~.apply.JobChanges`), apply them, record; S4 last,
+        once the step is recorded (it exits)."""
         acf = acf_iteration_times(self.monitor)
-        iteration_s, groups = group_times(self, step_s)
-        measured_t = json.dumps(self.monitor.replica_microbatch_s)  # observe() consumes it
-        decision = self._observe(iteration_s, groups) | acf
-        decision["falcon/replica_microbatch_s"] = measured_t
-        decision |= {f"falcon/group_s/{g}": t for g, t in groups.items()}
-        if decision.get("falcon/validate"):
-            decision |= validate(self)
+        obs = measure_step(step_s, dp=self.dp, schedule=self.trainer.pp_schedule, costs=self.costs,
+                           control=self.control, num_pp=self.num_pp, num_dp=self.num_dp,
+                           dp_index=self.dp_index, split=self.split)
+        decision = self._observe(obs)
+        decision = decision.with_metrics(
+            acf | {"falcon/replica_microbatch_s": json.dumps(list(obs.replica_microbatch_s))}
+            | {f"falcon/group_s/{g}": t for g, t in obs.per_group_times.items()})
+        if decision.validate:
+            decision = decision.with_metrics(validate(self.monitor, grid=self.grid, emulation=self.emulation,
+                                                      control=self.control, device=self.device))
         estimated = self.monitor.config.costs  # the ski-rental inputs, before an application re-measures
-        applied_s, s4_plan = apply_all(self, decision)
-        decision["falcon/split"] = json.dumps(self.split)
-        decision["falcon/grid"] = json.dumps(self.grid)
+        changes = plan_changes(decision, self.view(), self.monitor)
+        applied_s = self.apply(changes)
+        decision = decision.with_metrics(changes.metrics | {"falcon/split": json.dumps(self.split),
+                                                            "falcon/grid": json.dumps(self.grid)})
         self.last_decision = decision
-        self.log.record(decision, event_rows(self.trainer.step, decision, self.monitor, estimated, applied_s,
-                                             self.apply_decisions))
-        if s4_plan is not None:
+        self.log.record(dict(decision), event_rows(self.trainer.step, decision, self.monitor, estimated,
+                                                   applied_s, self.apply_decisions))
+        if changes.s4_plan is not None:
             from titan_ext.titan.falcon.s4 import checkpoint_and_exit
 
-            checkpoint_and_exit(self, s4_plan, decision)
+            checkpoint_and_exit(self, changes.s4_plan, decision)
 
-    def _observe(self, iteration_s: float, groups: dict[str, float]) -> dict:
+    def view(self) -> JobView:
+        """What a decision is applied to (:func:`~.apply.plan_changes` reads nothing else of the job)."""
+        return JobView(step=self.trainer.step, split=tuple(self.split), even_split=tuple(self.even_split),
+                       grid=tuple(tuple(r) for r in self.grid),
+                       replanning_on=bool(getattr(self.trainer.pp_schedule, "adaptive", False)),
+                       checkpoint_enabled=bool(getattr(getattr(self.trainer, "checkpointer", None), "enable", False)),
+                       apply_decisions=bool(self.apply_decisions))
+
+    def apply(self, changes: JobChanges) -> dict[str, float | None]:
+        """The job's one place of change (§5.3): re-planning on, S2's split, S3 in memory; S4 is
+        the caller's, after the record. Returns strategy → measured cost for those applied (S4:
+        None, the restarted job measures it)."""
+        for level, line in changes.notes:
+            getattr(logger, level)(f"[titan_ext] {line}")
+        applied_s: dict[str, float | None] = {}
+        for strategy in changes.applied:
+            t0 = time.perf_counter()
+            if strategy == "checkpoint_restart":
+                applied_s[strategy] = None
+                continue
+            if strategy == "pipemorph_replan":
+                self.trainer.pp_schedule.adaptive = True
+            elif strategy == "microbatch_redistribution":
+                self.split = list(changes.split)
+            elif strategy == "topology_adjustment":
+                self._apply_topology([list(r) for r in changes.grid])
+            applied_s[strategy] = self.costs.measured[strategy] if strategy == "topology_adjustment" \
+                else time.perf_counter() - t0
+            logger.info(f"[titan_ext] Falcon applied {strategy} at step {self.trainer.step} (split {self.split}, "
+                        f"grid {self.grid})")
+        return applied_s
+
+    def _apply_topology(self, grid: list[list[int]]) -> None:
+        """S3 in memory (:func:`titan_ext.titan.falcon.s3.apply_topology`), then this job's view of
+        the layout (:meth:`bind_layout`), the data iterator, the S2 split re-planned for the new
+        replicas (:func:`~.apply.replanned_split`); its measured time becomes S3's cost."""
+        from titan_ext.titan.falcon.s3 import apply_topology
+
+        loader = self.trainer.dataloader
+        result = apply_topology(self.trainer, self.grid, grid, control_group=self.control)
+        self.bind_layout([[int(r) for r in row] for row in grid], result.mesh["dp_replicate"].get_group())
+        if self.trainer.dataloader is not loader:
+            self.data_iterator = self.trainer.batch_generator(self.trainer.dataloader)
+        if self.split != self.even_split:
+            self.split = replanned_split(self.monitor, self.even_split)
+        self.costs.set_measured("topology_adjustment", result.seconds)
+        logger.info(f"[titan_ext] Falcon S3: rank {self.rank} (dp, pp) {result.old_role} -> "
+                    f"{result.new_role}, state from rank {result.received_from}, {result.seconds:.3f} s")
+
+    def _observe(self, obs: IterationObservation) -> FalconDecision:
         """Feed the monitor (§4.2) from this process's second step on. Its first step is a warm-up
         whose time includes one-off work — S2's cost measured by a real chunk exchange, PipeMorph's
         first plan and profile, first allocations — and is no sample of the healthy iteration time:
@@ -183,10 +242,11 @@ class FalconJob:
         step 10 without). The change point is also reported as a training step."""
         if self._fed_from is None:
             self._fed_from = self.trainer.step + 1
-            return {"falcon/iteration_time_s": iteration_s, "falcon/warmup": 1}
-        decision = self.monitor.observe(iteration_s, groups)
+            return FalconDecision(-1, {"falcon/iteration_time_s": obs.iteration_time_s, "falcon/warmup": 1})
+        decision = self.monitor.observe(obs)
         if "falcon/change_point_iteration" in decision:
-            decision["falcon/change_point_step"] = self._fed_from + decision["falcon/change_point_iteration"]
+            decision = decision.with_metrics(
+                {"falcon/change_point_step": self._fed_from + decision["falcon/change_point_iteration"]})
         return decision
 
 

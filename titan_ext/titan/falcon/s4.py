@@ -89,17 +89,19 @@ def _save_checkpoint(trainer: Any, step: int) -> None:
         wait()  # async checkpointing: the files must be complete before this process exits
 
 
-def plan_checkpoint_restart(job: Any):
-    """The S4 plan of this job now (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`), or
-    :class:`S4Unavailable` (on every rank alike: the inputs are) when TorchTitan's checkpointer is
-    off, nothing was localised, or the global batch does not re-split."""
-    if not job.trainer.checkpointer.enable:
+def plan_checkpoint_restart(checkpoint_enabled: bool, slow_devices, slow_links, grid: list[list[int]],
+                            step: int, split: list[int]):
+    """The S4 plan for this job now (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`) from
+    validation's ``slow_devices`` / ``slow_links``, or :class:`S4Unavailable` (on every rank alike:
+    the inputs are) when TorchTitan's checkpointer is off, nothing was localised, or the global
+    batch does not re-split."""
+    if not checkpoint_enabled:
         raise S4Unavailable("S4 needs TorchTitan's checkpointer: [checkpoint] enable = true")
-    excluded = devices_to_exclude(job.monitor.slow_devices, job.monitor.slow_links)
+    excluded = devices_to_exclude(slow_devices, slow_links)
     if not excluded:
         raise S4Unavailable("validation localised no device or link to exclude")
     try:
-        return plan_exclusion(job.grid, excluded, job.trainer.step, job.split)
+        return plan_exclusion(grid, excluded, step, split)
     except ValueError as e:
         raise S4Unavailable(str(e)) from None
 
