@@ -215,7 +215,7 @@ def test_cuda_stretch_sleeps_on_the_device_by_the_last_measured_region_without_h
     monkeypatch.setattr(falcon_emulate, "DeviceTimer", Timer)
     monkeypatch.setattr(falcon_emulate, "device_sleep", lambda s, device=None: sleeps.append((s, device)))
     emulation = FailSlowEmulation(0, [0], slow_device=parse_slow_device("0:4"))
-    stretch = falcon.emulate.DeviceStretch(emulation, "cuda:0")
+    stretch = falcon_emulate.DeviceStretch(emulation, "cuda:0")
     start = stretch.timer.mark()
     clock["t"] = 0.010
     stretch.end("f", start)  # first forward: no completed measurement yet, no stretch
