@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .attribution import attribute
 from .bocd import BOCDConfig, SlowIterationDetector
 from .decision import FalconDecision, IterationObservation
 from .localize import locate_slow_devices, locate_slow_links, suspicious_groups
@@ -114,6 +115,12 @@ class FalconMonitor:
         self.slow_devices: list[int] = []
         self.device_slowdown: dict[int, float] = {}  # GEMM probe time / median, per rank
         self.root_cause: str | None = None
+        self.attribution: list[dict] = []
+        """The last localisation's components, each with its cause (:mod:`.attribution`)."""
+        self._handled: set[tuple[int, ...]] = set()  # components a strategy was decided for, this event
+        self._root_key: tuple[int, ...] | None = None
+        self.root_component: str | None = None
+        """The component the root cause was taken from (e.g. ``device 3``, ``link 0-1``)."""
         self.history: list[dict] = []
         self._period: int | None = None
         self._calls_consumed = 0
@@ -220,6 +227,7 @@ class FalconMonitor:
             out["falcon/change_point_relative_change"] = cp.relative_change
             if cp.kind in ("onset", "relief"):
                 self.s2.new_event()
+                self._handled = set()  # a new event: its components are new
             if cp.kind == "onset" or (cp.kind == "level" and cp.relative_change > 0 and self.planner.active):
                 self._on_onset(per_group_times, out)
             elif cp.kind == "relief":
@@ -319,8 +327,9 @@ class FalconMonitor:
     def _on_onset(self, per_group_times, out):
         """Profiling, then ask for validation (§4.3): on an onset, and on a further slowdown during an
         event (a ``level`` event slower than before) — a second fault while the first is mitigated,
-        as in Falcon's compound case study (§6, Fig. 17: slow communication, then a slow GPU), is
-        localised anew and its root cause restarts Alg. 1's ladder (:meth:`_classify`)."""
+        as in Falcon's compound case study (§7.3, Fig. 17: slow communication → S3, then a slow GPU
+        → S2, then S4), is localised anew and its root cause (the component not handled yet,
+        :mod:`.attribution`) restarts Alg. 1's ladder (:meth:`_classify`)."""
         self.suspicious = self._suspicious(per_group_times or {})
         self.slow_links, self.slow_devices, self.root_cause = [], [], None
         self.slow_link_excess_s = {}
@@ -361,21 +370,22 @@ class FalconMonitor:
         return locate_slow_links(link_times_s, c.slow_link_ratio, link_reference_s, c.slow_link_min_excess_s)
 
     def _classify(self, out):
-        cause = "unknown"
-        on_slow_device = all(a in self.slow_devices or b in self.slow_devices for a, b in self.slow_links)
-        if self.slow_links and self.slow_devices and on_slow_device:
-            cause = "compute"  # a slow device also delays the messages it sends and receives
-        elif self.slow_links and self.grid is not None:
-            pos = {r: (d, s) for d, row in enumerate(self.grid) for s, r in enumerate(row)}
-            a, b = self.slow_links[0]
-            (da, sa), (db, sb) = pos[a], pos[b]
-            cause = "pp_link" if da == db and abs(sa - sb) == 1 else "dp_link"
-        elif self.slow_devices:
-            cause = "compute"
-        elif self.suspicious:
+        """The root cause (§4.3) from validation's components (:func:`~.attribution.attribute`: a
+        slow link not touching a slow device is the link's; the first component this event has not
+        handled gives the cause), else from profiling's slowest group; then Alg. 1 (re)starts."""
+        att = attribute(self.slow_links if self.grid is not None else [],  # no grid: a link has no kind
+                        self.slow_devices, self.grid, self._handled, self.slow_link_excess_s,
+                        self.device_slowdown)
+        self.attribution = [c.as_row() for c in att.components]
+        self._root_key = att.root.key if att.root is not None else None
+        self.root_component = att.root.label() if att.root is not None else None
+        cause = att.root_cause or "unknown"
+        if att.root is None and self.suspicious:
             g = self.suspicious[0]
             cause = "pp_link" if g in self.pp_groups else "dp_link" if g in self.dp_groups else "unknown"
         self.root_cause = cause
+        if self.attribution:
+            out["falcon/attribution"] = json.dumps(self.attribution)
         self._awaiting_validation_since = None
         out["falcon/root_cause"] = cause
         if not self.detector.slow:
@@ -447,6 +457,8 @@ class FalconMonitor:
         prev = out.get("falcon/apply")
         out["falcon/apply"] = strategy if not prev else f"{prev},{strategy}"
         self._changed_at = self.iteration
+        if strategy != "ignore" and self._root_key is not None:
+            self._handled.add(self._root_key)  # a strategy of its ladder is decided for it
         if split is not None:
             out["falcon/plan/microbatch_split"] = json.dumps(self.s2.planned(list(split)))
         elif strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:
