@@ -161,3 +161,46 @@ def test_compound_sequence_s3_then_s2_then_s4_with_evidence_rows(tmp_path):
     # the steps followed the mitigations: S3 took the link's cost off the step, S2 most of the device's
     assert np.median(times[i3 + 2:DEVICE_FROM]) < 0.5 * np.median(times[LINK_FROM + 1:i3])
     assert np.median(times[i2 + 2:i4]) < 0.5 * np.median(times[DEVICE_FROM + 1:i2])
+
+
+def test_s3_hands_the_moved_link_to_pipemorph_with_delegation():
+    """PipeMorph §7.3 (Fig. 19): Falcon's S3 turns a slow DP link into a PP hop; with
+    ``falcon_delegation`` the job then re-plans and delegates that hop's pipeline. DP 2 × PP 4
+    (TorchTitan's mesh: pipelines {0,2,4,6}, {1,3,5,7}), DP link 0-1 slow."""
+    from titan_ext.runtime.falcon import FalconDecision, plan_topology
+    from titan_ext.titan.falcon.apply import JobView, plan_changes, pp_hops
+
+    grid = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    mon = FalconMonitor(FalconConfig(), grid=grid)
+    mon.report_validation({(0, 1): 0.05, (1, 0): 0.05, (2, 3): 0.001, (3, 2): 0.001}, {r: 0.01 for r in range(8)})
+    assert mon.root_cause == "dp_link"
+    plan = plan_topology(grid, mon.slow_links, [])
+    new = [list(r) for r in plan.grid]
+    assert plan.moved > 0 and pp_hops(mon.slow_links, new) == ((0, 1),)
+    decision = FalconDecision(9, {"falcon/apply": "topology_adjustment", "falcon/plan/topology_grid": json.dumps(new)})
+    view = JobView(step=9, split=(3, 3), even_split=(3, 3), grid=tuple(map(tuple, grid)), replanning_on=False,
+                   checkpoint_enabled=False)
+    frozen = plan_changes(decision, view, mon)  # the schedule stays frozen: S3 alone
+    assert frozen.grid == tuple(map(tuple, new)) and not frozen.replan and frozen.delegate_links == ()
+    handed = plan_changes(decision, JobView(**{**view.__dict__, "delegate_after_s3": True}), mon)
+    assert handed.grid == frozen.grid and handed.replan and handed.delegate_links == ((0, 1),)
+    assert json.loads(handed.metrics["falcon/delegated_links"]) == [[0, 1]]
+    # a plan that keeps the grid hands nothing over
+    kept = FalconDecision(9, {"falcon/apply": "topology_adjustment", "falcon/plan/topology_grid": json.dumps(grid)})
+    assert plan_changes(kept, JobView(**{**view.__dict__, "delegate_after_s3": True}), mon).delegate_links == ()
+
+
+def test_latency_fault_through_a_bounded_window_costs_a_gradient_many_round_trips():
+    """``window_bytes``: a transfer of n bytes over a link with MS of added latency pays
+    ceil(n / window) × MS; unbounded (the default, and every test before it): MS once."""
+    from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_link
+
+    link = parse_slow_link("0-1:30")
+    plain = FailSlowEmulation(0, range(4), slow_link=link)
+    windowed = FailSlowEmulation(0, range(4), slow_link=link, window_bytes=256 * 1024)
+    grad = 3_000_000  # a stage's ring step of 3 MB: 12 windows of 256 KiB
+    assert plain.collective_delay_s([0, 1], 2, step_bytes=grad) == pytest.approx(2 * 0.030)
+    assert windowed.collective_delay_s([0, 1], 2, step_bytes=grad) == pytest.approx(2 * 12 * 0.030)
+    assert windowed.send_delay_s(0, 1, 64 * 1024) == pytest.approx(0.030)  # an activation: once
+    assert windowed.send_delay_s(0, 2, grad) == 0.0  # not the slow link
+    assert windowed.collective_delay_s([2, 3], 2, step_bytes=grad) == 0.0

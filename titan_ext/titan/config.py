@@ -155,6 +155,17 @@ class TitanExt:
     are neighbours in a pipeline, and to validation messages. Empty = none; the environment
     variable TITAN_EXT_SLOW_LINK is used when empty. DP x PP jobs only, like emulate_slow_device."""
 
+    emulate_link_window_kib: float = 0.0
+    """Latency faults (``emulate_slow_link = "A-B:MS"``) through a bounded window of this many KiB
+    in flight per link (NCCL: 8 slots of one chunk per channel): a transfer of n bytes pays
+    ceil(n / window) x MS — a stage's DP gradient many times, an activation once (PipeMorph §7.3's
+    DP-link latency fault, Fig. 19). 0 = unbounded: every message and ring step pays MS once."""
+
+    falcon_delegation: bool = False
+    """After Falcon's S3 moved a slow link onto a PP hop, turn PipeMorph's re-planning on and delegate
+    the moved link's pipeline's PP messages (PipeMorph §7.3: S3, then re-planning with delegation on
+    the moved link). Needs ``delegation = "auto"`` or ``"always"`` (the delegating schedule)."""
+
     emulate_device_pass_ms: float = 0.0
     """Dedicated-device emulation for PP jobs on a shared CPU host (benchmarks): every forward
     of a model part takes this many ms and every backward twice that, on every rank (F times that
@@ -227,6 +238,8 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            "delegation_slot_mib", cfg.delegation_slot_mib, f"must be in [0, {MAX_SLOT_MIB}] (0 = derived)")
     for key in ("emulate_slow_device", "emulate_slow_link"):
         _check_emulation(key, getattr(cfg, key))
+    _check(math.isfinite(cfg.emulate_link_window_kib) and cfg.emulate_link_window_kib >= 0,
+           "emulate_link_window_kib", cfg.emulate_link_window_kib, "must be a finite number >= 0 (0 = unbounded)")
     _check(math.isfinite(cfg.emulate_device_pass_ms) and cfg.emulate_device_pass_ms >= 0,
            "emulate_device_pass_ms", cfg.emulate_device_pass_ms, "must be a finite number >= 0 (0 = off)")
     _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")

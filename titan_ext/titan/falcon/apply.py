@@ -5,6 +5,8 @@ inputs: :func:`plan_changes` (a :class:`~titan_ext.runtime.falcon.FalconDecision
 * ``pipemorph_replan``: the schedule's re-planning on (PipeMorph adapts the slow PP link);
 * ``microbatch_redistribution`` (S2): the Eq. 1 split, in force from the next step;
 * ``topology_adjustment`` (S3): the grid re-mapped in memory (:mod:`.s3`) when the plan moves a rank;
+  with ``[titan_ext] falcon_delegation``, a slow link it moved onto a PP hop is then PipeMorph's:
+  re-planning on and its pipeline's PP messages delegated (PipeMorph §7.3, Fig. 19);
 * ``checkpoint_restart`` (S4): planned here (:func:`~.s4.plan_checkpoint_restart`) and kept only where
   it pays (:func:`s4_pays`); the job applies it once the step is recorded (checkpoint, exit,
   relaunch without the slow device).
@@ -12,10 +14,11 @@ inputs: :func:`plan_changes` (a :class:`~titan_ext.runtime.falcon.FalconDecision
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JobView", "JobChanges", "plan_changes", "s4_pays", "replanned_split", "at_least_one_each"]
+__all__ = ["JobView", "JobChanges", "plan_changes", "pp_hops", "s4_pays", "replanned_split", "at_least_one_each"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class JobView:
     replanning_on: bool
     checkpoint_enabled: bool
     apply_decisions: bool = True
+    delegate_after_s3: bool = False
+    """``[titan_ext] falcon_delegation``: after S3 moved a slow link onto a PP hop, re-plan and
+    delegate it (PipeMorph §7.3)."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,9 @@ class JobChanges:
     split from the next step; ``grid``: S3's new grid (a plan that moves a rank); ``s4_plan``: S4's
     :class:`~titan_ext.runtime.falcon.restart.ExclusionPlan` (checkpoint and exit after the step is
     recorded); ``applied``: the strategies that change the job, in decision order; ``metrics``:
-    entries the decision gains (S4's predicted step); ``notes``: (level, line) for the log."""
+    entries the decision gains (S4's predicted step); ``notes``: (level, line) for the log;
+    ``delegate_links``: slow links S3 moved onto a PP hop whose pipelines now re-plan and delegate
+    (PipeMorph §7.3: a DP straggler turned into a PP one, which PipeMorph absorbs)."""
 
     replan: bool = False
     split: tuple[int, ...] | None = None
@@ -48,6 +56,7 @@ class JobChanges:
     applied: tuple[str, ...] = ()
     metrics: dict = field(default_factory=dict)
     notes: tuple[tuple[str, str], ...] = ()
+    delegate_links: tuple[tuple[int, int], ...] = ()
 
 
 def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
@@ -55,7 +64,7 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
     only (validation's slow devices / links, S4's predicted step from the measured chunk times)."""
     if not view.apply_decisions:
         return JobChanges()
-    replan, split, grid, s4_plan = False, None, None, None
+    replan, split, grid, s4_plan, delegate = False, None, None, None, ()
     applied: list[str] = []
     metrics: dict = {}
     notes: list[tuple[str, str]] = []
@@ -76,6 +85,12 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
             else:
                 grid = tuple(tuple(int(x) for x in r) for r in new)
                 applied.append(strategy)
+                if view.delegate_after_s3:
+                    moved = pp_hops(monitor.slow_links, grid)
+                    if moved:
+                        delegate = moved
+                        replan = True
+                        metrics["falcon/delegated_links"] = json.dumps([list(k) for k in moved])
         elif strategy == "checkpoint_restart":
             from titan_ext.titan.falcon.s4 import S4Unavailable, plan_checkpoint_restart
 
@@ -97,7 +112,21 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
                                          f"{predicted:.3f} s a step predicted after it (replicas "
                                          f"{plan.kept_replicas} with {plan.chunks_per_replica} chunks each) "
                                          f"against {now:.3f} s now"))
-    return JobChanges(replan, split, grid, s4_plan, tuple(applied), metrics, tuple(notes))
+    return JobChanges(replan, split, grid, s4_plan, tuple(applied), metrics, tuple(notes), delegate)
+
+
+def pp_hops(links, grid) -> tuple[tuple[int, int], ...]:
+    """The links (either direction, reported once, sorted) that join adjacent stages of one pipeline
+    of ``grid[dp][pp]``."""
+    pos = {r: (d, s) for d, row in enumerate(grid) for s, r in enumerate(row)}
+    out = []
+    for a, b in links:
+        key = tuple(sorted((int(a), int(b))))
+        if a in pos and b in pos and key not in out:
+            (da, sa), (db, sb) = pos[a], pos[b]
+            if da == db and abs(sa - sb) == 1:
+                out.append(key)
+    return tuple(sorted(out))
 
 
 def s4_pays(monitor: Any, plan: Any, planned_split: list[int] | None) -> tuple[bool, float | None, float | None]:

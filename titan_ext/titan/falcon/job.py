@@ -57,7 +57,8 @@ class FalconJob:
         """The step's device time, fed to the detector (not the host clock)."""
         self.emulation = FailSlowEmulation(self.rank, range(dist.get_world_size()),
                                            *_parse(emulation_specs(section)),
-                                           pass_s=section.emulate_device_pass_ms / 1e3)
+                                           pass_s=section.emulate_device_pass_ms / 1e3,
+                                           window_bytes=section.emulate_link_window_kib * 1024 or float("inf"))
         self.chunks_per_replica = trainer.gradient_accumulation_steps
         self.dp = DPSync(trainer, self.emulation, self.control, self.device)
         self.pp_delays = PPLinkDelays(self.emulation, self.rank)
@@ -83,6 +84,7 @@ class FalconJob:
         self._fed_from: int | None = None
         """The first training step fed to the detector (:meth:`_observe`)."""
         self._backwards_left = 0
+        self.delegated_links: list[tuple[int, int]] = []
         self.last_decision: FalconDecision = FalconDecision(-1)
 
     def _monitor(self) -> FalconMonitor:
@@ -190,7 +192,8 @@ class FalconJob:
                        grid=tuple(tuple(r) for r in self.grid),
                        replanning_on=bool(getattr(self.trainer.pp_schedule, "adaptive", False)),
                        checkpoint_enabled=bool(getattr(getattr(self.trainer, "checkpointer", None), "enable", False)),
-                       apply_decisions=bool(self.apply_decisions))
+                       apply_decisions=bool(self.apply_decisions),
+                       delegate_after_s3=bool(getattr(self.section, "falcon_delegation", False)))
 
     def apply(self, changes: JobChanges) -> dict[str, float | None]:
         """The job's one place of change (§5.3): re-planning on, S2's split, S3 in memory; S4 is
@@ -214,7 +217,27 @@ class FalconJob:
                 else time.perf_counter() - t0
             logger.info(f"[titan_ext] Falcon applied {strategy} at step {self.trainer.step} (split {self.split}, "
                         f"grid {self.grid})")
+        if changes.delegate_links:
+            self._delegate(changes.delegate_links)
         return applied_s
+
+    def _delegate(self, links) -> None:
+        """PipeMorph §7.3 after S3: the moved slow links are PP hops now — re-planning on everywhere
+        (PipeMorph adapts the slack of the slow hop) and, on the pipelines holding one, their PP
+        messages through the delegates (every rank of such a pipeline alike, at this boundary)."""
+        schedule = self.trainer.pp_schedule
+        schedule.adaptive = True
+        mine = [tuple(k) for k in links if set(k) <= set(self.grid[self.dp_index])]
+        if not mine:
+            return
+        if not callable(getattr(schedule, "set_delegation", None)) or getattr(schedule, "delegation", None) is None:
+            logger.warning(f"[titan_ext] Falcon: slow link(s) {mine} moved onto a PP hop; this schedule "
+                           f"({type(schedule).__name__}) has no delegates ([titan_ext] delegation = \"off\"): "
+                           f"re-planning only")
+            return
+        schedule.set_delegation(True, reason=f"falcon: S3 moved slow link(s) {mine} onto a PP hop")
+        self.delegated_links = sorted(set(self.delegated_links) | set(mine))
+        logger.info(f"[titan_ext] Falcon: pipeline {self.dp_index} delegates its PP messages (slow link(s) {mine})")
 
     def _apply_topology(self, grid: list[list[int]]) -> None:
         """S3 in memory (:func:`titan_ext.titan.falcon.s3.apply_topology`), then this job's view of
