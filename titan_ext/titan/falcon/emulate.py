@@ -63,6 +63,14 @@ class _Mark(torch.autograd.Function):
         return grad, None
 
 
+def _on_grad(fn):
+    """A tensor hook that runs ``fn()`` when the tensor's gradient is computed (the gradient unchanged)."""
+    def hook(_grad):
+        fn()
+        return None
+    return hook
+
+
 class DeviceStretch:
     """The emulated slow device on CUDA: a region (forward or backward) is
     followed by a device-side delay of (F - 1) × its device time. The region's time comes from CUDA
@@ -123,7 +131,9 @@ def install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation,
     def post(_mod, _args, out):
         stretch("f")
         if torch.is_tensor(out) and out.requires_grad:
-            return _Mark.apply(out, begin_backward)
+            # a hook, not a _Mark: the stage output must not be a view (torch's split backward
+            # detaches a stage's outputs in place, which a view refuses: a middle stage of PP >= 3)
+            out.register_hook(_on_grad(begin_backward))
         return None
 
     part.register_forward_pre_hook(pre)
