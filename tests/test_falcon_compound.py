@@ -204,3 +204,29 @@ def test_latency_fault_through_a_bounded_window_costs_a_gradient_many_round_trip
     assert windowed.send_delay_s(0, 1, 64 * 1024) == pytest.approx(0.030)  # an activation: once
     assert windowed.send_delay_s(0, 2, grad) == 0.0  # not the slow link
     assert windowed.collective_delay_s([2, 3], 2, step_bytes=grad) == 0.0
+
+
+def test_s3_plan_out_of_rank_order_falls_back_to_the_root_link_alone():
+    """Seen in the Fig. 19 bench (2026-11-27): validation on a loaded host also flagged DP link 4-5;
+    the plan for both links put a pipeline out of global-rank order ([5, 4, 2, 7]), which the
+    in-memory S3 refuses (torch numbers a PP group by global rank) — and the job died. The job now
+    plans S3 for the root component alone, or applies nothing."""
+    from titan_ext.runtime.falcon import FalconDecision, plan_topology
+    from titan_ext.titan.falcon.apply import JobView, plan_changes
+
+    grid = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    mon = FalconMonitor(FalconConfig(), grid=grid)
+    links = {(0, 1): 0.05, (1, 0): 0.05, (4, 5): 0.03, (5, 4): 0.03, (2, 3): 0.001, (3, 2): 0.001}
+    mon.report_validation(links, {r: 0.01 for r in range(8)}, link_reference_s=0.001)  # the job's reference ring
+    assert mon.root_cause == "dp_link" and mon.root_key == (0, 1) and len(mon.slow_links) == 4
+    both = plan_topology(grid, mon.slow_links, [])
+    view = JobView(step=8, split=(2, 2), even_split=(2, 2), grid=tuple(map(tuple, grid)), replanning_on=False,
+                   checkpoint_enabled=False)
+    unordered = [[0, 1, 4, 6], [5, 4, 2, 7]]  # the bench's plan (any grid with a pipeline out of order)
+    decision = FalconDecision(8, {"falcon/apply": "topology_adjustment",
+                                  "falcon/plan/topology_grid": json.dumps(unordered)})
+    changes = plan_changes(decision, view, mon)
+    alone = plan_topology(grid, [(0, 1), (1, 0)], []).grid
+    assert changes.grid == tuple(map(tuple, alone)) and all(list(r) == sorted(r) for r in changes.grid)
+    assert changes.applied == ("topology_adjustment",) and "out of global-rank order" in changes.notes[0][1]
+    assert both.moved > 0  # (the monitor's own two-link plan, whatever its order)

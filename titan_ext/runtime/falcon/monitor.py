@@ -136,6 +136,11 @@ class FalconMonitor:
         return None if self._measured_split is None else list(self._measured_split)
 
     @property
+    def root_key(self) -> tuple[int, ...] | None:
+        """The root component's key (a link's two ranks, sorted, or a device's rank; None: none)."""
+        return self._root_key
+
+    @property
     def period_calls(self) -> int:
         """The call record's current ACF period in calls (0: none found yet)."""
         return self._period or 0

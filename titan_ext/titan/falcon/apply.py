@@ -79,6 +79,14 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
                 applied.append(strategy)
         elif strategy == "topology_adjustment":
             new = decision.topology_grid
+            if new is not None and not _rank_ordered(new):
+                alt = _plan_for_root(view.grid, monitor)
+                notes.append(("warning", f"Falcon S3 at step {view.step}: the plan {[list(r) for r in new]} has a "
+                                         f"pipeline out of global-rank order (torch numbers a PP group's members by "
+                                         f"global rank); " + (f"planned for {monitor.root_component} alone: "
+                                                              f"{[list(r) for r in alt]}" if alt is not None
+                                                              else "no ordered plan for the root component")))
+                new = alt
             if new is None or [list(r) for r in new] == [list(r) for r in view.grid]:
                 notes.append(("info", f"Falcon decided S3 at step {view.step}; its plan keeps the grid "
                                       f"{[list(r) for r in view.grid]}: nothing to apply"))
@@ -113,6 +121,24 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
                                          f"{plan.kept_replicas} with {plan.chunks_per_replica} chunks each) "
                                          f"against {now:.3f} s now"))
     return JobChanges(replan, split, grid, s4_plan, tuple(applied), metrics, tuple(notes), delegate)
+
+
+def _rank_ordered(grid) -> bool:
+    return all(list(r) == sorted(r) for r in grid)
+
+
+def _plan_for_root(grid, monitor: Any):
+    """S3's plan for the root component alone (a spurious second slow link — validation noise on a
+    loaded host — can leave no plan with every pipeline in global-rank order), or None."""
+    from titan_ext.runtime.falcon import plan_topology
+
+    key = getattr(monitor, "root_key", None)
+    if key is None:
+        return None
+    links = [(a, b) for a, b in monitor.slow_links if tuple(sorted((a, b))) == tuple(key)] if len(key) == 2 else []
+    devices = [key[0]] if len(key) == 1 else []
+    plan = plan_topology([list(r) for r in grid], links, devices)
+    return plan.grid if plan.moved and _rank_ordered(plan.grid) else None
 
 
 def pp_hops(links, grid) -> tuple[tuple[int, int], ...]:
