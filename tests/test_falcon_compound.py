@@ -230,3 +230,21 @@ def test_s3_plan_out_of_rank_order_falls_back_to_the_root_link_alone():
     assert changes.grid == tuple(map(tuple, alone)) and all(list(r) == sorted(r) for r in changes.grid)
     assert changes.applied == ("topology_adjustment",) and "out of global-rank order" in changes.notes[0][1]
     assert both.moved > 0  # (the monitor's own two-link plan, whatever its order)
+
+
+def test_only_the_root_link_is_delegated_after_s3():
+    """The Fig. 19 run's delegating arm: validation also flagged 3->2 (noise); S3's grid put 2-3 on
+    a PP hop too and both pipelines delegated. Only the root component's link is delegated now."""
+    from titan_ext.runtime.falcon import FalconDecision
+    from titan_ext.titan.falcon.apply import JobView, plan_changes
+
+    grid = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    mon = FalconMonitor(FalconConfig(), grid=grid)
+    mon.report_validation({(0, 1): 0.05, (1, 0): 0.05, (3, 2): 0.02, (2, 3): 0.001, (4, 5): 0.001},
+                          {r: 0.01 for r in range(8)}, link_reference_s=0.001)
+    assert (3, 2) in mon.slow_links and mon.root_key == (0, 1)
+    new = [[0, 1, 4, 6], [2, 3, 5, 7]]
+    decision = FalconDecision(9, {"falcon/apply": "topology_adjustment", "falcon/plan/topology_grid": json.dumps(new)})
+    view = JobView(step=9, split=(2, 2), even_split=(2, 2), grid=tuple(map(tuple, grid)), replanning_on=False,
+                   checkpoint_enabled=False, delegate_after_s3=True)
+    assert plan_changes(decision, view, mon).delegate_links == ((0, 1),)

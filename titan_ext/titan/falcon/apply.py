@@ -94,7 +94,11 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
                 grid = tuple(tuple(int(x) for x in r) for r in new)
                 applied.append(strategy)
                 if view.delegate_after_s3:
-                    moved = pp_hops(monitor.slow_links, grid)
+                    # the root component's link (validation on a loaded host may flag a second one:
+                    # seen in the Fig. 19 bench, 3->2, and both pipelines then delegated)
+                    root = getattr(monitor, "root_key", None)
+                    moved = tuple(k for k in pp_hops(monitor.slow_links, grid)
+                                  if root is None or len(root) != 2 or k == tuple(root))
                     if moved:
                         delegate = moved
                         replan = True
