@@ -21,9 +21,9 @@ Three parts, one per process that takes part:
   (:func:`recorded_s4_cost`). After :data:`OUTCOME_STEPS` steps an "outcome" row compares the
   iteration time with the one before S4.
 
-Without spare nodes the restarted world is smaller: the healthy peers of the slow device in its
-replica idle (a cluster would give the job a replacement node instead; same path, the identity
-grid).
+This is S4 *without spare devices* ("shrink"): the restarted world is smaller and the healthy
+peers of the slow device in its replica idle. Falcon's S4 restarts on healthy nodes with the slow
+one replaced and DP kept; a spare-device path is not built here yet (issue 35 item 1).
 """
 
 from __future__ import annotations
