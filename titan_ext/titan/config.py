@@ -161,6 +161,16 @@ class TitanExt:
     ceil(n / window) x MS — a stage's DP gradient many times, an activation once (PipeMorph §7.3's
     DP-link latency fault, Fig. 19). 0 = unbounded: every message and ring step pays MS once."""
 
+    falcon_spares: str = ""
+    """Spare devices S4 may restart a slow device's rank on (Falcon §5.1: "checkpoint-and-restart on
+    healthy nodes"), comma-separated device ids no rank uses: on CPU emulated devices (a healthy
+    device of its own), on GPUs local CUDA device indices beyond the world. Empty: S4 shrinks DP
+    (the slow device's replica leaves)."""
+
+    falcon_devices: str = ""
+    """The device each rank runs on, comma-separated by rank (set by an S4 restart onto a spare;
+    emulated faults belong to devices). Empty: rank i on device i."""
+
     falcon_delegation: bool = False
     """After Falcon's S3 moved a slow link onto a PP hop, turn PipeMorph's re-planning on and delegate
     the moved link's pipeline's PP messages (PipeMorph §7.3: S3, then re-planning with delegation on
@@ -238,6 +248,10 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            "delegation_slot_mib", cfg.delegation_slot_mib, f"must be in [0, {MAX_SLOT_MIB}] (0 = derived)")
     for key in ("emulate_slow_device", "emulate_slow_link"):
         _check_emulation(key, getattr(cfg, key))
+    for key in ("falcon_spares", "falcon_devices"):
+        text = getattr(cfg, key).strip()
+        _check(not text or all(x.strip().isdigit() for x in text.split(",")), key, text,
+               "must be comma-separated device ids (integers >= 0)")
     _check(math.isfinite(cfg.emulate_link_window_kib) and cfg.emulate_link_window_kib >= 0,
            "emulate_link_window_kib", cfg.emulate_link_window_kib, "must be a finite number >= 0 (0 = unbounded)")
     _check(math.isfinite(cfg.emulate_device_pass_ms) and cfg.emulate_device_pass_ms >= 0,

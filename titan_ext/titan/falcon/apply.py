@@ -35,6 +35,10 @@ class JobView:
     checkpoint_enabled: bool
     apply_decisions: bool = True
     delegate_after_s3: bool = False
+    spares: tuple[int, ...] = ()
+    """``[titan_ext] falcon_spares``: devices S4 may restart a slow device's rank on."""
+    device_of: tuple[int, ...] | None = None
+    """The device of each rank (``falcon_devices``; None: identity)."""
     """``[titan_ext] falcon_delegation``: after S3 moved a slow link onto a PP hop, re-plan and
     delegate it (PipeMorph §7.3)."""
 
@@ -108,7 +112,8 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
 
             try:
                 plan = plan_checkpoint_restart(view.checkpoint_enabled, monitor.slow_devices, monitor.slow_links,
-                                               [list(r) for r in view.grid], view.step, list(split or view.split))
+                                               [list(r) for r in view.grid], view.step, list(split or view.split),
+                                               spares=view.spares, device_of=view.device_of)
             except S4Unavailable as e:
                 notes.append(("warning", f"Falcon decided checkpoint_restart at step {view.step}; not applied: {e}"))
                 continue
@@ -167,6 +172,12 @@ def s4_pays(monitor: Any, plan: Any, planned_split: list[int] | None) -> tuple[b
     predicted against 1.51 s with S2), so the restart would cost its start-up and then slow every
     step. Without measurements in the current segment, Alg. 1's decision stands (the paper).
     Returns (pays, predicted after, now)."""
+    if getattr(plan, "replaced", None):  # onto spares: the same grid on healthy devices
+        healthy = getattr(monitor.detector, "healthy_mean_s", None)
+        now = getattr(monitor.detector, "current_mean_s", None)
+        if healthy is None or now is None:
+            return True, None, None
+        return healthy < now, float(healthy), float(now)
     pred = monitor.predicted_after_exclusion(plan.kept_replicas, plan.chunks_per_replica, planned_split)
     if pred is None:
         return True, None, None

@@ -55,7 +55,9 @@ class FalconJob:
         self.control = control_group()  # host data on gloo control groups
         self.step_clock = StepClock(self.device)
         """The step's device time, fed to the detector (not the host clock)."""
-        self.emulation = FailSlowEmulation(self.rank, range(dist.get_world_size()),
+        self.device_of = _devices(section.falcon_devices, dist.get_world_size())
+        self.spares = tuple(_devices(section.falcon_spares, None)) if section.falcon_spares.strip() else ()
+        self.emulation = FailSlowEmulation(self.rank, self.device_of,
                                            *_parse(emulation_specs(section)),
                                            pass_s=section.emulate_device_pass_ms / 1e3,
                                            window_bytes=section.emulate_link_window_kib * 1024 or float("inf"))
@@ -193,7 +195,8 @@ class FalconJob:
                        replanning_on=bool(getattr(self.trainer.pp_schedule, "adaptive", False)),
                        checkpoint_enabled=bool(getattr(getattr(self.trainer, "checkpointer", None), "enable", False)),
                        apply_decisions=bool(self.apply_decisions),
-                       delegate_after_s3=bool(getattr(self.section, "falcon_delegation", False)))
+                       delegate_after_s3=bool(getattr(self.section, "falcon_delegation", False)),
+                       spares=self.spares, device_of=tuple(self.device_of))
 
     def apply(self, changes: JobChanges) -> dict[str, float | None]:
         """The job's one place of change (§5.3): re-planning on, S2's split, S3 in memory; S4 is
@@ -271,6 +274,20 @@ class FalconJob:
             decision = decision.with_metrics(
                 {"falcon/change_point_step": self._fed_from + decision["falcon/change_point_iteration"]})
         return decision
+
+
+def _devices(text: str, world: int | None) -> list[int]:
+    """``falcon_devices`` / ``falcon_spares``: comma-separated device ids; empty = identity over
+    ``world`` ranks."""
+    text = text.strip()
+    if not text:
+        return list(range(world or 0))
+    ids = [int(x) for x in text.split(",")]
+    if world is not None and len(ids) != world:
+        raise ValueError(f"[titan_ext] falcon_devices = {text!r}: {len(ids)} devices for {world} ranks")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"[titan_ext] falcon_devices / falcon_spares = {text!r}: a device twice")
+    return ids
 
 
 def _parse(specs: tuple[str, str]) -> tuple:

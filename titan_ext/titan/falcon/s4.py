@@ -51,6 +51,8 @@ from titan_ext.runtime.falcon.restart import (
     relaunch_overrides,
     remap_emulation,
     write_s4_plan,
+    ReplacePlan,
+    plan_replacement,
 )
 
 __all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
@@ -90,16 +92,23 @@ def _save_checkpoint(trainer: Any, step: int) -> None:
 
 
 def plan_checkpoint_restart(checkpoint_enabled: bool, slow_devices, slow_links, grid: list[list[int]],
-                            step: int, split: list[int]):
-    """The S4 plan for this job now (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`) from
-    validation's ``slow_devices`` / ``slow_links``, or :class:`S4Unavailable` (on every rank alike:
-    the inputs are) when TorchTitan's checkpointer is off, nothing was localised, or the global
-    batch does not re-split."""
+                            step: int, split: list[int], spares=(), device_of=None):
+    """The S4 plan for this job now from validation's ``slow_devices`` / ``slow_links``: onto
+    ``spares`` when there are enough (:func:`~titan_ext.runtime.falcon.restart.plan_replacement`:
+    Falcon's S4, DP kept), else without them
+    (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`: DP shrinks); or
+    :class:`S4Unavailable` (on every rank alike: the inputs are) when TorchTitan's checkpointer is
+    off, nothing was localised, or the global batch does not re-split."""
     if not checkpoint_enabled:
         raise S4Unavailable("S4 needs TorchTitan's checkpointer: [checkpoint] enable = true")
     excluded = devices_to_exclude(slow_devices, slow_links)
     if not excluded:
         raise S4Unavailable("validation localised no device or link to exclude")
+    if spares:
+        try:
+            return plan_replacement(grid, excluded, spares, step, split, device_of)
+        except ValueError:
+            pass  # not enough spares (or an uneven split): without them
     try:
         return plan_exclusion(grid, excluded, step, split)
     except ValueError as e:
@@ -127,7 +136,7 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
                       overrides=relaunch_overrides(plan, emulation,
                                                    trainer.job_config.training.local_batch_size),
                       hosts=[where[r][0] for r in plan.kept_ranks],
-                      local_devices=[where[r][1] for r in plan.kept_ranks],
+                      local_devices=_local_devices(plan, where),
                       device_type=where[0][2])
     dist.barrier(group=job.control)
     if job.rank == 0:
@@ -140,6 +149,16 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
     trainer.close()
     dist.destroy_process_group()
     raise SystemExit(S4_EXIT_CODE)
+
+
+def _local_devices(plan, where: list) -> list[int]:
+    """The local device of each new rank: its old rank's, or for a rank moved onto a spare the
+    spare (on GPUs a local CUDA index)."""
+    out = []
+    for i, r in enumerate(plan.kept_ranks):
+        moved = isinstance(plan, ReplacePlan) and r in plan.excluded
+        out.append(int(plan.devices[i]) if moved else int(where[r][1]))
+    return out
 
 
 def estimate_s4_cost(job: Any, dump_folder) -> float:
