@@ -94,3 +94,65 @@ def test_job_takes_the_spare_path_when_it_has_spares_and_shrinks_otherwise():
     mon.report_validation(gemm_times_s={0: 1.0, 1: 4.0, 2: 1.0, 3: 4.0})
     both = plan_changes(decision, view, mon)
     assert type(both.s4_plan) is not ReplacePlan
+
+
+# --------------------------------------------------------------------------- end to end (torchrun)
+CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"
+
+
+@pytest.mark.slow
+def test_s4_onto_a_spare_keeps_dp_and_resumes_bit_equal_to_a_job_loading_the_checkpoint(tmp_path):
+    """The launcher on the DP 2 × PP 2 job of tests/test_falcon_s4.py (dedicated-device emulation,
+    device 3 24× slower from step 5) with one spare device (4): S4 restarts rank 3 on device 4 with
+    DP 2 kept; the restarted steps run at the healthy speed, and its losses equal bit for bit those
+    of a DP 2 × PP 2 job on the same devices that loads the same checkpoint."""
+    import shutil
+    import subprocess
+    import sys
+
+    from test_falcon_s4 import _COMMON, PASS_MS, SLOW_FACTOR, SLOW_FROM, STEPS, _env, _free_port, _rows
+    from titan_ext.runtime.falcon.restart import S4_PLAN_FILE
+
+    dump = tmp_path / "s4"
+    cmd = [sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
+           "--master-port", str(_free_port()), "--log", str(dump / "train.log"), "--",
+           "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
+           *_COMMON, "--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",
+           "--titan_ext.emulate_device_pass_ms", str(PASS_MS), "--titan_ext.falcon_spares", "4",
+           "--checkpoint.enable", "--checkpoint.interval", "100000"]
+    dump.mkdir()
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), timeout=900)
+    assert p.returncode == 0, (dump / "train.log").read_text()[-4000:]
+    events = _rows(dump / "falcon_events.jsonl")
+    s4 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S4" and e["applied"]]
+    assert len(s4) == 1, events
+    step = s4[0]["iteration"]
+    plan = json.loads((dump / S4_PLAN_FILE).read_text())
+    assert plan["mode"] == "replace" and plan["devices"] == [0, 1, 2, 4] and plan["status"] == "consumed"
+    assert plan["num_dp"] == 2 and plan["kept_ranks"] == [0, 1, 2, 3] and plan["chunks_per_replica"] == 3
+    restart = [e for e in events if e["kind"] == "restart"]
+    assert len(restart) == 1 and restart[0]["measured_cost_s"] > restart[0]["save_s"] > 0  # S4's cost measured
+    times = {r["step"]: r["falcon/iteration_time_s"] for r in _rows(dump / "falcon.jsonl")}
+    assert sorted(times) == list(range(1, STEPS + 1))
+    healthy = sorted(times[k] for k in range(2, SLOW_FROM))
+    after = sorted(times[k] for k in times if k > step + 1)
+    # on the spare every device is healthy again: the steps are back near the healthy ones (the
+    # shrink's DP 1 world runs ~2x them: one replica takes all 6 chunks)
+    assert after[len(after) // 2] < 1.5 * healthy[len(healthy) // 2], (times, step)
+    losses = {r["step"]: r["loss"] for r in _rows(dump / "pipeline_metrics.jsonl")}
+
+    ref = tmp_path / "ref"
+    shutil.copytree(dump / "checkpoint" / f"step-{step}", ref / "checkpoint" / f"step-{step}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "-m", "titan_ext.train", "--job.config_file", CONFIG, "--job.dump_folder", str(ref),
+           "--training.steps", str(STEPS), *_COMMON, "--titan_ext.emulate_device_pass_ms", str(PASS_MS),
+           "--titan_ext.falcon_devices", "0,1,2,4", "--titan_ext.no-falcon_apply",
+           "--checkpoint.enable", "--checkpoint.interval", "100000", "--checkpoint.load_step", str(step),
+           "--checkpoint.exclude_from_loading", "dataloader"]
+    with open(ref / "train.log", "w") as f:
+        p = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=600)
+    assert p.returncode == 0, (ref / "train.log").read_text()[-4000:]
+    ref_losses = {r["step"]: r["loss"] for r in _rows(ref / "pipeline_metrics.jsonl")}
+    assert sorted(ref_losses) == list(range(step + 1, STEPS + 1))
+    assert [losses[s] for s in ref_losses] == [ref_losses[s] for s in ref_losses]  # bit for bit
