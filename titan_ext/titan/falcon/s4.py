@@ -21,9 +21,10 @@ Three parts, one per process that takes part:
   (:func:`recorded_s4_cost`). After :data:`OUTCOME_STEPS` steps an "outcome" row compares the
   iteration time with the one before S4.
 
-This is S4 *without spare devices* ("shrink"): the restarted world is smaller and the healthy
-peers of the slow device in its replica idle. Falcon's S4 restarts on healthy nodes with the slow
-one replaced and DP kept; a spare-device path is not built here yet (issue 35 item 1).
+With spare devices (``[titan_ext] falcon_spares``) the plan is a
+:class:`~titan_ext.runtime.falcon.restart.ReplacePlan`: Falcon's S4, the slow device's rank restarts
+on a spare, the grid and DP stay. Without enough spares it is the shrink: the restarted world is
+smaller and the healthy peers of the slow device in its replica idle.
 """
 
 from __future__ import annotations
