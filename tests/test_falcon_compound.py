@@ -100,7 +100,8 @@ def test_compound_sequence_s3_then_s2_then_s4_with_evidence_rows(tmp_path):
                 mon.set_grid(grid)
                 if split != even:
                     split = replanned_split(mon, even)
-            applied.append((it, name))
+            if name != "ignore":
+                applied.append((it, name))
         decision = decision.with_metrics(changes.metrics)
         log.record(dict(decision), event_rows(it, decision, mon, estimated, applied_s, True))
         if changes.s4_plan is not None:

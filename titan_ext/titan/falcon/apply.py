@@ -73,7 +73,9 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
     metrics: dict = {}
     notes: list[tuple[str, str]] = []
     for strategy in decision.apply:
-        if strategy == "pipemorph_replan":
+        if strategy == "ignore":
+            applied.append(strategy)  # S1: nothing to change, applied as decided
+        elif strategy == "pipemorph_replan":
             if not view.replanning_on:  # a schedule that re-plans already is not changed
                 replan = True
                 applied.append(strategy)

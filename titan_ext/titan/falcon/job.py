@@ -210,6 +210,9 @@ class FalconJob:
             if strategy == "checkpoint_restart":
                 applied_s[strategy] = None
                 continue
+            if strategy == "ignore":
+                applied_s[strategy] = 0.0  # S1
+                continue
             if strategy == "pipemorph_replan":
                 self.trainer.pp_schedule.adaptive = True
             elif strategy == "microbatch_redistribution":
