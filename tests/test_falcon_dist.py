@@ -455,7 +455,7 @@ def _closed_loop_worker(rank, world, port, outdir, slow_from):
         if "microbatch_redistribution" in out.get("falcon/apply", ""):
             split = json.loads(out["falcon/plan/microbatch_split"])
             sched = make_schedule(split[mesh.dp_index])
-        out.pop("falcon/detector_us", None)  # the only rank-dependent entry
+        out = {k: v for k, v in out.items() if k != "falcon/detector_us"}  # the only rank-dependent entry
         log.append(out)
     torch.mm = orig_mm
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
