@@ -6,6 +6,7 @@ Usage:
     .venv/bin/python scripts/bench_falcon.py --end-to-end [--steps 24] [--slow-from 6] [--json out.json]
     .venv/bin/python scripts/bench_falcon.py --end-to-end --s4 [--steps 80] [--device-factor 4] [--json out.json]
     .venv/bin/python scripts/bench_falcon.py --end-to-end --group-tracking 6 [--steps 30] [--json out.json]
+    .venv/bin/python scripts/bench_falcon.py --fig19 [--fault-ms 30] [--steps 24] [--json fig19.json]
 
 Prints a markdown table and a JSON document (also written to --json). Everything runs on CPU in one
 process; the hook-overhead part creates a 1-rank gloo group on loopback.
@@ -207,19 +208,20 @@ def _mode() -> str:
             f"real model compute on the shared cores (seq_len {SEQ_LEN})")
 
 
-def _e2e_run(dump: str, steps: int, args: list[str]) -> list[dict]:
+def _e2e_run(dump: str, steps: int, args: list[str], nproc: int = 4,
+             config: str = "train_configs/debug_cpu_dp2_pp2.toml", batch: tuple[int, int] = (2, 12)) -> list[dict]:
     import shutil
 
     from titan_ext.testing import torchrun
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
-    job = ["-m", "titan_ext.train", "--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml",
-           "--job.dump_folder", dump, "--training.steps", str(steps), "--training.local_batch_size", "2",
-           "--training.global_batch_size", "12", *_mode_args(), *args]
+    job = ["-m", "titan_ext.train", "--job.config_file", config, "--job.dump_folder", dump,
+           "--training.steps", str(steps), "--training.local_batch_size", str(batch[0]),
+           "--training.global_batch_size", str(batch[1]), *_mode_args(), *args]
     shutil.rmtree(dump, ignore_errors=True)  # the job appends to its falcon*.jsonl: start empty
     os.makedirs(dump)
-    torchrun(4, job, log=os.path.join(dump, "train.log"), cwd=root, env=env, local_ranks_filter=0, check=True)
+    torchrun(nproc, job, log=os.path.join(dump, "train.log"), cwd=root, env=env, local_ranks_filter=0, check=True)
     with open(os.path.join(dump, "falcon.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -288,6 +290,67 @@ def _scenario_row(name: str, logs: dict, events: list[dict], slow_from: int) -> 
     }
 
 
+FIG19_ARMS = {
+    "healthy": ["--titan_ext.no-adaptive", "--titan_ext.no-falcon_apply"],
+    "baseline": ["--titan_ext.no-adaptive", "--titan_ext.no-falcon_apply", "FAULT"],
+    "s3": ["--titan_ext.no-adaptive", "--titan_ext.falcon_apply", "FAULT"],
+    "s3_pipemorph": ["--titan_ext.no-adaptive", "--titan_ext.falcon_apply", "--titan_ext.falcon_delegation",
+                     "--titan_ext.delegation", "auto", "--titan_ext.delegation_slow_link_ms", "1e6", "FAULT"],
+}
+"""PipeMorph §7.3 / Fig. 19's arms: the fixed schedule (PipeMorph's initial plan, re-planning off)
+healthy and with the DP-link fault and no mitigation; Falcon's S3 with the schedule frozen; S3, then
+PipeMorph's re-planning with delegation on the moved link (``falcon_delegation``; the delegating
+schedule's own "auto" switch is held off — ``delegation_slow_link_ms`` 1e6 — so that Falcon decides:
+at 5 ms a loaded host's noise switched a pipeline to its delegates at step 2, whose start took 44 s)."""
+
+
+def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float, workdir: str) -> dict:
+    """PipeMorph §7.3 (Fig. 19: 1 TP / 2 DP / 4 PP, a 10/20/30 ms latency fault on a DP link; fixed
+    ZB 8.04x slower, Falcon's S3 3.6x, PipeMorph's re-planning + delegation a further 1.96x) as a
+    DP 2 x PP 4 CPU job (train_configs/debug_cpu_dp2_pp4.toml, 8 gloo ranks, dedicated-device
+    emulation so that 8 ranks on 2 cores run like 8 devices): ``fault_ms`` on DP link 0-1 (stage 0's
+    DP group) from step ``fault_from``, its gradient through a ``window_kib`` window
+    (``emulate_link_window_kib``), four arms with the same seed and steps (:data:`FIG19_ARMS`).
+    Times: the median of the slowest rank's step over the steps from 4 after the later S3 on."""
+    fault = ["--titan_ext.emulate_slow_link", f"0-1:{fault_ms:g}@{fault_from}",
+             "--titan_ext.emulate_link_window_kib", f"{window_kib:g}"]
+    logs, events = {}, {}
+    for arm, extra in FIG19_ARMS.items():
+        dump = os.path.join(workdir, arm)
+        args = [a for x in extra for a in (fault if x == "FAULT" else [x])]
+        logs[arm] = _e2e_run(dump, steps, args, nproc=8, config="train_configs/debug_cpu_dp2_pp4.toml",
+                             batch=(4, 16))
+        events[arm] = _e2e_events(dump)
+    s3_steps = {arm: next((e["iteration"] for e in events[arm] if e["kind"] == "decision" and e["applied"]
+                           and e["strategy"] == "S3"), None) for arm in ("s3", "s3_pipemorph")}
+    known = [s for s in s3_steps.values() if s is not None]
+    first = (max(known) if known else fault_from) + 4
+    window = [r["step"] for r in logs["baseline"] if r["step"] >= first]
+
+    def median_ms(arm):
+        xs = [r["falcon/iteration_time_s"] for r in logs[arm] if r["step"] in window]
+        return 1e3 * float(np.median(xs)) if xs else float("nan")
+
+    delegated = sorted({tuple(link) for r in logs["s3_pipemorph"] if "falcon/delegated_links" in r
+                        for link in json.loads(r["falcon/delegated_links"])})
+    out = {"healthy_ms": median_ms("healthy"), "baseline_ms": median_ms("baseline"), "s3_ms": median_ms("s3"),
+           "s3_pipemorph_ms": median_ms("s3_pipemorph"), "steps": window,
+           "s3_step": s3_steps["s3_pipemorph"] if s3_steps["s3_pipemorph"] is not None else s3_steps["s3"],
+           "s3_steps": s3_steps, "delegated_links": [list(x) for x in delegated],
+           "fault": f"0-1:{fault_ms:g}@{fault_from}", "window_kib": window_kib, "compute": _mode(),
+           "machine": f"{platform.machine()} {os.cpu_count()} cores",
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "decisions": {arm: [f"{e['iteration']}:{e['strategy']}{'' if e['applied'] else ' (not applied)'}"
+                               for e in events[arm] if e["kind"] == "decision" and e["strategy"] != "S1"]
+                         for arm in FIG19_ARMS}}
+    out["ratios"] = {"baseline_over_healthy": out["baseline_ms"] / out["healthy_ms"],
+                     "s3_over_healthy": out["s3_ms"] / out["healthy_ms"],
+                     "s3_over_s3_pipemorph": out["s3_ms"] / out["s3_pipemorph_ms"],
+                     "s3_over_baseline": out["s3_ms"] / out["baseline_ms"],
+                     "s3_pipemorph_over_s3": out["s3_pipemorph_ms"] / out["s3_ms"]}
+    return out
+
+
 def _rows(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -297,7 +360,7 @@ def _rows(path: str) -> list[dict]:
 
 def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str) -> dict:
     """Issue 23 must-show "slow device": device 3 ``factor``x slower from ``slow_from``; Falcon applies
-    S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon_s4.py: TorchTitan
+    S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon/s4.py: TorchTitan
     checkpoint, relaunch without replica 1 through the S4 launcher). Ratios within this one run: the
     iteration time after S2 / after S4 over the healthy steps before the fault (2 .. slow_from-1).
     Then a reference DP 1 x PP 2 job loads the same checkpoint: its losses must equal the restarted
@@ -319,7 +382,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
               "--training.local_batch_size", "2", "--training.global_batch_size", "12",
               *_mode_args(), "--titan_ext.no-adaptive", "--checkpoint.enable",
               "--checkpoint.interval", "100000"]
-    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
+    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
                     "--master-port", str(free_port()), "--log", os.path.join(dump, "train.log"), "--",
                     *common, "--job.dump_folder", dump,
                     "--titan_ext.emulate_slow_device", f"3:{factor:g}@{slow_from}"],
@@ -346,7 +409,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
         out["after_s2_over_healthy"] = out["after_s2_s"] / healthy if after_s2 else None
         out["after_s2_steps"] = len(after_s2)
     if restart is not None:
-        # the restarted DP 1 x PP 2 job: the slowest rank's step time (falcon_s4.S4Resume's rows)
+        # the restarted DP 1 x PP 2 job: the slowest rank's step time (falcon.s4.S4Resume's rows)
         after = [step_s[k] for k in step_s if k > restart["iteration"] + 1]
         out["after_s4_s"] = float(np.median(after)) if after else None
         out["after_s4_over_healthy"] = out["after_s4_s"] / healthy if after else None
@@ -463,8 +526,23 @@ def main():
                     "their series replayed with and without group tracking (bench_group_tracking)")
     ap.add_argument("--s4", action="store_true", help="with --end-to-end: only the slow-device S2 -> S4 "
                     "run (bench_s4_slow_device; --steps, --slow-from, --device-factor)")
+    ap.add_argument("--fig19", action="store_true", help="PipeMorph §7.3 Fig. 19: DP 2 x PP 4 (8 processes), "
+                    "a latency fault on DP link 0-1, four arms (bench_fig19)")
+    ap.add_argument("--fault-ms", type=float, default=30.0, help="--fig19: the DP link's added latency (10/20/30)")
+    ap.add_argument("--window-kib", type=float, default=128.0,
+                    help="--fig19: the latency-bound window of the faulty link (emulate_link_window_kib)")
     args = ap.parse_args()
     SEQ_LEN, DEVICE_PASS_MS = args.seq_len, args.device_pass_ms
+    if args.fig19:
+        SEQ_LEN, DEVICE_PASS_MS = 32, args.device_pass_ms or 10.0
+        res = bench_fig19(args.steps, args.slow_from, args.fault_ms, args.window_kib,
+                          args.workdir.replace("bench_falcon_e2e", "bench_falcon_fig19"))
+        text = json.dumps(res, indent=2)
+        print("\n```json\n" + text + "\n```")
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(text)
+        return
     if args.end_to_end and (args.s4 or args.group_tracking):
         res = (bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir) if args.s4 else
                bench_group_tracking(args.group_tracking, args.steps, args.slow_from, args.link_factor, args.workdir))

@@ -102,7 +102,7 @@ run_tt03() {
     build_in "$env" || return 1
     local py="$root/.venvs/$env/bin/python" src="$root/.venvs/$env/src"
     # every titan test file: each test runs under 0.3 or skips naming the 0.2-only API it needs
-    # (tests/_titan_version.py); Falcon's job tests too (titan/falcon_job.py through the 0.3 adapter)
+    # (tests/_titan_version.py); Falcon's job tests too (titan/falcon/job.py through the 0.3 adapter)
     say "$env: the whole titan test set and Falcon's job tests (default tier)"
     (cd "$src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
         tests/test_titan_*.py tests/test_falcon_job.py tests/test_falcon_groups.py tests/test_torch_compat.py) \

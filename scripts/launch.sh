@@ -25,7 +25,7 @@
 #   LOG_DIR          outputs/logs  (per-job directory LOG_DIR/<job name>-<job id>/<launch id>/ with per-rank logs; launch id: the job id, or an S4 relaunch's)
 #   TITAN_EXT_INJECT_DELAYS, WANDB_* , NCCL_* / GLOO_* : passed through to every rank
 #   FALCON_S4_RESTARTS  1   relaunches after a Falcon S4 exit (status 75 + <dump>/falcon_s4_plan.json:
-#                           the job restarts on the kept nodes/devices; titan_ext/titan/falcon_s4.py)
+#                           the job restarts on the kept nodes/devices; titan_ext/titan/falcon/s4.py)
 #   FALCON_S4_DUMP      the job's dump folder when --job.dump_folder is not on the command line
 # The job's own log is the SLURM output file below (%x = job name, %j = job id) in the submit dir.
 #
@@ -110,7 +110,7 @@ if [ "${DRY_RUN:-0}" != 1 ]; then
     echo "[launch] python: $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
 fi
 
-# Falcon S4 (titan_ext/titan/falcon_s4.py, docs/falcon.md "S4 applied"): a job that checkpointed for
+# Falcon S4 (titan_ext/titan/falcon/s4.py, docs/falcon.md "S4 applied"): a job that checkpointed for
 # S4 exits with status 75 and leaves <dump_folder>/falcon_s4_plan.json; it is then relaunched on the
 # nodes / devices the plan keeps, with the plan's overrides (at most FALCON_S4_RESTARTS times, default 1).
 dump_folder="${FALCON_S4_DUMP:-}"
@@ -165,7 +165,7 @@ while :; do
     set -e
     [ "$rc" -eq 0 ] && break
     if [ -z "$dump_folder" ] || [ "$restarts" -ge "${FALCON_S4_RESTARTS:-1}" ] || \
-        ! spec="$("$PYTHON" -m titan_ext.titan.falcon_s4 relaunch-spec "$dump_folder" $hosts)"; then
+        ! spec="$("$PYTHON" -m titan_ext.titan.falcon.s4 relaunch-spec "$dump_folder" $hosts)"; then
         echo "[launch] job $job_id failed (status $rc)"
         exit "$rc"
     fi

@@ -426,11 +426,11 @@ def _closed_loop_worker(rank, world, outdir, slow_from):
         dist.all_reduce(it, op=dist.ReduceOp.MAX)  # identical input on every rank
         out = mon.observe(float(it))
         if out.get("falcon/validate"):
-            out.update(mon.report_validation(gemm_times_s=gemm_probe(n=128, repeats=5)))
+            out = out.with_metrics(mon.report_validation(gemm_times_s=gemm_probe(n=128, repeats=5)))
         if "microbatch_redistribution" in out.get("falcon/apply", ""):
             split = json.loads(out["falcon/plan/microbatch_split"])
             sched = make_schedule(split[mesh.dp_index])
-        out.pop("falcon/detector_us", None)  # the only rank-dependent entry
+        out = {k: v for k, v in out.items() if k != "falcon/detector_us"}  # the only rank-dependent entry
         log.append(out)
     torch.mm = orig_mm
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:

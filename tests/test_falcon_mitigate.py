@@ -10,6 +10,7 @@ import pytest
 from titan_ext.runtime.falcon import (
     FalconConfig,
     FalconMonitor,
+    IterationObservation,
     MitigationPlanner,
     StrategyCosts,
     locate_slow_devices,
@@ -255,7 +256,7 @@ def test_monitor_scripted_compute_failslow_decisions_and_effects(gemm, flagged):
                           per_group_times={"dp_stage0": 1.0, "dp_stage1": 1.0, "pp_row0": 1.0,
                                            "pp_row1": 3.0 if it >= 100 else 1.0})
         if out.get("falcon/validate"):
-            out.update(mon.report_validation(gemm_times_s=gemm))
+            out = out.with_metrics(mon.report_validation(gemm_times_s=gemm))
         if "microbatch_redistribution" in out.get("falcon/apply", ""):
             t_slow = 1.4  # the trainer applied the split: iterations got faster
         log.append(out)
@@ -297,7 +298,7 @@ def _run_monitor(mon, n, slow_from, slow_t, report):
         t = (1.0 if it < slow_from else slow_t) * (1 + 0.01 * rng.standard_normal())
         out = mon.observe(t)
         if out.get("falcon/validate"):
-            out.update(report(mon))
+            out = out.with_metrics(report(mon))
         log.append(out)
     return log
 
@@ -360,7 +361,7 @@ def test_monitor_relocalises_a_further_slowdown_and_climbs_from_s2_to_s3():
         t += 0.8 if it >= 130 else 0.0
         out = mon.observe(t * (1 + 0.01 * rng.standard_normal()))
         if out.get("falcon/validate"):
-            out.update(mon.report_validation(link_times_s=slow_link if it >= 130 else None, gemm_times_s=gemm))
+            out = out.with_metrics(mon.report_validation(link_times_s=slow_link if it >= 130 else None, gemm_times_s=gemm))
         s2_applied |= "microbatch_redistribution" in out.get("falcon/apply", "")
         log.append(out)
     causes = [(i, o["falcon/root_cause"], o["falcon/slow_links"]) for i, o in enumerate(log) if "falcon/slow_links" in o]
@@ -499,9 +500,9 @@ def test_s2_splits_by_the_measured_micro_batch_times_of_the_replicas():
         rng = np.random.default_rng(4)
         for it in range(80):
             slow = it >= 50
-            if measured:
-                mon.replica_microbatch_s = t_measured if slow else [4 * c / 3] * 2
-            out = mon.observe((2.3 if slow else 1.0) * (1 + 0.01 * rng.standard_normal()))
+            t = (2.3 if slow else 1.0) * (1 + 0.01 * rng.standard_normal())
+            out = mon.observe(IterationObservation(
+                t, replica_microbatch_s=t_measured if slow else [4 * c / 3] * 2, split=(3, 3)) if measured else t)
             if out.get("falcon/validate"):
                 mon.report_validation(gemm_times_s={0: 1.0, 1: 1.0, 2: 1.0, 3: 4.0})
             if "falcon/plan/microbatch_split" in out:
@@ -526,8 +527,9 @@ def _s2_closed_loop(chunk_times, gain, steps=110, slow_from=40, recover_at=None,
     for it in range(steps):
         slow = slow_from <= it and (recover_at is None or it < recover_at)
         t = chunk_times(split, slow)
-        mon.replica_microbatch_s, mon.split = [x * (1 + 0.01 * rng.standard_normal()) for x in t], list(split)
-        out = mon.observe(max(m * x for m, x in zip(split, t)) * (1 + 0.01 * rng.standard_normal()))
+        measured = [x * (1 + 0.01 * rng.standard_normal()) for x in t]
+        out = mon.observe(IterationObservation(max(m * x for m, x in zip(split, t)) * (1 + 0.01 * rng.standard_normal()),
+                                               replica_microbatch_s=measured, split=split))
         if out.get("falcon/validate"):
             mon.report_validation(gemm_times_s={0: 1.0, 1: 1.0, 2: 1.0, 3: 4.0 if slow else 1.0})
         if "falcon/plan/microbatch_split" in out:

@@ -7,6 +7,7 @@ tier) runs the launcher on a DP 2 × PP 2 job whose device 3 turns slow, and che
 job's losses against a reference that loads the same checkpoint on the same DP 1 × PP 2 world.
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -25,7 +26,7 @@ from titan_ext.runtime.falcon.restart import (
     remap_emulation,
 )
 from titan_ext.testing import free_port, torchrun
-from titan_ext.titan.falcon_s4 import consume_plan, devices_to_exclude, relaunch_env
+from titan_ext.titan.falcon.s4 import consume_plan, devices_to_exclude, relaunch_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"
@@ -110,38 +111,13 @@ def test_launcher_environment_and_one_restart_per_plan(tmp_path):
 
 
 # --------------------------------------------------------------------------- end to end (torchrun)
-SLOW_FROM, SLOW_FACTOR, STEPS, PASS_MS = 5, 24, 40, 15
-"""Dedicated-device emulation (every forward 15 ms, backward 30 ms) and device 3 24x slower from
-step 5: a chunk takes ~0.14 s on healthy devices and ~2.2 s on device 3's replica, so after S2
-([5, 1]: that replica still runs one chunk) a step takes ~2.3 s against a healthy ~0.5 s, and S4
-pays (replica 0 alone: 6 chunks, ~0.9 s a step; the gate of ``falcon_apply._s4_pays``). The
-accumulated impact reaches S4's measured cost (start-up + checkpoint, ~15-30 s on the loaded
-host) well before step 40."""
-_COMMON = ["--training.local_batch_size", "2", "--training.global_batch_size", "12",
-           "--training.seq_len", "32", "--titan_ext.no-adaptive"]
-"""A fixed pipeline plan: the reference and the restarted job then run the same operations in the
-same order, so their losses must be equal bit for bit."""
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "GLOO_SOCKET_IFNAME": "lo",
-                "PYTHONWARNINGS": "ignore"})
-    for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK",
-                "TITAN_EXT_S4_PLAN"):
-        env.pop(var, None)
-    return env
-
-
-def _rows(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from _falcon_s4_job import _COMMON, PASS_MS, SLOW_FACTOR, SLOW_FROM, STEPS, _env, _rows  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def s4_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("s4")
-    cmd = [sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
            "--master-port", str(free_port()), "--log", str(dump / "train.log"), "--",
            "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
            *_COMMON, "--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",
@@ -197,7 +173,7 @@ def test_s4_restarts_without_the_slow_device_and_resumes_from_its_checkpoint(s4_
 
 
 def test_multi_node_relaunch_spec_keeps_the_nodes_with_kept_devices():
-    from titan_ext.titan.falcon_s4 import relaunch_spec
+    from titan_ext.titan.falcon.s4 import relaunch_spec
 
     plan = {"hosts": ["n1.c", "n1.c", "n2.c", "n2.c"], "local_devices": [0, 2, 1, 3], "overrides": []}
     spec = relaunch_spec(plan, ["n1", "n2", "n3"])  # SLURM's short names; n3's devices all excluded
@@ -263,31 +239,42 @@ def test_s4_is_applied_only_where_the_restart_is_predicted_to_pay(factor, pays, 
     S4 pays for the 24x device and not for the 4x one; the gate predicts S4's step from the
     monitor's measurements and decides the same — measured with [5, 1] in force, or at [3, 3]
     when S2 and S4 are decided in the same step (S4 is then weighed against S2's prediction)."""
-    from types import SimpleNamespace
-
-    from titan_ext.runtime.falcon import FalconConfig, FalconMonitor
-    from titan_ext.titan.falcon_apply import _s4_pays
+    from titan_ext.runtime.falcon import FalconConfig, FalconDecision, FalconMonitor, IterationObservation
+    from titan_ext.titan.falcon.apply import JobView, plan_changes
 
     c, c_slow, fixed = _chunk_s(1.0), _chunk_s(factor), 0.12
     with_s2, after = fixed + max(5 * c, c_slow), fixed + 6 * c
     assert (after < with_s2) == pays
     measured_at = [3, 3] if same_step else [5, 1]
     mon = FalconMonitor(FalconConfig(num_microbatches=6), grid=[[0, 2], [1, 3]])
-    job = SimpleNamespace(monitor=mon, trainer=SimpleNamespace(step=20), split=[5, 1])
-    plan = plan_exclusion(mon.grid, [3], 20, [5, 1])
-    assert _s4_pays(job, plan, {})  # nothing measured yet: Alg. 1's decision stands
+    mon.report_validation(gemm_times_s={0: 1.0, 1: 1.0, 2: 1.0, 3: factor})  # validation names device 3
+    assert mon.slow_devices == [3]
+    # S4 alone with S2's [5, 1] in force, or S2's [5, 1] and S4 decided in the same step at [3, 3]
+    decision = FalconDecision(20, {"falcon/apply": "microbatch_redistribution,checkpoint_restart",
+                                   "falcon/plan/microbatch_split": "[5, 1]"} if same_step
+                              else {"falcon/apply": "checkpoint_restart"})
+    view = JobView(step=20, split=tuple(measured_at), even_split=(3, 3), grid=((0, 2), (1, 3)),
+                   replanning_on=True, checkpoint_enabled=True)
+    first = plan_changes(decision, view, mon)
+    assert first.s4_plan is not None and "falcon/predicted_s/checkpoint_restart" not in first.metrics  # nothing
+    # measured yet: Alg. 1's decision stands
     for _ in range(6):
-        mon.replica_microbatch_s, mon.split = [c, c_slow], list(measured_at)
-        mon.observe(fixed + max(m * t for m, t in zip(measured_at, [c, c_slow])))
-    decision: dict = {}
-    assert _s4_pays(job, plan, decision) == pays
-    assert decision["falcon/predicted_s/checkpoint_restart"] == pytest.approx(after, rel=1e-9)
+        mon.observe(IterationObservation(fixed + max(m * t for m, t in zip(measured_at, [c, c_slow])),
+                                         replica_microbatch_s=(c, c_slow), split=measured_at))
+    changes = plan_changes(decision, view, mon)
+    assert ("checkpoint_restart" in changes.applied) == (changes.s4_plan is not None) == pays
+    assert changes.metrics["falcon/predicted_s/checkpoint_restart"] == pytest.approx(after, rel=1e-9)
+    assert changes.split == ((5, 1) if same_step else None)
+    if pays:
+        assert changes.s4_plan.kept_replicas == [0] and changes.s4_plan.chunks_per_replica == 6
+    off = plan_changes(decision, dataclasses.replace(view, checkpoint_enabled=False), mon)
+    assert off.s4_plan is None and any("checkpointer" in line for _, line in off.notes)
 
 
 def _s4_resume_rank(rank: int, world: int, dump: str) -> tuple:
     from types import SimpleNamespace
 
-    from titan_ext.titan.falcon_s4 import OUTCOME_STEPS, S4Resume
+    from titan_ext.titan.falcon.s4 import OUTCOME_STEPS, S4Resume
 
     trainer = SimpleNamespace(job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=dump)))
     resume = S4Resume.from_env(trainer)
@@ -305,7 +292,7 @@ def test_s4_resume_reduces_its_host_times_on_a_control_group_not_the_data_group(
     import time as _time
 
     from titan_ext.testing import run_ranks
-    from titan_ext.titan.falcon_s4 import ENV_S4_PLAN
+    from titan_ext.titan.falcon.s4 import ENV_S4_PLAN
 
     plan = {"status": "consumed", "step": 12, "begin_time": _time.time() - 3.0, "excluded": [3],
             "world_size": 2, "num_dp": 1, "chunks_per_replica": 6, "estimated_cost_s": 20.0,

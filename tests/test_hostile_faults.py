@@ -222,6 +222,7 @@ def _falcon_run(seed, fault_from_step=None, slow_replica_from_step=None, steps=4
 
     import numpy as np
 
+    from titan_ext.runtime.falcon.decision import IterationObservation
     from titan_ext.runtime.falcon.monitor import FalconConfig, FalconMonitor
 
     rng = np.random.default_rng(seed)
@@ -233,10 +234,10 @@ def _falcon_run(seed, fault_from_step=None, slow_replica_from_step=None, steps=4
         replica = [0.05 * jitter(), 0.05 * jitter() * (4.0 if slow else 1.0)]
         if slow_replica_from_step is not None and step >= slow_replica_from_step:
             replica[1] *= 4.0
-        mon.replica_microbatch_s = replica
         t = 0.4 * jitter() * (factor if slow else 1.0)
-        out = mon.observe(t, {"dp_stage0": 0.01 * jitter(), "dp_stage1": 0.01 * jitter(), "pp0_link0": 0.0,
-                              "pp1_link0": 0.0})
+        out = mon.observe(IterationObservation(
+            t, {"dp_stage0": 0.01 * jitter(), "dp_stage1": 0.01 * jitter(), "pp0_link0": 0.0, "pp1_link0": 0.0},
+            replica_microbatch_s=tuple(replica), split=(6, 6)))
         if out.get("falcon/event") == "onset":
             onsets.append((step, 2 + out["falcon/change_point_iteration"], out.get("falcon/change_point_by", "time"),
                            out.get("falcon/slow_replica")))

@@ -245,7 +245,7 @@ class PipeMorph(_PipelineScheduleRuntime):
     @property
     def falcon(self) -> Any:
         """The schedule's FalconMonitor, or None; set to None to take Falcon off (e.g. a job-level
-        monitor decides instead, ``titan/falcon_job.py``)."""
+        monitor decides instead, ``titan/falcon/job.py``)."""
         return self.extensions.falcon
 
     @falcon.setter

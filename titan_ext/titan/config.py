@@ -174,10 +174,10 @@ class TitanExt:
     cause, chosen strategy and measured effect are logged with the pipeline metrics (``falcon/*``).
     About 50 µs of CPU per iteration. In DP x PP jobs (data_parallel_replicate_degree > 1 with PP)
     the trainer runs it per step instead, with validation and micro-batch redistribution
-    (:mod:`titan_ext.titan.falcon_job`; decisions in ``<dump_folder>/falcon.jsonl``)."""
+    (:mod:`titan_ext.titan.falcon.job`; decisions in ``<dump_folder>/falcon.jsonl``)."""
 
     falcon_apply: bool = True
-    """DP x PP jobs (:mod:`titan_ext.titan.falcon_job`): apply Falcon's decisions (PipeMorph
+    """DP x PP jobs (:mod:`titan_ext.titan.falcon.job`): apply Falcon's decisions (PipeMorph
     re-planning, micro-batch redistribution). False = detect, validate and log them only (a
     baseline with the same measurement)."""
 
@@ -186,7 +186,7 @@ class TitanExt:
     computes F times slower (F >= 1), from training step STEP on (default 0). Every forward and
     backward of its model part and the GEMM probe is followed by a sleep of (F - 1) x its duration.
     Empty = none; the environment variable TITAN_EXT_SLOW_DEVICE is used when empty. DP x PP jobs
-    only (``data_parallel_replicate_degree`` > 1 with PP; :mod:`titan_ext.titan.falcon_job`)."""
+    only (``data_parallel_replicate_degree`` > 1 with PP; :mod:`titan_ext.titan.falcon.job`)."""
 
     emulate_slow_link: str = ""
     """Fail-slow emulation (communication): "A-B:MS[@STEP]" = the link between devices A and B adds
@@ -194,6 +194,27 @@ class TitanExt:
     and B are one stage's replicas, to the PP messages (``inject_delays`` on A and B only) when they
     are neighbours in a pipeline, and to validation messages. Empty = none; the environment
     variable TITAN_EXT_SLOW_LINK is used when empty. DP x PP jobs only, like emulate_slow_device."""
+
+    emulate_link_window_kib: float = 0.0
+    """Latency faults (``emulate_slow_link = "A-B:MS"``) through a bounded window of this many KiB
+    in flight per link (NCCL: 8 slots of one chunk per channel): a transfer of n bytes pays
+    ceil(n / window) x MS — a stage's DP gradient many times, an activation once (PipeMorph §7.3's
+    DP-link latency fault, Fig. 19). 0 = unbounded: every message and ring step pays MS once."""
+
+    falcon_spares: str = ""
+    """Spare devices S4 may restart a slow device's rank on (Falcon §5.1: "checkpoint-and-restart on
+    healthy nodes"), comma-separated device ids no rank uses: on CPU emulated devices (a healthy
+    device of its own), on GPUs local CUDA device indices beyond the world. Empty: S4 shrinks DP
+    (the slow device's replica leaves)."""
+
+    falcon_devices: str = ""
+    """The device each rank runs on, comma-separated by rank (set by an S4 restart onto a spare;
+    emulated faults belong to devices). Empty: rank i on device i."""
+
+    falcon_delegation: bool = False
+    """After Falcon's S3 moved a slow link onto a PP hop, turn PipeMorph's re-planning on and delegate
+    the moved link's pipeline's PP messages (PipeMorph §7.3: S3, then re-planning with delegation on
+    the moved link). Needs ``delegation = "auto"`` or ``"always"`` (the delegating schedule)."""
 
     emulate_device_pass_ms: float = 0.0
     """Dedicated-device emulation for PP jobs on a shared CPU host (benchmarks): every forward
@@ -270,6 +291,12 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            "delegation_slot_mib", cfg.delegation_slot_mib, f"must be in [0, {MAX_SLOT_MIB}] (0 = derived)")
     for key in ("emulate_slow_device", "emulate_slow_link"):
         _check_emulation(key, getattr(cfg, key))
+    for key in ("falcon_spares", "falcon_devices"):
+        text = getattr(cfg, key).strip()
+        _check(not text or all(x.strip().isdigit() and x.strip().isascii() for x in text.split(",")), key, text,
+               "must be comma-separated device ids (integers >= 0)")
+    _check(math.isfinite(cfg.emulate_link_window_kib) and cfg.emulate_link_window_kib >= 0,
+           "emulate_link_window_kib", cfg.emulate_link_window_kib, "must be a finite number >= 0 (0 = unbounded)")
     _check(math.isfinite(cfg.emulate_device_pass_ms) and 0 <= cfg.emulate_device_pass_ms <= MAX_PASS_MS,
            "emulate_device_pass_ms", cfg.emulate_device_pass_ms,
            f"must be a number in [0, {MAX_PASS_MS:g}] (0 = off)")

@@ -70,7 +70,7 @@ def check_job_config(config, world_size: int | None = None) -> None:
 
 def _check_emulation_and_world(section, par, world_size: int | None) -> None:
     """The emulated faults fit the mesh; the PP degree divides the world."""
-    from titan_ext.titan.falcon_emulate import check_emulation
+    from titan_ext.titan.falcon.emulate import check_emulation
 
     pp = par.pipeline_parallel_degree
     try:

@@ -1,7 +1,7 @@
 """Falcon (fail-slow detection, localisation and multi-level mitigation) for titan_ext.
 
 Process-group-free algorithms: :mod:`.bocd`, :mod:`.period`, :mod:`.localize`, :mod:`.mitigation`,
-:mod:`.monitor`. torch.distributed parts: :mod:`.hooks`, :mod:`.validation`, :mod:`.redistribute`,
+:mod:`.monitor` (its input and output: :mod:`.decision`). torch.distributed parts: :mod:`.hooks`, :mod:`.validation`, :mod:`.redistribute`,
 :mod:`.restart`, :mod:`.topology` (S3 in memory), :mod:`.device_clock` (control groups, device
 timing) (imported on demand). See docs/falcon.md.
 """
@@ -24,6 +24,7 @@ from .mitigation import (
     strategies_for,
     topology_score,
 )
+from .decision import FalconDecision, IterationObservation
 from .monitor import FalconConfig, FalconMonitor
 from .period import acf, estimate_period, iteration_times_from_calls
 
@@ -33,4 +34,5 @@ __all__ = [
     "suspicious_groups", "ring_validation_passes", "tree_validation_passes", "locate_slow_links", "locate_slow_devices",
     "MitigationPlanner", "StrategyCosts", "strategies_for", "min_max_microbatch_split", "predicted_iteration_s",
     "TopologyPlan", "plan_topology", "topology_score", "FalconConfig", "FalconMonitor",
+    "FalconDecision", "IterationObservation",
 ]

@@ -15,6 +15,11 @@ mesh position, so that a topology change (S3) moves the mesh around a fault that
   a collective over a group holding both pays ``steps × MS`` (:meth:`collective_delay_s`; a two-rank
   ring all-reduce is a reduce-scatter and an all-gather step); validation P2P messages pay it per
   message (:meth:`send_delay_s`).
+* ``window_bytes`` (latency faults, PipeMorph §7.3's Fig. 19): a transport keeps a bounded window
+  of bytes in flight per link (NCCL: ``NCCL_STEPS`` = 8 slots of one chunk per channel), so over a
+  link with MS of added latency a transfer of ``n`` bytes takes ``ceil(n / window)`` round trips
+  and pays ``ceil(n / window) × MS`` — a large gradient's ring step many times, a small activation
+  once. Unbounded (the default): every message and ring step pays MS once.
 * ``slow_link = "A-B:xF"``: the link between A and B is F× slower (a bandwidth fault, Falcon §2: every
   transfer over it takes F× its healthy time). A collective over it pays ``(F - 1) ×`` its healthy
   time (the job measures it at start: ``base_s`` of :meth:`collective_delay_s`); a message of ``n``
@@ -30,6 +35,7 @@ carry ``@STEP`` (from that training step on, e.g. ``"3:3@10"``).
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -100,9 +106,12 @@ class FailSlowEmulation:
     """The emulated faults as seen from one mesh rank (see the module docstring)."""
 
     def __init__(self, rank: int, device_of: Sequence[int], slow_device: SlowDevice | None = None,
-                 slow_link: SlowLink | None = None, pass_s: float = 0.0):
+                 slow_link: SlowLink | None = None, pass_s: float = 0.0, window_bytes: float = math.inf):
         if not (pass_s >= 0 and pass_s < float("inf")):
             raise EmulationSpecError(f"pass_s must be a finite number >= 0, got {pass_s!r}")
+        if not window_bytes > 0:
+            raise EmulationSpecError(f"window_bytes must be > 0, got {window_bytes!r}")
+        self.window_bytes = float(window_bytes)
         self.rank, self.device_of, self.pass_s = rank, [int(d) for d in device_of], float(pass_s)
         self.slow_device, self.slow_link = slow_device, slow_link
         for d in ([slow_device.device] if slow_device else []) + sorted(slow_link.devices if slow_link else []):
@@ -143,18 +152,24 @@ class FailSlowEmulation:
         elif f > 1.0:
             time.sleep((f - 1.0) * (time.perf_counter() - t0))
 
+    def round_trips(self, nbytes: float) -> int:
+        """Round trips a transfer of ``nbytes`` takes through the window (≥ 1)."""
+        return max(1, math.ceil(nbytes / self.window_bytes)) if math.isfinite(self.window_bytes) else 1
+
     def send_delay_s(self, src: int, dst: int, nbytes: int = 0) -> float:
         """Extra time of one message of ``nbytes`` from mesh rank src to dst."""
-        return self.link_ms(src, dst) / 1e3 + (self.link_factor(src, dst) - 1.0) * nbytes / self.link_bytes_per_s
+        return (self.round_trips(nbytes) * self.link_ms(src, dst) / 1e3
+                + (self.link_factor(src, dst) - 1.0) * nbytes / self.link_bytes_per_s)
 
-    def collective_delay_s(self, ranks: Sequence[int], steps: int, base_s: float = 0.0) -> float:
+    def collective_delay_s(self, ranks: Sequence[int], steps: int, base_s: float = 0.0,
+                           step_bytes: float = 0.0) -> float:
         """Extra time of a ring collective of ``steps`` message steps over ``ranks`` (ring order)
-        whose healthy time is ``base_s``."""
+        whose healthy time is ``base_s`` and whose every step moves ``step_bytes`` over a link."""
         ring = list(ranks)
         pairs = [(a, b) for a, b in zip(ring, ring[1:] + ring[:1]) if a != b]
         worst_ms = max((self.link_ms(a, b) for a, b in pairs), default=0.0)
         worst_factor = max((self.link_factor(a, b) for a, b in pairs), default=1.0)
-        return steps * worst_ms / 1e3 + (worst_factor - 1.0) * base_s
+        return steps * self.round_trips(step_bytes) * worst_ms / 1e3 + (worst_factor - 1.0) * base_s
 
     def pp_link_spec(self, pp_ranks: Sequence[int]) -> str:
         """``inject_delays`` spec for this rank's pipeline (stage order ``pp_ranks``): the slow link

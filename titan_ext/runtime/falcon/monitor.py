@@ -1,9 +1,13 @@
 """FalconMonitor: the once-per-iteration entry point for the schedule / trainer (Falcon §4–§5).
 
-Process-group free: it consumes numbers (iteration times, per-group transfer times, validation
-timings) and returns *decisions* as a flat dict of ``falcon/...`` metrics that the trainer merges into
-its per-iteration metrics (and so into W&B). Applying a decision (re-plan, re-weight, validate,
-restart) is the caller's job; see docs/falcon.md for the wiring.
+Process-group free, with explicit inputs and outputs (issue 35 item 4): ``observe`` takes an
+:class:`~.decision.IterationObservation` (iteration time, per-group times, the replicas' measured
+micro-batch times and their split) and returns a :class:`~.decision.FalconDecision` (frozen: the
+``falcon/...`` metrics the trainer merges into its per-iteration metrics and W&B, with typed
+accessors); ``report_validation`` takes validation's timings and returns one too. Nothing is set on
+the monitor between calls. Its parts are the modules they already are: detector (:mod:`.bocd`),
+localiser (:mod:`.localize`), planner (:mod:`.mitigation`, S2's times in :mod:`.s2`). Applying a
+decision (re-plan, re-weight, validate, restart) is the caller's job; see docs/falcon.md.
 
 Workflow per fail-slow event:
   tracking (BOCD + verification, §4.2) → onset → profiling (suspicious groups, §4.3) →
@@ -23,13 +27,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .attribution import attribute
 from .bocd import BOCDConfig, SlowIterationDetector
+from .decision import FalconDecision, IterationObservation
 from .localize import locate_slow_devices, locate_slow_links, suspicious_groups
 from .mitigation import MitigationPlanner, StrategyCosts, min_max_microbatch_split, plan_topology
 from .period import estimate_period
 from .s2 import ReplicaTimes
 
-__all__ = ["FalconConfig", "FalconMonitor"]
+__all__ = ["FalconConfig", "FalconMonitor", "FalconDecision", "IterationObservation"]
 
 
 @dataclass
@@ -79,7 +85,8 @@ class FalconConfig:
 
 
 class FalconMonitor:
-    """``observe(iteration_time_s, per_group_times) -> dict`` once per iteration.
+    """``observe(IterationObservation) -> FalconDecision`` once per iteration
+    (``observe(t, per_group_times)`` is short for ``observe(IterationObservation(t, per_group_times))``).
 
     ``grid[dp][pp]`` (global ranks) lets validation results be classified (a slow link on a PP hop vs
     inside a DP group) and topology plans be made; ``pp_groups`` / ``dp_groups`` name the groups of
@@ -108,21 +115,43 @@ class FalconMonitor:
         self.slow_devices: list[int] = []
         self.device_slowdown: dict[int, float] = {}  # GEMM probe time / median, per rank
         self.root_cause: str | None = None
+        self.attribution: list[dict] = []
+        """The last localisation's components, each with its cause (:mod:`.attribution`)."""
+        self._handled: set[tuple[int, ...]] = set()  # components a strategy was decided for, this event
+        self._root_key: tuple[int, ...] | None = None
+        self.root_component: str | None = None
+        """The component the root cause was taken from (e.g. ``device 3``, ``link 0-1``)."""
         self.history: list[dict] = []
         self._period: int | None = None
         self._calls_consumed = 0
         self._group_detectors: dict[str, SlowIterationDetector] = {}
-        self.replica_microbatch_s: list[float] | None = None
-        """Set by the trainer before :meth:`observe`: each DP replica's (``grid`` row's) measured
-        time per micro-batch this iteration (Falcon §5.3's t_i, "profiled by Falcon-Detect").
-        When given, S2's Eq. 1 uses their recent medians; otherwise it models them from the
-        iteration slowdown and the GEMM probe (:meth:`_replica_slowdown`)."""
-        self.split: list[int] | None = None
-        """Set by the trainer with ``replica_microbatch_s``: the micro-batches (chunks) each ``grid``
-        row ran this iteration."""
+        self._measured_split: list[int] | None = None  # the last observation's split
         self.s2 = ReplicaTimes(self.config.effect_window)  # the last effect_window iterations' t_i
         self._changed_at = -1  # iteration of the last applied strategy
         self._group_proposals: dict[str, tuple] = {}  # group -> (its change-point, since iteration)
+
+    @property
+    def measured_split(self) -> list[int] | None:
+        """The split of the last observation that carried the replicas' times (None: none did)."""
+        return None if self._measured_split is None else list(self._measured_split)
+
+    @property
+    def root_key(self) -> tuple[int, ...] | None:
+        """The root component's key (a link's two ranks, sorted, or a device's rank; None: none)."""
+        return self._root_key
+
+    @property
+    def period_calls(self) -> int:
+        """The call record's current ACF period in calls (0: none found yet)."""
+        return self._period or 0
+
+    def set_grid(self, grid) -> None:
+        """The layout after a topology change (S3): ``grid[dp][pp]`` = global rank."""
+        self.grid = [list(r) for r in grid]
+
+    def attach_recorder(self, recorder) -> None:
+        """Derive iteration times from this :class:`~.hooks.CallRecorder` (``observe(None)``, ACF)."""
+        self.recorder = recorder
 
     # ---------------------------------------------------------------- tracking
     def iteration_times_from_recorder(self) -> list[float]:
@@ -160,32 +189,44 @@ class FalconMonitor:
             if self._period is not None:
                 return out
 
-    def observe(self, iteration_time_s: float | None = None, per_group_times: dict | None = None) -> dict:
-        """Feed one iteration; returns its ``falcon/*`` metrics and decisions."""
-        if iteration_time_s is None:
+    def observe(self, observation: IterationObservation | float | None = None,
+                per_group_times: dict | None = None) -> FalconDecision:
+        """Feed one iteration; returns its decision (the ``falcon/*`` metrics). ``observation`` may be
+        the iteration time alone (with ``per_group_times``), or None with a call recorder."""
+        if not isinstance(observation, IterationObservation):
+            observation = IterationObservation(observation, per_group_times or {})
+        elif per_group_times is not None:
+            raise TypeError("observe(IterationObservation) takes its group times from the observation")
+        obs = observation
+        groups = dict(obs.per_group_times) if obs.per_group_times else None
+        if obs.iteration_time_s is None:
             if self.recorder is None:
                 raise ValueError("observe(None) needs a CallRecorder")
             times = self.iteration_times_from_recorder()
             if not times:
-                return {"falcon/state": "slow" if self.detector.slow else "healthy"}
+                return FalconDecision(self.iteration, {"falcon/state": "slow" if self.detector.slow else "healthy"})
             for t in times[:-1]:
-                self._observe_one(t, None)
-            return self._observe_one(times[-1], per_group_times)
-        return self._observe_one(float(iteration_time_s), per_group_times)
+                self._observe_one(t, None, None)
+            return self._observe_one(times[-1], groups, obs)
+        return self._observe_one(obs.iteration_time_s, groups, obs)
 
-    def _observe_one(self, t: float, per_group_times: dict | None) -> dict:
+    def _observe_one(self, t: float, per_group_times: dict | None,
+                     obs: IterationObservation | None) -> FalconDecision:
         c = self.config
         t0 = time.perf_counter()
         self.iteration += 1
         it = self.iteration
+        replica_s = list(obs.replica_microbatch_s) if obs is not None and obs.split is not None else None
+        if replica_s is not None:
+            self._measured_split = list(obs.split)
         cp = self.detector.observe(t)
-        if cp is None and self.config.detector.peer_ratio > 0:  # a fault from the start: DP peers compared
-            cp = self.detector.compare_replicas(self.replica_microbatch_s, self.split)
+        # a fault from the start: DP peers compared — unless a validation already named the slow devices
+        if cp is None and self.config.detector.peer_ratio > 0 and not self.slow_devices:
+            cp = self.detector.compare_replicas(replica_s, self._measured_split)
         out: dict = {"falcon/iteration_time_s": t}
         if cp is not None and cp.by != "time":
             out["falcon/change_point_by"], out["falcon/slow_replica"] = cp.by, cp.replica
-        self.s2.record(len(self.detector.times) - 1, t, self.replica_microbatch_s, self.split)
-        self.replica_microbatch_s = None
+        self.s2.record(len(self.detector.times) - 1, t, replica_s, self._measured_split)
         self._track_groups(per_group_times)
         if cp is None:
             cp = self._verify_group_proposals(out)
@@ -196,6 +237,7 @@ class FalconMonitor:
             out["falcon/change_point_relative_change"] = cp.relative_change
             if cp.kind in ("onset", "relief"):
                 self.s2.new_event()
+                self._handled = set()  # a new event: its components are new
             if cp.kind == "onset" or (cp.kind == "level" and cp.relative_change > 0 and self.planner.active):
                 self._on_onset(per_group_times, out)
             elif cp.kind == "relief":
@@ -226,7 +268,7 @@ class FalconMonitor:
         out["falcon/detector_us"] = (time.perf_counter() - t0) * 1e6
         if len(out) > 4 and any(k in out for k in ("falcon/event", "falcon/apply", "falcon/validate")):
             self.history.append({"iteration": it, **out})
-        return out
+        return FalconDecision(it, out)
 
     # ---------------------------------------------------------------- group tracking
     def _track_groups(self, per_group_times: dict | None) -> None:
@@ -296,8 +338,9 @@ class FalconMonitor:
     def _on_onset(self, per_group_times, out):
         """Profiling, then ask for validation (§4.3): on an onset, and on a further slowdown during an
         event (a ``level`` event slower than before) — a second fault while the first is mitigated,
-        as in Falcon's compound case study (§6, Fig. 17: slow communication, then a slow GPU), is
-        localised anew and its root cause restarts Alg. 1's ladder (:meth:`_classify`)."""
+        as in Falcon's compound case study (§7.3, Fig. 17: slow communication → S3, then a slow GPU
+        → S2, then S4), is localised anew and its root cause (the component not handled yet,
+        :mod:`.attribution`) restarts Alg. 1's ladder (:meth:`_classify`)."""
         self.suspicious = self._suspicious(per_group_times or {})
         self.slow_links, self.slow_devices, self.root_cause = [], [], None
         self.slow_link_excess_s = {}
@@ -308,7 +351,7 @@ class FalconMonitor:
         self._awaiting_validation_since = self.iteration
 
     def report_validation(self, link_times_s: dict | None = None, gemm_times_s: dict | None = None,
-                          link_reference_s: float | None = None, pause_s: float | None = None) -> dict:
+                          link_reference_s: float | None = None, pause_s: float | None = None) -> FalconDecision:
         """Results of ``validate_rings`` / ``gemm_probe`` → slow links / devices → root cause.
 
         ``pause_s``: how long training was suspended for validation (reported as a metric)."""
@@ -329,7 +372,7 @@ class FalconMonitor:
             out["falcon/validation_pause_s"] = float(pause_s)
         self._classify(out)
         self.history.append({"iteration": self.iteration, **out})
-        return out
+        return FalconDecision(self.iteration, out)
 
     def slow_links_in(self, link_times_s: dict, link_reference_s: float | None = None) -> list:
         """The links validation calls slow (§4.3): this monitor's thresholds on
@@ -338,21 +381,22 @@ class FalconMonitor:
         return locate_slow_links(link_times_s, c.slow_link_ratio, link_reference_s, c.slow_link_min_excess_s)
 
     def _classify(self, out):
-        cause = "unknown"
-        on_slow_device = all(a in self.slow_devices or b in self.slow_devices for a, b in self.slow_links)
-        if self.slow_links and self.slow_devices and on_slow_device:
-            cause = "compute"  # a slow device also delays the messages it sends and receives
-        elif self.slow_links and self.grid is not None:
-            pos = {r: (d, s) for d, row in enumerate(self.grid) for s, r in enumerate(row)}
-            a, b = self.slow_links[0]
-            (da, sa), (db, sb) = pos[a], pos[b]
-            cause = "pp_link" if da == db and abs(sa - sb) == 1 else "dp_link"
-        elif self.slow_devices:
-            cause = "compute"
-        elif self.suspicious:
+        """The root cause (§4.3) from validation's components (:func:`~.attribution.attribute`: a
+        slow link not touching a slow device is the link's; the first component this event has not
+        handled gives the cause), else from profiling's slowest group; then Alg. 1 (re)starts."""
+        att = attribute(self.slow_links if self.grid is not None else [],  # no grid: a link has no kind
+                        self.slow_devices, self.grid, self._handled, self.slow_link_excess_s,
+                        self.device_slowdown)
+        self.attribution = [c.as_row() for c in att.components]
+        self._root_key = att.root.key if att.root is not None else None
+        self.root_component = att.root.label() if att.root is not None else None
+        cause = att.root_cause or "unknown"
+        if att.root is None and self.suspicious:
             g = self.suspicious[0]
             cause = "pp_link" if g in self.pp_groups else "dp_link" if g in self.dp_groups else "unknown"
         self.root_cause = cause
+        if self.attribution:
+            out["falcon/attribution"] = json.dumps(self.attribution)
         self._awaiting_validation_since = None
         out["falcon/root_cause"] = cause
         if not self.detector.slow:
@@ -388,9 +432,9 @@ class FalconMonitor:
         """S4's predicted iteration time and the one it is compared with
         (:meth:`~.s2.ReplicaTimes.predicted_after_exclusion` over the current segment at the last
         measured split); None without measurements."""
-        if self.split is None:
+        if self._measured_split is None:
             return None
-        return self.s2.predicted_after_exclusion(self._segment_start(), self.split, kept_replicas,
+        return self.s2.predicted_after_exclusion(self._segment_start(), self._measured_split, kept_replicas,
                                                  chunks_per_replica, planned_split)
 
     def _segment_start(self) -> int:
@@ -401,13 +445,14 @@ class FalconMonitor:
         """S2's closed loop (:meth:`~.s2.ReplicaTimes.refined_split`): over a full
         ``effect_window`` since the last change-point or applied strategy."""
         c = self.config
-        if c.split_refine_gain is None or self.split is None or self.grid is None \
-                or c.num_microbatches is None or len(self.split) != len(self.grid):
+        split = self._measured_split
+        if c.split_refine_gain is None or split is None or self.grid is None \
+                or c.num_microbatches is None or len(split) != len(self.grid):
             return
         new = self.s2.refined_split(max(self._changed_at + 1, self._segment_start()), c.effect_window,
-                                    self.split, c.split_refine_gain, self.plan_microbatch_split)
+                                    split, c.split_refine_gain, self.plan_microbatch_split)
         if new is not None:
-            out["falcon/split_refined_from"] = json.dumps(list(self.split))
+            out["falcon/split_refined_from"] = json.dumps(list(split))
             self._apply("microbatch_redistribution", out, split=new)
 
     def _replica_slowdown(self, row, factor: float) -> float:
@@ -423,6 +468,8 @@ class FalconMonitor:
         prev = out.get("falcon/apply")
         out["falcon/apply"] = strategy if not prev else f"{prev},{strategy}"
         self._changed_at = self.iteration
+        if strategy != "ignore" and self._root_key is not None:
+            self._handled.add(self._root_key)  # a strategy of its ladder is decided for it
         if split is not None:
             out["falcon/plan/microbatch_split"] = json.dumps(self.s2.planned(list(split)))
         elif strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:

@@ -14,7 +14,7 @@ devices and restoring. Here it is done with files so it works with any launcher:
 With an unchanged world size, "plain checkpoint-and-restart" (S4) is the same path with the identity
 grid (on replacement nodes). S4 *without* spare nodes (the job restarts on fewer devices, the slow
 one excluded) is planned by :func:`plan_exclusion` (which replicas run again, the re-split batch,
-the restarted job's overrides); :mod:`titan_ext.titan.falcon_s4` applies it with TorchTitan's
+the restarted job's overrides); :mod:`titan_ext.titan.falcon.s4` applies it with TorchTitan's
 checkpointer and a relaunch.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -202,6 +202,46 @@ class ShrinkPlan:
         return kept.index(old_rank) if old_rank in kept else None
 
 
+@dataclass
+class ReplacePlan(ShrinkPlan):
+    """Falcon §5.1 S4 as the paper runs it ("checkpoint-and-restart on healthy nodes"): every rank
+    on an excluded device restarts on a spare device; the grid, DP and the split stay (new rank =
+    the rank of the same role). ``devices[i]``: the device new rank i runs on; ``replaced``:
+    excluded device → its spare; ``spares_left``: spares still unused."""
+
+    devices: list[int] = field(default_factory=list)
+    replaced: dict = field(default_factory=dict)
+    spares_left: list[int] = field(default_factory=list)
+
+
+def plan_replacement(grid, excluded, spares, step: int, split: list[int], device_of=None) -> ReplacePlan:
+    """The S4 plan onto spare devices: ``excluded`` ranks (validation's slow devices, as mesh ranks)
+    move to ``spares`` (device ids no rank uses; in order); every other rank keeps its device
+    (``device_of[rank]``, identity by default). ValueError without enough spares or a split TorchTitan
+    cannot keep (uneven)."""
+    excluded = sorted({int(x) for x in excluded})
+    ranks = [int(r) for row in grid for r in row]
+    device_of = list(range(len(ranks))) if device_of is None else [int(d) for d in device_of]
+    if not excluded:
+        raise ValueError("S4 needs at least one device to exclude")
+    unknown = [x for x in excluded if x not in ranks]
+    if unknown:
+        raise ValueError(f"devices {unknown} are not in the grid {grid}")
+    spares = [int(d) for d in spares if int(d) not in device_of]
+    if len(spares) < len(excluded):
+        raise ValueError(f"{len(excluded)} device(s) to replace ({excluded}) but {len(spares)} spare(s) {spares}")
+    total = sum(int(m) for m in split)
+    if total % len(grid):
+        raise ValueError(f"the global batch of {total} chunks does not split evenly over {len(grid)} replicas")
+    replaced = {device_of[r]: spares[i] for i, r in enumerate(excluded)}
+    num_pp = len(grid[0])
+    kept = list(range(len(grid)))
+    order = [int(grid[d][s]) for s in range(num_pp) for d in kept]  # new rank i plays old rank order[i]
+    devices = [replaced.get(device_of[r], device_of[r]) for r in order]
+    return ReplacePlan(step, [[int(r) for r in row] for row in grid], excluded, kept, num_pp, total // len(kept),
+                       devices=devices, replaced=replaced, spares_left=spares[len(excluded):])
+
+
 def plan_exclusion(grid, excluded, step: int, split: list[int]) -> ShrinkPlan:
     """The S4 plan for ``grid`` (``grid[dp][pp]`` global ranks) without the devices ``excluded``.
 
@@ -230,6 +270,20 @@ def remap_emulation(plan: ShrinkPlan, slow_device: str, slow_link: str) -> dict[
     trainer-owned DP to emulate on)."""
     from .emulation import parse_slow_device, parse_slow_link
 
+    if isinstance(plan, ReplacePlan):
+        # faults belong to devices: they stay where they are; a fault on a device no rank uses any
+        # more is dropped (the restarted job's emulation knows only its devices)
+        used = set(plan.devices)
+        out = dict(_CLEARED_EMULATION)
+        dev = parse_slow_device(slow_device)
+        if dev is not None and dev.device in used:
+            out["emulate_slow_device"] = slow_device
+        link = parse_slow_link(slow_link)
+        if link is not None and set(link.devices) <= used:
+            out["emulate_slow_link"] = slow_link
+        out["falcon_devices"] = ",".join(str(d) for d in plan.devices)
+        out["falcon_spares"] = ",".join(str(d) for d in plan.spares_left)
+        return out
     if plan.num_dp < 2:
         return dict(_CLEARED_EMULATION)
     out = dict(_CLEARED_EMULATION)
@@ -266,7 +320,10 @@ def write_s4_plan(directory, plan: ShrinkPlan, **extra) -> Path:
     body = {"step": plan.step, "grid": plan.grid, "excluded": plan.excluded,
             "kept_replicas": plan.kept_replicas, "num_pp": plan.num_pp,
             "chunks_per_replica": plan.chunks_per_replica, "kept_ranks": plan.kept_ranks,
-            "num_dp": plan.num_dp, "world_size": len(plan.kept_ranks), **extra}
+            "num_dp": plan.num_dp, "world_size": len(plan.kept_ranks),
+            "mode": "replace" if isinstance(plan, ReplacePlan) else "shrink",
+            **({"devices": plan.devices, "replaced": {str(k): v for k, v in plan.replaced.items()}}
+               if isinstance(plan, ReplacePlan) else {}), **extra}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(body, indent=1))
     os.replace(tmp, path)

@@ -1,4 +1,4 @@
-"""What Falcon's DP x PP job (:mod:`.falcon_job`) and its S4 relaunch (:mod:`.falcon_s4`) both read:
+"""What Falcon's DP x PP job (:mod:`.job`) and its S4 relaunch (:mod:`.s4`) both read:
 the files it writes under ``job.dump_folder`` and where the emulated faults come from.  Its own module
 so the two need not import each other."""
 
@@ -19,8 +19,10 @@ FALCON_EVENTS = "falcon_events.jsonl"
 "localised" (validation's root cause), "decision" (one strategy of Alg. 1: strategy S1-S4 or
 PipeMorph, applied or not, estimated and measured cost) and "outcome" (median iteration time
 before / after an applied strategy). An "event" row's ``located_by`` names the series whose
-change-point was verified: ``iteration_time`` or a profiled group (group tracking). See
-:func:`.falcon_events.event_rows`."""
+change-point was verified: ``iteration_time`` or a profiled group (group tracking). Every row but
+"outcome" carries its ``evidence``: the change-point's relative change, latency and probability;
+validation's components (each slow link / device, its cause, its measure, handled or not); the
+impact that reached a decision's cost. See :func:`.events.event_rows`."""
 
 
 def emulation_specs(section: Any) -> tuple[str, str]:

@@ -14,10 +14,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from titan_ext.runtime.falcon.decision import FalconDecision, IterationObservation
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 from titan_ext.runtime.timeouts import named
 
-__all__ = ["SLOW_DEVICE_RATIO", "StepClock", "group_times", "acf_iteration_times", "validate", "rings_to_validate"]
+__all__ = ["SLOW_DEVICE_RATIO", "StepClock", "measure_step", "acf_iteration_times", "validate", "rings_to_validate"]
 
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
@@ -53,32 +54,34 @@ class StepClock:
         return self.timer.wall_ms / 1e3
 
 
-def group_times(job: Any, step_s: float) -> tuple[float, dict[str, float]]:
-    """Iteration time (§4.2: the slowest rank's step, device time from :class:`StepClock`) and per-group times (§4.3 profiling: every
-    stage's DP transfer time, every replica's PP link delays as PipeMorph measured them), the same
-    on every rank (MAX over the world); each replica's time per micro-batch goes to the monitor
-    (``replica_microbatch_s``, S2's Eq. 1 input)."""
+def measure_step(step_s: float, *, dp: Any, schedule: Any, costs: Any, control: Any, num_pp: int,
+                 num_dp: int, dp_index: int, split: list[int]) -> IterationObservation:
+    """The step's observation, the same on every rank (MAX over the world on ``control``): the
+    iteration time (§4.2: the slowest rank's step, device time from :class:`StepClock`), the
+    per-group times (§4.3 profiling: every stage's DP transfer time from ``dp``, every replica's PP
+    link delays as PipeMorph's ``schedule`` measured them) and each replica's time per micro-batch
+    at ``split`` (§5.3's t_i, S2's Eq. 1 input: its slowest stage's compute phase over its chunks —
+    the replicas run independently until the DP sync). ``costs`` takes the re-plan's measured cost
+    (its only side effect)."""
     from titan_ext.titan.metrics import runtime_metrics
 
-    S, D = job.num_pp, job.num_dp
+    S, D = num_pp, num_dp
     vec = torch.zeros(1 + S + D * (S - 1) + D, dtype=torch.float64)
     vec[0] = step_s
-    vec[1:1 + S] = torch.tensor(job.dp.transfer_times(), dtype=torch.float64)
-    vec[-D + job.dp_index] = job.dp.compute_s
-    rt = runtime_metrics(job.trainer.pp_schedule)
-    job.costs.measure_replan(rt)  # only a Falcon decision's ski-rental input
+    vec[1:1 + S] = torch.tensor(dp.transfer_times(), dtype=torch.float64)
+    vec[-D + dp_index] = dp.compute_s
+    rt = runtime_metrics(schedule)
+    costs.measure_replan(rt)  # only a Falcon decision's ski-rental input
     for i, ms in rt.get("link_delay_ms", {}).items():
         if int(i) < S - 1 and ms == ms:  # not NaN
-            vec[1 + S + job.dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
-    named(job.control, "falcon/step",  # a timeout names the silent rank
-          lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=job.control))
+            vec[1 + S + dp_index * (S - 1) + int(i)] = max(0.0, float(ms)) / 1e3
+    named(control, "falcon/step",  # a timeout names the silent rank
+          lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=control))
     groups = {f"dp_stage{s}": float(vec[1 + s]) for s in range(S)}
     groups |= {f"pp{d}_link{i}": float(vec[1 + S + d * (S - 1) + i]) for d in range(D) for i in range(S - 1)}
-    # Falcon §5.3's t_i: a replica's time per micro-batch, its slowest stage's compute phase over its
-    # chunks (the replicas run independently until the DP sync)
-    job.monitor.replica_microbatch_s = [float(vec[-D + d]) / job.split[d] for d in range(D)]
-    job.monitor.split = list(job.split)
-    return float(vec[0]), groups
+    return IterationObservation(float(vec[0]), groups,
+                                replica_microbatch_s=tuple(float(vec[-D + d]) / split[d] for d in range(D)),
+                                split=tuple(split))
 
 
 def acf_iteration_times(monitor: Any) -> dict:
@@ -91,41 +94,41 @@ def acf_iteration_times(monitor: Any) -> dict:
     from titan_ext.runtime.falcon.hooks import CallRecorder
 
     if monitor.recorder is None:
-        monitor.recorder = CallRecorder().start()
+        monitor.attach_recorder(CallRecorder().start())
         return {}
     times = monitor.iteration_times_from_recorder()
-    out = {"falcon/acf_period_calls": monitor._period or 0}
+    out = {"falcon/acf_period_calls": monitor.period_calls}
     if times:
         out["falcon/acf_iteration_time_s"] = float(times[-1])
     return out
 
 
-def validate(job: Any) -> dict:
+def validate(monitor: Any, *, grid: list[list[int]], emulation: Any, control: Any, device: Any) -> FalconDecision:
     """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
-    profiling flagged (:func:`rings_to_validate`) and one unflagged ring as the healthy
-    reference — timed a second time when a link looks slow, a link's time then the slower of its
-    two — then the GEMM probe on every rank."""
+    profiling flagged (:func:`rings_to_validate`, from ``monitor.suspicious``) and one unflagged ring
+    as the healthy reference — timed a second time when a link looks slow, a link's time then the
+    slower of its two — then the GEMM probe on every rank; the monitor's verdict on them."""
     t0 = time.perf_counter()
-    rings = rings_to_validate(job.grid, job.monitor.suspicious)
+    rings = rings_to_validate(grid, monitor.suspicious)
     # one ring profiling did not flag is timed too: the healthy reference a flagged ring's links
     # are compared with (all links of a lone flagged ring are slow: their own median hides them)
-    reference = [r for r in rings_to_validate(job.grid, []) if r not in rings][:1]
+    reference = [r for r in rings_to_validate(grid, []) if r not in rings][:1]
     timed = [r for r in rings + reference if len(r) > 1]
-    links = _time_rings(job, timed)
-    if job.monitor.slow_links_in(*_suspects_and_reference(links, rings, reference)):
+    links = _time_rings(timed, emulation, control, device)
+    if monitor.slow_links_in(*_suspects_and_reference(links, rings, reference)):
         # a second round before a link is called slow: a slow link is slow in both, while a loaded
         # host's scheduling noise (seen: one direction of a healthy DP link flagged, then S3
         # applied in a healthy run) rarely repeats; every rank holds the same times, so all agree
-        again = _time_rings(job, timed)
+        again = _time_rings(timed, emulation, control, device)
         links = {k: max(t, again.get(k, t)) for k, t in links.items()}
     suspect, ref = _suspects_and_reference(links, rings, reference)
-    gemm = gemm_probe(repeats=10, group=job.control, slowdown=job.emulation.compute_factor, device=job.device)
-    return job.monitor.report_validation(suspect, gemm, link_reference_s=ref, pause_s=time.perf_counter() - t0)
+    gemm = gemm_probe(repeats=10, group=control, slowdown=emulation.compute_factor, device=device)
+    return monitor.report_validation(suspect, gemm, link_reference_s=ref, pause_s=time.perf_counter() - t0)
 
 
-def _time_rings(job: Any, rings: list[list[int]]) -> dict:
-    return validate_rings(rings, nbytes=VALIDATION_BYTES, group=job.control, device=job.device,
-                          send_delay_s=lambda src, dst: job.emulation.send_delay_s(src, dst, VALIDATION_BYTES))
+def _time_rings(rings: list[list[int]], emulation: Any, control: Any, device: Any) -> dict:
+    return validate_rings(rings, nbytes=VALIDATION_BYTES, group=control, device=device,
+                          send_delay_s=lambda src, dst: emulation.send_delay_s(src, dst, VALIDATION_BYTES))
 
 
 def _suspects_and_reference(links: dict, rings: list, reference: list) -> tuple[dict, float | None]:

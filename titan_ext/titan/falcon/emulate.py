@@ -5,7 +5,7 @@
 * :func:`install_compute_stretch` — the slow device: every forward and backward-input pass of a model
   part is stretched by its factor (on CPU the host sleeps, on CUDA the device: :class:`DeviceStretch`);
 * :class:`PPLinkDelays` — the slow link when it is a PP hop of this rank's pipeline (the delay
-  injector on its two ends). The slow DP link is :class:`~titan_ext.titan.falcon_dp.DPSync`'s.
+  injector on its two ends). The slow DP link is :class:`~titan_ext.titan.falcon.dp.DPSync`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from titan_ext.runtime.falcon.emulation import (
     parse_slow_device,
     parse_slow_link,
 )
-from titan_ext.titan.falcon_files import emulation_specs
+from titan_ext.titan.falcon.files import emulation_specs
 
 __all__ = ["check_emulation", "install_compute_stretch", "install_device_passes", "DeviceStretch", "PPLinkDelays"]
 
@@ -61,6 +61,14 @@ class _Mark(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.on_backward()
         return grad, None
+
+
+def _on_grad(fn):
+    """A tensor hook that runs ``fn()`` when the tensor's gradient is computed (the gradient unchanged)."""
+    def hook(_grad):
+        fn()
+        return None
+    return hook
 
 
 class DeviceStretch:
@@ -123,7 +131,9 @@ def install_compute_stretch(part: torch.nn.Module, emulation: FailSlowEmulation,
     def post(_mod, _args, out):
         stretch("f")
         if torch.is_tensor(out) and out.requires_grad:
-            return _Mark.apply(out, begin_backward)
+            # a hook, not a _Mark: the stage output must not be a view (torch's split backward
+            # detaches a stage's outputs in place, which a view refuses: a middle stage of PP >= 3)
+            out.register_hook(_on_grad(begin_backward))
         return None
 
     part.register_forward_pre_hook(pre)

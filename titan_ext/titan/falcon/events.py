@@ -10,7 +10,7 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-from titan_ext.titan.falcon_files import FALCON_EVENTS, FALCON_LOG
+from titan_ext.titan.falcon.files import FALCON_EVENTS, FALCON_LOG
 
 __all__ = ["STRATEGY_LABEL", "event_rows", "EventLog"]
 
@@ -32,13 +32,21 @@ def event_rows(step: int, decision: dict, monitor: Any, estimated: Any, applied_
                      "change_point_iteration": decision.get("falcon/change_point_iteration"),
                      "change_point_step": decision.get("falcon/change_point_step"),
                      "located_by": decision.get("falcon/change_point_group", "iteration_time"),
-                     "iteration_time_s": decision.get("falcon/iteration_time_s")})
-    suspected = {"root_cause": monitor.root_cause, "slow_devices": list(monitor.slow_devices),
+                     "iteration_time_s": decision.get("falcon/iteration_time_s"),
+                     "evidence": {"relative_change": decision.get("falcon/change_point_relative_change"),
+                                  "latency_iters": decision.get("falcon/change_point_latency_iters"),
+                                  "cp_probability": decision.get("falcon/cp_probability")}})
+    suspected = {"root_cause": monitor.root_cause, "component": getattr(monitor, "root_component", None),
+                 "slow_devices": list(monitor.slow_devices),
                  "slow_links": [list(link) for link in monitor.slow_links],
                  "suspicious_groups": list(monitor.suspicious)}
     if "falcon/root_cause" in decision:
+        # §4.3's evidence: each slow component with its cause and its measure (a link's excess
+        # time over the reference, a device's probe slowdown), whether this event handled it already
         rows.append({"kind": "localised", "iteration": step, "suspected": suspected,
-                     "validation_pause_s": decision.get("falcon/validation_pause_s")})
+                     "validation_pause_s": decision.get("falcon/validation_pause_s"),
+                     "evidence": {"components": list(getattr(monitor, "attribution", [])),
+                                  "validation_pause_s": decision.get("falcon/validation_pause_s")}})
     before = decision.get("falcon/iteration_time_s")
     for name in filter(None, decision.get("falcon/apply", "").split(",")):
         applied = apply_decisions and name in applied_s
@@ -47,7 +55,12 @@ def event_rows(step: int, decision: dict, monitor: Any, estimated: Any, applied_
                      "estimated_cost_s": estimated.of(name),
                      "measured_cost_s": applied_s.get(name) if applied else None,
                      "impact_s": decision.get("falcon/impact_s"), "iteration_time_before_s": before,
-                     "iteration_time_predicted_s": decision.get(f"falcon/predicted_s/{name}")})
+                     "iteration_time_predicted_s": decision.get(f"falcon/predicted_s/{name}"),
+                     # Alg. 1's evidence (§5.2): the impact accumulated since the onset reached the
+                     # strategy's cost, for this component
+                     "evidence": {"impact_s": decision.get("falcon/impact_s"),
+                                  "estimated_cost_s": estimated.of(name), "component": suspected["component"],
+                                  "iteration_time_predicted_s": decision.get(f"falcon/predicted_s/{name}")}})
     for key, effect in decision.items():
         if key.startswith("falcon/effect/") and key.count("/") == 2:
             name = key.split("/")[2]

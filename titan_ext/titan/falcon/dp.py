@@ -153,7 +153,10 @@ class DPSync:
         """Σ over DP replicas of the token-sum gradients (TorchTitan's DP gradient), after the emulated
         slow link's extra time (held back on the device before the all-reduce)."""
         start = self.timer.mark()
-        device_sleep(self.emulation.collective_delay_s(self.dp_ranks, _RING_STEPS, self.base_s), self.device)
+        # a ring step of a 2-member all-reduce moves half the gradient over the link
+        step_bytes = self.stage_bytes[self.pp_index] * (len(self.dp_ranks) - 1) / max(1, len(self.dp_ranks))
+        device_sleep(self.emulation.collective_delay_s(self.dp_ranks, _RING_STEPS, self.base_s, step_bytes),
+                     self.device)
         reduce_start = self.timer.mark()
         params = [p for m in self.trainer.model_parts for p in m.parameters()]
         weighted_all_reduce_gradients(params, 1.0, self.dp_group)

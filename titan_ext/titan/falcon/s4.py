@@ -4,13 +4,13 @@ item 2).
 
 Three parts, one per process that takes part:
 
-* **The slow job** (:func:`plan_checkpoint_restart` + :func:`checkpoint_and_exit`, called by :class:`~.falcon_job.FalconJob`
+* **The slow job** (:func:`plan_checkpoint_restart` + :func:`checkpoint_and_exit`, called by :class:`~.job.FalconJob`
   when Alg. 1 reaches S4): TorchTitan's checkpointer saves the full state (model, optimizer, LR
   schedule, train step) at the current step; rank 0 writes the plan
   (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`: the DP replicas holding the slow
   device are dropped, the global batch is re-split over the rest) with the time the save began;
   every rank then exits with :data:`~titan_ext.runtime.falcon.restart.S4_EXIT_CODE`.
-* **The launcher** (:func:`launch`, ``python -m titan_ext.titan.falcon_s4``; ``scripts/launch.sh``
+* **The launcher** (:func:`launch`, ``python -m titan_ext.titan.falcon.s4``; ``scripts/launch.sh``
   on SLURM): runs torchrun, and when the job left a pending plan relaunches it on the kept ranks
   with the plan's overrides (DP degree, checkpoint loading without the data loader, emulation
   renumbered, ``CUDA_VISIBLE_DEVICES`` of the kept local devices).
@@ -21,9 +21,10 @@ Three parts, one per process that takes part:
   (:func:`recorded_s4_cost`). After :data:`OUTCOME_STEPS` steps an "outcome" row compares the
   iteration time with the one before S4.
 
-Without spare nodes the restarted world is smaller: the healthy peers of the slow device in its
-replica idle (a cluster would give the job a replacement node instead; same path, the identity
-grid).
+With spare devices (``[titan_ext] falcon_spares``) the plan is a
+:class:`~titan_ext.runtime.falcon.restart.ReplacePlan`: Falcon's S4, the slow device's rank restarts
+on a spare, the grid and DP stay. Without enough spares it is the shrink: the restarted world is
+smaller and the healthy peers of the slow device in its replica idle.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from titan_ext.runtime.falcon.restart import (
     relaunch_overrides,
     remap_emulation,
     write_s4_plan,
+    ReplacePlan,
+    plan_replacement,
 )
 
 __all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
@@ -89,17 +92,26 @@ def _save_checkpoint(trainer: Any, step: int) -> None:
         wait()  # async checkpointing: the files must be complete before this process exits
 
 
-def plan_checkpoint_restart(job: Any):
-    """The S4 plan of this job now (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`), or
+def plan_checkpoint_restart(checkpoint_enabled: bool, slow_devices, slow_links, grid: list[list[int]],
+                            step: int, split: list[int], spares=(), device_of=None):
+    """The S4 plan for this job now from validation's ``slow_devices`` / ``slow_links``: onto
+    ``spares`` when there are enough (:func:`~titan_ext.runtime.falcon.restart.plan_replacement`:
+    Falcon's S4, DP kept), else without them
+    (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`: DP shrinks); or
     :class:`S4Unavailable` (on every rank alike: the inputs are) when TorchTitan's checkpointer is
     off, nothing was localised, or the global batch does not re-split."""
-    if not job.trainer.checkpointer.enable:
+    if not checkpoint_enabled:
         raise S4Unavailable("S4 needs TorchTitan's checkpointer: [checkpoint] enable = true")
-    excluded = devices_to_exclude(job.monitor.slow_devices, job.monitor.slow_links)
+    excluded = devices_to_exclude(slow_devices, slow_links)
     if not excluded:
         raise S4Unavailable("validation localised no device or link to exclude")
+    if spares:
+        try:
+            return plan_replacement(grid, excluded, spares, step, split, device_of)
+        except ValueError:
+            pass  # not enough spares (or an uneven split): without them
     try:
-        return plan_exclusion(job.grid, excluded, job.trainer.step, job.split)
+        return plan_exclusion(grid, excluded, step, split)
     except ValueError as e:
         raise S4Unavailable(str(e)) from None
 
@@ -115,7 +127,7 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
     save_s = torch.tensor([time.time() - begin], dtype=torch.float64)
     dist.all_reduce(save_s, op=dist.ReduceOp.MAX, group=job.control)
     if job.rank == 0:
-        from titan_ext.titan.falcon_files import emulation_specs
+        from titan_ext.titan.falcon.files import emulation_specs
 
         emulation = remap_emulation(plan, *emulation_specs(job.section))
         write_s4_plan(Path(trainer.job_config.job.dump_folder), plan, status="pending",
@@ -125,7 +137,7 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
                       overrides=relaunch_overrides(plan, emulation,
                                                    trainer.job_config.training.local_batch_size),
                       hosts=[where[r][0] for r in plan.kept_ranks],
-                      local_devices=[where[r][1] for r in plan.kept_ranks],
+                      local_devices=_local_devices(plan, where),
                       device_type=where[0][2])
     dist.barrier(group=job.control)
     if job.rank == 0:
@@ -133,11 +145,21 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
 
         logger.warning(f"[titan_ext] Falcon S4: checkpointed step {step} ({float(save_s):.2f} s); exiting "
                        f"with status {S4_EXIT_CODE} for a relaunch on ranks {plan.kept_ranks} without "
-                       f"devices {plan.excluded} (python -m titan_ext.titan.falcon_s4 or scripts/launch.sh "
+                       f"devices {plan.excluded} (python -m titan_ext.titan.falcon.s4 or scripts/launch.sh "
                        f"relaunch; a plain torchrun stops here)")
     trainer.close()
     dist.destroy_process_group()
     raise SystemExit(S4_EXIT_CODE)
+
+
+def _local_devices(plan, where: list) -> list[int]:
+    """The local device of each new rank: its old rank's, or for a rank moved onto a spare the
+    spare (on GPUs a local CUDA index)."""
+    out = []
+    for i, r in enumerate(plan.kept_ranks):
+        moved = isinstance(plan, ReplacePlan) and r in plan.excluded
+        out.append(int(plan.devices[i]) if moved else int(where[r][1]))
+    return out
 
 
 def estimate_s4_cost(job: Any, dump_folder) -> float:
@@ -250,7 +272,7 @@ class S4Resume:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         self.times.append(float(t))
         if self.rank == 0:
-            from titan_ext.titan.falcon_files import FALCON_LOG
+            from titan_ext.titan.falcon.files import FALCON_LOG
 
             with open(self.dump / FALCON_LOG, "a") as f:
                 f.write(json.dumps({"step": step, "falcon/iteration_time_s": float(t),
@@ -265,7 +287,7 @@ class S4Resume:
             return
         from torchtitan.tools.logging import logger
 
-        from titan_ext.titan.falcon_files import FALCON_EVENTS
+        from titan_ext.titan.falcon.files import FALCON_EVENTS
 
         with open(self.dump / FALCON_EVENTS, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -286,7 +308,7 @@ def _dump_folder(train_args: list[str]) -> Path:
         key, sep, value = arg.partition("=")
         if key in ("--job.dump_folder", "--job.dump-folder"):
             return Path(value if sep else train_args[i + 1])
-    raise SystemExit("falcon_s4 launch: pass --job.dump_folder DIR among the training arguments")
+    raise SystemExit("falcon.s4 launch: pass --job.dump_folder DIR among the training arguments")
 
 
 def relaunch_env(plan: dict, env: dict[str, str]) -> dict[str, str]:
@@ -295,7 +317,7 @@ def relaunch_env(plan: dict, env: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in env.items() if k not in _EMULATION_ENV}
     if plan.get("device_type") == "cuda":
         if len(set(plan["hosts"])) > 1:
-            raise SystemExit("falcon_s4 launch: a multi-node S4 restart is scripts/launch.sh's (SLURM)")
+            raise SystemExit("falcon.s4 launch: a multi-node S4 restart is scripts/launch.sh's (SLURM)")
         visible = env.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(max(plan["local_devices"]) + 1)]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in plan["local_devices"])
@@ -325,7 +347,7 @@ def relaunch_spec(plan: dict, hosts: list[str]) -> dict:
     kept = {h: sorted(ds) for h, ds in kept.items() if ds}
     counts = {len(ds) for ds in kept.values()}
     if len(counts) != 1:
-        raise SystemExit(f"falcon_s4: the kept ranks are uneven over the nodes ({kept}); "
+        raise SystemExit(f"falcon.s4: the kept ranks are uneven over the nodes ({kept}); "
                          f"torchrun needs the same number on every node")
     return {"nnodes": len(kept), "nproc_per_node": counts.pop(),
             "exclude": [h for h in hosts if h not in kept], "devices": kept,
@@ -333,7 +355,7 @@ def relaunch_spec(plan: dict, hosts: list[str]) -> dict:
 
 
 def _print_relaunch_spec(argv: list[str]) -> int:
-    """``python -m titan_ext.titan.falcon_s4 relaunch-spec DUMP HOST...``: consume DUMP's pending plan
+    """``python -m titan_ext.titan.falcon.s4 relaunch-spec DUMP HOST...``: consume DUMP's pending plan
     and print shell assignments (S4_NNODES, S4_NPROC_PER_NODE, S4_EXCLUDE, S4_ARGS, S4_DEVICES_<i>
     per host in the order given); exit 1 when there is no pending plan."""
     import shlex
@@ -354,9 +376,9 @@ def _print_relaunch_spec(argv: list[str]) -> int:
 
 
 def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """``python -m titan_ext.titan.falcon_s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
+    """``python -m titan_ext.titan.falcon.s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
     torchrun; after an S4 exit, torchrun again on the plan's world with its overrides."""
-    p = argparse.ArgumentParser(prog=prog or "python -m titan_ext.titan.falcon_s4", description=launch.__doc__)
+    p = argparse.ArgumentParser(prog=prog or "python -m titan_ext.titan.falcon.s4", description=launch.__doc__)
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--max-s4", type=int, default=1, help="restarts allowed (default 1)")
@@ -380,7 +402,7 @@ def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
         plan = consume_plan(dump) if rc != 0 else None
         if plan is None or attempt == a.max_s4:
             return rc
-        print(f"[falcon_s4] S4 at step {plan['step']}: excluding devices {plan['excluded']}, relaunching "
+        print(f"[falcon.s4] S4 at step {plan['step']}: excluding devices {plan['excluded']}, relaunching "
               f"on {plan['world_size']} ranks (DP {plan['num_dp']} x PP {plan['num_pp']})", flush=True)
         nproc, extra, port = plan["world_size"], plan["overrides"], port + 1
         env = relaunch_env(plan, env) | {ENV_S4_PLAN: str(dump / S4_PLAN_FILE)}
@@ -388,7 +410,7 @@ def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """``titan-ext falcon-s4`` / ``python -m titan_ext.titan.falcon_s4``: :func:`launch`, or
+    """``titan-ext falcon-s4`` / ``python -m titan_ext.titan.falcon.s4``: :func:`launch`, or
     ``relaunch-spec DUMP HOST...`` (what scripts/launch.sh reads after an S4 exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["relaunch-spec"]:
