@@ -75,7 +75,7 @@ def _signal_while_writing(tmp_path: Path, signum: int, schedule: str = "optimal"
     (work / "mine.csv").write_text(USERS)
     (work / "t.json").write_text(USERS)
     marker = tmp_path / "inside_writer"
-    argv = [*PLAN, *T, "--delay", "1:20", "--schedule", schedule, "--time-limit", "30",
+    argv = [*PLAN, *T, "--delay", "1:20", "--schedule", schedule, "--time-limit", "90",  # a busy host: room
             "--out-csv", "mine.csv", "--trace", "t.json", "--gantt", "g.png"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(marker), *argv], cwd=work, env=env,
