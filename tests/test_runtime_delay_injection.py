@@ -82,7 +82,7 @@ def test_malformed_trace_error_names_the_problem(tmp_path, content, needle):
 
 
 def test_missing_trace_file_and_malformed_env(monkeypatch):
-    with pytest.raises(DelaySpecError, match="no such file"):
+    with pytest.raises(DelaySpecError, match="No such file or directory"):
         parse_delay_spec("trace:/nonexistent/delays.csv")
     monkeypatch.setenv(ENV_VAR, "1:fast")
     with pytest.raises(DelaySpecError, match=f"{ENV_VAR}.*latency 'fast'"):

@@ -62,7 +62,7 @@ def test_cli_overrides_toml(tmp_path):
     ("max_inflight", "-2", "must be >= 0"),
     ("adaptive", '"yes"', "must be of type bool"),
     ("inject_delays", '"2:fast"', "latency 'fast' is not a number"),
-    ("inject_trace", '"/no/such/trace.csv"', "no such file"),
+    ("inject_trace", '"/no/such/trace.csv"', "No such file or directory"),
     ("replan_interval", '"five"', "must be of type int"),
     ("backward", '"fused"', "must be one of '', 'auto', 'measure', 'split', 'full'"),
 ])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import stat
 from typing import Any, Mapping, Sequence
 
 from .errors import ArgumentTypeError
@@ -153,3 +154,19 @@ def link_arg(profile: PipelineProfile, link: Any, name: str = "link") -> int:
     if link >= profile.num_stages - 1:
         raise ValueError(f"{name} {link} does not exist (links are 0..{profile.num_stages - 2})")
     return link
+
+
+def regular_file_stat(path: str, max_bytes: int, label: str, kind: str, error: type = ValueError) -> os.stat_result:
+    """``os.stat`` of an input file that must be a regular file of at most ``max_bytes`` (a FIFO or
+    ``/dev/zero`` would block or read without bound): ``error`` naming ``label`` and the ``kind`` of file
+    expected otherwise. The one check of the inputs the trainer reads (config files, delay traces)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise error(f"{label}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise error(f"{label}: {what}; it must be a {kind} file")
+    if st.st_size > max_bytes:
+        raise error(f"{label}: {st.st_size} bytes, more than the limit of {max_bytes >> 20} MiB for a {kind} file")
+    return st

@@ -58,7 +58,6 @@ import logging
 import math
 import os
 import re
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -249,18 +248,9 @@ def load_delay_trace(path: str) -> DelaySchedule:
     A regular file of at most :data:`MAX_TRACE_BYTES`; parsed once per process (the config check, the
     job check and the installation share the parsed form while the file is unchanged)."""
     path = path.strip()
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise DelaySpecError(f"delay trace {path!r}: no such file") from None
-    except OSError as e:
-        raise DelaySpecError(f"delay trace {path!r}: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
-        raise DelaySpecError(f"delay trace {path!r}: {what}; it must be a CSV file")
-    if st.st_size > MAX_TRACE_BYTES:
-        raise DelaySpecError(f"delay trace {path!r}: {st.st_size} bytes, more than the limit of "
-                             f"{MAX_TRACE_BYTES >> 20} MiB")
+    from titan_ext.plan.args import regular_file_stat
+
+    st = regular_file_stat(path, MAX_TRACE_BYTES, f"delay trace {path!r}", "CSV", DelaySpecError)
     key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     cached = _TRACES.get(key)
     if cached is None:

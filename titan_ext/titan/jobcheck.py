@@ -7,7 +7,6 @@ point (no import cycles).
 
 import math
 import os
-import stat
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -221,16 +220,9 @@ def check_config_file(path: str) -> dict:
     Returns the parsed document. Raises ValueError (``tomllib.TOMLDecodeError`` for a syntax error)."""
     import tomllib
 
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise JobConfigError(f"--job.config_file {path}: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
-        raise JobConfigError(f"--job.config_file {path}: {what}; it must be a TOML file")
-    if st.st_size > MAX_CONFIG_BYTES:
-        raise JobConfigError(f"--job.config_file {path}: {st.st_size} bytes, more than the limit of "
-                             f"{MAX_CONFIG_BYTES >> 20} MiB for a TOML config")
+    from titan_ext.plan.args import regular_file_stat
+
+    regular_file_stat(path, MAX_CONFIG_BYTES, f"--job.config_file {path}", "TOML", JobConfigError)
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
