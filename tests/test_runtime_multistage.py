@@ -81,11 +81,26 @@ class CyclePolicy:
     forces = True
 
     def __init__(self, placement: str):
-        self.cycle, self.k = _cycle(placement), 0
+        self.cycle, self.k, self.schedule = _cycle(placement), 0, None
 
     def decide(self, estimate, deployed_counts, initial_counts, since, slack_floor=2):
+        from titan_ext.runtime.deploy import plan_hash
+
         self.k += 1
-        return self.cycle[(self.k - 1) % len(self.cycle)]
+        decision = self.cycle[(self.k - 1) % len(self.cycle)]
+        if self.schedule is not None and plan_hash(decision.actions) == self.schedule.deployed.hash:
+            self.k += 1  # the initial plan may be one of the cycle's (torch's own under torch's memory rule)
+            decision = self.cycle[(self.k - 1) % len(self.cycle)]
+        return decision
+
+
+def _cycling(stages, placement: str) -> object:
+    from titan_ext.runtime import PipeMorph
+
+    policy = CyclePolicy(placement)
+    sched = PipeMorph(stages, N, loss_fn=Fn.mse_loss, policy=policy)
+    policy.schedule = sched
+    return sched
 
 
 def _equivalence(rank: int, placement: str) -> dict:
@@ -115,7 +130,7 @@ def _equivalence(rank: int, placement: str) -> dict:
 
     torch_cls = ScheduleInterleaved1F1B if placement == "loop" else ScheduleZBVZeroBubble
     ref = train(lambda st: torch_cls(st, N, loss_fn=Fn.mse_loss), STEPS)
-    ours = train(lambda st: PipeMorph(st, N, loss_fn=Fn.mse_loss, policy=CyclePolicy(placement)), STEPS)
+    ours = train(lambda st: _cycling(st, placement), STEPS)
     # CrossPipe with its own planner (CrossWave for "v", the split-backward portfolio for "loop")
     crosspipe = train(lambda st: CrossPipe(st, N, loss_fn=Fn.mse_loss), STEPS)
     init = [p.detach().clone() for s in local for p in mlp_stages(S, DIM)[s].parameters()]
