@@ -144,7 +144,7 @@ class PipeMorphConfig:
         int_arg(self.adaptive_memory_limit, "adaptive_memory_limit", 1, optional=True)
         bool_arg(self.adaptive, "adaptive")
         int_arg(self.slack_floor, "slack_floor", 1)
-        choice_arg(self.backward, "backward", ("split", "full", "auto"))
+        choice_arg(self.backward, "backward", ("split", "full", "auto", "measure"))
         real_arg(self.backward_margin, "backward_margin", minimum=0)
         if not self.backward_margin < 1:
             raise ValueError(f"backward_margin must be within [0, 1), got {self.backward_margin}")
