@@ -84,7 +84,6 @@ logger = logging.getLogger(__name__)
 _KIND_OF_DECISION = {"calibrate": "initial", "force": "forced"}
 
 
-
 def _check_stages(name: str, stages: Any) -> list:
     """This rank's stages: one torch pipeline stage or a non-empty list of them (TypeError naming the
     argument otherwise: a ``torch.nn.Module`` is not a stage)."""
@@ -99,6 +98,7 @@ def _check_stages(name: str, stages: Any) -> list:
         if not isinstance(st, _PipelineStageBase):
             raise ArgumentTypeError(f"{name}: stages[{i}] must be a torch PipelineStage, got {type(st).__name__}")
     return list(stages)
+
 
 class PipeMorph(_PipelineScheduleRuntime):
     """Straggler-resilient adaptive pipeline schedule (PipeMorph §4 planning, §6 runtime).
