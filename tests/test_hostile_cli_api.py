@@ -68,6 +68,15 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+def _as_a_shell_starts() -> None:
+    """The child starts with SIGINT/SIGTERM at their defaults and unblocked, as a command run from a shell
+    does: a child inherits an ignored or blocked signal from its parent, and in the full suite the pytest
+    process had one (seen twice: the child never saw the signal; alone the tests pass; not traced)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _signal_while_writing(tmp_path: Path, signum: int, schedule: str = "optimal"):
     pytest.importorskip("ortools")
     work = tmp_path / "work"
@@ -79,7 +88,7 @@ def _signal_while_writing(tmp_path: Path, signum: int, schedule: str = "optimal"
             "--out-csv", "mine.csv", "--trace", "t.json", "--gantt", "g.png"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(marker), *argv], cwd=work, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_as_a_shell_starts)
     try:
         deadline = time.monotonic() + 180
         while not marker.exists():
@@ -138,7 +147,8 @@ def test_ctrl_c_during_a_solve_stops_it_and_raises_keyboard_interrupt():
     as KeyboardInterrupt after the clean-up: handler and wake-up fd as they were."""
     pytest.importorskip("ortools")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", _SOLVE_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", _SOLVE_CHILD], env=env, capture_output=True, text=True, timeout=120,
+                       preexec_fn=_as_a_shell_starts)
     assert p.returncode == 0, p.stderr
     words = p.stdout.split()
     assert words[0] == "KeyboardInterrupt" and words[2:] == ["True", "-1"], p.stdout
