@@ -498,6 +498,15 @@ def print_table(rows: list[dict]) -> None:
               f"{'; '.join(r['applied']) or '-'} | {s3} | {ttm} |")
 
 
+def _emit(res: dict, path: str | None) -> None:
+    """Print a result as a JSON block and write it to ``path`` (the script's ``--json``)."""
+    text = json.dumps(res, indent=2)
+    print("\n```json\n" + text + "\n```")
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def main():
     global SEQ_LEN, DEVICE_PASS_MS
     ap = argparse.ArgumentParser(description=__doc__)
@@ -537,21 +546,13 @@ def main():
         SEQ_LEN, DEVICE_PASS_MS = 32, args.device_pass_ms or 10.0
         res = bench_fig19(args.steps, args.slow_from, args.fault_ms, args.window_kib,
                           args.workdir.replace("bench_falcon_e2e", "bench_falcon_fig19"))
-        text = json.dumps(res, indent=2)
-        print("\n```json\n" + text + "\n```")
-        if args.json:
-            with open(args.json, "w") as f:
-                f.write(text)
+        _emit(res, args.json)
         return
     if args.end_to_end and (args.s4 or args.group_tracking):
         res = (bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir) if args.s4 else
                bench_group_tracking(args.group_tracking, args.steps, args.slow_from, args.link_factor, args.workdir))
         res["compute"] = _mode()
-        text = json.dumps(res, indent=2)
-        print("\n```json\n" + text + "\n```")
-        if args.json:
-            with open(args.json, "w") as f:
-                f.write(text)
+        _emit(res, args.json)
         return
     if args.end_to_end:
         rows = bench_end_to_end(args.steps, args.slow_from, args.workdir, args.scenarios,

@@ -170,3 +170,21 @@ def regular_file_stat(path: str, max_bytes: int, label: str, kind: str, error: t
     if st.st_size > max_bytes:
         raise error(f"{label}: {st.st_size} bytes, more than the limit of {max_bytes >> 20} MiB for a {kind} file")
     return st
+
+
+def read_input_text(path: str, max_bytes: int, label: str, kind: str, error: type = ValueError) -> str:
+    """The UTF-8 text of an input file read with a bound of ``max_bytes`` (checked with
+    :func:`regular_file_stat` first): ``error`` naming ``label`` when it cannot be read, is larger, or is
+    not UTF-8 text."""
+    regular_file_stat(path, max_bytes, label, kind, error)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"{label}: {e.strerror or e}") from None
+    if len(data) > max_bytes:
+        raise error(f"{label}: more than the limit of {max_bytes >> 20} MiB for a {kind} file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{label}: not UTF-8 text (a {kind} file)") from None

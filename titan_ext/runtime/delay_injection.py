@@ -259,17 +259,9 @@ def load_delay_trace(path: str) -> DelaySchedule:
 
 
 def _parse_trace(path: str) -> DelaySchedule:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_TRACE_BYTES + 1)
-    except OSError as e:
-        raise DelaySpecError(f"delay trace {path!r}: {e.strerror or e}") from None
-    if len(data) > MAX_TRACE_BYTES:
-        raise DelaySpecError(f"delay trace {path!r}: more than the limit of {MAX_TRACE_BYTES >> 20} MiB")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise DelaySpecError(f"delay trace {path!r}: not UTF-8 text (a CSV file)") from None
+    from titan_ext.plan.args import read_input_text
+
+    text = read_input_text(path, MAX_TRACE_BYTES, f"delay trace {path!r}", "CSV", DelaySpecError)
     try:
         rows = [r for r in csv.reader(io.StringIO(text, newline="")) if r and any(c.strip() for c in r)]
     except csv.Error as e:

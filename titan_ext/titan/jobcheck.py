@@ -220,20 +220,11 @@ def check_config_file(path: str) -> dict:
     Returns the parsed document. Raises ValueError (``tomllib.TOMLDecodeError`` for a syntax error)."""
     import tomllib
 
-    from titan_ext.plan.args import regular_file_stat
+    from titan_ext.plan.args import read_input_text
 
-    regular_file_stat(path, MAX_CONFIG_BYTES, f"--job.config_file {path}", "TOML", JobConfigError)
+    text = read_input_text(path, MAX_CONFIG_BYTES, f"--job.config_file {path}", "TOML", JobConfigError)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise JobConfigError(f"--job.config_file {path}: {e.strerror or e}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise JobConfigError(f"--job.config_file {path}: more than the limit of {MAX_CONFIG_BYTES >> 20} MiB")
-    try:
-        doc = tomllib.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise JobConfigError(f"--job.config_file {path}: not UTF-8 text (a TOML file)") from None
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise tomllib.TOMLDecodeError(f"{path}: {e}") from None
     for key, value in doc.items():
