@@ -121,16 +121,15 @@ def _shm_short_body(rank, world):
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime.delegate import ring as R
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
 
     records = _Records()
     if rank == 1:
         R.shm_free_bytes = lambda path=R.SHM_DIR: 4096
-    sched, losses = _train(rank, world, lambda st: DelegatedPipeMorph(st, N_MB, loss_fn=Fn.mse_loss, adaptive=False,
-                                                                       delegation="always"), 4)
-    out = {"losses": losses, "pool": sched.pool is not None, "delegating": sched.last_metrics.get("delegating"),
+    sched, losses = _train(rank, world, lambda st: PipeMorph(st, N_MB, loss_fn=Fn.mse_loss, adaptive=False,
+                                                              delegation="always"), 4)
+    out = {"losses": losses, "pool": sched.delegation.pool is not None, "delegating": sched.last_metrics.get("delegating"),
            "log": [e for e in sched.decision_log if e.get("decision") == "delegation"], "warnings": records.lines}
-    sched.close_delegation()
+    sched.delegation.close()
     _, direct = _train(rank, world, lambda st: PipeMorph(st, N_MB, loss_fn=Fn.mse_loss, adaptive=False), 4)
     out["direct"] = direct
     return out
@@ -153,24 +152,22 @@ def _restart_body(rank, world):
     """4 ranks, delegation always; rank 1 SIGKILLs its recv-F delegate (link 0) during step 2. Every rank's
     metrics report the restart; ranks 0 and 1 log and warn it."""
     import torch
-    import torch.nn.functional as Fn
-
-    from titan_ext.runtime.delegated import DelegatedPipeMorph
-
     import torch.distributed as dist
+    import torch.nn.functional as Fn
     from torch.distributed.pipelining import PipelineStage
 
+    from titan_ext.runtime import PipeMorph
     from titan_ext.testing import mlp_stages, step_rank
 
     records, state = _Records(), {"killed": None}
     mod = mlp_stages(world, DIM)[rank]
-    sched = DelegatedPipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), N_MB, loss_fn=Fn.mse_loss,
-                               adaptive=False, delegation="always")
+    sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), N_MB, loss_fn=Fn.mse_loss,
+                      adaptive=False, delegation="always")
     opt = torch.optim.SGD(mod.parameters(), lr=0.05)
     t0, k, metrics = time.monotonic(), 0, []
     while time.monotonic() - t0 < 300:
         if k == 2 and rank == 1:
-            pid = [s for s in sched.pool.stats() if s["kind"] == "recv-F"][0]["pid"]
+            pid = [s for s in sched.delegation.pool.stats() if s["kind"] == "recv-F"][0]["pid"]
             os.kill(pid, signal.SIGKILL)
             state["killed"] = pid
         x, y = _batch(k)
@@ -186,7 +183,7 @@ def _restart_body(rank, world):
             break
         time.sleep(0.05)
     rows = [e for e in sched.decision_log if str(e.get("decision", "")).startswith("delegate_")]
-    sched.close_delegation()
+    sched.delegation.close()
     return {"metrics": metrics[-1], "rows": rows, "warnings": records.lines, "killed": state["killed"], "steps": k}
 
 
