@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from titan_ext.testing import chosen_backend, torchrun
+from titan_ext.testing.launch import rank_stderr_tails
 from titan_ext.testing.nccl_rules import ENV_VAR as TEST_BACKEND_VAR
 from titan_ext.titan import adapters
 
@@ -76,8 +77,8 @@ def falcon_job(dump: Path, steps: int, args: list[str], backend: str | None = No
     log = dump / "train.log"
     p = torchrun(4, [*falcon_job_args(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
                      "--training.global_batch_size", "12", "--training.seq_len", "32", *args],
-                 log=log, cwd=ROOT, env=env, timeout=600, local_ranks_filter=3)
-    assert p.returncode == 0, log.read_text()[-4000:]
+                 log=log, cwd=ROOT, env=env, timeout=600, local_ranks_filter=3, rank_logs=dump / "ranks")
+    assert p.returncode == 0, log.read_text()[-3000:] + "\n" + rank_stderr_tails(dump / "ranks")
 
 
 def falcon_log(dump: Path) -> list[dict]:
