@@ -41,7 +41,7 @@ def test_estimator_gives_the_stage_profile_of_the_measured_rank_links(placement)
     i = [2.0 + s for s in range(S)]
     w = [0.5 * s for s in range(S)]
     delays = [3.0, 45.0, 0.0]
-    ranks = [SimpleNamespace(stage_ms=[(f[s], i[s], w[s], math.nan) for s in layout.local_stages(r)])
+    ranks = [SimpleNamespace(gap_ms=math.nan, stage_ms=[(f[s], i[s], w[s], math.nan) for s in layout.local_stages(r)])
              for r in range(R)]
     est = VirtualEstimator(layout, N, window=3)
     for _ in range(2):
@@ -57,7 +57,7 @@ def test_estimator_gives_the_stage_profile_of_the_measured_rank_links(placement)
 
 def test_estimator_plans_a_full_backward_stage_with_its_measured_b():
     layout = _layout("loop")
-    ranks = [SimpleNamespace(stage_ms=[(1.0, math.nan, math.nan, 7.0)] * V) for _ in range(R)]
+    ranks = [SimpleNamespace(gap_ms=math.nan, stage_ms=[(1.0, math.nan, math.nan, 7.0)] * V) for _ in range(R)]
     est = VirtualEstimator(layout, N, window=3)
     est.push(ranks, [0.0] * (R - 1))
     prof = est.profile()

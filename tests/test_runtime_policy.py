@@ -3,6 +3,8 @@ closed forms — no process group needed."""
 
 from __future__ import annotations
 
+import math
+
 import random
 
 import pytest
@@ -129,6 +131,47 @@ def test_the_model_keeps_the_running_backward_variant_within_the_margin():
     assert faster_by_model(split, full, 0.02, "split") is split  # running split: full must win by it
     assert faster_by_model(NS(predicted_makespan_ms=97.0), full, 0.02, "full") is not full  # split won by 4 %
     assert faster_by_model(split, NS(predicted_makespan_ms=97.0), 0.02, "split").predicted_makespan_ms == 97.0
+
+
+def test_the_executors_per_action_cost_makes_the_split_plan_pay_for_its_extra_action():
+    """Without a delay and with the memory of GPipe, the split plan beats the full one by the model; with
+    a per-action cost c the comparison re-times both plans with every action c longer: the split plan (3
+    actions a microbatch) pays more than the full one (2 a microbatch), and at c = 2 ms the full plan wins."""
+    from titan_ext.plan import PipelineProfile
+    from titan_ext.plan.schedules import plan_by_name
+    from titan_ext.plan.simulate import replay_makespan_ns
+    from titan_ext.runtime.backward import faster_by_model
+
+    S, N = 4, 8
+    prof = PipelineProfile(S, N, (1.0,) * S, (1.0,) * S, (1.0,) * S, release="W")
+    split = plan_by_name(prof, "pipemorph", backward="split", mode="initial", memory_limit=N)
+    full = plan_by_name(prof.fused(), "pipemorph", backward="full", mode="initial", memory_limit=N)
+    assert split.predicted_makespan_ms < full.predicted_makespan_ms * 0.98
+    assert faster_by_model(split, full, 0.02) is split
+    assert faster_by_model(split, full, 0.02, action_ms=[0.0] * S) is split  # no measured cost: the model's
+    c = 2.0
+    assert faster_by_model(split, full, 0.02, action_ms=[c] * S) is full
+    # the full plan at this memory is GPipe's order: closed form (N + S − 1)(F + c) + (N + S − 1)(B + c)
+    assert full.predicted_makespan_ms == (N + S - 1) * 1.0 + (N + S - 1) * 2.0
+    assert replay_makespan_ns(full.ops, full.profile.with_action_cost([c] * S, full_backward=True)) / 1e6 == \
+        (N + S - 1) * (1.0 + c) + (N + S - 1) * (2.0 + c)
+    # the split plan's re-timing is the simulator on F + c, I + c, W + c: its last stage runs all of its
+    # 3N actions in a row, so it grows by at least 3N·c
+    slow = PipelineProfile(S, N, (1.0 + c,) * S, (1.0 + c,) * S, (1.0 + c,) * S, release="W")
+    split_c = replay_makespan_ns(split.ops, slow) / 1e6
+    assert split_c >= split.predicted_makespan_ms + 3 * N * c - 1e-6
+    assert replay_makespan_ns(split.ops, prof.with_action_cost([c] * S)) / 1e6 == split_c
+
+
+def test_gap_per_action_is_the_time_neither_computing_nor_waiting_for_an_input():
+    from titan_ext.runtime.profiler import ActionRecord, IterationProfile
+
+    # F 0–1 s, a 0.5 s input wait, I 2–3 s (1.5–2 idle apart from it), W 3.25–4 s: span 4 s, compute 2.75 s,
+    # waits 0.5 s → 0.75 s over 3 actions = 250 ms each
+    acts = [ActionRecord("F", 0, 0, 0.0, 1.0), ActionRecord("I", 0, 0, 2.0, 3.0, recv_wait_ms=500.0),
+            ActionRecord("W", 0, 0, 3.25, 4.0)]
+    assert abs(IterationProfile(acts).gap_ms() - 250.0) < 1e-9
+    assert math.isnan(IterationProfile([]).gap_ms())
 
 
 def test_a_capped_plan_that_holds_all_its_memory_allows_is_held_not_replanned():

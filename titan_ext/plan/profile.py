@@ -220,6 +220,17 @@ class PipelineProfile:
         (the profile a full-backward, 1F1B-style plan is planned and checked with)."""
         return replace(self, b_ms=tuple(b + w for b, w in zip(self.b_ms, self.w_ms)), w_ms=(0.0,) * self.num_stages)
 
+    def with_action_cost(self, per_stage_ms: Sequence[float], *, full_backward: bool = False) -> "PipelineProfile":
+        """A copy in which every compute action of stage s takes ``per_stage_ms[s]`` longer: the measured
+        per-action cost of the executor (``runtime.profiler.IterationProfile.gap_ms``), which makes a plan
+        with more actions (split I + W against one B) pay for them.  The simulator times a full B as
+        ``b_ms + w_ms``, so ``full_backward=True`` (a full-backward plan, e.g. on ``fused()``) adds the cost
+        to F and B only; otherwise to F, I and W, one each."""
+        extra = _stage_tuple("per_stage_ms", per_stage_ms, self.num_stages, positive=False)
+        return replace(self, f_ms=tuple(v + x for v, x in zip(self.f_ms, extra)),
+                       b_ms=tuple(v + x for v, x in zip(self.b_ms, extra)),
+                       w_ms=self.w_ms if full_backward else tuple(v + x for v, x in zip(self.w_ms, extra)))
+
     def with_links(self, links: Sequence[LinkProfile]) -> "PipelineProfile":
         if isinstance(links, (str, bytes)) or not isinstance(links, Sequence):
             raise ArgumentTypeError(f"links must be a sequence of LinkProfile, got {type(links).__name__}")

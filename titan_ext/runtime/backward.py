@@ -54,16 +54,28 @@ def mixed_backward(ops: dict[int, list[tuple[int, str, int]]]) -> dict[int, list
             for r, rank_ops in ops.items()}
 
 
-def faster_by_model(split: Any, full: Any, margin: float, running: str | None = None) -> Any:
+def faster_by_model(split: Any, full: Any, margin: float, running: str | None = None,
+                    action_ms: Sequence[float] | None = None) -> Any:
     """The plan to deploy of the two variants' plans (``PlanResult``): the ``running`` variant unless the
-    other's predicted makespan beats it by more than ``margin`` (relative; measured times jitter, and a
-    flip is a new plan); with none running (the mixed first plan) split must win by the margin, else
-    full — on a tie the full backward has half the backward actions (each costs the executor and, on a
-    GPU, kernel launches) and frees an activation at its B, which the model does not price."""
+    other's makespan beats it by more than ``margin`` (relative; measured times jitter, and a flip is a
+    new plan); with none running (the mixed first plan) split must win by the margin, else full.
+
+    ``action_ms`` (per stage): the measured per-action cost of the executor (``Estimator.gap_ms``), which
+    the planners' model leaves out; the two plans are then compared re-timed with every compute action
+    that much longer (``PipelineProfile.with_action_cost``), so the split plan pays for its extra action
+    per microbatch (I + W against one B: on a CPU the executor's Python, on a GPU launches the stream
+    waited for).  On a tie the full backward wins: it also frees an activation at its B."""
     plans = {"split": split, "full": full}
+    cost = {v: p.predicted_makespan_ms for v, p in plans.items()}
+    if action_ms is not None and any(action_ms) and all(p.profile is not None for p in plans.values()):
+        from titan_ext.plan.simulate import replay_makespan_ns
+        from titan_ext.plan.timing import to_ms
+
+        cost = {v: to_ms(replay_makespan_ns(p.ops, p.profile.with_action_cost(action_ms, full_backward=v == "full")))
+                for v, p in plans.items()}
     keep = running if running in plans else "full"
     other = "split" if keep == "full" else "full"
-    if plans[other].predicted_makespan_ms < plans[keep].predicted_makespan_ms * (1.0 - margin):
+    if cost[other] < cost[keep] * (1.0 - margin):
         return plans[other]
     return plans[keep]
 

@@ -22,10 +22,11 @@ __all__ = ["Estimator", "Window"]
 
 class Window:
     """Per-iteration estimates of the last ``size`` checks that measured them (medians over them = the
-    robust estimate).  Keys: F, I, W, B (per stage) and C (per link).  A row with no measurement at all
+    robust estimate).  Keys: F, I, W, B (per stage), C (per link) and G (per rank: the time per action
+    that was neither compute nor an input wait, ``IterationProfile.gap_ms``).  A row with no measurement at all
     (e.g. I and W while a full-backward plan runs) is not pushed, so the last measurements are kept."""
 
-    KEYS = ("F", "I", "W", "B", "C")
+    KEYS = ("F", "I", "W", "B", "C", "G")
 
     def __init__(self, size: int):
         self.size = size
@@ -56,8 +57,12 @@ class Estimator:
         """One check's gathered profiles (by rank) and per-link delay estimates."""
         for key, row in (("F", [r.f_ms for r in ranks]), ("I", [r.i_ms for r in ranks]),
                          ("W", [r.w_ms for r in ranks]), ("B", [r.b_ms for r in ranks]),
-                         ("C", list(link_delays_ms))):
+                         ("C", list(link_delays_ms)), ("G", [r.gap_ms for r in ranks])):
             self.window.push(key, row)
+
+    def gap_ms(self, num_ranks: int) -> list[float]:
+        """Per rank, the robust time per action outside compute and input waits (0 before any data)."""
+        return [0.0 if math.isnan(v) else v for v in self.window.median("G", num_ranks)]
 
     def profile(self, backward: str = "split") -> PipelineProfile:
         """The robust estimate as a plan-layer profile; ``initial_times_ms`` before any data.

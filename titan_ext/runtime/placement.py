@@ -103,6 +103,7 @@ class VirtualEstimator(Estimator):
         for key, row in zip("FIWB", rows):
             self.window.push(key, row)
         self.window.push("C", list(link_delays_ms)[: self.layout.num_ranks - 1])
+        self.window.push("G", [r.gap_ms for r in ranks])
 
     def rank_link_delays_ms(self) -> list[float]:
         return [v if not math.isnan(v) else 0.0 for v in self.window.median("C", self.layout.num_ranks - 1)]

@@ -78,6 +78,17 @@ class IterationProfile:
         vals = [1e3 * (a.end - a.start) for a in self.actions if a.kind == kind and stage in (None, a.stage)]
         return statistics.median(vals) if vals else math.nan
 
+    def gap_ms(self) -> float:
+        """Per compute action, the time between actions that was neither compute nor a wait for an input
+        (ms): (last end − first start − compute − input waits) / actions.  The executor's per-action cost
+        as the device saw it (on a GPU the stamps are the compute stream's, so host work the stream ran
+        ahead of costs nothing); the timing model's actions have none (``backward.faster_by_model``)."""
+        if not self.actions:
+            return math.nan
+        span = 1e3 * (max(a.end for a in self.actions) - min(a.start for a in self.actions))
+        idle = span - self.busy_ms() - sum(a.recv_wait_ms for a in self.actions)
+        return max(idle, 0.0) / len(self.actions)
+
     def stage_times_ms(self, stages: list[int]) -> list[tuple[float, float, float, float]]:
         """(F, I, W, B) medians per local stage (several stages per rank: ``runtime/placement.py``)."""
         return [tuple(self.compute_ms(k, s) for k in "FIWB") for s in stages]  # type: ignore[misc]
@@ -87,16 +98,16 @@ class IterationProfile:
 
 
 # --- the fixed-size vector each rank contributes to the one all_gather per check -----------------
-_HDR = 17  # iteration, plan hash (2 x 26 bits), F, I, W, B ms, busy ms, first start, first F, last end,
+_HDR = 18  # iteration, plan hash (2 x 26 bits), F, I, W, B ms, busy ms, first start, first F, last end,
 #             activation bytes, clock offset to prev, rtt to prev, send bytes, candidate-plan hash (52 bits),
-#             activation memory budget (bytes; NaN: none)
+#             activation memory budget (bytes; NaN: none), gap ms per action
 
 
 def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microbatches: int,
                    clock_offset_prev: float, rtt_prev: float, candidate_hash: int = 0,
                    memory_budget_bytes: float = math.nan,
                    stage_ms: list[tuple[float, float, float, float]] | None = None) -> torch.Tensor:
-    """Pack a rank's profile into a float64 vector of length 17 + 4·N (NaN-padded), plus 4 values
+    """Pack a rank's profile into a float64 vector of length 18 + 4·N (NaN-padded), plus 4 values
     (F, I, W, B) per local stage when ``stage_ms`` is given (several stages per rank; N is then the
     most messages one direction of a link carries per iteration, V·N)."""
     n = n_microbatches
@@ -110,7 +121,7 @@ def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microb
         p.compute_ms("F"), p.compute_ms("I"), p.compute_ms("W"), p.compute_ms("B"),
         p.busy_ms(), min(starts) if starts else math.nan, min(f_starts) if f_starts else math.nan,
         max(ends) if ends else math.nan, p.activation_bytes, clock_offset_prev, rtt_prev,
-        float(p.send_bytes_next), float(candidate_hash), float(memory_budget_bytes),
+        float(p.send_bytes_next), float(candidate_hash), float(memory_budget_bytes), p.gap_ms(),
     ]
     vec[:_HDR] = torch.tensor(hdr, dtype=torch.float64)
     for slot, stamps in enumerate((p.sends_next, p.sends_prev, p.arrivals_prev, p.arrivals_next)):
@@ -145,6 +156,7 @@ class RankProfile:
     arrivals_next: list[float]
     memory_budget_bytes: float = math.nan  # bytes this rank can spend on activations (NaN: no limit)
     stage_ms: list[list[float]] = field(default_factory=list)  # (F, I, W, B) per local stage
+    gap_ms: float = math.nan  # IterationProfile.gap_ms: per action, neither compute nor an input wait
 
 
 def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int, local_stages: int = 0) -> list[RankProfile]:
@@ -161,7 +173,7 @@ def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int, local_sta
             iteration=int(v[0]), plan_hash=int(v[1]) | (int(v[2]) << 26), f_ms=v[3], i_ms=v[4], w_ms=v[5],
             b_ms=v[6], busy_ms=v[7], first_start=v[8], first_f=v[9], last_end=v[10], activation_bytes=v[11],
             clock_offset_prev=v[12], rtt_prev=v[13], send_bytes_next=v[14], candidate_hash=int(v[15]),
-            memory_budget_bytes=v[16],
+            memory_budget_bytes=v[16], gap_ms=v[17],
             sends_next=stamps(0), sends_prev=stamps(1), arrivals_prev=stamps(2), arrivals_next=stamps(3),
             stage_ms=[v[_HDR + 4 * n + 4 * j: _HDR + 4 * n + 4 * j + 4] for j in range(local_stages)],
         ))
