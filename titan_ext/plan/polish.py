@@ -1,5 +1,6 @@
-"""Bounded CP-SAT polish of a CrossPipe plan (docs/optimality.md): the greedy + search
-plan (CrossPipe §4.2 with our portfolio and local search) improved within a per-call budget of
+"""Bounded CP-SAT polish of a plan (docs/optimality.md): a CrossPipe greedy + search plan (CrossPipe §4.2
+with our portfolio and local search; :func:`polish_crosspipe`) or any split-backward plan with one stage
+per rank — PipeMorph's Alg.1/2 plans included (:func:`polish_plan`) — improved within a per-call budget of
 ``budget_s`` seconds, in two stages.
 
 1. **CP-SAT stage**: CrossPipe §4.1's constraint model (:func:`titan_ext.plan.optimal.solve_optimal_problem`
@@ -22,26 +23,35 @@ polish at S = 8, N = 32 used 1.4–2.0 s there, at load average 20–40).  Only 
 busier machine (then the plan may differ; never worse, never invalid).  Problems with more than
 ``max_ops`` operations (3·N·S) are not polished: the model alone would eat the budget.
 
-Guarantee: a polished plan is returned only when our validator accepts it (per-stage in-flight limit
-included) and its makespan under the one simulator (``simulate.replay_makespan_ns``) is below the
-input's; otherwise the input plan comes back unchanged.  Sits above ``optimal`` and ``crosspipe``;
-``schedules`` (``plan_by_name(..., polish_s=)``) and the run-time planners (``polish_s``) call it.
+Guarantee (one rule, :func:`_accept`, for both entry points): a polished plan is returned only when our
+validator accepts it (per-stage in-flight limit included, under the profile's memory rule
+``profile.release``) and its makespan under the one simulator (``simulate.replay_makespan_ns``) is below
+the input's; otherwise the input plan comes back unchanged.  Sits above ``optimal``, ``crosspipe`` and
+``result``; ``schedules`` (``plan_by_name(..., polish_s=)``), the run-time planners (``polish_s``) and the
+runtime's anytime polish (``PipeMorphConfig.polish_s``: :func:`polish_plan` in a background thread of a
+running job, docs/runtime.md) call it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import time
 from typing import Mapping, Sequence
 
 from .crosspipe import CrossPipePlan, CrossPipeProblem, Op, peak_memory, problem_from_profile, to_actions
 from .ir import as_ops
+from .result import PlanResult, make_result
 from .simulate import replay_makespan_ns
 from .timing import to_ms
 from .validate import PlanValidationError, validate_plan
 
-__all__ = ["POLISH_MAX_OPS", "POLISH_TAIL", "polish_crosspipe", "polish_orders"]
+__all__ = ["NO_SOLVER", "POLISH_MAX_OPS", "POLISH_TAIL", "polish_crosspipe", "polish_orders", "polish_plan",
+           "solver_installed"]
+
+NO_SOLVER = "skipped: OR-Tools is not installed (pip install 'titan-ext[solver]')"
+"""the report's status when the CP-SAT stage cannot run."""
 
 POLISH_TAIL = (0.8, 0.6, 0.4)
 """neighbourhoods: the operations starting at or after f × makespan re-optimised, the rest fixed."""
@@ -63,6 +73,14 @@ POLISH_MAX_OPS = 1600
 2-core benchmark VM (measured at load 20–40: S = 8, N = 32 ≤ 2.0 s; S = 16, N = 32, 1536 operations, 1.6 s).  Below
 about 1 s of budget at S = 8, N = 32 the fixed costs (model, W deferral) make the CPU time exceed the
 budget (0.5 s: ≤ 0.82 s; 1 s: ≤ 1.22 s; docs/optimality.md, "Budget vs quality")."""
+
+
+def solver_installed() -> bool:
+    """Whether OR-Tools (CP-SAT) can be found, without importing it (the run-time polish asks once)."""
+    try:
+        return importlib.util.find_spec("ortools") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _check_budget(budget_s: float) -> None:
@@ -100,7 +118,7 @@ def polish_orders(
     try:
         best = _cpsat_stage(problem, orders, budget_s, seed, report)
     except ImportError:
-        report["status"] = "skipped: OR-Tools is not installed (pip install 'titan-ext[solver]')"
+        report["status"] = NO_SOLVER
         return None, report
     report["cpsat_s"] = time.perf_counter() - t0
     if report["cpsat_ms"] > report.get("bound_ms", -math.inf) + 1e-9:  # not proven optimal yet
@@ -171,27 +189,84 @@ def polish_crosspipe(profile, plan: CrossPipePlan, *, budget_s: float, max_ops: 
     orders, report = polish_orders(problem, plan.orders, budget_s=budget_s, max_ops=max_ops, seed=seed)
     out = plan
     if orders is not None:
-        out, why = _checked(profile, problem, plan, orders)
-        if why:
-            report["status"] = f"rejected: {why}"
-    out = dataclasses.replace(out, polish=report, plan_ms=plan.plan_ms + (time.perf_counter() - t0) * 1e3)
-    return out
+        accepted = _accept(profile, problem, plan.orders, orders, report)
+        if accepted is not None:
+            actions, new_ns = accepted
+            out = dataclasses.replace(plan, actions=actions, orders=orders, makespan_ms=to_ms(new_ns),
+                                      peak_memory=peak_memory(problem, orders), improved=True)
+    return dataclasses.replace(out, polish=report, plan_ms=plan.plan_ms + (time.perf_counter() - t0) * 1e3)
 
 
-def _checked(profile, problem: CrossPipeProblem, plan: CrossPipePlan, orders) -> tuple[CrossPipePlan, str]:
-    """(the polished plan, "") when the validator accepts it and the simulator times it below ``plan``;
-    else (``plan``, why)."""
-    actions = to_actions(orders)
-    per_stage = None
-    if problem.memory_limit is not None:
-        per_stage = [int(math.floor(x + 1e-9)) for x in problem.memory_limit]
+def polish_plan(profile, plan: PlanResult, *, budget_s: float, memory_limit=None,
+                max_ops: int = POLISH_MAX_OPS, seed: int = 0) -> PlanResult:
+    """Any split-backward plan with one stage per rank (PipeMorph's, CrossPipe's, torch's ZB orders)
+    polished within ``budget_s`` seconds: :func:`polish_orders` on CrossPipe's problem of ``profile``
+    (:func:`~titan_ext.plan.crosspipe.problem_from_profile`, variant "ud") under ``memory_limit`` —
+    per-stage in-flight activations, one number or one per stage; None: the plan's ``inflight_limit``
+    (None there too: the profile's memory budget, else unlimited).
+
+    Returns a new :class:`PlanResult` (``make_result``; ``source`` ends in "+polish") when the polished
+    plan passed :func:`~titan_ext.plan.validate_plan` under that limit and the profile's memory rule and
+    :func:`~titan_ext.plan.simulate.replay_makespan_ns` times it below ``plan``; else ``plan``'s fields
+    unchanged (the same actions).  Either way ``info["polish"]`` holds the report of
+    :func:`polish_orders` plus, when a polished plan was checked, ``sim_before_ms`` / ``sim_after_ms`` (the
+    simulator's makespans the rule compared).  Plans with full backwards (B) or several stages per rank
+    come back unchanged, status "skipped: …" (CrossPipe's model has F, I and W on one stage per rank); so
+    does a plan already over ``memory_limit`` (the search starts from it: status "kept")."""
+    _check_budget(budget_s)
+    t0 = time.perf_counter()
+    why = _unpolishable(plan)
+    if why:
+        return dataclasses.replace(plan, info={**plan.info, "polish": {"status": f"skipped: {why}",
+                                                                       "budget_s": float(budget_s)}})
+    limit = plan.inflight_limit if memory_limit is None else memory_limit
+    problem = problem_from_profile(profile, "ud", limit)
+    orders, report = polish_orders(problem, plan.ops, budget_s=budget_s, max_ops=max_ops, seed=seed)
+    accepted = None if orders is None else _accept(profile, problem, plan.ops, orders, report)
+    elapsed_ms = (time.perf_counter() - t0) * 1e3
+    if accepted is None:
+        return dataclasses.replace(plan, info={**plan.info, "polish": report})
+    actions, new_ns = accepted
+    return make_result(
+        orders, actions=actions, schedule=plan.schedule, source=f"{plan.source}+polish",
+        predicted_makespan_ms=to_ms(new_ns), plan_ms=plan.plan_ms + elapsed_ms, stage_to_rank=plan.stage_to_rank,
+        profile=profile, inflight_limit=_per_stage_limit(problem), notes=list(plan.notes),
+        candidates=dict(plan.candidates),
+        info={**plan.info, "polish": report})
+
+
+def _unpolishable(plan: PlanResult) -> str:
+    """Why ``plan`` is outside the polish's model ("" when it is not)."""
+    if plan.stages_per_rank != 1 or any(r != s for s, r in enumerate(plan.stage_to_rank)):
+        return f"{plan.stages_per_rank} stages per rank (the polish plans stage r on rank r)"
+    if any(kind == "B" for ops in plan.ops.values() for _, kind, _ in ops):
+        return "full backward (B) operations (the polish plans split backwards: I and W)"
+    return ""
+
+
+def _per_stage_limit(problem: CrossPipeProblem) -> list[int] | None:
+    """One stage per rank: the problem's per-rank memory limit as whole in-flight activations per stage."""
+    if problem.memory_limit is None:
+        return None
+    return [int(math.floor(x + 1e-9)) for x in problem.memory_limit]
+
+
+def _accept(profile, problem: CrossPipeProblem, before: Mapping[int, Sequence[Op]],
+            orders: Mapping[int, Sequence[Op]], report: dict) -> tuple[dict, int] | None:
+    """The one acceptance rule of a polished plan (both polish entry points): ``orders`` passes
+    :func:`validate_plan` under the problem's per-stage in-flight limit and ``profile``'s memory rule, and
+    the simulator times it below ``before``.  Returns (torch actions, its makespan in ns), else None with
+    ``report["status"]`` = "rejected: why".  Records the simulated makespans in ``report``."""
     try:
-        validate_plan(actions, problem.num_stages, problem.num_microbatches, inflight_limit=per_stage)
+        validate_plan({r: list(o) for r, o in orders.items()}, problem.num_stages, problem.num_microbatches,
+                      inflight_limit=_per_stage_limit(problem), release=profile.release)
     except PlanValidationError as e:
-        return plan, f"the validator refused it: {e}"
-    old = replay_makespan_ns(as_ops(plan.actions), profile)
-    new = replay_makespan_ns(as_ops(actions), profile)
+        report["status"] = f"rejected: the validator refused it: {e}"
+        return None
+    old = replay_makespan_ns(as_ops(before), profile)
+    new = replay_makespan_ns(as_ops(orders), profile)
+    report.update(sim_before_ms=to_ms(old), sim_after_ms=to_ms(new))
     if new >= old:
-        return plan, f"simulated {to_ms(new):.3f} ms, not below the input's {to_ms(old):.3f} ms"
-    return dataclasses.replace(plan, actions=actions, orders=orders, makespan_ms=to_ms(new),
-                               peak_memory=peak_memory(problem, orders), improved=True), ""
+        report["status"] = f"rejected: simulated {to_ms(new):.3f} ms, not below the input's {to_ms(old):.3f} ms"
+        return None
+    return to_actions(orders), new

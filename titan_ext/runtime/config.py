@@ -114,6 +114,11 @@ class PipeMorphConfig:
     backward_margin: float = 0.02
     """``auto``: relative margin a split plan must be predicted faster by; ``measure``: the measured margin
     the other variant must win by."""
+    polish_s: float | None = None
+    """Anytime planning: after a planner-made plan is deployed (the calibrated initial plan, each adaptive
+    re-plan) a background thread polishes it with CP-SAT and CrossPipe's search within this many seconds
+    (``titan_ext.plan.polish.polish_plan``; needs OR-Tools, else skipped once); the training thread never
+    waits for it and a faster, validated plan is deployed at a later check (one more plan version).  None: off."""
     decision_log_size: int = 10_000
     """Entries kept in ``decision_log`` and ``metrics_history``."""
     timeout_s: float | None = None
@@ -148,6 +153,7 @@ class PipeMorphConfig:
         real_arg(self.backward_margin, "backward_margin", minimum=0)
         if not self.backward_margin < 1:
             raise ValueError(f"backward_margin must be within [0, 1), got {self.backward_margin}")
+        real_arg(self.polish_s, "polish_s", positive=True, optional=True)
         int_arg(self.decision_log_size, "decision_log_size", 1)
         if self.timeout_s is not None:
             real_arg(self.timeout_s, "timeout_s", positive=True, maximum=1e7)

@@ -75,6 +75,8 @@ class Candidate:
     plan_cpu_ms: float = 0.0
     peak_inflight: int = 0  # most activations any stage holds (re-checked against the cap at the swap)
     inflight_limit: list[int] | None = None  # the limit the plan was generated and validated under
+    plan: Any = None  # the planner's PlanResult (planner-made plans only): what a background polish starts from
+    polish: dict | None = None  # a polished plan: the polish's report (``plan.polish.polish_plan``)
 
 
 def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages: int, n_microbatches: int,

@@ -27,7 +27,9 @@ Life cycle (PipeMorph §6, Fig.13): (1) the initial plan (Alg.1) from a memory b
 iteration is timed; at a check the ranks exchange their profiles in one control-plane ``all_gather``
 so every rank holds identical data; (3) the policy decides; (4) a new plan is planned, validated and
 lowered in the background while the next iteration runs, its hash agreed at the next check, and
-swapped at that boundary.  A plan that fails any step is never deployed.
+swapped at that boundary; (5) with ``polish_s``, the deployed planner-made plan is polished in another
+background thread (CP-SAT + CrossPipe's search) and the faster plan swapped at a later check once every
+rank is done — the anytime polish (``lifecycle.py``).  A plan that fails any step is never deployed.
 
 Another adaptive schedule is a :class:`~titan_ext.runtime.parts.ScheduleSpec` (its planner and policy)
 made a class by :func:`adaptive_schedule` (``runtime/crosspipe.py`` is the example).
@@ -49,6 +51,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
 from titan_ext.plan.args import ArgumentTypeError, int_arg, plan_arg
+from titan_ext.plan.polish import NO_SOLVER, polish_plan, solver_installed
 
 from . import _torch_compat, timeouts
 from ._torch_compat import check_runtime_kwargs, lowering_options, runtime_kwargs_given
@@ -192,6 +195,13 @@ class PipeMorph(_PipelineScheduleRuntime):
                                         delay_rel_margin=settings.rel_margin,
                                         delay_abs_margin_ms=settings.abs_margin_ms)
         self.lifecycle = PlanLifecycle(name, self.control, self._install, lambda: self.in_iteration, self._log)
+        #: the anytime polish's budget (None: off); without OR-Tools it is off, said once here
+        self.polish_s = config.polish_s
+        if self.polish_s is not None and not solver_installed():
+            self.polish_s = None
+            self._log(decision="polish", reason=f"polish_s={config.polish_s:g}: {NO_SOLVER}", status=NO_SOLVER)
+            if stages[0].group_rank == 0:
+                logger.warning("%s: polish_s=%g: %s", name, config.polish_s, NO_SOLVER)
         self.metrics_history: deque[dict] = deque(maxlen=config.decision_log_size)
         self.last_metrics: dict = {}
         self.last_profile: IterationProfile | None = None
@@ -326,6 +336,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.stage_index_to_group_rank = dict(cand.mapping)
         for stage in self._stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        if cand.polish is not None:  # the same regime in a faster order: the policy's clocks run on
+            return
         self._since_deploy = 0
         self._probe_running = cand.trigger == "probe"
         if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
@@ -354,9 +366,41 @@ class PipeMorph(_PipelineScheduleRuntime):
             plan_ms = 1e3 * (now() - t0)
             cand = self._preparer(plan.actions, plan.warmup_counts, kind, reason, plan.inflight_limit)()
             cand.plan_ms, cand.trigger = plan_ms, decision.action
+            if plan.schedule != "explicit":
+                cand.plan = plan  # planner-made: what the anytime polish starts from
             return cand
 
         self.lifecycle.start(decision, job, reason)
+
+    def _start_polish(self, res: Any, decision: Decision) -> None:
+        """The anytime polish (``polish_s``) of the plan just resolved, when it is the deployed one (swapped
+        or unchanged), planner-made (with the profile it was planned for: ``PlanResult.profile``, head-room
+        delays included), of the calibrated initial or an adaptive regime, not a backward probe, and no
+        re-plan starts now (that would make the polish stale).  Every input is agreed, so every rank
+        starts the same polish (deterministic: ``titan_ext.plan.polish``)."""
+        cand = res.candidate
+        if (self.polish_s is None or cand is None or decision.replans or cand.plan is None
+                or cand.plan.profile is None or cand.kind not in ("initial", "adaptive") or cand.trigger == "probe"
+                or self.deployed is None or self.deployed.hash != cand.hash):
+            return
+        plan, budget, version = cand.plan, self.polish_s, self.plan_version
+        what = f"polish of plan v{version} ({cand.kind}, {budget:g} s)"
+
+        def job() -> tuple[Candidate | None, dict]:
+            t0 = now()
+            out = polish_plan(plan.profile, plan, budget_s=budget, memory_limit=plan.inflight_limit)
+            report = dict(out.info.get("polish") or {})
+            if report.get("status") != "improved":
+                return None, report
+            reason = (f"{what}: simulated {report['sim_before_ms']:.3f} -> {report['sim_after_ms']:.3f} ms "
+                      f"(warm-up counts {out.warmup_counts})")
+            # the regime's counts stay the deployed plan's: the policy judges the regime it planned (Eq.1 on
+            # Alg.1/2's counts), and a faster order of the same regime must not look like a new one
+            polished = self._preparer(out.actions, list(cand.counts), cand.kind, reason, cand.inflight_limit)()
+            polished.trigger, polished.polish, polished.plan_ms = "polish", report, 1e3 * (now() - t0)
+            return polished, report
+
+        self.lifecycle.start_polish(job, what)
 
     def _over_memory_cap(self, cand: Candidate) -> str:
         return self.memory.over_cap(cand.kind, cand.peak_inflight, cand.actions, self._delegating())
@@ -480,7 +524,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         if res.produced and res.decision.action == "calibrate":
             self._calibrated = True
         m.deployed, m.swap_ms = res.deployed, res.swap_ms
-        if res.decision is not None:
+        if res.decision is not None or res.polished:
             m.plan_ms, m.plan_cpu_ms = res.plan_ms, res.plan_cpu_ms
         decision = self._decide()
         if not self._chooser.probing:  # the verdict kept the probed variant: no swap marks the end
@@ -489,6 +533,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             self._start_planning(decision)
         elif decision.action != "keep":
             self._log(decision=decision.action, reason=decision.reason)
+        self._start_polish(res, decision)
         m.decision, m.decision_reason = decision.action, decision.reason
         settled = decision.action in ("keep", "hold") and not self.planning.running \
             and not self._probe_running and (self._calibrated or not self.adaptive)

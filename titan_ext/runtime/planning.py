@@ -9,6 +9,9 @@ never reach the planner: :func:`explicit_plan` makes them, the same way for ever
 
 :class:`BackgroundPlanning` runs plan → validate → lower in a thread while the next iteration runs; the
 result is agreed on in the next profile exchange and swapped after it (PipeMorph §6, Fig.13 ⑤).
+:class:`BackgroundPolish` runs the anytime polish of a deployed plan (``polish_s``: CP-SAT + CrossPipe's
+search, ``titan_ext.plan.polish``) in a thread that the training thread never waits for: a rank offers the
+polished plan's hash only once its thread is done.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from .deploy import Candidate
 from .policy import Decision
 from .profiler import now
 
-__all__ = ["BackgroundPlanning", "CrossPipePlanner", "PipeMorphPlanner", "Planner", "PlanningContext",
-           "explicit_plan"]
+__all__ = ["BackgroundPlanning", "BackgroundPolish", "CrossPipePlanner", "PipeMorphPlanner", "Planner",
+           "PlanningContext", "explicit_plan"]
 
 
 @dataclass(frozen=True)
@@ -191,3 +194,77 @@ class BackgroundPlanning:
         self._job = None
         return (box.get("candidate"), decision, box.get("error", "planner produced nothing"),
                 box.get("total_ms", 0.0), box.get("cpu_ms", math.nan))
+
+
+class BackgroundPolish:
+    """At most one pending polish, in a daemon thread: ``job()`` returns (a validated, lowered
+    :class:`Candidate` or None, the polish's report).  Unlike :class:`BackgroundPlanning` nothing here
+    waits for the thread: :meth:`ready_hash` is 0 until it is done, :meth:`take` is for a finished job
+    only.  :meth:`discard` drops the pending job (its result would be stale); a thread still running
+    ends on its own, and the next job's thread starts its work only after it (no pile-up of solvers)."""
+
+    def __init__(self) -> None:
+        self._job: tuple[threading.Thread, dict, str] | None = None
+        self._last: threading.Thread | None = None  # the latest thread, pending or discarded
+
+    @property
+    def pending(self) -> bool:
+        return self._job is not None
+
+    @property
+    def finished(self) -> bool:
+        """A pending job whose thread is done (False: none, or still running)."""
+        return self._job is not None and not self._job[0].is_alive()
+
+    @property
+    def what(self) -> str:
+        return self._job[2] if self._job is not None else ""
+
+    def start(self, job: Callable[[], tuple[Candidate | None, dict]], what: str) -> None:
+        """Run ``job`` in the background (a pending job is discarded first)."""
+        self.discard()
+        box: dict[str, Any] = {}
+        previous = self._last
+
+        def run() -> None:
+            if previous is not None:
+                previous.join()  # a discarded polish still running: one solver at a time
+            t0, c0 = now(), time.thread_time()
+            try:
+                box["candidate"], box["report"] = job()
+            except Exception as exc:  # noqa: BLE001 - a failed polish never stops training
+                box["error"] = f"{what}: polish/validation failed: {exc}"
+            box["total_ms"] = 1e3 * (now() - t0)
+            box["cpu_ms"] = 1e3 * (time.thread_time() - c0)
+            if box.get("candidate") is not None:
+                box["candidate"].plan_cpu_ms = box["cpu_ms"]
+
+        thread = threading.Thread(target=run, name="titan_ext-polish", daemon=True)
+        self._job, self._last = (thread, box, what), thread
+        thread.start()
+
+    def ready_hash(self) -> int:
+        """Hash of the polished plan once the thread is done and made one; else 0.  Never waits."""
+        if not self.finished:
+            return 0
+        cand = self._job[1].get("candidate")  # type: ignore[index]
+        return cand.hash if cand is not None else 0
+
+    def take(self) -> tuple[Candidate | None, dict, str, float, float]:
+        """(candidate or None, report, error, wall ms, CPU ms) of the finished job; no job pending after."""
+        if not self.finished:
+            raise RuntimeError("BackgroundPolish.take: no finished polish")
+        _, box, _ = self._job  # type: ignore[misc]
+        self._job = None
+        return (box.get("candidate"), box.get("report") or {}, box.get("error", ""),
+                box.get("total_ms", 0.0), box.get("cpu_ms", math.nan))
+
+    def discard(self) -> bool:
+        """Drop the pending job (True if there was one)."""
+        had, self._job = self._job is not None, None
+        return had
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the latest thread (tests and shutdown only; the training thread never calls it)."""
+        if self._last is not None:
+            self._last.join(timeout)

@@ -69,6 +69,10 @@ def _empty_is_none(v: str) -> str | None:
     return v or None
 
 
+def _zero_is_none(v: float) -> float | None:
+    return float(v) if v > 0 else None
+
+
 class TitanExtConfigError(ValueError):
     """A ``[titan_ext]`` value is invalid; the message names the key."""
 
@@ -100,6 +104,13 @@ class TitanExt:
     "auto" (after each re-plan, run the other variant for ``profile_window`` iterations and keep the
     one with the lower measured iteration time; PipeMorph's default). Empty = the schedule's default
     (PipeMorph: auto; CrossPipe: split, its only variant)."""
+
+    polish_s: float = field(default=0.0, metadata=sets("polish_s", _zero_is_none))
+    """Anytime planning (PipeMorph / CrossPipe): after each plan the planner deploys (the calibrated
+    initial plan, every adaptive re-plan), a background thread polishes it with CP-SAT and CrossPipe's
+    search within this many seconds; training never waits for it, and a faster validated plan is
+    swapped in at a later check once every rank has it (one more plan version). Needs OR-Tools
+    (``pip install 'titan-ext[solver]'``; without it: logged once and off). 0 = off."""
 
     replan_interval: int = field(default=1, metadata=sets("profile_every"))
     """Iterations between two re-planning checks; the ranks exchange their profiles (one small
@@ -275,6 +286,8 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
     _check(cfg.slack_floor >= 1, "slack_floor", cfg.slack_floor, "must be >= 1")
     _check(cfg.backward in ("", "auto", "measure", "split", "full"), "backward", cfg.backward,
            "must be one of '', 'auto', 'measure', 'split', 'full'")
+    _check(math.isfinite(cfg.polish_s) and cfg.polish_s >= 0, "polish_s", cfg.polish_s,
+           "must be a finite number of seconds >= 0 (0 = off)")
     _check(cfg.replan_interval >= 1, "replan_interval", cfg.replan_interval, "must be >= 1")
     _check(cfg.profile_window >= 1, "profile_window", cfg.profile_window, "must be >= 1")
     _check(math.isfinite(cfg.tolerance_margin) and 0 <= cfg.tolerance_margin <= 10,
