@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as Fn
 
 from titan_ext.plan import PipelineProfile
+from titan_ext.plan.polish import NO_SOLVER
 from titan_ext.plan.schedules import plan_by_name
 from titan_ext.runtime import PipeMorphConfig
 from titan_ext.runtime.deploy import Candidate
@@ -133,7 +134,7 @@ DIM, BATCH, N_MB = 8, 8, 4
 #: S = 2, N = 4, F/I/W = 10 ms, link 0 +10 ms, x_max 3, the runtime's memory rule (an activation is held
 #: until its W): PipeMorph's Alg.1 plan times 150 ms, the polished one 140 ms — the generator is off here
 FIXED = PipelineProfile(2, N_MB, 10.0, 10.0, 10.0, release="W").with_delays({0: 10.0})
-SLOW_S = 0.75  # the polish is made this much slower (s): the training thread must not notice
+SLOW_S = 0.5  # the polish is made this much slower (s): the training thread must not notice
 
 
 class FixedProfilePlanner:
@@ -200,16 +201,23 @@ def _polish_worker(rank: int, world: int):
     pipemorph.polish_plan = slow_polish
     polished = _train(rank, world, 0.5, None)
     plain = _train(rank, world, None, polished[3])
-    return polished, plain
+    # without OR-Tools: one decision_log row at construction, then nothing (no thread, no deploy)
+    pipemorph.load_solver = lambda: False
+    no_solver = _train(rank, world, 0.5, 4)
+    return polished, plain, no_solver[1]
 
 
 @needs_ortools
 def test_two_ranks_deploy_the_same_polished_plan_without_waiting_and_train_the_same():
+    """...and a job without OR-Tools says so once and polishes nothing."""
     world = 2
     results = run_ranks(_polish_worker, world, timeout_s=100)
     hashes = set()
-    for rank, (polished, plain) in enumerate(results):
+    for rank, (polished, plain, no_solver_log) in enumerate(results):
         (losses, log, metrics, steps, started), (plain_losses, plain_log, _, plain_steps, _) = polished, plain
+        skipped = [e for e in no_solver_log if e["decision"] == "polish"]
+        assert len(skipped) == 1 and skipped[0]["status"] == NO_SOLVER
+        assert [e["kind"] for e in no_solver_log if e["decision"] == "deploy"] == ["initial"]
         deploys = [e for e in log if e["decision"] == "deploy"]
         polish = [e for e in deploys if e["kind"] == "polish"]
         assert len(polish) == 1, log
@@ -221,7 +229,8 @@ def test_two_ranks_deploy_the_same_polished_plan_without_waiting_and_train_the_s
         # boundaries waited anywhere near the polish's time
         assert started is not None and row["iteration"] >= started + 3
         during = [m for m in metrics if started < m["iteration"] <= row["iteration"]]
-        assert max(m["boundary_ms"] for m in during) < 0.5 * SLOW_S * 1e3
+        assert row["plan_ms"] >= SLOW_S * 1e3  # the polish's wall time (its thread)
+        assert max(m["boundary_ms"] for m in during) < 0.5 * row["plan_ms"]
         # the polish is one more plan version, nothing else changed (KeepPolicy): 1 → 2
         assert [e["plan_version"] for e in deploys] == [1, 2]
         assert not [e for e in plain_log if e["decision"] == "polish" or e.get("kind") == "polish"]

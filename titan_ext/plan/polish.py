@@ -35,7 +35,6 @@ running job, docs/runtime.md) call it.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import time
 from typing import Mapping, Sequence
@@ -47,8 +46,8 @@ from .simulate import replay_makespan_ns
 from .timing import to_ms
 from .validate import PlanValidationError, validate_plan
 
-__all__ = ["NO_SOLVER", "POLISH_MAX_OPS", "POLISH_TAIL", "polish_crosspipe", "polish_orders", "polish_plan",
-           "solver_installed"]
+__all__ = ["NO_SOLVER", "POLISH_MAX_OPS", "POLISH_TAIL", "load_solver", "polish_crosspipe", "polish_orders",
+           "polish_plan"]
 
 NO_SOLVER = "skipped: OR-Tools is not installed (pip install 'titan-ext[solver]')"
 """the report's status when the CP-SAT stage cannot run."""
@@ -75,12 +74,20 @@ about 1 s of budget at S = 8, N = 32 the fixed costs (model, W deferral) make th
 budget (0.5 s: ≤ 0.82 s; 1 s: ≤ 1.22 s; docs/optimality.md, "Budget vs quality")."""
 
 
-def solver_installed() -> bool:
-    """Whether OR-Tools (CP-SAT) can be found, without importing it (the run-time polish asks once)."""
+def load_solver() -> bool:
+    """Import what a polish runs (OR-Tools' CP-SAT module, the model builder, the compiled search) now;
+    False when OR-Tools does not import.  The run-time polish calls it once at construction: importing
+    CP-SAT takes ~0.5 s, much of it holding the GIL, which a polish thread would otherwise spend in the
+    middle of training."""
     try:
-        return importlib.util.find_spec("ortools") is not None
-    except (ImportError, ValueError):
+        from ortools.sat.python import cp_model  # noqa: F401
+    except ImportError:
         return False
+    from . import optimal  # noqa: F401
+    from .crosspipe import _compiled
+
+    _compiled.engine()
+    return True
 
 
 def _check_budget(budget_s: float) -> None:

@@ -51,7 +51,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
 from titan_ext.plan.args import ArgumentTypeError, int_arg, plan_arg
-from titan_ext.plan.polish import NO_SOLVER, polish_plan, solver_installed
+from titan_ext.plan.polish import NO_SOLVER, load_solver, polish_plan
 
 from . import _torch_compat, timeouts
 from ._torch_compat import check_runtime_kwargs, lowering_options, runtime_kwargs_given
@@ -195,9 +195,10 @@ class PipeMorph(_PipelineScheduleRuntime):
                                         delay_rel_margin=settings.rel_margin,
                                         delay_abs_margin_ms=settings.abs_margin_ms)
         self.lifecycle = PlanLifecycle(name, self.control, self._install, lambda: self.in_iteration, self._log)
-        #: the anytime polish's budget (None: off); without OR-Tools it is off, said once here
+        #: the anytime polish's budget (None: off); the solver is imported here, not in the middle of training;
+        #: without OR-Tools the polish is off, said once here
         self.polish_s = config.polish_s
-        if self.polish_s is not None and not solver_installed():
+        if self.polish_s is not None and not load_solver():
             self.polish_s = None
             self._log(decision="polish", reason=f"polish_s={config.polish_s:g}: {NO_SOLVER}", status=NO_SOLVER)
             if stages[0].group_rank == 0:
@@ -385,10 +386,16 @@ class PipeMorph(_PipelineScheduleRuntime):
             return
         plan, budget, version = cand.plan, self.polish_s, self.plan_version
         what = f"polish of plan v{version} ({cand.kind}, {budget:g} s)"
+        # the per-stage in-flight limit the plan was made under; a planner that records none (CrossPipe's
+        # greedy holds its own per-rank limit) gets the plan's own peaks: the polish reorders, it never
+        # trades memory for speed behind the user's back
+        given = plan.inflight_limit
+        limit = ([int(given)] * self._num_stages if isinstance(given, (int, float)) else list(given)
+                 if given is not None else [max(1, plan.peak_inflight.get(s, 0)) for s in range(self._num_stages)])
 
         def job() -> tuple[Candidate | None, dict]:
             t0 = now()
-            out = polish_plan(plan.profile, plan, budget_s=budget, memory_limit=plan.inflight_limit)
+            out = polish_plan(plan.profile, plan, budget_s=budget, memory_limit=limit)
             report = dict(out.info.get("polish") or {})
             if report.get("status") != "improved":
                 return None, report
@@ -396,7 +403,7 @@ class PipeMorph(_PipelineScheduleRuntime):
                       f"(warm-up counts {out.warmup_counts})")
             # the regime's counts stay the deployed plan's: the policy judges the regime it planned (Eq.1 on
             # Alg.1/2's counts), and a faster order of the same regime must not look like a new one
-            polished = self._preparer(out.actions, list(cand.counts), cand.kind, reason, cand.inflight_limit)()
+            polished = self._preparer(out.actions, list(cand.counts), cand.kind, reason, limit)()
             polished.trigger, polished.polish, polished.plan_ms = "polish", report, 1e3 * (now() - t0)
             return polished, report
 
