@@ -12,7 +12,9 @@ some with a slow link) and a few seeds each, this compares the simulated makespa
 with the CP-SAT optimum of CrossPipe §4.1 (``titan_ext.plan.optimal``) — or, when the solver hits its
 time limit, with its proven lower bound (then the reported gap is an upper bound on the true gap).
 Every plan is validated; all plans and the solver share one per-stage memory limit on in-flight
-activations (``--memory`` × S, default S, i.e. 1F1B's stage-0 budget on every stage).
+activations (``--memory`` × S, default S, i.e. 1F1B's stage-0 budget on every stage; ``--memory 0``: no
+limit for any generator nor for the solver, PipeMorph Fig.20's setting).  Solver results are cached per
+memory limit (:func:`cache_key`): capped and uncapped optima never mix.
 
 Also reported: generation time of each greedy plan (median and min of ``--repeat`` runs, and the
 process CPU time per run; validation excluded) and solver time.  Targets (issue 6): mean gap ≤ 0.5 %, max ≤ 1 %; greedy ≤ 10 ms per case; solver ≤
@@ -57,6 +59,46 @@ def make_profile(stages: int, micro: int, slow: dict, seed: int) -> PipelineProf
     return PipelineProfile(stages, micro, times(), times(), times(), tuple(links))
 
 
+def memory_arg(text: str) -> int:
+    """argparse type of ``--memory``: a whole number ≥ 0 (0: no memory limit)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (0: no memory limit), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no memory limit; K: K x S in-flight activations per "
+                                         f"stage), got {value}")
+    return value
+
+
+def memory_limit(memory: int, stages: int) -> int | None:
+    """Per-stage in-flight activation limit of ``--memory`` at S = ``stages``: MEMORY × S, None when 0."""
+    return None if memory == 0 else memory * stages
+
+
+def cache_key(case_id: str, memory: int) -> str:
+    """The solver cache's key of a case under ``--memory``: the bare id ("B1") for the default cap of S
+    (every cache written before the key held the limit was solved at that cap, so those files stay
+    readable), "B1@uncapped" for ``--memory 0``, "B1@memory2" for 2 × S.  Entries also record their
+    ``memory_limit`` (:func:`cached_entry` checks it)."""
+    if memory == 1:
+        return case_id
+    return f"{case_id}@uncapped" if memory == 0 else f"{case_id}@memory{memory}"
+
+
+def cached_entry(cache: dict | None, case_id: str, memory: int, limit: int | None) -> dict | None:
+    """The cached solver result of ``case_id`` under ``memory`` (None when absent).  An entry that records
+    a different ``memory_limit`` is an error, not a silent mix of capped and uncapped optima (entries
+    without the field predate it and were solved at the cap of S: only the bare keys hold them)."""
+    if cache is None:
+        return None
+    entry = cache.get(cache_key(case_id, memory))
+    if entry is not None and "memory_limit" in entry and entry["memory_limit"] != limit:
+        raise ValueError(f"solver cache entry {cache_key(case_id, memory)!r} was solved with memory_limit "
+                         f"{entry['memory_limit']}, not {limit}")
+    return entry
+
+
 def timed(fn, repeat: int):
     """(result, median ms, min ms) over ``repeat`` runs (the machine is shared: min is the cleanest)."""
     out, ts = None, []
@@ -69,7 +111,8 @@ def timed(fn, repeat: int):
 
 def run_case(name, stages, micro, slow, seed, args, cache=None) -> dict:
     prof = make_profile(stages, micro, slow, seed)
-    limit = args.memory * stages
+    limit = memory_limit(args.memory, stages)
+    per_stage = None if limit is None else [limit] * stages  # the validator's per-stage limit
     row: dict = {"config": name, "stages": stages, "microbatches": micro, "seed": seed, "memory_limit": limit,
                  "slow_links": {str(k): {"latency_ms": v[0], "transfer_ms": v[1]} for k, v in slow.items()},
                  "f_ms": list(prof.f_ms), "b_ms": list(prof.b_ms), "w_ms": list(prof.w_ms), "plans": {}}
@@ -94,13 +137,14 @@ def run_case(name, stages, micro, slow, seed, args, cache=None) -> dict:
         c0, runs = time.process_time(), 1 if pname.endswith(("-full", "-polish")) else args.repeat
         actions, gen_ms, gen_min_ms = timed(fn, runs)
         gen_cpu_ms = (time.process_time() - c0) * 1e3 / runs  # process CPU time: the least load-dependent
-        validate_plan(actions, stages, micro, inflight_limit=[limit] * stages)
+        validate_plan(actions, stages, micro, inflight_limit=per_stage)
         sim = simulate(actions, prof)
         row["plans"][pname] = {"makespan_ms": sim.makespan_ms, "gen_ms": gen_ms, "gen_min_ms": gen_min_ms,
                                "gen_cpu_ms": gen_cpu_ms,
                                "peak_inflight": max(sim.peak_inflight.values())}
-    case_id = f"{name}{seed}"
-    cached = cache.get(case_id) if cache is not None and not args.resolve else None
+    case_id, key = f"{name}{seed}", cache_key(f"{name}{seed}", args.memory)
+    cached = cached_entry(cache, case_id, args.memory, limit) if not args.resolve else None
+    from_cache = cached is not None
     if cached is None:
         from titan_ext.plan.optimal import solve_optimal_problem
 
@@ -108,17 +152,19 @@ def run_case(name, stages, micro, slow, seed, args, cache=None) -> dict:
         t0 = time.perf_counter()
         res = solve_optimal_problem(problem, time_limit_s=args.time_limit, workers=args.workers)
         wall = time.perf_counter() - t0
-        validate_plan(res.actions, stages, micro, inflight_limit=[limit] * stages)
-        cached = {"makespan_ms": res.makespan_ms, "bound_ms": res.bound_ms, "optimal": res.proven, "wall_s": wall}
+        validate_plan(res.actions, stages, micro, inflight_limit=per_stage)
+        cached = {"makespan_ms": res.makespan_ms, "bound_ms": res.bound_ms, "optimal": res.proven, "wall_s": wall,
+                  "memory_limit": limit}
         if cache is not None:
-            cache[case_id] = cached
+            cache[key] = cached
     best_ms, bound_ms, proven = cached["makespan_ms"], cached["bound_ms"], cached["optimal"]
     ref = best_ms if proven else bound_ms
     # best known makespan: the solver's best plan or any generator's plan, whichever is shorter
     best_known = min([best_ms] + [p["makespan_ms"] for p in row["plans"].values()])
     row["solver"] = {"status": "OPTIMAL" if proven else "FEASIBLE", "proven": proven, "best_ms": best_ms,
                      "bound_ms": bound_ms, "solve_s": cached["wall_s"], "best_known_ms": best_known,
-                     "reference": "optimum" if proven else "bound", "cached": case_id in (cache or {}) and not args.resolve}
+                     "reference": "optimum" if proven else "bound", "cached": from_cache,
+                     "cache_key": key}
     for p in row["plans"].values():
         p["gap"] = max(0.0, (p["makespan_ms"] - ref) / ref)  # float noise below 0
         p["gap_best_known"] = max(0.0, (p["makespan_ms"] - best_known) / best_known)
@@ -191,12 +237,14 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit per case (s)")
     ap.add_argument("--workers", type=int, default=2, help="CP-SAT search workers")
     ap.add_argument("--repeat", type=int, default=7, help="greedy timing repetitions (median and min)")
-    ap.add_argument("--memory", type=int, default=1, help="memory limit per stage = MEMORY × S in-flight activations")
+    ap.add_argument("--memory", type=memory_arg, default=1,
+                    help="memory limit per stage = MEMORY × S in-flight activations, for every generator and the "
+                         "solver (default 1: S; 0: no limit, PipeMorph Fig.20's setting)")
     ap.add_argument("--configs", default="ABCD", help="subset of configurations to run, e.g. AB")
     ap.add_argument("--json", type=Path, default=None, help="write all results as JSON here")
     ap.add_argument("--solver-cache", type=Path, default=None,
-                    help="JSON {case: {makespan_ms, bound_ms, optimal, wall_s}}: solver results are read from it "
-                         "(solved and added when absent)")
+                    help="JSON {case: {makespan_ms, bound_ms, optimal, wall_s, memory_limit}}: solver results are read "
+                         "from it (solved and added when absent); keyed per --memory (B1, B1@uncapped, B1@memory2)")
     ap.add_argument("--resolve", action="store_true", help="re-solve every case even if cached (and update the cache)")
     ap.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                     help=f"work budget of the default planners (default {DEFAULT_BUDGET}; see plan_crosspipe)")
@@ -227,6 +275,7 @@ def main(argv=None) -> int:
     cache = None
     if args.solver_cache is not None:
         cache = json.loads(args.solver_cache.read_text()) if args.solver_cache.exists() else {}
+    print("memory limit per stage: " + ("none (--memory 0)" if args.memory == 0 else f"{args.memory} x S"), flush=True)
     rows = []
     for name, stages, micro, slow in CONFIGS:
         if name not in args.configs:
