@@ -45,6 +45,7 @@ def _worker(rank, world):
     return out
 
 
+@pytest.mark.slow  # 25 s of 4 ranks: the default tier keeps the delegate data-plane tests under nccl_rules
 def test_delegation_always_and_auto_under_nccl_rules_train_like_direct_p2p():
     for rank, r in enumerate(run_ranks(_worker, 2, backend="nccl_rules")):
         assert r["always"]["equal"] and r["auto"]["equal"], (rank, r)

@@ -430,7 +430,7 @@ def _exit_worker(rank: int, port: int, late_s: float) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("late_s", [0.0, 3.0])
+@pytest.mark.parametrize("late_s", [0.0, pytest.param(3.0, marks=pytest.mark.slow)])
 def test_ranks_exit_cleanly_when_peers_destroy_their_groups_at_different_times(late_s):
     """A clean run exits 0 on every rank, also when a peer destroys its groups later than the 2 s a
     shutdown waits for it (a busy host): the TorchTitan trainer's ranks aborted at exit (SIGABRT from

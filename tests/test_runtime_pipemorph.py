@@ -250,7 +250,7 @@ def _agreement_worker(rank: int, world: int, n_mb: int, cls_name: str):
     return {"hashes": hashes, "log": list(sched.decision_log), "metrics": list(sched.metrics_history)}
 
 
-@pytest.mark.parametrize("variant", ["noisy", "dissent"])
+@pytest.mark.parametrize("variant", [pytest.param("noisy", marks=pytest.mark.slow), "dissent"])
 def test_ranks_agree_on_every_deployed_plan(variant):
     world, n_mb = 3, 16
     results = run_ranks(_agreement_worker, world, n_mb, variant)

@@ -84,6 +84,7 @@ def test_the_configs_own_field_is_a_documented_titan_ext_knob():
         section(warmup_rule="zb-h2")
 
 
+@pytest.mark.slow  # a 4-rank TorchTitan job (about 20 s)
 @pytest.mark.timeout(600)
 @tt02_only(TITAN_EXT_TRAIN + " and " + TOML_CONFIG)
 def test_fixed_warmup_trains_two_steps_under_torchtitan_with_delegation_auto(tmp_path):
