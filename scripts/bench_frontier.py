@@ -189,7 +189,8 @@ def _worker(rank: int, world: int, args) -> dict:
     rows, runs_out = [], []
     for delay in args.delays:
         injector.update(f"{args.link}:{delay:g}" if delay > 0 else "")
-        torch_runs = [_torch_run(name, rank, world, args) for name in ONE + TWO]
+        torch_runs = [_torch_run(name, rank, world, args) for name in ONE + TWO
+                      if getattr(args, "schedules", None) is None or name in args.schedules]
         # the torch schedules' memory first (their peak is the same every iteration: 2 suffice)
         for k in range(2):
             x, y = _inputs(k, args)

@@ -157,6 +157,16 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
     return out
 
 
+def _schedule_names(text: str) -> tuple[str, ...]:
+    from bench_frontier import ONE, TWO
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in ONE + TWO]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {unknown or text!r}; choose from {', '.join(ONE + TWO)}")
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=["sleep", "model", "both", "multistage", "frontier"], default="both",
@@ -166,6 +176,9 @@ def main() -> None:
     ap.add_argument("--compute", choices=["sleep", "model"], default="sleep", help="frontier: compute mode")
     ap.add_argument("--optimal-s", type=float, default=60.0, help="frontier: CP-SAT time limit per row")
     ap.add_argument("--plot", default=None, help="frontier: write the time-vs-memory plot (PNG) here")
+    ap.add_argument("--schedules", type=_schedule_names, default=None, metavar="A,B",
+                    help="frontier: only these torch schedules (default: GPipe, 1F1B, Interleaved1F1B, "
+                         "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)")
     ap.add_argument("--link", type=int, default=2, help="multistage: the delayed rank link")
     ap.add_argument("--memory-cap", choices=["none", "zbv"], default="none",
                     help="multistage: zbv caps PipeMorph per rank at ZBV's peak (issue 21)")

@@ -359,11 +359,13 @@ class PipeMorph(_PipelineScheduleRuntime):
         variants = VARIANTS if both else (self._variant(decision),)
         work = [(self.estimator.profile(v), dataclasses.replace(decision, backward=v)) for v in variants]
         margin, running = self.config.backward_margin, self.deployed.backward if self.deployed else None
+        gaps = self.estimator.gap_ms(self.pp_group_size)
+        action_ms = [gaps[self.layout.stage_to_rank[s]] for s in range(self._num_stages)]
 
         def job() -> Candidate:
             t0 = now()
             plans = [self._plan(estimate, d) for estimate, d in work]
-            plan = faster_by_model(*plans, margin, running) if both else plans[0]
+            plan = faster_by_model(*plans, margin, running, action_ms) if both else plans[0]
             plan_ms = 1e3 * (now() - t0)
             cand = self._preparer(plan.actions, plan.warmup_counts, kind, reason, plan.inflight_limit)()
             cand.plan_ms, cand.trigger = plan_ms, decision.action
