@@ -56,11 +56,11 @@ def test_an_explicit_memory_limit_replaces_the_plans_own():
 def test_plans_outside_the_polish_model_come_back_unchanged():
     full = plan_by_name(PROFILE, "pipemorph", mode="initial", memory_limit=7, backward="full")
     out = polish_plan(PROFILE, full, budget_s=0.5)
-    assert out.actions is full.actions and out.info["polish"]["status"].startswith("skipped: full backward")
+    assert out.ops is full.ops and out.info["polish"]["status"].startswith("skipped: full backward")
     assert "polish" not in full.info  # the input is not modified
     virtual = plan_by_name(PipelineProfile(2, 4, 10.0, 10.0, 10.0), "pipemorph", virtual_stages=2, placement="v")
     out = polish_plan(virtual.profile, virtual, budget_s=0.5)
-    assert out.actions is virtual.actions and out.info["polish"]["status"].startswith("skipped: 2 stages per rank")
+    assert out.ops is virtual.ops and out.info["polish"]["status"].startswith("skipped: 2 stages per rank")
     with pytest.raises(ValueError, match="polish budget"):
         polish_plan(PROFILE, full, budget_s=0)
 
@@ -76,7 +76,7 @@ def test_the_shared_acceptance_rule_refuses_what_the_validator_or_simulator_refu
     for fake, why in ((gpipe, "the validator refused it"), (plan.ops, "not below the input's")):
         monkeypatch.setattr(polish, "polish_orders", lambda *a, fake=fake, **k: (fake, {"status": "improved"}))
         out = polish_plan(PROFILE, plan, budget_s=0.5)
-        assert out.actions is plan.actions and out.info["polish"]["status"].startswith("rejected: ")
+        assert out.ops is plan.ops and out.info["polish"]["status"].startswith("rejected: ")
         assert why in out.info["polish"]["status"]
 
 

@@ -100,7 +100,7 @@ def plan_builtin(name: str, profile: PipelineProfile) -> PlanResult:
     ops = as_ops(actions)
     s2r = tuple(stage_to_rank[s] for s in range(len(stage_to_rank)))
     timeline = simulate(ops, profile, stage_to_rank=stage_to_rank)
-    result = make_result(ops, actions=actions, schedule=_canonical(name), predicted_makespan_ms=timeline.makespan_ms,
+    result = make_result(ops, ops_checked=True, schedule=_canonical(name), predicted_makespan_ms=timeline.makespan_ms,
                          plan_ms=0.0, stage_to_rank=s2r, profile=stage_profile(profile, s2r))
     result.plan_ms = (time.perf_counter() - t0) * 1e3
     return result

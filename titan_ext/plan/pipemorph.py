@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .args import bool_arg, counts_arg, int_arg, profile_arg, real_arg
-from .ir import Op, gc_paused, to_torch_plan, torch_schedules
+from .ir import Op, gc_paused, torch_schedules
 from .profile import PipelineProfile
 from .result import PlanResult, make_result, peak_inflight
 from .simulate import replay_makespan_ns
@@ -421,9 +421,8 @@ def plan_pipemorph(
                                  torch_dry_run=validate == "torch")
         else:
             peak = None  # make_result counts them
-        actions = to_torch_plan(order)
         result = make_result(
-            order, actions=actions, inflight=peak, schedule=schedule,
+            order, ops_checked=True, inflight=peak, schedule=schedule,
             source=schedule if len(cands) == 1 else f"{schedule}:{best.name}",
             warmup_counts=best.warmup_counts, predicted_makespan_ms=to_ms(makespan), plan_ms=0.0,
             stage_to_rank=range(profile.num_stages), profile=profile, inflight_limit=limit,

@@ -198,8 +198,8 @@ def polish_crosspipe(profile, plan: CrossPipePlan, *, budget_s: float, max_ops: 
     if orders is not None:
         accepted = _accept(profile, problem, plan.orders, orders, report)
         if accepted is not None:
-            actions, new_ns = accepted
-            out = dataclasses.replace(plan, actions=actions, orders=orders, makespan_ms=to_ms(new_ns),
+            new_ns = accepted
+            out = dataclasses.replace(plan, actions=to_actions(orders), orders=orders, makespan_ms=to_ms(new_ns),
                                       peak_memory=peak_memory(problem, orders), improved=True)
     return dataclasses.replace(out, polish=report, plan_ms=plan.plan_ms + (time.perf_counter() - t0) * 1e3)
 
@@ -233,10 +233,9 @@ def polish_plan(profile, plan: PlanResult, *, budget_s: float, memory_limit=None
     elapsed_ms = (time.perf_counter() - t0) * 1e3
     if accepted is None:
         return dataclasses.replace(plan, info={**plan.info, "polish": report})
-    actions, new_ns = accepted
     return make_result(
-        orders, actions=actions, schedule=plan.schedule, source=f"{plan.source}+polish",
-        predicted_makespan_ms=to_ms(new_ns), plan_ms=plan.plan_ms + elapsed_ms, stage_to_rank=plan.stage_to_rank,
+        as_ops(dict(sorted(orders.items()))), ops_checked=True, schedule=plan.schedule, source=f"{plan.source}+polish",
+        predicted_makespan_ms=to_ms(accepted), plan_ms=plan.plan_ms + elapsed_ms, stage_to_rank=plan.stage_to_rank,
         profile=profile, inflight_limit=_per_stage_limit(problem), notes=list(plan.notes),
         candidates=dict(plan.candidates),
         info={**plan.info, "polish": report})
@@ -259,10 +258,10 @@ def _per_stage_limit(problem: CrossPipeProblem) -> list[int] | None:
 
 
 def _accept(profile, problem: CrossPipeProblem, before: Mapping[int, Sequence[Op]],
-            orders: Mapping[int, Sequence[Op]], report: dict) -> tuple[dict, int] | None:
+            orders: Mapping[int, Sequence[Op]], report: dict) -> int | None:
     """The one acceptance rule of a polished plan (both polish entry points): ``orders`` passes
     :func:`validate_plan` under the problem's per-stage in-flight limit and ``profile``'s memory rule, and
-    the simulator times it below ``before``.  Returns (torch actions, its makespan in ns), else None with
+    the simulator times it below ``before``.  Returns its makespan in ns, else None with
     ``report["status"]`` = "rejected: why".  Records the simulated makespans in ``report``."""
     try:
         validate_plan({r: list(o) for r, o in orders.items()}, problem.num_stages, problem.num_microbatches,
@@ -276,4 +275,4 @@ def _accept(profile, problem: CrossPipeProblem, before: Mapping[int, Sequence[Op
     if new >= old:
         report["status"] = f"rejected: simulated {to_ms(new):.3f} ms, not below the input's {to_ms(old):.3f} ms"
         return None
-    return to_actions(orders), new
+    return new

@@ -1,10 +1,13 @@
 """The one result type every planner returns (PipeMorph, CrossPipe and its variants, virtual placements,
 the CP-SAT optimum, torch's built-ins).
 
-A ``PlanResult`` is a compute-only plan in torch's IR plus what the planner knows about it. Planners
-build it with :func:`make_result`, which derives every field that follows from the plan itself
-(warm-up counts, in-flight and memory peaks), so the fields mean the same whoever planned.
-Consumers (CLI, runtime, benchmarks) read only these names.
+A ``PlanResult`` is a compute-only plan in the plan IR (``ops``: ``(stage, kind, microbatch)`` tuples per
+rank, ``plan/ir.py``) plus what the planner knows about it. Planners build it with :func:`make_result`,
+which derives every field that follows from the plan itself (warm-up counts, in-flight and memory
+peaks), so the fields mean the same whoever planned. Consumers (CLI, runtime, benchmarks) read only
+these names. ``ops`` is the one stored copy of the plan: ``actions`` (torch's ``_Action`` lists, for the
+CLI and the exporters) is derived from it on first read, and the runtime converts ``ops`` itself, in
+its one lowering pass (``runtime/deploy.py``).
 
 Memory units: one *activation* is what one microbatch's forward leaves behind on one stage of the
 rank-level pipeline (the unit of ``--memory-limit`` and of Alg.1's x_max). A plan with V stages per
@@ -15,8 +18,10 @@ rank (virtual stages, CrossWave's half chunks) holds 1/V of that per stage activ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
+from . import ir
 from .profile import released_by
 from .ir import Op, as_ops, stage_to_rank_map
 from .placement import read_placement, stages_per_rank
@@ -28,10 +33,9 @@ from .warmup import slackness
 class PlanResult:
     """A compute-only plan and how it was made."""
 
-    actions: dict[int, list[Any]]
-    """rank → list of torch ``_Action`` (F, I, W or full B; torch's lowering adds SEND/RECV)."""
     ops: dict[int, list[Op]] = field(repr=False)
-    """the same plan as ``(stage, kind, microbatch)`` tuples."""
+    """the plan: rank → ``(stage, kind, microbatch)`` tuples (F, I, W or full B; compute only) — the one IR
+    from the planner to the runtime."""
     schedule: str
     """the name the plan was asked for (``plan_by_name``'s name, e.g. ``"pipemorph"``, ``"1F1B"``)."""
     source: str
@@ -63,6 +67,13 @@ class PlanResult:
     once it was certain to be slower than the best so far)."""
     info: dict[str, Any] = field(default_factory=dict)
     """planner-specific JSON-able facts (CrossPipe's greedy knobs, the solver's status and bound)."""
+
+    @cached_property
+    def actions(self) -> dict[int, list[Any]]:
+        """rank → list of torch ``_Action`` (F, I, W or full B; torch's lowering adds SEND/RECV): ``ops``
+        converted on first read (``plan.ir.to_torch_plan``), for the CLI and the exporters. Not a second
+        copy of the plan: the runtime never reads it (it converts ``ops`` in its lowering pass)."""
+        return ir.to_torch_plan(self.ops)
 
     @property
     def slackness(self) -> list[int]:
@@ -106,29 +117,25 @@ def make_result(
     stage_to_rank: Sequence[int] | None = None,
     source: str | None = None,
     warmup_counts: Sequence[int] | None = None,
-    actions: Mapping[int, list[Any]] | None = None,
+    ops_checked: bool = False,
     inflight: Mapping[int, int] | None = None,
     **fields: Any,
 ) -> PlanResult:
-    """A :class:`PlanResult` for ``plan`` (torch actions or op tuples), deriving what follows from the
-    plan: ops, torch actions (when not given), warm-up counts (when not planned), in-flight and memory
-    peaks. ``stage_to_rank`` defaults to the plan's own placement; ``fields``: the optional fields.
-    A planner that passes ``actions`` passes its own op tuples as ``plan`` (taken as they are: no
-    second pass over a large plan), and ``inflight`` the per-stage peaks when it has them
-    (``validate_plan`` returns them)."""
-    ops = {int(r): o for r, o in plan.items()} if actions is not None and not _is_torch(plan) else as_ops(plan)
+    """A :class:`PlanResult` for ``plan`` (op tuples, or torch actions: read into op tuples with
+    ``as_ops``), deriving what follows from the plan: warm-up counts (when not planned), in-flight and
+    memory peaks. ``stage_to_rank`` defaults to the plan's own placement; ``fields``: the optional fields.
+    ``ops_checked=True``: ``plan`` is the planner's own op tuples (rank → list), taken as they are (no
+    second pass over a large plan); ``inflight``: the per-stage peaks when the planner has them
+    (``validate_plan`` returns them). Torch actions are not stored: ``PlanResult.actions`` derives them."""
+    ops = {int(r): o for r, o in plan.items()} if ops_checked else as_ops(plan)
     if stage_to_rank is None:
         stage_to_rank = _read_stage_to_rank(ops)
     s2r = tuple(int(r) for r in stage_to_rank)
-    if actions is None:
-        from .ir import to_torch_plan
-
-        actions = plan if _is_torch(plan) else to_torch_plan(ops)
     release = fields["profile"].release if fields.get("profile") is not None else "I"
     inflight = peak_inflight(ops, release) if inflight is None else dict(inflight)
     V = stages_per_rank(s2r)
     return PlanResult(
-        actions=dict(actions), ops=ops, schedule=schedule, source=source or schedule,
+        ops=ops, schedule=schedule, source=source or schedule,
         warmup_counts=list(warmup_counts) if warmup_counts is not None else warmup_counts_of(ops),
         predicted_makespan_ms=predicted_makespan_ms, peak_inflight=inflight,
         peak_memory_per_stage={s: inflight.get(s, 0) / V for s in range(len(s2r))},
@@ -147,11 +154,6 @@ def _rank_peaks(ops: Mapping[int, Sequence[Op]], inflight: Mapping[int, int], s2
     if stages_per_rank(s2r) > 1:
         return peak_memory_per_rank(ops, s2r, release)
     return {r: float(inflight.get(s, 0)) for s, r in sorted(enumerate(s2r), key=lambda sr: sr[1])}
-
-
-def _is_torch(plan: Mapping[int, Sequence[Any]]) -> bool:
-    first = next((a for acts in plan.values() for a in acts), None)
-    return first is not None and type(first) is not tuple
 
 
 def peak_inflight(ops: Mapping[int, Sequence[Op]], release: str = "I") -> dict[int, int]:

@@ -72,7 +72,7 @@ def plan_auto(
         cp = plan_crosspipe(profile, "ud", memory_limit=caps, validate=False)
         if polish_s is not None:
             cp = polish_crosspipe(profile, cp, budget_s=polish_s)
-        ops = as_ops(cp.actions)
+        ops = as_ops(dict(sorted(cp.orders.items())))
         makespan = replay_makespan_ns(ops, profile)
         candidates = {**pm.candidates, "crosspipe-ud": to_ms(makespan)}
         if cp.polish is not None:
@@ -88,7 +88,7 @@ def plan_auto(
             pm.notes.append(f"CrossPipe's plan was faster but failed validation: {e}")
             return pm
         result = make_result(
-            ops, actions=cp.actions, schedule="auto", source="crosspipe-ud", predicted_makespan_ms=to_ms(makespan),
+            ops, ops_checked=True, schedule="auto", source="crosspipe-ud", predicted_makespan_ms=to_ms(makespan),
             plan_ms=0.0, stage_to_rank=range(S), profile=profile, inflight_limit=caps, candidates=candidates,
             notes=[n for n in pm.notes if not n.startswith("Alg.2 has no room")], info=dict(pm.info),
         )
@@ -231,7 +231,7 @@ def _plan_crosspipe(profile: PipelineProfile, name: str, memory_limit: int | Non
             "caps": plan.caps, "local_search_improved": plan.improved, "crosspipe_peak_memory": plan.peak_memory}
     if plan.polish is not None:
         info["polish"] = plan.polish
-    return make_result(plan.orders, actions=plan.actions, schedule=name, source=f"{name}:{plan.caps}",
+    return make_result(as_ops(dict(sorted(plan.orders.items()))), ops_checked=True, schedule=name, source=f"{name}:{plan.caps}",
                        predicted_makespan_ms=plan.makespan_ms, plan_ms=plan.plan_ms,
                        stage_to_rank=plan.stage_to_rank, profile=sim_profile, info=info,
                        candidates={_member_name(c): None if math.isinf(c.makespan_ms) else c.makespan_ms
@@ -244,11 +244,11 @@ def _member_name(c) -> str:
 
 def _plan_optimal(profile: PipelineProfile, memory_limit: int | None, time_limit_s: float) -> PlanResult:
     res = solve_optimal(profile, memory_limit=memory_limit, time_limit_s=time_limit_s)
-    if res.actions is None:
+    if res.orders is None:
         raise ValueError(f"the solver found no schedule within {time_limit_s} s (status {res.status})")
     info = {"solver_status": res.status, "proven_optimal": res.proven, "solver_makespan_ms": res.makespan_ms,
             "bound_ms": res.bound_ms, "time_unit_ms": res.time_unit_ms}
-    return make_result(res.orders, actions=res.actions, schedule="optimal", predicted_makespan_ms=res.makespan_ms,
+    return make_result(as_ops(dict(sorted(res.orders.items()))), ops_checked=True, schedule="optimal", predicted_makespan_ms=res.makespan_ms,
                        plan_ms=res.solve_s * 1e3, profile=profile, info=info)
 
 
