@@ -41,6 +41,20 @@ def tt02_only(api: str):
                             f"(0.3's path: tests/test_titan_tt03.py)")
 
 
+def titan_toml(tmp_path: Path, body: str) -> str:
+    """A TOML job config in ``tmp_path`` with our config module and ``body`` (its path)."""
+    p = tmp_path / "c.toml"
+    p.write_text('[job]\ncustom_config_module = "titan_ext.titan.config"\n' + body)
+    return str(p)
+
+
+def parse_titan_args(args: list[str]):
+    """TorchTitan's own ``ConfigManager().parse_args`` of ``args``."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(args)
+
+
 def debug_cpu(*extra: str):
     """The bundled CPU debug job's config (llama3 debug model, PP = 4, one stage per rank, PipeMorph)
     with ``--section.key value`` overrides ``extra``, parsed by the installed TorchTitan's ConfigManager."""

@@ -7,24 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from _titan_version import (ADAPTER, TITAN_EXT_TRAIN, TOML_CONFIG, debug_cpu,
+from _titan_version import (ADAPTER, TITAN_EXT_TRAIN, TOML_CONFIG, debug_cpu, parse_titan_args, titan_toml,
                             tt02_only)
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 CONFIGS = sorted((ROOT / "train_configs").glob("*.toml"))
-
-
-def _toml(tmp_path, body: str) -> str:
-    p = tmp_path / "c.toml"
-    p.write_text('[job]\ncustom_config_module = "titan_ext.titan.config"\n' + body)
-    return str(p)
-
-
-def _parse(args):
-    from torchtitan.config import ConfigManager
-
-    return ConfigManager().parse_args(args)
 
 
 def test_import_titan_ext_is_light():
@@ -38,7 +26,7 @@ def test_import_titan_ext_is_light():
 
 @tt02_only(TOML_CONFIG)
 def test_section_defaults_and_values_from_toml(tmp_path):
-    cfg = _parse(["--job.config_file", _toml(tmp_path, '[titan_ext]\nreplan_interval = 7\n'
+    cfg = parse_titan_args(["--job.config_file", titan_toml(tmp_path, '[titan_ext]\nreplan_interval = 7\n'
                                                        'delegation = "auto"\ninject_delays = "2:30"\n')])
     assert cfg.titan_ext.replan_interval == 7
     assert cfg.titan_ext.delegation == "auto"
@@ -48,7 +36,7 @@ def test_section_defaults_and_values_from_toml(tmp_path):
 
 @tt02_only(TOML_CONFIG)
 def test_cli_overrides_toml(tmp_path):
-    cfg = _parse(["--job.config_file", _toml(tmp_path, "[titan_ext]\nreplan_interval = 7\n"),
+    cfg = parse_titan_args(["--job.config_file", titan_toml(tmp_path, "[titan_ext]\nreplan_interval = 7\n"),
                   "--titan_ext.replan_interval", "4"])
     assert cfg.titan_ext.replan_interval == 4
 
@@ -70,7 +58,7 @@ def test_bad_value_error_names_the_key(tmp_path, key, value, needle):
     from titan_ext.titan.config import TitanExtConfigError
 
     with pytest.raises(TitanExtConfigError) as e:
-        _parse(["--job.config_file", _toml(tmp_path, f"[titan_ext]\n{key} = {value}\n")])
+        parse_titan_args(["--job.config_file", titan_toml(tmp_path, f"[titan_ext]\n{key} = {value}\n")])
     assert f"[titan_ext] {key} = " in str(e.value)
     assert needle in str(e.value)
 
@@ -82,7 +70,7 @@ def test_bad_trace_content_names_key_and_line(tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("time_s,link2\n0,10\n5,abc\n")
     with pytest.raises(TitanExtConfigError, match=r"\[titan_ext\] inject_trace = .*line 3"):
-        _parse(["--job.config_file", _toml(tmp_path, f'[titan_ext]\ninject_trace = "{trace}"\n')])
+        parse_titan_args(["--job.config_file", titan_toml(tmp_path, f'[titan_ext]\ninject_trace = "{trace}"\n')])
 
 
 def test_injected_link_must_exist_for_the_pp_degree():
@@ -196,7 +184,7 @@ def test_schedule_kwargs_follow_constructor_signature():
 @tt02_only(TOML_CONFIG)
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_parse_with_torchtitan_config_manager(path):
-    cfg = _parse(["--job.config_file", str(path)])
+    cfg = parse_titan_args(["--job.config_file", str(path)])
     par = cfg.parallelism
     assert par.pipeline_parallel_degree >= 2  # 4 ranks at least: PP=4, or DP 2 x PP 2
     assert par.pipeline_parallel_degree * par.data_parallel_replicate_degree >= 4

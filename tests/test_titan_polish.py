@@ -4,19 +4,7 @@ the section is parsed (no process group)."""
 
 import pytest
 
-from _titan_version import TOML_CONFIG, tt02_only
-
-
-def _toml(tmp_path, body: str) -> str:
-    p = tmp_path / "c.toml"
-    p.write_text('[job]\ncustom_config_module = "titan_ext.titan.config"\n' + body)
-    return str(p)
-
-
-def _parse(args):
-    from torchtitan.config import ConfigManager
-
-    return ConfigManager().parse_args(args)
+from _titan_version import TOML_CONFIG, parse_titan_args, titan_toml, tt02_only
 
 
 def test_polish_s_reaches_the_adaptive_schedules_config():
@@ -42,8 +30,8 @@ def test_a_bad_polish_s_names_the_key(bad):
 def test_polish_s_from_toml_and_cli(tmp_path):
     from titan_ext.titan.config import TitanExtConfigError
 
-    path = _toml(tmp_path, "[titan_ext]\npolish_s = 2.0\n")
-    assert _parse(["--job.config_file", path]).titan_ext.polish_s == 2.0
-    assert _parse(["--job.config_file", path, "--titan_ext.polish_s", "0.5"]).titan_ext.polish_s == 0.5
+    path = titan_toml(tmp_path, "[titan_ext]\npolish_s = 2.0\n")
+    assert parse_titan_args(["--job.config_file", path]).titan_ext.polish_s == 2.0
+    assert parse_titan_args(["--job.config_file", path, "--titan_ext.polish_s", "0.5"]).titan_ext.polish_s == 0.5
     with pytest.raises(TitanExtConfigError, match=r"polish_s = -1.0: must be a finite number of seconds >= 0"):
-        _parse(["--job.config_file", _toml(tmp_path, "[titan_ext]\npolish_s = -1.0\n")])
+        parse_titan_args(["--job.config_file", titan_toml(tmp_path, "[titan_ext]\npolish_s = -1.0\n")])
