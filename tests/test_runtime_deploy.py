@@ -37,3 +37,48 @@ def test_prepare_candidate_refuses_bad_plans(damage, match):
         del plan[3]
     with pytest.raises(PlanValidationError, match=match):
         prepare_candidate(plan, None, "external", "bad", num_stages=S, n_microbatches=N, num_ranks=S)
+
+
+def test_planresult_holds_one_ir_and_derives_torch_actions():
+    """A PlanResult stores its plan once (``ops``); ``actions`` is derived from it on first read."""
+    import dataclasses
+
+    from titan_ext.plan import PipelineProfile, PlanResult, to_torch_plan
+    from titan_ext.plan.schedules import plan_by_name
+
+    assert "actions" not in {f.name for f in dataclasses.fields(PlanResult)}
+    plan = plan_by_name(PipelineProfile.uniform(S, N, 10, 10, 10, delays_ms={1: 25}), "pipemorph")
+    assert "actions" not in vars(plan)  # the planner made no torch copy
+    assert plan.actions is plan.actions and [str(a) for a in plan.actions[2]] == \
+        [str(a) for a in to_torch_plan(plan.ops)[2]]
+
+
+def test_the_runtime_converts_the_plan_ir_to_torch_actions_in_one_pass(monkeypatch):
+    """prepare_candidate lowers a PlanResult's ``ops``: one call of the conversion pass (which is
+    ``plan.ir.to_torch_plan``), none of the planner's torch copy, and the candidate's actions are that
+    pass's output."""
+    import titan_ext.plan.ir as ir
+    import titan_ext.runtime.deploy as deploy
+    from titan_ext.plan import PipelineProfile, to_torch_plan
+    from titan_ext.plan.schedules import plan_by_name
+
+    plans = [plan_by_name(PipelineProfile.uniform(S, N, 10, 10, 10, delays_ms={1: 25}), name)
+             for name in ("pipemorph", "crosspipe-ud", "1F1B")]
+    calls = {"pass": 0, "ir": 0}
+
+    def counted(key, fn):
+        def wrapper(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(ir, "to_torch_plan", counted("ir", ir.to_torch_plan))
+    monkeypatch.setattr(deploy, "to_torch_actions", counted("pass", deploy.to_torch_actions))
+    for k, plan in enumerate(plans, 1):
+        cand = prepare_candidate(plan.ops, plan.warmup_counts, "external", "t", num_stages=S, n_microbatches=N,
+                                 num_ranks=S, inflight_limit=plan.inflight_limit)
+        assert calls == {"pass": k, "ir": k}, calls
+        assert "actions" not in vars(plan)
+        assert {r: [str(a) for a in acts] for r, acts in cand.actions.items()} == \
+            {r: [str(a) for a in acts] for r, acts in to_torch_plan(plan.ops).items()}
+        assert cand.hash == plan_hash(plan.ops) and cand.counts == plan.warmup_counts

@@ -13,6 +13,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan import PipelineProfile
 from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
+from titan_ext.runtime.deploy import plan_hash
 from titan_ext.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
@@ -204,6 +205,86 @@ def test_invalid_plan_is_rejected_and_previous_plan_keeps_training():
         assert res["versions"][:5] == [1] * 5
         assert res["mid_iteration"] is None and res["version_during"] == res["version_before"] == 1
         assert res["version_after"] == 2
+        assert res["params_close"]
+    last = results[-1]
+    for got, want in zip(last["losses"], last["ref_losses"]):
+        assert got == pytest.approx(want, rel=1e-9, abs=0)
+
+
+def _planresult_worker(rank: int, world: int, n_mb: int, steps: int):
+    """deploy(PlanResult): plans of plan_by_name deployed now and queued mid-iteration, counting every
+    conversion of the plan IR to torch's actions (the runtime's one pass, ``deploy.to_torch_actions``)."""
+    import titan_ext.plan.ir as ir
+    import titan_ext.runtime.deploy as deploy
+    from titan_ext.plan.schedules import plan_by_name
+
+    ref_losses, ref_params = gpipe_reference(rank, world, n_mb, steps, lambda s, k: _step(s, rank, world, k), DIM)
+    profile = PipelineProfile.uniform(world, n_mb, 10, 10, 10, delays_ms={0: 30})
+    plans = {"crosspipe": plan_by_name(profile, "crosspipe-ud"), "1F1B": plan_by_name(profile, "1F1B")}
+    calls = {"pass": 0, "ir": 0}
+
+    def counted(key, fn):
+        def wrapper(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    ir.to_torch_plan = counted("ir", ir.to_torch_plan)
+    deploy.to_torch_actions = counted("pass", deploy.to_torch_actions)
+    out: dict = {"type_errors": []}
+    mods = mlp_stages(world, DIM)
+    sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
+                      adaptive=False)
+    out["initial_calls"] = dict(calls)
+    for bad in (42, "x", [plans["1F1B"].ops[0]]):
+        try:
+            sched.deploy(bad)
+        except TypeError as e:
+            out["type_errors"].append(str(e))
+    opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
+    out.update(losses=[], versions=[])
+    for k in range(steps):
+        if k == 1:
+            out["deployed"] = sched.deploy(plans["crosspipe"], reason="crosspipe-ud")
+            out["hash_after_deploy"] = sched.deployed.hash
+        if k == 2:  # pushed *during* the iteration: queued until its end
+            def hook(action, ctx, _sched=sched):
+                out["mid_iteration"] = _sched.deploy(plans["1F1B"], reason="queued 1F1B")
+                out["version_during"] = _sched.plan_version
+                _sched.register_custom_function(_ComputationType.REDUCE_GRAD, _reduce)
+                _reduce(action, ctx)
+            sched.register_custom_function(_ComputationType.REDUCE_GRAD, hook)
+        out["versions"].append(sched.plan_version)
+        opt.zero_grad()
+        out["losses"].append(_step(sched, rank, world, k))
+        opt.step()
+    out["final_version"], out["final_hash"] = sched.plan_version, sched.deployed.hash
+    out["calls"] = dict(calls)
+    out["planner_torch_copies"] = ["actions" in vars(p) for p in plans.values()]
+    out["hashes"] = {name: plan_hash(p.ops) for name, p in plans.items()}
+    out["log"] = list(sched.decision_log)
+    out["ref_losses"] = ref_losses
+    out["params_close"] = all(torch.allclose(p, q, rtol=1e-9, atol=1e-12)
+                              for p, q in zip(mods[rank].parameters(), ref_params))
+    return out
+
+
+def test_deploy_takes_a_plan_result():
+    """``deploy()`` takes a PlanResult (plan_by_name's): deployed now, or queued during an iteration and
+    deployed at its end; training equals torch's GPipe; each plan reaches torch's IR exactly once, in the
+    runtime's lowering pass (the planner's torch copy is never made); anything else is a TypeError."""
+    world, n_mb, steps = 2, 4, 5
+    results = run_ranks(_planresult_worker, world, n_mb, steps)
+    for res in results:
+        assert len(res["type_errors"]) == 3 and all("plan" in e for e in res["type_errors"]), res["type_errors"]
+        assert "PlanResult" in res["type_errors"][0]
+        assert res["deployed"] is True and res["hash_after_deploy"] == res["hashes"]["crosspipe"]
+        assert res["mid_iteration"] is None and res["version_during"] == 2
+        assert res["versions"] == [1, 2, 2, 3, 3] and res["final_hash"] == res["hashes"]["1F1B"]
+        assert not [e for e in res["log"] if e["decision"] == "reject"]
+        # one conversion per prepared plan (initial, deployed, queued), all of them the runtime's pass
+        assert res["initial_calls"] == {"pass": 1, "ir": 1} and res["calls"] == {"pass": 3, "ir": 3}
+        assert res["planner_torch_copies"] == [False, False]
         assert res["params_close"]
     last = results[-1]
     for got, want in zip(last["losses"], last["ref_losses"]):

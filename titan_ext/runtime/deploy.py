@@ -1,34 +1,44 @@
 """Deployment of a compute-only plan: candidate → validate → lower (torch's passes) → agree → swap.
 
-A plan is never trusted because a planner made it (PipeMorph §6, step ⑤): :func:`prepare_candidate`
-validates it (``titan_ext.plan.validate_plan``: completeness, per-rank order, in-flight memory limit,
-progress; plus every rank runs only the stages it holds) and lowers it with the passes torch's
-``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs, in the same order
-(``_validate_schedule`` → ``_add_unshard_reshard`` (FSDP only) → ``_add_reduce_grad`` →
-``_add_send_recv``; on torch >= 2.15 also ``_add_wait_send`` → ``_validate_send_waits``, and
-``_add_reduce_grad`` there pairs each REDUCE_GRAD with a WAIT_REDUCE_GRAD), then dry-runs the very lowered lists with torch's simulator.  All of it is pure (no
-process group, no schedule state), so it runs in the background planning thread and in unit tests.
-Agreement (one hash exchange on the control plane) and the O(1) swap are the schedule's.
+The runtime is handed the plan IR (``PlanResult.ops``: ``(stage, kind, microbatch)`` tuples per rank,
+``titan_ext.plan.ir``) and lowers it the way torch's ``_PipelineScheduleRuntime`` does, as small pure
+passes run in order by :func:`prepare_candidate`:
+
+1. :func:`check_plan` — a plan is never trusted because a planner made it (PipeMorph §6, step ⑤):
+   ``titan_ext.plan.validate_plan`` (completeness, per-rank order, in-flight memory limit, progress), and
+   every rank runs only the stages it holds;
+2. :func:`to_torch_actions` — the plan IR → torch's ``_Action`` lists: the runtime's one conversion (torch
+   actions never come from the planner);
+3. :func:`lower` — the passes ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` runs, in the same
+   order (``_validate_schedule`` → ``_add_unshard_reshard`` (FSDP only) → ``_add_reduce_grad`` →
+   ``_add_send_recv``; on torch >= 2.15 also ``_add_wait_send`` → ``_validate_send_waits``, and
+   ``_add_reduce_grad`` there pairs each REDUCE_GRAD with a WAIT_REDUCE_GRAD);
+4. ``torch_dry_run_lowered`` — torch's simulator on the very lowered lists the executor will run.
+
+All of it is pure (no process group, no schedule state), so it runs in the background planning thread
+and in unit tests. Agreement (one hash exchange on the control plane) and the O(1) swap are the schedule's.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import _Action
 
-from titan_ext.plan import PlanValidationError, to_torch_plan, validate_plan
-from titan_ext.plan.ir import add_send_waits, as_ops
+from titan_ext.plan import PlanValidationError, validate_plan
+from titan_ext.plan import ir as _ir
+from titan_ext.plan.ir import Op, add_send_waits, as_ops
 from titan_ext.plan.result import peak_inflight, warmup_counts_of  # the one definitions (per stage)
 from titan_ext.plan.validate import torch_dry_run_lowered
 
 from .memory import RELEASE
 from .profiler import now
 
-__all__ = ["Candidate", "DeployedPlan", "backward_of", "plan_hash", "prepare_candidate", "warmup_counts_of"]
+__all__ = ["Candidate", "DeployedPlan", "backward_of", "check_plan", "lower", "plan_hash", "prepare_candidate",
+           "to_torch_actions", "warmup_counts_of"]
 
 
 def plan_hash(actions: Mapping[int, list[Any]]) -> int:
@@ -109,18 +119,11 @@ def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages
     return lowered, mapping
 
 
-def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None, kind: str, reason: str, *,
-                      num_stages: int, n_microbatches: int, num_ranks: int, fsdp: bool = False,
-                      inflight_limit: list[int] | int | None = None,
-                      stage_to_rank: tuple[int, ...] | None = None,
-                      lowering: Mapping[str, Any] | None = None) -> Candidate:
-    """Validate and lower a compute-only plan (pure): every rank runs only its own stages —
-    ``stage_to_rank`` (several stages per rank, ``runtime/placement.py``), else stage r on rank r.
-
-    Raises ``PlanValidationError`` (or what torch's lowering raises) when the plan is unsafe."""
-    t0 = now()
-    ops = as_ops(actions)
-    # our checks here; torch's dry run below, on the very lowered action lists the executor will run
+def check_plan(ops: Mapping[int, Sequence[Op]], *, num_stages: int, n_microbatches: int, num_ranks: int,
+               inflight_limit: list[int] | int | None = None, stage_to_rank: Sequence[int] | None = None) -> None:
+    """Pass 1: our validator on the plan IR (``validate_plan``; torch's dry run comes after the lowering, on
+    the lowered lists), the plan covers every rank, and every rank runs only its own stages —
+    ``stage_to_rank`` (several stages per rank, ``runtime/placement.py``), else stage r on rank r."""
     validate_plan(ops, num_stages, n_microbatches, inflight_limit=inflight_limit, torch_dry_run=False,
                   release=RELEASE)
     if set(ops) != set(range(num_ranks)):
@@ -130,7 +133,31 @@ def prepare_candidate(actions: Mapping[int, list[Any]], counts: list[int] | None
         if any(owner[st] != r for st, _, _ in rank_ops):
             raise PlanValidationError(f"rank {r} runs a stage it does not hold (its stages: "
                                       f"{[s for s, o in enumerate(owner) if o == r]})")
-    torch_actions = to_torch_plan(ops)
+
+
+def to_torch_actions(ops: Mapping[int, Sequence[Op]]) -> dict[int, list[_Action]]:
+    """Pass 2: the plan IR → torch's compute-only ``_Action`` lists (``titan_ext.plan.ir.to_torch_plan``).
+    The runtime's one conversion: every plan it deploys (initial, re-plans, polish, explicit, external)
+    reaches torch's IR here."""
+    return _ir.to_torch_plan(ops)
+
+
+def prepare_candidate(ops: Mapping[int, Sequence[Any]], counts: list[int] | None, kind: str, reason: str, *,
+                      num_stages: int, n_microbatches: int, num_ranks: int, fsdp: bool = False,
+                      inflight_limit: list[int] | int | None = None,
+                      stage_to_rank: tuple[int, ...] | None = None,
+                      lowering: Mapping[str, Any] | None = None) -> Candidate:
+    """Validate and lower a compute-only plan (pure): the passes of the module docstring, in order.
+
+    ``ops``: the plan IR, rank → ``(stage, kind, microbatch)`` tuples (``PlanResult.ops``); rank → torch
+    actions is read into it first (``as_ops``: tests, torch's built-in plans). ``counts``: the plan's warm-up
+    counts (None: read off the plan). Raises ``PlanValidationError`` (or what torch's lowering raises)
+    when the plan is unsafe."""
+    t0 = now()
+    ops = as_ops(ops)  # op tuples are taken as they are (one pass that only checks them)
+    check_plan(ops, num_stages=num_stages, n_microbatches=n_microbatches, num_ranks=num_ranks,
+               inflight_limit=inflight_limit, stage_to_rank=stage_to_rank)
+    torch_actions = to_torch_actions(ops)
     lowered, mapping = lower(torch_actions, num_ranks, num_stages, n_microbatches, fsdp, lowering)
     torch_dry_run_lowered(lowered, mapping, num_stages)
     counts = list(counts) if counts else warmup_counts_of(ops)

@@ -77,7 +77,7 @@ class PlanLifecycle:
         self.version = 0
         self.planning = BackgroundPlanning()
         self.polish = BackgroundPolish()
-        self._pending: list[tuple[dict, str]] = []
+        self._pending: list[tuple[Any, str]] = []  # (PlanResult or a raw mapping, reason)
 
     # -- swap and reject: the only two ends of every path --
     def swap(self, cand: Candidate) -> None:
@@ -132,11 +132,12 @@ class PlanLifecycle:
         self.swap(cand)
         return True
 
-    def queue(self, plan: dict, reason: str) -> None:
-        """An external plan handed over during an iteration: deployed at the next boundary."""
+    def queue(self, plan: Any, reason: str) -> None:
+        """An external plan (``schedule.deploy()``'s ``PlanResult``) handed over during an iteration: deployed
+        at the next boundary."""
         self._pending.append((plan, reason))
 
-    def apply_pending(self, prepare: Callable[[dict, str], Callable[[], Candidate]]) -> None:
+    def apply_pending(self, prepare: Callable[[Any, str], Callable[[], Candidate]]) -> None:
         pending, self._pending = self._pending, []
         for plan, reason in pending:
             self.deploy_now(prepare(plan, reason), "external", reason)

@@ -50,6 +50,7 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
+from titan_ext.plan.result import make_result
 from titan_ext.plan.args import ArgumentTypeError, int_arg, plan_arg
 from titan_ext.plan.polish import NO_SOLVER, load_solver, polish_plan
 
@@ -231,8 +232,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.initial_counts = initial_warmup_counts(self._num_stages, self.memory.x_max)
         decision = Decision("initial", f"Alg.1 with x_max={self.memory.x_max}", mode="initial")
         plan = self._plan(self.estimator.profile(), decision)
-        actions = mixed_backward(plan.ops) if self._model_backward and self.adaptive else plan.actions
-        if not self.lifecycle.deploy_now(self._preparer(actions, plan.warmup_counts, "initial",
+        ops = mixed_backward(plan.ops) if self._model_backward and self.adaptive else plan.ops
+        if not self.lifecycle.deploy_now(self._preparer(ops, plan.warmup_counts, "initial",
                                                         "initial plan (Alg.1)", plan.inflight_limit),
                                          "initial", "initial plan (Alg.1)", check_agreement=False):
             raise RuntimeError(f"{type(self).__name__}: the initial plan failed validation: "
@@ -303,29 +304,54 @@ class PipeMorph(_PipelineScheduleRuntime):
     # ------------------------------------------------------------------------------------------
     # deployment (iteration boundary only): the lifecycle's ends on this schedule
     # ------------------------------------------------------------------------------------------
-    def deploy(self, actions: Mapping[int, list[Any]], reason: str = "external") -> bool | None:
-        """Validate and deploy a compute-only plan (collective: call it on every rank with the same plan).
+    def deploy(self, plan: PlanResult, reason: str = "external") -> bool | None:
+        """Validate and deploy a compute-only plan, a :class:`~titan_ext.plan.PlanResult` (any planner's, e.g.
+        ``plan_by_name(profile, "crosspipe-ud")``; collective: call it on every rank with the same plan).
 
-        Outside an iteration the plan is deployed now (returns whether it was accepted); during an
-        iteration it is queued and deployed at the next boundary (returns None).
+        The plan goes through the one lowering of every runtime plan (``deploy.prepare_candidate``: its
+        ``ops`` validated, converted to torch's actions, lowered with torch's passes), with its warm-up
+        counts and in-flight limit. Outside an iteration the plan is deployed now (returns whether it was
+        accepted); during an iteration it is queued and deployed at the next boundary (returns None).
+
+        A raw mapping rank → list of torch ``_Action`` or ``(stage, kind, microbatch)`` tuples is still
+        accepted, kept for compatibility with earlier releases: it is made a ``PlanResult`` with
+        ``make_result`` (warm-up counts read off the plan, no in-flight limit) when it is deployed, so a
+        malformed one is rejected and logged like any invalid plan.
         """
-        plan_arg(actions, "actions")
+        if isinstance(plan, PlanResult):
+            pending: PlanResult | dict = plan
+        elif isinstance(plan, Mapping):
+            plan_arg(plan, "plan")
+            pending = {r: list(a) for r, a in plan.items()}  # the caller's lists as they are now
+        else:
+            raise ArgumentTypeError(f"plan must be a PlanResult (or, kept for compatibility, a mapping rank → "
+                                    f"list of actions), got {type(plan).__name__}")
         if not isinstance(reason, str):
             raise ArgumentTypeError(f"reason must be text, got {type(reason).__name__}")
-        plan = {r: list(a) for r, a in actions.items()}
         if self.in_iteration:
-            self.lifecycle.queue(plan, reason)
+            self.lifecycle.queue(pending, reason)
             return None
-        return self.lifecycle.deploy_now(self._preparer(plan, None, "external", reason), "external", reason)
+        return self.lifecycle.deploy_now(self._external(pending, reason), "external", reason)
 
-    def _preparer(self, actions: Mapping[int, list[Any]], counts: list[int] | None, kind: str, reason: str,
+    def _external(self, plan: PlanResult | dict, reason: str) -> Callable[[], Candidate]:
+        """The deferred candidate of an external plan: a raw mapping becomes a ``PlanResult`` (``make_result``)
+        inside it, so its errors are rejections too."""
+        def prepare() -> Candidate:
+            result = plan if isinstance(plan, PlanResult) else make_result(
+                plan, schedule="external", predicted_makespan_ms=math.nan, plan_ms=0.0)
+            return self._preparer(result.ops, result.warmup_counts, "external", reason, result.inflight_limit)()
+
+        return prepare
+
+    def _preparer(self, ops: Mapping[int, list[Any]], counts: list[int] | None, kind: str, reason: str,
                   inflight_limit: list[int] | None = None) -> Callable[[], Candidate]:
-        """validate + lower ``actions`` for this schedule's stages (``deploy.prepare_candidate``), deferred."""
+        """validate + convert + lower the plan IR ``ops`` (a ``PlanResult``'s) for this schedule's stages
+        (``deploy.prepare_candidate``), deferred: every runtime path ends here."""
         from torch.distributed.fsdp import FSDPModule
 
         fsdp = any(isinstance(st.submod, FSDPModule) for st in self._stages)
         lowering = lowering_options(self)
-        return lambda: prepare_candidate(actions, counts, kind, reason, num_stages=self._num_stages,
+        return lambda: prepare_candidate(ops, counts, kind, reason, num_stages=self._num_stages,
                                          n_microbatches=self._n_microbatches, num_ranks=self.pp_group_size,
                                          fsdp=fsdp, inflight_limit=inflight_limit,
                                          stage_to_rank=self.layout.stage_to_rank, lowering=lowering)
@@ -345,7 +371,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             self._chooser.new_regime()
 
     def _apply_pending(self) -> None:
-        self.lifecycle.apply_pending(lambda plan, reason: self._preparer(plan, None, "external", reason))
+        self.lifecycle.apply_pending(self._external)
 
     def _start_planning(self, decision: Decision) -> None:
         """Plan → validate → lower in the background (agreed and swapped at the next check)."""
@@ -367,7 +393,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             plans = [self._plan(estimate, d) for estimate, d in work]
             plan = faster_by_model(*plans, margin, running, action_ms) if both else plans[0]
             plan_ms = 1e3 * (now() - t0)
-            cand = self._preparer(plan.actions, plan.warmup_counts, kind, reason, plan.inflight_limit)()
+            cand = self._preparer(plan.ops, plan.warmup_counts, kind, reason, plan.inflight_limit)()
             cand.plan_ms, cand.trigger = plan_ms, decision.action
             if plan.schedule != "explicit":
                 cand.plan = plan  # planner-made: what the anytime polish starts from
@@ -405,7 +431,7 @@ class PipeMorph(_PipelineScheduleRuntime):
                       f"(warm-up counts {out.warmup_counts})")
             # the regime's counts stay the deployed plan's: the policy judges the regime it planned (Eq.1 on
             # Alg.1/2's counts), and a faster order of the same regime must not look like a new one
-            polished = self._preparer(out.actions, list(cand.counts), cand.kind, reason, limit)()
+            polished = self._preparer(out.ops, list(cand.counts), cand.kind, reason, limit)()
             polished.trigger, polished.polish, polished.plan_ms = "polish", report, 1e3 * (now() - t0)
             return polished, report
 
