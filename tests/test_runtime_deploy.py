@@ -3,6 +3,8 @@ test_runtime_parts.py)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -64,20 +66,13 @@ def test_the_runtime_converts_the_plan_ir_to_torch_actions_in_one_pass(monkeypat
 
     plans = [plan_by_name(PipelineProfile.uniform(S, N, 10, 10, 10, delays_ms={1: 25}), name)
              for name in ("pipemorph", "crosspipe-ud", "1F1B")]
-    calls = {"pass": 0, "ir": 0}
-
-    def counted(key, fn):
-        def wrapper(*a, **k):
-            calls[key] += 1
-            return fn(*a, **k)
-        return wrapper
-
-    monkeypatch.setattr(ir, "to_torch_plan", counted("ir", ir.to_torch_plan))
-    monkeypatch.setattr(deploy, "to_torch_actions", counted("pass", deploy.to_torch_actions))
+    spies = {"pass": mock.Mock(wraps=deploy.to_torch_actions), "ir": mock.Mock(wraps=ir.to_torch_plan)}
+    monkeypatch.setattr(ir, "to_torch_plan", spies["ir"])
+    monkeypatch.setattr(deploy, "to_torch_actions", spies["pass"])
     for k, plan in enumerate(plans, 1):
         cand = prepare_candidate(plan.ops, plan.warmup_counts, "external", "t", num_stages=S, n_microbatches=N,
                                  num_ranks=S, inflight_limit=plan.inflight_limit)
-        assert calls == {"pass": k, "ir": k}, calls
+        assert (spies["pass"].call_count, spies["ir"].call_count) == (k, k)
         assert "actions" not in vars(plan)
         assert {r: [str(a) for a in acts] for r, acts in cand.actions.items()} == \
             {r: [str(a) for a in acts] for r, acts in to_torch_plan(plan.ops).items()}

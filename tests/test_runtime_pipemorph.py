@@ -4,6 +4,8 @@ iteration boundaries, and rank agreement on plans when local measurements differ
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as Fn
@@ -221,21 +223,16 @@ def _planresult_worker(rank: int, world: int, n_mb: int, steps: int):
     ref_losses, ref_params = gpipe_reference(rank, world, n_mb, steps, lambda s, k: _step(s, rank, world, k), DIM)
     profile = PipelineProfile.uniform(world, n_mb, 10, 10, 10, delays_ms={0: 30})
     plans = {"crosspipe": plan_by_name(profile, "crosspipe-ud"), "1F1B": plan_by_name(profile, "1F1B")}
-    calls = {"pass": 0, "ir": 0}
+    spies = {"pass": mock.Mock(wraps=deploy.to_torch_actions), "ir": mock.Mock(wraps=ir.to_torch_plan)}
+    ir.to_torch_plan, deploy.to_torch_actions = spies["ir"], spies["pass"]
 
-    def counted(key, fn):
-        def wrapper(*a, **k):
-            calls[key] += 1
-            return fn(*a, **k)
-        return wrapper
-
-    ir.to_torch_plan = counted("ir", ir.to_torch_plan)
-    deploy.to_torch_actions = counted("pass", deploy.to_torch_actions)
+    def calls() -> dict:
+        return {k: spy.call_count for k, spy in spies.items()}
     out: dict = {"type_errors": []}
     mods = mlp_stages(world, DIM)
     sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), n_mb, loss_fn=Fn.mse_loss,
                       adaptive=False)
-    out["initial_calls"] = dict(calls)
+    out["initial_calls"] = calls()
     for bad in (42, "x", [plans["1F1B"].ops[0]]):
         try:
             sched.deploy(bad)
@@ -259,7 +256,7 @@ def _planresult_worker(rank: int, world: int, n_mb: int, steps: int):
         out["losses"].append(_step(sched, rank, world, k))
         opt.step()
     out["final_version"], out["final_hash"] = sched.plan_version, sched.deployed.hash
-    out["calls"] = dict(calls)
+    out["calls"] = calls()
     out["planner_torch_copies"] = ["actions" in vars(p) for p in plans.values()]
     out["hashes"] = {name: plan_hash(p.ops) for name, p in plans.items()}
     out["log"] = list(sched.decision_log)
