@@ -10,6 +10,7 @@ must leave the caller's handlers -- and the kernel's action -- as it found them.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -617,3 +618,293 @@ def test_runtime_hostile_argument_fails_before_any_process_group(case):
     assert isinstance(exc.value, kind), repr(exc.value)
     assert needle in str(exc.value), str(exc.value)
     assert not dist.is_initialized() and timeouts._timeout_s == before  # no group, no process-wide side effect
+
+
+# --------------------------------------------------------------------------------------------------------
+# Python API, second sweep (issue 39 item 5): Falcon, the delegate data plane, the runtime's policy and
+# registry, delay injection and a few plan/ corners. Each call was silently accepted or failed with an
+# AttributeError / KeyError / a numpy or comparison error not naming the argument; now TypeError (the
+# project's ArgumentTypeError, also a ValueError) or ValueError naming it, raised before any process
+# group, thread, shared memory segment or delegate process exists.
+
+@functools.lru_cache(maxsize=None)
+def _api_namespace() -> dict:
+    """What the expressions of API_BAD_2 name, imported when a case runs (not at collection)."""
+    from titan_ext.plan.ir import to_torch_plan as torch_plan
+    from titan_ext.plan.warmup import slackness as slack
+    from titan_ext.runtime import (
+        Decision,
+        PipeMorphConfig,
+        PolicySettings,
+        ReplanPolicy,
+        ScheduleSpec,
+        inject_link_delays,
+        parse_delay_spec,
+        register_schedule,
+        schedule_class,
+    )
+    from titan_ext.runtime.config import DelegationConfig
+    from titan_ext.runtime.crosspipe import CrossPipeConfig
+    from titan_ext.runtime.delegate import (
+        Channel,
+        DelegatePool,
+        FaultInjector,
+        P2PRouter,
+        delegates_needed,
+        our_shm_names,
+        pipeline_channels,
+    )
+    from titan_ext.runtime.delegate.schedule import Delegation, message_slot_bytes
+    from titan_ext.runtime.falcon import (
+        BOCDConfig,
+        FalconConfig,
+        FalconDecision,
+        FalconMonitor,
+        IterationObservation,
+        MitigationPlanner,
+        SlowIterationDetector,
+        StrategyCosts,
+        estimate_period,
+        iteration_times_from_calls,
+        locate_slow_links,
+        min_max_microbatch_split,
+        plan_topology,
+        predicted_iteration_s,
+        ring_validation_passes,
+        suspicious_groups,
+        topology_score,
+    )
+
+    def planner(config):  # pragma: no cover - never called
+        return None
+
+    def planner2(layout, config):  # pragma: no cover - never called
+        return None
+
+    return {**globals(), **locals()}
+
+
+TE, VE = TypeError, ValueError
+
+# name: (the call, as the expression it is, TypeError or ValueError, text the message must contain)
+API_BAD_2 = {
+    # FalconConfig: every field (only the three ratios and the refine gain were checked, by comparison)
+    "falcon_config_detector_none": ('FalconConfig(detector=None)', TE, "FalconConfig.detector must be a BOCDConfig"),
+    "falcon_config_costs_dict": ('FalconConfig(costs={})', TE, "FalconConfig.costs must be a StrategyCosts"),
+    "falcon_config_ratio_text": ('FalconConfig(suspicious_ratio="x")', TE, "FalconConfig.suspicious_ratio must be a number"),
+    "falcon_config_ratio_inf": ('FalconConfig(slow_link_ratio=math.inf)', VE, "FalconConfig.slow_link_ratio must be finite"),
+    "falcon_config_excess_negative": ('FalconConfig(slow_link_min_excess_s=-1)', VE,
+                                      "FalconConfig.slow_link_min_excess_s must be >= 0"),
+    "falcon_config_window_zero": ('FalconConfig(effect_window=0)', VE, "FalconConfig.effect_window must be >= 1"),
+    "falcon_config_window_float": ('FalconConfig(effect_window=2.5)', TE, "FalconConfig.effect_window must be an integer"),
+    "falcon_config_wait_none": ('FalconConfig(validation_wait_iters=None)', TE, "FalconConfig.validation_wait_iters"),
+    "falcon_config_delegation_text": ('FalconConfig(delegation_available="yes")', TE,
+                                      "FalconConfig.delegation_available must be True or False"),
+    "falcon_config_microbatches_zero": ('FalconConfig(num_microbatches=0)', VE, "FalconConfig.num_microbatches must be >= 1"),
+    "falcon_config_period_threshold": ('FalconConfig(period_threshold=1.5)', VE, "FalconConfig.period_threshold must be <= 1"),
+    "falcon_config_period_window_one": ('FalconConfig(period_window=1)', VE, "FalconConfig.period_window must be >= 2"),
+    "falcon_config_tracking_text": ('FalconConfig(group_tracking="no")', TE, "FalconConfig.group_tracking must be True or False"),
+    "falcon_config_floor_zero": ('FalconConfig(group_floor_s=0)', VE, "FalconConfig.group_floor_s must be > 0"),
+    "falcon_config_gain_text": ('FalconConfig(split_refine_gain="x")', TE, "FalconConfig.split_refine_gain must be a number"),
+    # FalconMonitor: config, grid, groups, recorder
+    "monitor_config_int": ('FalconMonitor(5)', TE, "config must be a FalconConfig"),
+    "monitor_config_bocd": ('FalconMonitor(BOCDConfig())', TE, "config must be a FalconConfig, got BOCDConfig"),
+    "monitor_config_empty_dict": ('FalconMonitor({})', TE, "config must be a FalconConfig, got dict"),
+    "monitor_grid_ragged": ('FalconMonitor(grid=[[0, 1], [2]])', VE, "grid must be a rectangle"),
+    "monitor_grid_repeated": ('FalconMonitor(grid=[[0, 1], [1, 2]])', VE, "grid has repeated ranks"),
+    "monitor_grid_text": ('FalconMonitor(grid="ab")', TE, "grid must be a sequence of rows"),
+    "monitor_grid_floats": ('FalconMonitor(grid=[[0.0, 1.0]])', TE, "grid[0][0] must be an integer"),
+    "monitor_grid_empty": ('FalconMonitor(grid=[])', VE, "grid is empty"),
+    "monitor_set_grid_none": ('FalconMonitor().set_grid(None)', TE, "grid must be a sequence of rows"),
+    "monitor_pp_groups_text": ('FalconMonitor(pp_groups="pp0")', TE, "pp_groups must be a mapping"),
+    "monitor_pp_link_negative": ('FalconMonitor(pp_groups={"pp0": -1})', VE, "pp_groups['pp0'] must be >= 0"),
+    "monitor_dp_group_int": ('FalconMonitor(dp_groups=[0])', TE, "dp_groups: group names are text"),
+    "monitor_group_both_kinds": ('FalconMonitor(pp_groups=["g"], dp_groups=["g"])', VE, "both name ['g']"),
+    "monitor_recorder_int": ('FalconMonitor(recorder=5)', TE, "recorder must be a CallRecorder"),
+    "monitor_observe_groups_int": ('FalconMonitor().observe(1.0, 5)', TE, "per_group_times must be a mapping"),
+    "monitor_observe_text": ('FalconMonitor().observe("x")', TE, "iteration_time_s must be a number"),
+    "monitor_validation_pause_negative": ('FalconMonitor().report_validation(pause_s=-1)', VE, "pause_s must be >= 0"),
+    "observation_nan": ('IterationObservation(math.nan)', VE, "iteration_time_s must be finite"),
+    "observation_negative": ('IterationObservation(-1.0)', VE, "iteration_time_s must be > 0"),
+    "observation_group_nan": ('IterationObservation(1.0, {"g": math.nan})', VE, "per_group_times['g'] must be finite"),
+    "observation_split_float": ('IterationObservation(1.0, replica_microbatch_s=(1.0,), split=(1.5,))', TE,
+                                "split[0] must be an integer"),
+    "observation_replica_negative": ('IterationObservation(1.0, replica_microbatch_s=(-1.0,), split=(1,))', VE,
+                                     "replica_microbatch_s[0] must be >= 0"),
+    "decision_iteration_text": ('FalconDecision("x")', TE, "iteration must be an integer"),
+    "decision_metrics_int": ('FalconDecision(0, 5)', TE, "metrics must be a mapping"),
+    # the detector and the planner
+    "bocd_threshold_above_one": ('BOCDConfig(threshold=1.5)', VE, "BOCDConfig.threshold must be <= 1"),
+    "bocd_average_unknown": ('BOCDConfig(average="mode")', VE, "BOCDConfig.average must be one of"),
+    "bocd_run_length_one": ('BOCDConfig(expected_run_length=1)', VE, "BOCDConfig.expected_run_length must be > 1"),
+    "bocd_outlier_prob_one": ('BOCDConfig(outlier_prob=1)', VE, "BOCDConfig.outlier_prob must be within [0, 1)"),
+    "bocd_window_float": ('BOCDConfig(window=2.5)', TE, "BOCDConfig.window must be an integer"),
+    "detector_config_none": ('SlowIterationDetector(None)', TE, "config must be a BOCDConfig"),
+    "detector_observe_text": ('SlowIterationDetector().observe("1")', TE, "iteration_time_s must be a number"),
+    "costs_negative": ('StrategyCosts(ignore=-1)', VE, "StrategyCosts.ignore must be >= 0"),
+    "costs_text": ('StrategyCosts(pipemorph_replan="x")', TE, "StrategyCosts.pipemorph_replan must be a number"),
+    "costs_of_unknown": ('StrategyCosts().of("nope")', VE, "strategy must be one of"),
+    "planner_costs_none": ('MitigationPlanner(None)', TE, "costs must be a StrategyCosts"),
+    "planner_start_nan": ('MitigationPlanner().start("compute", math.nan)', VE, "healthy_iteration_s must be finite"),
+    "split_total_bool": ('min_max_microbatch_split(True, [1.0])', TE, "total_microbatches must be an integer"),
+    "split_time_inf": ('min_max_microbatch_split(8, [1.0, math.inf])', VE, "per_microbatch_s[1] must be finite"),
+    "split_min_negative": ('min_max_microbatch_split(8, [1.0, 1.0], min_per_group=-1)', VE, "min_per_group must be >= 0"),
+    "predicted_split_length": ('predicted_iteration_s(1.0, [1, 1], [1.0], [1, 1])', VE, "split has 2 entries, expected 1"),
+    "predicted_new_split_negative": ('predicted_iteration_s(1.0, [1], [1.0], [-1])', VE, "new_split[0] must be >= 0"),
+    "topology_rounds_negative": ('plan_topology([[0, 1]], max_rounds=-1)', VE, "max_rounds must be >= 0"),
+    "topology_grid_floats": ('plan_topology([[0.5, 1]])', TE, "grid[0][0] must be an integer"),
+    "topology_link_short": ('plan_topology([[0, 1]], slow_links=[(0,)])', VE, "slow_links[0] has 1 entries, expected 2"),
+    "score_unknown_straggler": ('topology_score([[0, 1]], stragglers=[5])', VE, "straggler 5 not in the grid"),
+    "suspicious_list": ('suspicious_groups([1, 2])', TE, "transfer_times_s must be a mapping"),
+    "suspicious_ratio_text": ('suspicious_groups({"a": 1.0}, ratio="x")', TE, "ratio must be a number"),
+    "slow_links_int_key": ('locate_slow_links({0: 1.0})', TE, "link_times_s key 0 must be a sequence"),
+    "ring_text": ('ring_validation_passes("abc")', TE, "ring must be a sequence of integers"),
+    "period_zero": ('iteration_times_from_calls([0, 1, 2], 0)', VE, "period must be >= 1"),
+    "period_threshold_nan": ('estimate_period([1, 2] * 4, threshold=math.nan)', VE, "threshold must be finite"),
+    # the delegate data plane: checked before the extension loads or a delegate starts
+    "delegation_config_none": ('Delegation(None)', TE, "config must be a DelegationConfig"),
+    "delegation_config_text": ('Delegation("auto")', TE, "config must be a DelegationConfig"),
+    "slot_bytes_float": ('message_slot_bytes(1.5)', TE, "nbytes must be an integer"),
+    "channel_loop": ('Channel(0, 0, "F")', VE, "src = dst = 0"),
+    "channel_direction": ('Channel(0, 1, "X")', VE, "direction must be one of"),
+    "channels_float_ranks": ('pipeline_channels(0, [0.0, 1.0])', TE, "stage_to_rank[0] must be an integer"),
+    "channels_foreign_rank": ('pipeline_channels(5, [0, 1])', VE, "rank 5 runs no stage"),
+    "delegates_max_float": ('delegates_needed(1, 1, 2.5)', TE, "max_delegates must be an integer"),
+    "delegates_rate_negative": ('delegates_needed(-1, 1)', VE, "production_bytes_per_s must be >= 0"),
+    "faults_from_negative": ('FaultInjector(from_seq=-1)', VE, "from_seq must be >= 0"),
+    "faults_predicate_int": ('FaultInjector(predicate=5)', TE, "predicate must be a callable"),
+    "faults_direction": ('FaultInjector(broken={(1, "X"): 0})', VE, "direction must be one of"),
+    "router_timeout_negative": ('P2PRouter(0, recv_timeout_s=-1)', VE, "recv_timeout_s must be > 0"),
+    "router_rank_text": ('P2PRouter("0")', TE, "rank must be an integer"),
+    "router_pool_int": ('P2PRouter(0, pool=5)', TE, "pool must be a DelegatePool"),
+    "router_hol_negative": ('P2PRouter(0, hol_delay_ms={1: -5})', VE, "hol_delay_ms[1] must be >= 0"),
+    "pool_rank_text": ('DelegatePool("0", [])', TE, "rank must be an integer"),
+    "pool_not_an_end": ('DelegatePool(0, [Channel(1, 2, "F")])', VE, "rank 0 is not an end of"),
+    "pool_slots_zero": ('DelegatePool(0, [], num_slots=0)', VE, "num_slots must be >= 1"),
+    "pool_lanes_kind": ('DelegatePool(0, [], lanes={"X": 1})', VE, "lanes key must be one of"),
+    "shm_names_text": ('our_shm_names("x")', TE, "pids must be an iterable of process ids"),
+    # runtime: policy, registry, configs, delay injection
+    "settings_window_bool": ('PolicySettings(window=True)', TE, "policy window must be an integer"),
+    "replan_margin_nan": ('ReplanPolicy(rel_margin=math.nan)', VE, "policy rel_margin must be finite"),
+    "replan_window_text": ('ReplanPolicy(window="3")', TE, "policy window must be an integer"),
+    "replan_dwell_negative": ('ReplanPolicy(min_dwell=-1)', VE, "policy min_dwell must be >= 0"),
+    "decision_action_int": ('Decision(5, "x")', TE, "Decision action must be a non-empty name"),
+    "decision_mode_unknown": ('Decision("adapt", "x", mode="sometimes")', VE, "Decision mode must be one of"),
+    "schedule_class_none": ('schedule_class(None)', TE, "name must be a schedule name"),
+    "register_text": ('register_schedule("x")', TE, "spec must be a ScheduleSpec"),
+    "spec_planner_int": ('ScheduleSpec("X", 5, planner2)', TE, "one_stage_planner must be a callable"),
+    "spec_empty_name": ('ScheduleSpec("", planner, planner2)', TE, "ScheduleSpec name must be a non-empty"),
+    "spec_config_int": ('ScheduleSpec("X", planner, planner2, config_class=int)', TE,
+                        "config_class must be a PipeMorphConfig subclass"),
+    "spec_backward_text": ('ScheduleSpec("X", planner, planner2, backward_choices="split")', TE,
+                           "backward_choices must be a tuple"),
+    "inject_int": ('inject_link_delays(5)', TE, "spec must be a delay spec (text) or a DelaySchedule"),
+    "inject_t0_nan": ('inject_link_delays("0:1", t0=math.nan)', VE, "t0 (a time.time() epoch) must be finite"),
+    "inject_origin_int": ('inject_link_delays("0:1", origin=5)', TE, "origin must be text"),
+    "delay_spec_int": ('parse_delay_spec(5)', TE, "delay spec must be a string"),
+    "lanes_unknown_kind": ('DelegationConfig(lanes={"X": 1})', VE, "delegate_lanes key (the send kind) must be one of"),
+    "slot_bytes_bool": ('DelegationConfig(slot_bytes=True)', TE, "delegate_slot_bytes must be an integer"),
+    "faults_int": ('DelegationConfig(faults=5)', TE, "faults must be a FaultInjector"),
+    "falcon_object": ('PipeMorphConfig(falcon=object())', TE, "falcon must be False, True or a FalconMonitor"),
+    "policy_int": ('PipeMorphConfig(policy=5)', TE, "policy must be a Policy"),
+    "planner_text": ('PipeMorphConfig(planner="x")', TE, "planner must be a Planner"),
+    "observer_int": ('PipeMorphConfig(observers=(5,))', TE, "observers[0] must be a boundary observer"),
+    "bandwidth_empty": ('CrossPipeConfig(link_bandwidth_bytes_per_s=[])', VE, "link_bandwidth_bytes_per_s is empty"),
+    # plan/ corners
+    "simulate_map_short": ('simulate(_ops(), P, stage_to_rank={0: 0})', VE, "stage_to_rank has no rank for stage(s) [1, 2, 3]"),
+    "simulate_map_int": ('simulate(_ops(), P, stage_to_rank=5)', TE, "stage_to_rank must be a mapping"),
+    "as_ops_bool_stage": ('as_ops({0: [(True, "F", 0)]})', VE, "its stage must be an integer >= 0"),
+    "torch_plan_negative_mb": ('torch_plan({0: [(0, "F", -1)]})', VE, "plan[0]: (0, 'F', -1)"),
+    "pipemorph_validate_int": ('plan_pipemorph(P, validate=1)', VE, "validate must be True, False or 'torch'"),
+    "slackness_empty": ('slack([])', VE, "warmup_counts is empty"),
+    "uniform_delay_negative": ('PipelineProfile.uniform(4, 8, 1, 1, 1, delays_ms={0: -1})', VE,
+                               "delays_ms[0] must be >= 0"),
+    "with_delays_nan": ('P.with_delays({0: NAN})', VE, "delays_ms[0] is NaN"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(API_BAD_2))
+def test_api_hostile_call_names_the_argument_second_sweep(case, monkeypatch):
+    import threading
+
+    import torch.distributed as dist
+
+    import titan_ext.runtime.delegate.pool as pool
+    from titan_ext.runtime import current_injector
+    from titan_ext.runtime.delegate import our_shm_names
+
+    def started(*args, **kwargs):
+        raise AssertionError("DelegatePool went past its argument checks (loaded the data plane)")
+
+    monkeypatch.setattr(pool, "load_ext", started)
+    expression, kind, needle = API_BAD_2[case]
+    namespace = _api_namespace()
+    threads, injector = threading.active_count(), current_injector()
+    with pytest.raises((TypeError, ValueError)) as exc:
+        eval(expression, namespace)
+    assert isinstance(exc.value, kind), repr(exc.value)
+    assert needle in str(exc.value), str(exc.value)
+    # nothing was started: no process group, thread, shared memory segment or delay injector
+    assert not dist.is_initialized() and threading.active_count() == threads
+    assert our_shm_names([os.getpid()]) == [] and current_injector() is injector
+
+
+def test_api_degenerate_but_valid_runtime_objects_without_a_process_group():
+    """The smallest valid arguments work, and nothing needs a process group: one DP replica of one PP
+    stage (grid [[0]]), one micro-batch, one stage's warm-up counts, a delegation that is configured but
+    not started, a router without a pool."""
+    import torch.distributed as dist
+
+    from titan_ext.plan.warmup import initial_warmup_counts, slackness as slack
+    from titan_ext.runtime import Decision, PolicySettings, ReplanPolicy, ScheduleSpec
+    from titan_ext.runtime.config import DelegationConfig
+    from titan_ext.runtime.delegate import FaultInjector, P2PRouter, delegates_needed, pipeline_channels
+    from titan_ext.runtime.delegate.schedule import Delegation, message_slot_bytes
+    from titan_ext.runtime.falcon import (
+        BOCDConfig,
+        FalconConfig,
+        FalconDecision,
+        FalconMonitor,
+        IterationObservation,
+        StrategyCosts,
+        acf,
+        estimate_period,
+        iteration_times_from_calls,
+        locate_slow_devices,
+        min_max_microbatch_split,
+        plan_topology,
+        predicted_iteration_s,
+        ring_validation_passes,
+        suspicious_groups,
+        tree_validation_passes,
+    )
+
+    # Falcon: 1 x 1 grid, one micro-batch, healthy iterations; defaults and inf costs are valid
+    config = FalconConfig(num_microbatches=1, costs=StrategyCosts(checkpoint_restart=math.inf),
+                          detector=BOCDConfig(expected_run_length=2), split_refine_gain=None)
+    monitor = FalconMonitor(config, grid=[[0]], pp_groups={}, dp_groups=())
+    for _ in range(5):
+        decision = monitor.observe(IterationObservation(0.1, {"dp_stage0": 0.0}, replica_microbatch_s=(0.1,), split=(1,)))
+    assert isinstance(decision, FalconDecision) and decision.iteration == 4 and not decision.validate
+    assert monitor.observe(0.1, {"pp_link0": -0.0001}).iteration == 5  # a link delay estimate may read < 0
+    assert FalconMonitor().config == FalconConfig() and FalconDecision(-1).iteration == -1
+    assert min_max_microbatch_split(1, [0.5]) == [1] and predicted_iteration_s(1.0, [1], [0.5], [0]) == 0.5
+    assert plan_topology([[0]]).grid == ((0,),) and ring_validation_passes([0]) == [] == tree_validation_passes([0])
+    assert suspicious_groups({}) == [] == locate_slow_devices({0: 1.0})
+    assert estimate_period([]) is None and len(acf([1], 0)) == 0 and len(iteration_times_from_calls([0.0], 1)) == 0
+    # delegation configured, not started: no pool, no process, no group
+    delegation = Delegation(DelegationConfig(mode="always", lanes={"F": 1, "B": 1}, slot_bytes=4096,
+                                             faults=FaultInjector(broken={(1, "F"): 0})))
+    assert delegation.pool is None and delegation.router is None and not delegation.delegating
+    assert P2PRouter(0).pool is None and pipeline_channels(0, [0]) == [] and message_slot_bytes(0) == 4096
+    assert delegates_needed(math.nan, 1.0) == 1 and delegates_needed(math.inf, 0.0, max_delegates=1) == 1
+    # policy and registry entries
+    assert ReplanPolicy(window=1, recover_patience=0, min_dwell=0).window == 1 and PolicySettings(rel_margin=0).rel_margin == 0
+    assert Decision("initial", "S = 1", mode="initial", warmup_counts=[1], inflight_limit=[1]).replans is False
+    assert ScheduleSpec("Mine", lambda config: None, lambda layout, config: None, backward_choices=("split",)).name == "Mine"
+    # plan/: one stage, one micro-batch
+    one = PipelineProfile.uniform(1, 1, 10, 10, 10)
+    assert slack([1]) == [] and initial_warmup_counts(1, 1) == [1] == zb_warmup_counts(1, 1)
+    t = simulate(plan_pipemorph(one).ops, one, stage_to_rank={0: 0})
+    assert t.makespan_ms == 30.0 and plan_crosspipe(one).makespan_ms == 30.0
+    assert not dist.is_initialized()

@@ -30,9 +30,9 @@ def test_bad_settings_fail_at_construction_with_one_line(kwargs, needle):
 
 @pytest.mark.parametrize("make, needle", [
     (lambda: DelegationConfig(mode="sometimes"), "delegation must be one of ('off', 'auto', 'always')"),
-    (lambda: DelegationConfig(slot_bytes=0), "delegate slot_bytes must be a positive int"),
-    (lambda: PolicySettings(window=0), "policy window must be an int >= 1"),
-    (lambda: PolicySettings(rel_margin=-0.1), "policy rel_margin must be a finite number >= 0"),
+    (lambda: DelegationConfig(slot_bytes=0), "delegate_slot_bytes must be >= 1"),
+    (lambda: PolicySettings(window=0), "policy window must be >= 1"),
+    (lambda: PolicySettings(rel_margin=-0.1), "policy rel_margin must be >= 0"),
     (lambda: CrossPipeConfig(variant="zigzag"), "CrossPipe run-time variant must be 'ud' or 'udsub'"),
     (lambda: PipeMorphConfig().updated("CrossPipe", varient="ud"), "CrossPipe: unknown option(s) ['varient']"),
     (lambda: PipeMorphConfig().updated(delegation="sometimes"), "delegation must be one of"),

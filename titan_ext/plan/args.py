@@ -80,9 +80,43 @@ def output_path_arg(value: Any, name: str = "path") -> str:
     return value
 
 
+def instance_arg(value: Any, name: str, cls: type | tuple[type, ...], what: str | None = None, *,
+                 optional: bool = False) -> Any:
+    """An instance of ``cls`` (``what`` describes it in the message; default: its class name); None passes
+    when ``optional``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, cls):
+        if what is None:
+            what = " or ".join(f"a {c.__name__}" for c in (cls if isinstance(cls, tuple) else (cls,)))
+        raise ArgumentTypeError(f"{name} must be {what}{' or None' if optional else ''}, got {type(value).__name__}")
+    return value
+
+
 def profile_arg(value: Any, name: str = "profile") -> PipelineProfile:
-    if not isinstance(value, PipelineProfile):
-        raise ArgumentTypeError(f"{name} must be a PipelineProfile, got {type(value).__name__}")
+    return instance_arg(value, name, PipelineProfile)
+
+
+def callable_arg(value: Any, name: str, what: str = "callable", *, optional: bool = False) -> Any:
+    """A callable (``what`` describes it: ``"a callable (metrics -> bool)"``); None passes when ``optional``."""
+    if value is None and optional:
+        return None
+    if not callable(value):
+        raise ArgumentTypeError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
+    return value
+
+
+def mapping_arg(value: Any, name: str, what: str = "") -> Mapping:
+    """A mapping (``what`` names its keys and values: ``"group -> seconds"``)."""
+    if not isinstance(value, Mapping):
+        raise ArgumentTypeError(f"{name} must be a mapping{' ' + what if what else ''}, got {type(value).__name__}")
+    return value
+
+
+def sequence_arg(value: Any, name: str, what: str = "a sequence") -> Sequence:
+    """A sequence that is not text (``"ab"`` is not a list of two names); ``what`` describes it."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentTypeError(f"{name} must be {what}, got {type(value).__name__}")
     return value
 
 
@@ -141,9 +175,18 @@ def plan_arg(value: Any, name: str = "plan") -> Mapping:
 
 def counts_arg(value: Any, name: str, length: int | None = None, *, minimum: int | None = None) -> list[int]:
     """A sequence of integers (e.g. warm-up counts), of ``length`` when given, each >= ``minimum``."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ArgumentTypeError(f"{name} must be a sequence of integers, got {type(value).__name__}")
+    sequence_arg(value, name, "a sequence of integers")
     out = [int_arg(v, f"{name}[{i}]", minimum) for i, v in enumerate(value)]
+    if length is not None and len(out) != length:
+        raise ValueError(f"{name} has {len(out)} entries, expected {length}")
+    return out
+
+
+def reals_arg(value: Any, name: str, length: int | None = None, **limits: Any) -> list[float]:
+    """A sequence of real numbers, of ``length`` when given, each checked by :func:`real_arg` with
+    ``limits`` (``minimum``, ``positive``, ``allow_inf`` ...), naming ``name[i]``."""
+    sequence_arg(value, name, "a sequence of numbers")
+    out = [real_arg(v, f"{name}[{i}]", **limits) for i, v in enumerate(value)]
     if length is not None and len(out) != length:
         raise ValueError(f"{name} has {len(out)} entries, expected {length}")
     return out

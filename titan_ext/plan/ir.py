@@ -74,7 +74,10 @@ def to_torch_plan(plan: Mapping[int, Iterable[Op]]) -> dict[int, list[Any]]:
     kinds = {k: sched._ComputationType.from_str(k) for k in COMPUTE_KINDS}
     action = sched._Action
     try:
-        return {rank: [action(s, kinds[k], m) for s, k, m in ops] for rank, ops in plan.items()}
+        out = {rank: [action(s, kinds[k], m) for s, k, m in ops] for rank, ops in plan.items()}
+        if all(type(s) is int and s >= 0 and type(m) is int and m >= 0 for ops in plan.values() for s, _, m in ops):
+            return out
+        raise ValueError("an op's stage or microbatch is not an integer >= 0")  # named below
     except (KeyError, TypeError, ValueError):  # name the op (the fast path above checks nothing)
         for rank, ops in plan.items():
             for op in ops:
@@ -100,7 +103,8 @@ def as_ops(plan: Mapping[int, Iterable[Any]]) -> dict[int, list[Op]]:
         if not ((isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and rank >= 0)
                 or (isinstance(rank, str) and rank.isascii() and rank.isdigit())):  # JSON keys are text
             raise ValueError(f"plan: rank {rank!r} is not an integer >= 0")
-        if all(type(a) is tuple and len(a) == 3 and a[1] in COMPUTE_KINDS for a in actions):
+        if all(type(a) is tuple and len(a) == 3 and a[1] in COMPUTE_KINDS and type(a[0]) is int and a[0] >= 0
+               and type(a[2]) is int and a[2] >= 0 for a in actions):
             out[int(rank)] = actions if isinstance(actions, list) else list(actions)  # already ours
             continue
         ops: list[Op] = []
@@ -123,6 +127,10 @@ def as_ops(plan: Mapping[int, Iterable[Any]]) -> dict[int, list[Op]]:
                 )
             if mb is None:
                 raise ValueError(f"rank {rank}: action {stage}{kind} has no microbatch index")
+            for what, v in (("stage", stage), ("microbatch", mb)):
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                    raise ValueError(f"plan[{rank!r}]: action {stage}{kind}{mb}: its {what} must be an integer >= 0, "
+                                     f"got {v!r}")
             ops.append((int(stage), str(kind), int(mb)))
         out[int(rank)] = ops
     return out

@@ -379,7 +379,7 @@ def plan_pipemorph(
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if mode not in ("auto", "initial", "adaptive"):
         raise ValueError(f"mode must be auto, initial or adaptive, got {mode!r}")
-    if validate not in VALIDATE:
+    if not isinstance(validate, (bool, str)) or validate not in VALIDATE:  # (1 == True: refused, as bool_arg does)
         raise ValueError(f"validate must be True, False or 'torch', got {validate!r}")
     if slack_floor < 1:
         raise ValueError(f"slack_floor must be >= 1, got {slack_floor}")

@@ -200,7 +200,7 @@ class PipelineProfile:
         for link, ms in (delays_ms or {}).items():
             if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < num_stages - 1:
                 raise ValueError(f"delays_ms: link {link} does not exist (links are 0..{num_stages - 2})")
-            links[link] = LinkProfile(latency_ms=ms)
+            links[link] = LinkProfile(latency_ms=_check_ms(f"delays_ms[{link}]", ms, positive=False))
         return cls(num_stages, num_microbatches, f_ms, b_ms, w_ms, tuple(links), **kwargs)
 
     @property
@@ -244,7 +244,7 @@ class PipelineProfile:
         for i, ms in delays_ms.items():
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(links):
                 raise ValueError(f"delays_ms: link {i} does not exist (links are 0..{len(links) - 1})")
-            links[i] = replace(links[i], latency_ms=ms)
+            links[i] = replace(links[i], latency_ms=_check_ms(f"delays_ms[{i}]", ms, positive=False))
         return self.with_links(links)
 
     # ------------------------------------------------------------------ JSON format (the CLI's --profile)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .args import int_arg, plan_arg, profile_arg
+from .args import ArgumentTypeError, int_arg, plan_arg, profile_arg
 from .complete import check_complete
 from .deps import done_key, producers
 from .ir import Op, as_ops, stage_to_rank_map
@@ -109,10 +109,19 @@ def simulate(
     ops = as_ops(plan_arg(plan))
     placement = stage_to_rank_map(ops)
     if stage_to_rank is not None:
-        lookup = stage_to_rank if callable(stage_to_rank) else stage_to_rank.__getitem__
+        if isinstance(stage_to_rank, Mapping):
+            missing = sorted(set(placement) - set(stage_to_rank))
+            if missing:
+                raise ValueError(f"stage_to_rank has no rank for stage(s) {missing}")
+            lookup = stage_to_rank.__getitem__
+        elif callable(stage_to_rank):
+            lookup = stage_to_rank
+        else:
+            raise ArgumentTypeError(f"stage_to_rank must be a mapping stage -> rank, a callable or None, "
+                                    f"got {type(stage_to_rank).__name__}")
         for s, r in placement.items():
             if lookup(s) != r:
-                raise ValueError(f"stage {s} runs on rank {r} but stage_to_rank says {lookup(s)}")
+                raise ValueError(f"stage {s} runs on rank {r} but stage_to_rank says {lookup(s)!r}")
     S = len(placement)
     if set(placement) != set(range(S)):
         raise ValueError(f"plan has stages {sorted(placement)}, expected 0..{S - 1}")

@@ -19,6 +19,8 @@ def slackness(warmup_counts: Sequence[int]) -> list[int]:
     along the stages (stage i runs every forward stage i+1 ran before its first backward, before its
     own first backward): others raise ValueError, never a negative slackness."""
     warmup_counts = counts_arg(warmup_counts, "warmup_counts", minimum=1)
+    if not warmup_counts:
+        raise ValueError("warmup_counts is empty: one count per stage (S >= 1)")
     for i in range(len(warmup_counts) - 1):
         if warmup_counts[i] < warmup_counts[i + 1]:
             raise ValueError(f"warmup_counts must be non-increasing along the stages (x_i >= x_{{i+1}}), got "

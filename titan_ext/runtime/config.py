@@ -60,14 +60,17 @@ class DelegationConfig:
             raise ArgumentTypeError(f"detector must be a callable (boundary metrics → bool) or None, got {self.detector!r}")
         if isinstance(self.lanes, dict):
             for kind, n in self.lanes.items():
+                choice_arg(kind, "delegate_lanes key (the send kind)", ("F", "B"))
                 int_arg(n, f"delegate_lanes[{kind!r}]", 1)
         else:
             int_arg(self.lanes, "delegate_lanes", 1)
         int_arg(self.slots, "delegate_slots", 1)
         real_arg(self.recv_timeout_s, "recv_timeout_s", positive=True)
         real_arg(self.timeout_s, "delegate_timeout_s", positive=True)
-        if self.slot_bytes is not None and not (isinstance(self.slot_bytes, int) and self.slot_bytes > 0):
-            raise ValueError(f"delegate slot_bytes must be a positive int or None (derived), got {self.slot_bytes!r}")
+        int_arg(self.slot_bytes, "delegate_slot_bytes", 1, optional=True)  # None: derived from the messages
+        if self.faults is not None and not callable(getattr(self.faults, "fails", None)):
+            raise ArgumentTypeError(f"faults must be a FaultInjector (with fails(op, peer, direction, seq)) or None, "
+                                    f"got {self.faults!r}")
 
     @property
     def enabled(self) -> bool:
@@ -157,11 +160,20 @@ class PipeMorphConfig:
         int_arg(self.decision_log_size, "decision_log_size", 1)
         if self.timeout_s is not None:
             real_arg(self.timeout_s, "timeout_s", positive=True, maximum=1e7)
-        if isinstance(self.falcon, (str, bytes, int, float, list, tuple, dict, set)) \
-                and not isinstance(self.falcon, bool):
+        if not (self.falcon is None or isinstance(self.falcon, bool) or callable(getattr(self.falcon, "observe", None))):
             raise ArgumentTypeError(f"falcon must be False, True or a FalconMonitor, got {self.falcon!r}")
         if isinstance(self.observers, (str, bytes)) or not isinstance(self.observers, (tuple, list)):
             raise ArgumentTypeError(f"observers must be a tuple of boundary observers, got {type(self.observers).__name__}")
+        for i, o in enumerate(self.observers):
+            if not (callable(getattr(o, "attach", None)) and callable(getattr(o, "observe", None))
+                    and hasattr(o, "every_iteration")):
+                raise ArgumentTypeError(f"observers[{i}] must be a boundary observer (attach(context), "
+                                        f"observe(boundary), every_iteration), got {o!r}")
+        if self.policy is not None and not callable(getattr(self.policy, "decide", None)):
+            raise ArgumentTypeError(f"policy must be a Policy (with decide(...)) or None, got {self.policy!r}")
+        if self.planner is not None and not callable(getattr(self.planner, "plan", None)):
+            raise ArgumentTypeError(f"planner must be a Planner (with plan(profile, decision, context)) or None, "
+                                    f"got {self.planner!r}")
         if not isinstance(self.policy_settings, PolicySettings):
             raise TypeError(f"policy_settings must be a PolicySettings, got {type(self.policy_settings).__name__}")
         if not isinstance(self.delegation, DelegationConfig):

@@ -49,6 +49,8 @@ class CrossPipeConfig(PipeMorphConfig):
         real_arg(self.message_bytes, "message_bytes", minimum=0, optional=True)
         bw = self.link_bandwidth_bytes_per_s
         if isinstance(bw, (list, tuple)):
+            if not bw:
+                raise ValueError("link_bandwidth_bytes_per_s is empty: one value, one per link, or None")
             for i, v in enumerate(bw):
                 real_arg(v, f"link_bandwidth_bytes_per_s[{i}]", positive=True, allow_inf=True)
         else:

@@ -66,6 +66,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_ext.plan.errors import ArgumentTypeError
+
 ENV_VAR = "TITAN_EXT_INJECT_DELAYS"
 MAX_DELAY_MS = 1e9  # a latency above this (11.6 days) is a typo; larger ones overflowed time.sleep
 MIN_BANDWIDTH = 1.0  # bytes/s: below, one message's transfer time is beyond any job
@@ -93,6 +95,11 @@ __all__ = [
 
 class DelaySpecError(ValueError):
     """A malformed delay spec or trace file; the message names the offending part."""
+
+
+class DelaySpecTypeError(DelaySpecError, ArgumentTypeError):
+    """A delay spec of the wrong type (not text / a DelaySchedule): a TypeError that callers catching
+    :class:`DelaySpecError` (a ValueError) still catch."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +209,7 @@ def parse_delay_spec(spec: str) -> DelaySchedule:
     An empty spec means no delay.  Raises :class:`DelaySpecError` naming the bad item.
     """
     if not isinstance(spec, str):
-        raise DelaySpecError(f"delay spec must be a string, got {type(spec).__name__}")
+        raise DelaySpecTypeError(f"delay spec must be a string, got {type(spec).__name__}")
     text = spec.strip()
     if text.startswith("trace:"):
         return load_delay_trace(text[len("trace:"):])
@@ -404,6 +411,13 @@ class LinkDelayInjector:
 
     def __init__(self, schedule: DelaySchedule, t0: float | None = None,
                  origin: str = "inject_link_delays()"):
+        from titan_ext.plan.args import real_arg
+
+        if not isinstance(schedule, DelaySchedule):
+            raise DelaySpecTypeError(f"schedule must be a DelaySchedule (parse_delay_spec), got {type(schedule).__name__}")
+        real_arg(t0, "t0 (a time.time() epoch)", minimum=0, optional=True)
+        if not isinstance(origin, str):
+            raise ArgumentTypeError(f"origin must be text (who asked for the delays), got {origin!r}")
         self.schedule = schedule
         self.origin = origin  # who asked for it, named in the warnings
         # Origin of trace time: a shared wall-clock epoch if given, else installation time.
@@ -425,6 +439,8 @@ class LinkDelayInjector:
     # -- configuration -------------------------------------------------------------------------
     def update(self, spec: str | DelaySchedule) -> None:
         """Replace the delays from now on (same origin); a spec string is parsed first."""
+        if not isinstance(spec, (str, DelaySchedule)):
+            raise DelaySpecTypeError(f"spec must be a delay spec (text) or a DelaySchedule, got {type(spec).__name__}")
         sched = parse_delay_spec(spec) if isinstance(spec, str) else spec
         with self._lock:
             self.schedule = sched
@@ -614,6 +630,8 @@ def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None,
     to change delays, ``.remove()`` or use as a context manager to uninstall).  Call it on every rank.
     ``origin`` names who asked for it in the warnings.
     """
+    if not isinstance(spec, (str, DelaySchedule)):
+        raise DelaySpecTypeError(f"spec must be a delay spec (text) or a DelaySchedule, got {type(spec).__name__}")
     sched = parse_delay_spec(spec) if isinstance(spec, str) else spec
     return LinkDelayInjector(sched, t0=t0, origin=origin).install()
 

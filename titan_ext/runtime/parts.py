@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from titan_ext.plan import PipelineProfile
+from titan_ext.plan.args import ArgumentTypeError, callable_arg, sequence_arg
 
 from .budget import MemoryBudget, RankMemoryBudget, StageMemoryBudget
 from .config import PipeMorphConfig, PolicySettings
@@ -46,6 +47,21 @@ class ScheduleSpec:
     backward_choices: tuple[str, ...] = ("auto", "measure", "split", "full")  # what ``backward=`` may be
     one_stage_policy: Callable[[PolicySettings], Policy] = _one_stage_policy
     multi_stage_policy: Callable[[Layout, PolicySettings], Policy] = _multi_stage_policy
+
+    def __post_init__(self) -> None:
+        """Every field checked when the entry is made (issue 39), not when a schedule is first built."""
+        if not (isinstance(self.name, str) and self.name.strip()):
+            raise ArgumentTypeError(f"ScheduleSpec name must be a non-empty schedule name, got {self.name!r}")
+        callable_arg(self.one_stage_planner, "one_stage_planner", "a callable (config) -> Planner")
+        callable_arg(self.multi_stage_planner, "multi_stage_planner", "a callable (layout, config) -> Planner")
+        callable_arg(self.one_stage_policy, "one_stage_policy", "a callable (PolicySettings) -> Policy")
+        callable_arg(self.multi_stage_policy, "multi_stage_policy", "a callable (layout, PolicySettings) -> Policy")
+        if not (isinstance(self.config_class, type) and issubclass(self.config_class, PipeMorphConfig)):
+            raise ArgumentTypeError(f"schedule {self.name!r}: config_class must be a PipeMorphConfig subclass, "
+                                    f"got {self.config_class!r}")
+        choices = sequence_arg(self.backward_choices, "backward_choices", "a tuple of backward variants")
+        if not choices or any(c not in ("auto", "measure", "split", "full") for c in choices):
+            raise ValueError(f"backward_choices must be some of ('auto', 'measure', 'split', 'full'), got {choices!r}")
 
 
 #: PipeMorph §4.2: Alg.1/2 with one stage per rank, the ``plan_virtual`` portfolio with several

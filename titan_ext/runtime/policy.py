@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, Sequence
+from typing import Any, ClassVar, Protocol, Sequence
 
 from titan_ext.plan import PipelineProfile, adapted_warmup_counts, link_tolerance_ms, slackness
+from titan_ext.plan.args import ArgumentTypeError, choice_arg, counts_arg, int_arg, plan_arg, real_arg
 
 __all__ = ["Decision", "Policy", "PolicySettings", "ReplanPolicy", "eq1_tolerances"]
 
@@ -46,6 +47,24 @@ class Decision:
     inflight_limit: list[int] | None = None
     actions: dict | None = None  # an explicit compute-only plan (force / tests)
     violated_links: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Types checked (issue 39); ``action`` is any name a policy gives (the runtime's are above)."""
+        if not (isinstance(self.action, str) and self.action):
+            raise ArgumentTypeError(f"Decision action must be a non-empty name (keep, adapt, ...), got {self.action!r}")
+        if not isinstance(self.reason, str):
+            raise ArgumentTypeError(f"Decision reason must be text, got {self.reason!r}")
+        if self.mode is not None:
+            choice_arg(self.mode, "Decision mode", ("initial", "adaptive"))
+        if self.backward is not None:
+            choice_arg(self.backward, "Decision backward", ("split", "full", "mixed"))
+        if self.warmup_counts is not None:
+            counts_arg(self.warmup_counts, "Decision warmup_counts", minimum=0)
+        if self.inflight_limit is not None:
+            counts_arg(self.inflight_limit, "Decision inflight_limit", minimum=1)
+        if self.actions is not None:
+            plan_arg(self.actions, "Decision actions")
+        counts_arg(self.violated_links, "Decision violated_links", minimum=0)
 
     @property
     def replans(self) -> bool:
@@ -75,15 +94,7 @@ class PolicySettings:
     """Several stages per rank: relative change of a rank's period that triggers a re-plan."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.window, int) and self.window >= 1):
-            raise ValueError(f"policy window must be an int >= 1, got {self.window!r}")
-        for name in ("rel_margin", "abs_margin_ms", "compute_rel_margin"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"policy {name} must be a finite number >= 0, got {value!r}")
-        for name in ("recover_patience", "min_dwell"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
-                raise ValueError(f"policy {name} must be an int >= 0, got {getattr(self, name)!r}")
+        check_thresholds(self)
 
     def headroom_delay(self, c_ms: float) -> float:
         """Delay a re-plan is asked to absorb for a measured one-way delay ``c_ms``."""
@@ -123,6 +134,9 @@ class ReplanPolicy:
 
     forces: ClassVar[bool] = False
     _recover_streak: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_thresholds(self)
 
     @classmethod
     def from_settings(cls, settings: PolicySettings, **extra) -> "ReplanPolicy":
@@ -192,6 +206,18 @@ class ReplanPolicy:
                             f"{self.recover_patience} checks")
         self._recover_streak = 0
         return Decision("keep", "every link within Eq.1 tolerance")
+
+
+def check_thresholds(policy: Any) -> None:
+    """The one check of the re-planning thresholds (:class:`PolicySettings`, :class:`ReplanPolicy` and the
+    policies made from them): TypeError / ValueError naming the field; those a class lacks are skipped."""
+    int_arg(policy.window, "policy window", 1)
+    for name in ("rel_margin", "abs_margin_ms", "compute_rel_margin"):
+        if hasattr(policy, name):
+            real_arg(getattr(policy, name), f"policy {name}", minimum=0)
+    for name in ("recover_patience", "min_dwell"):
+        if hasattr(policy, name):
+            int_arg(getattr(policy, name), f"policy {name}", 0)
 
 
 def headroom_delay(c_ms: float, rel_margin: float, abs_margin_ms: float) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 
-from .config import PipeMorphConfig
+from ..plan.args import ArgumentTypeError
 from .parts import PIPEMORPH, ScheduleSpec
 from .pipemorph import PipeMorph, adaptive_schedule
 
@@ -40,13 +40,10 @@ def register_schedule(spec: ScheduleSpec, schedule_class: type[PipeMorph] | None
     subclass whose ``spec`` is ``spec``), else ``adaptive_schedule(spec, doc, module)``.  Registering a
     name again replaces its entry (case-insensitive names are one name)."""
     if not isinstance(spec, ScheduleSpec):
-        raise TypeError(f"register_schedule takes a ScheduleSpec, got {type(spec).__name__}")
-    if not (isinstance(spec.config_class, type) and issubclass(spec.config_class, PipeMorphConfig)):
-        raise TypeError(f"schedule {spec.name!r}: config_class must be a PipeMorphConfig subclass, "
-                        f"got {spec.config_class!r}")
-    if schedule_class is None:
+        raise ArgumentTypeError(f"spec must be a ScheduleSpec (register_schedule's entry), got {type(spec).__name__}")
+    if schedule_class is None:  # (spec's fields were checked when it was made: ScheduleSpec.__post_init__)
         schedule_class = adaptive_schedule(spec, doc=doc, module=module)
-    elif not (issubclass(schedule_class, PipeMorph) and schedule_class.spec is spec):
+    elif not (isinstance(schedule_class, type) and issubclass(schedule_class, PipeMorph) and schedule_class.spec is spec):
         raise TypeError(f"schedule {spec.name!r}: schedule_class must be a PipeMorph subclass with spec = the entry")
     with _lock:
         for name in [n for n in _ENTRIES if n.lower() == spec.name.lower()]:
@@ -70,6 +67,8 @@ def registered_schedules() -> list[str]:
 
 def resolve_schedule_name(name: str) -> str | None:
     """The registered spelling of ``name`` (case-insensitive), or None."""
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"name must be a schedule name (text), got {name!r}")
     lowered = name.lower()
     with _lock:
         return next((ours for ours in _ENTRIES if ours.lower() == lowered), None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import math
+import numbers
 import os
 import threading
 import weakref
@@ -34,6 +35,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+
+from titan_ext.plan.args import ArgumentTypeError, choice_arg, counts_arg, int_arg, real_arg
 
 from . import ring as R
 from ._device import layer_for
@@ -54,12 +57,23 @@ class Channel:
     dst: int
     direction: str  # "F" (activations, stage s -> s+1) or "B" (gradients, stage s+1 -> s)
 
+    def __post_init__(self) -> None:
+        int_arg(self.src, "src", 0)
+        int_arg(self.dst, "dst", 0)
+        choice_arg(self.direction, "direction", ("F", "B"))
+        if self.src == self.dst:
+            raise ValueError(f"a channel joins two ranks, got src = dst = {self.src}")
+
     def kind(self, rank: int) -> str:
         return f"{'send' if self.src == rank else 'recv'}-{self.direction}"
 
 
 def pipeline_channels(rank: int, stage_to_rank: Sequence[int]) -> list[Channel]:
     """The channels ``rank`` takes part in for a pipeline whose stage ``s`` runs on ``stage_to_rank[s]``."""
+    int_arg(rank, "rank", 0)
+    stage_to_rank = counts_arg(stage_to_rank, "stage_to_rank", minimum=0)
+    if rank not in stage_to_rank:
+        raise ValueError(f"rank {rank} runs no stage of stage_to_rank {stage_to_rank}")
     out: list[Channel] = []
     for s in range(len(stage_to_rank) - 1):
         a, b = stage_to_rank[s], stage_to_rank[s + 1]
@@ -73,9 +87,14 @@ def pipeline_channels(rank: int, stage_to_rank: Sequence[int]) -> list[Channel]:
 
 def delegates_needed(production_bytes_per_s: float, delegate_bytes_per_s: float, max_delegates: int = 8) -> int:
     """Number of delegates of one kind so that consumption keeps pace with production (§5.2: 8 messages/s
-    produced, 2/s per delegate → 4 queues).  At least 1, at most ``max_delegates``."""
-    if max_delegates < 1:
-        raise ValueError("max_delegates must be >= 1")
+    produced, 2/s per delegate → 4 queues).  At least 1, at most ``max_delegates``.  A rate that is NaN
+    (not measured yet) counts as none produced / no throughput measured."""
+    int_arg(max_delegates, "max_delegates", 1)
+    for name, rate in (("production_bytes_per_s", production_bytes_per_s), ("delegate_bytes_per_s", delegate_bytes_per_s)):
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+            raise ArgumentTypeError(f"{name} must be a number, got {rate!r}")
+        if rate < 0:
+            raise ValueError(f"{name} must be >= 0, got {rate!r}")
     if not (production_bytes_per_s > 0) or math.isnan(production_bytes_per_s):
         return 1
     if not (delegate_bytes_per_s > 0) or math.isinf(production_bytes_per_s):
@@ -141,10 +160,35 @@ class DelegatePool:
                  num_slots: int = 8, slot_bytes: int = 16 << 20, store_host: str | None = None,
                  store_port: int | None = None, timeout_s: float = 120.0, pool_id: str | None = None,
                  start_timeout_s: float = 180.0, device=None, heartbeat_timeout_s: float = 10.0):
+        # every argument checked before the extension loads, a segment is swept or a delegate starts
+        int_arg(rank, "rank", 0)
+        if isinstance(channels, (str, bytes)) or not hasattr(channels, "__iter__"):
+            raise ArgumentTypeError(f"channels must be an iterable of Channel, got {type(channels).__name__}")
+        channels = list(channels)
+        for i, ch in enumerate(channels):
+            if not isinstance(ch, Channel):
+                raise ArgumentTypeError(f"channels[{i}] must be a Channel, got {ch!r}")
+            if rank not in (ch.src, ch.dst):
+                raise ValueError(f"rank {rank} is not an end of {ch}")
+        if isinstance(lanes, Mapping):
+            for kind, n in lanes.items():
+                choice_arg(kind, "lanes key", ("F", "B"))
+                int_arg(n, f"lanes[{kind!r}]", 1)
+        else:
+            int_arg(lanes, "lanes", 1)
+        int_arg(num_slots, "num_slots", 1)
+        int_arg(slot_bytes, "slot_bytes", 1)
+        if store_host is not None and not isinstance(store_host, str):
+            raise ArgumentTypeError(f"store_host must be a host name or None, got {store_host!r}")
+        int_arg(store_port, "store_port", 1, optional=True)
+        if pool_id is not None and not isinstance(pool_id, str):
+            raise ArgumentTypeError(f"pool_id must be text or None, got {pool_id!r}")
+        real_arg(timeout_s, "timeout_s", positive=True)
+        real_arg(start_timeout_s, "start_timeout_s", positive=True)
+        if not real_arg(heartbeat_timeout_s, "heartbeat_timeout_s") > 10 * R.HEARTBEAT_S:
+            raise ValueError(f"heartbeat_timeout_s must be > {10 * R.HEARTBEAT_S} s, got {heartbeat_timeout_s}")
         load_ext()
         R.sweep_stale_segments()
-        if not heartbeat_timeout_s > 10 * R.HEARTBEAT_S:
-            raise ValueError(f"heartbeat_timeout_s must be > {10 * R.HEARTBEAT_S} s, got {heartbeat_timeout_s}")
         self.rank, self.channels, self.timeout_s = rank, list(channels), timeout_s
         self.lanes_per = {"F": lanes, "B": lanes} if isinstance(lanes, int) else dict(lanes)
         self.num_slots, self.slot_bytes = num_slots, slot_bytes

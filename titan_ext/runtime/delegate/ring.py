@@ -257,6 +257,12 @@ class SlotRing:
 
 def our_shm_names(pids=None) -> list[str]:
     """Names in /dev/shm that this package created (``titanx_<pid>_...``), optionally only for ``pids``."""
+    if pids is not None:
+        from titan_ext.plan.args import ArgumentTypeError, int_arg
+
+        if isinstance(pids, (str, bytes)) or not hasattr(pids, "__iter__"):
+            raise ArgumentTypeError(f"pids must be an iterable of process ids or None, got {pids!r}")
+        pids = {int_arg(p, f"pids[{i}]", 1) for i, p in enumerate(pids)}
     try:
         names = os.listdir("/dev/shm")
     except FileNotFoundError:
@@ -267,7 +273,7 @@ def our_shm_names(pids=None) -> list[str]:
             continue
         if pids is not None:
             try:
-                if int(n.split("_")[1]) not in set(pids):
+                if int(n.split("_")[1]) not in pids:
                     continue
             except (IndexError, ValueError):
                 continue

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from titan_ext.plan.args import instance_arg, int_arg
 from titan_ext.runtime.config import DelegationConfig
 from titan_ext.runtime.observers import Boundary, ScheduleContext
 from titan_ext.runtime.transport import TorchP2P
@@ -78,8 +79,7 @@ class DelegateTransport:
 def message_slot_bytes(nbytes: int) -> int:
     """Slot size for messages of at most ``nbytes`` payload bytes: rounded up to a 4 KiB page (a slot's
     payload follows a page-aligned header, ring.py)."""
-    if nbytes < 0:
-        raise ValueError(f"message size must be >= 0, got {nbytes}")
+    int_arg(nbytes, "nbytes", 0)
     return max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
 
 
@@ -97,7 +97,9 @@ class Delegation:
     every_iteration = False
 
     def __init__(self, config: DelegationConfig):
-        self.config = config
+        # checked before anything is built (issue 39): its fields were checked by DelegationConfig itself
+        self.config = instance_arg(config, "config", DelegationConfig,
+                                   "a DelegationConfig (e.g. DelegationConfig(mode='auto'))")
         self.mode, self.failover = config.mode, config.failover
         self.slow_link_ms, self.detector = config.slow_link_ms, config.detector
         self.log: list[dict] = []

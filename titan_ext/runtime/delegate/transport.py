@@ -36,6 +36,16 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from titan_ext.plan.args import (
+    ArgumentTypeError,
+    bool_arg,
+    callable_arg,
+    choice_arg,
+    int_arg,
+    mapping_arg,
+    real_arg,
+)
+
 from .pool import DelegatePool
 
 __all__ = ["DelegationMode", "FaultInjector", "P2PRouter"]
@@ -71,7 +81,18 @@ class FaultInjector:
     is dead for both; a receive left posted on a Gloo pair that then times out closes that pair)."""
 
     def __init__(self, broken=(), from_seq: int = 0, predicate: Callable[..., bool] | None = None):
-        self.broken = dict(broken) if isinstance(broken, dict) else {c: from_seq for c in broken}
+        int_arg(from_seq, "from_seq", 0)
+        callable_arg(predicate, "predicate", "a callable (op, peer, direction, seq) -> bool", optional=True)
+        if isinstance(broken, (str, bytes)) or not (isinstance(broken, Mapping) or hasattr(broken, "__iter__")):
+            raise ArgumentTypeError(f"broken must be a mapping (peer, direction) -> first seq or an iterable of "
+                                    f"(peer, direction), got {broken!r}")
+        self.broken = dict(broken) if isinstance(broken, Mapping) else {c: from_seq for c in broken}
+        for channel, start in self.broken.items():
+            if not (isinstance(channel, tuple) and len(channel) == 2):
+                raise ArgumentTypeError(f"broken: {channel!r} is not a (peer, direction) pair")
+            int_arg(channel[0], f"broken {channel!r} peer", 0)
+            choice_arg(channel[1], f"broken {channel!r} direction", ("F", "B"))
+            int_arg(start, f"broken[{channel!r}]", 0)
         self.predicate = predicate
         self.injected = 0
 
@@ -197,6 +218,19 @@ class P2PRouter:
     def __init__(self, rank: int, pool: DelegatePool | None = None, group=None, delegating: bool = False,
                  failover: bool = False, recv_timeout_s: float = 30.0, faults: FaultInjector | None = None,
                  hol_delay_ms: Mapping[int, float] | None = None, delegate_fallback: bool = True):
+        # every argument checked before the pool's fallback is switched on (issue 39)
+        int_arg(rank, "rank", 0)
+        if pool is not None and not hasattr(pool, "enable_fallback"):
+            raise ArgumentTypeError(f"pool must be a DelegatePool or None, got {pool!r}")
+        for name, value in (("delegating", delegating), ("failover", failover), ("delegate_fallback", delegate_fallback)):
+            bool_arg(value, name)
+        real_arg(recv_timeout_s, "recv_timeout_s", positive=True)
+        if faults is not None and not callable(getattr(faults, "fails", None)):
+            raise ArgumentTypeError(f"faults must be a FaultInjector (with fails(op, peer, direction, seq)) or None, "
+                                    f"got {faults!r}")
+        for peer, ms in mapping_arg(hol_delay_ms or {}, "hol_delay_ms", "peer -> ms").items():
+            int_arg(peer, "hol_delay_ms peer", 0)
+            real_arg(ms, f"hol_delay_ms[{peer!r}]", minimum=0)
         if (delegating or failover) and pool is None:
             raise ValueError("delegation and failover need a DelegatePool")
         nccl = is_nccl(group)

@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from titan_ext.plan.args import choice_arg, instance_arg, int_arg, real_arg
+
 __all__ = ["BOCDConfig", "OnlineBOCD", "ChangePoint", "SlowIterationDetector"]
 
 
@@ -107,6 +109,24 @@ class BOCDConfig:
     peer_window: int = 4
     """Iterations of the cross-replica comparison (above)."""
 
+    def __post_init__(self) -> None:
+        """Every field checked (issue 39): TypeError naming it for a wrong type, ValueError for a value
+        the model cannot use (a hazard needs ``expected_run_length`` > 1, a probability is within [0, 1])."""
+        real_arg(self.threshold, "BOCDConfig.threshold", positive=True, maximum=1.0)
+        real_arg(self.min_relative_change, "BOCDConfig.min_relative_change", minimum=0)
+        choice_arg(self.average, "BOCDConfig.average", ("median", "mean"))
+        if not real_arg(self.expected_run_length, "BOCDConfig.expected_run_length") > 1:
+            raise ValueError(f"BOCDConfig.expected_run_length must be > 1 (1 / hazard), got {self.expected_run_length!r}")
+        for name in ("window", "min_segment", "max_run_length", "max_baseline", "peer_window"):
+            int_arg(getattr(self, name), f"BOCDConfig.{name}", 1)
+        int_arg(self.max_pending, "BOCDConfig.max_pending", 0)
+        for name in ("prior_scale", "kappa0", "alpha0", "outlier_scale"):
+            real_arg(getattr(self, name), f"BOCDConfig.{name}", positive=True)
+        if not real_arg(self.outlier_prob, "BOCDConfig.outlier_prob", minimum=0) < 1:
+            raise ValueError(f"BOCDConfig.outlier_prob must be within [0, 1), got {self.outlier_prob!r}")
+        for name in ("start_relative_change", "peer_ratio", "peer_min_ratio"):
+            real_arg(getattr(self, name), f"BOCDConfig.{name}", minimum=0)
+
 
 def _logsumexp(x: np.ndarray) -> float:
     m = float(x.max())
@@ -122,7 +142,7 @@ class OnlineBOCD:
     """
 
     def __init__(self, config: BOCDConfig = BOCDConfig()):
-        self.config = config
+        self.config = instance_arg(config, "config", BOCDConfig)
         self.log_hazard = math.log(1.0 / config.expected_run_length)
         self.log_1m_hazard = math.log1p(-1.0 / config.expected_run_length)
         self._mu0: float | None = None
@@ -267,6 +287,7 @@ class SlowIterationDetector:
     config: BOCDConfig = field(default_factory=BOCDConfig)
 
     def __post_init__(self):
+        instance_arg(self.config, "config", BOCDConfig)
         self.reset()
 
     def reset(self) -> None:
@@ -291,8 +312,7 @@ class SlowIterationDetector:
 
     def observe(self, iteration_time_s: float) -> ChangePoint | None:
         c = self.config
-        if not iteration_time_s > 0:
-            raise ValueError(f"iteration_time_s must be > 0, got {iteration_time_s}")
+        real_arg(iteration_time_s, "iteration_time_s", positive=True)
         self.times.append(float(iteration_time_s))
         self._cumsum.append(self._cumsum[-1] + float(iteration_time_s))
         post = self._bocd.update(math.log(iteration_time_s))

@@ -17,11 +17,18 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterator
 
+from titan_ext.plan.args import counts_arg, int_arg, mapping_arg, real_arg, reals_arg
+
 __all__ = ["IterationObservation", "FalconDecision"]
 
 
-def _frozen_mapping(m: Mapping | None) -> Mapping:
-    return MappingProxyType(dict(m or {}))
+def _frozen_mapping(m: Mapping | None, name: str = "metrics") -> Mapping:
+    return MappingProxyType(dict(mapping_arg(m, name) if m is not None else {}))
+
+
+def _listed(value):
+    """A numpy array as the list it holds (the checks take sequences)."""
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, tuple)) else value
 
 
 @dataclass(frozen=True)
@@ -41,15 +48,20 @@ class IterationObservation:
     split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        """Every field checked (issue 39): TypeError / ValueError naming it. An iteration time is > 0;
+        a group time is any finite number (a link delay estimate may read slightly below 0; the
+        monitor floors it); a replica's time per micro-batch is >= 0 (0: not measured)."""
         if self.iteration_time_s is not None:
-            object.__setattr__(self, "iteration_time_s", float(self.iteration_time_s))
+            object.__setattr__(self, "iteration_time_s", real_arg(self.iteration_time_s, "iteration_time_s", positive=True))
+        groups = mapping_arg({} if self.per_group_times is None else self.per_group_times, "per_group_times",
+                             "group -> seconds")
         object.__setattr__(self, "per_group_times",
-                           MappingProxyType({str(g): float(t) for g, t in (self.per_group_times or {}).items()}))
+                           MappingProxyType({str(g): real_arg(t, f"per_group_times[{g!r}]") for g, t in groups.items()}))
         if (self.replica_microbatch_s is None) != (self.split is None):
             raise ValueError("IterationObservation: replica_microbatch_s and split are given together")
         if self.split is not None:
-            t = tuple(float(x) for x in self.replica_microbatch_s)
-            s = tuple(int(x) for x in self.split)
+            t = tuple(reals_arg(_listed(self.replica_microbatch_s), "replica_microbatch_s", minimum=0))
+            s = tuple(counts_arg(_listed(self.split), "split", minimum=0))
             if len(t) != len(s):
                 raise ValueError(f"IterationObservation: {len(t)} replica times for a split of {len(s)}")
             object.__setattr__(self, "replica_microbatch_s", t)
@@ -66,6 +78,7 @@ class FalconDecision(Mapping):
     metrics: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        int_arg(self.iteration, "iteration", -1)
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
 
     # Mapping over the metrics

@@ -17,6 +17,8 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
+from titan_ext.plan.args import bool_arg, counts_arg, mapping_arg, real_arg
+
 __all__ = [
     "suspicious_groups",
     "ring_validation_passes",
@@ -28,6 +30,8 @@ __all__ = [
 
 def suspicious_groups(transfer_times_s: Mapping[Hashable, float], ratio: float = 1.1) -> list:
     """Groups with transfer time > ``ratio`` × median (Falcon §4.3, ratio 1.1), slowest first."""
+    _times_arg(transfer_times_s, "transfer_times_s", minimum=None)  # a link delay estimate may read < 0
+    real_arg(ratio, "ratio", minimum=1.0)
     if not transfer_times_s:
         return []
     med = float(np.median(list(transfer_times_s.values())))
@@ -42,6 +46,7 @@ def ring_validation_passes(ring: Sequence[int]) -> list[list[tuple[int, int]]]:
     pass runs in parallel in O(1) time regardless of the ring size (Falcon §4.3, Fig. 9). A ring of 2
     has one physical link validated in both directions; a ring of 1 has no links.
     """
+    ring = _ranks_arg(ring, "ring")
     n = len(ring)
     if len(set(ring)) != n:
         raise ValueError(f"ring has repeated ranks: {list(ring)}")
@@ -65,6 +70,8 @@ def tree_validation_passes(tree: Sequence[int], both_directions: bool = False) -
     above them, so no rank is in two pairs of a pass. ``both_directions``: four more passes with the
     roles reversed (parent → child), for trees whose collectives also send down (NCCL's tree
     all-reduce broadcasts the result). Empty passes (small trees) are dropped."""
+    tree = _ranks_arg(tree, "tree")
+    bool_arg(both_directions, "both_directions")
     n = len(tree)
     if len(set(tree)) != n:
         raise ValueError(f"tree has repeated ranks: {list(tree)}")
@@ -78,8 +85,25 @@ def tree_validation_passes(tree: Sequence[int], both_directions: bool = False) -
     return [p for p in passes if p]
 
 
+def _times_arg(values, name: str, pairs: bool = False, minimum: float | None = 0.0) -> None:
+    """A mapping of finite times (seconds; >= ``minimum``) per group, link ``(src, dst)`` (``pairs``) or
+    rank."""
+    mapping_arg(values, name, "link (src, dst) -> seconds" if pairs else "-> seconds")
+    for key, t in values.items():
+        if pairs:
+            counts_arg(key, f"{name} key {key!r}", 2, minimum=0)
+        real_arg(t, f"{name}[{key!r}]", minimum=minimum)
+
+
+def _ranks_arg(ranks, name: str) -> list[int]:
+    return counts_arg(ranks.tolist() if isinstance(ranks, np.ndarray) else ranks, name, minimum=0)
+
+
 def _slow(values: Mapping[Hashable, float], ratio: float, reference_s: float | None,
           min_excess_s: float = 0.0) -> list:
+    real_arg(ratio, "ratio", minimum=1.0)
+    real_arg(reference_s, "reference_s", minimum=0, optional=True)
+    real_arg(min_excess_s, "min_excess_s", minimum=0)
     if not values:
         return []
     ref = float(np.median(list(values.values()))) if reference_s is None else float(reference_s)
@@ -94,10 +118,12 @@ def locate_slow_links(link_times_s: Mapping[tuple[int, int], float], ratio: floa
     unless ``reference_s``, e.g. a healthy calibration, is given) *and* by more than
     ``min_excess_s`` (sub-millisecond differences of small transfers are scheduling noise on a
     shared host, not a slow link), slowest first."""
+    _times_arg(link_times_s, "link_times_s", pairs=True)
     return _slow(link_times_s, ratio, reference_s, min_excess_s)
 
 
 def locate_slow_devices(gemm_times_s: Mapping[int, float], ratio: float = 1.1,
                         reference_s: float | None = None) -> list[int]:
     """Ranks whose GEMM probe time exceeds ``ratio`` × reference (median unless given)."""
+    _times_arg(gemm_times_s, "gemm_times_s")
     return _slow(gemm_times_s, ratio, reference_s)

@@ -20,6 +20,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from titan_ext.plan.args import (
+    ArgumentTypeError,
+    choice_arg,
+    counts_arg,
+    instance_arg,
+    int_arg,
+    real_arg,
+    reals_arg,
+    sequence_arg,
+)
+
 __all__ = [
     "ROOT_CAUSES",
     "STRATEGIES",
@@ -60,8 +71,12 @@ class StrategyCosts:
     checkpoint_restart: float = 600.0
     """S4: full checkpoint-and-restart on healthy nodes."""
 
+    def __post_init__(self) -> None:
+        for name in STRATEGIES:  # seconds >= 0; inf: never worth it
+            real_arg(getattr(self, name), f"StrategyCosts.{name}", minimum=0, allow_inf=True)
+
     def of(self, strategy: str) -> float:
-        return float(getattr(self, strategy))
+        return float(getattr(self, choice_arg(strategy, "strategy", STRATEGIES)))
 
 
 def strategies_for(root_cause: str) -> list[str]:
@@ -79,7 +94,7 @@ def strategies_for(root_cause: str) -> list[str]:
         "compute": ["ignore", "microbatch_redistribution", "topology_adjustment", "checkpoint_restart"],
         "unknown": ["ignore", "checkpoint_restart"],
     }
-    if root_cause not in table:
+    if not isinstance(root_cause, str) or root_cause not in table:
         raise ValueError(f"root_cause must be one of {ROOT_CAUSES}, got {root_cause!r}")
     return list(table[root_cause])
 
@@ -99,6 +114,7 @@ class MitigationPlanner:
     costs: StrategyCosts = field(default_factory=StrategyCosts)
 
     def __post_init__(self):
+        instance_arg(self.costs, "costs", StrategyCosts)
         self.active = False
         self.candidates: list[str] = []
         self.next_id = 0
@@ -112,6 +128,8 @@ class MitigationPlanner:
         """Open an event. ``slow_times_so_far``: iteration times since the onset that were observed
         before the root cause was known (they count as slow iterations and impact; Alg. 1 line 10)."""
         cands = strategies_for(root_cause)
+        healthy_iteration_s = real_arg(healthy_iteration_s, "healthy_iteration_s", positive=True)
+        slow_times_so_far = reals_arg(slow_times_so_far, "slow_times_so_far", positive=True)
         cands.sort(key=self.costs.of)  # Alg. 1 line 6 (stable: ties keep effectiveness order)
         self.candidates, self.next_id = cands, 0
         self.active, self.slow_iters, self.impact_s = True, 0, 0.0
@@ -123,6 +141,7 @@ class MitigationPlanner:
             self.impact_s += max(0.0, float(t) - self.healthy_s)
 
     def step(self, iteration_time_s: float) -> list[str]:
+        real_arg(iteration_time_s, "iteration_time_s", positive=True)
         if not self.active:
             return []
         self.slow_iters += 1
@@ -158,12 +177,12 @@ def min_max_microbatch_split(total_microbatches: int, per_microbatch_s: Sequence
     (The paper solves a QP with cvxpy; for integers the greedy needs no solver and runs in
     O(M log D).)
     """
-    t = [float(x) for x in per_microbatch_s]
+    total_microbatches = int_arg(total_microbatches, "total_microbatches", 1)
+    min_per_group = int_arg(min_per_group, "min_per_group", 0)
+    t = reals_arg(_listed(per_microbatch_s), "per_microbatch_s", positive=True)
     d = len(t)
     if d == 0:
         raise ValueError("per_microbatch_s is empty")
-    if any(not x > 0 for x in t):
-        raise ValueError(f"per_microbatch_s must be > 0, got {t}")
     if total_microbatches < d * min_per_group:
         raise ValueError(
             f"total_microbatches={total_microbatches} < {d} groups x min_per_group={min_per_group}"
@@ -188,6 +207,12 @@ def predicted_iteration_s(iteration_s: float, split: Sequence[int], per_replica_
     replica runs its new chunks at its measured time per chunk. Not in the paper, whose ski rental
     takes a strategy to end the slowdown; S4 without spare nodes drops whole replicas, and the kept
     ones take their chunks."""
+    real_arg(iteration_s, "iteration_s", minimum=0)
+    per_replica_s = reals_arg(_listed(per_replica_s), "per_replica_s", minimum=0)
+    if not per_replica_s:
+        raise ValueError("per_replica_s is empty")
+    for name, value in (("split", split), ("new_split", new_split)):
+        counts_arg(_listed(value), name, len(per_replica_s), minimum=0)
     busy = max(int(m) * float(t) for m, t in zip(split, per_replica_s))
     return max(0.0, float(iteration_s) - busy) + max(int(m) * float(t) for m, t in zip(new_split, per_replica_s))
 
@@ -220,6 +245,50 @@ class TopologyPlan:
         return {"grid": [list(r) for r in self.grid], "moved": self.moved, "score": list(self.score)}
 
 
+def _listed(value):
+    """A 1-D numpy array as the list it holds (the checks take sequences; numpy is welcome)."""
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def grid_arg(grid, name: str = "grid") -> list[list[int]]:
+    """``grid[dp][pp]`` = global rank: a non-empty rectangle of distinct integers >= 0 (the one check of
+    a device grid: :class:`~.monitor.FalconMonitor`, :func:`plan_topology`, :func:`topology_score`)."""
+    rows = sequence_arg(_listed(grid), name, "a sequence of rows (grid[dp][pp] = global rank)")
+    if not rows:
+        raise ValueError(f"{name} is empty: at least one DP row of PP ranks")
+    out = [counts_arg(_listed(row), f"{name}[{d}]", minimum=0) for d, row in enumerate(rows)]
+    if not out[0] or any(len(row) != len(out[0]) for row in out):
+        raise ValueError(f"{name} must be a rectangle of ranks (every row one per PP stage, at least one), "
+                         f"got row lengths {[len(row) for row in out]}")
+    seen = [r for row in out for r in row]
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"{name} has repeated ranks: {out}")
+    return out
+
+
+def _links_arg(links, name: str, devices: set[int]) -> list[tuple[int, int]]:
+    """Device pairs ``(a, b)`` of the grid (directed or not), a != b."""
+    if isinstance(links, (str, bytes)) or not hasattr(links, "__iter__"):
+        raise ArgumentTypeError(f"{name} must be an iterable of (rank, rank) pairs, got {type(links).__name__}")
+    out = []
+    for i, link in enumerate(links):
+        a, b = counts_arg(_listed(link), f"{name}[{i}]", 2, minimum=0)
+        if a not in devices or b not in devices or a == b:
+            raise ValueError(f"{name}: slow link {(a, b)} is not a pair of distinct grid devices")
+        out.append((a, b))
+    return out
+
+
+def _ranks_arg(ranks, name: str, devices: set[int]) -> list[int]:
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise ArgumentTypeError(f"{name} must be an iterable of ranks, got {type(ranks).__name__}")
+    out = [int_arg(r, f"{name}[{i}]", 0) for i, r in enumerate(ranks)]
+    for r in out:
+        if r not in devices:
+            raise ValueError(f"{name}: straggler {r} not in the grid")
+    return out
+
+
 def _positions(grid: np.ndarray) -> dict[int, tuple[int, int]]:
     return {int(grid[d, s]): (d, s) for d in range(grid.shape[0]) for s in range(grid.shape[1])}
 
@@ -238,7 +307,19 @@ def topology_score(grid, slow_links: Iterable[tuple[int, int]] = (),
        paper criterion: torch's schedules number a PP group's members by global rank, so the
        in-memory S3 of :mod:`titan_ext.titan.falcon.s3` applies grids without such pipelines).
     """
-    g = np.asarray(grid)
+    g = np.asarray(grid_arg(grid))
+    devices = set(int(x) for x in g.ravel())
+    slow_links = _links_arg(slow_links, "slow_links", devices)
+    stragglers = _ranks_arg(stragglers, "stragglers", devices)
+    if old_grid is not None:
+        old_grid = np.asarray(grid_arg(old_grid, "old_grid"))
+        if old_grid.shape != g.shape:
+            raise ValueError(f"old_grid has shape {old_grid.shape}, grid {g.shape}")
+    return _score(g, slow_links, stragglers, old_grid)
+
+
+def _score(g: np.ndarray, slow_links: list[tuple[int, int]], stragglers: list[int], old_grid) -> tuple:
+    """:func:`topology_score` of checked arguments (the descent's inner loop)."""
     num_dp, num_pp = g.shape
     pos = _positions(g)
     off_hop = 0
@@ -270,26 +351,17 @@ def plan_topology(grid: Sequence[Sequence[int]], slow_links: Iterable[tuple[int,
     descent. Deterministic. Raises ValueError for a grid with a single PP stage and a slow link
     (there is no PP hop to move it to).
     """
-    g0 = np.asarray(grid, dtype=np.int64)
-    if g0.ndim != 2:
-        raise ValueError("grid must be 2-D: grid[dp][pp] = device")
+    g0 = np.asarray(grid_arg(grid), dtype=np.int64)
     num_dp, num_pp = g0.shape
-    slow_links = [tuple(int(x) for x in link) for link in slow_links]
-    stragglers = sorted({int(s) for s in stragglers})
     devices = set(int(x) for x in g0.ravel())
-    if len(devices) != g0.size:
-        raise ValueError("grid has repeated devices")
-    for a, b in slow_links:
-        if a not in devices or b not in devices or a == b:
-            raise ValueError(f"slow link {(a, b)} is not a pair of distinct grid devices")
+    slow_links = _links_arg(slow_links, "slow_links", devices)
+    stragglers = sorted(set(_ranks_arg(stragglers, "stragglers", devices)))
+    max_rounds = int_arg(max_rounds, "max_rounds", 0)
     if slow_links and num_pp < 2:
         raise ValueError("a single PP stage has no PP hop to carry a slow link")
-    for s in stragglers:
-        if s not in devices:
-            raise ValueError(f"straggler {s} not in the grid")
 
     def score(g):
-        return topology_score(g, slow_links, stragglers, g0)
+        return _score(g, slow_links, stragglers, g0)
 
     starts = [g0.copy(), _constructive(g0, slow_links, stragglers)]
     best = None

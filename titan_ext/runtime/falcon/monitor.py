@@ -23,15 +23,18 @@ import dataclasses
 import json
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from titan_ext.plan.args import ArgumentTypeError, bool_arg, instance_arg, int_arg, real_arg
 
 from .attribution import attribute
 from .bocd import BOCDConfig, SlowIterationDetector
 from .decision import FalconDecision, IterationObservation
 from .localize import locate_slow_devices, locate_slow_links, suspicious_groups
-from .mitigation import MitigationPlanner, StrategyCosts, min_max_microbatch_split, plan_topology
+from .mitigation import MitigationPlanner, StrategyCosts, grid_arg, min_max_microbatch_split, plan_topology
 from .period import estimate_period
 from .s2 import ReplicaTimes
 
@@ -77,11 +80,45 @@ class FalconConfig:
     None: S2 plans once, as in the paper."""
 
     def __post_init__(self) -> None:
+        """Every field checked at construction (issue 39): TypeError naming it for a wrong type,
+        ValueError for a value out of range -- before any monitor, hook or process group exists."""
+        instance_arg(self.detector, "FalconConfig.detector", BOCDConfig)
+        instance_arg(self.costs, "FalconConfig.costs", StrategyCosts)
         for name in ("suspicious_ratio", "slow_link_ratio", "slow_device_ratio"):
-            if not getattr(self, name) >= 1.0:  # below 1 would flag the median itself as slow
-                raise ValueError(f"FalconConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.split_refine_gain is not None and not 0.0 < self.split_refine_gain < 1.0:
+            # below 1 would flag the median itself as slow
+            real_arg(getattr(self, name), f"FalconConfig.{name}", minimum=1.0)
+        real_arg(self.slow_link_min_excess_s, "FalconConfig.slow_link_min_excess_s", minimum=0)
+        int_arg(self.effect_window, "FalconConfig.effect_window", 1)
+        int_arg(self.validation_wait_iters, "FalconConfig.validation_wait_iters", 0)
+        bool_arg(self.delegation_available, "FalconConfig.delegation_available")
+        int_arg(self.num_microbatches, "FalconConfig.num_microbatches", 1, optional=True)
+        real_arg(self.period_threshold, "FalconConfig.period_threshold", positive=True, maximum=1.0)
+        int_arg(self.period_window, "FalconConfig.period_window", 2)  # a period must repeat once in it
+        bool_arg(self.group_tracking, "FalconConfig.group_tracking")
+        real_arg(self.group_floor_s, "FalconConfig.group_floor_s", positive=True)
+        gain = real_arg(self.split_refine_gain, "FalconConfig.split_refine_gain", optional=True)
+        if gain is not None and not 0.0 < gain < 1.0:
             raise ValueError(f"FalconConfig.split_refine_gain must be in (0, 1) or None, got {self.split_refine_gain!r}")
+
+
+def _group_names(groups, name: str) -> dict:
+    """The group names of ``pp_groups`` / ``dp_groups`` (text, as ``per_group_times`` names them): a
+    mapping name -> PP link (its values checked by the caller) or an iterable of names, not one text."""
+    if isinstance(groups, (str, bytes)) or not (isinstance(groups, Mapping) or hasattr(groups, "__iter__")):
+        raise ArgumentTypeError(f"{name} must be a mapping group name -> PP link or an iterable of group names, "
+                                f"got {groups!r}")
+    names = list(groups.keys() if isinstance(groups, Mapping) else groups)
+    for g in names:
+        if not isinstance(g, str):
+            raise ArgumentTypeError(f"{name}: group names are text (as per_group_times names them), got {g!r}")
+    return dict(groups) if isinstance(groups, Mapping) else dict.fromkeys(names)
+
+
+def _recorder_arg(recorder):
+    """None or a call record (:class:`~.hooks.CallRecorder`: anything with ``records``)."""
+    if recorder is not None and not hasattr(recorder, "records"):
+        raise ArgumentTypeError(f"recorder must be a CallRecorder (with .records) or None, got {recorder!r}")
+    return recorder
 
 
 class FalconMonitor:
@@ -97,10 +134,17 @@ class FalconMonitor:
 
     def __init__(self, config: FalconConfig | None = None, grid=None, pp_groups=(), dp_groups=(),
                  recorder=None):
-        self.config = config or FalconConfig()
-        self.grid = [list(r) for r in grid] if grid is not None else None
-        self.pp_link_of = dict(pp_groups) if isinstance(pp_groups, dict) else {}
-        self.pp_groups, self.dp_groups = set(pp_groups), set(dp_groups)
+        # every argument checked first (issue 39): TypeError / ValueError naming it
+        self.config = FalconConfig() if config is None else instance_arg(config, "config", FalconConfig)
+        self.grid = grid_arg(grid) if grid is not None else None
+        pp, dp = _group_names(pp_groups, "pp_groups"), _group_names(dp_groups, "dp_groups")
+        self.pp_link_of = ({g: int_arg(i, f"pp_groups[{g!r}]", 0) for g, i in pp.items()}
+                           if isinstance(pp_groups, Mapping) else {})
+        self.pp_groups, self.dp_groups = set(pp), set(dp)
+        both = sorted(self.pp_groups & self.dp_groups)
+        if both:
+            raise ValueError(f"pp_groups and dp_groups both name {both}: a group is one kind")
+        _recorder_arg(recorder)
         self.slow_link_excess_s: dict[tuple[int, int], float] = {}
         self._group_excess_s: dict = {}
         self.recorder = recorder
@@ -147,11 +191,11 @@ class FalconMonitor:
 
     def set_grid(self, grid) -> None:
         """The layout after a topology change (S3): ``grid[dp][pp]`` = global rank."""
-        self.grid = [list(r) for r in grid]
+        self.grid = grid_arg(grid)
 
     def attach_recorder(self, recorder) -> None:
         """Derive iteration times from this :class:`~.hooks.CallRecorder` (``observe(None)``, ACF)."""
-        self.recorder = recorder
+        self.recorder = _recorder_arg(recorder)
 
     # ---------------------------------------------------------------- tracking
     def iteration_times_from_recorder(self) -> list[float]:
@@ -201,7 +245,8 @@ class FalconMonitor:
         groups = dict(obs.per_group_times) if obs.per_group_times else None
         if obs.iteration_time_s is None:
             if self.recorder is None:
-                raise ValueError("observe(None) needs a CallRecorder")
+                raise ValueError("observe(None) needs a CallRecorder (FalconMonitor(recorder=...) or "
+                                 "attach_recorder): an observation without iteration_time_s")
             times = self.iteration_times_from_recorder()
             if not times:
                 return FalconDecision(self.iteration, {"falcon/state": "slow" if self.detector.slow else "healthy"})
@@ -356,12 +401,14 @@ class FalconMonitor:
 
         ``pause_s``: how long training was suspended for validation (reported as a metric)."""
         c = self.config
+        real_arg(pause_s, "pause_s", minimum=0, optional=True)
+        slow_links = self.slow_links_in(link_times_s or {}, link_reference_s)  # checks the timings first
+        slow_devices = locate_slow_devices(gemm_times_s or {}, c.slow_device_ratio)
         if link_times_s:
             ref = (float(np.median(list(link_times_s.values()))) if link_reference_s is None
                    else float(link_reference_s))
             self.slow_link_excess_s = {k: v - ref for k, v in link_times_s.items()}
-        self.slow_links = self.slow_links_in(link_times_s or {}, link_reference_s)
-        self.slow_devices = locate_slow_devices(gemm_times_s or {}, c.slow_device_ratio)
+        self.slow_links, self.slow_devices = slow_links, slow_devices
         ref = float(np.median(list(gemm_times_s.values()))) if gemm_times_s else 1.0
         self.device_slowdown = {k: v / ref for k, v in (gemm_times_s or {}).items()}
         out: dict = {

@@ -26,7 +26,16 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from titan_ext.plan.args import ArgumentTypeError, bool_arg, int_arg, real_arg, reals_arg
+
 __all__ = ["acf", "estimate_period", "iteration_times_from_calls"]
+
+
+def _signatures_arg(signatures) -> None:
+    """A record of call signatures: a numpy array or a sequence (not one text, not a number)."""
+    if isinstance(signatures, (str, bytes)) or not (isinstance(signatures, np.ndarray) or isinstance(signatures, Sequence)):
+        raise ArgumentTypeError(f"signatures must be a sequence of call signatures (or a numpy array), "
+                                f"got {type(signatures).__name__}")
 
 
 def _one_hot(signatures: Sequence[Hashable]) -> np.ndarray:
@@ -44,6 +53,9 @@ def acf(signatures: Sequence[Hashable] | np.ndarray, max_lag: int, unbiased: boo
     ``signatures``: a numeric 1-D array (used as is) or a sequence of hashable call signatures
     (one-hot encoded). Lags with fewer than 1 overlapping element get ACF 0.
     """
+    _signatures_arg(signatures)
+    max_lag = int_arg(max_lag, "max_lag", 0)
+    bool_arg(unbiased, "unbiased")
     arr = np.asarray(signatures) if isinstance(signatures, np.ndarray) else None
     if arr is not None and arr.ndim == 1 and np.issubdtype(arr.dtype, np.number):
         x = arr.astype(np.float64)[:, None]
@@ -67,6 +79,10 @@ def estimate_period(signatures: Sequence[Hashable] | np.ndarray, threshold: floa
 
     ``max_lag`` defaults to half the record (a period must repeat at least twice to be seen).
     """
+    _signatures_arg(signatures)
+    real_arg(threshold, "threshold", positive=True, maximum=1.0)
+    int_arg(max_lag, "max_lag", 0, optional=True)
+    bool_arg(unbiased, "unbiased")
     n = len(signatures)
     if max_lag is None:
         max_lag = n // 2
@@ -83,6 +99,12 @@ def iteration_times_from_calls(timestamps_s: Sequence[float], period: int, phase
     ``timestamps_s[i]`` is the start time of call i. Returns one duration per full period after the
     first; any fixed ``phase`` gives the same durations shifted by the phase's offset.
     """
+    period = int_arg(period, "period", 1)
+    phase = int_arg(phase, "phase", 0)
+    if not isinstance(timestamps_s, np.ndarray):
+        reals_arg(timestamps_s, "timestamps_s")
     ts = np.asarray(timestamps_s, dtype=np.float64)
+    if ts.ndim != 1 or not np.isfinite(ts).all():
+        raise ValueError(f"timestamps_s must be one finite start time per call, got an array of shape {ts.shape}")
     anchors = ts[phase::period]
     return np.diff(anchors)
