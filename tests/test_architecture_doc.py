@@ -33,3 +33,14 @@ def test_the_new_schedule_recipe_is_the_one_its_test_follows():
     assert (ROOT / "tests" / "test_titan_new_schedule.py").exists()
     for gone in ("runtime/delegated.py", "`_SCHEDULES`", "`_DELEGATING_VARIANTS`", "`_DIRECT`", "runtime/testing.py"):
         assert gone not in text, gone
+
+
+def test_no_internal_issue_numbers_in_the_code_or_the_user_docs():
+    """The code and the user's docs stand on their own: "issue N" means nothing to a user (the issue
+    tracker is the developers'; BENCHMARKS.md and the commit log may cite it)."""
+    pattern = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+    paths = [p for p in (ROOT / "titan_ext").rglob("*") if p.suffix in (".py", ".c", ".h", ".toml")]
+    paths += [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:100]}" for p in paths
+            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)

@@ -6,4 +6,4 @@ from __future__ import annotations
 
 class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type: a ``TypeError`` (Python's convention) that is also the
-    ``ValueError`` the public API raised for it before (issue 26), so both ``except`` clauses catch it."""
+    ``ValueError`` the public API raised for it before, so both ``except`` clauses catch it."""

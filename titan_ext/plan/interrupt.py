@@ -1,4 +1,4 @@
-"""Native solver calls that leave the process's signal handling as they found it (issue 39).
+"""Native solver calls that leave the process's signal handling as they found it.
 
 OR-Tools' CP-SAT installs its own C-level SIGINT handler during ``CpSolver.Solve`` (parameter
 ``catch_sigint_signal``, on by default) and, when the solve ends, sets the kernel's SIGINT action to

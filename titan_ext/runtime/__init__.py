@@ -26,7 +26,7 @@ from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (docs/falcon.md)
 
 
 def __getattr__(name: str):
-    if name == "DelegatedPipeMorph":  # removed by issue 38: delegation is every adaptive schedule's
+    if name == "DelegatedPipeMorph":  # removed: delegation is every adaptive schedule's
         raise AttributeError("titan_ext.runtime.DelegatedPipeMorph was removed: every adaptive schedule has "
                              "delegation (PipeMorph(stage, n, delegation='auto'|'always'), any registered "
                              "schedule alike); its API is schedule.delegation: .router, .pool, .log, "

@@ -142,7 +142,7 @@ class PipeMorphConfig:
     """The transport: direct torch P2P or the delegate data plane."""
 
     def __post_init__(self) -> None:
-        """Every field checked at construction (issue 39): TypeError (a wrong type; also a ValueError)
+        """Every field checked at construction: TypeError (a wrong type; also a ValueError)
         or ValueError naming the field -- before any process group exists."""
         int_arg(self.profile_every, "profile_every", 1)
         int_arg(self.profile_every_max, "profile_every_max", 1)

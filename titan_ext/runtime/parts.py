@@ -49,7 +49,7 @@ class ScheduleSpec:
     multi_stage_policy: Callable[[Layout, PolicySettings], Policy] = _multi_stage_policy
 
     def __post_init__(self) -> None:
-        """Every field checked when the entry is made (issue 39), not when a schedule is first built."""
+        """Every field checked when the entry is made, not when a schedule is first built."""
         if not (isinstance(self.name, str) and self.name.strip()):
             raise ArgumentTypeError(f"ScheduleSpec name must be a non-empty schedule name, got {self.name!r}")
         callable_arg(self.one_stage_planner, "one_stage_planner", "a callable (config) -> Planner")

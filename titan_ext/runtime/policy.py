@@ -49,7 +49,7 @@ class Decision:
     violated_links: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        """Types checked (issue 39); ``action`` is any name a policy gives (the runtime's are above)."""
+        """Types checked; ``action`` is any name a policy gives (the runtime's are above)."""
         if not (isinstance(self.action, str) and self.action):
             raise ArgumentTypeError(f"Decision action must be a non-empty name (keep, adapt, ...), got {self.action!r}")
         if not isinstance(self.reason, str):

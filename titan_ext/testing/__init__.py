@@ -1,4 +1,4 @@
-"""Test backends and harness of titan_ext's tests and scripts (issue 38 item 4); no part of a job.
+"""Test backends and harness of titan_ext's tests and scripts; no part of a job.
 
 | module | what |
 |---|---|

@@ -97,7 +97,7 @@ class Delegation:
     every_iteration = False
 
     def __init__(self, config: DelegationConfig):
-        # checked before anything is built (issue 39): its fields were checked by DelegationConfig itself
+        # checked before anything is built: its fields were checked by DelegationConfig itself
         self.config = instance_arg(config, "config", DelegationConfig,
                                    "a DelegationConfig (e.g. DelegationConfig(mode='auto'))")
         self.mode, self.failover = config.mode, config.failover

@@ -218,7 +218,7 @@ class P2PRouter:
     def __init__(self, rank: int, pool: DelegatePool | None = None, group=None, delegating: bool = False,
                  failover: bool = False, recv_timeout_s: float = 30.0, faults: FaultInjector | None = None,
                  hol_delay_ms: Mapping[int, float] | None = None, delegate_fallback: bool = True):
-        # every argument checked before the pool's fallback is switched on (issue 39)
+        # every argument checked before the pool's fallback is switched on
         int_arg(rank, "rank", 0)
         if pool is not None and not hasattr(pool, "enable_fallback"):
             raise ArgumentTypeError(f"pool must be a DelegatePool or None, got {pool!r}")

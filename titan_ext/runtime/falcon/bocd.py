@@ -110,7 +110,7 @@ class BOCDConfig:
     """Iterations of the cross-replica comparison (above)."""
 
     def __post_init__(self) -> None:
-        """Every field checked (issue 39): TypeError naming it for a wrong type, ValueError for a value
+        """Every field checked: TypeError naming it for a wrong type, ValueError for a value
         the model cannot use (a hazard needs ``expected_run_length`` > 1, a probability is within [0, 1])."""
         real_arg(self.threshold, "BOCDConfig.threshold", positive=True, maximum=1.0)
         real_arg(self.min_relative_change, "BOCDConfig.min_relative_change", minimum=0)

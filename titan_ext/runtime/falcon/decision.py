@@ -1,4 +1,4 @@
-"""The monitor's explicit input and output: frozen dataclasses (issue 35 item 4).
+"""The monitor's explicit input and output: frozen dataclasses.
 
 :class:`IterationObservation` is everything the trainer measured in one iteration (Falcon §4.2's
 iteration time, §4.3's per-group times, §5.3's per-replica micro-batch times t_i with the split
@@ -48,7 +48,7 @@ class IterationObservation:
     split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        """Every field checked (issue 39): TypeError / ValueError naming it. An iteration time is > 0;
+        """Every field checked: TypeError / ValueError naming it. An iteration time is > 0;
         a group time is any finite number (a link delay estimate may read slightly below 0; the
         monitor floors it); a replica's time per micro-batch is >= 0 (0: not measured)."""
         if self.iteration_time_s is not None:

@@ -1,6 +1,6 @@
 """FalconMonitor: the once-per-iteration entry point for the schedule / trainer (Falcon §4–§5).
 
-Process-group free, with explicit inputs and outputs (issue 35 item 4): ``observe`` takes an
+Process-group free, with explicit inputs and outputs: ``observe`` takes an
 :class:`~.decision.IterationObservation` (iteration time, per-group times, the replicas' measured
 micro-batch times and their split) and returns a :class:`~.decision.FalconDecision` (frozen: the
 ``falcon/...`` metrics the trainer merges into its per-iteration metrics and W&B, with typed
@@ -80,7 +80,7 @@ class FalconConfig:
     None: S2 plans once, as in the paper."""
 
     def __post_init__(self) -> None:
-        """Every field checked at construction (issue 39): TypeError naming it for a wrong type,
+        """Every field checked at construction: TypeError naming it for a wrong type,
         ValueError for a value out of range -- before any monitor, hook or process group exists."""
         instance_arg(self.detector, "FalconConfig.detector", BOCDConfig)
         instance_arg(self.costs, "FalconConfig.costs", StrategyCosts)
@@ -134,7 +134,7 @@ class FalconMonitor:
 
     def __init__(self, config: FalconConfig | None = None, grid=None, pp_groups=(), dp_groups=(),
                  recorder=None):
-        # every argument checked first (issue 39): TypeError / ValueError naming it
+        # every argument checked first: TypeError / ValueError naming it
         self.config = FalconConfig() if config is None else instance_arg(config, "config", FalconConfig)
         self.grid = grid_arg(grid) if grid is not None else None
         pp, dp = _group_names(pp_groups, "pp_groups"), _group_names(dp_groups, "dp_groups")
