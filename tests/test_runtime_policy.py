@@ -163,15 +163,16 @@ def test_the_executors_per_action_cost_makes_the_split_plan_pay_for_its_extra_ac
     assert replay_makespan_ns(split.ops, prof.with_action_cost([c] * S)) / 1e6 == split_c
 
 
-def test_gap_per_action_is_the_time_neither_computing_nor_waiting_for_an_input():
+def test_gap_per_action_is_the_median_time_between_actions_not_waiting_for_an_input():
     from titan_ext.runtime.profiler import ActionRecord, IterationProfile
 
-    # F 0–1 s, a 0.5 s input wait, I 2–3 s (1.5–2 idle apart from it), W 3.25–4 s: span 4 s, compute 2.75 s,
-    # waits 0.5 s → 0.75 s over 3 actions = 250 ms each
+    # F 0–1 s; I 2–3 s after a 0.5 s input wait (gap 0.5 s); W 3.25–4 s (gap 0.25 s); F 9–10 s (a 5 s
+    # stall, gap 5 s): median of [0.5, 0.25, 5] s = 500 ms, whatever the stall's length
     acts = [ActionRecord("F", 0, 0, 0.0, 1.0), ActionRecord("I", 0, 0, 2.0, 3.0, recv_wait_ms=500.0),
-            ActionRecord("W", 0, 0, 3.25, 4.0)]
-    assert abs(IterationProfile(acts).gap_ms() - 250.0) < 1e-9
-    assert math.isnan(IterationProfile([]).gap_ms())
+            ActionRecord("W", 0, 0, 3.25, 4.0), ActionRecord("F", 0, 1, 9.0, 10.0)]
+    assert abs(IterationProfile(acts).gap_ms() - 500.0) < 1e-9
+    assert abs(IterationProfile(list(reversed(acts))).gap_ms() - 500.0) < 1e-9  # in the order they ran
+    assert math.isnan(IterationProfile(acts[:1]).gap_ms())
 
 
 def test_a_capped_plan_that_holds_all_its_memory_allows_is_held_not_replanned():

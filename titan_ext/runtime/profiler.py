@@ -79,15 +79,15 @@ class IterationProfile:
         return statistics.median(vals) if vals else math.nan
 
     def gap_ms(self) -> float:
-        """Per compute action, the time between actions that was neither compute nor a wait for an input
-        (ms): (last end − first start − compute − input waits) / actions.  The executor's per-action cost
-        as the device saw it (on a GPU the stamps are the compute stream's, so host work the stream ran
-        ahead of costs nothing); the timing model's actions have none (``backward.faster_by_model``)."""
-        if not self.actions:
-            return math.nan
-        span = 1e3 * (max(a.end for a in self.actions) - min(a.start for a in self.actions))
-        idle = span - self.busy_ms() - sum(a.recv_wait_ms for a in self.actions)
-        return max(idle, 0.0) / len(self.actions)
+        """The executor's typical cost per compute action (ms): the median, over consecutive actions in
+        the order they ran, of the time from one's end to the next one's start that was not a wait for
+        the next one's input.  A median, not a mean: one stall (the first iteration's warm-up, a busy
+        host's hiccup) must not price every action.  On a GPU the stamps are the compute stream's, so
+        host work the stream ran ahead of costs nothing; the timing model's actions have none
+        (``backward.faster_by_model``)."""
+        acts = sorted(self.actions, key=lambda a: a.start)
+        gaps = [max(1e3 * (b.start - a.end) - b.recv_wait_ms, 0.0) for a, b in zip(acts, acts[1:])]
+        return statistics.median(gaps) if gaps else math.nan
 
     def stage_times_ms(self, stages: list[int]) -> list[tuple[float, float, float, float]]:
         """(F, I, W, B) medians per local stage (several stages per rank: ``runtime/placement.py``)."""
