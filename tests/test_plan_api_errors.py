@@ -75,7 +75,7 @@ def test_simulate_refuses_incomplete_or_mismatched_plans():
     """Issue 26: a plan with half of each rank's actions timed 210 ms, and a 12-microbatch plan was timed
     under 8- and 24-microbatch profiles. The complete plan under its own profile is PipeMorph Fig.4's
     ZeroBubble (390 ms), so the refusals are not a broken simulator."""
-    plan = plan_pipemorph(P).actions
+    plan = plan_pipemorph(P, candidates=False).actions
     assert simulate(plan, P).makespan_ms == 390.0
     half = {r: acts[: len(acts) // 2] for r, acts in plan.items()}
     with pytest.raises(ValueError, match="has no"):

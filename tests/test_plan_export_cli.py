@@ -112,8 +112,14 @@ def test_profile_file(tmp_path):
     out = run("plan", "--profile", str(tmp_path / "p.json"), "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.strip().splitlines()[-1])
-    # Eq.1 on link 1: ceil((6 + 6 + 80) / 14) = 7, clipped at max(N − 2S, 2) = 3
-    assert doc["slackness"] == [2, 3]
+    # Eq.1 on link 1: ceil((6 + 6 + 80) / 14) = 7, clipped at max(N − 2S, 2) = 3 (Alg.2 as published)
+    from titan_ext.plan import PipelineProfile, plan_pipemorph
+
+    alg2 = plan_pipemorph(PipelineProfile.from_json(profile), candidates=False)
+    assert alg2.slackness == [2, 3]
+    # the CLI's plan (Alg.2 and its candidates): as fast, and on a tie the one holding fewer activations
+    assert doc["makespan_ms"] <= alg2.predicted_makespan_ms + 1e-9
+    assert sum(doc["warmup_counts"]) <= sum(alg2.warmup_counts)
     (tmp_path / "bad.json").write_text(json.dumps({**profile, "f_ms": [5, 6]}))
     bad = run("plan", "--profile", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "f_ms" in bad.stderr

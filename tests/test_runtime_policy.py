@@ -103,9 +103,10 @@ def test_bubble_rate_closed_form():
 def test_plan_helpers():
     from titan_ext.plan import plan_pipemorph
 
-    plan = plan_pipemorph(_profile({}), mode="initial", memory_limit=7)
+    # Alg.1 as published (no candidates: with them a tie goes to the leaner 1F1B-like counts)
+    plan = plan_pipemorph(_profile({}), mode="initial", memory_limit=7, candidates=False)
     assert warmup_counts_of(plan.actions) == plan.warmup_counts == [7, 5, 3, 1]
-    other = plan_pipemorph(_profile({}), mode="initial", memory_limit=10)
+    other = plan_pipemorph(_profile({}), mode="initial", memory_limit=10, candidates=False)
     assert plan_hash(plan.actions) == plan_hash({r: list(a) for r, a in plan.actions.items()})
     assert plan_hash(plan.actions) != plan_hash(other.actions)
 

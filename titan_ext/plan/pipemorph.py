@@ -357,7 +357,9 @@ def plan_pipemorph(
     slack floor 1, Alg.2 with its clip as published where N − 2S is below the floor (x_i = 1 at N = 2S,
     uncapped: ``adapted_warmup_counts(literal=True)``), the static zb and zb-h1 orders and torch's
     1F1B order — and returns the fastest
-    (ties: the earlier in that list, which holds fewer activations), so it is never slower than any.
+    (ties: the one holding fewer activations — its warm-up counts' sum —, then the earlier in that list: at
+    1F1B's memory with no delay, 1F1B's own counts rather than Alg.1's, which the model times the same and
+    which run slower), so it is never slower than any.
     ``memory_limit`` K (and the profile's byte budget): every candidate holds at most K in-flight
     activations per stage, so the result is the fastest candidate that fits.
     ``cap_inflight`` (our memory extension): the requested schedule caps in-flight activations at x_i.
@@ -403,11 +405,13 @@ def plan_pipemorph(
             if twin:  # the cap never bound: the uncapped order is the capped one
                 timed[cand.name] = timed[f"{cand.name}-capped"]
                 continue
-            # ties go to the earlier candidate: a later one must be strictly faster
-            if best and hold_bound_ns(profile, cand.inflight_limit) >= best[0]:
+            # a later candidate must be strictly faster, or as fast holding fewer activations (its warm-up
+            # counts: what it holds when no delay stretches them); on a full tie the earlier one stays
+            leaner = bool(best) and sum(cand.warmup_counts) < sum(best[1].warmup_counts)
+            if best and hold_bound_ns(profile, cand.inflight_limit) > best[0] - (0 if leaner else 1):
                 timed[cand.name] = None
                 continue
-            order, makespan, cap_bound = _evaluate(profile, cand, full, best and best[0] - 1)
+            order, makespan, cap_bound = _evaluate(profile, cand, full, best and best[0] - (0 if leaner else 1))
             if not cap_bound and cand.inflight_limit == cand.warmup_counts:
                 unbound.add(cand.warmup_counts)
             timed[cand.name] = None if order is None else to_ms(makespan)
