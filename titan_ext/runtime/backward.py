@@ -71,8 +71,11 @@ def faster_by_model(split: Any, full: Any, margin: float, running: str | None = 
         from titan_ext.plan.simulate import replay_makespan_ns
         from titan_ext.plan.timing import to_ms
 
-        cost = {v: to_ms(replay_makespan_ns(p.ops, p.profile.with_action_cost(action_ms, full_backward=v == "full")))
-                for v, p in plans.items()}
+        def retimed(variant: str, plan: Any) -> float:
+            profile = plan.profile.with_action_cost(action_ms, full_backward=variant == "full")
+            return to_ms(replay_makespan_ns(plan.ops, profile))
+
+        cost = {v: retimed(v, p) for v, p in plans.items()}
     keep = running if running in plans else "full"
     other = "split" if keep == "full" else "full"
     if cost[other] < cost[keep] * (1.0 - margin):
