@@ -76,7 +76,7 @@ def test_metrics_through_the_train_spec_not_the_class():
     from titan_ext.titan import adapters, metrics, register
 
     if adapters.current().PYTHON_CONFIGS:
-        pytest.skip("TorchTitan 0.3: the metrics processor is wrapped at class level (no TrainSpec builder)")
+        pytest.skip("TorchTitan 0.3: no TrainSpec (its configurable metrics processor: the next test)")
     import torchtitan.protocols.train_spec as train_spec
     from torchtitan.components.metrics import MetricsProcessor
 
@@ -93,3 +93,65 @@ def test_metrics_through_the_train_spec_not_the_class():
     processor = built(object(), object())
     assert getattr(processor.log, "_titan_ext_wrapped", False)
     assert not getattr(Processor.log, "_titan_ext_wrapped", False) and not getattr(Processor().log, "_titan_ext_wrapped", False)
+
+
+def test_metrics_through_the_trainer_config_not_the_class_tt03():
+    """TorchTitan 0.3: the pipeline metrics come in through the configurable ``Trainer.Config.metrics``
+    (a MetricsProcessor subclass that titan_ext's trainer config builds). MetricsProcessor and
+    WandBLogger are TorchTitan's own after registration, and a MetricsProcessor other code builds in
+    the same process is not altered."""
+    import dataclasses
+    import pickle
+
+    import pytest
+
+    from titan_ext.titan import adapters, register
+
+    if not adapters.current().PYTHON_CONFIGS:
+        pytest.skip("TorchTitan 0.2: metrics through the TrainSpec (the test above)")
+    from torchtitan.components.metrics import MetricsProcessor, WandBLogger
+    from torchtitan.distributed import ParallelDims
+
+    from titan_ext.titan import metrics
+    from titan_ext.titan.config_registry import llama3_8b_pipemorph, pipemorph_debugmodel
+    from titan_ext.titan.trainer import TitanExtTrainer
+
+    register(cpu_shim=False)
+    for hook in (MetricsProcessor.log, MetricsProcessor.__init__, WandBLogger.__init__):
+        assert hook.__module__ == "torchtitan.components.metrics", hook
+        assert not getattr(hook, "_titan_ext_wrapped", False) and not hasattr(hook, "__wrapped__"), hook
+    Pipeline = metrics.pipeline_metrics_processor()
+    assert Pipeline.Config._owner is Pipeline and MetricsProcessor.Config._owner is MetricsProcessor
+    assert Pipeline.log is not MetricsProcessor.log and Pipeline.log.__wrapped__ is MetricsProcessor.log
+
+    # our configs build our processor (the cluster ones keep TorchTitan's metrics values)
+    cfg = pipemorph_debugmodel()
+    assert type(cfg.metrics) is Pipeline.Config and cfg.metrics.log_freq == 1
+    assert type(llama3_8b_pipemorph().metrics) is Pipeline.Config
+    assert pickle.loads(pickle.dumps(cfg.metrics)) == cfg.metrics
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    mine = cfg.metrics.build(parallel_dims=dims)
+    assert type(mine) is Pipeline
+
+    # a processor other code builds afterwards, in the same process, is TorchTitan's own
+    other = MetricsProcessor.Config(log_freq=3).build(parallel_dims=dims)
+    assert type(other) is MetricsProcessor and other.log.__func__ is MetricsProcessor.log
+    assert "log" not in vars(other) and not getattr(other.log, "_titan_ext_wrapped", False)
+
+    # TitanExtTrainer turns this config's plain metrics config into ours (same values), nothing else;
+    # a user's own processor subclass is kept
+    plain = dataclasses.replace(cfg, metrics=MetricsProcessor.Config(log_freq=7, enable_tensorboard=True))
+    shared = MetricsProcessor.Config(log_freq=5)
+    adapters.current().use_pipeline_metrics(plain)
+    assert type(plain.metrics) is Pipeline.Config
+    assert (plain.metrics.log_freq, plain.metrics.enable_tensorboard) == (7, True)
+    assert type(shared) is MetricsProcessor.Config and type(TitanExtTrainer.Config().metrics) is MetricsProcessor.Config
+
+    class UserProcessor(MetricsProcessor):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(MetricsProcessor.Config):
+            pass
+
+    users = dataclasses.replace(cfg, metrics=UserProcessor.Config())
+    adapters.current().use_pipeline_metrics(users)
+    assert type(users.metrics) is UserProcessor.Config

@@ -67,3 +67,17 @@ def test_pipemorph_resolves_through_torchtitans_lookup():
 
     register(cpu_shim=False)
     assert issubclass(pp.get_schedule_class("pipemorph"), PipeMorph)
+
+
+@pytest.mark.parametrize("name", ["llama3_8b_pipemorph", "llama3_70b_pipemorph"])
+def test_cluster_configs_parse_with_a_real_dataset_and_refuse_the_placeholder_tokenizer(name):
+    """The 8B / 70B config functions make a valid 0.3 config (TorchTitan's own checks: PP without CUDA
+    graphs), on C4, with titan_ext's metrics processor; the tokenizer placeholder is refused."""
+    from titan_ext.titan.jobcheck import JobConfigError, _resolve_asset_paths
+    from titan_ext.titan.metrics import pipeline_metrics_processor
+
+    cfg = ConfigManager().parse_args(["--module", "titan_ext.titan", "--config", name])
+    assert cfg.parallelism.pipeline_parallel_schedule == "PipeMorph" and cfg.training.disable_cuda_graphs
+    assert cfg.dataloader.dataset == "c4" and type(cfg.metrics) is pipeline_metrics_processor().Config
+    with pytest.raises(JobConfigError, match="placeholder"):
+        _resolve_asset_paths(cfg)

@@ -89,12 +89,12 @@ def _debugmodel(*, pp: int, dp_replicate: int, local_batch_size: int, global_bat
     """TorchTitan's llama3 debug model on the CPU: the bundled tokenizer and corpus, SDPA attention,
     float32, one stage per PP rank, PipeMorph, the given DP replicas and ``titan_ext`` section."""
     from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
+    from titan_ext.titan.metrics import pipeline_metrics_processor
     from titan_ext.titan.trainer import TitanExtTrainer
 
     base = llama3_debugmodel()
@@ -103,7 +103,7 @@ def _debugmodel(*, pp: int, dp_replicate: int, local_batch_size: int, global_bat
         model_spec=_causal_sdpa(base.model_spec),
         hf_assets_path=str(TOKENIZER_DIR),
         dump_folder=dump_folder,
-        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
+        metrics=pipeline_metrics_processor().Config(log_freq=1, disable_color_printing=True),
         training=TrainingConfig(local_batch_size=local_batch_size, global_batch_size=global_batch_size,
                                 seq_len=64, steps=20, max_norm=1.0, dtype="float32",
                                 mixed_precision_param="float32", disable_cuda_graphs=True),
@@ -145,14 +145,17 @@ def _cluster_model(base_name: str, flavor: str, *, num_layers: int, local_batch_
 
     from titan_ext.titan.config import TitanExt
     from titan_ext.titan.jobcheck import PLACEHOLDER_PREFIX
+    from titan_ext.titan.metrics import pipeline_metrics_config
     from titan_ext.titan.trainer import TitanExtTrainer
 
     base = getattr(importlib.import_module("torchtitan.models.llama3.config_registry"), base_name)()
     fields = {name: getattr(base, name) for name in base.__dataclass_fields__ if not name.startswith("_")}
     fields["training"].local_batch_size = local_batch_size
+    fields["training"].disable_cuda_graphs = True  # 0.3 refuses CUDA graphs with PP (Trainer.Config)
     fields.update(
         hf_assets_path=f"{PLACEHOLDER_PREFIX}Llama-3.1-{flavor}",
         dump_folder=dump_folder,
+        metrics=pipeline_metrics_config(base.metrics),
         parallelism=ParallelismConfig(pipeline_parallel_degree=pp, tensor_parallel_degree=tensor_parallel,
                                       data_parallel_shard_degree=-1, pipeline_parallel_schedule="PipeMorph",
                                       pipeline_parallel_microbatch_size=1,

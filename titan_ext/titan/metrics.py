@@ -1,9 +1,10 @@
 """Pipeline metrics that follow the schedule, not the trainer (stock ``torchtitan.train`` included).
 
 The wrapped ``build_pipeline_schedule`` (:mod:`titan_ext.titan.registry`) calls :func:`attach` once
-the PP schedule exists, for every schedule -- ours and torch's built-ins. :func:`install` patches
-TorchTitan's ``MetricsProcessor.log`` (the class, so whatever trainer builds one) to add, on every
-logged step:
+the PP schedule exists, for every schedule -- ours and torch's built-ins. The metrics processor the
+trainer builds through TorchTitan's own extension point (:func:`install`: 0.2's TrainSpec
+``build_metrics_processor_fn``, 0.3's ``Trainer.Config.metrics`` of titan_ext's trainer) adds, on every
+logged step (TorchTitan's ``MetricsProcessor`` class itself is never patched):
 
 * headline keys ``pipeline/iteration_ms``, ``pipeline/bubble_rate`` (fraction), ``pipeline/plan_version``,
   ``pipeline/slowest_link`` and ``pipeline/slowest_link_ms``, ``pipeline/train_step_ms``, and
@@ -46,7 +47,8 @@ from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline
 from titan_ext.titan.options import titan_ext_section
 
 __all__ = ["PipelineMetrics", "attach", "current", "install", "instrument", "metrics_processor_builder",
-           "runtime_metrics", "strict_json", "wandb_logged_in"]
+           "pipeline_metrics_config", "pipeline_metrics_processor", "runtime_metrics", "strict_json",
+           "wandb_logged_in"]
 
 # pipeline_detail/delegation: 0 = direct P2P, 1 = auto mode, not delegating (yet), 2 = delegating
 _DELEGATION_CODES = {"off": 0, "auto": 1, "active": 2}
@@ -236,7 +238,7 @@ class PipelineMetrics:
 
 
 def attach(schedule: Any, job_config: Any, stages: list) -> PipelineMetrics:
-    """Measure ``schedule`` (built for ``job_config``); the patched metrics processor reports it."""
+    """Measure ``schedule`` (built for ``job_config``); titan_ext's metrics processor reports it."""
     global _current
     _current = PipelineMetrics(schedule, job_config, getattr(stages[0], "group", None))
     return _current
@@ -298,15 +300,6 @@ def wandb_logged_in(environ=os.environ) -> bool:
         return False
 
 
-def _wandb_offline_without_login(init):
-    def __init__(self, *args, **kwargs):
-        _offline_without_login()
-        init(self, *args, **kwargs)
-
-    __init__._titan_ext_wrapped = True  # type: ignore[attr-defined]
-    return __init__
-
-
 def _offline_without_login() -> None:
     if "WANDB_MODE" not in os.environ and not wandb_logged_in():
         logger.info("[titan_ext] W&B: no login found (wandb login / WANDB_API_KEY): offline run")
@@ -364,17 +357,63 @@ def metrics_processor_builder(build: Callable) -> Callable:
 
 
 def install() -> None:
-    """Make TorchTitan's metrics processor report the pipeline metrics (idempotent).
+    """Make TorchTitan's metrics processor report the pipeline metrics (idempotent); nothing is patched
+    class-wide, so a ``MetricsProcessor`` other code builds is TorchTitan's own.
 
-    Where the TorchTitan version has an extension point for the metrics processor (0.2: the TrainSpec's
-    ``build_metrics_processor_fn``), the adapter plugs :func:`metrics_processor_builder` in there and
-    nothing is patched class-wide. Otherwise ``MetricsProcessor.log`` and ``WandBLogger.__init__`` are
-    wrapped at class level."""
-    if adapters.current().install_metrics_processor(metrics_processor_builder):
-        return
-    from torchtitan.components import metrics as tt_metrics
+    Each TorchTitan version's own extension point is used: 0.2's TrainSpec ``build_metrics_processor_fn``
+    (the adapter plugs :func:`metrics_processor_builder` in there, which :func:`instrument`-s the built
+    processor), 0.3's configurable ``Trainer.Config.metrics`` (titan_ext's trainer config builds
+    :func:`pipeline_metrics_processor`'s subclass: ``adapter.use_pipeline_metrics``)."""
+    if not adapters.current().install_metrics_processor(metrics_processor_builder):
+        raise adapters.TitanIntegrationError(
+            f"TorchTitan {adapters.torchtitan_version()}: no extension point for the metrics processor")
 
-    if not getattr(tt_metrics.WandBLogger.__init__, "_titan_ext_wrapped", False):
-        tt_metrics.WandBLogger.__init__ = _wandb_offline_without_login(tt_metrics.WandBLogger.__init__)
-    if not getattr(tt_metrics.MetricsProcessor.log, "_titan_ext_wrapped", False):
-        tt_metrics.MetricsProcessor.log = _pipeline_log(tt_metrics.MetricsProcessor.log)
+
+_processor_class: type | None = None
+
+
+def pipeline_metrics_processor() -> type:
+    """TorchTitan 0.3's ``MetricsProcessor`` subclass that reports the pipeline metrics (a
+    ``Configurable``: its ``Config`` -- TorchTitan's fields, no new ones -- builds it, so a trainer config
+    whose ``metrics`` is a ``PipelineMetricsProcessor.Config`` gets it and no other processor changes).
+    W&B goes offline without a login when the config enables it. Made once, on first use (0.3 only)."""
+    global _processor_class
+    if _processor_class is not None:
+        return _processor_class
+    from dataclasses import dataclass
+
+    from torchtitan.components.metrics import MetricsProcessor
+
+    class PipelineMetricsProcessor(MetricsProcessor):
+        """TorchTitan's metrics processor plus titan_ext's pipeline metrics (titan_ext.titan.metrics)."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(MetricsProcessor.Config):
+            """TorchTitan's metrics config; builds titan_ext's ``PipelineMetricsProcessor``."""
+
+        def __init__(self, config, **kwargs):
+            if config.enable_wandb:
+                _offline_without_login()
+            MetricsProcessor.__init__(self, config, **kwargs)
+
+        log = _pipeline_log(MetricsProcessor.log)
+
+    PipelineMetricsProcessor.__module__ = PipelineMetricsProcessor.Config.__module__ = __name__
+    PipelineMetricsProcessor.__qualname__ = "PipelineMetricsProcessor"
+    PipelineMetricsProcessor.Config.__qualname__ = "PipelineMetricsProcessor.Config"
+    globals()["PipelineMetricsProcessor"] = _processor_class = PipelineMetricsProcessor  # pickle finds it
+    return _processor_class
+
+
+def pipeline_metrics_config(config: Any) -> Any:
+    """``config`` (a 0.3 ``MetricsProcessor.Config``) as a ``PipelineMetricsProcessor.Config`` with the
+    same values (itself when it already is one, or is another subclass's config: a user's own
+    processor is left alone)."""
+    from dataclasses import fields
+
+    from torchtitan.components.metrics import MetricsProcessor
+
+    cls = pipeline_metrics_processor().Config
+    if type(config) is not MetricsProcessor.Config:
+        return config
+    return cls(**{f.name: getattr(config, f.name) for f in fields(config) if f.init})

@@ -42,6 +42,7 @@ class TitanExtTrainer(_Base):
     def __init__(self, config):
         check_job_config(config, world_size=world_size())
         _ADAPTER.install_replication_by_trainer(config)
+        _ADAPTER.use_pipeline_metrics(config)  # 0.3: this config's metrics processor, not the class
         from titan_ext.titan.registry import active_job_config
 
         # the model split and (0.3) the schedule builder read the titan_ext section

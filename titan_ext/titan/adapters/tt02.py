@@ -100,6 +100,11 @@ def install_metrics_processor(builder: Callable[[Callable], Callable]) -> bool:
     return True
 
 
+def use_pipeline_metrics(config: Any) -> None:  # noqa: ARG001 - 0.2: through the TrainSpec builder
+    """Nothing to do under 0.2: every TrainSpec's metrics builder already instruments its processor
+    (:func:`install_metrics_processor`)."""
+
+
 def trainer_base() -> type:
     from torchtitan.train import Trainer
 

@@ -3,7 +3,8 @@
 ``Trainer.Config`` subclass, ``slots=True``, with a ``titan_ext`` section); the keyword-only
 ``_build_pipeline_schedule(*, parallelism, local_batch_size, stages, loss_fn, ...)`` and
 ``_pipeline_module_split(..., get_mesh=...)`` of ``torchtitan.distributed.pipeline_parallel``; the trainer
-in ``torchtitan.trainer``; metrics through its ``MetricsProcessor``."""
+in ``torchtitan.trainer``; metrics through its configurable ``Trainer.Config.metrics`` (a
+``MetricsProcessor`` subclass, :func:`use_pipeline_metrics`)."""
 
 
 from collections.abc import Callable
@@ -33,6 +34,7 @@ SIGNATURES = {
         ("whole_model", "pp_mesh", "pp_schedule", "device", "module_names_per_stage"), True),
     ("torchtitan.components.metrics", "MetricsProcessor.log"): (
         ("step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"), True),
+    ("torchtitan.components.metrics", "MetricsProcessor.__init__"): (("config",), True),
     ("torchtitan.components.metrics", "_get_metrics_rank"): (("parallel_dims", "pp_schedule"), False),
 }
 BUILDER_MODULES = (PIPELINE,)
@@ -84,9 +86,20 @@ WRAPPERS = {"_build_pipeline_schedule": wrap_build_pipeline_schedule,
 
 
 def install_metrics_processor(builder: Callable[[Callable], Callable]) -> bool:  # noqa: ARG001
-    """False: the pipeline metrics wrap ``MetricsProcessor.log`` at class level under 0.3 (its
-    configurable metrics processor is not used yet)."""
-    return False
+    """True: 0.3's extension point is the trainer config's ``metrics`` (a ``Configurable``: its
+    ``build()`` makes the processor). titan_ext's trainer config builds
+    :func:`~titan_ext.titan.metrics.pipeline_metrics_processor`'s subclass (:func:`use_pipeline_metrics`);
+    nothing is patched, ``MetricsProcessor`` and ``WandBLogger`` stay TorchTitan's own."""
+    return True
+
+
+def use_pipeline_metrics(config: Any) -> None:
+    """``config`` (a ``TitanExtTrainer.Config``) builds titan_ext's metrics processor: a plain
+    ``MetricsProcessor.Config`` becomes a ``PipelineMetricsProcessor.Config`` with the same values; a
+    user's own processor config is kept. Only this config changes."""
+    from titan_ext.titan.metrics import pipeline_metrics_config
+
+    config.metrics = pipeline_metrics_config(config.metrics)
 
 
 def trainer_base() -> type:
