@@ -12,7 +12,7 @@ import random
 import pytest
 
 from titan_ext.plan import LinkProfile, PipelineProfile
-from titan_ext.plan import pipemorph
+from titan_ext.plan import deps, pipemorph
 
 C = pipemorph._GENERATE_C
 pytestmark = pytest.mark.skipif(C is None, reason="titan_ext.plan._pipemorph_c is not built")
@@ -88,7 +88,7 @@ def test_compiled_checks_give_the_python_validators_verdict_and_peaks():
         _, ops, limit = _mutate(rng, base, S) if S > 1 else ("valid", base, None)
         if rng.random() < 0.1:  # out-of-range and foreign stages too
             ops[0] = ops[0] + [rng.choice([(0, "F", N), (S, "F", 0), (0, "W", N + 3)])]
-        peaks = C.check(ops, S, N, limit, release == "W")
+        peaks = C.check(deps.table(S).spec(), ops, S, N, limit, release == "W")
         try:
             _check_python(ops, S, N, limit, False, release)
             ok = True

@@ -6,8 +6,8 @@
  * operation orders, the same makespan (ns) and the same cap_bound flag, including the early stop once
  * the makespan is certain to exceed a bound (tests/test_plan_pipemorph_c.py).
  *
- *   generate(N, f, b, w, latency, transfer, x, limit, full_backward, bound, release_w=False)
- *       N: microbatches; f, b, w: per-stage times (int ns; b already includes w when full_backward); latency, transfer:
+ *   generate(deps, N, f, b, w, latency, transfer, x, limit, full_backward, bound, release_w=False)
+ *       deps: the dependency rule, titan_ext.plan.deps.table(S, full_backward).spec() (_deps.h); N: microbatches; f, b, w: per-stage times (int ns; b already includes w when full_backward); latency, transfer:
  *       per link (S - 1, int ns; transfer 0 = no occupancy); x, limit: warm-up counts and in-flight
  *       limits per stage; bound: int ns or None; release_w: an activation is in flight until its W (else
  *       its I; a full B either way: plan/profile.py RELEASES).
@@ -15,18 +15,21 @@
  *       stage of (stage, kind, microbatch) tuples, kind one of "F", "I", "W", "B".  ValueError when the
  *       counts and limits deadlock (no stage can run any more), as the Python reference.
  *
- * Timing (titan_ext.plan.timing.LinkQueues): a message on link l is ready when its op ends; with
- * transfer 0 it arrives latency later; otherwise it waits for its direction of the link to be free
- * (FIFO), occupies it for transfer, and arrives latency after that.  Events (time, stage) pop in
- * lexicographic order, as Python's heapq does on tuples.
+ * Dependencies: an op's end makes ready the ops its class feeds in the table (its own stage's at
+ * once, an adjacent stage's when the message arrives); no rule is written here.
+ * Timing: _link.h's link_send (titan_ext.plan.timing.LinkQueues.send): a message on link l is ready
+ * when its op ends; with transfer 0 it arrives latency later; otherwise it waits for its direction of
+ * the link to be free (FIFO), occupies it for transfer, and arrives latency after that.  Events
+ * (time, stage) pop in lexicographic order, as Python's heapq does on tuples.
  *
- * generate_virtual(N, stage_to_rank, f, b, w, latency, transfer, x, limit, release_w=False): the same over a stage graph
+ * generate_virtual(deps, N, stage_to_rank, f, b, w, latency, transfer, x, limit, release_w=False): the same over a stage graph
  *       with several stages per rank, a port of titan_ext.plan.virtual._virtual_loop_py (rank → ops
  *       as a list per rank, makespan ns); messages between ranks on channels (src rank, dst rank),
  *       a boundary inside one rank is free.  RuntimeError when no rank can make progress.
  *
- * check(plan, num_stages, num_microbatches, inflight_limit, release_w=False): checks 1-3 of titan_ext.plan.validate
- *       (completeness, progress under the dependency rule of plan/deps.py, in-flight memory) on a plan of
+ * check(deps, plan, num_stages, num_microbatches, inflight_limit, release_w=False): checks 1-3 of titan_ext.plan.validate
+ *       (completeness, progress under the dependency rule deps = deps.table(S).spec(): an op runs once
+ *       every class it needs is done for its microbatch, in-flight memory) on a plan of
  *       (stage, kind, microbatch) tuples per rank; returns the per-stage peak in-flight activations (a
  *       list, as simulate.peak_inflight) when the plan is valid, None when it is not (the Python
  *       validator then runs to name the reason).  Same verdicts as the Python validator on valid and
@@ -38,6 +41,9 @@
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_deps.h"
+#include "_link.h"
 
 typedef long long i64;
 
@@ -107,28 +113,35 @@ typedef struct {
     Py_ssize_t S, N;
     i64 *tf, *tb, *tw, *lat, *tx, *x, *lim, *ffree, *bfree, *free_at, *work, *qready;
     int *warm, *fcount, *bcount, *qmb, *kinds, *mbs, *nops;
-    Q *q;  /* 3S queues: F of stage i at q[i], I at q[S + i], W at q[2S + i] */
+    Q *q;  /* 3S queues, one per class: F of stage i at q[3i], I (or B) at q[3i + 1], W at q[3i + 2] */
     Heap heap;
     int release_w;  /* bcount counts W (else I): plan/profile.py RELEASES */
+    const DepTable *deps;
 } Gen;
 
 static void q_push(Q *q, i64 ready, int mb) { q->ready[q->tail] = ready; q->mb[q->tail] = mb; q->tail++; }
 static int q_ready(const Q *q, i64 t) { return q->head < q->tail && q->ready[q->head] <= t; }
 
-static i64 link_send(Gen *g, int link, int forward, i64 ready) {
-    i64 tx = g->tx[link];
-    if (tx == 0) return ready + g->lat[link];
-    i64 *fr = forward ? &g->ffree[link] : &g->bfree[link];
-    i64 start = ready > *fr ? ready : *fr;
-    *fr = start + tx;
-    return start + tx + g->lat[link];
+/* the end (at `done`) of class cq's op of microbatch m on stage i: every class it feeds (deps) gets
+ * microbatch m, at once on stage i, else when the message over the link arrives; 0 ok, -1 no memory */
+static int g_feed(Gen *g, int i, int cq, int m, i64 done) {
+    const DepTable *d = g->deps;
+    for (int j = d->feeds_off[cq]; j < d->feeds_off[cq + 1]; j++) {
+        int c = d->feeds[j], l = d->link[c], dst = c / 3;
+        if (l < 0) { q_push(&g->q[c], done, m); continue; }
+        i64 arrive = link_send_ns(dst > i ? &g->ffree[l] : &g->bfree[l], g->tx[l], g->lat[l], done);
+        q_push(&g->q[c], arrive, m);
+        if (heap_push(&g->heap, arrive, dst)) return -1;
+    }
+    return 0;
 }
 
 /* the event loop of pipemorph._generate_py; returns 1 when done, 0 when stopped by the bound, -1 on error */
 static int run(Gen *g, int full, int have_bound, i64 bound, i64 *makespan, int *cap_bound) {
     Py_ssize_t S = g->S, N = g->N;
-    Q *fq = g->q, *bq = g->q + S, *wq = g->q + 2 * S;
-    for (int m = 0; m < N; m++) q_push(&fq[0], 0, m);
+    for (int c = 0; c < 3 * S; c++)
+        if (g->deps->trigger[c] == DEPS_ROOT)
+            for (int m = 0; m < N; m++) q_push(&g->q[c], 0, m);
     i64 remaining = (full ? 2 : 3) * (i64)N * S;
     for (int i = 0; i < S; i++) {
         g->warm[i] = (int)g->x[i];
@@ -141,44 +154,37 @@ static int run(Gen *g, int full, int have_bound, i64 bound, i64 *makespan, int *
         i64 t = e.t;
         int i = e.i, kind = -1, m;
         if (g->free_at[i] > t) continue;
+        Q *fq = &g->q[3 * i], *bq = fq + 1, *wq = fq + 2;
         if (g->warm[i] > 0) {
-            if (q_ready(&fq[i], t)) { kind = KF; g->warm[i]--; }
-        } else if (q_ready(&bq[i], t)) {
+            if (q_ready(fq, t)) { kind = KF; g->warm[i]--; }
+        } else if (q_ready(bq, t)) {
             kind = KI;
-        } else if (q_ready(&fq[i], t)) {
+        } else if (q_ready(fq, t)) {
             if (g->fcount[i] - g->bcount[i] < g->lim[i]) kind = KF;
             else *cap_bound = 1;
         }
-        if (kind < 0 && q_ready(&wq[i], t)) kind = KW;
+        if (kind < 0 && q_ready(wq, t)) kind = KW;
         if (kind < 0) continue;
         i64 done;
+        int cq;  /* the op's class */
         if (kind == KF) {
-            m = fq[i].mb[fq[i].head++];
+            m = fq->mb[fq->head++];
             done = t + g->tf[i];
             g->fcount[i]++;
-            if (i + 1 < S) {
-                i64 arrive = link_send(g, i, 1, done);
-                q_push(&fq[i + 1], arrive, m);
-                if (heap_push(&g->heap, arrive, i + 1)) return -1;
-            } else {
-                q_push(&bq[i], done, m);
-            }
+            cq = 3 * i;
         } else if (kind == KI) {
-            m = bq[i].mb[bq[i].head++];
+            m = bq->mb[bq->head++];
             done = t + g->tb[i];
             if (full) kind = KB;
-            else q_push(&wq[i], done, m);
             if (full || !g->release_w) g->bcount[i]++;  /* bcount: activations released (profile.RELEASES) */
-            if (i > 0) {
-                i64 arrive = link_send(g, i - 1, 0, done);
-                q_push(&bq[i - 1], arrive, m);
-                if (heap_push(&g->heap, arrive, i - 1)) return -1;
-            }
+            cq = 3 * i + 1;
         } else {
-            m = wq[i].mb[wq[i].head++];
+            m = wq->mb[wq->head++];
             done = t + g->tw[i];
             if (g->release_w) g->bcount[i]++;
+            cq = 3 * i + 2;
         }
+        if (g_feed(g, i, cq, m, done)) return -1;
         g->work[i] -= done - t;
         if (have_bound && done + g->work[i] > bound) { *makespan = done; return 0; }
         Py_ssize_t k = (Py_ssize_t)i * 3 * N + g->nops[i]++;
@@ -233,15 +239,27 @@ static int gen_alloc(Gen *g) {
     return 0;
 }
 
+/* reads the table for S stages (and, when full_backward >= 0, checks it was made for that backward) */
+static int read_deps(PyObject *spec, DepTable *d, Py_ssize_t S, int full_backward) {
+    if (deps_read(spec, d)) return -1;
+    if (d->S != S || (full_backward >= 0 && (d->trigger[2] == DEPS_ABSENT) != (full_backward != 0))) {
+        PyErr_SetString(PyExc_ValueError, "dependency table: made for another problem");
+        deps_free(d);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *generate(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t N;
-    PyObject *fo, *bo, *wo, *lato, *txo, *xo, *limo, *boundo;
+    PyObject *depso, *fo, *bo, *wo, *lato, *txo, *xo, *limo, *boundo;
     int full, release_w = 0;
-    if (!PyArg_ParseTuple(args, "nOOOOOOOpO|p", &N, &fo, &bo, &wo, &lato, &txo, &xo, &limo, &full, &boundo,
+    if (!PyArg_ParseTuple(args, "OnOOOOOOOpO|p", &depso, &N, &fo, &bo, &wo, &lato, &txo, &xo, &limo, &full, &boundo,
                           &release_w))
         return NULL;
     Gen g;
+    DepTable deps;
     memset(&g, 0, sizeof g);
     g.S = PySequence_Size(fo);
     g.N = N;
@@ -250,6 +268,8 @@ static PyObject *generate(PyObject *self, PyObject *args) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "need at least one stage and one microbatch");
         return NULL;
     }
+    if (read_deps(depso, &deps, g.S, full)) return NULL;
+    g.deps = &deps;
     PyObject *result = NULL;
     Py_ssize_t S = g.S;
     int have_bound = boundo != Py_None, cap_bound = 0, status;
@@ -275,6 +295,7 @@ static PyObject *generate(PyObject *self, PyObject *args) {
     }
 done:
     gen_free(&g);
+    deps_free(&deps);
     return result;
 }
 
@@ -284,27 +305,24 @@ typedef struct {
     int *s2r, *own, *own_off, *fcount, *bcount, *nops, *kinds, *stg, *mbs;
     i64 *tf, *tb, *tw, *lat, *tx, *x, *lim, *chfree, *free_at, *qready;
     int *qmb;
-    Q *q;  /* F at q[s], I at q[S + s], W at q[2S + s] */
+    Q *q;  /* one per class: F of stage s at q[3s], I at q[3s + 1], W at q[3s + 2] */
     Heap heap;
     int release_w;  /* bcount counts W (else I): plan/profile.py RELEASES */
+    const DepTable *deps;
 } VGen;
 
-static int v_send(VGen *g, int s, int dst_stage, i64 done, Q *queue, int mb) {
-    int src = g->s2r[s], dst = g->s2r[dst_stage];
-    i64 arrive = done;
-    if (src != dst) {
-        int link = s < dst_stage ? s : dst_stage;
-        if (g->tx[link] == 0) {
-            arrive = done + g->lat[link];
-        } else {
-            i64 *fr = &g->chfree[(Py_ssize_t)src * g->R + dst];
-            i64 start = done > *fr ? done : *fr;
-            *fr = start + g->tx[link];
-            arrive = start + g->tx[link] + g->lat[link];
-        }
+/* the end (at `done`) of class cq's op of microbatch mb on stage s: every class it feeds (deps) gets mb,
+ * at once on the same rank, else when the message on channel (src rank, dst rank) arrives */
+static int v_feed(VGen *g, int s, int cq, int mb, i64 done) {
+    const DepTable *d = g->deps;
+    for (int j = d->feeds_off[cq]; j < d->feeds_off[cq + 1]; j++) {
+        int c = d->feeds[j], l = d->link[c], src = g->s2r[s], dst = g->s2r[c / 3];
+        if (src == dst) { q_push(&g->q[c], done, mb); continue; }
+        i64 arrive = link_send_ns(&g->chfree[(Py_ssize_t)src * g->R + dst], g->tx[l], g->lat[l], done);
+        q_push(&g->q[c], arrive, mb);
+        if (heap_push(&g->heap, arrive, dst)) return -1;
     }
-    q_push(queue, arrive, mb);
-    return src != dst ? heap_push(&g->heap, arrive, dst) : 0;
+    return 0;
 }
 
 /* key (class, value, -s) < key of the best so far */
@@ -316,8 +334,9 @@ static int v_better(int cls, i64 val, int s, int bcls, i64 bval, int bs) {
 
 static int v_run(VGen *g, i64 *makespan) {
     Py_ssize_t S = g->S, N = g->N, R = g->R;
-    Q *fq = g->q, *bq = g->q + S, *wq = g->q + 2 * S;
-    for (int m = 0; m < N; m++) q_push(&fq[0], 0, m);
+    for (int c = 0; c < 3 * S; c++)
+        if (g->deps->trigger[c] == DEPS_ROOT)
+            for (int m = 0; m < N; m++) q_push(&g->q[c], 0, m);
     i64 remaining = 3 * (i64)N * S;
     for (int r = 0; r < R; r++)
         if (heap_push(&g->heap, 0, r)) return -1;
@@ -331,33 +350,31 @@ static int v_run(VGen *g, i64 *makespan) {
         for (int j = g->own_off[r]; j < g->own_off[r + 1]; j++) {
             int s = g->own[j], cls;
             i64 val;
-            if (bq[s].head < bq[s].tail && bq[s].ready[bq[s].head] <= t && g->fcount[s] >= g->x[s]) {
-                cls = 0; val = bq[s].mb[bq[s].head];
-            } else if (fq[s].head < fq[s].tail && fq[s].ready[fq[s].head] <= t && g->fcount[s] - g->bcount[s] < g->lim[s]) {
-                cls = 1; val = fq[s].mb[fq[s].head];
-            } else if (wq[s].head < wq[s].tail) {
-                cls = 2; val = wq[s].ready[wq[s].head];
+            Q *fq = &g->q[3 * s], *bq = fq + 1, *wq = fq + 2;
+            if (bq->head < bq->tail && bq->ready[bq->head] <= t && g->fcount[s] >= g->x[s]) {
+                cls = 0; val = bq->mb[bq->head];
+            } else if (fq->head < fq->tail && fq->ready[fq->head] <= t && g->fcount[s] - g->bcount[s] < g->lim[s]) {
+                cls = 1; val = fq->mb[fq->head];
+            } else if (wq->head < wq->tail) {
+                cls = 2; val = wq->ready[wq->head];
             } else {
                 continue;
             }
             if (bs < 0 || v_better(cls, val, s, bcls, bval, bs)) { bs = s; bcls = cls; bval = val; }
         }
         if (bs < 0) continue;
-        int s = bs, kind = bcls == 0 ? KI : bcls == 1 ? KF : KW;
-        Q *from = kind == KF ? &fq[s] : kind == KI ? &bq[s] : &wq[s];
+        int s = bs, kind = bcls == 0 ? KI : bcls == 1 ? KF : KW, cq = 3 * s + (kind == KF ? 0 : kind == KI ? 1 : 2);
+        Q *from = &g->q[cq];
         int mb = from->mb[from->head++];
         i64 done = t + (kind == KF ? g->tf[s] : kind == KI ? g->tb[s] : g->tw[s]);
         if (kind == KF) {
             g->fcount[s]++;
-            if (s + 1 < S) { if (v_send(g, s, s + 1, done, &fq[s + 1], mb)) return -1; }
-            else q_push(&bq[s], done, mb);
         } else if (kind == KI) {
             if (!g->release_w) g->bcount[s]++;  /* activations released (profile.RELEASES) */
-            q_push(&wq[s], done, mb);
-            if (s > 0 && v_send(g, s, s - 1, done, &bq[s - 1], mb)) return -1;
         } else if (g->release_w) {
             g->bcount[s]++;
         }
+        if (v_feed(g, s, cq, mb, done)) return -1;
         Py_ssize_t k = 3 * N * (Py_ssize_t)g->own_off[r] + g->nops[r]++;  /* rank r: at most 3N per stage */
         g->kinds[k] = kind; g->stg[k] = s; g->mbs[k] = mb;
         if (done > *makespan) *makespan = done;
@@ -393,12 +410,14 @@ static int vgen_alloc(VGen *g) {
 static PyObject *generate_virtual(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t N;
-    PyObject *s2ro, *fo, *bo, *wo, *lato, *txo, *xo, *limo, *result = NULL, *order = NULL;
+    PyObject *depso, *s2ro, *fo, *bo, *wo, *lato, *txo, *xo, *limo, *result = NULL, *order = NULL;
     int release_w = 0;
-    if (!PyArg_ParseTuple(args, "nOOOOOOOO|p", &N, &s2ro, &fo, &bo, &wo, &lato, &txo, &xo, &limo, &release_w))
+    if (!PyArg_ParseTuple(args, "OnOOOOOOOO|p", &depso, &N, &s2ro, &fo, &bo, &wo, &lato, &txo, &xo, &limo, &release_w))
         return NULL;
     VGen g;
+    DepTable deps;
     memset(&g, 0, sizeof g);
+    memset(&deps, 0, sizeof deps);
     g.release_w = release_w;
     g.S = PySequence_Size(s2ro);
     g.N = N;
@@ -409,6 +428,8 @@ static PyObject *generate_virtual(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!(tmp = (i64 *)malloc(sizeof(i64) * (size_t)g.S))) return PyErr_NoMemory();
+    if (read_deps(depso, &deps, g.S, 0)) goto done;
+    g.deps = &deps;
     if (read_i64s(s2ro, g.S, tmp, "stage_to_rank")) goto done;
     for (Py_ssize_t s = 0; s < g.S; s++) {
         if (tmp[s] < 0 || tmp[s] >= g.S) { PyErr_SetString(PyExc_ValueError, "stage_to_rank out of range"); goto done; }
@@ -446,6 +467,7 @@ done:
     Py_XDECREF(order);
     free(tmp);
     vgen_free(&g);
+    deps_free(&deps);
     return result;
 }
 
@@ -479,17 +501,18 @@ static int read_ops(PyObject *list, COp *out, Py_ssize_t n) {
 /* done key: a full B completes what an I would (deps.done_key) */
 static int done_kind(int k) { return k == KB ? KI : k; }
 
-/* deps.producers(op) all done? */
-static int ready(const unsigned char *done, int S, int N, COp o) {
-#define DONE(s, k, m) done[((size_t)(s) * 3 + (k)) * (size_t)N + (m)]
-    if (o.k == KF) return o.s == 0 || DONE(o.s - 1, KF, o.m);
-    if (o.k == KW) return DONE(o.s, KI, o.m);
-    return DONE(o.s, KF, o.m) && (o.s == S - 1 || DONE(o.s + 1, KI, o.m));
+/* every class op's class needs (deps) done for its microbatch? done[class * N + mb] */
+static int ready(const DepTable *d, const unsigned char *done, int N, COp o) {
+    int q = 3 * o.s + done_kind(o.k);
+    for (int j = d->needs_off[q]; j < d->needs_off[q + 1]; j++)
+        if (!done[(size_t)d->needs[j] * (size_t)N + (size_t)o.m]) return 0;
+    return 1;
 }
+#define DONE(s, k, m) done[((size_t)(s) * 3 + (k)) * (size_t)N + (m)]
 
 /* the checks on parsed ops; 1 valid, 0 invalid */
-static int check_ops(COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, const long *limit, long *peak,
-                     unsigned char *seen, unsigned char *done, int *owner, Py_ssize_t *pos, long *held,
+static int check_ops(const DepTable *d, COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, const long *limit,
+                     long *peak, unsigned char *seen, unsigned char *done, int *owner, Py_ssize_t *pos, long *held,
                      int release_w) {
     for (int s = 0; s < S; s++) owner[s] = -1;
     for (Py_ssize_t r = 0; r < R; r++)
@@ -515,7 +538,7 @@ static int check_ops(COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, con
         int progressed = 0;
         for (Py_ssize_t r = 0; r < R; r++) {
             Py_ssize_t p = pos[r];
-            while (p < len[r] && ready(done, S, N, ops[r][p])) {
+            while (p < len[r] && ready(d, done, N, ops[r][p])) {
                 COp o = ops[r][p++];
                 DONE(o.s, done_kind(o.k), o.m) = 1;
             }
@@ -537,12 +560,14 @@ static int check_ops(COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, con
 
 static PyObject *check(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *plan, *limo;
+    PyObject *depso, *plan, *limo;
     int S, N;
     int release_w = 0;
-    if (!PyArg_ParseTuple(args, "O!iiO|p", &PyDict_Type, &plan, &S, &N, &limo, &release_w)) return NULL;
+    DepTable deps;
+    if (!PyArg_ParseTuple(args, "OO!iiO|p", &depso, &PyDict_Type, &plan, &S, &N, &limo, &release_w)) return NULL;
     if (PyDict_Size(plan) == 0) Py_RETURN_NONE;
     if (S < 1 || N < 1) Py_RETURN_NONE;
+    if (read_deps(depso, &deps, S, -1)) return NULL;
     Py_ssize_t R = PyDict_Size(plan), total = 0, k = 0, r = 0;
     PyObject *key, *val, *result = NULL;
     COp **ops = (COp **)calloc((size_t)R + 1, sizeof(COp *));
@@ -578,12 +603,13 @@ static PyObject *check(PyObject *self, PyObject *args) {
             if (limit[s] == -1 && PyErr_Occurred()) { PyErr_Clear(); bad = 1; break; }
         }
     }
-    if (!bad) valid = check_ops(ops, len, R, S, N, limit, peak, seen, done, owner, pos, held, release_w);
+    if (!bad) valid = check_ops(&deps, ops, len, R, S, N, limit, peak, seen, done, owner, pos, held, release_w);
     if (!valid) { result = Py_None; Py_INCREF(result); goto out; }
     if (!(result = PyList_New(S))) goto out;
     for (int s = 0; s < S; s++) PyList_SET_ITEM(result, s, PyLong_FromLong(peak[s]));
 out:
     free(ops); free(len); free(pos); free(limit); free(peak); free(held); free(seen); free(done); free(owner); free(all);
+    deps_free(&deps);
     return result;
 }
 

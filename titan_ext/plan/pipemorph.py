@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .args import bool_arg, counts_arg, int_arg, profile_arg, real_arg
+from .deps import ROOT, table
 from .ir import Op, gc_paused, torch_schedules
 from .profile import PipelineProfile
 from .result import PlanResult, make_result, peak_inflight
@@ -97,7 +98,7 @@ def _generate(profile: PipelineProfile, x: list[int], limit: list[int], full_bac
         tb = [b + w for b, w in zip(tb, tw)]
     links = LinkQueues(profile.links)
     order, makespan, cap_bound = _GENERATE_C.generate(
-        profile.num_microbatches, [to_ns(v) for v in profile.f_ms], tb, tw, links.latency_ns, links.transfer_ns,
+        table(profile.num_stages, full_backward).spec(), profile.num_microbatches, [to_ns(v) for v in profile.f_ms], tb, tw, links.latency_ns, links.transfer_ns,
         x, limit, full_backward, bound_ns, profile.release == "W")
     return (None if order is None else dict(enumerate(order))), makespan, cap_bound
 
@@ -118,11 +119,16 @@ def _generate_py(profile: PipelineProfile, x: list[int], limit: list[int], full_
     links = LinkQueues(profile.links)
     bound = bound_ns if bound_ns is not None else float("inf")
 
-    # Arrival queues per stage, (ready_ns, mb), FIFO: each stage consumes a kind in microbatch order.
-    f_q: list[deque] = [deque() for _ in range(S)]
-    b_q: list[deque] = [deque() for _ in range(S)]
-    w_q: list[deque] = [deque() for _ in range(S)]
-    f_q[0].extend((0, m) for m in range(N))
+    # Arrival queues per op class (deps.table: 3·stage + kind), (ready_ns, mb), FIFO: each stage consumes a
+    # kind in microbatch order. An op's end feeds the classes its class feeds (deps): its own stage's at
+    # once, an adjacent stage's when the message arrives.
+    deps = table(S, full_backward)
+    queues: list[deque] = [deque() for _ in range(3 * S)]
+    for q, trigger in enumerate(deps.trigger):
+        if trigger == ROOT:
+            queues[q].extend((0, m) for m in range(N))
+    feeds = [tuple((queues[c], deps.link[c], c // 3) for c in deps.feeds_of(q)) for q in range(3 * S)]
+    f_q, b_q, w_q = queues[0::3], queues[1::3], queues[2::3]
     free_at = [0] * S
     warm_left = list(x)
     f_count = [0] * S
@@ -161,30 +167,28 @@ def _generate_py(profile: PipelineProfile, x: list[int], limit: list[int], full_
             _, m = f_q[i].popleft()
             done = t + tf[i]
             f_count[i] += 1
-            if i + 1 < S:
-                arrive = links.send(i, (i, 1), done)
-                f_q[i + 1].append((arrive, m))
-                heapq.heappush(wake, (arrive, i + 1))
-            else:
-                b_q[i].append((done, m))
+            q = 3 * i
         elif kind == "I":
             _, m = b_q[i].popleft()
             done = t + tb[i]
             if full_backward:
                 kind = "B"
-            else:
-                w_q[i].append((done, m))
             if full_backward or not release_w:
                 b_count[i] += 1
-            if i > 0:
-                arrive = links.send(i - 1, (i, -1), done)
-                b_q[i - 1].append((arrive, m))
-                heapq.heappush(wake, (arrive, i - 1))
+            q = 3 * i + 1
         else:
             _, m = w_q[i].popleft()
             done = t + tw[i]
             if release_w:
                 b_count[i] += 1
+            q = 3 * i + 2
+        for queue, link, dst in feeds[q]:
+            if link < 0:
+                queue.append((done, m))
+            else:
+                arrive = links.send(link, (i, dst), done)
+                queue.append((arrive, m))
+                heapq.heappush(wake, (arrive, dst))
         work[i] -= done - t
         if done + work[i] > bound:
             return None, done, cap_bound

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from .args import ArgumentTypeError, int_arg, plan_arg, profile_arg
 from .complete import check_complete
-from .deps import done_key, producers
+from .deps import KIND_INDEX, ROOT, class_of, done_key, producers, table
 from .ir import Op, as_ops, stage_to_rank_map
 from .placement import stage_profile
 from .profile import LinkProfile, PipelineProfile
@@ -131,10 +131,22 @@ def simulate(
         raise ValueError(f"the plan has {last_mb + 1} microbatches, the profile {profile.num_microbatches}")
     check_complete(ops, S, profile.num_microbatches)
     links = LinkQueues(stage_links)
-    last = S - 1
+    # messages (deps.table): per class, (link, destination rank) of every rank other than its own where
+    # an op needs it; one message per destination rank
+    deps = table(S)
+    messages: list[list[tuple[int, int]]] = []
+    for q in range(3 * S):
+        src, out = q // 3, []
+        for c in deps.users_of(q):
+            dst = placement[c // 3]
+            if dst != placement[src] and all(d != dst for _, d in out):
+                if abs(c // 3 - src) != 1:
+                    raise ValueError(f"stage {c // 3} needs stage {src} on another rank: no link joins them")
+                out.append((min(src, c // 3), dst))
+        messages.append(out)
 
     done: dict[Op, int] = {}  # deps.done_key(op) → end ns
-    arrived: dict[Op, int] = {}  # deps.done_key(producer) → arrival ns of its message at its consumer
+    arrived: dict[tuple[Op, int], int] = {}  # (deps.done_key(producer), rank) → arrival ns of its message there
     ranks = sorted(ops)
     pos = {r: 0 for r in ranks}
     free = {r: 0 for r in ranks}
@@ -144,9 +156,9 @@ def simulate(
 
     def ready_time(op: Op) -> int | None:
         """When ``op``'s producers (deps.producers) are done and their messages have arrived."""
-        ready = 0
+        ready, r = 0, placement[op[0]]
         for src in producers(op, S):
-            end = done.get(src) if placement[src[0]] == placement[op[0]] else arrived.get(src)
+            end = done.get(src) if placement[src[0]] == r else arrived.get((src, r))
             if end is None:
                 return None
             ready = max(ready, end)
@@ -164,17 +176,13 @@ def simulate(
                     break
                 t0 = max(free[r], ready)
                 t1 = t0 + dur[kind][stage]
-                done[done_key(op)] = t1
+                key = done_key(op)
+                done[key] = t1
                 free[r] = t1
                 busy[r] += t1 - t0
-                if kind == "F" and stage < last and placement[stage + 1] != r:
-                    arrive = links.send(stage, (r, placement[stage + 1]), t1)
-                    arrived[op] = arrive
-                    if hol:
-                        free[r] = max(free[r], arrive)
-                elif kind in ("I", "B") and stage > 0 and placement[stage - 1] != r:
-                    arrive = links.send(stage - 1, (r, placement[stage - 1]), t1)
-                    arrived[done_key(op)] = arrive
+                for link, dst in messages[class_of(stage, kind)]:
+                    arrive = links.send(link, (r, dst), t1)
+                    arrived[(key, dst)] = arrive
                     if hol:
                         free[r] = max(free[r], arrive)
                 events.append(ActionEvent(r, stage, kind, mb, to_ms(t0), to_ms(t1)))
@@ -211,44 +219,34 @@ def replay_makespan_ns(
     links = LinkQueues(profile.links)
     bound = float("inf") if bound_ns is None else bound_ns
     work = [sum(dur[k][s] for _, k, _ in order[s]) for s in range(S)]  # left per rank
-    f_in = [[0] * N] + [[None] * N for _ in range(S - 1)]  # F input arrival
-    g_in = [[None] * N for _ in range(S)]  # gradient arrival (last stage: its own F's end)
-    i_end = [[None] * N for _ in range(S)]
-    f_end = [[None] * N for _ in range(S)]
+    # the dependency table (deps.table): inp[q][m] = when op (q, m)'s trigger has reached its stage (None:
+    # not yet); an op of class q ends, then writes its end (same stage) or its message's arrival into
+    # inp[c][m] of every class c it feeds. Per stage and kind: (inp, sends, duration).
+    deps = table(S)
+    inp = [[0] * N if t == ROOT else [None] * N for t in deps.trigger]
+    sends = [tuple((inp[c], deps.link[c], (q // 3, c // 3)) for c in deps.feeds_of(q)) for q in range(3 * S)]
+    step = [{k: (inp[3 * s + KIND_INDEX[k]], sends[3 * s + KIND_INDEX[k]], dur[k][s]) for k in dur} for s in range(S)]
     pos, free = [0] * S, [0] * S
     remaining = sum(len(order[s]) for s in range(S))
     makespan = 0
     while remaining:
         progressed = False
         for s in range(S):
-            ops, p, t = order[s], pos[s], free[s]
+            ops, p, t, kinds = order[s], pos[s], free[s], step[s]
             while p < len(ops):
                 _, kind, m = ops[p]
-                if kind == "F":
-                    ready = f_in[s][m]
-                elif kind == "W":
-                    ready = i_end[s][m]
-                else:
-                    ready, grad = f_end[s][m], g_in[s][m]
-                    ready = None if ready is None or grad is None else max(ready, grad)
+                ready, out, d = kinds[kind]
+                ready = ready[m]
                 if ready is None:
                     break
-                d = dur[kind][s]
-                t = max(t, ready) + d
-                if kind == "F":
-                    f_end[s][m] = t
-                    if s + 1 < S:
-                        f_in[s + 1][m] = links.send(s, (s, s + 1), t)
-                    else:
-                        g_in[s][m] = t
-                elif kind != "W":
-                    i_end[s][m] = t
-                    if s > 0:
-                        g_in[s - 1][m] = links.send(s - 1, (s, s - 1), t)
+                t = (t if t > ready else ready) + d
+                for dst, link, ch in out:
+                    dst[m] = t if link < 0 else links.send(link, ch, t)
                 work[s] -= d
                 if t + work[s] > bound:
                     return None
-                makespan = max(makespan, t)
+                if t > makespan:
+                    makespan = t
                 p += 1
             if p != pos[s]:
                 remaining -= p - pos[s]

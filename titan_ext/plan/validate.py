@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from .args import bool_arg, counts_arg, int_arg, plan_arg
 from .complete import PlanValidationError, check_complete
-from .deps import SAME_STAGE, done_key, producers
+from .deps import SAME_STAGE, done_key, producers, table
 from .profile import released_by
 from .ir import add_send_waits, as_ops, fsdp_action_types, gc_paused, stage_to_rank_map, to_torch_plan, torch_schedules
 from .simulate import peak_inflight
@@ -75,7 +75,8 @@ def validate_plan(
         else:
             counts_arg(list(inflight_limit), "inflight_limit", num_stages, minimum=1)
     if _CORE is not None and isinstance(plan, dict):
-        peaks = _CORE.check(plan, num_stages, num_microbatches, inflight_limit, release == "W")
+        peaks = _CORE.check(table(num_stages).spec(), plan, num_stages, num_microbatches, inflight_limit,
+                            release == "W")
         if peaks is not None:
             if torch_dry_run:  # valid for checks 1-3; torch's own checks follow
                 with gc_paused():

@@ -44,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
+from .deps import ROOT, table
 from .ir import Op, as_ops, gc_paused, torch_schedules
 from .pipemorph import GeneratedSchedule
 from .placement import PLACEMENTS, stage_profile, stage_to_rank
@@ -198,7 +199,7 @@ def _virtual_loop(profile: PipelineProfile, s2r: list[int], x: list[int], limit:
         return _virtual_loop_py(profile, s2r, x, limit)
     links = LinkQueues(profile.links)
     order, makespan = _CORE.generate_virtual(
-        profile.num_microbatches, s2r, [to_ns(v) for v in profile.f_ms], [to_ns(v) for v in profile.b_ms],
+        table(profile.num_stages).spec(), profile.num_microbatches, s2r, [to_ns(v) for v in profile.f_ms], [to_ns(v) for v in profile.b_ms],
         [to_ns(v) for v in profile.w_ms], links.latency_ns, links.transfer_ns, x, limit, profile.release == "W")
     return dict(enumerate(order)), makespan
 
@@ -211,10 +212,13 @@ def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], lim
     dur = {"F": [to_ns(v) for v in profile.f_ms], "I": [to_ns(v) for v in profile.b_ms],
            "W": [to_ns(v) for v in profile.w_ms]}
     links = LinkQueues(profile.links)
-    f_q: list[deque] = [deque() for _ in range(S)]
-    b_q: list[deque] = [deque() for _ in range(S)]
-    w_q: list[deque] = [deque() for _ in range(S)]
-    f_q[0].extend((0, m) for m in range(N))
+    # arrival queues per op class (deps.table), fed along the table: same rank at once, else by message
+    deps = table(S)
+    queues: list[deque] = [deque() for _ in range(3 * S)]
+    for q, trigger in enumerate(deps.trigger):
+        if trigger == ROOT:
+            queues[q].extend((0, m) for m in range(N))
+    f_q, b_q, w_q = queues[0::3], queues[1::3], queues[2::3]
     f_count, b_count = [0] * S, [0] * S  # forwards done, activations released (profile.RELEASES)
     release_w = profile.release == "W"
     free_at = [0] * R
@@ -222,12 +226,14 @@ def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], lim
     remaining, makespan = 3 * N * S, 0
     wake = [(0, r) for r in range(R)]
 
-    def send(s: int, dst_stage: int, done: int, queue: deque, mb: int) -> None:
-        src, dst = s2r[s], s2r[dst_stage]
-        arrive = done if src == dst else links.send(min(s, dst_stage), (src, dst), done)
-        queue.append((arrive, mb))
-        if dst != src:
-            heapq.heappush(wake, (arrive, dst))
+    def feed(q: int, done: int, mb: int) -> None:
+        src = s2r[q // 3]
+        for c in deps.feeds_of(q):
+            dst = s2r[c // 3]
+            arrive = done if src == dst else links.send(deps.link[c], (src, dst), done)
+            queues[c].append((arrive, mb))
+            if dst != src:
+                heapq.heappush(wake, (arrive, dst))
 
     while remaining:
         if not wake:
@@ -254,18 +260,12 @@ def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], lim
         done = t + dur[kind][s]
         if kind == "F":
             f_count[s] += 1
-            if s + 1 < S:
-                send(s, s + 1, done, f_q[s + 1], mb)
-            else:
-                b_q[s].append((done, mb))
         elif kind == "I":
             if not release_w:
                 b_count[s] += 1
-            w_q[s].append((done, mb))
-            if s > 0:
-                send(s, s - 1, done, b_q[s - 1], mb)
         elif release_w:
             b_count[s] += 1
+        feed(3 * s + "FIW".index(kind), done, mb)
         order[r].append((s, kind, mb))
         makespan = max(makespan, done)
         free_at[r] = done
