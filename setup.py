@@ -14,16 +14,20 @@ import sys
 
 from setuptools import Extension, setup
 
+# the plan/ C modules' shared headers: _link.h (the one FIFO link send) and _deps.h (the dependency table
+# of plan/deps.py as the C code reads it); a change to either rebuilds every module (depends), and
+# pyproject.toml's package-data ships them (sdist, wheel)
+PLAN_HEADERS = [os.path.join("titan_ext", "plan", h) for h in ("_link.h", "_deps.h")]
 # plan search engine: no torch, no numpy (titan_ext.plan stays importable without them)
 search_ext = Extension("titan_ext.plan._search_c", [os.path.join("titan_ext", "plan", "_search.c")],
-                       extra_compile_args=["-O2"], libraries=["m"])
+                       depends=PLAN_HEADERS, extra_compile_args=["-O2"], libraries=["m"])
 # plan greedy generator (crosspipe.greedy_schedule compiled): same constraints as search_ext
 greedy_ext = Extension("titan_ext.plan._greedy_c", [os.path.join("titan_ext", "plan", "_greedy.c")],
-                       extra_compile_args=["-O2"], libraries=["m"])
+                       depends=PLAN_HEADERS, extra_compile_args=["-O2"], libraries=["m"])
 # plan PipeMorph generator and plan checks (pipemorph._generate_py, validate's checks 1-3 compiled): same
 # constraints as search_ext
 generate_ext = Extension("titan_ext.plan._pipemorph_c", [os.path.join("titan_ext", "plan", "_pipemorph.c")],
-                         extra_compile_args=["-O2"])
+                         depends=PLAN_HEADERS, extra_compile_args=["-O2"])
 ext_modules, cmdclass = [search_ext, greedy_ext, generate_ext], {}
 
 

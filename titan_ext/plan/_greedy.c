@@ -1,14 +1,17 @@
 /* Compiled CrossPipe greedy list scheduler (Alg.1 of CrossPipe §4.2): titan_ext.plan._greedy_c.
  *
- * A port of crosspipe.greedy.greedy_schedule (and its helper crosspipe.greedy._Links) with the same floating-point
+ * A port of crosspipe.greedy.greedy_schedule with the same floating-point
  * operations in the same order, so it returns bit-identical results: the same per-rank whole-action
  * orders, the same makespan and the same number of lookahead waits
  * (tests/test_crosspipe_greedy_c.py).  The Python wrapper is titan_ext.plan.crosspipe._compiled.
  *
- *   spec = make_spec(R, N, stage_to_rank, f, b, w, fch, ftx, flat, bch, btx, blat, deltas)
+ *   spec = make_spec(R, N, stage_to_rank, f, b, w, deps, ch, tx, lat, deltas)
  *       an opaque capsule with the problem on flat arrays (built once per problem by the wrapper):
- *       fch/bch[s]: channel (src rank * R + dst rank) of the message stage s sends forward/backward,
- *       -1 for none or a same-rank dependency; ftx/btx: size·β; flat/blat: α; deltas: (M_F, M_D, M_W).
+ *       deps: the dependency rule, titan_ext.plan.deps.table(S).spec() (_deps.h): an op's end makes
+ *       ready the classes its class feeds; ch[c] (per class c, 3S): channel (src rank * R + dst rank) of
+ *       the message that brings c's trigger, -1 for none or a same-rank dependency; tx: size·β; lat: α;
+ *       deltas: (M_F, M_D, M_W).  Messages: _link.h's FIFO send (equal to the Python's range-based
+ *       reservation on every run: one sender per channel, see crosspipe.greedy).
  *       The spec holds no memory limit: it is an argument of run, so one spec serves every
  *       memory limit of a problem.
  *   run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f, lim)
@@ -27,17 +30,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_deps.h"
+#include "_link.h"
+
 typedef struct {
     int R, N, S, nch;
     int *s2r;                  /* S */
     double *f, *b, *w;         /* S */
-    int *fch, *bch;            /* S */
-    double *ftx, *flat, *btx, *blat;
+    DepTable deps;             /* the dependency rule (_deps.h) */
+    int *ch;                   /* 3S: per class, the channel of its trigger's message (-1: same rank) */
+    double *tx, *lat;          /* 3S: that message's size·β and α */
     int *rq_off, *rq;          /* R+1, 3S: per rank its queues, later stage first, kinds F I W */
     int *rq_k, *rq_s;          /* 3S: kind and stage of rq[j] */
     int *later_off, *later;    /* S+1, list: later stages of the same rank */
     int any_later;
-    int *ch_off;               /* nch+1: link window storage per channel */
     double mf, mi, mw;
     PyObject *idobj;           /* tuple of the ints 0..3NS-1 (output without allocations) */
 } Spec;
@@ -50,9 +56,10 @@ typedef struct {
 
 static void spec_free(Spec *sp) {
     if (!sp) return;
-    free(sp->s2r); free(sp->f); free(sp->b); free(sp->w); free(sp->fch); free(sp->bch);
-    free(sp->ftx); free(sp->flat); free(sp->btx); free(sp->blat); free(sp->rq_off); free(sp->rq); free(sp->rq_k); free(sp->rq_s);
-    free(sp->later_off); free(sp->later); free(sp->ch_off);
+    free(sp->s2r); free(sp->f); free(sp->b); free(sp->w); free(sp->ch); free(sp->tx); free(sp->lat);
+    free(sp->rq_off); free(sp->rq); free(sp->rq_k); free(sp->rq_s);
+    free(sp->later_off); free(sp->later);
+    deps_free(&sp->deps);
     Py_XDECREF(sp->idobj);
     free(sp);
 }
@@ -100,13 +107,12 @@ static int get_ints(PyObject *seq, int *dst, int n) {
 
 static PyObject *make_spec(PyObject *self, PyObject *args) {
     int R, N, S, s, r, k, i, pos, nch;
-    PyObject *s2r, *f, *b, *w, *fch, *ftx, *flat, *bch, *btx, *blat, *deltas;
+    PyObject *s2r, *f, *b, *w, *depso, *ch, *tx, *lat, *deltas;
     double d3[3];
     Spec *sp;
     PyObject *cap;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iiOOOOOOOOOOO", &R, &N, &s2r, &f, &b, &w, &fch, &ftx, &flat, &bch, &btx,
-                          &blat, &deltas))
+    if (!PyArg_ParseTuple(args, "iiOOOOOOOOO", &R, &N, &s2r, &f, &b, &w, &depso, &ch, &tx, &lat, &deltas))
         return NULL;
     if (R < 1 || N < 1) { PyErr_SetString(PyExc_ValueError, "R and N must be positive"); return NULL; }
     S = (int)PySequence_Size(s2r);
@@ -120,36 +126,42 @@ static PyObject *make_spec(PyObject *self, PyObject *args) {
     sp->f = (double *)malloc(sizeof(double) * S);
     sp->b = (double *)malloc(sizeof(double) * S);
     sp->w = (double *)malloc(sizeof(double) * S);
-    sp->fch = (int *)malloc(sizeof(int) * S);
-    sp->bch = (int *)malloc(sizeof(int) * S);
-    sp->ftx = (double *)malloc(sizeof(double) * S);
-    sp->flat = (double *)malloc(sizeof(double) * S);
-    sp->btx = (double *)malloc(sizeof(double) * S);
-    sp->blat = (double *)malloc(sizeof(double) * S);
+    sp->ch = (int *)malloc(sizeof(int) * 3 * S);
+    sp->tx = (double *)malloc(sizeof(double) * 3 * S);
+    sp->lat = (double *)malloc(sizeof(double) * 3 * S);
     sp->rq_off = (int *)calloc(R + 1, sizeof(int));
     sp->rq = (int *)malloc(sizeof(int) * 3 * S);
     sp->rq_k = (int *)malloc(sizeof(int) * 3 * S);
     sp->rq_s = (int *)malloc(sizeof(int) * 3 * S);
     sp->later_off = (int *)calloc(S + 1, sizeof(int));
     sp->later = (int *)malloc(sizeof(int) * (S * S + 1));
-    sp->ch_off = (int *)calloc(nch + 1, sizeof(int));
-    if (!sp->s2r || !sp->f || !sp->b || !sp->w || !sp->fch || !sp->bch || !sp->ftx || !sp->flat || !sp->btx
-        || !sp->blat || !sp->rq_off || !sp->rq || !sp->rq_k || !sp->rq_s || !sp->later_off || !sp->later || !sp->ch_off) {
+    if (!sp->s2r || !sp->f || !sp->b || !sp->w || !sp->ch || !sp->tx || !sp->lat
+        || !sp->rq_off || !sp->rq || !sp->rq_k || !sp->rq_s || !sp->later_off || !sp->later) {
         spec_free(sp);
         return PyErr_NoMemory();
     }
+    if (deps_read(depso, &sp->deps) < 0) { spec_free(sp); return NULL; }
+    if (sp->deps.S != S) {
+        spec_free(sp);
+        PyErr_SetString(PyExc_ValueError, "dependency table: made for another problem");
+        return NULL;
+    }
     if (get_ints(s2r, sp->s2r, S) < 0 || get_doubles(f, sp->f, S) < 0 || get_doubles(b, sp->b, S) < 0
-        || get_doubles(w, sp->w, S) < 0 || get_ints(fch, sp->fch, S) < 0 || get_doubles(ftx, sp->ftx, S) < 0
-        || get_doubles(flat, sp->flat, S) < 0 || get_ints(bch, sp->bch, S) < 0
-        || get_doubles(btx, sp->btx, S) < 0 || get_doubles(blat, sp->blat, S) < 0
-        || get_doubles(deltas, d3, 3) < 0) {
+        || get_doubles(w, sp->w, S) < 0 || get_ints(ch, sp->ch, 3 * S) < 0 || get_doubles(tx, sp->tx, 3 * S) < 0
+        || get_doubles(lat, sp->lat, 3 * S) < 0 || get_doubles(deltas, d3, 3) < 0) {
         spec_free(sp);
         return NULL;
     }
     sp->mf = d3[0]; sp->mi = d3[1]; sp->mw = d3[2];
     for (s = 0; s < S; s++) {
-        if (sp->s2r[s] < 0 || sp->s2r[s] >= R || sp->fch[s] < -1 || sp->fch[s] >= nch || sp->bch[s] < -1
-            || sp->bch[s] >= nch) {
+        if (sp->s2r[s] < 0 || sp->s2r[s] >= R) {
+            spec_free(sp);
+            PyErr_SetString(PyExc_ValueError, "bad rank or channel index");
+            return NULL;
+        }
+    }
+    for (i = 0; i < 3 * S; i++) {
+        if (sp->ch[i] < -1 || sp->ch[i] >= nch) {
             spec_free(sp);
             PyErr_SetString(PyExc_ValueError, "bad rank or channel index");
             return NULL;
@@ -173,12 +185,6 @@ static PyObject *make_spec(PyObject *self, PyObject *args) {
             if (sp->s2r[i] == sp->s2r[s]) { sp->later[pos++] = i; sp->any_later = 1; }
     }
     sp->later_off[S] = pos;
-    /* link storage: at most N messages per hop using a channel */
-    for (s = 0; s < S; s++) {
-        if (sp->fch[s] >= 0) sp->ch_off[sp->fch[s] + 1] += N;
-        if (sp->bch[s] >= 0) sp->ch_off[sp->bch[s] + 1] += N;
-    }
-    for (i = 0; i < nch; i++) sp->ch_off[i + 1] += sp->ch_off[i];
     sp->idobj = PyTuple_New((Py_ssize_t)3 * N * S);
     if (!sp->idobj) { spec_free(sp); return NULL; }
     for (i = 0; i < 3 * N * S; i++) {
@@ -306,8 +312,7 @@ typedef struct {
     double *free_, *mem;
     int *f_done, *seen_bw, *last_full, *total_f;
     long long *version;
-    double *ls, *le;    /* link windows (starts, ends) */
-    int *lcnt;          /* nch */
+    double *chfree;     /* nch: per channel, the end of its last message's window (_link.h) */
     double *start_;     /* n */
     Done *done;         /* n */
     Done *tmp;          /* n: sort scratch */
@@ -370,62 +375,40 @@ static void arrive(Run *w, int q, int m, double avail) {
     w->qlen[q] = len + 1;
 }
 
-/* _Links.reserve */
-static double link_reserve(Run *w, int ch, double ready, double length) {
+/* when the trigger of class c, ready at `ready`, reaches c's rank (``_Alg1.message``) */
+static inline double message(Run *w, int c, double ready) {
     const Spec *sp = w->sp;
-    double *starts, *ends, t;
-    int n, lo, hi, i;
-    if (length <= 0) return ready;
-    starts = w->ls + sp->ch_off[ch];
-    ends = w->le + sp->ch_off[ch];
-    n = w->lcnt[ch];
-    if (n == 0 || ready >= ends[n - 1]) {
-        starts[n] = ready;
-        ends[n] = ready + length;
-        w->lcnt[ch] = n + 1;
-        return ready + length;
-    }
-    /* bisect_right(ends, ready) */
-    lo = 0; hi = n;
-    while (lo < hi) {
-        int mid = (lo + hi) >> 1;
-        if (ready < ends[mid]) hi = mid;
-        else lo = mid + 1;
-    }
-    i = lo;
-    t = ready;
-    while (i < n) {
-        if (t + length <= starts[i]) break;
-        if (ends[i] > t) t = ends[i];
-        i++;
-    }
-    memmove(starts + i + 1, starts + i, sizeof(double) * (n - i));
-    memmove(ends + i + 1, ends + i, sizeof(double) * (n - i));
-    starts[i] = t;
-    ends[i] = t + length;
-    w->lcnt[ch] = n + 1;
-    return t + length;
+    if (sp->ch[c] < 0) return ready;
+    return link_send_ms(&w->chfree[sp->ch[c]], sp->tx[c], sp->lat[c], ready);
 }
 
-static inline double message_fwd(Run *w, int s, double ready) {
+/* the end of class q's op of microbatch m on rank r at t1: the classes q feeds (deps) get m; every
+ * other rank fed is rescheduled after r (``_Alg1.finish``); 0 ok, -1 out of memory */
+static int finish(Run *w, int r, int q, int m, double t1) {
     const Spec *sp = w->sp;
-    if (sp->fch[s] < 0) return ready;
-    return link_reserve(w, sp->fch[s], ready, sp->ftx[s]) + sp->flat[s];
-}
-
-static inline double message_bwd(Run *w, int s, double ready) {
-    const Spec *sp = w->sp;
-    if (sp->bch[s] < 0) return ready;
-    return link_reserve(w, sp->bch[s], ready, sp->btx[s]) + sp->blat[s];
+    const DepTable *d = &sp->deps;
+    int j;
+    for (j = d->feeds_off[q]; j < d->feeds_off[q + 1]; j++) {
+        int c = d->feeds[j];
+        arrive(w, c, m, message(w, c, t1));
+    }
+    if (push_rank(w, r) < 0) return -1;
+    for (j = d->feeds_off[q]; j < d->feeds_off[q + 1]; j++) {
+        int r2 = sp->s2r[d->feeds[j] / 3], k;
+        for (k = d->feeds_off[q]; k < j; k++)
+            if (sp->s2r[d->feeds[k] / 3] == r2) break;
+        if (r2 != r && k == j && push_rank(w, r2) < 0) return -1;
+    }
+    return 0;
 }
 
 /* returns 0 ok, 1 deadlock, 2 nothing selectable, -1 out of memory */
 static int greedy_core(Run *w) {
     const Spec *sp = w->sp;
-    int R = sp->R, N = sp->N, S = sp->S, last = S - 1;
+    int R = sp->R, N = sp->N, S = sp->S;
     long long remaining = 3LL * N * S;
     int n_sub = w->n_sub;
-    int r, j, m, q, s, k, dst, r2;
+    int r, j, m, q, s, k;
     int bm[3], bq[3];
     const int *order;
     static const int ORD_TEAR[3] = {1, 2, 0}, ORD_F[3] = {0, 1, 2}, ORD_B[3] = {1, 0, 2};
@@ -512,6 +495,8 @@ static int greedy_core(Run *w) {
                 w->ndone++;
                 w->mem[r] += sp->mw;
                 remaining -= 1;
+                if (finish(w, r, q, m, t1) < 0) return -1;
+                continue;
             }
             if (push_rank(w, r) < 0) return -1;
             continue;
@@ -532,26 +517,10 @@ static int greedy_core(Run *w) {
             w->mem[r] += sp->mf;
             w->f_done[r] += 1;
             w->fsd[s] += 1;
-            if (s < last) {
-                dst = s + 1;
-                arrive(w, 3 * dst, m, message_fwd(w, s, t1));
-            } else {
-                dst = s;
-                arrive(w, 3 * s + 1, m, t1);
-            }
         } else {
             w->mem[r] += sp->mi;
-            arrive(w, 3 * s + 2, m, t1);
-            dst = s;
-            if (s > 0) {
-                dst = s - 1;
-                arrive(w, 3 * dst + 1, m, message_bwd(w, s, t1));
-            }
         }
-        if (push_rank(w, r) < 0) return -1;
-        r2 = sp->s2r[dst];
-        if (r2 != r)
-            if (push_rank(w, r2) < 0) return -1;
+        if (finish(w, r, q, m, t1) < 0) return -1;
     }
     done_sort(w->done, w->tmp, w->ndone);
     endmax = w->done[0].end;
@@ -599,8 +568,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
              + ALIGN8(sizeof(double) * R) * 2          /* free_, mem */
              + ALIGN8(sizeof(int) * R) * 4             /* f_done, seen_bw, last_full, total_f */
              + ALIGN8(sizeof(long long) * R)           /* version */
-             + ALIGN8(sizeof(double) * (sp->ch_off[sp->nch] + 1)) * 2 /* ls, le */
-             + ALIGN8(sizeof(int) * sp->nch)           /* lcnt */
+             + ALIGN8(sizeof(double) * sp->nch)        /* chfree */
              + ALIGN8(sizeof(double) * n)              /* start_ */
              + ALIGN8(sizeof(Done) * n) * 2            /* done, tmp */
              + ALIGN8(sizeof(int) * R);                /* cnt */
@@ -624,9 +592,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
     TAKE(w.last_full, int, R);
     TAKE(w.total_f, int, R);
     TAKE(w.version, long long, R);
-    TAKE(w.ls, double, sp->ch_off[sp->nch] + 1);
-    TAKE(w.le, double, sp->ch_off[sp->nch] + 1);
-    TAKE(w.lcnt, int, sp->nch);
+    TAKE(w.chfree, double, sp->nch);
     TAKE(w.start_, double, n);
     TAKE(w.done, Done, n);
     TAKE(w.tmp, Done, n);
@@ -659,8 +625,11 @@ static PyObject *run(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (s = 0; s < S; s++) w.total_f[sp->s2r[s]] += N;
     for (i = 0; i < S * N; i++) w.wl[i] = n_sub;
-    for (i = 0; i < N; i++) { w.qm[i] = i; w.qa[i] = 0.0; }
-    w.qlen[0] = N;
+    for (j = 0; j < Q; j++) {  /* the classes that need nothing: every microbatch ready at 0 */
+        if (sp->deps.trigger[j] != DEPS_ROOT) continue;
+        for (i = 0; i < N; i++) { w.qm[j * N + i] = i; w.qa[j * N + i] = 0.0; }
+        w.qlen[j] = N;
+    }
     for (r = 0; r < R; r++) w.last_full[r] = -1;
     rc = greedy_core(&w);
     Py_END_ALLOW_THREADS
@@ -695,7 +664,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"make_spec", make_spec, METH_VARARGS, "make_spec(R, N, stage_to_rank, f, b, w, fch, ftx, flat, bch, btx, blat, deltas) -> spec"},
+    {"make_spec", make_spec, METH_VARARGS, "make_spec(R, N, stage_to_rank, f, b, w, deps, ch, tx, lat, deltas) -> spec"},
     {"run", run, METH_VARARGS,
      "run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f, lim) -> (ids, makespan, waits)"},
     {NULL, NULL, 0, NULL}};

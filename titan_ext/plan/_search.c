@@ -7,6 +7,9 @@
  * given number of evaluations both return the same plan (tests/test_crosspipe_engine.py).  Only
  * faster: the planner's time budget buys ~100x more plan evaluations here.
  *
+ * The dependency rule arrives as data: Model.spec()'s per-operation out-edges and producers, built from
+ * titan_ext.plan.deps.table (no rule is written here); messages use _link.h's FIFO send.
+ *
  * Plain C and the CPython API; no torch, no numpy.  Built by setup.py as titan_ext.plan._search_c;
  * the planner falls back to the Python reference when it is missing.
  */
@@ -16,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_link.h"
 
 #define EPS 1e-9
 
@@ -216,14 +221,10 @@ static double loop(const Model *m, const Orders *o, Work *w, double bound, const
             for (; E < Eend; E++) {
                 int d = E->d, ch = E->ch;
                 if (ch < 0) avail[d] = fr;
-                else if (E->tx != 0.0) {
-                    double s0 = chfree[ch];
-                    if (fr > s0) s0 = fr;
-                    s0 += E->tx;
-                    chfree[ch] = s0;
-                    if (detail) msgres[op] = s0;
-                    avail[d] = s0 + E->lat;
-                } else avail[d] = fr + E->lat;
+                else {
+                    avail[d] = link_send_ms(&chfree[ch], E->tx, E->lat, fr);  /* _link.h */
+                    if (detail && E->tx != 0.0) msgres[op] = chfree[ch];
+                }
                 int x = E->rd;
                 if (x != r && !queued[x]) { queued[x] = 1; stack[top++] = x; }
             }

@@ -44,6 +44,14 @@ class LinkQueues:
         self.transfer_ns = [to_ns(link.transfer_ms) for link in links]
         self._free: dict[Hashable, int] = {}
 
+    @classmethod
+    def of(cls, latency: Sequence, transfer: Sequence) -> "LinkQueues":
+        """Queues for links given as per-link latency and transfer times in the caller's unit (CrossPipe's
+        greedy: float ms), taken as they are (``latency_ns`` / ``transfer_ns`` then hold those)."""
+        queues = cls.__new__(cls)
+        queues.latency_ns, queues.transfer_ns, queues._free = list(latency), list(transfer), {}
+        return queues
+
     def send(self, link: int, channel: Hashable, ready_ns: int) -> int:
         """Send one message over ``link`` on ``channel`` (one FIFO per direction), ready at ``ready_ns``."""
         tx = self.transfer_ns[link]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 
-from .greedy import check_greedy_args, greedy_schedule
+from ..deps import table
+from .greedy import check_greedy_args, greedy_schedule, trigger_hops
 from .model import Model
 
 try:
@@ -55,18 +56,14 @@ def _exact_number(x) -> bool:
 
 
 def _hop_arrays(problem):
-    """Per stage, forward and backward: channel id (src·R + dst, −1 same rank), size·β and α."""
-    S, R = problem.num_stages, problem.num_ranks
-    fch, ftx, flat, bch, btx, blat = [-1] * S, [0.0] * S, [0.0] * S, [-1] * S, [0.0] * S, [0.0] * S
-    for s in range(S):
-        for dst, ch, tx, lat in ((s + 1, fch, ftx, flat), (s - 1, bch, btx, blat)):
-            if 0 <= dst < S:
-                h = problem.hop(s, dst)
-                if h is not None:
-                    ch[s] = h.channel[0] * R + h.channel[1]
-                    tx[s] = h.transfer_ms
-                    lat[s] = h.latency_ms
-    return fch, ftx, flat, bch, btx, blat
+    """The dependency table (``deps.table``) and, per op class c, the message that brings c's trigger:
+    channel id (src·R + dst, −1 same rank), size·β and α (``greedy.trigger_hops``)."""
+    R = problem.num_ranks
+    hops = trigger_hops(problem)
+    ch = [-1 if h is None else h.channel[0] * R + h.channel[1] for h in hops]
+    tx = [0.0 if h is None else h.transfer_ms for h in hops]
+    lat = [0.0 if h is None else h.latency_ms for h in hops]
+    return table(problem.num_stages).spec(), ch, tx, lat
 
 
 def _build(problem):

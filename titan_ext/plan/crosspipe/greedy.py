@@ -4,10 +4,14 @@ The generator is a list scheduler driven by its own event-driven timing model (C
 §4.2.3), the same model as ``titan_ext.plan.simulate`` in delegated mode:
 
 * a rank executes one operation at a time;
+* the dependencies are ``plan.deps.table``'s (an operation's end makes available the operations its
+  class feeds);
 * a cross-rank dependency becomes available ``α + size·β`` after the producing operation ends, and a
-  link direction carries one message at a time (range-based occupancy, §4.2.3: the message takes the
-  earliest free window of length ``size·β`` at or after it is ready; latency α is pipelined, i.e. it
-  does not occupy the link);
+  link direction carries one message at a time (``timing.LinkQueues``, first in, first out; latency α
+  is pipelined, i.e. it does not occupy the link). §4.2.3's range-based occupancy — the earliest free
+  window of length ``size·β`` at or after the message is ready — is the same here: every message on
+  a channel is sent by one rank, at the ends of its operations, so ready times per channel never
+  decrease and no window can fit before one booked earlier;
 * a same-rank dependency (the V turn of CrossWave, I after F on the last stage, W after I) is
   available as soon as the producer ends.
 
@@ -41,12 +45,13 @@ The compiled ``_greedy.c`` (``_compiled.greedy_ids``) is bit-identical to :func:
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..deps import ROOT, table
+from ..timing import LinkQueues
 from .problem import KINDS, CrossPipeProblem, F, Op
 
 
@@ -81,37 +86,11 @@ class GreedyResult:
     """lookahead only: how often the rank idled for an arriving backward (0: same plan as without)."""
 
 
-class _Links:
-    """Range-based link occupancy (CrossPipe §4.2.3): per (link, direction) sorted busy windows. On the
-    plans we time it equals ``timing.LinkQueues``' FIFO (one sender per direction; see plan/timing.py)."""
-
-    __slots__ = ("starts", "ends")
-
-    def __init__(self) -> None:
-        self.starts: dict[tuple[int, int], list[float]] = {}
-        self.ends: dict[tuple[int, int], list[float]] = {}
-
-    def reserve(self, key: tuple[int, int], ready: float, length: float) -> float:
-        """Earliest window of ``length`` at or after ``ready`` on ``key``; reserve it; return its end."""
-        if length <= 0:
-            return ready
-        starts = self.starts.setdefault(key, [])
-        ends = self.ends.setdefault(key, [])
-        if not starts or ready >= ends[-1]:  # common case: after everything booked so far
-            starts.append(ready)
-            ends.append(ready + length)
-            return ready + length
-        # first window that ends after `ready`
-        i = bisect.bisect_right(ends, ready)
-        t = ready
-        while i < len(starts):
-            if t + length <= starts[i]:
-                break
-            t = max(t, ends[i])
-            i += 1
-        starts.insert(i, t)
-        ends.insert(i, t + length)
-        return t + length
+def trigger_hops(problem: CrossPipeProblem) -> list:
+    """Per op class c (``deps.table``: 3·stage + kind), the :class:`~.problem.Hop` of the message that
+    brings c's trigger to c's rank, None when it comes from the same rank (or c needs nothing)."""
+    deps = table(problem.num_stages)
+    return [None if p < 0 else problem.hop(p // 3, c // 3) for c, p in enumerate(deps.trigger)]
 
 
 def check_greedy_args(n_sub, steady: str, reserve, tie: str) -> str | int:
@@ -152,12 +131,14 @@ class _Alg1:
         self.pending_rule = reserve == "pending" and any(self.later)
         self.f_stage_done = [0] * S
         self.total_f = [N * len(rank_stages[r]) for r in range(R)]
-        self.fwd_hop = [problem.hop(s, s + 1) if s + 1 < S else None for s in range(S)]
-        self.bwd_hop = [problem.hop(s, s - 1) if s > 0 else None for s in range(S)]
+        self.deps = table(S)
+        self.in_hop = trigger_hops(problem)
         self.dur_k = [problem.f_ms, problem.b_ms, tuple(x / n_sub for x in problem.w_ms)]
         self.queues: list[list[list]] = [[] for _ in range(3 * S)]
         self.heads = [0] * (3 * S)
-        self.queues[0] = [[m, 0.0] for m in range(N)]
+        for q, trigger in enumerate(self.deps.trigger):
+            if trigger == ROOT:
+                self.queues[q] = [[m, 0.0] for m in range(N)]
         # per rank: queue indices, later stage first (ties in selection go to the later stage)
         self.rank_q = [[3 * s + k for s in sorted(rank_stages[r], reverse=True) for k in (0, 1, 2)] for r in range(R)]
         self.w_left: dict[tuple[int, int], int] = {}
@@ -166,7 +147,8 @@ class _Alg1:
         self.f_done = [0] * R
         self.seen_backward = [False] * R
         self.last_full = [-1] * R
-        self.links = _Links()
+        self.links = LinkQueues.of([problem.latency(b) for b in range(S - 1)],
+                                   [problem.transfer(b) for b in range(S - 1)])
         self.start: dict[Op, float] = {}
         self.end: dict[Op, float] = {}
         self.subblocks: list[SubBlock] = []
@@ -183,11 +165,26 @@ class _Alg1:
             return self.mem[r] + need > self.lim[r]
         return self.mem[r] + self.need_f[s] > self.lim[r]
 
-    def message(self, hop, ready: float) -> float:
-        """When a message sent at ``ready`` over ``hop`` arrives (``ready`` if same rank)."""
+    def message(self, c: int, ready: float) -> float:
+        """When the trigger of class ``c``, ready at ``ready``, reaches c's rank (``ready`` if same rank)."""
+        hop = self.in_hop[c]
         if hop is None:
             return ready
-        return self.links.reserve(hop.channel, ready, hop.transfer_ms) + hop.latency_ms
+        return self.links.send(hop.boundary, hop.channel, ready)
+
+    def finish(self, r: int, q: int, m: int, t1: float) -> None:
+        """Op (class q, microbatch m) ended at t1 on rank r: the classes q feeds (``deps``) get m; rank r and
+        every other rank fed are rescheduled."""
+        feeds = self.deps.feeds_of(q)
+        for c in feeds:
+            self.arrive(c, m, self.message(c, t1))
+        self.push(r)
+        pushed = {r}
+        for c in feeds:
+            r2 = self.problem.stage_to_rank[c // 3]
+            if r2 not in pushed:
+                pushed.add(r2)
+                self.push(r2)
 
     def push(self, r: int) -> None:
         """(Re)schedule rank r at its schedulable time (stage selection, §4.2.2)."""
@@ -279,13 +276,14 @@ class _Alg1:
         if nleft:
             self.w_left[(s, m)] = nleft
             self.queues[q][self.heads[q]][1] = t1
+            self.push(r)
         else:
             self.w_left.pop((s, m), None)
             self.heads[q] += 1
             self.end[op] = t1
             self.mem[r] += self.mw
             self.remaining -= 1
-        self.push(r)
+            self.finish(r, q, m, t1)
 
     def run_full(self, r: int, k: int, q: int, m: int, t: float, t1: float) -> None:
         """An F or I as one block; its end makes the next operations of microbatch m available."""
@@ -301,23 +299,9 @@ class _Alg1:
             self.mem[r] += self.mf
             self.f_done[r] += 1
             self.f_stage_done[s] += 1
-            if s < self.problem.num_stages - 1:
-                dst = s + 1
-                self.arrive(3 * dst, m, self.message(self.fwd_hop[s], t1))
-            else:
-                dst = s
-                self.arrive(3 * s + 1, m, t1)
         else:
             self.mem[r] += self.mi
-            self.arrive(3 * s + 2, m, t1)
-            dst = s
-            if s > 0:
-                dst = s - 1
-                self.arrive(3 * dst + 1, m, self.message(self.bwd_hop[s], t1))
-        self.push(r)
-        r2 = self.problem.stage_to_rank[dst]
-        if r2 != r:
-            self.push(r2)
+        self.finish(r, q, m, t1)
 
     def step(self) -> None:
         """Pop the rank with the earliest schedulable time and run one operation (or sub-block) there."""

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
+from ..deps import table
 from .greedy import GreedyResult
 from .problem import KINDS, CrossPipeProblem, Op
 
@@ -33,9 +34,11 @@ _LOCAL = (-1, 0.0, 0.0)
 
 
 def _edges(problem: CrossPipeProblem) -> tuple[list[float], list[tuple[Edge, ...]], int]:
-    """(duration per operation id, its out-edges, number of channels): the dependency rule of CrossPipe
-    §3.5 — F(s) → F(s+1); F(S−1) → I(S−1); I(s) → W(s) and I(s−1) — on operation ids."""
+    """(duration per operation id, its out-edges, number of channels): ``deps.table``'s rule (CrossPipe
+    §3.5's — F(s) → F(s+1); F(S−1) → I(S−1); I(s) → W(s) and I(s−1)) on operation ids: the out-edges of
+    op (q, m) go to (c, m) for every class c that class q feeds."""
     N, S = problem.num_microbatches, problem.num_stages
+    deps = table(S)
     chans: dict[tuple[int, int], int] = {}
 
     def hop(a: int, b: int) -> tuple[int, float, float]:
@@ -47,15 +50,10 @@ def _edges(problem: CrossPipeProblem) -> tuple[list[float], list[tuple[Edge, ...
     dur: list[float] = []
     out: list[tuple[Edge, ...]] = []
     for s in range(S):
-        for t in (problem.f_ms[s], problem.b_ms[s], problem.w_ms[s]):
+        for k, t in enumerate((problem.f_ms[s], problem.b_ms[s], problem.w_ms[s])):
             dur.extend([t] * N)
-        f_to = (3 * s + 3, hop(s, s + 1)) if s < S - 1 else (3 * s + 1, _LOCAL)
-        out.extend((Edge(f_to[0] * N + m, *f_to[1]),) for m in range(N))
-        i_back = hop(s, s - 1) if s > 0 else None
-        for m in range(N):
-            w = Edge((3 * s + 2) * N + m, *_LOCAL)
-            out.append((w,) if i_back is None else (w, Edge((3 * s - 2) * N + m, *i_back)))
-        out.extend([()] * N)
+            to = [(c, _LOCAL if c // 3 == s else hop(s, c // 3)) for c in deps.feeds_of(3 * s + k)]
+            out.extend(tuple(Edge(c * N + m, *h) for c, h in to) for m in range(N))
     return dur, out, len(chans)
 
 
@@ -85,7 +83,7 @@ class Model:
         """operations simulated so far by run/rerun (plus a fixed 4R + 32 per call): the deterministic
         cost measure of the local search's budget."""
         self._no_tail = [0.0] * n
-        self.prod = [n] * n  # each operation's single producer (n: none, stage 0's F)
+        self.prod = [n] * n  # each operation's trigger (deps.table; n: none, stage 0's F)
         self.chan_of = [-1] * n  # channel an operation's message occupies (-1: none or size·β = 0)
         self.chan_sender = [0] * self.nch
         self.cons = [tuple(e.op for e in self.out[o]) for o in range(n)]

@@ -23,17 +23,6 @@ class Move(NamedTuple):
     dst: int
 
 
-def _producer(N: int, S: int, op: int) -> int | None:
-    """The operation whose end makes ``op``'s input available (None: stage 0's F, whose input is
-    there from the start)."""
-    s, k, m = op // (3 * N), (op // N) % 3, op % N
-    if k == 0:
-        return None if s == 0 else (3 * s - 3) * N + m
-    if k == 1:
-        return (3 * s) * N + m if s == S - 1 else (3 * s + 4) * N + m
-    return (3 * s + 1) * N + m
-
-
 class _Path:
     """Collects the moves of :func:`critical_moves` (no duplicates, in discovery order)."""
 
@@ -129,7 +118,9 @@ def critical_moves(model: Model, ids: list[list[int]], start: list[float], avail
         # input-bound (or the first operation): follow the producer
         if gap_fill and p > 0 and start[cur] > start[prev] + dur[prev] + eps:
             path.gap_fill(r, p)
-        cur = _producer(model.N, model.S, cur)
+        cur = model.prod[cur]  # its trigger (deps.table), n: none
+        if cur >= model.n:
+            cur = None
     return path.moves
 
 
