@@ -71,6 +71,7 @@ from .crosspipe.model import Model, replay
 from .crosspipe.portfolio import plan_crosspipe_problem
 from .crosspipe.problem import F, I, W, CrossPipeProblem, Op, problem_from_profile, to_actions
 from .args import ArgumentTypeError, bool_arg, int_arg, profile_arg, real_arg
+from .deps import table
 from .interrupt import solve
 
 
@@ -381,14 +382,13 @@ def solve_optimal_problem(
         else:
             arcs.append((src, dst, d + lat[b]))
 
+    # data dependencies: deps.table's (trigger → op; the producers it implies add nothing), by the lower
+    # stage of the pair, then the consumer's kind (the order the model's variables always had)
+    kinds = (F, I, W)
+    deps_edges = sorted(table(S).edges(), key=lambda e: (min(e[0] // 3, e[1] // 3), e[1] % 3))
     for mb in range(N):
-        for s in range(S):
-            if s < S - 1:
-                link((s, F, mb), (s + 1, F, mb))
-                link((s + 1, I, mb), (s, I, mb))
-            else:
-                arcs.append(((s, F, mb), (s, I, mb), dur[F][s]))
-            arcs.append(((s, I, mb), (s, W, mb), dur[I][s]))
+        for p, c in deps_edges:
+            link((p // 3, kinds[p % 3], mb), (c // 3, kinds[c % 3], mb))
     chain_arcs = list(arcs)  # one microbatch's data dependencies (for the memory intervals' sizes)
     if microbatch_order:
         for s in range(S):
