@@ -1,10 +1,11 @@
 """One dependency rule and one link timing (issue 25 item 3; DESIGN.md "Timing model").
 
-The reference is ``simulate`` (``plan/deps.py`` + ``plan/timing.LinkQueues``). Every fast evaluator that
-inlines the rule for speed — PipeMorph's generator and ``replay_makespan_ns``, the virtual-stage
-generator, CrossPipe's greedy (Python and C) and its replay model, the C search engine — is checked
-bit-for-bit (integer nanoseconds) against it on random profiles with latency *and* bandwidth time (so
-messages queue on a link), and CP-SAT's arcs are checked to be no weaker than the rule.
+The reference is ``simulate`` (``plan/deps.py`` + ``plan/timing.LinkQueues``). Every fast evaluator — they
+all walk ``deps.table`` (tests/test_plan_deps_table.py) and send through ``LinkQueues`` or its C twin
+``_link.h``: PipeMorph's generator and ``replay_makespan_ns``, the virtual-stage generator, CrossPipe's
+greedy (Python and C) and its replay model, the C search engine — is checked bit-for-bit (integer
+nanoseconds) against it on random profiles with latency *and* bandwidth time (so messages queue on a
+link), and CP-SAT's arcs (from the same table) are checked to be no weaker than the rule.
 """
 
 import math
@@ -66,9 +67,9 @@ def test_virtual_generator_matches_the_reference(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_crosspipe_greedy_and_model_match_the_reference_per_operation(seed):
-    """CrossPipe's greedy reserves the earliest free window on a link (range-based, §4.2.3); the
-    reference queues FIFO. Every message on a link direction comes from one rank in its program order,
-    so the two agree — here on every operation's start and end, not only the makespan."""
+    """CrossPipe's greedy (§4.2.3 reserves the earliest free window on a link) and the reference both
+    queue FIFO (``LinkQueues``): every message on a link direction comes from one rank in its program
+    order, so the two rules agree — here on every operation's start and end, not only the makespan."""
     rng = random.Random(200 + seed)
     S = rng.choice((2, 3, 4, 5))
     prof = _profile(rng, S, 2 * S * rng.choice((1, 2)))
