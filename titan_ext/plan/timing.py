@@ -7,14 +7,18 @@ transmission window of length ``size/bandwidth`` starts when the message is read
 sent before it on that channel has left, and the message arrives ``latency`` after its window ends.
 
 FIFO, not gap-filling, is the decision: it is what a transport does (one send stream per peer, in
-issue order), and it is what this class implements. CrossPipe's greedy (§4.2.3, ``crosspipe.greedy``)
-instead reserves the earliest free window at or after the ready time ("range-based occupancy", which
-can fill a gap before a window booked earlier). The two agree on every plan our evaluators time,
-because every message on a channel is sent by one rank — the one on its near side — in that rank's
-program order, so ready times per channel never decrease and no gap can precede a later message.
-``tests/test_plan_reference.py`` checks the greedy's own timeline against ``simulate`` operation by
-operation. Callers: ``simulate`` (the reference), ``replay_makespan_ns``, the PipeMorph and virtual
-generators; CrossPipe's model and the C code inline the same FIFO, checked bit-for-bit by that test.
+issue order), and it is what this class implements. CrossPipe's greedy as published (§4.2.3) reserves
+the earliest free window at or after the ready time ("range-based occupancy", which can fill a gap
+before a window booked earlier). The two agree on every plan our evaluators time, because every
+message on a channel is sent by one rank — the one on its near side — in that rank's program order,
+so ready times per channel never decrease and no gap can precede a later message; so
+``crosspipe.greedy`` sends through this class too (tests/test_crosspipe_greedy.py checks the two rules
+agree on such sends). Callers: ``simulate`` (the reference), ``replay_makespan_ns``, the PipeMorph and
+virtual generators, CrossPipe's greedy (:meth:`LinkQueues.of`: its float-ms link times). The C modules
+send through ``_link.h``, this ``send`` in C (integer ns in ``_pipemorph.c``, float ms in ``_greedy.c``
+and ``_search.c``); the one other copy is the pure-Python reference of ``_search.c``,
+``crosspipe.model.Model._loop``, which keeps the six lines inline in its inner loop. All are checked
+bit-for-bit against ``simulate`` by ``tests/test_plan_reference.py``.
 """
 
 from __future__ import annotations

@@ -280,7 +280,8 @@ def _check_complete(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]
 
 def replay(problem: CrossPipeProblem, orders: Mapping[int, Sequence[Op]]) -> GreedyResult:
     """Time fixed per-rank whole-action orders with the same model (CrossPipe §3.5): each action
-    starts when its rank is free and its input has arrived; messages use range-based link occupancy.
+    starts when its rank is free and its input (``deps.table``) has arrived; messages queue FIFO per
+    link direction (``timing.LinkQueues``, written inline in :meth:`Model._loop`'s inner loop).
 
     Every message on a link direction is sent by the same rank (the one on its near side), in that
     rank's program order, so ready times per direction are non-decreasing whatever order ranks are
