@@ -170,24 +170,29 @@ def _build(S: int, full_backward: bool, rule: Rule) -> DepTable:
         needs.append(row)
     # ancestors of every class as a bit set, in topological order (the rule must be acyclic)
     anc = [-1] * n
+    on_path = [False] * n
     for root in range(n):
+        if anc[root] >= 0:
+            continue
         stack = [(root, 0)]
+        on_path[root] = True
         while stack:
             q, i = stack.pop()
-            if anc[q] >= 0:
-                continue
             if i < len(needs[q]):
                 stack.append((q, i + 1))
                 p = needs[q][i]
                 if anc[p] < 0:
-                    if any(x == p for x, _ in stack):
+                    if on_path[p]:
                         raise ValueError(f"rule: class {p} depends on itself")
+                    on_path[p] = True
                     stack.append((p, 0))
                 continue
-            bits = 0
-            for p in needs[q]:
-                bits |= anc[p] | (1 << p)
-            anc[q] = bits
+            on_path[q] = False
+            if anc[q] < 0:
+                bits = 0
+                for p in needs[q]:
+                    bits |= anc[p] | (1 << p)
+                anc[q] = bits
 
     trigger, link = [ABSENT] * n, [-1] * n
     for q in range(n):
