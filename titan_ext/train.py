@@ -30,6 +30,7 @@ from titan_ext.titan.jobcheck import (  # noqa: E402
     config_file_arg,
     world_size,
 )
+from titan_ext.titan.entry import config_error_exit, parse_quietly  # noqa: E402
 
 
 def _with_custom_config_module(args: list[str]) -> list[str]:
@@ -48,12 +49,7 @@ def _with_custom_config_module(args: list[str]) -> list[str]:
 
 def _config_error(e: Exception) -> None:
     """One line from rank 0 (the others exit quietly: no process group exists yet), exit 2 everywhere."""
-    import tomllib
-
-    what = "malformed TOML" if isinstance(e, tomllib.TOMLDecodeError) else "configuration error"
-    if os.environ.get("RANK", "0") == "0":
-        print(f"titan_ext: {what}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-    raise SystemExit(2) from None
+    config_error_exit(e)
 
 
 def _check_toml_file(argv: list[str]) -> None:
@@ -68,49 +64,7 @@ def _check_toml_file(argv: list[str]) -> None:
 def _parse_quietly(manager, argv: list[str]):
     """TorchTitan's parse, with the ``[titan_ext]`` checks left to :func:`check_job_config` and
     TorchTitan's warnings about paths that check reports held back (its own parse in ``main`` follows)."""
-    import logging
-
-    from titan_ext import _flags
-
-    import contextlib
-    import io
-
-    titan_logger = logging.getLogger()
-    level, _flags.DEFER_SECTION_CHECK = titan_logger.level, True
-    titan_logger.setLevel(logging.ERROR)
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            return manager.parse_args(argv)
-    except SystemExit as e:
-        if e.code in (0, None):  # --help: shown as TorchTitan's parser wrote it
-            sys.stderr.write(said.getvalue())
-            raise
-        raise JobConfigError(f"command line: {_boxed_message(said.getvalue())}") from None
-    finally:
-        _flags.DEFER_SECTION_CHECK = False
-        titan_logger.setLevel(level)
-
-
-def _boxed_message(text: str) -> str:
-    """The error TorchTitan's CLI parser (tyro, through rich) prints, as one line: the first paragraph
-    that says something (``what: why``) -- rich draws a title, a box and separators with Unicode
-    characters on a terminal, without the box when it writes elsewhere."""
-    paragraphs, current = [], []
-    for line in text.splitlines():
-        raw = line.strip()
-        if raw[:1] in ("╭", "╰", "+"):  # a border (with the title in it)
-            raw = ""
-        body = raw.strip("│|").strip()
-        if not body or set(body) <= set("─-"):
-            if current:
-                paragraphs.append(" ".join(current))
-                current = []
-            continue
-        current.append(body)
-    if current:
-        paragraphs.append(" ".join(current))
-    return next((p for p in paragraphs if ":" in p), paragraphs[0] if paragraphs else "invalid arguments")
+    return parse_quietly(manager, argv)
 
 
 def main(args: list[str] | None = None) -> None:
