@@ -26,6 +26,7 @@ typedef struct {
     int S, n;  /* stages, classes (3S) */
     int *trigger, *link, *feeds_off, *feeds, *needs_off, *needs;
     int *buf;
+    Py_ssize_t cap;  /* ints in buf */
 } DepTable;
 
 static void deps_free(DepTable *t) {
@@ -91,6 +92,7 @@ static int deps_read(PyObject *spec, DepTable *t) {
     if (nf < 0 || nn < 0) return -1;
     cap = 4 * (Py_ssize_t)t->n + 2 + nf + nn + 2;
     if (!(t->buf = (int *)calloc((size_t)cap, sizeof(int)))) { PyErr_NoMemory(); return -1; }
+    t->cap = cap;
     t->trigger = t->buf;
     t->link = t->trigger + t->n;
     t->feeds_off = t->link + t->n;
@@ -133,6 +135,44 @@ static int deps_read(PyObject *spec, DepTable *t) {
 bad:
     deps_free(t);
     return -1;
+}
+
+/* a copy of `src` (its own buffer); 0 ok, -1 no memory (exception set) */
+static int deps_copy(const DepTable *src, DepTable *dst) {
+    *dst = *src;
+    if (!(dst->buf = (int *)malloc(sizeof(int) * (size_t)src->cap))) { PyErr_NoMemory(); return -1; }
+    memcpy(dst->buf, src->buf, sizeof(int) * (size_t)src->cap);
+#define DEPS_MOVE(f) dst->f = dst->buf + (src->f - src->buf)
+    DEPS_MOVE(trigger); DEPS_MOVE(link); DEPS_MOVE(feeds_off); DEPS_MOVE(feeds); DEPS_MOVE(needs_off); DEPS_MOVE(needs);
+#undef DEPS_MOVE
+    return 0;
+}
+
+/* deps_read with a small cache keyed by the spec object itself (deps.DepTable.spec() returns the same
+ * tuple for a problem every time; held here, so its identity cannot be reused, and only tuples of tuples
+ * — immutable — are cached): a planner's repeated calls copy the parsed table instead of parsing it.
+ * The caller owns *t (deps_free); the GIL must be held. */
+#define DEPS_CACHE 8
+static PyObject *deps_cache_key[DEPS_CACHE];
+static DepTable deps_cache_val[DEPS_CACHE];
+static int deps_cache_next;
+
+static int deps_get(PyObject *spec, DepTable *t) {
+    int i, slot;
+    for (i = 0; i < DEPS_CACHE; i++)
+        if (deps_cache_key[i] == spec) return deps_copy(&deps_cache_val[i], t);
+    if (deps_read(spec, t)) return -1;
+    if (!PyTuple_CheckExact(spec)) return 0;
+    for (i = 1; i < PyTuple_GET_SIZE(spec); i++)
+        if (!PyTuple_CheckExact(PyTuple_GET_ITEM(spec, i))) return 0;
+    slot = deps_cache_next;
+    deps_cache_next = (deps_cache_next + 1) % DEPS_CACHE;
+    Py_CLEAR(deps_cache_key[slot]);
+    deps_free(&deps_cache_val[slot]);
+    if (deps_copy(t, &deps_cache_val[slot])) { PyErr_Clear(); return 0; }  /* not cached: still a result */
+    Py_INCREF(spec);
+    deps_cache_key[slot] = spec;
+    return 0;
 }
 
 #endif

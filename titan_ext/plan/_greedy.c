@@ -140,7 +140,7 @@ static PyObject *make_spec(PyObject *self, PyObject *args) {
         spec_free(sp);
         return PyErr_NoMemory();
     }
-    if (deps_read(depso, &sp->deps) < 0) { spec_free(sp); return NULL; }
+    if (deps_get(depso, &sp->deps) < 0) { spec_free(sp); return NULL; }
     if (sp->deps.S != S) {
         spec_free(sp);
         PyErr_SetString(PyExc_ValueError, "dependency table: made for another problem");

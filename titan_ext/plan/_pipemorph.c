@@ -241,7 +241,7 @@ static int gen_alloc(Gen *g) {
 
 /* reads the table for S stages (and, when full_backward >= 0, checks it was made for that backward) */
 static int read_deps(PyObject *spec, DepTable *d, Py_ssize_t S, int full_backward) {
-    if (deps_read(spec, d)) return -1;
+    if (deps_get(spec, d)) return -1;
     if (d->S != S || (full_backward >= 0 && (d->trigger[2] == DEPS_ABSENT) != (full_backward != 0))) {
         PyErr_SetString(PyExc_ValueError, "dependency table: made for another problem");
         deps_free(d);
