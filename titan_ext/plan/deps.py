@@ -18,8 +18,8 @@ changes no time (an arrival is never earlier than its producer's end), so every 
 the classes its end makes ready (same-stage ones first), and ``link`` the stage boundary each trigger
 message crosses.
 
-Who walks the table: the reference ``simulate`` (its sends; its readiness calls :func:`producers`) and
-the validator's compiled checks (``needs``); ``replay_makespan_ns``, PipeMorph's generator and the
+Who walks the table: the reference ``simulate`` (its sends; its readiness calls :func:`producers`, as
+the validator's Python checks do) and the validator's compiled checks (``needs``); ``replay_makespan_ns``, PipeMorph's generator and the
 virtual-stage generator (Python ``_generate_py`` / ``_virtual_loop_py`` and ``_pipemorph.c``), CrossPipe's
 greedy (``_Alg1`` and ``_greedy.c``), its model (``Model``'s edges, which ``_search.c`` reads from
 ``Model.spec()``) and search, and CP-SAT's arcs (``optimal``). The C modules get :meth:`DepTable.spec`
@@ -34,9 +34,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .ir import Op
-
-SAME_STAGE = {"I": "F", "B": "F", "W": "I"}
-"""kind → the kind of the same-stage, same-microbatch op it needs (local order)."""
 
 KINDS = ("F", "I", "W")
 """kind index k of class ``3·stage + k`` (a full B is class I)."""
@@ -60,6 +57,11 @@ def producers(op: Op, num_stages: int) -> tuple[Op, ...]:
     if stage == num_stages - 1:
         return ((stage, "F", mb),)
     return ((stage, "F", mb), (stage + 1, "I", mb))
+
+
+SAME_STAGE = {kind: p[1] for kind in ("F", "I", "B", "W") for p in producers((0, kind, 0), 2) if p[0] == 0}
+"""kind → the kind of the same-stage, same-microbatch op it needs (local order): ``{"I": "F", "B": "F",
+"W": "I"}``, read off :func:`producers`."""
 
 
 def done_key(op: Op) -> Op:
