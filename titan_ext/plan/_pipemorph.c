@@ -117,22 +117,46 @@ typedef struct {
     Heap heap;
     int release_w;  /* bcount counts W (else I): plan/profile.py RELEASES */
     const DepTable *deps;
+    struct Feed *feed;  /* deps' feeds, resolved: feed[deps->feeds_off[cq] ..] */
 } Gen;
+
+/* one class a class feeds, resolved for the generator: its queue, and for a message the link's
+ * direction (its free time), transfer and latency, and the stage woken */
+typedef struct Feed { Q *q; i64 *free_at, tx, lat; int dst; } Feed;
 
 static void q_push(Q *q, i64 ready, int mb) { q->ready[q->tail] = ready; q->mb[q->tail] = mb; q->tail++; }
 static int q_ready(const Q *q, i64 t) { return q->head < q->tail && q->ready[q->head] <= t; }
 
 /* the end (at `done`) of class cq's op of microbatch m on stage i: every class it feeds (deps) gets
  * microbatch m, at once on stage i, else when the message over the link arrives; 0 ok, -1 no memory */
-static int g_feed(Gen *g, int i, int cq, int m, i64 done) {
-    const DepTable *d = g->deps;
-    for (int j = d->feeds_off[cq]; j < d->feeds_off[cq + 1]; j++) {
-        int c = d->feeds[j], l = d->link[c], dst = c / 3;
-        if (l < 0) { q_push(&g->q[c], done, m); continue; }
-        i64 arrive = link_send_ns(dst > i ? &g->ffree[l] : &g->bfree[l], g->tx[l], g->lat[l], done);
-        q_push(&g->q[c], arrive, m);
-        if (heap_push(&g->heap, arrive, dst)) return -1;
+static int g_feed(Gen *g, int cq, int m, i64 done) {
+    const Feed *f = g->feed + g->deps->feeds_off[cq], *end = g->feed + g->deps->feeds_off[cq + 1];
+    for (; f < end; f++) {
+        if (!f->free_at) { q_push(f->q, done, m); continue; }
+        i64 arrive = link_send_ns(f->free_at, f->tx, f->lat, done);
+        q_push(f->q, arrive, m);
+        if (heap_push(&g->heap, arrive, f->dst)) return -1;
     }
+    return 0;
+}
+
+/* g->feed from the table (after the times are read); 0 ok, -1 no memory */
+static int g_resolve(Gen *g) {
+    const DepTable *d = g->deps;
+    Py_ssize_t nf = d->feeds_off[d->n];
+    if (!(g->feed = (Feed *)calloc((size_t)nf + 1, sizeof(Feed)))) return -1;
+    for (int p = 0; p < d->n; p++)
+        for (int j = d->feeds_off[p]; j < d->feeds_off[p + 1]; j++) {
+            int c = d->feeds[j], l = d->link[c];
+            Feed *f = &g->feed[j];
+            f->q = &g->q[c];
+            f->dst = c / 3;
+            if (l >= 0) {
+                f->free_at = c / 3 > p / 3 ? &g->ffree[l] : &g->bfree[l];
+                f->tx = g->tx[l];
+                f->lat = g->lat[l];
+            }
+        }
     return 0;
 }
 
@@ -184,7 +208,7 @@ static int run(Gen *g, int full, int have_bound, i64 bound, i64 *makespan, int *
             if (g->release_w) g->bcount[i]++;
             cq = 3 * i + 2;
         }
-        if (g_feed(g, i, cq, m, done)) return -1;
+        if (g_feed(g, cq, m, done)) return -1;
         g->work[i] -= done - t;
         if (have_bound && done + g->work[i] > bound) { *makespan = done; return 0; }
         Py_ssize_t k = (Py_ssize_t)i * 3 * N + g->nops[i]++;
@@ -217,6 +241,7 @@ static PyObject *build_order(Gen *g) {
 }
 
 static void gen_free(Gen *g) {
+    free(g->feed);
     free(g->tf); free(g->qready); free(g->warm); free(g->qmb); free(g->kinds); free(g->mbs); free(g->q);
     free(g->heap.a);
 }
@@ -279,6 +304,7 @@ static PyObject *generate(PyObject *self, PyObject *args) {
         || read_i64s(lato, S - 1, g.lat, "latency") || read_i64s(txo, S - 1, g.tx, "transfer")
         || read_i64s(xo, S, g.x, "x") || read_i64s(limo, S, g.lim, "limit")) goto done;
     if (have_bound && (bound = PyLong_AsLongLong(boundo)) == -1 && PyErr_Occurred()) goto done;
+    if (g_resolve(&g)) { PyErr_NoMemory(); goto done; }
     Py_BEGIN_ALLOW_THREADS
     status = run(&g, full, have_bound, bound, &makespan, &cap_bound);
     Py_END_ALLOW_THREADS
@@ -501,16 +527,16 @@ static int read_ops(PyObject *list, COp *out, Py_ssize_t n) {
 /* done key: a full B completes what an I would (deps.done_key) */
 static int done_kind(int k) { return k == KB ? KI : k; }
 
-/* every class op's class needs (deps) done for its microbatch? done[class * N + mb] */
-static int ready(const DepTable *d, const unsigned char *done, int N, COp o) {
+/* every class op's class needs (deps) done for its microbatch? done[class * N + mb]; base[j] = needs[j] * N */
+static int ready(const DepTable *d, const size_t *base, const unsigned char *done, COp o) {
     int q = 3 * o.s + done_kind(o.k);
-    for (int j = d->needs_off[q]; j < d->needs_off[q + 1]; j++)
-        if (!done[(size_t)d->needs[j] * (size_t)N + (size_t)o.m]) return 0;
+    for (int j = d->needs_off[q], e = d->needs_off[q + 1]; j < e; j++)
+        if (!done[base[j] + (size_t)o.m]) return 0;
     return 1;
 }
 #define DONE(s, k, m) done[((size_t)(s) * 3 + (k)) * (size_t)N + (m)]
 
-/* the checks on parsed ops; 1 valid, 0 invalid */
+/* the checks on parsed ops; 1 valid, 0 invalid, -1 out of memory */
 static int check_ops(const DepTable *d, COp **ops, Py_ssize_t *len, Py_ssize_t R, int S, int N, const long *limit,
                      long *peak, unsigned char *seen, unsigned char *done, int *owner, Py_ssize_t *pos, long *held,
                      int release_w) {
@@ -534,18 +560,22 @@ static int check_ops(const DepTable *d, COp **ops, Py_ssize_t *len, Py_ssize_t R
         }
     Py_ssize_t remaining = 0;
     for (Py_ssize_t r = 0; r < R; r++) remaining += len[r];
+    size_t *base = (size_t *)malloc(sizeof(size_t) * ((size_t)d->needs_off[d->n] + 1));
+    if (!base) return -1;
+    for (int j = 0; j < d->needs_off[d->n]; j++) base[j] = (size_t)d->needs[j] * (size_t)N;
     while (remaining) {  /* progress: every rank runs its list in order under the dependency rule */
         int progressed = 0;
         for (Py_ssize_t r = 0; r < R; r++) {
             Py_ssize_t p = pos[r];
-            while (p < len[r] && ready(d, done, N, ops[r][p])) {
+            while (p < len[r] && ready(d, base, done, ops[r][p])) {
                 COp o = ops[r][p++];
                 DONE(o.s, done_kind(o.k), o.m) = 1;
             }
             if (p != pos[r]) { remaining -= p - pos[r]; pos[r] = p; progressed = 1; }
         }
-        if (!progressed) return 0;
+        if (!progressed) { free(base); return 0; }
     }
+    free(base);
 #undef DONE
     for (Py_ssize_t r = 0; r < R; r++)  /* memory: F done - I/B done, in program order */
         for (Py_ssize_t j = 0; j < len[r]; j++) {
@@ -604,6 +634,7 @@ static PyObject *check(PyObject *self, PyObject *args) {
         }
     }
     if (!bad) valid = check_ops(&deps, ops, len, R, S, N, limit, peak, seen, done, owner, pos, held, release_w);
+    if (valid < 0) { PyErr_NoMemory(); goto out; }
     if (!valid) { result = Py_None; Py_INCREF(result); goto out; }
     if (!(result = PyList_New(S))) goto out;
     for (int s = 0; s < S; s++) PyList_SET_ITEM(result, s, PyLong_FromLong(peak[s]));
