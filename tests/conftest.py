@@ -16,9 +16,24 @@ names, never collected), and why:
   (test_delegate_bindings.py; scripts/check_cuda_build.sh runs that test);
 * ``_plan_cases.py`` -- plan-level cases several plan test files share (CrossPipe's reference profiles,
   random CrossPipe problems, validator-fuzz mutations): test data, pure plan/.
+
+Every test must leave the pytest process's signal handling as it found it (the Python API's promise to
+its callers): :func:`signal_handling_kept` compares, before and after each test, the Python handlers of
+SIGINT and SIGTERM, the kernel's disposition of those signals (caught / ignored / default, from
+``/proc/self/status``: native code can change it behind Python's back) and the main thread's blocked
+mask; a test that changes any of them fails, naming what changed, and the state is put back so that the
+next tests run as usual. ``TITAN_EXT_SIGNAL_CHECK=0`` turns the check off.
+
+A pytest started as a background job of a non-interactive shell (``pytest ... &``, ``nohup ... &``, how
+harnesses start CI) inherits SIGINT *ignored* (POSIX: such a shell starts asynchronous commands with
+SIGINT and SIGQUIT ignored, and Python keeps an ignored SIGINT), and a blocked signal stays blocked
+across ``exec``: the processes the tests start would inherit that too, and a test that ignores SIGINT
+would go unseen. :func:`pytest_configure` therefore starts the session with SIGINT at Python's default
+handler and SIGINT/SIGTERM unblocked, and the report header says what was inherited.
 """
 
 import os
+import signal
 import sys
 
 import pytest
@@ -42,3 +57,86 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_KEPT = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None)) if s is not None)
+
+
+def _kernel_disposition() -> dict[str, int] | None:
+    """The kernel's view of this thread's signals (``/proc/thread-self/status``: SigBlk, SigIgn, SigCgt
+    bit masks), None where there is no procfs."""
+    for path in ("/proc/thread-self/status", "/proc/self/status"):
+        try:
+            with open(path) as f:
+                return {k: int(v, 16) for k, _, v in (line.partition(":\t") for line in f)
+                        if k in ("SigBlk", "SigIgn", "SigCgt")}
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _signal_state() -> dict:
+    state: dict = {f"python handler of {signal.Signals(sig).name}": signal.getsignal(sig) for sig in _KEPT}
+    if hasattr(signal, "pthread_sigmask"):
+        state["blocked mask"] = frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    kernel = _kernel_disposition()
+    if kernel is not None:
+        for sig in _KEPT:
+            bit = 1 << (sig - 1)
+            what = "ignored" if kernel["SigIgn"] & bit else "caught" if kernel["SigCgt"] & bit else "default"
+            state[f"kernel action of {signal.Signals(sig).name}"] = what
+    return state
+
+
+def _restore(before: dict) -> None:
+    for sig in _KEPT:
+        handler = before[f"python handler of {signal.Signals(sig).name}"]
+        if handler is not None:  # signal.signal also sets the kernel's action again
+            signal.signal(sig, handler)
+    if "blocked mask" in before:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before["blocked mask"])
+
+
+@pytest.fixture(autouse=True)
+def signal_handling_kept(request):
+    """Fails a test that leaves the SIGINT/SIGTERM handlers, their kernel actions or the blocked-signal mask
+    changed (and puts them back)."""
+    import threading
+
+    if os.environ.get("TITAN_EXT_SIGNAL_CHECK") == "0" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = _signal_state()
+    yield
+    after = _signal_state()
+    changed = [f"{k}: {before[k]!r} -> {after.get(k)!r}" for k in before if after.get(k) != before[k]]
+    if changed:
+        _restore(before)
+        pytest.fail(f"{request.node.nodeid} left the process's signal handling changed: " + "; ".join(changed),
+                    pytrace=False)
+
+
+_INHERITED: list[str] = []
+
+
+def pytest_configure(config):
+    """SIGINT at Python's default handler and SIGINT/SIGTERM unblocked for the session, whatever the
+    launcher left (see the module docstring); what was changed is shown in the report header."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _INHERITED.append("SIGINT ignored")
+    if hasattr(signal, "pthread_sigmask"):
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, []) & set(_KEPT)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+            _INHERITED.append("blocked " + ", ".join(sorted(signal.Signals(s).name for s in blocked)))
+
+
+def pytest_report_header(config):
+    if _INHERITED:
+        return [f"signals: inherited {'; '.join(_INHERITED)} from the launcher: reset for this session"]
+    return []
