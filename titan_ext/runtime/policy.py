@@ -108,7 +108,9 @@ class Policy(Protocol):
     ``window``: iterations of the robust window the estimator keeps for it.  ``forces``: its decisions
     apply even with ``adaptive=False`` (tests and external controllers that force plans).  The shared
     thresholds (margins, planning head-room) are :class:`PolicySettings` of the schedule's config, not
-    attributes every policy must carry."""
+    attributes every policy must carry.  Optional: ``note_deployed(planned_for_ms)``, called at every swap
+    with the per-link delays a planner-made plan was planned for (None otherwise), as
+    :meth:`ReplanPolicy.note_deployed`."""
 
     window: int
     forces: bool
