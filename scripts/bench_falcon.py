@@ -304,7 +304,8 @@ schedule's own "auto" switch is held off — ``delegation_slow_link_ms`` 1e6 —
 at 5 ms a loaded host's noise switched a pipeline to its delegates at step 2, whose start took 44 s)."""
 
 
-def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float, workdir: str) -> dict:
+def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float, workdir: str,
+                microbatches: int = 16) -> dict:
     """PipeMorph §7.3 (Fig. 19: 1 TP / 2 DP / 4 PP, a 10/20/30 ms latency fault on a DP link; fixed
     ZB 8.04x slower, Falcon's S3 3.6x, PipeMorph's re-planning + delegation a further 1.96x) as a
     DP 2 x PP 4 CPU job (train_configs/debug_cpu_dp2_pp4.toml, 8 gloo ranks, dedicated-device
@@ -319,7 +320,7 @@ def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float,
         dump = os.path.join(workdir, arm)
         args = [a for x in extra for a in (fault if x == "FAULT" else [x])]
         logs[arm] = _e2e_run(dump, steps, args, nproc=8, config="train_configs/debug_cpu_dp2_pp4.toml",
-                             batch=(4, 16))
+                             batch=(microbatches, 4 * microbatches))
         events[arm] = _e2e_events(dump)
     s3_steps = {arm: next((e["iteration"] for e in events[arm] if e["kind"] == "decision" and e["applied"]
                            and e["strategy"] == "S3"), None) for arm in ("s3", "s3_pipemorph")}
@@ -538,6 +539,8 @@ def main():
     ap.add_argument("--fig19", action="store_true", help="PipeMorph §7.3 Fig. 19: DP 2 x PP 4 (8 processes), "
                     "a latency fault on DP link 0-1, four arms (bench_fig19)")
     ap.add_argument("--fault-ms", type=float, default=30.0, help="--fig19: the DP link's added latency (10/20/30)")
+    ap.add_argument("--microbatches", type=int, default=16,
+                    help="--fig19: microbatches of one pipeline step (one of a replica's 2 chunks)")
     ap.add_argument("--window-kib", type=float, default=128.0,
                     help="--fig19: the latency-bound window of the faulty link (emulate_link_window_kib)")
     args = ap.parse_args()
@@ -545,7 +548,7 @@ def main():
     if args.fig19:
         SEQ_LEN, DEVICE_PASS_MS = 32, args.device_pass_ms or 10.0
         res = bench_fig19(args.steps, args.slow_from, args.fault_ms, args.window_kib,
-                          args.workdir.replace("bench_falcon_e2e", "bench_falcon_fig19"))
+                          args.workdir.replace("bench_falcon_e2e", "bench_falcon_fig19"), args.microbatches)
         _emit(res, args.json)
         return
     if args.end_to_end and (args.s4 or args.group_tracking):

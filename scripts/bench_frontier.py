@@ -22,8 +22,12 @@ Compute (named in the output): ``sleep`` — every F / I / W sleeps its time (em
 ``optimal_ms`` (one stage per rank rows): the CP-SAT optimum (``plan_by_name(..., "optimal")``) for the
 F/I/W times and link delays PipeMorph measured in that run, at the in-flight limit its budget gives
 (K = ⌊budget / M^F⌋, torch's memory rule: an activation is held until its W, ``plan.profile.RELEASES``).
-``predicted_ms``: the simulator's makespan of the plan PipeMorph deployed, under the same measured
-profile.  Where the runtime misses its prediction by more than 10 %, the per-action breakdown says where
+The times are those PipeMorph plans with (``Estimator.planning_profile``): each action's measured
+compute plus its rank's measured per-action cost of the executor (the median time between two actions
+that is neither compute nor an input wait — posting sends and receives; every schedule on this executor
+and transport pays it, torch's too); ``optimal_compute_only_ms`` is the optimum without that cost (a
+bound no runtime reaches here).  ``predicted_ms``: the simulator's makespan of the plan PipeMorph
+deployed, under the same planning profile.  Where the runtime misses its prediction by more than 10 %, the per-action breakdown says where
 the time went: per rank, measured compute, input waits and the rest (executor, transport) against the
 modelled compute and idle time of the same plan.
 
@@ -153,7 +157,7 @@ def _pipemorph_report(run: Run, rank: int) -> dict:
     sched = run.sched
     dep = sched.deployed
     variant = "full" if dep.backward == "full" else "split"
-    profile = sched.estimator.profile(variant)
+    profile = sched.estimator.planning_profile(variant)  # what the planner planned with (per-action cost in)
     timeline = simulate(dep.actions, profile, stage_to_rank=dict(enumerate(sched.layout.stage_to_rank)))
     modelled = [e for e in timeline.events if e.rank == rank]
     measured = sched.last_timeline
@@ -175,6 +179,8 @@ def _pipemorph_report(run: Run, rank: int) -> dict:
         "rank_memory_limit": sched.rank_memory_limit,
         "activation_bytes": sched.executor.activation_bytes,
         "profile": profile.to_json(),
+        "compute_only_profile": sched.estimator.profile(variant).to_json(),
+        "action_cost_ms": sched.estimator.action_cost_ms(),
         "predicted_ms": timeline.makespan_ms,
         "breakdown": {"rank": rank, "span_ms": span, "compute_ms": busy, "input_wait_ms": wait,
                       "other_ms": span - busy - wait, "modelled_end_ms": m_end, "modelled_compute_ms": m_busy,
@@ -235,14 +241,16 @@ def _worker(rank: int, world: int, args) -> dict:
     return {"runs": runs_out, "rows": rows}
 
 
-def _optimal_ms(pm: dict, args) -> tuple[float | None, str]:
-    """The CP-SAT optimum for the profile PipeMorph measured, at the in-flight limit of its budget."""
+def _optimal_ms(pm: dict, args, key: str = "profile") -> tuple[float | None, str]:
+    """The CP-SAT optimum for the profile PipeMorph measured (``key``: "profile", the measured times with
+    the executor's per-action cost, as PipeMorph plans; "compute_only_profile", without it), at the
+    in-flight limit of its budget."""
     from titan_ext.plan import PipelineProfile
     from titan_ext.plan.schedules import plan_by_name
 
     if pm["layout"] != "one":
         return None, "CP-SAT models one stage per rank only"
-    profile = PipelineProfile.from_json(pm["profile"])
+    profile = PipelineProfile.from_json(pm[key])
     K = pm["inflight_cap"] if pm["inflight_cap"] is not None else pm["x_max"]  # per stage once measured
     try:
         res = plan_by_name(profile, "optimal", memory_limit=K, time_limit_s=args.optimal_s)
@@ -268,12 +276,13 @@ def run(args) -> dict:
         best = min(fits or pms, key=lambda r: r["median_ms"])
         one = next(r for r in pms if r["layout"] == "one")
         optimal, note = _optimal_ms(one, args)
+        compute_only, _ = _optimal_ms(one, args, "compute_only_profile")
         rows.append({
             "schedule": name, "delay_ms": delay, "peak_bytes_per_rank": mine["peak_bytes_per_rank"],
             "median_ms": mine["median_ms"], "pipemorph_ms_at_same_memory": best["median_ms"],
             "pipemorph_layout": best["layout"], "pipemorph_peak_bytes_per_rank": best["peak_bytes_per_rank"],
             "pipemorph_fits": bool(fits), "speedup": mine["median_ms"] / best["median_ms"],
-            "optimal_ms": optimal, "optimal_note": note,
+            "optimal_ms": optimal, "optimal_note": note, "optimal_compute_only_ms": compute_only,
             "optimal_gap": (one["median_ms"] / optimal - 1) if optimal else None,
             "predicted_ms": best["predicted_ms"], "plan_versions": best["plan_versions"],
             "pipemorph_one_stage_ms": one["median_ms"], "pipemorph_one_stage_predicted_ms": one["predicted_ms"],

@@ -135,9 +135,9 @@ def test_the_model_keeps_the_running_backward_variant_within_the_margin():
 
 
 def test_the_executors_per_action_cost_makes_the_split_plan_pay_for_its_extra_action():
-    """Without a delay and with the memory of GPipe, the split plan beats the full one by the model; with
-    a per-action cost c the comparison re-times both plans with every action c longer: the split plan (3
-    actions a microbatch) pays more than the full one (2 a microbatch), and at c = 2 ms the full plan wins."""
+    """Without a delay and with the memory of GPipe, the split plan beats the full one by the model; planned
+    with a per-action cost c (the estimator's planning profile) every action is c longer: the split plan
+    (3 actions a microbatch) pays more than the full one (2 a microbatch), and at c = 2 ms the full plan wins."""
     from titan_ext.plan import PipelineProfile
     from titan_ext.plan.schedules import plan_by_name
     from titan_ext.plan.simulate import replay_makespan_ns
@@ -145,23 +145,49 @@ def test_the_executors_per_action_cost_makes_the_split_plan_pay_for_its_extra_ac
 
     S, N = 4, 8
     prof = PipelineProfile(S, N, (1.0,) * S, (1.0,) * S, (1.0,) * S, release="W")
-    split = plan_by_name(prof, "pipemorph", backward="split", mode="initial", memory_limit=N)
-    full = plan_by_name(prof.fused(), "pipemorph", backward="full", mode="initial", memory_limit=N)
+
+    def plans(c: float):
+        return (plan_by_name(prof.with_action_cost([c] * S), "pipemorph", backward="split", mode="initial",
+                             memory_limit=N),
+                plan_by_name(prof.fused().with_action_cost([c] * S, full_backward=True), "pipemorph",
+                             backward="full", mode="initial", memory_limit=N))
+
+    split, full = plans(0.0)
     assert split.predicted_makespan_ms < full.predicted_makespan_ms * 0.98
     assert faster_by_model(split, full, 0.02) is split
-    assert faster_by_model(split, full, 0.02, action_ms=[0.0] * S) is split  # no measured cost: the model's
     c = 2.0
-    assert faster_by_model(split, full, 0.02, action_ms=[c] * S) is full
+    split_c, full_c = plans(c)
+    assert faster_by_model(split_c, full_c, 0.02) is full_c
     # the full plan at this memory is GPipe's order: closed form (N + S − 1)(F + c) + (N + S − 1)(B + c)
     assert full.predicted_makespan_ms == (N + S - 1) * 1.0 + (N + S - 1) * 2.0
-    assert replay_makespan_ns(full.ops, full.profile.with_action_cost([c] * S, full_backward=True)) / 1e6 == \
-        (N + S - 1) * (1.0 + c) + (N + S - 1) * (2.0 + c)
-    # the split plan's re-timing is the simulator on F + c, I + c, W + c: its last stage runs all of its
-    # 3N actions in a row, so it grows by at least 3N·c
+    assert full_c.predicted_makespan_ms == (N + S - 1) * (1.0 + c) + (N + S - 1) * (2.0 + c)
+    # the split plan on F + c, I + c, W + c: its last stage runs all of its 3N actions in a row, so it grows
+    # by at least 3N·c
     slow = PipelineProfile(S, N, (1.0 + c,) * S, (1.0 + c,) * S, (1.0 + c,) * S, release="W")
-    split_c = replay_makespan_ns(split.ops, slow) / 1e6
-    assert split_c >= split.predicted_makespan_ms + 3 * N * c - 1e-6
-    assert replay_makespan_ns(split.ops, prof.with_action_cost([c] * S)) / 1e6 == split_c
+    assert split_c.predicted_makespan_ms >= split.predicted_makespan_ms + 3 * N * c - 1e-6
+    assert replay_makespan_ns(split_c.ops, slow) / 1e6 == split_c.predicted_makespan_ms
+
+
+def test_the_planning_profile_adds_each_ranks_measured_per_action_cost_to_its_stages():
+    """One stage per rank: stage s pays rank s's gap; two stages per rank (loop): both pay their rank's;
+    the compute-only profile (the metrics') is left as measured; no gap measured yet: no cost."""
+    from types import SimpleNamespace as NS
+
+    from titan_ext.runtime.estimator import Estimator
+    from titan_ext.runtime.placement import VirtualEstimator, read_layout
+
+    est = Estimator(3, 6, 3)
+    assert est.planning_profile() == est.profile()  # nothing measured
+    rows = [NS(f_ms=1.0, i_ms=2.0, w_ms=3.0, b_ms=4.0, gap_ms=g) for g in (0.1, 0.5, 0.2)]
+    est.push(rows, [0.0, 0.0])
+    split, full = est.planning_profile(), est.planning_profile("full")
+    assert est.profile().f_ms == (1.0, 1.0, 1.0)
+    assert split.f_ms == (1.1, 1.5, 1.2) and split.b_ms == (2.1, 2.5, 2.2) and split.w_ms == (3.1, 3.5, 3.2)
+    assert full.f_ms == (1.1, 1.5, 1.2) and full.b_ms == (4.1, 4.5, 4.2) and full.w_ms == (0.0, 0.0, 0.0)
+    layout = read_layout([0, 3], 0, 3, 6)  # rank 0 of 3 holds stages 0 and 3: the loop placement
+    vest = VirtualEstimator(layout, 6, 3)
+    vest.push([NS(gap_ms=g, stage_ms=[(1.0, 2.0, 3.0, 4.0)] * 2) for g in (0.1, 0.5, 0.2)], [0.0, 0.0])
+    assert vest.planning_profile().f_ms == tuple(1.0 + (0.1, 0.5, 0.2)[r] for r in layout.stage_to_rank)
 
 
 def test_gap_per_action_is_the_median_time_between_actions_not_waiting_for_an_input():
@@ -186,3 +212,33 @@ def test_a_capped_plan_that_holds_all_its_memory_allows_is_held_not_replanned():
     counts = [4, 4, 4, 1]
     assert ReplanPolicy().decide(free, counts, counts, 5).action == "adapt"
     assert ReplanPolicy().decide(capped, counts, counts, 5).action == "hold"
+
+
+def test_a_plan_made_for_the_measured_delay_is_neither_re_planned_nor_shrunk_while_it_holds():
+    """The planner picks by the simulator and may keep less slackness on a slow link than Eq. 1 asks for.
+    Judged by Eq. 1 alone that plan is violated at once (a re-plan of the same delay), and a recovery
+    candidate with less slackness "suffices" (a shrink of the same delay): a constant delay churns.  With the
+    delays the plan was planned for (``note_deployed``), the same delay keeps it; a delay that grew past them
+    re-plans; one that fell below them by the margins shrinks after the patience."""
+    initial = initial_warmup_counts(S, 2 * S - 1)
+    pol = ReplanPolicy(recover_patience=2, min_dwell=0)
+    c = 30.0
+    # Eq. 1 on link 2 for Δ = 3: (3·20 − 20)/2 = 20 ms < 30 ms — violated by Eq. 1 alone
+    chosen = [x + 1 if i < 3 else x for i, x in enumerate(initial)]
+    assert link_tolerance_ms(_profile({}), chosen, 2) < c
+    assert ReplanPolicy().decide(_profile({2: c}), chosen, initial, 5).action == "adapt"
+    planned = [0.0, 0.0, pol.headroom_delay(c)]
+    pol.note_deployed(planned)
+    assert [pol.decide(_profile({2: c * f}), chosen, initial, 5).action for f in (1.0, 1.05, 0.95, 1.0)] == \
+        ["keep"] * 4
+    # a deployed plan with more slackness than Alg.2 now asks for, the same delay: no shrink either
+    big = adapted_warmup_counts(_profile({2: pol.headroom_delay(3 * c)}))
+    pol.note_deployed(planned)
+    assert [pol.decide(_profile({2: c}), big, initial, 5).action for _ in range(4)] == ["keep"] * 4
+    # grown past the planned delay: re-plan; fallen below it by the margins: shrink after the patience
+    assert pol.decide(_profile({2: 1.2 * c}), chosen, initial, 5).action == "adapt"
+    pol.note_deployed(planned)
+    assert [pol.decide(_profile({2: 0.5 * c}), big, initial, 5).action for _ in range(2)] == ["keep", "shrink"]
+    # a plan not made for measured delays (Alg.1's initial plan, a user's): Eq. 1 alone, as before
+    pol.note_deployed(None)
+    assert pol.decide(_profile({2: c}), chosen, initial, 5).action == "adapt"

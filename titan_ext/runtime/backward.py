@@ -54,28 +54,17 @@ def mixed_backward(ops: dict[int, list[tuple[int, str, int]]]) -> dict[int, list
             for r, rank_ops in ops.items()}
 
 
-def faster_by_model(split: Any, full: Any, margin: float, running: str | None = None,
-                    action_ms: Sequence[float] | None = None) -> Any:
+def faster_by_model(split: Any, full: Any, margin: float, running: str | None = None) -> Any:
     """The plan to deploy of the two variants' plans (``PlanResult``): the ``running`` variant unless the
-    other's makespan beats it by more than ``margin`` (relative; measured times jitter, and a flip is a
-    new plan); with none running (the mixed first plan) split must win by the margin, else full.
+    other's predicted makespan beats it by more than ``margin`` (relative; measured times jitter, and a
+    flip is a new plan); with none running (the mixed first plan) split must win by the margin, else full.
 
-    ``action_ms`` (per stage): the measured per-action cost of the executor (``Estimator.gap_ms``), which
-    the planners' model leaves out; the two plans are then compared re-timed with every compute action
-    that much longer (``PipelineProfile.with_action_cost``), so the split plan pays for its extra action
-    per microbatch (I + W against one B: on a CPU the executor's Python, on a GPU launches the stream
-    waited for).  On a tie the full backward wins: it also frees an activation at its B."""
+    Both plans come from the planning profile (``Estimator.planning_profile``), whose actions include the
+    executor's measured per-action cost, so the split plan pays for its extra action per microbatch (I + W
+    against one B: on a CPU the executor's Python and transport calls, on a GPU launch gaps).  On a tie the
+    full backward wins: it also frees an activation at its B."""
     plans = {"split": split, "full": full}
     cost = {v: p.predicted_makespan_ms for v, p in plans.items()}
-    if action_ms is not None and any(action_ms) and all(p.profile is not None for p in plans.values()):
-        from titan_ext.plan.simulate import replay_makespan_ns
-        from titan_ext.plan.timing import to_ms
-
-        def retimed(variant: str, plan: Any) -> float:
-            profile = plan.profile.with_action_cost(action_ms, full_backward=variant == "full")
-            return to_ms(replay_makespan_ns(plan.ops, profile))
-
-        cost = {v: retimed(v, p) for v, p in plans.items()}
     keep = running if running in plans else "full"
     other = "split" if keep == "full" else "full"
     if cost[other] < cost[keep] * (1.0 - margin):

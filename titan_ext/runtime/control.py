@@ -92,8 +92,22 @@ class ControlPlane:
         if self.local:
             return [vector]
         out = [torch.empty_like(vector) for _ in range(self.size)]
-        self._collective("all_gather", lambda: dist.all_gather(out, vector, group=self.group))
+        self._collective("all_gather", lambda: self._exchange(out, vector))
         return out
+
+    def _exchange(self, out: list[torch.Tensor], vector: torch.Tensor) -> None:
+        """All-gather as one message to and from every other rank, all in flight at once: the rank that
+        arrives last waits one hop, where gloo's ring ``all_gather`` passes S − 1 hops in sequence (on a
+        busy 2-core host each hop is a process wake-up: 4 ranks 4.1 → 2.7 ms median, 8 ranks 12.1 →
+        8.8 ms). Point-to-point on the control group, tag 0: every exchange completes before the next
+        starts and each rank posts its sends and receives in rank order, so messages match in FIFO order
+        per peer; gloo keeps p2p tags apart from its collectives' slots."""
+        me = self.ranks.index(dist.get_rank())
+        out[me].copy_(vector)
+        ops = [dist.P2POp(op, vector if op is dist.isend else out[i], peer, group=self.group)
+               for i, peer in enumerate(self.ranks) if i != me for op in (dist.isend, dist.irecv)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
     def gather_ints(self, value: int) -> list[int]:
         """Every rank's integer (e.g. a 52-bit plan hash), by PP rank."""

@@ -231,7 +231,7 @@ class PipeMorph(_PipelineScheduleRuntime):
     def _deploy_initial_plan(self) -> None:
         self.initial_counts = initial_warmup_counts(self._num_stages, self.memory.x_max)
         decision = Decision("initial", f"Alg.1 with x_max={self.memory.x_max}", mode="initial")
-        plan = self._plan(self.estimator.profile(), decision)
+        plan = self._plan(self.estimator.planning_profile(), decision)
         ops = mixed_backward(plan.ops) if self._model_backward and self.adaptive else plan.ops
         if not self.lifecycle.deploy_now(self._preparer(ops, plan.warmup_counts, "initial",
                                                         "initial plan (Alg.1)", plan.inflight_limit),
@@ -365,6 +365,10 @@ class PipeMorph(_PipelineScheduleRuntime):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         if cand.polish is not None:  # the same regime in a faster order: the policy's clocks run on
             return
+        note = getattr(self.policy, "note_deployed", None)  # optional hook of a Policy
+        if note is not None:
+            plan = cand.plan
+            note(plan.profile.delays_ms if plan is not None and plan.profile is not None else None)
         self._since_deploy = 0
         self._probe_running = cand.trigger == "probe"
         if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
@@ -383,15 +387,13 @@ class PipeMorph(_PipelineScheduleRuntime):
                 and decision.actions is None and not any(map(math.isnan, self.estimator.window.median(
                     "B", self._num_stages))))
         variants = VARIANTS if both else (self._variant(decision),)
-        work = [(self.estimator.profile(v), dataclasses.replace(decision, backward=v)) for v in variants]
+        work = [(self.estimator.planning_profile(v), dataclasses.replace(decision, backward=v)) for v in variants]
         margin, running = self.config.backward_margin, self.deployed.backward if self.deployed else None
-        gaps = self.estimator.gap_ms(self.pp_group_size)
-        action_ms = [gaps[self.layout.stage_to_rank[s]] for s in range(self._num_stages)]
 
         def job() -> Candidate:
             t0 = now()
             plans = [self._plan(estimate, d) for estimate, d in work]
-            plan = faster_by_model(*plans, margin, running, action_ms) if both else plans[0]
+            plan = faster_by_model(*plans, margin, running) if both else plans[0]
             plan_ms = 1e3 * (now() - t0)
             cand = self._preparer(plan.ops, plan.warmup_counts, kind, reason, plan.inflight_limit)()
             cand.plan_ms, cand.trigger = plan_ms, decision.action
@@ -607,7 +609,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         return links, bubble, span_ms
 
     def _fill_plan_metrics(self, m: IterationMetrics, links: list[dict]) -> None:
-        est, est_full = self.estimator.profile(), self.estimator.profile("full")
+        est, est_full = self.estimator.profile(), self.estimator.profile("full")  # compute times as measured
         dep = self.deployed
         m.link_delay_ms = {i: lk["c_ms"] for i, lk in enumerate(links)}
         m.link_delay_fwd_ms = {i: lk["fwd_ms"] for i, lk in enumerate(links)}
@@ -616,13 +618,14 @@ class PipeMorph(_PipelineScheduleRuntime):
         m.compute_ms = {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)}
         m.backward, m.plan_version, m.plan_hash = dep.backward, self.plan_version, hex(dep.hash)
         m.warmup_counts, m.slackness = list(dep.warmup_counts), slackness(dep.warmup_counts)
-        m.eq1_tolerance_ms = self.parts.tolerances(est, est_full, dep)
+        m.eq1_tolerance_ms = self.parts.tolerances(self.estimator.planning_profile(),
+                                                   self.estimator.planning_profile("full"), dep)  # the policy's
         m.inflight_cap = self.memory.adaptive_limit(self._delegating())
         m.memory_budget_bytes = self.memory_budget_bytes if self.memory_budget_bytes is not None else math.nan
 
     def _decide(self) -> Decision:
         """Run the policy (identical inputs on every rank → identical decision)."""
-        est = self.estimator.profile(self.deployed.backward)
+        est = self.estimator.planning_profile(self.deployed.backward)
         if self.layout.stages_per_rank == 1:
             est = self.memory.capped(est, self._delegating())
         counts = self.deployed.warmup_counts

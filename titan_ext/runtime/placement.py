@@ -105,6 +105,9 @@ class VirtualEstimator(Estimator):
         self.window.push("C", list(link_delays_ms)[: self.layout.num_ranks - 1])
         self.window.push("G", [r.gap_ms for r in ranks])
 
+    def stage_rank(self) -> Sequence[int]:
+        return self.layout.stage_to_rank
+
     def rank_link_delays_ms(self) -> list[float]:
         return [v if not math.isnan(v) else 0.0 for v in self.window.median("C", self.layout.num_ranks - 1)]
 

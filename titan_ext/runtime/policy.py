@@ -108,7 +108,9 @@ class Policy(Protocol):
     ``window``: iterations of the robust window the estimator keeps for it.  ``forces``: its decisions
     apply even with ``adaptive=False`` (tests and external controllers that force plans).  The shared
     thresholds (margins, planning head-room) are :class:`PolicySettings` of the schedule's config, not
-    attributes every policy must carry."""
+    attributes every policy must carry.  Optional: ``note_deployed(planned_for_ms)``, called at every swap
+    with the per-link delays a planner-made plan was planned for (None otherwise), as
+    :meth:`ReplanPolicy.note_deployed`."""
 
     window: int
     forces: bool
@@ -134,9 +136,25 @@ class ReplanPolicy:
 
     forces: ClassVar[bool] = False
     _recover_streak: int = field(default=0, init=False, repr=False)
+    _planned_for: list[float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_thresholds(self)
+
+    def note_deployed(self, planned_for_ms: Sequence[float] | None) -> None:
+        """A plan was swapped in; ``planned_for_ms``: the per-link delays its planner absorbed (the
+        measured ones with the head-room, ``PlanResult.profile``), None for a plan not made for measured
+        delays (Alg.1's initial plan, a user's plan).
+
+        The planner chooses by the simulator, which may keep less slackness on a slow link than Eq. 1
+        asks for when that is faster; judged by Eq. 1 alone, such a plan is "violated" at once and the
+        next check re-plans the same delay — and a recovery candidate with less slackness than the
+        planner's choice "suffices" for the same delay — so a constant delay would churn.  With the
+        delays it was planned for, a link is violated only when its delay grew past them, and a shrink
+        needs a delay that fell below them by the margins: the hysteresis band of the module docstring,
+        around the plan's own delays."""
+        self._planned_for = list(planned_for_ms) if planned_for_ms is not None else None
+        self._recover_streak = 0
 
     @classmethod
     def from_settings(cls, settings: PolicySettings, **extra) -> "ReplanPolicy":
@@ -161,10 +179,12 @@ class ReplanPolicy:
         tol = [link_tolerance_ms(estimate, deployed_counts, i) for i in range(S - 1)]
         # a link is slow only past the absolute margin itself: a plan whose tolerance is ≤ 0 (stages of
         # unequal speed) is not re-planned for a link reading of a few tenths of a millisecond
+        planned = self._planned_for if self._planned_for is not None and len(self._planned_for) == S - 1 else None
         violated = [
             i for i in range(S - 1)
             if delays[i] > tol[i] * (1.0 + self.rel_margin) + self.abs_margin_ms
             and delays[i] > max(tol[i], 0.0) + self.abs_margin_ms
+            and (planned is None or delays[i] > planned[i])  # grew past what the plan absorbs by simulation
         ]
         planning = estimate.with_delays({i: self.headroom_delay(c) for i, c in enumerate(delays)})
         if violated:
@@ -191,7 +211,11 @@ class ReplanPolicy:
         else:
             candidate, mode = adapted_warmup_counts(planning, slack_floor=slack_floor,
                                                     memory_limit=estimate.max_inflight()), "adaptive"
-        if candidate != list(deployed_counts) and sum(slackness(candidate)) < sum(slackness(deployed_counts)):
+        # a planner-made plan gives its slackness back only once a delay fell below what it was planned
+        # for, by the margins (an unchanged delay re-planned would be the same plan)
+        fell = planned is None or any(self.headroom_delay(delays[i]) < (planned[i] - self.abs_margin_ms) /
+                                      (1.0 + self.rel_margin) for i in range(S - 1))
+        if fell and candidate != list(deployed_counts) and sum(slackness(candidate)) < sum(slackness(deployed_counts)):
             self._recover_streak += 1
             if self._recover_streak >= self.recover_patience and iterations_since_deploy >= self.min_dwell:
                 self._recover_streak = 0
