@@ -997,10 +997,15 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._closed = True
         self._events.put(("stop", None, None))
         deadline = time.monotonic() + _SHUTDOWN_S
-        for t in self._landers:
+        for t in self._threads_to_join():
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in self._landers):
-            _KEPT_OPEN.append(self)
+        if any(t.is_alive() for t in self._threads_to_join()):
+            _KEPT_OPEN.append(self)  # referenced, so that interpreter exit still waits for its threads
+
+    def _threads_to_join(self) -> tuple:
+        """Every thread of this group that may be inside a gloo call: a thread still there when the
+        interpreter finalises aborts the process (``_close_at_exit``)."""
+        return (*self._landers, self._completer, self._reaper, self._collective_waiter)
 
     def abort(self) -> None:
         self._closed = True
@@ -1043,8 +1048,8 @@ def _never_destroyed(obj: Any) -> None:
 
 def _close_at_exit() -> None:
     """At interpreter exit (``atexit``, before finalisation): shut down the groups nobody destroyed and
-    wait, up to ``_EXIT_WAIT_S``, for every lander to read its peer's close and every completer and
-    reaper to stop.  A thread of this module still running when the interpreter finalises is ended by
+    wait, up to ``_EXIT_WAIT_S``, for every lander to read its peer's close and every completer, reaper
+    and collective waiter to stop.  A thread of this module still running when the interpreter finalises is ended by
     ``pthread_exit`` as it takes the GIL back, inside C++ frames: the process aborts ("terminate called
     without an active exception", SIGABRT) after a clean run — the TorchTitan trainer's ranks did."""
     groups = list(_GROUPS)
@@ -1055,7 +1060,7 @@ def _close_at_exit() -> None:
             pass
     deadline = time.monotonic() + _EXIT_WAIT_S
     for group in groups:
-        for t in (*group._landers, group._completer, group._reaper):
+        for t in group._threads_to_join():
             t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
