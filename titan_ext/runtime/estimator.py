@@ -71,7 +71,7 @@ class Estimator:
         gaps = self.window.median("G", max(ranks) + 1)
         return [0.0 if math.isnan(gaps[r]) else gaps[r] for r in ranks]
 
-    def planning_profile(self, backward: str = "split") -> PipelineProfile:
+    def planning_profile(self, backward: str = "split", measured: PipelineProfile | None = None) -> PipelineProfile:
         """The profile plans are made, compared and judged with: :meth:`profile` with every compute action
         of a stage longer by its rank's measured per-action cost (``PipelineProfile.with_action_cost``).
 
@@ -80,8 +80,10 @@ class Estimator:
         launch gaps on a GPU) is spent on every action; a model without it predicts a makespan the
         runtime cannot reach (13–20 % under on the CPU benchmark), times the extra action of a split
         backward as free and puts Eq. 1's tolerances where the pipeline does not run.  The compute-only
-        :meth:`profile` stays what the metrics report as compute times."""
-        return self.profile(backward).with_action_cost(self.action_cost_ms(), full_backward=backward == "full")
+        :meth:`profile` stays what the metrics report as compute times (``measured``: that profile of the
+        same variant, when the caller has it already)."""
+        base = measured if measured is not None else self.profile(backward)
+        return base.with_action_cost(self.action_cost_ms(), full_backward=backward == "full")
 
     def profile(self, backward: str = "split") -> PipelineProfile:
         """The robust estimate as a plan-layer profile; ``initial_times_ms`` before any data.

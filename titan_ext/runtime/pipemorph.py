@@ -618,8 +618,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         m.compute_ms = {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)}
         m.backward, m.plan_version, m.plan_hash = dep.backward, self.plan_version, hex(dep.hash)
         m.warmup_counts, m.slackness = list(dep.warmup_counts), slackness(dep.warmup_counts)
-        m.eq1_tolerance_ms = self.parts.tolerances(self.estimator.planning_profile(),
-                                                   self.estimator.planning_profile("full"), dep)  # the policy's
+        m.eq1_tolerance_ms = self.parts.tolerances(self.estimator.planning_profile("split", est),  # the policy's
+                                                   self.estimator.planning_profile("full", est_full), dep)
         m.inflight_cap = self.memory.adaptive_limit(self._delegating())
         m.memory_budget_bytes = self.memory_budget_bytes if self.memory_budget_bytes is not None else math.nan
 
