@@ -305,16 +305,20 @@ at 5 ms a loaded host's noise switched a pipeline to its delegates at step 2, wh
 
 
 def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float, workdir: str,
-                microbatches: int = 16) -> dict:
+                microbatches: int = 16, hol: bool = True) -> dict:
     """PipeMorph §7.3 (Fig. 19: 1 TP / 2 DP / 4 PP, a 10/20/30 ms latency fault on a DP link; fixed
     ZB 8.04x slower, Falcon's S3 3.6x, PipeMorph's re-planning + delegation a further 1.96x) as a
     DP 2 x PP 4 CPU job (train_configs/debug_cpu_dp2_pp4.toml, 8 gloo ranks, dedicated-device
     emulation so that 8 ranks on 2 cores run like 8 devices): ``fault_ms`` on DP link 0-1 (stage 0's
     DP group) from step ``fault_from``, its gradient through a ``window_kib`` window
     (``emulate_link_window_kib``), four arms with the same seed and steps (:data:`FIG19_ARMS`).
-    Times: the median of the slowest rank's step over the steps from 4 after the later S3 on."""
+    Times: the median of the slowest rank's step over the steps from 4 after the later S3 on.
+    ``hol`` (the default): once S3 made the link a PP hop, it blocks the direct path as NCCL's does
+    (``emulate_link_hol``, PipeMorph §3.2: the paper's GPUs ran NCCL); False: gloo's behaviour,
+    where only the message's arrival is late."""
     fault = ["--titan_ext.emulate_slow_link", f"0-1:{fault_ms:g}@{fault_from}",
-             "--titan_ext.emulate_link_window_kib", f"{window_kib:g}"]
+             "--titan_ext.emulate_link_window_kib", f"{window_kib:g}",
+             "--titan_ext.emulate_link_hol" if hol else "--titan_ext.no-emulate_link_hol"]
     logs, events = {}, {}
     for arm, extra in FIG19_ARMS.items():
         dump = os.path.join(workdir, arm)
@@ -339,6 +343,8 @@ def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float,
            "s3_step": s3_steps["s3_pipemorph"] if s3_steps["s3_pipemorph"] is not None else s3_steps["s3"],
            "s3_steps": s3_steps, "delegated_links": [list(x) for x in delegated],
            "fault": f"0-1:{fault_ms:g}@{fault_from}", "window_kib": window_kib, "compute": _mode(),
+           "pp_link": ("NCCL head-of-line blocking on the direct path (emulate_link_hol)" if hol else
+                       "arrival delayed only (gloo)"),
            "machine": f"{platform.machine()} {os.cpu_count()} cores",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "decisions": {arm: [f"{e['iteration']}:{e['strategy']}{'' if e['applied'] else ' (not applied)'}"
@@ -541,14 +547,21 @@ def main():
     ap.add_argument("--fault-ms", type=float, default=30.0, help="--fig19: the DP link's added latency (10/20/30)")
     ap.add_argument("--microbatches", type=int, default=16,
                     help="--fig19: microbatches of one pipeline step (one of a replica's 2 chunks)")
-    ap.add_argument("--window-kib", type=float, default=128.0,
-                    help="--fig19: the latency-bound window of the faulty link (emulate_link_window_kib)")
+    ap.add_argument("--window-kib", type=float, default=32.0,
+                    help="--fig19: the latency-bound window of the faulty link (emulate_link_window_kib; "
+                    "32 = one activation message of the bench's model, which then pays the fault once, "
+                    "as the paper's 'inter-PP stage latency' — its per-packet delays cost a transfer in "
+                    "proportion to its bytes)")
+    ap.add_argument("--no-hol", action="store_true",
+                    help="--fig19: the moved link delays arrivals only (gloo), without NCCL's head-of-line "
+                    "blocking of the direct path (emulate_link_hol)")
     args = ap.parse_args()
     SEQ_LEN, DEVICE_PASS_MS = args.seq_len, args.device_pass_ms
     if args.fig19:
         SEQ_LEN, DEVICE_PASS_MS = 32, args.device_pass_ms or 10.0
         res = bench_fig19(args.steps, args.slow_from, args.fault_ms, args.window_kib,
-                          args.workdir.replace("bench_falcon_e2e", "bench_falcon_fig19"), args.microbatches)
+                          args.workdir.replace("bench_falcon_e2e", "bench_falcon_fig19"), args.microbatches,
+                          hol=not args.no_hol)
         _emit(res, args.json)
         return
     if args.end_to_end and (args.s4 or args.group_tracking):

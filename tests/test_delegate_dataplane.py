@@ -147,7 +147,7 @@ def _body(rank, world):
             router.hol_delay_ms = {1: 200.0} if (mode == "direct" and rank == 0) else {}
             if rank == 0:
                 pool.set_link_delay_ms(1, "F", 200.0 if mode == "delegate" else 0.0)
-            gaps = []
+            gaps, sent, landed = [], [], []
             n = 11  # 10 gaps; fewer messages than the ring has slots (12), so no back-pressure
             if rank == 0:
                 prev_end = None
@@ -160,14 +160,17 @@ def _body(rank, world):
                         x = torch.tanh(x @ w)
                     act = torch.full(act_shape, float(k))
                     prev_end = time.perf_counter()
+                    sent.append(prev_end)
                     router.isend(act, 1, "F")
             else:
                 for k in range(n):
                     a = torch.empty(act_shape)
                     router.irecv(a, 0, "F").wait()
+                    landed.append(time.perf_counter())  # CLOCK_MONOTONIC: one clock for the host's processes
                     assert torch.equal(a, torch.full(act_shape, float(k)))
             torch.distributed.barrier()
             out[f"hol_{mode}_gaps_ms"] = gaps
+            out[f"hol_{mode}_sent"], out[f"hol_{mode}_landed"] = sent, landed
         if rank == 0:
             pool.set_link_delay_ms(1, "F", 0.0)
         router.hol_delay_ms = {}
@@ -220,6 +223,17 @@ def test_delegate_hol_next_compute_within_1ms(results):
     # the compute rank for about a millisecond (CI read 1.36 and 1.32 ms in 2 of 5 trials), which is
     # still two orders of magnitude below the direct stall; no trial may come near it.
     assert max(gaps_dlg) <= 5.0
+
+
+def test_an_injected_delegate_link_delay_is_a_latency_not_a_queue(results):
+    """``set_link_delay_ms(200)``: every message lands >= 200 ms after it was handed over, and the 11
+    messages (handed over ~ms apart) are in flight together: the last lands well before 11 x 200 ms
+    (a delegate that slept out each message's delay before the next — the old rule — took 2.2 s)."""
+    sent, landed = results[0]["hol_delegate_sent"], results[1]["hol_delegate_landed"]
+    assert len(sent) == len(landed) == 11
+    one_way_ms = [1e3 * (b - a) for a, b in zip(sent, landed)]
+    assert min(one_way_ms) >= 200.0, one_way_ms
+    assert 1e3 * (landed[-1] - sent[0]) < 5 * 200.0, one_way_ms
 
 
 def test_delegate_failover_losses_equal_fault_free(results):

@@ -118,7 +118,7 @@ def _fake_ring(cuda):
                                  geometry=R.RingGeometry(2, 4096))
     ring.state = lambda i: R.FREE
     ring.set_state = lambda i, v, wake=True: None
-    ring.write_header = lambda i, seq, t: 16
+    ring.write_header = lambda i, seq, t, due_ns=0: 16
     ring.state_offset = lambda i: 0
     ring.error_text = lambda: ""
     return ring

@@ -123,3 +123,62 @@ def test_delegation_carries_activations_over_64_mib_with_a_derived_slot_size():
         assert r["slot_bytes"] == r["expected"] > 65 << 20, r
         assert r["counts"] == {"direct": 0, "delegate": 2 * BIG_MB}, r
         assert r["losses_equal"] and r["grads_equal"], (rank, r)
+
+
+LINK_STEPS, LINK_SWITCH = 5, 2
+
+
+def _one_link_worker(rank, world):
+    """3 ranks, a fixed plan, +40 ms injected on link 0 (ranks 0-1): from the boundary after step
+    ``LINK_SWITCH`` only link 0 is delegated (``set(True, links=[(0, 1)])``, as Falcon does after S3)."""
+    import time
+
+    from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
+    from titan_ext.testing import seeded_batch
+
+    kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
+    _, ref_losses, ref_params = _train(rank, world, lambda st: PipeMorph(st, N_MB, **kw), steps=LINK_STEPS)
+    mods = mlp_stages(world, DIM)
+    sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), N_MB,
+                      delegation="auto", slow_link_ms=1e6, **kw)
+    opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
+    inject_link_delays("0:40")
+    losses, times = [], []
+    try:
+        for k in range(LINK_STEPS):
+            if k == LINK_SWITCH:
+                sched.delegation.set(True, "test: link 0 only", links=[(0, 1)])
+            x, y = seeded_batch(1000 + k, BATCH, DIM)
+            out: list = []
+            opt.zero_grad()
+            torch.distributed.barrier()
+            t = time.perf_counter()
+            sched.step(x, losses=out) if rank == 0 else sched.step(target=y, losses=out)
+            times.append(time.perf_counter() - t)
+            opt.step()
+            losses.append([float(v) for v in out])
+    finally:
+        remove_link_delays()
+    router = sched.delegation.router
+    res = {"losses_equal": losses == ref_losses,
+           "params_equal": all(torch.equal(p.detach(), q) for p, q in zip(mods[rank].parameters(), ref_params)),
+           "counts": dict(router.counts) if router is not None else None,
+           "delegate_peers": sorted(router.delegate_peers) if router is not None else None,
+           "delegated_min_s": min(times[LINK_SWITCH:])}
+    sched.delegation.close()
+    return res
+
+
+def test_delegating_one_link_keeps_the_others_direct_and_the_links_delay():
+    """Only the delegated link's ends start delegates and route through them; the other link stays on
+    torch's P2P; the injected delay holds on the delegate path (a delegate sends each message at its
+    model arrival); training is bit-identical to the direct run."""
+    results = run_ranks(_one_link_worker, 3, backend="gloo")
+    delegated = 2 * N_MB * (LINK_STEPS - LINK_SWITCH)  # per end of link 0: N_MB activations + N_MB gradients
+    for rank, r in enumerate(results):
+        assert r["losses_equal"] and r["params_equal"], rank
+    assert results[0]["counts"] == {"direct": 0, "delegate": delegated} and results[0]["delegate_peers"] == [1]
+    assert results[1]["counts"] == {"direct": 0, "delegate": delegated} and results[1]["delegate_peers"] == [0]
+    assert results[2]["counts"] is None  # rank 2 is no end of link 0: no delegates, no router
+    # each delegated step still crosses link 0 twice in series (a forward and a backward): >= 2 x 40 ms
+    assert results[0]["delegated_min_s"] >= 2 * 0.040, results[0]["delegated_min_s"]

@@ -185,10 +185,42 @@ def test_s3_hands_the_moved_link_to_pipemorph_with_delegation():
     assert frozen.grid == tuple(map(tuple, new)) and not frozen.replan and frozen.delegate_links == ()
     handed = plan_changes(decision, JobView(**{**view.__dict__, "delegate_after_s3": True}), mon)
     assert handed.grid == frozen.grid and handed.replan and handed.delegate_links == ((0, 1),)
-    assert json.loads(handed.metrics["falcon/delegated_links"]) == [[0, 1]]
+    assert json.loads(handed.metrics["falcon/plan/delegate_links"]) == [[0, 1]]
     # a plan that keeps the grid hands nothing over
     kept = FalconDecision(9, {"falcon/apply": "topology_adjustment", "falcon/plan/topology_grid": json.dumps(grid)})
     assert plan_changes(kept, JobView(**{**view.__dict__, "delegate_after_s3": True}), mon).delegate_links == ()
+
+
+def test_the_job_delegates_the_moved_links_pipeline_through_the_schedules_delegation():
+    """``FalconJob._delegate`` on a schedule whose transport is the real :class:`Delegation` ("auto"):
+    the pipeline holding the moved link delegates from this boundary (before, the job looked for a
+    ``set_delegation`` method no schedule has, logged "no delegates" and delegated nothing while the
+    bench still reported the link as delegated); the other pipeline does not."""
+    from titan_ext.runtime.config import DelegationConfig
+    from titan_ext.runtime.delegate.schedule import Delegation
+    from titan_ext.runtime.observers import ScheduleContext
+    from titan_ext.titan.falcon.job import FalconJob
+
+    def job(dp_index):
+        log: list = []
+        delegation = Delegation(DelegationConfig(mode="auto", slow_link_ms=1e6))
+        delegation.attach(ScheduleContext(
+            name="PipeMorph", group=None, num_stages=4, n_microbatches=16, control=None, device=lambda: None,
+            stage_to_rank=lambda: {s: s for s in range(4)}, iteration=lambda: 9, in_iteration=lambda: False,
+            log=lambda **kw: log.append(kw) or kw, adaptive=lambda: True, enable_adaptation=lambda who, why: None))
+        schedule = SimpleNamespace(adaptive=False, delegation=delegation)
+        return SimpleNamespace(trainer=SimpleNamespace(pp_schedule=schedule), grid=[[0, 1, 4, 6], [2, 3, 5, 7]],
+                               dp_index=dp_index, delegated_links=[]), log
+
+    holder, log = job(0)
+    FalconJob._delegate(holder, ((0, 1),))
+    assert holder.trainer.pp_schedule.delegation.delegating and holder.trainer.pp_schedule.adaptive
+    assert holder.delegated_links == [(0, 1)] and log and log[-1]["decision"] == "delegation"
+    assert holder.trainer.pp_schedule.delegation.links == {frozenset((0, 1))}
+    other, _ = job(1)
+    FalconJob._delegate(other, ((0, 1),))
+    assert not other.trainer.pp_schedule.delegation.delegating and other.delegated_links == []
+    assert other.trainer.pp_schedule.adaptive  # re-planning on everywhere
 
 
 def test_latency_fault_through_a_bounded_window_costs_a_gradient_many_round_trips():

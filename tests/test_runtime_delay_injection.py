@@ -391,3 +391,83 @@ def test_a_stamp_read_by_the_watcher_and_the_consumer_at_once_is_taken_once():
     for t in threads:
         t.join()
     assert seen == [123.5, 123.5] and store.errors == [] and store.data == {}
+
+
+# ---------------------------------------------------------------- head-of-line blocking, other transports
+def _cpu_injector(monkeypatch, spec: str, hol: bool):
+    """An injector on a 2-rank PP group (this rank 0) whose batches go nowhere (each op completes)."""
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, peer: peer)
+    injector = LinkDelayInjector(parse_delay_spec(spec), hol=hol)
+    injector._orig_batch_p2p = lambda ops, desc=None: [_Work() for _ in ops]
+    injector.store = _DictStore()
+    return injector
+
+
+@pytest.mark.parametrize("hol", [False, True])
+def test_head_of_line_blocking_holds_the_issuer_until_its_send_arrived(monkeypatch, hol):
+    """``hol=True`` is the simulator's rule (``simulate(hol=True)``: a rank starts its next action only
+    once its sends arrived): a send on a 400 ms link returns no earlier than its published arrival; an
+    undelayed link's send and, without ``hol``, the delayed one return at once (well under 400 ms)."""
+    from types import SimpleNamespace
+
+    injector = _cpu_injector(monkeypatch, "0:400", hol)
+    send = SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), group=None, group_peer=1)
+    t = time.time()
+    injector.batch_p2p([send])
+    returned = time.time()
+    arrival = _published(injector.store, "titan_ext/delay/0->1/0")
+    assert arrival >= t + 0.4
+    if hol:
+        assert returned >= arrival - 1e-3
+    else:
+        assert returned - t < 0.4
+    clear = LinkDelayInjector(parse_delay_spec("0:0"), hol=True)
+    clear._orig_batch_p2p, clear.store = injector._orig_batch_p2p, _DictStore()
+    t = time.time()
+    clear.batch_p2p([send])
+    assert time.time() - t < 0.4
+
+
+def test_a_delegated_send_is_due_at_the_links_model_arrival(monkeypatch):
+    """The delay is the link's on every path: a send the delegates carry is due at the α-β-occupancy
+    model's arrival (closed form: 100 kB at 1 MB/s = 0.1 s on the wire + 50 ms; the second, handed
+    over at once, waits for the first to leave the wire), without holding the caller even with
+    ``hol``; a send on a link the spec does not name is due at once (0)."""
+    from types import SimpleNamespace
+
+    injector = _cpu_injector(monkeypatch, "0:50:1MB/s", hol=True)
+    send = SimpleNamespace(op=dist.isend, tensor=torch.zeros(25_000), group=None, group_peer=1)  # 100 kB
+    t = time.monotonic()
+    first, second = injector.delegated_due_ns(send), injector.delegated_due_ns(send)
+    assert time.monotonic() - t < 0.05  # not held
+    assert first / 1e9 == pytest.approx(t + 0.15, abs=0.02)
+    assert second / 1e9 == pytest.approx(t + 0.25, abs=0.02)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    other = LinkDelayInjector(parse_delay_spec("1:50"))
+    assert other.delegated_due_ns(send) == 0  # rank 0 -> 1 is link 0, not named
+
+
+def test_the_delegate_transport_carries_the_injected_delay(monkeypatch):
+    """While delegating, ``DelegateTransport`` hands each send its link's due time from the installed
+    injector (before: delegated messages of a delayed link arrived as if the link were healthy)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    from titan_ext.runtime.delegate.schedule import DelegateTransport
+
+    injector = _cpu_injector(monkeypatch, "0:80", hol=False)
+    injector.install()
+    try:
+        sends: list = []
+        router = SimpleNamespace(isend=lambda tensor, peer, direction, due: sends.append((peer, direction, due)))
+        delegation = SimpleNamespace(delegating=True, failover=False, ensure_started=lambda ops: router,
+                                     delegates=lambda peer: True)
+        op = SimpleNamespace(op=dist.isend, tensor=torch.zeros(4), group=None, group_peer=1, peer=1)
+        t = time.monotonic()
+        DelegateTransport(delegation).issue(_Action(0, _ComputationType.SEND_F, 0), [op])
+        assert sends[0][:2] == (1, "F") and sends[0][2] / 1e9 >= t + 0.08
+    finally:
+        injector.remove()

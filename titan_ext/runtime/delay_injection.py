@@ -26,7 +26,13 @@ no earlier than ``arrival``: ``wait()`` reads the stamp from the store, sleeps t
 makes the stream wait on the data (``Work.wait()``); ``is_completed()`` (polled by the device layer's
 arrival watcher) reads it only if it is there, and never reads a device tensor (a ``.item()`` there
 would queue behind the compute stream and read arrivals late).  The sender is never slept, compute is
-never slept: only data arrival is delayed, FIFO per link and direction.  Both ends of a named link
+never slept: only data arrival is delayed, FIFO per link and direction — unless ``hol=True``: then the
+thread that issued a delayed send is held until it arrived (NCCL's head-of-line blocking on a slow link,
+PipeMorph §3.2: the launch of the next communication blocks the host while the transmission queue is
+full; the simulator's ``hol`` rule, under which a rank cannot start its next action before its sends
+arrived).  The delay is the link's, not the transport's: a message the delegates carry
+(:meth:`LinkDelayInjector.delegated_due_ns`) is sent by its delegate at its model arrival, and there the
+trainer is never held.  Both ends of a named link
 must run the same spec (links the spec does not name carry no stamps), and the stamp compares wall
 clocks, so across hosts the emulation is as exact as their clock sync.
 
@@ -406,12 +412,35 @@ class DelayedRecvWork:
         return fut
 
 
+class _Arrival:
+    """A delayed send's model arrival (``time.monotonic()``), set by the stamper thread."""
+
+    def __init__(self) -> None:
+        self._stamped = threading.Event()
+        self.time = math.nan
+
+    def set(self, arrival: float) -> None:
+        self.time = arrival
+        self._stamped.set()
+
+    def wait(self) -> None:
+        """Until the message has arrived."""
+        self._stamped.wait()
+        delay = self.time - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
 class LinkDelayInjector:
     """Holds back PP sends per link; see the module docstring for the model and mechanism."""
 
     def __init__(self, schedule: DelaySchedule, t0: float | None = None,
-                 origin: str = "inject_link_delays()"):
-        from titan_ext.plan.args import real_arg
+                 origin: str = "inject_link_delays()", hol: bool = False):
+        from titan_ext.plan.args import bool_arg, real_arg
+
+        self.hol = bool_arg(hol, "hol")
+        """Head-of-line blocking (PipeMorph §3.2, ``simulate(hol=True)``): the thread that issues a send
+        on a delayed link is held until that message has arrived."""
 
         if not isinstance(schedule, DelaySchedule):
             raise DelaySpecTypeError(f"schedule must be a DelaySchedule (parse_delay_spec), got {type(schedule).__name__}")
@@ -513,9 +542,10 @@ class LinkDelayInjector:
         self._sequence[(src, dst)] = k + 1
         return f"titan_ext/delay/{src}->{dst}/{k}"
 
-    def _stamp_send(self, op: Any, link: int, direction: int, key: str) -> None:
+    def _stamp_send(self, op: Any, link: int, direction: int, key: str) -> _Arrival | None:
         """Mark the send's data ready on its device (an event on the producing stream, right after
-        the producer) and hand it to the stamper thread, which publishes the model arrival."""
+        the producer) and hand it to the stamper thread, which publishes the model arrival (with
+        :attr:`hol`, the message's :class:`_Arrival`)."""
         layer = self._device(op.tensor.device)
         token = layer.mark_ready()
         nbytes = op.tensor.numel() * op.tensor.element_size()
@@ -525,7 +555,9 @@ class LinkDelayInjector:
             self._stamps = queue.SimpleQueue()
             threading.Thread(target=self._stamper, args=(self._stamps,), name="titan_ext-delay-stamper",
                              daemon=True).start()
-        self._stamps.put((layer, token, link, direction, nbytes, key))
+        arrived = _Arrival() if self.hol else None
+        self._stamps.put((layer, token, link, direction, nbytes, key, arrived))
+        return arrived
 
     def _stamper(self, stamps: Any) -> None:
         """Per send, in issue order: wait (this thread only) until its data is ready on the device,
@@ -534,7 +566,7 @@ class LinkDelayInjector:
             item = stamps.get()
             if item is None:
                 return
-            layer, token, link, direction, nbytes, key = item
+            layer, token, link, direction, nbytes, key, arrived = item
             ready = layer.ready_time(token)  # the device layer's clock (time.perf_counter)
             with self._lock:
                 # the model runs on time.monotonic(): move the device-ready time onto it
@@ -546,6 +578,8 @@ class LinkDelayInjector:
                     self.messages_passed += 1
             wall = time.time() + (arrival - time.monotonic())
             self.store.set(key, repr(wall))
+            if arrived is not None:
+                arrived.set(arrival)
 
     def batch_p2p(self, p2p_ops: list, desc: str | None = None) -> list:
         """Drop-in replacement of torch's ``schedules._batch_p2p`` that applies the link delays:
@@ -556,6 +590,7 @@ class LinkDelayInjector:
         if self.store is None:
             self.store = dist.distributed_c10d._get_default_store()
         keys: list[str | None] = []
+        held: list[_Arrival] = []
         for op in p2p_ops:
             link, direction = self._link_and_direction(op)
             if not self.stamps_link(link):
@@ -565,7 +600,9 @@ class LinkDelayInjector:
             recv = _is_recv(op)
             key = self._key(peer, me) if recv else self._key(me, peer)
             if not recv:
-                self._stamp_send(op, link, direction, key)
+                arrived = self._stamp_send(op, link, direction, key)
+                if arrived is not None:
+                    held.append(arrived)
                 key = None
             keys.append(key)
         works = self._orig_batch_p2p(list(p2p_ops), desc)
@@ -574,7 +611,23 @@ class LinkDelayInjector:
         for i, key in enumerate(keys):
             own = [works[i]] if per_op else list(works)
             out.append(own[0] if key is None else DelayedRecvWork(own, key, self.store))
+        for arrived in held:  # head-of-line blocking: the issuer waits out its delayed sends
+            arrived.wait()
         return out
+
+    def delegated_due_ns(self, op: Any) -> int:
+        """A send that another transport carries (the delegates, PipeMorph §5.2): its model arrival
+        (``time.monotonic_ns()``, the link booked from now) if its link is delayed, else 0 — the delay
+        is the link's, whichever path its messages take.  Never blocks, whatever :attr:`hol` says:
+        the delegates are what removes head-of-line blocking."""
+        link, direction = self._link_and_direction(op)
+        if not self.stamps_link(link):
+            return 0
+        nbytes = op.tensor.numel() * op.tensor.element_size()
+        with self._lock:
+            arrival = self.arrival_time(link, direction, nbytes, time.monotonic())
+            self.messages_delayed += 1
+        return int(arrival * 1e9)
 
     # -- installation --------------------------------------------------------------------------
     def install(self) -> "LinkDelayInjector":
@@ -622,18 +675,19 @@ def _device_now() -> float:
 
 
 def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None,
-                       origin: str = "inject_link_delays()") -> LinkDelayInjector:
+                       origin: str = "inject_link_delays()", hol: bool = False) -> LinkDelayInjector:
     """Install link-delay injection for every torch pipelining schedule in this process.
 
     ``spec``: see the module docstring (``"2:30"``, ``"0:10,2:30:100MB/s"``, ``"trace:delays.csv"``).
     ``t0``: optional shared ``time.time()`` origin for traces.  Returns the injector (``.update(spec)``
     to change delays, ``.remove()`` or use as a context manager to uninstall).  Call it on every rank.
-    ``origin`` names who asked for it in the warnings.
+    ``origin`` names who asked for it in the warnings.  ``hol``: NCCL's head-of-line blocking on the
+    direct path (:attr:`LinkDelayInjector.hol`).
     """
     if not isinstance(spec, (str, DelaySchedule)):
         raise DelaySpecTypeError(f"spec must be a delay spec (text) or a DelaySchedule, got {type(spec).__name__}")
     sched = parse_delay_spec(spec) if isinstance(spec, str) else spec
-    return LinkDelayInjector(sched, t0=t0, origin=origin).install()
+    return LinkDelayInjector(sched, t0=t0, origin=origin, hol=hol).install()
 
 
 def schedule_from_env() -> tuple[DelaySchedule, float | None] | None:

@@ -212,6 +212,12 @@ class TitanExt:
     ceil(n / window) x MS — a stage's DP gradient many times, an activation once (PipeMorph §7.3's
     DP-link latency fault, Fig. 19). 0 = unbounded: every message and ring step pays MS once."""
 
+    emulate_link_hol: bool = False
+    """The slow link, once it is a PP hop, blocks the way NCCL's does (PipeMorph §3.2 head-of-line
+    blocking: the rank that issued a message on it waits until the message arrived before it goes
+    on; ``inject_link_delays(hol=True)``). Messages the delegates carry are not held (what delegation
+    removes). False: only the message's arrival is late (gloo on a host, the default)."""
+
     falcon_spares: str = ""
     """Spare devices S4 may restart a slow device's rank on (Falcon §5.1: "checkpoint-and-restart on
     healthy nodes"), comma-separated device ids no rank uses: on CPU emulated devices (a healthy
@@ -224,8 +230,8 @@ class TitanExt:
 
     falcon_delegation: bool = False
     """After Falcon's S3 moved a slow link onto a PP hop, turn PipeMorph's re-planning on and delegate
-    the moved link's pipeline's PP messages (PipeMorph §7.3: S3, then re-planning with delegation on
-    the moved link). Needs ``delegation = "auto"`` or ``"always"`` (the delegating schedule)."""
+    the moved link's PP messages, the pipeline's other links staying direct (PipeMorph §7.3: S3, then
+    re-planning with delegation on the moved link). Needs ``delegation = "auto"`` or ``"always"``."""
 
     emulate_device_pass_ms: float = 0.0
     """Dedicated-device emulation for PP jobs on a shared CPU host (benchmarks): every forward

@@ -266,17 +266,20 @@ class DelegatePool:
             self.recovery.check(link)
 
     # ------------------------------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor, dst: int, direction: str, seq: int):
+    def send(self, tensor: torch.Tensor, dst: int, direction: str, seq: int, due_ns: int = 0):
         """Queue message ``seq`` of channel (this rank → ``dst``, ``direction``).  Returns once the bytes
         are in a slot (CPU) or the D2H copy + signal are enqueued (CUDA); never waits for the link.
+        ``due_ns``: its delegate sends it no earlier than this ``time.monotonic_ns()`` (an injected link
+        delay, :meth:`~titan_ext.runtime.delay_injection.LinkDelayInjector.delegated_due_ns`).
 
         With fallback on, the pool keeps a reference to ``tensor`` until the peer acknowledges the
         message (do not modify it in place before), and while the link's delegate is being replaced
         the message goes over the direct path (the returned handle then waits like a direct send)."""
-        return self.sender.send(tensor, dst, direction, seq)
+        return self.sender.send(tensor, dst, direction, seq, due_ns)
 
     def set_link_delay_ms(self, dst: int, direction: str, ms: float) -> None:
-        """Inject a one-way delay on this rank's outgoing delegate link (tests and benchmarks)."""
+        """Inject a one-way delay on this rank's outgoing delegate link (tests and benchmarks): each
+        message is sent ``ms`` after it was queued (a latency: messages in flight overlap)."""
         self.sender.set_link_delay_ms(dst, direction, ms)
 
     def post_recv(self, tensor: torch.Tensor, src: int, direction: str, seq: int) -> Recv:

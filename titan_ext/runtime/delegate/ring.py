@@ -48,7 +48,6 @@ CTRL_STOP = 192             # u32: trainer asks the delegate to stop
 CTRL_BYTES = 256            # int64 payload bytes moved
 CTRL_BUSY_NS = 264          # int64 ns spent in Gloo send/recv (throughput = bytes / busy)
 CTRL_MESSAGES = 272         # int64 messages moved
-CTRL_DELAY_US = 280         # int64 injected one-way delay of this lane's link, µs (tests, benchmarks)
 CTRL_ACKED = 288            # int64 send ring: last seq the peer's recv delegate acknowledged (-1: none)
 CTRL_HEARTBEAT = 296        # int64 incremented by the delegate every HEARTBEAT_S (a frozen one stops)
 HEARTBEAT_S = 0.1
@@ -61,6 +60,8 @@ SLOT_PAYLOAD = PAGE
 
 # header words
 H_SEQ, H_NBYTES, H_DTYPE, H_NDIM, H_SHAPE = 0, 1, 2, 3, 4
+H_DUE_NS = HEADER_WORDS - 1  # CLOCK_MONOTONIC ns before which the send delegate does not send (0: at once):
+# an injected link delay on the delegate path (delay_injection.py, DelegatePool.set_link_delay_ms)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
@@ -190,7 +191,7 @@ class SlotRing:
     def payload(self, i: int, nbytes: int) -> torch.Tensor:
         return self._payload[i][:nbytes]
 
-    def write_header(self, i: int, seq: int, tensor: torch.Tensor) -> int:
+    def write_header(self, i: int, seq: int, tensor: torch.Tensor, due_ns: int = 0) -> int:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > self.slot_bytes:
             raise ValueError(f"message of {nbytes} bytes exceeds the delegate slot size {self.slot_bytes} "
@@ -201,7 +202,12 @@ class SlotRing:
             raise TypeError(f"dtype {tensor.dtype} not supported by the delegate path")
         h = [seq, nbytes, DTYPE_CODE[tensor.dtype], tensor.dim(), *tensor.shape]
         self._headers_np[i][: len(h)] = h
+        self._headers_np[i][H_DUE_NS] = due_ns
         return nbytes
+
+    def due_ns(self, i: int) -> int:
+        """Slot ``i``'s send time (CLOCK_MONOTONIC ns; 0: at once) — see :data:`H_DUE_NS`."""
+        return int(self._headers_np[i][H_DUE_NS])
 
     def read_header(self, i: int) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
         h = self._headers_np[i][: H_SHAPE + MAX_DIMS].tolist()

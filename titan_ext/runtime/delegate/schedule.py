@@ -35,6 +35,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from titan_ext.plan.args import instance_arg, int_arg
 from titan_ext.runtime.config import DelegationConfig
+from titan_ext.runtime.delay_injection import current_injector
 from titan_ext.runtime.observers import Boundary, ScheduleContext
 from titan_ext.runtime.transport import TorchP2P
 
@@ -61,13 +62,17 @@ class DelegateTransport:
         if not (d.delegating or d.failover):
             return self._direct.issue(action, ops)
         router = d.ensure_started(ops)
-        if router is None:  # no shared memory for the delegates on some rank: every rank went direct
+        if router is None or not (d.failover or all(d.delegates(op.peer) for op in ops)):
+            # no shared memory for the delegates on some rank (every rank went direct), or a link
+            # that is not delegated
             return self._direct.issue(action, ops)
         direction = "F" if action.computation_type in _FWD else "B"
+        injector = current_injector()  # an injected link delay holds on every path (delay_injection.py)
         handles = []
         for op in ops:
             if op.op is dist.isend or getattr(op.op, "__name__", "") == "isend":
-                handles.append(router.isend(op.tensor, op.peer, direction))
+                due = injector.delegated_due_ns(op) if injector is not None and d.delegates(op.peer) else 0
+                handles.append(router.isend(op.tensor, op.peer, direction, due))
             else:
                 handles.append(router.irecv(op.tensor, op.peer, direction))
         return handles
@@ -107,6 +112,9 @@ class Delegation:
         self._pool_args = dict(lanes=config.lanes, num_slots=config.slots, timeout_s=config.timeout_s)
         self._router_args = dict(failover=config.failover, recv_timeout_s=config.recv_timeout_s, faults=config.faults)
         self._delegating = False
+        self.links: frozenset[frozenset[int]] | None = None
+        """The PP links (pairs of global ranks) delegated while delegating; None: every link."""
+        self._started = False  # the pool's votes are taken (every PP rank, once)
         self.context: ScheduleContext | None = None
         self.pool: DelegatePool | None = None
         self.router: P2PRouter | None = None
@@ -131,10 +139,22 @@ class Delegation:
     def delegating(self) -> bool:
         return self._delegating
 
+    def peers(self) -> frozenset[int] | None:
+        """This rank's delegated peers (global ranks) while delegating; None: every peer."""
+        if self.links is None:
+            return None
+        me = dist.get_rank()
+        return frozenset(p for link in self.links if me in link for p in link if p != me)
+
+    def delegates(self, peer: int) -> bool:
+        """Whether messages to / from ``peer`` (global rank) go through the delegates now."""
+        peers = self.peers()
+        return self._delegating and (peers is None or peer in peers)
+
     def ensure_started(self, ops: list[dist.P2POp]) -> P2PRouter:
         """The router, starting the pool at the first op that needs it (every rank in the same
         iteration: delegation switches at agreed boundaries; failover routes from the first op)."""
-        if self.router is not None or self.unavailable is not None:
+        if self._started or self.unavailable is not None:
             return self.router
         if self.slot_bytes is None:
             local = max((op.tensor.numel() * op.tensor.element_size() for op in ops), default=0)
@@ -147,6 +167,8 @@ class Delegation:
         if group is not None:
             stage_to_rank = [dist.get_global_rank(group, r) for r in stage_to_rank]
         channels = pipeline_channels(rank, stage_to_rank)
+        if self.links is not None and not self.failover:  # only the delegated links' channels
+            channels = [ch for ch in channels if frozenset((ch.src, ch.dst)) in self.links]
         # the rings are reserved up front; a rank without the shared memory for them sends every rank
         # to the direct path (one vote, so none waits on a delegate that will never start)
         short = None
@@ -158,12 +180,16 @@ class Delegation:
         if ctx.control.any(short is not None):
             self._go_direct(short or "another PP rank has too little shared memory for its delegate rings")
             return None
+        self._started = True
+        if not channels:  # no delegated link ends here: this rank's messages stay direct
+            return None
         try:
             self.pool = DelegatePool(rank, channels, slot_bytes=self.slot_bytes, device=ctx.device(),
                                      **self._pool_args)
         except SharedMemoryShortage as e:  # taken between the check and the reservation: a clean stop
             raise DelegateError(f"delegation on rank {rank}: {e}") from None
         self.router = P2PRouter(rank, self.pool, group=group, delegating=self._delegating, **self._router_args)
+        self.router.delegate_peers = self.peers()
         return self.router
 
     def _go_direct(self, why: str) -> None:
@@ -180,14 +206,21 @@ class Delegation:
         if self.mode == "always":
             self.set(True, "delegation=always")
 
-    def set(self, on: bool, reason: str = "external", completed: int | None = None) -> None:
+    def set(self, on: bool, reason: str = "external", completed: int | None = None,
+            links: Any = None) -> None:
         """Switch delegation on/off.  Only between iterations; call it on every rank alike.
-        ``completed``: iterations completed before the switch (default: the schedule's count)."""
+        ``completed``: iterations completed before the switch (default: the schedule's count).
+        ``links``: turning on, the PP links to delegate — pairs of global ranks (e.g. the slow link
+        Falcon's S3 moved onto a PP hop): their messages go through the delegates, every other link's
+        stay direct, and only their ends start delegates; None: every link.  Fixed once the delegates
+        started (the rings are reserved then)."""
         ctx = self._ctx()
         if ctx.in_iteration():
             raise RuntimeError("delegation can only be switched at an iteration boundary")
         if on == self._delegating:
             return
+        if on and links is not None and not self._started:
+            self.links = frozenset(frozenset((int(a), int(b))) for a, b in links)
         self._delegating = on
         if self.router is not None:
             self.router.delegating = on
@@ -221,8 +254,9 @@ class Delegation:
         PP link that failed over either way, ``"a->b"`` in PP ranks), gathered at each profile exchange so
         the logging rank reports faults on links it is not an end of."""
         router, ctx = self.router, self._ctx()
-        if router is None:
-            return 0, []
+        if router is None and not (self._started and self.unavailable is None):
+            return 0, []  # no delegates anywhere (every PP rank alike)
+        # a started rank with no delegated link has no router but still takes part in the gather
         events = list(self.pool.fallback_events) if self.pool is not None else []
         for e in events[self._seen["delegate"]:]:
             where = f"{e['kind']} delegate {e['src']}->{e['dst']} lane {e['lane']}"
@@ -238,14 +272,15 @@ class Delegation:
             (log.info if e["event"] == "returned" else log.warning)("titan_ext: delegate %s", why)
             ctx.log(decision=f"delegate_{e['event']}", reason=why)
         self._seen["delegate"] = len(events)
-        for e in router.failover_events[self._seen["failover"]:]:
+        failover_events = router.failover_events if router is not None else []
+        for e in failover_events[self._seen["failover"]:]:
             why = f"link to rank {e['peer']} ({e['direction']}) failed over to the delegates: {e['reason']}"
             log.warning("titan_ext: %s", why)
             ctx.log(decision="delegate_failover", reason=why)
-        self._seen["failover"] = len(router.failover_events)
+        self._seen["failover"] = len(failover_events)
         fell_back = {((e["dst"] if e["kind"].startswith("send") else e["src"]), e["kind"][-1])
                      for e in events if e["event"] == "fallback"}
-        mask = self._link_mask(set(router.failed) | fell_back)
+        mask = self._link_mask(set(router.failed if router is not None else ()) | fell_back)
         restarts = sum(1 for e in events if e["event"] == "respawned")
         if boundary.exchanged:  # every rank alike: the group's totals
             rows = ctx.control.all_gather(torch.tensor([restarts, mask], dtype=torch.int64))

@@ -32,9 +32,13 @@ class SendPath:
     def __init__(self, links: dict[tuple[int, str], list[Link]], recovery, layer, timeout_s: float):
         self.links, self.recovery, self.layer, self.timeout_s = links, recovery, layer, timeout_s
         self.stream = layer.stream(D2H_STREAM) if layer is not None else None
+        self.delay_ns: dict[tuple[int, str], int] = {}  # set_link_delay_ms
 
-    def send(self, tensor: torch.Tensor, dst: int, direction: str, seq: int):
+    def send(self, tensor: torch.Tensor, dst: int, direction: str, seq: int, due_ns: int = 0):
         """See :meth:`DelegatePool.send`."""
+        delay = self.delay_ns.get((dst, direction), 0)
+        if delay:
+            due_ns = max(due_ns, time.monotonic_ns() + delay)
         links = self.links.get((dst, direction))
         if links is None:
             raise KeyError(f"no send-{direction} delegates to rank {dst} in this pool")
@@ -42,7 +46,7 @@ class SendPath:
             refuse_capture("DelegatePool.send")
         link, rec = links[seq % len(links)], self.recovery
         if not rec.enabled:
-            return self.ring_send(link, link.lane, tensor, seq)
+            return self.ring_send(link, link.lane, tensor, seq, due_ns)
         while True:
             with link.mutex:
                 if link.error:
@@ -51,7 +55,7 @@ class SendPath:
                     rec.switch_send(link, seq)
                 if link.state == UP:
                     try:
-                        handle = self.ring_send(link, link.lane, tensor, seq)
+                        handle = self.ring_send(link, link.lane, tensor, seq, due_ns)
                     except LinkDown:
                         continue
                     link.keep(seq, tensor, link.lane.ring.region.load64(R.CTRL_ACKED))
@@ -60,13 +64,13 @@ class SendPath:
                     return rec.send_down(link, tensor, seq)
             time.sleep(0.005)  # RECOVERING: the supervisor is agreeing on the replay point
 
-    def ring_send(self, link: Link, lane, tensor: torch.Tensor, seq: int):
+    def ring_send(self, link: Link, lane, tensor: torch.Tensor, seq: int, due_ns: int = 0):
         ring, i = lane.ring, lane.cursor
         if ring.state(i) != R.FREE:  # ring full: back-pressure (add lanes/slots if this shows up)
             self.recovery.wait_slot(link, lane, i, R.FREE, self.timeout_s, f"a free send slot (seq {seq})")
         self.recovery.lane_ok(link, lane)
         ring.set_state(i, R.WRITING, wake=False)
-        nbytes = ring.write_header(i, seq, tensor)
+        nbytes = ring.write_header(i, seq, tensor, due_ns)
         if tensor.is_cuda:
             src = tensor.contiguous()
             with self.layer.context():
@@ -84,5 +88,6 @@ class SendPath:
         return Done()
 
     def set_link_delay_ms(self, dst: int, direction: str, ms: float) -> None:
-        for link in self.links[(dst, direction)]:
-            link.lane.ring.region.store64(R.CTRL_DELAY_US, int(round(ms * 1000)))
+        if (dst, direction) not in self.links:
+            raise KeyError(f"no send-{direction} delegates to rank {dst} in this pool")
+        self.delay_ns[(dst, direction)] = int(round(ms * 1e6))

@@ -243,6 +243,7 @@ class P2PRouter:
             pool.enable_fallback(group)
         self.rank, self.pool, self.group = rank, pool, group
         self.delegating = delegating
+        self.delegate_peers: frozenset[int] | None = None  # while delegating, only these peers; None: all
         self.failover = failover
         self.recv_timeout_s = recv_timeout_s
         self.faults = faults
@@ -261,7 +262,8 @@ class P2PRouter:
         return seq
 
     def _use_delegates(self, key) -> bool:
-        return self.delegating or key in self.failed
+        peers = self.delegate_peers
+        return (self.delegating and (peers is None or key[0] in peers)) or key in self.failed
 
     def _fail_over(self, peer: int, direction: str, reason: str) -> None:
         key = (peer, direction)
@@ -275,13 +277,15 @@ class P2PRouter:
         return self.pool.arrived(peer, direction, seq)
 
     # --- API --------------------------------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, peer: int, direction: str):
+    def isend(self, tensor: torch.Tensor, peer: int, direction: str, due_ns: int = 0):
+        """``due_ns``: on the delegate path, sent no earlier than this ``time.monotonic_ns()`` (an
+        injected link delay, :meth:`DelegatePool.send`)."""
         key = (peer, direction)
         seq = self._next(self._send_seq, key)
         if self._use_delegates(key):
             self.counts["delegate"] += 1
             self.delegate_bytes[direction] += tensor.numel() * tensor.element_size()
-            return self.pool.send(tensor, peer, direction, seq)
+            return self.pool.send(tensor, peer, direction, seq, due_ns)
         self.counts["direct"] += 1
         delay = self.hol_delay_ms.get(peer, 0.0)
         if delay > 0:

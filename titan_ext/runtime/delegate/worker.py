@@ -137,9 +137,9 @@ def _send_loop(lane, pg, parent, sleep_us) -> None:
                 return
         lane.set_state(i, R.BUSY, wake=False)
         seq, nbytes, _, _ = lane.read_header(i)
-        delay_us = r.load64(R.CTRL_DELAY_US)
-        if delay_us > 0:  # injected one-way delay of this link (tests / benchmarks)
-            time.sleep(delay_us / 1e6)
+        wait_ns = lane.due_ns(i) - time.monotonic_ns()
+        if wait_ns > 0:  # an injected delay of this link (ring.H_DUE_NS): a one-way latency, pipelined
+            time.sleep(wait_ns / 1e9)
         t0 = time.perf_counter_ns()
         pg.send([lane.header_bytes[i]], 1, 0).wait()
         if nbytes:

@@ -6,7 +6,7 @@ inputs: :func:`plan_changes` (a :class:`~titan_ext.runtime.falcon.FalconDecision
 * ``microbatch_redistribution`` (S2): the Eq. 1 split, in force from the next step;
 * ``topology_adjustment`` (S3): the grid re-mapped in memory (:mod:`.s3`) when the plan moves a rank;
   with ``[titan_ext] falcon_delegation``, a slow link it moved onto a PP hop is then PipeMorph's:
-  re-planning on and its pipeline's PP messages delegated (PipeMorph §7.3, Fig. 19);
+  re-planning on and the moved link's PP messages delegated (PipeMorph §7.3, Fig. 19);
 * ``checkpoint_restart`` (S4): planned here (:func:`~.s4.plan_checkpoint_restart`) and kept only where
   it pays (:func:`s4_pays`); the job applies it once the step is recorded (checkpoint, exit,
   relaunch without the slow device).
@@ -108,7 +108,7 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
                     if moved:
                         delegate = moved
                         replan = True
-                        metrics["falcon/delegated_links"] = json.dumps([list(k) for k in moved])
+                        metrics["falcon/plan/delegate_links"] = json.dumps([list(k) for k in moved])
         elif strategy == "checkpoint_restart":
             from titan_ext.titan.falcon.s4 import S4Unavailable, plan_checkpoint_restart
 

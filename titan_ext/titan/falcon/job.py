@@ -63,7 +63,7 @@ class FalconJob:
                                            window_bytes=section.emulate_link_window_kib * 1024 or float("inf"))
         self.chunks_per_replica = trainer.gradient_accumulation_steps
         self.dp = DPSync(trainer, self.emulation, self.control, self.device)
-        self.pp_delays = PPLinkDelays(self.emulation, self.rank)
+        self.pp_delays = PPLinkDelays(self.emulation, self.rank, hol=section.emulate_link_hol)
         dp_mesh = trainer.parallel_dims.get_mesh("dp_replicate")
         self.num_dp, self.num_pp = dp_mesh.size(), trainer.parallel_dims.get_mesh("pp").size()
         self.even_split = [self.chunks_per_replica] * self.num_dp
@@ -180,6 +180,9 @@ class FalconJob:
         applied_s = self.apply(changes)
         decision = decision.with_metrics(changes.metrics | {"falcon/split": json.dumps(self.split),
                                                             "falcon/grid": json.dumps(self.grid)})
+        if changes.delegate_links:  # what this rank's pipeline delegates now (the plan: falcon/plan/...)
+            decision = decision.with_metrics({"falcon/delegated_links": json.dumps(
+                [list(k) for k in self.delegated_links])})
         self.last_decision = decision
         self.log.record(dict(decision), event_rows(self.trainer.step, decision, self.monitor, estimated,
                                                    applied_s, self.apply_decisions))
@@ -229,21 +232,23 @@ class FalconJob:
 
     def _delegate(self, links) -> None:
         """PipeMorph §7.3 after S3: the moved slow links are PP hops now — re-planning on everywhere
-        (PipeMorph adapts the slack of the slow hop) and, on the pipelines holding one, their PP
-        messages through the delegates (every rank of such a pipeline alike, at this boundary)."""
+        (PipeMorph adapts the slack of the slow hop) and, on the pipelines holding one, the moved
+        link's PP messages through the delegates, the other links direct (every rank of such a
+        pipeline alike, at this boundary)."""
         schedule = self.trainer.pp_schedule
         schedule.adaptive = True
         mine = [tuple(k) for k in links if set(k) <= set(self.grid[self.dp_index])]
         if not mine:
             return
-        if not callable(getattr(schedule, "set_delegation", None)) or getattr(schedule, "delegation", None) is None:
+        delegation = getattr(schedule, "delegation", None)  # every adaptive schedule's (None: "off")
+        if delegation is None:
             logger.warning(f"[titan_ext] Falcon: slow link(s) {mine} moved onto a PP hop; this schedule "
                            f"({type(schedule).__name__}) has no delegates ([titan_ext] delegation = \"off\"): "
                            f"re-planning only")
             return
-        schedule.set_delegation(True, reason=f"falcon: S3 moved slow link(s) {mine} onto a PP hop")
+        delegation.set(True, reason=f"falcon: S3 moved slow link(s) {mine} onto a PP hop", links=mine)
         self.delegated_links = sorted(set(self.delegated_links) | set(mine))
-        logger.info(f"[titan_ext] Falcon: pipeline {self.dp_index} delegates its PP messages (slow link(s) {mine})")
+        logger.info(f"[titan_ext] Falcon: pipeline {self.dp_index} delegates the PP messages of slow link(s) {mine}")
 
     def _apply_topology(self, grid: list[list[int]]) -> None:
         """S3 in memory (:func:`titan_ext.titan.falcon.s3.apply_topology`), then this job's view of
