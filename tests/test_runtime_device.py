@@ -113,3 +113,70 @@ def test_cpu_device_waits_until_landed_under_nccl_semantics():
     assert work.waited and time.perf_counter() >= work.lands_at
     assert handle.arrival_time() >= work.lands_at
     layer.close()
+
+
+class _GlooWork:
+    """Gloo semantics: ``wait()`` blocks until the data landed (``delay_s`` after posting); counted."""
+
+    def __init__(self, delay_s: float):
+        self.lands_at, self.waits = time.perf_counter() + delay_s, 0
+
+    def wait(self, timeout=None):  # noqa: ARG002
+        self.waits += 1
+        time.sleep(max(0.0, self.lands_at - time.perf_counter()))
+        return True
+
+    def is_completed(self):
+        return False  # gloo: not before someone waited
+
+
+def test_a_consumer_stamped_receive_needs_no_watcher_and_stamps_within_its_bounds():
+    """``watch(exact=False)`` where waits land the data (gloo): no watcher thread handles it; the
+    consumer's one wait stamps it — the landing when the consumer waited for it, the consumer's own
+    time (an upper bound) when the data was there first.  Where waits do not land the data (NCCL),
+    ``exact=False`` changes nothing: the watcher stamps, the consumer's wait stays a stream wait."""
+    layer = CpuDevice(torch.device("cpu"))
+    layer.set_backend("gloo")
+    queued: list = []
+    layer.watcher.watch = lambda peer, handle: queued.append(handle) or handle
+    early = _GlooWork(0.05)  # the consumer comes first and waits
+    handle = layer.watch(0, [early], exact=False)
+    t = time.perf_counter()
+    layer.wait_recv([handle])
+    assert queued == [] and early.waits == 1
+    assert early.lands_at <= handle.arrival_time() <= time.perf_counter() and handle.arrival_time() >= t
+    late = _GlooWork(0.0)  # the data is there first: the stamp is the consumer's, after the landing
+    handle = layer.watch(0, [late], exact=False)
+    time.sleep(0.02)
+    layer.wait_recv([handle])
+    layer.wait_recv([handle])  # a second wait does not wait on the work again (gloo's recv completes once)
+    assert late.waits == 1 and handle.arrival_time() >= late.lands_at + 0.02
+    layer.watch(0, [_GlooWork(0.0)])  # exact: the watcher's
+    assert len(queued) == 1
+    nccl = CpuDevice(torch.device("cpu"))
+    nccl.set_backend("nccl_rules")
+    work = _LateWork(0.02)
+    handle = nccl.watch(0, [work], exact=False)
+    nccl.wait_recv([handle])
+    assert handle.arrival_time() >= work.lands_at and not handle.consumer_stamps
+    for d in (layer, nccl):
+        d.close()
+
+
+def test_exact_arrivals_are_kept_where_the_deployed_plan_can_hide_a_delay():
+    """``PipeMorph._exact_links``: the watcher stamps a link whose Eq. 1 tolerance exceeds the policy's
+    absolute margin (1 ms) or whose plan was made for a delay beyond twice it; several stages per rank
+    or no tolerance yet: every link."""
+    from types import SimpleNamespace
+
+    from titan_ext.runtime.config import PolicySettings
+
+    def rule(tolerance, planned=None, per_rank=1):
+        fake = SimpleNamespace(layout=SimpleNamespace(stages_per_rank=per_rank), _planned_for_ms=planned,
+                               config=SimpleNamespace(policy_settings=PolicySettings()))
+        return PipeMorph._exact_links(fake, tolerance)
+
+    assert PolicySettings().abs_margin_ms == 1.0
+    assert rule([0.1, 5.0, -0.2, float("nan")]) == {1, 3}
+    assert rule([0.1, 0.0, 0.0], planned=[0.0, 1.5, 3.0]) == {2}
+    assert rule([0.1, 0.0, 0.0], per_rank=2) is None and rule(None) is None

@@ -90,15 +90,28 @@ class RecvHandle:
       the consumer calls ``wait()`` on the main thread, so the stream wait sits just before the consumer.
     """
 
-    def __init__(self, works: list[Any], device: "DeviceLayer | None" = None, host_wait: bool = True):
+    def __init__(self, works: list[Any], device: "DeviceLayer | None" = None, host_wait: bool = True,
+                 consumer_stamps: bool = False):
         self.works = list(works)
         self.host_wait = host_wait
+        self.consumer_stamps = consumer_stamps and host_wait
+        """No watcher: the consumer's own wait (gloo: returns once the data landed) stamps the arrival
+        — exact when the consumer waited for the data, an upper bound when the data was there first
+        (:meth:`DeviceLayer.watch`)."""
         self.arrival: float = math.nan
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._device = device
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility
+        if self.consumer_stamps and not self.done.is_set():
+            try:
+                for w in self.works:
+                    w.wait()
+                self.arrival = now()
+            finally:
+                self.done.set()
+            return True
         if self.host_wait:
             self.done.wait()
             if self.error is not None:
@@ -471,9 +484,14 @@ class DeviceLayer:
         event's ``query()``, no sync) until the device reached it: call it off the critical path."""
         return self._ready_clock.ready_time(token)
 
-    def watch(self, peer: int, works: list[Any]) -> RecvHandle:
-        """A posted receive's handle; its arrival is stamped off the critical path."""
-        return self.watcher.watch(peer, RecvHandle(works, self, host_wait=self.wait_lands))
+    def watch(self, peer: int, works: list[Any], exact: bool = True) -> RecvHandle:
+        """A posted receive's handle; its arrival is stamped off the critical path by the watcher.
+        ``exact=False`` where a wait lands the data (gloo): no watcher, the consumer's wait stamps it
+        (:attr:`RecvHandle.consumer_stamps`) — no thread hop between the data and its consumer, and a
+        stamp that is late only by however long the data waited for its consumer.  Where waits do not
+        land the data (NCCL) the watcher is never on the critical path and always stamps."""
+        handle = RecvHandle(works, self, host_wait=self.wait_lands, consumer_stamps=not exact)
+        return handle if handle.consumer_stamps else self.watcher.watch(peer, handle)
 
     def wait_recv(self, handles: list[Any]) -> None:
         """The consumer's wait, placed just before the compute that reads the data."""

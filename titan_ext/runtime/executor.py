@@ -104,6 +104,9 @@ class Executor:
         self.transport: Transport = transport if transport is not None else TorchP2P()
         #: M^F of Alg.1 (bytes autograd saves for one microbatch); None: measured in the next forward
         self.activation_bytes = activation_bytes
+        #: PP links (i: ranks i, i+1) whose receives the arrival watcher stamps; the others' consumers
+        #: stamp them (:meth:`DeviceLayer.watch`).  None: every link (the schedule sets it)
+        self.exact_links: set[int] | None = None
 
     def use_device(self, layer: DeviceLayer) -> None:
         """Time, stamp and wait through ``layer`` (e.g. the simulation of ``testing/simdevice.py``)."""
@@ -203,7 +206,8 @@ class Executor:
             raise AssertionError(f"Recv twice for {s=} {mb=} without executing compute")
         ops = stage.get_fwd_recv_ops(mb) if forward else stage.get_bwd_recv_ops(mb)
         peer = self.peer(action, sched)
-        handle = self.device.watch(peer, self.transport.issue(action, ops))
+        exact = self.exact_links is None or min(peer, sched.rank) in self.exact_links or abs(peer - sched.rank) != 1
+        handle = self.device.watch(peer, self.transport.issue(action, ops), exact=exact)
         table[(s, mb)] = [handle]
         if abs(peer - sched.rank) == 1:
             (ctx.profile.arrivals_prev if peer < sched.rank else ctx.profile.arrivals_next).append(handle)

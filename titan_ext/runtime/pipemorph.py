@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import math
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -171,6 +171,7 @@ class PipeMorph(_PipelineScheduleRuntime):
                          scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
                          **torch_runtime_kwargs)
         self._setup_parts(stages, n_microbatches)
+        self._planned_for_ms: list[float] | None = None  # the deployed plan's absorbed delays (_install)
         self._deploy_initial_plan()
 
     def _setup_parts(self, stages: list[_PipelineStageBase], n_microbatches: int) -> None:
@@ -365,10 +366,11 @@ class PipeMorph(_PipelineScheduleRuntime):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         if cand.polish is not None:  # the same regime in a faster order: the policy's clocks run on
             return
+        plan = cand.plan
+        self._planned_for_ms = plan.profile.delays_ms if plan is not None and plan.profile is not None else None
         note = getattr(self.policy, "note_deployed", None)  # optional hook of a Policy
         if note is not None:
-            plan = cand.plan
-            note(plan.profile.delays_ms if plan is not None and plan.profile is not None else None)
+            note(self._planned_for_ms)
         self._since_deploy = 0
         self._probe_running = cand.trigger == "probe"
         if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
@@ -542,6 +544,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         m.replan_ms = m.swap_ms  # critical path only: planning ran in the background (plan_ms)
         self._since_deploy += 1
         self._fill_plan_metrics(m, links)
+        self.executor.exact_links = self._exact_links(m.eq1_tolerance_ms)
         boundary = Boundary(self.context, self.iteration, iteration_ms, exchanged, m.timeline_span_ms, links, ran_probe)
         for observer in self.observers:
             boundary.metrics = m.as_dict()
@@ -622,6 +625,21 @@ class PipeMorph(_PipelineScheduleRuntime):
                                                    self.estimator.planning_profile("full", est_full), dep)
         m.inflight_cap = self.memory.adaptive_limit(self._delegating())
         m.memory_budget_bytes = self.memory_budget_bytes if self.memory_budget_bytes is not None else math.nan
+
+    def _exact_links(self, tolerance_ms: Sequence[float] | None) -> set[int] | None:
+        """The links whose arrivals need the watcher's exact stamps (PipeMorph §6 profiler): where the
+        deployed plan can hide a delay — Eq. 1 tolerance above the policy's absolute margin, or a plan
+        made for a delay there.  On the other links the consumer waits as soon as its data is late, so
+        its own stamp is exact whenever a delay matters, and a late one (an upper bound: the data waited
+        for its consumer) stays below the tolerance, which is all the policy compares it with; there the
+        watcher's thread hop between the data and its consumer is saved (gloo; on NCCL the watcher is
+        never on the critical path).  None (every link): several stages per rank, or no tolerance yet."""
+        if self.layout.stages_per_rank != 1 or tolerance_ms is None:
+            return None
+        margin = self.config.policy_settings.abs_margin_ms
+        planned = self._planned_for_ms or []
+        return {i for i, t in enumerate(tolerance_ms) if not t <= margin} | \
+               {i for i, c in enumerate(planned) if c > 2 * margin}
 
     def _decide(self) -> Decision:
         """Run the policy (identical inputs on every rank → identical decision)."""
