@@ -281,3 +281,12 @@ def test_only_the_root_link_is_delegated_after_s3():
     view = JobView(step=9, split=(2, 2), even_split=(2, 2), grid=tuple(map(tuple, grid)), replanning_on=False,
                    checkpoint_enabled=False, delegate_after_s3=True)
     assert plan_changes(decision, view, mon).delegate_links == ((0, 1),)
+
+
+@pytest.mark.parametrize("links", [[(0, 0)], [(0, 1, 2)], [("0", "1")], [(0, -1)], "0-1", [(True, 1)]])
+def test_delegating_bad_links_is_a_clear_error(links):
+    from titan_ext.runtime.delegate.schedule import _links_arg
+
+    with pytest.raises(ValueError, match="pairs of two different global ranks"):
+        _links_arg(links)
+    assert _links_arg([(0, 1), [1, 0], (2, 3)]) == {frozenset((0, 1)), frozenset((2, 3))}

@@ -27,6 +27,7 @@ with ``delegation="off"`` and no failover.
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Any
 
 import torch
@@ -79,6 +80,17 @@ class DelegateTransport:
 
     def close(self) -> None:
         self.delegation.close()
+
+
+def _links_arg(links: Any) -> frozenset[frozenset[int]]:
+    """``Delegation.set``'s ``links``: pairs of distinct global ranks (a clear error otherwise)."""
+    out = set()
+    for link in links if isinstance(links, (list, tuple, set, frozenset)) else [links]:
+        if (not isinstance(link, (list, tuple)) or len(link) != 2 or link[0] == link[1]
+                or any(isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0 for r in link)):
+            raise ValueError(f"links must be pairs of two different global ranks, e.g. [(0, 1)]; got {link!r}")
+        out.add(frozenset(int(r) for r in link))
+    return frozenset(out)
 
 
 def message_slot_bytes(nbytes: int) -> int:
@@ -220,7 +232,7 @@ class Delegation:
         if on == self._delegating:
             return
         if on and links is not None and not self._started:
-            self.links = frozenset(frozenset((int(a), int(b))) for a, b in links)
+            self.links = _links_arg(links)
         self._delegating = on
         if self.router is not None:
             self.router.delegating = on
