@@ -619,7 +619,9 @@ class LinkDelayInjector:
         """A send that another transport carries (the delegates, PipeMorph §5.2): its model arrival
         (``time.monotonic_ns()``, the link booked from now) if its link is delayed, else 0 — the delay
         is the link's, whichever path its messages take.  Never blocks, whatever :attr:`hol` says:
-        the delegates are what removes head-of-line blocking."""
+        the delegates are what removes head-of-line blocking.  The link is booked from the host's
+        hand-over time: on CUDA the data is ready only after its device-to-host copy, so the delay
+        counts from slightly early there (not run on a GPU)."""
         link, direction = self._link_and_direction(op)
         if not self.stamps_link(link):
             return 0
