@@ -164,19 +164,15 @@ def test_a_consumer_stamped_receive_needs_no_watcher_and_stamps_within_its_bound
 
 
 def test_exact_arrivals_are_kept_where_the_deployed_plan_can_hide_a_delay():
-    """``PipeMorph._exact_links``: the watcher stamps a link whose Eq. 1 tolerance exceeds the policy's
-    absolute margin (1 ms) or whose plan was made for a delay beyond twice it; several stages per rank
-    or no tolerance yet: every link."""
-    from types import SimpleNamespace
-
+    """``exact_arrival_links`` (the rule ``PipeMorph`` applies at every boundary, one stage per rank):
+    the watcher stamps a link whose Eq. 1 tolerance exceeds the policy's absolute margin (1 ms) or whose
+    plan was made for a delay beyond twice it; several stages per rank or no tolerance yet: every link."""
     from titan_ext.runtime.config import PolicySettings
+    from titan_ext.runtime.policy import exact_arrival_links
 
-    def rule(tolerance, planned=None, per_rank=1):
-        fake = SimpleNamespace(layout=SimpleNamespace(stages_per_rank=per_rank), _planned_for_ms=planned,
-                               config=SimpleNamespace(policy_settings=PolicySettings()))
-        return PipeMorph._exact_links(fake, tolerance)
-
-    assert PolicySettings().abs_margin_ms == 1.0
-    assert rule([0.1, 5.0, -0.2, float("nan")]) == {1, 3}
-    assert rule([0.1, 0.0, 0.0], planned=[0.0, 1.5, 3.0]) == {2}
-    assert rule([0.1, 0.0, 0.0], per_rank=2) is None and rule(None) is None
+    margin = PolicySettings().abs_margin_ms
+    assert margin == 1.0
+    assert exact_arrival_links([0.1, 5.0, -0.2, float("nan")], None, margin) == {1, 3}
+    assert exact_arrival_links([0.1, 0.0, 0.0], [0.0, 1.5, 3.0], margin) == {2}
+    assert exact_arrival_links([0.1, 0.0, 0.0], None, margin, stages_per_rank=2) is None
+    assert exact_arrival_links(None, None, margin) is None

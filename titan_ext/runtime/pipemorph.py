@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import math
 from collections import deque
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ from .observers import Boundary, ScheduleContext
 from .parts import PIPEMORPH, ScheduleSpec, build_parts
 from .placement import read_layout
 from .planning import PlanningContext, explicit_plan
-from .policy import Decision
+from .policy import Decision, exact_arrival_links
 from .profiler import (
     ActionRecord,
     IterationProfile,
@@ -544,7 +544,9 @@ class PipeMorph(_PipelineScheduleRuntime):
         m.replan_ms = m.swap_ms  # critical path only: planning ran in the background (plan_ms)
         self._since_deploy += 1
         self._fill_plan_metrics(m, links)
-        self.executor.exact_links = self._exact_links(m.eq1_tolerance_ms)
+        self.executor.exact_links = exact_arrival_links(m.eq1_tolerance_ms, self._planned_for_ms,
+                                                        self.config.policy_settings.abs_margin_ms,
+                                                        self.layout.stages_per_rank)
         boundary = Boundary(self.context, self.iteration, iteration_ms, exchanged, m.timeline_span_ms, links, ran_probe)
         for observer in self.observers:
             boundary.metrics = m.as_dict()
@@ -625,21 +627,6 @@ class PipeMorph(_PipelineScheduleRuntime):
                                                    self.estimator.planning_profile("full", est_full), dep)
         m.inflight_cap = self.memory.adaptive_limit(self._delegating())
         m.memory_budget_bytes = self.memory_budget_bytes if self.memory_budget_bytes is not None else math.nan
-
-    def _exact_links(self, tolerance_ms: Sequence[float] | None) -> set[int] | None:
-        """The links whose arrivals need the watcher's exact stamps (PipeMorph §6 profiler): where the
-        deployed plan can hide a delay — Eq. 1 tolerance above the policy's absolute margin, or a plan
-        made for a delay there.  On the other links the consumer waits as soon as its data is late, so
-        its own stamp is exact whenever a delay matters, and a late one (an upper bound: the data waited
-        for its consumer) stays below the tolerance, which is all the policy compares it with; there the
-        watcher's thread hop between the data and its consumer is saved (gloo; on NCCL the watcher is
-        never on the critical path).  None (every link): several stages per rank, or no tolerance yet."""
-        if self.layout.stages_per_rank != 1 or tolerance_ms is None:
-            return None
-        margin = self.config.policy_settings.abs_margin_ms
-        planned = self._planned_for_ms or []
-        return {i for i, t in enumerate(tolerance_ms) if not t <= margin} | \
-               {i for i, c in enumerate(planned) if c > 2 * margin}
 
     def _decide(self) -> Decision:
         """Run the policy (identical inputs on every rank → identical decision)."""

@@ -13,7 +13,7 @@ What is measured, on every rank, for every iteration:
   so the stamp is exact whether or not the compute thread was blocked on that message, and the
   consumer's wait stays just before the consumer.  On gloo, a link whose deployed plan hides no delay
   is stamped by the consumer's own wait instead (an upper bound, exact whenever the consumer waited;
-  ``PipeMorph._exact_links``, docs/runtime.md).
+  ``policy.exact_arrival_links``, docs/runtime.md).
 
 Link-delay estimate (documented method, :func:`link_delay_estimates`): messages on one link and
 direction are FIFO, so the k-th send matches the k-th receive.  With clocks that may differ by an

@@ -126,6 +126,7 @@ class Delegation:
         self._delegating = False
         self.links: frozenset[frozenset[int]] | None = None
         """The PP links (pairs of global ranks) delegated while delegating; None: every link."""
+        self._peers: frozenset[int] | None = None  # this rank's ends of ``links`` (None: every peer)
         self._started = False  # the pool's votes are taken (every PP rank, once)
         self.context: ScheduleContext | None = None
         self.pool: DelegatePool | None = None
@@ -152,16 +153,19 @@ class Delegation:
         return self._delegating
 
     def peers(self) -> frozenset[int] | None:
-        """This rank's delegated peers (global ranks) while delegating; None: every peer."""
-        if self.links is None:
-            return None
-        me = dist.get_rank()
-        return frozenset(p for link in self.links if me in link for p in link if p != me)
+        """This rank's delegated peers (global ranks); None: every peer.  Derived from :attr:`links`
+        once (it is read for every message)."""
+        if self.links is not None and self._peers is None:
+            me = dist.get_rank()
+            self._peers = frozenset(p for link in self.links if me in link for p in link if p != me)
+        return self._peers
 
     def delegates(self, peer: int) -> bool:
         """Whether messages to / from ``peer`` (global rank) go through the delegates now."""
+        if not self._delegating:
+            return False
         peers = self.peers()
-        return self._delegating and (peers is None or peer in peers)
+        return peers is None or peer in peers
 
     def ensure_started(self, ops: list[dist.P2POp]) -> P2PRouter:
         """The router, starting the pool at the first op that needs it (every rank in the same
@@ -233,6 +237,7 @@ class Delegation:
             return
         if on and links is not None and not self._started:
             self.links = _links_arg(links)
+            self._peers = None
         self._delegating = on
         if self.router is not None:
             self.router.delegating = on
