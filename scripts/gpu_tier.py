@@ -104,7 +104,9 @@ def _forward_ref_ms(mod, x) -> float:
 def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, args) -> dict:
     import torch.distributed as dist
 
+    from titan_ext.plan.ir import as_ops
     from titan_ext.plan.result import peak_inflight
+    from titan_ext.runtime.memory import RELEASE
     from titan_ext.runtime import inject_link_delays
     from titan_ext.runtime.shared_gpu import HostStagedP2P
 
@@ -152,20 +154,20 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
             out["host_syncs_per_step_max"], out["host_sync_sites"] = worst
         if cuda:
             out["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
-            if hasattr(sched, "deployed"):
-                act = getattr(sched.executor, "activation_bytes", 0) or 0
-                inflight = peak_inflight(sched.deployed.actions)
-                mine = [s.stage_index for s in stages]
-                out["predicted_activation_bytes"] = sum(inflight.get(s, 0) for s in mine) * act
-                out["plan_version"] = sched.plan_version
-                prof = getattr(sched, "last_profile", None)
-                f_ms = [1e3 * (a.end - a.start) for a in (prof.actions if prof else [])
-                        if a.kind == "F" and a.stage == mine[0] and a.end == a.end]
-                if f_ms:
-                    out["booked_forward_ms"] = statistics.median(f_ms)
+        if hasattr(sched, "deployed"):  # on any device: the CPU smoke run checks this part too
+            act = getattr(sched.executor, "activation_bytes", 0) or 0
+            inflight = peak_inflight(as_ops(sched.deployed.actions), RELEASE)
+            mine = [s.stage_index for s in stages]
+            out["predicted_activation_bytes"] = sum(inflight.get(s, 0) for s in mine) * act
+            out["plan_version"] = sched.plan_version
+            prof = getattr(sched, "last_profile", None)
+            f_ms = [1e3 * (a.end - a.start) for a in (prof.actions if prof else [])
+                    if a.kind == "F" and a.stage == mine[0] and a.end == a.end]
+            if f_ms:
+                out["booked_forward_ms"] = statistics.median(f_ms)
+                if cuda and rank == 0:
                     xs = seeded_batch(1, args.mb_rows, args.dim)[0].to(device)
-                    if rank == 0:
-                        out["event_forward_ms"] = _forward_ref_ms(own[0], xs)
+                    out["event_forward_ms"] = _forward_ref_ms(own[0], xs)
     finally:
         if getattr(sched, "delegation", None) is not None:  # an adaptive schedule's transport
             sched.delegation.close()
