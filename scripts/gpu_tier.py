@@ -38,7 +38,7 @@ import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from titan_ext.testing import mlp_stages, run_ranks, seeded_batch  # noqa: E402
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, static_stage_shapes  # noqa: E402
 
 SCHEDULES = ("1F1B", "ZBV", "PipeMorph", "CrossPipe", "PipeMorph-delegated")
 DELAY_MS = 60.0
@@ -58,11 +58,7 @@ def _build(kind: str, rank: int, world: int, device: torch.device, args) -> tupl
     mb = args.mb_rows
     example = torch.zeros(mb, args.dim, dtype=torch.float64, device=device)
     own = [mods[s].to(device) for s in _stages_of(kind, rank, world)]
-    import inspect
-
-    shape_keys = [k for k in ("input_args", "output_args", "output_grads", "input_grads")
-                  if k in inspect.signature(PipelineStage.__init__).parameters]
-    stages = [PipelineStage(m, s, n_stages, device, **{k: example for k in shape_keys})
+    stages = [PipelineStage(m, s, n_stages, device, **static_stage_shapes(example))
               for m, s in zip(own, _stages_of(kind, rank, world))]
     n, loss = args.microbatches, Fn.mse_loss
     if kind == "1F1B":
@@ -117,6 +113,7 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
     injector = inject_link_delays(f"{link}:{delay}" if delay > 0 else "") if args.delays else None
     own, stages, sched = _build(kind, rank, world, device, args)
     params = [p for m in own for p in m.parameters()]
+    initial = [p.detach().cpu().clone() for p in params]
     opt = torch.optim.SGD(params, lr=0.05)
     out: dict = {"losses": [], "times_ms": []}
     syncs: list = []
@@ -148,6 +145,9 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
             out["times_ms"].append(elapsed.item())
             out["losses"].append([float(v.detach()) for v in losses])
         out["params"] = [p.detach().cpu() for p in params]
+        # training reached this rank: every parameter tensor moved (a static-shape stage whose received
+        # activations need no gradient leaves the earlier stages' gradients zero, equal on CPU and GPU)
+        out["params_moved"] = all(not torch.equal(a, b) for a, b in zip(out["params"], initial))
         out["median_ms"] = statistics.median(out["times_ms"][args.warmup:])
         if syncs:
             worst = max(syncs, key=lambda t: t[0])
@@ -190,6 +190,8 @@ def _worker(rank: int, world: int, args, kinds: list[str], delays: list[float]) 
         # the CPU reference: the same schedule (delegated PipeMorph's is PipeMorph: one delegate pool per
         # process, see main())
         ref = _run("PipeMorph" if kind == "PipeMorph-delegated" else kind, rank, world, torch.device("cpu"), 0.0, args)
+        # and torch's Schedule1F1B on CPU, the independent reference for our schedules (same model split)
+        torch_ref = None if kind in ("1F1B", "ZBV") else _run("1F1B", rank, world, torch.device("cpu"), 0.0, args)
         for delay in delays:
             try:
                 got = _run(kind, rank, world, device, delay, args)
@@ -205,7 +207,11 @@ def _worker(rank: int, world: int, args, kinds: list[str], delays: list[float]) 
                     "losses_equal_cpu": len(flat) == len(ref_flat) and all(
                         abs(a - b) <= 1e-9 * max(1.0, abs(b)) for a, b in zip(flat, ref_flat)),
                     "params_equal_cpu": all(torch.allclose(a, b, rtol=1e-9, atol=1e-12)
-                                            for a, b in zip(params, ref["params"]))}
+                                            for a, b in zip(params, ref["params"])),
+                    "params_equal_torch_1f1b": torch_ref is None or all(
+                        torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(ref["params"], torch_ref["params"])),
+                    "params_max_abs_diff": max((float((a - b).abs().max()) for a, b in zip(params, ref["params"])),
+                                               default=0.0)}
             cells.append(cell)
     return cells
 
@@ -253,6 +259,9 @@ def main() -> None:
             c0["world"] = world
             c0["losses_equal_cpu"] = all(c.get("losses_equal_cpu", False) for c in cells)
             c0["params_equal_cpu"] = all(c.get("params_equal_cpu", False) for c in cells)
+            c0["params_moved"] = all(c.get("params_moved", False) for c in cells)
+            c0["params_equal_torch_1f1b"] = all(c.get("params_equal_torch_1f1b", False) for c in cells)
+            c0["params_max_abs_diff"] = max((c.get("params_max_abs_diff", math.nan) for c in cells), default=math.nan)
             c0["peak_bytes_per_rank"] = [c.get("peak_bytes") for c in cells]
             c0["predicted_activation_bytes_per_rank"] = [c.get("predicted_activation_bytes") for c in cells]
             c0["host_syncs_per_step_max_per_rank"] = [c.get("host_syncs_per_step_max") for c in cells]
@@ -262,9 +271,12 @@ def main() -> None:
             c0.pop("peak_bytes", None)
             c0.pop("predicted_activation_bytes", None)
             errors = [c["error"] for c in cells if "error" in c]
-            if errors or not (c0["losses_equal_cpu"] and c0["params_equal_cpu"]):
-                failures.append(f"world {world} {c0['schedule']} +{c0['delay_ms']:g} ms: "
-                                f"{errors[0] if errors else 'differs from CPU'}")
+            checks = {"differs from CPU": c0["losses_equal_cpu"] and c0["params_equal_cpu"],
+                      "a rank's parameters did not move": c0["params_moved"],
+                      "its CPU run differs from torch's 1F1B": c0["params_equal_torch_1f1b"]}
+            if errors or not all(checks.values()):
+                why = errors[0] if errors else "; ".join(k for k, ok in checks.items() if not ok)
+                failures.append(f"world {world} {c0['schedule']} +{c0['delay_ms']:g} ms: {why}")
             summary["cells"].append(c0)
         summary.setdefault("seconds_per_world", {})[world] = round(time.time() - t0, 1)
     base = {(c["world"], c["delay_ms"]): c.get("median_ms") for c in summary["cells"] if c["schedule"] == "1F1B"}

@@ -16,7 +16,6 @@ Run them with ``bash scripts/check_gpu.sh`` (builds the extension with CUDA firs
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -107,15 +106,12 @@ DIM, BATCH, N_MB, STEPS = 64, 32, 4, 4
 def _train(rank, world, device, make):
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.testing import mlp_stages, seeded_batch, step_rank
+    from titan_ext.testing import mlp_stages, seeded_batch, static_stage_shapes, step_rank
 
     mods = mlp_stages(world, DIM)
     mod = mods[rank].to(device)
-    # static shapes: no shape inference, whose metadata messages would be CUDA tensors on the gloo group
     example = torch.zeros(BATCH // N_MB, DIM, dtype=torch.float64, device=device)
-    shapes = {k: example for k in ("input_args", "output_args", "output_grads", "input_grads")
-              if k in inspect.signature(PipelineStage.__init__).parameters}  # the grads: torch >= 2.13
-    sched = make(PipelineStage(mod, rank, world, device, **shapes))
+    sched = make(PipelineStage(mod, rank, world, device, **static_stage_shapes(example)))
     opt = torch.optim.SGD(mod.parameters(), lr=0.05)
     losses = []
     for k in range(STEPS):

@@ -73,6 +73,23 @@ def train_steps(rank: int, world: int, make: Callable[[Any], Any], steps: int, *
     return sched, losses, [p.detach().clone() for p in mods[rank].parameters()]
 
 
+def static_stage_shapes(example: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``PipelineStage`` keyword arguments that fix a stage's message shapes (no shape inference, whose
+    metadata messages would be device tensors on a gloo group), for a stage whose input and output are
+    both shaped like ``example``.  torch >= 2.13 also takes the gradients' shapes (``output_grads``,
+    ``input_grads``) and, in this static mode, takes ``requires_grad`` from the examples: an activation
+    example without it makes the received activations leaves that need no gradient, so no gradient
+    reaches the earlier stages and a split backward's W finds no weight to update (torch's own
+    ``Schedule1F1B`` then trains stage 0 with zero gradients).  So the activation examples require grad."""
+    import inspect
+
+    act = example.detach().clone().requires_grad_(example.is_floating_point())
+    grad = example.detach().clone()
+    wanted = {"input_args": act, "output_args": act, "output_grads": grad, "input_grads": grad}
+    params = inspect.signature(torch.distributed.pipelining.PipelineStage.__init__).parameters
+    return {k: v for k, v in wanted.items() if k in params}
+
+
 def mlp_stages(num_stages: int, dim: int = 16, layers_per_stage: int = 2, seed: int = 0,
                dtype: torch.dtype = torch.float64) -> list[nn.Module]:
     """A deterministic MLP split into ``num_stages`` stage modules (same weights for every caller)."""
