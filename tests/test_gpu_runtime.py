@@ -16,7 +16,6 @@ Run them with ``bash scripts/check_gpu.sh`` (builds the extension with CUDA firs
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as Fn

@@ -26,7 +26,9 @@ def test_the_gpu_tier_script_runs_on_cpu_and_reports_each_cell(tmp_path):
     cells = {(c["schedule"], c["delay_ms"]): c for c in doc["cells"]}
     assert set(cells) == {("ZBV", 0.0), ("ZBV", 60.0), ("PipeMorph", 0.0), ("PipeMorph", 60.0)}
     for c in cells.values():
-        assert c["losses_equal_cpu"] and c["params_equal_cpu"] and c["params_moved"] and c["params_equal_torch_1f1b"] and "error" not in c
+        assert "error" not in c, c
+        assert c["losses_equal_cpu"] and c["params_equal_cpu"], c
+        assert c["params_moved"] and c["params_equal_torch_1f1b"], c
         assert c["host_syncs_per_step_max_per_rank"] == [0, 0]
     for delay in (0.0, 60.0):
         pm = cells[("PipeMorph", delay)]

@@ -29,5 +29,5 @@ from .models import (
 from .ranks import DEFAULT_BACKEND, chosen_backend, free_port, run_ranks
 
 __all__ = ["DEFAULT_BACKEND", "SleepComputeStage", "TinyTransformerStage", "chosen_backend", "free_port",
-           "gpipe_reference", "mlp_stages", "run_ranks", "seeded_batch", "static_stage_shapes", "step_rank", "timed_step", "torchrun",
-           "torchrun_command", "train_steps"]
+           "gpipe_reference", "mlp_stages", "run_ranks", "seeded_batch", "static_stage_shapes", "step_rank",
+           "timed_step", "torchrun", "torchrun_command", "train_steps"]

@@ -83,10 +83,12 @@ def static_stage_shapes(example: torch.Tensor) -> dict[str, torch.Tensor]:
     ``Schedule1F1B`` then trains stage 0 with zero gradients).  So the activation examples require grad."""
     import inspect
 
+    from torch.distributed.pipelining import PipelineStage
+
     act = example.detach().clone().requires_grad_(example.is_floating_point())
     grad = example.detach().clone()
     wanted = {"input_args": act, "output_args": act, "output_grads": grad, "input_grads": grad}
-    params = inspect.signature(torch.distributed.pipelining.PipelineStage.__init__).parameters
+    params = inspect.signature(PipelineStage.__init__).parameters
     return {k: v for k, v in wanted.items() if k in params}
 
 
