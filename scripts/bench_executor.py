@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""The same 1F1B plan under four executors, one invocation, interleaved: where PipeMorph's time goes at
+1F1B's memory with nothing slow (issue 36's one open row).
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_executor.py --json bench_executor.json [--world 4]
+
+Runs, each on its own copy of the model (``bench_frontier``'s: ``SleepComputeStage``, F = I = W = 2 ms
+sleeps per rank, real tensors across gloo, N = 16 microbatches of 2 rows):
+
+* ``Schedule1F1B`` — torch's hand-written 1F1B loop (the baseline every ratio is against);
+* ``torch-runtime-1F1B`` — torch's own action-list runtime (``_PipelineScheduleRuntime``) running 1F1B's
+  compute order through torch's own lowering (``_prepare_schedule_with_comms``);
+* ``PipeMorph-1F1B`` — PipeMorph with 1F1B's plan pinned (``adaptive=False``, warm-up S − r, full backward);
+* ``PipeMorph`` — PipeMorph as a user runs it, with 1F1B's measured peak of saved activation bytes as its
+  budget (the frontier's "1F1B's memory" row).
+
+Per run: the median and fastest iteration (the slowest rank's ``step()`` between a common barrier and its
+end), the ratio ``Schedule1F1B / run`` (> 1: faster than torch's 1F1B), and per rank the main thread's CPU
+time of a step (``time.thread_time``).  Compute is emulated (sleeps): the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import bench_frontier as bf  # noqa: E402
+
+from titan_ext.testing import run_ranks  # noqa: E402
+
+
+def _one_f_one_b(world: int, n: int) -> dict:
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
+
+    acts = {}
+    for r in range(world):
+        warm = world - r
+        order = [_Action(r, C.FORWARD, m) for m in range(warm)]
+        f = warm
+        for b in range(n):
+            order.append(_Action(r, C.FULL_BACKWARD, b))
+            if f < n:
+                order.append(_Action(r, C.FORWARD, f))
+                f += 1
+        acts[r] = order
+    return acts
+
+
+def _stages(rank: int, world: int, args):
+    from torch.distributed.pipelining import PipelineStage
+
+    ids, mods = bf._modules("one", rank, world, args)
+    return ids, mods, [PipelineStage(m, s, world, torch.device("cpu")) for m, s in zip(mods, ids)]
+
+
+def _worker(rank: int, world: int, args) -> dict:
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    from titan_ext.plan.pipemorph import generate_order
+    from titan_ext.plan.profile import PipelineProfile
+    from titan_ext.plan.result import make_result
+    from titan_ext.runtime import PipeMorph
+
+    baseline = bf._torch_run("1F1B", rank, world, args)
+    baseline.name = "Schedule1F1B"
+    for k in range(2):  # its measured peak of saved activation bytes: PipeMorph's budget
+        x, y = bf._inputs(k, args)
+        if k == 1:
+            baseline.meter.reset_peak()
+        baseline.step(x, y)
+    budget = bf._max_over_ranks(baseline.meter.peak_bytes)
+    runs = [baseline]
+
+    ids, mods, stages = _stages(rank, world, args)
+    rt = _PipelineScheduleRuntime(stages, args.microbatches, loss_fn=bf._loss(args))
+    order = _one_f_one_b(world, args.microbatches)
+    rt.pipeline_order = order
+    rt._prepare_schedule_with_comms(order)
+    runs.append(bf.Run("torch-runtime-1F1B", "one", rt, ids, mods, world))
+
+    ids, mods, stages = _stages(rank, world, args)
+    pinned = PipeMorph(stages, args.microbatches, loss_fn=bf._loss(args), adaptive=False, backward="full")
+    counts = [world - r for r in range(world)]
+    prof = PipelineProfile.uniform(world, args.microbatches, args.f_ms, args.i_ms, args.w_ms)
+    gen = generate_order(prof, counts, counts, full_backward=True)
+    pinned.deploy(make_result(gen.order, schedule="1f1b", predicted_makespan_ms=gen.makespan_ms, plan_ms=0.0,
+                              warmup_counts=counts))
+    runs.append(bf.Run("PipeMorph-1F1B", "one", pinned, ids, mods, world))
+
+    runs.append(bf._pipemorph_run("one", budget, rank, world, args))
+    runs[-1].name = "PipeMorph"
+
+    cpu: dict[str, list[float]] = {r.name: [] for r in runs}
+    for r in runs:
+        r.times.clear()
+    for k in range(args.warmup + args.steps):
+        x, y = bf._inputs(100 + k, args)
+        for r in runs if k % 2 == 0 else runs[::-1]:
+            c0 = time.thread_time()
+            r.step(x, y)
+            cpu[r.name].append(1e3 * (time.thread_time() - c0))
+    out = {}
+    for r in runs:
+        times = r.times[args.warmup:]
+        cell = {"median_ms": statistics.median(times), "min_ms": min(times),
+                "main_thread_cpu_ms": statistics.median(cpu[r.name][args.warmup:])}
+        if r.name.startswith("PipeMorph"):
+            last = r.sched.metrics_history[-1] if r.sched.metrics_history else {}
+            cell.update(plan_versions=r.sched.plan_version, warmup_counts=last.get("warmup_counts"),
+                        backward=last.get("backward"))
+        out[r.name] = cell
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--json", default="bench_executor.json")
+    args = ap.parse_args()
+    for name, v in (("compute", "sleep"), ("dim", 64), ("f_ms", 2.0), ("i_ms", 2.0), ("w_ms", 2.0), ("mb_size", 2),
+                    ("layers", 2), ("vocab", 64), ("model_dim", 64)):
+        setattr(args, name, v)
+    per_rank = run_ranks(_worker, args.world, args, backend="gloo", timeout_s=1200)
+    base = per_rank[0]["Schedule1F1B"]["median_ms"]
+    rows = []
+    print(f"compute: sleep (F = I = W = {args.f_ms:g} ms per rank, emulated), {args.world} gloo ranks, "
+          f"N = {args.microbatches}, {args.steps} iterations after {args.warmup}")
+    print(f"{'run':>20} {'median ms':>10} {'min ms':>8} {'1F1B/run':>9} {'main-thread CPU ms per rank':>30}  plan")
+    for name, cell in per_rank[0].items():
+        row = {"run": name, **cell, "ratio_vs_schedule1f1b": base / cell["median_ms"],
+               "main_thread_cpu_ms_per_rank": [pr[name]["main_thread_cpu_ms"] for pr in per_rank]}
+        row.pop("main_thread_cpu_ms")
+        rows.append(row)
+        plan = f"{row.get('warmup_counts')} {row.get('backward')} v{row.get('plan_versions')}" if "plan_versions" in row else ""
+        print(f"{name:>20} {row['median_ms']:>10.1f} {row['min_ms']:>8.1f} {row['ratio_vs_schedule1f1b']:>9.3f} "
+              f"{'/'.join(f'{c:.1f}' for c in row['main_thread_cpu_ms_per_rank']):>30}  {plan}")
+    doc = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+           "compute": "sleep (emulated device compute)", "args": vars(args), "rows": rows}
+    with open(args.json, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"JSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
