@@ -31,10 +31,13 @@ class Window:
     def __init__(self, size: int):
         self.size = size
         self.rows: dict[str, deque] = {k: deque(maxlen=size) for k in self.KEYS}
+        #: rows pushed so far: what is derived from the windows is the same until it changes
+        self.pushes = 0
 
     def push(self, key: str, row: Sequence[float]) -> None:
         if any(not math.isnan(v) for v in row):
             self.rows[key].append(list(row))
+            self.pushes += 1
 
     def median(self, key: str, n: int) -> list[float]:
         out = []
