@@ -31,13 +31,16 @@ class _FreshPlanMetrics:
         pass
 
     def observe(self, boundary):
+        from titan_ext.plan.warmup import slackness
+
         s, m = self.sched, boundary.metrics
         est, est_full = s.estimator.profile(), s.estimator.profile("full")
         fresh = {"eq1_tolerance_ms": s.parts.tolerances(s.estimator.planning_profile("split", est),
                                                         s.estimator.planning_profile("full", est_full), s.deployed),
                  "compute_ms": {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)},
                  "link_delay_estimate_ms": dict(enumerate(est.delays_ms)),
-                 "warmup_counts": list(s.deployed.warmup_counts)}
+                 "warmup_counts": list(s.deployed.warmup_counts),
+                 "slackness": slackness(s.deployed.warmup_counts)}
         for key, want in fresh.items():
             if m[key] != want:
                 self.mismatches.append((m["iteration"], key, m[key], want))

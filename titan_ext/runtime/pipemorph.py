@@ -172,7 +172,7 @@ class PipeMorph(_PipelineScheduleRuntime):
                          **torch_runtime_kwargs)
         self._setup_parts(stages, n_microbatches)
         self._planned_for_ms: list[float] | None = None  # the deployed plan's absorbed delays (_install)
-        self._plan_metrics: tuple = (None, [], [], {})  # (key, estimates, tolerances, compute): _fill_plan_metrics
+        self._plan_metrics: tuple = (None,)  # (key, estimates, tolerances, compute, slackness): _fill_plan_metrics
         self._deploy_initial_plan()
 
     def _setup_parts(self, stages: list[_PipelineStageBase], n_microbatches: int) -> None:
@@ -627,12 +627,13 @@ class PipeMorph(_PipelineScheduleRuntime):
             tolerances = self.parts.tolerances(self.estimator.planning_profile("split", est),  # the policy's
                                                self.estimator.planning_profile("full", est_full), dep)
             self._plan_metrics = (key, list(self.parts.link_estimates_ms()), tolerances,
-                                  {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)})
-        _, estimates, tolerances, compute = self._plan_metrics
+                                  {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)},
+                                  slackness(dep.warmup_counts))
+        _, estimates, tolerances, compute, slack = self._plan_metrics
         m.link_delay_estimate_ms = dict(enumerate(estimates))
         m.compute_ms = {k: list(v) for k, v in compute.items()}
         m.backward, m.plan_version, m.plan_hash = dep.backward, self.plan_version, hex(dep.hash)
-        m.warmup_counts, m.slackness = list(dep.warmup_counts), slackness(dep.warmup_counts)
+        m.warmup_counts, m.slackness = list(dep.warmup_counts), list(slack)
         m.eq1_tolerance_ms = list(tolerances)
         m.inflight_cap = self.memory.adaptive_limit(self._delegating())
         m.memory_budget_bytes = self.memory_budget_bytes if self.memory_budget_bytes is not None else math.nan
