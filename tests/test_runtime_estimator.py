@@ -29,3 +29,20 @@ def test_estimator_takes_window_medians_and_keeps_old_rows_when_nothing_was_meas
     assert est.profile("full").w_ms == (0.0, 0.0)
     # the window holds 3 rows: the outlier 100 has left
     assert est.profile().f_ms == (3.0, 6.0)
+
+
+def test_derived_profiles_follow_every_push():
+    """Profiles are built once per state of the windows: after a push they are the new state's (here the
+    per-action cost the planning profile adds to every compute action, and the medians)."""
+    import dataclasses
+
+    est = Estimator(2, N, window=3)
+    est.push([dataclasses.replace(_rank(2.0, 2.0, 1.0), gap_ms=0.5)] * 2, [0.0])
+    first = est.planning_profile()
+    assert first is est.planning_profile()  # the same state: built once
+    assert first.f_ms == (2.5, 2.5) and first.w_ms == (1.5, 1.5)
+    est.push([dataclasses.replace(_rank(4.0, 2.0, 1.0), gap_ms=0.5)] * 2, [0.0])  # F medians (2, 4) -> 3
+    est.push([dataclasses.replace(_rank(4.0, 2.0, 1.0), gap_ms=1.5)] * 2, [0.0])  # gap medians (.5, .5, 1.5)
+    assert est.profile().f_ms == (4.0, 4.0) and est.planning_profile().f_ms == (4.5, 4.5)
+    est.push([dataclasses.replace(_rank(4.0, 2.0, 1.0), gap_ms=1.5)] * 2, [0.0])  # gap window (.5, 1.5, 1.5)
+    assert est.planning_profile().f_ms == (5.5, 5.5) and est.planning_profile("full").b_ms == (3.0 + 1.5,) * 2  # one action

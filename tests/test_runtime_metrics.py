@@ -34,9 +34,11 @@ class _FreshPlanMetrics:
         from titan_ext.plan.warmup import slackness
 
         s, m = self.sched, boundary.metrics
-        est, est_full = s.estimator.profile(), s.estimator.profile("full")
-        fresh = {"eq1_tolerance_ms": s.parts.tolerances(s.estimator.planning_profile("split", est),
-                                                        s.estimator.planning_profile("full", est_full), s.deployed),
+        # built from the windows here and now, past the estimator's own per-state memo too
+        est, est_full = s.estimator._profile("split"), s.estimator._profile("full")
+        cost = s.estimator.action_cost_ms()
+        fresh = {"eq1_tolerance_ms": s.parts.tolerances(est.with_action_cost(cost),
+                                                        est_full.with_action_cost(cost, full_backward=True), s.deployed),
                  "compute_ms": {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)},
                  "link_delay_estimate_ms": dict(enumerate(est.delays_ms)),
                  "warmup_counts": list(s.deployed.warmup_counts),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 from titan_ext.plan import LinkProfile, PipelineProfile
 
@@ -55,6 +55,7 @@ class Estimator:
         self.num_stages, self.n_microbatches = num_stages, n_microbatches
         self.window = Window(window)
         self.initial_times_ms = tuple(float(t) for t in initial_times_ms)
+        self._profiles: dict = {}  # derived profiles of the windows' current state (_memo)
 
     def push(self, ranks: Sequence[RankProfile], link_delays_ms: Sequence[float]) -> None:
         """One check's gathered profiles (by rank) and per-link delay estimates."""
@@ -85,8 +86,21 @@ class Estimator:
         backward as free and puts Eq. 1's tolerances where the pipeline does not run.  The compute-only
         :meth:`profile` stays what the metrics report as compute times (``measured``: that profile of the
         same variant, when the caller has it already)."""
-        base = measured if measured is not None else self.profile(backward)
-        return base.with_action_cost(self.action_cost_ms(), full_backward=backward == "full")
+        if measured is not None and measured is not self.profile(backward):
+            return measured.with_action_cost(self.action_cost_ms(), full_backward=backward == "full")
+        return self._memo(("planning", backward), lambda: self.profile(backward).with_action_cost(
+            self.action_cost_ms(), full_backward=backward == "full"))
+
+    def _memo(self, key: tuple, build: Callable[[], PipelineProfile]) -> PipelineProfile:
+        """A profile derived from the windows alone, built once per state of the windows (profiles are
+        immutable): a check's decision and its metrics ask for the same ones."""
+        cache = self._profiles
+        if cache.get("pushes") != self.window.pushes:
+            cache.clear()
+            cache["pushes"] = self.window.pushes
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
 
     def profile(self, backward: str = "split") -> PipelineProfile:
         """The robust estimate as a plan-layer profile; ``initial_times_ms`` before any data.
@@ -94,6 +108,9 @@ class Estimator:
         ``backward="full"``: the profile a full-backward plan is planned and checked with — measured
         full-B times as ``b_ms`` and ``w_ms`` = 0 (I + W of the split measurements until B is measured).
         """
+        return self._memo(("profile", backward), lambda: self._profile(backward))
+
+    def _profile(self, backward: str) -> PipelineProfile:
         S, N, win = self.num_stages, self.n_microbatches, self.window
         f0, i0, w0 = self.initial_times_ms
 
