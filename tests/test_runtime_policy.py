@@ -128,7 +128,9 @@ def test_the_model_keeps_the_running_backward_variant_within_the_margin():
     from titan_ext.runtime.backward import faster_by_model
 
     split, full = NS(predicted_makespan_ms=100.0), NS(predicted_makespan_ms=101.0)
-    assert faster_by_model(split, full, 0.02) is full  # first choice: split must win by the margin
+    assert faster_by_model(split, full, 0.02) is split  # first choice (none running): the faster, no margin
+    assert faster_by_model(NS(predicted_makespan_ms=101.0), full, 0.02) is full  # a tie: full
+    assert faster_by_model(NS(predicted_makespan_ms=101.5), full, 0.02, "mixed") is full
     assert faster_by_model(split, full, 0.02, "split") is split  # running split: full must win by it
     assert faster_by_model(NS(predicted_makespan_ms=97.0), full, 0.02, "full") is not full  # split won by 4 %
     assert faster_by_model(split, NS(predicted_makespan_ms=97.0), 0.02, "split").predicted_makespan_ms == 97.0
