@@ -39,23 +39,6 @@ import bench_frontier as bf  # noqa: E402
 from titan_ext.testing import run_ranks  # noqa: E402
 
 
-def _one_f_one_b(world: int, n: int) -> dict:
-    from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
-
-    acts = {}
-    for r in range(world):
-        warm = world - r
-        order = [_Action(r, C.FORWARD, m) for m in range(warm)]
-        f = warm
-        for b in range(n):
-            order.append(_Action(r, C.FULL_BACKWARD, b))
-            if f < n:
-                order.append(_Action(r, C.FORWARD, f))
-                f += 1
-        acts[r] = order
-    return acts
-
-
 def _stages(rank: int, world: int, args):
     from torch.distributed.pipelining import PipelineStage
 
@@ -66,10 +49,14 @@ def _stages(rank: int, world: int, args):
 def _worker(rank: int, world: int, args) -> dict:
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from titan_ext.plan.pipemorph import generate_order
+    from titan_ext.plan.builtin import plan_builtin
+    from titan_ext.plan.ir import to_torch_plan
     from titan_ext.plan.profile import PipelineProfile
-    from titan_ext.plan.result import make_result
     from titan_ext.runtime import PipeMorph
+
+    # torch's own Schedule1F1B order (full backwards, warm-up S − r), for the two runs that take a plan
+    one_f_one_b = plan_builtin("1F1B", PipelineProfile.uniform(world, args.microbatches, args.f_ms, args.i_ms,
+                                                               args.w_ms))
 
     baseline = bf._torch_run("1F1B", rank, world, args)
     baseline.name = "Schedule1F1B"
@@ -83,18 +70,14 @@ def _worker(rank: int, world: int, args) -> dict:
 
     ids, mods, stages = _stages(rank, world, args)
     rt = _PipelineScheduleRuntime(stages, args.microbatches, loss_fn=bf._loss(args))
-    order = _one_f_one_b(world, args.microbatches)
+    order = to_torch_plan(one_f_one_b.ops)
     rt.pipeline_order = order
     rt._prepare_schedule_with_comms(order)
     runs.append(bf.Run("torch-runtime-1F1B", "one", rt, ids, mods, world))
 
     ids, mods, stages = _stages(rank, world, args)
     pinned = PipeMorph(stages, args.microbatches, loss_fn=bf._loss(args), adaptive=False, backward="full")
-    counts = [world - r for r in range(world)]
-    prof = PipelineProfile.uniform(world, args.microbatches, args.f_ms, args.i_ms, args.w_ms)
-    gen = generate_order(prof, counts, counts, full_backward=True)
-    pinned.deploy(make_result(gen.order, schedule="1f1b", predicted_makespan_ms=gen.makespan_ms, plan_ms=0.0,
-                              warmup_counts=counts))
+    pinned.deploy(one_f_one_b)
     runs.append(bf.Run("PipeMorph-1F1B", "one", pinned, ids, mods, world))
 
     runs.append(bf._pipemorph_run("one", budget, rank, world, args))

@@ -512,6 +512,15 @@ class LinkDelayInjector:
         sched = self.schedule
         return any(w is not None for w in sched.wildcard) or any(link in d for _, d in sched.steps)
 
+    def _stamped_link(self, op: Any) -> tuple[int, int] | None:
+        """(link, direction) of an op whose link the spec delays; None for any other — a link the spec
+        does not name, or a send to self (torch < 2.13's start-up handshake between two stages of one
+        rank), which crosses no link."""
+        if op.group_peer == dist.get_rank(op.group):
+            return None
+        link, direction = self._link_and_direction(op)
+        return (link, direction) if self.stamps_link(link) else None
+
     def _link_and_direction(self, op: Any) -> tuple[int, int]:
         group_size = dist.get_world_size(op.group)
         me = dist.get_rank(op.group)
@@ -592,11 +601,11 @@ class LinkDelayInjector:
         keys: list[str | None] = []
         held: list[_Arrival] = []
         for op in p2p_ops:
-            # a send to self (torch < 2.13's start-up handshake between two stages of one rank) has no link
-            link, direction = (None, 0) if op.group_peer == dist.get_rank(op.group) else self._link_and_direction(op)
-            if link is None or not self.stamps_link(link):
+            stamped = self._stamped_link(op)
+            if stamped is None:
                 keys.append(None)
                 continue
+            link, direction = stamped
             me, peer = dist.get_rank(), dist.get_global_rank(op.group or dist.group.WORLD, op.group_peer)
             recv = _is_recv(op)
             key = self._key(peer, me) if recv else self._key(me, peer)
@@ -623,9 +632,10 @@ class LinkDelayInjector:
         the delegates are what removes head-of-line blocking.  The link is booked from the host's
         hand-over time: on CUDA the data is ready only after its device-to-host copy, so the delay
         counts from slightly early there (not run on a GPU)."""
-        link, direction = self._link_and_direction(op)
-        if not self.stamps_link(link):
+        stamped = self._stamped_link(op)
+        if stamped is None:
             return 0
+        link, direction = stamped
         nbytes = op.tensor.numel() * op.tensor.element_size()
         with self._lock:
             arrival = self.arrival_time(link, direction, nbytes, time.monotonic())

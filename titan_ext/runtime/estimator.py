@@ -75,7 +75,7 @@ class Estimator:
         gaps = self.window.median("G", max(ranks) + 1)
         return [0.0 if math.isnan(gaps[r]) else gaps[r] for r in ranks]
 
-    def planning_profile(self, backward: str = "split", measured: PipelineProfile | None = None) -> PipelineProfile:
+    def planning_profile(self, backward: str = "split") -> PipelineProfile:
         """The profile plans are made, compared and judged with: :meth:`profile` with every compute action
         of a stage longer by its rank's measured per-action cost (``PipelineProfile.with_action_cost``).
 
@@ -84,20 +84,22 @@ class Estimator:
         launch gaps on a GPU) is spent on every action; a model without it predicts a makespan the
         runtime cannot reach (13–20 % under on the CPU benchmark), times the extra action of a split
         backward as free and puts Eq. 1's tolerances where the pipeline does not run.  The compute-only
-        :meth:`profile` stays what the metrics report as compute times (``measured``: that profile of the
-        same variant, when the caller has it already)."""
-        if measured is not None and measured is not self.profile(backward):
-            return measured.with_action_cost(self.action_cost_ms(), full_backward=backward == "full")
+        :meth:`profile` stays what the metrics report as compute times."""
         return self._memo(("planning", backward), lambda: self.profile(backward).with_action_cost(
             self.action_cost_ms(), full_backward=backward == "full"))
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the windows do: what is derived from them alone is the same until it does."""
+        return self.window.pushes
 
     def _memo(self, key: tuple, build: Callable[[], PipelineProfile]) -> PipelineProfile:
         """A profile derived from the windows alone, built once per state of the windows (profiles are
         immutable): a check's decision and its metrics ask for the same ones."""
         cache = self._profiles
-        if cache.get("pushes") != self.window.pushes:
+        if cache.get("version") != self.version:
             cache.clear()
-            cache["pushes"] = self.window.pushes
+            cache["version"] = self.version
         if key not in cache:
             cache[key] = build()
         return cache[key]

@@ -621,11 +621,11 @@ class PipeMorph(_PipelineScheduleRuntime):
         m.link_delay_bwd_ms = {i: lk["bwd_ms"] for i, lk in enumerate(links)}
         # what the estimator's windows and the deployed plan give: rebuilt only when either changed (a check
         # pushed rows, a plan was deployed), not at every boundary — its profiles are most of a boundary
-        key = (self.estimator.window.pushes, self.plan_version, dep.hash)
+        key = (self.estimator.version, self.plan_version, dep.hash)
         if self._plan_metrics[0] != key:
             est, est_full = self.estimator.profile(), self.estimator.profile("full")  # compute times as measured
-            tolerances = self.parts.tolerances(self.estimator.planning_profile("split", est),  # the policy's
-                                               self.estimator.planning_profile("full", est_full), dep)
+            tolerances = self.parts.tolerances(self.estimator.planning_profile("split"),  # the policy's
+                                               self.estimator.planning_profile("full"), dep)
             self._plan_metrics = (key, list(self.parts.link_estimates_ms()), tolerances,
                                   {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)},
                                   slackness(dep.warmup_counts))
