@@ -104,15 +104,23 @@ build_in() {  # fresh sources in .venvs/ENV/src, C/C++ extensions built against 
         || { say "FAILED $env: build (see $dir/build.log)"; tail -n 15 "$dir/build.log"; return 1; }
 }
 
+tier() {  # tier ENV PYTEST_ARGS...: pytest in ENV's sources; a failure is re-run once, only the failed
+    # tests (multi-process runs on a shared 2-core machine, as .ci/run's slow tier): a failure that
+    # repeats fails the tier, one that does not is printed as FLAKY for the next session
+    local env="$1" src="$root/.venvs/$1/src" py="$root/.venvs/$1/bin/python"; shift
+    (cd "$src" && "$py" -m pytest -q -ra "$@") && return 0
+    say "$env: re-running only the failed tests once"
+    (cd "$src" && "$py" -m pytest -q -ra --lf "$@") || return 1
+    say "$env: FLAKY: the failures above passed when re-run alone"
+}
+
 run_torch215() {
     local env=torch-2.15
     make_env "$env" 2.15.0 0.2.2 7000 "datasets>=2.21" || return 1
     build_in "$env" || return 1
-    local py="$root/.venvs/$env/bin/python"
     say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py, on real FSDP2 stages: tests/test_runtime_fsdp_cpu.py)"
-    (cd "$root/.venvs/$env/src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
-        tests/test_torch_compat.py tests/test_torch_loops.py tests/test_runtime_waits.py tests/test_nccl_rules.py \
-        tests/test_plan_*.py tests/test_runtime_*.py)
+    tier "$env" -m "not slow and not gpu" tests/test_torch_compat.py tests/test_torch_loops.py \
+        tests/test_runtime_waits.py tests/test_nccl_rules.py tests/test_plan_*.py tests/test_runtime_*.py
 }
 
 run_torch211() {
@@ -121,27 +129,23 @@ run_torch211() {
     local env=torch-2.11
     make_env "$env" 2.11.0 0.2.2 6000 || return 1
     build_in "$env" || return 1
-    local py="$root/.venvs/$env/bin/python"
     say "$env: plan + runtime default tier, the NCCL-rules backend and the one-GPU staging transport"
-    (cd "$root/.venvs/$env/src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
-        tests/test_torch_compat.py tests/test_torch_loops.py tests/test_nccl_rules.py tests/test_shared_gpu.py \
-        tests/test_host_syncs.py tests/test_plan_*.py tests/test_runtime_*.py)
+    tier "$env" -m "not slow and not gpu" tests/test_torch_compat.py tests/test_torch_loops.py \
+        tests/test_nccl_rules.py tests/test_shared_gpu.py tests/test_host_syncs.py tests/test_plan_*.py tests/test_runtime_*.py
 }
 
 run_tt03() {
     local env=torchtitan-0.3
     make_env "$env" 2.14.1 0.3.0 7200 "datasets>=3.6.0,<4.8.0" "spmd_types==0.2.3" torch_checkpointing || return 1
     build_in "$env" || return 1
-    local py="$root/.venvs/$env/bin/python" src="$root/.venvs/$env/src"
+    local src="$root/.venvs/$env/src"
     # every titan test file: each test runs under 0.3 or skips naming the 0.2-only API it needs
     # (tests/_titan_version.py); Falcon's job tests too (titan/falcon/job.py through the 0.3 adapter)
     say "$env: the whole titan test set and Falcon's job tests (default tier)"
-    (cd "$src" && "$py" -m pytest -q -ra -m "not slow and not gpu" -p no:cacheprovider \
-        tests/test_titan_*.py tests/test_falcon_job.py tests/test_falcon_groups.py tests/test_torch_compat.py) \
-        || { say "FAILED $env: titan tests"; return 1; }
+    tier "$env" -m "not slow and not gpu" tests/test_titan_*.py tests/test_falcon_job.py \
+        tests/test_falcon_groups.py tests/test_torch_compat.py || { say "FAILED $env: titan tests"; return 1; }
     say "$env: Falcon end to end, DP 2 x PP 2 with an emulated slow device (config falcon_dp2_pp2_debugmodel)"
-    (cd "$src" && "$py" -m pytest -q -ra -m "slow and not gpu" -p no:cacheprovider tests/test_falcon_job.py \
-        -k "slow_device or s2_run") \
+    tier "$env" -m "slow and not gpu" tests/test_falcon_job.py -k "slow_device or s2_run" \
         || { say "FAILED $env: Falcon end to end"; return 1; }
     say "$env: 3 training steps of PipeMorph on the CPU (README's TorchTitan 0.3 command)"
     (cd "$src" && rm -rf outputs/debug_cpu_tt03 && \

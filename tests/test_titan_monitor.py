@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from titan_ext.testing import run_ranks
 from titan_ext.titan.monitor import Action, IterationTimeline, timeline_stats
 
 MS = 1_000_000  # ns
@@ -106,49 +107,29 @@ class _FakeSchedule:
             stage.forward_one_chunk(0)
 
 
-def _clock_worker(rank, world, port, skew_ns, out):
-    import os
+def _clock_worker(rank, world, skew_ns):
     import time
 
     import torch.distributed as dist
 
     from titan_ext.titan import monitor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        # pretend every rank is on its own host, with a clock ``skew_ns * rank`` ahead
-        monitor.socket.gethostname = lambda: f"host{rank}"
-        clock = lambda: time.monotonic_ns() + skew_ns * rank  # noqa: E731
-        mon = monitor.PipelineMonitor(_FakeSchedule(_FakeStage(rank, world)), dist.group.WORLD, clock=clock)
-        dist.barrier()
-        mon.schedule.step()
-        tl = mon.gather(step=1)
-        if rank == 0:
-            starts = {a.stage: a.start_ns for a in tl.actions}
-            out.put((mon.clock_offset_ns, starts))
-        else:
-            out.put((mon.clock_offset_ns, None))
-    finally:
-        dist.destroy_process_group()
+    # pretend every rank is on its own host, with a clock ``skew_ns * rank`` ahead
+    monitor.socket.gethostname = lambda: f"host{rank}"
+    clock = lambda: time.monotonic_ns() + skew_ns * rank  # noqa: E731
+    mon = monitor.PipelineMonitor(_FakeSchedule(_FakeStage(rank, world)), dist.group.WORLD, clock=clock)
+    dist.barrier()
+    mon.schedule.step()
+    tl = mon.gather(step=1)
+    return mon.clock_offset_ns, ({a.stage: a.start_ns for a in tl.actions} if rank == 0 else None)
 
 
 def test_clock_offsets_across_hosts_are_estimated_and_removed():
-    import torch.multiprocessing as mp
-
-    from titan_ext.testing import free_port
-
-    port = free_port()
+    # run_ranks: gloo on loopback, and each rank leaves without interpreter finalisation (a gloo
+    # worker thread still releasing the last all_gather_object's tensors when the interpreter
+    # finalises is ended inside a C++ destructor: SIGABRT after a clean run, seen under load)
     skew = 5_000_000_000  # rank 1's clock is 5 s ahead
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_clock_worker, args=(r, 2, port, skew, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = run_ranks(_clock_worker, 2, skew, backend="gloo", timeout_s=120)
     offsets = sorted(r[0] for r in results)
     assert offsets[0] == 0
     assert abs(offsets[1] - skew) < 50_000_000  # barrier exit skew on loopback: well below 50 ms
