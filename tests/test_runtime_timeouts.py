@@ -177,50 +177,62 @@ NCCL_SCRIPT = textwrap.dedent("""
     from titan_ext.runtime import timeouts
     from titan_ext.testing.nccl_rules import install
 
-    rank, port, T = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    rank, port, T, where = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
     install()
     dist.init_process_group("nccl_rules", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     timeouts.install_p2p_timeout()
     timeouts.set_timeout(T)
     timeouts.publish_identity()
-    pp = dist.new_group([0, 1])
+    pp = timeouts.new_group([0, 1], None)  # the PP group, its timeout T (TorchTitan sets every group's)
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen: rank 0's watch kills it, NCCL's watchdog ends rank 0
         os._exit(3)
     buf = torch.zeros(4)
-    schedules._wait_batch_p2p(schedules._batch_p2p([dist.P2POp(dist.irecv, buf, 1, pp)]))
-    print("wait returned", flush=True)
-    buf.sum()  # the consumer: waits on the stream until the watchdog ends the process
+    if where == "p2p":
+        schedules._wait_batch_p2p(schedules._batch_p2p([dist.P2POp(dist.irecv, buf, 1, pp)]))
+        print("wait returned", flush=True)
+        buf.sum()  # the consumer: waits on the stream until the watchdog ends the process
+    else:  # a collective of ours on the PP group (the pipeline monitor's gather): blocks until the watchdog
+        timeouts.named(pp, "pipeline monitor", lambda: dist.all_gather_object([None, None], 1, group=pp))
     os._exit(0)
 """)
 
 
 @pytest.mark.timeout(120)
-def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backend(tmp_path):
+@pytest.mark.parametrize("where", ["p2p", "collective"])
+def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backend(where, tmp_path):
     """No explicit wait timeout on NCCL: the PP group's timeout and the watchdog end rank 0 (SIGABRT, as
-    ProcessGroupNCCL's watchdog), after the watch named and killed the stopped peer."""
+    ProcessGroupNCCL's watchdog), after the watch named and killed the stopped peer — whether rank 0
+    waits for it in a PP message or in a named collective on the PP group (which raises nothing there:
+    before the watch covered it, the stopped peer was neither named nor killed)."""
     script = tmp_path / "peer.py"
     script.write_text(NCCL_SCRIPT)
     port = str(free_port())
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     env.pop("TITAN_EXT_NCCL_RULES_WATCHDOG", None)
-    peer = subprocess.Popen([sys.executable, str(script), "1", port, str(T)], env=env)
+    peer = subprocess.Popen([sys.executable, str(script), "1", port, str(T), where], env=env)
     try:
         import time
 
         t0 = time.monotonic()
-        main = subprocess.run([sys.executable, str(script), "0", port, str(T)], env=env, capture_output=True,
-                              text=True, timeout=100)
+        main = subprocess.run([sys.executable, str(script), "0", port, str(T), where], env=env,
+                              capture_output=True, text=True, timeout=100)
         took = time.monotonic() - t0
         peer_code = peer.wait(timeout=30)
     finally:
         if peer.poll() is None:
             peer.kill()
             peer.wait()
-    assert main.returncode == -6, (main.returncode, main.stderr[-3000:])  # NCCL's watchdog: SIGABRT
-    assert "wait returned" in main.stdout  # wait() did not block the host
-    assert "rank 1 stopped answering" in main.stderr and "killed it" in main.stderr, main.stderr[-3000:]
-    assert "NCCL rules: " in main.stderr, main.stderr[-3000:]  # the watchdog, or the dead peer's error
+    if where == "p2p":
+        assert main.returncode == -6, (main.returncode, main.stderr[-3000:])  # NCCL's watchdog: SIGABRT
+        assert "wait returned" in main.stdout  # wait() did not block the host
+        assert "rank 1 stopped answering" in main.stderr, main.stderr[-3000:]
+    else:  # the watchdog's SIGABRT, or the error of the collective its killed peer left (exit 1)
+        assert main.returncode in (-6, 1), (main.returncode, main.stderr[-3000:])
+        assert "pipeline monitor over ranks [0, 1]" in main.stderr, main.stderr[-3000:]
+        assert "rank(s) [1] (its process" in main.stderr, main.stderr[-3000:]
+    assert "killed it" in main.stderr, main.stderr[-3000:]
+    assert "NCCL rules" in main.stderr, main.stderr[-3000:]  # the watchdog, or the dead peer's error
     assert peer_code == -9, peer_code
     assert took < T + 30, took

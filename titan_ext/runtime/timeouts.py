@@ -24,7 +24,10 @@ its neighbours for the 300 s of group creation. Here:
     polls the waited works (``is_completed()``, non-blocking) and, shortly before the watchdog fires,
     logs the :class:`PeerTimeout` message naming the peer and fences it (below);
 * :func:`named_collective` runs a collective of ours so that a timeout says which ranks had not
-  arrived (each rank marks its arrival in the default store before the collective);
+  arrived (each rank marks its arrival in the default store before the collective); on a group whose
+  timeout is NCCL's watchdog the same side thread watches it and names them before the watchdog fires
+  (a rank frozen before the pipeline monitor's gather left its peers in that collective: nobody named
+  or fenced it, and torchrun waited 30 s more on it);
 * fencing: every rank publishes its host and pid in the default store (:func:`publish_identity`); a
   rank that times out on a peer that lives on its host and is *stopped* (SIGSTOP, state ``T``) kills
   it. torchrun cannot end a stopped worker with its SIGTERM and waits 30 s before its SIGKILL; a
@@ -134,8 +137,40 @@ class _TimedWork:
                 f"rank {dist.get_rank()}: no {self.kind} completed with rank {self.peer} within {seconds:g} s "
                 f"(comm.train_timeout_seconds): rank {self.peer} stopped answering{_fence(self.peer)}") from e
 
+    def done(self) -> bool:
+        """For the watch: completed (or failed: the backend reports it), without blocking."""
+        try:
+            return self.work.is_completed()
+        except Exception:  # noqa: BLE001 - failed: the backend reports it
+            return True
+
+    def note(self, waited: float) -> str:
+        """For the watch: the line naming the peer that stopped answering (and fencing it)."""
+        return (f"rank {dist.get_rank()}: no {self.kind} completed with rank {self.peer} within {waited:.0f} s "
+                f"(comm.train_timeout_seconds = {_timeout_s:g} s): rank {self.peer} stopped answering"
+                f"{_fence(self.peer)}")
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
+
+
+class _PendingCollective:
+    """A :func:`named_collective` in progress on a group whose timeout is NCCL's watchdog (no error is
+    raised there: the process is aborted), watched like a PP wait so that the ranks that never arrived
+    are named, and a stopped one fenced, before the watchdog fires."""
+
+    __slots__ = ("ranks", "name", "count", "finished")
+
+    def __init__(self, ranks: Sequence[int], name: str, count: int):
+        self.ranks, self.name, self.count, self.finished = list(ranks), name, count, False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def note(self, waited: float) -> str:
+        return (f"rank {dist.get_rank()}: {self.name} over ranks {self.ranks} got no answer within {waited:.0f} s "
+                f"(comm.train_timeout_seconds = {_timeout_s:g} s): {_who_stopped(self.ranks, self.name, self.count)} "
+                f"stopped answering")
 
 
 def _peer_of(op: Any) -> int:
@@ -165,15 +200,16 @@ def _timed(batch_p2p: Callable) -> Callable:
 
 #: the watch names a stopped peer this long before the group's timeout (NCCL's watchdog) ends the process
 _WATCH_LEAD_S = 5.0
-_watched: list[tuple[float, _TimedWork]] = []  # (when waited, work): NCCL-side PP waits not completed yet
+_watched: list[tuple[float, Any]] = []  # (since, _TimedWork | _PendingCollective): NCCL-side waits not done yet
 _watch_lock = threading.Lock()
 _watcher: list[threading.Thread] = []
 
 
-def _watch(work: _TimedWork) -> None:
-    """Poll ``work`` from a side thread (``is_completed()`` does not block); past the lead time before the
-    timeout, log the peer that stopped answering and fence it (a stopped process on this host): NCCL's
-    watchdog then ends this process, and the launcher no longer waits on a peer that cannot die."""
+def _watch(work: Any) -> None:
+    """Poll ``work`` (a PP wait or a named collective) from a side thread (``done()`` does not block); past
+    the lead time before the timeout, log the peer that stopped answering and fence it (a stopped process
+    on this host): NCCL's watchdog then ends this process, and the launcher no longer waits on a peer
+    that cannot die."""
     with _watch_lock:
         _watched.append((time.monotonic(), work))
         if not _watcher:
@@ -188,12 +224,8 @@ def _watch_loop() -> None:
         with _watch_lock:
             keep = []
             for since, work in _watched:
-                try:
-                    done = work.work.is_completed()
-                except Exception:  # noqa: BLE001 - failed: the backend reports it
-                    done = True
                 limit = _timeout_s or 0.0
-                if done:
+                if work.done():
                     continue
                 if limit and now - since > max(0.5 * limit, limit - _WATCH_LEAD_S):
                     late.append((now - since, work))
@@ -201,9 +233,7 @@ def _watch_loop() -> None:
                     keep.append((since, work))
             _watched[:] = keep
         for waited, work in late:
-            print(f"rank {dist.get_rank()}: no {work.kind} completed with rank {work.peer} within {waited:.0f} s "
-                  f"(comm.train_timeout_seconds = {_timeout_s:g} s): rank {work.peer} stopped answering"
-                  f"{_fence(work.peer)}", file=sys.stderr, flush=True)
+            print(work.note(waited), file=sys.stderr, flush=True)
 
 
 def install_p2p_timeout() -> None:
@@ -218,24 +248,35 @@ def install_p2p_timeout() -> None:
 def named_collective(group: Any, ranks: Sequence[int], name: str, run: Callable[[], Any]) -> Any:
     """``run()`` (a collective on ``group`` over global ``ranks``); on a timeout, raise
     :class:`PeerTimeout` naming the ranks that never reached this collective (each rank counts its
-    arrivals at ``name`` in the default store first)."""
+    arrivals at ``name`` in the default store first).  On a group whose timeout raises nothing (NCCL:
+    its watchdog aborts the process) the watch names them, and fences a stopped one, shortly before."""
     store = _default_store()
     me = dist.get_rank()
     count = _arrivals.get(name, 0) + 1
     _arrivals[name] = count
     if store is not None:
         store.set(f"titan_ext/arrivals/{name}/{me}", str(count))
+    pending = None
+    if _timeout_s is not None and not explicit_wait_timeout(group):  # NCCL: the watchdog, no error
+        pending = _PendingCollective(ranks, name, count)
+        _watch(pending)
     try:
         return run()
     except RuntimeError as e:
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
-        missing = _behind(store, ranks, name, count)
-        who = f"rank(s) {missing}" if missing else "a peer rank"
-        who += "".join(_fence(r) for r in missing)
         raise PeerTimeout(f"rank {me}: {name} over ranks {list(ranks)} got no answer within "
-                          f"{_timeout_s if _timeout_s is not None else 'the group timeout'} s: {who} "
-                          f"stopped answering") from e
+                          f"{_timeout_s if _timeout_s is not None else 'the group timeout'} s: "
+                          f"{_who_stopped(ranks, name, count)} stopped answering") from e
+    finally:
+        if pending is not None:
+            pending.finished = True
+
+
+def _who_stopped(ranks: Sequence[int], name: str, count: int) -> str:
+    """The ranks that never reached ``name``'s ``count``-th arrival, each stopped one on this host fenced."""
+    missing = _behind(_default_store(), ranks, name, count)
+    return (f"rank(s) {missing}" if missing else "a peer rank") + "".join(_fence(r) for r in missing)
 
 
 def publish_identity() -> None:
