@@ -193,8 +193,9 @@ NCCL_SCRIPT = textwrap.dedent("""
         schedules._wait_batch_p2p(schedules._batch_p2p([dist.P2POp(dist.irecv, buf, 1, pp)]))
         print("wait returned", flush=True)
         buf.sum()  # the consumer: waits on the stream until the watchdog ends the process
-    else:  # a collective of ours on the PP group (the pipeline monitor's gather): blocks until the watchdog
-        timeouts.named(pp, "pipeline monitor", lambda: dist.all_gather_object([None, None], 1, group=pp))
+    else:  # a collective of ours on the PP group (as the pipeline monitor's gather): blocks until the watchdog
+        # (an all-reduce: torch 2.15's all_gather_object asks a Python process group for a per-device backend)
+        timeouts.named(pp, "pipeline monitor", lambda: dist.all_reduce(torch.ones(1), group=pp))
     os._exit(0)
 """)
 
