@@ -132,10 +132,7 @@ class _TimedWork:
         except RuntimeError as e:
             if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                 raise
-            seconds = limit.total_seconds() if limit is not None else float("nan")
-            raise PeerTimeout(
-                f"rank {dist.get_rank()}: no {self.kind} completed with rank {self.peer} within {seconds:g} s "
-                f"(comm.train_timeout_seconds): rank {self.peer} stopped answering{_fence(self.peer)}") from e
+            raise PeerTimeout(self.note(limit.total_seconds() if limit is not None else float("nan"))) from e
 
     def done(self) -> bool:
         """For the watch: completed (or failed: the backend reports it), without blocking."""
@@ -145,10 +142,9 @@ class _TimedWork:
             return True
 
     def note(self, waited: float) -> str:
-        """For the watch: the line naming the peer that stopped answering (and fencing it)."""
-        return (f"rank {dist.get_rank()}: no {self.kind} completed with rank {self.peer} within {waited:.0f} s "
-                f"(comm.train_timeout_seconds = {_timeout_s:g} s): rank {self.peer} stopped answering"
-                f"{_fence(self.peer)}")
+        """The line naming the peer that stopped answering (and fencing it): the timeout's, the watch's."""
+        return (f"rank {dist.get_rank()}: no {self.kind} completed with rank {self.peer} within {waited:g} s"
+                f"{_limit()}: rank {self.peer} stopped answering{_fence(self.peer)}")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
@@ -168,9 +164,21 @@ class _PendingCollective:
         return self.finished
 
     def note(self, waited: float) -> str:
-        return (f"rank {dist.get_rank()}: {self.name} over ranks {self.ranks} got no answer within {waited:.0f} s "
-                f"(comm.train_timeout_seconds = {_timeout_s:g} s): {_who_stopped(self.ranks, self.name, self.count)} "
-                f"stopped answering")
+        return _collective_note(self.ranks, self.name, self.count, waited)
+
+
+def _collective_note(ranks: Sequence[int], name: str, count: int, waited: float | None) -> str:
+    """The line naming the ranks that never reached ``name``'s ``count``-th arrival, each stopped one on
+    this host fenced: the timeout's, the watch's (``waited`` None: the group's own timeout)."""
+    missing = _behind(_default_store(), ranks, name, count)
+    who = (f"rank(s) {missing}" if missing else "a peer rank") + "".join(_fence(r) for r in missing)
+    within = f"{waited:g} s{_limit()}" if waited is not None else "the group's timeout"
+    return (f"rank {dist.get_rank()}: {name} over ranks {list(ranks)} got no answer within {within}: "
+            f"{who} stopped answering")
+
+
+def _limit() -> str:
+    return f" (comm.train_timeout_seconds = {_timeout_s:g} s)" if _timeout_s is not None else " (the group's timeout)"
 
 
 def _peer_of(op: Any) -> int:
@@ -233,7 +241,7 @@ def _watch_loop() -> None:
                     keep.append((since, work))
             _watched[:] = keep
         for waited, work in late:
-            print(work.note(waited), file=sys.stderr, flush=True)
+            print(work.note(round(waited)), file=sys.stderr, flush=True)
 
 
 def install_p2p_timeout() -> None:
@@ -265,18 +273,10 @@ def named_collective(group: Any, ranks: Sequence[int], name: str, run: Callable[
     except RuntimeError as e:
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
-        raise PeerTimeout(f"rank {me}: {name} over ranks {list(ranks)} got no answer within "
-                          f"{_timeout_s if _timeout_s is not None else 'the group timeout'} s: "
-                          f"{_who_stopped(ranks, name, count)} stopped answering") from e
+        raise PeerTimeout(_collective_note(ranks, name, count, _timeout_s)) from e
     finally:
         if pending is not None:
             pending.finished = True
-
-
-def _who_stopped(ranks: Sequence[int], name: str, count: int) -> str:
-    """The ranks that never reached ``name``'s ``count``-th arrival, each stopped one on this host fenced."""
-    missing = _behind(_default_store(), ranks, name, count)
-    return (f"rank(s) {missing}" if missing else "a peer rank") + "".join(_fence(r) for r in missing)
 
 
 def publish_identity() -> None:
