@@ -9,20 +9,21 @@ Three implementations behind one interface (:class:`DeviceLayer`):
 
   - compute is timed with CUDA events recorded on the stage's compute stream and read *without a host
     sync on the critical path*: :meth:`Timer.resolve` with ``block=False`` only reads events that
-    ``query()`` reports complete; a blocking resolve waits on the iteration's last event (never a device
-    ``synchronize``) and is done only where the profile is needed now (the profile-exchange boundary);
+    ``query()`` reports complete, and an iteration the device has not finished at the next one's start
+    waits in a backlog for a later non-blocking resolve; a blocking resolve waits on the newest
+    iteration's last event (never a device ``synchronize``) and is done only where the profile is
+    needed now (the profile-exchange boundary, a logging step);
   - event times are put on the host clock through an *anchor*: an event whose host time is known, so a
     device backlog behind the host (the optimizer's kernels still running when the next iteration is
     enqueued) does not shift the timeline — a host clock read at *enqueue* of a compute-stream event
     would.  ``Event.elapsed_time`` is ``cudaEventElapsedTime``: a C ``float`` of
     milliseconds, whose spacing is 1 ms after 2.3 h and 8 ms after a day, so the anchor must be
     *recent*: a fresh one per iteration (and every :data:`ANCHOR_MAX_AGE_S` within one),
-    recorded on an idle side stream (``stream("anchor")``, nothing else runs there), where it completes
-    as soon as the device sees it — its host time is the host clock right after the record call, no
-    wait.  The first anchor is exact by a wait on that one event (start-up, off the steady state); each
-    later one is checked against its predecessor (``elapsed_time`` over one iteration is exact to
-    microseconds): an anchor the device processed late — its stream shared a hardware queue with a
-    busy one — takes the chained time instead (:meth:`_EventTimer._settle`);
+    recorded on an idle side stream (``stream("anchor")``, nothing else runs there), stamped with the
+    host clock read just *before* its record call — a lower bound of its device time, tight on an idle
+    stream — and raised to the time chained from its predecessor where that is later (an anchor
+    processed late); ``elapsed_time`` is only ever called on completed events (CUDA refuses others)
+    (:meth:`_EventTimer._settle_next`);
   - message arrival comes from the receive's completion (``Work.is_completed()``, truthful on NCCL:
     it queries the work's end event), polled by a watcher thread off the critical path — not from
     ``Work.wait()``, which on NCCL returns once the stream wait is enqueued (defect 2);
@@ -53,7 +54,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["ArrivalWatcher", "CpuDevice", "CudaDevice", "DeviceLayer", "RecvHandle", "Timer", "backend_waits_land",
-           "device_layer", "now"]
+           "device_layer", "now", "thread_device"]
 
 #: bounds of the watcher's completion polling (seconds): a receive's arrival is stamped at most this
 #: late after it landed, plus the thread's wake-up latency
@@ -61,15 +62,74 @@ POLL_MIN_S, POLL_MAX_S = 20e-6, 500e-6
 #: a timing event is read from an anchor at most this old (host clock): float32 milliseconds of 60 s
 #: are spaced 3.9 us apart, so the mapping's rounding stays far below the 0.1 ms the clock promises
 ANCHOR_MAX_AGE_S = 60.0
-#: an anchor whose stamp is this much earlier than its chained time was processed late by the device
-ANCHOR_LATE_S = 20e-6
-#: the check chains from the previous anchor only over this span (float32 spacing there: 7.8 us)
-ANCHOR_CHAIN_MAX_S = 2 * ANCHOR_MAX_AGE_S
+#: the check chains from the previous anchor only over this span: float32 milliseconds of 10 s are
+#: spaced 1 us apart, and a device clock that drifts 10 ppm from the host's is 100 us off after it
+ANCHOR_CHAIN_MAX_S = 10.0
 
 
 def now() -> float:
     """The runtime's host clock (seconds, monotonic, shared by the processes of one host)."""
     return time.perf_counter()
+
+
+# --------------------------------------------------------------------------------------------------
+# threads: the device a side thread must select before any device call
+# --------------------------------------------------------------------------------------------------
+def thread_device() -> Callable[[], Any]:
+    """The calling thread's current device, as a context factory for a *side* thread.
+
+    A CUDA call (an event query, ``Work.is_completed()`` on NCCL, a copy) from a thread that never
+    selected a device runs on device 0: CUDA opens a primary context there (about 0.5 GiB) in every
+    process whose GPU is not 0.  Call this on the thread that owns the device (the training thread,
+    after TorchTitan's ``torch.cuda.set_device``) and enter ``factory()`` on the side thread around
+    every device call, as ProcessGroupNCCL's watchdog takes a device guard before each query.  The
+    guard also sets the thread-local CUDA-graph capture mode where the delegate extension can
+    (:func:`_capture_mode_guard`), so a query from this thread never invalidates another thread's
+    capture.  Returns ``contextlib.nullcontext`` where CUDA is not initialised (CPU jobs: no device to
+    select, and no query may initialise one)."""
+    sim = _SIMULATED.get("thread_device")
+    if sim is not None:
+        return sim()
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return contextlib.nullcontext
+    index = torch.cuda.current_device()
+
+    @contextlib.contextmanager
+    def guard() -> Any:
+        with torch.cuda.device(index), _capture_mode_guard():
+            yield
+
+    return guard
+
+
+def _capture_mode_guard() -> Any:
+    """The thread-local CUDA-graph capture mode (``cudaThreadExchangeStreamCaptureMode``) while a side
+    thread queries, the previous mode restored after: no Python API sets it; the delegate extension
+    binds it when built with CUDA (``capture_mode_exchange``, cpp_ext/capture_mode.cu), as
+    ProcessGroupNCCL's watchdog takes ``CUDAStreamCaptureModeGuard{cudaStreamCaptureModeThreadLocal}``
+    before its queries.  A no-op without it (a CPU build: nothing to capture)."""
+    try:
+        from titan_ext import _delegate_C  # noqa: PLC0415 - optional extension
+    except ImportError:
+        return contextlib.nullcontext()
+    exchange = getattr(_delegate_C, "capture_mode_exchange", None)
+    if exchange is None:
+        return contextlib.nullcontext()
+    return _thread_local_capture(exchange, _delegate_C.CAPTURE_MODE_THREAD_LOCAL)
+
+
+@contextlib.contextmanager
+def _thread_local_capture(exchange: Callable[[int], int], thread_local: int) -> Any:
+    previous = exchange(thread_local)
+    try:
+        yield
+    finally:
+        exchange(previous)
+
+
+#: test-only replacements of the device entry points (``titan_ext.testing.lagdevice`` sets them):
+#: ``"layer"`` (a CPU stage's device layer), ``"thread_device"``
+_SIMULATED: dict[str, Callable[..., Any]] = {}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,7 +316,8 @@ class Timer:
 
 
 class _Anchor:
-    """An event with a known host time (:class:`_EventTimer`'s clock mapping)."""
+    """An event with a known host time (:class:`_EventTimer`'s clock mapping): ``host`` is a *lower
+    bound* of when the device processed it, never later than the truth (see :meth:`_EventTimer._settle_next`)."""
 
     __slots__ = ("ev", "host", "settled")
 
@@ -264,24 +325,47 @@ class _Anchor:
         self.ev, self.host, self.settled = ev, host, settled
 
 
+class _Iteration:
+    """One iteration's timing events, until the device has run them and they are resolved."""
+
+    __slots__ = ("pending", "begin", "end")
+
+    def __init__(self, begin: Any):
+        self.pending: list[tuple[Any, Any, Any, _Anchor]] = []  # (target, field-or-index, event, anchor)
+        self.begin, self.end = begin, None
+
+
 class _EventTimer(Timer):
-    """Event-based timer of an asynchronous device (CUDA; the simulation reuses it).
+    """Event-based timer of an asynchronous device (CUDA; the simulations reuse it).
 
     ``event()`` makes a timing event recorded on the compute stream.  Times are mapped onto the host
     clock through the most recent anchor recorded before the event (:meth:`_anchor`), so a mapping
-    spans at most an iteration or :data:`ANCHOR_MAX_AGE_S`, whatever the job's age."""
+    spans at most an iteration or :data:`ANCHOR_MAX_AGE_S`, whatever the job's age.
+
+    **No host sync in a steady iteration.**  An iteration the device has not finished when the next one
+    begins (the host ran ahead: the normal case on a GPU) is kept in a backlog and resolved by a later
+    non-blocking :meth:`resolve` once its last event completed; only ``resolve(block=True)`` (the
+    profile-exchange boundary, a logging step) waits, on the newest iteration's last event — never a
+    device ``synchronize``.  The backlog holds at most :attr:`BACKLOG` iterations (the oldest are
+    dropped: a device that many iterations behind is not a steady state)."""
+
+    BACKLOG = 8
 
     def __init__(self, device: "DeviceLayer"):
         super().__init__()
         self.device = device
-        self._pending: list[tuple[Any, Any, Any, _Anchor]] = []  # (target, field-or-index, event, anchor)
-        self._begin_ev: Any = None
-        self._end_ev: Any = None
+        self._it: _Iteration | None = None  # the current (newest) iteration
+        self._backlog: list[_Iteration] = []  # earlier iterations not resolved yet, oldest first
         self._anchor_now: _Anchor | None = None  # the anchor of events recorded now
         self._settled: _Anchor | None = None  # the latest anchor whose host time is final
         self._unsettled: list[_Anchor] = []  # later anchors, in recording order
         self._lock = threading.RLock()  # anchors are settled from helper threads too (ready_time)
         self.blocking_resolves = 0  # how many resolves had to wait for the device (tests, metrics)
+
+    @property
+    def _pending(self) -> list:
+        """The current iteration's unresolved timing events (tests)."""
+        return self._it.pending if self._it is not None else []
 
     def _record(self) -> Any:
         ev = self.device.event()
@@ -290,59 +374,73 @@ class _EventTimer(Timer):
         return ev
 
     def _anchor(self) -> None:
-        """A fresh anchor for the events recorded from now on: on the idle anchor stream, stamped with
-        the host clock right after the record call (the device processes an event on an idle stream
-        microseconds after it is enqueued).  The first one waits for its own event (start-up, off the
-        steady state: the wait is on that idle stream, not behind the compute stream's backlog)."""
+        """A fresh anchor for the events recorded from now on (:meth:`_new_anchor`)."""
         with self._lock:
             self._new_anchor()
 
     def _new_anchor(self) -> None:
+        """An anchor on the idle anchor stream, stamped with the host clock read right *before* the
+        record call: the device cannot process an event before it is recorded, so the stamp is a lower
+        bound of the event's device time, exact to the record call's duration plus the device's latency
+        on an idle stream (microseconds) — whatever delays the host thread after the call (GC,
+        preemption, the GIL).  No wait, not even for the first one."""
         ev = self.device.event()
         with self.device.context():
             while self._unsettled and self._unsettled[0].ev.query():  # settle what completed, in order
                 self._settle_next()
+            host = now()
             ev.record(self.device.stream("anchor"))
-            if self._settled is None:
-                ev.synchronize()
-        anchor = _Anchor(ev, now(), settled=self._settled is None)
+        anchor = _Anchor(ev, host, settled=self._settled is None)
         if anchor.settled:
             self._settled = anchor
         else:
             self._unsettled.append(anchor)
         self._anchor_now = anchor
 
-    def _settle(self, anchor: _Anchor) -> None:
-        """Make ``anchor``'s host time final (its event has completed, hence every earlier anchor's:
-        they share the anchor stream), settling the earlier ones first (:meth:`_settle_next`)."""
+    def _settle(self, anchor: _Anchor, block: bool) -> bool:
+        """Make ``anchor``'s host time final, settling the earlier ones first (:meth:`_settle_next`).
+        Only a *completed* anchor is settled (``elapsed_time`` refuses an incomplete event): without
+        ``block`` returns False if one is not; with it, waits for it by polling ``query()`` (an anchor
+        on the idle anchor stream completes microseconds after its record)."""
         while not anchor.settled:
+            head = self._unsettled[0]
+            pause = POLL_MIN_S
+            while not head.ev.query():
+                if not block:
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, POLL_MAX_S)
             self._settle_next()
+        return True
 
     def _settle_next(self) -> None:
-        """Settle the oldest unsettled anchor: if the time chained from the previous one through
-        ``elapsed_time`` (at most :data:`ANCHOR_CHAIN_MAX_S` apart: a float32 error of microseconds)
-        is later than its stamp by more than :data:`ANCHOR_LATE_S`, the device processed it late
-        (its stream shared a hardware queue with a busy one) and the chained time is used."""
+        """Settle the oldest unsettled anchor (its event completed).  Its stamp and the time chained
+        from the previous anchor through ``elapsed_time`` are both lower bounds of its device time (a
+        settled anchor's time is one, and the device clock measures the span between the two); the
+        later of them is the tighter bound — a late-processed anchor (its stream shared a hardware queue
+        with a busy one) takes the chained time.  Since neither can exceed the truth, an error never
+        ratchets upwards, as ``max(stamp, chained)`` over stamps read *after* the record call did: a
+        stamp delayed by GC or preemption became every later anchor's time.  Chained only over
+        :data:`ANCHOR_CHAIN_MAX_S`, where float32 milliseconds and the drift between the device's
+        and the host's clocks stay at microseconds."""
         anchor, prev = self._unsettled.pop(0), self._settled
         if anchor.host - prev.host <= ANCHOR_CHAIN_MAX_S:
-            chained = prev.host + prev.ev.elapsed_time(anchor.ev) / 1e3
-            if chained > anchor.host + ANCHOR_LATE_S:
-                anchor.host = chained
+            anchor.host = max(anchor.host, prev.host + prev.ev.elapsed_time(anchor.ev) / 1e3)
         anchor.settled = True
         self._settled = anchor
 
     def discard(self) -> None:
-        """Drop the unresolved times of the previous iteration (nobody needs them)."""
-        self._pending, self._end_ev = [], None
+        """Drop the unresolved times of the previous iterations (nobody needs them)."""
+        self._it, self._backlog = None, []
 
     def begin_iteration(self) -> None:
-        if self._pending:  # the previous iteration's times were not needed at its boundary: read them now
-            self.resolve(block=True)
+        if self._it is not None and self._it.pending:  # not read at its boundary: resolved later, no wait
+            self._backlog.append(self._it)
+            del self._backlog[:-self.BACKLOG]
+            self._resolve_backlog()
         self.wall_ms = math.nan
         self._anchor()
-        self._pending = []
-        self._begin_ev = self._record()
-        self._end_ev = None
+        self._it = _Iteration(self._record())
 
     def _timed(self, target: Any, key: Any, ev: Any = None) -> Any:
         """Record (or take) a timing event for ``target[key]``, read later from the current anchor
@@ -350,7 +448,7 @@ class _EventTimer(Timer):
         if now() - self._anchor_now.host > ANCHOR_MAX_AGE_S:
             self._anchor()
         ev = self._record() if ev is None else ev
-        self._pending.append((target, key, ev, self._anchor_now))
+        self._it.pending.append((target, key, ev, self._anchor_now))
         return ev
 
     def start(self, rec: Any) -> Any:
@@ -370,14 +468,14 @@ class _EventTimer(Timer):
         self._timed(rec, "recv_wait_from", token)
 
     def end_iteration(self) -> None:
-        self._end_ev = self._record()
+        self._it.end = self._record()
 
     def host_time(self, ev: Any, anchor: _Anchor | None = None) -> float:
         """The host-clock time of a completed event recorded after ``anchor`` (default: the current
-        one), through a short ``elapsed_time``."""
+        one), through a short ``elapsed_time`` (waits for the anchor itself if it has not completed)."""
         anchor = self._anchor_now if anchor is None else anchor
         with self._lock:
-            self._settle(anchor)
+            self._settle(anchor, block=True)
         return anchor.host + anchor.ev.elapsed_time(ev) / 1e3
 
     def mark_ready(self) -> tuple[Any, "_Anchor"]:
@@ -389,8 +487,9 @@ class _EventTimer(Timer):
             return self._record(), self._anchor_now
 
     def ready_time(self, token: tuple[Any, "_Anchor"], poll_s: float = POLL_MIN_S) -> float:
-        """The host time of a :meth:`mark_ready` event, polling ``query()`` until it completed —
-        call it from a helper thread, never the schedule's (it waits for the device)."""
+        """The host time of a :meth:`mark_ready` event, polling ``query()`` until it (and its anchor)
+        completed — call it from a helper thread under :func:`thread_device`'s guard, never the
+        schedule's (it waits for the device)."""
         ev, anchor = token
         pause = poll_s
         with self.device.context():
@@ -399,25 +498,54 @@ class _EventTimer(Timer):
                 pause = min(2 * pause, POLL_MAX_S)
             return self.host_time(ev, anchor)
 
-    def resolve(self, block: bool = True) -> bool:
-        if self._end_ev is None:
-            return not self._pending
+    def _resolve_one(self, it: _Iteration, block: bool) -> bool:
+        """Fill ``it``'s times if its last event completed (with ``block``: after waiting for it)."""
+        if not it.end.query():
+            if not block:
+                return False
+            self.blocking_resolves += 1
+            it.end.synchronize()  # this iteration's last event only, never the device
+        with self._lock:
+            if not all(self._settle(a, block) for a in {id(p[3]): p[3] for p in it.pending}.values()):
+                return False
+        for target, key, ev, anchor in it.pending:
+            t = anchor.host + anchor.ev.elapsed_time(ev) / 1e3
+            if key == "recv_wait_from":
+                target.recv_wait_ms = 1e3 * max(target.start - t, 0.0)
+            elif isinstance(key, str):
+                setattr(target, key, t)
+            else:
+                target[key] = t
+        it.pending = []
+        return True
+
+    def _resolve_backlog(self) -> None:
+        """Resolve the earlier iterations the device has finished, oldest first (no wait)."""
         with self.device.context():
-            if not self._end_ev.query():
-                if not block:
-                    return False
-                self.blocking_resolves += 1
-                self._end_ev.synchronize()  # this iteration's last event only, never the device
-            for target, key, ev, anchor in self._pending:
-                t = self.host_time(ev, anchor)
-                if key == "recv_wait_from":
-                    target.recv_wait_ms = 1e3 * max(target.start - t, 0.0)
-                elif isinstance(key, str):
-                    setattr(target, key, t)
-                else:
-                    target[key] = t
-            self.wall_ms = self._begin_ev.elapsed_time(self._end_ev)
-        self._pending, self._end_ev = [], None
+            while self._backlog and self._resolve_one(self._backlog[0], block=False):
+                self._backlog.pop(0)
+
+    def resolve(self, block: bool = True) -> bool:
+        """Fill the times of the backlog and of the current iteration; without ``block`` only what the
+        device has finished (returns whether the current iteration is resolved)."""
+        it = self._it
+        if it is None or it.end is None:
+            self._resolve_backlog()
+            return it is None or not it.pending
+        with self.device.context():
+            if block:  # the newest iteration's last event: every earlier one's completed before it
+                if not it.end.query():
+                    self.blocking_resolves += 1
+                    it.end.synchronize()
+                for old in self._backlog:
+                    self._resolve_one(old, block=True)
+                self._backlog = []
+            else:
+                self._resolve_backlog()
+            if not self._resolve_one(it, block):
+                return False
+            self.wall_ms = it.begin.elapsed_time(it.end)
+        self._it = None
         return True
 
 
@@ -546,8 +674,11 @@ class CudaDevice(DeviceLayer):
 
 
 def device_layer(device: torch.device | str) -> DeviceLayer:
-    """The layer for a stage's device: CUDA (needs ``cuda:N`` and an available GPU) or CPU."""
+    """The layer for a stage's device: CUDA (needs ``cuda:N`` and an available GPU) or CPU (or, in a
+    test that installed one, the simulated device that runs behind the host: ``testing/lagdevice.py``)."""
     dev = torch.device(device)
+    if dev.type == "cpu" and "layer" in _SIMULATED:
+        return _SIMULATED["layer"](dev)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"stage device {dev} but CUDA is not available")

@@ -48,6 +48,7 @@ __all__ = ["HostSyncs", "counting", "is_device_tensor", "record"]
 _HERE = __name__
 #: frames skipped when naming the call site: the accounting itself and torch's dispatch glue
 _GLUE = (__name__, "torch.overrides", "torch.utils._python_dispatch", "titan_ext.testing.nccl_rules",
+         "titan_ext.testing.lagdevice",
          "contextlib")
 
 _active: dict[int, list["HostSyncs"]] = {}  # thread ident → counters open on it (innermost last)

@@ -18,7 +18,8 @@ numbers are the process's peak resident set size (``getrusage``), reported as bo
 
 With ``TITAN_EXT_TEST_BACKEND=nccl_rules`` the shim also installs the NCCL-rules test backend
 (:mod:`titan_ext.testing.nccl_rules`) and makes it TorchTitan's CPU backend, so the trainer's PP and
-DP groups obey NCCL's rules (the control plane still asks for gloo).
+DP groups obey NCCL's rules (the control plane still asks for gloo); with ``TITAN_EXT_TEST_DEVICE=lag``
+it installs the simulated device that runs behind the host (:mod:`titan_ext.testing.lagdevice`).
 """
 
 import os
@@ -140,12 +141,16 @@ def apply(modules: tuple[str, ...] = _TORCHTITAN_MODULES) -> None:
 
 
 def _use_test_backend() -> None:
-    """``TITAN_EXT_TEST_BACKEND=nccl_rules``: TorchTitan's CPU groups get NCCL's rules."""
+    """``TITAN_EXT_TEST_BACKEND=nccl_rules``: TorchTitan's CPU groups get NCCL's rules;
+    ``TITAN_EXT_TEST_DEVICE=lag``: the stages' device is the simulated one that runs behind the host
+    (:mod:`titan_ext.testing.lagdevice`, installed on this thread: the trainer's)."""
+    from titan_ext.testing import lagdevice
     from titan_ext.testing.nccl_rules import BACKEND, ENV_VAR, install
 
     if os.environ.get(ENV_VAR) == BACKEND:
         install()
         torch.distributed.Backend.default_device_backend_map["cpu"] = BACKEND
+    lagdevice.install_from_env()
 
 
 def is_applied() -> bool:
