@@ -1,4 +1,4 @@
-"""A simulated device that runs *behind* the host, for CPU tests (issue 46).
+"""A simulated device that runs *behind* the host, for CPU tests.
 
 On a GPU the host enqueues kernels, copies, stream waits and event records, and the device executes
 them later: the host runs ahead.  A call that waits for the device (``synchronize``, ``Event.synchronize``,
