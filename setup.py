@@ -89,7 +89,7 @@ if torch is not None:
     kwargs = dict(include_dirs=[os.path.join(here, src)], libraries=["rt"],
                   extra_compile_args={"cxx": ["-O3", std]})
     if with_cuda:
-        sources.append(os.path.join(src, "delegate_cuda.cu"))
+        sources += [os.path.join(src, "delegate_cuda.cu"), os.path.join(src, "capture_mode.cu")]
         kwargs["define_macros"] = [("WITH_CUDA", None)]
         kwargs["extra_compile_args"]["nvcc"] = ["-O3", std]
         ext = cpp_extension.CUDAExtension("titan_ext._delegate_C", sources, **kwargs)

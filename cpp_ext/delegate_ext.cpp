@@ -33,6 +33,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include "delegate_cuda.h"
+#include "capture_mode.h"
 #endif
 
 namespace {
@@ -261,6 +262,14 @@ void stream_wait_flag(const torch::Tensor& dev_flag, uint32_t value) {
   check_cuda(titanx_stream_wait_flag(static_cast<uint32_t*>(dev_flag.data_ptr()), value, stream.stream()),
              "stream_wait_flag");
 }
+
+// The calling thread's CUDA-graph capture mode set to `mode`; returns the previous one (capture_mode.cu;
+// titan_ext.runtime.device._capture_mode_guard: side-thread queries in thread-local mode).
+int64_t capture_mode_exchange(int64_t mode) {
+  auto m = static_cast<cudaStreamCaptureMode>(mode);
+  check_cuda(titanx_capture_mode_exchange(&m), "cudaThreadExchangeStreamCaptureMode");
+  return static_cast<int64_t>(m);
+}
 #endif
 
 }  // namespace
@@ -298,5 +307,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_compiled", &cuda_compiled);
 #ifdef WITH_CUDA
   m.def("stream_wait_flag", &stream_wait_flag, py::arg("dev_flag"), py::arg("value"));
+  m.def("capture_mode_exchange", &capture_mode_exchange, py::arg("mode"));
+  m.attr("CAPTURE_MODE_THREAD_LOCAL") = static_cast<int64_t>(cudaStreamCaptureModeThreadLocal);
 #endif
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU tier: what only a machine with a CUDA GPU can show (about 6 min on one H100).
+# The GPU tier: what only a machine with a CUDA GPU can show (about 9 min on one H100, of which the
+# runtime step at most 6: an estimate, this version of the runtime step has not run on a GPU yet).
 #
 #   bash scripts/check_gpu.sh [OUT_DIR]        # OUT_DIR: logs + JSON (default ./gpu_check)
 #
@@ -14,9 +15,14 @@
 #   gpu       every test marked `gpu` (tests/test_delegate_gpu.py, tests/test_gpu_runtime.py)
 #   bench     scripts/bench_delegate.py's CUDA section: our D2H/H2D-with-signal copies vs cudaMemcpyAsync
 #   runtime   scripts/gpu_tier.py: torch's 1F1B and ZBV, PipeMorph, CrossPipe and delegated PipeMorph on
-#             CUDA stages, 2 and 4 ranks sharing the GPU, +0 / +60 ms on one link: losses vs CPU (float64),
-#             peak CUDA memory vs the planner's prediction, host syncs per step, device time vs CUDA events
-# Then OUT_DIR/summary.json: every step's status and time, and the runtime and bench JSON in one file.
+#             CUDA stages, 2 and 4 ranks sharing the GPU (gloo: NCCL refuses two ranks on one device),
+#             +0 / +60 ms on one link, every action a 50 ms kernel so the device is behind the host, no
+#             synchronize in a step: host syncs per steady step by kind and site against the budget, the
+#             host ahead at each boundary, GPU idle fraction from events, losses vs CPU (float64), peak
+#             CUDA memory vs the planner's prediction, device time vs CUDA events
+#   multi     scripts/gpu_tier_multi.py: PipeMorph over real NCCL, one process per GPU, one CUDA context per
+#             GPU (nvidia-smi), host syncs per steady step; on fewer than 2 GPUs it says why it skips (rc 0)
+# Then OUT_DIR/summary.json: every step's status and time, and the runtime, multi and bench JSON in one file.
 # Exit status: the number of failed steps.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,7 +74,8 @@ step bindings env TITAN_EXT_EXPECT_CUDA=1 "$PY" -m pytest -q -p no:cacheprovider
 step gpu "$PY" -m pytest -v -p no:cacheprovider -m gpu --junitxml="$out/gpu_junit.xml" \
     tests/test_delegate_gpu.py tests/test_gpu_runtime.py
 step bench "$PY" scripts/bench_delegate.py --quick --skip-p2p --skip-e2e --json "$out/bench_delegate_cuda.json"
-step runtime "$PY" scripts/gpu_tier.py --steps "${GPU_TIER_STEPS:-5}" --json "$out/gpu_tier.json"
+step runtime "$PY" scripts/gpu_tier.py --steps "${GPU_TIER_STEPS:-6}" --json "$out/gpu_tier.json"
+step multi "$PY" scripts/gpu_tier_multi.py --json "$out/gpu_tier_multi.json"
 
 "$PY" - "$out" "${failed[*]:-}" <<'EOF'
 import json, os, subprocess, sys
@@ -79,7 +86,8 @@ for line in open(os.path.join(out, "steps.tsv")):
     log = os.path.join(out, f"{name}.log")
     summary["steps"][name] = {"rc": int(rc), "seconds": int(seconds),
                               "log_tail": open(log).read()[-1500:] if os.path.exists(log) else None}
-for key, file in (("runtime", "gpu_tier.json"), ("delegate_copies", "bench_delegate_cuda.json")):
+for key, file in (("runtime", "gpu_tier.json"), ("runtime_multi", "gpu_tier_multi.json"),
+                  ("delegate_copies", "bench_delegate_cuda.json")):
     path = os.path.join(out, file)
     summary[key] = json.load(open(path)) if os.path.exists(path) else None
 summary["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()

@@ -94,8 +94,11 @@ job_log_dir="$LOG_DIR/${SLURM_JOB_NAME:-titan_ext}-$job_id"
 [ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$job_log_dir"
 
 # Collective-library environment (override any of these from the caller's environment).
+# TORCH_NCCL_ASYNC_ERROR_HANDLING is left alone: TorchTitan's init_distributed sets it to 3 (tear down
+# without cleanup, which its flight recorder needs) on every rank and logs a warning on every rank when
+# the variable is set at all, whatever its value; exporting 1 here only produced that warning. A
+# value from the caller's environment passes through (and TorchTitan still overrides it).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
 export TORCH_DIST_INIT_BARRIER="${TORCH_DIST_INIT_BARRIER:-1}"

@@ -52,6 +52,17 @@ class _Stream:
     def wait_stream(self, other):
         pass
 
+    def wait_event(self, event):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
 
 class _FakeCudaTensor:
     is_cuda = True
@@ -75,6 +86,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: c.ctx("device", torch.device(d)))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: c.ctx("stream", s))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _Stream(f"current:{d}"))
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: _Event())
     real_zeros = torch.zeros
 
     def zeros(*a, device=None, **kw):
@@ -153,9 +165,10 @@ class _Healthy:
 
 def test_sends_and_receives_use_their_own_copy_streams_on_the_stage_device(cuda, monkeypatch):
     """"One shared copy stream makes D2H sends queue behind H2D receives": D2H on one stream, H2D
-    (issued from an arrival-watcher thread) on another, both under the stage's device."""
+    (issued from an arrival-watcher thread) on another, both under the stage's device.  (Where the
+    consumer's stream waits: tests/test_delegate_runahead.py.)"""
     from titan_ext.runtime.delegate import recvpath
-    from titan_ext.runtime.delegate.recvpath import RecvMatcher
+    from titan_ext.runtime.delegate.recvpath import Recv, RecvMatcher
     from titan_ext.runtime.delegate.sendpath import SendPath
 
     layer = _layer()
@@ -167,15 +180,16 @@ def test_sends_and_receives_use_their_own_copy_streams_on_the_stage_device(cuda,
     monkeypatch.setattr(recvpath, "load_ext", lambda: types.SimpleNamespace(
         stream_wait_flag=lambda flag, v: cuda.record("stream_wait_flag")))
     sender.ring_send(types.SimpleNamespace(error=None), lane, _FakeCudaTensor(cuda), 0)
-    t = threading.Thread(target=receiver.h2d, args=(lane, 1, _FakeCudaTensor(cuda), _Stream("consumer")),
-                         name="watcher")
+    h = Recv(receiver, (0, "F"), 0, _FakeCudaTensor(cuda))
+    h.free_ev = _Event()
+    t = threading.Thread(target=receiver.h2d, args=(lane, 1, h), name="watcher")
     t.start()
     t.join()
     by = {c[0]: c for c in cuda.calls}
-    d2h, h2d, wait = by["d2h_signal"], by["h2d_signal"], by["stream_wait_flag"]
+    d2h, h2d = by["d2h_signal"], by["h2d_signal"]
     assert d2h[2] is sender.stream and h2d[2] is receiver.stream and d2h[2] is not h2d[2]
-    assert wait[2].name == "consumer"   # the consumer's stream waits on the device flag
-    assert d2h[1] == DEV and h2d[1] == DEV and wait[1] == DEV and h2d[3] == "watcher", cuda.calls
+    assert d2h[1] == DEV and h2d[1] == DEV and h2d[3] == "watcher", cuda.calls
+    assert "stream_wait_flag" not in by   # the watcher never touches the consumer's stream
 
 
 def test_cuda_graph_capture_is_refused_with_a_clear_error(cuda, monkeypatch):

@@ -240,16 +240,28 @@ def test_injection_under_torch_1f1b_keeps_nccl_rules_and_delays_arrival():
 
 # ---------------------------------------------------------------- on a GPU (fake CUDA, issue 34)
 class _DictStore:
-    """The torch.distributed store's calls the injector makes."""
+    """The torch.distributed store's calls the injector makes (``wait`` blocks until the keys are set,
+    as a TCPStore's does)."""
 
     def __init__(self):
+        import threading
+
         self.values: dict[str, bytes] = {}
+        self._set = threading.Condition()
 
     def set(self, key, value):
-        self.values[key] = value.encode() if isinstance(value, str) else value
+        with self._set:
+            self.values[key] = value.encode() if isinstance(value, str) else value
+            self._set.notify_all()
 
     def check(self, keys):
         return all(k in self.values for k in keys)
+
+    def wait(self, keys, timeout=None):
+        limit = 30.0 if timeout is None else timeout.total_seconds()
+        with self._set:
+            if not self._set.wait_for(lambda: all(k in self.values for k in keys), limit):
+                raise RuntimeError(f"wait timeout after {limit} s, keys: {keys}")
 
     def get(self, key):
         return self.values[key]
@@ -345,6 +357,8 @@ def test_gpu_receive_completion_reads_no_device_tensor(monkeypatch):
     assert not handle.is_completed()  # the sender has not published yet
     injector.store.set("titan_ext/delay/1->0/0", repr(gpu.host + 0.050))
     assert not handle.is_completed()
+    assert handle._stamp.ready.wait(10.0)  # fetched by the stamp reader's thread (a blocking store wait)
+    assert not handle.is_completed()
     gpu.host_work(49.0)
     assert not handle.is_completed()
     gpu.host_work(2.0)
@@ -369,6 +383,11 @@ def test_a_stamp_read_by_the_watcher_and_the_consumer_at_once_is_taken_once():
         def check(self, keys):
             with self.lock:
                 return all(k in self.data for k in keys)
+
+        def wait(self, keys, timeout=None):  # noqa: ARG002 - the key is there from the start
+            with self.lock:
+                if not all(k in self.data for k in keys):
+                    self.errors.append(f"wait for missing {keys}")
 
         def get(self, key):
             _time.sleep(0.05)
@@ -473,3 +492,134 @@ def test_the_delegate_transport_carries_the_injected_delay(monkeypatch):
         assert sends[0][:2] == (1, "F") and sends[0][2] / 1e9 >= t + 0.08
     finally:
         injector.remove()
+
+
+# ---------------------------------------------------------------- store traffic and stamper failures (issue 46)
+class _CountingStore:
+    """A real ``torch.distributed`` store (in-process) that counts the calls made on it and its clones."""
+
+    def __init__(self, store, counts=None):
+        self.store, self.counts = store, counts if counts is not None else {}
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+    def clone(self):
+        self.counts["clone"] = self.counts.get("clone", 0) + 1
+        return _CountingStore(self.store.clone(), self.counts)
+
+
+def test_a_pending_delayed_receive_costs_the_store_a_bounded_number_of_requests():
+    """Defect (issue 46): a receive waiting for its stamp polled ``store.check`` about every millisecond
+    from ``wait()`` and from each of the arrival watcher's ``is_completed()`` polls (every 0.5 ms): on
+    a TCPStore, kHz of requests per pending receive to the one server of the job.  Now a helper thread
+    waits for the key (one blocking request) and reads and deletes it: a handful per receive, however
+    long the stamp takes and however often ``is_completed()`` is polled."""
+    import threading
+
+    base = dist.HashStore()
+    store = _CountingStore(base)
+    from titan_ext.runtime.delay_injection import DelayedRecvWork
+
+    key = "titan_ext/delay/1->0/0"
+    work = DelayedRecvWork([_Work()], key, store)
+    done, completions = threading.Event(), []
+
+    def watcher():  # the device layer's arrival watcher: is_completed() every 0.5 ms
+        while not done.is_set():
+            if work.is_completed():
+                completions.append(time.time())
+                return
+            time.sleep(0.0005)
+
+    waited = []
+    threads = [threading.Thread(target=watcher), threading.Thread(target=lambda: waited.append(work.wait()))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # the sender's stamp comes half a second later
+    published = time.time()
+    base.set(key, repr(published + 0.05))  # the sender's stamper (not this rank's requests)
+    for t in threads:
+        t.join(10.0)
+    done.set()
+    assert waited == [True] and completions and completions[0] >= published + 0.05
+    requests = sum(n for name, n in store.counts.items() if name != "clone")
+    assert requests <= 4, store.counts  # wait, get, delete_key (before: hundreds of check calls)
+    assert not base.check([key])  # taken once, deleted
+
+
+class _FailingClock:
+    """A device layer whose ``ready_time`` raises the first time (``elapsed_time`` on an incomplete
+    event, as the stamper thread's device clock did) and works after."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def mark_ready(self):
+        return time.perf_counter()
+
+    def ready_time(self, token):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("CUDA error: device not ready (elapsed_time on an incomplete event)")
+        return token
+
+
+@pytest.mark.parametrize("hol", [False, True])
+def test_a_failing_stamp_reaches_the_receiver_and_the_stamper_lives_on(monkeypatch, hol):
+    """Defect (issue 46): an exception in the stamper thread (the device clock's ``ready_time``) killed
+    it; the receivers then waited forever for stamps that never came, and with ``hol`` the issuing
+    thread too.  Now the error is recorded, published in the stamp's place and raised by the receiver's
+    ``wait()`` (and the held issuer's), and the next send is stamped as usual."""
+    import threading
+    from types import SimpleNamespace
+
+    from titan_ext.runtime.delay_injection import DelayedRecvWork
+
+    injector = _cpu_injector(monkeypatch, "0:30", hol)
+    clock = _FailingClock()
+    monkeypatch.setattr(injector, "_device", lambda device: clock)
+    send = SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), group=None, group_peer=1)
+    outcome = []
+
+    def issue():
+        try:
+            injector.batch_p2p([send])
+            outcome.append(None)
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    issuer = threading.Thread(target=issue, daemon=True)
+    issuer.start()
+    issuer.join(10.0)
+    assert not issuer.is_alive(), "the issuing thread waits forever for a stamp that never comes"
+    if hol:
+        assert outcome and "could not be stamped" in outcome[0] and "incomplete event" in outcome[0], outcome
+    # the receiving rank's handle of that message (same key, same store)
+    recv = DelayedRecvWork([_Work()], "titan_ext/delay/0->1/0", injector.store)
+    errors = []
+
+    def consume():
+        try:
+            recv.wait()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(10.0)
+    assert not consumer.is_alive(), "the receiver waits forever for a stamp that never comes"
+    assert errors and "rank 0" in errors[0] and "incomplete event" in errors[0], errors
+    assert recv.is_completed()  # completed with an error, as NCCL's isCompleted; wait() raises it
+    assert len(injector.stamper_errors) == 1
+    # the stamper thread survived: the next send is stamped
+    injector.batch_p2p([send])
+    assert _published(injector.store, "titan_ext/delay/0->1/1") > 0

@@ -184,6 +184,8 @@ NCCL_SCRIPT = textwrap.dedent("""
     timeouts.set_timeout(T)
     timeouts.publish_identity()
     pp = timeouts.new_group([0, 1], None)  # the PP group, its timeout T (TorchTitan sets every group's)
+    dist.send(torch.zeros(1), 1, pp) if rank == 0 else dist.recv(torch.zeros(1), 0, pp)  # the PP pair's
+    # communicator: under lazy init the pair's first bare op makes it, blocking the host, unwatched
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen: rank 0's watch kills it, NCCL's watchdog ends rank 0
@@ -237,3 +239,241 @@ def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backe
     assert "NCCL rules" in main.stderr, main.stderr[-3000:]  # the watchdog, or the dead peer's error
     assert peer_code == -9, peer_code
     assert took < T + 30, took
+
+
+# ---------------------------------------------------------------- issue 46: the watch's device, NCCL's rules
+def test_the_watch_polls_under_the_device_of_the_thread_that_registered_the_work(monkeypatch):
+    """Defect (issue 46): the watch thread polled ``Work.is_completed()`` — on NCCL a ``cudaEventQuery`` —
+    from a thread that never selected a device: CUDA then opens a context on GPU 0 in every process.
+    Each work now carries its registering thread's device (``device.thread_device()``), entered around
+    every poll.  A simulated device per thread (a thread-local "current device") stands in for CUDA's."""
+    import contextlib
+    import threading
+    import time
+
+    from titan_ext.runtime import device, timeouts
+
+    current = threading.local()
+
+    def thread_device():  # device.thread_device's simulation: the calling thread's device, as a factory
+        dev = getattr(current, "device", None)
+
+        @contextlib.contextmanager
+        def enter():
+            before = getattr(current, "device", None)
+            current.device = dev
+            try:
+                yield
+            finally:
+                current.device = before
+
+        return enter
+
+    queries = []
+
+    class Work:  # an NCCL-like receive: is_completed() is a device call
+        def is_completed(self):
+            queries.append((threading.current_thread().name, getattr(current, "device", None)))
+            return len(queries) >= 2
+
+        def wait(self, timeout=None):  # noqa: ARG002 - a stream wait: returns at once
+            return True
+
+    monkeypatch.setitem(device._SIMULATED, "thread_device", thread_device)
+    monkeypatch.setattr(timeouts, "_timeout_s", 60.0)
+    current.device = "cuda:3"  # the training thread's (TorchTitan's torch.cuda.set_device)
+    try:
+        timeouts._TimedWork(Work(), 1, "receive", explicit=False).wait()
+    finally:
+        current.device = None
+    deadline = time.monotonic() + 30.0
+    while len(queries) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(queries) >= 2, queries
+    assert all(name == "titan_ext-pp-watch" and dev == "cuda:3" for name, dev in queries), queries
+
+
+def _watch_under_the_lagging_device(rank: int, world: int) -> dict:
+    """A PP message (torch's _batch_p2p, timed as in every TorchTitan job) under the NCCL-like backend and
+    the simulated device that runs behind the host (its current device per thread)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    from titan_ext.runtime import timeouts
+    from titan_ext.testing import lagdevice
+
+    dev = lagdevice.install()
+    polls = []
+    done = timeouts._TimedWork.done
+    timeouts._TimedWork.done = lambda self: polls.append(1) or done(self)
+    try:
+        timeouts.install_p2p_timeout()
+        timeouts.set_timeout(60.0)
+        buf = torch.ones(4) if rank == 0 else torch.zeros(4)
+        op = dist.P2POp(dist.isend if rank == 0 else dist.irecv, buf, 1 - rank)
+        schedules._wait_batch_p2p(schedules._batch_p2p([op]))
+        deadline = time.monotonic() + 20.0
+        while not polls and time.monotonic() < deadline:  # the watch polls every 0.25 s
+            time.sleep(0.05)
+        time.sleep(0.5)
+        return {"polls": len(polls), "violations": [v for v in dev.violations if "pp-watch" in v]}
+    finally:
+        timeouts._TimedWork.done = done
+        lagdevice.uninstall()
+
+
+@pytest.mark.timeout(120)
+def test_the_watch_makes_no_device_call_without_the_ranks_device_under_the_lagging_device():
+    """The same defect under ``nccl_rules`` and ``testing/lagdevice.py``: the watch thread's
+    ``Work.is_completed()`` polls are device calls, each made from a thread that never selected the
+    rank's device on the old code (one violation per poll: a context on GPU 0 on a GPU)."""
+    res = run_ranks(_watch_under_the_lagging_device, 2, backend="nccl_rules", timeout_s=100)
+    for r in res:
+        assert r["polls"] >= 1, r  # the watch polled (not vacuous)
+        assert r["violations"] == [], r["violations"]
+
+
+def test_a_group_whose_backend_cannot_be_told_gets_no_explicit_wait_timeout(monkeypatch):
+    """Defect (issue 46): ``explicit_wait_timeout`` returned True when ``get_backend`` raised, i.e. an
+    explicit ``wait(timeout)`` — on NCCL a busy-wait of the host at every PP wait.  It fails closed now."""
+    import torch.distributed as dist
+
+    from titan_ext.runtime import timeouts
+
+    for var in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        monkeypatch.delenv(var, raising=False)
+
+    def unknown(group=None):  # noqa: ARG001
+        raise ValueError("Invalid process group specified")
+
+    monkeypatch.setattr(dist, "get_backend", unknown)
+    assert timeouts.explicit_wait_timeout(object()) is False
+    for backend, explicit in (("gloo", True), ("nccl", False), ("nccl_rules", False), ("cuda:nccl,cpu:gloo", False)):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: dist.Backend(b))
+        assert timeouts.explicit_wait_timeout(None) is explicit, backend
+
+
+def test_nccl_blocking_wait_is_detected_and_named_once(monkeypatch, caplog):
+    """Defect (issue 46): with ``TORCH_NCCL_BLOCKING_WAIT=1`` every PP wait blocks the host (ProcessGroupNCCL's
+    blocking wait) and the watchdog no longer aborts; nothing said so.  Installing the PP timeouts now
+    warns once, naming the variable and its cost, and NCCL waits get the explicit timeout there (they
+    block anyway; the timeout then names the peer).  Read as c10d's getCvarBool reads it."""
+    import logging
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    from titan_ext.runtime import timeouts
+
+    for var in timeouts.BLOCKING_WAIT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert not timeouts.blocking_wait()
+    monkeypatch.setenv("NCCL_BLOCKING_WAIT", "1")  # the deprecated alias
+    assert timeouts.blocking_wait()
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")  # the first name wins
+    assert not timeouts.blocking_wait()
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "True")
+    assert timeouts.blocking_wait()
+    for backend, explicit in (("nccl", True), ("cuda:nccl,cpu:gloo", True), ("nccl_rules", False)):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: dist.Backend(b))
+        assert timeouts.explicit_wait_timeout(None) is explicit, backend
+    monkeypatch.setattr(timeouts, "_warned_blocking_wait", [])
+    monkeypatch.setattr(schedules, "_batch_p2p", schedules._batch_p2p)  # restored after the test
+    with caplog.at_level(logging.WARNING, logger="titan_ext.runtime.timeouts"):
+        timeouts.install_p2p_timeout()
+        timeouts.install_p2p_timeout()
+    lines = [r.getMessage() for r in caplog.records if "BLOCKING_WAIT" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "TORCH_NCCL_BLOCKING_WAIT=True" in lines[0] and "GPU idles at every PP wait" in lines[0], lines
+
+
+def test_a_works_timeout_is_fixed_when_it_is_created(monkeypatch):
+    """As ProcessGroupNCCL fixes a work's timeout at its creation: a wait created under the init
+    timeout keeps it after the switch to the train timeout."""
+    from datetime import timedelta
+
+    from titan_ext.runtime import timeouts
+
+    limits = []
+
+    class Work:
+        def wait(self, timeout=None):
+            limits.append(timeout)
+            return True
+
+    monkeypatch.setattr(timeouts, "_timeout_s", 300.0)
+    work = timeouts._TimedWork(Work(), 1, "receive", explicit=True)
+    monkeypatch.setattr(timeouts, "_timeout_s", 1.0)
+    work.wait()
+    timeouts._TimedWork(Work(), 1, "receive", explicit=True).wait()
+    assert limits == [timedelta(seconds=300.0), timedelta(seconds=1.0)]
+
+
+def _train_timeout_switch(rank: int, world: int) -> dict:
+    """TorchTitan's rule: the init timeout until the first step is done, then the train timeout. Rank 1
+    finishes its first step 4 s after rank 0 (legitimately, under the 60 s init timeout); then both run
+    a collective on one of our groups."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from titan_ext.runtime import timeouts
+
+    timeouts.set_timeout(60.0)  # comm.init_timeout_seconds
+    group = timeouts.new_group(None, None, backend="gloo")
+    dist.barrier()
+    if rank == 1:
+        time.sleep(4.0)
+    t0 = time.monotonic()
+    timeouts.set_timeout(1.0)  # comm.train_timeout_seconds, after the first step
+    switch_s = time.monotonic() - t0
+    value = torch.ones(1)
+    try:
+        dist.all_reduce(value, group=group)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)[:400]
+    return {"switch_s": switch_s, "error": error, "sum": value.item()}
+
+
+@pytest.mark.timeout(120)
+def test_the_switch_to_a_shorter_timeout_waits_for_every_rank():
+    """Defect (issue 46): each rank moved to the train timeout on its own; the fast rank's next
+    collective, created under the 1 s timeout, timed out on the slow rank still finishing its first
+    step.  The switch now waits for every rank (a barrier in the store, as TorchTitan's set_pg_timeouts
+    does before its _set_pg_timeout), so the collective succeeds."""
+    res = run_ranks(_train_timeout_switch, 2, backend="gloo", timeout_s=100)
+    assert [r["error"] for r in res] == [None, None], res
+    assert [r["sum"] for r in res] == [2.0, 2.0], res
+    assert res[0]["switch_s"] >= 2.0, res  # rank 0 waited for rank 1 (4 s late)
+
+
+def _switch_without_a_peer(rank: int, world: int) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from titan_ext.runtime import timeouts
+
+    timeouts.set_timeout(2.0)
+    dist.barrier()
+    out = {"error": None, "s": 0.0}
+    if rank == 0:  # rank 1 never reaches the switch
+        t0 = time.monotonic()
+        try:
+            timeouts.set_timeout(1.0)
+        except timeouts.PeerTimeout as exc:
+            out["error"] = str(exc)
+        out["s"] = time.monotonic() - t0
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_reaches_the_switch_is_named_within_the_old_timeout():
+    res = run_ranks(_switch_without_a_peer, 2, backend="gloo", timeout_s=100)
+    assert res[0]["error"] and "rank(s) [1] stopped answering" in res[0]["error"], res
+    assert 1.8 <= res[0]["s"] < 30.0, res

@@ -87,8 +87,13 @@ class ControlPlane:
         return self.group is None
 
     def all_gather(self, vector: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's copy of a CPU vector of identical shape and dtype, by PP rank."""
-        vector = vector.detach().cpu()
+        """Every rank's copy of a CPU vector of identical shape and dtype, by PP rank.  A device vector is
+        refused: copying it to the host here would be a blocking device-to-host copy (a host sync) on the
+        caller's thread."""
+        if vector.device.type != "cpu":
+            raise ValueError(f"the control plane carries host tensors, got one on {vector.device}: make it "
+                             f"on the host (the device's values are read by the device layer)")
+        vector = vector.detach()
         if self.local:
             return [vector]
         out = [torch.empty_like(vector) for _ in range(self.size)]

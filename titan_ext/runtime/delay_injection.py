@@ -22,10 +22,19 @@ injector's stamper thread (never the schedule's thread: no host wait, no blockin
 books the link model with it and publishes the model's ``arrival`` (wall clock) as host data in the
 job's ``torch.distributed`` store under the message's sequence number on its rank pair — no device
 tensor, no copy, no data-group traffic.  The receiver's handle (:class:`DelayedRecvWork`) completes
-no earlier than ``arrival``: ``wait()`` reads the stamp from the store, sleeps the host until then and
-makes the stream wait on the data (``Work.wait()``); ``is_completed()`` (polled by the device layer's
-arrival watcher) reads it only if it is there, and never reads a device tensor (a ``.item()`` there
-would queue behind the compute stream and read arrivals late).  The sender is never slept, compute is
+no earlier than ``arrival``.  Its stamp is fetched by a helper thread per sending peer
+(:class:`_StampReader`): one blocking ``store.wait`` on a private connection (``store.clone()``: a
+TCPStore client serialises its calls, so a blocking wait on the shared one would hold every other store
+call of the process), then ``get`` and ``delete_key`` — three store requests per receive, where polling
+``check`` from ``wait()`` and from every ``is_completed()`` poll cost the store about a thousand
+requests a second per pending receive.  ``wait()`` waits for the fetched stamp, sleeps the host until
+then and makes the stream wait on the data (``Work.wait()``); ``is_completed()`` (polled by the device
+layer's arrival watcher) only looks at the fetched stamp: no store request, never a read of a device
+tensor (a ``.item()`` there would queue behind the compute stream and read arrivals late).  A stamp
+that cannot be made (the sender's device clock raised in its stamper thread) is published as an error
+and raised by the receiver's ``wait()``; one that never comes is waited for at most the PP timeout
+(:func:`titan_ext.runtime.timeouts.current_timeout_s`, else the store's): no receive waits without a
+deadline, and the stamper thread survives any error.  The sender is never slept, compute is
 never slept: only data arrival is delayed, FIFO per link and direction — unless ``hol=True``: then the
 thread that issued a delayed send is held until it arrived (NCCL's head-of-line blocking on a slow link,
 PipeMorph §3.2: the launch of the next communication blocks the host while the transmission queue is
@@ -63,10 +72,12 @@ import io
 import logging
 import math
 import os
+import queue
 import re
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -80,6 +91,10 @@ MIN_BANDWIDTH = 1.0  # bytes/s: below, one message's transfer time is beyond any
 MAX_LINK = 1 << 20  # link ids above are typos (a 5,000-digit integer is refused here, not by int())
 MAX_TRACE_BYTES = 16 << 20  # a delay trace larger than this is refused (it is read before the job starts)
 WARN_EVERY_S = 60.0  # repeat the "injected straggler active" warning this often while it is used
+#: a stamp the sender's stamper could not make is published as this prefix + the error (never a number)
+STAMP_ERROR = "error:"
+#: how long a receive waits for its stamp when neither a PP timeout nor the store's timeout is known
+STAMP_WAIT_DEFAULT_S = 300.0
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -347,38 +362,126 @@ def link_of_ranks(a: int, b: int, group_size: int) -> int:
     raise ValueError(f"PP ranks {a} and {b} are not adjacent (group size {group_size})")
 
 
-class DelayedRecvWork:
-    """A receive on a delayed link: complete when its data has landed and the stamped ``arrival``
-    (wall clock, published by the sender's stamper in the store under ``key``) has passed."""
+class _Stamp:
+    """One receive's arrival stamp, fetched by a :class:`_StampReader` thread: ``ready`` is set once
+    ``value`` (the sender's model arrival, wall clock) or ``error`` is there."""
 
-    def __init__(self, works: list[Any], key: str, store: Any):
-        self.works = works  # the data's (or the batch's one coalesced work)
-        self.key, self.store = key, store
-        self._arrival: float | None = None
-        # the arrival watcher (is_completed) and the consumer (wait) both read the stamp: one takes and
-        # deletes the key; without the lock the other's ``store.get`` of the deleted key would block
-        # until the store's timeout (a TCPStore get waits for a missing key)
+    __slots__ = ("key", "value", "error", "ready")
+
+    def __init__(self, key: str):
+        self.key, self.value, self.error = key, math.nan, None
+        self.ready = threading.Event()
+
+
+class _StampReader:
+    """Fetches the arrival stamps of this process's delayed receives from the store: one daemon thread
+    per sending peer (``titan_ext/delay/SRC->DST``), in the pair's issue order — the order in which the
+    sender's stamper publishes them.  Per stamp: a blocking ``wait`` (bounded by :func:`_stamp_limit_s`),
+    ``get``, ``delete_key`` on the thread's own connection (``store.clone()``), so the wait holds no other
+    thread's store call (a TCPStore client serialises its calls) and costs no polling."""
+
+    def __init__(self, store: Any):
+        self.store = store
+        self._queues: dict[str, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
 
-    def _read(self, block: bool) -> float | None:
-        """The stamp, once the sender's stamper published it (``block``: polled until then, the
-        store checked between short sleeps so this process's own stamper keeps running)."""
-        pause = 20e-6
+    def fetch(self, key: str) -> _Stamp:
+        stamp = _Stamp(key)
+        pair = key.rpartition("/")[0]
+        with self._lock:
+            q = self._queues.get(pair)
+            if q is None:
+                q = self._queues[pair] = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(q,), daemon=True,
+                                 name=f"titan_ext-delay-stamps-{pair.rpartition('/')[2]}").start()
+        q.put(stamp)
+        return stamp
+
+    def _run(self, q: queue.SimpleQueue) -> None:
+        store = _private_connection(self.store)
         while True:
-            with self._lock:
-                if self._arrival is not None:
-                    return self._arrival
-                if self.store.check([self.key]):
-                    self._arrival = float(self.store.get(self.key).decode())
-                    self.store.delete_key(self.key)
-                    return self._arrival
-            if not block:
-                return None
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+            stamp = q.get()
+            if stamp is None:
+                return
+            try:
+                stamp.value = _take_stamp(store, stamp.key)
+            except BaseException as exc:  # noqa: BLE001 - raised by the receive's wait()
+                stamp.error = exc
+            stamp.ready.set()
+
+    def close(self) -> None:
+        """End the threads once the stamps already asked for are fetched."""
+        with self._lock:
+            for q in self._queues.values():
+                q.put(None)
+            self._queues.clear()
+
+
+def _private_connection(store: Any) -> Any:
+    """A connection of its own to ``store`` (``Store.clone()``), or ``store`` where it has none."""
+    clone = getattr(store, "clone", None)
+    try:
+        return clone() if clone is not None else store
+    except (RuntimeError, NotImplementedError):
+        return store
+
+
+def _stamp_limit_s(store: Any) -> float:
+    """How long a receive's stamp is waited for: the PP timeout, else the store's own, else
+    :data:`STAMP_WAIT_DEFAULT_S`."""
+    from .timeouts import current_timeout_s
+
+    limit = current_timeout_s()
+    if limit is None:
+        try:
+            limit = store.timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            limit = STAMP_WAIT_DEFAULT_S
+    return limit
+
+
+def _take_stamp(store: Any, key: str) -> float:
+    """Wait for ``key``, read it and delete it (three store requests); an error stamp or no stamp
+    within :func:`_stamp_limit_s` raises, naming the sending rank."""
+    sender = key.rpartition("/")[0].rpartition("/")[2].partition("->")[0]
+    limit = _stamp_limit_s(store)
+    try:
+        store.wait([key], timedelta(seconds=limit))
+    except RuntimeError as exc:  # DistStoreError: the wait timed out (or the store is gone)
+        raise RuntimeError(f"link-delay injection: timed out after {limit:g} s waiting for the arrival stamp "
+                           f"{key!r}: rank {sender} never published it ({exc})") from exc
+    text = store.get(key).decode()
+    store.delete_key(key)
+    if text.startswith(STAMP_ERROR):
+        raise RuntimeError(f"link-delay injection: rank {sender} could not stamp the message {key!r}: its "
+                           f"delay stamper failed: {text[len(STAMP_ERROR):]}")
+    return float(text)
+
+
+class DelayedRecvWork:
+    """A receive on a delayed link: complete when its data has landed and the stamped ``arrival``
+    (wall clock, published by the sender's stamper in the store under ``key``, fetched by a
+    :class:`_StampReader` thread) has passed."""
+
+    def __init__(self, works: list[Any], key: str, store: Any, reader: _StampReader | None = None):
+        self.works = works  # the data's (or the batch's one coalesced work)
+        self.key, self.store = key, store
+        self._stamp = (reader if reader is not None else _StampReader(store)).fetch(key)
+
+    def _read(self, block: bool) -> float | None:
+        """The stamp once fetched (``block``: waits for the reader, which always ends: a value, the
+        sender's error, or its own timeout); None if not yet fetched and not ``block``."""
+        stamp = self._stamp
+        if block:
+            stamp.ready.wait()
+        elif not stamp.ready.is_set():
+            return None
+        if stamp.error is not None:
+            raise stamp.error
+        return stamp.value
 
     def arrival(self) -> float:
-        """The sender's model arrival time (waits for the sender's stamper to publish it)."""
+        """The sender's model arrival time (waits for the stamp to be fetched)."""
         return self._read(block=True)
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility
@@ -390,12 +493,15 @@ class DelayedRecvWork:
         return True
 
     def is_completed(self) -> bool:
-        """Truthful and without a host sync: the data's works report completion and the stamp, a
-        host value in the store, has passed (never a read of a device tensor)."""
+        """Truthful and without a host sync or a store request: the data's works report completion and
+        the fetched stamp has passed (never a read of a device tensor).  A failed stamp counts as
+        completed, as ProcessGroupNCCL's ``isCompleted`` for a work with an exception: ``wait()`` raises it."""
         if not all(w.is_completed() for w in self.works):
             return False
-        arrival = self._read(block=False)
-        return arrival is not None and time.time() >= arrival
+        stamp = self._stamp
+        if not stamp.ready.is_set():
+            return False
+        return stamp.error is not None or time.time() >= stamp.value
 
     def get_future(self) -> torch.futures.Future:
         """Completes at arrival (a helper thread waits; the future's value is None)."""
@@ -413,19 +519,26 @@ class DelayedRecvWork:
 
 
 class _Arrival:
-    """A delayed send's model arrival (``time.monotonic()``), set by the stamper thread."""
+    """A delayed send's model arrival (``time.monotonic()``), set by the stamper thread (or its error)."""
 
     def __init__(self) -> None:
         self._stamped = threading.Event()
         self.time = math.nan
+        self.error: str | None = None
 
     def set(self, arrival: float) -> None:
         self.time = arrival
         self._stamped.set()
 
+    def fail(self, error: str) -> None:
+        self.error = error
+        self._stamped.set()
+
     def wait(self) -> None:
-        """Until the message has arrived."""
+        """Until the message has arrived (raises if its stamp could not be made)."""
         self._stamped.wait()
+        if self.error is not None:
+            raise RuntimeError(f"link-delay injection: a held send's arrival could not be stamped: {self.error}")
         delay = self.time - time.monotonic()
         if delay > 0:
             time.sleep(delay)
@@ -464,6 +577,9 @@ class LinkDelayInjector:
         self._sequence: dict[tuple[int, int], int] = {}  # (src, dst) global ranks -> stamped messages
         self._devices: dict[Any, Any] = {}  # torch.device -> its device layer (the event clock)
         self._stamps: Any = None  # the stamper thread's queue
+        self._reader: _StampReader | None = None  # fetches this rank's receives' stamps
+        self.stamper_errors: list[BaseException] = []
+        """Errors the stamper thread caught (each published to its receiver instead of a stamp)."""
 
     # -- configuration -------------------------------------------------------------------------
     def update(self, spec: str | DelaySchedule) -> None:
@@ -559,8 +675,6 @@ class LinkDelayInjector:
         token = layer.mark_ready()
         nbytes = op.tensor.numel() * op.tensor.element_size()
         if self._stamps is None:
-            import queue
-
             self._stamps = queue.SimpleQueue()
             threading.Thread(target=self._stamper, args=(self._stamps,), name="titan_ext-delay-stamper",
                              daemon=True).start()
@@ -570,25 +684,46 @@ class LinkDelayInjector:
 
     def _stamper(self, stamps: Any) -> None:
         """Per send, in issue order: wait (this thread only) until its data is ready on the device,
-        book the link from that time and publish the arrival (wall clock) in the store."""
+        book the link from that time and publish the arrival (wall clock) in the store.  Never dies of
+        an error: it is recorded, logged and published in the stamp's place (:meth:`_stamp_failed`)."""
         while True:
             item = stamps.get()
             if item is None:
                 return
             layer, token, link, direction, nbytes, key, arrived = item
-            ready = layer.ready_time(token)  # the device layer's clock (time.perf_counter)
-            with self._lock:
-                # the model runs on time.monotonic(): move the device-ready time onto it
-                ready_mono = ready - (_device_now() - time.monotonic())
-                arrival = self.arrival_time(link, direction, nbytes, ready_mono)
-                if arrival > ready_mono:
-                    self.messages_delayed += 1
-                else:
-                    self.messages_passed += 1
-            wall = time.time() + (arrival - time.monotonic())
-            self.store.set(key, repr(wall))
+            try:
+                ready = layer.ready_time(token)  # the device layer's clock (time.perf_counter)
+                with self._lock:
+                    # the model runs on time.monotonic(): move the device-ready time onto it
+                    ready_mono = ready - (_device_now() - time.monotonic())
+                    arrival = self.arrival_time(link, direction, nbytes, ready_mono)
+                    if arrival > ready_mono:
+                        self.messages_delayed += 1
+                    else:
+                        self.messages_passed += 1
+                wall = time.time() + (arrival - time.monotonic())
+                self.store.set(key, repr(wall))
+            except BaseException as exc:  # noqa: BLE001 - see _stamp_failed
+                self._stamp_failed(key, exc, arrived)
+                continue
             if arrived is not None:
                 arrived.set(arrival)
+
+    def _stamp_failed(self, key: str, exc: BaseException, arrived: _Arrival | None) -> None:
+        """A send that could not be stamped: record and log the error, publish it under the stamp's key
+        (the receiver's ``wait()`` raises it: before, the stamper thread died and receivers waited for
+        stamps that never came) and release a held issuer (``hol``)."""
+        self.stamper_errors.append(exc)
+        what = f"{type(exc).__name__}: {exc}"
+        if len(self.stamper_errors) == 1:
+            log.error("titan_ext: link-delay injection could not stamp %s (%s); its receiver gets the error",
+                      key, what, exc_info=exc)
+        try:
+            self.store.set(key, STAMP_ERROR + what)
+        except Exception:  # noqa: BLE001 - the store is gone: the receiver's own timeout ends its wait
+            log.error("titan_ext: link-delay injection could not publish the failure of %s either", key)
+        if arrived is not None:
+            arrived.fail(what)
 
     def batch_p2p(self, p2p_ops: list, desc: str | None = None) -> list:
         """Drop-in replacement of torch's ``schedules._batch_p2p`` that applies the link delays:
@@ -598,6 +733,8 @@ class LinkDelayInjector:
         self.maybe_warn(time.monotonic())
         if self.store is None:
             self.store = dist.distributed_c10d._get_default_store()
+        if self._reader is None or self._reader.store is not self.store:
+            self._reader = _StampReader(self.store)
         keys: list[str | None] = []
         held: list[_Arrival] = []
         for op in p2p_ops:
@@ -620,7 +757,7 @@ class LinkDelayInjector:
         out = []
         for i, key in enumerate(keys):
             own = [works[i]] if per_op else list(works)
-            out.append(own[0] if key is None else DelayedRecvWork(own, key, self.store))
+            out.append(own[0] if key is None else DelayedRecvWork(own, key, self.store, self._reader))
         for arrived in held:  # head-of-line blocking: the issuer waits out its delayed sends
             arrived.wait()
         return out
@@ -665,6 +802,9 @@ class LinkDelayInjector:
             schedules._batch_p2p = self._orig_batch_p2p
         if _CURRENT is self:
             _CURRENT = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def __enter__(self) -> "LinkDelayInjector":
         return self

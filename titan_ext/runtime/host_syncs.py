@@ -81,19 +81,22 @@ def _counters() -> list[HostSyncs]:
 
 
 def _site() -> str:
-    """``file:line`` of the code that made the call: the innermost frame outside the glue; the nearest
-    titan_ext or torch frame names the culprit when the call came from elsewhere (a test, a model)."""
+    """``file:line`` of the code that made the call: the innermost titan_ext or TorchTitan frame (past
+    the glue and torch's own frames: a collective's ``wait()`` inside ``torch.distributed`` names the
+    product code that ran the collective), else the innermost torch frame, else the innermost frame."""
     frame = sys._getframe(1)
-    first = None
+    first = torch_frame = None
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if not module.startswith(_GLUE):
             if first is None:
                 first = frame
-            if module.startswith(("titan_ext", "torch", "torchtitan")):
+            if module.startswith(("titan_ext", "torchtitan")):
                 break
+            if torch_frame is None and module.startswith("torch"):
+                torch_frame = frame
         frame = frame.f_back
-    frame = frame or first
+    frame = frame or torch_frame or first
     if frame is None:
         return "?"
     path = frame.f_code.co_filename

@@ -9,7 +9,12 @@ its neighbours for the 300 s of group creation. Here:
 * :func:`new_group` creates our groups (control plane, Falcon's mesh groups) with an explicit timeout
   and remembers them; :func:`set_timeout` moves them all (collectives) and the PP message waits to a
   new value — TorchTitan's rule: ``comm.init_timeout_seconds`` until the first step is done, then
-  ``comm.train_timeout_seconds``;
+  ``comm.train_timeout_seconds``.  A timeout is fixed per work when the work is created (ProcessGroupNCCL:
+  ``WorkNCCL`` copies ``options_->timeout`` at creation; ``_set_pg_timeout`` only changes later works;
+  our explicit gloo waits do the same), so a *shorter* timeout is switched to only once every rank has
+  reached the switch (a host-only barrier in the default store, as TorchTitan's ``set_pg_timeouts``
+  barriers before its ``_set_pg_timeout``): else a fast rank's next op, created under the short timeout,
+  times out on a slow rank still legitimately busy under the long one;
 * :func:`install_p2p_timeout` wraps torch's ``schedules._batch_p2p`` (the one function through which
   every pipelining schedule, ours and torch's, sends and receives).  How a PP wait is bounded depends on
   the group's backend (:func:`explicit_wait_timeout`, decided per work):
@@ -22,7 +27,18 @@ its neighbours for the 300 s of group creation. Here:
     wait); the bound is the group's timeout, which :func:`set_timeout` moves on the PP groups too
     (``_set_pg_timeout``), and NCCL's watchdog, which aborts the process after it.  A side thread
     polls the waited works (``is_completed()``, non-blocking) and, shortly before the watchdog fires,
-    logs the :class:`PeerTimeout` message naming the peer and fences it (below);
+    logs the :class:`PeerTimeout` message naming the peer and fences it (below).  ``is_completed()`` is a
+    ``cudaEventQuery`` on NCCL: the side thread makes each poll under the device of the thread that
+    registered the work (:func:`titan_ext.runtime.device.thread_device`, which also sets the thread-local
+    CUDA-graph capture mode), as ProcessGroupNCCL's watchdog takes a device guard before its queries —
+    a thread that never selected a device would open a CUDA context on GPU 0 in every process;
+  - **NCCL with** ``TORCH_NCCL_BLOCKING_WAIT=1``: every ``wait()`` blocks the host until the op completed
+    (or timed out) and the watchdog no longer aborts, so the wait gets the explicit timeout as on gloo
+    (it costs nothing more, and the timeout names the peer); :func:`install_p2p_timeout` warns once that
+    the host can then no longer run ahead of the GPU (:func:`blocking_wait`);
+  - a group whose backend cannot be told (``get_backend`` raises): no explicit timeout (fail closed —
+    on NCCL an explicit one busy-waits the host at every PP wait; a gloo receive then keeps its group's
+    creation timeout, a bound still);
 * :func:`named_collective` runs a collective of ours so that a timeout says which ranks had not
   arrived (each rank marks its arrival in the default store before the collective); on a group whose
   timeout is NCCL's watchdog the same side thread watches it and names them before the watchdog fires
@@ -36,6 +52,7 @@ its neighbours for the 300 s of group creation. Here:
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -47,8 +64,12 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["PeerTimeout", "current_timeout_s", "install_p2p_timeout", "named_collective", "new_group",
-           "named", "publish_identity", "set_timeout", "explicit_wait_timeout"]
+from .device import thread_device
+
+__all__ = ["PeerTimeout", "blocking_wait", "current_timeout_s", "install_p2p_timeout", "named_collective",
+           "new_group", "named", "publish_identity", "set_timeout", "explicit_wait_timeout"]
+
+log = logging.getLogger(__name__)
 
 _timeout_s: float | None = None  # None: the groups' own (creation) timeout
 _groups: list[Any] = []  # groups created by new_group (their collectives follow set_timeout)
@@ -84,22 +105,107 @@ def new_group(ranks: Sequence[int] | None, timeout_s: float | None, **kwargs) ->
 
 def set_timeout(seconds: float) -> None:
     """From now on, PP message waits and the collectives of our groups end after ``seconds``: our groups'
-    and the PP groups' timeouts move (on NCCL the group timeout is what bounds a PP wait)."""
+    and the PP groups' timeouts move (on NCCL the group timeout is what bounds a PP wait).
+
+    Works already created keep their timeout (ProcessGroupNCCL fixes it per work at creation).  A switch
+    to a *shorter* timeout is collective: every rank of the job calls it at the same point (TorchTitan's
+    rule: after the first step, :func:`titan_ext.titan.registry._train_timeout_after_first_step`), and
+    it waits until all have arrived (:func:`_switch_barrier`, bounded by the old timeout), as TorchTitan's
+    ``set_pg_timeouts`` does before its ``_set_pg_timeout`` — without it a fast rank's next collective,
+    created under the short timeout, timed out on a slow rank still finishing its first step."""
     global _timeout_s
-    _timeout_s = _check_seconds(seconds, "timeout")
+    seconds = _check_seconds(seconds, "timeout")
+    if _timeout_s is not None and seconds < _timeout_s:
+        _switch_barrier(_timeout_s, seconds)
+    _timeout_s = seconds
     for group in (*_groups, *_p2p_groups):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=_timeout_s), group)
 
 
-def explicit_wait_timeout(group: Any) -> bool:
-    """Whether a PP wait on ``group`` passes an explicit timeout: on gloo only, whose receives keep the
-    timeout of the group's creation.  On NCCL (and the ``nccl_rules`` test backend) ``wait(timeout)``
-    blocks the host until the op completes and aborts the communicator on expiry; ``wait()`` does not
-    block, and the group's timeout with NCCL's watchdog bounds the op."""
+def _switch_barrier(old_s: float, new_s: float) -> None:
+    """Every rank of the job reached the switch to ``new_s`` (at most ``old_s`` waited; a
+    :class:`PeerTimeout` names the ranks that never arrived).  Host-only, in the default store: no
+    device work, no communicator (TorchTitan's ``barrier(device_ids=...)`` + ``synchronize`` would put
+    a collective on the default group — under lazy init its first — and a host sync; works the device
+    still has queued were created under the old timeout and keep it).  The wait runs on a private
+    connection (``store.clone()``): a TCPStore client serialises its calls, so a blocking wait on the
+    shared one would hold every other thread's store call (delay stamps, arrival marks) meanwhile."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return
+    store = _default_store()
+    if store is None:
+        return
+    me, world, name = dist.get_rank(), dist.get_world_size(), "timeout switch"
+    count = _arrivals.get(name, 0) + 1
+    _arrivals[name] = count
+    store.set(f"titan_ext/arrivals/{name}/{me}", str(count))
     try:
-        return dist.get_backend(group) == dist.Backend.GLOO
-    except (RuntimeError, ValueError, AttributeError):
+        private = store.clone()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        private = store
+    key = f"titan_ext/timeout_switch/{count}"
+    if private.add(key, 1) == world:
+        private.set(key + "/all", "1")
+    try:
+        private.wait([key + "/all"], timedelta(seconds=old_s))
+    except RuntimeError as e:  # DistStoreError: the wait timed out
+        missing = _behind(store, range(world), name, count)
+        who = (f"rank(s) {missing}" if missing else "a peer rank") + "".join(_fence(r) for r in missing)
+        raise PeerTimeout(f"rank {me}: the switch to the {new_s:g} s timeout (after the first step) waited "
+                          f"{old_s:g} s, the timeout until then, for every rank to reach it: {who} stopped "
+                          f"answering") from e
+
+
+def explicit_wait_timeout(group: Any) -> bool:
+    """Whether a PP wait on ``group`` passes an explicit timeout: on gloo, whose receives keep the
+    timeout of the group's creation; on NCCL only under :func:`blocking_wait` (every wait then blocks
+    the host anyway).  On NCCL (and the ``nccl_rules`` test backend) ``wait(timeout)`` blocks the host
+    until the op completes and aborts the communicator on expiry; ``wait()`` does not block, and the
+    group's timeout with NCCL's watchdog bounds the op.  A group whose backend cannot be told gets none
+    (fails closed: an explicit timeout on NCCL would busy-wait the host at every PP wait)."""
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return False
+    if backend == dist.Backend.GLOO:
         return True
+    # "nccl", or a per-device list ("cuda:nccl,cpu:gloo", TorchTitan's enable_cpu_backend): PP tensors are CUDA
+    nccl = any(part.rpartition(":")[2] == "nccl" for part in backend.split(","))
+    return nccl and blocking_wait()
+
+
+#: ProcessGroupNCCL's blocking-wait switch and its deprecated alias (``TORCH_NCCL_BLOCKING_WAIT`` in
+#: ProcessGroupNCCL.hpp), read as c10d's ``getCvarBool`` (Utils.hpp) reads them: the first one set wins,
+#: true is 1/y/yes/t/true in any case
+BLOCKING_WAIT_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+
+
+def blocking_wait() -> bool:
+    """Whether ProcessGroupNCCL runs with blocking wait (``TORCH_NCCL_BLOCKING_WAIT=1``): ``Work.wait()``
+    then busy-waits the host until the op completed or its timeout passed (``WorkNCCL::synchronize``),
+    and the watchdog leaves timeouts to that wait instead of aborting the process."""
+    for var in BLOCKING_WAIT_VARS:
+        value = os.environ.get(var)
+        if value is not None:
+            return value.lower() in ("1", "y", "yes", "t", "true")
+    return False
+
+
+_warned_blocking_wait: list[bool] = []
+
+
+def _warn_blocking_wait() -> None:
+    """One line per process when :func:`blocking_wait` is on (a warning, not a refusal: blocking wait is
+    a legitimate way to debug a hang — a timeout raises in ``wait()`` instead of aborting — but a job
+    left with it trains with its GPUs idle at every pipeline receive, which nothing else would show)."""
+    if _warned_blocking_wait or not blocking_wait():
+        return
+    _warned_blocking_wait.append(True)
+    var = next(v for v in BLOCKING_WAIT_VARS if os.environ.get(v) is not None)
+    log.warning("titan_ext: %s=%s: every NCCL wait, each pipeline receive included, blocks the host until the "
+                "data arrived, so the host cannot run ahead and the GPU idles at every PP wait (and NCCL's "
+                "watchdog no longer aborts on a timeout: the wait raises); unset it for training",
+                var, os.environ[var])
 
 
 def _remember_p2p_group(group: Any) -> None:
@@ -116,17 +222,18 @@ class _TimedWork:
     """A p2p work whose ``wait()`` is bounded by the timeout and names the peer when it is not (on gloo by
     an explicit wait timeout; elsewhere by the group's timeout, :func:`explicit_wait_timeout`)."""
 
-    __slots__ = ("work", "peer", "kind", "explicit")
+    __slots__ = ("work", "peer", "kind", "explicit", "limit_s")
 
     def __init__(self, work: Any, peer: Any, kind: str, explicit: bool):
         self.work, self.peer, self.kind, self.explicit = work, peer, kind, explicit
+        self.limit_s = _timeout_s  # fixed at creation, as ProcessGroupNCCL fixes a work's timeout
 
     def wait(self, timeout: timedelta | None = None) -> Any:
         if not self.explicit and timeout is None:
-            if _timeout_s is not None:
+            if self.limit_s is not None:
                 _watch(self)
             return self.work.wait()
-        limit = timeout or (timedelta(seconds=_timeout_s) if _timeout_s is not None else None)
+        limit = timeout or (timedelta(seconds=self.limit_s) if self.limit_s is not None else None)
         try:
             return self.work.wait(limit) if limit is not None else self.work.wait()
         except RuntimeError as e:
@@ -208,7 +315,8 @@ def _timed(batch_p2p: Callable) -> Callable:
 
 #: the watch names a stopped peer this long before the group's timeout (NCCL's watchdog) ends the process
 _WATCH_LEAD_S = 5.0
-_watched: list[tuple[float, Any]] = []  # (since, _TimedWork | _PendingCollective): NCCL-side waits not done yet
+#: (since, _TimedWork | _PendingCollective, device context factory): NCCL-side waits not done yet
+_watched: list[tuple[float, Any, Callable[[], Any]]] = []
 _watch_lock = threading.Lock()
 _watcher: list[threading.Thread] = []
 
@@ -217,12 +325,25 @@ def _watch(work: Any) -> None:
     """Poll ``work`` (a PP wait or a named collective) from a side thread (``done()`` does not block); past
     the lead time before the timeout, log the peer that stopped answering and fence it (a stopped process
     on this host): NCCL's watchdog then ends this process, and the launcher no longer waits on a peer
-    that cannot die."""
+    that cannot die.  The registering thread's device (:func:`~titan_ext.runtime.device.thread_device`,
+    captured here, per work: cheap, and right whichever thread registers) is entered around each of the
+    side thread's polls — ``is_completed()`` is a ``cudaEventQuery`` on NCCL."""
+    device = thread_device()
     with _watch_lock:
-        _watched.append((time.monotonic(), work))
+        _watched.append((time.monotonic(), work, device))
         if not _watcher:
             _watcher.append(threading.Thread(target=_watch_loop, daemon=True, name="titan_ext-pp-watch"))
             _watcher[0].start()
+
+
+def _done(work: Any, device: Callable[[], Any]) -> bool:
+    """``work.done()`` under its registering thread's device (a failure counts as done: the backend
+    reports it to the waiter; the watch itself never dies of it)."""
+    try:
+        with device():
+            return work.done()
+    except Exception:  # noqa: BLE001 - see above
+        return True
 
 
 def _watch_loop() -> None:
@@ -231,14 +352,14 @@ def _watch_loop() -> None:
         now, late = time.monotonic(), []
         with _watch_lock:
             keep = []
-            for since, work in _watched:
-                limit = _timeout_s or 0.0
-                if work.done():
+            for since, work, device in _watched:
+                limit = getattr(work, "limit_s", None) or _timeout_s or 0.0  # a PP wait's: fixed at creation
+                if _done(work, device):
                     continue
                 if limit and now - since > max(0.5 * limit, limit - _WATCH_LEAD_S):
                     late.append((now - since, work))
                 else:
-                    keep.append((since, work))
+                    keep.append((since, work, device))
             _watched[:] = keep
         for waited, work in late:
             print(work.note(round(waited)), file=sys.stderr, flush=True)
@@ -249,6 +370,7 @@ def install_p2p_timeout() -> None:
     injection, so that every work it returns is timed)."""
     from torch.distributed.pipelining import schedules
 
+    _warn_blocking_wait()
     if not getattr(schedules._batch_p2p, "_titan_ext_timed", False):
         schedules._batch_p2p = _timed(schedules._batch_p2p)
 

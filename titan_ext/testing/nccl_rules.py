@@ -8,7 +8,19 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   rank, whatever the tags say (a size or dtype mismatch is reported, NCCL would corrupt or hang).  Bare
   ``isend``/``irecv`` and ``batch_isend_irecv`` ops are on different FIFOs: ProcessGroupNCCL runs a bare
   P2P op on a two-rank communicator of the pair and a batched one on the group's communicator, so a
-  batched op never pairs with a bare one (it hangs until the watchdog);
+  batched op never pairs with a bare one (it hangs until the watchdog) — under lazy init; under eager
+  init both run on the group's communicator and pair (below);
+* **communicators are created by the first op that needs them** (lazy init, torch's default and
+  TorchTitan's: ``init_process_group`` without ``device_id``; ``getNCCLComm``/``initNCCLComm`` in
+  ProcessGroupNCCL.cpp): the group's first collective or ``batch_isend_irecv`` blocks the calling thread
+  until every rank of the group issued its own, and the first bare ``isend``/``irecv`` of a pair until
+  the other rank issued its first bare op with this one (a rendezvous through the group's store, as NCCL
+  exchanges the ``ncclUniqueId`` there before ``ncclCommInitRank`` blocks); counted as a host-blocking
+  call by :mod:`titan_ext.runtime.host_syncs` ("communicator creation").  A rank whose peers never come
+  hangs on NCCL; here the op fails after the group's timeout (raises, or ends the process as the watchdog
+  would when ops are in flight).  ``$TITAN_EXT_NCCL_RULES_INIT=eager`` models ``device_id`` (which a CPU
+  test cannot pass): every group's communicator exists from its creation and bare P2P ops run on it,
+  serialised with everything else, as torch >= 2.5 does under eager init;
 * **one NCCL stream per rank** (per group): a rank's groups — a ``batch_isend_irecv`` list (to any
   number of peers), one bare op, or one collective — run in issue order, across *all* peers, and
   collectives and P2P of the group are ordered alike.  A group starts when every earlier group of the
@@ -18,9 +30,10 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   issued; a state where this rank's running group needs a peer's later group while the peer's running
   group needs a later group of this rank is reported at once (:class:`NcclRuleError` with both op
   sequences); a longer cycle through several peers hangs, as on NCCL, until the watchdog;
-* **the group timeout and NCCL's watchdog**: a group unfinished after the group's timeout (given at
-  creation, or moved by ``torch.distributed.distributed_c10d._set_pg_timeout``, which this backend
-  patches for its groups; at most ``$TITAN_EXT_NCCL_RULES_TIMEOUT_S``, default 60 s) aborts the
+* **the group timeout and NCCL's watchdog**: a group unfinished after its timeout — the group's timeout
+  when it was issued (given at creation, or moved by ``torch.distributed.distributed_c10d._set_pg_timeout``,
+  which this backend patches for its groups, for the works issued after the move: ProcessGroupNCCL fixes
+  ``opTimeout_`` as it creates a work; at most ``$TITAN_EXT_NCCL_RULES_TIMEOUT_S``, default 60 s) — aborts the
   communicator and ends the process with SIGABRT, as ProcessGroupNCCL's watchdog does; so does the
   inner channel failing while ops are in flight (a dead peer: NCCL's async error handling).  With
   ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` (tests) the works raise instead and the process lives on;
@@ -32,9 +45,27 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   its own wait can see stale data.  **``Work.wait(timeout)`` with a timeout blocks the calling thread**
   until the op completes (ProcessGroupNCCL's blocking wait busy-waits the host) and, when the timeout
   expires first, raises and aborts the communicator: every later op on the group raises.  A barrier's
-  ``wait()`` blocks the host (ProcessGroupNCCL's barrier synchronises the device).
-  ``is_completed()`` and ``get_future()`` are truthful: they complete when the data has landed (the
-  contract the device layer relies on);
+  ``wait()`` blocks the host (ProcessGroupNCCL's barrier synchronises the device; counted as a host sync).
+  ``is_completed()`` is truthful: True once the data has landed (the contract the device layer relies
+  on) or once the op failed (``WorkNCCL::isCompleted`` is ``exception() || finished``: the error is in
+  ``exception()``, ``is_success()`` is False and ``wait()`` raises it).  ``get_future()`` is completed at
+  enqueue, as ProcessGroupNCCL marks it right after launching the kernel; its ``wait()``/``value()``/
+  ``then()`` order the calling thread's later kernels after the data, like ``Work.wait()`` (a CUDA
+  future makes the current stream wait): the future says nothing about arrival.  When a test installed
+  the lagging simulated device (:mod:`titan_ext.testing.lagdevice`), ``Work.wait``/``is_completed`` and the
+  future's waits are device calls of the calling thread there and a ``wait()`` enqueues a wait on its
+  stream;
+* **a send buffer is read when the transfer runs**, not at ``isend``: a send whose tensor was written in
+  place (its version counter moved) after ``isend`` returned and before its transfer is reported at the
+  transfer, naming the op (on NCCL the peer would get the old data, the new or a mix).  A write after the
+  send's ``wait()`` is ordered after the transfer and passes.  Writes the version counter does not see
+  (through ``.data``, or from outside torch) are not caught;
+* **NCCL's dtypes only** (``getNcclDataType``): no int16, no unsigned 16/32/64-bit, no complex — torch's
+  Python layer views complex tensors as real before the backend for P2P, ``broadcast``, ``all_reduce``
+  (SUM/AVG/PREMUL_SUM), ``all_gather``, ``scatter``, ``all_to_all``; the backend's ``allreduce`` takes a
+  complex tensor for SUM/AVG/PREMUL_SUM (ProcessGroupNCCL views it as real) and every other op refuses it
+  (``reduce``, ``gather``, ``reduce_scatter`` of a complex tensor fail on NCCL).  float8: P2P only here
+  (NCCL refuses it in reductions before 2.24; gloo has no float8 for the other collectives: stricter);
 * **one thread per pair**: an op issued on a pair from a thread other than the one that issued the
   pair's earlier ops raises at once;
 * **no host tensors on data groups**: every group of this backend is a data group (the PP and DP
@@ -60,10 +91,16 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   is the one test of it (the host-sync accounting of :mod:`titan_ext.runtime.host_syncs` uses it to
   tell a device read from a host one).
 
-Collectives are gloo's (host-tensor rule checked), launched in stream order.  What a CPU run cannot
-show: eager small-message buffering (here every send waits for its receive), the per-communicator
-streams of ProcessGroupNCCL (modelled as one stream per group and rank, the stricter order), and device
-timing.
+Collectives are gloo's (host-tensor rule checked), launched in stream order.  **One stream per group
+and rank** where ProcessGroupNCCL has one per communicator (the group's, and under lazy init one per pair
+for bare P2P ops): *stricter for deadlocks* — a bare op to one peer waits here behind a bare op to
+another, or behind a batch or collective of the group, where NCCL's separate streams would let it run,
+so some orders reported here as a deadlock or hang pass on NCCL — and *more lenient for cross-stream
+races*: two ops on different NCCL communicators (a bare receive into a buffer that a batched send or a
+collective reads, with no stream wait between them) run concurrently on NCCL and race; here they run one
+after the other and never race.  Under eager init the model is exact (one communicator, one stream).
+What a CPU run cannot show either: eager small-message buffering (here every send waits for its
+receive), and device timing.
 
 Use: ``run_ranks(fn, n, backend="nccl_rules")``, the environment variable ``TITAN_EXT_TEST_BACKEND``
 (read by :func:`titan_ext.testing.run_ranks` and the TorchTitan CPU shim), or
@@ -94,11 +131,14 @@ BACKEND = "nccl_rules"
 ENV_VAR = "TITAN_EXT_TEST_BACKEND"
 TIMEOUT_ENV = "TITAN_EXT_NCCL_RULES_TIMEOUT_S"
 WATCHDOG_ENV = "TITAN_EXT_NCCL_RULES_WATCHDOG"
+#: ``lazy`` (default: ``init_process_group`` without ``device_id``, as TorchTitan calls it) or ``eager`` (as
+#: with ``device_id``, which a CPU test cannot pass: torch refuses a CPU ``device_id``), read per group
+INIT_ENV = "TITAN_EXT_NCCL_RULES_INIT"
 #: titan_ext modules whose tensors are device tensors: the device layer, and the
 #: test harness's models and batches (the user's side of a job)
 DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.testing.ranks", "titan_ext.testing.models")
 
-__all__ = ["BACKEND", "ENV_VAR", "NcclRuleError", "NcclRulesGroup", "install", "installed", "is_host_made",
+__all__ = ["BACKEND", "ENV_VAR", "INIT_ENV", "NcclRuleError", "NcclRulesGroup", "install", "installed", "is_host_made",
            "mark_host", "names_host"]
 
 _SEND, _RECV = 0, 1
@@ -107,8 +147,19 @@ _BARE, _BATCHED = 0, 1  # the communicator of a P2P op: ProcessGroupNCCL's two-r
 _INLINE_OPS = 8  # ops of one group on one pair described in its fixed-size head (more: a second message)
 _META_LEN = 3 + 3 * _INLINE_OPS
 _TAG = 0  # tags are ignored: one FIFO per pair and direction
+#: the dtypes ProcessGroupNCCL takes: its ``ncclDataType`` map (``getNcclDataType`` in
+#: ProcessGroupNCCL.cpp / NCCLUtils.hpp: kChar, kByte, kFloat, kDouble, kInt, kLong, kHalf, kBool as uint8,
+#: kBFloat16, the four float8 types); no int16, no unsigned 16/32/64-bit, no complex (their index is the
+#: wire code of a P2P op's dtype)
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+           torch.int8, torch.uint8, torch.bool,
+           *[getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz")
+             if hasattr(torch, n)]]
+_FLOAT8 = frozenset(_DTYPES[9:])
+#: the collectives that reduce (ProcessGroupNCCL refuses float8 there: "Float8 dtypes are not currently
+#: supported for NCCL reductions", before NCCL 2.24)
+_REDUCTIONS = frozenset({"allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
+                         "reduce_scatter_tensor_coalesced"})
 _HOST_ATTR = "_titan_ext_host_site"
 _SHUTDOWN_S = 2.0  # how long a group's shutdown waits for its peers' close messages
 _KEPT_OPEN: list = []  # shut-down groups whose landers still wait on a peer
@@ -160,7 +211,7 @@ def _caller_module() -> str:
     """Module of the Python code that called the torch function (past torch's own dispatch glue)."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(
-            ("torch.overrides", __name__, "titan_ext.runtime.host_syncs")):
+            ("torch.overrides", __name__, "titan_ext.runtime.host_syncs", "titan_ext.testing.lagdevice")):
         frame = frame.f_back
     return frame.f_globals.get("__name__", "") if frame is not None else ""
 
@@ -339,6 +390,51 @@ def _seconds(timeout: Any) -> float | None:
     return seconds if seconds > 0 else None
 
 
+def _lagdevice() -> Any:
+    """The lagging simulated device (:mod:`titan_ext.testing.lagdevice`) when a test loaded and installed
+    it, else None (looked up, never imported: a run without it pays nothing)."""
+    lag = sys.modules.get("titan_ext.testing.lagdevice")
+    return lag if lag is not None and lag.installed() else None
+
+
+def _record_host_sync(kind: str) -> None:
+    """Count a host-blocking call on this thread's open :func:`titan_ext.runtime.host_syncs.counting` blocks."""
+    syncs = sys.modules.get("titan_ext.runtime.host_syncs")
+    if syncs is not None:
+        syncs.record(kind)
+
+
+class _EnqueuedFuture(torch.futures.Future):
+    """A work's future, completed when the op is enqueued, as ProcessGroupNCCL's: ``pointToPoint`` and
+    ``collective`` build ``work->future_`` under a guard of the NCCL stream and call
+    ``work->future_->markCompleted(at::IValue(*work->outputs_))`` right after launching the kernel, before
+    returning the work.  It is a CUDA future: ``wait()`` / ``value()`` and a callback run by ``then()`` make
+    the *current stream* wait on the work's end event (the host does not wait), so here they make the
+    calling thread's later kernels wait until the op has landed, like :meth:`_RulesWork.wait`.  Its value
+    is the op's outputs (the receive buffer, the collective's output), not to be read before that wait."""
+
+    def __init__(self, work: "_RulesWork", outputs: Any):
+        super().__init__()
+        self._work = work
+        self.set_result(outputs)
+
+    def wait(self) -> Any:
+        self._work._stream_wait("Future.wait")
+        return super().wait()
+
+    def value(self) -> Any:
+        self._work._stream_wait("Future.value")
+        return super().value()
+
+    def then(self, callback: Any) -> Any:
+        self._work._stream_wait("Future.then")  # complete: the callback runs now, on this thread
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Any) -> None:
+        self._work._stream_wait("Future.add_done_callback")
+        super().add_done_callback(callback)
+
+
 class _RulesWork(dist.Work):
     """One op's handle (a P2P op or a collective).
 
@@ -347,39 +443,69 @@ class _RulesWork(dist.Work):
     until the op completes (ProcessGroupNCCL's blocking wait: the host busy-waits on the work's end
     event) and, when the timeout expires first, raises and aborts the communicator: every later op on the
     group raises.  A barrier's ``wait()`` blocks the host too (ProcessGroupNCCL's barrier synchronises the
-    device).  ``is_completed()`` and ``get_future()`` are truthful."""
+    device: counted by :mod:`titan_ext.runtime.host_syncs`).  ``is_completed()`` is truthful: True once the
+    op has landed, or has failed (``WorkNCCL::isCompleted``: ``exception() || finishedGPUExecutionInternal()``;
+    the error is in ``exception()`` and ``wait()`` raises it).  ``get_future()`` is completed at enqueue
+    (:class:`_EnqueuedFuture`)."""
 
-    def __init__(self, group: "NcclRulesGroup", result: Any, host_blocking: bool = False):
+    def __init__(self, group: "NcclRulesGroup", result: Any, host_blocking: bool = False, what: str = "op"):
         super().__init__()
         self._group = group
-        self._result = result
         self._host_blocking = host_blocking
+        self._what = what
         self._settled = threading.Event()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._future: torch.futures.Future = _EnqueuedFuture(self, result)
 
     def wait(self, timeout: Any = None) -> bool:
+        lag = _lagdevice()
+        if lag is not None:
+            lag.device_call("Work.wait")
         if self._error is not None:
             raise self._error
         seconds = _seconds(timeout)
         if seconds is None and not self._host_blocking:
-            _stream_wait_later(self)
+            self._stream_wait()
             return True
+        # a barrier synchronises the device on NCCL (a host sync, counted); any other collective's
+        # wait() only orders the stream there, and waits on the host here because the CPU test runs
+        # its kernels on the host (functional collectives read the result through C++): not counted
+        device_sync = self._what == "barrier"
+        if device_sync and lag is None:
+            _record_host_sync("barrier (device synchronize)")
         if not self._settled.wait(seconds):
             raise self._group._abort(
                 f"Work.wait(timeout={seconds:g} s) timed out: ProcessGroupNCCL's blocking wait aborts the "
                 f"communicator, and every later op on this group raises")
         if self._error is not None:
             raise self._error
+        if lag is not None and self._host_blocking:
+            lag.stream_wait(self._settled.is_set, self._what)
+            if device_sync:  # ProcessGroupNCCL's barrier: cudaDeviceSynchronize (counted by host_block)
+                lag.host_block("barrier (device synchronize)")
         return True
 
+    def _stream_wait(self, call: str | None = None) -> None:
+        """The current stream waits for the op (the thread's next kernel here; the lagging device's
+        stream too when a test installed it)."""
+        lag = _lagdevice()
+        if lag is not None:
+            if call is not None:
+                lag.device_call(call)
+            lag.stream_wait(self._settled.is_set, self._what)
+        if not self._settled.is_set():
+            _stream_wait_later(self)
+        else:
+            _join_stream()
+
     def is_completed(self) -> bool:
-        if self._error is not None:
-            raise self._error
-        return self._settled.is_set() or self._future.done()
+        lag = _lagdevice()
+        if lag is not None:
+            lag.device_call("Work.is_completed")
+        return self._settled.is_set()
 
     def is_success(self) -> bool:
-        return self._error is None and (self._settled.is_set() or self._future.done())
+        return self._error is None and self._settled.is_set()
 
     def exception(self) -> Any:
         return self._error
@@ -388,17 +514,12 @@ class _RulesWork(dist.Work):
         return self._future
 
     def _land(self) -> None:
-        # the future first: whoever wakes on ``_settled`` then also sees ``get_future().done()``, and
-        # ``is_completed()`` reads either, so a thread woken by the future sees it too
-        self._future.set_result(self._result)
         self._settled.set()
-        self._result = None
 
     def _fail(self, error: BaseException) -> None:
         if self._settled.is_set():
             return
         self._error = error
-        self._future.set_exception(error)
         self._settled.set()
 
     def _block(self) -> None:
@@ -412,36 +533,54 @@ class _RulesWork(dist.Work):
 # --------------------------------------------------------------------------------------------------
 class _StreamGroup:
     """One NCCL group on this rank's stream: a ``batch_isend_irecv`` list (any peers), one bare P2P op,
-    or one collective (``launch`` starts it on the inner gloo group)."""
+    or one collective (``launch`` starts it on the inner gloo group).  ``timeout_s`` is the group's
+    timeout when it was issued: ProcessGroupNCCL sets ``work->opTimeout_ = options_->timeout`` as it
+    creates the work, and the watchdog's ``checkTimeout`` compares ``workStartTime_`` with that, so a
+    later ``_set_pg_timeout`` (which moves ``options_->timeout``) applies to later works only."""
 
-    __slots__ = ("ops", "launch", "work", "issued", "started", "left", "what")
+    __slots__ = ("ops", "launch", "work", "issued", "started", "left", "what", "timeout_s")
 
-    def __init__(self, ops: list["_Op"], launch: Any = None, work: "_RulesWork | None" = None, what: str = ""):
+    def __init__(self, ops: list["_Op"], timeout_s: float, launch: Any = None, work: "_RulesWork | None" = None,
+                 what: str = ""):
         self.ops, self.launch, self.work, self.what = ops, launch, work, what
         self.issued = time.monotonic()
+        self.timeout_s = timeout_s
         self.started = False
         self.left = len(ops) if launch is None else 1
 
 
 class _Op:
-    """One P2P op; ``tensor`` and ``work`` are dropped once it has landed (nothing kept alive)."""
+    """One P2P op; ``tensor`` and ``work`` are dropped once it has landed (nothing kept alive).
 
-    __slots__ = ("kind", "tensor", "numel", "dtype", "k", "group", "pair", "stream", "work", "payload", "done")
+    A send's buffer is NCCL's to read until the transfer (the kernel reads it when it runs, not at
+    ``isend``): ``version`` is the tensor's version counter at issue; a send whose tensor was written in
+    place before its transfer (the version moved) is reported at the transfer (:meth:`_Pair.land`)."""
 
-    def __init__(self, owner: "NcclRulesGroup", kind: int, tensor: torch.Tensor):
+    __slots__ = ("kind", "tensor", "numel", "dtype", "k", "group", "pair", "stream", "work", "payload", "done",
+                 "version")
+
+    def __init__(self, owner: "NcclRulesGroup", kind: int, tensor: torch.Tensor, peer: int):
         if not tensor.is_contiguous():
             raise NcclRuleError("NCCL rules: P2P tensors must be contiguous")
-        if tensor.dtype not in _DTYPES:
-            raise NcclRuleError(f"NCCL rules: dtype {tensor.dtype} is not supported by NCCL")
+        _check_dtype(tensor, "a P2P op")
         self.kind, self.tensor = kind, tensor
         self.numel, self.dtype = tensor.numel(), _DTYPES.index(tensor.dtype)
         self.k = self.group = -1
         self.done = False  # its transfer happened (its work completes with its whole group)
         self.pair: _Pair | None = None
         self.stream: _StreamGroup | None = None
-        self.work: _RulesWork | None = _RulesWork(owner, [tensor])
+        what = f"send to {peer}" if kind == _SEND else f"recv from {peer}"
+        self.work: _RulesWork | None = _RulesWork(owner, [tensor], what=what)
         # the bytes a send puts on the wire (made here, outside the group's lock: a torch op may wait)
         self.payload = tensor.reshape(-1).view(torch.uint8) if kind == _SEND and self.numel else None
+        self.version = tensor._version if kind == _SEND else 0
+
+    def written_since_issue(self) -> tuple[int, int] | None:
+        """A send whose buffer was written in place since it was issued: (version at issue, now)."""
+        if self.kind != _SEND or self.tensor is None:
+            return None
+        now = self.tensor._version
+        return (self.version, now) if now != self.version else None
 
     def land(self, staged: torch.Tensor | None) -> None:
         """The transfer: a receive's bytes go into its tensor (its work completes with its group)."""
@@ -539,6 +678,15 @@ class _Pair:
             if h is None or h > self.their_started:
                 waiting.append(op)
             elif op.kind == _SEND:
+                written = op.written_since_issue()
+                if written is not None:
+                    raise _Mismatch(
+                        f"send buffer written before the transfer: this rank's "
+                        f"{_describe(op.kind, op.k, op.numel, op.dtype)} to rank {self.peer} was written in place "
+                        f"after isend returned and before its transfer ran (tensor version {written[0]} -> "
+                        f"{written[1]}); NCCL reads a send buffer when its kernel runs, not at isend, so the peer "
+                        f"gets the old data, the new or a mix: make the writer wait on the send's work "
+                        f"(Work.wait() orders the stream) or write a copy")
                 op.land(None)
             elif op.k in self.staged:
                 op.land(self.staged.pop(op.k))
@@ -599,6 +747,16 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._group_timeout_s = _seconds(timeout)
         self._timeout_cap_s = float(os.environ.get(TIMEOUT_ENV, "60"))
+        # communicators (:meth:`_communicator`): under eager init the group's exists from creation (its
+        # construction was the rendezvous: the inner gloo group connects every rank) and bare P2P ops run
+        # on it; under lazy init each is created by the first op that needs it
+        init = os.environ.get(INIT_ENV, "lazy")
+        if init not in ("lazy", "eager"):
+            raise ValueError(f"${INIT_ENV} is {init!r}: 'lazy' (no device_id, torch's default) or 'eager'")
+        self.eager_init = init == "eager"
+        self._comm_store = dist.PrefixStore("nccl_rules_comm", store)
+        self._comms: set[str] = {"group"} if self.eager_init else set()
+        self._comm_locks: dict[str, threading.Lock] = {}  # per communicator: creations run concurrently
         self._lock = threading.RLock()
         self._events: queue.Queue = queue.Queue()
         self._pairs = {(p, ch): _Pair(rank, p, ch) for p in range(size) if p != rank for ch in (_BARE, _BATCHED)}
@@ -666,12 +824,16 @@ class NcclRulesGroup(dist.ProcessGroup):
         if peer not in self._peers:
             raise NcclRuleError(f"NCCL rules: peer {peer} is not another rank of this {self._size}-rank group")
         _check_device_tensor(tensors[0], "a P2P op")
-        op = _Op(self, kind, tensors[0])
+        op = _Op(self, kind, tensors[0], peer)
         work = op.work  # the op lets go of it when it lands, perhaps before _issue returns
         batch = getattr(self._batch, "ops", None)
         if batch is not None:
             batch.append((peer, op))
+        elif self.eager_init:  # eager init: a bare op runs on the group's communicator, serialised with all
+            self._issue([(peer, op)], _BATCHED)
         else:
+            self._communicator(f"pair {min(self._rank, peer)}:{max(self._rank, peer)}", [self._rank, peer],
+                               f"a bare {'isend' if kind == _SEND else 'irecv'} with rank {peer}")
             self._issue([(peer, op)], _BARE)
         return work
 
@@ -682,7 +844,53 @@ class NcclRulesGroup(dist.ProcessGroup):
     def end_batch(self) -> None:
         ops, self._batch.ops = self._batch.ops, None
         if ops:
+            self._communicator("group", list(range(self._size)), "a batch_isend_irecv")
             self._issue(ops, _BATCHED)
+
+    # -- communicator creation (lazy init) ------------------------------------------------------
+    def _communicator(self, key: str, ranks: list[int], what: str) -> None:
+        """The communicator ``key`` exists once this returns: under lazy init (``init_process_group``
+        without ``device_id``, torch's default and TorchTitan's) ProcessGroupNCCL creates a communicator at
+        the first op that needs it (``getNCCLComm`` / ``initNCCLComm``): rank 0 of it puts an
+        ``ncclUniqueId`` in the store, the others ``store->get`` it, and every rank then blocks in
+        ``ncclCommInitRank`` until all ranks of the communicator joined.  The group's communicator
+        (collectives and ``batch_isend_irecv``; key "group") needs every rank of the group; a bare
+        ``isend``/``irecv`` creates a two-rank communicator of the pair (``getKeySendRecv``: "lo:hi").  Here:
+        a rendezvous through the group's store, the calling thread blocked until every rank of it
+        arrived, counted as a host-blocking call (:mod:`titan_ext.runtime.host_syncs`: "communicator
+        creation").  A rank whose peers never arrive hangs on NCCL; here it fails after the group's timeout
+        (as the watchdog would end a hung op): the process ends, or with ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise``
+        the op raises and the group is aborted."""
+        if key in self._comms:
+            return
+        with self._comm_locks.setdefault(key, threading.Lock()):
+            if key in self._comms:
+                return
+            if self._error is not None:
+                raise self._error
+            _record_host_sync("communicator creation")
+            store, timeout_s = self._comm_store, self.timeout_s
+            store.set(f"{key}/{self._rank}", "1")
+            keys = [f"{key}/{r}" for r in ranks]
+            deadline, pause = time.monotonic() + timeout_s, 1e-4
+            # polled, not ``store.wait``: a client blocked in ``wait`` holds the process's store socket,
+            # and every other store user of this process (delay injection, other groups) would stall
+            while not store.check(keys):
+                if self._error is not None:
+                    raise self._error
+                if time.monotonic() > deadline:
+                    missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+                    self._end_process(
+                        f"communicator creation: {what} is this rank's first op on the {key} communicator "
+                        f"(lazy init: no device_id in init_process_group), and rank(s) {missing} of it did not "
+                        f"issue theirs within the group's timeout {timeout_s:g} s; NCCL creates a communicator "
+                        f"at its first op and blocks the host until every rank of it has joined (the group's: "
+                        f"its first collective or batch_isend_irecv on every rank; a pair's: the first bare "
+                        f"isend/irecv of each side)")
+                    raise self._error
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
+            self._comms.add(key)
 
     def _issue(self, ops: list[tuple[int, _Op]], channel: int) -> None:
         """One NCCL group on this rank's stream: per pair, its description then its send data, on the
@@ -703,7 +911,7 @@ class NcclRulesGroup(dist.ProcessGroup):
                         f"NCCL rules: ranks {self._rank}<->{peer}: op issued from thread {me[1]!r}, but the "
                         f"pair's earlier ops came from thread {owner[1]!r}; NCCL needs one issuing "
                         f"order per pair (issue every op of a pair from one thread)")
-            stream_group = _StreamGroup([op for _, op in ops])
+            stream_group = _StreamGroup([op for _, op in ops], self.timeout_s)
             for peer, group in by_peer.items():
                 g = self._pairs[(peer, channel)].add_mine(group)
                 for op in group:
@@ -873,21 +1081,23 @@ class NcclRulesGroup(dist.ProcessGroup):
                     f"batch_isend_irecv list as one group, so a reordered or split batch hangs", pair.peer)
 
     def _watchdog(self) -> None:
-        """NCCL's watchdog: a group open longer than the group's timeout aborts the communicator and
-        ends the process (ProcessGroupNCCL tears the process down with SIGABRT; with
-        ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` the works raise instead and the process lives on)."""
+        """NCCL's watchdog: a work open longer than its timeout (the group's when it was issued:
+        :class:`_StreamGroup`) aborts the communicator and ends the process (ProcessGroupNCCL tears the
+        process down with SIGABRT; with ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` the works raise instead and
+        the process lives on)."""
         with self._lock:
             if self._closed or self._error is not None or not self._stream:
                 return
-            head = self._stream[0]
-            waited = time.monotonic() - head.issued
-            if waited <= self.timeout_s:
+            now = time.monotonic()
+            late = next((g for g in self._stream if now - g.issued > g.timeout_s), None)
+            if late is None:
                 return
-            peers = sorted({op.pair.peer for op in head.ops if not op.done})
-            what = head.what or "P2P group"
-            what = (f"watchdog: a {what} unfinished after {waited:.1f} s > the group's timeout {self.timeout_s:g} s "
-                    f"(peers {peers}); NCCL's watchdog aborts the communicator and ends the process"
-                    + "".join("\n" + self._sequences(p) for p in peers))
+            waited = now - late.issued
+            peers = sorted({op.pair.peer for op in late.ops if not op.done})
+            what = late.what or "P2P group"
+            what = (f"watchdog: a {what} unfinished after {waited:.1f} s > its timeout {late.timeout_s:g} s (the "
+                    f"group's when it was issued; peers {peers}); NCCL's watchdog aborts the communicator and "
+                    f"ends the process" + "".join("\n" + self._sequences(p) for p in peers))
             self._end_process(what)
 
     def _end_process(self, what: str, peer: int | None = None) -> None:
@@ -926,7 +1136,8 @@ class NcclRulesGroup(dist.ProcessGroup):
             return self._error
 
     # -- collectives (gloo's, in stream order, host-tensor rule checked on inputs *and* outputs) ---
-    def _collective(self, name: str, tensors: list, result: Any, *args: Any, host_blocking: bool = True) -> _RulesWork:
+    def _collective(self, name: str, tensors: list, result: Any, *args: Any, host_blocking: bool = True,
+                    reduce_op: Any = None) -> _RulesWork:
         """A collective on gloo, in this rank's stream order, after refusing host tensors among
         ``tensors`` (every input and output buffer: NCCL writes a collective's result into device
         memory, so a host output is refused like a host input).  Its ``wait()`` blocks until the result
@@ -936,24 +1147,27 @@ class NcclRulesGroup(dist.ProcessGroup):
         GPU's host read would wait for the stream."""
         for t in tensors:
             _check_device_tensor(t, f"a collective ({name})")
+            _check_dtype(t, f"a collective ({name})", name, reduce_op)
         if self._error is not None:
             raise self._error
+        self._communicator("group", list(range(self._size)), f"a collective ({name})")
         if getattr(_modes, "on", False):
             _drain_pending()
-        work = _RulesWork(self, result, host_blocking)
+        work = _RulesWork(self, result, host_blocking, what=name)
         inner = getattr(self._inner, name)
         with self._lock:
             if self._error is not None:
                 raise self._error
-            self._stream.append(_StreamGroup([], launch=lambda: inner(*args), work=work, what=name))
+            self._stream.append(_StreamGroup([], self.timeout_s, launch=lambda: inner(*args), work=work, what=name))
         self._events.put(("issued", None, None))
         return work
 
     def allreduce(self, tensors, opts=None):
-        return self._collective("allreduce", tensors, tensors, tensors, *_opt(opts))
+        return self._collective("allreduce", tensors, tensors, tensors, *_opt(opts), reduce_op=_reduce_op(opts))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self._collective("allreduce_coalesced", tensors, tensors, tensors, *_opt(opts))
+        return self._collective("allreduce_coalesced", tensors, tensors, tensors, *_opt(opts),
+                                reduce_op=_reduce_op(opts))
 
     def broadcast(self, tensors, opts=None):
         return self._collective("broadcast", tensors, tensors, tensors, *_opt(opts))
@@ -1041,6 +1255,48 @@ def _flat(tensor_lists: Any) -> list:
 
 def _opt(opts: Any) -> tuple:
     return () if opts is None else (opts,)
+
+
+def _reduce_op(opts: Any) -> Any:
+    return getattr(opts, "reduceOp", None)
+
+
+def _complex_allowed(reduce_op: Any) -> bool:
+    """ProcessGroupNCCL's ``complexViewAsRealAllowed``: SUM, AVG and PREMUL_SUM of a complex tensor are
+    those of its real view; MIN, MAX, PRODUCT and the bitwise ops are not."""
+    op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
+    return any(op == ok for ok in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM))
+
+
+def _check_dtype(tensor: torch.Tensor, what: str, collective: str | None = None, reduce_op: Any = None) -> None:
+    """Refuse a dtype ProcessGroupNCCL refuses (``getNcclDataType``: "Input tensor data type is not
+    supported for NCCL process group").  Complex tensors: torch's Python layer views them as real
+    (``torch.view_as_real``) before the backend sees them for ``isend``/``irecv`` (and so ``send``/``recv``
+    and ``batch_isend_irecv``), ``broadcast``, ``all_reduce`` (SUM/AVG/PREMUL_SUM only), ``all_reduce_coalesced``,
+    ``all_gather``, ``all_gather_into_tensor``, ``all_gather_coalesced``, ``scatter``, ``all_to_all`` and
+    ``all_to_all_single``; of the backend's own methods only ``ProcessGroupNCCL::allreduce`` views a complex
+    tensor as real (``complexViewAsRealAllowed(opts.reduceOp)``, else "all_reduce does not support ... on
+    complex tensors").  So a complex tensor that reaches this backend is refused everywhere but in
+    ``allreduce`` with SUM/AVG/PREMUL_SUM: ``reduce``, ``gather``, ``reduce_scatter`` and
+    ``reduce_scatter_tensor`` of a complex tensor fail on NCCL (gloo takes them).  Float8: P2P and
+    non-reducing collectives on NCCL, refused in reductions (ProcessGroupNCCL before NCCL 2.24); here
+    refused in every collective (gloo has no float8: stricter)."""
+    dtype = tensor.dtype
+    if dtype.is_complex and collective == "allreduce":
+        if _complex_allowed(reduce_op):
+            return
+        raise NcclRuleError(f"NCCL rules: all_reduce does not support {reduce_op} on complex tensors "
+                            f"(ProcessGroupNCCL::allreduce views a complex tensor as real for SUM/AVG/PREMUL_SUM only)")
+    if dtype not in _DTYPES:
+        extra = (" (torch views a complex tensor as real for P2P, broadcast, all_reduce, all_gather, scatter "
+                 "and all_to_all before the backend; reduce, gather and reduce_scatter pass it on, and NCCL has "
+                 "no complex type)" if dtype.is_complex else "")
+        raise NcclRuleError(f"NCCL rules: {what}: input tensor data type is not supported for NCCL process "
+                            f"group: {dtype}{extra}")
+    if dtype in _FLOAT8 and collective is not None:
+        why = ("Float8 dtypes are not supported for NCCL reductions" if collective in _REDUCTIONS
+               else "a float8 collective is refused by this CPU backend (gloo has no float8; NCCL takes it)")
+        raise NcclRuleError(f"NCCL rules: {what}: {why}: {dtype}")
 
 
 def _check_device_tensor(tensor: torch.Tensor, what: str) -> None:

@@ -10,9 +10,13 @@ per-message flag values that a replayed CUDA graph would repeat.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from typing import Any, Callable
+
 import torch
 
-from titan_ext.runtime.device import CudaDevice, DeviceLayer
+from titan_ext.runtime.device import CudaDevice, DeviceLayer, thread_device
 
 D2H_STREAM, H2D_STREAM = "delegate-d2h", "delegate-h2d"
 
@@ -35,3 +39,28 @@ def refuse_capture(what: str) -> None:
         raise RuntimeError(f"{what}: the delegate data plane cannot run under CUDA graph capture (its "
                            f"copy+signal and spin-wait kernels carry per-message flag values); run the "
                            f"pipeline's P2P outside the captured region or use direct P2P")
+
+
+def side_context(layer: DeviceLayer | None) -> Callable[[], Any]:
+    """A context factory for the pool's side threads (arrival watchers, the supervisor, the send and
+    receive pumps), **captured on the calling thread** — the training thread, which builds the pool:
+    the training thread's device as :func:`titan_ext.runtime.device.thread_device` gives it (its device
+    guard and thread-local capture mode, as ProcessGroupNCCL's watchdog takes before each query), then
+    the stage's device layer's context (an explicit device index).  A thread that never selected its
+    device runs CUDA calls on device 0 and opens a context there."""
+    owner = thread_device()
+    stage = layer.context if layer is not None else contextlib.nullcontext
+
+    @contextlib.contextmanager
+    def context() -> Any:
+        with owner(), stage():
+            yield
+
+    return context
+
+
+def lagdevice() -> Any:
+    """The simulated device that runs behind the host (``titan_ext.testing.lagdevice``) when a test
+    installed it, else None — looked up in ``sys.modules``: the runtime never imports ``testing/``."""
+    lag = sys.modules.get("titan_ext.testing.lagdevice")
+    return lag if lag is not None and lag.installed() else None

@@ -18,6 +18,7 @@ import time
 import torch
 
 from . import ring as R
+from ._device import side_context
 from .link import DelegateError
 
 
@@ -78,6 +79,7 @@ class LaneProcesses:
         self.store_host, self.store_port = store
         self.timeout_s, self.heartbeat_timeout_s = timeout_s, heartbeat_timeout_s
         self.layer = layer                  # the CUDA device layer, None on CPU
+        self.context = side_context(layer)  # captured on the training thread (the supervisor respawns)
         self.spawned: list[Lane] = []       # every delegate started (respawns included)
         self.closed = False
 
@@ -89,7 +91,7 @@ class LaneProcesses:
         """A lane and its ring; with CUDA its device flags on the stage's device (from any thread)."""
         lane = Lane(ch, index, role, R.SlotRing.create(self.num_slots, self.slot_bytes), epoch)
         if self.layer is not None:
-            with self.layer.context():
+            with self.context():
                 lane.ring.region.cuda_register()
                 lane.dev_flags = torch.zeros(self.num_slots, dtype=torch.int32, device=self.layer.device)
         return lane

@@ -55,6 +55,7 @@ class Link:
         self.state = UP
         self.mutex = threading.Lock()       # send: ring write + keep vs. the replay snapshot; recv: routes
         self.retained: collections.deque = collections.deque()  # send: (seq, tensor) not yet acknowledged
+        self.pending: collections.deque = collections.deque()   # send: messages waiting for a free slot
         self.next_ring_seq = index          # recv: lowest seq of this link no ring has delivered yet
         self.windows: list[list] = []       # recv: [lo, hi) seqs on the direct path (hi None: open)
         self.route_next: int | None = None  # recv: next seq of the open window whose marker is unread

@@ -268,7 +268,8 @@ class DelegatePool:
     # ------------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, direction: str, seq: int, due_ns: int = 0):
         """Queue message ``seq`` of channel (this rank → ``dst``, ``direction``).  Returns once the bytes
-        are in a slot (CPU) or the D2H copy + signal are enqueued (CUDA); never waits for the link.
+        are in a slot (CPU) or the D2H copy + signal are enqueued (CUDA), or, when the ring is full, once
+        the message is queued for the send pump (sendpath.py); never waits for the link or a slot.
         ``due_ns``: its delegate sends it no earlier than this ``time.monotonic_ns()`` (an injected link
         delay, :meth:`~titan_ext.runtime.delay_injection.LinkDelayInjector.delegated_due_ns`).
 
@@ -284,8 +285,9 @@ class DelegatePool:
 
     def post_recv(self, tensor: torch.Tensor, src: int, direction: str, seq: int) -> Recv:
         """Post the receive of message ``seq`` of channel (``src`` → this rank, ``direction``) into
-        ``tensor``; its ``wait()`` returns once the data is there (CPU) or ordered before the current
-        stream's next kernel (CUDA)."""
+        ``tensor``; its ``wait()`` on the posting thread returns once the data is there (CPU) or once the
+        current stream waits for it (CUDA: on the copy's event, or on the device flag of a message not
+        yet arrived — the host never waits for the message; recvpath.py)."""
         return self.receiver.post_recv(tensor, src, direction, seq)
 
     def poll(self, src: int, direction: str, seq: int) -> bool:
@@ -331,8 +333,14 @@ class DelegatePool:
             return
         self._closed = True
         self.procs.closed = True
+        sender, receiver = getattr(self, "sender", None), getattr(self, "receiver", None)
+        if sender is not None:   # messages queued for a full ring go into it first (the pump writes them)
+            sender.flush(grace_s)
         self.recovery.stop()     # the supervisor tells the peers this pool is closing: no recovery then
         self.procs.stop(grace_s)
+        for part in (sender, receiver):
+            if part is not None:
+                part.close()
         self.recovery.release()
         if self.cuda:
             torch.cuda.synchronize(self.device)

@@ -211,6 +211,7 @@ class Recovery:
         with link.mutex:  # a send in progress finishes (ring write + keep) or aborts first
             replay = [(s, t) for s, t in link.retained if s >= first]
             link.retained.clear()
+            link.pending.clear()   # queued for a full ring: kept (retained) like the rest, replayed above
             link.state = DOWN
             for s, t in replay:
                 self.orphan(self.direct_send(link, t, s, DIRECT))

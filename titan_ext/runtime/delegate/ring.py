@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,22 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 
 
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives (shm_open)
+
+#: the site a ring tensor names in the host-sync accounting (``runtime/host_syncs.py``)
+HOST_SITE = "titan_ext/runtime/delegate/ring.py (pinned shared-memory slot ring)"
+
+
+def host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Mark a view of the ring as host memory for the ``nccl_rules`` test backend, which tells device
+    from host tensors on a CPU test by where titan_ext made them (``is_host_made``): the ring's views
+    come from the C++ extension (``Region.tensor``, ``torch::from_blob``), which no torch factory saw, so
+    they would pass for device tensors and a blocking copy between a slot and a device buffer would go
+    uncounted.  Looked up in ``sys.modules`` as :mod:`titan_ext.runtime.host_syncs` does: the runtime
+    never imports ``testing/``, and without the backend there is nothing to mark.  Returns ``t``."""
+    rules = sys.modules.get("titan_ext.testing.nccl_rules")
+    if rules is not None:
+        rules.mark_host(t, HOST_SITE)
+    return t
 
 
 class SharedMemoryShortage(RuntimeError):
@@ -142,11 +159,14 @@ class SlotRing:
         self.slot_bytes = geometry.slot_bytes
         g = geometry
         self._state_off: list[int] = [g.slot_offset(i) + SLOT_STATE for i in range(g.num_slots)]
-        base_views = [region.tensor(g.slot_offset(i) + SLOT_HEADER, HEADER_BYTES) for i in range(g.num_slots)]
+        # every view of the ring is host memory (pinned: cudaHostRegister'ed with CUDA): marked as such
+        base_views = [host_tensor(region.tensor(g.slot_offset(i) + SLOT_HEADER, HEADER_BYTES))
+                      for i in range(g.num_slots)]
         self.header_bytes = base_views                                   # uint8 views (sent over Gloo)
-        self.headers = [v.view(torch.int64) for v in base_views]          # int64 views of the same bytes
+        self.headers = [host_tensor(v.view(torch.int64)) for v in base_views]  # int64 views of the same bytes
         self._headers_np = [h.numpy() for h in self.headers]
-        self._payload = [region.tensor(g.slot_offset(i) + SLOT_PAYLOAD, g.slot_bytes) for i in range(g.num_slots)]
+        self._payload = [host_tensor(region.tensor(g.slot_offset(i) + SLOT_PAYLOAD, g.slot_bytes))
+                         for i in range(g.num_slots)]
 
     @classmethod
     def create(cls, num_slots: int, slot_bytes: int) -> "SlotRing":
@@ -189,7 +209,7 @@ class SlotRing:
 
     # --- headers and payloads -------------------------------------------------------------------
     def payload(self, i: int, nbytes: int) -> torch.Tensor:
-        return self._payload[i][:nbytes]
+        return host_tensor(self._payload[i][:nbytes])
 
     def write_header(self, i: int, seq: int, tensor: torch.Tensor, due_ns: int = 0) -> int:
         nbytes = tensor.numel() * tensor.element_size()
@@ -224,30 +244,32 @@ class SlotRing:
             self.typed_view(i, tensor.dtype, tensor.shape).copy_(tensor)
 
     def copy_out(self, i: int, tensor: torch.Tensor, nbytes: int) -> None:
-        """Copy slot ``i`` into a CPU tensor of the message's dtype and shape."""
+        """Copy slot ``i`` into a CPU tensor of the message's dtype and shape (from the pinned slot: a
+        ``non_blocking`` copy, as a GPU's H2D from it is)."""
         if tensor.is_contiguous():
             ctypes.memmove(tensor.data_ptr(), self.region.address + self.geometry.slot_offset(i) + SLOT_PAYLOAD,
                            nbytes)
         else:
-            tensor.copy_(self.typed_view(i, tensor.dtype, tensor.shape))
+            tensor.copy_(self.typed_view(i, tensor.dtype, tensor.shape), non_blocking=True)
 
     def typed_view(self, i: int, dtype: torch.dtype, shape) -> torch.Tensor:
         n = 1
         for d in shape:
             n *= d
         nbytes = n * torch.empty((), dtype=dtype).element_size()
-        return self._payload[i][:nbytes].view(dtype).view(tuple(shape))
+        return host_tensor(self._payload[i][:nbytes].view(dtype).view(tuple(shape)))
 
     # --- control block --------------------------------------------------------------------------
     def error_text(self) -> str:
         if not self.region.load(CTRL_ERROR):
             return ""
-        raw = bytes(self.region.tensor(CTRL_ERROR_TEXT, CTRL_ERROR_TEXT_MAX).tolist())
+        raw = bytes(host_tensor(self.region.tensor(CTRL_ERROR_TEXT, CTRL_ERROR_TEXT_MAX)).tolist())
         return raw.split(b"\0", 1)[0].decode(errors="replace")
 
     def set_error(self, text: str) -> None:
         data = text.encode(errors="replace")[: CTRL_ERROR_TEXT_MAX - 1] + b"\0"
-        self.region.tensor(CTRL_ERROR_TEXT, len(data)).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        host_tensor(self.region.tensor(CTRL_ERROR_TEXT, len(data))).copy_(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.region.store(CTRL_ERROR, 1)
         # wake anybody sleeping on a slot flag so they notice the error promptly
         for off in self._state_off:
