@@ -251,7 +251,7 @@ def _scenarios(rank: int, world: int) -> dict:
     try:
         lonely.wait()
         waited = "returned"
-    except NcclRuleError as exc:
+    except NcclRuleError:
         waited = "raised"
     out["completed_on_error"] = (completed, lonely.is_success(), type(lonely.exception()).__name__, waited)
 

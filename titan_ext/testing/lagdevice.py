@@ -159,7 +159,6 @@ class LagDevice:
         self.compute = LagStream(self, "compute")
         self._streams: dict[str, LagStream] = {"compute": self.compute}
         self.violations: list[str] = []
-        self.blocks: collections.Counter = collections.Counter()  # (kind, site) -> n
         self._kernel_s = 0.0  # host compute not yet enqueued as a kernel item
         self._stopped = False
         self.error: BaseException | None = None
@@ -236,9 +235,8 @@ class LagDevice:
     def host_block(self, kind: str, stream: LagStream | None = None,
                    until: Callable[[], bool] | None = None) -> None:
         """The host waits for the device (``until()``, or everything enqueued on ``stream`` so far —
-        default the compute stream); counted by call site."""
+        default the compute stream); counted by call site (``host_syncs``)."""
         host_syncs.record(kind)
-        self.blocks[(kind, host_syncs._site())] += 1
         self.drain(stream, until)
 
     def drain(self, stream: LagStream | None = None, until: Callable[[], bool] | None = None) -> None:
