@@ -184,14 +184,17 @@ NCCL_SCRIPT = textwrap.dedent("""
     timeouts.set_timeout(T)
     timeouts.publish_identity()
     pp = timeouts.new_group([0, 1], None)  # the PP group, its timeout T (TorchTitan sets every group's)
-    dist.send(torch.zeros(1), 1, pp) if rank == 0 else dist.recv(torch.zeros(1), 0, pp)  # the PP pair's
-    # communicator: under lazy init the pair's first bare op makes it, blocking the host, unwatched
+    if where != "first":  # the PP communicator, made by the path the waits below take (under lazy init the
+        # first op makes it, blocking the host: torch <= 2.11 sends a lone op through batch_isend_irecv, the
+        # group's communicator; later torch as a bare op, the pair's)
+        op = dist.P2POp(dist.isend if rank == 0 else dist.irecv, torch.zeros(1), 1 - rank, pp)
+        schedules._wait_batch_p2p(schedules._batch_p2p([op]))
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen: rank 0's watch kills it, NCCL's watchdog ends rank 0
         os._exit(3)
     buf = torch.zeros(4)
-    if where == "p2p":
+    if where in ("p2p", "first"):  # "first": the issue itself blocks, in communicator creation
         schedules._wait_batch_p2p(schedules._batch_p2p([dist.P2POp(dist.irecv, buf, 1, pp)]))
         print("wait returned", flush=True)
         buf.sum()  # the consumer: waits on the stream until the watchdog ends the process
@@ -203,12 +206,14 @@ NCCL_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["p2p", "collective"])
+@pytest.mark.parametrize("where", ["p2p", "first", "collective"])
 def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backend(where, tmp_path):
     """No explicit wait timeout on NCCL: the PP group's timeout and the watchdog end rank 0 (SIGABRT, as
     ProcessGroupNCCL's watchdog), after the watch named and killed the stopped peer — whether rank 0
-    waits for it in a PP message or in a named collective on the PP group (which raises nothing there:
-    before the watch covered it, the stopped peer was neither named nor killed)."""
+    waits for it in a PP message, blocks in issuing its first PP op (lazy init: the op creates the
+    communicator, and no work exists yet — the watch missed it before it watched the issue), or waits
+    in a named collective on the PP group (which raises nothing there: before the watch covered it,
+    the stopped peer was neither named nor killed)."""
     script = tmp_path / "peer.py"
     script.write_text(NCCL_SCRIPT)
     port = str(free_port())
@@ -231,6 +236,11 @@ def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backe
         assert main.returncode == -6, (main.returncode, main.stderr[-3000:])  # NCCL's watchdog: SIGABRT
         assert "wait returned" in main.stdout  # wait() did not block the host
         assert "rank 1 stopped answering" in main.stderr, main.stderr[-3000:]
+    elif where == "first":  # the watchdog's SIGABRT, or the creation's error once its peer was killed (exit 1)
+        assert main.returncode in (-6, 1), (main.returncode, main.stderr[-3000:])
+        assert "wait returned" not in main.stdout  # the issue blocked (communicator creation)
+        assert "issuing a PP op with rank(s) [1]" in main.stderr, main.stderr[-3000:]
+        assert "rank(s) [1] stopped answering" in main.stderr, main.stderr[-3000:]
     else:  # the watchdog's SIGABRT, or the error of the collective its killed peer left (exit 1)
         assert main.returncode in (-6, 1), (main.returncode, main.stderr[-3000:])
         assert "pipeline monitor over ranks [0, 1]" in main.stderr, main.stderr[-3000:]

@@ -295,13 +295,44 @@ def _peer_of(op: Any) -> int:
         return int(getattr(op, "peer", -1))
 
 
+class _PendingIssue:
+    """A PP op being *issued* on a group whose timeout is NCCL's watchdog: under lazy init (no
+    ``device_id``, TorchTitan's default) NCCL creates a communicator at the first op that needs it and
+    blocks the host in ``ncclCommInitRank`` until every rank of it joined — before any work exists for
+    the watch to poll.  A peer frozen before its first PP op then held this rank inside the issue, unnamed
+    and unfenced, until the watchdog (torch <= 2.11 puts even a lone receive through ``batch_isend_irecv``,
+    whose communicator is the group's).  Watched like a PP wait; done once the issue returned."""
+
+    __slots__ = ("peers", "limit_s", "finished")
+
+    def __init__(self, peers: list[int]):
+        self.peers, self.limit_s, self.finished = peers, _timeout_s, False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def note(self, waited: float) -> str:
+        who = "".join(_fence(p) for p in self.peers)
+        return (f"rank {dist.get_rank()}: issuing a PP op with rank(s) {self.peers} did not return within "
+                f"{waited:g} s{_limit()} (NCCL creates a communicator at its first op and blocks the host "
+                f"until every rank of it joined): rank(s) {self.peers} stopped answering{who}")
+
+
 def _timed(batch_p2p: Callable) -> Callable:
     def timed_batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
-        works = batch_p2p(p2p_ops, desc)
         if not p2p_ops:
-            return works
-        _remember_p2p_group(p2p_ops[0].group)
+            return batch_p2p(p2p_ops, desc)
         explicit = explicit_wait_timeout(p2p_ops[0].group)
+        pending = None
+        if not explicit and _timeout_s is not None:  # NCCL: the issue may create a communicator
+            pending = _PendingIssue(sorted({_peer_of(op) for op in p2p_ops}))
+            _watch(pending)
+        try:
+            works = batch_p2p(p2p_ops, desc)
+        finally:
+            if pending is not None:
+                pending.finished = True
+        _remember_p2p_group(p2p_ops[0].group)
         if len(works) != len(p2p_ops):  # a coalesced batch: one work for all, name every peer
             peers = sorted({_peer_of(op) for op in p2p_ops})
             return [_TimedWork(w, peers[0] if len(peers) == 1 else peers, "message", explicit) for w in works]
