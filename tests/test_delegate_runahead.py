@@ -397,6 +397,7 @@ def _schedule_worker(rank, world):
             "stats": stats}
 
 
+@pytest.mark.slow  # 15 s, 2 ranks; delegated PipeMorph's 0 host syncs also in tests/test_host_runahead.py
 def test_delegated_pipemorph_with_a_late_link_makes_no_host_sync_and_trains_bit_for_bit():
     """PipeMorph with ``delegation="always"`` under ``nccl_rules`` with rank 0's link 30 ms late (its
     messages are late for their consumers, and the receiver's early ones wait in their slots): no

@@ -22,16 +22,18 @@ KERNEL_MS, HOST_MS = 40.0, 0.5
 
 def test_the_detector_is_fed_the_device_time_of_a_step(monkeypatch):
     """A step whose kernels take 3 x 40 ms on the device while the host enqueues them in 1.5 ms, after
-    a 200 ms backlog left by the previous step: the detector gets the device's 120 ms."""
+    a 200 ms backlog left by the previous step: the step's record (what the exchange sends and the
+    detector gets) holds the device's 120 ms, read once the device ran it — without a host sync."""
     gpu = FakeGPU(index=0)
     install(monkeypatch, gpu)
-    fed: list[float] = []
+    ended: list = []
     job = SimpleNamespace(
         enabled=True, step_clock=StepClock(torch.device("cuda", 0)), emulation=SimpleNamespace(step=0),
         trainer=SimpleNamespace(step=7, gradient_accumulation_steps=0), data_iterator=None,
-        pp_delays=SimpleNamespace(maybe_install=lambda pipeline: None), grid=[[0]], dp_index=0,
-        _my_chunks=lambda it: [next(it), next(it), next(it)], dp=SimpleNamespace(step_started=lambda: None),
-        _falcon=fed.append)
+        pp_delays=SimpleNamespace(maybe_install=lambda pipeline: None), grid=[[0]], dp_index=0, _steps=0,
+        _my_chunks=lambda it: [next(it), next(it), next(it)], dp=SimpleNamespace(step_started=lambda: None))
+    job._after_step = lambda: ended.append(job.step_clock.stop())
+    syncs_before = gpu.event_syncs
 
     def run_step(chunks):
         for _ in chunks:
@@ -42,8 +44,12 @@ def test_the_detector_is_fed_the_device_time_of_a_step(monkeypatch):
         gpu.kernel(backlog_ms)
         with torch.cuda.device(torch.device("cuda", 0)):
             FalconJob.train_step(job, run_step, iter(range(3)))
-    assert fed == [pytest.approx(3 * KERNEL_MS / 1e3, abs=1e-6)] * 2
-    assert gpu.device_syncs == 0 and gpu.violations == []
+    gpu.host_work(1e3)  # the device catches up
+    with torch.cuda.device(torch.device("cuda", 0)):
+        read = job.step_clock.read()
+    assert [s.index for s in read] == [0, 1] and read == ended
+    assert [s.seconds for s in read] == [pytest.approx(3 * KERNEL_MS / 1e3, abs=1e-6)] * 2
+    assert gpu.device_syncs == 0 and gpu.event_syncs == syncs_before and gpu.violations == []
 
 
 class _NewStorageBytes(TorchDispatchMode):

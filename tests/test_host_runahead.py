@@ -12,8 +12,8 @@ GPU 0).  Three parts:
 * every schedule on two ranks under the ``nccl_rules`` backend with the job's PP timeouts installed, as
   a TorchTitan job has them: **0 host-blocking calls in a steady non-exchange iteration**, the device
   still behind the host at every iteration's end, and no device call from a thread without the device.
-  (TorchTitan itself, 4 ranks, PipeMorph with delegation: ``test_titan_job_runs_ahead`` in the slow
-  tier; Falcon's DP x PP job still syncs every step, the one part of this not fixed yet.)
+  (TorchTitan itself, 4 ranks, PipeMorph with delegation and PipeMorph with Falcon in DP x PP:
+  ``test_titan_job_runs_ahead`` in the slow tier.)
 """
 
 from __future__ import annotations
@@ -267,6 +267,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 TITAN_JOBS = {  # name: (config, extra arguments); CrossPipe and torch's 1F1B run in the two-rank test above
     "PipeMorph+delegation": ("debug_cpu.toml", ["--titan_ext.delegation", "always"]),
+    "PipeMorph+Falcon (DP 2 x PP 2)": ("debug_cpu_dp2_pp2.toml", []),
 }
 
 

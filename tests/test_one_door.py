@@ -126,38 +126,15 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
     ("titan_ext/runtime/falcon/device_clock.py", "to_device", ".to"):
         "every caller (redistribute.py, topology.py) passes a tensor already on the stage's device, so the "
         "tensor is returned as is; the .to is reached only by a tensor elsewhere, which no caller makes",
-    ("titan_ext/runtime/falcon/device_clock.py", "DeviceTimer.mark", "torch.cuda.device"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; the timing event's device guard",
-    ("titan_ext/runtime/falcon/device_clock.py", "DeviceTimer.mark", "torch.cuda.Event"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; the timing event (recorded, never waited on here)",
-    ("titan_ext/runtime/falcon/device_clock.py", "DeviceTimer.elapsed_s", ".query"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; a completion query of its own event",
-    ("titan_ext/runtime/falcon/device_clock.py", "DeviceTimer.elapsed_s", ".synchronize"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; a host wait on its end event (StepClock's every step: the open defect)",
-    ("titan_ext/runtime/falcon/device_clock.py", "DeviceTimer.elapsed_s", ".elapsed_time"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; the span of two completed events",
-    ("titan_ext/runtime/falcon/device_clock.py", "DeviceTimer.completion_s", ".is_completed"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; CPU only: polls a work's completion on the training thread",
-    ("titan_ext/runtime/falcon/device_clock.py", "_cycles_per_second", "torch.cuda.current_device"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; the calibration of the spin kernel, once per device",
-    ("titan_ext/runtime/falcon/device_clock.py", "_cycles_per_second", "torch.cuda.device"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; the calibration of the spin kernel, once per device",
-    ("titan_ext/runtime/falcon/device_clock.py", "_cycles_per_second", "torch.cuda._sleep"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; the calibration kernel, once per device (emulation only)",
-    ("titan_ext/runtime/falcon/device_clock.py", "device_sleep", "torch.cuda.device"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; the emulated slow device's spin kernel, enqueued without a host wait",
-    ("titan_ext/runtime/falcon/device_clock.py", "device_sleep", "torch.cuda._sleep"):
-        "DEFECT (issue 46), Falcon's DP x PP path, open: Falcon's DeviceTimer and device_sleep are a second device layer beside runtime/device.py; the spin kernel of device_sleep itself (emulation only, no host wait)",
-    ("titan_ext/runtime/falcon/validation.py", "gemm_probe", ".to"):
-        "DEFECT (issue 46), open: a blocking host-to-device copy of the probe's random operands (torch.randn on the host, then .to(device)); runs on a diagnosis only",
-    ("titan_ext/titan/falcon/dp.py", "DPSync.transfer_times", ".tolist"):
-        "reads the per-stage times all-reduced on the gloo control group (host tensors made by torch.full without a device), once per step: never a device tensor",
     # ---- titan/falcon/ (the Falcon DP x PP job)
     ("titan_ext/titan/falcon/costs.py", "_time_state_load", ".copy_"):
         "device to device: the state-load probe copies the stage's own tensors into empty_like buffers on "
         "the same device (the copy being timed), once at start-up",
     ("titan_ext/titan/falcon/dp.py", "DPSync._per_stage", ".tolist"):
         "reads torch.full(...) made on the host and all-reduced on the gloo control group: " + _HOST_CONTROL,
+    ("titan_ext/titan/falcon/measure.py", "ObservationExchange._complete", ".tolist"):
+        "reads the step exchange's vector (torch.full on the host, all-reduced on the gloo control group): "
+        "a host tensor, never a device tensor",
     ("titan_ext/titan/falcon/s4.py", "_restart_estimate_s", ".to"):
         "S4's restart-cost estimate, once per job at start-up (FalconJob.__init__ -> estimate_s4_cost): the "
         "first PROBE_BYTES of a parameter larger than the probe, copied to the host to write a probe "

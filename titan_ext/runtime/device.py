@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["ArrivalWatcher", "CpuDevice", "CudaDevice", "DeviceLayer", "RecvHandle", "Timer", "backend_waits_land",
-           "device_layer", "now", "thread_device"]
+           "device_layer", "device_sleep", "DeviceTimer", "now", "thread_device"]
 
 #: bounds of the watcher's completion polling (seconds): a receive's arrival is stamped at most this
 #: late after it landed, plus the thread's wake-up latency
@@ -687,3 +687,83 @@ def device_layer(device: torch.device | str) -> DeviceLayer:
             dev = torch.device("cuda", torch.cuda.current_device())
         return CudaDevice(dev)
     return CpuDevice(dev)
+
+
+# --------------------------------------------------------------------------------------------------
+# a completion timer and a device-side delay for Falcon's start-up costs, validation and emulation
+# --------------------------------------------------------------------------------------------------
+class DeviceTimer:
+    """Completion times of device work on ``device``'s current stream."""
+
+    def __init__(self, device):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+            return ev
+        return time.perf_counter()
+
+    def elapsed_s(self, start: Any, end: Any, wait: bool = True) -> float | None:
+        """Seconds from mark ``start`` to mark ``end``; on CUDA waits for ``end`` (or, with
+        ``wait=False``, returns None while it is still pending: no host sync)."""
+        if not self.cuda:
+            return end - start
+        with torch.cuda.device(self.device):
+            if not end.query():
+                if not wait:
+                    return None
+                end.synchronize()  # start-up and validation only (blocking by design)
+            return start.elapsed_time(end) / 1e3
+
+
+    def completion_s(self, start: Any, works: list) -> float:
+        """Seconds from mark ``start`` until the communication ``works`` have *landed*: on CUDA an
+        event recorded after ``wait()`` (which makes the stream wait) read once it completes; on
+        CPU polling ``is_completed()`` after ``wait()`` (NCCL's ``wait()`` — and the nccl_rules
+        test backend's — returns before the data has landed)."""
+        for work in works:
+            work.wait()
+        if self.cuda:
+            return self.elapsed_s(start, self.mark())
+        while not all(work.is_completed() for work in works):
+            time.sleep(0)
+        return time.perf_counter() - start
+
+
+_CYCLES_PER_S: dict[int, float] = {}
+
+
+def _cycles_per_second(device: torch.device) -> float:
+    """Calibrate ``torch.cuda._sleep`` (GPU clock cycles) against CUDA events, once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES_PER_S:
+        timer, cycles = DeviceTimer(device), 10_000_000
+        with torch.cuda.device(device):
+            start = timer.mark()
+            torch.cuda._sleep(cycles)
+            end = timer.mark()
+        _CYCLES_PER_S[index] = cycles / max(timer.elapsed_s(start, end), 1e-6)
+    return _CYCLES_PER_S[index]
+
+
+def device_sleep(seconds: float, device=None) -> None:
+    """Delay ``device``'s current stream by ``seconds``, the device held meanwhile: on CUDA a spin
+    kernel (``torch.cuda._sleep``), on CPU a busy wait of the host. (A CPU rank that *slept* would
+    lend its core to the other ranks time-sharing the host: with 4 ranks on 2 cores most of the
+    delay then disappears from the iteration time — measured: a +150 ms sleep before stage 0's
+    DP all-reduce left the median step unchanged within the noise; a device with a slow link is not
+    lent to another one.)"""
+    if seconds <= 0:
+        return
+    if device is not None and torch.device(device).type == "cuda":
+        device = torch.device(device)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(int(seconds * _cycles_per_second(device)))
+    else:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass

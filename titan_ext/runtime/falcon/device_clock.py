@@ -10,11 +10,14 @@ gloo *control* groups; only device data (gradients, ring-validation buffers) use
   order, as ``dist.new_group`` requires); :func:`is_control_group` tells them apart.
 * :func:`device_buffer` / :func:`to_device` — tensors Falcon makes for a data group, on the device;
   :func:`made_for_device` is the mark a rule-checking backend can test.
-* :class:`DeviceTimer` — ``start()`` / ``stop()`` marks on the device's current stream (CUDA events;
-  ``perf_counter`` on CPU, where every op has completed when it returns) and ``elapsed_s`` read later,
-  when the end has completed.
-* :func:`device_sleep` — device-side delay (``torch.cuda._sleep`` on the current stream, calibrated
-  once per device; a busy wait on CPU).
+* :class:`DeviceTimer` (from the device layer, ``runtime/device.py``) — ``mark()`` on the device's
+  current stream (CUDA events; ``perf_counter`` on CPU, where every op has completed when it returns)
+  and ``elapsed_s`` read later, when the end has completed.
+* :func:`ensure_communicator` — a data group's communicator made now, by a one-element collective of
+  all its members (at start-up), so that later batched P2P ops of a subset of its ranks (validation,
+  S3's state move) find it: :func:`has_communicator` tells which groups had it;
+* :func:`device_sleep` (the device layer's) — device-side delay (``torch.cuda._sleep`` on the current
+  stream, calibrated once per device; a busy wait on CPU).
 
 On CPU (gloo) every path here is today's behaviour; the CUDA paths follow torch's event API and were
 not run in this repository's CI (no GPU; see docs/falcon.md).
@@ -28,8 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_ext.runtime.device import DeviceTimer, device_sleep  # the device layer's (one door)
+
 __all__ = ["control_group", "is_control_group", "device_buffer", "to_device", "made_for_device",
-           "DeviceTimer", "device_sleep", "is_cuda", "PROBE_BYTES", "probe_numel"]
+           "DeviceTimer", "device_sleep", "is_cuda", "PROBE_BYTES", "probe_numel", "ensure_communicator",
+           "has_communicator"]
 
 PROBE_BYTES = 64 << 20
 """Falcon's start-up measurements (the DP all-reduce's healthy time, S3's state move and load, S4's
@@ -63,6 +69,39 @@ def is_control_group(group) -> bool:
     return group is not None and any(group is g for g in _CONTROL_GROUPS)
 
 
+_WARM_GROUPS: list[Any] = []
+
+
+def _group(group) -> Any:
+    return dist.group.WORLD if group is None else group
+
+
+def has_communicator(group) -> bool:
+    """Whether :func:`ensure_communicator` ran on ``group`` (None: the default group) in this process."""
+    group = _group(group)
+    return any(group is g for g in _WARM_GROUPS)
+
+
+def ensure_communicator(group, device) -> bool:
+    """Make ``group``'s communicator exist now (None: the default group): a one-element device
+    all-reduce, **collective over the group's members**, once per group and process; returns whether
+    it ran now.
+
+    Why: ProcessGroupNCCL creates a communicator lazily, at a group's first collective or batched
+    P2P op, and that first op needs every member of the group (torch's ``batch_isend_irecv``
+    docstring: "if this API is the first collective call in the group ..., all ranks of the group must
+    participate"); a later batched op may involve a subset of the ranks and runs on the existing
+    communicator.  Falcon's batched ops that involve a subset (validation's ring passes, S3's state
+    move) therefore run only on groups this made at start-up.  On gloo (no communicator to make) it
+    is a cheap host all-reduce."""
+    group = _group(group)
+    if has_communicator(group):
+        return False
+    dist.all_reduce(device_buffer(1, device), group=group)
+    _WARM_GROUPS.append(group)
+    return True
+
+
 def is_cuda(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
@@ -91,78 +130,3 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 def made_for_device(t: torch.Tensor) -> bool:
     """Whether ``t`` was made by :func:`device_buffer` / :func:`to_device`."""
     return bool(getattr(t, _MARK, False))
-
-
-class DeviceTimer:
-    """Completion times of device work on ``device``'s current stream."""
-
-    def __init__(self, device):
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.cuda = is_cuda(self.device)
-
-    def mark(self) -> Any:
-        if self.cuda:
-            with torch.cuda.device(self.device):
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-            return ev
-        return time.perf_counter()
-
-    def elapsed_s(self, start: Any, end: Any, wait: bool = True) -> float | None:
-        """Seconds from mark ``start`` to mark ``end``; on CUDA waits for ``end`` (or, with
-        ``wait=False``, returns None while it is still pending)."""
-        if not self.cuda:
-            return end - start
-        if not wait and not end.query():
-            return None
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-
-    def completion_s(self, start: Any, works: list) -> float:
-        """Seconds from mark ``start`` until the communication ``works`` have *landed*: on CUDA an
-        event recorded after ``wait()`` (which makes the stream wait) read once it completes; on
-        CPU polling ``is_completed()`` after ``wait()`` (NCCL's ``wait()`` — and the nccl_rules
-        test backend's — returns before the data has landed)."""
-        for work in works:
-            work.wait()
-        if self.cuda:
-            return self.elapsed_s(start, self.mark())
-        while not all(work.is_completed() for work in works):
-            time.sleep(0)
-        return time.perf_counter() - start
-
-
-_CYCLES_PER_S: dict[int, float] = {}
-
-
-def _cycles_per_second(device: torch.device) -> float:
-    """Calibrate ``torch.cuda._sleep`` (GPU clock cycles) against CUDA events, once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CYCLES_PER_S:
-        timer, cycles = DeviceTimer(device), 10_000_000
-        with torch.cuda.device(device):
-            start = timer.mark()
-            torch.cuda._sleep(cycles)
-            end = timer.mark()
-        _CYCLES_PER_S[index] = cycles / max(timer.elapsed_s(start, end), 1e-6)
-    return _CYCLES_PER_S[index]
-
-
-def device_sleep(seconds: float, device=None) -> None:
-    """Delay ``device``'s current stream by ``seconds``, the device held meanwhile: on CUDA a spin
-    kernel (``torch.cuda._sleep``), on CPU a busy wait of the host. (A CPU rank that *slept* would
-    lend its core to the other ranks time-sharing the host: with 4 ranks on 2 cores most of the
-    delay then disappears from the iteration time — measured: a +150 ms sleep before stage 0's
-    DP all-reduce left the median step unchanged within the noise; a device with a slow link is not
-    lent to another one.)"""
-    if seconds <= 0:
-        return
-    if is_cuda(device):
-        device = torch.device(device)
-        with torch.cuda.device(device):
-            torch.cuda._sleep(int(seconds * _cycles_per_second(device)))
-    else:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass

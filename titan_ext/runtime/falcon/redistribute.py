@@ -81,35 +81,76 @@ def _all_gather_stacked(tensors: list[torch.Tensor], group) -> list[torch.Tensor
     return [t for replica in out for t in replica.unbind(0)]
 
 
+BUCKET_BYTES = 25 << 20
+"""Gradients smaller than this are all-reduced together in buckets of at most this size (DDP's
+default ``bucket_cap_mb``): one collective for many small tensors, a copy of at most one bucket."""
+
+
 @torch.no_grad()
-def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: float, group=None) -> None:
+def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: float, group=None,
+                                  bucket_bytes: int = BUCKET_BYTES) -> None:
     """``p.grad ← Σ_i w_i p.grad_i`` over the DP ``group`` (``weight`` = this group's ``m_i / M``).
 
-    Gradients are flattened into one buffer per dtype so the aggregation is one all-reduce.
-    Parameters without a gradient contribute zeros (all ranks must agree on the parameter list).
-    DTensor parameters (FSDP2, as TorchTitan 0.3 applies it to every model part) contribute their
-    local shards: ``group`` must be a replicate group (every member holds the same shard, as the DP
-    replicas of FalconJob do: FSDP over the size-1 ``fsdp`` mesh), never the group a tensor is sharded
-    over -- HSDP's replicate-dim reduction.
+    In place, without a flat copy of the gradients: the gradients are scaled in place by
+    ``weight`` (``torch._foreach_mul_``, one fused kernel per device and dtype; nothing when the
+    weight is 1, TorchTitan's DP *sum*), then summed over ``group`` — a gradient of at least
+    ``bucket_bytes`` by one all-reduce in place, smaller ones of one dtype flattened into buckets of
+    at most ``bucket_bytes`` (the only copy: at most one bucket at a time per dtype), as DDP buckets.
+    All collectives are issued before the first is waited for (on NCCL they are queued on the stream;
+    on gloo they run in the background).  Parameters without a gradient contribute zeros (all ranks
+    must agree on the parameter list).  DTensor parameters (FSDP2, as TorchTitan 0.3 applies it to
+    every model part) contribute their local shards: ``group`` must be a replicate group (every member
+    holds the same shard, as the DP replicas of FalconJob do: FSDP over the size-1 ``fsdp`` mesh), never
+    the group a tensor is sharded over -- HSDP's replicate-dim reduction.
     """
     params = [p for p in params if p.requires_grad]
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for dtype, ps in by_dtype.items():
-        flat = to_device(torch.cat([
-            (_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1) for p in ps
-        ]) * weight, ps[0].device)  # device data: made from the gradients, on their device
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        if p.grad is None:
+            p.grad = _like(p, torch.zeros_like(_local(p)))
+    grads = [_local(p.grad) for p in params]
+    if weight != 1.0:
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for same in by_kind.values():
+            torch._foreach_mul_(same, weight)
+    works, unflatten = [], []
+    for bucket in _buckets(grads, bucket_bytes):
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            works.append(dist.all_reduce(to_device(bucket[0], bucket[0].device), op=dist.ReduceOp.SUM,
+                                         group=group, async_op=True))
+            continue
+        flat = to_device(torch.cat([g.reshape(-1) for g in bucket]), bucket[0].device)  # device data
+        works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        unflatten.append((flat, bucket))
+    for work in works:
+        work.wait()  # NCCL: the current stream waits; gloo: the sum has landed
+    for flat, bucket in unflatten:
         offset = 0
-        for p in ps:
-            n = _local(p).numel()
-            chunk = flat[offset : offset + n].view_as(_local(p))
-            if p.grad is None:
-                p.grad = _like(p, chunk.clone())
-            else:
-                _local(p.grad).copy_(chunk)
-            offset += n
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one device and dtype, at most ``bucket_bytes`` together; a gradient
+    of that size or more alone."""
+    out: list[list[torch.Tensor]] = []
+    open_: dict[tuple, tuple[list[torch.Tensor], int]] = {}
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if nbytes >= bucket_bytes:
+            out.append([g])
+            continue
+        key = (g.device, g.dtype)
+        bucket, size = open_.get(key, ([], 0))
+        if bucket and size + nbytes > bucket_bytes:
+            out.append(bucket)
+            bucket, size = [], 0
+        bucket.append(g)
+        open_[key] = (bucket, size + nbytes)
+    out.extend(b for b, _ in open_.values() if b)
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

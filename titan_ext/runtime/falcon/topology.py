@@ -11,7 +11,8 @@ checkpoint or a process restart (Falcon reports this 6.72× faster than going th
    holder of its new role, with point-to-point messages (one send and one receive per moving rank:
    the roles form a permutation). The tensor metadata (names, shapes, dtypes, optimizer
    hyper-parameters) is host data and travels on a control group; the tensors travel on the data
-   (default) group, on the device.
+   (default) group, on the device, as batched P2P ops of the moving ranks only — which on NCCL need
+   the default group's communicator to exist already (:func:`exchange_stage_state`).
 3. The new stage module and optimizer come from the caller's ``build_stage(stage)``; the received
    state is loaded into them; the new DP / PP groups come from
    :func:`~titan_ext.runtime.falcon.restart.build_mesh_groups`.
@@ -21,6 +22,7 @@ The checkpoint-based path (:mod:`.restart`) is kept for S4 and as the reference.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .device_clock import to_device
+from .device_clock import ensure_communicator, has_communicator, to_device
 from .restart import MeshGroups, build_mesh_groups, role_of
 
 __all__ = ["StageState", "apply_topology_in_memory", "exchange_stage_state", "load_stage_state",
@@ -88,6 +90,14 @@ def exchange_stage_state(old_grid, new_grid, module: torch.nn.Module, optimizer:
     """Step 2 of the module docstring (collective over the world): every rank whose stage changes
     receives its new stage's state from the old holder of its new role.
 
+    The moves are one ``batch_isend_irecv`` of the moving ranks on the default group.  On NCCL a
+    group's first batched op needs *every* member (it creates the communicator: torch's
+    ``batch_isend_irecv`` docstring), so a move of a subset hangs on a default group whose
+    communicator does not exist: it must have been made (:func:`~.device_clock.ensure_communicator`;
+    FalconJob does it at start-up, with S3's cost measurement).  Checked here: on a group without one,
+    every rank makes it first (all ranks are here: a collective, never a subset's rendezvous) and
+    says so — a communicator made mid-training, which the job never needs.
+
     Returns ``(source rank, metadata, tensors)`` on a receiving rank, None on a rank that keeps its
     stage (whose own ``module`` / ``optimizer`` hold the state). Load it with :func:`load_stage_state`."""
     rank = dist.get_rank()
@@ -95,6 +105,10 @@ def exchange_stage_state(old_grid, new_grid, module: torch.nn.Module, optimizer:
     if sorted(r for row in new_grid for r in row) != sorted(r for row in old_grid for r in row):
         raise ValueError(f"new grid {new_grid} is not a permutation of {old_grid}")
     moves = moving_ranks(old_grid, new_grid)
+    if not has_communicator(None):
+        warnings.warn("S3: the default group's communicator was not made at start-up "
+                      "(device_clock.ensure_communicator): making it now, on every rank", stacklevel=2)
+        ensure_communicator(None, device)
     tensors, meta = _flat_state(module, optimizer)
     metas: list = [None] * dist.get_world_size()
     dist.all_gather_object(metas, meta, group=control_group)

@@ -4,8 +4,9 @@
   → apply → record;
 * :mod:`.dp` — the DP gradient sum the trainer owns (:class:`~.dp.DPSync`);
 * :mod:`.emulate` — the emulated slow device / slow PP hop;
-* :mod:`.measure` — the step's observation (:func:`~.measure.measure_step` →
-  :class:`~titan_ext.runtime.falcon.IterationObservation`), the ACF iteration time, validation;
+* :mod:`.measure` — the steps' observations (:class:`~.measure.StepClock`,
+  :class:`~.measure.ObservationExchange` → :class:`~titan_ext.runtime.falcon.IterationObservation`),
+  the ACF iteration time, validation;
 * :mod:`.costs` — the strategies' costs measured in the job (Alg. 1's inputs);
 * :mod:`.apply` — a decision → what changes in the job (:func:`~.apply.plan_changes`, a frozen
   :class:`~.apply.JobChanges`); the job applies it;

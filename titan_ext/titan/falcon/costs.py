@@ -82,6 +82,9 @@ class JobCosts:
             self.set(topology_adjustment=math.inf)
             return
         state = [p.detach() for p in part.parameters()] * 3
+        # S3's state move is a batched op of the moving ranks on the default group: its communicator
+        # is made here, at start-up, by every rank (runtime/falcon/topology.py: exchange_stage_state)
+        device_clock.ensure_communicator(None, device)
         t0 = time.perf_counter()
         grid_mesh(grid, torch.device(device).type)
         group_s = time.perf_counter() - t0
@@ -100,8 +103,8 @@ def _time_state_exchange(state: list[torch.Tensor], dp_ranks: list[int], device)
     me = dp_ranks.index(dist.get_rank())
     timer = DeviceTimer(device)
     start = timer.mark()
-    ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)]),
-           dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)])]
+    ops = [dist.P2POp(dist.isend, send, dp_ranks[(me + 1) % len(dp_ranks)], group=dist.group.WORLD),
+           dist.P2POp(dist.irecv, recv, dp_ranks[(me - 1) % len(dp_ranks)], group=dist.group.WORLD)]
     return timer.completion_s(start, dist.batch_isend_irecv(ops)) * numel / probe
 
 

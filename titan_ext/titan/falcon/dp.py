@@ -12,6 +12,12 @@ TorchTitan's own DP gradient; owning that step is what lets S2 change it (Falcon
 the base of an emulated slow DP link (``A-B:xF``: the all-reduce takes F x its healthy time): the
 healthy time is what this all-reduce takes *in training* on this host — the median of its last
 :data:`HEALTHY_WINDOW` transfer times, the emulated delay excluded — not an idle measurement.
+
+In a step nothing here waits for the device: the times are marks of the step's
+:class:`~.measure.StepClock` (device events read once the device ran them), the MIN over the world
+travels in the step's one exchange of host data (:class:`~.measure.ObservationExchange`), and the
+healthy base is updated when a step's exchanged times come back (:meth:`DPSync.absorb`, the same on
+every rank).
 """
 
 from __future__ import annotations
@@ -87,17 +93,17 @@ def install_replication_by_trainer() -> None:
 class DPSync:
     """The DP gradient sum of this rank's stage, its timing and the emulated DP-link fault on it.
 
-    Host data (barriers, the per-step MIN of the times) goes on gloo control groups, the gradients on
-    the data group; times are device completion times (timer marks, read at the
-    step's end)."""
+    Host data (start-up barriers and maxima) goes on gloo control groups, the gradients on the data
+    group; times are device completion times: marks on ``clock`` (the job's
+    :class:`~.measure.StepClock`: ``step_start``, ``dp_start``, ``dp_reduce``, ``dp_end``), read once
+    the device ran them (:meth:`step_read`)."""
 
-    def __init__(self, trainer: Any, emulation: Any, control: Any, device):
+    def __init__(self, trainer: Any, emulation: Any, control: Any, device, clock: Any = None):
         self.trainer, self.emulation, self.control, self.device = trainer, emulation, control, device
-        self.timer = DeviceTimer(device)
+        self.timer = DeviceTimer(device)  # start-up measurement only
+        self.clock = clock
         self.sync_s = 0.0
-        """This rank's last DP sync time (the emulated delay included)."""
-        self._marks: tuple | None = None
-        self._step_start = None
+        """This rank's last DP sync time read (the emulated delay included)."""
         self.compute_s = math.nan
         """This rank's last compute phase: step start to the DP sync (its chunks' forwards and
         backwards, device time)."""
@@ -146,42 +152,43 @@ class DPSync:
         self.emulation.link_bytes_per_s = min(b / t for b, t in zip(self.stage_bytes, healthy_s))
 
     def step_started(self) -> None:
-        """Marks the start of a step's compute phase (read by :meth:`transfer_times`)."""
-        self._step_start = self.timer.mark()
+        """Marks the start of a step's compute phase."""
+        self._mark("step_start")
+
+    def _mark(self, name: str) -> None:
+        if self.clock is not None:
+            self.clock.mark(name)
 
     def sync(self) -> None:
         """Σ over DP replicas of the token-sum gradients (TorchTitan's DP gradient), after the emulated
         slow link's extra time (held back on the device before the all-reduce)."""
-        start = self.timer.mark()
+        self._mark("dp_start")
         # a ring step of a 2-member all-reduce moves half the gradient over the link
         step_bytes = self.stage_bytes[self.pp_index] * (len(self.dp_ranks) - 1) / max(1, len(self.dp_ranks))
         device_sleep(self.emulation.collective_delay_s(self.dp_ranks, _RING_STEPS, self.base_s, step_bytes),
                      self.device)
-        reduce_start = self.timer.mark()
+        self._mark("dp_reduce")
         params = [p for m in self.trainer.model_parts for p in m.parameters()]
         weighted_all_reduce_gradients(params, 1.0, self.dp_group)
-        self._marks = (start, reduce_start, self.timer.mark())
+        self._mark("dp_end")
 
-    def transfer_times(self) -> list[float]:
-        """Per stage, this step's DP sync *transfer* time (Falcon §4.3 profiling: a group that spent
-        long in data transfer is suspicious, one that waited for data is healthy): the minimum of its
-        members' times. Every member's call ends when the last one has arrived and the data moved;
-        the last to arrive waited for no one, so its time is the transfer (plus an emulated link
-        delay, held back inside the timed region on every member), and the members that waited for a
-        slow peer read longer. The all-reduce alone (no emulated delay) feeds the healthy base."""
-        sync_s, reduce_s = self.sync_s, math.inf
-        if self._marks is not None:
-            start, reduce_start, end = self._marks
-            sync_s, reduce_s = self.timer.elapsed_s(start, end), self.timer.elapsed_s(reduce_start, end)
-            self.sync_s, self._marks = sync_s, None
-            if self._step_start is not None:
-                self.compute_s, self._step_start = self.timer.elapsed_s(self._step_start, start), None
-        vec = torch.full((2, self.num_pp), math.inf, dtype=torch.float64)
-        vec[:, self.pp_index] = torch.tensor([sync_s, reduce_s], dtype=torch.float64)
-        dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.control)
-        for history, t in zip(self.history, vec[1].tolist()):
+    def step_read(self, step: Any) -> None:
+        """A step of this rank whose device times were read: its DP sync time and compute phase (step
+        start to the DP sync: its chunks' forwards and backwards) — this rank's own numbers."""
+        sync_s, compute_s = step.span_s("dp_start", "dp_end"), step.span_s("step_start", "dp_start")
+        if sync_s == sync_s:
+            self.sync_s = sync_s
+        if compute_s == compute_s:
+            self.compute_s = compute_s
+
+    def absorb(self, reduce_s: list[float]) -> None:
+        """A step's exchanged DP all-reduce times (per stage, the MIN over its members: Falcon §4.3
+        profiling's *transfer* time — every member's call ends when the last one has arrived and the
+        data moved; the last to arrive waited for no one, so its time is the transfer, and the members
+        that waited for a slow peer read longer), the emulated delay excluded: the healthy base's
+        history.  The same on every rank, so every rank emulates the same link."""
+        for history, t in zip(self.history, reduce_s):
             if math.isfinite(t):
                 history.append(t)
         if all(self.history):
             self._set_base([float(np.median(h)) for h in self.history])
-        return vec[0].tolist()

@@ -12,7 +12,10 @@
   :class:`~.apply.JobChanges` that :meth:`FalconJob.apply` carries out;
 * :mod:`.events` — ``falcon.jsonl``, ``falcon_events.jsonl``, console lines, W&B.
 
-Every rank feeds the monitor the same numbers, so all take the same decision. Emulation keys:
+Every rank feeds the monitor the same numbers, so all take the same decision. A steady step makes
+no device sync: the step's device times are read once the device ran them and exchanged as host
+data (:class:`~.measure.StepClock`, :class:`~.measure.ObservationExchange`), so the monitor sees
+step k at its end on the CPU, a step or two later on a GPU, the same step on every rank. Emulation keys:
 ``[titan_ext] emulate_slow_device`` / ``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` /
 ``TITAN_EXT_SLOW_LINK``.
 """
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ext.runtime.falcon import FalconConfig, FalconDecision, FalconMonitor, IterationObservation
-from titan_ext.runtime.falcon.device_clock import control_group
+from titan_ext.runtime.falcon.device_clock import control_group, ensure_communicator
 from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device, parse_slow_link
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks
 from torchtitan.tools.logging import logger
@@ -39,7 +42,8 @@ from titan_ext.titan.falcon.dp import DPSync
 from titan_ext.titan.falcon.emulate import PPLinkDelays, install_compute_stretch
 from titan_ext.titan.falcon.events import EventLog, event_rows
 from titan_ext.titan.falcon.files import emulation_specs
-from titan_ext.titan.falcon.measure import SLOW_DEVICE_RATIO, StepClock, acf_iteration_times, measure_step, validate
+from titan_ext.titan.falcon.measure import (SLOW_DEVICE_RATIO, ObservationExchange, StepClock, StepRecord,
+                                            acf_iteration_times, validate)
 
 __all__ = ["FalconJob"]
 
@@ -54,7 +58,7 @@ class FalconJob:
         self.device = getattr(trainer, "device", torch.device("cpu"))
         self.control = control_group()  # host data on gloo control groups
         self.step_clock = StepClock(self.device)
-        """The step's device time, fed to the detector (not the host clock)."""
+        """The step's device time, fed to the detector (not the host clock), and the DP sync's marks."""
         self.device_of = _devices(section.falcon_devices, dist.get_world_size())
         self.spares = tuple(_devices(section.falcon_spares, None)) if section.falcon_spares.strip() else ()
         self.emulation = FailSlowEmulation(self.rank, self.device_of,
@@ -62,12 +66,19 @@ class FalconJob:
                                            pass_s=section.emulate_device_pass_ms / 1e3,
                                            window_bytes=section.emulate_link_window_kib * 1024 or float("inf"))
         self.chunks_per_replica = trainer.gradient_accumulation_steps
-        self.dp = DPSync(trainer, self.emulation, self.control, self.device)
+        self.dp = DPSync(trainer, self.emulation, self.control, self.device, clock=self.step_clock)
         self.pp_delays = PPLinkDelays(self.emulation, self.rank, hol=section.emulate_link_hol)
         dp_mesh = trainer.parallel_dims.get_mesh("dp_replicate")
         self.num_dp, self.num_pp = dp_mesh.size(), trainer.parallel_dims.get_mesh("pp").size()
         self.even_split = [self.chunks_per_replica] * self.num_dp
         self.split = list(self.even_split)
+        self.exchange = ObservationExchange(self.control, self.num_pp, self.num_dp)
+        self._steps = 0  # the job's steps so far (the exchange's step index)
+        self._version = 0
+        self.stale_steps = 0
+        """Steps not fed because a change was applied after they started (only where the device runs
+        behind the host: on the CPU a step is fed at its own end)."""
+        """Bumped by every applied change (:meth:`apply`): a step run under an older one is not fed."""
         self.monitor = self._monitor()
         self.bind_layout(self._mesh_grid(), dp_mesh.get_group())
         from titan_ext.titan.adapters import current
@@ -115,6 +126,12 @@ class FalconJob:
         self.dp_index, self.pp_index = next((d, s) for d, row in enumerate(grid) for s, r in enumerate(row)
                                             if r == self.rank)
         self.dp_group = dp_group
+        self.pp_group = self.trainer.parallel_dims.get_mesh("pp").get_group()
+        # validation's ring passes are batched P2P ops of a subset of these groups' ranks: their
+        # communicators are made now, by all members (device_clock.ensure_communicator), not at the
+        # moment of a diagnosis (collective over each group, every rank in the same order)
+        ensure_communicator(self.pp_group, self.device)
+        ensure_communicator(self.dp_group, self.device)
         dp_controls = [control_group([row[s] for row in grid]) for s in range(self.num_pp)]  # collective
         self.dp_control = dp_controls[self.pp_index]
         self.monitor.set_grid(grid)
@@ -128,10 +145,10 @@ class FalconJob:
 
     # ---------------------------------------------------------------- the step
     def train_step(self, run_step, data_iterator) -> None:
-        """One TorchTitan step with this job's micro-batch split; then Falcon, fed the step's device
-        time (:class:`~.measure.StepClock`)."""
+        """One TorchTitan step with this job's micro-batch split; then Falcon, fed the steps whose
+        device times every rank has read (:meth:`_after_step`)."""
         if self.enabled:
-            self.step_clock.start()
+            self.step_clock.start(self._steps)
         self.emulation.step = self.trainer.step
         self.pp_delays.maybe_install(self.grid[self.dp_index])
         chunks = self._my_chunks(self.data_iterator or data_iterator)
@@ -140,7 +157,33 @@ class FalconJob:
         self.dp.step_started()
         run_step(iter(chunks))
         if self.enabled:
-            self._falcon(self.step_clock.stop_s())
+            self._after_step()
+        self._steps += 1
+
+    def _after_step(self) -> None:
+        """End the step on the device clock with the host values it ran with (no decision has
+        changed them since it started: decisions are applied here, after this); read the steps the
+        device finished (no wait); exchange them; Falcon on every step every rank has read, oldest
+        first (the same steps on every rank) — except a step run under a layout or split that a
+        decision changed since (its numbers describe a configuration that no longer runs: the
+        monitor's before/after comparisons stay within one)."""
+        from titan_ext.titan.metrics import runtime_metrics
+
+        step = self.step_clock.stop()
+        rt = runtime_metrics(self.trainer.pp_schedule)
+        self.costs.measure_replan(rt)  # only a Falcon decision's ski-rental input
+        step.host = {"split": list(self.split), "dp_index": self.dp_index, "pp_index": self.pp_index,
+                     "link_delay_ms": dict(rt.get("link_delay_ms", {})), "trainer_step": self.trainer.step,
+                     "version": self._version}
+        self.exchange.add(step)
+        for read in self.step_clock.read():
+            self.dp.step_read(read)
+        for done, obs, reduce_s in self.exchange.exchange():
+            self.dp.absorb(reduce_s)
+            if done.host["version"] == self._version:
+                self._falcon(obs, done)
+            else:
+                self.stale_steps += 1
 
     def after_backward(self) -> None:
         """Called after every forward/backward of a chunk: the last one syncs the DP replicas."""
@@ -159,27 +202,26 @@ class FalconJob:
             return mine
         return redistribute_chunks(mine, self.split, self.dp_index, self.dp_control)
 
-    def _falcon(self, step_s: float) -> None:
-        """Falcon after a step: measure (an :class:`IterationObservation`), detect, validate on
-        onset, decide (Alg. 1: a :class:`FalconDecision`), plan the job's changes
-        (:func:`~.apply.plan_changes`: a :class:`~.apply.JobChanges`), apply them, record; S4 last,
-        once the step is recorded (it exits)."""
+    def _falcon(self, obs: IterationObservation, step: StepRecord) -> None:
+        """Falcon on a step's exchanged observation (:class:`IterationObservation`, every rank's):
+        detect, validate on onset, decide (Alg. 1: a :class:`FalconDecision`), plan the job's changes
+        (:func:`~.apply.plan_changes`: a :class:`~.apply.JobChanges`), apply them (from the next
+        step), record; S4 last, once the step is recorded (it exits)."""
         acf = acf_iteration_times(self.monitor)
-        obs = measure_step(step_s, dp=self.dp, schedule=self.trainer.pp_schedule, costs=self.costs,
-                           control=self.control, num_pp=self.num_pp, num_dp=self.num_dp,
-                           dp_index=self.dp_index, split=self.split)
-        decision = self._observe(obs)
+        decision = self._observe(obs, step.host["trainer_step"])
         decision = decision.with_metrics(
             acf | {"falcon/replica_microbatch_s": json.dumps(list(obs.replica_microbatch_s))}
             | {f"falcon/group_s/{g}": t for g, t in obs.per_group_times.items()})
         if decision.validate:
             decision = decision.with_metrics(validate(self.monitor, grid=self.grid, emulation=self.emulation,
-                                                      control=self.control, device=self.device))
+                                                      control=self.control, device=self.device,
+                                                      ring_groups=self.ring_groups()))
         estimated = self.monitor.config.costs  # the ski-rental inputs, before an application re-measures
         changes = plan_changes(decision, self.view(), self.monitor)
         applied_s = self.apply(changes)
         decision = decision.with_metrics(changes.metrics | {"falcon/split": json.dumps(self.split),
-                                                            "falcon/grid": json.dumps(self.grid)})
+                                                            "falcon/grid": json.dumps(self.grid),
+                                                            "falcon/observed_step": step.host["trainer_step"]})
         if changes.delegate_links:  # what this rank's pipeline delegates now (the plan: falcon/plan/...)
             decision = decision.with_metrics({"falcon/delegated_links": json.dumps(
                 [list(k) for k in self.delegated_links])})
@@ -190,6 +232,12 @@ class FalconJob:
             from titan_ext.titan.falcon.s4 import checkpoint_and_exit
 
             checkpoint_and_exit(self, changes.s4_plan, decision)
+
+    def ring_groups(self) -> dict:
+        """Validation's rings this rank is in → their groups (its pipeline: the PP group; its DP
+        column: the DP group), whose communicators :meth:`bind_layout` made."""
+        pipeline, column = self.grid[self.dp_index], [row[self.pp_index] for row in self.grid]
+        return {frozenset(pipeline): self.pp_group, frozenset(column): self.dp_group}
 
     def view(self) -> JobView:
         """What a decision is applied to (:func:`~.apply.plan_changes` reads nothing else of the job)."""
@@ -216,6 +264,7 @@ class FalconJob:
             if strategy == "ignore":
                 applied_s[strategy] = 0.0  # S1
                 continue
+            self._version += 1  # the steps already run describe what no longer runs
             if strategy == "pipemorph_replan":
                 self.trainer.pp_schedule.adaptive = True
             elif strategy == "microbatch_redistribution":
@@ -227,6 +276,7 @@ class FalconJob:
             logger.info(f"[titan_ext] Falcon applied {strategy} at step {self.trainer.step} (split {self.split}, "
                         f"grid {self.grid})")
         if changes.delegate_links:
+            self._version += 1
             self._delegate(changes.delegate_links)
         return applied_s
 
@@ -267,7 +317,7 @@ class FalconJob:
         logger.info(f"[titan_ext] Falcon S3: rank {self.rank} (dp, pp) {result.old_role} -> "
                     f"{result.new_role}, state from rank {result.received_from}, {result.seconds:.3f} s")
 
-    def _observe(self, obs: IterationObservation) -> FalconDecision:
+    def _observe(self, obs: IterationObservation, trainer_step: int) -> FalconDecision:
         """Feed the monitor (§4.2) from this process's second step on. Its first step is a warm-up
         whose time includes one-off work — S2's cost measured by a real chunk exchange, PipeMorph's
         first plan and profile, first allocations — and is no sample of the healthy iteration time:
@@ -275,7 +325,7 @@ class FalconJob:
         delayed the onset (measured on a slow DP link's series: confirmed at step 14 with it, at
         step 10 without). The change point is also reported as a training step."""
         if self._fed_from is None:
-            self._fed_from = self.trainer.step + 1
+            self._fed_from = trainer_step + 1
             return FalconDecision(-1, {"falcon/iteration_time_s": obs.iteration_time_s, "falcon/warmup": 1})
         decision = self.monitor.observe(obs)
         if "falcon/change_point_iteration" in decision:
