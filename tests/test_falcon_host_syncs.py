@@ -301,3 +301,59 @@ def test_weighted_gradient_aggregation_is_the_exact_weighted_sum_without_a_flat_
         # ones' bucket (before: two flat copies of all gradients, > 2 x 240 kB)
         assert r["new_bytes"] < r["big"] // 4, r["new_bytes"]
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(r["grads"], results[0]["grads"]))
+
+
+# --------------------------------------------------------------------------- steps fed after a change
+def test_a_step_started_before_an_applied_change_is_not_fed():
+    """A device two steps behind the host: steps come back in pairs. A decision on step 2 changes the
+    split; step 3 ran before that change (its numbers describe the old split) and is not fed, step 4
+    (run under the new split) is — the monitor compares steps of one configuration only."""
+    from titan_ext.titan.falcon.job import FalconJob
+    from titan_ext.titan.falcon.measure import StepRecord
+
+    class Clock:  # the device returns each step two steps after the host ended it
+        def __init__(self):
+            self.ended = []
+
+        def stop(self):
+            step = StepRecord(len(self.ended), None)
+            self.ended.append(step)
+            return step
+
+        def read(self):
+            return []
+
+    class Exchange:  # every rank has read steps up to two behind the newest
+        def __init__(self):
+            self.steps, self.fed = [], 0
+
+        def add(self, step):
+            self.steps.append(step)
+
+        def exchange(self):
+            out = [(s, SimpleNamespace(index=s.index), []) for s in self.steps[self.fed:len(self.steps) - 2]]
+            self.fed += len(out)
+            return out
+
+    job = FalconJob.__new__(FalconJob)
+    job.step_clock, job.exchange = Clock(), Exchange()
+    job.trainer = SimpleNamespace(pp_schedule=None, step=0)
+    job.costs = SimpleNamespace(measure_replan=lambda rt: None)
+    job.dp = SimpleNamespace(step_read=lambda s: None, absorb=lambda r: None)
+    job.split, job.dp_index, job.pp_index, job._version, job.stale_steps = [3, 3], 0, 0, 0, 0
+    fed = []
+
+    def falcon(obs, step):
+        fed.append(step.index)
+        if step.index == 2:  # a decision: S2's split from the next step on (FalconJob.apply bumps the version)
+            job.split, job._version = [4, 2], job._version + 1
+
+    job._falcon = falcon
+    for k in range(8):
+        job.trainer.step = k + 1
+        job._after_step()
+    # steps 0..5 came back; the change was applied at the end of step 4 (when step 2 was fed), so
+    # steps 3 and 4 (started before it) are not fed, step 5 is
+    assert fed == [0, 1, 2, 5], fed
+    assert job.stale_steps == 2
+    assert [s.host["split"] for s in job.step_clock.ended[:6]] == [[3, 3]] * 5 + [[4, 2]]
