@@ -153,14 +153,8 @@ def test_acf_period_equals_true_period_on_real_gloo_calls_and_detects_slowdown()
 def _validation_worker(rank, world, outdir):
     from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings, validate_trees
 
-    orig_send, orig_mm = dist.send, torch.mm
+    orig_mm = torch.mm
     orig_isend, orig_batch = dist.isend, dist.batch_isend_irecv
-    if rank == 2:  # fault injection (test only): link 2 -> 3 is slow by 40 ms per message
-        def slow_send(tensor, dst=None, *a, **k):
-            if dst == 3:
-                time.sleep(0.040)
-            return orig_send(tensor, dst, *a, **k)
-        dist.send = slow_send
     if rank == 1:  # fault injection: device 1 computes 4x slower
         def slow_mm(a, b, *args, **kw):
             for _ in range(3):
@@ -179,11 +173,18 @@ def _validation_worker(rank, world, outdir):
         dist.all_reduce(a)
     hooked = [(r.op, r.group, r.nbytes) for r in rec.records]
     assert dist.isend is orig_isend and dist.batch_isend_irecv is orig_batch  # uninstalled
+    if rank == 2:  # fault injection (test only): link 2 -> 3 is slow by 40 ms per message (validation's
+        # messages are batched P2P ops on the rings' groups)
+        def slow_batch(ops):
+            if any(op.op is dist.isend and op.peer == 3 for op in ops):
+                time.sleep(0.040)
+            return orig_batch(ops)
+        dist.batch_isend_irecv = slow_batch
     even = validate_rings([[0, 1, 2, 3]], nbytes=1 << 16, repeats=5)
     odd = validate_rings([[3, 2, 0]], nbytes=1 << 16, repeats=5)  # 3->2, 2->0, 0->3
     tree = validate_trees([[3, 2, 0, 1]], nbytes=1 << 16, repeats=5)  # root 3; 2->3, 0->3, 1->2
     gemm = gemm_probe(n=128, repeats=9)  # fastest of 9: descheduling only ever adds time
-    dist.send, torch.mm = orig_send, orig_mm
+    dist.batch_isend_irecv, torch.mm = orig_batch, orig_mm
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump({"even": even, "odd": odd, "tree": tree, "gemm": gemm, "hooked": hooked}, f)
 
