@@ -271,15 +271,22 @@ TITAN_JOBS = {  # name: (config, extra arguments); CrossPipe and torch's 1F1B ru
 }
 
 
+#: TorchTitan's own per-step host sync in a job with data parallelism: its ``train_step`` counts the
+#: global batch's valid tokens with ``dist_utils.dist_sum(...)`` (an all-reduce and ``.item()``) before
+#: the forward, every step, whatever the schedule — upstream's, not titan_ext's
+TORCHTITAN_TOKEN_COUNT = "at torchtitan/distributed/utils.py"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("job", list(TITAN_JOBS))
 def test_titan_job_runs_ahead(job, tmp_path):
     """TorchTitan's debug model, 4 ranks, ``nccl_rules`` + the lagging device (the CPU shim installs it
     under ``TITAN_EXT_TEST_DEVICE=lag``): after start-up, host-blocking calls only in logging steps
     (TorchTitan's ``should_log``: step 1 and every 4th) and at exchanges (the device layer's one wait on
-    the newest event); no device call from a thread without the device on any rank.  (Whether the device
-    is still behind at a step's end is asserted by the two-rank test: without per-op kernels the
-    simulated device has nothing of the optimizer's to run, so here it catches up during it.)"""
+    the newest event), besides TorchTitan's own global token count in a job with DP (every step,
+    :data:`TORCHTITAN_TOKEN_COUNT`); no device call from a thread without the device on any rank.
+    (Whether the device is still behind at a step's end is asserted by the two-rank test: without per-op
+    kernels the simulated device has nothing of the optimizer's to run, so here it catches up during it.)"""
     from titan_ext.testing.launch import torchrun
 
     config, extra = TITAN_JOBS[job]
@@ -299,4 +306,5 @@ def test_titan_job_runs_ahead(job, tmp_path):
         quiet = [x for x in lines[2:] if not (x["step"] - 1 == 1 or (x["step"] - 1) % 4 == 0)]
         assert quiet, (rank, lines)
         for x in quiet:
-            assert all("Event.synchronize at titan_ext/runtime/device.py" in s for s in x["syncs"]), (rank, x)
+            ours = [s for s in x["syncs"] if TORCHTITAN_TOKEN_COUNT not in s]
+            assert all("Event.synchronize at titan_ext/runtime/device.py" in s for s in ours), (rank, x)
