@@ -17,7 +17,6 @@ mid-training (issue 46).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from types import SimpleNamespace
 

@@ -25,7 +25,6 @@ not run in this repository's CI (no GPU; see docs/falcon.md).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch

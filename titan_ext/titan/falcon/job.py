@@ -75,10 +75,10 @@ class FalconJob:
         self.exchange = ObservationExchange(self.control, self.num_pp, self.num_dp)
         self._steps = 0  # the job's steps so far (the exchange's step index)
         self._version = 0
+        """Bumped by every applied change (:meth:`apply`): a step run under an older one is not fed."""
         self.stale_steps = 0
         """Steps not fed because a change was applied after they started (only where the device runs
         behind the host: on the CPU a step is fed at its own end)."""
-        """Bumped by every applied change (:meth:`apply`): a step run under an older one is not fed."""
         self.monitor = self._monitor()
         self.bind_layout(self._mesh_grid(), dp_mesh.get_group())
         from titan_ext.titan.adapters import current
