@@ -52,6 +52,7 @@ its neighbours for the 300 s of group creation. Here:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -257,18 +258,41 @@ class _TimedWork:
         return getattr(self.work, name)
 
 
-class _PendingCollective:
+class _Pending:
+    """A host call in progress that NCCL's watchdog, not an error, would end: watched like a PP wait
+    (:func:`_watching`), its timeout fixed when it began; done once the call returned."""
+
+    __slots__ = ("limit_s", "finished")
+
+    def __init__(self) -> None:
+        self.limit_s, self.finished = _timeout_s, False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+@contextlib.contextmanager
+def _watching(pending: _Pending | None):
+    """Watch ``pending`` (None: nothing) while the body runs."""
+    if pending is not None:
+        _watch(pending)
+    try:
+        yield
+    finally:
+        if pending is not None:
+            pending.finished = True
+
+
+class _PendingCollective(_Pending):
     """A :func:`named_collective` in progress on a group whose timeout is NCCL's watchdog (no error is
     raised there: the process is aborted), watched like a PP wait so that the ranks that never arrived
     are named, and a stopped one fenced, before the watchdog fires."""
 
-    __slots__ = ("ranks", "name", "count", "finished")
+    __slots__ = ("ranks", "name", "count")
 
     def __init__(self, ranks: Sequence[int], name: str, count: int):
-        self.ranks, self.name, self.count, self.finished = list(ranks), name, count, False
-
-    def done(self) -> bool:
-        return self.finished
+        super().__init__()
+        self.ranks, self.name, self.count = list(ranks), name, count
 
     def note(self, waited: float) -> str:
         return _collective_note(self.ranks, self.name, self.count, waited)
@@ -295,7 +319,7 @@ def _peer_of(op: Any) -> int:
         return int(getattr(op, "peer", -1))
 
 
-class _PendingIssue:
+class _PendingIssue(_Pending):
     """A PP op being *issued* on a group whose timeout is NCCL's watchdog: under lazy init (no
     ``device_id``, TorchTitan's default) NCCL creates a communicator at the first op that needs it and
     blocks the host in ``ncclCommInitRank`` until every rank of it joined — before any work exists for
@@ -303,13 +327,11 @@ class _PendingIssue:
     and unfenced, until the watchdog (torch <= 2.11 puts even a lone receive through ``batch_isend_irecv``,
     whose communicator is the group's).  Watched like a PP wait; done once the issue returned."""
 
-    __slots__ = ("peers", "limit_s", "finished")
+    __slots__ = ("peers",)
 
     def __init__(self, peers: list[int]):
-        self.peers, self.limit_s, self.finished = peers, _timeout_s, False
-
-    def done(self) -> bool:
-        return self.finished
+        super().__init__()
+        self.peers = peers
 
     def note(self, waited: float) -> str:
         who = "".join(_fence(p) for p in self.peers)
@@ -318,23 +340,21 @@ class _PendingIssue:
                 f"until every rank of it joined): rank(s) {self.peers} stopped answering{who}")
 
 
+def _peers(p2p_ops: list) -> list[int]:
+    return sorted({_peer_of(op) for op in p2p_ops})
+
+
 def _timed(batch_p2p: Callable) -> Callable:
     def timed_batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
         if not p2p_ops:
             return batch_p2p(p2p_ops, desc)
         explicit = explicit_wait_timeout(p2p_ops[0].group)
-        pending = None
-        if not explicit and _timeout_s is not None:  # NCCL: the issue may create a communicator
-            pending = _PendingIssue(sorted({_peer_of(op) for op in p2p_ops}))
-            _watch(pending)
-        try:
+        # NCCL: the issue itself may create a communicator and block the host (_PendingIssue)
+        with _watching(_PendingIssue(_peers(p2p_ops)) if not explicit and _timeout_s is not None else None):
             works = batch_p2p(p2p_ops, desc)
-        finally:
-            if pending is not None:
-                pending.finished = True
         _remember_p2p_group(p2p_ops[0].group)
         if len(works) != len(p2p_ops):  # a coalesced batch: one work for all, name every peer
-            peers = sorted({_peer_of(op) for op in p2p_ops})
+            peers = _peers(p2p_ops)
             return [_TimedWork(w, peers[0] if len(peers) == 1 else peers, "message", explicit) for w in works]
         return [_TimedWork(w, _peer_of(op), "receive" if getattr(op.op, "__name__", "") == "irecv" else "send",
                            explicit) for w, op in zip(works, p2p_ops)]
@@ -346,7 +366,7 @@ def _timed(batch_p2p: Callable) -> Callable:
 
 #: the watch names a stopped peer this long before the group's timeout (NCCL's watchdog) ends the process
 _WATCH_LEAD_S = 5.0
-#: (since, _TimedWork | _PendingCollective, device context factory): NCCL-side waits not done yet
+#: (since, _TimedWork | _Pending, device context factory): NCCL-side waits not done yet
 _watched: list[tuple[float, Any, Callable[[], Any]]] = []
 _watch_lock = threading.Lock()
 _watcher: list[threading.Thread] = []
@@ -417,19 +437,14 @@ def named_collective(group: Any, ranks: Sequence[int], name: str, run: Callable[
     _arrivals[name] = count
     if store is not None:
         store.set(f"titan_ext/arrivals/{name}/{me}", str(count))
-    pending = None
-    if _timeout_s is not None and not explicit_wait_timeout(group):  # NCCL: the watchdog, no error
-        pending = _PendingCollective(ranks, name, count)
-        _watch(pending)
+    watched = _timeout_s is not None and not explicit_wait_timeout(group)  # NCCL: the watchdog, no error
     try:
-        return run()
+        with _watching(_PendingCollective(ranks, name, count) if watched else None):
+            return run()
     except RuntimeError as e:
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         raise PeerTimeout(_collective_note(ranks, name, count, _timeout_s)) from e
-    finally:
-        if pending is not None:
-            pending.finished = True
 
 
 def publish_identity() -> None:
