@@ -190,7 +190,8 @@ class ObservationExchange:
         """Every rank's complete steps (``(step, observation, each stage's DP all-reduce time)``,
         oldest first): the steps not fed yet, exchanged now (a timeout names the silent rank)."""
         vec = self._vector()
-        named(self.control, "falcon/step", lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control))
+        named(self.control, "falcon/step",
+              lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control))
         return self._complete(vec)
 
     def _vector(self) -> torch.Tensor:
