@@ -26,7 +26,7 @@ TORCH215_INDEX="${TORCH215_INDEX-https://download.pytorch.org/whl/cpu}"
 # what every environment needs besides torch and torchtitan (TorchTitan's and our own dependencies)
 COMMON=(numpy pytest pytest-timeout packaging tomli matplotlib ortools wandb torchdata tokenizers tyro
         tensorboard einops pillow safetensors setuptools)
-say() { echo "[ci-versions] $*"; }
+say() { echo "[ci-versions] +${SECONDS}s $*"; }  # the seconds since the start: where the time goes
 export PIP_NO_CACHE_DIR=1
 PRUNE="${CI_VERSIONS_PRUNE:-0}"
 
@@ -104,6 +104,11 @@ build_in() {  # fresh sources in .venvs/ENV/src, C/C++ extensions built against 
         || { say "FAILED $env: build (see $dir/build.log)"; tail -n 15 "$dir/build.log"; return 1; }
 }
 
+torch_plan_tests() {  # the planner's test files that touch torch (its validator, its schedules, the IR's
+    # lowering): the others test pure Python/C that no torch version changes, and the default tier runs them
+    grep -l torch tests/test_plan_*.py
+}
+
 tier() {  # tier ENV PYTEST_ARGS...: pytest in ENV's sources; a failure is re-run once, only the failed
     # tests (multi-process runs on a shared 2-core machine, as .ci/run's slow tier): a failure that
     # repeats fails the tier, one that does not is printed as FLAKY for the next session
@@ -120,7 +125,7 @@ run_torch215() {
     build_in "$env" || return 1
     say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py, on real FSDP2 stages: tests/test_runtime_fsdp_cpu.py)"
     tier "$env" -m "not slow and not gpu" tests/test_torch_compat.py tests/test_torch_loops.py \
-        tests/test_runtime_waits.py tests/test_nccl_rules.py tests/test_plan_*.py tests/test_runtime_*.py
+        tests/test_runtime_waits.py tests/test_nccl_rules.py $(torch_plan_tests) tests/test_runtime_*.py
 }
 
 run_torch211() {
@@ -131,7 +136,7 @@ run_torch211() {
     build_in "$env" || return 1
     say "$env: plan + runtime default tier, the NCCL-rules backend and the one-GPU staging transport"
     tier "$env" -m "not slow and not gpu" tests/test_torch_compat.py tests/test_torch_loops.py \
-        tests/test_nccl_rules.py tests/test_shared_gpu.py tests/test_host_syncs.py tests/test_plan_*.py tests/test_runtime_*.py
+        tests/test_nccl_rules.py tests/test_shared_gpu.py tests/test_host_syncs.py $(torch_plan_tests) tests/test_runtime_*.py
 }
 
 run_tt03() {

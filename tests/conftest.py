@@ -44,7 +44,11 @@ if ROOT not in sys.path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA is present (CI has none)."""
+    """GPU tests run only where CUDA is present (CI has none). A ``soak`` test is a ``slow`` one that CI
+    does not run: without ``slow`` it would fall into the default tier, so that is a usage error."""
+    unmarked = [item.nodeid for item in items if "soak" in item.keywords and "slow" not in item.keywords]
+    if unmarked:
+        raise pytest.UsageError(f"marked soak but not slow: {unmarked}")
     try:
         import torch
 

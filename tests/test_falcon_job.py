@@ -204,15 +204,21 @@ def _losses(dump: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def slow_device_runs(tmp_path_factory):
+    """The job with device 3 slow from SLOW_FROM and Falcon applying, and its reference: the same job
+    with neither the fault nor any mitigation applied (the emulated fault only delays, so the
+    reference computes what an unmitigated faulty run computes, in a third of its time)."""
     runs = {}
-    for name, apply in (("falcon", "--titan_ext.falcon_apply"), ("off", "--titan_ext.no-falcon_apply")):
+    for name, args in (("falcon", ["--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",
+                                   "--titan_ext.falcon_apply"]),
+                       ("off", ["--titan_ext.no-falcon_apply"])):
         dump = tmp_path_factory.mktemp(f"slow_device_{name}")
-        _torchrun(dump, STEPS, ["--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}", apply])
+        _torchrun(dump, STEPS, args)
         runs[name] = dump
     return runs
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # CI runs it in the TorchTitan 0.3 tier (scripts/ci_versions.sh)
 def test_slow_device_detected_localised_and_s2_applied(slow_device_runs):
     rows = _falcon_log(slow_device_runs["falcon"])
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -277,6 +283,7 @@ def test_s2_on_dedicated_devices_matches_the_closed_form(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # CI runs it in the TorchTitan 0.3 tier (scripts/ci_versions.sh)
 def test_s2_run_trains_like_the_unmitigated_run(slow_device_runs):
     # same seed, data and global batch; S2 only changes which replica computes which chunk
     # (float32 sums in another order: equal within float tolerance, not bit for bit)
@@ -311,6 +318,7 @@ def healthy_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # 70 s; CI's DP 2 x PP 2 job without a fault: test_short_dp2_pp2_job_runs_under_the_test_backend_and_learns
 def test_healthy_40_step_run_takes_no_mitigation(healthy_run):
     """Issue 23's must-show: zero mitigations *applied*. The shared host itself may slow every rank
     for a few steps (seen: steps 26-31 of a run at 2-4 s against ~0.5 s, +236 %); Falcon then

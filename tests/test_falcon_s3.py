@@ -204,19 +204,27 @@ of DP time) no level event came within 11 steps (seen once each); replaying the 
 with +6 s from step 13 confirms it at step 16."""
 
 
-@pytest.fixture(scope="module")
-def s3_runs(tmp_path_factory):
+def _s3_job(tmp_path_factory, name: str, extra: list[str]):
     from _titan_version import falcon_job
 
-    runs = {}
-    link = ["--titan_ext.emulate_slow_link", f"0-1:x{LINK_FACTOR}@{SLOW_FROM}"]
-    for name, extra in (("reference", []), ("slow_dp_link", link),
-                        ("combined", ["--titan_ext.emulate_slow_device", f"1:{DEVICE_FACTOR}@{SLOW_FROM}",
-                                      "--titan_ext.emulate_slow_link", f"0-1:x{SECOND_LINK_FACTOR}@{SECOND_FROM}"])):
-        dump = tmp_path_factory.mktemp(name)
-        falcon_job(dump, STEPS, ["--titan_ext.no-adaptive", *extra])
-        runs[name] = dump
-    return runs
+    dump = tmp_path_factory.mktemp(name)
+    falcon_job(dump, STEPS, ["--titan_ext.no-adaptive", *extra])
+    return dump
+
+
+@pytest.fixture(scope="module")
+def s3_runs(tmp_path_factory):
+    return {"reference": _s3_job(tmp_path_factory, "reference", []),
+            "slow_dp_link": _s3_job(tmp_path_factory, "slow_dp_link",
+                                    ["--titan_ext.emulate_slow_link", f"0-1:x{LINK_FACTOR}@{SLOW_FROM}"])}
+
+
+@pytest.fixture(scope="module")
+def combined_run(tmp_path_factory):
+    """Its own job (about 3 minutes, the soak tier's): the slow device, then the slow link."""
+    return _s3_job(tmp_path_factory, "combined", [
+        "--titan_ext.emulate_slow_device", f"1:{DEVICE_FACTOR}@{SLOW_FROM}",
+        "--titan_ext.emulate_slow_link", f"0-1:x{SECOND_LINK_FACTOR}@{SECOND_FROM}"])
 
 
 def _jsonl(path):
@@ -289,13 +297,14 @@ def test_wandb_gets_the_events_table_and_an_applied_s3s_cost_and_after_time():
 
 
 @pytest.mark.slow
-def test_combined_s2_is_not_enough_and_s3_follows_in_ladder_order(s3_runs):
+@pytest.mark.soak
+def test_combined_s2_is_not_enough_and_s3_follows_in_ladder_order(s3_runs, combined_run):
     """Issue 23 item 5 from the events rows: the slow device is localised (``compute``, device 1, no
     slow link) and S2 applied; the iterations stay slow and, once device 1's DP link is slow too, a
     further slowdown is localised anew (slow link 0-1) and S3 is applied at a later step, moving 0-1
     onto a PP hop; the split is re-planned for the new replicas (device 1 ends in replica 0, which
     then gets the fewer chunks). Order: S1, then S2, then the re-localisation, then S3."""
-    dump = s3_runs["combined"]
+    dump = combined_run
     rows = _jsonl(dump / "falcon.jsonl")
     events = _jsonl(dump / "falcon_events.jsonl")
     applied = [e for e in events if e["kind"] == "decision" and e["applied"]]

@@ -101,6 +101,7 @@ CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # 150 s; CI's S4 run is tests/test_falcon_s4.py's (the same restart, shrinking DP)
 def test_s4_onto_a_spare_keeps_dp_and_resumes_bit_equal_to_a_job_loading_the_checkpoint(tmp_path):
     """The launcher on the DP 2 × PP 2 job of tests/test_falcon_s4.py (dedicated-device emulation,
     device 3 24× slower from step 5) with one spare device (4): S4 restarts rank 3 on device 4 with

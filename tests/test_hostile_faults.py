@@ -385,7 +385,7 @@ def test_a_stopped_rank_under_delegation_ends_the_job_within_timeout_plus_10s_an
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("spec, by", [("3:4@3", None), ("3:4", "replicas")])
+@pytest.mark.parametrize("spec, by", [pytest.param("3:4@3", None, marks=pytest.mark.soak), ("3:4", "replicas")])
 def test_falcon_job_sees_an_early_and_a_from_the_start_slow_device(spec, by, tmp_path):
     """Issue 39's job: ``emulate_slow_device "3:4@3"`` stayed "healthy" for all 44 steps; device 3 slow from
     the first step was never flagged. Now: an onset by step 3 + 5, localised to device 3; from the start,

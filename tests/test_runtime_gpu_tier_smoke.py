@@ -46,7 +46,8 @@ def _common(c: dict) -> None:
         assert c["arrival_waits_per_rank"][r] is not None  # the staged transport carried the messages
 
 
-@pytest.mark.slow  # 16 s; its parts run in the default tier (tests/test_runtime_gpu_tier_units.py)
+@pytest.mark.slow  # 50 s on a loaded host; its parts run in the default tier (tests/test_runtime_gpu_tier_units.py)
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_the_gpu_tier_script_runs_on_cpu_and_reports_each_cell(tmp_path):
     doc = _run_tier(tmp_path, "ZBV,PipeMorph")
