@@ -294,7 +294,8 @@ def test_s2_run_trains_like_the_unmitigated_run(slow_device_runs):
     assert with_s2[-1] < 0.7 * with_s2[0]
 
 
-@pytest.mark.slow  # a 4-rank TorchTitan job (about 20 s)
+@pytest.mark.slow  # a 4-rank TorchTitan job (about 30 s)
+@pytest.mark.soak  # CI's healthy Falcon job under nccl_rules: tests/test_falcon_s3.py's reference run (32 steps)
 def test_short_dp2_pp2_job_runs_under_the_test_backend_and_learns(tmp_path):
     """The default tier's DP 2 x PP 2 job (issue 20): 6 steps under nccl_rules (NCCL's rules on the PP
     and DP groups: a host tensor on them, a reordered or split batch, an op from a second thread

@@ -89,15 +89,17 @@ def test_env_straggler_is_checked_before_it_is_announced(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule, backend", [
-    ("PipeMorph", "nccl_rules"), ("1F1B", "gloo"),
-    # the other two pairs: 60-90 s each, the soak tier's
-    pytest.param("PipeMorph", "gloo", marks=pytest.mark.soak), pytest.param("1F1B", "nccl_rules", marks=pytest.mark.soak)])
+    ("PipeMorph", "nccl_rules"),
+    # the other three pairs: 60-90 s each, the soak tier's (gloo's PP timeout in CI: the stopped rank
+    # under delegation, tests/test_hostile_faults.py)
+    pytest.param("1F1B", "gloo", marks=pytest.mark.soak), pytest.param("PipeMorph", "gloo", marks=pytest.mark.soak),
+    pytest.param("1F1B", "nccl_rules", marks=pytest.mark.soak)])
 def test_frozen_rank_ends_the_job_within_timeout_plus_30s_naming_it(schedule, backend, tmp_path):
     """SIGSTOP rank 2 at step 5 of train_configs/debug_cpu.toml (4 ranks, torchrun): the job ends within
     comm.train_timeout_seconds + 30 s and the log names rank 2 (before issue 26: 333 s, 'Timed out
     waiting 300000ms for recv', for ours and for torch's 1F1B alike).  Under nccl_rules no PP wait has a
     timeout: the PP group's timeout (NCCL's watchdog) ends the job, after the watch named and fenced rank 2."""
-    timeout_s = 30
+    timeout_s = 20  # a debug_cpu step takes 1-4 s on a loaded 2-core host
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "frozen_rank.py"), "--rank", "2", "--step", "5",
                         "--timeout", str(timeout_s), "--schedule", schedule, "--log", str(tmp_path / "run.log"),
                         "--backend", backend],
