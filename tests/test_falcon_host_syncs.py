@@ -13,6 +13,8 @@ mid-training (issue 46).
   :class:`DPSync` read their device times once complete, without ``Event.synchronize``.
 * ``weighted_all_reduce_gradients``: the exact weighted average of an independent reference,
   allocating at most a bucket (before: two full flat copies of the gradients).
+* The schedule's check cadence is adaptive again once the job takes Falcon off it, and the job holds
+  PipeMorph's link readings between its checks.
 """
 
 from __future__ import annotations
@@ -303,43 +305,54 @@ def test_weighted_gradient_aggregation_is_the_exact_weighted_sum_without_a_flat_
 
 
 # --------------------------------------------------------------------------- steps fed after a change
-def test_a_step_started_before_an_applied_change_is_not_fed():
-    """A device two steps behind the host: steps come back in pairs. A decision on step 2 changes the
-    split; step 3 ran before that change (its numbers describe the old split) and is not fed, step 4
-    (run under the new split) is — the monitor compares steps of one configuration only."""
+class _Clock:  # a device that returns each step two steps after the host ended it
+    def __init__(self):
+        self.ended = []
+
+    def stop(self):
+        from titan_ext.titan.falcon.measure import StepRecord
+
+        step = StepRecord(len(self.ended), None)
+        self.ended.append(step)
+        return step
+
+    def read(self):
+        return []
+
+
+class _Exchange:  # every rank has read the steps up to two behind the newest
+    def __init__(self):
+        self.steps, self.fed = [], 0
+
+    def add(self, step):
+        self.steps.append(step)
+
+    def exchange(self):
+        out = [(s, SimpleNamespace(index=s.index), []) for s in self.steps[self.fed:len(self.steps) - 2]]
+        self.fed += len(out)
+        return out
+
+
+def _stub_job(falcon, schedule=None):
+    """FalconJob's step boundary (:meth:`FalconJob._after_step`) over stubs: the clock and exchange
+    above, ``falcon(obs, step)`` for the monitor and its decisions."""
     from titan_ext.titan.falcon.job import FalconJob
-    from titan_ext.titan.falcon.measure import StepRecord
-
-    class Clock:  # the device returns each step two steps after the host ended it
-        def __init__(self):
-            self.ended = []
-
-        def stop(self):
-            step = StepRecord(len(self.ended), None)
-            self.ended.append(step)
-            return step
-
-        def read(self):
-            return []
-
-    class Exchange:  # every rank has read steps up to two behind the newest
-        def __init__(self):
-            self.steps, self.fed = [], 0
-
-        def add(self, step):
-            self.steps.append(step)
-
-        def exchange(self):
-            out = [(s, SimpleNamespace(index=s.index), []) for s in self.steps[self.fed:len(self.steps) - 2]]
-            self.fed += len(out)
-            return out
 
     job = FalconJob.__new__(FalconJob)
-    job.step_clock, job.exchange = Clock(), Exchange()
-    job.trainer = SimpleNamespace(pp_schedule=None, step=0)
+    job.step_clock, job.exchange = _Clock(), _Exchange()
+    job.trainer = SimpleNamespace(pp_schedule=schedule, step=0)
     job.costs = SimpleNamespace(measure_replan=lambda rt: None)
     job.dp = SimpleNamespace(step_read=lambda s: None, absorb=lambda r: None)
     job.split, job.dp_index, job.pp_index, job._version, job.stale_steps = [3, 3], 0, 0, 0, 0
+    job._link_delay_ms = {}
+    job._falcon = falcon
+    return job
+
+
+def test_a_step_started_before_an_applied_change_is_not_fed():
+    """A device two steps behind the host: steps come back two steps late. A decision on step 2
+    changes the split; steps 3 and 4 ran before that change (their numbers describe the old split) and
+    are not fed, step 5 (run under the new split) is — the monitor compares steps of one configuration."""
     fed = []
 
     def falcon(obs, step):
@@ -347,7 +360,7 @@ def test_a_step_started_before_an_applied_change_is_not_fed():
         if step.index == 2:  # a decision: S2's split from the next step on (FalconJob.apply bumps the version)
             job.split, job._version = [4, 2], job._version + 1
 
-    job._falcon = falcon
+    job = _stub_job(falcon)
     for k in range(8):
         job.trainer.step = k + 1
         job._after_step()
@@ -356,3 +369,45 @@ def test_a_step_started_before_an_applied_change_is_not_fed():
     assert fed == [0, 1, 2, 5], fed
     assert job.stale_steps == 2
     assert [s.host["split"] for s in job.step_clock.ended[:6]] == [[3, 3]] * 5 + [[4, 2]]
+
+
+def test_the_job_holds_pipemorphs_link_readings_between_its_checks():
+    """With Falcon off the schedule its checks grow apart (below): a step without a check carries the
+    last check's PP link readings, not none (which the exchange would read as healthy links)."""
+    checks = {0: {0: 5.0}, 3: {0: 60.0}}  # step -> the schedule's readings at that step's check
+    schedule = SimpleNamespace(last_metrics={})
+    job = _stub_job(lambda obs, step: None, schedule)
+    for k in range(6):
+        schedule.last_metrics = {"link_delay_ms": checks[k]} if k in checks else {}
+        job._after_step()
+    assert [s.host["link_delay_ms"] for s in job.step_clock.ended] == [{0: 5.0}] * 3 + [{0: 60.0}] * 3
+
+
+# --------------------------------------------------------------------------- the check cadence
+def test_the_check_cadence_is_adaptive_again_when_the_job_takes_falcon_off():
+    """PipeMorph fixes its check period while its own Falcon observer needs every iteration; when
+    FalconJob takes Falcon off the schedule (``schedule.falcon = None``), the period may grow again
+    (PipeMorph §6 ②), so most steady steps are non-exchange ones."""
+    from titan_ext.runtime.cadence import CheckCadence
+    from titan_ext.runtime.pipemorph import PipeMorph
+
+    observers = [SimpleNamespace(every_iteration=True)]
+
+    class _Extensions:
+        every_iteration = property(lambda self: any(o.every_iteration for o in observers))
+
+        def drop_falcon(self):
+            observers.clear()
+
+    cadence = CheckCadence(1, 4, 1, 0.1, 1.0)
+    cadence.fixed()
+    schedule = SimpleNamespace(extensions=_Extensions(), cadence=cadence,
+                               config=SimpleNamespace(profile_every=1, profile_every_max=4))
+    PipeMorph.falcon.fset(schedule, None)
+    assert cadence.profile_every_max == 4
+    checks = []
+    for it in range(40):
+        if cadence.due(it):
+            checks.append(it)
+            cadence.after_check(it, True, [1.0])
+    assert len(checks) < 20, checks

@@ -74,6 +74,10 @@ class FalconJob:
         self.split = list(self.even_split)
         self.exchange = ObservationExchange(self.control, self.num_pp, self.num_dp)
         self._steps = 0  # the job's steps so far (the exchange's step index)
+        self._link_delay_ms: dict = {}
+        """The PP link delays of PipeMorph's last check, held between checks (the schedule measures
+        them at its checks only, every ``profile_every`` .. ``profile_every_max`` iterations, once the
+        job took Falcon off it)."""
         self._version = 0
         """Bumped by every applied change (:meth:`apply`): a step run under an older one is not fed."""
         self.stale_steps = 0
@@ -172,8 +176,10 @@ class FalconJob:
         step = self.step_clock.stop()
         rt = runtime_metrics(self.trainer.pp_schedule)
         self.costs.measure_replan(rt)  # only a Falcon decision's ski-rental input
+        if rt.get("link_delay_ms"):  # a check of PipeMorph's: its readings, held until the next one
+            self._link_delay_ms = dict(rt["link_delay_ms"])
         step.host = {"split": list(self.split), "dp_index": self.dp_index, "pp_index": self.pp_index,
-                     "link_delay_ms": dict(rt.get("link_delay_ms", {})), "trainer_step": self.trainer.step,
+                     "link_delay_ms": dict(self._link_delay_ms), "trainer_step": self.trainer.step,
                      "version": self._version}
         self.exchange.add(step)
         for read in self.step_clock.read():
