@@ -187,10 +187,12 @@ STEPS = 32
 by the iteration time alone, at step 31 under nccl_rules; with group tracking at step 15 (gloo and
 nccl_rules, docs/falcon.md "Group tracking"). 32 keeps the margin for a loaded CI host."""
 SLOW_FROM = 5
-LINK_FACTOR = 11
-"""Transfers over link 0-1 take 11x their time from step 5: the stage-0 DP all-reduce (~25-70 ms in
-training on this loaded host) adds ~0.25-0.7 s to a ~0.5 s step — >= 3x the step-time noise of a
-loaded 2-core host (the must-show's 6x is measured by scripts/bench_falcon.py: BENCHMARKS.md)."""
+LINK_FACTOR = 21
+"""Transfers over link 0-1 take 21x their time from step 5: the stage-0 DP all-reduce (~25-70 ms in
+training on this loaded host) adds ~0.5-1.4 s to a ~1-1.3 s step (the debug job under nccl_rules and
+the lagging device). At 11x (+0.2-0.7 s) a loaded run measured the slow steps at 1.46 s against
+1.26 s after S3 (0.86, where the test asks < 0.8): the fault was no longer >= 3x the step-time noise
+(the must-show's 6x is measured by scripts/bench_falcon.py: BENCHMARKS.md)."""
 
 
 DEVICE_FACTOR = 24
