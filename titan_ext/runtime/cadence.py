@@ -21,10 +21,14 @@ class CheckCadence:
     def __init__(self, profile_every: int, profile_every_max: int, window: int, rel_margin: float,
                  abs_margin_ms: float):
         self.profile_every = profile_every
-        self.profile_every_max = max(profile_every, profile_every_max)
+        self.adaptive(profile_every_max)
         self.window, self.rel_margin, self.abs_margin_ms = window, rel_margin, abs_margin_ms
         self.period, self._quiet, self._next = profile_every, 0, 0
         self._last_delays: list[float] = []
+
+    def adaptive(self, profile_every_max: int) -> None:
+        """Let the period grow to ``profile_every_max`` (never below ``profile_every``) while checks are quiet."""
+        self.profile_every_max = max(self.profile_every, profile_every_max)
 
     def fixed(self) -> None:
         """Check at every ``profile_every`` iterations, never less often (an observer needs them all)."""

@@ -268,7 +268,7 @@ class PipeMorph(_PipelineScheduleRuntime):
             raise ValueError(f"{type(self).__name__}.falcon can only be set to None (off); pass falcon= at construction")
         self.extensions.drop_falcon()
         if not self.extensions.every_iteration:  # Falcon's need of every iteration's check went with it
-            self.cadence.profile_every_max = max(self.config.profile_every, self.config.profile_every_max)
+            self.cadence.adaptive(self.config.profile_every_max)
 
     @property
     def memory_budget_bytes(self) -> float | None:
