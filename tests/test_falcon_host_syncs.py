@@ -61,6 +61,7 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
     from titan_ext.runtime import host_syncs
     from titan_ext.runtime.falcon.device_clock import is_control_group
     from titan_ext.titan.config import TitanExt
+    from titan_ext.titan.falcon import job as falcon_job
     from titan_ext.titan.falcon.job import FalconJob
     from titan_ext.titan.falcon.measure import validate
 
@@ -76,6 +77,11 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
         job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir)),
         config=SimpleNamespace(dump_folder=outdir), step=1)
     job = FalconJob(trainer, TitanExt(falcon=True, falcon_apply=True))
+    # a loaded host's noise can look like an onset to the detector on this toy job's millisecond
+    # steps; the step that validates then (§4.3) syncs and runs collectives by design, and is no
+    # steady step: recorded, and left out below
+    validated, job_validate = [], falcon_job.validate
+    falcon_job.validate = lambda *a, **k: (validated.append(phase[0]), job_validate(*a, **k))[1]
     fed = []
     falcon = job._falcon
     job._falcon = lambda obs, step: (fed.append((step.index, obs.iteration_time_s)), falcon(obs, step))
@@ -108,7 +114,8 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
             return "dp"
         return "other"
 
-    return {"syncs": syncs, "fed": fed,
+    falcon_job.validate = job_validate
+    return {"syncs": syncs, "fed": fed, "validated": validated,
             "calls": [(p, n, kind(g), a) for p, n, g, a in calls]}
 
 
@@ -128,17 +135,29 @@ def _steady_syncs(sites: list[str]) -> list[str]:
     return [s for s in sites if not (_COLLECTIVE_WAIT[0] in s and _COLLECTIVE_WAIT[1] in s)]
 
 
+def _steady_steps(job_run) -> list[int]:
+    """The steps from ``STEADY_FROM`` in which no rank validated (validation is collective: all or
+    none); at least three, or the test has no power."""
+    validated = set(job_run[0]["validated"])
+    assert all(set(r["validated"]) == validated for r in job_run), [r["validated"] for r in job_run]
+    steady = [s for s in range(STEADY_FROM, STEPS) if s not in validated]
+    assert len(steady) >= 3, validated
+    return steady
+
+
 def test_a_steady_falcon_step_makes_no_host_sync(job_run):
+    steady_steps = _steady_steps(job_run)
     for rank, r in enumerate(job_run):
-        steady = [_steady_syncs(sites) for sites in r["syncs"][STEADY_FROM:]]
-        assert steady == [[]] * (STEPS - STEADY_FROM), (rank, r["syncs"])
+        steady = [_steady_syncs(r["syncs"][s]) for s in steady_steps]
+        assert steady == [[]] * len(steady_steps), (rank, steady_steps, r["syncs"])
 
 
 def test_a_steady_falcon_step_makes_one_collective_on_the_control_groups(job_run):
     """Before: ``DPSync.transfer_times`` and ``measure_step`` each all-reduced over the world every
     step. Now one all-reduce of host data a step (no device work waits on it)."""
+    steady_steps = _steady_steps(job_run)
     for rank, r in enumerate(job_run):
-        for step in range(STEADY_FROM, STEPS):
+        for step in steady_steps:
             mine = [(n, a) for p, n, k, a in r["calls"] if p == step and k == "control"]
             assert mine == [("all_reduce", False)], (rank, step, mine)
 
