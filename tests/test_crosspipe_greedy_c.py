@@ -23,7 +23,8 @@ COMBOS = list(itertools.product(
     (False, True),                             # lookahead
 ))
 CHUNKS, PER_CHUNK = 12, 25  # 300 random problems
-FAST_CHUNKS = 1  # the default test tier sweeps 25 of them; the `slow` tier (CI, after it) all 300
+FAST_CHUNKS = 1  # the default test tier sweeps 25 of them; the `slow` tier (CI, after it) 125 more,
+CI_CHUNKS = 6    # the `soak` tier the other 150 (about 60 s on 2 cores)
 
 
 def _random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
@@ -80,6 +81,7 @@ def test_available():
 
 
 @pytest.mark.parametrize("chunk", [c if c < FAST_CHUNKS else pytest.param(c, marks=pytest.mark.slow)
+                                   if c < CI_CHUNKS else pytest.param(c, marks=[pytest.mark.slow, pytest.mark.soak])
                                    for c in range(CHUNKS)])
 def test_bit_identical_random(chunk):
     rng = random.Random(1000 + chunk)

@@ -278,7 +278,8 @@ TORCHTITAN_TOKEN_COUNT = "at torchtitan/distributed/utils.py"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", list(TITAN_JOBS))
+@pytest.mark.parametrize("job", [  # delegated run-ahead in CI: tests/test_delegate_runahead.py (80 s here)
+    pytest.param(j, marks=pytest.mark.soak) if "delegation" in j else j for j in TITAN_JOBS])
 def test_titan_job_runs_ahead(job, tmp_path):
     """TorchTitan's debug model, 4 ranks, ``nccl_rules`` + the lagging device (the CPU shim installs it
     under ``TITAN_EXT_TEST_DEVICE=lag``): after start-up, host-blocking calls only in logging steps

@@ -109,6 +109,7 @@ def test_measure_keeps_the_measured_faster_backward(overhead_ms, winner):
     assert statistics.median(faster) < statistics.median(slower)
 
 
+@pytest.mark.soak  # 17 s; CI: tests/test_runtime_backward_chooser.py::test_disabled_chooser_passes_the_policy_through
 def test_fixed_backward_never_probes():
     world = 4
     for res in run_ranks(_worker, world, 12.0, "split"):
