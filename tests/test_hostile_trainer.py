@@ -167,6 +167,17 @@ BAD = {
                                             {"TITAN_EXT_SLOW_DEVICE": "garbage"}, "TITAN_EXT_SLOW_DEVICE = 'garbage'"),
     "env_slow_link_garbage": (BASE, [], {"TITAN_EXT_SLOW_LINK": "0-0:5"}, "TITAN_EXT_SLOW_LINK = '0-0:5'"),
     "env_slow_device_overflow": (BASE, [], {"TITAN_EXT_SLOW_DEVICE": "1:1e12"}, "TITAN_EXT_SLOW_DEVICE"),
+    # the environment's delays are held to the config's rules when they are the ones used
+    "env_delay_longer_than_timeout": (BASE, ["--comm.train_timeout_seconds", "300"],
+                                      {"TITAN_EXT_INJECT_DELAYS": "1:400000"},
+                                      "TITAN_EXT_INJECT_DELAYS = '1:400000': a delay of 400000 ms is not shorter"),
+    "no_torchrun": (BASE, [], {}, "LOCAL_RANK, RANK, WORLD_SIZE not set: start the trainer with torchrun"),
+    # -- an output named like one the job writes itself ------------------------------------------------------
+    "metrics_file_timelines": (BASE, ["--titan_ext.metrics_file", "timelines"], {}, "its timeline traces"),
+    "metrics_file_falcon_log": (BASE, ["--titan_ext.metrics_file", "falcon.jsonl"], {}, "Falcon's decisions"),
+    "metrics_file_tb": (BASE, ["--titan_ext.metrics_file", "tb"], {}, "TensorBoard's logs"),
+    "metrics_file_checkpoint": (BASE, ["--titan_ext.metrics_file", "ckpt", "--checkpoint.folder", "ckpt"], {},
+                                "its checkpoints"),
 }
 
 
@@ -199,6 +210,10 @@ def _run(case, rank, tmp_path, capsys, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", rank)
+    if case == "no_torchrun":
+        for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            monkeypatch.delenv(var)
     monkeypatch.chdir(ROOT)  # the shipped config's relative tokenizer path
     argv = _prepare(case, tmp_path)
     reached = []

@@ -39,8 +39,7 @@ def test_wandb_decisions_table_logs_only_new_rows():
     wb = object.__new__(WandBLogger)
     wb.wandb = SimpleNamespace(Table=wandb.Table, Image=None, log=lambda data, step: logged.append((step, data)))
     processor = SimpleNamespace(logger=SimpleNamespace(_loggers=[wb]))
-    pm = SimpleNamespace(decisions=[[0, 1, "adapt", "Eq.1", "[3, 1]", "split"]], decisions_logged=0,
-                         image=None, wandb_tables={})
+    pm = SimpleNamespace(decisions=[[0, 1, "adapt", "Eq.1", "[3, 1]", "split"]], image=None, wandb_tables={})
     metrics._log_to_wandb(processor, pm, step=1)
     metrics._log_to_wandb(processor, pm, step=2)  # no plan change: nothing logged
     pm.decisions.append([5, 2, "shrink", "memory", "[2, 1]", "split"])
@@ -48,7 +47,7 @@ def test_wandb_decisions_table_logs_only_new_rows():
     assert [step for step, _ in logged] == [1, 6]
     first, second = (data["pipeline/decisions"] for _, data in logged)
     assert first is second and first.log_mode == "INCREMENTAL"  # the same table, appended to
-    assert [row[1] for row in first.data] == [1, 2] and pm.decisions_logged == 2
+    assert [row[1] for row in first.data] == [1, 2] and pm.decisions == []  # logged rows are not kept
 
 
 def test_measured_timeline_as_perfetto_trace(tmp_path):

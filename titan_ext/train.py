@@ -27,6 +27,7 @@ from titan_ext.titan.jobcheck import (  # noqa: E402
     check_ascii_numbers,
     check_config_file,
     check_job_config,
+    check_launcher_env,
     config_file_arg,
     world_size,
 )
@@ -87,6 +88,7 @@ def main(args: list[str] | None = None) -> None:
         _check_toml_file(list(sys.argv[1:] if args is None else args))
         argv = _with_custom_config_module(list(sys.argv[1:] if args is None else args))
         check_job_config(_parse_quietly(ConfigManager(), argv), world_size=world_size())
+        check_launcher_env()
     except ValueError as e:  # TitanExtConfigError, JobConfigError, TOMLDecodeError, unknown keys
         _config_error(e)
     sys.argv = [sys.argv[0], *argv]

@@ -19,7 +19,7 @@ MAX_CONFIG_BYTES = 4 << 20
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 
 __all__ = ["JobConfigError", "check_job_config", "world_size", "check_config_file", "config_file_arg",
-           "check_ascii_numbers", "check_paths", "check_env"]
+           "check_ascii_numbers", "check_paths", "check_env", "check_launcher_env"]
 
 
 class JobConfigError(ValueError):
@@ -310,7 +310,12 @@ def check_paths(config, section=None) -> None:
         dump_path = Path(dump)
         _writable_dir(dump_path, key)
         if section.metrics_file.strip():
-            _writable_file(dump_path / section.metrics_file, f"[titan_ext] metrics_file = {section.metrics_file!r}")
+            key = f"[titan_ext] metrics_file = {section.metrics_file!r}"
+            taken = _names_the_job_writes(config)
+            if section.metrics_file.strip() in taken:
+                raise JobConfigError(f"{key}: the job writes {taken[section.metrics_file.strip()]} under that "
+                                     f"name in the dump folder; choose another file name")
+            _writable_file(dump_path / section.metrics_file, key)
         if section.gantt_every > 0 and _exists(dump_path / "timelines"):
             _writable_dir(dump_path / "timelines", "[titan_ext] gantt_every (timelines under the dump folder)")
         ckpt = getattr(config, "checkpoint", None)
@@ -320,6 +325,25 @@ def check_paths(config, section=None) -> None:
         if getattr(metrics, "enable_tensorboard", False) and isinstance(getattr(metrics, "save_tb_folder", None), str):
             _writable_dir(dump_path / metrics.save_tb_folder, "[metrics] save_tb_folder")
     _check_assets(config)
+
+
+def _names_the_job_writes(config) -> dict[str, str]:
+    """What the job itself creates directly in its dump folder: name -> what it is."""
+    from titan_ext.runtime.falcon.restart import S4_PLAN_FILE, _PLAN_FILE
+    from titan_ext.titan.falcon.files import FALCON_EVENTS, FALCON_LOG
+
+    names = {"timelines": "its timeline traces and images (a folder)", FALCON_LOG: "Falcon's decisions",
+             FALCON_EVENTS: "Falcon's events", S4_PLAN_FILE: "the S4 relaunch plan",
+             _PLAN_FILE: "Falcon's restart plan"}
+    for section, field, what in (("checkpoint", "folder", "its checkpoints (a folder)"),
+                                 ("metrics", "save_tb_folder", "TensorBoard's logs (a folder)"),
+                                 ("profiling", "save_traces_folder", "the profiler's traces (a folder)"),
+                                 ("profiling", "save_memory_snapshot_folder", "memory snapshots (a folder)"),
+                                 ("comm", "save_traces_folder", "the flight recorder's traces (a folder)")):
+        value = getattr(getattr(config, section, None), field, None)
+        if isinstance(value, str) and value.strip() and "/" not in value.strip():
+            names[value.strip()] = what
+    return names
 
 
 def _check_assets(config) -> None:
@@ -368,15 +392,24 @@ def _check_against_timeout(config, section) -> None:
     if timeout_s is None:
         return
     spec = delay_spec(config)
-    if spec:
+    if spec:  # the config's delays win over the environment's (options.install_link_delays)
         from titan_ext.titan.config import config_delay_schedule
 
-        schedule = config_delay_schedule(spec, "inject_delays" if section.inject_delays.strip() else "inject_trace")
+        key = "inject_delays" if section.inject_delays.strip() else "inject_trace"
+        schedule, source = config_delay_schedule(spec, key), f"[titan_ext] {key} = {getattr(section, key)!r}"
+    else:
+        from titan_ext.runtime.delay_injection import ENV_VAR, schedule_from_env
+
+        parsed = schedule_from_env()  # well-formed: check_env ran first
+        if parsed is None:
+            schedule = None
+        else:
+            schedule, source = parsed[0], f"{ENV_VAR} = {parsed[0].source!r}"
+    if schedule is not None:
         worst = max([d.latency_ms for _, step in schedule.steps for d in step.values()]
                     + [w.latency_ms for w in schedule.wildcard if w is not None], default=0.0)
         if worst / 1e3 >= timeout_s:
-            key = "inject_delays" if section.inject_delays.strip() else "inject_trace"
-            raise JobConfigError(f"[titan_ext] {key} = {getattr(section, key)!r}: a delay of {worst:g} ms "
+            raise JobConfigError(f"{source}: a delay of {worst:g} ms "
                                  f"is not shorter than [comm] train_timeout_seconds = {timeout_s:g}")
     if math.isfinite(section.emulate_device_pass_ms) and 2 * section.emulate_device_pass_ms / 1e3 >= timeout_s:
         raise JobConfigError(f"[titan_ext] emulate_device_pass_ms = {section.emulate_device_pass_ms!r}: a "
@@ -415,6 +448,15 @@ def _check_stage_split(config, pp: int) -> None:
             f"module_fqns_per_model_part with {pp} parts")
     if section.placement == "v" and v != 2:
         raise JobConfigError(f"[titan_ext] placement = 'v' needs two stages per PP rank, got {v}")
+
+
+def check_launcher_env(environ=os.environ) -> None:
+    """The variables torchrun gives each rank (TorchTitan reads ``LOCAL_RANK`` to pick its device)."""
+    missing = [v for v in ("LOCAL_RANK", "RANK", "WORLD_SIZE") if not environ.get(v, "").strip()]
+    if missing:
+        raise JobConfigError(f"{', '.join(missing)} not set: start the trainer with torchrun (e.g. `torchrun "
+                             f"--nproc_per_node 4 -m titan_ext.train --job.config_file ...`), scripts/run_local.sh "
+                             f"or scripts/launch.sh")
 
 
 def world_size() -> int | None:

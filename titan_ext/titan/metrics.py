@@ -42,6 +42,7 @@ from torchtitan.tools.logging import logger
 
 from titan_ext.titan import adapters
 
+from titan_ext.titan.appendlog import LineLog
 from titan_ext.titan.gantt import write_timeline_png, write_timeline_trace
 from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
 from titan_ext.titan.options import titan_ext_section
@@ -112,12 +113,12 @@ class PipelineMetrics:
         self.job_config = job_config
         self.dump = Path(adapters.current().dump_folder(job_config))
         self.monitor = PipelineMonitor(schedule, pp_group)
-        self.decisions: list[list[Any]] = []  # rows of the W&B decisions table
+        self.decisions: list[list[Any]] = []  # rows of the W&B decisions table not logged yet
         self._plan_version = runtime_metrics(schedule).get("plan_version", 0)
         self._pending_reason = ("initial", "the schedule's first plan")
         self._last_logged_step = 0
         self.image: Path | None = None  # the image written on the current logged step, if any
-        self.decisions_logged = 0  # rows of `decisions` already sent to W&B
+        self.metrics_log = LineLog(self.dump / self.section.metrics_file, "the pipeline metrics file")
         self.wandb_tables: dict[int, Any] = {}  # W&B logger -> its incremental decisions table
         self._wrap_step()
 
@@ -213,9 +214,7 @@ class PipelineMetrics:
             "delegation": delegation,
             "runtime": rt,
         }
-        self.dump.mkdir(parents=True, exist_ok=True)
-        with open(self.dump / self.section.metrics_file, "a") as f:
-            f.write(json.dumps(strict_json(record), allow_nan=False, default=str) + "\n")
+        self.metrics_log.append([json.dumps(strict_json(record), allow_nan=False, default=str)])
 
     def _write_trace(self, timeline: IterationTimeline) -> None:
         path = self.dump / "timelines" / f"step_{timeline.step:05d}.trace.json"
@@ -228,12 +227,12 @@ class PipelineMetrics:
         path = self.dump / "timelines" / f"step_{timeline.step:05d}.png"
         try:
             write_timeline_png(timeline, path, title=f"{self.schedule_name}, step {timeline.step}")
+            with open(path.with_suffix(".json"), "w") as f:
+                json.dump(strict_json({"step": timeline.step, "num_stages": timeline.num_stages,
+                                       "actions": timeline.to_rows()}), f, allow_nan=False)
         except Exception as e:  # an image must never stop training
             logger.warning(f"[titan_ext] timeline image for step {timeline.step} failed: {e}")
             return
-        with open(path.with_suffix(".json"), "w") as f:
-            json.dump(strict_json({"step": timeline.step, "num_stages": timeline.num_stages,
-                                   "actions": timeline.to_rows()}), f, allow_nan=False)
         self.image = path
 
 
@@ -268,7 +267,7 @@ def _decisions_table(wandb: Any) -> Any:
 
 
 def _log_to_wandb(processor: Any, pm: PipelineMetrics, step: int) -> None:
-    new_rows = pm.decisions[pm.decisions_logged:]
+    new_rows, pm.decisions = pm.decisions, []  # logged once, then dropped (no run-long list)
     for wb in _wandb_loggers(processor):
         extra: dict[str, Any] = {}
         if pm.image is not None:
@@ -285,7 +284,6 @@ def _log_to_wandb(processor: Any, pm: PipelineMetrics, step: int) -> None:
             extra["pipeline/decisions"] = table
         if extra:
             wb.wandb.log(extra, step=step)
-    pm.decisions_logged = len(pm.decisions)
 
 
 def wandb_logged_in(environ=os.environ) -> bool:

@@ -27,6 +27,22 @@ from titan_ext.titan.options import titan_ext_section
 
 __all__ = ["TitanExtTrainer"]
 
+
+def _lock_dump_folder(config):
+    """Rank 0 takes the dump folder's lock (:mod:`titan_ext.titan.dumplock`); a live job holding it
+    ends this one in one line, exit 2 (torchrun then ends the other ranks)."""
+    import os
+
+    from titan_ext.titan.dumplock import DumpFolderBusy, DumpFolderLock
+    from titan_ext.titan.entry import config_error_exit
+
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    try:
+        return DumpFolderLock.acquire(_ADAPTER.dump_folder(config))
+    except DumpFolderBusy as e:
+        config_error_exit(e)
+
 _ADAPTER = adapters.current()
 _Base = _ADAPTER.trainer_base()
 
@@ -41,6 +57,7 @@ class TitanExtTrainer(_Base):
 
     def __init__(self, config):
         check_job_config(config, world_size=world_size())
+        self._dump_lock = _lock_dump_folder(config)  # rank 0: one job per dump folder
         _ADAPTER.install_replication_by_trainer(config)
         _ADAPTER.use_pipeline_metrics(config)  # 0.3: this config's metrics processor, not the class
         from titan_ext.titan.registry import active_job_config
@@ -82,6 +99,8 @@ class TitanExtTrainer(_Base):
         if delegation is not None:  # every adaptive schedule's transport (None: direct P2P)
             delegation.close()
         super().close()
+        if getattr(self, "_dump_lock", None) is not None:
+            self._dump_lock.release()
         if getattr(self, "_trained", False) and torch.distributed.is_initialized():
             # leave together after a successful run: a rank that exits while others still tear
             # down their process group has been seen to abort in a C++ destructor ("terminate

@@ -10,6 +10,7 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
+from titan_ext.titan.appendlog import LineLog
 from titan_ext.titan.falcon.files import FALCON_EVENTS, FALCON_LOG
 
 __all__ = ["STRATEGY_LABEL", "event_rows", "EventLog"]
@@ -95,6 +96,8 @@ class EventLog:
         self.trainer, self.rank = trainer, rank
         self.log_path = dump / FALCON_LOG if dump is not None else None
         self.events_path = dump / FALCON_EVENTS if dump is not None else None
+        self._files = None if dump is None else (LineLog(self.log_path, "Falcon's decisions file"),
+                                                 LineLog(self.events_path, "Falcon's events file"))
         self.events: list[dict] = []
         self.applied_names: set[str] = set()
 
@@ -103,14 +106,12 @@ class EventLog:
         is an applied strategy's only."""
         self.applied_names |= {r["name"] for r in rows if r["kind"] == "decision" and r["applied"]}
         rows = [r for r in rows if r["kind"] != "outcome" or r["name"] in self.applied_names]
-        if self.rank == 0 and self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps({"step": self.trainer.step, **decision}) + "\n")
-            with open(self.events_path, "a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
-                    logger.info(f"[titan_ext] Falcon {_console(row)}")
+        if self.rank == 0 and self._files is not None:
+            decisions, events = self._files
+            decisions.append([json.dumps({"step": self.trainer.step, **decision})])
+            events.append([json.dumps(row) for row in rows])  # made at the first record, rows or not
+            for row in rows:
+                logger.info(f"[titan_ext] Falcon {_console(row)}")
         if rows:
             self.wandb(rows)
 
