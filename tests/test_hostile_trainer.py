@@ -171,6 +171,9 @@ BAD = {
     "env_delay_longer_than_timeout": (BASE, ["--comm.train_timeout_seconds", "300"],
                                       {"TITAN_EXT_INJECT_DELAYS": "1:400000"},
                                       "TITAN_EXT_INJECT_DELAYS = '1:400000': a delay of 400000 ms is not shorter"),
+    # a delegate slot that cannot hold one activation (1 x 64 tokens x dim 256 x 2 bytes = 32 KiB)
+    "slot_below_one_activation": (BASE, ["--titan_ext.delegation", "always", "--titan_ext.delegation_slot_mib",
+                                         "0.001"], {}, "at least 0.0312 MiB here (microbatch 1 x seq_len 64 x dim 256"),
     "no_torchrun": (BASE, [], {}, "LOCAL_RANK, RANK, WORLD_SIZE not set: start the trainer with torchrun"),
     # -- an output named like one the job writes itself ------------------------------------------------------
     "metrics_file_timelines": (BASE, ["--titan_ext.metrics_file", "timelines"], {}, "its timeline traces"),
@@ -253,6 +256,8 @@ GOOD = {
                                                 {"TITAN_EXT_INJECT_DELAYS": "2:5"}, ""),
     "trace_small": (BASE, ["--titan_ext.inject_trace", lambda t: _trace(t, "time_s,link1\n0,5\n10,0\n")], {}, ""),
     "device_factor_1000_dp_pp": (DPPP, ["--titan_ext.emulate_slow_device", "3:1000@3"], {}, ""),
+    "slot_one_mib": (BASE, ["--titan_ext.delegation", "always", "--titan_ext.delegation_slot_mib",
+                            "1"], {}, ""),
 }
 
 

@@ -145,6 +145,26 @@ def _check_delegation(config, section) -> None:
     missing = missing_reason()
     if missing is not None:
         raise JobConfigError(f"[titan_ext] {key} = {value!r}: {missing}")
+    _check_slot_size(config, section)
+
+
+def _check_slot_size(config, section) -> None:
+    """A set ``delegation_slot_mib`` holds one inter-stage message (else the first delegated send fails,
+    after the delegates' start-up): at least microbatch x seq_len x dim x 2 bytes (bf16; fp32 is twice)."""
+    if section.delegation_slot_mib <= 0:
+        return
+    try:
+        dim = _model_args(config).dim
+        tokens = config.parallelism.pipeline_parallel_microbatch_size * config.training.seq_len
+    except Exception:  # noqa: BLE001 - a model without `dim` (or unknown): the runtime's own check, later
+        return
+    need = tokens * dim * 2
+    if section.delegation_slot_mib * 2**20 < need:
+        raise JobConfigError(
+            f"[titan_ext] delegation_slot_mib = {section.delegation_slot_mib!r}: a slot must hold one inter-stage "
+            f"activation, at least {need / 2**20:.3g} MiB here (microbatch {tokens // config.training.seq_len} x "
+            f"seq_len {config.training.seq_len} x dim {dim} x 2 bytes); set it to 0 (derived from the messages) "
+            f"or at least {need / 2**20:.3g}")
 
 
 def _check_backward(config, section) -> None:
@@ -416,6 +436,15 @@ def _check_against_timeout(config, section) -> None:
                              f"backward pass (2x) is not shorter than [comm] train_timeout_seconds = {timeout_s:g}")
 
 
+def _model_args(config):
+    """The model's arguments (``dim``, ``n_layers``, ...): 0.3's ``model_spec.model``, 0.2's train spec's."""
+    if getattr(config, "model_spec", None) is not None:  # TorchTitan 0.3
+        return config.model_spec.model
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    return get_train_spec(config.model.name).model_args[config.model.flavor]
+
+
 def _stages_per_rank(config, pp: int) -> int:
     """Stages per PP rank TorchTitan's ``pipeline_llm`` will build for a PipelineScheduleMulti."""
     import math
@@ -428,9 +457,7 @@ def _stages_per_rank(config, pp: int) -> int:
     if getattr(config, "model_spec", None) is not None:  # TorchTitan 0.3
         n_layers = len(config.model_spec.model.layers)
     else:
-        from torchtitan.protocols.train_spec import get_train_spec
-
-        n_layers = get_train_spec(config.model.name).model_args[config.model.flavor].n_layers
+        n_layers = _model_args(config).n_layers
     units = n_layers + par.pipeline_parallel_first_stage_less_layers + par.pipeline_parallel_last_stage_less_layers
     return max(1, math.ceil(units / par.pipeline_parallel_layers_per_stage) // pp)
 
