@@ -6,8 +6,10 @@ Runs ``torchrun --nproc_per_node 4 -m titan_ext.train --job.config_file train_co
 --comm.train_timeout_seconds T``; when rank 0 logs step K, sends SIGSTOP to the process of rank R and
 times the job's end from there. Prints one JSON line: ``ended_after_s`` (SIGSTOP → torchrun's exit),
 ``timeout_s``, ``exit_code``, ``names_rank`` (whether the log says that rank R stopped answering) and the
-line that says it. Issue 26: the job must end within ``timeout + 30 s`` with that message.
-Nothing is left behind: the frozen process is killed if torchrun did not.
+line that says it. The job must end within ``timeout + 30 s`` with that message.
+Nothing is left behind: the frozen process is killed if torchrun did not, and SIGTERM / SIGINT to this
+script kill the whole job (torchrun runs in a session of its own) before it exits 143 / 130. The log and
+the job's dump folder go to ``--log`` and its folder, by default a new private temporary folder.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -90,6 +93,10 @@ def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
+    finally:
+        if proc.poll() is None:  # a signal to this script: the job goes with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     ended = time.monotonic()
     reader.join(timeout=10)
     if frozen.get("pid"):
@@ -106,7 +113,18 @@ def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: 
             "message": named[0][:300] if named else None, "log": str(log)}
 
 
+def default_log() -> Path:
+    """``run.log`` in a new temporary folder of this user's alone (mode 0700)."""
+    return Path(tempfile.mkdtemp(prefix="titan_ext_frozen_rank.")) / "run.log"
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, default=2)
     p.add_argument("--step", type=int, default=5)
@@ -117,8 +135,11 @@ def main() -> int:
                    help="the trainer's CPU backend (nccl_rules: NCCL's group timeout and watchdog)")
     p.add_argument("--delegation", default="off", choices=["off", "auto", "always"],
                    help="[titan_ext] delegation (PP messages through delegate processes)")
-    p.add_argument("--log", type=Path, default=Path("/tmp/titan_ext_frozen_rank/run.log"))
+    p.add_argument("--log", type=Path, default=None,
+                   help="the job's log (its dump folder goes beside it); default: a new private temporary folder")
     args = p.parse_args()
+    if args.log is None:
+        args.log = default_log()
     args.log.parent.mkdir(parents=True, exist_ok=True)
     cap = 600.0 + args.timeout
     print(json.dumps(run(args.rank, args.step, args.timeout, args.schedule, args.steps, args.log, cap, args.backend,

@@ -27,7 +27,16 @@
 #   FALCON_S4_RESTARTS  1   relaunches after a Falcon S4 exit (status 75 + <dump>/falcon_s4_plan.json:
 #                           the job restarts on the kept nodes/devices; titan_ext/titan/falcon/s4.py)
 #   FALCON_S4_DUMP      the job's dump folder when --job.dump_folder is not on the command line
+#   STOP_GRACE_S     30  seconds the job has to end after a SIGTERM / SIGINT to this script, then SIGKILL
 # The job's own log is the SLURM output file below (%x = job name, %j = job id) in the submit dir.
+#
+# Each run of the job, and each relaunch, gets its own TITAN_EXT_LAUNCH_ID (exported): the job writes
+# it into its S4 plan, and a relaunch happens only after a failed run (status 75, or torchrun's 1; under
+# SLURM any srun failure) whose plan carries that run's id, with nothing in it but what the planner writes.
+# SIGTERM or SIGINT to this script ends the job and exits 143 / 130. Without SLURM torchrun runs in a
+# session of its own (setsid) and the signal goes to its whole process group (torchrun and its ranks);
+# under SLURM srun gets SIGTERM, which it forwards to every task. What is left after STOP_GRACE_S gets
+# SIGKILL.
 #
 #SBATCH --job-name=titan_ext
 #SBATCH --nodes=1
@@ -53,6 +62,18 @@ gpus_on_node="${SLURM_GPUS_ON_NODE:-}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-${gpus_on_node:-8}}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 LOG_DIR="${LOG_DIR:-outputs/logs}"
+STOP_GRACE_S="${STOP_GRACE_S:-30}"
+FALCON_S4_RESTARTS="${FALCON_S4_RESTARTS:-1}"
+for v in NNODES NPROC_PER_NODE MASTER_PORT STOP_GRACE_S FALCON_S4_RESTARTS; do
+    if ! [[ "${!v}" =~ ^(0|[1-9][0-9]{0,5})$ ]]; then
+        echo "launch.sh: $v=${!v} is not a number" >&2
+        exit 2
+    fi
+done
+if [ "$NNODES" -lt 1 ] || [ "$NPROC_PER_NODE" -lt 1 ] || [ "$MASTER_PORT" -lt 1 ] || [ "$MASTER_PORT" -gt 65535 ]; then
+    echo "launch.sh: NNODES=$NNODES and NPROC_PER_NODE=$NPROC_PER_NODE must be >= 1, MASTER_PORT=$MASTER_PORT in [1, 65535]" >&2
+    exit 2
+fi
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -149,25 +170,74 @@ run_nodes() {  # $1 nnodes, $2 ranks per node, $3 rendezvous id, $4 nodes to exc
         echo
         return 0
     fi
+    # in the background, so that the trap below runs while it does; SIGINT at its default again (a
+    # background command of a script starts with SIGINT and SIGQUIT ignored)
     if [ -n "${SLURM_JOB_ID:-}" ]; then
-        srun --nodes="$nnodes" ${exclude:+--exclude="$exclude"} --ntasks-per-node=1 --kill-on-bad-exit=1 \
-            --export=ALL bash -c "$node_wrapper" _ "${cmd[@]}"
+        ( trap - INT QUIT
+          exec srun --nodes="$nnodes" ${exclude:+--exclude="$exclude"} --ntasks-per-node=1 --kill-on-bad-exit=1 \
+              --export=ALL bash -c "$node_wrapper" _ "${cmd[@]}" ) &
     else
-        if [ -n "${S4_DEVICES_0:-}" ]; then CUDA_VISIBLE_DEVICES="$S4_DEVICES_0" "${cmd[@]}"; else "${cmd[@]}"; fi
+        ( trap - INT QUIT
+          if [ -n "${S4_DEVICES_0:-}" ]; then export CUDA_VISIBLE_DEVICES="$S4_DEVICES_0"; fi
+          exec "${new_session[@]}" "${cmd[@]}" ) &
+    fi
+    job_pid=$!
+    local rc=0
+    wait "$job_pid" || rc=$?
+    job_pid=""
+    return "$rc"
+}
+
+# SIGTERM / SIGINT: the running job ends too, then this script with 128 + the signal (as srun does).
+new_session=()
+command -v setsid >/dev/null && new_session=(setsid)  # torchrun's process group: torchrun and its ranks
+job_pid=""
+group_alive() {  # $1 a process group: whether a process of it still runs (a zombie does not)
+    if command -v ps >/dev/null; then
+        ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {n++} END {exit n == 0}'
+    else
+        kill -0 -- "-$1" 2>/dev/null
     fi
 }
+stop_job() {  # $1 the signal, $2 the exit status
+    trap '' TERM INT
+    set +e
+    if [ -n "$job_pid" ]; then
+        local deadline=$((SECONDS + STOP_GRACE_S))
+        if [ -n "${SLURM_JOB_ID:-}" ]; then  # srun forwards SIGTERM to every task
+            kill -s TERM "$job_pid" 2>/dev/null
+            while kill -0 "$job_pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
+            kill -0 "$job_pid" 2>/dev/null && kill -s KILL "$job_pid"
+        else
+            kill -s "$1" -- "-$job_pid" 2>/dev/null || kill -s "$1" "$job_pid" 2>/dev/null
+            while { kill -0 "$job_pid" 2>/dev/null || group_alive "$job_pid"; } && [ "$SECONDS" -lt "$deadline" ]; do
+                sleep 0.2
+            done
+            kill -s KILL -- "-$job_pid" 2>/dev/null || kill -s KILL "$job_pid" 2>/dev/null
+        fi
+        wait "$job_pid" 2>/dev/null
+    fi
+    echo "[launch] job $job_id stopped by SIG$1 (status $2)" >&2
+    exit "$2"
+}
+trap 'stop_job TERM 143' TERM
+trap 'stop_job INT 130' INT
 
 export S4_HOSTS="$hosts"
 nnodes="$NNODES" nproc="$NPROC_PER_NODE" exclude="" rdzv_id="$job_id" extra=()
 restarts=0
+run_id="$job_id.$(date +%s%N).$$"
 while :; do
+    export TITAN_EXT_LAUNCH_ID="$run_id.$restarts"
     set +e
     run_nodes "$nnodes" "$nproc" "$rdzv_id" "$exclude" "$@" "${extra[@]}"
     rc=$?
     [ "${DRY_RUN:-0}" = 1 ] && exit "$rc"
     set -e
     [ "$rc" -eq 0 ] && break
-    if [ -z "$dump_folder" ] || [ "$restarts" -ge "${FALCON_S4_RESTARTS:-1}" ] || \
+    s4_status=0  # the ranks' S4 exit (75) reaches here as torchrun's 1; srun's status mixes its tasks'
+    if [ "$rc" -eq 75 ] || [ "$rc" -eq 1 ] || [ -n "${SLURM_JOB_ID:-}" ]; then s4_status=1; fi
+    if [ "$s4_status" = 0 ] || [ -z "$dump_folder" ] || [ "$restarts" -ge "$FALCON_S4_RESTARTS" ] || \
         ! spec="$("$PYTHON" -m titan_ext.titan.falcon.s4 relaunch-spec "$dump_folder" $hosts)"; then
         echo "[launch] job $job_id failed (status $rc)"
         exit "$rc"

@@ -10,7 +10,8 @@
 #   STEPS=20            training steps per run
 #   DELAY="2:30"        injected straggler ([titan_ext] inject_delays): link 2 (stages 2-3, the last
 #                       link of PP=4) gets +30 ms one way on every PP message; "" = none
-#   SCHEDULES="PipeMorph 1F1B"
+#   SCHEDULES="PipeMorph 1F1B"   schedule names the trainer accepts (letters, digits, _ + -): each run's
+#                       folder OUT/<name> is emptied first, so anything else is refused before it starts
 #   CONFIG=train_configs/debug_cpu.toml
 #   OUT=outputs/run_local   (one dump folder per schedule: metrics JSONL, timeline PNGs, logs)
 #   WANDB=0             1 = also log to W&B (online after `wandb login` or with WANDB_API_KEY, else offline;
@@ -29,8 +30,43 @@ WANDB="${WANDB:-0}"
 NPROC="${NPROC:-4}"
 PORT="${MASTER_PORT:-$((29500 + RANDOM % 2000))}"
 
+# Every schedule names a folder directly inside OUT (emptied before its run): checked before anything
+# is removed -- a name, and no link out of OUT.
+read -r -d '' -a schedules <<< "$SCHEDULES" || true  # split on any white space, no glob
+if [ "${#schedules[@]}" = 0 ]; then
+    echo "run_local.sh: SCHEDULES names no schedule" >&2
+    exit 2
+fi
+for sched in "${schedules[@]}"; do
+    if ! [[ "$sched" =~ ^[A-Za-z0-9][A-Za-z0-9_+-]*$ ]]; then
+        echo "run_local.sh: SCHEDULES: '$sched' is not a schedule name (letters, digits, _ + -)" >&2
+        exit 2
+    fi
+done
+mkdir -p "$OUT"
+out_dir="$(cd "$OUT" && pwd -P)"
+for sched in "${schedules[@]}"; do
+    if [ -L "$out_dir/$sched" ] || { [ -e "$out_dir/$sched" ] && [ ! -d "$out_dir/$sched" ]; }; then
+        echo "run_local.sh: $out_dir/$sched is not a folder of this script's (a link or a file); not removing it" >&2
+        exit 2
+    fi
+done
+
 bash scripts/setup.sh
 PY="$root/.venv/bin/python"
+
+# ... and one the trainer knows (titan_ext's schedules and torch's)
+if ! "$PY" -c '
+import sys
+from titan_ext.titan.registry import get_schedule_class
+for name in sys.argv[1:]:
+    try:
+        get_schedule_class(name)
+    except ValueError as e:
+        sys.exit(f"run_local.sh: SCHEDULES: {e}")
+' "${schedules[@]}"; then
+    exit 2
+fi
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
@@ -38,11 +74,14 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 extra=()
 [ "$WANDB" = 1 ] && extra+=(--metrics.enable_wandb)
 
-mkdir -p "$OUT"
 runs=()
-for sched in $SCHEDULES; do
-    dump="$OUT/$sched"
-    rm -rf "$dump"
+for sched in "${schedules[@]}"; do
+    dump="$out_dir/$sched"
+    case "$(realpath -m -- "$dump")" in
+        "$out_dir"/?*) ;;
+        *) echo "run_local.sh: $dump is not inside $out_dir; not removing it" >&2; exit 2 ;;
+    esac
+    rm -rf -- "$dump"
     mkdir -p "$dump"
     echo "[run_local] $sched: $STEPS steps, PP=$NPROC on CPU/gloo, injected delay '${DELAY:-none}' -> $dump/train.log"
     t0=$(date +%s)

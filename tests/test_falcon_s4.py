@@ -189,14 +189,14 @@ def test_launch_sh_relaunches_on_the_kept_devices_after_an_s4_exit(tmp_path):
     emulation from the environment, and a success ends the loop."""
     dump, calls = tmp_path / "dump", tmp_path / "calls"
     dump.mkdir()
-    plan = {"status": "pending", "hosts": [socket.gethostname()] * 2, "local_devices": [0, 2],
+    plan = {"status": "pending", "launch_id": "LAUNCH_ID", "hosts": [socket.gethostname()] * 2, "local_devices": [0, 2],
             "device_type": "cuda", "overrides": ["--parallelism.data_parallel_replicate_degree", "1",
                                                  "--titan_ext.emulate_slow_device", ""]}
     fake = tmp_path / "py"
     fake.write_text(f"""#!/bin/bash
 if [[ " $* " == *" torch.distributed.run "* ]]; then
   echo "$# $* | ${{CUDA_VISIBLE_DEVICES:-unset}} ${{TITAN_EXT_S4_PLAN:-unset}} ${{TITAN_EXT_SLOW_DEVICE:-unset}}" >> {calls}
-  if [ ! -f {tmp_path}/once ]; then touch {tmp_path}/once; echo '{json.dumps(plan)}' > {dump}/{S4_PLAN_FILE}; exit 1; fi
+  if [ ! -f {tmp_path}/once ]; then touch {tmp_path}/once; echo '{json.dumps(plan)}' | sed "s/LAUNCH_ID/$TITAN_EXT_LAUNCH_ID/" > {dump}/{S4_PLAN_FILE}; exit 1; fi
   exit 0
 fi
 exec {sys.executable} "$@"

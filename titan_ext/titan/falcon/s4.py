@@ -13,7 +13,10 @@ Three parts, one per process that takes part:
 * **The launcher** (:func:`launch`, ``python -m titan_ext.titan.falcon.s4``; ``scripts/launch.sh``
   on SLURM): runs torchrun, and when the job left a pending plan relaunches it on the kept ranks
   with the plan's overrides (DP degree, checkpoint loading without the data loader, emulation
-  renumbered, ``CUDA_VISIBLE_DEVICES`` of the kept local devices).
+  renumbered, ``CUDA_VISIBLE_DEVICES`` of the kept local devices) -- only from a plan that carries
+  the launch id of the run that just ended (:data:`ENV_LAUNCH_ID`) and holds nothing but what the
+  planner writes (:func:`pending_plan`). SIGTERM / SIGINT to the launcher end the job's whole
+  process group (exit 143 / 130).
 * **The restarted job** (:class:`S4Resume`): TorchTitan loads the checkpoint and continues at the
   next step; on its first step the S4 cost is measured (save begin → first step of the new job:
   save + exit + relaunch + start-up + load) and recorded as a ``falcon_events.jsonl`` row, and in
@@ -32,10 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,10 +63,14 @@ from titan_ext.runtime.falcon.restart import (
 )
 
 __all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
-           "ENV_S4_PLAN", "OUTCOME_STEPS"]
+           "ENV_S4_PLAN", "ENV_LAUNCH_ID", "OUTCOME_STEPS", "PlanRefused", "pending_plan", "consume_plan"]
 
 ENV_S4_PLAN = "TITAN_EXT_S4_PLAN"
 """Set by the launcher in the restarted job: the path of the plan it was restarted from."""
+ENV_LAUNCH_ID = "TITAN_EXT_LAUNCH_ID"
+"""Set by the launchers (:func:`launch`, scripts/launch.sh) for each run of the job, a new value for each
+relaunch: :func:`checkpoint_and_exit` writes it into the plan, and a launcher relaunches only from a
+pending plan that carries the id of the run that just ended (a plan left by an earlier run is refused)."""
 COSTS_FILE = "falcon_costs.json"
 OUTCOME_STEPS = 5
 """Steps after the restart whose median iteration time is the S4 outcome's "after"."""
@@ -87,9 +97,11 @@ def _save_checkpoint(trainer: Any, step: int) -> None:
         ckpt.save(step, last_step=False)
     finally:
         ckpt.interval = interval
-    wait = getattr(ckpt, "_async_wait", None)
+    # async checkpointing: the files (and their manifest, checkpoint_guard.py) must be complete before
+    # this process exits: 0.3's maybe_wait_for_saving, 0.2's _async_wait
+    wait = getattr(ckpt, "maybe_wait_for_saving", None) or getattr(ckpt, "_async_wait", None)
     if callable(wait):
-        wait()  # async checkpointing: the files must be complete before this process exits
+        wait()
 
 
 def plan_checkpoint_restart(checkpoint_enabled: bool, slow_devices, slow_links, grid: list[list[int]],
@@ -138,7 +150,7 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
                                                    trainer.job_config.training.local_batch_size),
                       hosts=[where[r][0] for r in plan.kept_ranks],
                       local_devices=_local_devices(plan, where),
-                      device_type=where[0][2])
+                      device_type=where[0][2], launch_id=os.environ.get(ENV_LAUNCH_ID))
     dist.barrier(group=job.control)
     if job.rank == 0:
         from torchtitan.tools.logging import logger
@@ -303,12 +315,142 @@ class S4Resume:
 
 
 # ---------------------------------------------------------------------------- the launcher
-def _dump_folder(train_args: list[str]) -> Path:
+STOP_GRACE_S = 30.0
+"""After SIGTERM / SIGINT to :func:`launch`: the seconds the job's processes have to end before SIGKILL."""
+RELAUNCH_STATUSES = (S4_EXIT_CODE, 1)
+"""torchrun's exit status after an S4 exit: the ranks' S4_EXIT_CODE, which torchrun reports as 1 (its
+status for any failed worker; the plan's launch id says that the failure was this run's S4 exit)."""
+
+
+class PlanRefused(Exception):
+    """A pending S4 plan that no launcher relaunches from (the message names the file and the reason)."""
+
+
+def _int_value(text: str) -> bool:
+    return re.fullmatch(r"[1-9][0-9]{0,9}", text) is not None
+
+
+def _emulation_value(parse):
+    def check(text: str) -> bool:
+        from titan_ext.runtime.falcon.emulation import EmulationSpecError
+
+        if re.fullmatch(r"([0-9][0-9A-Za-z.:@+ -]*)?", text) is None:
+            return False
+        try:
+            parse(text)
+        except (EmulationSpecError, ValueError):
+            return False
+        return True
+    return check
+
+
+def _device_list_value(text: str) -> bool:
+    return re.fullmatch(r"([0-9]{1,6}(,[0-9]{1,6})*)?", text) is not None
+
+
+def _plan_overrides():
+    """relaunch_overrides' arguments: key -> check of its value (None: a flag without one)."""
+    from titan_ext.runtime.falcon.emulation import parse_slow_device, parse_slow_link
+
+    return {"--parallelism.data_parallel_replicate_degree": _int_value,
+            "--training.global_batch_size": _int_value,
+            "--checkpoint.enable": None,
+            "--checkpoint.exclude_from_loading": lambda text: text == "dataloader",
+            "--titan_ext.emulate_slow_device": _emulation_value(parse_slow_device),
+            "--titan_ext.emulate_slow_link": _emulation_value(parse_slow_link),
+            "--titan_ext.falcon_devices": _device_list_value,
+            "--titan_ext.falcon_spares": _device_list_value}
+
+
+def _override_error(overrides) -> str | None:
+    """Why ``overrides`` is not what :func:`~titan_ext.runtime.falcon.restart.relaunch_overrides` writes
+    (its keys, each at most once, each with a value of its kind), or None."""
+    if not isinstance(overrides, list) or not all(isinstance(x, str) for x in overrides):
+        return "its overrides are not a list of strings"
+    known, seen, i = _plan_overrides(), set(), 0
+    while i < len(overrides):
+        key = overrides[i]
+        if key not in known:
+            return f"override {key!r} is not one the S4 planner writes"
+        if key in seen:
+            return f"override {key} appears twice"
+        seen.add(key)
+        i += 1
+        check = known[key]
+        if check is None:
+            continue
+        if i == len(overrides) or not check(overrides[i]):
+            value = repr(overrides[i]) if i < len(overrides) else "(none)"
+            return f"override {key} has the value {value}, not one the S4 planner writes"
+        i += 1
+    return None
+
+
+def _plan_error(plan: dict) -> str | None:
+    """Why the fields a launcher uses are not what :func:`checkpoint_and_exit` writes, or None."""
+    error = _override_error(plan.get("overrides", []))
+    if error:
+        return error
+    ints = lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
+    if "world_size" in plan and not (type(plan["world_size"]) is int and plan["world_size"] >= 1):
+        return f"world_size {plan['world_size']!r} is not a positive integer"
+    if "local_devices" in plan and not ints(plan["local_devices"]):
+        return "local_devices is not a list of device indices"
+    if "hosts" in plan and not (isinstance(plan["hosts"], list)
+                                and all(isinstance(h, str) and h for h in plan["hosts"])):
+        return "hosts is not a list of host names"
+    if "hosts" in plan and "local_devices" in plan and len(plan["hosts"]) != len(plan["local_devices"]):
+        return "hosts and local_devices differ in length"
+    if not isinstance(plan.get("device_type", "cpu"), str):
+        return "device_type is not a string"
+    return None
+
+
+def pending_plan(dump, launch_id: str | None = None) -> dict | None:
+    """The pending S4 plan of ``dump``, checked, or None when there is none (no file, or its plan is not
+    pending). :class:`PlanRefused` for a plan not written under ``launch_id`` (default: this process's
+    ``TITAN_EXT_LAUNCH_ID``) or holding anything the S4 planner does not write."""
+    path = Path(dump) / S4_PLAN_FILE
+    try:
+        plan = read_s4_plan(dump)
+    except (OSError, ValueError) as e:
+        raise PlanRefused(f"{path}: cannot read the S4 plan ({e}); not relaunching from it") from None
+    if plan is None or not isinstance(plan, dict) or plan.get("status") != "pending":
+        return None
+    expected = os.environ.get(ENV_LAUNCH_ID) if launch_id is None else launch_id
+    if plan.get("launch_id") != expected:
+        raise PlanRefused(f"{path}: its launch_id {plan.get('launch_id')!r} is not the run's that just ended "
+                          f"({expected!r}); not relaunching from a plan of another run")
+    error = _plan_error(plan)
+    if error:
+        raise PlanRefused(f"{path}: {error}; not relaunching from it")
+    return plan
+
+
+def _mark_consumed(dump, plan: dict) -> None:
+    """The plan, applied, is marked consumed (one S4 exit restarts once)."""
+    path = Path(dump) / S4_PLAN_FILE
+    tmp = path.with_name(f".{S4_PLAN_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**plan, "status": "consumed"}, indent=1))
+    os.replace(tmp, path)
+
+
+def consume_plan(dump, launch_id: str | None = None) -> dict | None:
+    """:func:`pending_plan` of ``dump``, marked consumed once checked (so one exit restarts once), or None."""
+    plan = pending_plan(dump, launch_id)
+    if plan is not None:
+        _mark_consumed(dump, plan)
+    return plan
+
+
+def _dump_folder(train_args: list[str]) -> str | None:
+    """The last ``--job.dump_folder`` of the training arguments (the one TorchTitan takes), or None."""
+    found = None
     for i, arg in enumerate(train_args):
         key, sep, value = arg.partition("=")
         if key in ("--job.dump_folder", "--job.dump-folder"):
-            return Path(value if sep else train_args[i + 1])
-    raise SystemExit("falcon.s4 launch: pass --job.dump_folder DIR among the training arguments")
+            found = value if sep else (train_args[i + 1] if i + 1 < len(train_args) else "")
+    return found
 
 
 def relaunch_env(plan: dict, env: dict[str, str]) -> dict[str, str]:
@@ -319,20 +461,12 @@ def relaunch_env(plan: dict, env: dict[str, str]) -> dict[str, str]:
         if len(set(plan["hosts"])) > 1:
             raise SystemExit("falcon.s4 launch: a multi-node S4 restart is scripts/launch.sh's (SLURM)")
         visible = env.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(max(plan["local_devices"]) + 1)]
+        ids = visible.split(",") if visible else [str(i) for i in range(max(plan["local_devices"], default=-1) + 1)]
+        if max(plan["local_devices"], default=-1) >= len(ids):
+            raise SystemExit(f"falcon.s4 launch: the plan's local devices {plan['local_devices']} are not all "
+                             f"in CUDA_VISIBLE_DEVICES={visible}")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in plan["local_devices"])
     return env
-
-
-def consume_plan(dump: Path) -> dict | None:
-    """A pending S4 plan of ``dump`` (marked consumed, so one exit restarts once), or None."""
-    plan = read_s4_plan(dump)
-    if plan is None or plan.get("status") != "pending":
-        return None
-    plan["status"] = "consumed"
-    path = dump / S4_PLAN_FILE
-    path.write_text(json.dumps(plan, indent=1))
-    return plan
 
 
 def relaunch_spec(plan: dict, hosts: list[str]) -> dict:
@@ -351,61 +485,237 @@ def relaunch_spec(plan: dict, hosts: list[str]) -> dict:
                          f"torchrun needs the same number on every node")
     return {"nnodes": len(kept), "nproc_per_node": counts.pop(),
             "exclude": [h for h in hosts if h not in kept], "devices": kept,
-            "overrides": plan["overrides"], "device_type": plan.get("device_type", "cpu")}
+            "overrides": plan.get("overrides", []), "device_type": plan.get("device_type", "cpu")}
 
 
 def _print_relaunch_spec(argv: list[str]) -> int:
-    """``python -m titan_ext.titan.falcon.s4 relaunch-spec DUMP HOST...``: consume DUMP's pending plan
-    and print shell assignments (S4_NNODES, S4_NPROC_PER_NODE, S4_EXCLUDE, S4_ARGS, S4_DEVICES_<i>
-    per host in the order given); exit 1 when there is no pending plan."""
+    """``python -m titan_ext.titan.falcon.s4 relaunch-spec DUMP HOST...``: DUMP's pending plan, written
+    under this process's TITAN_EXT_LAUNCH_ID (the run that just ended), as shell assignments (S4_NNODES,
+    S4_NPROC_PER_NODE, S4_EXCLUDE, S4_ARGS, S4_PLAN, S4_DEVICES_<i> per host in the order given), then
+    marked consumed; exit 1 when there is no pending plan or it is refused (one line on stderr), 2 on
+    a usage error."""
     import shlex
 
-    plan = consume_plan(Path(argv[0]))
+    if len(argv) < 2 or any(not a.strip() for a in argv):
+        print("error: usage: python -m titan_ext.titan.falcon.s4 relaunch-spec DUMP HOST...", file=sys.stderr)
+        return 2
+    dump, hosts = Path(argv[0]), argv[1:]
+    try:
+        plan = pending_plan(dump)
+    except PlanRefused as e:
+        print(f"falcon.s4: {e}", file=sys.stderr)
+        return 1
     if plan is None:
         return 1
-    spec = relaunch_spec(plan, argv[1:])
-    print(f"S4_NNODES={spec['nnodes']}")
-    print(f"S4_NPROC_PER_NODE={spec['nproc_per_node']}")
-    print(f"S4_EXCLUDE={shlex.quote(','.join(spec['exclude']))}")
-    print(f"S4_ARGS={shlex.quote(shlex.join(spec['overrides']))}")
-    print(f"S4_PLAN={shlex.quote(str(Path(argv[0]) / S4_PLAN_FILE))}")
-    for i, host in enumerate(argv[1:]):
-        ids = ",".join(str(d) for d in spec["devices"].get(host, []))
-        print(f"S4_DEVICES_{i}={shlex.quote(ids)}")
+    if "hosts" not in plan or "local_devices" not in plan:
+        print(f"falcon.s4: {dump / S4_PLAN_FILE}: no hosts / local_devices; not relaunching from it", file=sys.stderr)
+        return 1
+    spec = relaunch_spec(plan, hosts)
+    lines = [f"S4_NNODES={spec['nnodes']}", f"S4_NPROC_PER_NODE={spec['nproc_per_node']}",
+             f"S4_EXCLUDE={shlex.quote(','.join(spec['exclude']))}",
+             f"S4_ARGS={shlex.quote(shlex.join(spec['overrides']))}",
+             f"S4_PLAN={shlex.quote(str(dump / S4_PLAN_FILE))}"]
+    for i, host in enumerate(hosts):
+        lines.append(f"S4_DEVICES_{i}={shlex.quote(','.join(str(d) for d in spec['devices'].get(host, [])))}")
+    print("\n".join(lines), flush=True)
+    _mark_consumed(dump, plan)
     return 0
 
 
-def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """``python -m titan_ext.titan.falcon.s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
-    torchrun; after an S4 exit, torchrun again on the plan's world with its overrides."""
-    p = argparse.ArgumentParser(prog=prog or "python -m titan_ext.titan.falcon.s4", description=launch.__doc__)
-    p.add_argument("--nproc-per-node", type=int, required=True)
-    p.add_argument("--master-port", type=int, default=29500)
-    p.add_argument("--max-s4", type=int, default=1, help="restarts allowed (default 1)")
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (not argparse's usage block)
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _int_in(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text) if text.isascii() else None
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}], got {text!r}")
+        return value
+    return parse
+
+
+def _path_problem(path: Path, kind: str) -> str | None:
+    """Why ``path`` cannot be used as a ``kind`` ("directory" or "file"): the path or its nearest existing
+    parent is of the wrong kind; None when it can."""
+    if path.exists():
+        if kind == "directory" and not path.is_dir():
+            return "is not a directory"
+        if kind == "file" and path.is_dir():
+            return "is a directory"
+        if kind == "file" and not os.access(path, os.W_OK):
+            return "is not writable"
+        return None
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        return f"cannot be made: {parent} is not a directory"
+    if kind == "file" and not path.absolute().parent.is_dir():
+        return f"cannot be made: its directory {path.absolute().parent} does not exist"
+    if kind == "file" and not os.access(path.absolute().parent, os.W_OK):
+        return f"cannot be made: its directory {path.absolute().parent} is not writable"
+    return None
+
+
+def _torchrun(nproc: int, port: int, train_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "titan_ext.train", *train_args]
+
+
+def _alive(pgid: int) -> bool:
+    """Whether a process of the process group ``pgid`` still runs (a zombie does not: where PID 1 does not
+    reap, e.g. in some containers, the zombies of ranks orphaned by torchrun's end stay in the group)."""
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:  # no procfs
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state, _ppid, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Jobs:
+    """Runs each torchrun of :func:`launch` in a session of its own. SIGTERM / SIGINT to the launcher
+    (while this is entered, in the main thread) goes to the running job's whole process group
+    (torchrun and its ranks); what is left of it after :data:`STOP_GRACE_S` gets SIGKILL, and
+    :attr:`signum` says that the launcher is to exit 128 + it (as srun does)."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s, self.signum, self.since = grace_s, None, 0.0
+        self.proc: subprocess.Popen | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> _Jobs:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum, self.since = signum, time.monotonic()
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signum)
+
+    def run(self, cmd: list[str], env: dict[str, str], log: str) -> int | None:
+        """The job's exit status, or None when a signal stopped it (or came before it started)."""
+        if self.signum is not None:
+            return None
+        out = open(log, "a") if log else None
+        try:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         start_new_session=True)
+            if self.signum is not None:  # it came while the job started
+                _signal_group(self.proc.pid, self.signum)
+            while True:
+                try:
+                    rc = self.proc.wait(timeout=1.0 if self.signum is None else 0.1)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                if self.signum is None:
+                    if rc is not None:
+                        return rc
+                elif rc is not None and not _alive(self.proc.pid):
+                    return None
+                elif time.monotonic() - self.since > self.grace_s:
+                    _signal_group(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+                    return None
+                elif rc is not None:  # torchrun has ended, some of its processes not yet
+                    time.sleep(0.1)
+        finally:
+            self.proc = None
+            if out is not None:
+                out.close()
+
+
+def _parse_launch(argv: list[str] | None, prog: str | None):
+    p = _Parser(prog=prog or "python -m titan_ext.titan.falcon.s4", description=launch.__doc__,
+                allow_abbrev=False)
+    p.add_argument("--nproc-per-node", type=_int_in(1, 1024), required=True)
+    p.add_argument("--master-port", type=_int_in(1, 65535), default=29500)
+    p.add_argument("--max-s4", type=_int_in(0, 100), default=1, help="restarts allowed (default 1)")
     p.add_argument("--log", default="", help="append every run's output to this file")
     p.add_argument("train_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     train_args = [x for x in a.train_args if x != "--"] if a.train_args[:1] == ["--"] else a.train_args
-    dump = _dump_folder(train_args)
+    if a.master_port + a.max_s4 > 65535:
+        p.error(f"argument --master-port: {a.master_port} + --max-s4 {a.max_s4} relaunches (one port each) "
+                f"passes 65535")
+    if a.log:
+        problem = _path_problem(Path(a.log), "file")
+        if problem:
+            p.error(f"argument --log: {a.log} {problem}")
+    folder = _dump_folder(train_args)
+    if folder is None or not folder.strip():
+        p.error("pass --job.dump_folder DIR among the training arguments (the S4 plan is written there)")
+    dump = Path(folder)
+    problem = _path_problem(dump, "directory")
+    if problem:
+        p.error(f"argument --job.dump_folder: {dump} {problem}")
+    return a, train_args, dump
+
+
+def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``python -m titan_ext.titan.falcon.s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
+    torchrun; after an S4 exit, torchrun again on the plan's world with its overrides. SIGTERM / SIGINT
+    end the running job (its whole process group) and exit 143 / 130."""
+    a, train_args, dump = _parse_launch(argv, prog)
     (dump / S4_PLAN_FILE).unlink(missing_ok=True)
+    run_id = f"{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
     nproc, extra, env, port = a.nproc_per_node, [], dict(os.environ), a.master_port
-    for attempt in range(a.max_s4 + 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(port),
-               "-m", "titan_ext.train", *train_args, *extra]
-        out = open(a.log, "a") if a.log else None
-        try:
-            rc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None).returncode
-        finally:
-            if out is not None:
-                out.close()
-        plan = consume_plan(dump) if rc != 0 else None
-        if plan is None or attempt == a.max_s4:
-            return rc
-        print(f"[falcon.s4] S4 at step {plan['step']}: excluding devices {plan['excluded']}, relaunching "
-              f"on {plan['world_size']} ranks (DP {plan['num_dp']} x PP {plan['num_pp']})", flush=True)
-        nproc, extra, port = plan["world_size"], plan["overrides"], port + 1
-        env = relaunch_env(plan, env) | {ENV_S4_PLAN: str(dump / S4_PLAN_FILE)}
+    with _Jobs(STOP_GRACE_S) as jobs:
+        for attempt in range(a.max_s4 + 1):
+            launch_id = f"{run_id}.{attempt}"
+            rc = jobs.run(_torchrun(nproc, port, [*train_args, *extra]), env | {ENV_LAUNCH_ID: launch_id}, a.log)
+            if rc is None:
+                name = signal.Signals(jobs.signum).name
+                print(f"falcon.s4: stopped by {name}; the job's processes have ended", file=sys.stderr, flush=True)
+                return 128 + jobs.signum
+            if rc not in RELAUNCH_STATUSES or attempt == a.max_s4:
+                return rc
+            try:
+                plan = pending_plan(dump, launch_id)
+                if plan is not None and "world_size" not in plan:
+                    raise PlanRefused(f"{dump / S4_PLAN_FILE}: no world_size; not relaunching from it")
+            except PlanRefused as e:
+                print(f"falcon.s4: {e}", file=sys.stderr, flush=True)
+                return rc
+            if plan is None:
+                return rc
+            new_env = relaunch_env(plan, env) | {ENV_S4_PLAN: str(dump / S4_PLAN_FILE)}
+            _mark_consumed(dump, plan)
+            print(f"[falcon.s4] S4 at step {plan.get('step')}: excluding devices {plan.get('excluded')}, "
+                  f"relaunching on {plan['world_size']} ranks (DP {plan.get('num_dp')} x PP {plan.get('num_pp')})",
+                  flush=True)
+            nproc, extra, port, env = plan["world_size"], plan.get("overrides", []), port + 1, new_env
     return rc
 
 
