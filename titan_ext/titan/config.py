@@ -248,6 +248,12 @@ class TitanExt:
     """Per-step pipeline metrics (iteration time, bubble rate, link delays, plan version, ...),
     one JSON object per line, written under ``<dump_folder>`` by the logging rank. Empty = off."""
 
+    trust_checkpoint: bool = False
+    """Load TorchTitan checkpoints without titan_ext's check. By default the trainer loads a DCP step
+    folder only when its ``titan_ext_manifest.json`` (written by the trainer's saves) lists exactly its
+    files with matching sizes and SHA-256, since loading unpickles them
+    (:mod:`titan_ext.titan.checkpoint_guard`). True: load any, e.g. one saved by stock TorchTitan."""
+
     def __post_init__(self) -> None:
         from titan_ext import _flags
 

@@ -18,6 +18,7 @@ import time
 import torch
 
 from titan_ext.titan import adapters
+from titan_ext.titan.checkpoint_guard import guard_checkpointer
 from titan_ext.titan.falcon.dp import replicated_by_trainer
 from titan_ext.titan.falcon.emulate import install_device_passes
 from titan_ext.titan.falcon.job import FalconJob
@@ -49,7 +50,8 @@ _Base = _ADAPTER.trainer_base()
 
 class TitanExtTrainer(_Base):
     """``Trainer`` + :func:`titan_ext.titan.jobcheck.check_job_config` before any process group exists (it
-    fills the one-stage-per-rank split our schedules need) + Falcon in DP × PP jobs + closing
+    fills the one-stage-per-rank split our schedules need) + checkpoints checked before they are loaded
+    (:func:`~titan_ext.titan.checkpoint_guard.guard_checkpointer`) + Falcon in DP × PP jobs + closing
     delegate processes."""
 
     if _ADAPTER.PYTHON_CONFIGS:
@@ -65,8 +67,10 @@ class TitanExtTrainer(_Base):
         # the model split and (0.3) the schedule builder read the titan_ext section
         with active_job_config(config):
             super().__init__(config)
-        # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon/job.py)
         section = titan_ext_section(config)
+        # a manifest beside every checkpoint saved, checked before any is loaded (checkpoint_guard.py)
+        guard_checkpointer(self.checkpointer, trust=section.trust_checkpoint)
+        # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon/job.py)
         self.falcon_job = FalconJob(self, section) if replicated_by_trainer(self.parallel_dims) else None
         if self.falcon_job is None and section.emulate_device_pass_ms > 0:
             install_device_passes(self, section.emulate_device_pass_ms)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,7 +117,10 @@ def _stage_path(directory, stage: int) -> Path:
 def save_stage_checkpoint(directory, stage: int, model: torch.nn.Module,
                           optimizer: torch.optim.Optimizer | None = None, step: int = 0,
                           extra: dict | None = None) -> Path:
-    """Atomically write one PP stage's state (call on the DP-replica-0 rank of that stage)."""
+    """Atomically write one PP stage's state (call on the DP-replica-0 rank of that stage).
+
+    ``extra`` must be plain data (tensors, dicts, lists, tuples, numbers, strings, None): that is all
+    :func:`load_stage_checkpoint` reads."""
     path = _stage_path(directory, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {
@@ -134,8 +138,18 @@ def save_stage_checkpoint(directory, stage: int, model: torch.nn.Module,
 
 def load_stage_checkpoint(directory, stage: int, model: torch.nn.Module,
                           optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a stage's state into ``model`` (and ``optimizer``); returns the raw state dict."""
-    state = torch.load(_stage_path(directory, stage), map_location="cpu", weights_only=False)
+    """Load a stage's state into ``model`` (and ``optimizer``); returns the raw state dict.
+
+    The file is read with ``torch.load(weights_only=True)``: tensors and plain data only, what
+    :func:`save_stage_checkpoint` writes (model and optimizer state dicts need no allowlist). A file
+    holding any other object (a crafted pickle) is refused with a one-line ValueError naming it; no
+    function the file names is called."""
+    path = _stage_path(directory, stage)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"refused to load {path}: it holds objects other than tensors and plain data "
+                         f"(not written by save_stage_checkpoint); delete it and save the stage again") from None
     if state["stage"] != stage:
         raise ValueError(f"checkpoint holds stage {state['stage']}, expected {stage}")
     model.load_state_dict(state["model"])

@@ -10,6 +10,8 @@ from typing import Any
 VERSION = "0.2"
 PYTHON_CONFIGS = False
 PIPELINE = "torchtitan.distributed.pipeline_parallel"
+#: TorchTitan's DCP checkpoint manager: titan_ext wraps its dcp_save / dcp_load (titan/checkpoint_guard.py)
+CHECKPOINT = "torchtitan.components.checkpoint"
 #: (module, attribute) titan_ext patches or calls; a missing one fails registration loudly
 HOOKS = (
     (PIPELINE, "get_schedule_class"),
@@ -21,6 +23,7 @@ HOOKS = (
     ("torchtitan.components.metrics", "build_metrics_processor"),
     ("torchtitan.components.metrics", "_get_metrics_rank"),
     ("torchtitan.hf_datasets.text_datasets", "DATASETS"),
+    (CHECKPOINT, "CheckpointManager"),
     ("torchtitan.protocols.train_spec", "get_train_spec"),
 )
 #: (module, attribute) -> (parameters titan_ext's wrapper takes, by name; passed by position?): checked
@@ -35,6 +38,9 @@ SIGNATURES = {
         ("step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"), True),
     ("torchtitan.components.metrics", "_get_metrics_rank"): (("parallel_dims", "job_config"), True),
     ("torchtitan.protocols.train_spec", "get_train_spec"): (("name",), True),
+    (CHECKPOINT, "CheckpointManager.dcp_save"): (
+        ("state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf"), True),
+    (CHECKPOINT, "CheckpointManager.dcp_load"): (("state_dict", "checkpoint_id", "from_hf", "from_quantized"), True),
 }
 BUILDER_MODULES = (PIPELINE, "torchtitan.experiments.transformers_modeling_backend.infra.pipeline")
 CPU_SHIM_MODULES = (

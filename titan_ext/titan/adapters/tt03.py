@@ -13,6 +13,8 @@ from typing import Any
 VERSION = "0.3"
 PYTHON_CONFIGS = True
 PIPELINE = "torchtitan.distributed.pipeline_parallel"
+#: TorchTitan's DCP checkpoint manager: titan_ext wraps its dcp_save / dcp_load (titan/checkpoint_guard.py)
+CHECKPOINT = "torchtitan.components.checkpointer"
 #: (module, attribute) titan_ext patches or calls; a missing one fails registration loudly
 HOOKS = (
     (PIPELINE, "get_schedule_class"),
@@ -23,6 +25,7 @@ HOOKS = (
     ("torchtitan.components.metrics", "MetricsProcessor"),
     ("torchtitan.components.metrics", "_get_metrics_rank"),
     ("torchtitan.hf_datasets.text_datasets", "DATASETS"),
+    (CHECKPOINT, "CheckpointManager"),
     ("torchtitan.models.llama3.config_registry", "llama3_debugmodel"),
 )
 #: (module, attribute) -> (parameters titan_ext's wrapper takes, by name; passed by position?): checked
@@ -36,6 +39,9 @@ SIGNATURES = {
         ("step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"), True),
     ("torchtitan.components.metrics", "MetricsProcessor.__init__"): (("config",), True),
     ("torchtitan.components.metrics", "_get_metrics_rank"): (("parallel_dims", "pp_schedule"), False),
+    (CHECKPOINT, "CheckpointManager.dcp_save"): (
+        ("state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf"), True),
+    (CHECKPOINT, "CheckpointManager.dcp_load"): (("state_dict", "checkpoint_id", "from_hf", "from_quantized"), True),
 }
 BUILDER_MODULES = (PIPELINE,)
 CPU_SHIM_MODULES = (
