@@ -40,10 +40,12 @@ import torch
 from torch.distributed.pipelining.schedules import (
     _Action,
     _ComputationType,
+    _get_profiler_function_name,
     _PipelineContext,
     _PipelineScheduleRuntime,
     _wait_batch_p2p,
 )
+from torch.profiler import record_function
 
 from ._torch_compat import has_wait_actions, with_loss_kwargs
 from .device import DeviceLayer, device_layer
@@ -115,7 +117,11 @@ class Executor:
 
     def run(self, actions: list[_Action], ctx: RunContext) -> float:
         """Run one iteration's actions; returns its wall time (ms) as the device ran it, NaN while the
-        device has not finished it (then ``timer.resolve()`` fills it later; no host sync here)."""
+        device has not finished it (then ``timer.resolve()`` fills it later; no host sync here).
+
+        Each action (and each sub-action of an OVERLAP_F_B) runs inside ``record_function("PP:<action>")``,
+        torch's name for it (``_get_profiler_function_name``), and each send still pending at the end is
+        waited inside ``titan_ext:wait_send <send action>``: both show in a torch.profiler trace."""
         ctx.schedule.backward_counter.clear()
         if WAITS:
             ctx.schedule._finalized_stages.clear()
@@ -123,10 +129,12 @@ class Executor:
         with self.device.context():
             for action in actions:
                 if ctx.training or action.computation_type not in BACKWARD_TYPES:
-                    self.perform(action, ctx)
+                    with record_function(_get_profiler_function_name(action)):
+                        self.perform(action, ctx)
             unmatched = list(ctx.pending_sends)
             for key in unmatched:  # 2.13/2.14: every send; 2.15: none (each has its WAIT_SEND)
-                self._wait_send(key, ctx)
+                with record_function(f"titan_ext:wait_send {_Action(key[1], key[0], key[2])}"):
+                    self._wait_send(key, ctx)
             if WAITS and unmatched:
                 raise AssertionError(f"Pipeline sends have no matching wait: {unmatched}")
         self.timer.end_iteration()
@@ -140,7 +148,8 @@ class Executor:
             custom(action, ctx.torch_context())
         elif ct == OVERLAP_F_B:
             for sub in action.sub_actions or ():
-                self.perform(sub, ctx)
+                with record_function(_get_profiler_function_name(sub)):
+                    self.perform(sub, ctx)
         elif ct in (SEND_F, SEND_B):
             self._send(action, ctx)
         elif WAITS and ct in (WAIT_SEND_F, WAIT_SEND_B):

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.profiler import record_function
 
 from titan_ext.plan import PipelineProfile, PlanResult, initial_warmup_counts, slackness
 from titan_ext.plan.result import make_result
@@ -362,22 +363,23 @@ class PipeMorph(_PipelineScheduleRuntime):
 
     def _install(self, cand: Candidate) -> None:
         """torch's side of a swap: the action lists and the stage map; a new plan's counters."""
-        self.pipeline_order = {r: list(a) for r, a in cand.actions.items()}
-        self.pipeline_order_with_comms = cand.lowered
-        self.stage_index_to_group_rank = dict(cand.mapping)
-        for stage in self._stages:
-            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-        if cand.polish is not None:  # the same regime in a faster order: the policy's clocks run on
-            return
-        plan = cand.plan
-        self._planned_for_ms = plan.profile.delays_ms if plan is not None and plan.profile is not None else None
-        note = getattr(self.policy, "note_deployed", None)  # optional hook of a Policy
-        if note is not None:
-            note(self._planned_for_ms)
-        self._since_deploy = 0
-        self._probe_running = cand.trigger == "probe"
-        if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
-            self._chooser.new_regime()
+        with record_function("titan_ext:deploy"):
+            self.pipeline_order = {r: list(a) for r, a in cand.actions.items()}
+            self.pipeline_order_with_comms = cand.lowered
+            self.stage_index_to_group_rank = dict(cand.mapping)
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+            if cand.polish is not None:  # the same regime in a faster order: the policy's clocks run on
+                return
+            plan = cand.plan
+            self._planned_for_ms = plan.profile.delays_ms if plan is not None and plan.profile is not None else None
+            note = getattr(self.policy, "note_deployed", None)  # optional hook of a Policy
+            if note is not None:
+                note(self._planned_for_ms)
+            self._since_deploy = 0
+            self._probe_running = cand.trigger == "probe"
+            if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
+                self._chooser.new_regime()
 
     def _apply_pending(self) -> None:
         self.lifecycle.apply_pending(self._external)
@@ -396,15 +398,16 @@ class PipeMorph(_PipelineScheduleRuntime):
         margin, running = self.config.backward_margin, self.deployed.backward if self.deployed else None
 
         def job() -> Candidate:
-            t0 = now()
-            plans = [self._plan(estimate, d) for estimate, d in work]
-            plan = faster_by_model(*plans, margin, running) if both else plans[0]
-            plan_ms = 1e3 * (now() - t0)
-            cand = self._preparer(plan.ops, plan.warmup_counts, kind, reason, plan.inflight_limit)()
-            cand.plan_ms, cand.trigger = plan_ms, decision.action
-            if plan.schedule != "explicit":
-                cand.plan = plan  # planner-made: what the anytime polish starts from
-            return cand
+            with record_function("titan_ext:plan"):  # on the planning thread
+                t0 = now()
+                plans = [self._plan(estimate, d) for estimate, d in work]
+                plan = faster_by_model(*plans, margin, running) if both else plans[0]
+                plan_ms = 1e3 * (now() - t0)
+                cand = self._preparer(plan.ops, plan.warmup_counts, kind, reason, plan.inflight_limit)()
+                cand.plan_ms, cand.trigger = plan_ms, decision.action
+                if plan.schedule != "explicit":
+                    cand.plan = plan  # planner-made: what the anytime polish starts from
+                return cand
 
         self.lifecycle.start(decision, job, reason)
 
@@ -429,18 +432,19 @@ class PipeMorph(_PipelineScheduleRuntime):
                  if given is not None else [max(1, plan.peak_inflight.get(s, 0)) for s in range(self._num_stages)])
 
         def job() -> tuple[Candidate | None, dict]:
-            t0 = now()
-            out = polish_plan(plan.profile, plan, budget_s=budget, memory_limit=limit)
-            report = dict(out.info.get("polish") or {})
-            if report.get("status") != "improved":
-                return None, report
-            reason = (f"{what}: simulated {report['sim_before_ms']:.3f} -> {report['sim_after_ms']:.3f} ms "
-                      f"(warm-up counts {out.warmup_counts})")
-            # the regime's counts stay the deployed plan's: the policy judges the regime it planned (Eq.1 on
-            # Alg.1/2's counts), and a faster order of the same regime must not look like a new one
-            polished = self._preparer(out.ops, list(cand.counts), cand.kind, reason, limit)()
-            polished.trigger, polished.polish, polished.plan_ms = "polish", report, 1e3 * (now() - t0)
-            return polished, report
+            with record_function("titan_ext:plan"):  # on the polishing thread
+                t0 = now()
+                out = polish_plan(plan.profile, plan, budget_s=budget, memory_limit=limit)
+                report = dict(out.info.get("polish") or {})
+                if report.get("status") != "improved":
+                    return None, report
+                reason = (f"{what}: simulated {report['sim_before_ms']:.3f} -> {report['sim_after_ms']:.3f} ms "
+                          f"(warm-up counts {out.warmup_counts})")
+                # the regime's counts stay the deployed plan's: the policy judges the regime it planned (Eq.1 on
+                # Alg.1/2's counts), and a faster order of the same regime must not look like a new one
+                polished = self._preparer(out.ops, list(cand.counts), cand.kind, reason, limit)()
+                polished.trigger, polished.polish, polished.plan_ms = "polish", report, 1e3 * (now() - t0)
+                return polished, report
 
         self.lifecycle.start_polish(job, what)
 
@@ -485,7 +489,8 @@ class PipeMorph(_PipelineScheduleRuntime):
             ctx.profile.activation_bytes = act if act else math.nan
             self.last_profile = ctx.profile
             self.last_timeline = list(ctx.profile.actions)
-            self._iteration_boundary(ctx.profile, iteration_ms)
+            with record_function("titan_ext:boundary"):
+                self._iteration_boundary(ctx.profile, iteration_ms)
         self._apply_pending()  # plans pushed during the iteration: swapped in at this boundary
 
     def _finish_iteration(self, actions: list, losses: list | None) -> None:
@@ -542,7 +547,8 @@ class PipeMorph(_PipelineScheduleRuntime):
         links: list[dict] = []
         ran_probe = self._probe_running
         if exchanged:
-            links = self._check(prof, m, t0)
+            with record_function("titan_ext:check"):
+                links = self._check(prof, m, t0)
         m.boundary_ms = 1e3 * (now() - t0)
         m.replan_ms = m.swap_ms  # critical path only: planning ran in the background (plan_ms)
         self._since_deploy += 1
