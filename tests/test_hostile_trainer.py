@@ -167,6 +167,15 @@ BAD = {
                                             {"TITAN_EXT_SLOW_DEVICE": "garbage"}, "TITAN_EXT_SLOW_DEVICE = 'garbage'"),
     "env_slow_link_garbage": (BASE, [], {"TITAN_EXT_SLOW_LINK": "0-0:5"}, "TITAN_EXT_SLOW_LINK = '0-0:5'"),
     "env_slow_device_overflow": (BASE, [], {"TITAN_EXT_SLOW_DEVICE": "1:1e12"}, "TITAN_EXT_SLOW_DEVICE"),
+    # the S4 plan a relaunched job is given, checked before the model is built
+    "s4_plan_missing": (BASE, [], {"TITAN_EXT_S4_PLAN": "/nonexistent/falcon_s4_plan.json"},
+                        "TITAN_EXT_S4_PLAN = '/nonexistent/falcon_s4_plan.json'"),
+    "s4_plan_empty_object": (BASE, [], {"TITAN_EXT_S4_PLAN": lambda t: _file(t, "p.json", "{}")},
+                             "not an S4 plan of this version: begin_time, step"),
+    "s4_plan_a_list": (BASE, [], {"TITAN_EXT_S4_PLAN": lambda t: _file(t, "p.json", "[]")}, "not an S4 plan"),
+    "s4_plan_not_json": (BASE, [], {"TITAN_EXT_S4_PLAN": lambda t: _file(t, "p.json", "{")}, "not JSON"),
+    "s4_plan_a_dir": (BASE, [], {"TITAN_EXT_S4_PLAN": lambda t: _dir(t, "plan")}, "TITAN_EXT_S4_PLAN"),
+    "s4_plan_nan_step": (BASE, [], {"TITAN_EXT_S4_PLAN": lambda t: _s4_plan(t, step=float("nan"))}, "step"),
     # the environment's delays are held to the config's rules when they are the ones used
     "env_delay_longer_than_timeout": (BASE, ["--comm.train_timeout_seconds", "300"],
                                       {"TITAN_EXT_INJECT_DELAYS": "1:400000"},
@@ -182,6 +191,20 @@ BAD = {
     "metrics_file_checkpoint": (BASE, ["--titan_ext.metrics_file", "ckpt", "--checkpoint.folder", "ckpt"], {},
                                 "its checkpoints"),
 }
+
+
+def _s4_plan(tmp: Path, **fields) -> str:
+    """An S4 plan as a job's S4 exit writes it (``write_s4_plan``), ``fields`` replaced."""
+    from titan_ext.runtime.falcon.restart import ShrinkPlan, write_s4_plan
+
+    plan = ShrinkPlan(step=7, grid=[[0, 1], [2, 3]], excluded=[3], kept_replicas=[0], num_pp=2, chunks_per_replica=4)
+    extra = dict(begin_time=1e9, save_s=0.5, estimated_cost_s=3.0, iteration_time_before_s=None)
+    path = write_s4_plan(tmp / "s4dump", plan, **extra)
+    if fields:
+        import json
+
+        path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+    return str(path)
 
 
 def _prepare(case: str, tmp: Path) -> list[str]:
@@ -206,11 +229,12 @@ def _run(case, rank, tmp_path, capsys, monkeypatch):
 
     from titan_ext import train
 
-    for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_INJECT_DELAYS_T0", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK"):
+    for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_INJECT_DELAYS_T0", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK",
+                "TITAN_EXT_S4_PLAN"):
         monkeypatch.delenv(var, raising=False)
     table = BAD if case in BAD else GOOD
     for k, v in table[case][2].items():
-        monkeypatch.setenv(k, v)
+        monkeypatch.setenv(k, v(tmp_path) if callable(v) else v)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("LOCAL_RANK", rank)
@@ -256,6 +280,7 @@ GOOD = {
                                                 {"TITAN_EXT_INJECT_DELAYS": "2:5"}, ""),
     "trace_small": (BASE, ["--titan_ext.inject_trace", lambda t: _trace(t, "time_s,link1\n0,5\n10,0\n")], {}, ""),
     "device_factor_1000_dp_pp": (DPPP, ["--titan_ext.emulate_slow_device", "3:1000@3"], {}, ""),
+    "s4_plan_as_written": (BASE, [], {"TITAN_EXT_S4_PLAN": lambda t: _s4_plan(t)}, ""),
     "slot_one_mib": (BASE, ["--titan_ext.delegation", "always", "--titan_ext.delegation_slot_mib",
                             "1"], {}, ""),
 }

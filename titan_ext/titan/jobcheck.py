@@ -215,6 +215,12 @@ def check_env(pp: int, config_delays: bool = False, config_emulation: tuple[str,
     if parsed is not None and not config_delays and pp > 1 and parsed[0].max_link() >= pp - 1:
         raise JobConfigError(f"{ENV_VAR} = {parsed[0].source!r}: link {parsed[0].max_link()} "
                              f"does not exist with {pp} pipeline stages (links 0..{pp - 2})")
+    from titan_ext.titan.falcon.s4 import resume_plan_from_env
+
+    try:
+        resume_plan_from_env()
+    except ValueError as e:
+        raise JobConfigError(str(e)) from None
     for var, parse in (("TITAN_EXT_SLOW_DEVICE", parse_slow_device), ("TITAN_EXT_SLOW_LINK", parse_slow_link)):
         value = os.environ.get(var, "")
         try:

@@ -169,13 +169,21 @@ def write_restart_plan(directory, grid, reason: str = "", step: int = 0) -> Path
 
 
 def read_restart_plan(directory, num_dp: int, num_pp: int) -> list[list[int]]:
-    """The planned grid, or the identity grid if no plan was written."""
+    """The planned grid, or the identity grid if no plan was written. ValueError (naming the file)
+    unless it is a ``num_dp`` x ``num_pp`` grid holding each rank ``0 .. num_dp * num_pp - 1`` once."""
     path = Path(directory) / _PLAN_FILE
     if not path.exists():
         return identity_grid(num_dp, num_pp)
-    grid = json.loads(path.read_text())["grid"]
-    if len(grid) != num_dp or any(len(r) != num_pp for r in grid):
-        raise ValueError(f"restart plan grid {grid} is not {num_dp}x{num_pp}")
+    try:
+        grid = json.loads(path.read_text())["grid"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"restart plan {path}: no grid in it ({e})") from None
+    if not (isinstance(grid, list) and len(grid) == num_dp
+            and all(isinstance(r, list) and len(r) == num_pp for r in grid)):
+        raise ValueError(f"restart plan {path}: grid {grid} is not {num_dp}x{num_pp}")
+    ranks = [x for r in grid for x in r]
+    if not all(type(x) is int for x in ranks) or sorted(ranks) != list(range(num_dp * num_pp)):
+        raise ValueError(f"restart plan {path}: grid {grid} does not hold each rank 0..{num_dp * num_pp - 1} once")
     return grid
 
 

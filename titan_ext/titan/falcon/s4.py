@@ -247,10 +247,9 @@ class S4Resume:
 
     @classmethod
     def from_env(cls, trainer: Any) -> S4Resume | None:
-        path = os.environ.get(ENV_S4_PLAN, "").strip()
-        if not path:
+        plan = resume_plan_from_env()
+        if plan is None:
             return None
-        plan = json.loads(Path(path).read_text())
         return cls(plan, Path(trainer.job_config.job.dump_folder), dist.get_rank(), trainer)
 
     def before_step(self, step: int) -> None:
@@ -384,6 +383,38 @@ def _override_error(overrides) -> str | None:
             return f"override {key} has the value {value}, not one the S4 planner writes"
         i += 1
     return None
+
+
+#: what :class:`S4Resume` reads of the plan it was restarted from: numbers, and numbers or null
+_RESUME_FIELDS = ("begin_time", "step", "world_size", "num_dp", "chunks_per_replica", "save_s")
+_RESUME_OPTIONAL = ("estimated_cost_s", "iteration_time_before_s")
+
+
+def resume_plan_from_env(environ=os.environ) -> dict | None:
+    """The plan of :data:`ENV_S4_PLAN` (None when unset), checked before any process group: a regular
+    JSON file of at most 1 MiB holding an object with :data:`_RESUME_FIELDS` as numbers,
+    :data:`_RESUME_OPTIONAL` as numbers or null and ``excluded`` as a list (what
+    :func:`checkpoint_and_exit` writes). ValueError naming the variable otherwise."""
+    from titan_ext.plan.args import read_input_text
+
+    path = environ.get(ENV_S4_PLAN, "").strip()
+    if not path:
+        return None
+    label = f"{ENV_S4_PLAN} = {path!r}"
+    text = read_input_text(path, 1 << 20, label, "JSON")
+    try:
+        plan = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{label}: not JSON ({e})") from None
+    if not isinstance(plan, dict):
+        raise ValueError(f"{label}: not an S4 plan (a JSON object written by a job's S4 exit)")
+    bad = [k for k in _RESUME_FIELDS if type(plan.get(k)) not in (int, float) or plan[k] != plan[k]]
+    bad += [k for k in _RESUME_OPTIONAL if type(plan.get(k, 0)) not in (int, float, type(None))]
+    if not isinstance(plan.get("excluded"), list):
+        bad.append("excluded")
+    if bad:
+        raise ValueError(f"{label}: not an S4 plan of this version: {', '.join(bad)} missing or of the wrong type")
+    return plan
 
 
 def _plan_error(plan: dict) -> str | None:
