@@ -461,12 +461,39 @@ def _fence(peer: Any) -> str:
         if store is None or not isinstance(peer, int) or not store.check([key]):
             return ""
         host, pid = store.get(key).decode().split()
-        if host != socket.gethostname() or _state(int(pid)) != "T":
+        if host != socket.gethostname() or _state(int(pid)) != "T" or not _same_job(int(pid)):
             return ""
         os.kill(int(pid), signal.SIGKILL)
     except (RuntimeError, ValueError, OSError):
         return ""
     return f" (its process {pid} on this host was stopped; killed it so that the job ends)"
+
+
+#: what makes a process a rank of this job: the launcher's run id and rendezvous address, as set here
+_JOB_KEYS = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _same_job(pid: int, environ=os.environ) -> bool:
+    """``pid`` is a process of this user and a sibling rank: the same parent (torchrun's agent on this
+    host, a test's spawner), or the same values of :data:`_JOB_KEYS` in its environment. The store is
+    unauthenticated: a pid published there is never trusted alone. False when it cannot be read."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        if _ppid(pid) == os.getppid():
+            return True
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            theirs = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except (OSError, ValueError):
+        return False
+    mine = {k: environ[k] for k in _JOB_KEYS if environ.get(k)}
+    return bool(mine) and all(theirs.get(k.encode()) == v.encode() for k, v in mine.items())
+
+
+def _ppid(pid: int) -> int:
+    """The parent of ``pid`` (``/proc/PID/stat`` field 4)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _state(pid: int) -> str:
