@@ -10,15 +10,27 @@
 #
 # Without a config it prints this usage and exits 2. Outside SLURM it refuses (exit 2) a config whose
 # model would not fit this machine: parameters x 16 bytes (weights, gradients, AdamW states) against
-# the GPUs' memory, or the RAM when there is no GPU.
+# the GPUs' memory, or the RAM when there is no GPU (not with DRY_RUN, which prints the command for any size).
 #
 # One task per node (srun) runs torchrun, which starts NPROC_PER_NODE ranks; the ranks meet with
-# torchrun's c10d rendezvous on the first node of the allocation. Environment (defaults):
+# torchrun's c10d rendezvous on the first node of the allocation. The config's world size is the product
+# of its [parallelism] degrees (TOML; a 0.3 config: the ParallelismConfig(...) its function in
+# MODULE/config_registry.py builds, read from the source; --parallelism.*_degree arguments win), with
+# data_parallel_shard_degree = -1 (FSDP over the rest) counted as 1: the fewest ranks the config runs on.
+# Environment (defaults):
 #   CONFIG_FILE      a TorchTitan 0.2 TOML config (runs -m titan_ext.train --job.config_file CONFIG_FILE)
 #   MODULE, CONFIG   a TorchTitan 0.3 config function (runs -m torchtitan.train --module MODULE --config CONFIG)
-#   DRY_RUN          1: print the exact srun/torchrun command line and exit
-#   NNODES           $SLURM_JOB_NUM_NODES
-#   NPROC_PER_NODE   GPUs on the node ($SLURM_GPUS_ON_NODE), else 8
+#   DRY_RUN          1: print the environment the script exports and the exact srun/torchrun command line, and exit
+#   NNODES           $SLURM_JOB_NUM_NODES; outside SLURM the nodes the config's world size needs, else 1
+#   NPROC_PER_NODE   GPUs on the node ($SLURM_GPUS_ON_NODE), else the config's world size up to 8, else 8
+#   CPUS_PER_TASK    CPUs srun gives each node's torchrun, its ranks and their data loaders and delegates:
+#                    sbatch's --cpus-per-task when given, else the node's ($SLURM_CPUS_ON_NODE, else nproc)
+#   LOG_RANK         the ranks whose output the console (slurm-*.out) shows, e.g. 3 or 0,3, or all;
+#                    default the first rank of the last PP stage (where TorchTitan logs the loss), else 0.
+#                    It is torchrun's --local-ranks-filter: on several nodes every node shows its local
+#                    ranks LOG_RANK mod NPROC_PER_NODE (so NNODES ranks for one LOG_RANK, that rank among
+#                    them), each line prefixed with its global rank, [rankN]:. Every rank's full output
+#                    is in its log file under LOG_DIR either way.
 #   MASTER_ADDR      the first node's hostname (rendezvous host; set it if that name does not resolve)
 #   MASTER_PORT      29500 (rendezvous port on the first node)
 #   PYTHON           .venv/bin/python if present, else python3
@@ -38,11 +50,18 @@
 # under SLURM srun gets SIGTERM, which it forwards to every task. What is left after STOP_GRACE_S gets
 # SIGKILL.
 #
+# Exported to every rank unless already set: OMP_NUM_THREADS=1, NCCL_DEBUG=WARN, NCCL_IB_TIMEOUT=22,
+# TORCH_DIST_INIT_BARRIER=1, PYTHONFAULTHANDLER=1, PYTHONUNBUFFERED=1, PYTORCH_ALLOC_CONF=expandable_segments:True
+# (unless PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF is set: PipeMorph changes its in-flight
+# micro-batches at run time, so the allocator's fragmentation matters),
+# TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'. TORCH_NCCL_ASYNC_ERROR_HANDLING is left to TorchTitan.
+#
+# No --cpus-per-task below: --exclusive gives the job its nodes' every CPU, and srun hands them to
+# torchrun (CPUS_PER_TASK).
 #SBATCH --job-name=titan_ext
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=16
 #SBATCH --exclusive
 #SBATCH --time=04:00:00
 #SBATCH --output=slurm-%x-%j.out
@@ -57,21 +76,28 @@ usage() {
 CONFIG_FILE="${CONFIG_FILE:-}"
 MODULE="${MODULE:-}"
 CONFIG="${CONFIG:-}"
-NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
-gpus_on_node="${SLURM_GPUS_ON_NODE:-}"
-NPROC_PER_NODE="${NPROC_PER_NODE:-${gpus_on_node:-8}}"
+NNODES="${NNODES:-${SLURM_JOB_NUM_NODES:-}}"                  # empty: from the config (below)
+NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"   # empty: from the config (below)
+CPUS_PER_TASK="${CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc 2>/dev/null || echo 1)}}}"
+LOG_RANK="${LOG_RANK:-}"                                      # empty: the loss rank (below)
 MASTER_PORT="${MASTER_PORT:-29500}"
 LOG_DIR="${LOG_DIR:-outputs/logs}"
 STOP_GRACE_S="${STOP_GRACE_S:-30}"
 FALCON_S4_RESTARTS="${FALCON_S4_RESTARTS:-1}"
-for v in NNODES NPROC_PER_NODE MASTER_PORT STOP_GRACE_S FALCON_S4_RESTARTS; do
-    if ! [[ "${!v}" =~ ^(0|[1-9][0-9]{0,5})$ ]]; then
+for v in NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_PORT STOP_GRACE_S FALCON_S4_RESTARTS; do
+    if [ -n "${!v}" ] && ! [[ "${!v}" =~ ^(0|[1-9][0-9]{0,5})$ ]]; then
         echo "launch.sh: $v=${!v} is not a number" >&2
         exit 2
     fi
 done
-if [ "$NNODES" -lt 1 ] || [ "$NPROC_PER_NODE" -lt 1 ] || [ "$MASTER_PORT" -lt 1 ] || [ "$MASTER_PORT" -gt 65535 ]; then
-    echo "launch.sh: NNODES=$NNODES and NPROC_PER_NODE=$NPROC_PER_NODE must be >= 1, MASTER_PORT=$MASTER_PORT in [1, 65535]" >&2
+if [ "${NNODES:-1}" -lt 1 ] || [ "${NPROC_PER_NODE:-1}" -lt 1 ] || [ "$CPUS_PER_TASK" -lt 1 ] || \
+    [ "$MASTER_PORT" -lt 1 ] || [ "$MASTER_PORT" -gt 65535 ]; then
+    echo "launch.sh: NNODES=$NNODES, NPROC_PER_NODE=$NPROC_PER_NODE and CPUS_PER_TASK=$CPUS_PER_TASK must be >= 1," \
+        "MASTER_PORT=$MASTER_PORT in [1, 65535]" >&2
+    exit 2
+fi
+if [ -n "$LOG_RANK" ] && [ "$LOG_RANK" != all ] && ! [[ "$LOG_RANK" =~ ^[0-9]{1,6}(,[0-9]{1,6})*$ ]]; then
+    echo "launch.sh: LOG_RANK=$LOG_RANK is not a rank, a comma-separated list of ranks, or all" >&2
     exit 2
 fi
 if [ -z "${PYTHON:-}" ]; then
@@ -88,17 +114,106 @@ elif [ -n "$CONFIG_FILE" ]; then
     fi
     trainer=(-m titan_ext.train --job.config_file "$CONFIG_FILE")
     config_name="$CONFIG_FILE"
+    config_ref=(toml "$CONFIG_FILE")
 elif [ -n "$MODULE" ] && [ -n "$CONFIG" ]; then
     trainer=(-m torchtitan.train --module "$MODULE" --config "$CONFIG")
     config_name="$MODULE:$CONFIG"
+    config_ref=(registry "$MODULE" "$CONFIG")
 else
     [ -n "$MODULE$CONFIG" ] && echo "launch.sh: MODULE and CONFIG go together (got MODULE='$MODULE' CONFIG='$CONFIG')" >&2
     usage
     exit 2
 fi
 
+# The config's parallel layout: "<world size> <fill> <loss stages>" -- the product of its degrees (a
+# data_parallel_shard_degree of -1 counted as 1), fill 1 when that degree is -1 (any multiple of the world
+# size runs), and the PP degree TorchTitan's metrics rank is computed from (1 for ZBVZeroBubble, whose loss
+# is on rank 0). A 0.3 config function is read from its registry's source, not imported (that needs the
+# TorchTitan it was written for). Nothing printed when the layout cannot be read.
+config_layout_py='
+import ast, os, sys, tomllib
+
+DEGREES = ("pipeline_parallel_degree", "data_parallel_replicate_degree", "data_parallel_shard_degree",
+           "context_parallel_degree", "tensor_parallel_degree")
+
+
+def value(node, names):
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    try:
+        return ast.literal_eval(node)
+    except Exception:
+        return None
+
+
+def registry_parallelism(module, name):
+    """The keywords of the first ParallelismConfig(...) the config function builds, following its
+    calls of other functions of the registry (their keyword arguments bound)."""
+    rel = os.path.join(*module.split("."), "config_registry.py")
+    path = next(p for p in (os.path.join(d or ".", rel) for d in sys.path) if os.path.isfile(p))
+    with open(path) as f:
+        funcs = {n.name: n for n in ast.parse(f.read()).body if isinstance(n, ast.FunctionDef)}
+
+    def search(fn, kwargs, depth):
+        a = funcs[fn].args
+        params = a.posonlyargs + a.args
+        names = {p.arg: value(d, {}) for p, d in zip(params[len(params) - len(a.defaults):], a.defaults)}
+        names.update({p.arg: value(d, {}) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+        names.update(kwargs)
+        for node in ast.walk(funcs[fn]):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                kw = {k.arg: value(k.value, names) for k in node.keywords if k.arg}
+                if node.func.id == "ParallelismConfig":
+                    return kw
+                if node.func.id in funcs and depth < 8:
+                    found = search(node.func.id, kw, depth + 1)
+                    if found is not None:
+                        return found
+        return None
+
+    return search(name, {}, 0)
+
+
+args = sys.argv[1:]
+split = args.index("--")
+ref, extra = args[:split], args[split + 1:]
+if ref[0] == "toml":
+    with open(ref[1], "rb") as f:
+        par = tomllib.load(f).get("parallelism", {})
+else:
+    par = registry_parallelism(ref[1], ref[2])
+for i, a in enumerate(extra):  # --parallelism.<key> V / --parallelism.<key>=V on the command line win
+    key, eq, v = a.partition("=")
+    key = key.removeprefix("--parallelism.").replace("-", "_")
+    if a.startswith("--parallelism.") and (key in DEGREES or key == "pipeline_parallel_schedule"):
+        par[key] = v if eq else (extra[i + 1] if i + 1 < len(extra) else "")
+degrees = [int(par.get(k, -1 if k == "data_parallel_shard_degree" else 1)) for k in DEGREES]
+world = 1
+for d in degrees:
+    world *= max(d, 1)
+schedule = par.get("pipeline_parallel_schedule", "1F1B")
+print(world, int(degrees[2] < 0), 1 if schedule == "ZBVZeroBubble" else max(degrees[0], 1))
+'
+cfg_world="" cfg_fill=0 cfg_pp=1
+read -r w f p _ < <("$PYTHON" -c "$config_layout_py" "${config_ref[@]}" -- "$@" 2>/dev/null || true) || true
+if [[ "${w:-}" =~ ^[1-9][0-9]{0,5}$ && "${f:-}" =~ ^[01]$ && "${p:-}" =~ ^[1-9][0-9]{0,5}$ ]]; then
+    cfg_world="$w" cfg_fill="$f" cfg_pp="$p"
+fi
+if [ -z "$NPROC_PER_NODE" ]; then
+    NPROC_PER_NODE=8
+    if [ -n "$cfg_world" ] && [ "$cfg_world" -lt 8 ]; then NPROC_PER_NODE="$cfg_world"; fi
+fi
+if [ -z "$NNODES" ]; then
+    NNODES=1
+    if [ -n "$cfg_world" ]; then NNODES=$(((cfg_world + NPROC_PER_NODE - 1) / NPROC_PER_NODE)); fi
+fi
+if [ -n "$cfg_world" ] && ((cfg_fill ? NNODES * NPROC_PER_NODE % cfg_world : NNODES * NPROC_PER_NODE != cfg_world)); then
+    echo "launch.sh: note: $config_name runs on $([ "$cfg_fill" = 1 ] && echo "a multiple of ")$cfg_world ranks;" \
+        "NNODES x NPROC_PER_NODE = $NNODES x $NPROC_PER_NODE" >&2
+fi
+
 # Outside SLURM: refuse a model this machine cannot hold (scripts/launch_fit.py says why, in one line).
-if [ -z "${SLURM_JOB_ID:-}" ]; then
+if [ -z "${SLURM_JOB_ID:-}" ] && [ "${DRY_RUN:-0}" != 1 ]; then
     "$PYTHON" "$(dirname "${BASH_SOURCE[0]}")/launch_fit.py" --ranks "$((NNODES * NPROC_PER_NODE))" \
         ${CONFIG_FILE:+--config-file "$CONFIG_FILE"} ${CONFIG:+--config "$CONFIG"} || exit 2
 fi
@@ -114,11 +229,10 @@ job_id="${SLURM_JOB_ID:-local$$}"
 job_log_dir="$LOG_DIR/${SLURM_JOB_NAME:-titan_ext}-$job_id"
 [ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$job_log_dir"
 
-# Collective-library environment (override any of these from the caller's environment).
+# The ranks' environment (override any of these from the caller's environment).
 # TORCH_NCCL_ASYNC_ERROR_HANDLING is left alone: TorchTitan's init_distributed sets it to 3 (tear down
-# without cleanup, which its flight recorder needs) on every rank and logs a warning on every rank when
-# the variable is set at all, whatever its value; exporting 1 here only produced that warning. A
-# value from the caller's environment passes through (and TorchTitan still overrides it).
+# without cleanup, which its flight recorder needs) on every rank; a value from the caller's environment
+# passes through (and TorchTitan still overrides it).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
@@ -127,6 +241,14 @@ if [ -n "${SOCKET_IFNAME:-}" ]; then   # one knob for both libraries, e.g. SOCKE
     export NCCL_SOCKET_IFNAME="$SOCKET_IFNAME" GLOO_SOCKET_IFNAME="$SOCKET_IFNAME"
 fi
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER="${PYTHONFAULTHANDLER:-1}"
+if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
+    export PYTORCH_ALLOC_CONF=expandable_segments:True
+fi
+export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-[rank\${rank}]:}"
+shown_env=(OMP_NUM_THREADS NCCL_DEBUG NCCL_IB_TIMEOUT TORCH_DIST_INIT_BARRIER NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME
+           PYTHONUNBUFFERED PYTHONFAULTHANDLER PYTORCH_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF
+           TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE S4_HOSTS TITAN_EXT_LAUNCH_ID)
 
 if [ "${DRY_RUN:-0}" != 1 ]; then
     echo "[launch] job $job_id: $NNODES node(s) x $NPROC_PER_NODE ranks, config $config_name"
@@ -154,28 +276,45 @@ node_wrapper='i=0; for h in $S4_HOSTS; do
     if [ "$h" = "${SLURMD_NODENAME:-}" ]; then v="S4_DEVICES_$i"
         [ -n "${!v:-}" ] && export CUDA_VISIBLE_DEVICES="${!v}"; fi; i=$((i + 1)); done
 exec "$@"'
+local_ranks() {  # $1 nnodes, $2 ranks per node: LOG_RANK as each node's local ranks (empty: all)
+    local want="$LOG_RANK" r out=""
+    [ -z "$want" ] && want=$(($1 * $2 / cfg_pp * (cfg_pp - 1)))  # the first rank of the last PP stage
+    [ "$want" = all ] && return 0
+    for r in ${want//,/ }; do out="${out:+$out,}$((r % $2))"; done
+    echo "$out"
+}
 run_nodes() {  # $1 nnodes, $2 ranks per node, $3 rendezvous id, $4 nodes to exclude, then extra args
-    local nnodes="$1" nproc="$2" rdzv_id="$3" exclude="$4"
+    local nnodes="$1" nproc="$2" rdzv_id="$3" exclude="$4" shown
     shift 4
+    shown="$(local_ranks "$nnodes" "$nproc")"
     local cmd=("$PYTHON" -m torch.distributed.run --nnodes "$nnodes" --nproc_per_node "$nproc"
                --rdzv_backend c10d --rdzv_endpoint "$rdzv_host:$MASTER_PORT" --rdzv_id "$rdzv_id"
-               --log-dir "$job_log_dir/$rdzv_id" --tee 3 "${trainer[@]}" "$@")
-    if [ "${DRY_RUN:-0}" = 1 ]; then  # the exact command line, shell-quoted
+               --log-dir "$job_log_dir/$rdzv_id" --role rank --tee 3 ${shown:+--local-ranks-filter "$shown"}
+               "${trainer[@]}" "$@")
+    local what="local rank(s) $shown of each node"
+    [ -z "$shown" ] && what="every rank"
+    what="$nnodes node(s) x $nproc ranks, the console shows $what (LOG_RANK=${LOG_RANK:-default})"
+    if [ "${DRY_RUN:-0}" = 1 ]; then  # the environment the script exports and the exact command line, shell-quoted
+        echo "# $what"
+        for v in "${shown_env[@]}"; do
+            if [ -n "${!v+x}" ]; then printf 'export %s=%q\n' "$v" "${!v}"; fi
+        done
         if [ -n "${SLURM_JOB_ID:-}" ]; then
             printf '%q ' srun --nodes="$nnodes" ${exclude:+--exclude="$exclude"} --ntasks-per-node=1 \
-                --kill-on-bad-exit=1 --export=ALL bash -c "$node_wrapper" _ "${cmd[@]}"
+                --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 --export=ALL bash -c "$node_wrapper" _ "${cmd[@]}"
         else
             printf '%q ' "${cmd[@]}"
         fi
         echo
         return 0
     fi
+    echo "[launch] $what; every rank's log under $job_log_dir/$rdzv_id"
     # in the background, so that the trap below runs while it does; SIGINT at its default again (a
     # background command of a script starts with SIGINT and SIGQUIT ignored)
     if [ -n "${SLURM_JOB_ID:-}" ]; then
         ( trap - INT QUIT
-          exec srun --nodes="$nnodes" ${exclude:+--exclude="$exclude"} --ntasks-per-node=1 --kill-on-bad-exit=1 \
-              --export=ALL bash -c "$node_wrapper" _ "${cmd[@]}" ) &
+          exec srun --nodes="$nnodes" ${exclude:+--exclude="$exclude"} --ntasks-per-node=1 \
+              --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 --export=ALL bash -c "$node_wrapper" _ "${cmd[@]}" ) &
     else
         ( trap - INT QUIT
           if [ -n "${S4_DEVICES_0:-}" ]; then export CUDA_VISIBLE_DEVICES="$S4_DEVICES_0"; fi
