@@ -51,17 +51,16 @@
 # SIGKILL.
 #
 # Exported to every rank unless already set: OMP_NUM_THREADS=1, NCCL_DEBUG=WARN, NCCL_IB_TIMEOUT=22,
-# TORCH_DIST_INIT_BARRIER=1, PYTHONFAULTHANDLER=1, PYTHONUNBUFFERED=1, PYTORCH_ALLOC_CONF=expandable_segments:True
-# (unless PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF is set: PipeMorph changes its in-flight
-# micro-batches at run time, so the allocator's fragmentation matters),
-# TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'. TORCH_NCCL_ASYNC_ERROR_HANDLING is left to TorchTitan.
+# TORCH_DIST_INIT_BARRIER=1, PYTHONFAULTHANDLER=1, PYTORCH_ALLOC_CONF=expandable_segments:True (unless
+# PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF is set: PipeMorph changes its in-flight micro-batches at
+# run time, so the allocator's fragmentation matters), TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:';
+# and PYTHONUNBUFFERED=1. TORCH_NCCL_ASYNC_ERROR_HANDLING is left to TorchTitan.
 #
-# No --cpus-per-task below: --exclusive gives the job its nodes' every CPU, and srun hands them to
-# torchrun (CPUS_PER_TASK).
 #SBATCH --job-name=titan_ext
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
+# no --cpus-per-task: --exclusive gives the job every CPU of its nodes, and srun hands them to torchrun (CPUS_PER_TASK)
 #SBATCH --exclusive
 #SBATCH --time=04:00:00
 #SBATCH --output=slurm-%x-%j.out
@@ -96,7 +95,7 @@ if [ "${NNODES:-1}" -lt 1 ] || [ "${NPROC_PER_NODE:-1}" -lt 1 ] || [ "$CPUS_PER_
         "MASTER_PORT=$MASTER_PORT in [1, 65535]" >&2
     exit 2
 fi
-if [ -n "$LOG_RANK" ] && [ "$LOG_RANK" != all ] && ! [[ "$LOG_RANK" =~ ^[0-9]{1,6}(,[0-9]{1,6})*$ ]]; then
+if [ -n "$LOG_RANK" ] && [ "$LOG_RANK" != all ] && ! [[ "$LOG_RANK" =~ ^(0|[1-9][0-9]{0,5})(,(0|[1-9][0-9]{0,5}))*$ ]]; then
     echo "launch.sh: LOG_RANK=$LOG_RANK is not a rank, a comma-separated list of ranks, or all" >&2
     exit 2
 fi
@@ -245,7 +244,8 @@ export PYTHONFAULTHANDLER="${PYTHONFAULTHANDLER:-1}"
 if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
     export PYTORCH_ALLOC_CONF=expandable_segments:True
 fi
-export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-[rank\${rank}]:}"
+global_rank_prefix='[rank${rank}]:'   # torchrun's line prefix: the global rank (its own is the local one)
+export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-$global_rank_prefix}"
 shown_env=(OMP_NUM_THREADS NCCL_DEBUG NCCL_IB_TIMEOUT TORCH_DIST_INIT_BARRIER NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME
            PYTHONUNBUFFERED PYTHONFAULTHANDLER PYTORCH_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF
            TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE S4_HOSTS TITAN_EXT_LAUNCH_ID)
