@@ -3,9 +3,9 @@ mid-training (issue 46).
 
 * A steady step of :class:`~titan_ext.titan.falcon.job.FalconJob` (4 ranks, DP 2 x PP 2, under the
   ``nccl_rules`` backend): no host sync on the training thread
-  (:func:`titan_ext.runtime.host_syncs.counting`), one asynchronous all-reduce of host data on the
-  gloo control group, waited for a step later; every rank feeds the detector the same steps, in
-  order, each one step late on the CPU.
+  (:func:`titan_ext.runtime.host_syncs.counting`), one all-reduce of host data on the gloo control
+  group (before: two world-sized all-reduces a step); every rank feeds the detector the same steps,
+  in order, each at its own end on the CPU.
 * Validation (Falcon §4.3) runs batched P2P ops on the rings' own PP / DP groups, made at start-up —
   no bare ``send``/``recv`` (a two-rank NCCL communicator made at the moment of diagnosis); S3's
   default-group communicator is made at start-up by every rank.
@@ -84,7 +84,7 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
     falcon_job.validate = lambda *a, **k: (validated.append(phase[0]), job_validate(*a, **k))[1]
     fed = []
     falcon = job._falcon
-    job._falcon = lambda obs, step: (fed.append((step.index, obs.iteration_time_s, phase[0])), falcon(obs, step))
+    job._falcon = lambda obs, step: (fed.append((step.index, obs.iteration_time_s)), falcon(obs, step))
 
     def run_step(chunks):
         for inputs, labels in chunks:
@@ -99,8 +99,6 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
         with host_syncs.counting() as counted:
             job.train_step(run_step, iter(_chunks(job.dp_index, step, 3)))
         syncs.append(counted.sites())
-    phase[0] = "finish"
-    in_flight = [done.index for done, _, _ in job.exchange.finish()]  # the last step's exchange
     phase[0] = "validate"
     validate(job.monitor, grid=job.grid, emulation=job.emulation, control=job.control, device=job.device,
              ring_groups=job.ring_groups())
@@ -117,7 +115,7 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
         return "other"
 
     falcon_job.validate = job_validate
-    return {"syncs": syncs, "fed": fed, "validated": validated, "in_flight": in_flight,
+    return {"syncs": syncs, "fed": fed, "validated": validated,
             "calls": [(p, n, kind(g), a) for p, n, g, a in calls]}
 
 
@@ -155,23 +153,22 @@ def test_a_steady_falcon_step_makes_no_host_sync(job_run):
 
 
 def test_a_steady_falcon_step_makes_one_collective_on_the_control_groups(job_run):
-    """One asynchronous all-reduce of host data a step (no device work waits on it; its wait is at the
-    next step's end)."""
+    """Before: ``DPSync.transfer_times`` and ``measure_step`` each all-reduced over the world every
+    step. Now one all-reduce of host data a step (no device work waits on it)."""
     steady_steps = _steady_steps(job_run)
     for rank, r in enumerate(job_run):
         for step in steady_steps:
             mine = [(n, a) for p, n, k, a in r["calls"] if p == step and k == "control"]
-            assert mine == [("all_reduce", True)], (rank, step, mine)  # launched, waited for a step later
+            assert mine == [("all_reduce", False)], (rank, step, mine)
 
 
 def test_every_rank_feeds_the_detector_the_same_steps_in_order(job_run):
     fed = [r["fed"] for r in job_run]
     assert all(f == fed[0] for f in fed), fed
-    # on CPU a step's device time is known at its end, and its exchange completes at the next step's
-    # end: every step is fed one step late, the last one's exchange still in flight when the loop ends
-    assert [(i, p) for i, _, p in fed[0]] == [(i, i + 1) for i in range(STEPS - 1)], fed[0]
-    assert all(t > 0 for _, t, _ in fed[0])
-    assert all(r["in_flight"] == [STEPS - 1] for r in job_run), [r["in_flight"] for r in job_run]
+    indices = [i for i, _ in fed[0]]
+    # on CPU a step's device time is known at its end: every step is fed at its own end
+    assert indices == list(range(STEPS)), indices
+    assert all(t > 0 for _, t in fed[0])
 
 
 def test_validation_uses_the_rings_groups_made_at_start_up_never_a_bare_p2p_op(job_run):

@@ -81,9 +81,8 @@ class FalconJob:
         self._version = 0
         """Bumped by every applied change (:meth:`apply`): a step run under an older one is not fed."""
         self.stale_steps = 0
-        """Steps not fed because a change was applied after they started (each exchange completes a step
-        later: on the CPU the step that ran while its decision was exchanged, more where the device runs
-        behind the host)."""
+        """Steps not fed because a change was applied after they started (only where the device runs
+        behind the host: on the CPU a step is fed at its own end)."""
         self.monitor = self._monitor()
         self.bind_layout(self._mesh_grid(), dp_mesh.get_group())
         from titan_ext.titan.adapters import current

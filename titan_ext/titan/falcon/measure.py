@@ -10,12 +10,11 @@ the detector costs 0.39 % on average, §7.4): nothing in the step waits for the 
   (:class:`StepClock`, :meth:`~titan_ext.runtime.device.Timer.resolve` with ``block=False``) read
   once the device ran them — at the step's own end on the CPU (the host clock is the device's), a
   step or more later on a GPU whose device runs behind the host — never an ``Event.synchronize``;
-* the ranks agree on the steps every rank has read through **one asynchronous gloo all-reduce per
-  step** on the control group (:class:`ObservationExchange`: launched at a step's end, waited for at
-  the next one's, when every rank has launched its own; no device work waits on it, and its latency,
-  which grows with the world, is not on the training thread's path), so the detector sees the same
-  series as Falcon's, in order, on every rank, at the same boundary: on the CPU one step late, on a
-  GPU two or three (Falcon's own detection takes tens of iterations: §7.2).  A device more than
+* the ranks agree on the steps every rank has read through **one gloo all-reduce per step** on the
+  control group (:class:`ObservationExchange`; a host wait on the other ranks' hosts, which are
+  ahead of their devices too — no device work waits on it), so the detector sees the same series as
+  Falcon's, in order, on every rank, at the same boundary: on the CPU at the step's end, on a GPU
+  one or two steps late (Falcon's own detection takes tens of iterations: §7.2).  A device more than
   :data:`STEPS_IN_FLIGHT` steps behind the host makes the host wait for the oldest step's last event
   (the device still has the later steps queued: it is not idled) — the documented bound of the
   host's run-ahead;
@@ -165,10 +164,8 @@ class StepClock:
 
 class ObservationExchange:
     """The steps' observations, the same on every rank (Falcon §4.2's iteration time and §4.3's
-    per-group times), exchanged with **one asynchronous all-reduce per step** on the gloo ``control``
-    group: launched at a step's end and waited for at the next step's end (:meth:`exchange`), by when
-    every rank has launched its own — the wait finds it done, and its latency (which grows with the
-    world) is off the training thread's path. A host tensor: no device work waits on it.
+    per-group times), exchanged with **one all-reduce per step** on the gloo ``control`` group, at
+    the step's end (:meth:`exchange`; a host tensor: no device work waits on it).
 
     The vector holds a window of steps (from the first one not fed yet), each a slot of MAX-reduced
     numbers: the step's index, whether a rank has not read it yet, the iteration time (the slowest
@@ -178,13 +175,12 @@ class ObservationExchange:
     Eq. 1 input).  A step whose slot every rank filled is complete; complete steps are returned in
     order, each once, the same on every rank."""
 
-    def __init__(self, control: Any, num_pp: int, num_dp: int, window: int = STEPS_IN_FLIGHT + 3):
+    def __init__(self, control: Any, num_pp: int, num_dp: int, window: int = STEPS_IN_FLIGHT + 2):
         self.control, self.S, self.D, self.window = control, num_pp, num_dp, window
         self.width = 2 + 1 + 2 * num_pp + num_dp * (num_pp - 1) + num_dp
         self.fed_through = -1
         """Every step up to this index was returned by :meth:`exchange`."""
         self._mine: dict[int, StepRecord] = {}
-        self._pending: tuple[Any, torch.Tensor] | None = None  # the exchange in flight: (work, vector)
 
     def add(self, step: StepRecord) -> None:
         """A step this rank ran (its numbers are sent once it is read)."""
@@ -192,22 +188,10 @@ class ObservationExchange:
 
     def exchange(self) -> list[tuple[StepRecord, IterationObservation, list[float]]]:
         """Every rank's complete steps (``(step, observation, each stage's DP all-reduce time)``,
-        oldest first) from the exchange launched at the previous call (its wait: a timeout names the
-        silent rank); then this call's exchange of the steps not fed yet is launched."""
-        out = self.finish()
+        oldest first): the steps not fed yet, exchanged now (a timeout names the silent rank)."""
         vec = self._vector()
-        self._pending = (dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control, async_op=True), vec)
-        return out
-
-    def finish(self) -> list[tuple[StepRecord, IterationObservation, list[float]]]:
-        """Wait for the exchange in flight (if any) and return the steps it completed; collective
-        (every rank calls :meth:`exchange` as often: the job's last step leaves one in flight, which
-        the job finishes before the process group goes)."""
-        if self._pending is None:
-            return []
-        work, vec = self._pending
-        self._pending = None
-        named(self.control, "falcon/step", work.wait)
+        named(self.control, "falcon/step",
+              lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control))
         return self._complete(vec)
 
     def _vector(self) -> torch.Tensor:
