@@ -15,34 +15,91 @@ PYTHON_CONFIGS = True
 PIPELINE = "torchtitan.distributed.pipeline_parallel"
 #: TorchTitan's DCP checkpoint manager: titan_ext wraps its dcp_save / dcp_load (titan/checkpoint_guard.py)
 CHECKPOINT = "torchtitan.components.checkpointer"
-#: (module, attribute) titan_ext patches or calls; a missing one fails registration loudly
-HOOKS = (
-    (PIPELINE, "get_schedule_class"),
-    (PIPELINE, "_build_pipeline_schedule"),
-    (PIPELINE, "_pipeline_module_split"),
-    ("torchtitan.trainer", "Trainer"),
-    ("torchtitan.config", "ConfigManager"),
-    ("torchtitan.components.metrics", "MetricsProcessor"),
-    ("torchtitan.components.metrics", "_get_metrics_rank"),
-    ("torchtitan.hf_datasets.text_datasets", "DATASETS"),
-    (CHECKPOINT, "CheckpointManager"),
-    ("torchtitan.models.llama3.config_registry", "llama3_debugmodel"),
+METRICS = "torchtitan.components.metrics"
+#: every TorchTitan symbol titan_ext uses under 0.3, one ``(module, name, kind, detail)`` row each,
+#: checked at registration (``adapters.check_adapter``: the row kinds are described there); e.g. a
+#: builder called with ``num_microbatches`` instead of ``local_batch_size``, or a trainer without
+#: ``num_pipeline_parallel_microbatches``, is named there, not met in the first step
+CONTRACT = (
+    # the pipeline builder: get_schedule_class rebound, the two builders wrapped (titan/registry.py)
+    (PIPELINE, "get_schedule_class", "attr", None),
+    (PIPELINE, "_build_pipeline_schedule", "callable", (("parallelism", "local_batch_size", "stages", "loss_fn"),
+                                                        False)),
+    (PIPELINE, "_pipeline_module_split", "callable", (
+        ("whole_model", "pp_mesh", "pp_schedule", "device", "module_names_per_stage"), True)),
+    # the trainer TitanExtTrainer extends, its config, and what titan_ext (Falcon's job) reads of it
+    ("torchtitan.trainer", "Trainer", "instance_attr", (
+        "config", "device", "parallel_dims", "metrics_processor", "gradient_accumulation_steps",
+        "num_pipeline_parallel_microbatches", "pp_schedule", "model_parts", "step", "checkpointer")),
+    ("torchtitan.trainer", "Trainer.train", "attr", None),
+    ("torchtitan.trainer", "Trainer.train_step", "callable", (("data_iterator",), True)),
+    ("torchtitan.trainer", "Trainer.forward_backward_step", "attr", None),
+    ("torchtitan.trainer", "Trainer.close", "attr", None),
+    ("torchtitan.trainer", "Trainer.Config", "fields", (
+        "model_spec", "hf_assets_path", "dump_folder", "metrics", "training", "dataloader", "parallelism",
+        "activation_checkpoint", "compile", "checkpoint", "comm", "debug")),
+    # the config sections titan_ext builds (titan/config_registry.py) and reads (titan/jobcheck.py)
+    ("torchtitan.config", "ConfigManager.parse_args", "callable", (("args",), True)),
+    ("torchtitan.config", "TrainingConfig", "fields", (
+        "local_batch_size", "global_batch_size", "seq_len", "steps", "max_norm", "dtype",
+        "mixed_precision_param", "disable_cuda_graphs")),
+    ("torchtitan.config", "ParallelismConfig", "fields", (
+        "pipeline_parallel_degree", "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
+        "module_fqns_per_model_part", "pipeline_parallel_layers_per_stage",
+        "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+        "data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree",
+        "spmd_backend")),
+    ("torchtitan.config", "CompileConfig", "fields", ("enable",)),
+    ("torchtitan.config", "CommConfig", "fields", ("init_timeout_seconds", "train_timeout_seconds",
+                                                   "save_traces_folder")),
+    ("torchtitan.config.configs", "DebugConfig", "fields", ("seed",)),
+    ("torchtitan.config", "Configurable.Config.traverse", "attr", None),
+    # the model: its spec's parallelize_fn replaced (Falcon's DP x PP job), the debug configs' base
+    ("torchtitan.protocols.model_spec", "ModelSpec", "fields", ("model", "parallelize_fn")),
+    ("torchtitan.models.common.decoder", "Decoder.Config", "fields", ("dim", "layers")),
+    ("torchtitan.models.common.attention", "FlexAttention.Config", "attr", None),
+    ("torchtitan.models.common.attention", "ScaledDotProductAttention.Config", "attr", None),
+    ("torchtitan.models.llama3.config_registry", "llama3_debugmodel", "attr", None),
+    ("torchtitan.models.llama3.config_registry", "llama3_8b", "attr", None),
+    ("torchtitan.models.llama3.config_registry", "llama3_70b", "attr", None),
+    # metrics (titan/metrics.py: PipelineMetricsProcessor, the metrics rank, Falcon's W&B rows)
+    (METRICS, "MetricsProcessor", "instance_attr", ("parallel_dims", "logger")),
+    (METRICS, "MetricsProcessor.__init__", "callable", (("config",), True)),
+    (METRICS, "MetricsProcessor.log", "callable", (
+        ("step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"), True)),
+    (METRICS, "MetricsProcessor.Config", "fields", (
+        "log_freq", "disable_color_printing", "enable_wandb", "enable_tensorboard", "save_tb_folder")),
+    (METRICS, "_get_metrics_rank", "callable", (("parallel_dims", "pp_schedule"), False)),
+    (METRICS, "WandBLogger", "instance_attr", ("wandb",)),
+    # checkpoints: dcp_save / dcp_load wrapped (titan/checkpoint_guard.py), S4's save; the debug
+    # configs' CheckpointManager.Config comes from the compatibility module
+    (CHECKPOINT, "CheckpointManager", "instance_attr", ("enable", "interval")),
+    (CHECKPOINT, "CheckpointManager.dcp_save", "callable", (
+        ("state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf"), True)),
+    (CHECKPOINT, "CheckpointManager.dcp_load", "callable", (
+        ("state_dict", "checkpoint_id", "from_hf", "from_quantized"), True)),
+    (CHECKPOINT, "CheckpointManager.save", "callable", (("curr_step", "last_step"), True)),
+    (CHECKPOINT, "CheckpointManager.maybe_wait_for_saving", "attr", None),
+    (CHECKPOINT, "CheckpointManager.Config", "fields", ("enable", "folder", "exclude_from_loading")),
+    ("torchtitan.components.checkpoint", "CheckpointManager.Config", "fields", ("enable",)),
+    # the titan_ext_tiny dataset (titan/data.py) and the debug configs' data loader
+    ("torchtitan.hf_datasets", "DatasetConfig", "fields", ("path", "loader", "sample_processor")),
+    ("torchtitan.hf_datasets.text_datasets", "DATASETS", "attr", None),
+    ("torchtitan.hf_datasets.text_datasets", "HuggingFaceTextDataLoader.Config", "fields", ("dataset",)),
+    # parallel dims (Falcon's DP x PP job), the CPU shim, logging
+    ("torchtitan.distributed.parallel_dims", "ParallelDims.pp_enabled", "attr", None),
+    ("torchtitan.distributed.parallel_dims", "ParallelDims.dp_replicate_enabled", "attr", None),
+    ("torchtitan.distributed.parallel_dims", "ParallelDims.fsdp_enabled", "attr", None),
+    ("torchtitan.distributed.parallel_dims", "ParallelDims.get_mesh", "attr", None),
+    ("torchtitan.distributed.parallel_dims", "ParallelDims.get_optional_mesh", "attr", None),
+    ("torchtitan.tools.utils", "device_type", "attr", None),
+    ("torchtitan.tools.utils", "device_module", "attr", None),
+    ("torchtitan.tools.logging", "logger", "attr", None),
 )
-#: (module, attribute) -> (parameters titan_ext's wrapper takes, by name; passed by position?): checked
-#: at registration (adapters.signature_mismatches); e.g. a builder called with ``num_microbatches``
-#: instead of ``local_batch_size`` is named there, not met as a TypeError in the first step
-SIGNATURES = {
-    (PIPELINE, "_build_pipeline_schedule"): (("parallelism", "local_batch_size", "stages", "loss_fn"), False),
-    (PIPELINE, "_pipeline_module_split"): (
-        ("whole_model", "pp_mesh", "pp_schedule", "device", "module_names_per_stage"), True),
-    ("torchtitan.components.metrics", "MetricsProcessor.log"): (
-        ("step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"), True),
-    ("torchtitan.components.metrics", "MetricsProcessor.__init__"): (("config",), True),
-    ("torchtitan.components.metrics", "_get_metrics_rank"): (("parallel_dims", "pp_schedule"), False),
-    (CHECKPOINT, "CheckpointManager.dcp_save"): (
-        ("state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf"), True),
-    (CHECKPOINT, "CheckpointManager.dcp_load"): (("state_dict", "checkpoint_id", "from_hf", "from_quantized"), True),
-}
+#: views of CONTRACT: the module attributes it names, and its ``callable`` rows'
+#: ``(module, name) -> (parameters, positional)``
+HOOKS = tuple(dict.fromkeys((module, name.split(".")[0]) for module, name, _, _ in CONTRACT))
+SIGNATURES = {(module, name): detail for module, name, kind, detail in CONTRACT if kind == "callable"}
 BUILDER_MODULES = (PIPELINE,)
 CPU_SHIM_MODULES = (
     "torchtitan.tools.utils",
