@@ -187,6 +187,11 @@ def trainer_dump_folder(trainer: Any) -> str:
     return trainer.job_config.job.dump_folder
 
 
+def trainer_training(trainer: Any) -> Any:
+    """The running trainer's ``[training]`` section (``local_batch_size``, ``steps``, ...)."""
+    return trainer.job_config.training
+
+
 def install_replication_by_trainer(config: Any) -> None:  # noqa: ARG001 - 0.2 patches the train specs
     """DP x PP with Falcon: TorchTitan 0.2's parallelize functions skip DDP (the trainer syncs)."""
     from titan_ext.titan.falcon.dp import install_replication_by_trainer as install

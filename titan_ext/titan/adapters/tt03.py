@@ -203,6 +203,11 @@ def trainer_dump_folder(trainer: Any) -> str:
     return trainer.config.dump_folder
 
 
+def trainer_training(trainer: Any) -> Any:
+    """The running trainer's training section (``local_batch_size``, ``steps``, ...)."""
+    return trainer.config.training
+
+
 def install_replication_by_trainer(config: Any) -> None:
     """DP x PP with Falcon (:mod:`titan_ext.titan.falcon.job`): the trainer syncs the DP replicas itself.
 

@@ -142,12 +142,15 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
         from titan_ext.titan.falcon.files import emulation_specs
 
         emulation = remap_emulation(plan, *emulation_specs(job.section))
-        write_s4_plan(Path(trainer.job_config.job.dump_folder), plan, status="pending",
+        from titan_ext.titan.adapters import current
+
+        adapter = current()
+        write_s4_plan(Path(adapter.trainer_dump_folder(trainer)), plan, status="pending",
                       begin_time=begin, save_s=float(save_s),
                       estimated_cost_s=job.monitor.config.costs.of("checkpoint_restart"),
                       iteration_time_before_s=decision.get("falcon/iteration_time_s"),
                       overrides=relaunch_overrides(plan, emulation,
-                                                   trainer.job_config.training.local_batch_size),
+                                                   adapter.trainer_training(trainer).local_batch_size),
                       hosts=[where[r][0] for r in plan.kept_ranks],
                       local_devices=_local_devices(plan, where),
                       device_type=where[0][2], launch_id=os.environ.get(ENV_LAUNCH_ID))
@@ -250,7 +253,9 @@ class S4Resume:
         plan = resume_plan_from_env()
         if plan is None:
             return None
-        return cls(plan, Path(trainer.job_config.job.dump_folder), dist.get_rank(), trainer)
+        from titan_ext.titan.adapters import current
+
+        return cls(plan, Path(current().trainer_dump_folder(trainer)), dist.get_rank(), trainer)
 
     def before_step(self, step: int) -> None:
         """The first step of the restarted job: the S4 cost is the time since the save began."""
