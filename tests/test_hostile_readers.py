@@ -449,7 +449,16 @@ def _build_run():
     for step in range(8, 12):
         add(_history({"_step": step, "loss": 2.0 - step / 100, "inf": math.inf}),
             {"_step": step, "loss": 2.0 - step / 100, "inf": None})
+    add(_exit_record(), None)  # wandb.finish
     return bytes(log.data), log.starts, log.ends, rows
+
+
+def _exit_record() -> bytes:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    record = pb.Record()
+    record.exit.exit_code = 0
+    return record.SerializeToString()
 
 
 _RUN = None
@@ -522,7 +531,9 @@ def test_wandb_cut_run_returns_every_complete_record(cut, complete, says_cut, tm
     before = _tree(tmp_path)
     code, out, err = _cli(["wandb-offline", tmp_path], capsys)
     assert code == 0 and "Traceback" not in err
-    note = f"{path}: {n} records read; the file ends mid-record at byte {at}\n" if says_cut else f"{path}\n"
+    # a file cut on a record boundary ends cleanly, but before the run's exit record
+    note = f"{path}: {n} records read; the file ends mid-record at byte {at}\n" if says_cut \
+        else f"{path}: {wandb_offline.UNFINISHED}\n"
     assert err == note
     assert _printed_rows(out) == _expected_rows(rows, n)
     assert _tree(tmp_path) == before
@@ -670,7 +681,7 @@ def test_wandb_reads_what_wandb_core_wrote(tmp_path, capsys):
     path = tmp_path / "run-real.wandb"
     path.write_bytes(HEADER + _REAL_RECORD)
     code, out, err = _cli(["wandb-offline", path], capsys)
-    assert code == 0 and err == f"{path}\n", err
+    assert code == 0 and err == f"{path}: {wandb_offline.UNFINISHED}\n", err  # a history record, no exit
     assert _printed_rows(out) == [_REAL_ROW]
     path.write_bytes(HEADER + _flip(_REAL_RECORD, 40))
     code, out, err = _cli(["wandb-offline", path], capsys)

@@ -186,6 +186,10 @@ def find_offline_runs(root: str | Path) -> list[Path]:
     return sorted(Path(root).rglob("offline-run-*/run-*.wandb"))
 
 
+UNFINISHED = ("the run did not finish (no exit record: it stopped before wandb.finish, e.g. on a signal); "
+              "what it logged after its last written record is not in the file")
+
+
 def _print_run(path: Path) -> bool:
     """Print one run's history rows (stdout) and its one line (stderr); False when it is not readable
     to its end for another reason than a cut."""
@@ -204,6 +208,8 @@ def _print_run(path: Path) -> bool:
     elif log.cut:
         print(f"{shown}: {len(log.records)} records read; the file ends mid-record at byte {log.size}",
               file=sys.stderr)
+    elif not any(record.WhichOneof("record_type") == "exit" for _, record in log.records):
+        print(f"{shown}: {UNFINISHED}", file=sys.stderr)
     else:
         print(shown, file=sys.stderr)
     for row in rows:
