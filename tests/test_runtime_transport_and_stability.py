@@ -50,6 +50,7 @@ def _crosspipe_delegated_worker(rank, world, n_mb, steps):
             "delegating": [m["delegating"] for m in sched.metrics_history]}
 
 
+@pytest.mark.soak  # 30 s; CI: tests/test_delegate_nccl_rules.py (delegation "always" trains like direct P2P)
 def test_crosspipe_with_delegation_always_matches_gpipe():
     # 3 ranks (a middle rank uses all four channel kinds): each rank starts its delegate processes,
     # which dominates the cost on a 2-core machine
