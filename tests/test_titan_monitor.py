@@ -136,3 +136,25 @@ def test_clock_offsets_across_hosts_are_estimated_and_removed():
     starts = next(r[1] for r in results if r[1] is not None)
     # both ranks started their F right after the same barrier: aligned, not 5 s apart
     assert abs(starts[1] - starts[0]) < 100_000_000
+
+
+def test_the_monitor_keeps_nothing_per_step():
+    """1000 steps leave the monitor's containers as large as 10 did (a run-long job must not grow a
+    list a step)."""
+    from titan_ext.titan import monitor
+
+    class _QuickStage(_FakeStage):
+        def forward_one_chunk(self, mb, *args, **kwargs):
+            pass
+
+    mon = monitor.PipelineMonitor(_FakeSchedule(_QuickStage(0, 1)), None)
+
+    def sizes():
+        return {k: len(v) for k, v in vars(mon).items() if isinstance(v, (list, dict, set, tuple))}
+
+    for _ in range(10):
+        mon.schedule.step()
+    after_10 = sizes()
+    for _ in range(990):
+        mon.schedule.step()
+    assert sizes() == after_10

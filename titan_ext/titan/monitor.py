@@ -133,7 +133,6 @@ class PipelineMonitor:
         self._last_actions: list[Action] = []
         self._step_start = 0
         self.last_step_wall_ms = float("nan")
-        self.step_wall_history_ms: list[float] = []
         for stage in self.stages:
             self._wrap_stage(stage)
         self._wrap_step()
@@ -193,7 +192,6 @@ class PipelineMonitor:
                     self.last_step_wall_ms = math.nan  # read from the events in gather()
                 else:
                     self.last_step_wall_ms = (self._clock() - t0) / 1e6
-                    self.step_wall_history_ms.append(self.last_step_wall_ms)
                 self._last_actions = self._actions
 
         self.schedule.step = wrapped_step
@@ -228,7 +226,6 @@ class PipelineMonitor:
         with self._layer.context():
             self._timer.resolve(block=True)
         self.last_step_wall_ms = self._timer.wall_ms
-        self.step_wall_history_ms.append(self.last_step_wall_ms)
         self._last_actions = [Action(r.stage, r.kind, r.microbatch, int(r.start * 1e9), int(r.end * 1e9))
                               for r in self._records]
         self._records = []
