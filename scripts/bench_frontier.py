@@ -328,10 +328,9 @@ def run(args) -> dict:
 def plot(rows: list[dict], path: str, title: str) -> None:
     """Time vs measured memory, one panel per delay: each torch schedule a point at its own memory,
     PipeMorph a line through the same memories (the frontier)."""
-    import matplotlib
+    from titan_ext.plan.export import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # matplotlib is optional: the plot extra
 
     delays = sorted({r["delay_ms"] for r in rows})
     fig, axes = plt.subplots(1, len(delays), figsize=(6 * len(delays), 4.5), squeeze=False)

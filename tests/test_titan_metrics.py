@@ -1,5 +1,6 @@
 """Pieces of titan_ext.titan.metrics that need no training run (the stock-trainer run is in
-test_titan_train.py): W&B login detection, strict JSON."""
+test_titan_train.py, a real offline W&B run in test_wandb_metrics.py): W&B login detection, strict JSON,
+the decisions table, wandb and matplotlib missing."""
 
 import json
 import math
@@ -27,7 +28,8 @@ def test_strict_json_has_null_not_nan():
 
 
 def test_wandb_decisions_table_logs_only_new_rows():
-    """One incremental table per W&B logger: each plan change sends its new rows, nothing between."""
+    """One incremental table per W&B run: each plan change sends its new rows, nothing between; every
+    logged step carries the trainer's step, the x-axis of the summarized keys."""
     from types import SimpleNamespace
 
     import wandb
@@ -35,19 +37,82 @@ def test_wandb_decisions_table_logs_only_new_rows():
 
     from titan_ext.titan import metrics
 
-    logged = []
+    logged, defined = [], []
     wb = object.__new__(WandBLogger)
-    wb.wandb = SimpleNamespace(Table=wandb.Table, Image=None, log=lambda data, step: logged.append((step, data)))
+    wb.tag = None
+    wb.wandb = SimpleNamespace(Table=wandb.Table, Image=None, log=lambda data, step: logged.append((step, data)),
+                               define_metric=lambda name, **kw: defined.append((name, kw)),
+                               run=SimpleNamespace(settings=SimpleNamespace(mode="offline")))
     processor = SimpleNamespace(logger=SimpleNamespace(_loggers=[wb]))
-    pm = SimpleNamespace(decisions=[[0, 1, "adapt", "Eq.1", "[3, 1]", "split"]], image=None, wandb_tables={})
-    metrics._log_to_wandb(processor, pm, step=1)
-    metrics._log_to_wandb(processor, pm, step=2)  # no plan change: nothing logged
-    pm.decisions.append([5, 2, "shrink", "memory", "[2, 1]", "split"])
-    metrics._log_to_wandb(processor, pm, step=6)
-    assert [step for step, _ in logged] == [1, 6]
-    first, second = (data["pipeline/decisions"] for _, data in logged)
+    pm = SimpleNamespace(decisions=[[1, 1, "adapt", "Eq.1", "[3, 1]", "split"]], image=None, wandb_runs={})
+    for step in (1, 2, 6):
+        if step == 6:
+            pm.decisions.append([6, 2, "shrink", "memory", "[2, 1]", "split"])
+        metrics._log_to_wandb(metrics._wandb_runs(processor, pm), pm, step=step)
+    assert [(step, data["pipeline/step"]) for step, data in logged] == [(1, 1), (2, 2), (6, 6)]
+    assert "pipeline/decisions" not in logged[1][1]  # no plan change: no table
+    first, second = (logged[i][1]["pipeline/decisions"] for i in (0, 2))
     assert first is second and first.log_mode == "INCREMENTAL"  # the same table, appended to
-    assert [row[1] for row in first.data] == [1, 2] and pm.decisions == []  # logged rows are not kept
+    assert [row[:2] for row in first.data] == [[1, 1], [6, 2]] and pm.decisions == []  # logged rows are not kept
+    assert defined == [("pipeline/step", {}), *(
+        (key, {"step_metric": "pipeline/step", "summary": "min,mean"})
+        for key in ("pipeline/iteration_ms", "pipeline/bubble_rate", "pipeline/train_step_ms"))]  # once
+
+
+def test_enable_wandb_without_wandb_is_refused_at_config_time(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    import pytest
+
+    from titan_ext.titan.jobcheck import JobConfigError
+    from titan_ext.titan.metrics import check_wandb_available
+
+    on, off = (SimpleNamespace(metrics=SimpleNamespace(enable_wandb=v)) for v in (True, False))
+    check_wandb_available(on)  # installed here
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not
+    with pytest.raises(JobConfigError) as e:
+        check_wandb_available(on)
+    assert "[metrics] enable_wandb" in str(e.value) and "pip install 'titan-ext[wandb]'" in str(e.value)
+    check_wandb_available(off)  # no W&B asked for: no wandb needed
+
+
+def test_wandb_offline_reader_without_wandb_names_the_extra(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from titan_ext.titan import wandb_offline
+
+    monkeypatch.setitem(sys.modules, "wandb.proto", None)
+    assert wandb_offline.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: reading W&B runs needs wandb") and "pip install 'titan-ext[wandb]'" in err
+    assert "Traceback" not in err
+
+
+def test_plots_without_matplotlib_name_the_extra(monkeypatch, tmp_path):
+    """The measured Gantt (titan/gantt.py, through plan/export.py) and scripts/bench_frontier.py's plot say
+    which extra to install, and write nothing."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from titan_ext.titan.gantt import write_timeline_png
+    from titan_ext.titan.monitor import Action, IterationTimeline
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    timeline = IterationTimeline(step=1, num_stages=1, actions=[Action(0, "F", 0, 0, 10_000_000)])
+    with pytest.raises(ModuleNotFoundError, match=r"needs matplotlib.*pip install 'titan-ext\[plot\]'") as e:
+        write_timeline_png(timeline, tmp_path / "timelines" / "step_00001.png")
+    assert e.value.name == "matplotlib"  # what the training loop tells apart from other failures
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_frontier.py"
+    spec = importlib.util.spec_from_file_location("bench_frontier", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'titan-ext\[plot\]'"):
+        bench.plot([{"delay_ms": 0.0}], str(tmp_path / "frontier.png"), "t")
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
 
 
 def test_measured_timeline_as_perfetto_trace(tmp_path):

@@ -1,5 +1,8 @@
 """Exporters: torch CSV (compute-only), Chrome/Perfetto trace JSON, Gantt PNG.
 
+matplotlib, for the PNG only, is optional (the ``plot`` extra): :func:`pyplot` imports it when a plot is
+drawn, and says how to install it when it is missing.
+
 Each writer is all or nothing: it writes a temporary file next to the target and renames it into
 place only when complete, so an error, Ctrl-C or SIGTERM midway leaves the file that was there (and no
 temporary file). A symbolic link is followed: the file it names is replaced, the link kept."""
@@ -120,6 +123,24 @@ def write_chrome_trace(timeline: Timeline, path: str | Path, title: str | None =
         Path(tmp).write_text(text)
 
 
+#: what a plot without matplotlib says to do
+PLOT_INSTALL_HINT = "pip install 'titan-ext[plot]'"
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only: no display on a cluster node); matplotlib is
+    optional, so a missing one is a ``ModuleNotFoundError`` that names the extra to install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # matplotlib, or a package of its own
+        raise ModuleNotFoundError(f"plotting needs matplotlib ({e}): {PLOT_INSTALL_HINT}",
+                                  name="matplotlib") from None
+    return plt
+
+
 _COLORS = {"F": "#4C72B0", "I": "#DD8452", "B": "#C44E52", "W": "#55A868"}
 
 
@@ -127,10 +148,7 @@ def write_gantt_png(timeline: Timeline, path: str | Path, title: str | None = No
     """Gantt chart of a timeline: one row per rank, F / I (B) / W coloured, microbatch ids inside."""
     _timeline_arg(timeline)
     output_path_arg(path)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     ranks = sorted(timeline.busy_ms)

@@ -47,7 +47,9 @@ def to_plan_timeline(timeline: IterationTimeline):
 
 
 def write_timeline_png(timeline: IterationTimeline, path: str | Path, title: str = "") -> Path:
-    """Draw the measured ``timeline`` to ``path`` (one row per PP rank); returns the path."""
+    """Draw the measured ``timeline`` to ``path`` (one row per PP rank); returns the path. Needs matplotlib,
+    which is optional: without it a ``ModuleNotFoundError`` names the extra to install (``titan-ext[plot]``),
+    and no image is written (the trace below needs no matplotlib)."""
     from titan_ext.plan.export import write_gantt_png
 
     path = Path(path)

@@ -11,8 +11,12 @@ logged step (TorchTitan's ``MetricsProcessor`` class itself is never patched):
   ``pipeline/injected_delay_ms/<i>`` while a straggler is injected;
 * the full set under ``pipeline_detail/`` (``link_delay_ms/<i>`` measured on the timeline -- the one
   link-delay series --, ``step_wall_ms``, ``delegation``, the runtime's numbers); every time is in ms;
-* on W&B, ``pipeline/decisions``: a table of the plan changes (step, version, decision, reason,
-  warm-up counts, backward), logged incrementally: each plan change sends its new rows only;
+* on W&B, ``pipeline/decisions``: a table of the plan changes (the trainer step that deployed it, version,
+  decision, reason, warm-up counts, backward), logged incrementally: each plan change sends its new rows
+  only (:func:`incremental_tables`: a plain table of the new rows where the server may not take those);
+* on W&B, the run summary of ``pipeline/iteration_ms``, ``pipeline/bubble_rate`` and
+  ``pipeline/train_step_ms`` is their min and mean over the run, not the last step's value, against
+  ``pipeline/step``, the trainer's step (the ``step=`` TorchTitan logs every key with);
 * one console line next to TorchTitan's step line (iteration time, bubble rate, plan version);
 * one JSON line per logged step in ``<dump_folder>/<[titan_ext] metrics_file>`` (strict JSON: a
   missing number is ``null``, never NaN);
@@ -23,7 +27,12 @@ logged step (TorchTitan's ``MetricsProcessor`` class itself is never patched):
 
 W&B: unless ``WANDB_MODE`` is set, a run goes offline only when no W&B credentials exist (no
 ``WANDB_API_KEY`` / ``WANDB_IDENTITY_TOKEN_FILE`` and no ``wandb login`` entry in the netrc file):
-someone logged in with ``wandb login`` gets an online run (:func:`wandb_logged_in`).
+someone logged in with ``wandb login`` gets an online run (:func:`wandb_logged_in`). Our W&B keys go
+under the logger's tag as TorchTitan's own do (``{tag}/pipeline/...`` when its ``WandBLogger`` has one).
+
+wandb and matplotlib are optional (the ``wandb`` and ``plot`` extras), imported only when used:
+:func:`check_wandb_available` refuses ``[metrics] enable_wandb`` without wandb before any process group
+exists, and a job without matplotlib warns once and draws no timeline image.
 
 Every plan change logs one INFO line (version, the decision and reason that led to it, warm-up counts)
 right after the iteration that deployed it, whatever ``log_freq`` is.
@@ -33,6 +42,7 @@ import json
 import math
 import netrc
 import os
+import re
 from urllib.parse import urlparse
 from pathlib import Path
 from collections.abc import Callable
@@ -46,10 +56,11 @@ from titan_ext.titan.appendlog import LineLog
 from titan_ext.titan.gantt import write_timeline_png, write_timeline_trace
 from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
 from titan_ext.titan.options import titan_ext_section
+from titan_ext.titan.wandb_offline import WANDB_INSTALL_HINT
 
-__all__ = ["PipelineMetrics", "attach", "current", "install", "instrument", "metrics_processor_builder",
-           "pipeline_metrics_config", "pipeline_metrics_processor", "runtime_metrics", "strict_json",
-           "wandb_logged_in"]
+__all__ = ["PipelineMetrics", "attach", "check_wandb_available", "current", "incremental_tables", "install",
+           "instrument", "metrics_processor_builder", "pipeline_metrics_config", "pipeline_metrics_processor",
+           "runtime_metrics", "strict_json", "wandb_logged_in", "wandb_server_version"]
 
 # pipeline_detail/delegation: 0 = direct P2P, 1 = auto mode, not delegating (yet), 2 = delegating
 _DELEGATION_CODES = {"off": 0, "auto": 1, "active": 2}
@@ -117,9 +128,14 @@ class PipelineMetrics:
         self._plan_version = runtime_metrics(schedule).get("plan_version", 0)
         self._pending_reason = ("initial", "the schedule's first plan")
         self._last_logged_step = 0
+        self._iterations = 0  # schedule iterations so far
+        self._named_before: bool | None = None  # the trainer names its step before its iterations
+        self._trainer_step: int | None = None  # the trainer step the schedule is running, when known
+        self._unstamped: list[list[Any]] = []  # decision rows waiting for their trainer step
         self.image: Path | None = None  # the image written on the current logged step, if any
+        self._no_matplotlib = False  # warned once: no timeline images
         self.metrics_log = LineLog(self.dump / self.section.metrics_file, "the pipeline metrics file")
-        self.wandb_tables: dict[int, Any] = {}  # W&B logger -> its incremental decisions table
+        self.wandb_runs: dict[int, _WandbRun] = {}  # id(W&B logger) -> titan_ext's part of its run
         self._wrap_step()
 
     # -- every iteration: plan changes ---------------------------------------------------------
@@ -134,7 +150,21 @@ class PipelineMetrics:
 
         self.schedule.step = step_and_note_plan_change
 
+    def trainer_step(self, step: int) -> None:
+        """The trainer names the step it runs (``MetricsProcessor.should_log``, once per train step): the
+        decisions table's step column. TorchTitan 0.3 names it before the step's schedule iterations, 0.2
+        after them (its train step asks after the optimizer); the first call tells which (no iteration
+        yet: before), so a row waits for its step only in the second case."""
+        if self._named_before is None:
+            self._named_before = self._iterations == 0
+        if self._named_before:
+            self._trainer_step = step
+        for row in self._unstamped:
+            row[0] = step
+        self._unstamped = []
+
     def _note_plan_change(self, rt: dict[str, Any]) -> None:
+        self._iterations += 1
         decision = rt.get("decision")
         if decision and decision not in _PASSIVE_DECISIONS:
             self._pending_reason = (decision, rt.get("decision_reason", ""))
@@ -143,11 +173,13 @@ class PipelineMetrics:
             return
         self._plan_version = version
         action, reason = self._pending_reason
-        row = [rt.get("iteration"), version, action, reason, str(rt.get("warmup_counts")),
+        row = [self._trainer_step, version, action, reason, str(rt.get("warmup_counts")),
                str(rt.get("backward"))]
         self.decisions.append(row)
-        logger.info(f"[titan_ext] plan v{version} deployed (iteration {row[0]}): {action}: {reason}; "
-                    f"warm-up counts {row[4]}, backward {row[5]}")
+        if self._trainer_step is None:
+            self._unstamped.append(row)
+        logger.info(f"[titan_ext] plan v{version} deployed (iteration {rt.get('iteration')}): {action}: "
+                    f"{reason}; warm-up counts {row[4]}, backward {row[5]}")
 
     # -- logged steps ----------------------------------------------------------------------------
     def step_metrics(self, step: int, loss: float, is_metrics_rank: bool) -> dict[str, float]:
@@ -224,6 +256,8 @@ class PipelineMetrics:
             logger.warning(f"[titan_ext] timeline trace for step {timeline.step} failed: {e}")
 
     def _write_image(self, timeline: IterationTimeline) -> None:
+        if self._no_matplotlib:
+            return
         path = self.dump / "timelines" / f"step_{timeline.step:05d}.png"
         try:
             write_timeline_png(timeline, path, title=f"{self.schedule_name}, step {timeline.step}")
@@ -231,7 +265,12 @@ class PipelineMetrics:
                 json.dump(strict_json({"step": timeline.step, "num_stages": timeline.num_stages,
                                        "actions": timeline.to_rows()}), f, allow_nan=False)
         except Exception as e:  # an image must never stop training
-            logger.warning(f"[titan_ext] timeline image for step {timeline.step} failed: {e}")
+            if isinstance(e, ModuleNotFoundError) and e.name == "matplotlib":  # optional: said once
+                self._no_matplotlib = True
+                logger.warning(f"[titan_ext] no timeline images ([titan_ext] gantt_every = "
+                               f"{self.section.gantt_every}): {e}; training goes on")
+            else:
+                logger.warning(f"[titan_ext] timeline image for step {timeline.step} failed: {e}")
             return
         self.image = path
 
@@ -254,36 +293,128 @@ def _wandb_loggers(processor: Any) -> list:
     return [lg for lg in getattr(container, "_loggers", [container]) if isinstance(lg, WandBLogger)]
 
 
-_DECISION_COLUMNS = ["iteration", "plan_version", "decision", "reason", "warmup_counts", "backward"]
+_STEP_KEY = "pipeline/step"  # the trainer's step, the x-axis of the summarized keys
+#: per-step keys whose run summary is their min and mean (the last step's value says little of a run)
+_SUMMARIZED = ("pipeline/iteration_ms", "pipeline/bubble_rate", "pipeline/train_step_ms")
+_DECISION_COLUMNS = ["step", "plan_version", "decision", "reason", "warmup_counts", "backward"]
+#: the first W&B Server that takes ``log_mode="INCREMENTAL"`` tables (W&B's docs, "Log tables")
+INCREMENTAL_SERVER = (0, 70)
+# the field of W&B's GraphQL API with the server's version (older wandb releases ask it in
+# ``Api.client.server_info``); W&B's multi-tenant cloud, always on the newest release, answers null
+_SERVER_VERSION_QUERY = "query ServerInfo { serverInfo { latestLocalVersionInfo { versionOnThisInstanceString } } }"
 
 
-def _decisions_table(wandb: Any) -> Any:
-    """A W&B table that logs only its new rows each time (``log_mode="INCREMENTAL"``); a wandb without
-    incremental tables gets a table of the new rows per plan change instead."""
+def check_wandb_available(config: Any) -> None:
+    """``[metrics] enable_wandb`` needs wandb, an optional package: refused before any process group exists
+    (TorchTitan itself would log an error and train on without W&B)."""
+    if not getattr(getattr(config, "metrics", None), "enable_wandb", False):
+        return
+    import importlib
+
     try:
-        return wandb.Table(columns=_DECISION_COLUMNS, log_mode="INCREMENTAL")
-    except TypeError:
+        importlib.import_module("wandb")
+    except ImportError as e:
+        from titan_ext.titan.jobcheck import JobConfigError
+
+        raise JobConfigError(f"[metrics] enable_wandb = true needs wandb, which cannot be imported ({e}): "
+                             f"{WANDB_INSTALL_HINT}") from None
+
+
+def _tagged(wb: Any, key: str) -> str:
+    """``key`` as TorchTitan's ``WandBLogger.log`` names its own keys: under the logger's tag, if any."""
+    return key if wb.tag is None else f"{wb.tag}/{key}"
+
+
+def wandb_server_version(base_url: str) -> str | None:
+    """The version of the W&B server at ``base_url`` (``"0.69.2"``); ``"cloud"`` for W&B's multi-tenant
+    cloud, which reports none; None when it cannot be read. wandb has no public call for it: the query goes
+    through ``wandb.Api``'s GraphQL channel: ``Api.client.server_info`` in older wandb releases,
+    ``ServiceApi.execute_graphql`` in newer ones (what ``wandb verify`` reads ``serverInfo`` through)."""
+    import wandb
+
+    try:
+        api = wandb.Api(overrides={"base_url": base_url}, timeout=10)
+        client = getattr(api, "client", None)
+        if client is not None and hasattr(client, "server_info"):
+            info = client.server_info
+        else:
+            info = api._service_api.execute_graphql(_SERVER_VERSION_QUERY)["serverInfo"]
+        local = (info or {}).get("latestLocalVersionInfo")
+        return "cloud" if local is None else local["versionOnThisInstanceString"]
+    except Exception as e:  # no answer: the caller takes the safe way
+        logger.debug(f"[titan_ext] W&B server version at {base_url}: {e!r}")
         return None
 
 
-def _log_to_wandb(processor: Any, pm: PipelineMetrics, step: int) -> None:
-    new_rows, pm.decisions = pm.decisions, []  # logged once, then dropped (no run-long list)
+def incremental_tables(run: Any, server_version: Callable[[str], str | None] | None = None) -> tuple[bool, str]:
+    """Whether W&B ``run`` may log ``log_mode="INCREMENTAL"`` tables (W&B Server >= 0.70), and why: an
+    offline run has no server to ask (fine); an online run asks its server, and an older server or an
+    unknown version gets plain tables."""
+    if run.settings.mode in ("offline", "dryrun", "disabled"):
+        return True, f"{run.settings.mode} run"
+    version = (server_version or wandb_server_version)(run.settings.base_url)
+    if version == "cloud":
+        return True, "W&B's cloud"
+    found = re.match(r"(\d+)\.(\d+)", version or "")
+    if found is None:
+        return False, f"W&B server version unknown: {version or 'not readable'}"
+    ok = tuple(map(int, found.groups())) >= INCREMENTAL_SERVER
+    return ok, f"W&B server {version} {'>=' if ok else '<'} {'.'.join(map(str, INCREMENTAL_SERVER))}"
+
+
+class _WandbRun:
+    """titan_ext's part of one W&B run (one TorchTitan ``WandBLogger``): the summarized keys defined once,
+    before TorchTitan first logs them, and the decisions table."""
+
+    def __init__(self, wb: Any):
+        self.wb = wb
+        self.table: Any = None  # the run's incremental decisions table
+        self.incremental: bool | None = None  # decided on the first plan change
+        step = _tagged(wb, _STEP_KEY)
+        wb.wandb.define_metric(step)
+        for key in _SUMMARIZED:
+            wb.wandb.define_metric(_tagged(wb, key), step_metric=step, summary="min,mean")
+
+    def decisions(self, rows: list[list[Any]]) -> Any:
+        """``rows`` as a W&B table: appended to the run's incremental table, which logs only its new rows,
+        or, where the server may not take one (or wandb has none), a table of ``rows`` alone."""
+        wandb = self.wb.wandb
+        if self.incremental is None:
+            self.incremental, why = incremental_tables(wandb.run)
+            if self.incremental:
+                try:
+                    self.table = wandb.Table(columns=_DECISION_COLUMNS, log_mode="INCREMENTAL")
+                except TypeError:  # a wandb without log_mode
+                    self.incremental, why = False, f"wandb {wandb.__version__} has no incremental tables"
+            how = "one incremental table" if self.incremental else "a table of the new rows per plan change"
+            logger.info(f"[titan_ext] W&B {_tagged(self.wb, 'pipeline/decisions')}: {how} ({why})")
+        if not self.incremental:
+            return wandb.Table(columns=_DECISION_COLUMNS, data=[list(r) for r in rows])
+        for row in rows:
+            self.table.add_data(*row)
+        return self.table
+
+
+def _wandb_runs(processor: Any, pm: PipelineMetrics) -> list[_WandbRun]:
+    """The W&B runs of ``processor`` (on the rank that logs to W&B; none elsewhere), set up on first use."""
+    runs = []
     for wb in _wandb_loggers(processor):
-        extra: dict[str, Any] = {}
+        if id(wb) not in pm.wandb_runs:
+            pm.wandb_runs[id(wb)] = _WandbRun(wb)
+        runs.append(pm.wandb_runs[id(wb)])
+    return runs
+
+
+def _log_to_wandb(runs: list[_WandbRun], pm: PipelineMetrics, step: int) -> None:
+    new_rows, pm.decisions = pm.decisions, []  # logged once, then dropped (no run-long list)
+    for run in runs:
+        wb = run.wb
+        extra: dict[str, Any] = {_tagged(wb, _STEP_KEY): step}
         if pm.image is not None:
-            extra["pipeline/timeline"] = wb.wandb.Image(str(pm.image))
+            extra[_tagged(wb, "pipeline/timeline")] = wb.wandb.Image(str(pm.image))
         if new_rows:
-            table = pm.wandb_tables.get(id(wb), False)
-            if table is False:
-                table = pm.wandb_tables[id(wb)] = _decisions_table(wb.wandb)
-            if table is None:
-                table = wb.wandb.Table(columns=_DECISION_COLUMNS, data=[list(r) for r in new_rows])
-            else:
-                for row in new_rows:
-                    table.add_data(*row)
-            extra["pipeline/decisions"] = table
-        if extra:
-            wb.wandb.log(extra, step=step)
+            extra[_tagged(wb, "pipeline/decisions")] = run.decisions(new_rows)
+        wb.wandb.log(extra, step=step)
 
 
 def wandb_logged_in(environ=os.environ) -> bool:
@@ -318,22 +449,40 @@ def _pipeline_log(original):
         pm.image = None
         extra = dict(extra_metrics or {})
         extra.update(pm.step_metrics(step, global_avg_loss, is_metrics_rank))
+        wandb_runs = _wandb_runs(self, pm)  # their keys defined before TorchTitan first logs them
         original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         logger.info(pm.console_line(step, extra))
-        _log_to_wandb(self, pm, step)
+        _log_to_wandb(wandb_runs, pm, step)
 
     log._titan_ext_wrapped = True  # type: ignore[attr-defined]
     log.__wrapped__ = original  # type: ignore[attr-defined]
     return log
 
 
+def _step_naming_should_log(original):
+    """``MetricsProcessor.should_log`` (``original``, unbound), which the trainer calls once per train step
+    with its step, also names that step to the schedule's metrics (:meth:`PipelineMetrics.trainer_step`)."""
+
+    def should_log(self, step):
+        if _current is not None:
+            _current.trainer_step(step)
+        return original(self, step)
+
+    should_log._titan_ext_wrapped = True  # type: ignore[attr-defined]
+    should_log.__wrapped__ = original  # type: ignore[attr-defined]
+    return should_log
+
+
 def instrument(processor: Any) -> Any:
     """``processor`` (one TorchTitan ``MetricsProcessor``) reports the pipeline metrics: its own ``log``
-    is wrapped on the instance, never on the class."""
+    and ``should_log`` are wrapped on the instance, never on the class."""
     import types
 
     if not getattr(processor.log, "_titan_ext_wrapped", False):
         processor.log = types.MethodType(_pipeline_log(type(processor).log), processor)
+    should_log = getattr(processor, "should_log", None)
+    if should_log is not None and not getattr(should_log, "_titan_ext_wrapped", False):
+        processor.should_log = types.MethodType(_step_naming_should_log(type(processor).should_log), processor)
     return processor
 
 
@@ -395,6 +544,7 @@ def pipeline_metrics_processor() -> type:
             MetricsProcessor.__init__(self, config, **kwargs)
 
         log = _pipeline_log(MetricsProcessor.log)
+        should_log = _step_naming_should_log(MetricsProcessor.should_log)
 
     PipelineMetricsProcessor.__module__ = PipelineMetricsProcessor.Config.__module__ = __name__
     PipelineMetricsProcessor.__qualname__ = "PipelineMetricsProcessor"

@@ -29,6 +29,9 @@ Runs that ended badly stay readable:
   its ``stat``, never opened; a file without the W&B header, or of another version, and an unreadable
   file are refused too (one line, exit code 2).
 
+Reading needs the ``wandb`` package (its record format, ``wandb.proto``), which is optional: without it
+``titan-ext wandb-offline`` says ``pip install 'titan-ext[wandb]'`` (exit code 2).
+
 ``titan-ext wandb-offline`` prints the history rows as strict JSON, one object a line (a NaN or infinity,
 which wandb logs as such, is null; JSON escapes control characters); paths and messages on stderr have
 their control characters escaped (:func:`titan_ext.titan.summary.printable`).
@@ -46,7 +49,8 @@ from typing import Any, NamedTuple
 
 from .summary import InputError, ToolParser, printable
 
-__all__ = ["Log", "read_log", "read_records", "history_row", "read_history", "find_offline_runs", "main"]
+__all__ = ["Log", "read_log", "read_records", "history_row", "read_history", "read_summary", "find_offline_runs",
+           "main"]
 
 _BLOCK = 32768
 _CHUNK_HEADER = 7
@@ -117,11 +121,24 @@ def _regular_file_bytes(path: Path) -> bytes:
         raise InputError(f"{printable(str(path))}: {e.strerror or e}") from None
 
 
+WANDB_INSTALL_HINT = "pip install 'titan-ext[wandb]'"
+
+
+def _records_module():
+    """``wandb_internal_pb2``, W&B's record format; wandb is optional, so a missing one is a
+    ``ModuleNotFoundError`` that names the extra to install."""
+    try:
+        from wandb.proto import wandb_internal_pb2
+    except ImportError as e:
+        raise ModuleNotFoundError(f"reading W&B runs needs wandb ({e}): {WANDB_INSTALL_HINT}", name="wandb") from None
+    return wandb_internal_pb2
+
+
 def read_log(path: str | Path) -> Log:
     """Every intact record of one ``.wandb`` file up to its end, a cut or the first corrupt chunk (see the
     module docstring); :class:`InputError` for a path that is not a readable W&B transaction log."""
-    from google.protobuf.message import DecodeError
-    from wandb.proto import wandb_internal_pb2 as pb
+    pb = _records_module()
+    from google.protobuf.message import DecodeError  # wandb's dependency
 
     data = _regular_file_bytes(Path(path))
     if data[:len(_FILE_HEADER)] != _FILE_HEADER:
@@ -166,8 +183,13 @@ def _finite(value: Any) -> Any:
 def history_row(record: Any) -> dict[str, Any]:
     """One history record (a ``wandb.log`` call) as a dict, values decoded from JSON, NaN and the
     infinities as None; ValueError for a value that is not JSON."""
+    return _items(record.history.item)
+
+
+def _items(items: Any) -> dict[str, Any]:
+    """History or summary items as a dict: a nested key joined with "/", values decoded from JSON."""
     row = {}
-    for item in record.history.item:
+    for item in items:
         key = item.key or "/".join(item.nested_key)
         try:
             row[key] = _finite(json.loads(item.value_json))
@@ -179,6 +201,19 @@ def history_row(record: Any) -> dict[str, Any]:
 def read_history(path: str | Path) -> list[dict[str, Any]]:
     """The logged history rows of one ``.wandb`` file (:func:`read_records`, :func:`history_row`)."""
     return [history_row(r) for r in read_records(path) if r.WhichOneof("record_type") == "history"]
+
+
+def read_summary(path: str | Path) -> dict[str, Any]:
+    """The run summary of one ``.wandb`` file as its summary records leave it (each updates some keys,
+    the last one a finished run writes holds them all): a key defined with ``summary="min,mean"`` maps to
+    ``{"min": ..., "mean": ...}``, the others to their last value; keys as in :func:`history_row`."""
+    summary: dict[str, Any] = {}
+    for record in read_records(path):
+        if record.WhichOneof("record_type") == "summary":
+            summary.update(_items(record.summary.update))
+            for item in record.summary.remove:
+                summary.pop(item.key or "/".join(item.nested_key), None)
+    return summary
 
 
 def find_offline_runs(root: str | Path) -> list[Path]:
@@ -240,6 +275,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         else:
             raise InputError(f"{printable(a.root)}: not a folder nor a regular file; not read")
     except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        _records_module()
+    except ModuleNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not runs:
