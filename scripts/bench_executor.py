@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The same 1F1B plan under four executors, one invocation, interleaved: where PipeMorph's time goes at
-1F1B's memory with nothing slow (issue 36's one open row).
+1F1B's memory with nothing slow (the memory frontier's one open row, BENCHMARKS.md).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_executor.py --json bench_executor.json [--world 4]
 

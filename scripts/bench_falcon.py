@@ -182,7 +182,8 @@ E2E_SCENARIOS = {
         "--titan_ext.emulate_slow_device", "1:{f}@{k}", "--titan_ext.emulate_slow_link", "0-1:x{l}@{k2}"],
 }
 """``{l}x``: the link's transfers take l times their healthy time (``A-B:xF``): its DP all-reduce
-+(l - 1)x. The last scenario is issue 23's combined one (Falcon Fig. 17's compound case): the slow
++(l - 1)x. The last scenario is a reversed compound case (the reverse of Falcon §7.3's sequence, Fig. 17:
+there slow communication → S3, then a slow GPU, then S4; here a slow device, then its DP link, no S4): the slow
 device makes the root cause ``compute`` and S2 re-balances the replicas; from step ``k2`` the
 device's DP link is slow too, S2 is not enough, the further slowdown is localised anew and S3
 follows (the plan puts link 0-1 on a PP hop)."""
@@ -306,8 +307,9 @@ at 5 ms a loaded host's noise switched a pipeline to its delegates at step 2, wh
 
 def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float, workdir: str,
                 microbatches: int = 16, hol: bool = True) -> dict:
-    """PipeMorph §7.3 (Fig. 19: 1 TP / 2 DP / 4 PP, a 10/20/30 ms latency fault on a DP link; fixed
-    ZB 8.04x slower, Falcon's S3 3.6x, PipeMorph's re-planning + delegation a further 1.96x) as a
+    """PipeMorph §7.3 (Fig. 19: 1 TP / 2 DP / 4 PP, a 10/20/30 ms latency fault on a DP link; the fixed
+    ZB schedule 8.04x slower, Falcon's S3 a 3.6x speed-up over it (0.28x its time), PipeMorph's
+    re-planning + delegation a further 1.96x) as a
     DP 2 x PP 4 CPU job (train_configs/debug_cpu_dp2_pp4.toml, 8 gloo ranks, dedicated-device
     emulation so that 8 ranks on 2 cores run like 8 devices): ``fault_ms`` on DP link 0-1 (stage 0's
     DP group) from step ``fault_from``, its gradient through a ``window_kib`` window
@@ -366,7 +368,7 @@ def _rows(path: str) -> list[dict]:
 
 
 def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str) -> dict:
-    """Issue 23 must-show "slow device": device 3 ``factor``x slower from ``slow_from``; Falcon applies
+    """The slow-device S2 -> S4 scenario: device 3 ``factor``x slower from ``slow_from``; Falcon applies
     S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon/s4.py: TorchTitan
     checkpoint, relaunch without replica 1 through the S4 launcher). Ratios within this one run: the
     iteration time after S2 / after S4 over the healthy steps before the fault (2 .. slow_from-1).

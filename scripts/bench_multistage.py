@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Several stages per rank (issue 14): our multi-stage planner vs torch's own schedules, in simulation.
+"""Several stages per rank: our multi-stage planner vs torch's own schedules, in simulation.
 
 For R ranks × 2 stages, N microbatches, uniform per-rank times F,B,W (each stage 1/2 of them, the
 convention of `titan-ext simulate --builtin ZBVZeroBubble --stages R`) and a one-way delay on one rank
 link, in one process: torch's ZBVZeroBubble, DualPipeV, Interleaved1F1B and InterleavedZeroBubble
 (taken from torch, simulated by titan_ext.plan.simulate), CrossWave, and ours (plan_virtual, both
-placements). Memory-matched (issue 21): each torch schedule beside ours in its placement planned at
+placements). Memory-matched: each torch schedule beside ours in its placement planned at
 its own peak per-rank memory (``--memory-limit``, activations of a rank's whole model part, a chunk
 counting 1/2) and our one-stage-per-rank plan at that memory. Then random heterogeneous cases (per-rank
 times, one slow link): ours / the best torch schedule, and ours / each torch schedule at its memory.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How close are the greedy generators to the optimum?  (issue 6, "Quality and speed")
+"""How close are the greedy generators to the optimum?  (BENCHMARKS.md "CrossPipe greedy vs CP-SAT optimum")
 
 For four configurations (3–8 stages, 6–32 microbatches, random per-stage F/B/W times with fixed seeds,
 some with a slow link) and a few seeds each, this compares the simulated makespan of
@@ -17,7 +17,7 @@ limit for any generator nor for the solver, PipeMorph Fig.20's setting).  Solver
 memory limit (:func:`cache_key`): capped and uncapped optima never mix.
 
 Also reported: generation time of each greedy plan (median and min of ``--repeat`` runs, and the
-process CPU time per run; validation excluded) and solver time.  Targets (issue 6): mean gap ≤ 0.5 %, max ≤ 1 %; greedy ≤ 10 ms per case; solver ≤
+process CPU time per run; validation excluded) and solver time.  Targets: mean gap ≤ 0.5 %, max ≤ 1 %; greedy ≤ 10 ms per case; solver ≤
 60 s per case.
 
     .venv/bin/python scripts/bench_optimality.py --json bench_optimality.json
@@ -173,7 +173,8 @@ def run_case(name, stages, micro, slow, seed, args, cache=None) -> dict:
 
 
 def delay_table(stages: int = 8, micro: int = 16, tf: float = 10.0) -> list[dict]:
-    """Issue 6 "Must show": delay ratios (T_lat/T_F, T_bw/T_F) ∈ {0, 0.5, 2}², S=8, N=16, F=B=W=T_F (UD) or
+    """Delay ratios (T_lat/T_F, T_bw/T_F) ∈ {0, 0.5, 2}², S=8, N=16 (CrossPipe §7.1's M70 setting: 8 stages,
+    GBS 16, two DCs; its ratios are {0, 0.5, 1, 2}), F=B=W=T_F (UD) or
     T_F/2 per chunk (V-shape, the same model cut in 2S chunks); the slow link is the boundary between
     two DCs of S/2 stages ("dc") or every link ("all").  Each CrossPipe plan gets its static
     counterpart's activation memory (per-stage peak for UD, per-rank peak for V-shape)."""

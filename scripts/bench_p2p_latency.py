@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Per-message latency of a test backend's P2P path: plain gloo vs ``nccl_rules`` (issue 20).
+"""Per-message latency of a test backend's P2P path: plain gloo vs ``nccl_rules``.
 
 2 ranks on loopback.  Rank 0 sends ``--messages`` small tensors, one every ``--gap-ms``, stamping the
 host clock at hand-over; rank 1 has each receive posted ahead (as the pipeline runtime does) and the

@@ -34,7 +34,7 @@ from titan_ext.plan import PipelineProfile, plan_pipemorph, simulate  # noqa: E4
 from titan_ext.plan.ir import gc_paused  # noqa: E402
 from titan_ext.plan.validate import validate_plan  # noqa: E402
 
-TARGET_MS = {(8, 32): 3.0, (16, 128): 25.0, (64, 512): 500.0}  # issue 12
+TARGET_MS = {(8, 32): 3.0, (16, 128): 25.0, (64, 512): 500.0}  # BENCHMARKS.md "Planner"
 
 
 def discrete_alg4(profile: PipelineProfile, x: list[int], limit: list[int], steps_per_op: int = 30):

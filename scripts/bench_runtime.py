@@ -181,7 +181,7 @@ def main() -> None:
                          "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)")
     ap.add_argument("--link", type=int, default=2, help="multistage: the delayed rank link")
     ap.add_argument("--memory-cap", choices=["none", "zbv"], default="none",
-                    help="multistage: zbv caps PipeMorph per rank at ZBV's peak (issue 21)")
+                    help="multistage: zbv caps PipeMorph per rank at ZBV's peak")
     ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="ms on the delayed link (default 0,30,60; frontier 0,60)")
     ap.add_argument("--world", type=int, default=4)

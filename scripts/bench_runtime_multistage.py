@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Multi-stage mode of ``scripts/bench_runtime.py`` (issue 14 Performance): 4 gloo ranks × 2 stages
+"""Multi-stage mode of ``scripts/bench_runtime.py``: 4 gloo ranks × 2 stages
 per rank, a delay of 0 / 30 / 60 ms on one rank link, torch's ScheduleInterleaved1F1B ("loop") and
 ScheduleZBVZeroBubble ("v") against PipeMorph with several stages per rank (both placements), all in
 one invocation.
@@ -16,7 +16,7 @@ schedule / ours (speed-up; targets ≥ 2× at 60 ms, ≥ 0.97× at 0 ms).
 
     .venv/bin/python scripts/bench_runtime.py --mode multistage --json bench_runtime_multistage.json
 
-``--memory-cap zbv`` (issue 21): PipeMorph gets a per-rank activation budget of ZBV's peak on that rank
+``--memory-cap zbv``: PipeMorph gets a per-rank activation budget of ZBV's peak on that rank
 (chunk activations counted from torch's own ZBV order) × the bytes one chunk's forward saves (+ half a
 chunk of rounding room), so its run-time per-rank cap K_r (``runtime/memory.py``) is ZBV's peak.
 """

@@ -3,8 +3,8 @@
 
 Every candidate of the critical-path descent differs from the current plan on one rank at a few
 positions.  ``incremental=True`` (the planner's default) restarts the timing at the first moved
-operation, as ``crosspipe.model.Model.rerun`` does; ``incremental=False`` (the baseline, the engine
-before issue 12) times the whole plan again.  Both return the same plan (checked here and in
+operation, as ``crosspipe.model.Model.rerun`` does; ``incremental=False`` (the baseline) times the
+whole plan again.  Both return the same plan (checked here and in
 tests/test_crosspipe_engine.py); this measures what the restart buys per evaluation.  (The annealing
 times its candidates from scratch: the restart measured no faster there, docs/crosspipe.md.)
 

@@ -354,7 +354,7 @@ def plan_pipemorph(
 
     ``schedule="zb"``: the ZeroBubble plan of PipeMorph Fig.4, x_i = 2(S − i) − 1, generated as if no
     link were slow. ``schedule="zb-h1"``: minimal warm-up x_i = S − i (1F1B's memory), likewise.
-    ``schedule="pipemorph"``: ``mode="initial"`` → Alg.1 (§4.1) under the memory limit (N when none);
+    ``schedule="pipemorph"``: ``mode="initial"`` → Alg.1 (§4.2) under the memory limit (N when none);
     ``mode="adaptive"`` → Alg.2 (§4.2) from the profile's measured times and delays; ``mode="auto"`` →
     adaptive when any link has a delay, else initial. With ``candidates`` (default) it also times, under
     the profile, the cheap alternatives — the same warm-up counts without the in-flight cap, Alg.2 with

@@ -7,7 +7,7 @@ R ranks each hold V model chunks ("stages"), S = R·V in data-flow order:
   torch's ``generate_stage_to_rank_mapping(style="loop")``); V = 1 is one stage per rank (stage r on
   rank r), whatever the placement's name;
 * ``"v"`` — zig-zag: rank r holds r and 2R−1−r (and so on for larger V), torch's ZBV / DualPipeV and
-  CrossPipe's CrossWave (§4.2, Fig.7).
+  CrossPipe's CrossWave (its Wave traversal, §3.3 Fig.5; greedy §4.2).
 
 Rank link ℓ joins ranks ℓ and ℓ+1. A stage boundary s → s+1 between adjacent ranks travels on rank link
 min(ρ(s), ρ(s+1)); a boundary inside one rank is free, and so is the wrap-around boundary of a looped

@@ -205,7 +205,7 @@ class PipelineProfile:
 
     @property
     def delays_ms(self) -> tuple[float, ...]:
-        """c_i of every link: α_i + size·β_i (PipeMorph Table 1)."""
+        """c_i of every link (PipeMorph Table 1): α_i + size·β_i (CrossPipe §2.2)."""
         return tuple(link.delay_ms for link in self.links)
 
     def max_inflight(self) -> tuple[int, ...] | None:

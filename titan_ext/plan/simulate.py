@@ -1,4 +1,4 @@
-"""Performance model of any compute-only plan (DESIGN.md "Timing model"; PipeMorph §3.2, CrossPipe §3.3).
+"""Performance model of any compute-only plan (DESIGN.md "Timing model"; PipeMorph §3.2, CrossPipe §3.5).
 
 Each rank runs its actions in program order. An action starts when its rank is free and its inputs
 are there (the one rule, ``deps.producers``): F needs the previous stage's F of the same microbatch

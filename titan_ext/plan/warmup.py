@@ -72,7 +72,10 @@ def adapted_warmup_counts(
     profile: PipelineProfile, slack_floor: int = 2, memory_limit: int | Sequence[int] | None = None, *,
     literal: bool = False
 ) -> list[int]:
-    """PipeMorph Alg.2 (dynamic adaptation), as in the arXiv text (000_…, matches Eq.1).
+    """PipeMorph Alg.2 (dynamic adaptation, §4.2) with Δ_i as the arXiv version (Adaptra, arXiv:2504.19232)
+    writes it in its line 9: the ceiling, with stage i's own F and B, which is what Eq.1 asks. The NSDI
+    version's line 7 has ⌊(t^F_i + t^B_{i+1} + 2c_i) / (t^F_{i+1} + t^B_{i+1})⌋, which can leave Eq.1
+    violated (docs/planner.md).
 
     Backward from ``x_{S−1} = 1``: ``Δ_i = min(N − 2S, max(⌈(t^F_i + t^B_i + 2c_i) / (t^F_{i+1} + t^B_{i+1})⌉,
     floor))`` and ``x_i = x_{i+1} + Δ_i``. The published floor is 2 (headroom for jitter); ``slack_floor``

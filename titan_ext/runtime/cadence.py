@@ -1,4 +1,5 @@
-"""When the ranks exchange profiles and the policy runs: the check cadence (PipeMorph §6 ②, "adaptive k").
+"""When the ranks exchange profiles and the policy runs: the check cadence ("adaptive k", ours; PipeMorph §6
+"Straggler mitigation": the profiler tracks continuously).
 
 A check happens every ``period`` iterations.  The period starts at ``profile_every`` and doubles after
 2 × ``window`` quiet checks (keep or hold, nothing planning, no probe, no link delay moved beyond the

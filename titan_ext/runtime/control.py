@@ -4,7 +4,7 @@ Everything the adaptive runtime agrees on goes here, never on the PP *data* grou
 profile exchange, the plan-hash agreement, votes (e.g. delegation's "is a link slow?") and the
 start-up clock-offset ping-pong.  The data group under TorchTitan is NCCL, whose collectives refuse
 CPU tensors; the control messages are small CPU vectors, so a gloo group is their natural home and
-keeps them off the device streams (PipeMorph §6: the profiler/coordinator is a CPU-side component).
+keeps them off the device streams (PipeMorph §6: the profiler reports its profiles over Redis, off the GPU).
 
 Creation uses ``use_local_synchronization=True``: only the PP group's ranks enter ``new_group``, so a
 DP×PP job where every PP group builds its own schedule does not need all ranks of the world in step.

@@ -31,7 +31,7 @@ __all__ = ["CROSSPIPE", "CrossPipe", "CrossPipeConfig"]
 @dataclass(frozen=True)
 class CrossPipeConfig(PipeMorphConfig):
     """:class:`PipeMorphConfig` plus CrossPipe's planner settings (its backward is split: I and W are
-    separate operations of the greedy generator, §4.1)."""
+    separate operations of the greedy generator, CrossPipe §3.1)."""
 
     backward: str = "split"
     variant: str = "udsub"

@@ -565,7 +565,7 @@ class PipeMorph(_PipelineScheduleRuntime):
         self.iteration += 1
 
     def _check(self, prof: IterationProfile, m: IterationMetrics, t0: float) -> list[dict]:
-        """A check (PipeMorph §6 ②–⑤): exchange → absorb → resolve the background plan → decide →
+        """A check (PipeMorph §6 ④–⑥): exchange → absorb → resolve the background plan → decide →
         start the next plan → schedule the next check.  Returns the per-link delay estimates."""
         ranks = decode_profiles(self.control.all_gather(self._local_profile_vector(prof)), self._message_slots(),
                                 self.parts.local_stages)

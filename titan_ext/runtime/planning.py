@@ -107,7 +107,7 @@ class CrossPipePlanner:
     when one is set), so CrossPipe never trades memory for speed behind the user's back (§4.2: M_L).
     ``polish_s``: each plan is polished within that many seconds (``titan_ext.plan.polish``; None: off)."""
 
-    #: the greedy generator plans split backwards only (I and W are separate operations, §4.1)
+    #: the greedy generator plans split backwards only (I and W are separate operations, CrossPipe §3.1)
     backward_choices = ("split",)
 
     def __init__(self, variant: str = "udsub", message_bytes: float | None = None,

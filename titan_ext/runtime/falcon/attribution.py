@@ -1,5 +1,5 @@
 """Validation's findings → components and their causes → the root cause Alg. 1 acts on (Falcon
-§4.3 "root cause", §7.3's compound case). Process-group free.
+§4.3 validation; ``event.root_cause`` of Alg. 1 line 4, §5.2; §7.3's compound case). Process-group free.
 
 Every slow link and slow device is a *component*. A slow link with a slow device at one end is the
 device's (a slow device also delays the messages it sends and receives); any other slow link is

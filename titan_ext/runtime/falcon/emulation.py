@@ -1,6 +1,6 @@
 """Fail-slow emulation on physical devices: a slow device and a slow link.
 
-Falcon's two fail-slow kinds (§2: computation and communication) are emulated per *device*, not per
+Falcon's two fail-slow kinds (computation and communication, §3.2 and §3.3) are emulated per *device*, not per
 mesh position, so that a topology change (S3) moves the mesh around a fault that stays where it is:
 
 * ``slow_device = "D:F"``: device D computes F× slower. Every compute region handed to
@@ -20,9 +20,10 @@ mesh position, so that a topology change (S3) moves the mesh around a fault that
   link with MS of added latency a transfer of ``n`` bytes takes ``ceil(n / window)`` round trips
   and pays ``ceil(n / window) × MS`` — a large gradient's ring step many times, a small activation
   once. Unbounded (the default): every message and ring step pays MS once.
-* ``slow_link = "A-B:xF"``: the link between A and B is F× slower (a bandwidth fault, Falcon §2: every
-  transfer over it takes F× its healthy time). A collective over it pays ``(F - 1) ×`` its healthy
-  time (the job measures it at start: ``base_s`` of :meth:`collective_delay_s`); a message of ``n``
+* ``slow_link = "A-B:xF"``: the link between A and B is F× slower (a bandwidth fault, as Falcon §7.1
+  injects communication fail-slows by bandwidth contention: every transfer over it takes F× its healthy
+  time). A collective over it pays ``(F - 1) ×`` its healthy time (the job measures it at start:
+  ``base_s`` of :meth:`collective_delay_s`); a message of ``n``
   bytes pays ``(F - 1) × n / B``, B the link's healthy bandwidth (:attr:`link_bytes_per_s`, measured
   by the job) — on a PP hop as a bandwidth cap of ``B / (F - 1)`` in the delay injector. So a slow DP
   link that S3 turns into a PP hop costs what the (small) activations need, as in the paper.

@@ -197,9 +197,10 @@ _CLEARED_EMULATION = {"emulate_slow_device": "", "emulate_slow_link": ""}
 
 @dataclass
 class ShrinkPlan:
-    """Falcon §5.1 S4 ("checkpoint-and-restart on healthy nodes") without spare nodes: the DP
-    replicas holding an excluded device are dropped, the job restarts as ``num_dp`` × ``num_pp`` on
-    the remaining ranks, and the global batch is re-split over the kept replicas."""
+    """Falcon §5.1 S4 (checkpoint-and-restart: "performs checkpointing and restarts training on healthy
+    nodes") without spare nodes: the DP replicas holding an excluded device are dropped, the job restarts
+    as ``num_dp`` × ``num_pp`` on the remaining ranks, and the global batch is re-split over the kept
+    replicas."""
 
     step: int
     grid: list[list[int]]
@@ -226,7 +227,7 @@ class ShrinkPlan:
 
 @dataclass
 class ReplacePlan(ShrinkPlan):
-    """Falcon §5.1 S4 as the paper runs it ("checkpoint-and-restart on healthy nodes"): every rank
+    """Falcon §5.1 S4 as the paper runs it ("restarts training on healthy nodes"): every rank
     on an excluded device restarts on a spare device; the grid, DP and the split stay (new rank =
     the rank of the same role). ``devices[i]``: the device new rank i runs on; ``replaced``:
     excluded device → its spare; ``spares_left``: spares still unused."""
