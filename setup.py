@@ -29,6 +29,12 @@ greedy_ext = Extension("titan_ext.plan._greedy_c", [os.path.join("titan_ext", "p
 generate_ext = Extension("titan_ext.plan._pipemorph_c", [os.path.join("titan_ext", "plan", "_pipemorph.c")],
                          depends=PLAN_HEADERS, extra_compile_args=["-O2"])
 ext_modules, cmdclass = [search_ext, greedy_ext, generate_ext], {}
+# the C++/CUDA data plane (titan_ext._delegate_C): the CPU source always, the CUDA sources when nvcc and a
+# CUDA torch are present, and the headers they include from cpp_ext/ (a change to one rebuilds: depends);
+# MANIFEST.in ships all of them in the sdist, whichever the machine that makes it builds
+DELEGATE_CPU_SOURCES = [os.path.join("cpp_ext", "delegate_ext.cpp")]
+DELEGATE_CUDA_SOURCES = [os.path.join("cpp_ext", f) for f in ("delegate_cuda.cu", "capture_mode.cu")]
+DELEGATE_HEADERS = [os.path.join("cpp_ext", h) for h in ("delegate_cuda.h", "capture_mode.h")]
 
 
 def _cuda_home() -> str | None:
@@ -79,17 +85,16 @@ except ImportError:
 
 if torch is not None:
     here = os.path.dirname(os.path.abspath(__file__))
-    src = os.path.join("cpp_ext")
     nvcc = shutil.which("nvcc") or (
         os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else None)
     with_cuda = bool(torch.version.cuda) and nvcc is not None and os.path.exists(nvcc) \
         and os.environ.get("TITAN_EXT_NO_CUDA") != "1"
-    sources = [os.path.join(src, "delegate_ext.cpp")]
+    sources = list(DELEGATE_CPU_SOURCES)
     std = CXX_STD
-    kwargs = dict(include_dirs=[os.path.join(here, src)], libraries=["rt"],
+    kwargs = dict(include_dirs=[os.path.join(here, "cpp_ext")], depends=DELEGATE_HEADERS, libraries=["rt"],
                   extra_compile_args={"cxx": ["-O3", std]})
     if with_cuda:
-        sources += [os.path.join(src, "delegate_cuda.cu"), os.path.join(src, "capture_mode.cu")]
+        sources += DELEGATE_CUDA_SOURCES
         kwargs["define_macros"] = [("WITH_CUDA", None)]
         kwargs["extra_compile_args"]["nvcc"] = ["-O3", std]
         ext = cpp_extension.CUDAExtension("titan_ext._delegate_C", sources, **kwargs)

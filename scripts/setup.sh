@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: a local virtual environment in .venv with titan_ext installed (editable), its
-# test and solver extras, and a CPU-only torch 2.13 unless a CUDA torch is already present.
+# test extra and every optional one (all: solver, wandb, plot; the tests use them), and a CPU-only
+# torch 2.13 unless a CUDA torch is already present.
 # Re-running is cheap: nothing is reinstalled unless pyproject.toml, this script or the C sources
 # changed.
 #
@@ -75,7 +76,7 @@ fi
 # would download a second, multi-GB CUDA torch.
 step "installing build tools" "$vpy" -m pip install "setuptools>=68"
 step "installing titan_ext and its dependencies; building its C/C++ extensions (minutes the first time)" \
-    "$vpy" -m pip install --no-build-isolation -e ".[test,solver]" "torchtitan==$TORCHTITAN_VERSION"
+    "$vpy" -m pip install --no-build-isolation -e ".[test,all]" "torchtitan==$TORCHTITAN_VERSION"
 for mod in titan_ext._delegate_C titan_ext.plan._search_c titan_ext.plan._greedy_c titan_ext.plan._pipemorph_c; do
     step "checking $mod" "$vpy" -c "import torch, $mod"
 done

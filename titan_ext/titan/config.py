@@ -25,23 +25,29 @@ This module imports no torch at import time; validating a non-empty ``inject_del
 import ast
 import inspect
 import math
-import os
 import textwrap
 import threading
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any
+from typing import Any, Literal
 
 from titan_ext.plan.virtual import PLACEMENTS as VIRTUAL_PLACEMENTS
 
 __all__ = ["TitanExt", "JobConfig", "TitanExtConfigError", "validate_titan_ext", "config_delay_schedule",
            "job_config_class", "registered_knobs", "schedule_knobs", "section_class", "sets"]
 
-DELEGATION_MODES = ("off", "auto", "always")
+# The knobs that take one of a fixed set of strings are typed Literal, as TorchTitan types its own: tyro
+# then lists the choices in --help and refuses another on the command line. A TOML value (0.2's
+# ConfigManager builds the section from the file before tyro runs) is checked by validate_titan_ext,
+# which reads the choices from the same type.
+Delegation = Literal["off", "auto", "always"]
+Backward = Literal["", "auto", "measure", "split", "full"]
+Placement = Literal[("",) + VIRTUAL_PLACEMENTS]  # "" = the schedule's own; the planner's placements
+DELEGATION_MODES = typing.get_args(Delegation)
+PLACEMENTS = typing.get_args(Placement)
 MAX_SLOT_MIB = 65536  # one delegate slot: at most 64 GiB of host memory
 MAX_PASS_MS = 600_000.0  # an emulated pass of more than 10 minutes is a typo
-PLACEMENTS = ("",) + VIRTUAL_PLACEMENTS  # "" = the schedule's own
 
 
 def sets(keyword: str, convert: Callable[[Any], Any] | None = None) -> dict:
@@ -98,12 +104,13 @@ class TitanExt:
     slack_floor: int = field(default=2, metadata=sets("slack_floor"))
     """Smallest slackness Δ_i the adaptive planner keeps on every link (PipeMorph Alg.2). >= 1."""
 
-    backward: str = field(default="", metadata=sets("backward", _empty_is_none))
+    backward: Backward = field(default="", metadata=sets("backward", _empty_is_none))
     """Backward actions of PipeMorph's plans: "split" (I and W, ZeroBubble-style: W fills bubbles),
-    "full" (one full backward B per microbatch, 1F1B-style, with PipeMorph's warm-up counts) or
-    "auto" (after each re-plan, run the other variant for ``profile_window`` iterations and keep the
-    one with the lower measured iteration time; PipeMorph's default). Empty = the schedule's default
-    (PipeMorph: auto; CrossPipe: split, its only variant)."""
+    "full" (one full backward B per microbatch, 1F1B-style, with PipeMorph's warm-up counts), "auto"
+    (every re-plan plans both and keeps the one the model predicts faster from measured times;
+    PipeMorph's default) or "measure" (after each re-plan, run the other variant for a window of
+    iterations and keep the one with the lower measured iteration time; ``runtime/backward.py``).
+    Empty = the schedule's default (PipeMorph: auto; CrossPipe: split, its only variant)."""
 
     polish_s: float = field(default=0.0, metadata=sets("polish_s", _zero_is_none))
     """Anytime planning (PipeMorph / CrossPipe): after each plan the planner deploys (the calibrated
@@ -136,7 +143,7 @@ class TitanExt:
     min_dwell: int = field(default=2, metadata=sets("policy_settings.min_dwell"))
     """Hysteresis: iterations a deployed plan runs at least before it may shrink. >= 0."""
 
-    delegation: str = field(default="off", metadata=sets("delegation"))
+    delegation: Delegation = field(default="off", metadata=sets("delegation"))
     """Moving PP sends/receives off the compute critical path onto delegate processes (PipeMorph
     §5): "off", "auto" (direct until a link's estimated delay exceeds
     ``delegation_slow_link_ms``, then delegated from the next iteration boundary on) or "always".
@@ -165,7 +172,7 @@ class TitanExt:
     ``link2_bw`` in bytes/s), rows = per-link latency in ms from that time on (seconds since training
     start, shared by all ranks). Empty = none. Mutually exclusive with ``inject_delays``."""
 
-    placement: str = ""
+    placement: Placement = ""
     """Where a rank's model chunks sit when it holds several stages (docs/multistage.md):
     "loop" (rank r holds stages r, r+R, ...: torch's Interleaved schedules) or "v" (rank r holds r
     and 2R-1-r: ZBV / DualPipeV). Empty = the schedule's own placement. Validated here; "v" makes
@@ -288,6 +295,11 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
     """Check every field; with ``num_pp_links`` also check that injected links exist."""
     for f in fields(TitanExt):  # the built-in knobs (a registered schedule's: _validate_schedule_knobs)
         v = getattr(cfg, f.name)
+        if typing.get_origin(f.type) is Literal:  # one of a fixed set of strings
+            choices = typing.get_args(f.type)
+            _check(isinstance(v, str) and v in choices, f.name, v,
+                   "must be one of " + ", ".join(repr(c) for c in choices))
+            continue
         tname = f.type if isinstance(f.type, str) else f.type.__name__
         want = {"float": (int, float), "int": int, "str": str, "bool": bool}[tname]
         _check(isinstance(v, want) and (tname == "bool" or not isinstance(v, bool)), f.name, v,
@@ -296,8 +308,6 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            cfg.memory_budget_gib, "must be a finite number >= 0 (0 = no budget)")
     _check(cfg.max_inflight >= 0, "max_inflight", cfg.max_inflight, "must be >= 0 (0 = automatic)")
     _check(cfg.slack_floor >= 1, "slack_floor", cfg.slack_floor, "must be >= 1")
-    _check(cfg.backward in ("", "auto", "measure", "split", "full"), "backward", cfg.backward,
-           "must be one of '', 'auto', 'measure', 'split', 'full'")
     _check(math.isfinite(cfg.polish_s) and cfg.polish_s >= 0, "polish_s", cfg.polish_s,
            "must be a finite number of seconds >= 0 (0 = off)")
     _check(cfg.replan_interval >= 1, "replan_interval", cfg.replan_interval, "must be >= 1")
@@ -308,8 +318,6 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            "tolerance_margin_ms", cfg.tolerance_margin_ms, "must be a finite number >= 0")
     _check(cfg.recover_patience >= 1, "recover_patience", cfg.recover_patience, "must be >= 1")
     _check(cfg.min_dwell >= 0, "min_dwell", cfg.min_dwell, "must be >= 0")
-    _check(cfg.delegation in DELEGATION_MODES, "delegation", cfg.delegation,
-           "must be one of " + ", ".join(repr(m) for m in DELEGATION_MODES))
     _check(math.isfinite(cfg.delegation_slow_link_ms) and cfg.delegation_slow_link_ms >= 0,
            "delegation_slow_link_ms", cfg.delegation_slow_link_ms, "must be a finite number >= 0")
     _check(math.isfinite(cfg.delegation_slot_mib) and 0 <= cfg.delegation_slot_mib <= MAX_SLOT_MIB,
@@ -331,8 +339,6 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
            cfg.metrics_file, "must be a plain file name (it is written under job.dump_folder)")
     _check(not (cfg.inject_delays.strip() and cfg.inject_trace.strip()), "inject_delays",
            cfg.inject_delays, "set either inject_delays or inject_trace, not both")
-    _check(cfg.placement in PLACEMENTS, "placement", cfg.placement,
-           "must be one of " + ", ".join(repr(p) for p in PLACEMENTS))
     spec = cfg.link_alpha_beta.strip()
     _check(not spec.startswith("trace:") and not spec.endswith(".csv"), "link_alpha_beta",
            cfg.link_alpha_beta, "takes static 'link:latency_ms[:bandwidth]' items, not a trace")

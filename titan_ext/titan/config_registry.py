@@ -17,8 +17,11 @@ the CPU shim on machines without an accelerator); on a TorchTitan other than 0.3
   summing the DP replicas itself (:mod:`titan_ext.titan.falcon.job`): the 0.3 twin of
   ``train_configs/debug_cpu_dp2_pp2.toml``; fail-slow emulation with ``--titan_ext.emulate_slow_device``.
 * :func:`llama3_8b_pipemorph`, :func:`llama3_70b_pipemorph` -- Llama-3.1 8B / 70B on a GPU cluster, PP = 8
-  with PipeMorph, TorchTitan's own config for the rest (C4); the tokenizer path is a placeholder the job
-  refuses until it is set (``--hf_assets_path DIR``). Only the debug configs use the bundled assets.
+  with PipeMorph, TorchTitan's own model, optimizer and dataset (C4); the tokenizer path is a placeholder
+  the job refuses until it is set (``--hf_assets_path DIR``). Only the debug configs use the bundled assets.
+
+Each function is the twin of its TOML file: every value the file sets, this config sets alike, where both
+TorchTitan versions can say it (tests/test_config_twins.py, which names the exceptions).
 """
 
 from titan_ext.titan import adapters as _adapters
@@ -38,13 +41,15 @@ __all__ = ["pipemorph_debugmodel", "falcon_dp2_pp2_debugmodel", "llama3_8b_pipem
 
 
 def one_stage_per_rank(pp: int, num_layers: int = 6) -> list[list[str]]:
-    """The llama3 module split with one stage per PP rank (what PipeMorph plans for): the embeddings
-    and the head (norm + lm_head) count as one layer each, and the units are spread evenly -- for the
-    debug model with PP = 4 the split of ``train_configs/debug_cpu.toml``."""
+    """The llama3 module split with one stage per PP rank (what PipeMorph plans for), TorchTitan's own
+    balanced split: the embeddings and the head (norm + lm_head) count as one layer each, every stage
+    gets ``units // pp`` of the units and the first ``units % pp`` one more -- the split of the TOML twins
+    (``train_configs/*.toml``, whose 0.2 head is ``output``)."""
     units = [["tok_embeddings"]] + [[f"layers.{j}"] for j in range(num_layers)] + [["norm", "lm_head"]]
     if not 1 <= pp <= len(units):
         raise ValueError(f"pipeline degree {pp}: needs 1..{len(units)} (one unit per stage at least)")
-    bounds = [i * len(units) // pp for i in range(pp + 1)]
+    size, extra = divmod(len(units), pp)
+    bounds = [i * size + min(i, extra) for i in range(pp + 1)]
     return [sum(units[bounds[i]:bounds[i + 1]], []) for i in range(pp)]
 
 
@@ -78,17 +83,20 @@ def falcon_dp2_pp2_debugmodel():
     (``spmd_backend = "partial_dtensor"``: 0.3's default reduces over DP inside the backward)."""
     from titan_ext.titan.config import TitanExt
 
-    return _debugmodel(pp=2, dp_replicate=2, local_batch_size=4, global_batch_size=24,
+    return _debugmodel(pp=2, dp_replicate=2, dp_shard=1, local_batch_size=4, global_batch_size=24,
                        dump_folder="./outputs/debug_cpu_dp2_pp2_tt03", spmd_backend="partial_dtensor",
                        titan_ext=TitanExt(adaptive=True, replan_interval=1, profile_window=3, gantt_every=0,
                                           falcon=True))
 
 
 def _debugmodel(*, pp: int, dp_replicate: int, local_batch_size: int, global_batch_size: int,
-                dump_folder: str, titan_ext, spmd_backend: str = "spmd_types"):
+                dump_folder: str, titan_ext, spmd_backend: str = "spmd_types", dp_shard: int = -1):
     """TorchTitan's llama3 debug model on the CPU: the bundled tokenizer and corpus, SDPA attention,
-    float32, one stage per PP rank, PipeMorph, the given DP replicas and ``titan_ext`` section."""
+    float32, one stage per PP rank, PipeMorph, the given DP replicas and ``titan_ext`` section; the
+    optimizer and learning-rate schedule of the TOML twins (AdamW at 3e-3, 2 warm-up steps, linear decay
+    to 0.1 of it), whose runs the README reports."""
     from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -104,11 +112,15 @@ def _debugmodel(*, pp: int, dp_replicate: int, local_batch_size: int, global_bat
         hf_assets_path=str(TOKENIZER_DIR),
         dump_folder=dump_folder,
         metrics=pipeline_metrics_processor().Config(log_freq=1, disable_color_printing=True),
+        optimizer=default_adamw(lr=3e-3, eps=1e-8),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
+                                                  min_lr_factor=0.1),
         training=TrainingConfig(local_batch_size=local_batch_size, global_batch_size=global_batch_size,
                                 seq_len=64, steps=20, max_norm=1.0, dtype="float32",
                                 mixed_precision_param="float32", disable_cuda_graphs=True),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=DATASET_NAME),
         parallelism=ParallelismConfig(pipeline_parallel_degree=pp, data_parallel_replicate_degree=dp_replicate,
+                                      data_parallel_shard_degree=dp_shard,
                                       pipeline_parallel_schedule="PipeMorph", pipeline_parallel_microbatch_size=1,
                                       module_fqns_per_model_part=one_stage_per_rank(pp), spmd_backend=spmd_backend),
         activation_checkpoint=None,
@@ -137,15 +149,19 @@ def llama3_70b_pipemorph():
 
 def _cluster_model(base_name: str, flavor: str, *, num_layers: int, local_batch_size: int, dump_folder: str,
                    pp: int = 8, tensor_parallel: int = 1):
-    """TorchTitan's llama3 ``base_name`` config for a GPU cluster, with PipeMorph over ``pp`` stages (one per
-    rank, layers split evenly), micro-batches of 1 and the W&B metrics; its real dataset (C4) kept."""
+    """TorchTitan's llama3 ``base_name`` config for a GPU cluster (its model, optimizer, activation
+    checkpointing and real dataset, C4) with what the TOML twin sets: PipeMorph over ``pp`` stages (one per
+    rank, TorchTitan's balanced split), micro-batches of 1, W&B metrics, asynchronous checkpoints, the
+    cosine learning-rate schedule, seed 42, and the ``[titan_ext]`` section of a cluster: an activation
+    budget per PP rank and a policy check every 5 iterations (tests/test_config_twins.py)."""
     import importlib
+    from dataclasses import replace
 
     from torchtitan.config import ParallelismConfig
 
     from titan_ext.titan.config import TitanExt
     from titan_ext.titan.jobcheck import PLACEHOLDER_PREFIX
-    from titan_ext.titan.metrics import pipeline_metrics_config
+    from titan_ext.titan.metrics import pipeline_metrics_processor
     from titan_ext.titan.trainer import TitanExtTrainer
 
     base = getattr(importlib.import_module("torchtitan.models.llama3.config_registry"), base_name)()
@@ -155,11 +171,14 @@ def _cluster_model(base_name: str, flavor: str, *, num_layers: int, local_batch_
     fields.update(
         hf_assets_path=f"{PLACEHOLDER_PREFIX}Llama-3.1-{flavor}",
         dump_folder=dump_folder,
-        metrics=pipeline_metrics_config(base.metrics),
+        metrics=pipeline_metrics_processor().Config(log_freq=10, enable_tensorboard=False, enable_wandb=True),
+        lr_scheduler=replace(base.lr_scheduler, decay_ratio=0.8, decay_type="cosine", min_lr_factor=0.1),
+        checkpoint=replace(base.checkpoint, enable=True, folder="checkpoint", interval=500, async_mode="async"),
+        debug=replace(base.debug, seed=42),
         parallelism=ParallelismConfig(pipeline_parallel_degree=pp, tensor_parallel_degree=tensor_parallel,
                                       data_parallel_shard_degree=-1, pipeline_parallel_schedule="PipeMorph",
                                       pipeline_parallel_microbatch_size=1,
                                       module_fqns_per_model_part=one_stage_per_rank(pp, num_layers)),
-        titan_ext=TitanExt(replan_interval=1),
+        titan_ext=TitanExt(memory_budget_gib=12.0, replan_interval=5, profile_window=5, gantt_every=100),
     )
     return TitanExtTrainer.Config(**fields)

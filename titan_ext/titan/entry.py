@@ -94,7 +94,8 @@ def boxed_message(text: str) -> str:
         current.append(body)
     if current:
         paragraphs.append(" ".join(current))
-    return next((p for p in paragraphs if ":" in p), paragraphs[0] if paragraphs else "invalid arguments")
+    return next((p for p in paragraphs if ":" in p),
+                next((p for p in paragraphs if "--" in p), paragraphs[0] if paragraphs else "invalid arguments"))
 
 
 def stock_entry_point() -> bool:
