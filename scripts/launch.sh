@@ -5,7 +5,8 @@
 #   CONFIG_FILE=train_configs/llama3_8b_pipemorph.toml sbatch --nodes=2 scripts/launch.sh   # TorchTitan 0.2 (TOML)
 #   MODULE=titan_ext.titan CONFIG=llama3_8b_pipemorph sbatch --nodes=2 scripts/launch.sh     # TorchTitan 0.3 (Python)
 #   CONFIG_FILE=train_configs/debug_cpu.toml NPROC_PER_NODE=4 bash scripts/launch.sh         # one machine, no SLURM
-#   DRY_RUN=1 MODULE=titan_ext.titan CONFIG=pipemorph_debugmodel bash scripts/launch.sh      # print the command only
+#   DRY_RUN=1 MODULE=titan_ext.titan CONFIG=llama3_70b_pipemorph bash scripts/launch.sh      # will it fit? (a CPU)
+#   DRY_RUN=print MODULE=titan_ext.titan CONFIG=pipemorph_debugmodel bash scripts/launch.sh  # the command only
 #   CONFIG_FILE=... sbatch scripts/launch.sh --training.steps 100    # extra args go to the trainer
 #
 # Without a config it prints this usage and exits 2. Outside SLURM it refuses (exit 2) a config whose
@@ -20,7 +21,11 @@
 # Environment (defaults):
 #   CONFIG_FILE      a TorchTitan 0.2 TOML config (runs -m titan_ext.train --job.config_file CONFIG_FILE)
 #   MODULE, CONFIG   a TorchTitan 0.3 config function (runs -m torchtitan.train --module MODULE --config CONFIG)
-#   DRY_RUN          1: print the environment the script exports and the exact srun/torchrun command line, and exit
+#   DRY_RUN          print: print the environment the script exports and the exact srun/torchrun command line,
+#                    and exit; 1: that, then build the job on a CPU for NNODES x NPROC_PER_NODE ranks on
+#                    torch's fake process group and say whether it fits (python -m titan_ext.titan.dryrun:
+#                    the mesh, the stage split, each stage's activations against its memory budget and
+#                    1F1B's in-flight counts, PipeMorph's first plan, the delegate slots; exit 1 if not)
 #   NNODES           $SLURM_JOB_NUM_NODES; outside SLURM the nodes the config's world size needs, else 1
 #   NPROC_PER_NODE   GPUs on the node ($SLURM_GPUS_ON_NODE), else the config's world size up to 8, else 8
 #   CPUS_PER_TASK    CPUs srun gives each node's torchrun, its ranks and their data loaders and delegates:
@@ -103,6 +108,11 @@ if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 
+case "${DRY_RUN:-0}" in
+    0 | "") dry=0 ;;
+    1 | print) dry=1 ;;
+    *) echo "launch.sh: DRY_RUN=$DRY_RUN: use 1 (print the command, then build the job on a CPU) or print" >&2; exit 2 ;;
+esac
 if [ -n "$CONFIG_FILE" ] && [ -n "$MODULE$CONFIG" ]; then
     echo "launch.sh: set CONFIG_FILE (TorchTitan 0.2) or MODULE and CONFIG (TorchTitan 0.3), not both" >&2
     exit 2
@@ -212,7 +222,7 @@ if [ -n "$cfg_world" ] && ((cfg_fill ? NNODES * NPROC_PER_NODE % cfg_world : NNO
 fi
 
 # Outside SLURM: refuse a model this machine cannot hold (scripts/launch_fit.py says why, in one line).
-if [ -z "${SLURM_JOB_ID:-}" ] && [ "${DRY_RUN:-0}" != 1 ]; then
+if [ -z "${SLURM_JOB_ID:-}" ] && [ "$dry" = 0 ]; then
     "$PYTHON" "$(dirname "${BASH_SOURCE[0]}")/launch_fit.py" --ranks "$((NNODES * NPROC_PER_NODE))" \
         ${CONFIG_FILE:+--config-file "$CONFIG_FILE"} ${CONFIG:+--config "$CONFIG"} || exit 2
 fi
@@ -226,7 +236,7 @@ fi
 rdzv_host="${MASTER_ADDR:-$head_node}"
 job_id="${SLURM_JOB_ID:-local$$}"
 job_log_dir="$LOG_DIR/${SLURM_JOB_NAME:-titan_ext}-$job_id"
-[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$job_log_dir"
+[ "$dry" = 1 ] || mkdir -p "$job_log_dir"
 
 # The ranks' environment (override any of these from the caller's environment).
 # TORCH_NCCL_ASYNC_ERROR_HANDLING is left alone: TorchTitan's init_distributed sets it to 3 (tear down
@@ -250,7 +260,7 @@ shown_env=(OMP_NUM_THREADS NCCL_DEBUG NCCL_IB_TIMEOUT TORCH_DIST_INIT_BARRIER NC
            PYTHONUNBUFFERED PYTHONFAULTHANDLER PYTORCH_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF
            TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE S4_HOSTS TITAN_EXT_LAUNCH_ID)
 
-if [ "${DRY_RUN:-0}" != 1 ]; then
+if [ "$dry" = 0 ]; then
     echo "[launch] job $job_id: $NNODES node(s) x $NPROC_PER_NODE ranks, config $config_name"
     echo "[launch] rendezvous c10d at $rdzv_host:$MASTER_PORT, per-rank logs in $job_log_dir"
     echo "[launch] python: $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
@@ -294,7 +304,7 @@ run_nodes() {  # $1 nnodes, $2 ranks per node, $3 rendezvous id, $4 nodes to exc
     local what="local rank(s) $shown of each node"
     [ -z "$shown" ] && what="every rank"
     what="$nnodes node(s) x $nproc ranks, the console shows $what (LOG_RANK=${LOG_RANK:-default})"
-    if [ "${DRY_RUN:-0}" = 1 ]; then  # the environment the script exports and the exact command line, shell-quoted
+    if [ "$dry" = 1 ]; then  # the environment the script exports and the exact command line, shell-quoted
         echo "# $what"
         for v in "${shown_env[@]}"; do
             if [ -n "${!v+x}" ]; then printf 'export %s=%q\n' "$v" "${!v}"; fi
@@ -371,7 +381,10 @@ while :; do
     set +e
     run_nodes "$nnodes" "$nproc" "$rdzv_id" "$exclude" "$@" "${extra[@]}"
     rc=$?
-    [ "${DRY_RUN:-0}" = 1 ] && exit "$rc"
+    if [ "${DRY_RUN:-0}" = 1 ] && [ "$rc" = 0 ]; then  # then build the job on fake process groups
+        NGPU="$((nnodes * nproc))" "$PYTHON" -m titan_ext.titan.dryrun "${trainer[@]:2}" "$@" || rc=$?
+    fi
+    [ "$dry" = 1 ] && exit "$rc"
     set -e
     [ "$rc" -eq 0 ] && break
     s4_status=0  # the ranks' S4 exit (75) reaches here as torchrun's 1; srun's status mixes its tasks'

@@ -250,7 +250,7 @@ def test_launch_sh_under_slurm_hands_srun_a_sigterm(signum, status, tmp_path):
 @pytest.mark.parametrize("name, value", [("NPROC_PER_NODE", "0"), ("NNODES", "x"), ("MASTER_PORT", "70000"),
                                          ("STOP_GRACE_S", "a[$(touch pwned)]")])
 def test_launch_sh_refuses_a_bad_number(name, value, tmp_path):
-    env = _env(tmp_path, PYTHON=sys.executable, DRY_RUN="1", CONFIG_FILE=CONFIG, **{name: value})
+    env = _env(tmp_path, PYTHON=sys.executable, DRY_RUN="print", CONFIG_FILE=CONFIG, **{name: value})
     run = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh")], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 2 and name in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr

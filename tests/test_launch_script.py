@@ -27,14 +27,14 @@ def test_no_config_prints_usage_and_fails():
 
 
 def test_dry_run_tt03_prints_the_torchtitan_command():
-    run = _launch({"DRY_RUN": "1", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel"})
+    run = _launch({"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel"})
     assert run.returncode == 0, run.stderr
     assert "-m torchtitan.train --module titan_ext.titan --config pipemorph_debugmodel" in run.stdout
     assert "torch.distributed.run" in run.stdout
 
 
 def test_dry_run_toml_passes_extra_arguments():
-    run = _launch({"DRY_RUN": "1", "CONFIG_FILE": "train_configs/debug_cpu.toml", "NPROC_PER_NODE": "4"},
+    run = _launch({"DRY_RUN": "print", "CONFIG_FILE": "train_configs/debug_cpu.toml", "NPROC_PER_NODE": "4"},
                   "--training.steps", "3")
     assert run.returncode == 0, run.stderr
     assert "--nproc_per_node 4" in run.stdout
@@ -66,13 +66,13 @@ def _command(run) -> str:
     ({"CONFIG_FILE": "train_configs/llama3_70b_pipemorph.toml"}, 8, 8, "0"),
 ])
 def test_dry_run_runs_the_ranks_the_config_needs_and_shows_its_loss_rank(config, nnodes, nproc, shown):
-    cmd = _command(_launch({"DRY_RUN": "1", **config}))
+    cmd = _command(_launch({"DRY_RUN": "print", **config}))
     assert f"--nnodes {nnodes} --nproc_per_node {nproc} " in cmd
     assert f" --role rank --tee 3 --local-ranks-filter {shown} -m " in cmd
 
 
 def test_dry_run_prints_the_environment_it_exports():
-    run = _launch({"DRY_RUN": "1", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel"})
+    run = _launch({"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel"})
     exports = [line for line in run.stdout.splitlines() if line.startswith("export ")]
     for line in ("export PYTORCH_ALLOC_CONF=expandable_segments:True", "export PYTHONFAULTHANDLER=1",
                  "export OMP_NUM_THREADS=1", "export PYTHONUNBUFFERED=1"):
@@ -81,7 +81,7 @@ def test_dry_run_prints_the_environment_it_exports():
     assert run.stdout.startswith("# 1 node(s) x 4 ranks, the console shows local rank(s) 3")
     # a caller's allocator settings (either name) are theirs: no PYTORCH_ALLOC_CONF added
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        run = _launch({"DRY_RUN": "1", "CONFIG_FILE": "train_configs/debug_cpu.toml", name: "max_split_size_mb:64"})
+        run = _launch({"DRY_RUN": "print", "CONFIG_FILE": "train_configs/debug_cpu.toml", name: "max_split_size_mb:64"})
         exports = [line for line in run.stdout.splitlines() if "ALLOC_CONF" in line]
         assert exports == [f"export {name}=max_split_size_mb:64"], run.stdout
 
@@ -89,29 +89,29 @@ def test_dry_run_prints_the_environment_it_exports():
 @pytest.mark.parametrize("log_rank, shown", [("1", "--local-ranks-filter 1 "), ("0,3", "--local-ranks-filter 0,3 "),
                                              ("all", "--tee 3 -m ")])
 def test_log_rank_picks_the_ranks_the_console_shows(log_rank, shown):
-    cmd = _command(_launch({"DRY_RUN": "1", "CONFIG_FILE": "train_configs/debug_cpu.toml", "LOG_RANK": log_rank}))
+    cmd = _command(_launch({"DRY_RUN": "print", "CONFIG_FILE": "train_configs/debug_cpu.toml", "LOG_RANK": log_rank}))
     assert shown in cmd and (log_rank != "all" or "--local-ranks-filter" not in cmd)
 
 
 @pytest.mark.parametrize("log_rank", ["x", "1,", "-1", "01", "3;touch pwned"])
 def test_a_bad_log_rank_is_refused(log_rank, tmp_path):
-    run = _launch({"DRY_RUN": "1", "CONFIG_FILE": "train_configs/debug_cpu.toml", "LOG_RANK": log_rank})
+    run = _launch({"DRY_RUN": "print", "CONFIG_FILE": "train_configs/debug_cpu.toml", "LOG_RANK": log_rank})
     assert run.returncode == 2 and "LOG_RANK" in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
 def test_parallelism_arguments_on_the_command_line_change_the_world():
-    cmd = _command(_launch({"DRY_RUN": "1", "CONFIG_FILE": "train_configs/debug_cpu.toml"},
+    cmd = _command(_launch({"DRY_RUN": "print", "CONFIG_FILE": "train_configs/debug_cpu.toml"},
                            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree=3"))
     assert "--nnodes 1 --nproc_per_node 6 " in cmd and "--local-ranks-filter 3 " in cmd  # rank 3: PP rank 1
 
 
 def test_an_unreadable_config_function_keeps_the_defaults():
-    cmd = _command(_launch({"DRY_RUN": "1", "MODULE": "titan_ext.titan", "CONFIG": "no_such_config"}))
+    cmd = _command(_launch({"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "no_such_config"}))
     assert "--nnodes 1 --nproc_per_node 8 " in cmd and "--local-ranks-filter 0 " in cmd
 
 
 def test_under_slurm_srun_gets_the_node_cpus_and_every_node_filters_its_local_ranks():
-    slurm = {"DRY_RUN": "1", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel", "SLURM_JOB_ID": "42",
+    slurm = {"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel", "SLURM_JOB_ID": "42",
              "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "2", "SLURM_CPUS_ON_NODE": "96"}
     run = _launch(slurm)
     cmd = _command(run)
@@ -125,7 +125,7 @@ def test_under_slurm_srun_gets_the_node_cpus_and_every_node_filters_its_local_ra
 
 
 def test_under_slurm_an_allocation_smaller_than_the_config_is_noted():
-    run = _launch({"DRY_RUN": "1", "MODULE": "titan_ext.titan", "CONFIG": "llama3_70b_pipemorph", "SLURM_JOB_ID": "42",
+    run = _launch({"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "llama3_70b_pipemorph", "SLURM_JOB_ID": "42",
                    "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"})
     assert "--nnodes 2 --nproc_per_node 8 " in _command(run)
     assert "runs on a multiple of 64 ranks" in run.stderr

@@ -772,6 +772,8 @@ def _write_outputs(actions, timeline, args: argparse.Namespace) -> None:
                 writers[flag](Path(staged[-1][0]))  # a signal here: the clean-up below removes it
             except OSError as e:
                 raise UsageError(f"{flag} {path}: {e.strerror or e}") from None
+            except ModuleNotFoundError as e:  # matplotlib (the plot extra) for --gantt
+                raise UsageError(f"{flag} {path}: {e}") from None
         with _signals_deferred():  # all renamed, or none (a signal waits until the last one is in place)
             for tmp, path in staged:
                 os.chmod(tmp, _file_mode(path))

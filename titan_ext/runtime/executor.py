@@ -49,7 +49,7 @@ from torch.profiler import record_function
 
 from ._torch_compat import has_wait_actions, with_loss_kwargs
 from .device import DeviceLayer, device_layer
-from .memory import saved_bytes_key
+from .memory import parameter_storages, saved_bytes_key
 from .profiler import ActionRecord, IterationProfile
 from .transport import TorchP2P, Transport
 
@@ -378,7 +378,7 @@ def measured_forward(stage: Any, forward: Any) -> tuple[Any, int]:
     """``forward()`` (one microbatch's forward and, on the last stage, its loss) while summing the bytes
     autograd saves (PipeMorph Alg.1's M^F), counted as ``memory.saved_bytes_key`` counts them (a view its
     own elements, once; parameters never)."""
-    params = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
+    params = parameter_storages(stage.submod.parameters())
     seen: set[tuple] = set()
     total = [0]
 

@@ -34,6 +34,7 @@ splits each rank's K_r among its stages by what the delay needs (``search_warmup
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Iterable, Sequence
 
@@ -42,7 +43,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["DEFAULT_HEADROOM", "PENDING", "RELEASE", "ActivationMeter", "activation_budget_bytes", "inflight_cap",
-           "optimizer_steps", "rank_memory_limits", "saved_bytes_key", "stage_caps"]
+           "optimizer_steps", "parameter_storages", "rank_memory_limits", "saved_bytes_key", "stage_caps",
+           "storage_id"]
 
 #: the memory rule of every plan this runtime runs (``plan.profile.RELEASES``): torch's split backward keeps a
 #: microbatch's autograd graph from its I until its W (``ActivationMeter`` sees an I free nothing), so an
@@ -125,19 +127,39 @@ def rank_memory_limits(budgets: Sequence[float], chunk_bytes: Sequence[float], s
     return tuple(out)
 
 
-def saved_bytes_key(t: torch.Tensor, parameters: set) -> tuple[tuple, int] | None:
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage (its ``StorageImpl``): the same for every view of it, distinct
+    between storages also on the meta device, where every data pointer is 0 (the dry run measures M^F
+    there, :mod:`titan_ext.titan.dryrun`)."""
+    return t.untyped_storage()._cdata
+
+
+def parameter_storages(parameters: Iterable[torch.Tensor]) -> set[int]:
+    """The storages of ``parameters`` (:func:`storage_id`), for :func:`saved_bytes_key`."""
+    out = set()
+    for p in parameters:
+        with contextlib.suppress(Exception):  # a parameter without a storage of its own (a DTensor)
+            out.add(storage_id(p))
+    return out
+
+
+def saved_bytes_key(t: torch.Tensor, parameters: set[int]) -> tuple[tuple, int] | None:
     """How a tensor autograd saves counts as activation memory — the one rule of M^F
     (``executor.measured_forward``) and of :class:`ActivationMeter`: (key, bytes), a view counting its
     own elements (a microbatch is a view of the user's batch), the same view once; None for a parameter
-    (or a view of one), which is not an activation.  ``parameters``: their storages' data pointers."""
+    (or a view of one), which is not an activation: one whose storage is in ``parameters``
+    (:func:`parameter_storages`), or an ``nn.Parameter`` (or its view) made during the forward, as FSDP2's
+    unsharded parameters are (they live for the step, not per microbatch)."""
+    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+        return None
+    nbytes = t.numel() * t.element_size()
     try:
-        if t.untyped_storage().data_ptr() in parameters:
-            return None
-        nbytes = t.numel() * t.element_size()
-        return (str(t.device), t.data_ptr(), nbytes), nbytes
+        storage = storage_id(t)
     except Exception:  # noqa: BLE001 - e.g. tensors without storage
-        nbytes = t.numel() * t.element_size()
         return (id(t), nbytes), nbytes
+    if storage in parameters:
+        return None
+    return (str(t.device), storage, t.storage_offset(), nbytes), nbytes
 
 
 class _Held:
@@ -167,7 +189,7 @@ class ActivationMeter:
     are held detached (no double backward through a metered step)."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self._params = {p.untyped_storage().data_ptr() for p in parameters}
+        self._params = parameter_storages(parameters)
         self._alive: dict[tuple, list[int]] = {}  # key → [bytes, saved tensors holding it]
         self.bytes = 0
         self.peak_bytes = 0

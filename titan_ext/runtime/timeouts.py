@@ -68,7 +68,7 @@ import torch.distributed as dist
 from .device import thread_device
 
 __all__ = ["PeerTimeout", "blocking_wait", "current_timeout_s", "install_p2p_timeout", "named_collective",
-           "new_group", "named", "publish_identity", "set_timeout", "explicit_wait_timeout"]
+           "fake_backend", "new_group", "named", "publish_identity", "set_timeout", "explicit_wait_timeout"]
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,22 @@ def _check_seconds(seconds: float, what: str) -> float:
     return float(seconds)
 
 
+def fake_backend() -> bool:
+    """The default process group is torch's ``fake`` backend (TorchTitan's dry-run mode): no peer
+    exists, collectives return at once and leave their tensors as they were."""
+    return dist.is_available() and dist.is_initialized() and str(dist.get_backend()).lower() == "fake"
+
+
 def new_group(ranks: Sequence[int] | None, timeout_s: float | None, **kwargs) -> Any:
     """``dist.new_group`` over ``ranks`` (None: the world) with ``timeout_s`` (None: the current timeout,
-    else torch's default); the group then follows :func:`set_timeout`."""
+    else torch's default); the group then follows :func:`set_timeout`.
+
+    On TorchTitan's fake backend (``--comm.mode fake_backend``, the dry run: one process stands for one
+    rank of the whole job, :mod:`titan_ext.titan.dryrun`) every group is fake too: a gloo group asked
+    for by name would wait for peers that do not exist."""
     timeout_s = _timeout_s if timeout_s is None else _check_seconds(timeout_s, "timeout_s")
+    if fake_backend():
+        kwargs["backend"] = "fake"
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
     group = dist.new_group(None if ranks is None else list(ranks), **kwargs)
@@ -449,7 +461,7 @@ def named_collective(group: Any, ranks: Sequence[int], name: str, run: Callable[
 
 def publish_identity() -> None:
     """Put this rank's host and pid in the default store (for :func:`_fence`; idempotent)."""
-    store = _default_store()
+    store = None if fake_backend() else _default_store()  # the fake backend's store stores nothing
     if store is not None:
         store.set(f"titan_ext/identity/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
 

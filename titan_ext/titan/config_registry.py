@@ -158,6 +158,7 @@ def _cluster_model(base_name: str, flavor: str, *, num_layers: int, local_batch_
     from dataclasses import replace
 
     from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC
 
     from titan_ext.titan.config import TitanExt
     from titan_ext.titan.jobcheck import PLACEHOLDER_PREFIX
@@ -181,4 +182,7 @@ def _cluster_model(base_name: str, flavor: str, *, num_layers: int, local_batch_
                                       module_fqns_per_model_part=one_stage_per_rank(pp, num_layers)),
         titan_ext=TitanExt(memory_budget_gib=12.0, replan_interval=5, profile_window=5, gantt_every=100),
     )
+    # full activation checkpointing, as the TOML twins: the runtime's M^F rule (autograd's saved tensors)
+    # sees what it keeps; selective checkpointing keeps its saved ops out of its sight (titan_ext.titan.dryrun)
+    fields["activation_checkpoint"] = FullAC.Config()
     return TitanExtTrainer.Config(**fields)

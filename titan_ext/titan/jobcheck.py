@@ -34,9 +34,11 @@ def _resolve_repo_path(value: str) -> str:
     return str(candidate) if candidate.exists() else value
 
 
-def check_job_config(config, world_size: int | None = None) -> None:
-    """Cross-section checks; fills defaults titan_ext schedules need. Raises JobConfigError."""
+def check_job_config(config, world_size: int | None = None, assets: bool = True) -> None:
+    """Cross-section checks; fills defaults titan_ext schedules need. Raises JobConfigError.
+    ``assets=False``: the tokenizer and dataset paths are not checked (the dry run reads neither)."""
     from titan_ext.titan.config import validate_titan_ext
+    from titan_ext.titan.metrics import check_wandb_available
     from titan_ext.titan.options import titan_ext_section
     from titan_ext.titan.registry import is_titan_ext_schedule
 
@@ -47,12 +49,13 @@ def check_job_config(config, world_size: int | None = None) -> None:
         validate_titan_ext(section, num_pp_links=pp - 1)
     else:
         validate_titan_ext(section)
-    _resolve_asset_paths(config)
+    _resolve_asset_paths(config, refuse_placeholder=assets)
     check_env(pp, config_delays=bool(section.inject_delays.strip() or section.inject_trace.strip()),
               config_emulation=(section.emulate_slow_device.strip(), section.emulate_slow_link.strip()))
     _check_emulation_and_world(section, par, world_size)
-    check_paths(config, section)
+    check_paths(config, section, assets=assets)
     _check_against_timeout(config, section)
+    check_wandb_available(config)
     if pp <= 1:
         return
     _check_schedule_and_microbatches(config, section, pp)
@@ -181,9 +184,10 @@ def _check_backward(config, section) -> None:
             + " (leave it empty for the schedule's default)")
 
 
-def _resolve_asset_paths(config) -> None:
+def _resolve_asset_paths(config, refuse_placeholder: bool = True) -> None:
     """Relative tokenizer / dataset paths missing from the cwd but present in the repo: made absolute
-    (0.2 keeps them in ``[model]`` / ``[training]``, 0.3 on the config itself)."""
+    (0.2 keeps them in ``[model]`` / ``[training]``, 0.3 on the config itself); a placeholder tokenizer
+    path refused unless ``refuse_placeholder`` is False."""
     model = getattr(config, "model", None)
     if hasattr(model, "hf_assets_path"):  # TorchTitan 0.2
         model.hf_assets_path = _resolve_repo_path(model.hf_assets_path)
@@ -193,7 +197,7 @@ def _resolve_asset_paths(config) -> None:
         config.hf_assets_path = _resolve_repo_path(config.hf_assets_path)
     key = "[model] hf_assets_path" if hasattr(model, "hf_assets_path") else "hf_assets_path"
     path = model.hf_assets_path if hasattr(model, "hf_assets_path") else getattr(config, "hf_assets_path", "")
-    if path and path.startswith(PLACEHOLDER_PREFIX):
+    if refuse_placeholder and path and path.startswith(PLACEHOLDER_PREFIX):
         raise JobConfigError(
             f"{key} = {path!r} is a placeholder: download the model's tokenizer (TorchTitan's "
             f"`python scripts/download_hf_assets.py --repo_id meta-llama/{Path(path).name} --assets tokenizer`) "
@@ -321,7 +325,7 @@ def _writable_file(path: Path, key: str) -> None:
         raise JobConfigError(f"{key}: {str(path)!r} is not writable")
 
 
-def check_paths(config, section=None) -> None:
+def check_paths(config, section=None, assets: bool = True) -> None:
     """Every path the job touches, before any process group: the dump folder and what is written under
     it (the metrics file, timelines, checkpoints, TensorBoard), the tokenizer (``hf_assets_path``:
     a directory with a tokenizer file) and the dataset path exist with the right type, writable where
@@ -350,7 +354,8 @@ def check_paths(config, section=None) -> None:
         metrics = getattr(config, "metrics", None)
         if getattr(metrics, "enable_tensorboard", False) and isinstance(getattr(metrics, "save_tb_folder", None), str):
             _writable_dir(dump_path / metrics.save_tb_folder, "[metrics] save_tb_folder")
-    _check_assets(config)
+    if assets:
+        _check_assets(config)
 
 
 def _names_the_job_writes(config) -> dict[str, str]:

@@ -203,3 +203,31 @@ def falcon_train_step(job: Any, run_step: Callable, data_iterator: Any) -> None:
     """One step of :class:`~titan_ext.titan.falcon.job.FalconJob`: 0.2's trainer reads one data-loader
     batch per forward/backward (a Falcon chunk)."""
     job.train_step(run_step, data_iterator)
+
+
+def build_pipeline(config: Any, world_size: int, device: Any) -> dict:
+    """The trainer's model build up to its pipeline (``Trainer.__init__`` of 0.2.2, in its order: parallel
+    dims, train spec, model on the meta device, loss, ``pipelining_fn``), on the process group that
+    exists (the dry run's fake one), without weights, data or optimizer: the schedule, this rank's model
+    parts and the model's shape (:mod:`titan_ext.titan.dryrun`)."""
+    import torch
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols import train_spec as train_spec_module
+    from torchtitan.tools import utils
+
+    p = config.parallelism
+    dims = ParallelDims(dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world_size)
+    spec = train_spec_module.get_train_spec(config.model.name)
+    model_args = spec.model_args[config.model.flavor]
+    model_args.update_from_config(config)
+    with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[config.training.dtype]):
+        model = spec.model_cls(model_args)
+    _, flops_per_token = model_args.get_nparams_and_flops(model, config.training.seq_len)
+    loss_fn = spec.build_loss_fn(config, parallel_dims=dims)
+    schedule, parts, first, last = spec.pipelining_fn(model, dims, config, device, model_args,
+                                                      spec.parallelize_fn, loss_fn)
+    return {"schedule": schedule, "parts": parts, "first": first, "last": last, "dims": dims, "loss_fn": loss_fn,
+            "dim": model_args.dim, "vocab": model_args.vocab_size, "flops_per_token": flops_per_token}

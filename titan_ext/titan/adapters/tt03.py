@@ -286,3 +286,30 @@ def _split(chunk: tuple[dict, Any], n: int) -> list[tuple[dict, Any]]:
     inputs, labels = chunk
     parts = {k: v.chunk(n) for k, v in inputs.items()}
     return [({k: parts[k][i] for k in inputs}, label) for i, label in enumerate(labels.chunk(n))]
+
+
+def build_pipeline(config: Any, world_size: int, device: Any) -> dict:
+    """The trainer's model build up to its pipeline (``Trainer.__init__`` of 0.3, in its order: parallel
+    dims, the config's model spec, model on the meta device, loss, ``pipelining_fn``), on the process
+    group that exists (the dry run's fake one), without weights, data or optimizer
+    (:mod:`titan_ext.titan.dryrun`)."""
+    import torch
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.tools import utils
+
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    spec = config.model_spec
+    model_config = spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[config.training.dtype]):
+        model = model_config.build()
+    _, flops_per_token = model_config.get_nparams_and_flops(model, config.training.seq_len)
+    loss_fn = config.loss.build(compile_config=config.compile)
+    schedule, parts, first, last = spec.pipelining_fn(
+        model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
+        compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder,
+        device=device, model_config=model_config, parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn)
+    dim = getattr(model_config, "dim", None) or getattr(model_config, "hidden_size", None)
+    return {"schedule": schedule, "parts": parts, "first": first, "last": last, "dims": dims, "loss_fn": loss_fn,
+            "dim": dim, "vocab": getattr(model_config, "vocab_size", None), "flops_per_token": flops_per_token}

@@ -1,0 +1,165 @@
+"""The dry run (titan_ext/titan/dryrun.py): M^F measured on fake tensors against closed forms, groups on
+torch's fake backend, and the whole build of a config through scripts/launch.sh's DRY_RUN=1."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_ext.titan.dryrun import measure_forward_bytes, pp_group_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+B, D_IN, D_H, D_OUT = 8, 16, 32, 8  # fp32: 4 bytes an element
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(D_IN, D_H), torch.nn.Linear(D_H, D_OUT)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, context_fn=None):
+        super().__init__()
+        self.block, self.context_fn = Block(), context_fn
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        kwargs = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+        return checkpoint(self.block, x, use_reentrant=False, **kwargs)
+
+
+def _measure(module):
+    return measure_forward_bytes(module.to("meta"), lambda: torch.zeros(B, D_IN, requires_grad=True))
+
+
+def test_no_checkpointing_counts_what_autograd_keeps():
+    """Autograd keeps the input (for up's weight gradient) and relu's output (relu's backward and down's
+    weight gradient: one storage); up's output is freed. Alive after the forward: those and the output."""
+    live, rule, (shape, dtype) = _measure(Block())
+    assert rule == 4 * B * (D_IN + D_H)
+    assert live == 4 * B * (D_IN + D_H + D_OUT)
+    assert shape == [B, D_OUT] and dtype == "float32"
+
+
+def test_full_checkpointing_keeps_the_input_only():
+    live, rule, _ = _measure(Checkpointed())
+    assert rule == 4 * B * D_IN
+    assert live == 4 * B * (D_IN + D_OUT)
+
+
+def test_selective_checkpointing_is_seen_alive_and_not_by_the_rule():
+    """Selective checkpointing saving every matmul keeps up's and down's outputs in its own cache: alive,
+    though no saved tensor of autograd's shows them (what the dry run warns of)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        mm = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if mm else CheckpointPolicy.PREFER_RECOMPUTE
+
+    live, rule, _ = _measure(Checkpointed(partial(create_selective_checkpoint_contexts, policy)))
+    assert rule == 4 * B * D_IN
+    assert live >= 4 * B * (D_IN + D_H + D_OUT)  # the input, up's and down's matmuls, the output
+
+
+def test_loss_keeps_the_loss_not_the_logits():
+    """On the last stage the schedule keeps the loss: the logits count only as what the loss saves."""
+    live, rule, (shape, _) = measure_forward_bytes(
+        Block().to("meta"), lambda: torch.zeros(B, D_IN, requires_grad=True),
+        lambda out: torch.nn.functional.cross_entropy(out, torch.zeros(B, dtype=torch.long)))
+    assert shape == [B, D_OUT]
+    assert rule >= 4 * B * (D_IN + D_H)  # the block's, and the loss's own saved tensors
+    assert abs(live - rule) <= 4 * B * D_OUT + 64  # at most the logits' softmax, and the scalar loss
+
+
+def test_fake_backend_groups_are_fake():
+    """On the fake backend (TorchTitan's dry-run mode) our gloo control groups are fake too: a gloo group
+    would wait for peers that do not exist."""
+    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.control import new_control_group
+
+    dist.init_process_group("fake", rank=3, world_size=8)
+    try:
+        assert timeouts.fake_backend()
+        group = new_control_group([1, 3, 5, 7], timeout_s=5)
+        assert dist.get_backend(group) == "fake"
+        timeouts.publish_identity()  # the fake store stores nothing: skipped, no error
+    finally:
+        dist.destroy_process_group()
+    assert not timeouts.fake_backend()
+
+
+def test_pp_group_ranks_match_torchtitans_mesh():
+    """PP is the outermost dimension of TorchTitan's mesh: the rank each PP coordinate starts at."""
+    from torchtitan.distributed import ParallelDims
+
+    dist.init_process_group("fake", rank=0, world_size=16)
+    try:
+        try:
+            dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=4, ep=1, etp=1, world_size=16)
+        except TypeError:  # 0.3's fields
+            from torchtitan.config import ParallelismConfig
+
+            dims = ParallelDims.from_config(ParallelismConfig(pipeline_parallel_degree=4, tensor_parallel_degree=2,
+                                                              data_parallel_shard_degree=2), 16)
+        mesh = dims.get_mesh("pp") if hasattr(dims, "get_mesh") else dims.world_mesh["pp"]
+        assert [int(r) for r in mesh.mesh.tolist()] == pp_group_ranks(16, 4)
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG", "MODULE", "DRY_RUN", "NGPU"))}
+    return subprocess.run(["bash", "scripts/launch.sh"], cwd=ROOT, env={**base, "PYTHON": sys.executable, **env},
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.mark.slow
+def test_dry_run_builds_the_debug_job():
+    """DRY_RUN=1 prints the command, then builds the 4-rank debug job on fake process groups."""
+    run = _launch({"DRY_RUN": "1", "CONFIG_FILE": "train_configs/debug_cpu.toml"}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert "torch.distributed.run" in run.stdout and "--nproc_per_node 4" in run.stdout
+    assert "4 ranks (PP 4 x 1)" in run.stdout
+    assert lines[-1].startswith("titan_ext dry run: fits")
+    rows = [ln.split() for ln in lines if ln.split()[:1] and ln.split()[0].isdigit()]
+    assert [int(r[1]) for r in rows] == [0, 1, 2, 3]
+    # the debug model's microbatch saves well under a MiB; the default budget (80 GiB GPU less the model
+    # state) holds all 16 microbatches on every stage
+    assert all(int(r[-2]) == 16 for r in rows)
+
+
+@pytest.mark.slow
+def test_dry_run_refuses_a_budget_below_1f1b():
+    """An activation budget below 1F1B's in-flight microbatches of stage 0: said in the last line, exit 1."""
+    env = dict(os.environ, NGPU="4")
+    run = subprocess.run([sys.executable, "-m", "titan_ext.titan.dryrun", "--job.config_file",
+                          "train_configs/debug_cpu.toml", "--titan_ext.memory_budget_gib", "0.0002"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith("titan_ext dry run: does not fit") and "stage 0 holds" in last
+    assert "memory_budget_gib = 0.0002" in last
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+@pytest.mark.parametrize("config", ["llama3_8b_pipemorph", "llama3_70b_pipemorph"])
+def test_cluster_configs_fit(config):
+    """The 8B and 70B configs give every stage at least 1F1B's in-flight count (their world sizes: the
+    fewest ranks each runs on)."""
+    run = _launch({"DRY_RUN": "1", "MODULE": "titan_ext.titan", "CONFIG": config}, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1].startswith("titan_ext dry run: fits")
+
