@@ -201,10 +201,12 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
     import torch.distributed as dist
 
     from titan_ext.titan import adapters
+    from titan_ext.titan.registry import active_job_config
 
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
-        built = adapters.current().build_pipeline(config, world, torch.device("cpu"))
+        with active_job_config(config):  # as TitanExtTrainer builds it (0.3 refuses a schedule built outside)
+            built = adapters.current().build_pipeline(config, world, torch.device("cpu"))
         schedule, parts = built["schedule"], built["parts"]
         mb, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
         tp = built["dims"].tp
@@ -266,6 +268,17 @@ def _budget_bytes(section: Any, stage: dict, tp: int) -> tuple[float, str]:
     return max(gpu - state, 0.0) * (1 - DEFAULT_HEADROOM), f"{gpu / GIB:g} GiB GPU - {_gib(state)} GiB model state"
 
 
+def _ac_mode(config: Any) -> str:
+    """``[activation_checkpoint] mode`` (0.2), or what 0.3's config class (``FullAC`` / ``SelectiveAC``) says."""
+    ac = getattr(config, "activation_checkpoint", None)
+    if ac is None:
+        return "none"
+    if hasattr(ac, "mode"):
+        return str(ac.mode)
+    owner = type(ac).__qualname__.split(".")[0].lower()
+    return next((m for m in ("full", "selective") if owner.startswith(m)), "none")
+
+
 def _plan_lines(config: Any, ranks: list[dict], caps: list[int]) -> list[str]:
     """PipeMorph's plan for the model-size estimate under the caps, against 1F1B (item 5)."""
     from titan_ext.plan.profile import PipelineProfile
@@ -277,7 +290,7 @@ def _plan_lines(config: Any, ranks: list[dict], caps: list[int]) -> list[str]:
     tokens = config.parallelism.pipeline_parallel_microbatch_size * config.training.seq_len
     tflops = float(os.environ.get("DRY_RUN_TFLOPS", DEFAULT_TFLOPS)) * 1e12
     whole = sum(s["matmul_params"] for s in stages)
-    recompute = RECOMPUTE.get(str(config.activation_checkpoint.mode), 0.0)
+    recompute = RECOMPUTE.get(_ac_mode(config), 0.0)
     f_ms = []
     for r, s in zip(ranks, stages):
         share = s["matmul_params"] / whole if whole else 1 / len(stages)
@@ -291,9 +304,9 @@ def _plan_lines(config: Any, ranks: list[dict], caps: list[int]) -> list[str]:
     plain = PipelineProfile(len(stages), n, tuple(f_ms), i_ms, tuple(f_ms), release="W")
     base = plan_by_name(plain, "1F1B")
     peaks = [ours.peak_inflight.get(s, 0) for s in range(len(stages))]
-    return [f"plan (estimate, {tflops / 1e12:g} TFLOP/s per GPU): F per stage {', '.join(f'{f:.0f}' for f in f_ms)} ms; "
-            f"PipeMorph {ours.predicted_makespan_ms:.0f} ms per step (in flight {peaks}), 1F1B "
-            f"{base.predicted_makespan_ms:.0f} ms"]
+    return [f"plan (estimate, {tflops / 1e12:g} TFLOP/s per GPU): F per stage {', '.join(f'{f:.3g}' for f in f_ms)} ms; "
+            f"PipeMorph {ours.predicted_makespan_ms:.4g} ms per step (in flight {peaks}), 1F1B "
+            f"{base.predicted_makespan_ms:.4g} ms"]
 
 
 def run(argv: list[str]) -> int:
@@ -307,7 +320,8 @@ def run(argv: list[str]) -> int:
     if pp < 2:
         print(f"titan_ext dry run: pipeline_parallel_degree = {pp}: no pipeline to check")
         return 0
-    print(f"titan_ext dry run: {config.model.name} {config.model.flavor}, {world} ranks "
+    model = getattr(config, "model", None) or config.model_spec  # 0.2 / 0.3
+    print(f"titan_ext dry run: {model.name} {model.flavor}, {world} ranks "
           f"(PP {pp} x {world // pp}), schedule {config.parallelism.pipeline_parallel_schedule}, "
           f"torch fake process group, TorchTitan's build on the meta device")
     from concurrent.futures import ThreadPoolExecutor
@@ -321,7 +335,7 @@ def run(argv: list[str]) -> int:
     counts, n = ranks[0]["counts"], ranks[0]["n"]
     print(f"schedule {ranks[0]['schedule']}: {S} stages, {n} microbatches"
           + (f", first plan's warm-up forwards per stage {counts}" if counts else ""))
-    print(f"{'PP rank':>7} {'stage':>5} {'modules':<28} {'params':>8} {'M^F GiB':>8} {'rule GiB':>8} "
+    print(f"{'PP rank':>7} {'stage':>5} {'modules':<28} {'params':>8} {'M^F MiB':>9} {'rule MiB':>9} "
           f"{'budget GiB':>10} {'holds':>5} {'1F1B':>4}")
     short: list[str] = []
     caps = []
@@ -332,8 +346,8 @@ def run(argv: list[str]) -> int:
             caps.append(max(holds, 1))
             need = min(S - st["stage"], n)
             mods = st["modules"][0] + (f" .. {st['modules'][-1]}" if len(st["modules"]) > 1 else "")
-            print(f"{p:>7} {st['stage']:>5} {mods[:28]:<28} {st['params'] / 1e9:>7.2f}B {_gib(st['mf_bytes']):>8} "
-                  f"{_gib(st['mf_rule_bytes']):>8} {_gib(budget):>10} {holds:>5} {need:>4}")
+            print(f"{p:>7} {st['stage']:>5} {mods[:28]:<28} {st['params'] / 1e6:>7.0f}M {st['mf_bytes'] / 2**20:>9.2f} "
+                  f"{st['mf_rule_bytes'] / 2**20:>9.2f} {_gib(budget):>10} {holds:>5} {need:>4}")
             if holds < need:
                 more = need * st["mf_bytes"] / GIB
                 short.append(f"stage {st['stage']} holds {holds} of 1F1B's {need} in-flight microbatches "
@@ -341,7 +355,7 @@ def run(argv: list[str]) -> int:
             runtime_cap = min(int(budget // max(st["mf_rule_bytes"], 1)), n)
             if runtime_cap > holds:
                 what = ("selective checkpointing keeps its saved ops outside autograd's saved tensors: use "
-                        "[activation_checkpoint] mode = \"full\"" if config.activation_checkpoint.mode == "selective"
+                        "[activation_checkpoint] mode = \"full\"" if _ac_mode(config) == "selective"
                         else f"set [titan_ext] max_inflight = {max(holds, 1)}")
                 short.append(f"stage {st['stage']}: the runtime's M^F rule sees {_gib(st['mf_rule_bytes'])} of "
                              f"{_gib(st['mf_bytes'])} GiB, so it would let the stage hold {runtime_cap} where "

@@ -310,6 +310,11 @@ def build_pipeline(config: Any, world_size: int, device: Any) -> dict:
         model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
         compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder,
         device=device, model_config=model_config, parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn)
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    if isinstance(loss_fn, ChunkedLossWrapper) and last:  # as the trainer: the loss runs the last stage's lm_head
+        loss_fn.set_lm_head(parts[-1].lm_head)
+        parts[-1]._skip_lm_head = True
     dim = getattr(model_config, "dim", None) or getattr(model_config, "hidden_size", None)
     return {"schedule": schedule, "parts": parts, "first": first, "last": last, "dims": dims, "loss_fn": loss_fn,
             "dim": dim, "vocab": getattr(model_config, "vocab_size", None), "flops_per_token": flops_per_token}
