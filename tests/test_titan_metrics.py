@@ -66,7 +66,7 @@ def test_enable_wandb_without_wandb_is_refused_at_config_time(monkeypatch):
     import pytest
 
     from titan_ext.titan.jobcheck import JobConfigError
-    from titan_ext.titan.metrics import check_wandb_available
+    from titan_ext.titan.jobcheck import check_wandb_available
 
     on, off = (SimpleNamespace(metrics=SimpleNamespace(enable_wandb=v)) for v in (True, False))
     check_wandb_available(on)  # installed here

@@ -5,6 +5,7 @@ A module of its own so that the trainer (which ``titan_ext.train`` runs) does no
 point (no import cycles).
 """
 
+import importlib
 import math
 import os
 from pathlib import Path
@@ -38,7 +39,6 @@ def check_job_config(config, world_size: int | None = None, assets: bool = True)
     """Cross-section checks; fills defaults titan_ext schedules need. Raises JobConfigError.
     ``assets=False``: the tokenizer and dataset paths are not checked (the dry run reads neither)."""
     from titan_ext.titan.config import validate_titan_ext
-    from titan_ext.titan.metrics import check_wandb_available
     from titan_ext.titan.options import titan_ext_section
     from titan_ext.titan.registry import is_titan_ext_schedule
 
@@ -68,6 +68,20 @@ def check_job_config(config, world_size: int | None = None, assets: bool = True)
     experimental = getattr(config, "experimental", None)  # TorchTitan 0.2 (TOML) only
     if experimental is not None and not experimental.custom_import:
         experimental.custom_import = "titan_ext"
+
+
+def check_wandb_available(config) -> None:
+    """``[metrics] enable_wandb`` needs wandb, an optional package: refused before any process group exists
+    (TorchTitan itself would log an error and train on without W&B)."""
+    if not getattr(getattr(config, "metrics", None), "enable_wandb", False):
+        return
+    try:
+        importlib.import_module("wandb")
+    except ImportError as e:
+        from titan_ext.titan.wandb_offline import WANDB_INSTALL_HINT
+
+        raise JobConfigError(f"[metrics] enable_wandb = true needs wandb, which cannot be imported ({e}): "
+                             f"{WANDB_INSTALL_HINT}") from None
 
 
 def _check_emulation_and_world(section, par, world_size: int | None) -> None:

@@ -31,7 +31,7 @@ someone logged in with ``wandb login`` gets an online run (:func:`wandb_logged_i
 under the logger's tag as TorchTitan's own do (``{tag}/pipeline/...`` when its ``WandBLogger`` has one).
 
 wandb and matplotlib are optional (the ``wandb`` and ``plot`` extras), imported only when used:
-:func:`check_wandb_available` refuses ``[metrics] enable_wandb`` without wandb before any process group
+:func:`titan_ext.titan.jobcheck.check_wandb_available` refuses ``[metrics] enable_wandb`` without wandb before any process group
 exists, and a job without matplotlib warns once and draws no timeline image.
 
 Every plan change logs one INFO line (version, the decision and reason that led to it, warm-up counts)
@@ -56,9 +56,8 @@ from titan_ext.titan.appendlog import LineLog
 from titan_ext.titan.gantt import write_timeline_png, write_timeline_trace
 from titan_ext.titan.monitor import IterationTimeline, PipelineMonitor, timeline_stats
 from titan_ext.titan.options import titan_ext_section
-from titan_ext.titan.wandb_offline import WANDB_INSTALL_HINT
 
-__all__ = ["PipelineMetrics", "attach", "check_wandb_available", "current", "incremental_tables", "install",
+__all__ = ["PipelineMetrics", "attach", "current", "incremental_tables", "install",
            "instrument", "metrics_processor_builder", "pipeline_metrics_config", "pipeline_metrics_processor",
            "runtime_metrics", "strict_json", "wandb_logged_in", "wandb_server_version"]
 
@@ -302,22 +301,6 @@ INCREMENTAL_SERVER = (0, 70)
 # the field of W&B's GraphQL API with the server's version (older wandb releases ask it in
 # ``Api.client.server_info``); W&B's multi-tenant cloud, always on the newest release, answers null
 _SERVER_VERSION_QUERY = "query ServerInfo { serverInfo { latestLocalVersionInfo { versionOnThisInstanceString } } }"
-
-
-def check_wandb_available(config: Any) -> None:
-    """``[metrics] enable_wandb`` needs wandb, an optional package: refused before any process group exists
-    (TorchTitan itself would log an error and train on without W&B)."""
-    if not getattr(getattr(config, "metrics", None), "enable_wandb", False):
-        return
-    import importlib
-
-    try:
-        importlib.import_module("wandb")
-    except ImportError as e:
-        from titan_ext.titan.jobcheck import JobConfigError
-
-        raise JobConfigError(f"[metrics] enable_wandb = true needs wandb, which cannot be imported ({e}): "
-                             f"{WANDB_INSTALL_HINT}") from None
 
 
 def _tagged(wb: Any, key: str) -> str:

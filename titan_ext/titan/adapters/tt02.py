@@ -92,6 +92,9 @@ CONTRACT = (
     ("torchtitan.tools.utils", "device_module", "attr", None),
     ("torchtitan.tools.utils", "set_default_dtype", "attr", None),
     ("torchtitan.tools.logging", "logger", "attr", None),
+    # the dry run's build (build_pipeline below)
+    ("torchtitan.distributed", "ParallelDims", "fields",
+     ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "world_size")),
 )
 #: views of CONTRACT: the module attributes it names, and its ``callable`` rows'
 #: ``(module, name) -> (parameters, positional)``

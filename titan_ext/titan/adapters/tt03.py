@@ -95,6 +95,11 @@ CONTRACT = (
     ("torchtitan.tools.utils", "device_type", "attr", None),
     ("torchtitan.tools.utils", "device_module", "attr", None),
     ("torchtitan.tools.logging", "logger", "attr", None),
+    # the dry run's build (build_pipeline below) and the cluster configs' activation checkpointing
+    ("torchtitan.distributed", "ParallelDims.from_config", "callable", (("parallelism_config", "world_size"), True)),
+    ("torchtitan.tools.utils", "set_default_dtype", "attr", None),
+    ("torchtitan.components.loss", "ChunkedLossWrapper.set_lm_head", "callable", (("lm_head",), True)),
+    ("torchtitan.distributed.activation_checkpoint", "FullAC.Config", "attr", None),
 )
 #: views of CONTRACT: the module attributes it names, and its ``callable`` rows'
 #: ``(module, name) -> (parameters, positional)``
