@@ -149,9 +149,11 @@ def saved_bytes_key(t: torch.Tensor, parameters: set[int]) -> tuple[tuple, int] 
     own elements (a microbatch is a view of the user's batch), the same view once; None for a parameter
     (or a view of one), which is not an activation: one whose storage is in ``parameters``
     (:func:`parameter_storages`), or an ``nn.Parameter`` (or its view) made during the forward, as FSDP2's
-    unsharded parameters are (they live for the step, not per microbatch)."""
+    unsharded parameters are (they live for the step, not per microbatch). A DTensor counts its local
+    shard (its ``numel`` is the global one)."""
     if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
         return None
+    t = getattr(t, "_local_tensor", t)  # a DTensor (tensor parallelism) holds its local shard
     nbytes = t.numel() * t.element_size()
     try:
         storage = storage_id(t)

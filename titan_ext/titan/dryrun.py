@@ -80,7 +80,7 @@ class _LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
+                s = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: its local shard
                 self.records.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
         return out
 
@@ -200,6 +200,9 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
     """One PP rank: fake process group, TorchTitan's build, the measurement (a JSON-able record)."""
     import torch.distributed as dist
 
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
     from titan_ext.titan import adapters
     from titan_ext.titan.registry import active_job_config
 
@@ -228,7 +231,11 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
                 def make_input(shape=tuple(shape), dtype=getattr(torch, dtype)):
                     return torch.zeros(shape, dtype=dtype, requires_grad=True)
             def loss(output, fn=built["loss_fn"]):
-                return fn(output, torch.zeros(output.shape[:-1], dtype=torch.long))
+                labels = torch.zeros(output.shape[:-1], dtype=torch.long)
+                if not isinstance(output, DTensor):
+                    return fn(output, labels)
+                with loss_parallel():  # TP's vocabulary-sharded logits, as TorchTitan's train context
+                    return fn(output, labels)
             live, rule, spec = measure_forward_bytes(part, make_input, loss if stage.is_last else None)
             out["stages"].append({"stage": stage.stage_index, "modules": modules, "params": total,
                                   "local_params": local, "matmul_params": total - embed, "mf_bytes": live,
