@@ -59,6 +59,12 @@ def test_full_checkpointing_keeps_the_input_only():
 def test_selective_checkpointing_is_seen_alive_and_not_by_the_rule():
     """Selective checkpointing saving every matmul keeps up's and down's outputs in its own cache: alive,
     though no saved tensor of autograd's shows them (what the dry run warns of)."""
+    live, rule, _ = _measure(Checkpointed(_sac_policy()))
+    assert rule == 4 * B * D_IN
+    assert live >= 4 * B * (D_IN + D_H + D_OUT)  # the input, up's and down's matmuls, the output
+
+
+def _sac_policy():
     from functools import partial
 
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -67,9 +73,28 @@ def test_selective_checkpointing_is_seen_alive_and_not_by_the_rule():
         mm = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
         return CheckpointPolicy.MUST_SAVE if mm else CheckpointPolicy.PREFER_RECOMPUTE
 
-    live, rule, _ = _measure(Checkpointed(partial(create_selective_checkpoint_contexts, policy)))
-    assert rule == 4 * B * D_IN
-    assert live >= 4 * B * (D_IN + D_H + D_OUT)  # the input, up's and down's matmuls, the output
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_runtime_rule_sees_selective_checkpointing(selective):
+    """The runtime's first-forward M^F (``executor.measured_forward``) on real tensors: with full
+    checkpointing autograd's saved tensors say it all (the input); with selective checkpointing, which the
+    wrapper's ``context_fn`` reveals, the bytes left alive count too (the input, both matmuls, the output)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from titan_ext.runtime.executor import measured_forward
+
+    kwargs = {"context_fn": _sac_policy()} if selective else {}
+    module = checkpoint_wrapper(Block(), preserve_rng_state=False, **kwargs)
+    x = torch.randn(B, D_IN, requires_grad=True)
+    _, nbytes = measured_forward(SimpleNamespace(submod=module), lambda: module(x))
+    if selective:
+        assert nbytes >= 4 * B * (D_H + D_OUT)  # up's and down's matmuls (x was made before: not seen alive)
+    else:
+        assert nbytes == 4 * B * D_IN
 
 
 def test_loss_keeps_the_loss_not_the_logits():

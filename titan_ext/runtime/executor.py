@@ -33,6 +33,7 @@ loss computation, custom functions) stays on the schedule object, as in torch.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,7 @@ from torch.profiler import record_function
 
 from ._torch_compat import has_wait_actions, with_loss_kwargs
 from .device import DeviceLayer, device_layer
-from .memory import parameter_storages, saved_bytes_key
+from .memory import LiveStorages, parameter_storages, saved_bytes_key, selective_checkpointing
 from .profiler import ActionRecord, IterationProfile
 from .transport import TorchP2P, Transport
 
@@ -377,7 +378,11 @@ def forward_order(actions: list[_Action], stage_index: int) -> list[int]:
 def measured_forward(stage: Any, forward: Any) -> tuple[Any, int]:
     """``forward()`` (one microbatch's forward and, on the last stage, its loss) while summing the bytes
     autograd saves (PipeMorph Alg.1's M^F), counted as ``memory.saved_bytes_key`` counts them (a view its
-    own elements, once; parameters never)."""
+    own elements, once; parameters never).  Under selective activation checkpointing
+    (``memory.selective_checkpointing``), whose saved ops those hooks cannot see, M^F is also measured as
+    the bytes the forward leaves alive (``memory.LiveStorages``, parameters excluded: FSDP's gathered
+    weights are parameters) and the larger count holds: the cap must not let such a stage hold more
+    than fits."""
     params = parameter_storages(stage.submod.parameters())
     seen: set[tuple] = set()
     total = [0]
@@ -389,6 +394,9 @@ def measured_forward(stage: Any, forward: Any) -> tuple[Any, int]:
             total[0] += counted[1]
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    live = LiveStorages() if selective_checkpointing(stage.submod) else contextlib.nullcontext()
+    with live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = forward()
+    if isinstance(live, LiveStorages):
+        total[0] = max(total[0], live.alive_bytes(parameter_storages(stage.submod.parameters())))
     return output, max(total[0], 1)

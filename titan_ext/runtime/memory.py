@@ -35,16 +35,19 @@ splits each rank's K_r among its stages by what the delay needs (``search_warmup
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Iterable, Sequence
 
 import torch
 
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DEFAULT_HEADROOM", "PENDING", "RELEASE", "ActivationMeter", "activation_budget_bytes", "inflight_cap",
-           "optimizer_steps", "parameter_storages", "rank_memory_limits", "saved_bytes_key", "stage_caps",
-           "storage_id"]
+__all__ = ["DEFAULT_HEADROOM", "PENDING", "RELEASE", "ActivationMeter", "LiveStorages", "activation_budget_bytes", "inflight_cap",
+           "optimizer_steps", "parameter_storages", "rank_memory_limits", "saved_bytes_key", "selective_checkpointing",
+           "stage_caps", "storage_id"]
 
 #: the memory rule of every plan this runtime runs (``plan.profile.RELEASES``): torch's split backward keeps a
 #: microbatch's autograd graph from its I until its W (``ActivationMeter`` sees an I free nothing), so an
@@ -162,6 +165,40 @@ def saved_bytes_key(t: torch.Tensor, parameters: set[int]) -> tuple[tuple, int] 
     if storage in parameters:
         return None
     return (str(t.device), storage, t.storage_offset(), nbytes), nbytes
+
+
+def selective_checkpointing(module: torch.nn.Module) -> bool:
+    """Some submodule of ``module`` runs under selective activation checkpointing (a checkpoint wrapper
+    whose checkpoint function carries a ``context_fn``, as TorchTitan's ``selective`` mode and torch's
+    ``create_selective_checkpoint_contexts`` make it): the ops it saves live in the checkpoint's own cache,
+    which autograd's saved-tensor hooks (:func:`saved_bytes_key`) never see."""
+    for m in module.modules():
+        fn = getattr(m, "checkpoint_fn", None)
+        if isinstance(fn, functools.partial) and fn.keywords.get("context_fn") is not None:
+            return True
+    return False
+
+
+class LiveStorages(TorchDispatchMode):
+    """Every storage an operation creates while the mode is active (a DTensor: its local shard), by
+    identity with a weak reference: :meth:`alive_bytes` is what of it is still alive — what a forward
+    keeps until its backward, whoever holds it (autograd, a checkpoint's cache, the caller)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[int, tuple[Any, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = getattr(t, "_local_tensor", t).untyped_storage()
+                self.records.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+        return out
+
+    def alive_bytes(self, exclude: set[int] = frozenset()) -> int:
+        """Bytes of the recorded storages still alive, but those in ``exclude`` (:func:`storage_id`)."""
+        return sum(n for key, (ref, n) in self.records.items() if key not in exclude and not ref.expired())
 
 
 class _Held:

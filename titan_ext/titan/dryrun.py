@@ -20,9 +20,9 @@ else the fewest ranks the config runs on. Nothing here needs a GPU, a tokenizer 
    stage's real modules under ``FakeTensorMode`` (no memory is allocated): the storages alive after two
    forwards minus after one (what a second microbatch adds: activations, saved tensors, selective
    checkpointing's saved ops, the stage output kept for its backward; not FSDP's unsharded weights,
-   which the first forward gathers once). The runtime's own M^F rule (autograd's saved tensors,
-   ``runtime.memory.saved_bytes_key``) is measured beside it: selective activation checkpointing keeps
-   its saved ops outside autograd's saved tensors, so that rule counts less there (said per stage);
+   which the first forward gathers once). What the runtime will count is measured beside it (autograd's
+   saved tensors, ``runtime.memory.saved_bytes_key``; under selective activation checkpointing, whose
+   saved ops those do not show, the larger of that and the bytes left alive: ``executor.measured_forward``);
 4. the memory verdict: each stage's activation budget (``[titan_ext] memory_budget_gib``, else the GPU's
    memory, ``DRY_RUN_GPU_GIB`` (default 80), less the model state: 16 bytes per local parameter (fp32
    weight, gradient, AdamW's two states) and the stage's gathered bf16 weights, times
@@ -67,27 +67,6 @@ def pp_group_ranks(world_size: int, pp: int) -> list[int]:
     return [p * (world_size // pp) for p in range(pp)]
 
 
-class _LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
-    """Every storage an operation creates, by identity, with a weak reference: how many bytes are alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: dict[int, tuple[Any, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                s = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor: its local shard
-                self.records.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
-        return out
-
-    def alive_bytes(self) -> int:
-        return sum(n for ref, n in self.records.values() if not ref.expired())
-
-
 @contextlib.contextmanager
 def _fsdp_on_fake_tensors():
     """FSDP2 refuses a forward while its sharded parameters are on the meta device; under
@@ -105,7 +84,7 @@ def measure_forward_bytes(part: torch.nn.Module, make_input, loss=None) -> tuple
     and the bytes ``runtime.memory.saved_bytes_key`` counts in the second (module docstring, item 3).
     ``make_input`` makes one microbatch's input inside the fake mode; ``loss`` (the last stage): the
     output goes through ``loss(output)`` and only the loss is kept, as the schedule keeps it."""
-    from titan_ext.runtime.memory import parameter_storages, saved_bytes_key
+    from titan_ext.runtime.memory import LiveStorages, parameter_storages, saved_bytes_key
 
     with _fsdp_on_fake_tensors():
         part.to_empty(device="cpu")
@@ -124,7 +103,7 @@ def measure_forward_bytes(part: torch.nn.Module, make_input, loss=None) -> tuple
             output = part(make_input())
             return (output, None) if loss is None else (loss(output), output)
 
-        live = _LiveStorages()
+        live = LiveStorages()
         with live:
             first, _ = forward()
             after_one = live.alive_bytes()
@@ -203,6 +182,7 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from titan_ext.runtime.memory import selective_checkpointing
     from titan_ext.titan import adapters
     from titan_ext.titan.registry import active_job_config
 
@@ -237,6 +217,8 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
                 with loss_parallel():  # TP's vocabulary-sharded logits, as TorchTitan's train context
                     return fn(output, labels)
             live, rule, spec = measure_forward_bytes(part, make_input, loss if stage.is_last else None)
+            if selective_checkpointing(part):  # the runtime counts what is left alive there too
+                rule = max(rule, live)
             out["stages"].append({"stage": stage.stage_index, "modules": modules, "params": total,
                                   "local_params": local, "matmul_params": total - embed, "mf_bytes": live,
                                   "mf_rule_bytes": rule, "output": spec})
@@ -360,13 +342,10 @@ def run(argv: list[str]) -> int:
                 short.append(f"stage {st['stage']} holds {holds} of 1F1B's {need} in-flight microbatches "
                              f"({source}): give it >= {more:.1f} GiB for activations")
             runtime_cap = min(int(budget // max(st["mf_rule_bytes"], 1)), n)
-            if runtime_cap > holds:
-                what = ("selective checkpointing keeps its saved ops outside autograd's saved tensors: use "
-                        "[activation_checkpoint] mode = \"full\"" if _ac_mode(config) == "selective"
-                        else f"set [titan_ext] max_inflight = {max(holds, 1)}")
+            if st["mf_rule_bytes"] < 0.9 * st["mf_bytes"] and runtime_cap > holds:
                 short.append(f"stage {st['stage']}: the runtime's M^F rule sees {_gib(st['mf_rule_bytes'])} of "
                              f"{_gib(st['mf_bytes'])} GiB, so it would let the stage hold {runtime_cap} where "
-                             f"{holds} fit ({what})")
+                             f"{holds} fit (set [titan_ext] max_inflight = {max(holds, 1)})")
     print(*_plan_lines(config, ranks, caps), sep="\n")
     if section is not None and getattr(section, "delegation", "off") != "off":
         slot = float(getattr(section, "delegation_slot_mib", 0) or 0) * 2**20
