@@ -4,6 +4,9 @@ the decisions table, wandb and matplotlib missing."""
 
 import json
 import math
+from urllib.parse import urlparse
+
+import pytest
 
 from titan_ext.titan.metrics import strict_json, wandb_logged_in
 
@@ -19,6 +22,15 @@ def test_wandb_login_is_detected_from_netrc_or_env(tmp_path):
     assert wandb_logged_in(env)  # what `wandb login` writes
     assert not wandb_logged_in({**env, "WANDB_BASE_URL": "https://wandb.example.org"})  # other server
     assert wandb_logged_in({"HOME": str(tmp_path / "nowhere"), "WANDB_API_KEY": "k"})
+    netrc.write_text("machine api.forge.coreweave.com login user password 0123456789abcdef\n")
+    assert wandb_logged_in(env)  # wandb 0.31's default host
+
+
+def test_wandb_default_hosts_include_the_installed_wandbs():
+    urls = pytest.importorskip("wandb.sdk.lib.urls")
+    from titan_ext.titan.metrics import WANDB_DEFAULT_HOSTS
+
+    assert urlparse(urls.DEFAULT_BASE_URL).hostname in WANDB_DEFAULT_HOSTS
 
 
 def test_strict_json_has_null_not_nan():

@@ -305,7 +305,13 @@ _SERVER_VERSION_QUERY = "query ServerInfo { serverInfo { latestLocalVersionInfo 
 
 def _tagged(wb: Any, key: str) -> str:
     """``key`` as TorchTitan's ``WandBLogger.log`` names its own keys: under the logger's tag, if any."""
-    return key if wb.tag is None else f"{wb.tag}/{key}"
+    tag = getattr(wb, "tag", None)
+    return key if tag is None else f"{tag}/{key}"
+
+
+def log_tagged(wb: Any, values: dict, step: int) -> None:
+    """``values`` to TorchTitan's W&B logger ``wb`` at ``step``, each key under its tag (:func:`_tagged`)."""
+    wb.wandb.log({_tagged(wb, k): v for k, v in values.items()}, step=step)
 
 
 def wandb_server_version(base_url: str) -> str | None:
@@ -400,16 +406,24 @@ def _log_to_wandb(runs: list[_WandbRun], pm: PipelineMetrics, step: int) -> None
         wb.wandb.log(extra, step=step)
 
 
+#: where ``wandb login`` logs in without ``WANDB_BASE_URL``: wandb < 0.31, and 0.31's
+#: (``wandb.sdk.lib.urls.DEFAULT_BASE_URL``, read here without importing wandb)
+WANDB_DEFAULT_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
+
+
 def wandb_logged_in(environ=os.environ) -> bool:
-    """W&B credentials exist: env vars, or the netrc entry ``wandb login`` writes for the W&B host."""
+    """W&B credentials exist: env vars, or the netrc entry ``wandb login`` writes for the W&B host
+    (``WANDB_BASE_URL``'s, else the default host of either wandb generation: :data:`WANDB_DEFAULT_HOSTS`)."""
     if environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    host = urlparse(environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    base = environ.get("WANDB_BASE_URL")
+    hosts = (urlparse(base).hostname,) if base else WANDB_DEFAULT_HOSTS
     path = environ.get("NETRC") or os.path.join(environ.get("HOME", os.path.expanduser("~")), ".netrc")
     try:
-        return netrc.netrc(path).authenticators(host) is not None
+        entries = netrc.netrc(path)
     except (OSError, netrc.NetrcParseError):
         return False
+    return any(entries.authenticators(host) is not None for host in hosts)
 
 
 def _offline_without_login() -> None:

@@ -118,13 +118,13 @@ class EventLog:
     def wandb(self, rows: list[dict]) -> None:
         """Rows → the ``falcon/events`` table, and per applied strategy its measured cost and, once
         measured, the iteration time before / after as scalars."""
-        from titan_ext.titan.metrics import _wandb_loggers
+        from titan_ext.titan.metrics import _wandb_loggers, log_tagged
 
         self.events.extend(rows)
         processor = getattr(self.trainer, "metrics_processor", None)
         for wb in _wandb_loggers(processor) if processor is not None else []:
             columns = sorted({k for r in self.events for k in r})
-            wb.wandb.log({"falcon/events": wb.wandb.Table(
+            log_tagged(wb, {"falcon/events": wb.wandb.Table(
                 columns=columns, data=[[json.dumps(r.get(c)) for c in columns] for r in self.events]),
                 **_scalars(rows)}, step=self.trainer.step)
 

@@ -309,13 +309,12 @@ class S4Resume:
             f.write(json.dumps(row) + "\n")
         logger.info(f"[titan_ext] Falcon S4 {row['kind']} at step {row['iteration']}: "
                     + ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("_s")))
-        from titan_ext.titan.metrics import _wandb_loggers
+        from titan_ext.titan.metrics import _wandb_loggers, log_tagged
 
         processor = getattr(self.trainer, "metrics_processor", None)
         for wb in _wandb_loggers(processor) if processor is not None else []:
-            wb.wandb.log({f"falcon/s4_{row['kind']}/{k}": v for k, v in row.items()
-                          if isinstance(v, (int, float)) and not isinstance(v, bool)},
-                         step=row["iteration"])
+            log_tagged(wb, {f"falcon/s4_{row['kind']}/{k}": v for k, v in row.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)}, step=row["iteration"])
 
 
 # ---------------------------------------------------------------------------- the launcher
