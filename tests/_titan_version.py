@@ -1,4 +1,4 @@
-"""The TorchTitan the titan tests run under (issue 22): one marker for tests of TorchTitan 0.2-only APIs
+"""The TorchTitan the titan tests run under: one marker for tests of TorchTitan 0.2-only APIs
 and one parser for "the bundled CPU debug job" under either version.
 
 Every titan test file either runs under both TorchTitan 0.2.x and 0.3.x (through :func:`debug_cpu`,

@@ -1,4 +1,4 @@
-"""docs/ARCHITECTURE.md stays true to the tree (issue 38 item 5): every module of ``titan_ext/`` (Python
+"""docs/ARCHITECTURE.md stays true to the tree: every module of ``titan_ext/`` (Python
 and C) is named exactly once as a module-table row (its path under ``titan_ext/``), no row names a
 module that does not exist, and the new-schedule recipe points at the test that follows it."""
 

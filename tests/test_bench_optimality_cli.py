@@ -1,4 +1,4 @@
-"""scripts/bench_optimality.py's memory settings (issue 36 item 6): ``--memory 0`` = no limit for every
+"""scripts/bench_optimality.py's memory settings: ``--memory 0`` = no limit for every
 generator and the solver, negative values refused, and solver caches keyed per limit so capped and
 uncapped optima never mix (the bare keys of the existing caches stay the cap of S)."""
 

@@ -1,4 +1,4 @@
-"""Side-thread device calls under thread-local CUDA-graph capture mode (issue 46).
+"""Side-thread device calls under thread-local CUDA-graph capture mode.
 
 ProcessGroupNCCL's watchdog takes ``CUDAStreamCaptureModeGuard{cudaStreamCaptureModeThreadLocal}`` before
 it queries a work from its side thread; no Python API sets the mode, so the delegate extension binds

@@ -129,7 +129,7 @@ def test_huge_budget_ratio_plans_like_an_unlimited_budget(tmp_path, capsys):
 
 
 def test_failed_write_keeps_the_users_files(tmp_path, capsys, monkeypatch):
-    """Issue 26: `--out-csv pre.csv --trace missing_dir/t.json` deleted the user's pre.csv."""
+    """`--out-csv pre.csv --trace missing_dir/t.json` deleted the user's pre.csv."""
     pre = tmp_path / "pre.csv"
     pre.write_text("the user's file\n")
     code, out, err = _run([*PLAN, *T, "--out-csv", str(pre), "--trace", str(tmp_path / "missing_dir" / "t.json")],

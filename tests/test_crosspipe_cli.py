@@ -1,4 +1,4 @@
-"""CLI: `titan-ext plan|simulate --schedule crosspipe-ud|crosspipe-udsub|crosspipe-wave|optimal` (issue 6 item 4)."""
+"""CLI: `titan-ext plan|simulate --schedule crosspipe-ud|crosspipe-udsub|crosspipe-wave|optimal`."""
 
 from __future__ import annotations
 

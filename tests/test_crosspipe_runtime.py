@@ -1,4 +1,4 @@
-"""Run-time CrossPipe (issue 6 item 3) on gloo/loopback: its initial plan is CrossPipe's greedy plan
+"""Run-time CrossPipe on gloo/loopback: its initial plan is CrossPipe's greedy plan
 for the assumed profile, it re-plans from measured times every check, every plan validates, and
 training is numerically identical to torch's ScheduleGPipe."""
 

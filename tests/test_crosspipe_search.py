@@ -1,5 +1,5 @@
 """CrossPipe greedy: the fast evaluator (``_Model``), its restart (``rerun``), the budgeted portfolio and
-the local search (issue 6, "Quality and speed").
+the local search ("Quality and speed").
 
 References are independent of the code under test: the planning core's simulator (``simulate``), a full
 replay for the restarted one, brute force over every per-rank order on tiny instances, torch's ZBV plan

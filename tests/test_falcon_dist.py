@@ -390,7 +390,7 @@ def _closed_loop_worker(rank, world, outdir, slow_from):
     costs = StrategyCosts(microbatch_redistribution=0.05, topology_adjustment=1e6, checkpoint_restart=1e9)
     # Verification (§4.2) at 50 % instead of 10 %: the injected change is > 5x the healthy step, while
     # two busy loops on the 2 cores shift a ~0.1 s step by tens of % for a few iterations, which at
-    # 10 % made a host slowdown the onset and the injected one a mere level change (issue 23 item 6)
+    # 10 % made a host slowdown the onset and the injected one a mere level change
     mon = FalconMonitor(FalconConfig(costs=costs, num_microbatches=total_mb,
                                      detector=BOCDConfig(min_relative_change=0.5)), grid=grid)
 

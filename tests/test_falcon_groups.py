@@ -1,5 +1,5 @@
 """Falcon's host data never travels on a data group, and its emulation and probes act on the device
-(issue 20, defects 5 and 8).
+(defects 5 and 8).
 
 Defect 5: on a GPU job the world and TorchTitan's mesh groups are NCCL groups, which take device
 tensors only; Falcon's timings, data-loader chunks, coordinates and validation results are host data

@@ -1,5 +1,5 @@
 """Falcon's DP x PP job makes no host sync in a steady step and creates no NCCL communicator
-mid-training (issue 46).
+mid-training.
 
 * A steady step of :class:`~titan_ext.titan.falcon.job.FalconJob` (4 ranks, DP 2 x PP 2, under the
   ``nccl_rules`` backend): no host sync on the training thread

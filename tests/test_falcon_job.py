@@ -1,4 +1,4 @@
-"""Falcon in a TorchTitan DP 2 x PP 2 job on CPU (issue 15): emulation, S2's exactness, end to end.
+"""Falcon in a TorchTitan DP 2 x PP 2 job on CPU: emulation, S2's exactness, end to end.
 
 The end-to-end runs (torchrun, 4 ranks on loopback under the nccl_rules test backend unless
 ``$TITAN_EXT_TEST_BACKEND`` names gloo, TorchTitan's llama3 debug model) are module
@@ -297,7 +297,7 @@ def test_s2_run_trains_like_the_unmitigated_run(slow_device_runs):
 @pytest.mark.slow  # a 4-rank TorchTitan job (about 30 s)
 @pytest.mark.soak  # CI's healthy Falcon job under nccl_rules: tests/test_falcon_s3.py's reference run (32 steps)
 def test_short_dp2_pp2_job_runs_under_the_test_backend_and_learns(tmp_path):
-    """The default tier's DP 2 x PP 2 job (issue 20): 6 steps under nccl_rules (NCCL's rules on the PP
+    """The default tier's DP 2 x PP 2 job: 6 steps under nccl_rules (NCCL's rules on the PP
     and DP groups: a host tensor on them, a reordered or split batch, an op from a second thread
     raises), Falcon on: every step is profiled, nothing is mitigated, the loss falls (the replicas'
     gradients are summed and the stages' data arrive in order).  24-45 s on a loaded 2-core host."""

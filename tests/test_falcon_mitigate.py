@@ -343,7 +343,7 @@ def test_monitor_dp_link_leads_to_topology_plan_moving_it_onto_a_pp_hop():
 
 
 def test_monitor_relocalises_a_further_slowdown_and_climbs_from_s2_to_s3():
-    """Issue 23 item 5, Falcon's compound case (Fig. 17) on the monitor alone: device 1 slows
+    """The reversed compound scenario (Falcon §7.3's sequence backwards) on the monitor alone: device 1 slows
     (iteration 80, root cause compute) and S2 is applied, but the iterations stay slow; its DP link
     0-1 then slows too (iteration 130): the ``level`` event is localised anew (slow link 0-1 touching
     slow device 1: compute), the ladder restarts with the impact so far, and S3 follows with a grid
@@ -445,7 +445,7 @@ def _group_fault_run(seed, tracking, fault_at=3, n=30, factor=6.0, share=0.08):
 
 
 def test_group_tracking_confirms_a_one_group_fault_at_its_third_slow_iteration():
-    """Issue 23's slow DP link with 3 healthy iterations before it: the faulty group's own series
+    """A slow DP link with 3 healthy iterations before it: the faulty group's own series
     places the change-point at the fault's first iteration and the iteration-time verification
     (Falcon's 10 %) passes at the third slow iteration, where Falcon's iteration-time BOCD alone
     has not reached 0.9 in a third of the seeds (the reference: the same seeds without tracking)."""

@@ -1,4 +1,4 @@
-"""Falcon in the DP x PP job on a GPU, checked on CPU (issue 34, Deliver 2):
+"""Falcon in the DP x PP job on a GPU, checked on CPU (Deliver 2):
 
 * the detector is fed the step's *device* time (the fake CUDA of ``tests/_fake_cuda.py``: a device
   that runs behind the host), not the host's enqueueing time;

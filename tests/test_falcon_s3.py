@@ -1,4 +1,4 @@
-"""S3 applied in the running TorchTitan job (issue 23 items 1, 3-5; Falcon §5.3 "Adjust topology").
+"""S3 applied in the running TorchTitan job (Falcon §5.3 "Adjust topology").
 
 Fast tier: the mechanism on 4 gloo ranks without TorchTitan (the new mesh's groups, every rank
 holding the model + AdamW state of the old holder of its new role, exactly), and the pieces without
@@ -198,7 +198,7 @@ the lagging device). At 11x (+0.2-0.7 s) a loaded run measured the slow steps at
 DEVICE_FACTOR = 24
 SECOND_FROM = 13
 SECOND_LINK_FACTOR = 201
-"""Issue 23 item 5's combined scenario (Falcon Fig. 17's compound case): device 1 (stage 0 of replica 1)
+"""The reversed compound scenario (Falcon §7.3's sequence backwards): device 1 (stage 0 of replica 1)
 24x slower from step 5, then its DP link to device 0 201x slower from step 13 (+5-14 s a step). After
 S2 a step takes 1-2.5 s with spikes to 15 s (the 24x device sleeps on a shared host), so the second
 fault must add several seconds to be confirmed as a further slowdown: at 11x and 41x (+0.4 / +1.7 s
@@ -301,7 +301,7 @@ def test_wandb_gets_the_events_table_and_an_applied_s3s_cost_and_after_time():
 @pytest.mark.slow
 @pytest.mark.soak
 def test_combined_s2_is_not_enough_and_s3_follows_in_ladder_order(s3_runs, combined_run):
-    """Issue 23 item 5 from the events rows: the slow device is localised (``compute``, device 1, no
+    """The reversed compound scenario from the events rows: the slow device is localised (``compute``, device 1, no
     slow link) and S2 applied; the iterations stay slow and, once device 1's DP link is slow too, a
     further slowdown is localised anew (slow link 0-1) and S3 is applied at a later step, moving 0-1
     onto a PP hop; the split is re-planned for the new replicas (device 1 ends in replica 0, which

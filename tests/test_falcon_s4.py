@@ -1,4 +1,4 @@
-"""Falcon S4 applied (issue 23 item 2): checkpoint with TorchTitan's checkpointer, exclude the slow
+"""Falcon S4 applied: checkpoint with TorchTitan's checkpointer, exclude the slow
 device, relaunch on the remaining ranks, resume with the batch re-split for the smaller world.
 
 Fast tests: the plan (against a brute-force reading of TorchTitan's mesh), the relaunch overrides

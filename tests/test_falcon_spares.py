@@ -1,4 +1,4 @@
-"""S4 onto spare devices (issue 35 item 1; Falcon §5.1 S4: "checkpoint-and-restart on healthy nodes"):
+"""S4 onto spare devices (Falcon §5.1 S4: "checkpoint-and-restart on healthy nodes"):
 the slow device's rank restarts on a spare, the grid and DP stay. Fast tests: the plan, the relaunch
 overrides parsed by TorchTitan's ConfigManager, the emulation of the restarted job, the job's choice
 between the spare path and the shrink. (No end-to-end restart test yet: see docs/falcon.md.)"""

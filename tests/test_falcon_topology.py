@@ -1,4 +1,4 @@
-"""S3 applied in memory (issue 23 item 1; Falcon §5.3 "Adjust topology"): a 2 DP × 2 PP GPipe job
+"""S3 applied in memory (Falcon §5.3 "Adjust topology"): a 2 DP × 2 PP GPipe job
 (torch.distributed.pipelining, float64, gloo) whose DP link 0-2 is slow re-maps its mesh so that
 0-2 becomes a PP hop — new groups, parameters and SGD-momentum state moved by point-to-point
 messages, no checkpoint, no restart — and keeps training. Reference: the *new* layout started in

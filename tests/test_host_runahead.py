@@ -1,4 +1,4 @@
-"""Host run-ahead (issue 46): on a GPU the host must stay ahead of the device.
+"""Host run-ahead: on a GPU the host must stay ahead of the device.
 
 The device here is :mod:`titan_ext.testing.lagdevice`: a device thread executes what the host enqueued a
 fixed lag later, so a call that waits for the device costs that lag and is counted by call site, and a

@@ -1,4 +1,4 @@
-"""Host syncs per steady-state iteration (issue 34, docs/runtime.md "Host syncs per step").
+"""Host syncs per steady-state iteration (docs/runtime.md "Host syncs per step").
 
 On a GPU a call that blocks the host on the device (a read of a device tensor, a blocking copy,
 ``synchronize``, ``Work.wait(timeout)``) drains the host's run-ahead.  The budget: **zero per

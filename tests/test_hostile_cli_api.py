@@ -111,7 +111,7 @@ def _signal_while_writing(tmp_path: Path, signum: int, schedule: str = "optimal"
     pytest.param(signal.SIGTERM, 143, "titan-ext: terminated (SIGTERM)", marks=pytest.mark.slow),  # same path
 ])
 def test_signal_after_an_optimal_solve_cleans_up_one_line(signum, code, line, tmp_path):
-    """Issue 39: Ctrl-C after `--schedule optimal` killed the process (exit -2, no message) and left
+    """Ctrl-C after `--schedule optimal` killed the process (exit -2, no message) and left
     `.mine.csv.XXXX.csv`, `.t.json.XXXX.json`, `.g.png.XXXX.png`; SIGTERM left the same files."""
     rc, out, err, work = _signal_while_writing(tmp_path, signum)
     assert rc == code, (rc, err)
@@ -622,7 +622,7 @@ def test_runtime_hostile_argument_fails_before_any_process_group(case):
 
 
 # --------------------------------------------------------------------------------------------------------
-# Python API, second sweep (issue 39 item 5): Falcon, the delegate data plane, the runtime's policy and
+# Python API, second sweep: Falcon, the delegate data plane, the runtime's policy and
 # registry, delay injection and a few plan/ corners. Each call was silently accepted or failed with an
 # AttributeError / KeyError / a numpy or comparison error not naming the argument; now TypeError (the
 # project's ArgumentTypeError, also a ValueError) or ValueError naming it, raised before any process

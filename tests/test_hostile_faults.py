@@ -242,7 +242,7 @@ def _falcon_run(seed, fault_from_step=None, slow_replica_from_step=None, steps=4
 
 
 def test_falcon_confirms_a_fault_from_step_3_within_5_steps():
-    """Issue 39: ``emulate_slow_device "3:4@3"`` left the state healthy for all 44 steps (one healthy step
+    """``emulate_slow_device "3:4@3"`` left the state healthy for all 44 steps (one healthy step
     before the fault: no baseline of three). Now confirmed by step 8 in every seed, placed at step 3."""
     runs = [_falcon_run(seed, fault_from_step=3) for seed in range(20)]
     assert all(r and r[0][0] <= 3 + 5 and r[0][1] == 3 for r in runs), runs

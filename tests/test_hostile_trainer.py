@@ -1,4 +1,4 @@
-"""Issue 39, item 2 and the trainer part of item 6: a table of hostile trainer inputs (config file, TOML
+"""A table of hostile trainer inputs (config file, TOML
 shapes, command-line values, paths, environment variables). Each one is refused before any process group
 exists with one line from rank 0 (``titan_ext: ...``), nothing from the others, exit 2 everywhere, no
 traceback -- or, for the last rows, accepted as valid.

@@ -1,4 +1,4 @@
-"""One door (issue 46, Deliver item 5): every call that touches a device, or a communicator's completion,
+"""One door (Deliver item 5): every call that touches a device, or a communicator's completion,
 from the host lives in the device layer, the transports or the test backends.
 
 On a GPU the host must run ahead of the device: a call that reads a device tensor, waits for an event or

@@ -72,7 +72,7 @@ def test_bad_call_raises_value_error_naming_the_argument(case):
 
 
 def test_simulate_refuses_incomplete_or_mismatched_plans():
-    """Issue 26: a plan with half of each rank's actions timed 210 ms, and a 12-microbatch plan was timed
+    """a plan with half of each rank's actions timed 210 ms, and a 12-microbatch plan was timed
     under 8- and 24-microbatch profiles. The complete plan under its own profile is PipeMorph Fig.4's
     ZeroBubble (390 ms), so the refusals are not a broken simulator."""
     plan = plan_pipemorph(P, candidates=False).actions

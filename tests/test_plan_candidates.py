@@ -1,4 +1,4 @@
-"""Issue 12: PipeMorph's default never loses to the paper's own plans, and our validator agrees with torch's.
+"""PipeMorph's default never loses to the paper's own plans, and our validator agrees with torch's.
 
 Baselines are computed independently of plan_pipemorph's candidate code: the uncapped Alg.2 plan and the
 static zb / zb-h1 orders straight from ``generate_order``, 1F1B from torch's own ``Schedule1F1B``

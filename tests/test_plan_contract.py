@@ -1,4 +1,4 @@
-"""The plan contract (issue 25 items 1, 2, 5): one result type from every planner, one by-name dispatch,
+"""The plan contract: one result type from every planner, one by-name dispatch,
 one placement model, the profile's JSON format, the literal Alg.2 candidate.
 
 References are independent of the code under test: torch's own stage→rank mapping and validator,

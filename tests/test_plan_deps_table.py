@@ -1,4 +1,4 @@
-"""The dependency rule as data (issue 38 item 1): ``plan.deps.table`` is ``deps.producers`` as flat int
+"""The dependency rule as data: ``plan.deps.table`` is ``deps.producers`` as flat int
 tuples, and every evaluator — Python and C — walks it instead of writing its own rule.
 
 The table is checked against ``producers`` op by op; then each evaluator is handed a table for a

@@ -1,4 +1,4 @@
-"""α-β fit of a PP link from timed messages of known sizes (issue 14 item 3; titan_ext/plan/linkfit.py).
+"""α-β fit of a PP link from timed messages of known sizes (titan_ext/plan/linkfit.py).
 
 Synthetic messages are timed by the simulator's own FIFO link model (``timing.LinkQueues``, separate
 code from the fit: one queue entry per message size, all on one channel) plus late-only noise; the

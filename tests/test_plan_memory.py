@@ -1,4 +1,4 @@
-"""Memory-honest multi-stage plans (issue 21, docs/multistage.md "Memory"): per-rank limits, the
+"""Memory-honest multi-stage plans (docs/multistage.md "Memory"): per-rank limits, the
 budgeted warm-up search, and plans compared with torch's built-ins at the built-in's own per-rank peak.
 
 References are independent of the planner: torch's own schedules (plan.builtin) timed by simulate, their

@@ -64,7 +64,7 @@ def test_a_plan_made_with_the_compiled_generator_equals_the_reference_plan(monke
     monkeypatch.setattr(pipemorph, "_GENERATE_C", None)
     slow = pipemorph.plan_pipemorph(prof)
     assert fast.ops == slow.ops and fast.warmup_counts == slow.warmup_counts
-    assert fast.predicted_makespan_ms == slow.predicted_makespan_ms == 1090.0  # T_ideal + c (issue 12)
+    assert fast.predicted_makespan_ms == slow.predicted_makespan_ms == 1090.0  # T_ideal + c
 
 
 def test_compiled_checks_give_the_python_validators_verdict_and_peaks():

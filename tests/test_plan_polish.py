@@ -1,4 +1,4 @@
-"""The bounded CP-SAT polish of CrossPipe plans (issue 25 item 5, ``titan_ext.plan.polish``): polished
+"""The bounded CP-SAT polish of CrossPipe plans (``titan_ext.plan.polish``): polished
 plans pass the validator, are never slower under the simulator than their input, strictly faster where
 the greedy + search is known to be off (reference: the CP-SAT optimum solved to optimality), and the
 budget / size bound / names are checked."""

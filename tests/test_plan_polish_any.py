@@ -1,4 +1,4 @@
-"""``polish_plan`` (issue 36 item 3): the bounded CP-SAT + search polish of any split-backward plan with one
+"""``polish_plan``: the bounded CP-SAT + search polish of any split-backward plan with one
 stage per rank — PipeMorph's here, where its generator is known to be off — accepted only under the one
 rule it shares with ``polish_crosspipe`` (validator under the per-stage in-flight limit and the profile's
 memory rule, strictly faster under the simulator); plans outside its model come back unchanged."""

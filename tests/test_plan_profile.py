@@ -71,7 +71,7 @@ def test_uniform_rejects_unknown_link():
 
 def test_fewer_microbatches_than_stages_plan_validly():
     """N < S is a valid profile (torch's GPipe, Interleaved1F1B and ZBV run it): every planner gives a plan
-    that our validator accepts, with one stage per rank and with two (issue 24)."""
+    that our validator accepts, with one stage per rank and with two."""
     from titan_ext.plan.schedules import plan_by_name
     from titan_ext.plan.validate import validate_plan
     from titan_ext.plan.virtual import plan_virtual

@@ -1,4 +1,4 @@
-"""One dependency rule and one link timing (issue 25 item 3; DESIGN.md "Timing model").
+"""One dependency rule and one link timing (DESIGN.md "Timing model").
 
 The reference is ``simulate`` (``plan/deps.py`` + ``plan/timing.LinkQueues``). Every fast evaluator — they
 all walk ``deps.table`` (tests/test_plan_deps_table.py) and send through ``LinkQueues`` or its C twin

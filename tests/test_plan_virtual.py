@@ -1,4 +1,4 @@
-"""Several stages per rank (issue 14, docs/multistage.md): placements, warm-up rule, generator, portfolio, CLI.
+"""Several stages per rank (docs/multistage.md): placements, warm-up rule, generator, portfolio, CLI.
 
 References are independent of the code under test: torch's own stage→rank mapping and built-in
 schedules (plan.builtin), simulate's rank-level model, the ZBV closed form of the ZB paper, and the
@@ -98,7 +98,7 @@ def test_adapted_counts_absorb_what_unadapted_counts_cascade(placement):
 @pytest.mark.parametrize("delay", [0, 30, 60, 120])
 @pytest.mark.parametrize("placement", ["loop", "v"])
 def test_must_show_uniform(placement, delay):
-    """Issue 14: R=4, V=2, N=16, t=10,10,10, +delay on rank link 2, torch's schedules from torch."""
+    """R=4, V=2, N=16, t=10,10,10, +delay on rank link 2, torch's schedules from torch."""
     profile = PipelineProfile.uniform(4, 16, 10, 10, 10, delays_ms={2: delay} if delay else {})
     plan = plan_virtual(profile, 2, placement)
     ours = simulate(plan.actions, plan.profile).makespan_ms
@@ -207,7 +207,7 @@ def _random_case(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_rule_is_sufficient_on_random_heterogeneous(seed):
-    """Issue 21 item 4: random chunk times (ranks with different periods), either placement, one slow rank
+    """random chunk times (ranks with different periods), either placement, one slow rank
     link: the rule's counts (capped at x_s) absorb the delay — its cost does not grow with N (no
     cascade) and stays ≤ 2.5c."""
     _, R, placement, chunks, link, c = _random_case(100 + seed)

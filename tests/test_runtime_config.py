@@ -1,4 +1,4 @@
-"""The schedule's config (issue 24 item 2): typed settings checked at construction, the keywords of
+"""The schedule's config: typed settings checked at construction, the keywords of
 earlier releases mapped onto it by one helper, and the narrow seams (no private reads)."""
 
 import ast

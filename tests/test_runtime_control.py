@@ -1,4 +1,4 @@
-"""The control plane (issue 13 item 2): every profile exchange, plan-hash agreement, vote and clock
+"""The control plane: every profile exchange, plan-hash agreement, vote and clock
 ping-pong goes over the schedule's own gloo group, never as CPU tensors on the PP data group.
 
 Proof: the data group is made to refuse every collective and blocking send/recv that titan_ext code

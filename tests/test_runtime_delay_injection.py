@@ -225,7 +225,7 @@ def _one_f_one_b_with_and_without_delay(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_injection_under_torch_1f1b_keeps_nccl_rules_and_delays_arrival():
-    """Defect 3 (issue 20): on a01ec7e the injector issued held-back sends from a background thread,
+    """Defect 3: on a01ec7e the injector issued held-back sends from a background thread,
     outside torch's batches; under the nccl_rules backend that fails (thread rule; on NCCL: a
     deadlock).  Now the same run trains bit-identically to the undelayed one and pays the delay."""
     res = run_ranks(_one_f_one_b_with_and_without_delay, 2, backend="nccl_rules")
@@ -501,7 +501,7 @@ def test_the_delegate_transport_carries_the_injected_delay(monkeypatch):
         injector.remove()
 
 
-# ---------------------------------------------------------------- store traffic and stamper failures (issue 46)
+# ---------------------------------------------------------------- store traffic and stamper failures
 class _CountingStore:
     """A real ``torch.distributed`` store (in-process) that counts the calls made on it and its clones."""
 
@@ -525,7 +525,7 @@ class _CountingStore:
 
 
 def test_a_pending_delayed_receive_costs_the_store_a_bounded_number_of_requests():
-    """Defect (issue 46): a receive waiting for its stamp polled ``store.check`` about every millisecond
+    """Defect: a receive waiting for its stamp polled ``store.check`` about every millisecond
     from ``wait()`` and from each of the arrival watcher's ``is_completed()`` polls (every 0.5 ms): on
     a TCPStore, kHz of requests per pending receive to the one server of the job.  Now a helper thread
     waits for the key (one blocking request) and reads and deletes it: a handful per receive, however
@@ -582,7 +582,7 @@ class _FailingClock:
 
 @pytest.mark.parametrize("hol", [False, True])
 def test_a_failing_stamp_reaches_the_receiver_and_the_stamper_lives_on(monkeypatch, hol):
-    """Defect (issue 46): an exception in the stamper thread (the device clock's ``ready_time``) killed
+    """Defect: an exception in the stamper thread (the device clock's ``ready_time``) killed
     it; the receivers then waited forever for stamps that never came, and with ``hol`` the issuing
     thread too.  Now the error is recorded, published in the stamp's place and raised by the receiver's
     ``wait()`` (and the held issuer's), and the next send is stamped as usual."""

@@ -1,4 +1,4 @@
-"""The device layer on the asynchronous-device simulation (issue 20, defect 2; ``testing/simdevice.py``).
+"""The device layer on the asynchronous-device simulation (defect 2; ``testing/simdevice.py``).
 
 Receives behave as on NCCL — ``wait()`` only enqueues a stream wait and returns, the data lands later,
 ``is_completed()`` is truthful — and a slow link is emulated at the receiver.  Checked on a 2-rank

@@ -1,6 +1,6 @@
 """Falcon inside the PipeMorph schedule: detection on the agreed iteration time, the slow PP link
 localised from the exchanged per-link delays, identical decisions on every rank, and the mitigation
-(PipeMorph re-planning) switched on by the ski-rental planner and measured (issue 7, item 4)."""
+(PipeMorph re-planning) switched on by the ski-rental planner and measured."""
 
 from __future__ import annotations
 

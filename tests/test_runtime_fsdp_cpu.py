@@ -1,4 +1,4 @@
-"""PipeMorph over FSDP2 stages for real, on the CPU (issue 22): ``fully_shard`` over gloo, DP 2 x PP 2.
+"""PipeMorph over FSDP2 stages for real, on the CPU: ``fully_shard`` over gloo, DP 2 x PP 2.
 
 Four gloo ranks, float64: each pipeline stage of a deterministic MLP is ``fully_shard``-ed over its DP
 pair (mesh ``("pp", "dp")``), and PipeMorph lowers every plan with FSDP's UNSHARD / RESHARD /

@@ -1,5 +1,5 @@
 """Live: a 50 MB/s cap injected on a gloo PP link (runtime/delay_injection.py, no added latency) is
-recovered by the α-β fit (plan/linkfit.py) from the timed messages themselves (issue 14 item 3).
+recovered by the α-β fit (plan/linkfit.py) from the timed messages themselves.
 
 Each round sends a train forward and one backward; each round is fitted on its own and the median of
 the rounds is checked — the windowed median the runtime applies to every estimate, which keeps one

@@ -1,4 +1,4 @@
-"""Memory caps of adaptive plans (issue 20, defect 10).
+"""Memory caps of adaptive plans (defect 10).
 
 * the first budget is not read before the optimizer's state exists: a device budget is PENDING until
   a ``torch.optim`` optimizer has stepped (AdamW allocates 2 × the parameters then), and the cap

@@ -1,4 +1,4 @@
-"""Run time with several stages per rank (issue 14 item 4): 4 gloo ranks × 2 stages, float64, loopback.
+"""Run time with several stages per rank: 4 gloo ranks × 2 stages, float64, loopback.
 
 One process-group setup (a module fixture) runs every part; the tests assert on its results:
 

@@ -485,7 +485,7 @@ def _small_budget_worker(rank: int, world: int, n_mb: int, budget: float):
 
 
 def test_absurd_memory_budget_warns_once_from_rank_0():
-    """Issue 26: `memory_budget_gib = 1e-9` trained silently with warm-up counts [1, ...]. A budget of half
+    """`memory_budget_gib = 1e-9` trained silently with warm-up counts [1, ...]. A budget of half
     an activation is applied (the cap is 1) but said once, by PP rank 0 only."""
     world, n_mb = 2, 8
     act = 3 * (BATCH // n_mb) * DIM * 8  # M^F of this MLP stage (see the test above)

@@ -1,4 +1,4 @@
-"""The anytime polish in a running job (issue 36 item 3; ``PipeMorphConfig.polish_s``, runtime/lifecycle.py):
+"""The anytime polish in a running job (``PipeMorphConfig.polish_s``, runtime/lifecycle.py):
 the fast generator's plan deploys at once, CP-SAT + CrossPipe's search polish it in a background thread the
 training thread never waits for, and the faster plan is swapped at a later check when every rank offers
 the same polished plan.  The lifecycle rules on their own (no process group), then 2 gloo ranks."""

@@ -1,4 +1,4 @@
-"""Run-time memory cap with several stages per rank (issue 21 item 3): K_r per rank from the measured
+"""Run-time memory cap with several stages per rank: K_r per rank from the measured
 activation bytes of the rank's chunks and its budget, the virtual planner spending it per rank. No process group: the pieces the schedule wires together."""
 
 import math

@@ -1,4 +1,4 @@
-"""Bounded waits on peers (issue 26, titan_ext.runtime.timeouts), on two real gloo processes.
+"""Bounded waits on peers (titan_ext.runtime.timeouts), on two real gloo processes.
 
 Reference facts, checked in docs/titan.md: gloo receives keep the timeout their group was created with
 (``_set_pg_timeout`` does not change them), so without the wrapper a receive from a silent peer waits
@@ -253,7 +253,7 @@ def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backe
 
 # ---------------------------------------------------------------- issue 46: the watch's device, NCCL's rules
 def test_the_watch_polls_under_the_device_of_the_thread_that_registered_the_work(monkeypatch):
-    """Defect (issue 46): the watch thread polled ``Work.is_completed()`` — on NCCL a ``cudaEventQuery`` —
+    """Defect: the watch thread polled ``Work.is_completed()`` — on NCCL a ``cudaEventQuery`` —
     from a thread that never selected a device: CUDA then opens a context on GPU 0 in every process.
     Each work now carries its registering thread's device (``device.thread_device()``), entered around
     every poll.  A simulated device per thread (a thread-local "current device") stands in for CUDA's."""
@@ -347,7 +347,7 @@ def test_the_watch_makes_no_device_call_without_the_ranks_device_under_the_laggi
 
 
 def test_a_group_whose_backend_cannot_be_told_gets_no_explicit_wait_timeout(monkeypatch):
-    """Defect (issue 46): ``explicit_wait_timeout`` returned True when ``get_backend`` raised, i.e. an
+    """Defect: ``explicit_wait_timeout`` returned True when ``get_backend`` raised, i.e. an
     explicit ``wait(timeout)`` — on NCCL a busy-wait of the host at every PP wait.  It fails closed now."""
     import torch.distributed as dist
 
@@ -367,7 +367,7 @@ def test_a_group_whose_backend_cannot_be_told_gets_no_explicit_wait_timeout(monk
 
 
 def test_nccl_blocking_wait_is_detected_and_named_once(monkeypatch, caplog):
-    """Defect (issue 46): with ``TORCH_NCCL_BLOCKING_WAIT=1`` every PP wait blocks the host (ProcessGroupNCCL's
+    """Defect: with ``TORCH_NCCL_BLOCKING_WAIT=1`` every PP wait blocks the host (ProcessGroupNCCL's
     blocking wait) and the watchdog no longer aborts; nothing said so.  Installing the PP timeouts now
     warns once, naming the variable and its cost, and NCCL waits get the explicit timeout there (they
     block anyway; the timeout then names the peer).  Read as c10d's getCvarBool reads it."""
@@ -452,7 +452,7 @@ def _train_timeout_switch(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_the_switch_to_a_shorter_timeout_waits_for_every_rank():
-    """Defect (issue 46): each rank moved to the train timeout on its own; the fast rank's next
+    """Defect: each rank moved to the train timeout on its own; the fast rank's next
     collective, created under the 1 s timeout, timed out on the slow rank still finishing its first
     step.  The switch now waits for every rank (a barrier in the store, as TorchTitan's set_pg_timeouts
     does before its _set_pg_timeout), so the collective succeeds."""

@@ -1,4 +1,4 @@
-"""Drop-in parity with torch's own schedules (issue 24 item 1), in the spirit of torch's
+"""Drop-in parity with torch's own schedules, in the spirit of torch's
 test/distributed/pipelining/test_schedule_multiproc.py, written in our own words.
 
 Two gloo ranks, float64, a deterministic MLP. Every scenario is checked against an independent

@@ -1,4 +1,4 @@
-"""The runtime on gloo ranks (issue 13): delegation as a transport choice of CrossPipe (float64,
+"""The runtime on gloo ranks: delegation as a transport choice of CrossPipe (float64,
 identical to torch's ScheduleGPipe), and plan stability under a constant straggler."""
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ def test_stock_torchtitan_train_rejects_bad_value_before_process_group(tmp_path)
 
 
 def test_delegation_is_the_schedules_transport_before_any_process_group(tmp_path):
-    """Issue 38: delegation is a transport every adaptive schedule has -- the same class with and without
+    """delegation is a transport every adaptive schedule has -- the same class with and without
     it (no delegating subclass), the mode in its config."""
     pytest.importorskip("titan_ext.runtime.delegate.schedule")
     from titan_ext.runtime import CrossPipe, PipeMorph
@@ -296,7 +296,7 @@ def test_delegation_is_the_schedules_transport_before_any_process_group(tmp_path
 
 
 def test_pipemorph_takes_torchtitans_stage_split():
-    """PipeMorph runs several stages per rank (issue 14): TorchTitan's own split is kept (two stages per
+    """PipeMorph runs several stages per rank: TorchTitan's own split is kept (two stages per
     rank by default); delegation (one stage per rank) and placement "v" (two) are checked up front."""
     from titan_ext.titan.jobcheck import JobConfigError, check_job_config
 

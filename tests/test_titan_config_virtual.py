@@ -1,4 +1,4 @@
-"""[titan_ext] placement and link_alpha_beta (issue 14): parsed by TorchTitan's ConfigManager and
+"""[titan_ext] placement and link_alpha_beta: parsed by TorchTitan's ConfigManager and
 validated before any process group, errors naming the key."""
 
 import math
@@ -51,7 +51,7 @@ def test_link_must_exist_for_the_pp_degree():
 
 @pytest.mark.parametrize("placement, stages_of_rank0", [("v", [0, 3]), ("loop", [0, 2])])
 def test_torchtitan_settings_run_the_multi_stage_policy(placement, stages_of_rank0):
-    """Issue 24 item 2: under TorchTitan the [titan_ext] thresholds reach the schedule as its config's
+    """under TorchTitan the [titan_ext] thresholds reach the schedule as its config's
     PolicySettings, and with several stages per rank the factory builds the multi-stage
     VirtualReplanPolicy from them (one stage per rank: ReplanPolicy) — options no longer hands over a
     one-stage ReplanPolicy object."""

@@ -1,6 +1,6 @@
 """A new adaptive schedule added in this one file, the way docs/ARCHITECTURE.md ("Adding an adaptive
 schedule") tells a user to, and trained for 2 steps under TorchTitan with ``[titan_ext] delegation =
-"auto"`` and the schedule's own knob set in ``[titan_ext]`` (issue 38 item 3).
+"auto"`` and the schedule's own knob set in ``[titan_ext]``.
 
 The recipe, as followed here:
 

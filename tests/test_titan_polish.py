@@ -1,4 +1,4 @@
-"""``[titan_ext] polish_s`` (issue 36 item 3): the anytime polish of TorchTitan jobs, from the TOML key or
+"""``[titan_ext] polish_s``: the anytime polish of TorchTitan jobs, from the TOML key or
 ``--titan_ext.polish_s`` to the adaptive schedules' ``PipeMorphConfig.polish_s`` (0 = off), checked while
 the section is parsed (no process group)."""
 

@@ -1,4 +1,4 @@
-"""Issue 26, trainer side: a bad TOML file or environment variable is one line from rank 0 (the other
+"""a bad TOML file or environment variable is one line from rank 0 (the other
 ranks exit quietly with the same code), exit 2, no traceback and nothing announced first; and a frozen
 rank ends a 4-rank job within comm.train_timeout_seconds + 30 s with a message naming it (slow tier)."""
 

@@ -1,4 +1,4 @@
-"""An injected straggler is never silent: a WARNING at start and periodically (issue 17 item 5)."""
+"""An injected straggler is never silent: a WARNING at start and periodically."""
 
 import logging
 import os

@@ -150,7 +150,7 @@ def test_same_seed_step1_loss_equal_under_1f1b(pipemorph_run, tmp_path):
 @pytest.mark.soak  # 43 s; CI: tests/test_runtime_multistage.py runs the V placement against torch's schedule
 def test_pipemorph_runs_two_stages_per_rank_v_shaped(tmp_path):
     """TorchTitan's default split for a PipelineScheduleMulti (two stages per rank) with
-    ``[titan_ext] placement = "v"``: rank 0 holds the first and the last stage (issue 14 item 4)."""
+    ``[titan_ext] placement = "v"``: rank 0 holds the first and the last stage."""
     import re
 
     log = tmp_path / "train.log"
