@@ -106,7 +106,7 @@ def test_two_links_dying_together_agree_without_waiting_for_each_other():
 
 
 def test_the_pool_parts_import_each_other_without_a_cycle():
-    """Issue 24 item 3: the pool's parts (lanes, send path, receive matching, recovery) share only
+    """The pool's parts (lanes, send path, receive matching, recovery) share only
     link.py/lanes.py; none imports pool.py, and the package's import graph has no cycle."""
     import ast
     import os

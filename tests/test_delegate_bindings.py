@@ -1,4 +1,4 @@
-"""Every Python binding of titan_ext._delegate_C fits its call sites (issue 20, defect 1; no GPU needed).
+"""Every Python binding of titan_ext._delegate_C fits its call sites (defect 1; no GPU needed).
 
 The C++ source is parsed (CUDA-only bindings included), cross-checked against the compiled module's
 pybind11 signatures (the CPU build here; the CUDA build under scripts/check_cuda_build.sh, which points

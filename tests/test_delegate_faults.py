@@ -388,7 +388,7 @@ def _frozen_body(rank, world):
 
 
 def test_frozen_delegate_is_treated_like_a_dead_one():
-    """Issue 26: a SIGSTOPped delegate (heartbeat stops) → killed and recovered: direct path, no message
+    """A SIGSTOPped delegate (heartbeat stops) → killed and recovered: direct path, no message
     lost or repeated, a new delegate, nothing left running."""
     (r0, e0), (r1, e1) = run_ranks(_frozen_body, 2, backend="gloo", timeout_s=500, outcomes=True)
     assert e0 is None and e1 is None, (e0, e1)

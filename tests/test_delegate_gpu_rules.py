@@ -208,7 +208,8 @@ def test_cuda_graph_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
 
 def test_failover_is_refused_and_fallback_off_on_an_nccl_pp_group(monkeypatch):
     """Defect 4: on NCCL a hung send does not raise and the fallback's host markers, tags and
-    supervisor-thread ops break its rules — failover is refused, a dead delegate is a clean stop."""
+    supervisor-thread ops break its rules — the router's per-op failover is refused (the schedule's
+    failover is step-level there: tests/test_delegate_nccl_failover.py), a dead delegate is a clean stop."""
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     enabled = []

@@ -4,8 +4,9 @@ these backends, in the default tier").
 Two ranks on the ``nccl_rules`` test backend (tags ignored, per-pair FIFO, batches as groups,
 asynchronous completion, no titan_ext host tensors on the data group): ``delegation="always"`` and
 ``"auto"`` (switched on by a measured +30 ms link) must train bit for bit like direct P2P with the
-same fixed plan. The longer scenarios (failover, which NCCL PP groups refuse, and > 64 MiB
-activations) are in tests/test_delegate_schedule.py (slow tier)."""
+same fixed plan. The longer scenarios (the per-op failover of gloo PP groups, and > 64 MiB
+activations) are in tests/test_delegate_schedule.py (slow tier); the step-level failover of an NCCL PP
+group in tests/test_delegate_nccl_failover.py."""
 
 from __future__ import annotations
 

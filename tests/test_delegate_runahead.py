@@ -1,4 +1,4 @@
-"""The delegate data plane never blocks the training thread (issue 46, "the delegate receive path").
+"""The delegate data plane never blocks the training thread ("the delegate receive path").
 
 On a GPU the host must run ahead of the device.  The CUDA paths are checked on CPU with recorders of the
 CUDA calls (as tests/test_delegate_gpu_rules.py does): which thread made each call, under which device,

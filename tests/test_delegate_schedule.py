@@ -63,8 +63,9 @@ def _worker(rank, world):
 
 
 def test_delegation_modes_in_the_schedule():
-    # gloo: the off+failover scenario is refused on NCCL PP groups (and so under the NCCL-rules
-    # backend, see test_delegate_gpu_rules.py); always/auto under NCCL's rules: the 64 MiB test below
+    # gloo: the off+failover scenario is the per-op retry, refused by P2PRouter on NCCL PP groups (see
+    # test_delegate_gpu_rules.py; an NCCL PP group fails over per step: test_delegate_nccl_failover.py);
+    # always/auto under NCCL's rules: the 64 MiB test below
     results = run_ranks(_worker, 2, backend="gloo")
     for rank, r in enumerate(results):
         for name in ("always", "auto", "failover"):

@@ -470,19 +470,33 @@ class PipeMorph(_PipelineScheduleRuntime):
         if training and not self._clock_synced:
             self._clock = self.control.clock_offsets()
             self._clock_synced = True
-        ctx = RunContext(self, {st.stage_index: st for st in self._stages}, arg_mbs, kwarg_mbs, target_mbs,
-                         losses, return_outputs, loss_kwargs, training)
-        self.in_iteration = True
-        self._losses_by_mb.clear()
-        actions = self.pipeline_order_with_comms[self.rank]
-        try:
-            iteration_ms = self.executor.run(actions, ctx)
-        except Exception:
-            logger.error("%s: iteration %d failed; plan v%d:\n%s", type(self).__name__, self.iteration,
-                         self.plan_version, _torch_schedules._format_pipeline_order(self.pipeline_order_with_comms))
-            raise
-        finally:
-            self.in_iteration = False
+        # failover on an NCCL PP group: a failed attempt is re-run from the start on the delegates
+        # (runtime/delegate/schedule.py, StepFailover); None otherwise
+        failover = self.delegation.step_failover if self.delegation is not None else None
+        if failover is not None:
+            failover.begin(self._stages)
+        while True:
+            ctx = RunContext(self, {st.stage_index: st for st in self._stages}, arg_mbs, kwarg_mbs, target_mbs,
+                             losses, return_outputs, loss_kwargs, training)
+            self.in_iteration = True
+            self._losses_by_mb.clear()
+            actions = self.pipeline_order_with_comms[self.rank]
+            try:
+                iteration_ms = self.executor.run(actions, ctx)
+            except Exception as exc:
+                if failover is None or not failover.failed(exc):
+                    logger.error("%s: iteration %d failed; plan v%d:\n%s", type(self).__name__, self.iteration,
+                                 self.plan_version,
+                                 _torch_schedules._format_pipeline_order(self.pipeline_order_with_comms))
+                    raise
+            finally:
+                self.in_iteration = False
+            if failover is None or not failover.settle(self._stages):  # every PP rank votes here
+                break
+            # re-run: the failed attempt's receives (and FSDP unshards) were never consumed
+            self.fwd_recv_ops.clear()
+            self.bwd_recv_ops.clear()
+            self.unshard_ops.clear()
         self._finish_iteration(actions, losses)
         if training:
             act = self.executor.activation_bytes

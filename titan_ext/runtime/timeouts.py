@@ -384,6 +384,32 @@ _watch_lock = threading.Lock()
 _watcher: list[threading.Thread] = []
 
 
+#: step-level failover of an NCCL PP group (``runtime/delegate/schedule.py``, ``StepFailover``): called with a late PP
+#: wait before NCCL's watchdog would end the process; a hook that returns True takes it over (it aborts
+#: the PP communicator, so the wait raises and the step is re-run on the delegates): no fencing then
+_late_p2p_hooks: list[Callable[[Any], bool]] = []
+
+
+def on_late_p2p(hook: Callable[[Any], bool]) -> Callable[[], None]:
+    """Register ``hook(work) -> bool`` for late PP waits (above); returns its remover."""
+    _late_p2p_hooks.append(hook)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _late_p2p_hooks.remove(hook)
+    return remove
+
+
+def _taken_over(work: Any) -> bool:
+    for hook in list(_late_p2p_hooks) if isinstance(work, _TimedWork) else ():
+        try:
+            if hook(work):
+                return True
+        except Exception:  # noqa: BLE001 - the watch never dies of a hook
+            continue
+    return False
+
+
 def _watch(work: Any) -> None:
     """Poll ``work`` (a PP wait or a named collective) from a side thread (``done()`` does not block); past
     the lead time before the timeout, log the peer that stopped answering and fence it (a stopped process
@@ -425,6 +451,11 @@ def _watch_loop() -> None:
                     keep.append((since, work, device))
             _watched[:] = keep
         for waited, work in late:
+            if _taken_over(work):
+                print(f"rank {dist.get_rank()}: no {work.kind} completed with rank {work.peer} within "
+                      f"{round(waited)} s{_limit()}: the PP group's NCCL path fails over to the delegates",
+                      file=sys.stderr, flush=True)
+                continue
             print(work.note(round(waited)), file=sys.stderr, flush=True)
 
 

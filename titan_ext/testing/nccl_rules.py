@@ -37,6 +37,12 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   communicator and ends the process with SIGABRT, as ProcessGroupNCCL's watchdog does; so does the
   inner channel failing while ops are in flight (a dead peer: NCCL's async error handling).  With
   ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise`` (tests) the works raise instead and the process lives on;
+* **a communicator abort** (``ProcessGroup.abort()``, ncclCommAbort) poisons the whole group on this rank:
+  every pending op fails (``is_completed()`` True, ``wait()`` raises :class:`CommunicatorAborted`, a
+  ``DistBackendError`` as ProcessGroupNCCL raises), every later op or collective on the group raises, and
+  a kernel queued behind a stream wait on an aborted op runs (the abort ends the communicator's kernels);
+  the peers are not told (their ops on the group hang, as on NCCL, until they abort or time out).
+  :func:`inject_abort` makes a test's group abort itself at a chosen P2P op (a link failing mid-step);
 * **``Work.wait()`` returns before the data has landed**: the data is copied into the receive buffer
   later, by the lander or completer thread, when the NCCL matching completes.  As NCCL's wait makes the
   *current stream* wait, the calling thread (a CPU "stream") runs no further torch kernel until the ops
@@ -138,8 +144,8 @@ INIT_ENV = "TITAN_EXT_NCCL_RULES_INIT"
 #: test harness's models and batches (the user's side of a job)
 DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.testing.ranks", "titan_ext.testing.models")
 
-__all__ = ["BACKEND", "ENV_VAR", "INIT_ENV", "NcclRuleError", "NcclRulesGroup", "install", "installed", "is_host_made",
-           "mark_host", "names_host"]
+__all__ = ["BACKEND", "ENV_VAR", "INIT_ENV", "CommunicatorAborted", "NcclRuleError", "NcclRulesGroup", "inject_abort",
+           "install", "installed", "is_host_made", "mark_host", "names_host"]
 
 _SEND, _RECV = 0, 1
 _CLOSE, _START = -1, -2  # a head that is no group description: the FIFO's end, a group's start notice
@@ -170,6 +176,11 @@ _GROUPS: "weakref.WeakSet[NcclRulesGroup]" = weakref.WeakSet()  # every group wh
 
 class NcclRuleError(RuntimeError):
     """Traffic that NCCL would hang on, corrupt, or refuse (the message says which rule)."""
+
+
+class CommunicatorAborted(NcclRuleError, dist.DistBackendError):
+    """The error of an aborted communicator (``ProcessGroup.abort()``, :func:`inject_abort`): a
+    ``DistBackendError``, as ProcessGroupNCCL raises for a communicator error or abort."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -455,6 +466,7 @@ class _RulesWork(dist.Work):
         self._what = what
         self._settled = threading.Event()
         self._error: BaseException | None = None
+        self._resumed = False  # failed by an abort: a stream wait on it no longer holds the stream
         self._future: torch.futures.Future = _EnqueuedFuture(self, result)
 
     def wait(self, timeout: Any = None) -> bool:
@@ -516,15 +528,16 @@ class _RulesWork(dist.Work):
     def _land(self) -> None:
         self._settled.set()
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, resumed: bool = False) -> None:
         if self._settled.is_set():
             return
         self._error = error
+        self._resumed = resumed
         self._settled.set()
 
     def _block(self) -> None:
         self._settled.wait()
-        if self._error is not None:
+        if self._error is not None and not self._resumed:
             raise self._error
 
 
@@ -769,6 +782,8 @@ class NcclRulesGroup(dist.ProcessGroup):
         self._sends: queue.SimpleQueue = queue.SimpleQueue()  # inner sends, kept alive until sent
         self._collectives: queue.SimpleQueue = queue.SimpleQueue()  # launched inner collectives
         self._closed = False
+        self._inject: tuple[int, str] | None = None  # :func:`inject_abort`: (P2P ops before the abort, why)
+        self._posted = 0  # P2P ops issued since inject_abort
         self._landers = [threading.Thread(target=self._read_peer, args=(p,), daemon=True,
                                           name=f"nccl_rules-lander-{rank}<-{p}") for p in self._peers]
         self._completer = threading.Thread(target=self._complete, daemon=True, name=f"nccl_rules-completer-{rank}")
@@ -819,6 +834,13 @@ class NcclRulesGroup(dist.ProcessGroup):
     def _post(self, kind: int, tensors: list[torch.Tensor], peer: int) -> _RulesWork:
         if self._error is not None:
             raise self._error
+        injected = self._inject
+        if injected is not None:
+            self._posted += 1
+            if self._posted > injected[0]:
+                self._inject = None
+                raise self._abort(f"{injected[1]} (injected: after {injected[0]} P2P ops of this rank)",
+                                  aborted=True)
         if len(tensors) != 1:
             raise NcclRuleError("NCCL rules: one tensor per P2P op")
         if peer not in self._peers:
@@ -1118,20 +1140,25 @@ class NcclRulesGroup(dist.ProcessGroup):
     def _fail_pair(self, peer: int, what: str) -> NcclRuleError:
         return self._abort(f"{what}", peer)
 
-    def _abort(self, what: str, peer: int | None = None) -> NcclRuleError:
+    def _abort(self, what: str, peer: int | None = None, aborted: bool = False) -> NcclRuleError:
         """Abort the communicator (ProcessGroupNCCL's ``abort()``): every open work and every later op of
-        the group raises the error; it is returned (raise it)."""
+        the group raises the error; it is returned (raise it).  ``aborted``: an abort (``abort()``,
+        :func:`inject_abort`), whose error is a :class:`CommunicatorAborted` (a ``DistBackendError``) and
+        whose failed works no longer hold the stream (ncclCommAbort ends the communicator's kernels, so the
+        stream's later kernels run): their ``wait()`` raises, a kernel queued behind their earlier stream
+        wait runs.  Otherwise (a timeout, a dead peer) that kernel raises the error too."""
         with self._lock:
             if self._error is None:
                 where = f"ranks {self._rank}<->{peer} (group ranks)" if peer is not None else f"rank {self._rank}"
                 detail = f"\n{self._sequences(peer)}" if peer is not None else ""
-                self._error = NcclRuleError(f"NCCL rules, {where}: {what}{detail}")
+                kind = CommunicatorAborted if aborted else NcclRuleError
+                self._error = kind(f"NCCL rules, {where}: {what}{detail}")
                 for group in self._stream:
                     for op in group.ops:
                         if op.work is not None:
-                            op.work._fail(self._error)
+                            op.work._fail(self._error, aborted)
                     if group.work is not None:
-                        group.work._fail(self._error)
+                        group.work._fail(self._error, aborted)
                 self._stream.clear()
             return self._error
 
@@ -1238,15 +1265,32 @@ class NcclRulesGroup(dist.ProcessGroup):
         return (*self._landers, self._completer, self._reaper, self._collective_waiter)
 
     def abort(self) -> None:
-        self._closed = True
-        self._events.put(("stop", None, None))
-        self._sends.put(None)
-        self._collectives.put(None)
+        """ProcessGroupNCCL's ``abort()`` (``ncclCommAbort``) on this rank: the communicator is poisoned —
+        every pending op of the group fails (its ``wait()`` raises :class:`CommunicatorAborted`,
+        ``is_completed()`` is True) and every later op or collective on it raises.  The peers are not
+        told (as on NCCL: theirs hang until they abort or time out).  The inner channels stay open, so
+        the group still shuts down cleanly (``shutdown()``, interpreter exit)."""
+        self._abort("the communicator was aborted (ProcessGroup.abort())", aborted=True)
 
     def op_sequences(self) -> dict[int, str]:
         """Both sides' op sequences per peer (diagnostics)."""
         with self._lock:
             return {p: self._sequences(p) for p in self._peers}
+
+
+def inject_abort(group: Any = None, *, after_ops: int, reason: str = "injected NCCL link failure") -> None:
+    """Test hook: this rank's communicator of ``group`` (None: the default group; an ``nccl_rules``
+    group) aborts itself at this rank's next P2P op after ``after_ops`` more (each op of a
+    ``batch_isend_irecv`` counts): that op raises :class:`CommunicatorAborted` and the group is poisoned
+    as by ``abort()`` — a link whose NCCL path fails mid-step.  Inject it on both ends of the link (a dead
+    link fails for both); the other ranks' ops hang as on NCCL until they abort or time out."""
+    target = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(target, NcclRulesGroup):
+        raise TypeError(f"inject_abort needs an nccl_rules group, got {type(target).__name__}")
+    if isinstance(after_ops, bool) or not isinstance(after_ops, int) or after_ops < 0:
+        raise ValueError(f"after_ops must be an int >= 0, got {after_ops!r}")
+    with target._lock:
+        target._inject, target._posted = (after_ops, str(reason)), 0
 
 
 def _flat(tensor_lists: Any) -> list:

@@ -8,7 +8,9 @@
   vocabulary (no part imports another part's module but lanes/link).
 * :mod:`.transport` — direct / delegate / failover transports with one ``isend``/``irecv`` API,
   and the delegation mode (off / auto / always).
-* :mod:`.schedule` — delegation as a transport choice of the adaptive schedules (PipeMorph, CrossPipe).
+* :mod:`.schedule` — delegation as a transport choice of the adaptive schedules (PipeMorph, CrossPipe),
+  and the step-level failover of an NCCL PP group (``StepFailover``: the failure agreed at the end of the
+  step, every link moved to the delegates, the step re-run from its start).
 
 User documentation: docs/delegate.md.
 """

@@ -5,7 +5,9 @@ Any adaptive schedule (``PipeMorph``, ``CrossPipe``, any planner) built with ``d
 :class:`~titan_ext.runtime.delegate.transport.P2PRouter` over a :class:`DelegatePool` — and gets a
 :class:`Delegation` boundary observer:
 
-* ``delegation="off"``    — direct P2P (with ``failover=True``: retried on the delegates on error).
+* ``delegation="off"``    — direct P2P (with ``failover=True``: retried on the delegates on error — per
+  op on a gloo PP group, per step on an NCCL one: the failure agreed on the control plane at the end of
+  the step, every link moved to the delegates and the step re-run from its start, ``StepFailover``).
 * ``delegation="always"`` — every SEND/RECV of the plan goes through the delegate processes.
 * ``delegation="auto"``   — direct until the detector flags a slow link, then delegates, switched at an
   iteration boundary.  The default detector flags a link whose estimated delay (the schedule's own
@@ -26,8 +28,11 @@ with ``delegation="off"`` and no failover.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import numbers
+import threading
+import time
 from typing import Any
 
 import torch
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from titan_ext.plan.args import instance_arg, int_arg
+from titan_ext.runtime import timeouts
 from titan_ext.runtime.config import DelegationConfig
 from titan_ext.runtime.delay_injection import current_injector
 from titan_ext.runtime.observers import Boundary, ScheduleContext
@@ -43,9 +49,9 @@ from titan_ext.runtime.transport import TorchP2P
 from .link import DelegateError
 from .pool import DelegatePool, delegates_needed, pipeline_channels, pool_shm_bytes
 from .ring import PAGE, SharedMemoryShortage, check_shm
-from .transport import NCCL_FAILOVER_REFUSAL, P2PRouter, is_nccl
+from .transport import P2PRouter, is_nccl
 
-__all__ = ["Delegation", "DelegateTransport", "message_slot_bytes"]
+__all__ = ["Delegation", "DelegateTransport", "StepFailover", "abort_group", "is_link_failure", "message_slot_bytes"]
 
 _FWD = (_ComputationType.SEND_F, _ComputationType.RECV_F)
 log = logging.getLogger(__name__)
@@ -63,9 +69,10 @@ class DelegateTransport:
         if not (d.delegating or d.failover):
             return self._direct.issue(action, ops)
         router = d.ensure_started(ops)
-        if router is None or not (d.failover or all(d.delegates(op.peer) for op in ops)):
-            # no shared memory for the delegates on some rank (every rank went direct), or a link
-            # that is not delegated
+        per_op = d.failover and d.step_failover is None
+        if router is None or not (per_op or all(d.delegates(op.peer) for op in ops)):
+            # no shared memory for the delegates on some rank (every rank went direct), a link that is
+            # not delegated, or an NCCL PP group before its step-level failover (torch's batched P2P)
             return self._direct.issue(action, ops)
         direction = "F" if action.computation_type in _FWD else "B"
         injector = current_injector()  # an injected link delay holds on every path (delay_injection.py)
@@ -136,12 +143,17 @@ class Delegation:
         self.unavailable: str | None = None  # why delegation went off for good (shared memory), or None
         self._seen = {"delegate": 0, "failover": 0}  # pool / router events already reported
         self._totals = (0, 0)  # (delegate restarts, failed-over link bits): the PP group's, last exchange
+        self.step_failover: StepFailover | None = None
+        """``failover`` on an NCCL PP group: per step, not per op (``StepFailover``); None otherwise."""
 
     def attach(self, context: ScheduleContext) -> None:
-        """Bind to the schedule (its group, stage map, control plane, device layer, decision log)."""
-        if self.failover and is_nccl(context.group):
-            raise ValueError(NCCL_FAILOVER_REFUSAL)
+        """Bind to the schedule (its group, stage map, control plane, device layer, decision log).
+        ``failover`` on an NCCL PP group is step-level (:class:`StepFailover`): the router retries nothing
+        per op there (NCCL's rules forbid it: ``transport.NCCL_FAILOVER_REFUSAL``)."""
         self.context = context
+        if self.failover and is_nccl(context.group):
+            self._router_args["failover"] = False
+            self.step_failover = StepFailover(self, context)
 
     def _ctx(self) -> ScheduleContext:
         if self.context is None:
@@ -213,6 +225,9 @@ class Delegation:
         self.unavailable = why
         was = "delegation" if self._delegating or self.mode != "off" else "failover"
         self.mode, self._delegating, self.failover = "off", False, False
+        if self.step_failover is not None:  # no delegates: an NCCL failure stops the job as without failover
+            self.step_failover.close()
+            self.step_failover = None
         log.warning("titan_ext: %s is off, PP messages go on the direct path: %s", was, why)
         self.log.append({"iteration": self._ctx().iteration(), "delegating": False, "reason": why})
         self._ctx().log(decision="delegation", reason=f"off (direct path): {why}")
@@ -343,6 +358,236 @@ class Delegation:
 
     def close(self) -> None:
         """Stop the delegate processes (also done at interpreter exit)."""
+        if self.step_failover is not None:
+            self.step_failover.close()
         if self.pool is not None:
             self.pool.close()
 
+
+# ------------------------------------------------------------------------------------------------
+# failover of an NCCL PP group: per step
+# ------------------------------------------------------------------------------------------------
+_failover_instances = itertools.count()  # per process; every PP rank builds its schedules in the same order
+_POLL_S = 0.05
+
+
+def is_link_failure(exc: BaseException) -> bool:
+    """An NCCL communicator error or abort (``DistBackendError``) or a PP wait past the timeout."""
+    return isinstance(exc, (dist.DistBackendError, timeouts.PeerTimeout))
+
+
+def abort_group(group: Any) -> None:
+    """Abort this rank's communicator of ``group`` (``ProcessGroup.abort()``: its pending and later ops
+    raise); idempotent, never raises."""
+    target = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        target.abort()
+    except Exception as exc:  # noqa: BLE001 - an already aborted or closed group
+        log.debug("titan_ext: aborting the PP group: %s", exc)
+
+
+class _Snapshot:
+    """The stage modules' gradients and the CPU RNG state at the start of a step (:class:`StepFailover`, 4.)."""
+
+    def __init__(self, stages: list) -> None:
+        self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for stage in stages:
+            for p in stage.submod.parameters():
+                g = p.grad
+                self.grads.append((p, None if g is None else g.detach().clone()))
+        self.cpu_rng = torch.get_rng_state()
+
+    def restore(self, stages: list) -> None:
+        with torch.no_grad():
+            for p, g in self.grads:
+                if g is None:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = g.clone()
+                else:  # in place (a gradient may be a view into a communication bucket); same device
+                    p.grad.copy_(g, non_blocking=True)
+        torch.set_rng_state(self.cpu_rng)
+        for stage in stages:
+            stage.clear_runtime_states()
+            for name in ("bwd_cache", "backward_state", "dw_runner"):
+                table = getattr(stage, name, None)
+                if isinstance(table, dict):
+                    table.clear()
+
+
+class StepFailover:
+    """Failover of an NCCL PP group to the delegates: the failed step re-run from its start (PipeMorph §5.3).
+
+    On gloo, failover is per operation (:class:`~titan_ext.runtime.delegate.transport.P2PRouter`): a direct
+    send that fails is re-sent through the delegates from the thread that waits on it.  NCCL forbids that
+    (a pair's ops run in issue order from one thread, tags are ignored, a hung send does not raise from
+    ``wait()``), so on an NCCL PP group failover works per *step*:
+
+    1. **Detection.**  A PP link's NCCL path fails when a communicator error or abort surfaces from a PP op
+       or its wait (``torch.distributed.DistBackendError``: ProcessGroupNCCL's errors, and the ``nccl_rules``
+       test backend's ``CommunicatorAborted``), or when a PP wait runs past the job's timeout
+       (:mod:`titan_ext.runtime.timeouts`' watch calls :meth:`StepFailover._late` before NCCL's watchdog would
+       end the process; this aborts the PP group locally, so the wait raises).
+    2. **Unblocking the other ranks.**  The rank that sees it puts a notice in the job's TCPStore and aborts
+       its own PP communicator (``ProcessGroup.abort()``: every pending op of the group raises, later ones
+       too).  Every rank runs a watch thread while a step runs (one ``store.check`` every 50 ms); a rank that
+       sees the notice aborts its PP communicator too, so none stays blocked on a peer that left the step.
+    3. **Agreement at a safe point.**  At the end of every step (every rank reaches it: the step either
+       completed, or its failure was caught) the PP ranks take one MAX vote on the gloo control plane
+       (:mod:`titan_ext.runtime.control`): did any rank see a failure?  No: the step stands.  Yes: every rank
+       aborts its PP communicator (its ops of the failed attempt are dropped), moves **every** link to the
+       delegates (``Delegation.set(True)``), restores the stage modules' gradients and the CPU RNG state to what
+       they were when the step began, clears the stages' per-step state, and re-runs the step from its start
+       with the same microbatches.  The vote is taken only while some link is on NCCL; after the failover
+       there is none.
+    4. **Gradients.**  ``step()`` accumulates into ``param.grad`` (TorchTitan zeroes the gradients before its
+       train step; with gradient accumulation they hold earlier steps' sums).  The schedule sees only its own
+       microbatches, so the re-run must start from the gradients the step began with: at the start of every
+       step the stage modules' gradients are recorded — a parameter whose ``.grad`` is None (the common case
+       right after ``zero_grad()``, TorchTitan's default ``set_to_none``) costs nothing, restored by setting it
+       to None again; an existing gradient is cloned (one copy of the gradients per step, only when the step
+       begins with gradients) and copied back on a re-run.  The CPU RNG state is recorded too, so CPU
+       random draws repeat on the re-run.
+
+    Why every link on the delegates, not a new NCCL PP group for the healthy links: an aborted communicator
+    is the group's, i.e. every link of the PP group (``batch_isend_irecv`` runs on the group's communicator),
+    an NCCL error does not say which link failed, and a new group is a job-wide call (``new_group`` over the
+    default group, or ``use_local_synchronization=True`` by every PP rank) whose handle TorchTitan also holds
+    (its PP mesh's collectives, e.g. the gradient-norm all-reduce): the delegates need nothing NCCL gives,
+    and they exist already (the pool is started at the first PP op when failover is configured).  The
+    healthy links lose their GPU-direct path (host-staged from then on).
+
+    Limits: module buffers updated in forward (BatchNorm's running statistics) are not restored, nor the
+    device's RNG (a CUDA call outside the device layer: a model with dropout on a GPU draws other masks in
+    the re-run; TorchTitan's Llama models use none); FSDP stages' unshard state is not either (the failed
+    attempt's unshard/reshard is redone by the re-run's actions).
+    """
+
+    def __init__(self, delegation: Any, context: Any):
+        self.delegation, self.context = delegation, context
+        self.active = True  # some PP link still on NCCL
+        self.events: list[dict] = []  # one per failover: iteration, rank that saw it first, reason
+        group = context.group
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self._key = f"titan_ext/pp_failover/{'-'.join(map(str, ranks))}/{next(_failover_instances)}"
+        self._store = timeouts._default_store()
+        self._running = threading.Event()  # a step runs: the watch thread polls the store
+        self._noticed = threading.Event()  # some rank posted the notice (this rank's PP group is aborted)
+        self._reason: str | None = None
+        self._snapshot: _Snapshot | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._remove_hook = timeouts.on_late_p2p(self._late)
+
+    # --- the step --------------------------------------------------------------------------------
+    def _needed(self) -> bool:
+        """Some PP link is on NCCL now (not once every link is delegated: ``delegation="always"``, after
+        an auto switch, or after this failover).  The same on every rank: switches happen at agreed
+        boundaries."""
+        d = self.delegation
+        return self.active and not (d.delegating and d.links is None)
+
+    def begin(self, stages: list) -> None:
+        """At the start of a step (first attempt): record gradients and RNG state, watch for notices."""
+        self._snapshot = None
+        if not self._needed():
+            return
+        self._snapshot = _Snapshot(stages)
+        if self._thread is None and self._store is not None:
+            self._thread = threading.Thread(target=self._watch, daemon=True, name="titan_ext-pp-failover")
+            self._thread.start()
+        self._running.set()
+
+    def failed(self, exc: BaseException) -> bool:
+        """The step raised ``exc``: a failure of the NCCL path (this rank posts the notice and aborts its
+        PP communicator; the step is settled by :meth:`settle`), or not (raise it)."""
+        if not self._needed() or not (is_link_failure(exc) or self._noticed.is_set()):
+            return False
+        self._notify(f"rank {dist.get_rank()}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return True
+
+    def settle(self, stages: list) -> bool:
+        """End of a step attempt, on every PP rank: the vote.  True: the NCCL path failed on some rank and
+        every link is now on the delegates — re-run the step (gradients and stage state restored)."""
+        if not self._needed():
+            self._running.clear()
+            return False
+        ctx = self.context
+        # the watch keeps polling through the vote: a rank whose step completed may still have PP ops in
+        # flight to a rank that left the step (a stream wait behind them holds its next kernel) — the
+        # notice aborts them
+        failed = ctx.control.any(self._noticed.is_set())
+        self._running.clear()
+        if not failed:
+            return False
+        abort_group(ctx.group)
+        reason = self._reason or self._read_notice()
+        iteration = ctx.iteration()
+        self.active = False
+        self._close_watch()
+        d = self.delegation
+        why = (f"NCCL path of the PP group failed in iteration {iteration} ({reason}): every PP link moved to "
+               f"the delegates, the iteration re-runs from its start")
+        log.warning("titan_ext: %s", why)
+        self.events.append({"iteration": iteration, "reason": reason, "time": time.time()})
+        if d.router is not None:
+            for ch in d.pool.channels if d.pool is not None else ():
+                peer = ch.dst if ch.src == dist.get_rank() else ch.src
+                d.router._fail_over(peer, ch.direction, f"NCCL path failed in iteration {iteration}: {reason}")
+        d.set(True, f"failover: {why}", completed=iteration)
+        if self._snapshot is not None:
+            self._snapshot.restore(stages)
+        return True
+
+    # --- notices ---------------------------------------------------------------------------------
+    def _notify(self, reason: str) -> None:
+        if not self._noticed.is_set():
+            self._reason = reason
+            if self._store is not None:
+                try:
+                    self._store.set(self._key, reason)
+                except Exception as exc:  # noqa: BLE001 - the vote still carries this rank's failure
+                    log.debug("titan_ext: failover notice: %s", exc)
+            self._noticed.set()
+        abort_group(self.context.group)
+
+    def _read_notice(self) -> str:
+        """The notice's reason (``check`` first: a ``get`` of a missing key would wait for it)."""
+        try:
+            if self._store is not None and self._store.check([self._key]):
+                return self._store.get(self._key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store is going away: the vote is what counts
+            pass
+        return "another PP rank saw the failure"
+
+    def _watch(self) -> None:
+        while not self._closed:
+            self._running.wait()
+            if self._closed:
+                return
+            try:
+                seen = self._store.check([self._key])
+            except Exception:  # noqa: BLE001 - the store is going away
+                return
+            if seen and self._running.is_set() and not self._noticed.is_set():
+                self._noticed.set()
+                abort_group(self.context.group)
+            time.sleep(_POLL_S)
+
+    def _late(self, work: Any) -> bool:
+        """:mod:`~titan_ext.runtime.timeouts`' watch: a PP wait ran past the timeout while a step ran."""
+        if not (self.active and self._running.is_set()):
+            return False
+        self._notify(f"rank {dist.get_rank()}: no {getattr(work, 'kind', 'message')} completed with rank "
+                     f"{getattr(work, 'peer', '?')} within the PP timeout")
+        return True
+
+    def _close_watch(self) -> None:
+        self._closed = True
+        self._running.set()
+        self._remove_hook()
+
+    def close(self) -> None:
+        self.active = False
+        if not self._closed:
+            self._close_watch()

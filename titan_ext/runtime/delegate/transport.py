@@ -60,9 +60,10 @@ def DelegationMode(mode: str) -> str:  # noqa: N802 - validated enum-like string
 
 
 NCCL_FAILOVER_REFUSAL = (
-    "failover (delegation_failover) cannot work on an NCCL PP group: a hung NCCL send does not raise "
-    "from wait() (the watchdog kills the process after the timeout), and the retry would issue ops on "
-    "the pair from another thread and out of order. It covers gloo PP groups only (docs/delegate.md)")
+    "P2PRouter(failover=True) retries each failed op and cannot work on an NCCL PP group: a hung NCCL send "
+    "does not raise from wait() (the watchdog kills the process after the timeout), and the retry would issue "
+    "ops on the pair from another thread and out of order. A schedule's failover (delegation_failover) on an "
+    "NCCL PP group is step-level instead: StepFailover in runtime/delegate/schedule.py (docs/delegate.md)")
 
 
 def is_nccl(group=None) -> bool:
@@ -210,9 +211,10 @@ class P2PRouter:
         delegate_fallback: a killed delegate's lane falls back to direct P2P on ``group`` exactly, its
             delegate is respawned and the lane returns to it (:meth:`DelegatePool.enable_fallback`);
             False: a dead delegate stops training with :class:`DelegateError`.  Both ends must agree.
-            Gloo groups only: on an NCCL ``group`` it is off (a clean stop), and ``failover=True`` is
-            refused with a ValueError (NCCL ignores tags, runs a pair's ops in issue order from one
-            thread and does not raise on a hung send).
+            Gloo groups only: on an NCCL ``group`` it is off (a clean stop), and ``failover=True`` (the
+            per-op retry) is refused with a ValueError (NCCL ignores tags, runs a pair's ops in issue
+            order from one thread and does not raise on a hung send); a schedule's failover on an NCCL
+            PP group is step-level (:class:`~titan_ext.runtime.delegate.schedule.StepFailover`), not this router's.
     """
 
     def __init__(self, rank: int, pool: DelegatePool | None = None, group=None, delegating: bool = False,
