@@ -28,7 +28,7 @@ def _train(rank, world, group, sched_kw, before_step=None):
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.testing import mlp_stages, seeded_batch
-    from titan_ext.testing.models import step_rank
+    from titan_ext.testing.models import sgd_step
 
     mods = mlp_stages(world, DIM)
     sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu"), group=group), N_MB,
@@ -39,11 +39,7 @@ def _train(rank, world, group, sched_kw, before_step=None):
         if before_step is not None:
             before_step(k)
         x, y = seeded_batch(1000 + k, BATCH, DIM)
-        out: list = []
-        opt.zero_grad()
-        step_rank(sched, rank, world, x, y, out)
-        opt.step()
-        losses.append([float(v) for v in out])
+        losses.append(sgd_step(sched, opt, rank, world, x, y))
     return sched, losses, [p.detach().clone() for p in mods[rank].parameters()]
 
 

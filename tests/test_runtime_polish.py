@@ -19,7 +19,7 @@ from titan_ext.runtime import PipeMorphConfig
 from titan_ext.runtime.deploy import Candidate
 from titan_ext.runtime.lifecycle import DecisionLog, PlanLifecycle
 from titan_ext.runtime.policy import Decision
-from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, sgd_step
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -170,11 +170,7 @@ def _train(rank: int, world: int, polish_s: float | None, steps: int | None, max
     losses, started, k, extra = [], None, 0, None
     while (k < steps) if steps is not None else (extra is None or extra > 0) and k < max_steps:
         x, y = seeded_batch(1000 + k, BATCH, DIM)
-        out: list = []
-        opt.zero_grad()
-        step_rank(sched, rank, world, x, y, out)
-        opt.step()
-        losses.append([float(v) for v in out])
+        losses.append(sgd_step(sched, opt, rank, world, x, y))
         if started is None and sched.lifecycle.polish.pending:
             started = k
         if extra is not None:

@@ -6,7 +6,7 @@
 | ``simdevice`` | the asynchronous-device simulation behind the runtime's device layer |
 | ``ranks`` | ``run_ranks`` (spawned ranks on loopback, one process group each), ``free_port``, ``chosen_backend`` |
 | ``launch`` | ``torchrun`` / ``torchrun_command``: the one torchrun launcher |
-| ``models`` | deterministic MLP stages, seeded batches, ``step_rank``, ``train_steps``, ``gpipe_reference``, sleep stages |
+| ``models`` | deterministic MLP stages, seeded batches, ``step_rank``, ``sgd_step``, ``train_steps``, ``gpipe_reference``, sleep stages |
 
 Layering: this package sits on ``titan_ext.runtime`` (it may import it and plan/); nothing in plan/
 or runtime/ imports it (tests/test_plan_imports.py), and it imports nothing of titan/ or the entry
@@ -21,6 +21,7 @@ from .models import (
     gpipe_reference,
     mlp_stages,
     seeded_batch,
+    sgd_step,
     static_stage_shapes,
     step_rank,
     timed_step,
@@ -29,5 +30,6 @@ from .models import (
 from .ranks import DEFAULT_BACKEND, chosen_backend, free_port, run_ranks
 
 __all__ = ["DEFAULT_BACKEND", "SleepComputeStage", "TinyTransformerStage", "chosen_backend", "free_port",
-           "gpipe_reference", "mlp_stages", "run_ranks", "seeded_batch", "static_stage_shapes", "step_rank",
+           "gpipe_reference", "mlp_stages", "run_ranks", "seeded_batch", "sgd_step",
+           "static_stage_shapes", "step_rank",
            "timed_step", "torchrun", "torchrun_command", "train_steps"]

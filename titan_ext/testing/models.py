@@ -49,6 +49,15 @@ def step_rank(schedule: Any, rank: int, world: int, x: Any, y: Any, losses: list
         schedule.step()
 
 
+def sgd_step(schedule: Any, optimizer: Any, rank: int, world: int, x: Any, y: Any) -> list[float]:
+    """One training step: ``zero_grad``, :func:`step_rank`, the optimizer's step; this rank's losses."""
+    losses: list = []
+    optimizer.zero_grad()
+    step_rank(schedule, rank, world, x, y, losses)
+    optimizer.step()
+    return [float(v) for v in losses]
+
+
 def train_steps(rank: int, world: int, make: Callable[[Any], Any], steps: int, *, dim: int, batch: int,
                 seed_base: int = 1000, lr: float = 0.05) -> tuple[Any, list[list[float]], list[torch.Tensor]]:
     """SGD-train ``mlp_stages(world, dim)[rank]`` for ``steps`` steps on two ranks' schedule

@@ -20,9 +20,9 @@ else the fewest ranks the config runs on. Nothing here needs a GPU, a tokenizer 
    stage's real modules under ``FakeTensorMode`` (no memory is allocated): the storages alive after two
    forwards minus after one (what a second microbatch adds: activations, saved tensors, selective
    checkpointing's saved ops, the stage output kept for its backward; not FSDP's unsharded weights,
-   which the first forward gathers once). What the runtime will count is measured beside it (autograd's
-   saved tensors, ``runtime.memory.saved_bytes_key``; under selective activation checkpointing, whose
-   saved ops those do not show, the larger of that and the bytes left alive: ``executor.measured_forward``);
+   which the first forward gathers once). What the runtime will count is measured beside it, by its own
+   first-forward measurement (``executor.measured_forward``: autograd's saved tensors; under selective
+   activation checkpointing, whose saved ops those do not show, also the bytes left alive);
 4. the memory verdict: each stage's activation budget (``[titan_ext] memory_budget_gib``, else the GPU's
    memory, ``DRY_RUN_GPU_GIB`` (default 80), less the model state: 16 bytes per local parameter (fp32
    weight, gradient, AdamW's two states) and the stage's gathered bf16 weights, times
@@ -41,7 +41,6 @@ error, one line, as the trainer's own check).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -67,54 +66,37 @@ def pp_group_ranks(world_size: int, pp: int) -> list[int]:
     return [p * (world_size // pp) for p in range(pp)]
 
 
-@contextlib.contextmanager
-def _fsdp_on_fake_tensors():
-    """FSDP2 refuses a forward while its sharded parameters are on the meta device; under
-    ``FakeTensorMode`` they are fake CPU tensors after ``to_empty``, which it accepts. Nothing to patch:
-    a context for symmetry with the fake mode it needs."""
+def measure_forward_bytes(part: torch.nn.Module, make_input, loss=None) -> tuple[int, int, Any]:
+    """(M^F as live storages, M^F as the runtime counts it, the output's shape and dtype) of one
+    microbatch's forward through ``part``, under ``FakeTensorMode`` (FSDP2 refuses a forward on meta
+    parameters; after ``to_empty`` they are fake CPU tensors, which it accepts): the storages alive after
+    two forwards minus after one, and ``executor.measured_forward``'s count of the second, the runtime's
+    own first-forward measurement (module docstring, item 3). ``make_input`` makes one microbatch's input
+    inside the fake mode; ``loss`` (the last stage): the output goes through ``loss(output)`` and only
+    the loss is kept, as the schedule keeps it."""
+    from types import SimpleNamespace
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        yield mode
+    from titan_ext.runtime.executor import measured_forward
+    from titan_ext.runtime.memory import LiveStorages
 
+    def forward() -> tuple[Any, Any]:
+        output = part(make_input())
+        return (output, output) if loss is None else (loss(output), output)
 
-def measure_forward_bytes(part: torch.nn.Module, make_input, loss=None) -> tuple[int, int, Any]:
-    """(M^F as live storages, M^F by the runtime's rule, the output's shape and dtype) of one microbatch's
-    forward through ``part``, on fake tensors: the storages alive after two forwards minus after one,
-    and the bytes ``runtime.memory.saved_bytes_key`` counts in the second (module docstring, item 3).
-    ``make_input`` makes one microbatch's input inside the fake mode; ``loss`` (the last stage): the
-    output goes through ``loss(output)`` and only the loss is kept, as the schedule keeps it."""
-    from titan_ext.runtime.memory import LiveStorages, parameter_storages, saved_bytes_key
-
-    with _fsdp_on_fake_tensors():
+    with FakeTensorMode(allow_non_fake_inputs=True):
         part.to_empty(device="cpu")
-        params = parameter_storages(part.parameters())
-        seen: set = set()
-        rule = [0]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            counted = saved_bytes_key(t, params)
-            if counted is not None and counted[0] not in seen:
-                seen.add(counted[0])
-                rule[0] += counted[1]
-            return t
-
-        def forward() -> tuple[Any, Any]:
-            output = part(make_input())
-            return (output, None) if loss is None else (loss(output), output)
-
         live = LiveStorages()
         with live:
-            first, _ = forward()
+            first = forward()
             after_one = live.alive_bytes()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                second, output = forward()
-                output = second if output is None else output
-                spec = (list(output.shape), str(output.dtype).removeprefix("torch."))
-                del output
+            second, counted = measured_forward(SimpleNamespace(submod=part), forward)
+            spec = (list(second[1].shape), str(second[1].dtype).removeprefix("torch."))
+            second = second[0]  # the schedule keeps the loss, or the output
             after_two = live.alive_bytes()
-        del first
-        return after_two - after_one, rule[0], spec
+        del first, second
+        return after_two - after_one, counted, spec
 
 
 def _local_numel(t: torch.Tensor) -> int:
@@ -182,7 +164,6 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from titan_ext.runtime.memory import selective_checkpointing
     from titan_ext.titan import adapters
     from titan_ext.titan.registry import active_job_config
 
@@ -217,8 +198,6 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
                 with loss_parallel():  # TP's vocabulary-sharded logits, as TorchTitan's train context
                     return fn(output, labels)
             live, rule, spec = measure_forward_bytes(part, make_input, loss if stage.is_last else None)
-            if selective_checkpointing(part):  # the runtime counts what is left alive there too
-                rule = max(rule, live)
             out["stages"].append({"stage": stage.stage_index, "modules": modules, "params": total,
                                   "local_params": local, "matmul_params": total - embed, "mf_bytes": live,
                                   "mf_rule_bytes": rule, "output": spec})
