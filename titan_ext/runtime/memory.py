@@ -45,9 +45,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DEFAULT_HEADROOM", "PENDING", "RELEASE", "ActivationMeter", "LiveStorages", "activation_budget_bytes", "inflight_cap",
-           "optimizer_steps", "parameter_storages", "rank_memory_limits", "saved_bytes_key", "selective_checkpointing",
-           "stage_caps", "storage_id"]
+__all__ = ["DEFAULT_HEADROOM", "PENDING", "RELEASE", "ActivationMeter", "LiveStorages", "activation_budget_bytes",
+           "inflight_cap", "optimizer_steps", "parameter_storages", "rank_memory_limits", "saved_bytes_key",
+           "selective_checkpointing", "stage_caps", "storage_id"]
 
 #: the memory rule of every plan this runtime runs (``plan.profile.RELEASES``): torch's split backward keeps a
 #: microbatch's autograd graph from its I until its W (``ActivationMeter`` sees an I free nothing), so an
@@ -193,7 +193,9 @@ class LiveStorages(TorchDispatchMode):
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 s = getattr(t, "_local_tensor", t).untyped_storage()
-                self.records.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+                seen = self.records.get(s._cdata)
+                if seen is None or seen[0].expired():  # a freed storage's address may come back
+                    self.records[s._cdata] = (StorageWeakRef(s), s.nbytes())
         return out
 
     def alive_bytes(self, exclude: set[int] = frozenset()) -> int:
