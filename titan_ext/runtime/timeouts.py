@@ -68,7 +68,8 @@ import torch.distributed as dist
 from .device import thread_device
 
 __all__ = ["PeerTimeout", "blocking_wait", "current_timeout_s", "install_p2p_timeout", "named_collective",
-           "fake_backend", "new_group", "named", "publish_identity", "set_timeout", "explicit_wait_timeout"]
+           "fake_backend", "new_group", "named", "on_late_p2p", "publish_identity", "set_timeout",
+           "explicit_wait_timeout"]
 
 log = logging.getLogger(__name__)
 
