@@ -1,4 +1,4 @@
-"""Issue 26 probes kept as tests: bad or extreme command-line input is refused in one line with exit 2
+"""Probes kept as tests: bad or extreme command-line input is refused in one line with exit 2
 (no traceback, nothing on stdout), outputs never touch a file the user already had, and work is
 bounded by --time-limit (compare skips what does not fit its budget)."""
 

@@ -1,5 +1,5 @@
 """CrossPipe greedy generator (CrossPipe §4.2, Alg.1): validity, timing model, comparisons with torch's
-own static schedules and our zb plans (issue 6 "Must show").
+own static schedules and our zb plans.
 
 References are independent of the generator: torch's built-in schedules (taken from torch, simulated by
 the planning core's simulator), the planning core's PipeMorph/zb plans, closed forms derived below.

@@ -1,4 +1,4 @@
-"""[titan_ext] delegation_slot_mib and the delegate links' timeout (issue 20 Build item 5, issue 26)."""
+"""[titan_ext] delegation_slot_mib and the delegate links' timeout."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The delegate data plane's GPU rules, checked on CPU (issue 20 defects 4, 6, 7 and "Also").
+"""The delegate data plane's GPU rules, checked on CPU.
 
 No GPU here: the CUDA entry points the pool calls (``torch.cuda.device``/``stream``/``current_stream``,
 the extension's copy+signal kernels) are replaced by recorders, and the tests assert *which device and

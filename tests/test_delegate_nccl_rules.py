@@ -1,4 +1,4 @@
-"""Delegation in the schedule under NCCL's rules, default tier (issue 20: "delegation ... run under
+"""Delegation in the schedule under NCCL's rules, default tier ("delegation ... run under
 these backends, in the default tier").
 
 Two ranks on the ``nccl_rules`` test backend (tags ignored, per-pair FIFO, batches as groups,

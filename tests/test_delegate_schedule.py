@@ -118,7 +118,7 @@ def _big_worker(rank, world):
 
 
 def test_delegation_carries_activations_over_64_mib_with_a_derived_slot_size():
-    """Issue 20 defect 6: slots sized from the stage's messages (no setting), > 64 MiB activations go
+    """Slots sized from the stage's messages (no setting), > 64 MiB activations go
     through the delegates, results bit-equal to direct P2P."""
     for rank, r in enumerate(run_ranks(_big_worker, 2)):
         assert r["slot_bytes"] == r["expected"] > 65 << 20, r

@@ -1,5 +1,4 @@
-"""Falcon §7.3's compound case (Fig. 17) on the monitor and the job's decision logic (issue 35
-item 2): a slow DP link → S3, then a slow device → S2, then the device stays slow → S4, each
+"""Falcon §7.3's compound sequence on the monitor and the job's decision logic (a host model): a slow DP link → S3, then a slow device → S2, then the device stays slow → S4, each
 ``falcon_events.jsonl`` row with its evidence; and the classifier that makes it possible (a slow link
 that does not touch the flagged device is the link's, and the component not handled yet gives the
 root cause). Pure: a host model of a DP 2 × PP 2 job, no processes."""

@@ -125,7 +125,7 @@ def job_run() -> list[dict]:
         return run_ranks(_job_worker, 4, d, backend="nccl_rules", timeout_s=240)
 
 
-#: nccl_rules (as being reworked for issue 46) records *every* collective's ``wait()`` as a "barrier
+#: nccl_rules records *every* collective's ``wait()`` as a "barrier
 #: (device synchronize)"; on ProcessGroupNCCL an all-reduce's ``wait()`` only makes the current stream
 #: wait.  The DP gradient sum's waits are therefore not counted here (only that kind, only that file).
 _COLLECTIVE_WAIT = ("barrier (device synchronize)", "titan_ext/runtime/falcon/redistribute.py:")

@@ -321,7 +321,7 @@ def healthy_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.soak  # 70 s; CI's DP 2 x PP 2 job without a fault: tests/test_falcon_s3.py's reference run
 def test_healthy_40_step_run_takes_no_mitigation(healthy_run):
-    """Issue 23's must-show: zero mitigations *applied*. The shared host itself may slow every rank
+    """Zero mitigations *applied*. The shared host itself may slow every rank
     for a few steps (seen: steps 26-31 of a run at 2-4 s against ~0.5 s, +236 %); Falcon then
     rightly detects an event and decides, but nothing of the job changes: no S2 split, no S3 grid,
     no S4, and a PipeMorph re-plan on a schedule that already re-plans is no application."""

@@ -102,7 +102,7 @@ def _startup_bytes(rank: int, world: int, numel: int, probe_bytes: int, dump: st
 
 #: docs/falcon.md "Start-up memory": Falcon's start-up allocates at most 6 probes of PROBE_BYTES
 #: (the DP all-reduce's, S3's send and receive and load copy, S4's sample and its reload), whatever
-#: the stage's size — before issue 34 it held ~10 bytes per parameter and more (two 3x-state
+#: the stage's size — it once held ~10 bytes per parameter and more (two 3x-state
 #: buffers, a copy of the stage and a full fp32 gradient buffer)
 STARTUP_PROBES = 6
 

@@ -242,7 +242,7 @@ def test_slow_dp_link_moved_onto_a_pp_hop_in_memory_and_recorded(s3_runs):
     s3 = [e for e in events if e["kind"] == "decision" and e["strategy"] == "S3"]
     assert s3 and s3[0]["applied"], events
     step = s3[0]["iteration"]
-    assert step <= 12  # issue 23's must-show: S3 in memory by step 12 (fault from step 5)
+    assert step <= 12  # S3 in memory by step 12 (fault from step 5)
     assert s3[0]["suspected"]["root_cause"] == "dp_link"
     assert sorted(s3[0]["suspected"]["slow_links"][0]) == [0, 1]
     # the measured cost is the in-memory change's (seconds, not a process start), and it replaced

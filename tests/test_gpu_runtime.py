@@ -1,4 +1,4 @@
-"""The runtime on a real CUDA GPU (marker ``gpu``; skipped without CUDA; issue 20, "GPU run").
+"""The runtime on a real CUDA GPU (marker ``gpu``; skipped without CUDA).
 
 What only a GPU shows, each against an independent reference:
 

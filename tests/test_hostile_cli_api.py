@@ -1,4 +1,4 @@
-"""Issue 39, items 1, 5 and 6 (CLI and Python API): hostile input, kept as a table. Each case asserts the
+"""CLI and Python API: hostile input, kept as a table. Each case asserts the
 specific clean outcome -- exit code, one line on stderr naming the argument, no file left behind, the
 user's file untouched -- or, for the API, a TypeError/ValueError naming the argument. None repeats
 tests/test_cli_robust.py or tests/test_plan_api_errors.py.
@@ -334,7 +334,7 @@ def test_cli_hostile_input_is_one_line_exit_2_and_touches_nothing(case, tmp_path
 # CLI: degenerate but valid input works (S = 1 stage, N = 1 microbatch), and outputs keep their promises
 
 @pytest.mark.parametrize("argv, makespan", [
-    (["plan", "--stages", "1", "--microbatches", "1", *T], 30.0),  # issue 39: blamed a --slack-floor nobody gave
+    (["plan", "--stages", "1", "--microbatches", "1", *T], 30.0),  # once blamed a --slack-floor nobody gave
     (["plan", "--stages", "1", "--microbatches", "1", *T, "--schedule", "zb-h1"], 30.0),
     (["plan", "--stages", "1", "--microbatches", "1", *T, "--schedule", "crosspipe-ud"], 30.0),
     (["plan", "--stages", "1", "--microbatches", "5", *T], 150.0),
@@ -364,7 +364,7 @@ def test_cli_writes_through_a_plain_path_and_leaves_no_temporary(tmp_path, capsy
 
 # --------------------------------------------------------------------------------------------------------
 # Python API (item 5): TypeError for a wrong type (ArgumentTypeError is a TypeError and, for code written
-# against issue 26, a ValueError), ValueError for a bad value; the message names the argument.
+# a ValueError), ValueError for a bad value; the message names the argument.
 
 from titan_ext.plan import (  # noqa: E402
     LinkProfile,

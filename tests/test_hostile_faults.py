@@ -1,4 +1,4 @@
-"""Issue 39, items 3 and 6 (faults): a fault ends or recovers within the timeout, loudly.
+"""Faults: a fault ends or recovers within the timeout, loudly.
 
 * Shared memory for the delegates is reserved up front: a shortage (the free-space probe, or the
   reservation itself) is a ``SharedMemoryShortage`` before any byte of the ring is written (it was a
@@ -388,7 +388,7 @@ def test_a_stopped_rank_under_delegation_ends_the_job_within_timeout_plus_10s_an
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("spec, by", [pytest.param("3:4@3", None, marks=pytest.mark.soak), ("3:4", "replicas")])
 def test_falcon_job_sees_an_early_and_a_from_the_start_slow_device(spec, by, tmp_path):
-    """Issue 39's job: ``emulate_slow_device "3:4@3"`` stayed "healthy" for all 44 steps; device 3 slow from
+    """A job whose ``emulate_slow_device "3:4@3"`` stayed "healthy" for all 44 steps; device 3 slow from
     the first step was never flagged. Now: an onset by step 3 + 5, localised to device 3; from the start,
     an onset by the replicas' comparison naming replica 1 (device 3's row) within the 16 steps, localised
     to device 3 (on this loaded host a 4x device showed replica ratios of 1.1-6x, so its step varies)."""

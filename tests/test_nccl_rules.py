@@ -33,7 +33,7 @@ def _settle(works: list, limit_s: float = 20.0) -> str:
             if time.monotonic() > deadline:
                 return "still pending"
             time.sleep(0.005)
-    except NcclRuleError as exc:  # the backend before issue 46 raised from is_completed()
+    except NcclRuleError as exc:  # an earlier backend raised from is_completed()
         return str(exc)
     errors = [w.exception() for w in works if w.exception() is not None]
     return str(errors[0]) if errors else "ok"
@@ -212,7 +212,7 @@ def _scenarios(rank: int, world: int) -> dict:
           [dist.P2POp(dist.irecv, t, 1 - rank, g) for t in theirs]
     out["big_batch"] = _settle(dist.batch_isend_irecv(ops)), [t[0].item() for t in theirs[::50]]
 
-    # 11.-13. host tensors by placement, on any thread, among collective outputs (issue 34)
+    # 11.-13. host tensors by placement, on any thread, among collective outputs
     out["placement"] = _placement_scenarios(peer)
 
     # 14. the group timeout is NCCL's watchdog: an op unmatched past it aborts the group (here, with
@@ -320,7 +320,7 @@ def _timed(fn) -> tuple:
 
 
 def _issue46_scenarios(rank: int, peer: int, control: ControlPlane) -> dict:
-    """The differences from ProcessGroupNCCL that issue 46 lists, each where NCCL's behaviour shows."""
+    """The differences from ProcessGroupNCCL the module docstring lists, each where NCCL's behaviour shows."""
     import sys
 
     from titan_ext.runtime import host_syncs
@@ -707,7 +707,7 @@ def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
 
 
 def test_host_tensors_are_recognised_by_placement_on_any_thread_and_as_collective_outputs(seen):
-    """Issue 34: on the old backend a titan_ext tensor made with ``device="cpu"``, one made on a helper
+    """On an earlier backend a titan_ext tensor made with ``device="cpu"``, one made on a helper
     thread, and host output buffers of a collective all passed unchecked."""
     for rank in (0, 1):
         p = seen[rank]["placement"]

@@ -1,4 +1,4 @@
-"""Issue 26, Python API: a wrong type or an impossible value raises ValueError naming the argument (not a
+"""Python API: a wrong type or an impossible value raises ValueError naming the argument (not a
 TypeError / AttributeError / IndexError from inside a planner), and simulate refuses a plan that is
 incomplete or does not match its profile instead of timing it."""
 

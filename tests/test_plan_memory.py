@@ -51,7 +51,7 @@ def test_per_rank_unit_counts_a_chunk_as_one_vth():
 
 @pytest.mark.parametrize("name", ["ZBVZeroBubble", "Interleaved1F1B"])
 def test_targets_uniform(name):
-    """Issue 21's targets (t = 10/10/10, R = 4, V = 2, N = 16): at the built-in's per-rank peak, +60 ms on
+    """The targets (t = 10/10/10, R = 4, V = 2, N = 16): at the built-in's per-rank peak, +60 ms on
     rank link 2: ours ≤ 0.7× it; no delay: ours ≤ it and ≤ InterleavedZeroBubble at its memory (loop)."""
     slow = PipelineProfile.uniform(4, 16, 10, 10, 10, delays_ms={2: 60})
     ours, theirs, _ = _at_memory_of(name, slow)
@@ -143,7 +143,7 @@ def test_cli_bad_memory_limit_one_line_exit_2(capsys, args, needle):
 
 
 def test_cli_compare_memory_matched(capsys):
-    """`compare` puts beside each schedule our plan at its per-rank peak (issue 21's targets)."""
+    """`compare` puts beside each schedule our plan at its per-rank peak."""
     rows = {r["schedule"]: r for r in _cli_json(capsys, "compare", *COMMON, "--time-limit", "600")["schedules"]}
     for name, bound in (("torch ZBVZeroBubble", 0.7), ("torch Interleaved1F1B", 0.7), ("torch 1F1B", 870 / 1530)):
         row = rows[name]

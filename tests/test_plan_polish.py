@@ -161,7 +161,7 @@ def test_cli_polish_flag(capsys):
 def test_polish_meets_the_held_out_target_where_the_default_misses_it():
     """Held-out D4 (S = 8, N = 32, a slow link; scripts/bench_optimality.py --first-seed 3): the default
     CrossUDSub plan is 3.41 % above CP-SAT's proven lower bound (docs/benchmarks/crosspipe_holdout_cache.json,
-    the solver's own 60 s run), beyond issue 25's 1.5 %; the 2 s polish brings it within."""
+    the solver's own 60 s run), beyond the 1.5 % asked; the 2 s polish brings it within."""
     import importlib.util
     import json
     from pathlib import Path

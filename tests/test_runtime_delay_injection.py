@@ -239,7 +239,7 @@ def test_injection_under_torch_1f1b_keeps_nccl_rules_and_delays_arrival():
     assert res[1][""]["losses"]  # the last stage computed losses
 
 
-# ---------------------------------------------------------------- on a GPU (fake CUDA, issue 34)
+# ---------------------------------------------------------------- on a GPU (fake CUDA)
 class _DictStore:
     """The torch.distributed store's calls the injector makes (``wait`` blocks until the keys are set,
     as a TCPStore's does)."""

@@ -1,5 +1,5 @@
 """The device layer's CUDA implementation, on a fake CUDA whose stream runs behind the host
-(``tests/_fake_cuda.py``; issue 20, defect 9 and the CUDA rules of DESIGN.md).
+(``tests/_fake_cuda.py``; the CUDA rules of DESIGN.md).
 
 * event times are put on the host clock through the anchor's *completion*, so an optimizer backlog
   that delays the device does not shift the timeline (a host clock read at enqueue would);

@@ -64,8 +64,8 @@ def _worker(rank: int, world: int):
 def test_fitted_beta_within_15_percent_of_injected_cap():
     # a precision test of the injector's bandwidth model, on plain gloo: the rule is that the fitted
     # quantity is the per-message time itself, and the nccl_rules backend's extra hops (descriptor,
-    # lander and completer threads) add 1-4.5 ms per message on a loaded host (measured on idle links,
-    # issue 20), the size of the small messages' modelled transfer times
+    # lander and completer threads) add 1-4.5 ms per message on a loaded host (measured on idle links),
+    # the size of the small messages' modelled transfer times
     results = run_ranks(_worker, 2, backend="gloo")
     fits = [fit_link(fwd, bwd) for fwd, bwd in zip(results[1], results[0])]
     assert all(f.identifiable for f in fits), fits

@@ -251,7 +251,7 @@ def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backe
     assert took < T + 30, took
 
 
-# ---------------------------------------------------------------- issue 46: the watch's device, NCCL's rules
+# ---------------------------------------------------------------- the watch's device, NCCL's rules
 def test_the_watch_polls_under_the_device_of_the_thread_that_registered_the_work(monkeypatch):
     """Defect: the watch thread polled ``Work.is_completed()`` — on NCCL a ``cudaEventQuery`` —
     from a thread that never selected a device: CUDA then opens a context on GPU 0 in every process.

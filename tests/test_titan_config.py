@@ -381,7 +381,7 @@ def _zb_spec():
 
 
 def test_a_new_adaptive_schedule_is_a_registry_entry_torchtitan_finds():
-    """Issue 24 item 2 / issue 38 item 3: a schedule = a ScheduleSpec naming its planner, registered by
+    """A schedule = a ScheduleSpec naming its planner, registered by
     ``register_schedule``; TorchTitan's lookup finds it by name and its [titan_ext] settings arrive as its
     config — no subclass code, no signature patch, no second table."""
     from titan_ext.runtime import PipeMorph

@@ -96,7 +96,7 @@ def test_env_straggler_is_checked_before_it_is_announced(tmp_path):
     pytest.param("1F1B", "nccl_rules", marks=pytest.mark.soak)])
 def test_frozen_rank_ends_the_job_within_timeout_plus_30s_naming_it(schedule, backend, tmp_path):
     """SIGSTOP rank 2 at step 5 of train_configs/debug_cpu.toml (4 ranks, torchrun): the job ends within
-    comm.train_timeout_seconds + 30 s and the log names rank 2 (before issue 26: 333 s, 'Timed out
+    comm.train_timeout_seconds + 30 s and the log names rank 2 (before the fix: 333 s, 'Timed out
     waiting 300000ms for recv', for ours and for torch's 1F1B alike).  Under nccl_rules no PP wait has a
     timeout: the PP group's timeout (NCCL's watchdog) ends the job, after the watch named and fenced rank 2."""
     timeout_s = 30
