@@ -26,14 +26,15 @@ class Block(torch.nn.Module):
 
 
 def _measure(module):
-    return measure_forward_bytes(module.to("meta"), lambda: torch.zeros(B, D_IN, requires_grad=True))
+    return measure_forward_bytes(module.to("meta"), lambda: (torch.zeros(B, D_IN, requires_grad=True), {}))
 
 
 def test_no_checkpointing_counts_what_autograd_keeps():
     """Autograd keeps the input (for up's weight gradient) and relu's output (relu's backward and down's
-    weight gradient: one storage); up's output is freed. Alive after the forward: those and the output."""
+    weight gradient: one storage); up's output is freed. Alive after the forward: those and the output, which
+    torch's stage keeps until the backward (``fwd_cache``) and the runtime's rule counts too."""
     live, rule, (shape, dtype) = _measure(Block())
-    assert rule == 4 * B * (D_IN + D_H)
+    assert rule == 4 * B * (D_IN + D_H + D_OUT)
     assert live == 4 * B * (D_IN + D_H + D_OUT)
     assert shape == [B, D_OUT] and dtype == "float32"
 
@@ -42,8 +43,7 @@ def test_full_checkpointing_keeps_the_input_only():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     live, rule, _ = _measure(checkpoint_wrapper(Block(), preserve_rng_state=False))
-    assert rule == 4 * B * D_IN
-    assert live == 4 * B * (D_IN + D_OUT)
+    assert rule == live == 4 * B * (D_IN + D_OUT)
 
 
 def test_selective_checkpointing_is_seen_alive_and_by_the_runtime():
@@ -72,7 +72,8 @@ def _sac_policy():
 def test_runtime_rule_sees_selective_checkpointing(selective):
     """The runtime's first-forward M^F (``executor.measured_forward``) on real tensors: with full
     checkpointing autograd's saved tensors say it all (the input); with selective checkpointing, which the
-    wrapper's ``context_fn`` reveals, the bytes left alive count too (the input, both matmuls, the output)."""
+    wrapper's ``context_fn`` reveals, the bytes left alive count too (the input, both matmuls, the output);
+    the output always (torch's stage keeps it until the backward)."""
     from types import SimpleNamespace
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -86,17 +87,18 @@ def test_runtime_rule_sees_selective_checkpointing(selective):
     if selective:
         assert nbytes >= 4 * B * (D_H + D_OUT)  # up's and down's matmuls (x was made before: not seen alive)
     else:
-        assert nbytes == 4 * B * D_IN
+        assert nbytes == 4 * B * (D_IN + D_OUT)
 
 
-def test_loss_keeps_the_loss_not_the_logits():
-    """On the last stage the schedule keeps the loss: the logits count only as what the loss saves."""
+def test_last_stage_keeps_its_logits():
+    """On the last stage torch's stage keeps the output (the logits) until the backward, beside what the
+    loss saves (its log-softmax) and the scalar loss: both counts see the block's, the logits and the loss's."""
     live, rule, (shape, _) = measure_forward_bytes(
-        Block().to("meta"), lambda: torch.zeros(B, D_IN, requires_grad=True),
+        Block().to("meta"), lambda: (torch.zeros(B, D_IN, requires_grad=True), {}),
         lambda out: torch.nn.functional.cross_entropy(out, torch.zeros(B, dtype=torch.long)))
     assert shape == [B, D_OUT]
-    assert rule >= 4 * B * (D_IN + D_H)  # the block's, and the loss's own saved tensors
-    assert abs(live - rule) <= 4 * B * D_OUT + 64  # at most the logits' softmax, and the scalar loss
+    assert rule >= 4 * B * (D_IN + D_H + 2 * D_OUT)  # the block's, the logits, the loss's log-softmax
+    assert abs(live - rule) <= 64  # the scalar loss and the target
 
 
 def test_fake_backend_groups_are_fake():
@@ -180,3 +182,24 @@ def test_cluster_configs_fit(config):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1].startswith("titan_ext dry run: fits")
 
+
+
+def test_runtime_rule_drops_what_the_forward_released():
+    """A loss that runs its backward chunk by chunk inside the forward (TorchTitan 0.3's chunked loss)
+    saves tensors and releases them before the forward returns: M^F counts what is still held (up's
+    input, relu's output, the output), not tanh's output, saved and released on the way."""
+    from types import SimpleNamespace
+
+    from titan_ext.runtime.executor import measured_forward
+
+    module = Block()
+    x = torch.randn(B, D_IN, requires_grad=True)
+
+    def forward():
+        h = module.up(x)
+        piece = torch.tanh(h.detach().requires_grad_())  # tanh saves its output: B x D_H
+        piece.sum().backward()  # ... released here
+        return module.down(torch.relu(h))
+
+    _, nbytes = measured_forward(SimpleNamespace(submod=module), forward)
+    assert nbytes == 4 * B * (D_IN + D_H + D_OUT)

@@ -50,7 +50,7 @@ from torch.profiler import record_function
 
 from ._torch_compat import has_wait_actions, with_loss_kwargs
 from .device import DeviceLayer, device_layer
-from .memory import LiveStorages, parameter_storages, saved_bytes_key, selective_checkpointing
+from .memory import ActivationMeter, LiveStorages, parameter_storages, selective_checkpointing
 from .profiler import ActionRecord, IterationProfile
 from .transport import TorchP2P, Transport
 
@@ -376,27 +376,20 @@ def forward_order(actions: list[_Action], stage_index: int) -> list[int]:
 
 
 def measured_forward(stage: Any, forward: Any) -> tuple[Any, int]:
-    """``forward()`` (one microbatch's forward and, on the last stage, its loss) while summing the bytes
-    autograd saves (PipeMorph Alg.1's M^F), counted as ``memory.saved_bytes_key`` counts them (a view its
-    own elements, once; parameters never).  Under selective activation checkpointing
-    (``memory.selective_checkpointing``), whose saved ops those hooks cannot see, M^F is also measured as
-    the bytes the forward leaves alive (``memory.LiveStorages``, parameters excluded: FSDP's gathered
-    weights are parameters) and the larger count holds: the cap must not let such a stage hold more
-    than fits."""
-    params = parameter_storages(stage.submod.parameters())
-    seen: set[tuple] = set()
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        counted = saved_bytes_key(t, params)  # the one rule (runtime/memory.py)
-        if counted is not None and counted[0] not in seen:
-            seen.add(counted[0])
-            total[0] += counted[1]
-        return t
-
+    """``forward()`` (one microbatch's forward and, on the last stage, its loss) and PipeMorph Alg.1's
+    M^F: the bytes autograd still holds for it when it returns (``memory.ActivationMeter``, counted by
+    ``memory.saved_bytes_key``: a view its own elements, once; parameters never; a tensor saved and
+    released within the forward, as by a loss that runs its backward chunk by chunk, not at all), and
+    its output, which torch's stage keeps (``fwd_cache``) until the microbatch's backward (the logits
+    on the last stage). Under selective activation checkpointing (``memory.selective_checkpointing``),
+    whose saved ops those hooks cannot see, M^F is also measured as the bytes the forward leaves alive
+    (``memory.LiveStorages``, parameters excluded: FSDP's gathered weights are parameters) and the
+    larger count holds: the cap must not let such a stage hold more than fits."""
+    meter = ActivationMeter(stage.submod.parameters())
     live = LiveStorages() if selective_checkpointing(stage.submod) else contextlib.nullcontext()
-    with live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with live, meter:
         output = forward()
+    total = meter.held_with(output)
     if isinstance(live, LiveStorages):
-        total[0] = max(total[0], live.alive_bytes(parameter_storages(stage.submod.parameters())))
-    return output, max(total[0], 1)
+        total = max(total, live.alive_bytes(parameter_storages(stage.submod.parameters())))
+    return output, max(total, 1)

@@ -182,7 +182,11 @@ def selective_checkpointing(module: torch.nn.Module) -> bool:
 class LiveStorages(TorchDispatchMode):
     """Every storage an operation creates while the mode is active (a DTensor: its local shard), by
     identity with a weak reference: :meth:`alive_bytes` is what of it is still alive — what a forward
-    keeps until its backward, whoever holds it (autograd, a checkpoint's cache, the caller)."""
+    keeps until its backward, whoever holds it (autograd, a checkpoint's cache, the caller).
+    Higher-order operators (FlexAttention) pass through it too: run by the modes below, their outputs
+    recorded as any operation's."""
+
+    supports_higher_order_operators = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -263,6 +267,16 @@ class ActivationMeter:
         if entry[1] == 0:
             del self._alive[key]
             self.bytes -= entry[0]
+
+    def held_with(self, tensors: Iterable[Any]) -> int:
+        """Bytes held now, plus those of ``tensors`` (a pytree's tensor leaves) not among them, each
+        storage once: what a microbatch keeps when its outputs are kept beside its saved tensors."""
+        extra: dict[tuple, int] = {}
+        for t in torch.utils._pytree.tree_leaves(tensors):
+            counted = saved_bytes_key(t, self._params) if isinstance(t, torch.Tensor) else None
+            if counted is not None and counted[0] not in self._alive:
+                extra[counted[0]] = counted[1]
+        return self.bytes + sum(extra.values())
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""

@@ -41,6 +41,7 @@ error, one line, as the trainer's own check).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -71,9 +72,10 @@ def measure_forward_bytes(part: torch.nn.Module, make_input, loss=None) -> tuple
     microbatch's forward through ``part``, under ``FakeTensorMode`` (FSDP2 refuses a forward on meta
     parameters; after ``to_empty`` they are fake CPU tensors, which it accepts): the storages alive after
     two forwards minus after one, and ``executor.measured_forward``'s count of the second, the runtime's
-    own first-forward measurement (module docstring, item 3). ``make_input`` makes one microbatch's input
-    inside the fake mode; ``loss`` (the last stage): the output goes through ``loss(output)`` and only
-    the loss is kept, as the schedule keeps it."""
+    own first-forward measurement (module docstring, item 3). ``make_input`` makes one microbatch's
+    (input, keyword arguments: the trainer's attention masks) inside the fake mode; ``loss`` (the last
+    stage): the output also goes through ``loss(output)``. Both are kept, as torch's stage keeps its
+    output (``fwd_cache``, the logits on the last stage) until the microbatch's backward."""
     from types import SimpleNamespace
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -82,8 +84,9 @@ def measure_forward_bytes(part: torch.nn.Module, make_input, loss=None) -> tuple
     from titan_ext.runtime.memory import LiveStorages
 
     def forward() -> tuple[Any, Any]:
-        output = part(make_input())
-        return (output, output) if loss is None else (loss(output), output)
+        args, kwargs = make_input()
+        output = part(args, **kwargs)
+        return (None if loss is None else loss(output)), output
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         part.to_empty(device="cpu")
@@ -93,10 +96,30 @@ def measure_forward_bytes(part: torch.nn.Module, make_input, loss=None) -> tuple
             after_one = live.alive_bytes()
             second, counted = measured_forward(SimpleNamespace(submod=part), forward)
             spec = (list(second[1].shape), str(second[1].dtype).removeprefix("torch."))
-            second = second[0]  # the schedule keeps the loss, or the output
             after_two = live.alive_bytes()
         del first, second
         return after_two - after_one, counted, spec
+
+
+@contextlib.contextmanager
+def eager_cpu_attention():
+    """FlexAttention as the measurement needs it: eager (``torch.compiler.set_stance("force_eager")``:
+    TorchTitan's compiled flex-attention and block-mask functions would compile CPU kernels for a
+    forward whose only output is its fake tensors' sizes) and allowed to record its backward on the CPU (torch's
+    ``_validate_device`` refuses that because its CPU kernel has no backward, which the measurement
+    never runs). Autograd then saves what the GPU kernel's saves (query, key, value, output, log-sum-exp,
+    the block mask), which is what M^F counts."""
+    from torch.nn.attention import flex_attention
+
+    validate = getattr(flex_attention, "_validate_device", None)
+    if validate is not None:
+        flex_attention._validate_device = lambda *args: None
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        if validate is not None:
+            flex_attention._validate_device = validate
 
 
 def _local_numel(t: torch.Tensor) -> int:
@@ -177,7 +200,7 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
         out: dict = {"rank": rank, "schedule": type(schedule).__name__, "n": schedule._n_microbatches,
                      "counts": list(getattr(schedule, "initial_counts", None) or []), "stages": [], "first": built["first"],
                      "last": built["last"], "flops_per_token": built["flops_per_token"], "tp": tp}
-        spec = input_spec
+        spec, forward_kwargs = input_spec, built["forward_kwargs"]
         for part, stage in zip(parts, schedule._stages):
             modules = [name for name, _ in part.named_children()]
             total = sum(p.numel() for p in part.parameters())
@@ -185,19 +208,23 @@ def _build_rank(config: Any, world: int, rank: int, input_spec: Any) -> dict:
             embed = sum(m.weight.numel() for m in part.modules() if isinstance(m, torch.nn.Embedding))
             if stage.is_first:
                 def make_input():
-                    return torch.zeros(mb, seq, dtype=torch.long)
+                    tokens = torch.zeros(mb, seq, dtype=torch.long)
+                    return tokens, forward_kwargs(tokens)
             else:
                 shape, dtype = spec
 
                 def make_input(shape=tuple(shape), dtype=getattr(torch, dtype)):
-                    return torch.zeros(shape, dtype=dtype, requires_grad=True)
+                    # every stage gets the batch's masks (the trainer's extra_kwargs), from the tokens' shape
+                    return (torch.zeros(shape, dtype=dtype, requires_grad=True),
+                            forward_kwargs(torch.zeros(mb, seq, dtype=torch.long)))
             def loss(output, fn=built["loss_fn"]):
                 labels = torch.zeros(output.shape[:-1], dtype=torch.long)
                 if not isinstance(output, DTensor):
                     return fn(output, labels)
                 with loss_parallel():  # TP's vocabulary-sharded logits, as TorchTitan's train context
                     return fn(output, labels)
-            live, rule, spec = measure_forward_bytes(part, make_input, loss if stage.is_last else None)
+            with eager_cpu_attention():
+                live, rule, spec = measure_forward_bytes(part, make_input, loss if stage.is_last else None)
             out["stages"].append({"stage": stage.stage_index, "modules": modules, "params": total,
                                   "local_params": local, "matmul_params": total - embed, "mf_bytes": live,
                                   "mf_rule_bytes": rule, "output": spec})

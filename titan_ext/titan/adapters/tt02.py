@@ -95,6 +95,8 @@ CONTRACT = (
     # the dry run's build (build_pipeline below)
     ("torchtitan.distributed", "ParallelDims", "fields",
      ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "world_size")),
+    ("torchtitan.models.llama3.model.model", "Transformer.get_attention_masks", "callable",
+     (("input_batch", "tokenizer"), False)),
 )
 #: views of CONTRACT: the module attributes it names, and its ``callable`` rows'
 #: ``(module, name) -> (parameters, positional)``
@@ -232,5 +234,18 @@ def build_pipeline(config: Any, world_size: int, device: Any) -> dict:
     loss_fn = spec.build_loss_fn(config, parallel_dims=dims)
     schedule, parts, first, last = spec.pipelining_fn(model, dims, config, device, model_args,
                                                       spec.parallelize_fn, loss_fn)
+
+    def forward_kwargs(tokens: torch.Tensor) -> dict:
+        """What 0.2's ``post_dataloading_process`` hands every stage for a microbatch of ``tokens``: the
+        attention masks under ``attn_type`` flex or varlen (one document: an end-of-sequence id no token
+        of the dry run's batch has), else nothing."""
+        if getattr(model_args, "attn_type", "sdpa") not in ("flex", "varlen"):
+            return {}
+        from types import SimpleNamespace
+
+        tokenizer = SimpleNamespace(eos_id=model_args.vocab_size - 1)
+        return {"attention_masks": parts[0].get_attention_masks(input_batch=tokens, tokenizer=tokenizer)}
+
     return {"schedule": schedule, "parts": parts, "first": first, "last": last, "dims": dims, "loss_fn": loss_fn,
-            "dim": model_args.dim, "vocab": model_args.vocab_size, "flops_per_token": flops_per_token}
+            "dim": model_args.dim, "vocab": model_args.vocab_size, "flops_per_token": flops_per_token,
+            "forward_kwargs": forward_kwargs}

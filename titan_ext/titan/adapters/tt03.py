@@ -100,6 +100,8 @@ CONTRACT = (
     ("torchtitan.tools.utils", "set_default_dtype", "attr", None),
     ("torchtitan.components.loss", "ChunkedLossWrapper.set_lm_head", "callable", (("lm_head",), True)),
     ("torchtitan.distributed.activation_checkpoint", "FullAC.Config", "attr", None),
+    ("torchtitan.models.common.attention", "VarlenAttention.Config", "attr", None),
+    ("torchtitan.models.common.decoder", "Decoder.get_attention_masks", "callable", (("positions",), False)),
 )
 #: views of CONTRACT: the module attributes it names, and its ``callable`` rows'
 #: ``(module, name) -> (parameters, positional)``
@@ -321,5 +323,22 @@ def build_pipeline(config: Any, world_size: int, device: Any) -> dict:
         loss_fn.set_lm_head(parts[-1].lm_head)
         parts[-1]._skip_lm_head = True
     dim = getattr(model_config, "dim", None) or getattr(model_config, "hidden_size", None)
+
+    def forward_kwargs(tokens: torch.Tensor) -> dict:
+        """What 0.3's ``post_dataloading_process`` hands every stage for a microbatch of ``tokens``: the
+        positions (one document: 0 .. seq - 1) and, for the masked backends (Flex, Varlen), the masks the
+        model builds from them (``Decoder.get_attention_masks``); other models and backends: nothing."""
+        from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+        from torchtitan.models.common.decoder import Decoder
+
+        first_attention = getattr(model_config, "first_attention", None) if isinstance(model_config, Decoder.Config) \
+            else None
+        inner = getattr(first_attention, "inner_attention", None)
+        if not isinstance(inner, (FlexAttention.Config, VarlenAttention.Config)):
+            return {}
+        positions = torch.arange(tokens.shape[-1]).expand(tokens.shape)
+        return {"positions": positions, "attention_masks": parts[0].get_attention_masks(positions=positions)}
+
     return {"schedule": schedule, "parts": parts, "first": first, "last": last, "dims": dims, "loss_fn": loss_fn,
-            "dim": dim, "vocab": getattr(model_config, "vocab_size", None), "flops_per_token": flops_per_token}
+            "dim": dim, "vocab": getattr(model_config, "vocab_size", None), "flops_per_token": flops_per_token,
+            "forward_kwargs": forward_kwargs}
