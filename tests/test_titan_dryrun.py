@@ -203,3 +203,38 @@ def test_runtime_rule_drops_what_the_forward_released():
 
     _, nbytes = measured_forward(SimpleNamespace(submod=module), forward)
     assert nbytes == 4 * B * (D_IN + D_H + D_OUT)
+
+
+def test_flex_attention_stage_is_measured_with_the_trainers_masks():
+    """TorchTitan 0.3's llama3 debug model uses FlexAttention, whose forward needs the batch's masks and
+    whose CPU kernel refuses to record a backward: the dry run hands the stage the positions and masks the
+    trainer builds, runs FlexAttention eagerly, and measures it. Full model, 2 layers, fp32: M^F is at
+    least the logits kept for the backward and both counts agree within the scalar loss."""
+    from titan_ext.titan import adapters
+
+    if not adapters.current().PYTHON_CONFIGS:
+        pytest.skip("TorchTitan 0.3's FlexAttention models")
+    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from titan_ext.titan.adapters.tt03 import attention_kwargs
+    from titan_ext.titan.dryrun import eager_cpu_attention
+
+    model_config = llama3_debugmodel().model_spec.model
+    assert any(True for _ in model_config.traverse(FlexAttention.Config))
+    with torch.device("meta"):
+        model = model_config.build()
+    batch, seq = 2, 64
+
+    def make_input():
+        tokens = torch.zeros(batch, seq, dtype=torch.long)
+        kwargs = attention_kwargs(model_config, model, tokens)
+        assert set(kwargs) == {"positions", "attention_masks"}
+        return tokens, kwargs
+
+    with eager_cpu_attention():
+        live, rule, (shape, dtype) = measure_forward_bytes(model, make_input)
+    vocab = shape[-1]
+    assert shape == [batch, seq, vocab] and dtype == "float32"
+    assert min(live, rule) >= 4 * batch * seq * vocab  # the logits torch's stage keeps
+    assert abs(live - rule) <= 0.05 * live

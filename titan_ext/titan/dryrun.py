@@ -46,6 +46,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -115,7 +116,8 @@ def eager_cpu_attention():
     if validate is not None:
         flex_attention._validate_device = lambda *args: None
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with torch.compiler.set_stance("force_eager"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             yield
     finally:
         if validate is not None:

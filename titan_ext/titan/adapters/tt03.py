@@ -295,6 +295,21 @@ def _split(chunk: tuple[dict, Any], n: int) -> list[tuple[dict, Any]]:
     return [({k: parts[k][i] for k in inputs}, label) for i, label in enumerate(labels.chunk(n))]
 
 
+def attention_kwargs(model_config: Any, model: Any, tokens: Any) -> dict:
+    """What 0.3's ``post_dataloading_process`` hands every stage for a microbatch of ``tokens``: the
+    positions (one document: 0 .. seq - 1) and, for the masked backends (Flex, Varlen), the masks the
+    model builds from them (``Decoder.get_attention_masks``); other models and backends: nothing."""
+    import torch
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+    from torchtitan.models.common.decoder import Decoder
+
+    first = getattr(model_config, "first_attention", None) if isinstance(model_config, Decoder.Config) else None
+    if not isinstance(getattr(first, "inner_attention", None), (FlexAttention.Config, VarlenAttention.Config)):
+        return {}
+    positions = torch.arange(tokens.shape[-1]).expand(tokens.shape)
+    return {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
+
+
 def build_pipeline(config: Any, world_size: int, device: Any) -> dict:
     """The trainer's model build up to its pipeline (``Trainer.__init__`` of 0.3, in its order: parallel
     dims, the config's model spec, model on the meta device, loss, ``pipelining_fn``), on the process
@@ -324,21 +339,6 @@ def build_pipeline(config: Any, world_size: int, device: Any) -> dict:
         parts[-1]._skip_lm_head = True
     dim = getattr(model_config, "dim", None) or getattr(model_config, "hidden_size", None)
 
-    def forward_kwargs(tokens: torch.Tensor) -> dict:
-        """What 0.3's ``post_dataloading_process`` hands every stage for a microbatch of ``tokens``: the
-        positions (one document: 0 .. seq - 1) and, for the masked backends (Flex, Varlen), the masks the
-        model builds from them (``Decoder.get_attention_masks``); other models and backends: nothing."""
-        from torchtitan.models.common.attention import FlexAttention, VarlenAttention
-        from torchtitan.models.common.decoder import Decoder
-
-        first_attention = getattr(model_config, "first_attention", None) if isinstance(model_config, Decoder.Config) \
-            else None
-        inner = getattr(first_attention, "inner_attention", None)
-        if not isinstance(inner, (FlexAttention.Config, VarlenAttention.Config)):
-            return {}
-        positions = torch.arange(tokens.shape[-1]).expand(tokens.shape)
-        return {"positions": positions, "attention_masks": parts[0].get_attention_masks(positions=positions)}
-
     return {"schedule": schedule, "parts": parts, "first": first, "last": last, "dims": dims, "loss_fn": loss_fn,
             "dim": dim, "vocab": getattr(model_config, "vocab_size", None), "flops_per_token": flops_per_token,
-            "forward_kwargs": forward_kwargs}
+            "forward_kwargs": lambda tokens: attention_kwargs(model_config, parts[0], tokens)}
