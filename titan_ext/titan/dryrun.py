@@ -27,7 +27,8 @@ else the fewest ranks the config runs on. Nothing here needs a GPU, a tokenizer 
    memory, ``DRY_RUN_GPU_GIB`` (default 80), less the model state: 16 bytes per local parameter (fp32
    weight, gradient, AdamW's two states) and the stage's gathered bf16 weights, times
    1 - ``runtime.memory.DEFAULT_HEADROOM``), the in-flight microbatches it holds, ⌊budget / M^F⌋ (PipeMorph
-   Alg.1's memory rule, PipeMorph §4.2), against 1F1B's (stage s of S holds S - s);
+   Alg.1's memory rule, PipeMorph §4.2), against 1F1B's (stage s of S holds S - s); a stage that holds
+   exactly 1F1B's count fits but is noted: PipeMorph has no room to widen its warm-up there;
 5. PipeMorph's first plan: the warm-up counts the built schedule starts with, and the planner's plan
    for a model-size estimate of the stage times (the model's FLOPs per token, TorchTitan's
    ``get_nparams_and_flops``, split by parameters; ``DRY_RUN_TFLOPS`` (default 400) achieved per GPU;
@@ -335,6 +336,7 @@ def run(argv: list[str]) -> int:
     print(f"{'PP rank':>7} {'stage':>5} {'modules':<28} {'params':>8} {'M^F MiB':>9} {'rule MiB':>9} "
           f"{'budget GiB':>10} {'holds':>5} {'1F1B':>4}")
     short: list[str] = []
+    tight: list[str] = []
     caps = []
     for p, r in enumerate(ranks):
         for st in r["stages"]:
@@ -349,11 +351,16 @@ def run(argv: list[str]) -> int:
                 more = need * st["mf_bytes"] / GIB
                 short.append(f"stage {st['stage']} holds {holds} of 1F1B's {need} in-flight microbatches "
                              f"({source}): give it >= {more:.1f} GiB for activations")
+            elif holds == need < n:
+                tight.append(f"{st['stage']} (one more: {(need + 1) * st['mf_bytes'] / GIB:.1f} GiB)")
             runtime_cap = min(int(budget // max(st["mf_rule_bytes"], 1)), n)
             if st["mf_rule_bytes"] < 0.9 * st["mf_bytes"] and runtime_cap > holds:
                 short.append(f"stage {st['stage']}: the runtime's M^F rule sees {_gib(st['mf_rule_bytes'])} of "
                              f"{_gib(st['mf_bytes'])} GiB, so it would let the stage hold {runtime_cap} where "
                              f"{holds} fit (set [titan_ext] max_inflight = {max(holds, 1)})")
+    if tight:
+        print(f"note: stage(s) {', '.join(tight)} hold exactly 1F1B's in-flight count: PipeMorph cannot give "
+              f"them more warm-up under a slow link (memory_budget_gib)")
     print(*_plan_lines(config, ranks, caps), sep="\n")
     if section is not None and getattr(section, "delegation", "off") != "off":
         slot = float(getattr(section, "delegation_slot_mib", 0) or 0) * 2**20
