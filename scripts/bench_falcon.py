@@ -6,7 +6,9 @@ Usage:
     .venv/bin/python scripts/bench_falcon.py --end-to-end [--steps 24] [--slow-from 6] [--json out.json]
     .venv/bin/python scripts/bench_falcon.py --end-to-end --s4 [--steps 80] [--device-factor 4] [--json out.json]
     .venv/bin/python scripts/bench_falcon.py --end-to-end --group-tracking 6 [--steps 30] [--json out.json]
-    .venv/bin/python scripts/bench_falcon.py --fig19 [--fault-ms 30] [--steps 24] [--json fig19.json]
+    .venv/bin/python scripts/bench_falcon.py --compound [--steps 85] [--device-factor 12] --json PATH.json  (+ PATH.png)
+    .venv/bin/python scripts/bench_falcon.py --calibrate-hol [--steps 12 --slow-from 6] [--json PATH]
+    .venv/bin/python scripts/bench_falcon.py --fig19 [--fault-ms 10,20,30] [--repeat 3] [--steps 16] [--json PATH]
 
 Prints a markdown table and a JSON document (also written to --json). Everything runs on CPU in one
 process; the hook-overhead part creates a 1-rank gloo group on loopback.
@@ -304,11 +306,140 @@ PipeMorph's re-planning with delegation on the moved link (``falcon_delegation``
 schedule's own "auto" switch is held off — ``delegation_slow_link_ms`` 1e6 — so that Falcon decides:
 at 5 ms a loaded host's noise switched a pipeline to its delegates at step 2, whose start took 44 s)."""
 
+FIG19_PAPER = {"baseline_over_healthy": 8.04, "s3_speedup_over_baseline": 3.6,
+               "s3_over_baseline": 1 / 3.6, "s3_pipemorph_speedup_over_s3": 1.96}
+"""PipeMorph §7.3 (NSDI'26 Fig. 19 = Adaptra Fig. 18), as the paper gives them: the fixed ZB plan
+8.04× slower under the DP-link fault, Falcon's S3 a 3.6× improvement (0.28× the faulty time),
+PipeMorph's re-planning + CPU delegation a further 1.96× over it."""
+
+HOL_TARGET = 1350 / 710
+"""PipeMorph §3.2 / Fig. 6: a 30 ms delay between PP stages 0 and 1 of a ZB (1 TP, 1 DP, 4 PP) job on
+NCCL, head-of-line blocking included, takes the iteration from 710 ms to 1350 ms — 1.9×."""
+
+HOL_CALIBRATION = "docs/benchmarks/fig19_hol_calibration.json"
+"""Where ``--calibrate-hol`` writes its pick and the Fig. 19 runs read their ``emulate_link_hol_hold``."""
+
+FIG19_LINK = "0-1"
+"""The faulty link: stage 0's DP link (ranks 0 and 1 are stage 0 of pipelines {0,2,4,6} and {1,3,5,7})."""
+
+HOL_CALIBRATION_LINK = "0-2"
+"""The calibration's faulty link: stages 0 and 1 of pipeline {0, 2, 4, 6} (Fig. 6's place)."""
+
+
+def _load() -> list[float]:
+    """The host's 1/5/15-minute load averages (recorded next to every run: the host is shared)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _step_series(log: list[dict]) -> dict[int, float]:
+    """step -> the slowest rank's step time (ms) of one job."""
+    return {int(r["step"]): 1e3 * float(r["falcon/iteration_time_s"]) for r in log}
+
+
+def hol_ratio(series_ms: dict[int, float], fault_from: int, skip: int = 2) -> dict:
+    """One calibration job's slowdown: the median step from ``fault_from + 1`` on over the median of
+    steps ``skip`` .. ``fault_from - 1`` (the same job healthy: start-up steps skipped; the fault's
+    first step, when it is installed, left out)."""
+    before = [v for s, v in series_ms.items() if skip <= s < fault_from]
+    after = [v for s, v in series_ms.items() if s > fault_from]
+    if not before or not after:
+        raise ValueError(f"hol_ratio: no steps before ({before}) or after ({after}) the fault at {fault_from}")
+    healthy, faulty = float(np.median(before)), float(np.median(after))
+    return {"healthy_ms": healthy, "faulty_ms": faulty, "ratio": faulty / healthy,
+            "healthy_steps": len(before), "faulty_steps": len(after)}
+
+
+def pick_hold(points: list[tuple[float, float]], target: float = HOL_TARGET) -> dict:
+    """The head-of-line hold fraction whose slowdown is ``target``, from measured (hold, ratio) points.
+
+    The ratio is taken as non-decreasing in the hold (more blocking cannot speed a step up): the
+    measured ratios are made so by a running maximum over the sorted holds (noise on a shared host),
+    then the hold is interpolated linearly between the two points around the target. Below the
+    lowest point's ratio: the lowest hold; above the highest: the highest hold, ``saturated`` (the
+    emulation cannot reach the target there). Returns ``{"hold", "predicted_ratio", "saturated",
+    "bracket"}``."""
+    if not points:
+        raise ValueError("pick_hold: no measured points")
+    pts = sorted((float(h), float(r)) for h, r in points)
+    if any(not 0 <= h <= 1 or not r > 0 or not np.isfinite(r) for h, r in pts):
+        raise ValueError(f"pick_hold: holds must be in [0, 1] and ratios > 0, got {points}")
+    env, top = [], -np.inf
+    for h, r in pts:
+        top = max(top, r)
+        env.append((h, top))
+    if target <= env[0][1]:
+        return {"hold": env[0][0], "predicted_ratio": env[0][1], "saturated": False, "bracket": [env[0], env[0]]}
+    if target >= env[-1][1]:
+        return {"hold": env[-1][0], "predicted_ratio": env[-1][1], "saturated": target > env[-1][1],
+                "bracket": [env[-1], env[-1]]}
+    for (h0, r0), (h1, r1) in zip(env, env[1:]):
+        if r0 <= target <= r1 and r1 > r0:
+            hold = h0 + (h1 - h0) * (target - r0) / (r1 - r0)
+            return {"hold": hold, "predicted_ratio": target, "saturated": False, "bracket": [(h0, r0), (h1, r1)]}
+    raise AssertionError("unreachable: the envelope brackets the target")
+
+
+def _fig19_job(dump: str, steps: int, args: list[str], microbatches: int) -> list[dict]:
+    return _e2e_run(dump, steps, args, nproc=8, config="train_configs/debug_cpu_dp2_pp4.toml",
+                    batch=(microbatches, 4 * microbatches))
+
+
+def calibrate_hol(steps: int, fault_from: int, fault_ms: float, window_kib: float, workdir: str,
+                  microbatches: int = 16, target: float = HOL_TARGET, max_jobs: int = 3) -> dict:
+    """Calibrate ``emulate_link_hol_hold`` to PipeMorph Fig. 6 (§3.2): ``fault_ms`` between stages 0
+    and 1 of pipeline {0, 2, 4, 6} (:data:`HOL_CALIBRATION_LINK`) from step ``fault_from`` in the Fig. 19
+    job with its fixed ZB plan (re-planning off, Falcon not applying), head-of-line blocking on; each
+    job's slowdown is its own faulty steps over its own healthy steps (:func:`hol_ratio`). Measured at
+    hold 1 (the maximal stand-in) first — if that stays below ``target`` the emulation saturates and
+    1 is kept — then at 0 and at the interpolated hold (:func:`pick_hold`), at most ``max_jobs`` jobs."""
+    fault = ["--titan_ext.emulate_slow_link", f"{HOL_CALIBRATION_LINK}:{fault_ms:g}@{fault_from}",
+             "--titan_ext.emulate_link_window_kib", f"{window_kib:g}", "--titan_ext.emulate_link_hol"]
+    runs: list[dict] = []
+
+    def measure(hold: float) -> float:
+        dump = os.path.join(workdir, f"hold_{hold:.3f}")
+        load0, t0 = _load(), time.time()
+        log = _fig19_job(dump, steps, FIG19_ARMS["healthy"] + fault +
+                         ["--titan_ext.emulate_link_hol_hold", f"{hold:.4f}"], microbatches)
+        series = _step_series(log)
+        res = hol_ratio(series, fault_from)
+        runs.append({"hold": hold, **res, "series_ms": {str(k): round(v, 1) for k, v in sorted(series.items())},
+                     "load_before": load0, "load_after": _load(), "wall_s": round(time.time() - t0, 1)})
+        print(f"calibration: hold {hold:.3f} -> {res['ratio']:.3f}x ({res['healthy_ms']:.0f} -> "
+              f"{res['faulty_ms']:.0f} ms)", flush=True)
+        return res["ratio"]
+
+    measure(1.0)
+    if runs[-1]["ratio"] > target and max_jobs > 1:
+        measure(0.0)
+        guess = pick_hold([(r["hold"], r["ratio"]) for r in runs], target)
+        if not guess["saturated"] and 0.0 < guess["hold"] < 1.0 and max_jobs > 2:
+            measure(round(guess["hold"], 3))
+    pick = pick_hold([(r["hold"], r["ratio"]) for r in runs], target)
+    return {"target_ratio": target, "target_source": "PipeMorph §3.2 / Fig. 6: 710 ms -> 1350 ms (1.9x), "
+            "30 ms between PP stages 0 and 1, ZB, 1 TP / 1 DP / 4 PP on NCCL",
+            "hold": pick["hold"], "predicted_ratio": pick["predicted_ratio"], "saturated": pick["saturated"],
+            "measured": [{k: r[k] for k in ("hold", "ratio", "healthy_ms", "faulty_ms")} for r in runs],
+            "runs": runs, "fault": f"{HOL_CALIBRATION_LINK}:{fault_ms:g}@{fault_from}", "window_kib": window_kib,
+            "steps": steps, "microbatches": microbatches, "compute": _mode(),
+            "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def calibrated_hold(path: str = HOL_CALIBRATION) -> float:
+    """The calibrated ``emulate_link_hol_hold`` (``--calibrate-hol``'s JSON), 1.0 without one."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = path if os.path.isabs(path) else os.path.join(root, path)
+    if not os.path.exists(full):
+        return 1.0
+    with open(full) as f:
+        return float(json.load(f)["hold"])
+
 
 def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float, workdir: str,
-                microbatches: int = 16, hol: bool = True) -> dict:
+                microbatches: int = 16, hol: bool = True, hol_hold: float = 1.0) -> dict:
     """PipeMorph §7.3 (Fig. 19: 1 TP / 2 DP / 4 PP, a 10/20/30 ms latency fault on a DP link; the fixed
-    ZB schedule 8.04x slower, Falcon's S3 a 3.6x speed-up over it (0.28x its time), PipeMorph's
+    ZB schedule 8.04x slower, Falcon's S3 a 3.6x improvement over it (0.28x its time), PipeMorph's
     re-planning + delegation a further 1.96x) as a
     DP 2 x PP 4 CPU job (train_configs/debug_cpu_dp2_pp4.toml, 8 gloo ranks, dedicated-device
     emulation so that 8 ranks on 2 cores run like 8 devices): ``fault_ms`` on DP link 0-1 (stage 0's
@@ -316,17 +447,21 @@ def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float,
     (``emulate_link_window_kib``), four arms with the same seed and steps (:data:`FIG19_ARMS`).
     Times: the median of the slowest rank's step over the steps from 4 after the later S3 on.
     ``hol`` (the default): once S3 made the link a PP hop, it blocks the direct path as NCCL's does
-    (``emulate_link_hol``, PipeMorph §3.2: the paper's GPUs ran NCCL); False: gloo's behaviour,
-    where only the message's arrival is late."""
-    fault = ["--titan_ext.emulate_slow_link", f"0-1:{fault_ms:g}@{fault_from}",
+    (``emulate_link_hol``, PipeMorph §3.2: the paper's GPUs ran NCCL), holding the issuer ``hol_hold``
+    of each delay (``emulate_link_hol_hold``, calibrated by :func:`calibrate_hol`); False: gloo's
+    behaviour, where only the message's arrival is late. Every arm's per-step times and the host's load
+    before and after it are in the result."""
+    fault = ["--titan_ext.emulate_slow_link", f"{FIG19_LINK}:{fault_ms:g}@{fault_from}",
              "--titan_ext.emulate_link_window_kib", f"{window_kib:g}",
-             "--titan_ext.emulate_link_hol" if hol else "--titan_ext.no-emulate_link_hol"]
-    logs, events = {}, {}
+             *(["--titan_ext.emulate_link_hol", "--titan_ext.emulate_link_hol_hold", f"{hol_hold:.4f}"] if hol
+               else ["--titan_ext.no-emulate_link_hol"])]
+    logs, events, load, wall = {}, {}, {}, {}
     for arm, extra in FIG19_ARMS.items():
         dump = os.path.join(workdir, arm)
         args = [a for x in extra for a in (fault if x == "FAULT" else [x])]
-        logs[arm] = _e2e_run(dump, steps, args, nproc=8, config="train_configs/debug_cpu_dp2_pp4.toml",
-                             batch=(microbatches, 4 * microbatches))
+        load0, t0 = _load(), time.time()
+        logs[arm] = _fig19_job(dump, steps, args, microbatches)
+        load[arm], wall[arm] = [load0, _load()], round(time.time() - t0, 1)
         events[arm] = _e2e_events(dump)
     s3_steps = {arm: next((e["iteration"] for e in events[arm] if e["kind"] == "decision" and e["applied"]
                            and e["strategy"] == "S3"), None) for arm in ("s3", "s3_pipemorph")}
@@ -344,20 +479,118 @@ def bench_fig19(steps: int, fault_from: int, fault_ms: float, window_kib: float,
            "s3_pipemorph_ms": median_ms("s3_pipemorph"), "steps": window,
            "s3_step": s3_steps["s3_pipemorph"] if s3_steps["s3_pipemorph"] is not None else s3_steps["s3"],
            "s3_steps": s3_steps, "delegated_links": [list(x) for x in delegated],
-           "fault": f"0-1:{fault_ms:g}@{fault_from}", "window_kib": window_kib, "compute": _mode(),
-           "pp_link": ("NCCL head-of-line blocking on the direct path (emulate_link_hol)" if hol else
-                       "arrival delayed only (gloo)"),
+           "fault": f"{FIG19_LINK}:{fault_ms:g}@{fault_from}", "fault_ms": fault_ms, "window_kib": window_kib,
+           "compute": _mode(), "hol": hol, "hol_hold": hol_hold if hol else None,
+           "pp_link": (f"NCCL head-of-line blocking on the direct path (emulate_link_hol, hold {hol_hold:g})"
+                       if hol else "arrival delayed only (gloo)"),
            "machine": f"{platform.machine()} {os.cpu_count()} cores",
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load, "wall_s": wall,
+           "per_step_ms": {arm: {str(k): round(v, 1) for k, v in sorted(_step_series(logs[arm]).items())}
+                           for arm in FIG19_ARMS},
            "decisions": {arm: [f"{e['iteration']}:{e['strategy']}{'' if e['applied'] else ' (not applied)'}"
                                for e in events[arm] if e["kind"] == "decision" and e["strategy"] != "S1"]
                          for arm in FIG19_ARMS}}
-    out["ratios"] = {"baseline_over_healthy": out["baseline_ms"] / out["healthy_ms"],
-                     "s3_over_healthy": out["s3_ms"] / out["healthy_ms"],
-                     "s3_over_s3_pipemorph": out["s3_ms"] / out["s3_pipemorph_ms"],
-                     "s3_over_baseline": out["s3_ms"] / out["baseline_ms"],
-                     "s3_pipemorph_over_s3": out["s3_pipemorph_ms"] / out["s3_ms"]}
+    out["ratios"] = fig19_ratios(out)
+    out["pre_fault_ms"] = pre_fault_ms(out["per_step_ms"], fault_from)
     return out
+
+
+def pre_fault_ms(per_step_ms: dict, fault_from: int, skip: int = 2) -> dict:
+    """Every arm's median step before the fault (steps ``skip`` .. ``fault_from - 1``: all four arms
+    run the same healthy job there), and their max / min: the invocation's arm-to-arm noise, against
+    which its ratios are read."""
+    med = {arm: float(np.median([v for s, v in steps.items() if skip <= int(s) < fault_from]))
+           for arm, steps in per_step_ms.items()}
+    return {"median": med, "max_over_min": max(med.values()) / min(med.values())}
+
+
+def fig19_ratios(run: dict) -> dict:
+    """One invocation's ratios (each arm's median over the same steps)."""
+    return {"baseline_over_healthy": run["baseline_ms"] / run["healthy_ms"],
+            "s3_over_healthy": run["s3_ms"] / run["healthy_ms"],
+            "s3_pipemorph_over_healthy": run["s3_pipemorph_ms"] / run["healthy_ms"],
+            "s3_over_baseline": run["s3_ms"] / run["baseline_ms"],
+            "s3_speedup_over_baseline": run["baseline_ms"] / run["s3_ms"],
+            "s3_over_s3_pipemorph": run["s3_ms"] / run["s3_pipemorph_ms"],
+            "s3_pipemorph_over_s3": run["s3_pipemorph_ms"] / run["s3_ms"]}
+
+
+def fig19_valid(run: dict) -> bool:
+    """An invocation measures Fig. 19 only where S3 was applied in both arms that apply it (on a host
+    whose load swings, a job slow from its first step shows no onset: its "s3" arm is then a second
+    unmitigated baseline)."""
+    return all(run["s3_steps"].get(arm) is not None for arm in ("s3", "s3_pipemorph"))
+
+
+def summarize_fig19(runs: list[dict]) -> dict:
+    """Per fault size: the median, min and max over the valid invocations (:func:`fig19_valid`) of
+    every ratio and arm time; ``excluded``: the invocations left out, with their reason."""
+    out: dict = {}
+    for ms in sorted({r["fault_ms"] for r in runs}):
+        every = [r for r in runs if r["fault_ms"] == ms]
+        mine = [r for r in every if fig19_valid(r)]
+        row: dict = {"invocations": len(mine),
+                     "excluded": [{"invocation": r.get("invocation"), "s3_steps": r["s3_steps"],
+                                   "reason": "S3 not applied in an arm that applies it"}
+                                  for r in every if not fig19_valid(r)]}
+        if mine:
+            keys = ["healthy_ms", "baseline_ms", "s3_ms", "s3_pipemorph_ms"]
+            row.update({k: _spread([r[k] for r in mine]) for k in keys})
+            row["ratios"] = {k: _spread([r["ratios"][k] for r in mine]) for k in mine[0]["ratios"]}
+        out[f"{ms:g}"] = row
+    return out
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": float(np.median(xs)), "min": float(min(xs)), "max": float(max(xs)),
+            "values": [round(float(x), 4) for x in xs]}
+
+
+def bench_fig19_repeated(fault_ms: list[float], repeat: int, steps: int, fault_from: int, window_kib: float,
+                         workdir: str, microbatches: int = 16, hol: bool = True, hol_hold: float = 1.0,
+                         partial: str | None = None) -> dict:
+    """:func:`bench_fig19` ``repeat`` times at each fault size (invocation r runs every size in turn,
+    so a busy stretch of the host falls on all sizes), each invocation with its own healthy arm;
+    ``partial``: a path the result so far is rewritten to after every invocation."""
+    runs = []
+    res: dict = {}
+    for r in range(repeat):
+        for ms in fault_ms:  # a size may be listed more than once (an explicit order of invocations)
+            n = sum(1 for x in runs if x["fault_ms"] == ms)
+            run = bench_fig19(steps, fault_from, ms, window_kib, os.path.join(workdir, f"{ms:g}ms_{n}"),
+                              microbatches, hol=hol, hol_hold=hol_hold)
+            run["invocation"] = n
+            runs.append(run)
+            print(f"fig19 invocation {r} {ms:g} ms: " + ", ".join(f"{k} {run[k]:.0f}" for k in
+                  ("healthy_ms", "baseline_ms", "s3_ms", "s3_pipemorph_ms")), flush=True)
+            res = {"paper": FIG19_PAPER, "summary": summarize_fig19(runs), "runs": runs,
+                   "hol": hol, "hol_hold": hol_hold if hol else None, "steps": steps, "fault_from": fault_from,
+                   "window_kib": window_kib, "microbatches": microbatches, "repeat": repeat}
+            if partial:
+                with open(partial, "w") as f:
+                    json.dump(res, f, indent=2)
+    return res
+
+
+def print_fig19(res: dict) -> None:
+    """The summary table: per fault size the median [min–max] over invocations, beside the paper."""
+    p = res["paper"]
+    print("| fault | n | healthy ms | baseline / healthy | S3 / baseline (speed-up) | S3+PipeMorph / S3 "
+          "(further speed-up) |")
+    print("|---|---|---|---|---|---|")
+    for ms, row in res["summary"].items():
+        if not row["invocations"]:
+            print(f"| {ms} ms | 0 ({len(row['excluded'])} excluded) | | | | |")
+            continue
+        q = row["ratios"]
+
+        def f(d, fmt="{:.2f}"):
+            return f"{fmt.format(d['median'])} [{fmt.format(d['min'])}–{fmt.format(d['max'])}]"
+        print(f"| {ms} ms | {row['invocations']} | {f(row['healthy_ms'], '{:.0f}')} | "
+              f"{f(q['baseline_over_healthy'])} | {f(q['s3_over_baseline'])} ({f(q['s3_speedup_over_baseline'])}) | "
+              f"{f(q['s3_pipemorph_over_s3'])} ({f(q['s3_over_s3_pipemorph'])}) |")
+    print(f"| paper | | | {p['baseline_over_healthy']} | {p['s3_over_baseline']:.2f} ({p['s3_speedup_over_baseline']}) "
+          f"| {1 / p['s3_pipemorph_speedup_over_s3']:.2f} ({p['s3_pipemorph_speedup_over_s3']}) |")
 
 
 def _rows(path: str) -> list[dict]:
@@ -432,6 +665,163 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
         out["resumed_steps"] = sorted(ref_loss)
         out["losses_identical"] = all(metrics[k]["loss"] == v for k, v in ref_loss.items())
     return out
+
+
+COMPOUND_SPARE = 4
+"""The compound run's spare device (``falcon_spares``): a healthy emulated device no rank uses."""
+COMPOUND_DEFAULTS = {"steps": 85, "link_from": 8, "device_from": 28, "link_factor": 26.0, "device_factor": 12.0,
+                     "device_pass_ms": 40.0}
+"""``--compound``'s settings unless given: the DP link's all-reduce 26x (about +0.8 s a step, Fig. 17's
+1.7x slower), device 3 12x from step 28 (after S3's event ended), dedicated-device emulation of 40 ms a
+forward (so that the 2 loaded cores' real compute stays below the emulated passes), 85 steps (S4, by
+the ski rental, at about step 70 on the loaded host)."""
+
+
+def bench_compound(steps: int, link_from: int, device_from: int, link_factor: float, device_factor: float,
+                   workdir: str, pass_ms: float = 15.0, spare: int = COMPOUND_SPARE) -> dict:
+    """Falcon §7.3's compound sequence (Fig. 17) in the TorchTitan DP 2 x PP 2 job, in the paper's order:
+    healthy; from ``link_from`` the DP link 0-1 ``link_factor`` x slower (its all-reduce, ``A-B:xF``) ->
+    Falcon localises it (``dp_link``) and applies S3 (the link onto a PP hop); from ``device_from`` device 3
+    ``device_factor`` x slower (the link still slow) -> re-localised (``compute``), S2; when the accumulated
+    impact reaches S4's cost, S4 onto the spare device ``spare`` (``falcon_spares``: Falcon §5.1's
+    "restarts training on healthy nodes" -- the same grid and DP, the slow rank's device excluded). One
+    job under the S4 launcher (``python -m titan_ext.titan.falcon.s4``), dedicated-device emulation
+    (``pass_ms`` a forward, twice that a backward: the four ranks run like devices of their own on the
+    shared cores). The slow device's emulation belongs to device 3, which no rank uses after S4: on the
+    spare the job runs at the healthy speed again, the link 0-1 (now a PP hop) still slow.
+    Iteration time: the slowest rank's step (``falcon.jsonl``); ``healthy_ms``: the median of steps
+    2 .. link_from - 1; ``after_s4_ms``: the median of the restarted job's steps after its first."""
+    import shutil
+    import subprocess
+
+    from titan_ext.testing import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    for var in ("TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK", "TITAN_EXT_S4_PLAN", "TITAN_EXT_INJECT_DELAYS"):
+        env.pop(var, None)
+    dump = os.path.join(workdir, "compound")
+    shutil.rmtree(dump, ignore_errors=True)
+    os.makedirs(dump)
+    link = f"0-1:x{link_factor:g}@{link_from}"
+    device = f"3:{device_factor:g}@{device_from}"
+    job = ["--job.config_file", "train_configs/debug_cpu_dp2_pp2.toml", "--job.dump_folder", dump,
+           "--training.steps", str(steps), "--training.local_batch_size", "2", "--training.global_batch_size", "12",
+           "--training.seq_len", str(SEQ_LEN), "--titan_ext.emulate_device_pass_ms", f"{pass_ms:g}",
+           "--titan_ext.no-adaptive", "--titan_ext.falcon_apply", "--checkpoint.enable",
+           "--checkpoint.interval", "100000", "--titan_ext.falcon_spares", str(spare),
+           "--titan_ext.emulate_slow_link", link, "--titan_ext.emulate_slow_device", device]
+    t0 = time.time()
+    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
+                    "--master-port", str(free_port()), "--log", os.path.join(dump, "train.log"), "--", *job],
+                   cwd=root, env=env, check=True)
+    wall = time.time() - t0
+    return compound_result(_rows(os.path.join(dump, "falcon.jsonl")), _rows(os.path.join(dump, "falcon_events.jsonl")),
+                           link_from, device_from, extra={
+                               "faults": {"slow_dp_link": link, "slow_device": device},
+                               "spares": [spare], "pass_ms": pass_ms, "steps": steps, "wall_s": wall,
+                               "command_args": job})
+
+
+def compound_result(falcon: list[dict], events: list[dict], link_from: int, device_from: int,
+                    extra: dict | None = None) -> dict:
+    """The compound run's JSON from its ``falcon.jsonl`` rows (per-step iteration times, the restarted
+    job's included) and ``falcon_events.jsonl`` rows: every decision, the applied mitigations in order,
+    the medians of each phase (healthy: steps 2 .. link_from - 1; after S3: from the step after S3 to the
+    device fault; after S2: from the step after S2 to S4; after S4: the restarted job's steps after its
+    first) and the checks of Falcon §7.3's order (S3 < S2 < S4, S4 onto the spare with DP kept)."""
+    step_s: dict[int, float] = {}
+    for r in falcon:  # one row a step (a step the restart repeats: the later row)
+        step_s[int(r["step"])] = float(r["falcon/iteration_time_s"])
+    decisions = [{**{k: e.get(k) for k in ("iteration", "strategy", "name", "applied", "impact_s",
+                                           "estimated_cost_s", "measured_cost_s", "iteration_time_before_s",
+                                           "iteration_time_predicted_s") if k in e},
+                  "root_cause": (e.get("suspected") or {}).get("root_cause"),
+                  "component": (e.get("suspected") or {}).get("component")}
+                 for e in events if e.get("kind") == "decision"]
+    mitigations = [{"step": int(e["iteration"]), "strategy": e["strategy"]} for e in events
+                   if e.get("kind") == "decision" and e.get("applied") and e.get("strategy") in LADDER]
+    first = {}
+    for m in mitigations:
+        first.setdefault(m["strategy"], m["step"])
+    restart = next((e for e in events if e.get("kind") == "restart"), None)
+    localised = [{"iteration": e["iteration"], **{k: (e.get("suspected") or {}).get(k) for k in
+                                                  ("root_cause", "component", "slow_devices", "slow_links")}}
+                 for e in events if e.get("kind") == "localised"]
+
+    def med(lo: int, hi: float) -> float | None:
+        xs = [v for k, v in step_s.items() if lo <= k <= hi]
+        return 1e3 * float(np.median(xs)) if xs else None
+
+    healthy = med(2, link_from - 1)
+    s3, s2, s4 = first.get("S3"), first.get("S2"), first.get("S4")
+    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores",
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "compute": _mode(),
+           "link_from": link_from, "device_from": device_from,
+           "healthy_ms": healthy,
+           "slow_link_ms": med(link_from, (s3 if s3 is not None else device_from - 1)),
+           "after_s3_ms": med(s3 + 2, device_from - 1) if s3 is not None else None,
+           "after_s2_ms": med(s2 + 2, s4 if s4 is not None else float("inf")) if s2 is not None else None,
+           "after_s4_ms": (med(int(restart["iteration"]) + 1, float("inf")) if restart is not None else None),
+           "mitigations": mitigations,
+           "mitigation_step": "the trainer step at whose check the job applied it (falcon_events.jsonl's iteration)",
+           "decisions": decisions, "localised": localised, "restart": restart,
+           "iteration_ms": {str(k): 1e3 * v for k, v in sorted(step_s.items())}}
+    out["ratios"] = {f"{k[:-3]}_over_healthy": (out[k] / healthy if out[k] is not None and healthy else None)
+                     for k in ("slow_link_ms", "after_s3_ms", "after_s2_ms", "after_s4_ms")}
+    out["paper_order"] = (s3 is not None and s2 is not None and s4 is not None and s3 < s2 < s4
+                          and restart is not None and restart.get("num_dp") == 2
+                          and restart.get("world_size") == 4)
+    r = out["ratios"]["after_s4_over_healthy"]
+    out["within_1_15x"] = r is not None and r <= 1.15
+    out.update(extra or {})
+    return out
+
+
+def plot_compound(res: dict, path: str) -> None:
+    """Falcon Fig. 17's layout: throughput (iterations/s) over the training steps, the faults' onsets
+    dashed and each applied mitigation a labelled vertical line."""
+    from titan_ext.plan.export import pyplot
+
+    plt = pyplot()
+    steps = sorted(int(k) for k in res["iteration_ms"])
+    thr = [1e3 / res["iteration_ms"][str(k)] for k in steps]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.plot(steps, thr, "-o", ms=3, lw=1.2, color="#4C72B0", label="throughput")
+    if res.get("healthy_ms"):
+        ax.axhline(1e3 / res["healthy_ms"], color="grey", lw=0.8, ls=":", label="healthy (median)")
+    top = max(thr) * 1.12
+    for x, what in ((res["link_from"], "slow DP link"), (res["device_from"], "slow device")):
+        ax.axvline(x - 0.5, color="#C44E52", ls="--", lw=1)
+        ax.text(x - 0.3, top * 0.97, what, color="#C44E52", fontsize=8, va="top")
+    for m in res["mitigations"]:
+        ax.axvline(m["step"] + 0.5, color="#55A868", lw=1.2)
+        ax.text(m["step"] + 0.7, top * 0.86, m["strategy"], color="#55A868", fontsize=9, va="top",
+                fontweight="bold")
+    ax.set_ylim(0, top)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("iterations / s")
+    ax.set_title("Falcon §7.3 compound sequence, TorchTitan DP 2 x PP 2 (CPU, gloo)", fontsize=10)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_compound(res: dict) -> None:
+    """The compound run's table: each phase's median step over healthy."""
+    print(f"Compute: {res['compute']}; faults {res.get('faults')}; spares {res.get('spares')}\n")
+    print("| phase | median step ms | / healthy |")
+    print("|---|---|---|")
+    for key, name in (("healthy_ms", "healthy"), ("slow_link_ms", "slow DP link, before S3"),
+                      ("after_s3_ms", "after S3"), ("after_s2_ms", "slow device + link, after S2"),
+                      ("after_s4_ms", "after S4 onto the spare")):
+        v = res.get(key)
+        ratio = "-" if v is None or not res["healthy_ms"] else f"{v / res['healthy_ms']:.2f}"
+        print(f"| {name} | {'-' if v is None else f'{v:.0f}'} | {ratio} |")
+    print("\nmitigations: " + ", ".join(f"{m['step']}:{m['strategy']}" for m in res["mitigations"]))
+    print(f"paper order S3 < S2 < S4 onto a spare (DP kept): {res['paper_order']}; "
+          f"after S4 within 1.15x healthy: {res['within_1_15x']}")
 
 
 def replay_onset_step(log: list[dict], tracking: bool) -> int | None:
@@ -544,9 +934,25 @@ def main():
                     "their series replayed with and without group tracking (bench_group_tracking)")
     ap.add_argument("--s4", action="store_true", help="with --end-to-end: only the slow-device S2 -> S4 "
                     "run (bench_s4_slow_device; --steps, --slow-from, --device-factor)")
+    ap.add_argument("--compound", action="store_true",
+                    help="Falcon §7.3's compound sequence in the DP 2 x PP 2 job (bench_compound): slow DP link "
+                    "-> S3, slow device -> S2, S4 onto a spare device; --json PATH, the plot beside it (.png); "
+                    "defaults COMPOUND_DEFAULTS unless --steps/--link-factor/--device-factor/--device-pass-ms given")
+    ap.add_argument("--link-from", type=int, default=8, help="--compound: the slow DP link from this step")
+    ap.add_argument("--device-from", type=int, default=28, help="--compound: the slow device from this step")
     ap.add_argument("--fig19", action="store_true", help="PipeMorph §7.3 Fig. 19: DP 2 x PP 4 (8 processes), "
                     "a latency fault on DP link 0-1, four arms (bench_fig19)")
-    ap.add_argument("--fault-ms", type=float, default=30.0, help="--fig19: the DP link's added latency (10/20/30)")
+    ap.add_argument("--fault-ms", default="30", help="--fig19: the DP link's added latency in ms, comma-separated "
+                    "sizes each run --repeat times (e.g. 10,20,30); --calibrate-hol: the PP link's (30, Fig. 6)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="--fig19: invocations per fault size, each with its own healthy arm (medians + spread)")
+    ap.add_argument("--hol-hold", type=float, default=None,
+                    help="--fig19: emulate_link_hol_hold (default: the calibrated value in "
+                    f"{HOL_CALIBRATION}, 1.0 without one)")
+    ap.add_argument("--calibrate-hol", action="store_true",
+                    help="measure the head-of-line emulation's slowdown on PipeMorph Fig. 6's scenario (30 ms "
+                    "between PP stages 0 and 1 of the fixed ZB plan) and pick emulate_link_hol_hold for its "
+                    f"1.9x; written to --json (default {HOL_CALIBRATION})")
     ap.add_argument("--microbatches", type=int, default=16,
                     help="--fig19: microbatches of one pipeline step (one of a replica's 2 chunks)")
     ap.add_argument("--window-kib", type=float, default=32.0,
@@ -559,12 +965,41 @@ def main():
                     "blocking of the direct path (emulate_link_hol)")
     args = ap.parse_args()
     SEQ_LEN, DEVICE_PASS_MS = args.seq_len, args.device_pass_ms
+    if args.compound:
+        given = {a.dest for a in ap._actions for o in a.option_strings
+                 for x in sys.argv[1:] if x == o or x.startswith(o + "=")}
+        for key, value in COMPOUND_DEFAULTS.items():  # the compound run's own, unless given
+            if key not in given:
+                setattr(args, key, value)
+        DEVICE_PASS_MS = args.device_pass_ms
+        res = bench_compound(args.steps, args.link_from, args.device_from, args.link_factor, args.device_factor,
+                             args.workdir.replace("bench_falcon_e2e", "bench_falcon_compound"), DEVICE_PASS_MS)
+        print_compound(res)
+        if args.json:
+            res["plot"] = os.path.splitext(args.json)[0] + ".png"
+            plot_compound(res, res["plot"])
+        _emit(res, args.json)
+        return
+    if args.calibrate_hol:
+        SEQ_LEN, DEVICE_PASS_MS = 32, args.device_pass_ms or 10.0
+        res = calibrate_hol(args.steps, args.slow_from, float(args.fault_ms.split(",")[0]), args.window_kib,
+                            args.workdir.replace("bench_falcon_e2e", "bench_falcon_hol"), args.microbatches)
+        res["command"] = " ".join(sys.argv)
+        _emit(res, args.json or HOL_CALIBRATION)
+        return
     if args.fig19:
         SEQ_LEN, DEVICE_PASS_MS = 32, args.device_pass_ms or 10.0
-        res = bench_fig19(args.steps, args.slow_from, args.fault_ms, args.window_kib,
-                          args.workdir.replace("bench_falcon_e2e", "bench_falcon_fig19"), args.microbatches,
-                          hol=not args.no_hol)
+        hold = calibrated_hold() if args.hol_hold is None else args.hol_hold
+        res = bench_fig19_repeated([float(x) for x in args.fault_ms.split(",")], args.repeat, args.steps,
+                                   args.slow_from, args.window_kib,
+                                   args.workdir.replace("bench_falcon_e2e", "bench_falcon_fig19"),
+                                   args.microbatches, hol=not args.no_hol, hol_hold=hold,
+                                   partial=args.json and args.json + ".partial")
+        res["command"] = " ".join(sys.argv)
+        print_fig19(res)
         _emit(res, args.json)
+        if args.json and os.path.exists(args.json + ".partial"):
+            os.remove(args.json + ".partial")
         return
     if args.end_to_end and (args.s4 or args.group_tracking):
         res = (bench_s4_slow_device(args.steps, args.slow_from, args.device_factor, args.workdir) if args.s4 else

@@ -44,6 +44,9 @@
 #   FALCON_S4_RESTARTS  1   relaunches after a Falcon S4 exit (status 75 + <dump>/falcon_s4_plan.json:
 #                           the job restarts on the kept nodes/devices; titan_ext/titan/falcon/s4.py)
 #   FALCON_S4_DUMP      the job's dump folder when --job.dump_folder is not on the command line
+#   (exported) TITAN_EXT_SPARE_NODES  under SLURM, the allocation's nodes beyond NNODES: with one, S4
+#                           restarts on a spare node (--exclude=<slow node>, same node count, DP kept)
+#                           instead of shrinking DP (e.g. sbatch --nodes=3 with NNODES=2)
 #   STOP_GRACE_S     30  seconds the job has to end after a SIGTERM / SIGINT to this script, then SIGKILL
 # The job's own log is the SLURM output file below (%x = job name, %j = job id) in the submit dir.
 #
@@ -258,7 +261,7 @@ global_rank_prefix='[rank${rank}]:'   # torchrun's line prefix: the global rank 
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-$global_rank_prefix}"
 shown_env=(OMP_NUM_THREADS NCCL_DEBUG NCCL_IB_TIMEOUT TORCH_DIST_INIT_BARRIER NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME
            PYTHONUNBUFFERED PYTHONFAULTHANDLER PYTORCH_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF
-           TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE S4_HOSTS TITAN_EXT_LAUNCH_ID)
+           TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE S4_HOSTS TITAN_EXT_LAUNCH_ID TITAN_EXT_SPARE_NODES)
 
 if [ "$dry" = 0 ]; then
     echo "[launch] job $job_id: $NNODES node(s) x $NPROC_PER_NODE ranks, config $config_name"
@@ -276,8 +279,14 @@ for a in "$@"; do
     case "$a" in --job.dump_folder=*) dump_folder="${a#*=}" ;; esac
     prev="$a"
 done
+# Under SLURM every node of the allocation: those beyond NNODES are spare nodes, exported to the job as
+# TITAN_EXT_SPARE_NODES; with one, S4 restarts the slow device's node on a spare (srun --exclude=<slow
+# node>, the same node count and DP: Falcon's S4) instead of shrinking DP. Allocate one with e.g.
+# sbatch --nodes=3 and NNODES=2.
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-    hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n "$NNODES" | tr '\n' ' ')"
+    hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\n' ' ')"
+    spare_nodes=$(($(wc -w <<< "$hosts") - NNODES))
+    if [ "$spare_nodes" -gt 0 ]; then export TITAN_EXT_SPARE_NODES="$spare_nodes"; fi
 else
     hosts="$(hostname)"
 fi
@@ -394,10 +403,17 @@ while :; do
         echo "[launch] job $job_id failed (status $rc)"
         exit "$rc"
     fi
-    eval "$spec"   # S4_NNODES, S4_NPROC_PER_NODE, S4_EXCLUDE, S4_ARGS, S4_PLAN, S4_DEVICES_<i>
+    S4_SPARE_NODES=""
+    eval "$spec"   # S4_NNODES, S4_NPROC_PER_NODE, S4_EXCLUDE, S4_ARGS, S4_PLAN, S4_DEVICES_<i>[, S4_SPARE_NODES]
+    if [ -n "$S4_SPARE_NODES" ]; then export TITAN_EXT_SPARE_NODES="$S4_SPARE_NODES"; fi
     for ((i = 0; i < $(wc -w <<< "$hosts"); i++)); do v="S4_DEVICES_$i"; export "S4_DEVICES_$i=${!v}"; done
     restarts=$((restarts + 1))
     nnodes="$S4_NNODES" nproc="$S4_NPROC_PER_NODE" exclude="$S4_EXCLUDE" rdzv_id="$job_id-s4-$restarts"
+    if [ -z "${MASTER_ADDR:-}" ] && [ -n "$exclude" ]; then  # rendezvous on the first node srun keeps
+        for h in $hosts; do
+            if [[ ",$exclude," != *",$h,"* ]]; then rdzv_host="$h"; break; fi
+        done
+    fi
     eval "extra=($S4_ARGS)"
     export TITAN_EXT_S4_PLAN="$S4_PLAN"
     unset TITAN_EXT_SLOW_DEVICE TITAN_EXT_SLOW_LINK

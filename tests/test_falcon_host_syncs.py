@@ -3,9 +3,12 @@ mid-training.
 
 * A steady step of :class:`~titan_ext.titan.falcon.job.FalconJob` (4 ranks, DP 2 x PP 2, under the
   ``nccl_rules`` backend): no host sync on the training thread
-  (:func:`titan_ext.runtime.host_syncs.counting`), one all-reduce of host data on the gloo control
-  group (before: two world-sized all-reduces a step); every rank feeds the detector the same steps,
-  in order, each at its own end on the CPU.
+  (:func:`titan_ext.runtime.host_syncs.counting`); the steps' numbers are exchanged only at the checks
+  (every ``falcon_check_every`` steps and the last step; before: two world-sized all-reduces a step,
+  then one), one recursive-doubling MAX on the gloo control group each, no other collective there;
+  every rank feeds the detector every step, the same steps in order, at the check after it.
+* The recursive-doubling exchange (3 ranks: the fold of a rank beyond a power of two) is the exact
+  MAX, and feeds the detector what the per-step ring exchange fed, a lagging rank included.
 * Validation (Falcon §4.3) runs batched P2P ops on the rings' own PP / DP groups, made at start-up —
   no bare ``send``/``recv`` (a two-rank NCCL communicator made at the moment of diagnosis); S3's
   default-group communicator is made at start-up by every rank.
@@ -20,17 +23,21 @@ mid-training.
 from __future__ import annotations
 
 import tempfile
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_ext.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
 STEPS, STEADY_FROM = 7, 2  # step 0: S2's cost measured by a real exchange; step 1: the ACF recorder starts
+EVERY = 4  # TitanExt's default falcon_check_every: checks at steps 3 (index) and 6 (the last step)
+CHECKS = [EVERY - 1, STEPS - 1]
 
 
 # --------------------------------------------------------------------------- the job, 4 ranks
@@ -62,6 +69,7 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
     from titan_ext.runtime.falcon.device_clock import is_control_group
     from titan_ext.titan.config import TitanExt
     from titan_ext.titan.falcon import job as falcon_job
+    from titan_ext.titan.falcon import measure
     from titan_ext.titan.falcon.job import FalconJob
     from titan_ext.titan.falcon.measure import validate
 
@@ -74,9 +82,18 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
         parallel_dims=SimpleNamespace(get_mesh=lambda name: mesh[name]), gradient_accumulation_steps=3,
         model_parts=[model], optimizers=SimpleNamespace(optimizers=[torch.optim.AdamW(model.parameters())]),
         pp_schedule=SimpleNamespace(falcon=None), device=torch.device("cpu"),
-        job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir)),
+        job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir), training=SimpleNamespace(steps=STEPS)),
         config=SimpleNamespace(dump_folder=outdir), step=1)
     job = FalconJob(trainer, TitanExt(falcon=True, falcon_apply=True))
+    assert job.check_every == EVERY and job.last_step == STEPS
+    # the exchange's reductions: (phase, group kind) of each (bare isend/irecv are not wrapped above)
+    reductions, reduce = [], measure.max_all_reduce
+
+    def counted(vec, group, ranks=None):
+        reductions.append((phase[0], "control" if is_control_group(group) else "other", list(ranks or [])))
+        return reduce(vec, group, ranks)
+
+    measure.max_all_reduce = counted
     # a loaded host's noise can look like an onset to the detector on this toy job's millisecond
     # steps; the step that validates then (§4.3) syncs and runs collectives by design, and is no
     # steady step: recorded, and left out below
@@ -84,7 +101,9 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
     falcon_job.validate = lambda *a, **k: (validated.append(phase[0]), job_validate(*a, **k))[1]
     fed = []
     falcon = job._falcon
-    job._falcon = lambda obs, step: (fed.append((step.index, obs.iteration_time_s)), falcon(obs, step))
+    job._falcon = lambda obs, step: (fed.append((step.index, obs.iteration_time_s, phase[0])), falcon(obs, step))[1]
+    stale, record_stale = [], job._record_stale
+    job._record_stale = lambda obs, step: (stale.append((step.index, phase[0])), record_stale(obs, step))[1]
 
     def run_step(chunks):
         for inputs, labels in chunks:
@@ -115,8 +134,9 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
         return "other"
 
     falcon_job.validate = job_validate
-    return {"syncs": syncs, "fed": fed, "validated": validated,
-            "calls": [(p, n, kind(g), a) for p, n, g, a in calls]}
+    measure.max_all_reduce = reduce
+    return {"syncs": syncs, "fed": fed, "validated": validated, "reductions": reductions,
+            "stale": stale, "calls": [(p, n, kind(g), a) for p, n, g, a in calls]}
 
 
 @pytest.fixture(scope="module")
@@ -152,23 +172,29 @@ def test_a_steady_falcon_step_makes_no_host_sync(job_run):
         assert steady == [[]] * len(steady_steps), (rank, steady_steps, r["syncs"])
 
 
-def test_a_steady_falcon_step_makes_one_collective_on_the_control_groups(job_run):
+def test_the_steps_are_exchanged_only_at_the_checks_by_one_reduction_on_the_control_group(job_run):
     """Before: ``DPSync.transfer_times`` and ``measure_step`` each all-reduced over the world every
-    step. Now one all-reduce of host data a step (no device work waits on it)."""
+    step, then one all-reduce a step. Now one recursive-doubling reduction at each check (every
+    ``falcon_check_every`` steps and the last step), pairing a pipeline's ranks first, and no
+    collective at all on the control groups in a steady step."""
     steady_steps = _steady_steps(job_run)
     for rank, r in enumerate(job_run):
+        assert r["reductions"] == [(c, "control", [0, 2, 1, 3]) for c in CHECKS], (rank, r["reductions"])
         for step in steady_steps:
             mine = [(n, a) for p, n, k, a in r["calls"] if p == step and k == "control"]
-            assert mine == [("all_reduce", False)], (rank, step, mine)
+            assert mine == [], (rank, step, mine)
 
 
-def test_every_rank_feeds_the_detector_the_same_steps_in_order(job_run):
+def test_every_rank_feeds_the_detector_every_step_in_order_at_the_check_after_it(job_run):
     fed = [r["fed"] for r in job_run]
     assert all(f == fed[0] for f in fed), fed
-    indices = [i for i, _ in fed[0]]
-    # on CPU a step's device time is known at its end: every step is fed at its own end
-    assert indices == list(range(STEPS)), indices
-    assert all(t > 0 for _, t in fed[0])
+    assert all(r["stale"] == job_run[0]["stale"] for r in job_run)
+    # on CPU a step's device time is known at its end: every step is handled at the first check after
+    # it — fed, or (only after a change that a noise-triggered validation applied) recorded as stale
+    handled = sorted([(i, c) for i, _, c in fed[0]] + job_run[0]["stale"])
+    assert handled == [(i, next(c for c in CHECKS if c >= i)) for i in range(STEPS)], handled
+    assert job_run[0]["stale"] == [] or job_run[0]["validated"], job_run[0]["stale"]
+    assert all(t > 0 for _, t, _ in fed[0])
 
 
 def test_validation_uses_the_rings_groups_made_at_start_up_never_a_bare_p2p_op(job_run):
@@ -182,6 +208,66 @@ def test_validation_uses_the_rings_groups_made_at_start_up_never_a_bare_p2p_op(j
         batched = {k for n, k in during if n == "batch_isend_irecv"}
         assert batched == {"pp", "dp"}, during  # each ring on its own group, none on the world
         assert not [c for c in during if c[0] == "all_reduce" and c[1] != "control"], during
+
+
+# --------------------------------------------------------------------------- the exchange itself
+def _exchange_worker(rank: int, world: int) -> dict:
+    from titan_ext.runtime.falcon.device_clock import control_group
+    from titan_ext.runtime.falcon.exchange import max_all_reduce
+    from titan_ext.titan.falcon.measure import ObservationExchange, StepRecord
+
+    control = control_group()
+    # the reduction alone: random vectors, the group's order and a permuted one
+    vectors = []
+    for it, order in enumerate((None, [2, 0, 1])):
+        torch.manual_seed(10 * it + rank)
+        vec = torch.randn(5, 7, dtype=torch.float64)
+        vectors.append(max_all_reduce(vec, control, order).clone())
+    # the job's exchange: a per-step ring (before) against a check every 4 steps (after), one DP x PP
+    # grid of 3 replicas x 1 stage; rank 1 reads each step 2 steps late (a device behind its host)
+    before = ObservationExchange(control, 1, 3, every=1, window=6, algorithm="ring")
+    after = ObservationExchange(control, 1, 3, every=4)
+    after.order([[0], [1], [2]])
+    fed = {"before": [], "after": []}
+    lag, steps, loops = (2 if rank == 1 else 0), 14, 16  # every rank runs the same boundaries
+    for k in range(loops):
+        for name, ex in (("before", before), ("after", after)):
+            if k < steps:
+                ex.add(StepRecord(k, object()))  # not read yet
+            j = k - lag
+            if 0 <= j < steps:
+                step = ex._mine[j]
+                step.timer, step.seconds = None, 0.1 + 0.01 * ((5 * j + 3 * rank) % 7)
+                step.at = {"step_start": float(j), "dp_start": j + 0.05 + 0.001 * rank, "dp_end": j + 0.07}
+                step.host = {"split": [2, 2, 2], "dp_index": rank, "pp_index": 0, "link_delay_ms": {},
+                             "trainer_step": j + 1}
+            if name == "before" or k % 4 == 3 or k == loops - 1:
+                fed[name] += [(s.index, obs.iteration_time_s, obs.replica_microbatch_s,
+                               tuple(sorted(obs.per_group_times.items()))) for s, obs, _ in ex.exchange()]
+    return {"vectors": vectors, "fed": fed, "reductions": (before.reductions, after.reductions)}
+
+
+def test_the_recursive_doubling_exchange_feeds_what_the_per_step_ring_fed():
+    """3 ranks (one beyond a power of two: folded in and out): the reduction is the exact element-wise
+    MAX of every rank's vector, whatever the pairing order; and the job's exchange at a check every 4
+    steps feeds the detector the same steps, in the same order, with the same numbers as the per-step
+    gloo all-reduce did — a rank that reads its steps 2 steps late included."""
+    world = 3
+    results = run_ranks(_exchange_worker, world, backend="gloo", timeout_s=240)
+    for it in range(2):
+        expected = torch.stack([(torch.manual_seed(10 * it + r), torch.randn(5, 7, dtype=torch.float64))[1]
+                                for r in range(world)]).amax(0)
+        for r in results:
+            assert torch.equal(r["vectors"][it], expected)
+    fed = results[0]["fed"]
+    assert all(r["fed"] == fed for r in results[1:])
+    assert [i for i, *_ in fed["after"]] == list(range(14))
+    assert fed["after"] == fed["before"]
+    # the slowest rank's time for every step (the MAX over ranks), the replicas' compute phases
+    for i, t, replica_s, _ in fed["after"]:
+        assert t == max(0.1 + 0.01 * ((5 * i + 3 * r) % 7) for r in range(world))
+        assert replica_s == pytest.approx(tuple((0.05 + 0.001 * r) / 2 for r in range(world)))
+    assert results[0]["reductions"] == (16, 4)  # before: every step (and the lag's 2); after: 4 checks
 
 
 # --------------------------------------------------------------------------- fake CUDA components
@@ -301,10 +387,41 @@ def _weighted_worker(rank: int, world: int) -> dict:
     big = params[0].numel() * 4
     with _NewStorageBytes([p.grad for p in params if p.grad is not None] + list(params)) as counted:
         weighted_all_reduce_gradients(params, weight, bucket_bytes=big)  # the big one alone, in place
-    return {"grads": [p.grad.clone() for p in params], "new_bytes": counted.bytes, "big": big}
+    # a model of small gradients only: 24 of 1000 floats in buckets of 2 (8 kB): 12 buckets, of which
+    # at most BUCKETS_IN_FLIGHT are flattened at once
+    small = [torch.nn.Parameter(torch.zeros(1000)) for _ in range(24)]
+    for k, p in enumerate(small):
+        p.grad = torch.full((1000,), float(rank + k))
+    with _LiveFlatBytes() as flats:
+        weighted_all_reduce_gradients(small, 1.0, bucket_bytes=8000)
+    return {"grads": [p.grad.clone() for p in params], "new_bytes": counted.bytes, "big": big,
+            "small": [float(p.grad[0]) for p in small] + [float(p.grad[-1]) for p in small],
+            "flats": (flats.count, flats.peak)}
+
+
+class _LiveFlatBytes(TorchDispatchMode):
+    """Bytes of the ``torch.cat`` results alive at once (the flattened buckets): the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.count = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.cat.default:
+            nbytes = out.numel() * out.element_size()
+            self.live, self.count = self.live + nbytes, self.count + 1
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(out, self._freed, nbytes)
+        return out
 
 
 def test_weighted_gradient_aggregation_is_the_exact_weighted_sum_without_a_flat_copy():
+    from titan_ext.runtime.falcon.redistribute import BUCKETS_IN_FLIGHT
+
     world = 3
     results = run_ranks(_weighted_worker, world, backend="gloo", timeout_s=120)
     weights = [(r + 1) / (world * (world + 1) / 2) for r in range(world)]
@@ -321,6 +438,15 @@ def test_weighted_gradient_aggregation_is_the_exact_weighted_sum_without_a_flat_
         # ones' bucket (before: two flat copies of all gradients, > 2 x 240 kB)
         assert r["new_bytes"] < r["big"] // 4, r["new_bytes"]
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(r["grads"], results[0]["grads"]))
+    # small gradients only: the exact sums, through 12 buckets of which at most two are held at once by
+    # the function (before: every bucket flattened before the first was waited for, a copy of the whole
+    # gradient, 12 x 8000 bytes); one more may be seen alive while gloo's finished work still holds its
+    # tensor (a C++ reference keeps the Python tensor alive until the backend lets go)
+    sums = [float(sum(r + k for r in range(world))) for k in range(24)]
+    for r in results:
+        assert r["small"] == sums + sums
+        count, peak = r["flats"]
+        assert count == 12 and peak <= (BUCKETS_IN_FLIGHT + 1) * 8000 < 12 * 8000 / 2, r["flats"]
 
 
 # --------------------------------------------------------------------------- steps fed after a change
@@ -339,33 +465,47 @@ class _Clock:  # a device that returns each step two steps after the host ended 
         return []
 
 
-class _Exchange:  # every rank has read the steps up to two behind the newest
-    def __init__(self):
-        self.steps, self.fed = [], 0
+class _Exchange:  # every rank has read the steps up to ``behind`` behind the newest
+    def __init__(self, behind=2):
+        self.steps, self.fed, self.behind, self.calls = [], 0, behind, []
 
     def add(self, step):
         self.steps.append(step)
 
     def exchange(self):
-        out = [(s, SimpleNamespace(index=s.index), []) for s in self.steps[self.fed:len(self.steps) - 2]]
+        self.calls.append(len(self.steps) - 1)  # the newest step's index: where the check ran
+        out = [(s, SimpleNamespace(index=s.index, iteration_time_s=0.1), [])
+               for s in self.steps[self.fed:len(self.steps) - self.behind]]
         self.fed += len(out)
         return out
 
 
-def _stub_job(falcon, schedule=None):
+def _stub_job(falcon, schedule=None, every=1, last_step=None, behind=2):
     """FalconJob's step boundary (:meth:`FalconJob._after_step`) over stubs: the clock and exchange
-    above, ``falcon(obs, step)`` for the monitor and its decisions."""
+    above, ``falcon(obs, step)`` for the monitor and its decisions, checks every ``every`` steps
+    and at ``last_step``; the rows it records in ``job.rows``."""
     from titan_ext.titan.falcon.job import FalconJob
 
     job = FalconJob.__new__(FalconJob)
-    job.step_clock, job.exchange = _Clock(), _Exchange()
+    job.step_clock, job.exchange = _Clock(), _Exchange(behind)
     job.trainer = SimpleNamespace(pp_schedule=schedule, step=0)
     job.costs = SimpleNamespace(measure_replan=lambda rt: None)
     job.dp = SimpleNamespace(step_read=lambda s: None, absorb=lambda r: None)
     job.split, job.dp_index, job.pp_index, job._version, job.stale_steps = [3, 3], 0, 0, 0, 0
+    job.grid, job.check_every, job.last_step, job._steps = [[0, 2], [1, 3]], every, last_step, 0
+    job.rows = []
+    job.log = SimpleNamespace(record=lambda decision, rows, step=None: job.rows.append((step, decision)))
     job._link_delay_ms = {}
     job._falcon = falcon
     return job
+
+
+def _run_steps(job, n):
+    """n training steps' boundaries (what :meth:`FalconJob.train_step` does around them)."""
+    for k in range(n):
+        job.trainer.step = k + 1
+        job._after_step()
+        job._steps += 1
 
 
 def test_a_step_started_before_an_applied_change_is_not_fed():
@@ -380,14 +520,33 @@ def test_a_step_started_before_an_applied_change_is_not_fed():
             job.split, job._version = [4, 2], job._version + 1
 
     job = _stub_job(falcon)
-    for k in range(8):
-        job.trainer.step = k + 1
-        job._after_step()
+    _run_steps(job, 8)
     # steps 0..5 came back; the change was applied at the end of step 4 (when step 2 was fed), so
     # steps 3 and 4 (started before it) are not fed, step 5 is
     assert fed == [0, 1, 2, 5], fed
     assert job.stale_steps == 2
     assert [s.host["split"] for s in job.step_clock.ended[:6]] == [[3, 3]] * 5 + [[4, 2]]
+    # the steps not fed are recorded under their own steps (training steps 4 and 5), with the split
+    # in force when they were handled, as every row records it
+    assert [(step, d["falcon/stale"], d["falcon/split"]) for step, d in job.rows] == [(4, 1, "[4, 2]"),
+                                                                                       (5, 1, "[4, 2]")]
+
+
+def test_the_exchange_runs_only_at_the_check_cadence_and_every_step_is_fed_in_order():
+    """``falcon_check_every`` = 3 over 10 steps, a device 1 step behind (a step is read at the next
+    step's end): the exchange runs at steps 3, 6, 9 and the last one (10, which reads every step:
+    training ends) — 4 exchanges where a per-step exchange made 10 — and the monitor is fed every
+    step once, in order, each at the first check that had it."""
+    fed = []
+    job = _stub_job(lambda obs, step: fed.append((step.index, job.trainer.step)), every=3, last_step=10,
+                    behind=1)
+    # at the last step the clock is drained (waiting for the device): every step is read
+    job.step_clock.drain = lambda: (setattr(job.exchange, "behind", 0), [])[1]
+    _run_steps(job, 10)
+    assert job.exchange.calls == [2, 5, 8, 9], job.exchange.calls
+    assert [i for i, _ in fed] == list(range(10)), fed
+    assert fed == [(0, 3), (1, 3), (2, 6), (3, 6), (4, 6), (5, 9), (6, 9), (7, 9), (8, 10), (9, 10)], fed
+    assert job.stale_steps == 0 and job.rows == []
 
 
 def test_the_job_holds_pipemorphs_link_readings_between_its_checks():
@@ -430,3 +589,13 @@ def test_the_check_cadence_is_adaptive_again_when_the_job_takes_falcon_off():
             checks.append(it)
             cadence.after_check(it, True, [1.0])
     assert len(checks) < 20, checks
+
+
+def test_the_check_cadence_knob_is_validated():
+    from titan_ext.titan.config import TitanExt, TitanExtConfigError, validate_titan_ext
+
+    assert TitanExt().falcon_check_every == EVERY
+    validate_titan_ext(TitanExt(falcon_check_every=1))
+    for bad in (0, -3):
+        with pytest.raises(TitanExtConfigError, match="falcon_check_every"):
+            validate_titan_ext(TitanExt(falcon_check_every=bad))

@@ -248,10 +248,15 @@ def test_slow_dp_link_moved_onto_a_pp_hop_in_memory_and_recorded(s3_runs):
     # the measured cost is the in-memory change's (seconds, not a process start), and it replaced
     # the start-up estimate for later decisions
     assert 0 < s3[0]["measured_cost_s"] < 30 and 0 < s3[0]["estimated_cost_s"] < 30
-    # the grid in force: 0-1 is a PP hop of pipeline 0 from the step after the change on
+    # the grid in force once a step's row was handled: 0-1 is a PP hop of pipeline 0 from the step
+    # whose numbers decided S3 on (``step`` is the check that applied it, at most
+    # falcon_check_every - 1 steps later; the rows between are recorded but were not fed)
+    decided = s3[0]["observed_step"]
+    assert decided <= step
     grids = {r["step"]: json.loads(r["falcon/grid"]) for r in rows}
-    assert all(grids[s] == [[0, 2], [1, 3]] for s in grids if s < step)
-    assert all(grids[s] == [[0, 1], [2, 3]] for s in grids if s >= step)
+    assert all(grids[s] == [[0, 2], [1, 3]] for s in grids if s < decided)
+    assert all(grids[s] == [[0, 1], [2, 3]] for s in grids if s >= decided)
+    assert all(rows[s - 1].get("falcon/stale") == 1 for s in range(decided + 1, step + 1))
     # the run continued to its last step, and the change's outcome is a row (before / after)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     outcome = [e for e in events if e["kind"] == "outcome" and e["strategy"] == "S3"]

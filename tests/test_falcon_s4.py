@@ -276,8 +276,12 @@ def _s4_resume_rank(rank: int, world: int, dump: str) -> tuple:
 
     from titan_ext.titan.falcon.s4 import OUTCOME_STEPS, S4Resume
 
-    trainer = SimpleNamespace(job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=dump)))
+    # the job's last step is the 5th after the restart: its times are reduced at the default check
+    # cadence (every 4 steps) and at that last step
+    trainer = SimpleNamespace(job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=dump),
+                                                         training=SimpleNamespace(steps=13 + OUTCOME_STEPS - 1)))
     resume = S4Resume.from_env(trainer)
+    assert (resume.every, resume.last_step) == (4, 13 + OUTCOME_STEPS - 1)
     resume.before_step(13)
     for step in range(13, 13 + OUTCOME_STEPS):
         resume.after_step(step, 0.1 * (rank + 1))
@@ -305,3 +309,111 @@ def test_s4_resume_reduces_its_host_times_on_a_control_group_not_the_data_group(
     assert times0 == times1 == [pytest.approx(0.2)] * 5  # MAX over the ranks
     rows = [json.loads(line) for line in (tmp_path / "falcon_events.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["restart", "outcome"]
+
+
+# --------------------------------------------------------------------------- S4 onto spare nodes (SLURM)
+
+
+def test_node_replacement_keeps_the_grid_and_moves_the_slow_node_whole():
+    """Falcon §5.1's S4 with the launcher's spare node: DP 2 x PP 2 on two nodes of two ranks, device 3
+    slow; its node (ranks 2, 3) restarts on the spare node, whose devices get new ids (4, 5)."""
+    from titan_ext.runtime.falcon.restart import ReplacePlan
+    from titan_ext.titan.falcon.s4 import NodeReplacePlan, plan_node_replacement
+
+    grid = _titan_grid(2, 2)  # [[0, 2], [1, 3]]
+    plan = plan_node_replacement(grid, [3], spare_nodes=1, ranks_per_node=2, step=30, split=[5, 1])
+    assert isinstance(plan, NodeReplacePlan) and isinstance(plan, ReplacePlan)
+    assert plan.num_dp == 2 and plan.kept_ranks == [0, 1, 2, 3] and plan.chunks_per_replica == 3
+    assert plan.excluded_nodes == [1] and plan.devices == [0, 1, 4, 5] and plan.replaced == {2: 4, 3: 5}
+    # the emulated slow device leaves with its node; a fault between the kept devices stays
+    emulation = remap_emulation(plan, "3:12@20", "0-1:x26@8")
+    assert emulation["emulate_slow_device"] == "" and emulation["emulate_slow_link"] == "0-1:x26@8"
+    assert emulation["falcon_devices"] == "0,1,4,5"
+    # after an S3 (grid [[0, 1], [2, 3]]): new rank i plays the rank of the same (stage, replica)
+    plan = plan_node_replacement([[0, 1], [2, 3]], [3], 1, 2, step=30, split=[5, 1])
+    assert plan.kept_ranks == [0, 2, 1, 3] and plan.devices == [0, 4, 1, 5]
+    # two slow devices on two nodes need two spare nodes; a job restarted once numbers on from its ids
+    with pytest.raises(ValueError, match="spare node"):
+        plan_node_replacement(grid, [0, 3], 1, 2, step=1, split=[3, 3])
+    plan = plan_node_replacement(grid, [0, 3], 2, 2, step=1, split=[3, 3], device_of=[0, 1, 4, 5])
+    assert plan.devices == [6, 7, 8, 9] and plan.excluded_nodes == [0, 1]
+    with pytest.raises(ValueError, match="whole nodes"):
+        plan_node_replacement(grid, [3], 1, 3, step=1, split=[3, 3])
+
+
+def test_s4_restarts_on_a_spare_whenever_there_is_one_and_shrinks_only_without_saying_why():
+    """plan_checkpoint_restart's order: spare devices, else the launcher's spare nodes, else the shrink,
+    whose reason names both missing paths."""
+    from titan_ext.runtime.falcon.restart import ReplacePlan, ShrinkPlan
+    from titan_ext.titan.falcon.s4 import (NodeReplacePlan, S4Unavailable, plan_checkpoint_restart,
+                                           spare_nodes_from_env)
+
+    grid = _titan_grid(2, 2)
+    args = (True, [3], [], grid, 30, [5, 1])
+    assert type(plan_checkpoint_restart(*args, spares=(4,), spare_nodes=(1, 2))) is ReplacePlan
+    assert type(plan_checkpoint_restart(*args, spare_nodes=(1, 2))) is NodeReplacePlan
+    shrink = plan_checkpoint_restart(*args, spare_nodes=(0, 2))
+    assert type(shrink) is ShrinkPlan and shrink.num_dp == 1
+    assert "falcon_spares is empty" in shrink.shrink_reason and "TITAN_EXT_SPARE_NODES" in shrink.shrink_reason
+    # too few spares of either kind: the shrink, with each path's reason
+    grid3 = _titan_grid(3, 2)  # [[0, 3], [1, 4], [2, 5]]; nodes of 2 ranks: {0, 1}, {2, 3}, {4, 5}
+    shrink = plan_checkpoint_restart(True, [0, 4], [], grid3, 30, [2, 2, 2], spares=(6,), spare_nodes=(1, 2))
+    assert type(shrink) is ShrinkPlan and shrink.kept_replicas == [2]
+    assert "1 spare(s)" in shrink.shrink_reason and "1 spare node(s)" in shrink.shrink_reason
+    with pytest.raises(S4Unavailable, match="no spare path: .*falcon_spares is empty"):  # no replica is left
+        plan_checkpoint_restart(True, [0, 3], [], grid, 30, [3, 3], spare_nodes=(0, 2))
+    # the launcher's environment (scripts/launch.sh exports the count, torchrun LOCAL_WORLD_SIZE)
+    assert spare_nodes_from_env({"TITAN_EXT_SPARE_NODES": "1", "LOCAL_WORLD_SIZE": "4"}) == (1, 4)
+    assert spare_nodes_from_env({"TITAN_EXT_SPARE_NODES": "x"}) == (0, None)
+
+
+def test_node_replacement_relaunch_spec_excludes_the_slow_node_and_keeps_the_node_count():
+    from titan_ext.titan.falcon.s4 import relaunch_spec
+
+    plan = {"mode": "replace_nodes", "hosts": ["n1.c", "n1.c", "n2.c", "n2.c"], "local_devices": [0, 1, 0, 1],
+            "excluded_hosts": ["n2.c"], "overrides": ["--parallelism.data_parallel_replicate_degree", "2"]}
+    spec = relaunch_spec(plan, ["n1", "n2", "n3"])
+    assert (spec["nnodes"], spec["nproc_per_node"], spec["exclude"]) == (2, 2, ["n2"])
+    assert spec["devices"] == {"n1": [0, 1], "n3": [0, 1]} and spec["spare_nodes"] == 0
+    with pytest.raises(SystemExit, match="2 node"):  # no spare node left in the allocation
+        relaunch_spec(plan, ["n1", "n2"])
+    with pytest.raises(SystemExit, match="spare nodes is scripts/launch.sh"):  # not the one-node launcher
+        relaunch_env(plan, {})
+
+
+def test_launch_sh_under_slurm_restarts_on_the_spare_node_with_the_same_node_count(tmp_path):
+    """scripts/launch.sh under SLURM (stand-ins for scontrol and srun): an allocation of 3 nodes for a
+    job of NNODES=2 exports TITAN_EXT_SPARE_NODES=1; after an S4 exit whose plan replaces node n1, the
+    relaunch is srun --nodes=2 --exclude=n1 with the plan's overrides (the rendezvous on a node it
+    keeps), and the restarted job sees no spare node left."""
+    dump, calls, bin_dir = tmp_path / "dump", tmp_path / "calls", tmp_path / "bin"
+    dump.mkdir()
+    bin_dir.mkdir()
+    plan = {"status": "pending", "launch_id": "LAUNCH_ID", "mode": "replace_nodes", "world_size": 4,
+            "hosts": ["n1", "n1", "n2", "n2"], "local_devices": [0, 1, 0, 1], "excluded_hosts": ["n1"],
+            "device_type": "cpu", "overrides": ["--parallelism.data_parallel_replicate_degree", "2",
+                                                "--titan_ext.falcon_devices", "0,1,4,5"]}
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'n1\\nn2\\nn3\\n'\n")
+    (bin_dir / "srun").write_text(f"""#!/bin/bash
+line="$*"; echo "${{line//$'\\n'/ }} | ${{TITAN_EXT_SPARE_NODES:-unset}} ${{TITAN_EXT_S4_PLAN:-unset}}" >> {calls}
+if [ ! -f {tmp_path}/once ]; then touch {tmp_path}/once
+  echo '{json.dumps(plan)}' | sed "s/LAUNCH_ID/$TITAN_EXT_LAUNCH_ID/" > {dump}/{S4_PLAN_FILE}; exit 1; fi
+exit 0
+""")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, NNODES="2",
+               NPROC_PER_NODE="2", LOG_DIR=str(tmp_path / "logs"), CONFIG_FILE=CONFIG, SLURM_JOB_ID="77",
+               SLURM_JOB_NODELIST="n[1-3]", SLURM_JOB_NUM_NODES="3")
+    env.pop("TITAN_EXT_SPARE_NODES", None)
+    p = subprocess.run(["bash", "scripts/launch.sh", "--job.dump_folder", str(dump)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    first, second = calls.read_text().splitlines()
+    assert first.startswith("--nodes=2 --ntasks-per-node=1") and first.endswith("| 1 unset")
+    assert "--rdzv_endpoint n1:29500" in first
+    assert second.startswith("--nodes=2 --exclude=n1 --ntasks-per-node=1")
+    assert "--rdzv_endpoint n2:29500" in second  # the rendezvous moves off the excluded head node
+    assert "--nproc_per_node 2" in second and "--titan_ext.falcon_devices 0,1,4,5" in second
+    assert second.endswith(f"| 0 {dump / S4_PLAN_FILE}")
+    assert "excluded nodes: n1" in p.stdout

@@ -452,6 +452,26 @@ def test_head_of_line_blocking_holds_the_issuer_until_its_send_arrived(monkeypat
     assert time.time() - t < 0.4
 
 
+def test_head_of_line_hold_fraction_holds_the_issuer_that_share_of_the_delay(monkeypatch):
+    """``hol_hold`` (the strength the Fig. 19 bench calibrates to PipeMorph Fig. 6's 1.9×): with 0.25 a
+    send on a 900 ms link holds its issuer at least 225 ms from hand-over, and it returns before the
+    message's arrival (0.9 s: a 4× margin); the message itself still arrives at the full delay."""
+    from types import SimpleNamespace
+
+    injector = _cpu_injector(monkeypatch, "0:900", hol=True)
+    injector.hol_hold = 0.25
+    send = SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), group=None, group_peer=1)
+    t = time.time()
+    injector.batch_p2p([send])
+    returned = time.time()
+    arrival = _published(injector.store, "titan_ext/delay/0->1/0")
+    assert arrival >= t + 0.9
+    assert returned >= t + 0.225 - 1e-3 and returned < arrival
+    for bad in (1.5, -0.1):
+        with pytest.raises(ValueError, match="hol_hold"):
+            LinkDelayInjector(parse_delay_spec("0:1"), hol=True, hol_hold=bad)
+
+
 def test_a_delegated_send_is_due_at_the_links_model_arrival(monkeypatch):
     """The delay is the link's on every path: a send the delegates carry is due at the α-β-occupancy
     model's arrival (closed form: 100 kB at 1 MB/s = 0.1 s on the wire + 50 ms; the second, handed

@@ -548,12 +548,18 @@ class LinkDelayInjector:
     """Holds back PP sends per link; see the module docstring for the model and mechanism."""
 
     def __init__(self, schedule: DelaySchedule, t0: float | None = None,
-                 origin: str = "inject_link_delays()", hol: bool = False):
+                 origin: str = "inject_link_delays()", hol: bool = False, hol_hold: float = 1.0):
         from titan_ext.plan.args import bool_arg, real_arg
 
         self.hol = bool_arg(hol, "hol")
         """Head-of-line blocking (PipeMorph §3.2, ``simulate(hol=True)``): the thread that issues a send
-        on a delayed link is held until that message has arrived."""
+        on a delayed link is held until that message has arrived (or :attr:`hol_hold` of the way)."""
+        self.hol_hold = real_arg(hol_hold, "hol_hold (the fraction of a send's delay its issuer is held)",
+                                 minimum=0, maximum=1)
+        """The blocking's strength: the issuer is held until ``ready + hol_hold × (arrival − ready)``
+        (1 = until the message arrived, the maximal stand-in; 0 = not held). A phenomenological knob,
+        set so that the emulated slowdown matches a measured one (PipeMorph Fig. 6's 1.9×:
+        ``scripts/bench_falcon.py --calibrate-hol``)."""
 
         if not isinstance(schedule, DelaySchedule):
             raise DelaySpecTypeError(f"schedule must be a DelaySchedule (parse_delay_spec), got {type(schedule).__name__}")
@@ -706,8 +712,8 @@ class LinkDelayInjector:
             except BaseException as exc:  # noqa: BLE001 - see _stamp_failed
                 self._stamp_failed(key, exc, arrived)
                 continue
-            if arrived is not None:
-                arrived.set(arrival)
+            if arrived is not None:  # held for hol_hold of the message's delay
+                arrived.set(ready_mono + self.hol_hold * max(0.0, arrival - ready_mono))
 
     def _stamp_failed(self, key: str, exc: BaseException, arrived: _Arrival | None) -> None:
         """A send that could not be stamped: record and log the error, publish it under the stamp's key
@@ -828,19 +834,21 @@ def _device_now() -> float:
 
 
 def inject_link_delays(spec: str | DelaySchedule, t0: float | None = None,
-                       origin: str = "inject_link_delays()", hol: bool = False) -> LinkDelayInjector:
+                       origin: str = "inject_link_delays()", hol: bool = False,
+                       hol_hold: float = 1.0) -> LinkDelayInjector:
     """Install link-delay injection for every torch pipelining schedule in this process.
 
     ``spec``: see the module docstring (``"2:30"``, ``"0:10,2:30:100MB/s"``, ``"trace:delays.csv"``).
     ``t0``: optional shared ``time.time()`` origin for traces.  Returns the injector (``.update(spec)``
     to change delays, ``.remove()`` or use as a context manager to uninstall).  Call it on every rank.
     ``origin`` names who asked for it in the warnings.  ``hol``: NCCL's head-of-line blocking on the
-    direct path (:attr:`LinkDelayInjector.hol`).
+    direct path (:attr:`LinkDelayInjector.hol`), holding the issuer ``hol_hold`` of each delay
+    (:attr:`LinkDelayInjector.hol_hold`).
     """
     if not isinstance(spec, (str, DelaySchedule)):
         raise DelaySpecTypeError(f"spec must be a delay spec (text) or a DelaySchedule, got {type(spec).__name__}")
     sched = parse_delay_spec(spec) if isinstance(spec, str) else spec
-    return LinkDelayInjector(sched, t0=t0, origin=origin, hol=hol).install()
+    return LinkDelayInjector(sched, t0=t0, origin=origin, hol=hol, hol_hold=hol_hold).install()
 
 
 def schedule_from_env() -> tuple[DelaySchedule, float | None] | None:

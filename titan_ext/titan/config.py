@@ -199,6 +199,14 @@ class TitanExt:
     re-planning, micro-batch redistribution). False = detect, validate and log them only (a
     baseline with the same measurement)."""
 
+    falcon_check_every: int = 4
+    """DP x PP jobs (:mod:`titan_ext.titan.falcon.job`): the ranks exchange Falcon's step numbers
+    (one MAX reduction by recursive doubling on the gloo control group) every K steps and at the
+    last step, each exchange carrying every step since the previous one: the detector still sees
+    every step's iteration time, in order, K - 1 steps later at most. 1 = every step. Decisions
+    are applied at an exchange; the steps run between the decided one and the exchange are
+    recorded but not fed (they describe the configuration the decision changed)."""
+
     emulate_slow_device: str = ""
     """Fail-slow emulation (Falcon's computation fail-slow): "D:F[@STEP]" = device (initial rank) D
     computes F times slower (F >= 1), from training step STEP on (default 0). Every forward and
@@ -224,6 +232,12 @@ class TitanExt:
     blocking: the rank that issued a message on it waits until the message arrived before it goes
     on; ``inject_link_delays(hol=True)``). Messages the delegates carry are not held (what delegation
     removes). False: only the message's arrival is late (gloo on a host, the default)."""
+
+    emulate_link_hol_hold: float = 1.0
+    """The strength of ``emulate_link_hol``: the issuing rank is held this fraction of each delayed
+    message's delay (1 = until it arrived, the maximal stand-in; 0 = not held). The Fig. 19 bench
+    sets it from a calibration to PipeMorph Fig. 6's measured 1.9× (``scripts/bench_falcon.py
+    --calibrate-hol``)."""
 
     falcon_spares: str = ""
     """Spare devices S4 may restart a slow device's rank on (Falcon §5.1: "checkpoint-and-restart on
@@ -328,11 +342,14 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
         text = getattr(cfg, key).strip()
         _check(not text or all(x.strip().isdigit() and x.strip().isascii() for x in text.split(",")), key, text,
                "must be comma-separated device ids (integers >= 0)")
+    _check(math.isfinite(cfg.emulate_link_hol_hold) and 0 <= cfg.emulate_link_hol_hold <= 1,
+           "emulate_link_hol_hold", cfg.emulate_link_hol_hold, "must be a number in [0, 1]")
     _check(math.isfinite(cfg.emulate_link_window_kib) and cfg.emulate_link_window_kib >= 0,
            "emulate_link_window_kib", cfg.emulate_link_window_kib, "must be a finite number >= 0 (0 = unbounded)")
     _check(math.isfinite(cfg.emulate_device_pass_ms) and 0 <= cfg.emulate_device_pass_ms <= MAX_PASS_MS,
            "emulate_device_pass_ms", cfg.emulate_device_pass_ms,
            f"must be a number in [0, {MAX_PASS_MS:g}] (0 = off)")
+    _check(cfg.falcon_check_every >= 1, "falcon_check_every", cfg.falcon_check_every, "must be >= 1 (1 = every step)")
     _check(cfg.gantt_every >= 0, "gantt_every", cfg.gantt_every, "must be >= 0 (0 = never)")
     _check("/" not in cfg.metrics_file and "\\" not in cfg.metrics_file and "\0" not in cfg.metrics_file
            and cfg.metrics_file.strip() not in (".", ".."), "metrics_file",

@@ -30,7 +30,7 @@ import numpy as np
 
 from titan_ext.plan.args import ArgumentTypeError, bool_arg, instance_arg, int_arg, real_arg
 
-from .attribution import attribute
+from .attribution import attribute, link_cause
 from .bocd import BOCDConfig, SlowIterationDetector
 from .decision import FalconDecision, IterationObservation
 from .localize import locate_slow_devices, locate_slow_links, suspicious_groups
@@ -162,6 +162,9 @@ class FalconMonitor:
         self.attribution: list[dict] = []
         """The last localisation's components, each with its cause (:mod:`.attribution`)."""
         self._handled: set[tuple[int, ...]] = set()  # components a strategy was decided for, this event
+        self._moved_links: set[tuple[int, ...]] = set()
+        """Links S3 was decided for (any event): handled in a later event too while the grid keeps them
+        on a pipeline hop (:meth:`_handled_across_events`)."""
         self._root_key: tuple[int, ...] | None = None
         self.root_component: str | None = None
         """The component the root cause was taken from (e.g. ``device 3``, ``link 0-1``)."""
@@ -282,7 +285,7 @@ class FalconMonitor:
             out["falcon/change_point_relative_change"] = cp.relative_change
             if cp.kind in ("onset", "relief"):
                 self.s2.new_event()
-                self._handled = set()  # a new event: its components are new
+                self._handled = self._handled_across_events()  # a new event: its components are new
             if cp.kind == "onset" or (cp.kind == "level" and cp.relative_change > 0 and self.planner.active):
                 self._on_onset(per_group_times, out)
             elif cp.kind == "relief":
@@ -510,6 +513,15 @@ class FalconMonitor:
         worst = max(self.device_slowdown[d] for d in self.slow_devices) - 1.0
         return 1.0 + (factor - 1.0) * max(slow) / worst
 
+    def _handled_across_events(self) -> set[tuple[int, ...]]:
+        """The components a new event starts with as handled: the links an earlier S3 moved onto a
+        pipeline hop, where the grid still has them (Falcon §7.3, Fig. 17: after S3 for the slow link
+        and the event's end, a GPU that slows is the new root cause, S2, although validation still
+        finds the link slow). A link S3 left where it was (its plan kept the grid) starts unhandled."""
+        if self.grid is None:
+            return set()
+        return {k for k in self._moved_links if link_cause(k, self.grid) == "pp_link"}
+
     def _apply(self, strategy: str, out: dict, split: list[int] | None = None) -> None:
         """Record ``strategy`` applied this iteration, with its plan; ``split``: S2's refinement's."""
         prev = out.get("falcon/apply")
@@ -517,6 +529,8 @@ class FalconMonitor:
         self._changed_at = self.iteration
         if strategy != "ignore" and self._root_key is not None:
             self._handled.add(self._root_key)  # a strategy of its ladder is decided for it
+            if strategy == "topology_adjustment" and len(self._root_key) == 2:
+                self._moved_links.add(self._root_key)
         if split is not None:
             out["falcon/plan/microbatch_split"] = json.dumps(self.s2.planned(list(split)))
         elif strategy == "microbatch_redistribution" and self.grid is not None and self.slow_devices:

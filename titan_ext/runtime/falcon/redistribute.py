@@ -13,6 +13,7 @@ groups' data is the same global batch; :func:`weighted_all_reduce_gradients` doe
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -83,7 +84,11 @@ def _all_gather_stacked(tensors: list[torch.Tensor], group) -> list[torch.Tensor
 
 BUCKET_BYTES = 25 << 20
 """Gradients smaller than this are all-reduced together in buckets of at most this size (DDP's
-default ``bucket_cap_mb``): one collective for many small tensors, a copy of at most one bucket."""
+default ``bucket_cap_mb``): one collective for many small tensors."""
+BUCKETS_IN_FLIGHT = 2
+"""Flattened buckets alive at once: a new one is flattened only once the oldest is summed and copied
+back beyond this many (a bucket's sum overlaps the next one's flattening; the copies stay bounded by
+``BUCKETS_IN_FLIGHT x bucket_bytes`` whatever the model, never the gradient's size)."""
 
 
 @torch.no_grad()
@@ -95,10 +100,12 @@ def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: 
     ``weight`` (``torch._foreach_mul_``, one fused kernel per device and dtype; nothing when the
     weight is 1, TorchTitan's DP *sum*), then summed over ``group`` — a gradient of at least
     ``bucket_bytes`` by one all-reduce in place, smaller ones of one dtype flattened into buckets of
-    at most ``bucket_bytes`` (the only copy: at most one bucket at a time per dtype), as DDP buckets.
-    All collectives are issued before the first is waited for (on NCCL they are queued on the stream;
-    on gloo they run in the background).  Parameters without a gradient contribute zeros (all ranks
-    must agree on the parameter list).  DTensor parameters (FSDP2, as TorchTitan 0.3 applies it to
+    at most ``bucket_bytes``, as DDP buckets — the only copies, at most :data:`BUCKETS_IN_FLIGHT`
+    buckets alive at once (the oldest is waited for and copied back before another is flattened), so
+    a model of small gradients is never copied whole.  The in-place collectives are all issued before
+    the first is waited for (on NCCL they are queued on the stream; on gloo they run in the
+    background).  Parameters without a gradient contribute zeros (all ranks must agree on the
+    parameter list).  DTensor parameters (FSDP2, as TorchTitan 0.3 applies it to
     every model part) contribute their local shards: ``group`` must be a replicate group (every member
     holds the same shard, as the DP replicas of FalconJob do: FSDP over the size-1 ``fsdp`` mesh), never
     the group a tensor is sharded over -- HSDP's replicate-dim reduction.
@@ -114,22 +121,27 @@ def weighted_all_reduce_gradients(params: Iterable[torch.nn.Parameter], weight: 
             by_kind.setdefault((g.device, g.dtype), []).append(g)
         for same in by_kind.values():
             torch._foreach_mul_(same, weight)
-    works, unflatten = [], []
-    for bucket in _buckets(grads, bucket_bytes):
-        if len(bucket) == 1 and bucket[0].is_contiguous():
+    works, flattened = [], deque()
+    for bucket in [*_buckets(grads, bucket_bytes), None]:  # None: the end
+        if bucket is not None and len(bucket) == 1 and bucket[0].is_contiguous():
             works.append(dist.all_reduce(to_device(bucket[0], bucket[0].device), op=dist.ReduceOp.SUM,
                                          group=group, async_op=True))
             continue
-        flat = to_device(torch.cat([g.reshape(-1) for g in bucket]), bucket[0].device)  # device data
-        works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True))
-        unflatten.append((flat, bucket))
-    for work in works:
-        work.wait()  # NCCL: the current stream waits; gloo: the sum has landed
-    for flat, bucket in unflatten:
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if bucket is None:
+            for work in works:
+                work.wait()  # NCCL: the current stream waits; gloo: the sum has landed
+        while flattened and (bucket is None or len(flattened) >= BUCKETS_IN_FLIGHT):
+            done, flat, summed = flattened.popleft()  # the oldest bucket's sum back into its gradients
+            done.wait()
+            offset = 0
+            for g in summed:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            del done, flat, summed  # the work holds its tensor too: both freed before the next bucket
+        if bucket is not None:
+            flat = to_device(torch.cat([g.reshape(-1) for g in bucket]), bucket[0].device)  # device data
+            flattened.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat,
+                              bucket))
 
 
 def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

@@ -15,7 +15,7 @@ healthy time is what this all-reduce takes *in training* on this host — the me
 
 In a step nothing here waits for the device: the times are marks of the step's
 :class:`~.measure.StepClock` (device events read once the device ran them), the MIN over the world
-travels in the step's one exchange of host data (:class:`~.measure.ObservationExchange`), and the
+travels in the check's one exchange of host data (:class:`~.measure.ObservationExchange`), and the
 healthy base is updated when a step's exchanged times come back (:meth:`DPSync.absorb`, the same on
 every rank).
 """

@@ -157,10 +157,11 @@ def install_device_passes(trainer: Any, pass_ms: float) -> None:
 class PPLinkDelays:
     """The emulated slow link on a PP hop of this rank's pipeline: ``inject_link_delays`` on the
     hop's two ends, installed at the first step it applies and removed when S3 changes the grid;
-    ``hol``: NCCL's head-of-line blocking on the direct path (``[titan_ext] emulate_link_hol``)."""
+    ``hol``: NCCL's head-of-line blocking on the direct path (``[titan_ext] emulate_link_hol``),
+    holding the issuer ``hol_hold`` of each delay (``emulate_link_hol_hold``)."""
 
-    def __init__(self, emulation: FailSlowEmulation, rank: int, hol: bool = False):
-        self.emulation, self.rank, self.hol = emulation, rank, hol
+    def __init__(self, emulation: FailSlowEmulation, rank: int, hol: bool = False, hol_hold: float = 1.0):
+        self.emulation, self.rank, self.hol, self.hol_hold = emulation, rank, hol, hol_hold
         self.installed = False
 
     def maybe_install(self, pipeline: list[int]) -> None:
@@ -170,10 +171,11 @@ class PPLinkDelays:
         if spec:
             from titan_ext.runtime import inject_link_delays
 
-            inject_link_delays(spec, origin="[titan_ext] emulate_slow_link", hol=self.hol)
+            inject_link_delays(spec, origin="[titan_ext] emulate_slow_link", hol=self.hol,
+                               hol_hold=self.hol_hold)
             self.installed = True
             logger.info(f"[titan_ext] emulated slow PP link on rank {self.rank}: {spec}"
-                        f"{' (head-of-line blocking)' if self.hol else ''}")
+                        f"{f' (head-of-line blocking, hold {self.hol_hold:g})' if self.hol else ''}")
 
     def remove(self) -> None:
         if self.installed:

@@ -22,11 +22,21 @@ checkpoint-and-restart); PipeMorph's re-plan is the PP-link mitigation between S
 
 
 def event_rows(step: int, decision: dict, monitor: Any, estimated: Any, applied_s: dict[str, float | None],
-               apply_decisions: bool) -> list[dict]:
+               apply_decisions: bool, observed_step: int | None = None) -> list[dict]:
     """The ``falcon_events.jsonl`` rows of one step's ``falcon/*`` decision dict (see FALCON_EVENTS).
-    ``estimated``: the costs Alg. 1 decided with (before an application re-measured one);
-    ``applied_s``: strategy → its measured cost, for those applied (None: measured later, S4's by
-    the restarted job)."""
+    ``step``: the step at whose end the decision was taken and applied (a check of the job's: its
+    changes are in force from the next step); ``observed_step``: the step whose numbers decided
+    (None: ``step``; earlier where checks are ``falcon_check_every`` > 1 steps apart), each row's
+    ``observed_step``.  ``estimated``: the costs Alg. 1 decided with (before an application
+    re-measured one); ``applied_s``: strategy → its measured cost, for those applied (None: measured
+    later, S4's by the restarted job)."""
+    rows = _event_rows(step, decision, monitor, estimated, applied_s, apply_decisions)
+    observed = step if observed_step is None else observed_step
+    return [{**r, "observed_step": observed} for r in rows]
+
+
+def _event_rows(step: int, decision: dict, monitor: Any, estimated: Any, applied_s: dict[str, float | None],
+                apply_decisions: bool) -> list[dict]:
     rows: list[dict] = []
     if "falcon/event" in decision:
         rows.append({"kind": "event", "iteration": step, "event": decision["falcon/event"],
@@ -101,14 +111,15 @@ class EventLog:
         self.events: list[dict] = []
         self.applied_names: set[str] = set()
 
-    def record(self, decision: dict, rows: list[dict]) -> None:
-        """The step's decision dict and its rows; an ``outcome`` row (iteration time before / after)
-        is an applied strategy's only."""
+    def record(self, decision: dict, rows: list[dict], step: int | None = None) -> None:
+        """The step's decision dict (a ``falcon.jsonl`` row under ``step``, the step it observed;
+        None: the trainer's current step) and its rows; an ``outcome`` row (iteration time before /
+        after) is an applied strategy's only."""
         self.applied_names |= {r["name"] for r in rows if r["kind"] == "decision" and r["applied"]}
         rows = [r for r in rows if r["kind"] != "outcome" or r["name"] in self.applied_names]
         if self.rank == 0 and self._files is not None:
             decisions, events = self._files
-            decisions.append([json.dumps({"step": self.trainer.step, **decision})])
+            decisions.append([json.dumps({"step": self.trainer.step if step is None else step, **decision})])
             events.append([json.dumps(row) for row in rows])  # made at the first record, rows or not
             for row in rows:
                 logger.info(f"[titan_ext] Falcon {_console(row)}")

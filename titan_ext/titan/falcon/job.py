@@ -14,8 +14,11 @@
 
 Every rank feeds the monitor the same numbers, so all take the same decision. A steady step makes
 no device sync: the step's device times are read once the device ran them and exchanged as host
-data (:class:`~.measure.StepClock`, :class:`~.measure.ObservationExchange`), so the monitor sees
-step k at its end on the CPU, a step or two later on a GPU, the same step on every rank. Emulation keys:
+data (:class:`~.measure.StepClock`, :class:`~.measure.ObservationExchange`) at a check, every
+``[titan_ext] falcon_check_every`` steps and at the last step — one MAX reduction by recursive
+doubling on the gloo control group (log2 world message rounds), carrying every step since the
+previous check — so the monitor sees every step, in order, the same steps on every rank: step k at
+the first check after it on the CPU, a step or two later on a GPU. Emulation keys:
 ``[titan_ext] emulate_slow_device`` / ``emulate_slow_link`` or ``TITAN_EXT_SLOW_DEVICE`` /
 ``TITAN_EXT_SLOW_LINK``.
 """
@@ -67,12 +70,17 @@ class FalconJob:
                                            window_bytes=section.emulate_link_window_kib * 1024 or float("inf"))
         self.chunks_per_replica = trainer.gradient_accumulation_steps
         self.dp = DPSync(trainer, self.emulation, self.control, self.device, clock=self.step_clock)
-        self.pp_delays = PPLinkDelays(self.emulation, self.rank, hol=section.emulate_link_hol)
+        self.pp_delays = PPLinkDelays(self.emulation, self.rank, hol=section.emulate_link_hol,
+                                      hol_hold=section.emulate_link_hol_hold)
         dp_mesh = trainer.parallel_dims.get_mesh("dp_replicate")
         self.num_dp, self.num_pp = dp_mesh.size(), trainer.parallel_dims.get_mesh("pp").size()
         self.even_split = [self.chunks_per_replica] * self.num_dp
         self.split = list(self.even_split)
-        self.exchange = ObservationExchange(self.control, self.num_pp, self.num_dp)
+        self.check_every = int(section.falcon_check_every)
+        """Steps between two exchanges of the steps' numbers (Falcon's checks; and the last step)."""
+        self.exchange = ObservationExchange(self.control, self.num_pp, self.num_dp, every=self.check_every)
+        self.last_step = _last_step(trainer)
+        """The job's last training step (its check feeds every step run; None: unknown)."""
         self._steps = 0  # the job's steps so far (the exchange's step index)
         self._link_delay_ms: dict = {}
         """The PP link delays of PipeMorph's last check, held between checks (the schedule measures
@@ -139,6 +147,7 @@ class FalconJob:
         dp_controls = [control_group([row[s] for row in grid]) for s in range(self.num_pp)]  # collective
         self.dp_control = dp_controls[self.pp_index]
         self.monitor.set_grid(grid)
+        self.exchange.order(grid)  # a pipeline's ranks paired first (the same order on every rank)
         if getattr(self.trainer.pp_schedule, "falcon", None) is not None:
             self.trainer.pp_schedule.falcon = None  # the job's monitor sees DP too; one monitor decides
         for part in self.trainer.model_parts:
@@ -166,11 +175,13 @@ class FalconJob:
 
     def _after_step(self) -> None:
         """End the step on the device clock with the host values it ran with (no decision has
-        changed them since it started: decisions are applied here, after this); read the steps the
-        device finished (no wait); exchange them; Falcon on every step every rank has read, oldest
-        first (the same steps on every rank) — except a step run under a layout or split that a
-        decision changed since (its numbers describe a configuration that no longer runs: the
-        monitor's before/after comparisons stay within one)."""
+        changed them since it started: decisions are applied at a check, after this); read the
+        steps the device finished (no wait; at the last step, waiting: training ends). At a check
+        (every :attr:`check_every` steps, and the last step) exchange every step not fed yet and run
+        Falcon on each step every rank has read, oldest first (the same steps on every rank) — except
+        a step run under a layout or split that a decision changed since (its numbers describe a
+        configuration that no longer runs: the monitor's before/after comparisons stay within one),
+        which is recorded only; S4 (checkpoint and exit) once the check's steps are recorded."""
         from titan_ext.titan.metrics import runtime_metrics
 
         step = self.step_clock.stop()
@@ -182,14 +193,31 @@ class FalconJob:
                      "link_delay_ms": dict(self._link_delay_ms), "trainer_step": self.trainer.step,
                      "version": self._version}
         self.exchange.add(step)
-        for read in self.step_clock.read():
+        last = self.last_step is not None and self.trainer.step >= self.last_step
+        for read in (self.step_clock.drain() if last else self.step_clock.read()):
             self.dp.step_read(read)
+        if not (last or (self._steps + 1) % self.check_every == 0):
+            return
+        s4 = None
         for done, obs, reduce_s in self.exchange.exchange():
             self.dp.absorb(reduce_s)
-            if done.host["version"] == self._version:
-                self._falcon(obs, done)
+            if s4 is None and done.host["version"] == self._version:
+                s4 = self._falcon(obs, done)
             else:
                 self.stale_steps += 1
+                self._record_stale(obs, done)
+        if s4 is not None:
+            from titan_ext.titan.falcon.s4 import checkpoint_and_exit
+
+            checkpoint_and_exit(self, *s4)
+
+    def _record_stale(self, obs: IterationObservation, step: StepRecord) -> None:
+        """A step not fed (run before a change this check applied): its row, the split and grid in
+        force now, as every row records them."""
+        self.log.record({"falcon/stale": 1, "falcon/iteration_time_s": obs.iteration_time_s,
+                         "falcon/split": json.dumps(self.split), "falcon/grid": json.dumps(self.grid),
+                         "falcon/observed_step": step.host["trainer_step"],
+                         "falcon/check_step": self.trainer.step}, [], step=step.host["trainer_step"])
 
     def after_backward(self) -> None:
         """Called after every forward/backward of a chunk: the last one syncs the DP replicas."""
@@ -208,11 +236,13 @@ class FalconJob:
             return mine
         return redistribute_chunks(mine, self.split, self.dp_index, self.dp_control)
 
-    def _falcon(self, obs: IterationObservation, step: StepRecord) -> None:
+    def _falcon(self, obs: IterationObservation, step: StepRecord) -> tuple | None:
         """Falcon on a step's exchanged observation (:class:`IterationObservation`, every rank's):
         detect, validate on onset, decide (Alg. 1: a :class:`FalconDecision`), plan the job's changes
         (:func:`~.apply.plan_changes`: a :class:`~.apply.JobChanges`), apply them (from the next
-        step), record; S4 last, once the step is recorded (it exits)."""
+        step), record — the row under the observed step, the events under this check's step (where
+        the change was applied; ``observed_step``: the step that decided). Returns S4's
+        ``(plan, decision)`` when S4 was decided (the caller checkpoints and exits), else None."""
         acf = acf_iteration_times(self.monitor)
         decision = self._observe(obs, step.host["trainer_step"])
         decision = decision.with_metrics(
@@ -227,17 +257,17 @@ class FalconJob:
         applied_s = self.apply(changes)
         decision = decision.with_metrics(changes.metrics | {"falcon/split": json.dumps(self.split),
                                                             "falcon/grid": json.dumps(self.grid),
-                                                            "falcon/observed_step": step.host["trainer_step"]})
+                                                            "falcon/observed_step": step.host["trainer_step"],
+                                                            "falcon/check_step": self.trainer.step})
         if changes.delegate_links:  # what this rank's pipeline delegates now (the plan: falcon/plan/...)
             decision = decision.with_metrics({"falcon/delegated_links": json.dumps(
                 [list(k) for k in self.delegated_links])})
         self.last_decision = decision
+        observed = step.host["trainer_step"]
         self.log.record(dict(decision), event_rows(self.trainer.step, decision, self.monitor, estimated,
-                                                   applied_s, self.apply_decisions))
-        if changes.s4_plan is not None:
-            from titan_ext.titan.falcon.s4 import checkpoint_and_exit
-
-            checkpoint_and_exit(self, changes.s4_plan, decision)
+                                                   applied_s, self.apply_decisions, observed_step=observed),
+                        step=observed)
+        return None if changes.s4_plan is None else (changes.s4_plan, decision)
 
     def ring_groups(self) -> dict:
         """Validation's rings this rank is in → their groups (its pipeline: the PP group; its DP
@@ -338,6 +368,16 @@ class FalconJob:
             decision = decision.with_metrics(
                 {"falcon/change_point_step": self._fed_from + decision["falcon/change_point_iteration"]})
         return decision
+
+
+def _last_step(trainer: Any) -> int | None:
+    """The job's ``training.steps`` (None where the trainer has no such section: a test's stub)."""
+    from titan_ext.titan.adapters import current
+
+    try:
+        return int(current().trainer_training(trainer).steps)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _devices(text: str, world: int | None) -> list[int]:

@@ -10,11 +10,13 @@ the detector costs 0.39 % on average, §7.4): nothing in the step waits for the 
   (:class:`StepClock`, :meth:`~titan_ext.runtime.device.Timer.resolve` with ``block=False``) read
   once the device ran them — at the step's own end on the CPU (the host clock is the device's), a
   step or more later on a GPU whose device runs behind the host — never an ``Event.synchronize``;
-* the ranks agree on the steps every rank has read through **one gloo all-reduce per step** on the
-  control group (:class:`ObservationExchange`; a host wait on the other ranks' hosts, which are
+* the ranks agree on the steps every rank has read through **one MAX reduction a check** on the
+  control group (:class:`ObservationExchange`, every ``falcon_check_every`` steps and at the last one;
+  recursive doubling, log2 n message rounds; a host wait on the other ranks' hosts, which are
   ahead of their devices too — no device work waits on it), so the detector sees the same series as
-  Falcon's, in order, on every rank, at the same boundary: on the CPU at the step's end, on a GPU
-  one or two steps late (Falcon's own detection takes tens of iterations: §7.2).  A device more than
+  Falcon's, every step, in order, on every rank, at the same boundary: on the CPU at the check after
+  the step, on a GPU one or two steps later when the device ran behind (Falcon's own detection takes
+  tens of iterations: §7.2).  A device more than
   :data:`STEPS_IN_FLIGHT` steps behind the host makes the host wait for the oldest step's last event
   (the device still has the later steps queued: it is not idled) — the documented bound of the
   host's run-ahead;
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ext.runtime.falcon.decision import FalconDecision, IterationObservation
+from titan_ext.runtime.falcon.exchange import max_all_reduce
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 from titan_ext.runtime.timeouts import named
 
@@ -141,6 +144,15 @@ class StepClock:
             out.append(self._ended.popleft())
         return out
 
+    def drain(self) -> list[StepRecord]:
+        """Every ended step, oldest first, read by *waiting* for the device: the job's last step only
+        (its steps are fed before training ends), never a steady one."""
+        out = []
+        while self._ended:
+            self._read(self._ended[0], block=True)
+            out.append(self._ended.popleft())
+        return out
+
     def _read(self, step: StepRecord, block: bool) -> bool:
         timer = step.timer
         if timer is None:
@@ -164,23 +176,43 @@ class StepClock:
 
 class ObservationExchange:
     """The steps' observations, the same on every rank (Falcon §4.2's iteration time and §4.3's
-    per-group times), exchanged with **one all-reduce per step** on the gloo ``control`` group, at
-    the step's end (:meth:`exchange`; a host tensor: no device work waits on it).
+    per-group times), exchanged with **one MAX reduction a check** on the gloo ``control`` group
+    (:meth:`exchange`; a host tensor: no device work waits on it), by recursive doubling
+    (:func:`~titan_ext.runtime.falcon.exchange.max_all_reduce`: ⌊log2 n⌋ message rounds, where gloo's
+    ring ``all_reduce`` takes 2 (n − 1)).
 
-    The vector holds a window of steps (from the first one not fed yet), each a slot of MAX-reduced
+    The vector holds a window of steps (from the first one not fed yet: every step since the previous
+    check and those a device running behind the host has not finished), each a slot of MAX-reduced
     numbers: the step's index, whether a rank has not read it yet, the iteration time (the slowest
     rank's step, §4.2), per stage the DP sync's and its all-reduce's times (MIN over the stage's
     members, sent negated: §4.3's *transfer* time, the last to arrive waited for no one), per
     replica its PP link delays (as PipeMorph measured them) and its compute phase (§5.3's t_i, S2's
     Eq. 1 input).  A step whose slot every rank filled is complete; complete steps are returned in
-    order, each once, the same on every rank."""
+    order, each once, the same on every rank.
 
-    def __init__(self, control: Any, num_pp: int, num_dp: int, window: int = STEPS_IN_FLIGHT + 2):
-        self.control, self.S, self.D, self.window = control, num_pp, num_dp, window
+    ``every``: the check cadence (steps a check; the window holds ``every`` + :data:`STEPS_IN_FLIGHT`
+    + 1 slots, so the steps unread at one check fit in the next).  ``ranks``: the control group's
+    ranks in pairing order (:meth:`order`; None: the group's order).  ``algorithm``: ``"doubling"``,
+    or ``"ring"`` (gloo's ``all_reduce``: the exchange before, kept for the benchmark's comparison).
+    ``reductions`` counts the exchanges run."""
+
+    def __init__(self, control: Any, num_pp: int, num_dp: int, every: int = 1, window: int | None = None,
+                 algorithm: str = "doubling"):
+        if algorithm not in ("doubling", "ring"):
+            raise ValueError(f"algorithm {algorithm!r}: 'doubling' or 'ring'")
+        self.control, self.S, self.D, self.algorithm = control, num_pp, num_dp, algorithm
+        self.window = window if window is not None else max(1, int(every)) + STEPS_IN_FLIGHT + 1
         self.width = 2 + 1 + 2 * num_pp + num_dp * (num_pp - 1) + num_dp
         self.fed_through = -1
         """Every step up to this index was returned by :meth:`exchange`."""
+        self.ranks: list[int] | None = None
+        self.reductions = 0
         self._mine: dict[int, StepRecord] = {}
+
+    def order(self, grid: list[list[int]]) -> None:
+        """Pair the ranks by the grid, row by row: a pipeline's ranks adjacent, so the first rounds
+        stay within each PP group and the last ones pair the groups (the same list on every rank)."""
+        self.ranks = [int(r) for row in grid for r in row]
 
     def add(self, step: StepRecord) -> None:
         """A step this rank ran (its numbers are sent once it is read)."""
@@ -190,8 +222,12 @@ class ObservationExchange:
         """Every rank's complete steps (``(step, observation, each stage's DP all-reduce time)``,
         oldest first): the steps not fed yet, exchanged now (a timeout names the silent rank)."""
         vec = self._vector()
-        named(self.control, "falcon/step",
-              lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control))
+        if self.algorithm == "ring":
+            run = lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.control)  # noqa: E731
+        else:
+            run = lambda: max_all_reduce(vec, self.control, self.ranks)  # noqa: E731
+        named(self.control, "falcon/step", run)
+        self.reductions += 1
         return self._complete(vec)
 
     def _vector(self) -> torch.Tensor:

@@ -24,10 +24,19 @@ Three parts, one per process that takes part:
   (:func:`recorded_s4_cost`). After :data:`OUTCOME_STEPS` steps an "outcome" row compares the
   iteration time with the one before S4.
 
-With spare devices (``[titan_ext] falcon_spares``) the plan is a
-:class:`~titan_ext.runtime.falcon.restart.ReplacePlan`: Falcon's S4, the slow device's rank restarts
-on a spare, the grid and DP stay. Without enough spares it is the shrink: the restarted world is
-smaller and the healthy peers of the slow device in its replica idle.
+S4 as Falcon §5.1 runs it ("performs checkpointing and restarts training on healthy nodes"): the
+same grid and DP on healthy devices, whenever there is somewhere to restart --
+
+* spare devices (``[titan_ext] falcon_spares``): a
+  :class:`~titan_ext.runtime.falcon.restart.ReplacePlan`, the slow device's rank restarts on a spare;
+* else spare nodes of the launcher (:data:`ENV_SPARE_NODES`, exported by ``scripts/launch.sh`` under
+  SLURM: the allocation's nodes beyond the job's): a :class:`NodeReplacePlan`
+  (:func:`plan_node_replacement`), every rank of the slow device's node restarts on a spare node, which
+  the relaunch reaches with ``srun --exclude=<slow node>`` and the same node count.
+
+Only without either it is the shrink (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`): the
+restarted world is smaller and the healthy peers of the slow device in its replica idle; the plan
+then carries ``shrink_reason`` (why no spare path), which the S4 exit logs and the restart row records.
 """
 
 from __future__ import annotations
@@ -61,9 +70,11 @@ from titan_ext.runtime.falcon.restart import (
     ReplacePlan,
     plan_replacement,
 )
+from dataclasses import dataclass, field
 
 __all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
-           "ENV_S4_PLAN", "ENV_LAUNCH_ID", "OUTCOME_STEPS", "PlanRefused", "pending_plan", "consume_plan"]
+           "ENV_S4_PLAN", "ENV_LAUNCH_ID", "OUTCOME_STEPS", "PlanRefused", "pending_plan", "consume_plan",
+           "ENV_SPARE_NODES", "NodeReplacePlan", "plan_node_replacement", "spare_nodes_from_env"]
 
 ENV_S4_PLAN = "TITAN_EXT_S4_PLAN"
 """Set by the launcher in the restarted job: the path of the plan it was restarted from."""
@@ -71,6 +82,10 @@ ENV_LAUNCH_ID = "TITAN_EXT_LAUNCH_ID"
 """Set by the launchers (:func:`launch`, scripts/launch.sh) for each run of the job, a new value for each
 relaunch: :func:`checkpoint_and_exit` writes it into the plan, and a launcher relaunches only from a
 pending plan that carries the id of the run that just ended (a plan left by an earlier run is refused)."""
+ENV_SPARE_NODES = "TITAN_EXT_SPARE_NODES"
+"""Set by scripts/launch.sh under SLURM: how many nodes of the allocation the job does not use (spare
+nodes). S4 then restarts the slow device's node on one of them (``srun --exclude``, the same node
+count) instead of shrinking DP (:func:`plan_node_replacement`)."""
 COSTS_FILE = "falcon_costs.json"
 OUTCOME_STEPS = 5
 """Steps after the restart whose median iteration time is the S4 outcome's "after"."""
@@ -104,28 +119,100 @@ def _save_checkpoint(trainer: Any, step: int) -> None:
         wait()
 
 
+@dataclass
+class NodeReplacePlan(ReplacePlan):
+    """S4 onto spare nodes (Falcon §5.1: "restarts training on healthy nodes"): every rank of a node
+    holding an excluded device restarts on a spare node of the launcher's allocation; the grid, DP and
+    the split stay. ``devices``: each new rank's device id, those of a replaced node renumbered to
+    the spare node's (so that an emulated fault of the excluded node does not follow);
+    ``excluded_nodes``: the node indices (global rank // ``ranks_per_node``, torchrun's contiguous
+    numbering) the relaunch excludes."""
+
+    excluded_nodes: list[int] = field(default_factory=list)
+    ranks_per_node: int = 1
+
+
+def plan_node_replacement(grid, excluded, spare_nodes: int, ranks_per_node: int, step: int, split: list[int],
+                          device_of=None) -> NodeReplacePlan:
+    """The S4 plan onto ``spare_nodes`` spare nodes of ``ranks_per_node`` devices each: the nodes holding
+    an ``excluded`` rank are replaced whole (device ids of spare node j: the first unused id + j *
+    ``ranks_per_node`` + local index), every other rank keeps its device, new rank i plays the rank of
+    the same (stage, replica) as in :func:`~titan_ext.runtime.falcon.restart.plan_replacement`.
+    ValueError with fewer spare nodes than nodes to replace, a world that is not whole nodes, or a
+    split TorchTitan cannot keep (uneven)."""
+    excluded = sorted({int(x) for x in excluded})
+    ranks = [int(r) for row in grid for r in row]
+    world, rpn = len(ranks), int(ranks_per_node)
+    device_of = list(range(world)) if device_of is None else [int(d) for d in device_of]
+    if not excluded:
+        raise ValueError("S4 needs at least one device to exclude")
+    unknown = [x for x in excluded if x not in ranks]
+    if unknown:
+        raise ValueError(f"devices {unknown} are not in the grid {grid}")
+    if rpn < 1 or world % rpn:
+        raise ValueError(f"{world} ranks are not whole nodes of {rpn}")
+    nodes = sorted({r // rpn for r in excluded})
+    if len(nodes) > int(spare_nodes):
+        raise ValueError(f"{len(nodes)} node(s) to replace ({nodes}) but {int(spare_nodes)} spare node(s)")
+    total = sum(int(m) for m in split)
+    if total % len(grid):
+        raise ValueError(f"the global batch of {total} chunks does not split evenly over {len(grid)} replicas")
+    first = max(max(device_of), world - 1) + 1
+    moved = {r: first + nodes.index(r // rpn) * rpn + r % rpn for r in range(world) if r // rpn in nodes}
+    num_pp, kept = len(grid[0]), list(range(len(grid)))
+    order = [int(grid[d][s]) for s in range(num_pp) for d in kept]
+    return NodeReplacePlan(step, [[int(r) for r in row] for row in grid], excluded, kept, num_pp, total // len(kept),
+                           devices=[moved.get(r, device_of[r]) for r in order],
+                           replaced={device_of[r]: d for r, d in sorted(moved.items())}, spares_left=[],
+                           excluded_nodes=nodes, ranks_per_node=rpn)
+
+
+def spare_nodes_from_env(environ=os.environ) -> tuple[int, int | None]:
+    """(:data:`ENV_SPARE_NODES`, torchrun's ``LOCAL_WORLD_SIZE``): the launcher's spare nodes (0 when
+    unset or not a count) and the ranks per node (None when unknown)."""
+    def count(name):
+        text = environ.get(name, "").strip()
+        return int(text) if text.isascii() and text.isdigit() else None
+    return count(ENV_SPARE_NODES) or 0, count("LOCAL_WORLD_SIZE")
+
+
 def plan_checkpoint_restart(checkpoint_enabled: bool, slow_devices, slow_links, grid: list[list[int]],
-                            step: int, split: list[int], spares=(), device_of=None):
-    """The S4 plan for this job now from validation's ``slow_devices`` / ``slow_links``: onto
-    ``spares`` when there are enough (:func:`~titan_ext.runtime.falcon.restart.plan_replacement`:
-    Falcon's S4, DP kept), else without them
-    (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`: DP shrinks); or
-    :class:`S4Unavailable` (on every rank alike: the inputs are) when TorchTitan's checkpointer is
+                            step: int, split: list[int], spares=(), device_of=None, spare_nodes=None):
+    """The S4 plan for this job now from validation's ``slow_devices`` / ``slow_links``, Falcon's S4
+    whenever there is somewhere healthy to restart: onto ``spares`` when there are enough
+    (:func:`~titan_ext.runtime.falcon.restart.plan_replacement`), else onto the launcher's spare nodes
+    (``spare_nodes``: (count, ranks per node); default :func:`spare_nodes_from_env`;
+    :func:`plan_node_replacement`) -- both keep the grid and DP; only without either the shrink
+    (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`: DP shrinks), its ``shrink_reason`` saying
+    why. :class:`S4Unavailable` (on every rank alike: the inputs are) when TorchTitan's checkpointer is
     off, nothing was localised, or the global batch does not re-split."""
     if not checkpoint_enabled:
         raise S4Unavailable("S4 needs TorchTitan's checkpointer: [checkpoint] enable = true")
     excluded = devices_to_exclude(slow_devices, slow_links)
     if not excluded:
         raise S4Unavailable("validation localised no device or link to exclude")
+    reasons = []
     if spares:
         try:
             return plan_replacement(grid, excluded, spares, step, split, device_of)
-        except ValueError:
-            pass  # not enough spares (or an uneven split): without them
+        except ValueError as e:  # not enough spares (or an uneven split)
+            reasons.append(f"spare devices {list(spares)}: {e}")
+    else:
+        reasons.append("no spare devices ([titan_ext] falcon_spares is empty)")
+    count, per_node = spare_nodes_from_env() if spare_nodes is None else spare_nodes
+    if count and per_node:
+        try:
+            return plan_node_replacement(grid, excluded, count, per_node, step, split, device_of)
+        except ValueError as e:
+            reasons.append(f"spare nodes: {e}")
+    else:
+        reasons.append(f"no spare nodes (the launcher's {ENV_SPARE_NODES} is unset or 0)")
     try:
-        return plan_exclusion(grid, excluded, step, split)
+        plan = plan_exclusion(grid, excluded, step, split)
     except ValueError as e:
-        raise S4Unavailable(str(e)) from None
+        raise S4Unavailable(f"{e}; and no spare path: {'; '.join(reasons)}") from None
+    plan.shrink_reason = "; ".join(reasons)
+    return plan
 
 
 def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
@@ -153,26 +240,47 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
                                                    adapter.trainer_training(trainer).local_batch_size),
                       hosts=[where[r][0] for r in plan.kept_ranks],
                       local_devices=_local_devices(plan, where),
-                      device_type=where[0][2], launch_id=os.environ.get(ENV_LAUNCH_ID))
+                      device_type=where[0][2], launch_id=os.environ.get(ENV_LAUNCH_ID),
+                      **_mode_fields(plan, where))
     dist.barrier(group=job.control)
     if job.rank == 0:
         from torchtitan.tools.logging import logger
 
         logger.warning(f"[titan_ext] Falcon S4: checkpointed step {step} ({float(save_s):.2f} s); exiting "
                        f"with status {S4_EXIT_CODE} for a relaunch on ranks {plan.kept_ranks} without "
-                       f"devices {plan.excluded} (python -m titan_ext.titan.falcon.s4 or scripts/launch.sh "
-                       f"relaunch; a plain torchrun stops here)")
+                       f"devices {plan.excluded}, {_describe(plan)} (python -m titan_ext.titan.falcon.s4 or "
+                       f"scripts/launch.sh relaunch; a plain torchrun stops here)")
     trainer.close()
     dist.destroy_process_group()
     raise SystemExit(S4_EXIT_CODE)
 
 
+def _mode_fields(plan, where: list) -> dict:
+    """The plan file's fields of its kind: a node replacement's mode and excluded hosts, a shrink's reason."""
+    if isinstance(plan, NodeReplacePlan):
+        return {"mode": "replace_nodes", "excluded_nodes": plan.excluded_nodes,
+                "excluded_hosts": sorted({where[r][0] for r in range(len(where))
+                                          if r // plan.ranks_per_node in plan.excluded_nodes})}
+    if not isinstance(plan, ReplacePlan):
+        return {"shrink_reason": getattr(plan, "shrink_reason", "")}
+    return {}
+
+
+def _describe(plan) -> str:
+    """One phrase for the log: where the job restarts."""
+    if isinstance(plan, NodeReplacePlan):
+        return f"node(s) {plan.excluded_nodes} replaced by spare node(s), DP {plan.num_dp} kept"
+    if isinstance(plan, ReplacePlan):
+        return f"onto spare device(s) {plan.replaced}, DP {plan.num_dp} kept"
+    return f"shrinking DP to {plan.num_dp} (no spare: {getattr(plan, 'shrink_reason', '')})"
+
+
 def _local_devices(plan, where: list) -> list[int]:
-    """The local device of each new rank: its old rank's, or for a rank moved onto a spare the
-    spare (on GPUs a local CUDA index)."""
+    """The local device of each new rank: its old rank's, or for a rank moved onto a spare device the
+    spare (on GPUs a local CUDA index); onto a spare node the same local index there."""
     out = []
     for i, r in enumerate(plan.kept_ranks):
-        moved = isinstance(plan, ReplacePlan) and r in plan.excluded
+        moved = isinstance(plan, ReplacePlan) and not isinstance(plan, NodeReplacePlan) and r in plan.excluded
         out.append(int(plan.devices[i]) if moved else int(where[r][1]))
     return out
 
@@ -238,8 +346,13 @@ class S4Resume:
     (:func:`~titan_ext.runtime.falcon.device_clock.control_group`), never on the default group — on a
     GPU job that is NCCL, which takes device tensors only (DESIGN.md "GPU rules")."""
 
-    def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None, control: Any = None):
+    def __init__(self, plan: dict, dump_folder: Path, rank: int, trainer: Any = None, control: Any = None,
+                 every: int = 1, last_step: int | None = None):
+        """``every``: steps whose times are reduced together (one all-reduce every ``every`` steps and at
+        ``last_step``: the job's ``falcon_check_every``, its ``training.steps``)."""
         self.plan, self.dump, self.rank, self.trainer = plan, Path(dump_folder), rank, trainer
+        self.every, self.last_step = max(1, int(every)), last_step
+        self._pending: list[tuple[int, float]] = []
         if control is None:
             from titan_ext.runtime.falcon.device_clock import control_group
 
@@ -254,8 +367,12 @@ class S4Resume:
         if plan is None:
             return None
         from titan_ext.titan.adapters import current
+        from titan_ext.titan.falcon.job import _last_step
+        from titan_ext.titan.options import titan_ext_section
 
-        return cls(plan, Path(current().trainer_dump_folder(trainer)), dist.get_rank(), trainer)
+        config = getattr(trainer, "job_config", None) or getattr(trainer, "config", None)
+        return cls(plan, Path(current().trainer_dump_folder(trainer)), dist.get_rank(), trainer,
+                   every=titan_ext_section(config).falcon_check_every, last_step=_last_step(trainer))
 
     def before_step(self, step: int) -> None:
         """The first step of the restarted job: the S4 cost is the time since the save began."""
@@ -270,7 +387,9 @@ class S4Resume:
                       "chunks_per_replica": self.plan["chunks_per_replica"],
                       "estimated_cost_s": self.plan["estimated_cost_s"], "measured_cost_s": self.measured_s,
                       "save_s": self.plan["save_s"],
-                      "restart_and_load_s": self.measured_s - float(self.plan["save_s"])})
+                      "restart_and_load_s": self.measured_s - float(self.plan["save_s"]),
+                      "mode": self.plan.get("mode", "shrink"), "devices": self.plan.get("devices"),
+                      **({"shrink_reason": self.plan["shrink_reason"]} if "shrink_reason" in self.plan else {})})
         if self.rank == 0:
             (self.dump / COSTS_FILE).write_text(json.dumps({"checkpoint_restart": self.measured_s}))
         # the restarted job's own Falcon (the schedule's monitor in a PP-only job) uses it from now on
@@ -283,15 +402,25 @@ class S4Resume:
 
     def after_step(self, step: int, step_s: float) -> None:
         """The step's iteration time (max over ranks, as the DP x PP job's Falcon measures it) into
-        ``falcon.jsonl``; after OUTCOME_STEPS steps the outcome row."""
-        t = torch.tensor([step_s], dtype=torch.float64)
+        ``falcon.jsonl``, reduced with the other steps since the last reduction every ``every``
+        steps and at the last step (one all-reduce of host data a check, as the job's Falcon);
+        after OUTCOME_STEPS steps the outcome row."""
+        self._pending.append((step, step_s))
+        if len(self._pending) < self.every and not (self.last_step is not None and step >= self.last_step):
+            return
+        t = torch.tensor([s for _, s in self._pending], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
-        self.times.append(float(t))
+        steps, self._pending = [k for k, _ in self._pending], []
+        for k, slowest in zip(steps, (float(x) for x in t)):  # a host tensor (made above, no device)
+            self._after_step(k, slowest)
+
+    def _after_step(self, step: int, slowest_s: float) -> None:
+        self.times.append(slowest_s)
         if self.rank == 0:
             from titan_ext.titan.falcon.files import FALCON_LOG
 
             with open(self.dump / FALCON_LOG, "a") as f:
-                f.write(json.dumps({"step": step, "falcon/iteration_time_s": float(t),
+                f.write(json.dumps({"step": step, "falcon/iteration_time_s": slowest_s,
                                     "falcon/after_s4_from_step": self.plan["step"]}) + "\n")
         if len(self.times) == OUTCOME_STEPS:
             self._record({"kind": "outcome", "iteration": step, "strategy": "S4", "name": "checkpoint_restart",
@@ -438,6 +567,11 @@ def _plan_error(plan: dict) -> str | None:
         return "hosts and local_devices differ in length"
     if not isinstance(plan.get("device_type", "cpu"), str):
         return "device_type is not a string"
+    if plan.get("mode", "shrink") not in ("shrink", "replace", "replace_nodes"):
+        return f"mode {plan.get('mode')!r} is not one the S4 planner writes"
+    if "excluded_hosts" in plan and not (isinstance(plan["excluded_hosts"], list)
+                                         and all(isinstance(h, str) and h for h in plan["excluded_hosts"])):
+        return "excluded_hosts is not a list of host names"
     return None
 
 
@@ -492,6 +626,8 @@ def relaunch_env(plan: dict, env: dict[str, str]) -> dict[str, str]:
     """The restarted job's environment: the plan's path, no emulation from the environment (the plan
     carries it, renumbered), and on GPUs only the kept local devices visible."""
     env = {k: v for k, v in env.items() if k not in _EMULATION_ENV}
+    if plan.get("mode") == "replace_nodes":
+        raise SystemExit("falcon.s4 launch: a restart onto spare nodes is scripts/launch.sh's (SLURM: srun --exclude)")
     if plan.get("device_type") == "cuda":
         if len(set(plan["hosts"])) > 1:
             raise SystemExit("falcon.s4 launch: a multi-node S4 restart is scripts/launch.sh's (SLURM)")
@@ -511,6 +647,8 @@ def relaunch_spec(plan: dict, hosts: list[str]) -> dict:
     kept device gets does not matter: every device left is healthy, and each new rank loads its
     stage from the checkpoint."""
     short = lambda h: h.split(".")[0]  # noqa: E731 (SLURM lists short names; gethostname may not)
+    if plan.get("mode") == "replace_nodes":
+        return _node_replacement_spec(plan, hosts, short)
     kept = {h: [d for hh, d in zip(plan["hosts"], plan["local_devices"]) if short(hh) == short(h)]
             for h in hosts}
     kept = {h: sorted(ds) for h, ds in kept.items() if ds}
@@ -521,6 +659,27 @@ def relaunch_spec(plan: dict, hosts: list[str]) -> dict:
     return {"nnodes": len(kept), "nproc_per_node": counts.pop(),
             "exclude": [h for h in hosts if h not in kept], "devices": kept,
             "overrides": plan.get("overrides", []), "device_type": plan.get("device_type", "cpu")}
+
+
+def _node_replacement_spec(plan: dict, hosts: list[str], short) -> dict:
+    """:func:`relaunch_spec` of a :class:`NodeReplacePlan`: the same node count and ranks per node, the
+    slow node(s) excluded (srun then takes a spare node of the allocation ``hosts`` in its place), every
+    node not excluded with the job's local devices."""
+    used = list(dict.fromkeys(short(h) for h in plan["hosts"]))
+    slow = {short(h) for h in plan.get("excluded_hosts", [])}
+    if not slow:
+        raise SystemExit("falcon.s4: a node replacement plan without excluded_hosts")
+    free = [h for h in hosts if short(h) not in slow]
+    if len(free) < len(used):
+        raise SystemExit(f"falcon.s4: {len(used)} node(s) needed, {len(free)} left in the allocation "
+                         f"{hosts} without {sorted(slow)}")
+    if len(plan["local_devices"]) % len(used):
+        raise SystemExit(f"falcon.s4: {len(plan['local_devices'])} ranks are not whole nodes of {len(used)}")
+    local = sorted(set(plan["local_devices"]))
+    return {"nnodes": len(used), "nproc_per_node": len(plan["local_devices"]) // len(used),
+            "exclude": [h for h in hosts if short(h) in slow], "devices": {h: local for h in free},
+            "spare_nodes": len(free) - len(used), "overrides": plan.get("overrides", []),
+            "device_type": plan.get("device_type", "cpu")}
 
 
 def _print_relaunch_spec(argv: list[str]) -> int:
@@ -550,6 +709,8 @@ def _print_relaunch_spec(argv: list[str]) -> int:
              f"S4_EXCLUDE={shlex.quote(','.join(spec['exclude']))}",
              f"S4_ARGS={shlex.quote(shlex.join(spec['overrides']))}",
              f"S4_PLAN={shlex.quote(str(dump / S4_PLAN_FILE))}"]
+    if "spare_nodes" in spec:  # a node replacement used spare node(s): the restarted job has fewer
+        lines.append(f"S4_SPARE_NODES={int(spec['spare_nodes'])}")
     for i, host in enumerate(hosts):
         lines.append(f"S4_DEVICES_{i}={shlex.quote(','.join(str(d) for d in spec['devices'].get(host, [])))}")
     print("\n".join(lines), flush=True)
