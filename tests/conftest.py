@@ -144,3 +144,28 @@ def pytest_report_header(config):
     if _INHERITED:
         return [f"signals: inherited {'; '.join(_INHERITED)} from the launcher: reset for this session"]
     return []
+
+
+@pytest.fixture
+def cli_main():
+    """``titan-ext ARGS`` in this process: ``titan_ext.cli.main`` with stdout and stderr captured, returned
+    as a ``subprocess.CompletedProcess`` (``returncode`` from ``main``'s status, or from ``SystemExit`` as
+    ``--help`` raises it).  For tests of what a command computes or says: a new interpreter costs seconds
+    (torch's import) each time on a busy 2-core host.  Each entry point keeps tests through a real process
+    (``python -m titan_ext.cli``: exit codes, signals, one line on stderr), e.g. tests/test_plan_export_cli.py."""
+    import contextlib
+    import io
+    import subprocess
+
+    from titan_ext.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return subprocess.CompletedProcess(["titan-ext", *args], code, out.getvalue(), err.getvalue())
+
+    return run

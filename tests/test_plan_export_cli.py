@@ -58,12 +58,15 @@ def test_trace_and_gantt(tmp_path):
 
 
 def run(*args):
+    """``python -m titan_ext.cli ARGS`` in a new process: the entry point's own contract (exit status, one
+    line on stderr) is checked through it once for help and once for a usage error; the other tests call
+    the same ``main`` in this process (conftest's ``cli_main``), a new interpreter costing seconds each."""
     return subprocess.run([sys.executable, "-m", "titan_ext.cli", *args], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("cmd", [[], ["plan"], ["simulate"]])
-def test_help_everywhere(cmd):
-    out = run(*cmd, "--help")
+def test_help_everywhere(cmd, cli_main):
+    out = (run if cmd == [] else cli_main)(*cmd, "--help")
     assert out.returncode == 0 and "usage:" in out.stdout
 
 
@@ -84,16 +87,16 @@ def test_help_everywhere(cmd):
         (["frobnicate"], "invalid choice"),
     ],
 )
-def test_bad_arguments_one_line_exit_2(args, needle):
-    out = run(*args)
+def test_bad_arguments_one_line_exit_2(args, needle, cli_main):
+    out = (run if args == ["frobnicate"] else cli_main)(*args)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], out.stderr
     assert "Traceback" not in out.stderr
 
 
-def test_json_last_line_fields(tmp_path):
-    out = run("plan", "--stages", "4", "--microbatches", "12", "--times", "10,10,10", "--delay", "2:30",
+def test_json_last_line_fields(tmp_path, cli_main):
+    out = cli_main("plan", "--stages", "4", "--microbatches", "12", "--times", "10,10,10", "--delay", "2:30",
               "--bandwidth", "1:25", "--message-mb", "50", "--trace", str(tmp_path / "t.json"),
               "--gantt", str(tmp_path / "g.png"), "--json")
     assert out.returncode == 0, out.stderr
@@ -105,11 +108,11 @@ def test_json_last_line_fields(tmp_path):
     assert (tmp_path / "t.json").exists() and (tmp_path / "g.png").exists()
 
 
-def test_profile_file(tmp_path):
+def test_profile_file(tmp_path, cli_main):
     profile = {"num_stages": 3, "num_microbatches": 9, "f_ms": [5, 6, 7], "b_ms": [5, 6, 7], "w_ms": [1, 1, 1],
                "links": [{"latency_ms": 0}, {"latency_ms": 40}]}
     (tmp_path / "p.json").write_text(json.dumps(profile))
-    out = run("plan", "--profile", str(tmp_path / "p.json"), "--json")
+    out = cli_main("plan", "--profile", str(tmp_path / "p.json"), "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     # Eq.1 on link 1: ceil((6 + 6 + 80) / 14) = 7, clipped at max(N − 2S, 2) = 3 (Alg.2 as published)
@@ -121,13 +124,13 @@ def test_profile_file(tmp_path):
     assert doc["makespan_ms"] <= alg2.predicted_makespan_ms + 1e-9
     assert sum(doc["warmup_counts"]) <= sum(alg2.warmup_counts)
     (tmp_path / "bad.json").write_text(json.dumps({**profile, "f_ms": [5, 6]}))
-    bad = run("plan", "--profile", str(tmp_path / "bad.json"))
+    bad = cli_main("plan", "--profile", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "f_ms" in bad.stderr
 
 
-def test_full_backward_plan_has_the_1f1b_makespan():
+def test_full_backward_plan_has_the_1f1b_makespan(cli_main):
     """zb-h1 (x_i = S − i) with --backward full is 1F1B: (N + S − 1)(F + B + W) = 11 · 20 ms."""
-    out = run("plan", "--stages", "4", "--microbatches", "8", "--times", "10,6,4", "--schedule", "zb-h1",
+    out = cli_main("plan", "--stages", "4", "--microbatches", "8", "--times", "10,6,4", "--schedule", "zb-h1",
               "--backward", "full", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,23 +1,22 @@
 """The planning core against the papers' published numbers and theorems."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from titan_ext.plan import PipelineProfile, plan_pipemorph, simulate
 
 
-def cli(*args):
-    out = subprocess.run([sys.executable, "-m", "titan_ext.cli", *args], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_fig4_fig5_through_cli(tmp_path):
+def test_fig4_fig5_through_cli(tmp_path, cli_main):
     """PipeMorph Fig.4: ZB, S=4, N=12, t=10 ms → 390 ms; Fig.5: the same plan with 10 / 20 ms on link 0
-    → 400 / 440 ms (the exported CSV is simulated, so the plan is fixed)."""
+    → 400 / 440 ms (the exported CSV is simulated, so the plan is fixed).  The CLI runs in this process
+    (conftest's ``cli_main``); the process-level contract: tests/test_plan_export_cli.py."""
+
+    def cli(*args):
+        out = cli_main(*args)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     csv = tmp_path / "zb.csv"
     planned = cli("plan", "--stages", "4", "--microbatches", "12", "--times", "10,10,10",
                   "--schedule", "zb", "--out-csv", str(csv), "--json")
@@ -108,9 +107,11 @@ def test_memory_extension_floor1():
     assert simulate(uncapped.actions, prof).peak_inflight[0] > 14
 
 
-def test_peak_inflight_in_cli_json():
-    out = cli("plan", "--stages", "8", "--microbatches", "32", "--times", "10,10,10",
-              "--delay", "6:60", "--slack-floor", "1", "--json")
+def test_peak_inflight_in_cli_json(cli_main):
+    run = cli_main("plan", "--stages", "8", "--microbatches", "32", "--times", "10,10,10",
+                   "--delay", "6:60", "--slack-floor", "1", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["peak_inflight"]["0"] <= 14
     assert out["warmup_counts"][0] == 14
     assert out["makespan_ms"] == pytest.approx(3 * 32 * 10 + 70 + 60)

@@ -85,8 +85,9 @@ def _equivalence_worker(rank: int, world: int, n_mb: int, steps: int):
 def test_equivalence_with_gpipe_under_a_new_plan_every_iteration():
     # Re-planning is asynchronous (planned during iteration k+1, swapped at its end), so the first
     # forced plan runs in iteration 2; from iteration 1 on every boundary swaps in a new plan:
-    # 21 steps = 20 consecutive iterations each running a different plan.
-    world, n_mb, steps = 4, 8, 21
+    # 9 steps = 8 consecutive iterations each running a different plan, iterations 2-8 running the
+    # policy's 5 plans in turn and back to the first two (every swap between two of them, wrap included).
+    world, n_mb, steps = 4, 8, 9
     results = run_ranks(_equivalence_worker, world, n_mb, steps)
     for rank, res in enumerate(results):
         # a different plan ran in every iteration from the second on, and all ranks ran the same one
@@ -186,9 +187,8 @@ def _reduce(action, ctx):
     stage.perform_reduce_grad(sched._n_microbatches if sched.scale_grads else 1)
 
 
-def test_invalid_plan_is_rejected_and_previous_plan_keeps_training():
-    world, n_mb = 2, 4
-    results = run_ranks(_reject_worker, world, n_mb)
+def test_invalid_plan_is_rejected_and_previous_plan_keeps_training(two_ranks):
+    results = two_ranks["reject"]
     for res in results:
         assert res["accepted"] == [(False, True)] * 3
         rejects = [e for e in res["log"] if e["decision"] == "reject"]
@@ -266,12 +266,11 @@ def _planresult_worker(rank: int, world: int, n_mb: int, steps: int):
     return out
 
 
-def test_deploy_takes_a_plan_result():
+def test_deploy_takes_a_plan_result(two_ranks):
     """``deploy()`` takes a PlanResult (plan_by_name's): deployed now, or queued during an iteration and
     deployed at its end; training equals torch's GPipe; each plan reaches torch's IR exactly once, in the
     runtime's lowering pass (the planner's torch copy is never made); anything else is a TypeError."""
-    world, n_mb, steps = 2, 4, 5
-    results = run_ranks(_planresult_worker, world, n_mb, steps)
+    results = two_ranks["planresult"]
     for res in results:
         assert len(res["type_errors"]) == 3 and all("plan" in e for e in res["type_errors"]), res["type_errors"]
         assert "PlanResult" in res["type_errors"][0]
@@ -450,18 +449,18 @@ def _budget_worker(rank: int, world: int, n_mb: int, budget: float):
             "x_max": sched.memory.x_max}
 
 
-def test_initial_plan_from_memory_budget_and_measured_activations():
+def test_initial_plan_from_memory_budget_and_measured_activations(two_ranks):
     """Alg.1 from a byte budget: M^F is measured in the first forward. For this MLP stage (2 × Linear
     + Tanh, float64, microbatch of BATCH/N rows) autograd saves 3 distinct [rows, DIM] tensors
     (stage input, tanh outputs; weights excluded), so M^F = 3·rows·DIM·8 bytes and
     x_max = ⌊M / M^F⌋."""
     from titan_ext.plan import initial_warmup_counts
 
-    world, n_mb = 2, 16
+    world, n_mb = 2, BUDGET_MB
     rows = BATCH // n_mb
     act = 3 * rows * DIM * 8
-    budget = 10.5 * act
-    results = run_ranks(_budget_worker, world, n_mb, budget)
+    assert BUDGET == 10.5 * act
+    results = two_ranks["budget"]
     assert results[1]["act"] == act + rows * DIM * 8  # the last stage's loss saves its target as well
     for res in results:
         assert res["act"] >= act
@@ -484,12 +483,32 @@ def _small_budget_worker(rank: int, world: int, n_mb: int, budget: float):
     return {**res, "warnings": [m for m in records if "memory budget" in m]}
 
 
-def test_absurd_memory_budget_warns_once_from_rank_0():
+def test_absurd_memory_budget_warns_once_from_rank_0(two_ranks):
     """`memory_budget_gib = 1e-9` trained silently with warm-up counts [1, ...]. A budget of half
     an activation is applied (the cap is 1) but said once, by PP rank 0 only."""
-    world, n_mb = 2, 8
-    act = 3 * (BATCH // n_mb) * DIM * 8  # M^F of this MLP stage (see the test above)
-    results = run_ranks(_small_budget_worker, world, n_mb, 0.5 * act)
+    results = two_ranks["small_budget"]
     assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == [], results
     assert "holds [1, 1] in-flight activations per stage" in results[0]["warnings"][0]
     assert "less than 1F1B holds ([2, 1])" in results[0]["warnings"][0]
+
+
+# -- the two-rank tests above share one run (a module fixture): a spawn of two ranks costs seconds ----------
+BUDGET_MB = 16
+BUDGET = 10.5 * 3 * (BATCH // BUDGET_MB) * DIM * 8       # 10.5 activations of the MLP stage (M^F, see above)
+SMALL_MB = 8
+SMALL_BUDGET = 0.5 * 3 * (BATCH // SMALL_MB) * DIM * 8   # half an activation
+
+
+def _two_rank_parts(rank: int, world: int) -> dict:
+    """Each part builds its own schedules on the one process group, in turn; the PlanResult part last, as it
+    wraps the runtime's IR lowering with counting spies for the rest of the process."""
+    return {"reject": _reject_worker(rank, world, 4),
+            "budget": _budget_worker(rank, world, BUDGET_MB, BUDGET),
+            "small_budget": _small_budget_worker(rank, world, SMALL_MB, SMALL_BUDGET),
+            "planresult": _planresult_worker(rank, world, 4, 5)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    results = run_ranks(_two_rank_parts, 2)
+    return {name: [r[name] for r in results] for name in results[0]}
