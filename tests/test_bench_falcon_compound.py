@@ -95,7 +95,9 @@ def _host(it: int, grid, split):
 
 
 def _run(forget_moved_links: bool):
-    from titan_ext.titan.falcon.apply import JobView, plan_changes, replanned_split
+    from _falcon_model import apply_on_model
+
+    from titan_ext.titan.falcon.apply import JobView, plan_changes
 
     grid, split, even = [[0, 2], [1, 3]], [3, 3], [3, 3]
     mon = FalconMonitor(FalconConfig(costs=COSTS, num_microbatches=6, slow_device_ratio=1.5),
@@ -117,16 +119,8 @@ def _run(forget_moved_links: bool):
         view = JobView(step=it, split=tuple(split), even_split=tuple(even), grid=tuple(map(tuple, grid)),
                        replanning_on=True, checkpoint_enabled=True, spares=(4,))
         changes = plan_changes(decision, view, mon)
-        for name in changes.applied:
-            if name == "microbatch_redistribution":
-                split = list(changes.split)
-            elif name == "topology_adjustment":
-                grid = [list(r) for r in changes.grid]
-                mon.set_grid(grid)
-                if split != even:
-                    split = replanned_split(mon, even)
-            if name not in ("ignore", "pipemorph_replan"):
-                applied.append((it, name))
+        split, grid, names = apply_on_model(changes, split, grid, even, mon)
+        applied += [(it, name) for name in names if name not in ("ignore", "pipemorph_replan")]
         if changes.s4_plan is not None:
             return applied, causes, events, changes.s4_plan
     return applied, causes, events, None

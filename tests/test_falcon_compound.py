@@ -67,7 +67,9 @@ def test_compound_sequence_s3_then_s2_then_s4_with_evidence_rows(tmp_path):
     and :class:`~titan_ext.titan.falcon.events.EventLog` write the rows — on a host model whose
     steps follow the layout. Order S3 < S2 < S4 (applied), each at the iteration the ski rental
     gives (recomputed here from the logged times), and every row's evidence."""
-    from titan_ext.titan.falcon.apply import JobView, plan_changes, replanned_split
+    from _falcon_model import apply_on_model
+
+    from titan_ext.titan.falcon.apply import JobView, plan_changes
     from titan_ext.titan.falcon.events import EventLog, event_rows
 
     grid, split, even = [[0, 2], [1, 3]], [3, 3], [3, 3]
@@ -89,18 +91,9 @@ def test_compound_sequence_s3_then_s2_then_s4_with_evidence_rows(tmp_path):
         view = JobView(step=it, split=tuple(split), even_split=tuple(even), grid=tuple(map(tuple, grid)),
                        replanning_on=True, checkpoint_enabled=True)
         changes = plan_changes(decision, view, mon)
-        applied_s = {}
-        for name in changes.applied:  # what FalconJob.apply does, on the model
-            applied_s[name] = 0.0 if name != "checkpoint_restart" else None
-            if name == "microbatch_redistribution":
-                split = list(changes.split)
-            elif name == "topology_adjustment":
-                grid = [list(r) for r in changes.grid]
-                mon.set_grid(grid)
-                if split != even:
-                    split = replanned_split(mon, even)
-            if name != "ignore":
-                applied.append((it, name))
+        split, grid, names = apply_on_model(changes, split, grid, even, mon)
+        applied_s = {name: 0.0 if name != "checkpoint_restart" else None for name in names}
+        applied += [(it, name) for name in names if name != "ignore"]
         decision = decision.with_metrics(changes.metrics)
         log.record(dict(decision), event_rows(it, decision, mon, estimated, applied_s, True))
         if changes.s4_plan is not None:
