@@ -46,7 +46,7 @@ from titan_ext.titan.falcon.emulate import PPLinkDelays, install_compute_stretch
 from titan_ext.titan.falcon.events import EventLog, event_rows
 from titan_ext.titan.falcon.files import emulation_specs
 from titan_ext.titan.falcon.measure import (SLOW_DEVICE_RATIO, ObservationExchange, StepClock, StepRecord,
-                                            acf_iteration_times, validate)
+                                            acf_iteration_times, last_training_step, validate)
 
 __all__ = ["FalconJob"]
 
@@ -79,7 +79,7 @@ class FalconJob:
         self.check_every = int(section.falcon_check_every)
         """Steps between two exchanges of the steps' numbers (Falcon's checks; and the last step)."""
         self.exchange = ObservationExchange(self.control, self.num_pp, self.num_dp, every=self.check_every)
-        self.last_step = _last_step(trainer)
+        self.last_step = last_training_step(trainer)
         """The job's last training step (its check feeds every step run; None: unknown)."""
         self._steps = 0  # the job's steps so far (the exchange's step index)
         self._link_delay_ms: dict = {}
@@ -368,16 +368,6 @@ class FalconJob:
             decision = decision.with_metrics(
                 {"falcon/change_point_step": self._fed_from + decision["falcon/change_point_iteration"]})
         return decision
-
-
-def _last_step(trainer: Any) -> int | None:
-    """The job's ``training.steps`` (None where the trainer has no such section: a test's stub)."""
-    from titan_ext.titan.adapters import current
-
-    try:
-        return int(current().trainer_training(trainer).steps)
-    except (AttributeError, TypeError, ValueError):
-        return None
 
 
 def _devices(text: str, world: int | None) -> list[int]:

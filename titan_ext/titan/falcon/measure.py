@@ -45,7 +45,7 @@ from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 from titan_ext.runtime.timeouts import named
 
 __all__ = ["SLOW_DEVICE_RATIO", "STEPS_IN_FLIGHT", "StepClock", "StepRecord", "ObservationExchange",
-           "acf_iteration_times", "validate", "rings_to_validate"]
+           "acf_iteration_times", "validate", "rings_to_validate", "last_training_step"]
 
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
@@ -376,3 +376,13 @@ def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]
         if ring not in rings:
             rings.append(ring)
     return rings or pipelines + columns
+
+
+def last_training_step(trainer: Any) -> int | None:
+    """The job's ``training.steps`` (None where the trainer has no such section: a test's stub)."""
+    from titan_ext.titan.adapters import current
+
+    try:
+        return int(current().trainer_training(trainer).steps)
+    except (AttributeError, TypeError, ValueError):
+        return None

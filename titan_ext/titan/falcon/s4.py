@@ -367,12 +367,12 @@ class S4Resume:
         if plan is None:
             return None
         from titan_ext.titan.adapters import current
-        from titan_ext.titan.falcon.job import _last_step
+        from titan_ext.titan.falcon.measure import last_training_step
         from titan_ext.titan.options import titan_ext_section
 
         config = getattr(trainer, "job_config", None) or getattr(trainer, "config", None)
         return cls(plan, Path(current().trainer_dump_folder(trainer)), dist.get_rank(), trainer,
-                   every=titan_ext_section(config).falcon_check_every, last_step=_last_step(trainer))
+                   every=titan_ext_section(config).falcon_check_every, last_step=last_training_step(trainer))
 
     def before_step(self, step: int) -> None:
         """The first step of the restarted job: the S4 cost is the time since the save began."""
