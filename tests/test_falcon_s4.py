@@ -276,11 +276,11 @@ def _s4_resume_rank(rank: int, world: int, dump: str) -> tuple:
 
     from titan_ext.titan.falcon.s4 import OUTCOME_STEPS, S4Resume
 
-    # the job's last step is the 5th after the restart: its times are reduced at the default check
-    # cadence (every 4 steps) and at that last step
+    # the job's last step is the 5th after the restart: its times are reduced at the check cadence (the
+    # default falcon_check_every, 4) and at that last step
     trainer = SimpleNamespace(job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=dump),
                                                          training=SimpleNamespace(steps=13 + OUTCOME_STEPS - 1)))
-    resume = S4Resume.from_env(trainer)
+    resume = S4Resume.from_env(trainer, check_every=4)
     assert (resume.every, resume.last_step) == (4, 13 + OUTCOME_STEPS - 1)
     resume.before_step(13)
     for step in range(13, 13 + OUTCOME_STEPS):

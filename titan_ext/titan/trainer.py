@@ -75,7 +75,7 @@ class TitanExtTrainer(_Base):
         if self.falcon_job is None and section.emulate_device_pass_ms > 0:
             install_device_passes(self, section.emulate_device_pass_ms)
         # a job the launcher restarted after Falcon's S4: its cost and outcome (falcon/s4.py)
-        self.s4_resume = S4Resume.from_env(self)
+        self.s4_resume = S4Resume.from_env(self, section.falcon_check_every)
 
     def train(self):
         super().train()

@@ -52,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,6 @@ from titan_ext.runtime.falcon.restart import (
     ReplacePlan,
     plan_replacement,
 )
-from dataclasses import dataclass, field
 
 __all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
            "ENV_S4_PLAN", "ENV_LAUNCH_ID", "OUTCOME_STEPS", "PlanRefused", "pending_plan", "consume_plan",
@@ -362,17 +362,17 @@ class S4Resume:
         self.measured_s: float | None = None
 
     @classmethod
-    def from_env(cls, trainer: Any) -> S4Resume | None:
+    def from_env(cls, trainer: Any, check_every: int = 1) -> S4Resume | None:
+        """The restarted job's resume (None: not a restart); ``check_every``: the job's
+        ``[titan_ext] falcon_check_every``."""
         plan = resume_plan_from_env()
         if plan is None:
             return None
         from titan_ext.titan.adapters import current
         from titan_ext.titan.falcon.measure import last_training_step
-        from titan_ext.titan.options import titan_ext_section
 
-        config = getattr(trainer, "job_config", None) or getattr(trainer, "config", None)
         return cls(plan, Path(current().trainer_dump_folder(trainer)), dist.get_rank(), trainer,
-                   every=titan_ext_section(config).falcon_check_every, last_step=last_training_step(trainer))
+                   every=check_every, last_step=last_training_step(trainer))
 
     def before_step(self, step: int) -> None:
         """The first step of the restarted job: the S4 cost is the time since the save began."""
