@@ -567,7 +567,7 @@ def test_the_check_cadence_is_adaptive_again_when_the_job_takes_falcon_off():
     FalconJob takes Falcon off the schedule (``schedule.falcon = None``), the period may grow again
     (PipeMorph §6 ②), so most steady steps are non-exchange ones."""
     from titan_ext.runtime.cadence import CheckCadence
-    from titan_ext.runtime.pipemorph import PipeMorph
+    from titan_ext.runtime import PipeMorph
 
     observers = [SimpleNamespace(every_iteration=True)]
 

@@ -567,7 +567,8 @@ def _runtime_cases():
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.config import DelegationConfig, PipeMorphConfig
+    from titan_ext.runtime import PipeMorphConfig
+    from titan_ext.runtime.config import DelegationConfig
     from titan_ext.runtime.crosspipe import CrossPipeConfig
 
     stage = PipelineStage.__new__(PipelineStage)  # a stage object; never used past the argument checks
@@ -796,7 +797,7 @@ API_BAD_2 = {
     "spec_planner_int": ('ScheduleSpec("X", 5, planner2)', TE, "one_stage_planner must be a callable"),
     "spec_empty_name": ('ScheduleSpec("", planner, planner2)', TE, "ScheduleSpec name must be a non-empty"),
     "spec_config_int": ('ScheduleSpec("X", planner, planner2, config_class=int)', TE,
-                        "config_class must be a PipeMorphConfig subclass"),
+                        "config_class must be an AdaptiveConfig subclass"),
     "spec_backward_text": ('ScheduleSpec("X", planner, planner2, backward_choices="split")', TE,
                            "backward_choices must be a tuple"),
     "inject_int": ('inject_link_delays(5)', TE, "spec must be a delay spec (text) or a DelaySchedule"),

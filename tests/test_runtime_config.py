@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from titan_ext.runtime.config import DelegationConfig, PipeMorphConfig, PolicySettings
+from titan_ext.runtime import PipeMorphConfig
+from titan_ext.runtime.config import DelegationConfig, PolicySettings
 from titan_ext.runtime.crosspipe import CrossPipeConfig
 from titan_ext.runtime.policy import ReplanPolicy
 

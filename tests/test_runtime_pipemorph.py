@@ -478,7 +478,7 @@ def _small_budget_worker(rank: int, world: int, n_mb: int, budget: float):
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
-    logging.getLogger("titan_ext.runtime.pipemorph").addHandler(handler)
+    logging.getLogger("titan_ext.runtime.adaptive").addHandler(handler)
     res = _budget_worker(rank, world, n_mb, budget)
     return {**res, "warnings": [m for m in records if "memory budget" in m]}
 

@@ -12,7 +12,7 @@ import pytest
 from titan_ext.plan import PipelineProfile, adapted_warmup_counts, initial_warmup_counts, link_tolerance_ms
 from titan_ext.runtime import ReplanPolicy
 from titan_ext.runtime.profiler import RankProfile, link_delay_estimates, timeline_bubble_rate
-from titan_ext.runtime.pipemorph import warmup_counts_of, plan_hash
+from titan_ext.runtime.deploy import plan_hash, warmup_counts_of
 
 S, N, T = 4, 16, 10.0
 

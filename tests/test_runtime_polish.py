@@ -183,22 +183,22 @@ def _train(rank: int, world: int, polish_s: float | None, steps: int | None, max
 
 def _polish_worker(rank: int, world: int):
     import titan_ext.plan.polish as polish
-    import titan_ext.runtime.pipemorph as pipemorph
+    import titan_ext.runtime.anytime as anytime
 
     # the CP-SAT stage's wall-clock safety net (the polish's one non-deterministic limit, docs in plan/polish.py)
     # widened: this 2-core machine may be far busier than the calibration, and the ranks must agree
     polish.POLISH_CPSAT_WALL = 100.0
-    real = pipemorph.polish_plan
+    real = anytime.polish_plan
 
     def slow_polish(*args, **kwargs):
         time.sleep(SLOW_S)  # releases the GIL, as the polish's solver and search do
         return real(*args, **kwargs)
 
-    pipemorph.polish_plan = slow_polish
+    anytime.polish_plan = slow_polish
     polished = _train(rank, world, 0.5, None)
     plain = _train(rank, world, None, polished[3])
     # without OR-Tools: one decision_log row at construction, then nothing (no thread, no deploy)
-    pipemorph.load_solver = lambda: False
+    anytime.load_solver = lambda: False
     no_solver = _train(rank, world, 0.5, 4)
     return polished, plain, no_solver[1]
 

@@ -149,7 +149,8 @@ def test_schedule_kwargs_follow_constructor_signature():
     from titan_ext.titan.options import schedule_kwargs
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.config import DelegationConfig, PipeMorphConfig, PolicySettings
+    from titan_ext.runtime import PipeMorphConfig
+    from titan_ext.runtime.config import DelegationConfig, PolicySettings
 
     jc = JobConfig(titan_ext=TitanExt(memory_budget_gib=2.0, replan_interval=9, adaptive=False,
                                       profile_window=4, tolerance_margin=0.2, recover_patience=5))
@@ -374,7 +375,8 @@ def _greedy_planner(config):
 
 
 def _zb_spec():
-    from titan_ext.runtime.parts import PIPEMORPH, ScheduleSpec
+    from titan_ext.runtime.parts import ScheduleSpec
+    from titan_ext.runtime.pipemorph import PIPEMORPH
 
     return ScheduleSpec("ZBAdaptive", one_stage_planner=_greedy_planner,
                         multi_stage_planner=PIPEMORPH.multi_stage_planner, backward_choices=("split",))
@@ -384,8 +386,7 @@ def test_a_new_adaptive_schedule_is_a_registry_entry_torchtitan_finds():
     """A schedule = a ScheduleSpec naming its planner, registered by
     ``register_schedule``; TorchTitan's lookup finds it by name and its [titan_ext] settings arrive as its
     config — no subclass code, no signature patch, no second table."""
-    from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.config import PipeMorphConfig
+    from titan_ext.runtime import AdaptiveConfig, AdaptiveSchedule, PipeMorph
     from titan_ext.runtime.registry import unregister_schedule
     from titan_ext.titan import registry
     from titan_ext.titan.config import JobConfig, TitanExt
@@ -396,10 +397,11 @@ def test_a_new_adaptive_schedule_is_a_registry_entry_torchtitan_finds():
         assert "ZBAdaptive" in registry.registered_schedules()
         job = JobConfig(titan_ext=TitanExt(replan_interval=3, backward="split"))
         cls = registry.schedule_class_for("zbadaptive", job)
-        assert issubclass(cls, zb_adaptive) and issubclass(cls, PipeMorph) and cls.__name__ == "ZBAdaptive"
-        assert cls.spec.one_stage_planner(PipeMorphConfig()).schedule == "zb" and cls.backward_choices == ("split",)
+        assert issubclass(cls, zb_adaptive) and issubclass(cls, AdaptiveSchedule) and cls.__name__ == "ZBAdaptive"
+        assert not issubclass(cls, PipeMorph)  # an entry beside PipeMorph, not a PipeMorph
+        assert cls.spec.one_stage_planner(AdaptiveConfig()).schedule == "zb" and cls.backward_choices == ("split",)
         config = schedule_kwargs(cls, job)["config"]
-        assert type(config) is PipeMorphConfig and config.profile_every == 3 and config.backward == "split"
+        assert type(config) is AdaptiveConfig and config.profile_every == 3 and config.backward == "split"
         with pytest.raises(TypeError, match="ZBAdaptive: unknown option"):
             config.updated("ZBAdaptive", variant="ud")  # CrossPipe's keyword is not this schedule's
     finally:

@@ -4,7 +4,7 @@ schedule") tells a user to, and trained for 2 steps under TorchTitan with ``[tit
 
 The recipe, as followed here:
 
-1. a config dataclass: a ``PipeMorphConfig`` subclass whose added fields are the schedule's settings,
+1. a config dataclass: an ``AdaptiveConfig`` subclass whose added fields are the schedule's settings,
    each documented by its docstring (``FixedWarmupConfig.warmup_rule``);
 2. a planner choice per layout (``_one_stage``; several stages per rank: PipeMorph's);
 3. the registry entry, ``ScheduleSpec``, registered by ``register_schedule`` (which returns the class);
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from _titan_version import TITAN_EXT_TRAIN, TOML_CONFIG, tt02_only
 
-from titan_ext.runtime import PipeMorphConfig, ScheduleSpec, register_schedule
-from titan_ext.runtime.parts import PIPEMORPH
+from titan_ext.runtime import AdaptiveConfig, ScheduleSpec, register_schedule
+from titan_ext.runtime.pipemorph import PIPEMORPH
 from titan_ext.runtime.planning import PipeMorphPlanner
 from titan_ext.titan.config import job_config_class
 
@@ -34,8 +34,8 @@ WARMUP_RULES = ("pipemorph", "zb", "zb-h1")
 
 
 @dataclass(frozen=True)
-class FixedWarmupConfig(PipeMorphConfig):
-    """``PipeMorphConfig`` plus the warm-up rule of every plan."""
+class FixedWarmupConfig(AdaptiveConfig):
+    """``AdaptiveConfig`` plus the warm-up rule of every plan."""
 
     backward: str = "split"
     warmup_rule: str = "pipemorph"

@@ -16,11 +16,12 @@ from .delay_injection import (
     remove_link_delays,
 )
 from .deploy import plan_hash, warmup_counts_of
-from .config import DelegationConfig, PipeMorphConfig, PolicySettings  # the schedules' settings
+from .config import AdaptiveConfig, DelegationConfig, PolicySettings  # the schedules' settings
 from .parts import ScheduleSpec
-from .pipemorph import PipeMorph, adaptive_schedule
-from .registry import register_schedule, registered_schedules, schedule_class
-from .crosspipe import CrossPipe, CrossPipeConfig  # CrossPipe greedy re-planning on PipeMorph's runtime
+from .adaptive import AdaptiveSchedule
+from .registry import adaptive_schedule, register_schedule, registered_schedules, schedule_class
+from .pipemorph import PipeMorph, PipeMorphConfig  # the two registry entries, in registration order
+from .crosspipe import CrossPipe, CrossPipeConfig
 from .policy import Decision, Policy, ReplanPolicy
 from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (docs/falcon.md)
 
@@ -48,6 +49,8 @@ if not _flags.DEFER_ENV_STRAGGLER:  # titan_ext.train checks it first, installs 
         raise SystemExit(2) from None
 
 __all__ = [
+    "AdaptiveConfig",
+    "AdaptiveSchedule",
     "CrossPipe",
     "CrossPipeConfig",
     "Decision",

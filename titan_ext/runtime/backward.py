@@ -36,6 +36,7 @@ inputs and reach the same decisions.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -169,3 +170,41 @@ class BackwardChooser:
         self.log(decision="probe", reason=reason, backward=self.target)
         return Decision("probe", reason, mode=mode, backward=self.target, warmup_counts=list(counts),
                         inflight_limit=limit)
+
+
+class BackwardChoice:
+    """The backward variant of each new plan, one part of an adaptive schedule: ``auto`` plans both
+    variants and keeps the faster by the model (:func:`faster_by_model`; the initial plan mixed, to measure
+    t_B too: :func:`mixed_backward`), ``measure`` probes (:class:`BackwardChooser`), ``split``/``full`` fixed.
+    ``choose``: the layout lets the variant be chosen (one stage per rank; several: the portfolio picks)."""
+
+    def __init__(self, configured: str, choose: bool, window: int, margin: float, log: Callable[..., object],
+                 delay_rel_margin: float, delay_abs_margin_ms: float):
+        self.configured, self.margin = configured, margin
+        self.by_model = choose and configured == "auto"
+        self.chooser = BackwardChooser(window, margin, enabled=choose and configured == "measure", log=log,
+                                       delay_rel_margin=delay_rel_margin, delay_abs_margin_ms=delay_abs_margin_ms)
+
+    def variant(self, decision: Decision | None, deployed: Any) -> str:
+        """The variant a new plan gets: the decision's, else that of the deployed planner-made plan (the
+        variant ``auto`` chose), else the configured one (``auto`` starts split)."""
+        if decision is not None and decision.backward is not None:
+            return decision.backward
+        if deployed is not None and deployed.kind in ("initial", "adaptive") and deployed.backward != "mixed":
+            return deployed.backward
+        return "full" if self.configured == "full" else "split"
+
+    def initial_ops(self, ops: dict, adaptive: bool) -> dict:
+        """The initial plan's actions: mixed under ``auto`` (it measures I, W and B in one iteration)."""
+        return mixed_backward(ops) if self.by_model and adaptive else ops
+
+    def variants(self, decision: Decision, deployed: Any, full_backward_ms: Sequence[float]) -> tuple[str, ...]:
+        """The variants to plan for ``decision``: both under ``auto`` once full backwards were measured
+        (``full_backward_ms``: the window's median B per stage) and the decision names no plan of its own."""
+        both = (self.by_model and decision.backward is None and decision.warmup_counts is None
+                and decision.actions is None and not any(map(math.isnan, full_backward_ms)))
+        return VARIANTS if both else (self.variant(decision, deployed),)
+
+    def pick(self, plans: Sequence[Any], running: str | None) -> Any:
+        """The plan to deploy of those planned for :meth:`variants` (in their order)."""
+        return faster_by_model(*plans, self.margin, running) if len(plans) == 2 else plans[0]

@@ -21,7 +21,7 @@ from .memory import PENDING, RELEASE, activation_budget_bytes, inflight_cap, ran
 __all__ = ["MemoryBudget", "RankMemoryBudget", "StageMemoryBudget"]
 
 #: the schedule's logger: a budget warning is the schedule's (users and tests filter on that name)
-logger = logging.getLogger("titan_ext.runtime.pipemorph")
+logger = logging.getLogger("titan_ext.runtime.adaptive")
 
 
 class MemoryBudget:
@@ -87,6 +87,11 @@ class MemoryBudget:
         limits = [self.inflight_cap] + ([] if lifted else [self.adaptive_memory_limit])
         limits = [x for x in limits if x is not None]
         return min(limits) if limits else None
+
+    def capped(self, profile: Any, lifted: bool = False) -> Any:  # noqa: ARG002
+        """The profile the policy reads: a per-rank cap K_r bounds the plan (``rank_memory_limit``), not
+        the profile (:class:`StageMemoryBudget` caps it per stage)."""
+        return profile
 
     def planning_x_max(self) -> int:
         return self.x_max if self.inflight_cap is None else max(1, min(self.x_max, self.inflight_cap))

@@ -11,7 +11,7 @@ a new straggler is seen at the next check, at most ``profile_every_max`` iterati
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 __all__ = ["CheckCadence"]
 
@@ -26,6 +26,15 @@ class CheckCadence:
         self.window, self.rel_margin, self.abs_margin_ms = window, rel_margin, abs_margin_ms
         self.period, self._quiet, self._next = profile_every, 0, 0
         self._last_delays: list[float] = []
+
+    @classmethod
+    def of(cls, config: Any, window: int, every_iteration: bool) -> "CheckCadence":
+        """The cadence of a schedule's config (``AdaptiveConfig``), fixed when an observer needs every iteration."""
+        s = config.policy_settings
+        cadence = cls(config.profile_every, config.profile_every_max, window, s.rel_margin, s.abs_margin_ms)
+        if every_iteration:
+            cadence.fixed()
+        return cadence
 
     def adaptive(self, profile_every_max: int) -> None:
         """Let the period grow to ``profile_every_max`` (never below ``profile_every``) while checks are quiet."""

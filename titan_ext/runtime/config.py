@@ -1,9 +1,11 @@
 """Settings of the adaptive schedules, in TorchTitan's config style: typed fields with defaults and
 docstrings, checked in ``__post_init__`` (a bad value fails at construction with one clear line).
 
+:class:`AdaptiveConfig` holds the settings every adaptive schedule shares; each schedule's config class
+(``PipeMorphConfig``, ``CrossPipeConfig``: beside their entries) adds its own.
 ``PipeMorph(stage, n_microbatches, loss_fn=..., config=PipeMorphConfig(...))`` is the documented way to
-configure an adaptive schedule; the keywords of earlier releases (``PipeMorph(stage, n, adaptive=False,
-delegation="auto", ...)``) still work: :meth:`PipeMorphConfig.updated` maps them onto the config, the one
+configure a schedule; the keywords of earlier releases (``PipeMorph(stage, n, adaptive=False,
+delegation="auto", ...)``) still work: :meth:`AdaptiveConfig.updated` maps them onto the config, the one
 place that knows the old names (``delegate_lanes`` → ``delegation.lanes`` ...).
 
 The settings are plain values; the parts they configure (policy, planner, observers, transport) are
@@ -20,7 +22,7 @@ from typing import Any, Callable
 from ..plan.args import ArgumentTypeError, bool_arg, choice_arg, int_arg, real_arg
 from .policy import PolicySettings, ReplanPolicy
 
-__all__ = ["DelegationConfig", "PipeMorphConfig", "PolicySettings"]
+__all__ = ["AdaptiveConfig", "DelegationConfig", "PolicySettings", "resolve_config"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class DelegationConfig:
         return self.mode != "off" or self.failover
 
 
-#: keywords of earlier releases that name a field of ``PipeMorphConfig.delegation``
+#: keywords of earlier releases that name a field of ``AdaptiveConfig.delegation``
 _DELEGATION_KEYWORDS = {"delegation": "mode", "failover": "failover", "slow_link_ms": "slow_link_ms",
                         "detector": "detector", "delegate_lanes": "lanes", "delegate_slots": "slots",
                         "delegate_slot_bytes": "slot_bytes", "recv_timeout_s": "recv_timeout_s",
@@ -85,9 +87,9 @@ _DELEGATION_KEYWORDS = {"delegation": "mode", "failover": "failover", "slow_link
 
 
 @dataclass(frozen=True)
-class PipeMorphConfig:
-    """Settings of an adaptive schedule (PipeMorph §4 planning, §6 runtime).  Every field is also a
-    constructor keyword of ``PipeMorph``/``CrossPipe`` (delegation's under their former names)."""
+class AdaptiveConfig:
+    """Settings of every adaptive schedule (PipeMorph §4 planning, §6 runtime).  Every field is also a
+    constructor keyword of each schedule (delegation's under their former names)."""
 
     # -- memory (PipeMorph §4.2 Alg.1 M, x_max; runtime/memory.py) --
     memory_budget_bytes: float | None = None
@@ -185,7 +187,7 @@ class PipeMorphConfig:
         for name, t in zip(("F", "I", "W"), times):
             real_arg(t, f"initial_times_ms {name}", positive=name != "W", minimum=0)
 
-    def updated(self, owner: str = "PipeMorph", **keywords: Any) -> "PipeMorphConfig":
+    def updated(self, owner: str = "PipeMorph", **keywords: Any) -> "AdaptiveConfig":
         """A copy with ``keywords`` applied: the config's own fields, and the delegation keywords of
         earlier releases (``delegation="auto"``, ``delegate_lanes=2`` …).  A plain ``ReplanPolicy``
         passed as ``policy=`` (how ``[titan_ext]`` settings once arrived) is read as its thresholds, so
@@ -210,3 +212,12 @@ def _settings_of(policy: Any) -> PolicySettings | None:
     if type(policy) is not ReplanPolicy:
         return None
     return PolicySettings(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(ReplanPolicy) if f.init})
+
+
+def resolve_config(owner: str, config: AdaptiveConfig | None, config_class: type[AdaptiveConfig],
+                   options: dict[str, Any]) -> AdaptiveConfig:
+    """A schedule's config: ``config`` (an instance of its entry's ``config_class``; None: the defaults)
+    with the constructor's keywords applied (:meth:`AdaptiveConfig.updated`)."""
+    if config is not None and not isinstance(config, config_class):
+        raise TypeError(f"{owner} takes config={config_class.__name__}(...), got {type(config).__name__}")
+    return (config or config_class()).updated(owner, **options)

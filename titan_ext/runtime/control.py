@@ -81,6 +81,10 @@ class ControlPlane:
         self.group = None
         if self.distributed and self.size > 1:
             self.group = group if group is not None else new_control_group(self.ranks, timeout_s)
+        self._met = False
+        #: (clock_self − clock_prev [s], min RTT [s]), measured once at the first training step (:meth:`sync_clock`)
+        self.clock: tuple[float, float] = (math.nan, math.nan)
+        self._clock_synced = False
 
     @property
     def local(self) -> bool:
@@ -136,6 +140,19 @@ class ControlPlane:
         if not self.local:
             token = torch.zeros(1)
             self._collective(name, lambda: dist.all_reduce(token, group=self.group))
+
+    def meet_once(self, name: str) -> None:
+        """:meth:`meet`, the first time only (the first step: torch's start-up messages would otherwise
+        wait with the PP group's creation timeout and name nobody)."""
+        if not self._met:
+            self.meet(name)
+            self._met = True
+
+    def sync_clock(self) -> None:
+        """Measure :attr:`clock` once (every PP rank calls it at the same step)."""
+        if not self._clock_synced:
+            self.clock = self.clock_offsets()
+            self._clock_synced = True
 
     def clock_offsets(self) -> tuple[float, float]:
         """(clock_self − clock_prev [s], min RTT [s]) by NTP-style ping-pong (profiler's method)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..plan.args import real_arg
-from .config import PipeMorphConfig
+from .config import AdaptiveConfig
 from .parts import ScheduleSpec
 from .placement import Layout, VirtualPlanner
 from .planning import CrossPipePlanner, Planner
@@ -29,8 +29,8 @@ __all__ = ["CROSSPIPE", "CrossPipe", "CrossPipeConfig"]
 
 
 @dataclass(frozen=True)
-class CrossPipeConfig(PipeMorphConfig):
-    """:class:`PipeMorphConfig` plus CrossPipe's planner settings (its backward is split: I and W are
+class CrossPipeConfig(AdaptiveConfig):
+    """:class:`AdaptiveConfig` plus CrossPipe's planner settings (its backward is split: I and W are
     separate operations of the greedy generator, CrossPipe §3.1)."""
 
     backward: str = "split"
@@ -71,11 +71,11 @@ def _multi_stage(layout: Layout, config: CrossPipeConfig) -> Planner:
     return VirtualPlanner(layout, "crosspipe-wave" if wave else "pipemorph", backward="split")
 
 
-#: the registry entry: CrossPipe's planners, PipeMorph's policies, CrossPipe's config
+#: the registry entry: CrossPipe's planners, the default policies (Eq.1 per link / rank link), CrossPipe's config
 CROSSPIPE = ScheduleSpec("CrossPipe", one_stage_planner=_one_stage, multi_stage_planner=_multi_stage,
                          config_class=CrossPipeConfig, backward_choices=CrossPipePlanner.backward_choices)
 
 CrossPipe = register_schedule(CROSSPIPE, module=__name__, doc="""The adaptive runtime re-planning with
 CrossPipe's greedy generator (one stage per rank) or, with several stages per rank, CrossWave (V-shape) /
 the split-backward virtual portfolio (loop).  Settings: :class:`CrossPipeConfig` (``config=``, or its fields
-as keywords: ``variant``, ``message_bytes``, ``link_bandwidth_bytes_per_s`` beyond PipeMorph's).""")
+as keywords: ``variant``, ``message_bytes``, ``link_bandwidth_bytes_per_s`` beyond the adaptive ones).""")

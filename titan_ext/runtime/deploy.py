@@ -22,23 +22,25 @@ and in unit tests. Agreement (one hash exchange on the control plane) and the O(
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import _Action
 
-from titan_ext.plan import PlanValidationError, validate_plan
+from titan_ext.plan import PlanResult, PlanValidationError, validate_plan
 from titan_ext.plan import ir as _ir
+from titan_ext.plan.args import ArgumentTypeError, plan_arg
 from titan_ext.plan.ir import Op, add_send_waits, as_ops
-from titan_ext.plan.result import peak_inflight, warmup_counts_of  # the one definitions (per stage)
+from titan_ext.plan.result import make_result, peak_inflight, warmup_counts_of  # the one definitions (per stage)
 from titan_ext.plan.validate import torch_dry_run_lowered
 
 from .memory import RELEASE
 from .profiler import now
 
-__all__ = ["Candidate", "DeployedPlan", "backward_of", "check_plan", "lower", "plan_hash", "prepare_candidate",
-           "to_torch_actions", "warmup_counts_of"]
+__all__ = ["Candidate", "DeployedPlan", "backward_of", "check_plan", "external_candidate", "external_plan", "lower",
+           "plan_hash", "prepare_candidate", "to_torch_actions", "warmup_counts_of"]
 
 
 def plan_hash(actions: Mapping[int, list[Any]]) -> int:
@@ -166,3 +168,29 @@ def prepare_candidate(ops: Mapping[int, Sequence[Any]], counts: list[int] | None
                      peak_inflight=max(peak_inflight(ops, RELEASE).values(), default=0),
                      inflight_limit=[inflight_limit] * num_stages if isinstance(inflight_limit, int)
                      else list(inflight_limit) if inflight_limit is not None else None)
+
+
+def external_plan(plan: Any, reason: Any) -> Any:
+    """``schedule.deploy()``'s arguments checked: a :class:`~titan_ext.plan.PlanResult` as given, or a raw
+    mapping rank → actions (earlier releases) copied as it is now; made a ``PlanResult`` only when deployed
+    (:func:`external_candidate`), so a malformed one is rejected and logged like any invalid plan."""
+    if isinstance(plan, Mapping):
+        plan_arg(plan, "plan")
+        plan = {r: list(a) for r, a in plan.items()}
+    elif not isinstance(plan, PlanResult):
+        raise ArgumentTypeError(f"plan must be a PlanResult (or, kept for compatibility, a mapping rank → "
+                                f"list of actions), got {type(plan).__name__}")
+    if not isinstance(reason, str):
+        raise ArgumentTypeError(f"reason must be text, got {type(reason).__name__}")
+    return plan
+
+
+def external_candidate(plan: Any, reason: str, prepare: Any) -> Any:
+    """The deferred candidate of an external plan (``prepare(ops, counts, kind, reason, limit)``: the
+    schedule's lowering); a raw mapping becomes a ``PlanResult`` inside it, so its errors are rejections too."""
+    def candidate() -> Candidate:
+        result = plan if isinstance(plan, PlanResult) else make_result(
+            plan, schedule="external", predicted_makespan_ms=math.nan, plan_ms=0.0)
+        return prepare(result.ops, result.warmup_counts, "external", reason, result.inflight_limit)()
+
+    return candidate

@@ -46,7 +46,10 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
     _wait_batch_p2p,
 )
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.profiler import record_function
+
+from titan_ext.plan.args import ArgumentTypeError, int_arg
 
 from ._torch_compat import has_wait_actions, with_loss_kwargs
 from .device import DeviceLayer, device_layer
@@ -54,7 +57,7 @@ from .memory import ActivationMeter, LiveStorages, parameter_storages, selective
 from .profiler import ActionRecord, IterationProfile
 from .transport import TorchP2P, Transport
 
-__all__ = ["Executor", "RunContext", "BACKWARD_TYPES", "forward_order"]
+__all__ = ["Executor", "RunContext", "BACKWARD_TYPES", "check_stages", "forward_order", "run_with_failover"]
 
 F = _ComputationType.FORWARD
 I = _ComputationType.BACKWARD_INPUT
@@ -393,3 +396,43 @@ def measured_forward(stage: Any, forward: Any) -> tuple[Any, int]:
     if isinstance(live, LiveStorages):
         total = max(total, live.alive_bytes(parameter_storages(stage.submod.parameters())))
     return output, max(total, 1)
+
+
+def check_stages(name: str, stages: Any, n_microbatches: Any, loss_fn: Any) -> list:
+    """A schedule's first arguments checked: this rank's stages (one torch pipeline stage or a non-empty
+    list of them; a ``torch.nn.Module`` is not a stage), ``n_microbatches`` >= 1, ``loss_fn`` callable or
+    None.  Returns the stages as a list."""
+    int_arg(n_microbatches, "n_microbatches", 1)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ArgumentTypeError(f"{name}: loss_fn must be callable or None, got {type(loss_fn).__name__}")
+    if isinstance(stages, _PipelineStageBase):
+        return [stages]
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple)):
+        raise ArgumentTypeError(f"{name}: stages must be a torch PipelineStage or a list of them, got "
+                                f"{type(stages).__name__}")
+    if not stages:
+        raise ValueError(f"{name} needs this rank's stages, got none")
+    for i, st in enumerate(stages):
+        if not isinstance(st, _PipelineStageBase):
+            raise ArgumentTypeError(f"{name}: stages[{i}] must be a torch PipelineStage, got {type(st).__name__}")
+    return list(stages)
+
+
+def run_with_failover(attempt: Any, failover: Any, stages: list, reset: Any, on_error: Any) -> Any:
+    """``attempt()`` (one iteration), re-run from the start while ``failover`` (the delegates' step
+    failover on an NCCL PP group, ``delegate/schedule.py``; None: none) says a rank failed and moved its
+    traffic to the delegates; ``reset()`` drops what a failed attempt left, ``on_error(exc)`` reports an
+    error that is not recovered before it propagates."""
+    if failover is not None:
+        failover.begin(stages)
+    while True:
+        result = None
+        try:
+            result = attempt()
+        except Exception as exc:
+            if failover is None or not failover.failed(exc):
+                on_error(exc)
+                raise
+        if failover is None or not failover.settle(stages):  # every PP rank votes here
+            return result
+        reset()

@@ -1,6 +1,6 @@
 """Falcon and delegation built outside the schedule, from its config, as observers and a transport.
 
-The schedule's coordinator (``runtime/pipemorph.py``) never constructs them; it receives
+The schedule's coordinator (``runtime/adaptive.py``) never constructs them; it receives
 :class:`Extensions` — the transport its executor talks through and the boundary observers it calls —
 and attaches each to a narrow :class:`~titan_ext.runtime.observers.ScheduleContext`:
 
@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import PipeMorphConfig
+from .config import AdaptiveConfig
 from .observers import BoundaryObserver, FalconObserver
 from .transport import TorchP2P, Transport
 
@@ -40,6 +40,15 @@ class Extensions:
         """The FalconMonitor, or None."""
         return self.falcon_observer.monitor if self.falcon_observer is not None else None
 
+    def set_falcon(self, value: None, owner: str, cadence: Any, profile_every_max: int) -> None:
+        """The schedule's ``falcon = None``: Falcon off (a job-level monitor decides instead); the check
+        period may grow again when no other observer needs every iteration."""
+        if value is not None:
+            raise ValueError(f"{owner}.falcon can only be set to None (off); pass falcon= at construction")
+        self.drop_falcon()
+        if not self.every_iteration:
+            cadence.adaptive(profile_every_max)
+
     def drop_falcon(self) -> None:
         """Take Falcon off (a job-level monitor decides instead)."""
         self.observers[:] = [o for o in self.observers if o is not self.falcon_observer]
@@ -50,7 +59,7 @@ class Extensions:
         return any(o.every_iteration for o in self.observers)
 
 
-def build_extensions(config: PipeMorphConfig, name: str, num_stages: int, n_microbatches: int,
+def build_extensions(config: AdaptiveConfig, name: str, num_stages: int, n_microbatches: int,
                      stages_per_rank: int) -> Extensions:
     """Falcon, delegation and the user's observers for a schedule with ``config``.  Falcon and delegation
     run with one stage per rank only: an explicit request with several is an error; ``falcon=True``

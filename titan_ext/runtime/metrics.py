@@ -8,10 +8,13 @@ delegation's ``delegating`` …), merged in flat.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["IterationMetrics"]
+from titan_ext.plan import slackness
+
+__all__ = ["IterationMetrics", "MetricsRecord"]
 
 _NAN = math.nan
 
@@ -54,3 +57,45 @@ class IterationMetrics:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         out.update(self.extra)
         return out
+
+
+class MetricsRecord:
+    """An adaptive schedule's published metrics: the last iteration's (``last``), the history, the last
+    exchanged profile, and what the estimator's windows and the deployed plan give (:meth:`fill_plan`)."""
+
+    def __init__(self, size: int):
+        self.history: deque[dict] = deque(maxlen=size)
+        self.last: dict = {}
+        self.last_profile: Any = None
+        self._plan: tuple = (None,)  # (key, estimates, tolerances, compute, slackness)
+
+    def fill_plan(self, m: IterationMetrics, links: list[dict], parts: Any, deployed: Any, version: int,
+                  delegating: bool) -> None:
+        """The per-link readings of this check and the plan-side fields of ``m``; the estimates are rebuilt
+        only when the windows or the deployed plan changed (a check pushed rows, a plan was deployed), not
+        at every boundary — their profiles are most of a boundary."""
+        m.link_delay_ms = {i: lk["c_ms"] for i, lk in enumerate(links)}
+        m.link_delay_fwd_ms = {i: lk["fwd_ms"] for i, lk in enumerate(links)}
+        m.link_delay_bwd_ms = {i: lk["bwd_ms"] for i, lk in enumerate(links)}
+        estimator = parts.estimator
+        key = (estimator.version, version, deployed.hash)
+        if self._plan[0] != key:
+            est, est_full = estimator.profile(), estimator.profile("full")  # compute times as measured
+            tolerances = parts.tolerances(estimator.planning_profile("split"),  # the policy's
+                                          estimator.planning_profile("full"), deployed)
+            self._plan = (key, list(parts.link_estimates_ms()), tolerances,
+                          {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)},
+                          slackness(deployed.warmup_counts))
+        _, estimates, tolerances, compute, slack = self._plan
+        m.link_delay_estimate_ms = dict(enumerate(estimates))
+        m.compute_ms = {k: list(v) for k, v in compute.items()}
+        m.backward, m.plan_version, m.plan_hash = deployed.backward, version, hex(deployed.hash)
+        m.warmup_counts, m.slackness = list(deployed.warmup_counts), list(slack)
+        m.eq1_tolerance_ms = list(tolerances)
+        m.inflight_cap = parts.memory.adaptive_limit(delegating)
+        budget = parts.memory.budget_bytes
+        m.memory_budget_bytes = budget if budget is not None else _NAN
+
+    def publish(self, m: IterationMetrics) -> None:
+        self.last = m.as_dict()
+        self.history.append(self.last)

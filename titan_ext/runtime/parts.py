@@ -1,7 +1,7 @@
 """The parts of an adaptive schedule, one-stage vs multi-stage chosen once, and the registry entry that
 names a schedule's planner and policy.
 
-An adaptive schedule is the coordinator (``runtime/pipemorph.py``) plus a :class:`ScheduleSpec`: its
+An adaptive schedule is the coordinator (``runtime/adaptive.py``) plus a :class:`ScheduleSpec`: its
 name, config class, the planner it runs with one stage per rank and with several, and the policy
 (default: ``ReplanPolicy`` / ``VirtualReplanPolicy`` from the config's ``PolicySettings``).
 :func:`build_parts` reads the layout once and returns the :class:`Parts` that differ between one stage
@@ -19,13 +19,13 @@ from titan_ext.plan import PipelineProfile
 from titan_ext.plan.args import ArgumentTypeError, callable_arg, sequence_arg
 
 from .budget import MemoryBudget, RankMemoryBudget, StageMemoryBudget
-from .config import PipeMorphConfig, PolicySettings
+from .config import AdaptiveConfig, PolicySettings
 from .estimator import Estimator
-from .placement import Layout, VirtualEstimator, VirtualPlanner, VirtualReplanPolicy, virtual_tolerances
-from .planning import PipeMorphPlanner, Planner
+from .placement import Layout, VirtualEstimator, VirtualReplanPolicy, virtual_tolerances
+from .planning import Planner
 from .policy import Policy, ReplanPolicy, eq1_tolerances
 
-__all__ = ["PIPEMORPH", "Parts", "ScheduleSpec", "build_parts"]
+__all__ = ["Parts", "ScheduleSpec", "build_parts"]
 
 
 def _one_stage_policy(settings: PolicySettings) -> Policy:
@@ -38,12 +38,12 @@ def _multi_stage_policy(layout: Layout, settings: PolicySettings) -> Policy:
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """A registry entry of an adaptive schedule: everything that makes it differ from PipeMorph."""
+    """A registry entry of an adaptive schedule: everything that makes one differ from another."""
 
     name: str
-    one_stage_planner: Callable[[PipeMorphConfig], Planner]
-    multi_stage_planner: Callable[[Layout, PipeMorphConfig], Planner]
-    config_class: type[PipeMorphConfig] = PipeMorphConfig
+    one_stage_planner: Callable[[AdaptiveConfig], Planner]
+    multi_stage_planner: Callable[[Layout, AdaptiveConfig], Planner]
+    config_class: type[AdaptiveConfig] = AdaptiveConfig
     backward_choices: tuple[str, ...] = ("auto", "measure", "split", "full")  # what ``backward=`` may be
     one_stage_policy: Callable[[PolicySettings], Policy] = _one_stage_policy
     multi_stage_policy: Callable[[Layout, PolicySettings], Policy] = _multi_stage_policy
@@ -56,39 +56,32 @@ class ScheduleSpec:
         callable_arg(self.multi_stage_planner, "multi_stage_planner", "a callable (layout, config) -> Planner")
         callable_arg(self.one_stage_policy, "one_stage_policy", "a callable (PolicySettings) -> Policy")
         callable_arg(self.multi_stage_policy, "multi_stage_policy", "a callable (layout, PolicySettings) -> Policy")
-        if not (isinstance(self.config_class, type) and issubclass(self.config_class, PipeMorphConfig)):
-            raise ArgumentTypeError(f"schedule {self.name!r}: config_class must be a PipeMorphConfig subclass, "
+        if not (isinstance(self.config_class, type) and issubclass(self.config_class, AdaptiveConfig)):
+            raise ArgumentTypeError(f"schedule {self.name!r}: config_class must be an AdaptiveConfig subclass, "
                                     f"got {self.config_class!r}")
         choices = sequence_arg(self.backward_choices, "backward_choices", "a tuple of backward variants")
         if not choices or any(c not in ("auto", "measure", "split", "full") for c in choices):
             raise ValueError(f"backward_choices must be some of ('auto', 'measure', 'split', 'full'), got {choices!r}")
 
 
-#: PipeMorph §4.2: Alg.1/2 with one stage per rank, the ``plan_virtual`` portfolio with several
-PIPEMORPH = ScheduleSpec(
-    "PipeMorph",
-    one_stage_planner=lambda config: PipeMorphPlanner(),
-    multi_stage_planner=lambda layout, config: VirtualPlanner(layout, backward=config.backward),
-    backward_choices=PipeMorphPlanner.backward_choices,
-)
-
-
 @dataclass(frozen=True)
 class Parts:
     """What differs between one stage per rank and several (built once by :func:`build_parts`)."""
 
+    layout: Layout
     planner: Planner  # ``config.planner`` if given, else the entry's for the layout
     policy: Policy  # ``config.policy`` if given, else the entry's, from ``config.policy_settings``
     estimator: Estimator
     memory: MemoryBudget
     choose_backward: bool  # ``backward="auto"``/``"measure"`` choose the variant (one stage per rank only)
     local_stages: int  # stage rows per rank in the exchanged profile (0: one stage, no rows)
+    message_slots: int  # most messages one direction of a rank link carries per iteration: V·N
     stage_ms: Callable[[Any, int], list | None]  # (iteration profile, rank) → per-local-stage rows
     link_estimates_ms: Callable[[], list[float]]  # per (rank) link delay estimates, for the metrics
     tolerances: Callable[[PipelineProfile, PipelineProfile, Any], list[float]]  # (split, full, deployed)
 
 
-def build_parts(name: str, layout: Layout, n_microbatches: int, config: PipeMorphConfig, spec: ScheduleSpec,
+def build_parts(name: str, layout: Layout, n_microbatches: int, config: AdaptiveConfig, spec: ScheduleSpec,
                 device: Callable[[], Any], activation_bytes: Callable[[], float | None]) -> Parts:
     """The parts for ``layout``: one stage per rank or several, decided here once.  ``device`` and
     ``activation_bytes`` are read when needed (the device layer exists once torch's constructor ran)."""
@@ -96,14 +89,14 @@ def build_parts(name: str, layout: Layout, n_microbatches: int, config: PipeMorp
     return build(name, layout, n_microbatches, config, spec, device, activation_bytes)
 
 
-def _memory(cls: type[MemoryBudget], name: str, layout: Layout, n: int, config: PipeMorphConfig,
+def _memory(cls: type[MemoryBudget], name: str, layout: Layout, n: int, config: AdaptiveConfig,
             device: Callable[[], Any],
             activation_bytes: Callable[[], float | None]) -> MemoryBudget:
     return cls(name, layout.num_stages, n, layout.stages_per_rank, config.memory_budget_bytes, config.max_inflight,
                config.adaptive_memory_limit, device, activation_bytes)
 
 
-def _one_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec: ScheduleSpec, device: Callable[[], Any],
+def _one_stage(name: str, layout: Layout, n: int, config: AdaptiveConfig, spec: ScheduleSpec, device: Callable[[], Any],
                activation_bytes: Callable[[], float | None]) -> Parts:
     S = layout.num_stages
     if n < S:  # as torch's Schedule1F1B; Interleaved1F1B and ZBV take N < S
@@ -115,12 +108,13 @@ def _one_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec:
         return eq1_tolerances(full if deployed.backward == "full" else split, deployed.warmup_counts)
 
     planner = config.planner if config.planner is not None else spec.one_stage_planner(config)
-    return Parts(planner, policy, estimator, _memory(StageMemoryBudget, name, layout, n, config, device, activation_bytes),
-                 choose_backward=config.backward in ("auto", "measure"), local_stages=0, stage_ms=lambda prof, rank: None,
+    memory = _memory(StageMemoryBudget, name, layout, n, config, device, activation_bytes)
+    return Parts(layout, planner, policy, estimator, memory, choose_backward=config.backward in ("auto", "measure"),
+                 local_stages=0, message_slots=n, stage_ms=lambda prof, rank: None,
                  link_estimates_ms=lambda: list(estimator.profile().delays_ms), tolerances=tolerances)
 
 
-def _multi_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spec: ScheduleSpec,
+def _multi_stage(name: str, layout: Layout, n: int, config: AdaptiveConfig, spec: ScheduleSpec,
                  device: Callable[[], Any],
                  activation_bytes: Callable[[], float | None]) -> Parts:
     policy = config.policy if config.policy is not None else spec.multi_stage_policy(layout, config.policy_settings)
@@ -133,9 +127,10 @@ def _multi_stage(name: str, layout: Layout, n: int, config: PipeMorphConfig, spe
         return virtual_tolerances(split, layout, deployed.warmup_counts)  # per rank link (docs/multistage.md)
 
     planner = config.planner if config.planner is not None else spec.multi_stage_planner(layout, config)
-    return Parts(planner, policy, estimator, _memory(RankMemoryBudget, name, layout, n, config, device, activation_bytes),
+    return Parts(layout, planner, policy, estimator,
+                 _memory(RankMemoryBudget, name, layout, n, config, device, activation_bytes),
                  choose_backward=False,  # the portfolio picks the backward variant of every plan
-                 local_stages=layout.stages_per_rank, stage_ms=stage_ms,
+                 local_stages=layout.stages_per_rank, message_slots=layout.stages_per_rank * n, stage_ms=stage_ms,
                  link_estimates_ms=estimator.rank_link_delays_ms, tolerances=tolerances)
 
 

@@ -75,6 +75,13 @@ class IterationProfile:
     send_bytes_next: int = 0
     activation_bytes: float = math.nan
 
+    def landed(self) -> "IterationProfile":
+        """A copy with the receive handles' arrival times read (what a rank exchanges at a check)."""
+        return IterationProfile(self.actions, self.sends_next, self.sends_prev,
+                                [h.arrival_time() for h in self.arrivals_prev],
+                                [h.arrival_time() for h in self.arrivals_next], self.send_bytes_next,
+                                self.activation_bytes)
+
     def compute_ms(self, kind: str, stage: int | None = None) -> float:
         """Median time (ms) of this iteration's ``kind`` actions (of one ``stage``, or all)."""
         vals = [1e3 * (a.end - a.start) for a in self.actions if a.kind == kind and stage in (None, a.stage)]

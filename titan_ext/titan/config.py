@@ -12,7 +12,7 @@ TorchTitan parses the config and before any process group exists. A bad value ra
 
 Besides the built-in knobs of :class:`TitanExt` (each names, in its field metadata, the config keyword it
 sets: :func:`sets`), every registered adaptive schedule (``titan_ext.runtime.registry``) brings the
-fields its config class adds to ``PipeMorphConfig`` as knobs of the same name, documented by the
+fields its config class adds to ``AdaptiveConfig`` as knobs of the same name, documented by the
 fields' docstrings (:func:`registered_knobs`); ``JobConfig`` -- what ``job.custom_config_module``
 hands TorchTitan -- is built from the registry when asked for (:func:`job_config_class`).
 
@@ -52,7 +52,7 @@ MAX_PASS_MS = 600_000.0  # an emulated pass of more than 10 minutes is a typo
 
 def sets(keyword: str, convert: Callable[[Any], Any] | None = None) -> dict:
     """A ``[titan_ext]`` knob's field metadata: the adaptive schedules' config keyword it sets
-    (``PipeMorphConfig.updated``'s keywords; ``policy_settings.<field>`` for a ``PolicySettings`` field),
+    (``AdaptiveConfig.updated``'s keywords; ``policy_settings.<field>`` for a ``PolicySettings`` field),
     and how its value becomes the keyword's (``None``: leave the schedule's default).  Read by
     ``titan/options.py``; a schedule's own config fields need none (they are knobs of their own name,
     :func:`schedule_knobs`)."""
@@ -437,14 +437,14 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def schedule_knobs(config_class: type) -> list[tuple[str, type, Any, str]]:
     """``(name, type, default, docstring)`` of the ``[titan_ext]`` knobs a schedule's config class
-    gives: every field it adds to ``PipeMorphConfig`` whose type a TOML value carries (bool, int,
+    gives: every field it adds to ``AdaptiveConfig`` whose type a TOML value carries (bool, int,
     float, str) and that has a default.  Other added fields (None-able, sequences, objects) stay
     config-only (``config=`` or keywords of the schedule's constructor).  Imports the runtime."""
     from dataclasses import MISSING
 
-    from titan_ext.runtime.config import PipeMorphConfig
+    from titan_ext.runtime.config import AdaptiveConfig
 
-    common = {f.name for f in fields(PipeMorphConfig)}
+    common = {f.name for f in fields(AdaptiveConfig)}
     hints = typing.get_type_hints(config_class)
     docs = field_docs(config_class)
     return [(f.name, hints[f.name], f.default, docs.get(f.name, ""))

@@ -41,10 +41,10 @@ def _params(schedule_cls: type) -> dict[str, inspect.Parameter]:
 
 
 def is_adaptive(schedule_cls: type) -> bool:
-    """One of the runtime's adaptive schedules (configured by a ``PipeMorphConfig``)?"""
-    from titan_ext.runtime import PipeMorph
+    """One of the runtime's adaptive schedules (configured by an ``AdaptiveConfig``)?"""
+    from titan_ext.runtime import AdaptiveSchedule
 
-    return isinstance(schedule_cls, type) and issubclass(schedule_cls, PipeMorph)
+    return isinstance(schedule_cls, type) and issubclass(schedule_cls, AdaptiveSchedule)
 
 
 def supports_delegation(schedule_cls: type) -> bool:
