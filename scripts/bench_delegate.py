@@ -38,8 +38,8 @@ def _messages(size_mb: float, quick: bool) -> int:
 
 
 def _p2p_bench(rank, sizes_mb, quick, out):
-    from titan_ext.runtime.delegate import Channel, DelegatePool
-    from titan_ext.runtime.delegate.transport import P2PRouter
+    from titan_ext.runtime.comm.delegate import Channel, DelegatePool
+    from titan_ext.runtime.comm.delegate.transport import P2PRouter
 
     max_bytes = int(max(sizes_mb) * (1 << 20))
     pool = DelegatePool(rank, [Channel(0, 1, "F")], num_slots=3, slot_bytes=max_bytes, timeout_s=300)
@@ -153,8 +153,8 @@ def _entry(rank, port, args, outdir):
 
 
 def _gpu_bench(sizes_mb) -> dict:
-    from titan_ext.runtime.delegate import ring as R
-    from titan_ext.runtime.delegate._ext import cuda_available, load_ext
+    from titan_ext.runtime.comm.delegate import ring as R
+    from titan_ext.runtime.comm.delegate._ext import cuda_available, load_ext
 
     if not cuda_available():
         return {"status": "not run: no CUDA GPU / extension built without CUDA"}

@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from titan_ext.runtime.falcon import FalconMonitor, SlowIterationDetector  # noqa: E402
-from titan_ext.runtime.falcon.traces import CATEGORIES, make_traces  # noqa: E402
+from titan_ext.testing.falcon_traces import CATEGORIES, make_traces  # noqa: E402
 
 
 def _pct(xs, q):

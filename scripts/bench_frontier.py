@@ -10,7 +10,7 @@ rank (a rank's two stages take half each), N microbatches, 0 and +60 ms on one l
 rank link from 2 to 3 by default).
 
 Memory: each run's **measured** peak of autograd-saved activation bytes alive per rank
-(``runtime.memory.ActivationMeter`` around every ``step()``, the same meter for torch's schedules and
+(``runtime.execute.memory.ActivationMeter`` around every ``step()``, the same meter for torch's schedules and
 ours; parameters excluded); a row's ``peak_bytes_per_rank`` is the largest over ranks — the memory every
 device must have.  PipeMorph then runs with that as its per-rank budget (``memory_budget_bytes``):
 one stage per rank for every row, and with the row's placement (loop / V) for the two-stage rows;
@@ -88,7 +88,7 @@ class Run:
     """One schedule on this rank: its stages, optimizer, meter and timings."""
 
     def __init__(self, name: str, layout: str, sched, ids: list[int], mods: list, S: int):
-        from titan_ext.runtime.memory import ActivationMeter
+        from titan_ext.runtime.execute.memory import ActivationMeter
 
         self.name, self.layout, self.sched, self.ids, self.S = name, layout, sched, ids, S
         params = [p for m in mods for p in m.parameters()]

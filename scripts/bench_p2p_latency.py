@@ -37,7 +37,7 @@ def _spin(seconds: float) -> None:
 
 
 def _worker(rank: int, world: int, n: int, numel: int, gap_s: float, busy: bool) -> list[float]:
-    from titan_ext.runtime.device import ArrivalWatcher, RecvHandle, backend_waits_land, now
+    from titan_ext.runtime.execute.device import ArrivalWatcher, RecvHandle, backend_waits_land, now
 
     host_wait = backend_waits_land(dist.get_backend())
     watcher = ArrivalWatcher()

@@ -51,7 +51,7 @@ def _build(kind: str, mode: str, rank: int, world: int, args) -> tuple:
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.planning import PipeMorphPlanner
+    from titan_ext.runtime.decide.planning import PipeMorphPlanner
     from titan_ext.testing import SleepComputeStage, TinyTransformerStage
 
     if mode == "sleep":

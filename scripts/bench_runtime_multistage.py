@@ -7,7 +7,7 @@ one invocation.
 Compute: every stage's F / I / W sleeps (``SleepComputeStage``); ``--f-ms/--i-ms/--w-ms`` are a
 rank's times, each of its two stages takes half (the convention of ``simulate --builtin ZBVZeroBubble``
 and ``titan-ext plan --virtual-stages 2``).  Real tensors cross the links; the delay is injected on
-the real messages (``runtime/delay_injection.py``).
+the real messages (``runtime/emulate/delay_injection.py``).
 
 Per cell: median over --steps iterations after --warmup iterations; an iteration's time is the max over
 ranks of (step end − common barrier exit).  For each delay all schedules are alive at once and their
@@ -18,7 +18,7 @@ schedule / ours (speed-up; targets ≥ 2× at 60 ms, ≥ 0.97× at 0 ms).
 
 ``--memory-cap zbv``: PipeMorph gets a per-rank activation budget of ZBV's peak on that rank
 (chunk activations counted from torch's own ZBV order) × the bytes one chunk's forward saves (+ half a
-chunk of rounding room), so its run-time per-rank cap K_r (``runtime/memory.py``) is ZBV's peak.
+chunk of rounding room), so its run-time per-rank cap K_r (``runtime/execute/memory.py``) is ZBV's peak.
 """
 
 from __future__ import annotations

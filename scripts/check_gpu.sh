@@ -65,7 +65,7 @@ build() {
     fi
     unset TITAN_EXT_NO_CUDA
     MAX_JOBS="${MAX_JOBS:-8}" "$PY" setup.py build_ext --inplace &&
-        "$PY" -c 'from titan_ext.runtime.delegate._ext import load_ext; e = load_ext(); print("cuda_compiled:", e.cuda_compiled()); assert e.cuda_compiled()'
+        "$PY" -c 'from titan_ext.runtime.comm.delegate._ext import load_ext; e = load_ext(); print("cuda_compiled:", e.cuda_compiled()); assert e.cuda_compiled()'
 }
 
 step env env_report

@@ -14,7 +14,7 @@ only enqueues, is ahead of the device unless something makes it wait.  No step s
 harness's own synchronize and barrier come once before the steady steps (``--warmup``) and once after.
 What is measured, per steady step (``schedule.step`` + ``optimizer.step``) and per rank:
 
-* **host syncs** on the training thread by kind and call site (``titan_ext.runtime.host_syncs.counting()``:
+* **host syncs** on the training thread by kind and call site (``titan_ext.testing.host_syncs.counting()``:
   ``torch.cuda.synchronize``, ``Event.synchronize``, ``Stream.synchronize`` — it wraps torch's own —,
   host reads and blocking copies of device tensors), held to docs/runtime.md's budget: 0 in a step
   without a profile exchange, at most :data:`EXCHANGE_BUDGET` in one with (our schedules run with
@@ -152,7 +152,7 @@ def plan_readout(sched: Any, stages: Sequence[Any]) -> dict:
     ran on CUDA only."""
     from titan_ext.plan.ir import as_ops
     from titan_ext.plan.result import peak_inflight
-    from titan_ext.runtime.memory import RELEASE
+    from titan_ext.runtime.execute.memory import RELEASE
 
     out: dict = {}
     act = getattr(sched.executor, "activation_bytes", 0) or 0
@@ -320,7 +320,7 @@ class StagedP2P:
     work's ``wait()`` makes the current stream wait on the landing's event.  Every send to a peer goes
     through that peer's one sender thread and every receive is posted on the calling thread, so each
     pair stays one FIFO per direction.  Side threads make their CUDA calls under
-    ``titan_ext.runtime.device.thread_device()`` (the training thread's device)."""
+    ``titan_ext.runtime.execute.device.thread_device()`` (the training thread's device)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -441,7 +441,7 @@ class StagedP2P:
     def install(self) -> "StagedP2P":
         from torch.distributed.pipelining import schedules
 
-        from titan_ext.runtime.device import thread_device
+        from titan_ext.runtime.execute.device import thread_device
 
         if self.cuda:
             torch.cuda.init()
@@ -540,8 +540,9 @@ def _run(kind: str, rank: int, world: int, device: torch.device, delay: float, a
     spin, no staging: torch 2.11's self-sends matched by ``HostStagedP2P``, which passes host tensors)."""
     import torch.distributed as dist
 
-    from titan_ext.runtime import host_syncs, inject_link_delays
-    from titan_ext.runtime.shared_gpu import HostStagedP2P
+    from titan_ext.runtime import inject_link_delays
+    from titan_ext.testing import host_syncs
+    from titan_ext.testing.shared_gpu import HostStagedP2P
 
     cuda = device.type == "cuda"
     # every batch on the device before the first step: a pageable .to(device) in a step is a host sync

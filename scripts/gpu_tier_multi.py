@@ -208,7 +208,8 @@ def contexts_now(everyone: Sequence[dict], launcher_pid: int) -> dict:
 def _train(rank: int, world: int, device: torch.device, control: Any, args) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.runtime import PipeMorph, host_syncs
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.testing import host_syncs
 
     cuda = device.type == "cuda"  # cpu: tests/test_runtime_gpu_tier_multi.py runs this on gloo
     cycles_per_ms = tier.calibrate_spin(device) if cuda else 0.0  # this rank's own GPU: nobody else runs on it

@@ -15,7 +15,7 @@ What is measured and what is modelled:
 * **the control plane's cost per check** (measured, read from ``scripts/bench_runtime.py`` JSON files):
   the median boundary time of PipeMorph's check iterations (profile exchange + decision) minus that of
   its other iterations, per PP degree found in the files. PipeMorph's control plane is one gloo group
-  per PP group (``runtime/control.py``): its cost does not depend on the DP degree. Beyond the measured
+  per PP group (``runtime/comm/control_plane.py``): its cost does not depend on the DP degree. Beyond the measured
   PP degrees it is extrapolated as a + b log2(PP) (least squares over the measured ones; one measured
   degree: b = a / log2(that degree), i.e. proportional to log2(PP), the issue's bound, and the JSON says
   ``"extrapolated": "assumed log2"``). Spread over ``profile_every_max`` (4) iterations once settled;
@@ -56,7 +56,7 @@ KV_DIM = 8 * 128
 SEQ, MICROBATCH = 8192, 1
 PP_DEGREES, DP_DEGREES = (8, 16), (8, 16, 32, 64)
 PLANNER_STAGES = (8, 16, 32, 64)
-CHECK_EVERY = 4  # runtime.config.PipeMorphConfig.profile_every_max: a check every 4th iteration once settled
+CHECK_EVERY = 4  # runtime.control.config.AdaptiveConfig.profile_every_max: a check every 4th iteration once settled
 
 
 def layer_params(dim: int, ffn: int) -> int:

@@ -9,7 +9,7 @@ resolution, which is what the device layer's anchors must cope with.
 Every event call checks that it runs under ``torch.cuda.device(<the stage's device>)`` in its thread
 (the "device per call, from any thread" rule).  ``synchronize`` of an event advances the host clock
 to the event's completion; ``torch.cuda.synchronize`` (a full device sync) is counted and forbidden
-on the paths under test.  Both report to the host-sync accounting (``titan_ext.runtime.host_syncs.record``),
+on the paths under test.  Both report to the host-sync accounting (``titan_ext.testing.host_syncs.record``),
 as torch's own calls do when CUDA is real."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import torch
 
-from titan_ext.runtime import host_syncs
+from titan_ext.testing import host_syncs
 
 
 class FakeGPU:
@@ -108,7 +108,7 @@ class FakeGPU:
 
 def install(monkeypatch, gpu: FakeGPU) -> None:
     """Route torch.cuda and the device layer's host clock to ``gpu``."""
-    from titan_ext.runtime import device as device_mod
+    from titan_ext.runtime.execute import device as device_mod
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", gpu.Event)

@@ -8,7 +8,7 @@ names, never collected), and why:
   ``titan_ext.titan`` (the adapters), and ``titan_ext.testing`` sits below titan/ (it may import only
   runtime/ and plan/, tests/test_plan_imports.py);
 * ``_fake_cuda.py`` -- a fake CUDA that monkeypatches ``torch.cuda`` in the pytest process: its module
-  name must *not* start with ``titan_ext``, because the host-sync accounting (``runtime/host_syncs.py``)
+  name must *not* start with ``titan_ext``, because the host-sync accounting (``testing/host_syncs.py``)
   and the ``nccl_rules`` backend attribute calls and tensors to titan_ext code by module name, and the
   fake device must read as the hardware side, not as titan_ext code;
 * ``_bindings.py`` -- the static checker of the ``_delegate_C`` bindings against their call sites: it

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titan_ext.runtime import device
+from titan_ext.runtime.execute import device
 
 
 def _ext():
-    from titan_ext.runtime.delegate._ext import load_ext
+    from titan_ext.runtime.comm.delegate._ext import load_ext
 
     try:
         return load_ext()

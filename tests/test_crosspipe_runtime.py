@@ -94,7 +94,7 @@ def test_selectable_in_torchtitan_as_crosspipe():
     from types import SimpleNamespace
 
     from titan_ext.runtime import CrossPipe as Runtime
-    from titan_ext.runtime.crosspipe import CrossPipeConfig
+    from titan_ext.runtime.schedules.crosspipe import CrossPipeConfig
     from titan_ext.titan.config import TitanExt
     from titan_ext.titan.options import schedule_kwargs
     from titan_ext.titan.registry import get_schedule_class

@@ -15,9 +15,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from titan_ext.runtime.delegate.pool import Channel
-from titan_ext.runtime.delegate.link import DOWN, UP, Link
-from titan_ext.runtime.delegate.recovery import Supervisor
+from titan_ext.runtime.comm.delegate.pool import Channel
+from titan_ext.runtime.comm.delegate.link import DOWN, UP, Link
+from titan_ext.runtime.comm.delegate.recovery import Supervisor
 
 from titan_ext.testing import free_port
 
@@ -111,7 +111,7 @@ def test_the_pool_parts_import_each_other_without_a_cycle():
     import ast
     import os
 
-    import titan_ext.runtime.delegate as pkg
+    import titan_ext.runtime.comm.delegate as pkg
 
     root = os.path.dirname(pkg.__file__)
     graph = {}

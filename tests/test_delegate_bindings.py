@@ -23,7 +23,7 @@ def _compiled():
 
     path = os.environ.get("TITAN_EXT_DELEGATE_C")
     if not path:
-        from titan_ext.runtime.delegate._ext import load_ext
+        from titan_ext.runtime.comm.delegate._ext import load_ext
 
         return load_ext()
     loader = importlib.machinery.ExtensionFileLoader("titan_ext._delegate_C", path)

@@ -59,8 +59,8 @@ def _router_body(rank, world):
     import torch
     import torch.distributed as dist
 
-    from titan_ext.runtime.delegate import DelegatePool, pipeline_channels
-    from titan_ext.runtime.delegate.transport import P2PRouter
+    from titan_ext.runtime.comm.delegate import DelegatePool, pipeline_channels
+    from titan_ext.runtime.comm.delegate.transport import P2PRouter
 
     pool = DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=4, slot_bytes=1 << 20, timeout_s=60)
     router = P2PRouter(rank, pool, delegating=True)
@@ -229,8 +229,8 @@ def test_killed_delegates_in_training_same_losses():
 def _kill_body(rank, world):
     import torch
 
-    from titan_ext.runtime.delegate import DelegateError, DelegatePool, pipeline_channels
-    from titan_ext.runtime.delegate.transport import P2PRouter
+    from titan_ext.runtime.comm.delegate import DelegateError, DelegatePool, pipeline_channels
+    from titan_ext.runtime.comm.delegate.transport import P2PRouter
 
     out = {"error": None}
     pool = DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=4, slot_bytes=1 << 20, timeout_s=30)
@@ -286,8 +286,8 @@ RUN_FOREVER = textwrap.dedent("""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    from titan_ext.runtime.delegate import DelegatePool, pipeline_channels
-    from titan_ext.runtime.delegate.transport import P2PRouter
+    from titan_ext.runtime.comm.delegate import DelegatePool, pipeline_channels
+    from titan_ext.runtime.comm.delegate.transport import P2PRouter
     pool = DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=4, slot_bytes=4 << 20)
     router = P2PRouter(rank, pool, delegating=True)
     k = 0
@@ -306,7 +306,7 @@ RUN_FOREVER = textwrap.dedent("""
 
 
 def test_sigkill_leaves_no_shared_memory(tmp_path):
-    from titan_ext.runtime.delegate import our_shm_names
+    from titan_ext.runtime.comm.delegate import our_shm_names
 
     script = tmp_path / "run_forever.py"
     script.write_text(RUN_FOREVER)
@@ -352,8 +352,8 @@ def _frozen_body(rank, world):
     import torch
     import torch.distributed as dist
 
-    from titan_ext.runtime.delegate import DelegatePool, pipeline_channels
-    from titan_ext.runtime.delegate.transport import P2PRouter
+    from titan_ext.runtime.comm.delegate import DelegatePool, pipeline_channels
+    from titan_ext.runtime.comm.delegate.transport import P2PRouter
 
     pool = DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=4, slot_bytes=1 << 20, timeout_s=60,
                         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def _need_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from titan_ext.runtime.delegate._ext import load_ext
+    from titan_ext.runtime.comm.delegate._ext import load_ext
 
     if not load_ext().cuda_compiled():
         pytest.skip("titan_ext._delegate_C was built without CUDA (no nvcc or CPU torch at build time)")
@@ -26,8 +26,8 @@ def _need_cuda():
 @pytest.mark.parametrize("numel", [1, 4097, 1 << 22])
 def test_d2h_then_h2d_with_signals_on_fresh_data_poisoned_destinations(dtype, numel):
     _need_cuda()
-    from titan_ext.runtime.delegate import ring as R
-    from titan_ext.runtime.delegate._ext import load_ext
+    from titan_ext.runtime.comm.delegate import ring as R
+    from titan_ext.runtime.comm.delegate._ext import load_ext
 
     ext = load_ext()
     esize = torch.empty((), dtype=dtype).element_size()
@@ -59,8 +59,8 @@ def test_d2h_then_h2d_with_signals_on_fresh_data_poisoned_destinations(dtype, nu
 def _gpu_pipeline_worker(rank, world):
     import torch.distributed as dist
 
-    from titan_ext.runtime.delegate import DelegatePool, pipeline_channels
-    from titan_ext.runtime.delegate.transport import P2PRouter
+    from titan_ext.runtime.comm.delegate import DelegatePool, pipeline_channels
+    from titan_ext.runtime.comm.delegate.transport import P2PRouter
 
     torch.cuda.set_device(0)  # all ranks share one GPU
     pool = DelegatePool(rank, pipeline_channels(rank, list(range(world))), num_slots=4, slot_bytes=8 << 20)

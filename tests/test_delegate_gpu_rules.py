@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_ext.runtime.delegate import ring as R
-from titan_ext.runtime.delegate import transport as T
-from titan_ext.runtime.delegate.pool import Channel
+from titan_ext.runtime.comm.delegate import ring as R
+from titan_ext.runtime.comm.delegate import transport as T
+from titan_ext.runtime.comm.delegate.pool import Channel
 
 DEV = torch.device("cuda", 1)   # the stage's device: not device 0, which every new thread starts on
 
@@ -116,7 +116,7 @@ class _Region:
 def _layer():
     """The executor's CUDA device layer on DEV (its context() is torch.cuda.device(DEV)), with named
     streams that need no GPU."""
-    from titan_ext.runtime.device import CudaDevice
+    from titan_ext.runtime.execute.device import CudaDevice
 
     class Layer(CudaDevice):
         def stream(self, name):
@@ -139,7 +139,7 @@ def _fake_ring(cuda):
 def test_respawned_lane_allocates_its_flags_on_the_stage_device_from_a_supervisor_thread(cuda, monkeypatch):
     """Defect 7: the supervisor thread (current device 0) must name the stage's device for the new
     lane's cudaHostRegister and device flags."""
-    from titan_ext.runtime.delegate.lanes import LaneProcesses
+    from titan_ext.runtime.comm.delegate.lanes import LaneProcesses
 
     monkeypatch.setattr(R.SlotRing, "create", classmethod(lambda cls, n, b: _fake_ring(cuda)))
     procs = LaneProcesses("p", 2, 4096, ("127.0.0.1", 1), 60.0, 10.0, _layer())
@@ -167,9 +167,9 @@ def test_sends_and_receives_use_their_own_copy_streams_on_the_stage_device(cuda,
     """"One shared copy stream makes D2H sends queue behind H2D receives": D2H on one stream, H2D
     (issued from an arrival-watcher thread) on another, both under the stage's device.  (Where the
     consumer's stream waits: tests/test_delegate_runahead.py.)"""
-    from titan_ext.runtime.delegate import recvpath
-    from titan_ext.runtime.delegate.recvpath import Recv, RecvMatcher
-    from titan_ext.runtime.delegate.sendpath import SendPath
+    from titan_ext.runtime.comm.delegate import recvpath
+    from titan_ext.runtime.comm.delegate.recvpath import Recv, RecvMatcher
+    from titan_ext.runtime.comm.delegate.sendpath import SendPath
 
     layer = _layer()
     sender = SendPath({}, _Healthy(), layer, 60.0)
@@ -193,8 +193,8 @@ def test_sends_and_receives_use_their_own_copy_streams_on_the_stage_device(cuda,
 
 
 def test_cuda_graph_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
-    from titan_ext.runtime.delegate.recvpath import RecvMatcher
-    from titan_ext.runtime.delegate.sendpath import SendPath
+    from titan_ext.runtime.comm.delegate.recvpath import RecvMatcher
+    from titan_ext.runtime.comm.delegate.sendpath import SendPath
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -223,7 +223,7 @@ def test_failover_is_refused_and_fallback_off_on_an_nccl_pp_group(monkeypatch):
 
 
 def test_slot_size_is_the_largest_message_rounded_to_a_page():
-    from titan_ext.runtime.delegate.schedule import message_slot_bytes
+    from titan_ext.runtime.comm.delegate.schedule import message_slot_bytes
 
     assert message_slot_bytes(0) == R.PAGE
     assert message_slot_bytes(1) == R.PAGE
@@ -241,10 +241,10 @@ def test_a_receive_whose_message_another_thread_took_does_not_wait_for_it_again(
     message (found as a stall of delegation="auto" under the NCCL-rules backend)."""
     import time
 
-    from titan_ext.runtime.delegate.lanes import Lane
-    from titan_ext.runtime.delegate.link import Link
-    from titan_ext.runtime.delegate.recovery import Recovery
-    from titan_ext.runtime.delegate.recvpath import RecvMatcher
+    from titan_ext.runtime.comm.delegate.lanes import Lane
+    from titan_ext.runtime.comm.delegate.link import Link
+    from titan_ext.runtime.comm.delegate.recovery import Recovery
+    from titan_ext.runtime.comm.delegate.recvpath import RecvMatcher
 
     ch = Channel(0, 1, "F")
     lane = Lane(ch, 0, "recv", R.SlotRing.create(2, 4096))

@@ -1,4 +1,4 @@
-"""Failover when a PP link's NCCL path fails (PipeMorph §5.3), step-level (StepFailover, runtime/delegate/schedule.py).
+"""Failover when a PP link's NCCL path fails (PipeMorph §5.3), step-level (StepFailover, runtime/comm/delegate/schedule.py).
 
 Under the ``nccl_rules`` backend the communicator of the PP group is aborted mid-step on both ends of
 link 1-2 (``nccl_rules.inject_abort``): the failure is agreed at the end of the step on the gloo control
@@ -55,7 +55,7 @@ class _Warnings(logging.Handler):
 def _worker(rank, world, backend):
     import torch.distributed as dist
 
-    from titan_ext.runtime.delegate.transport import FaultInjector
+    from titan_ext.runtime.comm.delegate.transport import FaultInjector
 
     # the PP group apart from the default one (as TorchTitan's PP mesh group): the abort poisons it only
     pp = dist.new_group(list(range(world)))
@@ -175,7 +175,7 @@ def test_nccl_rules_abort_poisons_the_group_and_fails_pending_ops():
 
 def test_the_snapshot_restores_gradients_rng_and_stage_state():
     """Single process: what a re-run starts from (gradients of the failed attempt discarded)."""
-    from titan_ext.runtime.delegate.schedule import _Snapshot
+    from titan_ext.runtime.comm.delegate.schedule import _Snapshot
 
     lin, other = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)
     lin.weight.grad = torch.ones(2, 3)  # accumulated before the step (gradient accumulation)
@@ -197,7 +197,7 @@ def test_the_snapshot_restores_gradients_rng_and_stage_state():
 def test_a_late_pp_wait_is_handed_to_the_failover_hook_before_the_watchdog():
     """Single process: timeouts.py's watch gives a late PP wait to a registered hook (the step-level
     failover's), which takes it over instead of the fencing note; other waits are not offered."""
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     seen = []
     remove = timeouts.on_late_p2p(lambda work: seen.append(work.peer) or True)

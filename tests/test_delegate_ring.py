@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from titan_ext.runtime.delegate import delegates_needed, our_shm_names, sweep_stale_segments
-from titan_ext.runtime.delegate import ring as R
+from titan_ext.runtime.comm.delegate import delegates_needed, our_shm_names, sweep_stale_segments
+from titan_ext.runtime.comm.delegate import ring as R
 
 
 def test_segment_is_0600_and_nameless_while_mapped():

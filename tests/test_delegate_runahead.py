@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 
-from titan_ext.runtime.delegate import ring as R
-from titan_ext.runtime.delegate.pool import Channel
+from titan_ext.runtime.comm.delegate import ring as R
+from titan_ext.runtime.comm.delegate.pool import Channel
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -129,7 +129,7 @@ class _Region:
 
 @pytest.fixture
 def cuda(monkeypatch):
-    from titan_ext.runtime.delegate import recvpath
+    from titan_ext.runtime.comm.delegate import recvpath
 
     c = _Cuda()
     compute = _Stream("compute", c)
@@ -153,7 +153,7 @@ def cuda(monkeypatch):
 
 
 def _layer(cuda):
-    from titan_ext.runtime.device import CudaDevice
+    from titan_ext.runtime.execute.device import CudaDevice
 
     class Layer(CudaDevice):
         def stream(self, name):
@@ -165,10 +165,10 @@ def _layer(cuda):
 def _recv_side(cuda, timeout_s=5.0):
     """A recv link over a real ring (4 slots, its CUDA methods recorded) and its matcher, built on this
     (the training) thread."""
-    from titan_ext.runtime.delegate.lanes import Lane
-    from titan_ext.runtime.delegate.link import Link
-    from titan_ext.runtime.delegate.recovery import Recovery
-    from titan_ext.runtime.delegate.recvpath import RecvMatcher
+    from titan_ext.runtime.comm.delegate.lanes import Lane
+    from titan_ext.runtime.comm.delegate.link import Link
+    from titan_ext.runtime.comm.delegate.recovery import Recovery
+    from titan_ext.runtime.comm.delegate.recvpath import RecvMatcher
 
     ch = Channel(0, 1, "F")
     ring = R.SlotRing.create(4, 4096)
@@ -272,10 +272,10 @@ def test_an_early_arrival_stays_in_its_pinned_slot_and_goes_up_asynchronously(cu
 
 # -- 4: a full send ring ----------------------------------------------------------------------------
 def _send_side(layer=None, slots=2, timeout_s=3.0, region=None):
-    from titan_ext.runtime.delegate.lanes import Lane
-    from titan_ext.runtime.delegate.link import Link
-    from titan_ext.runtime.delegate.recovery import Recovery
-    from titan_ext.runtime.delegate.sendpath import SendPath
+    from titan_ext.runtime.comm.delegate.lanes import Lane
+    from titan_ext.runtime.comm.delegate.link import Link
+    from titan_ext.runtime.comm.delegate.recovery import Recovery
+    from titan_ext.runtime.comm.delegate.sendpath import SendPath
 
     ch = Channel(0, 1, "F")
     ring = R.SlotRing.create(slots, 4096)
@@ -335,7 +335,7 @@ def test_ring_tensors_are_host_tensors_and_a_blocking_copy_from_them_is_counted(
     """Defect 5: the views of a ring (made by the C++ extension, which no torch factory saw) are marked
     as host tensors for ``nccl_rules``, so the host-sync accounting counts a blocking copy between a slot
     and a device buffer (and not the ``non_blocking`` one from the pinned slot)."""
-    from titan_ext.runtime import host_syncs
+    from titan_ext.testing import host_syncs
     from titan_ext.testing import nccl_rules
 
     monkeypatch.setattr(nccl_rules, "_installed", True)
@@ -358,7 +358,8 @@ N_MB, DIM, STEPS, WARMUP = 4, 16, 6, 2
 def _train(rank, world, delegation, delayed):
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.runtime import PipeMorph, host_syncs, inject_link_delays, remove_link_delays
+    from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
+    from titan_ext.testing import host_syncs
     from titan_ext.testing import mlp_stages, seeded_batch, step_rank
 
     torch.manual_seed(0)

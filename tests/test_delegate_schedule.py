@@ -23,7 +23,7 @@ def _train(rank, world, make, steps=STEPS):
 
 def _worker(rank, world):
     from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
-    from titan_ext.runtime.delegate.transport import FaultInjector
+    from titan_ext.runtime.comm.delegate.transport import FaultInjector
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
     out = {}
@@ -94,7 +94,7 @@ BIG_ROWS = (65 << 20) // (BIG_DIM * 8) + 1   # one microbatch's activation: just
 
 def _big_worker(rank, world):
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegate.schedule import message_slot_bytes
+    from titan_ext.runtime.comm.delegate.schedule import message_slot_bytes
 
     def train(make):
         mods = mlp_stages(world, BIG_DIM, layers_per_stage=1)

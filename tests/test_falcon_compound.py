@@ -188,9 +188,9 @@ def test_the_job_delegates_the_moved_links_pipeline_through_the_schedules_delega
     the pipeline holding the moved link delegates from this boundary (before, the job looked for a
     ``set_delegation`` method no schedule has, logged "no delegates" and delegated nothing while the
     bench still reported the link as delegated); the other pipeline does not."""
-    from titan_ext.runtime.config import DelegationConfig
-    from titan_ext.runtime.delegate.schedule import Delegation
-    from titan_ext.runtime.observers import ScheduleContext
+    from titan_ext.runtime.control.config import DelegationConfig
+    from titan_ext.runtime.comm.delegate.schedule import Delegation
+    from titan_ext.runtime.control.observers import ScheduleContext
     from titan_ext.titan.falcon.job import FalconJob
 
     def job(dp_index):
@@ -277,7 +277,7 @@ def test_only_the_root_link_is_delegated_after_s3():
 
 @pytest.mark.parametrize("links", [[(0, 0)], [(0, 1, 2)], [("0", "1")], [(0, -1)], "0-1", [(True, 1)]])
 def test_delegating_bad_links_is_a_clear_error(links):
-    from titan_ext.runtime.delegate.schedule import _links_arg
+    from titan_ext.runtime.comm.delegate.schedule import _links_arg
 
     with pytest.raises(ValueError, match="pairs of two different global ranks"):
         _links_arg(links)

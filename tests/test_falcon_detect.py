@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from titan_ext.runtime.falcon import BOCDConfig, OnlineBOCD, SlowIterationDetector
-from titan_ext.runtime.falcon.traces import CATEGORIES, make_trace, make_traces
+from titan_ext.testing.falcon_traces import CATEGORIES, make_trace, make_traces
 
 N_PER_CATEGORY = 60  # 5 categories -> 300 traces, seeds 20000..20299
 

@@ -3,7 +3,7 @@ mid-training.
 
 * A steady step of :class:`~titan_ext.titan.falcon.job.FalconJob` (4 ranks, DP 2 x PP 2, under the
   ``nccl_rules`` backend): no host sync on the training thread
-  (:func:`titan_ext.runtime.host_syncs.counting`); the steps' numbers are exchanged only at the checks
+  (:func:`titan_ext.testing.host_syncs.counting`); the steps' numbers are exchanged only at the checks
   (every ``falcon_check_every`` steps and the last step; before: two world-sized all-reduces a step,
   then one), one recursive-doubling MAX on the gloo control group each, no other collective there;
   every rank feeds the detector every step, the same steps in order, at the check after it.
@@ -65,7 +65,7 @@ def _install_recorder(calls: list, phase: list) -> None:
 def _job_worker(rank: int, world: int, outdir: str) -> dict:
     from test_falcon_groups import _chunks, _mesh_of_groups
 
-    from titan_ext.runtime import host_syncs
+    from titan_ext.testing import host_syncs
     from titan_ext.runtime.falcon.device_clock import is_control_group
     from titan_ext.titan.config import TitanExt
     from titan_ext.titan.falcon import job as falcon_job
@@ -280,7 +280,7 @@ def test_step_clock_reads_each_steps_device_time_once_complete_without_waiting(m
     later — with no ``Event.synchronize``; before, ``stop_s`` waited on the step's last event."""
     from _fake_cuda import FakeGPU, install
 
-    from titan_ext.runtime import host_syncs
+    from titan_ext.testing import host_syncs
     from titan_ext.titan.falcon.measure import StepClock
 
     gpu = FakeGPU(index=0)
@@ -340,7 +340,7 @@ def test_dp_sync_times_come_from_the_steps_marks_without_a_host_sync(monkeypatch
     the step; before, ``transfer_times`` called ``Event.synchronize`` on its marks every step."""
     from _fake_cuda import FakeGPU, install
 
-    from titan_ext.runtime import host_syncs
+    from titan_ext.testing import host_syncs
     from titan_ext.titan.falcon import dp as dp_mod
     from titan_ext.titan.falcon.measure import StepClock
 
@@ -566,20 +566,14 @@ def test_the_check_cadence_is_adaptive_again_when_the_job_takes_falcon_off():
     """PipeMorph fixes its check period while its own Falcon observer needs every iteration; when
     FalconJob takes Falcon off the schedule (``schedule.falcon = None``), the period may grow again
     (PipeMorph §6 ②), so most steady steps are non-exchange ones."""
-    from titan_ext.runtime.cadence import CheckCadence
     from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.control.cadence import CheckCadence
+    from titan_ext.runtime.control.extensions import Extensions
 
-    observers = [SimpleNamespace(every_iteration=True)]
-
-    class _Extensions:
-        every_iteration = property(lambda self: any(o.every_iteration for o in observers))
-
-        def drop_falcon(self):
-            observers.clear()
-
+    falcon = SimpleNamespace(every_iteration=True)  # Falcon's observer: it needs every iteration
     cadence = CheckCadence(1, 4, 1, 0.1, 1.0)
     cadence.fixed()
-    schedule = SimpleNamespace(extensions=_Extensions(), cadence=cadence,
+    schedule = SimpleNamespace(extensions=Extensions(observers=[falcon], falcon_observer=falcon), cadence=cadence,
                                config=SimpleNamespace(profile_every=1, profile_every_max=4))
     PipeMorph.falcon.fset(schedule, None)
     assert cadence.profile_every_max == 4

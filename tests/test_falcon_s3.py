@@ -47,7 +47,7 @@ def test_slow_link_factor_is_a_bandwidth_fault():
     assert e.send_delay_s(0, 1, 4_000_000) == pytest.approx(0.02) and e.send_delay_s(0, 2, 4_000_000) == 0.0
     # as a PP hop (after S3): a bandwidth cap B / (F - 1) on that link, no latency
     assert e.pp_link_spec([0, 1]) == "0:0:2e+08B/s" and e.pp_link_spec([1, 3]) == ""
-    from titan_ext.runtime.delay_injection import parse_delay_spec
+    from titan_ext.runtime.emulate.delay_injection import parse_delay_spec
 
     delay = parse_delay_spec(e.pp_link_spec([0, 1])).steps[0][1][0]
     assert delay.latency_ms == 0.0 and delay.bandwidth_bytes_per_s == pytest.approx(2e8)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from titan_ext.runtime import timeouts
+from titan_ext.runtime.comm import timeouts
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -22,7 +22,7 @@ import json, os, subprocess, sys, time
 peer = subprocess.Popen({SLEEP!r})
 time.sleep(0.2)
 judge = subprocess.run([sys.executable, "-c",
-    "import json, os, sys; from titan_ext.runtime import timeouts; "
+    "import json, os, sys; from titan_ext.runtime.comm import timeouts; "
     "print(json.dumps([timeouts._same_job(int(a), environ={{}}) for a in sys.argv[1:]]))",
     str(peer.pid), str(os.getppid())], capture_output=True, text=True, check=True)
 peer.kill()

@@ -47,8 +47,8 @@ def _cycles_per_ms(dev: torch.device) -> float:
 
 
 def test_event_timer_books_device_time_not_enqueue_time_or_backlog():
-    from titan_ext.runtime.device import CudaDevice
-    from titan_ext.runtime.profiler import ActionRecord
+    from titan_ext.runtime.execute.device import CudaDevice
+    from titan_ext.runtime.measure.profiler import ActionRecord
 
     dev = _cuda0()
     torch.cuda.set_device(dev)
@@ -128,7 +128,7 @@ def _delegated_worker(rank, world, device="cuda:0"):
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
     _, ref_losses, ref_params = _train(rank, world, torch.device("cpu"), lambda st: PipeMorph(st, N_MB, **kw))
-    from titan_ext.runtime.shared_gpu import HostStagedP2P
+    from titan_ext.testing.shared_gpu import HostStagedP2P
 
     device = torch.device(device)
     if device.type == "cuda":

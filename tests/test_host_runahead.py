@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 
-from titan_ext.runtime import host_syncs
+from titan_ext.testing import host_syncs
 from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
 
 pytestmark = pytest.mark.timeout(300)
@@ -75,7 +75,7 @@ def test_events_complete_a_lag_after_their_record_and_synchronize_blocks_and_is_
 
 
 def test_a_device_call_from_a_thread_that_never_selected_the_device_is_reported(lag):
-    from titan_ext.runtime.device import thread_device
+    from titan_ext.runtime.execute.device import thread_device
     from titan_ext.testing.lagdevice import LagEvent
 
     ev = LagEvent(lag)
@@ -118,7 +118,7 @@ def test_a_read_of_a_device_tensor_waits_for_the_device(lag, monkeypatch):
 def test_steady_iterations_make_no_host_sync_and_are_resolved_later(lag):
     """The host runs ahead: each iteration ends before the device ran it.  Today's main resolved the
     previous iteration with ``Event.synchronize`` at every iteration's start (one host sync a step)."""
-    from titan_ext.runtime.device import device_layer
+    from titan_ext.runtime.execute.device import device_layer
 
     layer = device_layer("cpu")
     timer = layer.timer()
@@ -147,7 +147,7 @@ def test_the_clock_never_runs_late_after_a_delayed_stamp(lag, monkeypatch):
     """An anchor's host stamp is read before its record call: a host thread delayed right after the
     call (GC, preemption) does not move it.  Today's main stamped after the call and took
     ``max(stamp, chained)`` from then on: one 40 ms delay made every later time 40 ms late."""
-    from titan_ext.runtime import device as device_mod
+    from titan_ext.runtime.execute import device as device_mod
     from titan_ext.testing.lagdevice import LagEvent
 
     layer = device_mod.device_layer("cpu")
@@ -223,7 +223,7 @@ def _train(rank: int, world: int, name: str, dev) -> list[dict]:
 
 
 def _runahead_worker(rank: int, world: int) -> dict:
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
     from titan_ext.testing import lagdevice
 
     dev = lagdevice.install(lag_ms=LAG_MS)
@@ -253,7 +253,7 @@ def test_no_host_blocking_call_in_a_steady_non_exchange_iteration(runahead, name
         # an exchange waits only on the device layer's newest event (the documented one)
         for s in steps:
             for line in s["syncs"]:
-                assert "Event.synchronize at titan_ext/runtime/device.py" in line, (rank, name, s)
+                assert "Event.synchronize at titan_ext/runtime/execute/device.py" in line, (rank, name, s)
 
 
 def test_no_device_call_from_a_thread_without_the_device(runahead):
@@ -308,4 +308,4 @@ def test_titan_job_runs_ahead(job, tmp_path):
         assert quiet, (rank, lines)
         for x in quiet:
             ours = [s for s in x["syncs"] if TORCHTITAN_TOKEN_COUNT not in s]
-            assert all("Event.synchronize at titan_ext/runtime/device.py" in s for s in ours), (rank, x)
+            assert all("Event.synchronize at titan_ext/runtime/execute/device.py" in s for s in ours), (rank, x)

@@ -4,7 +4,7 @@ On a GPU a call that blocks the host on the device (a read of a device tensor, a
 ``synchronize``, ``Work.wait(timeout)``) drains the host's run-ahead.  The budget: **zero per
 steady-state iteration** beyond the once-per-step reads the user's loop makes (the loss, the metrics).
 Each schedule runs on two ranks under the ``nccl_rules`` backend, whose placement rules decide which
-CPU tensors stand for device tensors; :mod:`titan_ext.runtime.host_syncs` counts every host sync
+CPU tensors stand for device tensors; :mod:`titan_ext.testing.host_syncs` counts every host sync
 ``schedule.step`` + ``optimizer.step`` make on the training thread, by call site.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 
-from titan_ext.runtime import host_syncs
+from titan_ext.testing import host_syncs
 from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
 
 pytestmark = pytest.mark.timeout(240)
@@ -69,7 +69,7 @@ def _train(rank: int, world: int, name: str) -> dict:
 
 
 def _budget_worker(rank: int, world: int) -> dict:
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     out = {name: _train(rank, world, name) for name in SCHEDULES}
     # as every TorchTitan job installs them (titan/registry.py): PP message waits with the job's timeout
@@ -96,7 +96,7 @@ def test_no_host_sync_in_a_steady_state_iteration(budget, name):
 
 @pytest.mark.parametrize("name", ("pipemorph", "torch-1f1b"))
 def test_pp_message_waits_of_a_titan_job_make_no_host_sync(budget, name):
-    """With the p2p timeout every TorchTitan job installs (runtime/timeouts.py): an explicit wait timeout
+    """With the p2p timeout every TorchTitan job installs (runtime/comm/timeouts.py): an explicit wait timeout
     busy-waits the host on ProcessGroupNCCL, so on the NCCL-like backend no PP wait may pass one (the
     group timeout and the watchdog bound a frozen peer there), and nothing else may sync either."""
     for rank in (0, 1):
@@ -107,7 +107,7 @@ def test_pp_message_waits_of_a_titan_job_make_no_host_sync(budget, name):
 def test_counting_names_each_kind_and_call_site(monkeypatch):
     from _fake_cuda import FakeGPU, install
 
-    from titan_ext.runtime.device import CudaDevice
+    from titan_ext.runtime.execute.device import CudaDevice
 
     gpu = FakeGPU(index=0)
     install(monkeypatch, gpu)
@@ -132,7 +132,7 @@ def test_counting_names_each_kind_and_call_site(monkeypatch):
     assert steady.total == 0, steady.sites()
     assert blocking.of_kind("Event.synchronize") == 1 and blocking.of_kind("torch.cuda.synchronize") == 1
     ((_, site),) = [key for key in blocking.by_site if key[0] == "Event.synchronize"]
-    assert site.startswith("titan_ext/runtime/device.py:"), site
+    assert site.startswith("titan_ext/runtime/execute/device.py:"), site
     # outside a counting block nothing is recorded, and on plain CPU (no nccl_rules) a tensor is the host's
     with host_syncs.counting() as cpu:
         torch.ones(2).sum().item()

@@ -568,8 +568,8 @@ def _runtime_cases():
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime import PipeMorphConfig
-    from titan_ext.runtime.config import DelegationConfig
-    from titan_ext.runtime.crosspipe import CrossPipeConfig
+    from titan_ext.runtime.control.config import DelegationConfig
+    from titan_ext.runtime.schedules.crosspipe import CrossPipeConfig
 
     stage = PipelineStage.__new__(PipelineStage)  # a stage object; never used past the argument checks
     return {
@@ -611,7 +611,7 @@ RUNTIME_CASES = ["module_as_stage", "microbatches_text", "microbatches_zero", "l
 def test_runtime_hostile_argument_fails_before_any_process_group(case):
     import torch.distributed as dist
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     call, kind, needle = _runtime_cases()[case]
     before = timeouts._timeout_s
@@ -645,9 +645,9 @@ def _api_namespace() -> dict:
         register_schedule,
         schedule_class,
     )
-    from titan_ext.runtime.config import DelegationConfig
-    from titan_ext.runtime.crosspipe import CrossPipeConfig
-    from titan_ext.runtime.delegate import (
+    from titan_ext.runtime.control.config import DelegationConfig
+    from titan_ext.runtime.schedules.crosspipe import CrossPipeConfig
+    from titan_ext.runtime.comm.delegate import (
         Channel,
         DelegatePool,
         FaultInjector,
@@ -656,7 +656,7 @@ def _api_namespace() -> dict:
         our_shm_names,
         pipeline_channels,
     )
-    from titan_ext.runtime.delegate.schedule import Delegation, message_slot_bytes
+    from titan_ext.runtime.comm.delegate.schedule import Delegation, message_slot_bytes
     from titan_ext.runtime.falcon import (
         BOCDConfig,
         FalconConfig,
@@ -831,9 +831,9 @@ def test_api_hostile_call_names_the_argument_second_sweep(case, monkeypatch):
 
     import torch.distributed as dist
 
-    import titan_ext.runtime.delegate.pool as pool
+    import titan_ext.runtime.comm.delegate.pool as pool
     from titan_ext.runtime import current_injector
-    from titan_ext.runtime.delegate import our_shm_names
+    from titan_ext.runtime.comm.delegate import our_shm_names
 
     def started(*args, **kwargs):
         raise AssertionError("DelegatePool went past its argument checks (loaded the data plane)")
@@ -859,9 +859,9 @@ def test_api_degenerate_but_valid_runtime_objects_without_a_process_group():
 
     from titan_ext.plan.warmup import initial_warmup_counts, slackness as slack
     from titan_ext.runtime import Decision, PolicySettings, ReplanPolicy, ScheduleSpec
-    from titan_ext.runtime.config import DelegationConfig
-    from titan_ext.runtime.delegate import FaultInjector, P2PRouter, delegates_needed, pipeline_channels
-    from titan_ext.runtime.delegate.schedule import Delegation, message_slot_bytes
+    from titan_ext.runtime.control.config import DelegationConfig
+    from titan_ext.runtime.comm.delegate import FaultInjector, P2PRouter, delegates_needed, pipeline_channels
+    from titan_ext.runtime.comm.delegate.schedule import Delegation, message_slot_bytes
     from titan_ext.runtime.falcon import (
         BOCDConfig,
         FalconConfig,

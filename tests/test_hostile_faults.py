@@ -27,7 +27,7 @@ N_MB, DIM, BATCH = 4, 8, 8
 # --- shared memory (default tier: no process group) --------------------------------------------------
 
 def test_ring_refuses_a_shortage_before_writing(monkeypatch):
-    from titan_ext.runtime.delegate import ring as R
+    from titan_ext.runtime.comm.delegate import ring as R
 
     made = []
     real_create = R.load_ext().Region.create
@@ -42,7 +42,7 @@ def test_ring_refuses_a_shortage_before_writing(monkeypatch):
 def test_ring_reservation_failure_is_a_shortage_not_sigbus(monkeypatch):
     """``posix_fallocate`` failing (the tmpfs filled up after the check) is the same one error, raised
     before the ring's first write (which is where the SIGBUS struck)."""
-    from titan_ext.runtime.delegate import ring as R
+    from titan_ext.runtime.comm.delegate import ring as R
 
     def full(fd, off, n):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -54,7 +54,7 @@ def test_ring_reservation_failure_is_a_shortage_not_sigbus(monkeypatch):
 
 def test_ring_is_reserved_when_there_is_room():
     """A created ring's pages are allocated (st_blocks covers the segment), not sparse as after ftruncate."""
-    from titan_ext.runtime.delegate import ring as R
+    from titan_ext.runtime.comm.delegate import ring as R
 
     ring = R.SlotRing.create(2, 64 << 10)
     st = os.fstat(ring.region.fd)
@@ -66,8 +66,8 @@ def test_ring_is_reserved_when_there_is_room():
 def test_pool_checks_all_its_rings_at_once(monkeypatch):
     """A pool needing more than the free shared memory is refused with one error naming the total, before
     it starts any delegate."""
-    from titan_ext.runtime.delegate import ring as R
-    from titan_ext.runtime.delegate.pool import DelegatePool, pipeline_channels, pool_shm_bytes
+    from titan_ext.runtime.comm.delegate import ring as R
+    from titan_ext.runtime.comm.delegate.pool import DelegatePool, pipeline_channels, pool_shm_bytes
 
     channels = pipeline_channels(1, [0, 1, 2])
     need = pool_shm_bytes(channels, 2, 4, 1 << 20)
@@ -120,7 +120,7 @@ def _shm_short_body(rank, world):
     import torch.nn.functional as Fn
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.delegate import ring as R
+    from titan_ext.runtime.comm.delegate import ring as R
 
     records = _Records()
     if rank == 1:
@@ -327,7 +327,7 @@ def _first_step_body(rank, world):
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.testing import mlp_stages, step_rank
-    from titan_ext.runtime.timeouts import PeerTimeout
+    from titan_ext.runtime.comm.timeouts import PeerTimeout
 
     mod = mlp_stages(world, DIM)[rank]
     sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), N_MB, loss_fn=Fn.mse_loss,

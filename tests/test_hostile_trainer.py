@@ -297,7 +297,7 @@ def test_valid_neighbours_are_accepted(case, tmp_path, capsys, monkeypatch):
 def test_a_trace_is_parsed_once_per_process(tmp_path, monkeypatch):
     """The config's own check, the job check and the installation share one parse (a 33 MB trace was read
     several times before the job started); an edited file is read again."""
-    from titan_ext.runtime import delay_injection as di
+    from titan_ext.runtime.emulate import delay_injection as di
 
     path = tmp_path / "t.csv"
     path.write_text("time_s,link1\n0,5\n")

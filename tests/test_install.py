@@ -47,7 +47,7 @@ def test_license_and_its_field():
 def without_delegate_c(monkeypatch):
     import importlib
 
-    from titan_ext.runtime.delegate import _ext
+    from titan_ext.runtime.comm.delegate import _ext
 
     real = importlib.import_module
 

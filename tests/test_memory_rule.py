@@ -18,7 +18,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from titan_ext.plan import LinkProfile, PipelineProfile, validate_plan
 from titan_ext.plan.result import peak_inflight
 from titan_ext.plan.schedules import plan_by_name
-from titan_ext.runtime.memory import ActivationMeter
+from titan_ext.runtime.execute.memory import ActivationMeter
 
 
 def _brute_peak(ops, frees) -> dict[int, int]:

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_ext.runtime.control import ControlPlane, new_control_group
+from titan_ext.runtime.comm.control_plane import ControlPlane, new_control_group
 from titan_ext.testing.nccl_rules import NcclRuleError, is_host_made, mark_host
-from titan_ext.runtime.profiler import estimate_clock_offsets
+from titan_ext.runtime.measure.profiler import estimate_clock_offsets
 from titan_ext.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -323,7 +323,7 @@ def _issue46_scenarios(rank: int, peer: int, control: ControlPlane) -> dict:
     """The differences from ProcessGroupNCCL the module docstring lists, each where NCCL's behaviour shows."""
     import sys
 
-    from titan_ext.runtime import host_syncs
+    from titan_ext.testing import host_syncs
 
     out = {}
     # 17. lazy communicator creation (no device_id: torch's default, TorchTitan's).  The group's first
@@ -694,7 +694,7 @@ def test_an_op_from_a_second_thread_on_a_pair_fails(seen):
 def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
     for rank in (0, 1):
         msg = seen[rank]["host_on_data"]
-        assert "host-side tensor made by titan_ext (titan_ext.runtime.profiler" in msg, msg
+        assert "host-side tensor made by titan_ext (titan_ext.runtime.measure.profiler" in msg, msg
         offset, rtt = seen[rank]["host_on_control"]
         assert rank == 0 or rtt >= 0  # ran on the control group
         assert seen[rank]["marks"] == (None, True, True)
@@ -822,7 +822,7 @@ def _eager_scenarios(rank: int, world: int) -> dict:
     """Eager init (``init_process_group(device_id=...)``): every communicator of a group exists from its
     creation, and a bare P2P op runs on the group's (torch >= 2.5: "In eager initialization mode,
     unbatched P2P ops are treated as independent collective ops")."""
-    from titan_ext.runtime import host_syncs
+    from titan_ext.testing import host_syncs
 
     out, control = {}, ControlPlane()
     g = dist.new_group(timeout=timedelta(seconds=3))

@@ -22,7 +22,7 @@ import cuda`` aliases followed):
 
 Not found, by design (the walk has no types): ``float(t)`` / ``int(t)`` / ``bool(t)`` of a device tensor,
 and ``Work.wait()`` (a stream wait on NCCL; ``wait(timeout)`` blocks the host, but ``wait`` is every
-``threading`` object's name too).  The run-time counters (``runtime/host_syncs.py``, the simulated device
+``threading`` object's name too).  The run-time counters (``testing/host_syncs.py``, the simulated device
 that runs behind the host) count those.
 
 A failure lists every offending ``file:line call`` and every allowlist entry that no longer matches
@@ -42,25 +42,24 @@ PACKAGE = ROOT / "titan_ext"
 
 #: where host-side device calls belong: a module path, or a folder ending in "/" (everything under it)
 DOOR: dict[str, str] = {
-    "titan_ext/runtime/device.py": "the device layer: devices, streams, events, timing, receive completion",
-    "titan_ext/runtime/transport.py": "the PP transport (torch's _batch_p2p): issues and completes P2P works",
-    "titan_ext/runtime/shared_gpu.py": "a transport: P2P of ranks sharing one GPU, staged through host copies "
-                                       "on gloo (a test and benchmark path; its blocking copies are its design)",
+    "titan_ext/runtime/execute/device.py": "the device layer: devices, streams, events, timing, receive completion",
+    "titan_ext/runtime/comm/transport.py": "the PP transport (torch's _batch_p2p): issues and completes P2P works",
     # the delegate data plane (PipeMorph §5.2): moves message bytes between device, pinned rings and
     # delegate processes, and owns its works' completion; schedule.py (the delegation policy and its
     # boundary observer) and __init__.py (re-exports) are not part of it
-    "titan_ext/runtime/delegate/_device.py": "delegate data plane: its device and stream choices",
-    "titan_ext/runtime/delegate/_ext.py": "delegate data plane: loads its compiled CUDA/C++ kernels",
-    "titan_ext/runtime/delegate/lanes.py": "delegate data plane: rings registered with the device",
-    "titan_ext/runtime/delegate/link.py": "delegate data plane: direct-path helpers of a link",
-    "titan_ext/runtime/delegate/pool.py": "delegate data plane: the training process's side",
-    "titan_ext/runtime/delegate/recovery.py": "delegate data plane: the direct-path fallback's works",
-    "titan_ext/runtime/delegate/recvpath.py": "delegate data plane: ring slots onto the device",
-    "titan_ext/runtime/delegate/ring.py": "delegate data plane: pinned shared-memory slots",
-    "titan_ext/runtime/delegate/sendpath.py": "delegate data plane: device tensors into ring slots",
-    "titan_ext/runtime/delegate/transport.py": "delegate data plane: the router's works",
-    "titan_ext/runtime/delegate/worker.py": "delegate data plane: the delegate process (gloo on host memory)",
-    "titan_ext/testing/": "the test backends and simulated devices",
+    "titan_ext/runtime/comm/delegate/_device.py": "delegate data plane: its device and stream choices",
+    "titan_ext/runtime/comm/delegate/_ext.py": "delegate data plane: loads its compiled CUDA/C++ kernels",
+    "titan_ext/runtime/comm/delegate/lanes.py": "delegate data plane: rings registered with the device",
+    "titan_ext/runtime/comm/delegate/link.py": "delegate data plane: direct-path helpers of a link",
+    "titan_ext/runtime/comm/delegate/pool.py": "delegate data plane: the training process's side",
+    "titan_ext/runtime/comm/delegate/recovery.py": "delegate data plane: the direct-path fallback's works",
+    "titan_ext/runtime/comm/delegate/recvpath.py": "delegate data plane: ring slots onto the device",
+    "titan_ext/runtime/comm/delegate/ring.py": "delegate data plane: pinned shared-memory slots",
+    "titan_ext/runtime/comm/delegate/sendpath.py": "delegate data plane: device tensors into ring slots",
+    "titan_ext/runtime/comm/delegate/transport.py": "delegate data plane: the router's works",
+    "titan_ext/runtime/comm/delegate/worker.py": "delegate data plane: the delegate process (gloo on host memory)",
+    "titan_ext/testing/": "the test backends, simulated devices, host-sync accounting and the shared-GPU "
+                          "transport (test and benchmark paths: their blocking copies are their design)",
 }
 
 _HOST_CONTROL = ("a host tensor: made by torch.tensor/torch.zeros/torch.full without a device and "
@@ -73,37 +72,25 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
         "a P2P op a rank sends to itself (torch < 2.13's start-up handshake): the receive buffer and the "
         "clone of the matched send are both this rank's stage tensors on its one device, so copy_ is a "
         "device-to-device copy enqueued on the current stream (a memcpy on CPU), never a host wait",
-    ("titan_ext/runtime/control.py", "ControlPlane._exchange", ".copy_"):
+    ("titan_ext/runtime/comm/control_plane.py", "ControlPlane._exchange", ".copy_"):
         "host to host: all_gather refuses a device vector, and out[me] is torch.empty_like of it",
-    ("titan_ext/runtime/control.py", "ControlPlane.gather_ints", ".item"):
+    ("titan_ext/runtime/comm/control_plane.py", "ControlPlane.gather_ints", ".item"):
         "reads all_gather's outputs: host tensors (torch.empty_like of a torch.tensor made without a "
         "device) received on the gloo control group, never a device tensor",
-    ("titan_ext/runtime/control.py", "ControlPlane.any", ".item"):
+    ("titan_ext/runtime/comm/control_plane.py", "ControlPlane.any", ".item"):
         "reads the vote: " + _HOST_CONTROL,
-    ("titan_ext/runtime/profiler.py", "decode_profiles", ".tolist"):
+    ("titan_ext/runtime/measure/profiler.py", "decode_profiles", ".tolist"):
         "reads the control plane's all_gather of encode_profile's vectors: " + _HOST_CONTROL,
-    ("titan_ext/runtime/profiler.py", "estimate_clock_offsets", ".tolist"):
+    ("titan_ext/runtime/measure/profiler.py", "estimate_clock_offsets", ".tolist"):
         "reads the NTP ping-pong buffer (torch.zeros on the host) received on the control group, once at "
         "the first iteration: " + _HOST_CONTROL,
-    ("titan_ext/runtime/profiler.py", "estimate_clock_offsets", ".item"):
+    ("titan_ext/runtime/measure/profiler.py", "estimate_clock_offsets", ".item"):
         "reads the same host buffer as the .tolist above (the server's offset and RTT), once per job",
-    ("titan_ext/runtime/host_syncs.py", "<module>", "torch.cuda.synchronize"):
-        "host-sync accounting keeps a reference to torch's own synchronize to tell a fake one apart; no "
-        "call to the device",
-    ("titan_ext/runtime/host_syncs.py", "_install", "torch.cuda.synchronize"):
-        "host-sync accounting: compares and wraps torch.cuda.synchronize with a counter (attribute "
-        "references only; the wrapped call is the caller's)",
-    ("titan_ext/runtime/host_syncs.py", "_install", "torch.cuda"):
-        "host-sync accounting: the module whose synchronize it wraps, passed to setattr; no device call",
-    ("titan_ext/runtime/host_syncs.py", "_install", "torch.cuda.Event"):
-        "host-sync accounting: wraps Event.synchronize with a counter (a class attribute, no device call)",
-    ("titan_ext/runtime/host_syncs.py", "_install", "torch.cuda.Stream"):
-        "host-sync accounting: wraps Stream.synchronize with a counter (a class attribute, no device call)",
-    ("titan_ext/runtime/delay_injection.py", "DelayedRecvWork.is_completed", ".is_completed"):
+    ("titan_ext/runtime/emulate/delay_injection.py", "DelayedRecvWork.is_completed", ".is_completed"):
         "a Work wrapper's is_completed forwarding to the receive works it wraps (and a store read): no "
         "device call of its own; the thread and device it runs on are its caller's (the device layer's "
         "ArrivalWatcher, under the stage's device context; the PP watch, under the registering thread's)",
-    ("titan_ext/runtime/timeouts.py", "_TimedWork.done", ".is_completed"):
+    ("titan_ext/runtime/comm/timeouts.py", "_TimedWork.done", ".is_completed"):
         "the PP watch's non-blocking completion poll of a waited work (to name a silent peer before NCCL's "
         "watchdog fires): on NCCL a cudaEventQuery, made by the titan_ext-pp-watch thread inside the "
         "registering thread's device context (_done enters device.thread_device(), captured in _watch; it "
@@ -305,7 +292,7 @@ def test_every_host_device_call_goes_through_the_door_or_says_why_not():
     offending = [f"{path}:{line} {call} (in {qual})" for path, qual, call, line in outside
                  if (path, qual, call) not in ALLOWLIST]
     assert not offending, (
-        "host-side device calls outside the device layer (titan_ext/runtime/device.py), the transports and "
+        "host-side device calls outside the device layer (titan_ext/runtime/execute/device.py), the transports and "
         "testing/ -- move each into the device layer, or add (module, qualname, call) -> reason to "
         "tests/test_one_door.py's ALLOWLIST:\n  " + "\n  ".join(offending))
 
@@ -393,7 +380,7 @@ def test_the_control_plane_refuses_a_device_vector_instead_of_copying_it_to_the_
     import pytest
     import torch
 
-    from titan_ext.runtime.control import ControlPlane
+    from titan_ext.runtime.comm.control_plane import ControlPlane
 
     plane = ControlPlane(None)  # no process group: the local plane
     with pytest.raises(ValueError, match="host tensors"):

@@ -3,7 +3,7 @@
 Synthetic messages are timed by the simulator's own FIFO link model (``timing.LinkQueues``, separate
 code from the fit: one queue entry per message size, all on one channel) plus late-only noise; the
 live test times real gloo messages through torch's ``_batch_p2p`` with a bandwidth cap injected by
-``runtime/delay_injection.py``."""
+``runtime/emulate/delay_injection.py``."""
 
 import math
 import random

@@ -114,14 +114,14 @@ def test_polish_guard_rejects_what_the_validator_or_simulator_refuses(monkeypatc
 def test_auto_and_the_runtime_planners_pass_the_budget():
     """``auto`` polishes its CrossUD plan (never slower than without); the run-time planners pass their
     per-call budget through (PipeMorph §6: re-planning in the background within an iteration)."""
-    from titan_ext.runtime.planning import CrossPipePlanner, PipeMorphPlanner
+    from titan_ext.runtime.decide.planning import CrossPipePlanner, PipeMorphPlanner
 
     plain = plan_by_name(B5, "auto", memory_limit=4)
     auto = plan_by_name(B5, "auto", memory_limit=4, polish_s=0.5)
     assert auto.info["polish"]["budget_s"] == 0.5
     assert _valid(auto.actions, B5, 4) <= _valid(plain.actions, B5, 4) + 1e-9
-    from titan_ext.runtime.planning import PlanningContext
-    from titan_ext.runtime.policy import Decision
+    from titan_ext.runtime.decide.planning import PlanningContext
+    from titan_ext.runtime.decide.policy import Decision
 
     with pytest.raises(ValueError, match="schedule 'auto'"):
         PipeMorphPlanner("pipemorph", polish_s=1.0)

@@ -3,8 +3,8 @@ keeps, how it aborts, and when it reuses a verdict.  Expected outcomes follow fr
 
 from __future__ import annotations
 
-from titan_ext.runtime.backward import BackwardChooser
-from titan_ext.runtime.policy import Decision
+from titan_ext.runtime.decide.backward import BackwardChooser
+from titan_ext.runtime.decide.policy import Decision
 
 KEEP = Decision("keep", "fine")
 COUNTS = [7, 5, 3, 1]

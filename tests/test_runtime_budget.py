@@ -1,9 +1,9 @@
-"""runtime/budget.py: Alg.1's x_max and the caps of later plans, per stage or per rank."""
+"""runtime/decide/budget.py: Alg.1's x_max and the caps of later plans, per stage or per rank."""
 
 import math
 
-from titan_ext.runtime.budget import RankMemoryBudget, StageMemoryBudget
-from titan_ext.runtime.memory import PENDING
+from titan_ext.runtime.decide.budget import RankMemoryBudget, StageMemoryBudget
+from titan_ext.runtime.execute.memory import PENDING
 
 
 def _stage(S=4, N=16, budget=None, max_inflight=None, limit=None, act=None):

@@ -1,6 +1,6 @@
-"""runtime/cadence.py: when the ranks exchange profiles (adaptive k, PipeMorph §6 ②)."""
+"""runtime/control/cadence.py: when the ranks exchange profiles (adaptive k, PipeMorph §6 ②)."""
 
-from titan_ext.runtime.cadence import CheckCadence
+from titan_ext.runtime.control.cadence import CheckCadence
 
 
 def _checks(cadence: CheckCadence, iterations: int, settled=lambda it: True, delays=lambda it: [1.0]) -> list[int]:

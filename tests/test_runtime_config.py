@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from titan_ext.runtime import PipeMorphConfig
-from titan_ext.runtime.config import DelegationConfig, PolicySettings
-from titan_ext.runtime.crosspipe import CrossPipeConfig
-from titan_ext.runtime.policy import ReplanPolicy
+from titan_ext.runtime.control.config import DelegationConfig, PolicySettings
+from titan_ext.runtime.schedules.crosspipe import CrossPipeConfig
+from titan_ext.runtime.decide.policy import ReplanPolicy
 
 RUNTIME = Path(__file__).resolve().parents[1] / "titan_ext" / "runtime"
 
@@ -90,6 +90,7 @@ def test_observers_and_delegation_read_no_private_state_of_the_schedule():
     """They get a ScheduleContext; the schedule's private attributes never appear in their code."""
     private = {"_group", "_num_stages", "_in_iteration", "_log", "_stages", "_stage", "_n_microbatches",
                "executor", "schedule"}
-    files = [RUNTIME / "observers.py", RUNTIME / "extensions.py", *sorted((RUNTIME / "delegate").glob("*.py")),
+    files = [RUNTIME / "control" / "observers.py", RUNTIME / "control" / "extensions.py",
+             *sorted((RUNTIME / "comm" / "delegate").glob("*.py")),
              *sorted((RUNTIME / "falcon").glob("*.py"))]
     assert [hit for f in files for hit in _private_reads(f, private)] == []

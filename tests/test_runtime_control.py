@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.runtime import CrossPipe, Decision, PipeMorph
-from titan_ext.runtime.control import ControlPlane
+from titan_ext.runtime.comm.control_plane import ControlPlane
 from titan_ext.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.

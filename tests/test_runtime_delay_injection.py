@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as Fn
 
-from titan_ext.runtime.delay_injection import (
+from titan_ext.runtime.emulate.delay_injection import (
     ENV_VAR,
     DelaySpecError,
     LinkDelayInjector,
@@ -108,7 +108,7 @@ def test_occupancy_model_closed_form():
 def _ping_worker(rank: int, world: int, spec: str, nbytes: int, pings: int):
     from torch.distributed.pipelining import schedules
 
-    from titan_ext.runtime.profiler import now
+    from titan_ext.runtime.measure.profiler import now
 
     inject_link_delays(spec)
     numel = max(nbytes // 8, 2)
@@ -298,7 +298,7 @@ class _Work:
 def _gpu_injector(monkeypatch, spec: str):
     import types
 
-    import titan_ext.runtime.delay_injection as di
+    import titan_ext.runtime.emulate.delay_injection as di
     from _fake_cuda import FakeGPU, install
 
     gpu = FakeGPU(index=1)
@@ -375,7 +375,7 @@ def test_a_stamp_read_by_the_watcher_and_the_consumer_at_once_is_taken_once():
     import threading
     import time as _time
 
-    from titan_ext.runtime.delay_injection import DelayedRecvWork
+    from titan_ext.runtime.emulate.delay_injection import DelayedRecvWork
 
     class SlowStore:  # get takes 50 ms; touching a missing key is an error (a TCPStore get would block)
         def __init__(self):
@@ -504,7 +504,7 @@ def test_the_delegate_transport_carries_the_injected_delay(monkeypatch):
 
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-    from titan_ext.runtime.delegate.schedule import DelegateTransport
+    from titan_ext.runtime.comm.delegate.schedule import DelegateTransport
 
     injector = _cpu_injector(monkeypatch, "0:80", hol=False)
     injector.install()
@@ -554,7 +554,7 @@ def test_a_pending_delayed_receive_costs_the_store_a_bounded_number_of_requests(
 
     base = dist.HashStore()
     store = _CountingStore(base)
-    from titan_ext.runtime.delay_injection import DelayedRecvWork
+    from titan_ext.runtime.emulate.delay_injection import DelayedRecvWork
 
     key = "titan_ext/delay/1->0/0"
     work = DelayedRecvWork([_Work()], key, store)
@@ -609,7 +609,7 @@ def test_a_failing_stamp_reaches_the_receiver_and_the_stamper_lives_on(monkeypat
     import threading
     from types import SimpleNamespace
 
-    from titan_ext.runtime.delay_injection import DelayedRecvWork
+    from titan_ext.runtime.emulate.delay_injection import DelayedRecvWork
 
     injector = _cpu_injector(monkeypatch, "0:30", hol)
     clock = _FailingClock()

@@ -1,4 +1,4 @@
-"""runtime/deploy.py: validate + torch's lowering passes of a compute-only plan (moved from
+"""runtime/control/deploy.py: validate + torch's lowering passes of a compute-only plan (moved from
 test_runtime_parts.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from titan_ext.plan import PlanValidationError
 from titan_ext.plan.builtin import builtin_plan
-from titan_ext.runtime.deploy import backward_of, plan_hash, prepare_candidate, warmup_counts_of
+from titan_ext.runtime.control.deploy import backward_of, plan_hash, prepare_candidate, warmup_counts_of
 
 S, N = 4, 8
 
@@ -60,7 +60,7 @@ def test_the_runtime_converts_the_plan_ir_to_torch_actions_in_one_pass(monkeypat
     ``plan.ir.to_torch_plan``), none of the planner's torch copy, and the candidate's actions are that
     pass's output."""
     import titan_ext.plan.ir as ir
-    import titan_ext.runtime.deploy as deploy
+    import titan_ext.runtime.control.deploy as deploy
     from titan_ext.plan import PipelineProfile, to_torch_plan
     from titan_ext.plan.schedules import plan_by_name
 

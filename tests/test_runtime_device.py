@@ -22,7 +22,7 @@ import torch.nn.functional as Fn
 from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.runtime import PipeMorph
-from titan_ext.runtime.device import CpuDevice
+from titan_ext.runtime.execute.device import CpuDevice
 from titan_ext.testing.simdevice import SimAsyncTransport, SimComputeStage, SimDevice, stream
 from titan_ext.testing import run_ranks, step_rank
 
@@ -168,8 +168,8 @@ def test_exact_arrivals_are_kept_where_the_deployed_plan_can_hide_a_delay():
     """``exact_arrival_links`` (the rule ``PipeMorph`` applies at every boundary, one stage per rank):
     the watcher stamps a link whose Eq. 1 tolerance exceeds the policy's absolute margin (1 ms) or whose
     plan was made for a delay beyond twice it; several stages per rank or no tolerance yet: every link."""
-    from titan_ext.runtime.config import PolicySettings
-    from titan_ext.runtime.policy import exact_arrival_links
+    from titan_ext.runtime.control.config import PolicySettings
+    from titan_ext.runtime.decide.policy import exact_arrival_links
 
     margin = PolicySettings().abs_margin_ms
     assert margin == 1.0

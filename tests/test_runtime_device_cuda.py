@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from _fake_cuda import FakeGPU, install
-from titan_ext.runtime.device import CudaDevice, RecvHandle, device_layer
-from titan_ext.runtime.profiler import ActionRecord
+from titan_ext.runtime.execute.device import CudaDevice, RecvHandle, device_layer
+from titan_ext.runtime.measure.profiler import ActionRecord
 
 BACKLOG_MS, F_MS = 50.0, 10.0
 

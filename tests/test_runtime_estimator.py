@@ -1,4 +1,4 @@
-"""runtime/estimator.py: window medians of the exchanged profiles (moved from test_runtime_parts.py)."""
+"""runtime/measure/estimator.py: window medians of the exchanged profiles (moved from test_runtime_parts.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from titan_ext.runtime.estimator import Estimator
-from titan_ext.runtime.profiler import RankProfile
+from titan_ext.runtime.measure.estimator import Estimator
+from titan_ext.runtime.measure.profiler import RankProfile
 
 S, N = 4, 8
 

@@ -1,4 +1,4 @@
-"""runtime/executor.py: the action loop on two local stages against plain autograd (moved from
+"""runtime/execute/executor.py: the action loop on two local stages against plain autograd (moved from
 test_runtime_parts.py)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_executor_runs_two_local_stages_like_autograd(single_rank_group):
     executor; losses and gradients equal plain autograd's, every compute action is timed."""
     from titan_ext.testing import mlp_stages
     from titan_ext.runtime import _torch_compat
-    from titan_ext.runtime.executor import Executor, RunContext
+    from titan_ext.runtime.execute.executor import Executor, RunContext
     from torch.distributed.pipelining import PipelineStage
 
     n = 4

@@ -36,7 +36,7 @@ def test_boundary_gaps_are_between_one_steps_last_end_and_the_next_steps_first_s
 
 def _step(k, exchange, **by_kind):
     return {"step": k, "exchange": exchange, "by_kind": by_kind,
-            "sites": {f"{kind}@titan_ext/runtime/device.py:1": n for kind, n in by_kind.items()}}
+            "sites": {f"{kind}@titan_ext/runtime/execute/device.py:1": n for kind, n in by_kind.items()}}
 
 
 def test_the_budget_allows_no_sync_without_an_exchange_and_one_event_wait_with_one():
@@ -47,7 +47,7 @@ def test_the_budget_allows_no_sync_without_an_exchange_and_one_event_wait_with_o
            _step(5, True, **{"Event.synchronize": 1, "torch.cuda.synchronize": 1})]  # a device sync
     out = gpu_tier.budget_violations(bad)
     assert len(out) == 3
-    assert out[0].startswith("step 3 (no exchange)") and "Event.synchronize@titan_ext/runtime/device.py:1" in out[0]
+    assert out[0].startswith("step 3 (no exchange)") and "Event.synchronize@titan_ext/runtime/execute/device.py:1" in out[0]
     assert out[1].startswith("step 4 (exchange)") and out[2].startswith("step 5 (exchange)")
 
 

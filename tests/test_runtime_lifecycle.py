@@ -1,10 +1,10 @@
-"""runtime/lifecycle.py: candidate → validate → agree → swap, and why a plan is not deployed."""
+"""runtime/control/lifecycle.py: candidate → validate → agree → swap, and why a plan is not deployed."""
 
 import pytest
 
-from titan_ext.runtime.deploy import Candidate
-from titan_ext.runtime.lifecycle import DecisionLog, PlanLifecycle
-from titan_ext.runtime.policy import Decision
+from titan_ext.runtime.control.deploy import Candidate
+from titan_ext.runtime.control.lifecycle import DecisionLog, PlanLifecycle
+from titan_ext.runtime.decide.policy import Decision
 
 
 class Control:

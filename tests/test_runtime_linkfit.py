@@ -1,4 +1,4 @@
-"""Live: a 50 MB/s cap injected on a gloo PP link (runtime/delay_injection.py, no added latency) is
+"""Live: a 50 MB/s cap injected on a gloo PP link (runtime/emulate/delay_injection.py, no added latency) is
 recovered by the α-β fit (plan/linkfit.py) from the timed messages themselves.
 
 Each round sends a train forward and one backward; each round is fitted on its own and the median of
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ext.plan.linkfit import fit_link
-from titan_ext.runtime.delay_injection import inject_link_delays
+from titan_ext.runtime.emulate.delay_injection import inject_link_delays
 from titan_ext.testing import run_ranks
 
 CAP = 50e6  # bytes/s
@@ -28,7 +28,7 @@ def _train(rank: int, src: int, dst: int, sizes, gap_s: float) -> tuple[list, li
 
     from torch.distributed.pipelining import schedules
 
-    from titan_ext.runtime.profiler import now
+    from titan_ext.runtime.measure.profiler import now
 
     dist.barrier()
     if rank == src:

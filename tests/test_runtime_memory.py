@@ -18,8 +18,9 @@ from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.plan.simulate import peak_inflight
 from titan_ext.plan.ir import as_ops
-from titan_ext.runtime import Decision, PipeMorph, memory
-from titan_ext.runtime.memory import inflight_cap
+from titan_ext.runtime import Decision, PipeMorph
+from titan_ext.runtime.execute import memory
+from titan_ext.runtime.execute.memory import inflight_cap
 from titan_ext.testing import SleepComputeStage, run_ranks, step_rank
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,10 +1,10 @@
-"""runtime/metrics.py: the published keys of ``last_metrics`` (moved from test_runtime_parts.py)."""
+"""runtime/measure/metrics.py: the published keys of ``last_metrics`` (moved from test_runtime_parts.py)."""
 
 from __future__ import annotations
 
 import math
 
-from titan_ext.runtime.metrics import IterationMetrics
+from titan_ext.runtime.measure.metrics import IterationMetrics
 
 
 def test_metrics_dict_keeps_the_published_keys():

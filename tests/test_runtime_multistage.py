@@ -22,8 +22,8 @@ from titan_ext.plan import PipelineProfile
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan.ir import as_ops
 from titan_ext.plan.virtual import generate_virtual_order, virtual_profile, virtual_stage_to_rank
-from titan_ext.runtime.placement import read_layout
-from titan_ext.runtime.policy import Decision
+from titan_ext.runtime.decide.placement import read_layout
+from titan_ext.runtime.decide.policy import Decision
 from titan_ext.testing import mlp_stages, run_ranks, seeded_batch
 
 # with the 2 cores shared by other jobs (load average 30-40) the adaptation part alone took 180-280 s
@@ -89,7 +89,7 @@ class CyclePolicy:
         self.cycle, self.k, self.schedule = _cycle(placement), 0, None
 
     def decide(self, estimate, deployed_counts, initial_counts, since, slack_floor=2):
-        from titan_ext.runtime.deploy import plan_hash
+        from titan_ext.runtime.control.deploy import plan_hash
 
         self.k += 1
         decision = self.cycle[(self.k - 1) % len(self.cycle)]

@@ -15,7 +15,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan import PipelineProfile
 from titan_ext.runtime import Decision, PipeMorph, ReplanPolicy
-from titan_ext.runtime.deploy import plan_hash
+from titan_ext.runtime.control.deploy import plan_hash
 from titan_ext.testing import gpipe_reference, mlp_stages, run_ranks, seeded_batch, step_rank
 
 # In the default tier: the core runtime contract (GPipe equivalence, agreement, control plane), ~1 min.
@@ -217,7 +217,7 @@ def _planresult_worker(rank: int, world: int, n_mb: int, steps: int):
     """deploy(PlanResult): plans of plan_by_name deployed now and queued mid-iteration, counting every
     conversion of the plan IR to torch's actions (the runtime's one pass, ``deploy.to_torch_actions``)."""
     import titan_ext.plan.ir as ir
-    import titan_ext.runtime.deploy as deploy
+    import titan_ext.runtime.control.deploy as deploy
     from titan_ext.plan.schedules import plan_by_name
 
     ref_losses, ref_params = gpipe_reference(rank, world, n_mb, steps, lambda s, k: _step(s, rank, world, k), DIM)

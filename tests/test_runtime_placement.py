@@ -1,4 +1,4 @@
-"""The parts of several-stages-per-rank run time that need no process group (runtime/placement.py,
+"""The parts of several-stages-per-rank run time that need no process group (runtime/decide/placement.py,
 the per-stage block of the profile vector).  The multi-process tests are in test_runtime_multistage.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from titan_ext.plan import LinkProfile, PipelineProfile
 from titan_ext.plan.virtual import virtual_profile
-from titan_ext.runtime.placement import VirtualEstimator, VirtualReplanPolicy, rank_level, read_layout
-from titan_ext.runtime.profiler import ActionRecord, IterationProfile, decode_profiles, encode_profile
+from titan_ext.runtime.decide.placement import VirtualEstimator, VirtualReplanPolicy, rank_level, read_layout
+from titan_ext.runtime.measure.profiler import ActionRecord, IterationProfile, decode_profiles, encode_profile
 
 R, V, N = 4, 2, 8
 

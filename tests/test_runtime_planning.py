@@ -1,4 +1,4 @@
-"""runtime/planning.py: the planners wrap the plan layer; background planning hands over its
+"""runtime/decide/planning.py: the planners wrap the plan layer; background planning hands over its
 outcome (moved from test_runtime_parts.py)."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import pytest
 from titan_ext.plan import PipelineProfile, PlanValidationError, plan_crosspipe, plan_pipemorph
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan.ir import as_ops
-from titan_ext.runtime.deploy import backward_of, plan_hash, prepare_candidate, warmup_counts_of
-from titan_ext.runtime.planning import (
+from titan_ext.runtime.control.deploy import backward_of, plan_hash, prepare_candidate, warmup_counts_of
+from titan_ext.runtime.decide.planning import (
     BackgroundPlanning,
     CrossPipePlanner,
     PipeMorphPlanner,
     PlanningContext,
     explicit_plan,
 )
-from titan_ext.runtime.policy import Decision
+from titan_ext.runtime.decide.policy import Decision
 
 S, N = 4, 8
 

@@ -11,8 +11,8 @@ import pytest
 
 from titan_ext.plan import PipelineProfile, adapted_warmup_counts, initial_warmup_counts, link_tolerance_ms
 from titan_ext.runtime import ReplanPolicy
-from titan_ext.runtime.profiler import RankProfile, link_delay_estimates, timeline_bubble_rate
-from titan_ext.runtime.deploy import plan_hash, warmup_counts_of
+from titan_ext.runtime.measure.profiler import RankProfile, link_delay_estimates, timeline_bubble_rate
+from titan_ext.runtime.control.deploy import plan_hash, warmup_counts_of
 
 S, N, T = 4, 16, 10.0
 
@@ -125,7 +125,7 @@ def test_a_link_under_the_absolute_margin_is_never_slow_even_at_a_negative_toler
 def test_the_model_keeps_the_running_backward_variant_within_the_margin():
     from types import SimpleNamespace as NS
 
-    from titan_ext.runtime.backward import faster_by_model
+    from titan_ext.runtime.decide.backward import faster_by_model
 
     split, full = NS(predicted_makespan_ms=100.0), NS(predicted_makespan_ms=101.0)
     assert faster_by_model(split, full, 0.02) is split  # first choice (none running): the faster, no margin
@@ -143,7 +143,7 @@ def test_the_executors_per_action_cost_makes_the_split_plan_pay_for_its_extra_ac
     from titan_ext.plan import PipelineProfile
     from titan_ext.plan.schedules import plan_by_name
     from titan_ext.plan.simulate import replay_makespan_ns
-    from titan_ext.runtime.backward import faster_by_model
+    from titan_ext.runtime.decide.backward import faster_by_model
 
     S, N = 4, 8
     prof = PipelineProfile(S, N, (1.0,) * S, (1.0,) * S, (1.0,) * S, release="W")
@@ -175,8 +175,8 @@ def test_the_planning_profile_adds_each_ranks_measured_per_action_cost_to_its_st
     the compute-only profile (the metrics') is left as measured; no gap measured yet: no cost."""
     from types import SimpleNamespace as NS
 
-    from titan_ext.runtime.estimator import Estimator
-    from titan_ext.runtime.placement import VirtualEstimator, read_layout
+    from titan_ext.runtime.measure.estimator import Estimator
+    from titan_ext.runtime.decide.placement import VirtualEstimator, read_layout
 
     est = Estimator(3, 6, 3)
     assert est.planning_profile() == est.profile()  # nothing measured
@@ -193,7 +193,7 @@ def test_the_planning_profile_adds_each_ranks_measured_per_action_cost_to_its_st
 
 
 def test_gap_per_action_is_the_median_time_between_actions_not_waiting_for_an_input():
-    from titan_ext.runtime.profiler import ActionRecord, IterationProfile
+    from titan_ext.runtime.measure.profiler import ActionRecord, IterationProfile
 
     # F 0–1 s; I 2–3 s after a 0.5 s input wait (gap 0.5 s); W 3.25–4 s (gap 0.25 s); F 9–10 s (a 5 s
     # stall, gap 5 s): median of [0.5, 0.25, 5] s = 500 ms, whatever the stall's length

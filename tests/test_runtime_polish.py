@@ -1,4 +1,4 @@
-"""The anytime polish in a running job (``PipeMorphConfig.polish_s``, runtime/lifecycle.py):
+"""The anytime polish in a running job (``PipeMorphConfig.polish_s``, runtime/control/lifecycle.py):
 the fast generator's plan deploys at once, CP-SAT + CrossPipe's search polish it in a background thread the
 training thread never waits for, and the faster plan is swapped at a later check when every rank offers
 the same polished plan.  The lifecycle rules on their own (no process group), then 2 gloo ranks."""
@@ -16,9 +16,9 @@ from titan_ext.plan import PipelineProfile
 from titan_ext.plan.polish import NO_SOLVER
 from titan_ext.plan.schedules import plan_by_name
 from titan_ext.runtime import PipeMorphConfig
-from titan_ext.runtime.deploy import Candidate
-from titan_ext.runtime.lifecycle import DecisionLog, PlanLifecycle
-from titan_ext.runtime.policy import Decision
+from titan_ext.runtime.control.deploy import Candidate
+from titan_ext.runtime.control.lifecycle import DecisionLog, PlanLifecycle
+from titan_ext.runtime.decide.policy import Decision
 from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, sgd_step
 
 pytestmark = pytest.mark.timeout(120)
@@ -183,7 +183,7 @@ def _train(rank: int, world: int, polish_s: float | None, steps: int | None, max
 
 def _polish_worker(rank: int, world: int):
     import titan_ext.plan.polish as polish
-    import titan_ext.runtime.anytime as anytime
+    import titan_ext.runtime.control.anytime as anytime
 
     # the CP-SAT stage's wall-clock safety net (the polish's one non-deterministic limit, docs in plan/polish.py)
     # widened: this 2-core machine may be far busier than the calibration, and the ranks must agree

@@ -10,11 +10,11 @@ import torch
 from titan_ext.plan import PipelineProfile
 from titan_ext.plan.result import peak_memory_per_rank
 from titan_ext.plan.virtual import virtual_profile, virtual_stage_to_rank
-from titan_ext.runtime.executor import Executor
-from titan_ext.runtime.memory import rank_memory_limits
-from titan_ext.runtime.placement import Layout, VirtualPlanner
-from titan_ext.runtime.planning import PlanningContext
-from titan_ext.runtime.policy import Decision
+from titan_ext.runtime.execute.executor import Executor
+from titan_ext.runtime.execute.memory import rank_memory_limits
+from titan_ext.runtime.decide.placement import Layout, VirtualPlanner
+from titan_ext.runtime.decide.planning import PlanningContext
+from titan_ext.runtime.decide.policy import Decision
 
 
 def test_rank_limits_closed_form():

@@ -1,4 +1,4 @@
-"""Bounded waits on peers (titan_ext.runtime.timeouts), on two real gloo processes.
+"""Bounded waits on peers (titan_ext.runtime.comm.timeouts), on two real gloo processes.
 
 Reference facts, checked in docs/titan.md: gloo receives keep the timeout their group was created with
 (``_set_pg_timeout`` does not change them), so without the wrapper a receive from a silent peer waits
@@ -30,8 +30,8 @@ SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
     import torch, torch.distributed as dist
     from torch.distributed.pipelining import schedules
-    from titan_ext.runtime import timeouts
-    from titan_ext.runtime.control import ControlPlane
+    from titan_ext.runtime.comm import timeouts
+    from titan_ext.runtime.comm.control_plane import ControlPlane
 
     rank, port, out, T = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
@@ -105,7 +105,7 @@ def test_silent_and_stopped_peers_end_within_the_timeout_and_are_named(tmp_path)
 
 
 def test_timeout_values_are_checked():
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     for bad in (0, -1, float("nan"), float("inf"), "30", True):
         with pytest.raises(ValueError, match="timeout"):
@@ -120,7 +120,7 @@ def _count_pp_waits(rank: int, world: int, train_s: float) -> dict:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, schedules
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
     from titan_ext.testing import mlp_stages, seeded_batch, step_rank
 
     counts = {"waits": 0, "with_timeout": 0}
@@ -174,7 +174,7 @@ NCCL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch, torch.distributed as dist
     from torch.distributed.pipelining import schedules
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
     from titan_ext.testing.nccl_rules import install
 
     rank, port, T, where = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
@@ -261,7 +261,8 @@ def test_the_watch_polls_under_the_device_of_the_thread_that_registered_the_work
     import threading
     import time
 
-    from titan_ext.runtime import device, timeouts
+    from titan_ext.runtime.execute import device
+    from titan_ext.runtime.comm import timeouts
 
     current = threading.local()
 
@@ -312,7 +313,7 @@ def _watch_under_the_lagging_device(rank: int, world: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import schedules
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
     from titan_ext.testing import lagdevice
 
     dev = lagdevice.install()
@@ -351,7 +352,7 @@ def test_a_group_whose_backend_cannot_be_told_gets_no_explicit_wait_timeout(monk
     explicit ``wait(timeout)`` — on NCCL a busy-wait of the host at every PP wait.  It fails closed now."""
     import torch.distributed as dist
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     for var in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
         monkeypatch.delenv(var, raising=False)
@@ -376,7 +377,7 @@ def test_nccl_blocking_wait_is_detected_and_named_once(monkeypatch, caplog):
     import torch.distributed as dist
     from torch.distributed.pipelining import schedules
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     for var in timeouts.BLOCKING_WAIT_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -392,7 +393,7 @@ def test_nccl_blocking_wait_is_detected_and_named_once(monkeypatch, caplog):
         assert timeouts.explicit_wait_timeout(None) is explicit, backend
     monkeypatch.setattr(timeouts, "_warned_blocking_wait", [])
     monkeypatch.setattr(schedules, "_batch_p2p", schedules._batch_p2p)  # restored after the test
-    with caplog.at_level(logging.WARNING, logger="titan_ext.runtime.timeouts"):
+    with caplog.at_level(logging.WARNING, logger="titan_ext.runtime.comm.timeouts"):
         timeouts.install_p2p_timeout()
         timeouts.install_p2p_timeout()
     lines = [r.getMessage() for r in caplog.records if "BLOCKING_WAIT" in r.getMessage()]
@@ -405,7 +406,7 @@ def test_a_works_timeout_is_fixed_when_it_is_created(monkeypatch):
     timeout keeps it after the switch to the train timeout."""
     from datetime import timedelta
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     limits = []
 
@@ -431,7 +432,7 @@ def _train_timeout_switch(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     timeouts.set_timeout(60.0)  # comm.init_timeout_seconds
     group = timeouts.new_group(None, None, backend="gloo")
@@ -467,7 +468,7 @@ def _switch_without_a_peer(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     timeouts.set_timeout(2.0)
     dist.barrier()

@@ -17,9 +17,9 @@ from torch.distributed.pipelining import schedules as ts
 from titan_ext.plan import PlanValidationError
 from titan_ext.plan.builtin import builtin_plan
 from titan_ext.plan.validate import torch_dry_run_lowered
-from titan_ext.runtime import executor as ex
+from titan_ext.runtime.execute import executor as ex
 from titan_ext.runtime._torch_compat import has_wait_actions
-from titan_ext.runtime.deploy import prepare_candidate
+from titan_ext.runtime.control.deploy import prepare_candidate
 
 S, N = 4, 8
 needs_waits = pytest.mark.skipif(not has_wait_actions(), reason="torch < 2.15 has no WAIT_* actions")

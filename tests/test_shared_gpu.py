@@ -22,7 +22,7 @@ def _train(rank: int, world: int, kind: str, staged: bool) -> tuple[list[float],
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleZBVZeroBubble
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.runtime.shared_gpu import HostStagedP2P
+    from titan_ext.testing.shared_gpu import HostStagedP2P
 
     transport = HostStagedP2P(staged=("cpu",)).install() if staged else None
     try:

@@ -150,7 +150,7 @@ def test_schedule_kwargs_follow_constructor_signature():
 
     from titan_ext.runtime import PipeMorph
     from titan_ext.runtime import PipeMorphConfig
-    from titan_ext.runtime.config import DelegationConfig, PolicySettings
+    from titan_ext.runtime.control.config import DelegationConfig, PolicySettings
 
     jc = JobConfig(titan_ext=TitanExt(memory_budget_gib=2.0, replan_interval=9, adaptive=False,
                                       profile_window=4, tolerance_margin=0.2, recover_patience=5))
@@ -267,7 +267,7 @@ def test_stock_torchtitan_train_rejects_bad_value_before_process_group(tmp_path)
 def test_delegation_is_the_schedules_transport_before_any_process_group(tmp_path):
     """delegation is a transport every adaptive schedule has -- the same class with and without
     it (no delegating subclass), the mode in its config."""
-    pytest.importorskip("titan_ext.runtime.delegate.schedule")
+    pytest.importorskip("titan_ext.runtime.comm.delegate.schedule")
     from titan_ext.runtime import CrossPipe, PipeMorph
     from titan_ext.titan.options import schedule_kwargs
     from titan_ext.titan.registry import schedule_class_for
@@ -369,14 +369,14 @@ def test_trainer_bad_input_is_one_line_exit_2_before_any_process_group(case, tmp
 
 
 def _greedy_planner(config):
-    from titan_ext.runtime.planning import PipeMorphPlanner
+    from titan_ext.runtime.decide.planning import PipeMorphPlanner
 
     return PipeMorphPlanner(schedule="zb")
 
 
 def _zb_spec():
-    from titan_ext.runtime.parts import ScheduleSpec
-    from titan_ext.runtime.pipemorph import PIPEMORPH
+    from titan_ext.runtime.control.parts import ScheduleSpec
+    from titan_ext.runtime.schedules.pipemorph import PIPEMORPH
 
     return ScheduleSpec("ZBAdaptive", one_stage_planner=_greedy_planner,
                         multi_stage_planner=PIPEMORPH.multi_stage_planner, backward_choices=("split",))
@@ -387,7 +387,7 @@ def test_a_new_adaptive_schedule_is_a_registry_entry_torchtitan_finds():
     ``register_schedule``; TorchTitan's lookup finds it by name and its [titan_ext] settings arrive as its
     config — no subclass code, no signature patch, no second table."""
     from titan_ext.runtime import AdaptiveConfig, AdaptiveSchedule, PipeMorph
-    from titan_ext.runtime.registry import unregister_schedule
+    from titan_ext.runtime.control.registry import unregister_schedule
     from titan_ext.titan import registry
     from titan_ext.titan.config import JobConfig, TitanExt
     from titan_ext.titan.options import schedule_kwargs

@@ -55,9 +55,9 @@ def test_torchtitan_settings_run_the_multi_stage_policy(placement, stages_of_ran
     PolicySettings, and with several stages per rank the factory builds the multi-stage
     VirtualReplanPolicy from them (one stage per rank: ReplanPolicy) — options no longer hands over a
     one-stage ReplanPolicy object."""
-    from titan_ext.runtime.parts import build_parts
-    from titan_ext.runtime.placement import VirtualReplanPolicy, read_layout
-    from titan_ext.runtime.policy import ReplanPolicy
+    from titan_ext.runtime.control.parts import build_parts
+    from titan_ext.runtime.decide.placement import VirtualReplanPolicy, read_layout
+    from titan_ext.runtime.decide.policy import ReplanPolicy
     from titan_ext.titan.config import JobConfig
     from titan_ext.titan.options import schedule_kwargs
     from titan_ext.titan.registry import schedule_class_for

@@ -78,7 +78,7 @@ def test_runtime_rule_sees_selective_checkpointing(selective):
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from titan_ext.runtime.executor import measured_forward
+    from titan_ext.runtime.execute.executor import measured_forward
 
     kwargs = {"context_fn": _sac_policy()} if selective else {}
     module = checkpoint_wrapper(Block(), preserve_rng_state=False, **kwargs)
@@ -104,8 +104,8 @@ def test_last_stage_keeps_its_logits():
 def test_fake_backend_groups_are_fake():
     """On the fake backend (TorchTitan's dry-run mode) our gloo control groups are fake too: a gloo group
     would wait for peers that do not exist."""
-    from titan_ext.runtime import timeouts
-    from titan_ext.runtime.control import new_control_group
+    from titan_ext.runtime.comm import timeouts
+    from titan_ext.runtime.comm.control_plane import new_control_group
 
     dist.init_process_group("fake", rank=3, world_size=8)
     try:
@@ -190,7 +190,7 @@ def test_runtime_rule_drops_what_the_forward_released():
     input, relu's output, the output), not tanh's output, saved and released on the way."""
     from types import SimpleNamespace
 
-    from titan_ext.runtime.executor import measured_forward
+    from titan_ext.runtime.execute.executor import measured_forward
 
     module = Block()
     x = torch.randn(B, D_IN, requires_grad=True)

@@ -26,8 +26,8 @@ import pytest
 from _titan_version import TITAN_EXT_TRAIN, TOML_CONFIG, tt02_only
 
 from titan_ext.runtime import AdaptiveConfig, ScheduleSpec, register_schedule
-from titan_ext.runtime.pipemorph import PIPEMORPH
-from titan_ext.runtime.planning import PipeMorphPlanner
+from titan_ext.runtime.schedules.pipemorph import PIPEMORPH
+from titan_ext.runtime.decide.planning import PipeMorphPlanner
 from titan_ext.titan.config import job_config_class
 
 WARMUP_RULES = ("pipemorph", "zb", "zb-h1")

@@ -129,7 +129,7 @@ def test_the_train_timeout_follows_the_first_step_under_any_trainer(monkeypatch)
     by our wrapped builder, so the stock torchtitan.train gets it too (it used to be TitanExtTrainer's)."""
     from types import SimpleNamespace
 
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
     from titan_ext.titan import registry
 
     seen = []

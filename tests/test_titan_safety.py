@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from titan_ext.runtime import delay_injection as di
+from titan_ext.runtime.emulate import delay_injection as di
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
-"""The loop runtime/executor.py mirrors, diffed against a stored copy per torch version.
+"""The loop runtime/execute/executor.py mirrors, diffed against a stored copy per torch version.
 
-``titan_ext.runtime.executor`` re-implements torch's ``_PipelineScheduleRuntime._step_microbatches``
+``titan_ext.runtime.execute.executor`` re-implements torch's ``_PipelineScheduleRuntime._step_microbatches``
 (with timing, transports and free microbatch order). Each torch release may change that loop (2.15
 added send waits, start/wait gradient reduction and ``finalize_gradients``); this test finds such a
 change in the installed torch instead of a user finding it. When it fails: read the diff, port the
@@ -23,7 +23,7 @@ def _stored(version: tuple[int, int]) -> Path:
 
 
 def test_every_tracked_torch_has_a_stored_loop_named_in_the_executor():
-    from titan_ext.runtime import executor
+    from titan_ext.runtime.execute import executor
     from titan_ext.runtime._torch_compat import TRACKED
 
     for version in TRACKED:
@@ -36,7 +36,7 @@ def test_installed_torch_loop_equals_the_stored_copy():
 
     version = torch_version()
     if version not in TRACKED:
-        pytest.fail(f"torch {version} is not tracked by runtime/executor.py (tracked: {TRACKED})")
+        pytest.fail(f"torch {version} is not tracked by runtime/execute/executor.py (tracked: {TRACKED})")
     stored = _stored(version).read_text()
     current = mirrored_loop()
     diff = "".join(difflib.unified_diff(stored.splitlines(True), current.splitlines(True),

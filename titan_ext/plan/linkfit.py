@@ -8,7 +8,7 @@ arrives ``α`` after its transmission ends. For the k-th message of one directio
 
 The transmission ends e_k depend on β and the send times only, so for a candidate β the best α is an
 offset. Measured arrivals only ever come late (wake-up latency, a receive posted late, queueing in
-the transport — see ``runtime/profiler.py``), so the fit takes the lower envelope: α(β) = min_k
+the transport — see ``runtime/measure/profiler.py``), so the fit takes the lower envelope: α(β) = min_k
 (arrival_k − e_k(β)), and β minimises the mean residual arrival_k − e_k(β) − α(β) ≥ 0 (a log-spaced
 grid over bandwidth, then golden-section refinement). Two things identify β: messages of different
 sizes, and messages that queue behind each other (their arrivals are spaced s·β apart: the

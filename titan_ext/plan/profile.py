@@ -106,7 +106,7 @@ RELEASES = {"I": frozenset({"I", "B"}), "W": frozenset({"W", "B"})}
 """The memory rule: ``profile.release`` → the kinds whose end frees a microbatch's activation on its stage.
 ``"I"``: the papers' model (PipeMorph §4, CrossPipe's default deltas: what W needs is taken as free).
 ``"W"``: torch's runtime — its split backward keeps the whole autograd graph from I until W
-(``stage_backward_input`` retains it for ``stage_backward_weight``; ``runtime.memory.ActivationMeter``
+(``stage_backward_input`` retains it for ``stage_backward_weight``; ``runtime.execute.memory.ActivationMeter``
 measures an I freeing nothing), so an activation is held from its F until its W or full B.  What
 titan_ext's runtime plans with.  Every in-flight count takes its kinds from here."""
 
@@ -222,7 +222,7 @@ class PipelineProfile:
 
     def with_action_cost(self, per_stage_ms: Sequence[float], *, full_backward: bool = False) -> "PipelineProfile":
         """A copy in which every compute action of stage s takes ``per_stage_ms[s]`` longer: the measured
-        per-action cost of the executor (``runtime.profiler.IterationProfile.gap_ms``), which makes a plan
+        per-action cost of the executor (``runtime.measure.profiler.IterationProfile.gap_ms``), which makes a plan
         with more actions (split I + W against one B) pay for them.  The simulator times a full B as
         ``b_ms + w_ms``, so ``full_backward=True`` (a full-backward plan, e.g. on ``fused()``) adds the cost
         to F and B only; otherwise to F, I and W, one each."""

@@ -7,7 +7,7 @@ which derives every field that follows from the plan itself (warm-up counts, in-
 peaks), so the fields mean the same whoever planned. Consumers (CLI, runtime, benchmarks) read only
 these names. ``ops`` is the one stored copy of the plan: ``actions`` (torch's ``_Action`` lists, for the
 CLI and the exporters) is derived from it on first read, and the runtime converts ``ops`` itself, in
-its one lowering pass (``runtime/deploy.py``).
+its one lowering pass (``runtime/control/deploy.py``).
 
 Memory units: one *activation* is what one microbatch's forward leaves behind on one stage of the
 rank-level pipeline (the unit of ``--memory-limit`` and of Alg.1's x_max). A plan with V stages per
@@ -22,9 +22,9 @@ from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 from . import ir
-from .profile import released_by
 from .ir import Op, as_ops, stage_to_rank_map
 from .placement import read_placement, stages_per_rank
+from .profile import released_by
 from .profile import PipelineProfile
 from .warmup import slackness
 

@@ -27,7 +27,7 @@ from .ir import Op, as_ops, stage_to_rank_map
 from .placement import stage_profile
 from .profile import LinkProfile, PipelineProfile
 from .result import peak_inflight, peak_memory_per_rank
-from .timing import LinkQueues, to_ms, to_ns
+from .timing import LinkQueues, bubble_rate, to_ms, to_ns
 
 
 class DeadlockError(ValueError):
@@ -197,7 +197,7 @@ def simulate(
     makespan = max(e.end_ms for e in events) - start
     busy_ms = {r: to_ms(v) for r, v in busy.items()}
     idle_ms = {r: makespan - b for r, b in busy_ms.items()}
-    bubble = 1.0 - sum(busy_ms.values()) / (len(ranks) * makespan) if makespan > 0 else 0.0
+    bubble = bubble_rate(sum(busy_ms.values()), len(ranks), makespan) if makespan > 0 else 0.0
     return Timeline(events, makespan, bubble, busy_ms, idle_ms, peak_inflight(ops, profile.release),
                     peak_memory_per_rank(ops, release=profile.release))
 

@@ -23,11 +23,19 @@ bit-for-bit against ``simulate`` by ``tests/test_plan_reference.py``.
 
 from __future__ import annotations
 
+import math
 from typing import Hashable, Sequence
 
 from .profile import LinkProfile
 
 NS_PER_MS = 1_000_000
+
+
+def bubble_rate(busy: float, ranks: int, span: float) -> float:
+    """The one definition of a timeline's bubble rate (DESIGN.md): 1 − Σ busy / (P · T), with ``busy`` the
+    summed busy time of the ``ranks`` = P ranks and ``span`` = T in the same unit; NaN when T is not positive.
+    Used by the simulator, the runtime's exchanged timeline and TorchTitan's step monitor."""
+    return 1.0 - busy / (ranks * span) if span > 0 else math.nan
 
 
 def to_ns(ms: float) -> int:

@@ -7,7 +7,7 @@ from ._torch_compat import check_torch as _check_torch
 
 _check_torch()  # a clear error naming the missing torch internal, before the imports below fail
 
-from .delay_injection import (
+from .emulate.delay_injection import (
     DelaySpecError,
     current_injector,
     inject_link_delays,
@@ -15,14 +15,14 @@ from .delay_injection import (
     parse_delay_spec,
     remove_link_delays,
 )
-from .deploy import plan_hash, warmup_counts_of
-from .config import AdaptiveConfig, DelegationConfig, PolicySettings  # the schedules' settings
-from .parts import ScheduleSpec
 from .adaptive import AdaptiveSchedule
-from .registry import adaptive_schedule, register_schedule, registered_schedules, schedule_class
-from .pipemorph import PipeMorph, PipeMorphConfig  # the two registry entries, in registration order
-from .crosspipe import CrossPipe, CrossPipeConfig
-from .policy import Decision, Policy, ReplanPolicy
+from .control.config import AdaptiveConfig, DelegationConfig, PolicySettings  # the schedules' settings
+from .control.deploy import plan_hash, warmup_counts_of
+from .control.parts import ScheduleSpec
+from .control.registry import adaptive_schedule, register_schedule, registered_schedules, schedule_class
+from .decide.policy import Decision, Policy, ReplanPolicy
+from .schedules.pipemorph import PipeMorph, PipeMorphConfig  # the two registry entries, in registration order
+from .schedules.crosspipe import CrossPipe, CrossPipeConfig
 from .falcon import FalconConfig, FalconMonitor  # noqa: F401  (docs/falcon.md)
 
 

@@ -18,7 +18,7 @@ import importlib
 import inspect
 
 TESTED = ">=2.11,<2.16"  # keep equal to pyproject.toml's torch requirement
-#: every torch (major, minor) whose pipelining loop the executor tracks (runtime/executor.py)
+#: every torch (major, minor) whose pipelining loop the executor tracks (runtime/execute/executor.py)
 TRACKED = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 # torch 2.12 added ``target`` to ``_initialize_stages``, 2.13 ``loss_kwargs`` there and in
 # ``_compute_loss`` and a start-up handshake without messages to the same rank (the GPU machines' image
@@ -218,7 +218,7 @@ def with_loss_kwargs(method, *args, loss_kwargs=None):
 
 
 def mirrored_loop() -> str:
-    """The loop runtime/executor.py mirrors, normalised: torch's
+    """The loop runtime/execute/executor.py mirrors, normalised: torch's
     ``_PipelineScheduleRuntime._step_microbatches`` without docstrings, comments and formatting
     (``ast.unparse``), so that only a change in what the code does shows up in a diff."""
     import ast
@@ -248,7 +248,7 @@ RUNTIME_KWARGS_SINCE = (2, 15)
 #: ``defer_reduce_grad_wait`` moves each WAIT_REDUCE_GRAD past the next stage's compute
 #: (``_add_reduce_grad``), ``max_outstanding_sends`` caps the sends a rank has pending
 #: (``_add_wait_send_budget``). torch's own ``defer_pp_recv`` is not taken: our executor already
-#: waits for a receive just before its consumer (runtime/executor.py, ``_wait_input``).
+#: waits for a receive just before its consumer (runtime/execute/executor.py, ``_wait_input``).
 RUNTIME_KWARGS = {"max_active_stages": 3, "unshard_lookahead": "full", "defer_reduce_grad_wait": False,
                   "max_outstanding_sends": None}
 

@@ -23,25 +23,26 @@ from torch.profiler import record_function
 
 from titan_ext.plan import PipelineProfile, PlanResult
 
-from . import _torch_compat, timeouts
-from ._torch_compat import check_runtime_kwargs, lowering_options, runtime_kwargs_given
-from .anytime import AnytimePolish
-from .cadence import CheckCadence
-from .config import AdaptiveConfig, resolve_config
-from .control import ControlPlane
-from .deploy import Candidate, external_candidate, external_plan, prepare_candidate
-from .executor import Executor, RunContext, check_stages, run_with_failover, uses_fsdp
-from .extensions import build_extensions
-from .lifecycle import DecisionLog, PlanLifecycle
-from .losses import MicrobatchLosses, sort_outputs
-from .metrics import IterationMetrics, MetricsRecord
-from .observers import Boundary, ScheduleContext
-from .parts import ScheduleSpec, build_parts
-from .placement import read_layout
-from .planning import PlanningContext, explicit_plan
-from .policy import Decision, exact_arrival_links
-from .profiler import IterationProfile, decode_profiles, encode_profile, now
-from .regime import Regime
+from ._torch_compat import (check_runtime_kwargs, initialize_stages, lowering_options, runtime_kwargs_given,
+                            with_loss_kwargs)
+from .comm import timeouts
+from .comm.control_plane import ControlPlane
+from .control.anytime import AnytimePolish
+from .control.cadence import CheckCadence
+from .control.config import AdaptiveConfig, resolve_config
+from .control.deploy import Candidate, external_candidate, external_plan, prepare_candidate
+from .control.extensions import build_extensions
+from .control.lifecycle import DecisionLog, PlanLifecycle
+from .control.observers import Boundary, ScheduleContext
+from .control.parts import ScheduleSpec, build_parts
+from .control.regime import Regime
+from .decide.placement import read_layout
+from .decide.planning import PlanningContext, explicit_plan
+from .decide.policy import Decision, exact_arrival_links
+from .execute.executor import Executor, RunContext, check_stages, run_with_failover, uses_fsdp
+from .execute.losses import MicrobatchLosses, sort_outputs
+from .measure.metrics import IterationMetrics, MetricsRecord
+from .measure.profiler import IterationProfile, decode_profiles, encode_profile, now
 
 __all__ = ["AdaptiveSchedule"]
 
@@ -79,7 +80,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
             timeouts.set_timeout(config.timeout_s)  # checks the value
             timeouts.install_p2p_timeout()
         st0 = stages[0]
-        #: R ranks × V stages per rank, placement read from the stage indices (runtime/placement.py)
+        #: R ranks × V stages per rank, placement read from the stage indices (runtime/decide/placement.py)
         layout = read_layout([st.stage_index for st in stages], st0.group_rank, st0.group_size, st0.num_stages)
         self.extensions = build_extensions(config, name, st0.num_stages, n_microbatches, layout.stages_per_rank)
         self.executor = Executor(torch.device(st0.device), activation_bytes=config.activation_bytes)
@@ -190,8 +191,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self.lifecycle.apply_pending(self._external)
         self.control.meet_once("first step")  # every rank, bounded by timeout_s; a rank that never comes is named
-        _torch_compat.initialize_stages(self, arg_mbs[0], kwarg_mbs[0],
-                                        target_mbs[0] if target_mbs is not None else None, loss_kwargs)
+        initialize_stages(self, arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None, loss_kwargs)
         training = self._has_backward
         if training:
             self.control.sync_clock()
@@ -232,7 +232,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
         """torch's hook (our executor and custom functions call it), keyed by microbatch index."""
         if stage.is_last and self._loss_fn is not None:
-            self.losses.compute(mb_index, lambda: _torch_compat.with_loss_kwargs(
+            self.losses.compute(mb_index, lambda: with_loss_kwargs(
                 self._compute_loss, output, target_mbs[mb_index], loss_kwargs=loss_kwargs))
 
     def _maybe_get_loss(self, stage, mb_index):

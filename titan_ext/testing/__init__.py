@@ -11,7 +11,7 @@
 Layering: this package sits on ``titan_ext.runtime`` (it may import it and plan/); nothing in plan/
 or runtime/ imports it (tests/test_plan_imports.py), and it imports nothing of titan/ or the entry
 points.  The runtime refers to the ``nccl_rules`` backend only by module name, to recognise its host
-tensors when it is loaded (``runtime/host_syncs.py``).
+tensors when it is loaded (``testing/host_syncs.py``).
 """
 
 from .launch import torchrun, torchrun_command

@@ -19,7 +19,7 @@ device opens a CUDA context on GPU 0.  A CPU test whose "device" is the host its
   soon as what it waits for is done, so an event recorded on an idle one completes at once;
 * **host-blocking calls block**: ``Event.synchronize`` waits until the device reached the event, and a
   read of a device tensor on the training thread (``.item()``, ``.tolist()``, ``.cpu()``, ``float()``,
-  a blocking copy: :mod:`titan_ext.runtime.host_syncs`' classification) waits until the compute stream
+  a blocking copy: :mod:`titan_ext.testing.host_syncs`' classification) waits until the compute stream
   ran everything enqueued so far; each is counted by call site through ``host_syncs.record`` (the reads
   are counted by ``host_syncs.counting`` itself);
 * **a current device per thread**: the installing thread's is its rank's (TorchTitan's
@@ -33,8 +33,8 @@ device opens a CUDA context on GPU 0.  A CPU test whose "device" is the host its
   (``cudaEventElapsedTime`` returns a C ``float``).
 
 The runtime reaches the device through its device layer: :func:`install` makes
-:func:`titan_ext.runtime.device.device_layer` return a :class:`LagLayer` for a CPU stage (events,
-streams, the device guard) and :func:`titan_ext.runtime.device.thread_device` capture the simulated
+:func:`titan_ext.runtime.execute.device.device_layer` return a :class:`LagLayer` for a CPU stage (events,
+streams, the device guard) and :func:`titan_ext.runtime.execute.device.thread_device` capture the simulated
 current device.  The data itself is still computed by the host, in program order (an op that reads a
 received buffer waits on the host for the data: ``nccl_rules``' rule, not a host sync).
 
@@ -59,9 +59,9 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_ext.runtime import device as device_mod
-from titan_ext.runtime import host_syncs
-from titan_ext.runtime.device import DeviceLayer, Timer, _EventTimer, now
+from titan_ext.runtime.execute import device as device_mod
+from titan_ext.testing import host_syncs
+from titan_ext.runtime.execute.device import DeviceLayer, Timer, _EventTimer, now
 
 __all__ = ["DEFAULT_LAG_MS", "ENV_VAR", "KERNELS_ENV", "LAG_ENV", "REPORT_ENV", "LagDevice", "LagEvent", "LagLayer", "LagStream",
            "device", "device_call", "host_block", "install", "install_accounting", "install_from_env", "installed",

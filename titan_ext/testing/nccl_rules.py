@@ -16,7 +16,7 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
   until every rank of the group issued its own, and the first bare ``isend``/``irecv`` of a pair until
   the other rank issued its first bare op with this one (a rendezvous through the group's store, as NCCL
   exchanges the ``ncclUniqueId`` there before ``ncclCommInitRank`` blocks); counted as a host-blocking
-  call by :mod:`titan_ext.runtime.host_syncs` ("communicator creation").  A rank whose peers never come
+  call by :mod:`titan_ext.testing.host_syncs` ("communicator creation").  A rank whose peers never come
   hangs on NCCL; here the op fails after the group's timeout (raises, or ends the process as the watchdog
   would when ops are in flight).  ``$TITAN_EXT_NCCL_RULES_INIT=eager`` models ``device_id`` (which a CPU
   test cannot pass): every group's communicator exists from its creation and bare P2P ops run on it,
@@ -94,7 +94,7 @@ are enforced by a backend that runs on CPU over gloo but behaves like NCCL where
 
   Tensors made by torch (pipelining's buffers), by the model, by the user's code, or through the
   device layer are device tensors.  :func:`mark_host` marks one explicitly; :func:`is_host_made`
-  is the one test of it (the host-sync accounting of :mod:`titan_ext.runtime.host_syncs` uses it to
+  is the one test of it (the host-sync accounting of :mod:`titan_ext.testing.host_syncs` uses it to
   tell a device read from a host one).
 
 Collectives are gloo's (host-tensor rule checked), launched in stream order.  **One stream per group
@@ -142,7 +142,7 @@ WATCHDOG_ENV = "TITAN_EXT_NCCL_RULES_WATCHDOG"
 INIT_ENV = "TITAN_EXT_NCCL_RULES_INIT"
 #: titan_ext modules whose tensors are device tensors: the device layer, and the
 #: test harness's models and batches (the user's side of a job)
-DEVICE_LAYER_MODULES = ("titan_ext.runtime.device", "titan_ext.testing.ranks", "titan_ext.testing.models")
+DEVICE_LAYER_MODULES = ("titan_ext.runtime.execute.device", "titan_ext.testing.ranks", "titan_ext.testing.models")
 
 __all__ = ["BACKEND", "ENV_VAR", "INIT_ENV", "CommunicatorAborted", "NcclRuleError", "NcclRulesGroup", "inject_abort",
            "install", "installed", "is_host_made", "mark_host", "names_host"]
@@ -222,7 +222,7 @@ def _caller_module() -> str:
     """Module of the Python code that called the torch function (past torch's own dispatch glue)."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(
-            ("torch.overrides", __name__, "titan_ext.runtime.host_syncs", "titan_ext.testing.lagdevice")):
+            ("torch.overrides", __name__, "titan_ext.testing.host_syncs", "titan_ext.testing.lagdevice")):
         frame = frame.f_back
     return frame.f_globals.get("__name__", "") if frame is not None else ""
 
@@ -409,8 +409,8 @@ def _lagdevice() -> Any:
 
 
 def _record_host_sync(kind: str) -> None:
-    """Count a host-blocking call on this thread's open :func:`titan_ext.runtime.host_syncs.counting` blocks."""
-    syncs = sys.modules.get("titan_ext.runtime.host_syncs")
+    """Count a host-blocking call on this thread's open :func:`titan_ext.testing.host_syncs.counting` blocks."""
+    syncs = sys.modules.get("titan_ext.testing.host_syncs")
     if syncs is not None:
         syncs.record(kind)
 
@@ -454,7 +454,7 @@ class _RulesWork(dist.Work):
     until the op completes (ProcessGroupNCCL's blocking wait: the host busy-waits on the work's end
     event) and, when the timeout expires first, raises and aborts the communicator: every later op on the
     group raises.  A barrier's ``wait()`` blocks the host too (ProcessGroupNCCL's barrier synchronises the
-    device: counted by :mod:`titan_ext.runtime.host_syncs`).  ``is_completed()`` is truthful: True once the
+    device: counted by :mod:`titan_ext.testing.host_syncs`).  ``is_completed()`` is truthful: True once the
     op has landed, or has failed (``WorkNCCL::isCompleted``: ``exception() || finishedGPUExecutionInternal()``;
     the error is in ``exception()`` and ``wait()`` raises it).  ``get_future()`` is completed at enqueue
     (:class:`_EnqueuedFuture`)."""
@@ -879,7 +879,7 @@ class NcclRulesGroup(dist.ProcessGroup):
         (collectives and ``batch_isend_irecv``; key "group") needs every rank of the group; a bare
         ``isend``/``irecv`` creates a two-rank communicator of the pair (``getKeySendRecv``: "lo:hi").  Here:
         a rendezvous through the group's store, the calling thread blocked until every rank of it
-        arrived, counted as a host-blocking call (:mod:`titan_ext.runtime.host_syncs`: "communicator
+        arrived, counted as a host-blocking call (:mod:`titan_ext.testing.host_syncs`: "communicator
         creation").  A rank whose peers never arrive hangs on NCCL; here it fails after the group's timeout
         (as the watchdog would end a hung op): the process ends, or with ``$TITAN_EXT_NCCL_RULES_WATCHDOG=raise``
         the op raises and the group is aborted."""

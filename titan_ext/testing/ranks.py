@@ -63,7 +63,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, arg
     except BaseException:  # noqa: BLE001 - reported to the parent, which stops the other ranks
         _write_result(path, ("error", traceback.format_exc()))
         os._exit(0 if outcomes else 1)  # outcomes: a failure is a result; the other ranks go on
-    from titan_ext.runtime.delay_injection import remove_link_delays
+    from titan_ext.runtime.emulate.delay_injection import remove_link_delays
 
     remove_link_delays()
     if not outcomes:  # outcomes: another rank may have failed on purpose; nobody waits for it

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titan_ext.runtime.device import POLL_MIN_S, DeviceLayer, RecvHandle, Timer, _EventTimer, backend_waits_land, now
+from titan_ext.runtime.execute.device import POLL_MIN_S, DeviceLayer, RecvHandle, Timer, _EventTimer, backend_waits_land, now
 
 __all__ = ["SimAsyncTransport", "SimComputeStage", "SimDevice", "SimEvent", "SimStream", "sim_kernel", "stream"]
 

@@ -11,7 +11,7 @@ TorchTitan parses the config and before any process group exists. A bad value ra
 ``[titan_ext] delegation = 'sometimes': must be one of 'off', 'auto', 'always'``.
 
 Besides the built-in knobs of :class:`TitanExt` (each names, in its field metadata, the config keyword it
-sets: :func:`sets`), every registered adaptive schedule (``titan_ext.runtime.registry``) brings the
+sets: :func:`sets`), every registered adaptive schedule (``titan_ext.runtime.control.registry``) brings the
 fields its config class adds to ``AdaptiveConfig`` as knobs of the same name, documented by the
 fields' docstrings (:func:`registered_knobs`); ``JobConfig`` -- what ``job.custom_config_module``
 hands TorchTitan -- is built from the registry when asked for (:func:`job_config_class`).
@@ -109,7 +109,7 @@ class TitanExt:
     "full" (one full backward B per microbatch, 1F1B-style, with PipeMorph's warm-up counts), "auto"
     (every re-plan plans both and keeps the one the model predicts faster from measured times;
     PipeMorph's default) or "measure" (after each re-plan, run the other variant for a window of
-    iterations and keep the one with the lower measured iteration time; ``runtime/backward.py``).
+    iterations and keep the one with the lower measured iteration time; ``runtime/decide/backward.py``).
     Empty = the schedule's default (PipeMorph: auto; CrossPipe: split, its only variant)."""
 
     polish_s: float = field(default=0.0, metadata=sets("polish_s", _zero_is_none))
@@ -177,7 +177,7 @@ class TitanExt:
     "loop" (rank r holds stages r, r+R, ...: torch's Interleaved schedules) or "v" (rank r holds r
     and 2R-1-r: ZBV / DualPipeV). Empty = the schedule's own placement. Validated here; "v" makes
     ``titan_ext.train`` build TorchTitan's V-style split for PipeMorph / CrossPipe (two stages per
-    rank), which read the placement from their stages (``titan_ext.runtime.placement``)."""
+    rank), which read the placement from their stages (``titan_ext.runtime.decide.placement``)."""
 
     link_alpha_beta: str = ""
     """Known α-β of PP links for CrossPipe's link model (CrossPipe §2.2), in the grammar of
@@ -284,15 +284,15 @@ class TitanExt:
 
 def config_delay_schedule(spec: str, key: str = "inject_delays"):
     """A config key's delay schedule (None: empty), parsed by the one parser,
-    :func:`titan_ext.runtime.delay_injection.parse_delay_spec` ("2:30", "0:10,2:30:100MB/s", "*:5",
+    :func:`titan_ext.runtime.emulate.delay_injection.parse_delay_spec` ("2:30", "0:10,2:30:100MB/s", "*:5",
     "trace:PATH"); errors name ``key``.
 
     Imports torch (through the runtime) only when called with a non-empty spec.
     """
     if not spec.strip():
         return None
-    from titan_ext.runtime.delay_injection import DelaySpecError
-    from titan_ext.runtime.delay_injection import parse_delay_spec as runtime_parse
+    from titan_ext.runtime.emulate.delay_injection import DelaySpecError
+    from titan_ext.runtime.emulate.delay_injection import parse_delay_spec as runtime_parse
 
     try:
         return runtime_parse(spec)
@@ -370,7 +370,7 @@ def validate_titan_ext(cfg: TitanExt, num_pp_links: int | None = None) -> None:
         schedule = config_delay_schedule(cfg.inject_delays, key)
     elif cfg.inject_trace.strip():
         key = "inject_trace"
-        from titan_ext.runtime.delay_injection import DelaySpecError, load_delay_trace
+        from titan_ext.runtime.emulate.delay_injection import DelaySpecError, load_delay_trace
 
         try:
             schedule = load_delay_trace(cfg.inject_trace)
@@ -442,7 +442,7 @@ def schedule_knobs(config_class: type) -> list[tuple[str, type, Any, str]]:
     config-only (``config=`` or keywords of the schedule's constructor).  Imports the runtime."""
     from dataclasses import MISSING
 
-    from titan_ext.runtime.config import AdaptiveConfig
+    from titan_ext.runtime.control.config import AdaptiveConfig
 
     common = {f.name for f in fields(AdaptiveConfig)}
     hints = typing.get_type_hints(config_class)
@@ -453,9 +453,9 @@ def schedule_knobs(config_class: type) -> list[tuple[str, type, Any, str]]:
 
 
 def registered_knobs() -> dict[str, ScheduleKnob]:
-    """The knobs of every registered adaptive schedule (``runtime/registry.py``), by name.  A knob
+    """The knobs of every registered adaptive schedule (``runtime/control/registry.py``), by name.  A knob
     shared by several schedules must have one type and default; none may shadow a built-in knob."""
-    from titan_ext.runtime.registry import schedule_specs
+    from titan_ext.runtime.control.registry import schedule_specs
 
     builtin = {f.name for f in fields(TitanExt)}
     out: dict[str, ScheduleKnob] = {}
@@ -477,7 +477,7 @@ def registered_knobs() -> dict[str, ScheduleKnob]:
 def _validate_schedule_knobs(section: Any, knobs: dict[str, ScheduleKnob]) -> None:
     """A schedule knob's value: of the knob's type, and accepted by each owning schedule's config
     (its ``__post_init__``); errors name the key."""
-    from titan_ext.runtime.registry import schedule_class
+    from titan_ext.runtime.control.registry import schedule_class
 
     for knob in knobs.values():
         v = getattr(section, knob.name)

@@ -15,7 +15,7 @@ else the fewest ranks the config runs on. Nothing here needs a GPU, a tokenizer 
    process group of the whole world with this rank, and TorchTitan's own build up to its pipeline
    (adapter ``build_pipeline``: parallel dims and mesh, the model on the meta device, the stage split,
    TP / FSDP / activation checkpointing by the model's ``parallelize_fn``, and the schedule, PipeMorph
-   itself, with its control groups fake too: ``runtime.timeouts.new_group``);
+   itself, with its control groups fake too: ``runtime.comm.timeouts.new_group``);
 3. per stage, the bytes one microbatch's forward keeps alive until its backward (M^F), measured on that
    stage's real modules under ``FakeTensorMode`` (no memory is allocated): the storages alive after two
    forwards minus after one (what a second microbatch adds: activations, saved tensors, selective
@@ -26,7 +26,7 @@ else the fewest ranks the config runs on. Nothing here needs a GPU, a tokenizer 
 4. the memory verdict: each stage's activation budget (``[titan_ext] memory_budget_gib``, else the GPU's
    memory, ``DRY_RUN_GPU_GIB`` (default 80), less the model state: 16 bytes per local parameter (fp32
    weight, gradient, AdamW's two states) and the stage's gathered bf16 weights, times
-   1 - ``runtime.memory.DEFAULT_HEADROOM``), the in-flight microbatches it holds, ⌊budget / M^F⌋ (PipeMorph
+   1 - ``runtime.execute.memory.DEFAULT_HEADROOM``), the in-flight microbatches it holds, ⌊budget / M^F⌋ (PipeMorph
    Alg.1's memory rule, PipeMorph §4.2), against 1F1B's (stage s of S holds S - s); a stage that holds
    exactly 1F1B's count fits but is noted: PipeMorph has no room to widen its warm-up there;
 5. PipeMorph's first plan: the warm-up counts the built schedule starts with, and the planner's plan
@@ -82,8 +82,8 @@ def measure_forward_bytes(part: torch.nn.Module, make_input, loss=None) -> tuple
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from titan_ext.runtime.executor import measured_forward
-    from titan_ext.runtime.memory import LiveStorages
+    from titan_ext.runtime.execute.executor import measured_forward
+    from titan_ext.runtime.execute.memory import LiveStorages
 
     def forward() -> tuple[Any, Any]:
         args, kwargs = make_input()
@@ -256,7 +256,7 @@ def _worker(argv: list[str], rank: int, spec: Any) -> dict:
 
 def _budget_bytes(section: Any, stage: dict, tp: int) -> tuple[float, str]:
     """(activation budget, where it comes from) of a stage's rank (module docstring, item 4)."""
-    from titan_ext.runtime.memory import DEFAULT_HEADROOM
+    from titan_ext.runtime.execute.memory import DEFAULT_HEADROOM
 
     configured = float(getattr(section, "memory_budget_gib", 0.0) or 0.0)
     if configured > 0:

@@ -157,7 +157,7 @@ def _check_delegation(config, section) -> None:
         raise JobConfigError(
             f"[titan_ext] {key} = {value!r}: schedule {name!r} does "
             f"not support delegation in this build (use delegation = \"off\")")
-    from titan_ext.runtime.delegate._ext import missing_reason
+    from titan_ext.runtime.comm.delegate._ext import missing_reason
 
     missing = missing_reason()
     if missing is not None:
@@ -223,7 +223,7 @@ def check_env(pp: int, config_delays: bool = False, config_emulation: tuple[str,
     overrides them, but garbage there is still an error): ``TITAN_EXT_INJECT_DELAYS`` (and ``_T0``;
     its links must exist when it is the one used: the runtime installs it once the process group
     exists, ``options.install_link_delays``), ``TITAN_EXT_SLOW_DEVICE``, ``TITAN_EXT_SLOW_LINK``."""
-    from titan_ext.runtime.delay_injection import ENV_VAR, DelaySpecError, schedule_from_env
+    from titan_ext.runtime.emulate.delay_injection import ENV_VAR, DelaySpecError, schedule_from_env
     from titan_ext.runtime.falcon.emulation import EmulationSpecError, parse_slow_device, parse_slow_link
 
     try:
@@ -443,7 +443,7 @@ def _check_against_timeout(config, section) -> None:
         key = "inject_delays" if section.inject_delays.strip() else "inject_trace"
         schedule, source = config_delay_schedule(spec, key), f"[titan_ext] {key} = {getattr(section, key)!r}"
     else:
-        from titan_ext.runtime.delay_injection import ENV_VAR, schedule_from_env
+        from titan_ext.runtime.emulate.delay_injection import ENV_VAR, schedule_from_env
 
         parsed = schedule_from_env()  # well-formed: check_env ran first
         if parsed is None:

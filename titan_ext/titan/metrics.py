@@ -105,7 +105,7 @@ def _flat_numbers(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
 
 def _injected_delays_ms(num_links: int) -> dict[int, float]:
     """The injected straggler's current latency per link ({} when none is installed)."""
-    from titan_ext.runtime.delay_injection import current_injector
+    from titan_ext.runtime.emulate.delay_injection import current_injector
 
     injector = current_injector()
     if injector is None or injector.schedule.is_empty():

@@ -5,7 +5,7 @@
 ``backward_weight_one_chunk`` → W) and the schedule's ``step``.  On CPU every call records start/end on
 ``time.monotonic_ns()`` -- one clock read per action edge, no collective and no device sync on the
 critical path.  On a GPU the host span would be the launch span, so the monitor times through the device
-layer (``titan_ext.runtime.device``): CUDA events on the stage's compute stream, put on the host clock
+layer (``titan_ext.runtime.execute.device``): CUDA events on the stage's compute stream, put on the host clock
 through an anchor whose completion was stamped, and read only in :meth:`PipelineMonitor.gather` (a
 logging step), so ``pipeline/*`` metrics are device timings for every schedule.
 
@@ -40,8 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_ext.runtime.device import DeviceLayer, device_layer
-from titan_ext.runtime.profiler import ActionRecord
+from titan_ext.plan.timing import bubble_rate
+from titan_ext.runtime.execute.device import DeviceLayer, device_layer
+from titan_ext.runtime.measure.profiler import ActionRecord
 
 __all__ = ["Action", "IterationTimeline", "PipelineMonitor", "timeline_stats"]
 
@@ -88,7 +89,7 @@ def timeline_stats(timeline: IterationTimeline) -> dict[str, Any]:
     busy = {s: 0 for s in range(S)}
     for a in acts:
         busy[a.stage] = busy.get(a.stage, 0) + (a.end_ns - a.start_ns)
-    bubble = 1.0 - sum(busy.values()) / (P * T)
+    bubble = bubble_rate(sum(busy.values()), P, T)
 
     by_key: dict[tuple[int, str, int], Action] = {(a.stage, a.kind, a.microbatch): a for a in acts}
     links: dict[int, float] = {}
@@ -244,7 +245,7 @@ class PipelineMonitor:
         if self.pp_group is None or not dist.is_initialized():
             parts = [mine]
         else:
-            from titan_ext.runtime.timeouts import named
+            from titan_ext.runtime.comm.timeouts import named
 
             parts = [None] * dist.get_world_size(self.pp_group)
             named(self.pp_group, "monitor/gather",  # a timeout names the rank that did not come

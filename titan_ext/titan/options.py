@@ -76,7 +76,7 @@ def schedule_config(schedule_cls: type, job_config: Any) -> Any:
     """The config (the class's own config class, e.g. ``CrossPipeConfig``) of an adaptive schedule
     from the job's ``[titan_ext]`` section: the built-in knobs through the keywords their metadata
     names, the schedule's own knobs (its config's added fields) under their own names."""
-    from titan_ext.runtime.config import PolicySettings
+    from titan_ext.runtime.control.config import PolicySettings
 
     section = titan_ext_section(job_config)
     settings = PolicySettings(**{kw.split(".", 1)[1]: convert(getattr(section, knob))

@@ -49,13 +49,13 @@ _active = threading.local()  # .job_config while build_pipeline_schedule runs
 
 
 def _runtime_registry() -> Any:
-    """The runtime's schedule registry (``runtime/registry.py``): the one table of schedule names.
+    """The runtime's schedule registry (``runtime/control/registry.py``): the one table of schedule names.
     Imported when a name is first resolved, never by :func:`register` (``import titan_ext`` stays light)."""
-    return importlib.import_module("titan_ext.runtime.registry")
+    return importlib.import_module("titan_ext.runtime.control.registry")
 
 
 def register_schedule(spec: Any, schedule_class: type | None = None, **kwargs: Any) -> type:
-    """The runtime's :func:`~titan_ext.runtime.registry.register_schedule`: register a ``ScheduleSpec``
+    """The runtime's :func:`~titan_ext.runtime.control.registry.register_schedule`: register a ``ScheduleSpec``
     so that ``pipeline_parallel_schedule = spec.name`` finds it, its config's own fields become
     ``[titan_ext]`` knobs and ``[titan_ext] delegation`` works (every adaptive schedule has it)."""
     return _runtime_registry().register_schedule(spec, schedule_class, **kwargs)
@@ -83,7 +83,7 @@ def _wants_delegation(job_config: Any) -> bool:
 def _require_delegate_extension() -> None:
     """A job that asks for delegation stops here, with one line, when ``titan_ext._delegate_C`` is
     missing (an install built without torch, or for another torch) -- not later, in a delegate process."""
-    from titan_ext.runtime.delegate._ext import missing_reason
+    from titan_ext.runtime.comm.delegate._ext import missing_reason
 
     missing = missing_reason()
     if missing is not None:
@@ -178,7 +178,7 @@ def build_with_titan_ext(job_config: Any, stages: list, build: Callable[[], Any]
 def _train_timeout_after_first_step(schedule: Any, job_config: Any) -> None:
     """TorchTitan's rule, under any trainer (ours or the stock ``torchtitan.train``): once the first step
     is done, PP waits and titan_ext's groups end after ``comm.train_timeout_seconds``."""
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     train_s = getattr(getattr(job_config, "comm", None), "train_timeout_seconds", 0)
     if not train_s or train_s <= 0:
@@ -212,7 +212,7 @@ def _install_timeouts(job_config: Any) -> None:
     ``comm.init_timeout_seconds`` until the first step is done, then ``comm.train_timeout_seconds``,
     :func:`_train_timeout_after_first_step`): without it a frozen peer holds a gloo receive for the
     groups' creation timeout."""
-    from titan_ext.runtime import timeouts
+    from titan_ext.runtime.comm import timeouts
 
     comm = getattr(job_config, "comm", None)
     if comm is not None and getattr(comm, "init_timeout_seconds", 0) > 0:

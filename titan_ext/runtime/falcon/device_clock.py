@@ -10,7 +10,7 @@ gloo *control* groups; only device data (gradients, ring-validation buffers) use
   order, as ``dist.new_group`` requires); :func:`is_control_group` tells them apart.
 * :func:`device_buffer` / :func:`to_device` — tensors Falcon makes for a data group, on the device;
   :func:`made_for_device` is the mark a rule-checking backend can test.
-* :class:`DeviceTimer` (from the device layer, ``runtime/device.py``) — ``mark()`` on the device's
+* :class:`DeviceTimer` (from the device layer, ``runtime/execute/device.py``) — ``mark()`` on the device's
   current stream (CUDA events; ``perf_counter`` on CPU, where every op has completed when it returns)
   and ``elapsed_s`` read later, when the end has completed.
 * :func:`ensure_communicator` — a data group's communicator made now, by a one-element collective of
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_ext.runtime.device import DeviceTimer, device_sleep  # the device layer's (one door)
+from ..execute.device import DeviceTimer, device_sleep  # the device layer's (one door)
 
 __all__ = ["control_group", "is_control_group", "device_buffer", "to_device", "made_for_device",
            "DeviceTimer", "device_sleep", "is_cuda", "PROBE_BYTES", "probe_numel", "ensure_communicator",
@@ -55,8 +55,8 @@ _MARK = "_titan_ext_device_data"
 
 def control_group(ranks=None):
     """A gloo group over ``ranks`` (None: the world) for host data. Collective over the world. It takes
-    the job's timeout (``runtime.timeouts``)."""
-    from ..timeouts import new_group
+    the job's timeout (``runtime.comm.timeouts``)."""
+    from ..comm.timeouts import new_group
 
     group = new_group(None if ranks is None else sorted(ranks), None, backend="gloo")
     _CONTROL_GROUPS.append(group)

@@ -79,8 +79,8 @@ class MeshGroups:
 
 def build_mesh_groups(grid, backend: str | None = None, timeout_s: float | None = None) -> MeshGroups:
     """Create every row (PP) and column (DP) group of ``grid`` (collective: all ranks call it), with
-    ``timeout_s`` (None: the job's current timeout, ``runtime.timeouts``)."""
-    from ..timeouts import new_group
+    ``timeout_s`` (None: the job's current timeout, ``runtime.comm.timeouts``)."""
+    from ..comm.timeouts import new_group
 
     rank = dist.get_rank()
     num_dp, num_pp = len(grid), len(grid[0])

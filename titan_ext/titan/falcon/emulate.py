@@ -179,7 +179,7 @@ class PPLinkDelays:
 
     def remove(self) -> None:
         if self.installed:
-            from titan_ext.runtime.delay_injection import remove_link_delays
+            from titan_ext.runtime.emulate.delay_injection import remove_link_delays
 
             remove_link_delays()
             self.installed = False

@@ -7,7 +7,7 @@ logs the calls, a LocalAnalyzer on the node infers the iteration times off the t
 the detector costs 0.39 % on average, §7.4): nothing in the step waits for the device.  Here
 
 * a step's device times (its span, the DP sync's marks) are device-layer timing events
-  (:class:`StepClock`, :meth:`~titan_ext.runtime.device.Timer.resolve` with ``block=False``) read
+  (:class:`StepClock`, :meth:`~titan_ext.runtime.execute.device.Timer.resolve` with ``block=False``) read
   once the device ran them — at the step's own end on the CPU (the host clock is the device's), a
   step or more later on a GPU whose device runs behind the host — never an ``Event.synchronize``;
 * the ranks agree on the steps every rank has read through **one MAX reduction a check** on the
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from titan_ext.runtime.falcon.decision import FalconDecision, IterationObservation
 from titan_ext.runtime.falcon.exchange import max_all_reduce
 from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
-from titan_ext.runtime.timeouts import named
+from titan_ext.runtime.comm.timeouts import named
 
 __all__ = ["SLOW_DEVICE_RATIO", "STEPS_IN_FLIGHT", "StepClock", "StepRecord", "ObservationExchange",
            "acf_iteration_times", "validate", "rings_to_validate", "last_training_step"]
@@ -88,7 +88,7 @@ class StepClock:
     iteration time; a slow GPU shows in the time the device took, not in the host's enqueueing),
     and the device times of marks inside it (the DP sync's, :class:`~.dp.DPSync`).
 
-    Timed by the device layer (:func:`titan_ext.runtime.device.device_layer`): on CUDA, events on the
+    Timed by the device layer (:func:`titan_ext.runtime.execute.device.device_layer`): on CUDA, events on the
     compute stream bracket the step and its marks; they are read with ``resolve(block=False)`` once the
     device ran them (:meth:`read`, at the step's end: usually the step before's), never with a wait —
     a backlog the device carries into or through the step is in the step's time, the host's run-ahead
@@ -98,7 +98,7 @@ class StepClock:
     first anchor of a CUDA timer waits on its own event once: start-up, off the steady state)."""
 
     def __init__(self, device: Any, in_flight: int = STEPS_IN_FLIGHT):
-        from titan_ext.runtime.device import device_layer
+        from titan_ext.runtime.execute.device import device_layer
 
         layer = device_layer(device if device is not None else "cpu")
         self._free = deque(layer.timer() for _ in range(max(1, in_flight)))

@@ -1,0 +1,130 @@
+"""The policy's side of a check (PipeMorph §6 ③): the deployed plan's regime and the decision on it.
+
+A *regime* is a plan the policy chose (the initial plan, its calibration, an adapt or shrink); within
+one the backward variant may be probed and selected (``backward.py``) and a polish may reorder it
+(``anytime.py``) without the policy seeing a new regime.  :class:`Regime` keeps what the decision reads
+across checks — Alg.1's counts for the current x_max, whether the initial plan was calibrated with
+measured times, iterations since the last deploy, a running backward probe, the delays the deployed plan
+absorbed — and :meth:`Regime.decide` runs the policy on the agreed estimates (identical inputs on every
+rank, so every rank reaches the same decision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from titan_ext.plan import initial_warmup_counts
+
+from torch.profiler import record_function
+
+from ..decide.backward import VARIANTS, BackwardChoice
+from ..decide.policy import Decision
+from ..measure.profiler import link_delay_estimates, now, timeline_bubble_rate
+
+__all__ = ["Regime"]
+
+#: decisions whose new plan keeps the memory regime of Alg.1 ("initial") or forces a plan
+_KIND_OF_DECISION = {"calibrate": "initial", "force": "forced"}
+
+
+class Regime:
+    """Regime state and the decision at a check, for one schedule (``parts``: its policy, estimator and
+    memory budget; ``config``: its settings)."""
+
+    def __init__(self, parts: Any, config: Any, num_stages: int, log: Any):
+        self.parts, self.num_stages, self.slack_floor, self.log = parts, num_stages, config.slack_floor, log
+        self.initial_counts = initial_warmup_counts(num_stages, parts.memory.x_max)
+        self.since_deploy, self.calibrated, self.probe_running = 0, False, False
+        self.planned_for_ms: list[float] | None = None  # the deployed plan's absorbed delays
+        settings = config.policy_settings
+        self.backward = BackwardChoice(config.backward, parts.choose_backward, parts.estimator.window.size,
+                                       config.backward_margin, log, settings.rel_margin, settings.abs_margin_ms)
+
+    def absorb(self, ranks: list, rank: int, deployed_backward: str) -> tuple[list[dict], float, float]:
+        """The gathered profiles → the estimator's windows, activation bytes and the memory cap, the
+        backward chooser's spans; returns (per-link delay readings, bubble rate, timeline span)."""
+        hashes = {r.plan_hash for r in ranks}
+        if len(hashes) != 1:
+            self.log(decision="error", reason=f"ranks ran different plans this iteration: {sorted(hashes)}")
+        links = link_delay_estimates(ranks)
+        bubble, span_ms = timeline_bubble_rate(ranks)
+        if all(not math.isnan(r.activation_bytes) for r in ranks):
+            self.parts.memory.absorb([r.memory_budget_bytes for r in ranks], [r.activation_bytes for r in ranks], rank)
+        self.parts.estimator.push(ranks, [lk["c_ms"] for lk in links])
+        if math.isfinite(span_ms) and deployed_backward in VARIANTS:
+            self.backward.chooser.record(deployed_backward, span_ms)
+        return links, bubble, span_ms
+
+    def installed(self, cand: Any) -> None:
+        """A new regime's plan (not a polish of the running one) was swapped in: its counters."""
+        plan = cand.plan
+        self.planned_for_ms = plan.profile.delays_ms if plan is not None and plan.profile is not None else None
+        note = getattr(self.parts.policy, "note_deployed", None)  # optional hook of a Policy
+        if note is not None:
+            note(self.planned_for_ms)
+        self.since_deploy = 0
+        self.probe_running = cand.trigger == "probe"
+        if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
+            self.backward.chooser.new_regime()
+
+    def resolved(self, res: Any) -> None:
+        """The background job of the last decision was resolved (``lifecycle.Resolution``)."""
+        if res.produced and res.decision.action == "calibrate":
+            self.calibrated = True
+
+    def decide(self, deployed: Any, adaptive: bool, delegating: bool, iteration: int) -> Decision:
+        """The policy's decision on the window estimates, the initial plan's calibration once the times
+        are measured, then the backward chooser's say (probe / select)."""
+        parts = self.parts
+        est = parts.memory.capped(parts.estimator.planning_profile(deployed.backward), delegating)
+        counts = deployed.warmup_counts
+        if not adaptive and not parts.policy.forces:
+            decision = Decision("keep", "adaptation disabled")
+        else:
+            decision = parts.policy.decide(est, counts, self.initial_counts, self.since_deploy,
+                                           slack_floor=self.slack_floor)
+        if decision.action in ("keep", "hold") and not self.calibrated and adaptive:
+            if parts.memory.recalibrate():
+                self.initial_counts = initial_warmup_counts(self.num_stages, parts.memory.x_max)
+            if deployed.kind == "initial":
+                return Decision("calibrate", f"initial plan regenerated with measured times "
+                                f"(Alg.1, x_max={parts.memory.x_max})", mode="initial")
+            self.calibrated = True
+        if adaptive and self.calibrated and deployed.kind in ("initial", "adaptive"):
+            mode = "initial" if deployed.kind == "initial" else "adaptive"
+            return self.backward.chooser.step(decision, deployed.backward, counts, mode, est.delays_ms, iteration,
+                                              deployed.inflight_limit)
+        return decision
+
+    def settled(self, decision: Decision, planning: bool, adaptive: bool) -> bool:
+        """Nothing is changing after ``decision`` (the check period may grow: ``cadence.py``)."""
+        if not self.backward.chooser.probing:  # the verdict kept the probed variant: no swap marks the end
+            self.probe_running = False
+        return (decision.action in ("keep", "hold") and not planning and not self.probe_running
+                and (self.calibrated or not adaptive))
+
+    def replan(self, decision: Decision, deployed: Any, plan: Callable, prepare: Callable) -> tuple[Callable, str]:
+        """The background job of a re-plan and its reason: plan (``plan(profile, decision)``) → validate →
+        lower (``prepare(ops, counts, kind, reason, limit)()``).  The variants to plan and their profiles
+        are read here, on the training thread (``backward.py``)."""
+        kind = _KIND_OF_DECISION.get(decision.action, decision.mode or "adaptive")
+        reason = f"{decision.action}: {decision.reason}"
+        estimator, choice = self.parts.estimator, self.backward
+        running = deployed.backward if deployed else None
+        variants = choice.variants(decision, deployed, estimator.window.median("B", self.num_stages))
+        work = [(estimator.planning_profile(v), dataclasses.replace(decision, backward=v)) for v in variants]
+
+        def job() -> Any:
+            with record_function("titan_ext:plan"):  # on the planning thread
+                t0 = now()
+                made = choice.pick([plan(estimate, d) for estimate, d in work], running)
+                plan_ms = 1e3 * (now() - t0)
+                cand = prepare(made.ops, made.warmup_counts, kind, reason, made.inflight_limit)()
+                cand.plan_ms, cand.trigger = plan_ms, decision.action
+                if made.schedule != "explicit":
+                    cand.plan = made  # planner-made: what the anytime polish starts from
+                return cand
+
+        return job, reason

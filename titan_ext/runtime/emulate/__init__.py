@@ -1,0 +1,2 @@
+"""Straggler emulation on the real PP messages (per-link latency and bandwidth).
+"""

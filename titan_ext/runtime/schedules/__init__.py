@@ -1,0 +1,2 @@
+"""The adaptive schedules, one registry entry each, beside each other.
+"""
