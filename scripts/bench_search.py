@@ -5,7 +5,7 @@ Every candidate of the critical-path descent differs from the current plan on on
 positions.  ``incremental=True`` (the planner's default) restarts the timing at the first moved
 operation, as ``crosspipe.model.Model.rerun`` does; ``incremental=False`` (the baseline) times the
 whole plan again.  Both return the same plan (checked here and in
-tests/test_crosspipe_engine.py); this measures what the restart buys per evaluation.  (The annealing
+tests/plan/test_crosspipe_engine.py); this measures what the restart buys per evaluation.  (The annealing
 times its candidates from scratch: the restart measured no faster there, docs/crosspipe.md.)
 
 Cases: scripts/bench_optimality.py's configurations (A–D, seeds 0–2), each started from its default

@@ -10,7 +10,7 @@
 # Builds the extension WITH CUDA (nvcc from CUDA_HOME, else the nvcc on PATH, else /usr/local/cuda;
 # TORCH_CUDA_ARCH_LIST defaults to setup.py's "8.0;9.0;10.0+PTX" since no GPU is there to ask) into a temporary build
 # directory — the working tree's own .so files are not touched — then runs
-# tests/test_delegate_bindings.py against that module: the module must have been compiled with CUDA,
+# tests/runtime/test_delegate_bindings.py against that module: the module must have been compiled with CUDA,
 # its pybind11 signatures must match the C++ source, and every call site in titan_ext/ must fit them.
 # Exit status: 0 when the build and the check pass.
 set -euo pipefail
@@ -65,4 +65,4 @@ grep -F "[titan_ext] building titan_ext._delegate_C" "$log" | sed 's/^/[check_cu
 so="$(ls "$tmp"/lib/titan_ext/_delegate_C*.so)"
 say "built $(basename "$so"); checking its bindings against the call sites"
 TITAN_EXT_DELEGATE_C="$so" TITAN_EXT_EXPECT_CUDA=1 PYTHONPATH="$root" \
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_delegate_bindings.py
+    "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_delegate_bindings.py

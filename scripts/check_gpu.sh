@@ -10,9 +10,9 @@
 # Steps (each logged to OUT_DIR/<step>.log; a failing step does not stop the others):
 #   env       the GPU, torch, nvcc, and the torch internals titan_ext.runtime needs (missing ones named)
 #   build     titan_ext's extensions built in place WITH CUDA (TORCH_CUDA_ARCH_LIST default: this GPU's)
-#   bindings  tests/test_delegate_bindings.py: the module was compiled with CUDA, its pybind11
+#   bindings  tests/runtime/test_delegate_bindings.py: the module was compiled with CUDA, its pybind11
 #             signatures match the C++ source, every call site fits them (the d2h_signal class of bug)
-#   gpu       every test marked `gpu` (tests/test_delegate_gpu.py, tests/test_gpu_runtime.py)
+#   gpu       every test marked `gpu` (tests/runtime/test_delegate_gpu.py, tests/runtime/test_gpu_runtime.py)
 #   bench     scripts/bench_delegate.py's CUDA section: our D2H/H2D-with-signal copies vs cudaMemcpyAsync
 #   runtime   scripts/gpu_tier.py: torch's 1F1B and ZBV, PipeMorph, CrossPipe and delegated PipeMorph on
 #             CUDA stages, 2 and 4 ranks sharing the GPU (gloo: NCCL refuses two ranks on one device),
@@ -70,9 +70,9 @@ build() {
 
 step env env_report
 step build build
-step bindings env TITAN_EXT_EXPECT_CUDA=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_delegate_bindings.py
+step bindings env TITAN_EXT_EXPECT_CUDA=1 "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_delegate_bindings.py
 step gpu "$PY" -m pytest -v -p no:cacheprovider -m gpu --junitxml="$out/gpu_junit.xml" \
-    tests/test_delegate_gpu.py tests/test_gpu_runtime.py
+    tests/runtime/test_delegate_gpu.py tests/runtime/test_gpu_runtime.py
 step bench "$PY" scripts/bench_delegate.py --quick --skip-p2p --skip-e2e --json "$out/bench_delegate_cuda.json"
 step runtime "$PY" scripts/gpu_tier.py --steps "${GPU_TIER_STEPS:-6}" --json "$out/gpu_tier.json"
 step multi "$PY" scripts/gpu_tier_multi.py --json "$out/gpu_tier_multi.json"

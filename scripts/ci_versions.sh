@@ -123,9 +123,9 @@ run_torch215() {
     local env=torch-2.15
     make_env "$env" 2.15.0 0.2.2 7000 "datasets>=2.21" || return 1
     build_in "$env" || return 1
-    say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/test_runtime_waits.py, on real FSDP2 stages: tests/test_runtime_fsdp_cpu.py)"
-    tier "$env" -m "not slow and not gpu" tests/test_torch_compat.py tests/test_torch_loops.py \
-        tests/test_runtime_waits.py tests/test_nccl_rules.py $(torch_plan_tests) tests/test_runtime_*.py
+    say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/runtime/test_runtime_waits.py, on real FSDP2 stages: tests/runtime/test_runtime_fsdp_cpu.py)"
+    tier "$env" -m "not slow and not gpu" tests/runtime/test_torch_compat.py tests/runtime/test_torch_loops.py \
+        tests/runtime/test_runtime_waits.py tests/runtime/test_nccl_rules.py $(torch_plan_tests) tests/test_runtime_*.py
 }
 
 run_torch211() {
@@ -135,8 +135,8 @@ run_torch211() {
     make_env "$env" 2.11.0 0.2.2 6000 || return 1
     build_in "$env" || return 1
     say "$env: plan + runtime default tier, the NCCL-rules backend and the one-GPU staging transport"
-    tier "$env" -m "not slow and not gpu" tests/test_torch_compat.py tests/test_torch_loops.py \
-        tests/test_nccl_rules.py tests/test_shared_gpu.py tests/test_host_syncs.py $(torch_plan_tests) tests/test_runtime_*.py
+    tier "$env" -m "not slow and not gpu" tests/runtime/test_torch_compat.py tests/runtime/test_torch_loops.py \
+        tests/runtime/test_nccl_rules.py tests/runtime/test_shared_gpu.py tests/runtime/test_host_syncs.py $(torch_plan_tests) tests/test_runtime_*.py
 }
 
 run_tt03() {
@@ -147,10 +147,10 @@ run_tt03() {
     # every titan test file: each test runs under 0.3 or skips naming the 0.2-only API it needs
     # (tests/_titan_version.py); Falcon's job tests too (titan/falcon/job.py through the 0.3 adapter)
     say "$env: the whole titan test set and Falcon's job tests (default tier)"
-    tier "$env" -m "not slow and not gpu" tests/test_titan_*.py tests/test_falcon_job.py \
-        tests/test_falcon_groups.py tests/test_torch_compat.py || { say "FAILED $env: titan tests"; return 1; }
+    tier "$env" -m "not slow and not gpu" tests/test_titan_*.py tests/falcon/test_falcon_job.py \
+        tests/falcon/test_falcon_groups.py tests/runtime/test_torch_compat.py || { say "FAILED $env: titan tests"; return 1; }
     say "$env: Falcon end to end, DP 2 x PP 2 with an emulated slow device (config falcon_dp2_pp2_debugmodel)"
-    tier "$env" -m "slow and not gpu" tests/test_falcon_job.py -k "slow_device or s2_run" \
+    tier "$env" -m "slow and not gpu" tests/falcon/test_falcon_job.py -k "slow_device or s2_run" \
         || { say "FAILED $env: Falcon end to end"; return 1; }
     say "$env: 3 training steps of PipeMorph on the CPU (README's TorchTitan 0.3 command)"
     (cd "$src" && rm -rf outputs/debug_cpu_tt03 && \

@@ -54,7 +54,7 @@ training thread until the lander has it (counted and timed as ``arrival_waits``,
 on NCCL the stream would wait instead).  Delegated PipeMorph's plan messages go through the delegates.
 
 ``--device cpu`` runs all of it without a GPU (the transport stages host tensors, events are host
-clock stamps, the spin is a sleep): tests/test_runtime_gpu_tier_smoke.py.
+clock stamps, the spin is a sleep): tests/runtime/test_runtime_gpu_tier_smoke.py.
 """
 
 from __future__ import annotations

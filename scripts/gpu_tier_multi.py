@@ -211,7 +211,7 @@ def _train(rank: int, world: int, device: torch.device, control: Any, args) -> d
     from titan_ext.runtime import PipeMorph
     from titan_ext.testing import host_syncs
 
-    cuda = device.type == "cuda"  # cpu: tests/test_runtime_gpu_tier_multi.py runs this on gloo
+    cuda = device.type == "cuda"  # cpu: tests/runtime/test_runtime_gpu_tier_multi.py runs this on gloo
     cycles_per_ms = tier.calibrate_spin(device) if cuda else 0.0  # this rank's own GPU: nobody else runs on it
     log = tier.ActionLog(cuda, int(args.action_ms * cycles_per_ms), spin_ms=args.action_ms)
     mod = mlp_stages(world, args.dim)[rank].to(device)

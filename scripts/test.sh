@@ -6,7 +6,7 @@
 #                                        # (run it before landing a change to what they cover)
 #   TIER=all bash scripts/test.sh        # all three
 # Extra arguments go to pytest; with arguments the default tier is `all`
-# (e.g. `bash scripts/test.sh tests/test_plan_paper.py -x`).
+# (e.g. `bash scripts/test.sh tests/plan/test_plan_paper.py -x`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

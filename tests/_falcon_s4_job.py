@@ -1,4 +1,4 @@
-"""The DP 2 x PP 2 Falcon S4 job the S4 tests share (tests/test_falcon_s4.py, tests/test_falcon_spares.py):
+"""The DP 2 x PP 2 Falcon S4 job the S4 tests share (tests/falcon/test_falcon_s4.py, tests/falcon/test_falcon_spares.py):
 its fault, steps, arguments and environment, and the JSONL reader of its dump folder."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def tt02_only(api: str):
     """Skip unless TorchTitan 0.2.x is installed, naming the 0.2-only ``api`` the test exercises."""
     return pytest.mark.skipif(
         not IS_TT02, reason=f"TorchTitan 0.2-only API: {api}; TorchTitan {TT_VERSION} installed "
-                            f"(0.3's path: tests/test_titan_tt03.py)")
+                            f"(0.3's path: tests/titan/test_titan_tt03.py)")
 
 
 def titan_toml(tmp_path: Path, body: str) -> str:

@@ -6,7 +6,7 @@ names, never collected), and why:
 * ``_titan_version.py`` -- the TorchTitan 0.2/0.3 markers (``tt02_only``), the bundled debug jobs'
   configs under either version, the Falcon DP 2 x PP 2 job launcher: it needs pytest and
   ``titan_ext.titan`` (the adapters), and ``titan_ext.testing`` sits below titan/ (it may import only
-  runtime/ and plan/, tests/test_plan_imports.py);
+  runtime/ and plan/, tests/plan/test_plan_imports.py);
 * ``_fake_cuda.py`` -- a fake CUDA that monkeypatches ``torch.cuda`` in the pytest process: its module
   name must *not* start with ``titan_ext``, because the host-sync accounting (``testing/host_syncs.py``)
   and the ``nccl_rules`` backend attribute calls and tensors to titan_ext code by module name, and the
@@ -39,8 +39,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+#: the repository (titan_ext) and tests/ (the helper modules ``_titan_version``, ``_fake_cuda`` … that the
+#: tests in tests/<layer>/ import by name)
+for _path in (ROOT, os.path.dirname(os.path.abspath(__file__))):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -152,7 +155,7 @@ def cli_main():
     as a ``subprocess.CompletedProcess`` (``returncode`` from ``main``'s status, or from ``SystemExit`` as
     ``--help`` raises it).  For tests of what a command computes or says: a new interpreter costs seconds
     (torch's import) each time on a busy 2-core host.  Each entry point keeps tests through a real process
-    (``python -m titan_ext.cli``: exit codes, signals, one line on stderr), e.g. tests/test_plan_export_cli.py."""
+    (``python -m titan_ext.cli``: exit codes, signals, one line on stderr), e.g. tests/plan/test_plan_export_cli.py."""
     import contextlib
     import io
     import subprocess

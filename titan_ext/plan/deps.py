@@ -23,8 +23,8 @@ the validator's Python checks do) and the validator's compiled checks (``needs``
 virtual-stage generator (Python ``_generate_py`` / ``_virtual_loop_py`` and ``_pipemorph.c``), CrossPipe's
 greedy (``_Alg1`` and ``_greedy.c``), its model (``Model``'s edges, which ``_search.c`` reads from
 ``Model.spec()``) and search, and CP-SAT's arcs (``optimal``). The C modules get :meth:`DepTable.spec`
-from Python and hard-code no rule (tests/test_plan_deps_table.py feeds them a different rule). They are
-checked bit-for-bit against ``simulate`` on random profiles by ``tests/test_plan_reference.py``.
+from Python and hard-code no rule (tests/plan/test_plan_deps_table.py feeds them a different rule). They are
+checked bit-for-bit against ``simulate`` on random profiles by ``tests/plan/test_plan_reference.py``.
 """
 
 from __future__ import annotations

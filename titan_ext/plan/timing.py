@@ -12,13 +12,13 @@ the earliest free window at or after the ready time ("range-based occupancy", wh
 before a window booked earlier). The two agree on every plan our evaluators time, because every
 message on a channel is sent by one rank — the one on its near side — in that rank's program order,
 so ready times per channel never decrease and no gap can precede a later message; so
-``crosspipe.greedy`` sends through this class too (tests/test_crosspipe_greedy.py checks the two rules
+``crosspipe.greedy`` sends through this class too (tests/plan/test_crosspipe_greedy.py checks the two rules
 agree on such sends). Callers: ``simulate`` (the reference), ``replay_makespan_ns``, the PipeMorph and
 virtual generators, CrossPipe's greedy (:meth:`LinkQueues.of`: its float-ms link times). The C modules
 send through ``_link.h``, this ``send`` in C (integer ns in ``_pipemorph.c``, float ms in ``_greedy.c``
 and ``_search.c``); the one other copy is the pure-Python reference of ``_search.c``,
 ``crosspipe.model.Model._loop``, which keeps the six lines inline in its inner loop. All are checked
-bit-for-bit against ``simulate`` by ``tests/test_plan_reference.py``.
+bit-for-bit against ``simulate`` by ``tests/plan/test_plan_reference.py``.
 """
 
 from __future__ import annotations

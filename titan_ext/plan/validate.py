@@ -33,7 +33,7 @@ from .simulate import peak_inflight
 
 def compiled_core():
     """``titan_ext.plan._pipemorph_c`` (from ``_pipemorph.c``: the generator and checks 1–3 compiled,
-    checked against the Python code by tests/test_plan_pipemorph_c.py), or None when it is not built."""
+    checked against the Python code by tests/plan/test_plan_pipemorph_c.py), or None when it is not built."""
     try:
         from . import _pipemorph_c
     except ImportError:
@@ -62,7 +62,7 @@ def validate_plan(
 
     Checks 1–3 run compiled where ``_pipemorph_c`` is built (it reads plans of plain ``(stage, kind,
     microbatch)`` tuples directly); a plan it does not accept goes through the Python checks, which name
-    the reason (the two agree: tests/test_plan_pipemorph_c.py).
+    the reason (the two agree: tests/plan/test_plan_pipemorph_c.py).
     """
     plan_arg(plan)
     int_arg(num_stages, "num_stages", 1)

@@ -9,7 +9,7 @@
 | ``models`` | deterministic MLP stages, seeded batches, ``step_rank``, ``sgd_step``, ``train_steps``, ``gpipe_reference``, sleep stages |
 
 Layering: this package sits on ``titan_ext.runtime`` (it may import it and plan/); nothing in plan/
-or runtime/ imports it (tests/test_plan_imports.py), and it imports nothing of titan/ or the entry
+or runtime/ imports it (tests/plan/test_plan_imports.py), and it imports nothing of titan/ or the entry
 points.  The runtime refers to the ``nccl_rules`` backend only by module name, to recognise its host
 tensors when it is loaded (``testing/host_syncs.py``).
 """

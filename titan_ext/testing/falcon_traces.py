@@ -1,6 +1,6 @@
 """Labelled synthetic iteration-time traces (steps, ramps, jitter, spikes) for the detector.
 
-Used by ``tests/test_falcon_detect.py`` and ``scripts/bench_falcon.py``. Each trace is generated from
+Used by ``tests/falcon/test_falcon_detect.py`` and ``scripts/bench_falcon.py``. Each trace is generated from
 a fixed seed, so a set of traces is reproducible. Categories (Falcon §3 characterises fail-slows as
 persistent slowdowns lasting tens of seconds to hours; jitter and isolated spikes are not fail-slows):
 

@@ -27,7 +27,7 @@ synchronising calls are counted.  The CUDA calls are counted by wrapping torch's
 (tests/_fake_cuda.py) reports its own through :func:`record`.
 
 The budget (docs/runtime.md "Host syncs per step"): zero per steady-state iteration beyond the
-documented once-per-step reads (the loss, the metrics), enforced by tests/test_host_syncs.py.
+documented once-per-step reads (the loss, the metrics), enforced by tests/runtime/test_host_syncs.py.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ the CPU shim on machines without an accelerator); on a TorchTitan other than 0.3
   the job refuses until it is set (``--hf_assets_path DIR``). Only the debug configs use the bundled assets.
 
 Each function is the twin of its TOML file: every value the file sets, this config sets alike, where both
-TorchTitan versions can say it (tests/test_config_twins.py, which names the exceptions).
+TorchTitan versions can say it (tests/titan/test_config_twins.py, which names the exceptions).
 """
 
 from titan_ext.titan import adapters as _adapters
@@ -153,7 +153,7 @@ def _cluster_model(base_name: str, flavor: str, *, num_layers: int, local_batch_
     checkpointing and real dataset, C4) with what the TOML twin sets: PipeMorph over ``pp`` stages (one per
     rank, TorchTitan's balanced split), micro-batches of 1, W&B metrics, asynchronous checkpoints, the
     cosine learning-rate schedule, seed 42, and the ``[titan_ext]`` section of a cluster: an activation
-    budget per PP rank and a policy check every 5 iterations (tests/test_config_twins.py)."""
+    budget per PP rank and a policy check every 5 iterations (tests/titan/test_config_twins.py)."""
     import importlib
     from dataclasses import replace
 

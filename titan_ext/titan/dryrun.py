@@ -134,7 +134,7 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
 
 
-#: the 0.3 configs of ``--module titan_ext.titan`` -> their TOML twins (equal: tests/test_config_twins.py),
+#: the 0.3 configs of ``--module titan_ext.titan`` -> their TOML twins (equal: tests/titan/test_config_twins.py),
 #: which a TorchTitan 0.2 installation builds in their place
 TOML_TWINS = {
     "pipemorph_debugmodel": "debug_cpu.toml",

@@ -4,7 +4,7 @@ setup.py.
 
 :func:`greedy_ids` returns what :func:`.greedy.greedy_schedule` computes — the per-rank whole-action
 orders as operation ids (:class:`.model.Model`'s convention), the makespan and the number of lookahead
-waits — bit-identically, about two orders of magnitude faster (tests/test_crosspipe_greedy_c.py).  It
+waits — bit-identically, about two orders of magnitude faster (tests/plan/test_crosspipe_greedy_c.py).  It
 raises ValueError exactly where ``greedy_schedule`` does (bad arguments, same messages; a memory limit
 that admits no schedule).  Inputs outside what the compiled code reproduces exactly (integers too large
 for an IEEE double, non-numeric memory deltas, more than 2**31 sub-blocks) go through the Python

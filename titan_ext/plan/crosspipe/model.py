@@ -3,7 +3,7 @@ whole-action orders (the portfolio's selection by simulation, §6.2, the local s
 :func:`replay`, which times a plan given as ``(stage, kind, microbatch)`` orders.
 
 Operation id ``(3·stage + kind)·N + microbatch`` (kind 0 F, 1 I, 2 W).  ``_search.c`` is the compiled
-copy of :meth:`Model.run` / :meth:`Model.rerun` (bit-identical; tests/test_crosspipe_engine.py).
+copy of :meth:`Model.run` / :meth:`Model.rerun` (bit-identical; tests/plan/test_crosspipe_engine.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 simulation applied to single moves): the critical-path descent and simulated annealing.
 
 These are the pure-Python references of ``_search.c``'s ``descent`` and ``anneal`` (same plans for the
-same evaluation counts; tests/test_crosspipe_engine.py); the planner runs the compiled ones where
+same evaluation counts; tests/plan/test_crosspipe_engine.py); the planner runs the compiled ones where
 they are built.
 """
 

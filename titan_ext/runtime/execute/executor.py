@@ -2,7 +2,7 @@
 
 Tracks ``_PipelineScheduleRuntime._step_microbatches`` (torch/distributed/pipelining/schedules.py) of
 torch **2.11**, **2.12**, **2.13**, **2.14** and **2.15** (``_torch_compat.TRACKED``; a copy of each
-loop lies in tests/torch_loops/ and ``tests/test_torch_loops.py`` fails when the installed torch's loop
+loop lies in tests/torch_loops/ and ``tests/runtime/test_torch_loops.py`` fails when the installed torch's loop
 differs from it; 2.11's and 2.12's differ from 2.13's only in the arguments of
 ``_initialize_stages`` / ``_compute_loss`` — 2.12 added ``target``, 2.13 ``loss_kwargs`` — which
 ``_torch_compat.initialize_stages`` / ``with_loss_kwargs`` pass as the installed torch takes them): the same action semantics (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD, OVERLAP_F_B, custom
