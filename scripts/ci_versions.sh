@@ -106,7 +106,7 @@ build_in() {  # fresh sources in .venvs/ENV/src, C/C++ extensions built against 
 
 torch_plan_tests() {  # the planner's test files that touch torch (its validator, its schedules, the IR's
     # lowering): the others test pure Python/C that no torch version changes, and the default tier runs them
-    grep -l torch tests/test_plan_*.py
+    grep -l torch tests/plan/test_plan_*.py
 }
 
 tier() {  # tier ENV PYTEST_ARGS...: pytest in ENV's sources; a failure is re-run once, only the failed
@@ -125,7 +125,7 @@ run_torch215() {
     build_in "$env" || return 1
     say "$env: plan + runtime default tier (the 2.15 FSDP start/wait path: tests/runtime/test_runtime_waits.py, on real FSDP2 stages: tests/runtime/test_runtime_fsdp_cpu.py)"
     tier "$env" -m "not slow and not gpu" tests/runtime/test_torch_compat.py tests/runtime/test_torch_loops.py \
-        tests/runtime/test_runtime_waits.py tests/runtime/test_nccl_rules.py $(torch_plan_tests) tests/test_runtime_*.py
+        tests/runtime/test_runtime_waits.py tests/runtime/test_nccl_rules.py $(torch_plan_tests) tests/runtime/test_runtime_*.py
 }
 
 run_torch211() {
@@ -136,7 +136,7 @@ run_torch211() {
     build_in "$env" || return 1
     say "$env: plan + runtime default tier, the NCCL-rules backend and the one-GPU staging transport"
     tier "$env" -m "not slow and not gpu" tests/runtime/test_torch_compat.py tests/runtime/test_torch_loops.py \
-        tests/runtime/test_nccl_rules.py tests/runtime/test_shared_gpu.py tests/runtime/test_host_syncs.py $(torch_plan_tests) tests/test_runtime_*.py
+        tests/runtime/test_nccl_rules.py tests/runtime/test_shared_gpu.py tests/runtime/test_host_syncs.py $(torch_plan_tests) tests/runtime/test_runtime_*.py
 }
 
 run_tt03() {
@@ -147,7 +147,7 @@ run_tt03() {
     # every titan test file: each test runs under 0.3 or skips naming the 0.2-only API it needs
     # (tests/_titan_version.py); Falcon's job tests too (titan/falcon/job.py through the 0.3 adapter)
     say "$env: the whole titan test set and Falcon's job tests (default tier)"
-    tier "$env" -m "not slow and not gpu" tests/test_titan_*.py tests/falcon/test_falcon_job.py \
+    tier "$env" -m "not slow and not gpu" tests/titan/test_titan_*.py tests/falcon/test_falcon_job.py \
         tests/falcon/test_falcon_groups.py tests/runtime/test_torch_compat.py || { say "FAILED $env: titan tests"; return 1; }
     say "$env: Falcon end to end, DP 2 x PP 2 with an emulated slow device (config falcon_dp2_pp2_debugmodel)"
     tier "$env" -m "slow and not gpu" tests/falcon/test_falcon_job.py -k "slow_device or s2_run" \
