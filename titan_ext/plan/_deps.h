@@ -8,7 +8,7 @@
  *   link[q]: the stage boundary the trigger's result crosses to reach q (-1: from q's own stage);
  *   feeds[feeds_off[q] .. feeds_off[q+1]): the classes whose trigger is q (same stage first).
  * No C module hard-codes the rule: each walks this table, passed in from Python
- * (tests/test_plan_deps_table.py feeds them another rule).
+ * (tests/plan/test_plan_deps_table.py feeds them another rule).
  *
  * Header only (static functions; needs Python.h first).  setup.py lists it in the extensions' `depends`
  * and pyproject.toml ships it.

@@ -3,7 +3,7 @@
  * A port of crosspipe.greedy.greedy_schedule with the same floating-point
  * operations in the same order, so it returns bit-identical results: the same per-rank whole-action
  * orders, the same makespan and the same number of lookahead waits
- * (tests/test_crosspipe_greedy_c.py).  The Python wrapper is titan_ext.plan.crosspipe._compiled.
+ * (tests/plan/test_crosspipe_greedy_c.py).  The Python wrapper is titan_ext.plan.crosspipe._compiled.
  *
  *   spec = make_spec(R, N, stage_to_rank, f, b, w, deps, ch, tx, lat, deltas)
  *       an opaque capsule with the problem on flat arrays (built once per problem by the wrapper):

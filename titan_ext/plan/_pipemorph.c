@@ -4,7 +4,7 @@
  * titan_ext.plan.pipemorph._generate_py (the Python reference) with the same integer
  * arithmetic and the same event order, so it returns bit-identical results: the same per-stage
  * operation orders, the same makespan (ns) and the same cap_bound flag, including the early stop once
- * the makespan is certain to exceed a bound (tests/test_plan_pipemorph_c.py).
+ * the makespan is certain to exceed a bound (tests/plan/test_plan_pipemorph_c.py).
  *
  *   generate(deps, N, f, b, w, latency, transfer, x, limit, full_backward, bound, release_w=False)
  *       deps: the dependency rule, titan_ext.plan.deps.table(S, full_backward).spec() (_deps.h); N: microbatches; f, b, w: per-stage times (int ns; b already includes w when full_backward); latency, transfer:
@@ -33,7 +33,7 @@
  *       (stage, kind, microbatch) tuples per rank; returns the per-stage peak in-flight activations (a
  *       list, as simulate.peak_inflight) when the plan is valid, None when it is not (the Python
  *       validator then runs to name the reason).  Same verdicts as the Python validator on valid and
- *       broken plans (tests/test_plan_pipemorph_c.py).
+ *       broken plans (tests/plan/test_plan_pipemorph_c.py).
  *
  * Plain C and the CPython API (also valid C++).
  */

@@ -4,7 +4,7 @@
  * §3.5 on flat arrays (crosspipe.model.Model), the critical-path descent (crosspipe.search.critical_moves /
  * local_search with ``max_evals``) and the annealing of crosspipe.search.anneal — with the same
  * floating-point operations in the same order and the same random numbers (splitmix64), so for a
- * given number of evaluations both return the same plan (tests/test_crosspipe_engine.py).  Only
+ * given number of evaluations both return the same plan (tests/plan/test_crosspipe_engine.py).  Only
  * faster: the planner's time budget buys ~100x more plan evaluations here.
  *
  * The dependency rule arrives as data: Model.spec()'s per-operation out-edges and producers, built from
