@@ -39,7 +39,7 @@ from .control.regime import Regime
 from .decide.placement import read_layout
 from .decide.planning import PlanningContext, explicit_plan
 from .decide.policy import Decision, exact_arrival_links
-from .execute.executor import Executor, RunContext, check_stages, run_with_failover, uses_fsdp
+from .execute.executor import Executor, RunContext, check_schedule_arguments, run_with_failover, uses_fsdp
 from .execute.losses import MicrobatchLosses, sort_outputs
 from .measure.metrics import IterationMetrics, MetricsRecord
 from .measure.profiler import IterationProfile, decode_profiles, encode_profile, now
@@ -70,7 +70,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         name = type(self).__name__
         if not isinstance(getattr(type(self), "spec", None), ScheduleSpec):
             raise TypeError(f"{name} has no registry entry: make a schedule class with register_schedule(spec)")
-        stages = check_stages(name, stages, n_microbatches, loss_fn)  # before any side effect or process group
+        stages = check_schedule_arguments(name, stages, n_microbatches, loss_fn)  # before any side effect or group
         # torch >= 2.15's runtime keywords (None: not given), honoured by our lowering (_torch_compat.RUNTIME_KWARGS)
         torch_runtime_kwargs = check_runtime_kwargs(runtime_kwargs_given(
             max_active_stages=max_active_stages, unshard_lookahead=unshard_lookahead,

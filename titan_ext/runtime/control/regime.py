@@ -77,6 +77,12 @@ class Regime:
     def decide(self, deployed: Any, adaptive: bool, delegating: bool, iteration: int) -> Decision:
         """The policy's decision on the window estimates, the initial plan's calibration once the times
         are measured, then the backward chooser's say (probe / select)."""
+        decision = self._decision(deployed, adaptive, delegating, iteration)
+        if not self.backward.chooser.probing:  # the verdict kept the probed variant: no swap marks the end
+            self.probe_running = False
+        return decision
+
+    def _decision(self, deployed: Any, adaptive: bool, delegating: bool, iteration: int) -> Decision:
         parts = self.parts
         est = parts.memory.capped(parts.estimator.planning_profile(deployed.backward), delegating)
         counts = deployed.warmup_counts
@@ -100,8 +106,6 @@ class Regime:
 
     def settled(self, decision: Decision, planning: bool, adaptive: bool) -> bool:
         """Nothing is changing after ``decision`` (the check period may grow: ``cadence.py``)."""
-        if not self.backward.chooser.probing:  # the verdict kept the probed variant: no swap marks the end
-            self.probe_running = False
         return (decision.action in ("keep", "hold") and not planning and not self.probe_running
                 and (self.calibrated or not adaptive))
 

@@ -57,7 +57,7 @@ from ..measure.profiler import ActionRecord, IterationProfile
 from .device import DeviceLayer, device_layer
 from .memory import ActivationMeter, LiveStorages, parameter_storages, selective_checkpointing
 
-__all__ = ["Executor", "RunContext", "BACKWARD_TYPES", "check_stages", "forward_order", "run_with_failover"]
+__all__ = ["Executor", "RunContext", "BACKWARD_TYPES", "check_schedule_arguments", "forward_order", "run_with_failover"]
 
 F = _ComputationType.FORWARD
 I = _ComputationType.BACKWARD_INPUT
@@ -398,7 +398,7 @@ def measured_forward(stage: Any, forward: Any) -> tuple[Any, int]:
     return output, max(total, 1)
 
 
-def check_stages(name: str, stages: Any, n_microbatches: Any, loss_fn: Any) -> list:
+def check_schedule_arguments(name: str, stages: Any, n_microbatches: Any, loss_fn: Any) -> list:
     """A schedule's first arguments checked: this rank's stages (one torch pipeline stage or a non-empty
     list of them; a ``torch.nn.Module`` is not a stage), ``n_microbatches`` >= 1, ``loss_fn`` callable or
     None.  Returns the stages as a list."""
