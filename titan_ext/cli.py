@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .plan import LinkProfile, PipelineProfile, PlanResult, simulate
-from .plan.args import names_a_directory, parse_float, parse_int
+from .args import names_a_directory, parse_float, parse_int
 from .plan.interrupt import signals_deferred as _signals_deferred
 from .plan.result import rank_peak_inflight, warmup_counts_of
 from .plan.schedules import AUTO_SCHEDULES, CROSSPIPE_SCHEDULES, plan_by_name
@@ -185,7 +185,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _number(kind: type, low: float, high: float, what: str) -> Callable[[str], float]:
-    """argparse type: a ``kind`` (int or float) in [low, high], in ASCII digits (plan.args.parse_int /
+    """argparse type: a ``kind`` (int or float) in [low, high], in ASCII digits (titan_ext.args.parse_int /
     parse_float); NaN, inf and overflow are refused."""
 
     def parse(text: str):
@@ -693,7 +693,7 @@ _INPUT_FLAGS = (("--profile", "profile"), ("--csv", "csv"))
 
 
 def _outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
-    """(flag, path) of each output given (argparse keeps their text: see ``plan.args.names_a_directory``)."""
+    """(flag, path) of each output given (argparse keeps their text: see ``titan_ext.args.names_a_directory``)."""
     return [(flag, Path(getattr(args, dest))) for flag, dest in _OUTPUT_FLAGS if getattr(args, dest, None) is not None]
 
 

@@ -385,7 +385,7 @@ from titan_ext.plan import (  # noqa: E402
     zb_warmup_counts,
 )
 from titan_ext.plan import placement as pl  # noqa: E402
-from titan_ext.plan.args import parse_float, parse_int  # noqa: E402
+from titan_ext.args import parse_float, parse_int  # noqa: E402
 from titan_ext.plan.builtin import builtin_plan, plan_builtin  # noqa: E402
 from titan_ext.plan.export import read_torch_csv, write_chrome_trace, write_gantt_png, write_torch_csv  # noqa: E402
 from titan_ext.plan.linkfit import fit_alpha_beta, fit_link  # noqa: E402

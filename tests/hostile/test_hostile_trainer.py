@@ -337,7 +337,7 @@ def test_unwritable_dump_folder_is_refused(tmp_path, monkeypatch):
 
 
 def test_the_one_number_reader_takes_ascii_only():
-    from titan_ext.plan.args import parse_float, parse_int
+    from titan_ext.args import parse_float, parse_int
 
     assert parse_int(" 12 ", "n") == 12 and parse_float("1e3", "x") == 1000.0
     for bad in ("\u0663", "\uff11\uff12", "", "1 2", "9" * 100, None):

@@ -132,3 +132,12 @@ def test_layers_import_only_downward():
             if mod.startswith(f"{TOP}.{layer}"):
                 bad = sorted(d for d in deps if d.startswith(forbidden))
                 assert not bad, f"{mod} imports a higher layer: {bad}"
+
+
+def test_the_shared_leaves_import_nothing_of_titan_ext():
+    """``titan_ext.args`` (every layer's argument checks) and ``titan_ext._flags`` are leaves: every layer
+    may import them because they import nothing of the package."""
+    graph = _graph(TOP_ROOT, TOP)
+    for leaf in (f"{TOP}.args", f"{TOP}._flags"):
+        assert leaf in graph and not graph[leaf], (leaf, graph.get(leaf))
+    assert f"{TOP}.args" in graph[f"{TOP}.plan.profile"], "the plan layer's own checks come from the leaf"

@@ -11,7 +11,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from .args import ArgumentTypeError, int_arg, profile_arg
+from ..args import ArgumentTypeError, int_arg
+from .profile import profile_arg
 from .ir import as_ops, torch_schedules
 from .placement import stage_profile
 from .profile import PipelineProfile

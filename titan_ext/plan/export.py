@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from .args import ArgumentTypeError, output_path_arg
+from ..args import ArgumentTypeError, output_path_arg
 from .interrupt import signals_deferred
 from .ir import as_ops, to_torch_plan, torch_schedules
 from .simulate import Timeline

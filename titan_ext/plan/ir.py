@@ -67,7 +67,7 @@ def add_send_waits(lowered: dict[int, list[Any]]) -> dict[int, list[Any]]:
 
 def to_torch_plan(plan: Mapping[int, Iterable[Op]]) -> dict[int, list[Any]]:
     """Internal plan (rank → ops) → torch IR (rank → list[_Action])."""
-    from .args import plan_arg
+    from ..args import plan_arg
 
     plan_arg(plan)
     sched = torch_schedules()
@@ -95,7 +95,7 @@ def as_ops(plan: Mapping[int, Iterable[Any]]) -> dict[int, list[Op]]:
     ``None`` entries (torch's idle slots) are dropped. Any non-compute action is rejected: plans here
     are compute-only and torch's lowering adds the communication.
     """
-    from .args import plan_arg
+    from ..args import plan_arg
 
     plan_arg(plan)
     out: dict[int, list[Op]] = {}

@@ -27,8 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .args import real_arg
-from .errors import ArgumentTypeError
+from ..args import ArgumentTypeError, real_arg
 from .profile import LinkProfile
 
 

@@ -70,7 +70,8 @@ from typing import Mapping, Sequence
 from .crosspipe.model import Model, replay
 from .crosspipe.portfolio import plan_crosspipe_problem
 from .crosspipe.problem import F, I, W, CrossPipeProblem, Op, problem_from_profile, to_actions
-from .args import ArgumentTypeError, bool_arg, int_arg, profile_arg, real_arg
+from ..args import ArgumentTypeError, bool_arg, int_arg, real_arg
+from .profile import profile_arg
 from .deps import table
 from .interrupt import solve
 

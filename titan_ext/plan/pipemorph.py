@@ -21,7 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from .args import bool_arg, counts_arg, int_arg, profile_arg, real_arg
+from ..args import bool_arg, counts_arg, int_arg, real_arg
+from .profile import profile_arg
 from .deps import ROOT, table
 from .ir import Op, gc_paused, torch_schedules
 from .profile import PipelineProfile

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .args import counts_arg, int_arg, profile_arg
+from ..args import counts_arg, int_arg
+from .profile import profile_arg
 from .profile import LinkProfile, PipelineProfile
 
 __all__ = ["PLACEMENTS", "boundary_link", "rank_profile", "rank_stages", "read_placement", "stage_profile",

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from .errors import ArgumentTypeError
+from ..args import ArgumentTypeError, int_arg, instance_arg
 
 # Bounds of the timing model (integer nanoseconds, plan/timing.py): any time, latency or transfer time is
 # at most MAX_MS (11.6 days), and a time that must be > 0 is at least MIN_POSITIVE_MS (1 ns, the
@@ -319,3 +319,13 @@ def links_from_json(items: object, num_stages: int) -> list[LinkProfile]:
         raise ValueError(f"profile links: {len(links)} entries for {num_stages} stages "
                          f"(expected {num_stages - 1}, one per link)")
     return links
+
+def profile_arg(value: Any, name: str = "profile") -> PipelineProfile:
+    return instance_arg(value, name, PipelineProfile)
+
+
+def link_arg(profile: PipelineProfile, link: Any, name: str = "link") -> int:
+    link = int_arg(link, name, 0)
+    if link >= profile.num_stages - 1:
+        raise ValueError(f"{name} {link} does not exist (links are 0..{profile.num_stages - 2})")
+    return link

@@ -16,7 +16,8 @@ import math
 import time
 from typing import Any
 
-from .args import ArgumentTypeError, bool_arg, int_arg, profile_arg, real_arg
+from ..args import ArgumentTypeError, bool_arg, int_arg, real_arg
+from .profile import profile_arg
 from .builtin import BUILTINS
 from .crosspipe import plan_crosspipe, wave_profile
 from .ir import as_ops, gc_paused, torch_schedules

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .args import ArgumentTypeError, int_arg, plan_arg, profile_arg
+from ..args import ArgumentTypeError, int_arg, plan_arg
+from .profile import profile_arg
 from .complete import check_complete
 from .deps import KIND_INDEX, ROOT, class_of, done_key, producers, table
 from .ir import Op, as_ops, stage_to_rank_map

@@ -23,7 +23,7 @@ import contextlib
 import io
 from typing import Any, Mapping, Sequence
 
-from .args import bool_arg, counts_arg, int_arg, plan_arg
+from ..args import bool_arg, counts_arg, int_arg, plan_arg
 from .complete import PlanValidationError, check_complete
 from .deps import SAME_STAGE, done_key, producers, table
 from .profile import released_by

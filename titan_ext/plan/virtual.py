@@ -456,7 +456,8 @@ def plan_virtual(
     ``full_backward=False``: only split-backward (I + W) candidates (drops Interleaved1F1B, DualPipeV).
     The returned plan has passed ``validate_plan`` (torch's lowering and dry run included).
     """
-    from .args import int_arg, profile_arg
+    from ..args import int_arg
+    from .profile import profile_arg
     from .validate import validate_plan
 
     profile_arg(profile)

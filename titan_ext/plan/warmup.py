@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .args import bool_arg, counts_arg, int_arg, link_arg, profile_arg, real_arg
+from ..args import bool_arg, counts_arg, int_arg, real_arg
+from .profile import link_arg, profile_arg
 from .profile import PipelineProfile
 
 

@@ -264,7 +264,7 @@ def check_config_file(path: str) -> dict:
     Returns the parsed document. Raises ValueError (``tomllib.TOMLDecodeError`` for a syntax error)."""
     import tomllib
 
-    from titan_ext.plan.args import read_input_text
+    from titan_ext.args import read_input_text
 
     text = read_input_text(path, MAX_CONFIG_BYTES, f"--job.config_file {path}", "TOML", JobConfigError)
     try:

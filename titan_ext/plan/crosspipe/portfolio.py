@@ -173,7 +173,7 @@ def _axes(variant: str, portfolio: bool, n_sub, steady, reserve, lookahead) -> t
 def _check_axes(axes: tuple) -> None:
     """The portfolio's knobs as given: n_sub integers >= 1, steady rules by name, reserves integers >= 1
     or "pending", lookaheads booleans (ValueError naming the knob)."""
-    from ..args import bool_arg, int_arg
+    from ...args import bool_arg, int_arg
 
     subs, steadies, reserves, lookaheads = axes
     for v in subs:
@@ -562,10 +562,10 @@ def plan_crosspipe_problem(
     the same budget; a different, also deterministic, plan); ``engine=False`` forces the Python path.
     """
     t0 = time.perf_counter()
-    from ..args import bool_arg, real_arg
+    from ...args import bool_arg, real_arg
 
     if not isinstance(problem, CrossPipeProblem):
-        from ..errors import ArgumentTypeError
+        from ...args import ArgumentTypeError
         raise ArgumentTypeError(f"problem must be a CrossPipeProblem, got {type(problem).__name__}")
     for name, value in (("portfolio", portfolio), ("convert", convert), ("search", search), ("engine", engine)):
         bool_arg(value, name)

@@ -241,7 +241,7 @@ def problem_from_profile(
     rank); None → the profile's memory budget (``max_inflight()``, summed over a rank's stages) or
     unlimited when the profile has none.
     """
-    from ..args import profile_arg
+    from ..profile import profile_arg
 
     S = profile_arg(profile).num_stages
     stage_to_rank = _profile_placement(S, variant)

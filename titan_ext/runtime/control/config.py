@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from titan_ext.plan.args import ArgumentTypeError, bool_arg, choice_arg, int_arg, real_arg
+from titan_ext.args import ArgumentTypeError, bool_arg, choice_arg, int_arg, real_arg
 from ..decide.policy import PolicySettings, ReplanPolicy
 
 __all__ = ["AdaptiveConfig", "DelegationConfig", "PolicySettings", "resolve_config"]

@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import _Action
 
 from titan_ext.plan import PlanResult, PlanValidationError, validate_plan
 from titan_ext.plan import ir as _ir
-from titan_ext.plan.args import ArgumentTypeError, plan_arg
+from titan_ext.args import ArgumentTypeError, plan_arg
 from titan_ext.plan.ir import Op, add_send_waits, as_ops
 from titan_ext.plan.result import make_result, peak_inflight, warmup_counts_of  # the one definitions (per stage)
 from titan_ext.plan.validate import torch_dry_run_lowered

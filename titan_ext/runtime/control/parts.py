@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from titan_ext.plan import PipelineProfile
-from titan_ext.plan.args import ArgumentTypeError, callable_arg, sequence_arg
+from titan_ext.args import ArgumentTypeError, callable_arg, sequence_arg
 
 from ..decide.budget import MemoryBudget, RankMemoryBudget, StageMemoryBudget
 from ..decide.placement import Layout, VirtualEstimator, VirtualReplanPolicy, virtual_tolerances

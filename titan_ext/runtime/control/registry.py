@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 
-from titan_ext.plan.args import ArgumentTypeError
+from titan_ext.args import ArgumentTypeError
 from ..adaptive import AdaptiveSchedule
 from .parts import ScheduleSpec
 

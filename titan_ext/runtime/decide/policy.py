@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Sequence
 
 from titan_ext.plan import PipelineProfile, adapted_warmup_counts, link_tolerance_ms, slackness
-from titan_ext.plan.args import ArgumentTypeError, choice_arg, counts_arg, int_arg, plan_arg, real_arg
+from titan_ext.args import ArgumentTypeError, choice_arg, counts_arg, int_arg, plan_arg, real_arg
 
 __all__ = ["Decision", "Policy", "PolicySettings", "ReplanPolicy", "eq1_tolerances", "exact_arrival_links"]
 

@@ -83,7 +83,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_ext.plan.errors import ArgumentTypeError
+from titan_ext.args import ArgumentTypeError
 
 ENV_VAR = "TITAN_EXT_INJECT_DELAYS"
 MAX_DELAY_MS = 1e9  # a latency above this (11.6 days) is a typo; larger ones overflowed time.sleep
@@ -167,7 +167,7 @@ def _check_bandwidth(value: float, text: str, where: str) -> float:
 
 
 def _parse_nonneg_float(text: str, what: str, where: str, upper: float = MAX_DELAY_MS) -> float:
-    from titan_ext.plan.args import parse_float
+    from titan_ext.args import parse_float
 
     try:
         value = parse_float(text.strip().removesuffix("ms"), what)
@@ -276,7 +276,7 @@ def load_delay_trace(path: str) -> DelaySchedule:
     A regular file of at most :data:`MAX_TRACE_BYTES`; parsed once per process (the config check, the
     job check and the installation share the parsed form while the file is unchanged)."""
     path = path.strip()
-    from titan_ext.plan.args import regular_file_stat
+    from titan_ext.args import regular_file_stat
 
     st = regular_file_stat(path, MAX_TRACE_BYTES, f"delay trace {path!r}", "CSV", DelaySpecError)
     key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -287,7 +287,7 @@ def load_delay_trace(path: str) -> DelaySchedule:
 
 
 def _parse_trace(path: str) -> DelaySchedule:
-    from titan_ext.plan.args import read_input_text
+    from titan_ext.args import read_input_text
 
     text = read_input_text(path, MAX_TRACE_BYTES, f"delay trace {path!r}", "CSV", DelaySpecError)
     try:
@@ -330,7 +330,7 @@ def _parse_trace(path: str) -> DelaySchedule:
             if is_bw:
                 if cell in ("", "inf"):
                     continue
-                from titan_ext.plan.args import parse_float
+                from titan_ext.args import parse_float
 
                 try:
                     value = parse_float(cell, "bandwidth")
@@ -549,7 +549,7 @@ class LinkDelayInjector:
 
     def __init__(self, schedule: DelaySchedule, t0: float | None = None,
                  origin: str = "inject_link_delays()", hol: bool = False, hol_hold: float = 1.0):
-        from titan_ext.plan.args import bool_arg, real_arg
+        from titan_ext.args import bool_arg, real_arg
 
         self.hol = bool_arg(hol, "hol")
         """Head-of-line blocking (PipeMorph §3.2, ``simulate(hol=True)``): the thread that issues a send
@@ -862,7 +862,7 @@ def schedule_from_env() -> tuple[DelaySchedule, float | None] | None:
     except DelaySpecError as exc:
         raise DelaySpecError(f"{ENV_VAR} = {spec!r}: {exc}") from None
     text = os.environ.get(ENV_VAR + "_T0", "").strip()
-    from titan_ext.plan.args import parse_float
+    from titan_ext.args import parse_float
 
     try:
         t0 = parse_float(text, ENV_VAR + "_T0") if text else None

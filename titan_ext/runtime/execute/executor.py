@@ -49,7 +49,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.profiler import record_function
 
-from titan_ext.plan.args import ArgumentTypeError, int_arg
+from titan_ext.args import ArgumentTypeError, int_arg
 
 from .._torch_compat import has_wait_actions, with_loss_kwargs
 from ..comm.transport import TorchP2P, Transport

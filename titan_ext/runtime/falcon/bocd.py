@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from titan_ext.plan.args import choice_arg, instance_arg, int_arg, real_arg
+from titan_ext.args import choice_arg, instance_arg, int_arg, real_arg
 
 __all__ = ["BOCDConfig", "OnlineBOCD", "ChangePoint", "SlowIterationDetector"]
 

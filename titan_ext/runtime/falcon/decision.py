@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterator
 
-from titan_ext.plan.args import counts_arg, int_arg, mapping_arg, real_arg, reals_arg
+from titan_ext.args import counts_arg, int_arg, mapping_arg, real_arg, reals_arg
 
 __all__ = ["IterationObservation", "FalconDecision"]
 

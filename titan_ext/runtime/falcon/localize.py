@@ -17,7 +17,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from titan_ext.plan.args import bool_arg, counts_arg, mapping_arg, real_arg
+from titan_ext.args import bool_arg, counts_arg, mapping_arg, real_arg
 
 __all__ = [
     "suspicious_groups",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from titan_ext.plan.args import (
+from titan_ext.args import (
     ArgumentTypeError,
     choice_arg,
     counts_arg,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from titan_ext.plan.args import ArgumentTypeError, bool_arg, instance_arg, int_arg, real_arg
+from titan_ext.args import ArgumentTypeError, bool_arg, instance_arg, int_arg, real_arg
 
 from .attribution import attribute, link_cause
 from .bocd import BOCDConfig, SlowIterationDetector

@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from titan_ext.plan.args import ArgumentTypeError, bool_arg, int_arg, real_arg, reals_arg
+from titan_ext.args import ArgumentTypeError, bool_arg, int_arg, real_arg, reals_arg
 
 __all__ = ["acf", "estimate_period", "iteration_times_from_calls"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from titan_ext.plan.args import real_arg
+from titan_ext.args import real_arg
 from ..control.config import AdaptiveConfig
 from ..control.parts import ScheduleSpec
 from ..control.registry import register_schedule

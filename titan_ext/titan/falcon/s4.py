@@ -528,7 +528,7 @@ def resume_plan_from_env(environ=os.environ) -> dict | None:
     JSON file of at most 1 MiB holding an object with :data:`_RESUME_FIELDS` as numbers,
     :data:`_RESUME_OPTIONAL` as numbers or null and ``excluded`` as a list (what
     :func:`checkpoint_and_exit` writes). ValueError naming the variable otherwise."""
-    from titan_ext.plan.args import read_input_text
+    from titan_ext.args import read_input_text
 
     path = environ.get(ENV_S4_PLAN, "").strip()
     if not path:

@@ -36,7 +36,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from titan_ext.plan.args import ArgumentTypeError, choice_arg, counts_arg, int_arg, real_arg
+from titan_ext.args import ArgumentTypeError, choice_arg, counts_arg, int_arg, real_arg
 
 from . import ring as R
 from ._device import layer_for

@@ -286,7 +286,7 @@ class SlotRing:
 def our_shm_names(pids=None) -> list[str]:
     """Names in /dev/shm that this package created (``titanx_<pid>_...``), optionally only for ``pids``."""
     if pids is not None:
-        from titan_ext.plan.args import ArgumentTypeError, int_arg
+        from titan_ext.args import ArgumentTypeError, int_arg
 
         if isinstance(pids, (str, bytes)) or not hasattr(pids, "__iter__"):
             raise ArgumentTypeError(f"pids must be an iterable of process ids or None, got {pids!r}")

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from titan_ext.plan.args import instance_arg, int_arg
+from titan_ext.args import instance_arg, int_arg
 from ...control.config import DelegationConfig
 from ...control.observers import Boundary, ScheduleContext
 from ...emulate.delay_injection import current_injector

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from titan_ext.plan.args import (
+from titan_ext.args import (
     ArgumentTypeError,
     bool_arg,
     callable_arg,

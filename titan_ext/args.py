@@ -1,4 +1,4 @@
-"""Argument checks of the public plan/ API: a wrong type raises :class:`ArgumentTypeError` (a ``TypeError``
+"""Argument checks of every public entry point (a leaf module: it imports nothing of titan_ext): a wrong type raises :class:`ArgumentTypeError` (a ``TypeError``
 that is also a ``ValueError``, so code written against the ``ValueError`` of earlier releases still
 catches it) and an impossible value ``ValueError``, each naming the argument, instead of a TypeError /
 AttributeError / IndexError from deep inside a planner. One definition per kind of argument; the entry
@@ -16,13 +16,14 @@ import os
 import stat
 from typing import Any, Mapping, Sequence
 
-from .errors import ArgumentTypeError
-from .profile import PipelineProfile
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError`` (Python's convention) that is also the
+    ``ValueError`` the public API raised for it before, so both ``except`` clauses catch it."""
+
 
 #: the longest number read from text (a 5,000-digit integer is a typo or an attack, not a count)
 MAX_NUMBER_CHARS = 64
-
-
 
 
 def _ascii_number_text(text: Any, name: str) -> str:
@@ -91,10 +92,6 @@ def instance_arg(value: Any, name: str, cls: type | tuple[type, ...], what: str 
             what = " or ".join(f"a {c.__name__}" for c in (cls if isinstance(cls, tuple) else (cls,)))
         raise ArgumentTypeError(f"{name} must be {what}{' or None' if optional else ''}, got {type(value).__name__}")
     return value
-
-
-def profile_arg(value: Any, name: str = "profile") -> PipelineProfile:
-    return instance_arg(value, name, PipelineProfile)
 
 
 def callable_arg(value: Any, name: str, what: str = "callable", *, optional: bool = False) -> Any:
@@ -190,13 +187,6 @@ def reals_arg(value: Any, name: str, length: int | None = None, **limits: Any) -
     if length is not None and len(out) != length:
         raise ValueError(f"{name} has {len(out)} entries, expected {length}")
     return out
-
-
-def link_arg(profile: PipelineProfile, link: Any, name: str = "link") -> int:
-    link = int_arg(link, name, 0)
-    if link >= profile.num_stages - 1:
-        raise ValueError(f"{name} {link} does not exist (links are 0..{profile.num_stages - 2})")
-    return link
 
 
 def regular_file_stat(path: str, max_bytes: int, label: str, kind: str, error: type = ValueError) -> os.stat_result:
