@@ -5,7 +5,7 @@ our validation, imports excluded) vs the paper's δ-discretized Alg.4, and the t
 For each size, in one process, interleaved: median (and fastest) of 7 ``plan_pipemorph(profile).plan_ms``
 (exactly what the CLI prints), the same with ``validate="torch"`` (+ torch's checker, lowering and dry
 run), the single published Alg.2 plan (``candidates=False``; "ratio" = fastest ours / fastest single) and the paper's discrete-time Alg.4 at ⌈t_o/δ⌉ = 30
-(implemented here literally as the baseline), with the simulated makespan of the plans. One CLI run
+(``titan_ext.testing.references.alg4_literal``, the tests' reference, as the baseline), with the simulated makespan of the plans. One CLI run
 per size cross-checks the plan_ms the CLI prints. Prints a table and writes JSON (default
 docs/benchmarks/planner.json).
 
@@ -33,61 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan_ext.plan import PipelineProfile, plan_pipemorph, simulate  # noqa: E402
 from titan_ext.plan.ir import gc_paused  # noqa: E402
 from titan_ext.plan.validate import validate_plan  # noqa: E402
+from titan_ext.testing.references import alg4_literal  # noqa: E402
 
 TARGET_MS = {(8, 32): 3.0, (16, 128): 25.0, (64, 512): 500.0}  # BENCHMARKS.md "Planner"
-
-
-def discrete_alg4(profile: PipelineProfile, x: list[int], limit: list[int], steps_per_op: int = 30):
-    """PipeMorph Alg.4 as published: a discrete-time loop with step δ = t_o / steps_per_op; every step
-    visits each stage, which picks an op with Alg.3 among those whose ready time has passed."""
-    S, N = profile.num_stages, profile.num_microbatches
-    t_o = max(max(profile.f_ms), max(profile.b_ms), max(profile.w_ms))
-    delta = t_o / steps_per_op
-    c = profile.delays_ms
-    avail = [{"F": [], "I": [], "W": []} for _ in range(S)]
-    avail[0]["F"] = [(0.0, m) for m in range(N)]
-    busy_until = [0.0] * S
-    quota, held = list(x), [0] * S
-    order = [[] for _ in range(S)]
-    left = 3 * N * S
-    step = 0
-    while left:
-        t = step * delta
-        for i in range(S):
-            if busy_until[i] > t:
-                continue
-            a = avail[i]
-            pick = None
-            if quota[i] > 0:
-                if a["F"] and a["F"][0][0] <= t:
-                    pick = "F"
-                    quota[i] -= 1
-            elif a["I"] and a["I"][0][0] <= t:
-                pick = "I"
-            elif a["F"] and a["F"][0][0] <= t and held[i] < limit[i]:
-                pick = "F"
-            elif a["W"] and a["W"][0][0] <= t:
-                pick = "W"
-            if pick is None:
-                continue
-            _, m = a[pick].pop(0)
-            done = t + {"F": profile.f_ms, "I": profile.b_ms, "W": profile.w_ms}[pick][i]
-            busy_until[i] = done
-            order[i].append((i, pick, m))
-            left -= 1
-            if pick == "F":
-                held[i] += 1
-                if i + 1 < S:
-                    avail[i + 1]["F"].append((done + c[i], m))
-                else:
-                    avail[i]["I"].append((done, m))
-            elif pick == "I":
-                held[i] -= 1
-                avail[i]["W"].append((done, m))
-                if i > 0:
-                    avail[i - 1]["I"].append((done + c[i - 1], m))
-        step += 1
-    return {i: order[i] for i in range(S)}
 
 
 def profile_for(S: int, N: int, seed: int) -> PipelineProfile:
@@ -153,7 +101,8 @@ def main() -> int:
 
         def disc():
             with gc_paused():
-                return discrete_alg4(prof, x, x, 30)
+                t_o = max(max(prof.f_ms), max(prof.b_ms), max(prof.w_ms))  # δ = t_o / 30
+                return dict(enumerate(alg4_literal(prof.f_ms, prof.b_ms, prof.w_ms, prof.delays_ms, N, x, x, t_o / 30)[0]))
 
         disc_order, disc_ms = timed(disc, 1 if S >= 64 else min(reps, 5))
         validate_plan(disc_order, S, N)

@@ -123,13 +123,71 @@ def signal_handling_kept(request):
                     pytrace=False)
 
 
+#: processes started by the running test (its setup included): ``multiprocessing`` starts (``run_ranks``,
+#: torch's spawn) and ``subprocess`` children (the CLI, torchrun, launch scripts)
+_STARTS: list[str] = []
+
+
+def _watch_process_starts() -> None:
+    """Note every process the pytest process starts, for :func:`pytest_runtest_makereport`."""
+    import subprocess
+    from multiprocessing.process import BaseProcess
+
+    if getattr(subprocess.Popen, "_titan_ext_watched", False):
+        return
+    execute_child, start = subprocess.Popen._execute_child, BaseProcess.start
+
+    def _execute_child(self, args, *rest, **kwargs):
+        _STARTS.append(f"subprocess {args if isinstance(args, (str, bytes)) else ' '.join(map(str, args))}"[:160])
+        return execute_child(self, args, *rest, **kwargs)
+
+    def _start(self):
+        _STARTS.append(f"process {self.name}")
+        return start(self)
+
+    subprocess.Popen._execute_child, BaseProcess.start = _execute_child, _start
+    subprocess.Popen._titan_ext_watched = True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _STARTS.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The ``multiprocess`` marker is exact: a test outside the ``slow`` tier that starts a process (in
+    its setup or its body) must carry it, so that ``-m "not slow and not multiprocess"`` selects the
+    single-process tests. ``TITAN_EXT_PROCESS_CHECK=1`` (set by scripts/test.sh, README's test command)
+    fails an unmarked one, naming what it started; ``=report:PATH`` appends their ids to PATH instead."""
+    outcome = yield
+    report = outcome.get_result()
+    mode = os.environ.get("TITAN_EXT_PROCESS_CHECK", "")
+    if call.when != "call" or not mode or not _STARTS:
+        return
+    if "multiprocess" in item.keywords or "slow" in item.keywords:
+        return
+    if mode.startswith("report:"):
+        with open(mode[len("report:"):], "a") as f:
+            f.write(item.nodeid + "\n")
+        return
+    if report.failed:
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid} started {len(_STARTS)} process(es) ({_STARTS[0]}) but is not marked "
+                       "`multiprocess` (pytest.mark.multiprocess; or `slow`): tests/conftest.py")
+
+
 _INHERITED: list[str] = []
 
 
 def pytest_configure(config):
     """SIGINT at Python's default handler and SIGINT/SIGTERM unblocked for the session, whatever the
-    launcher left (see the module docstring); what was changed is shown in the report header."""
+    launcher left (see the module docstring); what was changed is shown in the report header. Process
+    starts are watched (the ``multiprocess`` marker's check)."""
     import threading
+
+    _watch_process_starts()
 
     if threading.current_thread() is not threading.main_thread():
         return

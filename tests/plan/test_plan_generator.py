@@ -1,4 +1,5 @@
-"""The event-driven generator against a brute-force Alg.3/4 reference, and a validity fuzz."""
+"""The event-driven generator against PipeMorph Alg.3/4 written literally (``testing.references``), and a
+validity fuzz."""
 
 import random
 
@@ -12,59 +13,7 @@ from titan_ext.plan import (
     simulate,
     validate_plan,
 )
-
-
-def brute_force(S, N, tf, tb, tw, c, x, limit):
-    """PipeMorph Alg.4 written literally: step time in δ = 1 unit (0.1 ms), at each step visit stages
-    0..S−1, let each idle stage pick an op with Alg.3 (warm-up F quota, then B > F > W; lowest
-    microbatch first; F only while in-flight activations < limit). Latency-only links."""
-    avail = [{"F": [], "I": [], "W": []} for _ in range(S)]  # lists of (ready, mb)
-    avail[0]["F"] = [(0, m) for m in range(N)]
-    busy_until = [0] * S
-    quota = list(x)
-    held = [0] * S
-    order = [[] for _ in range(S)]
-    end_time = 0
-    t = 0
-    total = 3 * N * S
-    while sum(len(o) for o in order) < total:
-        for i in range(S):
-            if busy_until[i] > t:
-                continue
-            ready = {k: sorted(m for r, m in v if r <= t) for k, v in avail[i].items()}
-            pick = None
-            if quota[i] > 0:
-                if ready["F"]:
-                    pick = "F"
-                    quota[i] -= 1
-            elif ready["I"]:
-                pick = "I"
-            elif ready["F"] and held[i] < limit[i]:
-                pick = "F"
-            elif ready["W"]:
-                pick = "W"
-            if pick is None:
-                continue
-            m = ready[pick][0]
-            avail[i][pick] = [(r, mm) for r, mm in avail[i][pick] if mm != m]
-            dur = {"F": tf[i], "I": tb[i], "W": tw[i]}[pick]
-            done = t + dur
-            busy_until[i] = done
-            end_time = max(end_time, done)
-            order[i].append((i, pick, m))
-            if pick == "F":
-                held[i] += 1
-                if i + 1 < S:
-                    avail[i + 1]["F"].append((done + c[i], m))
-                else:
-                    avail[i]["I"].append((done, m))
-            elif pick == "I":
-                held[i] -= 1
-                avail[i]["W"].append((done, m))
-                if i > 0:
-                    avail[i - 1]["I"].append((done + c[i - 1], m))
-        t += 1
-    return order, end_time
+from titan_ext.testing.references import alg4_literal
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -82,7 +31,7 @@ def test_generator_equals_brute_force(seed):
         S, N, [v / 10 for v in tf], [v / 10 for v in tb], [v / 10 for v in tw],
     ).with_delays({i: ci / 10 for i, ci in enumerate(c)})
     ours = generate_order(prof, x, limit)
-    ref_order, ref_end = brute_force(S, N, tf, tb, tw, c, x, limit)
+    ref_order, ref_end = alg4_literal(tf, tb, tw, c, N, x, limit)  # δ = 1 unit (0.1 ms): exact
     assert [ours.order[i] for i in range(S)] == ref_order
     assert ours.makespan_ms == pytest.approx(ref_end / 10)
     # the generator's own timeline is what the simulator computes for its plan

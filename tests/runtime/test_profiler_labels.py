@@ -69,9 +69,33 @@ def _worker(rank: int, world: int) -> dict:
                                            loss_fn=Fn.mse_loss)
     torch_sched._prepare_schedule_with_comms(plan)
     theirs = _profiled(lambda: step_rank(torch_sched, rank, world, *seeded_batch(0, BATCH, DIM), []))
-    return {"names": names, "ran": ran, "checks": checks, "ours": ours, "ran_1f1b": ran_1f1b[0],
+    spans = _spans_entered(sched, rank)
+    return {"spans": spans, "names": names, "ran": ran, "checks": checks, "ours": ours, "ran_1f1b": ran_1f1b[0],
             "theirs": theirs, "torch_ran": [str(a) for a in torch_sched.pipeline_order_with_comms[rank]],
             "log": list(sched.decision_log)}
+
+
+def _spans_entered(sched, rank: int) -> dict[str, int]:
+    """How many ``record_function`` spans the executor opens in one step with no profiler running and in one
+    step under the profiler (the executor's ``record_function``, counted)."""
+    from titan_ext.runtime.execute import executor
+
+    entered = 0
+    real = executor.record_function
+
+    def counting(name):
+        nonlocal entered
+        entered += 1
+        return real(name)
+
+    executor.record_function = counting
+    try:
+        _steps(sched, rank, range(STEPS + 1, STEPS + 2), [])
+        quiet, entered = entered, 0
+        _profiled(lambda: _steps(sched, rank, range(STEPS + 2, STEPS + 3), []))
+    finally:
+        executor.record_function = real
+    return {"quiet": quiet, "profiled": entered}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +122,14 @@ def test_every_action_and_the_boundary_work_appear_by_name(results):
         assert res["names"]["titan_ext:check"] == sum(res["checks"]) >= 1
         assert res["names"]["titan_ext:plan"] >= 1, res["log"]  # the re-plan after the first check, on its thread
         assert res["ours"]["titan_ext:deploy"] >= 1  # deploy(): more if a re-plan is swapped in at the boundary
+
+
+def test_no_span_is_opened_when_no_profiler_runs(results):
+    """A ``record_function`` span costs host time (torch's op dispatch) on every action, profiled or not:
+    the executor opens them only while a profiler is recording."""
+    for res in results:
+        assert res["spans"]["quiet"] == 0, res["spans"]
+        assert res["spans"]["profiled"] >= 4 * N_MB, res["spans"]  # F and B per micro-batch, sends, receives
 
 
 def test_torch_runtime_names_the_same_actions_the_same_way(results):
