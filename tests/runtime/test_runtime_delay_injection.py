@@ -20,7 +20,6 @@ from titan_ext.runtime.emulate.delay_injection import (
     current_injector,
     inject_link_delays,
     install_from_env,
-    link_of_ranks,
     load_delay_trace,
     parse_delay_spec,
 )
@@ -101,7 +100,6 @@ def test_occupancy_model_closed_form():
     assert a3 == pytest.approx(t + 0.1 + 0.010)
     a4 = inj.arrival_time(0, 0, 0, t + 1.0)  # link idle again
     assert a4 == pytest.approx(t + 1.010)
-    assert link_of_ranks(2, 3, 4) == 2 and link_of_ranks(3, 0, 4) == 3
 
 
 # ---------------------------------------------------------------- live (gloo)

@@ -33,12 +33,12 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from .ir import Op
+from .ir import COMPUTE_KINDS, Op
 
-KINDS = ("F", "I", "W")
-"""kind index k of class ``3·stage + k`` (a full B is class I)."""
+KINDS = COMPUTE_KINDS[:3]
+"""kind index k of class ``3·stage + k``: F, I, W (a full B is class I)."""
 
-KIND_INDEX = {"F": 0, "I": 1, "W": 2, "B": 1}
+KIND_INDEX = {**{kind: k for k, kind in enumerate(KINDS)}, COMPUTE_KINDS[3]: 1}
 
 ROOT = -1
 """``trigger`` of a class that needs nothing (stage 0's F): its ops are ready from the start."""
@@ -59,7 +59,7 @@ def producers(op: Op, num_stages: int) -> tuple[Op, ...]:
     return ((stage, "F", mb), (stage + 1, "I", mb))
 
 
-SAME_STAGE = {kind: p[1] for kind in ("F", "I", "B", "W") for p in producers((0, kind, 0), 2) if p[0] == 0}
+SAME_STAGE = {kind: p[1] for kind in COMPUTE_KINDS for p in producers((0, kind, 0), 2) if p[0] == 0}
 """kind → the kind of the same-stage, same-microbatch op it needs (local order): ``{"I": "F", "B": "F",
 "W": "I"}``, read off :func:`producers`."""
 

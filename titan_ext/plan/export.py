@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from ..args import ArgumentTypeError, output_path_arg
+from .deps import KIND_INDEX
+from .ir import COMPUTE_KINDS
 from .interrupt import signals_deferred
 from .ir import as_ops, to_torch_plan, torch_schedules
 from .simulate import Timeline
@@ -141,6 +143,8 @@ def pyplot():
     return plt
 
 
+#: the legend's order of kinds: data-flow order, a full B where I stands (F, I, B, W)
+LEGEND_ORDER = tuple(sorted(COMPUTE_KINDS, key=KIND_INDEX.__getitem__))
 _COLORS = {"F": "#4C72B0", "I": "#DD8452", "B": "#C44E52", "W": "#55A868"}
 
 
@@ -162,7 +166,7 @@ def write_gantt_png(timeline: Timeline, path: str | Path, title: str | None = No
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title or f"makespan {timeline.makespan_ms:.1f} ms, bubble rate {timeline.bubble_rate:.1%}")
-    kinds = sorted({e.kind for e in timeline.events}, key="FIBW".index)
+    kinds = sorted({e.kind for e in timeline.events}, key=LEGEND_ORDER.index)
     ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in kinds], loc="upper right", fontsize=7)
     fig.tight_layout()
     try:

@@ -12,14 +12,42 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import math
 import numbers
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
 COMPUTE_KINDS = ("F", "I", "W", "B")
+"""The one op-kind alphabet: forward, backward-input, backward-weight, full backward (torch's
+``_ComputationType`` names). Every other list of kinds is derived from it (``deps.KINDS``, the runtime's
+profiler and estimator, the exporters' legend order, TorchTitan's monitor); tests/package/test_one_definition.py
+checks that no module spells it again."""
 
 # (stage, kind, microbatch) — the planners' internal action.
 Op = tuple[int, str, int]
+
+
+@dataclass
+class TimedAction:
+    """The one timed-action record: an op — ``stage``, ``kind`` (:data:`COMPUTE_KINDS`), ``microbatch`` —
+    and when it ran, from ``start`` to ``end`` on one clock. The clock and its unit are the subclass's,
+    which names them and keeps its own constructor: ``plan.simulate.ActionEvent`` (+ ``rank``; ms from
+    the plan's start: ``start_ms`` / ``end_ms``), the runtime profiler's
+    ``runtime.measure.profiler.ActionRecord`` (+ ``recv_wait_ms``; seconds on the device layer's host
+    clock, filled in by its timer) and TorchTitan's monitor's ``titan.monitor.Action`` (integer ns:
+    ``start_ns`` / ``end_ns``)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    start: float = math.nan
+    end: float = math.nan
+
+    @property
+    def op(self) -> Op:
+        """The plan IR's ``(stage, kind, microbatch)``."""
+        return (self.stage, self.kind, self.microbatch)
 
 
 @contextlib.contextmanager

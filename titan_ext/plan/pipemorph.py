@@ -34,6 +34,7 @@ from .warmup import (
     _clip_monotone,
     adapted_warmup_counts,
     initial_warmup_counts,
+    one_f_one_b_warmup_counts,
     required_slackness,
     zb_h1_warmup_counts,
     zb_warmup_counts,
@@ -239,12 +240,12 @@ def memory_caps(profile: PipelineProfile, memory_limit: int | Sequence[int] | No
 
 
 def one_f_one_b_order(num_stages: int, num_microbatches: int) -> dict[int, list[Op]]:
-    """torch's Schedule1F1B order with full backwards: stage i runs x_i = S − i forwards (at most N),
-    then alternates B and F, then drains its backwards."""
+    """The one 1F1B order (torch's Schedule1F1B with full backwards; tests/package/test_one_definition.py
+    checks it against torch's own): stage i runs x_i = S − i forwards (at most N:
+    ``warmup.one_f_one_b_warmup_counts``), then alternates B and F, then drains its backwards."""
     N = num_microbatches
     order: dict[int, list[Op]] = {}
-    for i in range(num_stages):
-        x = min(num_stages - i, N)
+    for i, x in enumerate(one_f_one_b_warmup_counts(num_stages, N)):
         ops: list[Op] = [(i, "F", m) for m in range(x)]
         for m in range(N):
             ops.append((i, "B", m))
@@ -284,8 +285,8 @@ def _candidates(profile: PipelineProfile, schedule: str, mode: str, slack_floor:
     static = any(link.delay_ms > 0 for link in profile.links)  # else generated = static (dedup)
     out += [make("zb", zb_warmup_counts(S, N), True, static=static),
             make("zb-h1", zb_h1_warmup_counts(S), True, static=static)]
-    if all(min(S - i, N) <= c for i, c in enumerate(top)):
-        x = tuple(min(S - i, N) for i in range(S))
+    x = tuple(one_f_one_b_warmup_counts(S, N))
+    if all(v <= c for v, c in zip(x, top)):
         out.append(_Candidate("1f1b", x, x, one_f_one_b=True))
     seen: set = set()
     return [c for c in out if (c.warmup_counts, c.inflight_limit, c.static, c.one_f_one_b) not in seen

@@ -9,9 +9,13 @@ R ranks each hold V model chunks ("stages"), S = R·V in data-flow order:
 * ``"v"`` — zig-zag: rank r holds r and 2R−1−r (and so on for larger V), torch's ZBV / DualPipeV and
   CrossPipe's CrossWave (its Wave traversal, §3.3 Fig.5; greedy §4.2).
 
-Rank link ℓ joins ranks ℓ and ℓ+1. A stage boundary s → s+1 between adjacent ranks travels on rank link
-min(ρ(s), ρ(s+1)); a boundary inside one rank is free, and so is the wrap-around boundary of a looped
-placement (rank R−1 → rank 0): the ranks are not neighbours, and like ``simulate`` we give it no link.
+Rank link ℓ joins ranks ℓ and ℓ+1 (:func:`rank_link`, the one rank-pair → link rule: the planners, the
+simulator, the runtime's estimator and the delay injector all call it). A stage boundary s → s+1 between
+adjacent ranks travels on rank link min(ρ(s), ρ(s+1)); a boundary inside one rank is free, and so is the
+wrap-around boundary of a looped placement with R ≥ 3 ranks (rank R−1 → rank 0): no rank link of the
+model joins those ranks, so nothing times, measures or injects a delay there (docs/ARCHITECTURE.md
+"Decisions recorded here"). With R = 2 the wrap-around pair is ranks 1 and 0: link 0, the same channel as
+the gradients from rank 1.
 
 Profiles: a *rank-level* profile has one entry per rank and R−1 rank links (what a user or the CLI
 gives); a *stage-level* profile has one entry per stage and S−1 stage-boundary links (what the
@@ -27,7 +31,7 @@ from ..args import counts_arg, int_arg
 from .profile import profile_arg
 from .profile import LinkProfile, PipelineProfile
 
-__all__ = ["PLACEMENTS", "boundary_link", "rank_profile", "rank_stages", "read_placement", "stage_profile",
+__all__ = ["PLACEMENTS", "boundary_link", "rank_link", "rank_profile", "rank_stages", "read_placement", "stage_profile",
            "stage_to_rank", "stages_per_rank"]
 
 PLACEMENTS = ("loop", "v")
@@ -83,15 +87,22 @@ def read_placement(s2r: Sequence[int]) -> str:
     raise ValueError(f"stage → rank map {tuple(s2r)} is neither looped nor V-shaped")
 
 
+def rank_link(a: int, b: int) -> int | None:
+    """The rank link joining PP ranks ``a`` and ``b``: link min(a, b) for neighbours (|a − b| = 1), None
+    for one rank or two ranks no link of the model joins (the loop wrap-around R−1 → 0 with R ≥ 3). The
+    one rule from a rank pair to a link: :func:`boundary_link`, hence ``simulate``, the generators and
+    the runtime's estimator, and the delay injector (``runtime/emulate/delay_injection.py``) use it."""
+    return min(a, b) if a - b in (1, -1) else None
+
+
 def boundary_link(s2r: Sequence[int], boundary: int) -> int | None:
-    """The rank link carrying stage boundary ``boundary`` → ``boundary``+1 (None: both stages on one
-    rank, or the ranks are not neighbours — the loop wrap-around)."""
+    """The rank link carrying stage boundary ``boundary`` → ``boundary``+1: :func:`rank_link` of the two
+    stages' ranks (None: both stages on one rank, or the loop wrap-around)."""
     s2r = _s2r_arg(s2r)
     int_arg(boundary, "boundary", 0)
     if boundary >= len(s2r) - 1:
         raise ValueError(f"boundary {boundary} does not exist (boundaries are 0..{len(s2r) - 2})")
-    a, b = s2r[boundary], s2r[boundary + 1]
-    return min(a, b) if abs(a - b) == 1 else None
+    return rank_link(s2r[boundary], s2r[boundary + 1])
 
 
 def stage_profile(profile: PipelineProfile, s2r: Sequence[int],

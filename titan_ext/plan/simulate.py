@@ -24,7 +24,7 @@ from ..args import ArgumentTypeError, int_arg, plan_arg
 from .profile import profile_arg
 from .complete import check_complete
 from .deps import KIND_INDEX, ROOT, class_of, done_key, producers, table
-from .ir import Op, as_ops, stage_to_rank_map
+from .ir import Op, TimedAction, as_ops, stage_to_rank_map
 from .placement import stage_profile
 from .profile import LinkProfile, PipelineProfile
 from .result import peak_inflight, peak_memory_per_rank
@@ -35,14 +35,20 @@ class DeadlockError(ValueError):
     """The plan cannot run to completion: some rank waits forever."""
 
 
-@dataclass(frozen=True)
-class ActionEvent:
-    rank: int
-    stage: int
-    kind: str
-    microbatch: int
-    start_ms: float
-    end_ms: float
+@dataclass(init=False, unsafe_hash=True)
+class ActionEvent(TimedAction):
+    """A simulated action: the one record (``ir.TimedAction``) on ``rank``, times in ms from the plan's
+    start (``start_ms`` / ``end_ms``); constructed ``ActionEvent(rank, stage, kind, microbatch, start_ms,
+    end_ms)``."""
+
+    rank: int = 0
+
+    def __init__(self, rank: int, stage: int, kind: str, microbatch: int, start_ms: float, end_ms: float):
+        TimedAction.__init__(self, stage, kind, microbatch, start_ms, end_ms)
+        self.rank = rank
+
+    start_ms = property(lambda self: self.start, doc="start, ms")
+    end_ms = property(lambda self: self.end, doc="end, ms")
 
 
 @dataclass

@@ -49,12 +49,13 @@ def to_ms(ns: int) -> float:
 class LinkQueues:
     """FIFO occupancy of every channel (link direction): ``send`` returns a message's arrival time."""
 
-    __slots__ = ("latency_ns", "transfer_ns", "_free")
+    __slots__ = ("latency_ns", "transfer_ns", "_free", "_last")
 
     def __init__(self, links: Sequence[LinkProfile]):
         self.latency_ns = [to_ns(link.latency_ms) for link in links]
         self.transfer_ns = [to_ns(link.transfer_ms) for link in links]
         self._free: dict[Hashable, int] = {}
+        self._last: dict[Hashable, int] = {}  # send_timed: a channel's last arrival
 
     @classmethod
     def of(cls, latency: Sequence, transfer: Sequence) -> "LinkQueues":
@@ -72,3 +73,18 @@ class LinkQueues:
         start = max(ready_ns, self._free.get(channel, 0))
         self._free[channel] = start + tx
         return start + tx + self.latency_ns[link]
+
+    def send_timed(self, channel: Hashable, ready_ns: int, latency_ns: int, transfer_ns: int) -> int:
+        """:meth:`send` for a message with its own latency and transfer time (its size, and a link whose
+        parameters change over time: the delay injector and the delegates' arrival,
+        ``runtime/emulate/delay_injection.py``). The same FIFO per channel — the window starts when the
+        message is ready and the channel's earlier windows have ended, also for a message that takes no
+        time on the wire —, and since a later message may now have a shorter latency, it is delivered
+        no earlier than the channel's previous one (FIFO delivery). With one latency and transfer time
+        per link and ready times that never decrease on a channel (every plan: module docstring) this
+        is :meth:`send`, arrival for arrival (tests/runtime/test_runtime_link_rule.py)."""
+        start = max(ready_ns, self._free.get(channel, ready_ns))
+        self._free[channel] = start + transfer_ns
+        arrival = max(start + transfer_ns + latency_ns, self._last.get(channel, ready_ns))
+        self._last[channel] = arrival
+        return arrival

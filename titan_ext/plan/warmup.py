@@ -164,6 +164,13 @@ def zb_h1_warmup_counts(num_stages: int) -> list[int]:
     return [num_stages - i for i in range(num_stages)]
 
 
+def one_f_one_b_warmup_counts(num_stages: int, num_microbatches: int) -> list[int]:
+    """torch's Schedule1F1B warm-up: x_i = S − i forwards (:func:`zb_h1_warmup_counts`), at most N — the
+    counts of the one 1F1B order, ``pipemorph.one_f_one_b_order``."""
+    int_arg(num_microbatches, "num_microbatches", 1)
+    return [min(x, num_microbatches) for x in zb_h1_warmup_counts(num_stages)]
+
+
 def _clip_monotone(counts: Sequence[int], caps: Sequence[int]) -> list[int]:
     out: list[int] = []
     for i, (x, cap) in enumerate(zip(counts, caps)):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_ext.plan.ir import TimedAction
 from titan_ext.plan.timing import bubble_rate
 from titan_ext.runtime.execute.device import DeviceLayer, device_layer
 from titan_ext.runtime.measure.profiler import ActionRecord
@@ -47,13 +48,16 @@ from titan_ext.runtime.measure.profiler import ActionRecord
 __all__ = ["Action", "IterationTimeline", "PipelineMonitor", "timeline_stats"]
 
 
-@dataclass(frozen=True)
-class Action:
-    stage: int
-    kind: str  # F, B, I, W
-    microbatch: int
-    start_ns: int
-    end_ns: int
+@dataclass(init=False, unsafe_hash=True)
+class Action(TimedAction):
+    """A measured action of the iteration's timeline: the one record (``plan.ir.TimedAction``), times in
+    integer ns (``start_ns`` / ``end_ns``); constructed ``Action(stage, kind, microbatch, start_ns, end_ns)``."""
+
+    def __init__(self, stage: int, kind: str, microbatch: int, start_ns: int, end_ns: int):
+        TimedAction.__init__(self, stage, kind, microbatch, start_ns, end_ns)
+
+    start_ns = property(lambda self: self.start, doc="start, ns")
+    end_ns = property(lambda self: self.end, doc="end, ns")
 
 
 @dataclass

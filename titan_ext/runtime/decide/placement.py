@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from titan_ext.plan import LinkProfile, PipelineProfile, PlanResult
 from titan_ext.plan.schedules import plan_by_name
+from titan_ext.plan.ir import COMPUTE_KINDS
 from titan_ext.plan.placement import PLACEMENTS, boundary_link, rank_profile, rank_stages, stage_to_rank
 from titan_ext.plan.virtual import rank_periods_ms, virtual_link_tolerance_ms
 
@@ -100,7 +101,7 @@ class VirtualEstimator(Estimator):
             for s, times in zip(self.layout.local_stages(r), prof.stage_ms):
                 for k in range(4):
                     rows[k][s] = times[k]
-        for key, row in zip("FIWB", rows):
+        for key, row in zip(COMPUTE_KINDS, rows):
             self.window.push(key, row)
         self.window.push("C", list(link_delays_ms)[: self.layout.num_ranks - 1])
         self.window.push("G", [r.gap_ms for r in ranks])
@@ -116,7 +117,7 @@ class VirtualEstimator(Estimator):
         ran) plans with I = B, W = 0 — the cost it showed."""
         S, win = self.num_stages, self.window
         f0, i0, w0 = self.initial_times_ms
-        f, i, w, b = (win.median(k, S) for k in "FIWB")
+        f, i, w, b = (win.median(k, S) for k in COMPUTE_KINDS)
         fs, bs, ws = [], [], []
         for s in range(S):
             fs.append(max(f[s], 1e-3) if not math.isnan(f[s]) else f0)

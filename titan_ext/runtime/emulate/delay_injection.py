@@ -1,12 +1,17 @@
 """Straggler emulation: per-link one-way latency and bandwidth cap on the real PP messages.
 
 Model (DESIGN.md "Timing model", CrossPipe §4.2.3 α-β with link occupancy, PipeMorph §3/§7 injected
-delays): link ``i`` joins PP ranks ``i`` and ``i+1`` (the wrap-around pair ``(P-1, 0)`` used by looped
-schedules is link ``P-1``).  A message of ``size`` bytes handed to the transport at time ``t`` on link
-``i`` in one direction starts transmission at ``start = max(t, link_free)``, occupies the link (that
-direction) until ``start + size/bandwidth``, and cannot be received before
+delays): the planner's, ``plan.timing.LinkQueues`` (:meth:`~titan_ext.plan.timing.LinkQueues.send_timed`:
+each message with the latency and bandwidth the spec gives its link at hand-over).  Link ``i`` joins PP
+ranks ``i`` and ``i+1`` (``plan.placement.rank_link``, the planner's rule: the wrap-around pair
+``(P-1, 0)`` of looped schedules with P ≥ 3 is no link of the model, so its messages are never delayed —
+docs/ARCHITECTURE.md "Decisions recorded here").  A message of ``size`` bytes handed to the transport at
+time ``t`` on link ``i`` in one direction starts transmission at ``start = max(t, link_free)``, occupies
+the link (that direction) until ``start + size/bandwidth``, and cannot be received before
 
-    ``arrival = start + size / bandwidth + latency``.
+    ``arrival = start + size / bandwidth + latency``
+
+nor before the message sent before it in that direction (FIFO delivery, when a trace lowers the latency).
 
 Mechanism: *receiver-side arrival*, keeping NCCL's rules and CUDA's.
 The injector replaces ``torch.distributed.pipelining.schedules._batch_p2p`` — the single function
@@ -84,6 +89,8 @@ import torch
 import torch.distributed as dist
 
 from titan_ext.args import ArgumentTypeError
+from titan_ext.plan.placement import rank_link
+from titan_ext.plan.timing import LinkQueues, to_ns
 
 ENV_VAR = "TITAN_EXT_INJECT_DELAYS"
 MAX_DELAY_MS = 1e9  # a latency above this (11.6 days) is a typo; larger ones overflowed time.sleep
@@ -110,7 +117,6 @@ __all__ = [
     "schedule_from_env",
     "current_injector",
     "remove_link_delays",
-    "link_of_ranks",
 ]
 
 
@@ -132,10 +138,10 @@ class LinkDelay:
     bandwidth_bytes_per_s: float = math.inf
     """Transmission rate cap in bytes/s (``inf`` = uncapped); a message occupies the link size/bw."""
 
-    def delay_ms(self, nbytes: int) -> float:
-        """One-way delay of an ``nbytes`` message on an idle link."""
+    def transfer_ns(self, nbytes: int) -> int:
+        """The link's occupancy by an ``nbytes`` message (size/bandwidth, integer ns as ``LinkQueues``)."""
         bw = self.bandwidth_bytes_per_s
-        return self.latency_ms + (0.0 if math.isinf(bw) else 1e3 * nbytes / bw)
+        return 0 if math.isinf(bw) else int(round(1e9 * nbytes / bw))
 
     @property
     def is_zero(self) -> bool:
@@ -352,16 +358,6 @@ def _parse_trace(path: str) -> DelaySchedule:
     return DelaySchedule(steps=steps, wildcard=[None] * len(steps), source=f"trace:{path}")
 
 
-def link_of_ranks(a: int, b: int, group_size: int) -> int:
-    """Link id of the PP rank pair (a, b): ``min`` for neighbours, ``P-1`` for the wrap-around pair."""
-    lo, hi = min(a, b), max(a, b)
-    if hi - lo == 1:
-        return lo
-    if lo == 0 and hi == group_size - 1:
-        return group_size - 1
-    raise ValueError(f"PP ranks {a} and {b} are not adjacent (group size {group_size})")
-
-
 class _Stamp:
     """One receive's arrival stamp, fetched by a :class:`_StampReader` thread: ``ready`` is set once
     ``value`` (the sender's model arrival, wall clock) or ``error`` is there."""
@@ -572,8 +568,7 @@ class LinkDelayInjector:
         now_wall, now_mono = time.time(), time.monotonic()
         self._origin_mono = now_mono - (now_wall - t0) if t0 is not None else now_mono
         self._lock = threading.Lock()
-        self._link_free: dict[tuple[int, int], float] = {}  # (link, direction) -> busy until
-        self._last_arrival: dict[tuple[int, int], float] = {}
+        self._queues = LinkQueues(())  # the link model, channel (link, direction); times in ns
         self.messages_delayed = 0
         self.messages_passed = 0
         self._orig_batch_p2p = None
@@ -615,18 +610,13 @@ class LinkDelayInjector:
 
     # -- the model -----------------------------------------------------------------------------
     def arrival_time(self, link: int, direction: int, nbytes: int, now: float) -> float:
-        """Earliest receive time of a message handed over at ``now`` (and book the link)."""
+        """Earliest receive time (``time.monotonic()`` seconds) of a message handed over at ``now``, booking
+        the link: ``plan.timing.LinkQueues.send_timed`` on channel (link, direction), in integer ns, with
+        the link's latency and size/bandwidth at ``now``."""
         delay = self.link_delay(link, now)
-        key = (link, direction)
-        start = max(now, self._link_free.get(key, -math.inf))
-        bw = delay.bandwidth_bytes_per_s
-        tx = 0.0 if math.isinf(bw) else nbytes / bw
-        self._link_free[key] = start + tx
-        arrival = start + tx + delay.latency_ms / 1e3
-        # FIFO per link and direction (Gloo matches p2p messages in posting order).
-        arrival = max(arrival, self._last_arrival.get(key, -math.inf))
-        self._last_arrival[key] = arrival
-        return arrival
+        arrival_ns = self._queues.send_timed((link, direction), int(round(now * 1e9)),
+                                             to_ns(delay.latency_ms), delay.transfer_ns(nbytes))
+        return arrival_ns / 1e9
 
     # -- transport -----------------------------------------------------------------------------
     def stamps_link(self, link: int) -> bool:
@@ -636,28 +626,29 @@ class LinkDelayInjector:
 
     def _stamped_link(self, op: Any) -> tuple[int, int] | None:
         """(link, direction) of an op whose link the spec delays; None for any other — a link the spec
-        does not name, or a send to self (torch < 2.13's start-up handshake between two stages of one
-        rank), which crosses no link."""
+        does not name, a send to self (torch < 2.13's start-up handshake between two stages of one
+        rank) or between ranks no link of the model joins (the loop wrap-around with P ≥ 3: the
+        planner's rule, ``plan.placement.rank_link``)."""
         if op.group_peer == dist.get_rank(op.group):
             return None
-        link, direction = self._link_and_direction(op)
-        return (link, direction) if self.stamps_link(link) else None
+        stamped = self._link_and_direction(op)
+        return stamped if stamped is not None and self.stamps_link(stamped[0]) else None
 
-    def _link_and_direction(self, op: Any) -> tuple[int, int]:
+    def _link_and_direction(self, op: Any) -> tuple[int, int] | None:
+        """(link, direction) of the rank pair of ``op`` (``rank_link``; 0 = towards the higher rank, the
+        forward activations' direction), None where no link joins the pair."""
         group_size = dist.get_world_size(op.group)
         me = dist.get_rank(op.group)
-        link = link_of_ranks(me, op.group_peer, group_size)
-        max_link = group_size - 1 if group_size > 2 else 0
+        max_link = max(group_size - 2, 0)
         if self.schedule.max_link() > max_link:
             raise DelaySpecError(
                 f"delay spec {self.schedule.describe()!r} names link {self.schedule.max_link()} but "
-                f"the PP group has {group_size} ranks (links 0..{max_link})"
+                f"the PP group has {group_size} ranks (links 0..{max_link}: link i joins ranks i and i+1)"
             )
-        if abs(op.group_peer - me) == 1:
-            direction = 0 if op.group_peer > me else 1  # 0 = downstream (forward activations)
-        else:
-            direction = 0 if me == group_size - 1 else 1  # wrap-around pair (P-1 -> 0 is downstream)
-        return link, direction
+        link = rank_link(me, op.group_peer)
+        if link is None:
+            return None
+        return link, 0 if op.group_peer > me else 1
 
     def _device(self, device: torch.device) -> Any:
         from ..execute.device import device_layer

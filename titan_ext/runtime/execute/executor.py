@@ -50,6 +50,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.profiler import record_function
 
 from titan_ext.args import ArgumentTypeError, int_arg
+from titan_ext.plan.placement import rank_link
 
 from .._torch_compat import has_wait_actions, with_loss_kwargs
 from ..comm.transport import TorchP2P, Transport
@@ -188,14 +189,15 @@ class Executor:
         if key in ctx.pending_sends:
             raise AssertionError(f"Duplicate pipeline send {action}")
         ops = stage.get_fwd_send_ops(mb) if forward else stage.get_bwd_send_ops(mb)
-        # stamps per rank link (ranks r, r±1), whatever the direction in the model: with several stages
-        # per rank a "v" placement sends forwards to rank r−1 too; the loop wrap-around is not a link.
-        # The stamp is the compute stream's time at hand-over (when the data is ready on the device).
-        step = self.peer(action, ctx.schedule) - ctx.schedule.rank
-        if step == 1:
+        # stamps per rank link (plan.placement.rank_link: ranks r, r±1), whatever the direction in the
+        # model: with several stages per rank a "v" placement sends forwards to rank r−1 too; the loop
+        # wrap-around is not a link. The stamp is the compute stream's time at hand-over (when the data
+        # is ready on the device).
+        peer, rank = self.peer(action, ctx.schedule), ctx.schedule.rank
+        if rank_link(rank, peer) is not None and peer > rank:
             self.timer.mark(prof.sends_next)
             prof.send_bytes_next += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        elif step == -1:
+        elif rank_link(rank, peer) is not None:
             self.timer.mark(prof.sends_prev)
         retire = stage.release_fwd_send_outputs if forward and WAITS else None
         ctx.pending_sends[key] = (self.transport.issue(action, ops), retire)
@@ -219,10 +221,11 @@ class Executor:
             raise AssertionError(f"Recv twice for {s=} {mb=} without executing compute")
         ops = stage.get_fwd_recv_ops(mb) if forward else stage.get_bwd_recv_ops(mb)
         peer = self.peer(action, sched)
-        exact = self.exact_links is None or min(peer, sched.rank) in self.exact_links or abs(peer - sched.rank) != 1
+        link = rank_link(peer, sched.rank)
+        exact = self.exact_links is None or link is None or link in self.exact_links
         handle = self.device.watch(peer, self.transport.issue(action, ops), exact=exact)
         table[(s, mb)] = [handle]
-        if abs(peer - sched.rank) == 1:
+        if link is not None:
             (ctx.profile.arrivals_prev if peer < sched.rank else ctx.profile.arrivals_next).append(handle)
 
     @staticmethod

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from titan_ext.plan import LinkProfile, PipelineProfile
+from titan_ext.plan.ir import COMPUTE_KINDS
 
 from ..execute.memory import RELEASE
 from .profiler import RankProfile
@@ -26,7 +27,7 @@ class Window:
     that was neither compute nor an input wait, ``IterationProfile.gap_ms``).  A row with no measurement at all
     (e.g. I and W while a full-backward plan runs) is not pushed, so the last measurements are kept."""
 
-    KEYS = ("F", "I", "W", "B", "C", "G")
+    KEYS = COMPUTE_KINDS + ("C", "G")
 
     def __init__(self, size: int):
         self.size = size

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_ext.plan.ir import COMPUTE_KINDS, TimedAction
 from titan_ext.plan.timing import bubble_rate
 
 from ..execute.device import now
@@ -52,17 +53,19 @@ from ..execute.device import now
 __all__ = ["ActionRecord", "IterationProfile", "RankProfile", "decode_profiles", "encode_profile",
            "estimate_clock_offsets", "link_delay_estimates", "now", "timeline_bubble_rate"]
 
-COMPUTE_KINDS = ("F", "I", "W", "B")
 
+@dataclass(init=False)
+class ActionRecord(TimedAction):
+    """A measured action: the one record (``plan.ir.TimedAction``), times in seconds on the device
+    layer's host clock (set by its timer), plus the input's stall ``recv_wait_ms``; constructed
+    ``ActionRecord(kind, stage, microbatch, start=nan, end=nan, recv_wait_ms=0.0)``."""
 
-@dataclass
-class ActionRecord:
-    kind: str
-    stage: int
-    microbatch: int
-    start: float = math.nan
-    end: float = math.nan
     recv_wait_ms: float = 0.0
+
+    def __init__(self, kind: str, stage: int, microbatch: int, start: float = math.nan, end: float = math.nan,
+                 recv_wait_ms: float = 0.0):
+        TimedAction.__init__(self, stage, kind, microbatch, start, end)
+        self.recv_wait_ms = recv_wait_ms
 
 
 @dataclass
@@ -102,7 +105,7 @@ class IterationProfile:
 
     def stage_times_ms(self, stages: list[int]) -> list[tuple[float, float, float, float]]:
         """(F, I, W, B) medians per local stage (several stages per rank: ``runtime/decide/placement.py``)."""
-        return [tuple(self.compute_ms(k, s) for k in "FIWB") for s in stages]  # type: ignore[misc]
+        return [tuple(self.compute_ms(k, s) for k in COMPUTE_KINDS) for s in stages]  # type: ignore[misc]
 
     def busy_ms(self) -> float:
         return sum(1e3 * (a.end - a.start) for a in self.actions)
