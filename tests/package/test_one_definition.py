@@ -163,3 +163,23 @@ def test_the_1f1b_order_is_written_once_and_is_torchs():
                 continue  # torch's Schedule1F1B refuses fewer microbatches than stages
             torch_ops = as_ops(builtin_plan("1F1B", S, N)[0])
             assert one_f_one_b_order(S, N) == {r: list(v) for r, v in torch_ops.items()}, (S, N)
+
+
+def test_the_measured_link_delay_is_defined_once():
+    """``runtime.measure.profiler.one_way_delay_ms`` reduces a link's one-way samples for both the
+    runtime's estimate (send → arrival stamps) and TorchTitan's monitor (producer end → consumer start);
+    no other module reduces samples to a delay."""
+    srcs = _sources()
+    assert [n for n, t in srcs.items() if "def one_way_delay_ms" in t] == ["runtime/measure/profiler.py"]
+    assert "one_way_delay_ms(" in srcs["titan/monitor.py"]
+    body = srcs["runtime/measure/profiler.py"].split("def link_delay_estimates", 1)[1].split("\ndef ", 1)[0]
+    assert "one_way_delay_ms(" in body and "/ 2" not in body
+    assert "min(gaps)" not in srcs["titan/monitor.py"]
+    from titan_ext.runtime.measure.profiler import one_way_delay_ms
+
+    theta = 0.25  # the downstream clock runs 250 ms ahead: it cancels with both directions
+    assert one_way_delay_ms([0.010 + theta, 0.012 + theta], [0.020 - theta]) == pytest.approx(15.0)
+    assert one_way_delay_ms([0.010 + theta], [], theta) == pytest.approx(10.0)
+    assert one_way_delay_ms([], [0.020 - theta], theta) == pytest.approx(20.0)
+    assert one_way_delay_ms([], []) != one_way_delay_ms([], [])  # NaN
+    assert one_way_delay_ms([-0.002], []) == 0.0

@@ -34,7 +34,17 @@ def test_iteration_time_bubble_rate_and_link_delay(delay):
     assert stats["busy_ms"] == {0: pytest.approx(40.0), 1: pytest.approx(40.0)}
 
 
-def test_link_delay_is_the_smallest_gap_over_both_directions():
+def test_link_delay_is_the_mean_of_each_directions_smallest_gap():
+    """Forward gaps 5 ms, backward gaps 7 ms (stage 0's backwards start 2 ms later): each direction's
+    minimum, then their mean, as the runtime's c_i."""
+    tl = _gpipe_like(5.0)
+    acts = [a if not (a.stage == 0 and a.kind == "B")
+            else Action(0, "B", a.microbatch, a.start_ns + 2 * MS, a.end_ns + 2 * MS) for a in tl.actions]
+    stats = timeline_stats(IterationTimeline(1, 2, acts, 2))
+    assert stats["link_delay_ms"][0] == pytest.approx((5.0 + 7.0) / 2)
+
+
+def test_one_late_message_does_not_move_the_link_delay():
     tl = _gpipe_like(5.0)
     # make the backward message of mb 1 arrive later than needed: the minimum still says 5 ms
     acts = [a if not (a.stage == 0 and a.kind == "B" and a.microbatch == 1)

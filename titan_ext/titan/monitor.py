@@ -15,9 +15,11 @@ On a logging step, :meth:`PipelineMonitor.gather` does one ``all_gather_object``
 * ``iteration_ms`` = T, from the first F on stage 0 to the last action end anywhere;
 * ``bubble_rate`` = 1 - Σ busy / (P · T)  (DESIGN.md's definition; P = number of PP ranks, which
   is the number of stages S for one-stage-per-rank schedules);
-* ``link_delay_ms[i]`` (measured, for every schedule) = the smallest gap between a producer's end
-  and its consumer's start over all microbatches, forward (F on stage i → F on stage i+1) and
-  backward (B/I on stage i+1 → B/I on stage i) directions, then the smaller of the two. Every such
+* ``link_delay_ms[i]`` (measured, for every schedule) = the one measured link delay
+  (``runtime.measure.profiler.one_way_delay_ms``, the runtime's rule) of the gaps between a producer's
+  end and its consumer's start over all microbatches, forward (F on stage i → F on stage i+1) and
+  backward (B/I on stage i+1 → B/I on stage i): each direction's smallest gap, the mean of the two
+  directions (before: the smaller of the two, which the runtime's c_i is not). Every such
   gap is ≥ the one-way delivery time of the message, and equals it (plus the receive overhead)
   whenever the consumer was already waiting for that message; it is therefore an upper bound that is
   tight under a straggler (the consumer waits on the slow link), and may overestimate a fast link in
@@ -43,7 +45,7 @@ import torch.distributed as dist
 from titan_ext.plan.ir import TimedAction
 from titan_ext.plan.timing import bubble_rate
 from titan_ext.runtime.execute.device import DeviceLayer, device_layer
-from titan_ext.runtime.measure.profiler import ActionRecord
+from titan_ext.runtime.measure.profiler import ActionRecord, one_way_delay_ms
 
 __all__ = ["Action", "IterationTimeline", "PipelineMonitor", "timeline_stats"]
 
@@ -98,18 +100,18 @@ def timeline_stats(timeline: IterationTimeline) -> dict[str, Any]:
     by_key: dict[tuple[int, str, int], Action] = {(a.stage, a.kind, a.microbatch): a for a in acts}
     links: dict[int, float] = {}
     for link in range(S - 1):
-        gaps = []
+        fwd, bwd = [], []  # one-way samples (s) per direction, on one (aligned) clock
         for (stage, kind, mb), a in by_key.items():
             if stage == link and kind == "F":
                 nxt = by_key.get((link + 1, "F", mb))
                 if nxt is not None:
-                    gaps.append(nxt.start_ns - a.end_ns)
+                    fwd.append((nxt.start_ns - a.end_ns) / 1e9)
             if stage == link + 1 and kind in ("B", "I"):
                 prev = by_key.get((link, "B", mb)) or by_key.get((link, "I", mb))
                 if prev is not None:
-                    gaps.append(prev.start_ns - a.end_ns)
-        if gaps:
-            links[link] = max(min(gaps), 0) / 1e6
+                    bwd.append((prev.start_ns - a.end_ns) / 1e9)
+        if fwd or bwd:
+            links[link] = one_way_delay_ms(fwd, bwd)
     return {
         "iteration_ms": T / 1e6,
         "bubble_rate": bubble,

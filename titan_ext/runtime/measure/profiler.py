@@ -51,7 +51,7 @@ from titan_ext.plan.timing import bubble_rate
 from ..execute.device import now
 
 __all__ = ["ActionRecord", "IterationProfile", "RankProfile", "decode_profiles", "encode_profile",
-           "estimate_clock_offsets", "link_delay_estimates", "now", "timeline_bubble_rate"]
+           "estimate_clock_offsets", "link_delay_estimates", "now", "one_way_delay_ms", "timeline_bubble_rate"]
 
 
 @dataclass(init=False)
@@ -219,6 +219,25 @@ def _quantile(xs: list[float], q: float) -> float:
 DELAY_QUANTILE = 0.0
 
 
+def one_way_delay_ms(forward_s: list[float], backward_s: list[float], offset_s: float = 0.0) -> float:
+    """The one measured link delay (ms) of one iteration, from a link's per-message one-way samples
+    (seconds) of each direction: forward samples read d_f + θ and backward ones d_b − θ, θ the
+    downstream rank's clock minus the upstream one's (``offset_s``; 0 on one clock). Each direction's
+    statistic is its smallest sample (:data:`DELAY_QUANTILE`); with both directions the delay is their
+    mean, in which θ cancels (Eq.1 needs 2c = d_f + d_b); with one, that one corrected by θ; with none,
+    NaN. Never negative. The profiler's send → arrival stamps (:func:`link_delay_estimates`) and
+    TorchTitan's monitor's producer-end → consumer-start gaps (``titan.monitor.timeline_stats``) both
+    reduce through it."""
+    mf, mb = _quantile(forward_s, DELAY_QUANTILE), _quantile(backward_s, DELAY_QUANTILE)
+    if forward_s and backward_s:
+        c = 1e3 * (mf + mb) / 2
+    elif forward_s or backward_s:  # one direction only (forward-only iteration): needs the offset
+        c = 1e3 * ((mf - offset_s) if forward_s else (mb + offset_s))
+    else:
+        return math.nan
+    return max(c, 0.0) if not math.isnan(c) else c
+
+
 def link_delay_estimates(ranks: list[RankProfile]) -> list[dict[str, float]]:
     """Per link i (ranks i, i+1): offset-free one-way delay ``c_i`` and per-direction values (ms).
 
@@ -235,14 +254,8 @@ def link_delay_estimates(ranks: list[RankProfile]) -> list[dict[str, float]]:
         raw_b = [a.arrivals_next[k] - b.sends_prev[k] for k in range(k_b)]
         mf, mb = _quantile(raw_f, DELAY_QUANTILE), _quantile(raw_b, DELAY_QUANTILE)
         theta = b.clock_offset_prev if not math.isnan(b.clock_offset_prev) else 0.0  # clock_{i+1} - clock_i
-        if raw_f and raw_b:
-            c = 1e3 * (mf + mb) / 2
-        elif raw_f or raw_b:  # one direction only (forward-only iteration): needs the offset estimate
-            c = 1e3 * ((mf - theta) if raw_f else (mb + theta))
-        else:
-            c = math.nan
         out.append({
-            "c_ms": max(c, 0.0) if not math.isnan(c) else c,
+            "c_ms": one_way_delay_ms(raw_f, raw_b, theta),
             "fwd_ms": 1e3 * (mf - theta) if raw_f else math.nan,
             "bwd_ms": 1e3 * (mb + theta) if raw_b else math.nan,
             "messages": float(k_f + k_b),
