@@ -602,7 +602,7 @@ def _rows(path: str) -> list[dict]:
 
 def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str) -> dict:
     """The slow-device S2 -> S4 scenario: device 3 ``factor``x slower from ``slow_from``; Falcon applies
-    S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon/s4.py: TorchTitan
+    S2 and, when the accumulated impact reaches S4's measured cost, S4 (titan/falcon_s4.py: TorchTitan
     checkpoint, relaunch without replica 1 through the S4 launcher). Ratios within this one run: the
     iteration time after S2 / after S4 over the healthy steps before the fault (2 .. slow_from-1).
     Then a reference DP 1 x PP 2 job loads the same checkpoint: its losses must equal the restarted
@@ -624,7 +624,7 @@ def bench_s4_slow_device(steps: int, slow_from: int, factor: float, workdir: str
               "--training.local_batch_size", "2", "--training.global_batch_size", "12",
               *_mode_args(), "--titan_ext.no-adaptive", "--checkpoint.enable",
               "--checkpoint.interval", "100000"]
-    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
+    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
                     "--master-port", str(free_port()), "--log", os.path.join(dump, "train.log"), "--",
                     *common, "--job.dump_folder", dump,
                     "--titan_ext.emulate_slow_device", f"3:{factor:g}@{slow_from}"],
@@ -685,7 +685,7 @@ def bench_compound(steps: int, link_from: int, device_from: int, link_factor: fl
     ``device_factor`` x slower (the link still slow) -> re-localised (``compute``), S2; when the accumulated
     impact reaches S4's cost, S4 onto the spare device ``spare`` (``falcon_spares``: Falcon §5.1's
     "restarts training on healthy nodes" -- the same grid and DP, the slow rank's device excluded). One
-    job under the S4 launcher (``python -m titan_ext.titan.falcon.s4``), dedicated-device emulation
+    job under the S4 launcher (``python -m titan_ext.titan.falcon_s4``), dedicated-device emulation
     (``pass_ms`` a forward, twice that a backward: the four ranks run like devices of their own on the
     shared cores). The slow device's emulation belongs to device 3, which no rank uses after S4: on the
     spare the job runs at the healthy speed again, the link 0-1 (now a PP hop) still slow.
@@ -712,7 +712,7 @@ def bench_compound(steps: int, link_from: int, device_from: int, link_factor: fl
            "--checkpoint.interval", "100000", "--titan_ext.falcon_spares", str(spare),
            "--titan_ext.emulate_slow_link", link, "--titan_ext.emulate_slow_device", device]
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
+    subprocess.run([sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
                     "--master-port", str(free_port()), "--log", os.path.join(dump, "train.log"), "--", *job],
                    cwd=root, env=env, check=True)
     wall = time.time() - t0

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Falcon's per-check control-plane cost in the DP x PP job, before and after, on loopback gloo.
 
-The job's control plane is :class:`titan_ext.titan.falcon.measure.ObservationExchange`: every rank's
+The job's control plane is :class:`titan_ext.runtime.falcon.measure.ObservationExchange`: every rank's
 step numbers (Falcon §4.2's iteration time, §4.3's per-group times) reduced with MAX on the world's
 gloo control group.  Three arms, on the real class, over the same steps, interleaved check by check in
 one invocation per world size (load from other jobs on a shared host hits all alike):
@@ -45,7 +45,7 @@ OLD_WINDOW = 6  # STEPS_IN_FLIGHT + 2: the per-step exchange's window before the
 
 def _step(index: int, rank: int, dp: int, pp: int, num_pp: int, num_dp: int):
     """A read step of this rank with made-up but rank- and step-dependent numbers."""
-    from titan_ext.titan.falcon.measure import StepRecord
+    from titan_ext.runtime.falcon.measure import StepRecord
 
     step = StepRecord(index, None)
     step.seconds = 0.1 + 1e-3 * ((7 * index + 3 * rank) % 11)
@@ -60,7 +60,7 @@ def _step(index: int, rank: int, dp: int, pp: int, num_pp: int, num_dp: int):
 
 def _worker(rank: int, world: int, num_dp: int, num_pp: int, every: int, checks: int, warmup: int) -> dict:
     from titan_ext.runtime.falcon.device_clock import control_group
-    from titan_ext.titan.falcon.measure import ObservationExchange
+    from titan_ext.runtime.falcon.measure import ObservationExchange
 
     control, fence = control_group(), dist.new_group(backend="gloo")
     grid = [[d * num_pp + s for s in range(num_pp)] for d in range(num_dp)]

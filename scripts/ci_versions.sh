@@ -145,7 +145,7 @@ run_tt03() {
     build_in "$env" || return 1
     local src="$root/.venvs/$env/src"
     # every titan test file: each test runs under 0.3 or skips naming the 0.2-only API it needs
-    # (tests/_titan_version.py); Falcon's job tests too (titan/falcon/job.py through the 0.3 adapter)
+    # (tests/_titan_version.py); Falcon's job tests too (titan/falcon_job.py through the 0.3 adapter)
     say "$env: the whole titan test set and Falcon's job tests (default tier)"
     tier "$env" -m "not slow and not gpu" tests/titan/test_titan_*.py tests/falcon/test_falcon_job.py \
         tests/falcon/test_falcon_groups.py tests/runtime/test_torch_compat.py || { say "FAILED $env: titan tests"; return 1; }

@@ -31,6 +31,7 @@ CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 sys.path.insert(0, str(ROOT))
 
 from titan_ext.testing import torchrun_command  # noqa: E402
+from titan_ext.testing.cpu_setup import job_env  # noqa: E402
 
 
 def _rank_pid(parent: int, rank: int) -> int | None:
@@ -65,6 +66,7 @@ def run(rank: int, step: int, timeout_s: float, schedule: str, steps: int, log: 
                PYTHONPATH=str(ROOT), TITAN_EXT_TEST_BACKEND=backend)
     env.pop("TITAN_EXT_NCCL_RULES_WATCHDOG", None)
     env.pop("TITAN_EXT_INJECT_DELAYS", None)
+    env = job_env(env)  # the CPU shim's test set-up: the backend above for the trainer's groups
     cmd = torchrun_command(4, ["-m", "titan_ext.train", "--job.config_file", str(CONFIG),
                                "--comm.train_timeout_seconds", str(int(timeout_s)), "--training.steps", str(steps),
                                "--parallelism.pipeline_parallel_schedule", schedule,

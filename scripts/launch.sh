@@ -42,7 +42,7 @@
 #   LOG_DIR          outputs/logs  (per-job directory LOG_DIR/<job name>-<job id>/<launch id>/ with per-rank logs; launch id: the job id, or an S4 relaunch's)
 #   TITAN_EXT_INJECT_DELAYS, WANDB_* , NCCL_* / GLOO_* : passed through to every rank
 #   FALCON_S4_RESTARTS  1   relaunches after a Falcon S4 exit (status 75 + <dump>/falcon_s4_plan.json:
-#                           the job restarts on the kept nodes/devices; titan_ext/titan/falcon/s4.py)
+#                           the job restarts on the kept nodes/devices; titan_ext/titan/falcon_s4.py)
 #   FALCON_S4_DUMP      the job's dump folder when --job.dump_folder is not on the command line
 #   (exported) TITAN_EXT_SPARE_NODES  under SLURM, the allocation's nodes beyond NNODES: with one, S4
 #                           restarts on a spare node (--exclude=<slow node>, same node count, DP kept)
@@ -269,7 +269,7 @@ if [ "$dry" = 0 ]; then
     echo "[launch] python: $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
 fi
 
-# Falcon S4 (titan_ext/titan/falcon/s4.py, docs/falcon.md "S4 applied"): a job that checkpointed for
+# Falcon S4 (titan_ext/titan/falcon_s4.py, docs/falcon.md "S4 applied"): a job that checkpointed for
 # S4 exits with status 75 and leaves <dump_folder>/falcon_s4_plan.json; it is then relaunched on the
 # nodes / devices the plan keeps, with the plan's overrides (at most FALCON_S4_RESTARTS times, default 1).
 dump_folder="${FALCON_S4_DUMP:-}"
@@ -399,7 +399,7 @@ while :; do
     s4_status=0  # the ranks' S4 exit (75) reaches here as torchrun's 1; srun's status mixes its tasks'
     if [ "$rc" -eq 75 ] || [ "$rc" -eq 1 ] || [ -n "${SLURM_JOB_ID:-}" ]; then s4_status=1; fi
     if [ "$s4_status" = 0 ] || [ -z "$dump_folder" ] || [ "$restarts" -ge "$FALCON_S4_RESTARTS" ] || \
-        ! spec="$("$PYTHON" -m titan_ext.titan.falcon.s4 relaunch-spec "$dump_folder" $hosts)"; then
+        ! spec="$("$PYTHON" -m titan_ext.titan.falcon_s4 relaunch-spec "$dump_folder" $hosts)"; then
         echo "[launch] job $job_id failed (status $rc)"
         exit "$rc"
     fi

@@ -10,7 +10,7 @@ from typing import Any
 def apply_on_model(changes: Any, split: list[int], grid: list[list[int]], even: list[int],
                    monitor: Any) -> tuple[list[int], list[list[int]], list[str]]:
     """(split, grid, the names of ``changes.applied`` in order) after ``changes``."""
-    from titan_ext.titan.falcon.apply import replanned_split
+    from titan_ext.runtime.falcon.apply import replanned_split
 
     for name in changes.applied:
         if name == "microbatch_redistribution":

@@ -7,11 +7,13 @@ import json
 import os
 from pathlib import Path
 
+from titan_ext.testing.cpu_setup import job_env
+
 SLOW_FROM, SLOW_FACTOR, STEPS, PASS_MS = 5, 24, 40, 15
 """Dedicated-device emulation (every forward 15 ms, backward 30 ms) and device 3 24x slower from
 step 5: a chunk takes ~0.14 s on healthy devices and ~2.2 s on device 3's replica, so after S2
 ([5, 1]: that replica still runs one chunk) a step takes ~2.3 s against a healthy ~0.5 s, and S4
-pays (replica 0 alone: 6 chunks, ~0.9 s a step; the gate of ``titan.falcon.apply.s4_pays``). The
+pays (replica 0 alone: 6 chunks, ~0.9 s a step; the gate of ``runtime.falcon.apply.s4_pays``). The
 accumulated impact reaches S4's measured cost (start-up + checkpoint, ~15-30 s on the loaded
 host) well before step 40."""
 _COMMON = ["--training.local_batch_size", "2", "--training.global_batch_size", "12",
@@ -27,7 +29,7 @@ def _env() -> dict:
     for var in ("TITAN_EXT_INJECT_DELAYS", "TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK",
                 "TITAN_EXT_S4_PLAN"):
         env.pop(var, None)
-    return env
+    return job_env(env)  # the CPU shim's test set-up (TITAN_EXT_TEST_BACKEND) in the launcher's jobs too
 
 
 def _rows(path: Path) -> list[dict]:

@@ -804,7 +804,7 @@ TOOLS = {
                 "side-by-side summary of training runs from their pipeline_metrics.jsonl"),
     "wandb-offline": ("titan_ext.titan.wandb_offline", "main",
                       "read a W&B offline run's history back from disk, one JSON object per line"),
-    "falcon-s4": ("titan_ext.titan.falcon.s4", "main",
+    "falcon-s4": ("titan_ext.titan.falcon_s4", "main",
                   "torchrun a titan_ext.train job; after Falcon's S4 checkpoint-exit, relaunch it on the kept devices"),
 }
 

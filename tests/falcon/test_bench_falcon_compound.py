@@ -97,7 +97,7 @@ def _host(it: int, grid, split):
 def _run(forget_moved_links: bool):
     from _falcon_model import apply_on_model
 
-    from titan_ext.titan.falcon.apply import JobView, plan_changes
+    from titan_ext.runtime.falcon.apply import JobView, plan_changes
 
     grid, split, even = [[0, 2], [1, 3]], [3, 3], [3, 3]
     mon = FalconMonitor(FalconConfig(costs=COSTS, num_microbatches=6, slow_device_ratio=1.5),

@@ -62,15 +62,15 @@ def _host(it: int, grid, split) -> tuple[float, list[float], dict, dict]:
 def test_compound_sequence_s3_then_s2_then_s4_with_evidence_rows(tmp_path):
     """Falcon §7.3 (Fig. 17: throughput 1.7 → 1.0 by slow communication, S3 → 1.3; a GPU slows,
     0.5, S2 → 0.9; then checkpoint-restart once the impact passes its threshold). The job's part is
-    the real one — :func:`~titan_ext.titan.falcon.apply.plan_changes` decides what a decision
-    changes, the grid and the split follow it, :func:`~titan_ext.titan.falcon.events.event_rows`
-    and :class:`~titan_ext.titan.falcon.events.EventLog` write the rows — on a host model whose
+    the real one — :func:`~titan_ext.runtime.falcon.apply.plan_changes` decides what a decision
+    changes, the grid and the split follow it, :func:`~titan_ext.titan.falcon_events.event_rows`
+    and :class:`~titan_ext.titan.falcon_events.EventLog` write the rows — on a host model whose
     steps follow the layout. Order S3 < S2 < S4 (applied), each at the iteration the ski rental
     gives (recomputed here from the logged times), and every row's evidence."""
     from _falcon_model import apply_on_model
 
-    from titan_ext.titan.falcon.apply import JobView, plan_changes
-    from titan_ext.titan.falcon.events import EventLog, event_rows
+    from titan_ext.runtime.falcon.apply import JobView, plan_changes
+    from titan_ext.titan.falcon_events import EventLog, event_rows
 
     grid, split, even = [[0, 2], [1, 3]], [3, 3], [3, 3]
     mon = FalconMonitor(FalconConfig(costs=COSTS, num_microbatches=6, slow_device_ratio=1.5),
@@ -161,7 +161,7 @@ def test_s3_hands_the_moved_link_to_pipemorph_with_delegation():
     ``falcon_delegation`` the job then re-plans and delegates that hop's pipeline. DP 2 × PP 4
     (TorchTitan's mesh: pipelines {0,2,4,6}, {1,3,5,7}), DP link 0-1 slow."""
     from titan_ext.runtime.falcon import FalconDecision, plan_topology
-    from titan_ext.titan.falcon.apply import JobView, plan_changes, pp_hops
+    from titan_ext.runtime.falcon.apply import JobView, plan_changes, pp_hops
 
     grid = [[0, 2, 4, 6], [1, 3, 5, 7]]
     mon = FalconMonitor(FalconConfig(), grid=grid)
@@ -191,7 +191,7 @@ def test_the_job_delegates_the_moved_links_pipeline_through_the_schedules_delega
     from titan_ext.runtime.control.config import DelegationConfig
     from titan_ext.runtime.comm.delegate.schedule import Delegation
     from titan_ext.runtime.control.observers import ScheduleContext
-    from titan_ext.titan.falcon.job import FalconJob
+    from titan_ext.titan.falcon_job import FalconJob
 
     def job(dp_index):
         log: list = []
@@ -237,7 +237,7 @@ def test_s3_plan_out_of_rank_order_falls_back_to_the_root_link_alone():
     in-memory S3 refuses (torch numbers a PP group by global rank) — and the job died. The job now
     plans S3 for the root component alone, or applies nothing."""
     from titan_ext.runtime.falcon import FalconDecision, plan_topology
-    from titan_ext.titan.falcon.apply import JobView, plan_changes
+    from titan_ext.runtime.falcon.apply import JobView, plan_changes
 
     grid = [[0, 2, 4, 6], [1, 3, 5, 7]]
     mon = FalconMonitor(FalconConfig(), grid=grid)
@@ -261,7 +261,7 @@ def test_only_the_root_link_is_delegated_after_s3():
     """The Fig. 19 run's delegating arm: validation also flagged 3->2 (noise); S3's grid put 2-3 on
     a PP hop too and both pipelines delegated. Only the root component's link is delegated now."""
     from titan_ext.runtime.falcon import FalconDecision
-    from titan_ext.titan.falcon.apply import JobView, plan_changes
+    from titan_ext.runtime.falcon.apply import JobView, plan_changes
 
     grid = [[0, 2, 4, 6], [1, 3, 5, 7]]
     mon = FalconMonitor(FalconConfig(), grid=grid)

@@ -105,8 +105,8 @@ def _mesh_of_groups(rank):
 def _job_worker(rank, world, outdir, backend):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from titan_ext.titan.falcon.job import FalconJob
-    from titan_ext.titan.falcon.measure import validate
+    from titan_ext.titan.falcon_job import FalconJob
+    from titan_ext.runtime.falcon.measure import validate
 
     if backend == "nccl_rules":  # its groups carry no names, which DeviceMesh needs: the same
         mesh = _mesh_of_groups(rank)  # layout from plain new_group calls
@@ -182,7 +182,7 @@ class _FakeEvent:
 
 def test_cuda_stretch_sleeps_on_the_device_by_the_last_measured_region_without_host_sync(monkeypatch):
     from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_device
-    from titan_ext.titan.falcon import emulate as falcon_emulate
+    from titan_ext.titan import falcon_emulate as falcon_emulate
 
     clock, sleeps, events = {"t": 0.0}, [], []
 

@@ -1,7 +1,7 @@
 """Falcon's DP x PP job makes no host sync in a steady step and creates no NCCL communicator
 mid-training.
 
-* A steady step of :class:`~titan_ext.titan.falcon.job.FalconJob` (4 ranks, DP 2 x PP 2, under the
+* A steady step of :class:`~titan_ext.titan.falcon_job.FalconJob` (4 ranks, DP 2 x PP 2, under the
   ``nccl_rules`` backend): no host sync on the training thread
   (:func:`titan_ext.testing.host_syncs.counting`); the steps' numbers are exchanged only at the checks
   (every ``falcon_check_every`` steps and the last step; before: two world-sized all-reduces a step,
@@ -68,10 +68,10 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
     from titan_ext.testing import host_syncs
     from titan_ext.runtime.falcon.device_clock import is_control_group
     from titan_ext.titan.config import TitanExt
-    from titan_ext.titan.falcon import job as falcon_job
-    from titan_ext.titan.falcon import measure
-    from titan_ext.titan.falcon.job import FalconJob
-    from titan_ext.titan.falcon.measure import validate
+    from titan_ext.titan import falcon_job as falcon_job
+    from titan_ext.runtime.falcon import measure
+    from titan_ext.titan.falcon_job import FalconJob
+    from titan_ext.runtime.falcon.measure import validate
 
     mesh = _mesh_of_groups(rank)
     calls, phase = [], ["startup"]
@@ -214,7 +214,7 @@ def test_validation_uses_the_rings_groups_made_at_start_up_never_a_bare_p2p_op(j
 def _exchange_worker(rank: int, world: int) -> dict:
     from titan_ext.runtime.falcon.device_clock import control_group
     from titan_ext.runtime.falcon.exchange import max_all_reduce
-    from titan_ext.titan.falcon.measure import ObservationExchange, StepRecord
+    from titan_ext.runtime.falcon.measure import ObservationExchange, StepRecord
 
     control = control_group()
     # the reduction alone: random vectors, the group's order and a permuted one
@@ -281,7 +281,7 @@ def test_step_clock_reads_each_steps_device_time_once_complete_without_waiting(m
     from _fake_cuda import FakeGPU, install
 
     from titan_ext.testing import host_syncs
-    from titan_ext.titan.falcon.measure import StepClock
+    from titan_ext.runtime.falcon.measure import StepClock
 
     gpu = FakeGPU(index=0)
     install(monkeypatch, gpu)
@@ -312,7 +312,7 @@ def test_step_clock_reads_each_steps_device_time_once_complete_without_waiting(m
 def test_step_clock_times_match_the_device(monkeypatch):
     from _fake_cuda import FakeGPU, install
 
-    from titan_ext.titan.falcon.measure import StepClock
+    from titan_ext.runtime.falcon.measure import StepClock
 
     gpu = FakeGPU(index=0)
     install(monkeypatch, gpu)
@@ -341,8 +341,8 @@ def test_dp_sync_times_come_from_the_steps_marks_without_a_host_sync(monkeypatch
     from _fake_cuda import FakeGPU, install
 
     from titan_ext.testing import host_syncs
-    from titan_ext.titan.falcon import dp as dp_mod
-    from titan_ext.titan.falcon.measure import StepClock
+    from titan_ext.titan import falcon_dp as dp_mod
+    from titan_ext.runtime.falcon.measure import StepClock
 
     gpu = FakeGPU(index=0)
     install(monkeypatch, gpu)
@@ -455,7 +455,7 @@ class _Clock:  # a device that returns each step two steps after the host ended 
         self.ended = []
 
     def stop(self):
-        from titan_ext.titan.falcon.measure import StepRecord
+        from titan_ext.runtime.falcon.measure import StepRecord
 
         step = StepRecord(len(self.ended), None)
         self.ended.append(step)
@@ -484,7 +484,7 @@ def _stub_job(falcon, schedule=None, every=1, last_step=None, behind=2):
     """FalconJob's step boundary (:meth:`FalconJob._after_step`) over stubs: the clock and exchange
     above, ``falcon(obs, step)`` for the monitor and its decisions, checks every ``every`` steps
     and at ``last_step``; the rows it records in ``job.rows``."""
-    from titan_ext.titan.falcon.job import FalconJob
+    from titan_ext.titan.falcon_job import FalconJob
 
     job = FalconJob.__new__(FalconJob)
     job.step_clock, job.exchange = _Clock(), _Exchange(behind)

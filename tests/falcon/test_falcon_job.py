@@ -64,7 +64,7 @@ def test_emulation_specs_and_what_each_rank_pays():
 def test_emulation_is_checked_before_any_process_group(monkeypatch):
     from types import SimpleNamespace
 
-    from titan_ext.titan.falcon.emulate import check_emulation
+    from titan_ext.titan.falcon_emulate import check_emulation
 
     section = SimpleNamespace(emulate_slow_device="3:2", emulate_slow_link="")
     check_emulation(section, pp=2, dp_replicate=2, dp_shard=1, world_size=4)
@@ -78,7 +78,7 @@ def test_emulation_is_checked_before_any_process_group(monkeypatch):
 
 
 def test_slow_device_stretches_compute_by_its_factor():
-    from titan_ext.titan.falcon.emulate import install_compute_stretch
+    from titan_ext.titan.falcon_emulate import install_compute_stretch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
@@ -108,7 +108,7 @@ def test_dedicated_device_emulation_pads_each_pass_to_its_device_time(slow):
     whatever the host's real compute of the pass was (here far below P)."""
     import time
 
-    from titan_ext.titan.falcon.emulate import install_compute_stretch
+    from titan_ext.titan.falcon_emulate import install_compute_stretch
 
     pass_s = 0.05
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
@@ -345,7 +345,7 @@ def test_event_rows_record_each_decision_its_costs_and_outcome():
     from types import SimpleNamespace
 
     from titan_ext.runtime.falcon import StrategyCosts
-    from titan_ext.titan.falcon.events import event_rows
+    from titan_ext.titan.falcon_events import event_rows
 
     monitor = SimpleNamespace(root_cause="dp_link", slow_devices=[], slow_links=[(0, 1)],
                               suspicious=["dp_stage0"],
@@ -371,7 +371,7 @@ def test_event_rows_record_each_decision_its_costs_and_outcome():
 
 
 def test_validation_is_narrowed_to_the_suspicious_groups_rings():
-    from titan_ext.titan.falcon.measure import rings_to_validate
+    from titan_ext.runtime.falcon.measure import rings_to_validate
 
     grid = [[0, 2], [1, 3]]  # TorchTitan's DP 2 x PP 2: pipelines {0,2}, {1,3}; DP columns {0,1}, {2,3}
     assert rings_to_validate(grid, ["dp_stage1"]) == [[2, 3]]

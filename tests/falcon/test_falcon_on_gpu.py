@@ -14,8 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _fake_cuda import FakeGPU, install
-from titan_ext.titan.falcon.job import FalconJob
-from titan_ext.titan.falcon.measure import StepClock
+from titan_ext.titan.falcon_job import FalconJob
+from titan_ext.runtime.falcon.measure import StepClock
 
 KERNEL_MS, HOST_MS = 40.0, 0.5
 
@@ -80,9 +80,9 @@ def _startup_bytes(rank: int, world: int, numel: int, probe_bytes: int, dump: st
     import torch.distributed as dist
 
     from titan_ext.runtime.falcon import FalconConfig, FalconMonitor, device_clock
-    from titan_ext.titan.falcon.costs import JobCosts
-    from titan_ext.titan.falcon.dp import DPSync
-    from titan_ext.titan.falcon.s4 import estimate_s4_cost
+    from titan_ext.titan.falcon_costs import JobCosts
+    from titan_ext.titan.falcon_dp import DPSync
+    from titan_ext.titan.falcon_s4 import estimate_s4_cost
 
     device_clock.PROBE_BYTES = probe_bytes
     torch.manual_seed(rank)

@@ -75,7 +75,7 @@ class _Mesh(dict):
 
 
 def test_remapped_dims_answer_with_the_new_groups_and_delegate_the_rest():
-    from titan_ext.titan.falcon.s3 import RemappedDims
+    from titan_ext.titan.falcon_s3 import RemappedDims
 
     original = SimpleNamespace(pp=2, get_mesh=lambda n: f"old {n}", get_optional_mesh=lambda n: f"old? {n}")
     mesh = _Mesh(pp="new pp", dp_replicate="new dp")
@@ -88,7 +88,7 @@ def test_remapped_dims_answer_with_the_new_groups_and_delegate_the_rest():
 
 
 def test_s3_refuses_grids_it_cannot_apply_before_anything_changes():
-    from titan_ext.titan.falcon.s3 import check_grid
+    from titan_ext.titan.falcon_s3 import check_grid
 
     trainer = SimpleNamespace(model_parts=[object()], parallel_dims=SimpleNamespace(tp=1, cp=1, dp_shard=1))
     old = [[0, 2], [1, 3]]
@@ -131,7 +131,7 @@ def _mechanism_worker(rank, world, outdir):
 
     from titan_ext.runtime.falcon.restart import role_of
     from titan_ext.runtime.falcon.topology import exchange_stage_state, load_stage_state, own_stage_state
-    from titan_ext.titan.falcon.s3 import RemappedDims, grid_mesh
+    from titan_ext.titan.falcon_s3 import RemappedDims, grid_mesh
 
     old, new = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
     module, opt = _distinct_stage(role_of(old, rank)[1], rank)
@@ -282,7 +282,7 @@ def test_losses_after_s3_equal_the_run_without_the_change_bit_for_bit(s3_runs):
 def test_wandb_gets_the_events_table_and_an_applied_s3s_cost_and_after_time():
     from torchtitan.components.metrics import WandBLogger
 
-    from titan_ext.titan.falcon.events import EventLog
+    from titan_ext.titan.falcon_events import EventLog
 
     logged = []
     wb = WandBLogger.__new__(WandBLogger)

@@ -21,12 +21,13 @@ import pytest
 
 from titan_ext.runtime.falcon.restart import (
     S4_PLAN_FILE,
+    devices_to_exclude,
     plan_exclusion,
     relaunch_overrides,
     remap_emulation,
 )
 from titan_ext.testing import free_port, torchrun
-from titan_ext.titan.falcon.s4 import consume_plan, devices_to_exclude, relaunch_env
+from titan_ext.titan.falcon_s4 import consume_plan, relaunch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "train_configs/debug_cpu_dp2_pp2.toml"
@@ -117,7 +118,7 @@ from _falcon_s4_job import _COMMON, PASS_MS, SLOW_FACTOR, SLOW_FROM, STEPS, _env
 @pytest.fixture(scope="module")
 def s4_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("s4")
-    cmd = [sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
            "--master-port", str(free_port()), "--log", str(dump / "train.log"), "--",
            "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
            *_COMMON, "--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",
@@ -173,7 +174,7 @@ def test_s4_restarts_without_the_slow_device_and_resumes_from_its_checkpoint(s4_
 
 
 def test_multi_node_relaunch_spec_keeps_the_nodes_with_kept_devices():
-    from titan_ext.titan.falcon.s4 import relaunch_spec
+    from titan_ext.titan.falcon_s4 import relaunch_spec
 
     plan = {"hosts": ["n1.c", "n1.c", "n2.c", "n2.c"], "local_devices": [0, 2, 1, 3], "overrides": []}
     spec = relaunch_spec(plan, ["n1", "n2", "n3"])  # SLURM's short names; n3's devices all excluded
@@ -240,7 +241,7 @@ def test_s4_is_applied_only_where_the_restart_is_predicted_to_pay(factor, pays, 
     monitor's measurements and decides the same — measured with [5, 1] in force, or at [3, 3]
     when S2 and S4 are decided in the same step (S4 is then weighed against S2's prediction)."""
     from titan_ext.runtime.falcon import FalconConfig, FalconDecision, FalconMonitor, IterationObservation
-    from titan_ext.titan.falcon.apply import JobView, plan_changes
+    from titan_ext.runtime.falcon.apply import JobView, plan_changes
 
     c, c_slow, fixed = _chunk_s(1.0), _chunk_s(factor), 0.12
     with_s2, after = fixed + max(5 * c, c_slow), fixed + 6 * c
@@ -274,7 +275,7 @@ def test_s4_is_applied_only_where_the_restart_is_predicted_to_pay(factor, pays, 
 def _s4_resume_rank(rank: int, world: int, dump: str) -> tuple:
     from types import SimpleNamespace
 
-    from titan_ext.titan.falcon.s4 import OUTCOME_STEPS, S4Resume
+    from titan_ext.titan.falcon_s4 import OUTCOME_STEPS, S4Resume
 
     # the job's last step is the 5th after the restart: its times are reduced at the check cadence (the
     # default falcon_check_every, 4) and at that last step
@@ -296,7 +297,7 @@ def test_s4_resume_reduces_its_host_times_on_a_control_group_not_the_data_group(
     import time as _time
 
     from titan_ext.testing import run_ranks
-    from titan_ext.titan.falcon.s4 import ENV_S4_PLAN
+    from titan_ext.titan.falcon_s4 import ENV_S4_PLAN
 
     plan = {"status": "consumed", "step": 12, "begin_time": _time.time() - 3.0, "excluded": [3],
             "world_size": 2, "num_dp": 1, "chunks_per_replica": 6, "estimated_cost_s": 20.0,
@@ -317,8 +318,7 @@ def test_s4_resume_reduces_its_host_times_on_a_control_group_not_the_data_group(
 def test_node_replacement_keeps_the_grid_and_moves_the_slow_node_whole():
     """Falcon §5.1's S4 with the launcher's spare node: DP 2 x PP 2 on two nodes of two ranks, device 3
     slow; its node (ranks 2, 3) restarts on the spare node, whose devices get new ids (4, 5)."""
-    from titan_ext.runtime.falcon.restart import ReplacePlan
-    from titan_ext.titan.falcon.s4 import NodeReplacePlan, plan_node_replacement
+    from titan_ext.runtime.falcon.restart import NodeReplacePlan, ReplacePlan, plan_node_replacement
 
     grid = _titan_grid(2, 2)  # [[0, 2], [1, 3]]
     plan = plan_node_replacement(grid, [3], spare_nodes=1, ranks_per_node=2, step=30, split=[5, 1])
@@ -344,9 +344,8 @@ def test_node_replacement_keeps_the_grid_and_moves_the_slow_node_whole():
 def test_s4_restarts_on_a_spare_whenever_there_is_one_and_shrinks_only_without_saying_why():
     """plan_checkpoint_restart's order: spare devices, else the launcher's spare nodes, else the shrink,
     whose reason names both missing paths."""
-    from titan_ext.runtime.falcon.restart import ReplacePlan, ShrinkPlan
-    from titan_ext.titan.falcon.s4 import (NodeReplacePlan, S4Unavailable, plan_checkpoint_restart,
-                                           spare_nodes_from_env)
+    from titan_ext.runtime.falcon.restart import (NodeReplacePlan, ReplacePlan, S4Unavailable, ShrinkPlan,
+                                                  plan_checkpoint_restart, spare_nodes_from_env)
 
     grid = _titan_grid(2, 2)
     args = (True, [3], [], grid, 30, [5, 1])
@@ -368,7 +367,7 @@ def test_s4_restarts_on_a_spare_whenever_there_is_one_and_shrinks_only_without_s
 
 
 def test_node_replacement_relaunch_spec_excludes_the_slow_node_and_keeps_the_node_count():
-    from titan_ext.titan.falcon.s4 import relaunch_spec
+    from titan_ext.titan.falcon_s4 import relaunch_spec
 
     plan = {"mode": "replace_nodes", "hosts": ["n1.c", "n1.c", "n2.c", "n2.c"], "local_devices": [0, 1, 0, 1],
             "excluded_hosts": ["n2.c"], "overrides": ["--parallelism.data_parallel_replicate_degree", "2"]}

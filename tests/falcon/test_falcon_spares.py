@@ -73,7 +73,7 @@ def test_job_takes_the_spare_path_when_it_has_spares_and_shrinks_otherwise():
     (it pays while the step is slower); without, today's shrink gated on its own prediction."""
     import numpy as np
 
-    from titan_ext.titan.falcon.apply import JobView, plan_changes
+    from titan_ext.runtime.falcon.apply import JobView, plan_changes
 
     mon = FalconMonitor(FalconConfig(num_microbatches=6), grid=TITAN_GRID)
     rng = np.random.default_rng(0)
@@ -116,7 +116,7 @@ def test_s4_onto_a_spare_keeps_dp_and_resumes_bit_equal_to_a_job_loading_the_che
     from titan_ext.runtime.falcon.restart import S4_PLAN_FILE
 
     dump = tmp_path / "s4"
-    cmd = [sys.executable, "-m", "titan_ext.titan.falcon.s4", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "titan_ext.titan.falcon_s4", "--nproc-per-node", "4",
            "--master-port", str(_free_port()), "--log", str(dump / "train.log"), "--",
            "--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--training.steps", str(STEPS),
            *_COMMON, "--titan_ext.emulate_slow_device", f"3:{SLOW_FACTOR}@{SLOW_FROM}",

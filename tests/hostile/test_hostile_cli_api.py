@@ -647,10 +647,10 @@ def _api_namespace() -> dict:
     )
     from titan_ext.runtime.control.config import DelegationConfig
     from titan_ext.runtime.schedules.crosspipe import CrossPipeConfig
+    from titan_ext.testing.faults import FaultInjector
     from titan_ext.runtime.comm.delegate import (
         Channel,
         DelegatePool,
-        FaultInjector,
         P2PRouter,
         delegates_needed,
         our_shm_names,
@@ -860,7 +860,8 @@ def test_api_degenerate_but_valid_runtime_objects_without_a_process_group():
     from titan_ext.plan.warmup import initial_warmup_counts, slackness as slack
     from titan_ext.runtime import Decision, PolicySettings, ReplanPolicy, ScheduleSpec
     from titan_ext.runtime.control.config import DelegationConfig
-    from titan_ext.runtime.comm.delegate import FaultInjector, P2PRouter, delegates_needed, pipeline_channels
+    from titan_ext.runtime.comm.delegate import P2PRouter, delegates_needed, pipeline_channels
+    from titan_ext.testing.faults import FaultInjector
     from titan_ext.runtime.comm.delegate.schedule import Delegation, message_slot_bytes
     from titan_ext.runtime.falcon import (
         BOCDConfig,

@@ -1,5 +1,5 @@
 """The launchers under hostile conditions: scripts/launch.sh (one machine, no SLURM), the S4 relauncher
-(``python -m titan_ext.titan.falcon.s4`` / ``titan-ext falcon-s4``), scripts/run_local.sh and
+(``python -m titan_ext.titan.falcon_s4`` / ``titan-ext falcon-s4``), scripts/run_local.sh and
 scripts/frozen_rank.py.
 
 * SIGTERM / SIGINT to a launcher end the whole job (its process group) and the launcher exits 143 / 130,
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from titan_ext.runtime.falcon.restart import S4_PLAN_FILE
-from titan_ext.titan.falcon import s4
+from titan_ext.titan import falcon_s4 as s4
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "train_configs/debug_cpu.toml"

@@ -141,3 +141,64 @@ def test_the_shared_leaves_import_nothing_of_titan_ext():
     for leaf in (f"{TOP}.args", f"{TOP}._flags"):
         assert leaf in graph and not graph[leaf], (leaf, graph.get(leaf))
     assert f"{TOP}.args" in graph[f"{TOP}.plan.profile"], "the plan layer's own checks come from the leaf"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions (documentation may name a
+    test module; code may not)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+        if isinstance(node, (ast.Module, ast.ClassDef)):  # attribute docstrings: a string after an assignment
+            for before, after in zip(node.body, node.body[1:]):
+                if (isinstance(before, (ast.Assign, ast.AnnAssign)) and isinstance(after, ast.Expr)
+                        and isinstance(after.value, ast.Constant)):
+                    out.add(id(after.value))
+    return out
+
+
+def _names_testing(source: str, testing_modules: set[str]) -> list[str]:
+    """The string constants of ``source`` outside docstrings that name the test package or one of its
+    modules as a module path (``titan_ext.testing...``, ``titan_ext/testing/...``, ``testing.<module>``)."""
+    tree = ast.parse(source)
+    skip = _docstrings(tree)
+    pattern = re.compile(r"titan_ext[./]testing\b|(?<![\w.])testing[./](" + "|".join(sorted(testing_modules)) + r")\b")
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+            and pattern.search(node.value)]
+
+
+def _testing_modules() -> set[str]:
+    return {p.stem for p in (TOP_ROOT / "testing").glob("*.py") if p.stem != "__init__"}
+
+
+def test_the_testing_checker_finds_a_planted_name():
+    """The checker itself: a module path in code is found, the same words in a docstring are not."""
+    mods = {"nccl_rules", "lagdevice"}
+    assert _names_testing('x = sys.modules.get("titan_ext.testing.nccl_rules")', mods)
+    assert _names_testing('path = ROOT / "titan_ext/testing/lagdevice.py"', mods)
+    assert _names_testing('m = "testing.lagdevice"', mods) == ["testing.lagdevice"]
+    assert _names_testing('"""Uses titan_ext.testing.nccl_rules in tests."""\ndef f():\n    """testing.lagdevice"""', mods) == []
+    assert _names_testing('msg = "run the testing suite"', mods) == []
+
+
+def test_the_product_neither_imports_nor_names_the_test_package():
+    """Nothing outside titan_ext/testing/ imports it (module level or inside functions), and no product
+    source names it or one of its modules in code (a string given to ``sys.modules`` or ``importlib``):
+    test code registers itself into the product (e.g. ``comm/delegate/ring.register_host_marker``,
+    ``titan/cpu_shim.SETUP_ENV``), the product never reaches into it."""
+    graph = _graph(TOP_ROOT, TOP)
+    testing = f"{TOP}.testing"
+    product = {m: deps for m, deps in graph.items() if m != testing and not m.startswith(testing + ".")}
+    assert f"{TOP}.titan.cpu_shim" in product and f"{TOP}.runtime.comm.delegate.ring" in product
+    importers = sorted(f"{m} -> {d}" for m, deps in product.items() for d in deps
+                       if d == testing or d.startswith(testing + "."))
+    assert not importers, importers
+    mods = _testing_modules()
+    assert {"nccl_rules", "lagdevice", "faults"} <= mods
+    named = {str(p.relative_to(TOP_ROOT)): found for p in sorted(TOP_ROOT.rglob("*.py"))
+             if p.relative_to(TOP_ROOT).parts[0] != "testing" and (found := _names_testing(p.read_text(), mods))}
+    assert not named, named

@@ -104,7 +104,8 @@ def _train(rank, router, steps=6, mbs=4):
 
 def _body(rank, world):
     from titan_ext.runtime.comm.delegate import DelegatePool, pipeline_channels
-    from titan_ext.runtime.comm.delegate.transport import FaultInjector, P2PRouter
+    from titan_ext.runtime.comm.delegate.transport import P2PRouter
+    from titan_ext.testing.faults import FaultInjector
 
     out = {}
     with DelegatePool(rank, pipeline_channels(rank, [0, 1]), num_slots=12, slot_bytes=8 << 20,

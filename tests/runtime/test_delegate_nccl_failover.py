@@ -55,7 +55,7 @@ class _Warnings(logging.Handler):
 def _worker(rank, world, backend):
     import torch.distributed as dist
 
-    from titan_ext.runtime.comm.delegate.transport import FaultInjector
+    from titan_ext.testing.faults import FaultInjector
 
     # the PP group apart from the default one (as TorchTitan's PP mesh group): the abort poisons it only
     pp = dist.new_group(list(range(world)))

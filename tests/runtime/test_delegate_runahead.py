@@ -339,6 +339,10 @@ def test_ring_tensors_are_host_tensors_and_a_blocking_copy_from_them_is_counted(
     from titan_ext.testing import nccl_rules
 
     monkeypatch.setattr(nccl_rules, "_installed", True)
+    monkeypatch.setattr(R, "_HOST_MARKERS", [])
+    unmarked = R.SlotRing.create(2, 4096)
+    assert nccl_rules.is_host_made(unmarked.payload(0, 16)) is None  # nothing registered: the ring marks nothing
+    nccl_rules._register_host_marker()  # what install() does
     ring = R.SlotRing.create(2, 4096)
     for t in (ring.payload(0, 16), ring.typed_view(1, torch.float32, (2, 2)), ring.headers[0], ring.header_bytes[1]):
         assert nccl_rules.is_host_made(t) is not None

@@ -23,7 +23,7 @@ def _train(rank, world, make, steps=STEPS):
 
 def _worker(rank, world):
     from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
-    from titan_ext.runtime.comm.delegate.transport import FaultInjector
+    from titan_ext.testing.faults import FaultInjector
 
     kw = dict(loss_fn=Fn.mse_loss, adaptive=False)
     out = {}

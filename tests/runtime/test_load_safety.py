@@ -29,7 +29,7 @@ from titan_ext.titan.checkpoint_guard import (
     guard_checkpointer,
     write_manifest,
 )
-from titan_ext.titan.falcon import s4
+from titan_ext.titan import falcon_s4 as s4
 
 
 class _Crafted:

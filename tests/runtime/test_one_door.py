@@ -113,20 +113,20 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
     ("titan_ext/runtime/falcon/device_clock.py", "to_device", ".to"):
         "every caller (redistribute.py, topology.py) passes a tensor already on the stage's device, so the "
         "tensor is returned as is; the .to is reached only by a tensor elsewhere, which no caller makes",
-    # ---- titan/falcon/ (the Falcon DP x PP job)
-    ("titan_ext/titan/falcon/costs.py", "_time_state_load", ".copy_"):
+    # ---- Falcon's DP x PP job (titan/falcon_*.py, runtime/falcon/measure.py)
+    ("titan_ext/titan/falcon_costs.py", "_time_state_load", ".copy_"):
         "device to device: the state-load probe copies the stage's own tensors into empty_like buffers on "
         "the same device (the copy being timed), once at start-up",
-    ("titan_ext/titan/falcon/dp.py", "DPSync._per_stage", ".tolist"):
+    ("titan_ext/titan/falcon_dp.py", "DPSync._per_stage", ".tolist"):
         "reads torch.full(...) made on the host and all-reduced on the gloo control group: " + _HOST_CONTROL,
-    ("titan_ext/titan/falcon/measure.py", "ObservationExchange._complete", ".tolist"):
+    ("titan_ext/runtime/falcon/measure.py", "ObservationExchange._complete", ".tolist"):
         "reads the step exchange's vector (torch.full on the host, all-reduced on the gloo control group): "
         "a host tensor, never a device tensor",
-    ("titan_ext/titan/falcon/s4.py", "_restart_estimate_s", ".to"):
+    ("titan_ext/titan/falcon_s4.py", "_restart_estimate_s", ".to"):
         "S4's restart-cost estimate, once per job at start-up (FalconJob.__init__ -> estimate_s4_cost): the "
         "first PROBE_BYTES of a parameter larger than the probe, copied to the host to write a probe "
         "checkpoint (torch.save/load timed afterwards); a blocking device-to-host copy off the steady step",
-    ("titan_ext/titan/falcon/s4.py", "_restart_estimate_s", ".cpu"):
+    ("titan_ext/titan/falcon_s4.py", "_restart_estimate_s", ".cpu"):
         "as _restart_estimate_s's .to: whole parameters up to PROBE_BYTES copied to the host for the "
         "probe checkpoint, once per job at start-up, never in a step",
 }

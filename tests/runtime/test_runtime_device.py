@@ -167,7 +167,8 @@ def test_a_consumer_stamped_receive_needs_no_watcher_and_stamps_within_its_bound
 def test_exact_arrivals_are_kept_where_the_deployed_plan_can_hide_a_delay():
     """``exact_arrival_links`` (the rule ``PipeMorph`` applies at every boundary, one stage per rank):
     the watcher stamps a link whose Eq. 1 tolerance exceeds the policy's absolute margin (1 ms) or whose
-    plan was made for a delay beyond twice it; several stages per rank or no tolerance yet: every link."""
+    plan was made for a delay beyond twice it; no tolerance yet: every link (several stages per rank:
+    tests/runtime/test_layout_branches.py)."""
     from titan_ext.runtime.control.config import PolicySettings
     from titan_ext.runtime.decide.policy import exact_arrival_links
 
@@ -175,5 +176,4 @@ def test_exact_arrivals_are_kept_where_the_deployed_plan_can_hide_a_delay():
     assert margin == 1.0
     assert exact_arrival_links([0.1, 5.0, -0.2, float("nan")], None, margin) == {1, 3}
     assert exact_arrival_links([0.1, 0.0, 0.0], [0.0, 1.5, 3.0], margin) == {2}
-    assert exact_arrival_links([0.1, 0.0, 0.0], None, margin, stages_per_rank=2) is None
     assert exact_arrival_links(None, None, margin) is None

@@ -81,7 +81,7 @@ def test_the_pipeline_metrics_file_goes_through_it():
     import inspect
 
     from titan_ext.titan import metrics
-    from titan_ext.titan.falcon import events
+    from titan_ext.titan import falcon_events as events
 
     for module in (metrics, events):
         source = inspect.getsource(module)

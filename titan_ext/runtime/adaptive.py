@@ -38,7 +38,7 @@ from .control.parts import ScheduleSpec, build_parts
 from .control.regime import Regime
 from .decide.placement import read_layout
 from .decide.planning import PlanningContext, explicit_plan
-from .decide.policy import Decision, exact_arrival_links
+from .decide.policy import Decision
 from .execute.executor import Executor, RunContext, check_schedule_arguments, run_with_failover, uses_fsdp
 from .execute.losses import MicrobatchLosses, sort_outputs
 from .measure.metrics import IterationMetrics, MetricsRecord
@@ -82,11 +82,12 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         st0 = stages[0]
         #: R ranks × V stages per rank, placement read from the stage indices (runtime/decide/placement.py)
         layout = read_layout([st.stage_index for st in stages], st0.group_rank, st0.group_size, st0.num_stages)
-        self.extensions = build_extensions(config, name, st0.num_stages, n_microbatches, layout.stages_per_rank)
         self.executor = Executor(torch.device(st0.device), activation_bytes=config.activation_bytes)
-        self.executor.transport = self.extensions.transport
         self.parts = build_parts(name, layout, n_microbatches, config, self.spec, lambda: self.executor.device,
                                  lambda: self.executor.activation_bytes)
+        self.extensions = build_extensions(config, name, st0.num_stages, n_microbatches,
+                                           self.parts.extensions_refused)
+        self.executor.transport = self.extensions.transport
         if config.backward not in self.parts.planner.backward_choices:
             raise ValueError(f"{name}: backward must be one of {self.parts.planner.backward_choices}, "
                              f"got {config.backward!r}")
@@ -137,7 +138,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
 
     falcon = property(lambda self: self.extensions.falcon, lambda self, value: self.extensions.set_falcon(
         value, type(self).__name__, self.cadence, self.config.profile_every_max), doc="""The schedule's FalconMonitor,
-        or None; set to None to take Falcon off (e.g. a job-level monitor decides instead, ``titan/falcon/job.py``).""")
+        or None; set to None to take Falcon off (e.g. a job-level monitor decides instead, ``titan/falcon_job.py``).""")
     memory_budget_bytes = property(lambda self: self.memory.budget_bytes,
                                    lambda self, value: setattr(self.memory, "budget_bytes", value),
                                    doc="the activation budget; a new one is read at the next exchange")
@@ -256,9 +257,8 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         m.replan_ms = m.swap_ms  # critical path only: planning ran in the background (plan_ms)
         self.regime.since_deploy += 1
         self.record.fill_plan(m, links, self.parts, self.deployed, self.plan_version, self._delegating())
-        self.executor.exact_links = exact_arrival_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,
-                                                        self.config.policy_settings.abs_margin_ms,
-                                                        self.layout.stages_per_rank)
+        self.executor.exact_links = self.parts.exact_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,
+                                                           self.config.policy_settings.abs_margin_ms)
         boundary = Boundary(self.context, self.iteration, iteration_ms, exchanged, m.timeline_span_ms, links, ran_probe)
         for observer in self.observers:
             boundary.metrics = m.as_dict()

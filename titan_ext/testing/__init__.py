@@ -10,8 +10,9 @@
 
 Layering: this package sits on ``titan_ext.runtime`` (it may import it and plan/); nothing in plan/
 or runtime/ imports it (tests/plan/test_plan_imports.py), and it imports nothing of titan/ or the entry
-points.  The runtime refers to the ``nccl_rules`` backend only by module name, to recognise its host
-tensors when it is loaded (``testing/host_syncs.py``).
+points.  Nor does the product name it: test code registers itself into hooks the product owns
+(``nccl_rules.install`` → the delegate ring's host marker, ``lagdevice.install`` → the device layer and
+the delegate's stream wait, ``cpu_setup`` → TorchTitan's CPU shim).
 """
 
 from .launch import torchrun, torchrun_command

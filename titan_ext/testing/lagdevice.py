@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan_ext.runtime.comm.delegate import _device as delegate_device
 from titan_ext.runtime.execute import device as device_mod
 from titan_ext.testing import host_syncs
 from titan_ext.runtime.execute.device import DeviceLayer, Timer, _EventTimer, now
@@ -421,6 +422,7 @@ def install(lag_ms: float | None = None, index: int | None = None, kernels: bool
         return lambda: dev.guard(index)
 
     device_mod._SIMULATED["thread_device"] = thread_device
+    delegate_device.register_stream_wait(stream_wait)  # a delegate receive stalls this device's stream
     if kernels is None:
         kernels = os.environ.get(KERNELS_ENV, "") == "1"
     for mode in ((_Kernels(dev),) if kernels else ()) + (_HostReads(dev),):
@@ -436,6 +438,7 @@ def uninstall() -> None:
         _MODES.pop().__exit__(None, None, None)
     device_mod._SIMULATED.pop("layer", None)
     device_mod._SIMULATED.pop("thread_device", None)
+    delegate_device.register_stream_wait(None)
     if _DEVICE is not None:
         _DEVICE.close()
     _DEVICE = None

@@ -3,7 +3,8 @@
 :func:`torchrun_command` builds the command line (``--nproc_per_node``, ``--master_addr 127.0.0.1``,
 a free ``--master_port``, optionally ``--local-ranks-filter`` and per-rank logs, then the job's own arguments, e.g.
 ``["-m", "titan_ext.train", "--job.config_file", ...]``); :func:`torchrun` runs it with stdout and
-stderr in one log file.  The environment is the caller's (each job decides what it sets and drops).
+stderr in one log file.  The environment is the caller's (each job decides what it sets and drops), with
+the tests' CPU set-up hook named for TorchTitan's CPU shim (:func:`~.cpu_setup.job_env`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .cpu_setup import job_env
 from .ranks import free_port
 
 __all__ = ["rank_stderr_tails", "torchrun", "torchrun_command"]
@@ -47,8 +49,9 @@ def rank_stderr_tails(rank_logs: str | Path, chars: int = 1500) -> str:
 def torchrun(nproc: int, job: Sequence[str], *, log: str | Path, cwd: str | Path, env: Mapping[str, str],
              timeout: float | None = None, local_ranks_filter: int | None = None,
              check: bool = False, rank_logs: str | Path | None = None) -> subprocess.CompletedProcess:
-    """Run :func:`torchrun_command` in ``cwd`` with ``env``, its output (stdout and stderr) in ``log``."""
+    """Run :func:`torchrun_command` in ``cwd`` with ``env`` (plus the CPU set-up hook, :func:`~.cpu_setup.job_env`),
+    its output (stdout and stderr) in ``log``."""
     with open(log, "w") as f:
         return subprocess.run(torchrun_command(nproc, job, local_ranks_filter=local_ranks_filter,
                                                rank_logs=rank_logs), cwd=cwd,
-                              env=dict(env), stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=check)
+                              env=job_env(env), stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=check)

@@ -1449,4 +1449,13 @@ def install() -> None:
     dist.distributed_c10d._set_pg_timeout = _set_pg_timeout
     _mark_on_every_thread()  # stays on each thread's torch-function mode stack
     _join_stream()
+    _register_host_marker()
     _installed = True
+
+
+def _register_host_marker() -> None:
+    """The delegate ring's views (made by the C++ extension, which no torch factory saw) are host memory:
+    :func:`mark_host` registered into the ring (the runtime names no test module)."""
+    from titan_ext.runtime.comm.delegate import ring
+
+    ring.register_host_marker(mark_host)

@@ -192,15 +192,15 @@ class TitanExt:
     cause, chosen strategy and measured effect are logged with the pipeline metrics (``falcon/*``).
     About 50 µs of CPU per iteration. In DP x PP jobs (data_parallel_replicate_degree > 1 with PP)
     the trainer runs it per step instead, with validation and micro-batch redistribution
-    (:mod:`titan_ext.titan.falcon.job`; decisions in ``<dump_folder>/falcon.jsonl``)."""
+    (:mod:`titan_ext.titan.falcon_job`; decisions in ``<dump_folder>/falcon.jsonl``)."""
 
     falcon_apply: bool = True
-    """DP x PP jobs (:mod:`titan_ext.titan.falcon.job`): apply Falcon's decisions (PipeMorph
+    """DP x PP jobs (:mod:`titan_ext.titan.falcon_job`): apply Falcon's decisions (PipeMorph
     re-planning, micro-batch redistribution). False = detect, validate and log them only (a
     baseline with the same measurement)."""
 
     falcon_check_every: int = 4
-    """DP x PP jobs (:mod:`titan_ext.titan.falcon.job`): the ranks exchange Falcon's step numbers
+    """DP x PP jobs (:mod:`titan_ext.titan.falcon_job`): the ranks exchange Falcon's step numbers
     (one MAX reduction by recursive doubling on the gloo control group) every K steps and at the
     last step, each exchange carrying every step since the previous one: the detector still sees
     every step's iteration time, in order, K - 1 steps later at most. 1 = every step. Decisions
@@ -212,7 +212,7 @@ class TitanExt:
     computes F times slower (F >= 1), from training step STEP on (default 0). Every forward and
     backward of its model part and the GEMM probe is followed by a sleep of (F - 1) x its duration.
     Empty = none; the environment variable TITAN_EXT_SLOW_DEVICE is used when empty. DP x PP jobs
-    only (``data_parallel_replicate_degree`` > 1 with PP; :mod:`titan_ext.titan.falcon.job`)."""
+    only (``data_parallel_replicate_degree`` > 1 with PP; :mod:`titan_ext.titan.falcon_job`)."""
 
     emulate_slow_link: str = ""
     """Fail-slow emulation (communication): "A-B:MS[@STEP]" = the link between devices A and B adds

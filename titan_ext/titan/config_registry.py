@@ -14,7 +14,7 @@ the CPU shim on machines without an accelerator); on a TorchTitan other than 0.3
   stage per rank, PipeMorph, the bundled tokenizer and corpus (nothing is downloaded): the 0.3 twin of
   ``train_configs/debug_cpu.toml``.
 * :func:`falcon_dp2_pp2_debugmodel` -- the same model as DP 2 x PP 2 (4 ranks) with Falcon, the trainer
-  summing the DP replicas itself (:mod:`titan_ext.titan.falcon.job`): the 0.3 twin of
+  summing the DP replicas itself (:mod:`titan_ext.titan.falcon_job`): the 0.3 twin of
   ``train_configs/debug_cpu_dp2_pp2.toml``; fail-slow emulation with ``--titan_ext.emulate_slow_device``.
 * :func:`llama3_8b_pipemorph`, :func:`llama3_70b_pipemorph` -- Llama-3.1 8B / 70B on a GPU cluster, PP = 8
   with PipeMorph, TorchTitan's own model, optimizer and dataset (C4); the tokenizer path is a placeholder
@@ -79,7 +79,7 @@ def pipemorph_debugmodel():
 def falcon_dp2_pp2_debugmodel():
     """llama3 debug model, DP 2 x PP 2 (pipelines = ranks {0, 2} and {1, 3}), PipeMorph, Falcon: a step
     is 3 chunks of 4 sequences per replica (one PipeMorph step of 4 microbatches each), 24 in all. The
-    trainer sums the replicas' gradients (falcon/job.py), so DTensor stays on model-parallel axes
+    trainer sums the replicas' gradients (titan/falcon_job.py), so DTensor stays on model-parallel axes
     (``spmd_backend = "partial_dtensor"``: 0.3's default reduces over DP inside the backward)."""
     from titan_ext.titan.config import TitanExt
 

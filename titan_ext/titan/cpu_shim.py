@@ -16,10 +16,10 @@ at the very start of ``Trainer.__init__``) is early enough.
 numbers are the process's peak resident set size (``getrusage``), reported as both "active" and
 "reserved" peak; the peak cannot be reset on Linux, so ``reset_peak_memory_stats`` is a no-op.
 
-With ``TITAN_EXT_TEST_BACKEND=nccl_rules`` the shim also installs the NCCL-rules test backend
-(:mod:`titan_ext.testing.nccl_rules`) and makes it TorchTitan's CPU backend, so the trainer's PP and
-DP groups obey NCCL's rules (the control plane still asks for gloo); with ``TITAN_EXT_TEST_DEVICE=lag``
-it installs the simulated device that runs behind the host (:mod:`titan_ext.testing.lagdevice`).
+Before it rebinds anything the shim calls the set-up hooks the environment names (:data:`SETUP_ENV`,
+``module:function`` entries separated by commas): a caller's CPU process-group backend or simulated
+device is installed there, before TorchTitan builds its groups. The tests name theirs (the NCCL-rules
+backend, the lagging device; ``testing/cpu_setup.py``); the shim knows none of them.
 """
 
 import os
@@ -30,7 +30,11 @@ from types import SimpleNamespace
 
 import torch
 
-__all__ = ["apply", "is_applied", "CpuDeviceModule"]
+__all__ = ["SETUP_ENV", "apply", "is_applied", "CpuDeviceModule", "run_setup_hooks"]
+
+SETUP_ENV = "TITAN_EXT_CPU_SETUP"
+"""``module:function,...``: called in order by :func:`apply` before TorchTitan builds its process groups
+(``function`` defaults to ``setup``)."""
 
 _TORCHTITAN_MODULES = (
     "torchtitan.tools.utils",
@@ -124,7 +128,7 @@ def apply(modules: tuple[str, ...] = _TORCHTITAN_MODULES) -> None:
     global _applied
     import importlib
 
-    _use_test_backend()
+    run_setup_hooks()
     device_module = CpuDeviceModule()
     for name in modules:
         mod = sys.modules.get(name)
@@ -140,17 +144,23 @@ def apply(modules: tuple[str, ...] = _TORCHTITAN_MODULES) -> None:
     _applied = True
 
 
-def _use_test_backend() -> None:
-    """``TITAN_EXT_TEST_BACKEND=nccl_rules``: TorchTitan's CPU groups get NCCL's rules;
-    ``TITAN_EXT_TEST_DEVICE=lag``: the stages' device is the simulated one that runs behind the host
-    (:mod:`titan_ext.testing.lagdevice`, installed on this thread: the trainer's)."""
-    from titan_ext.testing import lagdevice
-    from titan_ext.testing.nccl_rules import BACKEND, ENV_VAR, install
+def run_setup_hooks(environ=os.environ) -> list[str]:
+    """Call every ``module:function`` of :data:`SETUP_ENV` (idempotence is the hook's); returns them.
+    A hook that does not import or is not a callable fails the job, naming the entry."""
+    import importlib
 
-    if os.environ.get(ENV_VAR) == BACKEND:
-        install()
-        torch.distributed.Backend.default_device_backend_map["cpu"] = BACKEND
-    lagdevice.install_from_env()
+    done = []
+    for entry in filter(None, (e.strip() for e in environ.get(SETUP_ENV, "").split(","))):
+        module, _, name = entry.partition(":")
+        try:
+            hook = getattr(importlib.import_module(module), name or "setup")
+        except (ImportError, AttributeError) as e:
+            raise RuntimeError(f"{SETUP_ENV}: {entry!r}: {e}") from e
+        if not callable(hook):
+            raise RuntimeError(f"{SETUP_ENV}: {entry!r} is not a callable")
+        hook()
+        done.append(entry)
+    return done
 
 
 def is_applied() -> bool:

@@ -86,7 +86,7 @@ def check_wandb_available(config) -> None:
 
 def _check_emulation_and_world(section, par, world_size: int | None) -> None:
     """The emulated faults fit the mesh; the PP degree divides the world."""
-    from titan_ext.titan.falcon.emulate import check_emulation
+    from titan_ext.titan.falcon_emulate import check_emulation
 
     pp = par.pipeline_parallel_degree
     try:
@@ -233,7 +233,7 @@ def check_env(pp: int, config_delays: bool = False, config_emulation: tuple[str,
     if parsed is not None and not config_delays and pp > 1 and parsed[0].max_link() >= pp - 1:
         raise JobConfigError(f"{ENV_VAR} = {parsed[0].source!r}: link {parsed[0].max_link()} "
                              f"does not exist with {pp} pipeline stages (links 0..{pp - 2})")
-    from titan_ext.titan.falcon.s4 import resume_plan_from_env
+    from titan_ext.titan.falcon_s4 import resume_plan_from_env
 
     try:
         resume_plan_from_env()
@@ -375,7 +375,7 @@ def check_paths(config, section=None, assets: bool = True) -> None:
 def _names_the_job_writes(config) -> dict[str, str]:
     """What the job itself creates directly in its dump folder: name -> what it is."""
     from titan_ext.runtime.falcon.restart import S4_PLAN_FILE, _PLAN_FILE
-    from titan_ext.titan.falcon.files import FALCON_EVENTS, FALCON_LOG
+    from titan_ext.runtime.falcon.files import FALCON_EVENTS, FALCON_LOG
 
     names = {"timelines": "its timeline traces and images (a folder)", FALCON_LOG: "Falcon's decisions",
              FALCON_EVENTS: "Falcon's events", S4_PLAN_FILE: "the S4 relaunch plan",

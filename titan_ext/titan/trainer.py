@@ -9,7 +9,7 @@ The base class comes from the TorchTitan adapter (:mod:`titan_ext.titan.adapters
 
 The pipeline metrics, timeline images and W&B extras do not need this class: they follow the
 schedule (:mod:`titan_ext.titan.metrics`), so stock ``torchtitan.train`` reports them too (0.2). What does
-need it is DP × PP with Falcon (:mod:`titan_ext.titan.falcon.job`): the trainer syncs the DP replicas
+need it is DP × PP with Falcon (:mod:`titan_ext.titan.falcon_job`): the trainer syncs the DP replicas
 itself and applies Falcon's mitigations to the next steps.
 """
 
@@ -19,10 +19,10 @@ import torch
 
 from titan_ext.titan import adapters
 from titan_ext.titan.checkpoint_guard import guard_checkpointer
-from titan_ext.titan.falcon.dp import replicated_by_trainer
-from titan_ext.titan.falcon.emulate import install_device_passes
-from titan_ext.titan.falcon.job import FalconJob
-from titan_ext.titan.falcon.s4 import S4Resume
+from titan_ext.titan.falcon_dp import replicated_by_trainer
+from titan_ext.titan.falcon_emulate import install_device_passes
+from titan_ext.titan.falcon_job import FalconJob
+from titan_ext.titan.falcon_s4 import S4Resume
 from titan_ext.titan.jobcheck import check_job_config, world_size
 from titan_ext.titan.options import titan_ext_section
 
@@ -70,11 +70,11 @@ class TitanExtTrainer(_Base):
         section = titan_ext_section(config)
         # a manifest beside every checkpoint saved, checked before any is loaded (checkpoint_guard.py)
         guard_checkpointer(self.checkpointer, trust=section.trust_checkpoint)
-        # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon/job.py)
+        # DP x PP: the trainer syncs the DP replicas, and Falcon runs at job level (falcon_job.py)
         self.falcon_job = FalconJob(self, section) if replicated_by_trainer(self.parallel_dims) else None
         if self.falcon_job is None and section.emulate_device_pass_ms > 0:
             install_device_passes(self, section.emulate_device_pass_ms)
-        # a job the launcher restarted after Falcon's S4: its cost and outcome (falcon/s4.py)
+        # a job the launcher restarted after Falcon's S4: its cost and outcome (falcon_s4.py)
         self.s4_resume = S4Resume.from_env(self, section.falcon_check_every)
 
     def train(self):

@@ -49,7 +49,8 @@ class DelegationConfig:
     timeout_s: float = 300.0
     """Delegate process links end after this long without progress."""
     faults: Any = None
-    """A ``FaultInjector`` (tests)."""
+    """Primary-path faults (tests): an object with ``fails(op, peer, direction, seq) -> bool``
+    (``comm.delegate.transport.Faults``)."""
 
     def __post_init__(self) -> None:
         """Every field checked (TypeError/ValueError naming it, under its keyword name of earlier

@@ -60,18 +60,17 @@ class Extensions:
 
 
 def build_extensions(config: AdaptiveConfig, name: str, num_stages: int, n_microbatches: int,
-                     stages_per_rank: int) -> Extensions:
-    """Falcon, delegation and the user's observers for a schedule with ``config``.  Falcon and delegation
-    run with one stage per rank only: an explicit request with several is an error; ``falcon=True``
-    (the ``[titan_ext]`` default) is then switched off with a warning."""
+                     refused: str | None = None) -> Extensions:
+    """Falcon, delegation and the user's observers for a schedule with ``config``.  ``refused``: why
+    Falcon and delegation do not run with this layout (``Parts.extensions_refused``, decided by
+    ``build_parts``; None: they do): an explicit request is then an error, and ``falcon=True`` (the
+    ``[titan_ext]`` default) is switched off with a warning."""
     falcon = config.falcon
-    if stages_per_rank > 1:
+    if refused is not None:
         if falcon not in (False, True, None) or config.delegation.enabled:
-            raise ValueError(f"{name}: Falcon and delegation run with one stage per rank only, "
-                             f"got {stages_per_rank} stages per rank")
+            raise ValueError(f"{name}: {refused}")
         if falcon is True:
-            logger.warning("%s: Falcon runs with one stage per rank only; off with %d stages per rank",
-                           name, stages_per_rank)
+            logger.warning("%s: Falcon is off: %s", name, refused)
             falcon = False
     out = Extensions()
     falcon_observer = FalconObserver.create(falcon, num_stages, n_microbatches)

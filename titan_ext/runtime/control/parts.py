@@ -13,7 +13,7 @@ else in the runtime branches on the layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from titan_ext.plan import PipelineProfile
 from titan_ext.args import ArgumentTypeError, callable_arg, sequence_arg
@@ -21,7 +21,7 @@ from titan_ext.args import ArgumentTypeError, callable_arg, sequence_arg
 from ..decide.budget import MemoryBudget, RankMemoryBudget, StageMemoryBudget
 from ..decide.placement import Layout, VirtualEstimator, VirtualReplanPolicy, virtual_tolerances
 from ..decide.planning import Planner
-from ..decide.policy import Policy, ReplanPolicy, eq1_tolerances
+from ..decide.policy import Policy, ReplanPolicy, eq1_tolerances, exact_arrival_links
 from ..measure.estimator import Estimator
 from .config import AdaptiveConfig, PolicySettings
 
@@ -47,6 +47,8 @@ class ScheduleSpec:
     backward_choices: tuple[str, ...] = ("auto", "measure", "split", "full")  # what ``backward=`` may be
     one_stage_policy: Callable[[PolicySettings], Policy] = _one_stage_policy
     multi_stage_policy: Callable[[Layout, PolicySettings], Policy] = _multi_stage_policy
+    v_pair_planner: Callable[[Layout, AdaptiveConfig], Planner] | None = None
+    """The planner with two stages per rank placed "v" (CrossPipe: CrossWave); None: ``multi_stage_planner``."""
 
     def __post_init__(self) -> None:
         """Every field checked when the entry is made, not when a schedule is first built."""
@@ -56,6 +58,7 @@ class ScheduleSpec:
         callable_arg(self.multi_stage_planner, "multi_stage_planner", "a callable (layout, config) -> Planner")
         callable_arg(self.one_stage_policy, "one_stage_policy", "a callable (PolicySettings) -> Policy")
         callable_arg(self.multi_stage_policy, "multi_stage_policy", "a callable (layout, PolicySettings) -> Policy")
+        callable_arg(self.v_pair_planner, "v_pair_planner", "a callable (layout, config) -> Planner", optional=True)
         if not (isinstance(self.config_class, type) and issubclass(self.config_class, AdaptiveConfig)):
             raise ArgumentTypeError(f"schedule {self.name!r}: config_class must be an AdaptiveConfig subclass, "
                                     f"got {self.config_class!r}")
@@ -79,6 +82,10 @@ class Parts:
     stage_ms: Callable[[Any, int], list | None]  # (iteration profile, rank) → per-local-stage rows
     link_estimates_ms: Callable[[], list[float]]  # per (rank) link delay estimates, for the metrics
     tolerances: Callable[[PipelineProfile, PipelineProfile, Any], list[float]]  # (split, full, deployed)
+    #: (Eq.1 tolerances, delays planned for, the policy's absolute margin) → the links whose arrivals need
+    #: the watcher's exact stamps (None: every link)
+    exact_links: Callable[[Sequence[float] | None, Sequence[float] | None, float], set[int] | None]
+    extensions_refused: str | None  # why Falcon and delegation do not run with this layout (None: they do)
 
 
 def build_parts(name: str, layout: Layout, n_microbatches: int, config: AdaptiveConfig, spec: ScheduleSpec,
@@ -111,7 +118,8 @@ def _one_stage(name: str, layout: Layout, n: int, config: AdaptiveConfig, spec: 
     memory = _memory(StageMemoryBudget, name, layout, n, config, device, activation_bytes)
     return Parts(layout, planner, policy, estimator, memory, choose_backward=config.backward in ("auto", "measure"),
                  local_stages=0, message_slots=n, stage_ms=lambda prof, rank: None,
-                 link_estimates_ms=lambda: list(estimator.profile().delays_ms), tolerances=tolerances)
+                 link_estimates_ms=lambda: list(estimator.profile().delays_ms), tolerances=tolerances,
+                 exact_links=exact_arrival_links, extensions_refused=None)
 
 
 def _multi_stage(name: str, layout: Layout, n: int, config: AdaptiveConfig, spec: ScheduleSpec,
@@ -126,11 +134,19 @@ def _multi_stage(name: str, layout: Layout, n: int, config: AdaptiveConfig, spec
     def tolerances(split: PipelineProfile, full: PipelineProfile, deployed: Any) -> list[float]:  # noqa: ARG001
         return virtual_tolerances(split, layout, deployed.warmup_counts)  # per rank link (docs/multistage.md)
 
-    planner = config.planner if config.planner is not None else spec.multi_stage_planner(layout, config)
+    if config.planner is not None:
+        planner = config.planner
+    elif spec.v_pair_planner is not None and layout.placement == "v" and layout.stages_per_rank == 2:
+        planner = spec.v_pair_planner(layout, config)
+    else:
+        planner = spec.multi_stage_planner(layout, config)
     return Parts(layout, planner, policy, estimator,
                  _memory(RankMemoryBudget, name, layout, n, config, device, activation_bytes),
                  choose_backward=False,  # the portfolio picks the backward variant of every plan
                  local_stages=layout.stages_per_rank, message_slots=layout.stages_per_rank * n, stage_ms=stage_ms,
-                 link_estimates_ms=estimator.rank_link_delays_ms, tolerances=tolerances)
+                 link_estimates_ms=estimator.rank_link_delays_ms, tolerances=tolerances,
+                 exact_links=lambda tolerance_ms, planned_for_ms, abs_margin_ms: None,  # every link
+                 extensions_refused=f"Falcon and delegation run with one stage per rank only, got "
+                                    f"{layout.stages_per_rank} stages per rank")
 
 

@@ -50,7 +50,7 @@ class MemoryBudget:
         elif self.budget_bytes is not None:
             act = self._local_act()
             if self.activation_bytes_all is not None:  # stage 0's own (one stage per rank), else the largest
-                act = self.activation_bytes_all[0] if self.V == 1 else max(self.activation_bytes_all)
+                act = self._x_max_activation(self.activation_bytes_all)
             x = int(self.budget_bytes // act) if act else S
             if x < S:
                 logger.warning("%s: budget %.3g B holds only %d activations of %.3g B (< S=%d); using S", self.name,
@@ -59,6 +59,10 @@ class MemoryBudget:
         else:
             x = 2 * S - 1
         return max(S, min(int(x), N))
+
+    def _x_max_activation(self, activation_bytes_all: Sequence[float]) -> float:
+        """The activation x_max counts: stage 0's own (one stage per rank); the largest with several."""
+        return max(activation_bytes_all)
 
     def recalibrate(self) -> bool:
         """Recompute x_max from measured M^F (a configured budget without ``max_inflight``); True if so."""
@@ -130,6 +134,9 @@ class StageMemoryBudget(MemoryBudget):
     (``memory.stage_caps``: budget_r / M^F_r); ``inflight_cap`` is the smallest (metrics, warnings)."""
 
     stage_caps: list[int] | None = None
+
+    def _x_max_activation(self, activation_bytes_all: Sequence[float]) -> float:
+        return activation_bytes_all[0]
 
     def _set_caps(self, budgets: list[float]) -> None:
         super()._set_caps(budgets)

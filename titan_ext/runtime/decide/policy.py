@@ -254,16 +254,16 @@ def eq1_tolerances(estimate: PipelineProfile, counts: Sequence[int]) -> list[flo
 
 
 def exact_arrival_links(tolerance_ms: Sequence[float] | None, planned_for_ms: Sequence[float] | None,
-                        abs_margin_ms: float, stages_per_rank: int = 1) -> set[int] | None:
+                        abs_margin_ms: float) -> set[int] | None:
     """The links whose arrivals need the watcher's exact stamps (PipeMorph §6 profiler): where the
     deployed plan can hide a delay — Eq. 1 tolerance above the policy's absolute margin (NaN: not known,
     exact), or a plan made for a delay beyond twice it.  On the other links the consumer waits as soon
     as its data is late, so its own stamp is exact whenever a delay matters, and a late one (an upper
     bound: the data waited for its consumer) stays below the tolerance, which is all the policy compares
     it with; there the watcher's thread hop between the data and its consumer is saved (gloo; on NCCL
-    the watcher is never on the critical path).  None (every link): several stages per rank, or no
-    tolerance yet."""
-    if stages_per_rank != 1 or tolerance_ms is None:
+    the watcher is never on the critical path).  None (every link): no tolerance yet.  One stage per
+    rank (with several, ``control/parts.build_parts`` watches every link)."""
+    if tolerance_ms is None:
         return None
     return ({i for i, t in enumerate(tolerance_ms) if not t <= abs_margin_ms}
             | {i for i, c in enumerate(planned_for_ms or ()) if c > 2 * abs_margin_ms})

@@ -3,7 +3,10 @@
 Process-group-free algorithms: :mod:`.bocd`, :mod:`.period`, :mod:`.localize`, :mod:`.mitigation`,
 :mod:`.monitor` (its input and output: :mod:`.decision`). torch.distributed parts: :mod:`.hooks`, :mod:`.validation`, :mod:`.redistribute`,
 :mod:`.restart`, :mod:`.topology` (S3 in memory), :mod:`.device_clock` (control groups, device
-timing) (imported on demand). See docs/falcon.md.
+timing) (imported on demand). A DP × PP job's parts that need no TorchTitan: :mod:`.measure` (the step's
+observation, validation), :mod:`.apply` (a decision → the job's changes), :mod:`.files` (imported on
+demand). The one Falcon package: what hooks into TorchTitan's trainer, config or checkpointer is
+``titan_ext/titan/falcon_*.py``. See docs/falcon.md.
 """
 
 from .bocd import BOCDConfig, ChangePoint, OnlineBOCD, SlowIterationDetector

@@ -1,7 +1,7 @@
 """Falcon's control-plane reduction: an element-wise MAX over a gloo group by recursive doubling.
 
 Falcon's job agrees on every step's numbers (Falcon §4.2's iteration time, §4.3's per-group times)
-through one small host vector a check (``titan/falcon/measure.ObservationExchange``).  On gloo,
+through one small host vector a check (``runtime/falcon/measure.ObservationExchange``).  On gloo,
 ``dist.all_reduce`` is a ring (gloo's default algorithm): 2 (n − 1) messages in sequence, each a process
 wake-up on a busy host — latency linear in the world, as the DP degree grows.  The vector is small (a
 few kB: latency-bound, not bandwidth-bound), so :func:`max_all_reduce` exchanges the whole vector with

@@ -305,7 +305,7 @@ def topology_score(grid, slow_links: Iterable[tuple[int, int]] = (),
     6. devices moved relative to ``old_grid``;
     7. pipelines whose devices are not in increasing order along the stages (a last tie-break, no
        paper criterion: torch's schedules number a PP group's members by global rank, so the
-       in-memory S3 of :mod:`titan_ext.titan.falcon.s3` applies grids without such pipelines).
+       in-memory S3 of :mod:`titan_ext.titan.falcon_s3` applies grids without such pipelines).
     """
     g = np.asarray(grid_arg(grid))
     devices = set(int(x) for x in g.ravel())

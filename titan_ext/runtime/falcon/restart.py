@@ -14,7 +14,7 @@ devices and restoring. Here it is done with files so it works with any launcher:
 With an unchanged world size, "plain checkpoint-and-restart" (S4) is the same path with the identity
 grid (on replacement nodes). S4 *without* spare nodes (the job restarts on fewer devices, the slow
 one excluded) is planned by :func:`plan_exclusion` (which replicas run again, the re-split batch,
-the restarted job's overrides); :mod:`titan_ext.titan.falcon.s4` applies it with TorchTitan's
+the restarted job's overrides); :mod:`titan_ext.titan.falcon_s4` applies it with TorchTitan's
 checkpointer and a relaunch.
 """
 
@@ -47,6 +47,13 @@ __all__ = [
     "relaunch_overrides",
     "write_s4_plan",
     "read_s4_plan",
+    "S4Unavailable",
+    "devices_to_exclude",
+    "ENV_SPARE_NODES",
+    "NodeReplacePlan",
+    "plan_node_replacement",
+    "spare_nodes_from_env",
+    "plan_checkpoint_restart",
 ]
 
 _PLAN_FILE = "falcon_restart_plan.json"
@@ -357,3 +364,117 @@ def read_s4_plan(directory) -> dict | None:
     """The S4 plan written in ``directory`` (a dict, see :func:`write_s4_plan`), or None."""
     path = Path(directory) / S4_PLAN_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+# ---- S4's plan for the job now: spare devices, else spare nodes, else the shrink
+
+ENV_SPARE_NODES = "TITAN_EXT_SPARE_NODES"
+"""Set by scripts/launch.sh under SLURM: how many nodes of the allocation the job does not use (spare
+nodes). S4 then restarts the slow device's node on one of them (``srun --exclude``, the same node
+count) instead of shrinking DP (:func:`plan_node_replacement`)."""
+
+class S4Unavailable(RuntimeError):
+    """S4 was decided but cannot be applied in this job (the reason is the message)."""
+
+
+def devices_to_exclude(slow_devices, slow_links) -> list[int]:
+    """The slow devices; for a slow link (which validation cannot pin on one end) its higher end."""
+    if slow_devices:
+        return sorted({int(d) for d in slow_devices})
+    return sorted({max(int(a), int(b)) for a, b in slow_links})
+
+
+@dataclass
+class NodeReplacePlan(ReplacePlan):
+    """S4 onto spare nodes (Falcon §5.1: "restarts training on healthy nodes"): every rank of a node
+    holding an excluded device restarts on a spare node of the launcher's allocation; the grid, DP and
+    the split stay. ``devices``: each new rank's device id, those of a replaced node renumbered to
+    the spare node's (so that an emulated fault of the excluded node does not follow);
+    ``excluded_nodes``: the node indices (global rank // ``ranks_per_node``, torchrun's contiguous
+    numbering) the relaunch excludes."""
+
+    excluded_nodes: list[int] = field(default_factory=list)
+    ranks_per_node: int = 1
+
+
+def plan_node_replacement(grid, excluded, spare_nodes: int, ranks_per_node: int, step: int, split: list[int],
+                          device_of=None) -> NodeReplacePlan:
+    """The S4 plan onto ``spare_nodes`` spare nodes of ``ranks_per_node`` devices each: the nodes holding
+    an ``excluded`` rank are replaced whole (device ids of spare node j: the first unused id + j *
+    ``ranks_per_node`` + local index), every other rank keeps its device, new rank i plays the rank of
+    the same (stage, replica) as in :func:`~titan_ext.runtime.falcon.restart.plan_replacement`.
+    ValueError with fewer spare nodes than nodes to replace, a world that is not whole nodes, or a
+    split TorchTitan cannot keep (uneven)."""
+    excluded = sorted({int(x) for x in excluded})
+    ranks = [int(r) for row in grid for r in row]
+    world, rpn = len(ranks), int(ranks_per_node)
+    device_of = list(range(world)) if device_of is None else [int(d) for d in device_of]
+    if not excluded:
+        raise ValueError("S4 needs at least one device to exclude")
+    unknown = [x for x in excluded if x not in ranks]
+    if unknown:
+        raise ValueError(f"devices {unknown} are not in the grid {grid}")
+    if rpn < 1 or world % rpn:
+        raise ValueError(f"{world} ranks are not whole nodes of {rpn}")
+    nodes = sorted({r // rpn for r in excluded})
+    if len(nodes) > int(spare_nodes):
+        raise ValueError(f"{len(nodes)} node(s) to replace ({nodes}) but {int(spare_nodes)} spare node(s)")
+    total = sum(int(m) for m in split)
+    if total % len(grid):
+        raise ValueError(f"the global batch of {total} chunks does not split evenly over {len(grid)} replicas")
+    first = max(max(device_of), world - 1) + 1
+    moved = {r: first + nodes.index(r // rpn) * rpn + r % rpn for r in range(world) if r // rpn in nodes}
+    num_pp, kept = len(grid[0]), list(range(len(grid)))
+    order = [int(grid[d][s]) for s in range(num_pp) for d in kept]
+    return NodeReplacePlan(step, [[int(r) for r in row] for row in grid], excluded, kept, num_pp, total // len(kept),
+                           devices=[moved.get(r, device_of[r]) for r in order],
+                           replaced={device_of[r]: d for r, d in sorted(moved.items())}, spares_left=[],
+                           excluded_nodes=nodes, ranks_per_node=rpn)
+
+
+def spare_nodes_from_env(environ=os.environ) -> tuple[int, int | None]:
+    """(:data:`ENV_SPARE_NODES`, torchrun's ``LOCAL_WORLD_SIZE``): the launcher's spare nodes (0 when
+    unset or not a count) and the ranks per node (None when unknown)."""
+    def count(name):
+        text = environ.get(name, "").strip()
+        return int(text) if text.isascii() and text.isdigit() else None
+    return count(ENV_SPARE_NODES) or 0, count("LOCAL_WORLD_SIZE")
+
+
+def plan_checkpoint_restart(checkpoint_enabled: bool, slow_devices, slow_links, grid: list[list[int]],
+                            step: int, split: list[int], spares=(), device_of=None, spare_nodes=None):
+    """The S4 plan for this job now from validation's ``slow_devices`` / ``slow_links``, Falcon's S4
+    whenever there is somewhere healthy to restart: onto ``spares`` when there are enough
+    (:func:`~titan_ext.runtime.falcon.restart.plan_replacement`), else onto the launcher's spare nodes
+    (``spare_nodes``: (count, ranks per node); default :func:`spare_nodes_from_env`;
+    :func:`plan_node_replacement`) -- both keep the grid and DP; only without either the shrink
+    (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`: DP shrinks), its ``shrink_reason`` saying
+    why. :class:`S4Unavailable` (on every rank alike: the inputs are) when TorchTitan's checkpointer is
+    off, nothing was localised, or the global batch does not re-split."""
+    if not checkpoint_enabled:
+        raise S4Unavailable("S4 needs TorchTitan's checkpointer: [checkpoint] enable = true")
+    excluded = devices_to_exclude(slow_devices, slow_links)
+    if not excluded:
+        raise S4Unavailable("validation localised no device or link to exclude")
+    reasons = []
+    if spares:
+        try:
+            return plan_replacement(grid, excluded, spares, step, split, device_of)
+        except ValueError as e:  # not enough spares (or an uneven split)
+            reasons.append(f"spare devices {list(spares)}: {e}")
+    else:
+        reasons.append("no spare devices ([titan_ext] falcon_spares is empty)")
+    count, per_node = spare_nodes_from_env() if spare_nodes is None else spare_nodes
+    if count and per_node:
+        try:
+            return plan_node_replacement(grid, excluded, count, per_node, step, split, device_of)
+        except ValueError as e:
+            reasons.append(f"spare nodes: {e}")
+    else:
+        reasons.append(f"no spare nodes (the launcher's {ENV_SPARE_NODES} is unset or 0)")
+    try:
+        plan = plan_exclusion(grid, excluded, step, split)
+    except ValueError as e:
+        raise S4Unavailable(f"{e}; and no spare path: {'; '.join(reasons)}") from None
+    plan.shrink_reason = "; ".join(reasons)
+    return plan

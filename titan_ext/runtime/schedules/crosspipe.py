@@ -16,7 +16,7 @@ registry entry, registered (and made a class) by :func:`~titan_ext.runtime.contr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from titan_ext.args import real_arg
 from ..control.config import AdaptiveConfig
@@ -62,18 +62,25 @@ def _one_stage(config: CrossPipeConfig) -> Planner:
     return CrossPipePlanner(config.variant, config.message_bytes, config.link_bandwidth_bytes_per_s)
 
 
-def _multi_stage(layout: Layout, config: CrossPipeConfig) -> Planner:
-    """CrossWave ("v", V = 2) or the split-backward portfolio of ``plan_virtual`` (loop), from the
-    measured per-stage times and per-rank-link delays (the whole delay as latency)."""
-    if (config.message_bytes, config.link_bandwidth_bytes_per_s) != (None, None):
-        raise ValueError("CrossPipe: message_bytes / link_bandwidth_bytes_per_s apply to one stage per rank only")
-    wave = layout.placement == "v" and layout.stages_per_rank == 2
-    return VirtualPlanner(layout, "crosspipe-wave" if wave else "pipemorph", backward="split")
+def _virtual(schedule: str) -> Callable[[Layout, CrossPipeConfig], Planner]:
+    """``schedule`` of ``plan_virtual`` from the measured per-stage times and per-rank-link delays (the
+    whole delay as latency), split backward."""
+    def planner(layout: Layout, config: CrossPipeConfig) -> Planner:
+        if (config.message_bytes, config.link_bandwidth_bytes_per_s) != (None, None):
+            raise ValueError("CrossPipe: message_bytes / link_bandwidth_bytes_per_s apply to one stage per rank only")
+        return VirtualPlanner(layout, schedule, backward="split")
+    return planner
+
+
+_multi_stage = _virtual("pipemorph")
+"""Several stages per rank: the split-backward portfolio of ``plan_virtual``."""
+_v_pair = _virtual("crosspipe-wave")
+"""Two stages per rank placed "v": CrossWave (``build_parts`` chooses it for that layout)."""
 
 
 #: the registry entry: CrossPipe's planners, the default policies (Eq.1 per link / rank link), CrossPipe's config
 CROSSPIPE = ScheduleSpec("CrossPipe", one_stage_planner=_one_stage, multi_stage_planner=_multi_stage,
-                         config_class=CrossPipeConfig, backward_choices=CrossPipePlanner.backward_choices)
+                         v_pair_planner=_v_pair, config_class=CrossPipeConfig, backward_choices=CrossPipePlanner.backward_choices)
 
 CrossPipe = register_schedule(CROSSPIPE, module=__name__, doc="""The adaptive runtime re-planning with
 CrossPipe's greedy generator (one stage per rank) or, with several stages per rank, CrossWave (V-shape) /

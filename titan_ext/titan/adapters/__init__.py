@@ -52,7 +52,7 @@ import textwrap
 from types import ModuleType
 
 __all__ = ["ADAPTERS", "KINDS", "TitanIntegrationError", "adapter_for", "check_adapter", "contract",
-           "contract_problems", "current", "malformed_rows", "missing_hooks", "signature_mismatches",
+           "contract_problems", "current", "last_training_step", "malformed_rows", "missing_hooks", "signature_mismatches",
            "torchtitan_version"]
 
 #: TorchTitan "major.minor" -> its adapter module
@@ -312,3 +312,12 @@ def current() -> ModuleType:
             return adapter  # rows left for later (a package still being imported): checked next call
         _current = adapter
     return _current
+
+
+def last_training_step(trainer) -> int | None:
+    """The job's ``training.steps`` through the installed version's adapter (None where the trainer has no
+    such section: a test's stub)."""
+    try:
+        return int(current().trainer_training(trainer).steps)
+    except (AttributeError, TypeError, ValueError):
+        return None

@@ -199,13 +199,13 @@ def trainer_training(trainer: Any) -> Any:
 
 def install_replication_by_trainer(config: Any) -> None:  # noqa: ARG001 - 0.2 patches the train specs
     """DP x PP with Falcon: TorchTitan 0.2's parallelize functions skip DDP (the trainer syncs)."""
-    from titan_ext.titan.falcon.dp import install_replication_by_trainer as install
+    from titan_ext.titan.falcon_dp import install_replication_by_trainer as install
 
     install()
 
 
 def falcon_train_step(job: Any, run_step: Callable, data_iterator: Any) -> None:
-    """One step of :class:`~titan_ext.titan.falcon.job.FalconJob`: 0.2's trainer reads one data-loader
+    """One step of :class:`~titan_ext.titan.falcon_job.FalconJob`: 0.2's trainer reads one data-loader
     batch per forward/backward (a Falcon chunk)."""
     job.train_step(run_step, data_iterator)
 

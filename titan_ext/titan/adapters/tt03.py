@@ -216,10 +216,10 @@ def trainer_training(trainer: Any) -> Any:
 
 
 def install_replication_by_trainer(config: Any) -> None:
-    """DP x PP with Falcon (:mod:`titan_ext.titan.falcon.job`): the trainer syncs the DP replicas itself.
+    """DP x PP with Falcon (:mod:`titan_ext.titan.falcon_job`): the trainer syncs the DP replicas itself.
 
     TorchTitan 0.3's model ``parallelize_fn`` always applies FSDP, over ``(dp_replicate, fsdp)`` (HSDP)
-    when DP replicas exist. Where :func:`~titan_ext.titan.falcon.dp.replicated_by_trainer`, the
+    when DP replicas exist. Where :func:`~titan_ext.titan.falcon_dp.replicated_by_trainer`, the
     config's ``model_spec`` gets a ``parallelize_fn`` that sees no ``dp_replicate``: FSDP over the
     size-1 ``fsdp`` mesh (no gradient traffic), and the replicas are summed by FalconJob, whose S2 acts
     there (Falcon §5.3). That needs ``spmd_backend = "partial_dtensor"`` (DTensor on model-parallel
@@ -227,7 +227,7 @@ def install_replication_by_trainer(config: Any) -> None:
     itself -- refused, naming the key. Idempotent."""
     import dataclasses
 
-    from titan_ext.titan.falcon.dp import WithoutReplicate, replicated_by_trainer
+    from titan_ext.titan.falcon_dp import WithoutReplicate, replicated_by_trainer
 
     original = config.model_spec.parallelize_fn
     if getattr(original, "titan_ext_replicated", False):
@@ -251,7 +251,7 @@ def install_replication_by_trainer(config: Any) -> None:
 
 
 def falcon_train_step(job: Any, run_step: Callable, data_iterator: Any) -> None:
-    """One step of :class:`~titan_ext.titan.falcon.job.FalconJob` under 0.3's trainer.
+    """One step of :class:`~titan_ext.titan.falcon_job.FalconJob` under 0.3's trainer.
 
     0.3's ``train_step`` reads ``num_pipeline_parallel_microbatches`` data-loader items (one per
     pipeline microbatch) for each of its ``gradient_accumulation_steps`` forward/backward calls. A

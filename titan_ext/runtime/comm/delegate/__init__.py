@@ -17,13 +17,13 @@ User documentation: docs/delegate.md.
 
 from .pool import Channel, DelegateError, DelegatePool, delegates_needed, pipeline_channels, store_address
 from .ring import our_shm_names, sweep_stale_segments
-from .transport import FaultInjector, P2PRouter
+from .transport import Faults, P2PRouter
 
 __all__ = [
     "Channel",
     "DelegateError",
     "DelegatePool",
-    "FaultInjector",
+    "Faults",
     "P2PRouter",
     "delegates_needed",
     "our_shm_names",

@@ -11,7 +11,6 @@ per-message flag values that a replayed CUDA graph would repeat.
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any, Callable
 
 import torch
@@ -59,8 +58,19 @@ def side_context(layer: DeviceLayer | None) -> Callable[[], Any]:
     return context
 
 
-def lagdevice() -> Any:
-    """The simulated device that runs behind the host (``titan_ext.testing.lagdevice``) when a test
-    installed it, else None — looked up in ``sys.modules``: the runtime never imports ``testing/``."""
-    lag = sys.modules.get("titan_ext.testing.lagdevice")
-    return lag if lag is not None and lag.installed() else None
+#: the stream wait of a simulated device that runs behind the host: a CPU test's device simulation
+#: registers it while installed (:func:`register_stream_wait`); the runtime names no test module
+_STREAM_WAIT: list[Callable[[Callable[[], bool], str], None]] = []
+
+
+def register_stream_wait(wait: Callable[[Callable[[], bool], str], None] | None) -> None:
+    """Install (None: remove) ``wait(landed, name)``: enqueue on the calling thread's current stream a
+    wait until ``landed()``.  The lagging device of the tests (``testing/lagdevice.py``) registers its
+    own while installed, so a delegate receive's consumer wait stalls that device's stream as
+    ``cudaStreamWaitEvent`` stalls a GPU's."""
+    _STREAM_WAIT[:] = [] if wait is None else [wait]
+
+
+def stream_wait() -> Callable[[Callable[[], bool], str], None] | None:
+    """The registered stream wait (:func:`register_stream_wait`), else None: the host is the device."""
+    return _STREAM_WAIT[0] if _STREAM_WAIT else None

@@ -20,9 +20,9 @@ runs on):
   thread takes the message when it lands.  The host returns at once either way.
 
 On a CPU stage the host is the device: a receive lands when its message is taken (a host copy), and the
-consumer's wait blocks until then.  Under the test's simulated device that runs behind the host
-(``titan_ext.testing.lagdevice``) the consumer's wait also stalls that device's stream until the message
-is taken (``lagdevice.stream_wait``); the host still waits for the data, because that device's data is
+consumer's wait blocks until then.  Under a simulated device that runs behind the host (the tests'
+lagging device, registered through ``_device.register_stream_wait``) the consumer's wait also stalls
+that device's stream until the message is taken; the host still waits for the data, because that device's data is
 computed by the host in program order — a dependency of the simulation, as for ``nccl_rules``'
 ``Work.wait()``, not a host sync.
 """
@@ -36,7 +36,7 @@ import time
 import torch
 
 from . import ring as R
-from ._device import H2D_STREAM, lagdevice, refuse_capture, side_context
+from ._device import H2D_STREAM, refuse_capture, side_context, stream_wait
 from ._ext import load_ext
 from .link import UP, DelegateError, Link, LinkDown, silent_peer
 
@@ -240,9 +240,9 @@ class RecvMatcher:
         if owner and h.tensor.is_cuda:
             self._consumer_wait_cuda(h)
         else:  # a CPU stage (the host is the device), or a side thread: wait here until the data is there
-            lag = lagdevice() if owner else None
-            if lag is not None:   # the simulated device's stream stalls here until the message is taken
-                lag.stream_wait(lambda: h.done, f"delegate receive {h.seq} from rank {h.key[0]} ({h.key[1]})")
+            wait = stream_wait() if owner else None
+            if wait is not None:   # a simulated device's stream stalls here until the message is taken
+                wait(lambda: h.done, f"delegate receive {h.seq} from rank {h.key[0]} ({h.key[1]})")
             self.complete(h, timeout_s)
             if h.tensor.is_cuda:
                 self._until_copied(h)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import sys
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -79,16 +79,26 @@ SHM_DIR = "/dev/shm"  # where POSIX shared memory lives (shm_open)
 HOST_SITE = "titan_ext/runtime/comm/delegate/ring.py (pinned shared-memory slot ring)"
 
 
+#: who marks the ring's views as host memory: a CPU test backend that tells device from host tensors
+#: registers its marker while installed (:func:`register_host_marker`); the runtime names no test module
+_HOST_MARKERS: list[Callable[[torch.Tensor, str], Any]] = []
+
+
+def register_host_marker(mark: Callable[[torch.Tensor, str], Any]) -> None:
+    """Have ``mark(tensor, site)`` called on every view of a ring (idempotent).  The ``nccl_rules`` test
+    backend registers itself when it is installed: it tells device from host tensors on a CPU test by
+    where titan_ext made them, and the ring's views come from the C++ extension (``Region.tensor``,
+    ``torch::from_blob``), which no torch factory saw, so they would pass for device tensors and a
+    blocking copy between a slot and a device buffer would go uncounted."""
+    if mark not in _HOST_MARKERS:
+        _HOST_MARKERS.append(mark)
+
+
 def host_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Mark a view of the ring as host memory for the ``nccl_rules`` test backend, which tells device
-    from host tensors on a CPU test by where titan_ext made them (``is_host_made``): the ring's views
-    come from the C++ extension (``Region.tensor``, ``torch::from_blob``), which no torch factory saw, so
-    they would pass for device tensors and a blocking copy between a slot and a device buffer would go
-    uncounted.  Looked up in ``sys.modules`` as :mod:`titan_ext.testing.host_syncs` does: the runtime
-    never imports ``testing/``, and without the backend there is nothing to mark.  Returns ``t``."""
-    rules = sys.modules.get("titan_ext.testing.nccl_rules")
-    if rules is not None:
-        rules.mark_host(t, HOST_SITE)
+    """A view of the ring, marked as host memory by every registered marker
+    (:func:`register_host_marker`; none outside the tests).  Returns ``t``."""
+    for mark in _HOST_MARKERS:
+        mark(t, HOST_SITE)
     return t
 
 

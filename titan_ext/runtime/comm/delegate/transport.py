@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,6 @@ import torch.distributed as dist
 from titan_ext.args import (
     ArgumentTypeError,
     bool_arg,
-    callable_arg,
-    choice_arg,
     int_arg,
     mapping_arg,
     real_arg,
@@ -48,7 +46,7 @@ from titan_ext.args import (
 
 from .pool import DelegatePool
 
-__all__ = ["DelegationMode", "FaultInjector", "P2PRouter"]
+__all__ = ["DelegationMode", "Faults", "P2PRouter"]
 
 MODES = ("off", "auto", "always")
 
@@ -73,38 +71,12 @@ def is_nccl(group=None) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-class FaultInjector:
-    """Injects primary-path faults: ``fails(op, peer, direction, seq) -> bool`` with op "send"/"recv".
+class Faults(Protocol):
+    """What ``faults=`` takes (tests): ``fails(op, peer, direction, seq) -> bool`` with op "send"/"recv";
+    True fails that direct operation (a dead link: the send raises, the receive is never satisfied).
+    The tests' implementation is ``FaultInjector`` (``testing/faults.py``)."""
 
-    ``FaultInjector(broken={(peer, "F"): k})`` (or a set of channels plus ``from_seq=k``): every direct
-    send to / receive from ``peer`` in direction ``F`` with sequence number >= k fails — a dead link: the
-    send raises, the receive is never satisfied.  Inject it on both ends of the link (a real dead link
-    is dead for both; a receive left posted on a Gloo pair that then times out closes that pair)."""
-
-    def __init__(self, broken=(), from_seq: int = 0, predicate: Callable[..., bool] | None = None):
-        int_arg(from_seq, "from_seq", 0)
-        callable_arg(predicate, "predicate", "a callable (op, peer, direction, seq) -> bool", optional=True)
-        if isinstance(broken, (str, bytes)) or not (isinstance(broken, Mapping) or hasattr(broken, "__iter__")):
-            raise ArgumentTypeError(f"broken must be a mapping (peer, direction) -> first seq or an iterable of "
-                                    f"(peer, direction), got {broken!r}")
-        self.broken = dict(broken) if isinstance(broken, Mapping) else {c: from_seq for c in broken}
-        for channel, start in self.broken.items():
-            if not (isinstance(channel, tuple) and len(channel) == 2):
-                raise ArgumentTypeError(f"broken: {channel!r} is not a (peer, direction) pair")
-            int_arg(channel[0], f"broken {channel!r} peer", 0)
-            choice_arg(channel[1], f"broken {channel!r} direction", ("F", "B"))
-            int_arg(start, f"broken[{channel!r}]", 0)
-        self.predicate = predicate
-        self.injected = 0
-
-    def fails(self, op: str, peer: int, direction: str, seq: int) -> bool:
-        start = self.broken.get((peer, direction))
-        hit = start is not None and seq >= start
-        if self.predicate is not None:
-            hit = hit or bool(self.predicate(op, peer, direction, seq))
-        if hit:
-            self.injected += 1
-        return hit
+    def fails(self, op: str, peer: int, direction: str, seq: int) -> bool: ...
 
 
 class _Done:
@@ -206,7 +178,7 @@ class P2PRouter:
         delegating: start with delegation on.
         failover: retry failed direct operations on the delegate path.
         recv_timeout_s: a direct receive with no data for this long fails over.
-        faults: a :class:`FaultInjector` for tests.
+        faults: primary-path faults for tests (:class:`Faults`).
         hol_delay_ms: ``{peer: ms}`` head-of-line delay of direct sends (tests/benchmarks).
         delegate_fallback: a killed delegate's lane falls back to direct P2P on ``group`` exactly, its
             delegate is respawned and the lane returns to it (:meth:`DelegatePool.enable_fallback`);
@@ -218,7 +190,7 @@ class P2PRouter:
     """
 
     def __init__(self, rank: int, pool: DelegatePool | None = None, group=None, delegating: bool = False,
-                 failover: bool = False, recv_timeout_s: float = 30.0, faults: FaultInjector | None = None,
+                 failover: bool = False, recv_timeout_s: float = 30.0, faults: Faults | None = None,
                  hol_delay_ms: Mapping[int, float] | None = None, delegate_fallback: bool = True):
         # every argument checked before the pool's fallback is switched on
         int_arg(rank, "rank", 0)

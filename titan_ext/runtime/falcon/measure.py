@@ -21,7 +21,7 @@ the detector costs 0.39 % on average, §7.4): nothing in the step waits for the 
   (the device still has the later steps queued: it is not idled) — the documented bound of the
   host's run-ahead;
 * a step measured under a layout or split that a decision has changed since it *started* is not fed
-  to the detector (:meth:`~.job.FalconJob._after_step`): the monitor's comparisons before and after a
+  to the detector (:meth:`~titan_ext.titan.falcon_job.FalconJob._after_step`): the monitor's comparisons before and after a
   mitigation see only steps of one configuration, however late the device times arrive.
 
 Host data goes on gloo control groups; ring-validation buffers on the device, over the groups
@@ -45,7 +45,7 @@ from titan_ext.runtime.falcon.validation import gemm_probe, validate_rings
 from titan_ext.runtime.comm.timeouts import named
 
 __all__ = ["SLOW_DEVICE_RATIO", "STEPS_IN_FLIGHT", "StepClock", "StepRecord", "ObservationExchange",
-           "acf_iteration_times", "validate", "rings_to_validate", "last_training_step"]
+           "acf_iteration_times", "validate", "rings_to_validate"]
 
 SLOW_DEVICE_RATIO = 1.5
 """GEMM probe: a device slower than 1.5 x the median is slow. Falcon's 1.1 is for dedicated GPUs; on
@@ -86,7 +86,7 @@ class StepRecord:
 class StepClock:
     """A training step's *device* time, the detector's input (Falcon §4.2 detects fail-slow in the
     iteration time; a slow GPU shows in the time the device took, not in the host's enqueueing),
-    and the device times of marks inside it (the DP sync's, :class:`~.dp.DPSync`).
+    and the device times of marks inside it (the DP sync's, :class:`~titan_ext.titan.falcon_dp.DPSync`).
 
     Timed by the device layer (:func:`titan_ext.runtime.execute.device.device_layer`): on CUDA, events on the
     compute stream bracket the step and its marks; they are read with ``resolve(block=False)`` once the
@@ -376,13 +376,3 @@ def rings_to_validate(grid: list[list[int]], suspicious: list) -> list[list[int]
         if ring not in rings:
             rings.append(ring)
     return rings or pipelines + columns
-
-
-def last_training_step(trainer: Any) -> int | None:
-    """The job's ``training.steps`` (None where the trainer has no such section: a test's stub)."""
-    from titan_ext.titan.adapters import current
-
-    try:
-        return int(current().trainer_training(trainer).steps)
-    except (AttributeError, TypeError, ValueError):
-        return None

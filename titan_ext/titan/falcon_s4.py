@@ -4,13 +4,13 @@ item 2).
 
 Three parts, one per process that takes part:
 
-* **The slow job** (:func:`plan_checkpoint_restart` + :func:`checkpoint_and_exit`, called by :class:`~.job.FalconJob`
+* **The slow job** (:func:`~titan_ext.runtime.falcon.restart.plan_checkpoint_restart` + :func:`checkpoint_and_exit`, called by :class:`~titan_ext.titan.falcon_job.FalconJob`
   when Alg. 1 reaches S4): TorchTitan's checkpointer saves the full state (model, optimizer, LR
   schedule, train step) at the current step; rank 0 writes the plan
   (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`: the DP replicas holding the slow
   device are dropped, the global batch is re-split over the rest) with the time the save began;
   every rank then exits with :data:`~titan_ext.runtime.falcon.restart.S4_EXIT_CODE`.
-* **The launcher** (:func:`launch`, ``python -m titan_ext.titan.falcon.s4``; ``scripts/launch.sh``
+* **The launcher** (:func:`launch`, ``python -m titan_ext.titan.falcon_s4``; ``scripts/launch.sh``
   on SLURM): runs torchrun, and when the job left a pending plan relaunches it on the kept ranks
   with the plan's overrides (DP degree, checkpoint loading without the data loader, emulation
   renumbered, ``CUDA_VISIBLE_DEVICES`` of the kept local devices) -- only from a plan that carries
@@ -29,9 +29,9 @@ same grid and DP on healthy devices, whenever there is somewhere to restart --
 
 * spare devices (``[titan_ext] falcon_spares``): a
   :class:`~titan_ext.runtime.falcon.restart.ReplacePlan`, the slow device's rank restarts on a spare;
-* else spare nodes of the launcher (:data:`ENV_SPARE_NODES`, exported by ``scripts/launch.sh`` under
-  SLURM: the allocation's nodes beyond the job's): a :class:`NodeReplacePlan`
-  (:func:`plan_node_replacement`), every rank of the slow device's node restarts on a spare node, which
+* else spare nodes of the launcher (:data:`~titan_ext.runtime.falcon.restart.ENV_SPARE_NODES`, exported by ``scripts/launch.sh`` under
+  SLURM: the allocation's nodes beyond the job's): a :class:`~titan_ext.runtime.falcon.restart.NodeReplacePlan`
+  (:func:`~titan_ext.runtime.falcon.restart.plan_node_replacement`), every rank of the slow device's node restarts on a spare node, which
   the relaunch reaches with ``srun --exclude=<slow node>`` and the same node count.
 
 Only without either it is the shrink (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`): the
@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,18 +63,16 @@ from titan_ext.runtime.falcon import device_clock
 from titan_ext.runtime.falcon.restart import (
     S4_EXIT_CODE,
     S4_PLAN_FILE,
-    plan_exclusion,
+    NodeReplacePlan,
     read_s4_plan,
     relaunch_overrides,
     remap_emulation,
     write_s4_plan,
     ReplacePlan,
-    plan_replacement,
 )
 
-__all__ = ["S4Unavailable", "plan_checkpoint_restart", "checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
-           "ENV_S4_PLAN", "ENV_LAUNCH_ID", "OUTCOME_STEPS", "PlanRefused", "pending_plan", "consume_plan",
-           "ENV_SPARE_NODES", "NodeReplacePlan", "plan_node_replacement", "spare_nodes_from_env"]
+__all__ = ["checkpoint_and_exit", "relaunch_spec", "estimate_s4_cost", "S4Resume", "recorded_s4_cost", "launch",
+           "ENV_S4_PLAN", "ENV_LAUNCH_ID", "OUTCOME_STEPS", "PlanRefused", "pending_plan", "consume_plan"]
 
 ENV_S4_PLAN = "TITAN_EXT_S4_PLAN"
 """Set by the launcher in the restarted job: the path of the plan it was restarted from."""
@@ -82,25 +80,10 @@ ENV_LAUNCH_ID = "TITAN_EXT_LAUNCH_ID"
 """Set by the launchers (:func:`launch`, scripts/launch.sh) for each run of the job, a new value for each
 relaunch: :func:`checkpoint_and_exit` writes it into the plan, and a launcher relaunches only from a
 pending plan that carries the id of the run that just ended (a plan left by an earlier run is refused)."""
-ENV_SPARE_NODES = "TITAN_EXT_SPARE_NODES"
-"""Set by scripts/launch.sh under SLURM: how many nodes of the allocation the job does not use (spare
-nodes). S4 then restarts the slow device's node on one of them (``srun --exclude``, the same node
-count) instead of shrinking DP (:func:`plan_node_replacement`)."""
 COSTS_FILE = "falcon_costs.json"
 OUTCOME_STEPS = 5
 """Steps after the restart whose median iteration time is the S4 outcome's "after"."""
 _EMULATION_ENV = ("TITAN_EXT_SLOW_DEVICE", "TITAN_EXT_SLOW_LINK")
-
-
-class S4Unavailable(RuntimeError):
-    """S4 was decided but cannot be applied in this job (the reason is the message)."""
-
-
-def devices_to_exclude(slow_devices, slow_links) -> list[int]:
-    """The slow devices; for a slow link (which validation cannot pin on one end) its higher end."""
-    if slow_devices:
-        return sorted({int(d) for d in slow_devices})
-    return sorted({max(int(a), int(b)) for a, b in slow_links})
 
 
 def _save_checkpoint(trainer: Any, step: int) -> None:
@@ -119,102 +102,6 @@ def _save_checkpoint(trainer: Any, step: int) -> None:
         wait()
 
 
-@dataclass
-class NodeReplacePlan(ReplacePlan):
-    """S4 onto spare nodes (Falcon §5.1: "restarts training on healthy nodes"): every rank of a node
-    holding an excluded device restarts on a spare node of the launcher's allocation; the grid, DP and
-    the split stay. ``devices``: each new rank's device id, those of a replaced node renumbered to
-    the spare node's (so that an emulated fault of the excluded node does not follow);
-    ``excluded_nodes``: the node indices (global rank // ``ranks_per_node``, torchrun's contiguous
-    numbering) the relaunch excludes."""
-
-    excluded_nodes: list[int] = field(default_factory=list)
-    ranks_per_node: int = 1
-
-
-def plan_node_replacement(grid, excluded, spare_nodes: int, ranks_per_node: int, step: int, split: list[int],
-                          device_of=None) -> NodeReplacePlan:
-    """The S4 plan onto ``spare_nodes`` spare nodes of ``ranks_per_node`` devices each: the nodes holding
-    an ``excluded`` rank are replaced whole (device ids of spare node j: the first unused id + j *
-    ``ranks_per_node`` + local index), every other rank keeps its device, new rank i plays the rank of
-    the same (stage, replica) as in :func:`~titan_ext.runtime.falcon.restart.plan_replacement`.
-    ValueError with fewer spare nodes than nodes to replace, a world that is not whole nodes, or a
-    split TorchTitan cannot keep (uneven)."""
-    excluded = sorted({int(x) for x in excluded})
-    ranks = [int(r) for row in grid for r in row]
-    world, rpn = len(ranks), int(ranks_per_node)
-    device_of = list(range(world)) if device_of is None else [int(d) for d in device_of]
-    if not excluded:
-        raise ValueError("S4 needs at least one device to exclude")
-    unknown = [x for x in excluded if x not in ranks]
-    if unknown:
-        raise ValueError(f"devices {unknown} are not in the grid {grid}")
-    if rpn < 1 or world % rpn:
-        raise ValueError(f"{world} ranks are not whole nodes of {rpn}")
-    nodes = sorted({r // rpn for r in excluded})
-    if len(nodes) > int(spare_nodes):
-        raise ValueError(f"{len(nodes)} node(s) to replace ({nodes}) but {int(spare_nodes)} spare node(s)")
-    total = sum(int(m) for m in split)
-    if total % len(grid):
-        raise ValueError(f"the global batch of {total} chunks does not split evenly over {len(grid)} replicas")
-    first = max(max(device_of), world - 1) + 1
-    moved = {r: first + nodes.index(r // rpn) * rpn + r % rpn for r in range(world) if r // rpn in nodes}
-    num_pp, kept = len(grid[0]), list(range(len(grid)))
-    order = [int(grid[d][s]) for s in range(num_pp) for d in kept]
-    return NodeReplacePlan(step, [[int(r) for r in row] for row in grid], excluded, kept, num_pp, total // len(kept),
-                           devices=[moved.get(r, device_of[r]) for r in order],
-                           replaced={device_of[r]: d for r, d in sorted(moved.items())}, spares_left=[],
-                           excluded_nodes=nodes, ranks_per_node=rpn)
-
-
-def spare_nodes_from_env(environ=os.environ) -> tuple[int, int | None]:
-    """(:data:`ENV_SPARE_NODES`, torchrun's ``LOCAL_WORLD_SIZE``): the launcher's spare nodes (0 when
-    unset or not a count) and the ranks per node (None when unknown)."""
-    def count(name):
-        text = environ.get(name, "").strip()
-        return int(text) if text.isascii() and text.isdigit() else None
-    return count(ENV_SPARE_NODES) or 0, count("LOCAL_WORLD_SIZE")
-
-
-def plan_checkpoint_restart(checkpoint_enabled: bool, slow_devices, slow_links, grid: list[list[int]],
-                            step: int, split: list[int], spares=(), device_of=None, spare_nodes=None):
-    """The S4 plan for this job now from validation's ``slow_devices`` / ``slow_links``, Falcon's S4
-    whenever there is somewhere healthy to restart: onto ``spares`` when there are enough
-    (:func:`~titan_ext.runtime.falcon.restart.plan_replacement`), else onto the launcher's spare nodes
-    (``spare_nodes``: (count, ranks per node); default :func:`spare_nodes_from_env`;
-    :func:`plan_node_replacement`) -- both keep the grid and DP; only without either the shrink
-    (:func:`~titan_ext.runtime.falcon.restart.plan_exclusion`: DP shrinks), its ``shrink_reason`` saying
-    why. :class:`S4Unavailable` (on every rank alike: the inputs are) when TorchTitan's checkpointer is
-    off, nothing was localised, or the global batch does not re-split."""
-    if not checkpoint_enabled:
-        raise S4Unavailable("S4 needs TorchTitan's checkpointer: [checkpoint] enable = true")
-    excluded = devices_to_exclude(slow_devices, slow_links)
-    if not excluded:
-        raise S4Unavailable("validation localised no device or link to exclude")
-    reasons = []
-    if spares:
-        try:
-            return plan_replacement(grid, excluded, spares, step, split, device_of)
-        except ValueError as e:  # not enough spares (or an uneven split)
-            reasons.append(f"spare devices {list(spares)}: {e}")
-    else:
-        reasons.append("no spare devices ([titan_ext] falcon_spares is empty)")
-    count, per_node = spare_nodes_from_env() if spare_nodes is None else spare_nodes
-    if count and per_node:
-        try:
-            return plan_node_replacement(grid, excluded, count, per_node, step, split, device_of)
-        except ValueError as e:
-            reasons.append(f"spare nodes: {e}")
-    else:
-        reasons.append(f"no spare nodes (the launcher's {ENV_SPARE_NODES} is unset or 0)")
-    try:
-        plan = plan_exclusion(grid, excluded, step, split)
-    except ValueError as e:
-        raise S4Unavailable(f"{e}; and no spare path: {'; '.join(reasons)}") from None
-    plan.shrink_reason = "; ".join(reasons)
-    return plan
-
-
 def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
     """S4 applied: save, write the plan (rank 0), leave with S4_EXIT_CODE on every rank."""
     trainer, step = job.trainer, job.trainer.step
@@ -226,7 +113,7 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
     save_s = torch.tensor([time.time() - begin], dtype=torch.float64)
     dist.all_reduce(save_s, op=dist.ReduceOp.MAX, group=job.control)
     if job.rank == 0:
-        from titan_ext.titan.falcon.files import emulation_specs
+        from titan_ext.runtime.falcon.files import emulation_specs
 
         emulation = remap_emulation(plan, *emulation_specs(job.section))
         from titan_ext.titan.adapters import current
@@ -248,7 +135,7 @@ def checkpoint_and_exit(job: Any, plan, decision: dict) -> None:
 
         logger.warning(f"[titan_ext] Falcon S4: checkpointed step {step} ({float(save_s):.2f} s); exiting "
                        f"with status {S4_EXIT_CODE} for a relaunch on ranks {plan.kept_ranks} without "
-                       f"devices {plan.excluded}, {_describe(plan)} (python -m titan_ext.titan.falcon.s4 or "
+                       f"devices {plan.excluded}, {_describe(plan)} (python -m titan_ext.titan.falcon_s4 or "
                        f"scripts/launch.sh relaunch; a plain torchrun stops here)")
     trainer.close()
     dist.destroy_process_group()
@@ -369,7 +256,7 @@ class S4Resume:
         if plan is None:
             return None
         from titan_ext.titan.adapters import current
-        from titan_ext.titan.falcon.measure import last_training_step
+        from titan_ext.titan.adapters import last_training_step
 
         return cls(plan, Path(current().trainer_dump_folder(trainer)), dist.get_rank(), trainer,
                    every=check_every, last_step=last_training_step(trainer))
@@ -417,7 +304,7 @@ class S4Resume:
     def _after_step(self, step: int, slowest_s: float) -> None:
         self.times.append(slowest_s)
         if self.rank == 0:
-            from titan_ext.titan.falcon.files import FALCON_LOG
+            from titan_ext.runtime.falcon.files import FALCON_LOG
 
             with open(self.dump / FALCON_LOG, "a") as f:
                 f.write(json.dumps({"step": step, "falcon/iteration_time_s": slowest_s,
@@ -432,7 +319,7 @@ class S4Resume:
             return
         from torchtitan.tools.logging import logger
 
-        from titan_ext.titan.falcon.files import FALCON_EVENTS
+        from titan_ext.runtime.falcon.files import FALCON_EVENTS
 
         with open(self.dump / FALCON_EVENTS, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -683,7 +570,7 @@ def _node_replacement_spec(plan: dict, hosts: list[str], short) -> dict:
 
 
 def _print_relaunch_spec(argv: list[str]) -> int:
-    """``python -m titan_ext.titan.falcon.s4 relaunch-spec DUMP HOST...``: DUMP's pending plan, written
+    """``python -m titan_ext.titan.falcon_s4 relaunch-spec DUMP HOST...``: DUMP's pending plan, written
     under this process's TITAN_EXT_LAUNCH_ID (the run that just ended), as shell assignments (S4_NNODES,
     S4_NPROC_PER_NODE, S4_EXCLUDE, S4_ARGS, S4_PLAN, S4_DEVICES_<i> per host in the order given), then
     marked consumed; exit 1 when there is no pending plan or it is refused (one line on stderr), 2 on
@@ -691,7 +578,7 @@ def _print_relaunch_spec(argv: list[str]) -> int:
     import shlex
 
     if len(argv) < 2 or any(not a.strip() for a in argv):
-        print("error: usage: python -m titan_ext.titan.falcon.s4 relaunch-spec DUMP HOST...", file=sys.stderr)
+        print("error: usage: python -m titan_ext.titan.falcon_s4 relaunch-spec DUMP HOST...", file=sys.stderr)
         return 2
     dump, hosts = Path(argv[0]), argv[1:]
     try:
@@ -853,7 +740,7 @@ class _Jobs:
 
 
 def _parse_launch(argv: list[str] | None, prog: str | None):
-    p = _Parser(prog=prog or "python -m titan_ext.titan.falcon.s4", description=launch.__doc__,
+    p = _Parser(prog=prog or "python -m titan_ext.titan.falcon_s4", description=launch.__doc__,
                 allow_abbrev=False)
     p.add_argument("--nproc-per-node", type=_int_in(1, 1024), required=True)
     p.add_argument("--master-port", type=_int_in(1, 65535), default=29500)
@@ -880,7 +767,7 @@ def _parse_launch(argv: list[str] | None, prog: str | None):
 
 
 def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """``python -m titan_ext.titan.falcon.s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
+    """``python -m titan_ext.titan.falcon_s4 --nproc-per-node 4 [--max-s4 1] -- <titan_ext.train args>``:
     torchrun; after an S4 exit, torchrun again on the plan's world with its overrides. SIGTERM / SIGINT
     end the running job (its whole process group) and exit 143 / 130."""
     a, train_args, dump = _parse_launch(argv, prog)
@@ -916,7 +803,7 @@ def launch(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """``titan-ext falcon-s4`` / ``python -m titan_ext.titan.falcon.s4``: :func:`launch`, or
+    """``titan-ext falcon-s4`` / ``python -m titan_ext.titan.falcon_s4``: :func:`launch`, or
     ``relaunch-spec DUMP HOST...`` (what scripts/launch.sh reads after an S4 exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["relaunch-spec"]:

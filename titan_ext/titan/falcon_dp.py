@@ -14,8 +14,8 @@ healthy time is what this all-reduce takes *in training* on this host — the me
 :data:`HEALTHY_WINDOW` transfer times, the emulated delay excluded — not an idle measurement.
 
 In a step nothing here waits for the device: the times are marks of the step's
-:class:`~.measure.StepClock` (device events read once the device ran them), the MIN over the world
-travels in the check's one exchange of host data (:class:`~.measure.ObservationExchange`), and the
+:class:`~titan_ext.runtime.falcon.measure.StepClock` (device events read once the device ran them), the MIN over the world
+travels in the check's one exchange of host data (:class:`~titan_ext.runtime.falcon.measure.ObservationExchange`), and the
 healthy base is updated when a step's exchanged times come back (:meth:`DPSync.absorb`, the same on
 every rank).
 """
@@ -95,7 +95,7 @@ class DPSync:
 
     Host data (start-up barriers and maxima) goes on gloo control groups, the gradients on the data
     group; times are device completion times: marks on ``clock`` (the job's
-    :class:`~.measure.StepClock`: ``step_start``, ``dp_start``, ``dp_reduce``, ``dp_end``), read once
+    :class:`~titan_ext.runtime.falcon.measure.StepClock`: ``step_start``, ``dp_start``, ``dp_reduce``, ``dp_end``), read once
     the device ran them (:meth:`step_read`)."""
 
     def __init__(self, trainer: Any, emulation: Any, control: Any, device, clock: Any = None):

@@ -2,19 +2,19 @@
 
 :class:`FalconJob` wires the parts, each in its own module:
 
-* :mod:`.dp` — the DP gradient sum the trainer owns (TorchTitan 0.2.2 has no DDP next to PP),
+* :mod:`~titan_ext.titan.falcon_dp` — the DP gradient sum the trainer owns (TorchTitan 0.2.2 has no DDP next to PP),
   its timing, and the emulated slow DP link on it;
-* :mod:`.emulate` — the other emulated faults (slow device, slow PP hop);
-* :mod:`.measure` — the step's :class:`IterationObservation`: iteration and per-group times (§4.2 / §4.3 profiling), the
+* :mod:`~titan_ext.titan.falcon_emulate` — the other emulated faults (slow device, slow PP hop);
+* :mod:`~titan_ext.runtime.falcon.measure` — the step's :class:`IterationObservation`: iteration and per-group times (§4.2 / §4.3 profiling), the
   ACF iteration time, validation on onset (§4.3);
-* :mod:`.costs` — the strategies' costs measured in this job (Alg. 1's inputs, §5.2);
-* :mod:`.apply` — what a decision changes (§5.3: PipeMorph re-plan, S2, S3 in memory, S4), a frozen
-  :class:`~.apply.JobChanges` that :meth:`FalconJob.apply` carries out;
-* :mod:`.events` — ``falcon.jsonl``, ``falcon_events.jsonl``, console lines, W&B.
+* :mod:`~titan_ext.titan.falcon_costs` — the strategies' costs measured in this job (Alg. 1's inputs, §5.2);
+* :mod:`~titan_ext.runtime.falcon.apply` — what a decision changes (§5.3: PipeMorph re-plan, S2, S3 in memory, S4), a frozen
+  :class:`~titan_ext.runtime.falcon.apply.JobChanges` that :meth:`FalconJob.apply` carries out;
+* :mod:`~titan_ext.titan.falcon_events` — ``falcon.jsonl``, ``falcon_events.jsonl``, console lines, W&B.
 
 Every rank feeds the monitor the same numbers, so all take the same decision. A steady step makes
 no device sync: the step's device times are read once the device ran them and exchanged as host
-data (:class:`~.measure.StepClock`, :class:`~.measure.ObservationExchange`) at a check, every
+data (:class:`~titan_ext.runtime.falcon.measure.StepClock`, :class:`~titan_ext.runtime.falcon.measure.ObservationExchange`) at a check, every
 ``[titan_ext] falcon_check_every`` steps and at the last step — one MAX reduction by recursive
 doubling on the gloo control group (log2 world message rounds), carrying every step since the
 previous check — so the monitor sees every step, in order, the same steps on every rank: step k at
@@ -39,14 +39,15 @@ from titan_ext.runtime.falcon.emulation import FailSlowEmulation, parse_slow_dev
 from titan_ext.runtime.falcon.redistribute import redistribute_chunks
 from torchtitan.tools.logging import logger
 
-from titan_ext.titan.falcon.apply import JobChanges, JobView, plan_changes, replanned_split
-from titan_ext.titan.falcon.costs import JobCosts
-from titan_ext.titan.falcon.dp import DPSync
-from titan_ext.titan.falcon.emulate import PPLinkDelays, install_compute_stretch
-from titan_ext.titan.falcon.events import EventLog, event_rows
-from titan_ext.titan.falcon.files import emulation_specs
-from titan_ext.titan.falcon.measure import (SLOW_DEVICE_RATIO, ObservationExchange, StepClock, StepRecord,
-                                            acf_iteration_times, last_training_step, validate)
+from titan_ext.titan.adapters import last_training_step
+from titan_ext.runtime.falcon.apply import JobChanges, JobView, plan_changes, replanned_split
+from titan_ext.titan.falcon_costs import JobCosts
+from titan_ext.titan.falcon_dp import DPSync
+from titan_ext.titan.falcon_emulate import PPLinkDelays, install_compute_stretch
+from titan_ext.titan.falcon_events import EventLog, event_rows
+from titan_ext.runtime.falcon.files import emulation_specs
+from titan_ext.runtime.falcon.measure import (SLOW_DEVICE_RATIO, ObservationExchange, StepClock, StepRecord,
+                                            acf_iteration_times, validate)
 
 __all__ = ["FalconJob"]
 
@@ -99,7 +100,7 @@ class FalconJob:
         self.log = EventLog(trainer, dump if self.enabled else None, self.rank)
         self.costs = JobCosts(self.monitor, self.control)
         self.costs.measure_s3(trainer, self.grid, self.pp_index, self.device)
-        from titan_ext.titan.falcon.s4 import estimate_s4_cost
+        from titan_ext.titan.falcon_s4 import estimate_s4_cost
 
         self.costs.set(checkpoint_restart=estimate_s4_cost(self, dump))
         self.data_iterator = None
@@ -207,7 +208,7 @@ class FalconJob:
                 self.stale_steps += 1
                 self._record_stale(obs, done)
         if s4 is not None:
-            from titan_ext.titan.falcon.s4 import checkpoint_and_exit
+            from titan_ext.titan.falcon_s4 import checkpoint_and_exit
 
             checkpoint_and_exit(self, *s4)
 
@@ -239,7 +240,7 @@ class FalconJob:
     def _falcon(self, obs: IterationObservation, step: StepRecord) -> tuple | None:
         """Falcon on a step's exchanged observation (:class:`IterationObservation`, every rank's):
         detect, validate on onset, decide (Alg. 1: a :class:`FalconDecision`), plan the job's changes
-        (:func:`~.apply.plan_changes`: a :class:`~.apply.JobChanges`), apply them (from the next
+        (:func:`~titan_ext.runtime.falcon.apply.plan_changes`: a :class:`~titan_ext.runtime.falcon.apply.JobChanges`), apply them (from the next
         step), record — the row under the observed step, the events under this check's step (where
         the change was applied; ``observed_step``: the step that decided). Returns S4's
         ``(plan, decision)`` when S4 was decided (the caller checkpoints and exits), else None."""
@@ -276,7 +277,7 @@ class FalconJob:
         return {frozenset(pipeline): self.pp_group, frozenset(column): self.dp_group}
 
     def view(self) -> JobView:
-        """What a decision is applied to (:func:`~.apply.plan_changes` reads nothing else of the job)."""
+        """What a decision is applied to (:func:`~titan_ext.runtime.falcon.apply.plan_changes` reads nothing else of the job)."""
         return JobView(step=self.trainer.step, split=tuple(self.split), even_split=tuple(self.even_split),
                        grid=tuple(tuple(r) for r in self.grid),
                        replanning_on=bool(getattr(self.trainer.pp_schedule, "adaptive", False)),
@@ -337,10 +338,10 @@ class FalconJob:
         logger.info(f"[titan_ext] Falcon: pipeline {self.dp_index} delegates the PP messages of slow link(s) {mine}")
 
     def _apply_topology(self, grid: list[list[int]]) -> None:
-        """S3 in memory (:func:`titan_ext.titan.falcon.s3.apply_topology`), then this job's view of
+        """S3 in memory (:func:`titan_ext.titan.falcon_s3.apply_topology`), then this job's view of
         the layout (:meth:`bind_layout`), the data iterator, the S2 split re-planned for the new
-        replicas (:func:`~.apply.replanned_split`); its measured time becomes S3's cost."""
-        from titan_ext.titan.falcon.s3 import apply_topology
+        replicas (:func:`~titan_ext.runtime.falcon.apply.replanned_split`); its measured time becomes S3's cost."""
+        from titan_ext.titan.falcon_s3 import apply_topology
 
         loader = self.trainer.dataloader
         result = apply_topology(self.trainer, self.grid, grid, control_group=self.control)

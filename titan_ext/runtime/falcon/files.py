@@ -1,4 +1,4 @@
-"""What Falcon's DP x PP job (:mod:`.job`) and its S4 relaunch (:mod:`.s4`) both read:
+"""What Falcon's DP x PP job (:mod:`~titan_ext.titan.falcon_job`) and its S4 relaunch (:mod:`~titan_ext.titan.falcon_s4`) both read:
 the files it writes under ``job.dump_folder`` and where the emulated faults come from.  Its own module
 so the two need not import each other."""
 
@@ -22,7 +22,7 @@ before / after an applied strategy). An "event" row's ``located_by`` names the s
 change-point was verified: ``iteration_time`` or a profiled group (group tracking). Every row but
 "outcome" carries its ``evidence``: the change-point's relative change, latency and probability;
 validation's components (each slow link / device, its cause, its measure, handled or not); the
-impact that reached a decision's cost. See :func:`.events.event_rows`."""
+impact that reached a decision's cost. See :func:`~titan_ext.titan.falcon_events.event_rows`."""
 
 
 def emulation_specs(section: Any) -> tuple[str, str]:

@@ -28,7 +28,7 @@ a checkpoint). :func:`apply_topology` does it between two steps of TorchTitan 0.
 Training after the change computes exactly what the old layout would have (the same stages on the
 same data, reductions over two members are order-free), which ``tests/falcon/test_falcon_job.py`` checks
 against a run without the change. Limits: one model part per rank (our schedules' split), no
-TP / CP / FSDP (the DP × PP job :func:`~titan_ext.titan.falcon.dp.replicated_by_trainer`), and each
+TP / CP / FSDP (the DP × PP job :func:`~titan_ext.titan.falcon_dp.replicated_by_trainer`), and each
 new pipeline's ranks in increasing stage order (the schedule numbers PP group members by global
 rank); a plan that breaks these raises ``ValueError`` before anything changes.
 """

@@ -5,7 +5,7 @@
 * :func:`install_compute_stretch` — the slow device: every forward and backward-input pass of a model
   part is stretched by its factor (on CPU the host sleeps, on CUDA the device: :class:`DeviceStretch`);
 * :class:`PPLinkDelays` — the slow link when it is a PP hop of this rank's pipeline (the delay
-  injector on its two ends). The slow DP link is :class:`~titan_ext.titan.falcon.dp.DPSync`'s.
+  injector on its two ends). The slow DP link is :class:`~titan_ext.titan.falcon_dp.DPSync`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from titan_ext.runtime.falcon.emulation import (
     parse_slow_device,
     parse_slow_link,
 )
-from titan_ext.titan.falcon.files import emulation_specs
+from titan_ext.runtime.falcon.files import emulation_specs
 
 __all__ = ["check_emulation", "install_compute_stretch", "install_device_passes", "DeviceStretch", "PPLinkDelays"]
 

@@ -1,13 +1,13 @@
 """What a Falcon decision changes in the running DP x PP job (Falcon §5.3), decided from explicit
 inputs: :func:`plan_changes` (a :class:`~titan_ext.runtime.falcon.FalconDecision` and a
-:class:`JobView` of the job) → a frozen :class:`JobChanges`, which :class:`~.job.FalconJob` applies.
+:class:`JobView` of the job) → a frozen :class:`JobChanges`, which :class:`~titan_ext.titan.falcon_job.FalconJob` applies.
 
 * ``pipemorph_replan``: the schedule's re-planning on (PipeMorph adapts the slow PP link);
 * ``microbatch_redistribution`` (S2): the Eq. 1 split, in force from the next step;
-* ``topology_adjustment`` (S3): the grid re-mapped in memory (:mod:`.s3`) when the plan moves a rank;
+* ``topology_adjustment`` (S3): the grid re-mapped in memory (:mod:`~titan_ext.titan.falcon_s3`) when the plan moves a rank;
   with ``[titan_ext] falcon_delegation``, a slow link it moved onto a PP hop is then PipeMorph's:
   re-planning on and the moved link's PP messages delegated (PipeMorph §7.3, Fig. 19);
-* ``checkpoint_restart`` (S4): planned here (:func:`~.s4.plan_checkpoint_restart`) and kept only where
+* ``checkpoint_restart`` (S4): planned here (:func:`~titan_ext.runtime.falcon.restart.plan_checkpoint_restart`) and kept only where
   it pays (:func:`s4_pays`); the job applies it once the step is recorded (checkpoint, exit,
   relaunch without the slow device).
 """
@@ -110,7 +110,7 @@ def plan_changes(decision: Any, view: JobView, monitor: Any) -> JobChanges:
                         replan = True
                         metrics["falcon/plan/delegate_links"] = json.dumps([list(k) for k in moved])
         elif strategy == "checkpoint_restart":
-            from titan_ext.titan.falcon.s4 import S4Unavailable, plan_checkpoint_restart
+            from titan_ext.runtime.falcon.restart import S4Unavailable, plan_checkpoint_restart
 
             try:
                 plan = plan_checkpoint_restart(view.checkpoint_enabled, monitor.slow_devices, monitor.slow_links,

@@ -7,7 +7,7 @@ Alg. 1, Falcon §5.2): no constants — every cost is this job's own measurement
 * PipeMorph's re-plan: its own last planning + swap time (:meth:`JobCosts.measure_replan`).
 * S3 (topology change in memory): at start an estimate from its parts (:meth:`JobCosts.measure_s3`),
   replaced by the measured time of the whole change once it ran.
-* S4 (checkpoint-and-restart): :func:`titan_ext.titan.falcon.s4.estimate_s4_cost`.
+* S4 (checkpoint-and-restart): :func:`titan_ext.titan.falcon_s4.estimate_s4_cost`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class JobCosts:
         :data:`~titan_ext.runtime.falcon.device_clock.PROBE_BYTES` and scaled to the state's size
         (no copy of the stage, no buffer of its size: docs/falcon.md "Start-up memory"). The first
         application replaces this estimate by its own measured time."""
-        from titan_ext.titan.falcon.s3 import grid_mesh, s3_can_move
+        from titan_ext.titan.falcon_s3 import grid_mesh, s3_can_move
 
         part = trainer.model_parts[0]
         if not s3_can_move(part):  # the same on every rank (one job-wide parallelism): no collective skipped

@@ -11,7 +11,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from titan_ext.titan.appendlog import LineLog
-from titan_ext.titan.falcon.files import FALCON_EVENTS, FALCON_LOG
+from titan_ext.runtime.falcon.files import FALCON_EVENTS, FALCON_LOG
 
 __all__ = ["STRATEGY_LABEL", "event_rows", "EventLog"]
 
