@@ -47,6 +47,8 @@ from torch.distributed.pipelining.schedules import (
     _wait_batch_p2p,
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.autograd import _profiler_enabled
+from torch.autograd import profiler as _autograd_profiler
 from torch.profiler import record_function
 
 from titan_ext.args import ArgumentTypeError, int_arg
@@ -102,6 +104,14 @@ class RunContext:
         return _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, self.losses)
 
 
+def profiler_enabled() -> bool:
+    """Whether a profiler records this thread's ``record_function`` spans: ``torch.profiler.profile`` sets
+    ``_is_profiler_enabled`` (also with ``profile_all_threads``, which leaves the thread's state off);
+    ``emit_nvtx`` and the autograd profiler set the thread's state. A span costs an op dispatch whether
+    or not anything records it, so the executor opens one only then."""
+    return getattr(_autograd_profiler, "_is_profiler_enabled", True) or _profiler_enabled()
+
+
 class Executor:
     """Runs lowered action lists; holds the device layer (timer, arrival watcher) and the transport."""
 
@@ -131,14 +141,22 @@ class Executor:
         if WAITS:
             ctx.schedule._finalized_stages.clear()
         self.timer.begin_iteration()
+        traced = profiler_enabled()
         with self.device.context():
             for action in actions:
-                if ctx.training or action.computation_type not in BACKWARD_TYPES:
+                if not ctx.training and action.computation_type in BACKWARD_TYPES:
+                    continue
+                if traced:
                     with record_function(_get_profiler_function_name(action)):
                         self.perform(action, ctx)
+                else:
+                    self.perform(action, ctx)
             unmatched = list(ctx.pending_sends)
             for key in unmatched:  # 2.13/2.14: every send; 2.15: none (each has its WAIT_SEND)
-                with record_function(f"titan_ext:wait_send {_Action(key[1], key[0], key[2])}"):
+                if traced:
+                    with record_function(f"titan_ext:wait_send {_Action(key[1], key[0], key[2])}"):
+                        self._wait_send(key, ctx)
+                else:
                     self._wait_send(key, ctx)
             if WAITS and unmatched:
                 raise AssertionError(f"Pipeline sends have no matching wait: {unmatched}")
@@ -153,7 +171,10 @@ class Executor:
             custom(action, ctx.torch_context())
         elif ct == OVERLAP_F_B:
             for sub in action.sub_actions or ():
-                with record_function(_get_profiler_function_name(sub)):
+                if profiler_enabled():
+                    with record_function(_get_profiler_function_name(sub)):
+                        self.perform(sub, ctx)
+                else:
                     self.perform(sub, ctx)
         elif ct in (SEND_F, SEND_B):
             self._send(action, ctx)
