@@ -89,19 +89,14 @@ def _train(rank, world, make, steps):
     import torch
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.testing import mlp_stages, step_rank
+    from titan_ext.testing import mlp_stages, sgd_step
 
     mod = mlp_stages(world, DIM)[rank]
     sched = make(PipelineStage(mod, rank, world, torch.device("cpu")))
     opt = torch.optim.SGD(mod.parameters(), lr=0.05)
     losses = []
     for k in range(steps):
-        x, y = _batch(k)
-        out: list = []
-        opt.zero_grad()
-        step_rank(sched, rank, world, x, y, out)
-        opt.step()
-        losses.append([float(v) for v in out])
+        losses.append(sgd_step(sched, opt, rank, world, *_batch(k)))
     return sched, losses
 
 

@@ -32,32 +32,9 @@ from titan_ext.titan import falcon_s4 as s4
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "train_configs/debug_cpu.toml"
 
-# the interpreter launch.sh runs (PYTHON=...): torchrun is the fake job, the version probe answers at
-# once, everything else (launch_fit.py, relaunch-spec) is the real interpreter
-FAKE_PYTHON = """#!/bin/bash
-if [ "$1 $2" = "-m torch.distributed.run" ]; then
-  echo "$* | ${TITAN_EXT_LAUNCH_ID:-unset}" >> "$FAKE_DIR/calls"
-  if [ -f "$FAKE_DIR/exit" ]; then  # a run that ends: the plan to leave (if any), then the status
-    n=$(wc -l < "$FAKE_DIR/calls")
-    if [ "$n" = 1 ] && [ -f "$FAKE_DIR/plan" ]; then
-      sed "s/@LAUNCH_ID@/$TITAN_EXT_LAUNCH_ID/" "$FAKE_DIR/plan" > "$FAKE_DUMP/falcon_s4_plan.json"
-    fi
-    [ "$n" = 1 ] && exit "$(cat "$FAKE_DIR/exit")"
-    exit 0
-  fi
-  [ -n "${FAKE_IGNORE_TERM:-}" ] && trap '' TERM INT
-  ( trap - INT; exec sleep 300 ) &  # a rank
-  echo "$$ $!" > "$FAKE_DIR/pids.tmp" && mv "$FAKE_DIR/pids.tmp" "$FAKE_DIR/pids"
-  wait
-  exit 0
-fi
-[ "$1" = "-c" ] && { echo "torch (fake)"; exit 0; }
-exec "$REAL_PYTHON" "$@"
-"""
-
-# what launch() runs as torchrun: the same fake job
-FAKE_TORCHRUN = """#!/bin/bash
-echo "$* | ${TITAN_EXT_LAUNCH_ID:-unset} | ${TITAN_EXT_S4_PLAN:-unset}" >> "$FAKE_DIR/calls"
+# the fake job: each call logged (the launch id and the S4 plan it was given); a run that ends leaves the
+# plan to leave (if any) and exits with the status in $FAKE_DIR/exit, else it waits on a rank (a sleep)
+_FAKE_JOB = """echo "$* | ${TITAN_EXT_LAUNCH_ID:-unset} | ${TITAN_EXT_S4_PLAN:-unset}" >> "$FAKE_DIR/calls"
 if [ -f "$FAKE_DIR/exit" ]; then
   n=$(wc -l < "$FAKE_DIR/calls")
   if [ "$n" = 1 ] && [ -f "$FAKE_DIR/plan" ]; then
@@ -67,11 +44,19 @@ if [ -f "$FAKE_DIR/exit" ]; then
   exit 0
 fi
 [ -n "${FAKE_IGNORE_TERM:-}" ] && trap '' TERM INT
-( trap - INT; exec sleep 300 ) &
+( trap - INT; exec sleep 300 ) &  # a rank
 echo "$$ $!" > "$FAKE_DIR/pids.tmp" && mv "$FAKE_DIR/pids.tmp" "$FAKE_DIR/pids"
 wait
 exit 0
 """
+
+# the interpreter launch.sh runs (PYTHON=...): torchrun is the fake job, the version probe answers at
+# once, everything else (launch_fit.py, relaunch-spec) is the real interpreter
+FAKE_PYTHON = ("#!/bin/bash\nif [ \"$1 $2\" = \"-m torch.distributed.run\" ]; then\n" + _FAKE_JOB + "fi\n"
+               "[ \"$1\" = \"-c\" ] && { echo \"torch (fake)\"; exit 0; }\nexec \"$REAL_PYTHON\" \"$@\"\n")
+
+# what launch() runs as torchrun: the same fake job
+FAKE_TORCHRUN = "#!/bin/bash\n" + _FAKE_JOB
 
 
 
@@ -285,7 +270,7 @@ def test_launch_sh_relaunches_from_the_plan_of_the_run_that_just_ended(tmp_path)
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, out + err
     first, second = (tmp_path / "calls").read_text().splitlines()
-    first_id, second_id = first.rsplit(" | ", 1)[1], second.rsplit(" | ", 1)[1]
+    first_id, second_id = first.split(" | ")[1], second.split(" | ")[1]
     assert first_id != second_id and "unset" not in (first_id, second_id)
     assert "--nproc_per_node 2" in second and "--titan_ext.emulate_slow_link 0-1:40@2" in second
     assert _plan_file(tmp_path)["status"] == "consumed" and _plan_file(tmp_path)["launch_id"] == first_id

@@ -153,7 +153,7 @@ def _train_body(rank, world):
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
-    from titan_ext.testing import gpipe_reference, mlp_stages, step_rank
+    from titan_ext.testing import gpipe_reference, mlp_stages, sgd_step, step_rank
 
     state = {"step": 0, "mb": 0, "victims": []}
     holder = {}
@@ -179,12 +179,7 @@ def _train_body(rank, world):
             if steps is None and _all_returned(sched.delegation.pool, kinds, dist):
                 extra -= 1
             holder["sched"], state["step"], state["mb"] = sched, k, 0
-            x, y = _batch(k)
-            out: list = []
-            opt.zero_grad()
-            step_rank(sched, rank, world, x, y, out)
-            opt.step()
-            losses.append([float(v) for v in out])
+            losses.append(sgd_step(sched, opt, rank, world, *_batch(k)))
             k += 1
             if steps is None and extra > 0:
                 time.sleep(0.02)  # leave the CPU to the starting delegates

@@ -105,7 +105,7 @@ DIM, BATCH, N_MB, STEPS = 64, 32, 4, 4
 def _train(rank, world, device, make):
     from torch.distributed.pipelining import PipelineStage
 
-    from titan_ext.testing import mlp_stages, seeded_batch, static_stage_shapes, step_rank
+    from titan_ext.testing import mlp_stages, seeded_batch, sgd_step, static_stage_shapes
 
     mods = mlp_stages(world, DIM)
     mod = mods[rank].to(device)
@@ -115,11 +115,7 @@ def _train(rank, world, device, make):
     losses = []
     for k in range(STEPS):
         x, y = (t.to(device) for t in seeded_batch(500 + k, BATCH, DIM))
-        out: list = []
-        opt.zero_grad()
-        step_rank(sched, rank, world, x, y, out)
-        opt.step()
-        losses.append([float(v) for v in out])
+        losses.append(sgd_step(sched, opt, rank, world, x, y))
     return sched, losses, [p.detach().cpu() for p in mod.parameters()]
 
 

@@ -68,17 +68,7 @@ def train_steps(rank: int, world: int, make: Callable[[Any], Any], steps: int, *
     mods = mlp_stages(world, dim)
     sched = make(PipelineStage(mods[rank], rank, world, torch.device("cpu")))
     opt = torch.optim.SGD(mods[rank].parameters(), lr=lr)
-    losses = []
-    for k in range(steps):
-        x, y = seeded_batch(seed_base + k, batch, dim)
-        out: list = []
-        opt.zero_grad()
-        if rank == 0:
-            sched.step(x, losses=out)
-        else:
-            sched.step(target=y, losses=out)
-        opt.step()
-        losses.append([float(v) for v in out])
+    losses = [sgd_step(sched, opt, rank, world, *seeded_batch(seed_base + k, batch, dim)) for k in range(steps)]
     return sched, losses, [p.detach().clone() for p in mods[rank].parameters()]
 
 
