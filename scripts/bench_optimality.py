@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_ext.plan import LinkProfile, PipelineProfile, plan_pipemorph, simulate, validate_plan  # noqa: E402
-from titan_ext.plan.crosspipe import DEFAULT_BUDGET, plan_crosspipe, problem_from_profile  # noqa: E402
+from titan_ext.plan.crosspipe import DEFAULT_BUDGET, placed_from_profile, plan_crosspipe  # noqa: E402
 from titan_ext.plan.polish import polish_crosspipe  # noqa: E402
 
 # name, stages, microbatches, slow links {link: (latency ms, transfer ms per message)}
@@ -148,7 +148,7 @@ def run_case(name, stages, micro, slow, seed, args, cache=None) -> dict:
     if cached is None:
         from titan_ext.plan.optimal import solve_optimal_problem
 
-        problem = problem_from_profile(prof, "ud", memory_limit=limit)
+        problem = placed_from_profile(prof, "ud", memory_limit=limit)
         t0 = time.perf_counter()
         res = solve_optimal_problem(problem, time_limit_s=args.time_limit, workers=args.workers)
         wall = time.perf_counter() - t0

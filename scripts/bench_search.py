@@ -3,7 +3,7 @@
 
 Every candidate of the critical-path descent differs from the current plan on one rank at a few
 positions.  ``incremental=True`` (the planner's default) restarts the timing at the first moved
-operation, as ``crosspipe.model.Model.rerun`` does; ``incremental=False`` (the baseline) times the
+operation, as ``crosspipe.retime.Retimer.rerun`` does; ``incremental=False`` (the baseline) times the
 whole plan again.  Both return the same plan (checked here and in
 tests/plan/test_crosspipe_engine.py); this measures what the restart buys per evaluation.  (The annealing
 times its candidates from scratch: the restart measured no faster there, docs/crosspipe.md.)
@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_optimality import CONFIGS, make_profile  # noqa: E402
-from titan_ext.plan.crosspipe import plan_crosspipe, problem_from_profile  # noqa: E402
+from titan_ext.plan.crosspipe import placed_from_profile, plan_crosspipe  # noqa: E402
 from titan_ext.plan.crosspipe import _compiled  # noqa: E402
-from titan_ext.plan.crosspipe.model import Model  # noqa: E402
+from titan_ext.plan.crosspipe.retime import Retimer  # noqa: E402
+from titan_ext.plan.timing import to_ms  # noqa: E402
 from titan_ext.plan.crosspipe.tuning import TUNING  # noqa: E402
 
 
@@ -46,9 +47,9 @@ def _fastest(fn, repeat: int) -> tuple[float, object]:
 
 def bench_case(name: str, stages: int, micro: int, slow: dict, seed: int, args) -> dict:
     prof = make_profile(stages, micro, slow, seed)
-    problem = problem_from_profile(prof, "udsub", memory_limit=stages)
+    problem = placed_from_profile(prof, "udsub", memory_limit=stages)
     start = plan_crosspipe(prof, "udsub", memory_limit=stages, validate=False)
-    model = Model(problem)
+    model = Retimer(problem)
     eng = _compiled.engine()
     cap = eng.model(model.spec())
     ids, limit = model.ids(start.orders), tuple(problem.memory_limit)
@@ -64,7 +65,7 @@ def bench_case(name: str, stages: int, micro: int, slow: dict, seed: int, args) 
                 results[inc] = out
         assert results[True] == results[False], f"{name}{seed} {what}: the two modes disagree"
         evals = max(1, results[True][2])
-        row[what] = {"evals": evals, "makespan_ms": results[True][1],
+        row[what] = {"evals": evals, "makespan_ms": to_ms(results[True][1]),
                      "scratch_us_per_eval": times[False] / evals * 1e6,
                      "incremental_us_per_eval": times[True] / evals * 1e6,
                      "speedup": times[False] / times[True]}

@@ -3,10 +3,10 @@
 scripts/bench_optimality.py, one case at a time; writes the solver cache that bench reads.
 
 The cases are built with bench_optimality's own ``CONFIGS``, ``make_profile`` and memory limit
-(``--memory`` × S in-flight activations per stage; 0: none) through ``problem_from_profile``, so the
+(``--memory`` × S in-flight activations per stage; 0: none) through ``placed_from_profile``, so the
 cache matches what the bench would solve, under the bench's own per-limit keys (``cache_key``).
-Every returned plan is validated and replayed: the replayed makespan must equal the solver's objective
-and no greedy plan may beat the bound.
+Every returned plan is validated and simulated: the simulated makespan must equal the solver's objective
+(integer ns) and no greedy plan may beat the bound.
 
     .venv/bin/python scripts/solve_cases.py --cache docs/benchmarks/crosspipe_solver_cache.json
     .venv/bin/python scripts/solve_cases.py --cases B1,D1 --time-limit 60 --workers 2
@@ -24,8 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan_ext.plan import validate_plan  # noqa: E402
-from titan_ext.plan.crosspipe import plan_crosspipe, problem_from_profile, replay  # noqa: E402
+from titan_ext.plan import simulate, validate_plan  # noqa: E402
+from titan_ext.plan.crosspipe import placed_from_profile, plan_crosspipe  # noqa: E402
+from titan_ext.plan.timing import to_ns  # noqa: E402
 from titan_ext.plan.optimal import solve_optimal_problem  # noqa: E402
 
 
@@ -37,7 +38,7 @@ def _bench():
 
 
 def case_problems(memory: int = 1, seeds: int = 3):
-    """{case id ("A0", …): (profile, problem, memory limit)} exactly as bench_optimality builds them
+    """{case id ("A0", …): (profile, placed profile, memory limit)} exactly as bench_optimality builds them
     (memory 0: no limit, the limit is None)."""
     bench = _bench()
     out = {}
@@ -45,7 +46,7 @@ def case_problems(memory: int = 1, seeds: int = 3):
         for seed in range(seeds):
             prof = bench.make_profile(stages, micro, slow, seed)
             limit = bench.memory_limit(memory, stages)
-            out[f"{name}{seed}"] = (prof, problem_from_profile(prof, "ud", memory_limit=limit), limit)
+            out[f"{name}{seed}"] = (prof, placed_from_profile(prof, "ud", memory_limit=limit), limit)
     return out
 
 
@@ -77,8 +78,8 @@ def main(argv=None) -> int:
                                     redundant=not args.plain, log=args.log)
         validate_plan(res.actions, prob.num_stages, prob.num_microbatches,
                       inflight_limit=None if limit is None else [limit] * prob.num_stages)
-        rep = replay(prob, res.orders).makespan_ms
-        assert abs(rep - res.makespan_ms) <= 1e-6 * max(1.0, rep), (cid, rep, res.makespan_ms)
+        rep = to_ns(simulate(res.orders, prof).makespan_ms)
+        assert rep == res.makespan_ns, (cid, rep, res.makespan_ns)
         greedy = min(plan_crosspipe(prof, v, memory_limit=limit, validate=False).makespan_ms for v in ("ud", "udsub"))
         assert res.bound_ms <= greedy + 1e-6, (cid, res.bound_ms, greedy)
         print(f"{cid}: best {res.makespan_ms:8.1f} bound {res.bound_ms:8.1f} root {res.params['root_bound_ms']:8.1f}"

@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 
 from titan_ext.plan import LinkProfile, PipelineProfile
-from titan_ext.plan.crosspipe import CrossPipeProblem, wave_stage_to_rank
+from titan_ext.plan.crosspipe import wave_stage_to_rank
 from titan_ext.plan.ir import as_ops
+from titan_ext.plan.placed import PlacedProfile
 
 S, N, TF = 8, 16, 10.0
 DC_LINK = S // 2 - 1  # 2 DCs of S/2 stages: the DC boundary is rank link 3 (CrossPipe §5.1, §7.1)
@@ -55,19 +56,60 @@ def rank_peaks(plan) -> list[int]:
     return out
 
 
-def random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
+def link(latency_ms: float = 0.0, transfer_ms: float = 0.0, message_bytes: float = 1e6) -> LinkProfile:
+    """A link of latency α and transfer time size·β (ms) for ``message_bytes`` messages."""
+    if transfer_ms == 0:
+        return LinkProfile(latency_ms=latency_ms)
+    return LinkProfile(latency_ms=latency_ms, bandwidth_bytes_per_s=message_bytes / (transfer_ms / 1e3),
+                       message_bytes=message_bytes)
+
+
+def placed(s2r, num_microbatches: int, f, b, w, latency=(), transfer=(), memory_limit=None,
+           release: str = "I") -> PlacedProfile:
+    """A :class:`PlacedProfile` from per-stage times and per-boundary α / size·β (ms; empty: none)."""
+    S = len(s2r)
+    latency = tuple(latency) or (0.0,) * (S - 1)
+    transfer = tuple(transfer) or (0.0,) * (S - 1)
+    links = tuple(link(a, t) for a, t in zip(latency, transfer))
+    return PlacedProfile(PipelineProfile(S, num_microbatches, tuple(f), tuple(b), tuple(w), links, release=release),
+                         tuple(s2r), memory_limit)
+
+
+def uniform_placed(num_ranks: int, num_microbatches: int, f_ms: float, b_ms: float, w_ms: float, *,
+                   wave: bool = False, latency_ms=0.0, transfer_ms=0.0, memory_limit=None,
+                   release: str = "I") -> PlacedProfile:
+    """Uniform per-stage times on one stage per rank (``wave``: 2R stages, V-shape); ``latency_ms`` /
+    ``transfer_ms`` one value for every rank link or ``{rank link: ms}``; ``memory_limit`` one number for
+    every rank or one per rank."""
+    s2r = wave_stage_to_rank(num_ranks) if wave else tuple(range(num_ranks))
+    S = len(s2r)
+
+    def per_link(v):
+        out = [0.0] * (S - 1)
+        items = v.items() if isinstance(v, dict) else ((k, v) for k in range(num_ranks - 1))
+        for k, x in items:
+            for s in range(S - 1):
+                if {s2r[s], s2r[s + 1]} == {k, k + 1}:
+                    out[s] = float(x)
+        return tuple(out)
+
+    if memory_limit is not None and isinstance(memory_limit, (int, float)):
+        memory_limit = [float(memory_limit)] * num_ranks
+    return placed(s2r, num_microbatches, (f_ms,) * S, (b_ms,) * S, (w_ms,) * S, per_link(latency_ms),
+                  per_link(transfer_ms), memory_limit, release)
+
+
+def random_problem(rng: random.Random, wave: bool) -> PlacedProfile:
     ranks = rng.randint(2, 5)
     stages = 2 * ranks if wave else ranks
     micro = rng.randint(stages, stages + 8)
-    return CrossPipeProblem(
-        num_ranks=ranks,
-        num_microbatches=micro,
-        stage_to_rank=wave_stage_to_rank(ranks) if wave else tuple(range(ranks)),
-        f_ms=tuple(rng.uniform(1, 10) for _ in range(stages)),
-        b_ms=tuple(rng.uniform(1, 10) for _ in range(stages)),
-        w_ms=tuple(rng.choice([0.0, rng.uniform(1, 10)]) for _ in range(stages)),
-        link_latency_ms=tuple(rng.choice([0.0, 2.0, 25.0]) for _ in range(stages - 1)),
-        link_transfer_ms=tuple(rng.choice([0.0, 1.0, 15.0]) for _ in range(stages - 1)),
+    return placed(
+        wave_stage_to_rank(ranks) if wave else tuple(range(ranks)), micro,
+        f=tuple(rng.uniform(1, 10) for _ in range(stages)),
+        b=tuple(rng.uniform(1, 10) for _ in range(stages)),
+        w=tuple(rng.choice([0.0, rng.uniform(1, 10)]) for _ in range(stages)),
+        latency=tuple(rng.choice([0.0, 2.0, 25.0]) for _ in range(stages - 1)),
+        transfer=tuple(rng.choice([0.0, 1.0, 15.0]) for _ in range(stages - 1)),
         memory_limit=tuple(float(rng.randint(2 if wave else 1, 2 * stages)) for _ in range(ranks)),
     )
 

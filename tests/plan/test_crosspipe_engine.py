@@ -1,9 +1,9 @@
 """The compiled search engine (``titan_ext/plan/_search.c``) against its pure-Python reference.
 
-``_search.c`` re-implements three pieces of ``titan_ext.plan.crosspipe`` for speed: the timing model
-(``model.Model.run``), the critical-path descent (``search.local_search`` with ``max_evals``; a candidate
-re-timed from its first moved operation on, as ``Model.rerun``, or — ``incremental=False`` — from
-scratch) and the annealing (``search.anneal``).  Two independent implementations of the same algorithm must return the *same* plans,
+``_search.c`` re-implements three pieces of ``titan_ext.plan.crosspipe`` for speed, in integer ns: the
+re-timing of ``simulate``'s model (``retime.Retimer.run``), the critical-path descent
+(``search.local_search`` with ``max_evals``; a candidate re-timed from its first moved operation on, as
+``Retimer.rerun``, or — ``incremental=False`` — from scratch) and the annealing (``search.anneal``).  Two independent implementations of the same algorithm must return the *same* plans,
 bit for bit, for the same number of evaluations — on random problems (one stage per rank and V-shape,
 memory limits, slow links), starting from greedy plans.  The planner runs the compiled one; without it
 the Python one (``test_planner_without_engine``).
@@ -16,10 +16,11 @@ import random
 
 import pytest
 
-from titan_ext.plan import validate_plan
-from titan_ext.plan.crosspipe import greedy_schedule, plan_crosspipe_problem, replay
+from titan_ext.plan import simulate, validate_plan
+from titan_ext.plan.crosspipe import greedy_schedule, plan_crosspipe_placed
 from titan_ext.plan.crosspipe._compiled import available as _compiled
-from titan_ext.plan.crosspipe.model import Model as _Model
+from titan_ext.plan.crosspipe.retime import Retimer as _Model
+from titan_ext.plan.timing import to_ns
 from titan_ext.plan.crosspipe.search import anneal as _anneal
 from titan_ext.plan.crosspipe.search import local_search as _local_search
 
@@ -43,9 +44,12 @@ def test_run_matches_python(wave):
         rng, prob, model, ids, _ = _start(seed, wave)
         mk, sf = model.run(ids)
         assert C.run(model.spec(), ids, math.inf) == (mk, sf)
-        # a bound below the makespan aborts both; at the makespan neither does
-        assert C.run(model.spec(), ids, mk - 1e-6)[0] == math.inf == model.run(ids, bound=mk - 1e-6)[0]
-        assert C.run(model.spec(), ids, mk)[0] == mk
+        assert type(mk) is int and mk == to_ns(simulate(model.ops(ids), prob.profile).makespan_ms)
+        # a bound below the makespan aborts both (1 ns below, or a real bound just below); at it neither does
+        assert C.run(model.spec(), ids, mk - 1)[0] == math.inf == model.run(ids, bound=mk - 1)[0]
+        assert C.run(model.spec(), ids, mk - 0.5)[0] == math.inf == model.run(ids, bound=mk - 0.5)[0]
+        assert C.run(model.spec(), ids, mk)[0] == mk == model.run(ids, bound=mk)[0]
+        assert C.run(model.spec(), ids, mk + 0.5)[0] == mk
 
 
 @pytest.mark.parametrize("wave", [False, True])
@@ -63,7 +67,7 @@ def test_descent_matches_python(wave, long_moves, gap_fill):
         # re-timing every candidate from scratch (the benchmark's baseline) gives the same search
         assert C.descent(model.spec(), ids, limit, evals, 4, long_moves, gap_fill, False) == (c_ids, c_mk, c_ev)
         assert c_ev <= max(evals, 1)
-        improved += c_mk < model.run(ids)[0] - 1e-9
+        improved += c_mk < model.run(ids)[0]
     assert improved >= 5  # the comparison covers searches that move, not only empty ones
 
 
@@ -76,10 +80,10 @@ def test_anneal_matches_python_and_keeps_the_limits(wave):
         c_ids, c_mk, c_ev = C.anneal(model.spec(), ids, limit, evals, seed, t0, shift)
         p_ids, p_mk, p_ev = _anneal(model, [list(o) for o in ids], limit, evals, seed, t0, shift)
         assert (c_ids, c_mk, c_ev) == (p_ids, p_mk, p_ev)
-        assert c_mk <= mk0 + 1e-9  # the best plan seen, never worse than the start
+        assert c_mk <= mk0  # the best plan seen, never worse than the start
         orders = model.ops(c_ids)
-        # an independent re-timing (dict replay) and the memory limit of every rank
-        assert replay(prob, orders).makespan_ms == pytest.approx(c_mk)
+        # the reference evaluator's timing (simulate) and the memory limit of every rank
+        assert to_ns(simulate(orders, prob.profile).makespan_ms) == c_mk
         for r, ops in orders.items():
             cur = peak = 0.0
             for _, kind, _ in ops:
@@ -98,28 +102,28 @@ def test_planner_without_engine():
     path is at least as good on these cases (it searches more in the same budget)."""
     for seed in range(6):
         _, prob, _, _, _ = _start(300 + seed, False)
-        a = plan_crosspipe_problem(prob, "udsub", engine=False)
-        b = plan_crosspipe_problem(prob, "udsub")
+        a = plan_crosspipe_placed(prob, "udsub", engine=False)
+        b = plan_crosspipe_placed(prob, "udsub")
         for plan in (a, b):
             validate_plan(plan.actions, prob.num_stages, prob.num_microbatches,
                           inflight_limit=[int(x) for x in prob.memory_limit])
-            assert replay(prob, plan.orders).makespan_ms == pytest.approx(plan.makespan_ms)
+            assert to_ns(simulate(plan.orders, prob.profile).makespan_ms) == plan.makespan_ns
 
 
 @pytest.mark.parametrize("wave", [False, True])
 def test_compiled_planner_plans_are_valid_deterministic_and_no_worse_than_members(wave):
     """The compiled planner path on random problems: torch's validator accepts the plan, every rank stays
-    within its memory limit, an independent re-timing (dict replay) gives the reported makespan, the plan
+    within its memory limit, the reference evaluator (simulate) gives the reported makespan, the plan
     is no worse than any portfolio member it tried, and the same call gives the same plan."""
     if not _compiled():
         pytest.skip("compiled Alg.1 not built")
     for seed in range(8):
         _, prob, _, _, _ = _start(400 + seed, wave)
-        a = plan_crosspipe_problem(prob, "wave" if wave else "udsub")
-        b = plan_crosspipe_problem(prob, "wave" if wave else "udsub")
-        assert a.orders == b.orders and a.makespan_ms == b.makespan_ms
-        assert replay(prob, a.orders).makespan_ms == pytest.approx(a.makespan_ms)
-        assert a.makespan_ms <= min(c[5] for c in a.candidates) + 1e-9
+        a = plan_crosspipe_placed(prob, "wave" if wave else "udsub")
+        b = plan_crosspipe_placed(prob, "wave" if wave else "udsub")
+        assert a.orders == b.orders and a.makespan_ns == b.makespan_ns
+        assert to_ns(simulate(a.orders, prob.profile).makespan_ms) == a.makespan_ns
+        assert a.makespan_ns <= min(c.makespan_ns for c in a.candidates)
         assert all(p <= lim + 1e-9 for p, lim in zip(a.peak_memory, prob.memory_limit))
         if not wave:
             validate_plan(a.actions, prob.num_stages, prob.num_microbatches,

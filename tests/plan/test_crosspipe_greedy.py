@@ -14,17 +14,15 @@ import sys
 import pytest
 
 from titan_ext.plan import LinkProfile, PipelineProfile, plan_pipemorph, simulate, validate_plan
-from titan_ext.plan.timing import LinkQueues
+from titan_ext.plan.timing import LinkQueues, to_ns
 from titan_ext.plan.crosspipe import (
-    CrossPipeProblem,
     greedy_schedule,
     plan_crosspipe,
-    plan_crosspipe_problem,
-    replay,
+    plan_crosspipe_placed,
     wave_stage_to_rank,
 )
 
-from _plan_cases import RATIOS, N, S, rank_peaks, ud_profile, wave_profile
+from _plan_cases import RATIOS, N, S, link, placed, rank_peaks, ud_profile, uniform_placed, wave_profile
 
 
 @pytest.fixture(scope="module")
@@ -126,47 +124,59 @@ def test_link_occupancy_is_fifo_and_equals_range_based_on_one_sender():
         ends.insert(i, t + length)
         return t + length
 
-    links = LinkQueues.of([3.0], [2.0])
-    assert links.send(0, (0, 1), 0.0) == 5.0  # window [0, 2), +3 latency
-    assert links.send(0, (0, 1), 1.0) == 7.0  # FIFO: after [0, 2)
-    assert links.send(0, (0, 1), 9.0) == 14.0  # idle channel
-    assert links.send(0, (1, 0), 0.0) == 5.0  # other direction is independent
+    ms = 1_000_000  # ns
+    links = LinkQueues([link(3.0, 2.0)])
+    assert links.send(0, (0, 1), 0) == 5 * ms  # window [0, 2), +3 latency
+    assert links.send(0, (0, 1), 1 * ms) == 7 * ms  # FIFO: after [0, 2)
+    assert links.send(0, (0, 1), 9 * ms) == 14 * ms  # idle channel
+    assert links.send(0, (1, 0), 0) == 5 * ms  # other direction is independent
     rng = random.Random(3)
     for _ in range(200):
-        fifo, windows, ready = LinkQueues.of([0.5], [rng.uniform(0.1, 3)]), {}, 0.0
+        fifo, windows, ready = LinkQueues([link(0.5, rng.uniform(0.1, 3))]), {}, 0
         for _ in range(30):
-            ready += rng.choice([0.0, rng.uniform(0, 4)])
-            assert fifo.send(0, "c", ready) == range_based(windows, ready, fifo.transfer_ns[0]) + 0.5
+            ready += rng.choice([0, rng.randint(0, 4 * ms)])
+            assert fifo.send(0, "c", ready) == range_based(windows, ready, fifo.transfer_ns[0]) + ms // 2
 
 
 def test_bandwidth_queues_messages_latency_does_not():
     """Two messages sent back to back: with size·β = 30 ms the second waits for the first; with a
     30 ms latency both travel at once (the α-β model of CrossPipe §2.2)."""
     t = 10.0
-    base = dict(num_ranks=2, num_microbatches=2, stage_to_rank=(0, 1), f_ms=(t, t), b_ms=(t, t), w_ms=(t, t))
     order = {
         0: [(0, "F", 0), (0, "F", 1), (0, "I", 0), (0, "W", 0), (0, "I", 1), (0, "W", 1)],
         1: [(1, "F", 0), (1, "F", 1), (1, "I", 0), (1, "W", 0), (1, "I", 1), (1, "W", 1)],
     }
-    bw = replay(CrossPipeProblem(**base, link_transfer_ms=(30.0,)), order)
-    lat = replay(CrossPipeProblem(**base, link_latency_ms=(30.0,)), order)
+
+    def starts(**link_ms):
+        prof = placed((0, 1), 2, (t, t), (t, t), (t, t), **link_ms).profile
+        return {(e.stage, e.kind, e.microbatch): e.start_ms for e in simulate(order, prof).events}
+
+    bw, lat = starts(transfer=(30.0,)), starts(latency=(30.0,))
     # F(0,0) ends 10, F(0,1) ends 20; bandwidth: arrivals 40 and 70; latency: 40 and 50
-    assert bw.start_ms[(1, "F", 0)] == pytest.approx(40.0) and lat.start_ms[(1, "F", 0)] == pytest.approx(40.0)
-    assert bw.start_ms[(1, "F", 1)] == pytest.approx(70.0) and lat.start_ms[(1, "F", 1)] == pytest.approx(50.0)
+    assert bw[(1, "F", 0)] == 40.0 and lat[(1, "F", 0)] == 40.0
+    assert bw[(1, "F", 1)] == 70.0 and lat[(1, "F", 1)] == 50.0
+    # the greedy sends the same way: its plan's own timing is the simulator's
+    for kw in ({"transfer": (30.0,)}, {"latency": (30.0,)}):
+        problem = placed((0, 1), 2, (t, t), (t, t), (t, t), **kw)
+        g = greedy_schedule(problem)
+        assert g.makespan_ns == to_ns(simulate(g.orders, problem.profile).makespan_ms)
 
 
 def test_subblocks_split_w_only():
-    prob = CrossPipeProblem.uniform(4, 8, 1.0, 1.0, 2.0, latency_ms={1: 1.5})
-    g = greedy_schedule(prob, n_sub=4)
-    per_op: dict = {}
-    for _, op, idx, t0, t1 in g.subblocks:
-        per_op.setdefault(op, []).append((idx, t1 - t0))
-    for op, parts in per_op.items():
-        if op[1] == "W":
-            assert sorted(i for i, _ in parts) == [0, 1, 2, 3]
-            assert sum(d for _, d in parts) == pytest.approx(2.0)
-        else:
-            assert len(parts) == 1
+    """Every W runs as n_sub sub-blocks adding up to its time exactly (integer ns: 2 ms / 4 = 0.5 ms
+    each; 1 ms + 1 ns / 3: the first sub-block one ns longer); F and I run whole."""
+    for w_ms, n_sub, expect in ((2.0, 4, [500_000] * 4), (1.000001, 3, [333_334, 333_334, 333_333])):
+        prob = uniform_placed(4, 8, 1.0, 1.0, w_ms, latency_ms={1: 1.5})
+        g = greedy_schedule(prob, n_sub=n_sub)
+        per_op: dict = {}
+        for _, op, idx, t0, t1 in g.subblocks:
+            per_op.setdefault(op, []).append((idx, t1 - t0))
+        for op, parts in per_op.items():
+            if op[1] == "W":
+                assert [d for _, d in sorted(parts)] == expect
+                assert sum(expect) == to_ns(w_ms)
+            else:
+                assert len(parts) == 1
 
 
 def test_replay_matches_core_simulator_on_random_cases():
@@ -188,7 +198,7 @@ def test_replay_matches_core_simulator_on_random_cases():
         )
         plan = plan_crosspipe(prof, "wave" if wave else rng.choice(["ud", "udsub"]), validate=False)
         sim = simulate(plan.actions, prof)
-        assert sim.makespan_ms == pytest.approx(plan.makespan_ms, abs=1e-5)
+        assert to_ns(sim.makespan_ms) == plan.makespan_ns  # integer ns on both sides: equal, not close
 
 
 def test_validity_fuzz():
@@ -201,29 +211,31 @@ def test_validity_fuzz():
         variant = "wave" if wave else ("ud", "udsub")[i % 3]
         stages = 2 * ranks if wave else ranks
         micro = rng.randint(stages, stages + 12)
-        prob = CrossPipeProblem(
-            num_ranks=ranks,
-            num_microbatches=micro,
-            stage_to_rank=wave_stage_to_rank(ranks) if wave else tuple(range(ranks)),
-            f_ms=tuple(rng.uniform(1, 10) for _ in range(stages)),
-            b_ms=tuple(rng.uniform(1, 10) for _ in range(stages)),
-            w_ms=tuple(rng.uniform(0, 10) for _ in range(stages)),
-            link_latency_ms=tuple(rng.choice([0.0, 2.0, 25.0]) for _ in range(stages - 1)),
-            link_transfer_ms=tuple(rng.choice([0.0, 1.0, 15.0]) for _ in range(stages - 1)),
+        prob = placed(
+            wave_stage_to_rank(ranks) if wave else tuple(range(ranks)), micro,
+            f=tuple(rng.uniform(1, 10) for _ in range(stages)),
+            b=tuple(rng.uniform(1, 10) for _ in range(stages)),
+            w=tuple(rng.uniform(0, 10) for _ in range(stages)),
+            latency=tuple(rng.choice([0.0, 2.0, 25.0]) for _ in range(stages - 1)),
+            transfer=tuple(rng.choice([0.0, 1.0, 15.0]) for _ in range(stages - 1)),
             memory_limit=tuple(float(rng.randint(2 if wave else 1, 2 * stages)) for _ in range(ranks)),
         )
-        plan = plan_crosspipe_problem(prob, variant)
+        plan = plan_crosspipe_placed(prob, variant)
         per_stage = None if wave else [int(x) for x in prob.memory_limit]
         validate_plan(plan.actions, stages, micro, inflight_limit=per_stage)
         assert all(p <= lim + 1e-9 for p, lim in zip(rank_peaks(plan.actions), prob.memory_limit))
-        assert replay(prob, plan.orders).makespan_ms == pytest.approx(plan.makespan_ms)
+        assert to_ns(simulate(plan.orders, prob.profile).makespan_ms) == plan.makespan_ns
 
 
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="memory_limit"):
-        CrossPipeProblem.uniform(3, 4, 1, 1, 1, wave=True, memory_limit=1)  # two stages need 2
+        uniform_placed(3, 4, 1, 1, 1, wave=True, memory_limit=1)  # two stages need 2
     with pytest.raises(ValueError, match="n_sub"):
-        greedy_schedule(CrossPipeProblem.uniform(2, 2, 1, 1, 1), n_sub=0)
+        greedy_schedule(uniform_placed(2, 2, 1, 1, 1), n_sub=0)
+    with pytest.raises(ValueError, match="share no link"):
+        placed((0, 2, 1), 3, (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    with pytest.raises(TypeError, match="PlacedProfile"):
+        greedy_schedule(PipelineProfile(2, 2, 1, 1, 1))
     with pytest.raises(ValueError, match="wave"):
         plan_crosspipe(PipelineProfile(3, 4, 1, 1, 1), "wave")
     with pytest.raises(ValueError, match="variant"):

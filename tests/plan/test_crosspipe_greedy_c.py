@@ -1,6 +1,7 @@
 """The compiled greedy generator (titan_ext.plan._greedy_c via crosspipe._compiled.greedy_ids) against the Python
-reference crosspipe.greedy_schedule: bit-identical orders, makespan and lookahead waits, and the same
-ValueError cases.  Correctness only (no timing assertions)."""
+reference crosspipe.greedy_schedule, both reading a PlacedProfile in integer ns: bit-identical orders,
+makespan and lookahead waits, and the same ValueError cases, under both memory rules.  Correctness only
+(no timing assertions)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 
 pytest.importorskip("titan_ext.plan._greedy_c", reason="compiled greedy not built (scripts/setup.sh builds it)")
 
-from titan_ext.plan.crosspipe import CrossPipeProblem, greedy_schedule, wave_stage_to_rank  # noqa: E402
+from titan_ext.plan.crosspipe import PlacedProfile, greedy_schedule, wave_stage_to_rank  # noqa: E402
 from titan_ext.plan.crosspipe import _compiled as compiled  # noqa: E402
-from titan_ext.plan.crosspipe.model import Model as _Model  # noqa: E402
+from titan_ext.plan.crosspipe.retime import Retimer as _Model  # noqa: E402
+
+from _plan_cases import placed, uniform_placed  # noqa: E402
 
 COMBOS = list(itertools.product(
     (1, 2, 3, 4),                              # n_sub
@@ -27,7 +30,7 @@ FAST_CHUNKS = 1  # the default test tier sweeps 25 of them; the `slow` tier (CI,
 CI_CHUNKS = 6    # the `soak` tier the other 150 (about 60 s on 2 cores)
 
 
-def _random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
+def _random_problem(rng: random.Random, wave: bool) -> PlacedProfile:
     R = rng.randint(2, 8) if not wave else rng.randint(2, 5)
     N = rng.randint(1, 24) if not wave else rng.randint(1, 16)
     s2r = wave_stage_to_rank(R) if wave else tuple(range(R))
@@ -41,8 +44,8 @@ def _random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
             return 1.0
         return rng.choice([0.0, rng.uniform(0.0, 3.0), round(rng.uniform(0.0, 3.0), 1)])
 
-    f = tuple(t() for _ in range(S))
-    b = tuple(t() for _ in range(S))
+    f = tuple(t() or 1.0 for _ in range(S))  # F and I take time (PipelineProfile), W may not
+    b = tuple(t() or 2.0 for _ in range(S))
     w = tuple(t() for _ in range(S))
     lat = tuple(rng.choice([0.0, 0.25, rng.uniform(0.0, 2.0), 10.0]) for _ in range(S - 1))
     tx = tuple(rng.choice([0.0, 0.5, rng.uniform(0.0, 2.0), 25.0]) for _ in range(S - 1))
@@ -58,7 +61,7 @@ def _random_problem(rng: random.Random, wave: bool) -> CrossPipeProblem:
         lim = tuple(float(p * rng.randint(2, 10)) + rng.choice([0.0, 0.5]) for p in per)
     else:  # at or near the minimum: the greedy may deadlock (ValueError), also with 'one'
         lim = tuple(float(p + rng.randint(0, 2)) for p in per)
-    return CrossPipeProblem(R, N, s2r, f, b, w, lat, tx, lim)
+    return placed(s2r, N, f, b, w, lat, tx, lim, release=rng.choice("IIW"))
 
 
 def _reference(problem, *args):
@@ -66,7 +69,7 @@ def _reference(problem, *args):
         res = greedy_schedule(problem, *args)
     except ValueError as e:
         return ("ValueError", str(e))
-    return (_Model(problem).ids(res.orders), res.makespan_ms, res.waits)
+    return (_Model(problem).ids(res.orders), res.makespan_ns, res.waits)
 
 
 def _compiled(problem, *args):
@@ -93,32 +96,42 @@ def test_bit_identical_random(chunk):
             got = _compiled(problem, *combo)
             if ref[0] == "ValueError":
                 raised += 1
-            # exact equality: ids, makespan (float ==) and waits
+            # exact equality: ids, makespan (integer ns) and waits
             assert got == ref, (chunk, i, combo, problem)
             if ref[0] != "ValueError":
-                assert type(got[1]) is float and type(got[2]) is int
-    assert raised > 0  # tight limits exercise the deadlock error too
+                assert type(got[1]) is int and type(got[2]) is int
+    if chunk == 0:
+        assert raised > 0  # tight limits exercise the deadlock error too (also test_deadlock_same_error)
 
 
 def test_uniform_and_int_inputs():
     cases = [
-        CrossPipeProblem.uniform(4, 8, 1.0, 1.0, 1.0),
-        CrossPipeProblem.uniform(8, 32, 1.0, 1.1, 0.9, latency_ms=0.2, transfer_ms=0.3),
-        CrossPipeProblem.uniform(4, 12, 1.0, 1.1, 0.9, wave=True, latency_ms=0.2, transfer_ms=0.3),
-        CrossPipeProblem.uniform(3, 6, 1.0, 2.0, 1.0, wave=True, memory_limit=2.0),
-        # int times and limits (Python arithmetic on them: same doubles)
-        CrossPipeProblem(3, 5, (0, 1, 2), (1, 2, 3), (2, 2, 2), (3, 1, 0), (1, 0), (2, 5), (3, 2, 1),
-                         (1, -1, 0)),
-        # w times that are huge ints: w / n_sub is an exact rational division in Python (fallback path)
-        CrossPipeProblem(2, 3, (0, 1), (1.0, 1.0), (1.0, 1.0), (2**60 + 1, 3)),
+        uniform_placed(4, 8, 1.0, 1.0, 1.0),
+        uniform_placed(8, 32, 1.0, 1.1, 0.9, latency_ms=0.2, transfer_ms=0.3),
+        uniform_placed(4, 12, 1.0, 1.1, 0.9, wave=True, latency_ms=0.2, transfer_ms=0.3),
+        uniform_placed(3, 6, 1.0, 2.0, 1.0, wave=True, memory_limit=2.0),
+        uniform_placed(3, 6, 1.0, 2.0, 1.0, wave=True, memory_limit=3.0, release="W"),
+        # int times and limits
+        placed((0, 1, 2), 5, (1, 2, 3), (2, 2, 2), (3, 1, 0), (1, 0), (2, 5), (3, 2, 1)),
+        # W times that do not split evenly into sub-blocks (whole ns: the first ones 1 ns longer)
+        placed((0, 1), 3, (1.0, 1.0), (1.0, 1.0), (1.000001, 0.000003)),
     ]
     for problem in cases:
         for combo in COMBOS:
             assert _compiled(problem, *combo) == _reference(problem, *combo), (problem, combo)
 
 
+def test_times_beyond_int64_go_through_python():
+    """A plan whose times could pass 2**62 ns is not given to the compiled code (int64): the Python
+    reference plans it (the same result by construction, big Python ints)."""
+    big = placed((0, 1), 800, (1e9, 1e9), (1e9, 1e9), (1e9, 1e9))
+    assert not compiled.exact_in_c(big) and compiled._entry(big)[1] is None
+    ids, mk, _ = compiled.greedy_ids(big)
+    assert (ids, mk) == _reference(big)[:2]
+
+
 def test_large_reserve_and_bool_arguments():
-    problem = CrossPipeProblem.uniform(3, 6, 1.0, 2.0, 1.0, wave=True, memory_limit=40.0)
+    problem = uniform_placed(3, 6, 1.0, 2.0, 1.0, wave=True, memory_limit=40.0)
     for args in [(1, "interleave", 3, "microbatch", False), (2, "interleave", 2**40, "microbatch", True),
                  (True, "backward_first", True, "critical_path", 1), (2, "interleave", 17, "critical_path", 0)]:
         assert _compiled(problem, *args) == _reference(problem, *args), args
@@ -130,7 +143,7 @@ def test_large_reserve_and_bool_arguments():
     dict(tie="x", n_sub=0), dict(n_sub=0, steady="x"), dict(steady="x", reserve=0),
 ])
 def test_bad_arguments_same_errors(kwargs):
-    problem = CrossPipeProblem.uniform(2, 2, 1.0, 1.0, 1.0)
+    problem = uniform_placed(2, 2, 1.0, 1.0, 1.0)
     with pytest.raises(ValueError) as ref:
         greedy_schedule(problem, **kwargs)
     with pytest.raises(ValueError) as got:
@@ -145,8 +158,8 @@ def test_deadlock_same_error():
     for R in (2, 3, 4):
         s2r = wave_stage_to_rank(R)
         for lim in (2.0, 2.5, 3.0):
-            problem = CrossPipeProblem(R, 6, s2r, (1.0,) * len(s2r), (1.0,) * len(s2r), (1.0,) * len(s2r),
-                                       memory_limit=(lim,) * R)
+            problem = placed(s2r, 6, (1.0,) * len(s2r), (1.0,) * len(s2r), (1.0,) * len(s2r),
+                             memory_limit=(lim,) * R)
             for combo in COMBOS:
                 ref = _reference(problem, *combo)
                 assert _compiled(problem, *combo) == ref
@@ -156,10 +169,9 @@ def test_deadlock_same_error():
 
 def test_specs_shared_across_memory_limits():
     # problems that differ only in memory_limit share one compiled spec; the limit is per call
-    base = CrossPipeProblem.uniform(3, 8, 1.0, 1.5, 0.7, wave=True, latency_ms=0.3, transfer_ms=0.6)
+    base = uniform_placed(3, 8, 1.0, 1.5, 0.7, wave=True, latency_ms=0.3, transfer_ms=0.6)
     variants = [base] + [base.with_memory_limit([lim] * 3) for lim in (2.0, 3.0, 4.0, 6.0, 9.0)]
-    variants.append(CrossPipeProblem(3, 8, base.stage_to_rank, base.f_ms, base.b_ms, base.w_ms,
-                                     base.link_latency_ms, base.link_transfer_ms, (3.0, 5.0, 4.0)))
+    variants.append(PlacedProfile(base.profile, base.stage_to_rank, (3.0, 5.0, 4.0)))
     for _ in range(2):
         for problem in variants:
             for combo in COMBOS[::5]:

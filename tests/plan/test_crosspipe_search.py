@@ -1,5 +1,5 @@
-"""CrossPipe greedy: the fast evaluator (``_Model``), its restart (``rerun``), the budgeted portfolio and
-the local search ("Quality and speed").
+"""CrossPipe greedy: the fast re-timing of simulate's model (``Retimer``), its restart (``rerun``), the
+budgeted portfolio and the local search ("Quality and speed").
 
 References are independent of the code under test: the planning core's simulator (``simulate``), a full
 replay for the restarted one, brute force over every per-rank order on tiny instances, torch's ZBV plan
@@ -14,7 +14,7 @@ import random
 import pytest
 
 from titan_ext.plan import LinkProfile, PipelineProfile, simulate, validate_plan
-from titan_ext.plan.crosspipe.model import Model as _Model
+from titan_ext.plan.crosspipe.retime import Retimer as _Model
 from titan_ext.plan.crosspipe.portfolio import Member
 from titan_ext.plan.crosspipe.portfolio import _cap_neighbours
 from titan_ext.plan.crosspipe.search import critical_moves as _critical_moves
@@ -22,17 +22,16 @@ from titan_ext.plan.crosspipe.search import move_op as _move
 from titan_ext.plan.crosspipe.search import rank_tails as _rank_tails
 from titan_ext.plan.crosspipe.search import update_tails as _update_tails
 from titan_ext.plan.crosspipe import (
-    CrossPipeProblem,
     greedy_schedule,
+    placed_from_profile,
     plan_crosspipe,
-    plan_crosspipe_problem,
-    problem_from_profile,
-    replay,
+    plan_crosspipe_placed,
 )
 from titan_ext.plan.ir import as_ops
 from titan_ext.plan.simulate import DeadlockError
+from titan_ext.plan.timing import to_ns
 
-from _plan_cases import RATIOS, S, N, rank_peaks, wave_profile
+from _plan_cases import RATIOS, S, N, placed, rank_peaks, uniform_placed, wave_profile
 from _plan_cases import random_problem as _random_problem
 
 
@@ -88,8 +87,8 @@ def test_rank_tail_bound_only_cuts_runs_that_exceed_the_bound():
             lo, hi = min(p, q), max(p, q)
             _move(ids[r], p, q)
             _update_tails(model, tail, ids[r], lo, hi)
-            assert tail == pytest.approx(_rank_tails(model, ids), abs=1e-9)
-            bound = base.start[0] + base.makespan + 1e-9
+            assert tail == _rank_tails(model, ids)
+            bound = base.makespan
             w0 = model.work
             plain = model.rerun(ids, base, r, lo, hi, bound=bound)
             w1 = model.work
@@ -114,9 +113,7 @@ def _b_profile(seed: int) -> PipelineProfile:
 
 def test_cap_neighbours_lower_one_stage_by_one():
     """A cap neighbour is its member's per-stage caps with exactly one stage (not the last) one lower."""
-    prob = CrossPipeProblem(num_ranks=5, num_microbatches=8, stage_to_rank=tuple(range(5)), f_ms=(1.0,) * 5,
-                            b_ms=(1.0,) * 5, w_ms=(1.0,) * 5, link_latency_ms=(0.0,) * 4,
-                            link_transfer_ms=(0.0,) * 4, memory_limit=(4.0, 3.0, 1.0, 4.0, 2.0))
+    prob = uniform_placed(5, 8, 1.0, 1.0, 1.0, memory_limit=(4.0, 3.0, 1.0, 4.0, 2.0))
     problems = {"limit": prob}
     out = list(_cap_neighbours(prob, problems, Member("limit", 2, "interleave", 1, True)))
     assert [m.caps for _, m in out] == ["limit/s3-1", "limit/s1-1", "limit/s0-1"]  # stage 2 is at 1 already
@@ -141,36 +138,31 @@ def test_cap_neighbour_members_on_small_problems(seed):
     assert nb, "no cap-neighbour member on an S = 4 problem"
     validate_plan(a.actions, 4, 12, inflight_limit=[4] * 4)
     assert all(p <= 4 + 1e-9 for p in a.peak_memory)
-    assert a.makespan_ms <= min(c[5] for c in a.candidates) + 1e-9
-    assert a.makespan_ms == pytest.approx(replay(problem_from_profile(prof, "udsub", 4), a.orders).makespan_ms)
-    assert a.makespan_ms <= {0: 473.2, 1: 484.9, 2: 498.1}[seed] + 1e-6
+    assert a.makespan_ns <= min(c.makespan_ns for c in a.candidates)
+    assert a.makespan_ns == to_ns(simulate(a.orders, placed_from_profile(prof, "udsub", 4).profile).makespan_ms)
+    assert a.makespan_ns <= to_ns({0: 473.2, 1: 484.9, 2: 498.1}[seed])
 
 
 def test_local_search_plans_are_valid_and_never_worse():
     """Default planner (budgeted portfolio + local search) on random cases: torch's validator accepts
-    the plan, memory stays within the limit, the replayed makespan equals the core simulator's and is
-    no worse than the best greedy member it started from."""
+    the plan, memory stays within the limit, the planner's makespan (integer ns) is the core simulator's
+    and is no worse than the best greedy member it started from."""
     rng = random.Random(5)
     improved = 0
     for i in range(30):
         wave = i % 4 == 3
         prob = _random_problem(rng, wave)
         variant = "wave" if wave else ("ud", "udsub")[i % 2]
-        plan = plan_crosspipe_problem(prob, variant)
+        plan = plan_crosspipe_placed(prob, variant)
         stages = prob.num_stages
         validate_plan(plan.actions, stages, prob.num_microbatches,
                       inflight_limit=None if wave else [int(x) for x in prob.memory_limit])
         assert all(p <= lim + 1e-9 for p, lim in zip(rank_peaks(plan.actions), prob.memory_limit))
-        prof = PipelineProfile(
-            stages, prob.num_microbatches, prob.f_ms, prob.b_ms, prob.w_ms,
-            tuple(LinkProfile(latency_ms=a, bandwidth_bytes_per_s=1e9, message_bytes=t * 1e6)
-                  for a, t in zip(prob.link_latency_ms, prob.link_transfer_ms)),
-        )
-        sim = simulate(plan.actions, prof, stage_to_rank=dict(enumerate(prob.stage_to_rank)))
-        assert sim.makespan_ms == pytest.approx(plan.makespan_ms, abs=1e-3)  # simulate rounds each duration to 1 ns
-        best_member = min(c[5] for c in plan.candidates)
-        assert plan.makespan_ms <= best_member + 1e-9
-        improved += plan.makespan_ms < best_member - 1e-9
+        sim = simulate(plan.actions, prob.profile, stage_to_rank=dict(enumerate(prob.stage_to_rank)))
+        assert to_ns(sim.makespan_ms) == plan.makespan_ns
+        best_member = min(c.makespan_ns for c in plan.candidates)
+        assert plan.makespan_ns <= best_member
+        improved += plan.makespan_ns < best_member
     assert improved >= 5  # the search does something on these cases
 
 
@@ -178,13 +170,13 @@ def test_budget_is_deterministic_and_bounds_the_work():
     """Same budget → same plan (no wall clock involved); a tiny budget still gives the first member."""
     rng = random.Random(3)
     prob = _random_problem(rng, wave=False)
-    a = plan_crosspipe_problem(prob, "udsub", convert=False)
-    b = plan_crosspipe_problem(prob, "udsub", convert=False)
-    assert a.orders == b.orders and a.makespan_ms == b.makespan_ms
-    tiny = plan_crosspipe_problem(prob, "udsub", convert=False, budget=1)
+    a = plan_crosspipe_placed(prob, "udsub", convert=False)
+    b = plan_crosspipe_placed(prob, "udsub", convert=False)
+    assert a.orders == b.orders and a.makespan_ns == b.makespan_ns
+    tiny = plan_crosspipe_placed(prob, "udsub", convert=False, budget=1)
     assert len(tiny.candidates) == 1 and not tiny.improved
-    assert tiny.makespan_ms == pytest.approx(replay(prob, tiny.orders).makespan_ms)
-    full = plan_crosspipe_problem(prob, "udsub", convert=False, budget=None)
+    assert tiny.makespan_ns == to_ns(simulate(tiny.orders, prob.profile).makespan_ms)
+    full = plan_crosspipe_placed(prob, "udsub", convert=False, budget=None)
     assert len(full.candidates) >= len(a.candidates)
 
 
@@ -217,9 +209,7 @@ def test_unbudgeted_search_reaches_brute_force_optimum_on_tiny_cases():
     for _ in range(trials):
         f, b, w = ([round(rng.uniform(1, 6), 1) for _ in range(2)] for _ in range(3))
         lat, tx = rng.choice([(0.0, 0.0), (4.0, 0.0), (2.0, 3.0)])
-        prob = CrossPipeProblem(2, 3, (0, 1), tuple(f), tuple(b), tuple(w), (lat,), (tx,), (2.0, 2.0))
-        prof = PipelineProfile(2, 3, f, b, w, (LinkProfile(latency_ms=lat, bandwidth_bytes_per_s=1e9,
-                                                           message_bytes=tx * 1e6),))
+        prof = placed((0, 1), 3, f, b, w, (lat,), (tx,), (2.0, 2.0)).profile
         best = float("inf")
         per_rank = [[o for o in _linear_orders(s, 3) if _peak(o) <= 2] for s in range(2)]
         for o0, o1 in itertools.product(*per_rank):

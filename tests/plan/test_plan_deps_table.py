@@ -141,12 +141,12 @@ def independent_backward(op, S):
 @pytest.fixture
 def other_rule(monkeypatch):
     """Every evaluator's table (and the reference's ``producers``) is the independent-backward rule's."""
-    from titan_ext.plan.crosspipe import _compiled, greedy, model
+    from titan_ext.plan.crosspipe import _compiled, greedy, retime
 
     def other(num_stages, full_backward=False, rule=None):
         return deps.table(num_stages, full_backward, rule or independent_backward)
 
-    for mod in (pm, sim_mod, virt, val_mod, greedy, model, _compiled):
+    for mod in (pm, sim_mod, virt, val_mod, greedy, retime, _compiled):
         monkeypatch.setattr(mod, "table", other)
     monkeypatch.setattr(sim_mod, "producers", independent_backward)
     _compiled._specs.clear()
@@ -252,8 +252,8 @@ def test_compiled_checks_follow_the_table():
 
 
 def test_compiled_crosspipe_greedy_and_engine_follow_the_table(other_rule):
-    from titan_ext.plan.crosspipe import _compiled, greedy_schedule, problem_from_profile, wave_profile
-    from titan_ext.plan.crosspipe.model import Model
+    from titan_ext.plan.crosspipe import _compiled, greedy_schedule, placed_from_profile, wave_profile
+    from titan_ext.plan.crosspipe.retime import Retimer
 
     if not _compiled.available():
         pytest.skip("_greedy_c / _search_c not built")
@@ -265,16 +265,16 @@ def test_compiled_crosspipe_greedy_and_engine_follow_the_table(other_rule):
         variant = rng.choice(("ud", "wave"))
         if variant == "wave":
             prof = wave_profile(prof)
-        problem = problem_from_profile(prof, variant)
+        problem = placed_from_profile(prof, variant)
         py = greedy_schedule(problem, n_sub=rng.choice((1, 2)))
-        model = Model(problem)
+        model = Retimer(problem)
         ids, mk, _ = _compiled.greedy_ids(problem, n_sub=py.n_sub)
-        assert ids == model.ids(py.orders) and mk == py.makespan_ms
-        # the model (its edges from the table), the compiled engine and the reference, under the rule
+        assert ids == model.ids(py.orders) and mk == py.makespan_ns
+        # the re-timing (its edges from the table), the compiled engine and the reference, under the rule
         timed = model.run(ids)
         assert C.run(model.spec(), ids, math.inf) == timed
         ref = simulate(py.orders, prof, stage_to_rank=dict(enumerate(problem.stage_to_rank))).makespan_ms
-        assert to_ns(timed[0]) == to_ns(ref)
+        assert timed[0] == to_ns(ref)
 
 
 # --------------------------------------------------------------------------- shipping the headers
@@ -285,7 +285,9 @@ def test_every_c_module_includes_the_shared_headers_and_they_ship():
     includes = {c.name: set(re.findall(r'#include "(_\w+\.h)"', c.read_text())) for c in plan.glob("*.c")}
     assert includes["_pipemorph.c"] == {"_deps.h", "_link.h"}
     assert includes["_greedy.c"] == {"_deps.h", "_link.h"}
-    assert includes["_search.c"] == {"_link.h"}  # its table is Model.spec()'s per-op edges
+    assert includes["_search.c"] == {"_link.h"}  # its table is Retimer.spec()'s per-op edges
+    link_h = (plan / "_link.h").read_text()  # one unit: one instantiation of the send, int64 ns
+    assert re.findall(r"^TITAN_EXT_LINK_SEND\((\w+), ([\w ]+)\)", link_h, re.M) == [("link_send_ns", "long long")]
     for c in plan.glob("*.c"):  # no module sends a message by hand
         assert "start + tx" not in c.read_text() and "s0 += " not in c.read_text()
     setup = (ROOT_DIR / "setup.py").read_text()

@@ -17,7 +17,7 @@ import titan_ext.plan
 ROOT = Path(titan_ext.plan.__file__).resolve().parent
 PKG = "titan_ext.plan"
 TOP_ROOT, TOP = Path(titan_ext.__file__).resolve().parent, "titan_ext"
-CROSSPIPE_ORDER = ("tuning", "problem", "greedy", "model", "search", "_compiled", "portfolio")
+CROSSPIPE_ORDER = ("tuning", "variants", "greedy", "retime", "search", "_compiled", "portfolio")
 
 
 def _modules(root: Path = ROOT, pkg: str = PKG) -> dict[str, Path | None]:

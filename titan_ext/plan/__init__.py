@@ -18,7 +18,8 @@ from .result import PlanResult
 from .simulate import ActionEvent, DeadlockError, Timeline, simulate
 from .validate import PlanValidationError, validate_plan
 from .ir import as_ops, to_torch_plan
-from .crosspipe import CrossPipePlan, CrossPipeProblem, plan_crosspipe  # CrossPipe §4.2 (optimum: .optimal)
+from .crosspipe import CrossPipePlan, plan_crosspipe  # CrossPipe §4.2 (optimum: .optimal)
+from .placed import PlacedProfile  # the one description CrossPipe's planners read
 
 __all__ = [
     "ActionEvent", "DeadlockError", "LinkProfile", "PipelineProfile", "Plan", "PlanResult", "PlanValidationError",

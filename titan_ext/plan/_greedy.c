@@ -1,25 +1,26 @@
 /* Compiled CrossPipe greedy list scheduler (Alg.1 of CrossPipe §4.2): titan_ext.plan._greedy_c.
  *
- * A port of crosspipe.greedy.greedy_schedule with the same floating-point
- * operations in the same order, so it returns bit-identical results: the same per-rank whole-action
- * orders, the same makespan and the same number of lookahead waits
- * (tests/plan/test_crosspipe_greedy_c.py).  The Python wrapper is titan_ext.plan.crosspipe._compiled.
+ * A port of crosspipe.greedy.greedy_schedule, times in integer nanoseconds (int64, the unit of every
+ * evaluator of plan/), so it returns bit-identical results: the same per-rank whole-action orders, the
+ * same makespan and the same number of lookahead waits (tests/plan/test_crosspipe_greedy_c.py).  The
+ * Python wrapper is titan_ext.plan.crosspipe._compiled; its input is a titan_ext.plan.placed.PlacedProfile.
  *
  *   spec = make_spec(R, N, stage_to_rank, f, b, w, deps, ch, tx, lat, deltas)
- *       an opaque capsule with the problem on flat arrays (built once per problem by the wrapper):
- *       deps: the dependency rule, titan_ext.plan.deps.table(S).spec() (_deps.h): an op's end makes
- *       ready the classes its class feeds; ch[c] (per class c, 3S): channel (src rank * R + dst rank) of
- *       the message that brings c's trigger, -1 for none or a same-rank dependency; tx: size·β; lat: α;
- *       deltas: (M_F, M_D, M_W).  Messages: _link.h's FIFO send (equal to the Python's range-based
- *       reservation on every run: one sender per channel, see crosspipe.greedy).
- *       The spec holds no memory limit: it is an argument of run, so one spec serves every
- *       memory limit of a problem.
- *   run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f, lim)
- *       -> (ids, makespan, waits), or (None, code, 0) when the Python would raise: code 1 = no rank
+ *       an opaque capsule with the placed profile on flat arrays (built once per profile by the wrapper):
+ *       f, b, w: per-stage times in ns; deps: the dependency rule, titan_ext.plan.deps.table(S).spec()
+ *       (_deps.h): an op's end makes ready the classes its class feeds; ch[c] (per class c, 3S): channel
+ *       (src rank * R + dst rank) of the message that brings c's trigger, -1 for none or a same-rank
+ *       dependency; tx: size·β (ns); lat: α (ns); deltas: (M_F, M_D, M_W), the profile's memory rule.
+ *       Messages: _link.h's FIFO send (equal to §4.2.3's range-based reservation on every run: one
+ *       sender per channel, see crosspipe.greedy).  The spec holds no memory limit: it is an argument
+ *       of run, so one spec serves every memory limit of a profile.
+ *   run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, need_f, lim)
+ *       -> (ids, makespan_ns, waits), or (None, code, 0) when the Python would raise: code 1 = no rank
  *       can proceed (memory deadlock), 2 = no operation selectable (the Python's unpacking of None).
- *       wdur (per-stage W sub-block duration) and need_f (per-stage F memory need) are None to have
- *       them computed here (w/n_sub; mf + k_units·mf·#later), or sequences precomputed in Python; lim:
- *       per-rank limits (already + 1e-9, as the Python does) or None (unlimited).
+ *       A W of w ns runs as n_sub sub-blocks of w / n_sub ns, the first w % n_sub of them 1 ns longer
+ *       (crosspipe.greedy.w_subblock_ns).  need_f (per-stage F memory need) is None to have it computed
+ *       here (mf + k_units·mf·#later) or a sequence precomputed in Python; lim: per-rank limits (already
+ *       + 1e-9, as the Python does) or None (unlimited).  Memory stays in (integer-valued) doubles.
  *
  * Plain C and the CPython API (also valid C++: setup.py may compile it as C++20).  The scheduling
  * itself runs without the GIL.
@@ -36,10 +37,10 @@
 typedef struct {
     int R, N, S, nch;
     int *s2r;                  /* S */
-    double *f, *b, *w;         /* S */
+    long long *f, *b, *w;      /* S, ns */
     DepTable deps;             /* the dependency rule (_deps.h) */
     int *ch;                   /* 3S: per class, the channel of its trigger's message (-1: same rank) */
-    double *tx, *lat;          /* 3S: that message's size·β and α */
+    long long *tx, *lat;       /* 3S: that message's size·β and α (ns) */
     int *rq_off, *rq;          /* R+1, 3S: per rank its queues, later stage first, kinds F I W */
     int *rq_k, *rq_s;          /* 3S: kind and stage of rq[j] */
     int *later_off, *later;    /* S+1, list: later stages of the same rank */
@@ -49,7 +50,7 @@ typedef struct {
 } Spec;
 
 typedef struct {
-    double t;
+    long long t;
     int r;
     long long v;
 } Ev;
@@ -81,6 +82,24 @@ static int get_doubles(PyObject *seq, double *dst, int n) {
     for (i = 0; i < n; i++) {
         double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i));
         if (v == -1.0 && PyErr_Occurred()) { Py_DECREF(fast); return -1; }
+        dst[i] = v;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static int get_lls(PyObject *seq, long long *dst, int n) {
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence of ints");
+    Py_ssize_t i;
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "bad sequence length");
+        return -1;
+    }
+    for (i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) { Py_DECREF(fast); return -1; }
         dst[i] = v;
     }
     Py_DECREF(fast);
@@ -123,12 +142,12 @@ static PyObject *make_spec(PyObject *self, PyObject *args) {
     if (!sp) return PyErr_NoMemory();
     sp->R = R; sp->N = N; sp->S = S; sp->nch = nch;
     sp->s2r = (int *)malloc(sizeof(int) * S);
-    sp->f = (double *)malloc(sizeof(double) * S);
-    sp->b = (double *)malloc(sizeof(double) * S);
-    sp->w = (double *)malloc(sizeof(double) * S);
+    sp->f = (long long *)malloc(sizeof(long long) * S);
+    sp->b = (long long *)malloc(sizeof(long long) * S);
+    sp->w = (long long *)malloc(sizeof(long long) * S);
     sp->ch = (int *)malloc(sizeof(int) * 3 * S);
-    sp->tx = (double *)malloc(sizeof(double) * 3 * S);
-    sp->lat = (double *)malloc(sizeof(double) * 3 * S);
+    sp->tx = (long long *)malloc(sizeof(long long) * 3 * S);
+    sp->lat = (long long *)malloc(sizeof(long long) * 3 * S);
     sp->rq_off = (int *)calloc(R + 1, sizeof(int));
     sp->rq = (int *)malloc(sizeof(int) * 3 * S);
     sp->rq_k = (int *)malloc(sizeof(int) * 3 * S);
@@ -146,9 +165,9 @@ static PyObject *make_spec(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "dependency table: made for another problem");
         return NULL;
     }
-    if (get_ints(s2r, sp->s2r, S) < 0 || get_doubles(f, sp->f, S) < 0 || get_doubles(b, sp->b, S) < 0
-        || get_doubles(w, sp->w, S) < 0 || get_ints(ch, sp->ch, 3 * S) < 0 || get_doubles(tx, sp->tx, 3 * S) < 0
-        || get_doubles(lat, sp->lat, 3 * S) < 0 || get_doubles(deltas, d3, 3) < 0) {
+    if (get_ints(s2r, sp->s2r, S) < 0 || get_lls(f, sp->f, S) < 0 || get_lls(b, sp->b, S) < 0
+        || get_lls(w, sp->w, S) < 0 || get_ints(ch, sp->ch, 3 * S) < 0 || get_lls(tx, sp->tx, 3 * S) < 0
+        || get_lls(lat, sp->lat, 3 * S) < 0 || get_doubles(deltas, d3, 3) < 0) {
         spec_free(sp);
         return NULL;
     }
@@ -211,7 +230,7 @@ typedef struct {
     Py_ssize_t n, cap;
 } Heap;
 
-static int heap_push(Heap *hp, double t, int r, long long v) {
+static int heap_push(Heap *hp, long long t, int r, long long v) {
     Py_ssize_t i;
     Ev e;
     if (hp->n == hp->cap) {
@@ -253,7 +272,7 @@ static Ev heap_pop(Heap *hp) {
 }
 
 typedef struct {
-    double end, start;
+    long long end, start;
     int seq, id;
 } Done;
 
@@ -302,24 +321,25 @@ typedef struct {
     /* inputs */
     const Spec *sp;
     int n_sub, backward_first, pending_rule, tie_cp, lookahead;
-    double *needf, *wdur, *lim;
+    double *needf, *lim;
     /* state */
     int *fsd;           /* f_stage_done, S */
     int *qm;            /* 3S*N */
-    double *qa;         /* 3S*N */
+    long long *qa;      /* 3S*N: available at (ns) */
     int *qlen, *heads;  /* 3S */
     int *wl;            /* S*N */
-    double *free_, *mem;
+    long long *free_;
+    double *mem;
     int *f_done, *seen_bw, *last_full, *total_f;
     long long *version;
-    double *chfree;     /* nch: per channel, the end of its last message's window (_link.h) */
-    double *start_;     /* n */
+    long long *chfree;  /* nch: per channel, the end of its last message's window (_link.h) */
+    long long *start_;  /* n */
     Done *done;         /* n */
     Done *tmp;          /* n: sort scratch */
     Heap heap;
     /* outputs */
     int ndone;
-    double makespan;
+    long long makespan;
     long long waits;
 } Run;
 
@@ -338,28 +358,28 @@ static inline int f_blocked(const Run *w, int r, int s) {
 
 static int push_rank(Run *w, int r) {
     const Spec *sp = w->sp;
-    int N = sp->N, j;
-    double best = INFINITY, fr;
+    int N = sp->N, j, found = 0;
+    long long best = 0, fr;
     w->version[r] += 1;
     for (j = sp->rq_off[r]; j < sp->rq_off[r + 1]; j++) {
         int q = sp->rq[j];
         int h = w->heads[q];
         if (h < w->qlen[q]) {
-            double a = w->qa[q * N + h];
-            if (a < best && !(sp->rq_k[j] == 0 && f_blocked(w, r, sp->rq_s[j]))) best = a;
+            long long a = w->qa[q * N + h];
+            if ((!found || a < best) && !(sp->rq_k[j] == 0 && f_blocked(w, r, sp->rq_s[j]))) { best = a; found = 1; }
         }
     }
-    if (best < INFINITY) {
+    if (found) {
         fr = w->free_[r];
         return heap_push(&w->heap, best > fr ? best : fr, r, w->version[r]);
     }
     return 0;
 }
 
-static void arrive(Run *w, int q, int m, double avail) {
+static void arrive(Run *w, int q, int m, long long avail) {
     int N = w->sp->N;
     int *qm = w->qm + (Py_ssize_t)q * N;
-    double *qa = w->qa + (Py_ssize_t)q * N;
+    long long *qa = w->qa + (Py_ssize_t)q * N;
     int len = w->qlen[q], i;
     if (len == 0 || qm[len - 1] < m) {
         qm[len] = m;
@@ -368,7 +388,7 @@ static void arrive(Run *w, int q, int m, double avail) {
         i = len;
         while (i > w->heads[q] && qm[i - 1] > m) i--;
         memmove(qm + i + 1, qm + i, sizeof(int) * (len - i));
-        memmove(qa + i + 1, qa + i, sizeof(double) * (len - i));
+        memmove(qa + i + 1, qa + i, sizeof(long long) * (len - i));
         qm[i] = m;
         qa[i] = avail;
     }
@@ -376,15 +396,15 @@ static void arrive(Run *w, int q, int m, double avail) {
 }
 
 /* when the trigger of class c, ready at `ready`, reaches c's rank (``_Alg1.message``) */
-static inline double message(Run *w, int c, double ready) {
+static inline long long message(Run *w, int c, long long ready) {
     const Spec *sp = w->sp;
     if (sp->ch[c] < 0) return ready;
-    return link_send_ms(&w->chfree[sp->ch[c]], sp->tx[c], sp->lat[c], ready);
+    return link_send_ns(&w->chfree[sp->ch[c]], sp->tx[c], sp->lat[c], ready);
 }
 
 /* the end of class q's op of microbatch m on rank r at t1: the classes q feeds (deps) get m; every
  * other rank fed is rescheduled after r (``_Alg1.finish``); 0 ok, -1 out of memory */
-static int finish(Run *w, int r, int q, int m, double t1) {
+static int finish(Run *w, int r, int q, int m, long long t1) {
     const Spec *sp = w->sp;
     const DepTable *d = &sp->deps;
     int j;
@@ -412,7 +432,8 @@ static int greedy_core(Run *w) {
     int bm[3], bq[3];
     const int *order;
     static const int ORD_TEAR[3] = {1, 2, 0}, ORD_F[3] = {0, 1, 2}, ORD_B[3] = {1, 0, 2};
-    double t, tt, dur, t1, soonest, endmax;
+    long long t, dur, t1, soonest, endmax;
+    int have_soonest;
     Ev e;
 
     for (r = 0; r < R; r++)
@@ -426,16 +447,15 @@ static int greedy_core(Run *w) {
         if (e.v != w->version[r]) continue;
         bm[0] = bm[1] = bm[2] = -1;
         bq[0] = bq[1] = bq[2] = -1;
-        tt = t + 1e-12;
         for (j = sp->rq_off[r]; j < sp->rq_off[r + 1]; j++) {
             int h;
             q = sp->rq[j];
             h = w->heads[q];
             if (h < w->qlen[q]) {
-                double a;
+                long long a;
                 m = w->qm[q * N + h];
                 a = w->qa[q * N + h];
-                if (a > tt) continue;
+                if (a > t) continue;
                 k = sp->rq_k[j];
                 if (k == 0 && f_blocked(w, r, sp->rq_s[j])) continue;
                 if (bq[k] < 0 || (m < bm[k] && !(k == 1 && w->tie_cp))) {
@@ -456,18 +476,24 @@ static int greedy_core(Run *w) {
         m = bm[k];
         q = bq[k];
         s = q / 3;
-        dur = k == 0 ? sp->f[s] : (k == 1 ? sp->b[s] : w->wdur[s]);
+        if (k == 2) {  /* the next sub-block: w / n_sub, the first w % n_sub of them 1 ns longer */
+            long long wq = sp->w[s] / n_sub, wrem = sp->w[s] % n_sub;
+            dur = (n_sub - w->wl[s * N + m]) < wrem ? wq + 1 : wq;
+        } else {
+            dur = k == 0 ? sp->f[s] : sp->b[s];
+        }
         t1 = t + dur;
         if (w->lookahead && k != 1) {
-            soonest = INFINITY;
+            soonest = 0;
+            have_soonest = 0;
             for (j = sp->rq_off[r]; j < sp->rq_off[r + 1]; j++) {
                 int q2 = sp->rq[j];
                 if (sp->rq_k[j] == 1 && w->heads[q2] < w->qlen[q2]) {
-                    double a = w->qa[q2 * N + w->heads[q2]];
-                    if (a < soonest) soonest = a;
+                    long long a = w->qa[q2 * N + w->heads[q2]];
+                    if (!have_soonest || a < soonest) { soonest = a; have_soonest = 1; }
                 }
             }
-            if (t < soonest && soonest < t1 - 1e-12) {
+            if (have_soonest && t < soonest && soonest < t1) {
                 w->version[r] += 1;
                 if (heap_push(&w->heap, soonest, r, w->version[r]) < 0) return -1;
                 w->waits += 1;
@@ -526,12 +552,12 @@ static int greedy_core(Run *w) {
     endmax = w->done[0].end;
     for (j = 1; j < w->ndone; j++)
         if (w->done[j].end > endmax) endmax = w->done[j].end;
-    w->makespan = endmax - w->start_[0];
+    w->makespan = endmax;  /* the first F of stage 0 starts at 0 */
     return 0;
 }
 
 static PyObject *run(PyObject *self, PyObject *args) {
-    PyObject *cap, *wdur_o, *needf_o, *lim_o;
+    PyObject *cap, *needf_o, *lim_o;
     int n_sub, backward_first, pending, tie_cp, lookahead;
     double kf;
     const Spec *sp;
@@ -542,8 +568,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *ids = NULL, *res = NULL;
     int *cnt = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OiiidiiOOO", &cap, &n_sub, &backward_first, &pending, &kf, &tie_cp, &lookahead,
-                          &wdur_o, &needf_o, &lim_o))
+    if (!PyArg_ParseTuple(args, "OiiidiiOO", &cap, &n_sub, &backward_first, &pending, &kf, &tie_cp, &lookahead,
+                          &needf_o, &lim_o))
         return NULL;
     sp = (const Spec *)PyCapsule_GetPointer(cap, "titan_ext.plan._greedy_c.spec");
     if (!sp) return NULL;
@@ -558,18 +584,19 @@ static PyObject *run(PyObject *self, PyObject *args) {
     w.lookahead = lookahead;
 
 #define ALIGN8(x) (((x) + 7) & ~(size_t)7)
-    nbytes = ALIGN8(sizeof(double) * S) * 2            /* needf, wdur */
+    nbytes = ALIGN8(sizeof(double) * S)                /* needf */
              + ALIGN8(sizeof(double) * R)              /* lim */
              + ALIGN8(sizeof(int) * S)                 /* fsd */
              + ALIGN8(sizeof(int) * n)                 /* qm */
-             + ALIGN8(sizeof(double) * n)              /* qa */
+             + ALIGN8(sizeof(long long) * n)           /* qa */
              + ALIGN8(sizeof(int) * Q) * 2             /* qlen, heads */
              + ALIGN8(sizeof(int) * S * N)             /* wl */
-             + ALIGN8(sizeof(double) * R) * 2          /* free_, mem */
+             + ALIGN8(sizeof(long long) * R)           /* free_ */
+             + ALIGN8(sizeof(double) * R)              /* mem */
              + ALIGN8(sizeof(int) * R) * 4             /* f_done, seen_bw, last_full, total_f */
              + ALIGN8(sizeof(long long) * R)           /* version */
-             + ALIGN8(sizeof(double) * sp->nch)        /* chfree */
-             + ALIGN8(sizeof(double) * n)              /* start_ */
+             + ALIGN8(sizeof(long long) * sp->nch)     /* chfree */
+             + ALIGN8(sizeof(long long) * n)           /* start_ */
              + ALIGN8(sizeof(Done) * n) * 2            /* done, tmp */
              + ALIGN8(sizeof(int) * R);                /* cnt */
     buf = (char *)calloc(1, nbytes);
@@ -577,35 +604,28 @@ static PyObject *run(PyObject *self, PyObject *args) {
     p = buf;
 #define TAKE(ptr, type, count) do { ptr = (type *)p; p += ALIGN8(sizeof(type) * (size_t)(count)); } while (0)
     TAKE(w.needf, double, S);
-    TAKE(w.wdur, double, S);
     TAKE(w.lim, double, R);
     TAKE(w.fsd, int, S);
     TAKE(w.qm, int, n);
-    TAKE(w.qa, double, n);
+    TAKE(w.qa, long long, n);
     TAKE(w.qlen, int, Q);
     TAKE(w.heads, int, Q);
     TAKE(w.wl, int, S * N);
-    TAKE(w.free_, double, R);
+    TAKE(w.free_, long long, R);
     TAKE(w.mem, double, R);
     TAKE(w.f_done, int, R);
     TAKE(w.seen_bw, int, R);
     TAKE(w.last_full, int, R);
     TAKE(w.total_f, int, R);
     TAKE(w.version, long long, R);
-    TAKE(w.chfree, double, sp->nch);
-    TAKE(w.start_, double, n);
+    TAKE(w.chfree, long long, sp->nch);
+    TAKE(w.start_, long long, n);
     TAKE(w.done, Done, n);
     TAKE(w.tmp, Done, n);
     TAKE(cnt, int, R);
 #undef TAKE
 #undef ALIGN8
 
-    if (wdur_o == Py_None) {
-        for (s = 0; s < S; s++) w.wdur[s] = sp->w[s] / (double)n_sub;
-    } else if (get_doubles(wdur_o, w.wdur, S) < 0) {
-        free(buf);
-        return NULL;
-    }
     if (lim_o == Py_None) {
         for (r = 0; r < R; r++) w.lim[r] = INFINITY;
     } else if (get_doubles(lim_o, w.lim, R) < 0) {
@@ -627,7 +647,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
     for (i = 0; i < S * N; i++) w.wl[i] = n_sub;
     for (j = 0; j < Q; j++) {  /* the classes that need nothing: every microbatch ready at 0 */
         if (sp->deps.trigger[j] != DEPS_ROOT) continue;
-        for (i = 0; i < N; i++) { w.qm[j * N + i] = i; w.qa[j * N + i] = 0.0; }
+        for (i = 0; i < N; i++) { w.qm[j * N + i] = i; w.qa[j * N + i] = 0; }
         w.qlen[j] = N;
     }
     for (r = 0; r < R; r++) w.last_full[r] = -1;
@@ -658,7 +678,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(PyList_GET_ITEM(ids, rr), cnt[rr], v);
         cnt[rr]++;
     }
-    res = Py_BuildValue("(NdL)", ids, w.makespan, w.waits);
+    res = Py_BuildValue("(NLL)", ids, w.makespan, w.waits);
     free(buf);
     return res;
 }
@@ -666,7 +686,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"make_spec", make_spec, METH_VARARGS, "make_spec(R, N, stage_to_rank, f, b, w, deps, ch, tx, lat, deltas) -> spec"},
     {"run", run, METH_VARARGS,
-     "run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, wdur, need_f, lim) -> (ids, makespan, waits)"},
+     "run(spec, n_sub, backward_first, pending, k_units, critical_path, lookahead, need_f, lim) -> (ids, makespan_ns, waits)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_greedy_c",

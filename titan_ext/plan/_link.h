@@ -1,5 +1,5 @@
 /* The one link send of the compiled planners: titan_ext.plan.timing.LinkQueues.send (DESIGN.md "Timing
- * model"), for integer nanoseconds (_pipemorph.c) and for float milliseconds (_greedy.c, _search.c).
+ * model") in integer nanoseconds (int64), the one unit of plan/ (_pipemorph.c, _greedy.c, _search.c).
  *
  * A message ready at `ready` on a link direction ("channel") whose transmission window has length
  * `transfer` (size·β) and whose latency is `latency` (α):
@@ -24,7 +24,6 @@
     }
 
 TITAN_EXT_LINK_SEND(link_send_ns, long long)
-TITAN_EXT_LINK_SEND(link_send_ms, double)
 
 #undef TITAN_EXT_LINK_SEND
 

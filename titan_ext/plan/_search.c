@@ -1,14 +1,16 @@
 /* Compiled search engine of the CrossPipe planner (titan_ext.plan.crosspipe).
  *
- * The same algorithms as the pure-Python reference in the crosspipe package — the timing model of CrossPipe
- * §3.5 on flat arrays (crosspipe.model.Model), the critical-path descent (crosspipe.search.critical_moves /
- * local_search with ``max_evals``) and the annealing of crosspipe.search.anneal — with the same
- * floating-point operations in the same order and the same random numbers (splitmix64), so for a
- * given number of evaluations both return the same plan (tests/plan/test_crosspipe_engine.py).  Only
- * faster: the planner's time budget buys ~100x more plan evaluations here.
+ * The same algorithms as the pure-Python reference in the crosspipe package — simulate's timing model
+ * (CrossPipe §3.5) on flat arrays (crosspipe.retime.Retimer), the critical-path descent
+ * (crosspipe.search.critical_moves / local_search with ``max_evals``) and the annealing of
+ * crosspipe.search.anneal — in integer nanoseconds (int64; the annealing's threshold as
+ * crosspipe.search.threshold computes it) with the same random numbers (splitmix64), so for a given
+ * number of evaluations both return the same plan (tests/plan/test_crosspipe_engine.py).  Only faster:
+ * the planner's time budget buys ~100x more plan evaluations here.
  *
- * The dependency rule arrives as data: Model.spec()'s per-operation out-edges and producers, built from
- * titan_ext.plan.deps.table (no rule is written here); messages use _link.h's FIFO send.
+ * The description arrives as data: Retimer.spec()'s per-operation durations, out-edges and producers,
+ * built from a titan_ext.plan.placed.PlacedProfile and titan_ext.plan.deps.table (no rule is written
+ * here); messages use _link.h's FIFO send (int64 ns, the one instantiation).
  *
  * Plain C and the CPython API; no torch, no numpy.  Built by setup.py as titan_ext.plan._search_c;
  * the planner falls back to the Python reference when it is missing.
@@ -16,25 +18,28 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "_link.h"
 
-#define EPS 1e-9
+typedef long long ns_t;
+#define NS_INF LLONG_MAX /* no bound / not finished (crosspipe.search._NO_BOUND and above) */
+#define NO_BOUND (1LL << 62)
 
 typedef struct {
     int d, ch, rd, unused; /* consumer, channel (-1: same rank), consumer's rank */
-    double tx, lat;        /* size·β, α */
+    ns_t tx, lat;          /* size·β, α */
 } Edge;
 
 typedef struct {
     int n, N, R, nch;
-    double *dur;
+    ns_t *dur;
     int *ocnt;   /* out edges per op (0..2) */
     Edge *edge;  /* [2n]: op i's edges at 2i, 2i+1 */
-    double *zero; /* n zeros: the "no tail" tail */
+    ns_t *zero;  /* n zeros: the "no tail" tail */
     int *rank, *kind, *prod;
     int *chan_of;     /* channel an op's message occupies (-1: none, or size·β = 0) */
     int *chan_sender; /* per channel: the rank that sends on it */
@@ -49,8 +54,8 @@ typedef struct {
 } Orders;
 
 typedef struct {
-    double *start, *avail, *free_, *chfree;
-    double *msgres; /* per sending op: the end of its message's window on its channel (detail runs) */
+    ns_t *start, *avail, *free_, *chfree;
+    ns_t *msgres; /* per sending op: the end of its message's window on its channel (detail runs) */
     int *pos, *stack;
     char *queued;
 } Work;
@@ -73,7 +78,7 @@ static int get_int_list(PyObject *seq, int *dst, int n) {
     return 0;
 }
 
-/* spec = (N, R, nch, dur, out, rank, kind, prod, delta) as built by crosspipe.model.Model.spec() */
+/* spec = (N, R, nch, dur, out, rank, kind, prod, delta) as built by crosspipe.retime.Retimer.spec() */
 static int model_parse(PyObject *spec, Model *m) {
     memset(m, 0, sizeof(*m));
     PyObject *dur, *out, *rank, *kind, *prod, *delta;
@@ -81,8 +86,8 @@ static int model_parse(PyObject *spec, Model *m) {
     int n = (int)PySequence_Size(dur);
     if (n < 0) return -1;
     m->n = n;
-    m->dur = (double *)malloc(sizeof(double) * (n)); m->ocnt = (int *)calloc(n, sizeof(int));
-    m->edge = (Edge *)malloc(sizeof(Edge) * (2 * n + 1)); m->zero = (double *)calloc(n + 1, sizeof(double));
+    m->dur = (ns_t *)malloc(sizeof(ns_t) * (n + 1)); m->ocnt = (int *)calloc(n + 1, sizeof(int));
+    m->edge = (Edge *)malloc(sizeof(Edge) * (2 * n + 1)); m->zero = (ns_t *)calloc(n + 1, sizeof(ns_t));
     m->rank = (int *)malloc(sizeof(int) * (n)); m->kind = (int *)malloc(sizeof(int) * (n)); m->prod = (int *)malloc(sizeof(int) * (n));
     if (!m->dur || !m->ocnt || !m->edge || !m->zero || !m->rank || !m->kind || !m->prod) {
         PyErr_NoMemory(); return -1;
@@ -90,7 +95,7 @@ static int model_parse(PyObject *spec, Model *m) {
     for (int i = 0; i < n; i++) {
         PyObject *x = PySequence_GetItem(dur, i);
         if (!x) return -1;
-        m->dur[i] = PyFloat_AsDouble(x); Py_DECREF(x);
+        m->dur[i] = PyLong_AsLongLong(x); Py_DECREF(x);
         if (PyErr_Occurred()) return -1;
         PyObject *edges = PySequence_GetItem(out, i);
         if (!edges) return -1;
@@ -99,8 +104,8 @@ static int model_parse(PyObject *spec, Model *m) {
         m->ocnt[i] = k;
         for (int j = 0; j < k; j++) {
             PyObject *e = PySequence_GetItem(edges, j);
-            int d, ch; double tx, lat;
-            if (!e || !PyArg_ParseTuple(e, "iidd", &d, &ch, &tx, &lat)) { Py_XDECREF(e); Py_DECREF(edges); return -1; }
+            int d, ch; long long tx, lat;
+            if (!e || !PyArg_ParseTuple(e, "iiLL", &d, &ch, &tx, &lat)) { Py_XDECREF(e); Py_DECREF(edges); return -1; }
             Py_DECREF(e);
             Edge *E = &m->edge[2 * i + j];
             E->d = d; E->ch = ch; E->tx = tx; E->lat = lat; E->rd = 0; E->unused = 0;
@@ -125,7 +130,7 @@ static int model_parse(PyObject *spec, Model *m) {
             const Edge *E = &m->edge[2 * i + j];
             if (E->ch < 0) continue;
             if (E->ch >= m->nch) { PyErr_SetString(PyExc_ValueError, "edge on a bad channel"); return -1; }
-            if (E->tx != 0.0) { m->chan_of[i] = E->ch; m->chan_sender[E->ch] = m->rank[i]; }
+            if (E->tx != 0) { m->chan_of[i] = E->ch; m->chan_sender[E->ch] = m->rank[i]; }
         }
     }
     return 0;
@@ -170,10 +175,10 @@ static PyObject *orders_to_py(const Orders *o) {
 }
 
 static int work_alloc(Work *w, const Model *m) {
-    w->start = (double *)malloc(sizeof(double) * ((m->n + 1))); w->avail = (double *)malloc(sizeof(double) * (m->n));
-    w->free_ = (double *)malloc(sizeof(double) * (m->R)); w->chfree = (double *)malloc(sizeof(double) * ((m->nch + 1)));
+    w->start = (ns_t *)malloc(sizeof(ns_t) * ((m->n + 1))); w->avail = (ns_t *)malloc(sizeof(ns_t) * (m->n + 1));
+    w->free_ = (ns_t *)malloc(sizeof(ns_t) * (m->R)); w->chfree = (ns_t *)malloc(sizeof(ns_t) * ((m->nch + 1)));
     w->pos = (int *)malloc(sizeof(int) * (m->R)); w->stack = (int *)malloc(sizeof(int) * (m->R)); w->queued = (char *)malloc(m->R);
-    w->msgres = (double *)malloc(sizeof(double) * (m->n + 1));
+    w->msgres = (ns_t *)malloc(sizeof(ns_t) * (m->n + 1));
     if (!w->start || !w->avail || !w->free_ || !w->chfree || !w->pos || !w->stack || !w->queued || !w->msgres) {
         PyErr_NoMemory(); return -1;
     }
@@ -185,19 +190,18 @@ static void work_free(Work *w) {
     free(w->msgres);
 }
 
-/* crosspipe.model.Model._loop: advance every rank from w->pos / w->free_ / w->chfree / w->avail
- * (``done`` operations already timed; ``first``: start of op 0 if it is among them).  Returns the
- * makespan (inf: deadlock, or an operation ended after ``bound``, or its end plus its rank's remaining
- * work exceeded bound + 1e-7 when ``tail`` is given); *sf = Σ rank finish times.  ``detail``: also
- * start (per op) and msgres (per sending op) in ``w``. */
-static double loop(const Model *m, const Orders *o, Work *w, double bound, const double *tail, int detail, double *sf,
-                   int done, double first) {
+/* crosspipe.retime.Retimer._loop: advance every rank from w->pos / w->free_ / w->chfree / w->avail
+ * (``done`` operations already timed).  Returns the makespan, the end of the last operation (NS_INF:
+ * deadlock, or an operation's end — plus its rank's remaining work when ``tail`` is given — exceeded
+ * ``bound``); *sf = Σ rank finish times.  ``detail``: also start (per op) and msgres (per sending op)
+ * in ``w``. */
+static ns_t loop(const Model *m, const Orders *o, Work *w, ns_t bound, const ns_t *tail, int detail, ns_t *sf,
+                 int done) {
     const int n = m->n, R = m->R;
-    double *avail = w->avail, *fr_ = w->free_, *chfree = w->chfree, *start = w->start, *msgres = w->msgres;
+    ns_t *avail = w->avail, *fr_ = w->free_, *chfree = w->chfree, *start = w->start, *msgres = w->msgres;
     int *pos = w->pos, *stack = w->stack;
     char *queued = w->queued;
-    double tbound = tail ? bound + 1e-7 : bound;
-    const double *tl = tail ? tail : m->zero, *dur = m->dur;
+    const ns_t *tl = tail ? tail : m->zero, *dur = m->dur;
     const int *ocnt = m->ocnt;
     const Edge *edge = m->edge;
     int top = 0;
@@ -207,23 +211,22 @@ static double loop(const Model *m, const Orders *o, Work *w, double bound, const
         queued[r] = 0;
         const int *ops = o->ord[r];
         int p = pos[r], L = o->len[r];
-        double fr = fr_[r];
+        ns_t fr = fr_[r];
         while (p < L) {
             int op = ops[p];
-            double a = avail[op];
+            ns_t a = avail[op];
             if (a < 0) break;
-            double t = a > fr ? a : fr;
+            ns_t t = a > fr ? a : fr;
             if (detail) start[op] = t;
-            else if (op == 0) first = t;
             fr = t + dur[op];
-            if (fr > bound || fr + tl[op] > tbound) { *sf = INFINITY; return INFINITY; }
+            if (fr + tl[op] > bound) { *sf = NS_INF; return NS_INF; }
             const Edge *E = edge + 2 * op, *Eend = E + ocnt[op];
             for (; E < Eend; E++) {
                 int d = E->d, ch = E->ch;
                 if (ch < 0) avail[d] = fr;
                 else {
-                    avail[d] = link_send_ms(&chfree[ch], E->tx, E->lat, fr);  /* _link.h */
-                    if (detail && E->tx != 0.0) msgres[op] = chfree[ch];
+                    avail[d] = link_send_ns(&chfree[ch], E->tx, E->lat, fr);  /* _link.h */
+                    if (detail && E->tx != 0) msgres[op] = chfree[ch];
                 }
                 int x = E->rd;
                 if (x != r && !queued[x]) { queued[x] = 1; stack[top++] = x; }
@@ -234,26 +237,25 @@ static double loop(const Model *m, const Orders *o, Work *w, double bound, const
         pos[r] = p;
         fr_[r] = fr;
     }
-    if (done != n) { *sf = INFINITY; return INFINITY; }
-    double mx = fr_[0], s = 0.0;
+    if (done != n) { *sf = NS_INF; return NS_INF; }
+    ns_t mx = fr_[0], s = 0;
     for (int r = 0; r < R; r++) { if (fr_[r] > mx) mx = fr_[r]; s += fr_[r]; }
-    if (detail) first = start[0];
     *sf = s;
-    return mx - first;
+    return mx;
 }
 
-/* crosspipe.model.Model.run: time the orders from scratch (see loop). */
-static double run(const Model *m, const Orders *o, Work *w, double bound, const double *tail, int detail, double *sf) {
-    for (int i = 0; i < m->n; i++) w->avail[i] = -1.0;
-    for (int i = 0; i < m->N; i++) w->avail[i] = 0.0;
-    for (int c = 0; c < m->nch; c++) w->chfree[c] = 0.0;
-    for (int r = 0; r < m->R; r++) { w->pos[r] = 0; w->free_[r] = 0.0; }
-    return loop(m, o, w, bound, tail, detail, sf, 0, 0.0);
+/* crosspipe.retime.Retimer.run: time the orders from scratch (see loop). */
+static ns_t run(const Model *m, const Orders *o, Work *w, ns_t bound, const ns_t *tail, int detail, ns_t *sf) {
+    for (int i = 0; i < m->n; i++) w->avail[i] = -1;
+    for (int i = 0; i < m->N; i++) w->avail[i] = 0;
+    for (int c = 0; c < m->nch; c++) w->chfree[c] = 0;
+    for (int r = 0; r < m->R; r++) { w->pos[r] = 0; w->free_[r] = 0; }
+    return loop(m, o, w, bound, tail, detail, sf, 0);
 }
 
 /* Operations of rank x's order that started before T in the base timing ``b`` (its starts are
  * non-decreasing in program order); on the moved rank only positions < lo count (they are unchanged). */
-static int started_before(const Model *m, const Orders *o, const Work *b, int x, double T, int lim) {
+static int started_before(const Model *m, const Orders *o, const Work *b, int x, ns_t T, int lim) {
     const int *ord = o->ord[x];
     int lo = 0, hi = lim;
     while (lo < hi) {
@@ -263,14 +265,14 @@ static int started_before(const Model *m, const Orders *o, const Work *b, int x,
     return lo;
 }
 
-/* crosspipe.model.Model.rerun: time ``o``, which differs from the orders timed in detail in ``b`` only
+/* crosspipe.retime.Retimer.rerun: time ``o``, which differs from the orders timed in detail in ``b`` only
  * on rank r at positions lo..hi.  Every operation that started before the earliest of the moved ones
  * keeps its times (it cannot depend on them), so the run restarts from there; same result as run(). */
-static double rerun(const Model *m, const Orders *o, const Work *b, Work *w, int r, int lo, int hi, double bound,
-                    const double *tail, int detail, double *sf) {
+static ns_t rerun(const Model *m, const Orders *o, const Work *b, Work *w, int r, int lo, int hi, ns_t bound,
+                  const ns_t *tail, int detail, ns_t *sf) {
     const int n = m->n, R = m->R;
-    double T = INFINITY;
-    for (int j = lo; j <= hi; j++) { double t = b->start[o->ord[r][j]]; if (t < T) T = t; }
+    ns_t T = NS_INF;
+    for (int j = lo; j <= hi; j++) { ns_t t = b->start[o->ord[r][j]]; if (t < T) T = t; }
     int done = 0;
     for (int x = 0; x < R; x++) {
         w->pos[x] = started_before(m, o, b, x, T, x == r ? lo : o->len[x]);
@@ -279,38 +281,37 @@ static double rerun(const Model *m, const Orders *o, const Work *b, Work *w, int
     if (!done) return run(m, o, w, bound, tail, detail, sf);
     for (int x = 0; x < R; x++) {
         int k = w->pos[x];
-        w->free_[x] = k ? b->start[o->ord[x][k - 1]] + m->dur[o->ord[x][k - 1]] : 0.0;
+        w->free_[x] = k ? b->start[o->ord[x][k - 1]] + m->dur[o->ord[x][k - 1]] : 0;
     }
     for (int c = 0; c < m->nch; c++) {
         int x = m->chan_sender[c];
-        double v = 0.0;
+        ns_t v = 0;
         for (int k = x < 0 ? -1 : w->pos[x] - 1; k >= 0; k--)
             if (m->chan_of[o->ord[x][k]] == c) { v = b->msgres[o->ord[x][k]]; break; }
         w->chfree[c] = v;
     }
-    memcpy(w->avail, b->avail, sizeof(double) * n);
+    memcpy(w->avail, b->avail, sizeof(ns_t) * n);
     for (int x = 0; x < R; x++)
         for (int k = w->pos[x]; k < o->len[x]; k++) {
             int op = o->ord[x][k];
-            for (int j = 0; j < m->ocnt[op]; j++) w->avail[m->edge[2 * op + j].d] = -1.0;
+            for (int j = 0; j < m->ocnt[op]; j++) w->avail[m->edge[2 * op + j].d] = -1;
         }
     if (detail) {
-        memcpy(w->start, b->start, sizeof(double) * (n + 1));
-        memcpy(w->msgres, b->msgres, sizeof(double) * n);
+        memcpy(w->start, b->start, sizeof(ns_t) * (n + 1));
+        memcpy(w->msgres, b->msgres, sizeof(ns_t) * n);
     }
-    double first = b->start[0] < T ? b->start[0] : 0.0;
-    return loop(m, o, w, bound, tail, detail, sf, done, first);
+    return loop(m, o, w, bound, tail, detail, sf, done);
 }
 
-static void rank_tails(const Model *m, const Orders *o, double *tail) {
+static void rank_tails(const Model *m, const Orders *o, ns_t *tail) {
     for (int r = 0; r < o->R; r++) {
-        double acc = 0.0;
+        ns_t acc = 0;
         for (int j = o->len[r] - 1; j >= 0; j--) { int x = o->ord[r][j]; tail[x] = acc; acc += m->dur[x]; }
     }
 }
 
-static void update_tails(const Model *m, double *tail, const int *o, int L, int lo, int hi) {
-    double acc = hi + 1 < L ? tail[o[hi + 1]] + m->dur[o[hi + 1]] : 0.0;
+static void update_tails(const Model *m, ns_t *tail, const int *o, int L, int lo, int hi) {
+    ns_t acc = hi + 1 < L ? tail[o[hi + 1]] + m->dur[o[hi + 1]] : 0;
     for (int j = hi; j >= lo; j--) { int x = o[j]; tail[x] = acc; acc += m->dur[x]; }
 }
 
@@ -360,18 +361,18 @@ static int moveset_add(MoveSet *s, int r, int p, int q, int n) {
 }
 
 /* crosspipe.search.critical_moves, same moves in the same order. */
-static int critical_moves(const Model *m, const Orders *o, const double *start, const double *avail, int depth,
+static int critical_moves(const Model *m, const Orders *o, const ns_t *start, const ns_t *avail, int depth,
                           int long_moves, int gap_fill, int *posof, MoveSet *s) {
     const int N = m->N, n = m->n;
     for (int i = 0; i < s->nused; i++) s->keys[s->used[i]] = -1; /* clear only what the last call filled */
     s->nmv = s->nused = 0;
     for (int r = 0; r < o->R; r++) for (int j = 0; j < o->len[r]; j++) posof[o->ord[r][j]] = j;
     int cur = -1;
-    double best = -INFINITY;
+    ns_t best = 0;
     for (int r = 0; r < o->R; r++) {
         if (!o->len[r]) continue;
         int x = o->ord[r][o->len[r] - 1];
-        double e = start[x] + m->dur[x];
+        ns_t e = start[x] + m->dur[x];
         if (cur < 0 || e > best) { best = e; cur = x; }
     }
     while (1) {
@@ -382,13 +383,13 @@ static int critical_moves(const Model *m, const Orders *o, const double *start, 
         int rank_bound = 0, prev = -1;
         if (p > 0) {
             prev = ord[p - 1];
-            rank_bound = start[cur] <= start[prev] + m->dur[prev] + EPS && avail[cur] < start[cur] - EPS;
+            rank_bound = start[cur] <= start[prev] + m->dur[prev] && avail[cur] < start[cur];
         }
         if (rank_bound) {
             int cls = cur / N;
             for (int q = p - 1; q >= 0 && p - q <= depth; q--) {
                 int a = ord[q];
-                if (a / N == cls || avail[cur] >= start[a] + m->dur[a] - EPS) break;
+                if (a / N == cls || avail[cur] >= start[a] + m->dur[a]) break;
                 if (moveset_add(s, r, p, q, n)) return -1;
             }
             int pcls = prev / N;
@@ -405,7 +406,7 @@ static int critical_moves(const Model *m, const Orders *o, const double *start, 
             cur = prev;
             continue;
         }
-        if (gap_fill && p > 0 && start[cur] > start[prev] + m->dur[prev] + EPS) {
+        if (gap_fill && p > 0 && start[cur] > start[prev] + m->dur[prev]) {
             int cls = cur / N, nfound = 0, found[8];
             int jend = L < p + 1 + 4 * depth ? L : p + 1 + 4 * depth;
             for (int j = p + 1; j < jend; j++) {
@@ -413,7 +414,7 @@ static int critical_moves(const Model *m, const Orders *o, const double *start, 
                 for (int k = 0; k < nfound && !seen_cls; k++) seen_cls = found[k] == ycls;
                 if (seen_cls) continue;
                 if (nfound < 8) found[nfound++] = ycls;
-                if (avail[y] < start[cur] - EPS && moveset_add(s, r, j, p, n)) return -1;
+                if (avail[y] < start[cur] && moveset_add(s, r, j, p, n)) return -1;
             }
         }
         if (m->prod[cur] >= n) break;
@@ -432,7 +433,7 @@ static uint64_t splitmix64(uint64_t *state) {
 
 /* ------------------------------------------------------------------ Python entry points */
 typedef struct {
-    Model m; Orders o; Work w; double *limit; double *tail;
+    Model m; Orders o; Work w; double *limit; ns_t *tail;
     int owned; /* m's arrays are ours (parsed from a tuple) rather than a model capsule's */
 } Ctx;
 
@@ -461,7 +462,7 @@ static PyObject *py_model(PyObject *self, PyObject *args) {
     return cap;
 }
 
-/* spec: a model capsule or the tuple of crosspipe.model.Model.spec() */
+/* spec: a model capsule or the tuple of crosspipe.retime.Retimer.spec() */
 static int ctx_init(Ctx *c, PyObject *spec, PyObject *orders, PyObject *limit) {
     memset(c, 0, sizeof(*c));
     if (PyCapsule_CheckExact(spec)) {
@@ -474,7 +475,7 @@ static int ctx_init(Ctx *c, PyObject *spec, PyObject *orders, PyObject *limit) {
     }
     if (orders_parse(orders, &c->o, c->m.R, c->m.n)) return -1;
     if (work_alloc(&c->w, &c->m)) return -1;
-    c->limit = (double *)malloc(sizeof(double) * (c->m.R)); c->tail = (double *)malloc(sizeof(double) * (c->m.n));
+    c->limit = (double *)malloc(sizeof(double) * (c->m.R)); c->tail = (ns_t *)malloc(sizeof(ns_t) * (c->m.n + 1));
     if (!c->limit || !c->tail) { PyErr_NoMemory(); return -1; }
     if (limit == Py_None) {
         for (int r = 0; r < c->m.R; r++) c->limit[r] = INFINITY;
@@ -490,14 +491,37 @@ static int ctx_init(Ctx *c, PyObject *spec, PyObject *orders, PyObject *limit) {
     return 0;
 }
 
+/* an ns value for Python: an int, or float('inf') for NS_INF (not finished / over the bound) */
+static PyObject *ns_to_py(ns_t v) {
+    return v == NS_INF ? PyFloat_FromDouble(INFINITY) : PyLong_FromLongLong(v);
+}
+
+/* a bound from Python: an int (ns) or a float (inf, or a real: its floor, since times are whole ns);
+ * at or above NO_BOUND none */
+static int bound_from_py(PyObject *o, ns_t *out) {
+    if (PyLong_Check(o)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        *out = overflow > 0 || v >= NO_BOUND ? NS_INF : (overflow < 0 ? -1 : v);
+        return 0;
+    }
+    double d = PyFloat_AsDouble(o);
+    if (d == -1.0 && PyErr_Occurred()) return -1;
+    *out = !(d < (double)NO_BOUND) ? NS_INF : (ns_t)floor(d);
+    return 0;
+}
+
 static PyObject *py_run(PyObject *self, PyObject *args) {
-    PyObject *spec, *orders; double bound;
-    if (!PyArg_ParseTuple(args, "OOd", &spec, &orders, &bound)) return NULL;
+    PyObject *spec, *orders, *bound_o;
+    ns_t bound;
+    if (!PyArg_ParseTuple(args, "OOO", &spec, &orders, &bound_o)) return NULL;
+    if (bound_from_py(bound_o, &bound)) return NULL;
     Ctx c;
     if (ctx_init(&c, spec, orders, Py_None)) { ctx_free(&c); return NULL; }
-    double sf, mk = run(&c.m, &c.o, &c.w, bound, NULL, 0, &sf);
+    ns_t sf, mk = run(&c.m, &c.o, &c.w, bound, NULL, 0, &sf);
     ctx_free(&c);
-    return Py_BuildValue("dd", mk, sf);
+    return Py_BuildValue("NN", ns_to_py(mk), ns_to_py(sf));
 }
 
 /* descent(spec, orders, limit, max_evals, depth, long_moves, gap_fill) -> (orders, makespan, evals)
@@ -509,7 +533,7 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     Ctx c;
     MoveSet ms = {NULL, 0, 0, NULL, 0, NULL, 0};
     int *posof = NULL, failed = 0;
-    double sf = 0.0, mk = INFINITY;
+    ns_t sf = 0, mk = NS_INF;
     Work wb; /* the current plan, timed in detail: the base of every candidate's rerun */
     long long evals = 1;
     PyObject *res = NULL, *ol;
@@ -525,9 +549,9 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     for (int i = 0; i < ms.hcap; i++) ms.keys[i] = -1;
     if (work_alloc(&wb, m)) goto done;
     Py_BEGIN_ALLOW_THREADS
-    mk = run(m, &c.o, &wb, INFINITY, NULL, 1, &sf);
+    mk = run(m, &c.o, &wb, NS_INF, NULL, 1, &sf);
     rank_tails(m, &c.o, c.tail);
-    while (evals < max_evals && mk < INFINITY) {
+    while (evals < max_evals && mk < NS_INF) {
         int improved = 0;
         if (critical_moves(m, &c.o, wb.start, wb.avail, depth, long_moves, gap_fill, posof, &ms)) { failed = 1; break; }
         for (int i = 0; i < ms.nmv; i++) {
@@ -538,12 +562,12 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
             move(o, p, q);
             if (!memory_ok(m, o, lo, hi, c.limit[r])) { move(o, q, p); continue; }
             update_tails(m, c.tail, o, L, lo, hi);
-            double s2, m2 = incremental ? rerun(m, &c.o, &wb, &c.w, r, lo, hi, wb.start[0] + mk + 1e-9, c.tail, 0, &s2)
-                                        : run(m, &c.o, &c.w, wb.start[0] + mk + 1e-9, c.tail, 0, &s2);
+            ns_t s2, m2 = incremental ? rerun(m, &c.o, &wb, &c.w, r, lo, hi, mk, c.tail, 0, &s2)
+                                      : run(m, &c.o, &c.w, mk, c.tail, 0, &s2);
             evals++;
-            if (m2 < mk - 1e-9 || (m2 <= mk + 1e-9 && s2 < sf - 1e-9)) {
-                mk = incremental ? rerun(m, &c.o, &wb, &c.w, r, lo, hi, INFINITY, NULL, 1, &sf)
-                                 : run(m, &c.o, &c.w, INFINITY, NULL, 1, &sf);
+            if (m2 < mk || (m2 <= mk && s2 < sf)) {
+                mk = incremental ? rerun(m, &c.o, &wb, &c.w, r, lo, hi, NS_INF, NULL, 1, &sf)
+                                 : run(m, &c.o, &c.w, NS_INF, NULL, 1, &sf);
                 Work tmp = wb; wb = c.w; c.w = tmp;
                 improved = 1;
                 break;
@@ -556,7 +580,7 @@ static PyObject *py_descent(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     if (failed) { PyErr_NoMemory(); goto done; }
     ol = orders_to_py(&c.o);
-    if (ol) res = Py_BuildValue("NdL", ol, mk, evals);
+    if (ol) res = Py_BuildValue("NNL", ol, ns_to_py(mk), evals);
 done:
     work_free(&wb);
     free(posof); free(ms.mv); free(ms.keys); free(ms.used);
@@ -570,11 +594,12 @@ typedef struct {
     const double *limit;
     Orders o;
     Work w;
-    double *tail;
+    ns_t *tail;
     int *best;
     long long max_evals, evals;
     uint64_t seed;
-    double t0, bmk;
+    double t0;
+    ns_t bmk;
     int max_shift;
 } Chain;
 
@@ -585,7 +610,7 @@ static int chain_init(Chain *c, const Model *m, const double *limit, const Order
     c->o.R = R;
     c->o.len = (int *)malloc(sizeof(int) * R); c->o.ord = (int **)malloc(sizeof(int *) * R);
     c->o.buf = (int *)malloc(sizeof(int) * (n > 0 ? n : 1));
-    c->tail = (double *)malloc(sizeof(double) * (n + 1)); c->best = (int *)malloc(sizeof(int) * (n > 0 ? n : 1));
+    c->tail = (ns_t *)malloc(sizeof(ns_t) * (n + 1)); c->best = (int *)malloc(sizeof(int) * (n > 0 ? n : 1));
     if (!c->o.len || !c->o.ord || !c->o.buf || !c->tail || !c->best || work_alloc(&c->w, m)) return -1;
     memcpy(c->o.buf, src->buf, sizeof(int) * n);
     for (int r = 0; r < R; r++) { c->o.len[r] = src->len[r]; c->o.ord[r] = c->o.buf + (src->ord[r] - src->buf); }
@@ -597,13 +622,13 @@ static void chain_free(Chain *c) { orders_free(&c->o); work_free(&c->w); free(c-
 static void chain_run(Chain *c) {
     const Model *m = c->m;
     const int N = m->N, R = m->R;
-    double sf, cur = run(m, &c->o, &c->w, INFINITY, NULL, 0, &sf);
+    ns_t sf, cur = run(m, &c->o, &c->w, NS_INF, NULL, 0, &sf);
     long long evals = 0, attempts = 0, max_evals = c->max_evals, max_attempts = 64 * max_evals + 1024;
     uint64_t st = c->seed;
     c->bmk = cur;
     memcpy(c->best, c->o.buf, sizeof(int) * m->n);
     rank_tails(m, &c->o, c->tail);
-    while (evals < max_evals && attempts < max_attempts && cur < INFINITY) {
+    while (evals < max_evals && attempts < max_attempts && cur < NS_INF) {
         attempts++;
         int r = (int)(splitmix64(&st) % (uint64_t)R);
         int L = c->o.len[r];
@@ -621,14 +646,18 @@ static void chain_run(Chain *c) {
         update_tails(m, c->tail, o, L, lo, hi);
         double u = (double)(splitmix64(&st) >> 11) * (1.0 / 9007199254740992.0);
         double temp = c->t0 * (1.0 - (double)evals / (double)max_evals);
-        double thr = u > 0.0 ? cur + temp * -log(u) : INFINITY;
+        ns_t thr = NS_INF; /* crosspipe.search.threshold: cur + floor(temp * -ln u), whole ns */
+        if (u > 0.0) {
+            double x = temp * -log(u);
+            if (x < (double)NO_BOUND) thr = cur + (ns_t)floor(x);
+        }
         evals++;
         /* timed from scratch: restarting from the moved operation (as the descent does) measured no
          * faster here (docs/crosspipe.md) */
-        double s2, m2 = run(m, &c->o, &c->w, thr, c->tail, 0, &s2);
-        if (m2 < INFINITY) {
+        ns_t s2, m2 = run(m, &c->o, &c->w, thr, c->tail, 0, &s2);
+        if (m2 < NS_INF) {
             cur = m2;
-            if (m2 < c->bmk - 1e-9) { c->bmk = m2; memcpy(c->best, c->o.buf, sizeof(int) * m->n); }
+            if (m2 < c->bmk) { c->bmk = m2; memcpy(c->best, c->o.buf, sizeof(int) * m->n); }
         } else {
             move(o, q, p);
             update_tails(m, c->tail, o, L, lo, hi);
@@ -658,7 +687,7 @@ static PyObject *py_anneal(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     memcpy(c.o.buf, ch.best, sizeof(int) * c.m.n);
     ol = orders_to_py(&c.o);
-    if (ol) res = Py_BuildValue("NdL", ol, ch.bmk, ch.evals);
+    if (ol) res = Py_BuildValue("NNL", ol, ns_to_py(ch.bmk), ch.evals);
 done:
     chain_free(&ch);
     ctx_free(&c);

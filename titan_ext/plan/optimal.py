@@ -1,6 +1,12 @@
 """Optimal pipeline schedules: CrossPipe's constraint model (§4.1) solved with OR-Tools CP-SAT.
 
-Model (CrossPipe §4.1, in integer time units of ``time_unit_ms``):
+Input: the description every CrossPipe planner reads, a :class:`~titan_ext.plan.placed.PlacedProfile`
+(stage-level profile, stage → rank placement, per-rank memory limit, the profile's memory rule).  Times
+are the profile's in integer ns (``timing.to_ns``); the solver's grid is the coarsest power of ten of
+ns (at most 1 ms) that divides every one of them (:func:`time_unit_ns_for`), so no time is rounded and
+a plan is timed on the grid by ``simulate``'s model (:class:`~titan_ext.plan.crosspipe.retime.Retimer`).
+
+Model (CrossPipe §4.1, in integer time units of ``time_unit_ns``):
 
 * **operations** – every compute operation (stage, F/I/W, microbatch) is an interval on its rank;
   every cross-rank message is a first-class operation: an interval of length ``size·β`` (the
@@ -67,13 +73,15 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Mapping, Sequence
 
-from .crosspipe.model import Model, replay
-from .crosspipe.portfolio import plan_crosspipe_problem
-from .crosspipe.problem import F, I, W, CrossPipeProblem, Op, problem_from_profile, to_actions
+from .crosspipe.portfolio import plan_crosspipe_placed
+from .crosspipe.retime import Retimer
+from .crosspipe.variants import F, I, W, Op, placed_from_profile, to_actions
 from ..args import ArgumentTypeError, bool_arg, int_arg, real_arg
 from .profile import profile_arg
 from .deps import table
 from .interrupt import solve
+from .placed import PlacedProfile
+from .timing import NS_PER_MS, to_ms, to_ns
 
 
 def _check_solver_args(time_limit_s, workers, flags: dict) -> None:
@@ -82,7 +90,7 @@ def _check_solver_args(time_limit_s, workers, flags: dict) -> None:
     for name, value in flags.items():
         bool_arg(value, name)
 
-__all__ = ["OptimalResult", "solve_optimal", "solve_optimal_problem", "time_unit_for"]
+__all__ = ["OptimalResult", "solve_optimal", "solve_optimal_problem", "time_unit_ns_for"]
 
 
 @dataclass
@@ -107,6 +115,8 @@ class OptimalResult:
     hint_ms: float | None = None
     """makespan of the greedy hint the solver started from (None: no hint)."""
     params: dict = field(default_factory=dict)
+    makespan_ns: int | None = None
+    """``makespan_ms`` in integer ns (the unit the solver and ``simulate`` time in)."""
 
     @property
     def gap(self) -> float | None:
@@ -116,27 +126,13 @@ class OptimalResult:
         return (self.makespan_ms - self.bound_ms) / self.makespan_ms
 
 
-def time_unit_for(values: Sequence[float], finest_ms: float = 1e-3) -> float:
-    """The coarsest time unit (in ms, a power of ten ≥ ``finest_ms``, at most 1 ms) in which every
-    value is an integer; ``finest_ms`` (rounding) when none is."""
-    unit = 1.0
-    while unit >= finest_ms * (1 - 1e-9):
-        if all(abs(v / unit - round(v / unit)) < 1e-6 for v in values):
-            return unit
-        unit /= 10
-    return finest_ms
-
-
-def _quantized_problem(problem: CrossPipeProblem, dur, lat, tx) -> CrossPipeProblem:
-    """``problem`` with every duration replaced by its integer number of time units (as floats), so
-    that :func:`replay` times a plan exactly on the solver's integer grid."""
-    S = problem.num_stages
-    return CrossPipeProblem(
-        problem.num_ranks, problem.num_microbatches, problem.stage_to_rank,
-        tuple(float(x) for x in dur[F]), tuple(float(x) for x in dur[I]), tuple(float(x) for x in dur[W]),
-        tuple(float(lat[b]) for b in range(S - 1)), tuple(float(tx[b]) for b in range(S - 1)),
-        problem.memory_limit, problem.memory_deltas,
-    )
+def time_unit_ns_for(values_ns: Sequence[int]) -> int:
+    """The coarsest time unit (ns, a power of ten, at most 1 ms) that divides every value: the solver's
+    integer grid (1 ns at the finest, so no time is ever rounded)."""
+    unit = NS_PER_MS
+    while unit > 1 and any(v % unit for v in values_ns):
+        unit //= 10
+    return unit
 
 
 def _longest_paths(nodes: list, dur: dict, arcs: list[tuple[object, object, int]]) -> tuple[dict, dict]:
@@ -198,14 +194,14 @@ def _jackson_bound(jobs: list[tuple[int, int, int]]) -> int:
     return best
 
 
-def _defer_weight_grads(problem: CrossPipeProblem, orders: dict) -> tuple[float, dict]:
+def _defer_weight_grads(problem: PlacedProfile, orders: dict, unit_ns: int = 1) -> tuple[int, dict]:
     """Hint polish: W has no successor (only the makespan), so moving the last k W of a rank to the
     end of its program keeps the plan valid (memory only falls at I) and can shorten the cool-down,
     where the backward chain of the last microbatch is critical.  Coordinate descent over ranks and
-    k, judged by the timing model of :func:`replay` (one :class:`Model`, compiled where built);
-    returns (makespan, orders), never worse than the input."""
+    k, judged by ``simulate``'s model on the solver's grid (:func:`_timer`); returns (makespan in
+    units, orders), never worse than the input."""
     N = problem.num_microbatches
-    time_of = _timer(problem)
+    time_of = _timer(problem, unit_ns)
     best = time_of(orders)
     orders = {r: list(o) for r, o in orders.items()}
     improved = True
@@ -218,26 +214,26 @@ def _defer_weight_grads(problem: CrossPipeProblem, orders: dict) -> tuple[float,
                 trial = dict(orders)
                 trial[r] = [op for op in base if op not in late] + sorted(late, key=lambda o: (o[2], o[0]))
                 ms = time_of(trial)
-                if ms < best - 1e-9:
+                if ms < best:
                     best, orders, improved = ms, trial, True
                     break
     return best, orders
 
 
-def _timer(problem: CrossPipeProblem):
-    """orders → makespan under :func:`replay`'s model, built once (``_search.c``'s bit-identical copy
-    of :meth:`Model.run` where it is built)."""
+def _timer(problem: PlacedProfile, unit_ns: int = 1):
+    """orders → makespan (in units of ``unit_ns``) under ``simulate``'s model, built once
+    (:class:`Retimer`; ``_search.c``'s bit-identical copy where it is built)."""
     from .crosspipe import _compiled
 
-    model = Model(problem)
+    model = Retimer(problem, unit_ns)
     eng = _compiled.engine()
-    if eng is None:
+    if eng is None or not _compiled.exact_in_c(problem):
         return lambda orders: model.run(model.ids(orders))[0]
     cap = eng.model(model.spec())
     return lambda orders: eng.run(cap, model.ids(orders), math.inf)[0]
 
 
-def _hint_candidates(problem: CrossPipeProblem, hint_orders: Mapping[int, Sequence[Op]] | None):
+def _hint_candidates(problem: PlacedProfile, hint_orders: Mapping[int, Sequence[Op]] | None):
     """The plans the hint is chosen from: ``hint_orders`` alone when given, else the CrossPipe greedy
     portfolios (CrossWave on a V-shape problem, CrossUD and CrossUDSub otherwise)."""
     if hint_orders is not None:
@@ -246,19 +242,19 @@ def _hint_candidates(problem: CrossPipeProblem, hint_orders: Mapping[int, Sequen
     wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(problem.num_ranks))
     for variant in ("wave",) if wave_shape else ("ud", "udsub"):
         try:
-            yield plan_crosspipe_problem(problem, variant, convert=False).orders
+            yield plan_crosspipe_placed(problem, variant, convert=False).orders
         except ValueError:
             continue
 
 
 def solve_optimal_problem(
-    problem: CrossPipeProblem,
+    problem: PlacedProfile,
     *,
     time_limit_s: float = 60.0,
     workers: int = 1,
     microbatch_order: bool = True,
     hint: bool = True,
-    time_unit_ms: float | None = None,
+    time_unit_ns: int | None = None,
     random_seed: int = 0,
     redundant: bool = True,
     deterministic_time: float | None = None,
@@ -278,8 +274,8 @@ def solve_optimal_problem(
     ``hint_orders`` (rank → ops, a complete plan of ``problem``): the hint is this plan instead of the
     greedy's (its last W's deferred where that shortens it, as the greedy's) — the warm start of
     :func:`titan_ext.plan.polish.polish_orders`.
-    ``time_unit_ms``: integer time grid; default: the coarsest power of ten that represents every
-    duration exactly (durations are rounded to it otherwise).
+    ``time_unit_ns``: integer time grid in ns; default: the coarsest power of ten that divides every
+    time (:func:`time_unit_ns_for`; times are rounded to a coarser one given here).
     ``redundant`` (needs ``microbatch_order``): the strengthened model of the module docstring —
     memory as precedences, messages in microbatch order, head/tail domains, per-rank one-machine
     bounds.  Same optimum as ``redundant=False`` (the plain §4.1 model); tests check both.
@@ -299,9 +295,9 @@ def solve_optimal_problem(
     """
     _check_solver_args(time_limit_s, workers, {"microbatch_order": microbatch_order, "hint": hint,
                                                 "redundant": redundant, "deterministic": deterministic, "log": log})
-    if not isinstance(problem, CrossPipeProblem):
-        raise ArgumentTypeError(f"problem must be a CrossPipeProblem, got {type(problem).__name__}")
-    real_arg(time_unit_ms, "time_unit_ms", positive=True, optional=True)
+    if not isinstance(problem, PlacedProfile):
+        raise ArgumentTypeError(f"problem must be a PlacedProfile, got {type(problem).__name__}")
+    int_arg(time_unit_ns, "time_unit_ns", 1, optional=True)
     real_arg(deterministic_time, "deterministic_time", minimum=0, optional=True)
     int_arg(random_seed, "random_seed")
     try:
@@ -317,14 +313,15 @@ def solve_optimal_problem(
     R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
     s2r = problem.stage_to_rank
     redundant = redundant and microbatch_order
-    all_values = list(problem.f_ms) + list(problem.b_ms) + list(problem.w_ms)
-    all_values += [problem.latency(b) for b in range(S - 1)] + [problem.transfer(b) for b in range(S - 1)]
-    unit = time_unit_ms if time_unit_ms is not None else time_unit_for(all_values)
-    q = lambda ms: int(round(ms / unit))  # noqa: E731
-    dur = {F: [q(x) for x in problem.f_ms], I: [q(x) for x in problem.b_ms], W: [q(x) for x in problem.w_ms]}
-    lat = [q(problem.latency(b)) for b in range(S - 1)]
-    tx = [q(problem.transfer(b)) for b in range(S - 1)]
-    qproblem = _quantized_problem(problem, dur, lat, tx)
+    f_ns, b_ns, w_ns = problem.times_ns()
+    link_ns = [problem.link_ns(b) for b in range(S - 1)]
+    unit = time_unit_ns if time_unit_ns is not None else time_unit_ns_for(
+        list(f_ns) + list(b_ns) + list(w_ns) + [x for pair in link_ns for x in pair])
+    q = lambda ns: int(round(ns / unit))  # noqa: E731
+    dur = {F: [q(x) for x in f_ns], I: [q(x) for x in b_ns], W: [q(x) for x in w_ns]}
+    lat = [q(a) for a, _ in link_ns]
+    tx = [q(t) for _, t in link_ns]
+    grid = Retimer(problem, unit)  # simulate's model on the solver's grid
 
     # ---- greedy hint, replayed on the integer grid (an exact feasible solution of the model)
     hint_int = None
@@ -333,20 +330,20 @@ def solve_optimal_problem(
         best = None
         for plan_orders in _hint_candidates(problem, hint_orders):
             if problem.memory_deltas[2] == 0:
-                _, orders = _defer_weight_grads(qproblem, plan_orders)
+                _, orders = _defer_weight_grads(problem, plan_orders, unit)
             else:  # a W that frees memory is not a pure filler: keep the greedy order
                 orders = plan_orders
-            rq = replay(qproblem, orders)
-            if best is None or rq.makespan_ms < best[0].makespan_ms:
+            rq = _grid_timing(grid, orders)
+            if best is None or rq[0] < best[0][0]:
                 best = (rq, orders)
         if best is not None:
-            hint_int = best[0]
-            hint_ms = replay(problem, best[1]).makespan_ms
+            hint_int = best[0]  # (makespan, op → start), in units
+            hint_ms = to_ms(Retimer(problem).run(grid.ids(best[1]))[0])
     total = sum(dur[k][s] for s in range(S) for k in (F, I, W)) * N
     comm = sum(lat) + sum(tx)
     horizon = total + 2 * N * (comm + 1) + 1
     if hint_int is not None:
-        horizon = min(horizon, int(round(hint_int.makespan_ms)))
+        horizon = min(horizon, hint_int[0])
 
     # ---- memory as precedences (exact with microbatch order, see the module docstring)
     mf, mi, mw = problem.memory_deltas
@@ -367,12 +364,12 @@ def solve_optimal_problem(
 
     def link(src: Op, dst: Op) -> None:
         nonlocal num_messages
-        hop = problem.hop(src[0], dst[0])
+        hop = problem.channel(src[0], dst[0])
         d = node_dur[src]
         if hop is None:
             arcs.append((src, dst, d))
             return
-        b, channel = hop.boundary, hop.channel  # times: the quantized tx/lat below
+        b, channel = hop  # times: the grid's tx/lat above
         num_messages += 1
         if tx[b] > 0:
             c = ("c",) + src
@@ -414,10 +411,10 @@ def solve_optimal_problem(
             jobs = [(head[c], node_dur[c], tail[c] - node_dur[c]) for c, *_, chan in messages if chan == ch]
             lb = max(lb, _jackson_bound(jobs))
     if lower_bound_ms is not None:
-        lb = max(lb, int(math.ceil(lower_bound_ms / unit - 1e-9)))
+        lb = max(lb, -(-to_ns(lower_bound_ms) // unit))
     horizon = max(horizon, lb)
     if upper_bound_ms is not None:
-        horizon = min(horizon, int(math.floor(upper_bound_ms / unit + 1e-9)))
+        horizon = min(horizon, to_ns(upper_bound_ms) // unit)
 
     m = cp_model.CpModel()
     start: dict = {}
@@ -486,30 +483,30 @@ def solve_optimal_problem(
     if hint_int is not None:
         # a complete hint (ops, messages FIFO per channel as replay sends them, makespan): CP-SAT
         # checks it at once instead of completing it by search
-        hs = {op: int(round(t)) for op, t in hint_int.start_ms.items()}
+        hs = dict(hint_int[1])
         free_at: dict = {}
         for c, src, _, b, ch in sorted(messages, key=lambda x: (hs[x[1]] + node_dur[x[1]], x[1][2], x[1][0])):
             hs[c] = max(hs[src] + node_dur[src], free_at.get(ch, 0))
             free_at[ch] = hs[c] + tx[b]
         for v in nodes:
             m.AddHint(start[v], hs[v])
-        m.AddHint(makespan, int(round(hint_int.makespan_ms)))
+        m.AddHint(makespan, hint_int[0])
 
     tail_info = []
     if tail_polish is None:
         tail_polish = (0.8, 0.6, 0.4, 0.2)
-    cur, cur_ms = None, None
-    if hint_int is not None and tail_polish and lb < int(round(hint_int.makespan_ms)):
+    cur, cur_mk = None, None
+    if hint_int is not None and tail_polish and lb < hint_int[0]:
         step_dtime = polish_step_dtime or max(0.05, min(2.0, 0.04 * time_limit_s))  # deterministic units
-        cur, cur_ms = _neighbourhood_polish(
-            m, nodes, start, makespan, dict(hs), int(round(hint_int.makespan_ms)), lb, tail_polish,
+        cur, cur_mk = _neighbourhood_polish(
+            m, nodes, start, makespan, dict(hs), hint_int[0], lb, tail_polish,
             lambda ps: _set_params(ps, min(float(time_limit_s) / 4 if deterministic else
                                            max(0.05, min(3.0, 0.05 * time_limit_s)), time_left() / 4),
                                    step_dtime, workers, deterministic, random_seed), tail_info, unit)
         m.ClearHints()
         for v in nodes:
             m.AddHint(start[v], cur[v])
-        m.AddHint(makespan, cur_ms)
+        m.AddHint(makespan, cur_mk)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_left()  # time_limit_s holds end to end
     if deterministic and deterministic_time is None:
@@ -527,23 +524,34 @@ def solve_optimal_problem(
     name = solver.StatusName(status)
     num_ops = 3 * N * S
     params = {"time_limit_s": time_limit_s, "workers": workers, "microbatch_order": microbatch_order, "hint": hint,
-              "redundant": redundant, "deterministic_time": deterministic_time, "root_bound_ms": lb * unit, "tail_polish": tail_info}
+              "redundant": redundant, "deterministic_time": deterministic_time, "root_bound_ms": to_ms(lb * unit),
+              "tail_polish": tail_info}
     solved = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    if cur is not None and (not solved or solver.ObjectiveValue() > cur_ms):  # keep the polished hint
+    if cur is not None and (not solved or solver.ObjectiveValue() > cur_mk):  # keep the polished hint
         starts = {op: cur[op] for op in ops}
         bound = max(lb, solver.BestObjectiveBound()) if solved else lb
-        return _result(qproblem, problem, starts, dur, s2r, "FEASIBLE", False, cur_ms, bound, unit, solve_s,
+        return _result(grid, problem, starts, dur, s2r, "FEASIBLE", False, cur_mk, bound, unit, solve_s,
                        num_messages, hint_ms, params)
     if not solved:
         bound = solver.BestObjectiveBound() if ran else lb
-        return OptimalResult(name, False, None, bound * unit, None, None, None, solve_s, unit, num_ops, num_messages,
-                             hint_ms, params)
+        return OptimalResult(name, False, None, to_ms(int(round(bound)) * unit), None, None, None, solve_s, to_ms(unit),
+                             num_ops, num_messages, hint_ms, params)
     starts = {op: solver.Value(start[op]) for op in ops}
-    return _result(qproblem, problem, starts, dur, s2r, name, status == cp_model.OPTIMAL, solver.ObjectiveValue(),
+    return _result(grid, problem, starts, dur, s2r, name, status == cp_model.OPTIMAL, solver.ObjectiveValue(),
                    solver.BestObjectiveBound(), unit, solve_s, num_messages, hint_ms, params)
 
 
-def _result(qproblem, problem, starts, dur, s2r, name, proven, objective, bound, unit, solve_s, num_messages,
+def _grid_timing(grid: Retimer, orders) -> tuple[int, dict]:
+    """(makespan, op → start) of ``orders`` on the solver's grid (``simulate``'s model, in units)."""
+    ids = grid.ids(orders)
+    timed = grid.run(ids, detail=True)
+    if timed.makespan == math.inf:
+        raise ValueError("the hint plan deadlocks")
+    start = timed.start
+    return timed.makespan, {op: start[i] for r in range(grid.R) for op, i in zip(orders[r], ids[r])}
+
+
+def _result(grid, problem, starts, dur, s2r, name, proven, objective, bound, unit, solve_s, num_messages,
             hint_ms, params) -> OptimalResult:
     """The :class:`OptimalResult` of integer start times ``starts`` (op → units)."""
     orders: dict[int, list[Op]] = {r: [] for r in range(problem.num_ranks)}
@@ -552,12 +560,12 @@ def _result(qproblem, problem, starts, dur, s2r, name, proven, objective, bound,
         orders[s2r[op[0]]].append(op)
     # the solver's objective may carry slack when not proven; the plan's own (replayed, semi-active)
     # makespan on the integer grid is never larger and is what the plan achieves
-    best_obj = min(objective, replay(qproblem, orders).makespan_ms) * unit
+    best_ns = min(int(round(objective)), grid.run(grid.ids(orders))[0]) * unit
     return OptimalResult(
-        status=name, proven=proven, makespan_ms=best_obj, bound_ms=bound * unit, orders=orders,
-        actions=to_actions(orders), start_ms={op: t * unit for op, t in starts.items()}, solve_s=solve_s,
-        time_unit_ms=unit, num_ops=3 * problem.num_microbatches * problem.num_stages, num_messages=num_messages,
-        hint_ms=hint_ms, params=params,
+        status=name, proven=proven, makespan_ms=to_ms(best_ns), bound_ms=to_ms(int(round(bound)) * unit),
+        orders=orders, actions=to_actions(orders), start_ms={op: to_ms(t * unit) for op, t in starts.items()},
+        solve_s=solve_s, time_unit_ms=to_ms(unit), num_ops=3 * problem.num_microbatches * problem.num_stages,
+        num_messages=num_messages, hint_ms=hint_ms, params=params, makespan_ns=best_ns,
     )
 
 
@@ -571,34 +579,34 @@ def _set_params(ps, max_time_s: float, dtime: float | None, workers: int, determ
     ps.parameters.random_seed = int(seed)
 
 
-def _neighbourhood_polish(m, nodes, start, makespan, cur, cur_ms, lb, fractions, set_params, info, unit):
-    """Tail polish of a complete solution ``cur`` (node → start, makespan ``cur_ms``) by CP-SAT: for
+def _neighbourhood_polish(m, nodes, start, makespan, cur, cur_mk, lb, fractions, set_params, info, unit):
+    """Tail polish of a complete solution ``cur`` (node → start, makespan ``cur_mk``) by CP-SAT: for
     each fraction f, a copy of the model with the operations starting before f × makespan fixed at
     their times and the rest re-optimised from the hint (a small model).  The incumbent satisfies
     every added constraint, so a step never makes it worse; a step's better solution is kept.
-    Returns (cur, cur_ms)."""
+    Returns (cur, cur_mk)."""
     from ortools.sat.python import cp_model
 
     for frac in fractions:
         sub = m.Clone()
         var = lambda v: sub.GetIntVarFromProtoIndex(start[v].Index())  # noqa: E731
         for v in nodes:
-            if cur[v] < frac * cur_ms:
+            if cur[v] < frac * cur_mk:
                 sub.Add(var(v) == cur[v])
         sub.ClearHints()
         for v in nodes:
             sub.AddHint(var(v), cur[v])
-        sub.AddHint(sub.GetIntVarFromProtoIndex(makespan.Index()), cur_ms)
+        sub.AddHint(sub.GetIntVarFromProtoIndex(makespan.Index()), cur_mk)
         ps = cp_model.CpSolver()
         set_params(ps)
         status = solve(ps, sub)
-        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and ps.ObjectiveValue() < cur_ms:
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and ps.ObjectiveValue() < cur_mk:
             cur = {v: ps.Value(start[v]) for v in nodes}
-            cur_ms = int(round(ps.ObjectiveValue()))
-        info.append((frac, cur_ms * unit, round(ps.WallTime(), 2)))
-        if cur_ms <= lb:
+            cur_mk = int(round(ps.ObjectiveValue()))
+        info.append((frac, to_ms(cur_mk * unit), round(ps.WallTime(), 2)))
+        if cur_mk <= lb:
             break
-    return cur, cur_ms
+    return cur, cur_mk
 
 
 def solve_optimal(
@@ -619,7 +627,7 @@ def solve_optimal(
     profile_arg(profile)
     _check_solver_args(time_limit_s, workers, {"wave": wave, "microbatch_order": microbatch_order, "hint": hint,
                                                 "validate": validate, "deterministic": deterministic})
-    problem = problem_from_profile(profile, "wave" if wave else "ud", memory_limit)
+    problem = placed_from_profile(profile, "wave" if wave else "ud", memory_limit)
     result = solve_optimal_problem(
         problem, time_limit_s=time_limit_s, workers=workers, microbatch_order=microbatch_order, hint=hint,
         deterministic=deterministic,
@@ -627,8 +635,6 @@ def solve_optimal(
     if validate and result.actions is not None:
         from .validate import validate_plan
 
-        per_stage = None
-        if problem.memory_limit is not None and not wave:
-            per_stage = [int(math.floor(x + 1e-9)) for x in problem.memory_limit]
-        validate_plan(result.actions, problem.num_stages, problem.num_microbatches, inflight_limit=per_stage)
+        validate_plan(result.actions, problem.num_stages, problem.num_microbatches,
+                      inflight_limit=problem.per_stage_limit(), release=problem.release)
     return result

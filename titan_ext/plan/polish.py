@@ -23,6 +23,9 @@ polish at S = 8, N = 32 used 1.4–2.0 s there, at load average 20–40).  Only 
 busier machine (then the plan may differ; never worse, never invalid).  Problems with more than
 ``max_ops`` operations (3·N·S) are not polished: the model alone would eat the budget.
 
+Input: the description every CrossPipe planner reads (a :class:`~titan_ext.plan.placed.PlacedProfile`
+with one stage per rank); every makespan here is ``simulate``'s, in integer ns (``replay_makespan_ns``).
+
 Guarantee (one rule, :func:`_accept`, for both entry points): a polished plan is returned only when our
 validator accepts it (per-stage in-flight limit included, under the profile's memory rule
 ``profile.release``) and its makespan under the one simulator (``simulate.replay_makespan_ns``) is below
@@ -39,8 +42,9 @@ import math
 import time
 from typing import Mapping, Sequence
 
-from .crosspipe import CrossPipePlan, CrossPipeProblem, Op, peak_memory, problem_from_profile, to_actions
+from .crosspipe import CrossPipePlan, Op, placed_from_profile, to_actions
 from .ir import as_ops
+from .placed import PlacedProfile
 from .result import PlanResult, make_result
 from .simulate import replay_makespan_ns
 from .timing import to_ms
@@ -97,25 +101,29 @@ def _check_budget(budget_s: float) -> None:
 
 
 def polish_orders(
-    problem: CrossPipeProblem,
+    problem: PlacedProfile,
     orders: Mapping[int, Sequence[Op]],
     *,
     budget_s: float,
     max_ops: int = POLISH_MAX_OPS,
     seed: int = 0,
 ) -> tuple[dict[int, list[Op]] | None, dict]:
-    """Polish the complete plan ``orders`` of ``problem`` within ``budget_s`` seconds (module docstring):
-    the CP-SAT stage, then the search stage from its result.
+    """Polish the complete plan ``orders`` of ``problem`` (one stage per rank) within ``budget_s`` seconds
+    (module docstring): the CP-SAT stage, then the search stage from its result.
 
     Returns (orders, report): orders is None unless a plan within the memory limit was found whose
-    replayed makespan (CrossPipe's timing model) is below the input's; report: ``status`` ("improved",
-    "kept", or "skipped: why"), ``before_ms`` / ``cpsat_ms`` / ``after_ms`` (replayed: the input, after
+    simulated makespan (``replay_makespan_ns``) is below the input's; report: ``status`` ("improved",
+    "kept", or "skipped: why"), ``before_ms`` / ``cpsat_ms`` / ``after_ms`` (simulated: the input, after
     the CP-SAT stage, the result), ``bound_ms`` (CP-SAT's lower bound), ``solve_s``, ``budget_s``."""
-    from .crosspipe import replay
-
     _check_budget(budget_s)
+    if not isinstance(problem, PlacedProfile):
+        from ..args import ArgumentTypeError
+        raise ArgumentTypeError(f"problem must be a PlacedProfile, got {type(problem).__name__}")
+    if any(r != s for s, r in enumerate(problem.stage_to_rank)):
+        raise ValueError("the polish plans one stage per rank (stage r on rank r)")
     t0 = time.perf_counter()
-    before = replay(problem, orders).makespan_ms
+    before_ns = replay_makespan_ns(as_ops(orders), problem.profile)
+    before = to_ms(before_ns)
     report = {"status": "kept", "before_ms": before, "cpsat_ms": before, "after_ms": before,
               "budget_s": float(budget_s), "solve_s": 0.0}
     n_ops = 3 * problem.num_microbatches * problem.num_stages
@@ -123,27 +131,26 @@ def polish_orders(
         report["status"] = f"skipped: {n_ops} operations > max_ops {max_ops}"
         return None, report
     try:
-        best = _cpsat_stage(problem, orders, budget_s, seed, report)
+        best = _cpsat_stage(problem, orders, budget_s, seed, report, before_ns)
     except ImportError:
         report["status"] = NO_SOLVER
         return None, report
     report["cpsat_s"] = time.perf_counter() - t0
-    if report["cpsat_ms"] > report.get("bound_ms", -math.inf) + 1e-9:  # not proven optimal yet
+    if report["cpsat_ms"] > report.get("bound_ms", -math.inf):  # not proven optimal yet
         best = _search_stage(problem, best, budget_s, seed)
     report["solve_s"] = time.perf_counter() - t0
-    after = replay(problem, best).makespan_ms
+    after = replay_makespan_ns(as_ops(best), problem.profile)
     limit = problem.memory_limit or (math.inf,) * problem.num_ranks
-    if after >= before - 1e-9 or any(pk > lim + 1e-9 for pk, lim in zip(peak_memory(problem, best), limit)):
+    if after >= before_ns or any(pk > lim + 1e-9 for pk, lim in zip(problem.peak_memory(best), limit)):
         return None, report
-    report.update(status="improved", after_ms=after)
+    report.update(status="improved", after_ms=to_ms(after))
     return best, report
 
 
-def _cpsat_stage(problem: CrossPipeProblem, orders, budget_s: float, seed: int, report: dict) -> dict:
+def _cpsat_stage(problem: PlacedProfile, orders, budget_s: float, seed: int, report: dict, before_ns: int) -> dict:
     """CP-SAT from ``orders`` (W deferral, tail neighbourhoods, a short whole-model search: one worker,
     deterministic time ``POLISH_CPSAT_SHARE`` × ``budget_s`` in all); returns the better plan.  Raises
     ImportError without OR-Tools."""
-    from .crosspipe import replay
     from .optimal import solve_optimal_problem
 
     share = POLISH_CPSAT_SHARE * budget_s
@@ -154,24 +161,24 @@ def _cpsat_stage(problem: CrossPipeProblem, orders, budget_s: float, seed: int, 
     report["bound_ms"] = res.bound_ms
     if res.orders is None:
         return {r: list(o) for r, o in orders.items()}
-    mk = replay(problem, res.orders).makespan_ms
-    report["cpsat_ms"] = min(mk, report["before_ms"])
-    return res.orders if mk < report["before_ms"] - 1e-9 else {r: list(o) for r, o in orders.items()}
+    mk = replay_makespan_ns(as_ops(res.orders), problem.profile)
+    report["cpsat_ms"] = to_ms(min(mk, before_ns))
+    return res.orders if mk < before_ns else {r: list(o) for r, o in orders.items()}
 
 
-def _search_stage(problem: CrossPipeProblem, orders, budget_s: float, seed: int) -> dict:
+def _search_stage(problem: PlacedProfile, orders, budget_s: float, seed: int) -> dict:
     """CrossPipe's compiled search from ``orders``: a critical-path descent, annealing, a descent
     (``_search.c``; references :func:`.crosspipe.search.local_search` / ``anneal``), with
     ``POLISH_SEARCH_UNITS_PER_S`` × ``budget_s`` operations timed in all; returns the best plan.  Skipped
     (``orders`` back) where the compiled engine is not built."""
     from .crosspipe import _compiled
-    from .crosspipe.model import Model
+    from .crosspipe.retime import Retimer
     from .crosspipe.tuning import TUNING
 
     eng = _compiled.engine()
-    if eng is None:
+    if eng is None or not _compiled.exact_in_c(problem):
         return orders
-    model = Model(problem)
+    model = Retimer(problem)
     cap = eng.model(model.spec())
     limit = tuple(problem.memory_limit or (math.inf,) * problem.num_ranks)
     evals = max(1, min(POLISH_MAX_EVALS, int(POLISH_SEARCH_UNITS_PER_S * budget_s / (model.n + TUNING.eval_units))))
@@ -179,7 +186,7 @@ def _search_stage(problem: CrossPipeProblem, orders, budget_s: float, seed: int)
     ids2, _, _ = eng.anneal(cap, ids, limit, max(1, evals - used - evals // 8), TUNING.c_seed + seed,
                             TUNING.c_temperature * mk, TUNING.c_shift)
     ids2, mk2, _ = eng.descent(cap, ids2, limit, max(1, evals // 8), TUNING.depth, 1, 1)
-    return model.ops(ids2 if mk2 < mk - 1e-9 else ids)
+    return model.ops(ids2 if mk2 < mk else ids)
 
 
 def polish_crosspipe(profile, plan: CrossPipePlan, *, budget_s: float, max_ops: int = POLISH_MAX_OPS,
@@ -192,23 +199,23 @@ def polish_crosspipe(profile, plan: CrossPipePlan, *, budget_s: float, max_ops: 
     if plan.variant not in ("ud", "udsub"):
         raise ValueError(f"the polish plans one stage per rank (crosspipe-ud, -udsub), got variant {plan.variant!r}")
     t0 = time.perf_counter()
-    problem = problem_from_profile(profile, plan.variant, plan.memory_limit)
+    problem = placed_from_profile(profile, plan.variant, plan.memory_limit)
     orders, report = polish_orders(problem, plan.orders, budget_s=budget_s, max_ops=max_ops, seed=seed)
     out = plan
     if orders is not None:
         accepted = _accept(profile, problem, plan.orders, orders, report)
         if accepted is not None:
             new_ns = accepted
-            out = dataclasses.replace(plan, actions=to_actions(orders), orders=orders, makespan_ms=to_ms(new_ns),
-                                      peak_memory=peak_memory(problem, orders), improved=True)
+            out = dataclasses.replace(plan, actions=to_actions(orders), orders=orders, makespan_ns=new_ns,
+                                      peak_memory=problem.peak_memory(orders), improved=True)
     return dataclasses.replace(out, polish=report, plan_ms=plan.plan_ms + (time.perf_counter() - t0) * 1e3)
 
 
 def polish_plan(profile, plan: PlanResult, *, budget_s: float, memory_limit=None,
                 max_ops: int = POLISH_MAX_OPS, seed: int = 0) -> PlanResult:
     """Any split-backward plan with one stage per rank (PipeMorph's, CrossPipe's, torch's ZB orders)
-    polished within ``budget_s`` seconds: :func:`polish_orders` on CrossPipe's problem of ``profile``
-    (:func:`~titan_ext.plan.crosspipe.problem_from_profile`, variant "ud") under ``memory_limit`` —
+    polished within ``budget_s`` seconds: :func:`polish_orders` on the placed profile of ``profile``
+    (:func:`~titan_ext.plan.crosspipe.placed_from_profile`, variant "ud") under ``memory_limit`` —
     per-stage in-flight activations, one number or one per stage; None: the plan's ``inflight_limit``
     (None there too: the profile's memory budget, else unlimited).
 
@@ -227,7 +234,7 @@ def polish_plan(profile, plan: PlanResult, *, budget_s: float, memory_limit=None
         return dataclasses.replace(plan, info={**plan.info, "polish": {"status": f"skipped: {why}",
                                                                        "budget_s": float(budget_s)}})
     limit = plan.inflight_limit if memory_limit is None else memory_limit
-    problem = problem_from_profile(profile, "ud", limit)
+    problem = placed_from_profile(profile, "ud", limit)
     orders, report = polish_orders(problem, plan.ops, budget_s=budget_s, max_ops=max_ops, seed=seed)
     accepted = None if orders is None else _accept(profile, problem, plan.ops, orders, report)
     elapsed_ms = (time.perf_counter() - t0) * 1e3
@@ -236,7 +243,7 @@ def polish_plan(profile, plan: PlanResult, *, budget_s: float, memory_limit=None
     return make_result(
         as_ops(dict(sorted(orders.items()))), ops_checked=True, schedule=plan.schedule, source=f"{plan.source}+polish",
         predicted_makespan_ms=to_ms(accepted), plan_ms=plan.plan_ms + elapsed_ms, stage_to_rank=plan.stage_to_rank,
-        profile=profile, inflight_limit=_per_stage_limit(problem), notes=list(plan.notes),
+        profile=profile, inflight_limit=problem.per_stage_limit(), notes=list(plan.notes),
         candidates=dict(plan.candidates),
         info={**plan.info, "polish": report})
 
@@ -250,14 +257,7 @@ def _unpolishable(plan: PlanResult) -> str:
     return ""
 
 
-def _per_stage_limit(problem: CrossPipeProblem) -> list[int] | None:
-    """One stage per rank: the problem's per-rank memory limit as whole in-flight activations per stage."""
-    if problem.memory_limit is None:
-        return None
-    return [int(math.floor(x + 1e-9)) for x in problem.memory_limit]
-
-
-def _accept(profile, problem: CrossPipeProblem, before: Mapping[int, Sequence[Op]],
+def _accept(profile, problem: PlacedProfile, before: Mapping[int, Sequence[Op]],
             orders: Mapping[int, Sequence[Op]], report: dict) -> int | None:
     """The one acceptance rule of a polished plan (both polish entry points): ``orders`` passes
     :func:`validate_plan` under the problem's per-stage in-flight limit and ``profile``'s memory rule, and
@@ -265,7 +265,7 @@ def _accept(profile, problem: CrossPipeProblem, before: Mapping[int, Sequence[Op
     ``report["status"]`` = "rejected: why".  Records the simulated makespans in ``report``."""
     try:
         validate_plan({r: list(o) for r, o in orders.items()}, problem.num_stages, problem.num_microbatches,
-                      inflight_limit=_per_stage_limit(problem), release=profile.release)
+                      inflight_limit=problem.per_stage_limit(), release=profile.release)
     except PlanValidationError as e:
         report["status"] = f"rejected: the validator refused it: {e}"
         return None

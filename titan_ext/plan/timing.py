@@ -14,11 +14,10 @@ message on a channel is sent by one rank — the one on its near side — in tha
 so ready times per channel never decrease and no gap can precede a later message; so
 ``crosspipe.greedy`` sends through this class too (tests/plan/test_crosspipe_greedy.py checks the two rules
 agree on such sends). Callers: ``simulate`` (the reference), ``replay_makespan_ns``, the PipeMorph and
-virtual generators, CrossPipe's greedy (:meth:`LinkQueues.of`: its float-ms link times). The C modules
-send through ``_link.h``, this ``send`` in C (integer ns in ``_pipemorph.c``, float ms in ``_greedy.c``
-and ``_search.c``); the one other copy is the pure-Python reference of ``_search.c``,
-``crosspipe.model.Model._loop``, which keeps the six lines inline in its inner loop. All are checked
-bit-for-bit against ``simulate`` by ``tests/plan/test_plan_reference.py``.
+virtual generators, CrossPipe's greedy. The C modules send through ``_link.h``, this ``send`` in C, in the
+same integer ns (``_pipemorph.c``, ``_greedy.c``, ``_search.c``); the one other copy is the pure-Python
+reference of ``_search.c``, ``crosspipe.retime.Retimer._loop``, which keeps the six lines inline in its
+inner loop. All are checked bit-for-bit against ``simulate`` by ``tests/plan/test_plan_reference.py``.
 """
 
 from __future__ import annotations
@@ -56,14 +55,6 @@ class LinkQueues:
         self.transfer_ns = [to_ns(link.transfer_ms) for link in links]
         self._free: dict[Hashable, int] = {}
         self._last: dict[Hashable, int] = {}  # send_timed: a channel's last arrival
-
-    @classmethod
-    def of(cls, latency: Sequence, transfer: Sequence) -> "LinkQueues":
-        """Queues for links given as per-link latency and transfer times in the caller's unit (CrossPipe's
-        greedy: float ms), taken as they are (``latency_ns`` / ``transfer_ns`` then hold those)."""
-        queues = cls.__new__(cls)
-        queues.latency_ns, queues.transfer_ns, queues._free = list(latency), list(transfer), {}
-        return queues
 
     def send(self, link: int, channel: Hashable, ready_ns: int) -> int:
         """Send one message over ``link`` on ``channel`` (one FIFO per direction), ready at ``ready_ns``."""

@@ -31,11 +31,18 @@ Scheduling loop (§4.2.2):
 
 Output: whole actions.  torch's runtime cannot execute part of an action, so the sub-block timeline is
 turned into whole actions ordered by the completion time of their last sub-block (a W interrupted by an
-I is placed after that I); ``model.replay`` then times that whole-action plan in the same model.
+I is placed after that I); the portfolio then times that whole-action plan in the same model
+(``simulate``'s, through ``retime.Retimer``).
 
-Memory (§4.2, inputs M_F, M_D, M_W, M_L): net memory change per operation in *activation units* — by
-default F = +1, I = −1, W = 0, i.e. the limit is on in-flight activations (F done − I done) per rank,
-the quantity ``simulate`` reports as ``peak_inflight``.  An F is only scheduled if the rank stays
+Input: a :class:`~titan_ext.plan.placed.PlacedProfile` (the profile, its placement, the per-rank memory
+limit and rule).  Times are integer nanoseconds (``timing.to_ns`` of the profile's ms), so ties are exact;
+a W of ``w`` ns in ``n_sub`` sub-blocks takes ``w // n_sub`` ns per sub-block, the first ``w % n_sub``
+sub-blocks one ns more (they add up to ``w``).
+
+Memory (§4.2, inputs M_F, M_D, M_W, M_L): net memory change per operation in *activation units*, from
+the profile's memory rule (``PlacedProfile.memory_deltas``: F = +1, I = −1, W = 0 for ``release="I"``,
+i.e. the limit is on in-flight activations per rank, the quantity ``simulate`` reports as
+``peak_inflight``; W = −1 instead of I for ``release="W"``).  An F is only scheduled if the rank stays
 within its limit; on a rank holding several stages (CrossWave), an F of an earlier stage also keeps
 memory free for the later stages on that rank (``reserve``), so the V turn can always proceed (no
 memory deadlock).
@@ -51,8 +58,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..deps import ROOT, table
+from ..placed import PlacedProfile
+from ..profile import LinkProfile
 from ..timing import LinkQueues
-from .problem import KINDS, CrossPipeProblem, F, Op
+from .variants import KINDS, Op
 
 
 class SubBlock(NamedTuple):
@@ -62,8 +71,8 @@ class SubBlock(NamedTuple):
     op: Op
     index: int
     """sub-block index within the op (0 for F and I)."""
-    start_ms: float
-    end_ms: float
+    start_ns: int
+    end_ns: int
 
 
 @dataclass
@@ -72,10 +81,10 @@ class GreedyResult:
 
     orders: dict[int, list[Op]]
     """rank → whole actions (stage, 'F'|'I'|'W', microbatch) in execution order."""
-    start_ms: dict[Op, float]
-    end_ms: dict[Op, float]
-    makespan_ms: float
-    """from the first F on stage 0 to the end of the last action anywhere (CrossPipe App.A)."""
+    start_ns: dict[Op, int]
+    end_ns: dict[Op, int]
+    makespan_ns: int
+    """from the first F on stage 0 (at 0) to the end of the last action anywhere (CrossPipe App.A)."""
     subblocks: list[SubBlock] = field(default_factory=list)
     """greedy only: every sub-block as scheduled by Alg.1."""
     n_sub: int = 1
@@ -86,11 +95,24 @@ class GreedyResult:
     """lookahead only: how often the rank idled for an arriving backward (0: same plan as without)."""
 
 
-def trigger_hops(problem: CrossPipeProblem) -> list:
-    """Per op class c (``deps.table``: 3·stage + kind), the :class:`~.problem.Hop` of the message that
-    brings c's trigger to c's rank, None when it comes from the same rank (or c needs nothing)."""
-    deps = table(problem.num_stages)
-    return [None if p < 0 else problem.hop(p // 3, c // 3) for c, p in enumerate(deps.trigger)]
+def trigger_channels(placed: PlacedProfile) -> list:
+    """Per op class c (``deps.table``: 3·stage + kind), ``(boundary, channel)`` of the message that brings
+    c's trigger to c's rank (:meth:`PlacedProfile.channel`), None when it comes from the same rank (or c
+    needs nothing)."""
+    deps = table(placed.num_stages)
+    return [None if p < 0 else placed.channel(p // 3, c // 3) for c, p in enumerate(deps.trigger)]
+
+
+def w_subblock_ns(w_ns: int, n_sub: int, index: int) -> int:
+    """Duration of sub-block ``index`` of a W of ``w_ns`` ns cut into ``n_sub`` (they add up to ``w_ns``)."""
+    q, rem = divmod(w_ns, n_sub)
+    return q + 1 if index < rem else q
+
+
+def send_links(placed: PlacedProfile) -> LinkQueues:
+    """The profile's links as ``timing.LinkQueues`` (the one link model), one queue per rank direction."""
+    links = placed.profile.links or (LinkProfile(),) * (placed.num_stages - 1)
+    return LinkQueues(links)
 
 
 def check_greedy_args(n_sub, steady: str, reserve, tie: str) -> str | int:
@@ -110,19 +132,19 @@ def check_greedy_args(n_sub, steady: str, reserve, tie: str) -> str | int:
 
 class _Alg1:
     """The state of one Alg.1 run.  Queue index ``q = 3·stage + kind`` (kind 0 F, 1 I, 2 W); each
-    queue holds ``[microbatch, available at]`` entries in microbatch order, its head at ``heads[q]``."""
+    queue holds ``[microbatch, available at (ns)]`` entries in microbatch order, its head at ``heads[q]``."""
 
-    def __init__(self, problem: CrossPipeProblem, n_sub: int, steady: str, reserve: str | int, tie: str,
+    def __init__(self, placed: PlacedProfile, n_sub: int, steady: str, reserve: str | int, tie: str,
                  lookahead: bool) -> None:
-        R, N, S = problem.num_ranks, problem.num_microbatches, problem.num_stages
-        self.problem, self.n_sub, self.lookahead = problem, n_sub, lookahead
+        R, N, S = placed.num_ranks, placed.num_microbatches, placed.num_stages
+        self.placed, self.n_sub, self.lookahead = placed, n_sub, lookahead
         self.i_later_first = tie == "critical_path"
         self.backward_first = steady == "backward_first"
-        self.mf, self.mi, self.mw = problem.memory_deltas
-        limit = problem.memory_limit
+        self.mf, self.mi, self.mw = placed.memory_deltas
+        limit = placed.memory_limit
         self.lim = [math.inf] * R if limit is None else [x + 1e-9 for x in limit]
-        rank_stages = [problem.stages_of_rank(r) for r in range(R)]
-        s2r = problem.stage_to_rank
+        rank_stages = [placed.stages_of_rank(r) for r in range(R)]
+        s2r = placed.stage_to_rank
         # memory an F of stage s must leave free for the later stages of its rank (V turn): F of
         # stage s is allowed while mem + need_f[s] <= limit
         k_units = 1 if reserve == "pending" else reserve
@@ -132,30 +154,29 @@ class _Alg1:
         self.f_stage_done = [0] * S
         self.total_f = [N * len(rank_stages[r]) for r in range(R)]
         self.deps = table(S)
-        self.in_hop = trigger_hops(problem)
-        self.dur_k = [problem.f_ms, problem.b_ms, tuple(x / n_sub for x in problem.w_ms)]
+        self.in_hop = trigger_channels(placed)
+        self.dur_k = placed.times_ns()
         self.queues: list[list[list]] = [[] for _ in range(3 * S)]
         self.heads = [0] * (3 * S)
         for q, trigger in enumerate(self.deps.trigger):
             if trigger == ROOT:
-                self.queues[q] = [[m, 0.0] for m in range(N)]
+                self.queues[q] = [[m, 0] for m in range(N)]
         # per rank: queue indices, later stage first (ties in selection go to the later stage)
         self.rank_q = [[3 * s + k for s in sorted(rank_stages[r], reverse=True) for k in (0, 1, 2)] for r in range(R)]
         self.w_left: dict[tuple[int, int], int] = {}
-        self.free = [0.0] * R
-        self.mem = [0.0] * R
+        self.free = [0] * R
+        self.mem = [0] * R
         self.f_done = [0] * R
         self.seen_backward = [False] * R
         self.last_full = [-1] * R
-        self.links = LinkQueues.of([problem.latency(b) for b in range(S - 1)],
-                                   [problem.transfer(b) for b in range(S - 1)])
-        self.start: dict[Op, float] = {}
-        self.end: dict[Op, float] = {}
+        self.links = send_links(placed)
+        self.start: dict[Op, int] = {}
+        self.end: dict[Op, int] = {}
         self.subblocks: list[SubBlock] = []
         self.remaining = 3 * N * S
         self.version = [0] * R
         self.waits = 0
-        self.heap: list[tuple[float, int, int]] = []
+        self.heap: list[tuple[int, int, int]] = []
 
     def f_blocked(self, r: int, s: int) -> bool:
         """memory rule for an F of stage s on rank r"""
@@ -165,14 +186,14 @@ class _Alg1:
             return self.mem[r] + need > self.lim[r]
         return self.mem[r] + self.need_f[s] > self.lim[r]
 
-    def message(self, c: int, ready: float) -> float:
+    def message(self, c: int, ready: int) -> int:
         """When the trigger of class ``c``, ready at ``ready``, reaches c's rank (``ready`` if same rank)."""
         hop = self.in_hop[c]
         if hop is None:
             return ready
-        return self.links.send(hop.boundary, hop.channel, ready)
+        return self.links.send(hop[0], hop[1], ready)
 
-    def finish(self, r: int, q: int, m: int, t1: float) -> None:
+    def finish(self, r: int, q: int, m: int, t1: int) -> None:
         """Op (class q, microbatch m) ended at t1 on rank r: the classes q feeds (``deps``) get m; rank r and
         every other rank fed are rescheduled."""
         feeds = self.deps.feeds_of(q)
@@ -181,7 +202,7 @@ class _Alg1:
         self.push(r)
         pushed = {r}
         for c in feeds:
-            r2 = self.problem.stage_to_rank[c // 3]
+            r2 = self.placed.stage_to_rank[c // 3]
             if r2 not in pushed:
                 pushed.add(r2)
                 self.push(r2)
@@ -189,19 +210,19 @@ class _Alg1:
     def push(self, r: int) -> None:
         """(Re)schedule rank r at its schedulable time (stage selection, §4.2.2)."""
         self.version[r] += 1
-        best = math.inf
+        best = None
         for q in self.rank_q[r]:
             h = self.heads[q]
             qq = self.queues[q]
             if h < len(qq):
                 a = qq[h][1]
-                if a < best and not (q % 3 == 0 and self.f_blocked(r, q // 3)):
+                if (best is None or a < best) and not (q % 3 == 0 and self.f_blocked(r, q // 3)):
                     best = a
-        if best < math.inf:
+        if best is not None:
             fr = self.free[r]
             heapq.heappush(self.heap, (best if best > fr else fr, r, self.version[r]))
 
-    def arrive(self, q: int, m: int, avail: float) -> None:
+    def arrive(self, q: int, m: int, avail: int) -> None:
         qq = self.queues[q]
         if not qq or qq[-1][0] < m:
             qq.append([m, avail])
@@ -211,17 +232,16 @@ class _Alg1:
                 i -= 1
             qq.insert(i, [m, avail])
 
-    def available(self, r: int, t: float) -> list:
+    def available(self, r: int, t: int) -> list:
         """Per kind: the best (microbatch, queue) available on rank r at t (lowest microbatch, then the
         later stage; with ``tie="critical_path"`` the later stage first for I), or None."""
         best_k: list = [None, None, None]
-        tt = t + 1e-12
         for q in self.rank_q[r]:
             h = self.heads[q]
             qq = self.queues[q]
             if h < len(qq):
                 m, a = qq[h]
-                if a > tt:
+                if a > t:
                     continue
                 k = q % 3
                 if k == 0 and self.f_blocked(r, q // 3):
@@ -248,23 +268,29 @@ class _Alg1:
                 return k
         raise AssertionError("a popped rank always has an available operation")
 
-    def wait_for_backward(self, r: int, t: float, t1: float) -> bool:
+    def wait_for_backward(self, r: int, t: int, t1: int) -> bool:
         """Lookahead: a backward already on its way that would land while this F/W runs goes first —
         idle until it arrives instead of delaying the backward chain (PipeMorph's B > F > W order)."""
-        soonest = math.inf
+        soonest = None
         for q2 in self.rank_q[r]:
             if q2 % 3 == 1 and self.heads[q2] < len(self.queues[q2]):
                 a = self.queues[q2][self.heads[q2]][1]
-                if a < soonest:
+                if soonest is None or a < soonest:
                     soonest = a
-        if t < soonest < t1 - 1e-12:
+        if soonest is not None and t < soonest < t1:
             self.version[r] += 1
             heapq.heappush(self.heap, (soonest, r, self.version[r]))
             self.waits += 1
             return True
         return False
 
-    def run_w_subblock(self, r: int, q: int, m: int, t: float, t1: float) -> None:
+    def duration(self, k: int, s: int, m: int) -> int:
+        """The next block of op (s, kind k, m): the whole F or I, or the W's next sub-block."""
+        if k != 2:
+            return self.dur_k[k][s]
+        return w_subblock_ns(self.dur_k[2][s], self.n_sub, self.n_sub - self.w_left.get((s, m), self.n_sub))
+
+    def run_w_subblock(self, r: int, q: int, m: int, t: int, t1: int) -> None:
         """One sub-block of a W (§4.2.1); the rest of the W stays at the head of its queue."""
         s, n_sub = q // 3, self.n_sub
         op = (s, KINDS[2], m)
@@ -285,7 +311,7 @@ class _Alg1:
             self.remaining -= 1
             self.finish(r, q, m, t1)
 
-    def run_full(self, r: int, k: int, q: int, m: int, t: float, t1: float) -> None:
+    def run_full(self, r: int, k: int, q: int, m: int, t: int, t1: int) -> None:
         """An F or I as one block; its end makes the next operations of microbatch m available."""
         s = q // 3
         op = (s, KINDS[k], m)
@@ -308,7 +334,7 @@ class _Alg1:
         if not self.heap:
             raise ValueError(
                 "CrossPipe greedy: no rank can proceed — the memory limit admits no schedule "
-                f"(memory_limit={self.problem.memory_limit})"
+                f"(memory_limit={self.placed.memory_limit})"
             )
         t, r, ver = heapq.heappop(self.heap)
         if ver != self.version[r]:
@@ -316,7 +342,7 @@ class _Alg1:
         best_k = self.available(r, t)
         k = self.select(r, best_k)
         m, q = best_k[k]
-        t1 = t + self.dur_k[k][q // 3]
+        t1 = t + self.duration(k, q // 3, m)
         if self.lookahead and k != 1 and self.wait_for_backward(r, t, t1):
             return
         self.free[r] = t1
@@ -328,23 +354,24 @@ class _Alg1:
     def result(self, steady: str, reserve: str | int) -> GreedyResult:
         """Whole actions ordered by the completion of their last sub-block (ties: start)."""
         end, start = self.end, self.start
-        orders: dict[int, list[Op]] = {r: [] for r in range(self.problem.num_ranks)}
+        orders: dict[int, list[Op]] = {r: [] for r in range(self.placed.num_ranks)}
         for op in sorted(end, key=lambda o: (end[o], start[o])):
-            orders[self.problem.stage_to_rank[op[0]]].append(op)
-        makespan = max(end.values()) - start[(0, F, 0)]
+            orders[self.placed.stage_to_rank[op[0]]].append(op)
+        makespan = max(end.values())  # the first F of stage 0 starts at 0
         return GreedyResult(orders, start, end, makespan, self.subblocks, self.n_sub, steady, reserve,
                             self.lookahead, self.waits)
 
 
 def greedy_schedule(
-    problem: CrossPipeProblem,
+    placed: PlacedProfile,
     n_sub: int = 1,
     steady: str = "interleave",
     reserve: str | int = "one",
     tie: str = "microbatch",
     lookahead: bool = False,
 ) -> GreedyResult:
-    """One run of CrossPipe's greedy generator (§4.2, Alg.1) with ``n_sub`` sub-blocks per W.
+    """One run of CrossPipe's greedy generator (§4.2, Alg.1) with ``n_sub`` sub-blocks per W on ``placed``
+    (a :class:`~titan_ext.plan.placed.PlacedProfile`; times in integer ns).
 
     ``steady`` is the steady-phase rule: ``"interleave"`` (§4.2.2: alternate F and D full blocks) or
     ``"backward_first"`` (I before F whenever both are available).
@@ -361,9 +388,12 @@ def greedy_schedule(
     which Alg.1 never does).
     Raises ValueError if the memory limit admits no schedule (deadlock).
     """
+    if not isinstance(placed, PlacedProfile):
+        from ...args import ArgumentTypeError
+        raise ArgumentTypeError(f"placed must be a PlacedProfile, got {type(placed).__name__}")
     reserve = check_greedy_args(n_sub, steady, reserve, tie)
-    run = _Alg1(problem, n_sub, steady, reserve, tie, lookahead)
-    for r in range(problem.num_ranks):
+    run = _Alg1(placed, n_sub, steady, reserve, tie, lookahead)
+    for r in range(placed.num_ranks):
         run.push(r)
     while run.remaining:
         run.step()

@@ -1,6 +1,11 @@
 """CrossPipe planner: the portfolio of Alg.1 runs (CrossPipe §4.2), the selection by simulation
 (§6.2: "a schedule with the best simulation performance is selected") and our local search on top.
 
+Input: a :class:`~titan_ext.plan.placed.PlacedProfile` (:func:`plan_crosspipe_placed`) or a
+:class:`~titan_ext.plan.PipelineProfile` and a variant (:func:`plan_crosspipe`).  Every member is timed
+by ``simulate``'s model (:class:`.retime.Retimer` / ``_search.c``, integer ns, bit-identical to
+``simulate``), so the selection compares exact makespans.
+
 Two paths, both deterministic for a given budget: the compiled one (``_compiled``: more members,
 descents and annealing) where the C modules are built, the pure-Python one otherwise.  Tuning
 constants: :data:`.tuning.TUNING`.
@@ -14,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
+from ..placed import PlacedProfile
+from ..timing import to_ms
 from . import _compiled
 from .greedy import greedy_schedule
-from .model import Model
-from .problem import CROSSPIPE_VARIANTS, CrossPipeProblem, F, I, W, Op, peak_memory, problem_from_profile, to_actions, \
-    wave_stage_to_rank
+from .retime import Retimer
 from .search import local_search
+from .variants import CROSSPIPE_VARIANTS, F, I, W, Op, placed_from_profile, to_actions, wave_stage_to_rank
 from .tuning import DEFAULT_BUDGET, TUNING
 
 T = TUNING
@@ -37,23 +43,27 @@ class Member(NamedTuple):
 
 
 class TimedMember(NamedTuple):
-    """A member tried and the replayed makespan of its plan (inf: no schedule under its caps)."""
+    """A member tried and the simulated makespan of its plan in ns (inf: no schedule under its caps)."""
 
     caps: str
     n_sub: int
     steady: str
     reserve: str | int
     lookahead: bool
-    makespan_ms: float
+    makespan_ns: int | float
+
+    @property
+    def makespan_ms(self) -> float:
+        return to_ms(self.makespan_ns)
 
 
 class _Entry(NamedTuple):
     """A member's plan in the pool (sorted by makespan, then by the order it was made)."""
 
-    makespan_ms: float
+    makespan_ns: int
     index: int
     member: Member
-    greedy_makespan_ms: float
+    greedy_makespan_ns: int
     ids: list
 
 
@@ -72,10 +82,10 @@ class CrossPipePlan:
     lookahead: bool
     caps: str
     """which in-flight caps the winning member used ("limit" = the memory limit alone)."""
-    makespan_ms: float
-    """makespan of the whole-action plan under the generator's model (replayed)."""
-    greedy_makespan_ms: float
-    """makespan of the greedy's own (sub-block) timeline."""
+    makespan_ns: int
+    """makespan of the whole-action plan under ``simulate``'s model (ns)."""
+    greedy_makespan_ns: int
+    """makespan of the greedy's own (sub-block) timeline (ns)."""
     memory_limit: tuple[float, ...] | None
     peak_memory: list[float]
     plan_ms: float
@@ -87,14 +97,22 @@ class CrossPipePlan:
     polish: dict | None = None
     """the CP-SAT polish's report (``titan_ext.plan.polish``), None when the plan was not polished."""
 
+    @property
+    def makespan_ms(self) -> float:
+        return to_ms(self.makespan_ns)
+
+    @property
+    def greedy_makespan_ms(self) -> float:
+        return to_ms(self.greedy_makespan_ns)
+
 
 @dataclass
 class _Run:
     """What one planner call shares between its phases."""
 
-    problem: CrossPipeProblem
+    problem: PlacedProfile
     variant: str
-    model: Model
+    model: Retimer
     limit: tuple
     deadline: float | None
     tried: list = field(default_factory=list)
@@ -120,7 +138,7 @@ class _Run:
         for name, orders in (extra or {}).items():
             if any(r not in orders for r in range(R)):
                 continue
-            if any(pk > lim + 1e-9 for pk, lim in zip(peak_memory(self.problem, orders), self.limit)):
+            if any(pk > lim + 1e-9 for pk, lim in zip(self.problem.peak_memory(orders), self.limit)):
                 continue
             ids = self.model.ids(orders)
             mk = time_ids(ids)
@@ -138,8 +156,8 @@ class _Run:
         return CrossPipePlan(
             actions=to_actions(orders) if convert else {}, orders=orders, stage_to_rank=self.problem.stage_to_rank,
             variant=self.variant, n_sub=m.n_sub, steady=m.steady, reserve=m.reserve, lookahead=m.lookahead,
-            caps=m.caps, makespan_ms=makespan, greedy_makespan_ms=best.greedy_makespan_ms,
-            memory_limit=self.problem.memory_limit, peak_memory=peak_memory(self.problem, orders),
+            caps=m.caps, makespan_ns=makespan, greedy_makespan_ns=best.greedy_makespan_ns,
+            memory_limit=self.problem.memory_limit, peak_memory=self.problem.peak_memory(orders),
             plan_ms=(time.perf_counter() - t0) * 1e3, candidates=self.tried, improved=improved,
         )
 
@@ -188,7 +206,7 @@ def _check_axes(axes: tuple) -> None:
         bool_arg(v, "lookahead")
 
 
-def _check_variant(problem: CrossPipeProblem, variant: str) -> None:
+def _check_variant(problem: PlacedProfile, variant: str) -> None:
     if variant not in CROSSPIPE_VARIANTS:
         raise ValueError(f"variant must be one of {CROSSPIPE_VARIANTS}, got {variant!r}")
     wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(problem.num_ranks))
@@ -198,7 +216,7 @@ def _check_variant(problem: CrossPipeProblem, variant: str) -> None:
         raise ValueError(f"variant {variant!r} needs one stage per rank")
 
 
-def _cap_problems(problem: CrossPipeProblem, caps: Mapping[str, Sequence[float]] | None) -> dict:
+def _cap_problems(problem: PlacedProfile, caps: Mapping[str, Sequence[float]] | None) -> dict:
     """name → problem with that per-rank in-flight cap vector (clipped to the memory limit); "limit":
     the memory limit alone.  Duplicates and caps below one microbatch per stage are dropped."""
     problems = {"limit": problem}
@@ -226,7 +244,7 @@ def _members(problems, axes, variant: str) -> list[Member]:
     return members
 
 
-def _cap_vectors(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProblem]):
+def _cap_vectors(problem: PlacedProfile, problems: Mapping[str, PlacedProfile]):
     """([(name, problem)] of the named cap vectors (``problems``), [… of their neighbours]) — each vector with
     one stage's cap lowered by one (``name/sK-1``) and with the caps of stages K..S−2 all lowered by one
     (``name/sK+-1``: every later stage one warm-up microbatch shorter, so the first backward returns
@@ -285,7 +303,7 @@ def _ud_members(problem, problems, members, axes, pool):
             yield m, problems[m.caps]
 
 
-def _cap_neighbours(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeProblem], member: Member):
+def _cap_neighbours(problem: PlacedProfile, problems: Mapping[str, PlacedProfile], member: Member):
     """(problem, member) for the cap-neighbour members of portfolio ``member``: its per-stage in-flight
     caps with one stage (not the last, whose F waits for nothing) lowered by one — one warm-up
     microbatch less on that stage — from the last but one stage back to stage 0 (the later stages'
@@ -310,7 +328,7 @@ def _cap_neighbours(problem: CrossPipeProblem, problems: Mapping[str, CrossPipeP
 class _PyBudget:
     """The Python path's work account: greedy steps (× ``greedy_cost``) plus ``Model.work``."""
 
-    model: Model
+    model: Retimer
     budget: float
     unlimited: bool
     greedy_units: float = 0.0
@@ -319,7 +337,7 @@ class _PyBudget:
         return self.greedy_units + self.model.work
 
 
-def _py_time(run: _Run, member: Member, prob: CrossPipeProblem, record_failure: bool = True) -> bool:
+def _py_time(run: _Run, member: Member, prob: PlacedProfile, record_failure: bool = True) -> bool:
     """Alg.1 for one member, timed in the whole-action model; False when its caps admit no schedule."""
     try:
         g = greedy_schedule(prob, member.n_sub, member.steady, member.reserve, lookahead=member.lookahead)
@@ -329,7 +347,7 @@ def _py_time(run: _Run, member: Member, prob: CrossPipeProblem, record_failure: 
             run.error = e
         return False
     ids = run.model.ids(g.orders)
-    run.add(member, run.model.run(ids)[0], g.makespan_ms, ids)
+    run.add(member, run.model.run(ids)[0], g.makespan_ns, ids)
     return True
 
 
@@ -377,14 +395,14 @@ def _py_search(run: _Run, acct: _PyBudget, neighbour_names: set[str]) -> tuple:
     the best cap neighbour first when it is within ``neighbour_first`` of the best member).
     Returns (start entry, ids, makespan, improved)."""
     pool = run.pool
-    best, ids, mk, improved = pool[0], pool[0].ids, pool[0].makespan_ms, False
+    best, ids, mk, improved = pool[0], pool[0].ids, pool[0].makespan_ns, False
     starts = pool[:T.max_starts]
     nb = [x for x in pool if x.member.caps in neighbour_names]
-    if nb and nb[0].makespan_ms <= pool[0].makespan_ms * (1 + T.neighbour_first):
+    if nb and nb[0].makespan_ns <= pool[0].makespan_ns * (1 + T.neighbour_first):
         starts = [nb[0]] + [x for x in pool if x is not nb[0]][:T.max_starts - 1]
     seen_mk = set()
     for entry in starts:
-        key = round(entry.makespan_ms, 6)
+        key = entry.makespan_ns
         if key in seen_mk:
             continue
         seen_mk.add(key)
@@ -393,20 +411,20 @@ def _py_search(run: _Run, acct: _PyBudget, neighbour_names: set[str]) -> tuple:
             break
         ids1, mk1, _ = local_search(run.model, [list(o) for o in entry.ids], run.limit, left, depth=T.depth,
                                     deadline=run.deadline)
-        if mk1 < mk - 1e-9:
+        if mk1 < mk:
             best, ids, mk, improved = entry, ids1, mk1, True
     return best, ids, mk, improved
 
 
 def _plan_python(run: _Run, problems, members, budget, portfolio: bool, search: bool, extra, convert, t0):
-    """The pure-Python path of :func:`plan_crosspipe_problem`."""
+    """The pure-Python path of :func:`plan_crosspipe_placed`."""
     acct = _PyBudget(run.model, math.inf if budget is None else float(budget), budget is None or not portfolio)
     small = portfolio and run.variant != "wave" and run.problem.num_stages <= T.neighbour_max_stages
     _py_members(run, problems, members, acct, T.small_member_share if small else T.member_share)
     neighbour_names = _py_neighbours(run, problems, acct) if small and run.pool else set()
     run.add_extra(extra, lambda ids: run.model.run(ids)[0])
     best = run.best()
-    ids, mk, improved = best.ids, best.makespan_ms, False
+    ids, mk, improved = best.ids, best.makespan_ns, False
     if portfolio and search:
         best, ids, mk, improved = _py_search(run, acct, neighbour_names)
     return run.plan(best, ids, mk, improved, convert, t0)
@@ -453,7 +471,7 @@ def _c_descents(run: _Run, acct: _CBudget, eng, cap) -> tuple[_Entry, list, floa
     ``c_starts`` distinct member plans while ``c_descent_share`` lasts; returns the best (entry, ids,
     makespan)."""
     best = run.pool[0]
-    best_ids, best_mk = best.ids, best.makespan_ms
+    best_ids, best_mk = best.ids, best.makespan_ns
     n, seen_plans = run.model.n, set()
     for entry in run.pool:
         if len(seen_plans) >= T.c_starts:
@@ -468,7 +486,7 @@ def _c_descents(run: _Run, acct: _CBudget, eng, cap) -> tuple[_Entry, list, floa
                 break
             ids1, mk1, ev = eng.descent(cap, entry.ids, run.limit, ev_cap, T.depth, long_moves, 1)
             acct.used += ev * (n + T.eval_units)
-            if mk1 < best_mk - 1e-9:
+            if mk1 < best_mk:
                 best, best_ids, best_mk = entry, ids1, mk1
     return best, best_ids, best_mk
 
@@ -481,11 +499,11 @@ def _c_anneal(run: _Run, acct: _CBudget, eng, cap, ids, mk: float) -> tuple[list
         return ids, mk
     ids2, _, _ = eng.anneal(cap, ids, run.limit, evals, T.c_seed, T.c_temperature * mk, T.c_shift)
     ids2, mk2, _ = eng.descent(cap, ids2, run.limit, T.c_polish, T.depth, 1, 1)
-    return (ids2, mk2) if mk2 < mk - 1e-9 else (ids, mk)
+    return (ids2, mk2) if mk2 < mk else (ids, mk)
 
 
 def _plan_compiled(run: _Run, problems, members, axes, budget, extra, convert, t0) -> CrossPipePlan:
-    """The compiled path of :func:`plan_crosspipe_problem` (our addition to Alg.1, §4.2):
+    """The compiled path of :func:`plan_crosspipe_placed` (our addition to Alg.1, §4.2):
 
     1. **members**: Alg.1 (``_greedy.c``, bit-identical to :func:`.greedy.greedy_schedule`) for every
        member of the portfolio, and — UD variants — for the *cap neighbours* of every named in-flight
@@ -509,12 +527,12 @@ def _plan_compiled(run: _Run, problems, members, axes, budget, extra, convert, t
     first = run.best()
     best, ids, mk = _c_descents(run, acct, eng, cap)
     ids, mk = _c_anneal(run, acct, eng, cap, ids, mk)
-    return run.plan(best, ids, mk, mk < first.makespan_ms - 1e-9, convert, t0)
+    return run.plan(best, ids, mk, mk < first.makespan_ns, convert, t0)
 
 
 # ----------------------------------------------------------------------------- planner API
-def plan_crosspipe_problem(
-    problem: CrossPipeProblem,
+def plan_crosspipe_placed(
+    problem: PlacedProfile,
     variant: str = "ud",
     n_sub: int | Iterable[int] | None = None,
     steady: str | Iterable[str] | None = None,
@@ -529,7 +547,8 @@ def plan_crosspipe_problem(
     search: bool = True,
     engine: bool = True,
 ) -> CrossPipePlan:
-    """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape problem) plan.
+    """CrossUD (``n_sub = 1``), CrossUDSub (``n_sub`` > 1) or CrossWave (V-shape placement) plan of
+    ``problem``, a :class:`~titan_ext.plan.placed.PlacedProfile` (times in integer ns).
 
     ``portfolio=False``: one run of Alg.1 as the paper states it — steady phase interleaving F and D,
     no lookahead, the memory limit as the only cap; ``n_sub`` = 1 (CrossUD) or 2 (CrossUDSub), V-turn
@@ -564,9 +583,9 @@ def plan_crosspipe_problem(
     t0 = time.perf_counter()
     from ...args import bool_arg, real_arg
 
-    if not isinstance(problem, CrossPipeProblem):
+    if not isinstance(problem, PlacedProfile):
         from ...args import ArgumentTypeError
-        raise ArgumentTypeError(f"problem must be a CrossPipeProblem, got {type(problem).__name__}")
+        raise ArgumentTypeError(f"problem must be a PlacedProfile, got {type(problem).__name__}")
     for name, value in (("portfolio", portfolio), ("convert", convert), ("search", search), ("engine", engine)):
         bool_arg(value, name)
     real_arg(budget, "budget", positive=True, optional=True)
@@ -576,14 +595,14 @@ def plan_crosspipe_problem(
     _check_axes(axes)
     problems = _cap_problems(problem, caps if portfolio else None)
     members = _members(problems, axes, variant)
-    run = _Run(problem, variant, Model(problem), tuple(problem.memory_limit or (math.inf,) * problem.num_ranks),
+    run = _Run(problem, variant, Retimer(problem), tuple(problem.memory_limit or (math.inf,) * problem.num_ranks),
                None if time_budget_ms is None else t0 + time_budget_ms / 1e3)
-    if portfolio and search and engine and _compiled.available():
+    if portfolio and search and engine and _compiled.available() and _compiled.exact_in_c(problem):
         return _plan_compiled(run, problems, members, axes, budget, extra, convert, t0)
     return _plan_python(run, problems, members, budget, portfolio, search, extra, convert, t0)
 
 
-def _warmup_caps(profile, problem: CrossPipeProblem) -> dict[str, list[float]]:
+def _warmup_caps(profile, problem: PlacedProfile) -> dict[str, list[float]]:
     """Per-stage in-flight caps from PipeMorph's warm-up planning (Alg.1 under the memory limit; Alg.2
     from the profile's delays with slack floor 2 and 1), used as extra portfolio members of the UD
     variants: the greedy then decides the order, the caps how far each stage may run ahead."""
@@ -642,14 +661,14 @@ def plan_crosspipe(
 
     ``variant``: "ud" (CrossUD, whole blocks), "udsub" (CrossUDSub, W split into ``n_sub``
     sub-blocks) or "wave" (CrossWave, V-shape over the profile's 2R chunks).  ``memory_limit``: per-rank
-    in-flight activation limit (see :func:`problem_from_profile`).  ``budget`` / ``time_budget_ms``: see
-    :func:`plan_crosspipe_problem`.  ``zbv`` (CrossWave): torch's ZBV order is one more portfolio member
+    in-flight activation limit (see :func:`.variants.placed_from_profile`).  ``budget`` / ``time_budget_ms``: see
+    :func:`plan_crosspipe_placed`.  ``zbv`` (CrossWave): torch's ZBV order is one more portfolio member
     (when it fits the memory limit), so CrossWave is never slower than ZBV at ZBV's memory (the order
     comes from torch, imported lazily; skipped when torch is unavailable).  The returned plan has passed
     :func:`titan_ext.plan.validate_plan` (torch lowering + dry run included) unless ``validate=False``.
     """
     t0 = time.perf_counter()
-    problem = problem_from_profile(profile, variant, memory_limit)
+    problem = placed_from_profile(profile, variant, memory_limit)
     caps = None
     extra = None
     if portfolio and variant != "wave":
@@ -658,15 +677,13 @@ def plan_crosspipe(
         order = _zbv_orders(problem.num_ranks, problem.num_microbatches)
         if order is not None:
             extra = {"zbv": order}
-    plan = plan_crosspipe_problem(problem, variant, n_sub=n_sub, steady=steady, reserve=reserve,
+    plan = plan_crosspipe_placed(problem, variant, n_sub=n_sub, steady=steady, reserve=reserve,
                                   lookahead=lookahead, caps=caps, portfolio=portfolio, budget=budget,
                                   time_budget_ms=time_budget_ms, extra=extra)
     if validate:
         from ..validate import validate_plan
 
-        per_stage = None
-        if problem.memory_limit is not None and variant != "wave":
-            per_stage = [int(math.floor(x + 1e-9)) for x in problem.memory_limit]
-        validate_plan(plan.actions, problem.num_stages, problem.num_microbatches, inflight_limit=per_stage)
+        validate_plan(plan.actions, problem.num_stages, problem.num_microbatches,
+                      inflight_limit=problem.per_stage_limit(), release=problem.release)
     plan.plan_ms = (time.perf_counter() - t0) * 1e3
     return plan

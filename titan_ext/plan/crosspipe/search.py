@@ -3,7 +3,8 @@ simulation applied to single moves): the critical-path descent and simulated ann
 
 These are the pure-Python references of ``_search.c``'s ``descent`` and ``anneal`` (same plans for the
 same evaluation counts; tests/plan/test_crosspipe_engine.py); the planner runs the compiled ones where
-they are built.
+they are built.  Every candidate is timed by :class:`.retime.Retimer` (``simulate``'s model on flat
+arrays, integer ns: comparisons are exact).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import time
 from typing import NamedTuple, Sequence
 
-from .model import Model
+from .retime import Retimer
 
 
 class Move(NamedTuple):
@@ -26,7 +27,7 @@ class Move(NamedTuple):
 class _Path:
     """Collects the moves of :func:`critical_moves` (no duplicates, in discovery order)."""
 
-    def __init__(self, model: Model, ids: list[list[int]], start: list[float], avail: list[float], depth: int):
+    def __init__(self, model: Retimer, ids: list[list[int]], start: list[int], avail: list[int], depth: int):
         self.model, self.ids, self.start, self.avail, self.depth = model, ids, start, avail, depth
         self.moves: list[Move] = []
         self.seen: set[tuple[int, int, int]] = set()
@@ -42,11 +43,10 @@ class _Path:
         predecessor as late as microbatch order allows."""
         o, N, depth, start, dur = self.ids[r], self.model.N, self.depth, self.start, self.model.dur
         cur, prev = o[p], o[p - 1]
-        eps = 1e-9
         q = p - 1
         while q >= 0 and p - q <= depth:
             a = o[q]
-            if a // N == cur // N or self.avail[cur] >= start[a] + dur[a] - eps:
+            if a // N == cur // N or self.avail[cur] >= start[a] + dur[a]:
                 break
             self.add(r, p, q)
             q -= 1
@@ -77,11 +77,11 @@ class _Path:
             if ycls in found or ycls == cls:
                 continue
             found.add(ycls)
-            if self.avail[y] < self.start[cur] - 1e-9:
+            if self.avail[y] < self.start[cur]:
                 self.add(r, j, p)
 
 
-def critical_moves(model: Model, ids: list[list[int]], start: list[float], avail: list[float], depth: int,
+def critical_moves(model: Retimer, ids: list[list[int]], start: list[int], avail: list[int], depth: int,
                    long_moves: int = 0, gap_fill: bool = False) -> list[Move]:
     """Candidate moves around the critical path of a timed plan.
 
@@ -101,7 +101,6 @@ def critical_moves(model: Model, ids: list[list[int]], start: list[float], avail
     """
     dur, rank = model.dur, model.rank
     model.work += 8 * model.R  # counted in the local search's budget
-    eps = 1e-9
     path = _Path(model, ids, start, avail, depth)
     # the last-ending operation: the last one of some rank
     cur = max((o[-1] for o in ids if o), key=lambda i: start[i] + dur[i])
@@ -111,12 +110,12 @@ def critical_moves(model: Model, ids: list[list[int]], start: list[float], avail
         p = o.index(cur)
         model.work += 4
         prev = o[p - 1] if p > 0 else -1
-        if p > 0 and start[cur] <= start[prev] + dur[prev] + eps and avail[cur] < start[cur] - eps:
+        if p > 0 and start[cur] <= start[prev] + dur[prev] and avail[cur] < start[cur]:
             path.rank_bound(r, p, long_moves)
             cur = prev
             continue
         # input-bound (or the first operation): follow the producer
-        if gap_fill and p > 0 and start[cur] > start[prev] + dur[prev] + eps:
+        if gap_fill and p > 0 and start[cur] > start[prev] + dur[prev]:
             path.gap_fill(r, p)
         cur = model.prod[cur]  # its trigger (deps.table), n: none
         if cur >= model.n:
@@ -128,31 +127,31 @@ def move_op(o: list, p: int, q: int) -> None:
     o.insert(q, o.pop(p))
 
 
-def rank_tails(model: Model, ids: Sequence[Sequence[int]]) -> list[float]:
+def rank_tails(model: Retimer, ids: Sequence[Sequence[int]]) -> list[int]:
     """Per operation id: the total duration of the operations after it in its rank's order (a lower
     bound on how long its rank still runs once it ends)."""
     dur = model.dur
-    tail = [0.0] * model.n
+    tail = [0] * model.n
     for o in ids:
-        acc = 0.0
+        acc = 0
         for x in reversed(o):
             tail[x] = acc
             acc += dur[x]
     return tail
 
 
-def update_tails(model: Model, tail: list[float], o: Sequence[int], lo: int, hi: int) -> None:
+def update_tails(model: Retimer, tail: list[int], o: Sequence[int], lo: int, hi: int) -> None:
     """Refresh ``tail`` (see :func:`rank_tails`) at positions lo..hi of rank order ``o`` after a move
     inside that range (the operations outside it keep theirs)."""
     dur = model.dur
-    acc = tail[o[hi + 1]] + dur[o[hi + 1]] if hi + 1 < len(o) else 0.0
+    acc = tail[o[hi + 1]] + dur[o[hi + 1]] if hi + 1 < len(o) else 0
     for j in range(hi, lo - 1, -1):
         x = o[j]
         tail[x] = acc
         acc += dur[x]
 
 
-def memory_ok(model: Model, o: Sequence[int], lo: int, hi: int, limit: float) -> bool:
+def memory_ok(model: Retimer, o: Sequence[int], lo: int, hi: int, limit: float) -> bool:
     """Whether the memory of rank order ``o`` stays within ``limit`` at positions lo..hi (the only ones
     a move inside that range changes)."""
     kind, delta = model.kind, model.delta
@@ -164,22 +163,22 @@ def memory_ok(model: Model, o: Sequence[int], lo: int, hi: int, limit: float) ->
     return True
 
 
-def local_search(model: Model, ids: list[list[int]], limit: Sequence[float], budget: float, depth: int = 4,
+def local_search(model: Retimer, ids: list[list[int]], limit: Sequence[float], budget: float, depth: int = 4,
                  deadline: float | None = None, max_evals: int | None = None,
                  long_moves: int = 0, gap_fill: bool = False) -> tuple[list[list[int]], float, int]:
     """First-improvement local search on whole-action orders (our addition to Alg.1; §6.2's selection by
     simulation applied to single moves).  Objective: (makespan, Σ rank finish times), lexicographic —
     the second term lets the search walk across plateaus of equal makespan without cycling.  Moves:
     :func:`critical_moves`; a move is kept only if every rank stays within its memory limit and the
-    plan still runs to completion.  Each candidate is timed by :meth:`Model.rerun` (restart from the
+    plan still runs to completion.  Each candidate is timed by :meth:`Retimer.rerun` (restart from the
     first moved operation, abort once the makespan is exceeded — or once an operation's end plus the
     rest of its rank's work exceeds it, :func:`rank_tails`).  ``budget`` in operations simulated
-    (``Model.work``; a move is only tried while a full replay still fits); deterministic unless
+    (``Retimer.work``; a move is only tried while a full replay still fits); deterministic unless
     ``deadline`` (a ``time.perf_counter()`` value) cuts it short.  ``max_evals`` additionally stops it
     after that many timings (the base plan's counts as one): the budget of the compiled engine
     (``_search.c``'s ``descent``, which returns the same plan for the same ``max_evals``).
     ``long_moves``, ``gap_fill``: see :func:`critical_moves`.
-    Returns (ids, makespan, evaluations)."""
+    Returns (ids, makespan in ns, evaluations)."""
     w0 = model.work
     max_evals = math.inf if max_evals is None else max_evals
     base = model.run(ids, detail=True)
@@ -200,9 +199,9 @@ def local_search(model: Model, ids: list[list[int]], limit: Sequence[float], bud
                 move_op(o, q, p)
                 continue
             update_tails(model, tail, o, lo, hi)
-            m2, s2 = model.rerun(ids, base, r, lo, hi, bound=base.start[0] + mk + 1e-9, tail=tail)
+            m2, s2 = model.rerun(ids, base, r, lo, hi, bound=mk, tail=tail)
             evals += 1
-            if m2 < mk - 1e-9 or (m2 <= mk + 1e-9 and s2 < sf - 1e-9):
+            if m2 < mk or (m2 <= mk and s2 < sf):
                 base = model.rerun(ids, base, r, lo, hi, detail=True)
                 mk, sf = base.makespan, base.finish_sum
                 improved = True
@@ -226,15 +225,31 @@ def _splitmix64(state: list[int]) -> int:
     return z ^ (z >> 31)
 
 
-def anneal(model: Model, ids: list[list[int]], limit: Sequence[float], max_evals: int, seed: int, t0: float,
+_NO_BOUND = 1 << 62
+"""thresholds at or above this many ns are no bound (``_search.c``: the same constant)."""
+
+
+def threshold(current: int, temp: float, u: float) -> int | float:
+    """The annealing's acceptance bound in ns: ``current + ⌊temp·(−ln u)⌋`` (inf for u = 0 or beyond
+    :data:`_NO_BOUND`), the same double operations as ``_search.c``."""
+    if not u > 0.0:
+        return math.inf
+    x = temp * -math.log(u)
+    if not x < _NO_BOUND:
+        return math.inf
+    return current + math.floor(x)
+
+
+def anneal(model: Retimer, ids: list[list[int]], limit: Sequence[float], max_evals: int, seed: int, t0: float,
            max_shift: int = 6) -> tuple[list[list[int]], float, int]:
     """Simulated annealing on whole-action orders (our addition; the reference of ``_search.c``'s
     ``anneal``, which returns the same plan — the planner runs the compiled one).
 
     A move shifts one random operation of a random rank by 1..``max_shift`` positions (never past an
     operation of its own stage and kind, never over the rank's memory limit).  Metropolis acceptance
-    on the makespan with a linearly falling temperature ``t0·(1 − evals/max_evals)``: the threshold
-    ``current − T·ln u`` is drawn *before* the move is timed, so the timing stops as soon as the
+    on the makespan with a linearly falling temperature ``t0·(1 − evals/max_evals)`` (ns): the threshold
+    ``current + ⌊−T·ln u⌋`` (integer ns: a makespan is above ``current − T·ln u`` exactly when it is
+    above that) is drawn *before* the move is timed, so the timing stops as soon as the
     threshold is exceeded (and, with :func:`rank_tails`, as soon as an operation's end plus its
     rank's remaining work exceeds it).  Where the critical-path descent stops at a local optimum,
     accepting slightly worse plans crosses to other basins (docs/crosspipe.md: benchmark history).  Returns the best plan seen: (ids, makespan, evaluations)."""
@@ -268,12 +283,12 @@ def anneal(model: Model, ids: list[list[int]], limit: Sequence[float], max_evals
         update_tails(model, tail, o, lo, hi)
         u = (_splitmix64(state) >> 11) * (1.0 / 9007199254740992.0)
         temp = t0 * (1.0 - evals / max_evals)
-        thr = mk + temp * -math.log(u) if u > 0.0 else math.inf
+        thr = threshold(mk, temp, u)
         evals += 1
         m2, _ = model.run(ids, bound=thr, tail=tail)
         if m2 < math.inf:
             mk = m2
-            if m2 < best_mk - 1e-9:
+            if m2 < best_mk:
                 best_mk, best = m2, [list(x) for x in ids]
         else:
             move_op(o, q, p)

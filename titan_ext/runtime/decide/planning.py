@@ -101,8 +101,12 @@ class PipeMorphPlanner:
 class CrossPipePlanner:
     """CrossPipe §4.2 greedy generator (one stage per rank) on the measured profile.
 
-    Each measured one-way delay c is split into latency α and bandwidth time size·β (CrossPipe §2.2)
-    when ``message_bytes`` and ``link_bandwidth_bytes_per_s`` are known, else all of it is latency.
+    The planner reads the description every planner of plan/ reads: the measured stage-level
+    ``PipelineProfile`` (its links' α and size·β, its memory rule ``release``) on the one-stage-per-rank
+    placement with a per-rank memory limit (``plan.placed.PlacedProfile``, built by ``plan_by_name`` →
+    ``crosspipe.placed_from_profile``), in integer ns.  Each measured one-way delay c becomes a
+    ``LinkProfile`` of latency α and bandwidth time size·β (CrossPipe §2.2, :meth:`alpha_beta`) when
+    ``message_bytes`` and ``link_bandwidth_bytes_per_s`` are known, else all of it is latency.
     In-flight activations per rank are capped at the initial plan's x_max (re-plans: the adaptive cap
     when one is set), so CrossPipe never trades memory for speed behind the user's back (§4.2: M_L).
     ``polish_s``: each plan is polished within that many seconds (``titan_ext.plan.polish``; None: off)."""
@@ -122,7 +126,8 @@ class CrossPipePlanner:
         self.polish_s = polish_s
 
     def alpha_beta(self, profile: PipelineProfile) -> PipelineProfile:
-        """Split each measured one-way delay c into latency α and size·β (CrossPipe §2.2)."""
+        """Split each measured one-way delay c into latency α and size·β (CrossPipe §2.2): the profile's
+        links as ``LinkProfile(latency_ms=c − size·β, bandwidth, message_bytes)``."""
         if self.message_bytes is None or self.link_bandwidth_bytes_per_s is None:
             return profile
         bw = self.link_bandwidth_bytes_per_s
