@@ -18,6 +18,7 @@ def _module(*argv):
                           cwd=ROOT, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_version_and_module_help_exit_0():
     version = _module("--version")
     assert version.returncode == 0 and version.stdout.startswith("titan-ext "), version
@@ -27,6 +28,7 @@ def test_version_and_module_help_exit_0():
         assert name in helped.stdout
 
 
+@pytest.mark.multiprocess
 def test_plan_json_stdout_parses_whole():
     run = _module("plan", "--stages", "4", "--microbatches", "8", "--times", "10,10,10", "--json")
     assert run.returncode == 0, run.stderr

@@ -83,6 +83,7 @@ def test_failed_write_leaves_no_partial_output(tmp_path, capsys):
     assert not csv.exists()  # written first, removed when the Gantt failed
 
 
+@pytest.mark.multiprocess
 def test_closed_pipe_is_quiet(tmp_path):
     """`titan-ext ... | true`: the reader is gone before the JSON is written: exit 0, no traceback (with
     --json the human report goes to stderr)."""

@@ -163,6 +163,7 @@ def test_outputs_keep_the_mode_of_the_file_they_replace(tmp_path, capsys):
     assert (pre.stat().st_mode & 0o777) == 0o640
 
 
+@pytest.mark.multiprocess
 def test_full_stdout_is_one_line_exit_2():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open("/dev/full", "w") as full:

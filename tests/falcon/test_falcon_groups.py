@@ -145,6 +145,7 @@ def _job_worker(rank, world, outdir, backend):
                 "grid": job.grid}, os.path.join(outdir, f"rank{rank}.pt"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", [pytest.param("gloo", marks=pytest.mark.slow), "nccl_rules"])
 def test_falcon_job_keeps_host_data_off_the_data_groups(backend):
     """gloo + the recorder: the rule checked by this test alone; nccl_rules: the project's CPU

@@ -165,6 +165,7 @@ def _steady_steps(job_run) -> list[int]:
     return steady
 
 
+@pytest.mark.multiprocess
 def test_a_steady_falcon_step_makes_no_host_sync(job_run):
     steady_steps = _steady_steps(job_run)
     for rank, r in enumerate(job_run):
@@ -172,6 +173,7 @@ def test_a_steady_falcon_step_makes_no_host_sync(job_run):
         assert steady == [[]] * len(steady_steps), (rank, steady_steps, r["syncs"])
 
 
+@pytest.mark.multiprocess
 def test_the_steps_are_exchanged_only_at_the_checks_by_one_reduction_on_the_control_group(job_run):
     """Before: ``DPSync.transfer_times`` and ``measure_step`` each all-reduced over the world every
     step, then one all-reduce a step. Now one recursive-doubling reduction at each check (every
@@ -185,6 +187,7 @@ def test_the_steps_are_exchanged_only_at_the_checks_by_one_reduction_on_the_cont
             assert mine == [], (rank, step, mine)
 
 
+@pytest.mark.multiprocess
 def test_every_rank_feeds_the_detector_every_step_in_order_at_the_check_after_it(job_run):
     fed = [r["fed"] for r in job_run]
     assert all(f == fed[0] for f in fed), fed
@@ -197,6 +200,7 @@ def test_every_rank_feeds_the_detector_every_step_in_order_at_the_check_after_it
     assert all(t > 0 for _, t, _ in fed[0])
 
 
+@pytest.mark.multiprocess
 def test_validation_uses_the_rings_groups_made_at_start_up_never_a_bare_p2p_op(job_run):
     for rank, r in enumerate(job_run):
         startup = {(n, k) for p, n, k, _ in r["calls"] if p == "startup"}
@@ -247,6 +251,7 @@ def _exchange_worker(rank: int, world: int) -> dict:
     return {"vectors": vectors, "fed": fed, "reductions": (before.reductions, after.reductions)}
 
 
+@pytest.mark.multiprocess
 def test_the_recursive_doubling_exchange_feeds_what_the_per_step_ring_fed():
     """3 ranks (one beyond a power of two: folded in and out): the reduction is the exact element-wise
     MAX of every rank's vector, whatever the pairing order; and the job's exchange at a check every 4
@@ -419,6 +424,7 @@ class _LiveFlatBytes(TorchDispatchMode):
         return out
 
 
+@pytest.mark.multiprocess
 def test_weighted_gradient_aggregation_is_the_exact_weighted_sum_without_a_flat_copy():
     from titan_ext.runtime.falcon.redistribute import BUCKETS_IN_FLIGHT
 

@@ -169,6 +169,7 @@ def _s2_worker(rank, world, outdir):
     torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
 
 
+@pytest.mark.multiprocess
 def test_s2_redistribution_keeps_the_global_gradient_float64():
     with tempfile.TemporaryDirectory() as d:
         run_ranks(_s2_worker, 2, d, backend="gloo")

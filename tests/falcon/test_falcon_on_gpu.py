@@ -107,6 +107,7 @@ def _startup_bytes(rank: int, world: int, numel: int, probe_bytes: int, dump: st
 STARTUP_PROBES = 6
 
 
+@pytest.mark.multiprocess
 def test_falcon_startup_memory_is_bounded_whatever_the_stage_size(tmp_path):
     from titan_ext.testing import run_ranks
 

@@ -153,6 +153,7 @@ def _mechanism_worker(rank, world, outdir):
                 "loss_sum": float(total)}, os.path.join(outdir, f"rank{rank}.pt"))
 
 
+@pytest.mark.multiprocess
 def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state():
     """4 gloo ranks, float64, no TorchTitan: the new mesh's groups are the new grid's rows and
     columns, and after the exchange every rank holds exactly the model + AdamW state of the old

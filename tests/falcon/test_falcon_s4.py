@@ -184,6 +184,7 @@ def test_multi_node_relaunch_spec_keeps_the_nodes_with_kept_devices():
         relaunch_spec({**plan, "hosts": ["n1", "n1", "n1", "n2"]}, ["n1", "n2"])
 
 
+@pytest.mark.multiprocess
 def test_launch_sh_relaunches_on_the_kept_devices_after_an_s4_exit(tmp_path):
     """scripts/launch.sh outside SLURM with a stand-in torchrun (PYTHON=fake): the first run leaves a
     pending S4 plan and fails, the relaunch gets the plan's world, overrides, devices and no
@@ -289,6 +290,7 @@ def _s4_resume_rank(rank: int, world: int, dump: str) -> tuple:
     return resume.measured_s, resume.times
 
 
+@pytest.mark.multiprocess
 def test_s4_resume_reduces_its_host_times_on_a_control_group_not_the_data_group(tmp_path):
     """The restarted job's S4 cost and step times are host tensors: on a GPU job the default group is
     NCCL, which takes device tensors only. Under the NCCL-rules backend (every group but the gloo
@@ -380,6 +382,7 @@ def test_node_replacement_relaunch_spec_excludes_the_slow_node_and_keeps_the_nod
         relaunch_env(plan, {})
 
 
+@pytest.mark.multiprocess
 def test_launch_sh_under_slurm_restarts_on_the_spare_node_with_the_same_node_count(tmp_path):
     """scripts/launch.sh under SLURM (stand-ins for scontrol and srun): an allocation of 3 nodes for a
     job of NNODES=2 exports TITAN_EXT_SPARE_NODES=1; after an S4 exit whose plan replaces node n1, the

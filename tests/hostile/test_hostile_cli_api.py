@@ -106,6 +106,7 @@ def _signal_while_writing(tmp_path: Path, signum: int, schedule: str = "optimal"
     return child.returncode, out, err, work
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum,code,line", [
     (signal.SIGINT, 130, "titan-ext: interrupted (Ctrl-C)"),
     pytest.param(signal.SIGTERM, 143, "titan-ext: terminated (SIGTERM)", marks=pytest.mark.slow),  # same path
@@ -144,6 +145,7 @@ except KeyboardInterrupt:
 """
 
 
+@pytest.mark.multiprocess
 def test_ctrl_c_during_a_solve_stops_it_and_raises_keyboard_interrupt():
     """A SIGINT inside the native solve stops the search at once (not at its 60 s limit) and reaches Python
     as KeyboardInterrupt after the clean-up: handler and wake-up fd as they were."""

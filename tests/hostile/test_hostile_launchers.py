@@ -180,6 +180,7 @@ def _stop(tmp_path: Path, launcher: subprocess.Popen, signum: int, within_s: flo
 
 
 # ------------------------------------------------------------------------------------------- signals
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_launch_sh_signal_ends_the_whole_job(signum, status, tmp_path):
     rc, err, took, running = _stop(tmp_path, _launch_sh(tmp_path), signum, within_s=5)
@@ -188,6 +189,7 @@ def test_launch_sh_signal_ends_the_whole_job(signum, status, tmp_path):
     assert f"stopped by {signal.Signals(signum).name}" in err and took < 5
 
 
+@pytest.mark.multiprocess
 def test_launch_sh_kills_a_job_that_ignores_the_signal_after_the_grace(tmp_path):
     rc, err, took, running = _stop(tmp_path, _launch_sh(tmp_path, STOP_GRACE_S="1", FAKE_IGNORE_TERM="1"),
                                    signal.SIGTERM, within_s=5)
@@ -219,6 +221,7 @@ wait "$child"; wait "$child"
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_launch_sh_under_slurm_hands_srun_a_sigterm(signum, status, tmp_path):
     """Under SLURM the script signals srun only (SIGTERM: srun forwards it to every task; one SIGINT
@@ -232,6 +235,7 @@ def test_launch_sh_under_slurm_hands_srun_a_sigterm(signum, status, tmp_path):
     assert (tmp_path / "srun_got").read_text().split() == ["TERM"] and took < 5
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name, value", [("NPROC_PER_NODE", "0"), ("NNODES", "x"), ("MASTER_PORT", "70000"),
                                          ("STOP_GRACE_S", "a[$(touch pwned)]")])
 def test_launch_sh_refuses_a_bad_number(name, value, tmp_path):
@@ -264,6 +268,7 @@ def _plan_file(tmp_path: Path) -> dict:
     return json.loads((tmp_path / "dump" / S4_PLAN_FILE).read_text())
 
 
+@pytest.mark.multiprocess
 def test_launch_sh_relaunches_from_the_plan_of_the_run_that_just_ended(tmp_path):
     _job_leaves(tmp_path, _plan())
     launcher = _launch_sh(tmp_path)
@@ -293,6 +298,7 @@ def test_launch_sh_refuses_a_plan_not_of_this_run_or_not_the_planners(plan, says
     assert _plan_file(tmp_path)["status"] == "pending"  # never applied: not consumed
 
 
+@pytest.mark.multiprocess
 def test_launch_sh_does_not_relaunch_after_another_failure(tmp_path):
     _job_leaves(tmp_path, _plan(), status=3)
     launcher = _launch_sh(tmp_path)
@@ -314,6 +320,7 @@ def _calls(tmp_path: Path) -> list[str]:
     return (tmp_path / "calls").read_text().splitlines()
 
 
+@pytest.mark.multiprocess
 def test_falcon_s4_relaunches_from_its_plan_and_consumes_it(tmp_path, monkeypatch):
     assert _launch_in_process(tmp_path, monkeypatch, _plan()) == 0
     first, second = _calls(tmp_path)
@@ -323,6 +330,7 @@ def test_falcon_s4_relaunches_from_its_plan_and_consumes_it(tmp_path, monkeypatc
     assert plan["status"] == "consumed" and plan["launch_id"] == first.split(" | ")[1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("plan, says", [
     (_plan(launch_id="host.1.2.0"), "is not the run's that just ended"),
     (_plan(overrides=["--experimental.custom_import", "evil"]), "'--experimental.custom_import' is not one"),
@@ -340,6 +348,7 @@ def test_falcon_s4_refuses_a_plan_not_of_this_run_or_not_the_planners(plan, says
     assert _plan_file(tmp_path)["status"] == "pending"
 
 
+@pytest.mark.multiprocess
 def test_falcon_s4_does_not_relaunch_after_another_failure_nor_a_stale_plan(tmp_path, monkeypatch):
     assert _launch_in_process(tmp_path, monkeypatch, _plan(), 3) == 3  # a crash is no S4 exit
     assert len(_calls(tmp_path)) == 1 and _plan_file(tmp_path)["status"] == "pending"
@@ -350,6 +359,7 @@ def test_falcon_s4_does_not_relaunch_after_another_failure_nor_a_stale_plan(tmp_
     assert len(_calls(tmp_path)) == 1 and not (tmp_path / "dump" / S4_PLAN_FILE).exists()
 
 
+@pytest.mark.multiprocess
 def test_a_plan_is_consumed_only_once_applied(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(s4.ENV_LAUNCH_ID, "run.0")
     dump = tmp_path / "dump"
@@ -433,6 +443,7 @@ def test_falcon_s4_bad_argument_is_one_line_exit_2_before_anything_starts(case, 
 
 
 # ------------------------------------------------------------------------------------------- run_local.sh
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedules", ["../precious", "PipeMorph ../precious", "/tmp", "*", "1F1B ..", "PipeMorph\n../precious"])
 def test_run_local_refuses_a_schedule_that_is_no_name_before_removing_anything(schedules, tmp_path):
     precious, out = tmp_path / "precious", tmp_path / "out"
@@ -448,6 +459,7 @@ def test_run_local_refuses_a_schedule_that_is_no_name_before_removing_anything(s
     assert (precious / "keep").is_dir() and (out / "PipeMorph" / "train.log").exists()
 
 
+@pytest.mark.multiprocess
 def test_run_local_does_not_follow_a_link_out_of_its_folder(tmp_path):
     precious, out = tmp_path / "precious", tmp_path / "out"
     (precious / "keep").mkdir(parents=True)

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _NO_TORCH = "import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']; exec(open('setup.py').read())"
 
 
+@pytest.mark.multiprocess
 def test_build_without_torch_fails_with_one_line():
     run = subprocess.run([sys.executable, "-c", _NO_TORCH], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "TITAN_EXT_NO_CUDA": "1"})
@@ -20,6 +21,7 @@ def test_build_without_torch_fails_with_one_line():
     assert len(lines) == 1 and "--no-build-isolation" in lines[0] and "torch" in lines[0], run.stderr
 
 
+@pytest.mark.multiprocess
 def test_build_without_torch_on_purpose():
     run = subprocess.run([sys.executable, "-c", _NO_TORCH], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "TITAN_EXT_NO_CUDA": "1", "TITAN_EXT_NO_DELEGATE_C": "1"})

@@ -77,6 +77,7 @@ def sdist(tmp_path_factory) -> tuple[set[str], Path]:
     return names, top
 
 
+@pytest.mark.multiprocess
 def test_setup_lists_every_header_its_sources_include():
     """A header a source includes is one of setup.py's ``depends`` (an edit rebuilds) or its lists, so
     the lists are what the builds read."""
@@ -85,6 +86,7 @@ def test_setup_lists_every_header_its_sources_include():
     assert with_includes(listed) == set(listed)
 
 
+@pytest.mark.multiprocess
 def test_sdist_holds_every_file_the_extension_builds_read(sdist):
     names, _ = sdist
     needed = with_includes(setup_files())
@@ -93,6 +95,7 @@ def test_sdist_holds_every_file_the_extension_builds_read(sdist):
     assert not [n for n in names if n.endswith((".so", ".o"))]  # no build output of this checkout
 
 
+@pytest.mark.multiprocess
 def test_version_is_written_once(sdist):
     import titan_ext
 
@@ -134,6 +137,7 @@ def test_triton_range_admits_what_the_installed_torch_pins():
             pytest.skip("neither torch's metadata nor this environment names a triton")
 
 
+@pytest.mark.multiprocess
 def test_plan_modules_build_from_the_sdist(sdist):
     """The planner's three C modules compile from the unpacked sdist alone and import from it (about 5 s;
     the C++ data plane, over a minute: the test below)."""
@@ -145,6 +149,7 @@ def test_plan_modules_build_from_the_sdist(sdist):
     assert files.count(str(top)) == 3, files
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.soak  # about 100 s on 2 cores (torch's headers); the sdist's contents are checked above
 def test_every_extension_builds_from_the_sdist(sdist):

@@ -64,12 +64,14 @@ def run(*args):
     return subprocess.run([sys.executable, "-m", "titan_ext.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("cmd", [[], ["plan"], ["simulate"]])
 def test_help_everywhere(cmd, cli_main):
     out = (run if cmd == [] else cli_main)(*cmd, "--help")
     assert out.returncode == 0 and "usage:" in out.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "args, needle",
     [

@@ -63,6 +63,7 @@ def test_every_call_site_fits_its_binding():
     assert checked >= 3 * unknown, (checked, unknown)
 
 
+@pytest.mark.multiprocess
 def test_the_check_finds_the_d2h_signal_bug_of_a01ec7e(tmp_path):
     """The binding of a01ec7e (Tensor first, bound as a Region method) is reported at its call site."""
     root = B.ROOT

@@ -9,11 +9,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from titan_ext.runtime.comm import timeouts
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
+@pytest.mark.multiprocess
 def test_a_sibling_rank_is_of_this_job_and_an_unrelated_process_is_not():
     """A parent spawns a peer and a judge; the judge asks about the peer (its sibling) and about the
     parent's own parent (not a sibling, no job keys)."""
@@ -33,6 +36,7 @@ print(judge.stdout.strip())
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False]
 
 
+@pytest.mark.multiprocess
 def test_the_job_keys_identify_a_rank_that_is_no_sibling():
     env = {"TORCHELASTIC_RUN_ID": "job-7", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
     other = subprocess.Popen(SLEEP, env=env)
@@ -46,6 +50,7 @@ def test_the_job_keys_identify_a_rank_that_is_no_sibling():
         other.wait()
 
 
+@pytest.mark.multiprocess
 def test_a_pid_that_does_not_exist_is_not_of_this_job():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -241,6 +241,7 @@ def runahead() -> list[dict]:
     return run_ranks(_runahead_worker, 2, backend="nccl_rules", timeout_s=280)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_no_host_blocking_call_in_a_steady_non_exchange_iteration(runahead, name):
     for rank in (0, 1):
@@ -256,6 +257,7 @@ def test_no_host_blocking_call_in_a_steady_non_exchange_iteration(runahead, name
                 assert "Event.synchronize at titan_ext/runtime/execute/device.py" in line, (rank, name, s)
 
 
+@pytest.mark.multiprocess
 def test_no_device_call_from_a_thread_without_the_device(runahead):
     for rank in (0, 1):
         assert runahead[rank]["late_violations"] == [], (rank, runahead[rank]["late_violations"])

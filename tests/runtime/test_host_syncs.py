@@ -84,6 +84,7 @@ def budget() -> list[dict]:
     return run_ranks(_budget_worker, 2, backend="nccl_rules", timeout_s=200)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_no_host_sync_in_a_steady_state_iteration(budget, name):
     for rank in (0, 1):
@@ -94,6 +95,7 @@ def test_no_host_sync_in_a_steady_state_iteration(budget, name):
     assert budget[1][name]["loss_reads"] == N_MB and budget[0][name]["loss_reads"] == 0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ("pipemorph", "torch-1f1b"))
 def test_pp_message_waits_of_a_titan_job_make_no_host_sync(budget, name):
     """With the p2p timeout every TorchTitan job installs (runtime/comm/timeouts.py): an explicit wait timeout

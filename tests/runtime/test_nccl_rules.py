@@ -537,6 +537,7 @@ def seen() -> list[dict]:
                      env={"TITAN_EXT_NCCL_RULES_TIMEOUT_S": "15", "TITAN_EXT_NCCL_RULES_WATCHDOG": "raise"})
 
 
+@pytest.mark.multiprocess
 def test_tags_are_ignored_and_a_whole_batch_matches(seen):
     assert seen[0]["batch"] == ("ok", [11.0] * 3)
     assert seen[1]["batch"] == ("ok", [10.0] * 3)
@@ -544,6 +545,7 @@ def test_tags_are_ignored_and_a_whole_batch_matches(seen):
     assert seen[1]["fifo"] == ("ok", [1.0, 2.0])
 
 
+@pytest.mark.multiprocess
 def test_split_batch_deadlocks_and_both_sequences_are_reported(seen):
     for rank, other in ((0, 1), (1, 0)):
         msg = seen[rank]["split"]
@@ -552,11 +554,13 @@ def test_split_batch_deadlocks_and_both_sequences_are_reported(seen):
         assert f"rank {other} issued to {rank}: ->#0{{send#0(4 float32)}} #1{{recv#0(4 float32)}}" in msg, msg
 
 
+@pytest.mark.multiprocess
 def test_reordered_batch_is_a_size_mismatch(seen):
     for rank in (0, 1):
         assert "size/dtype mismatch" in seen[rank]["reordered"], seen[rank]["reordered"]
 
 
+@pytest.mark.multiprocess
 def test_wait_returns_before_the_data_lands_and_completion_is_truthful(seen):
     late = seen[1]["late"]
     assert late["wait_ms"] < 200 and not late["completed_after_wait"], late
@@ -565,6 +569,7 @@ def test_wait_returns_before_the_data_lands_and_completion_is_truthful(seen):
     assert late["future"] and late["completed"]
 
 
+@pytest.mark.multiprocess
 def test_a_wait_with_a_timeout_blocks_the_host_and_its_expiry_aborts_the_group(seen):
     """ProcessGroupNCCL's ``wait(timeout)`` busy-waits the host until the op completes; when the timeout
     expires it raises and aborts the communicator (the old backend returned at once and never raised)."""
@@ -576,6 +581,7 @@ def test_a_wait_with_a_timeout_blocks_the_host_and_its_expiry_aborts_the_group(s
     assert "timed out" in after, after  # every later op on the aborted group raises
 
 
+@pytest.mark.multiprocess
 def test_an_op_unmatched_past_the_group_timeout_is_the_watchdog(seen):
     """Created with a 2 s timeout, or moved to 2 s by ``_set_pg_timeout``: the watchdog fires after the
     group's timeout (the old backend waited $TITAN_EXT_NCCL_RULES_TIMEOUT_S whatever the group said)."""
@@ -585,6 +591,7 @@ def test_an_op_unmatched_past_the_group_timeout_is_the_watchdog(seen):
         assert 1.5 <= seconds < 7, seconds
 
 
+@pytest.mark.multiprocess
 def test_a_works_timeout_is_fixed_when_it_is_issued(seen):
     """ProcessGroupNCCL sets ``opTimeout_`` as it creates a work; ``_set_pg_timeout`` moves the group's
     timeout for later works only.  The old backend applied the group's current timeout to works in flight:
@@ -598,6 +605,7 @@ def test_a_works_timeout_is_fixed_when_it_is_issued(seen):
         assert completed is False and seconds >= 2.0, seen[rank]["lowered_after_issue"]
 
 
+@pytest.mark.multiprocess
 def test_a_failed_work_is_completed_with_its_error(seen):
     """``WorkNCCL::isCompleted`` returns ``exception() || finishedGPUExecutionInternal()``: a failed work
     is completed (not successful, its error in ``exception()``, raised by ``wait()``); the old backend
@@ -607,6 +615,7 @@ def test_a_failed_work_is_completed_with_its_error(seen):
             seen[rank]["completed_on_error"]
 
 
+@pytest.mark.multiprocess
 def test_lazy_init_creates_communicators_at_the_first_op_with_a_host_rendezvous(seen):
     """Under lazy init (no ``device_id``) a group's first collective waits on the host for every rank
     (rank 0 came 1 s late), a pair's first bare op for the other side (0.8 s late; a batch on the group
@@ -624,6 +633,7 @@ def test_lazy_init_creates_communicators_at_the_first_op_with_a_host_rendezvous(
     assert 1.5 <= seconds < 10, seconds
 
 
+@pytest.mark.multiprocess
 def test_get_future_is_completed_at_enqueue_and_its_wait_orders_the_stream(seen):
     """ProcessGroupNCCL marks a work's future completed right after launching the kernel
     (``work->future_->markCompleted(...)`` in ``pointToPoint`` / ``collective``), a CUDA future whose
@@ -634,6 +644,7 @@ def test_get_future_is_completed_at_enqueue_and_its_wait_orders_the_stream(seen)
     assert f["total"] == 24.0 and f["landed_s"] >= 0.25, f  # a kernel after the wait reads the data
 
 
+@pytest.mark.multiprocess
 def test_a_send_buffer_written_before_its_transfer_is_reported(seen):
     """NCCL reads a send buffer when the kernel runs; a write after ``isend`` returned and before the
     transfer is a race.  The old backend sent the bytes at issue and passed it."""
@@ -644,6 +655,7 @@ def test_a_send_buffer_written_before_its_transfer_is_reported(seen):
     assert seen[1]["send_race"] == ("ok", [1.0] * 4), seen[1]["send_race"]
 
 
+@pytest.mark.multiprocess
 def test_dtypes_are_nccls_int16_and_complex_refused_where_nccl_refuses_them(seen):
     """``getNcclDataType`` has no int16 and no complex type; torch views a complex tensor as real for
     P2P and ``all_reduce`` before the backend, ``ProcessGroupNCCL::allreduce`` for SUM/AVG/PREMUL_SUM only;
@@ -662,6 +674,7 @@ def test_dtypes_are_nccls_int16_and_complex_refused_where_nccl_refuses_them(seen
         assert d["float8_all_reduce"].startswith("raised:") and "Float8" in d["float8_all_reduce"], d
 
 
+@pytest.mark.multiprocess
 def test_work_calls_reach_the_lagging_device(seen):
     """With the lagging simulated device installed, ``Work.wait`` / ``is_completed`` / the future's wait
     are device calls of the calling thread, and a ``wait()`` enqueues a wait on its stream."""
@@ -672,6 +685,7 @@ def test_work_calls_reach_the_lagging_device(seen):
                 ("device_call", "Future.wait"), ("stream_wait", name)} <= kinds, calls
 
 
+@pytest.mark.multiprocess
 def test_a_batched_op_never_pairs_with_a_bare_one(seen):
     for rank in (0, 1):
         msg = seen[rank]["bare_vs_batched"]
@@ -680,17 +694,20 @@ def test_a_batched_op_never_pairs_with_a_bare_one(seen):
     assert "rank 1 issued to 0: #0{recv#0(1 float32)} ->#1{recv#1(2 float32)}" in seen[1]["bare_vs_batched"]
 
 
+@pytest.mark.multiprocess
 def test_collectives_and_p2p_on_one_group_run_in_issue_order(seen):
     for rank in (0, 1):
         assert "watchdog" in seen[rank]["collective_order"], seen[rank]["collective_order"]
         assert seen[rank]["collective_in_order"] == ("ok", [2.0, 2.0], [0.0, 0.0]), seen[rank]["collective_in_order"]
 
 
+@pytest.mark.multiprocess
 def test_an_op_from_a_second_thread_on_a_pair_fails(seen):
     assert len(seen[0]["thread"]) == 1 and "not-the-main-thread" in seen[0]["thread"][0]
     assert seen[1]["thread"] == "ok"
 
 
+@pytest.mark.multiprocess
 def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
     for rank in (0, 1):
         msg = seen[rank]["host_on_data"]
@@ -706,6 +723,7 @@ def test_host_tensors_made_by_titan_ext_are_refused_on_data_groups_only(seen):
         assert seen[rank]["big_batch"] == ("ok", [100.0 * (1 - rank) + i for i in (0, 50, 100)]), seen[rank]["big_batch"]
 
 
+@pytest.mark.multiprocess
 def test_host_tensors_are_recognised_by_placement_on_any_thread_and_as_collective_outputs(seen):
     """On an earlier backend a titan_ext tensor made with ``device="cpu"``, one made on a helper
     thread, and host output buffers of a collective all passed unchecked."""
@@ -730,6 +748,7 @@ def _control_with_uneven_group_counts(rank: int) -> list[int]:
     return [plane.gather_ints(10 * rank + i)[1 - rank] for i, plane in enumerate(planes)]
 
 
+@pytest.mark.multiprocess
 def test_control_group_forms_when_pp_ranks_hold_different_numbers_of_groups(seen):
     """On a01ec7e rank 0's control group got another name (torch <= 2.14 hashes len(_world.pg_names)
     into it) and both ranks waited at construction until the watchdog ended the run.  Under torch
@@ -753,6 +772,7 @@ def _exit_worker(rank: int, port: int, late_s: float) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("late_s", [0.0, pytest.param(3.0, marks=pytest.mark.slow)])
 def test_ranks_exit_cleanly_when_peers_destroy_their_groups_at_different_times(late_s):
     """A clean run exits 0 on every rank, also when a peer destroys its groups later than the 2 s a
@@ -807,6 +827,7 @@ def _three_rank_scenarios(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_one_stream_per_rank_orders_groups_across_peers():
     """A batch spanning two peers completes as one, and a cross-pair cycle (each pair in issue order)
     is NCCL's hang, reported by the group's watchdog (the old per-pair model passed both)."""
@@ -843,6 +864,7 @@ def _eager_scenarios(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_eager_init_has_every_communicator_from_creation_and_bare_ops_on_the_groups():
     """With ``$TITAN_EXT_NCCL_RULES_INIT=eager`` (what ``device_id`` does; a CPU test cannot pass one) no op
     waits for a communicator (rank 1's first irecv returns before rank 0's send 0.8 s later) and a bare
@@ -871,6 +893,7 @@ def _functional_reads(rank: int, world: int) -> list[float]:
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_host_read_of_a_collective_result_sees_the_reduced_value():
     """A collective's result read on the host (TorchTitan's loss: ``dist_mean`` through functional
     collectives) is the reduced value, as a GPU's host read waits for the stream; the stream-wait model

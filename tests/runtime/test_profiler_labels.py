@@ -107,6 +107,7 @@ def _pp(names: Counter) -> Counter:
     return Counter({n: c for n, c in names.items() if n.startswith("PP:")})
 
 
+@pytest.mark.multiprocess
 def test_every_action_and_the_boundary_work_appear_by_name(results):
     for rank, res in enumerate(results):
         expected = Counter(f"PP:{a}" for step in res["ran"] for a in step)
@@ -124,6 +125,7 @@ def test_every_action_and_the_boundary_work_appear_by_name(results):
         assert res["ours"]["titan_ext:deploy"] >= 1  # deploy(): more if a re-plan is swapped in at the boundary
 
 
+@pytest.mark.multiprocess
 def test_no_span_is_opened_when_no_profiler_runs(results):
     """A ``record_function`` span costs host time (torch's op dispatch) on every action, profiled or not:
     the executor opens them only while a profiler is recording."""
@@ -132,6 +134,7 @@ def test_no_span_is_opened_when_no_profiler_runs(results):
         assert res["spans"]["profiled"] >= 4 * N_MB, res["spans"]  # F and B per micro-batch, sends, receives
 
 
+@pytest.mark.multiprocess
 def test_torch_runtime_names_the_same_actions_the_same_way(results):
     for rank, res in enumerate(results):
         ours, theirs = Counter(res["ran_1f1b"]), Counter(res["torch_ran"])

@@ -159,6 +159,7 @@ def _worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_schedules_train_and_agree_when_the_data_group_refuses_cpu_collectives():
     world = 3  # a first, a middle and a last stage: every role a rank has in the exchanges (a 4th costs a process)
     results = run_ranks(_worker, world)

@@ -221,6 +221,7 @@ def _one_f_one_b_with_and_without_delay(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_injection_under_torch_1f1b_keeps_nccl_rules_and_delays_arrival():
     """Defect 3: on a01ec7e the injector issued held-back sends from a background thread,

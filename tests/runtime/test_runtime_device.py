@@ -59,6 +59,7 @@ def sim_run() -> list[dict]:
     return run_ranks(_sim_worker, 2)
 
 
+@pytest.mark.multiprocess
 def test_estimator_reads_slow_link_on_async_device(sim_run):
     """+60 ms on the link: the estimator's window median, and the per-iteration estimates after the
     first (warm-up) iteration, at most 10 % low and 25 % high (a loaded host's scheduling latency only
@@ -68,6 +69,7 @@ def test_estimator_reads_slow_link_on_async_device(sim_run):
         assert 0.9 * LINK_MS <= statistics.median(r["delays"][1:]) <= 1.25 * LINK_MS, r["delays"]
 
 
+@pytest.mark.multiprocess
 def test_no_stream_wait_before_its_consumer(sim_run):
     for rank, r in enumerate(sim_run):
         assert r["kernels"] > 0
@@ -77,6 +79,7 @@ def test_no_stream_wait_before_its_consumer(sim_run):
     assert losses and all(v == v for v in losses), "a consumer read stale (NaN) data"
 
 
+@pytest.mark.multiprocess
 def test_compute_times_exclude_link_waits(sim_run):
     """No timed compute action contains a stall of the simulated stream (a link wait), and the stalls
     are booked as ``recv_wait_ms``: at least one link delay per iteration on the receiver."""

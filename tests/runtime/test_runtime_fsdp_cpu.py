@@ -99,6 +99,7 @@ def _run_scenario(mesh, unfinalized_first: bool, runtime_kwargs: dict, return_mo
     return module if return_module else [p.grad.full_tensor() for p in module.parameters()]
 
 
+@pytest.mark.multiprocess
 def test_fsdp_stages_gradients_equal_the_reference():
     results = run_ranks(_run, PP * DP, backend="gloo")
     for name, unfinalized_first, _ in _scenarios():

@@ -22,6 +22,7 @@ U0 = "6f3a2c1e-0000-4b1d-9a8e-000000000000"
 U1 = "6f3a2c1e-1111-4b1d-9a8e-111111111111"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_without_a_gpu_it_says_why_it_skips_and_exits_0(tmp_path):
     out = tmp_path / "multi.json"
@@ -131,6 +132,7 @@ def _train_on_cpu(rank, world, args):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_the_training_loop_and_its_readouts_run_on_cpu_and_match_the_cpu_reference():
     from titan_ext.testing import run_ranks

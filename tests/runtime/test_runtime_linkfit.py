@@ -60,6 +60,7 @@ def _worker(rank: int, world: int):
     return rounds
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_fitted_beta_within_15_percent_of_injected_cap():
     # a precision test of the injector's bandwidth model, on plain gloo: the rule is that the fitted

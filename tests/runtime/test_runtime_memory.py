@@ -95,6 +95,7 @@ def _cap_worker(rank: int, world: int) -> dict:
     return {"steps": out, "log": [e for e in sched.decision_log if e["decision"] in ("reject", "deploy")]}
 
 
+@pytest.mark.multiprocess
 def test_background_candidate_rechecked_against_the_current_cap():
     res = run_ranks(_cap_worker, 2)
     for r in res:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from titan_ext.runtime.measure.metrics import IterationMetrics
 
 
@@ -69,6 +71,7 @@ def _fresh_metrics_worker(rank, world):
     return checker.mismatches, len(checker.seen), sched.plan_version
 
 
+@pytest.mark.multiprocess
 def test_published_plan_metrics_are_those_of_the_boundary_they_are_published_at():
     from titan_ext.testing import run_ranks
 

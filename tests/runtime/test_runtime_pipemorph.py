@@ -82,6 +82,7 @@ def _equivalence_worker(rank: int, world: int, n_mb: int, steps: int):
     }
 
 
+@pytest.mark.multiprocess
 def test_equivalence_with_gpipe_under_a_new_plan_every_iteration():
     # Re-planning is asynchronous (planned during iteration k+1, swapped at its end), so the first
     # forced plan runs in iteration 2; from iteration 1 on every boundary swaps in a new plan:
@@ -187,6 +188,7 @@ def _reduce(action, ctx):
     stage.perform_reduce_grad(sched._n_microbatches if sched.scale_grads else 1)
 
 
+@pytest.mark.multiprocess
 def test_invalid_plan_is_rejected_and_previous_plan_keeps_training(two_ranks):
     results = two_ranks["reject"]
     for res in results:
@@ -266,6 +268,7 @@ def _planresult_worker(rank: int, world: int, n_mb: int, steps: int):
     return out
 
 
+@pytest.mark.multiprocess
 def test_deploy_takes_a_plan_result(two_ranks):
     """``deploy()`` takes a PlanResult (plan_by_name's): deployed now, or queued during an iteration and
     deployed at its end; training equals torch's GPipe; each plan reaches torch's IR exactly once, in the
@@ -327,6 +330,7 @@ def _agreement_worker(rank: int, world: int, n_mb: int, cls_name: str):
     return {"hashes": hashes, "log": list(sched.decision_log), "metrics": list(sched.metrics_history)}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", [pytest.param("noisy", marks=pytest.mark.slow), "dissent"])
 def test_ranks_agree_on_every_deployed_plan(variant):
     world, n_mb = 3, 16
@@ -370,6 +374,7 @@ def _adapt_worker(rank: int, world: int, n_mb: int, t_ms: float, delay_ms: float
             "initial": sched.initial_counts}
 
 
+@pytest.mark.multiprocess
 def test_adapts_to_slow_last_link_and_shrinks_after_recovery():
     """60 ms on the last link from iteration 3: PipeMorph re-plans within 3 iterations with more
     slackness on that link (enough for Eq.1), which absorbs the delay; delay removed at iteration 10:
@@ -449,6 +454,7 @@ def _budget_worker(rank: int, world: int, n_mb: int, budget: float):
             "x_max": sched.memory.x_max}
 
 
+@pytest.mark.multiprocess
 def test_initial_plan_from_memory_budget_and_measured_activations(two_ranks):
     """Alg.1 from a byte budget: M^F is measured in the first forward. For this MLP stage (2 × Linear
     + Tanh, float64, microbatch of BATCH/N rows) autograd saves 3 distinct [rows, DIM] tensors
@@ -483,6 +489,7 @@ def _small_budget_worker(rank: int, world: int, n_mb: int, budget: float):
     return {**res, "warnings": [m for m in records if "memory budget" in m]}
 
 
+@pytest.mark.multiprocess
 def test_absurd_memory_budget_warns_once_from_rank_0(two_ranks):
     """`memory_budget_gib = 1e-9` trained silently with warm-up counts [1, ...]. A budget of half
     an activation is applied (the cap is 1) but said once, by PP rank 0 only."""

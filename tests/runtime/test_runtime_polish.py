@@ -203,6 +203,7 @@ def _polish_worker(rank: int, world: int):
     return polished, plain, no_solver[1]
 
 
+@pytest.mark.multiprocess
 @needs_ortools
 def test_two_ranks_deploy_the_same_polished_plan_without_waiting_and_train_the_same():
     """...and a job without OR-Tools says so once and polishes nothing."""

@@ -74,6 +74,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_silent_and_stopped_peers_end_within_the_timeout_and_are_named(tmp_path):
     script = tmp_path / "peer.py"
@@ -154,6 +155,7 @@ def _count_pp_waits(rank: int, world: int, train_s: float) -> dict:
     return counts
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["nccl_rules", "gloo"])
 def test_pp_waits_pass_a_timeout_only_where_the_backend_needs_it(backend):
@@ -205,6 +207,7 @@ NCCL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["p2p", "first", "collective"])
 def test_a_frozen_peer_ends_the_job_within_the_timeout_under_the_nccl_like_backend(where, tmp_path):
@@ -336,6 +339,7 @@ def _watch_under_the_lagging_device(rank: int, world: int) -> dict:
         lagdevice.uninstall()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_the_watch_makes_no_device_call_without_the_ranks_device_under_the_lagging_device():
     """The same defect under ``nccl_rules`` and ``testing/lagdevice.py``: the watch thread's
@@ -451,6 +455,7 @@ def _train_timeout_switch(rank: int, world: int) -> dict:
     return {"switch_s": switch_s, "error": error, "sum": value.item()}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_the_switch_to_a_shorter_timeout_waits_for_every_rank():
     """Defect: each rank moved to the train timeout on its own; the fast rank's next
@@ -483,6 +488,7 @@ def _switch_without_a_peer(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_rank_that_never_reaches_the_switch_is_named_within_the_old_timeout():
     res = run_ranks(_switch_without_a_peer, 2, backend="gloo", timeout_s=100)

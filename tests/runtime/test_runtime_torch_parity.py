@@ -202,6 +202,7 @@ def _check_grads(results, key, ref_grads, factor=1.0):
                 torch.testing.assert_close(g, factor * ref, rtol=RTOL, atol=1e-12)
 
 
+@pytest.mark.multiprocess
 def test_outputs_are_merged_in_microbatch_order_for_a_plan_with_reversed_last_stage_forwards(results):
     ref_losses, ref_out, ref_grads = _reference(R, 4, *seeded_batch(7, BATCH, DIM))
     assert all(res["deployed"] for res in results)
@@ -211,6 +212,7 @@ def test_outputs_are_merged_in_microbatch_order_for_a_plan_with_reversed_last_st
     _check_grads(results, "reversed", ref_grads)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("placement, V", [("one", 1), ("v", 2)])
 def test_a_forward_custom_function_written_as_torchs_test_writes_it(results, placement, V):
     S = R * V
@@ -224,6 +226,7 @@ def test_a_forward_custom_function_written_as_torchs_test_writes_it(results, pla
         assert res[f"custom_{placement}"][3] == V * 2 * S
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("placement", ["loop", "v"])
 def test_fewer_microbatches_than_stages_with_two_stages_per_rank(results, placement):
     S = 2 * R
@@ -236,6 +239,7 @@ def test_fewer_microbatches_than_stages_with_two_stages_per_rank(results, placem
         _check_grads(results, f"few_{placement}_{name}", ref_grads)
 
 
+@pytest.mark.multiprocess
 def test_eval_returns_losses_and_outputs_and_leaves_gradients_alone(results):
     ref_losses, ref_out, _ = _reference(R, 4, *seeded_batch(7, BATCH, DIM))
     losses, outputs, _ = _last(results, "eval")
@@ -245,6 +249,7 @@ def test_eval_returns_losses_and_outputs_and_leaves_gradients_alone(results):
         assert all(g is None for grads in res["eval"][2].values() for g in grads)
 
 
+@pytest.mark.multiprocess
 def test_two_steps_without_zero_grad_accumulate_twice_the_gradient(results):
     ref_losses, _, ref_grads = _reference(R, 4, *seeded_batch(7, BATCH, DIM))
     losses, _, _ = _last(results, "accumulate")
@@ -252,6 +257,7 @@ def test_two_steps_without_zero_grad_accumulate_twice_the_gradient(results):
     _check_grads(results, "accumulate", ref_grads, factor=2.0)
 
 
+@pytest.mark.multiprocess
 def test_model_kwargs_are_split_by_the_kwargs_chunk_spec(results):
     scale = torch.linspace(0.5, 1.5, BATCH, dtype=torch.float64).unsqueeze(1)
     ref_losses, ref_out, ref_grads = _reference(R, 4, *seeded_batch(7, BATCH, DIM), scale=scale)
@@ -264,12 +270,14 @@ def test_model_kwargs_are_split_by_the_kwargs_chunk_spec(results):
                 torch.testing.assert_close(g, ref, rtol=RTOL, atol=1e-12)
 
 
+@pytest.mark.multiprocess
 def test_errors_name_the_class_in_use(results):
     for res in results:
         assert res["error"] is not None and res["error"].startswith("CrossPipe"), res["error"]
         assert "PipeMorph" not in res["error"]
 
 
+@pytest.mark.multiprocess
 def test_titan_settings_reach_the_multi_stage_policy(results):
     """titan/options.py passes a ReplanPolicy built from [titan_ext]; with several stages per rank the
     schedule must run VirtualReplanPolicy with those thresholds (it used to keep the one-stage policy)."""

@@ -63,6 +63,7 @@ def _worker(rank: int, world: int, kind: str) -> dict:
             "params_equal": all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(got_params, ref_params))}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["PipeMorph", "GPipe"])
 def test_one_stage_per_rank_trains_through_host_staging_like_gpipe_on_gloo(kind):
     res = run_ranks(_worker, 2, kind, backend="gloo", timeout_s=120)
@@ -91,6 +92,7 @@ def _v_reference(world: int) -> list[float]:
     return losses
 
 
+@pytest.mark.multiprocess
 def test_zbv_trains_through_host_staging_including_torch_2_11_self_sends():
     res = run_ranks(_worker, 2, "ZBV", backend="gloo", timeout_s=120)
     assert res[0]["losses"] == pytest.approx(_v_reference(2), rel=1e-9)

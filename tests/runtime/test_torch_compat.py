@@ -26,6 +26,7 @@ def test_installed_torch_is_in_the_pinned_range_and_has_every_internal():
     assert missing_internals() == []
 
 
+@pytest.mark.multiprocess
 def test_missing_internal_is_named_at_import_of_the_runtime():
     """A torch without one private internal: importing the runtime names it (fresh process)."""
     code = ("import torch.distributed.pipelining.schedules as s\n"

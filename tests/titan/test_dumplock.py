@@ -40,6 +40,7 @@ def test_free_folder_is_taken_and_released(tmp_path):
     lock.release()  # idempotent
 
 
+@pytest.mark.multiprocess
 def test_a_live_job_on_this_host_refuses_a_second_one_naming_it(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -52,6 +53,7 @@ def test_a_live_job_on_this_host_refuses_a_second_one_naming_it(tmp_path):
         sleeper.wait()
 
 
+@pytest.mark.multiprocess
 def test_a_dead_owner_on_this_host_is_taken_over_with_a_warning(tmp_path, warnings):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -115,6 +117,7 @@ def test_the_owner_refreshes_the_lock(tmp_path, monkeypatch):
     lock.release()
 
 
+@pytest.mark.multiprocess
 def test_a_second_trainer_on_the_folder_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
     """The trainer's hook: rank 0 prints one line and exits 2 (other ranks do not look)."""
     from titan_ext.titan import trainer

@@ -5,6 +5,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_PYTHON = """#!/usr/bin/env bash
 # launch_fit.py and the version probe: succeed; torchrun: record the environment instead of starting ranks
@@ -29,6 +31,7 @@ def _torchrun_env(tmp_path: Path, **extra: str) -> dict:
     return dict(item.split("=", 1) for item in out.read_bytes().decode().split("\0") if "=" in item)
 
 
+@pytest.mark.multiprocess
 def test_launch_leaves_nccl_async_error_handling_to_torchtitan(tmp_path):
     """TorchTitan's init_distributed sets TORCH_NCCL_ASYNC_ERROR_HANDLING=3 itself and warns on every rank
     when the variable is already set (any value): the script exported 1, so every rank of every job
@@ -40,6 +43,7 @@ def test_launch_leaves_nccl_async_error_handling_to_torchtitan(tmp_path):
     assert _torchrun_env(tmp_path, TORCH_NCCL_ASYNC_ERROR_HANDLING="3")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
+@pytest.mark.multiprocess
 def test_launch_exports_the_allocator_and_fault_handler_settings(tmp_path):
     """expandable segments (PipeMorph changes its in-flight micro-batches at run time) and Python's fault
     handler, as TorchTitan's own scripts set them; a caller's allocator setting, under either name, is kept

@@ -21,11 +21,13 @@ def _launch(env, *args):
                           text=True, timeout=120, env={**clean, "PYTHON": sys.executable, **env})
 
 
+@pytest.mark.multiprocess
 def test_no_config_prints_usage_and_fails():
     run = _launch({})
     assert run.returncode == 2 and "MODULE=" in run.stderr and "CONFIG_FILE=" in run.stderr
 
 
+@pytest.mark.multiprocess
 def test_dry_run_tt03_prints_the_torchtitan_command():
     run = _launch({"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel"})
     assert run.returncode == 0, run.stderr
@@ -33,6 +35,7 @@ def test_dry_run_tt03_prints_the_torchtitan_command():
     assert "torch.distributed.run" in run.stdout
 
 
+@pytest.mark.multiprocess
 def test_dry_run_toml_passes_extra_arguments():
     run = _launch({"DRY_RUN": "print", "CONFIG_FILE": "train_configs/debug_cpu.toml", "NPROC_PER_NODE": "4"},
                   "--training.steps", "3")
@@ -41,6 +44,7 @@ def test_dry_run_toml_passes_extra_arguments():
     assert "-m titan_ext.train --job.config_file train_configs/debug_cpu.toml --training.steps 3" in run.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_model_too_big_for_this_machine_is_refused(tmp_path):
     run = _launch({"MODULE": "titan_ext.titan", "CONFIG": "llama3_405b_pipemorph", "LOG_DIR": str(tmp_path / "logs")})
     assert run.returncode == 2 and "405b" in run.stderr and "GiB" in run.stderr
@@ -54,6 +58,7 @@ def _command(run) -> str:
     return " ".join(shlex.split(run.stdout.strip().splitlines()[-1]))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config, nnodes, nproc, shown", [
     ({"MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel"}, 1, 4, "3"),  # PP 4: the loss on rank 3
     ({"MODULE": "titan_ext.titan", "CONFIG": "falcon_dp2_pp2_debugmodel"}, 1, 4, "2"),  # DP 2 x PP 2: ranks 2, 3
@@ -71,6 +76,7 @@ def test_dry_run_runs_the_ranks_the_config_needs_and_shows_its_loss_rank(config,
     assert f" --role rank --tee 3 --local-ranks-filter {shown} -m " in cmd
 
 
+@pytest.mark.multiprocess
 def test_dry_run_prints_the_environment_it_exports():
     run = _launch({"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel"})
     exports = [line for line in run.stdout.splitlines() if line.startswith("export ")]
@@ -86,6 +92,7 @@ def test_dry_run_prints_the_environment_it_exports():
         assert exports == [f"export {name}=max_split_size_mb:64"], run.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("log_rank, shown", [("1", "--local-ranks-filter 1 "), ("0,3", "--local-ranks-filter 0,3 "),
                                              ("all", "--tee 3 -m ")])
 def test_log_rank_picks_the_ranks_the_console_shows(log_rank, shown):
@@ -93,23 +100,27 @@ def test_log_rank_picks_the_ranks_the_console_shows(log_rank, shown):
     assert shown in cmd and (log_rank != "all" or "--local-ranks-filter" not in cmd)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("log_rank", ["x", "1,", "-1", "01", "3;touch pwned"])
 def test_a_bad_log_rank_is_refused(log_rank, tmp_path):
     run = _launch({"DRY_RUN": "print", "CONFIG_FILE": "train_configs/debug_cpu.toml", "LOG_RANK": log_rank})
     assert run.returncode == 2 and "LOG_RANK" in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.multiprocess
 def test_parallelism_arguments_on_the_command_line_change_the_world():
     cmd = _command(_launch({"DRY_RUN": "print", "CONFIG_FILE": "train_configs/debug_cpu.toml"},
                            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree=3"))
     assert "--nnodes 1 --nproc_per_node 6 " in cmd and "--local-ranks-filter 3 " in cmd  # rank 3: PP rank 1
 
 
+@pytest.mark.multiprocess
 def test_an_unreadable_config_function_keeps_the_defaults():
     cmd = _command(_launch({"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "no_such_config"}))
     assert "--nnodes 1 --nproc_per_node 8 " in cmd and "--local-ranks-filter 0 " in cmd
 
 
+@pytest.mark.multiprocess
 def test_under_slurm_srun_gets_the_node_cpus_and_every_node_filters_its_local_ranks():
     slurm = {"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "pipemorph_debugmodel", "SLURM_JOB_ID": "42",
              "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "2", "SLURM_CPUS_ON_NODE": "96"}
@@ -124,6 +135,7 @@ def test_under_slurm_srun_gets_the_node_cpus_and_every_node_filters_its_local_ra
     assert "--cpus-per-task=20 " in _command(_launch({**slurm, "SLURM_CPUS_PER_TASK": "7", "CPUS_PER_TASK": "20"}))
 
 
+@pytest.mark.multiprocess
 def test_under_slurm_an_allocation_smaller_than_the_config_is_noted():
     run = _launch({"DRY_RUN": "print", "MODULE": "titan_ext.titan", "CONFIG": "llama3_70b_pipemorph", "SLURM_JOB_ID": "42",
                    "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"})

@@ -15,6 +15,7 @@ PY = sys.executable
 CONFIGS = sorted((ROOT / "train_configs").glob("*.toml"))
 
 
+@pytest.mark.multiprocess
 def test_import_titan_ext_is_light():
     out = subprocess.run(
         [PY, "-c", "import sys, titan_ext, titan_ext.titan.config; "
@@ -82,6 +83,7 @@ def test_injected_link_must_exist_for_the_pp_degree():
         check_job_config(cfg, world_size=4)
 
 
+@pytest.mark.multiprocess
 @tt02_only(TITAN_EXT_TRAIN)
 def test_train_entry_fails_fast_before_any_process_group(tmp_path):
     """No torchrun env at all: creating a process group would fail differently (env:// rendezvous)."""
@@ -116,6 +118,7 @@ _IMPORT_ORDERS = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
 def test_registration_in_stock_torchtitan_builder(order):
     """Both import orders register the schedules, the dataset and the CPU shim (fresh process)."""
@@ -248,6 +251,7 @@ def test_tokenizer_fits_debug_model_and_round_trips():
     assert len(ids) < len(text) / 2  # BPE actually compresses
 
 
+@pytest.mark.multiprocess
 @tt02_only(TOML_CONFIG)
 def test_stock_torchtitan_train_rejects_bad_value_before_process_group(tmp_path):
     """Stock `python -m torchtitan.train`: the [titan_ext] error comes from config parsing."""

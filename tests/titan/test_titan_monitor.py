@@ -134,6 +134,7 @@ def _clock_worker(rank, world, skew_ns):
     return mon.clock_offset_ns, ({a.stage: a.start_ns for a in tl.actions} if rank == 0 else None)
 
 
+@pytest.mark.multiprocess
 def test_clock_offsets_across_hosts_are_estimated_and_removed():
     # run_ranks: gloo on loopback, and each rank leaves without interpreter finalisation (a gloo
     # worker thread still releasing the last all_gather_object's tensors when the interpreter

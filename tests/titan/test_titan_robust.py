@@ -112,6 +112,7 @@ def test_frozen_rank_ends_the_job_within_timeout_plus_30s_naming_it(schedule, ba
     assert res["names_rank"] and "rank 2 stopped answering" in res["message"], res
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("rank, lines", [("0", 1), ("2", 0)])
 def test_a_malformed_env_straggler_at_import_is_one_line_and_exit_2(rank, lines):
     """Under the stock torchtitan.train (custom_import imports titan_ext.runtime): a malformed

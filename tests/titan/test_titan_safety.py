@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from titan_ext.runtime.emulate import delay_injection as di
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +42,7 @@ def test_zero_delay_spec_does_not_warn(caplog):
     assert _warnings(caplog) == []
 
 
+@pytest.mark.multiprocess
 def test_env_straggler_warns_at_import_naming_the_variable():
     """A leftover TITAN_EXT_INJECT_DELAYS installs at `import titan_ext.runtime`: one WARNING line."""
     env = dict(os.environ, TITAN_EXT_INJECT_DELAYS="1:40")

@@ -103,6 +103,7 @@ def offline_wandb(monkeypatch, tmp_path):
     wandb.teardown()  # finishes a run a failed test left, and forgets these settings
 
 
+@pytest.mark.multiprocess
 def test_offline_run_has_min_mean_summaries_tagged_keys_and_step_keyed_decisions(
         monkeypatch, tmp_path, offline_wandb, caplog):
     """A real offline run, read back from its files: the summarized keys' run summary is their min and
