@@ -19,4 +19,6 @@ case "$tier" in
     all) select=() ;;
     *) echo "scripts/test.sh: TIER=$tier: use default, slow, soak or all" >&2; exit 2 ;;
 esac
+# a default-tier test that starts a process must be marked `multiprocess` (tests/conftest.py)
+export TITAN_EXT_PROCESS_CHECK="${TITAN_EXT_PROCESS_CHECK:-1}"
 exec .venv/bin/python -m pytest -q -ra "${select[@]}" "$@"
