@@ -311,3 +311,21 @@ def test_bench_case_b1_is_proven_within_the_time_limit():
     for variant in ("ud", "udsub"):
         assert res.makespan_ns <= plan_crosspipe_placed(prob, variant).makespan_ns
     validate_plan(res.actions, 4, 12)
+
+
+def test_given_plans_are_checked_complete_first():
+    """A warm start or a plan to polish is checked by the one completeness check (``check_complete``)
+    and placement before anything is timed: a missing W, a duplicated F or an op on another stage's rank
+    is refused with a ValueError naming it."""
+    from titan_ext.plan.polish import polish_orders
+
+    prob = uniform_placed(2, 2, 1, 1, 1)
+    good = plan_crosspipe_placed(prob, "ud", convert=False).orders
+    missing = {r: [op for op in ops if op != (r, "W", 1)] for r, ops in good.items()}
+    doubled = {0: good[0] + [(0, "F", 0)], 1: good[1]}
+    moved = {0: good[0] + [good[1][0]], 1: good[1][1:]}
+    for orders, why in ((missing, "no W"), (doubled, "appears 2 times"), (moved, "sits on rank 1")):
+        with pytest.raises(ValueError, match=why):
+            solve_optimal_problem(prob, hint_orders=orders, time_limit_s=5)
+        with pytest.raises(ValueError, match=why):
+            polish_orders(prob, orders, budget_s=0.1)

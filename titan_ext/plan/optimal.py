@@ -237,6 +237,7 @@ def _hint_candidates(problem: PlacedProfile, hint_orders: Mapping[int, Sequence[
     """The plans the hint is chosen from: ``hint_orders`` alone when given, else the CrossPipe greedy
     portfolios (CrossWave on a V-shape problem, CrossUD and CrossUDSub otherwise)."""
     if hint_orders is not None:
+        problem.check_orders(hint_orders)  # complete, split backwards, on their stages' ranks
         yield {r: list(o) for r, o in hint_orders.items()}
         return
     wave_shape = any(problem.stage_to_rank.count(r) > 1 for r in range(problem.num_ranks))

@@ -162,6 +162,23 @@ class PlacedProfile:
             peaks.append(float(peak))
         return peaks
 
+    def check_orders(self, orders: Mapping[int, Sequence]) -> None:
+        """A plan of this profile (rank → ``(stage, kind, microbatch)`` ops) is complete
+        (``plan.complete.check_complete``: every operation once), splits its backwards (F, I, W: the
+        kinds CrossPipe plans) and runs every operation on its stage's rank; ``PlanValidationError``
+        (a ValueError) naming the first fault otherwise."""
+        from .complete import PlanValidationError, check_complete
+
+        ops = {r: list(o) for r, o in orders.items()}
+        check_complete(ops, self.num_stages, self.num_microbatches)
+        for r, rank_ops in ops.items():
+            for s, k, m in rank_ops:
+                if k == "B":
+                    raise PlanValidationError(f"action {s}{k}{m}: a full backward (CrossPipe plans I and W)")
+                if self.stage_to_rank[s] != r:
+                    raise PlanValidationError(f"action {s}{k}{m} is on rank {r}, but stage {s} sits on rank "
+                                              f"{self.stage_to_rank[s]}")
+
     def with_memory_limit(self, memory_limit: Sequence[float] | None) -> "PlacedProfile":
         """The same profile and placement under another memory limit (only the limit is checked again:
         the planner derives dozens of these per plan)."""

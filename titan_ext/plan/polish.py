@@ -121,6 +121,8 @@ def polish_orders(
         raise ArgumentTypeError(f"problem must be a PlacedProfile, got {type(problem).__name__}")
     if any(r != s for s, r in enumerate(problem.stage_to_rank)):
         raise ValueError("the polish plans one stage per rank (stage r on rank r)")
+    orders = as_ops(orders)
+    problem.check_orders(orders)  # complete, split backwards, on their stages' ranks
     t0 = time.perf_counter()
     before_ns = replay_makespan_ns(as_ops(orders), problem.profile)
     before = to_ms(before_ns)
