@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CrossPipeTuning:
-    """Work budget, portfolio order and search settings of :func:`~.portfolio.plan_crosspipe_problem`.
+    """Work budget, portfolio order and search settings of :func:`~.portfolio.plan_crosspipe_placed`.
 
     Units: the Python path counts *operations replayed* (one replay of a plan = its 3·N·S operations);
     the compiled path counts *operations timed* in ``_search.c`` (``budget × compiled_scale``)."""
