@@ -242,6 +242,7 @@ def test_bad_inputs_raise():
         plan_crosspipe(PipelineProfile(3, 4, 1, 1, 1), "loop")
 
 
+@pytest.mark.multiprocess
 def test_import_stays_light():
     code = (
         "import sys, titan_ext.plan, titan_ext.plan.crosspipe, titan_ext.plan.optimal, titan_ext.plan.schedules;"

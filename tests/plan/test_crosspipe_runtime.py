@@ -64,6 +64,7 @@ def _worker(rank, world, n_mb, steps):
             "ref_params": ref_params}
 
 
+@pytest.mark.multiprocess
 def test_crosspipe_runtime_trains_like_gpipe_and_replans():
     world, n_mb, steps = 3, 6, 5
     results = run_ranks(_worker, world, n_mb, steps)
