@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..args import ArgumentTypeError
+from .deps import KINDS
 from .placement import _s2r_arg
 from .profile import PipelineProfile, profile_arg
 from .timing import to_ns
@@ -151,7 +152,7 @@ class PlacedProfile:
 
     def peak_memory(self, orders: Mapping[int, Sequence]) -> list[float]:
         """Peak memory per rank (activation units, :attr:`memory_deltas`) over each rank's program order."""
-        delta = dict(zip("FIW", self.memory_deltas))
+        delta = dict(zip(KINDS, self.memory_deltas))
         delta["B"] = self.memory_deltas[1] + self.memory_deltas[2]
         peaks = []
         for r in range(self.num_ranks):

@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from .deps import ROOT, table
+from .deps import KIND_INDEX, ROOT, table
 from .ir import Op, as_ops, gc_paused, torch_schedules
 from .pipemorph import GeneratedSchedule
 from .placement import PLACEMENTS, stage_profile, stage_to_rank
@@ -265,7 +265,7 @@ def _virtual_loop_py(profile: PipelineProfile, s2r: list[int], x: list[int], lim
                 b_count[s] += 1
         elif release_w:
             b_count[s] += 1
-        feed(3 * s + "FIW".index(kind), done, mb)
+        feed(3 * s + KIND_INDEX[kind], done, mb)
         order[r].append((s, kind, mb))
         makespan = max(makespan, done)
         free_at[r] = done

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from titan_ext.args import ArgumentTypeError, bool_arg, choice_arg, int_arg, real_arg
+from titan_ext.plan.deps import KINDS
 from ..decide.policy import PolicySettings, ReplanPolicy
 
 __all__ = ["AdaptiveConfig", "DelegationConfig", "PolicySettings", "resolve_config"]
@@ -185,7 +186,7 @@ class AdaptiveConfig:
         times = self.initial_times_ms
         if isinstance(times, (str, bytes)) or not isinstance(times, (tuple, list)) or len(times) != 3:
             raise ValueError(f"initial_times_ms must be (F, I, W), got {times!r}")
-        for name, t in zip(("F", "I", "W"), times):
+        for name, t in zip(KINDS, times):
             real_arg(t, f"initial_times_ms {name}", positive=name != "W", minimum=0)
 
     def updated(self, owner: str = "PipeMorph", **keywords: Any) -> "AdaptiveConfig":
