@@ -1,6 +1,7 @@
 """docs/ARCHITECTURE.md stays true to the tree: every module of ``titan_ext/`` (Python
-and C) is named exactly once as a module-table row (its path under ``titan_ext/``), no row names a
-module that does not exist, and the new-schedule recipe points at the test that follows it."""
+and C) is named exactly once as the lead of a module entry (a bullet ``- `path` — …``, its path under
+``titan_ext/``), no entry names a module that does not exist, and the new-schedule recipe points at the test
+that follows it."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ def _modules() -> set[str]:
             if p.suffix in (".py", ".c") and "__pycache__" not in p.parts}
 
 
-def test_every_module_is_named_once_in_the_module_tables():
-    rows = collections.Counter(re.findall(r"^\| `([\w/.]+\.(?:py|c))` \|", DOC.read_text(), re.M))
+def test_every_module_is_named_once_in_the_module_lists():
+    rows = collections.Counter(re.findall(r"^- `([\w/.]+\.(?:py|c))` — ", DOC.read_text(), re.M))
     modules = _modules()
     assert not sorted(modules - set(rows)), f"modules missing from docs/ARCHITECTURE.md: {sorted(modules - set(rows))}"
-    assert not sorted(set(rows) - modules), f"rows naming no module: {sorted(set(rows) - modules)}"
+    assert not sorted(set(rows) - modules), f"entries naming no module: {sorted(set(rows) - modules)}"
     assert not [m for m, n in rows.items() if n > 1], f"named twice: {[m for m, n in rows.items() if n > 1]}"
 
 
