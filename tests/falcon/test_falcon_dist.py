@@ -6,7 +6,6 @@ import json
 import os
 import pickle
 import statistics
-import tempfile
 import time
 
 import numpy as np
@@ -107,11 +106,10 @@ def _period_worker(rank, world, outdir, slow_from):
                      "walls": walls, "records": list(rec.records)}, f)
 
 
-def test_acf_period_equals_true_period_on_real_gloo_calls_and_detects_slowdown():
+def test_acf_period_equals_true_period_on_real_gloo_calls_and_detects_slowdown(tmp_path):
     slow_from = 35
-    with tempfile.TemporaryDirectory() as d:
-        run_ranks(_period_worker, 4, d, slow_from, backend="gloo")
-        data = [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(4)]
+    run_ranks(_period_worker, 4, str(tmp_path), slow_from, backend="gloo")
+    data = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(4)]
     for r, rec in enumerate(data):
         # the hooks saw the pipeline's P2P traffic (outermost call only) and the DP all-reduces
         ops = {sig[0] for sig in rec["sig"]}
@@ -189,10 +187,9 @@ def _validation_worker(rank, world, outdir):
         pickle.dump({"even": even, "odd": odd, "tree": tree, "gemm": gemm, "hooked": hooked}, f)
 
 
-def test_ring_validation_pinpoints_slow_link_and_gemm_probe_slow_device():
-    with tempfile.TemporaryDirectory() as d:
-        run_ranks(_validation_worker, 4, d, backend="gloo")
-        res = [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(4)]
+def test_ring_validation_pinpoints_slow_link_and_gemm_probe_slow_device(tmp_path):
+    run_ranks(_validation_worker, 4, str(tmp_path), backend="gloo")
+    res = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(4)]
     for r in res:  # every rank has the same, complete view
         assert set(r["even"]) == {(0, 1), (1, 2), (2, 3), (3, 0)}
         assert set(r["odd"]) == {(3, 2), (2, 0), (0, 3)}
@@ -248,12 +245,11 @@ def _redistribute_one(rank, outdir, i, split):
         pickle.dump({"loss": loss.item(), "grads": [p.grad.clone() for p in model.parameters()]}, f)
 
 
-def test_weighted_aggregation_equals_even_split_float64():
-    with tempfile.TemporaryDirectory() as d:
-        run_ranks(_redistribute_worker, 2, d, backend="gloo")
-        for i, split in enumerate(SPLITS):
-            res = [pickle.load(open(os.path.join(d, f"split{i}_rank{r}.pkl"), "rb")) for r in range(2)]
-            _check_against_even_split(split, res)
+def test_weighted_aggregation_equals_even_split_float64(tmp_path):
+    run_ranks(_redistribute_worker, 2, str(tmp_path), backend="gloo")
+    for i, split in enumerate(SPLITS):
+        res = [pickle.load(open(tmp_path / f"split{i}_rank{r}.pkl", "rb")) for r in range(2)]
+        _check_against_even_split(split, res)
 
 
 def _check_against_even_split(split, res):
@@ -310,23 +306,25 @@ def _train_worker(rank, world, ckdir, outdir, phase, steps, start_step, ckpt_aft
         pickle.dump(out, f)
 
 
-def test_2dp_2pp_restart_with_permuted_mesh_resumes_identically():
+def test_2dp_2pp_restart_with_permuted_mesh_resumes_identically(tmp_path):
     from titan_ext.runtime.falcon.restart import identity_grid, write_restart_plan
 
-    with tempfile.TemporaryDirectory() as ck, tempfile.TemporaryDirectory() as out:
-        # Uninterrupted reference run on the identity mesh [[0, 1], [2, 3]] (DP groups {0,2}, {1,3}):
-        # 6 steps, checkpoint of every stage after step 3.
-        run_ranks(_train_worker, 4, ck, out, "ref", 6, 0, 3, backend="gloo")
-        ref = [pickle.load(open(os.path.join(out, f"ref_rank{r}.pkl"), "rb")) for r in range(4)]
-        # Link 0-2 (inside the DP group of stage 0) is slow: plan a permutation, restart with it
-        # from the step-3 checkpoint, train steps 3..5.
-        plan = plan_topology(identity_grid(2, 2), [(0, 2)])
-        grid = [list(r) for r in plan.grid]
-        pos = {r: (d, s) for d, row in enumerate(grid) for s, r in enumerate(row)}
-        assert pos[0][0] == pos[2][0] and abs(pos[0][1] - pos[2][1]) == 1  # now a PP hop
-        write_restart_plan(ck, grid, reason="dp_link 0-2")
-        run_ranks(_train_worker, 4, ck, out, "after", 3, 3, backend="gloo")
-        after = [pickle.load(open(os.path.join(out, f"after_rank{r}.pkl"), "rb")) for r in range(4)]
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    ck.mkdir()
+    out.mkdir()
+    # Uninterrupted reference run on the identity mesh [[0, 1], [2, 3]] (DP groups {0,2}, {1,3}):
+    # 6 steps, checkpoint of every stage after step 3.
+    run_ranks(_train_worker, 4, str(ck), str(out), "ref", 6, 0, 3, backend="gloo")
+    ref = [pickle.load(open(out / f"ref_rank{r}.pkl", "rb")) for r in range(4)]
+    # Link 0-2 (inside the DP group of stage 0) is slow: plan a permutation, restart with it
+    # from the step-3 checkpoint, train steps 3..5.
+    plan = plan_topology(identity_grid(2, 2), [(0, 2)])
+    grid = [list(r) for r in plan.grid]
+    pos = {r: (d, s) for d, row in enumerate(grid) for s, r in enumerate(row)}
+    assert pos[0][0] == pos[2][0] and abs(pos[0][1] - pos[2][1]) == 1  # now a PP hop
+    write_restart_plan(str(ck), grid, reason="dp_link 0-2")
+    run_ranks(_train_worker, 4, str(ck), str(out), "after", 3, 3, backend="gloo")
+    after = [pickle.load(open(out / f"after_rank{r}.pkl", "rb")) for r in range(4)]
     assert all(a["grid"] == grid for a in after) and grid != identity_grid(2, 2)
     moved = 0
     for r in range(4):
@@ -438,11 +436,10 @@ def _closed_loop_worker(rank, world, outdir, slow_from):
         pickle.dump(log, f)
 
 
-def test_closed_loop_detects_slow_device_redistributes_and_measures_effect():
+def test_closed_loop_detects_slow_device_redistributes_and_measures_effect(tmp_path):
     slow_from = 15
-    with tempfile.TemporaryDirectory() as d:
-        run_ranks(_closed_loop_worker, 4, d, slow_from, backend="gloo")
-        logs = [pickle.load(open(os.path.join(d, f"rank{r}.pkl"), "rb")) for r in range(4)]
+    run_ranks(_closed_loop_worker, 4, str(tmp_path), slow_from, backend="gloo")
+    logs = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(4)]
     # every rank took the same decisions at the same iterations
     keys = ("falcon/event", "falcon/apply", "falcon/root_cause", "falcon/plan/microbatch_split")
     for r in range(1, 4):

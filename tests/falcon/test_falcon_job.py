@@ -10,7 +10,6 @@ detecting and logging them (same seed and data).
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -170,10 +169,9 @@ def _s2_worker(rank, world, outdir):
 
 
 @pytest.mark.multiprocess
-def test_s2_redistribution_keeps_the_global_gradient_float64():
-    with tempfile.TemporaryDirectory() as d:
-        run_ranks(_s2_worker, 2, d, backend="gloo")
-        res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
+def test_s2_redistribution_keeps_the_global_gradient_float64(tmp_path):
+    run_ranks(_s2_worker, 2, str(tmp_path), backend="gloo")
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # independent reference: one process, the whole global batch (both loaders' chunks), float64
     model = _model()
     for dp in range(2):

@@ -154,20 +154,16 @@ def _mechanism_worker(rank, world, outdir):
 
 
 @pytest.mark.multiprocess
-def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state():
+def test_s3_mechanism_new_groups_and_every_rank_holds_its_new_roles_state(tmp_path):
     """4 gloo ranks, float64, no TorchTitan: the new mesh's groups are the new grid's rows and
     columns, and after the exchange every rank holds exactly the model + AdamW state of the old
     holder of its new role (rank-particular values, so a wrong source or order shows)."""
-    import os
-    import tempfile
-
     import torch
 
     from titan_ext.testing import run_ranks
 
-    with tempfile.TemporaryDirectory() as d:
-        run_ranks(_mechanism_worker, 4, d, backend="gloo")
-        res = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(4)]
+    run_ranks(_mechanism_worker, 4, str(tmp_path), backend="gloo")
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     old, new = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
     for rank, out in enumerate(res):
         d, s = next((d, s) for d, row in enumerate(new) for s, r in enumerate(row) if r == rank)

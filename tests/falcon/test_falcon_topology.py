@@ -7,7 +7,6 @@ and final parameters of every role must agree to float64 round-off."""
 
 import os
 import pickle
-import tempfile
 
 import pytest
 import torch
@@ -93,7 +92,7 @@ def _worker(rank, world, ckdir, outdir, phase, new_grid):
 
 
 @pytest.mark.slow  # two 4-process spawns
-def test_s3_in_memory_equals_the_new_layout_started_from_the_same_state_float64():
+def test_s3_in_memory_equals_the_new_layout_started_from_the_same_state_float64(tmp_path):
     old = identity_grid(2, 2)  # pipelines {0,1}, {2,3}; DP groups {0,2}, {1,3}
     plan = plan_topology(old, [(0, 2)])  # DP link 0-2 is slow
     new = [list(map(int, row)) for row in plan.grid]
@@ -101,11 +100,13 @@ def test_s3_in_memory_equals_the_new_layout_started_from_the_same_state_float64(
     assert pos[0][0] == pos[2][0] and abs(pos[0][1] - pos[2][1]) == 1  # 0-2 is now a PP hop
     moves = moving_ranks(old, new)
     assert len(moves) == plan.moved == 2
-    with tempfile.TemporaryDirectory() as ck, tempfile.TemporaryDirectory() as out:
-        for phase in ("inmem", "ref"):
-            run_ranks(_worker, 4, ck, out, phase, new, backend="gloo")
-        res = {(p, r): pickle.load(open(os.path.join(out, f"{p}_rank{r}.pkl"), "rb"))
-               for p in ("inmem", "ref") for r in range(4)}
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    ck.mkdir()
+    out.mkdir()
+    for phase in ("inmem", "ref"):
+        run_ranks(_worker, 4, str(ck), str(out), phase, new, backend="gloo")
+    res = {(p, r): pickle.load(open(out / f"{p}_rank{r}.pkl", "rb"))
+           for p in ("inmem", "ref") for r in range(4)}
     for r in range(4):
         a, b = res[("inmem", r)], res[("ref", r)]
         assert a["received_from"] == moves.get(r)
