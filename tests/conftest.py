@@ -15,7 +15,10 @@ names, never collected), and why:
   reads ``cpp_ext/`` and the source tree of the checkout (not part of the installed package), one user
   (test_delegate_bindings.py; scripts/check_cuda_build.sh runs that test);
 * ``_plan_cases.py`` -- plan-level cases several plan test files share (CrossPipe's reference profiles,
-  random CrossPipe problems, validator-fuzz mutations): test data, pure plan/.
+  random CrossPipe problems, validator-fuzz mutations): test data, pure plan/;
+* ``_falcon_model.py``, ``_falcon_s4_job.py``, ``_falcon_trainer.py`` -- what several Falcon test files
+  share (the host model of ``FalconJob.apply``, the S4 job, ``FalconJob`` on a stand-in TorchTitan
+  trainer): they model titan/'s Falcon job, which ``titan_ext.testing`` may not import.
 
 Every test must leave the pytest process's signal handling as it found it (the Python API's promise to
 its callers): :func:`signal_handling_kept` compares, before and after each test, the Python handlers of

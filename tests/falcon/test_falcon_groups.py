@@ -19,14 +19,14 @@ and sleep (the CUDA calls themselves are not run here: no GPU in CI).
 """
 
 import os
-import tempfile
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from titan_ext.testing import run_ranks
+
+from _falcon_trainer import chunks, fake_trainer, mesh_of_groups, step_runner, wrap_dist
 
 _CHECKED = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
             "send", "recv", "barrier", "reduce_scatter", "gather_object", "batch_isend_irecv")
@@ -50,56 +50,17 @@ def _install_rule_recorder(data_groups: list, violations: list, calls: list) -> 
                 out.extend(op.tensor for op in a)
         return out
 
-    for name in _CHECKED:
-        original = getattr(dist, name)
+    def check(name, group, args, kwargs):
+        data = is_data(group)
+        calls.append((name, "data" if data else "control"))
+        if data:
+            if name.endswith("_object") or name.endswith("_object_list") or name == "barrier":
+                violations.append(f"{name} (host objects / barrier) on a data group")
+            for t in tensors_of(args, kwargs):
+                if not made_for_device(t):
+                    violations.append(f"{name}: host tensor {tuple(t.shape)} {t.dtype} on a data group")
 
-        def wrapped(*args, _name=name, _original=original, **kwargs):
-            group = kwargs.get("group")
-            if _name == "batch_isend_irecv":
-                group = args[0][0].group
-            data = is_data(group)
-            calls.append((_name, "data" if data else "control"))
-            if data:
-                if _name.endswith("_object") or _name.endswith("_object_list") or _name == "barrier":
-                    violations.append(f"{_name} (host objects / barrier) on a data group")
-                for t in tensors_of(args, kwargs):
-                    if not made_for_device(t):
-                        violations.append(f"{_name}: host tensor {tuple(t.shape)} {t.dtype} on a data group")
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, wrapped)
-
-
-def _chunks(dp: int, step: int, k: int):
-    g = torch.Generator().manual_seed(100 * step + dp)
-    return [({"input": torch.randn(3, 6, generator=g)}, torch.randn(3, 1, generator=g)) for _ in range(k)]
-
-
-class _Dim:
-    def __init__(self, ranks, rank):
-        self.ranks, self.rank = ranks, rank
-        self.group = None
-
-    def get_group(self):
-        return self.group
-
-    def size(self):
-        return len(self.ranks)
-
-    def get_local_rank(self):
-        return self.ranks.index(self.rank)
-
-
-def _mesh_of_groups(rank):
-    """TorchTitan's (pp, dp_replicate) mesh of 4 ranks: pp groups {0,2}, {1,3}; DP groups {0,1}, {2,3}."""
-    mesh = {}
-    for name, groups in (("pp", [[0, 2], [1, 3]]), ("dp_replicate", [[0, 1], [2, 3]])):
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mesh[name] = _Dim(ranks, rank)
-                mesh[name].group = group
-    return mesh
+    wrap_dist(_CHECKED, check)
 
 
 def _job_worker(rank, world, outdir, backend):
@@ -109,7 +70,7 @@ def _job_worker(rank, world, outdir, backend):
     from titan_ext.runtime.falcon.measure import validate
 
     if backend == "nccl_rules":  # its groups carry no names, which DeviceMesh needs: the same
-        mesh = _mesh_of_groups(rank)  # layout from plain new_group calls
+        mesh = mesh_of_groups(rank)  # layout from plain new_group calls
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_replicate"))
     data_groups = [mesh["pp"].get_group(), mesh["dp_replicate"].get_group()]
@@ -117,28 +78,19 @@ def _job_worker(rank, world, outdir, backend):
     _install_rule_recorder(data_groups, violations, calls)
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 1)
-    trainer = SimpleNamespace(
-        parallel_dims=SimpleNamespace(get_mesh=lambda name: mesh[name]), gradient_accumulation_steps=3,
-        model_parts=[model], optimizers=SimpleNamespace(optimizers=[torch.optim.AdamW(model.parameters())]),
-        pp_schedule=SimpleNamespace(falcon=None), device=torch.device("cpu"),
-        job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir)),  # TorchTitan 0.2's trainer
-        config=SimpleNamespace(dump_folder=outdir), step=1)  # 0.3's
+    trainer = fake_trainer(mesh, model, outdir)
     from titan_ext.titan.config import TitanExt
 
     section = TitanExt(emulate_slow_link="0-1:5", falcon=True, falcon_apply=True)
     job = FalconJob(trainer, section)
-
-    def run_step(chunks):
-        for inputs, labels in chunks:
-            torch.nn.functional.mse_loss(model(inputs["input"]), labels, reduction="sum").backward()
-            job.after_backward()
+    run_step = step_runner(model, job)
 
     for step, split in ((1, None), (2, [4, 2])):  # the even split, then S2's exchange of chunks
         trainer.step = step
         if split:
             job.split = split
         model.zero_grad()
-        job.train_step(run_step, iter(_chunks(job.dp_index, step, 3)))
+        job.train_step(run_step, iter(chunks(job.dp_index, step, 3)))
     validate(job.monitor, grid=job.grid, emulation=job.emulation, control=job.control, device=job.device,
              ring_groups=job.ring_groups())
     torch.save({"violations": violations, "calls": calls, "dp_sync_s": job.dp.sync_s,
@@ -147,12 +99,11 @@ def _job_worker(rank, world, outdir, backend):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", [pytest.param("gloo", marks=pytest.mark.slow), "nccl_rules"])
-def test_falcon_job_keeps_host_data_off_the_data_groups(backend):
+def test_falcon_job_keeps_host_data_off_the_data_groups(backend, tmp_path):
     """gloo + the recorder: the rule checked by this test alone; nccl_rules: the project's CPU
     backend with NCCL's rules (titan_ext/testing/nccl_rules.py) refuses host tensors itself."""
-    with tempfile.TemporaryDirectory() as d:
-        run_ranks(_job_worker, 4, d, backend, backend=backend)
-        res = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(4)]
+    run_ranks(_job_worker, 4, str(tmp_path), backend, backend=backend)
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for r in res:
         assert r["violations"] == [], r["violations"][:5]
         kinds = {c for c in r["calls"]}
@@ -232,9 +183,8 @@ def _probe_worker(rank, world, outdir):
 
 
 @pytest.mark.slow
-def test_gemm_probe_reads_the_emulated_slow_device_inside_its_timed_region():
-    with tempfile.TemporaryDirectory() as d:
-        run_ranks(_probe_worker, 2, d, backend="gloo")
-        times = torch.load(os.path.join(d, "rank0.pt"))
+def test_gemm_probe_reads_the_emulated_slow_device_inside_its_timed_region(tmp_path):
+    run_ranks(_probe_worker, 2, str(tmp_path), backend="gloo")
+    times = torch.load(tmp_path / "rank0.pt")
     # fastest of 9: a 4x device reads >= 2x its healthy peer (half the effect, robust to load)
     assert set(times) == {0, 1} and times[1] >= 2.0 * times[0], times

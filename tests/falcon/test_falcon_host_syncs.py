@@ -22,7 +22,6 @@ mid-training.
 
 from __future__ import annotations
 
-import tempfile
 import weakref
 from types import SimpleNamespace
 
@@ -32,6 +31,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_ext.testing import run_ranks
+
+from _falcon_trainer import chunks, fake_trainer, mesh_of_groups, step_runner, wrap_dist
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,24 +48,11 @@ def _install_recorder(calls: list, phase: list) -> None:
     one side in the code this guards (before: validation's ``dist.send`` + ``dist.irecv``)."""
     names = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "send", "recv",
              "batch_isend_irecv")
-    for name in names:
-        original = getattr(dist, name)
-
-        def wrapped(*args, _name=name, _original=original, **kwargs):
-            group = kwargs.get("group")
-            if _name == "batch_isend_irecv":
-                group = args[0][0].group
-            elif _name in ("send", "recv") and len(args) > 2:
-                group = args[2]
-            calls.append((phase[0], _name, group, bool(kwargs.get("async_op", False))))
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, wrapped)
+    wrap_dist(names, lambda name, group, args, kwargs: calls.append(
+        (phase[0], name, group, bool(kwargs.get("async_op", False)))))
 
 
 def _job_worker(rank: int, world: int, outdir: str) -> dict:
-    from test_falcon_groups import _chunks, _mesh_of_groups
-
     from titan_ext.testing import host_syncs
     from titan_ext.runtime.falcon.device_clock import is_control_group
     from titan_ext.titan.config import TitanExt
@@ -73,17 +61,12 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
     from titan_ext.titan.falcon_job import FalconJob
     from titan_ext.runtime.falcon.measure import validate
 
-    mesh = _mesh_of_groups(rank)
+    mesh = mesh_of_groups(rank)
     calls, phase = [], ["startup"]
     _install_recorder(calls, phase)
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 1)
-    trainer = SimpleNamespace(
-        parallel_dims=SimpleNamespace(get_mesh=lambda name: mesh[name]), gradient_accumulation_steps=3,
-        model_parts=[model], optimizers=SimpleNamespace(optimizers=[torch.optim.AdamW(model.parameters())]),
-        pp_schedule=SimpleNamespace(falcon=None), device=torch.device("cpu"),
-        job_config=SimpleNamespace(job=SimpleNamespace(dump_folder=outdir), training=SimpleNamespace(steps=STEPS)),
-        config=SimpleNamespace(dump_folder=outdir), step=1)
+    trainer = fake_trainer(mesh, model, outdir, steps=STEPS)
     job = FalconJob(trainer, TitanExt(falcon=True, falcon_apply=True))
     assert job.check_every == EVERY and job.last_step == STEPS
     # the exchange's reductions: (phase, group kind) of each (bare isend/irecv are not wrapped above)
@@ -105,18 +88,14 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
     stale, record_stale = [], job._record_stale
     job._record_stale = lambda obs, step: (stale.append((step.index, phase[0])), record_stale(obs, step))[1]
 
-    def run_step(chunks):
-        for inputs, labels in chunks:
-            torch.nn.functional.mse_loss(model(inputs["input"]), labels, reduction="sum").backward()
-            job.after_backward()
-
+    run_step = step_runner(model, job)
     syncs = []
     for step in range(STEPS):
         trainer.step = step + 1
         phase[0] = step
         model.zero_grad()
         with host_syncs.counting() as counted:
-            job.train_step(run_step, iter(_chunks(job.dp_index, step, 3)))
+            job.train_step(run_step, iter(chunks(job.dp_index, step, 3)))
         syncs.append(counted.sites())
     phase[0] = "validate"
     validate(job.monitor, grid=job.grid, emulation=job.emulation, control=job.control, device=job.device,
@@ -140,9 +119,8 @@ def _job_worker(rank: int, world: int, outdir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def job_run() -> list[dict]:
-    with tempfile.TemporaryDirectory() as d:
-        return run_ranks(_job_worker, 4, d, backend="nccl_rules", timeout_s=240)
+def job_run(tmp_path_factory) -> list[dict]:
+    return run_ranks(_job_worker, 4, str(tmp_path_factory.mktemp("job")), backend="nccl_rules", timeout_s=240)
 
 
 #: nccl_rules records *every* collective's ``wait()`` as a "barrier
