@@ -10,12 +10,18 @@ Every event call checks that it runs under ``torch.cuda.device(<the stage's devi
 (the "device per call, from any thread" rule).  ``synchronize`` of an event advances the host clock
 to the event's completion; ``torch.cuda.synchronize`` (a full device sync) is counted and forbidden
 on the paths under test.  Both report to the host-sync accounting (``titan_ext.testing.host_syncs.record``),
-as torch's own calls do when CUDA is real."""
+as torch's own calls do when CUDA is real.
+
+:class:`CudaRecorder` (installed by :func:`record_cuda`) is the other fake, for the delegate data plane:
+it runs nothing, it records each CUDA call the code under test makes with the device and stream it
+was made under and from which thread (tests/runtime/test_delegate_gpu_rules.py,
+tests/runtime/test_delegate_runahead.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import types
 
 import numpy as np
 import torch
@@ -117,3 +123,130 @@ def install(monkeypatch, gpu: FakeGPU) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: "compute-stream")
     monkeypatch.setattr(device_mod, "now", gpu.now)
+
+
+# -- recorders of the CUDA calls (the delegate data plane) -----------------------------------------
+class CudaRecorder:
+    """Records calls as ``(what, device, stream, thread name, info)``: the ``torch.cuda.device`` and
+    ``torch.cuda.stream`` in force in the calling thread (or the stream the call names)."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.calls: list[tuple] = []
+        self.lock = threading.Lock()
+        self.compute = FakeStream("compute", self)   # the current stream outside a torch.cuda.stream
+
+    def ctx(self, attr, value):
+        @contextlib.contextmanager
+        def cm():
+            old = getattr(self.local, attr, None)
+            setattr(self.local, attr, value)
+            try:
+                yield
+            finally:
+                setattr(self.local, attr, old)
+        return cm()
+
+    def record(self, what, stream=None, **info):
+        stream = stream if stream is not None else getattr(self.local, "stream", None)
+        with self.lock:
+            self.calls.append((what, getattr(self.local, "device", None), stream,
+                               threading.current_thread().name, info))
+
+    def of(self, what):
+        with self.lock:
+            return [c for c in self.calls if c[0] == what]
+
+
+class FakeStream(str):
+    """A CUDA stream that is its name (a recorded call's stream compares equal to ``"compute"``, and is
+    the stream object the code used); the waits enqueued on it are recorded."""
+
+    def __new__(cls, name, cuda):
+        stream = super().__new__(cls, name)
+        stream.cuda = cuda
+        return stream
+
+    @property
+    def name(self):
+        return str(self)
+
+    def wait_stream(self, other):
+        self.cuda.record("wait_stream", stream=self, other=other.name)
+
+    def wait_event(self, ev):
+        self.cuda.record("wait_event", stream=self, event=ev)
+
+
+class FakeEvent:
+    def __init__(self, cuda):
+        self.cuda, self.stream = cuda, None
+
+    def record(self, stream=None):
+        self.stream = stream
+        self.cuda.record("event_record", stream=stream, event=self)
+
+    def query(self):
+        return True
+
+
+class FakeCudaTensor:
+    """A 4-element float32 tensor that says it is on the GPU."""
+
+    is_cuda = True
+    dtype = torch.float32
+    shape = (4,)
+
+    def contiguous(self):
+        return self
+
+    def is_contiguous(self):
+        return True
+
+    def record_stream(self, s):
+        pass
+
+    def numel(self):
+        return 4
+
+    def element_size(self):
+        return 4
+
+    def dim(self):
+        return 1
+
+
+def record_cuda(monkeypatch) -> CudaRecorder:
+    """Route ``torch.cuda``'s device/stream contexts, events, ``torch.zeros(device="cuda")`` and the
+    extension's ``stream_wait_flag`` to a new :class:`CudaRecorder`."""
+    from titan_ext.runtime.comm.delegate import recvpath
+
+    c = CudaRecorder()
+    monkeypatch.setattr(torch.cuda, "device", lambda d: c.ctx("device", torch.device(d)))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: c.ctx("stream", s))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: getattr(c.local, "stream", None) or c.compute)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: FakeEvent(c))
+    real_zeros = torch.zeros
+
+    def zeros(*a, device=None, **kw):
+        if device is not None and torch.device(device).type == "cuda":
+            c.record("zeros", device=torch.device(device))
+            return real_zeros(*a, **kw)
+        return real_zeros(*a, device=device, **kw)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(recvpath, "load_ext", lambda: types.SimpleNamespace(
+        stream_wait_flag=lambda flag, v: c.record("stream_wait_flag", flag=flag, value=v)))
+    return c
+
+
+def recorded_layer(cuda: CudaRecorder, device: torch.device):
+    """The executor's CUDA device layer on ``device`` (its context() is ``torch.cuda.device(device)``),
+    with named :class:`FakeStream` streams that need no GPU."""
+    from titan_ext.runtime.execute.device import CudaDevice
+
+    class Layer(CudaDevice):
+        def stream(self, name):
+            return self._streams.setdefault(name, FakeStream(name, cuda))
+
+    return Layer(device)

@@ -1,13 +1,13 @@
 """The delegate data plane's GPU rules, checked on CPU.
 
 No GPU here: the CUDA entry points the pool calls (``torch.cuda.device``/``stream``/``current_stream``,
-the extension's copy+signal kernels) are replaced by recorders, and the tests assert *which device and
-which stream* each call was made under, from which thread — the facts a GPU run depends on.
+the extension's copy+signal kernels) are replaced by recorders (``tests/_fake_cuda.py``), and the tests
+assert *which device and which stream* each call was made under, from which thread — the facts a GPU
+run depends on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import types
 
@@ -19,84 +19,14 @@ from titan_ext.runtime.comm.delegate import ring as R
 from titan_ext.runtime.comm.delegate import transport as T
 from titan_ext.runtime.comm.delegate.pool import Channel
 
+from _fake_cuda import FakeCudaTensor, FakeEvent, record_cuda, recorded_layer
+
 DEV = torch.device("cuda", 1)   # the stage's device: not device 0, which every new thread starts on
-
-
-class _Cuda:
-    """Records the device and stream context of every recorded call, per thread."""
-
-    def __init__(self):
-        self.local = threading.local()
-        self.calls: list[tuple] = []
-
-    def ctx(self, attr, value):
-        @contextlib.contextmanager
-        def cm():
-            old = getattr(self.local, attr, None)
-            setattr(self.local, attr, value)
-            try:
-                yield
-            finally:
-                setattr(self.local, attr, old)
-        return cm()
-
-    def record(self, what, **info):
-        self.calls.append((what, getattr(self.local, "device", None), getattr(self.local, "stream", None),
-                           threading.current_thread().name, info))
-
-
-class _Stream:
-    def __init__(self, name):
-        self.name = name
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-
-class _FakeCudaTensor:
-    is_cuda = True
-
-    def __init__(self, cuda):
-        self.cuda = cuda
-
-    def contiguous(self):
-        return self
-
-    def is_contiguous(self):
-        return True
-
-    def record_stream(self, s):
-        pass
 
 
 @pytest.fixture
 def cuda(monkeypatch):
-    c = _Cuda()
-    monkeypatch.setattr(torch.cuda, "device", lambda d: c.ctx("device", torch.device(d)))
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: c.ctx("stream", s))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _Stream(f"current:{d}"))
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: _Event())
-    real_zeros = torch.zeros
-
-    def zeros(*a, device=None, **kw):
-        if device is not None and torch.device(device).type == "cuda":
-            c.record("zeros", device=torch.device(device))
-            return real_zeros(*a, **kw)
-        return real_zeros(*a, device=device, **kw)
-
-    monkeypatch.setattr(torch, "zeros", zeros)
-    return c
+    return record_cuda(monkeypatch)
 
 
 class _Region:
@@ -111,18 +41,6 @@ class _Region:
 
     def h2d_signal(self, data_off, dst, host_flag_off, host_value, dev_flag, dev_value):
         self.cuda.record("h2d_signal")
-
-
-def _layer():
-    """The executor's CUDA device layer on DEV (its context() is torch.cuda.device(DEV)), with named
-    streams that need no GPU."""
-    from titan_ext.runtime.execute.device import CudaDevice
-
-    class Layer(CudaDevice):
-        def stream(self, name):
-            return self._streams.setdefault(name, _Stream(name))
-
-    return Layer(DEV)
 
 
 def _fake_ring(cuda):
@@ -142,7 +60,7 @@ def test_respawned_lane_allocates_its_flags_on_the_stage_device_from_a_superviso
     from titan_ext.runtime.comm.delegate.lanes import LaneProcesses
 
     monkeypatch.setattr(R.SlotRing, "create", classmethod(lambda cls, n, b: _fake_ring(cuda)))
-    procs = LaneProcesses("p", 2, 4096, ("127.0.0.1", 1), 60.0, 10.0, _layer())
+    procs = LaneProcesses("p", 2, 4096, ("127.0.0.1", 1), 60.0, 10.0, recorded_layer(cuda, DEV))
     t = threading.Thread(target=procs.new_lane, args=(Channel(0, 1, "F"), 0, "send", 1), name="supervisor")
     t.start()
     t.join()
@@ -167,21 +85,18 @@ def test_sends_and_receives_use_their_own_copy_streams_on_the_stage_device(cuda,
     """"One shared copy stream makes D2H sends queue behind H2D receives": D2H on one stream, H2D
     (issued from an arrival-watcher thread) on another, both under the stage's device.  (Where the
     consumer's stream waits: tests/runtime/test_delegate_runahead.py.)"""
-    from titan_ext.runtime.comm.delegate import recvpath
     from titan_ext.runtime.comm.delegate.recvpath import Recv, RecvMatcher
     from titan_ext.runtime.comm.delegate.sendpath import SendPath
 
-    layer = _layer()
+    layer = recorded_layer(cuda, DEV)
     sender = SendPath({}, _Healthy(), layer, 60.0)
     receiver = RecvMatcher({}, _Healthy(), threading.RLock(), layer, 60.0)
     ring = _fake_ring(cuda)
     lane = types.SimpleNamespace(ring=ring, cursor=0, keep=[None, None], tokens=[0, 0],
                                  dev_flags=torch.zeros(2, dtype=torch.int32))
-    monkeypatch.setattr(recvpath, "load_ext", lambda: types.SimpleNamespace(
-        stream_wait_flag=lambda flag, v: cuda.record("stream_wait_flag")))
-    sender.ring_send(types.SimpleNamespace(error=None), lane, _FakeCudaTensor(cuda), 0)
-    h = Recv(receiver, (0, "F"), 0, _FakeCudaTensor(cuda))
-    h.free_ev = _Event()
+    sender.ring_send(types.SimpleNamespace(error=None), lane, FakeCudaTensor(), 0)
+    h = Recv(receiver, (0, "F"), 0, FakeCudaTensor())
+    h.free_ev = FakeEvent(cuda)
     t = threading.Thread(target=receiver.h2d, args=(lane, 1, h), name="watcher")
     t.start()
     t.join()
@@ -200,9 +115,9 @@ def test_cuda_graph_capture_is_refused_with_a_clear_error(cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     links = {(1, "F"): [types.SimpleNamespace()]}
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
-        SendPath(links, _Healthy(), _layer(), 60.0).send(_FakeCudaTensor(cuda), 1, "F", 0)
+        SendPath(links, _Healthy(), recorded_layer(cuda, DEV), 60.0).send(FakeCudaTensor(), 1, "F", 0)
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
-        RecvMatcher(links, _Healthy(), threading.RLock(), _layer(), 60.0).post_recv(_FakeCudaTensor(cuda), 1, "F", 0)
+        RecvMatcher(links, _Healthy(), threading.RLock(), recorded_layer(cuda, DEV), 60.0).post_recv(FakeCudaTensor(), 1, "F", 0)
     assert not [c for c in cuda.calls if c[0].endswith("signal")]
 
 

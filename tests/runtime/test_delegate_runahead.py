@@ -1,8 +1,9 @@
 """The delegate data plane never blocks the training thread ("the delegate receive path").
 
 On a GPU the host must run ahead of the device.  The CUDA paths are checked on CPU with recorders of the
-CUDA calls (as tests/runtime/test_delegate_gpu_rules.py does): which thread made each call, under which device,
-on which stream — and whether the host returned before the message was there.  The CPU path and the
+CUDA calls (``tests/_fake_cuda.py``, as tests/runtime/test_delegate_gpu_rules.py does): which thread made
+each call, under which device, on which stream — and whether the host returned before the message was
+there.  The CPU path and the
 host-sync accounting run on two ranks under the ``nccl_rules`` backend.
 
 Defects pinned (each test fails on the code before the fix):
@@ -16,7 +17,6 @@ Defects pinned (each test fails on the code before the fix):
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import types
@@ -28,86 +28,12 @@ import torch.nn.functional as Fn
 from titan_ext.runtime.comm.delegate import ring as R
 from titan_ext.runtime.comm.delegate.pool import Channel
 
+from _fake_cuda import FakeCudaTensor, record_cuda, recorded_layer
+
 pytestmark = pytest.mark.timeout(240)
 
 DEV = torch.device("cuda", 1)   # the stage's device: not device 0, which every new thread starts on
 KEY = (0, "F")
-
-
-# -- recorders of the CUDA calls -------------------------------------------------------------------
-class _Cuda:
-    def __init__(self):
-        self.local = threading.local()
-        self.calls: list[tuple] = []
-        self.lock = threading.Lock()
-
-    def ctx(self, attr, value):
-        @contextlib.contextmanager
-        def cm():
-            old = getattr(self.local, attr, None)
-            setattr(self.local, attr, value)
-            try:
-                yield
-            finally:
-                setattr(self.local, attr, old)
-        return cm()
-
-    def record(self, what, stream=None, **info):
-        stream = stream if stream is not None else getattr(self.local, "stream", None)
-        with self.lock:
-            self.calls.append((what, getattr(self.local, "device", None), getattr(stream, "name", stream),
-                               threading.current_thread().name, info))
-
-    def of(self, what):
-        with self.lock:
-            return [c for c in self.calls if c[0] == what]
-
-
-class _Stream:
-    def __init__(self, name, cuda):
-        self.name, self.cuda = name, cuda
-
-    def wait_stream(self, other):
-        self.cuda.record("wait_stream", stream=self, other=other.name)
-
-    def wait_event(self, ev):
-        self.cuda.record("wait_event", stream=self, event=ev)
-
-
-class _Event:
-    def __init__(self, cuda):
-        self.cuda, self.stream = cuda, None
-
-    def record(self, stream=None):
-        self.stream = stream.name
-        self.cuda.record("event_record", stream=stream, event=self)
-
-    def query(self):
-        return True
-
-
-class _FakeCudaTensor:
-    is_cuda = True
-    dtype = torch.float32
-    shape = (4,)
-
-    def contiguous(self):
-        return self
-
-    def is_contiguous(self):
-        return True
-
-    def record_stream(self, s):
-        pass
-
-    def numel(self):
-        return 4
-
-    def element_size(self):
-        return 4
-
-    def dim(self):
-        return 1
 
 
 class _Region:
@@ -129,37 +55,7 @@ class _Region:
 
 @pytest.fixture
 def cuda(monkeypatch):
-    from titan_ext.runtime.comm.delegate import recvpath
-
-    c = _Cuda()
-    compute = _Stream("compute", c)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: c.ctx("device", torch.device(d)))
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: c.ctx("stream", s))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: getattr(c.local, "stream", None) or compute)
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: _Event(c))
-    real_zeros = torch.zeros
-
-    def zeros(*a, device=None, **kw):
-        if device is not None and torch.device(device).type == "cuda":
-            c.record("zeros", device=torch.device(device))
-            return real_zeros(*a, **kw)
-        return real_zeros(*a, device=device, **kw)
-
-    monkeypatch.setattr(torch, "zeros", zeros)
-    monkeypatch.setattr(recvpath, "load_ext", lambda: types.SimpleNamespace(
-        stream_wait_flag=lambda flag, v: c.record("stream_wait_flag", flag=flag, value=v)))
-    c.compute = compute
-    return c
-
-
-def _layer(cuda):
-    from titan_ext.runtime.execute.device import CudaDevice
-
-    class Layer(CudaDevice):
-        def stream(self, name):
-            return self._streams.setdefault(name, _Stream(name, cuda))
-
-    return Layer(DEV)
+    return record_cuda(monkeypatch)
 
 
 def _recv_side(cuda, timeout_s=5.0):
@@ -179,7 +75,7 @@ def _recv_side(cuda, timeout_s=5.0):
     lock = threading.RLock()
     procs = types.SimpleNamespace(layer=None, closed=False, check=lambda lane: None, heartbeat_timeout_s=10.0)
     recovery = Recovery(1, procs, lambda: [link], lock)
-    matcher = RecvMatcher({KEY: [link]}, recovery, lock, _layer(cuda), timeout_s)
+    matcher = RecvMatcher({KEY: [link]}, recovery, lock, recorded_layer(cuda, DEV), timeout_s)
     recovery.receiver = matcher
     return matcher, ring
 
@@ -206,7 +102,7 @@ def test_a_late_message_makes_the_consumer_stream_wait_on_the_device_not_the_hos
     message is taken when it lands (the receive pump) and its H2D, on the H2D stream under the stage's
     device, sets exactly the word and token the compute stream waits for."""
     matcher, ring = _recv_side(cuda, timeout_s=5.0)
-    h = matcher.post_recv(_FakeCudaTensor(), *KEY, 0)
+    h = matcher.post_recv(FakeCudaTensor(), *KEY, 0)
     t0 = time.monotonic()
     h.wait()   # before the fix: blocks until the message is in the ring (here: 5 s, then DelegateTimeout)
     assert time.monotonic() - t0 < 2.0
@@ -235,7 +131,7 @@ def test_a_message_taken_by_an_arrival_watcher_is_waited_for_just_before_its_con
     stream's wait — on the event after the copy — is placed by the consumer's wait on the training
     thread."""
     matcher, ring = _recv_side(cuda)
-    h = matcher.post_recv(_FakeCudaTensor(), *KEY, 0)
+    h = matcher.post_recv(FakeCudaTensor(), *KEY, 0)
     _deliver(ring, 0, 0)
     watcher = threading.Thread(target=h.is_completed, name="watcher")
     watcher.start()
@@ -260,7 +156,7 @@ def test_an_early_arrival_stays_in_its_pinned_slot_and_goes_up_asynchronously(cu
     _deliver(ring, 0, 0)
     assert matcher.arrived(*KEY, 0)      # taken as an early arrival
     assert ring.state(0) == R.BUSY       # before the fix: cloned into pageable memory and the slot freed
-    h = matcher.post_recv(_FakeCudaTensor(), *KEY, 0)   # before the fix: a blocking h.tensor.copy_(clone)
+    h = matcher.post_recv(FakeCudaTensor(), *KEY, 0)   # before the fix: a blocking h.tensor.copy_(clone)
     (h2d,) = cuda.of("h2d_signal")
     assert h2d[2] == "delegate-h2d" and h2d[1] == DEV
     assert h2d[4]["data_off"] == ring.geometry.slot_offset(0) + R.SLOT_PAYLOAD
@@ -314,9 +210,9 @@ def test_a_full_send_ring_queues_the_message_instead_of_blocking_the_host():
 def test_a_queued_cuda_send_copies_what_the_compute_stream_had_at_the_send(cuda):
     """The pump enqueues a queued message's D2H on the D2H stream under the stage's device, behind the
     event the training thread recorded on the compute stream at the send (not the stream's tail then)."""
-    sender, ring = _send_side(layer=_layer(cuda), slots=1, region=lambda r: _Region(r, cuda))
-    sender.send(_FakeCudaTensor(), 1, "F", 0)    # into the free slot, from this thread
-    sender.send(_FakeCudaTensor(), 1, "F", 1)    # ring full: queued
+    sender, ring = _send_side(layer=recorded_layer(cuda, DEV), slots=1, region=lambda r: _Region(r, cuda))
+    sender.send(FakeCudaTensor(), 1, "F", 0)    # into the free slot, from this thread
+    sender.send(FakeCudaTensor(), 1, "F", 1)    # ring full: queued
     assert len(cuda.of("d2h_signal")) == 1 and sender.pending() == 1
     ready = [c[4]["event"] for c in cuda.of("event_record") if c[2] == "compute"]
     assert len(ready) == 2
@@ -363,8 +259,7 @@ def _train(rank, world, delegation, delayed):
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph, inject_link_delays, remove_link_delays
-    from titan_ext.testing import host_syncs
-    from titan_ext.testing import mlp_stages, seeded_batch, step_rank
+    from titan_ext.testing import counted_sgd_step, mlp_stages, seeded_batch
 
     torch.manual_seed(0)
     mods = mlp_stages(world, DIM)
@@ -375,12 +270,7 @@ def _train(rank, world, delegation, delayed):
         opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
         steady, losses = [], []
         for k in range(STEPS):
-            x, y = seeded_batch(k, 2 * N_MB, DIM)
-            out: list = []
-            opt.zero_grad()
-            with host_syncs.counting() as syncs:
-                step_rank(schedule, rank, world, x, y, out)
-                opt.step()
+            out, syncs = counted_sgd_step(schedule, opt, rank, world, *seeded_batch(k, 2 * N_MB, DIM))
             losses.append([float(v) for v in out])
             if k >= WARMUP:
                 steady.append(syncs.sites())

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as Fn
 
 from titan_ext.testing import host_syncs
-from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.testing import counted_sgd_step, mlp_stages, run_ranks, seeded_batch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -206,14 +206,10 @@ def _train(rank: int, world: int, name: str, dev) -> list[dict]:
     steps = []
     for k in range(STEPS):
         x, y = seeded_batch(k, 2 * N_MB, DIM)
-        out: list = []
         cadence = getattr(schedule, "cadence", None)
         exchanged = cadence is not None and cadence.due(schedule.iteration)
         seen = len(dev.violations)
-        opt.zero_grad()
-        with host_syncs.counting() as syncs:
-            step_rank(schedule, rank, world, x, y, out)
-            opt.step()
+        out, syncs = counted_sgd_step(schedule, opt, rank, world, x, y)
         behind = dev.behind()
         steps.append({"exchanged": exchanged, "syncs": syncs.sites(), "behind": behind,
                       "violations": dev.violations[seen:], "loss": sum(float(v) for v in out)})

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as Fn
 
 from titan_ext.testing import host_syncs
-from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
+from titan_ext.testing import counted_sgd_step, mlp_stages, run_ranks, seeded_batch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,12 +52,7 @@ def _train(rank: int, world: int, name: str) -> dict:
     opt = torch.optim.SGD(mods[rank].parameters(), lr=0.05)
     steady, loss_reads, losses = [], 0, []
     for k in range(STEPS):
-        x, y = seeded_batch(k, 2 * N_MB, DIM)
-        out: list = []
-        opt.zero_grad()
-        with host_syncs.counting() as syncs:
-            step_rank(schedule, rank, world, x, y, out)
-            opt.step()
+        out, syncs = counted_sgd_step(schedule, opt, rank, world, *seeded_batch(k, 2 * N_MB, DIM))
         with host_syncs.counting() as read:  # the user's once-per-step read of the loss
             losses.append(sum(float(v) for v in out))
         loss_reads = read.total

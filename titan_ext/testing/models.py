@@ -58,6 +58,20 @@ def sgd_step(schedule: Any, optimizer: Any, rank: int, world: int, x: Any, y: An
     return [float(v) for v in losses]
 
 
+def counted_sgd_step(schedule: Any, optimizer: Any, rank: int, world: int, x: Any, y: Any) -> tuple[list, Any]:
+    """:func:`sgd_step` with the host syncs of ``step_rank`` + the optimizer's step counted
+    (:func:`titan_ext.testing.host_syncs.counting`), not those of the ``zero_grad``: (this rank's losses,
+    unread, so that the caller decides whether their read is counted; the count)."""
+    from . import host_syncs
+
+    losses: list = []
+    optimizer.zero_grad()
+    with host_syncs.counting() as syncs:
+        step_rank(schedule, rank, world, x, y, losses)
+        optimizer.step()
+    return losses, syncs
+
+
 def train_steps(rank: int, world: int, make: Callable[[Any], Any], steps: int, *, dim: int, batch: int,
                 seed_base: int = 1000, lr: float = 0.05) -> tuple[Any, list[list[float]], list[torch.Tensor]]:
     """SGD-train ``mlp_stages(world, dim)[rank]`` for ``steps`` steps on two ranks' schedule
