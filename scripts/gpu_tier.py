@@ -717,6 +717,16 @@ def merge_cells(world: int, cells: Sequence[dict], cuda: bool, action_ms: float)
     return c0, why
 
 
+def finish(summary: dict, failures: list[str], path: str, note: str = "") -> None:
+    """A GPU tier's end (this script's and scripts/gpu_tier_multi.py's): ``failures`` into ``summary``, the
+    summary as JSON at ``path``, a last line, and exit status 1 on any failure."""
+    summary["failures"] = failures
+    with open(path, "w") as fh:
+        json.dump(summary, fh, indent=1)
+    print(f"JSON: {path}; {note}failures: {failures or 'none'}")
+    sys.exit(1 if failures else 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
@@ -810,11 +820,7 @@ def main() -> None:
               f"{mb(c.get('peak_bytes_per_rank', [])):>20} {mb(c.get('predicted_activation_bytes_per_rank', [])):>20} {fm:>18}")
         if "error" in c:
             print("   error:", c["error"].splitlines()[-1][:300] if c["error"] else "?")
-    summary["failures"] = failures
-    with open(args.json, "w") as fh:
-        json.dump(summary, fh, indent=1)
-    print(f"JSON: {args.json}; {summary['seconds']:.0f} s; failures: {failures or 'none'}")
-    sys.exit(1 if failures else 0)
+    finish(summary, failures, args.json, f"{summary['seconds']:.0f} s; ")
 
 
 if __name__ == "__main__":

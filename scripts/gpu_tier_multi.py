@@ -384,11 +384,7 @@ def main() -> None:
         print(f"[gpu_tier_multi] {world} GPUs over NCCL: step {max(r['step_ms'] for r in ok):.1f} ms, idle {idle}, "
               f"host ahead {summary['host_ahead_at_boundaries']}, syncs/step max {syncs}, one context per GPU: "
               f"{contexts.get('ok')} ({', '.join(contexts.get('decided_by', [])) or '-'})")
-    summary["failures"] = failures
-    with open(args.json, "w") as fh:
-        json.dump(summary, fh, indent=1)
-    print(f"JSON: {args.json}; failures: {failures or 'none'}")
-    sys.exit(1 if failures else 0)
+    tier.finish(summary, failures, args.json)
 
 
 if __name__ == "__main__":

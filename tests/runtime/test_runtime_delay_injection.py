@@ -23,7 +23,7 @@ from titan_ext.runtime.emulate.delay_injection import (
     load_delay_trace,
     parse_delay_spec,
 )
-from titan_ext.testing import mlp_stages, run_ranks, step_rank
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
 
 
 # ---------------------------------------------------------------- parsing
@@ -129,32 +129,53 @@ def _ping_worker(rank: int, world: int, spec: str, nbytes: int, pings: int):
     return {"one_way_ms": one_way, "call_ms": call_ms}
 
 
+def _ping(spec: str, nbytes: int, pings: int) -> tuple[list[float], list[float]]:
+    """Rank 0 pings rank 1 over a link delayed by ``spec``: (each message's one-way time at rank 1,
+    each send call's time at rank 0), in ms."""
+    res = run_ranks(_ping_worker, 2, spec, nbytes, pings)
+    return res[1]["one_way_ms"], res[0]["call_ms"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_injected_latency_is_measurable_one_way():
-    res = run_ranks(_ping_worker, 2, "0:50", 64, 5)
-    one_way = res[1]["one_way_ms"]
+    one_way, call_ms = _ping("0:50", 64, 5)
     assert min(one_way) >= 50.0, one_way
     assert statistics.median(one_way) < 60.0, one_way
     # the sender is not slept: handing a message over returns well before the 50 ms latency (the
     # first one also sets the pair's connection up, as NCCL's first op on a pair does)
-    calls = res[0]["call_ms"][1:]
-    assert max(calls) < 50.0 and statistics.median(calls) < 10.0, res[0]["call_ms"]
+    calls = call_ms[1:]
+    assert max(calls) < 50.0 and statistics.median(calls) < 10.0, call_ms
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bandwidth_cap_delays_by_size():
     # 200 kB at 2 MB/s = 100 ms on the wire, plus 5 ms latency
-    res = run_ranks(_ping_worker, 2, "0:5:2MB/s", 200_000, 3)
-    one_way = res[1]["one_way_ms"]
+    one_way, _ = _ping("0:5:2MB/s", 200_000, 3)
     assert min(one_way) >= 105.0, one_way
     assert statistics.median(one_way) < 125.0, one_way
 
 
-def _builtin_worker(rank: int, world: int, spec: str | None, steps: int):
+def _timed_1f1b(rank: int, world: int, steps: int, losses: list | None = None):
+    """torch's Schedule1F1B (4 microbatches) of ``mlp_stages(world, 8, seed=1)`` for ``steps`` steps, step
+    k's data ``seeded_batch(k, 8, 8)``: (this rank's stage module, each step's wall time in ms after a
+    barrier)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+    mod = mlp_stages(world, 8, seed=1)[rank]
+    sched = Schedule1F1B(PipelineStage(mod, rank, world, torch.device("cpu")), 4, loss_fn=Fn.mse_loss)
+    times = []
+    for k in range(steps):
+        x, y = seeded_batch(k, 8, 8)
+        dist.barrier()
+        t = time.perf_counter()
+        step_rank(sched, rank, world, x, y, losses)
+        times.append(1e3 * (time.perf_counter() - t))
+    return mod, times
+
+
+def _builtin_worker(rank: int, world: int, spec: str | None, steps: int):
     if spec is None:
         inj = current_injector()  # installed from the environment at import
         spec_seen = inj.schedule.source if inj else None
@@ -162,16 +183,7 @@ def _builtin_worker(rank: int, world: int, spec: str | None, steps: int):
         spec_seen = spec
         if spec:
             inject_link_delays(spec)
-    mod = mlp_stages(world, 8, seed=1)[rank]
-    sched = Schedule1F1B(PipelineStage(mod, rank, world, torch.device("cpu")), 4, loss_fn=Fn.mse_loss)
-    times = []
-    for k in range(steps):
-        g = torch.Generator().manual_seed(k)
-        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64)
-        dist.barrier()
-        t = time.perf_counter()
-        step_rank(sched, rank, world, x, y)
-        times.append(1e3 * (time.perf_counter() - t))
+    _, times = _timed_1f1b(rank, world, steps)
     return {"times": times, "spec": spec_seen}
 
 
@@ -198,23 +210,13 @@ def test_torch_builtin_schedule_faces_the_same_straggler(monkeypatch):
 
 def _one_f_one_b_with_and_without_delay(rank: int, world: int) -> dict:
     """torch's Schedule1F1B (mixed send+recv batches) for 2 steps, without and with +30 ms on link 0."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
     from titan_ext.runtime import remove_link_delays
-    from titan_ext.testing import seeded_batch
 
     out = {}
     for spec in ("", "0:30"):
         injector = inject_link_delays(spec) if spec else None
-        mod = mlp_stages(world, 8, seed=1)[rank]
-        sched = Schedule1F1B(PipelineStage(mod, rank, world, torch.device("cpu")), 4, loss_fn=Fn.mse_loss)
-        losses, times = [], []
-        for k in range(2):
-            x, y = seeded_batch(k, 8, 8)
-            dist.barrier()
-            t = time.perf_counter()
-            step_rank(sched, rank, world, x, y, losses)
-            times.append(1e3 * (time.perf_counter() - t))
+        losses: list = []
+        mod, times = _timed_1f1b(rank, world, 2, losses)
         out[spec] = {"losses": [v.item() for v in losses], "grads": [p.grad.clone() for p in mod.parameters()],
                      "times": times, "delayed": injector.messages_delayed if injector else 0}
         remove_link_delays()
@@ -599,13 +601,31 @@ class _FailingClock:
         return token
 
 
+def _on_a_thread(fn) -> tuple:
+    """``fn()`` on a daemon thread, joined for up to 10 s: (the thread, the text of the RuntimeError it
+    raised, if it did)."""
+    import threading
+
+    errors: list[str] = []
+
+    def run():
+        try:
+            fn()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10.0)
+    return thread, errors
+
+
 @pytest.mark.parametrize("hol", [False, True])
 def test_a_failing_stamp_reaches_the_receiver_and_the_stamper_lives_on(monkeypatch, hol):
     """Defect: an exception in the stamper thread (the device clock's ``ready_time``) killed
     it; the receivers then waited forever for stamps that never came, and with ``hol`` the issuing
     thread too.  Now the error is recorded, published in the stamp's place and raised by the receiver's
     ``wait()`` (and the held issuer's), and the next send is stamped as usual."""
-    import threading
     from types import SimpleNamespace
 
     from titan_ext.runtime.emulate.delay_injection import DelayedRecvWork
@@ -614,34 +634,13 @@ def test_a_failing_stamp_reaches_the_receiver_and_the_stamper_lives_on(monkeypat
     clock = _FailingClock()
     monkeypatch.setattr(injector, "_device", lambda device: clock)
     send = SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), group=None, group_peer=1)
-    outcome = []
-
-    def issue():
-        try:
-            injector.batch_p2p([send])
-            outcome.append(None)
-        except RuntimeError as exc:
-            outcome.append(str(exc))
-
-    issuer = threading.Thread(target=issue, daemon=True)
-    issuer.start()
-    issuer.join(10.0)
+    issuer, outcome = _on_a_thread(lambda: injector.batch_p2p([send]))
     assert not issuer.is_alive(), "the issuing thread waits forever for a stamp that never comes"
     if hol:
         assert outcome and "could not be stamped" in outcome[0] and "incomplete event" in outcome[0], outcome
     # the receiving rank's handle of that message (same key, same store)
     recv = DelayedRecvWork([_Work()], "titan_ext/delay/0->1/0", injector.store)
-    errors = []
-
-    def consume():
-        try:
-            recv.wait()
-        except RuntimeError as exc:
-            errors.append(str(exc))
-
-    consumer = threading.Thread(target=consume, daemon=True)
-    consumer.start()
-    consumer.join(10.0)
+    consumer, errors = _on_a_thread(recv.wait)
     assert not consumer.is_alive(), "the receiver waits forever for a stamp that never comes"
     assert errors and "rank 0" in errors[0] and "incomplete event" in errors[0], errors
     assert recv.is_completed()  # completed with an error, as NCCL's isCompleted; wait() raises it
