@@ -180,22 +180,12 @@ def delay_table(stages: int = 8, micro: int = 16, tf: float = 10.0) -> list[dict
     counterpart's activation memory (per-stage peak for UD, per-rank peak for V-shape)."""
     from titan_ext.plan.builtin import builtin_plan
     from titan_ext.plan.crosspipe import wave_stage_to_rank
-    from titan_ext.plan.ir import as_ops
+    from titan_ext.plan.result import rank_peak_inflight
 
     def link(lat, bw):
         if bw == 0:
             return LinkProfile(latency_ms=lat * tf)
         return LinkProfile(latency_ms=lat * tf, bandwidth_bytes_per_s=1e8 / (bw * tf / 1e3), message_bytes=1e8)
-
-    def rank_peaks(plan):
-        out = []
-        for _, ops in sorted(as_ops(plan).items()):
-            cur = peak = 0
-            for _, k, _ in ops:
-                cur += 1 if k == "F" else -1 if k in ("I", "B") else 0
-                peak = max(peak, cur)
-            out.append(peak)
-        return out
 
     f1b, _ = builtin_plan("1F1B", stages, micro)
     zbv, zbv_s2r = builtin_plan("ZBVZeroBubble", stages, micro)
@@ -222,7 +212,7 @@ def delay_table(stages: int = 8, micro: int = 16, tf: float = 10.0) -> list[dict
                     row[name] = ref.makespan_ms
                     row[f"crossud@{name}"] = simulate(cp.actions, ud).makespan_ms
                 ref = simulate(zbv, wv, stage_to_rank=zbv_s2r)
-                cw = plan_crosspipe(wv, "wave", memory_limit=rank_peaks(zbv))
+                cw = plan_crosspipe(wv, "wave", memory_limit=list(rank_peak_inflight(zbv).values()))
                 row["ZBV"] = ref.makespan_ms
                 row["crosswave@ZBV"] = simulate(cw.actions, wv).makespan_ms
                 rows.append(row)

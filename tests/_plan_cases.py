@@ -11,7 +11,7 @@ import random
 
 from titan_ext.plan import LinkProfile, PipelineProfile
 from titan_ext.plan.crosspipe import wave_stage_to_rank
-from titan_ext.plan.ir import as_ops
+from titan_ext.plan.result import rank_peak_inflight
 from titan_ext.plan.placed import PlacedProfile
 
 S, N, TF = 8, 16, 10.0
@@ -45,15 +45,8 @@ def wave_profile(lat: float, bw: float, rank_links=(DC_LINK,)) -> PipelineProfil
 
 
 def rank_peaks(plan) -> list[int]:
-    """Peak in-flight activations per rank (all its stages together), in program order."""
-    out = []
-    for r, ops in sorted(as_ops(plan).items()):
-        cur = peak = 0
-        for _, k, _ in ops:
-            cur += 1 if k == "F" else -1 if k in ("I", "B") else 0
-            peak = max(peak, cur)
-        out.append(peak)
-    return out
+    """Peak in-flight activations per rank (all its stages together), by rank: ``plan.result.rank_peak_inflight``."""
+    return list(rank_peak_inflight(plan).values())
 
 
 def link(latency_ms: float = 0.0, transfer_ms: float = 0.0, message_bytes: float = 1e6) -> LinkProfile:

@@ -18,7 +18,9 @@ names, never collected), and why:
   random CrossPipe problems, validator-fuzz mutations): test data, pure plan/;
 * ``_falcon_model.py``, ``_falcon_s4_job.py``, ``_falcon_trainer.py`` -- what several Falcon test files
   share (the host model of ``FalconJob.apply``, the S4 job, ``FalconJob`` on a stand-in TorchTitan
-  trainer): they model titan/'s Falcon job, which ``titan_ext.testing`` may not import.
+  trainer): they model titan/'s Falcon job, which ``titan_ext.testing`` may not import;
+* ``_allocations.py`` -- the bytes of every storage an operation creates (a dispatch mode): the bound
+  two Falcon test files put on what a measurement or an exchange allocates.
 
 Every test must leave the pytest process's signal handling as it found it (the Python API's promise to
 its callers): :func:`signal_handling_kept` compares, before and after each test, the Python handlers of

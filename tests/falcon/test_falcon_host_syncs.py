@@ -357,7 +357,7 @@ def _grads(rank: int) -> list[torch.Tensor]:
 
 
 def _weighted_worker(rank: int, world: int) -> dict:
-    from test_falcon_on_gpu import _NewStorageBytes
+    from _allocations import NewStorageBytes
 
     from titan_ext.runtime.falcon.redistribute import weighted_all_reduce_gradients
 
@@ -368,7 +368,7 @@ def _weighted_worker(rank: int, world: int) -> dict:
         p.grad = g
     weight = (rank + 1) / (world * (world + 1) / 2)
     big = params[0].numel() * 4
-    with _NewStorageBytes([p.grad for p in params if p.grad is not None] + list(params)) as counted:
+    with NewStorageBytes([p.grad for p in params if p.grad is not None] + list(params)) as counted:
         weighted_all_reduce_gradients(params, weight, bucket_bytes=big)  # the big one alone, in place
     # a model of small gradients only: 24 of 1000 floats in buckets of 2 (8 kB): 12 buckets, of which
     # at most BUCKETS_IN_FLIGHT are flattened at once

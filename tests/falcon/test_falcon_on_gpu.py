@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from _allocations import NewStorageBytes
 from _fake_cuda import FakeGPU, install
 from titan_ext.titan.falcon_job import FalconJob
 from titan_ext.runtime.falcon.measure import StepClock
@@ -52,28 +52,6 @@ def test_the_detector_is_fed_the_device_time_of_a_step(monkeypatch):
     assert gpu.device_syncs == 0 and gpu.event_syncs == syncs_before and gpu.violations == []
 
 
-class _NewStorageBytes(TorchDispatchMode):
-    """Bytes of every storage an op creates while the mode is on (kept alive, so an address freed
-    and reused is still counted: the sum bounds the peak)."""
-
-    def __init__(self, existing: list[torch.Tensor]):
-        super().__init__()
-        self.seen = {t.untyped_storage().data_ptr() for t in existing}
-        self.kept: list = []
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in self.seen:
-                    self.seen.add(storage.data_ptr())
-                    self.kept.append(storage)
-                    self.bytes += storage.nbytes()
-        return out
-
-
 def _startup_bytes(rank: int, world: int, numel: int, probe_bytes: int, dump: str) -> int:
     """Falcon's start-up measurements on a DP 2 x PP 1 stage of ``numel`` fp32 parameters (the
     calls :class:`FalconJob` makes: DP sync base, S3's cost, S4's cost); the bytes they allocate."""
@@ -91,7 +69,7 @@ def _startup_bytes(rank: int, world: int, numel: int, probe_bytes: int, dump: st
     trainer = SimpleNamespace(model_parts=[part], optimizers=SimpleNamespace(optimizers=[opt]))
     control = device_clock.control_group()
     monitor = FalconMonitor(FalconConfig(num_microbatches=2), grid=[[0], [1]])
-    with _NewStorageBytes(list(part.parameters())) as counted:
+    with NewStorageBytes(list(part.parameters())) as counted:
         dp = DPSync(trainer, SimpleNamespace(link_bytes_per_s=0.0), control, torch.device("cpu"))
         dp.regroup(dist.group.WORLD, control, [0, 1], 0, 1)
         JobCosts(monitor, control).measure_s3(trainer, [[0], [1]], 0, torch.device("cpu"))
