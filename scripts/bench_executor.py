@@ -17,14 +17,21 @@ sleeps per rank, real tensors across gloo, N = 16 microbatches of 2 rows):
 Per run: the median and fastest iteration (the slowest rank's ``step()`` between a common barrier and its
 end), the ratio ``Schedule1F1B / run`` (> 1: faster than torch's 1F1B), and per rank the main thread's CPU
 time of a step (``time.thread_time``).  Compute is emulated (sleeps): the output says so.
+
+``--profile-rank R``: rank R's measured steps also run under cProfile, and the functions that cost that
+rank's main thread the most CPU time (blocking waits, receives, sends and sleeps left out: they are the
+pipeline's, not the host's) are printed per run with their calls a step — where the host time goes
+(the main-thread CPU column is then inflated on rank R by the profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -84,13 +91,19 @@ def _worker(rank: int, world: int, args) -> dict:
     runs[-1].name = "PipeMorph"
 
     cpu: dict[str, list[float]] = {r.name: [] for r in runs}
+    profiles = {r.name: cProfile.Profile() for r in runs} if rank == args.profile_rank else {}
     for r in runs:
         r.times.clear()
     for k in range(args.warmup + args.steps):
         x, y = bf._inputs(100 + k, args)
         for r in runs if k % 2 == 0 else runs[::-1]:
+            prof = profiles.get(r.name) if k >= args.warmup else None
             c0 = time.thread_time()
+            if prof is not None:
+                prof.enable()
             r.step(x, y)
+            if prof is not None:
+                prof.disable()
             cpu[r.name].append(1e3 * (time.thread_time() - c0))
     out = {}
     for r in runs:
@@ -101,8 +114,25 @@ def _worker(rank: int, world: int, args) -> dict:
             last = r.sched.metrics_history[-1] if r.sched.metrics_history else {}
             cell.update(plan_versions=r.sched.plan_version, warmup_counts=last.get("warmup_counts"),
                         backward=last.get("backward"))
+        if r.name in profiles:
+            cell["host_cpu_top"] = _host_cpu_top(profiles[r.name], args.steps)
         out[r.name] = cell
     return out
+
+
+#: calls whose time is the pipeline's (waiting for a peer, a transfer, the emulated device), not the host's
+_BLOCKING = ("time.sleep", "c10d.wait", "c10d.recv", "c10d.send", "c10d.barrier", "acquire' of '_thread.lock")
+
+
+def _host_cpu_top(prof: cProfile.Profile, steps: int, top: int = 12) -> list[dict]:
+    """The functions with the most own time a step under ``prof``, blocking calls left out."""
+    rows = []
+    for (path, line, fn), (_, ncalls, own, _, _) in pstats.Stats(prof).stats.items():
+        if not any(b in fn for b in _BLOCKING):
+            rows.append({"function": f"{os.path.basename(path)}:{line}({fn})", "own_ms_per_step": 1e3 * own / steps,
+                         "calls_per_step": ncalls / steps})
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    return [{"total_own_ms_per_step": sum(r["own_ms_per_step"] for r in rows)}] + rows[:top]
 
 
 def main() -> None:
@@ -112,6 +142,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default="bench_executor.json")
+    ap.add_argument("--profile-rank", type=int, default=-1, help="cProfile this rank's steps (default: none)")
     args = ap.parse_args()
     for name, v in (("compute", "sleep"), ("dim", 64), ("f_ms", 2.0), ("i_ms", 2.0), ("w_ms", 2.0), ("mb_size", 2),
                     ("layers", 2), ("vocab", 64), ("model_dim", 64)):
@@ -130,6 +161,13 @@ def main() -> None:
         plan = f"{row.get('warmup_counts')} {row.get('backward')} v{row.get('plan_versions')}" if "plan_versions" in row else ""
         print(f"{name:>20} {row['median_ms']:>10.1f} {row['min_ms']:>8.1f} {row['ratio_vs_schedule1f1b']:>9.3f} "
               f"{'/'.join(f'{c:.1f}' for c in row['main_thread_cpu_ms_per_rank']):>30}  {plan}")
+    for name, cell in per_rank[max(args.profile_rank, 0)].items():
+        if "host_cpu_top" in cell:
+            total, *top = cell["host_cpu_top"]
+            print(f"\n{name}, rank {args.profile_rank}: {total['total_own_ms_per_step']:.2f} ms of host CPU a step "
+                  f"under cProfile (blocking calls left out); the most:")
+            for t in top:
+                print(f"  {t['own_ms_per_step']:6.3f} ms  {t['calls_per_step']:6.1f} calls  {t['function']}")
     doc = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
            "compute": "sleep (emulated device compute)", "args": vars(args), "rows": rows}
