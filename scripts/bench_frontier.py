@@ -9,9 +9,10 @@ InterleavedZeroBubble — loop placement — ZBVZeroBubble and DualPipeV — V p
 rank (a rank's two stages take half each), N microbatches, 0 and +60 ms on one link (``--link``, the
 rank link from 2 to 3 by default).
 
-Memory: each run's **measured** peak of autograd-saved activation bytes alive per rank
-(``runtime.execute.memory.ActivationMeter`` around every ``step()``, the same meter for torch's schedules and
-ours; parameters excluded); a row's ``peak_bytes_per_rank`` is the largest over ranks — the memory every
+Memory: each run's **measured** peak of activation bytes alive per rank — autograd's saved tensors and the
+stage outputs each stage keeps from a microbatch's forward to its backward, M^F's unit, what PipeMorph's
+budget counts (``runtime.execute.memory.ActivationMeter`` with the schedule's stages around every ``step()``,
+the same meter for torch's schedules and ours; parameters excluded); a row's ``peak_bytes_per_rank`` is the largest over ranks — the memory every
 device must have.  PipeMorph then runs with that as its per-rank budget (``memory_budget_bytes``):
 one stage per rank for every row, and with the row's placement (loop / V) for the two-stage rows;
 ``pipemorph_ms_at_same_memory`` is the faster of the two that fit (their own measured peak ≤ the row's).
@@ -93,7 +94,10 @@ class Run:
         self.name, self.layout, self.sched, self.ids, self.S = name, layout, sched, ids, S
         params = [p for m in mods for p in m.parameters()]
         self.opt = torch.optim.SGD(params, lr=1e-4)
-        self.meter = ActivationMeter(params)
+        # the stages' kept outputs counted too (M^F's unit, what the runtime budgets): torch's single-stage
+        # schedules hold theirs in ``_stage``, the others (and ours) in ``_stages``
+        stages = getattr(sched, "_stages", None) or [sched._stage]
+        self.meter = ActivationMeter(params, stages)
         self.times: list[float] = []
         self.t0 = 0.0
 

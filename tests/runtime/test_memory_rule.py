@@ -62,6 +62,43 @@ def test_the_meter_counts_views_once_and_parameters_never_and_follows_release():
     assert meter.bytes == 0 and meter.peak_bytes == 3 * 256
 
 
+class _Stage:
+    """What the meter reads of torch's ``PipelineStage``: ``forward_one_chunk`` keeps the output in
+    ``fwd_cache`` until ``backward_one_chunk`` pops it."""
+
+    def __init__(self, mod):
+        self.mod, self.stage_index, self.fwd_cache = mod, 0, {}
+
+    def forward_one_chunk(self, chunk, x):
+        out = self.mod(x)
+        self.fwd_cache[chunk] = ((out,), [x])
+        return out
+
+    def backward_one_chunk(self, chunk):
+        (out,), _ = self.fwd_cache.pop(chunk)
+        out.sum().backward()
+
+
+def test_with_stages_the_meter_counts_the_kept_outputs_until_their_backward():
+    """M^F's unit: a microbatch's saved tensors and the stage output kept beside them, measured the same way
+    whichever schedule drives the stage; the stage's methods are its own again afterwards."""
+    lin = torch.nn.Linear(16, 16)
+    stage = _Stage(lin)
+    meter = ActivationMeter(lin.parameters(), [stage])
+    x = [torch.randn(2, 16, requires_grad=True) for _ in range(3)]
+    with meter:
+        stage.forward_one_chunk(0, x[0])
+        stage.forward_one_chunk(1, x[1])
+        # each: Linear's saved input (2×16 floats) and the kept output (2×16 floats), nothing else
+        assert meter.bytes == 2 * (2 * 16 * 4 + 2 * 16 * 4)
+        stage.backward_one_chunk(0)
+        assert meter.bytes == 1 * (2 * 16 * 4 + 2 * 16 * 4)
+        stage.backward_one_chunk(1)
+        assert meter.bytes == 0
+    assert meter.peak_bytes == 2 * 256
+    assert "forward_one_chunk" not in stage.__dict__ and "backward_one_chunk" not in stage.__dict__
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_plans_under_release_w_hold_their_limit_by_a_brute_force_count(seed):
     rng = random.Random(seed)

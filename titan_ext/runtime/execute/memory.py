@@ -231,11 +231,20 @@ class ActivationMeter:
     Alg.1 (``Executor.activation_bytes``: bytes one microbatch's forward saves).  An inner
     ``saved_tensors_hooks`` (the executor's one-off M^F measurement in the first forward) takes
     precedence, so that forward is not seen: ``reset_peak()`` after the first iteration.  Saved tensors
-    are held detached (no double backward through a metered step)."""
+    are held detached (no double backward through a metered step).
 
-    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+    With ``stages`` (torch's ``PipelineStage``s) it also counts what M^F counts beside the saved tensors:
+    each microbatch's stage outputs, which the stage keeps (``fwd_cache``) from its ``forward_one_chunk``
+    to its ``backward_one_chunk`` — each storage not alive as a saved tensor, once (:meth:`held_with`).
+    Both are the stage's own methods, whichever schedule runs them, so torch's schedules and ours are
+    measured alike, in M^F's unit."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = (), stages: Iterable[Any] = ()):
         self._params = parameter_storages(parameters)
         self._alive: dict[tuple, list[int]] = {}  # key → [bytes, saved tensors holding it]
+        self._outputs: dict[tuple, int] = {}  # (stage, microbatch) → bytes of the outputs its stage keeps
+        self._stages = list(stages)
+        self._wrapped: list[tuple[Any, dict]] = []  # (stage, its own attributes the wrappers replaced)
         self.bytes = 0
         self.peak_bytes = 0
         self._hooks: Any = None
@@ -282,11 +291,52 @@ class ActivationMeter:
         """Start a new peak from what is alive now."""
         self.peak_bytes = self.bytes
 
+    def hold_outputs(self, key: tuple, tensors: Any) -> None:
+        """Count ``tensors`` (a pytree) as alive under ``key`` until :meth:`release_outputs`: each storage not
+        alive as a saved tensor, once."""
+        self.release_outputs(key)
+        nbytes = self.held_with(tensors) - self.bytes
+        self._outputs[key] = nbytes
+        self.bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def release_outputs(self, key: tuple) -> None:
+        self.bytes -= self._outputs.pop(key, 0)
+
+    def _watch(self, stage: Any) -> None:
+        """Count ``stage``'s kept outputs from its forward of a microbatch to its backward of it."""
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            out = forward(chunk, *args, **kwargs)
+            kept = getattr(stage, "fwd_cache", {}).get(chunk)
+            if kept is not None:
+                self.hold_outputs((stage.stage_index, chunk), kept[0])
+            return out
+
+        def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return backward(chunk, *args, **kwargs)
+            finally:
+                if chunk not in getattr(stage, "fwd_cache", {}):
+                    self.release_outputs((stage.stage_index, chunk))
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
     def __enter__(self) -> "ActivationMeter":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        for stage in self._stages:
+            names = ("forward_one_chunk", "backward_one_chunk")
+            self._wrapped.append((stage, {n: stage.__dict__[n] for n in names if n in stage.__dict__}))
+            self._watch(stage)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        for stage, before in self._wrapped:  # what the stage had: its class's methods or another wrapper
+            for name in ("forward_one_chunk", "backward_one_chunk"):
+                stage.__dict__.pop(name, None)
+            stage.__dict__.update(before)
+        self._wrapped.clear()
         self._hooks.__exit__(*exc)
         self._hooks = None
