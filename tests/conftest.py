@@ -161,8 +161,8 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """The ``multiprocess`` marker is exact: a test outside the ``slow`` tier that starts a process (in
-    its setup or its body) must carry it, so that ``-m "not slow and not multiprocess"`` selects the
+    """The ``multiprocess`` marker's rule: a test outside the ``slow`` tier that starts a process (in its
+    setup or its body) must carry it (so must the tests sharing a module fixture that does), so that ``-m "not slow and not multiprocess"`` selects the
     single-process tests. ``TITAN_EXT_PROCESS_CHECK=1`` (set by scripts/test.sh, README's test command)
     fails an unmarked one, naming what it started; ``=report:PATH`` appends their ids to PATH instead."""
     outcome = yield
