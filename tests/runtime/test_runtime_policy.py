@@ -192,11 +192,11 @@ def test_the_planning_profile_adds_each_ranks_measured_per_action_cost_to_its_st
     assert vest.planning_profile().f_ms == tuple(1.0 + (0.1, 0.5, 0.2)[r] for r in layout.stage_to_rank)
 
 
-def test_gap_per_action_is_the_median_time_between_actions_not_waiting_for_an_input():
+def test_gap_per_action_is_the_typical_time_between_actions_not_waiting_for_an_input():
     from titan_ext.runtime.measure.profiler import ActionRecord, IterationProfile
 
     # F 0–1 s; I 2–3 s after a 0.5 s input wait (gap 0.5 s); W 3.25–4 s (gap 0.25 s); F 9–10 s (a 5 s
-    # stall, gap 5 s): median of [0.5, 0.25, 5] s = 500 ms, whatever the stall's length
+    # stall, gap 5 s): 3 samples, their median 500 ms (trimmed_mean), whatever the stall's length
     acts = [ActionRecord("F", 0, 0, 0.0, 1.0), ActionRecord("I", 0, 0, 2.0, 3.0, recv_wait_ms=500.0),
             ActionRecord("W", 0, 0, 3.25, 4.0), ActionRecord("F", 0, 1, 9.0, 10.0)]
     assert abs(IterationProfile(acts).gap_ms() - 500.0) < 1e-9
@@ -244,3 +244,21 @@ def test_a_plan_made_for_the_measured_delay_is_neither_re_planned_nor_shrunk_whi
     # a plan not made for measured delays (Alg.1's initial plan, a user's): Eq. 1 alone, as before
     pol.note_deployed(None)
     assert pol.decide(_profile({2: c}), chosen, initial, 5).action == "adapt"
+
+
+def test_action_times_are_a_trimmed_mean_a_stall_trimmed_the_skew_kept():
+    from titan_ext.runtime.measure.profiler import ActionRecord, IterationProfile, trimmed_mean
+
+    # 20 F of a right-skewed CPU: 16 × 2.0 ms, 3 × 3.0 ms (oversleep), one 50 ms stall. 10 % trimmed at
+    # each end: the 2 smallest (2.0, 2.0) and the 2 largest (50, 3.0) go; 14 × 2.0 + 2 × 3.0 over 16
+    durations = [2.0] * 16 + [3.0] * 3 + [50.0]
+    acts, t = [], 0.0
+    for k, d in enumerate(durations):
+        acts.append(ActionRecord("F", 0, k, t, t + d / 1e3))
+        t += d / 1e3 + 0.001
+    expected = (14 * 2.0 + 2 * 3.0) / 16
+    assert abs(IterationProfile(acts).compute_ms("F") - expected) < 1e-9
+    assert IterationProfile(acts).compute_ms("F") > 2.0  # the median (2.0) would read the skew away
+    assert abs(trimmed_mean([5.0, 1.0, 3.0]) - 3.0) < 1e-12  # below 5 samples: the median
+    assert abs(trimmed_mean([1.0, 2.0, 3.0, 4.0, 100.0]) - 3.0) < 1e-12  # one of each end from 5 on
+    assert math.isnan(trimmed_mean([]))

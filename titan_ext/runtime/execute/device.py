@@ -136,6 +136,35 @@ _SIMULATED: dict[str, Callable[..., Any]] = {}
 # --------------------------------------------------------------------------------------------------
 # receives: arrival from completion (off the critical path), the wait placed before the consumer
 # --------------------------------------------------------------------------------------------------
+class Latch:
+    """A one-shot flag any number of threads wait on and one thread sets: ``threading.Event``'s ``set`` /
+    ``is_set`` / ``wait(timeout)`` on one raw lock (held until set), without the Condition an Event
+    builds — one is made per receive, on the main thread, where an Event's construction, set and wait
+    cost several times as much host CPU."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self._lock.release()  # let every other waiter through
+        return self._set
+
+
 class RecvHandle:
     """A posted receive.  ``wait()`` is the consumer's wait and must be called just before the compute
     that reads the data (torch's ``_wait_batch_p2p`` calls it there).  ``arrival`` (host clock) is
@@ -161,7 +190,7 @@ class RecvHandle:
         (:meth:`DeviceLayer.watch`)."""
         self.arrival: float = math.nan
         self.error: BaseException | None = None
-        self.done = threading.Event()
+        self.done = Latch()
         self._device = device
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - Work API compatibility

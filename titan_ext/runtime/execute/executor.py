@@ -124,6 +124,7 @@ class Executor:
         #: PP links (i: ranks i, i+1) whose receives the arrival watcher stamps; the others' consumers
         #: stamp them (:meth:`DeviceLayer.watch`).  None: every link (the schedule sets it)
         self.exact_links: set[int] | None = None
+        self._handlers = self._handler_table()
 
     def use_device(self, layer: DeviceLayer) -> None:
         """Time, stamp and wait through ``layer`` (e.g. the simulation of ``testing/simdevice.py``)."""
@@ -169,32 +170,41 @@ class Executor:
         custom = ctx.schedule._comp_type_to_function_map.get(ct)
         if custom is not None:
             custom(action, ctx.torch_context())
-        elif ct == OVERLAP_F_B:
-            for sub in action.sub_actions or ():
-                if profiler_enabled():
-                    with record_function(_get_profiler_function_name(sub)):
-                        self.perform(sub, ctx)
-                else:
-                    self.perform(sub, ctx)
-        elif ct in (SEND_F, SEND_B):
-            self._send(action, ctx)
-        elif WAITS and ct in (WAIT_SEND_F, WAIT_SEND_B):
-            self._wait_send((SEND_F if ct == WAIT_SEND_F else SEND_B, action.stage_index, action.microbatch_index), ctx)
-        elif ct in (RECV_F, RECV_B):
-            self._recv(action, ctx)
-        elif ct in (UNSHARD, RESHARD):
-            self._fsdp(action, ctx)
-        elif ct == REDUCE_GRAD and WAITS:
-            self._start_reduce_grad(action, ctx)
-        elif ct == REDUCE_GRAD:
-            sched = ctx.schedule
-            ctx.stages[action.stage_index].perform_reduce_grad(sched._n_microbatches if sched.scale_grads else 1)
-        elif WAITS and ct == WAIT_REDUCE_GRAD:
-            self._wait_reduce_grad(action, ctx)
-        elif ct in (F, I, W, B):
-            self._compute(action, ctx)
-        else:
+            return
+        handler = self._handlers.get(ct)
+        if handler is None:
             raise ValueError(f"{action=} is unknown or unsupported")
+        handler(action, ctx)
+
+    def _handler_table(self) -> dict[Any, Any]:
+        """Each action type's handler (a dict lookup per action, where an ``elif`` chain compared up to a
+        dozen types)."""
+        table = {F: self._compute, I: self._compute, W: self._compute, B: self._compute,
+                 SEND_F: self._send, SEND_B: self._send, RECV_F: self._recv, RECV_B: self._recv,
+                 UNSHARD: self._fsdp, RESHARD: self._fsdp, OVERLAP_F_B: self._overlap}
+        if WAITS:
+            table.update({WAIT_SEND_F: self._wait_send_action, WAIT_SEND_B: self._wait_send_action,
+                          REDUCE_GRAD: self._start_reduce_grad, WAIT_REDUCE_GRAD: self._wait_reduce_grad})
+        else:
+            table[REDUCE_GRAD] = self._reduce_grad
+        return table
+
+    def _overlap(self, action: _Action, ctx: RunContext) -> None:
+        for sub in action.sub_actions or ():
+            if profiler_enabled():
+                with record_function(_get_profiler_function_name(sub)):
+                    self.perform(sub, ctx)
+            else:
+                self.perform(sub, ctx)
+
+    def _wait_send_action(self, action: _Action, ctx: RunContext) -> None:
+        kind = SEND_F if action.computation_type == WAIT_SEND_F else SEND_B
+        self._wait_send((kind, action.stage_index, action.microbatch_index), ctx)
+
+    @staticmethod
+    def _reduce_grad(action: _Action, ctx: RunContext) -> None:
+        sched = ctx.schedule
+        ctx.stages[action.stage_index].perform_reduce_grad(sched._n_microbatches if sched.scale_grads else 1)
 
     # -- communication ----------------------------------------------------------------------------
     @staticmethod
@@ -215,10 +225,11 @@ class Executor:
         # wrap-around is not a link. The stamp is the compute stream's time at hand-over (when the data
         # is ready on the device).
         peer, rank = self.peer(action, ctx.schedule), ctx.schedule.rank
-        if rank_link(rank, peer) is not None and peer > rank:
+        link = rank_link(rank, peer)
+        if link is not None and peer > rank:
             self.timer.mark(prof.sends_next)
             prof.send_bytes_next += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        elif rank_link(rank, peer) is not None:
+        elif link is not None:
             self.timer.mark(prof.sends_prev)
         retire = stage.release_fwd_send_outputs if forward and WAITS else None
         ctx.pending_sends[key] = (self.transport.issue(action, ops), retire)

@@ -6,7 +6,8 @@ What is measured, on every rank, for every iteration:
   CPU a monotonic clock (``time.perf_counter``) around the action; on GPU a pair of CUDA events per
   action recorded on the compute stream, mapped onto the host clock through an anchor event whose
   completion was stamped, and resolved without a host sync on the critical path.  The input's stall
-  (the stream waiting for a receive) is recorded apart (``recv_wait_ms``).
+  (the stream waiting for a receive) is recorded apart (``recv_wait_ms``).  An iteration's times of one
+  kind are summarised by their :func:`trimmed_mean` (a plan's makespan sums them).
 * **Per-message timing** on the PP links: the sender stamps each SEND at hand-over on the compute
   stream's time; the receiver stamps each RECV when its data has *landed* — a watcher thread per peer
   observes the receive's completion (``is_completed()``, or gloo's blocking ``wait()``) and stamps it,
@@ -29,7 +30,7 @@ is handed over, so any transport-side queueing counts as link delay (intended: t
 (3) direction asymmetry is averaged; (4) a receive posted late by a busy receiver delays delivery.
 All four only ever add to a sample, and the planner's c_i is a lone message's delay, so the minimum
 is taken (it would underestimate only a link whose delay jitters within one iteration).  Across iterations
-the runtime keeps a window and uses the median again (robust statistics).
+the runtime keeps a window and uses its median (robust statistics).
 
 Clock offsets (only needed for the cross-rank timeline behind the bubble rate) come from an NTP-style
 ping-pong at start-up (:func:`estimate_clock_offsets`): min-RTT sample, error ≤ RTT/2.
@@ -68,6 +69,23 @@ class ActionRecord(TimedAction):
         self.recv_wait_ms = recv_wait_ms
 
 
+#: the share of samples :func:`trimmed_mean` drops at each end
+TRIM = 0.1
+
+
+def trimmed_mean(xs: list[float], trim: float = TRIM) -> float:
+    """The mean of ``xs`` without its ``trim`` smallest and largest shares, at least one of each (the
+    median below 5 samples; NaN when empty).  What an iteration's action times are summarised by: a plan's
+    makespan is a sum of action times, so its model needs their mean — a median reads low where durations
+    are skewed to the right (a CPU's oversleep and preemption: 2–4 % of the compute on the frontier
+    benchmark) — while a one-off stall must not price every action."""
+    if len(xs) < 5:
+        return statistics.median(xs) if xs else math.nan
+    xs = sorted(xs)
+    k = max(int(trim * len(xs)), 1)
+    return math.fsum(xs[k:len(xs) - k]) / (len(xs) - 2 * k)
+
+
 @dataclass
 class IterationProfile:
     """What one rank measured in one iteration (local clock)."""
@@ -88,20 +106,19 @@ class IterationProfile:
                                 self.activation_bytes)
 
     def compute_ms(self, kind: str, stage: int | None = None) -> float:
-        """Median time (ms) of this iteration's ``kind`` actions (of one ``stage``, or all)."""
-        vals = [1e3 * (a.end - a.start) for a in self.actions if a.kind == kind and stage in (None, a.stage)]
-        return statistics.median(vals) if vals else math.nan
+        """Typical time (ms) of this iteration's ``kind`` actions (of one ``stage``, or all): their
+        :func:`trimmed_mean`."""
+        return trimmed_mean([1e3 * (a.end - a.start) for a in self.actions if a.kind == kind and stage in (None, a.stage)])
 
     def gap_ms(self) -> float:
-        """The executor's typical cost per compute action (ms): the median, over consecutive actions in
+        """The executor's typical cost per compute action (ms), over consecutive actions in
         the order they ran, of the time from one's end to the next one's start that was not a wait for
-        the next one's input.  A median, not a mean: one stall (the first iteration's warm-up, a busy
-        host's hiccup) must not price every action.  On a GPU the stamps are the compute stream's, so
-        host work the stream ran ahead of costs nothing; the timing model's actions have none
+        the next one's input (their :func:`trimmed_mean`: one stall, the first iteration's warm-up or a
+        busy host's hiccup, must not price every action).  On a GPU the stamps are the compute stream's,
+        so host work the stream ran ahead of costs nothing; the timing model's actions have none
         (``backward.faster_by_model``)."""
         acts = sorted(self.actions, key=lambda a: a.start)
-        gaps = [max(1e3 * (b.start - a.end) - b.recv_wait_ms, 0.0) for a, b in zip(acts, acts[1:])]
-        return statistics.median(gaps) if gaps else math.nan
+        return trimmed_mean([max(1e3 * (b.start - a.end) - b.recv_wait_ms, 0.0) for a, b in zip(acts, acts[1:])])
 
     def stage_times_ms(self, stages: list[int]) -> list[tuple[float, float, float, float]]:
         """(F, I, W, B) medians per local stage (several stages per rank: ``runtime/decide/placement.py``)."""
