@@ -71,3 +71,12 @@ def test_eq1_tolerance():
     p2 = p.with_delays({1: 25})
     assert not absorbs_delay(p2, x, 1)
     assert absorbs_delay(p2, adapted_warmup_counts(p2), 1)
+
+
+def test_plan_slackness_reports_only_decreasing_counts():
+    from titan_ext.plan.warmup import plan_slackness
+
+    assert plan_slackness([12, 11, 9, 1]) == slackness([12, 11, 9, 1]) == [1, 2, 8]
+    assert plan_slackness([8, 7, 8, 4]) is None  # a multi-stage plan's targets: no slackness, no error
+    with pytest.raises(ValueError, match="non-increasing"):
+        slackness([8, 7, 8, 4])

@@ -81,3 +81,16 @@ def test_queued_external_plans_deploy_at_the_next_boundary():
     assert installed == []
     life.apply_pending(lambda plan, reason: (lambda: _cand(0xF, "external", reason)))
     assert [c.reason for c in installed] == ["user"]
+
+
+def test_a_plan_whose_counts_do_not_decrease_deploys_with_no_slackness_reported():
+    """A multi-stage plan carries its per-stage targets as counts ([8, 7, 8, …] from plan.virtual's search
+    over a memory budget): its swap logged their slackness, which raised and ended a job at +60 ms."""
+    life, installed, _, log = _lifecycle()
+    cand = Candidate({0: []}, {0: []}, {0: 0}, [8, 7, 8, 4], 0xB, "adaptive", "multi-stage")
+    assert life.deploy_now(lambda: cand, "external", "first")
+    assert life.version == 1 and [c.hash for c in installed] == [0xB]
+    assert log.entries[-1]["decision"] == "deploy" and log.entries[-1]["slackness"] is None
+    monotone = Candidate({0: []}, {0: []}, {0: 0}, [8, 7, 4, 1], 0xC, "adaptive", "one stage per rank")
+    assert life.deploy_now(lambda: monotone, "external", "second")
+    assert log.entries[-1]["slackness"] == [1, 3, 3]

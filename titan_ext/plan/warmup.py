@@ -29,6 +29,18 @@ def slackness(warmup_counts: Sequence[int]) -> list[int]:
     return [warmup_counts[i] - warmup_counts[i + 1] for i in range(len(warmup_counts) - 1)]
 
 
+def plan_slackness(warmup_counts: Sequence[int]) -> list[int] | None:
+    """:func:`slackness` of a deployed plan's ``warmup_counts`` for its reports, None where they do not
+    decrease along the stages: a plan with several stages per rank carries the per-stage targets its
+    order was generated from (``plan.virtual``'s search over a memory budget may pick [8, 7, 8, …]),
+    which are not warm-up counts in §4.1's sense and have no slackness.  Reporting must never fail a
+    deploy (a TorchTitan job at +60 ms on a busy host did, in the swap's log line)."""
+    counts = list(warmup_counts)
+    if any(a < b for a, b in zip(counts, counts[1:])):
+        return None
+    return slackness(counts)
+
+
 def initial_warmup_counts(num_stages: int, max_inflight: int) -> list[int]:
     """PipeMorph Alg.1 (initial planning): maximise min_i Δ_i with stage 0 holding ``max_inflight``.
 

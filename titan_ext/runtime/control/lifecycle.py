@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from titan_ext.plan import slackness
+from titan_ext.plan.warmup import plan_slackness
 
 from ..decide.planning import BackgroundPlanning, BackgroundPolish
 from ..decide.policy import Decision
@@ -96,7 +96,7 @@ class PlanLifecycle:
             "after_ms": cand.polish.get("sim_after_ms"), "polish_status": cand.polish.get("status")}
         self.log(decision="deploy", kind="polish" if cand.polish is not None else cand.kind, reason=cand.reason,
                  plan_version=self.version, plan_hash=hex(cand.hash), warmup_counts=cand.counts,
-                 slackness=slackness(cand.counts), backward=cand.backward, prepare_ms=cand.prepare_ms,
+                 slackness=plan_slackness(cand.counts), backward=cand.backward, prepare_ms=cand.prepare_ms,
                  plan_ms=cand.plan_ms, plan_cpu_ms=cand.plan_cpu_ms, **extra)
 
     def reject(self, kind: str, reason: str) -> None:

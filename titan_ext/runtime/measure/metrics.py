@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from titan_ext.plan import slackness
+from titan_ext.plan.warmup import plan_slackness
 
 __all__ = ["IterationMetrics", "MetricsRecord"]
 
@@ -85,12 +85,12 @@ class MetricsRecord:
                                           estimator.planning_profile("full"), deployed)
             self._plan = (key, list(parts.link_estimates_ms()), tolerances,
                           {"F": list(est.f_ms), "I": list(est.b_ms), "W": list(est.w_ms), "B": list(est_full.b_ms)},
-                          slackness(deployed.warmup_counts))
+                          plan_slackness(deployed.warmup_counts))
         _, estimates, tolerances, compute, slack = self._plan
         m.link_delay_estimate_ms = dict(enumerate(estimates))
         m.compute_ms = {k: list(v) for k, v in compute.items()}
         m.backward, m.plan_version, m.plan_hash = deployed.backward, version, hex(deployed.hash)
-        m.warmup_counts, m.slackness = list(deployed.warmup_counts), list(slack)
+        m.warmup_counts, m.slackness = list(deployed.warmup_counts), None if slack is None else list(slack)
         m.eq1_tolerance_ms = list(tolerances)
         m.inflight_cap = parts.memory.adaptive_limit(delegating)
         budget = parts.memory.budget_bytes
