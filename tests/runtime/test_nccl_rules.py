@@ -43,9 +43,13 @@ def _batch(ops: list) -> list:
     return dist.batch_isend_irecv(ops)
 
 
-def _warm_pair(g, rank: int, peer: int) -> None:
+def _warm_pair(g, rank: int, peer: int, meet: bool = True) -> None:
     """Create the pair's two-rank communicator of ``g`` (lazy init: the first bare op of each side is a
-    rendezvous): one bare message from the lower rank to the higher."""
+    rendezvous): one bare message from the lower rank to the higher.  ``meet``: both ranks first meet on
+    the default group, so a busy host's scheduling skew between them (seconds at load 10) is not spent
+    from ``g``'s short timeout; every rank of the default group must call it then."""
+    if meet:
+        dist.barrier()
     t = torch.zeros(1)
     work = dist.isend(t, peer, g) if rank < peer else dist.irecv(t, peer, g)
     assert _settle([work]) == "ok"
@@ -815,7 +819,7 @@ def _three_rank_scenarios(rank: int, world: int) -> dict:
     g = dist.new_group(timeout=timedelta(seconds=2))
     for lo, hi in ((0, 1), (0, 2), (1, 2)):  # each pair's communicator, in an order that cannot wait in a circle
         if rank in (lo, hi):
-            _warm_pair(g, rank, hi if rank == lo else lo)
+            _warm_pair(g, rank, hi if rank == lo else lo, meet=False)
     a, b = torch.zeros(2), torch.zeros(2)
     if rank == 0:
         works = [dist.isend(torch.ones(2), 1, g), dist.isend(torch.ones(2), 2, g)]

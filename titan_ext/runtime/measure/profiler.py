@@ -108,20 +108,22 @@ class IterationProfile:
     def compute_ms(self, kind: str, stage: int | None = None) -> float:
         """Typical time (ms) of this iteration's ``kind`` actions (of one ``stage``, or all): their
         :func:`trimmed_mean`."""
-        return trimmed_mean([1e3 * (a.end - a.start) for a in self.actions if a.kind == kind and stage in (None, a.stage)])
+        return trimmed_mean([1e3 * (a.end - a.start) for a in self.actions
+                             if a.kind == kind and stage in (None, a.stage)])
 
     def gap_ms(self) -> float:
-        """The executor's typical cost per compute action (ms), over consecutive actions in
-        the order they ran, of the time from one's end to the next one's start that was not a wait for
-        the next one's input (their :func:`trimmed_mean`: one stall, the first iteration's warm-up or a
-        busy host's hiccup, must not price every action).  On a GPU the stamps are the compute stream's,
-        so host work the stream ran ahead of costs nothing; the timing model's actions have none
+        """The executor's typical cost per compute action (ms): the :func:`trimmed_mean`, over consecutive
+        actions in the order they ran, of the time from one's end to the next one's start that was not a
+        wait for the next one's input (trimmed: one stall, the first iteration's warm-up or a busy host's
+        hiccup, must not price every action).  On a GPU the stamps are the compute stream's, so host work
+        the stream ran ahead of costs nothing; the timing model's actions have none
         (``backward.faster_by_model``)."""
         acts = sorted(self.actions, key=lambda a: a.start)
         return trimmed_mean([max(1e3 * (b.start - a.end) - b.recv_wait_ms, 0.0) for a, b in zip(acts, acts[1:])])
 
     def stage_times_ms(self, stages: list[int]) -> list[tuple[float, float, float, float]]:
-        """(F, I, W, B) medians per local stage (several stages per rank: ``runtime/decide/placement.py``)."""
+        """(F, I, W, B) per local stage, each as :meth:`compute_ms` (several stages per rank:
+        ``runtime/decide/placement.py``)."""
         return [tuple(self.compute_ms(k, s) for k in COMPUTE_KINDS) for s in stages]  # type: ignore[misc]
 
     def busy_ms(self) -> float:
