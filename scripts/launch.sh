@@ -232,7 +232,9 @@ fi
 
 # Rendezvous on the first node of the allocation.
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-    head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    # sed reads the whole list: `head -n 1` closed the pipe early, and scontrol's SIGPIPE (141) ended the
+    # launch under pipefail without a word (a 3-node list did it once in the tests; a long one would often)
+    head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 else
     head_node="$(hostname)"
 fi

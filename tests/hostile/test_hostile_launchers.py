@@ -486,3 +486,21 @@ def test_frozen_rank_logs_to_a_private_folder_by_default():
     finally:
         first.parent.rmdir()
         second.parent.rmdir()
+
+
+@pytest.mark.multiprocess
+def test_launch_sh_reads_a_long_slurm_node_list_to_its_end(tmp_path):
+    """The rendezvous host is the allocation's first node. `scontrol show hostnames … | head -n 1` closed the
+    pipe after one line and scontrol's SIGPIPE ended the launch with status 141 and no message (pipefail):
+    here a stand-in scontrol lists 14 000 nodes (96 kB, more than a pipe holds), which it cannot write
+    before head has exited."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake(bin_dir, "#!/bin/bash\nseq -f 'n%g' 1 14000\n", "scontrol")
+    env = _env(tmp_path, PYTHON=sys.executable, DRY_RUN="print", CONFIG_FILE=CONFIG, NNODES="2",
+               PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n[1-14000]",
+               SLURM_JOB_NUM_NODES="14000", LOG_DIR=str(tmp_path / "logs"))
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert "n1:" in run.stdout or "=n1" in run.stdout or " n1" in run.stdout, run.stdout[-2000:]
