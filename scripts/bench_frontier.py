@@ -32,6 +32,10 @@ deployed, under the same planning profile.  Where the runtime misses its predict
 the time went: per rank, measured compute, input waits and the rest (executor, transport) against the
 modelled compute and idle time of the same plan.
 
+``--dp D`` (one-stage rows): D replicas of the pipeline (world = D x PP, PP innermost), every PP group with
+the delay on its ``--link``, each replica its own batch; an iteration ends after the replicas' gradient
+mean on the DP group (the same ``all_reduce`` for every schedule) and is the slowest rank's of the world.
+
 Per cell: median over --steps iterations after --warmup; an iteration is the slowest rank's
 ``step()`` between a common barrier and its end.  All runs of one delay are alive at once and their
 iterations interleaved round-robin, so load from elsewhere hits every schedule alike.
@@ -86,13 +90,17 @@ def _loss(args):
 
 
 class Run:
-    """One schedule on this rank: its stages, optimizer, meter and timings."""
+    """One schedule on this rank: its stages, optimizer, meter and timings.  Under DP (``dp_group``) the
+    iteration includes the replicas' gradient mean (one ``all_reduce`` per parameter on the DP group,
+    the same for every schedule), as a DP x PP job's step does."""
 
-    def __init__(self, name: str, layout: str, sched, ids: list[int], mods: list, S: int):
+    def __init__(self, name: str, layout: str, sched, ids: list[int], mods: list, S: int, dp_group=None):
         from titan_ext.runtime.execute.memory import ActivationMeter
 
         self.name, self.layout, self.sched, self.ids, self.S = name, layout, sched, ids, S
+        self.dp_group = dp_group
         params = [p for m in mods for p in m.parameters()]
+        self.params = params
         self.opt = torch.optim.SGD(params, lr=1e-4)
         # the stages' kept outputs counted too (M^F's unit, what the runtime budgets): torch's single-stage
         # schedules hold theirs in ``_stage``, the others (and ours) in ``_stages``
@@ -107,6 +115,10 @@ class Run:
         self.opt.zero_grad()
         with self.meter:
             self.sched.step(*((x,) if 0 in self.ids else ()), **({"target": y} if self.S - 1 in self.ids else {}))
+        if self.dp_group is not None:
+            for p in self.params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.dp_group)
         elapsed = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64)
         self.opt.step()
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -114,33 +126,50 @@ class Run:
         self.t0 = t0
 
 
-def _torch_run(name: str, rank: int, world: int, args) -> Run:
+class Mesh:
+    """This rank's place in the DP x PP grid (``--dp``; PP innermost: global rank = dp * P + pp)."""
+
+    def __init__(self, world: int, dp: int):
+        if dp < 1 or world % dp:
+            raise ValueError(f"--dp {dp} must divide --world {world}")
+        self.pp_size, self.dp_size = world // dp, dp
+        self.pp_group = self.dp_group = None
+        rank = dist.get_rank()
+        self.pp_rank, self.dp_rank = rank % self.pp_size, rank // self.pp_size
+        if dp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (dp, self.pp_size), mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+
+
+def _torch_run(name: str, mesh: Mesh, args) -> Run:
     from torch.distributed import pipelining as pp
 
     layout = "one" if name in ONE else PLACEMENT[name]
-    ids, mods = _modules(layout, rank, world, args)
-    S = world * (1 if layout == "one" else V)
-    stages = [pp.PipelineStage(m, s, S, torch.device("cpu")) for m, s in zip(mods, ids)]
+    ids, mods = _modules(layout, mesh.pp_rank, mesh.pp_size, args)
+    S = mesh.pp_size * (1 if layout == "one" else V)
+    stages = [pp.PipelineStage(m, s, S, torch.device("cpu"), group=mesh.pp_group) for m, s in zip(mods, ids)]
     cls = getattr(pp, f"Schedule{name}")
     sched = cls(stages[0], args.microbatches, loss_fn=_loss(args)) if layout == "one" else \
         cls(stages, args.microbatches, loss_fn=_loss(args))
-    return Run(name, layout, sched, ids, mods, S)
+    return Run(name, layout, sched, ids, mods, S, mesh.dp_group)
 
 
-def _pipemorph_run(layout: str, budget: float, rank: int, world: int, args) -> Run:
+def _pipemorph_run(layout: str, budget: float, mesh: Mesh, args) -> Run:
     from torch.distributed.pipelining import PipelineStage
 
     from titan_ext.runtime import PipeMorph
 
-    ids, mods = _modules(layout, rank, world, args)
-    S = world * (1 if layout == "one" else V)
-    stages = [PipelineStage(m, s, S, torch.device("cpu")) for m, s in zip(mods, ids)]
+    ids, mods = _modules(layout, mesh.pp_rank, mesh.pp_size, args)
+    S = mesh.pp_size * (1 if layout == "one" else V)
+    stages = [PipelineStage(m, s, S, torch.device("cpu"), group=mesh.pp_group) for m, s in zip(mods, ids)]
     sched = PipeMorph(stages, args.microbatches, loss_fn=_loss(args), memory_budget_bytes=budget)
-    return Run(f"PipeMorph-{layout}", layout, sched, ids, mods, S)
+    return Run(f"PipeMorph-{layout}", layout, sched, ids, mods, S, mesh.dp_group)
 
 
-def _inputs(step: int, args):
-    g = torch.Generator().manual_seed(step)
+def _inputs(step: int, args, dp_rank: int = 0):
+    g = torch.Generator().manual_seed(step + 100_003 * dp_rank)  # each DP replica its own batch
     b = args.microbatches * args.mb_size
     if args.compute == "sleep":
         return torch.randn(b, args.dim, generator=g), torch.randn(b, args.dim, generator=g)
@@ -154,7 +183,7 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def _pipemorph_report(run: Run, rank: int) -> dict:
+def _pipemorph_report(run: Run, rank: int) -> dict:  # rank: the PP rank
     """What a PipeMorph run deployed and measured, its plan's prediction and this rank's breakdown."""
     from titan_ext.plan import simulate
 
@@ -195,15 +224,16 @@ def _pipemorph_report(run: Run, rank: int) -> dict:
 def _worker(rank: int, world: int, args) -> dict:
     from titan_ext.runtime import inject_link_delays
 
-    injector = inject_link_delays("")
+    injector = inject_link_delays("")  # link i: PP ranks i and i + 1 of every PP group
+    mesh = Mesh(world, getattr(args, "dp", 1))
     rows, runs_out = [], []
     for delay in args.delays:
         injector.update(f"{args.link}:{delay:g}" if delay > 0 else "")
-        torch_runs = [_torch_run(name, rank, world, args) for name in ONE + TWO
+        torch_runs = [_torch_run(name, mesh, args) for name in ONE + TWO
                       if getattr(args, "schedules", None) is None or name in args.schedules]
         # the torch schedules' memory first (their peak is the same every iteration: 2 suffice)
         for k in range(2):
-            x, y = _inputs(k, args)
+            x, y = _inputs(k, args, mesh.dp_rank)
             for run in torch_runs:
                 if k == 1:
                     run.meter.reset_peak()
@@ -214,7 +244,7 @@ def _worker(rank: int, world: int, args) -> dict:
             for layout in ("one",) + ((PLACEMENT[run.name],) if run.name in TWO else ()):
                 key = (layout, budgets[run.name])
                 if key not in pm_runs:
-                    pm_runs[key] = _pipemorph_run(layout, budgets[run.name], rank, world, args)
+                    pm_runs[key] = _pipemorph_run(layout, budgets[run.name], mesh, args)
         everything = torch_runs + list(pm_runs.values())
         for run in everything:
             run.times.clear()
@@ -222,7 +252,7 @@ def _worker(rank: int, world: int, args) -> dict:
             if k == args.warmup:
                 for run in everything:
                     run.meter.reset_peak()
-            x, y = _inputs(100 + k, args)
+            x, y = _inputs(100 + k, args, mesh.dp_rank)
             for run in everything:
                 run.step(x, y)
         for run in everything:
@@ -231,7 +261,7 @@ def _worker(rank: int, world: int, args) -> dict:
                    "peak_bytes_per_rank": _max_over_ranks(run.meter.peak_bytes)}
             if run.name.startswith("PipeMorph"):
                 out["budget_bytes"] = next(b for (lay, b), r in pm_runs.items() if r is run)
-                report = _pipemorph_report(run, rank)
+                report = _pipemorph_report(run, mesh.pp_rank)
                 gathered = [None] * world
                 dist.all_gather_object(gathered, report["breakdown"])
                 report["breakdown"] = gathered
@@ -295,7 +325,8 @@ def run(args) -> dict:
             if args.compute == "sleep" else
             "real-model (transformer dim=%d, %d layers per rank, seq=%d, %d seq/microbatch, CPU)"
             % (args.model_dim, args.layers, args.seq, args.mb_size))
-    print(f"\n== mode: frontier, {mode}; {args.world} gloo ranks, N={args.microbatches}, delay on rank link "
+    grid = f"{args.world} gloo ranks" + (f" (DP {args.dp} x PP {args.world // args.dp})" if args.dp > 1 else "")
+    print(f"\n== mode: frontier, {mode}; {grid}, N={args.microbatches}, delay on PP rank link "
           f"{args.link}; median of {args.steps} iterations after {args.warmup} warm-up [{time.time() - t0:.0f} s]")
     print(f"{'delay':>5} | {'schedule':>21} | {'peak KiB/rank':>13} | {'torch ms':>8} | {'PipeMorph ms':>12} | "
           f"{'layout':>6} | {'its KiB':>8} | {'speed-up':>8} | {'predicted':>9} | {'optimal':>8} | "

@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="ms on the delayed link (default 0,30,60; frontier 0,60)")
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=1,
+                    help="frontier: DP replicas (world = DP x PP, every PP group delayed on --link; the "
+                         "iteration includes the DP gradient mean)")
     ap.add_argument("--microbatches", type=int, default=16)
     ap.add_argument("--mb-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
@@ -204,6 +207,10 @@ def main() -> None:
                     help="process-group backend (nccl_rules: the NCCL-rules test backend, slower)")
     args = ap.parse_args()
     frontier = args.mode == "frontier"
+    if args.dp < 1 or args.world % args.dp or (args.dp > 1 and not frontier):
+        ap.error(f"--dp {args.dp}: frontier mode only, and it must divide --world {args.world}")
+    if frontier and not 0 <= args.link < args.world // args.dp - 1:
+        ap.error(f"--link {args.link}: the PP group has {args.world // args.dp} ranks (links 0..{args.world // args.dp - 2})")
     for name in ("f_ms", "i_ms", "w_ms"):
         if getattr(args, name) is None:
             setattr(args, name, 2.0 if frontier else 10.0)

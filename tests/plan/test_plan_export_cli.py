@@ -124,7 +124,7 @@ def test_profile_file(tmp_path, cli_main):
     assert alg2.slackness == [2, 3]
     # the CLI's plan (Alg.2 and its candidates): as fast, and on a tie the one holding fewer activations
     assert doc["makespan_ms"] <= alg2.predicted_makespan_ms + 1e-9
-    assert sum(doc["warmup_counts"]) <= sum(alg2.warmup_counts)
+    assert doc["makespan_ms"] < alg2.predicted_makespan_ms - 1e-9 or sum(doc["warmup_counts"]) <= sum(alg2.warmup_counts)
     (tmp_path / "bad.json").write_text(json.dumps({**profile, "f_ms": [5, 6]}))
     bad = cli_main("plan", "--profile", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "f_ms" in bad.stderr

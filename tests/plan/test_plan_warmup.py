@@ -73,6 +73,31 @@ def test_eq1_tolerance():
     assert absorbs_delay(p2, adapted_warmup_counts(p2), 1)
 
 
+@pytest.mark.parametrize("S, N", [(4, 4), (4, 6), (6, 8)])
+def test_eq1_tolerance_is_infinite_without_a_steady_phase(S, N):
+    """A stage that runs all N forwards before its first backward (GPipe's shape) has no steady phase,
+    so Theorem 1's cascade cannot happen on its link: the delay costs its fill and drain once (2c), at any
+    c.  Checked with the simulator (an independent replay of the order), beside a plan with slackness 2
+    whose finite tolerance the same delay breaks (it costs far more than 2c)."""
+    from titan_ext.plan import generate_order
+    from titan_ext.plan.result import warmup_counts_of
+    from titan_ext.plan.simulate import replay_makespan_ns
+
+    p = PipelineProfile.uniform(S, N, 2, 2, 2)
+    gpipe = generate_order(p, [N] * (S - 1) + [1], inflight_limit=[N] * S).order
+    x = warmup_counts_of(gpipe)
+    assert x[:-1] == [N] * (S - 1)
+    base, c = replay_makespan_ns(gpipe, p), 200.0
+    for link in range(S - 1):
+        assert link_tolerance_ms(p, x, link) == float("inf")
+        grown = replay_makespan_ns(gpipe, p.with_delays({link: c})) - base
+        assert grown == pytest.approx(2 * c * 1e6, abs=1e3)
+    lean = generate_order(p, [min(N, 2 * (S - i) - 1) for i in range(S)]).order  # Δ = 2 on the last link
+    xl, last = warmup_counts_of(lean), S - 2
+    assert xl[last] < N and link_tolerance_ms(p, xl, last) < c
+    assert replay_makespan_ns(lean, p.with_delays({last: c})) - replay_makespan_ns(lean, p) > 3 * c * 1e6
+
+
 def test_plan_slackness_reports_only_decreasing_counts():
     from titan_ext.plan.warmup import plan_slackness
 

@@ -31,12 +31,16 @@ def _context(**kw):
 def test_planners_match_the_plan_layer_they_wrap():
     prof = PipelineProfile(S, 16, 5.0, 5.0, 5.0).with_delays({S - 2: 30.0})
     got = PipeMorphPlanner().plan(prof, Decision("adapt", "t", mode="adaptive"), _context())
-    # the head-room applies to every link's measured delay (1 ms on the idle ones too)
-    want = plan_pipemorph(prof.with_delays({k: c * 1.1 + 1.0 for k, c in enumerate(prof.delays_ms)}),
-                          mode="adaptive", validate=False)
+    # the head-room applies to every link's measured delay (1 ms on the idle ones too), in every mode:
+    # the recalibrated initial plan is planned for the measured delays with it as well
+    room = prof.with_delays({k: c * 1.1 + 1.0 for k, c in enumerate(prof.delays_ms)})
+    want = plan_pipemorph(room, mode="adaptive", validate=False)
     assert as_ops(got.actions) == as_ops(want.actions)
+    got = PipeMorphPlanner().plan(prof, Decision("calibrate", "t", mode="initial"), _context())
+    want = plan_pipemorph(room, mode="initial", memory_limit=2 * S - 1, validate=False)
+    assert as_ops(got.actions) == as_ops(want.actions) and got.profile.delays_ms == room.delays_ms
     got = CrossPipePlanner().plan(prof, Decision("initial", "t", mode="initial"), _context())
-    assert as_ops(got.actions) == as_ops(plan_crosspipe(prof, "udsub", memory_limit=2 * S - 1).actions)
+    assert as_ops(got.actions) == as_ops(plan_crosspipe(room, "udsub", memory_limit=2 * S - 1).actions)
     with pytest.raises(ValueError, match="'ud' or 'udsub'"):
         CrossPipePlanner("zb")
     # a decision that names its warm-up counts never reaches the planner

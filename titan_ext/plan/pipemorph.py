@@ -26,7 +26,7 @@ from .profile import profile_arg
 from .deps import ROOT, table
 from .ir import Op, gc_paused, torch_schedules
 from .profile import PipelineProfile
-from .result import PlanResult, make_result, peak_inflight
+from .result import PlanResult, make_result, peak_inflight, warmup_counts_of
 from .simulate import replay_makespan_ns
 from .timing import LinkQueues, to_ms, to_ns
 from .validate import compiled_core, validate_plan
@@ -362,10 +362,12 @@ def plan_pipemorph(
     the profile, the cheap alternatives — the same warm-up counts without the in-flight cap, Alg.2 with
     slack floor 1, Alg.2 with its clip as published where N − 2S is below the floor (x_i = 1 at N = 2S,
     uncapped: ``adapted_warmup_counts(literal=True)``), the static zb and zb-h1 orders and torch's
-    1F1B order — and returns the fastest
-    (ties: the one holding fewer activations — its warm-up counts' sum —, then the earlier in that list: at
-    1F1B's memory with no delay, 1F1B's own counts rather than Alg.1's, which the model times the same and
-    which run slower), so it is never slower than any.
+    1F1B order — and returns the fastest (ties: the one holding fewer activations — the sum of the
+    warm-up counts its order realises —, then the earlier in that list: at 1F1B's memory with no delay,
+    1F1B's own counts rather than Alg.1's, which the model times the same and which run slower), so it
+    is never slower than any.  The result's ``warmup_counts`` are those its order realises
+    (``result.warmup_counts_of``): an uncapped candidate may run more forwards than its targets, and the
+    runtime's Eq. 1 tolerances must read what runs.
     ``memory_limit`` K (and the profile's byte budget): every candidate holds at most K in-flight
     activations per stage, so the result is the fastest candidate that fits.
     ``cap_inflight`` (our memory extension): the requested schedule caps in-flight activations at x_i.
@@ -411,19 +413,23 @@ def plan_pipemorph(
             if twin:  # the cap never bound: the uncapped order is the capped one
                 timed[cand.name] = timed[f"{cand.name}-capped"]
                 continue
-            # a later candidate must be strictly faster, or as fast holding fewer activations (its warm-up
-            # counts: what it holds when no delay stretches them); on a full tie the earlier one stays
-            leaner = bool(best) and sum(cand.warmup_counts) < sum(best[1].warmup_counts)
-            if best and hold_bound_ns(profile, cand.inflight_limit) > best[0] - (0 if leaner else 1):
+            # a later candidate must be strictly faster, or as fast holding fewer activations (the warm-up
+            # counts its order realises: what it holds when no delay stretches them; its targets are a
+            # lower bound, so only a candidate whose targets are leaner may tie); on a full tie the
+            # earlier one stays
+            may_tie = bool(best) and sum(cand.warmup_counts) < best[3]
+            if best and hold_bound_ns(profile, cand.inflight_limit) > best[0] - (0 if may_tie else 1):
                 timed[cand.name] = None
                 continue
-            order, makespan, cap_bound = _evaluate(profile, cand, full, best and best[0] - (0 if leaner else 1))
+            order, makespan, cap_bound = _evaluate(profile, cand, full, best and best[0] - (0 if may_tie else 1))
             if not cap_bound and cand.inflight_limit == cand.warmup_counts:
                 unbound.add(cand.warmup_counts)
             timed[cand.name] = None if order is None else to_ms(makespan)
             if order is not None:
-                best = (makespan, cand, order)
-        makespan, best, order = best
+                held = sum(warmup_counts_of(order))
+                if not best or makespan < best[0] or held < best[3]:
+                    best = (makespan, cand, order, held)
+        makespan, best, order, _ = best
         limit = list(best.inflight_limit)
         if validate:
             peak = validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,
@@ -434,7 +440,7 @@ def plan_pipemorph(
         result = make_result(
             order, ops_checked=True, inflight=peak, schedule=schedule,
             source=schedule if len(cands) == 1 else f"{schedule}:{best.name}",
-            warmup_counts=best.warmup_counts, predicted_makespan_ms=to_ms(makespan), plan_ms=0.0,
+            predicted_makespan_ms=to_ms(makespan), plan_ms=0.0,
             stage_to_rank=range(profile.num_stages), profile=profile, inflight_limit=limit,
             notes=_notes(profile, schedule, mode, slack_floor), candidates=timed,
         )

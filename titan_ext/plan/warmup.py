@@ -137,9 +137,17 @@ def required_slackness(profile: PipelineProfile, link: int, delay_ms: float | No
 
 
 def link_tolerance_ms(profile: PipelineProfile, warmup_counts: Sequence[int], link: int) -> float:
-    """Largest one-way delay on ``link`` that the plan absorbs (Eq.1 solved for c_i)."""
+    """Largest one-way delay on ``link`` that the plan absorbs (Eq.1 solved for c_i).
+
+    Infinite when stage ``link`` runs all N forwards in its warm-up (x_i ≥ N, GPipe's shape): Theorem 1
+    (PipeMorph §4.1) bounds the delay by the feasible interval of the *steady* phase, between a backward
+    and the next forward of stage i; with no forward left after the first backward there is no steady
+    phase, the delay is paid once in the fill and drain (every plan pays that), never per micro-batch,
+    and no slackness could do better."""
     link = link_arg(profile_arg(profile), link)
     warmup_counts = counts_arg(warmup_counts, "warmup_counts", profile.num_stages, minimum=1)
+    if warmup_counts[link] >= profile.num_microbatches:
+        return math.inf
     delta = warmup_counts[link] - warmup_counts[link + 1]
     den = profile.f_ms[link + 1] + profile.b_ms[link + 1]
     return (delta * den - profile.f_ms[link] - profile.b_ms[link]) / 2.0
