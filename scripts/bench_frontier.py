@@ -183,7 +183,17 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def _pipemorph_report(run: Run, rank: int) -> dict:  # rank: the PP rank
+def _check_cost_ms(history: list[dict]) -> dict:
+    """The control plane's cost per check on this rank: the median boundary of the iterations that
+    exchanged profiles (exchange, agreement, decision, metrics) minus that of the others (the rule of
+    ``scripts/project_scale.py``), and the check count."""
+    checks = [m["boundary_ms"] for m in history if m.get("exchange_ms", 0) > 0]
+    others = [m["boundary_ms"] for m in history if not m.get("exchange_ms", 0) > 0]
+    cost = statistics.median(checks) - (statistics.median(others) if others else 0.0) if checks else None
+    return {"check_cost_ms": cost, "checks": len(checks), "iterations": len(history)}
+
+
+def _pipemorph_report(run: Run, rank: int, warmup: int) -> dict:  # rank: the PP rank
     """What a PipeMorph run deployed and measured, its plan's prediction and this rank's breakdown."""
     from titan_ext.plan import simulate
 
@@ -215,6 +225,7 @@ def _pipemorph_report(run: Run, rank: int) -> dict:  # rank: the PP rank
         "compute_only_profile": sched.estimator.profile(variant).to_json(),
         "action_cost_ms": sched.estimator.action_cost_ms(),
         "predicted_ms": timeline.makespan_ms,
+        "control": _check_cost_ms(list(sched.metrics_history)[warmup:]),
         "breakdown": {"rank": rank, "span_ms": span, "compute_ms": busy, "input_wait_ms": wait,
                       "other_ms": span - busy - wait, "modelled_end_ms": m_end, "modelled_compute_ms": m_busy,
                       "modelled_idle_ms": m_end - m_busy, "actions": len(measured)},
@@ -261,10 +272,14 @@ def _worker(rank: int, world: int, args) -> dict:
                    "peak_bytes_per_rank": _max_over_ranks(run.meter.peak_bytes)}
             if run.name.startswith("PipeMorph"):
                 out["budget_bytes"] = next(b for (lay, b), r in pm_runs.items() if r is run)
-                report = _pipemorph_report(run, mesh.pp_rank)
+                report = _pipemorph_report(run, mesh.pp_rank, args.warmup)
                 gathered = [None] * world
-                dist.all_gather_object(gathered, report["breakdown"])
-                report["breakdown"] = gathered
+                dist.all_gather_object(gathered, (report["breakdown"], report["control"]))
+                report["breakdown"] = [b for b, _ in gathered]
+                costs = [c["check_cost_ms"] for _, c in gathered if c["check_cost_ms"] is not None]
+                report["control"] = {**report["control"], "check_cost_ms_per_rank": [c["check_cost_ms"] for _, c in gathered],
+                                     "check_cost_ms_min": min(costs, default=None),
+                                     "check_cost_ms_max": max(costs, default=None)}
                 out.update(report)
             runs_out.append(out)
         for run in torch_runs:
@@ -347,7 +362,11 @@ def run(args) -> dict:
         print(f"   {r['schedule']} @ {r['delay_ms']:g} ms, budget {r['budget_bytes'] / 1024:.1f} KiB: "
               f"{r['median_ms']:.1f} ms vs predicted {r['predicted_ms']:.1f} ({100 * off:+.1f}%), x {r['warmup_counts']}, "
               f"backward {r['backward']}, versions {r['plan_versions']} at {[i for i, _, _ in r['deploys']]}, "
-              f"cap {r['inflight_cap'] if r['layout'] == 'one' else r['rank_memory_limit']}")
+              f"cap {r['inflight_cap'] if r['layout'] == 'one' else r['rank_memory_limit']}, control plane "
+              + (f"{r['control']['check_cost_ms_min']:.2f} ms a check (fewest over ranks: the last to arrive waits "
+                 f"for none; most {r['control']['check_cost_ms_max']:.2f} ms; {r['control']['checks']} checks in "
+                 f"{r['control']['iterations']} iterations)" if r["control"]["check_cost_ms_min"] is not None
+                 else "no check in the measured iterations"))
         if abs(off) > 0.10:
             for b in r["breakdown"]:
                 print(f"      rank {b['rank']}: measured span {b['span_ms']:.1f} = compute {b['compute_ms']:.1f} + "
