@@ -65,7 +65,8 @@ def _worker(rank: int, world: int, args) -> dict:
     one_f_one_b = plan_builtin("1F1B", PipelineProfile.uniform(world, args.microbatches, args.f_ms, args.i_ms,
                                                                args.w_ms))
 
-    baseline = bf._torch_run("1F1B", rank, world, args)
+    mesh = bf.Mesh(world, 1)
+    baseline = bf._torch_run("1F1B", mesh, args)
     baseline.name = "Schedule1F1B"
     for k in range(2):  # its measured peak of saved activation bytes: PipeMorph's budget
         x, y = bf._inputs(k, args)
@@ -87,9 +88,11 @@ def _worker(rank: int, world: int, args) -> dict:
     pinned.deploy(one_f_one_b)
     runs.append(bf.Run("PipeMorph-1F1B", "one", pinned, ids, mods, world))
 
-    runs.append(bf._pipemorph_run("one", budget, rank, world, args))
+    runs.append(bf._pipemorph_run("one", budget, mesh, args))
     runs[-1].name = "PipeMorph"
 
+    if args.runs:  # e.g. one run alone under a native profiler (perf), the others built but not stepped
+        runs = [r for r in runs if r.name in args.runs]
     cpu: dict[str, list[float]] = {r.name: [] for r in runs}
     profiles = {r.name: cProfile.Profile() for r in runs} if rank == args.profile_rank else {}
     for r in runs:
@@ -143,12 +146,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default="bench_executor.json")
     ap.add_argument("--profile-rank", type=int, default=-1, help="cProfile this rank's steps (default: none)")
+    ap.add_argument("--runs", type=lambda t: [x for x in t.split(",") if x], default=None, metavar="A,B",
+                    help="step only these runs (names above; default: all four)")
     args = ap.parse_args()
     for name, v in (("compute", "sleep"), ("dim", 64), ("f_ms", 2.0), ("i_ms", 2.0), ("w_ms", 2.0), ("mb_size", 2),
                     ("layers", 2), ("vocab", 64), ("model_dim", 64)):
         setattr(args, name, v)
     per_rank = run_ranks(_worker, args.world, args, backend="gloo", timeout_s=1200)
-    base = per_rank[0]["Schedule1F1B"]["median_ms"]
+    base = per_rank[0].get("Schedule1F1B", {}).get("median_ms", float("nan"))  # nan: not stepped (--runs)
     rows = []
     print(f"compute: sleep (F = I = W = {args.f_ms:g} ms per rank, emulated), {args.world} gloo ranks, "
           f"N = {args.microbatches}, {args.steps} iterations after {args.warmup}")
