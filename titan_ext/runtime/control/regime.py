@@ -60,7 +60,12 @@ class Regime:
     def installed(self, cand: Any) -> None:
         """A new regime's plan (not a polish of the running one) was swapped in: its counters."""
         plan = cand.plan
-        self.planned_for_ms = plan.profile.delays_ms if plan is not None and plan.profile is not None else None
+        if plan is not None and plan.profile is not None:
+            self.planned_for_ms = plan.profile.delays_ms
+        elif cand.trigger not in ("probe", "select"):
+            self.planned_for_ms = None
+        # else a backward probe / select: the running plan's counts in the other backward variant (an explicit
+        # plan, no profile of its own), made for the delays the running plan was made for
         note = getattr(self.parts.policy, "note_deployed", None)  # optional hook of a Policy
         if note is not None:
             note(self.planned_for_ms)
