@@ -43,14 +43,19 @@ iterations interleaved round-robin, so load from elsewhere hits every schedule a
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as Fn
 
-from titan_ext.testing import run_ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from project_scale import check_cost_ms  # noqa: E402
+from titan_ext.testing import run_ranks  # noqa: E402
 
 V = 2
 ONE = ("GPipe", "1F1B")
@@ -129,9 +134,7 @@ class Run:
 class Mesh:
     """This rank's place in the DP x PP grid (``--dp``; PP innermost: global rank = dp * P + pp)."""
 
-    def __init__(self, world: int, dp: int):
-        if dp < 1 or world % dp:
-            raise ValueError(f"--dp {dp} must divide --world {world}")
+    def __init__(self, world: int, dp: int):  # dp divides world: bench_runtime.py checks it before any group
         self.pp_size, self.dp_size = world // dp, dp
         self.pp_group = self.dp_group = None
         rank = dist.get_rank()
@@ -183,16 +186,6 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def _check_cost_ms(history: list[dict]) -> dict:
-    """The control plane's cost per check on this rank: the median boundary of the iterations that
-    exchanged profiles (exchange, agreement, decision, metrics) minus that of the others (the rule of
-    ``scripts/project_scale.py``), and the check count."""
-    checks = [m["boundary_ms"] for m in history if m.get("exchange_ms", 0) > 0]
-    others = [m["boundary_ms"] for m in history if not m.get("exchange_ms", 0) > 0]
-    cost = statistics.median(checks) - (statistics.median(others) if others else 0.0) if checks else None
-    return {"check_cost_ms": cost, "checks": len(checks), "iterations": len(history)}
-
-
 def _pipemorph_report(run: Run, rank: int, warmup: int) -> dict:  # rank: the PP rank
     """What a PipeMorph run deployed and measured, its plan's prediction and this rank's breakdown."""
     from titan_ext.plan import simulate
@@ -225,7 +218,7 @@ def _pipemorph_report(run: Run, rank: int, warmup: int) -> dict:  # rank: the PP
         "compute_only_profile": sched.estimator.profile(variant).to_json(),
         "action_cost_ms": sched.estimator.action_cost_ms(),
         "predicted_ms": timeline.makespan_ms,
-        "control": _check_cost_ms(list(sched.metrics_history)[warmup:]),
+        "control": check_cost_ms(list(sched.metrics_history)[warmup:]),
         "breakdown": {"rank": rank, "span_ms": span, "compute_ms": busy, "input_wait_ms": wait,
                       "other_ms": span - busy - wait, "modelled_end_ms": m_end, "modelled_compute_ms": m_busy,
                       "modelled_idle_ms": m_end - m_busy, "actions": len(measured)},

@@ -103,6 +103,16 @@ def planner_seconds(model: str, tflops: float) -> dict:
     return out
 
 
+def check_cost_ms(history: list[dict]) -> dict:
+    """The control plane's cost per check on one rank, from its per-iteration metrics: the median boundary of
+    the iterations that exchanged profiles (exchange, agreement, decision, metrics) minus that of the
+    others; None without a check.  Also what ``bench_frontier.py`` reports per rank."""
+    checks = [m["boundary_ms"] for m in history if m.get("exchange_ms", 0) > 0]
+    others = [m["boundary_ms"] for m in history if not m.get("exchange_ms", 0) > 0]
+    cost = statistics.median(checks) - (statistics.median(others) if others else 0.0) if checks else None
+    return {"check_cost_ms": cost, "checks": len(checks), "iterations": len(history)}
+
+
 def control_costs(paths: list[str]) -> dict[int, float]:
     """PP degree -> median extra boundary ms of a check iteration (PipeMorph, no delay), from
     ``bench_runtime.py`` JSON files (several files of one degree: the median of theirs)."""
@@ -114,12 +124,9 @@ def control_costs(paths: list[str]) -> dict[int, float]:
             for cell in mode["cells"]:
                 if cell["schedule"] != "PipeMorph" or cell["delay_ms"] != 0 or "metrics" not in cell:
                     continue
-                steady = cell["metrics"][int(data["args"].get("warmup", 0)):]
-                checks = [m["boundary_ms"] for m in steady if m.get("exchange_ms", 0) > 0]
-                others = [m["boundary_ms"] for m in steady if not m.get("exchange_ms", 0) > 0]
-                if checks:
-                    per.setdefault(world, []).append(statistics.median(checks)
-                                                     - (statistics.median(others) if others else 0.0))
+                cost = check_cost_ms(cell["metrics"][int(data["args"].get("warmup", 0)):])["check_cost_ms"]
+                if cost is not None:
+                    per.setdefault(world, []).append(cost)
     return {w: statistics.median(v) for w, v in sorted(per.items())}
 
 
