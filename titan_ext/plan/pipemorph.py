@@ -309,6 +309,35 @@ def _evaluate(profile: PipelineProfile, cand: _Candidate, full: bool,
     return (None, 0, False) if makespan is None else (order, makespan, False)
 
 
+def _fastest(profile: PipelineProfile, cands: list[_Candidate],
+             full: bool) -> tuple[int, _Candidate, dict[int, list[Op]], dict[str, float | None]]:
+    """``(makespan_ns, candidate, order, timed)``: the fastest of ``cands`` under ``profile`` and every
+    candidate's makespan in ms (None: pruned, slower than the best so far).  A later candidate must be
+    strictly faster, or as fast holding fewer activations — the warm-up counts its order realises, what it
+    holds when no delay stretches them; its targets are a lower bound, so only a candidate whose targets
+    are leaner may tie —; on a full tie the earlier one stays."""
+    timed: dict[str, float | None] = {}
+    best = None  # (makespan_ns, candidate, order, activations its order holds)
+    unbound: set = set()  # warm-up counts whose capped order never met its cap
+    for cand in cands:
+        if cand.warmup_counts in unbound and not cand.static and not cand.one_f_one_b:
+            timed[cand.name] = timed[f"{cand.name}-capped"]  # the cap never bound: the same order
+            continue
+        bound = None if best is None else best[0] - (0 if sum(cand.warmup_counts) < best[3] else 1)
+        if bound is not None and hold_bound_ns(profile, cand.inflight_limit) > bound:
+            timed[cand.name] = None
+            continue
+        order, makespan, cap_bound = _evaluate(profile, cand, full, bound)
+        if not cap_bound and cand.inflight_limit == cand.warmup_counts:
+            unbound.add(cand.warmup_counts)
+        timed[cand.name] = None if order is None else to_ms(makespan)
+        if order is not None:
+            held = sum(warmup_counts_of(order))
+            if best is None or makespan < best[0] or held < best[3]:
+                best = (makespan, cand, order, held)
+    return best[0], best[1], best[2], timed
+
+
 def hold_bound_ns(profile: PipelineProfile, inflight_limit: Sequence[int]) -> int:
     """A lower bound on the makespan (ns) of any plan holding at most ``inflight_limit[i]`` activations
     on stage i (our memory extension; Little's law on the activations): microbatch m's activation on
@@ -405,31 +434,7 @@ def plan_pipemorph(
     if not candidates:
         cands = cands[:1]
     with gc_paused():
-        timed: dict[str, float | None] = {}  # candidate → makespan (None: slower than the best)
-        best = None  # (makespan_ns, candidate, order)
-        unbound: set = set()  # warm-up counts whose capped order never met its cap
-        for cand in cands:
-            twin = cand.warmup_counts in unbound and not cand.static and not cand.one_f_one_b
-            if twin:  # the cap never bound: the uncapped order is the capped one
-                timed[cand.name] = timed[f"{cand.name}-capped"]
-                continue
-            # a later candidate must be strictly faster, or as fast holding fewer activations (the warm-up
-            # counts its order realises: what it holds when no delay stretches them; its targets are a
-            # lower bound, so only a candidate whose targets are leaner may tie); on a full tie the
-            # earlier one stays
-            may_tie = bool(best) and sum(cand.warmup_counts) < best[3]
-            if best and hold_bound_ns(profile, cand.inflight_limit) > best[0] - (0 if may_tie else 1):
-                timed[cand.name] = None
-                continue
-            order, makespan, cap_bound = _evaluate(profile, cand, full, best and best[0] - (0 if may_tie else 1))
-            if not cap_bound and cand.inflight_limit == cand.warmup_counts:
-                unbound.add(cand.warmup_counts)
-            timed[cand.name] = None if order is None else to_ms(makespan)
-            if order is not None:
-                held = sum(warmup_counts_of(order))
-                if not best or makespan < best[0] or held < best[3]:
-                    best = (makespan, cand, order, held)
-        makespan, best, order, _ = best
+        makespan, best, order, timed = _fastest(profile, cands, full)
         limit = list(best.inflight_limit)
         if validate:
             peak = validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,

@@ -60,18 +60,19 @@ class Regime:
     def installed(self, cand: Any) -> None:
         """A new regime's plan (not a polish of the running one) was swapped in: its counters."""
         plan = cand.plan
+        # a backward probe / select runs the running plan's counts in the other backward variant (an explicit
+        # plan, no profile of its own): made for the delays the running plan was made for, the same regime
+        same_regime = cand.trigger in ("probe", "select")
         if plan is not None and plan.profile is not None:
             self.planned_for_ms = plan.profile.delays_ms
-        elif cand.trigger not in ("probe", "select"):
+        elif not same_regime:
             self.planned_for_ms = None
-        # else a backward probe / select: the running plan's counts in the other backward variant (an explicit
-        # plan, no profile of its own), made for the delays the running plan was made for
         note = getattr(self.parts.policy, "note_deployed", None)  # optional hook of a Policy
         if note is not None:
             note(self.planned_for_ms)
         self.since_deploy = 0
         self.probe_running = cand.trigger == "probe"
-        if cand.trigger not in ("probe", "select"):  # a new regime: compare the backward variants afresh
+        if not same_regime:  # a new regime: compare the backward variants afresh
             self.backward.chooser.new_regime()
 
     def resolved(self, res: Any) -> None:

@@ -42,7 +42,7 @@ class PlanningContext:
     x_max: int | list[int]  # Alg.1's memory bound of the initial plan (stage 0's x_max; per stage once known)
     adaptive_limit: int | list[int] | None  # cap on in-flight activations of adaptive plans (per stage; None: none)
     slack_floor: int  # Alg.2's minimum slackness
-    headroom: Callable[[float], float]  # measured link delay → the delay a re-plan must absorb
+    headroom: Callable[[float], float]  # measured link delay → the delay a plan must absorb (with_headroom)
     rank_memory_limit: tuple[float, ...] | None = None  # several stages per rank: K_r per rank (memory.py)
 
 
