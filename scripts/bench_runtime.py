@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
                     metrics.append({k2: m[k2] for k2 in (
                         "iteration", "decision", "deployed", "plan_version", "warmup_counts", "backward", "replan_ms", "plan_ms",
                         "plan_cpu_ms",
-                        "exchange_ms", "boundary_ms", "bubble_rate", "link_delay_ms", "compute_ms",
+                        "exchange_ms", "check", "boundary_ms", "bubble_rate", "link_delay_ms", "compute_ms",
                         "iteration_time_ms", "profile_every", "inflight_cap")})
         for kind, (mod, sched, label, opt, times, metrics) in runs.items():
             cell = {"delay_ms": delay, "schedule": label, "times_ms": times,

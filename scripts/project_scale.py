@@ -104,13 +104,26 @@ def planner_seconds(model: str, tflops: float) -> dict:
 
 
 def check_cost_ms(history: list[dict]) -> dict:
-    """The control plane's cost per check on one rank, from its per-iteration metrics: the median boundary of
-    the iterations that exchanged profiles (exchange, agreement, decision, metrics) minus that of the
-    others; None without a check.  Also what ``bench_frontier.py`` reports per rank."""
-    checks = [m["boundary_ms"] for m in history if m.get("exchange_ms", 0) > 0]
-    others = [m["boundary_ms"] for m in history if not m.get("exchange_ms", 0) > 0]
-    cost = statistics.median(checks) - (statistics.median(others) if others else 0.0) if checks else None
-    return {"check_cost_ms": cost, "checks": len(checks), "iterations": len(history)}
+    """The control plane's cost per check on one rank, from its per-iteration metrics: the median over checks
+    of a check's boundaries (exchange, agreement, decision, metrics) less the median boundary without one; a
+    check that ran behind (``check`` "posted", then "decided" at the next boundary: runtime/control/cadence.py)
+    costs its two boundaries.  None without a check.  Also what ``bench_frontier.py`` reports per rank."""
+    def kind(m: dict) -> str:  # metrics written before checks could run behind have no "check"
+        return m.get("check", "exchange" if m.get("exchange_ms", 0) > 0 else "")
+
+    others = [m["boundary_ms"] for m in history if not kind(m)]
+    base = statistics.median(others) if others else 0.0
+    costs, posted = [], None
+    for m in history:
+        if kind(m) == "exchange":
+            costs.append(m["boundary_ms"] - base)
+        elif kind(m) == "posted":
+            posted = m["boundary_ms"] - base
+        elif kind(m) == "decided" and posted is not None:
+            costs.append(posted + m["boundary_ms"] - base)
+            posted = None
+    return {"check_cost_ms": statistics.median(costs) if costs else None, "checks": len(costs),
+            "iterations": len(history)}
 
 
 def control_costs(paths: list[str]) -> dict[int, float]:

@@ -34,3 +34,25 @@ def test_fixed_cadence_never_grows():
     cadence = CheckCadence(2, 8, 1, 0.1, 1.0)
     cadence.fixed()
     assert _checks(cadence, 20) == list(range(0, 20, 2))
+
+
+def test_a_check_runs_behind_only_once_backed_off_and_with_no_plan_to_agree_on():
+    cadence = CheckCadence(1, 4, 1, 0.1, 1.0)
+    assert cadence.post("x", 0, planning=False) == ("x", 0)  # period 1: decided where it exchanged
+    for it in range(3):  # window 1: two quiet checks double the period
+        cadence.after_check(it, True, [1.0])
+    assert cadence.backed_off and cadence.period == 2
+    assert cadence.post("y", 4, planning=True) == ("y", 4)  # a plan's hash to agree on: decided now
+    assert cadence.post("z", 4, planning=False) is None  # runs behind
+    assert cadence.take_posted() == ("z", 4) and cadence.take_posted() is None
+
+
+def test_a_check_decided_behind_schedules_the_next_after_its_decision():
+    cadence = CheckCadence(1, 4, 1, 0.1, 1.0)
+    for it in range(3):
+        cadence.after_check(it, True, [1.0])
+    assert not cadence.due(3) and cadence.due(4)  # period 2 after the check at 2
+    cadence.after_check(4, False, [1.0], decided_at=5)  # exchanged at 4, decided at 5: not quiet
+    assert cadence.period == 1 and not cadence.due(5) and cadence.due(6)
+    cadence.after_check(6, True, [1.0], decided_at=6)  # decided where it exchanged: as before
+    assert cadence.due(7)

@@ -187,3 +187,24 @@ def test_control_plane_without_a_process_group_is_local():
     assert cp.agree(5) == (True, [5]) and cp.any(True) and not cp.any(False)
     assert [t.tolist() for t in cp.all_gather(torch.tensor([1.0, 2.0]))] == [[1.0, 2.0]]
     assert all(math.isnan(x) for x in cp.clock_offsets())
+
+
+def _gathers_in_flight(rank: int, world: int) -> dict:
+    cp = ControlPlane(None if world == 1 else dist.group.WORLD)
+    first = cp.start_all_gather(torch.tensor([float(rank), 1.0]))
+    agreed = cp.agree(7)  # another collective while the gather is in flight: it settles the gather first
+    second = cp.start_all_gather(torch.tensor([10.0 + rank]))
+    third = cp.start_all_gather(torch.tensor([20.0 + rank]))  # starts after the second, which it settles
+    vote = cp.any(rank == world - 1)
+    return {"first": [t.tolist() for t in first.result()], "second": [t.tolist() for t in second.result()],
+            "third": [t.tolist() for t in third.result()], "agreed": agreed, "vote": vote}
+
+
+def test_gathers_in_flight_keep_their_results_across_other_collectives():
+    """A check that runs behind leaves its exchange in flight while the next iteration runs, and other
+    collectives of the control plane (agreement, votes, the next exchange) may start before it is read."""
+    world = 3
+    for r in run_ranks(_gathers_in_flight, world, backend="gloo"):
+        assert r["first"] == [[float(k), 1.0] for k in range(world)]
+        assert r["second"] == [[10.0 + k] for k in range(world)] and r["third"] == [[20.0 + k] for k in range(world)]
+        assert r["agreed"] == (True, [7]) and r["vote"] is True

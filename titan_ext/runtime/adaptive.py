@@ -26,7 +26,7 @@ from titan_ext.plan import PipelineProfile, PlanResult
 from ._torch_compat import (check_runtime_kwargs, initialize_stages, lowering_options, runtime_kwargs_given,
                             with_loss_kwargs)
 from .comm import timeouts
-from .comm.control_plane import ControlPlane
+from .comm.control_plane import ControlPlane, Gathering
 from .control.anytime import AnytimePolish
 from .control.cadence import CheckCadence
 from .control.config import AdaptiveConfig, resolve_config
@@ -201,7 +201,8 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         ctx, iteration_ms = run_with_failover(  # a failed attempt re-runs on the delegates (delegate/schedule.py)
             lambda: self._attempt(RunContext(self, stages, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
                                              loss_kwargs, training), actions),
-            self.delegation.step_failover if self.delegation is not None else None, self._stages, self._reset_step,
+            self.delegation.step_failover if self.delegation is not None else None, self._stages,
+            lambda: [t.clear() for t in (self.fwd_recv_ops, self.bwd_recv_ops, self.unshard_ops)],  # a failed try's receives
             lambda exc: logger.error("%s: iteration %d failed; plan v%d:\n%s", type(self).__name__, self.iteration,
                                      self.plan_version, _torch_schedules._format_pipeline_order(actions_by_rank)))
         if len(self.unshard_ops) != 0:
@@ -226,10 +227,6 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         finally:
             self.in_iteration = False
 
-    def _reset_step(self) -> None:  # a failed attempt's receives and unshards, never consumed
-        for table in (self.fwd_recv_ops, self.bwd_recv_ops, self.unshard_ops):
-            table.clear()
-
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
         """torch's hook (our executor and custom functions call it), keyed by microbatch index."""
         if stage.is_last and self._loss_fn is not None:
@@ -242,35 +239,38 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
 
     # ---------------------------------------------------------------- the boundary and the check
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
-        t0, exchanged = now(), self.cadence.due(self.iteration)
-        # device times are read once the device ran them: at an exchange the profile is needed now (wait
-        # for the iteration's last event — never a device synchronize); otherwise only if done
-        if self.executor.timer.resolve(block=exchanged):
+        t0, check, kind = now(), self.cadence.take_posted(), "decided"  # a check posted at the previous boundary
+        due = check is None and self.cadence.due(self.iteration)
+        # device times, read once the device ran them: at an exchange now (its last event, never a synchronize)
+        if self.executor.timer.resolve(block=due):
             iteration_ms = self.executor.timer.wall_ms
         m = IterationMetrics(self.iteration, iteration_ms, recv_wait_ms=sum(r.recv_wait_ms for r in prof.actions),
                              profile_every=self.cadence.period)
         links, ran_probe = [], self.regime.probe_running
-        if exchanged:
+        if due:  # a quiet check runs behind (control/cadence.py): its exchange travels during the next iteration
+            gathering = self.control.start_all_gather(self._local_profile_vector(prof))
+            check, kind = self.cadence.post(gathering, self.iteration, self.planning.running), "exchange"
+            if check is None:
+                m.exchange_ms, m.check, m.decision_reason = 1e3 * (now() - t0), "posted", "decided at the next boundary"
+        if check is not None:
             with record_function("titan_ext:check"):
-                links = self._check(prof, m, t0)
-        m.boundary_ms = 1e3 * (now() - t0)
-        m.replan_ms = m.swap_ms  # critical path only: planning ran in the background (plan_ms)
+                links, m.check = self._check(*check, m, t0), kind
+        m.boundary_ms, m.replan_ms = 1e3 * (now() - t0), m.swap_ms  # replan: critical path only (plan_ms: background)
         self.regime.since_deploy += 1
         self.record.fill_plan(m, links, self.parts, self.deployed, self.plan_version, self._delegating())
         self.executor.exact_links = self.parts.exact_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,
                                                            self.config.policy_settings.abs_margin_ms)
-        boundary = Boundary(self.context, self.iteration, iteration_ms, exchanged, m.timeline_span_ms, links, ran_probe)
+        boundary = Boundary(self.context, self.iteration, iteration_ms, check is not None, m.timeline_span_ms, links, ran_probe)
         for observer in self.observers:
             boundary.metrics = m.as_dict()
             m.extra.update(observer.observe(boundary))
         self.record.publish(m)
         self.iteration += 1
 
-    def _check(self, prof: IterationProfile, m: IterationMetrics, t0: float) -> list[dict]:
-        """A check (PipeMorph §6 ④–⑥): exchange → absorb → resolve the background plan → decide → start
-        the next plan → schedule the next check.  Returns the per-link delay readings."""
-        ranks = decode_profiles(self.control.all_gather(self._local_profile_vector(prof)), self.parts.message_slots,
-                                self.parts.local_stages)
+    def _check(self, gathering: Gathering, exchanged_at: int, m: IterationMetrics, t0: float) -> list[dict]:
+        """A check (PipeMorph §6 ④–⑥) on iteration ``exchanged_at``'s profiles (the previous one's if it ran behind):
+        exchange → absorb → resolve the background plan → decide → start the next plan → schedule the next check."""
+        ranks = decode_profiles(gathering.result(), self.parts.message_slots, self.parts.local_stages)
         m.exchange_ms = 1e3 * (now() - t0)
         links, m.bubble_rate, m.timeline_span_ms = self.regime.absorb(ranks, self.rank, self.deployed.backward)
         res = self.lifecycle.resolve([r.candidate_hash for r in ranks], lambda cand: self.memory.over_cap(
@@ -289,7 +289,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         m.decision, m.decision_reason = decision.action, decision.reason
         settled = self.regime.settled(decision, self.planning.running, self.adaptive)
         # the window estimates (the medians the policy decides on), not this check's readings (cadence.links_moved)
-        self.cadence.after_check(self.iteration, settled, self.estimator.window.median("C", len(links)))
+        self.cadence.after_check(exchanged_at, settled, self.estimator.window.median("C", len(links)), self.iteration)
         return links
 
     def _local_profile_vector(self, prof: IterationProfile) -> torch.Tensor:

@@ -82,6 +82,7 @@ class ControlPlane:
         if self.distributed and self.size > 1:
             self.group = group if group is not None else new_control_group(self.ranks, timeout_s)
         self._met = False
+        self._inflight: Gathering | None = None  # a started all_gather not waited for yet (start_all_gather)
         #: (clock_self − clock_prev [s], min RTT [s]), measured once at the first training step (:meth:`sync_clock`)
         self.clock: tuple[float, float] = (math.nan, math.nan)
         self._clock_synced = False
@@ -94,29 +95,42 @@ class ControlPlane:
         """Every rank's copy of a CPU vector of identical shape and dtype, by PP rank.  A device vector is
         refused: copying it to the host here would be a blocking device-to-host copy (a host sync) on the
         caller's thread."""
+        return self.start_all_gather(vector).result()
+
+    def start_all_gather(self, vector: torch.Tensor) -> "Gathering":
+        """:meth:`all_gather` posted, not waited for: the messages travel while the caller goes on (the
+        next iteration runs); :meth:`Gathering.result` waits for them.  Every rank must start the same
+        gathers in the same order; any other collective of this plane first waits for one in flight."""
         if vector.device.type != "cpu":
             raise ValueError(f"the control plane carries host tensors, got one on {vector.device}: make it "
                              f"on the host (the device's values are read by the device layer)")
         vector = vector.detach()
         if self.local:
-            return [vector]
+            return Gathering([vector], [], None)
+        self.settle()
         out = [torch.empty_like(vector) for _ in range(self.size)]
-        self._collective("all_gather", lambda: self._exchange(out, vector))
-        return out
+        works = self._collective("all_gather", lambda: self._post(out, vector))
+        self._inflight = Gathering(out, works, lambda run: self._collective("all_gather/wait", run))
+        return self._inflight
 
-    def _exchange(self, out: list[torch.Tensor], vector: torch.Tensor) -> None:
+    def settle(self) -> None:
+        """Wait for the gather in flight, if any (its result stays with its :class:`Gathering`)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.wait()
+
+    def _post(self, out: list[torch.Tensor], vector: torch.Tensor) -> list[Any]:
         """All-gather as one message to and from every other rank, all in flight at once: the rank that
         arrives last waits one hop, where gloo's ring ``all_gather`` passes S − 1 hops in sequence (on a
         busy 2-core host each hop is a process wake-up: 4 ranks 4.1 → 2.7 ms median, 8 ranks 12.1 →
-        8.8 ms). Point-to-point on the control group, tag 0: every exchange completes before the next
-        starts and each rank posts its sends and receives in rank order, so messages match in FIFO order
-        per peer; gloo keeps p2p tags apart from its collectives' slots."""
+        8.8 ms). Point-to-point on the control group, tag 0: at most one gather is in flight (every other
+        collective settles it first) and each rank posts its sends and receives in rank order, so messages
+        match in FIFO order per peer; gloo keeps p2p tags apart from its collectives' slots."""
         me = self.ranks.index(dist.get_rank())
         out[me].copy_(vector)
         ops = [dist.P2POp(op, vector if op is dist.isend else out[i], peer, group=self.group)
                for i, peer in enumerate(self.ranks) if i != me for op in (dist.isend, dist.irecv)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        return dist.batch_isend_irecv(ops)
 
     def gather_ints(self, value: int) -> list[int]:
         """Every rank's integer (e.g. a 52-bit plan hash), by PP rank."""
@@ -131,6 +145,7 @@ class ControlPlane:
         """True on every rank when it is true on any rank (one MAX all-reduce)."""
         vote = torch.tensor([1.0 if flag else 0.0])
         if not self.local:
+            self.settle()
             self._collective("vote", lambda: dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group))
         return bool(vote.item() > 0)
 
@@ -138,6 +153,7 @@ class ControlPlane:
         """Every PP rank reaches this point (one tiny all-reduce), or :class:`~.timeouts.PeerTimeout`
         after the group's timeout naming the ranks that did not (and fencing a stopped one on this host)."""
         if not self.local:
+            self.settle()
             token = torch.zeros(1)
             self._collective(name, lambda: dist.all_reduce(token, group=self.group))
 
@@ -158,7 +174,25 @@ class ControlPlane:
         """(clock_self − clock_prev [s], min RTT [s]) by NTP-style ping-pong (profiler's method)."""
         if self.local:
             return math.nan, math.nan
+        self.settle()
         return self._collective("clock_offsets", lambda: estimate_clock_offsets(self.group))
 
     def _collective(self, name: str, run):
         return timeouts.named_collective(self.group, self.ranks, f"control/{min(self.ranks)}/{name}", run)
+
+
+class Gathering:
+    """An all_gather in flight (:meth:`ControlPlane.start_all_gather`): :meth:`result` waits once (under
+    the plane's timeout, naming a rank that never sent) and returns every rank's vector, by PP rank."""
+
+    def __init__(self, out: list[torch.Tensor], works: list[Any], guard: Any):
+        self._out, self._works, self._guard = out, works, guard
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        if works:
+            self._guard(lambda: [w.wait() for w in works])
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._out

@@ -6,6 +6,12 @@ A check happens every ``period`` iterations.  The period starts at ``profile_eve
 policy's margins since the previous check: the window refreshed twice without news), up to
 ``profile_every_max``; anything else resets it to ``profile_every``.  The price is detection latency:
 a new straggler is seen at the next check, at most ``profile_every_max`` iterations later.
+
+While the period is backed off (:attr:`CheckCadence.backed_off`) a check runs behind the training: its
+exchange is posted at the boundary it is due and decided on at the next one (``adaptive.py``), so the
+training thread never waits for the exchange's hops; the price is one more iteration of detection latency,
+paid only after quiet checks.  A check that is not quiet resets the period, and the next ones are
+decided at the boundary they exchange at again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class CheckCadence:
         self.window, self.rel_margin, self.abs_margin_ms = window, rel_margin, abs_margin_ms
         self.period, self._quiet, self._next = profile_every, 0, 0
         self._last_delays: list[float] = []
+        self._posted: tuple[Any, int] | None = None  # (exchange in flight, its iteration): a check running behind
 
     @classmethod
     def of(cls, config: Any, window: int, every_iteration: bool) -> "CheckCadence":
@@ -47,6 +54,24 @@ class CheckCadence:
     def due(self, iteration: int) -> bool:
         return iteration >= self._next
 
+    @property
+    def backed_off(self) -> bool:
+        """The period has grown: the checks so far were quiet (a check may then run behind)."""
+        return self.period > self.profile_every
+
+    def post(self, exchange: Any, iteration: int, planning: bool) -> tuple[Any, int] | None:
+        """A due check's exchange (started, in flight): (exchange, iteration) to decide on now, or None: it
+        runs behind (backed off, no plan to agree on) and :meth:`take_posted` hands it over at the next boundary."""
+        if self.backed_off and not planning:
+            self._posted = (exchange, iteration)
+            return None
+        return exchange, iteration
+
+    def take_posted(self) -> tuple[Any, int] | None:
+        """The check posted at the previous boundary, to decide on now (None: none)."""
+        posted, self._posted = self._posted, None
+        return posted
+
     def links_moved(self, delays: Sequence[float]) -> bool:
         """Whether a link's window estimate (the median the policy decides on) differs from the previous
         check's by more than the margins (10 % + 1 ms by default).  The caller passes the window's medians,
@@ -58,8 +83,10 @@ class CheckCadence:
             not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > self.rel_margin * max(a, b) + self.abs_margin_ms
             for a, b in zip(previous, delays))
 
-    def after_check(self, iteration: int, settled: bool, delays: Sequence[float]) -> None:
-        """Schedule the next check; ``settled``: the decision was keep/hold with nothing in flight."""
+    def after_check(self, iteration: int, settled: bool, delays: Sequence[float], decided_at: int | None = None) -> None:
+        """Schedule the next check; ``iteration``: the one whose profiles were exchanged; ``settled``: the
+        decision was keep/hold with nothing in flight; ``decided_at``: the boundary the decision was taken
+        at (a check that ran behind: the next one), the next check comes after it."""
         moved = self.links_moved(delays)  # always: the next check compares with this one's delays
         quiet = settled and not moved
         self._quiet = self._quiet + 1 if quiet else 0
@@ -67,4 +94,4 @@ class CheckCadence:
             self.period = self.profile_every
         elif self._quiet >= 2 * self.window:
             self.period, self._quiet = min(2 * self.period, self.profile_every_max), 0
-        self._next = iteration + self.period
+        self._next = max(iteration + self.period, (iteration if decided_at is None else decided_at) + 1)

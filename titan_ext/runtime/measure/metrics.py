@@ -43,7 +43,10 @@ class IterationMetrics:
     plan_ms: float = _NAN  # background planning + validation + lowering wall time
     plan_cpu_ms: float = _NAN  # its CPU time
     swap_ms: float = 0.0
-    exchange_ms: float = 0.0  # the control-plane profile all_gather
+    exchange_ms: float = 0.0  # the control-plane profile all_gather (posting it, or waiting for it)
+    #: "" no check; "exchange" profiles exchanged and decided here; "posted" exchanged, decided at the next
+    #: boundary (the check runs behind, ``control/cadence.py``); "decided" on the previous boundary's exchange
+    check: str = ""
     boundary_ms: float = 0.0  # the whole boundary on the critical path
     decision: str = "none"
     decision_reason: str = "no profile exchange this iteration"
