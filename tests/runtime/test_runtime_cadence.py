@@ -43,7 +43,8 @@ def test_a_check_runs_behind_only_once_backed_off_and_with_no_plan_to_agree_on()
         cadence.after_check(it, True, [1.0])
     assert cadence.backed_off and cadence.period == 2
     assert cadence.post("y", 4, planning=True) == ("y", 4)  # a plan's hash to agree on: decided now
-    assert cadence.post("z", 4, planning=False) is None  # runs behind
+    assert cadence.post("z", 4, planning=False) is None  # runs behind: decided at 5, no check due there
+    assert not cadence.due(5)
     assert cadence.take_posted() == ("z", 4) and cadence.take_posted() is None
 
 

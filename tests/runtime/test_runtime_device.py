@@ -180,3 +180,38 @@ def test_exact_arrivals_are_kept_where_the_deployed_plan_can_hide_a_delay():
     assert exact_arrival_links([0.1, 5.0, -0.2, float("nan")], None, margin) == {1, 3}
     assert exact_arrival_links([0.1, 0.0, 0.0], [0.0, 1.5, 3.0], margin) == {2}
     assert exact_arrival_links(None, None, margin) is None
+
+
+def _watch_counting_worker(rank: int, world: int) -> list[dict]:
+    from titan_ext.testing import SleepComputeStage
+
+    mod = SleepComputeStage(16, 2.0, 2.0, 2.0, seed=rank)
+    sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), 8, loss_fn=Fn.mse_loss)
+    watcher, calls = sched.executor.device.watcher, [0]
+    original = watcher.watch
+
+    def counted(peer, handle):
+        calls[0] += 1
+        return original(peer, handle)
+
+    watcher.watch = counted
+    rows = []
+    for k in range(26):
+        before = calls[0]
+        g = torch.Generator().manual_seed(k)
+        step_rank(sched, rank, world, torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g))
+        m = sched.last_metrics
+        rows.append({"check": m["check"], "watched": calls[0] - before, "tolerance": m["eq1_tolerance_ms"]})
+    return rows
+
+
+@pytest.mark.multiprocess
+def test_the_watcher_stamps_only_iterations_whose_profile_is_exchanged():
+    """On gloo a receive the watcher stamps costs a thread hop before its consumer; the stamps are read only
+    when the iteration's profile is exchanged, so an iteration with no exchange at its boundary posts no
+    receive to the watcher, while exchanged ones still do on a link with slack (Eq. 1 tolerance > 1 ms)."""
+    for rank, rows in enumerate(run_ranks(_watch_counting_worker, 2, backend="gloo")):
+        unexchanged = [r["watched"] for r in rows[1:] if r["check"] in ("", "decided")]
+        exchanged = [r["watched"] for r in rows[1:] if r["check"] in ("exchange", "posted")]
+        assert len(unexchanged) >= 5 and not any(unexchanged), rows  # the period grew: iterations with none
+        assert rows[-1]["tolerance"][0] > 1.0 and any(exchanged), rows

@@ -258,8 +258,8 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         m.boundary_ms, m.replan_ms = 1e3 * (now() - t0), m.swap_ms  # replan: critical path only (plan_ms: background)
         self.regime.since_deploy += 1
         self.record.fill_plan(m, links, self.parts, self.deployed, self.plan_version, self._delegating())
-        self.executor.exact_links = self.parts.exact_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,
-                                                           self.config.policy_settings.abs_margin_ms)
+        self.executor.exact_links = self.parts.exact_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,  # exact stamps:
+            self.config.policy_settings.abs_margin_ms) if self.cadence.due(self.iteration + 1) else set()  # exchanged only
         boundary = Boundary(self.context, self.iteration, iteration_ms, check is not None, m.timeline_span_ms, links, ran_probe)
         for observer in self.observers:
             boundary.metrics = m.as_dict()

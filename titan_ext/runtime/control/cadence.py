@@ -63,7 +63,7 @@ class CheckCadence:
         """A due check's exchange (started, in flight): (exchange, iteration) to decide on now, or None: it
         runs behind (backed off, no plan to agree on) and :meth:`take_posted` hands it over at the next boundary."""
         if self.backed_off and not planning:
-            self._posted = (exchange, iteration)
+            self._posted, self._next = (exchange, iteration), iteration + 2  # decided at iteration + 1, the next after
             return None
         return exchange, iteration
 
