@@ -200,6 +200,7 @@ def _gathers_in_flight(rank: int, world: int) -> dict:
             "third": [t.tolist() for t in third.result()], "agreed": agreed, "vote": vote}
 
 
+@pytest.mark.multiprocess
 def test_gathers_in_flight_keep_their_results_across_other_collectives():
     """A check that runs behind leaves its exchange in flight while the next iteration runs, and other
     collectives of the control plane (agreement, votes, the next exchange) may start before it is read."""
