@@ -202,7 +202,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
             lambda: self._attempt(RunContext(self, stages, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
                                              loss_kwargs, training), actions),
             self.delegation.step_failover if self.delegation is not None else None, self._stages,
-            lambda: [t.clear() for t in (self.fwd_recv_ops, self.bwd_recv_ops, self.unshard_ops)],  # a failed try's receives
+            lambda: [t.clear() for t in (self.fwd_recv_ops, self.bwd_recv_ops, self.unshard_ops)],  # unconsumed
             lambda exc: logger.error("%s: iteration %d failed; plan v%d:\n%s", type(self).__name__, self.iteration,
                                      self.plan_version, _torch_schedules._format_pipeline_order(actions_by_rank)))
         if len(self.unshard_ops) != 0:
@@ -239,7 +239,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
 
     # ---------------------------------------------------------------- the boundary and the check
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
-        t0, check, kind = now(), self.cadence.take_posted(), "decided"  # a check posted at the previous boundary
+        t0, check = now(), self.cadence.take_posted()  # a check posted at the previous boundary: decided now
         due = check is None and self.cadence.due(self.iteration)
         # device times, read once the device ran them: at an exchange now (its last event, never a synchronize)
         if self.executor.timer.resolve(block=due):
@@ -249,17 +249,17 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         links, ran_probe = [], self.regime.probe_running
         if due:  # a quiet check runs behind (control/cadence.py): its exchange travels during the next iteration
             gathering = self.control.start_all_gather(self._local_profile_vector(prof))
-            check, kind = self.cadence.post(gathering, self.iteration, self.planning.running), "exchange"
+            check = self.cadence.post(gathering, self.iteration, self.planning.running)
             if check is None:
                 m.exchange_ms, m.check, m.decision_reason = 1e3 * (now() - t0), "posted", "decided at the next boundary"
         if check is not None:
             with record_function("titan_ext:check"):
-                links, m.check = self._check(*check, m, t0), kind
+                links = self._check(*check, m, t0)
         m.boundary_ms, m.replan_ms = 1e3 * (now() - t0), m.swap_ms  # replan: critical path only (plan_ms: background)
         self.regime.since_deploy += 1
         self.record.fill_plan(m, links, self.parts, self.deployed, self.plan_version, self._delegating())
-        self.executor.exact_links = self.parts.exact_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,  # exact stamps:
-            self.config.policy_settings.abs_margin_ms) if self.cadence.due(self.iteration + 1) else set()  # exchanged only
+        self.executor.exact_links = self.parts.exact_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,
+            self.config.policy_settings.abs_margin_ms) if self.cadence.due(self.iteration + 1) else set()  # read if exchanged
         boundary = Boundary(self.context, self.iteration, iteration_ms, check is not None, m.timeline_span_ms, links, ran_probe)
         for observer in self.observers:
             boundary.metrics = m.as_dict()
@@ -271,7 +271,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         """A check (PipeMorph §6 ④–⑥) on iteration ``exchanged_at``'s profiles (the previous one's if it ran behind):
         exchange → absorb → resolve the background plan → decide → start the next plan → schedule the next check."""
         ranks = decode_profiles(gathering.result(), self.parts.message_slots, self.parts.local_stages)
-        m.exchange_ms = 1e3 * (now() - t0)
+        m.exchange_ms, m.check = 1e3 * (now() - t0), "exchange" if exchanged_at == self.iteration else "decided"
         links, m.bubble_rate, m.timeline_span_ms = self.regime.absorb(ranks, self.rank, self.deployed.backward)
         res = self.lifecycle.resolve([r.candidate_hash for r in ranks], lambda cand: self.memory.over_cap(
             cand.kind, cand.peak_inflight, cand.actions, self._delegating()))

@@ -100,17 +100,16 @@ class ControlPlane:
     def start_all_gather(self, vector: torch.Tensor) -> "Gathering":
         """:meth:`all_gather` posted, not waited for: the messages travel while the caller goes on (the
         next iteration runs); :meth:`Gathering.result` waits for them.  Every rank must start the same
-        gathers in the same order; any other collective of this plane first waits for one in flight."""
+        gathers in the same order; every later collective of this plane first waits for one in flight."""
         if vector.device.type != "cpu":
             raise ValueError(f"the control plane carries host tensors, got one on {vector.device}: make it "
                              f"on the host (the device's values are read by the device layer)")
         vector = vector.detach()
         if self.local:
             return Gathering([vector], [], None)
-        self.settle()
         out = [torch.empty_like(vector) for _ in range(self.size)]
         works = self._collective("all_gather", lambda: self._post(out, vector))
-        self._inflight = Gathering(out, works, lambda run: self._collective("all_gather/wait", run))
+        self._inflight = Gathering(out, works, lambda run: self._named("all_gather/wait", run))
         return self._inflight
 
     def settle(self) -> None:
@@ -145,7 +144,6 @@ class ControlPlane:
         """True on every rank when it is true on any rank (one MAX all-reduce)."""
         vote = torch.tensor([1.0 if flag else 0.0])
         if not self.local:
-            self.settle()
             self._collective("vote", lambda: dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group))
         return bool(vote.item() > 0)
 
@@ -153,7 +151,6 @@ class ControlPlane:
         """Every PP rank reaches this point (one tiny all-reduce), or :class:`~.timeouts.PeerTimeout`
         after the group's timeout naming the ranks that did not (and fencing a stopped one on this host)."""
         if not self.local:
-            self.settle()
             token = torch.zeros(1)
             self._collective(name, lambda: dist.all_reduce(token, group=self.group))
 
@@ -174,10 +171,14 @@ class ControlPlane:
         """(clock_self − clock_prev [s], min RTT [s]) by NTP-style ping-pong (profiler's method)."""
         if self.local:
             return math.nan, math.nan
-        self.settle()
         return self._collective("clock_offsets", lambda: estimate_clock_offsets(self.group))
 
     def _collective(self, name: str, run):
+        """Every collective of this plane starts here: after the gather in flight, if any (:meth:`settle`)."""
+        self.settle()
+        return self._named(name, run)
+
+    def _named(self, name: str, run):
         return timeouts.named_collective(self.group, self.ranks, f"control/{min(self.ranks)}/{name}", run)
 
 
