@@ -196,7 +196,7 @@ def test_gap_per_action_is_the_typical_time_between_actions_not_waiting_for_an_i
     from titan_ext.runtime.measure.profiler import ActionRecord, IterationProfile
 
     # F 0–1 s; I 2–3 s after a 0.5 s input wait (gap 0.5 s); W 3.25–4 s (gap 0.25 s); F 9–10 s (a 5 s
-    # stall, gap 5 s): 3 samples, their median 500 ms (trimmed_mean), whatever the stall's length
+    # stall, gap 5 s): 3 samples, their median 500 ms (stall_free_mean), whatever the stall's length
     acts = [ActionRecord("F", 0, 0, 0.0, 1.0), ActionRecord("I", 0, 0, 2.0, 3.0, recv_wait_ms=500.0),
             ActionRecord("W", 0, 0, 3.25, 4.0), ActionRecord("F", 0, 1, 9.0, 10.0)]
     assert abs(IterationProfile(acts).gap_ms() - 500.0) < 1e-9
@@ -246,19 +246,24 @@ def test_a_plan_made_for_the_measured_delay_is_neither_re_planned_nor_shrunk_whi
     assert pol.decide(_profile({2: c}), chosen, initial, 5).action == "adapt"
 
 
-def test_action_times_are_a_trimmed_mean_a_stall_trimmed_the_skew_kept():
-    from titan_ext.runtime.measure.profiler import ActionRecord, IterationProfile, trimmed_mean
+def test_action_times_are_a_mean_with_the_tail_kept_and_isolated_stalls_dropped():
+    from titan_ext.runtime.measure.profiler import ActionRecord, IterationProfile, stall_free_mean
 
-    # 20 F of a right-skewed CPU: 16 × 2.0 ms, 3 × 3.0 ms (oversleep), one 50 ms stall. 10 % trimmed at
-    # each end: the 2 smallest (2.0, 2.0) and the 2 largest (50, 3.0) go; 14 × 2.0 + 2 × 3.0 over 16
+    # 20 F of a right-skewed CPU: 16 × 2.0 ms, 3 × 3.0 ms (oversleep), one 50 ms stall (> 4 × 3.0): the
+    # stall goes, the oversleep stays: (16 × 2.0 + 3 × 3.0) / 19
     durations = [2.0] * 16 + [3.0] * 3 + [50.0]
     acts, t = [], 0.0
     for k, d in enumerate(durations):
         acts.append(ActionRecord("F", 0, k, t, t + d / 1e3))
         t += d / 1e3 + 0.001
-    expected = (14 * 2.0 + 2 * 3.0) / 16
-    assert abs(IterationProfile(acts).compute_ms("F") - expected) < 1e-9
-    assert IterationProfile(acts).compute_ms("F") > 2.0  # the median (2.0) would read the skew away
-    assert abs(trimmed_mean([5.0, 1.0, 3.0]) - 3.0) < 1e-12  # below 5 samples: the median
-    assert abs(trimmed_mean([1.0, 2.0, 3.0, 4.0, 100.0]) - 3.0) < 1e-12  # one of each end from 5 on
-    assert math.isnan(trimmed_mean([]))
+    assert abs(IterationProfile(acts).compute_ms("F") - (16 * 2.0 + 3 * 3.0) / 19) < 1e-9
+    # a busy host's gaps: most short, a tail of preemptions rising without a 4x jump: the plain mean
+    tail = [0.1] * 40 + [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 6.5]
+    assert abs(stall_free_mean(tail) - sum(tail) / len(tail)) < 1e-12
+    # two stalls within the top 10 % (the lower one > 4 × the next sample): both go
+    assert abs(stall_free_mean([2.0] * 18 + [45.0, 40.0]) - 2.0) < 1e-12
+    # a "stall" in more than the top 10 % of the samples is a tail: kept (10 samples: only the largest
+    # may be a stall, and it is no jump above its equal)
+    assert abs(stall_free_mean([1.0] * 8 + [10.0, 10.0]) - 2.8) < 1e-12
+    assert abs(stall_free_mean([5.0, 1.0, 3.0]) - 3.0) < 1e-12  # below 5 samples: the median
+    assert math.isnan(stall_free_mean([]))

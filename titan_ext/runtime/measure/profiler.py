@@ -7,7 +7,7 @@ What is measured, on every rank, for every iteration:
   action recorded on the compute stream, mapped onto the host clock through an anchor event whose
   completion was stamped, and resolved without a host sync on the critical path.  The input's stall
   (the stream waiting for a receive) is recorded apart (``recv_wait_ms``).  An iteration's times of one
-  kind are summarised by their :func:`trimmed_mean` (a plan's makespan sums them).
+  kind are summarised by their :func:`stall_free_mean` (a plan's makespan sums them).
 * **Per-message timing** on the PP links: the sender stamps each SEND at hand-over on the compute
   stream's time; the receiver stamps each RECV when its data has *landed* — a watcher thread per peer
   observes the receive's completion (``is_completed()``, or gloo's blocking ``wait()``) and stamps it,
@@ -69,21 +69,34 @@ class ActionRecord(TimedAction):
         self.recv_wait_ms = recv_wait_ms
 
 
-#: the share of samples :func:`trimmed_mean` drops at each end
-TRIM = 0.1
+#: a sample this many times the next smaller one (and all above it) is an isolated stall
+STALL_RATIO = 4.0
+#: at most this share of an iteration's samples (at least one) can be stalls
+STALL_SHARE = 0.1
 
 
-def trimmed_mean(xs: list[float], trim: float = TRIM) -> float:
-    """The mean of ``xs`` without its ``trim`` smallest and largest shares, at least one of each (the
-    median below 5 samples; NaN when empty).  What an iteration's action times are summarised by: a plan's
-    makespan is a sum of action times, so its model needs their mean — a median reads low where durations
-    are skewed to the right (a CPU's oversleep and preemption: 2–4 % of the compute on the frontier
-    benchmark) — while a one-off stall must not price every action."""
+def stall_free_mean(xs: list[float], ratio: float = STALL_RATIO, share: float = STALL_SHARE) -> float:
+    """The mean of ``xs`` without its isolated stalls (the median below 5 samples; NaN when empty).
+
+    What an iteration's action times and gaps are summarised by: a plan's makespan is a sum of action
+    times, so its model needs their *mean*, right tail included — a CPU's oversleep and preemption (2–4 %
+    of the compute on a quiet 2-core host, 5–9 % and a third of the executor's gaps with one core busy)
+    recur every iteration, and a trimmed mean that cut them predicted makespans the runtime never reached.
+    A one-off stall (a first iteration's lazy initialisation, a communicator's creation, a garbage
+    collection) must not price every action: it stands far above every other sample, so the largest
+    samples are dropped down to the lowest one within the top ``share`` that is more than ``ratio`` times
+    the next smaller sample.  A tail that rises continuously (a busy host's preemptions) has no such jump
+    and is kept; a stall that recurs in every iteration is what the estimator's window (the median over
+    checks) cannot tell from a tail, and is dropped like one."""
     if len(xs) < 5:
         return statistics.median(xs) if xs else math.nan
     xs = sorted(xs)
-    k = max(int(trim * len(xs)), 1)
-    return math.fsum(xs[k:len(xs) - k]) / (len(xs) - 2 * k)
+    n = len(xs)
+    cut = n
+    for j in range(n - 1, n - 1 - max(int(share * n), 1), -1):
+        if xs[j] > ratio * xs[j - 1]:
+            cut = j
+    return math.fsum(xs[:cut]) / cut
 
 
 @dataclass
@@ -107,19 +120,19 @@ class IterationProfile:
 
     def compute_ms(self, kind: str, stage: int | None = None) -> float:
         """Typical time (ms) of this iteration's ``kind`` actions (of one ``stage``, or all): their
-        :func:`trimmed_mean`."""
-        return trimmed_mean([1e3 * (a.end - a.start) for a in self.actions
+        :func:`stall_free_mean`."""
+        return stall_free_mean([1e3 * (a.end - a.start) for a in self.actions
                              if a.kind == kind and stage in (None, a.stage)])
 
     def gap_ms(self) -> float:
-        """The executor's typical cost per compute action (ms): the :func:`trimmed_mean`, over consecutive
+        """The executor's typical cost per compute action (ms): the :func:`stall_free_mean`, over consecutive
         actions in the order they ran, of the time from one's end to the next one's start that was not a
-        wait for the next one's input (trimmed: one stall, the first iteration's warm-up or a busy host's
-        hiccup, must not price every action).  On a GPU the stamps are the compute stream's, so host work
+        wait for the next one's input (a busy host's preemptions in, an isolated stall such as the first
+        iteration's warm-up out).  On a GPU the stamps are the compute stream's, so host work
         the stream ran ahead of costs nothing; the timing model's actions have none
         (``backward.faster_by_model``)."""
         acts = sorted(self.actions, key=lambda a: a.start)
-        return trimmed_mean([max(1e3 * (b.start - a.end) - b.recv_wait_ms, 0.0) for a, b in zip(acts, acts[1:])])
+        return stall_free_mean([max(1e3 * (b.start - a.end) - b.recv_wait_ms, 0.0) for a, b in zip(acts, acts[1:])])
 
     def stage_times_ms(self, stages: list[int]) -> list[tuple[float, float, float, float]]:
         """(F, I, W, B) per local stage, each as :meth:`compute_ms` (several stages per rank:
