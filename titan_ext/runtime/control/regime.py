@@ -5,8 +5,16 @@ one the backward variant may be probed and selected (``backward.py``) and a poli
 (``anytime.py``) without the policy seeing a new regime.  :class:`Regime` keeps what the decision reads
 across checks — Alg.1's counts for the current x_max, whether the initial plan was calibrated with
 measured times, iterations since the last deploy, a running backward probe, the delays the deployed plan
-absorbed — and :meth:`Regime.decide` runs the policy on the agreed estimates (identical inputs on every
-rank, so every rank reaches the same decision).
+absorbed, whether its plan was made before the estimator's window was full — and :meth:`Regime.decide` runs
+the policy on the agreed estimates (identical inputs on every rank, so every rank reaches the same decision).
+
+**Refine.** A plan is made from the estimate of the moment: the calibration and a first adaptation from one
+or two measured iterations.  The window's median over more checks can differ by a few per cent in every
+action and gap (which plan is fastest at a memory limit can change with them: +4 % against the CP-SAT
+optimum on the frontier benchmark, where a plan made on the full window was optimal).  So a regime whose plan
+was made from a window not yet full is planned once more when the window fills (decision ``refine``), and
+the new plan replaces it only if the model, on the same estimate, predicts it ``REFINE_MARGIN`` faster;
+otherwise the job returns the deployed plan (logged ``unchanged``) and nothing is swapped.
 """
 
 from __future__ import annotations
@@ -15,18 +23,23 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from titan_ext.plan import initial_warmup_counts
+from titan_ext.plan import initial_warmup_counts, simulate
+from titan_ext.plan.ir import as_ops
 
 from torch.profiler import record_function
 
 from ..decide.backward import VARIANTS, BackwardChoice
 from ..decide.policy import Decision
+from .deploy import backward_of
 from ..measure.profiler import link_delay_estimates, now, timeline_bubble_rate
 
 __all__ = ["Regime"]
 
 #: decisions whose new plan keeps the memory regime of Alg.1 ("initial") or forces a plan
 _KIND_OF_DECISION = {"calibrate": "initial", "force": "forced"}
+#: a refined plan replaces the deployed one only when predicted this much faster (relative; measured times
+#: jitter by about as much from one window to the next, and every swap is a new plan version)
+REFINE_MARGIN = 0.02
 
 
 class Regime:
@@ -38,6 +51,8 @@ class Regime:
         self.initial_counts = initial_warmup_counts(num_stages, parts.memory.x_max)
         self.since_deploy, self.calibrated, self.probe_running = 0, False, False
         self.planned_for_ms: list[float] | None = None  # the deployed plan's absorbed delays
+        #: the deployed regime's plan was made before the window was full (a refine is due once it is)
+        self.refine_due, self._partial = False, False
         settings = config.policy_settings
         self.backward = BackwardChoice(config.backward, parts.choose_backward, parts.estimator.window.size,
                                        config.backward_margin, log, settings.rel_margin, settings.abs_margin_ms)
@@ -74,6 +89,11 @@ class Regime:
         self.probe_running = cand.trigger == "probe"
         if not same_regime:  # a new regime: compare the backward variants afresh
             self.backward.chooser.new_regime()
+            self.refine_due = self._partial and cand.trigger != "refine" and cand.plan is not None
+
+    def _window_full(self) -> bool:
+        window = self.parts.estimator.window
+        return len(window.rows["F"]) >= window.size
 
     def resolved(self, res: Any) -> None:
         """The background job of the last decision was resolved (``lifecycle.Resolution``)."""
@@ -106,6 +126,11 @@ class Regime:
             self.calibrated = True
         if adaptive and self.calibrated and deployed.kind in ("initial", "adaptive"):
             mode = "initial" if deployed.kind == "initial" else "adaptive"
+            if (decision.action in ("keep", "hold") and self.refine_due and self.backward.chooser.decided
+                    and self._window_full()):
+                self.refine_due = False
+                return Decision("refine", f"plan made before {self.parts.estimator.window.size} measured "
+                                f"iterations: planned again on the full window", mode=mode)
             return self.backward.chooser.step(decision, deployed.backward, counts, mode, est.delays_ms, iteration,
                                               deployed.inflight_limit)
         return decision
@@ -125,12 +150,21 @@ class Regime:
         running = deployed.backward if deployed else None
         variants = choice.variants(decision, deployed, estimator.window.median("B", self.num_stages))
         work = [(estimator.planning_profile(v), dataclasses.replace(decision, backward=v)) for v in variants]
+        self._partial = not self._window_full()
+        refine = decision.action == "refine"
+        current = {v: estimator.planning_profile(v) for v in VARIANTS} if refine else {}
+        stage_to_rank = dict(enumerate(self.parts.layout.stage_to_rank))
 
         def job() -> Any:
             with record_function("titan_ext:plan"):  # on the planning thread
                 t0 = now()
                 made = choice.pick([plan(estimate, d) for estimate, d in work], running)
                 plan_ms = 1e3 * (now() - t0)
+                if refine and not _faster(made, deployed, current, stage_to_rank):  # the deployed plan again
+                    cand = prepare(as_ops(deployed.actions), deployed.warmup_counts, kind, f"{reason} (no plan "
+                                   f"{100 * REFINE_MARGIN:g} % faster)", deployed.inflight_limit)()
+                    cand.plan_ms, cand.trigger = plan_ms, decision.action
+                    return cand  # identical: logged unchanged, nothing swapped
                 cand = prepare(made.ops, made.warmup_counts, kind, reason, made.inflight_limit)()
                 cand.plan_ms, cand.trigger = plan_ms, decision.action
                 if made.schedule != "explicit":
@@ -138,3 +172,13 @@ class Regime:
                 return cand
 
         return job, reason
+
+
+def _faster(made: Any, deployed: Any, current: dict, stage_to_rank: dict[int, int]) -> bool:
+    """Whether the refined plan beats the deployed one by ``REFINE_MARGIN``, both simulated under the
+    current estimate of their own backward variant (the planner's prediction adds headroom to the delays)."""
+    def makespan(ops: Any, backward: str) -> float:
+        return simulate(ops, current[backward], stage_to_rank=stage_to_rank).makespan_ms
+
+    return makespan(made.ops, backward_of(made.ops)) < (1.0 - REFINE_MARGIN) * makespan(deployed.actions,
+                                                                                     deployed.backward)
