@@ -122,7 +122,10 @@ def test_every_action_and_the_boundary_work_appear_by_name(results):
         assert res["names"]["titan_ext:boundary"] == STEPS
         assert res["names"]["titan_ext:check"] == sum(res["checks"]) >= 1
         assert res["names"]["titan_ext:plan"] >= 1, res["log"]  # the re-plan after the first check, on its thread
-        assert res["ours"]["titan_ext:deploy"] >= 1  # deploy(): more if a re-plan is swapped in at the boundary
+        # deploy(): more if a re-plan is swapped in at the boundary; none when the plan it replaced was already
+        # torch's 1F1B (a calibrated full-backward plan at Alg.1's counts is; logged "unchanged")
+        kept = any(e["decision"] == "unchanged" and e["reason"].startswith("torch 1F1B") for e in res["log"])
+        assert res["ours"]["titan_ext:deploy"] >= 1 or kept, res["log"]
 
 
 @pytest.mark.multiprocess

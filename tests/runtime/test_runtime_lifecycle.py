@@ -94,3 +94,17 @@ def test_a_plan_whose_counts_do_not_decrease_deploys_with_no_slackness_reported(
     monotone = Candidate({0: []}, {0: []}, {0: 0}, [8, 7, 4, 1], 0xC, "adaptive", "one stage per rank")
     assert life.deploy_now(lambda: monotone, "external", "second")
     assert log.entries[-1]["slackness"] == [1, 3, 3]
+
+
+def test_a_refine_that_kept_the_plan_never_swaps_even_after_a_users_deploy():
+    """A refine found no faster plan: its candidate (the plan deployed when it was decided) is logged
+    unchanged and never installed, also when a user's ``deploy()`` swapped another plan in meanwhile."""
+    life, installed, _, log = _lifecycle()
+    assert life.deploy_now(lambda: _cand(0xA), "adaptive", "adapt")
+    kept = Candidate({0: []}, {}, {}, [1], 0xA, "adaptive", "refine: (no plan 2 % faster)", trigger="refine", keep=True)
+    life.start(Decision("refine", "window full", mode="adaptive"), lambda: kept, "refine")
+    assert life.deploy_now(lambda: _cand(0xB), "external", "user")  # the user's plan, while the refine ran
+    res = life.resolve([0xA, 0xA], lambda cand: "")
+    assert not res.deployed and res.produced
+    assert [c.hash for c in installed] == [0xA, 0xB] and life.deployed.hash == 0xB
+    assert [e["decision"] for e in log.entries] == ["deploy", "deploy", "unchanged"]

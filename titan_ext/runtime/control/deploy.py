@@ -89,6 +89,8 @@ class Candidate:
     inflight_limit: list[int] | None = None  # the limit the plan was generated and validated under
     plan: Any = None  # the planner's PlanResult (planner-made plans only): what a background polish starts from
     polish: dict | None = None  # a polished plan: the polish's report (``plan.polish.polish_plan``)
+    #: a refine that found no plan its margin faster: the deployed plan stays (logged unchanged, never swapped)
+    keep: bool = False
 
 
 def lower(torch_actions: Mapping[int, list[_Action]], num_ranks: int, num_stages: int, n_microbatches: int,

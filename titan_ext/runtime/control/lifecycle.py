@@ -176,6 +176,8 @@ class PlanLifecycle:
         elif len(set(candidate_hashes)) != 1:
             self.reject(cand.kind, f"{cand.reason}: ranks disagree on the plan "
                         f"(hashes {sorted(hex(h) for h in set(candidate_hashes))})")
+        elif cand.keep:  # a refine found nothing better; never swapped, even if the plan changed meanwhile
+            self.log(decision="unchanged", kind=cand.kind, reason=cand.reason, plan_version=self.version)
         elif why := over_cap(cand):
             self.reject(cand.kind, f"{cand.reason}: {why}")
         elif not self._unchanged(cand):

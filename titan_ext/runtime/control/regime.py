@@ -11,10 +11,11 @@ the policy on the agreed estimates (identical inputs on every rank, so every ran
 **Refine.** A plan is made from the estimate of the moment: the calibration and a first adaptation from one
 or two measured iterations.  The window's median over more checks can differ by a few per cent in every
 action and gap (which plan is fastest at a memory limit can change with them: +4 % against the CP-SAT
-optimum on the frontier benchmark, where a plan made on the full window was optimal).  So a regime whose plan
+optimum on the frontier benchmark, where the same planner on the settled window came within 0–1.2 %).  So a regime whose plan
 was made from a window not yet full is planned once more when the window fills (decision ``refine``), and
 the new plan replaces it only if the model, on the same estimate, predicts it ``REFINE_MARGIN`` faster;
-otherwise the job returns the deployed plan (logged ``unchanged``) and nothing is swapped.
+otherwise the deployed plan stays (logged ``unchanged``; never swapped back, should a user's plan have
+been deployed meanwhile).
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ import math
 from typing import Any, Callable
 
 from titan_ext.plan import initial_warmup_counts, simulate
-from titan_ext.plan.ir import as_ops
 
 from torch.profiler import record_function
 
 from ..decide.backward import VARIANTS, BackwardChoice
 from ..decide.policy import Decision
-from .deploy import backward_of
+from .deploy import Candidate, backward_of
 from ..measure.profiler import link_delay_estimates, now, timeline_bubble_rate
 
 __all__ = ["Regime"]
@@ -160,11 +160,10 @@ class Regime:
                 t0 = now()
                 made = choice.pick([plan(estimate, d) for estimate, d in work], running)
                 plan_ms = 1e3 * (now() - t0)
-                if refine and not _faster(made, deployed, current, stage_to_rank):  # the deployed plan again
-                    cand = prepare(as_ops(deployed.actions), deployed.warmup_counts, kind, f"{reason} (no plan "
-                                   f"{100 * REFINE_MARGIN:g} % faster)", deployed.inflight_limit)()
-                    cand.plan_ms, cand.trigger = plan_ms, decision.action
-                    return cand  # identical: logged unchanged, nothing swapped
+                if refine and not _faster(made, deployed, current, stage_to_rank):  # the deployed plan stays
+                    return Candidate(deployed.actions, {}, {}, deployed.warmup_counts, deployed.hash, kind,
+                                     f"{reason} (no plan {100 * REFINE_MARGIN:g} % faster)", deployed.backward,
+                                     trigger=decision.action, plan_ms=plan_ms, keep=True)
                 cand = prepare(made.ops, made.warmup_counts, kind, reason, made.inflight_limit)()
                 cand.plan_ms, cand.trigger = plan_ms, decision.action
                 if made.schedule != "explicit":
