@@ -101,7 +101,8 @@ def test_a_refine_that_kept_the_plan_never_swaps_even_after_a_users_deploy():
     unchanged and never installed, also when a user's ``deploy()`` swapped another plan in meanwhile."""
     life, installed, _, log = _lifecycle()
     assert life.deploy_now(lambda: _cand(0xA), "adaptive", "adapt")
-    kept = Candidate({0: []}, {}, {}, [1], 0xA, "adaptive", "refine: (no plan 2 % faster)", trigger="refine", keep=True)
+    kept = Candidate({0: []}, {}, {}, [1], 0xA, "adaptive", "refine: (no plan 2 % faster)", trigger="refine",
+                     keep=True)
     life.start(Decision("refine", "window full", mode="adaptive"), lambda: kept, "refine")
     assert life.deploy_now(lambda: _cand(0xB), "external", "user")  # the user's plan, while the refine ran
     res = life.resolve([0xA, 0xA], lambda cand: "")

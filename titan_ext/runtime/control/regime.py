@@ -5,17 +5,18 @@ one the backward variant may be probed and selected (``backward.py``) and a poli
 (``anytime.py``) without the policy seeing a new regime.  :class:`Regime` keeps what the decision reads
 across checks — Alg.1's counts for the current x_max, whether the initial plan was calibrated with
 measured times, iterations since the last deploy, a running backward probe, the delays the deployed plan
-absorbed, whether its plan was made before the estimator's window was full — and :meth:`Regime.decide` runs
-the policy on the agreed estimates (identical inputs on every rank, so every rank reaches the same decision).
+absorbed, the checks since its plan was installed — and :meth:`Regime.decide` runs the policy on the agreed
+estimates (identical inputs on every rank, so every rank reaches the same decision).
 
-**Refine.** A plan is made from the estimate of the moment: the calibration and a first adaptation from one
-or two measured iterations.  The window's median over more checks can differ by a few per cent in every
-action and gap (which plan is fastest at a memory limit can change with them: +4 % against the CP-SAT
-optimum on the frontier benchmark, where the same planner on the settled window came within 0–1.2 %).  So a regime whose plan
-was made from a window not yet full is planned once more when the window fills (decision ``refine``), and
-the new plan replaces it only if the model, on the same estimate, predicts it ``REFINE_MARGIN`` faster;
-otherwise the deployed plan stays (logged ``unchanged``; never swapped back, should a user's plan have
-been deployed meanwhile).
+**Refine.** A plan is made from the times measured under the plan before it (the calibration from the first
+iteration's, an adaptation from the old plan's), and a rank's action times and gaps depend on the plan it
+runs (its contention, its gaps) by a few per cent — enough to change which plan is fastest at a memory limit
+(plans 4–5 % above the CP-SAT optimum on the frontier benchmark, where the same planner on the settled
+estimate came within 0–1.2 %).  So once the estimator's window holds only checks measured under a
+planner-made regime's own plan, that regime is planned once more (decision ``refine``), and the new plan
+replaces it only if the model, on that estimate, predicts it ``REFINE_MARGIN`` faster; otherwise the
+deployed plan stays (logged ``unchanged``; never swapped back, should a user's plan have been deployed
+meanwhile).  A refined plan is not refined again.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class Regime:
         self.initial_counts = initial_warmup_counts(num_stages, parts.memory.x_max)
         self.since_deploy, self.calibrated, self.probe_running = 0, False, False
         self.planned_for_ms: list[float] | None = None  # the deployed plan's absorbed delays
-        #: the deployed regime's plan was made before the window was full (a refine is due once it is)
-        self.refine_due, self._partial = False, False
+        #: a refine is due for the deployed regime's plan; checks absorbed since it was installed
+        self.refine_due, self.checks_since_install = False, 0
         settings = config.policy_settings
         self.backward = BackwardChoice(config.backward, parts.choose_backward, parts.estimator.window.size,
                                        config.backward_margin, log, settings.rel_margin, settings.abs_margin_ms)
@@ -68,6 +69,7 @@ class Regime:
         if all(not math.isnan(r.activation_bytes) for r in ranks):
             self.parts.memory.absorb([r.memory_budget_bytes for r in ranks], [r.activation_bytes for r in ranks], rank)
         self.parts.estimator.push(ranks, [lk["c_ms"] for lk in links])
+        self.checks_since_install += 1
         if math.isfinite(span_ms) and deployed_backward in VARIANTS:
             self.backward.chooser.record(deployed_backward, span_ms)
         return links, bubble, span_ms
@@ -89,11 +91,7 @@ class Regime:
         self.probe_running = cand.trigger == "probe"
         if not same_regime:  # a new regime: compare the backward variants afresh
             self.backward.chooser.new_regime()
-            self.refine_due = self._partial and cand.trigger != "refine" and cand.plan is not None
-
-    def _window_full(self) -> bool:
-        window = self.parts.estimator.window
-        return len(window.rows["F"]) >= window.size
+            self.refine_due, self.checks_since_install = cand.trigger != "refine" and cand.plan is not None, 0
 
     def resolved(self, res: Any) -> None:
         """The background job of the last decision was resolved (``lifecycle.Resolution``)."""
@@ -126,11 +124,11 @@ class Regime:
             self.calibrated = True
         if adaptive and self.calibrated and deployed.kind in ("initial", "adaptive"):
             mode = "initial" if deployed.kind == "initial" else "adaptive"
+            window = self.parts.estimator.window.size
             if (decision.action in ("keep", "hold") and self.refine_due and self.backward.chooser.decided
-                    and self._window_full()):
+                    and self.checks_since_install >= window):
                 self.refine_due = False
-                return Decision("refine", f"plan made before {self.parts.estimator.window.size} measured "
-                                f"iterations: planned again on the full window", mode=mode)
+                return Decision("refine", f"planned again on {window} checks measured under the plan", mode=mode)
             return self.backward.chooser.step(decision, deployed.backward, counts, mode, est.delays_ms, iteration,
                                               deployed.inflight_limit)
         return decision
@@ -150,7 +148,6 @@ class Regime:
         running = deployed.backward if deployed else None
         variants = choice.variants(decision, deployed, estimator.window.median("B", self.num_stages))
         work = [(estimator.planning_profile(v), dataclasses.replace(decision, backward=v)) for v in variants]
-        self._partial = not self._window_full()
         refine = decision.action == "refine"
         current = {v: estimator.planning_profile(v) for v in VARIANTS} if refine else {}
         stage_to_rank = dict(enumerate(self.parts.layout.stage_to_rank))

@@ -122,7 +122,7 @@ class IterationProfile:
         """Typical time (ms) of this iteration's ``kind`` actions (of one ``stage``, or all): their
         :func:`stall_free_mean`."""
         return stall_free_mean([1e3 * (a.end - a.start) for a in self.actions
-                             if a.kind == kind and stage in (None, a.stage)])
+                                if a.kind == kind and stage in (None, a.stage)])
 
     def gap_ms(self) -> float:
         """The executor's typical cost per compute action (ms): the :func:`stall_free_mean`, over consecutive
