@@ -67,9 +67,10 @@ def test_a_planner_made_plan_is_refined_once_after_a_window_of_its_own_checks():
         # decided once `window` checks were measured under the plan deployed last before it
         installed = max(it for it in deploys if it < at)
         assert sum(installed < c <= at for c in r["checks"]) >= r["window"], (at, installed, r["checks"])
-        # resolved at a later check: the refined plan swapped in, or the deployed one kept
-        after = [e for e in r["log"] if e[0] > at and e[1] in ("deploy", "unchanged")]
-        assert after and after[0][2].startswith("refine:"), r["log"]
+        # resolved at the next check (if the run had one): the refined plan swapped in, or the deployed one kept
+        if any(c > at for c in r["checks"]):
+            after = [e for e in r["log"] if e[0] > at and e[1] in ("deploy", "unchanged")]
+            assert after and after[0][2].startswith("refine:"), r["log"]
     # a refined plan is not refined again: one refine per plan a policy decision deployed
     made = [e for e in r["log"] if e[1] == "deploy" and not e[2].startswith(("refine:", "initial plan (Alg.1)"))]
     assert len(refines) <= len(made), (refines, r["log"])
