@@ -94,6 +94,7 @@ def _worker(rank: int, world: int, args) -> dict:
     if args.runs:  # e.g. one run alone under a native profiler (perf), the others built but not stepped
         runs = [r for r in runs if r.name in args.runs]
     cpu: dict[str, list[float]] = {r.name: [] for r in runs}
+    proc: dict[str, list[float]] = {r.name: [] for r in runs}  # every thread of the process
     profiles = {r.name: cProfile.Profile() for r in runs} if rank == args.profile_rank else {}
     for r in runs:
         r.times.clear()
@@ -101,18 +102,20 @@ def _worker(rank: int, world: int, args) -> dict:
         x, y = bf._inputs(100 + k, args)
         for r in runs if k % 2 == 0 else runs[::-1]:
             prof = profiles.get(r.name) if k >= args.warmup else None
-            c0 = time.thread_time()
+            c0, p0 = time.thread_time(), time.process_time()
             if prof is not None:
                 prof.enable()
             r.step(x, y)
             if prof is not None:
                 prof.disable()
             cpu[r.name].append(1e3 * (time.thread_time() - c0))
+            proc[r.name].append(1e3 * (time.process_time() - p0))
     out = {}
     for r in runs:
         times = r.times[args.warmup:]
         cell = {"median_ms": statistics.median(times), "min_ms": min(times),
-                "main_thread_cpu_ms": statistics.median(cpu[r.name][args.warmup:])}
+                "main_thread_cpu_ms": statistics.median(cpu[r.name][args.warmup:]),
+                "process_cpu_ms": statistics.median(proc[r.name][args.warmup:])}
         if r.name.startswith("PipeMorph"):
             last = r.sched.metrics_history[-1] if r.sched.metrics_history else {}
             cell.update(plan_versions=r.sched.plan_version, warmup_counts=last.get("warmup_counts"),
@@ -157,15 +160,18 @@ def main() -> None:
     rows = []
     print(f"compute: sleep (F = I = W = {args.f_ms:g} ms per rank, emulated), {args.world} gloo ranks, "
           f"N = {args.microbatches}, {args.steps} iterations after {args.warmup}")
-    print(f"{'run':>20} {'median ms':>10} {'min ms':>8} {'1F1B/run':>9} {'main-thread CPU ms per rank':>30}  plan")
+    print(f"{'run':>20} {'median ms':>10} {'min ms':>8} {'1F1B/run':>9} {'main-thread CPU ms per rank':>30} {'process':>8}  plan")
     for name, cell in per_rank[0].items():
         row = {"run": name, **cell, "ratio_vs_schedule1f1b": base / cell["median_ms"],
-               "main_thread_cpu_ms_per_rank": [pr[name]["main_thread_cpu_ms"] for pr in per_rank]}
+               "main_thread_cpu_ms_per_rank": [pr[name]["main_thread_cpu_ms"] for pr in per_rank],
+               "process_cpu_ms_per_rank": [pr[name]["process_cpu_ms"] for pr in per_rank]}
         row.pop("main_thread_cpu_ms")
+        row.pop("process_cpu_ms")
         rows.append(row)
         plan = f"{row.get('warmup_counts')} {row.get('backward')} v{row.get('plan_versions')}" if "plan_versions" in row else ""
         print(f"{name:>20} {row['median_ms']:>10.1f} {row['min_ms']:>8.1f} {row['ratio_vs_schedule1f1b']:>9.3f} "
-              f"{'/'.join(f'{c:.1f}' for c in row['main_thread_cpu_ms_per_rank']):>30}  {plan}")
+              f"{'/'.join(f'{c:.1f}' for c in row['main_thread_cpu_ms_per_rank']):>30} "
+              f"{statistics.mean(row['process_cpu_ms_per_rank']):>8.1f}  {plan}")
     for name, cell in per_rank[max(args.profile_rank, 0)].items():
         if "host_cpu_top" in cell:
             total, *top = cell["host_cpu_top"]
