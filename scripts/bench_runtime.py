@@ -17,7 +17,7 @@ cost on the same actions.
 
 Per cell: median over --steps iterations after --warmup iterations; an iteration's time is the max over
 ranks of (step end − common barrier exit).  For each delay the three schedules are built side by side and
-their iterations interleaved round-robin, so load from other jobs on a shared machine hits all alike.  Ratios: best baseline / PipeMorph (speed-up), PipeMorph /
+their iterations interleaved round-robin (the order reversed every other round), so load from other jobs on a shared machine hits all alike.  Ratios: best baseline / PipeMorph (speed-up), PipeMorph /
 best baseline − 1 (overhead).  Also reports PipeMorph's re-plan cost on the critical path (agreement + swap at the boundary) as % of
 iteration time, and the background planning + validation + lowering time.
 
@@ -109,15 +109,17 @@ def _worker(rank: int, world: int, mode: str, args) -> dict:
     out: dict = {"cells": []}
     for delay in args.delays:
         injector.update(f"{link}:{delay}" if delay > 0 else "")
-        # all schedules alive at once, iterations interleaved round-robin (1F1B k, ZB k, PipeMorph k,
-        # 1F1B k+1, ...): load from anything else on the machine hits every schedule alike
+        # all schedules alive at once, iterations interleaved round-robin, the order reversed every other
+        # round (1F1B k, ZB k, PipeMorph k, torch-runtime k, torch-runtime k+1, PipeMorph k+1, ...): load
+        # from anything else on the machine, and what one schedule leaves the next (a GC pass, cold
+        # caches), hits every schedule alike
         runs = {}
         for kind in SCHEDULES:
             mod, sched, label = _build(kind, mode, rank, world, args)
             runs[kind] = (mod, sched, label, torch.optim.SGD(mod.parameters(), lr=1e-3), [], [])
         for k in range(args.warmup + args.steps):
             x, y = _inputs(mode, k, args)
-            for kind, (mod, sched, label, opt, times, metrics) in runs.items():
+            for kind, (mod, sched, label, opt, times, metrics) in list(runs.items())[::1 if k % 2 == 0 else -1]:
                 if kind == "torch-runtime":
                     _load_deployed(sched, runs["PipeMorph"][1])
                 times.append(timed_step(opt, lambda: step_rank(sched, rank, world, x, y)))

@@ -77,7 +77,7 @@ def faster_by_model(split: Any, full: Any, margin: float, running: str | None = 
     return plans[keep]
 
 
-def _other(variant: str) -> str:
+def other_variant(variant: str) -> str:
     return "full" if variant == "split" else "split"
 
 
@@ -155,21 +155,37 @@ class BackwardChooser:
                             inflight_limit=base_limit)
         if policy.action not in ("keep", "hold") or len(self.spans[running]) < n:
             return policy
-        if self.verdict is not None and iteration - self.verdict[2] <= self.reuse_iterations and self._similar(delays):
+        winner = self.reusable(delays, iteration)
+        if winner is not None:
             self.decided = True
-            winner = self.verdict[0]
             reason = f"backward=auto: link delays as at iteration {self.verdict[2]}: {winner} (verdict reused)"
             self.log(decision="select", reason=reason, backward=winner)
             if winner == running:
                 return policy
             return Decision("select", reason, mode=mode, backward=winner, warmup_counts=list(counts),
                             inflight_limit=limit)
-        self.target, self.base = _other(running), (running, list(counts), limit)
-        reason = (f"backward=auto: measure {self.target} backward for {n} iterations with warm-up counts "
-                  f"{list(counts)} ({running}: median span {statistics.median(self.spans[running][-n:]):.1f} ms)")
-        self.log(decision="probe", reason=reason, backward=self.target)
+        reason = self.start_probe(running, counts, limit)
         return Decision("probe", reason, mode=mode, backward=self.target, warmup_counts=list(counts),
                         inflight_limit=limit)
+
+    def reusable(self, delays: Sequence[float], iteration: int) -> str | None:
+        """The measured verdict's variant while it holds: taken ``reuse_iterations`` or fewer iterations ago,
+        at link delays within the margins of ``delays``; else None."""
+        if self.verdict is not None and iteration - self.verdict[2] <= self.reuse_iterations and self._similar(delays):
+            return self.verdict[0]
+        return None
+
+    def start_probe(self, running: str, counts: Sequence[int], limit: list[int] | None, why: str = "") -> str:
+        """Measure the other variant, with the running plan's warm-up ``counts`` and in-flight ``limit``
+        (same memory), for ``window`` checks; :meth:`step` then selects by the median spans.  Returns
+        the reason (logged)."""
+        n = self.window
+        self.decided, self.target, self.base = False, other_variant(running), (running, list(counts), limit)
+        reason = (f"backward=auto: measure {self.target} backward for {n} iterations with warm-up counts "
+                  f"{list(counts)} ({running}: median span {statistics.median(self.spans[running][-n:]):.1f} ms"
+                  f"{why})")
+        self.log(decision="probe", reason=reason, backward=self.target)
+        return reason
 
 
 class BackwardChoice:
