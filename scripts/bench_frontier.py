@@ -38,7 +38,8 @@ mean on the DP group (the same ``all_reduce`` for every schedule) and is the slo
 
 Per cell: median over --steps iterations after --warmup; an iteration is the slowest rank's
 ``step()`` between a common barrier and its end.  All runs of one delay are alive at once and their
-iterations interleaved round-robin, so load from elsewhere hits every schedule alike.
+iterations interleaved round-robin, the order reversed every other round, so load from elsewhere (and what
+one run leaves the next: a GC pass, cold caches) hits every schedule alike.
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ def _worker(rank: int, world: int, args) -> dict:
                 for run in everything:
                     run.meter.reset_peak()
             x, y = _inputs(100 + k, args, mesh.dp_rank)
-            for run in everything:
+            for run in everything if k % 2 == 0 else everything[::-1]:
                 run.step(x, y)
         for run in everything:
             out = {"delay_ms": delay, "schedule": run.name, "layout": run.layout, "times_ms": list(run.times),
