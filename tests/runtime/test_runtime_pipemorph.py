@@ -415,8 +415,10 @@ def test_adapts_to_slow_last_link_and_shrinks_after_recovery():
     # measured delay on the slow link ~ injected; healthy links stay well below it
     slow_it = metrics[on + 1]
     assert 0.9 * delay <= slow_it["link_delay_ms"][link] <= delay + 15.0
-    # recovery: a shrink back to less slackness after the delay is gone
-    shrink = [e for e in deploys if e["iteration"] >= off]
+    # recovery: a shrink back to less slackness after the delay is gone (the policy's deploys: a refine's, a
+    # probe's or a select's keep the regime — on a loaded host a plan can run > 5 % above its prediction)
+    policy = [e for e in deploys if e["reason"].startswith(("adapt:", "shrink:"))]
+    shrink = [e for e in policy if e["iteration"] >= off]
     assert shrink, [(m["iteration"], m["decision"], m["decision_reason"]) for m in metrics[off:]]
     # the adapted plan absorbs the delay: it costs that plan under half what it costs the initial plan
     slack_at_onset = metrics[on]["slackness"][link]
@@ -436,7 +438,7 @@ def test_adapts_to_slow_last_link_and_shrinks_after_recovery():
     # on a quiet host the first shrink lands on Alg.1's plan; under heavy load the window's medians can
     # still carry part of the delay, so a shrink may go there in two steps — never back up (no flapping)
     assert all(b["slackness"][link] < a["slackness"][link] for a, b in zip(shrink, shrink[1:]))
-    assert len([e for e in deploys if e["iteration"] >= on]) <= 3, deploys
+    assert len([e for e in policy if e["iteration"] >= on]) <= 3, deploys
 
 
 def _budget_worker(rank: int, world: int, n_mb: int, budget: float):

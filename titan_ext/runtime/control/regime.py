@@ -23,9 +23,9 @@ the ``window`` checks it ran exceeds the prediction by more than ``MODEL_TOLERAN
 describe this hardware well enough to rank the two backward variants (ranks sharing host cores: a split
 plan's extra actions slow the other ranks' host work, which the model, one device per rank, cannot see).
 Under ``backward="auto"`` the refine's job then makes, instead of a refined plan, the probe of the other
-variant with the same warm-up counts (``backward.py``'s probe and select: at 1F1B's memory the full probe
-*is* 1F1B's own plan), and the measured verdict chooses the variant of every plan made for similar link
-delays while it holds.
+variant with the same warm-up counts (``backward.py``'s probe and select: the full probe of a split plan
+with 1F1B's counts is 1F1B's own plan), and the measured verdict chooses the variant of every plan made for
+similar link delays while it holds.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ class Regime:
                                 f"(Alg.1, x_max={parts.memory.x_max})", mode="initial")
             self.calibrated = True
         chooser = self.backward.chooser
-        measured = chooser.reusable(est.delays_ms, iteration) if self.backward.by_model else None
-        if decision.replans and decision.backward is None and measured is not None:
-            decision = dataclasses.replace(decision, backward=measured)  # the measured verdict holds
+        verdict = chooser.reusable(est.delays_ms, iteration) if self.backward.by_model else None
+        if decision.replans and decision.backward is None and verdict is not None:
+            decision = dataclasses.replace(decision, backward=verdict)  # the measured verdict holds
         if adaptive and self.calibrated and deployed.kind in ("initial", "adaptive"):
             mode = "initial" if deployed.kind == "initial" else "adaptive"
             window = self.parts.estimator.window.size
@@ -152,7 +152,7 @@ class Regime:
             if quiet and self.refine_due and self.checks_since_install >= window:
                 self.refine_due = False
                 return Decision("refine", f"planned again on {window} checks measured under the plan", mode=mode,
-                                backward=measured)
+                                backward=verdict)
             return chooser.step(decision, deployed.backward, counts, mode, est.delays_ms, iteration,
                                 deployed.inflight_limit)
         return decision
