@@ -8,10 +8,13 @@
 2. every planner-made re-plan (calibrate, adapt, shrink) plans both variants, each under its own
    measured profile, and keeps the faster predicted makespan (:func:`faster_by_model`; split must win by
    ``backward_margin``; on a tie full, which runs half the backward actions).  A healthy job therefore deploys two
-   plans: the initial and the calibrated.
+   plans: the initial and the calibrated;
+3. where a plan runs more than 5 % above its prediction, the model is not trusted to rank the variants:
+   the refine (``control/regime.py``) starts the measured probe below instead (:meth:`BackwardChooser.start_probe`),
+   and its verdict (:meth:`BackwardChooser.reusable`) names the variant of the re-plans that follow.
 
-``backward="measure"`` is the measured probe below (:class:`BackwardChooser`), for hardware where the
-simulator's makespan does not rank the variants right (ranks sharing cores).
+``backward="measure"`` is the measured probe below (:class:`BackwardChooser`) after every new regime, for
+hardware where the simulator's makespan does not rank the variants right (ranks sharing cores).
 
 Splitting the backward lets W fill pipeline bubbles (ZeroBubble; PipeMorph §3.1 plans with I and W),
 but whether that pays depends on the hardware: on CPU autograd I + W costs more than one full
