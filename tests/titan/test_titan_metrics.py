@@ -231,3 +231,25 @@ def test_metrics_through_the_trainer_config_not_the_class_tt03():
     users = dataclasses.replace(cfg, metrics=UserProcessor.Config())
     adapters.current().use_pipeline_metrics(users)
     assert type(users.metrics) is UserProcessor.Config
+
+
+def test_a_plan_change_is_logged_with_the_swapped_plans_own_reason():
+    """The console / decisions table names the decision that made each plan version; where the swapped plan's
+    own reason says more (a refine that found its plan not realised made a probe), that reason is shown."""
+    from types import SimpleNamespace
+
+    from titan_ext.titan.metrics import PipelineMetrics
+
+    pm = PipelineMetrics.__new__(PipelineMetrics)
+    pm._iterations, pm._plan_version, pm._trainer_step, pm.decisions, pm._unstamped = 0, 1, 7, [], []
+    pm._pending_reason = ("initial", "the schedule's first plan")
+    probe = "refine: planned again (measured 430.8 ms, predicted 400.5: beyond 5 %)"
+    pm.schedule = SimpleNamespace(deployed=SimpleNamespace(version=2, reason=probe))
+    pm._note_plan_change({"decision": "refine", "decision_reason": "planned again", "plan_version": 1})
+    pm._note_plan_change({"decision": "keep", "plan_version": 2, "warmup_counts": [7, 1], "backward": "full"})
+    pm.schedule.deployed = SimpleNamespace(version=3, reason="external: a user's plan")
+    pm._note_plan_change({"decision": "select", "decision_reason": "median span split 430.8 ms, full 400.5 ms",
+                          "plan_version": 3, "warmup_counts": [7, 1], "backward": "full"})
+    assert [row[1:4] for row in pm.decisions] == [
+        [2, "refine", "planned again (measured 430.8 ms, predicted 400.5: beyond 5 %)"],
+        [3, "select", "median span split 430.8 ms, full 400.5 ms"]]  # another decision's plan: its own reason

@@ -172,6 +172,9 @@ class PipelineMetrics:
             return
         self._plan_version = version
         action, reason = self._pending_reason
+        deployed = getattr(self.schedule, "deployed", None)  # the swapped plan's own reason, where it says more
+        if getattr(deployed, "version", None) == version and str(deployed.reason).startswith(f"{action}: "):
+            reason = deployed.reason[len(action) + 2:]  # e.g. a refine that made a probe: by how much it missed
         row = [self._trainer_step, version, action, reason, str(rt.get("warmup_counts")),
                str(rt.get("backward"))]
         self.decisions.append(row)
