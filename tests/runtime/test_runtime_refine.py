@@ -12,7 +12,7 @@ from torch.distributed.pipelining import PipelineStage
 from titan_ext.plan.builtin import plan_builtin
 from titan_ext.plan.profile import PipelineProfile
 from titan_ext.plan.schedules import plan_by_name
-from titan_ext.runtime.control.regime import REFINE_MARGIN, _makespan
+from titan_ext.runtime.control.regime import REFINE_MARGIN, _makespan, _pays
 from titan_ext.testing import run_ranks, seeded_batch, step_rank
 
 
@@ -26,8 +26,12 @@ def test_a_refined_plan_replaces_the_deployed_one_only_when_the_margin_faster():
     assert 27.0 < (1 - REFINE_MARGIN) * 33.0
 
     one_per_rank = {s: s for s in range(4)}  # each plan simulated under the estimate of its own variant
-    assert _makespan(one_f_one_b.ops, "full", current, one_per_rank) == 33.0
-    assert _makespan(zb_h1.ops, "split", current, one_per_rank) == 27.0
+    one_f_one_b_ms = _makespan(one_f_one_b.ops, "full", current, one_per_rank)
+    zb_h1_ms = _makespan(zb_h1.ops, "split", current, one_per_rank)
+    assert (one_f_one_b_ms, zb_h1_ms) == (33.0, 27.0)
+    assert _pays(zb_h1_ms, one_f_one_b_ms)
+    assert not _pays(one_f_one_b_ms, zb_h1_ms)
+    assert not _pays(zb_h1_ms, zb_h1_ms)  # itself: not by the margin
 
 
 def _refine_worker(rank, world, n_mb, steps):

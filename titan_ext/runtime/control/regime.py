@@ -197,8 +197,8 @@ class Regime:
                     return cand
                 made = choice.pick([plan(estimate, d) for estimate, d in work], running)
                 plan_ms = 1e3 * (now() - t0)
-                if refine and not _makespan(made.ops, backward_of(made.ops), current,
-                                            stage_to_rank) < (1.0 - REFINE_MARGIN) * deployed_ms:
+                made_ms = _makespan(made.ops, backward_of(made.ops), current, stage_to_rank) if refine else 0.0
+                if refine and not _pays(made_ms, deployed_ms):
                     return Candidate(deployed.actions, {}, {}, deployed.warmup_counts, deployed.hash, kind,
                                      f"{reason} (no plan {100 * REFINE_MARGIN:g} % faster)", deployed.backward,
                                      trigger=decision.action, plan_ms=plan_ms, keep=True)  # the deployed plan stays
@@ -215,3 +215,8 @@ def _makespan(ops: Any, backward: str, current: dict, stage_to_rank: dict[int, i
     """The simulator's makespan of ``ops`` under the current estimate of its own backward variant (what a
     refine compares and predicts; the planner's own prediction adds head-room to the delays)."""
     return simulate(ops, current[backward], stage_to_rank=stage_to_rank).makespan_ms
+
+
+def _pays(made_ms: float, deployed_ms: float) -> bool:
+    """A refined plan replaces the deployed one: predicted ``REFINE_MARGIN`` faster."""
+    return made_ms < (1.0 - REFINE_MARGIN) * deployed_ms
