@@ -30,11 +30,26 @@ def test_probes_after_a_window_then_keeps_the_faster_full():
     assert c.decided and c.verdict[0] == "full"
 
 
-def test_split_wins_ties_and_is_redeployed_with_the_regime_counts():
+def test_full_wins_ties_so_a_tied_probe_of_full_stays_without_a_swap():
     c = BackwardChooser(window=2, margin=0.02)
     run(c, [("split", 600), ("split", 600)])
-    d = run(c, [("full", 590), ("full", 592)])  # 1.5 % faster: inside the margin
+    d = run(c, [("full", 608), ("full", 606)])  # split 1.1 % faster: inside the margin
+    assert [x.action for x in d] == ["keep", "keep"] and c.decided and c.verdict[0] == "full"
+
+
+def test_split_that_wins_by_the_margin_is_redeployed_with_the_regime_counts():
+    c = BackwardChooser(window=2, margin=0.02)
+    run(c, [("split", 600), ("split", 600)])
+    d = run(c, [("full", 615), ("full", 620)])  # split 2.8 % faster: beyond the margin
     assert d[-1].action == "select" and d[-1].backward == "split" and d[-1].warmup_counts == COUNTS
+    assert c.verdict[0] == "split"
+
+
+def test_a_tied_probe_of_split_hands_back_to_full():
+    c = BackwardChooser(window=2, margin=0.02)
+    run(c, [("full", 600), ("full", 600)])
+    d = run(c, [("split", 592), ("split", 590)])  # split 1.5 % faster: inside the margin
+    assert d[-1].action == "select" and d[-1].backward == "full" and d[-1].warmup_counts == COUNTS
 
 
 def test_adapt_during_a_probe_aborts_it_and_a_shrink_waits():

@@ -119,8 +119,9 @@ class AdaptiveConfig:
     """``"split"``, ``"full"``, ``"auto"`` (the initial plan measures both, every re-plan keeps the variant
     the model predicts faster) or ``"measure"`` (probe the other variant's iteration time; ``backward.py``)."""
     backward_margin: float = 0.02
-    """``auto``: relative margin a split plan must be predicted faster by; ``measure``: the measured margin
-    the other variant must win by."""
+    """``auto``: relative margin the other variant's plan must be predicted faster by than the running one;
+    a measured probe (``measure``, or ``auto``'s where a plan is not realised): the margin split's median
+    span must win by (on a tie full)."""
     polish_s: float | None = None
     """Anytime planning: after a planner-made plan is deployed (the calibrated initial plan, each adaptive
     re-plan) a background thread polishes it with CP-SAT and CrossPipe's search within this many seconds

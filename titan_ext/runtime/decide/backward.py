@@ -26,7 +26,9 @@ chose: calibration, adapt, shrink):
 2. **probe** — the other variant, with the *same* warm-up counts (same memory; for a full probe of a
    split plan the Eq.1 tolerance only grows, since t_B of a full backward ≥ t_I), runs ``window``
    iterations;
-3. **select** — the variant with the lower median span stays (full must win by ``margin``).
+3. **select** — the variant with the lower median span stays; split must win by ``margin`` (on a tie full,
+   which runs half the backward actions, as :func:`faster_by_model` keeps it: split's extra host work
+   must pay for itself beyond the spans' noise; a probe of full, the usual case, then costs no swap).
 
 A probe whose plan the policy finds breaking Eq.1 (an adapt while it runs) is aborted in favour of the
 regime's variant, so probing can never start a re-planning loop; a shrink waits for the verdict. A verdict is reused for later
@@ -146,7 +148,7 @@ class BackwardChooser:
             if len(self.spans[self.target]) < n:
                 return policy
             med = {v: statistics.median(s[-n:]) for v, s in self.spans.items()}
-            best = "full" if med["full"] < med["split"] * (1 - self.margin) else "split"
+            best = "split" if med["split"] < med["full"] * (1 - self.margin) else "full"
             self.decided = True
             self.verdict = (best, tuple(delays), iteration)
             reason = (f"backward=auto: median span split {med['split']:.1f} ms, full {med['full']:.1f} ms "
@@ -180,7 +182,8 @@ class BackwardChooser:
 
     def start_probe(self, running: str, counts: Sequence[int], limit: list[int] | None, why: str = "") -> str:
         """Measure the other variant, with the running plan's warm-up ``counts`` and in-flight ``limit``
-        (same memory), for ``window`` checks; :meth:`step` then selects by the median spans.  Returns
+        (same memory), for ``window`` checks; :meth:`step` then selects by the median spans (split must
+        win by ``margin``).  Returns
         the reason (logged)."""
         n = self.window
         self.decided, self.target, self.base = False, other_variant(running), (running, list(counts), limit)
