@@ -157,26 +157,26 @@ def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microb
     (F, I, W, B) per local stage when ``stage_ms`` is given (several stages per rank; N is then the
     most messages one direction of a link carries per iteration, V·N)."""
     n = n_microbatches
-    stage_ms = stage_ms or []
-    vec = torch.full((_HDR + 4 * n + 4 * len(stage_ms),), math.nan, dtype=torch.float64)
+    times: dict[str, list[float]] = {k: [] for k in "FIWB"}  # compute_ms of each kind, in one pass
+    for a in p.actions:
+        times[a.kind].append(1e3 * (a.end - a.start))
     starts = [a.start for a in p.actions]
     f_starts = [a.start for a in p.actions if a.kind == "F"]
     ends = [a.end for a in p.actions]
-    hdr = [
+    out = [
         float(iteration), float(plan_hash & ((1 << 26) - 1)), float((plan_hash >> 26) & ((1 << 26) - 1)),
-        p.compute_ms("F"), p.compute_ms("I"), p.compute_ms("W"), p.compute_ms("B"),
-        p.busy_ms(), min(starts) if starts else math.nan, min(f_starts) if f_starts else math.nan,
+        *(stall_free_mean(times[k]) for k in "FIWB"), p.busy_ms(),
+        min(starts) if starts else math.nan, min(f_starts) if f_starts else math.nan,
         max(ends) if ends else math.nan, p.activation_bytes, clock_offset_prev, rtt_prev,
         float(p.send_bytes_next), float(candidate_hash), float(memory_budget_bytes), p.gap_ms(),
     ]
-    vec[:_HDR] = torch.tensor(hdr, dtype=torch.float64)
-    for slot, stamps in enumerate((p.sends_next, p.sends_prev, p.arrivals_prev, p.arrivals_next)):
+    for stamps in (p.sends_next, p.sends_prev, p.arrivals_prev, p.arrivals_next):
         k = min(len(stamps), n)
-        if k:
-            vec[_HDR + slot * n: _HDR + slot * n + k] = torch.tensor(stamps[:k], dtype=torch.float64)
-    if stage_ms:
-        vec[_HDR + 4 * n:] = torch.tensor([v for row in stage_ms for v in row], dtype=torch.float64)
-    return vec
+        out += stamps[:k]
+        out += [math.nan] * (n - k)
+    for row in stage_ms or ():
+        out += row
+    return torch.tensor(out, dtype=torch.float64)
 
 
 @dataclass
@@ -213,7 +213,7 @@ def decode_profiles(gathered: list[torch.Tensor], n_microbatches: int, local_sta
         v = vec.tolist()
 
         def stamps(slot: int) -> list[float]:
-            return [x for x in v[_HDR + slot * n: _HDR + (slot + 1) * n] if not math.isnan(x)]
+            return [x for x in v[_HDR + slot * n: _HDR + (slot + 1) * n] if x == x]  # NaN: padding
 
         out.append(RankProfile(
             iteration=int(v[0]), plan_hash=int(v[1]) | (int(v[2]) << 26), f_ms=v[3], i_ms=v[4], w_ms=v[5],
@@ -232,9 +232,12 @@ def _median(xs: list[float]) -> float:
 
 
 def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(x for x in xs if not math.isnan(x))
+    xs = [x for x in xs if x == x]  # NaN left out
     if not xs:
         return math.nan
+    if q == 0.0:  # the minimum (DELAY_QUANTILE): no sort
+        return min(xs)
+    xs.sort()
     pos = q * (len(xs) - 1)
     lo = int(math.floor(pos))
     hi = min(lo + 1, len(xs) - 1)
@@ -260,7 +263,12 @@ def one_way_delay_ms(forward_s: list[float], backward_s: list[float], offset_s: 
     NaN. Never negative. The profiler's send → arrival stamps (:func:`link_delay_estimates`) and
     TorchTitan's monitor's producer-end → consumer-start gaps (``titan.monitor.timeline_stats``) both
     reduce through it."""
-    mf, mb = _quantile(forward_s, DELAY_QUANTILE), _quantile(backward_s, DELAY_QUANTILE)
+    return _one_way_ms(forward_s, backward_s, _quantile(forward_s, DELAY_QUANTILE),
+                       _quantile(backward_s, DELAY_QUANTILE), offset_s)
+
+
+def _one_way_ms(forward_s: list[float], backward_s: list[float], mf: float, mb: float, offset_s: float) -> float:
+    """:func:`one_way_delay_ms` from each direction's statistic (``mf``, ``mb``; computed once by the caller)."""
     if forward_s and backward_s:
         c = 1e3 * (mf + mb) / 2
     elif forward_s or backward_s:  # one direction only (forward-only iteration): needs the offset
@@ -287,7 +295,7 @@ def link_delay_estimates(ranks: list[RankProfile]) -> list[dict[str, float]]:
         mf, mb = _quantile(raw_f, DELAY_QUANTILE), _quantile(raw_b, DELAY_QUANTILE)
         theta = b.clock_offset_prev if not math.isnan(b.clock_offset_prev) else 0.0  # clock_{i+1} - clock_i
         out.append({
-            "c_ms": one_way_delay_ms(raw_f, raw_b, theta),
+            "c_ms": _one_way_ms(raw_f, raw_b, mf, mb, theta),
             "fwd_ms": 1e3 * (mf - theta) if raw_f else math.nan,
             "bwd_ms": 1e3 * (mb + theta) if raw_b else math.nan,
             "messages": float(k_f + k_b),
