@@ -18,6 +18,17 @@ Per run: the median and fastest iteration (the slowest rank's ``step()`` between
 end), the ratio ``Schedule1F1B / run`` (> 1: faster than torch's 1F1B), and per rank the main thread's CPU
 time of a step (``time.thread_time``).  Compute is emulated (sleeps): the output says so.
 
+``--ablate``: two more copies of ``PipeMorph-1F1B``, each with one part of its host work taken out, to
+split its CPU a step against ``Schedule1F1B``'s into parts (diagnostics only: neither is a configuration
+a user can run, and without a boundary nothing is measured, exchanged or decided):
+
+* ``PipeMorph-1F1B-no-boundary`` — the iteration boundary (timing resolution, metrics, and every few
+  iterations the check: profile exchange, estimates, decision) replaced by the iteration counter;
+* ``PipeMorph-1F1B-no-timing`` — the device layer's timer made a no-op (no action, send or wait stamps).
+
+What is left between ``PipeMorph-1F1B-no-boundary`` and ``Schedule1F1B`` is the executor itself (action
+dispatch, the receive handles, the timer).
+
 ``--profile-rank R``: rank R's measured steps also run under cProfile, and the functions that cost that
 rank's main thread the most CPU time (blocking waits, receives, sends and sleeps left out: they are the
 pipeline's, not the host's) are printed per run with their calls a step — where the host time goes
@@ -87,6 +98,8 @@ def _worker(rank: int, world: int, args) -> dict:
     pinned = PipeMorph(stages, args.microbatches, loss_fn=bf._loss(args), adaptive=False, backward="full")
     pinned.deploy(one_f_one_b)
     runs.append(bf.Run("PipeMorph-1F1B", "one", pinned, ids, mods, world))
+    if args.ablate:
+        runs += _ablations(rank, world, args, one_f_one_b)
 
     runs.append(bf._pipemorph_run("one", budget, mesh, args))
     runs[-1].name = "PipeMorph"
@@ -126,6 +139,42 @@ def _worker(rank: int, world: int, args) -> dict:
     return out
 
 
+def _ablations(rank: int, world: int, args, plan) -> list:
+    """``PipeMorph-1F1B`` without its boundary, and without its timer (``--ablate``, module docstring)."""
+    from titan_ext.runtime import PipeMorph
+    from titan_ext.runtime.execute.device import Timer
+
+    class NoTiming(Timer):  # the host timer's interface, recording nothing
+        def start(self, rec):
+            return None
+
+        def stop(self, rec, token):
+            pass
+
+        def mark(self, stamps):
+            pass
+
+        def recv_wait_begin(self):
+            return None
+
+        def recv_wait_ms(self, rec, token):
+            pass
+
+    out = []
+    for name in ("PipeMorph-1F1B-no-boundary", "PipeMorph-1F1B-no-timing"):
+        ids, mods, stages = _stages(rank, world, args)
+        sched = PipeMorph(stages, args.microbatches, loss_fn=bf._loss(args), adaptive=False, backward="full")
+        sched.deploy(plan)
+        if name.endswith("no-boundary"):
+            def count(prof, iteration_ms, sched=sched):  # noqa: ARG001 - the boundary's signature
+                sched.iteration += 1
+            sched._iteration_boundary = count
+        else:
+            sched.executor.timer = NoTiming()
+        out.append(bf.Run(name, "one", sched, ids, mods, world))
+    return out
+
+
 #: calls whose time is the pipeline's (waiting for a peer, a transfer, the emulated device), not the host's
 _BLOCKING = ("time.sleep", "c10d.wait", "c10d.recv", "c10d.send", "c10d.barrier", "acquire' of '_thread.lock")
 
@@ -148,6 +197,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default="bench_executor.json")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also PipeMorph-1F1B without its boundary and without its timer (diagnostics)")
     ap.add_argument("--profile-rank", type=int, default=-1, help="cProfile this rank's steps (default: none)")
     ap.add_argument("--runs", type=lambda t: [x for x in t.split(",") if x], default=None, metavar="A,B",
                     help="step only these runs (names above; default: all four)")

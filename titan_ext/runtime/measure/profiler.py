@@ -157,7 +157,7 @@ def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microb
     (F, I, W, B) per local stage when ``stage_ms`` is given (several stages per rank; N is then the
     most messages one direction of a link carries per iteration, V·N)."""
     n = n_microbatches
-    times: dict[str, list[float]] = {k: [] for k in "FIWB"}  # compute_ms of each kind, in one pass
+    times: dict[str, list[float]] = {k: [] for k in COMPUTE_KINDS}  # compute_ms of each kind, in one pass
     for a in p.actions:
         times[a.kind].append(1e3 * (a.end - a.start))
     starts = [a.start for a in p.actions]
@@ -165,7 +165,7 @@ def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microb
     ends = [a.end for a in p.actions]
     out = [
         float(iteration), float(plan_hash & ((1 << 26) - 1)), float((plan_hash >> 26) & ((1 << 26) - 1)),
-        *(stall_free_mean(times[k]) for k in "FIWB"), p.busy_ms(),
+        *(stall_free_mean(times[k]) for k in COMPUTE_KINDS), p.busy_ms(),
         min(starts) if starts else math.nan, min(f_starts) if f_starts else math.nan,
         max(ends) if ends else math.nan, p.activation_bytes, clock_offset_prev, rtt_prev,
         float(p.send_bytes_next), float(candidate_hash), float(memory_budget_bytes), p.gap_ms(),
@@ -263,12 +263,7 @@ def one_way_delay_ms(forward_s: list[float], backward_s: list[float], offset_s: 
     NaN. Never negative. The profiler's send → arrival stamps (:func:`link_delay_estimates`) and
     TorchTitan's monitor's producer-end → consumer-start gaps (``titan.monitor.timeline_stats``) both
     reduce through it."""
-    return _one_way_ms(forward_s, backward_s, _quantile(forward_s, DELAY_QUANTILE),
-                       _quantile(backward_s, DELAY_QUANTILE), offset_s)
-
-
-def _one_way_ms(forward_s: list[float], backward_s: list[float], mf: float, mb: float, offset_s: float) -> float:
-    """:func:`one_way_delay_ms` from each direction's statistic (``mf``, ``mb``; computed once by the caller)."""
+    mf, mb = _quantile(forward_s, DELAY_QUANTILE), _quantile(backward_s, DELAY_QUANTILE)
     if forward_s and backward_s:
         c = 1e3 * (mf + mb) / 2
     elif forward_s or backward_s:  # one direction only (forward-only iteration): needs the offset
@@ -295,7 +290,7 @@ def link_delay_estimates(ranks: list[RankProfile]) -> list[dict[str, float]]:
         mf, mb = _quantile(raw_f, DELAY_QUANTILE), _quantile(raw_b, DELAY_QUANTILE)
         theta = b.clock_offset_prev if not math.isnan(b.clock_offset_prev) else 0.0  # clock_{i+1} - clock_i
         out.append({
-            "c_ms": _one_way_ms(raw_f, raw_b, mf, mb, theta),
+            "c_ms": one_way_delay_ms(raw_f, raw_b, theta),
             "fwd_ms": 1e3 * (mf - theta) if raw_f else math.nan,
             "bwd_ms": 1e3 * (mb + theta) if raw_b else math.nan,
             "messages": float(k_f + k_b),
