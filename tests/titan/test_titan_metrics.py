@@ -234,22 +234,29 @@ def test_metrics_through_the_trainer_config_not_the_class_tt03():
 
 
 def test_a_plan_change_is_logged_with_the_swapped_plans_own_reason():
-    """The console / decisions table names the decision that made each plan version; where the swapped plan's
-    own reason says more (a refine that found its plan not realised made a probe), that reason is shown."""
+    """The console / decisions table names each plan version by the plan's own record, not by the decision
+    the check that first ran it took (the first step's check decides on the *next* plan): the initial plan
+    by its kind, a policy's plan by the "<decision>: <why>" the runtime wrote into it — a refine that found
+    its plan not realised and made a probe says by how much it missed; a schedule without that record
+    falls back to the pending decision."""
     from types import SimpleNamespace
 
     from titan_ext.titan.metrics import PipelineMetrics
 
     pm = PipelineMetrics.__new__(PipelineMetrics)
-    pm._iterations, pm._plan_version, pm._trainer_step, pm.decisions, pm._unstamped = 0, 1, 7, [], []
+    pm._iterations, pm._plan_version, pm._trainer_step, pm.decisions, pm._unstamped = 0, 0, 7, [], []
     pm._pending_reason = ("initial", "the schedule's first plan")
+    pm.schedule = SimpleNamespace(deployed=SimpleNamespace(version=1, kind="initial", reason="initial plan (Alg.1)"))
+    pm._note_plan_change({"decision": "adapt", "decision_reason": "Eq.1 violated", "plan_version": 1})
     probe = "refine: planned again (measured 430.8 ms, predicted 400.5: beyond 5 %)"
-    pm.schedule = SimpleNamespace(deployed=SimpleNamespace(version=2, reason=probe))
-    pm._note_plan_change({"decision": "refine", "decision_reason": "planned again", "plan_version": 1})
+    pm.schedule.deployed = SimpleNamespace(version=2, kind="initial", reason=probe)
     pm._note_plan_change({"decision": "keep", "plan_version": 2, "warmup_counts": [7, 1], "backward": "full"})
-    pm.schedule.deployed = SimpleNamespace(version=3, reason="external: a user's plan")
-    pm._note_plan_change({"decision": "select", "decision_reason": "median span split 430.8 ms, full 400.5 ms",
-                          "plan_version": 3, "warmup_counts": [7, 1], "backward": "full"})
+    pm.schedule.deployed = SimpleNamespace(version=3, kind="external", reason="a user's plan: by hand")
+    pm._note_plan_change({"decision": "select", "decision_reason": "median span", "plan_version": 3})
+    pm.schedule = SimpleNamespace()  # no record of its own
+    pm._note_plan_change({"decision": "shrink", "decision_reason": "less slackness suffices", "plan_version": 4})
     assert [row[1:4] for row in pm.decisions] == [
+        [1, "initial", "initial plan (Alg.1)"],  # not the first check's "adapt", which made v2
         [2, "refine", "planned again (measured 430.8 ms, predicted 400.5: beyond 5 %)"],
-        [3, "select", "median span split 430.8 ms, full 400.5 ms"]]  # another decision's plan: its own reason
+        [3, "external", "a user's plan: by hand"],  # not "select": the plan is not that decision's
+        [4, "shrink", "less slackness suffices"]]

@@ -113,6 +113,17 @@ def _injected_delays_ms(num_links: int) -> dict[int, float]:
     return {i: injector.link_delay(i).latency_ms for i in range(num_links)}
 
 
+def _made_by(deployed: Any) -> tuple[str, str]:
+    """(decision, reason) of a deployed plan, from its own record: the runtime writes a policy's plan's
+    reason as "<decision>: <why>" (``control/regime.py``); another plan (the initial, an external one) is
+    named by its kind."""
+    reason = str(deployed.reason)
+    head, sep, rest = reason.partition(": ")
+    if sep and head and " " not in head:
+        return head, rest
+    return str(getattr(deployed, "kind", "deployed")), reason
+
+
 class PipelineMetrics:
     """Per-step pipeline metrics of one PP schedule (see the module docstring)."""
 
@@ -172,9 +183,9 @@ class PipelineMetrics:
             return
         self._plan_version = version
         action, reason = self._pending_reason
-        deployed = getattr(self.schedule, "deployed", None)  # the swapped plan's own reason, where it says more
-        if getattr(deployed, "version", None) == version and str(deployed.reason).startswith(f"{action}: "):
-            reason = deployed.reason[len(action) + 2:]  # e.g. a refine that made a probe: by how much it missed
+        deployed = getattr(self.schedule, "deployed", None)
+        if getattr(deployed, "version", None) == version:  # the plan's own record says what made it
+            action, reason = _made_by(deployed)  # e.g. a refine that made a probe: by how much it missed
         row = [self._trainer_step, version, action, reason, str(rt.get("warmup_counts")),
                str(rt.get("backward"))]
         self.decisions.append(row)
