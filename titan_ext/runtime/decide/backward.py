@@ -27,8 +27,8 @@ chose: calibration, adapt, shrink):
    split plan the Eq.1 tolerance only grows, since t_B of a full backward ≥ t_I), runs ``window``
    iterations;
 3. **select** — the variant with the lower median span stays; split must win by ``margin`` (on a tie full,
-   which runs half the backward actions, as :func:`faster_by_model` keeps it: split's extra host work
-   must pay for itself beyond the spans' noise; a probe of full, the usual case, then costs no swap).
+   which runs half the backward actions, as the model's first choice does: split's extra host work must
+   pay for itself beyond the spans' noise; a probe of full, the usual case, then ends without a swap).
 
 A probe whose plan the policy finds breaking Eq.1 (an adapt while it runs) is aborted in favour of the
 regime's variant, so probing can never start a re-planning loop; a shrink waits for the verdict. A verdict is reused for later
@@ -183,8 +183,7 @@ class BackwardChooser:
     def start_probe(self, running: str, counts: Sequence[int], limit: list[int] | None, why: str = "") -> str:
         """Measure the other variant, with the running plan's warm-up ``counts`` and in-flight ``limit``
         (same memory), for ``window`` checks; :meth:`step` then selects by the median spans (split must
-        win by ``margin``).  Returns
-        the reason (logged)."""
+        win by ``margin``).  Returns the reason (logged)."""
         n = self.window
         self.decided, self.target, self.base = False, other_variant(running), (running, list(counts), limit)
         reason = (f"backward=auto: measure {self.target} backward for {n} iterations with warm-up counts "
