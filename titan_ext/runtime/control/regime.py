@@ -197,8 +197,8 @@ class Regime:
                     return cand
                 made = choice.pick([plan(estimate, d) for estimate, d in work], running)
                 plan_ms = 1e3 * (now() - t0)
-                made_ms = _makespan(made.ops, backward_of(made.ops), current, stage_to_rank) if refine else 0.0
-                if refine and not _pays(made_ms, deployed_ms):
+                if refine and not _pays(_makespan(made.ops, backward_of(made.ops), current, stage_to_rank),
+                                        deployed_ms):
                     return Candidate(deployed.actions, {}, {}, deployed.warmup_counts, deployed.hash, kind,
                                      f"{reason} (no plan {100 * REFINE_MARGIN:g} % faster)", deployed.backward,
                                      trigger=decision.action, plan_ms=plan_ms, keep=True)  # the deployed plan stays
