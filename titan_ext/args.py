@@ -154,6 +154,10 @@ def int_arg(value: Any, name: str, minimum: int | None = None, *, optional: bool
     """An integer (not a bool, not a float) >= ``minimum``; None passes when ``optional``."""
     if value is None and optional:
         return None
+    if type(value) is int:  # the usual case, without the ABC check below (a hot path: warm-up counts per check)
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:

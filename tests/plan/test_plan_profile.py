@@ -83,3 +83,34 @@ def test_fewer_microbatches_than_stages_plan_validly():
         for placement in ("loop", "v"):
             plan = plan_virtual(prof, 2, placement)
             validate_plan(plan.actions, 8, n, torch_dry_run=True)
+
+
+def test_per_stage_values_are_checked_as_each_value_alone():
+    """A profile's per-stage tuples are validated in one pass where every value is a float (profiles derived
+    from profiles, each check of the runtime); that pass must accept and refuse exactly what checking
+    each value alone does (the same error, naming the same entry): every tuple of up to three edge
+    values, for times (> 0 at least 1 ns, or >= 0; at most MAX_MS) and for byte counts (no upper bound)."""
+    import itertools
+
+    from titan_ext.plan import profile as P
+
+    def alone(values, positive, ms):
+        check = (lambda n, v: P._check_ms(n, v, positive=positive)) if ms else (
+            lambda n, v: P._check_number(n, v, positive=positive))
+        return tuple(check(f"x[{i}]", v) for i, v in enumerate(values))
+
+    def outcome(fn):
+        try:
+            return ("ok", fn())
+        except (ValueError, TypeError) as e:
+            return (type(e).__name__, str(e))
+
+    edges = [0.0, -0.0, 5e-324, 1e-7, P.MIN_POSITIVE_MS, 1.0, P.MAX_MS, P.MAX_MS * (1 + 1e-15), 1e300,
+             math.inf, -math.inf, math.nan, -1.0, 3]  # 3: an int takes the per-value path
+    for n in (1, 2, 3):
+        for values in itertools.product(edges, repeat=n):
+            for positive in (True, False):
+                for ms in (True, False):
+                    got = outcome(lambda: P._stage_tuple("x", list(values), n, positive=positive, ms=ms))
+                    want = outcome(lambda: alone(values, positive, ms))
+                    assert repr(got) == repr(want), (values, positive, ms)

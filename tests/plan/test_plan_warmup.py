@@ -9,6 +9,8 @@ from titan_ext.plan import (
     initial_warmup_counts,
     initial_warmup_counts_for,
     link_tolerance_ms,
+    link_tolerances_ms,
+    required_slackness,
     slackness,
 )
 
@@ -105,3 +107,29 @@ def test_plan_slackness_reports_only_decreasing_counts():
     assert plan_slackness([8, 7, 8, 4]) is None  # a multi-stage plan's targets: no slackness, no error
     with pytest.raises(ValueError, match="non-increasing"):
         slackness([8, 7, 8, 4])
+
+
+def test_every_links_tolerance_is_the_largest_delay_its_slackness_covers():
+    """link_tolerances_ms (all links at once, what the runtime's policy reads per check) against Eq.1
+    from the other side, ``required_slackness`` (the Δ a delay needs): on random profiles and counts, each
+    link's finite tolerance t is covered by its Δ and t + 1 µs is not; a link whose stage runs all N
+    forwards has none (inf)."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        S, N = rng.randint(2, 9), rng.randint(2, 40)
+        p = PipelineProfile(S, N, [rng.uniform(0.5, 9) for _ in range(S)], [rng.uniform(0.5, 9) for _ in range(S)],
+                            [rng.uniform(0, 5) for _ in range(S)])
+        x = sorted((rng.randint(1, N + 2) for _ in range(S)), reverse=True)
+        tol = link_tolerances_ms(p, x)
+        assert len(tol) == S - 1
+        for i, t in enumerate(tol):
+            assert t == link_tolerance_ms(p, x, i)
+            if x[i] >= N:
+                assert t == float("inf")
+                continue
+            delta = x[i] - x[i + 1]
+            if t >= 0:
+                assert required_slackness(p, i, t) <= max(delta, 1)
+            assert required_slackness(p, i, max(t, 0.0) + 1e-3) > delta

@@ -37,19 +37,25 @@ class SplitOverhead(PipeMorph):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        perform, backward_input = self.executor.perform, self.executor._backward_input
+        prepare, backward_input = self.executor.prepare, self.executor._backward_input
 
         def slow_input_backward(action, ctx):
-            if action.computation_type.value == "I" and self.overhead_s and not self.inside:
-                time.sleep(self.overhead_s)
-            return perform(action, ctx)
+            step = prepare(action, ctx)
+            if action.computation_type.value != "I":
+                return step
+
+            def slow(c):
+                if self.overhead_s and not self.inside:
+                    time.sleep(self.overhead_s)
+                step(c)
+            return slow
 
         def slow_split_input(stage, mb, full, ctx):
             if not full and self.overhead_s and self.inside:
                 time.sleep(self.overhead_s)
             return backward_input(stage, mb, full, ctx)
 
-        self.executor.perform = slow_input_backward
+        self.executor.prepare = slow_input_backward
         self.executor._backward_input = slow_split_input
 
 

@@ -8,6 +8,7 @@ from .warmup import (
     initial_warmup_counts,
     initial_warmup_counts_for,
     link_tolerance_ms,
+    link_tolerances_ms,
     required_slackness,
     slackness,
     zb_h1_warmup_counts,
@@ -24,6 +25,6 @@ from .placed import PlacedProfile  # the one description CrossPipe's planners re
 __all__ = [
     "ActionEvent", "DeadlockError", "LinkProfile", "PipelineProfile", "Plan", "PlanResult", "PlanValidationError",
     "Timeline", "absorbs_delay", "adapted_warmup_counts", "as_ops", "generate_order",
-    "initial_warmup_counts", "initial_warmup_counts_for", "link_tolerance_ms", "plan_pipemorph",
+    "initial_warmup_counts", "initial_warmup_counts_for", "link_tolerance_ms", "link_tolerances_ms", "plan_pipemorph",
     "required_slackness", "simulate", "slackness", "to_torch_plan", "validate_plan", "zb_h1_warmup_counts", "zb_warmup_counts",
 ]

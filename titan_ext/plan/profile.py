@@ -97,6 +97,13 @@ def _stage_tuple(
     values = tuple(values)
     if len(values) != n:
         raise ValueError(f"{name} has {len(values)} entries, expected one per stage ({n})")
+    if values and all(type(v) is float for v in values) and not any(v != v for v in values):
+        # the usual case (a profile derived from another): the bounds of _check_ms / _check_number in one
+        # pass of builtins; each value's own check (and its error) only where one fails
+        lo, hi = min(values), max(values)
+        if (lo >= (MIN_POSITIVE_MS if positive else 0.0) and hi <= MAX_MS if ms
+                else (lo > 0.0 if positive else lo >= 0.0) and hi < math.inf):
+            return values
     if ms:
         return tuple(_check_ms(f"{name}[{i}]", v, positive=positive) for i, v in enumerate(values))
     return tuple(_check_number(f"{name}[{i}]", v, positive=positive) for i, v in enumerate(values))

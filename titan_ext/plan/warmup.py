@@ -137,20 +137,27 @@ def required_slackness(profile: PipelineProfile, link: int, delay_ms: float | No
 
 
 def link_tolerance_ms(profile: PipelineProfile, warmup_counts: Sequence[int], link: int) -> float:
-    """Largest one-way delay on ``link`` that the plan absorbs (Eq.1 solved for c_i).
+    """Largest one-way delay on ``link`` that the plan absorbs (Eq.1 solved for c_i):
+    :func:`link_tolerances_ms` of that one link."""
+    link = link_arg(profile_arg(profile), link)
+    return link_tolerances_ms(profile, warmup_counts)[link]
 
-    Infinite when stage ``link`` runs all N forwards in its warm-up (x_i ≥ N, GPipe's shape): Theorem 1
+
+def link_tolerances_ms(profile: PipelineProfile, warmup_counts: Sequence[int]) -> list[float]:
+    """Per link, the largest one-way delay the plan absorbs (Eq.1 solved for c_i): with Δ_i = x_i − x_{i+1},
+    (Δ_i (t^F_{i+1} + t^B_{i+1}) − t^F_i − t^B_i) / 2 (the counts checked once for all links: the runtime's
+    policy reads every link at each check).
+
+    Infinite when stage i runs all N forwards in its warm-up (x_i ≥ N, GPipe's shape): Theorem 1
     (PipeMorph §4.1) bounds the delay by the feasible interval of the *steady* phase, between a backward
     and the next forward of stage i; with no forward left after the first backward there is no steady
     phase, the delay is paid once in the fill and drain (every plan pays that), never per micro-batch,
     and no slackness could do better."""
-    link = link_arg(profile_arg(profile), link)
-    warmup_counts = counts_arg(warmup_counts, "warmup_counts", profile.num_stages, minimum=1)
-    if warmup_counts[link] >= profile.num_microbatches:
-        return math.inf
-    delta = warmup_counts[link] - warmup_counts[link + 1]
-    den = profile.f_ms[link + 1] + profile.b_ms[link + 1]
-    return (delta * den - profile.f_ms[link] - profile.b_ms[link]) / 2.0
+    profile_arg(profile)
+    x = counts_arg(warmup_counts, "warmup_counts", profile.num_stages, minimum=1)
+    f, b, N = profile.f_ms, profile.b_ms, profile.num_microbatches
+    return [math.inf if x[i] >= N else ((x[i] - x[i + 1]) * (f[i + 1] + b[i + 1]) - f[i] - b[i]) / 2.0
+            for i in range(profile.num_stages - 1)]
 
 
 def absorbs_delay(

@@ -248,7 +248,7 @@ RUNTIME_KWARGS_SINCE = (2, 15)
 #: ``defer_reduce_grad_wait`` moves each WAIT_REDUCE_GRAD past the next stage's compute
 #: (``_add_reduce_grad``), ``max_outstanding_sends`` caps the sends a rank has pending
 #: (``_add_wait_send_budget``). torch's own ``defer_pp_recv`` is not taken: our executor already
-#: waits for a receive just before its consumer (runtime/execute/executor.py, ``_wait_input``).
+#: waits for a receive just before its consumer (runtime/execute/executor.py, ``_awaited_input``).
 RUNTIME_KWARGS = {"max_active_stages": 3, "unshard_lookahead": "full", "defer_reduce_grad_wait": False,
                   "max_outstanding_sends": None}
 

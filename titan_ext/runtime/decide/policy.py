@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Sequence
 
-from titan_ext.plan import PipelineProfile, adapted_warmup_counts, link_tolerance_ms, slackness
+from titan_ext.plan import PipelineProfile, adapted_warmup_counts, link_tolerances_ms, slackness
 from titan_ext.args import ArgumentTypeError, choice_arg, counts_arg, int_arg, plan_arg, real_arg
 
 __all__ = ["Decision", "Policy", "PolicySettings", "ReplanPolicy", "eq1_tolerances", "exact_arrival_links"]
@@ -176,7 +176,7 @@ class ReplanPolicy:
     ) -> Decision:
         S = estimate.num_stages
         delays = estimate.delays_ms
-        tol = [link_tolerance_ms(estimate, deployed_counts, i) for i in range(S - 1)]
+        tol = link_tolerances_ms(estimate, deployed_counts)
         # a link is slow only past the absolute margin itself: a plan whose tolerance is ≤ 0 (stages of
         # unequal speed) is not re-planned for a link reading of a few tenths of a millisecond
         planned = self._planned_for if self._planned_for is not None and len(self._planned_for) == S - 1 else None
@@ -202,10 +202,8 @@ class ReplanPolicy:
             return Decision("adapt", f"Eq.1 violated ({desc})", mode="adaptive", violated_links=violated)
 
         # Recovery: what would we deploy now?
-        absorbed_by_initial = all(
-            self.headroom_delay(delays[i]) <= link_tolerance_ms(estimate, initial_counts, i) or delays[i] <= 0
-            for i in range(S - 1)
-        )
+        initial_tol = link_tolerances_ms(estimate, initial_counts)
+        absorbed_by_initial = all(self.headroom_delay(delays[i]) <= initial_tol[i] or delays[i] <= 0 for i in range(S - 1))
         if absorbed_by_initial:
             candidate, mode = list(initial_counts), "initial"
         else:
@@ -250,7 +248,7 @@ def headroom_delay(c_ms: float, rel_margin: float, abs_margin_ms: float) -> floa
 
 
 def eq1_tolerances(estimate: PipelineProfile, counts: Sequence[int]) -> list[float]:
-    return [link_tolerance_ms(estimate, counts, i) for i in range(estimate.num_stages - 1)]
+    return link_tolerances_ms(estimate, counts)
 
 
 def exact_arrival_links(tolerance_ms: Sequence[float] | None, planned_for_ms: Sequence[float] | None,

@@ -17,7 +17,7 @@ with their gradients unreduced until a later step finalizes them. With three add
 * timing, arrival stamps and waits go through the device layer (``runtime/execute/device.py``): every compute
   action is timed (host clock on CPU, CUDA events on the compute stream on GPU, resolved off the critical
   path) and the time its stream stalled on its input is recorded apart (``recv_wait_ms``); a receive's
-  wait is placed just before its consumer, as torch does (``_wait_input``), never when it is posted;
+  wait is placed just before its consumer, as torch does (``_awaited_input``), never when it is posted;
 * SEND/RECV ops go through a :class:`~titan_ext.runtime.comm.transport.Transport` (torch P2P, delegates),
   sends are stamped when handed over (on the compute stream's time), receives when their data has
   landed (the device layer's arrival watcher, from the receive's completion);
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.pipelining.schedules import (
@@ -60,7 +60,7 @@ from ..measure.profiler import ActionRecord, IterationProfile
 from .device import DeviceLayer, device_layer
 from .memory import ActivationMeter, LiveStorages, parameter_storages, selective_checkpointing
 
-__all__ = ["Executor", "RunContext", "BACKWARD_TYPES", "check_schedule_arguments", "forward_order", "run_with_failover"]
+__all__ = ["Executor", "RunContext", "Step", "BACKWARD_TYPES", "check_schedule_arguments", "forward_order", "run_with_failover"]
 
 F = _ComputationType.FORWARD
 I = _ComputationType.BACKWARD_INPUT
@@ -104,6 +104,10 @@ class RunContext:
         return _PipelineContext(self.schedule, self.arg_mbs, self.kwarg_mbs, self.target_mbs, self.losses)
 
 
+#: one action prepared for the action loop (:meth:`Executor.prepare`), called with the iteration's context
+Step = Callable[[RunContext], None]
+
+
 def profiler_enabled() -> bool:
     """Whether a profiler records this thread's ``record_function`` spans: ``torch.profiler.profile`` sets
     ``_is_profiler_enabled`` (also with ``profile_all_threads``, which leaves the thread's state off);
@@ -124,7 +128,9 @@ class Executor:
         #: PP links (i: ranks i, i+1) whose receives the arrival watcher stamps; the others' consumers
         #: stamp them (:meth:`DeviceLayer.watch`).  None: every link (the schedule sets it)
         self.exact_links: set[int] | None = None
-        self._handlers = self._handler_table()
+        self._makers = self._maker_table()
+        #: (what the steps were made for, the actions, the steps): :meth:`prepared`
+        self._prepared: tuple[Any, list[_Action], list[tuple[_Action, Step]]] | None = None
 
     def use_device(self, layer: DeviceLayer) -> None:
         """Time, stamp and wait through ``layer`` (e.g. the simulation of ``testing/simdevice.py``)."""
@@ -141,17 +147,17 @@ class Executor:
         ctx.schedule.backward_counter.clear()
         if WAITS:
             ctx.schedule._finalized_stages.clear()
+        steps = self.prepared(actions, ctx)
         self.timer.begin_iteration()
         traced = profiler_enabled()
         with self.device.context():
-            for action in actions:
-                if not ctx.training and action.computation_type in BACKWARD_TYPES:
-                    continue
-                if traced:
+            if traced:
+                for action, step in steps:
                     with record_function(_get_profiler_function_name(action)):
-                        self.perform(action, ctx)
-                else:
-                    self.perform(action, ctx)
+                        step(ctx)
+            else:
+                for _, step in steps:
+                    step(ctx)
             unmatched = list(ctx.pending_sends)
             for key in unmatched:  # 2.13/2.14: every send; 2.15: none (each has its WAIT_SEND)
                 if traced:
@@ -165,41 +171,64 @@ class Executor:
         self.timer.resolve(block=False)
         return self.timer.wall_ms
 
-    def perform(self, action: _Action, ctx: RunContext) -> None:
+    def prepared(self, actions: list[_Action], ctx: RunContext) -> list[tuple[_Action, Step]]:
+        """``actions`` as prepared steps (:meth:`prepare`), made once per plan and reused while the actions,
+        this rank's stages, the stage-to-rank mapping, the custom functions and training stay the same: what
+        an action needs that does not change between iterations (its handler, stage, peer, link, the
+        receive its compute waits for) is looked up once, not per action per iteration."""
+        sched = ctx.schedule
+        key = (sched, ctx.training, tuple(ctx.stages.items()), tuple(sched.stage_index_to_group_rank.items()),
+               tuple(sched._comp_type_to_function_map.items()))
+        cached = self._prepared
+        if cached is None or cached[0] != key or cached[1] != actions:
+            steps = [(a, self.prepare(a, ctx)) for a in actions
+                     if ctx.training or a.computation_type not in BACKWARD_TYPES]
+            cached = self._prepared = (key, list(actions), steps)
+        return cached[2]
+
+    def prepare(self, action: _Action, ctx: RunContext) -> Step:
+        """The step that runs ``action`` in an iteration (called with that iteration's context): a custom
+        function torch's ``register_custom_function`` registered for its type, or our handler's."""
         ct = action.computation_type
         custom = ctx.schedule._comp_type_to_function_map.get(ct)
         if custom is not None:
-            custom(action, ctx.torch_context())
-            return
-        handler = self._handlers.get(ct)
-        if handler is None:
+            return lambda c: custom(action, c.torch_context())
+        make = self._makers.get(ct)
+        if make is None:
             raise ValueError(f"{action=} is unknown or unsupported")
-        handler(action, ctx)
+        return make(action, ctx)
 
-    def _handler_table(self) -> dict[Any, Any]:
-        """Each action type's handler (a dict lookup per action, where an ``elif`` chain compared up to a
-        dozen types)."""
-        table = {F: self._compute, I: self._compute, W: self._compute, B: self._compute,
-                 SEND_F: self._send, SEND_B: self._send, RECV_F: self._recv, RECV_B: self._recv,
-                 UNSHARD: self._fsdp, RESHARD: self._fsdp, OVERLAP_F_B: self._overlap}
+    def _maker_table(self) -> dict[Any, Any]:
+        """Each action type's step maker (``maker(action, ctx) -> step``)."""
+        def plain(handler: Any) -> Any:  # a handler that looks everything up when it runs
+            return lambda action, ctx: lambda c: handler(action, c)
+
+        table = {F: self._compute_step, I: self._compute_step, W: self._compute_step, B: self._compute_step,
+                 SEND_F: self._send_step, SEND_B: self._send_step, RECV_F: self._recv_step, RECV_B: self._recv_step,
+                 UNSHARD: plain(self._fsdp), RESHARD: plain(self._fsdp), OVERLAP_F_B: self._overlap_step}
         if WAITS:
-            table.update({WAIT_SEND_F: self._wait_send_action, WAIT_SEND_B: self._wait_send_action,
-                          REDUCE_GRAD: self._start_reduce_grad, WAIT_REDUCE_GRAD: self._wait_reduce_grad})
+            table.update({WAIT_SEND_F: self._wait_send_step, WAIT_SEND_B: self._wait_send_step,
+                          REDUCE_GRAD: plain(self._start_reduce_grad), WAIT_REDUCE_GRAD: plain(self._wait_reduce_grad)})
         else:
-            table[REDUCE_GRAD] = self._reduce_grad
+            table[REDUCE_GRAD] = plain(self._reduce_grad)
         return table
 
-    def _overlap(self, action: _Action, ctx: RunContext) -> None:
-        for sub in action.sub_actions or ():
-            if profiler_enabled():
-                with record_function(_get_profiler_function_name(sub)):
-                    self.perform(sub, ctx)
-            else:
-                self.perform(sub, ctx)
+    def _overlap_step(self, action: _Action, ctx: RunContext) -> Step:
+        subs = [(sub, self.prepare(sub, ctx)) for sub in action.sub_actions or ()]
 
-    def _wait_send_action(self, action: _Action, ctx: RunContext) -> None:
-        kind = SEND_F if action.computation_type == WAIT_SEND_F else SEND_B
-        self._wait_send((kind, action.stage_index, action.microbatch_index), ctx)
+        def step(c: RunContext) -> None:
+            for sub, run in subs:
+                if profiler_enabled():
+                    with record_function(_get_profiler_function_name(sub)):
+                        run(c)
+                else:
+                    run(c)
+        return step
+
+    def _wait_send_step(self, action: _Action, ctx: RunContext) -> Step:  # noqa: ARG002
+        key = (SEND_F if action.computation_type == WAIT_SEND_F else SEND_B, action.stage_index,
+               action.microbatch_index)
+        return lambda c: self._wait_send(key, c)
 
     @staticmethod
     def _reduce_grad(action: _Action, ctx: RunContext) -> None:
@@ -213,26 +242,30 @@ class Executor:
         other = s + 1 if ct in (SEND_F, RECV_B) else s - 1
         return schedule.stage_index_to_group_rank[other]
 
-    def _send(self, action: _Action, ctx: RunContext) -> None:
-        stage, mb, prof = ctx.stages[action.stage_index], action.microbatch_index, ctx.profile
-        forward = action.computation_type == SEND_F
-        key = (action.computation_type, action.stage_index, mb)
-        if key in ctx.pending_sends:
-            raise AssertionError(f"Duplicate pipeline send {action}")
-        ops = stage.get_fwd_send_ops(mb) if forward else stage.get_bwd_send_ops(mb)
+    def _send_step(self, action: _Action, ctx: RunContext) -> Step:
+        ct, s, mb = action.computation_type, action.stage_index, action.microbatch_index
+        stage, forward, key = ctx.stages[s], ct == SEND_F, (ct, s, mb)
+        get_ops = stage.get_fwd_send_ops if forward else stage.get_bwd_send_ops
         # stamps per rank link (plan.placement.rank_link: ranks r, r±1), whatever the direction in the
         # model: with several stages per rank a "v" placement sends forwards to rank r−1 too; the loop
         # wrap-around is not a link. The stamp is the compute stream's time at hand-over (when the data
         # is ready on the device).
         peer, rank = self.peer(action, ctx.schedule), ctx.schedule.rank
         link = rank_link(rank, peer)
-        if link is not None and peer > rank:
-            self.timer.mark(prof.sends_next)
-            prof.send_bytes_next += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        elif link is not None:
-            self.timer.mark(prof.sends_prev)
+        to_next, to_prev = link is not None and peer > rank, link is not None and peer < rank
         retire = stage.release_fwd_send_outputs if forward and WAITS else None
-        ctx.pending_sends[key] = (self.transport.issue(action, ops), retire)
+
+        def step(c: RunContext) -> None:
+            if key in c.pending_sends:
+                raise AssertionError(f"Duplicate pipeline send {action}")
+            ops, prof = get_ops(mb), c.profile
+            if to_next:
+                self.timer.mark(prof.sends_next)
+                prof.send_bytes_next += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            elif to_prev:
+                self.timer.mark(prof.sends_prev)
+            c.pending_sends[key] = (self.transport.issue(action, ops), retire)
+        return step
 
     @staticmethod
     def _wait_send(key: tuple[Any, int, int], ctx: RunContext) -> None:
@@ -244,21 +277,25 @@ class Executor:
         if retire is not None:
             retire(key[2])
 
-    def _recv(self, action: _Action, ctx: RunContext) -> None:
+    def _recv_step(self, action: _Action, ctx: RunContext) -> Step:
         s, mb, sched = action.stage_index, action.microbatch_index, ctx.schedule
-        stage = ctx.stages[s]
         forward = action.computation_type == RECV_F
-        table = sched.fwd_recv_ops if forward else sched.bwd_recv_ops
-        if (s, mb) in table:
-            raise AssertionError(f"Recv twice for {s=} {mb=} without executing compute")
-        ops = stage.get_fwd_recv_ops(mb) if forward else stage.get_bwd_recv_ops(mb)
+        get_ops = ctx.stages[s].get_fwd_recv_ops if forward else ctx.stages[s].get_bwd_recv_ops
         peer = self.peer(action, sched)
         link = rank_link(peer, sched.rank)
-        exact = self.exact_links is None or link is None or link in self.exact_links
-        handle = self.device.watch(peer, self.transport.issue(action, ops), exact=exact)
-        table[(s, mb)] = [handle]
-        if link is not None:
-            (ctx.profile.arrivals_prev if peer < sched.rank else ctx.profile.arrivals_next).append(handle)
+        from_prev = peer < sched.rank
+
+        def step(c: RunContext) -> None:
+            table = sched.fwd_recv_ops if forward else sched.bwd_recv_ops
+            if (s, mb) in table:
+                raise AssertionError(f"Recv twice for {s=} {mb=} without executing compute")
+            ops = get_ops(mb)
+            exact = self.exact_links is None or link is None or link in self.exact_links
+            handle = self.device.watch(peer, self.transport.issue(action, ops), exact=exact)
+            table[(s, mb)] = [handle]
+            if link is not None:
+                (c.profile.arrivals_prev if from_prev else c.profile.arrivals_next).append(handle)
+        return step
 
     @staticmethod
     def _fsdp(action: _Action, ctx: RunContext) -> None:
@@ -300,52 +337,55 @@ class Executor:
             stage.wait_for_gradient_reduction(sched._n_microbatches if sched.scale_grads else 1)
 
     # -- compute ------------------------------------------------------------------------------------
-    def _wait_input(self, action: _Action, ctx: RunContext) -> Any:
-        """Wait for a compute action's cross-rank input, just before the action that reads it: on CUDA
-        a stream wait on the compute stream, on gloo a host wait.  Returns the token the stall is timed
-        from (None: no cross-rank input).
+    @staticmethod
+    def _awaited_input(action: _Action, ctx: RunContext) -> tuple[bool, str] | None:
+        """Which receive a compute action waits for, just before it reads it: (True: the forward receive
+        table, False: the backward one; what it would be computing without it), None: no cross-rank input.
+        On CUDA the wait is a stream wait on the compute stream, on gloo a host wait.
 
         torch's placement (before F, B, I), except on the first stage: torch's ``backward_one_chunk``
         computes nothing there in a split backward's I (no input gradient is needed; the whole backward
         runs in W), so the gradient's consumer is W and the wait moves there — before I, it would stall
         the forwards the plan put between I and W."""
-        ct, s, mb, sched = action.computation_type, action.stage_index, action.microbatch_index, ctx.schedule
+        ct, s = action.computation_type, action.stage_index
         stage = ctx.stages[s]
         grad_from_peer = not stage.is_last and s + 1 not in ctx.stages
         if ct == F and not stage.is_first and s - 1 not in ctx.stages:
-            table, what = sched.fwd_recv_ops, "before receiving input"
-        elif grad_from_peer and (ct == B or (ct == I and not stage.is_first)):
-            table, what = sched.bwd_recv_ops, "before receiving its gradient"
-        elif grad_from_peer and ct == W and stage.is_first:
-            table, what = sched.bwd_recv_ops, "before receiving its gradient"
-        else:
-            return None
-        if (s, mb) not in table:
-            raise AssertionError(f"Computing {action=} {what}")
-        token = self.timer.recv_wait_begin()
-        self.device.wait_recv(table.pop((s, mb)))
-        return token
+            return True, "before receiving input"
+        if grad_from_peer and (ct == B or (ct == I and not stage.is_first) or (ct == W and stage.is_first)):
+            return False, "before receiving its gradient"
+        return None
 
-    def _compute(self, action: _Action, ctx: RunContext) -> None:
+    def _compute_step(self, action: _Action, ctx: RunContext) -> Step:
         ct, s, mb, sched = action.computation_type, action.stage_index, action.microbatch_index, ctx.schedule
         if mb is None or mb < 0:
             raise AssertionError(f"{action=} missing mb_index")
-        stage = ctx.stages[s]
-        rec = ActionRecord(ct.value, s, mb)
-        sched._assert_unsharded(stage)
-        wait_token = self._wait_input(action, ctx)
-        token = self.timer.start(rec)
-        if wait_token is not None:
-            self.timer.recv_wait_ms(rec, wait_token)
-        if ct == F:
-            self._forward(stage, mb, ctx)
-        elif ct in (B, I):
-            self._backward_input(stage, mb, ct == B, ctx)
-        else:
-            sched.backward_counter[s] += 1
-            stage.backward_weight_one_chunk(mb, last_backward=sched.backward_counter[s] == sched._n_microbatches)
-        self.timer.stop(rec, token)
-        ctx.profile.actions.append(rec)
+        stage, kind, needs = ctx.stages[s], ct.value, self._awaited_input(action, ctx)
+        forward, backward_input, full = self._forward, self._backward_input, ct == B
+
+        def step(c: RunContext) -> None:
+            rec, timer = ActionRecord(kind, s, mb), self.timer
+            sched._assert_unsharded(stage)
+            if needs is None:
+                token = timer.start(rec)
+            else:
+                table = sched.fwd_recv_ops if needs[0] else sched.bwd_recv_ops
+                if (s, mb) not in table:
+                    raise AssertionError(f"Computing {action=} {needs[1]}")
+                wait_token = timer.recv_wait_begin()
+                self.device.wait_recv(table.pop((s, mb)))
+                token = timer.start(rec)
+                timer.recv_wait_ms(rec, wait_token)
+            if ct == F:
+                forward(stage, mb, c)
+            elif ct == W:
+                sched.backward_counter[s] += 1
+                stage.backward_weight_one_chunk(mb, last_backward=sched.backward_counter[s] == sched._n_microbatches)
+            else:
+                backward_input(stage, mb, full, c)
+            timer.stop(rec, token)
+            c.profile.actions.append(rec)
+        return step
 
     def _forward(self, stage: Any, mb: int, ctx: RunContext) -> None:
         sched = ctx.schedule
