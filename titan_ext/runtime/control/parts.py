@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from titan_ext.plan import PipelineProfile
+from titan_ext.plan import PipelineProfile, link_tolerances_ms
 from titan_ext.args import ArgumentTypeError, callable_arg, sequence_arg
 
 from ..decide.budget import MemoryBudget, RankMemoryBudget, StageMemoryBudget
 from ..decide.placement import Layout, VirtualEstimator, VirtualReplanPolicy, virtual_tolerances
 from ..decide.planning import Planner
-from ..decide.policy import Policy, ReplanPolicy, eq1_tolerances, exact_arrival_links
+from ..decide.policy import Policy, ReplanPolicy, exact_arrival_links
 from ..measure.estimator import Estimator
 from .config import AdaptiveConfig, PolicySettings
 
@@ -112,7 +112,7 @@ def _one_stage(name: str, layout: Layout, n: int, config: AdaptiveConfig, spec: 
     estimator = Estimator(S, n, max(1, int(policy.window)), config.initial_times_ms)
 
     def tolerances(split: PipelineProfile, full: PipelineProfile, deployed: Any) -> list[float]:
-        return eq1_tolerances(full if deployed.backward == "full" else split, deployed.warmup_counts)
+        return link_tolerances_ms(full if deployed.backward == "full" else split, deployed.warmup_counts)
 
     planner = config.planner if config.planner is not None else spec.one_stage_planner(config)
     memory = _memory(StageMemoryBudget, name, layout, n, config, device, activation_bytes)

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol, Sequence
 from titan_ext.plan import PipelineProfile, adapted_warmup_counts, link_tolerances_ms, slackness
 from titan_ext.args import ArgumentTypeError, choice_arg, counts_arg, int_arg, plan_arg, real_arg
 
-__all__ = ["Decision", "Policy", "PolicySettings", "ReplanPolicy", "eq1_tolerances", "exact_arrival_links"]
+__all__ = ["Decision", "Policy", "PolicySettings", "ReplanPolicy", "exact_arrival_links"]
 
 
 @dataclass
@@ -203,7 +203,7 @@ class ReplanPolicy:
 
         # Recovery: what would we deploy now?
         initial_tol = link_tolerances_ms(estimate, initial_counts)
-        absorbed_by_initial = all(self.headroom_delay(delays[i]) <= initial_tol[i] or delays[i] <= 0 for i in range(S - 1))
+        absorbed_by_initial = all(self.headroom_delay(c) <= t or c <= 0 for c, t in zip(delays, initial_tol))
         if absorbed_by_initial:
             candidate, mode = list(initial_counts), "initial"
         else:
@@ -245,10 +245,6 @@ def check_thresholds(policy: Any) -> None:
 def headroom_delay(c_ms: float, rel_margin: float, abs_margin_ms: float) -> float:
     """The delay a re-plan absorbs for a measured one-way delay (head-room against jitter, §4.2)."""
     return c_ms * (1.0 + rel_margin) + abs_margin_ms if c_ms > 0 else 0.0
-
-
-def eq1_tolerances(estimate: PipelineProfile, counts: Sequence[int]) -> list[float]:
-    return link_tolerances_ms(estimate, counts)
 
 
 def exact_arrival_links(tolerance_ms: Sequence[float] | None, planned_for_ms: Sequence[float] | None,
