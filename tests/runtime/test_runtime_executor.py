@@ -21,26 +21,34 @@ def single_rank_group():
         dist.destroy_process_group()
 
 
-def test_executor_runs_two_local_stages_like_autograd(single_rank_group):
-    """Two stages on one rank (no communication): a split-backward action list runs through the
-    executor; losses and gradients equal plain autograd's, every compute action is timed."""
+
+def _two_local_stages(n: int, seed: int):
+    """Two MLP stages on one rank under torch's runtime (which owns the per-step state: receive tables,
+    counters, loss) set up for a training step, a reference copy of the modules, and ``n`` microbatches."""
     from titan_ext.testing import mlp_stages
     from titan_ext.runtime import _torch_compat
-    from titan_ext.runtime.execute.executor import Executor, RunContext
     from torch.distributed.pipelining import PipelineStage
 
-    n = 4
     mods, ref = mlp_stages(2, 8), mlp_stages(2, 8)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64)
     stages = [PipelineStage(mods[i], i, 2, torch.device("cpu")) for i in range(2)]
-    # torch's runtime owns the per-step state (receive tables, counters, loss) and sets the stages up
     sched = torch_schedules._PipelineScheduleRuntime(stages, n, loss_fn=Fn.mse_loss, scale_grads=False)
     arg_mbs, kwarg_mbs = sched._split_inputs((x,), {})
     ys = list(y.chunk(n))
     for st in stages:  # what step() sets for a training step
         st.has_backward = True
     _torch_compat.initialize_stages(sched, arg_mbs[0], kwarg_mbs[0], ys[0], None)
+    return mods, ref, stages, sched, arg_mbs, kwarg_mbs, ys
+
+
+def test_executor_runs_two_local_stages_like_autograd(single_rank_group):
+    """Two stages on one rank (no communication): a split-backward action list runs through the
+    executor; losses and gradients equal plain autograd's, every compute action is timed."""
+    from titan_ext.runtime.execute.executor import Executor, RunContext
+
+    n = 4
+    mods, ref, stages, sched, arg_mbs, kwarg_mbs, ys = _two_local_stages(n, seed=0)
     xs = [a[0] for a in arg_mbs]
     from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
     # F all, then per microbatch I on stage 1 and 0, then all W (a split-backward order)
@@ -67,23 +75,11 @@ def test_executor_prepares_a_changed_action_list_again(single_rank_group):
     plan, or the same list object changed in place — must run as itself. Three iterations on one executor
     (split backward, then full backward in a new list, then that list changed in place back to a split
     backward): each runs the kinds its list names, and each iteration's gradients equal plain autograd's."""
-    from titan_ext.testing import mlp_stages
-    from titan_ext.runtime import _torch_compat
     from titan_ext.runtime.execute.executor import Executor, RunContext
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
 
     n = 4
-    mods, ref = mlp_stages(2, 8), mlp_stages(2, 8)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64)
-    stages = [PipelineStage(mods[i], i, 2, torch.device("cpu")) for i in range(2)]
-    sched = torch_schedules._PipelineScheduleRuntime(stages, n, loss_fn=Fn.mse_loss, scale_grads=False)
-    arg_mbs, kwarg_mbs = sched._split_inputs((x,), {})
-    ys = list(y.chunk(n))
-    for st in stages:
-        st.has_backward = True
-    _torch_compat.initialize_stages(sched, arg_mbs[0], kwarg_mbs[0], ys[0], None)
+    mods, ref, stages, sched, arg_mbs, kwarg_mbs, ys = _two_local_stages(n, seed=1)
     forwards = [_Action(s, C.FORWARD, m) for m in range(n) for s in (0, 1)]
     split = forwards + [_Action(s, C.BACKWARD_INPUT, m) for m in range(n) for s in (1, 0)] + [
         _Action(s, C.BACKWARD_WEIGHT, m) for m in range(n) for s in (1, 0)]
