@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -209,3 +210,42 @@ def test_gathers_in_flight_keep_their_results_across_other_collectives():
         assert r["first"] == [[float(k), 1.0] for k in range(world)]
         assert r["second"] == [[10.0 + k] for k in range(world)] and r["third"] == [[20.0 + k] for k in range(world)]
         assert r["agreed"] == (True, [7]) and r["vote"] is True
+
+
+def _receives_posted_early(rank: int, world: int) -> dict:
+    cp = ControlPlane(dist.group.WORLD)
+    cp.expect(2, tag=1)
+    cp.expect(2, tag=1)  # posted already: nothing more (a second set would take the next gather's messages)
+    received = cp._expected[1][0]
+    received.fill_(-1.0)  # before the tag-0 gather below, so before any peer can send on tag 1
+    other = cp.all_gather(torch.tensor([100.0 + rank]))  # tag 0 in between: not matched with tag 1's receives
+    if rank == 0:
+        time.sleep(0.3)  # the peers' tag-1 messages are sent meanwhile
+    landed = received.tolist()  # before this rank starts its gather: the peers' rows are there already
+    first = cp.start_all_gather(torch.tensor([float(rank), 1.0], dtype=torch.float64), tag=1)
+    rounds = [[t.tolist() for t in first.result()]]
+    for k in range(2):  # the next iterations': posted early again, then gathered
+        cp.expect(2, tag=1)
+        rounds.append([t.tolist() for t in cp.start_all_gather(torch.tensor([float(rank), 2.0 + k],
+                                                                            dtype=torch.float64), tag=1).result()])
+    cp.expect(3, tag=1)
+    try:
+        cp.start_all_gather(torch.tensor([1.0, 2.0], dtype=torch.float64), tag=1)
+        mismatch = None
+    except ValueError as e:
+        mismatch = str(e)
+    return {"other": [t.tolist() for t in other], "landed": landed, "rounds": rounds, "mismatch": mismatch}
+
+
+@pytest.mark.multiprocess
+def test_receives_posted_early_take_the_messages_as_they_are_sent():
+    """``ControlPlane.expect`` posts a gather's receives before the gather: the peers' messages land while
+    this rank still works (gloo hands a message over only to a posted receive), each gather on the tag
+    gets its own messages, and a gather on another tag in between is not mixed with them."""
+    world = 3
+    for rank, r in enumerate(run_ranks(_receives_posted_early, world, backend="gloo")):
+        assert r["other"] == [[100.0 + k] for k in range(world)]
+        if rank == 0:  # it waited before its gather, the others did not
+            assert r["landed"] == [[-1.0, -1.0]] + [[float(k), 1.0] for k in range(1, world)]
+        assert r["rounds"] == [[[float(k), v] for k in range(world)] for v in (1.0, 2.0, 3.0)]
+        assert r["mismatch"] and "posted for 3" in r["mismatch"]

@@ -42,7 +42,7 @@ from .decide.policy import Decision
 from .execute.executor import Executor, RunContext, check_schedule_arguments, run_with_failover, uses_fsdp
 from .execute.losses import MicrobatchLosses, sort_outputs
 from .measure.metrics import IterationMetrics, MetricsRecord
-from .measure.profiler import IterationProfile, decode_profiles, encode_profile, now
+from .measure.profiler import PROFILE_TAG, IterationProfile, decode_profiles, encode_profile, now, profile_length
 
 __all__ = ["AdaptiveSchedule"]
 
@@ -196,6 +196,8 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         training = self._has_backward
         if training:
             self.control.sync_clock()
+            if self.cadence.exchanges_at(self.iteration):  # its receives posted now: the messages land as sent
+                self.control.expect(profile_length(self.parts.message_slots, self.parts.local_stages), PROFILE_TAG)
         stages, actions_by_rank = {st.stage_index: st for st in self._stages}, self.pipeline_order_with_comms
         actions = actions_by_rank[self.rank]
         ctx, iteration_ms = run_with_failover(  # a failed attempt re-runs on the delegates (delegate/schedule.py)
@@ -239,8 +241,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
 
     # ---------------------------------------------------------------- the boundary and the check
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
-        t0, check = now(), self.cadence.take_posted()  # a check posted at the previous boundary: decided now
-        due = check is None and self.cadence.due(self.iteration)
+        t0, due, check = now(), self.cadence.exchanges_at(self.iteration), self.cadence.take_posted()  # posted: decide
         # device times, read once the device ran them: at an exchange now (its last event, never a synchronize)
         if self.executor.timer.resolve(block=due):
             iteration_ms = self.executor.timer.wall_ms
@@ -248,7 +249,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
                              profile_every=self.cadence.period)
         links, ran_probe = [], self.regime.probe_running
         if due:  # a quiet check runs behind (control/cadence.py): its exchange travels during the next iteration
-            gathering = self.control.start_all_gather(self._local_profile_vector(prof))
+            gathering = self.control.start_all_gather(self._local_profile_vector(prof), PROFILE_TAG)
             check = self.cadence.post(gathering, self.iteration, self.planning.running)
             if check is None:
                 m.exchange_ms, m.check, m.decision_reason = 1e3 * (now() - t0), "posted", "decided at the next boundary"
@@ -295,6 +296,5 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
     def _local_profile_vector(self, prof: IterationProfile) -> torch.Tensor:
         """This rank's contribution to the one control-plane all_gather (override point for tests)."""
         return encode_profile(prof.landed(), self.iteration, self.deployed.hash if self.deployed else 0,
-                              self.parts.message_slots, *self.control.clock, candidate_hash=self.lifecycle.candidate_hash(),
-                              memory_budget_bytes=self.memory.local_budget_bytes(),
-                              stage_ms=self.parts.stage_ms(prof, self.rank))
+                              self.parts.message_slots, *self.control.clock, self.lifecycle.candidate_hash(),
+                              self.memory.local_budget_bytes(), self.parts.stage_ms(prof, self.rank))

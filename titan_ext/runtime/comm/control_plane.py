@@ -83,6 +83,7 @@ class ControlPlane:
             self.group = group if group is not None else new_control_group(self.ranks, timeout_s)
         self._met = False
         self._inflight: Gathering | None = None  # a started all_gather not waited for yet (start_all_gather)
+        self._expected: dict[int, tuple[torch.Tensor, list[Any]]] = {}  # tag → receives posted early (expect)
         #: (clock_self − clock_prev [s], min RTT [s]), measured once at the first training step (:meth:`sync_clock`)
         self.clock: tuple[float, float] = (math.nan, math.nan)
         self._clock_synced = False
@@ -97,18 +98,41 @@ class ControlPlane:
         caller's thread."""
         return self.start_all_gather(vector).result()
 
-    def start_all_gather(self, vector: torch.Tensor) -> "Gathering":
+    def expect(self, numel: int, tag: int, dtype: torch.dtype = torch.float64) -> None:
+        """Post the receives of the next :meth:`start_all_gather` on ``tag`` now, for vectors of ``numel``
+        values of ``dtype`` (nothing if they are posted already).  gloo's TCP pairs hand a message over only
+        once its receive is posted (a send waits for the peer's "ready to receive"): a receive posted at the
+        gather takes a round trip through every peer's transport thread, the rank that arrives last
+        included; posted earlier (at the start of the iteration whose boundary exchanges), every peer's
+        message lands as it is sent and the last rank's gather finds them there.  Every rank posts the
+        same receives in the same order (the gathers' order), so messages match FIFO per peer and tag."""
+        if self.local or tag in self._expected:
+            return
+        received = torch.empty((self.size, numel), dtype=dtype)
+        me = self.ranks.index(dist.get_rank())
+        self._expected[tag] = (received, dist.batch_isend_irecv([  # posting waits for nothing
+            dist.P2POp(dist.irecv, received[i], peer, group=self.group, tag=tag)
+            for i, peer in enumerate(self.ranks) if i != me]))
+
+    def start_all_gather(self, vector: torch.Tensor, tag: int = 0) -> "Gathering":
         """:meth:`all_gather` posted, not waited for: the messages travel while the caller goes on (the
         next iteration runs); :meth:`Gathering.result` waits for them.  Every rank must start the same
-        gathers in the same order; every later collective of this plane first waits for one in flight."""
+        gathers in the same order; every later collective of this plane first waits for one in flight.
+        ``tag``: the messages' point-to-point tag (receives posted by :meth:`expect` on it are used)."""
         if vector.device.type != "cpu":
             raise ValueError(f"the control plane carries host tensors, got one on {vector.device}: make it "
                              f"on the host (the device's values are read by the device layer)")
         vector = vector.detach()
         if self.local:
             return Gathering([vector], [], None)
-        out = [torch.empty_like(vector) for _ in range(self.size)]
-        works = self._collective("all_gather", lambda: self._post(out, vector))
+        received, works = self._expected.pop(tag, (None, []))
+        if received is not None and (received.shape[1] != vector.numel() or received.dtype != vector.dtype):
+            raise ValueError(f"gather on tag {tag}: receives were posted for {received.shape[1]} x "
+                             f"{received.dtype}, the vector is {vector.numel()} x {vector.dtype}")
+        if received is None:
+            received = torch.empty((self.size, vector.numel()), dtype=vector.dtype)
+        out = [row.view_as(vector) for row in received]
+        works = works + self._collective("all_gather", lambda: self._post(out, vector, tag, receive=not works))
         self._inflight = Gathering(out, works, lambda run: self._named("all_gather/wait", run))
         return self._inflight
 
@@ -118,17 +142,19 @@ class ControlPlane:
         if inflight is not None:
             inflight.wait()
 
-    def _post(self, out: list[torch.Tensor], vector: torch.Tensor) -> list[Any]:
+    def _post(self, out: list[torch.Tensor], vector: torch.Tensor, tag: int, receive: bool) -> list[Any]:
         """All-gather as one message to and from every other rank, all in flight at once: the rank that
         arrives last waits one hop, where gloo's ring ``all_gather`` passes S − 1 hops in sequence (on a
         busy 2-core host each hop is a process wake-up: 4 ranks 4.1 → 2.7 ms median, 8 ranks 12.1 →
-        8.8 ms). Point-to-point on the control group, tag 0: at most one gather is in flight (every other
+        8.8 ms). Point-to-point on the control group: at most one gather is in flight per tag (every other
         collective settles it first) and each rank posts its sends and receives in rank order, so messages
-        match in FIFO order per peer; gloo keeps p2p tags apart from its collectives' slots."""
+        match in FIFO order per peer; gloo keeps p2p tags apart from its collectives' slots.  ``receive``:
+        post the receives too (False: :meth:`expect` posted them)."""
         me = self.ranks.index(dist.get_rank())
         out[me].copy_(vector)
-        ops = [dist.P2POp(op, vector if op is dist.isend else out[i], peer, group=self.group)
-               for i, peer in enumerate(self.ranks) if i != me for op in (dist.isend, dist.irecv)]
+        ops = [dist.P2POp(op, vector if op is dist.isend else out[i], peer, group=self.group, tag=tag)
+               for i, peer in enumerate(self.ranks) if i != me
+               for op in ((dist.isend, dist.irecv) if receive else (dist.isend,))]
         return dist.batch_isend_irecv(ops)
 
     def gather_ints(self, value: int) -> list[int]:

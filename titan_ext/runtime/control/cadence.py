@@ -54,6 +54,11 @@ class CheckCadence:
     def due(self, iteration: int) -> bool:
         return iteration >= self._next
 
+    def exchanges_at(self, iteration: int) -> bool:
+        """The boundary of ``iteration`` starts an exchange: a check is due and none posted at the previous
+        boundary waits to be decided there."""
+        return self._posted is None and self.due(iteration)
+
     @property
     def backed_off(self) -> bool:
         """The period has grown: the checks so far were quiet (a check may then run behind)."""

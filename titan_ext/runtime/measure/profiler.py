@@ -51,8 +51,8 @@ from titan_ext.plan.timing import bubble_rate
 
 from ..execute.device import now
 
-__all__ = ["ActionRecord", "IterationProfile", "RankProfile", "decode_profiles", "encode_profile",
-           "estimate_clock_offsets", "link_delay_estimates", "now", "one_way_delay_ms", "timeline_bubble_rate"]
+__all__ = ["PROFILE_TAG", "ActionRecord", "IterationProfile", "RankProfile", "decode_profiles", "encode_profile",
+           "estimate_clock_offsets", "link_delay_estimates", "now", "one_way_delay_ms", "profile_length", "timeline_bubble_rate"]
 
 
 @dataclass(init=False)
@@ -147,6 +147,16 @@ class IterationProfile:
 _HDR = 18  # iteration, plan hash (2 x 26 bits), F, I, W, B ms, busy ms, first start, first F, last end,
 #             activation bytes, clock offset to prev, rtt to prev, send bytes, candidate-plan hash (52 bits),
 #             activation memory budget (bytes; NaN: none), gap ms per action
+
+
+#: the point-to-point tag of the profile exchange on the control group: its receives are posted at the start of
+#: the iteration whose boundary exchanges (``ControlPlane.expect``); the control plane's other gathers use 0
+PROFILE_TAG = 1
+
+
+def profile_length(n_microbatches: int, local_stages: int = 0) -> int:
+    """The length of :func:`encode_profile`'s vector (``local_stages``: rows of ``stage_ms``)."""
+    return _HDR + 4 * n_microbatches + 4 * local_stages
 
 
 def encode_profile(p: IterationProfile, iteration: int, plan_hash: int, n_microbatches: int,
