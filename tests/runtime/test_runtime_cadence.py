@@ -12,22 +12,22 @@ def _checks(cadence: CheckCadence, iterations: int, settled=lambda it: True, del
     return out
 
 
-def test_period_doubles_after_two_quiet_windows_up_to_the_max():
-    # window 3: 6 quiet checks at each period (hand-counted; the first check has no previous delays to
-    # compare with, so it is news): 0..6 at k=1, 8..18 at k=2, then k=4
+def test_period_doubles_after_a_quiet_window_up_to_the_max():
+    # window 3: 3 quiet checks at each period (hand-counted; the first check has no previous delays to
+    # compare with, so it is news): 0..3 at k=1, 5..9 at k=2, then k=4
     got = _checks(CheckCadence(1, 4, window=3, rel_margin=0.1, abs_margin_ms=1.0), 30)
-    assert got == [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 22, 26]
+    assert got == [0, 1, 2, 3, 5, 7, 9, 13, 17, 21, 25, 29]
 
 
 def test_anything_but_quiet_resets_to_profile_every():
-    unsettled_at = {10}
+    unsettled_at = {7}
     got = _checks(CheckCadence(1, 4, 3, 0.1, 1.0), 20, settled=lambda it: it not in unsettled_at)
-    assert got[:11] == [0, 1, 2, 3, 4, 5, 6, 8, 10, 11, 12]  # 10 not quiet: back to every iteration
+    assert got[:11] == [0, 1, 2, 3, 5, 7, 8, 9, 10, 12, 14]  # 7 not quiet: back to every iteration
     # a link delay that moves beyond 10 % + 1 ms is news: also not quiet
     moved = _checks(CheckCadence(1, 4, 3, 0.1, 1.0), 12, delays=lambda it: [1.0 if it < 7 else 30.0])
-    assert moved[:10] == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]
+    assert moved[:9] == [0, 1, 2, 3, 5, 7, 8, 9, 10]
     # within the margins (1.0 → 1.5 ms < 10 % + 1 ms): still quiet
-    assert _checks(CheckCadence(1, 4, 3, 0.1, 1.0), 12, delays=lambda it: [1.0 + 0.5 * (it % 2)])[6:9] == [6, 8, 10]
+    assert _checks(CheckCadence(1, 4, 3, 0.1, 1.0), 12, delays=lambda it: [1.0 + 0.5 * (it % 2)])[3:6] == [3, 5, 7]
 
 
 def test_fixed_cadence_never_grows():
@@ -39,7 +39,7 @@ def test_fixed_cadence_never_grows():
 def test_a_check_runs_behind_only_once_backed_off_and_with_no_plan_to_agree_on():
     cadence = CheckCadence(1, 4, 1, 0.1, 1.0)
     assert cadence.post("x", 0, planning=False) == ("x", 0)  # period 1: decided where it exchanged
-    for it in range(3):  # window 1: two quiet checks double the period
+    for it in range(2):  # window 1: the check at 0 is news, the quiet one at 1 doubles the period
         cadence.after_check(it, True, [1.0])
     assert cadence.backed_off and cadence.period == 2
     assert cadence.post("y", 4, planning=True) == ("y", 4)  # a plan's hash to agree on: decided now
@@ -50,10 +50,10 @@ def test_a_check_runs_behind_only_once_backed_off_and_with_no_plan_to_agree_on()
 
 def test_a_check_decided_behind_schedules_the_next_after_its_decision():
     cadence = CheckCadence(1, 4, 1, 0.1, 1.0)
-    for it in range(3):
+    for it in range(2):
         cadence.after_check(it, True, [1.0])
-    assert not cadence.due(3) and cadence.due(4)  # period 2 after the check at 2
-    cadence.after_check(4, False, [1.0], decided_at=5)  # exchanged at 4, decided at 5: not quiet
-    assert cadence.period == 1 and not cadence.due(5) and cadence.due(6)
-    cadence.after_check(6, True, [1.0], decided_at=6)  # decided where it exchanged: as before
-    assert cadence.due(7)
+    assert not cadence.due(2) and cadence.due(3)  # period 2 after the check at 1
+    cadence.after_check(3, False, [1.0], decided_at=4)  # exchanged at 3, decided at 4: not quiet
+    assert cadence.period == 1 and not cadence.due(4) and cadence.due(5)
+    cadence.after_check(5, True, [1.0], decided_at=5)  # decided where it exchanged: quiet, the period doubles
+    assert cadence.period == 2 and not cadence.due(6) and cadence.due(7)

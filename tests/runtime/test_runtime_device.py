@@ -34,7 +34,7 @@ DIM, N_MB, STEPS, LINK_MS, COMPUTE_MS = 8, 4, 6, 60.0, 4.0
 def _sim_worker(rank: int, world: int) -> dict:
     mod = SimComputeStage(DIM, COMPUTE_MS, COMPUTE_MS, COMPUTE_MS, seed=rank)
     sched = PipeMorph(PipelineStage(mod, rank, world, torch.device("cpu")), N_MB, loss_fn=Fn.mse_loss,
-                      adaptive=False, backward="split")
+                      adaptive=False, backward="split", profile_every_max=1)  # a check every iteration: read each
     sched.executor.use_device(SimDevice(torch.device("cpu")))
     sched.executor.transport = SimAsyncTransport(sched.executor.transport, {0: LINK_MS})
     g = torch.Generator().manual_seed(0)

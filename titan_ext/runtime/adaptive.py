@@ -288,7 +288,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
             self._log(decision=decision.action, reason=decision.reason)
         self.polish.start(res, decision)
         m.decision, m.decision_reason = decision.action, decision.reason
-        settled = self.regime.settled(decision, self.planning.running, self.adaptive)
+        settled = not res.deployed and self.regime.settled(decision, self.planning.running, self.adaptive)
         # the window estimates (the medians the policy decides on), not this check's readings (cadence.links_moved)
         self.cadence.after_check(exchanged_at, settled, self.estimator.window.median("C", len(links)), self.iteration)
         return links

@@ -2,9 +2,12 @@
 "Straggler mitigation": the profiler tracks continuously).
 
 A check happens every ``period`` iterations.  The period starts at ``profile_every`` and doubles after
-2 × ``window`` quiet checks (keep or hold, nothing planning, no probe, no link delay moved beyond the
-policy's margins since the previous check: the window refreshed twice without news), up to
-``profile_every_max``; anything else resets it to ``profile_every``.  The price is detection latency:
+``window`` quiet checks (keep or hold, no plan swapped in, nothing planning, no probe, no link delay moved
+beyond the policy's margins since the previous check: the window then holds only checks made under the
+deployed plan, none with news), up to ``profile_every_max``; anything else resets it to ``profile_every``.  Every
+check decided where it exchanges holds every rank at the boundary until the last one arrives, so the
+period grows as soon as the window has nothing new to say (the refine and the backward probe, which need
+checks under their plan, are not quiet and keep it short).  The price is detection latency:
 a new straggler is seen at the next check, at most ``profile_every_max`` iterations later.
 
 While the period is backed off (:attr:`CheckCadence.backed_off`) a check runs behind the training: its
@@ -97,6 +100,6 @@ class CheckCadence:
         self._quiet = self._quiet + 1 if quiet else 0
         if not quiet:
             self.period = self.profile_every
-        elif self._quiet >= 2 * self.window:
+        elif self._quiet >= self.window:
             self.period, self._quiet = min(2 * self.period, self.profile_every_max), 0
         self._next = max(iteration + self.period, (iteration if decided_at is None else decided_at) + 1)
