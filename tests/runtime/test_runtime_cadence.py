@@ -1,6 +1,13 @@
 """runtime/control/cadence.py: when the ranks exchange profiles (adaptive k, PipeMorph §6 ②)."""
 
+import pytest
+import torch
+import torch.nn.functional as Fn
+from torch.distributed.pipelining import PipelineStage
+
+from titan_ext.runtime import Decision, PipeMorph, PolicySettings
 from titan_ext.runtime.control.cadence import CheckCadence
+from titan_ext.testing import mlp_stages, run_ranks, seeded_batch, step_rank
 
 
 def _checks(cadence: CheckCadence, iterations: int, settled=lambda it: True, delays=lambda it: [1.0]) -> list[int]:
@@ -57,3 +64,43 @@ def test_a_check_decided_behind_schedules_the_next_after_its_decision():
     assert cadence.period == 1 and not cadence.due(4) and cadence.due(5)
     cadence.after_check(5, True, [1.0], decided_at=5)  # decided where it exchanged: quiet, the period doubles
     assert cadence.period == 2 and not cadence.due(6) and cadence.due(7)
+
+
+class _SwapOnce:
+    """Keeps, except one forced re-plan (one more warm-up forward on stage 0) at its second check; a window
+    of one check."""
+
+    window = 1
+    forces = True
+
+    def __init__(self):
+        self.calls = 0
+
+    def decide(self, estimate, deployed_counts, initial_counts, since, slack_floor=2):
+        self.calls += 1
+        if self.calls == 2:
+            return Decision("force", "re-plan", warmup_counts=[initial_counts[0] + 1, *initial_counts[1:]])
+        return Decision("keep", "quiet")
+
+
+def _swap_once(rank: int, world: int) -> list[tuple[int, str | None, bool]]:
+    mods = mlp_stages(world, 8)
+    # margins no loopback reading crosses: a link delay that moves is news too (the test above), not wanted here
+    sched = PipeMorph(PipelineStage(mods[rank], rank, world, torch.device("cpu")), 4, loss_fn=Fn.mse_loss,
+                      adaptive=False, backward="full", policy=_SwapOnce(),
+                      policy_settings=PolicySettings(abs_margin_ms=1e3))
+    for k in range(12):
+        step_rank(sched, rank, world, *seeded_batch(k, 8, 8))
+    return [(m["iteration"], m["check"], bool(m["deployed"])) for m in sched.metrics_history]
+
+
+@pytest.mark.multiprocess
+def test_a_check_that_swaps_a_plan_in_is_not_quiet():
+    """After a swap the window must first hold a check made under the new plan: the period (window 1)
+    doubles after the check following the swap, not at the swap (exchanges at d + 1, then d + 3)."""
+    for rows in run_ranks(_swap_once, 2, backend="gloo"):
+        swaps = [it for it, _, deployed in rows if deployed]
+        assert len(swaps) == 1, rows
+        d = swaps[0]
+        exchanged = [it for it, check, _ in rows if it > d and check in ("exchange", "posted")]
+        assert exchanged[:2] == [d + 1, d + 3], rows

@@ -241,7 +241,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
 
     # ---------------------------------------------------------------- the boundary and the check
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
-        t0, due, check = now(), self.cadence.exchanges_at(self.iteration), self.cadence.take_posted()  # posted: decide
+        t0, due, check = now(), self.cadence.exchanges_at(self.iteration), self.cadence.take_posted()  # posted: decided now
         # device times, read once the device ran them: at an exchange now (its last event, never a synchronize)
         if self.executor.timer.resolve(block=due):
             iteration_ms = self.executor.timer.wall_ms

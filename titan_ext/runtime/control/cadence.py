@@ -4,11 +4,11 @@
 A check happens every ``period`` iterations.  The period starts at ``profile_every`` and doubles after
 ``window`` quiet checks (keep or hold, no plan swapped in, nothing planning, no probe, no link delay moved
 beyond the policy's margins since the previous check: the window then holds only checks made under the
-deployed plan, none with news), up to ``profile_every_max``; anything else resets it to ``profile_every``.  Every
-check decided where it exchanges holds every rank at the boundary until the last one arrives, so the
-period grows as soon as the window has nothing new to say (the refine and the backward probe, which need
-checks under their plan, are not quiet and keep it short).  The price is detection latency:
-a new straggler is seen at the next check, at most ``profile_every_max`` iterations later.
+deployed plan, none with news), up to ``profile_every_max``; anything else resets it to
+``profile_every``.  A check decided where it exchanges holds every rank at the boundary until the last
+one arrives, so the period grows as soon as the window has nothing new to say (the refine and the
+backward probe, which need checks under their plan, are not quiet and keep it short).  The price is
+detection latency: a new straggler is seen at the next check, at most ``profile_every_max`` iterations later.
 
 While the period is backed off (:attr:`CheckCadence.backed_off`) a check runs behind the training: its
 exchange is posted at the boundary it is due and decided on at the next one (``adaptive.py``), so the
@@ -93,8 +93,8 @@ class CheckCadence:
 
     def after_check(self, iteration: int, settled: bool, delays: Sequence[float], decided_at: int | None = None) -> None:
         """Schedule the next check; ``iteration``: the one whose profiles were exchanged; ``settled``: the
-        decision was keep/hold with nothing in flight; ``decided_at``: the boundary the decision was taken
-        at (a check that ran behind: the next one), the next check comes after it."""
+        decision was keep/hold, no plan swapped in, nothing in flight; ``decided_at``: the boundary the
+        decision was taken at (a check that ran behind: the next one), the next check comes after it."""
         moved = self.links_moved(delays)  # always: the next check compares with this one's delays
         quiet = settled and not moved
         self._quiet = self._quiet + 1 if quiet else 0

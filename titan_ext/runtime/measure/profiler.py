@@ -52,7 +52,8 @@ from titan_ext.plan.timing import bubble_rate
 from ..execute.device import now
 
 __all__ = ["PROFILE_TAG", "ActionRecord", "IterationProfile", "RankProfile", "decode_profiles", "encode_profile",
-           "estimate_clock_offsets", "link_delay_estimates", "now", "one_way_delay_ms", "profile_length", "timeline_bubble_rate"]
+           "estimate_clock_offsets", "link_delay_estimates", "now", "one_way_delay_ms", "profile_length",
+           "timeline_bubble_rate"]
 
 
 @dataclass(init=False)
