@@ -219,8 +219,10 @@ def _receives_posted_early(rank: int, world: int) -> dict:
     received = cp._expected[1][0]
     received.fill_(-1.0)  # before the tag-0 gather below, so before any peer can send on tag 1
     other = cp.all_gather(torch.tensor([100.0 + rank]))  # tag 0 in between: not matched with tag 1's receives
-    if rank == 0:
-        time.sleep(0.3)  # the peers' tag-1 messages are sent meanwhile
+    if rank == 0:  # the peers' tag-1 messages land meanwhile (without a posted receive they never would)
+        deadline = time.monotonic() + 30.0
+        while (received[1:] == -1.0).any() and time.monotonic() < deadline:
+            time.sleep(0.01)
     landed = received.tolist()  # before this rank starts its gather: the peers' rows are there already
     first = cp.start_all_gather(torch.tensor([float(rank), 1.0], dtype=torch.float64), tag=1)
     rounds = [[t.tolist() for t in first.result()]]
