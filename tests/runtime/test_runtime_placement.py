@@ -11,7 +11,8 @@ import pytest
 from titan_ext.plan import LinkProfile, PipelineProfile
 from titan_ext.plan.virtual import virtual_profile
 from titan_ext.runtime.decide.placement import VirtualEstimator, VirtualReplanPolicy, rank_level, read_layout
-from titan_ext.runtime.measure.profiler import ActionRecord, IterationProfile, decode_profiles, encode_profile
+from titan_ext.runtime.measure.profiler import (ActionRecord, IterationProfile, decode_profiles, encode_profile,
+                                               profile_length)
 
 R, V, N = 4, 2, 8
 
@@ -86,6 +87,9 @@ def test_profile_vector_carries_one_row_per_local_stage():
         prof.actions.append(rec)
     rows = prof.stage_times_ms([1, 6])
     vec = encode_profile(prof, 0, 0, 2 * N, math.nan, math.nan, stage_ms=rows)
+    # the length the exchange's early-posted receives are made for (ControlPlane.expect), with and without rows
+    assert vec.numel() == profile_length(2 * N, local_stages=2)
+    assert encode_profile(prof, 0, 0, 2 * N, math.nan, math.nan).numel() == profile_length(2 * N)
     (dec,) = decode_profiles([vec], 2 * N, local_stages=2)
     assert dec.stage_ms[0][0] == pytest.approx(3.0) and dec.stage_ms[0][2] == pytest.approx(1.0)
     assert math.isnan(dec.stage_ms[0][1]) and math.isnan(dec.stage_ms[0][3])
