@@ -72,7 +72,7 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
         "a P2P op a rank sends to itself (torch < 2.13's start-up handshake): the receive buffer and the "
         "clone of the matched send are both this rank's stage tensors on its one device, so copy_ is a "
         "device-to-device copy enqueued on the current stream (a memcpy on CPU), never a host wait",
-    ("titan_ext/runtime/comm/control_plane.py", "ControlPlane._post", ".copy_"):
+    ("titan_ext/runtime/comm/control_plane.py", "ControlPlane._send", ".copy_"):
         "host to host: all_gather refuses a device vector, and out[me] is torch.empty_like of it",
     ("titan_ext/runtime/comm/control_plane.py", "ControlPlane.gather_ints", ".item"):
         "reads all_gather's outputs: host tensors (torch.empty_like of a torch.tensor made without a "

@@ -125,14 +125,13 @@ class ControlPlane:
         vector = vector.detach()
         if self.local:
             return Gathering([vector], [], None)
-        received, works = self._expected.pop(tag, (None, []))
-        if received is not None and (received.shape[1] != vector.numel() or received.dtype != vector.dtype):
+        self.expect(vector.numel(), tag, vector.dtype)  # now, unless posted early
+        received, works = self._expected.pop(tag)
+        if received.shape[1] != vector.numel() or received.dtype != vector.dtype:
             raise ValueError(f"gather on tag {tag}: receives were posted for {received.shape[1]} x "
                              f"{received.dtype}, the vector is {vector.numel()} x {vector.dtype}")
-        if received is None:
-            received = torch.empty((self.size, vector.numel()), dtype=vector.dtype)
         out = [row.view_as(vector) for row in received]
-        works = works + self._collective("all_gather", lambda: self._post(out, vector, tag, receive=not works))
+        works = works + self._collective("all_gather", lambda: self._send(out, vector, tag))
         self._inflight = Gathering(out, works, lambda run: self._named("all_gather/wait", run))
         return self._inflight
 
@@ -142,20 +141,16 @@ class ControlPlane:
         if inflight is not None:
             inflight.wait()
 
-    def _post(self, out: list[torch.Tensor], vector: torch.Tensor, tag: int, receive: bool) -> list[Any]:
-        """All-gather as one message to and from every other rank, all in flight at once: the rank that
-        arrives last waits one hop, where gloo's ring ``all_gather`` passes S − 1 hops in sequence (on a
-        busy 2-core host each hop is a process wake-up: 4 ranks 4.1 → 2.7 ms median, 8 ranks 12.1 →
-        8.8 ms). Point-to-point on the control group: at most one gather is in flight per tag (every other
-        collective settles it first) and each rank posts its sends and receives in rank order, so messages
-        match in FIFO order per peer; gloo keeps p2p tags apart from its collectives' slots.  ``receive``:
-        post the receives too (False: :meth:`expect` posted them)."""
-        me = self.ranks.index(dist.get_rank())
-        out[me].copy_(vector)
-        ops = [dist.P2POp(op, vector if op is dist.isend else out[i], peer, group=self.group, tag=tag)
-               for i, peer in enumerate(self.ranks) if i != me
-               for op in ((dist.isend, dist.irecv) if receive else (dist.isend,))]
-        return dist.batch_isend_irecv(ops)
+    def _send(self, out: list[torch.Tensor], vector: torch.Tensor, tag: int) -> list[Any]:
+        """All-gather as one message to and from every other rank, all in flight at once (the receives:
+        :meth:`expect`): the rank that arrives last waits one hop, where gloo's ring ``all_gather`` passes
+        S − 1 hops in sequence (on a busy 2-core host each hop is a process wake-up: 4 ranks 4.1 → 2.7 ms
+        median, 8 ranks 12.1 → 8.8 ms). Point-to-point on the control group: at most one gather is in flight
+        per tag (every other collective settles it first) and each rank posts its sends and receives in rank
+        order, so messages match in FIFO order per peer; gloo keeps p2p tags apart from its collectives' slots."""
+        out[self.ranks.index(dist.get_rank())].copy_(vector)
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, vector, peer, group=self.group, tag=tag)
+                                       for peer in self.ranks if peer != dist.get_rank()])
 
     def gather_ints(self, value: int) -> list[int]:
         """Every rank's integer (e.g. a 52-bit plan hash), by PP rank."""
