@@ -18,14 +18,17 @@ replaces it only if the model, on that estimate, predicts it ``REFINE_MARGIN`` f
 deployed plan stays (logged ``unchanged``; never swapped back, should a user's plan have been deployed
 meanwhile).  A refined plan is not refined again.
 
-**Realised?** The refine first predicts the deployed plan under that estimate.  Where the median span of
-the ``window`` checks it ran exceeds the prediction by more than ``MODEL_TOLERANCE``, the model does not
-describe this hardware well enough to rank the two backward variants (ranks sharing host cores: a split
-plan's extra actions slow the other ranks' host work, which the model, one device per rank, cannot see).
-Under ``backward="auto"`` the refine's job then makes, instead of a refined plan, the probe of the other
-variant with the same warm-up counts (``backward.py``'s probe and select: the full probe of a split plan
-with 1F1B's counts is 1F1B's own plan), and the measured verdict chooses the variant of every plan made for
-similar link delays while it holds.
+**Realised?** The refine first predicts the deployed plan under that estimate, and plans both backward
+variants on it.  Where the median span of the ``window`` checks it ran exceeds its prediction by more than
+``MODEL_TOLERANCE``, or exceeds the prediction of the other variant's plan (the model ranked the deployed
+variant first by less than its own error on the deployed plan), the model does not describe this hardware well
+enough to rank the two backward variants (ranks sharing host cores: a split plan's extra actions slow the other
+ranks' host work, which the model, one device per rank, cannot see).  Under ``backward="auto"`` the refine's job
+then makes, instead of a refined plan, the probe of the other variant: the planner's plan of it at the same
+memory (at 1F1B's memory with no delay, the full variant's is 1F1B's own plan), or, where only one variant was
+planned, the other variant with the same warm-up counts (``backward.py``'s probe and select); the measured
+verdict chooses the variant of every plan made for similar link delays while it holds.  On hardware the model
+describes (a GPU per rank) the measured span stays below both predictions and no probe runs.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class Regime:
         self.planned_for_ms: list[float] | None = None  # the deployed plan's absorbed delays
         #: a refine is due for the deployed regime's plan; checks absorbed since it was installed
         self.refine_due, self.checks_since_install = False, 0
+        #: the deployed plan's warm-up counts and in-flight limit when a refine may probe (a select back to it)
+        self.probe_base: tuple[list[int], list[int] | None] = ([], None)
         settings = config.policy_settings
         self.backward = BackwardChoice(config.backward, parts.choose_backward, parts.estimator.window.size,
                                        config.backward_margin, log, settings.rel_margin, settings.abs_margin_ms)
@@ -114,8 +119,8 @@ class Regime:
         cand = res.candidate
         if res.deployed and res.decision is not None and res.decision.action == "refine" and cand.trigger == "probe":
             # the refine found the deployed plan not realised (module docstring): its job made the probe
-            self.backward.chooser.start_probe(other_variant(cand.backward), cand.counts, cand.inflight_limit,
-                                              f"; {cand.reason}")
+            counts, limit = self.probe_base
+            self.backward.chooser.start_probe(other_variant(cand.backward), counts, limit, f"; {cand.reason}")
 
     def decide(self, deployed: Any, adaptive: bool, delegating: bool, iteration: int) -> Decision:
         """The policy's decision on the window estimates, the initial plan's calibration once the times
@@ -179,23 +184,27 @@ class Regime:
         # realised? (module docstring) — the measured median span of the deployed plan, when auto may measure
         verify = refine and choice.by_model and decision.backward is None and len(spans) >= window
         measured_ms = statistics.median(spans[-window:]) if verify else math.inf
-        if verify:
-            probe = dataclasses.replace(decision, action="probe", backward=other_variant(running),
-                                        warmup_counts=list(deployed.warmup_counts),
-                                        inflight_limit=deployed.inflight_limit)
+        if verify:  # a select back to the deployed variant runs the deployed plan's counts and memory
+            self.probe_base = (list(deployed.warmup_counts), deployed.inflight_limit)
+        same_counts = dataclasses.replace(decision, action="probe", backward=other_variant(running),
+                                          warmup_counts=list(deployed.warmup_counts),
+                                          inflight_limit=deployed.inflight_limit)
 
         def job() -> Any:
             with record_function("titan_ext:plan"):  # on the planning thread
                 t0 = now()
-                deployed_ms = _makespan(deployed.actions, running, current, stage_to_rank) if refine else math.nan
-                if verify and measured_ms > (1.0 + MODEL_TOLERANCE) * deployed_ms:  # not realised: measure
-                    made = plan(current[probe.backward], probe)
-                    cand = prepare(made.ops, made.warmup_counts, kind, f"{reason} (measured {measured_ms:.1f} ms, "
-                                   f"predicted {deployed_ms:.1f}: beyond {100 * MODEL_TOLERANCE:g} %)",
-                                   made.inflight_limit)()
-                    cand.plan_ms, cand.trigger = 1e3 * (now() - t0), "probe"
-                    return cand
-                made = choice.pick([plan(estimate, d) for estimate, d in work], running)
+                made = {d.backward: plan(estimate, d) for estimate, d in work}
+                if refine:
+                    deployed_ms = _makespan(deployed.actions, running, current, stage_to_rank)
+                    other = made.get(other_variant(running))
+                    why = _unrealised(measured_ms, deployed_ms, other, current, stage_to_rank) if verify else ""
+                    if why:  # measure the other variant (module docstring)
+                        probe = other if other is not None else plan(current[same_counts.backward], same_counts)
+                        cand = prepare(probe.ops, probe.warmup_counts, kind, f"{reason} ({why})",
+                                       probe.inflight_limit)()
+                        cand.plan_ms, cand.trigger = 1e3 * (now() - t0), "probe"
+                        return cand
+                made = choice.pick(list(made.values()), running)
                 plan_ms = 1e3 * (now() - t0)
                 if refine and not _pays(_makespan(made.ops, backward_of(made.ops), current, stage_to_rank),
                                         deployed_ms):
@@ -215,6 +224,22 @@ def _makespan(ops: Any, backward: str, current: dict, stage_to_rank: dict[int, i
     """The simulator's makespan of ``ops`` under the current estimate of its own backward variant (what a
     refine compares and predicts; the planner's own prediction adds head-room to the delays)."""
     return simulate(ops, current[backward], stage_to_rank=stage_to_rank).makespan_ms
+
+
+def _unrealised(measured_ms: float, deployed_ms: float, other: Any, current: dict,
+                stage_to_rank: dict[int, int]) -> str:
+    """Why the measured span of the deployed plan does not confirm the model's choice of its backward variant
+    ("" when it does): it ran more than ``MODEL_TOLERANCE`` above its prediction, or slower than the model
+    predicts the other variant's plan (``other``, planned at the same memory) would run."""
+    if measured_ms > (1.0 + MODEL_TOLERANCE) * deployed_ms:
+        return f"measured {measured_ms:.1f} ms, predicted {deployed_ms:.1f}: beyond {100 * MODEL_TOLERANCE:g} %"
+    if other is not None:
+        other_backward = backward_of(other.ops)
+        other_ms = _makespan(other.ops, other_backward, current, stage_to_rank)
+        if measured_ms > other_ms:
+            return (f"measured {measured_ms:.1f} ms, above the {other_backward} plan's predicted {other_ms:.1f}: "
+                    f"the model's ranking unconfirmed")
+    return ""
 
 
 def _pays(made_ms: float, deployed_ms: float) -> bool:
