@@ -19,7 +19,7 @@ import heapq
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..args import bool_arg, counts_arg, int_arg, real_arg
 from .profile import profile_arg
@@ -309,21 +309,29 @@ def _evaluate(profile: PipelineProfile, cand: _Candidate, full: bool,
     return (None, 0, False) if makespan is None else (order, makespan, False)
 
 
-def _fastest(profile: PipelineProfile, cands: list[_Candidate],
-             full: bool) -> tuple[int, _Candidate, dict[int, list[Op]], dict[str, float | None]]:
-    """``(makespan_ns, candidate, order, timed)``: the fastest of ``cands`` under ``profile`` and every
-    candidate's makespan in ms (None: pruned, slower than the best so far).  A later candidate must be
-    strictly faster, or as fast holding fewer activations — the warm-up counts its order realises, what it
-    holds when no delay stretches them; its targets are a lower bound, so only a candidate whose targets
-    are leaner may tie —; on a full tie the earlier one stays."""
+def _fastest(profile: PipelineProfile, cands: list[_Candidate], full: bool,
+             hold_margin: float = 0.0) -> tuple[int, _Candidate, dict[int, list[Op]], dict[str, float | None]]:
+    """``(makespan_ns, candidate, order, timed)``: the candidate of ``cands`` to deploy under ``profile`` and
+    every candidate's makespan in ms (None: pruned, certainly slower than the pick's bound).  Of the candidates
+    whose makespan is within ``hold_margin`` (relative) of the fastest, the one holding the fewest activations
+    — the warm-up counts its order realises, what it holds when no delay stretches them —, then the earliest:
+    with ``hold_margin`` 0 the fastest, and on a tie the leaner (its targets are a lower bound on what it
+    holds, so only a candidate whose targets are leaner may tie); a positive margin makes a plan that holds
+    more pay for its memory by that much (measured times jitter by a few per cent between windows)."""
     timed: dict[str, float | None] = {}
-    best = None  # (makespan_ns, candidate, order, activations its order holds)
+    done: list[tuple[int, int, int, _Candidate, dict]] = []  # (makespan, activations held, index, cand, order)
     unbound: set = set()  # warm-up counts whose capped order never met its cap
-    for cand in cands:
+    for index, cand in enumerate(cands):
         if cand.warmup_counts in unbound and not cand.static and not cand.one_f_one_b:
             timed[cand.name] = timed[f"{cand.name}-capped"]  # the cap never bound: the same order
             continue
-        bound = None if best is None else best[0] - (0 if sum(cand.warmup_counts) < best[3] else 1)
+        bound = None  # above it the candidate cannot be picked (its exact makespan is not needed)
+        if done:
+            fastest = min(d[0] for d in done)
+            if hold_margin > 0:  # within the margin of the fastest (a later, faster one may move the window)
+                bound = int(fastest * (1.0 + hold_margin))
+            else:  # the fastest, or as fast and leaner than the pick
+                bound = fastest - (0 if sum(cand.warmup_counts) < _pick(done, 0.0)[1] else 1)
         if bound is not None and hold_bound_ns(profile, cand.inflight_limit) > bound:
             timed[cand.name] = None
             continue
@@ -332,10 +340,16 @@ def _fastest(profile: PipelineProfile, cands: list[_Candidate],
             unbound.add(cand.warmup_counts)
         timed[cand.name] = None if order is None else to_ms(makespan)
         if order is not None:
-            held = sum(warmup_counts_of(order))
-            if best is None or makespan < best[0] or held < best[3]:
-                best = (makespan, cand, order, held)
-    return best[0], best[1], best[2], timed
+            done.append((makespan, sum(warmup_counts_of(order)), index, cand, order))
+    makespan, _, _, best, order = _pick(done, hold_margin)
+    return makespan, best, order, timed
+
+
+def _pick(done: list[tuple[int, int, int, Any, Any]], hold_margin: float) -> tuple[int, int, int, Any, Any]:
+    """Of the timed ``(makespan, activations held, index, ...)``, those within ``hold_margin`` of the fastest:
+    the leanest, then the earliest."""
+    fastest = min(d[0] for d in done)
+    return min((d for d in done if d[0] <= fastest * (1.0 + hold_margin)), key=lambda d: (d[1], d[2]))
 
 
 def hold_bound_ns(profile: PipelineProfile, inflight_limit: Sequence[int]) -> int:
@@ -380,6 +394,7 @@ def plan_pipemorph(
     validate: bool | str = True,
     backward: str = "split",
     candidates: bool = True,
+    hold_margin: float = 0.0,
 ) -> PlanResult:
     """Plan warm-up counts and generate the full schedule; the returned plan has passed validation.
 
@@ -412,6 +427,7 @@ def plan_pipemorph(
         real_arg(memory_limit, "memory_limit", minimum=1, optional=True)
     bool_arg(cap_inflight, "cap_inflight")
     bool_arg(candidates, "candidates")
+    real_arg(hold_margin, "hold_margin", minimum=0)
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     if schedule not in SCHEDULES:
@@ -434,7 +450,7 @@ def plan_pipemorph(
     if not candidates:
         cands = cands[:1]
     with gc_paused():
-        makespan, best, order, timed = _fastest(profile, cands, full)
+        makespan, best, order, timed = _fastest(profile, cands, full, hold_margin)
         limit = list(best.inflight_limit)
         if validate:
             peak = validate_plan(order, profile.num_stages, profile.num_microbatches, inflight_limit=limit,

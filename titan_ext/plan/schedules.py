@@ -55,13 +55,14 @@ def plan_auto(
     validate: bool | str = True,
     backward: str = "split",
     polish_s: float | None = None,
+    hold_margin: float = 0.0,
 ) -> PlanResult:
-    """The faster of ``plan_pipemorph`` (its candidates included) and CrossPipe's CrossUD greedy, both
-    held to the same per-stage in-flight limit; ties go to PipeMorph. CrossPipe plans split backwards
-    only, so ``backward="full"`` is PipeMorph's plan. ``polish_s``: the CrossUD plan is polished
-    within that many seconds first (:func:`~titan_ext.plan.polish.polish_crosspipe`; None: not)."""
+    """The faster of ``plan_pipemorph`` (its candidates included, ``hold_margin`` among them) and CrossPipe's
+    CrossUD greedy, both held to the same per-stage in-flight limit; ties go to PipeMorph. CrossPipe plans
+    split backwards only, so ``backward="full"`` is PipeMorph's plan. ``polish_s``: the CrossUD plan is
+    polished within that many seconds first (:func:`~titan_ext.plan.polish.polish_crosspipe`; None: not)."""
     pm = plan_pipemorph(profile, mode=mode, slack_floor=slack_floor, memory_limit=memory_limit,
-                        validate=validate, backward=backward)
+                        validate=validate, backward=backward, hold_margin=hold_margin)
     pm.schedule = "auto"
     if backward != "split":
         return pm
