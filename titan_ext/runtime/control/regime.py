@@ -20,15 +20,13 @@ meanwhile).  A refined plan is not refined again.
 
 **Realised?** The refine first predicts the deployed plan under that estimate, and plans both backward
 variants on it.  Where the median span of the ``window`` checks it ran exceeds its prediction by more than
-``MODEL_TOLERANCE``, or exceeds the prediction of the other variant's plan (the model ranked the deployed
-variant first by less than its own error on the deployed plan), the model does not describe this hardware well
-enough to rank the two backward variants (ranks sharing host cores: a split plan's extra actions slow the other
-ranks' host work, which the model, one device per rank, cannot see).  Under ``backward="auto"`` the refine's job
-then makes, instead of a refined plan, the probe of the other variant: the planner's plan of it at the same
-memory (at 1F1B's memory with no delay, the full variant's is 1F1B's own plan), or, where only one variant was
-planned, the other variant with the same warm-up counts (``backward.py``'s probe and select); the measured
-verdict chooses the variant of every plan made for similar link delays while it holds.  On hardware the model
-describes (a GPU per rank) the measured span stays below both predictions and no probe runs.
+``MODEL_TOLERANCE``, the model does not describe this hardware well enough to rank the two backward variants
+(ranks sharing host cores: a split plan's extra actions slow the other ranks' host work, which the model, one
+device per rank, cannot see).  Under ``backward="auto"`` the refine's job then makes, instead of a refined
+plan, the probe of the other variant: the planner's plan of it at the same memory (at 1F1B's memory with no
+delay, the full variant's is 1F1B's own plan: ``decide/planning.HOLD_MARGIN``), or, where only one variant
+was planned, the other variant with the same warm-up counts (``backward.py``'s probe and select); the measured
+verdict chooses the variant of every plan made for similar link delays while it holds.
 """
 
 from __future__ import annotations
@@ -186,25 +184,24 @@ class Regime:
         measured_ms = statistics.median(spans[-window:]) if verify else math.inf
         if verify:  # a select back to the deployed variant runs the deployed plan's counts and memory
             self.probe_base = (list(deployed.warmup_counts), deployed.inflight_limit)
-        same_counts = dataclasses.replace(decision, action="probe", backward=other_variant(running),
-                                          warmup_counts=list(deployed.warmup_counts),
-                                          inflight_limit=deployed.inflight_limit)
+            same_counts = dataclasses.replace(decision, action="probe", backward=other_variant(running),
+                                              warmup_counts=list(deployed.warmup_counts),
+                                              inflight_limit=deployed.inflight_limit)
 
         def job() -> Any:
             with record_function("titan_ext:plan"):  # on the planning thread
                 t0 = now()
-                made = {d.backward: plan(estimate, d) for estimate, d in work}
+                plans = {d.backward: plan(estimate, d) for estimate, d in work}
                 if refine:
                     deployed_ms = _makespan(deployed.actions, running, current, stage_to_rank)
-                    other = made.get(other_variant(running))
-                    why = _unrealised(measured_ms, deployed_ms, other, current, stage_to_rank) if verify else ""
-                    if why:  # measure the other variant (module docstring)
-                        probe = other if other is not None else plan(current[same_counts.backward], same_counts)
-                        cand = prepare(probe.ops, probe.warmup_counts, kind, f"{reason} ({why})",
+                    if verify and measured_ms > (1.0 + MODEL_TOLERANCE) * deployed_ms:  # not realised: measure
+                        probe = plans.get(same_counts.backward) or plan(current[same_counts.backward], same_counts)
+                        cand = prepare(probe.ops, probe.warmup_counts, kind, f"{reason} (measured {measured_ms:.1f} "
+                                       f"ms, predicted {deployed_ms:.1f}: beyond {100 * MODEL_TOLERANCE:g} %)",
                                        probe.inflight_limit)()
                         cand.plan_ms, cand.trigger = 1e3 * (now() - t0), "probe"
                         return cand
-                made = choice.pick(list(made.values()), running)
+                made = choice.pick(list(plans.values()), running)
                 plan_ms = 1e3 * (now() - t0)
                 if refine and not _pays(_makespan(made.ops, backward_of(made.ops), current, stage_to_rank),
                                         deployed_ms):
@@ -224,22 +221,6 @@ def _makespan(ops: Any, backward: str, current: dict, stage_to_rank: dict[int, i
     """The simulator's makespan of ``ops`` under the current estimate of its own backward variant (what a
     refine compares and predicts; the planner's own prediction adds head-room to the delays)."""
     return simulate(ops, current[backward], stage_to_rank=stage_to_rank).makespan_ms
-
-
-def _unrealised(measured_ms: float, deployed_ms: float, other: Any, current: dict,
-                stage_to_rank: dict[int, int]) -> str:
-    """Why the measured span of the deployed plan does not confirm the model's choice of its backward variant
-    ("" when it does): it ran more than ``MODEL_TOLERANCE`` above its prediction, or slower than the model
-    predicts the other variant's plan (``other``, planned at the same memory) would run."""
-    if measured_ms > (1.0 + MODEL_TOLERANCE) * deployed_ms:
-        return f"measured {measured_ms:.1f} ms, predicted {deployed_ms:.1f}: beyond {100 * MODEL_TOLERANCE:g} %"
-    if other is not None:
-        other_backward = backward_of(other.ops)
-        other_ms = _makespan(other.ops, other_backward, current, stage_to_rank)
-        if measured_ms > other_ms:
-            return (f"measured {measured_ms:.1f} ms, above the {other_backward} plan's predicted {other_ms:.1f}: "
-                    f"the model's ranking unconfirmed")
-    return ""
 
 
 def _pays(made_ms: float, deployed_ms: float) -> bool:
