@@ -125,6 +125,8 @@ def test_auto_and_the_runtime_planners_pass_the_budget():
 
     with pytest.raises(ValueError, match="schedule 'auto'"):
         PipeMorphPlanner("pipemorph", polish_s=1.0)
+    with pytest.raises(ValueError, match="must be one of pipemorph, zb, zb-h1, auto; got '1F1B'"):
+        PipeMorphPlanner("1F1B")  # torch's built-ins are not PipeMorph's planner (refused before any plan)
     ctx = PlanningContext(backward="split", x_max=4, adaptive_limit=None, slack_floor=2, headroom=lambda c: c)
     for planner in (PipeMorphPlanner("auto", polish_s=0.5), CrossPipePlanner("udsub", polish_s=0.5)):
         res = planner.plan(B5, Decision("adapt", "test", mode="initial"), ctx)

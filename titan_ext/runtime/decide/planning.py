@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from titan_ext.plan import LinkProfile, PipelineProfile, PlanResult, generate_order
+from titan_ext.plan.pipemorph import SCHEDULES as PIPEMORPH_SCHEDULES
 from titan_ext.plan.result import make_result
 from titan_ext.plan.schedules import plan_by_name
 
@@ -99,6 +100,9 @@ class PipeMorphPlanner:
     backward_choices = ("auto", "measure", "split", "full")
 
     def __init__(self, schedule: str = "pipemorph", polish_s: float | None = None):
+        if schedule not in (*PIPEMORPH_SCHEDULES, "auto"):
+            raise ValueError(f"PipeMorphPlanner schedule must be one of {', '.join(PIPEMORPH_SCHEDULES)}, auto; "
+                             f"got {schedule!r}")
         if polish_s is not None and schedule != "auto":
             raise ValueError(f"polish_s needs schedule 'auto' (a CrossPipe plan to polish), got {schedule!r}")
         self.schedule = schedule
