@@ -83,8 +83,8 @@ def with_headroom(profile: PipelineProfile, context: PlanningContext) -> Pipelin
 
 #: a candidate plan that holds more activations than another within this much (relative) of the fastest
 #: predicted makespan is not chosen (``plan_pipemorph(hold_margin=...)``): the plans are timed on measured
-#: times that jitter by a few per cent between windows, and a deeper warm-up the model times a fraction of a
-#: per cent faster ran 2-4 % slower than 1F1B's own counts at 16 ranks and DP 2 x PP 4 (docs/runtime.md)
+#: times that jitter by a few per cent between windows, and a deeper warm-up the model timed a fraction of a
+#: per cent faster than 1F1B's own counts ran 2-4 % slower than Schedule1F1B at 16 ranks (docs/runtime.md)
 HOLD_MARGIN = 0.01
 
 
