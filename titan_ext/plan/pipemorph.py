@@ -409,7 +409,9 @@ def plan_pipemorph(
     1F1B order — and returns the fastest (ties: the one holding fewer activations — the sum of the
     warm-up counts its order realises —, then the earlier in that list: at 1F1B's memory with no delay,
     1F1B's own counts rather than Alg.1's, which the model times the same and which run slower), so it
-    is never slower than any.  The result's ``warmup_counts`` are those its order realises
+    is never slower than any.  ``hold_margin`` m > 0: of the candidates within m (relative) of the fastest,
+    the one holding the fewest activations (never more than m slower than any; the runtime plans on measured,
+    jittering times with m = 1 %).  The result's ``warmup_counts`` are those its order realises
     (``result.warmup_counts_of``): an uncapped candidate may run more forwards than its targets, and the
     runtime's Eq. 1 tolerances must read what runs.
     ``memory_limit`` K (and the profile's byte budget): every candidate holds at most K in-flight
