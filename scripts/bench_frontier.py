@@ -271,9 +271,12 @@ def _worker(rank: int, world: int, args) -> dict:
                 dist.all_gather_object(gathered, (report["breakdown"], report["control"]))
                 report["breakdown"] = [b for b, _ in gathered]
                 costs = [c["check_cost_ms"] for _, c in gathered if c["check_cost_ms"] is not None]
+                cpu = [c["check_cpu_ms"] for _, c in gathered if c["check_cpu_ms"] is not None]
                 report["control"] = {**report["control"], "check_cost_ms_per_rank": [c["check_cost_ms"] for _, c in gathered],
                                      "check_cost_ms_min": min(costs, default=None),
-                                     "check_cost_ms_max": max(costs, default=None)}
+                                     "check_cost_ms_max": max(costs, default=None),
+                                     "check_cpu_ms_per_rank": [c["check_cpu_ms"] for _, c in gathered],
+                                     "check_cpu_ms_median": statistics.median(cpu) if cpu else None}
                 out.update(report)
             runs_out.append(out)
         for run in torch_runs:
@@ -358,7 +361,8 @@ def run(args) -> dict:
               f"backward {r['backward']}, versions {r['plan_versions']} at {[i for i, _, _ in r['deploys']]}, "
               f"cap {r['inflight_cap'] if r['layout'] == 'one' else r['rank_memory_limit']}, control plane "
               + (f"{r['control']['check_cost_ms_min']:.2f} ms a check (fewest over ranks: the last to arrive waits "
-                 f"for none; most {r['control']['check_cost_ms_max']:.2f} ms; {r['control']['checks']} checks in "
+                 f"for none; most {r['control']['check_cost_ms_max']:.2f} ms; its CPU {r['control']['check_cpu_ms_median']:.2f} "
+                 f"ms, the median over ranks; {r['control']['checks']} checks in "
                  f"{r['control']['iterations']} iterations)" if r["control"]["check_cost_ms_min"] is not None
                  else "no check in the measured iterations"))
         if abs(off) > 0.10:

@@ -107,22 +107,31 @@ def check_cost_ms(history: list[dict]) -> dict:
     """The control plane's cost per check on one rank, from its per-iteration metrics: the median over checks
     of a check's boundaries (exchange, agreement, decision, metrics) less the median boundary without one; a
     check that ran behind (``check`` "posted", then "decided" at the next boundary: runtime/control/cadence.py)
-    costs its two boundaries.  None without a check.  Also what ``bench_frontier.py`` reports per rank."""
+    costs its two boundaries.  ``check_cost_ms`` in wall time (``boundary_ms``: on a host the ranks share,
+    it includes the time other ranks held the core), ``check_cpu_ms`` in the boundary thread's CPU time
+    (``boundary_cpu_ms``: what a rank on a core of its own pays; None in metrics without it).  None without a
+    check.  Also what ``bench_frontier.py`` reports per rank."""
     def kind(m: dict) -> str:  # metrics written before checks could run behind have no "check"
         return m.get("check", "exchange" if m.get("exchange_ms", 0) > 0 else "")
 
-    others = [m["boundary_ms"] for m in history if not kind(m)]
-    base = statistics.median(others) if others else 0.0
-    costs, posted = [], None
-    for m in history:
-        if kind(m) == "exchange":
-            costs.append(m["boundary_ms"] - base)
-        elif kind(m) == "posted":
-            posted = m["boundary_ms"] - base
-        elif kind(m) == "decided" and posted is not None:
-            costs.append(posted + m["boundary_ms"] - base)
-            posted = None
-    return {"check_cost_ms": statistics.median(costs) if costs else None, "checks": len(costs),
+    def cost(key: str) -> tuple[float | None, int]:
+        if any(key not in m for m in history):
+            return None, 0
+        others = [m[key] for m in history if not kind(m)]
+        base = statistics.median(others) if others else 0.0
+        costs, posted = [], None
+        for m in history:
+            if kind(m) == "exchange":
+                costs.append(m[key] - base)
+            elif kind(m) == "posted":
+                posted = m[key] - base
+            elif kind(m) == "decided" and posted is not None:
+                costs.append(posted + m[key] - base)
+                posted = None
+        return (statistics.median(costs) if costs else None), len(costs)
+
+    wall, checks = cost("boundary_ms")
+    return {"check_cost_ms": wall, "check_cpu_ms": cost("boundary_cpu_ms")[0], "checks": checks,
             "iterations": len(history)}
 
 

@@ -42,10 +42,14 @@ def test_control_cost_fit_is_exact_on_a_log2_law():
 def test_a_check_that_ran_behind_costs_its_two_boundaries():
     # hand-made history: boundaries of 1 ms without a check; a check decided where it exchanged costs
     # 9 - 1 = 8 ms; one that ran behind costs (3 - 1) + (2 - 1) = 3 ms (posted, then decided)
-    row = lambda ms, check: {"boundary_ms": ms, "check": check, "exchange_ms": 0.5 if check else 0.0}  # noqa: E731
+    # (CPU: every boundary half its wall time, so a check half its cost)
+    row = lambda ms, check: {"boundary_ms": ms, "boundary_cpu_ms": ms / 2, "check": check,  # noqa: E731
+                             "exchange_ms": 0.5 if check else 0.0}
     history = [row(1, ""), row(9, "exchange"), row(1, ""), row(3, "posted"), row(2, "decided"), row(1, ""),
                row(3, "posted"), row(2, "decided")]
-    assert project_scale.check_cost_ms(history) == {"check_cost_ms": 3.0, "checks": 3, "iterations": 8}
+    assert project_scale.check_cost_ms(history) == {"check_cost_ms": 3.0, "check_cpu_ms": 1.5, "checks": 3,
+                                                    "iterations": 8}
     # metrics from before checks could run behind (no "check"): a check is an exchange > 0
     old = [{"boundary_ms": b, "exchange_ms": e} for b, e in ((1, 0), (6, 2), (1, 0), (8, 3))]
     assert project_scale.check_cost_ms(old)["check_cost_ms"] == 6.0
+    assert project_scale.check_cost_ms(old)["check_cpu_ms"] is None  # not measured then

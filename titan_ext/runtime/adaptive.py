@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -241,7 +242,8 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
 
     # ---------------------------------------------------------------- the boundary and the check
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
-        t0, due, check = now(), self.cadence.exchanges_at(self.iteration), self.cadence.take_posted()  # posted: decided now
+        t0, c0 = now(), time.thread_time()
+        due, check = self.cadence.exchanges_at(self.iteration), self.cadence.take_posted()  # posted: decided now
         # device times, read once the device ran them: at an exchange now (its last event, never a synchronize)
         if self.executor.timer.resolve(block=due):
             iteration_ms = self.executor.timer.wall_ms
@@ -256,11 +258,12 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         if check is not None:
             with record_function("titan_ext:check"):
                 links = self._check(*check, m, t0)
-        m.boundary_ms, m.replan_ms = 1e3 * (now() - t0), m.swap_ms  # replan: critical path only (plan_ms: background)
         self.regime.since_deploy += 1
         self.record.fill_plan(m, links, self.parts, self.deployed, self.plan_version, self._delegating())
         self.executor.exact_links = self.parts.exact_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,
             self.config.policy_settings.abs_margin_ms) if self.cadence.due(self.iteration + 1) else set()  # read if exchanged
+        m.boundary_ms, m.replan_ms = 1e3 * (now() - t0), m.swap_ms  # replan: critical path only (plan_ms: background)
+        m.boundary_cpu_ms = 1e3 * (time.thread_time() - c0)
         boundary = Boundary(self.context, self.iteration, iteration_ms, check is not None, m.timeline_span_ms, links, ran_probe)
         for observer in self.observers:
             boundary.metrics = m.as_dict()

@@ -48,6 +48,9 @@ class IterationMetrics:
     #: boundary (the check runs behind, ``control/cadence.py``); "decided" on the previous boundary's exchange
     check: str = ""
     boundary_ms: float = 0.0  # the whole boundary on the critical path
+    #: the boundary's CPU on this thread (``time.thread_time``): what it costs a rank on a core of its own,
+    #: without the time other processes held the core (``boundary_ms`` on a host the ranks share)
+    boundary_cpu_ms: float = 0.0
     decision: str = "none"
     decision_reason: str = "no profile exchange this iteration"
     recv_wait_ms: float = 0.0  # compute thread blocked on receives
