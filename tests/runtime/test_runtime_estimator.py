@@ -46,3 +46,31 @@ def test_derived_profiles_follow_every_push():
     assert est.profile().f_ms == (4.0, 4.0) and est.planning_profile().f_ms == (4.5, 4.5)
     est.push([dataclasses.replace(_rank(4.0, 2.0, 1.0), gap_ms=1.5)] * 2, [0.0])  # gap window (.5, 1.5, 1.5)
     assert est.planning_profile().f_ms == (5.5, 5.5) and est.planning_profile("full").b_ms == (3.0 + 1.5,) * 2  # one action
+
+
+def test_window_medians_follow_every_push_of_their_key():
+    # against statistics computed here from the rows pushed: a median asked twice, then after a push of
+    # another key (unchanged) and of its own key (changed, the oldest row leaving the window of 3)
+    import random
+    import statistics
+
+    from titan_ext.runtime.measure.estimator import Window
+
+    rng = random.Random(7)
+    win, pushed = Window(3), {"F": [], "C": []}
+    for _ in range(6):
+        for key in ("F", "C"):
+            row = [rng.uniform(1, 9) if rng.random() > 0.2 else math.nan for _ in range(4)]
+            win.push(key, row)
+            if any(not math.isnan(v) for v in row):
+                pushed[key].append(row)
+            for k in ("F", "C"):
+                for _ in range(2):
+                    want = []
+                    for j in range(4):
+                        vals = [r[j] for r in pushed[k][-3:] if not math.isnan(r[j])]
+                        want.append(statistics.median(vals) if vals else math.nan)
+                    got = win.median(k, 4)
+                    assert [(math.isnan(a), a if not math.isnan(a) else 0) for a in got] == \
+                        [(math.isnan(b), b if not math.isnan(b) else 0) for b in want]
+                    got.append(0.0)  # the caller's copy: the window's own stays as it is

@@ -34,18 +34,25 @@ class Window:
         self.rows: dict[str, deque] = {k: deque(maxlen=size) for k in self.KEYS}
         #: rows pushed so far: what is derived from the windows is the same until it changes
         self.pushes = 0
+        self._medians: dict[tuple[str, int], list[float]] = {}  # (key, n) → medians, until the key's next push
 
     def push(self, key: str, row: Sequence[float]) -> None:
         if any(not math.isnan(v) for v in row):
             self.rows[key].append(list(row))
             self.pushes += 1
+            for cached in [k for k in self._medians if k[0] == key]:
+                del self._medians[cached]
 
     def median(self, key: str, n: int) -> list[float]:
-        out = []
-        for j in range(n):
-            vals = [row[j] for row in self.rows[key] if not math.isnan(row[j])]
-            out.append(statistics.median(vals) if vals else math.nan)
-        return out
+        """Per entry ``j < n``, the median of the window's measured (non-NaN) values, NaN where none; computed
+        once per state of the key's window (a check's decision, metrics and cadence ask for the same ones)."""
+        if (key, n) not in self._medians:
+            out = []
+            for j in range(n):
+                vals = [row[j] for row in self.rows[key] if not math.isnan(row[j])]
+                out.append(statistics.median(vals) if vals else math.nan)
+            self._medians[key, n] = out
+        return list(self._medians[key, n])
 
 
 class Estimator:
