@@ -28,6 +28,7 @@ from ._torch_compat import (check_runtime_kwargs, initialize_stages, lowering_op
                             with_loss_kwargs)
 from .comm import timeouts
 from .comm.control_plane import ControlPlane, Gathering
+from .comm.peers import connect_peers
 from .control.anytime import AnytimePolish
 from .control.cadence import CheckCadence
 from .control.config import AdaptiveConfig, resolve_config
@@ -43,7 +44,8 @@ from .decide.policy import Decision
 from .execute.executor import Executor, RunContext, check_schedule_arguments, run_with_failover, uses_fsdp
 from .execute.losses import MicrobatchLosses, sort_outputs
 from .measure.metrics import IterationMetrics, MetricsRecord
-from .measure.profiler import PROFILE_TAG, IterationProfile, decode_profiles, encode_profile, now, profile_length
+from .measure.profiler import (PROFILE_TAG, IterationProfile, decode_profiles, encode_profile, now, profile_length,
+                               timeline_bubble_rate)
 
 __all__ = ["AdaptiveSchedule"]
 
@@ -97,6 +99,9 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
                          scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
                          **torch_runtime_kwargs)
         self.control = ControlPlane(st0.group)
+        #: the other PP groups' ranks at this position, every check agreed with them (comm/peers.py)
+        self.peers = connect_peers(config.peers, self.control.ranks, name, logger)
+        self._peers_delegating = True  # every PP group delegates (the last merge's; before one: as this group)
         self.executor.device.set_backend(dist.get_backend(st0.group))
         self.adaptive, self.iteration, self.in_iteration = config.adaptive, 0, False
         self.cadence = CheckCadence.of(config, self.estimator.window.size, self.extensions.every_iteration)
@@ -145,7 +150,8 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
                                    doc="the activation budget; a new one is read at the next exchange")
 
     def _delegating(self) -> bool:
-        return self.delegation is not None and self.delegation.delegating
+        """Delegating, as decisions see it: with peers, only where every PP group delegates (the plans agree)."""
+        return self.delegation is not None and self.delegation.delegating and self._peers_delegating
 
     def _plan(self, profile: PipelineProfile, decision: Decision) -> PlanResult:
         """A compute-only plan for ``profile``: the decision's own plan, else the planner's."""
@@ -274,10 +280,17 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
     def _check(self, gathering: Gathering, exchanged_at: int, m: IterationMetrics, t0: float) -> list[dict]:
         """A check (PipeMorph §6 ④–⑥) on iteration ``exchanged_at``'s profiles (the previous one's if it ran behind):
         exchange → absorb → resolve the background plan → decide → start the next plan → schedule the next check."""
-        ranks = decode_profiles(gathering.result(), self.parts.message_slots, self.parts.local_stages)
+        rows = gathering.result()
+        ranks = decode_profiles(rows, self.parts.message_slots, self.parts.local_stages)
+        offers = [r.candidate_hash for r in ranks]
+        if self.peers is not None:  # every PP group decides on the slowest group's profiles (comm/peers.py)
+            matrix, other, offers, self._peers_delegating = self.peers.merge(
+                rows, timeline_bubble_rate(ranks)[1], offers, self.delegation is not None and self.delegation.delegating)
+            if other:
+                ranks = decode_profiles(list(matrix), self.parts.message_slots, self.parts.local_stages)
         m.exchange_ms, m.check = 1e3 * (now() - t0), "exchange" if exchanged_at == self.iteration else "decided"
         links, m.bubble_rate, m.timeline_span_ms = self.regime.absorb(ranks, self.rank, self.deployed.backward)
-        res = self.lifecycle.resolve([r.candidate_hash for r in ranks], lambda cand: self.memory.over_cap(
+        res = self.lifecycle.resolve(offers, lambda cand: self.memory.over_cap(
             cand.kind, cand.peak_inflight, cand.actions, self._delegating()))
         self.regime.resolved(res)
         m.deployed, m.swap_ms = res.deployed, res.swap_ms

@@ -132,6 +132,13 @@ class AdaptiveConfig:
     timeout_s: float | None = None
     """PP message waits and control-plane collectives end after this many seconds (process-wide,
     ``timeouts.py``); None: the job's or the process groups' own."""
+    peers: Any = "auto"
+    """The other PP groups every plan is agreed with (``runtime/comm/peers.py``): their profiles are merged
+    at every check, so all PP groups of a job deploy the same plans at the same iterations (what FSDP's,
+    TP's and the DP reduction's pairing of the peers' work needs).  ``"auto"``: the ranks at this rank's
+    PP position in every other PP group, when the PP group is a dimension of a row-major device mesh over
+    the world (``init_device_mesh``, TorchTitan's); every rank of the world then builds the schedule.
+    ``"off"``: this PP group decides alone.  A sequence of global ranks (this one included): those."""
     # -- parts (None: the schedule's registry entry builds them, runtime/control/parts.py) --
     policy_settings: PolicySettings = field(default_factory=PolicySettings)
     """Thresholds the layout's default policy is built from (and that cadence/chooser/head-room read)."""
@@ -165,6 +172,9 @@ class AdaptiveConfig:
         int_arg(self.decision_log_size, "decision_log_size", 1)
         if self.timeout_s is not None:
             real_arg(self.timeout_s, "timeout_s", positive=True, maximum=1e7)
+        if not (self.peers in ("auto", "off") or (isinstance(self.peers, (tuple, list)) and all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in self.peers))):
+            raise ArgumentTypeError(f"peers must be 'auto', 'off' or a sequence of global ranks, got {self.peers!r}")
         if not (self.falcon is None or isinstance(self.falcon, bool) or callable(getattr(self.falcon, "observe", None))):
             raise ArgumentTypeError(f"falcon must be False, True or a FalconMonitor, got {self.falcon!r}")
         if isinstance(self.observers, (str, bytes)) or not isinstance(self.observers, (tuple, list)):
