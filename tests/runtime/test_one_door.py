@@ -79,6 +79,8 @@ ALLOWLIST: dict[tuple[str, str, str], str] = {
         "device) received on the gloo control group, never a device tensor",
     ("titan_ext/runtime/comm/control_plane.py", "ControlPlane.any", ".item"):
         "reads the vote: " + _HOST_CONTROL,
+    ("titan_ext/runtime/comm/peers.py", "Peers.merge", ".tolist"):
+        "reads the peers' MAX all-reduce of spans and hashes: " + _HOST_CONTROL,
     ("titan_ext/runtime/measure/profiler.py", "decode_profiles", ".tolist"):
         "reads the control plane's all_gather of encode_profile's vectors: " + _HOST_CONTROL,
     ("titan_ext/runtime/measure/profiler.py", "estimate_clock_offsets", ".tolist"):

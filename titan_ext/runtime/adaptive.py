@@ -26,9 +26,8 @@ from titan_ext.plan import PipelineProfile, PlanResult
 
 from ._torch_compat import (check_runtime_kwargs, initialize_stages, lowering_options, runtime_kwargs_given,
                             with_loss_kwargs)
-from .comm import timeouts
+from .comm import peers as agreement, timeouts
 from .comm.control_plane import ControlPlane, Gathering
-from .comm.peers import connect_peers
 from .control.anytime import AnytimePolish
 from .control.cadence import CheckCadence
 from .control.config import AdaptiveConfig, resolve_config
@@ -44,8 +43,7 @@ from .decide.policy import Decision
 from .execute.executor import Executor, RunContext, check_schedule_arguments, run_with_failover, uses_fsdp
 from .execute.losses import MicrobatchLosses, sort_outputs
 from .measure.metrics import IterationMetrics, MetricsRecord
-from .measure.profiler import (PROFILE_TAG, IterationProfile, decode_profiles, encode_profile, now, profile_length,
-                               timeline_bubble_rate)
+from .measure.profiler import PROFILE_TAG, IterationProfile, encode_profile, now, profile_length
 
 __all__ = ["AdaptiveSchedule"]
 
@@ -99,9 +97,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
                          scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
                          **torch_runtime_kwargs)
         self.control = ControlPlane(st0.group)
-        #: the other PP groups' ranks at this position, every check agreed with them (comm/peers.py)
-        self.peers = connect_peers(config.peers, self.control.ranks, name, logger)
-        self._peers_delegating = True  # every PP group delegates (the last merge's; before one: as this group)
+        self.peers = agreement.connect_peers(config.peers, self.control.ranks, name, lambda: self._delegating(False))
         self.executor.device.set_backend(dist.get_backend(st0.group))
         self.adaptive, self.iteration, self.in_iteration = config.adaptive, 0, False
         self.cadence = CheckCadence.of(config, self.estimator.window.size, self.extensions.every_iteration)
@@ -149,9 +145,8 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
                                    lambda self, value: setattr(self.memory, "budget_bytes", value),
                                    doc="the activation budget; a new one is read at the next exchange")
 
-    def _delegating(self) -> bool:
-        """Delegating, as decisions see it: with peers, only where every PP group delegates (the plans agree)."""
-        return self.delegation is not None and self.delegation.delegating and self._peers_delegating
+    def _delegating(self, everywhere: bool = True) -> bool:  # everywhere: as decisions see it (comm/peers.py)
+        return self.delegation is not None and self.delegation.delegating and (not everywhere or self.peers.everywhere)
 
     def _plan(self, profile: PipelineProfile, decision: Decision) -> PlanResult:
         """A compute-only plan for ``profile``: the decision's own plan, else the planner's."""
@@ -200,8 +195,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         self.lifecycle.apply_pending(self._external)
         self.control.meet_once("first step")  # every rank, bounded by timeout_s; a rank that never comes is named
         initialize_stages(self, arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None, loss_kwargs)
-        training = self._has_backward
-        if training:
+        if self._has_backward:
             self.control.sync_clock()
             if self.cadence.exchanges_at(self.iteration):  # its receives posted now: the messages land as sent
                 self.control.expect(profile_length(self.parts.message_slots, self.parts.local_stages), PROFILE_TAG)
@@ -209,7 +203,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         actions = actions_by_rank[self.rank]
         ctx, iteration_ms = run_with_failover(  # a failed attempt re-runs on the delegates (delegate/schedule.py)
             lambda: self._attempt(RunContext(self, stages, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
-                                             loss_kwargs, training), actions),
+                                             loss_kwargs, self._has_backward), actions),
             self.delegation.step_failover if self.delegation is not None else None, self._stages,
             lambda: [t.clear() for t in (self.fwd_recv_ops, self.bwd_recv_ops, self.unshard_ops)],  # unconsumed
             lambda exc: logger.error("%s: iteration %d failed; plan v%d:\n%s", type(self).__name__, self.iteration,
@@ -220,7 +214,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         self._internal_losses = self.losses.in_order(self._n_microbatches if last else None)
         self._update_losses(self._stages, losses)
         sort_outputs(self._stages, actions)
-        if training:
+        if self._has_backward:
             act = self.executor.activation_bytes
             ctx.profile.activation_bytes = act if act else math.nan
             self.record.last_profile = ctx.profile
@@ -248,8 +242,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
 
     # ---------------------------------------------------------------- the boundary and the check
     def _iteration_boundary(self, prof: IterationProfile, iteration_ms: float) -> None:
-        t0, c0 = now(), time.thread_time()
-        due, check = self.cadence.exchanges_at(self.iteration), self.cadence.take_posted()  # posted: decided now
+        t0, c0, due, check = now(), time.thread_time(), self.cadence.exchanges_at(self.iteration), self.cadence.take_posted()
         # device times, read once the device ran them: at an exchange now (its last event, never a synchronize)
         if self.executor.timer.resolve(block=due):
             iteration_ms = self.executor.timer.wall_ms
@@ -268,8 +261,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         self.record.fill_plan(m, links, self.parts, self.deployed, self.plan_version, self._delegating())
         self.executor.exact_links = self.parts.exact_links(m.eq1_tolerance_ms, self.regime.planned_for_ms,
             self.config.policy_settings.abs_margin_ms) if self.cadence.due(self.iteration + 1) else set()  # read if exchanged
-        m.boundary_ms, m.replan_ms = 1e3 * (now() - t0), m.swap_ms  # replan: critical path only (plan_ms: background)
-        m.boundary_cpu_ms = 1e3 * (time.thread_time() - c0)
+        m.boundary_ms, m.boundary_cpu_ms, m.replan_ms = 1e3 * (now() - t0), 1e3 * (time.thread_time() - c0), m.swap_ms
         boundary = Boundary(self.context, self.iteration, iteration_ms, check is not None, m.timeline_span_ms, links, ran_probe)
         for observer in self.observers:
             boundary.metrics = m.as_dict()
@@ -280,18 +272,10 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
     def _check(self, gathering: Gathering, exchanged_at: int, m: IterationMetrics, t0: float) -> list[dict]:
         """A check (PipeMorph §6 ④–⑥) on iteration ``exchanged_at``'s profiles (the previous one's if it ran behind):
         exchange → absorb → resolve the background plan → decide → start the next plan → schedule the next check."""
-        rows = gathering.result()
-        ranks = decode_profiles(rows, self.parts.message_slots, self.parts.local_stages)
-        offers = [r.candidate_hash for r in ranks]
-        if self.peers is not None:  # every PP group decides on the slowest group's profiles (comm/peers.py)
-            matrix, other, offers, self._peers_delegating = self.peers.merge(
-                rows, timeline_bubble_rate(ranks)[1], offers, self.delegation is not None and self.delegation.delegating)
-            if other:
-                ranks = decode_profiles(list(matrix), self.parts.message_slots, self.parts.local_stages)
+        ranks, offers = self.peers.decided(gathering.result(), self.parts.message_slots, self.parts.local_stages)
         m.exchange_ms, m.check = 1e3 * (now() - t0), "exchange" if exchanged_at == self.iteration else "decided"
         links, m.bubble_rate, m.timeline_span_ms = self.regime.absorb(ranks, self.rank, self.deployed.backward)
-        res = self.lifecycle.resolve(offers, lambda cand: self.memory.over_cap(
-            cand.kind, cand.peak_inflight, cand.actions, self._delegating()))
+        res = self.lifecycle.resolve(offers, lambda c: self.memory.over_cap(c.kind, c.peak_inflight, c.actions, self._delegating()))
         self.regime.resolved(res)
         m.deployed, m.swap_ms = res.deployed, res.swap_ms
         if res.decision is not None or res.polished:

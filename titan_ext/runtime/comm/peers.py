@@ -20,18 +20,23 @@ is lifted for delegation only where every group delegates.  Cost per check: two 
 peer group (a vector of groups + 2 · S + 1 floats; the S × profile-length matrix).
 
 Pure derivation of the peers from the PP group's ranks (:func:`peer_ranks`); the group and the merge
-(:class:`Peers`) are the runtime's.
+(:class:`Peers`; :class:`Alone` without peers) are the runtime's.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Peers", "peer_ranks", "resolve_peers"]
+from ..measure.profiler import RankProfile, decode_profiles, timeline_bubble_rate
+from .control_plane import new_control_group
+from .timeouts import named_collective
+
+__all__ = ["Alone", "Peers", "connect_peers", "peer_ranks", "resolve_peers"]
 
 
 def peer_ranks(pp_ranks: Sequence[int], world: int, rank: int) -> list[int] | None:
@@ -74,58 +79,74 @@ def resolve_peers(setting: Any, pp_ranks: Sequence[int], world: int, rank: int) 
     return peers if len(peers) > 1 else None
 
 
-class Peers:
-    """The merge of a check's gathered profiles with the other PP groups (module docstring)."""
+class Alone:
+    """A PP group without peers: it decides on its own profiles."""
 
-    def __init__(self, ranks: list[int], group: Any):
-        self.ranks, self.group = ranks, group
+    everywhere = True  # delegating where this group does
+
+    def decided(self, rows: Sequence[torch.Tensor], slots: int, local_stages: int = 0) -> tuple[list[RankProfile], list[int]]:
+        """A check's profiles to decide on (``decode_profiles`` of the gathered ``rows``) and the candidate
+        hashes a swap must agree on (theirs)."""
+        ranks = decode_profiles(rows, slots, local_stages)
+        return ranks, [r.candidate_hash for r in ranks]
+
+
+class Peers(Alone):
+    """The merge of a check's gathered profiles with the other PP groups (module docstring).
+    ``delegating``: this group delegates now (read at each merge); :attr:`everywhere`: every group did at
+    the last merge (before one: as this group)."""
+
+    def __init__(self, ranks: list[int], group: Any, delegating: Callable[[], bool] = lambda: False):
+        self.ranks, self.group, self._delegating = ranks, group, delegating
         self.index = ranks.index(dist.get_rank())  # this PP group's slot among the groups
+        self.everywhere = True
 
-    def merge(self, rows: list[torch.Tensor], span_ms: float, candidate_hashes: Sequence[int],
-              delegating: bool) -> tuple[torch.Tensor, bool, list[int], bool]:
-        """(the matrix to decide on, whether it is another group's, the candidate hashes every group
-        offered (each row's smallest and largest: the swap agrees only if they all match), delegating
-        everywhere).  ``rows``: this group's gathered profiles; ``span_ms``: its timeline span (NaN: none);
+    def decided(self, rows: Sequence[torch.Tensor], slots: int, local_stages: int = 0) -> tuple[list[RankProfile], list[int]]:
+        """The slowest group's profiles and every group's offers (:meth:`merge`)."""
+        ranks, offers = super().decided(rows, slots, local_stages)
+        matrix, offers = self.merge(rows, timeline_bubble_rate(ranks)[1], offers)
+        return (ranks if matrix is None else decode_profiles(list(matrix), slots, local_stages)), offers
+
+    def merge(self, rows: Sequence[torch.Tensor], span_ms: float,
+              candidate_hashes: Sequence[int]) -> tuple[torch.Tensor | None, list[int]]:
+        """(the slowest group's gathered matrix, None where it is this group's; the candidate hashes every
+        group offered: each row's smallest, then each row's largest — the swap agrees only if all match).
+        ``rows``: this group's gathered profiles; ``span_ms``: its timeline span (NaN: none);
         ``candidate_hashes``: its rows' offers (52-bit: exact in a float64)."""
-        from .timeouts import named_collective
-
         G, S = len(self.ranks), len(candidate_hashes)
         vec = torch.full((G + 2 * S + 1,), -math.inf, dtype=torch.float64)
         vec[self.index] = span_ms if math.isfinite(span_ms) else -1.0
         hashes = torch.tensor([float(h) for h in candidate_hashes], dtype=torch.float64)
         vec[G:G + S], vec[G + S:G + 2 * S] = hashes, -hashes
-        vec[-1] = 0.0 if delegating else 1.0
+        vec[-1] = 0.0 if self._delegating() else 1.0
         name = f"control/peers/{min(self.ranks)}"
         named_collective(self.group, self.ranks, f"{name}/reduce",
                          lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group))
-        spans = vec[:G].tolist()
-        source = max(range(G), key=lambda g: (spans[g], -g))  # the slowest group; ties to the lowest
+        values = vec.tolist()
+        source = max(range(G), key=lambda g: (values[g], -g))  # the slowest group; ties to the lowest
         matrix = torch.stack(list(rows)) if source == self.index else torch.empty(
             (len(rows), rows[0].numel()), dtype=rows[0].dtype)
         named_collective(self.group, self.ranks, f"{name}/broadcast",
                          lambda: dist.broadcast(matrix, src=self.ranks[source], group=self.group))
-        high = [int(v) for v in vec[G:G + S].tolist()]
-        low = [-int(v) for v in vec[G + S:G + 2 * S].tolist()]
-        return matrix, source != self.index, low + high, vec[-1].item() == 0.0
+        self.everywhere = values[-1] == 0.0
+        low, high = [-int(v) for v in values[G + S:G + 2 * S]], [int(v) for v in values[G:G + S]]
+        return (None if source == self.index else matrix), low + high
 
 
-def connect_peers(setting: Any, pp_ranks: Sequence[int], owner: str, log: Any = None) -> Peers | None:
+def connect_peers(setting: Any, pp_ranks: Sequence[int], owner: str,
+                  delegating: Callable[[], bool] = lambda: False) -> Alone:
     """The :class:`Peers` of a schedule whose PP group has ``pp_ranks`` (global), with a gloo group over
-    them entered by the peers only (``control_plane.new_control_group``); None where there are none.
-    ``"auto"`` in a world of several PP groups whose layout is not a device mesh's warns (``log``) that
-    this PP group decides alone."""
-    import logging
-
-    from .control_plane import new_control_group
-
+    them entered by the peers only (``control_plane.new_control_group``); :class:`Alone` where there are
+    none.  ``"auto"`` in a world of several PP groups whose layout is not a device mesh's warns that this
+    PP group decides alone.  ``delegating``: whether this group delegates now (:class:`Peers`)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return None
+        return Alone()
     world, rank = dist.get_world_size(), dist.get_rank()
     peers = resolve_peers(setting, pp_ranks, world, rank)
     if peers is None:
-        if setting == "auto" and world > len(pp_ranks) and len(pp_ranks) > 1:
-            (log or logging.getLogger(__name__)).warning(
+        if setting == "auto" and world > len(pp_ranks) > 1:
+            logging.getLogger(__name__).warning(
                 "%s: the PP group %s is not a dimension of a device mesh over the %d ranks: it decides its plans "
                 "alone (pass peers=[...] to agree them with the other PP groups)", owner, list(pp_ranks), world)
-        return None
-    return Peers(peers, new_control_group(peers))
+        return Alone()
+    return Peers(peers, new_control_group(peers), delegating)
