@@ -174,3 +174,29 @@ def test_replicas_decide_apart_alone_as_one_with_peers_and_train_as_the_referenc
         got = own[dp * PP + PP - 1]["losses"]
         for k in range(STEPS):
             assert got[k] == pytest.approx(reference[k][dp], rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,replicas,shard,cp,tp", [(2, 2, 1, 1, 1), (2, 2, 1, 1, 2), (4, 2, 1, 2, 2), (2, 3, 1, 1, 1),
+                                                     (2, 2, 2, 1, 1), (2, 2, -1, 1, 1), (2, 1, 1, 1, 2)])
+def test_trainer_replicated_jobs_agree_within_a_replica_only(pp, replicas, shard, cp, tp):
+    """TorchTitan's DP x PP jobs whose replicas the trainer synchronises (Falcon's S2 runs a different
+    number of schedule steps per replica): the peers are the ranks at this PP position in this replica,
+    checked against TorchTitan's mesh (pp, dp_replicate, dp_shard, cp, tp) enumerated here; with FSDP
+    (shard > 1, or -1 leaving more than one rank) or no replicas: None, the schedule's own "auto"."""
+    from types import SimpleNamespace
+
+    from titan_ext.titan.options import replica_peers
+
+    real_shard = shard if shard > 0 else 1
+    shape = (pp, replicas, real_shard, cp, tp)
+    world = pp * replicas * real_shard * cp * tp
+    job = SimpleNamespace(parallelism=SimpleNamespace(
+        pipeline_parallel_degree=pp, data_parallel_replicate_degree=replicas, data_parallel_shard_degree=shard,
+        context_parallel_degree=cp, tensor_parallel_degree=tp))
+    coords = list(itertools.product(*(range(n) for n in shape)))
+    for rank, c in enumerate(coords):
+        got = replica_peers(job, world, rank)
+        if replicas == 1 or real_shard > 1:
+            assert got is None
+        else:
+            assert got == [r for r, d in enumerate(coords) if d[:2] == c[:2]], (shape, rank)

@@ -12,7 +12,7 @@ from typing import Any
 
 from titan_ext.titan.config import TitanExt, schedule_knobs, validate_titan_ext
 
-__all__ = ["titan_ext_section", "schedule_config", "schedule_kwargs", "install_link_delays", "delay_spec"]
+__all__ = ["titan_ext_section", "schedule_config", "schedule_kwargs", "install_link_delays", "delay_spec", "replica_peers"]
 
 
 def titan_ext_section(job_config: Any) -> TitanExt:
@@ -86,7 +86,43 @@ def schedule_config(schedule_cls: type, job_config: Any) -> Any:
     for name, *_ in schedule_knobs(config_class):
         if hasattr(section, name):  # absent: the section was made before the schedule was registered
             keywords[name] = getattr(section, name)
+    peers = replica_peers(job_config)
+    if peers is not None:
+        keywords["peers"] = peers
     return config_class(policy_settings=settings).updated(schedule_cls.__name__, **keywords)
+
+
+def replica_peers(job_config: Any, world: int | None = None, rank: int | None = None) -> list[int] | None:
+    """The PP groups this rank's schedule agrees its plans with (``AdaptiveConfig.peers``) in a DP x PP
+    job whose replicas the trainer synchronises (``data_parallel_replicate_degree`` > 1 with PP, no FSDP:
+    :mod:`titan_ext.titan.falcon_job`): the ranks at this PP position *of this replica* only.  Falcon's
+    micro-batch redistribution (S2) runs a different number of schedule steps in each replica and its
+    mitigations act per pipeline, so the replicas' checks cannot be merged step for step; the PP groups of
+    one replica (its TP and CP peers) step together.  TorchTitan's mesh is (pp, dp_replicate, dp_shard,
+    cp, tp), row-major: a rank's replica is ``(rank % (world / pp)) // (world / pp / dp_replicate)``.
+    None (the schedule's own ``"auto"``) in any other job, or before torch.distributed is initialised.
+    ``world`` / ``rank``: torch.distributed's (None) or given."""
+    import torch.distributed as dist
+
+    par = getattr(job_config, "parallelism", None)
+    degree = lambda name: int(getattr(par, name, 1) or 1)  # noqa: E731
+    pp, replicas = degree("pipeline_parallel_degree"), degree("data_parallel_replicate_degree")
+    if pp <= 1 or replicas <= 1:
+        return None
+    if world is None or rank is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        world, rank = dist.get_world_size(), dist.get_rank()
+    shard = degree("data_parallel_shard_degree")  # -1: the ranks left over (TorchTitan's default)
+    if shard < 0:
+        shard = world // max(pp * replicas * degree("context_parallel_degree") * degree("tensor_parallel_degree"), 1)
+    if shard > 1:  # FSDP (HSDP) synchronises the replicas every step: they step together ("auto")
+        return None
+    block = world // pp  # ranks of one PP position
+    inner = block // replicas  # ranks of one replica at one PP position
+    if world % pp or block % replicas:
+        return None
+    return [r for r in range(world) if r // block == rank // block and (r % block) // inner == (rank % block) // inner]
 
 
 def schedule_kwargs(schedule_cls: type, job_config: Any) -> dict[str, Any]:

@@ -138,7 +138,9 @@ class AdaptiveConfig:
     TP's and the DP reduction's pairing of the peers' work needs).  ``"auto"``: the ranks at this rank's
     PP position in every other PP group, when the PP group is a dimension of a row-major device mesh over
     the world (``init_device_mesh``, TorchTitan's); every rank of the world then builds the schedule.
-    ``"off"``: this PP group decides alone.  A sequence of global ranks (this one included): those."""
+    ``"off"``: this PP group decides alone.  A sequence of global ranks (this one included): those.  Peers
+    must run the same number of steps (TorchTitan's trainer-replicated DP jobs agree within a replica:
+    ``titan/options.replica_peers``)."""
     # -- parts (None: the schedule's registry entry builds them, runtime/control/parts.py) --
     policy_settings: PolicySettings = field(default_factory=PolicySettings)
     """Thresholds the layout's default policy is built from (and that cadence/chooser/head-room read)."""
