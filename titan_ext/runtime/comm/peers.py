@@ -47,10 +47,8 @@ def peer_ranks(pp_ranks: Sequence[int], world: int, rank: int) -> list[int] | No
     spaced, or ``s · P`` not dividing ``world``): the peers cannot be known without asking every rank."""
     ranks = list(pp_ranks)
     P = len(ranks)
-    if rank not in ranks or world < 1 or P < 1:
+    if rank not in ranks or P < 2:  # one stage: no plan to agree on
         return None
-    if P == 1:
-        return None  # one stage: no plan to agree on
     s = ranks[1] - ranks[0]
     if s < 1 or any(b - a != s for a, b in zip(ranks, ranks[1:])) or world % (s * P) or ranks[-1] >= world:
         return None
@@ -63,8 +61,8 @@ def peer_ranks(pp_ranks: Sequence[int], world: int, rank: int) -> list[int] | No
 def resolve_peers(setting: Any, pp_ranks: Sequence[int], world: int, rank: int) -> list[int] | None:
     """The peer ranks of an ``AdaptiveConfig.peers`` setting (None: decide alone).  ``"auto"``:
     :func:`peer_ranks` (None when the world is one PP group or the layout is not a device mesh's);
-    ``"off"`` / None: none; a sequence of global ranks: those (this rank included; sorted)."""
-    if setting is None or setting == "off":
+    ``"off"``: none; a sequence of global ranks: those (this rank included; sorted)."""
+    if setting == "off":
         return None
     if setting == "auto":
         peers = peer_ranks(pp_ranks, world, rank)
@@ -99,7 +97,6 @@ class Peers(Alone):
     def __init__(self, ranks: list[int], group: Any, delegating: Callable[[], bool] = lambda: False):
         self.ranks, self.group, self._delegating = ranks, group, delegating
         self.index = ranks.index(dist.get_rank())  # this PP group's slot among the groups
-        self.everywhere = True
 
     def decided(self, rows: Sequence[torch.Tensor], slots: int, local_stages: int = 0) -> tuple[list[RankProfile], list[int]]:
         """The slowest group's profiles and every group's offers (:meth:`merge`)."""
