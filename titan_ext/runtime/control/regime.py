@@ -16,7 +16,7 @@ estimate came within 0–1.2 %).  So once the estimator's window holds only chec
 planner-made regime's own plan, that regime is planned once more (decision ``refine``), and the new plan
 replaces it only if the model, on that estimate, predicts it ``REFINE_MARGIN`` faster; otherwise the
 deployed plan stays (logged ``unchanged``; never swapped back, should a user's plan have been deployed
-meanwhile).  A refined plan is not refined again.
+meanwhile).  A refined plan is not refined again: it is *verified* (below).
 
 **Realised?** The refine first predicts the deployed plan under that estimate, and plans both backward
 variants on it.  Where the median span of the ``window`` checks it ran exceeds its prediction by more than
@@ -27,6 +27,13 @@ plan, the probe of the other variant: the planner's plan of it at the same memor
 delay, the full variant's is 1F1B's own plan: ``decide/planning.HOLD_MARGIN``), or, where only one variant
 was planned, the other variant with the same warm-up counts (``backward.py``'s probe and select); the measured
 verdict chooses the variant of every plan made for similar link delays while it holds.
+
+**Verified.** The refined plan is a new plan, which the refine's realisation check never saw run.  So once
+the window holds ``window`` checks measured under it, the same check runs on it alone (decision ``verify``:
+nothing is planned): beyond ``MODEL_TOLERANCE`` above its prediction, its variant is probed as above;
+within, it stays (logged ``unchanged``).  Found at 16 ranks on 2 cores at 1F1B's memory with no delay: a
+refined split plan ran 14.7 % above its prediction for good, 0.97× torch's 1F1B, where the full variant (1F1B's
+own plan) runs at par.
 """
 
 from __future__ import annotations
@@ -67,8 +74,10 @@ class Regime:
         self.initial_counts = initial_warmup_counts(num_stages, parts.memory.x_max)
         self.since_deploy, self.calibrated, self.probe_running = 0, False, False
         self.planned_for_ms: list[float] | None = None  # the deployed plan's absorbed delays
-        #: a refine is due for the deployed regime's plan; checks absorbed since it was installed
-        self.refine_due, self.checks_since_install = False, 0
+        #: what is due for the deployed regime's plan once its window is measured ("refine", "verify" or None);
+        #: checks absorbed since it was installed
+        self.refine_due: str | None = None
+        self.checks_since_install = 0
         #: the deployed plan's warm-up counts and in-flight limit when a refine may probe (a select back to it)
         self.probe_base: tuple[list[int], list[int] | None] = ([], None)
         settings = config.policy_settings
@@ -108,14 +117,16 @@ class Regime:
         self.probe_running = cand.trigger == "probe"
         if not same_regime:  # a new regime: compare the backward variants afresh
             self.backward.chooser.new_regime()
-            self.refine_due, self.checks_since_install = cand.trigger != "refine" and cand.plan is not None, 0
+            due = None if cand.plan is None else "verify" if cand.trigger == "refine" else "refine"
+            self.refine_due, self.checks_since_install = due, 0
 
     def resolved(self, res: Any) -> None:
         """The background job of the last decision was resolved (``lifecycle.Resolution``)."""
         if res.produced and res.decision.action == "calibrate":
             self.calibrated = True
         cand = res.candidate
-        if res.deployed and res.decision is not None and res.decision.action == "refine" and cand.trigger == "probe":
+        if res.deployed and res.decision is not None and res.decision.action in ("refine", "verify") \
+                and cand.trigger == "probe":
             # the refine found the deployed plan not realised (module docstring): its job made the probe
             counts, limit = self.probe_base
             self.backward.chooser.start_probe(other_variant(cand.backward), counts, limit, f"; {cand.reason}")
@@ -153,9 +164,12 @@ class Regime:
             window = self.parts.estimator.window.size
             quiet = decision.action in ("keep", "hold") and chooser.decided
             if quiet and self.refine_due and self.checks_since_install >= window:
-                self.refine_due = False
-                return Decision("refine", f"planned again on {window} checks measured under the plan", mode=mode,
-                                backward=verdict)
+                due, self.refine_due = self.refine_due, None
+                if due == "refine":
+                    return Decision("refine", f"planned again on {window} checks measured under the plan", mode=mode,
+                                    backward=verdict)
+                if self.backward.by_model and verdict is None:  # a measured verdict chose the variant: no probe
+                    return Decision("verify", f"the refined plan measured on {window} checks under it", mode=mode)
             return chooser.step(decision, deployed.backward, counts, mode, est.delays_ms, iteration,
                                 deployed.inflight_limit)
         return decision
@@ -173,9 +187,9 @@ class Regime:
         reason = f"{decision.action}: {decision.reason}"
         estimator, choice = self.parts.estimator, self.backward
         running = deployed.backward if deployed else None
-        variants = choice.variants(decision, deployed, estimator.window.median("B", self.num_stages))
+        refine, verify_only = decision.action in ("refine", "verify"), decision.action == "verify"
+        variants = [] if verify_only else choice.variants(decision, deployed, estimator.window.median("B", self.num_stages))
         work = [(estimator.planning_profile(v), dataclasses.replace(decision, backward=v)) for v in variants]
-        refine = decision.action == "refine"
         current = {v: estimator.planning_profile(v) for v in VARIANTS} if refine else {}
         stage_to_rank = dict(enumerate(self.parts.layout.stage_to_rank))
         spans, window = choice.chooser.spans.get(running, []), estimator.window.size
@@ -187,6 +201,10 @@ class Regime:
             same_counts = dataclasses.replace(decision, action="probe", backward=other_variant(running),
                                               warmup_counts=list(deployed.warmup_counts),
                                               inflight_limit=deployed.inflight_limit)
+
+        def stay(note: str, plan_ms: float) -> Candidate:  # the deployed plan stays (lifecycle: "unchanged")
+            return Candidate(deployed.actions, {}, {}, deployed.warmup_counts, deployed.hash, kind, f"{reason} ({note})",
+                             deployed.backward, trigger=decision.action, plan_ms=plan_ms, keep=True)
 
         def job() -> Any:
             with record_function("titan_ext:plan"):  # on the planning thread
@@ -201,13 +219,15 @@ class Regime:
                                        probe.inflight_limit)()
                         cand.plan_ms, cand.trigger = 1e3 * (now() - t0), "probe"
                         return cand
+                    if verify_only:
+                        return stay(f"measured {measured_ms:.1f} ms, predicted {deployed_ms:.1f}: within "
+                                    f"{100 * MODEL_TOLERANCE:g} %" if verify else f"fewer than {window} spans measured",
+                                    1e3 * (now() - t0))
                 made = choice.pick(list(plans.values()), running)
                 plan_ms = 1e3 * (now() - t0)
                 if refine and not _pays(_makespan(made.ops, backward_of(made.ops), current, stage_to_rank),
                                         deployed_ms):
-                    return Candidate(deployed.actions, {}, {}, deployed.warmup_counts, deployed.hash, kind,
-                                     f"{reason} (no plan {100 * REFINE_MARGIN:g} % faster)", deployed.backward,
-                                     trigger=decision.action, plan_ms=plan_ms, keep=True)  # the deployed plan stays
+                    return stay(f"no plan {100 * REFINE_MARGIN:g} % faster", plan_ms)
                 cand = prepare(made.ops, made.warmup_counts, kind, reason, made.inflight_limit)()
                 cand.plan_ms, cand.trigger = plan_ms, decision.action
                 if made.schedule != "explicit":

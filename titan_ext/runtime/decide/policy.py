@@ -38,7 +38,7 @@ __all__ = ["Decision", "Policy", "PolicySettings", "ReplanPolicy", "exact_arriva
 class Decision:
     """What the policy decided at one check."""
 
-    action: str  # keep | adapt | shrink | hold | calibrate | refine | force | probe | select
+    action: str  # keep | adapt | shrink | hold | calibrate | refine | verify | force | probe | select
     reason: str
     mode: str | None = None  # planner mode for a new plan: "initial" | "adaptive"
     backward: str | None = None  # "split" | "full" for a new plan (None: the deployed plan's)
@@ -68,7 +68,7 @@ class Decision:
 
     @property
     def replans(self) -> bool:
-        return self.action in ("adapt", "shrink", "calibrate", "refine", "force", "probe", "select")
+        return self.action in ("adapt", "shrink", "calibrate", "refine", "verify", "force", "probe", "select")
 
 
 @dataclass(frozen=True)
