@@ -190,12 +190,19 @@ def test_control_plane_without_a_process_group_is_local():
     assert all(math.isnan(x) for x in cp.clock_offsets())
 
 
-def _gathers_in_flight(rank: int, world: int) -> dict:
+RINGS = [(False, False, False), (True, False, True), (True, True, False)]
+
+
+def _gathers_in_flight(rank: int, world: int) -> list[dict]:
+    return [_gathers_in_flight_once(rank, world, ring) for ring in RINGS]
+
+
+def _gathers_in_flight_once(rank: int, world: int, ring: tuple[bool, bool, bool]) -> dict:
     cp = ControlPlane(None if world == 1 else dist.group.WORLD)
-    first = cp.start_all_gather(torch.tensor([float(rank), 1.0]))
+    first = cp.start_all_gather(torch.tensor([float(rank), 1.0]), ring=ring[0])
     agreed = cp.agree(7)  # another collective while the gather is in flight: it settles the gather first
-    second = cp.start_all_gather(torch.tensor([10.0 + rank]))
-    third = cp.start_all_gather(torch.tensor([20.0 + rank]))  # starts after the second, which it settles
+    second = cp.start_all_gather(torch.tensor([10.0 + rank]), ring=ring[1])
+    third = cp.start_all_gather(torch.tensor([20.0 + rank]), ring=ring[2])  # starts after the second, which it settles
     vote = cp.any(rank == world - 1)
     return {"first": [t.tolist() for t in first.result()], "second": [t.tolist() for t in second.result()],
             "third": [t.tolist() for t in third.result()], "agreed": agreed, "vote": vote}
@@ -204,9 +211,11 @@ def _gathers_in_flight(rank: int, world: int) -> dict:
 @pytest.mark.multiprocess
 def test_gathers_in_flight_keep_their_results_across_other_collectives():
     """A check that runs behind leaves its exchange in flight while the next iteration runs, and other
-    collectives of the control plane (agreement, votes, the next exchange) may start before it is read."""
+    collectives of the control plane (agreement, votes, the next exchange) may start before it is read;
+    the same with gloo's own all_gather (``ring``: the exchange of a check that runs behind) beside the
+    point-to-point one, in either order."""
     world = 3
-    for r in run_ranks(_gathers_in_flight, world, backend="gloo"):
+    for r in (one for rank in run_ranks(_gathers_in_flight, world, backend="gloo") for one in rank):
         assert r["first"] == [[float(k), 1.0] for k in range(world)]
         assert r["second"] == [[10.0 + k] for k in range(world)] and r["third"] == [[20.0 + k] for k in range(world)]
         assert r["agreed"] == (True, [7]) and r["vote"] is True

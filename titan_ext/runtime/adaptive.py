@@ -197,7 +197,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
         initialize_stages(self, arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None, loss_kwargs)
         if self._has_backward:
             self.control.sync_clock()
-            if self.cadence.exchanges_at(self.iteration):  # its receives posted now: the messages land as sent
+            if self.cadence.posts_receives_at(self.iteration):  # posted now: the messages land as sent
                 self.control.expect(profile_length(self.parts.message_slots, self.parts.local_stages), PROFILE_TAG)
         stages, actions_by_rank = {st.stage_index: st for st in self._stages}, self.pipeline_order_with_comms
         actions = actions_by_rank[self.rank]
@@ -250,7 +250,7 @@ class AdaptiveSchedule(_PipelineScheduleRuntime):
                              profile_every=self.cadence.period)
         links, ran_probe = [], self.regime.probe_running
         if due:  # a quiet check runs behind (control/cadence.py): its exchange travels during the next iteration
-            gathering = self.control.start_all_gather(self._local_profile_vector(prof), PROFILE_TAG)
+            gathering = self.control.start_all_gather(self._local_profile_vector(prof), PROFILE_TAG, self.cadence.backed_off)
             check = self.cadence.post(gathering, self.iteration, self.planning.running)
             if check is None:
                 m.exchange_ms, m.check, m.decision_reason = 1e3 * (now() - t0), "posted", "decided at the next boundary"

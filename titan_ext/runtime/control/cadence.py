@@ -11,7 +11,8 @@ backward probe, which need checks under their plan, are not quiet and keep it sh
 detection latency: a new straggler is seen at the next check, at most ``profile_every_max`` iterations later.
 
 While the period is backed off (:attr:`CheckCadence.backed_off`) a check runs behind the training: its
-exchange is posted at the boundary it is due and decided on at the next one (``adaptive.py``), so the
+exchange is posted at the boundary it is due (gloo's own all-gather: ``ControlPlane.start_all_gather``'s
+``ring``) and decided on at the next one (``adaptive.py``), so the
 training thread never waits for the exchange's hops; the price is one more iteration of detection latency,
 paid only after quiet checks.  A check that is not quiet resets the period, and the next ones are
 decided at the boundary they exchange at again.
@@ -61,6 +62,12 @@ class CheckCadence:
         """The boundary of ``iteration`` starts an exchange: a check is due and none posted at the previous
         boundary waits to be decided there."""
         return self._posted is None and self.due(iteration)
+
+    def posts_receives_at(self, iteration: int) -> bool:
+        """The boundary of ``iteration`` exchanges and decides at once: its receives are posted at the start of
+        the iteration (``ControlPlane.expect``).  A check that runs behind gathers with gloo's own all-gather
+        (``ring``), which posts its own."""
+        return self.exchanges_at(iteration) and not self.backed_off
 
     @property
     def backed_off(self) -> bool:
