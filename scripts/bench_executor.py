@@ -5,7 +5,8 @@
     PYTHONPATH=. .venv/bin/python scripts/bench_executor.py --json bench_executor.json [--world 4]
 
 Runs, each on its own copy of the model (``bench_frontier``'s: ``SleepComputeStage``, F = I = W = 2 ms
-sleeps per rank, real tensors across gloo, N = 16 microbatches of 2 rows):
+sleeps per rank, ``--compute-ms``: 0 leaves only the host's work, real tensors across gloo, N = 16
+microbatches of 2 rows):
 
 * ``Schedule1F1B`` — torch's hand-written 1F1B loop (the baseline every ratio is against);
 * ``torch-runtime-1F1B`` — torch's own action-list runtime (``_PipelineScheduleRuntime``) running 1F1B's
@@ -72,9 +73,10 @@ def _worker(rank: int, world: int, args) -> dict:
     from titan_ext.plan.profile import PipelineProfile
     from titan_ext.runtime import PipeMorph
 
-    # torch's own Schedule1F1B order (full backwards, warm-up S − r), for the two runs that take a plan
-    one_f_one_b = plan_builtin("1F1B", PipelineProfile.uniform(world, args.microbatches, args.f_ms, args.i_ms,
-                                                               args.w_ms))
+    # torch's own Schedule1F1B order (full backwards, warm-up S − r), for the two runs that take a plan (its
+    # order does not depend on the times: 1 ms stands for no compute)
+    one_f_one_b = plan_builtin("1F1B", PipelineProfile.uniform(world, args.microbatches, *(
+        t if t > 0 else 1.0 for t in (args.f_ms, args.i_ms, args.w_ms))))
 
     mesh = bf.Mesh(world, 1)
     baseline = bf._torch_run("1F1B", mesh, args)
@@ -196,6 +198,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--compute-ms", type=float, default=2.0,
+                    help="F = I = W sleep per rank (0: no compute to hide the host's work behind)")
     ap.add_argument("--json", default="bench_executor.json")
     ap.add_argument("--ablate", action="store_true",
                     help="also PipeMorph-1F1B without its boundary and without its timer (diagnostics)")
@@ -203,7 +207,8 @@ def main() -> None:
     ap.add_argument("--runs", type=lambda t: [x for x in t.split(",") if x], default=None, metavar="A,B",
                     help="step only these runs (names above; default: all four)")
     args = ap.parse_args()
-    for name, v in (("compute", "sleep"), ("dim", 64), ("f_ms", 2.0), ("i_ms", 2.0), ("w_ms", 2.0), ("mb_size", 2),
+    t = args.compute_ms
+    for name, v in (("compute", "sleep"), ("dim", 64), ("f_ms", t), ("i_ms", t), ("w_ms", t), ("mb_size", 2),
                     ("layers", 2), ("vocab", 64), ("model_dim", 64)):
         setattr(args, name, v)
     per_rank = run_ranks(_worker, args.world, args, backend="gloo", timeout_s=1200)
