@@ -282,3 +282,27 @@ def test_delegating_bad_links_is_a_clear_error(links):
     with pytest.raises(ValueError, match="pairs of two different global ranks"):
         _links_arg(links)
     assert _links_arg([(0, 1), [1, 0], (2, 3)]) == {frozenset((0, 1)), frozenset((2, 3))}
+
+
+@pytest.mark.parametrize("rounds, slow", [
+    ([{(0, 1): 0.05}, {}], False),  # a spike in the first round alone: host noise, not a link
+    ([{(0, 1): 0.05}, {(0, 1): 0.04}], True),  # slow in both rounds: the link's
+])
+def test_validation_calls_a_link_slow_only_when_both_rounds_find_it_slow(monkeypatch, rounds, slow):
+    """``measure.validate`` times the rings again when a link looks slow and keeps each link's faster
+    time: a link flagged by one noisy round would make the root cause ``dp_link`` and send Falcon
+    down the link's ladder (S3) when the device is the fault. Healthy links take 1 ms here."""
+    from titan_ext.runtime.falcon import measure
+
+    grid = [[0, 2], [1, 3]]
+    healthy = {(a, b): 0.001 for a, b in ((0, 1), (1, 0), (2, 3), (3, 2), (0, 2), (2, 0), (1, 3), (3, 1))}
+    calls = iter(rounds)
+    monkeypatch.setattr(measure, "_time_rings", lambda *a: {**healthy, **next(calls)})
+    monkeypatch.setattr(measure, "gemm_probe", lambda **kw: {0: 0.01, 1: 0.01, 2: 0.01, 3: 0.04})
+    mon = FalconMonitor(FalconConfig(), grid=grid)
+    mon.suspicious = ["dp_stage0"]  # profiling flagged the DP column of stage 0: ring 0-1
+    measure.validate(mon, grid=grid, emulation=SimpleNamespace(compute_factor=None), control=None, device=None)
+    assert next(calls, None) is None  # both rounds ran
+    assert ((0, 1) in mon.slow_links) == slow
+    assert mon.slow_devices == [3]
+    assert mon.root_cause == ("dp_link" if slow else "compute")

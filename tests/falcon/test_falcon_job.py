@@ -268,7 +268,8 @@ def test_s2_on_dedicated_devices_matches_the_closed_form(tmp_path):
     rows = {r["step"]: r for r in _falcon_log(tmp_path)}
     s2 = [(e["iteration"], e["observed_step"]) for e in _events(tmp_path)
           if e["kind"] == "decision" and e["strategy"] == "S2" and e["applied"]]
-    assert s2, "S2 was not applied"
+    assert s2, ("S2 was not applied", [(e["kind"], e.get("suspected"), e.get("strategy"), e.get("applied"))
+                                       for e in _events(tmp_path)])
     chunk = [3 * tau, 9 * tau]
     best = min(([m, total - m] for m in range(1, total)), key=lambda sp: max(m * c for m, c in zip(sp, chunk)))
     # the plan is in the row of the step that decided it; it was applied at the check s2[0][0]

@@ -315,7 +315,8 @@ def validate(monitor: Any, *, grid: list[list[int]], emulation: Any, control: An
     """Falcon §4.3 validation (training pauses until it returns): ring passes over the groups
     profiling flagged (:func:`rings_to_validate`, from ``monitor.suspicious``) and one unflagged ring
     as the healthy reference — timed a second time when a link looks slow, a link's time then the
-    slower of its two — then the GEMM probe on every rank; the monitor's verdict on them.
+    faster of its two (slow only if slow in both rounds) — then the GEMM probe on every rank; the
+    monitor's verdict on them.
 
     Every ring is a pipeline (a PP group) or a DP column (a DP group); ``ring_groups`` maps
     ``frozenset(ring)`` to that group (only the rings this rank is in are needed).  §4.3 measures
@@ -337,7 +338,7 @@ def validate(monitor: Any, *, grid: list[list[int]], emulation: Any, control: An
         # host's scheduling noise (seen: one direction of a healthy DP link flagged, then S3
         # applied in a healthy run) rarely repeats; every rank holds the same times, so all agree
         again = _time_rings(timed, comms, emulation, control, device)
-        links = {k: max(t, again.get(k, t)) for k, t in links.items()}
+        links = {k: min(t, again.get(k, t)) for k, t in links.items()}
     suspect, ref = _suspects_and_reference(links, rings, reference)
     gemm = gemm_probe(repeats=10, group=control, slowdown=emulation.compute_factor, device=device)
     return monitor.report_validation(suspect, gemm, link_reference_s=ref, pause_s=time.perf_counter() - t0)
