@@ -7,6 +7,8 @@ them, computed here by the simulator; the measured spans are set against it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from titan_ext.plan import simulate
@@ -18,13 +20,14 @@ from titan_ext.runtime.control.parts import build_parts
 from titan_ext.runtime.control.regime import MODEL_TOLERANCE, Regime
 from titan_ext.runtime.decide.placement import Layout
 from titan_ext.runtime.decide.planning import explicit_plan
+from titan_ext.runtime.decide.policy import Decision
 from titan_ext.runtime.schedules.pipemorph import PIPEMORPH
 
 S, N = 4, 8
 
 
-def _regime(backward: str = "auto") -> Regime:
-    config = AdaptiveConfig(backward=backward)
+def _regime(backward: str = "auto", times=(1.0, 1.0, 1.0)) -> Regime:
+    config = AdaptiveConfig(backward=backward, initial_times_ms=times)
     layout = Layout(S, 1, "loop", tuple(stage_to_rank(S, 1, "loop")))
     parts = build_parts("Test", layout, N, config, PIPEMORPH, lambda: None, lambda: None)
     regime = Regime(parts, config, S, log=lambda **kw: None)
@@ -43,20 +46,22 @@ def _refined(regime: Regime) -> DeployedPlan:
 
 def _measured(regime: Regime, deployed: DeployedPlan, ratio: float) -> None:
     """``window`` checks under the deployed plan, each span ``ratio`` × its prediction."""
-    predicted = simulate(deployed.actions, regime.parts.estimator.planning_profile("split")).makespan_ms
+    v = deployed.backward
+    predicted = simulate(deployed.actions, regime.parts.estimator.planning_profile(v)).makespan_ms
     for _ in range(regime.parts.estimator.window.size):
         regime.checks_since_install += 1
-        regime.backward.chooser.record("split", ratio * predicted)
+        regime.backward.chooser.record(v, ratio * predicted)
 
 
-def _job(regime: Regime, deployed: DeployedPlan):
-    """The check's decision and the candidate its background job makes (every plan it asks for recorded)."""
+def _job(regime: Regime, deployed: DeployedPlan, counts=None):
+    """The check's decision and the candidate its background job makes (every plan it asks for recorded;
+    ``counts``: the warm-up counts of the plans the refine makes, else the decision's own)."""
     decision = regime.decide(deployed, True, False, 10)
     planned, prepared = [], []
 
     def plan(profile, d):
         planned.append(d)
-        return explicit_plan(profile, d, d.backward)
+        return explicit_plan(profile, d if counts is None else dataclasses.replace(d, warmup_counts=counts), d.backward)
 
     def prepare(ops, counts, kind, reason, limit):
         prepared.append((counts, reason))
@@ -104,3 +109,25 @@ def test_no_verification_where_the_variant_is_not_the_models_choice(backward):
     deployed = _refined(regime)
     _measured(regime, deployed, 1.0 + 2 * MODEL_TOLERANCE)
     assert regime.decide(deployed, True, False, 10).action != "verify"
+
+
+@pytest.mark.parametrize("times, probed", [((1.0, 1.9, 0.1), True), ((1.0, 1.0, 1.0), False)])
+def test_a_realised_plan_whose_other_variant_ties_in_the_model_has_it_probed(monkeypatch, times, probed):
+    """A calibrated full plan with 1F1B's counts, realised (measured at its prediction).  The refine plans
+    both variants with the same counts: with W = 0.1 ms the split plan is predicted 32.7 ms against the full
+    plan's 33 (−0.9 %, within ``MODEL_TOLERANCE``: the model cannot rank them) and is probed; with
+    I = W = 1 ms it is predicted 30 ms (−9 %), a plan the model ranks: the refine deploys it (2 % faster)."""
+    regime = _regime(times=times)
+    counts = [4, 3, 2, 1]
+    profile = regime.parts.estimator.planning_profile("full")
+    plan = explicit_plan(profile, Decision("calibrate", "", warmup_counts=counts), "full")
+    regime.installed(Candidate(plan.actions, {}, {}, counts, 5, "initial", "calibrate", "full",
+                               trigger="calibrate", plan=plan))
+    deployed = DeployedPlan(plan.actions, counts, 2, 5, "calibrate", "initial", "full")
+    _measured(regime, deployed, 1.0)
+    monkeypatch.setattr(regime.backward, "variants", lambda *a: ("split", "full"))  # both planned (B measured)
+    decision, cand, planned, _ = _job(regime, deployed, counts)
+    assert decision.action == "refine" and [d.backward for d in planned] == ["split", "full"]
+    assert cand.backward == "split" and not cand.keep
+    assert (cand.trigger == "probe") == probed
+    assert ("a tie the model cannot rank" in cand.reason) == probed, cand.reason
